@@ -1,0 +1,41 @@
+"""`kvserve` command line: one subcommand per capability.
+
+Each subcommand lives beside the layer it drives and registers itself here with
+``add_parser(subparsers)``; bad input prints one line naming the problem and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvserve import __version__
+
+
+class CLIError(Exception):
+    """Bad input on the command line: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve",
+        description="LLM serving with a transparent scheduler, and a simulator that drives it.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except CLIError as error:
+        print(f"kvserve {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""KV blocks, their reference counts, and the free queue that doubles as the LRU (spec G1-G7).
+
+Free queue order, head first::
+
+    head -> [blocks without a hash, most recently freed first]
+            [hashed blocks, least recently freed first]  <- tail
+
+Allocation pops from the head, so hashless blocks are reused first and, among blocks that
+still carry a prefix-cache hash, the least recently freed is evicted first (LRU). Eviction is
+lazy: a freed hashed block stays findable by its hash until it is popped for reuse (G2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+class KVBlock:
+    """One block of ``block_size`` token slots; links thread it through the free queue."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        hashed = self.block_hash is not None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) pop, push and removal from the middle."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: never allocated
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        return [block.block_id for block in self]
+
+    def __len__(self) -> int:
+        return self.num_free
+
+
+class BlockPool:
+    """All KV blocks, the free queue, and the prefix-cache map from block hash to block.
+
+    Every one of ``num_blocks`` blocks is usable (A3: no null block).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a request; cached-but-free blocks count as free (G7)."""
+        return 1.0 - self.free_queue.num_free / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Pop ``num_blocks`` from the head of the free queue, evicting any hash they carry."""
+        if num_blocks > self.free_queue.num_free:
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: only {self.free_queue.num_free} free"
+            )
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the order given (callers pass tail first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Register a newly full block under its hash.
+
+        [kvserve] If another block already holds this hash (two requests computed the same
+        prefix, e.g. the last prompt block, which is never a hit), the new block stays
+        unhashed: one copy is findable, and the duplicate is reused first when freed.
+        """
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        assert block.block_hash is not None
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is referenced."""
+        if self.free_queue.num_free != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True

@@ -1,0 +1,171 @@
+"""Scheduler and cache configuration (spec A1-A4, K1-K4).
+
+Both objects are frozen dataclasses validated in ``__post_init__`` without any I/O. A bad value
+raises :class:`ConfigError` naming the field, the value and the allowed range; ``from_dict``
+also rejects unknown keys. Derived values are properties, never fields patched in later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvserve.core.errors import ConfigError
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
+ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
+PREEMPTION_MODES = ("recompute",)  # "swap" and "auto" (K3) are planned, see DESIGN.md
+
+_T = TypeVar("_T")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{name}={value} is out of range: must be {allowed}")
+
+
+def _check_optional_int(name: str, value: Any, lo: int) -> None:
+    if value is not None:
+        _check_int(name, value, lo)
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if value < lo or value > hi or (hi_open and value == hi):
+        bracket = ")" if hi_open else "]"
+        raise ConfigError(f"{name}={value} is out of range: must be in [{lo}, {hi}{bracket}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s): {', '.join(unknown)}; known keys: "
+            f"{', '.join(sorted(known))}"
+        )
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots (A1, A3).
+
+    Every block is usable: unlike vLLM there is no reserved null block (A3).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("num_blocks", self.num_blocks, 1)
+        _check_int("block_size", self.block_size, 1, 1024)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may do in one step and which policies it follows.
+
+    Defaults are vLLM V1's (A1, A2). Policies (K1-K4) are chosen by name here and built by
+    :mod:`kvserve.core.policies`.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.0
+    reserve_full_sequence: bool = True
+    victim_policy: str = "vllm"
+    admission_policy: str = "optimistic"
+    preemption_mode: str = "recompute"
+    # K2 "adaptive" (SGLang's new_token_ratio): start, floor, and steps to decay from one to
+    # the other; after a preemption the ratio is re-estimated assuming `retract_decode_steps`
+    # more tokens per running request.
+    adaptive_init_ratio: float = 0.7
+    adaptive_min_ratio: float = 0.1
+    adaptive_decay_steps: int = 600
+    adaptive_retract_decode_steps: int = 20
+    # K4 overload: None means unlimited.
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    max_queue_delay: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_float("watermark", self.watermark, 0.0, 1.0, hi_open=True)
+        _check_bool("reserve_full_sequence", self.reserve_full_sequence)
+        _check_choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
+        _check_choice("admission_policy", self.admission_policy, ADMISSION_POLICIES)
+        if self.preemption_mode in ("swap", "auto"):
+            raise ConfigError(
+                f"preemption_mode={self.preemption_mode!r} is not implemented yet; "
+                "use 'recompute'"
+            )
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_float("adaptive_init_ratio", self.adaptive_init_ratio, 0.0, 1.0)
+        _check_float("adaptive_min_ratio", self.adaptive_min_ratio, 0.0, self.adaptive_init_ratio)
+        _check_int("adaptive_decay_steps", self.adaptive_decay_steps, 1)
+        _check_int("adaptive_retract_decode_steps", self.adaptive_retract_decode_steps, 0)
+        _check_optional_int("max_num_queued_reqs", self.max_num_queued_reqs, 1)
+        _check_optional_int("max_num_queued_tokens", self.max_num_queued_tokens, 1)
+        if self.max_queue_delay is not None:
+            _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True)
+        self._check_relations()
+
+    def _check_relations(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} when chunked prefill is disabled, "
+                "or a long prompt could never be scheduled"
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold > 0:
+            raise ConfigError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} needs "
+                "chunked prefill: enable it or set the threshold to 0"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
+        return _from_dict(cls, data)

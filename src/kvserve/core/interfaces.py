@@ -1,0 +1,36 @@
+"""The two protocols the core is driven through (DESIGN.md, "The one seam: Executor").
+
+One step, in the engine and in the simulator alike::
+
+    output = scheduler.schedule(clock.now())
+    model_output = executor.execute(output)
+    request_outputs = scheduler.update(output, model_output, clock.now())
+
+Call ``update`` after every ``schedule``, even when nothing was scheduled: it delivers the
+outputs of requests the scheduler finished on its own (queue timeouts).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.core.outputs import ModelOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run one step and return, per request id, the sampled token ids.
+
+        Contract: a request whose scheduled tokens end before the end of its current
+        sequence (a mid-prompt chunk) gets no entry or an empty list; a request whose chunk
+        reaches the end gets exactly one sampled token. ``scheduled_new_reqs`` are requests
+        the executor has no state for (new or resumed); ``finished_req_ids`` and
+        ``preempted_req_ids`` name state it may drop.
+        """
+        ...
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds; wall time in the engine, virtual time in the simulator."""
+        ...

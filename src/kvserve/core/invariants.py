@@ -1,0 +1,94 @@
+"""State checks run after every step in tests and in the simulator's debug mode (spec I1-I4)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvserve.core.errors import InvariantError
+from kvserve.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from kvserve.core.scheduler import Scheduler
+
+
+def _fail(rule: str, message: str) -> None:
+    raise InvariantError(f"{rule}: {message}")
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    """Raise :class:`InvariantError` naming the broken rule, or return None."""
+    _check_blocks(scheduler)
+    _check_requests(scheduler)
+
+
+def _check_blocks(scheduler: Scheduler) -> None:
+    """I1: free + referenced == all blocks; ref counts equal the number of holders."""
+    kv = scheduler.kv
+    pool = kv.pool
+    free_ids = pool.free_queue.block_ids()
+    if len(free_ids) != pool.num_free_blocks:
+        _fail("I1", f"free queue holds {len(free_ids)} blocks but counts {pool.num_free_blocks}")
+    if len(set(free_ids)) != len(free_ids):
+        _fail("I1", "a block appears twice in the free queue")
+    holders = [0] * pool.num_blocks
+    for request_id, blocks in kv.req_to_blocks.items():
+        if request_id not in scheduler.requests:
+            _fail("I1", f"finished request {request_id} still holds blocks")
+        for block in blocks:
+            holders[block.block_id] += 1
+    free = set(free_ids)
+    for block in pool.blocks:
+        if block.ref_cnt != holders[block.block_id]:
+            _fail("I1", f"block {block.block_id} has ref {block.ref_cnt} but "
+                        f"{holders[block.block_id]} holders")
+        if (block.ref_cnt == 0) != (block.block_id in free):
+            _fail("I1", f"block {block.block_id} (ref {block.ref_cnt}) is "
+                        f"{'' if block.block_id in free else 'not '}in the free queue")
+        if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
+            _fail("I1", f"block {block.block_id} carries a hash the cache does not map to it")
+    if pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt > 0) != pool.num_blocks:
+        _fail("I1", "free + referenced blocks != num_blocks")
+
+
+def _check_requests(scheduler: Scheduler) -> None:
+    """I2: running requests hold their computed tokens' blocks; I3: queues are disjoint."""
+    kv = scheduler.kv
+    running_ids = [r.request_id for r in scheduler.running]
+    waiting_ids = [r.request_id for r in scheduler.waiting]
+    if len(set(running_ids)) != len(running_ids) or len(set(waiting_ids)) != len(waiting_ids):
+        _fail("I3", "a request appears twice in one queue")
+    both = set(running_ids) & set(waiting_ids)
+    if both:
+        _fail("I3", f"requests both running and waiting: {sorted(both)}")
+    queued = set(running_ids) | set(waiting_ids)
+    if queued != set(scheduler.requests):
+        _fail("I3", f"unfinished requests outside the queues: "
+                    f"{sorted(set(scheduler.requests) - queued)}; "
+                    f"queued but unknown: {sorted(queued - set(scheduler.requests))}")
+    for request in scheduler.running:
+        if request.status is not RequestStatus.RUNNING:
+            _fail("I3", f"{request.request_id} is in running with status {request.status.name}")
+        needed = kv.num_blocks_for(request.num_computed_tokens)
+        if kv.num_held_blocks(request.request_id) < needed:
+            _fail("I2", f"{request.request_id} computed {request.num_computed_tokens} tokens "
+                        f"but holds {kv.num_held_blocks(request.request_id)} blocks")
+    for request in scheduler.waiting:
+        if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            _fail("I3", f"{request.request_id} is waiting with status {request.status.name}")
+        if kv.num_held_blocks(request.request_id) or request.num_computed_tokens:
+            _fail("I3", f"waiting request {request.request_id} holds KV state")
+    if len(scheduler.running) > scheduler.config.max_num_seqs:
+        _fail("D8", f"{len(scheduler.running)} running > max_num_seqs")
+
+
+def check_empty(scheduler: Scheduler) -> None:
+    """I4: after every request finished, nothing is left behind (hashes may stay: lazy
+    eviction)."""
+    check_invariants(scheduler)
+    if scheduler.requests or scheduler.running or scheduler.waiting:
+        _fail("I4", f"{len(scheduler.requests)} requests left")
+    if scheduler.kv.req_to_blocks:
+        _fail("I4", f"block tables left for {sorted(scheduler.kv.req_to_blocks)}")
+    pool = scheduler.kv.pool
+    if pool.num_free_blocks != pool.num_blocks or any(b.ref_cnt for b in pool.blocks):
+        _fail("I4", f"{pool.num_blocks - pool.num_free_blocks} blocks still referenced")

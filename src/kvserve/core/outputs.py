@@ -1,0 +1,136 @@
+"""Plain data crossing the Executor seam and leaving the scheduler (DESIGN.md, STYLE.md 5).
+
+Frozen dataclasses of ints, strings and lists: printable, comparable in tests, serialisable
+to the event log with :func:`dataclasses.asdict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has no state for: newly admitted, or resumed after preemption.
+
+    ``token_ids`` is the whole current sequence (prompt, plus earlier output for a resumed
+    request, which is recomputed as part of the prompt); ``num_computed_tokens`` counts the
+    prefix-cache hit tokens whose KV is already in ``block_ids``.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    resumed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """Requests that kept running since the last step, as parallel columns.
+
+    ``new_block_ids[i]`` lists the blocks added this step (often empty);
+    ``num_computed_tokens[i]`` is the count before this step's tokens.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What to run in one step: tokens per request, in batch order."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    # Requests finished or aborted since the previous step: runners drop their state.
+    finished_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutput:
+    """Per request id, the token ids sampled this step (none for a mid-prompt chunk)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """A finished request's timing and scheduling history (seconds on the caller's clock)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    longest_stall: float
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """New tokens for one request from one step; ``metrics`` is set once it finishes."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerEvent:
+    """One line of the scheduling event log, the same in the engine and the simulator.
+
+    kind: arrived | admitted | resumed | blocked | preempted | finished.
+    ``num_tokens``: tokens scheduled on admission, tokens of KV lost on preemption, output
+    tokens on finishing. ``reason``: why a request is blocked, or the finish reason.
+    """
+
+    time: float
+    kind: str
+    request_id: str
+    num_tokens: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_steps: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    num_scheduled_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_finished: dict[str, int]
+    num_blocked_steps: dict[str, int]

@@ -1,0 +1,166 @@
+"""Strategy objects for the choices that differ between engines (spec K1, K2).
+
+- Victim policies pick which running request to preempt when one cannot grow.
+- Admission policies decide how many blocks to keep free for the future growth of running
+  requests before a waiting request may be admitted.
+
+A new policy is a new class here plus a name in :mod:`kvserve.core.config`; the scheduler's
+loop does not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from kvserve.core.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request
+
+# -- K1: victim policies ---------------------------------------------------------------------
+
+
+class VictimPolicy(ABC):
+    @abstractmethod
+    def select(self, running: Sequence[Request]) -> int:
+        """Index in ``running`` of the request to preempt (possibly the requesting one)."""
+
+
+class NewestFirst(VictimPolicy):
+    """vLLM under FCFS: the most recently admitted request (F2)."""
+
+    def select(self, running: Sequence[Request]) -> int:
+        return len(running) - 1
+
+
+class LeastUrgentFirst(VictimPolicy):
+    """vLLM under priority: the largest (priority, arrival_time); ties go to the earliest
+    position in ``running`` (F2)."""
+
+    def select(self, running: Sequence[Request]) -> int:
+        return max(range(len(running)),
+                   key=lambda i: (running[i].priority, running[i].arrival_time))
+
+
+class LeastGeneratedFirst(VictimPolicy):
+    """SGLang: fewest output tokens first, ties to the longest prompt: throw away the least
+    generated work for the biggest memory win."""
+
+    def select(self, running: Sequence[Request]) -> int:
+        return min(range(len(running)),
+                   key=lambda i: (running[i].num_output_tokens, -running[i].num_prompt_tokens))
+
+
+class LeastComputedFirst(VictimPolicy):
+    """Fewest computed tokens first: the cheapest request to recompute."""
+
+    def select(self, running: Sequence[Request]) -> int:
+        return min(range(len(running)), key=lambda i: running[i].num_computed_tokens)
+
+
+def make_victim_policy(config: SchedulerConfig) -> VictimPolicy:
+    if config.victim_policy == "vllm":
+        return LeastUrgentFirst() if config.scheduling_policy == "priority" else NewestFirst()
+    if config.victim_policy == "sglang":
+        return LeastGeneratedFirst()
+    return LeastComputedFirst()
+
+
+# -- K2: admission policies ------------------------------------------------------------------
+
+
+class AdmissionPolicy:
+    """Optimistic (vLLM): reserve nothing beyond the full-sequence gate (E3).
+
+    The waiting pass calls :meth:`start_pass` once, :meth:`reserved_blocks` before each
+    admission attempt and :meth:`admitted` after each success; the scheduler calls
+    :meth:`end_step` once per step.
+    """
+
+    def start_pass(self, running: Sequence[Request]) -> None:
+        pass
+
+    def reserved_blocks(self, request: Request) -> int:
+        return 0
+
+    def admitted(self, request: Request) -> None:
+        pass
+
+    def end_step(self, num_preempted: int, running: Sequence[Request]) -> None:
+        pass
+
+
+class _ReservingPolicy(AdmissionPolicy):
+    """Keeps blocks free for the expected future tokens of every running request."""
+
+    def __init__(self, kv: KVCacheManager, max_model_len: int) -> None:
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self._reserved_for_running = 0
+
+    def expected_final_tokens(self, request: Request) -> int:
+        raise NotImplementedError
+
+    def _future_blocks(self, request: Request, num_blocks_now: int) -> int:
+        # The last token is sampled but never fed back, so it needs no KV slot.
+        final = min(self.expected_final_tokens(request), self.max_model_len) - 1
+        return max(0, self.kv.num_blocks_for(final) - num_blocks_now)
+
+    def start_pass(self, running: Sequence[Request]) -> None:
+        self._reserved_for_running = sum(
+            self._future_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in running)
+
+    def reserved_blocks(self, request: Request) -> int:
+        num_blocks_now = self.kv.num_blocks_for(min(request.num_tokens, self.max_model_len))
+        return self._reserved_for_running + self._future_blocks(request, num_blocks_now)
+
+    def admitted(self, request: Request) -> None:
+        self._reserved_for_running += self._future_blocks(
+            request, self.kv.num_held_blocks(request.request_id))
+
+
+class ReserveMaxTokens(_ReservingPolicy):
+    """Reserve prompt + max_tokens for everyone: never preempts (TensorRT-LLM's
+    GUARANTEED_NO_EVICT)."""
+
+    def expected_final_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens + request.sampling_params.max_tokens
+
+
+class AdaptiveReserve(_ReservingPolicy):
+    """SGLang's new_token_ratio: reserve ``ratio`` x the remaining max_tokens of each request.
+
+    The ratio starts at ``adaptive_init_ratio`` and decays linearly to its floor on every step
+    without a preemption; a preemption re-estimates it from what running requests actually
+    decoded, plus ``adaptive_retract_decode_steps`` tokens each.
+    """
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        super().__init__(kv, config.max_model_len)
+        self.ratio = config.adaptive_init_ratio
+        self.min_ratio = config.adaptive_min_ratio
+        self.decay = (config.adaptive_init_ratio - config.adaptive_min_ratio) / \
+            config.adaptive_decay_steps
+        self.retract_decode_steps = config.adaptive_retract_decode_steps
+
+    def expected_final_tokens(self, request: Request) -> int:
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        return request.num_tokens + int(self.ratio * remaining)
+
+    def end_step(self, num_preempted: int, running: Sequence[Request]) -> None:
+        if num_preempted == 0:
+            self.ratio = max(self.min_ratio, self.ratio - self.decay)
+            return
+        decoded = sum(r.num_output_tokens for r in running)
+        max_new = sum(r.sampling_params.max_tokens for r in running)
+        estimate = (decoded + self.retract_decode_steps * len(running)) / max_new \
+            if max_new else 1.0
+        self.ratio = min(1.0, max(self.min_ratio, estimate))
+
+
+def make_admission_policy(config: SchedulerConfig, kv: KVCacheManager) -> AdmissionPolicy:
+    if config.admission_policy == "reserve":
+        return ReserveMaxTokens(kv, config.max_model_len)
+    if config.admission_policy == "adaptive":
+        return AdaptiveReserve(kv, config)
+    return AdmissionPolicy()

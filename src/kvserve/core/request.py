@@ -1,0 +1,250 @@
+"""Requests, their status, sampling parameters and per-request timing (spec B1-B3)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.core.errors import RequestError
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISHED_STATUSES
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+FINISHED_STATUSES = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_IGNORED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class EventType(enum.Enum):
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    PREEMPTED = "preempted"
+    RESUMED = "resumed"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    type: EventType
+    timestamp: float
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    The scheduler reads the stop fields (max_tokens, min_tokens, ignore_eos, eos_token_id,
+    stop_token_ids) and the priority; the model runner reads the sampling fields; the engine
+    matches ``stop`` strings after detokenisation.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    priority: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    # Mixed into the first block's hash, so tenants with different salts never share a prefix.
+    cache_salt: str | None = None
+    # Seconds this request may wait before its first scheduling (K4); None: the global default.
+    max_queue_delay: float | None = None
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                 f"got {self.min_tokens!r}")
+        _require(isinstance(self.ignore_eos, bool),
+                 f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        _require(self.eos_token_id is None or (_is_int(self.eos_token_id)
+                                               and self.eos_token_id >= 0),
+                 f"eos_token_id must be a non-negative integer, got {self.eos_token_id!r}")
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        _require(all(isinstance(s, str) and s for s in self.stop),
+                 f"stop must be non-empty strings, got {self.stop!r}")
+        _require(_is_int(self.priority), f"priority must be an integer, got {self.priority!r}")
+        self._check_sampling_fields()
+
+    def _check_sampling_fields(self) -> None:
+        _require(_is_number(self.temperature) and self.temperature >= 0,
+                 f"temperature must be a number >= 0, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1,
+                 f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= -1,
+                 f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+                 f"min_p must be in [0, 1], got {self.min_p!r}")
+        _require(self.seed is None or _is_int(self.seed),
+                 f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2 <= value <= 2,
+                     f"{name} must be in [-2, 2], got {value!r}")
+        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                 f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        _require(self.cache_salt is None or isinstance(self.cache_salt, str),
+                 f"cache_salt must be a string, got {self.cache_salt!r}")
+        _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
+                                                  and self.max_queue_delay >= 0),
+                 f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``num_computed_tokens`` catches up with ``num_tokens`` (prompt + output): prefill, chunked
+    prefill, recomputation after preemption and decode are all "tokens still to compute".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    stop_reason: int | str | None = None
+    # Chained hashes of the request's full blocks, filled lazily by the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    # Counters (B3).
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prefix-hit tokens at first admission; -1 until admitted
+    num_recomputed_tokens: int = 0
+    max_computed_tokens: int = 0  # high-water mark of num_computed_tokens, for recomputation
+    events: list[RequestEvent] = field(default_factory=list)
+
+    # Timing (seconds on the caller's clock).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    preempted_time: float | None = None  # set while a preemption stall is open
+    longest_stall: float = 0.0  # longest preemption-to-next-token gap
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.request_id, str) and self.request_id != "",
+                 f"request_id must be a non-empty string, got {self.request_id!r}")
+        _require(isinstance(self.prompt_token_ids, list) and len(self.prompt_token_ids) > 0,
+                 f"request {self.request_id}: prompt_token_ids must be a non-empty list")
+        _require(_is_number(self.arrival_time),
+                 f"request {self.request_id}: arrival_time must be a number")
+        _require(isinstance(self.sampling_params, SamplingParams),
+                 f"request {self.request_id}: sampling_params must be a SamplingParams")
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """Priority order (B2): lower priority value first, then arrival, then id."""
+        return (self.sampling_params.priority, self.arrival_time, self.request_id)
+
+    def record(self, event: EventType, timestamp: float) -> None:
+        self.events.append(RequestEvent(event, timestamp))
+
+    def token_at(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) across prompt and output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]

@@ -1,0 +1,525 @@
+"""The scheduler: continuous batching over a paged KV cache (spec D, F, H, J, K4).
+
+One step is ``schedule(now)`` then ``update(output, model_output, now)``::
+
+    schedule:  expire queue deadlines
+               -> running pass (grow each running request; preempt when the pool is short)
+               -> waiting pass (admit while budget, seats and blocks last; skipped after a
+                  preemption)
+               -> commit (advance computed tokens, build the plain-data output)
+    update:    append sampled tokens -> stop checks -> free finished requests
+
+Everything is deterministic: time comes in as an argument, containers are lists and dicts,
+and hashes are stable digests.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from kvserve.core.block_pool import KVBlock
+from kvserve.core.config import CacheConfig, SchedulerConfig
+from kvserve.core.errors import QueueFullError, RequestError, RequestRejected
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.outputs import (
+    CachedRequestData,
+    ModelOutput,
+    NewRequestData,
+    RequestMetrics,
+    RequestOutput,
+    SchedulerEvent,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from kvserve.core.policies import make_admission_policy, make_victim_policy
+from kvserve.core.queues import make_waiting_queue
+from kvserve.core.request import EventType, Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+QUEUE_TIMEOUT = "queue_timeout"
+
+
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    __slots__ = ("admitted", "new_blocks", "num_scheduled", "preempted", "token_budget")
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_blocks: dict[str, list[KVBlock]] = {}
+        self.admitted: set[str] = set()  # membership only, never iterated
+        self.preempted: list[Request] = []
+
+    def schedule(self, request: Request, num_tokens: int, new_blocks: list[KVBlock]) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        if new_blocks:
+            self.new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Give an already scheduled preemption victim's tokens back to the budget (F3)."""
+        num_tokens = self.num_scheduled.pop(request.request_id, 0)
+        self.new_blocks.pop(request.request_id, None)
+        self.token_budget += num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *,
+                 record_events: bool = False) -> None:
+        self.config = config
+        self.cache_config = cache_config
+        self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark)
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._victim_policy = make_victim_policy(config)
+        self._admission = make_admission_policy(config, self.kv)
+        # J2: a sequence of num_tokens needs num_tokens slots to keep decoding, so growth
+        # stops once it is longer than the whole pool.
+        self._length_limit = min(config.max_model_len, cache_config.num_token_slots + 1)
+        self._queue_deadlines: list[tuple[float, str]] = []
+        self._finished_since_last_step: list[str] = []
+        self._pending_outputs: list[RequestOutput] = []
+        self._events: list[SchedulerEvent] | None = [] if record_events else None
+        self._blocked_reason: dict[str, str] = {}
+        self._now = 0.0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_finished: dict[str, int] = {}
+        self.num_blocked_steps: dict[str, int] = {}
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, or raise and record nothing (J1, K4)."""
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise RequestError(f"request {request.request_id} is not a fresh request")
+        self._check_servable(request)
+        self._check_queue_limits(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+        request.record(EventType.QUEUED, request.arrival_time)
+        delay = request.sampling_params.max_queue_delay
+        if delay is None:
+            delay = self.config.max_queue_delay
+        if delay is not None:
+            heapq.heappush(self._queue_deadlines,
+                           (request.arrival_time + delay, request.request_id))
+        self._emit(request.arrival_time, "arrived", request, request.num_tokens)
+
+    def _check_servable(self, request: Request) -> None:
+        num_tokens = request.num_tokens
+        max_model_len = self.config.max_model_len
+        if num_tokens >= max_model_len:
+            raise RequestRejected(
+                f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room "
+                f"to generate: max_model_len is {max_model_len}"
+            )
+        num_slots = self.cache_config.num_token_slots
+        if num_tokens + 1 > num_slots:
+            raise RequestRejected(
+                f"request {request.request_id}: prompt of {num_tokens} tokens plus one "
+                f"generated token needs {self.kv.num_blocks_for(num_tokens + 1)} KV blocks, "
+                f"but the whole pool has {self.cache_config.num_blocks} blocks of "
+                f"{self.cache_config.block_size} tokens ({num_slots} tokens)"
+            )
+
+    def _check_queue_limits(self, request: Request) -> None:
+        max_reqs = self.config.max_num_queued_reqs
+        if max_reqs is not None and len(self.waiting) >= max_reqs:
+            raise QueueFullError(
+                f"request {request.request_id}: the waiting queue is full "
+                f"({len(self.waiting)} requests, max_num_queued_reqs={max_reqs})"
+            )
+        max_tokens = self.config.max_num_queued_tokens
+        if max_tokens is not None and self.waiting.num_tokens + request.num_tokens > max_tokens:
+            raise QueueFullError(
+                f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
+                f"max_num_queued_tokens={max_tokens} ({self.waiting.num_tokens} queued)"
+            )
+
+    def abort(self, request_id: str, now: float | None = None) -> bool:
+        """Abort a request in any state and free everything it holds (H4).
+
+        Idempotent: an unknown or already finished id is a no-op that returns False.
+        """
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED, now=now) \
+            is not None
+
+    def finish_request(self, request_id: str, status: RequestStatus, *,
+                       stop_reason: int | str | None = None,
+                       now: float | None = None) -> RequestMetrics | None:
+        """Finish a request from outside the stop checks (abort, a matched stop string)."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is _RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        return self._finish(request, status, self._now if now is None else now, stop_reason)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float,
+                stop_reason: int | str | None = None) -> RequestMetrics:
+        """Mark finished and free its blocks; the caller has taken it out of its queue."""
+        request.status = status
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        request.record(EventType.FINISHED, now)
+        del self.requests[request.request_id]
+        self._blocked_reason.pop(request.request_id, None)
+        self._finished_since_last_step.append(request.request_id)
+        reason = status.finish_reason or "error"
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+        self._emit(now, "finished", request, request.num_output_tokens,
+                   str(stop_reason) if stop_reason is not None else reason)
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=now,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+            num_recomputed_tokens=request.num_recomputed_tokens,
+            longest_stall=request.longest_stall,
+        )
+
+    # -- schedule() ------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Choose this step's work under one token budget (D1-D8)."""
+        self._now = now
+        self._expire_queue_deadlines(now)
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if step.preempted:
+            self._note_blocked("preemption")
+        else:
+            self._schedule_waiting(step)
+        self._admission.end_step(len(step.preempted), self.running)
+        return self._commit(step)
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens still to compute, capped by the long-prefill threshold, the budget and the
+        model length (D1)."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        if num_new > token_budget:
+            num_new = token_budget
+        return min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Pass 1 (D2, D3): grow every running request, preempting when the pool is short."""
+        running = self.running
+        index = 0
+        while index < len(running) and step.token_budget > 0:
+            request = running[index]
+            num_new = self._num_new_tokens(request, step.token_budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
+                if new_blocks is None:
+                    break  # the request preempted itself: nothing later runs this step
+            step.schedule(request, num_new, new_blocks)
+            index += 1
+
+    def _preempt_until_fits(self, request: Request, num_new: int, index: int,
+                            step: _Step) -> tuple[list[KVBlock] | None, int]:
+        """Preempt victims until ``request`` fits or is itself the victim (F1-F5).
+
+        Returns the new blocks (None if the request preempted itself) and the loop index,
+        moved back when a victim stood before it in ``running``.
+        """
+        while True:
+            victim_index = self._victim_policy.select(self.running)
+            victim = self.running.pop(victim_index)
+            if victim_index < index:
+                index -= 1
+                step.unschedule(victim)
+            self._preempt(victim, step)
+            if victim is request:
+                return None, index
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, index
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Free all its blocks and send it back to the waiting queue (F4)."""
+        num_lost = request.num_computed_tokens
+        self.kv.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        if request.preempted_time is None:
+            request.preempted_time = self._now
+        request.record(EventType.PREEMPTED, self._now)
+        self.waiting.push_front(request)
+        step.preempted.append(request)
+        self.num_preemptions += 1
+        self._emit(self._now, "preempted", request, num_lost)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Pass 2 (D4-D6): admit from the head of the queue until something stops us.
+
+        Stopping at the first request that does not fit is head-of-line blocking, on purpose:
+        skipping ahead would starve long prompts.
+        """
+        if not self.waiting:
+            return
+        config = self.config
+        self._admission.start_pass(self.running)
+        while self.waiting:
+            if step.token_budget <= 0:
+                self._note_blocked("token_budget")
+                return
+            if len(self.running) >= config.max_num_seqs:
+                self._note_blocked("max_num_seqs")
+                return
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            threshold = config.long_prefill_token_threshold
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > step.token_budget:
+                if not config.enable_chunked_prefill:
+                    self._note_blocked("token_budget")
+                    return
+                num_new = step.token_budget
+            new_blocks = self.kv.allocate_slots(
+                request, num_new, hit_blocks,
+                apply_watermark=bool(self.running),
+                full_sequence_must_fit=config.reserve_full_sequence,
+                reserved_blocks=self._admission.reserved_blocks(request),
+            )
+            if new_blocks is None:
+                self._note_blocked("kv_cache")
+                return
+            self.waiting.pop()
+            self._admit(request, num_new, num_hit_tokens, new_blocks, step)
+
+    def _admit(self, request: Request, num_new: int, num_hit_tokens: int,
+               new_blocks: list[KVBlock], step: _Step) -> None:
+        """Move an allocated request from waiting to the tail of running (D6)."""
+        self.kv.record_prefix_cache_stats(request, num_hit_tokens)
+        self._admission.admitted(request)
+        resumed = request.status is _PREEMPTED
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        self.running.append(request)
+        step.schedule(request, num_new, new_blocks)
+        step.admitted.add(request.request_id)
+        self._blocked_reason.pop(request.request_id, None)
+        if resumed:
+            request.record(EventType.RESUMED, self._now)
+        else:
+            request.num_cached_tokens = num_hit_tokens
+            request.first_scheduled_time = self._now
+            request.record(EventType.SCHEDULED, self._now)
+        self._emit(self._now, "resumed" if resumed else "admitted", request, num_new)
+
+    def _note_blocked(self, reason: str) -> None:
+        """The waiting pass stopped with requests left: count it, and log the head request
+        once per reason."""
+        if not self.waiting:
+            return
+        self.num_blocked_steps[reason] = self.num_blocked_steps.get(reason, 0) + 1
+        if self._events is not None:
+            head = self.waiting.peek()
+            if self._blocked_reason.get(head.request_id) != reason:
+                self._blocked_reason[head.request_id] = reason
+                self._emit(self._now, "blocked", head, head.num_tokens, reason)
+
+    def _expire_queue_deadlines(self, now: float) -> None:
+        """Abort requests that waited past their queue deadline before first running (K4)."""
+        deadlines = self._queue_deadlines
+        while deadlines and deadlines[0][0] < now:
+            _, request_id = heapq.heappop(deadlines)
+            request = self.requests.get(request_id)
+            if request is None or request.first_scheduled_time is not None:
+                continue
+            self.waiting.remove(request)
+            metrics = self._finish(request, RequestStatus.FINISHED_ABORTED, now, QUEUE_TIMEOUT)
+            self._pending_outputs.append(RequestOutput(
+                request_id, [], finished=True, finish_reason="abort",
+                stop_reason=QUEUE_TIMEOUT, metrics=metrics))
+
+    def _commit(self, step: _Step) -> SchedulerOutput:
+        """Advance num_computed_tokens of every scheduled request (D7) and build the output,
+        in running order, which is batch order."""
+        num_scheduled = step.num_scheduled
+        total = sum(num_scheduled.values())
+        if total > self.config.max_num_batched_tokens or \
+                len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"step over its limits (D8): {total} tokens, "
+                                 f"{len(self.running)} running")
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        block_ids = self.kv.get_block_ids
+        for request in self.running:
+            request_id = request.request_id
+            num_new = num_scheduled.get(request_id)
+            if num_new is None:
+                continue
+            num_computed = request.num_computed_tokens
+            if request_id in step.admitted:
+                new_reqs.append(NewRequestData(
+                    request_id, request.all_token_ids, block_ids(request_id), num_computed,
+                    resumed=request.num_preemptions > 0))
+            else:
+                cached.request_ids.append(request_id)
+                blocks = step.new_blocks.get(request_id)
+                cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
+                cached.num_computed_tokens.append(num_computed)
+            self._advance(request, num_computed, num_new)
+        self.num_steps += 1
+        self.num_scheduled_tokens += total
+        finished_ids, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=[r.request_id for r in step.preempted],
+            finished_req_ids=finished_ids,
+        )
+
+    def _advance(self, request: Request, num_computed: int, num_new: int) -> None:
+        """num_computed += n, counting tokens whose KV had been computed before a
+        preemption as recomputed (B3)."""
+        high_water = request.max_computed_tokens
+        end = num_computed + num_new
+        if num_computed < high_water:
+            recomputed = min(end, high_water) - num_computed
+            request.num_recomputed_tokens += recomputed
+            self.num_recomputed_tokens += recomputed
+        if end > high_water:
+            request.max_computed_tokens = end
+        request.num_computed_tokens = end
+
+    # -- update() --------------------------------------------------------------------------
+
+    def update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput,
+               now: float) -> list[RequestOutput]:
+        """Append sampled tokens, run stop checks and free what finished (H1-H3, J2)."""
+        self._now = now
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sampled = model_output.sampled_token_ids
+        requests = self.requests
+        any_finished = False
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request.status is not _RUNNING:
+                continue  # aborted after this step was scheduled
+            token_ids = sampled.get(request_id)
+            if request.num_computed_tokens < request.num_tokens:
+                if token_ids:
+                    raise ValueError(f"executor sampled {token_ids} for request {request_id} "
+                                     "in the middle of its prompt")
+                continue
+            if not token_ids:
+                raise ValueError(f"executor returned no token for request {request_id}, "
+                                 "whose scheduled tokens reached the end of its sequence")
+            output = self._append_tokens(request, token_ids, now)
+            outputs.append(output)
+            any_finished = any_finished or output.finished
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: Sequence[int],
+                       now: float) -> RequestOutput:
+        new_token_ids = []
+        status = stop_reason = None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            status, stop_reason = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.preempted_time is not None:
+            request.longest_stall = max(request.longest_stall, now - request.preempted_time)
+            request.preempted_time = None
+        request.last_token_time = now
+        if status is None:
+            return RequestOutput(request.request_id, new_token_ids)
+        metrics = self._finish(request, status, now, stop_reason)
+        return RequestOutput(request.request_id, new_token_ids, True, status.finish_reason,
+                             stop_reason, metrics)
+
+    def _check_stop(self, request: Request,
+                    token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """Stop checks after one appended token, in order (H2).
+
+        The model-length and pool-length caps apply even below min_tokens: a sequence can
+        never outgrow them.
+        """
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        at_length_limit = request.num_tokens >= self._length_limit
+        if num_output < params.min_tokens:
+            return (RequestStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None), None
+        if token_id == params.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        if num_output >= params.max_tokens or at_length_limit:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None, None
+
+    # -- observation -----------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def _emit(self, time: float, kind: str, request: Request, num_tokens: int = 0,
+              reason: str = "") -> None:
+        if self._events is not None:
+            self._events.append(SchedulerEvent(time, kind, request.request_id, num_tokens,
+                                               reason))
+
+    def take_events(self) -> list[SchedulerEvent]:
+        """Scheduling events since the last call (empty unless ``record_events``)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_queued_tokens=self.waiting.num_tokens,
+            kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            num_steps=self.num_steps,
+            num_preemptions=self.num_preemptions,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_finished=dict(self.num_finished),
+            num_blocked_steps=dict(self.num_blocked_steps),
+        )

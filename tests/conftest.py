@@ -1,0 +1,121 @@
+"""Factories and a fake executor shared by the tests (STYLE.md 8: fakes over weights)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from kvserve.core import (
+    CacheConfig,
+    ModelOutput,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    check_invariants,
+)
+
+EOS = 2
+
+
+def token_for(request_id: str, position: int) -> int:
+    """The fake model's token at ``position``: a fixed function of the request and position,
+    so outputs are identical however the work was scheduled."""
+    return 1000 + zlib.crc32(f"{request_id}:{position}".encode()) % 30000
+
+
+def make_scheduler(num_blocks: int = 1000, block_size: int = 16, *,
+                   enable_prefix_caching: bool = True, record_events: bool = False,
+                   **config: object) -> Scheduler:
+    config.setdefault("max_model_len", 4096)
+    return Scheduler(SchedulerConfig(**config),  # type: ignore[arg-type]
+                     CacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                 enable_prefix_caching=enable_prefix_caching),
+                     record_events=record_events)
+
+
+def make_request(request_id: str | int, num_prompt_tokens: int = 16, *,
+                 prompt_token_ids: Sequence[int] | None = None, arrival_time: float = 0.0,
+                 **params: object) -> Request:
+    request_id = str(request_id)
+    if prompt_token_ids is None:
+        prompt_token_ids = [token_for(request_id + "/prompt", i)
+                            for i in range(num_prompt_tokens)]
+    return Request(request_id, list(prompt_token_ids),
+                   SamplingParams(**params),  # type: ignore[arg-type]
+                   arrival_time=arrival_time)
+
+
+class FakeExecutor:
+    """A runner that keeps its own per-request state from SchedulerOutput alone, as a real
+    model runner must, and samples ``token_fn(request_id, position)``."""
+
+    def __init__(self, token_fn: Callable[[str, int], int] = token_for) -> None:
+        self.token_fn = token_fn
+        self.seq_len: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+        self.num_steps = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        for request_id in out.finished_req_ids + out.preempted_req_ids:
+            self.seq_len.pop(request_id, None)
+            self.computed.pop(request_id, None)
+        for new in out.scheduled_new_reqs:
+            self.seq_len[new.request_id] = len(new.token_ids)
+            self.computed[new.request_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for request_id, num_computed in zip(cached.request_ids, cached.num_computed_tokens):
+            assert self.computed[request_id] == num_computed, request_id
+        sampled: dict[str, list[int]] = {}
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            computed = self.computed[request_id] + num_tokens
+            seq_len = self.seq_len[request_id]
+            assert computed <= seq_len, (request_id, computed, seq_len)
+            self.computed[request_id] = computed
+            if computed == seq_len:
+                sampled[request_id] = [self.token_fn(request_id, seq_len)]
+                self.seq_len[request_id] = seq_len + 1
+        self.num_steps += 1
+        return ModelOutput(sampled)
+
+
+def step(scheduler: Scheduler, executor: FakeExecutor, now: float = 0.0,
+         check: bool = True) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    out = scheduler.schedule(now)
+    outputs = scheduler.update(out, executor.execute(out), now)
+    if check:
+        check_invariants(scheduler)
+    return out, outputs
+
+
+def run_to_completion(scheduler: Scheduler, requests: Sequence[Request] = (),
+                      max_steps: int = 100_000) -> dict[str, RequestOutput]:
+    """Add ``requests``, step until nothing is left, return each request's final output
+    with all its tokens."""
+    for request in requests:
+        scheduler.add_request(request)
+    executor = FakeExecutor()
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, RequestOutput] = {}
+    for n in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        _, outputs = step(scheduler, executor, float(n))
+        for output in outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.finished:
+                final[output.request_id] = RequestOutput(
+                    output.request_id, tokens[output.request_id], True, output.finish_reason,
+                    output.stop_reason, output.metrics)
+    else:
+        raise AssertionError(f"requests left after {max_steps} steps")
+    return final
+
+
+@pytest.fixture
+def executor() -> FakeExecutor:
+    return FakeExecutor()
