@@ -32,6 +32,7 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, *,
                    enable_prefix_caching: bool = True, record_events: bool = False,
                    **config: object) -> Scheduler:
     config.setdefault("max_model_len", 4096)
+    config.setdefault("max_num_seqs", min(256, int(config.get("max_num_batched_tokens", 2048))))
     return Scheduler(SchedulerConfig(**config),  # type: ignore[arg-type]
                      CacheConfig(num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching),

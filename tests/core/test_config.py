@@ -1,0 +1,85 @@
+"""Spec A: defaults and validation of the frozen config objects."""
+
+import dataclasses
+
+import pytest
+
+from kvserve.core import CacheConfig, ConfigError, SchedulerConfig
+
+
+def test_defaults_follow_vllm_v1():  # A1, A2
+    config = SchedulerConfig()
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
+    assert config.enable_chunked_prefill and config.reserve_full_sequence
+    assert (config.scheduling_policy, config.watermark) == ("fcfs", 0.0)
+    assert config.long_prefill_token_threshold == 0
+    assert (config.victim_policy, config.admission_policy) == ("vllm", "optimistic")
+    cache = CacheConfig(num_blocks=10)
+    assert (cache.block_size, cache.enable_prefix_caching) == (16, True)
+
+
+def test_every_block_is_usable():  # A3
+    assert CacheConfig(num_blocks=11, block_size=16).num_token_slots == 176
+
+
+def test_configs_are_frozen():  # A4
+    config = SchedulerConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_num_seqs", 0, "max_num_seqs=0 is out of range: must be >= 1"),
+    ("max_num_seqs", 2.5, "max_num_seqs must be an integer, got 2.5"),
+    ("max_num_seqs", True, "max_num_seqs must be an integer, got True"),
+    ("watermark", 1.0, "watermark=1.0 is out of range: must be in [0.0, 1.0)"),
+    ("watermark", -0.1, "watermark=-0.1 is out of range"),
+    ("scheduling_policy", "lifo", "scheduling_policy='lifo' is not one of fcfs, priority"),
+    ("victim_policy", "random", "victim_policy='random' is not one of vllm, sglang"),
+    ("admission_policy", "greedy", "admission_policy='greedy' is not one of optimistic"),
+    ("preemption_mode", "swap", "preemption_mode='swap' is not implemented yet"),
+    ("max_num_queued_reqs", 0, "max_num_queued_reqs=0 is out of range"),
+    ("max_queue_delay", -1.0, "max_queue_delay=-1.0 is out of range"),
+    ("enable_chunked_prefill", "yes", "enable_chunked_prefill must be true or false"),
+])
+def test_bad_values_name_the_field_and_range(field, value, message):  # A4
+    with pytest.raises(ConfigError) as error:
+        SchedulerConfig(**{field: value})
+    assert message in str(error.value)
+
+
+def test_budget_must_cover_max_num_seqs():  # A2
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=64 must be >= max_num_seqs=128"):
+        SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64)
+
+
+def test_chunked_prefill_off_needs_budget_for_max_model_len():  # A2
+    with pytest.raises(ConfigError, match="must be >= max_model_len=4096 when chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096)
+    config = SchedulerConfig(enable_chunked_prefill=False, max_model_len=2048)
+    assert config.max_num_batched_tokens == 2048
+
+
+def test_threshold_needs_chunked_prefill():
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold=64 needs chunked"):
+        SchedulerConfig(enable_chunked_prefill=False, long_prefill_token_threshold=64)
+
+
+def test_from_dict_rejects_unknown_keys():  # A4
+    with pytest.raises(ConfigError, match="unknown SchedulerConfig key.*max_num_sequences"):
+        SchedulerConfig.from_dict({"max_num_sequences": 4})
+    with pytest.raises(ConfigError, match="unknown CacheConfig key.*blocks"):
+        CacheConfig.from_dict({"blocks": 4})
+    assert SchedulerConfig.from_dict({"max_num_seqs": 4}).max_num_seqs == 4
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_blocks", 0, "num_blocks=0 is out of range: must be >= 1"),
+    ("block_size", 0, "block_size=0 is out of range: must be in [1, 1024]"),
+    ("enable_prefix_caching", 1, "enable_prefix_caching must be true or false"),
+])
+def test_bad_cache_values(field, value, message):
+    kwargs = {"num_blocks": 10, field: value}
+    with pytest.raises(ConfigError) as error:
+        CacheConfig(**kwargs)
+    assert message in str(error.value)

@@ -1,0 +1,92 @@
+"""Spec G3-G5: stable chained block hashes and the longest-prefix lookup."""
+
+import subprocess
+import sys
+
+from kvserve.core.config import CacheConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.prefix_cache import extend_block_hashes, hash_block_tokens
+from tests.conftest import make_request
+
+PINNED = "from kvserve.core.prefix_cache import hash_block_tokens as h; " \
+         "print(h(h(None, [1, 2, 3, 4], 'salt'), [5, 6, 7, 8]).hex())"
+
+
+def test_hash_is_stable_across_processes():  # G3: no salted hash()
+    digests = {
+        subprocess.run([sys.executable, "-c", PINNED], capture_output=True, text=True,
+                       check=True, env={"PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2")
+    }
+    local = hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4], "salt"), [5, 6, 7, 8])
+    assert digests == {local.hex()}
+
+
+def test_hash_chains_parent_tokens_and_extra_key():  # G3
+    root = hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(root, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
+    assert hash_block_tokens(None, [1, 2, 3, 4], "tenant-a") != root
+    assert hash_block_tokens(None, [1, 2, 3, 4], "") != root
+    assert hash_block_tokens(None, [1, 2, 3, 5]) != root
+
+
+def test_only_full_blocks_are_hashed_and_salt_only_on_the_first():  # G3
+    request = make_request("a", prompt_token_ids=list(range(10)), cache_salt="s")
+    hashes = extend_block_hashes(request, 4, request.num_tokens)
+    assert len(hashes) == 2  # 10 tokens: two full blocks, a partial one is never hashed
+    assert hashes[0] == hash_block_tokens(None, [0, 1, 2, 3], "s")
+    assert hashes[1] == hash_block_tokens(hashes[0], [4, 5, 6, 7])
+    request.output_token_ids += [10, 11]  # output completes the third block
+    assert len(extend_block_hashes(request, 4, request.num_tokens)) == 3
+
+
+def cached_manager(tokens, num_blocks=10, block_size=4):
+    kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size),
+                        max_model_len=1000)
+    owner = make_request("owner", prompt_token_ids=tokens)
+    kv.allocate_slots(owner, len(tokens))
+    return kv, owner
+
+
+def test_last_token_is_never_a_hit():  # G4
+    tokens = list(range(12))  # exactly three full blocks of 4
+    kv, _ = cached_manager(tokens)
+    twin = make_request("twin", prompt_token_ids=tokens)
+    hits, num_hit_tokens = kv.get_computed_blocks(twin)
+    assert (len(hits), num_hit_tokens) == (2, 8)
+    longer = make_request("longer", prompt_token_ids=[*tokens, 99])
+    assert kv.get_computed_blocks(longer)[1] == 12
+
+
+def test_lookup_stops_at_the_first_miss():  # G4
+    kv, _ = cached_manager(list(range(16)))
+    # block 1 differs, so block 2 cannot hit even though its tokens match
+    probe = make_request("p", prompt_token_ids=[0, 1, 2, 3, 0, 0, 0, 0, *range(8, 16), 1])
+    hits, num_hit_tokens = kv.get_computed_blocks(probe)
+    assert ([b.block_id for b in hits], num_hit_tokens) == ([0], 4)
+
+
+def test_hits_count_for_held_and_for_free_blocks():  # G5
+    tokens = list(range(9))
+    kv, owner = cached_manager(tokens)
+    probe = make_request("p", prompt_token_ids=tokens)
+    assert kv.get_computed_blocks(probe)[1] == 8  # held by owner (ref 1)
+    kv.free(owner)
+    hits, num_hit_tokens = kv.get_computed_blocks(probe)
+    assert num_hit_tokens == 8 and all(b.ref_cnt == 0 for b in hits)  # free, still cached
+
+
+def test_salted_requests_do_not_share():  # G3 extra keys
+    tokens = list(range(9))
+    kv, _ = cached_manager(tokens)
+    salted = make_request("s", prompt_token_ids=tokens, cache_salt="tenant-b")
+    assert kv.get_computed_blocks(salted) == ([], 0)
+
+
+def test_prefix_caching_off_finds_nothing():
+    kv = KVCacheManager(CacheConfig(num_blocks=10, block_size=4, enable_prefix_caching=False),
+                        max_model_len=1000)
+    tokens = list(range(9))
+    kv.allocate_slots(make_request("a", prompt_token_ids=tokens), 9)
+    assert kv.get_computed_blocks(make_request("b", prompt_token_ids=tokens)) == ([], 0)
+    assert not kv.pool.cached

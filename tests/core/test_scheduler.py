@@ -1,0 +1,301 @@
+"""Spec D, H, J: the two passes, one token budget, update() and stop checks.
+
+Golden scenarios follow vLLM V1's tests (reference/vllm_v1_semantics.md section O).
+"""
+
+import pytest
+
+from kvserve.core import (
+    ModelOutput,
+    QueueFullError,
+    RequestError,
+    RequestRejected,
+    RequestStatus,
+    check_empty,
+)
+from tests.conftest import EOS, FakeExecutor, make_request, make_scheduler, run_to_completion, step
+
+
+def scheduled(out):
+    return dict(out.num_scheduled_tokens)
+
+
+def test_add_and_count_requests():  # O.1
+    scheduler = make_scheduler()
+    for i in range(3):
+        scheduler.add_request(make_request(i))
+    assert scheduler.get_num_unfinished_requests() == 3
+    assert [r.request_id for r in scheduler.waiting] == ["0", "1", "2"]
+    assert scheduler.abort("1") and scheduler.get_num_unfinished_requests() == 2
+
+
+def test_ten_small_requests_all_admitted_in_one_step(executor):  # O.2
+    scheduler = make_scheduler()
+    for i in range(10):
+        scheduler.add_request(make_request(i, 16 + i))
+    out, _ = step(scheduler, executor)
+    assert scheduled(out) == {str(i): 16 + i for i in range(10)}
+    assert [new.request_id for new in out.scheduled_new_reqs] == [str(i) for i in range(10)]
+    assert len(scheduler.waiting) == 0 and len(scheduler.running) == 10
+
+
+def test_concurrent_chunked_prefills_400_400_224(executor):  # D1, O.4
+    scheduler = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
+    for i in range(3):
+        scheduler.add_request(make_request(i, 800))
+    expected = [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
+    for want in expected:
+        out, _ = step(scheduler, executor)
+        assert list(out.num_scheduled_tokens.values()) == want
+        assert list(out.num_scheduled_tokens) == ["0", "1", "2"]
+
+
+def test_running_request_with_nothing_left_is_skipped_not_blocking(executor):  # D2
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 8))
+    out = scheduler.schedule(0.0)
+    # schedule again before update: "a" has no tokens to compute, and nothing else runs
+    again = scheduler.schedule(0.0)
+    assert scheduled(out) == {"a": 8} and again.is_empty
+
+
+def test_head_of_line_blocking_without_chunked_prefill(executor):  # D4, O.7
+    on = make_scheduler(max_num_batched_tokens=1024, max_model_len=1024)
+    off = make_scheduler(max_num_batched_tokens=1024, max_model_len=1024,
+                         enable_chunked_prefill=False)
+    for scheduler in (on, off):
+        scheduler.add_request(make_request("long", 700))
+        scheduler.add_request(make_request("longer", 800))
+        scheduler.add_request(make_request("short", 10))
+    assert scheduled(step(on, FakeExecutor())[0]) == {"long": 700, "longer": 324}
+    # off: "longer" does not fit the 324 tokens left, and the pass stops there although
+    # "short" would fit: head-of-line blocking, on purpose
+    assert scheduled(step(off, FakeExecutor())[0]) == {"long": 700}
+    assert off.num_blocked_steps == {"token_budget": 1}
+
+
+def test_max_num_seqs_stops_admission(executor):  # D4
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        scheduler.add_request(make_request(i, 4))
+    out, _ = step(scheduler, executor)
+    assert scheduled(out) == {"0": 4, "1": 4}
+    assert scheduler.num_blocked_steps == {"max_num_seqs": 1}
+
+
+def test_a_kv_blocked_head_blocks_the_queue(executor):  # D4 head-of-line on KV
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    scheduler.add_request(make_request("a", 8))
+    scheduler.add_request(make_request("b", 12))  # 3 blocks: only 2 left after "a"
+    scheduler.add_request(make_request("c", 4))  # would fit, but waits behind "b"
+    out, _ = step(scheduler, executor)
+    assert scheduled(out) == {"a": 8}
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+def test_admission_takes_the_prefix_hit_and_schedules_the_rest(executor):  # D5, D6
+    scheduler = make_scheduler(block_size=4)
+    shared = list(range(100, 112))
+    scheduler.add_request(make_request("a", prompt_token_ids=[*shared, 1]))
+    step(scheduler, executor)
+    scheduler.add_request(make_request("b", prompt_token_ids=[*shared, 2, 3]))
+    out, _ = step(scheduler, executor)
+    assert scheduled(out) == {"a": 1, "b": 2}
+    new = out.scheduled_new_reqs[0]
+    assert (new.request_id, new.num_computed_tokens, new.resumed) == ("b", 12, False)
+    assert new.block_ids[:3] == scheduler.kv.get_block_ids("a")[:3]
+    assert scheduler.requests["b"].num_cached_tokens == 12
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13 + 14, 12)  # G6
+
+
+def test_computed_tokens_advance_before_the_model_runs():  # D7
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 100))
+    scheduler.schedule(0.0)
+    assert scheduler.requests["a"].num_computed_tokens == 64
+
+
+def test_mid_prompt_chunks_return_no_token_then_the_last_chunk_does(executor):  # H1
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 100, max_tokens=5))
+    _, first = step(scheduler, executor)
+    _, second = step(scheduler, executor)
+    assert first == [] and [len(o.new_token_ids) for o in second] == [1]
+
+
+def test_update_enforces_the_executor_contract():
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 100))
+    out = scheduler.schedule(0.0)
+    with pytest.raises(ValueError, match="in the middle of its prompt"):
+        scheduler.update(out, ModelOutput({"a": [5]}), 0.0)
+    scheduler.add_request(make_request("b", 4))
+    out = scheduler.schedule(1.0)
+    with pytest.raises(ValueError, match="returned no token for request a, whose"):
+        scheduler.update(out, ModelOutput({}), 1.0)
+
+
+def run_one(tokens, **params):
+    """Feed ``tokens`` one per step to a single request; return its final output."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 4, eos_token_id=EOS, **params))
+    outputs = []
+    for now, token in enumerate(tokens):
+        out = scheduler.schedule(float(now))
+        outputs += scheduler.update(out, ModelOutput({"r": [token]}), float(now))
+        if outputs[-1].finished:
+            break
+    check_empty(scheduler)
+    return outputs[-1], sum((o.new_token_ids for o in outputs), [])
+
+
+@pytest.mark.parametrize(("tokens", "params", "reason", "stop_reason", "num_out"), [
+    ([7, 8, EOS, 9], {}, "stop", None, 3),
+    ([7, EOS, 8, 9], {"ignore_eos": True, "max_tokens": 4}, "length", None, 4),
+    ([7, 42, 8], {"stop_token_ids": [42]}, "stop", 42, 2),
+    ([7, 8, 9, 10], {"max_tokens": 3}, "length", None, 3),
+    ([EOS, 42, EOS, 11], {"min_tokens": 3, "stop_token_ids": [42]}, "stop", None, 3),
+    ([EOS, 42, EOS, 11], {"min_tokens": 2, "stop_token_ids": [42]}, "stop", 42, 2),
+    ([EOS, EOS, 7, 8], {"min_tokens": 3, "max_tokens": 3}, "length", None, 3),
+])
+def test_stop_conditions_in_order(tokens, params, reason, stop_reason, num_out):  # H2, O.5
+    params.setdefault("max_tokens", 16)
+    final, out_tokens = run_one(tokens, **params)
+    assert (final.finish_reason, final.stop_reason, len(out_tokens)) == (reason, stop_reason,
+                                                                         num_out)
+    assert final.metrics is not None and final.metrics.num_output_tokens == num_out
+
+
+def test_tokens_after_a_stop_in_the_same_step_are_dropped():  # H2
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 4, eos_token_id=EOS))
+    out = scheduler.schedule(0.0)
+    [final] = scheduler.update(out, ModelOutput({"r": [7, EOS, 8]}), 0.0)
+    assert final.new_token_ids == [7, EOS] and final.finish_reason == "stop"
+
+
+def test_max_model_len_caps_the_sequence():  # H2
+    scheduler = make_scheduler(max_model_len=20)
+    final = run_to_completion(scheduler, [make_request("r", 16, max_tokens=100)])["r"]
+    assert (final.finish_reason, len(final.new_token_ids)) == ("length", 4)
+
+
+def test_finished_request_frees_at_once_and_leaves_running(executor):  # H3
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 20, max_tokens=1))
+    scheduler.add_request(make_request("b", 20, max_tokens=5))
+    _, outputs = step(scheduler, executor)
+    assert [o.finished for o in outputs] == [True, False]
+    assert [r.request_id for r in scheduler.running] == ["b"]
+    assert scheduler.kv.num_held_blocks("a") == 0
+    out, _ = step(scheduler, executor)
+    assert out.finished_req_ids == ["a"]
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "preempted", "mid_prefill"])
+def test_abort_in_any_state_frees_everything(state, executor):  # H4
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", 4, max_tokens=50, ignore_eos=True))
+    if state == "mid_prefill":
+        scheduler.add_request(make_request("b", 20))
+        step(scheduler, executor)
+        assert scheduler.requests["b"].num_computed_tokens == 4
+    elif state == "running":
+        scheduler.add_request(make_request("b", 4))
+        step(scheduler, executor)
+    elif state == "preempted":
+        scheduler.add_request(make_request("b", 16, max_tokens=50, ignore_eos=True))
+        while scheduler.requests["b"].status is not RequestStatus.PREEMPTED:
+            step(scheduler, executor)
+    else:
+        scheduler.add_request(make_request("b", 4))
+    assert scheduler.abort("b", now=1.0)
+    assert not scheduler.abort("b") and not scheduler.abort("never-seen")
+    assert "b" not in scheduler.requests and scheduler.kv.num_held_blocks("b") == 0
+    scheduler.abort("a")
+    check_empty(scheduler)
+
+
+def test_abort_between_schedule_and_update_drops_the_token():  # H4
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 4))
+    out = scheduler.schedule(0.0)
+    scheduler.abort("a")
+    assert scheduler.update(out, ModelOutput({"a": [7]}), 0.0) == []
+    assert scheduler.schedule(1.0).finished_req_ids == ["a"]
+    check_empty(scheduler)
+
+
+def test_prompt_that_leaves_no_room_is_rejected_untouched():  # J1
+    scheduler = make_scheduler(max_model_len=64)
+    with pytest.raises(RequestRejected, match="prompt of 64 tokens leaves no room to generate: "
+                                              "max_model_len is 64"):
+        scheduler.add_request(make_request("a", 64))
+    check_empty(scheduler)
+
+
+def test_prompt_larger_than_the_pool_is_rejected_untouched():  # J1
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(RequestRejected, match=r"needs 5 KV blocks, but the whole pool has 4 "
+                                              r"blocks of 4 tokens \(16 tokens\)"):
+        scheduler.add_request(make_request("a", 16))
+    scheduler.add_request(make_request("b", 15))  # 15 + 1 tokens fit exactly
+    check_empty_except = scheduler.get_num_unfinished_requests()
+    assert check_empty_except == 1
+
+
+def test_growth_past_the_pool_stops_with_length_instead_of_preempting():  # J2
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    final = run_to_completion(scheduler, [make_request("a", 10, max_tokens=100,
+                                                       ignore_eos=True)])["a"]
+    # 16 slots: the sequence may reach 17 tokens (the last one is never fed back)
+    assert (final.finish_reason, len(final.new_token_ids)) == ("length", 7)
+    assert final.metrics is not None and final.metrics.num_preemptions == 0
+
+
+def test_duplicate_or_reused_request_is_refused():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a"))
+    with pytest.raises(RequestError, match="request id 'a' is already in use"):
+        scheduler.add_request(make_request("a"))
+    used = make_request("b")
+    used.output_token_ids.append(3)
+    with pytest.raises(RequestError, match="request b is not a fresh request"):
+        scheduler.add_request(used)
+
+
+def test_queue_limits_refuse_without_a_trace():  # K4
+    scheduler = make_scheduler(max_num_queued_reqs=2, max_num_queued_tokens=30)
+    scheduler.add_request(make_request("a", 10))
+    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(10 queued\)"):
+        scheduler.add_request(make_request("b", 21))
+    scheduler.add_request(make_request("c", 20))
+    with pytest.raises(QueueFullError, match="waiting queue is full .2 requests, "
+                                             "max_num_queued_reqs=2"):
+        scheduler.add_request(make_request("d", 1))
+    assert [r.request_id for r in scheduler.waiting] == ["a", "c"]
+    assert set(scheduler.requests) == {"a", "c"}
+
+
+def test_queue_deadline_times_out_only_never_scheduled_requests(executor):  # K4
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, max_queue_delay=2.0)
+    scheduler.add_request(make_request("a", 4, max_tokens=10, arrival_time=0.0))
+    scheduler.add_request(make_request("b", 4, arrival_time=0.0))
+    scheduler.add_request(make_request("c", 4, arrival_time=0.0, max_queue_delay=100.0))
+    outputs = []
+    for now in (0.0, 1.0, 2.0, 3.0):
+        outputs += step(scheduler, executor, now)[1]
+    timeouts = [o for o in outputs if o.stop_reason == "queue_timeout"]
+    assert [(o.request_id, o.finish_reason) for o in timeouts] == [("b", "abort")]
+    assert "a" in scheduler.requests and "c" in scheduler.requests  # a ran; c has 100 s
+
+
+def test_leak_check_after_everything_finishes():  # I4, O.14
+    scheduler = make_scheduler(num_blocks=30, block_size=4, max_num_seqs=4,
+                               max_num_batched_tokens=32)
+    requests = [make_request(i, 5 + 3 * i, max_tokens=4 + i, ignore_eos=True)
+                for i in range(12)]
+    final = run_to_completion(scheduler, requests)
+    assert sorted(final, key=int) == [str(i) for i in range(12)]
+    check_empty(scheduler)
