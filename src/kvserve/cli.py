@@ -23,7 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="LLM serving with a transparent scheduler, and a simulator that drives it.",
     )
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from kvserve.sim.commands import register as register_sim
+
+    register_sim(subparsers)
     return parser
 
 

@@ -1,0 +1,53 @@
+"""Pieces shared by the sim subcommands: deployment flags and error mapping."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+
+from kvserve.cli import CLIError
+
+
+def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True) -> None:
+    from kvserve.sim.presets import DTYPE_BYTES, HARDWARE, MODELS
+
+    group = parser.add_argument_group("deployment")
+    group.add_argument("--model", default="llama-3.1-8b",
+                       help=f"model preset: {', '.join(MODELS)} (default llama-3.1-8b)")
+    group.add_argument("--hardware", default="h100-sxm",
+                       help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm)")
+    group.add_argument("--dtype", default="bf16",
+                       help=f"weights and KV dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of device memory for weights, activations and KV")
+    if cost_model:
+        group.add_argument("--cost-model", default="roofline",
+                           choices=("unit", "roofline", "calibrated"))
+        group.add_argument("--calibration", metavar="PATH.json",
+                           help="coefficients for --cost-model calibrated")
+
+
+def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvserve.sim.deployment import Deployment
+
+    return Deployment(model=args.model, hardware=args.hardware, dtype=args.dtype,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      cost_model=getattr(args, "cost_model", "roofline"),
+                      calibration=getattr(args, "calibration", None))
+
+
+@contextlib.contextmanager
+def cli_errors() -> Iterator[None]:
+    """Bad input (a ValueError from any layer: trace, preset, config, workload) becomes a
+    one-line CLIError; bugs (anything else) keep their traceback."""
+    try:
+        yield
+    except CLIError:
+        raise
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    except OSError as error:
+        raise CLIError(f"{error.filename or ''}: {error.strerror}") from None

@@ -1,0 +1,185 @@
+"""``kvserve plan``: KV capacity, sustainable concurrency, and (with a trace) the
+max_num_seqs to pick and the QPS a deployment sustains."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
+from kvserve.sim.flags import add_scheduler_flags, settings_from_args
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS",
+        description="KV bytes per token, the KV pool and the sequences it holds; with "
+                    "--trace, simulate a sweep of max_num_seqs and search the capacity QPS.")
+    add_deployment_flags(parser)
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--gpu-memory-gib", type=float,
+                        help="device memory (default: the hardware preset's)")
+    memory.add_argument("--kv-pool-gib", type=float, help="the KV pool, given directly")
+    memory.add_argument("--activation-reserve-gib", type=float,
+                        help="activation reserve per device (default: estimated)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--prompt-len", type=int, help="tokens per prompt")
+    load.add_argument("--output-len", type=int, help="tokens generated per request")
+    load.add_argument("--trace", help="a JSONL trace: its p95 length, and simulations")
+    load.add_argument("--ttft-p99", type=float, metavar="SECONDS",
+                      help="p99 TTFT target for the throughput recommendation")
+    load.add_argument("--queue-delay-p99", type=float, default=5.0, metavar="SECONDS",
+                      help="p99 queue-delay bound that defines capacity (default 5)")
+    load.add_argument("--candidates", default="16,32,64,128,256,512,1024",
+                      help="max_num_seqs values to simulate")
+    load.add_argument("--no-capacity-search", action="store_true",
+                      help="skip the capacity QPS search")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_scheduler_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with cli_errors():
+        result = make_plan(args)
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            _print(result)
+    return 0
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.sim import plan
+    from kvserve.sim.capacity import plan_kv_pool
+    from kvserve.sim.presets import get_hardware, get_model
+    from kvserve.sim.trace import read_trace
+
+    for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99"):
+        _positive(name, getattr(args, name))
+    deployment = deployment_from_args(args)
+    settings = settings_from_args(args)
+    config, _ = deployment.configs({**settings, "num_kv_blocks": 1})
+    pool = plan_kv_pool(
+        get_model(args.model), args.dtype, settings.get("block_size", 16),
+        hardware=get_hardware(args.hardware), gpu_memory_gib=args.gpu_memory_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        activation_reserve_gib=args.activation_reserve_gib, kv_pool_gib=args.kv_pool_gib,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
+    trace = read_trace(args.trace) if args.trace else None
+    if args.prompt_len is not None and args.output_len is not None:
+        seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
+    elif trace is not None:
+        seq_len, source = plan.trace_seq_len_p95(trace), "trace p95"
+    else:
+        raise ValueError("give --prompt-len and --output-len, or --trace")
+    out: dict[str, Any] = {
+        "model": args.model, "hardware": args.hardware, "dtype": args.dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        **plan.kv_summary(pool, seq_len), "seq_len_source": source,
+    }
+    if trace is None:
+        return out
+    settings.setdefault("num_kv_blocks", pool.num_blocks)
+    candidates = _candidates(args.candidates)
+    rows = plan.sweep_max_num_seqs(deployment, trace, settings, candidates, args.seed)
+    out["sweep"] = rows
+    out.update(plan.recommend(rows, args.ttft_p99))
+    if not args.no_capacity_search:
+        out.update(_capacity(args, deployment, trace, settings, out))
+    return out
+
+
+def _candidates(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"--candidates {text!r}: write integers, e.g. 64,128,256") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"--candidates {text!r}: values must be >= 1")
+    return values
+
+
+def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
+              settings: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    from kvserve.sim import plan
+    from kvserve.sim.report import aggregate
+
+    max_num_seqs = (settings.get("max_num_seqs") or out["max_num_seqs_best_throughput"]
+                    or out["max_num_seqs_no_preemption"] or 256)
+    start = plan.trace_rate(trace)
+    if start is None:
+        return {"capacity_qps": None,
+                "capacity_note": "the trace's arrivals span no time: no rate to scale"}
+    run_settings = {**settings, "max_num_seqs": max_num_seqs}
+    if max_num_seqs > settings.get("max_num_batched_tokens", 2048):
+        run_settings["max_num_batched_tokens"] = max_num_seqs
+
+    def queue_p99(qps: float) -> float | None:
+        _, result = deployment.simulate(plan.scale_rate(trace, qps), run_settings,
+                                        seed=args.seed)
+        return aggregate(result)["queue_p99"]
+
+    qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99)
+    return {"capacity_qps": None if qps is None else round(qps, 4),
+            "capacity_max_num_seqs": max_num_seqs,
+            "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
+
+
+def _print(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib = 1 << 30
+    table = Table(title=f"{result['model']} ({result['dtype']}) on {result['hardware']} "
+                        f"x{result['tensor_parallel_size']}", show_header=False,
+                  title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("KV bytes per token", f"{result['kv_bytes_per_token']:,} B"),
+        ("weights", f"{result['weight_bytes'] / gib:.2f} GiB"),
+        ("activation reserve", f"{result['activation_reserve_bytes'] / gib:.2f} GiB"),
+        ("KV pool", f"{result['pool_bytes'] / gib:.2f} GiB = {result['num_blocks']:,} blocks"
+                    f" of {result['block_size']}"),
+        ("max live tokens", f"{result['max_live_tokens']:,}"),
+        (f"max concurrency at {result['seq_len']} tokens ({result['seq_len_source']})",
+         f"{result['max_concurrency']:,}"),
+    ]
+    if "sweep" in result:
+        rows += [
+            ("largest max_num_seqs without preemption",
+             str(result["max_num_seqs_no_preemption"])),
+            ("best-throughput max_num_seqs" + (
+                f" (TTFT p99 <= {result['ttft_p99_target_s']} s)"
+                if result["ttft_p99_target_s"] is not None else ""),
+             str(result["max_num_seqs_best_throughput"])),
+        ]
+    if "capacity_qps" in result:
+        rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
+                     str(result["capacity_qps"])))
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(width=110, highlight=False)
+    console.print(table)
+    if "sweep" in result:
+        from kvserve.sim.table import fmt_pct, fmt_s
+
+        sweep = Table(title="max_num_seqs sweep", title_justify="left")
+        for column in ("max_num_seqs", "preempt", "wasted", "out tok/s", "TTFT p99",
+                       "queue p99", "stall"):
+            sweep.add_column(column, justify="right")
+        for r in result["sweep"]:
+            sweep.add_row(str(r["max_num_seqs"]), str(r["num_preemptions"]),
+                          fmt_pct(r["wasted_fraction"]),
+                          f"{r['throughput_output_tok_s']:.1f}", fmt_s(r["ttft_p99"]),
+                          fmt_s(r["queue_p99"]), fmt_s(r["longest_stall_s"]))
+        console.print(sweep)

@@ -1,0 +1,116 @@
+"""``kvserve simulate``: replay a trace against a planned deployment."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
+from kvserve.sim.flags import BATCHING_MODES, add_scheduler_flags, parse_sweep, settings_from_args
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "simulate", help="replay a trace through the real scheduler on a virtual clock",
+        description="Replay a JSONL trace through kvserve's scheduler with a cost model "
+                    "instead of a model, and report latency, throughput, preemptions and KV "
+                    "usage.")
+    parser.add_argument("--trace", required=True, help="JSONL trace (kvserve workload gen)")
+    add_deployment_flags(parser)
+    parser.add_argument("--batching", choices=BATCHING_MODES,
+                        help="continuous (default), static batches, or serial")
+    parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
+    parser.add_argument("--report", metavar="PATH.json", help="write the JSON report")
+    parser.add_argument("--html", metavar="PATH.html", help="write the HTML report")
+    parser.add_argument("--events", metavar="PATH.jsonl", help="write the scheduling events")
+    parser.add_argument("--sweep", metavar="NAME=V1,V2,...",
+                        help="one run per value of a flag, e.g. max_num_seqs=64,128,256")
+    parser.add_argument("--check", action="store_true",
+                        help="check the scheduler's invariants after every step (slow)")
+    parser.add_argument("--quiet", action="store_true", help="print no table")
+    add_scheduler_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with cli_errors():
+        from kvserve.sim.trace import read_trace
+
+        deployment = deployment_from_args(args)
+        settings = settings_from_args(args)
+        sweep = parse_sweep(args.sweep) if args.sweep else None
+        if sweep and args.events:
+            raise ValueError("--events records one run; it cannot be combined with --sweep")
+        trace = read_trace(args.trace)
+        if sweep:
+            _run_sweep(args, deployment, settings, trace, *sweep)
+        else:
+            _run_one(args, deployment, settings, trace)
+    return 0
+
+
+def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
+             trace: list[Any]) -> None:
+    from kvserve.sim import report as reports
+    from kvserve.sim.table import Progress, print_aggregate
+
+    progress = Progress(len(trace))
+    try:
+        echo, result = deployment.simulate(trace, settings, seed=args.seed,
+                                           record_events=bool(args.events), check=args.check,
+                                           progress=progress)
+    finally:
+        progress.close()
+    report = reports.build_report(echo, result)
+    if args.report:
+        _write(args.report, reports.dumps(report))
+    if args.events:
+        _write(args.events, reports.events_jsonl(result))
+    if args.html:
+        from kvserve.sim.html import render_report
+
+        _write(args.html, render_report(report))
+    if not args.quiet:
+        title = (f"{Path(args.trace).name}: {echo['cost_model']['name']} cost model, "
+                 f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
+                 f"{echo['cache']['num_blocks']} KV blocks, {echo['batching']} batching")
+        print_aggregate(report["aggregate"], title)
+
+
+def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
+               trace: list[Any], name: str, values: list[Any]) -> None:
+    from kvserve.sim import report as reports
+    from kvserve.sim.table import Progress, print_sweep
+
+    rows = []
+    echo: dict[str, Any] = {}
+    for value in values:
+        progress = Progress(len(trace), f"{name}={value}")
+        try:
+            echo, result = deployment.simulate(trace, {**settings, name: value},
+                                               seed=args.seed, check=args.check,
+                                               progress=progress)
+        finally:
+            progress.close()
+        rows.append((value, reports.aggregate(result)))
+    echo["scheduler"].pop(name, None)
+    echo["cache"].pop(name, None)
+    report = reports.build_sweep_report(echo, name, rows)
+    if args.report:
+        _write(args.report, reports.dumps(report))
+    if args.html:
+        from kvserve.sim.html import render_sweep
+
+        _write(args.html, render_sweep(report))
+    if not args.quiet:
+        print_sweep(name, rows, f"{Path(args.trace).name}: sweep of {name}")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror}") from None
+    print(f"wrote {path}", file=sys.stderr)

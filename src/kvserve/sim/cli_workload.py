@@ -1,0 +1,72 @@
+"""``kvserve workload gen``: write a seeded synthetic trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvserve.sim.cli_common import cli_errors
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("workload", help="synthetic workloads and traces")
+    commands = parser.add_subparsers(dest="workload_command", metavar="COMMAND", required=True)
+    gen = commands.add_parser(
+        "gen", help="generate a trace (JSONL)",
+        description="Generate a seeded trace. Lengths are distributions written "
+                    "NAME:k=v,... : fixed:128, uniform:low=64,high=512, "
+                    "normal:mean=1000,std=200, lognormal:mean=1000,sigma=0.6, "
+                    "zipf:a=1.5,scale=64; each also takes min= and max= to clip.")
+    gen.add_argument("--num-requests", "-n", type=int, default=100)
+    gen.add_argument("--rate", type=float, default=1.0,
+                     help="mean arrivals (conversations) per second")
+    gen.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst"))
+    gen.add_argument("--cv", type=float, default=1.0,
+                     help="gamma: coefficient of variation of the gaps (>1: burstier)")
+    gen.add_argument("--burst-size", type=int, default=8, help="burst: requests per burst")
+    gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST")
+    gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST")
+    gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--prefix-groups", type=int, default=0,
+                     help="number of shared system prompts (0: none)")
+    gen.add_argument("--prefix-len", default="fixed:256", metavar="DIST",
+                     help="length of each shared system prompt")
+    gen.add_argument("--prefix-fraction", type=float, default=1.0,
+                     help="share of requests that start with a shared prompt")
+    gen.add_argument("--turns", default="fixed:1", metavar="DIST",
+                     help="turns per conversation; each turn's prompt holds the previous "
+                          "prompt and answer")
+    gen.add_argument("--think-time", type=float, default=5.0,
+                     help="mean seconds between turns (exponential)")
+    gen.add_argument("--priorities", default="",
+                     help="priority classes and weights, e.g. 0:0.2,1:0.8")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--output", "-o", metavar="PATH.jsonl", help="default: stdout")
+    gen.set_defaults(run=run_gen)
+
+
+def run_gen(args: argparse.Namespace) -> int:
+    with cli_errors():
+        from kvserve.sim.trace import dump_trace
+        from kvserve.sim.workloads import WorkloadSpec, generate
+
+        spec = WorkloadSpec(
+            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival, cv=args.cv,
+            burst_size=args.burst_size, prompt_len=args.prompt_len, output_len=args.output_len,
+            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+            prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
+            prefix_fraction=args.prefix_fraction, turns=args.turns,
+            think_time=args.think_time, priorities=args.priorities, seed=args.seed)
+        text = dump_trace(generate(spec))
+        if args.output:
+            try:
+                with open(args.output, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+            except OSError as error:
+                raise ValueError(f"cannot write {args.output}: {error.strerror}") from None
+            print(f"wrote {spec.num_requests} requests to {args.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+    return 0

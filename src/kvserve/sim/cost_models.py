@@ -1,0 +1,182 @@
+"""Cost models: how long one scheduler step takes, from the batch's shape alone.
+
+One protocol, ``step_time(scheduler_output, view) -> seconds``; the simulator's clock
+advances by that much per step. ``unit`` counts steps; ``roofline`` prices FLOPs and bytes
+on a hardware preset; ``calibrated`` reads coefficients measured on a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvserve.core import SchedulerOutput
+from kvserve.sim.executor import BatchView
+from kvserve.sim.presets import HardwareSpec, ModelSpec, dtype_bytes
+
+
+class CostModelError(ValueError):
+    """A cost model that cannot be built: bad parameters or a bad coefficients file."""
+
+
+class CostModel(Protocol):
+    name: str
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        """Seconds the step takes on the modelled hardware."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The model and its parameters, echoed in the report."""
+        ...
+
+
+class UnitCostModel:
+    """Every step costs exactly 1.0 s, so simulated seconds count steps."""
+
+    name = "unit"
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        return 1.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """step = max(compute, memory) + fixed overhead (+ tensor-parallel all-reduces).
+
+    compute: 2 FLOPs per weight per token through the layers, the LM head per sampled token,
+        and 4 * layers * heads * head_dim per causal (query, key) pair of attention;
+    memory: every weight once per step, every scheduled sequence's cached KV read once,
+        the new tokens' KV written once.
+    With tensor parallelism of degree tp, FLOPs and bytes split across tp devices and each
+    layer adds two ring all-reduces of the step's activations.
+    """
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    dtype: str = "bf16"
+    tensor_parallel_size: int = 1
+    name: str = "roofline"
+
+    def __post_init__(self) -> None:
+        dtype_bytes(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise CostModelError("tensor_parallel_size must be >= 1")
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        if view.num_tokens == 0:
+            return 0.0
+        return (max(self.compute_time(view), self.memory_time(view))
+                + self.hardware.step_overhead_s + self.allreduce_time(view))
+
+    def flops(self, view: BatchView) -> float:
+        m = self.model
+        return (2.0 * m.matmul_params_per_token * view.num_tokens
+                + 2.0 * m.lm_head_params * view.num_sampled
+                + 4.0 * m.num_layers * m.num_heads * m.head_dim * view.attention_pairs)
+
+    def bytes_moved(self, view: BatchView) -> float:
+        size = dtype_bytes(self.dtype)
+        kv_per_token = self.model.kv_elements_per_token() * size
+        return (self.model.num_params * size
+                + kv_per_token * (view.context_tokens + view.num_tokens))
+
+    def compute_time(self, view: BatchView) -> float:
+        hw = self.hardware
+        peak = hw.flops_for(self.dtype) * hw.compute_efficiency * self.tensor_parallel_size
+        return self.flops(view) / peak
+
+    def memory_time(self, view: BatchView) -> float:
+        hw = self.hardware
+        bandwidth = hw.memory_bandwidth * hw.memory_efficiency * self.tensor_parallel_size
+        return self.bytes_moved(view) / bandwidth
+
+    def allreduce_time(self, view: BatchView) -> float:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return 0.0
+        message = view.num_tokens * self.model.hidden_size * dtype_bytes(self.dtype)
+        ring = 2.0 * (tp - 1) / tp * message / self.hardware.interconnect_bandwidth
+        return 2 * self.model.num_layers * (ring + self.hardware.allreduce_latency_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model.name, "hardware": self.hardware.name,
+                "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size}
+
+
+CALIBRATED_FORMAT = "kvserve-cost-model/1"
+CALIBRATED_TERMS = ("fixed_s", "per_token_s", "per_seq_s", "per_sampled_s",
+                    "per_context_token_s", "per_attention_pair_s")
+
+
+@dataclass(frozen=True)
+class CalibratedCostModel:
+    """A linear model in the batch's shape, with coefficients measured on a real engine::
+
+        step = fixed_s + per_token_s * tokens + per_seq_s * seqs + per_sampled_s * sampled
+               + per_context_token_s * context_tokens + per_attention_pair_s * pairs
+
+    File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
+    optional "source": free text}. Missing terms are 0; unknown keys are errors.
+    """
+
+    coefficients: dict[str, float]
+    source: str = ""
+    name: str = "calibrated"
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        c = self.coefficients
+        return (c["fixed_s"] + c["per_token_s"] * view.num_tokens
+                + c["per_seq_s"] * view.num_seqs + c["per_sampled_s"] * view.num_sampled
+                + c["per_context_token_s"] * view.context_tokens
+                + c["per_attention_pair_s"] * view.attention_pairs)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "coefficients": dict(self.coefficients),
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CalibratedCostModel:
+        if not isinstance(data, dict):
+            raise CostModelError("a calibrated cost model must be a JSON object")
+        unknown = sorted(set(data) - {"format", "coefficients", "source"})
+        if unknown:
+            raise CostModelError(f"unknown key(s) in cost model: {', '.join(unknown)}")
+        if data.get("format") != CALIBRATED_FORMAT:
+            raise CostModelError(f"cost model format must be {CALIBRATED_FORMAT!r}, "
+                                 f"got {data.get('format')!r}")
+        given = data.get("coefficients")
+        if not isinstance(given, dict) or not given:
+            raise CostModelError("cost model needs a non-empty 'coefficients' object")
+        unknown = sorted(set(given) - set(CALIBRATED_TERMS))
+        if unknown:
+            raise CostModelError(f"unknown coefficient(s) {', '.join(unknown)}; known: "
+                                 f"{', '.join(CALIBRATED_TERMS)}")
+        coefficients = {}
+        for term in CALIBRATED_TERMS:
+            value = given.get(term, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise CostModelError(f"coefficient {term} must be a number >= 0, "
+                                     f"got {value!r}")
+            coefficients[term] = float(value)
+        if coefficients["fixed_s"] + coefficients["per_token_s"] <= 0:
+            raise CostModelError("fixed_s or per_token_s must be > 0, or time never advances")
+        return cls(coefficients, str(data.get("source", "")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibratedCostModel:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise CostModelError(f"cannot read cost model {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise CostModelError(f"{path}: not valid JSON: {error.msg} "
+                                 f"(line {error.lineno})") from None
+        return cls.from_dict(data)

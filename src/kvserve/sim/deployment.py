@@ -1,0 +1,112 @@
+"""A planned deployment: model, hardware, dtype and cost model, plus the scheduler flags.
+
+It turns user settings into the core's SchedulerConfig and CacheConfig (sizing the KV pool
+from memory when no block count is given) and runs a trace through the simulator. Both
+``kvserve simulate`` and ``kvserve plan`` go through :meth:`Deployment.simulate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.sim.capacity import kv_bytes_per_token, plan_kv_pool
+from kvserve.sim.cost_models import (
+    CalibratedCostModel,
+    CostModel,
+    CostModelError,
+    RooflineCostModel,
+    UnitCostModel,
+)
+from kvserve.sim.flags import cache_config, scheduler_config
+from kvserve.sim.presets import dtype_bytes, get_hardware, get_model
+from kvserve.sim.simulator import BATCHING_MODES, ProgressFn, SimResult, Simulator
+from kvserve.sim.trace import TraceRequest, dump_trace
+
+COST_MODELS = ("unit", "roofline", "calibrated")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str = "llama-3.1-8b"
+    hardware: str = "h100-sxm"
+    dtype: str = "bf16"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    cost_model: str = "roofline"
+    calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        get_model(self.model)
+        get_hardware(self.hardware)
+        dtype_bytes(self.dtype)
+        if self.cost_model not in COST_MODELS:
+            raise CostModelError(f"unknown cost model {self.cost_model!r}; known: "
+                                 f"{', '.join(COST_MODELS)}")
+        if self.cost_model == "calibrated" and not self.calibration:
+            raise CostModelError("--cost-model calibrated needs --calibration FILE.json")
+
+    def build_cost_model(self) -> CostModel:
+        if self.cost_model == "unit":
+            return UnitCostModel()
+        if self.cost_model == "calibrated":
+            assert self.calibration is not None
+            return CalibratedCostModel.load(self.calibration)
+        return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
+                                 self.dtype, self.tensor_parallel_size)
+
+    def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
+        block_size = settings.get("block_size", 16)
+        if settings.get("num_kv_blocks") is not None:
+            return int(settings["num_kv_blocks"])
+        model = get_model(self.model)
+        if settings.get("kv_cache_memory") is not None:
+            per_block = kv_bytes_per_token(model, self.dtype) * block_size
+            return max(1, int(settings["kv_cache_memory"]) // per_block)
+        return plan_kv_pool(model, self.dtype, block_size, hardware=get_hardware(self.hardware),
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs).num_blocks
+
+    def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
+        config = scheduler_config(settings)
+        return config, cache_config(settings, self.num_kv_blocks(settings, config))
+
+    def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
+                 seed: int = 0, record_events: bool = False, check: bool = False,
+                 progress: ProgressFn | None = None) -> tuple[dict[str, Any], SimResult]:
+        """Run ``trace``; returns the config echo for the report and the result."""
+        batching = settings.get("batching", "continuous")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
+        config, cache = self.configs(settings)
+        cost_model = self.build_cost_model()
+        simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
+                              record_events=record_events, check=check)
+        result = simulator.run(trace, progress)
+        echo = {
+            "scheduler": _fields(config),
+            "cache": _fields(cache),
+            "cost_model": cost_model.describe(),
+            "deployment": {"model": self.model, "hardware": self.hardware,
+                           "dtype": self.dtype,
+                           "tensor_parallel_size": self.tensor_parallel_size,
+                           "gpu_memory_utilization": self.gpu_memory_utilization},
+            "batching": batching,
+            "seed": seed,
+            "trace": {"num_requests": len(trace), "digest": trace_digest(trace)},
+        }
+        return echo, result
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+
+
+def trace_digest(trace: Sequence[TraceRequest]) -> str:
+    """A short stable digest of the trace's content (not its path)."""
+    return hashlib.sha256(dump_trace(trace).encode()).hexdigest()[:16]

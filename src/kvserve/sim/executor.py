@@ -1,0 +1,102 @@
+"""SimExecutor: the model replaced by deterministic tokens (DESIGN.md, "The one seam").
+
+Like a real model runner it keeps per-request state from SchedulerOutput alone: new and
+resumed requests arrive with their whole current sequence, cached requests with their
+computed-token count, finished and preempted ids say what to drop. It samples one token
+for every request whose scheduled chunk reaches the end of its sequence and nothing for a
+mid-prompt chunk. A request whose model answer is ``output_len`` tokens long samples those
+tokens and then EOS, unless ``ignore_eos``; the scheduler's own stop checks do the rest.
+
+Each step it also describes the batch's shape (:class:`BatchView`) for the cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.core import ModelOutput, SchedulerOutput
+from kvserve.sim.tokens import EOS_TOKEN_ID, stream_token
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """The shape of one step's batch, summed over its scheduled requests i with c_i tokens
+    of KV already computed and n_i tokens computed now.
+
+    attention_pairs = sum n_i * c_i + n_i * (n_i + 1) / 2: (query, key) pairs under the
+    causal mask, the quadratic term of prefill; context_tokens = sum c_i: KV read from cache.
+    """
+
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    num_decode_seqs: int
+    context_tokens: int
+    attention_pairs: int
+
+
+EMPTY_BATCH = BatchView(0, 0, 0, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class _SeqState:
+    num_prompt_tokens: int
+    output_len: int
+    ignore_eos: bool
+    stream: int
+    seq_len: int = 0
+    num_computed: int = 0
+
+
+class SimExecutor:
+    def __init__(self) -> None:
+        self._specs: dict[str, tuple[int, int, bool, int]] = {}
+        self._state: dict[str, _SeqState] = {}
+        self.view = EMPTY_BATCH
+
+    def register(self, request_id: str, num_prompt_tokens: int, output_len: int,
+                 ignore_eos: bool, stream: int) -> None:
+        """What the simulated model will answer to ``request_id`` (before it is added)."""
+        self._specs[request_id] = (num_prompt_tokens, output_len, ignore_eos, stream)
+
+    def forget(self, request_id: str) -> None:
+        self._specs.pop(request_id, None)
+        self._state.pop(request_id, None)
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        state = self._state
+        for request_id in out.finished_req_ids:
+            self.forget(request_id)
+        for request_id in out.preempted_req_ids:
+            state.pop(request_id, None)
+        for new in out.scheduled_new_reqs:
+            spec = self._specs[new.request_id]
+            state[new.request_id] = _SeqState(*spec, seq_len=len(new.token_ids),
+                                              num_computed=new.num_computed_tokens)
+        sampled: dict[str, list[int]] = {}
+        num_sampled = num_decode = context = pairs = 0
+        for request_id, num_new in out.num_scheduled_tokens.items():
+            seq = state[request_id]
+            computed = seq.num_computed
+            context += computed
+            pairs += num_new * computed + num_new * (num_new + 1) // 2
+            if num_new == 1 and computed > 0:
+                num_decode += 1
+            computed += num_new
+            if computed > seq.seq_len:
+                raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
+            seq.num_computed = computed
+            if computed == seq.seq_len:
+                sampled[request_id] = [self._next_token(seq)]
+                seq.seq_len += 1
+                num_sampled += 1
+        self.view = BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
+                              num_sampled, num_decode, context, pairs)
+        return ModelOutput(sampled)
+
+    @staticmethod
+    def _next_token(seq: _SeqState) -> int:
+        num_output = seq.seq_len - seq.num_prompt_tokens
+        if num_output >= seq.output_len and not seq.ignore_eos:
+            return EOS_TOKEN_ID
+        return stream_token(seq.stream, seq.seq_len)

@@ -1,0 +1,119 @@
+"""The engine's scheduler and cache flags (DESIGN.md, "Flags"), shared by ``kvserve
+simulate`` and ``kvserve plan`` so a simulated deployment is written exactly like a served
+one. Flags left unset keep the core's defaults.
+
+Parsed flags become a flat ``settings`` dict (scheduler fields, cache fields, batching);
+``--sweep NAME=...`` overrides one of its keys per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.core.config import ADMISSION_POLICIES, SCHEDULING_POLICIES, VICTIM_POLICIES
+
+_SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("max_num_seqs", int, "most requests running at once"),
+    ("max_num_batched_tokens", int, "token budget of one step"),
+    ("max_model_len", int, "longest sequence (prompt + output)"),
+    ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off"),
+    ("watermark", float, "fraction of KV blocks kept free when admitting"),
+    ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests"),
+    ("max_num_queued_tokens", int, "reject arrivals beyond this many waiting tokens"),
+    ("max_queue_delay", float, "abort a request that waited this many seconds unscheduled"),
+)
+CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching")
+SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
+BATCHING_MODES = ("continuous", "static", "serial")
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6,
+          "mb": 10**6, "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30,
+          "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2147483648', '2GiB', '1.5 GB' -> bytes."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 8GiB or 2000000000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("scheduler and KV cache (same flags as kvserve serve)")
+    for name, kind, text in _SCHEDULER_FLAGS:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
+    group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action=argparse.BooleanOptionalAction, help="split long prompts")
+    group.add_argument("--scheduling-policy", dest="scheduling_policy",
+                       choices=SCHEDULING_POLICIES)
+    group.add_argument("--preemption-mode", dest="preemption_mode",
+                       choices=("recompute", "swap", "auto"))
+    group.add_argument("--victim-policy", dest="victim_policy", choices=VICTIM_POLICIES)
+    group.add_argument("--admission-policy", dest="admission_policy",
+                       choices=ADMISSION_POLICIES)
+    group.add_argument("--block-size", dest="block_size", type=int)
+    group.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
+                       type=int, help="KV blocks in the pool (default: sized from memory)")
+    group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
+                       help="KV pool size in bytes (e.g. 20GiB) instead of a block count")
+    group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                       action=argparse.BooleanOptionalAction)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the user set, as config keys; unset flags are left out."""
+    keys = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
+    return {k: getattr(args, k) for k in keys
+            if getattr(args, k, None) is not None}
+
+
+def sweep_key(name: str) -> str:
+    key = name.strip().lstrip("-").replace("-", "_")
+    if key in ("num_gpu_blocks_override",):
+        key = "num_kv_blocks"
+    known = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
+    if key not in known:
+        raise ValueError(f"cannot sweep {name!r}; known: {', '.join(known)}")
+    return key
+
+
+def parse_value(text: str) -> Any:
+    text = text.strip()
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    lowered = text.lower()
+    if lowered in ("true", "on", "yes"):
+        return True
+    if lowered in ("false", "off", "no"):
+        return False
+    return text
+
+
+def parse_sweep(spec: str) -> tuple[str, list[Any]]:
+    name, eq, values = spec.partition("=")
+    items = [v for v in values.split(",") if v.strip()]
+    if not eq or not items:
+        raise ValueError(f"--sweep {spec!r}: write NAME=V1,V2,... (e.g. max_num_seqs=64,128)")
+    key = sweep_key(name)
+    parsed = [parse_value(v) for v in items]
+    if key == "kv_cache_memory":
+        parsed = [parse_bytes(v) for v in items]
+    return key, parsed
+
+
+def scheduler_config(settings: dict[str, Any]) -> SchedulerConfig:
+    return SchedulerConfig.from_dict({k: v for k, v in settings.items() if k in SCHEDULER_KEYS})
+
+
+def cache_config(settings: dict[str, Any], num_blocks: int) -> CacheConfig:
+    return CacheConfig(num_blocks=num_blocks, block_size=settings.get("block_size", 16),
+                       enable_prefix_caching=settings.get("enable_prefix_caching", True))

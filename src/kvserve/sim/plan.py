@@ -1,0 +1,128 @@
+"""Capacity planning: how much KV fits, how many sequences run at once, which max_num_seqs
+to pick for a trace, and how many requests per second a deployment sustains.
+
+The recommendations come from simulating the trace (the real scheduler, a cost model),
+never from a formula for the scheduler's behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from kvserve.sim.capacity import KVPool
+from kvserve.sim.deployment import Deployment
+from kvserve.sim.report import aggregate
+from kvserve.sim.trace import TraceRequest
+
+DEFAULT_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def generated_tokens(request: TraceRequest) -> int:
+    """Tokens the simulated model will produce: output_len and EOS, or up to max_tokens
+    with ignore_eos; capped by max_tokens."""
+    if request.ignore_eos:
+        return request.max_tokens or request.output_len
+    produced = request.output_len + 1
+    return min(produced, request.max_tokens) if request.max_tokens else produced
+
+
+def trace_seq_len_p95(trace: Sequence[TraceRequest]) -> int:
+    """95th percentile of prompt + generated tokens, rounded up."""
+    lengths = [r.num_prompt_tokens + generated_tokens(r) for r in trace]
+    return math.ceil(float(np.percentile(lengths, 95)))
+
+
+def scale_rate(trace: Sequence[TraceRequest], qps: float) -> list[TraceRequest]:
+    """The same requests with arrival gaps stretched or squeezed to a mean rate of ``qps``
+    (cancel times and deadlines move with their request)."""
+    first = min(r.arrival_time for r in trace)
+    span = max(r.arrival_time for r in trace) - first
+    factor = (len(trace) - 1) / span / qps
+
+    def move(t: float | None, arrival: float) -> float | None:
+        return None if t is None else first + (arrival - first) * factor + (t - arrival)
+
+    return [replace(r, arrival_time=first + (r.arrival_time - first) * factor,
+                    cancel_time=move(r.cancel_time, r.arrival_time),
+                    deadline=move(r.deadline, r.arrival_time)) for r in trace]
+
+
+def trace_rate(trace: Sequence[TraceRequest]) -> float | None:
+    times = [r.arrival_time for r in trace]
+    span = max(times) - min(times)
+    return (len(trace) - 1) / span if span > 0 and len(trace) > 1 else None
+
+
+SWEEP_FIGURES = ("num_preemptions", "wasted_fraction", "throughput_output_tok_s", "ttft_p99",
+                 "itl_p99", "queue_p99", "longest_stall_s")
+
+
+def sweep_max_num_seqs(deployment: Deployment, trace: Sequence[TraceRequest],
+                       settings: dict[str, Any], candidates: Sequence[int],
+                       seed: int = 0) -> list[dict[str, Any]]:
+    rows = []
+    for value in candidates:
+        run_settings = {**settings, "max_num_seqs": value}
+        budget = settings.get("max_num_batched_tokens", 2048)
+        if value > budget:
+            run_settings["max_num_batched_tokens"] = value  # the core requires budget >= seqs
+        _, result = deployment.simulate(trace, run_settings, seed=seed)
+        figures = aggregate(result)
+        rows.append({"max_num_seqs": value, **{k: figures[k] for k in SWEEP_FIGURES}})
+    return rows
+
+
+def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict[str, Any]:
+    """The largest max_num_seqs that never preempts, and the best-throughput one whose p99
+    TTFT meets the target (ties: the smaller max_num_seqs)."""
+    calm = [r["max_num_seqs"] for r in rows if r["num_preemptions"] == 0]
+    eligible = [r for r in rows if ttft_p99_target is None
+                or (r["ttft_p99"] is not None and r["ttft_p99"] <= ttft_p99_target)]
+    best = max(eligible, key=lambda r: (r["throughput_output_tok_s"], -r["max_num_seqs"]),
+               default=None)
+    return {"max_num_seqs_no_preemption": max(calm) if calm else None,
+            "max_num_seqs_best_throughput": best["max_num_seqs"] if best else None,
+            "ttft_p99_target_s": ttft_p99_target}
+
+
+def capacity_qps(run_queue_p99: Callable[[float], float | None], start_qps: float,
+                 queue_p99_bound: float, *, rel_tol: float = 0.02,
+                 max_probes: int = 24) -> tuple[float | None, list[dict[str, float | None]]]:
+    """The largest rate whose p99 queue delay stays within the bound, by doubling to
+    bracket it and then bisection. Returns (qps or None, probes)."""
+    probes: list[dict[str, float | None]] = []
+
+    def ok(qps: float) -> bool:
+        p99 = run_queue_p99(qps)
+        probes.append({"qps": round(qps, 6), "queue_p99": p99})
+        return p99 is not None and p99 <= queue_p99_bound
+
+    lo, hi = 0.0, start_qps
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if len(probes) >= max_probes // 2:
+            return lo, probes  # still within bound: report the largest rate tried
+    while lo == 0.0 and len(probes) < max_probes // 2:
+        hi /= 2
+        if ok(hi):
+            lo = hi
+            hi *= 2
+    if lo == 0.0:
+        return None, probes
+    while (hi - lo) > rel_tol * lo and len(probes) < max_probes:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def kv_summary(pool: KVPool, seq_len: int) -> dict[str, Any]:
+    return {**pool.to_json(), "seq_len": seq_len,
+            "max_concurrency": pool.max_concurrency(seq_len)}

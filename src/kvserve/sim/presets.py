@@ -1,0 +1,149 @@
+"""Model, hardware and dtype presets for the roofline cost model and the capacity planner.
+
+Figures are restated from public sources in our own numbers (cited per entry); efficiency
+factors and fixed overheads are our assumptions, not vendor claims. ``cpu-local`` is this
+development machine, measured with torch (../shared/WORKLOADS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+class PresetError(ValueError):
+    """An unknown preset name, or a preset combination that does not exist."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family decoder: enough to count FLOPs, weight and KV bytes."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def params_per_layer(self) -> int:
+        """Attention projections (q, k, v, o), the gated MLP (gate, up, down), two norms."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        mlp = 3 * h * self.intermediate_size
+        return attention + mlp + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        embedding = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else embedding
+        return self.num_layers * self.params_per_layer + embedding + lm_head + self.hidden_size
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights every token multiplies through (layers only; the LM head runs per
+        sampled token, the embedding is a lookup)."""
+        return self.num_layers * (self.params_per_layer - 2 * self.hidden_size)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def kv_elements_per_token(self) -> int:
+        """K and V, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator: dense peak FLOP/s per dtype, memory, and our efficiency guesses."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s (no structured sparsity)
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    interconnect_bandwidth: float  # bytes/s per direction between devices, for TP all-reduce
+    compute_efficiency: float = 0.6  # achieved fraction of peak FLOP/s in matmuls
+    memory_efficiency: float = 0.8  # achieved fraction of peak bandwidth
+    step_overhead_s: float = 0.003  # scheduling, input preparation, kernel launches
+    allreduce_latency_s: float = 10e-6
+
+    def flops_for(self, dtype: str) -> float:
+        """fp8 on a part without fp8 tensor cores computes in bf16 (weight-only fp8)."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return self.peak_flops["bf16"]
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+# Public model configs (Hugging Face config.json of each model).
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        # meta-llama/Llama-3.1-8B: 32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 128256 vocab.
+        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+        # meta-llama/Llama-3.1-70B: 80 layers, 8192 hidden, 64/8 heads, 28672 MLP.
+        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+        # Qwen/Qwen2.5-7B: 28 layers, 3584 hidden, 28/4 heads, 18944 MLP, 152064 vocab
+        # (its q/k/v biases are a rounding error here and are left out).
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064),
+        # mistralai/Mistral-7B-v0.3: 32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 32768 vocab.
+        ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768),
+        # HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 576 hidden, 9/3 heads of 64,
+        # 1536 MLP, 49152 vocab, tied embeddings (DESIGN.md's default model).
+        ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True),
+    )
+}
+
+_T = 1e12
+# NVIDIA datasheets (dense figures, i.e. half the "with sparsity" numbers).
+HARDWARE: dict[str, HardwareSpec] = {
+    h.name: h
+    for h in (
+        # H100 SXM5 80GB: BF16/FP16 989 TFLOP/s, FP8 1979, TF32 495; HBM3 3.35 TB/s;
+        # NVLink 4 900 GB/s total (450 per direction).
+        HardwareSpec("h100-sxm", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
+                                  "fp8": 1979 * _T}, 3.35e12, 80 * 10**9, 450e9),
+        # H200 SXM: H100's compute; HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s.
+        HardwareSpec("h200", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
+                              "fp8": 1979 * _T}, 4.8e12, 141 * 10**9, 450e9),
+        # A100 SXM 80GB: BF16/FP16 312 TFLOP/s, TF32 156, no FP8; HBM2e 2.039 TB/s;
+        # NVLink 3 600 GB/s total.
+        HardwareSpec("a100-80gb", {"fp32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
+                     2.039e12, 80 * 10**9, 300e9),
+        # L4: BF16/FP16 121 TFLOP/s, FP8 242.5, TF32 60; GDDR6 24 GB at 300 GB/s; PCIe 4 x16.
+        HardwareSpec("l4", {"fp32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T,
+                            "fp8": 242.5 * _T}, 300e9, 24 * 10**9, 32e9),
+        # This machine (2 cores, torch CPU, ../shared/WORKLOADS.md): matmul fp32 ~180 GFLOP/s,
+        # bf16 ~410 GFLOP/s (fp16 unmeasured: taken as fp32); copy bandwidth 35-52 GB/s, 40 used;
+        # 24 GiB RAM. The figures are achieved rates already, so efficiencies are closer to 1.
+        HardwareSpec("cpu-local", {"fp32": 180e9, "bf16": 410e9, "fp16": 180e9}, 40e9,
+                     24 * GiB, 40e9, compute_efficiency=0.85, memory_efficiency=0.85,
+                     step_overhead_s=0.005),
+    )
+}
+
+
+def _lookup(kind: str, table: dict, name: str):  # type: ignore[no-untyped-def]
+    try:
+        return table[name]
+    except KeyError:
+        raise PresetError(f"unknown {kind} {name!r}; known: {', '.join(table)}") from None
+
+
+def get_model(name: str) -> ModelSpec:
+    return _lookup("model", MODELS, name)
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    return _lookup("hardware", HARDWARE, name)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _lookup("dtype", DTYPE_BYTES, dtype)

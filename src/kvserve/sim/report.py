@@ -1,0 +1,177 @@
+"""The simulation report (DESIGN.md, "Files and formats"): config echo, aggregate figures,
+per-request rows and per-step time series, as one JSON object.
+
+Determinism: the report holds simulated quantities only (never wall time), floats are
+rounded to microseconds, keys keep a fixed order, so the same trace + flags + seed give the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvserve.sim.simulator import RequestRecord, SimResult
+
+REPORT_VERSION = 1
+PERCENTILES = (("p50", 50), ("p90", 90), ("p99", 99))
+LATENCIES = ("ttft", "itl", "e2e", "queue")
+
+
+def _round(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def summarise(name: str, values: Iterable[float] | np.ndarray) -> dict[str, float | None]:
+    """``{name}_mean, _p50, _p90, _p99, _max`` (None when there are no values)."""
+    data = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=float)
+    if data.size == 0:
+        return {f"{name}_{key}": None for key in ("mean", "p50", "p90", "p99", "max")}
+    points = np.percentile(data, [q for _, q in PERCENTILES])
+    out = {f"{name}_mean": _round(data.mean())}
+    for (key, _), value in zip(PERCENTILES, points, strict=True):
+        out[f"{name}_{key}"] = _round(value)
+    out[f"{name}_max"] = _round(data.max())
+    return out
+
+
+def request_latencies(record: RequestRecord) -> dict[str, float | None]:
+    m = record.metrics
+    if m is None:
+        return {"ttft": None, "e2e": None, "queue": None}
+    ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+    return {"ttft": ttft, "e2e": m.finished_time - m.arrival_time, "queue": m.queue_time}
+
+
+def aggregate(result: SimResult) -> dict[str, Any]:
+    records = result.records
+    steps = result.steps
+    duration = result.end_time - result.start_time
+    finished = [r for r in records if r.metrics is not None and r.finish_reason != "abort"]
+    latencies = [request_latencies(r) for r in records]
+    num_output = sum(r.num_output_tokens for r in records)
+    num_prompt = sum(r.num_prompt_tokens for r in finished)
+    durations = np.frombuffer(steps.duration, dtype=float) if len(steps.duration) else None
+    usage = np.frombuffer(steps.kv_usage, dtype=float) if len(steps.kv_usage) else None
+    reasons: dict[str, int] = {}
+    for record in records:
+        reasons[record.finish_reason] = reasons.get(record.finish_reason, 0) + 1
+    out: dict[str, Any] = {
+        "num_requests": len(records),
+        "num_finished": len(finished),
+        "finish_reasons": dict(sorted(reasons.items())),
+        "num_steps": result.num_steps,
+        "duration_s": _round(duration),
+        "num_preemptions": result.num_preemptions,
+        "num_preempted_requests": sum(
+            1 for r in records if r.metrics is not None and r.metrics.num_preemptions > 0),
+        "scheduled_tokens": result.num_scheduled_tokens,
+        "recomputed_tokens": result.num_recomputed_tokens,
+        "wasted_fraction": _round(result.num_recomputed_tokens / result.num_scheduled_tokens
+                                  if result.num_scheduled_tokens else 0.0),
+        "prompt_tokens": num_prompt,
+        "output_tokens": num_output,
+        "throughput_output_tok_s": _round(num_output / duration if duration > 0 else 0.0),
+        "throughput_total_tok_s": _round(result.num_scheduled_tokens / duration
+                                         if duration > 0 else 0.0),
+        "throughput_req_s": _round(len(finished) / duration if duration > 0 else 0.0),
+    }
+    for name in LATENCIES:
+        if name == "itl":
+            values: Any = np.frombuffer(result.itl_samples, dtype=float)
+        else:
+            values = [lat[name] for lat in latencies if lat[name] is not None]
+        out.update(summarise(name, values))
+    stalls = [r.metrics.longest_stall for r in records if r.metrics is not None]
+    out["longest_stall_s"] = _round(max(stalls, default=0.0))
+    queries = result.prefix_cache_queries
+    out["prefix_hit_rate"] = _round(result.prefix_cache_hits / queries if queries else 0.0)
+    out["kv_usage_peak"] = _round(usage.max() if usage is not None else 0.0)
+    # Time-weighted: a long step at high usage counts for more than a short one.
+    out["kv_usage_mean"] = _round(
+        float((usage * durations).sum() / durations.sum())
+        if usage is not None and durations is not None and durations.sum() > 0 else 0.0)
+    out["deadline_misses"] = sum(
+        1 for r in records if r.deadline is not None
+        and (r.metrics is None or r.metrics.finished_time > r.deadline))
+    out["blocked_steps"] = dict(sorted(result.num_blocked_steps.items()))
+    return out
+
+
+def request_rows(result: SimResult) -> list[dict[str, Any]]:
+    rows = []
+    for record in result.records:
+        m = record.metrics
+        lat = request_latencies(record)
+        gaps = record.num_output_tokens - 1
+        rows.append({
+            "request_id": record.request_id,
+            "arrival_time": _round(record.arrival_time),
+            "first_scheduled_time": _round(m.first_scheduled_time if m else None),
+            "first_token_time": _round(m.first_token_time if m else None),
+            "finished_time": _round(m.finished_time if m else None),
+            "finish_reason": record.finish_reason,
+            "stop_reason": record.stop_reason,
+            "prompt_tokens": record.num_prompt_tokens,
+            "output_tokens": record.num_output_tokens,
+            "cached_tokens": m.num_cached_tokens if m else 0,
+            "num_preemptions": m.num_preemptions if m else 0,
+            "recomputed_tokens": m.num_recomputed_tokens if m else 0,
+            "ttft_s": _round(lat["ttft"]),
+            "e2e_s": _round(lat["e2e"]),
+            "queue_s": _round(lat["queue"]),
+            "itl_mean_s": _round(record.itl_sum / gaps if gaps > 0 else None),
+            "itl_max_s": _round(record.itl_max if gaps > 0 else None),
+            "longest_stall_s": _round(m.longest_stall if m else 0.0),
+            "stalls": [[_round(a), _round(b)] for a, b in record.stalls],
+        })
+    return rows
+
+
+def time_series(result: SimResult) -> dict[str, list[Any]]:
+    steps = result.steps
+    return {
+        "time": [_round(t) for t in steps.time],
+        "step_duration": [_round(d, 9) for d in steps.duration],
+        "num_scheduled_tokens": list(steps.num_scheduled_tokens),
+        "num_running": list(steps.num_running),
+        "num_waiting": list(steps.num_waiting),
+        "kv_usage": [_round(u) for u in steps.kv_usage],
+    }
+
+
+def build_report(config: dict[str, Any], result: SimResult) -> dict[str, Any]:
+    return {
+        "kvserve_report": REPORT_VERSION,
+        "config": config,
+        "aggregate": aggregate(result),
+        "requests": request_rows(result),
+        "time_series": time_series(result),
+    }
+
+
+def build_sweep_report(config: dict[str, Any], name: str,
+                       runs: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    """One row per swept value: the value and that run's aggregate."""
+    return {
+        "kvserve_report": REPORT_VERSION,
+        "config": config,
+        "sweep": {"name": name, "rows": [{"value": v, "aggregate": a} for v, a in runs]},
+    }
+
+
+def dumps(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=1, allow_nan=False) + "\n"
+
+
+def events_jsonl(result: SimResult) -> str:
+    lines = []
+    for event in result.events:
+        lines.append(json.dumps({"time": _round(event.time), "kind": event.kind,
+                                 "request_id": event.request_id,
+                                 "num_tokens": event.num_tokens, "reason": event.reason},
+                                separators=(",", ":")))
+    return "".join(line + "\n" for line in lines)

@@ -1,0 +1,325 @@
+"""The event loop: the real Scheduler, a SimExecutor and a cost model on a virtual clock.
+
+One step, exactly as in the engine (DESIGN.md)::
+
+    add arrivals whose time has come; abort cancellations whose time has come
+    out = scheduler.schedule(now)
+    model_output = executor.execute(out)          # tokens, and the batch's shape
+    now += cost_model.step_time(out, executor.view)
+    outputs = scheduler.update(out, model_output, now)
+
+When nothing can run the clock jumps to the next arrival or cancellation. Batching modes:
+``continuous`` hands every arrival to the scheduler at once; ``static`` holds arrivals in
+the loop until the scheduler is empty, then hands over up to max_num_seqs of them (a batch
+run to completion); ``serial`` does the same one request at a time. The scheduler itself is
+never copied or bypassed: the modes only decide when a request reaches it.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.core import (
+    CacheConfig,
+    ModelOutput,
+    QueueFullError,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestRejected,
+    RequestStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerEvent,
+    check_invariants,
+)
+from kvserve.core.request import EventType
+from kvserve.sim.cost_models import CostModel
+from kvserve.sim.executor import SimExecutor
+from kvserve.sim.tokens import EOS_TOKEN_ID
+from kvserve.sim.trace import TraceRequest
+
+BATCHING_MODES = ("continuous", "static", "serial")
+ProgressFn = Callable[[float, int, int], None]
+
+
+@dataclass
+class RequestRecord:
+    """One request's life in the simulation: a report row and a timeline bar."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    finish_reason: str = "unfinished"
+    stop_reason: str | None = None
+    metrics: RequestMetrics | None = None
+    num_output_tokens: int = 0
+    itl_max: float = 0.0
+    itl_sum: float = 0.0
+    last_token_time: float | None = None
+    stalls: list[tuple[float, float]] = field(default_factory=list)
+    deadline: float | None = None
+
+
+@dataclass
+class StepSeries:
+    """Per step: start time, duration and the scheduler's state after the step."""
+
+    time: array = field(default_factory=lambda: array("d"))
+    duration: array = field(default_factory=lambda: array("d"))
+    num_scheduled_tokens: array = field(default_factory=lambda: array("l"))
+    num_running: array = field(default_factory=lambda: array("l"))
+    num_waiting: array = field(default_factory=lambda: array("l"))
+    kv_usage: array = field(default_factory=lambda: array("d"))
+
+
+@dataclass
+class SimResult:
+    start_time: float
+    end_time: float
+    records: list[RequestRecord]
+    steps: StepSeries
+    itl_samples: array
+    num_preemptions: int
+    num_scheduled_tokens: int
+    num_recomputed_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_blocked_steps: dict[str, int]
+    events: list[SchedulerEvent]
+    wall_seconds: float
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps.time)
+
+
+class Simulator:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cost_model: CostModel, *, seed: int = 0, batching: str = "continuous",
+                 record_events: bool = False, check: bool = False) -> None:
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.cost_model = cost_model
+        self.seed = seed
+        self.batching = batching
+        self.record_events = record_events
+        self.check = check
+
+    def run(self, trace: Sequence[TraceRequest],
+            progress: ProgressFn | None = None) -> SimResult:
+        return _Run(self, trace, progress).run()
+
+
+class _Run:
+    """The state of one simulation."""
+
+    def __init__(self, sim: Simulator, trace: Sequence[TraceRequest],
+                 progress: ProgressFn | None) -> None:
+        self.sim = sim
+        self.scheduler = Scheduler(sim.scheduler_config, sim.cache_config,
+                                   record_events=sim.record_events)
+        self.executor = SimExecutor()
+        self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
+        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
+                                                    r.num_prompt_tokens, deadline=r.deadline)
+                        for r in self.arrivals}
+        self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
+                              if r.cancel_time is not None)
+        self.held: deque[TraceRequest] = deque()  # arrived, not yet handed over (static)
+        self.live: dict[str, Request] = {}
+        self.finished: set[str] = set()  # membership only
+        self.steps = StepSeries()
+        self.itl = array("d")
+        self.events: list[SchedulerEvent] = []
+        self.progress = progress
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall_start = time.perf_counter()
+        scheduler, executor, cost = self.scheduler, self.executor, self.sim.cost_model
+        step_time = cost.step_time
+        steps = self.steps
+        next_arrival = next_cancel = 0
+        now = start = self.arrivals[0].arrival_time if self.arrivals else 0.0
+        num_arrivals, num_cancels = len(self.arrivals), len(self.cancels)
+        while True:
+            while next_arrival < num_arrivals and self.arrivals[next_arrival].arrival_time <= now:
+                self.held.append(self.arrivals[next_arrival])
+                next_arrival += 1
+            while next_cancel < num_cancels and self.cancels[next_cancel][0] <= now:
+                self._cancel(self.cancels[next_cancel][1], now)
+                next_cancel += 1
+            self._hand_over(now)
+            if not scheduler.has_unfinished_requests():
+                upcoming = self._next_event_time(next_arrival, next_cancel)
+                if upcoming is None:
+                    break
+                now = max(now, upcoming)
+                continue
+            out = scheduler.schedule(now)
+            if out.total_num_scheduled_tokens == 0:
+                self._collect(scheduler.update(out, ModelOutput({}), now), now)
+                if scheduler.running:
+                    raise AssertionError(f"nothing scheduled at t={now} with requests running")
+                if scheduler.has_unfinished_requests():
+                    upcoming = self._next_event_time(next_arrival, next_cancel)
+                    if upcoming is None:
+                        break  # nothing can ever run again: left as "unfinished"
+                    now = upcoming
+                continue
+            model_output = executor.execute(out)
+            duration = step_time(out, executor.view)
+            steps.time.append(now)
+            now += duration
+            self._collect(scheduler.update(out, model_output, now), now)
+            steps.duration.append(duration)
+            steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
+            steps.num_running.append(len(scheduler.running))
+            steps.num_waiting.append(len(scheduler.waiting) + len(self.held))
+            steps.kv_usage.append(scheduler.kv.usage())
+            if self.sim.check:
+                check_invariants(scheduler)
+            if self.progress is not None and len(steps.time) % 256 == 0:
+                self.progress(now, len(self.finished), num_arrivals)
+            if self.sim.record_events:
+                self.events.extend(scheduler.take_events())
+        if self.sim.record_events:
+            self.events.extend(scheduler.take_events())
+        for request in self.live.values():
+            self._close_stalls(request)
+        stats = scheduler.stats()
+        return SimResult(
+            start_time=start, end_time=now,
+            records=[self.records[r.request_id] for r in self.arrivals],
+            steps=steps, itl_samples=self.itl,
+            num_preemptions=stats.num_preemptions,
+            num_scheduled_tokens=stats.num_scheduled_tokens,
+            num_recomputed_tokens=stats.num_recomputed_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_blocked_steps=stats.num_blocked_steps,
+            events=self.events,
+            wall_seconds=time.perf_counter() - wall_start,
+        )
+
+    def _next_event_time(self, next_arrival: int, next_cancel: int) -> float | None:
+        times = []
+        if next_arrival < len(self.arrivals):
+            times.append(self.arrivals[next_arrival].arrival_time)
+        if next_cancel < len(self.cancels):
+            times.append(self.cancels[next_cancel][0])
+        return min(times) if times else None
+
+    # -- requests in -----------------------------------------------------------------------
+
+    def _hand_over(self, now: float) -> None:
+        """Give held arrivals to the scheduler, as the batching mode allows."""
+        mode = self.sim.batching
+        if mode == "continuous":
+            limit = len(self.held)
+        elif self.scheduler.has_unfinished_requests():
+            return
+        else:
+            limit = 1 if mode == "serial" else self.sim.scheduler_config.max_num_seqs
+        while self.held and limit > 0:
+            self._submit(self.held.popleft(), now)
+            limit -= 1
+
+    def _submit(self, trace_request: TraceRequest, now: float) -> None:
+        seed = self.sim.seed
+        request_id = trace_request.request_id
+        max_tokens = trace_request.max_tokens or self.sim.scheduler_config.max_model_len
+        request = Request(
+            request_id, trace_request.synthesise_prompt(seed),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=trace_request.ignore_eos,
+                           eos_token_id=EOS_TOKEN_ID, priority=trace_request.priority),
+            arrival_time=trace_request.arrival_time)
+        self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
+                               trace_request.ignore_eos, trace_request.continuation_key(seed))
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejected as error:
+            self._refuse(request_id, "rejected", str(error))
+            return
+        except QueueFullError as error:
+            self._refuse(request_id, "queue_full", str(error))
+            return
+        self.live[request_id] = request
+
+    def _refuse(self, request_id: str, reason: str, message: str) -> None:
+        self.executor.forget(request_id)
+        record = self.records[request_id]
+        record.finish_reason = reason
+        record.stop_reason = message
+        self.finished.add(request_id)
+
+    def _cancel(self, request_id: str, now: float) -> None:
+        if request_id in self.finished:
+            return
+        if request_id in self.live:
+            metrics = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
+                                                    stop_reason="cancelled", now=now)
+            self._finish(request_id, "abort", "cancelled", metrics, now)
+            return
+        for index, held in enumerate(self.held):
+            if held.request_id == request_id:
+                del self.held[index]
+                break
+        else:
+            return  # cancelled before it arrived: it never does
+        record = self.records[request_id]
+        record.finish_reason, record.stop_reason = "abort", "cancelled"
+        self.finished.add(request_id)
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def _collect(self, outputs: list[RequestOutput], now: float) -> None:
+        records, itl = self.records, self.itl
+        for output in outputs:
+            record = records[output.request_id]
+            if output.new_token_ids:
+                last = record.last_token_time
+                if last is not None:
+                    gap = now - last
+                    itl.append(gap)
+                    record.itl_sum += gap
+                    if gap > record.itl_max:
+                        record.itl_max = gap
+                record.last_token_time = now
+                record.num_output_tokens += len(output.new_token_ids)
+            if output.finished:
+                stop = output.stop_reason
+                self._finish(output.request_id, output.finish_reason or "error",
+                             None if stop is None else str(stop), output.metrics, now)
+
+    def _finish(self, request_id: str, reason: str, stop_reason: str | None,
+                metrics: RequestMetrics | None, now: float) -> None:
+        record = self.records[request_id]
+        record.finish_reason = reason
+        record.stop_reason = stop_reason
+        record.metrics = metrics
+        self.finished.add(request_id)
+        request = self.live.pop(request_id, None)
+        if request is not None:
+            self._close_stalls(request)
+        self.executor.forget(request_id)
+
+    def _close_stalls(self, request: Request) -> None:
+        """Preemption stalls from the request's own event history: preempted -> resumed."""
+        stalls = self.records[request.request_id].stalls
+        opened = None
+        for event in request.events:
+            if event.type is EventType.PREEMPTED:
+                opened = event.timestamp
+            elif event.type in (EventType.RESUMED, EventType.FINISHED) and opened is not None:
+                stalls.append((opened, event.timestamp))
+                opened = None

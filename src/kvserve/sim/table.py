@@ -1,0 +1,122 @@
+"""Terminal tables for people (rich, imported lazily: the library never needs it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fmt_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1:
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def fmt_pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _console(file: Any = None) -> Any:
+    from rich.console import Console
+
+    return Console(file=file, width=110, highlight=False)
+
+
+def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None) -> None:
+    from rich.table import Table
+
+    a = aggregate
+    summary = Table(show_header=False)
+    summary.add_column("figure", style="bold")
+    summary.add_column("value", justify="right")
+    reasons = ", ".join(f"{k} {v}" for k, v in a["finish_reasons"].items())
+    rows = [
+        ("requests", f"{a['num_requests']} ({reasons})"),
+        ("steps / simulated time", f"{a['num_steps']} / {a['duration_s']:.2f} s"),
+        ("output throughput", f"{a['throughput_output_tok_s']:.1f} tok/s"),
+        ("total throughput", f"{a['throughput_total_tok_s']:.1f} tok/s"),
+        ("preemptions", f"{a['num_preemptions']} ({a['num_preempted_requests']} requests)"),
+        ("recomputed tokens (wasted)",
+         f"{a['recomputed_tokens']} ({fmt_pct(a['wasted_fraction'])})"),
+        ("longest stall", fmt_s(a["longest_stall_s"])),
+        ("prefix hit rate", fmt_pct(a["prefix_hit_rate"])),
+        ("KV usage peak / mean", f"{fmt_pct(a['kv_usage_peak'])} / "
+                                 f"{fmt_pct(a['kv_usage_mean'])}"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    latency = Table(title="latency", title_justify="left")
+    latency.add_column("")
+    for column in ("mean", "p50", "p90", "p99", "max"):
+        latency.add_column(column, justify="right")
+    for name, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "E2E"), ("queue", "queue")):
+        latency.add_row(label, *(fmt_s(a[f"{name}_{c}"])
+                                 for c in ("mean", "p50", "p90", "p99", "max")))
+    console = _console(file)
+    console.print(title, style="bold")
+    console.print(summary)
+    console.print(latency)
+
+
+SWEEP_COLUMNS = (
+    ("preempt", lambda a: str(a["num_preemptions"])),
+    ("wasted", lambda a: fmt_pct(a["wasted_fraction"])),
+    ("out tok/s", lambda a: f"{a['throughput_output_tok_s']:.1f}"),
+    ("TTFT p50", lambda a: fmt_s(a["ttft_p50"])),
+    ("TTFT p99", lambda a: fmt_s(a["ttft_p99"])),
+    ("ITL p99", lambda a: fmt_s(a["itl_p99"])),
+    ("E2E p99", lambda a: fmt_s(a["e2e_p99"])),
+    ("stall", lambda a: fmt_s(a["longest_stall_s"])),
+    ("KV peak", lambda a: fmt_pct(a["kv_usage_peak"])),
+)
+
+
+def print_sweep(name: str, rows: list[tuple[Any, dict[str, Any]]], title: str,
+                file: Any = None) -> None:
+    from rich.table import Table
+
+    table = Table()
+    table.add_column(name)
+    for label, _ in SWEEP_COLUMNS:
+        table.add_column(label, justify="right")
+    for value, aggregate in rows:
+        table.add_row(str(value), *(fn(aggregate) for _, fn in SWEEP_COLUMNS))
+    console = _console(file)
+    console.print(title, style="bold")
+    console.print(table)
+
+
+class Progress:
+    """A progress bar on stderr that appears only once a run has taken over a second."""
+
+    def __init__(self, total: int, label: str = "simulating") -> None:
+        import sys
+        import time
+
+        self._time = time.perf_counter
+        self._start = self._time()
+        self._total = total
+        self._label = label
+        self._bar: Any = None
+        self._task: Any = None
+        self._enabled = sys.stderr.isatty()
+
+    def __call__(self, now: float, num_finished: int, total: int) -> None:
+        if not self._enabled:
+            return
+        if self._bar is None:
+            if self._time() - self._start < 1.0:
+                return
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self._label, total=self._total)
+        self._bar.update(self._task, completed=num_finished,
+                         description=f"{self._label} t={now:.1f}s")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

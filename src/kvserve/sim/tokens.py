@@ -1,0 +1,51 @@
+"""Deterministic synthetic token ids: a stream of ids per key, the same at every length.
+
+``stream_token(key, p)`` is a pure function of (seed, key, position), so the first n ids of
+a stream never depend on how many are drawn. That is what lets requests share a prefix
+(same key for the first ``prefix_len`` positions) and lets a conversation's next turn contain
+the previous turn's prompt and answer token for token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+EOS_TOKEN_ID = 2
+FIRST_TOKEN_ID = 3  # 0..2 are reserved (padding, BOS, EOS)
+VOCAB_SIZE = 32000
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_SPAN = VOCAB_SIZE - FIRST_TOKEN_ID
+
+
+def stream_key(seed: int, key: str) -> int:
+    """A stable 64-bit key for ``key`` under ``seed`` (no salted ``hash()``)."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def stream_token(key: int, position: int) -> int:
+    """splitmix64 of (key + position * golden); never EOS."""
+    z = (key + (position + 1) * _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    z ^= z >> 31
+    return FIRST_TOKEN_ID + z % _SPAN
+
+
+def stream_tokens(key: int, start: int, end: int) -> list[int]:
+    """``[stream_token(key, p) for p in range(start, end)]``, vectorised."""
+    if end <= start:
+        return []
+    positions = np.arange(start + 1, end + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(key) + positions * np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+        z ^= z >> np.uint64(31)
+    return (z % np.uint64(_SPAN) + np.uint64(FIRST_TOKEN_ID)).tolist()

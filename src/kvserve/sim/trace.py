@@ -1,0 +1,200 @@
+"""The trace file (DESIGN.md, "Files and formats"): JSONL, one request a line.
+
+Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` or
+``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
+produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
+request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
+``ignore_eos``. Unknown fields are errors: a field that is accepted must be honoured.
+
+Token ids for ``prompt_len`` requests come from :mod:`kvserve.sim.tokens`: positions below
+``prefix_len`` from the stream of ``prefix_id``, the rest from the stream of ``request_id``.
+The simulated model continues the stream its prompt ended in, so a request whose prefix is
+its whole prompt (a conversation turn) answers from the conversation's stream, and the next
+turn's prompt can contain that answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.sim.tokens import stream_key, stream_tokens
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_time: float
+    output_len: int
+    prompt_len: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    prefix_id: str | None = None
+    prefix_len: int = 0
+    max_tokens: int | None = None
+    priority: int = 0
+    deadline: float | None = None
+    cancel_time: float | None = None
+    ignore_eos: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        assert self.prompt_len is not None
+        return self.prompt_len
+
+    def continuation_key(self, seed: int) -> int:
+        """The stream the simulated model's output continues (see the module docstring)."""
+        if self.prefix_id is not None and self.prefix_len >= self.num_prompt_tokens:
+            return stream_key(seed, "prefix:" + self.prefix_id)
+        return stream_key(seed, "request:" + self.request_id)
+
+    def synthesise_prompt(self, seed: int) -> list[int]:
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        assert self.prompt_len is not None
+        ids: list[int] = []
+        if self.prefix_id is not None:
+            ids = stream_tokens(stream_key(seed, "prefix:" + self.prefix_id), 0, self.prefix_len)
+        own = stream_key(seed, "request:" + self.request_id)
+        ids += stream_tokens(own, len(ids), self.prompt_len)
+        return ids
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
+        if self.prompt_token_ids is not None:
+            row["prompt_token_ids"] = list(self.prompt_token_ids)
+        else:
+            row["prompt_len"] = self.prompt_len
+        if self.prefix_id is not None:
+            row["prefix_id"] = self.prefix_id
+            row["prefix_len"] = self.prefix_len
+        row["output_len"] = self.output_len
+        for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
+                              ("cancel_time", None), ("ignore_eos", False)):
+            value = getattr(self, name)
+            if value != default:
+                row[name] = value
+        return row
+
+
+_FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
+           "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
+           "ignore_eos")
+
+
+def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
+    value = row.get(name, default)
+    if value is default and name not in row:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def _time(row: dict[str, Any], name: str, required: bool = False) -> float | None:
+    if name not in row:
+        if required:
+            raise ValueError(f"missing {name}")
+        return None
+    value = row[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def parse_request(row: Any) -> TraceRequest:
+    """One decoded JSON line -> TraceRequest; raises ValueError naming the bad field."""
+    if not isinstance(row, dict):
+        raise ValueError("a trace line must be a JSON object")
+    unknown = sorted(set(row) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+    request_id = row.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    ids = row.get("prompt_token_ids")
+    prompt_len = _int(row, "prompt_len", 1)
+    if (ids is None) == (prompt_len is None):
+        raise ValueError("give exactly one of prompt_token_ids and prompt_len")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("prompt_token_ids must be a non-empty list of integers >= 0")
+        ids = tuple(ids)
+    prefix_id = row.get("prefix_id")
+    prefix_len = _int(row, "prefix_len", 0, 0)
+    if prefix_id is not None:
+        if not isinstance(prefix_id, str) or ids is not None or "prefix_len" not in row:
+            raise ValueError("prefix_id must be a string, with prefix_len and prompt_len")
+        if prefix_len > prompt_len:
+            raise ValueError(f"prefix_len {prefix_len} is longer than prompt_len {prompt_len}")
+    elif "prefix_len" in row:
+        raise ValueError("prefix_len needs a prefix_id")
+    if "output_len" not in row:
+        raise ValueError("missing output_len")
+    ignore_eos = row.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    priority = row.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    return TraceRequest(
+        request_id=request_id,
+        arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
+        output_len=_int(row, "output_len", 0),
+        prompt_len=prompt_len,
+        prompt_token_ids=ids,
+        prefix_id=prefix_id,
+        prefix_len=prefix_len,
+        max_tokens=_int(row, "max_tokens", 1),
+        priority=priority,
+        deadline=_time(row, "deadline"),
+        cancel_time=_time(row, "cancel_time"),
+        ignore_eos=ignore_eos,
+    )
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSONL trace; blank lines are skipped. Raises TraceError naming the line."""
+    requests: list[TraceRequest] = []
+    seen: set[str] = set()
+    try:
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError as error:
+        raise TraceError(f"cannot read trace {path}: {error.strerror}") from None
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                request = parse_request(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise TraceError(f"{path}:{number}: not valid JSON: {error.msg}") from None
+            except ValueError as error:
+                raise TraceError(f"{path}:{number}: {error}") from None
+            if request.request_id in seen:
+                raise TraceError(f"{path}:{number}: duplicate request_id "
+                                 f"{request.request_id!r}")
+            seen.add(request.request_id)
+            requests.append(request)
+    if not requests:
+        raise TraceError(f"{path}: the trace has no requests")
+    return requests
+
+
+def dump_trace(requests: Iterable[TraceRequest]) -> str:
+    return "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in requests)
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
+    Path(path).write_text(dump_trace(requests), encoding="utf-8")
