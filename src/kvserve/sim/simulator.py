@@ -153,7 +153,9 @@ class _Run:
         num_arrivals, num_cancels = len(self.arrivals), len(self.cancels)
         while True:
             while next_arrival < num_arrivals and self.arrivals[next_arrival].arrival_time <= now:
-                self.held.append(self.arrivals[next_arrival])
+                arrival = self.arrivals[next_arrival]
+                if arrival.request_id not in self.finished:  # else cancelled before arriving
+                    self.held.append(arrival)
                 next_arrival += 1
             while next_cancel < num_cancels and self.cancels[next_cancel][0] <= now:
                 self._cancel(self.cancels[next_cancel][1], now)
@@ -274,8 +276,6 @@ class _Run:
             if held.request_id == request_id:
                 del self.held[index]
                 break
-        else:
-            return  # cancelled before it arrived: it never does
         record = self.records[request_id]
         record.finish_reason, record.stop_reason = "abort", "cancelled"
         self.finished.add(request_id)

@@ -1,0 +1,134 @@
+"""The command line: simulate, workload gen, plan; bad input is one line and exit 2."""
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+
+REQUIRED_AGGREGATE = [
+    "num_steps", "duration_s", "num_requests", "num_preemptions", "scheduled_tokens",
+    "recomputed_tokens", "wasted_fraction", "throughput_output_tok_s", "prefix_hit_rate",
+    "kv_usage_peak", "kv_usage_mean",
+] + [f"{m}_{q}" for m in ("ttft", "itl", "e2e", "queue") for q in ("p50", "p90", "p99", "max")]
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "40", "--rate", "20", "--prompt-len",
+                 "uniform:32,256", "--output-len", "uniform:8,64", "--prefix-groups", "2",
+                 "--seed", "3", "-o", str(path)]) == 0
+    return path
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_simulate_writes_report_with_every_aggregate_field(tmp_path, trace, capsys):
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(trace), "--report", str(report),
+                 "--num-kv-blocks", "200", "--max-num-seqs", "16"]) == 0
+    data = json.loads(report.read_text())
+    assert set(REQUIRED_AGGREGATE) <= set(data["aggregate"])
+    assert data["aggregate"]["num_requests"] == 40
+    assert data["config"]["scheduler"]["max_num_seqs"] == 16
+    assert data["config"]["cache"]["num_blocks"] == 200
+    assert len(data["requests"]) == 40
+    assert len(data["time_series"]["kv_usage"]) == data["aggregate"]["num_steps"]
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "preemptions" in out
+
+
+def test_simulate_is_byte_identical_across_runs(tmp_path, trace):
+    outputs = []
+    for run in range(2):
+        report, events = tmp_path / f"r{run}.json", tmp_path / f"e{run}.jsonl"
+        assert main(["simulate", "--trace", str(trace), "--report", str(report),
+                     "--events", str(events), "--num-kv-blocks", "120", "--seed", "5",
+                     "--quiet"]) == 0
+        outputs.append((report.read_bytes(), events.read_bytes()))
+    assert outputs[0] == outputs[1]
+    events = [json.loads(line) for line in outputs[0][1].decode().splitlines()]
+    kinds = {e["kind"] for e in events}
+    assert {"arrived", "admitted", "finished"} <= kinds
+    assert sum(e["kind"] == "finished" for e in events) == 40
+
+
+def test_sweep_reports_one_row_per_value(tmp_path, trace, capsys):
+    report = tmp_path / "s.json"
+    assert main(["simulate", "--trace", str(trace), "--report", str(report),
+                 "--num-kv-blocks", "100", "--sweep", "max-num-seqs=2,8,32"]) == 0
+    sweep = json.loads(report.read_text())["sweep"]
+    assert sweep["name"] == "max_num_seqs"
+    assert [r["value"] for r in sweep["rows"]] == [2, 8, 32]
+    throughput = [r["aggregate"]["throughput_output_tok_s"] for r in sweep["rows"]]
+    assert throughput[0] < throughput[1]
+    assert "max_num_seqs" in capsys.readouterr().out
+
+
+def test_batching_modes_on_the_same_trace(tmp_path, trace):
+    results = {}
+    for mode in ("continuous", "static", "serial"):
+        report = tmp_path / f"{mode}.json"
+        assert main(["simulate", "--trace", str(trace), "--batching", mode, "--quiet",
+                     "--report", str(report)]) == 0
+        results[mode] = json.loads(report.read_text())["aggregate"]
+    assert results["serial"]["duration_s"] > results["static"]["duration_s"] \
+        > results["continuous"]["duration_s"]
+    assert results["serial"]["queue_p99"] > results["continuous"]["queue_p99"]
+
+
+def test_plan_json_has_the_worked_figures(capsys):
+    assert main(["plan", "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+                 "--activation-reserve-gib", "1", "--prompt-len", "1000", "--output-len",
+                 "250", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["kv_bytes_per_token"], data["max_live_tokens"], data["max_concurrency"]) \
+        == (131_072, 418_592, 331)
+
+
+def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
+    assert main(["plan", "--trace", str(trace), "--cost-model", "unit", "--num-kv-blocks",
+                 "60", "--candidates", "2,64", "--ttft-p99", "1000", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["max_num_seqs"] for r in data["sweep"]] == [2, 64]
+    assert data["max_num_seqs_no_preemption"] == 2
+    assert data["max_num_seqs_best_throughput"] == 64
+    assert data["capacity_qps"] is None or data["capacity_qps"] > 0
+    assert data["capacity_probes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--model", "gpt-9"], "unknown model 'gpt-9'; known: llama-3.1-8b, "
+                                       "llama-3.1-70b, qwen2.5-7b, mistral-7b, smollm2-135m"),
+    (["simulate", "--hardware", "tpu"], "unknown hardware 'tpu'; known: h100-sxm"),
+    (["simulate", "--dtype", "int3"], "unknown dtype 'int3'; known: fp32, bf16, fp16, fp8"),
+    (["simulate", "--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
+    (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
+    (["simulate", "--cost-model", "calibrated"], "needs --calibration"),
+    (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be > 0"),
+    (["plan"], "give --prompt-len and --output-len, or --trace"),
+    (["workload", "gen", "--rate", "-2"], "rate must be a positive number"),
+    (["workload", "gen", "--prompt-len", "banana:3"], "unknown distribution 'banana'"),
+])
+def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
+    if argv[0] == "simulate":
+        argv = [*argv, "--trace", str(trace)]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"kvserve {argv[0]}: error: ")
+    assert message in line
+
+
+def test_malformed_trace_line_is_named(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 4, "output_len": 1}\n'
+                    '{"request_id": "b", "arrival_time": 0, "prompt_len": 4}\n')
+    assert main(["simulate", "--trace", str(path)]) == 2
+    assert f"{path}:2: missing output_len" in _error_line(capsys)
+    assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot read trace" in _error_line(capsys)

@@ -1,0 +1,116 @@
+"""Capacity arithmetic on worked examples, and the simulation-driven recommendations."""
+
+import pytest
+
+from kvserve.sim.capacity import CapacityError, kv_bytes_per_token, plan_kv_pool
+from kvserve.sim.deployment import Deployment
+from kvserve.sim.plan import (
+    capacity_qps,
+    recommend,
+    scale_rate,
+    sweep_max_num_seqs,
+    trace_rate,
+    trace_seq_len_p95,
+)
+from kvserve.sim.presets import get_hardware, get_model
+
+from .helpers import req
+
+
+def test_kv_bytes_per_token_by_hand():
+    # 2 (K, V) x 32 layers x 8 KV heads x 128 x 2 bytes = 131,072 (128 KiB)
+    assert kv_bytes_per_token(get_model("llama-3.1-8b"), "bf16") == 131_072
+    # 2 x 30 x 3 x 64 x 2 = 23,040; in fp8 half that.
+    assert kv_bytes_per_token(get_model("smollm2-135m"), "bf16") == 23_040
+    assert kv_bytes_per_token(get_model("smollm2-135m"), "fp8") == 11_520
+    # 2 x 80 x 8 x 128 x 2 = 327,680
+    assert kv_bytes_per_token(get_model("llama-3.1-70b"), "bf16") == 327_680
+
+
+def test_llama8b_on_one_h100_by_hand():
+    # usable = 80e9 x 0.9 = 72,000,000,000; weights 8,030,261,248 x 2 = 16,060,522,496;
+    # reserve 1 GiB = 1,073,741,824 -> pool 54,865,735,680 B.
+    # block = 131,072 x 16 = 2,097,152 B -> 26,162 blocks (26,161.98...), 418,592 tokens.
+    # 1,000 + 250 tokens = 79 blocks (78.1 rounded up) -> 26,162 // 79 = 331 sequences.
+    pool = plan_kv_pool(get_model("llama-3.1-8b"), "bf16", 16,
+                        hardware=get_hardware("h100-sxm"), activation_reserve_gib=1.0)
+    assert pool.weight_bytes == 16_060_522_496
+    assert pool.pool_bytes == 54_865_735_680
+    assert (pool.num_blocks, pool.max_live_tokens) == (26_162, 418_592)
+    assert pool.max_concurrency(1250) == 331
+
+
+def test_llama70b_tp4_pools_four_devices():
+    # usable 4 x 72e9 = 288e9; weights 70,553,706,496 x 2 = 141,107,412,992;
+    # reserve 2 GiB per device x 4 = 8,589,934,592 -> pool 138,302,652,416 B;
+    # / (327,680 x 16) = 26,379 blocks.
+    pool = plan_kv_pool(get_model("llama-3.1-70b"), "bf16", 16,
+                        hardware=get_hardware("h100-sxm"), tensor_parallel_size=4,
+                        activation_reserve_gib=2.0)
+    assert (pool.pool_bytes, pool.num_blocks) == (138_302_652_416, 26_379)
+
+
+def test_direct_pool_and_explicit_memory():
+    # 1 GiB / (23,040 x 16 = 368,640 B) = 2,912 blocks (2,912.7) = 46,592 tokens;
+    # at 512 + 128 = 640 tokens (40 blocks): 72 sequences.
+    pool = plan_kv_pool(get_model("smollm2-135m"), "bf16", 16, kv_pool_gib=1.0)
+    assert (pool.num_blocks, pool.max_live_tokens, pool.max_concurrency(640)) == \
+        (2_912, 46_592, 72)
+    # 24 GiB x 0.5 = 12 GiB = 12,884,901,888 - 16,060,522,496 < 0: does not fit.
+    with pytest.raises(CapacityError, match="does not fit"):
+        plan_kv_pool(get_model("llama-3.1-8b"), "bf16", 16, gpu_memory_gib=24,
+                     gpu_memory_utilization=0.5)
+
+
+def test_trace_p95_and_rate_scaling():
+    trace = [req(f"r{i}", 100 + i, 9, arrival=float(i)) for i in range(100)]
+    # lengths 100 + i + 10 (9 tokens and EOS): p95 of 110..209 = 204.05 -> 205.
+    assert trace_seq_len_p95(trace) == 205
+    assert trace_rate(trace) == pytest.approx(1.0)
+    fast = scale_rate(trace, 4.0)
+    assert trace_rate(fast) == pytest.approx(4.0)
+    assert fast[10].arrival_time == pytest.approx(2.5)
+
+
+def test_recommend_picks_the_largest_calm_and_the_fastest_within_target():
+    rows = [
+        {"max_num_seqs": 8, "num_preemptions": 0, "throughput_output_tok_s": 100.0,
+         "ttft_p99": 9.0},
+        {"max_num_seqs": 16, "num_preemptions": 0, "throughput_output_tok_s": 180.0,
+         "ttft_p99": 2.0},
+        {"max_num_seqs": 32, "num_preemptions": 5, "throughput_output_tok_s": 250.0,
+         "ttft_p99": 1.0},
+        {"max_num_seqs": 64, "num_preemptions": 40, "throughput_output_tok_s": 260.0,
+         "ttft_p99": 3.0},
+    ]
+    assert recommend(rows, 2.5) == {"max_num_seqs_no_preemption": 16,
+                                    "max_num_seqs_best_throughput": 32,
+                                    "ttft_p99_target_s": 2.5}
+    assert recommend(rows, None)["max_num_seqs_best_throughput"] == 64
+    assert recommend(rows, 0.5)["max_num_seqs_best_throughput"] is None
+
+
+def test_capacity_search_brackets_then_bisects():
+    # A queue whose p99 delay is 0 up to 7.3 QPS and grows past it; bound 1 s.
+    probes = []
+
+    def queue_p99(qps):
+        probes.append(qps)
+        return 0.0 if qps <= 7.3 else 10.0
+
+    qps, trail = capacity_qps(queue_p99, 1.0, 1.0, rel_tol=0.01)
+    assert 7.3 * 0.99 <= qps <= 7.3
+    assert probes[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert len(trail) == len(probes)
+
+
+def test_sweep_on_a_small_pool_finds_the_preemption_threshold():
+    # 20 requests at t=0, each growing to 64 + 33 = 97 tokens (7 blocks of 16), in a pool
+    # of 24 blocks. max_num_seqs 2 holds at most 14 blocks: no preemption. max_num_seqs 16
+    # admits 4 prompts of 4 blocks (+ their first decode slot) and must preempt as they grow.
+    trace = [req(f"r{i}", 64, 32) for i in range(20)]
+    deployment = Deployment(cost_model="unit")
+    rows = sweep_max_num_seqs(deployment, trace, {"num_kv_blocks": 24}, [2, 16])
+    assert rows[0]["num_preemptions"] == 0
+    assert rows[1]["num_preemptions"] > 0
+    assert recommend(rows, None)["max_num_seqs_no_preemption"] == 2

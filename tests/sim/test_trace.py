@@ -1,0 +1,92 @@
+"""Trace files: round trip, validation with line numbers, synthetic token ids."""
+
+import json
+import re
+
+import pytest
+
+from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key, stream_token, stream_tokens
+from kvserve.sim.trace import TraceError, TraceRequest, parse_request, read_trace, write_trace
+
+
+def test_write_then_read_round_trips(tmp_path):
+    requests = [
+        TraceRequest("a", 0.0, 5, prompt_len=10),
+        TraceRequest("b", 0.25, 7, prompt_len=40, prefix_id="sys", prefix_len=32,
+                     max_tokens=6, priority=2, deadline=3.0, cancel_time=2.0,
+                     ignore_eos=True),
+        TraceRequest("c", 1.5, 0, prompt_token_ids=(5, 6, 7)),
+    ]
+    path = tmp_path / "t.jsonl"
+    write_trace(path, requests)
+    assert read_trace(path) == requests
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first == {"request_id": "a", "arrival_time": 0.0, "prompt_len": 10, "output_len": 5}
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"request_id": "x", "arrival_time": 0, "prompt_len": 4}', "missing output_len"),
+    ('{"request_id": "x", "arrival_time": -1, "prompt_len": 4, "output_len": 1}',
+     "arrival_time must be a number >= 0"),
+    ('{"request_id": "x", "arrival_time": 0, "output_len": 1}', "exactly one of"),
+    ('{"request_id": "x", "arrival_time": 0, "prompt_len": 4, "output_len": 1, "foo": 1}',
+     "unknown field(s) foo"),
+    ('{"request_id": "x", "arrival_time": 0, "prompt_len": 4, "output_len": 1, '
+     '"prefix_id": "p", "prefix_len": 9}', "longer than prompt_len"),
+    ('{"request_id": "x", "arrival_time": 0, "prompt_len": 0, "output_len": 1}',
+     "prompt_len must be an integer >= 1"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"request_id": "x", "arrival_time": 0', "not valid JSON"),
+])
+def test_malformed_line_names_its_line_number(tmp_path, line, message):
+    good = '{"request_id": "ok", "arrival_time": 0, "prompt_len": 4, "output_len": 1}'
+    path = tmp_path / "bad.jsonl"
+    path.write_text(good + "\n\n" + line + "\n")
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert f"{path}:3:" in str(info.value)
+    assert message in str(info.value)
+
+
+def test_duplicate_ids_and_empty_traces_are_errors(tmp_path):
+    line = '{"request_id": "a", "arrival_time": 0, "prompt_len": 4, "output_len": 1}\n'
+    (tmp_path / "dup.jsonl").write_text(line + line)
+    with pytest.raises(TraceError, match=re.escape("dup.jsonl:2: duplicate request_id 'a'")):
+        read_trace(tmp_path / "dup.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="no requests"):
+        read_trace(tmp_path / "empty.jsonl")
+
+
+def test_stream_is_the_same_at_every_length_and_never_eos():
+    key = stream_key(7, "x")
+    long = stream_tokens(key, 0, 500)
+    assert stream_tokens(key, 0, 100) == long[:100]
+    assert stream_tokens(key, 100, 500) == long[100:]
+    assert [stream_token(key, p) for p in range(50)] == long[:50]
+    assert EOS_TOKEN_ID not in long and min(long) >= 3
+    assert stream_tokens(stream_key(8, "x"), 0, 500) != long
+
+
+def test_requests_with_one_prefix_id_share_exactly_prefix_len_tokens():
+    a = parse_request({"request_id": "a", "arrival_time": 0, "prompt_len": 50,
+                       "prefix_id": "sys", "prefix_len": 32, "output_len": 1})
+    b = parse_request({"request_id": "b", "arrival_time": 0, "prompt_len": 60,
+                       "prefix_id": "sys", "prefix_len": 32, "output_len": 1})
+    ids_a, ids_b = a.synthesise_prompt(0), b.synthesise_prompt(0)
+    assert (len(ids_a), len(ids_b)) == (50, 60)
+    assert ids_a[:32] == ids_b[:32]
+    assert ids_a[32] != ids_b[32]
+
+
+def test_next_turn_prompt_contains_previous_prompt_and_simulated_answer():
+    # Turn 0: prompt 20 from the conversation stream, answer 7 tokens; turn 1's prompt is
+    # those 27 tokens plus 5 new ones. The simulated model answers from the stream its
+    # prompt ended in, so turn 1's first 27 ids are exactly turn 0's prompt + answer.
+    turn0 = TraceRequest("c-t0", 0.0, 7, prompt_len=20, prefix_id="c", prefix_len=20)
+    turn1 = TraceRequest("c-t1", 9.0, 3, prompt_len=32, prefix_id="c", prefix_len=32)
+    answer = [stream_token(turn0.continuation_key(0), p) for p in range(20, 27)]
+    assert turn1.synthesise_prompt(0)[:27] == turn0.synthesise_prompt(0) + answer
+    # A request whose prompt goes past its prefix answers from its own stream.
+    solo = TraceRequest("s", 0.0, 3, prompt_len=40, prefix_id="c", prefix_len=20)
+    assert solo.continuation_key(0) != turn0.continuation_key(0)
