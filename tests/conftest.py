@@ -53,39 +53,75 @@ def make_request(request_id: str | int, num_prompt_tokens: int = 16, *,
 
 class FakeExecutor:
     """A runner that keeps its own per-request state from SchedulerOutput alone, as a real
-    model runner must, and samples ``token_fn(request_id, position)``."""
+    model runner must, and samples ``token_fn(request_id, position)``.
 
-    def __init__(self, token_fn: Callable[[str, int], int] = token_for) -> None:
+    It also models the KV cache: each scheduled token id is written to its slot through the
+    request's block table, and before sampling the whole sequence is read back through the
+    block table. A wrong prefix-cache hit, or a block reused while still in use, fails here.
+    """
+
+    def __init__(self, token_fn: Callable[[str, int], int] = token_for,
+                 block_size: int | None = None) -> None:
         self.token_fn = token_fn
-        self.seq_len: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.block_ids: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id
+        self.block_size = block_size
         self.num_steps = 0
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for request_id in out.finished_req_ids + out.preempted_req_ids:
-            self.seq_len.pop(request_id, None)
-            self.computed.pop(request_id, None)
+            for table in (self.tokens, self.block_ids, self.computed):
+                table.pop(request_id, None)
         for new in out.scheduled_new_reqs:
-            self.seq_len[new.request_id] = len(new.token_ids)
+            self.tokens[new.request_id] = list(new.token_ids)
+            self.block_ids[new.request_id] = list(new.block_ids)
             self.computed[new.request_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
-        for request_id, num_computed in zip(cached.request_ids, cached.num_computed_tokens):
+        for request_id, new_block_ids, num_computed in zip(
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
             assert self.computed[request_id] == num_computed, request_id
+            self.block_ids[request_id] += new_block_ids
         sampled: dict[str, list[int]] = {}
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            computed = self.computed[request_id] + num_tokens
-            seq_len = self.seq_len[request_id]
-            assert computed <= seq_len, (request_id, computed, seq_len)
-            self.computed[request_id] = computed
-            if computed == seq_len:
-                sampled[request_id] = [self.token_fn(request_id, seq_len)]
-                self.seq_len[request_id] = seq_len + 1
+            start = self.computed[request_id]
+            end = start + num_tokens
+            tokens = self.tokens[request_id]
+            assert end <= len(tokens), (request_id, end, len(tokens))
+            self._write(request_id, start, end)
+            self.computed[request_id] = end
+            if end == len(tokens):
+                self._check_read_back(request_id, end)
+                token = self.token_fn(request_id, end)
+                sampled[request_id] = [token]
+                tokens.append(token)
         self.num_steps += 1
         return ModelOutput(sampled)
+
+    def _slot(self, request_id: str, position: int) -> tuple[int, int]:
+        assert self.block_size is not None, "set block_size, or drive it through step()"
+        block_index, offset = divmod(position, self.block_size)
+        return self.block_ids[request_id][block_index], offset
+
+    def _write(self, request_id: str, start: int, end: int) -> None:
+        tokens = self.tokens[request_id]
+        for position in range(start, end):
+            self.slots[self._slot(request_id, position)] = tokens[position]
+
+    def _check_read_back(self, request_id: str, end: int) -> None:
+        tokens = self.tokens[request_id]
+        for position in range(end):
+            slot = self._slot(request_id, position)
+            assert self.slots.get(slot) == tokens[position], (
+                f"KV of {request_id} at position {position} (block {slot[0]}) holds "
+                f"{self.slots.get(slot)}, not {tokens[position]}")
 
 
 def step(scheduler: Scheduler, executor: FakeExecutor, now: float = 0.0,
          check: bool = True) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    if executor.block_size is None:
+        executor.block_size = scheduler.cache_config.block_size
     out = scheduler.schedule(now)
     outputs = scheduler.update(out, executor.execute(out), now)
     if check:
@@ -99,7 +135,7 @@ def run_to_completion(scheduler: Scheduler, requests: Sequence[Request] = (),
     with all its tokens."""
     for request in requests:
         scheduler.add_request(request)
-    executor = FakeExecutor()
+    executor = FakeExecutor(block_size=scheduler.cache_config.block_size)
     tokens: dict[str, list[int]] = {}
     final: dict[str, RequestOutput] = {}
     for n in range(max_steps):
