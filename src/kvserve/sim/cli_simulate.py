@@ -71,7 +71,7 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
     if args.html:
         from kvserve.sim.html import render_report
 
-        _write(args.html, render_report(report))
+        _write(args.html, render_report(report, result.itl_samples))
     if not args.quiet:
         title = (f"{Path(args.trace).name}: {echo['cost_model']['name']} cost model, "
                  f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
