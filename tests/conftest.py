@@ -80,7 +80,8 @@ class FakeExecutor:
             self.computed[new.request_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         for request_id, new_block_ids, num_computed in zip(
-                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens,
+                strict=True):
             assert self.computed[request_id] == num_computed, request_id
             self.block_ids[request_id] += new_block_ids
         sampled: dict[str, list[int]] = {}

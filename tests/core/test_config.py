@@ -66,9 +66,9 @@ def test_threshold_needs_chunked_prefill():
 
 
 def test_from_dict_rejects_unknown_keys():  # A4
-    with pytest.raises(ConfigError, match="unknown SchedulerConfig key.*max_num_sequences"):
+    with pytest.raises(ConfigError, match=r"unknown SchedulerConfig key.*max_num_sequences"):
         SchedulerConfig.from_dict({"max_num_sequences": 4})
-    with pytest.raises(ConfigError, match="unknown CacheConfig key.*blocks"):
+    with pytest.raises(ConfigError, match=r"unknown CacheConfig key.*blocks"):
         CacheConfig.from_dict({"blocks": 4})
     assert SchedulerConfig.from_dict({"max_num_seqs": 4}).max_num_seqs == 4
 

@@ -84,7 +84,7 @@ def test_new_blocks_never_evict_the_blocks_just_hit():  # E5; vLLM O.7
     kv.allocate_slots(owner, 9)
     kv.free(owner)  # free queue [2 (hashless), 3, 1, 0 (cached)]
     probe = make_request("p", prompt_token_ids=[*tokens[:8], 50, 51, 52, 53, 54])
-    hits, num_hit_tokens = kv.get_computed_blocks(probe)
+    hits, _ = kv.get_computed_blocks(probe)
     new = kv.allocate_slots(probe, 5, hits)
     assert {b.block_id for b in new}.isdisjoint(b.block_id for b in hits)
     assert all(b.block_hash is not None for b in hits)

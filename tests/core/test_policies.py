@@ -3,6 +3,7 @@
 import pytest
 
 from kvserve.core import check_empty
+from kvserve.core.config import SchedulerConfig
 from kvserve.core.policies import (
     AdaptiveReserve,
     LeastComputedFirst,
@@ -11,7 +12,6 @@ from kvserve.core.policies import (
     NewestFirst,
     make_victim_policy,
 )
-from kvserve.core.config import SchedulerConfig
 from tests.conftest import make_request, make_scheduler, run_to_completion
 
 
@@ -24,7 +24,7 @@ def running_set():
     b.output_token_ids += [1]
     c.output_token_ids += [1]
     d.output_token_ids += [1, 2]
-    for request, computed in zip((a, b, c, d), (43, 11, 31, 12)):
+    for request, computed in zip((a, b, c, d), (43, 11, 31, 12), strict=True):
         request.num_computed_tokens = computed
     return [a, b, c, d]
 

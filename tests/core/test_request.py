@@ -12,7 +12,7 @@ def test_num_tokens_is_prompt_plus_output():  # B1
     assert (request.num_prompt_tokens, request.num_output_tokens, request.num_tokens) == (10, 2,
                                                                                          12)
     assert request.all_token_ids[-2:] == [5, 6]
-    assert request.token_slice(8, 12) == request.prompt_token_ids[8:] + [5, 6]
+    assert request.token_slice(8, 12) == [*request.prompt_token_ids[8:], 5, 6]
     assert request.token_slice(10, 12) == [5, 6]
 
 

@@ -147,7 +147,7 @@ def run_one(tokens, **params):
         if outputs[-1].finished:
             break
     check_empty(scheduler)
-    return outputs[-1], sum((o.new_token_ids for o in outputs), [])
+    return outputs[-1], [t for o in outputs for t in o.new_token_ids]
 
 
 @pytest.mark.parametrize(("tokens", "params", "reason", "stop_reason", "num_out"), [
@@ -271,8 +271,8 @@ def test_queue_limits_refuse_without_a_trace():  # K4
     with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(10 queued\)"):
         scheduler.add_request(make_request("b", 21))
     scheduler.add_request(make_request("c", 20))
-    with pytest.raises(QueueFullError, match="waiting queue is full .2 requests, "
-                                             "max_num_queued_reqs=2"):
+    with pytest.raises(QueueFullError, match=r"waiting queue is full \(2 requests, "
+                                             r"max_num_queued_reqs=2"):
         scheduler.add_request(make_request("d", 1))
     assert [r.request_id for r in scheduler.waiting] == ["a", "c"]
     assert set(scheduler.requests) == {"a", "c"}

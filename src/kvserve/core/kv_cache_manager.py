@@ -115,7 +115,8 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else _NO_BLOCKS
         if new_blocks:
             held.extend(new_blocks)
-        if self.enable_caching:
+        # A block is registered when the tokens scheduled now fill it (E5).
+        if self.enable_caching and num_slots // self.block_size > num_computed // self.block_size:
             self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))
         return new_blocks
 

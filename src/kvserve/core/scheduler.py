@@ -80,6 +80,8 @@ class Scheduler:
         # J2: a sequence of num_tokens needs num_tokens slots to keep decoding, so growth
         # stops once it is longer than the whole pool.
         self._length_limit = min(config.max_model_len, cache_config.num_token_slots + 1)
+        self._max_model_len = config.max_model_len
+        self._long_prefill_threshold = config.long_prefill_token_threshold
         self._queue_deadlines: list[tuple[float, str]] = []
         self._finished_since_last_step: list[str] = []
         self._pending_outputs: list[RequestOutput] = []
@@ -213,13 +215,13 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         """Tokens still to compute, capped by the long-prefill threshold, the budget and the
         model length (D1)."""
-        num_new = request.num_tokens - request.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new:
-            num_new = threshold
+        num_computed = request.num_computed_tokens
+        num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+        if 0 < self._long_prefill_threshold < num_new:
+            num_new = self._long_prefill_threshold
         if num_new > token_budget:
             num_new = token_budget
-        return min(num_new, self.config.max_model_len - 1 - request.num_computed_tokens)
+        return min(num_new, self._max_model_len - 1 - num_computed)
 
     def _schedule_running(self, step: _Step) -> None:
         """Pass 1 (D2, D3): grow every running request, preempting when the pool is short."""
