@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.core import ModelOutput, SchedulerOutput
-from kvserve.sim.tokens import EOS_TOKEN_ID, stream_token
+from kvserve.sim.tokens import EOS_TOKEN_ID, stream_token, stream_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +41,7 @@ EMPTY_BATCH = BatchView(0, 0, 0, 0, 0, 0)
 @dataclass(slots=True)
 class _SeqState:
     num_prompt_tokens: int
-    output_len: int
-    ignore_eos: bool
+    answer: list[int]  # the ordinary tokens the model samples, then EOS (unless ignore_eos)
     stream: int
     seq_len: int = 0
     num_computed: int = 0
@@ -50,17 +49,23 @@ class _SeqState:
 
 class SimExecutor:
     def __init__(self) -> None:
-        self._specs: dict[str, tuple[int, int, bool, int]] = {}
+        self._answers: dict[str, tuple[int, list[int], int]] = {}
         self._state: dict[str, _SeqState] = {}
         self.view = EMPTY_BATCH
 
     def register(self, request_id: str, num_prompt_tokens: int, output_len: int,
                  ignore_eos: bool, stream: int) -> None:
-        """What the simulated model will answer to ``request_id`` (before it is added)."""
-        self._specs[request_id] = (num_prompt_tokens, output_len, ignore_eos, stream)
+        """What the simulated model will answer to ``request_id`` (before it is added).
+
+        The answer is drawn once, vectorised; with ``ignore_eos`` it continues the stream
+        past ``output_len`` until the scheduler stops the request."""
+        answer = stream_tokens(stream, num_prompt_tokens, num_prompt_tokens + output_len)
+        if not ignore_eos:
+            answer.append(EOS_TOKEN_ID)
+        self._answers[request_id] = (num_prompt_tokens, answer, stream)
 
     def forget(self, request_id: str) -> None:
-        self._specs.pop(request_id, None)
+        self._answers.pop(request_id, None)
         self._state.pop(request_id, None)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -70,8 +75,8 @@ class SimExecutor:
         for request_id in out.preempted_req_ids:
             state.pop(request_id, None)
         for new in out.scheduled_new_reqs:
-            spec = self._specs[new.request_id]
-            state[new.request_id] = _SeqState(*spec, seq_len=len(new.token_ids),
+            state[new.request_id] = _SeqState(*self._answers[new.request_id],
+                                              seq_len=len(new.token_ids),
                                               num_computed=new.num_computed_tokens)
         sampled: dict[str, list[int]] = {}
         num_sampled = num_decode = context = pairs = 0
@@ -83,20 +88,17 @@ class SimExecutor:
             if num_new == 1 and computed > 0:
                 num_decode += 1
             computed += num_new
-            if computed > seq.seq_len:
-                raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
             seq.num_computed = computed
-            if computed == seq.seq_len:
-                sampled[request_id] = [self._next_token(seq)]
-                seq.seq_len += 1
+            seq_len = seq.seq_len
+            if computed == seq_len:
+                index = seq_len - seq.num_prompt_tokens
+                answer = seq.answer
+                sampled[request_id] = [answer[index] if index < len(answer)
+                                       else stream_token(seq.stream, seq_len)]
+                seq.seq_len = seq_len + 1
                 num_sampled += 1
+            elif computed > seq_len:
+                raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
         self.view = BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
                               num_sampled, num_decode, context, pairs)
         return ModelOutput(sampled)
-
-    @staticmethod
-    def _next_token(seq: _SeqState) -> int:
-        num_output = seq.seq_len - seq.num_prompt_tokens
-        if num_output >= seq.output_len and not seq.ignore_eos:
-            return EOS_TOKEN_ID
-        return stream_token(seq.stream, seq.seq_len)

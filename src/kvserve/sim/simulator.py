@@ -48,7 +48,7 @@ BATCHING_MODES = ("continuous", "static", "serial")
 ProgressFn = Callable[[float, int, int], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """One request's life in the simulation: a report row and a timeline bar."""
 
@@ -283,19 +283,20 @@ class _Run:
     # -- outputs ---------------------------------------------------------------------------
 
     def _collect(self, outputs: list[RequestOutput], now: float) -> None:
-        records, itl = self.records, self.itl
+        records, append_itl = self.records, self.itl.append
         for output in outputs:
             record = records[output.request_id]
-            if output.new_token_ids:
+            new_token_ids = output.new_token_ids
+            if new_token_ids:
                 last = record.last_token_time
                 if last is not None:
                     gap = now - last
-                    itl.append(gap)
+                    append_itl(gap)
                     record.itl_sum += gap
                     if gap > record.itl_max:
                         record.itl_max = gap
                 record.last_token_time = now
-                record.num_output_tokens += len(output.new_token_ids)
+                record.num_output_tokens += len(new_token_ids)
             if output.finished:
                 stop = output.stop_reason
                 self._finish(output.request_id, output.finish_reason or "error",
