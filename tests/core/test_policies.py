@@ -118,3 +118,11 @@ def test_adaptive_admission_preempts_less_than_optimistic():  # K2 "adaptive"
     assert len(final) == 10
     assert adaptive.num_preemptions < optimistic.num_preemptions
     check_empty(adaptive)
+
+
+@pytest.mark.parametrize("admission_policy", ["reserve", "adaptive"])
+def test_reservation_beyond_the_pool_still_admits_a_lone_request(admission_policy):  # K2, J2
+    scheduler = make_scheduler(num_blocks=4, block_size=4, admission_policy=admission_policy)
+    final = run_to_completion(scheduler, [make_request("a", 8, max_tokens=1000,
+                                                       ignore_eos=True)])
+    assert (final["a"].finish_reason, len(final["a"].new_token_ids)) == ("length", 9)

@@ -90,3 +90,16 @@ def test_prefix_caching_off_finds_nothing():
     kv.allocate_slots(make_request("a", prompt_token_ids=tokens), 9)
     assert kv.get_computed_blocks(make_request("b", prompt_token_ids=tokens)) == ([], 0)
     assert not kv.pool.cached
+
+
+def test_reset_is_refused_while_blocks_are_held_then_forgets_everything():  # O.12
+    from tests.conftest import make_scheduler, run_to_completion
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", 9))
+    scheduler.schedule(0.0)
+    assert not scheduler.reset_prefix_cache()
+    scheduler.abort("a")
+    assert scheduler.kv.pool.cached and scheduler.reset_prefix_cache()
+    assert not scheduler.kv.pool.cached
+    assert all(b.block_hash is None for b in scheduler.kv.pool.blocks)
+    run_to_completion(scheduler, [make_request("a2", prompt_token_ids=list(range(9)))])

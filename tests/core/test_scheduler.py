@@ -299,3 +299,57 @@ def test_leak_check_after_everything_finishes():  # I4, O.14
     final = run_to_completion(scheduler, requests)
     assert sorted(final, key=int) == [str(i) for i in range(12)]
     check_empty(scheduler)
+
+
+def test_prefix_stats_count_once_for_a_request_retried_many_steps(executor):  # G6, O.9
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    scheduler.add_request(make_request("big", 20, max_tokens=3, ignore_eos=True))
+    scheduler.add_request(make_request("next", 8))
+    for now in range(3):  # "next" fails to allocate while "big" holds 6 blocks
+        step(scheduler, executor, float(now))
+        assert scheduler.stats().prefix_cache_queries == 20
+    while "next" in scheduler.requests:
+        step(scheduler, executor)
+    assert scheduler.stats().prefix_cache_queries == 28
+
+
+def test_prefix_stats_are_recorded_again_when_a_victim_resumes():  # G6, O.9
+    scheduler = make_scheduler(num_blocks=10, block_size=16)
+    run_to_completion(scheduler, [make_request(n, 80, max_tokens=10, ignore_eos=True)
+                                  for n in ("r0", "r1")])
+    stats = scheduler.stats()
+    # r0 and r1 once each (80 + 80), then r1 again with its 81 tokens and a 64-token hit
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (241, 64)
+
+
+def test_prefix_stats_stay_zero_without_caching():  # G6, O.9
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    run_to_completion(scheduler, [make_request("a", 40), make_request("b", 40)])
+    assert (scheduler.stats().prefix_cache_queries, scheduler.stats().prefix_cache_hits) == (0,
+                                                                                           0)
+
+
+def test_watermark_spares_a_lone_request_but_not_a_second_one(executor):  # E2
+    scheduler = make_scheduler(num_blocks=10, block_size=4, watermark=0.3)  # 3 blocks
+    scheduler.add_request(make_request("alone", 36))  # 9 blocks > 10 - 3, admitted anyway
+    assert dict(step(scheduler, executor)[0].num_scheduled_tokens) == {"alone": 36}
+    scheduler.abort("alone")
+    scheduler.add_request(make_request("first", 16))  # 4 blocks
+    scheduler.add_request(make_request("second", 12))  # 3 blocks: 4 + 3 + 3 watermark = 10
+    scheduler.add_request(make_request("third", 4))  # 1 more would eat into the watermark
+    out, _ = step(scheduler, executor)
+    assert dict(out.num_scheduled_tokens) == {"first": 16, "second": 12}
+    assert scheduler.kv.num_free_blocks == 3
+
+
+def test_without_the_full_sequence_gate_a_first_chunk_is_admitted():  # E3, A1
+    def admitted(**config):
+        scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=8,
+                                   max_num_seqs=8, **config)
+        fake = FakeExecutor()
+        scheduler.add_request(make_request("held", 8, max_tokens=50, ignore_eos=True))
+        step(scheduler, fake)  # holds 2 blocks, then a third for its 9th token: 3 free
+        scheduler.add_request(make_request("long", 20))  # 5 blocks in all
+        return dict(step(scheduler, fake)[0].num_scheduled_tokens)
+    assert admitted() == {"held": 1}
+    assert admitted(reserve_full_sequence=False) == {"held": 1, "long": 7}

@@ -93,17 +93,17 @@ class AdmissionPolicy:
 class _ReservingPolicy(AdmissionPolicy):
     """Keeps blocks free for the expected future tokens of every running request."""
 
-    def __init__(self, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.max_model_len = max_model_len
         self._reserved_for_running = 0
 
     def expected_final_tokens(self, request: Request) -> int:
         raise NotImplementedError
 
     def _future_blocks(self, request: Request, num_blocks_now: int) -> int:
-        # The last token is sampled but never fed back, so it needs no KV slot.
-        final = min(self.expected_final_tokens(request), self.max_model_len) - 1
+        # Capped where the sequence must stop anyway (max_model_len, or the pool: J2); the
+        # last token is sampled but never fed back, so it needs no KV slot.
+        final = min(self.expected_final_tokens(request), self.kv.max_sequence_tokens) - 1
         return max(0, self.kv.num_blocks_for(final) - num_blocks_now)
 
     def start_pass(self, running: Sequence[Request]) -> None:
@@ -111,7 +111,7 @@ class _ReservingPolicy(AdmissionPolicy):
             self._future_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in running)
 
     def reserved_blocks(self, request: Request) -> int:
-        num_blocks_now = self.kv.num_blocks_for(min(request.num_tokens, self.max_model_len))
+        num_blocks_now = self.kv.num_blocks_for(request.num_tokens)
         return self._reserved_for_running + self._future_blocks(request, num_blocks_now)
 
     def admitted(self, request: Request) -> None:
@@ -136,7 +136,7 @@ class AdaptiveReserve(_ReservingPolicy):
     """
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
-        super().__init__(kv, config.max_model_len)
+        super().__init__(kv)
         self.ratio = config.adaptive_init_ratio
         self.min_ratio = config.adaptive_min_ratio
         self.decay = (config.adaptive_init_ratio - config.adaptive_min_ratio) / \
@@ -160,7 +160,7 @@ class AdaptiveReserve(_ReservingPolicy):
 
 def make_admission_policy(config: SchedulerConfig, kv: KVCacheManager) -> AdmissionPolicy:
     if config.admission_policy == "reserve":
-        return ReserveMaxTokens(kv, config.max_model_len)
+        return ReserveMaxTokens(kv)
     if config.admission_policy == "adaptive":
         return AdaptiveReserve(kv, config)
     return AdmissionPolicy()

@@ -234,12 +234,6 @@ class Request:
     def record(self, event: EventType, timestamp: float) -> None:
         self.events.append(RequestEvent(event, timestamp))
 
-    def token_at(self, position: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
-        if position < num_prompt:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - num_prompt]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) across prompt and output."""
         num_prompt = len(self.prompt_token_ids)

@@ -77,9 +77,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._victim_policy = make_victim_policy(config)
         self._admission = make_admission_policy(config, self.kv)
-        # J2: a sequence of num_tokens needs num_tokens slots to keep decoding, so growth
-        # stops once it is longer than the whole pool.
-        self._length_limit = min(config.max_model_len, cache_config.num_token_slots + 1)
+        self._length_limit = self.kv.max_sequence_tokens  # J2
         self._max_model_len = config.max_model_len
         self._long_prefill_threshold = config.long_prefill_token_threshold
         self._queue_deadlines: list[tuple[float, str]] = []
@@ -488,6 +486,10 @@ class Scheduler:
         return None, None
 
     # -- observation -----------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; refused (False) while any request holds blocks."""
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
