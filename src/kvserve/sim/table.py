@@ -77,7 +77,7 @@ def print_sweep(name: str, rows: list[tuple[Any, dict[str, Any]]], title: str,
     from rich.table import Table
 
     table = Table()
-    table.add_column(name)
+    table.add_column(name, no_wrap=True)
     for label, _ in SWEEP_COLUMNS:
         table.add_column(label, justify="right")
     for value, aggregate in rows:
