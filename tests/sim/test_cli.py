@@ -132,3 +132,35 @@ def test_malformed_trace_line_is_named(tmp_path, capsys):
     assert f"{path}:2: missing output_len" in _error_line(capsys)
     assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "cannot read trace" in _error_line(capsys)
+
+
+def test_sweep_of_batching_and_of_the_pool(tmp_path, trace):
+    report = tmp_path / "b.json"
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--report", str(report),
+                 "--num-kv-blocks", "100", "--sweep", "batching=serial,continuous"]) == 0
+    data = json.loads(report.read_text())
+    assert "batching" not in data["config"]
+    serial, continuous = (r["aggregate"] for r in data["sweep"]["rows"])
+    assert serial["duration_s"] > continuous["duration_s"]
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--report", str(report),
+                 "--sweep", "num_kv_blocks=40,400"]) == 0
+    rows = json.loads(report.read_text())["sweep"]["rows"]
+    assert [r["num_kv_blocks"] for r in rows] == [40, 400]
+    assert rows[0]["aggregate"]["num_preemptions"] > rows[1]["aggregate"]["num_preemptions"]
+
+
+def test_calibrated_cost_model_from_a_file(tmp_path, trace):
+    # Every step costs 10 ms + 1 us per scheduled token, which the time series shows exactly.
+    coefficients = tmp_path / "cm.json"
+    coefficients.write_text(json.dumps({"format": "kvserve-cost-model/1", "coefficients": {
+        "fixed_s": 0.01, "per_token_s": 1e-6}}))
+    report = tmp_path / "c.json"
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--report", str(report),
+                 "--cost-model", "calibrated", "--calibration", str(coefficients)]) == 0
+    data = json.loads(report.read_text())
+    a = data["aggregate"]
+    assert data["config"]["cost_model"]["name"] == "calibrated"
+    durations = data["time_series"]["step_duration"]
+    tokens = data["time_series"]["num_scheduled_tokens"]
+    assert durations == [round(0.01 + 1e-6 * n, 9) for n in tokens]
+    assert a["num_steps"] == len(durations)

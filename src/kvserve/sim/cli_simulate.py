@@ -94,9 +94,13 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
                                                progress=progress)
         finally:
             progress.close()
-        rows.append((value, reports.aggregate(result)))
+        rows.append((value, echo["cache"]["num_blocks"], reports.aggregate(result)))
+    # What varies from row to row lives in the rows; the echo keeps what they share.
     echo["scheduler"].pop(name, None)
     echo["cache"].pop(name, None)
+    echo["cache"].pop("num_blocks")
+    if name == "batching":
+        echo.pop("batching")
     report = reports.build_sweep_report(echo, name, rows)
     if args.report:
         _write(args.report, reports.dumps(report))
@@ -105,7 +109,8 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
 
         _write(args.html, render_sweep(report))
     if not args.quiet:
-        print_sweep(name, rows, f"{Path(args.trace).name}: sweep of {name}")
+        print_sweep(name, [(v, a) for v, _, a in rows],
+                    f"{Path(args.trace).name}: sweep of {name}")
 
 
 def _write(path: str, text: str) -> None:

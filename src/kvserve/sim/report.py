@@ -154,12 +154,14 @@ def build_report(config: dict[str, Any], result: SimResult) -> dict[str, Any]:
 
 
 def build_sweep_report(config: dict[str, Any], name: str,
-                       runs: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
-    """One row per swept value: the value and that run's aggregate."""
+                       runs: list[tuple[Any, int, dict[str, Any]]]) -> dict[str, Any]:
+    """One row per swept value: the value, that run's KV blocks (sized from memory, the pool
+    can depend on the swept value) and its aggregate."""
+    rows = [{"value": v, "num_kv_blocks": n, "aggregate": a} for v, n, a in runs]
     return {
         "kvserve_report": REPORT_VERSION,
         "config": config,
-        "sweep": {"name": name, "rows": [{"value": v, "aggregate": a} for v, a in runs]},
+        "sweep": {"name": name, "rows": rows},
     }
 
 
