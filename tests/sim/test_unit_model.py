@@ -150,3 +150,20 @@ def test_static_batch_waits_for_its_slowest_member():
     assert timings(static["c"]) == (6.0, 7.0, 7.0)
     cont = by_id(simulate(trace, max_num_seqs=2))
     assert timings(cont["c"])[0] == 2.0
+
+
+def test_queue_timeout_aborts_a_request_that_waited_too_long():
+    # max_num_seqs 1: a (output_len 9) runs t=0..10 while b waits. b's queue deadline is
+    # t=2.5; the first schedule() after it is at t=3, which aborts b ("queue_timeout").
+    result = simulate([req("a", 16, 9), req("b", 16, 1)], max_num_seqs=1,
+                      max_queue_delay=2.5)
+    b = by_id(result)["b"]
+    assert (b.finish_reason, b.stop_reason) == ("abort", "queue_timeout")
+    assert b.metrics is not None and b.metrics.finished_time == 3.0
+    assert timings(by_id(result)["a"])[2] == 10.0
+
+
+def test_deadline_misses_are_counted():
+    # a finishes at t=3 (deadline 5: met), b at t=3 too (deadline 2: missed).
+    result = simulate([req("a", 16, 2, deadline=5.0), req("b", 16, 2, deadline=2.0)])
+    assert aggregate(result)["deadline_misses"] == 1

@@ -119,9 +119,7 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
     if start is None:
         return {"capacity_qps": None,
                 "capacity_note": "the trace's arrivals span no time: no rate to scale"}
-    run_settings = {**settings, "max_num_seqs": max_num_seqs}
-    if max_num_seqs > settings.get("max_num_batched_tokens", 2048):
-        run_settings["max_num_batched_tokens"] = max_num_seqs
+    run_settings = plan.with_max_num_seqs(settings, max_num_seqs)
 
     def queue_p99(qps: float) -> float | None:
         _, result = deployment.simulate(plan.scale_rate(trace, qps), run_settings,

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
-from kvserve.sim.flags import BATCHING_MODES, add_scheduler_flags, parse_sweep, settings_from_args
+from kvserve.sim.flags import add_scheduler_flags, parse_sweep, settings_from_args
+from kvserve.sim.simulator import BATCHING_MODES
 
 
 def add_parser(subparsers: Any) -> None:

@@ -23,7 +23,7 @@ from kvserve.sim.cost_models import (
 )
 from kvserve.sim.flags import cache_config, scheduler_config
 from kvserve.sim.presets import dtype_bytes, get_hardware, get_model
-from kvserve.sim.simulator import BATCHING_MODES, ProgressFn, SimResult, Simulator
+from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.trace import TraceRequest, dump_trace
 
 COST_MODELS = ("unit", "roofline", "calibrated")
@@ -81,8 +81,6 @@ class Deployment:
                  progress: ProgressFn | None = None) -> tuple[dict[str, Any], SimResult]:
         """Run ``trace``; returns the config echo for the report and the result."""
         batching = settings.get("batching", "continuous")
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
         config, cache = self.configs(settings)
         cost_model = self.build_cost_model()
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,

@@ -28,7 +28,6 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching")
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
-BATCHING_MODES = ("continuous", "static", "serial")
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6,

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.sim import svg
+from kvserve.sim.table import SWEEP_COLUMNS, fmt_pct, fmt_s
 
 _CSS = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #0f172a; max-width: 1320px; }
@@ -37,25 +38,16 @@ def _page(title: str, body: list[str]) -> str:
             + "\n".join(body) + "</body></html>\n")
 
 
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
 def _figures(a: dict[str, Any]) -> str:
     cells = [
         ("requests", f"{a['num_requests']:,}"), ("simulated time", f"{a['duration_s']:.2f} s"),
         ("output tok/s", f"{a['throughput_output_tok_s']:,.1f}"),
-        ("TTFT p99", _ms(a["ttft_p99"])), ("ITL p99", _ms(a["itl_p99"])),
-        ("preemptions", f"{a['num_preemptions']:,}"), ("wasted work", _pct(a["wasted_fraction"])),
-        ("longest stall", _ms(a["longest_stall_s"])),
-        ("prefix hit rate", _pct(a["prefix_hit_rate"])),
-        ("KV peak / mean", f"{_pct(a['kv_usage_peak'])} / {_pct(a['kv_usage_mean'])}"),
+        ("TTFT p99", fmt_s(a["ttft_p99"])), ("ITL p99", fmt_s(a["itl_p99"])),
+        ("preemptions", f"{a['num_preemptions']:,}"),
+        ("wasted work", fmt_pct(a["wasted_fraction"])),
+        ("longest stall", fmt_s(a["longest_stall_s"])),
+        ("prefix hit rate", fmt_pct(a["prefix_hit_rate"])),
+        ("KV peak / mean", f"{fmt_pct(a['kv_usage_peak'])} / {fmt_pct(a['kv_usage_mean'])}"),
     ]
     return '<div class="figures">' + "".join(
         f'<div class="figure"><span class="muted">{escape(k)}</span><b>{escape(v)}</b></div>'
@@ -65,7 +57,7 @@ def _figures(a: dict[str, Any]) -> str:
 def _latency_table(a: dict[str, Any]) -> str:
     head = "".join(f"<th>{c}</th>" for c in ("", "mean", "p50", "p90", "p99", "max"))
     rows = "".join(
-        f"<tr><td>{label}</td>" + "".join(f"<td>{_ms(a[f'{name}_{c}'])}</td>"
+        f"<tr><td>{label}</td>" + "".join(f"<td>{fmt_s(a[f'{name}_{c}'])}</td>"
                                           for c in ("mean", "p50", "p90", "p99", "max"))
         + "</tr>"
         for name, label in (("ttft", "TTFT"), ("itl", "inter-token"), ("e2e", "end to end"),
@@ -166,15 +158,10 @@ def render_sweep(report: dict[str, Any]) -> str:
                                    name if numeric else f"{name} (index)", unit,
                                    markers=True, log_x=log_x, x_ticks=xs))
     body.append("</div><h2>Figures</h2>")
-    columns = (("preemptions", "num_preemptions", str), ("wasted", "wasted_fraction", _pct),
-               ("out tok/s", "throughput_output_tok_s", lambda v: f"{v:,.1f}"),
-               ("TTFT p50", "ttft_p50", _ms), ("TTFT p99", "ttft_p99", _ms),
-               ("ITL p99", "itl_p99", _ms), ("E2E p99", "e2e_p99", _ms),
-               ("longest stall", "longest_stall_s", _ms), ("KV peak", "kv_usage_peak", _pct))
-    head = f"<th>{escape(name)}</th>" + "".join(f"<th>{c}</th>" for c, _, _ in columns)
+    head = f"<th>{escape(name)}</th>" + "".join(f"<th>{c}</th>" for c, _ in SWEEP_COLUMNS)
     lines = "".join(
         f"<tr><td>{escape(str(r['value']))}</td>"
-        + "".join(f"<td>{escape(fn(r['aggregate'][key]))}</td>" for _, key, fn in columns)
+        + "".join(f"<td>{escape(fn(r['aggregate']))}</td>" for _, fn in SWEEP_COLUMNS)
         + "</tr>" for r in rows)
     body.append(f"<table><tr>{head}</tr>{lines}</table>")
     body.append(_config(config))

@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.core import SchedulerConfig
 from kvserve.sim.capacity import KVPool
 from kvserve.sim.deployment import Deployment
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
 DEFAULT_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024)
+_DEFAULT_BUDGET = SchedulerConfig().max_num_batched_tokens
 
 
 def generated_tokens(request: TraceRequest) -> int:
@@ -58,6 +60,15 @@ def trace_rate(trace: Sequence[TraceRequest]) -> float | None:
     return (len(trace) - 1) / span if span > 0 and len(trace) > 1 else None
 
 
+def with_max_num_seqs(settings: dict[str, Any], value: int) -> dict[str, Any]:
+    """``settings`` with max_num_seqs = value, raising the token budget to value if it is
+    smaller (the core requires max_num_batched_tokens >= max_num_seqs)."""
+    out = {**settings, "max_num_seqs": value}
+    if value > settings.get("max_num_batched_tokens", _DEFAULT_BUDGET):
+        out["max_num_batched_tokens"] = value
+    return out
+
+
 SWEEP_FIGURES = ("num_preemptions", "wasted_fraction", "throughput_output_tok_s", "ttft_p99",
                  "itl_p99", "queue_p99", "longest_stall_s")
 
@@ -67,11 +78,7 @@ def sweep_max_num_seqs(deployment: Deployment, trace: Sequence[TraceRequest],
                        seed: int = 0) -> list[dict[str, Any]]:
     rows = []
     for value in candidates:
-        run_settings = {**settings, "max_num_seqs": value}
-        budget = settings.get("max_num_batched_tokens", 2048)
-        if value > budget:
-            run_settings["max_num_batched_tokens"] = value  # the core requires budget >= seqs
-        _, result = deployment.simulate(trace, run_settings, seed=seed)
+        _, result = deployment.simulate(trace, with_max_num_seqs(settings, value), seed=seed)
         figures = aggregate(result)
         rows.append({"max_num_seqs": value, **{k: figures[k] for k in SWEEP_FIGURES}})
     return rows

@@ -36,6 +36,7 @@ from kvserve.core import (
     Scheduler,
     SchedulerConfig,
     SchedulerEvent,
+    SchedulerOutput,
     check_invariants,
 )
 from kvserve.core.request import EventType
@@ -133,6 +134,7 @@ class _Run:
                         for r in self.arrivals}
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
+        self.next_arrival = self.next_cancel = 0  # indices of the next due event
         self.held: deque[TraceRequest] = deque()  # arrived, not yet handed over (static)
         self.live: dict[str, Request] = {}
         self.finished: set[str] = set()  # membership only
@@ -145,64 +147,72 @@ class _Run:
 
     def run(self) -> SimResult:
         wall_start = time.perf_counter()
-        scheduler, executor, cost = self.scheduler, self.executor, self.sim.cost_model
-        step_time = cost.step_time
-        steps = self.steps
-        next_arrival = next_cancel = 0
+        scheduler = self.scheduler
         now = start = self.arrivals[0].arrival_time if self.arrivals else 0.0
-        num_arrivals, num_cancels = len(self.arrivals), len(self.cancels)
         while True:
-            while next_arrival < num_arrivals and self.arrivals[next_arrival].arrival_time <= now:
-                arrival = self.arrivals[next_arrival]
-                if arrival.request_id not in self.finished:  # else cancelled before arriving
-                    self.held.append(arrival)
-                next_arrival += 1
-            while next_cancel < num_cancels and self.cancels[next_cancel][0] <= now:
-                self._cancel(self.cancels[next_cancel][1], now)
-                next_cancel += 1
+            self._take_due(now)
             self._hand_over(now)
-            if not scheduler.has_unfinished_requests():
-                upcoming = self._next_event_time(next_arrival, next_cancel)
-                if upcoming is None:
-                    break
-                now = max(now, upcoming)
-                continue
-            out = scheduler.schedule(now)
-            if out.total_num_scheduled_tokens == 0:
+            if scheduler.has_unfinished_requests():
+                out = scheduler.schedule(now)
+                if out.total_num_scheduled_tokens:
+                    now = self._run_step(out, now)
+                    continue
+                # Nothing could run (blocked, or only queue timeouts this step).
                 self._collect(scheduler.update(out, ModelOutput({}), now), now)
                 if scheduler.running:
                     raise AssertionError(f"nothing scheduled at t={now} with requests running")
-                if scheduler.has_unfinished_requests():
-                    upcoming = self._next_event_time(next_arrival, next_cancel)
-                    if upcoming is None:
-                        break  # nothing can ever run again: left as "unfinished"
-                    now = upcoming
-                continue
-            model_output = executor.execute(out)
-            duration = step_time(out, executor.view)
-            steps.time.append(now)
-            now += duration
-            self._collect(scheduler.update(out, model_output, now), now)
-            steps.duration.append(duration)
-            steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
-            steps.num_running.append(len(scheduler.running))
-            steps.num_waiting.append(len(scheduler.waiting) + len(self.held))
-            steps.kv_usage.append(scheduler.kv.usage())
-            if self.sim.check:
-                check_invariants(scheduler)
-            if self.progress is not None and len(steps.time) % 256 == 0:
-                self.progress(now, len(self.finished), num_arrivals)
-            if self.sim.record_events:
-                self.events.extend(scheduler.take_events())
+                if not scheduler.has_unfinished_requests():
+                    continue  # held arrivals may be handed over now
+            upcoming = self._next_event_time()
+            if upcoming is None:
+                break  # done, or nothing can ever run again: those stay "unfinished"
+            now = max(now, upcoming)
+        return self._result(start, now, wall_start)
+
+    def _take_due(self, now: float) -> None:
+        """Arrivals and cancellations whose time has come, in time order."""
+        arrivals, cancels = self.arrivals, self.cancels
+        while self.next_arrival < len(arrivals) and \
+                arrivals[self.next_arrival].arrival_time <= now:
+            arrival = arrivals[self.next_arrival]
+            if arrival.request_id not in self.finished:  # else cancelled before arriving
+                self.held.append(arrival)
+            self.next_arrival += 1
+        while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
+            self._cancel(cancels[self.next_cancel][1], now)
+            self.next_cancel += 1
+
+    def _run_step(self, out: SchedulerOutput, now: float) -> float:
+        """Execute, price and update one non-empty step; returns the clock after it."""
+        scheduler, steps = self.scheduler, self.steps
+        model_output = self.executor.execute(out)
+        duration = self.sim.cost_model.step_time(out, self.executor.view)
+        steps.time.append(now)
+        now += duration
+        self._collect(scheduler.update(out, model_output, now), now)
+        steps.duration.append(duration)
+        steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
+        steps.num_running.append(len(scheduler.running))
+        steps.num_waiting.append(len(scheduler.waiting) + len(self.held))
+        steps.kv_usage.append(scheduler.kv.usage())
+        if self.sim.check:
+            check_invariants(scheduler)
         if self.sim.record_events:
             self.events.extend(scheduler.take_events())
+        if self.progress is not None and len(steps.time) % 256 == 0:
+            self.progress(now, len(self.finished), len(self.arrivals))
+        return now
+
+    def _result(self, start: float, end: float, wall_start: float) -> SimResult:
+        if self.sim.record_events:
+            self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
-            self._close_stalls(request)
-        stats = scheduler.stats()
+            self._close_stalls(request)  # still running or waiting when the loop gave up
+        stats = self.scheduler.stats()
         return SimResult(
-            start_time=start, end_time=now,
+            start_time=start, end_time=end,
             records=[self.records[r.request_id] for r in self.arrivals],
-            steps=steps, itl_samples=self.itl,
+            steps=self.steps, itl_samples=self.itl,
             num_preemptions=stats.num_preemptions,
             num_scheduled_tokens=stats.num_scheduled_tokens,
             num_recomputed_tokens=stats.num_recomputed_tokens,
@@ -213,12 +223,12 @@ class _Run:
             wall_seconds=time.perf_counter() - wall_start,
         )
 
-    def _next_event_time(self, next_arrival: int, next_cancel: int) -> float | None:
+    def _next_event_time(self) -> float | None:
         times = []
-        if next_arrival < len(self.arrivals):
-            times.append(self.arrivals[next_arrival].arrival_time)
-        if next_cancel < len(self.cancels):
-            times.append(self.cancels[next_cancel][0])
+        if self.next_arrival < len(self.arrivals):
+            times.append(self.arrivals[self.next_arrival].arrival_time)
+        if self.next_cancel < len(self.cancels):
+            times.append(self.cancels[self.next_cancel][0])
         return min(times) if times else None
 
     # -- requests in -----------------------------------------------------------------------
