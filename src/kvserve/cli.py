@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvserve import __version__
 
@@ -17,8 +18,16 @@ class CLIError(Exception):
     """Bad input on the command line: printed as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``kvserve simulate: error: ...``), exit 2;
+    ``--help`` still prints the full usage. Subcommand parsers inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvserve",
         description="LLM serving with a transparent scheduler, and a simulator that drives it.",
     )

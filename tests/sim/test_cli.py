@@ -164,3 +164,16 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
     tokens = data["time_series"]["num_scheduled_tokens"]
     assert durations == [round(0.01 + 1e-6 * n, 9) for n in tokens]
     assert a["num_steps"] == len(durations)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--trace", "t.jsonl", "--max-num-seqz", "4"],
+     "unrecognized arguments: --max-num-seqz"),
+    (["workload", "gen", "--rate", "fast"], "argument --rate: invalid float value: 'fast'"),
+    (["simulate", "--batching", "dynamic", "--trace", "t.jsonl"], "invalid choice: 'dynamic'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in _error_line(capsys)
