@@ -9,21 +9,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.core.request import SamplingParams
+
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the runner has no state for: newly admitted, or resumed after preemption.
 
-    ``token_ids`` is the whole current sequence (prompt, plus earlier output for a resumed
-    request, which is recomputed as part of the prompt); ``num_computed_tokens`` counts the
-    prefix-cache hit tokens whose KV is already in ``block_ids``.
+    ``token_ids`` is the whole current sequence (the first ``num_prompt_tokens`` are the
+    prompt; a resumed request's earlier output follows and is recomputed with it);
+    ``num_computed_tokens`` counts the prefix-cache hit tokens whose KV is already in
+    ``block_ids``.
     """
 
     request_id: str
     token_ids: list[int]
+    num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
     resumed: bool
+    sampling_params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -380,8 +380,9 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             if request_id in step.admitted:
                 new_reqs.append(NewRequestData(
-                    request_id, request.all_token_ids, block_ids(request_id), num_computed,
-                    resumed=request.num_preemptions > 0))
+                    request_id, request.all_token_ids, request.num_prompt_tokens,
+                    block_ids(request_id), num_computed, request.num_preemptions > 0,
+                    request.sampling_params))
             else:
                 cached.request_ids.append(request_id)
                 blocks = step.new_blocks.get(request_id)

@@ -1,0 +1,1 @@
+"""The composition root: the Engine step loop and the offline LLM API."""

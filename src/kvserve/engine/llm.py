@@ -1,0 +1,183 @@
+"""Offline inference: ``LLM(...).generate(prompts, params)`` and the engine builder.
+
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    [result] = llm.generate("The capital of France is", SamplingParams(max_tokens=8,
+                                                                      temperature=0))
+    print(result.text)
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
+from kvserve.engine.engine import Engine, Prompt
+from kvserve.model.config import ModelConfig
+from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.runner import ModelRunner
+from kvserve.model.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, seed: int = 0
+               ) -> tuple[LlamaForCausalLM, Any]:
+    """The network with its weights and the tokenizer (None for dummy weights).
+
+    ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
+    ModelConfig for random ("dummy") weights.
+    """
+    from kvserve.model import loader
+
+    if isinstance(model, ModelConfig):
+        config, weights, tokenizer = model, loader.dummy_weights(model, dtype, seed), None
+    else:
+        config, weights = loader.load_model_weights(model, dtype)
+        tokenizer = _load_tokenizer(model)
+    network = LlamaForCausalLM(config).to(dtype)
+    network.load_weights(weights)
+    network.eval()
+    del weights
+    gc.collect()
+    return network, tokenizer
+
+
+def _load_tokenizer(model: str | Path | None) -> Any:
+    from kvserve.model import loader
+    from kvserve.model.tokenizer import Tokenizer
+
+    path = loader.default_model_path() if model is None else Path(model)
+    if path.is_dir():
+        return Tokenizer.from_file(path / "tokenizer.json")
+    return Tokenizer.from_gguf(path)
+
+
+def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
+                 "float32", block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
+                 seed: int = 0, record_events: bool = False, detokenize: bool = True,
+                 **scheduler_settings: Any) -> Engine:
+    """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
+
+    ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
+    """
+    torch_dtype = parse_dtype(dtype)
+    network, tokenizer = load_model(model, torch_dtype, seed)
+    config = network.config
+    if num_kv_blocks is None:
+        num_kv_blocks = num_blocks_for_memory(config, block_size, torch_dtype,
+                                              kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    scheduler_settings.setdefault("max_model_len", config.max_position_embeddings)
+    scheduler = Scheduler(SchedulerConfig.from_dict(scheduler_settings),
+                          CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,
+                                      enable_prefix_caching=enable_prefix_caching),
+                          record_events=record_events)
+    kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
+    runner = ModelRunner(network, kv_caches, block_size, sampler=Sampler(seed))
+    return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+class LLM:
+    """Offline batch generation over one engine; keyword arguments go to :func:`build_engine`."""
+
+    def __init__(self, model: str | Path | ModelConfig | None = None, **engine_args: Any) -> None:
+        self.engine = build_engine(model, **engine_args)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or a list of chat messages; pass a list of
+        them for a batch. ``sampling_params`` is one for all, or one per prompt.
+        """
+        batch = _as_batch(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else \
+            [sampling_params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, param in zip(batch, params, strict=True):
+            request_id = str(next(self._ids))
+            request = self.engine.add_request(request_id, prompt, param)
+            results[request_id] = GenerationResult(request_id, list(request.prompt_token_ids))
+            order.append(request_id)
+        self._run(results, use_tqdm)
+        return [results[request_id] for request_id in order]
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[GenerationResult]:
+        """One conversation (a list of messages) or several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate(list(conversations), sampling_params, use_tqdm)  # type: ignore
+
+    def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
+        progress = _progress(len(results), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for chunk in self.engine.step():
+                result = results[chunk.request_id]
+                result.token_ids += chunk.new_token_ids
+                result.text += chunk.new_text
+                if chunk.logprobs:
+                    result.logprobs += chunk.logprobs
+                if chunk.finished:
+                    result.finish_reason = chunk.finish_reason
+                    result.stop_reason = chunk.stop_reason
+                    result.metrics = chunk.metrics
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)  # type: ignore[arg-type]
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt of token ids
+    if items and all(isinstance(t, dict) for t in items):
+        return [items]  # one conversation
+    return items
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled or total < 2:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

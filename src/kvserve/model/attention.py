@@ -1,0 +1,113 @@
+"""Paged attention on the CPU: K and V live in blocks, read through each request's block table.
+
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V,
+so one block is one contiguous slab and gathering a request's context is one index_select over
+whole blocks.
+
+Two implementations with one signature:
+- :func:`reference_attention`: per request, gather its context token by token and compute
+  softmax(q k^T / sqrt(d)) v with explicit masks. Plain, slow, the yardstick in tests.
+- :func:`paged_attention`: every decode in one batched scaled_dot_product_attention over
+  block-gathered contexts (padded to the longest, masked), each prefill chunk in one call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.input_batch import ForwardBatch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's K and V ([T, kv_heads, head_dim]) at their slots."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks_in_table * block_size, kv_heads, head_dim] for one request."""
+    return cache.index_select(0, block_table).flatten(0, 1)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: ForwardBatch) -> torch.Tensor:
+    """q: [T, heads, head_dim] (K/V of this step already written). Returns [T, heads, dim]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    positions = batch.positions.tolist()
+    slots = batch.slot_mapping.tolist()
+    # Recover each token's block table from the batch: decode rows, then prefill chunks.
+    tables: list[torch.Tensor] = [batch.decode_block_tables[i] for i in range(batch.num_decodes)]
+    for chunk in batch.prefills:
+        tables += [chunk.block_table] * chunk.num_tokens
+    for index in range(q.shape[0]):
+        context_len = positions[index] + 1
+        table = tables[index]
+        token_slots = [int(table[p // block_size]) * block_size + p % block_size
+                       for p in range(context_len)]
+        assert token_slots[-1] == slots[index]
+        slot_index = torch.tensor(token_slots, dtype=torch.long)
+        keys = k_cache.flatten(0, 1)[slot_index].repeat_interleave(group, dim=1)
+        values = v_cache.flatten(0, 1)[slot_index].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[index].float(), keys.float()) / math.sqrt(head_dim)
+        weights = torch.softmax(scores, dim=-1)
+        out[index] = torch.einsum("hl,lhd->hd", weights, values.float()).to(q.dtype)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: ForwardBatch) -> torch.Tensor:
+    """q: [T, heads, head_dim] (K/V of this step already written). Returns [T, heads, dim]."""
+    out = torch.empty_like(q)
+    num_decodes = batch.num_decodes
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
+    for chunk in batch.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
+                                       chunk.context_len)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      batch: ForwardBatch) -> torch.Tensor:
+    tables = batch.decode_block_tables  # [D, B]
+    num_decodes, max_blocks = tables.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    max_len = max_blocks * block_size
+    keys = k_cache.index_select(0, tables.flatten()).view(num_decodes, max_len, num_kv_heads,
+                                                         head_dim)
+    values = v_cache.index_select(0, tables.flatten()).view(num_decodes, max_len,
+                                                           num_kv_heads, head_dim)
+    # [D, 1, 1, L]: True where the key position is inside the request's context
+    mask = (torch.arange(max_len) < batch.decode_context_lens[:, None])[:, None, None, :]
+    attended = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+        enable_gqa=True)
+    return attended[:, :, 0, :]
+
+
+def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """q: [n, heads, dim], the last n tokens of a context of ``context_len`` tokens."""
+    num_tokens = q.shape[0]
+    keys = _gather_blocks(k_cache, block_table)[:context_len].transpose(0, 1)
+    values = _gather_blocks(v_cache, block_table)[:context_len].transpose(0, 1)
+    query = q.transpose(0, 1)  # [heads, n, dim]
+    if num_tokens == context_len:
+        attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                  enable_gqa=True)
+    else:
+        # query i sits at position context_len - n + i and sees keys up to there
+        first = context_len - num_tokens
+        mask = torch.arange(context_len)[None, :] <= (first + torch.arange(num_tokens))[:, None]
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                  enable_gqa=True)
+    return attended.transpose(0, 1)

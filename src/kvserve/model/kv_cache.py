@@ -1,0 +1,31 @@
+"""The paged KV cache tensors, allocated once at start-up."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.model.config import ModelConfig
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                          memory_bytes: int) -> int:
+    """How many blocks fit in ``memory_bytes`` (``--kv-cache-memory``)."""
+    num_blocks = memory_bytes // kv_cache_bytes_per_block(config, block_size, dtype)
+    if num_blocks < 1:
+        per_block = kv_cache_bytes_per_block(config, block_size, dtype)
+        raise ValueError(f"kv cache memory of {memory_bytes} bytes holds no block: one block of "
+                         f"{block_size} tokens needs {per_block} bytes")
+    return int(num_blocks)
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
+                      dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim], zeroed so
+    the memory is committed now rather than during the first long step."""
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(config.num_layers)]

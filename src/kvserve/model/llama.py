@@ -1,0 +1,189 @@
+"""A Llama-family decoder (Llama, SmolLM2, Qwen2-style without biases, Mistral) over a paged
+KV cache.
+
+The forward pass runs every scheduled token of a step in one flattened batch
+(:class:`~kvserve.model.input_batch.ForwardBatch`): prefill chunks and decodes together.
+Q/K/V and gate/up projections are fused into one matmul each when weights are loaded.
+Weights are named as in Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``)
+and Q/K use the rotate-half RoPE layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention import paged_attention, write_kv
+from kvserve.model.config import ModelConfig
+from kvserve.model.input_batch import ForwardBatch
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies for the rotary embedding, with Llama 3 or linear scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(between, blended, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, rope_inv_freq(config))  # [max_pos, dim / 2]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, dim] in rotate-half layout (first half, second half)."""
+        cos = self.cos[positions][:, None, :].to(x.dtype)
+        sin = self.sin[positions][:, None, :].to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor,
+                torch.Tensor], attention: AttentionFn) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = self.rotary(q.view(-1, self.num_heads, self.head_dim), batch.positions)
+        k = self.rotary(k.view(-1, self.num_kv_heads, self.head_dim), batch.positions)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), batch.slot_mapping)
+        out = attention(q.to(k_cache.dtype), k_cache, v_cache, batch).to(x.dtype)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attention: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attention: AttentionFn = paged_attention) -> torch.Tensor:
+        """Hidden states of the tokens whose logits are needed: [S, hidden]."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch, kv_cache, attention)
+        return self.norm(x[batch.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up; every parameter must
+        be covered and every weight used."""
+        remaining = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in remaining:
+                raise KeyError(f"weight {name} is missing from the checkpoint")
+            return remaining.pop(name)
+
+        def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(f"weight {name} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.copy_(value)
+
+        copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+        copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn = prefix + "self_attn."
+            qkv = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+            copy(layer.self_attn.qkv_proj.weight, qkv, attn + "q/k/v_proj")
+            copy(layer.self_attn.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj")
+            mlp = prefix + "mlp."
+            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            copy(layer.mlp.gate_up_proj.weight, gate_up, mlp + "gate/up_proj")
+            copy(layer.mlp.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                copy(getattr(layer, norm).weight, take(f"{prefix}{norm}.weight"), prefix + norm)
+        remaining.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
+        if remaining:
+            raise ValueError(f"unused weights in the checkpoint: {sorted(remaining)[:5]}")

@@ -1,0 +1,116 @@
+"""The model runner: the core's Executor for a real model.
+
+It keeps its own copy of each request's tokens and block table, built from SchedulerOutput
+alone (new and resumed requests arrive whole, running ones as deltas), turns the step into one
+flattened batch, runs one forward over all scheduled tokens, computes logits only where a
+token is sampled, and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core import ModelOutput, SamplingParams, SchedulerOutput
+from kvserve.model.attention import paged_attention
+from kvserve.model.input_batch import SequenceSlice, build_batch
+from kvserve.model.llama import AttentionFn, LlamaForCausalLM
+from kvserve.model.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, *,
+                 attention: AttentionFn = paged_attention, sampler: Sampler | None = None
+                 ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.attention = attention
+        self.sampler = sampler or Sampler()
+        self.requests: dict[str, _RequestState] = {}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelOutput({})
+        decodes, prefills, sampling_ids = self._slices(scheduler_output)
+        batch = build_batch(decodes, prefills, self.block_size)
+        with torch.inference_mode():
+            hidden = self.model(batch, self.kv_caches, self.attention)
+            sampled = self._sample(hidden, sampling_ids) if sampling_ids else None
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        if sampled is None:
+            return ModelOutput({})
+        token_ids, logprobs = sampled
+        for request_id, token_id in zip(sampling_ids, token_ids, strict=True):
+            self.requests[request_id].token_ids.append(token_id)
+        return ModelOutput(
+            {rid: [tok] for rid, tok in zip(sampling_ids, token_ids, strict=True)},
+            None if logprobs is None else {
+                rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)})
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_req_ids:
+            self.requests.pop(request_id, None)
+        for request_id in out.preempted_req_ids:
+            self.requests.pop(request_id, None)
+        for new in out.scheduled_new_reqs:
+            self.requests[new.request_id] = _RequestState(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                new.num_computed_tokens, new.sampling_params)
+        cached = out.scheduled_cached_reqs
+        for request_id, new_block_ids, num_computed in zip(
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens,
+                strict=True):
+            state = self.requests[request_id]
+            if state.num_computed_tokens != num_computed:
+                raise RuntimeError(f"runner and scheduler disagree on request {request_id}: "
+                                   f"{state.num_computed_tokens} vs {num_computed} computed")
+            state.block_ids += new_block_ids
+
+    def _slices(self, out: SchedulerOutput
+                ) -> tuple[list[SequenceSlice], list[SequenceSlice], list[str]]:
+        """Decode slices, prefill slices, and the ids of requests that sample, in batch
+        order (decodes first)."""
+        decodes: list[SequenceSlice] = []
+        prefills: list[SequenceSlice] = []
+        decode_ids: list[str] = []
+        prefill_ids: list[str] = []
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_tokens
+            samples = end == len(state.token_ids)
+            piece = SequenceSlice(state.token_ids[start:end], start, state.block_ids, samples)
+            if num_tokens == 1:
+                decodes.append(piece)
+                if samples:
+                    decode_ids.append(request_id)
+            else:
+                prefills.append(piece)
+                if samples:
+                    prefill_ids.append(request_id)
+        return decodes, prefills, decode_ids + prefill_ids
+
+    def _sample(self, hidden: torch.Tensor, request_ids: list[str]
+                ) -> tuple[list[int], list[dict[int, float]] | None]:
+        logits = self.model.compute_logits(hidden)
+        rows = []
+        for request_id in request_ids:
+            state = self.requests[request_id]
+            rows.append(SamplingRow(state.sampling_params, state.token_ids,
+                                    state.num_prompt_tokens))
+        result = self.sampler(logits, rows)
+        return result.token_ids, result.logprobs

@@ -1,0 +1,136 @@
+"""Turn one step's logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds,
+logprobs.
+
+Order per row: repetition, frequency and presence penalties -> temperature (0: greedy) ->
+top-k -> top-p -> min-p -> draw. A seeded request draws from a generator seeded by
+(seed, output position), so its text does not depend on batching or preemption. Logprobs are
+those of the model's own distribution (raw logits), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplingRow:
+    """One sampled position: the request's parameters and its whole sequence so far."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.temperature == 0.0 or self.params.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
+            p.presence_penalty != 0.0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per row: sampled token and the top n
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        raw = logits
+        if any(row.has_penalties for row in rows):
+            logits = logits.clone()
+            for index, row in enumerate(rows):
+                if row.has_penalties:
+                    _apply_penalties(logits[index], row)
+        if all(row.is_greedy for row in rows):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = self._sample(logits, rows)
+        return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        greedy = logits.argmax(dim=-1)
+        temperatures = torch.tensor([row.params.temperature or 1.0 for row in rows])
+        probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+        probs = _top_k_top_p_min_p(probs, rows)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs)
+        for index, row in enumerate(rows):
+            seed = row.params.seed
+            generator = self.generator if seed is None else torch.Generator().manual_seed(
+                (seed * _SEED_MIX + row.num_output_tokens) % (1 << 63))
+            noise[index].exponential_(generator=generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([row.is_greedy for row in rows])
+        return torch.where(is_greedy, greedy, drawn).tolist()
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    params = row.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if row.num_output_tokens and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long),
+                                minlength=logits.shape[0]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
+def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows])
+    top_p = torch.tensor([row.params.top_p for row in rows])
+    min_p = torch.tensor([row.params.min_p for row in rows])
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        keep = (ranks < top_k[:, None]) & (before < top_p[:, None])
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+    if bool((min_p > 0).any()):
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+    return probs
+
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
+              token_ids: list[int]) -> list[dict[int, float]] | None:
+    wanted = [row.params.logprobs for row in rows]
+    if all(n is None for n in wanted):
+        return None
+    logprobs = torch.log_softmax(logits, dim=-1)
+    result: list[dict[int, float]] = []
+    for index, n in enumerate(wanted):
+        entry: dict[int, float] = {}
+        if n is not None:
+            entry[token_ids[index]] = float(logprobs[index, token_ids[index]])
+            if n > 0:
+                values, ids = logprobs[index].topk(n)
+                for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
+                    entry.setdefault(token_id, value)
+        result.append(entry)
+    return result
