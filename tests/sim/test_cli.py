@@ -1,6 +1,9 @@
 """The command line: simulate, workload gen, plan; bad input is one line and exit 2."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -177,3 +180,17 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
         main(argv)
     assert info.value.code == 2
     assert message in _error_line(capsys)
+
+
+def test_reports_are_identical_across_processes_and_hash_seeds(tmp_path, trace):
+    outputs = []
+    for hash_seed in ("1", "2"):
+        report = tmp_path / f"p{hash_seed}.json"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        done = subprocess.run(
+            [sys.executable, "-m", "kvserve.cli", "simulate", "--trace", str(trace),
+             "--num-kv-blocks", "120", "--report", str(report), "--quiet"],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        outputs.append(report.read_bytes())
+    assert outputs[0] == outputs[1]
