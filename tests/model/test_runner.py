@@ -11,7 +11,7 @@ from kvserve.model.attention import reference_attention
 from kvserve.model.kv_cache import allocate_kv_cache
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
-from tests.model.reference import TINY, dense_greedy, random_weights
+from tests.model.reference import TINY, dense_greedy, dense_logits, random_weights
 
 WEIGHTS = random_weights(TINY, seed=0)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in
@@ -74,7 +74,7 @@ def test_batched_chunked_prefill_matches_dense(network, expected, chunk, caching
 
 def test_prefix_cache_hits_do_not_change_outputs(network):
     shared = PROMPTS[3][:48]  # three full blocks
-    prompts = [shared + [11, 12, 13], shared + [21, 22], shared + [31]]
+    prompts = [[*shared, 11, 12, 13], [*shared, 21, 22], [*shared, 31]]
     want = [dense_greedy(WEIGHTS, TINY, p, MAX_TOKENS) for p in prompts]
     engine = make_engine(network)
     assert generate(engine, prompts, stagger=True) == want
@@ -102,9 +102,7 @@ def test_paged_logits_match_the_dense_forward(network):
     while engine.has_unfinished_requests():
         for chunk in engine.step():
             logprobs = chunk.logprobs
-    reference = torch.log_softmax(
-        __import__("tests.model.reference", fromlist=["dense_logits"]).dense_logits(
-            WEIGHTS, TINY, prompt)[-1], dim=-1)
+    reference = torch.log_softmax(dense_logits(WEIGHTS, TINY, prompt)[-1], dim=-1)
     assert logprobs is not None
     for token_id, value in logprobs[0].items():
         assert value == pytest.approx(float(reference[token_id]), abs=1e-4)
