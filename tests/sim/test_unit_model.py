@@ -167,3 +167,25 @@ def test_deadline_misses_are_counted():
     # a finishes at t=3 (deadline 5: met), b at t=3 too (deadline 2: missed).
     result = simulate([req("a", 16, 2, deadline=5.0), req("b", 16, 2, deadline=2.0)])
     assert aggregate(result)["deadline_misses"] == 1
+
+
+def test_conversation_turns_hit_the_previous_prompt_and_answer():
+    # One conversation, 4 turns far apart; each turn adds 64 new tokens to the previous
+    # prompt + answer (32 tokens, then EOS). Turn k computes prompt_k + 32 tokens of KV
+    # (EOS is sampled, never computed), all full blocks, all hashed:
+    #   turn   prompt                 hit (previous prompt + answer)
+    #   0      64                     0
+    #   1      64 + 32 + 64 = 160     96
+    #   2      160 + 96 = 256         192
+    #   3      256 + 96 = 352         288
+    # hit rate = (96 + 192 + 288) / (64 + 160 + 256 + 352) = 576 / 832.
+    prompts = [64, 160, 256, 352]
+    trace = [req(f"c-t{k}", p, 32, arrival=100.0 * k, prefix_id="c", prefix_len=p)
+             for k, p in enumerate(prompts)]
+    result = simulate(trace)
+    a = aggregate(result)
+    assert a["prefix_hit_rate"] == round(576 / 832, 6)
+    assert [r.metrics.num_cached_tokens for r in result.records] == [0, 96, 192, 288]
+    # Without prefix caching every turn recomputes its whole prompt.
+    uncached = aggregate(simulate(trace, enable_prefix_caching=False))
+    assert uncached["scheduled_tokens"] - a["scheduled_tokens"] == 576
