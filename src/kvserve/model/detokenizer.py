@@ -1,0 +1,145 @@
+"""Streaming text out of generated token ids: incremental detokenisation and stop strings.
+
+Both only ever emit text that will never be retracted: a character whose UTF-8 bytes are
+split over tokens is held until its last byte arrives, and a tail that could be the start of a
+stop string is held until it either completes the stop string or cannot any more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.model.tokenizer import Tokenizer
+
+__all__ = ["IncrementalDetokenizer", "StopChecker"]
+
+# Prompt tokens decoded again as context for the first output token, so tokenizers whose
+# decoding depends on the previous token (leading-space rules) see some left context.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, a step at a time.
+
+    Two offsets into the token ids (prompt then output) bound what is decoded each step::
+
+        ids:  ... p0 p1 p2 | o0 o1 | o2 o3
+                  ^prefix  ^read     ^new tokens
+
+    ``decode(ids[prefix:read])`` was emitted already; ``decode(ids[prefix:])`` minus that is
+    the new text, unless it ends in U+FFFD (an incomplete UTF-8 sequence): then nothing is
+    emitted and the offsets stay, so the bytes are decoded again with the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = list(prompt_token_ids or ())
+        self._num_prompt_tokens = len(self._token_ids)
+        self._read_offset = len(self._token_ids)
+        self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)
+        self.text = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids[self._num_prompt_tokens:]
+
+    def step(self, new_token_ids: Sequence[int] | int) -> str:
+        """Append generated ids; return the text they complete (possibly "")."""
+        if isinstance(new_token_ids, int):
+            new_token_ids = [new_token_ids]
+        self._token_ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: emit what is still held, U+FFFD for incomplete bytes."""
+        return self._advance(final=True)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._token_ids[start:end],
+                                      skip_special_tokens=self._skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        emitted = self._decode(self._prefix_offset, self._read_offset)
+        current = self._decode(self._prefix_offset)
+        if len(current) <= len(emitted) or (current.endswith(_REPLACEMENT) and not final):
+            return ""
+        delta = current[len(emitted):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self.text += delta
+        return delta
+
+
+class StopChecker:
+    """Finds stop strings in streamed text and says what is safe to emit.
+
+    ``check(text_so_far, new_text)`` takes the whole text before this step and the text this
+    step added (consecutive calls must be consistent: the next ``text_so_far`` is this one plus
+    ``new_text``). It returns ``(text_to_emit, matched_stop)``:
+
+    - a stop string found (possibly straddling earlier steps): the text up to it (through it
+      with ``include_stop_str_in_output``) and the stop string; the request should finish;
+    - otherwise the new text minus any tail that could still begin a stop string, plus earlier
+      held text that now cannot; ``flush()`` returns what is still held at the end.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.matched: str | None = None
+        self._num_emitted = 0
+        self._text = ""
+
+    def check(self, text_so_far: str, new_text: str) -> tuple[str, str | None]:
+        if self.matched is not None:
+            return "", self.matched
+        text = text_so_far + new_text
+        self._text = text
+        match = self._find_stop(text, len(text_so_far))
+        if match is not None:
+            start, stop = match
+            end = start + len(stop) if self.include_stop_str_in_output else start
+            self.matched = stop
+            return self._emit_to(end), stop
+        return self._emit_to(len(text) - self._held_tail_length(text)), None
+
+    def flush(self) -> str:
+        """The held-back tail, once no more text will come (the request finished otherwise)."""
+        if self.matched is not None:
+            return ""
+        return self._emit_to(len(self._text))
+
+    def _emit_to(self, end: int) -> str:
+        if end <= self._num_emitted:
+            return ""
+        emitted = self._text[self._num_emitted:end]
+        self._num_emitted = end
+        return emitted
+
+    def _find_stop(self, text: str, num_old_chars: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends in the new text, as (start, stop)."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            start = text.find(stop, max(num_old_chars - len(stop) + 1, 0))
+            if start >= 0 and (best is None or start < best[0]):
+                best = (start, stop)
+        return best
+
+    def _held_tail_length(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for length in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest

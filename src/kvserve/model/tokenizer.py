@@ -1,0 +1,185 @@
+"""Text <-> token ids, and the chat template, for the model being served.
+
+Built with the ``tokenizers`` library, either from a GGUF's ``tokenizer.ggml.*`` metadata
+(byte-level BPE: tokens, merges, token types, special ids) or from a ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvserve.model.detokenizer import IncrementalDetokenizer, StopChecker
+
+__all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer", "UnsupportedTokenizerError"]
+
+
+class UnsupportedTokenizerError(ValueError):
+    """A tokenizer kind or pre-tokenizer this module does not implement."""
+
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# llama.cpp's pre-tokenizer names -> the Hugging Face pre-tokenizer that splits the same way.
+# "smollm" (like StarCoder's) splits every digit on its own (llama.cpp's first regex, \p{N}),
+# then applies the GPT-2 regex: in HF terms Digits(individual_digits) + ByteLevel(use_regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo", "jais")
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_PRE:
+        return byte_level
+    if pre in _DIGITS_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        byte_level])
+    if pre in _LLAMA3_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise UnsupportedTokenizerError(
+        f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+        f"{', '.join(_GPT2_PRE + _DIGITS_PRE + _LLAMA3_PRE)}")
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special ids and chat template that go with it."""
+
+    def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, chat_template: str | None = None) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self._compiled_template: Any = None
+
+    # --- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
+        """Build from a GGUF file's metadata (``tokenizer.ggml.model`` must be ``gpt2``)."""
+        from kvserve.model.loader import open_gguf
+
+        reader = open_gguf(path_or_reader)
+
+        def meta(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        kind = meta("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedTokenizerError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, byte-level "
+                "BPE)")
+        tokens: list[str] = meta("tokenizer.ggml.tokens")
+        merges = [tuple(merge.split(" ")) for merge in meta("tokenizer.ggml.merges", [])]
+        if any(len(merge) != 2 for merge in merges):
+            raise UnsupportedTokenizerError("GGUF merges must be pairs separated by one space")
+        token_types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {token: token_id for token_id, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise UnsupportedTokenizerError("GGUF vocabulary has duplicate token strings")
+
+        tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tokenizer.pre_tokenizer = _pre_tokenizer(meta("tokenizer.ggml.pre", "default"))
+        tokenizer.decoder = decoders.ByteLevel()
+        added = [AddedToken(tokens[i], special=token_types[i] == _TOKEN_TYPE_CONTROL,
+                            normalized=False)
+                 for i in range(len(tokens))
+                 if token_types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
+        tokenizer.add_special_tokens([t for t in added if t.special])
+        tokenizer.add_tokens([t for t in added if not t.special])
+
+        bos = meta("tokenizer.ggml.bos_token_id")
+        eos = meta("tokenizer.ggml.eos_token_id")
+        if meta("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B:1",
+                special_tokens=[(tokens[bos], bos)])
+        return cls(tokenizer, bos_token_id=bos, eos_token_id=eos,
+                   chat_template=meta("tokenizer.chat_template"))
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Build from a ``tokenizer.json``; BOS/EOS tokens and the chat template come from a
+        ``tokenizer_config.json`` beside it when there is one."""
+        path = Path(tokenizer_json)
+        tokenizer = HFTokenizer.from_file(str(path))
+        config_path = path.with_name("tokenizer_config.json")
+        config: Mapping[str, Any] = (json.loads(config_path.read_text())
+                                     if config_path.is_file() else {})
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            if isinstance(token, Mapping):
+                token = token.get("content")
+            return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+        template = chat_template or config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {entry.get("name"): entry.get("template") for entry in template}
+            template = named.get("default")
+        return cls(tokenizer, bos_token_id=token_id("bos_token"),
+                   eos_token_id=token_id("eos_token"), chat_template=template)
+
+    # --- ids and text --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special tokens written in ``text`` (``<|im_start|>``) always map to their ids;
+        ``add_special_tokens`` adds BOS only where the model's tokenizer asks for it."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render ``messages`` with the model's Jinja chat template (sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        if self._compiled_template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.globals["raise_exception"] = _raise_exception
+            self._compiled_template = environment.from_string(self.chat_template)
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id), **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+                    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self._tokenizer.id_to_token(token_id) or ""
