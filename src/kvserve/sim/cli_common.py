@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from kvserve.cli import CLIError
 
@@ -37,6 +38,29 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       cost_model=getattr(args, "cost_model", "roofline"),
                       calibration=getattr(args, "calibration", None))
+
+
+def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any],
+                           label: str, **kwargs: Any) -> Any:
+    """``deployment.simulate`` with a progress bar on a terminal once it runs over 1 s."""
+    from kvserve.sim.table import Progress
+
+    progress = Progress(len(trace), label)
+    try:
+        return deployment.simulate(trace, settings, progress=progress, **kwargs)
+    finally:
+        progress.close()
+
+
+class ShowProgress:
+    """A deployment whose every simulation shows progress, labelled by its max_num_seqs."""
+
+    def __init__(self, deployment: Any) -> None:
+        self.deployment = deployment
+
+    def simulate(self, trace: Any, settings: dict[str, Any], **kwargs: Any) -> Any:
+        label = f"max_num_seqs={settings.get('max_num_seqs', 'default')}"
+        return simulate_with_progress(self.deployment, trace, settings, label, **kwargs)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,12 @@ import argparse
 import json
 from typing import Any
 
-from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
+from kvserve.sim.cli_common import (
+    ShowProgress,
+    add_deployment_flags,
+    cli_errors,
+    deployment_from_args,
+)
 from kvserve.sim.flags import add_scheduler_flags, settings_from_args
 
 
@@ -90,11 +95,12 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         return out
     settings.setdefault("num_kv_blocks", pool.num_blocks)
     candidates = _candidates(args.candidates)
-    rows = plan.sweep_max_num_seqs(deployment, trace, settings, candidates, args.seed)
+    rows = plan.sweep_max_num_seqs(ShowProgress(deployment), trace, settings, candidates,
+                                   args.seed)
     out["sweep"] = rows
     out.update(plan.recommend(rows, args.ttft_p99))
     if not args.no_capacity_search:
-        out.update(_capacity(args, deployment, trace, settings, out))
+        out.update(_capacity(args, ShowProgress(deployment), trace, settings, out))
     return out
 
 

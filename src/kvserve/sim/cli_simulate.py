@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
+from kvserve.sim.cli_common import (
+    add_deployment_flags,
+    cli_errors,
+    deployment_from_args,
+    simulate_with_progress,
+)
 from kvserve.sim.flags import add_scheduler_flags, parse_sweep, settings_from_args
 from kvserve.sim.simulator import BATCHING_MODES
 
@@ -55,15 +60,11 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
              trace: list[Any]) -> None:
     from kvserve.sim import report as reports
-    from kvserve.sim.table import Progress, print_aggregate
+    from kvserve.sim.table import print_aggregate
 
-    progress = Progress(len(trace))
-    try:
-        echo, result = deployment.simulate(trace, settings, seed=args.seed,
-                                           record_events=bool(args.events), check=args.check,
-                                           progress=progress)
-    finally:
-        progress.close()
+    echo, result = simulate_with_progress(deployment, trace, settings, "simulating",
+                                          seed=args.seed, record_events=bool(args.events),
+                                          check=args.check)
     report = reports.build_report(echo, result)
     if args.report:
         _write(args.report, reports.dumps(report))
@@ -83,18 +84,14 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
 def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
                trace: list[Any], name: str, values: list[Any]) -> None:
     from kvserve.sim import report as reports
-    from kvserve.sim.table import Progress, print_sweep
+    from kvserve.sim.table import print_sweep
 
     rows = []
     echo: dict[str, Any] = {}
     for value in values:
-        progress = Progress(len(trace), f"{name}={value}")
-        try:
-            echo, result = deployment.simulate(trace, {**settings, name: value},
-                                               seed=args.seed, check=args.check,
-                                               progress=progress)
-        finally:
-            progress.close()
+        echo, result = simulate_with_progress(deployment, trace, {**settings, name: value},
+                                              f"{name}={value}", seed=args.seed,
+                                              check=args.check)
         rows.append((value, echo["cache"]["num_blocks"], reports.aggregate(result)))
     # What varies from row to row lives in the rows; the echo keeps what they share.
     echo["scheduler"].pop(name, None)

@@ -16,7 +16,6 @@ import numpy as np
 
 from kvserve.core import SchedulerConfig
 from kvserve.sim.capacity import KVPool
-from kvserve.sim.deployment import Deployment
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
@@ -73,9 +72,11 @@ SWEEP_FIGURES = ("num_preemptions", "wasted_fraction", "throughput_output_tok_s"
                  "itl_p99", "queue_p99", "longest_stall_s")
 
 
-def sweep_max_num_seqs(deployment: Deployment, trace: Sequence[TraceRequest],
+def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
                        settings: dict[str, Any], candidates: Sequence[int],
                        seed: int = 0) -> list[dict[str, Any]]:
+    """Simulate ``trace`` once per candidate on ``deployment`` (a Deployment, or anything
+    with its ``simulate``) and keep each run's headline figures."""
     rows = []
     for value in candidates:
         _, result = deployment.simulate(trace, with_max_num_seqs(settings, value), seed=seed)
