@@ -10,9 +10,11 @@ Distributions are written ``NAME:key=value,...`` (a bare value is the first para
     zipf:a=1.5,scale=64             scale * K, P(K = k) ~ k^-a
   each also takes min=,max= to clip (defaults: 1 and unbounded).
 
-Draw order (fixed, so a seed reproduces a trace): arrival gaps for all conversations, then
-per conversation its turn count, then per turn prompt length, output length, think time,
-prefix group, priority class.
+Draw order (fixed, so a seed reproduces a trace), from one ``numpy.random.default_rng(seed)``:
+the start gaps of num_requests conversations; one prefix length per prefix group; then per
+conversation: its turn count, the new-text and output lengths of its turns, their think
+times (if think_time > 0), its prefix group and whether it uses it (if prefix_groups > 0),
+its priority class. Single-turn conversations are plain requests.
 """
 
 from __future__ import annotations
