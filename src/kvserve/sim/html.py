@@ -155,8 +155,8 @@ def render_sweep(report: dict[str, Any]) -> str:
         ys = [None if r["aggregate"][key] is None else r["aggregate"][key] * scale
               for r in rows]
         body.append(svg.line_chart(f"{title} vs {name}", [(title, xs, ys)],
-                                   name if numeric else f"{name} (index)", unit,
-                                   markers=True, log_x=log_x, x_ticks=xs))
+                                   name, unit, markers=True, log_x=log_x, x_ticks=xs,
+                                   x_tick_labels=None if numeric else [str(v) for v in values]))
     body.append("</div><h2>Figures</h2>")
     head = f"<th>{escape(name)}</th>" + "".join(f"<th>{c}</th>" for c, _ in SWEEP_COLUMNS)
     lines = "".join(

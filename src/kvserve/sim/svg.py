@@ -12,7 +12,7 @@ from html import escape
 import numpy as np
 
 PALETTE = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2")
-_M = {"left": 64, "right": 16, "top": 28, "bottom": 40}
+_M = {"left": 64, "right": 40, "top": 28, "bottom": 40}
 
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
@@ -59,7 +59,8 @@ class _Frame:
         return _M["top"] + (1 - (value - self.y0) / (self.y1 - self.y0)) * self.inner_h
 
     def axes(self, title: str, x_label: str, y_label: str,
-             x_ticks: Sequence[float] | None = None, y_fmt=fmt) -> list[str]:  # type: ignore[no-untyped-def]
+             x_ticks: Sequence[float] | None = None, y_fmt=fmt,  # type: ignore[no-untyped-def]
+             x_tick_labels: Sequence[str] | None = None) -> list[str]:
         parts = [f'<text x="{_M["left"]}" y="16" class="title">{escape(title)}</text>']
         bottom = _M["top"] + self.inner_h
         for tick in nice_ticks(self.y0, self.y1):
@@ -74,12 +75,13 @@ class _Frame:
                            if self.x0 <= e <= self.x1]
             else:
                 x_ticks = nice_ticks(self.x0, self.x1)
-        for tick in x_ticks:
+        for index, tick in enumerate(x_ticks):
             x = self.x(tick)
+            text = fmt(tick) if x_tick_labels is None else x_tick_labels[index]
             parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" y2="{bottom + 4}" '
                          f'class="axis"/>')
             parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" class="tick" '
-                         f'text-anchor="middle">{fmt(tick)}</text>')
+                         f'text-anchor="middle">{escape(text)}</text>')
         parts.append(f'<line x1="{_M["left"]}" x2="{self.width - _M["right"]}" y1="{bottom}" '
                      f'y2="{bottom}" class="axis"/>')
         parts.append(f'<text x="{_M["left"] + self.inner_w / 2}" y="{self.height - 6}" '
@@ -121,6 +123,7 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence
                y_min: float = 0.0, y_max: float | None = None, step: bool = False,
                markers: bool = False, log_x: bool = False,
                x_ticks: Sequence[float] | None = None,
+               x_tick_labels: Sequence[str] | None = None,
                y_fmt=fmt) -> str:  # type: ignore[no-untyped-def]
     all_x = [x for _, xs, _ in series for x in xs]
     all_y = [y for _, _, ys in series for y in ys if y is not None]
@@ -129,7 +132,8 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence
                                 'no data</text>'])
     top = y_max if y_max is not None else max(max(all_y, default=1.0) * 1.05, 1e-9)
     frame = _Frame(width, height, (min(all_x), max(all_x)), (y_min, top), log_x=log_x)
-    parts = frame.axes(title, x_label, y_label, x_ticks, y_fmt=y_fmt)
+    parts = frame.axes(title, x_label, y_label, x_ticks, y_fmt=y_fmt,
+                       x_tick_labels=x_tick_labels)
     for index, (_, xs, ys) in enumerate(series):
         color = PALETTE[index % len(PALETTE)]
         points = []
