@@ -33,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from kvserve.engine import cli_generate
     from kvserve.sim.commands import register as register_sim
 
     register_sim(subparsers)
+    cli_generate.add_parser(subparsers)
     return parser
 
 

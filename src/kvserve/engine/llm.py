@@ -49,17 +49,23 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype, seed: int = 0
-               ) -> tuple[LlamaForCausalLM, Any]:
-    """The network with its weights and the tokenizer (None for dummy weights).
+def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
+               load_format: str = "auto", seed: int = 0) -> tuple[LlamaForCausalLM, Any]:
+    """The network with its weights, and the tokenizer.
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
-    ModelConfig for random ("dummy") weights.
+    ModelConfig (random weights, no tokenizer). ``load_format="dummy"`` keeps the file's
+    config and tokenizer but draws random weights (benchmarks, calibration).
     """
     from kvserve.model import loader
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load format {load_format!r}; choose auto or dummy")
     if isinstance(model, ModelConfig):
         config, weights, tokenizer = model, loader.dummy_weights(model, dtype, seed), None
+    elif load_format == "dummy":
+        config = loader.model_config_from_path(model)
+        weights, tokenizer = loader.dummy_weights(config, dtype, seed), _load_tokenizer(model)
     else:
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = _load_tokenizer(model)
@@ -82,7 +88,8 @@ def _load_tokenizer(model: str | Path | None) -> Any:
 
 
 def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
-                 "float32", block_size: int = 16, num_kv_blocks: int | None = None,
+                 "float32", load_format: str = "auto", block_size: int = 16,
+                 num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  **scheduler_settings: Any) -> Engine:
@@ -91,7 +98,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
     """
     torch_dtype = parse_dtype(dtype)
-    network, tokenizer = load_model(model, torch_dtype, seed)
+    network, tokenizer = load_model(model, torch_dtype, load_format, seed)
     config = network.config
     if num_kv_blocks is None:
         num_kv_blocks = num_blocks_for_memory(config, block_size, torch_dtype,

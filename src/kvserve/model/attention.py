@@ -76,21 +76,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+DECODE_GROUP = 32
+
+
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:
-    tables = batch.decode_block_tables  # [D, B]
-    num_decodes, max_blocks = tables.shape
+    """Decodes in groups of DECODE_GROUP, each padded only to its own longest context (the
+    runner orders decodes by context length, so padding stays small)."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    lens = batch.decode_context_lens
+    for start in range(0, batch.num_decodes, DECODE_GROUP):
+        rows = slice(start, min(start + DECODE_GROUP, batch.num_decodes))
+        num_blocks = -(-int(lens[rows].max()) // block_size)
+        out[rows] = _padded_decode(q[rows], k_cache, v_cache,
+                                   batch.decode_block_tables[rows, :num_blocks], lens[rows])
+    return out
+
+
+def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    num_decodes, num_blocks = tables.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    max_len = max_blocks * block_size
-    keys = k_cache.index_select(0, tables.flatten()).view(num_decodes, max_len, num_kv_heads,
-                                                         head_dim)
-    values = v_cache.index_select(0, tables.flatten()).view(num_decodes, max_len,
-                                                           num_kv_heads, head_dim)
+    max_len = num_blocks * block_size
+    shape = (num_decodes, max_len, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+    values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
     # [D, 1, 1, L]: True where the key position is inside the request's context
-    mask = (torch.arange(max_len) < batch.decode_context_lens[:, None])[:, None, None, :]
-    attended = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-        enable_gqa=True)
+    mask = (torch.arange(max_len) < context_lens[:, None])[:, None, None, :]
+    attended = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+                                              enable_gqa=True)
     return attended[:, :, 0, :]
 
 

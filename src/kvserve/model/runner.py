@@ -83,26 +83,20 @@ class ModelRunner:
     def _slices(self, out: SchedulerOutput
                 ) -> tuple[list[SequenceSlice], list[SequenceSlice], list[str]]:
         """Decode slices, prefill slices, and the ids of requests that sample, in batch
-        order (decodes first)."""
-        decodes: list[SequenceSlice] = []
-        prefills: list[SequenceSlice] = []
-        decode_ids: list[str] = []
-        prefill_ids: list[str] = []
+        order: decodes first, by context length (attention pads each group of them to its
+        longest), then prefill chunks."""
+        decodes: list[tuple[SequenceSlice, str]] = []
+        prefills: list[tuple[SequenceSlice, str]] = []
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
-            samples = end == len(state.token_ids)
-            piece = SequenceSlice(state.token_ids[start:end], start, state.block_ids, samples)
-            if num_tokens == 1:
-                decodes.append(piece)
-                if samples:
-                    decode_ids.append(request_id)
-            else:
-                prefills.append(piece)
-                if samples:
-                    prefill_ids.append(request_id)
-        return decodes, prefills, decode_ids + prefill_ids
+            piece = SequenceSlice(state.token_ids[start:end], start, state.block_ids,
+                                  samples=end == len(state.token_ids))
+            (decodes if num_tokens == 1 else prefills).append((piece, request_id))
+        decodes.sort(key=lambda entry: entry[0].start_position)
+        sampling_ids = [rid for piece, rid in decodes + prefills if piece.samples]
+        return [p for p, _ in decodes], [p for p, _ in prefills], sampling_ids
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]
                 ) -> tuple[list[int], list[dict[int, float]] | None]:

@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Offline throughput on W1 and W2 of ../shared/WORKLOADS.md with the real model.
+
+W1: 128 requests, prompt lengths uniform in [64, 512] (token ids), greedy, ignore_eos,
+max_tokens 128, all submitted at once. W2: the same requests with the KV cache capped at
+4,096 tokens and max_num_seqs 64. Wall time excludes model loading.
+
+    python benchmarks/offline_throughput.py [--workload w1 w2] [--dtype bfloat16] [--n 128]
+                                            [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.core import SamplingParams
+from kvserve.engine.llm import LLM
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- offline_throughput:begin -->", "<!-- offline_throughput:end -->"
+W1_FIRST_IDS = [36058, 12649, 36180, 27207, 35725]  # ../shared/WORKLOADS.md
+PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s",
+         "w2": "vLLM CPU 0.32.0: 84.2 s, 48-49 preemptions"}
+
+
+def w1_prompts(n: int = 128, seed: int = 0) -> list[list[int]]:
+    """The exact W1 draw: numpy default_rng(0), lengths first, then each prompt in order."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64, 513, size=128)
+    prompts = [rng.integers(1000, 40000, size=int(n_tokens)).tolist() for n_tokens in lengths]
+    assert prompts[0][:5] == W1_FIRST_IDS, "W1 generator drifted from WORKLOADS.md"
+    return prompts[:n]
+
+
+def run(workload: str, n: int, dtype: str, block_size: int) -> dict:
+    settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    if workload == "w2":
+        settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
+    llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False, **settings)
+    prompts = w1_prompts(n)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    stats = llm.engine.scheduler.stats()
+    num_prompt = sum(len(p) for p in prompts)
+    num_output = sum(len(r.token_ids) for r in results)
+    assert num_output == 128 * len(prompts)
+    return dict(workload=workload, n=len(prompts), dtype=dtype, block_size=block_size,
+                wall_s=wall, output_tok_s=num_output / wall,
+                total_tok_s=(num_prompt + num_output) / wall, prompt_tokens=num_prompt,
+                output_tokens=num_output, preemptions=stats.num_preemptions,
+                recomputed_tokens=stats.num_recomputed_tokens, steps=stats.num_steps,
+                threads=torch.get_num_threads())
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    lines = [BEGIN, "## Offline throughput (W1, W2)", "",
+             f"`{command}` on {platform.machine()}, {torch.get_num_threads()} threads, "
+             f"torch {torch.__version__}; model load excluded.", "",
+             "| workload | requests | dtype | wall s | output tok/s | total tok/s | preemptions "
+             "| recomputed tokens | peer on this machine |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workload'].upper()} | {r['n']} | {r['dtype']} | {r['wall_s']:.1f} "
+                     f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['preemptions']} "
+                     f"| {r['recomputed_tokens']} | {PEERS[r['workload']]} |")
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(section: str) -> None:
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    DOCS.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", nargs="+", default=["w1", "w2"], choices=("w1", "w2"))
+    parser.add_argument("--n", type=int, default=128, help="first N requests (32: quick)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for workload in args.workload:
+        row = run(workload, args.n, args.dtype, args.block_size)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    section = markdown(rows, "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]))
+    print(section)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.write_docs:
+        write_docs(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

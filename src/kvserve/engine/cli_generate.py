@@ -1,0 +1,100 @@
+"""``kvserve generate``: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvserve.core import ConfigError, RequestError, SamplingParams
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Model and weights flags shared by the commands that load a model."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a GGUF file or a Hugging Face directory (default: the bundled "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights, activations and KV cache dtype")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: random weights with the model's shapes (benchmarks)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+
+
+def add_parser(subparsers: Any) -> None:
+    from kvserve.sim.flags import add_scheduler_flags
+
+    parser = subparsers.add_parser(
+        "generate", help="generate text offline with the real model",
+        description="Generate text for one or more prompts with the real model on this "
+                    "machine, through the same scheduler the server uses.")
+    add_model_args(parser)
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt (repeat for a batch); '-' reads one per line from stdin")
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user message through the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_scheduler_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def _prompts(args: argparse.Namespace) -> list[Any]:
+    prompts: list[str] = []
+    for prompt in args.prompt:
+        prompts += [line for line in sys.stdin.read().splitlines() if line] if prompt == "-" \
+            else [prompt]
+    if not prompts:
+        from kvserve.cli import CLIError
+        raise CLIError("give at least one --prompt")
+    if args.chat:
+        return [[{"role": "user", "content": p}] for p in prompts]
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.cli import CLIError
+    from kvserve.sim.flags import settings_from_args
+
+    prompts = _prompts(args)
+    settings = settings_from_args(args)
+    settings.pop("batching", None)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+        llm = _build(args, settings)
+        results = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    except (ConfigError, RequestError, ValueError, FileNotFoundError) as error:
+        raise CLIError(str(error).splitlines()[0]) from error
+    for prompt, result in zip(prompts, results, strict=True):
+        if args.json:
+            metrics = result.metrics
+            print(json.dumps({
+                "prompt": prompt, "text": result.text, "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason,
+                "num_prompt_tokens": len(result.prompt_token_ids),
+                "num_preemptions": metrics.num_preemptions if metrics else 0}))
+        else:
+            print(result.text)
+    return 0
+
+
+def _build(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
+    from kvserve.engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+               block_size=settings.pop("block_size", 16),
+               num_kv_blocks=settings.pop("num_kv_blocks", None),
+               kv_cache_memory=settings.pop("kv_cache_memory", None),
+               enable_prefix_caching=settings.pop("enable_prefix_caching", True),
+               **settings)
