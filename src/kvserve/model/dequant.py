@@ -120,5 +120,6 @@ def _reference_dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> torc
     except NotImplementedError as error:
         raise UnsupportedTensorTypeError(
             f"GGML tensor type {qtype.name} is not supported; supported: "
-            f"{', '.join(t.name for t in NATIVE_TYPES)} and the K-quants") from error
+            f"{', '.join(t.name for t in NATIVE_TYPES)}, and the K- and I-quants that "
+            "gguf.quants can dequantize") from error
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

