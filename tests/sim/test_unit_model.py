@@ -189,3 +189,26 @@ def test_conversation_turns_hit_the_previous_prompt_and_answer():
     # Without prefix caching every turn recomputes its whole prompt.
     uncached = aggregate(simulate(trace, enable_prefix_caching=False))
     assert uncached["scheduled_tokens"] - a["scheduled_tokens"] == 576
+
+
+def test_a_request_that_preempts_itself_first_leaves_an_empty_step():
+    # 3 blocks of 16; victim policy least-computed. a: prompt 16, b: prompt 30, both
+    # output_len 2 (3 tokens with EOS).
+    #   t=0: a 16, b 30 (3 blocks, pool full) -> tokens at t=1.
+    #   t=1: a (first in running) needs a 2nd block; the least-computed victim is a itself
+    #        (16 < 30): a is preempted and the running pass ends (D3), so nothing runs:
+    #        an empty step, no time passes. The next schedule() at t=1 runs b alone; a is
+    #        blocked (17 tokens need 2 blocks, 1 is free).
+    #   t=1, t=2: b decodes -> token 2 at t=2, EOS at t=3.
+    #   t=3: a resumes; its prompt block is still cached (16-token hit), 1 token to compute
+    #        -> token 2 at t=4; EOS at t=5. Stall: preempted at t=1, resumed at t=3.
+    result = simulate([req("a", 16, 2), req("b", 30, 2)], num_blocks=3,
+                      victim_policy="least-computed")
+    assert list(result.steps.num_scheduled_tokens) == [46, 1, 1, 1, 1]
+    assert list(result.steps.time) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    records = by_id(result)
+    assert timings(records["b"])[2] == 3.0
+    assert timings(records["a"]) == (0.0, 1.0, 5.0)
+    assert records["a"].stalls == [(1.0, 3.0)]
+    a = aggregate(result)
+    assert (a["num_preemptions"], a["recomputed_tokens"], a["longest_stall_s"]) == (1, 0, 3.0)
