@@ -151,7 +151,7 @@ class _Run:
         num_empty = 0
         while True:
             self._take_due(now)
-            self._hand_over(now)
+            self._hand_over()
             if scheduler.has_unfinished_requests():
                 out = scheduler.schedule(now)
                 if out.total_num_scheduled_tokens:
@@ -240,7 +240,7 @@ class _Run:
 
     # -- requests in -----------------------------------------------------------------------
 
-    def _hand_over(self, now: float) -> None:
+    def _hand_over(self) -> None:
         """Give held arrivals to the scheduler, as the batching mode allows."""
         mode = self.sim.batching
         if mode == "continuous":
@@ -250,10 +250,10 @@ class _Run:
         else:
             limit = 1 if mode == "serial" else self.sim.scheduler_config.max_num_seqs
         while self.held and limit > 0:
-            self._submit(self.held.popleft(), now)
+            self._submit(self.held.popleft())
             limit -= 1
 
-    def _submit(self, trace_request: TraceRequest, now: float) -> None:
+    def _submit(self, trace_request: TraceRequest) -> None:
         seed = self.sim.seed
         request_id = trace_request.request_id
         max_tokens = trace_request.max_tokens or self.sim.scheduler_config.max_model_len
@@ -287,7 +287,7 @@ class _Run:
         if request_id in self.live:
             metrics = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
                                                     stop_reason="cancelled", now=now)
-            self._finish(request_id, "abort", "cancelled", metrics, now)
+            self._finish(request_id, "abort", "cancelled", metrics)
             return
         for index, held in enumerate(self.held):
             if held.request_id == request_id:
@@ -317,10 +317,10 @@ class _Run:
             if output.finished:
                 stop = output.stop_reason
                 self._finish(output.request_id, output.finish_reason or "error",
-                             None if stop is None else str(stop), output.metrics, now)
+                             None if stop is None else str(stop), output.metrics)
 
     def _finish(self, request_id: str, reason: str, stop_reason: str | None,
-                metrics: RequestMetrics | None, now: float) -> None:
+                metrics: RequestMetrics | None) -> None:
         record = self.records[request_id]
         record.finish_reason = reason
         record.stop_reason = stop_reason
