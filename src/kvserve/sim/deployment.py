@@ -63,9 +63,10 @@ class Deployment:
         if settings.get("num_kv_blocks") is not None:
             return int(settings["num_kv_blocks"])
         model = get_model(self.model)
-        if settings.get("kv_cache_memory") is not None:
+        if settings.get("kv_cache_memory") is not None:  # per device, as in vLLM
             per_block = kv_bytes_per_token(model, self.dtype) * block_size
-            return max(1, int(settings["kv_cache_memory"]) // per_block)
+            pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size
+            return max(1, pool // per_block)
         return plan_kv_pool(model, self.dtype, block_size, hardware=get_hardware(self.hardware),
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             tensor_parallel_size=self.tensor_parallel_size,

@@ -60,7 +60,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
                        type=int, help="KV blocks in the pool (default: sized from memory)")
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
-                       help="KV pool size in bytes (e.g. 20GiB) instead of a block count")
+                       help="KV cache bytes per device (e.g. 20GiB) instead of a block count")
     group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                        action=argparse.BooleanOptionalAction)
 
