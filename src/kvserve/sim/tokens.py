@@ -21,6 +21,9 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _SPAN = VOCAB_SIZE - FIRST_TOKEN_ID
+_U_GOLDEN, _U_M1, _U_M2 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)
+_U_SPAN, _U_FIRST = np.uint64(_SPAN), np.uint64(FIRST_TOKEN_ID)
+_U27, _U30, _U31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def stream_key(seed: int, key: str) -> int:
@@ -39,13 +42,21 @@ def stream_token(key: int, position: int) -> int:
 
 
 def stream_tokens(key: int, start: int, end: int) -> list[int]:
-    """``[stream_token(key, p) for p in range(start, end)]``, vectorised."""
+    """``[stream_token(key, p) for p in range(start, end)]``, vectorised (in place: this runs
+    once per simulated prompt and answer)."""
     if end <= start:
         return []
-    positions = np.arange(start + 1, end + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = np.uint64(key) + positions * np.uint64(_GOLDEN)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
-        z ^= z >> np.uint64(31)
-    return (z % np.uint64(_SPAN) + np.uint64(FIRST_TOKEN_ID)).tolist()
+    z = np.arange(start + 1, end + 1, dtype=np.uint64)
+    z *= _U_GOLDEN
+    z += np.uint64(key)
+    t = z >> _U30
+    z ^= t
+    z *= _U_M1
+    np.right_shift(z, _U27, out=t)
+    z ^= t
+    z *= _U_M2
+    np.right_shift(z, _U31, out=t)
+    z ^= t
+    z %= _U_SPAN
+    z += _U_FIRST
+    return z.tolist()
