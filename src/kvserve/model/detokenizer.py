@@ -30,8 +30,9 @@ class IncrementalDetokenizer:
                   ^prefix  ^read     ^new tokens
 
     ``decode(ids[prefix:read])`` was emitted already; ``decode(ids[prefix:])`` minus that is
-    the new text, unless it ends in U+FFFD (an incomplete UTF-8 sequence): then nothing is
-    emitted and the offsets stay, so the bytes are decoded again with the next token.
+    the new text. When it ends in U+FFFD (an incomplete UTF-8 sequence), only the text before
+    the U+FFFD run is emitted and the offsets stay, so the bytes are decoded again with the
+    next token.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] | None = None,
@@ -42,6 +43,8 @@ class IncrementalDetokenizer:
         self._num_prompt_tokens = len(self._token_ids)
         self._read_offset = len(self._token_ids)
         self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT_TOKENS, 0)
+        # Characters emitted past decode(ids[prefix:read]) while the last token is incomplete.
+        self._num_partial_chars = 0
         self.text = ""
 
     @property
@@ -66,11 +69,16 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         emitted = self._decode(self._prefix_offset, self._read_offset)
         current = self._decode(self._prefix_offset)
-        if len(current) <= len(emitted) or (current.endswith(_REPLACEMENT) and not final):
-            return ""
-        delta = current[len(emitted):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        complete = final or not current.endswith(_REPLACEMENT)
+        stable = current if complete else current.rstrip(_REPLACEMENT)
+        start = len(emitted) + self._num_partial_chars
+        delta = stable[start:]
+        if complete:
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            self._num_partial_chars = 0
+        else:
+            self._num_partial_chars += len(delta)
         self.text += delta
         return delta
 

@@ -37,9 +37,11 @@ __all__ = [
     "DEFAULT_MODEL_FILE",
     "ModelNotFoundError",
     "UnsupportedModelError",
+    "clear_gguf_cache",
     "default_model_path",
     "dummy_weights",
     "expected_weight_shapes",
+    "hf_name_from_gguf",
     "load_model_weights",
     "model_config_from_gguf",
     "model_config_from_hf",
@@ -162,11 +164,16 @@ def open_gguf(reader_or_path: Any) -> Any:
     return _cached_reader(str(path), stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader
 
     return GGUFReader(path)
+
+
+def clear_gguf_cache() -> None:
+    """Drop cached readers (and their memory maps of the files)."""
+    _cached_reader.cache_clear()
 
 
 def _metadata(reader: Any, key: str, default: Any = None) -> Any:

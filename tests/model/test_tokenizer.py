@@ -1,0 +1,273 @@
+"""Tokenizer built from the bundled GGUF: published SmolLM2 token ids, round trips, the chat
+template, incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jinja2.exceptions import SecurityError
+
+from kvserve.model.loader import default_model_path
+from kvserve.model.tokenizer import (
+    IncrementalDetokenizer,
+    StopChecker,
+    Tokenizer,
+    UnsupportedTokenizerError,
+)
+
+SYSTEM_PREFIX = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
+                 7018, 411, 407, 19712, 8182, 2, 198]  # the default system turn
+ASSISTANT_PROMPT = [1, 520, 9531, 198]  # "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(default_model_path())
+
+
+# --- token ids ----------------------------------------------------------------------------------
+
+# Ids published for SmolLM2's tokenizer (HF tokenizers / llama.cpp runs of the same vocabulary).
+PUBLISHED = {
+    "Hello world": [19556, 905],
+    "The quick brown fox jumps over the lazy dog":
+        [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767],
+    "  leading spaces": [216, 2899, 5600],
+    "Write a haiku about the ocean.\n": [19161, 253, 421, 30614, 563, 260, 5065, 30, 198],
+    "": [],
+}
+
+
+@pytest.mark.parametrize("text", list(PUBLISHED))
+def test_published_token_ids(tokenizer, text):
+    assert tokenizer.encode(text) == PUBLISHED[text]
+    # add_bos_token is false in the GGUF: no BOS even when asked for special tokens.
+    assert tokenizer.encode(text, add_special_tokens=True) == PUBLISHED[text]
+
+
+def test_special_tokens(tokenizer):
+    assert tokenizer.vocab_size == 49152
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    assert tokenizer.encode("<|endoftext|>") == [0]
+    assert tokenizer.encode("<|im_start|>") == [1]
+    assert tokenizer.encode("<|im_end|>") == [2]
+    assert tokenizer.id_to_token(1) == "<|im_start|>"
+    assert tokenizer.id_to_token(19556) == "Hello"
+    assert tokenizer.token_to_id("<|im_end|>") == 2
+
+
+def test_digits_are_split_one_by_one(tokenizer):
+    # SmolLM2's pre-tokenizer ("smollm" in llama.cpp) isolates every digit: '2','0','2','4'.
+    ids = tokenizer.encode("in 2024")
+    assert [tokenizer.id_to_token(i) for i in ids] == ["in", "Ġ", "2", "0", "2", "4"]
+
+
+def test_published_chat_prompt_ids(tokenizer):
+    hello = tokenizer.encode_chat([{"role": "user", "content": "hello world"}])
+    assert hello == [*SYSTEM_PREFIX, 1, 4093, 198, 28120, 905, 2, 198, *ASSISTANT_PROMPT]
+    french = tokenizer.encode_chat([{
+        "role": "user",
+        "content": "Quelle est la capitale de la France ? Réponds en une phrase."}])
+    assert french == [
+        *SYSTEM_PREFIX,
+        1, 4093, 198, 65, 2726, 290, 1264, 2618, 47765, 1121, 367, 2618, 4649, 9148, 428, 2756,
+        96, 19870, 430, 16520, 8715, 30, 2, 198,
+        *ASSISTANT_PROMPT]
+
+
+ROUND_TRIP_TEXTS = [
+    "Hello, world! It's 3.14159 o'clock.",
+    "héllo wörld — naïve café, 日本語のテキスト, 한국어, Ελληνικά, עברית",
+    "emoji 😀👍🏽 and a family 👨‍👩‍👧 and flags 🇫🇷",
+    "tabs\tand\n\nnewlines\r\n   indented    code:\n    def f(x):\n        return x",
+    "combining e\u0301 and zero\u200bwidth",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_decode_skips_special_tokens_by_default(tokenizer):
+    ids = [1, 19556, 905, 2]
+    assert tokenizer.decode(ids) == "Hello world"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>Hello world<|im_end|>"
+
+
+def test_from_file_matches_from_gguf(tokenizer, tmp_path):
+    tokenizer.save(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"},
+        "chat_template": tokenizer.chat_template}))
+    loaded = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (1, 2)
+    for text in [*PUBLISHED, *ROUND_TRIP_TEXTS]:
+        assert loaded.encode(text) == tokenizer.encode(text)
+    messages = [{"role": "user", "content": "hello world"}]
+    assert loaded.encode_chat(messages) == tokenizer.encode_chat(messages)
+
+
+def test_unsupported_gguf_tokenizer_is_named(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "spm.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedTokenizerError, match="'llama'"):
+        Tokenizer.from_gguf(path)
+
+
+# --- chat template ------------------------------------------------------------------------------
+
+def test_chat_template_renders_a_two_turn_conversation(tokenizer):
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    assert tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n4.<|im_end|>\n"
+        "<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_chat_template_keeps_a_given_system_prompt_and_can_omit_the_generation_prompt(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                        "<|im_start|>user\nHi<|im_end|>\n")
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=False)
+    assert ids[0] == 1 and ids[-2:] == [2, 198]
+    assert ids.count(1) == 2 and ids.count(2) == 2
+
+
+def test_chat_template_is_sandboxed_and_can_raise(tokenizer):
+    custom = Tokenizer(tokenizer._tokenizer, bos_token_id=1, eos_token_id=2, chat_template=(
+        "{% if messages|length == 0 %}{{ raise_exception('no messages') }}{% endif %}"
+        "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"))
+    assert custom.apply_chat_template([{"role": "user", "content": "x"}]) == (
+        "<|im_start|>x<|im_end|>")
+    with pytest.raises(ValueError, match="no messages"):
+        custom.apply_chat_template([])
+    unsafe = Tokenizer(tokenizer._tokenizer, chat_template="{{ ''.__class__.__mro__ }}")
+    with pytest.raises(SecurityError):
+        unsafe.apply_chat_template([])
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tokenizer._tokenizer).apply_chat_template([])
+
+
+# --- incremental detokenisation -----------------------------------------------------------------
+
+MULTIBYTE = "Grüße 😀 aus 東京! 👨‍👩‍👧 ok"
+
+
+def test_incremental_detokenisation_matches_full_decode(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    # The emoji's four UTF-8 bytes are split over two tokens ('ĠðŁĺ', 'Ģ').
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.step(i) for i in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == MULTIBYTE
+    assert detokenizer.text == MULTIBYTE
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "" in deltas  # something was held back until its character completed
+    assert detokenizer.flush() == ""
+    assert detokenizer.output_token_ids == ids
+
+
+def test_incremental_detokenisation_after_a_prompt_and_with_special_tokens(tokenizer):
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    output = [*tokenizer.encode("Bonjour, ça va? 🙂"), 2]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt)
+    deltas = [detokenizer.step([i]) for i in output]
+    assert "".join(deltas) == "Bonjour, ça va? 🙂"
+    assert deltas[-1] == ""  # <|im_end|> is skipped
+    keep = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=False)
+    assert "".join(keep.step(i) for i in output) == "Bonjour, ça va? 🙂<|im_end|>"
+
+
+def test_incomplete_character_is_held_but_what_precedes_it_is_not(tokenizer):
+    ids = tokenizer.encode("a 😀")
+    assert [tokenizer.id_to_token(i) for i in ids] == ["a", "ĠðŁĺ", "Ģ"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer.step(ids[:2]) == "a "  # the space byte is complete, the emoji is not
+    assert detokenizer.step(ids[2]) == "😀"
+    assert detokenizer.text == "a 😀"
+    ended = IncrementalDetokenizer(tokenizer)
+    assert ended.step(ids[:2]) == "a "
+    assert ended.flush() == "\ufffd"  # generation ended mid-character
+
+
+def test_several_tokens_per_step(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.step(ids[i:i + 3]) for i in range(0, len(ids), 3)]
+    assert "".join(deltas) == MULTIBYTE
+
+
+# --- stop strings -------------------------------------------------------------------------------
+
+def feed(checker: StopChecker, pieces: list[str]) -> tuple[list[str], str | None]:
+    text, emitted, matched = "", [], None
+    for piece in pieces:
+        out, matched = checker.check(text, piece)
+        emitted.append(out)
+        text += piece
+        if matched:
+            break
+    return emitted, matched
+
+
+def test_stop_string_spanning_steps_is_found_and_cut():
+    emitted, matched = feed(StopChecker(["STOP"]), ["Hello S", "TO", "P and more"])
+    assert matched == "STOP"
+    assert emitted == ["Hello ", "", ""]  # "S" and "STO" held: they could start "STOP"
+
+
+def test_stop_string_included_when_asked():
+    emitted, matched = feed(StopChecker(["\n\n"], include_stop_str_in_output=True),
+                            ["one\n", "\ntwo"])
+    assert matched == "\n\n"
+    assert "".join(emitted) == "one\n\n"
+
+
+def test_held_tail_is_released_when_it_cannot_be_a_stop_any_more():
+    checker = StopChecker(["</answer>"])
+    emitted, matched = feed(checker, ["x </an", "swered", " yes"])
+    assert matched is None
+    assert emitted == ["x ", "</answered", " yes"]
+    assert checker.flush() == ""
+    checker = StopChecker(["</answer>"])
+    emitted, _ = feed(checker, ["done </ans"])
+    assert emitted == ["done "]
+    assert checker.flush() == "</ans"  # finished for another reason: nothing is lost
+
+
+def test_earliest_of_several_stops_wins():
+    emitted, matched = feed(StopChecker(["world", "lo w"]), ["hel", "lo world"])
+    assert matched == "lo w"
+    assert "".join(emitted) == "hel"
+
+
+def test_streamed_output_is_never_retracted():
+    """Whatever the chunking, the emitted pieces concatenate to the text before the stop."""
+    text = "alpha beta <stop> gamma"
+    for size in range(1, 8):
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        checker = StopChecker(["<stop>", "zzz"])
+        emitted, matched = feed(checker, pieces)
+        assert matched == "<stop>"
+        assert "".join(emitted) == "alpha beta "
+        assert checker.check(text, "") == ("", "<stop>")  # finished: nothing more
