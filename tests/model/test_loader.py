@@ -339,6 +339,8 @@ def test_unsupported_gguf_architecture_and_tensors_are_named(tmp_path):
         load_model_weights(path)
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_q\.bias"):
         hf_name_from_gguf("blk.0.attn_q.bias")
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        hf_name_from_gguf("rope_freqs.weight")
     assert hf_name_from_gguf("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
 
 

@@ -14,6 +14,7 @@ from kvserve.model.tokenizer import (
     StopChecker,
     Tokenizer,
     UnsupportedTokenizerError,
+    load_tokenizer,
 )
 
 SYSTEM_PREFIX = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
@@ -109,6 +110,15 @@ def test_from_file_matches_from_gguf(tokenizer, tmp_path):
         assert loaded.encode(text) == tokenizer.encode(text)
     messages = [{"role": "user", "content": "hello world"}]
     assert loaded.encode_chat(messages) == tokenizer.encode_chat(messages)
+    from_directory = load_tokenizer(tmp_path)  # an HF model directory
+    assert from_directory.encode("Hello world") == [19556, 905]
+    assert from_directory.chat_template == tokenizer.chat_template
+
+
+def test_load_tokenizer_defaults_to_the_bundled_gguf(tokenizer, tmp_path):
+    assert load_tokenizer(None).encode("Hello world") == [19556, 905]
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_tokenizer(tmp_path)
 
 
 def test_unsupported_gguf_tokenizer_is_named(tmp_path):

@@ -146,6 +146,9 @@ def hf_name_from_gguf(name: str) -> str:
     match = _GGUF_LAYER_PATTERN.fullmatch(name)
     if match and match.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    if name == "rope_freqs.weight":
+        raise UnsupportedModelError("GGUF tensor 'rope_freqs.weight' (Llama 3 RoPE scaling "
+                                    "stored as frequency factors) is not supported")
     raise UnsupportedModelError(f"GGUF tensor {name!r} is not part of a supported Llama model")
 
 
@@ -246,7 +249,7 @@ def model_config_from_gguf(reader_or_path: Any) -> ModelConfig:
 def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     kind = _metadata(reader, f"{arch}.rope.scaling.type")
     factor = _metadata(reader, f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") and factor in (None, 1.0):
+    if kind == "none" or (kind is None and factor in (None, 1.0)):
         return None
     if kind in (None, "linear"):
         return {"rope_type": "linear", "factor": float(factor)}

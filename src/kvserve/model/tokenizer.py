@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.model.detokenizer import IncrementalDetokenizer, StopChecker
 
-__all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer", "UnsupportedTokenizerError"]
+__all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer", "UnsupportedTokenizerError",
+           "load_tokenizer"]
 
 
 class UnsupportedTokenizerError(ValueError):
@@ -187,3 +188,18 @@ class Tokenizer:
         if token_id is None:
             return ""
         return self._tokenizer.id_to_token(token_id) or ""
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """The tokenizer for a model path as ``load_model_weights`` takes it: ``None`` -> the
+    bundled GGUF; a ``.gguf`` file; a ``tokenizer.json``; or a directory holding one."""
+    from kvserve.model.loader import ModelNotFoundError, default_model_path
+
+    resolved = default_model_path() if path is None else Path(path)
+    if resolved.is_dir():
+        resolved = resolved / "tokenizer.json"
+    if not resolved.is_file():
+        raise ModelNotFoundError(f"no tokenizer at {resolved}")
+    if resolved.suffix.lower() == ".gguf":
+        return Tokenizer.from_gguf(resolved)
+    return Tokenizer.from_file(resolved)
