@@ -78,7 +78,7 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
         title = (f"{Path(args.trace).name}: {echo['cost_model']['name']} cost model, "
                  f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
                  f"{echo['cache']['num_blocks']} KV blocks, {echo['batching']} batching")
-        print_aggregate(report["aggregate"], title)
+        print_aggregate(report["aggregate"], title, wall_seconds=result.wall_seconds)
 
 
 def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],

@@ -23,7 +23,8 @@ def _console(file: Any = None) -> Any:
     return Console(file=file, width=110, highlight=False)
 
 
-def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None) -> None:
+def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
+                    wall_seconds: float | None = None) -> None:
     from rich.table import Table
 
     a = aggregate
@@ -57,6 +58,9 @@ def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None) -> 
     console.print(title, style="bold")
     console.print(summary)
     console.print(latency)
+    if wall_seconds:
+        console.print(f"simulated {a['duration_s']:.1f} s in {wall_seconds:.2f} s of wall time "
+                      f"({a['duration_s'] / wall_seconds:,.0f}x)", style="dim")
 
 
 SWEEP_COLUMNS = (
