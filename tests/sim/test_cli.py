@@ -94,6 +94,18 @@ def test_plan_json_has_the_worked_figures(capsys):
         == (131_072, 418_592, 331)
 
 
+def test_plan_from_device_memory_by_hand(capsys):
+    # SmolLM2 in bf16 on a 1 GiB device at 50%: 536,870,912 - 269,030,016 (weights)
+    # - 107,374,182 (0.1 GiB reserve) = 160,466,714 B of KV; / (23,040 x 16 = 368,640 B)
+    # = 435 blocks (435.3) = 6,960 tokens; 512 + 128 = 640 tokens = 40 blocks -> 10 at once.
+    assert main(["plan", "--model", "smollm2-135m", "--gpu-memory-gib", "1",
+                 "--gpu-memory-utilization", "0.5", "--activation-reserve-gib", "0.1",
+                 "--prompt-len", "512", "--output-len", "128", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["pool_bytes"], data["num_blocks"], data["max_live_tokens"],
+            data["max_concurrency"]) == (160_466_714, 435, 6_960, 10)
+
+
 def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     assert main(["plan", "--trace", str(trace), "--cost-model", "unit", "--num-kv-blocks",
                  "60", "--candidates", "2,64", "--ttft-p99", "1000", "--json"]) == 0
