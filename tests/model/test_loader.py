@@ -424,3 +424,49 @@ def test_dummy_weights_shapes_scale_and_determinism():
     assert not torch.equal(other["model.layers.0.self_attn.q_proj.weight"],
                            weights["model.layers.0.self_attn.q_proj.weight"])
     assert dummy_weights(TINY, dtype=torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
+
+
+# --- the loaded weights make a working model ----------------------------------------------------
+
+def dense_logits(config: ModelConfig, weights: dict[str, torch.Tensor], token_ids: list[int]
+                 ) -> torch.Tensor:
+    """A plain Llama forward over the whole sequence (no cache), HF conventions throughout."""
+    def rms_norm(x, gain):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * gain
+
+    num_tokens = len(token_ids)
+    positions = torch.arange(num_tokens, dtype=torch.float64)
+    group = config.num_heads // config.num_kv_heads
+    h = weights["model.embed_tokens.weight"][torch.tensor(token_ids)]
+    for i in range(config.num_layers):
+        w = {name.split(f"model.layers.{i}.", 1)[1]: tensor for name, tensor in weights.items()
+             if name.startswith(f"model.layers.{i}.")}
+        x = rms_norm(h, w["input_layernorm.weight"])
+        q = (x @ w["self_attn.q_proj.weight"].T).view(num_tokens, -1, config.head_dim)
+        k = (x @ w["self_attn.k_proj.weight"].T).view(num_tokens, -1, config.head_dim)
+        v = (x @ w["self_attn.v_proj.weight"].T).view(num_tokens, -1, config.head_dim)
+        q = rope_rotate_half(q, positions, config.rope_theta).float().transpose(0, 1)
+        k = rope_rotate_half(k, positions, config.rope_theta).float().transpose(0, 1)
+        k = k.repeat_interleave(group, 0)
+        v = v.transpose(0, 1).repeat_interleave(group, 0)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + attention.transpose(0, 1).reshape(num_tokens, -1) @ w["self_attn.o_proj.weight"].T
+        x = rms_norm(h, w["post_attention_layernorm.weight"])
+        gate = torch.nn.functional.silu(x @ w["mlp.gate_proj.weight"].T)
+        h = h + (gate * (x @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    return rms_norm(h, weights["model.norm.weight"]) @ weights["model.embed_tokens.weight"].T
+
+
+def test_bundled_weights_answer_a_question_greedily(bundled):
+    """End to end through dequantisation, names and the Q/K un-permutation: a wrong row order
+    gives garbage. Prompt ids: the chat template around "What is the capital of France?"."""
+    config, weights = bundled
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
+              411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47,
+              2, 198, 1, 520, 9531, 198]
+    output: list[int] = []
+    with torch.no_grad():
+        while len(output) < 8 and (not output or output[-1] != config.eos_token_id):
+            output.append(int(dense_logits(config, weights, prompt + output)[-1].argmax()))
+    # "The capital of France is Paris.<|im_end|>"
+    assert output == [504, 3575, 282, 4649, 314, 7042, 30, 2]

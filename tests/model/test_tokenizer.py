@@ -67,6 +67,9 @@ def test_digits_are_split_one_by_one(tokenizer):
 def test_published_chat_prompt_ids(tokenizer):
     hello = tokenizer.encode_chat([{"role": "user", "content": "hello world"}])
     assert hello == [*SYSTEM_PREFIX, 1, 4093, 198, 28120, 905, 2, 198, *ASSISTANT_PROMPT]
+    capital = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert capital == [*SYSTEM_PREFIX, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198,
+                       *ASSISTANT_PROMPT]
     french = tokenizer.encode_chat([{
         "role": "user",
         "content": "Quelle est la capitale de la France ? Réponds en une phrase."}])
