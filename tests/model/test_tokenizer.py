@@ -124,6 +124,57 @@ def test_load_tokenizer_defaults_to_the_bundled_gguf(tokenizer, tmp_path):
         load_tokenizer(tmp_path)
 
 
+def write_tokenizer_gguf(path, pre: str, add_bos: bool = False) -> None:
+    """A byte-level BPE vocabulary of the 256 byte symbols plus "12", "123", "1234", "12345",
+    with BOS "<s>" (control) at the end: which tokens appear shows how digits were split."""
+    from gguf import GGUFWriter
+    from tokenizers import pre_tokenizers
+
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "12", "123", "1234", "12345", "<s>"]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["1 2", "12 3", "123 4", "1234 5"])
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("pre", "pieces"), [
+    ("gpt2", ["a", "Ġ", "12345"]),  # " 12345" is one pre-token; merges reach "12345"
+    ("smollm", ["a", "Ġ", "1", "2", "3", "4", "5"]),  # every digit on its own
+    ("llama-bpe", ["a", "Ġ", "123", "4", "5"]),  # digits in runs of at most three
+])
+def test_gguf_pre_tokenizer_names(tmp_path, pre, pieces):
+    path = tmp_path / f"{pre}.gguf"
+    write_tokenizer_gguf(path, pre)
+    tokenizer = Tokenizer.from_gguf(path)
+    ids = tokenizer.encode("a 12345")
+    assert [tokenizer.id_to_token(i) for i in ids] == pieces
+    assert tokenizer.decode(ids) == "a 12345"
+
+
+def test_gguf_add_bos_token_prepends_bos_only_with_special_tokens(tmp_path):
+    path = tmp_path / "bos.gguf"
+    write_tokenizer_gguf(path, "gpt2", add_bos=True)
+    tokenizer = Tokenizer.from_gguf(path)
+    bos = tokenizer.bos_token_id
+    assert tokenizer.encode("12", add_special_tokens=True) == [bos, tokenizer.token_to_id("12")]
+    assert tokenizer.encode("12") == [tokenizer.token_to_id("12")]
+
+
+def test_unknown_gguf_pre_tokenizer_is_named(tmp_path):
+    path = tmp_path / "odd.gguf"
+    write_tokenizer_gguf(path, "no-such-pre")
+    with pytest.raises(UnsupportedTokenizerError, match="'no-such-pre'"):
+        Tokenizer.from_gguf(path)
+
+
 def test_unsupported_gguf_tokenizer_is_named(tmp_path):
     from gguf import GGUFWriter
 
