@@ -168,6 +168,16 @@ def test_dequantize_matches_gguf_reference_on_arbitrary_block_bytes(qtype):
     assert torch.equal(ours, torch.from_numpy(np.ascontiguousarray(reference)))
 
 
+def test_k_quants_go_through_the_gguf_reference():
+    rng = np.random.default_rng(6)
+    blocks = rng.integers(0, 256, (4, 210), dtype=np.uint8)  # Q6_K: 256 weights, d last
+    blocks[:, 208:] = rng.uniform(-1, 1, (4, 1)).astype(np.float16).view(np.uint8)
+    values = dequantize(blocks, T.Q6_K, (2, 512))
+    reference = quants.dequantize(blocks.reshape(-1), T.Q6_K).reshape(2, 512)
+    assert values.shape == (2, 512)
+    assert torch.equal(values, torch.from_numpy(np.ascontiguousarray(reference)))
+
+
 def test_q4_0_block_layout_by_hand():
     # d = 0.5; byte j = (low nibble j, high nibble 15 - j) -> w[j] = (j - 8) / 2,
     # w[16 + j] = (15 - j - 8) / 2.
