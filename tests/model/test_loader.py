@@ -26,6 +26,7 @@ from kvserve.model.loader import (
     load_model_weights,
     model_config_from_gguf,
     model_config_from_hf,
+    model_config_from_path,
     permute_qk,
     unpermute_qk,
 )
@@ -87,6 +88,15 @@ def test_bundled_config_is_smollm2_135m(bundled_reader):
     assert (config.bos_token_id, config.eos_token_id) == (1, 2)
     assert config.rope_scaling is None
     assert config == SMOLLM2_135M
+
+
+def test_model_config_from_path_reads_no_tensors(tmp_path):
+    assert model_config_from_path(None) == SMOLLM2_135M
+    assert model_config_from_path(default_model_path()) == SMOLLM2_135M
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    assert model_config_from_path(tmp_path) == replace(TINY, name=tmp_path.name)
+    with pytest.raises(ModelNotFoundError):
+        model_config_from_path(tmp_path / "missing")
 
 
 def test_bundled_weights_have_every_tensor_with_hf_shapes(bundled):

@@ -300,6 +300,18 @@ def test_stop_string_spanning_steps_is_found_and_cut():
     assert emitted == ["Hello ", "", ""]  # "S" and "STO" held: they could start "STOP"
 
 
+def test_stop_found_whatever_the_caller_passes_as_text_so_far():
+    """Callers may pass the text emitted so far (held tail excluded) or the full text."""
+    checker = StopChecker(["STOP"])
+    emitted = ""
+    for piece in ["Hello S", "TO", "P and more"]:
+        out, matched = checker.check(emitted, piece)
+        emitted += out
+        if matched:
+            break
+    assert (emitted, matched) == ("Hello ", "STOP")
+
+
 def test_stop_string_included_when_asked():
     emitted, matched = feed(StopChecker(["\n\n"], include_stop_str_in_output=True),
                             ["one\n", "\ntwo"])

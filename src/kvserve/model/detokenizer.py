@@ -86,14 +86,18 @@ class IncrementalDetokenizer:
 class StopChecker:
     """Finds stop strings in streamed text and says what is safe to emit.
 
-    ``check(text_so_far, new_text)`` takes the whole text before this step and the text this
-    step added (consecutive calls must be consistent: the next ``text_so_far`` is this one plus
-    ``new_text``). It returns ``(text_to_emit, matched_stop)``:
+    ``check(text_so_far, new_text)`` is called once a step with the text the step added. The
+    checker keeps its own copy of everything it was given, so ``text_so_far`` (the text before
+    this step, whether the detokenizer's or what was emitted) is not needed to find a stop
+    string that straddles steps. It returns ``(text_to_emit, matched_stop)``:
 
     - a stop string found (possibly straddling earlier steps): the text up to it (through it
       with ``include_stop_str_in_output``) and the stop string; the request should finish;
     - otherwise the new text minus any tail that could still begin a stop string, plus earlier
       held text that now cannot; ``flush()`` returns what is still held at the end.
+
+    Concatenating every ``text_to_emit`` (and the final ``flush()``) gives the output text:
+    nothing emitted is ever retracted.
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
@@ -108,17 +112,18 @@ class StopChecker:
         self._text = ""
 
     def check(self, text_so_far: str, new_text: str) -> tuple[str, str | None]:
+        del text_so_far  # the checker's own buffer is the reference (see the class docstring)
         if self.matched is not None:
             return "", self.matched
-        text = text_so_far + new_text
-        self._text = text
-        match = self._find_stop(text, len(text_so_far))
+        num_old_chars = len(self._text)
+        self._text += new_text
+        match = self._find_stop(self._text, num_old_chars)
         if match is not None:
             start, stop = match
             end = start + len(stop) if self.include_stop_str_in_output else start
             self.matched = stop
             return self._emit_to(end), stop
-        return self._emit_to(len(text) - self._held_tail_length(text)), None
+        return self._emit_to(len(self._text) - self._held_tail_length(self._text)), None
 
     def flush(self) -> str:
         """The held-back tail, once no more text will come (the request finished otherwise)."""

@@ -45,6 +45,7 @@ __all__ = [
     "load_model_weights",
     "model_config_from_gguf",
     "model_config_from_hf",
+    "model_config_from_path",
     "open_gguf",
     "permute_qk",
     "unpermute_qk",
@@ -91,6 +92,22 @@ def load_model_weights(path: str | Path | None, dtype: torch.dtype = torch.float
         return _load_hf_directory(resolved, dtype)
     if resolved.suffix.lower() == ".gguf":
         return _load_gguf(resolved, dtype)
+    raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "
+                                "with config.json and *.safetensors")
+
+
+def model_config_from_path(path: str | Path | None) -> ModelConfig:
+    """The config alone (no tensors read), for the paths ``load_model_weights`` takes."""
+    resolved = default_model_path() if path is None else Path(path)
+    if resolved.is_dir():
+        config_path = resolved / "config.json"
+        if not config_path.is_file():
+            raise ModelNotFoundError(f"{resolved} has no config.json")
+        return model_config_from_hf(json.loads(config_path.read_text()), name=resolved.name)
+    if resolved.suffix.lower() == ".gguf":
+        return model_config_from_gguf(resolved)
+    if not resolved.exists():
+        raise ModelNotFoundError(f"model path {resolved} does not exist")
     raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "
                                 "with config.json and *.safetensors")
 
