@@ -225,6 +225,10 @@ def test_chat_template_is_sandboxed_and_can_raise(tokenizer):
         "<|im_start|>x<|im_end|>")
     with pytest.raises(ValueError, match="no messages"):
         custom.apply_chat_template([])
+    looping = Tokenizer(tokenizer._tokenizer, chat_template=(
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"))
+    assert looping.apply_chat_template([{"content": "a"}, {"content": "b"}]) == "a"
     unsafe = Tokenizer(tokenizer._tokenizer, chat_template="{{ ''.__class__.__mro__ }}")
     with pytest.raises(SecurityError):
         unsafe.apply_chat_template([])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 class Tokenizer:
@@ -172,8 +177,12 @@ class Tokenizer:
         if self._compiled_template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # The settings Hugging Face renders chat templates with, so templates written
+            # for it render the same here.
+            environment = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             environment.globals["raise_exception"] = _raise_exception
+            environment.globals["strftime_now"] = _strftime_now
             self._compiled_template = environment.from_string(self.chat_template)
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
