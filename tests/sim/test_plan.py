@@ -23,8 +23,11 @@ def test_kv_bytes_per_token_by_hand():
     # 2 x 30 x 3 x 64 x 2 = 23,040; in fp8 half that.
     assert kv_bytes_per_token(get_model("smollm2-135m"), "bf16") == 23_040
     assert kv_bytes_per_token(get_model("smollm2-135m"), "fp8") == 11_520
-    # 2 x 80 x 8 x 128 x 2 = 327,680
+    # 2 x 80 x 8 x 128 x 2 = 327,680; split over 4 devices, the replica stores the same.
     assert kv_bytes_per_token(get_model("llama-3.1-70b"), "bf16") == 327_680
+    assert kv_bytes_per_token(get_model("llama-3.1-70b"), "bf16", 4) == 327_680
+    # SmolLM2 has 3 KV heads: on 4 devices each keeps 1, 4 copies in all = 2 x 30 x 64 x 2 x 4.
+    assert kv_bytes_per_token(get_model("smollm2-135m"), "bf16", 4) == 30_720
 
 
 def test_llama8b_on_one_h100_by_hand():

@@ -2,6 +2,7 @@
 ``kvserve plan``.
 
     kv_bytes_per_token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes
+                         (x tp / KV heads when tp > KV heads: heads are replicated)
     pool   = gpu_memory x utilization x tp - weights - activation reserve x tp
              (or given directly)
     blocks = floor(pool / (kv_bytes_per_token x block_size)); max_live_tokens = blocks x bs
@@ -20,8 +21,9 @@ class CapacityError(ValueError):
     """The model does not fit, or a capacity parameter is out of range."""
 
 
-def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:
-    return model.kv_elements_per_token() * dtype_bytes(dtype)
+def kv_bytes_per_token(model: ModelSpec, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Over one replica's devices (KV heads replicated when tp > KV heads)."""
+    return model.kv_elements_per_token(tensor_parallel_size) * dtype_bytes(dtype)
 
 
 def weight_bytes(model: ModelSpec, dtype: str) -> int:
@@ -72,9 +74,9 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
                             f"got {gpu_memory_utilization}")
     if tensor_parallel_size < 1:
         raise CapacityError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    per_token = kv_bytes_per_token(model, dtype)
-    weights = weight_bytes(model, dtype)
     tp = tensor_parallel_size
+    per_token = kv_bytes_per_token(model, dtype, tp)
+    weights = weight_bytes(model, dtype)
     if activation_reserve_gib is not None:
         if activation_reserve_gib < 0:
             raise CapacityError("activation_reserve_gib must be >= 0")

@@ -83,7 +83,7 @@ class RooflineCostModel:
 
     def bytes_moved(self, view: BatchView) -> float:
         size = dtype_bytes(self.dtype)
-        kv_per_token = self.model.kv_elements_per_token() * size
+        kv_per_token = self.model.kv_elements_per_token(self.tensor_parallel_size) * size
         return (self.model.num_params * size
                 + kv_per_token * (view.context_tokens + view.num_tokens))
 

@@ -64,7 +64,8 @@ class Deployment:
             return int(settings["num_kv_blocks"])
         model = get_model(self.model)
         if settings.get("kv_cache_memory") is not None:  # per device, as in vLLM
-            per_block = kv_bytes_per_token(model, self.dtype) * block_size
+            per_block = kv_bytes_per_token(model, self.dtype,
+                                           self.tensor_parallel_size) * block_size
             pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size
             return max(1, pool // per_block)
         return plan_kv_pool(model, self.dtype, block_size, hardware=get_hardware(self.hardware),

@@ -54,9 +54,14 @@ class ModelSpec:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    def kv_elements_per_token(self) -> int:
-        """K and V, every layer, every KV head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+    def kv_elements_per_token(self, tensor_parallel_size: int = 1) -> int:
+        """K and V, every layer, every KV head, summed over the devices of one replica.
+
+        Tensor parallelism splits the KV heads; with more devices than KV heads each device
+        keeps a copy of one head (as vLLM does), so the replica stores more than one copy."""
+        tp = tensor_parallel_size
+        heads_per_device = -(-self.num_kv_heads // tp)
+        return 2 * self.num_layers * heads_per_device * tp * self.head_dim
 
 
 @dataclass(frozen=True)
