@@ -2,7 +2,7 @@
 
 from kvserve.core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.sim.executor import SimExecutor
-from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key
+from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key, stream_token
 
 
 def _setup(prompts, output_len, budget=64):
@@ -11,7 +11,8 @@ def _setup(prompts, output_len, budget=64):
     executor = SimExecutor()
     for name, prompt_len in prompts:
         executor.register(name, prompt_len, output_len, False, stream_key(0, name))
-        scheduler.add_request(Request(name, list(range(10, 10 + prompt_len)),
+        scheduler.add_request(Request(name, [stream_token(stream_key(1, name), p)
+                                             for p in range(prompt_len)],
                                       SamplingParams(max_tokens=100, eos_token_id=EOS_TOKEN_ID)))
     return scheduler, executor
 
