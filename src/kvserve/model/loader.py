@@ -421,7 +421,7 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed:
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, dtype=dtype)
         else:
-            weight = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02,
-                                                                     generator=generator)
-            weights[name] = weight.to(dtype)
+            # Drawn in the target dtype: no float32 copy of a large model's tensors.
+            weights[name] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02,
+                                                                    generator=generator)
     return weights
