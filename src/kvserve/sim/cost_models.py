@@ -124,6 +124,7 @@ class CalibratedCostModel:
 
     File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
     optional "source": free text}. Missing terms are 0; unknown keys are errors.
+    :func:`kvserve.sim.calibration.fit` makes one from measured (batch shape, seconds) steps.
     """
 
     coefficients: dict[str, float]
