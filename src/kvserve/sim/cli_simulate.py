@@ -79,6 +79,10 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
                  f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
                  f"{echo['cache']['num_blocks']} KV blocks, {echo['batching']} batching")
         print_aggregate(report["aggregate"], title, wall_seconds=result.wall_seconds)
+    refused = [r for r in report["requests"] if r["finish_reason"] in ("rejected", "queue_full")]
+    if refused:
+        print(f"warning: {len(refused)} request(s) refused, e.g. {refused[0]['stop_reason']}",
+              file=sys.stderr)
 
 
 def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
