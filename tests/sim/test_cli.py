@@ -206,3 +206,18 @@ def test_reports_are_identical_across_processes_and_hash_seeds(tmp_path, trace):
         assert done.returncode == 0, done.stderr
         outputs.append(report.read_bytes())
     assert outputs[0] == outputs[1]
+
+
+def test_progress_bar_appears_only_after_a_second_on_a_terminal():
+    from kvserve.sim.table import Progress
+
+    progress = Progress(total=10, label="simulating")
+    progress._enabled = True  # as on a terminal
+    progress(1.0, 1, 10)
+    assert progress._bar is None  # under a second: nothing shown
+    progress._start -= 2.0
+    progress(2.0, 5, 10)
+    assert progress._bar is not None
+    assert progress._bar.tasks[0].completed == 5
+    progress.close()
+    assert progress._bar is None
