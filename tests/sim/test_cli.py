@@ -124,6 +124,7 @@ def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     (["simulate", "--dtype", "int3"], "unknown dtype 'int3'; known: fp32, bf16, fp16, fp8"),
     (["simulate", "--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
     (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
+    (["simulate", "--sweep", "kv-cache-memory=1GiB,lots"], "'lots' is not a size"),
     (["simulate", "--cost-model", "calibrated"], "needs --calibration"),
     (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be > 0"),
     (["plan"], "give --prompt-len and --output-len, or --trace"),

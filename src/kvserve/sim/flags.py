@@ -105,7 +105,10 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     key = sweep_key(name)
     parsed = [parse_value(v) for v in items]
     if key == "kv_cache_memory":
-        parsed = [parse_bytes(v) for v in items]
+        try:
+            parsed = [parse_bytes(v) for v in items]
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--sweep {spec!r}: {error}") from None
     return key, parsed
 
 
