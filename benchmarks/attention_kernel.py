@@ -1,0 +1,139 @@
+"""The C++ paged attention kernel against attention.py's torch path, on a W1-like decode batch.
+
+128 decode requests with contexts uniform in [64, 640], SmolLM2-135M's attention shape (9 query
+heads, 3 KV heads, head_dim 64), block size 16, shuffled block tables; float32 and bfloat16
+caches. A = ``kvserve.model.attention._decode_attention`` (gather + masked SDPA), B = the kernel,
+timed alternately (A B A B ...), medians. ``--prefill`` adds one prefill chunk per case against
+``_prefill_attention``. Run from the repository root:
+
+    .venv/bin/python benchmarks/attention_kernel.py [--reps 15] [--prefill] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvserve.model import paged_kernel
+from kvserve.model.attention import _decode_attention, _prefill_attention
+from kvserve.model.input_batch import ForwardBatch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def decode_case(num_requests: int, dtype: torch.dtype, sort: bool,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(64, 641, (num_requests,), generator=gen)
+    if sort:  # the runner orders decodes by context length
+        lens = lens.sort(descending=True).values
+    needed = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = int(needed.sum()) + 64
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros((num_requests, int(needed.max())), dtype=torch.long)
+    start = 0
+    for row, count in enumerate(needed.tolist()):
+        tables[row, :count] = perm[start:start + count]
+        start += count
+    q = torch.randn((num_requests, HEADS, HEAD_DIM), generator=gen).to(dtype)
+    positions = lens - 1
+    slots = tables[torch.arange(num_requests), positions // BLOCK_SIZE] * BLOCK_SIZE \
+        + positions % BLOCK_SIZE
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_requests, dtype=torch.long), positions=positions,
+        slot_mapping=slots, num_decodes=num_requests, decode_block_tables=tables,
+        decode_context_lens=lens, prefills=[], logits_indices=torch.arange(num_requests))
+    return q, k_cache, v_cache, batch
+
+
+def alternate(fns: list[Callable[[], torch.Tensor]], reps: int) -> list[float]:
+    """Median seconds of each fn, run round-robin after one warm-up each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for index, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def row(label: str, torch_s: float, kernel_s: float, max_diff: float) -> None:
+    print(f"| {label:<34} | {torch_s * 1e3:9.2f} | {kernel_s * 1e3:9.2f} | "
+          f"{torch_s / kernel_s:6.1f}x | {max_diff:.1e} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    if not paged_kernel.available():
+        raise SystemExit(f"kernel unavailable: {paged_kernel.unavailable_reason()}")
+    print(f"kernel ready in {time.perf_counter() - start:.1f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.reps} alternating reps, medians")
+    print()
+    print("| case                               |  torch ms | kernel ms |  ratio | max diff |")
+    print("|------------------------------------|-----------|-----------|--------|----------|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for sort in (True, False):
+            q, k_cache, v_cache, batch = decode_case(args.requests, dtype, sort)
+            lens, tables = batch.decode_context_lens, batch.decode_block_tables
+
+            def run_torch(q=q, k=k_cache, v=v_cache, b=batch) -> torch.Tensor:
+                return _decode_attention(q, k, v, b)
+
+            def run_kernel(q=q, k=k_cache, v=v_cache, t=tables, n=lens) -> torch.Tensor:
+                return paged_kernel.decode_attention(q, k, v, t, n)
+
+            diff = (run_torch().float() - run_kernel().float()).abs().max().item()
+            torch_s, kernel_s = alternate([run_torch, run_kernel], args.reps)
+            tokens = int(lens.sum())
+            order = "by length" if sort else "random order"
+            row(f"decode {str(dtype)[6:]} {args.requests} req, {order}", torch_s, kernel_s,
+                diff)
+        kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * k_cache.element_size()
+        print(f"|   ({tokens} context tokens, {kv_bytes / 1e6:.0f} MB of K+V: kernel "
+              f"{kv_bytes / kernel_s / 1e9:.0f} GB/s) | | | | |")
+    if not args.prefill:
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        for num_tokens, context_len in ((512, 512), (128, 128), (256, 640)):
+            q, k_cache, v_cache, _ = decode_case(1, dtype, True, seed=num_tokens + context_len)
+            gen = torch.Generator().manual_seed(1)
+            num_blocks = k_cache.shape[0]
+            needed = -(-context_len // BLOCK_SIZE)
+            if num_blocks < needed:
+                shape = (needed + 8, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+                k_cache = torch.randn(shape, generator=gen).to(dtype)
+                v_cache = torch.randn(shape, generator=gen).to(dtype)
+            table = torch.randperm(k_cache.shape[0], generator=gen)[:needed]
+            q = torch.randn((num_tokens, HEADS, HEAD_DIM), generator=gen).to(dtype)
+
+            def run_torch(q=q, k=k_cache, v=v_cache, t=table, n=context_len) -> torch.Tensor:
+                return _prefill_attention(q, k, v, t, n)
+
+            def run_kernel(q=q, k=k_cache, v=v_cache, t=table, n=context_len) -> torch.Tensor:
+                return paged_kernel.prefill_attention(q, k, v, t, n)
+
+            diff = (run_torch().float() - run_kernel().float()).abs().max().item()
+            torch_s, kernel_s = alternate([run_torch, run_kernel], args.reps)
+            row(f"prefill {str(dtype)[6:]} {num_tokens} q, context {context_len}", torch_s,
+                kernel_s, diff)
+
+
+if __name__ == "__main__":
+    main()

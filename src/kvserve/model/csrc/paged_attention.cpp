@@ -1,0 +1,674 @@
+// Paged attention on the CPU, reading K and V in place through block tables.
+//
+// Cache layout per layer (K and V alike): [num_blocks, block_size, num_kv_heads, head_dim],
+// contiguous. A query head h reads kv head h / (num_heads / num_kv_heads).
+//
+// Decode: one work item per (request, kv head); the item's query heads (the GQA group) share
+// every K and V row it loads. Keys are visited one tile (a few blocks) at a time: scores for
+// the tile, then an online-softmax update (running max m, running sum l, accumulator rescaled
+// by exp(m_old - m_new)), then the tile's V rows are accumulated. Everything is float32;
+// bfloat16 caches are widened on load.
+//
+// Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
+// (kv head, tile of queries); each query row runs the same online softmax over its visible keys.
+//
+// Work items are handed out dynamically (an atomic counter, longest first) inside one
+// at::parallel_for region with one task per thread, since contexts are ragged.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kTileTokens = 64;  // keys per online-softmax step (rounded to whole blocks)
+
+// ---------------------------------------------------------------------------------------------
+// Loads: float32 as is, bfloat16 widened (the high 16 bits of a float32).
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// exp for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2 / 2,
+// exp(r) by a degree-6 polynomial, 2^n by building the exponent bits. Relative error ~2e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.3981999507e-3f;
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of the group's query rows with one key row.
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Sums each of 16 vectors: lane t of the result is the sum of the lanes of v[t].
+inline __m512 transpose_sum16(__m512 v[16]) {
+  // Step 1: pairs (0,1) ... fold 512 -> 256 bits: lo of a with lo of b, hi with hi.
+  __m512 s8[8];
+  for (int i = 0; i < 8; ++i) {
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44);  // a0 a1 b0 b1 (128-bit lanes)
+    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xEE);  // a2 a3 b2 b3
+    s8[i] = _mm512_add_ps(lo, hi);                 // [a01+a23 | b01+b23] as 2x256
+  }
+  __m512 s4[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 a = s8[2 * i], b = s8[2 * i + 1];
+    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x88);  // a0 a2 b0 b2
+    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xDD);  // a1 a3 b1 b3
+    s4[i] = _mm512_add_ps(lo, hi);  // 128-bit lanes: token 4i, 4i+1, 4i+2, 4i+3 partials
+  }
+  __m512 s2[2];
+  for (int i = 0; i < 2; ++i) {
+    __m512 a = s4[2 * i], b = s4[2 * i + 1];
+    __m512 lo = _mm512_shuffle_ps(a, b, 0x44);  // per 128: a0 a1 b0 b1
+    __m512 hi = _mm512_shuffle_ps(a, b, 0xEE);  // a2 a3 b2 b3
+    s2[i] = _mm512_add_ps(lo, hi);
+  }
+  __m512 lo = _mm512_shuffle_ps(s2[0], s2[1], 0x88);  // a0 a2 b0 b2
+  __m512 hi = _mm512_shuffle_ps(s2[0], s2[1], 0xDD);  // a1 a3 b1 b3
+  __m512 r = _mm512_add_ps(lo, hi);
+  // Element 4j + k of r now holds token j + 4k; gather them back into token order.
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, r);
+}
+#endif
+
+// Software prefetch spread over a tile's work: while key t of this tile is scored, bytes
+// [begin, end) of the K and V rows of key t of the next tile are requested. (The rows sit in
+// scattered blocks; one burst of prefetches per tile would overflow the miss buffers.)
+template <typename T>
+struct Prefetch {
+  const T* const* rows = nullptr;  // next tile's K row pointers (kv head 0)
+  int count = 0;
+  size_t begin = 0, end = 0;
+  std::ptrdiff_t to_v = 0;  // bytes from a K row to its V row
+  inline void at(int t) const {
+    if (t >= count) return;
+    const char* k = reinterpret_cast<const char*>(rows[t]);
+    for (size_t off = begin; off < end; off += 64) {
+      __builtin_prefetch(k + off, 0, 2);
+      __builtin_prefetch(k + to_v + off, 0, 2);
+    }
+  }
+};
+
+// scores[g * stride + t] = q_g . k_t for the tile's keys, k_t = rows[t] + off; q is scaled.
+template <typename T, int D>
+void dots_generic(const float* q, int group, int head_dim, const T* const* rows,
+                  std::ptrdiff_t off, int count, float* scores, int stride, const Prefetch<T>& pf) {
+  const int dim = D > 0 ? D : head_dim;
+  for (int t = 0; t < count; ++t) {
+    pf.at(t);
+    const T* k = rows[t] + off;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int d = 0; d < dim; ++d) s += qg[d] * to_float(k[d]);
+      scores[g * stride + t] = s;
+    }
+  }
+}
+
+// acc[g] += sum_t p[g][t] * v_t, v_t = rows[t] + off.
+template <typename T, int D>
+void accumulate_generic(float* acc, int group, int head_dim, const T* const* rows,
+                        std::ptrdiff_t off, int count, const float* probs, int stride) {
+  const int dim = D > 0 ? D : head_dim;
+  for (int t = 0; t < count; ++t) {
+    const T* v = rows[t] + off;
+    for (int g = 0; g < group; ++g) {
+      const float p = probs[g * stride + t];
+      float* a = acc + g * dim;
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// GN query rows at once (GN <= 4), head_dim a multiple of 16. Sixteen keys at a time: per key
+// and row a vector of partial sums, then one transpose-and-add gives the sixteen scores.
+template <typename T, int GN>
+void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                 int count, float* scores, int stride, const Prefetch<T>& pf) {
+  const int nv = head_dim / 16;
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int tn = std::min(16, count - t0);
+    __m512 part[GN][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+      if (t < tn) {
+        pf.at(t0 + t);
+        const T* k = rows[t0 + t] + off;
+        for (int v = 0; v < nv; ++v) {
+          const __m512 kv = load16(k + 16 * v);
+          for (int g = 0; g < GN; ++g)
+            acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * v), kv, acc[g]);
+        }
+      }
+      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
+    for (int g = 0; g < GN; ++g)
+      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+  }
+}
+
+// GN rows x VN vectors of the accumulator held in registers over the whole tile.
+template <typename T, int GN, int VN>
+void accumulate_avx512(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                       int count, const float* probs, int stride) {
+  __m512 a[GN][VN];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_dim + 16 * v);
+  for (int t = 0; t < count; ++t) {
+    const T* row = rows[t] + off;
+    __m512 x[VN];
+    for (int v = 0; v < VN; ++v) x[v] = load16(row + 16 * v);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * stride + t]);
+      for (int v = 0; v < VN; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(acc + g * head_dim + 16 * v, a[g][v]);
+}
+
+template <typename T, int GN>
+void accumulate_columns(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                        int count, const float* probs, int stride) {
+  const int nv = head_dim / 16;
+  for (int v0 = 0; v0 < nv; v0 += 4) {  // four vectors (64 floats) of each row at a time
+    float* a = acc + 16 * v0;
+    const std::ptrdiff_t o = off + 16 * v0;
+    switch (std::min(4, nv - v0)) {
+      case 1: accumulate_avx512<T, GN, 1>(a, head_dim, rows, o, count, probs, stride); break;
+      case 2: accumulate_avx512<T, GN, 2>(a, head_dim, rows, o, count, probs, stride); break;
+      case 3: accumulate_avx512<T, GN, 3>(a, head_dim, rows, o, count, probs, stride); break;
+      default: accumulate_avx512<T, GN, 4>(a, head_dim, rows, o, count, probs, stride); break;
+    }
+  }
+}
+#endif
+
+template <typename T, int D>
+inline void dots(const float* q, int group, int head_dim, const T* const* rows,
+                 std::ptrdiff_t off, int count, float* scores, int stride,
+                 const Prefetch<T>& pf = Prefetch<T>()) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    const Prefetch<T>& pf_first = pf;
+    const Prefetch<T> none;
+    for (int g0 = 0; g0 < group; g0 += 4) {
+      const float* qg = q + g0 * head_dim;
+      float* sg = scores + g0 * stride;
+      const Prefetch<T>& pf = g0 == 0 ? pf_first : none;
+      switch (std::min(4, group - g0)) {
+        case 1: dots_avx512<T, 1>(qg, head_dim, rows, off, count, sg, stride, pf); break;
+        case 2: dots_avx512<T, 2>(qg, head_dim, rows, off, count, sg, stride, pf); break;
+        case 3: dots_avx512<T, 3>(qg, head_dim, rows, off, count, sg, stride, pf); break;
+        default: dots_avx512<T, 4>(qg, head_dim, rows, off, count, sg, stride, pf); break;
+      }
+    }
+    return;
+  }
+#endif
+  dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride, pf);
+}
+
+template <typename T, int D>
+inline void accumulate_values(float* acc, int group, int head_dim, const T* const* rows,
+                              std::ptrdiff_t off, int count, const float* probs, int stride) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    for (int g0 = 0; g0 < group; g0 += 4) {
+      float* ag = acc + g0 * head_dim;
+      const float* pg = probs + g0 * stride;
+      switch (std::min(4, group - g0)) {
+        case 1: accumulate_columns<T, 1>(ag, head_dim, rows, off, count, pg, stride); break;
+        case 2: accumulate_columns<T, 2>(ag, head_dim, rows, off, count, pg, stride); break;
+        case 3: accumulate_columns<T, 3>(ag, head_dim, rows, off, count, pg, stride); break;
+        default: accumulate_columns<T, 4>(ag, head_dim, rows, off, count, pg, stride); break;
+      }
+    }
+    return;
+  }
+#endif
+  accumulate_generic<T, D>(acc, group, head_dim, rows, off, count, probs, stride);
+}
+
+// One online-softmax step for the rows of a tile. scores/probs: [rows][stride]; visible[r] is
+// how many of the tile's keys row r sees (a prefix). Updates m, l, acc in place.
+template <typename T, int D>
+inline void softmax_step(float* scores, int rows, int stride, const int* visible, float* m,
+                         float* l, float* acc, int head_dim) {
+  const int dim = D > 0 ? D : head_dim;
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * stride;
+    const int n = visible[r];
+    float* a = acc + r * dim;
+    if (n == 0) {  // a query that sees none of this tile's keys: it adds nothing
+      std::fill(s, s + stride, 0.0f);
+      continue;
+    }
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
+    const float m_new = std::max(m[r], tile_max);
+    const float alpha = exp_nonpositive(m[r] - m_new);  // m = -inf at first: exp -> 0
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < n; ++t) {
+      const float p = exp_nonpositive(s[t] - m_new);
+      s[t] = p;
+      sum += p;
+    }
+    for (int t = n; t < stride; ++t) s[t] = 0.0f;
+    if (alpha != 1.0f) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) a[d] *= alpha;
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = m_new;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode.
+
+struct Geometry {
+  int64_t block_size, num_kv_heads, head_dim, num_heads, group;
+  int64_t token_stride, block_stride;  // elements
+};
+
+// The row pointers (kv head 0) of keys start .. start + tile, clipped to end; returns how many.
+template <typename T>
+inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table,
+                     int64_t start, int64_t end, int tile, const T** rows) {
+  const int count = static_cast<int>(std::clamp<int64_t>(end - start, 0, tile));
+  const int64_t bs = geo.block_size;
+  for (int t = 0; t < count; ++t) {
+    const int64_t pos = start + t;
+    rows[t] = k_cache + table[pos / bs] * geo.block_stride + (pos % bs) * geo.token_stride;
+  }
+  return count;
+}
+
+// Software prefetch of bytes [begin, end) of each K row and of the matching V row (row + to_v).
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int count, size_t begin, size_t end,
+                          std::ptrdiff_t to_v) {
+  for (int t = 0; t < count; ++t) {
+    const char* k = reinterpret_cast<const char*>(rows[t]);
+    const char* v = reinterpret_cast<const char*>(rows[t] + to_v);
+    for (size_t off = begin; off < end; off += 64) {
+      __builtin_prefetch(k + off, 0, 2);
+      __builtin_prefetch(v + off, 0, 2);
+    }
+  }
+}
+
+struct DecodeState {
+  std::vector<float> scratch;
+  std::vector<const void*> rows;
+  std::vector<int> visible;
+};
+
+// Query heads of kv heads [h0, h1) of one request: rows r = (kv head - h0) * group + g are the
+// request's query heads h0 * group + r, contiguous in q and out.
+template <typename T, int D>
+void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
+                 const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+                 int64_t h0, int64_t h1, float* out, DecodeState& state) {
+  const int group = static_cast<int>(geo.group);
+  const int dim = static_cast<int>(geo.head_dim);
+  const int nrows = static_cast<int>((h1 - h0) * group);
+  const int64_t bs = geo.block_size;
+  const int tile = static_cast<int>(std::max<int64_t>(bs, (kTileTokens / bs) * bs));
+  state.scratch.assign(static_cast<size_t>(nrows) * (tile + dim) + 2 * nrows, 0.0f);
+  float* scores = state.scratch.data();
+  float* acc = scores + static_cast<size_t>(nrows) * tile;
+  float* m = acc + static_cast<size_t>(nrows) * dim;
+  float* l = m + nrows;
+  for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
+  state.visible.resize(nrows);
+  state.rows.resize(2 * tile);
+  const T** cur = reinterpret_cast<const T**>(state.rows.data());
+  const T** next = cur + tile;
+  q += h0 * group * dim;
+  out += h0 * group * dim;
+  const std::ptrdiff_t to_v = v_cache - k_cache;
+  const size_t row_begin = sizeof(T) * h0 * dim, row_end = sizeof(T) * h1 * dim;
+  int count = tile_rows(geo, k_cache, table, 0, context_len, tile, cur);
+  prefetch_rows(cur, std::min(count, 4), row_begin, row_end, to_v);
+  Prefetch<T> pf;
+  pf.rows = next;
+  pf.to_v = to_v * static_cast<std::ptrdiff_t>(sizeof(T));
+  for (int64_t start = 0; start < context_len; start += tile) {
+    // While this tile is scored, ask for the next tile's K and V rows, head by head.
+    pf.count = tile_rows(geo, k_cache, table, start + tile, context_len, tile, next);
+    pf.rows = next;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int r0 = static_cast<int>((h - h0) * group);
+      pf.begin = sizeof(T) * h * dim;
+      pf.end = sizeof(T) * (h + 1) * dim;
+      dots<T, D>(q + r0 * dim, group, dim, cur, h * dim, count, scores + r0 * tile, tile, pf);
+    }
+    const int next_count = pf.count;
+    std::fill(state.visible.begin(), state.visible.end(), count);
+    softmax_step<T, D>(scores, nrows, tile, state.visible.data(), m, l, acc, dim);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int r0 = static_cast<int>((h - h0) * group);
+      accumulate_values<T, D>(acc + r0 * dim, group, dim, cur, to_v + h * dim, count,
+                              scores + r0 * tile, tile);
+    }
+    std::swap(cur, next);
+    count = next_count;
+  }
+  for (int r = 0; r < nrows; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
+  }
+}
+
+// Runs fn(item, thread-local state) over items in the given order, dynamically scheduled.
+template <typename State, typename Fn>
+void run_items(const std::vector<int64_t>& order, Fn fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(order.size());
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), total);
+  if (tasks <= 0) return;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    State state;
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+        fn(order[i], state);
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "caches must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu(), "caches must be on the CPU");
+}
+
+Geometry geometry(const at::Tensor& k_cache, int64_t num_heads) {
+  Geometry geo;
+  geo.block_size = k_cache.size(1);
+  geo.num_kv_heads = k_cache.size(2);
+  geo.head_dim = k_cache.size(3);
+  geo.num_heads = num_heads;
+  TORCH_CHECK(num_heads % geo.num_kv_heads == 0, "num_heads must be a multiple of kv heads");
+  geo.group = num_heads / geo.num_kv_heads;
+  geo.token_stride = geo.num_kv_heads * geo.head_dim;
+  geo.block_stride = geo.block_size * geo.token_stride;
+  return geo;
+}
+
+template <typename T, int D>
+void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T* v_cache,
+                 const int64_t* tables, int64_t table_stride, const int64_t* lens,
+                 int64_t num_decodes, float* out) {
+  // A work item is a request's kv heads [h0, h1): all of them (one pass over each token's
+  // contiguous K and V rows) when there are enough requests to keep the threads busy, else one.
+  const int64_t kvh = geo.num_kv_heads;
+  const int64_t split = num_decodes >= 4 * at::get_num_threads() ? 1 : kvh;
+  std::vector<int64_t> order(num_decodes * split);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),  // longest first
+                   [&](int64_t a, int64_t b) { return lens[a / split] > lens[b / split]; });
+  const int64_t request_elems = geo.num_heads * geo.head_dim;
+  run_items<DecodeState>(order, [&](int64_t item, DecodeState& state) {
+    const int64_t req = item / split, part = item % split;
+    const int64_t h0 = part * kvh / split, h1 = (part + 1) * kvh / split;
+    decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache,
+                      tables + req * table_stride, lens[req], h0, h1,
+                      out + req * request_elems, state);
+  });
+}
+
+// Generic head_dim (0) plus compiled-in sizes for the usual ones.
+template <typename T>
+void decode_dispatch(const Geometry& geo, const float* q, const T* k, const T* v,
+                     const int64_t* tables, int64_t table_stride, const int64_t* lens,
+                     int64_t n, float* out) {
+  switch (geo.head_dim) {
+    case 64: return decode_impl<T, 64>(geo, q, k, v, tables, table_stride, lens, n, out);
+    case 128: return decode_impl<T, 128>(geo, q, k, v, tables, table_stride, lens, n, out);
+    default: return decode_impl<T, 0>(geo, q, k, v, tables, table_stride, lens, n, out);
+  }
+}
+
+at::Tensor scaled_float_query(const at::Tensor& q, double scale) {
+  return (q.to(at::kFloat) * scale).contiguous();
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3, "q must be [num_decodes, num_heads, head_dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
+              "block_tables must be [num_decodes, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
+              "context_lens must be [num_decodes]");
+  const Geometry geo = geometry(k_cache, q.size(1));
+  const int64_t num_decodes = q.size(0);
+  at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  const int64_t table_stride = tables.size(1);
+  for (int64_t i = 0; i < num_decodes; ++i) {
+    TORCH_CHECK(lens_ptr[i] >= 0 && lens_ptr[i] <= table_stride * geo.block_size,
+                "context length ", lens_ptr[i], " does not fit the block table");
+  }
+  at::Tensor qf = scaled_float_query(q, scale);
+  at::Tensor out = at::empty({num_decodes, geo.num_heads, geo.head_dim}, qf.options());
+  if (num_decodes == 0) return out.to(q.scalar_type());
+  if (k_cache.scalar_type() == at::kFloat) {
+    decode_dispatch<float>(geo, qf.data_ptr<float>(), k_cache.data_ptr<float>(),
+                           v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), table_stride,
+                           lens_ptr, num_decodes, out.data_ptr<float>());
+  } else {
+    decode_dispatch<c10::BFloat16>(geo, qf.data_ptr<float>(),
+                                   k_cache.data_ptr<c10::BFloat16>(),
+                                   v_cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(),
+                                   table_stride, lens_ptr, num_decodes, out.data_ptr<float>());
+  }
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (one chunk).
+
+constexpr int kQueryTile = 16;
+
+template <typename T, int D>
+void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/,
+                  const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+                  int64_t num_queries, int64_t kv_head, int64_t q_begin, int64_t q_end,
+                  float* out, std::vector<float>& scratch, std::vector<const T*>& rows_buf) {
+  const int group = static_cast<int>(geo.group);
+  const int dim = static_cast<int>(geo.head_dim);
+  const int64_t bs = geo.block_size;
+  const int tile = static_cast<int>(std::max<int64_t>(bs, (kTileTokens / bs) * bs));
+  const int nq = static_cast<int>(q_end - q_begin);
+  const int nrows = nq * group;  // row r = query (r / group), head (r % group)
+  scratch.assign(static_cast<size_t>(nrows) * (tile + 2 * dim) + 2 * nrows, 0.0f);
+  float* scores = scratch.data();
+  float* acc = scores + static_cast<size_t>(nrows) * tile;
+  float* qrows = acc + static_cast<size_t>(nrows) * dim;
+  float* m = qrows + static_cast<size_t>(nrows) * dim;
+  float* l = m + nrows;
+  for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
+  // The tile's query rows, contiguous: [query][group][dim].
+  for (int i = 0; i < nq; ++i) {
+    const float* src = q + ((q_begin + i) * geo.num_heads + kv_head * geo.group) * dim;
+    std::memcpy(qrows + static_cast<size_t>(i) * group * dim, src, sizeof(float) * group * dim);
+  }
+  const int64_t first = context_len - num_queries;  // position of query 0
+  const int64_t last_visible = first + q_end - 1;   // the tile's last query sees keys <= this
+  std::vector<int> visible(nrows);
+  rows_buf.resize(tile);
+  const T** rows = rows_buf.data();
+  const int64_t head_offset = kv_head * geo.head_dim;
+  const std::ptrdiff_t to_v = v_cache - k_cache;
+  for (int64_t start = 0; start <= last_visible; start += tile) {
+    const int count = static_cast<int>(std::min<int64_t>(tile, last_visible + 1 - start));
+    for (int t = 0; t < count; ++t) {
+      const int64_t pos = start + t;
+      rows[t] = k_cache + table[pos / bs] * geo.block_stride + (pos % bs) * geo.token_stride +
+                head_offset;
+    }
+    for (int i = 0; i < nq; ++i) {
+      const int64_t sees = first + q_begin + i + 1 - start;  // keys of this tile it sees
+      const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
+      for (int g = 0; g < group; ++g) visible[i * group + g] = n;
+      dots<T, D>(qrows + static_cast<size_t>(i) * group * dim, group, dim, rows, 0, n,
+                 scores + static_cast<size_t>(i) * group * tile, tile);
+    }
+    softmax_step<T, D>(scores, nrows, tile, visible.data(), m, l, acc, dim);
+    for (int i = 0; i < nq; ++i) {
+      accumulate_values<T, D>(acc + static_cast<size_t>(i) * group * dim, group, dim, rows,
+                              to_v, visible[i * group],
+                              scores + static_cast<size_t>(i) * group * tile, tile);
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    for (int g = 0; g < group; ++g) {
+      const int r = i * group + g;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float* dst = out + ((q_begin + i) * geo.num_heads + kv_head * geo.group + g) * dim;
+      for (int d = 0; d < dim; ++d) dst[d] = acc[static_cast<size_t>(r) * dim + d] * inv;
+    }
+  }
+}
+
+template <typename T, int D>
+void prefill_impl(const Geometry& geo, const float* q, const T* k_cache, const T* v_cache,
+                  const int64_t* table, int64_t context_len, int64_t num_queries, float* out) {
+  const int64_t kvh = geo.num_kv_heads;
+  const int64_t tiles = (num_queries + kQueryTile - 1) / kQueryTile;
+  // Later query tiles see more keys: hand them out first.
+  std::vector<int64_t> order;
+  order.reserve(tiles * kvh);
+  for (int64_t tile = tiles - 1; tile >= 0; --tile)
+    for (int64_t head = 0; head < kvh; ++head) order.push_back(tile * kvh + head);
+  struct State {
+    std::vector<float> scratch;
+    std::vector<const T*> rows;
+  };
+  run_items<State>(order, [&](int64_t item, State& state) {
+    const int64_t tile = item / kvh, head = item % kvh;
+    const int64_t begin = tile * kQueryTile;
+    const int64_t end = std::min<int64_t>(begin + kQueryTile, num_queries);
+    prefill_item<T, D>(geo, q, k_cache, v_cache, table, context_len, num_queries, head, begin,
+                       end, out, state.scratch, state.rows);
+  });
+}
+
+template <typename T>
+void prefill_dispatch(const Geometry& geo, const float* q, const T* k, const T* v,
+                      const int64_t* table, int64_t context_len, int64_t n, float* out) {
+  switch (geo.head_dim) {
+    case 64: return prefill_impl<T, 64>(geo, q, k, v, table, context_len, n, out);
+    case 128: return prefill_impl<T, 128>(geo, q, k, v, table, context_len, n, out);
+    default: return prefill_impl<T, 0>(geo, q, k, v, table, context_len, n, out);
+  }
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             int64_t context_len, double scale) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3, "q must be [num_tokens, num_heads, head_dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
+  TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
+  const Geometry geo = geometry(k_cache, q.size(1));
+  const int64_t n = q.size(0);
+  TORCH_CHECK(n <= context_len, "more queries than context");
+  TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
+              "context length does not fit the block table");
+  at::Tensor table = block_table.to(at::kLong).contiguous();
+  at::Tensor qf = scaled_float_query(q, scale);
+  at::Tensor out = at::empty({n, geo.num_heads, geo.head_dim}, qf.options());
+  if (n == 0) return out.to(q.scalar_type());
+  if (k_cache.scalar_type() == at::kFloat) {
+    prefill_dispatch<float>(geo, qf.data_ptr<float>(), k_cache.data_ptr<float>(),
+                            v_cache.data_ptr<float>(), table.data_ptr<int64_t>(), context_len,
+                            n, out.data_ptr<float>());
+  } else {
+    prefill_dispatch<c10::BFloat16>(geo, qf.data_ptr<float>(),
+                                    k_cache.data_ptr<c10::BFloat16>(),
+                                    v_cache.data_ptr<c10::BFloat16>(),
+                                    table.data_ptr<int64_t>(), context_len, n,
+                                    out.data_ptr<float>());
+  }
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention,
+        "Paged decode attention: q [D, H, d], caches [blocks, block_size, kv_heads, d], "
+        "block_tables [D, max_blocks] long, context_lens [D] long, scale",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"));
+  m.def("prefill_attention", &prefill_attention,
+        "Paged causal attention for one prefill chunk: q [n, H, d] at positions "
+        "context_len - n + i",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("context_len"), py::arg("scale"));
+  m.def("has_avx512", []() {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  });
+}

@@ -1,0 +1,121 @@
+"""The C++ paged attention kernel (csrc/paged_attention.cpp), built on first use.
+
+It reads K and V in place through the block tables (no gather into a padded copy), one pass per
+(request, kv head) with an online softmax, in parallel over requests x kv heads.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
+``ninja``) into torch's extensions cache (``$TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), keyed by the source's hash, so a later process loads it in
+well under a second. Nothing here raises at import: :func:`available` says whether the kernel
+can be used and :func:`unavailable_reason` why not.
+
+    if paged_kernel.available():
+        out = paged_kernel.decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+_tried = False
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise RuntimeError("no C++ compiler on PATH (set CXX or install g++)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    # The name carries the source's and flags' hash: an edited kernel never loads a stale build,
+    # and processes with different sources do not fight over one build directory.
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return cpp_extension.load(
+        name=f"kvserve_paged_attention_{digest}",
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        verbose=False,
+    )
+
+
+def _load() -> ModuleType | None:
+    global _module, _error, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if not _tried:
+            try:
+                _module = _build()
+            except Exception as exc:  # a missing tool or a failed build: fall back, keep why
+                _error = f"{type(exc).__name__}: {exc}".strip()
+                logger.warning("paged attention kernel unavailable: %s", _error.splitlines()[0])
+            _tried = True
+    return _module
+
+
+def available() -> bool:
+    """True if the kernel is built (building it now if needed); never raises."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None if it is True or was not asked yet)."""
+    return _error
+
+
+def _kernel() -> ModuleType:
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"paged attention kernel unavailable: {_error}")
+    return module
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """One query per request over its paged context.
+
+    q: [num_decodes, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous, float32 or bfloat16; block_tables: [num_decodes,
+    max_blocks] (padding ignored); context_lens: [num_decodes] (a request attends to its first
+    context_len tokens, its own included). Query head h reads kv head
+    h // (num_heads // num_kv_heads). Returns [num_decodes, num_heads, head_dim] in q's dtype;
+    scale defaults to 1/sqrt(head_dim). Accumulates in float32.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _kernel().decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_table: torch.Tensor, context_len: int,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention for one prefill chunk: the last n tokens of a context_len-token context.
+
+    q: [n, num_heads, head_dim]; query i sits at position context_len - n + i and sees keys
+    0 ..= that position (this chunk's K and V already written). block_table: [num_blocks].
+    Returns [n, num_heads, head_dim] in q's dtype.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _kernel().prefill_attention(q, k_cache, v_cache, block_table, int(context_len),
+                                       scale)

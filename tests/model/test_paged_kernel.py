@@ -1,0 +1,147 @@
+"""The C++ paged attention kernel against a plain gather + softmax computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.model import paged_kernel
+
+pytestmark = pytest.mark.skipif(not paged_kernel.available(),
+                                reason=f"kernel unavailable: {paged_kernel.unavailable_reason()}")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _plain(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+           context_len: int) -> torch.Tensor:
+    """q: [n, heads, dim], the last n positions of the context, causal. Float64 throughout."""
+    n, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    positions = torch.arange(context_len)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    group = heads // kv_heads
+    keys = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [L, H, d]
+    values = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), keys) / math.sqrt(dim)
+    query_pos = context_len - n + torch.arange(n)
+    scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None],
+                                float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), values)
+
+
+def _caches(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, block_size, kv_heads, dim)
+    return (torch.randn(shape, generator=gen).to(dtype),
+            torch.randn(shape, generator=gen).to(dtype))
+
+
+def _tables(lens: list[int], block_size: int, num_blocks: int,
+            gen: torch.Generator) -> torch.Tensor:
+    """Shuffled, disjoint block tables, padded with 0."""
+    needed = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros((len(lens), max(needed)), dtype=torch.long)
+    start = 0
+    for row, count in enumerate(needed):
+        tables[row, :count] = perm[start:start + count]
+        start += count
+    return tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [
+    (9, 3, 64, 16),  # SmolLM2-135M
+    (8, 2, 128, 16),
+    (4, 4, 64, 32),  # no GQA
+    (6, 1, 48, 8),  # head_dim not a multiple of 16 on AVX-512: the generic path
+    (12, 2, 32, 5),  # odd block size
+])
+def test_decode_matches_plain(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                              block_size: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 1000 + dim + block_size)
+    lens = [1, 2, block_size - 1, block_size, block_size + 1, 17, 63, 64, 65, 100, 257, 640]
+    lens += torch.randint(1, 300, (20,), generator=gen).tolist()
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, dim, dtype, gen)
+    tables = _tables(lens, block_size, num_blocks, gen)
+    q = torch.randn((len(lens), heads, dim), generator=gen).to(dtype)
+    out = paged_kernel.decode_attention(q, k_cache, v_cache, tables,
+                                        torch.tensor(lens, dtype=torch.long))
+    assert out.shape == q.shape and out.dtype == dtype
+    for row, n in enumerate(lens):
+        want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
+        torch.testing.assert_close(out[row].double(), want, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype], msg=f"row {row}, context {n}")
+
+
+def test_decode_float32_query_on_bfloat16_cache() -> None:
+    gen = torch.Generator().manual_seed(5)
+    lens = [3, 40, 129]
+    k_cache, v_cache = _caches(20, 16, 3, 64, torch.bfloat16, gen)
+    tables = _tables(lens, 16, 20, gen)
+    q = torch.randn((3, 9, 64), generator=gen)
+    out = paged_kernel.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens))
+    assert out.dtype == torch.float32
+    for row, n in enumerate(lens):
+        want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
+        torch.testing.assert_close(out[row].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_large_scores_are_stable() -> None:
+    """Scores in the hundreds: the online softmax must not overflow."""
+    gen = torch.Generator().manual_seed(6)
+    lens = [200, 33]
+    k_cache, v_cache = _caches(20, 16, 1, 64, torch.float32, gen)
+    k_cache *= 30
+    tables = _tables(lens, 16, 20, gen)
+    q = torch.randn((2, 2, 64), generator=gen) * 30
+    out = paged_kernel.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens))
+    for row, n in enumerate(lens):
+        want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
+        torch.testing.assert_close(out[row].double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_empty_batch() -> None:
+    k_cache = torch.zeros((4, 16, 3, 64))
+    q = torch.zeros((0, 9, 64))
+    out = paged_kernel.decode_attention(q, k_cache, k_cache, torch.zeros((0, 1), dtype=torch.long),
+                                        torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0, 9, 64)
+
+
+def test_decode_rejects_a_context_longer_than_its_table() -> None:
+    k_cache = torch.zeros((4, 16, 3, 64))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        paged_kernel.decode_attention(torch.zeros((1, 9, 64)), k_cache, k_cache,
+                                      torch.zeros((1, 2), dtype=torch.long), torch.tensor([33]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_tokens", "context_len"), [
+    (1, 1), (5, 5), (16, 16), (37, 37), (100, 100),  # whole prompts
+    (1, 50), (7, 40), (33, 97), (64, 300),  # later chunks of a longer context
+])
+def test_prefill_matches_plain(dtype: torch.dtype, num_tokens: int, context_len: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens * 7 + context_len)
+    block_size, num_blocks = 16, 40
+    k_cache, v_cache = _caches(num_blocks, block_size, 3, 64, dtype, gen)
+    table = _tables([context_len], block_size, num_blocks, gen)[0]
+    q = torch.randn((num_tokens, 9, 64), generator=gen).to(dtype)
+    out = paged_kernel.prefill_attention(q, k_cache, v_cache, table, context_len)
+    assert out.shape == q.shape and out.dtype == dtype
+    want = _plain(q, k_cache, v_cache, table, context_len)
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_prefill_generic_head_dim() -> None:
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = _caches(12, 8, 2, 24, torch.float32, gen)
+    table = _tables([70], 8, 12, gen)[0]
+    q = torch.randn((30, 6, 24), generator=gen)
+    out = paged_kernel.prefill_attention(q, k_cache, v_cache, table, 70)
+    torch.testing.assert_close(out.double(), _plain(q, k_cache, v_cache, table, 70),
+                               atol=1e-5, rtol=1e-5)
