@@ -110,6 +110,7 @@ def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     assert main(["plan", "--trace", str(trace), "--cost-model", "unit", "--num-kv-blocks",
                  "60", "--candidates", "2,64", "--ttft-p99", "1000", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert (data["num_blocks"], data["max_live_tokens"]) == (60, 960)  # the pool simulated
     assert [r["max_num_seqs"] for r in data["sweep"]] == [2, 64]
     assert data["max_num_seqs_no_preemption"] == 2
     assert data["max_num_seqs_best_throughput"] == 64

@@ -4,6 +4,7 @@ max_num_seqs to pick and the QPS a deployment sustains."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -79,6 +80,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         activation_reserve_gib=args.activation_reserve_gib, kv_pool_gib=args.kv_pool_gib,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
+    if settings.get("num_kv_blocks") is not None or settings.get("kv_cache_memory") is not None:
+        # The pool was given as a scheduler flag: report and simulate that one.
+        num_blocks = deployment.num_kv_blocks(settings, config)
+        pool = dataclasses.replace(pool, num_blocks=num_blocks, pool_bytes=num_blocks
+                                   * pool.block_size * pool.kv_bytes_per_token)
     trace = read_trace(args.trace) if args.trace else None
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
