@@ -47,6 +47,15 @@ def request_latencies(record: RequestRecord) -> dict[str, float | None]:
 
 
 def aggregate(result: SimResult) -> dict[str, Any]:
+    """The run's headline figures. Definitions:
+
+    duration_s: first arrival to the end of the last step. output_tokens: every sampled
+    token (EOS included). scheduled_tokens: every token computed, recomputation included;
+    throughput_total_tok_s is that per second. wasted_fraction: recomputed / scheduled.
+    ttft: first token - arrival; itl: every gap between a request's consecutive tokens
+    (preemption stalls included); e2e: finish - arrival; queue: first scheduled - arrival.
+    kv_usage_mean is weighted by step duration. Percentiles interpolate linearly.
+    """
     records = result.records
     steps = result.steps
     duration = result.end_time - result.start_time
