@@ -10,7 +10,8 @@ from kvserve.sim.report import aggregate
 from .helpers import req, simulate
 
 requests = st.lists(
-    st.tuples(st.integers(1, 120), st.integers(0, 40), st.integers(0, 20)),
+    st.tuples(st.integers(1, 120), st.integers(0, 40), st.integers(0, 20),
+              st.one_of(st.none(), st.integers(0, 40))),  # prompt, output, arrival, cancel
     min_size=1, max_size=12)
 
 
@@ -24,20 +25,27 @@ requests = st.lists(
                                {"victim_policy": "sglang"}, {"victim_policy": "least-computed"},
                                {"admission_policy": "reserve"},
                                {"admission_policy": "adaptive"}, {"watermark": 0.2}]),
-       prefix=st.booleans())
+       prefix=st.booleans(),
+       batching=st.sampled_from(["continuous", "continuous", "static", "serial"]))
 def test_every_request_ends_with_its_answer(requests, num_blocks, block_size, max_num_seqs,
-                                            budget, policy, prefix):
+                                            budget, policy, prefix, batching):
     trace = [req(f"r{i}", prompt, output, arrival=float(arrival), priority=i % 3,
+                 cancel_time=None if cancel is None else float(cancel),
                  **({"prefix_id": "p", "prefix_len": min(prompt, 24)} if prefix else {}))
-             for i, (prompt, output, arrival) in enumerate(requests)]
+             for i, (prompt, output, arrival, cancel) in enumerate(requests)]
     result = simulate(trace, num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max(budget, max_num_seqs), max_model_len=256,
-                      **policy)
+                      batching=batching, **policy)
     pool = num_blocks * block_size
     for trace_request, record in zip(sorted(trace, key=lambda r: (r.arrival_time,
                                                                   r.request_id)),
                                      result.records, strict=True):
         prompt = trace_request.prompt_len
+        if record.finish_reason == "abort":
+            assert record.stop_reason == "cancelled"
+            assert trace_request.cancel_time is not None
+            assert record.num_output_tokens <= trace_request.output_len + 1
+            continue
         if prompt + 1 > pool or prompt >= 256:
             assert record.finish_reason == "rejected"
         elif record.finish_reason == "stop":

@@ -212,3 +212,13 @@ def test_a_request_that_preempts_itself_first_leaves_an_empty_step():
     assert records["a"].stalls == [(1.0, 3.0)]
     a = aggregate(result)
     assert (a["num_preemptions"], a["recomputed_tokens"], a["longest_stall_s"]) == (1, 0, 3.0)
+
+
+def test_a_refused_request_takes_no_seat_in_a_static_batch():
+    # Pool of 8 slots: "big" (8 tokens + 1 to generate) can never fit and is refused when
+    # handed over; the batch of one seat goes to "small" instead of staying empty forever.
+    result = simulate([req("big", 8, 0), req("small", 1, 0)], num_blocks=2, block_size=4,
+                      batching="static", max_num_seqs=1)
+    records = by_id(result)
+    assert records["big"].finish_reason == "rejected"
+    assert records["small"].finish_reason == "stop"

@@ -250,10 +250,11 @@ class _Run:
         else:
             limit = 1 if mode == "serial" else self.sim.scheduler_config.max_num_seqs
         while self.held and limit > 0:
-            self._submit(self.held.popleft())
-            limit -= 1
+            if self._submit(self.held.popleft()):
+                limit -= 1  # a refused request takes no seat
 
-    def _submit(self, trace_request: TraceRequest) -> None:
+    def _submit(self, trace_request: TraceRequest) -> bool:
+        """Hand one request to the scheduler; False if it refused it."""
         seed = self.sim.seed
         request_id = trace_request.request_id
         max_tokens = trace_request.max_tokens or self.sim.scheduler_config.max_model_len
@@ -268,11 +269,12 @@ class _Run:
             self.scheduler.add_request(request)
         except RequestRejected as error:
             self._refuse(request_id, "rejected", str(error))
-            return
+            return False
         except QueueFullError as error:
             self._refuse(request_id, "queue_full", str(error))
-            return
+            return False
         self.live[request_id] = request
+        return True
 
     def _refuse(self, request_id: str, reason: str, message: str) -> None:
         self.executor.forget(request_id)
