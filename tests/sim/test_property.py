@@ -26,25 +26,33 @@ requests = st.lists(
                                {"admission_policy": "reserve"},
                                {"admission_policy": "adaptive"}, {"watermark": 0.2}]),
        prefix=st.booleans(),
-       batching=st.sampled_from(["continuous", "continuous", "static", "serial"]))
+       batching=st.sampled_from(["continuous", "continuous", "static", "serial"]),
+       overload=st.sampled_from([{}, {}, {"max_num_queued_reqs": 2},
+                                 {"max_queue_delay": 3.0}]))
 def test_every_request_ends_with_its_answer(requests, num_blocks, block_size, max_num_seqs,
-                                            budget, policy, prefix, batching):
+                                            budget, policy, prefix, batching, overload):
     trace = [req(f"r{i}", prompt, output, arrival=float(arrival), priority=i % 3,
                  cancel_time=None if cancel is None else float(cancel),
                  **({"prefix_id": "p", "prefix_len": min(prompt, 24)} if prefix else {}))
              for i, (prompt, output, arrival, cancel) in enumerate(requests)]
     result = simulate(trace, num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max(budget, max_num_seqs), max_model_len=256,
-                      batching=batching, **policy)
+                      batching=batching, **policy, **overload)
     pool = num_blocks * block_size
     for trace_request, record in zip(sorted(trace, key=lambda r: (r.arrival_time,
                                                                   r.request_id)),
                                      result.records, strict=True):
         prompt = trace_request.prompt_len
         if record.finish_reason == "abort":
-            assert record.stop_reason == "cancelled"
-            assert trace_request.cancel_time is not None
+            if record.stop_reason == "queue_timeout":
+                assert "max_queue_delay" in overload and record.num_output_tokens == 0
+            else:
+                assert record.stop_reason == "cancelled"
+                assert trace_request.cancel_time is not None
             assert record.num_output_tokens <= trace_request.output_len + 1
+            continue
+        if record.finish_reason == "queue_full":
+            assert "max_num_queued_reqs" in overload
             continue
         if prompt + 1 > pool or prompt >= 256:
             assert record.finish_reason == "rejected"
