@@ -31,7 +31,6 @@ from kvserve.core import (
     RequestOutput,
     RequestRejected,
     RequestStatus,
-    SamplingParams,
     Scheduler,
     SchedulerConfig,
     SchedulerEvent,
@@ -41,7 +40,6 @@ from kvserve.core import (
 from kvserve.core.request import EventType
 from kvserve.sim.cost_models import CostModel
 from kvserve.sim.executor import SimExecutor
-from kvserve.sim.tokens import EOS_TOKEN_ID
 from kvserve.sim.trace import TraceRequest
 
 BATCHING_MODES = ("continuous", "static", "serial")
@@ -257,11 +255,9 @@ class _Run:
         """Hand one request to the scheduler; False if it refused it."""
         seed = self.sim.seed
         request_id = trace_request.request_id
-        max_tokens = trace_request.max_tokens or self.sim.scheduler_config.max_model_len
         request = Request(
             request_id, trace_request.synthesise_prompt(seed),
-            SamplingParams(max_tokens=max_tokens, ignore_eos=trace_request.ignore_eos,
-                           eos_token_id=EOS_TOKEN_ID, priority=trace_request.priority),
+            trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
             arrival_time=trace_request.arrival_time)
         self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
                                trace_request.ignore_eos, trace_request.continuation_key(seed))

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.sim.tokens import stream_key, stream_tokens
+from kvserve.core import SamplingParams
+from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key, stream_tokens
 
 
 class TraceError(ValueError):
@@ -67,6 +68,13 @@ class TraceRequest:
         own = stream_key(seed, "request:" + self.request_id)
         ids += stream_tokens(own, len(ids), self.prompt_len)
         return ids
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """How the request is sampled: EOS is the simulated model's, max_tokens defaults to
+        ``default_max_tokens`` (the model length) so that EOS or a length limit stops it."""
+        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens,
+                              ignore_eos=self.ignore_eos, eos_token_id=EOS_TOKEN_ID,
+                              priority=self.priority)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
