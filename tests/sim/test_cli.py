@@ -223,3 +223,17 @@ def test_progress_bar_appears_only_after_a_second_on_a_terminal():
     assert progress._bar.tasks[0].completed == 5
     progress.close()
     assert progress._bar is None
+
+
+def test_trace_from_standard_input(monkeypatch, tmp_path, capsys):
+    import io
+
+    assert main(["workload", "gen", "-n", "5", "--rate", "5"]) == 0
+    text = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", "-", "--quiet", "--report", str(report)]) == 0
+    assert json.loads(report.read_text())["aggregate"]["num_requests"] == 5
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"request_id": "a"}\n'))
+    assert main(["simulate", "--trace", "-"]) == 2
+    assert "<stdin>:1:" in _error_line(capsys)

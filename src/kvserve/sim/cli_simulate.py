@@ -23,7 +23,8 @@ def add_parser(subparsers: Any) -> None:
         description="Replay a JSONL trace through kvserve's scheduler with a cost model "
                     "instead of a model, and report latency, throughput, preemptions and KV "
                     "usage.")
-    parser.add_argument("--trace", required=True, help="JSONL trace (kvserve workload gen)")
+    parser.add_argument("--trace", required=True,
+                        help="JSONL trace (kvserve workload gen); - reads standard input")
     add_deployment_flags(parser)
     parser.add_argument("--batching", choices=BATCHING_MODES,
                         help="continuous (default), static batches, or serial")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,30 +174,36 @@ def parse_request(row: Any) -> TraceRequest:
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a JSONL trace; blank lines are skipped. Raises TraceError naming the line."""
-    requests: list[TraceRequest] = []
-    seen: set[str] = set()
+    """Read a JSONL trace ("-": standard input); blank lines are skipped. Raises TraceError
+    naming the line."""
+    if str(path) == "-":
+        return parse_trace(sys.stdin, "<stdin>")
     try:
         handle = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
     except OSError as error:
         raise TraceError(f"cannot read trace {path}: {error.strerror}") from None
     with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                request = parse_request(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise TraceError(f"{path}:{number}: not valid JSON: {error.msg}") from None
-            except ValueError as error:
-                raise TraceError(f"{path}:{number}: {error}") from None
-            if request.request_id in seen:
-                raise TraceError(f"{path}:{number}: duplicate request_id "
-                                 f"{request.request_id!r}")
-            seen.add(request.request_id)
-            requests.append(request)
+        return parse_trace(handle, str(path))
+
+
+def parse_trace(lines: Iterable[str], name: str) -> list[TraceRequest]:
+    requests: list[TraceRequest] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            request = parse_request(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise TraceError(f"{name}:{number}: not valid JSON: {error.msg}") from None
+        except ValueError as error:
+            raise TraceError(f"{name}:{number}: {error}") from None
+        if request.request_id in seen:
+            raise TraceError(f"{name}:{number}: duplicate request_id {request.request_id!r}")
+        seen.add(request.request_id)
+        requests.append(request)
     if not requests:
-        raise TraceError(f"{path}: the trace has no requests")
+        raise TraceError(f"{name}: the trace has no requests")
     return requests
 
 
