@@ -234,6 +234,7 @@ def test_trace_from_standard_input(monkeypatch, tmp_path, capsys):
     report = tmp_path / "r.json"
     assert main(["simulate", "--trace", "-", "--quiet", "--report", str(report)]) == 0
     assert json.loads(report.read_text())["aggregate"]["num_requests"] == 5
+    capsys.readouterr()
     monkeypatch.setattr("sys.stdin", io.StringIO('{"request_id": "a"}\n'))
     assert main(["simulate", "--trace", "-"]) == 2
     assert "<stdin>:1:" in _error_line(capsys)
