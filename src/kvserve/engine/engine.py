@@ -105,7 +105,7 @@ class Engine:
     def _new_text_state(self, request: Request) -> _TextState:
         if not self.detokenize:
             return _TextState(None, None)
-        from kvserve.model.tokenizer import IncrementalDetokenizer, StopChecker
+        from kvserve.model.detokenizer import IncrementalDetokenizer, StopChecker
         params = request.sampling_params
         return _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
                           StopChecker(params.stop) if params.stop else None)

@@ -58,6 +58,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     config and tokenizer but draws random weights (benchmarks, calibration).
     """
     from kvserve.model import loader
+    from kvserve.model.tokenizer import load_tokenizer
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; choose auto or dummy")
@@ -65,26 +66,16 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
         config, weights, tokenizer = model, loader.dummy_weights(model, dtype, seed), None
     elif load_format == "dummy":
         config = loader.model_config_from_path(model)
-        weights, tokenizer = loader.dummy_weights(config, dtype, seed), _load_tokenizer(model)
+        weights, tokenizer = loader.dummy_weights(config, dtype, seed), load_tokenizer(model)
     else:
         config, weights = loader.load_model_weights(model, dtype)
-        tokenizer = _load_tokenizer(model)
+        tokenizer = load_tokenizer(model)
     network = LlamaForCausalLM(config).to(dtype)
     network.load_weights(weights)
     network.eval()
     del weights
     gc.collect()
     return network, tokenizer
-
-
-def _load_tokenizer(model: str | Path | None) -> Any:
-    from kvserve.model import loader
-    from kvserve.model.tokenizer import Tokenizer
-
-    path = loader.default_model_path() if model is None else Path(model)
-    if path.is_dir():
-        return Tokenizer.from_file(path / "tokenizer.json")
-    return Tokenizer.from_gguf(path)
 
 
 def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
