@@ -27,12 +27,11 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def bundled():
     config, weights = load_model_weights(None)
-    network = LlamaForCausalLM(config)
-    network.load_weights(weights)
+    network = LlamaForCausalLM.from_weights(config, dict(weights))
     tokenizer = load_tokenizer(None)
     prompts = [tokenizer.encode(text) for text in TEXTS]
     expected = [dense_greedy(weights, config, p, MAX_TOKENS) for p in prompts]
-    return network.eval(), tokenizer, prompts, expected
+    return network, tokenizer, prompts, expected
 
 
 def run_engine(network, prompts, num_blocks=256, block_size=16, caching=True, stagger=False,

@@ -21,9 +21,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def network() -> LlamaForCausalLM:
-    model = LlamaForCausalLM(TINY)
-    model.load_weights(WEIGHTS)
-    return model.eval()
+    return LlamaForCausalLM.from_weights(TINY, dict(WEIGHTS))
 
 
 @pytest.fixture(scope="module")

@@ -70,10 +70,8 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     else:
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = load_tokenizer(model)
-    network = LlamaForCausalLM(config).to(dtype)
-    network.load_weights(weights)
-    network.eval()
-    del weights
+    network = LlamaForCausalLM.from_weights(config, weights)
+    loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
     return network, tokenizer
 

@@ -11,7 +11,7 @@ and Q/K use the rotate-half RoPE layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -132,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config)
+        with torch.device("cpu"):  # real tables even when the weights start on "meta"
+            rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -151,39 +152,53 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]
+                     ) -> LlamaForCausalLM:
+        """Build the network around Hugging Face-named weights, consuming ``weights``.
+
+        Parameters are created on the meta device and then bound to the given tensors (q/k/v
+        and gate/up concatenated), so no memory is spent on an initialisation that would be
+        overwritten, and each source tensor is released as soon as it is used.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_weights(weights)
+        return model.eval()
+
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up; every parameter must
-        be covered and every weight used."""
-        remaining = dict(weights)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Bind Hugging Face-named weights (consumed: popped from ``weights``), fusing q/k/v
+        and gate/up; every parameter must be covered and every weight used."""
 
         def take(name: str) -> torch.Tensor:
-            if name not in remaining:
+            if name not in weights:
                 raise KeyError(f"weight {name} is missing from the checkpoint")
-            return remaining.pop(name)
+            return weights.pop(name)
 
-        def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if param.shape != value.shape:
+        def bind(module: nn.Module, value: torch.Tensor, name: str) -> None:
+            expected = module.weight.shape
+            if value.shape != expected:
                 raise ValueError(f"weight {name} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(value)
+                                 f"expected {tuple(expected)}")
+            module.weight = nn.Parameter(value.contiguous(), requires_grad=False)
 
-        copy(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
-        copy(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        bind(self.embed_tokens, take("model.embed_tokens.weight"), "embed_tokens")
+        bind(self.norm, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            copy(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            bind(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn = prefix + "self_attn."
             qkv = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
-            copy(layer.self_attn.qkv_proj.weight, qkv, attn + "q/k/v_proj")
-            copy(layer.self_attn.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj")
+            bind(layer.self_attn.qkv_proj, qkv, attn + "q/k/v_proj")
+            bind(layer.self_attn.o_proj, take(attn + "o_proj.weight"), attn + "o_proj")
             mlp = prefix + "mlp."
             gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-            copy(layer.mlp.gate_up_proj.weight, gate_up, mlp + "gate/up_proj")
-            copy(layer.mlp.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj")
+            bind(layer.mlp.gate_up_proj, gate_up, mlp + "gate/up_proj")
+            bind(layer.mlp.down_proj, take(mlp + "down_proj.weight"), mlp + "down_proj")
             for norm in ("input_layernorm", "post_attention_layernorm"):
-                copy(getattr(layer, norm).weight, take(f"{prefix}{norm}.weight"), prefix + norm)
-        remaining.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
-        if remaining:
-            raise ValueError(f"unused weights in the checkpoint: {sorted(remaining)[:5]}")
+                bind(getattr(layer, norm), take(f"{prefix}{norm}.weight"), prefix + norm)
+        weights.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
+        if weights:
+            raise ValueError(f"unused weights in the checkpoint: {sorted(weights)[:5]}")
