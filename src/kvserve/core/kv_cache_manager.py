@@ -123,6 +123,28 @@ class KVCacheManager:
             self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))
         return new_blocks
 
+    def grow_slots(self, request: Request, num_new_tokens: int) -> list[KVBlock] | None:
+        """Slots for a running request's next ``num_new_tokens`` tokens, or None.
+
+        The running pass's hot path (D3): no prefix lookup, no watermark, no gate. The
+        scheduler caps ``num_new_tokens`` so the sequence stays within max_model_len.
+        """
+        held = self.req_to_blocks[request.request_id]
+        block_size = self.block_size
+        num_computed = request.num_computed_tokens
+        num_slots = num_computed + num_new_tokens
+        num_new_blocks = (num_slots + block_size - 1) // block_size - len(held)
+        if num_new_blocks <= 0:
+            new_blocks = _NO_BLOCKS
+        elif num_new_blocks > self.pool.free_queue.num_free:
+            return None
+        else:
+            new_blocks = self.pool.allocate(num_new_blocks)
+            held.extend(new_blocks)
+        if self.enable_caching and num_slots // block_size > num_computed // block_size:
+            self._cache_full_blocks(request, held, num_slots)
+        return new_blocks
+
     def _cache_full_blocks(self, request: Request, held: list[KVBlock], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
         request_id = request.request_id

@@ -155,7 +155,7 @@ class SamplingParams:
                  f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One generation request as the scheduler sees it.
 

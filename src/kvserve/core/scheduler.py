@@ -16,7 +16,6 @@ and hashes are stable digests.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.config import CacheConfig, SchedulerConfig
@@ -231,7 +230,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv.grow_slots(request, num_new)
             if new_blocks is None:
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
                 if new_blocks is None:
@@ -255,7 +254,7 @@ class Scheduler:
             self._preempt(victim, step)
             if victim is request:
                 return None, index
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv.grow_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks, index
 
@@ -429,7 +428,8 @@ class Scheduler:
             if request is None or request.status is not _RUNNING:
                 continue  # aborted after this step was scheduled
             token_ids = sampled.get(request_id)
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.prompt_token_ids) + \
+                    len(request.output_token_ids):
                 if token_ids:
                     raise ValueError(f"executor sampled {token_ids} for request {request_id} "
                                      "in the middle of its prompt")
@@ -444,16 +444,18 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    def _append_tokens(self, request: Request, token_ids: Sequence[int],
+    def _append_tokens(self, request: Request, token_ids: list[int],
                        now: float) -> RequestOutput:
-        new_token_ids = []
         status = stop_reason = None
+        num_appended = 0
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
-            new_token_ids.append(token_id)
+            num_appended += 1
             status, stop_reason = self._check_stop(request, token_id)
             if status is not None:
-                break
+                break  # tokens after a stop are dropped
+        new_token_ids = token_ids if num_appended == len(token_ids) else \
+            token_ids[:num_appended]
         if request.first_token_time is None:
             request.first_token_time = now
         if request.preempted_time is not None:
@@ -475,7 +477,7 @@ class Scheduler:
         """
         params = request.sampling_params
         num_output = len(request.output_token_ids)
-        at_length_limit = request.num_tokens >= self._length_limit
+        at_length_limit = len(request.prompt_token_ids) + num_output >= self._length_limit
         if num_output < params.min_tokens:
             return (RequestStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None), None
         if token_id == params.eos_token_id and not params.ignore_eos:
