@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvserve import __version__
+from kvserve.flags import CLIError
 
-
-class CLIError(Exception):
-    """Bad input on the command line: printed as one line, exit code 2."""
+__all__ = ["CLIError", "build_parser", "main"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    from kvserve.sim.flags import add_scheduler_flags
+    from kvserve.flags import add_scheduler_flags
 
     parser = subparsers.add_parser(
         "generate", help="generate text offline with the real model",
@@ -53,7 +53,7 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
         prompts += [line for line in sys.stdin.read().splitlines() if line] if prompt == "-" \
             else [prompt]
     if not prompts:
-        from kvserve.cli import CLIError
+        from kvserve.flags import CLIError
         raise CLIError("give at least one --prompt")
     if args.chat:
         return [[{"role": "user", "content": p}] for p in prompts]
@@ -61,8 +61,7 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.cli import CLIError
-    from kvserve.sim.flags import settings_from_args
+    from kvserve.flags import CLIError, settings_from_args
 
     prompts = _prompts(args)
     settings = settings_from_args(args)

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from kvserve.cli import CLIError
+from kvserve.flags import CLIError
 
 
 def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True) -> None:

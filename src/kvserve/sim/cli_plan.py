@@ -8,13 +8,13 @@ import dataclasses
 import json
 from typing import Any
 
+from kvserve.flags import add_scheduler_flags, settings_from_args
 from kvserve.sim.cli_common import (
     ShowProgress,
     add_deployment_flags,
     cli_errors,
     deployment_from_args,
 )
-from kvserve.sim.flags import add_scheduler_flags, settings_from_args
 
 
 def add_parser(subparsers: Any) -> None:

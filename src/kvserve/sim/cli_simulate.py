@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.flags import add_scheduler_flags, parse_sweep, settings_from_args
 from kvserve.sim.cli_common import (
     add_deployment_flags,
     cli_errors,
     deployment_from_args,
     simulate_with_progress,
 )
-from kvserve.sim.flags import add_scheduler_flags, parse_sweep, settings_from_args
 from kvserve.sim.simulator import BATCHING_MODES
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.flags import cache_config, scheduler_config
 from kvserve.sim.capacity import kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cost_models import (
     CalibratedCostModel,
@@ -21,7 +22,6 @@ from kvserve.sim.cost_models import (
     RooflineCostModel,
     UnitCostModel,
 )
-from kvserve.sim.flags import cache_config, scheduler_config
 from kvserve.sim.presets import dtype_bytes, get_hardware, get_model
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.trace import TraceRequest, dump_trace

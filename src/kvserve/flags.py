@@ -1,6 +1,6 @@
-"""The engine's scheduler and cache flags (DESIGN.md, "Flags"), shared by ``kvserve
-simulate`` and ``kvserve plan`` so a simulated deployment is written exactly like a served
-one. Flags left unset keep the core's defaults.
+"""Command-line plumbing shared by every subcommand: the scheduler and cache flags
+(DESIGN.md, "Flags"), so a simulated deployment is written exactly like a served one, and
+:class:`CLIError`. Flags left unset keep the core's defaults. Imports only the core.
 
 Parsed flags become a flat ``settings`` dict (scheduler fields, cache fields, batching);
 ``--sweep NAME=...`` overrides one of its keys per run.
@@ -15,6 +15,11 @@ from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.core.config import ADMISSION_POLICIES, SCHEDULING_POLICIES, VICTIM_POLICIES
+
+
+class CLIError(Exception):
+    """Bad input on the command line: printed as one line, exit code 2."""
+
 
 _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_num_seqs", int, "most requests running at once"),
