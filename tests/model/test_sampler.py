@@ -1,0 +1,89 @@
+"""The sampler: greedy, temperature, top-k, top-p, min-p, penalties, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kvserve.core import SamplingParams
+from kvserve.model.sampler import Sampler, SamplingRow
+
+PROBS = [0.6, 0.25, 0.1, 0.05]
+LOGITS = torch.tensor([math.log(p) for p in PROBS])
+
+
+def draw(params: SamplingParams, n: int = 4000, seed: int = 0) -> Counter:
+    rows = [SamplingRow(params, [9], 1) for _ in range(n)]
+    return Counter(Sampler(seed)(LOGITS.repeat(n, 1), rows).token_ids)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 0.0, 1.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], 1)] * 2
+    assert Sampler()(logits, rows).token_ids == [1, 0]
+
+
+def test_temperature_one_draws_the_model_distribution():
+    counts = draw(SamplingParams(temperature=1.0))
+    for token, p in enumerate(PROBS):
+        assert counts[token] / 4000 == pytest.approx(p, abs=0.03)
+
+
+def test_low_temperature_sharpens():
+    counts = draw(SamplingParams(temperature=0.25))
+    assert counts[0] / 4000 > 0.9
+
+
+@pytest.mark.parametrize(("params", "allowed"), [
+    (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+    (SamplingParams(temperature=1.0, top_k=1), {0}),
+    (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),  # mass above token 2: 0.85
+    (SamplingParams(temperature=1.0, top_p=0.5), {0}),
+    (SamplingParams(temperature=1.0, min_p=0.3), {0, 1}),  # 0.3 x 0.6 = 0.18 > 0.1
+])
+def test_truncation_keeps_exactly_the_allowed_tokens(params, allowed):
+    assert set(draw(params, n=2000)) == allowed
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    seen = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0, 2], 1)
+    assert Sampler()(logits, [seen]).token_ids == [1]  # 2.0 / 2 = 1.0 < 1.9
+
+
+def test_frequency_and_presence_penalties_count_output_only():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    prompt_only = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), [0, 0], 2)
+    assert Sampler()(logits, [prompt_only]).token_ids == [0]  # prompt tokens do not count
+    repeated = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=0.3,
+                                          presence_penalty=0.0), [5, 0, 0], 1)
+    assert Sampler()(logits, [repeated]).token_ids == [1]  # 2.0 - 2 x 0.3 = 1.4 < 1.5
+    present = SamplingRow(SamplingParams(temperature=0.0, presence_penalty=0.6), [5, 0], 1)
+    assert Sampler()(logits, [present]).token_ids == [1]  # 2.0 - 0.6 = 1.4
+
+
+def test_a_seed_fixes_each_position_independently_of_the_batch():
+    params = SamplingParams(temperature=1.0, seed=42)
+    row = SamplingRow(params, [9, 1, 2], 1)
+    alone = Sampler(seed=1)(LOGITS[None, :], [row]).token_ids
+    other = SamplingRow(SamplingParams(temperature=1.0), [9], 1)
+    batched = Sampler(seed=2)(LOGITS.repeat(2, 1), [other, row]).token_ids[1:]
+    assert alone == batched
+    positions = [Sampler()(LOGITS[None, :], [SamplingRow(params, [9] + [1] * k, 1)])
+                 .token_ids[0] for k in range(40)]
+    assert len(set(positions)) > 1  # different output positions draw differently
+
+
+def test_logprobs_hold_the_sampled_token_and_the_top_n():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    row = SamplingRow(SamplingParams(temperature=0.0, logprobs=2), [1], 1)
+    out = Sampler()(logits, [row])
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert out.logprobs is not None
+    assert set(out.logprobs[0]) == {1, 2}
+    assert out.logprobs[0][1] == pytest.approx(float(expected[1]))
+    plain = Sampler()(logits, [SamplingRow(SamplingParams(temperature=0.0), [1], 1)])
+    assert plain.logprobs is None
