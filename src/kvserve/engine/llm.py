@@ -81,13 +81,16 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
-                 **scheduler_settings: Any) -> Engine:
+                 tokenizer: Any | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
+    ``tokenizer`` overrides the model's own (e.g. a tiny random ModelConfig in tests, given
+    the bundled tokenizer so it can take text).
     """
     torch_dtype = parse_dtype(dtype)
-    network, tokenizer = load_model(model, torch_dtype, load_format, seed)
+    network, own_tokenizer = load_model(model, torch_dtype, load_format, seed)
+    tokenizer = tokenizer or own_tokenizer
     config = network.config
     if num_kv_blocks is None:
         num_kv_blocks = num_blocks_for_memory(config, block_size, torch_dtype,
