@@ -33,6 +33,7 @@
 
 namespace {
 
+volatile float g_touch_sink = 0.0f;  // keeps touch_rows' loads
 constexpr int kTileTokens = 64;  // keys per online-softmax step (rounded to whole blocks)
 
 // ---------------------------------------------------------------------------------------------
@@ -109,32 +110,12 @@ inline __m512 transpose_sum16(__m512 v[16]) {
 }
 #endif
 
-// Software prefetch spread over a tile's work: while key t of this tile is scored, bytes
-// [begin, end) of the K and V rows of key t of the next tile are requested. (The rows sit in
-// scattered blocks; one burst of prefetches per tile would overflow the miss buffers.)
-template <typename T>
-struct Prefetch {
-  const T* const* rows = nullptr;  // next tile's K row pointers (kv head 0)
-  int count = 0;
-  size_t begin = 0, end = 0;
-  std::ptrdiff_t to_v = 0;  // bytes from a K row to its V row
-  inline void at(int t) const {
-    if (t >= count) return;
-    const char* k = reinterpret_cast<const char*>(rows[t]);
-    for (size_t off = begin; off < end; off += 64) {
-      __builtin_prefetch(k + off, 0, 2);
-      __builtin_prefetch(k + to_v + off, 0, 2);
-    }
-  }
-};
-
 // scores[g * stride + t] = q_g . k_t for the tile's keys, k_t = rows[t] + off; q is scaled.
 template <typename T, int D>
 void dots_generic(const float* q, int group, int head_dim, const T* const* rows,
-                  std::ptrdiff_t off, int count, float* scores, int stride, const Prefetch<T>& pf) {
+                  std::ptrdiff_t off, int count, float* scores, int stride) {
   const int dim = D > 0 ? D : head_dim;
   for (int t = 0; t < count; ++t) {
-    pf.at(t);
     const T* k = rows[t] + off;
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
@@ -167,7 +148,7 @@ void accumulate_generic(float* acc, int group, int head_dim, const T* const* row
 // and row a vector of partial sums, then one transpose-and-add gives the sixteen scores.
 template <typename T, int GN>
 void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                 int count, float* scores, int stride, const Prefetch<T>& pf) {
+                 int count, float* scores, int stride) {
   const int nv = head_dim / 16;
   for (int t0 = 0; t0 < count; t0 += 16) {
     const int tn = std::min(16, count - t0);
@@ -176,7 +157,6 @@ void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdif
       __m512 acc[GN];
       for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
       if (t < tn) {
-        pf.at(t0 + t);
         const T* k = rows[t0 + t] + off;
         for (int v = 0; v < nv; ++v) {
           const __m512 kv = load16(k + 16 * v);
@@ -231,27 +211,23 @@ void accumulate_columns(float* acc, int head_dim, const T* const* rows, std::ptr
 
 template <typename T, int D>
 inline void dots(const float* q, int group, int head_dim, const T* const* rows,
-                 std::ptrdiff_t off, int count, float* scores, int stride,
-                 const Prefetch<T>& pf = Prefetch<T>()) {
+                 std::ptrdiff_t off, int count, float* scores, int stride) {
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
-    const Prefetch<T>& pf_first = pf;
-    const Prefetch<T> none;
     for (int g0 = 0; g0 < group; g0 += 4) {
       const float* qg = q + g0 * head_dim;
       float* sg = scores + g0 * stride;
-      const Prefetch<T>& pf = g0 == 0 ? pf_first : none;
       switch (std::min(4, group - g0)) {
-        case 1: dots_avx512<T, 1>(qg, head_dim, rows, off, count, sg, stride, pf); break;
-        case 2: dots_avx512<T, 2>(qg, head_dim, rows, off, count, sg, stride, pf); break;
-        case 3: dots_avx512<T, 3>(qg, head_dim, rows, off, count, sg, stride, pf); break;
-        default: dots_avx512<T, 4>(qg, head_dim, rows, off, count, sg, stride, pf); break;
+        case 1: dots_avx512<T, 1>(qg, head_dim, rows, off, count, sg, stride); break;
+        case 2: dots_avx512<T, 2>(qg, head_dim, rows, off, count, sg, stride); break;
+        case 3: dots_avx512<T, 3>(qg, head_dim, rows, off, count, sg, stride); break;
+        default: dots_avx512<T, 4>(qg, head_dim, rows, off, count, sg, stride); break;
       }
     }
     return;
   }
 #endif
-  dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride, pf);
+  dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride);
 }
 
 template <typename T, int D>
@@ -331,18 +307,37 @@ inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table
   return count;
 }
 
-// Software prefetch of bytes [begin, end) of each K row and of the matching V row (row + to_v).
+// Software prefetch of the first row_bytes of each K row and of the matching V row (row + to_v).
 template <typename T>
-inline void prefetch_rows(const T* const* rows, int count, size_t begin, size_t end,
+inline void prefetch_rows(const T* const* rows, int count, size_t row_bytes,
                           std::ptrdiff_t to_v) {
   for (int t = 0; t < count; ++t) {
     const char* k = reinterpret_cast<const char*>(rows[t]);
     const char* v = reinterpret_cast<const char*>(rows[t] + to_v);
-    for (size_t off = begin; off < end; off += 64) {
+    for (size_t off = 0; off < row_bytes; off += 64) {
       __builtin_prefetch(k + off, 0, 2);
       __builtin_prefetch(v + off, 0, 2);
     }
   }
+}
+
+// Loads one float from every cache line of the tile's K and V rows (bytes [0, row_bytes) of
+// each) before any compute reads them. Independent loads in address order: the memory system
+// serves them many at a time, where the compute's own loads arrive a few at a time.
+template <typename T>
+inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::ptrdiff_t to_v) {
+  float sink = 0.0f;
+  for (int t = 0; t < count; ++t) {
+    const char* k = reinterpret_cast<const char*>(rows[t]);
+    const char* v = reinterpret_cast<const char*>(rows[t] + to_v);
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      float a, b;
+      std::memcpy(&a, k + off, sizeof(a));
+      std::memcpy(&b, v + off, sizeof(b));
+      sink += a + b;
+    }
+  }
+  g_touch_sink = sink;
 }
 
 struct DecodeState {
@@ -375,32 +370,27 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   q += h0 * group * dim;
   out += h0 * group * dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
-  const size_t row_begin = sizeof(T) * h0 * dim, row_end = sizeof(T) * h1 * dim;
-  int count = tile_rows(geo, k_cache, table, 0, context_len, tile, cur);
-  prefetch_rows(cur, std::min(count, 4), row_begin, row_end, to_v);
-  Prefetch<T> pf;
-  pf.rows = next;
-  pf.to_v = to_v * static_cast<std::ptrdiff_t>(sizeof(T));
+  const int nheads = static_cast<int>(h1 - h0);
   for (int64_t start = 0; start < context_len; start += tile) {
-    // While this tile is scored, ask for the next tile's K and V rows, head by head.
-    pf.count = tile_rows(geo, k_cache, table, start + tile, context_len, tile, next);
-    pf.rows = next;
-    for (int64_t h = h0; h < h1; ++h) {
-      const int r0 = static_cast<int>((h - h0) * group);
-      pf.begin = sizeof(T) * h * dim;
-      pf.end = sizeof(T) * (h + 1) * dim;
-      dots<T, D>(q + r0 * dim, group, dim, cur, h * dim, count, scores + r0 * tile, tile, pf);
+    const int count = tile_rows(geo, k_cache, table, start, context_len, tile, cur);
+    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
+    // The memory system is the bottleneck (blocks scattered, a page or so each): ask for the
+    // next tile's rows now, and pull this tile's in with independent loads before computing.
+    const int n_next = tile_rows(geo, k_cache, table, start + tile, context_len, tile, next);
+    for (int t = 0; t < n_next; ++t) next[t] += h0 * dim;
+    prefetch_rows(next, n_next, sizeof(T) * nheads * dim, to_v);
+    touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+    for (int h = 0; h < nheads; ++h) {
+      dots<T, D>(q + h * group * dim, group, dim, cur, h * dim, count, scores + h * group * tile,
+                 tile);
     }
-    const int next_count = pf.count;
     std::fill(state.visible.begin(), state.visible.end(), count);
     softmax_step<T, D>(scores, nrows, tile, state.visible.data(), m, l, acc, dim);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int r0 = static_cast<int>((h - h0) * group);
-      accumulate_values<T, D>(acc + r0 * dim, group, dim, cur, to_v + h * dim, count,
-                              scores + r0 * tile, tile);
+    for (int t = 0; t < count; ++t) cur[t] += to_v;
+    for (int h = 0; h < nheads; ++h) {
+      accumulate_values<T, D>(acc + h * group * dim, group, dim, cur, h * dim, count,
+                              scores + h * group * tile, tile);
     }
-    std::swap(cur, next);
-    count = next_count;
   }
   for (int r = 0; r < nrows; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
