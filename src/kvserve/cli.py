@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_sim(subparsers)
     cli_generate.add_parser(subparsers)
+    from kvserve.server import cli_serve
+    cli_serve.add_parser(subparsers)
     return parser
 
 

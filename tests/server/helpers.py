@@ -38,3 +38,56 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         time.sleep(0.01)
+
+
+class LiveServer:
+    """A kvserve app on a free 127.0.0.1 port, served by uvicorn on a thread."""
+
+    def __init__(self, engine: Engine | None = None, *, model_name: str = "tiny",
+                 keys: list[Any] | None = None, priority_source: str = "body",
+                 max_body_bytes: int | None = None, **engine_settings: Any) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from kvserve.engine.async_engine import AsyncEngine
+        from kvserve.server.app import build_app
+        from kvserve.server.auth import KeyRing
+        from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
+
+        self.engine = engine or make_engine(**engine_settings)
+        self.state = ServerState(AsyncEngine(self.engine), model_name, KeyRing(keys or []),
+                                 priority_source, max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        self.app = build_app(self.state)
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, what="the server to start")
+
+    @property
+    def scheduler(self) -> Any:
+        return self.engine.scheduler
+
+    def idle(self) -> bool:
+        """No request left anywhere and the whole pool free."""
+        stats = self.state.engine.stats
+        return (stats.num_running == 0 and stats.num_waiting == 0
+                and stats.num_free_blocks == stats.num_blocks and not self.state.groups)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
+
+    def __enter__(self) -> LiveServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+"""The FastAPI app: OpenAI endpoints, health, version, metrics and the operator's abort."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from kvserve import __version__
+from kvserve.server import generation
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.state import ServerState
+from kvserve.server.stats_log import StatsLogger, log_boot
+
+
+def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI:
+    """The app for one engine; the engine thread (and the periodic stats line, every
+    ``log_stats_interval`` seconds when > 0) starts and stops with the app."""
+    stats_logger = StatsLogger(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        log_boot(state)
+        state.engine.start()
+        task = asyncio.ensure_future(stats_logger.run(log_stats_interval)) \
+            if log_stats_interval > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            await state.engine.stop()
+
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvserve = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return error.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        message = "not found" if error.status_code == 404 else str(error.detail)
+        return APIError(error.status_code, f"{request.method} {request.url.path}: "
+                                           f"{message}").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        return bad_request(str(error)).response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation.handle(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation.handle(state, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        state.keys.authenticate(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(state.started),
+            "owned_by": "kvserve", "max_model_len": state.max_model_len}]})
+
+    @app.post("/v1/abort")
+    async def abort(request: Request) -> Response:
+        key = state.keys.authenticate(request.headers.get("authorization"))
+        if not key.admin:
+            raise APIError(403, "aborting requests needs an admin key")
+        body = await state.read_json(request)
+        ids = body.get("request_id") if isinstance(body, dict) else None
+        if isinstance(ids, str):
+            ids = [ids]
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+            raise bad_request("send {\"request_id\": ID} or {\"request_id\": [ID, ...]}",
+                              param="request_id")
+        aborted = []
+        for request_id in ids:
+            stream = state.groups.get(_strip_prefix(request_id))
+            if stream is not None:  # its consumer sees each request end with "abort"
+                state.engine.abort(*stream.request_ids)
+                aborted.append(request_id)
+        return JSONResponse({"aborted": aborted,
+                             "not_found": [i for i in ids if i not in aborted]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_running:
+            return APIError(503, "the engine is not running").response()
+        return PlainTextResponse("ok")
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _strip_prefix(request_id: str) -> str:
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if request_id.startswith(prefix):
+            return request_id[len(prefix):]
+    return request_id

@@ -1,0 +1,151 @@
+"""API keys and who may be urgent.
+
+``--api-key KEY`` is the operator's key: any priority, and ``/v1/abort``. ``--api-keys FILE``
+adds tenants' keys, as one key per line (``#`` comments), or JSON / TOML::
+
+    [[keys]]                      # JSON: {"keys": [{...}, ...]} or a bare list
+    key = "sk-team-a"
+    tenant = "team-a"
+    most_urgent_priority = 0      # the lowest priority value this key may ask for
+    default_priority = 10         # used when the body sets none
+    admin = false                 # may call /v1/abort
+
+Priorities follow vLLM: lower is earlier. The server, not the client, decides who may be
+urgent: a body asking for more urgency than its key allows gets 403, and with
+``--priority-source key`` the body may not choose at all.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.server.errors import APIError, bad_request
+
+PRIORITY_SOURCES = ("body", "key")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    tenant: str
+    most_urgent_priority: int | None = None  # None: no limit
+    default_priority: int = 0
+    admin: bool = False
+
+
+OPEN_ACCESS = ApiKey("", "anonymous", admin=True)  # no keys configured: nothing is checked
+
+
+class KeyFileError(ValueError):
+    """A keys file that cannot be read as keys: one line names the problem."""
+
+
+def load_keys(path: str | Path) -> list[ApiKey]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise KeyFileError(f"cannot read API keys file {path}: {error.strerror}") from None
+    stripped = text.lstrip()
+    if path.suffix == ".toml":
+        entries = _toml_entries(text, path)
+    elif stripped.startswith(("{", "[")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise KeyFileError(f"{path}: not valid JSON: {error}") from None
+        entries = data.get("keys") if isinstance(data, dict) else data
+    else:
+        entries = [{"key": line.strip()} for line in text.splitlines()
+                   if line.strip() and not line.strip().startswith("#")]
+    if not isinstance(entries, list) or not entries:
+        raise KeyFileError(f"{path}: no keys found")
+    return [_key_from_entry(entry, index, path) for index, entry in enumerate(entries)]
+
+
+def _toml_entries(text: str, path: Path) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise KeyFileError(f"{path}: TOML keys files need Python 3.11; use JSON") from None
+    try:
+        return tomllib.loads(text).get("keys")
+    except tomllib.TOMLDecodeError as error:
+        raise KeyFileError(f"{path}: not valid TOML: {error}") from None
+
+
+def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
+    where = f"{path}: key #{index + 1}"
+    if not isinstance(entry, dict):
+        raise KeyFileError(f"{where} must be a table/object with a 'key'")
+    known = {"key", "tenant", "most_urgent_priority", "default_priority", "admin"}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise KeyFileError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
+                           f"{', '.join(sorted(known))}")
+    key = entry.get("key")
+    if not isinstance(key, str) or not key:
+        raise KeyFileError(f"{where}: 'key' must be a non-empty string")
+    urgent = entry.get("most_urgent_priority")
+    default = entry.get("default_priority", 0 if urgent is None else max(0, urgent))
+    for name, value in (("most_urgent_priority", urgent), ("default_priority", default)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise KeyFileError(f"{where}: '{name}' must be an integer")
+    if urgent is not None and default < urgent:
+        raise KeyFileError(f"{where}: default_priority {default} is more urgent than "
+                           f"most_urgent_priority {urgent}")
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise KeyFileError(f"{where}: 'admin' must be true or false")
+    return ApiKey(key, str(entry.get("tenant", f"key-{index + 1}")), urgent, default, admin)
+
+
+class KeyRing:
+    """Looks up the key of a request; with no keys at all, everything is open."""
+
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self.keys = list(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def authenticate(self, authorization: str | None) -> ApiKey:
+        if not self.keys:
+            return OPEN_ACCESS
+        if not authorization:
+            raise APIError(401, "missing API key: send the header 'Authorization: Bearer "
+                                "<key>'", code="invalid_api_key")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'",
+                           code="invalid_api_key")
+        for key in self.keys:
+            if hmac.compare_digest(key.key.encode(), token.encode()):
+                return key
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+def resolve_priority(requested: int | None, key: ApiKey, *, source: str,
+                     scheduling_policy: str) -> int:
+    """The priority a request runs at, or the refusal (400 / 403) with its reason."""
+    if requested is not None and source == "key" and requested != key.default_priority:
+        raise APIError(403, f"priority is set by your API key on this server "
+                            f"({key.default_priority} for tenant '{key.tenant}'); remove "
+                            "'priority' from the request", param="priority")
+    priority = key.default_priority if requested is None else requested
+    if priority != 0 and scheduling_policy != "priority":
+        raise bad_request(f"priority {priority} was requested but priority scheduling is "
+                          "not enabled on this server (it runs --scheduling-policy "
+                          f"{scheduling_policy}); remove 'priority' or start the server with "
+                          "--scheduling-policy priority", param="priority")
+    if key.most_urgent_priority is not None and priority < key.most_urgent_priority:
+        raise APIError(403, f"priority {priority} is more urgent than tenant '{key.tenant}' "
+                            f"may ask for (lower is more urgent; the most urgent allowed is "
+                            f"{key.most_urgent_priority})", param="priority")
+    return priority

@@ -1,0 +1,100 @@
+"""``kvserve serve``: the OpenAI-compatible server on one engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kvserve.server")
+
+
+def add_parser(subparsers: Any) -> None:
+    from kvserve.engine.cli_generate import add_model_args
+    from kvserve.flags import add_scheduler_flags, parse_bytes
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve the model over /v1/completions and /v1/chat/completions (with "
+                    "streaming), with Prometheus metrics at /metrics.")
+    add_model_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
+                       "127.0.0.1; use 0.0.0.0 to accept other machines)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", help="the model name clients send (default: "
+                       "the model file's name)")
+    group.add_argument("--api-key", action="append", default=[],
+                       help="an operator key (any priority, /v1/abort); repeatable")
+    group.add_argument("--api-keys", metavar="FILE",
+                       help="tenants' keys: one per line, or JSON/TOML with tenant, "
+                            "most_urgent_priority, default_priority, admin")
+    group.add_argument("--priority-source", choices=("body", "key"), default="body",
+                       help="body: a request may set its priority within its key's limit; "
+                            "key: the key's default priority, the body may not choose")
+    group.add_argument("--max-request-body", type=parse_bytes, default="4MiB",
+                       help="largest request body accepted (413 beyond)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0,
+                       help="seconds between stats lines; 0: none")
+    add_scheduler_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    from kvserve.server.app import build_app
+
+    state = build_state(args)
+    app = build_app(state, log_stats_interval=args.log_stats_interval)
+    logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def build_state(args: argparse.Namespace) -> Any:
+    from kvserve.core import ConfigError
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm import build_engine
+    from kvserve.flags import CLIError, settings_from_args
+    from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys
+    from kvserve.server.state import ServerState
+
+    keys = [ApiKey(key, "operator", admin=True) for key in args.api_key]
+    try:
+        if args.api_keys:
+            keys += load_keys(args.api_keys)
+    except KeyFileError as error:
+        raise CLIError(str(error)) from None
+    settings = settings_from_args(args)
+    settings.pop("batching", None)
+    policy = settings.get("scheduling_policy", "fcfs")
+    urgent = [k.tenant for k in keys if k.default_priority != 0]
+    if policy != "priority" and urgent:
+        raise CLIError(f"API keys with a non-zero default_priority ({', '.join(urgent)}) need "
+                       "--scheduling-policy priority")
+    if not 0 < args.port < 65536:
+        raise CLIError(f"--port {args.port} is not a port number")
+    try:
+        engine = build_engine(
+            args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+            block_size=settings.pop("block_size", 16),
+            num_kv_blocks=settings.pop("num_kv_blocks", None),
+            kv_cache_memory=settings.pop("kv_cache_memory", None),
+            enable_prefix_caching=settings.pop("enable_prefix_caching", True),
+            record_events=True, **settings)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        raise CLIError(str(error).splitlines()[0]) from error
+    name = args.served_model_name or _model_name(args.model)
+    return ServerState(AsyncEngine(engine), name, KeyRing(keys), args.priority_source,
+                       args.max_request_body)
+
+
+def _model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix else path.name

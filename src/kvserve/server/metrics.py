@@ -1,0 +1,180 @@
+"""Prometheus metrics under vLLM's names (DESIGN.md, "Metrics"), so existing dashboards work,
+plus kvserve's own under ``kvserve:``. Every series carries ``model_name``.
+
+Scheduler-wide figures (running, waiting, KV usage, preemptions, prefix cache, recomputed
+tokens, blocked admissions) are read from the engine's latest stats snapshot at scrape time;
+per-request figures are observed on the engine thread as steps complete (:meth:`observe`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.core import RequestMetrics, SchedulerStats
+from kvserve.engine.async_engine import AsyncEngine, StepReport
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+
+disable_created_metrics()  # vLLM's exposition has no *_created series
+
+
+@dataclass
+class _Live:
+    arrival_time: float
+    num_prompt_tokens: int
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StatsCollector(engine, model_name))
+        labels = ["model_name"]
+        reg = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
+                                     labels, registry=reg).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
+                                         labels, registry=reg).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       [*labels, "finished_reason"], registry=reg)
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds",
+                                    "Arrival to first token.")
+        self.itl = self._histogram("vllm:inter_token_latency_seconds",
+                                   "Time between consecutive tokens of a request.")
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds",
+                                   "Arrival to finish.")
+        self.queue_time = self._histogram("vllm:request_queue_time_seconds",
+                                          "Arrival to first scheduling.")
+        self.request_preemptions = Histogram(
+            "vllm:request_num_preemptions", "Preemptions per finished request.", labels,
+            buckets=_COUNT_BUCKETS, registry=reg).labels(model_name)
+        self.stall = self._histogram("kvserve:preemption_stall_seconds",
+                                     "Longest preemption-to-next-token stall of a preempted "
+                                     "request.")
+        self.rejected = Counter("kvserve:requests_rejected", "Requests refused before "
+                                "queueing, by HTTP status.", [*labels, "status"], registry=reg)
+        config = engine.engine.scheduler.cache_config
+        Gauge("vllm:cache_config_info", "KV cache configuration.",
+              ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+              registry=reg).labels(model_name, str(config.block_size), str(config.num_blocks),
+                                   str(config.enable_prefix_caching)).set(1)
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self.num_prompt_tokens = 0  # plain totals for the periodic log line
+        self.num_generation_tokens = 0
+        engine.observers.append(self.observe)
+
+    def _histogram(self, name: str, text: str) -> Histogram:
+        return Histogram(name, text, ["model_name"], buckets=_LATENCY_BUCKETS,
+                         registry=self.registry).labels(self.model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- per request -----------------------------------------------------------------------
+
+    def request_added(self, request_id: str, arrival_time: float,
+                      num_prompt_tokens: int) -> None:
+        with self._lock:
+            self._live[request_id] = _Live(arrival_time, num_prompt_tokens)
+
+    def request_dropped(self, request_id: str) -> None:
+        with self._lock:
+            self._live.pop(request_id, None)
+
+    def observe(self, report: StepReport) -> None:
+        """Engine thread, after each step."""
+        now = report.time + report.seconds
+        with self._lock:
+            for chunk in report.chunks:
+                live = self._live.get(chunk.request_id)
+                if live is None:
+                    continue
+                num_new = len(chunk.new_token_ids)
+                if num_new:
+                    self._token(live, num_new, now)
+                if chunk.finished:
+                    del self._live[chunk.request_id]
+                    self.request_success.labels(self.model_name,
+                                                chunk.finish_reason or "error").inc()
+                    if chunk.metrics is not None:
+                        self._finished(chunk.metrics)
+
+    def _token(self, live: _Live, num_new: int, now: float) -> None:
+        if live.last_token_time is None:
+            self.ttft.observe(max(0.0, now - live.arrival_time))
+            self.prompt_tokens.inc(live.num_prompt_tokens)
+            self.num_prompt_tokens += live.num_prompt_tokens
+        else:
+            self.itl.observe(max(0.0, now - live.last_token_time) / num_new)
+        live.last_token_time = now
+        self.generation_tokens.inc(num_new)
+        self.num_generation_tokens += num_new
+
+    def _finished(self, metrics: RequestMetrics) -> None:
+        self.e2e.observe(max(0.0, metrics.finished_time - metrics.arrival_time))
+        if metrics.queue_time is not None:
+            self.queue_time.observe(max(0.0, metrics.queue_time))
+        self.request_preemptions.observe(metrics.num_preemptions)
+        if metrics.num_preemptions:
+            self.stall.observe(metrics.longest_stall)
+
+
+class _StatsCollector(Collector):
+    """Scheduler-wide series from the engine's latest stats snapshot."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats: SchedulerStats = self.engine.stats
+        name = [self.model_name]
+        for metric, text, value in (
+                ("vllm:num_requests_running", "Requests in the running batch.",
+                 stats.num_running),
+                ("vllm:num_requests_waiting", "Requests waiting (new or preempted).",
+                 stats.num_waiting),
+                ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+                 stats.kv_cache_usage),
+                ("kvserve:num_queued_tokens", "Tokens of the waiting requests.",
+                 stats.num_queued_tokens),
+                ("kvserve:num_free_kv_blocks", "Free KV blocks.", stats.num_free_blocks)):
+            gauge = GaugeMetricFamily(metric, text, labels=["model_name"])
+            gauge.add_metric(name, value)
+            yield gauge
+        for metric, text, value in (
+                ("vllm:num_preemptions", "Preemptions.", stats.num_preemptions),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 stats.prefix_cache_hits),
+                ("kvserve:recomputed_tokens", "Tokens computed again after a preemption.",
+                 stats.num_recomputed_tokens),
+                ("kvserve:engine_steps", "Engine steps.", stats.num_steps)):
+            counter = CounterMetricFamily(metric, text, labels=["model_name"])
+            counter.add_metric(name, value)
+            yield counter
+        blocked = CounterMetricFamily("kvserve:admissions_blocked",
+                                      "Steps whose waiting pass stopped, by reason.",
+                                      labels=["model_name", "reason"])
+        for reason, count in sorted(stats.num_blocked_steps.items()):
+            blocked.add_metric([self.model_name, reason], count)
+        yield blocked

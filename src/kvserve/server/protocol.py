@@ -1,0 +1,151 @@
+"""Request bodies of the OpenAI API as kvserve honours them (pydantic, strict, closed).
+
+STYLE.md 11: a field that is accepted works. Unknown fields are refused by name; OpenAI fields
+kvserve does not implement are refused by name unless they carry their neutral value (``echo:
+false``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvserve.server.errors import APIError, bad_request
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+_Int = Annotated[int, Field(strict=True)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float | None = Field(default=None, ge=0, le=100)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    min_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)
+    priority: int | None = Field(default=None, ge=-(1 << 31), lt=1 << 31)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # kvserve extensions
+    max_queue_delay: float | None = Field(default=None, ge=0, le=86400)
+    cache_salt: str | None = None
+    # OpenAI fields not implemented: accepted only with their neutral value.
+    logit_bias: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    metadata: Any = None
+    store: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+# Values that ask for nothing, so accepting them honours them.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
+}
+_UNSUPPORTED = ("logit_bias", "best_of", "echo", "suffix", "tools", "tool_choice",
+                "parallel_tool_calls", "functions", "function_call", "response_format",
+                "metadata", "store", "modalities", "audio", "prediction", "service_tier",
+                "reasoning_effort", "web_search_options")
+
+
+def parse_body(model: type[_Body], body: Any) -> Any:
+    """Validate ``body`` into ``model`` or raise a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise bad_request(*_describe(error)) from None
+    for name in _UNSUPPORTED:
+        value = getattr(request, name, None)
+        if value is not None and value not in _NEUTRAL.get(name, ()):
+            raise bad_request(f"field '{name}' is not supported by this server; remove it",
+                              param=name)
+    if isinstance(request.stop, list) and len(request.stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' has {len(request.stop)} strings; at most "
+                          f"{MAX_STOP_STRINGS} are allowed", param="stop")
+    return request
+
+
+def _describe(error: ValidationError) -> tuple[str, str]:
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
+    if first["type"] == "extra_forbidden":
+        return f"unknown field '{loc}': this server does not know it; remove it", loc
+    if first["type"] == "missing":
+        return f"field '{loc}' is required", loc
+    given = first.get("input")
+    shown = repr(given) if len(repr(given)) <= 60 else repr(given)[:57] + "..."
+    return f"field '{loc}': {first['msg'].lower()} (got {shown})", loc
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member it tried (``str``, ``list[int]``) in the location."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
+                                      or part.startswith(("list[", "function-")))
+
+
+def model_error(name: str | None, served: str) -> APIError:
+    return APIError(404, f"the model '{name}' does not exist; this server serves "
+                         f"'{served}'", param="model", code="model_not_found")

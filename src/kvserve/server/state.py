@@ -1,0 +1,94 @@
+"""What every handler of one server shares: the engine, the model's facts, keys, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from kvserve.engine.async_engine import AsyncEngine, RequestStream
+from kvserve.server.auth import KeyRing
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    keys: KeyRing = field(default_factory=lambda: KeyRing([]))
+    priority_source: str = "body"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    metrics: ServerMetrics = field(init=False)
+    groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine, self.model_name)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.scheduler.config.max_model_len
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.engine.engine.scheduler.config.scheduling_policy
+
+    def new_request_id(self, given: str | None) -> str:
+        if given is None:
+            return uuid.uuid4().hex[:16]
+        if not given or len(given) > 128 or not given.isprintable():
+            raise bad_request("X-Request-Id must be 1-128 printable characters")
+        if given in self.groups:
+            raise bad_request(f"request id {given!r} is already in use")
+        return given
+
+    async def read_json(self, request: Request) -> Any:
+        """The body as JSON; 413 past ``max_body_bytes`` (checked while reading)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise bad_request(f"the request body is not valid JSON: {error}") from None
+
+    def retry_after(self) -> str:
+        """Seconds a refused client should wait: about one queue's worth of requests at the
+        recent pace, between 1 and 60."""
+        stats = self.engine.stats
+        running = max(stats.num_running, 1)
+        seconds = self.metrics.e2e.collect()[0].samples  # histogram samples: find the mean
+        total = count = 0.0
+        for sample in seconds:
+            if sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+        mean = total / count if count else 1.0
+        estimate = mean * stats.num_waiting / running
+        return str(int(min(60, max(1, math.ceil(estimate)))))
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body is {size} bytes or more; this server accepts at "
+                         f"most {limit} bytes")
