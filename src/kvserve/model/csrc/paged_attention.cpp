@@ -33,7 +33,7 @@
 
 namespace {
 
-volatile float g_touch_sink = 0.0f;  // keeps touch_rows' loads
+std::atomic<unsigned> g_touch_sink{0};  // keeps touch_rows' loads
 constexpr int kTileTokens = 64;  // keys per online-softmax step (rounded to whole blocks)
 
 // ---------------------------------------------------------------------------------------------
@@ -300,9 +300,13 @@ inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table
                      int64_t start, int64_t end, int tile, const T** rows) {
   const int count = static_cast<int>(std::clamp<int64_t>(end - start, 0, tile));
   const int64_t bs = geo.block_size;
+  int64_t block = start / bs, offset = start % bs;
   for (int t = 0; t < count; ++t) {
-    const int64_t pos = start + t;
-    rows[t] = k_cache + table[pos / bs] * geo.block_stride + (pos % bs) * geo.token_stride;
+    rows[t] = k_cache + table[block] * geo.block_stride + offset * geo.token_stride;
+    if (++offset == bs) {
+      offset = 0;
+      ++block;
+    }
   }
   return count;
 }
@@ -321,28 +325,27 @@ inline void prefetch_rows(const T* const* rows, int count, size_t row_bytes,
   }
 }
 
-// Loads one float from every cache line of the tile's K and V rows (bytes [0, row_bytes) of
+// Loads one byte from every cache line of the tile's K and V rows (bytes [0, row_bytes) of
 // each) before any compute reads them. Independent loads in address order: the memory system
 // serves them many at a time, where the compute's own loads arrive a few at a time.
 template <typename T>
 inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::ptrdiff_t to_v) {
-  float sink = 0.0f;
+  unsigned sink[4] = {0, 0, 0, 0};  // four chains, so the loads are not serialised
   for (int t = 0; t < count; ++t) {
-    const char* k = reinterpret_cast<const char*>(rows[t]);
-    const char* v = reinterpret_cast<const char*>(rows[t] + to_v);
-    for (size_t off = 0; off < row_bytes; off += 64) {
-      float a, b;
-      std::memcpy(&a, k + off, sizeof(a));
-      std::memcpy(&b, v + off, sizeof(b));
-      sink += a + b;
+    const unsigned char* k = reinterpret_cast<const unsigned char*>(rows[t]);
+    const unsigned char* v = reinterpret_cast<const unsigned char*>(rows[t] + to_v);
+    for (size_t off = 0, i = 0; off < row_bytes; off += 64, i ^= 1) {
+      sink[i] ^= k[off];
+      sink[2 + i] ^= v[off];
     }
   }
-  g_touch_sink = sink;
+  g_touch_sink.store(sink[0] ^ sink[1] ^ sink[2] ^ sink[3], std::memory_order_relaxed);
 }
 
+template <typename T>
 struct DecodeState {
   std::vector<float> scratch;
-  std::vector<const void*> rows;
+  std::vector<const T*> rows;
   std::vector<int> visible;
 };
 
@@ -351,7 +354,7 @@ struct DecodeState {
 template <typename T, int D>
 void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
                  const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
-                 int64_t h0, int64_t h1, float* out, DecodeState& state) {
+                 int64_t h0, int64_t h1, float* out, DecodeState<T>& state) {
   const int group = static_cast<int>(geo.group);
   const int dim = static_cast<int>(geo.head_dim);
   const int nrows = static_cast<int>((h1 - h0) * group);
@@ -365,17 +368,17 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
   state.visible.resize(nrows);
   state.rows.resize(2 * tile);
-  const T** cur = reinterpret_cast<const T**>(state.rows.data());
+  const T** cur = state.rows.data();
   const T** next = cur + tile;
   q += h0 * group * dim;
   out += h0 * group * dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
   const int nheads = static_cast<int>(h1 - h0);
+  int count = tile_rows(geo, k_cache, table, 0, context_len, tile, cur);
+  for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
   for (int64_t start = 0; start < context_len; start += tile) {
-    const int count = tile_rows(geo, k_cache, table, start, context_len, tile, cur);
-    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
-    // The memory system is the bottleneck (blocks scattered, a page or so each): ask for the
-    // next tile's rows now, and pull this tile's in with independent loads before computing.
+    // Memory is the bottleneck (the blocks are scattered): ask for the next tile's rows now,
+    // and pull this tile's in with independent loads before computing on them.
     const int n_next = tile_rows(geo, k_cache, table, start + tile, context_len, tile, next);
     for (int t = 0; t < n_next; ++t) next[t] += h0 * dim;
     prefetch_rows(next, n_next, sizeof(T) * nheads * dim, to_v);
@@ -391,6 +394,8 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
       accumulate_values<T, D>(acc + h * group * dim, group, dim, cur, h * dim, count,
                               scores + h * group * tile, tile);
     }
+    std::swap(cur, next);
+    count = n_next;
   }
   for (int r = 0; r < nrows; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -451,7 +456,7 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
   std::stable_sort(order.begin(), order.end(),  // longest first
                    [&](int64_t a, int64_t b) { return lens[a / split] > lens[b / split]; });
   const int64_t request_elems = geo.num_heads * geo.head_dim;
-  run_items<DecodeState>(order, [&](int64_t item, DecodeState& state) {
+  run_items<DecodeState<T>>(order, [&](int64_t item, DecodeState<T>& state) {
     const int64_t req = item / split, part = item % split;
     const int64_t h0 = part * kvh / split, h1 = (part + 1) * kvh / split;
     decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache,
@@ -549,11 +554,8 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
   const std::ptrdiff_t to_v = v_cache - k_cache;
   for (int64_t start = 0; start <= last_visible; start += tile) {
     const int count = static_cast<int>(std::min<int64_t>(tile, last_visible + 1 - start));
-    for (int t = 0; t < count; ++t) {
-      const int64_t pos = start + t;
-      rows[t] = k_cache + table[pos / bs] * geo.block_stride + (pos % bs) * geo.token_stride +
-                head_offset;
-    }
+    tile_rows(geo, k_cache, table, start, last_visible + 1, tile, rows);
+    for (int t = 0; t < count; ++t) rows[t] += head_offset;
     for (int i = 0; i < nq; ++i) {
       const int64_t sees = first + q_begin + i + 1 - start;  // keys of this tile it sees
       const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
