@@ -91,3 +91,33 @@ class LiveServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SlowExecutor:
+    """Wraps a runner so every step takes at least ``delay`` seconds: a request stays queued,
+    prefilling or decoding long enough for a test to act while it is there."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+
+    def execute(self, scheduler_output: Any) -> Any:
+        time.sleep(self.delay)
+        return self.inner.execute(scheduler_output)
+
+
+def slow_engine(delay: float = 0.01, **settings: Any) -> Engine:
+    engine = make_engine(**settings)
+    engine.executor = SlowExecutor(engine.executor, delay)
+    return engine
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics text -> {(sample name, sorted labels): value}, by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values

@@ -1,0 +1,56 @@
+"""Keys files and the priority rules, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, resolve_priority
+from kvserve.server.errors import APIError
+
+
+def test_plain_json_and_toml_keys_files(tmp_path):
+    plain = tmp_path / "keys.txt"
+    plain.write_text("# team keys\nsk-one\n\nsk-two\n")
+    assert [(k.key, k.tenant) for k in load_keys(plain)] == [("sk-one", "key-1"),
+                                                             ("sk-two", "key-2")]
+    toml = tmp_path / "keys.toml"
+    toml.write_text('[[keys]]\nkey = "a"\ntenant = "gold"\nmost_urgent_priority = -5\n'
+                    'default_priority = 0\nadmin = true\n')
+    assert load_keys(toml) == [ApiKey("a", "gold", -5, 0, True)]
+    as_list = tmp_path / "keys.json"
+    as_list.write_text('[{"key": "b", "most_urgent_priority": 3}]')
+    assert load_keys(as_list) == [ApiKey("b", "key-1", 3, 3, False)]
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('[{"key": "a", "colour": "red"}]', "unknown field(s) colour"),
+    ('[{"key": ""}]', "'key' must be a non-empty string"),
+    ('[{"key": "a", "most_urgent_priority": 5, "default_priority": 1}]',
+     "more urgent than most_urgent_priority"),
+    ("{broken", "not valid JSON"),
+    ("# nothing\n", "no keys found"),
+])
+def test_bad_keys_files_name_the_problem(tmp_path, text, needle):
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(KeyFileError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_keys(path)
+
+
+def test_keyring_open_when_empty():
+    assert KeyRing([]).authenticate(None).admin
+
+
+def test_resolve_priority():
+    key = ApiKey("k", "t", most_urgent_priority=2, default_priority=5)
+    assert resolve_priority(None, key, source="body", scheduling_policy="priority") == 5
+    assert resolve_priority(2, key, source="body", scheduling_policy="priority") == 2
+    with pytest.raises(APIError) as error:
+        resolve_priority(1, key, source="body", scheduling_policy="priority")
+    assert error.value.status == 403
+    with pytest.raises(APIError) as error:
+        resolve_priority(7, key, source="key", scheduling_policy="priority")
+    assert error.value.status == 403
+    with pytest.raises(APIError) as error:
+        resolve_priority(1, ApiKey("k", "t"), source="body", scheduling_policy="fcfs")
+    assert error.value.status == 400 and "not enabled" in error.value.message

@@ -1,0 +1,140 @@
+"""Bad input, over raw HTTP: each case answers an OpenAI-shaped error with a status and a
+message a person can act on, and queues nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .helpers import LiveServer, wait_for
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def post(server: LiveServer, path: str, body: object, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30, **kw)
+
+
+def error_of(response: httpx.Response) -> str:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), [
+    (COMPLETIONS, {"prompt": "x", "bogus": 1}, 400, "unknown field 'bogus'"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "field 'echo' is not supported"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}, 400, "'logit_bias' is not supp"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "field 'tools' is not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,
+     "unknown field 'messages.0.extra'"),
+    (CHAT, {"messages": []}, 400, "'messages'"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    (COMPLETIONS, {}, 400, "field 'prompt' is required"),
+    (COMPLETIONS, {"prompt": ""}, 400, "'prompt' is empty"),
+    (COMPLETIONS, {"prompt": []}, 400, "'prompt' is empty"),
+    (COMPLETIONS, {"prompt": [1, 99999999]}, 400, "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "field 'temperature'"),
+    (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "field 'temperature'"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "field 'max_tokens'"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "field 'max_tokens'"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 10**12}, 400, "field 'max_tokens'"),
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "field 'top_p'"),
+    (COMPLETIONS, {"prompt": "x", "n": 1000}, 400, "field 'n'"),
+    (COMPLETIONS, {"prompt": "x", "ignore_eos": "yes"}, 400, "field 'ignore_eos'"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "field 'logprobs'"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options' is only allowed"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "'top_logprobs' needs 'logprobs'"),
+    (COMPLETIONS, {"prompt": [5] * 300}, 400, "maximum context length (max_model_len) is 256"),
+    (COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400,
+     "ask for at most 56 tokens"),
+    (COMPLETIONS, {"prompt": "x", "priority": 3}, 400, "priority scheduling is not enabled"),
+    (COMPLETIONS, {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
+    (COMPLETIONS, ["not", "an", "object"], 400, "must be a JSON object"),
+])
+def test_bad_request(server, path, body, status, needle):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    assert needle in error_of(response)
+
+
+def test_bad_json(server):
+    response = httpx.post(server.url + COMPLETIONS, content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in error_of(response)
+
+
+def test_unknown_route_is_an_openai_error(server):
+    response = httpx.get(server.url + "/v1/nothing")
+    assert response.status_code == 404 and "not found" in error_of(response)
+
+
+def test_nothing_was_queued(server):
+    wait_for(server.idle, what="idle")
+    assert server.state.engine.stats.num_finished.get("abort", 0) == 0
+
+
+def test_body_too_large():
+    with LiveServer(max_body_bytes=1000) as live:
+        response = post(live, COMPLETIONS, {"prompt": "x" * 5000})
+        assert response.status_code == 413
+        assert "at most 1000 bytes" in error_of(response)
+
+        def chunks():
+            yield b'{"prompt": "'
+            yield b"y" * 5000
+            yield b'"}'
+        # no Content-Length: the limit is enforced while reading
+        response = httpx.post(live.url + COMPLETIONS, content=chunks())
+        assert response.status_code == 413
+
+
+def test_api_keys_and_priority_limits(tmp_path):
+    from kvserve.server.auth import ApiKey, load_keys
+
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text('{"keys": [{"key": "tenant-a", "tenant": "a", '
+                         '"most_urgent_priority": 5, "default_priority": 10}]}')
+    keys = [ApiKey("root", "operator", admin=True), *load_keys(keys_file)]
+    with LiveServer(keys=keys, scheduling_policy="priority") as live:
+        body = {"prompt": "x", "max_tokens": 2}
+        missing = post(live, COMPLETIONS, body)
+        assert missing.status_code == 401 and "missing API key" in error_of(missing)
+        wrong = post(live, COMPLETIONS, body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "invalid API key" in error_of(wrong)
+        tenant = {"Authorization": "Bearer tenant-a"}
+        assert post(live, COMPLETIONS, body, headers=tenant).status_code == 200
+        assert post(live, COMPLETIONS, {**body, "priority": 5}, headers=tenant
+                    ).status_code == 200
+        escalate = post(live, COMPLETIONS, {**body, "priority": 1}, headers=tenant)
+        assert escalate.status_code == 403
+        assert "more urgent than tenant 'a' may ask for" in error_of(escalate)
+        root = {"Authorization": "Bearer root"}
+        assert post(live, COMPLETIONS, {**body, "priority": -100}, headers=root
+                    ).status_code == 200
+        abort = post(live, "/v1/abort", {"request_id": "x"}, headers=tenant)
+        assert abort.status_code == 403 and "admin key" in error_of(abort)
+        assert post(live, "/v1/abort", {"request_id": "x"}, headers=root).json() == {
+            "aborted": [], "not_found": ["x"]}
+        assert httpx.get(live.url + "/v1/models").status_code == 401
+        assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_priority_source_key_refuses_a_body_priority():
+    from kvserve.server.auth import ApiKey
+
+    keys = [ApiKey("k", "t", most_urgent_priority=None, default_priority=4)]
+    with LiveServer(keys=keys, scheduling_policy="priority", priority_source="key") as live:
+        headers = {"Authorization": "Bearer k"}
+        ok = post(live, COMPLETIONS, {"prompt": "x", "max_tokens": 1}, headers=headers)
+        assert ok.status_code == 200
+        refused = post(live, COMPLETIONS, {"prompt": "x", "max_tokens": 1, "priority": 0},
+                       headers=headers)
+        assert refused.status_code == 403
+        assert "priority is set by your API key" in error_of(refused)
