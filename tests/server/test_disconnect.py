@@ -1,0 +1,99 @@
+"""A client that goes away aborts its request wherever it is (queued, prefilling, decoding;
+streaming or not), and the KV pool is whole again."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from .helpers import LiveServer, slow_engine, wait_for
+
+
+@pytest.fixture(scope="module")
+def live():
+    # one seat, small prefill chunks, 10 ms steps: a request stays in each state long enough
+    engine = slow_engine(0.01, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=1024)
+    with LiveServer(engine) as server:
+        yield server
+
+
+def raw_post(server: LiveServer, body: dict) -> socket.socket:
+    """Send a request on a bare socket and return it unread, so the test decides when the
+    client goes away."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(payload)).encode() +
+                 b"\r\n\r\n" + payload)
+    return sock
+
+
+def aborted(server: LiveServer) -> int:
+    return server.state.engine.stats.num_finished.get("abort", 0)
+
+
+def running_output(server: LiveServer) -> list:
+    return [r for r in list(server.scheduler.running) if r.output_token_ids]
+
+
+LONG = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True}
+
+
+def test_streaming_client_leaves_while_decoding(live):
+    before = aborted(live)
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    wait_for(lambda: aborted(live) == before + 1, what="the abort")
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_plain_client_leaves_while_decoding(live):
+    before = aborted(live)
+    sock = raw_post(live, LONG)
+    wait_for(lambda: running_output(live), what="decoding")
+    sock.close()
+    wait_for(lambda: aborted(live) == before + 1, what="the abort")
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_plain_client_leaves_while_prefilling(live):
+    before = aborted(live)
+    sock = raw_post(live, {**LONG, "prompt": [12] * 800, "max_tokens": 10})
+    wait_for(lambda: live.scheduler.running, what="prefill to start")
+    assert not running_output(live)  # 800 tokens in chunks of 32: still prefilling
+    sock.close()
+    wait_for(lambda: aborted(live) == before + 1, what="the abort")
+    wait_for(live.idle, what="a whole pool")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaves_while_queued(live, stream):
+    before = aborted(live)
+    blocker = raw_post(live, LONG)
+    wait_for(lambda: running_output(live), what="the blocker to run")
+    queued = raw_post(live, {**LONG, "max_tokens": 5, "stream": stream})
+    wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="queued")
+    queued.close()
+    wait_for(lambda: aborted(live) == before + 1, what="the queued abort")
+    assert live.state.engine.stats.num_running == 1  # the blocker is untouched
+    blocker.close()
+    wait_for(lambda: aborted(live) == before + 2, what="the blocker's abort")
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_operator_abort_ends_a_stream(live):
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      headers={"X-Request-Id": "op-1"}, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-op-1"})
+        assert reply.json()["aborted"] == ["cmpl-op-1"]
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    wait_for(live.idle, what="a whole pool")

@@ -1,0 +1,74 @@
+"""/metrics in Prometheus text, vLLM's names: parsed with prometheus_client and seen to move,
+preemptions included (a tiny KV pool)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from .helpers import LiveServer, metric_values, wait_for
+
+M = (("model_name", "tiny"),)
+
+
+def scrape(live: LiveServer) -> dict:
+    response = httpx.get(live.url + "/metrics")
+    assert response.status_code == 200
+    return metric_values(response.text)
+
+
+def test_metrics_move_and_count_preemptions(caplog):
+    # 12 blocks of 16 = 192 tokens; six requests growing to 140 tokens each must preempt
+    with LiveServer(num_kv_blocks=12, max_model_len=512) as live:
+        before = scrape(live)
+        assert before[("vllm:num_preemptions_total", M)] == 0
+        assert before[("vllm:kv_cache_usage_perc", M)] == 0
+        assert before[("vllm:cache_config_info", (
+            ("block_size", "16"), ("enable_prefix_caching", "True"),
+            ("model_name", "tiny"), ("num_gpu_blocks", "12")))] == 1
+
+        def one(index: int) -> httpx.Response:
+            return httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "prompt": [100 + index] * 40, "max_tokens": 100, "ignore_eos": True})
+        with caplog.at_level(logging.INFO, logger="kvserve.server"), \
+                ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(one, range(6)))
+        assert [r.status_code for r in responses] == [200] * 6
+        wait_for(live.idle, what="idle")
+        after = scrape(live)
+        preemptions = after[("vllm:num_preemptions_total", M)]
+        assert preemptions > 0
+        assert sum(r.json()["kvserve"]["num_preemptions"] for r in responses) == preemptions
+        assert after[("vllm:generation_tokens_total", M)] == 600
+        assert after[("vllm:prompt_tokens_total", M)] == 240
+        assert after[("vllm:request_success_total", (("finished_reason", "length"),
+                                                     *M))] == 6
+        assert after[("vllm:e2e_request_latency_seconds_count", M)] == 6
+        assert after[("vllm:time_to_first_token_seconds_count", M)] == 6
+        assert after[("vllm:inter_token_latency_seconds_count", M)] == 594
+        assert after[("vllm:request_num_preemptions_count", M)] == 6
+        assert after[("kvserve:recomputed_tokens_total", M)] > 0
+        assert after[("kvserve:preemption_stall_seconds_count", M)] >= 1
+        assert after[("vllm:num_requests_running", M)] == 0
+        lines = [r.getMessage() for r in caplog.records if "preemption request_id=" in
+                 r.getMessage()]
+        assert len(lines) == preemptions and "num_tokens_lost=" in lines[0]
+
+
+def test_boot_lines_and_stats_line(caplog):
+    from kvserve.server.stats_log import StatsLogger
+
+    with caplog.at_level(logging.INFO, logger="kvserve.server"), \
+            LiveServer(num_kv_blocks=64, max_model_len=512) as live:
+        messages = [r.getMessage() for r in caplog.records]
+        assert "KV cache size: 1024 tokens (64 blocks of 16)" in messages
+        assert "Maximum concurrency for 512 tokens per request: 2.00x" in messages
+        stats = StatsLogger(live.state)
+        httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3,
+                                                       "ignore_eos": True})
+        line = stats.line()
+        assert line is not None and "Avg generation throughput" in line
+        assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Preemptions: 0" in line
+        assert stats.line() is None  # nothing happened since

@@ -1,0 +1,109 @@
+"""Queue limits answer 503 with Retry-After; a request that waits past its deadline gets 503
+"queue timeout"; urgent requests overtake under the priority policy."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from .helpers import LiveServer, slow_engine, wait_for
+
+BLOCKER = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+
+def start_blocker(live: LiveServer, request_id: str) -> threading.Thread:
+    """A long streamed request that holds the only seat until the operator aborts it."""
+    def run() -> None:
+        with httpx.stream("POST", live.url + "/v1/completions", json=BLOCKER,
+                          headers={"X-Request-Id": request_id}, timeout=60) as response:
+            for _ in response.iter_lines():
+                pass
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: live.state.engine.stats.num_running == 1, what="the blocker")
+    return thread
+
+
+def abort(live: LiveServer, request_id: str, thread: threading.Thread) -> None:
+    httpx.post(live.url + "/v1/abort", json={"request_id": request_id})
+    thread.join(timeout=20)
+
+
+def post_in_thread(live: LiveServer, body: dict, results: list,
+                   request_id: str | None = None) -> threading.Thread:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+
+    def run() -> None:
+        results.append(httpx.post(live.url + "/v1/completions", json=body, timeout=60,
+                                  headers=headers))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_queue_limits_answer_503_with_retry_after():
+    engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs=1,
+                         max_num_queued_tokens=100)
+    with LiveServer(engine) as live:
+        blocker = start_blocker(live, "blocker")
+        results: list = []
+        queued = post_in_thread(live, {"prompt": [5] * 10, "max_tokens": 2}, results)
+        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="one queued")
+        full = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert full.status_code == 503
+        assert "waiting queue is full" in full.json()["error"]["message"]
+        assert int(full.headers["Retry-After"]) >= 1
+        abort(live, "blocker", blocker)
+        queued.join(timeout=20)
+        assert results[0].status_code == 200
+
+        blocker = start_blocker(live, "blocker-2")
+        too_many_tokens = httpx.post(live.url + "/v1/completions",
+                                     json={"prompt": [5] * 150, "max_tokens": 2})
+        assert too_many_tokens.status_code == 503
+        assert "max_num_queued_tokens=100" in too_many_tokens.json()["error"]["message"]
+        assert "Retry-After" in too_many_tokens.headers
+        abort(live, "blocker-2", blocker)
+        wait_for(live.idle, what="idle")
+
+
+def test_queue_deadline_answers_503_queue_timeout():
+    engine = slow_engine(0.005, max_num_seqs=1, max_queue_delay=0.2)
+    with LiveServer(engine) as live:
+        blocker = start_blocker(live, "blocker")
+        for stream in (False, True):
+            late = httpx.post(live.url + "/v1/completions", timeout=30,
+                              json={"prompt": "x", "max_tokens": 2, "stream": stream})
+            assert late.status_code == 503, late.text
+            assert late.json()["error"]["message"].startswith("queue timeout")
+        # the per-request extension tightens the deadline
+        late = httpx.post(live.url + "/v1/completions", timeout=30,
+                          json={"prompt": "x", "max_tokens": 2, "max_queue_delay": 0.01})
+        assert late.status_code == 503
+        abort(live, "blocker", blocker)
+        wait_for(live.idle, what="idle")
+        assert live.state.engine.stats.num_finished["abort"] == 4
+
+
+def test_urgent_requests_finish_first_on_a_saturated_server():
+    engine = slow_engine(0.002, max_num_seqs=1, scheduling_policy="priority")
+    with LiveServer(engine) as live:
+        finished: list[str] = []  # in the engine's own order
+        live.state.engine.observers.append(
+            lambda report: finished.extend(c.request_id for c in report.chunks if c.finished))
+        blocker = start_blocker(live, "blocker")
+        results: list = []
+        threads = []
+        for index, priority in enumerate([5, 5, 5, -1, 0]):
+            body = {"prompt": [20 + index] * 8, "max_tokens": 4, "ignore_eos": True,
+                    "priority": priority}
+            threads.append(post_in_thread(live, body, results, f"r{index}"))
+            wait_for(lambda n=index + 1: live.state.engine.stats.num_waiting == n,
+                     what=f"{index + 1} queued")
+        abort(live, "blocker", blocker)
+        for thread in threads:
+            thread.join(timeout=30)
+        assert [r.status_code for r in results] == [200] * 5
+        assert finished == ["r3", "r4", "r0", "r1", "r2"]  # the blocker was aborted
+        wait_for(live.idle, what="idle")
