@@ -3,14 +3,19 @@
 // Cache layout per layer (K and V alike): [num_blocks, block_size, num_kv_heads, head_dim],
 // contiguous. A query head h reads kv head h / (num_heads / num_kv_heads).
 //
-// Decode: one work item per (request, kv head); the item's query heads (the GQA group) share
-// every K and V row it loads. Keys are visited one tile (a few blocks) at a time: scores for
-// the tile, then an online-softmax update (running max m, running sum l, accumulator rescaled
-// by exp(m_old - m_new)), then the tile's V rows are accumulated. Everything is float32;
-// bfloat16 caches are widened on load.
+// Decode: one work item per request (all its kv heads), or per (request, kv head) when there
+// are too few requests to keep the threads busy. Each kv head's query heads (the GQA group)
+// share every K and V row loaded. Keys are visited one tile (64 keys, whole blocks) at a time:
+// the tile's rows are first pulled into the cache (see touch_rows: memory, not arithmetic, is
+// the bottleneck on a big batch), then scores for the tile, an online-softmax update (running
+// max m, running sum l, accumulator rescaled by exp(m_old - m_new)), and the tile's V rows
+// accumulated. Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and
+// head_dim a multiple of 16) the dot products and the V accumulation use intrinsics; otherwise
+// plain loops that the compiler vectorises.
 //
 // Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
-// (kv head, tile of queries); each query row runs the same online softmax over its visible keys.
+// (kv head, tile of 16 queries); each query row runs the same online softmax over its visible
+// keys.
 //
 // Work items are handed out dynamically (an atomic counter, longest first) inside one
 // at::parallel_for region with one task per thread, since contexts are ragged.
@@ -311,23 +316,11 @@ inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table
   return count;
 }
 
-// Software prefetch of the first row_bytes of each K row and of the matching V row (row + to_v).
-template <typename T>
-inline void prefetch_rows(const T* const* rows, int count, size_t row_bytes,
-                          std::ptrdiff_t to_v) {
-  for (int t = 0; t < count; ++t) {
-    const char* k = reinterpret_cast<const char*>(rows[t]);
-    const char* v = reinterpret_cast<const char*>(rows[t] + to_v);
-    for (size_t off = 0; off < row_bytes; off += 64) {
-      __builtin_prefetch(k + off, 0, 2);
-      __builtin_prefetch(v + off, 0, 2);
-    }
-  }
-}
-
 // Loads one byte from every cache line of the tile's K and V rows (bytes [0, row_bytes) of
-// each) before any compute reads them. Independent loads in address order: the memory system
-// serves them many at a time, where the compute's own loads arrive a few at a time.
+// each) before any compute reads them: independent loads in address order, which the core
+// keeps many of in flight, where the compute's own loads come a few at a time. Measured on
+// the W1-like batch (one thread, 128 requests, 4 KiB pages): 1.4-1.5x faster decode overall;
+// software prefetches of the next tile (any locality hint) made no difference.
 template <typename T>
 inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::ptrdiff_t to_v) {
   unsigned sink[4] = {0, 0, 0, 0};  // four chains, so the loads are not serialised
@@ -367,21 +360,15 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   float* l = m + nrows;
   for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
   state.visible.resize(nrows);
-  state.rows.resize(2 * tile);
+  state.rows.resize(tile);
   const T** cur = state.rows.data();
-  const T** next = cur + tile;
   q += h0 * group * dim;
   out += h0 * group * dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
   const int nheads = static_cast<int>(h1 - h0);
-  int count = tile_rows(geo, k_cache, table, 0, context_len, tile, cur);
-  for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
   for (int64_t start = 0; start < context_len; start += tile) {
-    // Memory is the bottleneck (the blocks are scattered): ask for the next tile's rows now,
-    // and pull this tile's in with independent loads before computing on them.
-    const int n_next = tile_rows(geo, k_cache, table, start + tile, context_len, tile, next);
-    for (int t = 0; t < n_next; ++t) next[t] += h0 * dim;
-    prefetch_rows(next, n_next, sizeof(T) * nheads * dim, to_v);
+    const int count = tile_rows(geo, k_cache, table, start, context_len, tile, cur);
+    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
     touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, group, dim, cur, h * dim, count, scores + h * group * tile,
@@ -394,8 +381,6 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
       accumulate_values<T, D>(acc + h * group * dim, group, dim, cur, h * dim, count,
                               scores + h * group * tile, tile);
     }
-    std::swap(cur, next);
-    count = n_next;
   }
   for (int r = 0; r < nrows; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
