@@ -86,6 +86,10 @@ def main() -> None:
     print(f"kernel ready in {time.perf_counter() - start:.1f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.reps} alternating reps, medians")
     print()
+    notes: list[str] = []
+    print(f"{args.requests} decode requests, contexts uniform in [64, 640]; heads {HEADS}, "
+          f"kv heads {KV_HEADS}, head_dim {HEAD_DIM}, block size {BLOCK_SIZE}")
+    print()
     print("| case                               |  torch ms | kernel ms |  ratio | max diff |")
     print("|------------------------------------|-----------|-----------|--------|----------|")
     for dtype in (torch.float32, torch.bfloat16):
@@ -102,13 +106,15 @@ def main() -> None:
             diff = (run_torch().float() - run_kernel().float()).abs().max().item()
             torch_s, kernel_s = alternate([run_torch, run_kernel], args.reps)
             tokens = int(lens.sum())
+            kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * k_cache.element_size()
             order = "by length" if sort else "random order"
-            row(f"decode {str(dtype)[6:]} {args.requests} req, {order}", torch_s, kernel_s,
-                diff)
-        kv_bytes = 2 * tokens * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        print(f"|   ({tokens} context tokens, {kv_bytes / 1e6:.0f} MB of K+V: kernel "
-              f"{kv_bytes / kernel_s / 1e9:.0f} GB/s) | | | | |")
+            row(f"decode {str(dtype)[6:]}, {order}", torch_s, kernel_s, diff)
+            notes.append(f"decode {str(dtype)[6:]}, {order}: {tokens} context tokens, "
+                         f"{kv_bytes / 1e6:.0f} MB of K+V read, kernel at "
+                         f"{kv_bytes / kernel_s / 1e9:.1f} GB/s")
     if not args.prefill:
+        print()
+        print("\n".join(notes))
         return
     for dtype in (torch.float32, torch.bfloat16):
         for num_tokens, context_len in ((512, 512), (128, 128), (256, 640)):
@@ -133,6 +139,8 @@ def main() -> None:
             torch_s, kernel_s = alternate([run_torch, run_kernel], args.reps)
             row(f"prefill {str(dtype)[6:]} {num_tokens} q, context {context_len}", torch_s,
                 kernel_s, diff)
+    print()
+    print("\n".join(notes))
 
 
 if __name__ == "__main__":
