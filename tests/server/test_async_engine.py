@@ -31,7 +31,8 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 async def _until_idle(engine: AsyncEngine) -> None:
     for _ in range(2000):
         stats = engine.stats
-        if stats.num_running == 0 and stats.num_waiting == 0:
+        if stats.num_running == stats.num_waiting == 0 and \
+                stats.num_free_blocks == stats.num_blocks:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("engine did not go idle")

@@ -224,6 +224,7 @@ class AsyncEngine:
 
     def _resolve(self, future: concurrent.futures.Future[None],
                  error: BaseException | None) -> None:
+        self.stats = self.engine.scheduler.stats()  # an add the caller saw is in the stats
         if error is None:
             future.set_result(None)
         else:
@@ -235,6 +236,7 @@ class AsyncEngine:
             if self.engine.abort(request_id):
                 chunks.append(CompletionChunk(request_id, [], "", True, "abort", ABORTED))
         if chunks:
+            self.stats = self.engine.scheduler.stats()
             self._deliver(chunks)
 
     def _step(self) -> None:
