@@ -9,8 +9,9 @@ import torch
 
 from kvserve.model import paged_kernel
 
-pytestmark = pytest.mark.skipif(not paged_kernel.available(),
-                                reason=f"kernel unavailable: {paged_kernel.unavailable_reason()}")
+requires_kernel = pytest.mark.skipif(
+    not paged_kernel.available(),
+    reason=f"kernel unavailable: {paged_kernel.unavailable_reason()}")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -60,6 +61,7 @@ def _tables(lens: list[int], block_size: int, num_blocks: int,
     (6, 1, 48, 8),  # head_dim not a multiple of 16 on AVX-512: the generic path
     (12, 2, 32, 5),  # odd block size
 ])
+@requires_kernel
 def test_decode_matches_plain(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                               block_size: int) -> None:
     gen = torch.Generator().manual_seed(heads * 1000 + dim + block_size)
@@ -78,6 +80,7 @@ def test_decode_matches_plain(dtype: torch.dtype, heads: int, kv_heads: int, dim
                                    rtol=TOLERANCE[dtype], msg=f"row {row}, context {n}")
 
 
+@requires_kernel
 def test_decode_float32_query_on_bfloat16_cache() -> None:
     gen = torch.Generator().manual_seed(5)
     lens = [3, 40, 129]
@@ -91,6 +94,7 @@ def test_decode_float32_query_on_bfloat16_cache() -> None:
         torch.testing.assert_close(out[row].double(), want, atol=1e-5, rtol=1e-5)
 
 
+@requires_kernel
 def test_decode_large_scores_are_stable() -> None:
     """Scores in the hundreds: the online softmax must not overflow."""
     gen = torch.Generator().manual_seed(6)
@@ -105,6 +109,7 @@ def test_decode_large_scores_are_stable() -> None:
         torch.testing.assert_close(out[row].double(), want, atol=1e-4, rtol=1e-4)
 
 
+@requires_kernel
 def test_decode_empty_batch() -> None:
     k_cache = torch.zeros((4, 16, 3, 64))
     q = torch.zeros((0, 9, 64))
@@ -113,6 +118,7 @@ def test_decode_empty_batch() -> None:
     assert out.shape == (0, 9, 64)
 
 
+@requires_kernel
 def test_decode_rejects_a_context_longer_than_its_table() -> None:
     k_cache = torch.zeros((4, 16, 3, 64))
     with pytest.raises(RuntimeError, match="does not fit"):
@@ -125,6 +131,7 @@ def test_decode_rejects_a_context_longer_than_its_table() -> None:
     (1, 1), (5, 5), (16, 16), (37, 37), (100, 100),  # whole prompts
     (1, 50), (7, 40), (33, 97), (64, 300),  # later chunks of a longer context
 ])
+@requires_kernel
 def test_prefill_matches_plain(dtype: torch.dtype, num_tokens: int, context_len: int) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7 + context_len)
     block_size, num_blocks = 16, 40
@@ -137,6 +144,7 @@ def test_prefill_matches_plain(dtype: torch.dtype, num_tokens: int, context_len:
     torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@requires_kernel
 def test_prefill_generic_head_dim() -> None:
     gen = torch.Generator().manual_seed(9)
     k_cache, v_cache = _caches(12, 8, 2, 24, torch.float32, gen)
@@ -145,3 +153,34 @@ def test_prefill_generic_head_dim() -> None:
     out = paged_kernel.prefill_attention(q, k_cache, v_cache, table, 70)
     torch.testing.assert_close(out.double(), _plain(q, k_cache, v_cache, table, 70),
                                atol=1e-5, rtol=1e-5)
+
+
+@requires_kernel
+def test_rejects_block_ids_outside_the_cache() -> None:
+    k_cache = torch.zeros((4, 16, 3, 64))
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_kernel.decode_attention(torch.zeros((1, 9, 64)), k_cache, k_cache,
+                                      torch.tensor([[1, 4]]), torch.tensor([20]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_kernel.prefill_attention(torch.zeros((3, 9, 64)), k_cache, k_cache,
+                                       torch.tensor([-1]), 3)
+    # Padding past the context is never read, whatever it holds.
+    out = paged_kernel.decode_attention(torch.zeros((1, 9, 64)), k_cache, k_cache,
+                                        torch.tensor([[1, 99]]), torch.tensor([16]))
+    assert out.shape == (1, 9, 64)
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail() -> None:
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+
+    monkeypatch.setattr(paged_kernel, "_build", fail)
+    monkeypatch.setattr(paged_kernel, "_tried", False)
+    monkeypatch.setattr(paged_kernel, "_module", None)
+    monkeypatch.setattr(paged_kernel, "_error", None)
+    assert paged_kernel.available() is False
+    assert "ninja" in (paged_kernel.unavailable_reason() or "")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        paged_kernel.decode_attention(torch.zeros((1, 1, 8)), torch.zeros((1, 4, 1, 8)),
+                                      torch.zeros((1, 4, 1, 8)), torch.zeros((1, 1)),
+                                      torch.ones(1))

@@ -19,7 +19,9 @@ import hashlib
 import logging
 import math
 import os
+import platform
 import shutil
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -38,16 +40,49 @@ _error: str | None = None
 _tried = False
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs plain ``ninja``: find the pip package's binary when the venv is not active."""
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # the PyPI package
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for directory in candidates:
+        if (directory / "ninja").exists():
+            os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
+            return
+
+
+def _cpu_signature() -> str:
+    signature = platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features", "model name")):
+                    signature += line
+    except OSError:
+        signature += platform.processor()
+    return signature
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError("no C++ compiler on PATH (set CXX or install g++)")
+    _put_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     # The name carries the source's and flags' hash: an edited kernel never loads a stale build,
     # and processes with different sources do not fight over one build directory.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    # The CPU's feature flags too: -march=native output must not load on another CPU model
+    # that shares this cache directory (a network home, a container image).
+    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return cpp_extension.load(
         name=f"kvserve_paged_attention_{digest}",
         sources=[str(SOURCE)],

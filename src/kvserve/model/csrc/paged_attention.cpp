@@ -415,6 +415,16 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.device().is_cpu(), "caches must be on the CPU");
 }
 
+// The blocks holding a context's first context_len tokens must exist (no out-of-bounds reads).
+void check_blocks(const int64_t* table, int64_t context_len, int64_t block_size,
+                  int64_t num_blocks) {
+  const int64_t used = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < used; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b],
+                " out of range [0, ", num_blocks, ")");
+  }
+}
+
 Geometry geometry(const at::Tensor& k_cache, int64_t num_heads) {
   Geometry geo;
   geo.block_size = k_cache.size(1);
@@ -482,9 +492,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor lens = context_lens.to(at::kLong).contiguous();
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
   const int64_t table_stride = tables.size(1);
+  const int64_t* tables_ptr = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_decodes; ++i) {
     TORCH_CHECK(lens_ptr[i] >= 0 && lens_ptr[i] <= table_stride * geo.block_size,
                 "context length ", lens_ptr[i], " does not fit the block table");
+    check_blocks(tables_ptr + i * table_stride, lens_ptr[i], geo.block_size, k_cache.size(0));
   }
   at::Tensor qf = scaled_float_query(q, scale);
   at::Tensor out = at::empty({num_decodes, geo.num_heads, geo.head_dim}, qf.options());
@@ -608,9 +620,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const Geometry geo = geometry(k_cache, q.size(1));
   const int64_t n = q.size(0);
   TORCH_CHECK(n <= context_len, "more queries than context");
+  TORCH_CHECK(context_len >= 0, "negative context length");
   TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
               "context length does not fit the block table");
   at::Tensor table = block_table.to(at::kLong).contiguous();
+  check_blocks(table.data_ptr<int64_t>(), context_len, geo.block_size, k_cache.size(0));
   at::Tensor qf = scaled_float_query(q, scale);
   at::Tensor out = at::empty({n, geo.num_heads, geo.head_dim}, qf.options());
   if (n == 0) return out.to(q.scalar_type());
