@@ -1,0 +1,56 @@
+"""`kvserve serve`: flags, one-line errors, and the real bundled model behind the API."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kvserve.cli import build_parser, main
+from kvserve.server.cli_serve import build_state
+
+from .helpers import LiveServer, wait_for
+
+
+def test_serve_flags_parse():
+    args = build_parser().parse_args([
+        "serve", "--port", "9000", "--served-model-name", "m", "--api-key", "a",
+        "--priority-source", "key", "--scheduling-policy", "priority", "--max-num-seqs", "4",
+        "--max-queue-delay", "2.5", "--num-gpu-blocks-override", "100",
+        "--max-request-body", "1MiB"])
+    assert (args.port, args.served_model_name, args.api_key, args.priority_source) == \
+        (9000, "m", ["a"], "key")
+    assert (args.max_num_seqs, args.max_queue_delay, args.num_kv_blocks) == (4, 2.5, 100)
+    assert args.max_request_body == 1 << 20
+    assert args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--api-keys", "/nonexistent/keys"], "cannot read API keys file"),
+    (["--port", "70000"], "is not a port number"),
+])
+def test_serve_errors_are_one_line(capsys, argv, needle):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_urgent_default_priority_needs_the_priority_policy(tmp_path, capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "k", "default_priority": -1}]')
+    assert main(["serve", "--api-keys", str(keys)]) == 2
+    assert "need --scheduling-policy priority" in capsys.readouterr().err
+
+
+def test_the_bundled_model_answers_through_the_api():
+    args = build_parser().parse_args(["serve", "--max-model-len", "512",
+                                      "--num-kv-blocks", "64"])
+    state = build_state(args)
+    assert state.model_name == "SmolLM2-135M-Instruct"
+    with LiveServer(state.engine.engine, model_name=state.model_name) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=16, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+        wait_for(live.idle, what="idle")
