@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_generate.add_parser(subparsers)
     from kvserve.server import cli_serve
     cli_serve.add_parser(subparsers)
+    from kvserve.bench import cli_bench
+    cli_bench.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Load generation against any OpenAI-compatible server (``kvserve bench serve``)."""

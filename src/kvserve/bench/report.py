@@ -1,0 +1,94 @@
+"""Summary figures of a benchmark run, and their table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.bench.runner import RunResult
+
+_QUANTILES = (50, 90, 99)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _latency(values: list[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {f"p{q}_ms": _ms(percentile(values, q)) for q in _QUANTILES}
+    out["mean_ms"] = _ms(sum(values) / len(values)) if values else None
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def _delta(run: RunResult, name: str) -> float | None:
+    if run.metrics_before is None or run.metrics_after is None:
+        return None
+    if name not in run.metrics_after:
+        return None
+    return run.metrics_after[name] - run.metrics_before.get(name, 0.0)
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    results = run.results
+    done = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            key = r.error if len(r.error) <= 72 else r.error[:69] + "..."
+            errors[key] = errors.get(key, 0) + 1
+    output_tokens = sum(r.num_output_tokens for r in done)
+    prompt_tokens = sum(r.num_prompt_tokens for r in done)
+    duration = max(run.duration, 1e-9)
+    return {
+        "num_requests": len(results),
+        "completed": len(done),
+        "failed": sum(1 for r in results if r.error is not None),
+        "disconnected": sum(1 for r in results if r.disconnected),
+        "errors": errors,
+        "duration_s": round(run.duration, 3),
+        "request_throughput": round(len(done) / duration, 3),
+        "output_throughput": round(output_tokens / duration, 2),
+        "total_token_throughput": round((output_tokens + prompt_tokens) / duration, 2),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "ttft": _latency([r.ttft for r in done if r.ttft is not None]),
+        "itl": _latency([gap for r in done for gap in r.itls]),
+        "e2e": _latency([r.e2e for r in done if r.e2e is not None]),
+        "preemptions": _delta(run, "vllm:num_preemptions_total"),
+        "recomputed_tokens": _delta(run, "kvserve:recomputed_tokens_total"),
+        "kv_cache_usage_after": (run.metrics_after or {}).get("vllm:kv_cache_usage_perc"),
+        "requests_running_after": (run.metrics_after or {}).get("vllm:num_requests_running"),
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:,}" if isinstance(value, int) else \
+            f"{value:,.2f}" if isinstance(value, float) else str(value)
+    lines = [
+        f"requests: {summary['completed']} completed, {summary['failed']} failed, "
+        f"{summary['disconnected']} disconnected, of {summary['num_requests']} "
+        f"in {summary['duration_s']:.1f} s",
+        f"throughput: {fmt(summary['request_throughput'])} req/s, "
+        f"{fmt(summary['output_throughput'])} output tok/s, "
+        f"{fmt(summary['total_token_throughput'])} total tok/s",
+        f"{'':6} {'p50 ms':>10} {'p90 ms':>10} {'p99 ms':>10} {'mean ms':>10}"]
+    for name in ("ttft", "itl", "e2e"):
+        row = summary[name]
+        lines.append(f"{name.upper():6} " + " ".join(
+            f"{fmt(row[k]):>10}" for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")))
+    lines.append(f"preemptions (from /metrics): {fmt(summary['preemptions'])}, recomputed "
+                 f"tokens: {fmt(summary['recomputed_tokens'])}")
+    for error, count in summary["errors"].items():
+        lines.append(f"error x{count}: {error}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Drive a whole benchmark: arrivals (trace times, Poisson, or a fixed concurrency), the
+requests, and the server's /metrics before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from kvserve.bench.client import RequestResult, Target, send
+from kvserve.bench.workload import BenchRequest
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass
+class RunResult:
+    results: list[RequestResult]
+    duration: float
+    metrics_before: dict[str, float] | None
+    metrics_after: dict[str, float] | None
+
+
+async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
+    """Every sample of /metrics summed over its labels; None if the server has no /metrics."""
+    try:
+        response = await client.get(base_url + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    totals: dict[str, float] = {}
+    for line in response.text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            try:
+                value = float(match.group(3))
+            except ValueError:
+                continue
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + value
+    return totals
+
+
+async def first_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(base_url + "/v1/models", headers=headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
+async def run(requests: list[BenchRequest], target: Target, *,
+              max_concurrency: int | None = None, disconnect_prob: float = 0.0,
+              seed: int = 0, timeout: float = 600.0,
+              on_done: Callable[[RequestResult], None] | None = None) -> RunResult:
+    rng = random.Random(seed + 2)
+    disconnects = [rng.randint(1, max(1, r.max_tokens - 1))
+                   if rng.random() < disconnect_prob else None for r in requests]
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30),
+                                 limits=limits) as client:
+        before = await scrape_metrics(client, target.base_url)
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest, disconnect_after: int | None) -> RequestResult:
+            if request.arrival_time is not None:
+                await asyncio.sleep(max(0.0, start + request.arrival_time -
+                                        time.perf_counter()))
+            if gate is None:
+                result = await send(client, target, request, disconnect_after)
+            else:
+                async with gate:
+                    result = await send(client, target, request, disconnect_after)
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        results = await asyncio.gather(*(one(r, d) for r, d in
+                                         zip(requests, disconnects, strict=True)))
+        duration = time.perf_counter() - start
+        after = await scrape_metrics(client, target.base_url)
+    return RunResult(list(results), duration, before, after)

@@ -1,0 +1,78 @@
+"""What ``kvserve bench serve`` sends: one :class:`BenchRequest` per request, with the time it
+is due (seconds from the start; None: as soon as a concurrency slot frees)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+_TEXT = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point government company number group problem fact river light stone "
+         "music garden window paper story water table city night")
+_WORDS = tuple(_TEXT.split(" "))
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt: str | list[int]
+    num_prompt_tokens: int  # as generated (text: a word count, close to the token count)
+    max_tokens: int
+    arrival_time: float | None = None
+    priority: int | None = None
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:512' -> (64, 512)."""
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"{text!r} is not N or LOW:HIGH") from None
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{text!r}: need 1 <= LOW <= HIGH")
+    return lo, hi
+
+
+def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    seed: int, text: bool) -> list[BenchRequest]:
+    """Prompt and output lengths uniform in their ranges; token ids in [1000, 40000) (under
+    every common vocabulary) or random common words."""
+    rng = random.Random(seed)
+    requests = []
+    for index in range(num):
+        length = rng.randint(*input_len)
+        if text:
+            prompt: str | list[int] = " ".join(rng.choice(_WORDS) for _ in range(length))
+        else:
+            prompt = [rng.randrange(1000, 40000) for _ in range(length)]
+        requests.append(BenchRequest(index, prompt, length, rng.randint(*output_len)))
+    return requests
+
+
+def trace_requests(path: str | Path, seed: int, default_max_tokens: int
+                   ) -> list[BenchRequest]:
+    """A kvserve trace (JSONL): token ids, arrival times, max_tokens / output_len, priority."""
+    from kvserve.sim.trace import read_trace
+
+    requests = []
+    for index, row in enumerate(read_trace(path)):
+        ids = row.synthesise_prompt(seed)
+        max_tokens = row.max_tokens or row.output_len or default_max_tokens
+        requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),
+                                     row.arrival_time, row.priority or None))
+    return requests
+
+
+def poisson_arrivals(requests: list[BenchRequest], rate: float,
+                     seed: int) -> list[BenchRequest]:
+    """Arrival times of a Poisson process at ``rate`` req/s, the first at 0."""
+    rng = random.Random(seed + 1)
+    now, out = 0.0, []
+    for position, request in enumerate(requests):
+        if position:
+            now += rng.expovariate(rate)
+        out.append(BenchRequest(request.index, request.prompt, request.num_prompt_tokens,
+                                request.max_tokens, now, request.priority))
+    return out

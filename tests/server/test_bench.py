@@ -1,0 +1,61 @@
+"""`kvserve bench serve` against a live kvserve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.bench.report import percentile
+from kvserve.bench.workload import parse_range, poisson_arrivals, random_requests
+from kvserve.cli import main
+
+from .helpers import LiveServer, wait_for
+
+
+def bench(capsys, url: str, *argv: str) -> dict:
+    assert main(["bench", "serve", "--base-url", url, "--json", "--no-progress", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_bench_reports_latencies_throughput_and_preemptions(capsys):
+    with LiveServer(num_kv_blocks=10, max_model_len=512) as live:
+        summary = bench(capsys, live.url, "--num-prompts", "8", "--input-len", "30:40",
+                        "--output-len", "60:80", "--max-concurrency", "8")
+        assert summary["model"] == "tiny"
+        assert (summary["completed"], summary["failed"]) == (8, 0)
+        assert summary["ttft"]["p50_ms"] > 0 and summary["itl"]["p99_ms"] > 0
+        assert summary["output_tokens"] >= 8 * 60
+        assert summary["preemptions"] > 0  # 10 blocks cannot hold 8 growing requests
+        assert summary["kv_cache_usage_after"] == 0
+        wait_for(live.idle, what="idle")
+
+
+def test_bench_clients_that_disconnect_leave_nothing_behind(capsys):
+    with LiveServer(num_kv_blocks=64, max_model_len=512) as live:
+        summary = bench(capsys, live.url, "--num-prompts", "20", "--input-len", "10:20",
+                        "--output-len", "100:120", "--request-rate", "200",
+                        "--disconnect-prob", "1", "--prompt-kind", "text")
+        assert summary["disconnected"] == 20 and summary["failed"] == 0
+        wait_for(live.idle, what="every request aborted and the pool whole")
+        assert live.state.engine.stats.num_finished.get("abort", 0) >= 1
+
+
+def test_bench_counts_refusals_as_errors(capsys):
+    with LiveServer(max_model_len=64) as live:
+        summary = bench(capsys, live.url, "--num-prompts", "3", "--input-len", "100",
+                        "--output-len", "4")
+        assert summary["failed"] == 3
+        [(message, count)] = summary["errors"].items()
+        assert message.startswith("HTTP 400") and count == 3
+
+
+def test_workload_helpers():
+    assert parse_range("64:512") == (64, 512) and parse_range("7") == (7, 7)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
+    requests = random_requests(50, (64, 512), (32, 256), seed=1, text=False)
+    assert all(64 <= len(r.prompt) <= 512 and 32 <= r.max_tokens <= 256 for r in requests)
+    timed = poisson_arrivals(requests, 4.0, seed=1)
+    assert timed[0].arrival_time == 0 and timed[-1].arrival_time > 5
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
