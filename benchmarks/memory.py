@@ -12,10 +12,9 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- memory:begin -->", "<!-- memory:end -->"
+from docs_section import write_section
+
 TARGET_GIB = 2.5
 
 
@@ -34,21 +33,15 @@ def main() -> int:
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     verdict = "meets" if peak_gib < TARGET_GIB else "misses"
     section = "\n".join([
-        BEGIN, "## Memory", "",
+        "## Memory", "",
         f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         f"runs `kvserve generate` ({args.dtype} weights, KV cache {args.kv_cache_memory}, "
         f"32 tokens) in a child process: peak RSS **{peak_gib:.2f} GiB** ({verdict} the "
         f"{TARGET_GIB} GiB target), {wall:.1f} s wall including model load. The KV cache is "
-        "allocated once, zeroed at start-up, and never grown.", END, ""])
+        "allocated once, zeroed at start-up, and never grown."])
     print(section)
     if args.write_docs:
-        text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\n"
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        DOCS.write_text(text)
+        write_section("memory", section)
     return 0 if peak_gib < TARGET_GIB else 1
 
 

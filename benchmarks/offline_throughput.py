@@ -21,11 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from docs_section import write_section
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- offline_throughput:begin -->", "<!-- offline_throughput:end -->"
 W1_FIRST_IDS = [36058, 12649, 36180, 27207, 35725]  # ../shared/WORKLOADS.md
 PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s",
          "w2": "vLLM CPU 0.32.0: 84.2 s, 48-49 preemptions"}
@@ -63,7 +62,7 @@ def run(workload: str, n: int, dtype: str, block_size: int) -> dict:
 
 
 def markdown(rows: list[dict], command: str) -> str:
-    lines = [BEGIN, "## Offline throughput (W1, W2)", "",
+    lines = ["## Offline throughput (W1, W2)", "",
              f"`{command}` on {platform.machine()}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}; model load excluded.", "",
              "| workload | requests | dtype | wall s | output tok/s | total tok/s | preemptions "
@@ -73,18 +72,7 @@ def markdown(rows: list[dict], command: str) -> str:
         lines.append(f"| {r['workload'].upper()} | {r['n']} | {r['dtype']} | {r['wall_s']:.1f} "
                      f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['preemptions']} "
                      f"| {r['recomputed_tokens']} | {PEERS[r['workload']]} |")
-    lines.append(END)
     return "\n".join(lines) + "\n"
-
-
-def write_docs(section: str) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOCS.write_text(text)
 
 
 def main() -> int:
@@ -106,7 +94,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.write_docs:
-        write_docs(section)
+        write_section("offline_throughput", section)
     return 0
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from docs_section import write_section
 from kvserve.core import (
     CacheConfig,
     ModelOutput,
@@ -33,8 +34,6 @@ from kvserve.core import (
 )
 
 VLLM_STEP_US = 2770  # vLLM V1 on this machine, 256 running + 1,000 waiting (WORKLOADS.md)
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- sched_overhead:begin -->", "<!-- sched_overhead:end -->"
 
 
 def make_requests(start: int, count: int, rng: random.Random) -> list[Request]:
@@ -104,7 +103,6 @@ def measure(num_running: int, num_waiting: int, steps: int, caching: bool,
 
 def markdown(results: list[dict], command: str) -> str:
     lines = [
-        BEGIN,
         "## Scheduler overhead",
         "",
         f"`{command}` on {platform.machine()}, Python {platform.python_version()}, one thread;",
@@ -126,19 +124,7 @@ def markdown(results: list[dict], command: str) -> str:
             f"| {r['schedule_us']:.0f} | {r['update_us']:.0f} | {r['step_us']:.0f} "
             f"| {r['us_per_running_request']:.2f} | {ratio} | {r['step_us_p99']:.0f} "
             f"| {r['step_us_p99_without_gc_freeze']:.0f} |")
-    lines.append(END)
     return "\n".join(lines) + "\n"
-
-
-def write_docs(section: str) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
 
 
 def main() -> int:
@@ -164,7 +150,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write_docs:
-        write_docs(section)
+        write_section("sched_overhead", section)
     return 0
 
 
