@@ -151,10 +151,10 @@ void accumulate_generic(float* acc, int group, int head_dim, const T* const* row
 #if defined(__AVX512F__)
 // GN query rows at once (GN <= 4), head_dim a multiple of 16. Sixteen keys at a time: per key
 // and row a vector of partial sums, then one transpose-and-add gives the sixteen scores.
-template <typename T, int GN>
+template <typename T, int GN, int NV>
 void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off,
                  int count, float* scores, int stride) {
-  const int nv = head_dim / 16;
+  const int nv = NV > 0 ? NV : head_dim / 16;  // NV: head_dim / 16 known at compile time
   for (int t0 = 0; t0 < count; t0 += 16) {
     const int tn = std::min(16, count - t0);
     __m512 part[GN][16];
@@ -174,6 +174,17 @@ void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdif
     const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
     for (int g = 0; g < GN; ++g)
       _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+  }
+}
+
+template <typename T, int NV>
+inline void dots_group(int gn, const float* q, int head_dim, const T* const* rows,
+                       std::ptrdiff_t off, int count, float* scores, int stride) {
+  switch (gn) {
+    case 1: return dots_avx512<T, 1, NV>(q, head_dim, rows, off, count, scores, stride);
+    case 2: return dots_avx512<T, 2, NV>(q, head_dim, rows, off, count, scores, stride);
+    case 3: return dots_avx512<T, 3, NV>(q, head_dim, rows, off, count, scores, stride);
+    default: return dots_avx512<T, 4, NV>(q, head_dim, rows, off, count, scores, stride);
   }
 }
 
@@ -222,11 +233,13 @@ inline void dots(const float* q, int group, int head_dim, const T* const* rows,
     for (int g0 = 0; g0 < group; g0 += 4) {
       const float* qg = q + g0 * head_dim;
       float* sg = scores + g0 * stride;
-      switch (std::min(4, group - g0)) {
-        case 1: dots_avx512<T, 1>(qg, head_dim, rows, off, count, sg, stride); break;
-        case 2: dots_avx512<T, 2>(qg, head_dim, rows, off, count, sg, stride); break;
-        case 3: dots_avx512<T, 3>(qg, head_dim, rows, off, count, sg, stride); break;
-        default: dots_avx512<T, 4>(qg, head_dim, rows, off, count, sg, stride); break;
+      const int gn = std::min(4, group - g0);
+      if (head_dim == 64) {
+        dots_group<T, 4>(gn, qg, head_dim, rows, off, count, sg, stride);
+      } else if (head_dim == 128) {
+        dots_group<T, 8>(gn, qg, head_dim, rows, off, count, sg, stride);
+      } else {
+        dots_group<T, 0>(gn, qg, head_dim, rows, off, count, sg, stride);
       }
     }
     return;
@@ -323,16 +336,23 @@ inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table
 // software prefetches of the next tile (any locality hint) made no difference.
 template <typename T>
 inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::ptrdiff_t to_v) {
-  unsigned sink[4] = {0, 0, 0, 0};  // four chains, so the loads are not serialised
+  unsigned s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains in registers: loads not serialised
   for (int t = 0; t < count; ++t) {
     const unsigned char* k = reinterpret_cast<const unsigned char*>(rows[t]);
     const unsigned char* v = reinterpret_cast<const unsigned char*>(rows[t] + to_v);
-    for (size_t off = 0, i = 0; off < row_bytes; off += 64, i ^= 1) {
-      sink[i] ^= k[off];
-      sink[2 + i] ^= v[off];
+    size_t off = 0;
+    for (; off + 64 < row_bytes; off += 128) {
+      s0 ^= k[off];
+      s1 ^= k[off + 64];
+      s2 ^= v[off];
+      s3 ^= v[off + 64];
+    }
+    if (off < row_bytes) {
+      s0 ^= k[off];
+      s2 ^= v[off];
     }
   }
-  g_touch_sink.store(sink[0] ^ sink[1] ^ sink[2] ^ sink[3], std::memory_order_relaxed);
+  g_touch_sink.store(s0 ^ s1 ^ s2 ^ s3, std::memory_order_relaxed);
 }
 
 template <typename T>
