@@ -184,3 +184,19 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) 
         paged_kernel.decode_attention(torch.zeros((1, 1, 8)), torch.zeros((1, 4, 1, 8)),
                                       torch.zeros((1, 4, 1, 8)), torch.zeros((1, 1)),
                                       torch.ones(1))
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_few_requests_split_by_kv_head(dtype: torch.dtype) -> None:
+    """Fewer requests than 4 per thread: work items are (request, kv head) pairs."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [700, 1]
+    k_cache, v_cache = _caches(60, 16, 3, 64, dtype, gen)
+    tables = _tables(lens, 16, 60, gen)
+    q = torch.randn((2, 9, 64), generator=gen).to(dtype)
+    out = paged_kernel.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens))
+    for row, n in enumerate(lens):
+        want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
+        torch.testing.assert_close(out[row].double(), want, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
