@@ -40,6 +40,17 @@ class CompletionChunk:
     logprobs: list[dict[int, float]] | None = None
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as the engine ran it: when, how long, and the shape of the batch."""
+
+    start: float  # the time schedule() was given
+    end: float  # after update()
+    num_scheduled_tokens: int
+    num_seqs: int
+    num_preempted: int
+
+
 @dataclass
 class _TextState:
     detokenizer: Any | None
@@ -64,7 +75,8 @@ class Engine:
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, _TextState] = {}
-        self.step_times: list[tuple[int, float]] = []  # (tokens scheduled, seconds)
+        self.last_step: StepRecord | None = None
+        self.step_times: list[tuple[int, float]] = []  # (tokens, seconds); readers clear it
         self.events: list[SchedulerEvent] = []
 
     # -- requests --------------------------------------------------------------------------
@@ -119,12 +131,16 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[CompletionChunk]:
-        start = self.clock()
+    def step(self, now: float | None = None) -> list[CompletionChunk]:
+        """One step; ``now`` (default: the clock) is the time the scheduler decides at."""
+        start = self.clock() if now is None else now
         scheduler_output = self.scheduler.schedule(start)
         model_output = self.executor.execute(scheduler_output)
         now = self.clock()
         outputs = self.scheduler.update(scheduler_output, model_output, now)
+        self.last_step = StepRecord(start, now, scheduler_output.total_num_scheduled_tokens,
+                                    len(scheduler_output.num_scheduled_tokens),
+                                    len(scheduler_output.preempted_req_ids))
         self.step_times.append((scheduler_output.total_num_scheduled_tokens, now - start))
         self.events += self.scheduler.take_events()
         logprobs = model_output.logprobs or {}

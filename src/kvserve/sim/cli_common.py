@@ -25,9 +25,12 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
                        help="fraction of device memory for weights, activations and KV")
     if cost_model:
         group.add_argument("--cost-model", default="roofline",
-                           choices=("unit", "roofline", "calibrated"))
+                           choices=("unit", "roofline", "calibrated", "replay"))
         group.add_argument("--calibration", metavar="PATH.json",
                            help="coefficients for --cost-model calibrated")
+        group.add_argument("--replay-step-times", metavar="LOG.jsonl",
+                           help="replay the step times an engine measured (its step log); "
+                                "implies --cost-model replay")
 
 
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -36,8 +39,10 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     return Deployment(model=args.model, hardware=args.hardware, dtype=args.dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      cost_model=getattr(args, "cost_model", "roofline"),
-                      calibration=getattr(args, "calibration", None))
+                      cost_model="replay" if getattr(args, "replay_step_times", None)
+                      else getattr(args, "cost_model", "roofline"),
+                      calibration=getattr(args, "calibration", None),
+                      replay_log=getattr(args, "replay_step_times", None))
 
 
 def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any],

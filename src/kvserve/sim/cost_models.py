@@ -181,3 +181,65 @@ class CalibratedCostModel:
             raise CostModelError(f"{path}: not valid JSON: {error.msg} "
                                  f"(line {error.lineno})") from None
         return cls.from_dict(data)
+
+
+class ReplayCostModel:
+    """Step times measured on a real engine, replayed in order (``kvserve simulate
+    --replay-step-times LOG``, the step log of :mod:`kvserve.engine.trace_runner`).
+
+    With the same trace and flags the simulator then makes the engine's decisions exactly;
+    each step's token count is checked against the log, and a divergence is an error naming
+    the step.
+    """
+
+    name = "replay"
+
+    def __init__(self, durations: list[float], num_tokens: list[int], source: str = "") -> None:
+        self.durations = durations
+        self.num_tokens = num_tokens
+        self.source = source
+        self.index = 0
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        index = self.index
+        if index >= len(self.durations):
+            raise CostModelError(f"replay log has {len(self.durations)} steps; the simulation "
+                                 "scheduled more")
+        scheduled = scheduler_output.total_num_scheduled_tokens
+        if scheduled != self.num_tokens[index]:
+            raise CostModelError(f"replay diverged at step {index}: the engine scheduled "
+                                 f"{self.num_tokens[index]} tokens, the simulator {scheduled}")
+        self.index += 1
+        return self.durations[index]
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "num_steps": len(self.durations)}
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReplayCostModel:
+        durations: list[float] = []
+        num_tokens: list[int] = []
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise CostModelError(f"cannot read step log {path}: {error.strerror}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise CostModelError(f"{path}:{number}: not valid JSON: {error.msg}") from None
+            if not isinstance(row, dict) or row.get("type") != "step":
+                continue
+            duration, tokens = row.get("duration"), row.get("num_scheduled_tokens")
+            if not isinstance(duration, (int, float)) or isinstance(duration, bool) \
+                    or not math.isfinite(duration) or duration < 0 \
+                    or not isinstance(tokens, int) or tokens < 1:
+                raise CostModelError(f"{path}:{number}: a step needs duration >= 0 and "
+                                     "num_scheduled_tokens >= 1")
+            durations.append(float(duration))
+            num_tokens.append(tokens)
+        if not durations:
+            raise CostModelError(f"{path}: no step lines (is it a step log from the engine?)")
+        return cls(durations, num_tokens, str(path))

@@ -19,6 +19,7 @@ from kvserve.sim.cost_models import (
     CalibratedCostModel,
     CostModel,
     CostModelError,
+    ReplayCostModel,
     RooflineCostModel,
     UnitCostModel,
 )
@@ -26,7 +27,7 @@ from kvserve.sim.presets import dtype_bytes, get_hardware, get_model
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.trace import TraceRequest, dump_trace
 
-COST_MODELS = ("unit", "roofline", "calibrated")
+COST_MODELS = ("unit", "roofline", "calibrated", "replay")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Deployment:
     gpu_memory_utilization: float = 0.9
     cost_model: str = "roofline"
     calibration: str | None = None
+    replay_log: str | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -48,6 +50,8 @@ class Deployment:
                                  f"{', '.join(COST_MODELS)}")
         if self.cost_model == "calibrated" and not self.calibration:
             raise CostModelError("--cost-model calibrated needs --calibration FILE.json")
+        if self.cost_model == "replay" and not self.replay_log:
+            raise CostModelError("--cost-model replay needs --replay-step-times LOG.jsonl")
 
     def build_cost_model(self) -> CostModel:
         if self.cost_model == "unit":
@@ -55,6 +59,9 @@ class Deployment:
         if self.cost_model == "calibrated":
             assert self.calibration is not None
             return CalibratedCostModel.load(self.calibration)
+        if self.cost_model == "replay":
+            assert self.replay_log is not None
+            return ReplayCostModel.load(self.replay_log)
         return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
                                  self.dtype, self.tensor_parallel_size)
 

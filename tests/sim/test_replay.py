@@ -1,0 +1,89 @@
+"""Issue 6, replay mode: step times measured on the engine, replayed by the simulator,
+reproduce the engine's scheduling decisions exactly (admissions, preemptions, finishes)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import pytest
+
+from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.engine.llm import build_engine
+from kvserve.engine.trace_runner import run_trace
+from kvserve.model.config import ModelConfig
+from kvserve.sim.cost_models import CostModelError, ReplayCostModel
+from kvserve.sim.simulator import Simulator
+from kvserve.sim.workloads import WorkloadSpec, generate
+
+TINY = ModelConfig(name="tiny", vocab_size=32000, hidden_size=32, intermediate_size=64,
+                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                   max_position_embeddings=1024)
+SETTINGS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024)
+NUM_BLOCKS = 40  # tight: the run preempts
+TRACE = generate(WorkloadSpec(num_requests=16, rate=40.0, prompt_len="uniform:16,160",
+                              output_len="uniform:4,32", ignore_eos=True, prefix_groups=2,
+                              seed=3))
+
+
+class SteppingClock:
+    """A clock that moves by an irregular amount at every reading, like a real one, but in
+    multiples of 1/1024 s so sums are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.random = random.Random(5)
+
+    def __call__(self) -> float:
+        self.now += self.random.randint(1, 40) / 1024
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def decisions(events) -> list[tuple[str, str]]:
+    return [(e["kind"], e["request_id"]) for e in events
+            if e["kind"] in ("admitted", "resumed", "preempted", "finished")]
+
+
+@pytest.fixture(scope="module")
+def engine_log() -> str:
+    clock = SteppingClock()
+    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
+                          detokenize=False, **SETTINGS)
+    engine.clock = clock
+    log = io.StringIO()
+    run_trace(engine, TRACE, sleep=clock.sleep, log=log)
+    return log.getvalue()
+
+
+def test_replayed_simulation_makes_the_engines_decisions(engine_log, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text(engine_log)
+    rows = [json.loads(line) for line in engine_log.splitlines()]
+    engine_events = [row for row in rows if row["type"] == "event"]
+    assert any(e["kind"] == "preempted" for e in engine_events)
+    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
+                       ReplayCostModel.load(path), record_events=True).run(TRACE)
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated) == decisions(engine_events)
+    steps = [row for row in rows if row["type"] == "step"]
+    assert list(result.steps.num_scheduled_tokens) == [s["num_scheduled_tokens"] for s in steps]
+
+
+def test_a_different_configuration_is_caught_as_divergence(engine_log, tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text(engine_log)
+    other = SchedulerConfig(**{**SETTINGS, "max_num_batched_tokens": 64})
+    with pytest.raises(CostModelError, match="replay diverged at step 0: the engine scheduled"):
+        Simulator(other, CacheConfig(num_blocks=NUM_BLOCKS),
+                  ReplayCostModel.load(path)).run(TRACE)
+
+
+def test_a_log_without_steps_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text('{"type": "event", "kind": "arrived"}\n')
+    with pytest.raises(CostModelError, match="no step lines"):
+        ReplayCostModel.load(path)
