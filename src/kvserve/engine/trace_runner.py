@@ -17,6 +17,7 @@ loop spends between steps is counted, as the simulator's clock must count it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -61,12 +62,11 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
         now = engine.clock()
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_time <= now:
             request = arrivals[next_arrival]
-            try:
-                engine.add_request(request.request_id, request.synthesise_prompt(seed),
+            with contextlib.suppress(RequestRejected, QueueFullError):  # refused, as in
+                engine.add_request(request.request_id,                  # the simulator
+                                   request.synthesise_prompt(seed),
                                    request.sampling_params(max_model_len),
                                    arrival_time=request.arrival_time)
-            except (RequestRejected, QueueFullError):
-                pass  # refused, as the simulator refuses it
             next_arrival += 1
         if engine.has_unfinished_requests():
             chunks += engine.step(now)
