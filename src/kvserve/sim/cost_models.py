@@ -123,7 +123,8 @@ class CalibratedCostModel:
                + per_context_token_s * context_tokens + per_attention_pair_s * pairs
 
     File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
-    optional "source": free text}. Missing terms are 0; unknown keys are errors.
+    optional "source": free text, "meta" and "samples" from kvserve calibrate}. Missing terms
+    are 0; unknown keys are errors.
     :func:`kvserve.sim.calibration.fit` makes one from measured (batch shape, seconds) steps.
     """
 
@@ -146,7 +147,9 @@ class CalibratedCostModel:
     def from_dict(cls, data: Any) -> CalibratedCostModel:
         if not isinstance(data, dict):
             raise CostModelError("a calibrated cost model must be a JSON object")
-        unknown = sorted(set(data) - {"format", "coefficients", "source"})
+        # "meta" (machine, model, fit quality) and "samples" (the measured steps) are written
+        # by kvserve calibrate for people; the model itself reads only the coefficients.
+        unknown = sorted(set(data) - {"format", "coefficients", "source", "meta", "samples"})
         if unknown:
             raise CostModelError(f"unknown key(s) in cost model: {', '.join(unknown)}")
         if data.get("format") != CALIBRATED_FORMAT:

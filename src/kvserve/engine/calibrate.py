@@ -1,0 +1,149 @@
+"""``kvserve calibrate``: measure the engine's step time over a grid of batch shapes and fit
+the simulator's ``calibrated`` cost model to it.
+
+Each grid point is one step shape: some decodes at given context lengths and some prefill
+chunks (n tokens after c already computed). The runner executes it as a real step (batch
+building, forward, logits, sampling) on a KV pool whose contents do not matter for timing;
+after warm-up runs, the median of the repeats is the sample.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.core import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from kvserve.model.runner import ModelRunner
+from kvserve.sim.calibration import fit
+from kvserve.sim.cost_models import CALIBRATED_FORMAT, CalibratedCostModel
+from kvserve.sim.executor import BatchView
+
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    decode_contexts: tuple[int, ...] = ()  # tokens already computed, per decode
+    prefills: tuple[tuple[int, int], ...] = ()  # (tokens already computed, tokens now)
+
+    def view(self) -> BatchView:
+        """The simulator's description of this batch."""
+        pieces = [(c, 1) for c in self.decode_contexts] + list(self.prefills)
+        return BatchView(
+            num_seqs=len(pieces), num_tokens=sum(n for _, n in pieces),
+            num_sampled=len(pieces), num_decode_seqs=len(self.decode_contexts),
+            context_tokens=sum(c for c, _ in pieces),
+            attention_pairs=sum(n * c + n * (n + 1) // 2 for c, n in pieces))
+
+
+def grid(quick: bool = False) -> list[StepShape]:
+    """Prefill chunks, decode batches at several contexts, and mixed steps."""
+    if quick:
+        return [StepShape(prefills=((0, n),)) for n in (8, 32, 96)] + \
+            [StepShape(decode_contexts=(c,) * b) for b in (1, 4, 8) for c in (16, 64)] + \
+            [StepShape(decode_contexts=(32,) * 4, prefills=((0, 32),))]
+    shapes = [StepShape(prefills=((0, n),)) for n in (16, 64, 256, 512, 1024, 2048)]
+    shapes += [StepShape(prefills=((c, 256),)) for c in (512, 1536)]
+    shapes += [StepShape(decode_contexts=(c,) * b) for b in (1, 8, 32, 64, 128)
+               for c in (128, 512, 1024)]
+    shapes += [StepShape(decode_contexts=(c,) * b, prefills=((0, n),))
+               for b, c, n in ((16, 256, 512), (64, 512, 256), (32, 1024, 1024))]
+    return shapes
+
+
+def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int) -> SchedulerOutput:
+    """A step the runner has never seen: every sequence arrives as a new request whose first
+    ``c`` tokens count as computed (KV contents are irrelevant to timing). Block ids are
+    dealt round-robin over the pool."""
+    next_block = 0
+    new_reqs = []
+    scheduled = {}
+    pieces = [(c, 1) for c in shape.decode_contexts] + list(shape.prefills)
+    for index, (computed, num_new) in enumerate(pieces):
+        total = computed + num_new
+        count = -(-total // block_size)
+        block_ids = [(next_block + i) % num_blocks for i in range(count)]
+        next_block += count
+        request_id = f"calibrate-{index}"
+        new_reqs.append(NewRequestData(request_id, [100 + (i % 1000) for i in range(total)],
+                                       total, block_ids, computed, False, _GREEDY))
+        scheduled[request_id] = num_new
+    return SchedulerOutput(new_reqs, CachedRequestData(), scheduled,
+                           sum(scheduled.values()), [], [])
+
+
+def measure(runner: ModelRunner, shape: StepShape, num_blocks: int, *, warmup: int = 1,
+            repeats: int = 3) -> float:
+    """Median seconds of ``runner.execute`` on this shape."""
+    times = []
+    for run in range(warmup + repeats):
+        out = _scheduler_output(shape, runner.block_size, num_blocks)
+        start = time.perf_counter()
+        runner.execute(out)
+        elapsed = time.perf_counter() - start
+        runner.requests.clear()
+        if run >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def calibrate(runner: ModelRunner, num_blocks: int, shapes: Sequence[StepShape], *,
+              warmup: int = 1, repeats: int = 3, progress: bool = False
+              ) -> tuple[CalibratedCostModel, list[float]]:
+    """Measure every shape and fit; returns the model and the measured seconds."""
+    iterator: Any = shapes
+    if progress:
+        from tqdm import tqdm
+        iterator = tqdm(shapes, desc="calibrate", unit="shape", dynamic_ncols=True)
+    seconds = [measure(runner, shape, num_blocks, warmup=warmup, repeats=repeats)
+               for shape in iterator]
+    return fit([s.view() for s in shapes], seconds), seconds
+
+
+def goodness(model: CalibratedCostModel, shapes: Sequence[StepShape],
+             seconds: Sequence[float]) -> dict[str, float]:
+    predicted = np.array([model.step_time(None, s.view()) for s in shapes])  # type: ignore
+    measured = np.array(seconds)
+    error = np.abs(predicted - measured) / measured
+    total = float(((measured - measured.mean()) ** 2).sum()) or 1.0
+    return {"mean_abs_error": float(error.mean()), "max_abs_error": float(error.max()),
+            "r2": 1.0 - float(((measured - predicted) ** 2).sum()) / total}
+
+
+def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],
+            seconds: Sequence[float], meta: dict[str, Any]) -> str:
+    samples = [{"decode_contexts": list(s.decode_contexts),
+                "prefills": [list(p) for p in s.prefills], "seconds": t,
+                "fitted": model.step_time(None, s.view())}  # type: ignore[arg-type]
+               for s, t in zip(shapes, seconds, strict=True)]
+    return json.dumps({
+        "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
+        "source": model.source,
+        "meta": {**meta, **goodness(model, shapes, seconds), "machine": platform.machine(),
+                 "processor": platform.processor(), "python": platform.python_version(),
+                 "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "samples": samples}, indent=1) + "\n"
+
+
+def plot(path: str | Path, shapes: Sequence[StepShape], seconds: Sequence[float],
+         model: CalibratedCostModel) -> None:
+    """Measured and fitted step time per grid point, sorted by measured time (SVG)."""
+    from kvserve.sim.svg import line_chart
+
+    order = sorted(range(len(shapes)), key=lambda i: seconds[i])
+    xs = list(range(len(order)))
+    fitted = [model.step_time(None, shapes[i].view()) for i in order]  # type: ignore[arg-type]
+    svg = line_chart("step time: measured vs calibrated model",
+                     [("measured", xs, [seconds[i] for i in order]), ("fitted", xs, fitted)],
+                     "grid point (by measured time)", "seconds", markers=True,
+                     width=720, height=320)
+    Path(path).write_text(svg, encoding="utf-8")

@@ -1,0 +1,63 @@
+"""``kvserve calibrate``: fit the simulator's calibrated cost model to this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvserve.flags import CLIError, parse_bytes
+
+
+def add_parser(subparsers: Any) -> None:
+    from kvserve.engine.cli_generate import add_model_args
+
+    parser = subparsers.add_parser(
+        "calibrate", help="measure step times on this machine and fit a cost model",
+        description="Run the engine over a grid of step shapes (prefill chunks, decode "
+                    "batches at several context lengths, mixed steps), take the median of "
+                    "repeated runs, and fit the simulator's calibrated cost model "
+                    "(kvserve simulate --cost-model calibrated --calibration FILE).")
+    add_model_args(parser)
+    parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
+    parser.add_argument("--plot", metavar="PATH.svg", help="measured vs fitted step times")
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.engine import calibrate
+    from kvserve.engine.llm import build_engine
+
+    if args.warmup < 0 or args.repeats < 1:
+        raise CLIError("--warmup must be >= 0 and --repeats >= 1")
+    try:
+        engine = build_engine(args.model, dtype=args.dtype, load_format=args.load_format,
+                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                              seed=args.seed, detokenize=False)
+    except (ValueError, FileNotFoundError) as error:
+        raise CLIError(str(error).splitlines()[0]) from error
+    runner: Any = engine.executor
+    num_blocks = engine.scheduler.cache_config.num_blocks
+    shapes = calibrate.grid(args.quick)
+    model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
+                                         repeats=args.repeats, progress=sys.stderr.isatty())
+    meta = {"model": runner.model.config.name, "dtype": args.dtype,
+            "load_format": args.load_format, "block_size": args.block_size,
+            "num_samples": len(shapes)}
+    Path(args.output).write_text(calibrate.to_json(model, shapes, seconds, meta))
+    quality = calibrate.goodness(model, shapes, seconds)
+    print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
+          f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
+          f"R^2 {quality['r2']:.3f}")
+    for term, value in model.coefficients.items():
+        print(f"  {term:22s} {value:.3e} s")
+    if args.plot:
+        calibrate.plot(args.plot, shapes, seconds, model)
+        print(f"wrote {args.plot}")
+    return 0
