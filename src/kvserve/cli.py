@@ -32,14 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvserve.engine import cli_generate
+    from kvserve.bench import cli_bench
+    from kvserve.engine import cli_calibrate, cli_generate
+    from kvserve.server import cli_serve
     from kvserve.sim.commands import register as register_sim
 
     register_sim(subparsers)
     cli_generate.add_parser(subparsers)
-    from kvserve.server import cli_serve
+    cli_calibrate.add_parser(subparsers)
     cli_serve.add_parser(subparsers)
-    from kvserve.bench import cli_bench
     cli_bench.add_parser(subparsers)
     return parser
 
