@@ -1,13 +1,16 @@
 """The C++ paged attention kernel (csrc/paged_attention.cpp), built on first use.
 
-It reads K and V in place through the block tables (no gather into a padded copy), one pass per
-(request, kv head) with an online softmax, in parallel over requests x kv heads.
+It reads K and V in place through the block tables (no gather into a padded copy), one pass
+over each request's context with an online softmax for all its query heads, on torch's
+intra-op threads (``torch.get_num_threads()``), requests (or, for small batches, request x kv
+head pairs) handed out longest first.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
-``ninja``) into torch's extensions cache (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), keyed by the source's hash, so a later process loads it in
-well under a second. Nothing here raises at import: :func:`available` says whether the kernel
-can be used and :func:`unavailable_reason` why not.
+``ninja``; -O3 -march=native) into torch's extensions cache (``$TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions``), keyed by the source, the flags and the CPU, so a later
+process loads it in well under a second; the first build takes 30-40 s on the 2-core machine.
+Nothing here raises at import: :func:`available` builds or loads it on first call and says
+whether the kernel can be used, :func:`unavailable_reason` why not.
 
     if paged_kernel.available():
         out = paged_kernel.decode_attention(q, k_cache, v_cache, block_tables, context_lens)
