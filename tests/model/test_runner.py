@@ -7,7 +7,8 @@ import torch
 
 from kvserve.core import CacheConfig, SamplingParams, Scheduler, SchedulerConfig, check_empty
 from kvserve.engine.engine import Engine
-from kvserve.model.attention import reference_attention
+from kvserve.model import paged_kernel
+from kvserve.model.attention import reference_attention, torch_paged_attention
 from kvserve.model.kv_cache import allocate_kv_cache
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
@@ -85,8 +86,9 @@ def test_forced_preemption_is_invisible(network, expected):
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_reference_attention_path_agrees(network, expected):
-    engine = make_engine(network, attention=reference_attention, max_num_batched_tokens=64,
+@pytest.mark.parametrize("attention", [reference_attention, torch_paged_attention])
+def test_every_attention_path_agrees(network, expected, attention):
+    engine = make_engine(network, attention=attention, max_num_batched_tokens=64,
                          max_num_seqs=16)
     assert generate(engine, stagger=True) == expected
 
@@ -104,3 +106,9 @@ def test_paged_logits_match_the_dense_forward(network):
     assert logprobs is not None
     for token_id, value in logprobs[0].items():
         assert value == pytest.approx(float(reference[token_id]), abs=1e-4)
+
+
+def test_the_default_attention_uses_the_kernel_here():
+    # The project's machines have a compiler and ninja: a broken kernel build must fail CI
+    # rather than fall back silently to the torch path.
+    assert paged_kernel.available(), paged_kernel.unavailable_reason()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,14 @@ import torch
 
 from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.engine.engine import Engine, Prompt
+from kvserve.model import paged_kernel
 from kvserve.model.config import ModelConfig
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -89,6 +92,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     the bundled tokenizer so it can take text).
     """
     torch_dtype = parse_dtype(dtype)
+    if not paged_kernel.available():  # build (or load) it now, not in the first step
+        logger.warning("paged attention kernel unavailable (%s); using the torch path",
+                       paged_kernel.unavailable_reason())
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed)
     tokenizer = tokenizer or own_tokenizer
     config = network.config

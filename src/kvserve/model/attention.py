@@ -4,11 +4,15 @@ Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for
 so one block is one contiguous slab and gathering a request's context is one index_select over
 whole blocks.
 
-Two implementations with one signature:
+Three implementations with one signature:
 - :func:`reference_attention`: per request, gather its context token by token and compute
   softmax(q k^T / sqrt(d)) v with explicit masks. Plain, slow, the yardstick in tests.
-- :func:`paged_attention`: every decode in one batched scaled_dot_product_attention over
-  block-gathered contexts (padded to the longest, masked), each prefill chunk in one call.
+- :func:`torch_paged_attention`: decodes in groups through scaled_dot_product_attention over
+  block-gathered contexts (each group padded to its longest, masked), each prefill chunk in
+  one call. Pure torch: always available.
+- :func:`paged_attention` (the default): decodes through the C++ kernel of
+  :mod:`kvserve.model.paged_kernel`, which reads K and V in place through the block tables,
+  when it could be built; otherwise exactly :func:`torch_paged_attention`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import paged_kernel
 from kvserve.model.input_batch import ForwardBatch
 
 
@@ -65,9 +70,24 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch) -> torch.Tensor:
     """q: [T, heads, head_dim] (K/V of this step already written). Returns [T, heads, dim]."""
+    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.available())
+
+
+def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          batch: ForwardBatch) -> torch.Tensor:
+    """:func:`paged_attention` without the C++ kernel."""
+    return _paged_attention(q, k_cache, v_cache, batch, False)
+
+
+def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: ForwardBatch, use_kernel: bool) -> torch.Tensor:
     out = torch.empty_like(q)
     num_decodes = batch.num_decodes
-    if num_decodes:
+    if num_decodes and use_kernel:
+        out[:num_decodes] = paged_kernel.decode_attention(
+            q[:num_decodes], k_cache, v_cache, batch.decode_block_tables,
+            batch.decode_context_lens)
+    elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
