@@ -15,12 +15,12 @@ and hashes are stable digests.
 
 from __future__ import annotations
 
-import heapq
-
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.config import CacheConfig, SchedulerConfig
-from kvserve.core.errors import QueueFullError, RequestError, RequestRejected
+from kvserve.core.deadlines import QueueDeadlines
+from kvserve.core.errors import RequestError
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.limits import check_queue_limits, check_servable
 from kvserve.core.outputs import (
     CachedRequestData,
     ModelOutput,
@@ -34,6 +34,7 @@ from kvserve.core.outputs import (
 from kvserve.core.policies import make_admission_policy, make_victim_policy
 from kvserve.core.queues import make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
+from kvserve.core.stop import check_stop
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -79,7 +80,7 @@ class Scheduler:
         self._length_limit = self.kv.max_sequence_tokens  # J2
         self._max_model_len = config.max_model_len
         self._long_prefill_threshold = config.long_prefill_token_threshold
-        self._queue_deadlines: list[tuple[float, str]] = []
+        self._queue_deadlines = QueueDeadlines()
         self._finished_since_last_step: list[str] = []
         self._pending_outputs: list[RequestOutput] = []
         self._events: list[SchedulerEvent] | None = [] if record_events else None
@@ -100,8 +101,8 @@ class Scheduler:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise RequestError(f"request {request.request_id} is not a fresh request")
-        self._check_servable(request)
-        self._check_queue_limits(request)
+        check_servable(request, self.config, self.cache_config)
+        check_queue_limits(request, self.waiting, self.config)
         self.requests[request.request_id] = request
         self.waiting.push(request)
         request.record(EventType.QUEUED, request.arrival_time)
@@ -109,40 +110,8 @@ class Scheduler:
         if delay is None:
             delay = self.config.max_queue_delay
         if delay is not None:
-            heapq.heappush(self._queue_deadlines,
-                           (request.arrival_time + delay, request.request_id))
+            self._queue_deadlines.add(request.request_id, request.arrival_time + delay)
         self._emit(request.arrival_time, "arrived", request, request.num_tokens)
-
-    def _check_servable(self, request: Request) -> None:
-        num_tokens = request.num_tokens
-        max_model_len = self.config.max_model_len
-        if num_tokens >= max_model_len:
-            raise RequestRejected(
-                f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room "
-                f"to generate: max_model_len is {max_model_len}"
-            )
-        num_slots = self.cache_config.num_token_slots
-        if num_tokens + 1 > num_slots:
-            raise RequestRejected(
-                f"request {request.request_id}: prompt of {num_tokens} tokens plus one "
-                f"generated token needs {self.kv.num_blocks_for(num_tokens + 1)} KV blocks, "
-                f"but the whole pool has {self.cache_config.num_blocks} blocks of "
-                f"{self.cache_config.block_size} tokens ({num_slots} tokens)"
-            )
-
-    def _check_queue_limits(self, request: Request) -> None:
-        max_reqs = self.config.max_num_queued_reqs
-        if max_reqs is not None and len(self.waiting) >= max_reqs:
-            raise QueueFullError(
-                f"request {request.request_id}: the waiting queue is full "
-                f"({len(self.waiting)} requests, max_num_queued_reqs={max_reqs})"
-            )
-        max_tokens = self.config.max_num_queued_tokens
-        if max_tokens is not None and self.waiting.num_tokens + request.num_tokens > max_tokens:
-            raise QueueFullError(
-                f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
-                f"max_num_queued_tokens={max_tokens} ({self.waiting.num_tokens} queued)"
-            )
 
     def abort(self, request_id: str, now: float | None = None) -> bool:
         """Abort a request in any state and free everything it holds (H4).
@@ -347,9 +316,7 @@ class Scheduler:
 
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
-        deadlines = self._queue_deadlines
-        while deadlines and deadlines[0][0] < now:
-            _, request_id = heapq.heappop(deadlines)
+        for request_id in self._queue_deadlines.expired(now):
             request = self.requests.get(request_id)
             if request is None or request.first_scheduled_time is not None:
                 continue
@@ -451,7 +418,7 @@ class Scheduler:
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             num_appended += 1
-            status, stop_reason = self._check_stop(request, token_id)
+            status, stop_reason = check_stop(request, token_id, self._length_limit)
             if status is not None:
                 break  # tokens after a stop are dropped
         new_token_ids = token_ids if num_appended == len(token_ids) else \
@@ -467,26 +434,6 @@ class Scheduler:
         metrics = self._finish(request, status, now, stop_reason)
         return RequestOutput(request.request_id, new_token_ids, True, status.finish_reason,
                              stop_reason, metrics)
-
-    def _check_stop(self, request: Request,
-                    token_id: int) -> tuple[RequestStatus | None, int | None]:
-        """Stop checks after one appended token, in order (H2).
-
-        The model-length and pool-length caps apply even below min_tokens: a sequence can
-        never outgrow them.
-        """
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        at_length_limit = len(request.prompt_token_ids) + num_output >= self._length_limit
-        if num_output < params.min_tokens:
-            return (RequestStatus.FINISHED_LENGTH_CAPPED if at_length_limit else None), None
-        if token_id == params.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token_id
-        if num_output >= params.max_tokens or at_length_limit:
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None, None
 
     # -- observation -----------------------------------------------------------------------
 

@@ -1,0 +1,41 @@
+"""What a new request must pass before it is queued (spec J1, K4). Each check raises or
+returns None; none of them records anything."""
+
+from __future__ import annotations
+
+from kvserve.core.config import CacheConfig, SchedulerConfig
+from kvserve.core.errors import QueueFullError, RequestRejected
+from kvserve.core.queues import WaitingQueue
+from kvserve.core.request import Request
+
+
+def check_servable(request: Request, config: SchedulerConfig, cache: CacheConfig) -> None:
+    """J1: refuse a prompt that leaves no room to generate, or that with one generated
+    token outgrows the whole KV pool; queued, it could only wedge the head of the line."""
+    num_tokens = request.num_tokens
+    if num_tokens >= config.max_model_len:
+        raise RequestRejected(
+            f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room "
+            f"to generate: max_model_len is {config.max_model_len}")
+    if num_tokens + 1 > cache.num_token_slots:
+        num_blocks = -(-(num_tokens + 1) // cache.block_size)
+        raise RequestRejected(
+            f"request {request.request_id}: prompt of {num_tokens} tokens plus one "
+            f"generated token needs {num_blocks} KV blocks, but the whole pool has "
+            f"{cache.num_blocks} blocks of {cache.block_size} tokens "
+            f"({cache.num_token_slots} tokens)")
+
+
+def check_queue_limits(request: Request, waiting: WaitingQueue,
+                       config: SchedulerConfig) -> None:
+    """K4: refuse (the server answers 503) when the waiting queue is at its limits."""
+    max_reqs = config.max_num_queued_reqs
+    if max_reqs is not None and len(waiting) >= max_reqs:
+        raise QueueFullError(
+            f"request {request.request_id}: the waiting queue is full "
+            f"({len(waiting)} requests, max_num_queued_reqs={max_reqs})")
+    max_tokens = config.max_num_queued_tokens
+    if max_tokens is not None and waiting.num_tokens + request.num_tokens > max_tokens:
+        raise QueueFullError(
+            f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
+            f"max_num_queued_tokens={max_tokens} ({waiting.num_tokens} queued)")

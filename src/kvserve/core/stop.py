@@ -1,0 +1,31 @@
+"""When a request stops (spec H2, J2): checked after each appended token."""
+
+from __future__ import annotations
+
+from kvserve.core.request import Request, RequestStatus
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def check_stop(request: Request, token_id: int,
+               length_limit: int) -> tuple[RequestStatus | None, int | None]:
+    """(finished status or None, stop reason) after ``token_id`` was appended.
+
+    In order: fewer than min_tokens -> continue; EOS (unless ignore_eos) -> stopped; a stop
+    token id -> stopped with that id as the reason; max_tokens or ``length_limit`` (the model
+    length, or what the whole KV pool can hold) -> length. The length limit applies even
+    below min_tokens: a sequence can never outgrow it.
+    """
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    at_length_limit = len(request.prompt_token_ids) + num_output >= length_limit
+    if num_output < params.min_tokens:
+        return (_LENGTH if at_length_limit else None), None
+    if token_id == params.eos_token_id and not params.ignore_eos:
+        return _STOPPED, None
+    if token_id in params.stop_token_ids:
+        return _STOPPED, token_id
+    if num_output >= params.max_tokens or at_length_limit:
+        return _LENGTH, None
+    return None, None
