@@ -152,7 +152,11 @@ class AsyncEngine:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(_Add([(rid, prompt, params, arrival_time)
                                  for rid, prompt, params in items], stream, future))
-        await asyncio.wrap_future(future)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller left: nobody will read the stream
+            stream.cancel()
+            raise
         return stream
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,

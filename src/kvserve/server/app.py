@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
+from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import generation
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
@@ -51,6 +52,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         message = "not found" if error.status_code == 404 else str(error.detail)
         return APIError(error.status_code, f"{request.method} {request.url.path}: "
                                            f"{message}").response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, error: EngineDeadError) -> Response:
+        return APIError(503, f"the engine is not running: {error}").response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:

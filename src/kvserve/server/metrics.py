@@ -68,8 +68,9 @@ class ServerMetrics:
         self.stall = self._histogram("kvserve:preemption_stall_seconds",
                                      "Longest preemption-to-next-token stall of a preempted "
                                      "request.")
-        self.rejected = Counter("kvserve:requests_rejected", "Requests refused before "
-                                "queueing, by HTTP status.", [*labels, "status"], registry=reg)
+        self.rejected = Counter("kvserve:requests_rejected",
+                                "Requests the scheduler refused at arrival, by HTTP status.",
+                                [*labels, "status"], registry=reg)
         config = engine.engine.scheduler.cache_config
         Gauge("vllm:cache_config_info", "KV cache configuration.",
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
@@ -79,6 +80,8 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.num_prompt_tokens = 0  # plain totals for the periodic log line
         self.num_generation_tokens = 0
+        self._e2e_sum = 0.0
+        self._e2e_count = 0
         engine.observers.append(self.observe)
 
     def _histogram(self, name: str, text: str) -> Histogram:
@@ -128,8 +131,15 @@ class ServerMetrics:
         self.generation_tokens.inc(num_new)
         self.num_generation_tokens += num_new
 
+    def mean_e2e(self) -> float | None:
+        """Mean arrival-to-finish seconds of the finished requests so far."""
+        return self._e2e_sum / self._e2e_count if self._e2e_count else None
+
     def _finished(self, metrics: RequestMetrics) -> None:
-        self.e2e.observe(max(0.0, metrics.finished_time - metrics.arrival_time))
+        e2e = max(0.0, metrics.finished_time - metrics.arrival_time)
+        self.e2e.observe(e2e)
+        self._e2e_sum += e2e
+        self._e2e_count += 1
         if metrics.queue_time is not None:
             self.queue_time.observe(max(0.0, metrics.queue_time))
         self.request_preemptions.observe(metrics.num_preemptions)

@@ -73,19 +73,11 @@ class ServerState:
             raise bad_request(f"the request body is not valid JSON: {error}") from None
 
     def retry_after(self) -> str:
-        """Seconds a refused client should wait: about one queue's worth of requests at the
-        recent pace, between 1 and 60."""
+        """Seconds a refused client should wait: the waiting queue's worth of requests at the
+        mean latency so far, spread over the running seats; between 1 and 60."""
         stats = self.engine.stats
-        running = max(stats.num_running, 1)
-        seconds = self.metrics.e2e.collect()[0].samples  # histogram samples: find the mean
-        total = count = 0.0
-        for sample in seconds:
-            if sample.name.endswith("_sum"):
-                total = sample.value
-            elif sample.name.endswith("_count"):
-                count = sample.value
-        mean = total / count if count else 1.0
-        estimate = mean * stats.num_waiting / running
+        mean = self.metrics.mean_e2e() or 1.0
+        estimate = mean * stats.num_waiting / max(stats.num_running, 1)
         return str(int(min(60, max(1, math.ceil(estimate)))))
 
 
