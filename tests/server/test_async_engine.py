@@ -120,3 +120,29 @@ def test_a_stream_of_several_requests_ends_when_all_finish():
         return [c async for c in stream]
     chunks = run(body)
     assert sorted({c.request_id for c in chunks if c.finished}) == ["g0", "g1", "g2"]
+
+
+class _Broken:
+    def execute(self, scheduler_output):
+        raise RuntimeError("the device fell off")
+
+
+def test_a_failed_engine_loop_ends_every_stream_and_refuses_new_work():
+    from kvserve.engine.async_engine import EngineDeadError
+
+    async def main():
+        engine = make_engine()
+        engine.executor = _Broken()
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            stream = await async_engine.add_requests([("d", [5] * 4, greedy())])
+            with pytest.raises(EngineDeadError, match="the device fell off"):
+                async for _ in stream:
+                    pass
+            assert not async_engine.is_running
+            with pytest.raises(EngineDeadError):
+                await async_engine.add_requests([("e", [5] * 4, greedy())])
+        finally:
+            await async_engine.stop()
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

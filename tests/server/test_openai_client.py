@@ -109,3 +109,30 @@ def test_priority_through_extra_body():
                                            extra_body={"priority": -3, "ignore_eos": True})
         assert result.usage.completion_tokens == 2
         wait_for(live.idle, what="idle")
+
+
+def test_chat_stream_with_several_choices_and_logprobs(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=3, n=2,
+        temperature=1.0, seed=3, stream=True, logprobs=True, top_logprobs=1,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 6
+    with_logprobs = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(with_logprobs) == 6
+
+
+def test_streamed_completion_logprob_offsets_continue(client):
+    stream = client.completions.create(model="tiny", prompt="abc", max_tokens=4, logprobs=0,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    text, offsets = "", []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs:
+            offsets += chunk.choices[0].logprobs.text_offset
+            assert offsets[-1] == len(text)
+            text += chunk.choices[0].text
+    assert len(offsets) == 4

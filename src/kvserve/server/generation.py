@@ -294,11 +294,12 @@ class _Generation:
         out["kvserve"] = kvserve_ext(choice.request_id, choice.metrics)
         return out
 
-    def _logprobs(self, entries: list[tuple[int, dict[int, float]]]) -> dict[str, Any]:
+    def _logprobs(self, entries: list[tuple[int, dict[int, float]]],
+                  offset: int = 0) -> dict[str, Any]:
         tokenizer = self.state.tokenizer
         if self.chat:
             return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0)
-        return completion_logprobs(tokenizer, entries)
+        return completion_logprobs(tokenizer, entries, offset)
 
     # -- streamed --------------------------------------------------------------------------
 
@@ -342,9 +343,10 @@ class _Generation:
         yield SSE_DONE
 
     def _event(self, chunk: CompletionChunk) -> str:
+        offset = len(self.choices[chunk.request_id].text)
         choice = self._apply(chunk)
         entries = list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
-        logprobs = self._logprobs(entries) if entries else None
+        logprobs = self._logprobs(entries, offset) if entries else None
         payload = {"content": chunk.new_text} if self.chat else chunk.new_text
         data = self._chunk(choice, payload, logprobs)
         if chunk.finished:
