@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     state = build_state(args)
     app = build_app(state, log_stats_interval=args.log_stats_interval)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
+        logger.warning("listening on %s without API keys: anyone who can reach it may use "
+                       "it and abort requests (give --api-key or --api-keys)", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
