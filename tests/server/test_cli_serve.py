@@ -54,3 +54,43 @@ def test_the_bundled_model_answers_through_the_api():
         assert "Paris" in reply.choices[0].message.content
         assert reply.choices[0].finish_reason == "stop"
         wait_for(live.idle, what="idle")
+
+
+def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kvserve = str(Path(sys.executable).with_name("kvserve"))
+    process = subprocess.Popen(
+        [kvserve, "serve", "--port", str(port), "--load-format", "dummy",
+         "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "d"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "kvserve serve did not come up"
+            time.sleep(0.1)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "d", "prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert "KV cache size: 512 tokens (32 blocks of 16)" in output
+    assert "Maximum concurrency for 256 tokens per request: 2.00x" in output
