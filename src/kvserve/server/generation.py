@@ -13,20 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
 
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.scheduler import QUEUE_TIMEOUT
 from kvserve.engine.async_engine import EngineDeadError, RequestStream
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import resolve_priority
+from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prompts import (
+    encode_chat,
+    encode_prompts,
+    max_tokens_for,
+    replace_seed,
+    sampling_params,
+)
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,12 +51,6 @@ from kvserve.server.responses import (
 )
 from kvserve.server.state import ServerState
 
-_T = TypeVar("_T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
-
 
 async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     arrival_time = time.monotonic()
@@ -64,9 +64,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true",
                           param="stream_options")
-    prompts = await asyncio.to_thread(_encode_chat if chat else _encode_prompts, state, req)
-    max_tokens = _max_tokens(state, req, chat, prompts)
-    base = _sampling_params(req, chat, max_tokens, priority)
+    prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
+    max_tokens = max_tokens_for(state, req, chat, prompts)
+    base = sampling_params(req, chat, max_tokens, priority)
     request_id = state.new_request_id(request.headers.get("x-request-id"))
     choices, items = [], []
     for prompt_index, prompt in enumerate(prompts):
@@ -74,7 +74,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             index = prompt_index * req.n + sample
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             params = base if base.seed is None or sample == 0 else \
-                _replace_seed(base, base.seed + sample)
+                replace_seed(base, base.seed + sample)
             choices.append(Choice(index, sub_id, len(prompt)))
             items.append((sub_id, prompt, params))
     stream = await _queue(state, request_id, items, arrival_time)
@@ -82,93 +82,6 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
-
-
-def _encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts:
-        raise bad_request("'prompt' is empty", param="prompt")
-    vocab_size = state.tokenizer.vocab_size
-    encoded = []
-    for index, item in enumerate(prompts):
-        ids = state.tokenizer.encode(item) if isinstance(item, str) else list(item)
-        where = "'prompt'" if len(prompts) == 1 else f"prompt {index}"
-        if not ids:
-            raise bad_request(f"{where} is empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{where} has token id {bad}, outside the vocabulary "
-                              f"[0, {vocab_size})", param="prompt")
-        encoded.append(ids)
-    return encoded
-
-
-def _encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
-    messages = []
-    for message in req.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        entry = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        messages.append(entry)
-    try:
-        return [state.tokenizer.encode_chat(messages)]
-    except ValueError as error:
-        raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
-
-
-def _max_tokens(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:
-    limit = state.max_model_len
-    longest = max(len(p) for p in prompts)
-    if longest >= limit:
-        raise bad_request(f"the prompt has {longest} tokens, but this model's maximum "
-                          f"context length (max_model_len) is {limit} tokens, which leaves "
-                          "no room to generate; shorten the prompt", param="prompt")
-    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    if asked is None:
-        return limit - longest if chat else min(16, limit - longest)
-    if longest + asked > limit:
-        name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-        raise bad_request(f"the prompt has {longest} tokens and {name} is {asked}: "
-                          f"{longest + asked} tokens exceed this model's maximum context "
-                          f"length (max_model_len) of {limit}; ask for at most "
-                          f"{limit - longest} tokens", param=name)
-    return asked
-
-
-def _sampling_params(req: Any, chat: bool, max_tokens: int, priority: int) -> SamplingParams:
-    if chat:
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    given = {name: getattr(req, name) for name in (
-        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt")
-        if getattr(req, name) is not None}
-    try:
-        return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens,
-                              ignore_eos=req.ignore_eos, stop=stop,
-                              stop_token_ids=tuple(req.stop_token_ids or ()),
-                              priority=priority, logprobs=logprobs, **given)
-    except RequestError as error:
-        raise bad_request(str(error)) from None
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, seed=seed)
 
 
 async def _queue(state: ServerState, request_id: str,
@@ -204,27 +117,6 @@ def _strip_id(error: BaseException) -> str:
     text = str(error)
     head, sep, rest = text.partition(": ")
     return rest if sep and head.startswith("request ") else text
-
-
-async def race_disconnect(request: Request, work: Awaitable[_T]) -> _T:
-    """``await work``, unless the client disconnects first: then cancel it, raise ClientGone.
-    The body must already have been read."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_until_disconnected(request.receive))
-    try:
-        done, _ = await asyncio.wait({work_task, watch_task},
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-    if work_task in done:
-        return work_task.result()
-    work_task.cancel()
-    raise ClientGone
-
-
-async def _until_disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Generation:
@@ -315,7 +207,7 @@ class _Generation:
         if first.stop_reason == QUEUE_TIMEOUT:
             self.close()
             raise _queue_timeout()
-        return _ClosingStreamingResponse(self._events(first), self.close,
+        return ClosingStreamingResponse(self._events(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
                                                   "X-Request-Id": self.request_id})
@@ -373,20 +265,3 @@ def _queue_timeout() -> APIError:
                          "retry later", code="queue_timeout", headers={"Retry-After": "1"})
 
 
-class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that runs ``on_close`` however it ends (done, disconnect,
-    cancellation), so the engine never keeps generating for nobody."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Any, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]

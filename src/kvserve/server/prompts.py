@@ -1,0 +1,97 @@
+"""From a validated body to engine requests: prompts as token ids (tokenised off the event
+loop by the caller), the length checks against max_model_len, and SamplingParams."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvserve.core import RequestError, SamplingParams
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.state import ServerState
+
+
+def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("'prompt' is empty", param="prompt")
+    vocab_size = state.tokenizer.vocab_size
+    encoded = []
+    for index, item in enumerate(prompts):
+        ids = state.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        where = "'prompt'" if len(prompts) == 1 else f"prompt {index}"
+        if not ids:
+            raise bad_request(f"{where} is empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{where} has token id {bad}, outside the vocabulary "
+                              f"[0, {vocab_size})", param="prompt")
+        encoded.append(ids)
+    return encoded
+
+
+def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+    messages = []
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    try:
+        return [state.tokenizer.encode_chat(messages)]
+    except ValueError as error:
+        raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
+
+
+def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:
+    limit = state.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        raise bad_request(f"the prompt has {longest} tokens, but this model's maximum "
+                          f"context length (max_model_len) is {limit} tokens, which leaves "
+                          "no room to generate; shorten the prompt", param="prompt")
+    asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    if asked is None:
+        return limit - longest if chat else min(16, limit - longest)
+    if longest + asked > limit:
+        name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+        raise bad_request(f"the prompt has {longest} tokens and {name} is {asked}: "
+                          f"{longest + asked} tokens exceed this model's maximum context "
+                          f"length (max_model_len) of {limit}; ask for at most "
+                          f"{limit - longest} tokens", param=name)
+    return asked
+
+
+def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int) -> SamplingParams:
+    if chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt")
+        if getattr(req, name) is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens,
+                              ignore_eos=req.ignore_eos, stop=stop,
+                              stop_token_ids=tuple(req.stop_token_ids or ()),
+                              priority=priority, logprobs=logprobs, **given)
+    except RequestError as error:
+        raise bad_request(str(error)) from None
+
+
+def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
