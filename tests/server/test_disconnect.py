@@ -50,6 +50,10 @@ def test_streaming_client_leaves_while_decoding(live):
         assert next(lines).startswith("data: ")
     wait_for(lambda: aborted(live) == before + 1, what="the abort")
     wait_for(live.idle, what="a whole pool")
+    # metrics forget it too, and count it
+    wait_for(lambda: not live.state.metrics._live, what="metrics to drop the request")
+    text = httpx.get(live.url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}' in text
 
 
 def test_plain_client_leaves_while_decoding(live):

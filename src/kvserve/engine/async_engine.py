@@ -42,7 +42,8 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one engine step did, handed to observers on the engine thread (metrics, logs)."""
+    """What one engine step did, handed to observers on the engine thread (metrics, logs).
+    Aborts applied between steps are reported too, with no tokens and no events."""
 
     time: float
     num_scheduled_tokens: int
@@ -242,6 +243,7 @@ class AsyncEngine:
         if chunks:
             self.stats = self.engine.scheduler.stats()
             self._deliver(chunks)
+            self._notify(StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats))
 
     def _step(self) -> None:
         start = time.monotonic()
@@ -253,16 +255,18 @@ class AsyncEngine:
         self.stats = self.engine.scheduler.stats()
         if chunks:
             self._deliver(chunks)
-        report = StepReport(start, num_tokens, seconds, chunks, events, self.stats)
+        self._notify(StepReport(start, num_tokens, seconds, chunks, events, self.stats))
+        if num_tokens == 0 and not chunks:
+            # Nothing could run (every waiting request blocked): wait for an arrival or an
+            # abort instead of spinning; queue deadlines are checked again after the wait.
+            self._stopping.wait(self.idle_wait)
+
+    def _notify(self, report: StepReport) -> None:
         for observer in self.observers:
             try:
                 observer(report)
             except Exception:  # a broken metric must not stop the engine
                 logger.exception("step observer %r failed", observer)
-        if num_tokens == 0 and not chunks:
-            # Nothing could run (every waiting request blocked): wait for an arrival or an
-            # abort instead of spinning; queue deadlines are checked again after the wait.
-            self._stopping.wait(self.idle_wait)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
         routed = []
