@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+# A dedicated offline run: spinning OpenMP threads are ~20% faster in decode on an idle
+# machine (kvserve defaults to passive waiting, which is safe when anything else runs).
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 import numpy as np
 import torch

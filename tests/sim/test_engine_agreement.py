@@ -41,6 +41,7 @@ def run_engine() -> tuple[list[int], dict[str, tuple[float | None, float]]]:
                     detokenize=False)
     pending = sorted(TRACE, key=lambda r: (r.arrival_time, r.request_id))
     times: dict[str, tuple[float | None, float]] = {}
+    steps: list[int] = []
     while pending or engine.has_unfinished_requests():
         while pending and pending[0].arrival_time <= priced.now:
             r = pending.pop(0)
@@ -51,11 +52,14 @@ def run_engine() -> tuple[list[int], dict[str, tuple[float | None, float]]]:
         if not engine.has_unfinished_requests():
             priced.now = pending[0].arrival_time
             continue
-        for chunk in engine.step():
+        chunks = engine.step()
+        assert engine.last_step is not None
+        if engine.last_step.num_scheduled_tokens:
+            steps.append(engine.last_step.num_scheduled_tokens)
+        for chunk in chunks:
             if chunk.finished:
                 times[chunk.request_id] = (chunk.metrics.first_token_time,
                                            chunk.metrics.finished_time)
-    steps = [n for n, _ in engine.step_times if n > 0]
     return steps, times
 
 

@@ -248,10 +248,10 @@ class AsyncEngine:
     def _step(self) -> None:
         start = time.monotonic()
         chunks = self.engine.step()
-        num_tokens, seconds = self.engine.step_times[-1] if self.engine.step_times else (0, 0.0)
-        # The Engine keeps these for offline runs; a server drains them or they grow forever.
-        self.engine.step_times.clear()
-        events, self.engine.events = self.engine.events, []
+        record = self.engine.last_step
+        num_tokens, seconds = (record.num_scheduled_tokens, record.end - record.start) \
+            if record is not None else (0, 0.0)
+        events = self.engine.scheduler.take_events()
         self.stats = self.engine.scheduler.stats()
         if chunks:
             self._deliver(chunks)

@@ -20,7 +20,6 @@ from kvserve.core import (
     RequestStatus,
     SamplingParams,
     Scheduler,
-    SchedulerEvent,
 )
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -75,9 +74,7 @@ class Engine:
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, _TextState] = {}
-        self.last_step: StepRecord | None = None
-        self.step_times: list[tuple[int, float]] = []  # (tokens, seconds); readers clear it
-        self.events: list[SchedulerEvent] = []
+        self.last_step: StepRecord | None = None  # scheduling events: scheduler.take_events()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -122,9 +119,11 @@ class Engine:
         return _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
                           StopChecker(params.stop) if params.stop else None)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestMetrics | None:
+        """Abort a request in any state; its metrics, or None if it was unknown or done."""
         self._text.pop(request_id, None)
-        return self.scheduler.abort(request_id, self.clock())
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
+                                             now=self.clock())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -141,8 +140,6 @@ class Engine:
         self.last_step = StepRecord(start, now, scheduler_output.total_num_scheduled_tokens,
                                     len(scheduler_output.num_scheduled_tokens),
                                     len(scheduler_output.preempted_req_ids))
-        self.step_times.append((scheduler_output.total_num_scheduled_tokens, now - start))
-        self.events += self.scheduler.take_events()
         logprobs = model_output.logprobs or {}
         chunks = []
         for output in outputs:

@@ -57,6 +57,7 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
     max_model_len = engine.scheduler.config.max_model_len
     starts: list[Any] = []  # non-empty steps' StepRecords
     chunks: list[CompletionChunk] = []
+    events: list[Any] = []
     next_arrival = 0
     while True:
         now = engine.clock()
@@ -70,6 +71,7 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
             next_arrival += 1
         if engine.has_unfinished_requests():
             chunks += engine.step(now)
+            events += engine.scheduler.take_events()
             record = engine.last_step
             if record is not None and record.num_scheduled_tokens:
                 starts.append(record)
@@ -82,7 +84,7 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
                         record.num_scheduled_tokens, record.num_seqs, record.num_preempted)
              for i, record in enumerate(starts)]
     if log is not None:
-        write_step_log(log, steps, engine.events + engine.scheduler.take_events())
+        write_step_log(log, steps, events + engine.scheduler.take_events())
     return steps, chunks
 
 
