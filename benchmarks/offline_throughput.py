@@ -29,9 +29,11 @@ import torch
 from docs_section import write_section
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
+from kvserve.flags import parse_bytes
 
 W1_FIRST_IDS = [36058, 12649, 36180, 27207, 35725]  # ../shared/WORKLOADS.md
-PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s",
+PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s; "
+               "58-60 s with 29 preemptions in a 1 GiB KV cache",
          "w2": "vLLM CPU 0.32.0: 84.2 s, 48-49 preemptions"}
 
 
@@ -44,8 +46,9 @@ def w1_prompts(n: int = 128, seed: int = 0) -> list[list[int]]:
     return prompts[:n]
 
 
-def run(workload: str, n: int, dtype: str, block_size: int) -> dict:
-    settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int) -> dict:
+    settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                      "kv_cache_memory": kv_cache_memory}
     if workload == "w2":
         settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
     llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False, **settings)
@@ -59,6 +62,7 @@ def run(workload: str, n: int, dtype: str, block_size: int) -> dict:
     num_output = sum(len(r.token_ids) for r in results)
     assert num_output == 128 * len(prompts)
     return dict(workload=workload, n=len(prompts), dtype=dtype, block_size=block_size,
+                kv_cache=f"{llm.engine.scheduler.cache_config.num_token_slots} tokens",
                 wall_s=wall, output_tok_s=num_output / wall,
                 total_tok_s=(num_prompt + num_output) / wall, prompt_tokens=num_prompt,
                 output_tokens=num_output, preemptions=stats.num_preemptions,
@@ -70,11 +74,12 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = ["## Offline throughput (W1, W2)", "",
              f"`{command}` on {platform.machine()}, {torch.get_num_threads()} threads, "
              f"torch {torch.__version__}; model load excluded.", "",
-             "| workload | requests | dtype | wall s | output tok/s | total tok/s | preemptions "
-             "| recomputed tokens | peer on this machine |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | requests | dtype | KV cache | wall s | output tok/s | total tok/s "
+             "| preemptions | recomputed tokens | peer on this machine |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['workload'].upper()} | {r['n']} | {r['dtype']} | {r['wall_s']:.1f} "
+        lines.append(f"| {r['workload'].upper()} | {r['n']} | {r['dtype']} | {r['kv_cache']} "
+                     f"| {r['wall_s']:.1f} "
                      f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['preemptions']} "
                      f"| {r['recomputed_tokens']} | {PEERS[r['workload']]} |")
     return "\n".join(lines) + "\n"
@@ -86,12 +91,14 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=128, help="first N requests (32: quick)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
+                        help="W1's KV cache (W2 always holds 4,096 tokens)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     rows = []
     for workload in args.workload:
-        row = run(workload, args.n, args.dtype, args.block_size)
+        row = run(workload, args.n, args.dtype, args.block_size, args.kv_cache_memory)
         print(json.dumps(row), flush=True)
         rows.append(row)
     section = markdown(rows, "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]))
