@@ -10,9 +10,9 @@ Three implementations with one signature:
 - :func:`torch_paged_attention`: decodes in groups through scaled_dot_product_attention over
   block-gathered contexts (each group padded to its longest, masked), each prefill chunk in
   one call. Pure torch: always available.
-- :func:`paged_attention` (the default): decodes through the C++ kernel of
-  :mod:`kvserve.model.paged_kernel`, which reads K and V in place through the block tables,
-  when it could be built; otherwise exactly :func:`torch_paged_attention`.
+- :func:`paged_attention` (the default): decodes and prefill chunks through the C++ kernel
+  of :mod:`kvserve.model.paged_kernel`, which reads K and V in place through the block
+  tables, when it could be built; otherwise exactly :func:`torch_paged_attention`.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             batch.decode_context_lens)
     elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
+    prefill = paged_kernel.prefill_attention if use_kernel else _prefill_attention
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
-                                       chunk.context_len)
+        out[rows] = prefill(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
     return out
 
 
