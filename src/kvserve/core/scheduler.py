@@ -178,33 +178,35 @@ class Scheduler:
         self._admission.end_step(len(step.preempted), self.running)
         return self._commit(step)
 
-    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
-        """Tokens still to compute, capped by the long-prefill threshold, the budget and the
-        model length (D1)."""
-        num_computed = request.num_computed_tokens
-        num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
-        if 0 < self._long_prefill_threshold < num_new:
-            num_new = self._long_prefill_threshold
-        if num_new > token_budget:
-            num_new = token_budget
-        return min(num_new, self._max_model_len - 1 - num_computed)
-
     def _schedule_running(self, step: _Step) -> None:
         """Pass 1 (D2, D3): grow every running request, preempting when the pool is short."""
         running = self.running
+        threshold = self._long_prefill_threshold
+        max_model_len = self._max_model_len
+        grow_slots, schedule = self.kv.grow_slots, step.schedule
         index = 0
         while index < len(running) and step.token_budget > 0:
             request = running[index]
-            num_new = self._num_new_tokens(request, step.token_budget)
+            # D1: tokens still to compute, capped by the long-prefill threshold, the budget
+            # and the model length (inline: this loop runs for every running request)
+            num_computed = request.num_computed_tokens
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) \
+                - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > step.token_budget:
+                num_new = step.token_budget
+            if num_new > max_model_len - 1 - num_computed:
+                num_new = max_model_len - 1 - num_computed
             if num_new <= 0:
                 index += 1
                 continue
-            new_blocks = self.kv.grow_slots(request, num_new)
+            new_blocks = grow_slots(request, num_new)
             if new_blocks is None:
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
                 if new_blocks is None:
                     break  # the request preempted itself: nothing later runs this step
-            step.schedule(request, num_new, new_blocks)
+            schedule(request, num_new, new_blocks)
             index += 1
 
     def _preempt_until_fits(self, request: Request, num_new: int, index: int,
@@ -354,7 +356,14 @@ class Scheduler:
                 blocks = step.new_blocks.get(request_id)
                 cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
                 cached.num_computed_tokens.append(num_computed)
-            self._advance(request, num_computed, num_new)
+            # D7, counting tokens whose KV had been computed before a preemption (B3)
+            end = num_computed + num_new
+            high_water = request.max_computed_tokens
+            if num_computed < high_water:
+                self._count_recomputed(request, min(end, high_water) - num_computed)
+            if end > high_water:
+                request.max_computed_tokens = end
+            request.num_computed_tokens = end
         self.num_steps += 1
         self.num_scheduled_tokens += total
         finished_ids, self._finished_since_last_step = self._finished_since_last_step, []
@@ -367,18 +376,9 @@ class Scheduler:
             finished_req_ids=finished_ids,
         )
 
-    def _advance(self, request: Request, num_computed: int, num_new: int) -> None:
-        """num_computed += n, counting tokens whose KV had been computed before a
-        preemption as recomputed (B3)."""
-        high_water = request.max_computed_tokens
-        end = num_computed + num_new
-        if num_computed < high_water:
-            recomputed = min(end, high_water) - num_computed
-            request.num_recomputed_tokens += recomputed
-            self.num_recomputed_tokens += recomputed
-        if end > high_water:
-            request.max_computed_tokens = end
-        request.num_computed_tokens = end
+    def _count_recomputed(self, request: Request, num_tokens: int) -> None:
+        request.num_recomputed_tokens += num_tokens
+        self.num_recomputed_tokens += num_tokens
 
     # -- update() --------------------------------------------------------------------------
 
@@ -413,16 +413,19 @@ class Scheduler:
 
     def _append_tokens(self, request: Request, token_ids: list[int],
                        now: float) -> RequestOutput:
-        status = stop_reason = None
-        num_appended = 0
-        for token_id in token_ids:
-            request.output_token_ids.append(token_id)
-            num_appended += 1
-            status, stop_reason = check_stop(request, token_id, self._length_limit)
-            if status is not None:
-                break  # tokens after a stop are dropped
-        new_token_ids = token_ids if num_appended == len(token_ids) else \
-            token_ids[:num_appended]
+        output_token_ids = request.output_token_ids
+        if len(token_ids) == 1:  # the usual case: one sampled token
+            output_token_ids.append(token_ids[0])
+            status, stop_reason = check_stop(request, token_ids[0], self._length_limit)
+            new_token_ids = token_ids
+        else:
+            new_token_ids = []
+            for token_id in token_ids:
+                output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                status, stop_reason = check_stop(request, token_id, self._length_limit)
+                if status is not None:
+                    break  # tokens after a stop are dropped
         if request.first_token_time is None:
             request.first_token_time = now
         if request.preempted_time is not None:
