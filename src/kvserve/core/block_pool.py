@@ -97,9 +97,8 @@ class BlockPool:
     Every one of ``num_blocks`` blocks is usable (A3: no null block).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}

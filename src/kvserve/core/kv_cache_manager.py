@@ -27,7 +27,7 @@ class KVCacheManager:
         # J2: a sequence of n tokens needs n slots to keep decoding (the newest token is fed
         # back), so no sequence can grow past the whole pool plus that last token.
         self.max_sequence_tokens = min(max_model_len, cache_config.num_token_slots + 1)
-        self.pool = BlockPool(cache_config.num_blocks, cache_config.enable_prefix_caching)
+        self.pool = BlockPool(cache_config.num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are full and registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}

@@ -62,9 +62,7 @@ class ModelRunner:
                 rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)})
 
     def _update_states(self, out: SchedulerOutput) -> None:
-        for request_id in out.finished_req_ids:
-            self.requests.pop(request_id, None)
-        for request_id in out.preempted_req_ids:
+        for request_id in out.finished_req_ids + out.preempted_req_ids:
             self.requests.pop(request_id, None)
         for new in out.scheduled_new_reqs:
             self.requests[new.request_id] = _RequestState(
