@@ -11,15 +11,16 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace the section ``name`` (between its markers) with ``body``, or append it."""
+def write_section(name: str, body: str, docs: Path = DOCS, title: str = "# Benchmarks") -> None:
+    """Replace the section ``name`` (between its markers) of ``docs`` with ``body``, or
+    append it (a new file starts with ``title``)."""
     begin, end = markers(name)
     section = f"{begin}\n{body.strip()}\n{end}"
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    text = docs.read_text() if docs.exists() else title + "\n"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(text)

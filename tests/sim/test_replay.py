@@ -87,3 +87,34 @@ def test_a_log_without_steps_is_refused(tmp_path):
     path.write_text('{"type": "event", "kind": "arrived"}\n')
     with pytest.raises(CostModelError, match="no step lines"):
         ReplayCostModel.load(path)
+
+
+def test_the_engine_run_reads_as_a_simulation_report():
+    """run_trace returns the engine's run as a SimResult, so report.aggregate measures the
+    engine with the simulator's definitions; a replay of its step times agrees on every
+    count, and on the times to within the clock's ticks (the engine's token time is its
+    step's end, the simulator's the next step's start; after an idle wait the engine's
+    clock has moved on from the arrival it waited for, the simulator's has not)."""
+    from kvserve.sim.report import aggregate
+
+    clock = SteppingClock()
+    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, detokenize=False, **SETTINGS)
+    engine.clock = clock
+    log = io.StringIO()
+    run = run_trace(engine, TRACE, sleep=clock.sleep, log=log)
+    measured = aggregate(run.result)
+    path_text = log.getvalue()
+    replay = ReplayCostModel([json.loads(line)["duration"] for line in path_text.splitlines()
+                              if '"type": "step"' in line],
+                             [s.num_scheduled_tokens for s in run.steps])
+    simulated = aggregate(Simulator(SchedulerConfig(**SETTINGS),
+                                    CacheConfig(num_blocks=NUM_BLOCKS), replay).run(TRACE))
+    assert measured["num_preemptions"] > 0
+    for key in ("num_requests", "num_finished", "num_steps", "num_preemptions",
+                "scheduled_tokens", "recomputed_tokens", "output_tokens", "prompt_tokens"):
+        assert measured[key] == simulated[key], key
+    tick = 40 / 1024  # the SteppingClock's largest move
+    assert measured["duration_s"] == pytest.approx(simulated["duration_s"], abs=4 * tick)
+    for key in ("ttft_p50", "ttft_max", "e2e_p50", "e2e_p99", "itl_p50", "queue_p99"):
+        assert measured[key] == pytest.approx(simulated[key], abs=4 * tick), key
+    assert len(run.result.itl_samples) == measured["output_tokens"] - measured["num_finished"]

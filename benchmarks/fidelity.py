@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""Fidelity study: the simulator's predictions against the real engine on this machine.
+
+1. Calibrate: ``kvserve calibrate``'s grid of step shapes, measured on the engine's runner,
+   fitted to the calibrated cost model (or ``--calibration FILE`` from an earlier run).
+2. Capacity: the simulator's binary search (``kvserve plan``'s) for the largest W3 arrival
+   rate whose p99 queueing delay stays within ``--queue-p99-bound``.
+3. Each workload runs on the real engine (``run_trace``: arrivals on the wall clock, bf16,
+   greedy, block 16) and in the simulator with the same scheduler and cache configuration,
+   once with the calibrated model and once with the uncalibrated ``cpu-local`` roofline.
+   Both sides are measured by the same code (kvserve.sim.report.aggregate).
+
+Workloads (../shared/WORKLOADS.md): W1 (128 requests at once, 1 GiB KV cache), W2 (W1 with
+4,096 KV tokens and max_num_seqs 64), W3 (200 requests, Poisson 4 req/s) and W3's requests
+at 50% and 85% of the simulated capacity.
+
+    python benchmarks/fidelity.py [--workloads w1 w2 w3 w3-50 w3-85] [--calibration FILE]
+                                  [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# A dedicated run, as in offline_throughput.py: spinning OpenMP threads are faster when
+# nothing else wants the cores. Calibration and engine runs share the setting.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+import torch
+
+from docs_section import write_section
+from kvserve.engine import calibrate
+from kvserve.engine.engine import Engine
+from kvserve.engine.llm import build_engine
+from kvserve.engine.trace_runner import run_trace
+from kvserve.sim.cost_models import CalibratedCostModel, CostModel, RooflineCostModel
+from kvserve.sim.plan import capacity_qps
+from kvserve.sim.presets import get_hardware, get_model
+from kvserve.sim.report import aggregate
+from kvserve.sim.simulator import Simulator
+from kvserve.sim.trace import TraceRequest
+from shared_workloads import w1_trace, w3_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "out" / "fidelity"
+DOCS = ROOT / "docs" / "fidelity.md"
+DTYPE = "bfloat16"
+BLOCK_SIZE = 16
+W1_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+W2_SETTINGS: dict[str, Any] = {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                               "num_kv_blocks": 4096 // BLOCK_SIZE}
+LOADS = {"w3-50": 0.50, "w3-85": 0.85}
+# (report key, label, kind): "rel" -> relative error; "count" -> simulated - engine.
+METRICS = (("duration_s", "duration s", "rel"),
+           ("throughput_output_tok_s", "output tok/s", "rel"),
+           ("ttft_p50", "TTFT p50 s", "rel"), ("ttft_p99", "TTFT p99 s", "rel"),
+           ("itl_p50", "ITL p50 s", "rel"), ("itl_p99", "ITL p99 s", "rel"),
+           ("e2e_p50", "E2E p50 s", "rel"), ("e2e_p99", "E2E p99 s", "rel"),
+           ("queue_p99", "queue p99 s", "rel"),
+           ("num_preemptions", "preemptions", "count"),
+           ("recomputed_tokens", "recomputed tokens", "count"),
+           ("num_steps", "steps", "count"))
+TARGETS = {"throughput_output_tok_s": 0.03, "ttft_p50": 0.03, "itl_p50": 0.03,
+           "e2e_p50": 0.03, "ttft_p99": 0.08, "itl_p99": 0.08, "e2e_p99": 0.08}
+
+
+def new_engine(settings: dict[str, Any]) -> Engine:
+    return build_engine(None, dtype=DTYPE, block_size=BLOCK_SIZE, detokenize=False,
+                        **settings)
+
+
+def run_calibration(progress: bool) -> CalibratedCostModel:
+    engine = new_engine(W1_SETTINGS)
+    runner: Any = engine.executor
+    shapes = calibrate.grid()
+    start = time.perf_counter()
+    model, seconds = calibrate.calibrate(runner, engine.scheduler.cache_config.num_blocks,
+                                         shapes, progress=progress)
+    meta = {"model": runner.model.config.name, "dtype": DTYPE, "block_size": BLOCK_SIZE,
+            "num_samples": len(shapes), "seconds": round(time.perf_counter() - start, 1)}
+    (OUT / "cost-model.json").write_text(calibrate.to_json(model, shapes, seconds, meta))
+    calibrate.plot(OUT / "calibration.svg", shapes, seconds, model)
+    return model
+
+
+def simulate(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
+             ) -> dict[str, Any]:
+    """The trace in the simulator, with the engine's own scheduler and cache configuration."""
+    scheduler = engine.scheduler
+    result = Simulator(scheduler.config, scheduler.cache_config, cost_model).run(trace)
+    return aggregate(result)
+
+
+def find_capacity(model: CalibratedCostModel, bound: float) -> tuple[float, list[dict]]:
+    engine_config = new_engine(W1_SETTINGS)  # only its configuration is used
+
+    def queue_p99(qps: float) -> float | None:
+        return simulate(engine_config, w3_trace(rate=qps), model)["queue_p99"]
+
+    qps, probes = capacity_qps(queue_p99, 1.0, bound, rel_tol=0.01)
+    if qps is None:
+        raise SystemExit(f"no W3 rate keeps p99 queueing within {bound} s in the simulator")
+    return qps, probes
+
+
+def workload(name: str, capacity: Callable[[], float]) -> tuple[list[TraceRequest],
+                                                                 dict[str, Any], str]:
+    """(trace, engine settings, description)."""
+    if name == "w1":
+        return w1_trace(), W1_SETTINGS, "W1: 128 requests at t=0, KV cache 1 GiB"
+    if name == "w2":
+        return w1_trace(), W2_SETTINGS, "W2: W1 in 4,096 KV tokens, max_num_seqs 64"
+    if name == "w3":
+        return w3_trace(), W1_SETTINGS, "W3: 200 requests, Poisson 4 req/s"
+    share = LOADS[name]
+    rate = share * capacity()
+    return (w3_trace(rate=rate), W1_SETTINGS,
+            f"W3's requests at {rate:.2f} req/s ({share:.0%} of simulated capacity)")
+
+
+def compare(name: str, description: str, trace: Sequence[TraceRequest],
+            settings: dict[str, Any], calibrated: CostModel) -> dict[str, Any]:
+    engine = new_engine(settings)
+    with (OUT / f"{name}-steps.jsonl").open("w") as log:
+        start = time.perf_counter()
+        run = run_trace(engine, trace, log=log, greedy=True)
+        wall = time.perf_counter() - start
+    roofline = RooflineCostModel(get_model("smollm2-135m"), get_hardware("cpu-local"), "bf16")
+    row = {"name": name, "description": description, "wall_s": wall,
+           "engine": aggregate(run.result),
+           "calibrated": simulate(engine, trace, calibrated),
+           "roofline": simulate(engine, trace, roofline)}
+    (OUT / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
+def error(kind: str, engine: float | None, simulated: float | None) -> str:
+    if engine is None or simulated is None:
+        return "—"
+    if kind == "count":
+        return f"{simulated - engine:+.0f}"
+    if engine == 0:
+        return "—" if simulated == 0 else "∞"
+    return f"{100 * (simulated - engine) / engine:+.1f}%"
+
+
+def value(v: float | None) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, int) or float(v).is_integer():
+        return f"{v:,.0f}"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+def table(row: dict[str, Any]) -> list[str]:
+    lines = [f"### {row['name'].upper()}: {row['description']}", "",
+             "| figure | engine | calibrated sim | error | target | roofline sim (cpu-local) "
+             "| error |", "|---|---|---|---|---|---|---|"]
+    for key, label, kind in METRICS:
+        e, c, r = row["engine"][key], row["calibrated"][key], row["roofline"][key]
+        target = f"±{100 * TARGETS[key]:.0f}%" if key in TARGETS else \
+            ("equal" if key == "num_preemptions" and row["name"] == "w2" else "")
+        lines.append(f"| {label} | {value(e)} | {value(c)} | {error(kind, e, c)} | {target} "
+                     f"| {value(r)} | {error(kind, e, r)} |")
+    return [*lines, ""]
+
+
+def markdown(rows: list[dict[str, Any]], model: CalibratedCostModel,
+             capacity: tuple[float, list[dict]] | None, bound: float, command: str) -> str:
+    uname = platform.uname()
+    lines = ["## Results", "",
+             f"`{command}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on "
+             f"{uname.machine} ({os.cpu_count()} cores, {uname.system} {uname.release}), "
+             f"Python {platform.python_version()}, torch {torch.__version__} with "
+             f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct in bf16, block size "
+             f"{BLOCK_SIZE}, greedy, ignore_eos. Engine wall time per workload: "
+             + ", ".join(f"{r['name'].upper()} {r['wall_s']:.0f} s" for r in rows) + ".", "",
+             "Calibrated coefficients (out/fidelity/cost-model.json; "
+             f"{model.source}):", ""]
+    lines += [f"- `{term}` = {v:.4g} s" for term, v in model.coefficients.items()]
+    lines.append("")
+    if capacity is not None:
+        qps, probes = capacity
+        lines += [f"Simulated capacity of W3's requests: **{qps:.2f} req/s** (largest rate "
+                  f"with p99 queueing delay within {bound:g} s; {len(probes)} probes).", ""]
+    for row in rows:
+        lines += table(row)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3", "w3-50", "w3-85"],
+                        choices=["w1", "w2", "w3", *LOADS])
+    parser.add_argument("--calibration", type=Path,
+                        help="a cost model from kvserve calibrate (default: calibrate now)")
+    parser.add_argument("--queue-p99-bound", type=float, default=2.0, metavar="SECONDS",
+                        help="capacity = the largest rate with p99 queueing within this")
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    if args.calibration:
+        model = CalibratedCostModel.load(args.calibration)
+    else:
+        print("calibrating ...", flush=True)
+        model = run_calibration(sys.stderr.isatty())
+    print(f"cost model: {model.source}", flush=True)
+    capacity: tuple[float, list[dict]] | None = None
+
+    def capacity_rate() -> float:
+        nonlocal capacity
+        if capacity is None:
+            capacity = find_capacity(model, args.queue_p99_bound)
+            print(f"simulated W3 capacity: {capacity[0]:.3f} req/s", flush=True)
+        return capacity[0]
+
+    rows = []
+    for name in args.workloads:
+        trace, settings, description = workload(name, capacity_rate)
+        row = compare(name, description, trace, settings, model)
+        rows.append(row)
+        print("\n".join(table(row)), flush=True)
+    command = "python benchmarks/fidelity.py " + " ".join(sys.argv[1:])
+    body = markdown(rows, model, capacity, args.queue_p99_bound, command.strip())
+    (OUT / "results.md").write_text(body + "\n")
+    if args.write_docs:
+        write_section("fidelity_results", body, DOCS, "# Simulator fidelity")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
