@@ -60,6 +60,25 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def popleft_many(self, count: int) -> list[KVBlock]:
+        """The first ``count`` blocks, unlinked in one pass: the same as ``count`` popleft()
+        calls without a call per block (allocation takes dozens of blocks per prompt)."""
+        if count > self.num_free:
+            raise IndexError(f"{count} blocks asked for, {self.num_free} free")
+        blocks = []
+        block = self._head.next_free
+        for _ in range(count):
+            assert block is not None
+            blocks.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
+            block = following
+        assert block is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free -= count
+        return blocks
+
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
@@ -127,13 +146,11 @@ class BlockPool:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only {self.free_queue.num_free} free"
             )
-        blocks = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+        blocks = self.free_queue.popleft_many(num_blocks)
+        for block in blocks:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

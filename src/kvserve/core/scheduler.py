@@ -37,6 +37,7 @@ from kvserve.core.request import EventType, Request, RequestStatus
 from kvserve.core.stop import check_stop
 
 _RUNNING = RequestStatus.RUNNING
+_new_tuple = tuple.__new__
 _PREEMPTED = RequestStatus.PREEMPTED
 QUEUE_TIMEOUT = "queue_timeout"
 
@@ -183,19 +184,24 @@ class Scheduler:
         running = self.running
         threshold = self._long_prefill_threshold
         max_model_len = self._max_model_len
-        grow_slots, schedule = self.kv.grow_slots, step.schedule
+        grow_slots = self.kv.grow_slots
+        num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
+        # This loop runs for every running request every step, so D1 and step.schedule() are
+        # written inline and the budget lives in a local; step.token_budget is brought up to
+        # date around the preemption path, which reads and changes it.
+        budget = step.token_budget
         index = 0
-        while index < len(running) and step.token_budget > 0:
+        while index < len(running) and budget > 0:
             request = running[index]
             # D1: tokens still to compute, capped by the long-prefill threshold, the budget
-            # and the model length (inline: this loop runs for every running request)
+            # and the model length
             num_computed = request.num_computed_tokens
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) \
                 - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > step.token_budget:
-                num_new = step.token_budget
+            if num_new > budget:
+                num_new = budget
             if num_new > max_model_len - 1 - num_computed:
                 num_new = max_model_len - 1 - num_computed
             if num_new <= 0:
@@ -203,11 +209,17 @@ class Scheduler:
                 continue
             new_blocks = grow_slots(request, num_new)
             if new_blocks is None:
+                step.token_budget = budget
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
+                budget = step.token_budget
                 if new_blocks is None:
                     break  # the request preempted itself: nothing later runs this step
-            schedule(request, num_new, new_blocks)
+            num_scheduled[request.request_id] = num_new
+            if new_blocks:
+                new_blocks_of[request.request_id] = new_blocks
+            budget -= num_new
             index += 1
+        step.token_budget = budget
 
     def _preempt_until_fits(self, request: Request, num_new: int, index: int,
                             step: _Step) -> tuple[list[KVBlock] | None, int]:
@@ -340,22 +352,27 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         block_ids = self.kv.get_block_ids
+        admitted, new_blocks_of = step.admitted, step.new_blocks
+        # Bound appends: this loop runs for every running request every step.
+        append_id = cached.request_ids.append
+        append_new_block_ids = cached.new_block_ids.append
+        append_num_computed = cached.num_computed_tokens.append
         for request in self.running:
             request_id = request.request_id
             num_new = num_scheduled.get(request_id)
             if num_new is None:
                 continue
             num_computed = request.num_computed_tokens
-            if request_id in step.admitted:
+            if request_id in admitted:
                 new_reqs.append(NewRequestData(
                     request_id, request.all_token_ids, request.num_prompt_tokens,
                     block_ids(request_id), num_computed, request.num_preemptions > 0,
                     request.sampling_params))
             else:
-                cached.request_ids.append(request_id)
-                blocks = step.new_blocks.get(request_id)
-                cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
-                cached.num_computed_tokens.append(num_computed)
+                append_id(request_id)
+                blocks = new_blocks_of.get(request_id)
+                append_new_block_ids([b.block_id for b in blocks] if blocks else [])
+                append_num_computed(num_computed)
             # D7, counting tokens whose KV had been computed before a preemption (B3)
             end = num_computed + num_new
             high_water = request.max_computed_tokens
@@ -389,6 +406,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         sampled = model_output.sampled_token_ids
         requests = self.requests
+        append_tokens, append_output = self._append_tokens, outputs.append
         any_finished = False
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
@@ -404,9 +422,10 @@ class Scheduler:
             if not token_ids:
                 raise ValueError(f"executor returned no token for request {request_id}, "
                                  "whose scheduled tokens reached the end of its sequence")
-            output = self._append_tokens(request, token_ids, now)
-            outputs.append(output)
-            any_finished = any_finished or output.finished
+            output = append_tokens(request, token_ids, now)
+            append_output(output)
+            if output.finished:
+                any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
@@ -433,7 +452,10 @@ class Scheduler:
             request.preempted_time = None
         request.last_token_time = now
         if status is None:
-            return RequestOutput(request.request_id, new_token_ids)
+            # RequestOutput(request_id, new_token_ids) without the NamedTuple's Python-level
+            # __new__, which costs twice as much: one is built per running request per step
+            return _new_tuple(RequestOutput,
+                              (request.request_id, new_token_ids, False, None, None, None))
         metrics = self._finish(request, status, now, stop_reason)
         return RequestOutput(request.request_id, new_token_ids, True, status.finish_reason,
                              stop_reason, metrics)

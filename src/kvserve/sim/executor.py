@@ -79,14 +79,19 @@ class SimExecutor:
                                               seq_len=len(new.token_ids),
                                               num_computed=new.num_computed_tokens)
         sampled: dict[str, list[int]] = {}
-        num_sampled = num_decode = context = pairs = 0
+        num_decode = context = pairs = 0
+        # This loop runs for every running request every step; a decode (one token after a
+        # computed prefix) is the usual case, so it gets the short form of the pair count.
         for request_id, num_new in out.num_scheduled_tokens.items():
             seq = state[request_id]
             computed = seq.num_computed
             context += computed
-            pairs += num_new * computed + num_new * (num_new + 1) // 2
-            if num_new == 1 and computed > 0:
-                num_decode += 1
+            if num_new == 1:
+                pairs += computed + 1
+                if computed:
+                    num_decode += 1
+            else:
+                pairs += num_new * computed + num_new * (num_new + 1) // 2
             computed += num_new
             seq.num_computed = computed
             seq_len = seq.seq_len
@@ -96,9 +101,8 @@ class SimExecutor:
                 sampled[request_id] = [answer[index] if index < len(answer)
                                        else stream_token(seq.stream, seq_len)]
                 seq.seq_len = seq_len + 1
-                num_sampled += 1
             elif computed > seq_len:
                 raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
         self.view = BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
-                              num_sampled, num_decode, context, pairs)
+                              len(sampled), num_decode, context, pairs)
         return ModelOutput(sampled)
