@@ -12,10 +12,11 @@
 
 Workloads (../shared/WORKLOADS.md): W1 (128 requests at once, 1 GiB KV cache), W2 (W1 with
 4,096 KV tokens and max_num_seqs 64), W3 (200 requests, Poisson 4 req/s) and W3's requests
-at 50% and 85% of the simulated capacity.
+at 50%, 85% and 100% of the simulated capacity (the last confirms the capacity on the
+engine).
 
-    python benchmarks/fidelity.py [--workloads w1 w2 w3 w3-50 w3-85] [--calibration FILE]
-                                  [--write-docs]
+    python benchmarks/fidelity.py [--workloads w1 w2 w3 w3-50 w3-85 w3-100]
+                                  [--load-requests N] [--calibration FILE] [--write-docs]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ BLOCK_SIZE = 16
 W1_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 W2_SETTINGS: dict[str, Any] = {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
                                "num_kv_blocks": 4096 // BLOCK_SIZE}
-LOADS = {"w3-50": 0.50, "w3-85": 0.85}
+LOADS = {"w3-50": 0.50, "w3-85": 0.85, "w3-100": 1.0}
 # (report key, label, kind): "rel" -> relative error; "count" -> simulated - engine.
 METRICS = (("duration_s", "duration s", "rel"),
            ("throughput_output_tok_s", "output tok/s", "rel"),
@@ -111,8 +112,8 @@ def find_capacity(model: CalibratedCostModel, bound: float) -> tuple[float, list
     return qps, probes
 
 
-def workload(name: str, capacity: Callable[[], float]) -> tuple[list[TraceRequest],
-                                                                 dict[str, Any], str]:
+def workload(name: str, capacity: Callable[[], float], load_requests: int
+             ) -> tuple[list[TraceRequest], dict[str, Any], str]:
     """(trace, engine settings, description)."""
     if name == "w1":
         return w1_trace(), W1_SETTINGS, "W1: 128 requests at t=0, KV cache 1 GiB"
@@ -122,8 +123,9 @@ def workload(name: str, capacity: Callable[[], float]) -> tuple[list[TraceReques
         return w3_trace(), W1_SETTINGS, "W3: 200 requests, Poisson 4 req/s"
     share = LOADS[name]
     rate = share * capacity()
-    return (w3_trace(rate=rate), W1_SETTINGS,
-            f"W3's requests at {rate:.2f} req/s ({share:.0%} of simulated capacity)")
+    return (w3_trace(load_requests, rate=rate), W1_SETTINGS,
+            f"W3's first {load_requests} requests at {rate:.2f} req/s ({share:.0%} of the "
+            "simulated capacity)")
 
 
 def compare(name: str, description: str, trace: Sequence[TraceRequest],
@@ -198,8 +200,10 @@ def markdown(rows: list[dict[str, Any]], model: CalibratedCostModel,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3", "w3-50", "w3-85"],
+    parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3", *LOADS],
                         choices=["w1", "w2", "w3", *LOADS])
+    parser.add_argument("--load-requests", type=int, default=200, metavar="N",
+                        help="requests in the W3 runs at a share of capacity (<= 200)")
     parser.add_argument("--calibration", type=Path,
                         help="a cost model from kvserve calibrate (default: calibrate now)")
     parser.add_argument("--queue-p99-bound", type=float, default=2.0, metavar="SECONDS",
@@ -225,7 +229,7 @@ def main() -> int:
 
     rows = []
     for name in args.workloads:
-        trace, settings, description = workload(name, capacity_rate)
+        trace, settings, description = workload(name, capacity_rate, args.load_requests)
         row = compare(name, description, trace, settings, model)
         rows.append(row)
         print("\n".join(table(row)), flush=True)

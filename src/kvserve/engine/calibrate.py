@@ -57,6 +57,11 @@ def grid(quick: bool = False) -> list[StepShape]:
                for c in (128, 512, 1024)]
     shapes += [StepShape(decode_contexts=(c,) * b, prefills=((0, n),))
                for b, c, n in ((16, 256, 512), (64, 512, 256), (32, 1024, 1024))]
+    # What a busy engine runs: several prompts packed into one chunk, and decode batches of
+    # mixed lengths with a prompt riding along.
+    shapes += [StepShape(prefills=((0, n),) * k) for k, n in ((4, 500), (8, 128))]
+    shapes += [StepShape(decode_contexts=tuple(range(64, 64 + 8 * b, 8)), prefills=((0, n),))
+               for b, n in ((24, 300), (96, 200), (48, 1000))]
     return shapes
 
 
