@@ -164,16 +164,21 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Register a newly full block under its hash.
+        """Register a newly full block under its hash (see :meth:`cache_blocks`)."""
+        self.cache_blocks((block,), (block_hash,))
+
+    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes]) -> None:
+        """Register newly full blocks, each under its hash.
 
         [kvserve] If another block already holds this hash (two requests computed the same
         prefix, e.g. the last prompt block, which is never a hit), the new block stays
         unhashed: one copy is findable, and the duplicate is reused first when freed.
         """
-        if block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block
+        cached = self.cached
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block_hash not in cached:
+                block.block_hash = block_hash
+                cached[block_hash] = block
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None

@@ -154,8 +154,7 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         hashes = extend_block_hashes(request, self.block_size, num_full * self.block_size)
-        for index in range(num_cached, num_full):
-            self.pool.cache_block(held[index], hashes[index])
+        self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:

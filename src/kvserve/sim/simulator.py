@@ -299,9 +299,9 @@ class _Run:
 
     def _collect(self, outputs: list[RequestOutput], now: float) -> None:
         records, append_itl = self.records, self.itl.append
-        for output in outputs:
-            record = records[output.request_id]
-            new_token_ids = output.new_token_ids
+        # Unpacked rather than read field by field: one output per running request per step.
+        for request_id, new_token_ids, finished, finish_reason, stop, metrics in outputs:
+            record = records[request_id]
             if new_token_ids:
                 last = record.last_token_time
                 if last is not None:
@@ -312,10 +312,9 @@ class _Run:
                         record.itl_max = gap
                 record.last_token_time = now
                 record.num_output_tokens += len(new_token_ids)
-            if output.finished:
-                stop = output.stop_reason
-                self._finish(output.request_id, output.finish_reason or "error",
-                             None if stop is None else str(stop), output.metrics)
+            if finished:
+                self._finish(request_id, finish_reason or "error",
+                             None if stop is None else str(stop), metrics)
 
     def _finish(self, request_id: str, reason: str, stop_reason: str | None,
                 metrics: RequestMetrics | None) -> None:

@@ -15,6 +15,7 @@ turn's prompt can contain that answer.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -73,9 +74,8 @@ class TraceRequest:
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """How the request is sampled: EOS is the simulated model's, max_tokens defaults to
         ``default_max_tokens`` (the model length) so that EOS or a length limit stops it."""
-        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens,
-                              ignore_eos=self.ignore_eos, eos_token_id=EOS_TOKEN_ID,
-                              priority=self.priority)
+        return _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
+                                self.priority)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
@@ -93,6 +93,14 @@ class TraceRequest:
             if value != default:
                 row[name] = value
         return row
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int) -> SamplingParams:
+    # Shared between requests: SamplingParams is frozen, a trace has a handful of distinct
+    # ones, and validating a new one costs more than the rest of submitting a request.
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                          eos_token_id=EOS_TOKEN_ID, priority=priority)
 
 
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
