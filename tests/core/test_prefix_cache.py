@@ -40,6 +40,21 @@ def test_only_full_blocks_are_hashed_and_salt_only_on_the_first():  # G3
     assert len(extend_block_hashes(request, 4, request.num_tokens)) == 3
 
 
+def test_extending_in_steps_gives_the_block_by_block_chain():  # G3
+    prompt = list(range(1000, 1037))  # 9 full blocks of 4, the 10th completed by output
+    request = make_request("a", prompt_token_ids=prompt, cache_salt="s")
+    sequence = [*prompt, 7, 8, 9]
+    expected = [hash_block_tokens(None, sequence[:4], "s")]
+    for start in range(4, 40, 4):
+        expected.append(hash_block_tokens(expected[-1], sequence[start:start + 4]))
+    assert extend_block_hashes(request, 4, 1) == []
+    assert extend_block_hashes(request, 4, 4) == expected[:1]
+    assert extend_block_hashes(request, 4, 27) == expected[:6]  # five at once
+    assert extend_block_hashes(request, 4, 28) == expected[:7]  # one more
+    request.output_token_ids += [7, 8, 9]
+    assert extend_block_hashes(request, 4, request.num_tokens) == expected
+
+
 def cached_manager(tokens, num_blocks=10, block_size=4):
     kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size),
                         max_model_len=1000)

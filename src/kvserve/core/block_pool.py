@@ -147,9 +147,13 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: only {self.free_queue.num_free} free"
             )
         blocks = self.free_queue.popleft_many(num_blocks)
+        cached = self.cached
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:  # evicted only now (G2); most reused blocks carry one
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = None
             block.ref_cnt = 1
         return blocks
 
@@ -179,12 +183,6 @@ class BlockPool:
             if block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
-
-    def _evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-        block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
