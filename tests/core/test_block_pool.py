@@ -26,6 +26,21 @@ def test_free_queue_removes_from_the_middle():  # G1
         queue.remove(blocks[1])
 
 
+def test_free_queue_pops_and_appends_many_as_one_at_a_time():  # G1
+    blocks = [KVBlock(i) for i in range(6)]
+    queue = FreeBlockQueue(blocks)
+    assert [b.block_id for b in queue.popleft_many(3)] == [0, 1, 2]
+    assert queue.block_ids() == [3, 4, 5] and len(queue) == 3
+    assert blocks[0].prev_free is None and blocks[2].next_free is None
+    queue.extend([blocks[1], blocks[0]])
+    queue.extend([])
+    assert queue.block_ids() == [3, 4, 5, 1, 0] and len(queue) == 5
+    assert [b.block_id for b in queue.popleft_many(5)] == [3, 4, 5, 1, 0]
+    assert queue.block_ids() == [] and len(queue) == 0
+    with pytest.raises(IndexError):
+        queue.popleft_many(1)
+
+
 def test_allocating_more_than_free_raises():
     pool = BlockPool(2)
     with pytest.raises(ValueError, match="cannot allocate 3 blocks: only 2 free"):

@@ -88,6 +88,21 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """append() each block in order, linking them in one pass (a finished request
+        returns dozens of blocks)."""
+        if not blocks:
+            return
+        last = self._tail.prev_free
+        assert last is not None
+        for block in blocks:
+            last.next_free = block
+            block.prev_free = last
+            last = block
+        last.next_free = self._tail
+        self._tail.prev_free = last
+        self.num_free += len(blocks)
+
     def appendleft(self, block: KVBlock) -> None:
         first = self._head.next_free
         assert first is not None
@@ -159,13 +174,18 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail first)."""
+        queue = self.free_queue
+        # Hashed blocks go to the tail in the order given, so they are linked in one pass at
+        # the end; hashless ones go to the head, so the two never interleave.
+        to_tail = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    queue.appendleft(block)
                 else:
-                    self.free_queue.append(block)
+                    to_tail.append(block)
+        queue.extend(to_tail)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Register a newly full block under its hash (see :meth:`cache_blocks`)."""

@@ -64,10 +64,10 @@ class TraceRequest:
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         assert self.prompt_len is not None
-        ids: list[int] = []
-        if self.prefix_id is not None:
-            ids = stream_tokens(stream_key(seed, "prefix:" + self.prefix_id), 0, self.prefix_len)
         own = stream_key(seed, "request:" + self.request_id)
+        if self.prefix_id is None:
+            return stream_tokens(own, 0, self.prompt_len)
+        ids = stream_tokens(stream_key(seed, "prefix:" + self.prefix_id), 0, self.prefix_len)
         ids += stream_tokens(own, len(ids), self.prompt_len)
         return ids
 
