@@ -24,6 +24,34 @@ from kvserve.model.input_batch import ForwardBatch
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
 
+def can_pack_weights(dtype: torch.dtype) -> bool:
+    """Whether :meth:`Linear.pack` pays off: bfloat16 on a CPU whose oneDNN runs bf16."""
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Linear(nn.Module):
+    """``x @ weight.T`` without bias, optionally through a oneDNN pre-packed copy of the weight.
+
+    F.linear on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every call;
+    the packed copy does that once. Measured on the 2-core benchmark machine over SmolLM2-135M's
+    30 layers: 24 -> 12 ms at 12 tokens, 56 -> 40 ms at 64, ~8% at 2,048, bit-identical results.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -83,8 +111,8 @@ class Attention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=False)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split))
+        self.o_proj = Linear(q_size, config.hidden_size)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor,
@@ -103,9 +131,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -137,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotary)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else \
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_word_embeddings = config.tie_word_embeddings
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionFn = paged_attention) -> torch.Tensor:
@@ -149,8 +176,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]
@@ -164,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_weights(weights)
+        if can_pack_weights(model.embed_tokens.weight.dtype):
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.pack()
         return model.eval()
 
     @torch.no_grad()
@@ -185,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
 
         bind(self.embed_tokens, take("model.embed_tokens.weight"), "embed_tokens")
         bind(self.norm, take("model.norm.weight"), "model.norm.weight")
-        if self.lm_head is not None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
             bind(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
