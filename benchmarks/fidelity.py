@@ -45,14 +45,16 @@ from kvserve.engine.trace_runner import run_trace
 from kvserve.sim.cost_models import CalibratedCostModel, CostModel, RooflineCostModel
 from kvserve.sim.plan import capacity_qps
 from kvserve.sim.presets import get_hardware, get_model
-from kvserve.sim.report import aggregate
-from kvserve.sim.simulator import Simulator
+from kvserve.sim.report import aggregate, request_latencies
+from kvserve.sim.simulator import SimResult, Simulator
+from kvserve.sim.svg import line_chart
 from kvserve.sim.trace import TraceRequest
 from shared_workloads import w1_trace, w3_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "fidelity"
 DOCS = ROOT / "docs" / "fidelity.md"
+PLOTS = ROOT / "docs" / "img"
 DTYPE = "bfloat16"
 BLOCK_SIZE = 16
 W1_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
@@ -92,12 +94,27 @@ def run_calibration(progress: bool) -> CalibratedCostModel:
     return model
 
 
-def simulate(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
-             ) -> dict[str, Any]:
+def simulate_result(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
+                    ) -> SimResult:
     """The trace in the simulator, with the engine's own scheduler and cache configuration."""
     scheduler = engine.scheduler
-    result = Simulator(scheduler.config, scheduler.cache_config, cost_model).run(trace)
-    return aggregate(result)
+    return Simulator(scheduler.config, scheduler.cache_config, cost_model).run(trace)
+
+
+def simulate(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
+             ) -> dict[str, Any]:
+    return aggregate(simulate_result(engine, trace, cost_model))
+
+
+def ttft_plot(path: Path, title: str, results: dict[str, SimResult]) -> None:
+    """Each request's TTFT, sorted (an inverse CDF), for the engine and the simulators."""
+    series = []
+    for label, result in results.items():
+        ttfts = sorted(lat["ttft"] for lat in map(request_latencies, result.records)
+                       if lat["ttft"] is not None)
+        series.append((label, [100 * (i + 1) / len(ttfts) for i in range(len(ttfts))], ttfts))
+    path.write_text(line_chart(title, series, "requests (%)", "TTFT (s)", width=720,
+                               height=300), encoding="utf-8")
 
 
 def find_capacity(model: CalibratedCostModel, bound: float) -> tuple[float, list[dict]]:
@@ -136,11 +153,15 @@ def compare(name: str, description: str, trace: Sequence[TraceRequest],
         run = run_trace(engine, trace, log=log, greedy=True)
         wall = time.perf_counter() - start
     roofline = RooflineCostModel(get_model("smollm2-135m"), get_hardware("cpu-local"), "bf16")
+    results = {"engine": run.result, "calibrated sim": simulate_result(engine, trace, calibrated),
+               "roofline sim": simulate_result(engine, trace, roofline)}
     row = {"name": name, "description": description, "wall_s": wall,
-           "engine": aggregate(run.result),
-           "calibrated": simulate(engine, trace, calibrated),
-           "roofline": simulate(engine, trace, roofline)}
+           "engine": aggregate(results["engine"]),
+           "calibrated": aggregate(results["calibrated sim"]),
+           "roofline": aggregate(results["roofline sim"])}
     (OUT / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
+    ttft_plot(PLOTS / f"fidelity-{name}-ttft.svg", f"{name.upper()}: TTFT per request, sorted",
+              results)
     return row
 
 
@@ -166,13 +187,14 @@ def table(row: dict[str, Any]) -> list[str]:
     lines = [f"### {row['name'].upper()}: {row['description']}", "",
              "| figure | engine | calibrated sim | error | target | roofline sim (cpu-local) "
              "| error |", "|---|---|---|---|---|---|---|"]
+    plot = f"img/fidelity-{row['name']}-ttft.svg"
     for key, label, kind in METRICS:
         e, c, r = row["engine"][key], row["calibrated"][key], row["roofline"][key]
         target = f"±{100 * TARGETS[key]:.0f}%" if key in TARGETS else \
             ("equal" if key == "num_preemptions" and row["name"] == "w2" else "")
         lines.append(f"| {label} | {value(e)} | {value(c)} | {error(kind, e, c)} | {target} "
                      f"| {value(r)} | {error(kind, e, r)} |")
-    return [*lines, ""]
+    return [*lines, "", f"![{row['name'].upper()} TTFT: engine and simulators]({plot})", ""]
 
 
 def markdown(rows: list[dict[str, Any]], model: CalibratedCostModel,
@@ -211,6 +233,7 @@ def main() -> int:
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    PLOTS.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     if args.calibration:
         model = CalibratedCostModel.load(args.calibration)
