@@ -187,11 +187,12 @@ class Scheduler:
         grow_slots = self.kv.grow_slots
         num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
         # This loop runs for every running request every step, so D1 and step.schedule() are
-        # written inline and the budget lives in a local; step.token_budget is brought up to
-        # date around the preemption path, which reads and changes it.
+        # written inline and the budget and running count live in locals, brought up to date
+        # around the preemption path, which reads and changes them.
         budget = step.token_budget
+        num_running = len(running)
         index = 0
-        while index < len(running) and budget > 0:
+        while index < num_running and budget > 0:
             request = running[index]
             # D1: tokens still to compute, capped by the long-prefill threshold, the budget
             # and the model length
@@ -211,7 +212,7 @@ class Scheduler:
             if new_blocks is None:
                 step.token_budget = budget
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
-                budget = step.token_budget
+                budget, num_running = step.token_budget, len(running)
                 if new_blocks is None:
                     break  # the request preempted itself: nothing later runs this step
             num_scheduled[request.request_id] = num_new
@@ -406,7 +407,8 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         sampled = model_output.sampled_token_ids
         requests = self.requests
-        append_tokens, append_output = self._append_tokens, outputs.append
+        length_limit = self._length_limit
+        append_output = outputs.append
         any_finished = False
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
@@ -422,9 +424,27 @@ class Scheduler:
             if not token_ids:
                 raise ValueError(f"executor returned no token for request {request_id}, "
                                  "whose scheduled tokens reached the end of its sequence")
-            output = append_tokens(request, token_ids, now)
-            append_output(output)
-            if output.finished:
+            if len(token_ids) > 1 or request.first_token_time is None or \
+                    request.preempted_time is not None:
+                output = self._append_tokens(request, token_ids, now)
+                append_output(output)
+                any_finished = any_finished or output.finished
+                continue
+            # The usual step of a decoding request: _append_tokens for one token, with no
+            # first token or stall to note, written inline because this runs for every
+            # running request every step and a call costs as much as the rest of it. For the
+            # same reason the output is RequestOutput(request_id, token_ids) built without
+            # the NamedTuple's Python-level __new__.
+            token_id = token_ids[0]
+            request.output_token_ids.append(token_id)
+            status, stop_reason = check_stop(request, token_id, length_limit)
+            request.last_token_time = now
+            if status is None:
+                append_output(_new_tuple(RequestOutput,
+                                         (request_id, token_ids, False, None, None, None)))
+            else:
+                append_output(self._finished_output(request, token_ids, status, stop_reason,
+                                                    now))
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
@@ -433,7 +453,7 @@ class Scheduler:
     def _append_tokens(self, request: Request, token_ids: list[int],
                        now: float) -> RequestOutput:
         output_token_ids = request.output_token_ids
-        if len(token_ids) == 1:  # the usual case: one sampled token
+        if len(token_ids) == 1:
             output_token_ids.append(token_ids[0])
             status, stop_reason = check_stop(request, token_ids[0], self._length_limit)
             new_token_ids = token_ids
@@ -452,10 +472,12 @@ class Scheduler:
             request.preempted_time = None
         request.last_token_time = now
         if status is None:
-            # RequestOutput(request_id, new_token_ids) without the NamedTuple's Python-level
-            # __new__, which costs twice as much: one is built per running request per step
-            return _new_tuple(RequestOutput,
-                              (request.request_id, new_token_ids, False, None, None, None))
+            return RequestOutput(request.request_id, new_token_ids)
+        return self._finished_output(request, new_token_ids, status, stop_reason, now)
+
+    def _finished_output(self, request: Request, new_token_ids: list[int],
+                         status: RequestStatus, stop_reason: int | None,
+                         now: float) -> RequestOutput:
         metrics = self._finish(request, status, now, stop_reason)
         return RequestOutput(request.request_id, new_token_ids, True, status.finish_reason,
                              stop_reason, metrics)

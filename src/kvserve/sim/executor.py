@@ -96,10 +96,11 @@ class SimExecutor:
             seq.num_computed = computed
             seq_len = seq.seq_len
             if computed == seq_len:
-                index = seq_len - seq.num_prompt_tokens
-                answer = seq.answer
-                sampled[request_id] = [answer[index] if index < len(answer)
-                                       else stream_token(seq.stream, seq_len)]
+                try:
+                    token_id = seq.answer[seq_len - seq.num_prompt_tokens]
+                except IndexError:  # ignore_eos: the stream goes on past the drawn answer
+                    token_id = stream_token(seq.stream, seq_len)
+                sampled[request_id] = [token_id]
                 seq.seq_len = seq_len + 1
             elif computed > seq_len:
                 raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
