@@ -54,3 +54,24 @@ def test_batch_view_counts_context_and_causal_pairs():
     v = executor.view
     assert (v.num_seqs, v.num_tokens, v.num_sampled, v.num_decode_seqs) == (2, 2, 2, 2)
     assert (v.context_tokens, v.attention_pairs) == (16, 11 + 7)
+
+
+def test_ignore_eos_continues_the_stream_past_the_drawn_answer():
+    # output_len 2 but ignore_eos: the model keeps sampling stream tokens until max_tokens 5
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                          CacheConfig(100))
+    executor = SimExecutor()
+    key = stream_key(0, "a")
+    executor.register("a", 10, 2, True, key)
+    scheduler.add_request(Request("a", list(range(100, 110)),
+                                  SamplingParams(max_tokens=5, ignore_eos=True,
+                                                 eos_token_id=EOS_TOKEN_ID)))
+    tokens = []
+    for step in range(10):
+        out = scheduler.schedule(float(step))
+        model_output = executor.execute(out)
+        tokens += model_output.sampled_token_ids.get("a", [])
+        scheduler.update(out, model_output, float(step))
+        if not scheduler.has_unfinished_requests():
+            break
+    assert tokens == [stream_token(key, p) for p in range(10, 15)]
