@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import layer_ops, paged_kernel
 from kvserve.model.llama import Linear, can_pack_weights
 
 
@@ -21,3 +22,75 @@ def test_a_packed_bf16_projection_equals_f_linear(num_tokens):
     assert linear.packed is not None
     with torch.inference_mode():
         assert torch.equal(linear(x), expected)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(params=["fused", "torch"], autouse=False)
+def path(request, monkeypatch) -> str:
+    """Run a layer_ops test through the C++ ops and again through the torch fallback."""
+    if request.param == "fused" and not paged_kernel.available():
+        pytest.skip("no C++ extension")
+    if request.param == "torch":
+        monkeypatch.setattr(layer_ops, "_fused", lambda dtype: False)
+    return request.param
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 300])
+def test_norms_with_and_without_residual(path, dtype, num_tokens):
+    x = _randn(num_tokens, 96, dtype=dtype, seed=1)
+    residual = _randn(num_tokens, 96, dtype=dtype, seed=2)
+    weight = _randn(96, dtype=dtype, seed=3)
+    tol = TOLERANCE[dtype]
+    expected = F.rms_norm(x.float(), (96,), weight.float(), 1e-5)
+    torch.testing.assert_close(layer_ops.rms_norm(x, weight, 1e-5).float(), expected,
+                               atol=tol, rtol=tol)
+    summed = residual + x  # rounded to dtype, as the fused op rounds its residual
+    expected = F.rms_norm(summed.float(), (96,), weight.float(), 1e-5)
+    out = layer_ops.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(residual, summed)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(path, dtype):
+    gate_up = _randn(33, 2 * 40, dtype=dtype) * 30  # reaches silu's saturated tails
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(layer_ops.silu_and_mul(gate_up).float(), F.silu(gate) * up,
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_q_and_k_and_stores_k_and_v_at_their_slots(path, dtype):
+    heads, kv_heads, dim, block_size = 4, 2, 8, 4
+    positions = torch.tensor([0, 5, 6, 17])
+    slots = torch.tensor([3, 9, 0, 14])  # any distinct slots of the 4 x 4 cache
+    angles = torch.outer(torch.arange(32, dtype=torch.float32), torch.rand(dim // 2) + 0.1)
+    cos, sin = angles.cos(), angles.sin()
+    qkv = _randn(4, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = qkv.float().clone().split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+
+    def rotate(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        x = x.view(4, num_heads, dim)
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+    k_cache = torch.zeros(4, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    out = layer_ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots,
+                                      heads, kv_heads)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), rotate(q, heads), atol=tol, rtol=tol)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    torch.testing.assert_close(flat_k[slots].float(), rotate(k, kv_heads), atol=tol, rtol=tol)
+    assert torch.equal(flat_v[slots].float(), v.view(4, kv_heads, dim))
+    untouched = [i for i in range(16) if i not in slots.tolist()]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()

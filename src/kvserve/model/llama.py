@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.attention import paged_attention, write_kv
+from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
+from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
@@ -58,8 +59,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x), or with a residual stream: ``residual += x`` (in place), then
+        rms_norm(residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -87,19 +92,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """float32 cos and sin tables, [max_positions, head_dim / 2], for the rotate-half layout."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))  # [max_pos, dim / 2]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, dim] in rotate-half layout (first half, second half)."""
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -110,19 +110,16 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(config.hidden_size, sum(self.split))
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size)
         self.o_proj = Linear(q_size, config.hidden_size)
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor,
                 torch.Tensor], attention: AttentionFn) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = self.rotary(q.view(-1, self.num_heads, self.head_dim), batch.positions)
-        k = self.rotary(k.view(-1, self.num_kv_heads, self.head_dim), batch.positions)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), batch.slot_mapping)
+        q = rope_and_write_kv(self.qkv_proj(x), batch.positions, self.rotary.cos,
+                              self.rotary.sin, k_cache, v_cache, batch.slot_mapping,
+                              self.num_heads, self.num_kv_heads)
         out = attention(q.to(k_cache.dtype), k_cache, v_cache, batch).to(x.dtype)
         return self.o_proj(out.flatten(1))
 
@@ -130,13 +127,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -147,11 +142,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attention: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                attention: AttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output is ``residual + x`` of the returned pair: the residual adds are
+        deferred into the next norm (one fused op). The first layer gets residual None."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, kv_cache, attention)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,10 +173,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionFn = paged_attention) -> torch.Tensor:
         """Hidden states of the tokens whose logits are needed: [S, hidden]."""
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, kv_cache, attention)
-        return self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, batch, kv_cache, attention)
+        if residual is None:
+            return self.norm(x[batch.logits_indices])
+        return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,4 +1,6 @@
-"""The C++ paged attention kernel (csrc/paged_attention.cpp), built on first use.
+"""The C++ extension, built on first use: the paged attention kernel (csrc/paged_attention.cpp)
+and the fused per-layer elementwise ops behind :mod:`kvserve.model.layer_ops`
+(csrc/layer_ops.cpp).
 
 It reads K and V in place through the block tables (no gather into a padded copy), one pass
 over each request's context with an online softmax for all its query heads, on torch's
@@ -33,7 +35,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
+HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
 
@@ -84,11 +88,12 @@ def _build() -> ModuleType:
     # and processes with different sources do not fight over one build directory.
     # The CPU's feature flags too: -march=native output must not load on another CPU model
     # that shares this cache directory (a network home, a container image).
-    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()
+    key = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + \
+        " ".join(CFLAGS).encode() + _cpu_signature().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return cpp_extension.load(
         name=f"kvserve_paged_attention_{digest}",
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         verbose=False,
@@ -125,6 +130,11 @@ def _kernel() -> ModuleType:
     if module is None:
         raise RuntimeError(f"paged attention kernel unavailable: {_error}")
     return module
+
+
+def layer_ops() -> ModuleType:
+    """The extension module, for :mod:`kvserve.model.layer_ops`' fused ops (csrc/layer_ops.cpp)."""
+    return _kernel()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

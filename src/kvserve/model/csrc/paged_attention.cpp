@@ -23,6 +23,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fast_math.h"
+#include "layer_ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -38,6 +41,8 @@
 
 namespace {
 
+using kvserve::exp_nonpositive;
+
 std::atomic<unsigned> g_touch_sink{0};  // keeps touch_rows' loads
 constexpr int kTileTokens = 64;  // keys per online-softmax step (rounded to whole blocks)
 
@@ -52,24 +57,6 @@ inline float to_float(c10::BFloat16 x) {
   float out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
-}
-
-// exp for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by a degree-6 polynomial, 2^n by building the exponent bits. Relative error ~2e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
-  float p = 1.3981999507e-3f;
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r * r, r + 1.0f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -675,6 +662,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "context_len - n + i",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
+  register_layer_ops(m);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__)
     return true;

@@ -1,0 +1,243 @@
+// Fused elementwise ops of a decoder layer: each replaces 5-15 small torch ops (and their
+// dispatch, allocation and dtype round trips), which dominate a decode step of a small model.
+//
+// Arithmetic is float32; bfloat16 tensors are widened on load and rounded (to nearest even)
+// once on store. Rows are spread over torch's intra-op threads only when a step has enough of
+// them to pay for waking the threads; a decode step's few rows run on the calling thread.
+
+#include "layer_ops.h"
+
+#include "fast_math.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kElementsPerTask = 1 << 15;
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = x != x ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  c10::BFloat16 result;
+  std::memcpy(&result, &out, sizeof(out));
+  return result;
+}
+
+template <typename Fn>
+void for_rows(int64_t rows, int64_t row_elements, Fn fn) {
+  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(1, row_elements));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) fn(row);
+  });
+}
+
+template <typename Fn>
+void dispatch_dtype(const at::Tensor& t, const char* name, Fn fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(float{});
+  } else if (t.scalar_type() == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, name, ": only float32 and bfloat16 are supported");
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be contiguous [rows, hidden]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              name, ": weight must be [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight and x dtypes differ");
+  TORCH_CHECK(x.device().is_cpu(), name, ": tensors must be on the CPU");
+}
+
+template <typename T>
+void norm_row(const T* src, const T* weight, int64_t hidden, float eps, T* dst) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float v = widen(src[i]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) dst[i] = narrow<T>(widen(src[i]) * inv * widen(weight[i]));
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, per row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  at::Tensor out = at::empty_like(x);
+  const int64_t hidden = x.size(1);
+  dispatch_dtype(x, "rms_norm", [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    for_rows(x.size(0), hidden, [&](int64_t row) {
+      norm_row(src + row * hidden, w, hidden, static_cast<float>(eps), dst + row * hidden);
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as a separate add would), then rms_norm(residual).
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps) {
+  check_rows(x, weight, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: residual must be contiguous and match x");
+  at::Tensor out = at::empty_like(x);
+  const int64_t hidden = x.size(1);
+  dispatch_dtype(x, "add_rms_norm_", [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* acc = residual.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    for_rows(x.size(0), hidden, [&](int64_t row) {
+      T* r = acc + row * hidden;
+      const T* s = src + row * hidden;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) r[i] = narrow<T>(widen(r[i]) + widen(s[i]));
+      norm_row(r, w, hidden, static_cast<float>(eps), dst + row * hidden);
+    });
+  });
+  return out;
+}
+
+// gate_up: [rows, 2 * n] (gate, then up) -> silu(gate) * up: [rows, n].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be contiguous [rows, 2 * n]");
+  const int64_t n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
+  dispatch_dtype(gate_up, "silu_and_mul", [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = gate_up.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    for_rows(gate_up.size(0), 2 * n, [&](int64_t row) {
+      const T* gate = src + row * 2 * n;
+      const T* up = gate + n;
+      T* o = dst + row * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+        const float g = widen(gate[i]);
+        const float e = kvserve::exp_nonpositive(-std::fabs(g));
+        const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+        o[i] = narrow<T>(g * sigmoid * widen(up[i]));
+      }
+    });
+  });
+  return out;
+}
+
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* first = x + h * dim;
+    T* second = first + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = widen(first[i]), b = widen(second[i]);
+      first[i] = narrow<T>(a * cos[i] - b * sin[i]);
+      second[i] = narrow<T>(b * cos[i] + a * sin[i]);
+    }
+  }
+}
+
+// qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], q then k then v per token. Rotates q and
+// k in place (rotate-half layout; cos, sin: [max_positions, head_dim / 2] float32 tables) and
+// stores k and v at slot_mapping[t] of the caches ([num_blocks, block_size, kv_heads, dim]).
+void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [T, width]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [num_blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() &&
+                  v_cache.scalar_type() == qkv.scalar_type(),
+              "caches and qkv dtypes differ");
+  const int64_t dim = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && dim % 2 == 0, "cache geometry mismatch");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim, "qkv width mismatch");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && cos.size(1) == dim / 2,
+              "cos and sin must be contiguous float32 [max_positions, head_dim / 2]");
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == tokens,
+              "positions must be contiguous long [T]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens,
+              "slot_mapping must be contiguous long [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t max_position = cos.size(0);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " out of range");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " out of range");
+  }
+  const int64_t width = qkv.size(1);
+  const int64_t kv_width = num_kv_heads * dim;
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  dispatch_dtype(qkv, "rope_and_write_kv", [&](auto zero) {
+    using T = decltype(zero);
+    T* base = qkv.data_ptr<T>();
+    T* k_dst = k_cache.data_ptr<T>();
+    T* v_dst = v_cache.data_ptr<T>();
+    for_rows(tokens, width, [&](int64_t t) {
+      T* q = base + t * width;
+      T* k = q + num_heads * dim;
+      const float* c = cos_ptr + pos[t] * (dim / 2);
+      const float* s = sin_ptr + pos[t] * (dim / 2);
+      rotate_heads(q, num_heads, dim, c, s);
+      rotate_heads(k, num_kv_heads, dim, c, s);
+      std::memcpy(k_dst + slots[t] * kv_width, k, sizeof(T) * kv_width);
+      std::memcpy(v_dst + slots[t] * kv_width, k + kv_width, sizeof(T) * kv_width);
+    });
+  });
+}
+
+}  // namespace
+
+void register_layer_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * weight per row", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; return rms_norm(residual)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate, up]",
+        py::arg("gate_up"));
+  m.def("rope_and_write_kv", &rope_and_write_kv,
+        "Rotate q and k of a fused qkv in place and store k and v at their cache slots",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
+        py::arg("num_kv_heads"));
+}
