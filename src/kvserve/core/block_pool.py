@@ -166,8 +166,9 @@ class BlockPool:
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:  # evicted only now (G2); most reused blocks carry one
-                if cached.get(block_hash) is block:
-                    del cached[block_hash]
+                # A block carries a hash only while the cache maps that hash to it
+                # (cache_blocks never hashes a duplicate; invariant I1 checks it).
+                del cached[block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
