@@ -30,6 +30,25 @@ def test_decode_allocates_only_when_a_block_fills():  # E1, E5; vLLM test_decode
     assert kv.pool.blocks[2].block_hash is None
 
 
+def test_growing_inside_the_last_block_without_filling_it_changes_nothing():  # E1, E5
+    # The running pass skips grow_slots in exactly this case (scheduler._schedule_running).
+    for caching in (True, False):
+        kv = make_kv(block_size=4, caching=caching)
+        request = make_request("a", prompt_token_ids=list(range(13)))
+        kv.allocate_slots(request, 13)  # blocks 0-3; the last holds token 12 only
+        request.num_computed_tokens = 13
+        hashes = list(request.block_hashes)
+        before = (snapshot(kv), kv.get_block_ids("a"))
+        for num_new in (1, 2):  # slots 13 and 14 of the last block; 15 would fill it
+            request.output_token_ids = list(range(num_new))
+            assert kv.grow_slots(request, num_new) == []
+            assert (snapshot(kv), kv.get_block_ids("a")) == before
+            assert request.block_hashes == hashes
+        request.output_token_ids = [0, 1, 2]
+        assert kv.grow_slots(request, 3) == []  # fills the block: registered if caching
+        assert (kv.pool.blocks[3].block_hash is not None) == caching
+
+
 def test_free_hits_consume_free_capacity():  # E1
     kv = make_kv(num_blocks=4)
     tokens = list(range(9))  # 2 full blocks + 1

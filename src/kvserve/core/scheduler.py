@@ -38,6 +38,7 @@ from kvserve.core.stop import check_stop
 
 _RUNNING = RequestStatus.RUNNING
 _new_tuple = tuple.__new__
+_NO_BLOCKS: list[KVBlock] = []
 _PREEMPTED = RequestStatus.PREEMPTED
 QUEUE_TIMEOUT = "queue_timeout"
 
@@ -184,7 +185,7 @@ class Scheduler:
         running = self.running
         threshold = self._long_prefill_threshold
         max_model_len = self._max_model_len
-        grow_slots = self.kv.grow_slots
+        grow_slots, block_size = self.kv.grow_slots, self.kv.block_size
         num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
         # This loop runs for every running request every step, so D1 and step.schedule() are
         # written inline and the budget and running count live in locals, brought up to date
@@ -208,7 +209,14 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            new_blocks = grow_slots(request, num_new)
+            offset = num_computed % block_size
+            if offset and offset + num_new < block_size:
+                # The tokens stay inside the request's last, partly filled block, which it
+                # holds (I2), without filling it: grow_slots would allocate nothing and
+                # register nothing (E5). Most decode steps end here, without the call.
+                new_blocks = _NO_BLOCKS
+            else:
+                new_blocks = grow_slots(request, num_new)
             if new_blocks is None:
                 step.token_budget = budget
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
