@@ -81,8 +81,11 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: ForwardBatch, use_kernel: bool) -> torch.Tensor:
-    out = torch.empty_like(q)
     num_decodes = batch.num_decodes
+    if use_kernel and num_decodes == q.shape[0]:  # decodes only (most steps): no copy
+        return paged_kernel.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
+                                             batch.decode_context_lens)
+    out = torch.empty_like(q)
     if num_decodes and use_kernel:
         out[:num_decodes] = paged_kernel.decode_attention(
             q[:num_decodes], k_cache, v_cache, batch.decode_block_tables,
