@@ -127,14 +127,15 @@ class KVCacheManager:
         """Slots for a running request's next ``num_new_tokens`` tokens, or None.
 
         The running pass's hot path (D3): no prefix lookup, no watermark, no gate. The
-        scheduler caps ``num_new_tokens`` so the sequence stays within max_model_len.
+        scheduler caps ``num_new_tokens`` so the sequence stays within max_model_len, and
+        skips the call when the tokens stay inside the last, partly filled block without
+        filling it, which would allocate and register nothing.
         """
         held = self.req_to_blocks[request.request_id]
         block_size = self.block_size
         num_computed = request.num_computed_tokens
         num_slots = num_computed + num_new_tokens
-        # Most calls are a decode step inside the last held block: one comparison, no
-        # allocation, and (15 steps in 16 at block size 16) no block filled.
+        # Tokens that fit in the held blocks need no allocation: one comparison.
         if num_slots <= len(held) * block_size:
             new_blocks = _NO_BLOCKS
         else:
