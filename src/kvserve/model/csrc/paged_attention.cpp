@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -212,6 +213,102 @@ void accumulate_columns(float* acc, int head_dim, const T* const* rows, std::ptr
 }
 #endif
 
+struct Geometry {
+  int64_t block_size, num_kv_heads, head_dim, num_heads, group;
+  int64_t token_stride, block_stride;  // elements
+  bool exact_bf16_queries = false;  // the scaled float32 queries round to bf16 exactly
+};
+
+#if defined(__AVX512BF16__)
+// dots_avx512 for bfloat16 keys and queries: vdpbf16ps multiplies 32 bf16 pairs (exact products
+// in float32) and adds them into 16 float32 lanes, with no widening of the keys. A bf16 model's
+// q scaled by 1/sqrt(64) or 1/sqrt(128) is exact in bf16, so only the summation order changes.
+template <int GN, int NV>
+void dots_bf16(const c10::BFloat16* q, int head_dim, const c10::BFloat16* const* rows,
+               std::ptrdiff_t off, int count, float* scores, int stride) {
+  __m512bh qv[GN][NV];  // NV = head_dim / 32
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v)
+      qv[g][v] = (__m512bh)_mm512_loadu_si512(q + g * head_dim + 32 * v);
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int tn = std::min(16, count - t0);
+    __m512 part[GN][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+      if (t < tn) {
+        const c10::BFloat16* k = rows[t0 + t] + off;
+        for (int v = 0; v < NV; ++v) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+          for (int g = 0; g < GN; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][v], kv);
+        }
+      }
+      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
+    for (int g = 0; g < GN; ++g)
+      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+  }
+}
+
+template <int NV>
+void dots_bf16_groups(const c10::BFloat16* q, int group, int head_dim,
+                      const c10::BFloat16* const* rows, std::ptrdiff_t off, int count,
+                      float* scores, int stride) {
+  for (int g0 = 0; g0 < group; g0 += 4) {
+    const c10::BFloat16* qg = q + g0 * head_dim;
+    float* sg = scores + g0 * stride;
+    switch (std::min(4, group - g0)) {
+      case 1: dots_bf16<1, NV>(qg, head_dim, rows, off, count, sg, stride); break;
+      case 2: dots_bf16<2, NV>(qg, head_dim, rows, off, count, sg, stride); break;
+      case 3: dots_bf16<3, NV>(qg, head_dim, rows, off, count, sg, stride); break;
+      default: dots_bf16<4, NV>(qg, head_dim, rows, off, count, sg, stride); break;
+    }
+  }
+}
+#endif
+
+// Whether dots_with_bf16_queries applies: bfloat16 keys, bf16 queries scaled by a power of
+// two (so rounding them back to bf16 loses nothing), a head_dim it is compiled for.
+template <typename T>
+inline bool bf16_dots_apply(const Geometry& geo) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && geo.exact_bf16_queries &&
+         (geo.head_dim == 64 || geo.head_dim == 128);
+#else
+  (void)geo;
+  return false;
+#endif
+}
+
+inline bool is_power_of_two(double x) {
+  int exponent;
+  return x > 0.0 && std::frexp(x, &exponent) == 0.5;
+}
+
+inline void round_to_bf16(const float* src, int64_t n, std::vector<c10::BFloat16>& dst) {
+  dst.resize(n);
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// dots() for queries already rounded to bf16; only called when bf16_dots_apply<T>.
+template <typename T>
+inline void dots_with_bf16_queries(const c10::BFloat16* q, int group, int head_dim,
+                                   const T* const* rows, std::ptrdiff_t off, int count,
+                                   float* scores, int stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (head_dim == 64) {
+      return dots_bf16_groups<2>(q, group, head_dim, rows, off, count, scores, stride);
+    }
+    return dots_bf16_groups<4>(q, group, head_dim, rows, off, count, scores, stride);
+  }
+#endif
+  (void)q, (void)group, (void)head_dim, (void)rows, (void)off, (void)count, (void)scores,
+      (void)stride;
+  TORCH_CHECK(false, "bf16 dot products are not available here");
+}
+
 template <typename T, int D>
 inline void dots(const float* q, int group, int head_dim, const T* const* rows,
                  std::ptrdiff_t off, int count, float* scores, int stride) {
@@ -294,10 +391,6 @@ inline void softmax_step(float* scores, int rows, int stride, const int* visible
 // ---------------------------------------------------------------------------------------------
 // Decode.
 
-struct Geometry {
-  int64_t block_size, num_kv_heads, head_dim, num_heads, group;
-  int64_t token_stride, block_stride;  // elements
-};
 
 // The row pointers (kv head 0) of keys start .. start + tile, clipped to end; returns how many.
 template <typename T>
@@ -347,6 +440,7 @@ struct DecodeState {
   std::vector<float> scratch;
   std::vector<const T*> rows;
   std::vector<int> visible;
+  std::vector<c10::BFloat16> q_bf16;
 };
 
 // Query heads of kv heads [h0, h1) of one request: rows r = (kv head - h0) * group + g are the
@@ -373,13 +467,20 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   out += h0 * group * dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
   const int nheads = static_cast<int>(h1 - h0);
+  const bool bf16_q = bf16_dots_apply<T>(geo);
+  if (bf16_q) round_to_bf16(q, static_cast<int64_t>(nrows) * dim, state.q_bf16);
   for (int64_t start = 0; start < context_len; start += tile) {
     const int count = tile_rows(geo, k_cache, table, start, context_len, tile, cur);
     for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
     touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
     for (int h = 0; h < nheads; ++h) {
-      dots<T, D>(q + h * group * dim, group, dim, cur, h * dim, count, scores + h * group * tile,
-                 tile);
+      if (bf16_q) {
+        dots_with_bf16_queries<T>(state.q_bf16.data() + h * group * dim, group, dim, cur,
+                                  h * dim, count, scores + h * group * tile, tile);
+      } else {
+        dots<T, D>(q + h * group * dim, group, dim, cur, h * dim, count,
+                   scores + h * group * tile, tile);
+      }
     }
     std::fill(state.visible.begin(), state.visible.end(), count);
     softmax_step<T, D>(scores, nrows, tile, state.visible.data(), m, l, acc, dim);
@@ -493,7 +594,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "block_tables must be [num_decodes, max_blocks]");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
               "context_lens must be [num_decodes]");
-  const Geometry geo = geometry(k_cache, q.size(1));
+  Geometry geo = geometry(k_cache, q.size(1));
+  geo.exact_bf16_queries = q.scalar_type() == at::kBFloat16 && is_power_of_two(scale);
   const int64_t num_decodes = q.size(0);
   at::Tensor tables = block_tables.to(at::kLong).contiguous();
   at::Tensor lens = context_lens.to(at::kLong).contiguous();
@@ -530,7 +632,8 @@ template <typename T, int D>
 void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/,
                   const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
                   int64_t num_queries, int64_t kv_head, int64_t q_begin, int64_t q_end,
-                  float* out, std::vector<float>& scratch, std::vector<const T*>& rows_buf) {
+                  float* out, std::vector<float>& scratch, std::vector<const T*>& rows_buf,
+                  std::vector<c10::BFloat16>& q_bf16) {
   const int group = static_cast<int>(geo.group);
   const int dim = static_cast<int>(geo.head_dim);
   const int64_t bs = geo.block_size;
@@ -549,6 +652,8 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
     const float* src = q + ((q_begin + i) * geo.num_heads + kv_head * geo.group) * dim;
     std::memcpy(qrows + static_cast<size_t>(i) * group * dim, src, sizeof(float) * group * dim);
   }
+  const bool bf16_q = bf16_dots_apply<T>(geo);
+  if (bf16_q) round_to_bf16(qrows, static_cast<int64_t>(nrows) * dim, q_bf16);
   const int64_t first = context_len - num_queries;  // position of query 0
   const int64_t last_visible = first + q_end - 1;   // the tile's last query sees keys <= this
   std::vector<int> visible(nrows);
@@ -564,8 +669,14 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
       const int64_t sees = first + q_begin + i + 1 - start;  // keys of this tile it sees
       const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
       for (int g = 0; g < group; ++g) visible[i * group + g] = n;
-      dots<T, D>(qrows + static_cast<size_t>(i) * group * dim, group, dim, rows, 0, n,
-                 scores + static_cast<size_t>(i) * group * tile, tile);
+      if (bf16_q) {
+        dots_with_bf16_queries<T>(q_bf16.data() + static_cast<size_t>(i) * group * dim, group,
+                                  dim, rows, 0, n, scores + static_cast<size_t>(i) * group * tile,
+                                  tile);
+      } else {
+        dots<T, D>(qrows + static_cast<size_t>(i) * group * dim, group, dim, rows, 0, n,
+                   scores + static_cast<size_t>(i) * group * tile, tile);
+      }
     }
     softmax_step<T, D>(scores, nrows, tile, visible.data(), m, l, acc, dim);
     for (int i = 0; i < nq; ++i) {
@@ -597,13 +708,14 @@ void prefill_impl(const Geometry& geo, const float* q, const T* k_cache, const T
   struct State {
     std::vector<float> scratch;
     std::vector<const T*> rows;
+    std::vector<c10::BFloat16> q_bf16;
   };
   run_items<State>(order, [&](int64_t item, State& state) {
     const int64_t tile = item / kvh, head = item % kvh;
     const int64_t begin = tile * kQueryTile;
     const int64_t end = std::min<int64_t>(begin + kQueryTile, num_queries);
     prefill_item<T, D>(geo, q, k_cache, v_cache, table, context_len, num_queries, head, begin,
-                       end, out, state.scratch, state.rows);
+                       end, out, state.scratch, state.rows, state.q_bf16);
   });
 }
 
@@ -624,7 +736,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.dim() == 3, "q must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
   TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
-  const Geometry geo = geometry(k_cache, q.size(1));
+  Geometry geo = geometry(k_cache, q.size(1));
+  geo.exact_bf16_queries = q.scalar_type() == at::kBFloat16 && is_power_of_two(scale);
   const int64_t n = q.size(0);
   TORCH_CHECK(n <= context_len, "more queries than context");
   TORCH_CHECK(context_len >= 0, "negative context length");
