@@ -181,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[S, vocab] in the model's dtype (the sampler widens them only when it needs to)."""
+        return self.lm_head(hidden)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]
