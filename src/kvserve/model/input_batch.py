@@ -76,9 +76,8 @@ def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSli
     for piece in decodes:
         add(piece)
     max_blocks = max((len(p.block_ids) for p in decodes), default=0)
-    tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-    for row, piece in enumerate(decodes):
-        tables[row, :len(piece.block_ids)] = torch.tensor(piece.block_ids, dtype=torch.long)
+    padded = [list(p.block_ids) + [0] * (max_blocks - len(p.block_ids)) for p in decodes]
+    tables = torch.tensor(padded, dtype=torch.long).view(len(decodes), max_blocks)
     context_lens = torch.tensor([p.start_position + 1 for p in decodes], dtype=torch.long)
     chunks = []
     for piece in prefills:
