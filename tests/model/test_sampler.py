@@ -26,17 +26,6 @@ def test_greedy_is_argmax():
     assert Sampler()(logits, rows).token_ids == [1, 0]
 
 
-def test_bf16_logits_give_the_same_tokens_and_float_logprobs():
-    logits = torch.tensor([[0.1, 3.0, 3.0, 2.0], [5.0, 0.0, 1.0, 5.0]])  # ties: first wins
-    greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], 1)] * 2
-    out = Sampler()(logits.bfloat16(), greedy)
-    assert out.token_ids == [1, 0] and out.logprobs is None
-    with_logprobs = [SamplingRow(SamplingParams(temperature=0.0, logprobs=0), [1], 1)] * 2
-    out = Sampler()(logits.bfloat16(), with_logprobs)
-    assert out.token_ids == [1, 0]
-    assert out.logprobs is not None and isinstance(out.logprobs[0][1], float)
-
-
 def test_temperature_one_draws_the_model_distribution():
     counts = draw(SamplingParams(temperature=1.0))
     for token, p in enumerate(PROBS):

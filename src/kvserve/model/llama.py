@@ -181,8 +181,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, vocab] in the model's dtype (the sampler widens them only when it needs to)."""
-        return self.lm_head(hidden)
+        return self.lm_head(hidden).float()
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor]

@@ -57,12 +57,6 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits: [len(rows), vocab], any float dtype (argmax of a bf16 row equals argmax of
-        its float32 widening, so all-greedy batches without logprobs skip widening them)."""
-        if all(row.is_greedy and not row.has_penalties and row.params.logprobs is None
-               for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
-        logits = logits.float()
         raw = logits
         if any(row.has_penalties for row in rows):
             logits = logits.clone()
