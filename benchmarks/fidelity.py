@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "fidelity"
 DOCS = ROOT / "docs" / "fidelity.md"
 PLOTS = ROOT / "docs" / "img"
+TITLE = "# Simulator fidelity"
+QUEUE_P99_BOUND = 2.0  # s: W3's capacity is the largest rate whose p99 queueing stays within
 DTYPE = "bfloat16"
 BLOCK_SIZE = 16
 W1_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
@@ -86,11 +88,11 @@ def run_calibration(progress: bool) -> CalibratedCostModel:
     shapes = calibrate.grid()
     start = time.perf_counter()
     model, seconds = calibrate.calibrate(runner, engine.scheduler.cache_config.num_blocks,
-                                         shapes, progress=progress)
+                                         shapes, warmup=2, repeats=5, progress=progress)
     meta = {"model": runner.model.config.name, "dtype": DTYPE, "block_size": BLOCK_SIZE,
             "num_samples": len(shapes), "seconds": round(time.perf_counter() - start, 1)}
     (OUT / "cost-model.json").write_text(calibrate.to_json(model, shapes, seconds, meta))
-    calibrate.plot(OUT / "calibration.svg", shapes, seconds, model)
+    calibrate.plot(PLOTS / "fidelity-calibration.svg", shapes, seconds, model)
     return model
 
 
@@ -138,11 +140,11 @@ def workload(name: str, capacity: Callable[[], float], load_requests: int
         return w1_trace(), W2_SETTINGS, "W2: W1 in 4,096 KV tokens, max_num_seqs 64"
     if name == "w3":
         return w3_trace(), W1_SETTINGS, "W3: 200 requests, Poisson 4 req/s"
-    share = LOADS[name]
-    rate = share * capacity()
-    return (w3_trace(load_requests, rate=rate), W1_SETTINGS,
-            f"W3's first {load_requests} requests at {rate:.2f} req/s ({share:.0%} of the "
-            "simulated capacity)")
+    share, full = LOADS[name], capacity()
+    return (w3_trace(load_requests, rate=share * full), W1_SETTINGS,
+            f"W3's first {load_requests} requests at {share * full:.2f} req/s, {share:.0%} of "
+            f"the simulated capacity ({full:.2f} req/s: the largest rate whose p99 queueing "
+            f"delay stays within {QUEUE_P99_BOUND:g} s)")
 
 
 def compare(name: str, description: str, trace: Sequence[TraceRequest],
@@ -197,27 +199,28 @@ def table(row: dict[str, Any]) -> list[str]:
     return [*lines, "", f"![{row['name'].upper()} TTFT: engine and simulators]({plot})", ""]
 
 
-def markdown(rows: list[dict[str, Any]], model: CalibratedCostModel,
-             capacity: tuple[float, list[dict]] | None, bound: float, command: str) -> str:
+def setup_markdown(model: CalibratedCostModel, command: str) -> str:
+    """The calibration every table below was simulated with."""
     uname = platform.uname()
-    lines = ["## Results", "",
-             f"`{command}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on "
-             f"{uname.machine} ({os.cpu_count()} cores, {uname.system} {uname.release}), "
-             f"Python {platform.python_version()}, torch {torch.__version__} with "
-             f"{torch.get_num_threads()} threads; SmolLM2-135M-Instruct in bf16, block size "
-             f"{BLOCK_SIZE}, greedy, ignore_eos. Engine wall time per workload: "
-             + ", ".join(f"{r['name'].upper()} {r['wall_s']:.0f} s" for r in rows) + ".", "",
-             "Calibrated coefficients (out/fidelity/cost-model.json; "
-             f"{model.source}):", ""]
+    lines = ["## Calibration", "",
+             f"`{command}` at {now()} on {uname.machine} ({os.cpu_count()} cores, "
+             f"{uname.system} {uname.release}), Python {platform.python_version()}, torch "
+             f"{torch.__version__} with {torch.get_num_threads()} threads; SmolLM2-135M-Instruct "
+             f"in bf16, block size {BLOCK_SIZE}. Coefficients (out/fidelity/cost-model.json, "
+             f"{model.source}; measured against fitted step times in "
+             "[img/fidelity-calibration.svg](img/fidelity-calibration.svg)):", ""]
     lines += [f"- `{term}` = {v:.4g} s" for term, v in model.coefficients.items()]
-    lines.append("")
-    if capacity is not None:
-        qps, probes = capacity
-        lines += [f"Simulated capacity of W3's requests: **{qps:.2f} req/s** (largest rate "
-                  f"with p99 queueing delay within {bound:g} s; {len(probes)} probes).", ""]
-    for row in rows:
-        lines += table(row)
+    lines.append(f"- `min_tokens` = {model.min_tokens} (a step of fewer tokens costs as much)")
     return "\n".join(lines)
+
+
+def workload_markdown(row: dict[str, Any], command: str) -> str:
+    return "\n".join([*table(row), f"`{command}` at {now()}; the engine ran for "
+                      f"{row['wall_s']:.0f} s."])
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 def main() -> int:
@@ -228,8 +231,6 @@ def main() -> int:
                         help="requests in the W3 runs at a share of capacity (<= 200)")
     parser.add_argument("--calibration", type=Path,
                         help="a cost model from kvserve calibrate (default: calibrate now)")
-    parser.add_argument("--queue-p99-bound", type=float, default=2.0, metavar="SECONDS",
-                        help="capacity = the largest rate with p99 queueing within this")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -241,26 +242,28 @@ def main() -> int:
         print("calibrating ...", flush=True)
         model = run_calibration(sys.stderr.isatty())
     print(f"cost model: {model.source}", flush=True)
+    command = ("python benchmarks/fidelity.py " + " ".join(sys.argv[1:])).strip()
+    if args.write_docs and not args.calibration:
+        write_section("fidelity_calibration", setup_markdown(model, command), DOCS, TITLE)
     capacity: tuple[float, list[dict]] | None = None
 
     def capacity_rate() -> float:
         nonlocal capacity
         if capacity is None:
-            capacity = find_capacity(model, args.queue_p99_bound)
+            capacity = find_capacity(model, QUEUE_P99_BOUND)
+            (OUT / "capacity.json").write_text(json.dumps(
+                {"qps": capacity[0], "queue_p99_bound_s": QUEUE_P99_BOUND,
+                 "probes": capacity[1]}, indent=1) + "\n")
             print(f"simulated W3 capacity: {capacity[0]:.3f} req/s", flush=True)
         return capacity[0]
 
-    rows = []
     for name in args.workloads:
         trace, settings, description = workload(name, capacity_rate, args.load_requests)
         row = compare(name, description, trace, settings, model)
-        rows.append(row)
-        print("\n".join(table(row)), flush=True)
-    command = "python benchmarks/fidelity.py " + " ".join(sys.argv[1:])
-    body = markdown(rows, model, capacity, args.queue_p99_bound, command.strip())
-    (OUT / "results.md").write_text(body + "\n")
-    if args.write_docs:
-        write_section("fidelity_results", body, DOCS, "# Simulator fidelity")
+        body = workload_markdown(row, command)
+        print(body, flush=True)
+        if args.write_docs:  # one section per workload, so one can be rerun alone
+            write_section(f"fidelity_{name}", body, DOCS, TITLE)
     return 0
 
 

@@ -3,6 +3,8 @@
 
 Greedy, ignore_eos, exact max_tokens; prompts are token ids. W3 at another rate keeps the
 same requests and stretches or squeezes the same arrival draw (W3's gaps x 4 / rate).
+Request ids are zero-padded so that the simulator's order for equal arrival times (by id)
+is the draw's order, as when a benchmark submits the prompts in a list.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def w1_trace(n: int = 128) -> list[TraceRequest]:
     lengths = rng.integers(64, 513, size=128)
     prompts = [rng.integers(1000, 40000, size=int(length)).tolist() for length in lengths]
     assert prompts[0][:5] == W1_FIRST_IDS, "W1 generator drifted from WORKLOADS.md"
-    return [TraceRequest(f"w1-{i}", 0.0, 128, prompt_token_ids=tuple(p), max_tokens=128,
+    return [TraceRequest(f"w1-{i:03d}", 0.0, 128, prompt_token_ids=tuple(p), max_tokens=128,
                          ignore_eos=True) for i, p in enumerate(prompts[:n])]
 
 
@@ -36,6 +38,6 @@ def w3_trace(n: int = 200, rate: float = W3_RATE) -> list[TraceRequest]:
     arrivals = (np.cumsum(gaps) - gaps[0]) * (W3_RATE / rate)
     prompts = [rng.integers(1000, 40000, size=int(length)).tolist() for length in lengths]
     assert prompts[0][:5] == W3_FIRST_IDS, "W3 generator drifted from WORKLOADS.md"
-    return [TraceRequest(f"w3-{i}", float(arrivals[i]), int(max_tokens[i]),
+    return [TraceRequest(f"w3-{i:03d}", float(arrivals[i]), int(max_tokens[i]),
                          prompt_token_ids=tuple(prompts[i]), max_tokens=int(max_tokens[i]),
                          ignore_eos=True) for i in range(n)]

@@ -50,3 +50,36 @@ def test_a_term_that_would_fit_negative_is_dropped():
 def test_too_few_samples_is_an_error():
     with pytest.raises(ValueError, match="at least 6"):
         fit(_views(3), [0.1, 0.1, 0.1])
+
+
+def test_fit_finds_the_knee_of_small_steps():
+    """Below min_tokens a step costs the same (weights streamed, not arithmetic): the fit
+    picks that knee and recovers the coefficients."""
+    truth = CalibratedCostModel(dict(TRUE), min_tokens=12)
+    views = _views(300) + [BatchView(s, s, s, s, 100 * s, 100 * s + s) for s in range(1, 40)]
+    seconds = [truth.step_time(None, v) for v in views]  # type: ignore[arg-type]
+    model = fit(views, seconds)
+    assert model.min_tokens == 12
+    assert model.coefficients["per_token_s"] == pytest.approx(TRUE["per_token_s"], rel=1e-3)
+    flat = [model.step_time(None, BatchView(s, s, s, s, 0, s)) for s in (1, 6)]  # type: ignore[arg-type]
+    assert flat[1] - flat[0] == pytest.approx(5 * (TRUE["per_sampled_s"]), rel=1e-3)
+
+
+def test_the_fit_minimises_relative_not_absolute_error():
+    # The same shapes measured at 10 ms and at 1 s: least squares on seconds would settle
+    # near 0.5 s (50x off the small ones); on relative error, near the small ones, since
+    # 10 ms off a 1 s step is 1% and 0.5 s off a 10 ms step is 5,000%.
+    views = _views(12)
+    model = fit(views * 2, [0.010] * 12 + [1.0] * 12, knees=(0,))
+    assert all(model.step_time(None, v) < 0.012 for v in views)  # type: ignore[arg-type]
+
+
+def test_min_tokens_round_trips_and_is_checked(tmp_path):
+    model = CalibratedCostModel(dict(TRUE), "s", min_tokens=8)
+    path = tmp_path / "cm.json"
+    save(model, path)
+    assert CalibratedCostModel.load(path) == model
+    from kvserve.sim.cost_models import CALIBRATED_FORMAT, CostModelError
+    with pytest.raises(CostModelError, match="min_tokens must be an integer >= 0, got -1"):
+        CalibratedCostModel.from_dict({"format": CALIBRATED_FORMAT, "coefficients": TRUE,
+                                       "min_tokens": -1})

@@ -132,6 +132,7 @@ def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],
                for s, t in zip(shapes, seconds, strict=True)]
     return json.dumps({
         "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
+        "min_tokens": model.min_tokens,
         "source": model.source,
         "meta": {**meta, **goodness(model, shapes, seconds), "machine": platform.machine(),
                  "processor": platform.processor(), "python": platform.python_version(),

@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
           f"R^2 {quality['r2']:.3f}")
     for term, value in model.coefficients.items():
         print(f"  {term:22s} {value:.3e} s")
+    print(f"  {'min_tokens':22s} {model.min_tokens} (steps with fewer tokens cost as much)")
     if args.plot:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")

@@ -1,9 +1,12 @@
 """Fit a calibrated cost model from measured steps (for the engine's self-measurement).
 
 Each sample is one executed step: its batch shape (:class:`BatchView`) and the seconds it
-took. The fit is least squares on the calibrated model's terms, constrained to
-non-negative coefficients (a term with a negative fitted cost is dropped and the rest
-refitted, until none is negative), so the result is a valid ``kvserve-cost-model/1`` file.
+took. The fit minimises the squared *relative* error on the calibrated model's terms (a
+10 ms decode step counts as much as a 2 s prefill: most steps of an online workload are
+small, and inter-token latency is one step), constrained to non-negative coefficients (a
+term with a negative fitted cost is dropped and the rest refitted, until none is
+negative), so the result is a valid ``kvserve-cost-model/1`` file. The knee
+``min_tokens`` is chosen from :data:`KNEES` by the lowest mean relative error.
 """
 
 from __future__ import annotations
@@ -17,40 +20,56 @@ import numpy as np
 from kvserve.sim.cost_models import CALIBRATED_FORMAT, CALIBRATED_TERMS, CalibratedCostModel
 from kvserve.sim.executor import BatchView
 
+KNEES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
-def features(view: BatchView) -> list[float]:
+
+def features(view: BatchView, min_tokens: int = 0) -> list[float]:
     """The calibrated model's terms, in CALIBRATED_TERMS order."""
-    return [1.0, view.num_tokens, view.num_seqs, view.num_sampled, view.context_tokens,
-            view.attention_pairs]
+    return [1.0, max(view.num_tokens, min_tokens), view.num_seqs, view.num_sampled,
+            view.context_tokens, view.attention_pairs]
 
 
-def fit(views: Sequence[BatchView], seconds: Sequence[float],
-        source: str = "") -> CalibratedCostModel:
-    if len(views) != len(seconds) or len(views) < len(CALIBRATED_TERMS):
-        raise ValueError(f"need as many step times as batch shapes, and at least "
-                         f"{len(CALIBRATED_TERMS)} of them; got {len(views)} and {len(seconds)}")
-    x = np.asarray([features(v) for v in views], dtype=float)
-    y = np.asarray(seconds, dtype=float)
+def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    weighted_x, weighted_y = x / y[:, None], np.ones_like(y)  # rows scaled by 1 / seconds
     active = list(range(x.shape[1]))
     coefficients = np.zeros(x.shape[1])
     while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        solution, *_ = np.linalg.lstsq(weighted_x[:, active], weighted_y, rcond=None)
         if (solution >= 0).all():
             coefficients[active] = solution
             break
         del active[int(np.argmin(solution))]
-    predicted = x @ coefficients
-    error = np.abs(predicted - y) / np.maximum(y, 1e-12)
-    note = f"fitted on {len(y)} steps; mean abs error {100 * error.mean():.1f}%"
+    return coefficients
+
+
+def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
+        knees: Sequence[int] = KNEES) -> CalibratedCostModel:
+    if len(views) != len(seconds) or len(views) < len(CALIBRATED_TERMS):
+        raise ValueError(f"need as many step times as batch shapes, and at least "
+                         f"{len(CALIBRATED_TERMS)} of them; got {len(views)} and {len(seconds)}")
+    y = np.asarray(seconds, dtype=float)
+    if not (y > 0).all():
+        raise ValueError("every measured step time must be > 0")
+    best: tuple[float, int, np.ndarray] | None = None
+    for knee in knees:
+        x = np.asarray([features(v, knee) for v in views], dtype=float)
+        coefficients = _nonnegative_relative_fit(x, y)
+        error = float((np.abs(x @ coefficients - y) / y).mean())
+        if best is None or error < best[0]:
+            best = (error, knee, coefficients)
+    assert best is not None
+    error, knee, coefficients = best
+    note = f"fitted on {len(y)} steps; mean abs error {100 * error:.1f}%"
     return CalibratedCostModel.from_dict({
         "format": CALIBRATED_FORMAT,
         "coefficients": {t: float(c) for t, c in zip(CALIBRATED_TERMS, coefficients,
                                                        strict=True)},
+        "min_tokens": knee,
         "source": f"{source}; {note}" if source else note,
     })
 
 
 def save(model: CalibratedCostModel, path: str | Path) -> None:
     data = {"format": CALIBRATED_FORMAT, "source": model.source,
-            "coefficients": model.coefficients}
+            "coefficients": model.coefficients, "min_tokens": model.min_tokens}
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

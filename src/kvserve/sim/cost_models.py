@@ -119,29 +119,35 @@ CALIBRATED_TERMS = ("fixed_s", "per_token_s", "per_seq_s", "per_sampled_s",
 class CalibratedCostModel:
     """A linear model in the batch's shape, with coefficients measured on a real engine::
 
-        step = fixed_s + per_token_s * tokens + per_seq_s * seqs + per_sampled_s * sampled
-               + per_context_token_s * context_tokens + per_attention_pair_s * pairs
+        step = fixed_s + per_token_s * max(tokens, min_tokens) + per_seq_s * seqs
+               + per_sampled_s * sampled + per_context_token_s * context_tokens
+               + per_attention_pair_s * pairs
+
+    ``min_tokens`` is the knee of small steps: below it a step costs about the same however
+    few tokens it has, because streaming the weights, not arithmetic, bounds it.
 
     File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
-    optional "source": free text, "meta" and "samples" from kvserve calibrate}. Missing terms
-    are 0; unknown keys are errors.
+    optional "min_tokens" (default 0), "source": free text, "meta" and "samples" from
+    kvserve calibrate}. Missing terms are 0; unknown keys are errors.
     :func:`kvserve.sim.calibration.fit` makes one from measured (batch shape, seconds) steps.
     """
 
     coefficients: dict[str, float]
     source: str = ""
+    min_tokens: int = 0
     name: str = "calibrated"
 
     def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
         c = self.coefficients
-        return (c["fixed_s"] + c["per_token_s"] * view.num_tokens
+        tokens = view.num_tokens if view.num_tokens > self.min_tokens else self.min_tokens
+        return (c["fixed_s"] + c["per_token_s"] * tokens
                 + c["per_seq_s"] * view.num_seqs + c["per_sampled_s"] * view.num_sampled
                 + c["per_context_token_s"] * view.context_tokens
                 + c["per_attention_pair_s"] * view.attention_pairs)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "coefficients": dict(self.coefficients),
-                "source": self.source}
+                "min_tokens": self.min_tokens, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: Any) -> CalibratedCostModel:
@@ -149,7 +155,8 @@ class CalibratedCostModel:
             raise CostModelError("a calibrated cost model must be a JSON object")
         # "meta" (machine, model, fit quality) and "samples" (the measured steps) are written
         # by kvserve calibrate for people; the model itself reads only the coefficients.
-        unknown = sorted(set(data) - {"format", "coefficients", "source", "meta", "samples"})
+        unknown = sorted(set(data) - {"format", "coefficients", "min_tokens", "source", "meta",
+                                      "samples"})
         if unknown:
             raise CostModelError(f"unknown key(s) in cost model: {', '.join(unknown)}")
         if data.get("format") != CALIBRATED_FORMAT:
@@ -172,7 +179,10 @@ class CalibratedCostModel:
             coefficients[term] = float(value)
         if coefficients["fixed_s"] + coefficients["per_token_s"] <= 0:
             raise CostModelError("fixed_s or per_token_s must be > 0, or time never advances")
-        return cls(coefficients, str(data.get("source", "")))
+        min_tokens = data.get("min_tokens", 0)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise CostModelError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        return cls(coefficients, str(data.get("source", "")), min_tokens)
 
     @classmethod
     def load(cls, path: str | Path) -> CalibratedCostModel:

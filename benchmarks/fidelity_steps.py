@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Where the calibrated cost model is wrong, step by step, on the engine's own steps.
+
+benchmarks/fidelity.py keeps each engine run's step log (out/fidelity/NAME-steps.jsonl).
+Replaying it through the simulator reproduces the engine's decisions, so every step the
+engine ran is seen again with its batch shape; the calibrated model prices that shape and
+the price is compared with the measured duration. No feedback: a wrong price here does
+not change what runs next, as it does in a free-running simulation.
+
+A W3 replay can diverge after a while (after an idle wait the engine's clock has moved on
+past the arrival it woke for, so it may admit a request one step earlier); steps up to the
+divergence are used.
+
+    python benchmarks/fidelity_steps.py [--workloads w1 w2 w3 ...] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from docs_section import write_section
+from fidelity import DOCS, OUT, TITLE, new_engine, workload
+from kvserve.sim.cost_models import CalibratedCostModel, CostModelError, ReplayCostModel
+from kvserve.sim.executor import BatchView
+from kvserve.sim.simulator import Simulator
+
+BINS = ((1, 8), (8, 24), (24, 48), (48, 80), (80, 257))
+
+
+class PricedReplay:
+    """Replays the engine's durations and notes what the calibrated model would charge."""
+
+    name = "priced-replay"
+
+    def __init__(self, replay: ReplayCostModel, model: CalibratedCostModel) -> None:
+        self.replay, self.model = replay, model
+        self.steps: list[tuple[BatchView, float, float]] = []  # shape, measured, priced
+
+    def step_time(self, scheduler_output: Any, view: BatchView) -> float:
+        measured = self.replay.step_time(scheduler_output, view)
+        self.steps.append((view, measured, self.model.step_time(scheduler_output, view)))
+        return measured
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+def priced_steps(name: str, model: CalibratedCostModel, capacity: float | None
+                 ) -> list[tuple[BatchView, float, float]]:
+    trace, settings, _ = workload(name, lambda: capacity or 0.0, 200)
+    engine = new_engine(settings)  # its configuration only
+    priced = PricedReplay(ReplayCostModel.load(OUT / f"{name}-steps.jsonl"), model)
+    scheduler = engine.scheduler
+    try:
+        Simulator(scheduler.config, scheduler.cache_config, priced).run(trace)
+    except CostModelError as error:
+        print(f"{name}: {error}; using the {len(priced.steps)} steps before it",
+              file=sys.stderr)
+    return priced.steps
+
+
+def summary(name: str, steps: list[tuple[BatchView, float, float]]) -> list[str]:
+    def row(label: str, chosen: list[tuple[BatchView, float, float]]) -> str:
+        measured = [m for _, m, _ in chosen]
+        errors = [p / m - 1 for _, m, p in chosen]
+        total = sum(p for _, _, p in chosen) / sum(measured) - 1
+        return (f"| {name.upper()} | {label} | {len(chosen)} | "
+                f"{1000 * statistics.median(measured):.1f} | "
+                f"{100 * statistics.median(errors):+.1f}% | "
+                f"{100 * statistics.median(abs(e) for e in errors):.1f}% | {100 * total:+.1f}% |")
+
+    lines = []
+    decodes = [s for s in steps if s[0].num_tokens == s[0].num_seqs]
+    for lo, hi in BINS:
+        chosen = [s for s in decodes if lo <= s[0].num_seqs < hi]
+        if chosen:
+            lines.append(row(f"decode only, {lo}-{hi - 1} sequences", chosen))
+    mixed = [s for s in steps if s[0].num_tokens != s[0].num_seqs]
+    if mixed:
+        lines.append(row("with a prefill chunk", mixed))
+    if steps:
+        lines.append(row("**all steps**", steps))
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+",
+                        default=["w1", "w2", "w3", "w3-50", "w3-85", "w3-100"])
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    model = CalibratedCostModel.load(OUT / "cost-model.json")
+    capacity_file = OUT / "capacity.json"
+    capacity = json.loads(capacity_file.read_text())["qps"] if capacity_file.exists() else None
+    lines = ["## The calibrated model on the engine's own steps", "",
+             f"`python benchmarks/fidelity_steps.py {' '.join(sys.argv[1:])}`: each engine "
+             "run's step log replayed, each step priced by the calibrated model. Error = "
+             "priced / measured - 1.", "",
+             "| workload | steps | count | measured median ms | error, median | "
+             "abs error, median | error of the sum |", "|---|---|---|---|---|---|---|"]
+    for name in args.workloads:
+        if (OUT / f"{name}-steps.jsonl").exists():
+            lines += summary(name, priced_steps(name, model, capacity))
+    body = "\n".join(lines)
+    print(body)
+    if args.write_docs:
+        write_section("fidelity_steps", body, DOCS, TITLE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
