@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -65,10 +66,18 @@ def grid(quick: bool = False) -> list[StepShape]:
     return shapes
 
 
-def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int) -> SchedulerOutput:
+def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int,
+                      scattered: bool = True) -> SchedulerOutput:
     """A step the runner has never seen: every sequence arrives as a new request whose first
-    ``c`` tokens count as computed (KV contents are irrelevant to timing). Block ids are
-    dealt round-robin over the pool."""
+    ``c`` tokens count as computed (KV contents are irrelevant to timing).
+
+    Block ids are dealt from a shuffled pool (``scattered``), as a pool looks after an
+    engine has served for a while; dealt in order, consecutive blocks would let the
+    hardware prefetcher stream the KV cache and attention would look faster than it is in
+    service."""
+    order = list(range(num_blocks))
+    if scattered:
+        random.Random(num_blocks).shuffle(order)
     next_block = 0
     new_reqs = []
     scheduled = {}
@@ -76,7 +85,7 @@ def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int) -> Sch
     for index, (computed, num_new) in enumerate(pieces):
         total = computed + num_new
         count = -(-total // block_size)
-        block_ids = [(next_block + i) % num_blocks for i in range(count)]
+        block_ids = [order[(next_block + i) % num_blocks] for i in range(count)]
         next_block += count
         request_id = f"calibrate-{index}"
         new_reqs.append(NewRequestData(request_id, [100 + (i % 1000) for i in range(total)],
@@ -87,11 +96,11 @@ def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int) -> Sch
 
 
 def measure(runner: ModelRunner, shape: StepShape, num_blocks: int, *, warmup: int = 1,
-            repeats: int = 3) -> float:
+            repeats: int = 3, scattered: bool = True) -> float:
     """Median seconds of ``runner.execute`` on this shape."""
     times = []
     for run in range(warmup + repeats):
-        out = _scheduler_output(shape, runner.block_size, num_blocks)
+        out = _scheduler_output(shape, runner.block_size, num_blocks, scattered)
         start = time.perf_counter()
         runner.execute(out)
         elapsed = time.perf_counter() - start
