@@ -9,8 +9,8 @@ faster than the simulated duration. Run from the repository root:
 
     .venv/bin/python benchmarks/sim_speed.py            # the figures
     .venv/bin/python benchmarks/sim_speed.py --profile  # where the time goes, by layer
-    .venv/bin/python benchmarks/sim_speed.py --peers    # W1-W3 simulated on cpu-local, next
-                                                        # to what vLLM CPU measured here
+
+(The simulator against the real engine on this machine: benchmarks/fidelity.py.)
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import time
 import numpy as np
 
 from kvserve.sim.deployment import Deployment
-from kvserve.sim.report import aggregate
-from kvserve.sim.trace import TraceRequest
 from kvserve.sim.workloads import WorkloadSpec, generate
 
 SPEC = WorkloadSpec(
@@ -53,56 +51,11 @@ def layer_shares(stats: pstats.Stats) -> dict[str, float]:
     return {k: v / whole for k, v in sorted(totals.items())}
 
 
-def peer_traces() -> dict[str, list[TraceRequest]]:
-    """W1 and W3 of ../shared/WORKLOADS.md, drawn in the documented order (reimplemented,
-    checked against the first ids the document gives). Greedy, ignore_eos, exact max_tokens."""
-    rng = np.random.default_rng(0)
-    lens = rng.integers(64, 513, size=128)
-    w1 = [rng.integers(1000, 40000, size=int(n)).tolist() for n in lens]
-    assert w1[0][:5] == [36058, 12649, 36180, 27207, 35725]
-    rng = np.random.default_rng(1)
-    lens, max_tokens = rng.integers(64, 513, size=200), rng.integers(32, 257, size=200)
-    gaps = rng.exponential(1.0 / 4.0, size=200)
-    arrivals = np.cumsum(gaps) - gaps[0]
-    w3 = [rng.integers(1000, 40000, size=int(n)).tolist() for n in lens]
-    assert w3[0][:5] == [33454, 26203, 39617, 11871, 7233]
-    return {
-        "W1": [TraceRequest(f"w1-{i}", 0.0, 128, prompt_token_ids=tuple(p), max_tokens=128,
-                            ignore_eos=True) for i, p in enumerate(w1)],
-        "W3": [TraceRequest(f"w3-{i}", float(a), int(m), prompt_token_ids=tuple(p),
-                            max_tokens=int(m), ignore_eos=True)
-               for i, (p, m, a) in enumerate(zip(w3, max_tokens, arrivals, strict=True))],
-    }
-
-
-def peers() -> None:
-    """The cpu-local roofline against vLLM CPU 0.32's measurements (../shared/WORKLOADS.md)."""
-    cpu = Deployment(model="smollm2-135m", hardware="cpu-local", dtype="bf16")
-    traces = peer_traces()
-    runs = (("W1", traces["W1"], {"num_kv_blocks": 20_000}),
-            ("W2", traces["W1"], {"num_kv_blocks": 256, "max_num_seqs": 64}),
-            ("W3", traces["W3"], {"num_kv_blocks": 20_000}))
-    print("| workload | duration s | out tok/s | preemptions | TTFT p50 / p99 s | "
-          "ITL p50 / p99 ms |")
-    print("|---|---|---|---|---|---|")
-    for name, trace, settings in runs:
-        _, result = cpu.simulate(trace, settings)
-        a = aggregate(result)
-        print(f"| {name} | {a['duration_s']:.1f} | {a['throughput_output_tok_s']:.0f} | "
-              f"{a['num_preemptions']} | {a['ttft_p50']:.2f} / {a['ttft_p99']:.2f} | "
-              f"{1000 * a['itl_p50']:.0f} / {1000 * a['itl_p99']:.0f} |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=SPEC.num_requests)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--peers", action="store_true",
-                        help="simulate W1-W3 on cpu-local instead (see docs/benchmarks.md)")
     args = parser.parse_args()
-    if args.peers:
-        peers()
-        return
     spec = WorkloadSpec(**{**SPEC.__dict__, "num_requests": args.num_requests})
 
     start = time.perf_counter()
