@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -24,3 +26,13 @@ def write_section(name: str, body: str, docs: Path = DOCS, title: str = "# Bench
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text)
+
+
+def publish(name: str, section: str, rows: list[Any], json_path: str | None,
+            write_docs: bool) -> None:
+    """A benchmark's ending: print its section, and write its rows and the docs if asked."""
+    print(section)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    if write_docs:
+        write_section(name, section)

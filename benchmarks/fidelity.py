@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 import torch
 
 from docs_section import write_section
+from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.engine import calibrate
 from kvserve.engine.engine import Engine
 from kvserve.engine.llm import build_engine
@@ -96,16 +97,28 @@ def run_calibration(progress: bool) -> CalibratedCostModel:
     return model
 
 
-def simulate_result(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
+Configs = tuple[SchedulerConfig, CacheConfig]
+_CONFIGS: dict[str, Configs] = {}
+
+
+def engine_configs(settings: dict[str, Any]) -> Configs:
+    """The scheduler and cache configuration the engine builds for ``settings`` (built
+    once per distinct settings, so simulations do not load the model again)."""
+    key = json.dumps(settings, sort_keys=True)
+    if key not in _CONFIGS:
+        scheduler = new_engine(settings).scheduler
+        _CONFIGS[key] = (scheduler.config, scheduler.cache_config)
+    return _CONFIGS[key]
+
+
+def simulate_result(configs: Configs, trace: Sequence[TraceRequest], cost_model: CostModel
                     ) -> SimResult:
-    """The trace in the simulator, with the engine's own scheduler and cache configuration."""
-    scheduler = engine.scheduler
-    return Simulator(scheduler.config, scheduler.cache_config, cost_model).run(trace)
+    return Simulator(*configs, cost_model).run(trace)
 
 
-def simulate(engine: Engine, trace: Sequence[TraceRequest], cost_model: CostModel
+def simulate(configs: Configs, trace: Sequence[TraceRequest], cost_model: CostModel
              ) -> dict[str, Any]:
-    return aggregate(simulate_result(engine, trace, cost_model))
+    return aggregate(simulate_result(configs, trace, cost_model))
 
 
 def ttft_plot(path: Path, title: str, results: dict[str, SimResult]) -> None:
@@ -120,10 +133,10 @@ def ttft_plot(path: Path, title: str, results: dict[str, SimResult]) -> None:
 
 
 def find_capacity(model: CalibratedCostModel, bound: float) -> tuple[float, list[dict]]:
-    engine_config = new_engine(W1_SETTINGS)  # only its configuration is used
+    configs = engine_configs(W1_SETTINGS)
 
     def queue_p99(qps: float) -> float | None:
-        return simulate(engine_config, w3_trace(rate=qps), model)["queue_p99"]
+        return simulate(configs, w3_trace(rate=qps), model)["queue_p99"]
 
     qps, probes = capacity_qps(queue_p99, 1.0, bound, rel_tol=0.01)
     if qps is None:
@@ -155,8 +168,10 @@ def compare(name: str, description: str, trace: Sequence[TraceRequest],
         run = run_trace(engine, trace, log=log, greedy=True)
         wall = time.perf_counter() - start
     roofline = RooflineCostModel(get_model("smollm2-135m"), get_hardware("cpu-local"), "bf16")
-    results = {"engine": run.result, "calibrated sim": simulate_result(engine, trace, calibrated),
-               "roofline sim": simulate_result(engine, trace, roofline)}
+    configs = (engine.scheduler.config, engine.scheduler.cache_config)
+    results = {"engine": run.result,
+               "calibrated sim": simulate_result(configs, trace, calibrated),
+               "roofline sim": simulate_result(configs, trace, roofline)}
     row = {"name": name, "description": description, "wall_s": wall,
            "engine": aggregate(results["engine"]),
            "calibrated": aggregate(results["calibrated sim"]),

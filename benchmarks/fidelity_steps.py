@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from docs_section import write_section
-from fidelity import DOCS, OUT, TITLE, new_engine, workload
+from fidelity import DOCS, OUT, TITLE, engine_configs, workload
 from kvserve.sim.cost_models import CalibratedCostModel, CostModelError, ReplayCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.simulator import Simulator
@@ -51,12 +51,15 @@ class PricedReplay:
 
 def priced_steps(name: str, model: CalibratedCostModel, capacity: float | None
                  ) -> list[tuple[BatchView, float, float]]:
-    trace, settings, _ = workload(name, lambda: capacity or 0.0, 200)
-    engine = new_engine(settings)  # its configuration only
+    def known_capacity() -> float:
+        if capacity is None:
+            raise SystemExit(f"{OUT / 'capacity.json'} is missing: run fidelity.py first")
+        return capacity
+
+    trace, settings, _ = workload(name, known_capacity, 200)  # fidelity.py's default
     priced = PricedReplay(ReplayCostModel.load(OUT / f"{name}-steps.jsonl"), model)
-    scheduler = engine.scheduler
     try:
-        Simulator(scheduler.config, scheduler.cache_config, priced).run(trace)
+        Simulator(*engine_configs(settings), priced).run(trace)
     except CostModelError as error:
         print(f"{name}: {error}; using the {len(priced.steps)} steps before it",
               file=sys.stderr)

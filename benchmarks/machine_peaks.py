@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from docs_section import write_section
-from fidelity import DOCS
+from fidelity import DOCS, TITLE
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -76,7 +76,7 @@ def main() -> int:
     body = "\n".join(lines)
     print(body)
     if args.write_docs:
-        write_section("machine", body, DOCS, "# Simulator fidelity")
+        write_section("machine", body, DOCS, TITLE)
     return 0
 
 

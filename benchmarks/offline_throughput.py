@@ -17,7 +17,6 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 # A dedicated offline run: spinning OpenMP threads are ~20% faster in decode on an idle
 # machine (kvserve defaults to passive waiting, which is safe when anything else runs).
@@ -26,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 import numpy as np
 import torch
 
-from docs_section import write_section
+from docs_section import publish
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
 from kvserve.flags import parse_bytes
@@ -102,11 +101,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     section = markdown(rows, "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]))
-    print(section)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    if args.write_docs:
-        write_section("offline_throughput", section)
+    publish("offline_throughput", section, rows, args.json, args.write_docs)
     return 0
 
 

@@ -20,9 +20,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from docs_section import write_section
+from docs_section import publish
 from kvserve.core import (
     CacheConfig,
     ModelOutput,
@@ -145,12 +144,8 @@ def main() -> int:
             print(json.dumps(result), flush=True)
             results.append(result)
     command = "python benchmarks/sched_overhead.py " + " ".join(sys.argv[1:])
-    section = markdown(results, command.strip())
-    print(section)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.write_docs:
-        write_section("sched_overhead", section)
+    publish("sched_overhead", markdown(results, command.strip()), results, args.json,
+            args.write_docs)
     return 0
 
 

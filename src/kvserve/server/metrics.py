@@ -147,6 +147,15 @@ class ServerMetrics:
             self.stall.observe(metrics.longest_stall)
 
 
+def _families(family: type[GaugeMetricFamily] | type[CounterMetricFamily], labels: list[str],
+              rows: tuple[tuple[str, str, float], ...]) -> Iterator[Metric]:
+    """One family of ``family``'s kind per (metric, help text, value) row, labelled."""
+    for metric, text, value in rows:
+        series = family(metric, text, labels=["model_name"])
+        series.add_metric(labels, value)
+        yield series
+
+
 class _StatsCollector(Collector):
     """Scheduler-wide series from the engine's latest stats snapshot."""
 
@@ -157,7 +166,7 @@ class _StatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats: SchedulerStats = self.engine.stats
         name = [self.model_name]
-        for metric, text, value in (
+        yield from _families(GaugeMetricFamily, name, (
                 ("vllm:num_requests_running", "Requests in the running batch.",
                  stats.num_running),
                 ("vllm:num_requests_waiting", "Requests waiting (new or preempted).",
@@ -166,11 +175,8 @@ class _StatsCollector(Collector):
                  stats.kv_cache_usage),
                 ("kvserve:num_queued_tokens", "Tokens of the waiting requests.",
                  stats.num_queued_tokens),
-                ("kvserve:num_free_kv_blocks", "Free KV blocks.", stats.num_free_blocks)):
-            gauge = GaugeMetricFamily(metric, text, labels=["model_name"])
-            gauge.add_metric(name, value)
-            yield gauge
-        for metric, text, value in (
+                ("kvserve:num_free_kv_blocks", "Free KV blocks.", stats.num_free_blocks)))
+        yield from _families(CounterMetricFamily, name, (
                 ("vllm:num_preemptions", "Preemptions.", stats.num_preemptions),
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  stats.prefix_cache_queries),
@@ -178,10 +184,7 @@ class _StatsCollector(Collector):
                  stats.prefix_cache_hits),
                 ("kvserve:recomputed_tokens", "Tokens computed again after a preemption.",
                  stats.num_recomputed_tokens),
-                ("kvserve:engine_steps", "Engine steps.", stats.num_steps)):
-            counter = CounterMetricFamily(metric, text, labels=["model_name"])
-            counter.add_metric(name, value)
-            yield counter
+                ("kvserve:engine_steps", "Engine steps.", stats.num_steps)))
         blocked = CounterMetricFamily("kvserve:admissions_blocked",
                                       "Steps whose waiting pass stopped, by reason.",
                                       labels=["model_name", "reason"])
