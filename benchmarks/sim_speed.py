@@ -9,6 +9,13 @@ faster than the simulated duration. Run from the repository root:
 
     .venv/bin/python benchmarks/sim_speed.py            # the figures
     .venv/bin/python benchmarks/sim_speed.py --profile  # where the time goes, by layer
+    .venv/bin/python benchmarks/sim_speed.py --events   # scheduler events per step
+    .venv/bin/python benchmarks/sim_speed.py --model llama-3.1-70b --hardware h100-sxm \
+        --tp 4 --rate 14                                # the same trace elsewhere
+
+The last form replays the trace's lengths on another deployment; pick the rate that keeps
+~200 requests running there (the run prints the mean). The speed-up over simulated time is
+about a step's price on the simulated hardware over the scheduler's cost per step here.
 
 (The simulator against the real engine on this machine: benchmarks/fidelity.py.)
 """
@@ -36,6 +43,41 @@ SETTINGS = {"max_num_seqs": 256, "max_model_len": 8192, "enable_prefix_caching":
 DEPLOYMENT = Deployment(model="llama-3.1-8b", hardware="h100-sxm", dtype="bf16")
 
 
+class EventCounter:
+    """Counts, per step, what an event-driven scheduler could not skip: blocks a running
+    request grows into, prompts admitted, requests finished (patched around the sim)."""
+
+    def __init__(self) -> None:
+        self.steps = self.new_blocks = self.admitted = self.finished = 0
+        self.decode_request_steps = 0
+
+    def install(self) -> None:
+        from kvserve.sim import simulator
+
+        run_step = simulator._Run._run_step
+        counter = self
+
+        def counting_run_step(run, out, now):  # type: ignore[no-untyped-def]
+            counter.steps += 1
+            counter.admitted += len(out.scheduled_new_reqs)
+            counter.new_blocks += sum(len(ids) for ids in
+                                      out.scheduled_cached_reqs.new_block_ids)
+            counter.decode_request_steps += sum(1 for n in out.num_scheduled_tokens.values()
+                                                if n == 1)
+            now = run_step(run, out, now)
+            counter.finished += len(out.finished_req_ids)
+            return now
+
+        simulator._Run._run_step = counting_run_step  # type: ignore[method-assign]
+
+    def print(self) -> None:
+        per_step = self.steps or 1
+        print(f"per step            {self.decode_request_steps / per_step:.1f} decodes; "
+              f"{self.new_blocks / per_step:.1f} blocks grown into by running requests, "
+              f"{self.admitted / per_step:.2f} prompts admitted, "
+              f"{self.finished / per_step:.2f} finished")
+
+
 def layer_shares(stats: pstats.Stats) -> dict[str, float]:
     """Share of profiled own-time spent in each kvserve layer (and everything else)."""
     totals: dict[str, float] = {}
@@ -55,8 +97,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=SPEC.num_requests)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--events", action="store_true",
+                        help="count scheduler events per step (slows the run a little)")
+    parser.add_argument("--model", default=DEPLOYMENT.model)
+    parser.add_argument("--hardware", default=DEPLOYMENT.hardware)
+    parser.add_argument("--tp", type=int, default=DEPLOYMENT.tensor_parallel_size)
+    parser.add_argument("--rate", type=float, default=SPEC.rate,
+                        help="arrivals per second (26 keeps ~200 running on the default "
+                             "deployment)")
     args = parser.parse_args()
-    spec = WorkloadSpec(**{**SPEC.__dict__, "num_requests": args.num_requests})
+    deployment = Deployment(model=args.model, hardware=args.hardware, dtype="bf16",
+                            tensor_parallel_size=args.tp)
+    spec = WorkloadSpec(**{**SPEC.__dict__, "num_requests": args.num_requests,
+                           "rate": args.rate})
+    counter = EventCounter() if args.events else None
+    if counter is not None:
+        counter.install()
 
     start = time.perf_counter()
     trace = generate(spec)
@@ -65,14 +121,16 @@ def main() -> None:
     start = time.perf_counter()
     if args.profile:
         profiler = cProfile.Profile()
-        echo, result = profiler.runcall(DEPLOYMENT.simulate, trace, SETTINGS, seed=0)
+        echo, result = profiler.runcall(deployment.simulate, trace, SETTINGS, seed=0)
     else:
-        echo, result = DEPLOYMENT.simulate(trace, SETTINGS, seed=0)
+        echo, result = deployment.simulate(trace, SETTINGS, seed=0)
     wall = time.perf_counter() - start
 
     simulated = result.end_time - result.start_time
     running = np.frombuffer(result.steps.num_running, dtype=np.int64)
     finished = sum(r.metrics is not None for r in result.records)
+    print(f"deployment          {deployment.model} on {deployment.tensor_parallel_size} x "
+          f"{deployment.hardware}, bf16; {args.rate:g} req/s")
     print(f"requests            {len(trace):,} ({finished:,} finished)")
     print(f"KV pool             {echo['cache']['num_blocks']:,} blocks of "
           f"{echo['cache']['block_size']}")
@@ -87,6 +145,8 @@ def main() -> None:
     print(f"steps per second    {result.num_steps / wall:,.0f}")
     print(f"per step            {wall / result.num_steps * 1e6:,.0f} us "
           f"({wall / result.num_steps / running.mean() * 1e6:.2f} us per running request)")
+    if counter is not None:
+        counter.print()
     if args.profile:
         stats = pstats.Stats(profiler)
         for layer, share in layer_shares(stats).items():
