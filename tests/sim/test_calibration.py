@@ -1,5 +1,7 @@
 """Fitting a calibrated cost model recovers the coefficients that made the step times."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -48,7 +50,7 @@ def test_a_term_that_would_fit_negative_is_dropped():
 
 
 def test_too_few_samples_is_an_error():
-    with pytest.raises(ValueError, match="at least 6"):
+    with pytest.raises(ValueError, match="at least 7"):
         fit(_views(3), [0.1, 0.1, 0.1])
 
 
@@ -83,3 +85,28 @@ def test_min_tokens_round_trips_and_is_checked(tmp_path):
     with pytest.raises(CostModelError, match="min_tokens must be an integer >= 0, got -1"):
         CalibratedCostModel.from_dict({"format": CALIBRATED_FORMAT, "coefficients": TRUE,
                                        "min_tokens": -1})
+
+
+def test_fit_separates_the_layout_term_when_both_layouts_are_measured():
+    """The same shapes on scattered and on consecutive blocks, as kvserve calibrate measures
+    them: the fit recovers the per scattered token cost apart from the per token one."""
+    truth = CalibratedCostModel({**TRUE, "per_scattered_context_token_s": 2e-8})
+    scattered = [dataclasses.replace(v, scattered_context_tokens=v.context_tokens * 15 // 16)
+                 for v in _views(200)]
+    consecutive = _views(200)
+    views = [v for pair in zip(scattered, consecutive, strict=True) for v in pair]
+    rng = np.random.default_rng(2)
+    seconds = [truth.step_time(None, v) * (1 + rng.normal(0, 0.003)) for v in views]  # type: ignore[arg-type]
+    model = fit(views, seconds)
+    assert model.coefficients["per_scattered_context_token_s"] == pytest.approx(2e-8, rel=0.1)
+    assert model.coefficients["per_context_token_s"] == pytest.approx(3e-8, rel=0.1)
+    assert model.needs_block_layout
+
+
+def test_fit_on_one_layout_leaves_the_term_at_zero():
+    # Without scattered samples there is nothing to separate: the model stays shape-only.
+    views = _views(100)
+    truth = CalibratedCostModel(dict(TRUE))
+    model = fit(views, [truth.step_time(None, v) for v in views])  # type: ignore[arg-type]
+    assert model.coefficients["per_scattered_context_token_s"] == 0.0
+    assert not model.needs_block_layout

@@ -1,6 +1,7 @@
 """Cost models: units worked by hand, monotonicity, tensor parallelism, the calibrated
 file format."""
 
+import dataclasses
 import json
 import re
 
@@ -137,3 +138,37 @@ def test_calibrated_model_is_linear_in_its_terms(tmp_path):
 def test_calibrated_model_rejects_bad_files(data, message):
     with pytest.raises(CostModelError, match=re.escape(message)):
         CalibratedCostModel.from_dict(data)
+
+
+def test_a_file_without_the_layout_term_loads_with_it_at_zero(tmp_path):
+    # Files written before the layout term existed have six coefficients.
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": "kvserve-cost-model/1", "min_tokens": 4,
+                                "coefficients": {"fixed_s": 0.01, "per_token_s": 5e-4,
+                                                 "per_seq_s": 1e-4, "per_sampled_s": 1e-4,
+                                                 "per_context_token_s": 1e-6,
+                                                 "per_attention_pair_s": 5e-7}}))
+    cost = CalibratedCostModel.load(path)
+    assert cost.coefficients["per_scattered_context_token_s"] == 0.0
+    assert not cost.needs_block_layout
+    # ... and describes itself as it did: the unused term is not echoed into reports
+    assert "per_scattered_context_token_s" not in cost.describe()["coefficients"]
+    scattered = dataclasses.replace(decode(8, 400), scattered_context_tokens=3000)
+    assert cost.step_time(None, scattered) == cost.step_time(None, decode(8, 400))
+
+
+def test_the_layout_term_prices_scattered_context_tokens():
+    cost = CalibratedCostModel.from_dict({
+        "format": "kvserve-cost-model/1",
+        "coefficients": {"fixed_s": 0.002, "per_context_token_s": 1e-8,
+                         "per_scattered_context_token_s": 4e-9}})
+    assert cost.needs_block_layout
+    # 8 decodes at 1,000 tokens, 6,000 of the 8,000 in scattered blocks:
+    # 0.002 + 8,000 x 1e-8 + 6,000 x 4e-9 = 0.002 + 0.00008 + 0.000024 = 0.002104
+    view = dataclasses.replace(decode(8, 1000), scattered_context_tokens=6000)
+    assert cost.step_time(None, view) == pytest.approx(0.002104)
+    assert cost.describe()["coefficients"]["per_scattered_context_token_s"] == 4e-9
+    unknown = re.escape("unknown coefficient(s) per_scattered_block_s")
+    with pytest.raises(CostModelError, match=unknown):
+        CalibratedCostModel.from_dict({"format": "kvserve-cost-model/1", "coefficients": {
+            "fixed_s": 0.002, "per_scattered_block_s": 1e-6}})

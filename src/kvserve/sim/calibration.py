@@ -7,6 +7,11 @@ small, and inter-token latency is one step), constrained to non-negative coeffic
 term with a negative fitted cost is dropped and the rest refitted, until none is
 negative), so the result is a valid ``kvserve-cost-model/1`` file. The knee
 ``min_tokens`` is chosen from :data:`KNEES` by the lowest mean relative error.
+
+The layout term (``per_scattered_context_token_s``) can only be separated from the per
+context token cost if the samples include the same shapes with consecutive and with
+scattered blocks (kvserve calibrate measures both); samples without scattered tokens fit
+it at 0, which leaves the model shape-only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ KNEES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 def features(view: BatchView, min_tokens: int = 0) -> list[float]:
     """The calibrated model's terms, in CALIBRATED_TERMS order."""
     return [1.0, max(view.num_tokens, min_tokens), view.num_seqs, view.num_sampled,
-            view.context_tokens, view.attention_pairs]
+            view.context_tokens, view.attention_pairs, view.scattered_context_tokens]
 
 
 def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

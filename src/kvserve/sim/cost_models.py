@@ -2,7 +2,10 @@
 
 One protocol, ``step_time(scheduler_output, view) -> seconds``; the simulator's clock
 advances by that much per step. ``unit`` counts steps; ``roofline`` prices FLOPs and bytes
-on a hardware preset; ``calibrated`` reads coefficients measured on a real engine.
+on a hardware preset; ``calibrated`` reads coefficients measured on a real engine. A model
+that also prices where the KV blocks lie (the view's ``scattered_context_tokens``) says so
+with a true ``needs_block_layout`` attribute; the simulator tracks the layout only then
+(:func:`needs_block_layout`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ class CostModel(Protocol):
     def describe(self) -> dict[str, Any]:
         """The model and its parameters, echoed in the report."""
         ...
+
+
+def needs_block_layout(model: CostModel) -> bool:
+    """Whether ``model`` reads ``BatchView.scattered_context_tokens``. An optional attribute
+    rather than part of the protocol, so a model that does not price the layout (every one
+    but a calibrated model with a layout coefficient) needs nothing new."""
+    return bool(getattr(model, "needs_block_layout", False))
 
 
 class UnitCostModel:
@@ -111,8 +121,9 @@ class RooflineCostModel:
 
 
 CALIBRATED_FORMAT = "kvserve-cost-model/1"
+LAYOUT_TERM = "per_scattered_context_token_s"
 CALIBRATED_TERMS = ("fixed_s", "per_token_s", "per_seq_s", "per_sampled_s",
-                    "per_context_token_s", "per_attention_pair_s")
+                    "per_context_token_s", "per_attention_pair_s", LAYOUT_TERM)
 
 
 @dataclass(frozen=True)
@@ -122,13 +133,22 @@ class CalibratedCostModel:
         step = fixed_s + per_token_s * max(tokens, min_tokens) + per_seq_s * seqs
                + per_sampled_s * sampled + per_context_token_s * context_tokens
                + per_attention_pair_s * pairs
+               + per_scattered_context_token_s * scattered_context_tokens
 
     ``min_tokens`` is the knee of small steps: below it a step costs about the same however
     few tokens it has, because streaming the weights, not arithmetic, bounds it.
 
+    ``per_scattered_context_token_s`` is the optional layout term: the extra cost of a context
+    token whose block does not follow the request's previous block by id + 1
+    (:mod:`kvserve.sim.layout`). When it is > 0, ``needs_block_layout`` is true and the
+    simulator tracks block tables to supply the count; at 0 (a file without the key) the
+    model prices the batch's shape alone, describes itself without the term and simulates
+    exactly as before the term existed.
+
     File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
     optional "min_tokens" (default 0), "source": free text, "meta" and "samples" from
-    kvserve calibrate}. Missing terms are 0; unknown keys are errors.
+    kvserve calibrate}. Terms are the seven in CALIBRATED_TERMS; missing terms are 0
+    (so files written before the layout term load unchanged); unknown keys are errors.
     :func:`kvserve.sim.calibration.fit` makes one from measured (batch shape, seconds) steps.
     """
 
@@ -137,16 +157,30 @@ class CalibratedCostModel:
     min_tokens: int = 0
     name: str = "calibrated"
 
+    def __post_init__(self) -> None:
+        if LAYOUT_TERM not in self.coefficients:  # built in code before the term existed
+            object.__setattr__(self, "coefficients", {**self.coefficients, LAYOUT_TERM: 0.0})
+
+    @property
+    def needs_block_layout(self) -> bool:
+        return self.coefficients[LAYOUT_TERM] > 0
+
     def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
         c = self.coefficients
         tokens = view.num_tokens if view.num_tokens > self.min_tokens else self.min_tokens
+        # The layout term is added last: at 0 it adds exactly 0.0, so prices (and reports)
+        # of a model without it are bit-for-bit those of the six-term model.
         return (c["fixed_s"] + c["per_token_s"] * tokens
                 + c["per_seq_s"] * view.num_seqs + c["per_sampled_s"] * view.num_sampled
                 + c["per_context_token_s"] * view.context_tokens
-                + c["per_attention_pair_s"] * view.attention_pairs)
+                + c["per_attention_pair_s"] * view.attention_pairs
+                + c[LAYOUT_TERM] * view.scattered_context_tokens)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "coefficients": dict(self.coefficients),
+        coefficients = dict(self.coefficients)
+        if not coefficients[LAYOUT_TERM]:
+            del coefficients[LAYOUT_TERM]  # unused: the report reads as it did without it
+        return {"name": self.name, "coefficients": coefficients,
                 "min_tokens": self.min_tokens, "source": self.source}
 
     @classmethod

@@ -7,7 +7,8 @@ for every request whose scheduled chunk reaches the end of its sequence and noth
 mid-prompt chunk. A request whose model answer is ``output_len`` tokens long samples those
 tokens and then EOS, unless ``ignore_eos``; the scheduler's own stop checks do the rest.
 
-Each step it also describes the batch's shape (:class:`BatchView`) for the cost model.
+Each step it also describes the batch's shape (:class:`BatchView`) for the cost model, and,
+when given a :class:`~kvserve.sim.layout.BlockLayout`, where the batch's KV lies in the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.core import ModelOutput, SchedulerOutput
+from kvserve.sim.layout import BlockLayout
 from kvserve.sim.tokens import EOS_TOKEN_ID, stream_token, stream_tokens
 
 
@@ -25,6 +27,10 @@ class BatchView:
 
     attention_pairs = sum n_i * c_i + n_i * (n_i + 1) / 2: (query, key) pairs under the
     causal mask, the quadratic term of prefill; context_tokens = sum c_i: KV read from cache.
+
+    scattered_context_tokens: of those context tokens, the ones in blocks whose id does not
+    follow the request's previous block by +1 (:mod:`kvserve.sim.layout`). Tracked only when
+    the cost model prices it; otherwise 0.
     """
 
     num_seqs: int
@@ -33,6 +39,7 @@ class BatchView:
     num_decode_seqs: int
     context_tokens: int
     attention_pairs: int
+    scattered_context_tokens: int = 0
 
 
 EMPTY_BATCH = BatchView(0, 0, 0, 0, 0, 0)
@@ -48,9 +55,10 @@ class _SeqState:
 
 
 class SimExecutor:
-    def __init__(self) -> None:
+    def __init__(self, layout: BlockLayout | None = None) -> None:
         self._answers: dict[str, tuple[int, list[int], int]] = {}
         self._state: dict[str, _SeqState] = {}
+        self.layout = layout
         self.view = EMPTY_BATCH
 
     def register(self, request_id: str, num_prompt_tokens: int, output_len: int,
@@ -67,6 +75,8 @@ class SimExecutor:
     def forget(self, request_id: str) -> None:
         self._answers.pop(request_id, None)
         self._state.pop(request_id, None)
+        if self.layout is not None:
+            self.layout.forget(request_id)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         state = self._state
@@ -104,6 +114,7 @@ class SimExecutor:
                 seq.seq_len = seq_len + 1
             elif computed > seq_len:
                 raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
+        scattered = 0 if self.layout is None else self.layout.observe(out)
         self.view = BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
-                              len(sampled), num_decode, context, pairs)
+                              len(sampled), num_decode, context, pairs, scattered)
         return ModelOutput(sampled)

@@ -38,8 +38,9 @@ from kvserve.core import (
     check_invariants,
 )
 from kvserve.core.request import EventType
-from kvserve.sim.cost_models import CostModel
+from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
+from kvserve.sim.layout import BlockLayout
 from kvserve.sim.trace import TraceRequest
 
 BATCHING_MODES = ("continuous", "static", "serial")
@@ -124,7 +125,9 @@ class _Run:
         self.sim = sim
         self.scheduler = Scheduler(sim.scheduler_config, sim.cache_config,
                                    record_events=sim.record_events)
-        self.executor = SimExecutor()
+        # The layout tracker costs a pass over the batch per step: only for a model using it.
+        self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
+                                    if needs_block_layout(sim.cost_model) else None)
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
                                                     r.num_prompt_tokens, deadline=r.deadline)
