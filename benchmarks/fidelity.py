@@ -86,7 +86,7 @@ def new_engine(settings: dict[str, Any]) -> Engine:
 def run_calibration(progress: bool) -> CalibratedCostModel:
     engine = new_engine(W1_SETTINGS)
     runner: Any = engine.executor
-    shapes = calibrate.grid()
+    shapes = calibrate.grid(block_size=BLOCK_SIZE)
     start = time.perf_counter()
     model, seconds = calibrate.calibrate(runner, engine.scheduler.cache_config.num_blocks,
                                          shapes, warmup=2, repeats=5, progress=progress)

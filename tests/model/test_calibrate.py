@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+
+import pytest
 
 from kvserve.engine import calibrate
 from kvserve.engine.llm import build_engine
 from kvserve.model.config import ModelConfig
 from kvserve.sim.cost_models import CalibratedCostModel
+from kvserve.sim.layout import BlockLayout
 
 TINY = ModelConfig(name="tiny", vocab_size=2048, hidden_size=32, intermediate_size=64,
                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -23,6 +27,32 @@ def test_shape_views_count_tokens_context_and_attention_pairs():
     assert view.attention_pairs == 11 + 21 + 12 + 6
 
 
+def test_shape_views_count_the_context_in_scattered_blocks():
+    shape = calibrate.StepShape(decode_contexts=(40, 10), prefills=((20, 5),), block_size=16)
+    # scattered: every block after a sequence's first, so 40 - 16, 10 - 10, 20 - 16
+    assert shape.view().scattered_context_tokens == 24 + 0 + 4
+    assert replace(shape, scattered=False).view().scattered_context_tokens == 0
+
+
+def test_the_dealt_blocks_have_the_layout_the_view_claims():
+    # The simulator's own tracker, run on the step calibration hands the runner.
+    shape = calibrate.StepShape(decode_contexts=(100, 300), prefills=((64, 32),))
+    for layout in (shape, replace(shape, scattered=False)):
+        out = calibrate._scheduler_output(layout, num_blocks=4096)
+        assert BlockLayout(16).observe(out) == layout.view().scattered_context_tokens
+
+
+def test_the_grid_measures_each_shape_that_reads_context_on_both_layouts():
+    shapes = calibrate.grid(quick=True, block_size=16)
+    consecutive = [i for i, s in enumerate(shapes) if not s.scattered]
+    # the twin follows its scattered shape directly, so machine drift hits both alike
+    assert all(shapes[i - 1] == replace(shapes[i], scattered=True) for i in consecutive)
+    # quick grid: decodes at context 64 (3 batch sizes) and the mixed step at 32 have twins;
+    # prefills from 0 and decodes within their first block (16) read no other block
+    assert len(consecutive) == 4 and len(shapes) == 14
+    assert len([s for s in calibrate.grid() if not s.scattered]) == 23
+
+
 def test_calibration_on_a_real_runner_writes_a_usable_model(tmp_path):
     engine = build_engine(TINY, num_kv_blocks=64, detokenize=False)
     shapes = calibrate.grid(quick=True)
@@ -33,8 +63,16 @@ def test_calibration_on_a_real_runner_writes_a_usable_model(tmp_path):
     path.write_text(calibrate.to_json(model, shapes, seconds, {"model": "tiny"}))
     data = json.loads(path.read_text())
     assert data["meta"]["model"] == "tiny" and len(data["samples"]) == len(shapes)
+    assert {sample["scattered"] for sample in data["samples"]} == {True, False}
     assert {"mean_abs_error", "r2", "machine", "torch"} <= set(data["meta"])
     loaded = CalibratedCostModel.load(path)
     assert loaded.coefficients == model.coefficients
     calibrate.plot(tmp_path / "fit.svg", shapes, seconds, model)
     assert (tmp_path / "fit.svg").read_text().startswith("<svg")
+
+
+def test_a_shape_for_another_block_size_is_refused():
+    engine = build_engine(TINY, num_kv_blocks=64, block_size=16, detokenize=False)
+    with pytest.raises(ValueError, match="shape has block size 32, the runner 16"):
+        calibrate.measure(engine.executor, calibrate.StepShape(decode_contexts=(8,),
+                                                               block_size=32), 64)

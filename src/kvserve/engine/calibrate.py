@@ -5,6 +5,11 @@ Each grid point is one step shape: some decodes at given context lengths and som
 chunks (n tokens after c already computed). The runner executes it as a real step (batch
 building, forward, logits, sampling) on a KV pool whose contents do not matter for timing;
 after warm-up runs, the median of the repeats is the sample.
+
+Where the KV blocks lie matters too (:mod:`kvserve.sim.layout`): every shape that reads
+cached context is measured twice, with each sequence's blocks scattered over the pool and
+with consecutive block ids, so the fit can tell the layout term from the per context token
+cost.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +40,45 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 class StepShape:
     decode_contexts: tuple[int, ...] = ()  # tokens already computed, per decode
     prefills: tuple[tuple[int, int], ...] = ()  # (tokens already computed, tokens now)
+    scattered: bool = True  # each sequence's blocks dealt from a shuffled pool, or in order
+    block_size: int = 16  # the pool's: how many context tokens share a block
 
     def view(self) -> BatchView:
-        """The simulator's description of this batch."""
+        """The simulator's description of this batch.
+
+        Scattered, every block after a sequence's first is counted as scattered (in a
+        shuffled pool of N blocks one follows its predecessor by chance with probability
+        1/N, too rare to count); consecutive, none is."""
         pieces = [(c, 1) for c in self.decode_contexts] + list(self.prefills)
+        scattered = sum(c - min(c, self.block_size) for c, _ in pieces) \
+            if self.scattered else 0
         return BatchView(
             num_seqs=len(pieces), num_tokens=sum(n for _, n in pieces),
             num_sampled=len(pieces), num_decode_seqs=len(self.decode_contexts),
             context_tokens=sum(c for c, _ in pieces),
-            attention_pairs=sum(n * c + n * (n + 1) // 2 for c, n in pieces))
+            attention_pairs=sum(n * c + n * (n + 1) // 2 for c, n in pieces),
+            scattered_context_tokens=scattered)
+
+    def reads_context(self) -> bool:
+        """Whether any sequence reads context past its first block: only then does the
+        block layout change what the step reads."""
+        return any(c > self.block_size
+                   for c in (*self.decode_contexts, *(c for c, _ in self.prefills)))
 
 
-def grid(quick: bool = False) -> list[StepShape]:
-    """Prefill chunks, decode batches at several contexts, and mixed steps."""
+def grid(quick: bool = False, block_size: int = 16) -> list[StepShape]:
+    """Prefill chunks, decode batches at several contexts, and mixed steps, each on
+    scattered blocks; a shape that reads context is followed by its consecutive twin."""
+    shapes = [replace(s, block_size=block_size) for s in _shapes(quick)]
+    with_twins = []
+    for shape in shapes:
+        with_twins.append(shape)
+        if shape.reads_context():  # measured back to back, so drift hits both alike
+            with_twins.append(replace(shape, scattered=False))
+    return with_twins
+
+
+def _shapes(quick: bool) -> list[StepShape]:
     if quick:
         return [StepShape(prefills=((0, n),)) for n in (8, 32, 96)] + \
             [StepShape(decode_contexts=(c,) * b) for b in (1, 4, 8) for c in (16, 64)] + \
@@ -66,17 +97,16 @@ def grid(quick: bool = False) -> list[StepShape]:
     return shapes
 
 
-def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int,
-                      scattered: bool = True) -> SchedulerOutput:
+def _scheduler_output(shape: StepShape, num_blocks: int) -> SchedulerOutput:
     """A step the runner has never seen: every sequence arrives as a new request whose first
     ``c`` tokens count as computed (KV contents are irrelevant to timing).
 
-    Block ids are dealt from a shuffled pool (``scattered``), as a pool looks after an
-    engine has served for a while; dealt in order, consecutive blocks would let the
-    hardware prefetcher stream the KV cache and attention would look faster than it is in
-    service."""
+    Block ids are dealt from a shuffled pool (``shape.scattered``), as a pool looks after an
+    engine has served a churn of requests, or in order, as a fresh pool hands them out;
+    consecutive blocks let the hardware prefetcher stream the KV cache."""
+    block_size = shape.block_size
     order = list(range(num_blocks))
-    if scattered:
+    if shape.scattered:
         random.Random(num_blocks).shuffle(order)
     next_block = 0
     new_reqs = []
@@ -96,11 +126,14 @@ def _scheduler_output(shape: StepShape, block_size: int, num_blocks: int,
 
 
 def measure(runner: ModelRunner, shape: StepShape, num_blocks: int, *, warmup: int = 1,
-            repeats: int = 3, scattered: bool = True) -> float:
+            repeats: int = 3) -> float:
     """Median seconds of ``runner.execute`` on this shape."""
+    if shape.block_size != runner.block_size:
+        raise ValueError(f"shape has block size {shape.block_size}, the runner "
+                         f"{runner.block_size}")
     times = []
     for run in range(warmup + repeats):
-        out = _scheduler_output(shape, runner.block_size, num_blocks, scattered)
+        out = _scheduler_output(shape, num_blocks)
         start = time.perf_counter()
         runner.execute(out)
         elapsed = time.perf_counter() - start
@@ -136,7 +169,8 @@ def goodness(model: CalibratedCostModel, shapes: Sequence[StepShape],
 def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],
             seconds: Sequence[float], meta: dict[str, Any]) -> str:
     samples = [{"decode_contexts": list(s.decode_contexts),
-                "prefills": [list(p) for p in s.prefills], "seconds": t,
+                "prefills": [list(p) for p in s.prefills], "scattered": s.scattered,
+                "seconds": t,
                 "fitted": model.step_time(None, s.view())}  # type: ignore[arg-type]
                for s, t in zip(shapes, seconds, strict=True)]
     return json.dumps({

@@ -16,7 +16,8 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="measure step times on this machine and fit a cost model",
         description="Run the engine over a grid of step shapes (prefill chunks, decode "
-                    "batches at several context lengths, mixed steps), take the median of "
+                    "batches at several context lengths, mixed steps; those reading cached "
+                    "KV on scattered and on consecutive blocks), take the median of "
                     "repeated runs, and fit the simulator's calibrated cost model "
                     "(kvserve simulate --cost-model calibrated --calibration FILE).")
     add_model_args(parser)
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(error).splitlines()[0]) from error
     runner: Any = engine.executor
     num_blocks = engine.scheduler.cache_config.num_blocks
-    shapes = calibrate.grid(args.quick)
+    shapes = calibrate.grid(args.quick, block_size=args.block_size)
     model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
                                          repeats=args.repeats, progress=sys.stderr.isatty())
     meta = {"model": runner.model.config.name, "dtype": args.dtype,
@@ -55,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
           f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
           f"R^2 {quality['r2']:.3f}")
+    width = max(map(len, model.coefficients))
     for term, value in model.coefficients.items():
-        print(f"  {term:22s} {value:.3e} s")
-    print(f"  {'min_tokens':22s} {model.min_tokens} (steps with fewer tokens cost as much)")
+        print(f"  {term:{width}s} {value:.3e} s")
+    print(f"  {'min_tokens':{width}s} {model.min_tokens} (steps with fewer tokens cost as much)")
     if args.plot:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")
