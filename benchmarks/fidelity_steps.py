@@ -11,6 +11,10 @@ A W3 replay can diverge after a while (after an idle wait the engine's clock has
 past the arrival it woke for, so it may admit a request one step earlier); steps up to the
 divergence are used.
 
+The replay always tracks the block layout, so the table also says what share of each
+group's context KV sat in scattered blocks (kvserve.sim.layout), whether or not the model
+prices it.
+
     python benchmarks/fidelity_steps.py [--workloads w1 w2 w3 ...] [--write-docs]
 """
 
@@ -35,6 +39,7 @@ class PricedReplay:
     """Replays the engine's durations and notes what the calibrated model would charge."""
 
     name = "priced-replay"
+    needs_block_layout = True  # for the table's layout column, whatever the model prices
 
     def __init__(self, replay: ReplayCostModel, model: CalibratedCostModel) -> None:
         self.replay, self.model = replay, model
@@ -71,10 +76,13 @@ def summary(name: str, steps: list[tuple[BatchView, float, float]]) -> list[str]
         measured = [m for _, m, _ in chosen]
         errors = [p / m - 1 for _, m, p in chosen]
         total = sum(p for _, _, p in chosen) / sum(measured) - 1
+        context = sum(v.context_tokens for v, _, _ in chosen)
+        scattered = sum(v.scattered_context_tokens for v, _, _ in chosen) / (context or 1)
         return (f"| {name.upper()} | {label} | {len(chosen)} | "
                 f"{1000 * statistics.median(measured):.1f} | "
                 f"{100 * statistics.median(errors):+.1f}% | "
-                f"{100 * statistics.median(abs(e) for e in errors):.1f}% | {100 * total:+.1f}% |")
+                f"{100 * statistics.median(abs(e) for e in errors):.1f}% | {100 * total:+.1f}% "
+                f"| {100 * scattered:.0f}% |")
 
     lines = []
     decodes = [s for s in steps if s[0].num_tokens == s[0].num_seqs]
@@ -102,9 +110,11 @@ def main() -> int:
     lines = ["## The calibrated model on the engine's own steps", "",
              f"`python benchmarks/fidelity_steps.py {' '.join(sys.argv[1:])}`: each engine "
              "run's step log replayed, each step priced by the calibrated model. Error = "
-             "priced / measured - 1.", "",
+             "priced / measured - 1; scattered context = the share of the steps' context "
+             "tokens in blocks that do not follow their predecessor.", "",
              "| workload | steps | count | measured median ms | error, median | "
-             "abs error, median | error of the sum |", "|---|---|---|---|---|---|---|"]
+             "abs error, median | error of the sum | scattered context |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in args.workloads:
         if (OUT / f"{name}-steps.jsonl").exists():
             lines += summary(name, priced_steps(name, model, capacity))
