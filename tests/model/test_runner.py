@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kvserve.core import CacheConfig, SamplingParams, Scheduler, SchedulerConfig, check_empty
 from kvserve.engine.engine import Engine
-from kvserve.model import paged_kernel
+from kvserve.model import llama, paged_kernel
 from kvserve.model.attention import reference_attention, torch_paged_attention
 from kvserve.model.kv_cache import allocate_kv_cache
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.llama import Linear, LlamaForCausalLM, can_pack_weights
 from kvserve.model.runner import ModelRunner
 from tests.model.reference import TINY, dense_greedy, dense_logits, random_weights
 
@@ -112,3 +114,33 @@ def test_the_default_attention_uses_the_kernel_here():
     # The project's machines have a compiler and ninja: a broken kernel build must fail CI
     # rather than fall back silently to the torch path.
     assert paged_kernel.available(), paged_kernel.unavailable_reason()
+
+
+@pytest.mark.skipif(not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_bf16_projections_generate_what_plain_ones_do(monkeypatch, tied):
+    """bf16 projections run through oneDNN's packed copies, whose plain weights are then
+    released (except a tied LM head, which is the embedding table): greedy tokens must be
+    those of the same network left unpacked."""
+    config = replace(TINY, tie_word_embeddings=tied)
+    weights = {k: v.to(torch.bfloat16) for k, v in random_weights(config, seed=1).items()}
+    if not tied:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].flip(0).clone()
+
+    def run(network: LlamaForCausalLM) -> list[list[int]]:
+        scheduler = Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=64,
+                                              max_num_seqs=16),
+                              CacheConfig(num_blocks=200, block_size=16))
+        runner = ModelRunner(network, allocate_kv_cache(config, 200, 16, torch.bfloat16), 16)
+        return generate(Engine(scheduler, runner, None), stagger=True)
+
+    packed = LlamaForCausalLM.from_weights(config, dict(weights))
+    projections = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None for m in projections)
+    released = [m for m in projections if m.weight.is_meta]
+    assert len(released) == len(projections) - tied  # a tied head keeps the embedding
+    assert packed.embed_tokens.weight.device.type == "cpu"
+    monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: False)
+    plain = LlamaForCausalLM.from_weights(config, dict(weights))
+    assert all(m.packed is None for m in plain.modules() if isinstance(m, Linear))
+    assert run(packed) == run(plain)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import logging
@@ -76,7 +77,19 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     network = LlamaForCausalLM.from_weights(config, weights)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
+    _return_freed_heap()
     return network, tokenizer
+
+
+def _return_freed_heap() -> None:
+    """Give the heap that loading freed back to the OS. glibc keeps freed chunks mapped, so
+    without this the dequantisation buffers and the plain copies of packed bf16 weights
+    (~200 MB for SmolLM2-135M) stay in the process's resident memory. No-op off glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    malloc_trim(0)
 
 
 def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
