@@ -1,0 +1,197 @@
+"""GGUF files (llama.cpp's format, the bundled model's): metadata -> ModelConfig, tensor names
+-> Hugging Face names, quantised blocks -> floats, and llama.cpp's Q/K row order -> HF's."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.dequant import dequantize
+from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name_from_gguf(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_LAYER_PATTERN.fullmatch(name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
+    if name == "rope_freqs.weight":
+        raise UnsupportedModelError("GGUF tensor 'rope_freqs.weight' (Llama 3 RoPE scaling "
+                                    "stored as frequency factors) is not supported")
+    raise UnsupportedModelError(f"GGUF tensor {name!r} is not part of a supported Llama model")
+
+
+def open_gguf(reader_or_path: Any) -> Any:
+    """A ``gguf.GGUFReader`` for a path (or the reader itself). Readers are cached per file:
+    parsing the metadata (49k token strings and merges) takes seconds, and the loader and the
+    tokenizer both need it."""
+    from gguf import GGUFReader
+
+    if isinstance(reader_or_path, GGUFReader):
+        return reader_or_path
+    path = Path(reader_or_path).resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file {path} does not exist")
+    stat = path.stat()
+    return _cached_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def clear_gguf_cache() -> None:
+    """Drop cached readers (and their memory maps of the files)."""
+    _cached_reader.cache_clear()
+
+
+def _metadata(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if isinstance(value, float):
+        # GGUF stores float32: take the shortest decimal that round-trips (1e-05, not
+        # 9.999999747378752e-06), which is the value the converter was given.
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _gguf_model_name(reader: Any) -> str:
+    filename = getattr(reader.data, "filename", None)
+    if filename:
+        return Path(filename).name.split(".")[0]
+    return str(_metadata(reader, "general.name", "gguf-model"))
+
+
+def model_config_from_gguf(reader_or_path: Any) -> ModelConfig:
+    """Llama hyperparameters from GGUF metadata (a ``gguf.GGUFReader`` or a path). Tied
+    embeddings when the file has no ``output.weight``."""
+    reader = open_gguf(reader_or_path)
+    arch = _metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = _metadata(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata {arch}.{name} is missing")
+        return value
+
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(_metadata(reader, f"{arch}.attention.key_length", 0)
+                   or _metadata(reader, f"{arch}.rope.dimension_count", 0)
+                   or hidden_size // num_heads)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = _metadata(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    if not vocab_size:
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab_size = int(embedding.shape[1])
+    bos = _metadata(reader, "tokenizer.ggml.bos_token_id")
+    eos = _metadata(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        name=_gguf_model_name(reader),
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, arch),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if eos is None else int(eos),
+    )
+
+
+def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    kind = _metadata(reader, f"{arch}.rope.scaling.type")
+    factor = _metadata(reader, f"{arch}.rope.scaling.factor")
+    if kind == "none" or (kind is None and factor in (None, 1.0)):
+        return None
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise UnsupportedModelError(f"GGUF rope scaling type {kind!r} is not supported "
+                                "(supported: none, linear)")
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    reader = open_gguf(path)
+    config = model_config_from_gguf(reader)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_name_from_gguf(tensor.name)
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_qk(weight, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_qk(weight, config.num_kv_heads)
+        weights[name] = weight.to(dtype).contiguous()
+    check_weights(config, weights, source=str(path))
+    return config, weights
+
+
+
+
+# --- Q/K row order ----------------------------------------------------------------------------
+
+def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """HF rotate-half rows -> llama.cpp interleaved rows (what its converter writes).
+
+    Within each head of ``head_dim`` rows, HF row ``half * head_dim/2 + j`` (half 0 or 1)
+    becomes GGUF row ``2 * j + half``, so RoPE pairs (j, j + head_dim/2) become adjacent
+    rows (2j, 2j + 1). ``num_heads`` is the heads of that projection (KV heads for K).
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return (weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp interleaved rows -> HF rotate-half rows; the inverse of ``permute_qk``."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))

@@ -1,0 +1,88 @@
+"""Hugging Face checkpoints: a directory with ``config.json`` and ``*.safetensors``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
+
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None) -> ModelConfig:
+    """Llama hyperparameters from a Hugging Face ``config.json`` dict."""
+    architectures = list(config_dict.get("architectures") or [])
+    model_type = config_dict.get("model_type", "llama")
+    if model_type not in ("llama", "mistral") or any(
+            a not in SUPPORTED_HF_ARCHITECTURES for a in architectures):
+        raise UnsupportedModelError(
+            f"Hugging Face model_type {model_type!r} / architectures {architectures} is not "
+            f"supported; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config_dict.get(flag):
+            raise UnsupportedModelError(f"Hugging Face config {flag}=true is not supported")
+    hidden_size = int(config_dict["hidden_size"])
+    num_heads = int(config_dict["num_attention_heads"])
+    eos = config_dict.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return ModelConfig(
+        name=name or str(config_dict.get("_name_or_path") or "hf-model"),
+        vocab_size=int(config_dict["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config_dict["intermediate_size"]),
+        num_layers=int(config_dict["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config_dict.get("num_key_value_heads") or num_heads),
+        head_dim=int(config_dict.get("head_dim") or hidden_size // num_heads),
+        max_position_embeddings=int(config_dict.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(config_dict.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(config_dict.get("rope_theta", 10000.0)),
+        rope_scaling=_hf_rope_scaling(config_dict.get("rope_scaling")),
+        tie_word_embeddings=bool(config_dict.get("tie_word_embeddings", False)),
+        bos_token_id=config_dict.get("bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
+def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported "
+                                    "(supported: linear, llama3)")
+    scaling.pop("type", None)
+    scaling["rope_type"] = kind
+    return scaling
+
+
+def load_hf_directory(directory: Path, dtype: torch.dtype
+                       ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_path = directory / "config.json"
+    files = sorted(directory.glob("*.safetensors"))
+    if not config_path.is_file() or not files:
+        raise ModelNotFoundError(f"{directory} is not a Hugging Face model directory: it needs "
+                                 "config.json and at least one *.safetensors file")
+    config = model_config_from_hf(json.loads(config_path.read_text()), name=directory.name)
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            weights[name] = tensor.to(dtype).contiguous()
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    check_weights(config, weights, source=str(directory))
+    return config, weights

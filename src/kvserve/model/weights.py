@@ -1,0 +1,77 @@
+"""The tensors a Llama-family model has: Hugging Face names and shapes, the check every loader
+runs, random ("dummy") weights, and the loaders' errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvserve.model.config import ModelConfig
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested (or bundled) model file is not there."""
+
+
+class UnsupportedModelError(ValueError):
+    """An architecture, tensor or setting this loader does not implement."""
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama model with ``config`` has, with its HF shape."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        shapes.update({
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (q_rows, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_rows, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_rows, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, q_rows),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "mlp.gate_proj.weight": (inter, hidden),
+            prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], source: str
+                   ) -> None:
+    expected = expected_weight_shapes(config)
+    missing = [name for name in expected if name not in weights]
+    unexpected = [name for name in weights if name not in expected]
+    wrong = [f"{name} {tuple(weights[name].shape)} != {shape}"
+             for name, shape in expected.items()
+             if name in weights and tuple(weights[name].shape) != shape]
+    problems = [f"missing {missing[:5]}" if missing else "",
+                f"unexpected {unexpected[:5]}" if unexpected else "",
+                f"wrong shapes {wrong[:5]}" if wrong else ""]
+    problems = [p for p in problems if p]
+    if problems:
+        raise UnsupportedModelError(f"{source}: tensors do not match the config: "
+                                    + "; ".join(problems))
+
+
+def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0
+                  ) -> dict[str, torch.Tensor]:
+    """Random weights for any Llama-family config (normal, std 0.02; norms all ones), under
+    the same names and shapes as a loaded model. Deterministic for a given seed."""
+    generator = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in expected_weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype)
+        else:
+            # Drawn in the target dtype: no float32 copy of a large model's tensors.
+            weights[name] = torch.empty(shape, dtype=dtype).normal_(0.0, 0.02,
+                                                                    generator=generator)
+    return weights
