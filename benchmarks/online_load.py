@@ -119,9 +119,8 @@ def section(w3: dict, soak: dict, drain_s: float, command: str, dtype: str) -> s
         "1 GiB KV cache; W3 of ../shared/WORKLOADS.md sent by `kvserve bench serve --trace` "
         "(200 requests, Poisson 4 req/s, prompts 64-512 token ids, max_tokens 32-256, "
         "greedy, ignore_eos, streaming). The arrival rate overloads every engine on this "
-        "machine, so this measures behaviour under overload. The gap to vLLM is in the "
-        "engine's model step (ITL p50 is one step with ~100 requests decoding); this run "
-        "does not separate server overhead from model time.", "",
+        "machine, so this measures behaviour under overload; this run does not separate "
+        "server overhead from model time.", "",
         "| figure | kvserve |", "|---|---|",
         f"| completed / failed | {w3['completed']} / {w3['failed']} |",
         f"| duration | {w3['duration_s']:.1f} s |",
