@@ -15,7 +15,7 @@ Workloads (../shared/WORKLOADS.md): W1 (128 requests at once, 1 GiB KV cache), W
 at 50%, 85% and 100% of the simulated capacity (the last confirms the capacity on the
 engine).
 
-    python benchmarks/fidelity.py [--workloads w1 w2 w3 w3-50 w3-85 w3-100]
+    python benchmarks/fidelity.py [--workloads w1 w2 w3 w3-50 w3-85 w3-100] [--layout-term]
                                   [--load-requests N] [--calibration FILE] [--write-docs]
 """
 
@@ -83,10 +83,10 @@ def new_engine(settings: dict[str, Any]) -> Engine:
                         **settings)
 
 
-def run_calibration(progress: bool) -> CalibratedCostModel:
+def run_calibration(progress: bool, layout_term: bool) -> CalibratedCostModel:
     engine = new_engine(W1_SETTINGS)
     runner: Any = engine.executor
-    shapes = calibrate.grid(block_size=BLOCK_SIZE)
+    shapes = calibrate.grid(block_size=BLOCK_SIZE, layout_twins=layout_term)
     start = time.perf_counter()
     model, seconds = calibrate.calibrate(runner, engine.scheduler.cache_config.num_blocks,
                                          shapes, warmup=2, repeats=5, progress=progress)
@@ -246,6 +246,8 @@ def main() -> int:
                         help="requests in the W3 runs at a share of capacity (<= 200)")
     parser.add_argument("--calibration", type=Path,
                         help="a cost model from kvserve calibrate (default: calibrate now)")
+    parser.add_argument("--layout-term", action="store_true",
+                        help="calibrate on both block layouts and fit the layout term")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -255,7 +257,7 @@ def main() -> int:
         model = CalibratedCostModel.load(args.calibration)
     else:
         print("calibrating ...", flush=True)
-        model = run_calibration(sys.stderr.isatty())
+        model = run_calibration(sys.stderr.isatty(), args.layout_term)
     print(f"cost model: {model.source}", flush=True)
     command = ("python benchmarks/fidelity.py " + " ".join(sys.argv[1:])).strip()
     if args.write_docs and not args.calibration:

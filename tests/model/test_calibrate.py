@@ -43,19 +43,20 @@ def test_the_dealt_blocks_have_the_layout_the_view_claims():
 
 
 def test_the_grid_measures_each_shape_that_reads_context_on_both_layouts():
-    shapes = calibrate.grid(quick=True, block_size=16)
+    assert all(s.scattered for s in calibrate.grid(quick=True))  # the default: no twins
+    shapes = calibrate.grid(quick=True, block_size=16, layout_twins=True)
     consecutive = [i for i, s in enumerate(shapes) if not s.scattered]
     # the twin follows its scattered shape directly, so machine drift hits both alike
     assert all(shapes[i - 1] == replace(shapes[i], scattered=True) for i in consecutive)
     # quick grid: decodes at context 64 (3 batch sizes) and the mixed step at 32 have twins;
     # prefills from 0 and decodes within their first block (16) read no other block
     assert len(consecutive) == 4 and len(shapes) == 14
-    assert len([s for s in calibrate.grid() if not s.scattered]) == 23
+    assert len([s for s in calibrate.grid(layout_twins=True) if not s.scattered]) == 23
 
 
 def test_calibration_on_a_real_runner_writes_a_usable_model(tmp_path):
     engine = build_engine(TINY, num_kv_blocks=64, detokenize=False)
-    shapes = calibrate.grid(quick=True)
+    shapes = calibrate.grid(quick=True, layout_twins=True)
     model, seconds = calibrate.calibrate(engine.executor, 64, shapes, warmup=1, repeats=2)
     assert len(seconds) == len(shapes) and all(s > 0 for s in seconds)
     assert engine.executor.requests == {}  # nothing left behind in the runner

@@ -97,10 +97,24 @@ def test_fit_separates_the_layout_term_when_both_layouts_are_measured():
     views = [v for pair in zip(scattered, consecutive, strict=True) for v in pair]
     rng = np.random.default_rng(2)
     seconds = [truth.step_time(None, v) * (1 + rng.normal(0, 0.003)) for v in views]  # type: ignore[arg-type]
-    model = fit(views, seconds)
+    model = fit(views, seconds, layout_term=True)
     assert model.coefficients["per_scattered_context_token_s"] == pytest.approx(2e-8, rel=0.1)
     assert model.coefficients["per_context_token_s"] == pytest.approx(3e-8, rel=0.1)
     assert model.needs_block_layout
+    # not asked for, the term stays out even when the samples could separate it
+    assert not fit(views, seconds).needs_block_layout
+
+
+def test_fit_without_the_layout_term_on_scattered_samples_only():
+    """kvserve calibrate's default: every sample on scattered blocks, where scattered context
+    moves with context; the term would take an arbitrary share of the context cost, so the
+    fit leaves it out and prices the context as a whole."""
+    scattered = [dataclasses.replace(v, scattered_context_tokens=v.context_tokens * 15 // 16)
+                 for v in _views(200)]
+    truth = CalibratedCostModel(dict(TRUE))
+    model = fit(scattered, [truth.step_time(None, v) for v in scattered])  # type: ignore[arg-type]
+    assert model.coefficients["per_scattered_context_token_s"] == 0.0
+    assert model.coefficients["per_context_token_s"] == pytest.approx(3e-8, rel=0.05)
 
 
 def test_fit_on_one_layout_leaves_the_term_at_zero():

@@ -6,10 +6,11 @@ chunks (n tokens after c already computed). The runner executes it as a real ste
 building, forward, logits, sampling) on a KV pool whose contents do not matter for timing;
 after warm-up runs, the median of the repeats is the sample.
 
-Where the KV blocks lie matters too (:mod:`kvserve.sim.layout`): every shape that reads
-cached context is measured twice, with each sequence's blocks scattered over the pool and
-with consecutive block ids, so the fit can tell the layout term from the per context token
-cost.
+Blocks are dealt scattered over the pool, as in an engine that has served a while. Where
+the KV blocks lie matters too (:mod:`kvserve.sim.layout`); with ``layout_twins`` every shape
+that reads cached context is measured again on consecutive block ids, and the fit gets the
+layout term (off by default: docs/fidelity.md shows it helps batch workloads and hurts
+Poisson ones on this machine).
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class StepShape:
                    for c in (*self.decode_contexts, *(c for c, _ in self.prefills)))
 
 
-def grid(quick: bool = False, block_size: int = 16) -> list[StepShape]:
+def grid(quick: bool = False, block_size: int = 16, layout_twins: bool = False
+         ) -> list[StepShape]:
     """Prefill chunks, decode batches at several contexts, and mixed steps, each on
-    scattered blocks; a shape that reads context is followed by its consecutive twin."""
+    scattered blocks; with ``layout_twins`` a shape that reads context is followed by its
+    consecutive twin."""
     shapes = [replace(s, block_size=block_size) for s in _shapes(quick)]
+    if not layout_twins:
+        return shapes
     with_twins = []
     for shape in shapes:
         with_twins.append(shape)
@@ -146,14 +151,16 @@ def measure(runner: ModelRunner, shape: StepShape, num_blocks: int, *, warmup: i
 def calibrate(runner: ModelRunner, num_blocks: int, shapes: Sequence[StepShape], *,
               warmup: int = 1, repeats: int = 3, progress: bool = False
               ) -> tuple[CalibratedCostModel, list[float]]:
-    """Measure every shape and fit; returns the model and the measured seconds."""
+    """Measure every shape and fit; returns the model and the measured seconds. The layout
+    term is fitted when the shapes include consecutive twins (``grid(layout_twins=True)``)."""
     iterator: Any = shapes
     if progress:
         from tqdm import tqdm
         iterator = tqdm(shapes, desc="calibrate", unit="shape", dynamic_ncols=True)
     seconds = [measure(runner, shape, num_blocks, warmup=warmup, repeats=repeats)
                for shape in iterator]
-    return fit([s.view() for s in shapes], seconds), seconds
+    layout_term = any(not s.scattered and s.reads_context() for s in shapes)
+    return fit([s.view() for s in shapes], seconds, layout_term=layout_term), seconds
 
 
 def goodness(model: CalibratedCostModel, shapes: Sequence[StepShape],

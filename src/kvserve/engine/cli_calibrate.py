@@ -16,8 +16,8 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "calibrate", help="measure step times on this machine and fit a cost model",
         description="Run the engine over a grid of step shapes (prefill chunks, decode "
-                    "batches at several context lengths, mixed steps; those reading cached "
-                    "KV on scattered and on consecutive blocks), take the median of "
+                    "batches at several context lengths, mixed steps, on scattered KV "
+                    "blocks), take the median of "
                     "repeated runs, and fit the simulator's calibrated cost model "
                     "(kvserve simulate --cost-model calibrated --calibration FILE).")
     add_model_args(parser)
@@ -27,6 +27,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layout-term", action="store_true",
+                        help="also measure every shape that reads cached KV on consecutive "
+                             "blocks and fit per_scattered_context_token_s (on this machine "
+                             "it helped batch workloads and hurt Poisson ones: "
+                             "docs/fidelity.md)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
     parser.set_defaults(run=run)
 
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(error).splitlines()[0]) from error
     runner: Any = engine.executor
     num_blocks = engine.scheduler.cache_config.num_blocks
-    shapes = calibrate.grid(args.quick, block_size=args.block_size)
+    shapes = calibrate.grid(args.quick, block_size=args.block_size,
+                           layout_twins=args.layout_term)
     model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
                                          repeats=args.repeats, progress=sys.stderr.isatty())
     meta = {"model": runner.model.config.name, "dtype": args.dtype,

@@ -8,10 +8,11 @@ term with a negative fitted cost is dropped and the rest refitted, until none is
 negative), so the result is a valid ``kvserve-cost-model/1`` file. The knee
 ``min_tokens`` is chosen from :data:`KNEES` by the lowest mean relative error.
 
-The layout term (``per_scattered_context_token_s``) can only be separated from the per
-context token cost if the samples include the same shapes with consecutive and with
-scattered blocks (kvserve calibrate measures both); samples without scattered tokens fit
-it at 0, which leaves the model shape-only.
+The layout term (``per_scattered_context_token_s``) is fitted only when asked
+(``layout_term``), and can only be separated from the per context token cost if the samples
+include the same shapes with consecutive and with scattered blocks (``kvserve calibrate
+--layout-term`` measures both). Off, the model is shape-only: on this machine the term
+fixed a batch workload's error but made Poisson workloads' worse (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def features(view: BatchView, min_tokens: int = 0) -> list[float]:
             view.context_tokens, view.attention_pairs, view.scattered_context_tokens]
 
 
-def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
+    """Coefficients >= 0 for the ``active`` columns (the others stay 0)."""
     weighted_x, weighted_y = x / y[:, None], np.ones_like(y)  # rows scaled by 1 / seconds
-    active = list(range(x.shape[1]))
+    active = list(active)
     coefficients = np.zeros(x.shape[1])
     while active:
         solution, *_ = np.linalg.lstsq(weighted_x[:, active], weighted_y, rcond=None)
@@ -48,17 +50,19 @@ def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
-        knees: Sequence[int] = KNEES) -> CalibratedCostModel:
+        knees: Sequence[int] = KNEES, layout_term: bool = False) -> CalibratedCostModel:
     if len(views) != len(seconds) or len(views) < len(CALIBRATED_TERMS):
         raise ValueError(f"need as many step times as batch shapes, and at least "
                          f"{len(CALIBRATED_TERMS)} of them; got {len(views)} and {len(seconds)}")
     y = np.asarray(seconds, dtype=float)
     if not (y > 0).all():
         raise ValueError("every measured step time must be > 0")
+    active = [i for i, term in enumerate(CALIBRATED_TERMS)
+              if layout_term or term != "per_scattered_context_token_s"]
     best: tuple[float, int, np.ndarray] | None = None
     for knee in knees:
         x = np.asarray([features(v, knee) for v in views], dtype=float)
-        coefficients = _nonnegative_relative_fit(x, y)
+        coefficients = _nonnegative_relative_fit(x, y, active)
         error = float((np.abs(x @ coefficients - y) / y).mean())
         if best is None or error < best[0]:
             best = (error, knee, coefficients)
