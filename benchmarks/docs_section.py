@@ -28,11 +28,12 @@ def write_section(name: str, body: str, docs: Path = DOCS, title: str = "# Bench
     docs.write_text(text)
 
 
-def publish(name: str, section: str, rows: list[Any], json_path: str | None,
-            write_docs: bool) -> None:
+def publish(name: str, section: str, rows: list[Any] | None = None,
+            json_path: str | None = None, write_docs: bool = False, docs: Path = DOCS,
+            title: str = "# Benchmarks") -> None:
     """A benchmark's ending: print its section, and write its rows and the docs if asked."""
     print(section)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
     if write_docs:
-        write_section(name, section)
+        write_section(name, section, docs, title)

@@ -26,7 +26,7 @@ import statistics
 import sys
 from typing import Any
 
-from docs_section import write_section
+from docs_section import publish
 from fidelity import DOCS, OUT, TITLE, engine_configs, workload
 from kvserve.sim.cost_models import CalibratedCostModel, CostModelError, ReplayCostModel
 from kvserve.sim.executor import BatchView
@@ -118,10 +118,8 @@ def main() -> int:
     for name in args.workloads:
         if (OUT / f"{name}-steps.jsonl").exists():
             lines += summary(name, priced_steps(name, model, capacity))
-    body = "\n".join(lines)
-    print(body)
-    if args.write_docs:
-        write_section("fidelity_steps", body, DOCS, TITLE)
+    publish("fidelity_steps", "\n".join(lines), write_docs=args.write_docs, docs=DOCS,
+            title=TITLE)
     return 0
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from docs_section import write_section
+from docs_section import publish
 from fidelity import DOCS, TITLE
 
 
@@ -73,10 +73,7 @@ def main() -> int:
              "", "The `cpu-local` roofline preset uses these figures as they are (efficiency "
              "1.0, no fixed step overhead), so its error in the tables below is the "
              "uncalibrated roofline's own."]
-    body = "\n".join(lines)
-    print(body)
-    if args.write_docs:
-        write_section("machine", body, DOCS, TITLE)
+    publish("machine", "\n".join(lines), write_docs=args.write_docs, docs=DOCS, title=TITLE)
     return 0
 
 

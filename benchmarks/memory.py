@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from docs_section import write_section
+from docs_section import publish
 
 TARGET_GIB = 2.5
 # Build the engine as `kvserve serve` does, then report the process's resident set.
@@ -73,9 +73,7 @@ def main() -> int:
         "cache is allocated once, zeroed at start-up, and never grown.", "",
         "| weights | peak RSS | resident once loaded | wall, load included |",
         "|---|---|---|---|", *rows])
-    print(section)
-    if args.write_docs:
-        write_section("memory", section)
+    publish("memory", section, write_docs=args.write_docs)
     return 0 if worst < TARGET_GIB else 1
 
 

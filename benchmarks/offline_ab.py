@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from docs_section import write_section
+from docs_section import publish
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "bench"
@@ -89,10 +89,7 @@ def main() -> int:
                 lines.append(row)
             lines.append(f"| {workload.upper()} | median | | | | | | "
                          f"**{statistics.median(ratios):.2f}x** |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write_docs:
-        write_section("offline_ab", body)
+    publish("offline_ab", "\n".join(lines), write_docs=args.write_docs)
     return 0
 
 
