@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ from kvserve.engine.llm import build_engine
 from kvserve.model.config import ModelConfig
 from kvserve.sim.cost_models import CalibratedCostModel
 from kvserve.sim.layout import BlockLayout
+from kvserve.sim.trace import TraceRequest
 
 TINY = ModelConfig(name="tiny", vocab_size=2048, hidden_size=32, intermediate_size=64,
                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -77,3 +79,37 @@ def test_a_shape_for_another_block_size_is_refused():
     with pytest.raises(ValueError, match="shape has block size 32, the runner 16"):
         calibrate.measure(engine.executor, calibrate.StepShape(decode_contexts=(8,),
                                                                block_size=32), 64)
+
+
+def test_calibration_in_service_fits_on_every_step_the_engine_ran():
+    """kvserve calibrate --trace: the trace runs on the engine, which records each step's
+    shape, and the model is fitted on those steps and their times."""
+    engine = build_engine(TINY, num_kv_blocks=64, detokenize=False, max_num_seqs=4,
+                          max_num_batched_tokens=64)
+    trace = [TraceRequest(f"r{i}", 0.0, output_len=6 + i, ignore_eos=True,
+                          prompt_token_ids=tuple(range(1 + i, 40 + 9 * i)))
+             for i in range(8)]
+    model, seen = calibrate.calibrate_in_service(engine, trace)
+    assert seen["num_steps"] == engine.scheduler.num_steps
+    assert seen["num_steps"] >= 10  # 8 prompts through a 4-seat, 64-token batch
+    assert model.source.startswith(f"in service: {seen['num_steps']} steps")
+    assert model.coefficients["fixed_s"] + model.coefficients["per_token_s"] > 0
+    assert CalibratedCostModel.from_dict(json.loads(calibrate.in_service_json(model, seen)))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist|No such file|cannot read"),
+    ("", "the trace has no requests"),
+    ('{"request_id": "a"}\n', r"trace.jsonl:1: "),
+])
+def test_calibrate_in_service_refuses_a_bad_trace_before_loading_a_model(
+        tmp_path, capsys, content, message):
+    from kvserve.cli import main
+
+    path = tmp_path / "trace.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["calibrate", "--trace", str(path), "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "c.json").exists()

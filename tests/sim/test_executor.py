@@ -1,7 +1,7 @@
 """SimExecutor: the executor contract and the batch shape it reports."""
 
 from kvserve.core import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
-from kvserve.sim.executor import SimExecutor
+from kvserve.sim.executor import SimExecutor, batch_view
 from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key, stream_token
 
 
@@ -75,3 +75,26 @@ def test_ignore_eos_continues_the_stream_past_the_drawn_answer():
         if not scheduler.has_unfinished_requests():
             break
     assert tokens == [stream_token(key, p) for p in range(10, 15)]
+
+
+def test_batch_view_from_the_output_alone_equals_the_executors_view():
+    """What an engine records (batch_view of its SchedulerOutput) is the shape the simulator
+    prices: the same on every step of a run with chunked prefill and preemption."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4),
+                          CacheConfig(12, block_size=4))
+    executor = SimExecutor()
+    for i, prompt_len in enumerate((30, 9, 17, 5, 22)):
+        name = f"r{i}"
+        executor.register(name, prompt_len, 8 + i, False, stream_key(0, name))
+        scheduler.add_request(Request(name, [stream_token(stream_key(1, name), p)
+                                             for p in range(prompt_len)],
+                                      SamplingParams(max_tokens=100, eos_token_id=EOS_TOKEN_ID)))
+    steps = 0
+    while scheduler.has_unfinished_requests() and steps < 500:
+        out = scheduler.schedule(float(steps))
+        model_output = executor.execute(out)
+        assert batch_view(out, len(model_output.sampled_token_ids)) == executor.view
+        scheduler.update(out, model_output, float(steps))
+        steps += 1
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.num_preemptions > 0  # the pool of 12 blocks of 4 was short

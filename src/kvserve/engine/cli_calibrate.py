@@ -22,6 +22,14 @@ def add_parser(subparsers: Any) -> None:
                     "(kvserve simulate --cost-model calibrated --calibration FILE).")
     add_model_args(parser)
     parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
+    parser.add_argument("--trace", metavar="TRACE.jsonl",
+                        help="calibrate in service instead: run this trace on the engine "
+                             "(arrivals on the wall clock, default scheduler settings) and "
+                             "fit on the steps it ran; the grid options are then unused")
+    parser.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --trace: sample at temperature 0, as the grid does "
+                             "(--no-greedy: temperature 1, whose sampling cost is then "
+                             "in the fit)")
     parser.add_argument("--plot", metavar="PATH.svg", help="measured vs fitted step times")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -42,12 +50,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.warmup < 0 or args.repeats < 1:
         raise CLIError("--warmup must be >= 0 and --repeats >= 1")
+    trace = _read_trace(args.trace) if args.trace else None  # bad input fails before loading
     try:
         engine = build_engine(args.model, dtype=args.dtype, load_format=args.load_format,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               seed=args.seed, detokenize=False)
     except (ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
+    if trace is not None:
+        return _run_in_service(args, engine, trace)
     runner: Any = engine.executor
     num_blocks = engine.scheduler.cache_config.num_blocks
     shapes = calibrate.grid(args.quick, block_size=args.block_size,
@@ -69,4 +80,33 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _read_trace(path: str) -> list[Any]:
+    from kvserve.sim.trace import read_trace
+
+    try:
+        trace = read_trace(path)
+    except (OSError, ValueError) as error:
+        raise CLIError(str(error).splitlines()[0]) from error
+    if not trace:
+        raise CLIError(f"{path}: the trace has no requests")
+    return trace
+
+
+def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> int:
+    from kvserve.engine import calibrate
+
+    try:
+        model, seen = calibrate.calibrate_in_service(engine, trace, greedy=args.greedy)
+    except ValueError as error:  # too few steps to fit
+        raise CLIError(f"{args.trace}: {error}") from error
+    meta = {"model": engine.executor.model.config.name, "dtype": args.dtype,
+            "load_format": args.load_format, "block_size": args.block_size,
+            "trace": str(args.trace), "greedy": args.greedy, **seen}
+    Path(args.output).write_text(calibrate.in_service_json(model, meta))
+    print(f"wrote {args.output}: fitted on the {seen['num_steps']} steps run in service; "
+          f"mean error {100 * seen['mean_abs_error']:.1f}%, "
+          f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
     return 0

@@ -20,6 +20,7 @@ from kvserve.core import (
     RequestStatus,
     SamplingParams,
     Scheduler,
+    SchedulerOutput,
 )
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -48,6 +49,8 @@ class StepRecord:
     num_scheduled_tokens: int
     num_seqs: int
     num_preempted: int
+    num_sampled: int = 0  # requests the model sampled a token for
+    scheduler_output: SchedulerOutput | None = None  # what ran (for step logs and shapes)
 
 
 @dataclass
@@ -139,7 +142,8 @@ class Engine:
         outputs = self.scheduler.update(scheduler_output, model_output, now)
         self.last_step = StepRecord(start, now, scheduler_output.total_num_scheduled_tokens,
                                     len(scheduler_output.num_scheduled_tokens),
-                                    len(scheduler_output.preempted_req_ids))
+                                    len(scheduler_output.preempted_req_ids),
+                                    len(model_output.sampled_token_ids), scheduler_output)
         logprobs = model_output.logprobs or {}
         chunks = []
         for output in outputs:

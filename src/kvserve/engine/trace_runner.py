@@ -31,16 +31,18 @@ from typing import Any, TextIO
 
 from kvserve.core import QueueFullError, RequestRejected
 from kvserve.engine.engine import CompletionChunk, Engine
+from kvserve.sim.executor import BatchView, batch_view
 from kvserve.sim.simulator import RequestRecord, SimResult, StepSeries
 
 
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
     start: float
-    duration: float
+    duration: float  # to the next step's start: what the simulator's clock should advance
     num_scheduled_tokens: int
     num_seqs: int
     num_preempted: int
+    shape: BatchView | None = None  # the batch as the cost models see it
 
 
 @dataclasses.dataclass
@@ -129,7 +131,8 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
         sleep(max(0.0, arrivals[next_arrival].arrival_time - now))
     steps = [TracedStep(record.start, (starts[i + 1].start if i + 1 < len(starts)
                                        else record.end) - record.start,
-                        record.num_scheduled_tokens, record.num_seqs, record.num_preempted)
+                        record.num_scheduled_tokens, record.num_seqs, record.num_preempted,
+                        batch_view(record.scheduler_output, record.num_sampled))
              for i, record in enumerate(starts)]
     for step in steps:
         series.time.append(step.start)

@@ -13,6 +13,10 @@ The layout term (``per_scattered_context_token_s``) is fitted only when asked
 include the same shapes with consecutive and with scattered blocks (``kvserve calibrate
 --layout-term`` measures both). Off, the model is shape-only: on this machine the term
 fixed a batch workload's error but made Poisson workloads' worse (docs/fidelity.md).
+
+Samples come from a grid of shapes timed one by one (``kvserve calibrate``) or, in
+service, from the steps an engine ran on a trace, each with the shape the engine recorded
+(``kvserve calibrate --trace``).
 """
 
 from __future__ import annotations

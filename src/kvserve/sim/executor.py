@@ -45,6 +45,24 @@ class BatchView:
 EMPTY_BATCH = BatchView(0, 0, 0, 0, 0, 0)
 
 
+def batch_view(out: SchedulerOutput, num_sampled: int) -> BatchView:
+    """The shape of a step from its SchedulerOutput alone (each request's computed-token
+    count before the step travels with it), for a step an engine ran: ``num_sampled`` is
+    how many requests the model sampled for. The layout is not counted."""
+    computed = {new.request_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.request_ids, cached.num_computed_tokens, strict=True))
+    num_decode = context = pairs = 0
+    for request_id, num_new in out.num_scheduled_tokens.items():
+        before = computed[request_id]
+        context += before
+        pairs += num_new * before + num_new * (num_new + 1) // 2
+        if num_new == 1 and before:
+            num_decode += 1
+    return BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
+                     num_sampled, num_decode, context, pairs)
+
+
 @dataclass(slots=True)
 class _SeqState:
     num_prompt_tokens: int
