@@ -174,8 +174,8 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
     fit saw.
 
     ``greedy`` samples at temperature 0, as the grid does; otherwise each request samples
-    with default parameters (temperature 1), which on this CPU costs about 0.7 ms more per
-    sequence per step, and the fit prices that in."""
+    with default parameters (temperature 1), which costs a little more per sequence per
+    step (benchmarks/sampler.py), and the fit prices that in."""
     steps = run_trace(engine, trace, greedy=greedy).steps
     views = [step.shape for step in steps if step.shape is not None]
     seconds = [step.duration for step in steps if step.shape is not None]

@@ -74,14 +74,24 @@ class Sampler:
         temperatures = torch.tensor([row.params.temperature or 1.0 for row in rows])
         probs = torch.softmax(logits / temperatures[:, None], dim=-1)
         probs = _top_k_top_p_min_p(probs, rows)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform per row, looked up in the row's cumulative distribution,
+        # scaled by the row's total so rounding in the float32 sum cannot push it past the
+        # end. A token of probability 0 has an empty interval and is never drawn. One
+        # uniform per row instead of an exponential per vocabulary entry (an exponential
+        # race): about 5x less, 1.0-1.4 -> 0.2-0.3 ms per row at a 49k vocabulary
+        # (benchmarks/sampler.py).
+        # (A float64 sum would be exact to the last tail token but costs ten times more.)
+        cdf = probs.cumsum(dim=-1)
+        uniforms = torch.empty(len(rows), 1)
         for index, row in enumerate(rows):
             seed = row.params.seed
             generator = self.generator if seed is None else torch.Generator().manual_seed(
                 (seed * _SEED_MIX + row.num_output_tokens) % (1 << 63))
-            noise[index].exponential_(generator=generator)
-        drawn = (probs / noise).argmax(dim=-1)
+            uniforms[index].uniform_(generator=generator)
+        total = cdf[:, -1:].contiguous()
+        drawn = torch.searchsorted(cdf, uniforms * total, right=True)
+        last = torch.searchsorted(cdf, total)  # the last token with any probability
+        drawn = torch.minimum(drawn, last).squeeze(1)  # should rounding reach the total
         is_greedy = torch.tensor([row.is_greedy for row in rows])
         return torch.where(is_greedy, greedy, drawn).tolist()
 
