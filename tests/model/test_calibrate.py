@@ -113,3 +113,12 @@ def test_calibrate_in_service_refuses_a_bad_trace_before_loading_a_model(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_in_service_refuses_grid_options(tmp_path, capsys):
+    from kvserve.cli import main
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 8, "output_len": 4}\n')
+    assert main(["calibrate", "--trace", str(path), "--quick"]) == 2
+    assert "--trace fits on the steps the trace runs" in capsys.readouterr().err

@@ -17,9 +17,10 @@ def add_parser(subparsers: Any) -> None:
         "calibrate", help="measure step times on this machine and fit a cost model",
         description="Run the engine over a grid of step shapes (prefill chunks, decode "
                     "batches at several context lengths, mixed steps, on scattered KV "
-                    "blocks), take the median of "
-                    "repeated runs, and fit the simulator's calibrated cost model "
-                    "(kvserve simulate --cost-model calibrated --calibration FILE).")
+                    "blocks), take the median of repeated runs, and fit the simulator's "
+                    "calibrated cost model (kvserve simulate --cost-model calibrated "
+                    "--calibration FILE). With --trace, run that trace on the engine instead "
+                    "and fit on the steps it ran (calibration in service).")
     add_model_args(parser)
     parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
     parser.add_argument("--trace", metavar="TRACE.jsonl",
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.warmup < 0 or args.repeats < 1:
         raise CLIError("--warmup must be >= 0 and --repeats >= 1")
+    if args.trace and (args.quick or args.layout_term or args.plot):
+        raise CLIError("--quick, --layout-term and --plot describe the grid; --trace fits on "
+                       "the steps the trace runs instead")
     trace = _read_trace(args.trace) if args.trace else None  # bad input fails before loading
     try:
         engine = build_engine(args.model, dtype=args.dtype, load_format=args.load_format,
