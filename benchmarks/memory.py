@@ -35,7 +35,7 @@ def peak_of_generate(dtype: str, kv_cache_memory: str) -> tuple[float, float]:
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage
-    child.returncode = os.waitstatus_to_exitcode(status)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must know
     wall = time.perf_counter() - start
     if child.returncode:
         raise subprocess.CalledProcessError(child.returncode, command)

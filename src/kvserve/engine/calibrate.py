@@ -176,33 +176,28 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
     ``greedy`` samples at temperature 0, as the grid does; otherwise each request samples
     with default parameters (temperature 1), which costs a little more per sequence per
     step (benchmarks/sampler.py), and the fit prices that in."""
-    steps = run_trace(engine, trace, greedy=greedy).steps
-    views = [step.shape for step in steps if step.shape is not None]
-    seconds = [step.duration for step in steps if step.shape is not None]
+    recorded = [step for step in run_trace(engine, trace, greedy=greedy).steps
+                if step.shape is not None]
+    views = [step.shape for step in recorded]
+    seconds = [step.duration for step in recorded]
     model = fit(views, seconds, source=f"in service: {len(views)} steps")
-    fitted = np.array([model.step_time(None, v) for v in views])  # type: ignore[arg-type]
-    measured = np.array(seconds)
-    return model, {"num_steps": len(views),
-                   "mean_abs_error": float((np.abs(fitted - measured) / measured).mean()),
-                   "error_of_the_sum": float(fitted.sum() / measured.sum() - 1)}
+    return model, {"num_steps": len(views), **goodness(model, views, seconds)}
 
 
 def in_service_json(model: CalibratedCostModel, meta: dict[str, Any]) -> str:
-    return json.dumps({
-        "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
-        "min_tokens": model.min_tokens, "source": model.source,
-        "meta": {**meta, "machine": platform.machine(), "python": platform.python_version(),
-                 "torch": torch.__version__, "threads": torch.get_num_threads()}},
-        indent=1) + "\n"
+    return _model_file(model, meta)
 
 
-def goodness(model: CalibratedCostModel, shapes: Sequence[StepShape],
+def goodness(model: CalibratedCostModel, views: Sequence[BatchView],
              seconds: Sequence[float]) -> dict[str, float]:
-    predicted = np.array([model.step_time(None, s.view()) for s in shapes])  # type: ignore
+    """How well ``model`` prices the measured steps: mean and max relative error, the
+    error of the summed time, and R^2."""
+    predicted = np.array([model.step_time(None, v) for v in views])  # type: ignore[arg-type]
     measured = np.array(seconds)
     error = np.abs(predicted - measured) / measured
     total = float(((measured - measured.mean()) ** 2).sum()) or 1.0
     return {"mean_abs_error": float(error.mean()), "max_abs_error": float(error.max()),
+            "error_of_the_sum": float(predicted.sum() / measured.sum() - 1),
             "r2": 1.0 - float(((measured - predicted) ** 2).sum()) / total}
 
 
@@ -213,14 +208,23 @@ def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],
                 "seconds": t,
                 "fitted": model.step_time(None, s.view())}  # type: ignore[arg-type]
                for s, t in zip(shapes, seconds, strict=True)]
-    return json.dumps({
+    quality = goodness(model, [s.view() for s in shapes], seconds)
+    return _model_file(model, {**meta, **quality}, samples)
+
+
+def _model_file(model: CalibratedCostModel, meta: dict[str, Any],
+                samples: list[dict[str, Any]] | None = None) -> str:
+    """The cost-model JSON: the model, what made it (``meta``, plus this machine), and the
+    grid's samples when there are any."""
+    data: dict[str, Any] = {
         "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
-        "min_tokens": model.min_tokens,
-        "source": model.source,
-        "meta": {**meta, **goodness(model, shapes, seconds), "machine": platform.machine(),
-                 "processor": platform.processor(), "python": platform.python_version(),
-                 "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "samples": samples}, indent=1) + "\n"
+        "min_tokens": model.min_tokens, "source": model.source,
+        "meta": {**meta, "machine": platform.machine(), "processor": platform.processor(),
+                 "python": platform.python_version(), "torch": torch.__version__,
+                 "threads": torch.get_num_threads()}}
+    if samples is not None:
+        data["samples"] = samples
+    return json.dumps(data, indent=1) + "\n"
 
 
 def plot(path: str | Path, shapes: Sequence[StepShape], seconds: Sequence[float],

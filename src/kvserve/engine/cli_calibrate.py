@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             "load_format": args.load_format, "block_size": args.block_size,
             "num_samples": len(shapes)}
     Path(args.output).write_text(calibrate.to_json(model, shapes, seconds, meta))
-    quality = calibrate.goodness(model, shapes, seconds)
+    quality = calibrate.goodness(model, [s.view() for s in shapes], seconds)
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
           f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
           f"R^2 {quality['r2']:.3f}")
