@@ -7,9 +7,10 @@ engine ran is seen again with its batch shape; the calibrated model prices that 
 the price is compared with the measured duration. No feedback: a wrong price here does
 not change what runs next, as it does in a free-running simulation.
 
-A W3 replay can diverge after a while (after an idle wait the engine's clock has moved on
-past the arrival it woke for, so it may admit a request one step earlier); steps up to the
-divergence are used.
+The replay holds each step until the engine's logged start, so it admits what the engine
+admitted and follows a Poisson run to its end. (Logs written before steps carried their
+start replay by durations alone and can diverge after a while, where an arrival fell
+between the engine's clock and the replay's; steps up to the divergence are used.)
 
 The replay always tracks the block layout, so the table also says what share of each
 group's context KV sat in scattered blocks (kvserve.sim.layout), whether or not the model
@@ -44,6 +45,9 @@ class PricedReplay:
     def __init__(self, replay: ReplayCostModel, model: CalibratedCostModel) -> None:
         self.replay, self.model = replay, model
         self.steps: list[tuple[BatchView, float, float]] = []  # shape, measured, priced
+
+    def step_start(self, now: float) -> float:
+        return self.replay.step_start(now)
 
     def step_time(self, scheduler_output: Any, view: BatchView) -> float:
         measured = self.replay.step_time(scheduler_output, view)

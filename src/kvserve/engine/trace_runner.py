@@ -12,7 +12,10 @@ Step log (JSONL), one line per non-empty step, then one per scheduling event::
     {"type": "event", "time": 0.0, "kind": "admitted", "request_id": "r1", ...}
 
 ``duration`` runs from this step's start to the next non-empty step's start (so the time the
-loop spends between steps is counted, as the simulator's clock must count it).
+loop spends between steps is counted, as the simulator's clock must count it), or to the
+moment the loop found nothing to run and waited for an arrival: the wait is not the step's
+cost. ``start`` is the time the step was decided at; a replay holds each step until then
+(:class:`kvserve.sim.cost_models.ReplayCostModel`), so it admits what the engine admitted.
 
 The run is also returned as a :class:`kvserve.sim.simulator.SimResult`, built with the
 simulator's own definitions (a token's time is the end of the step that produced it), so
@@ -38,7 +41,7 @@ from kvserve.sim.simulator import RequestRecord, SimResult, StepSeries
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
     start: float
-    duration: float  # to the next step's start: what the simulator's clock should advance
+    duration: float  # to the next step's start, or to an idle wait: what the clock advances by
     num_scheduled_tokens: int
     num_seqs: int
     num_preempted: int
@@ -107,6 +110,7 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
     recorder = _Recorder(arrivals)
     series = StepSeries()
     starts: list[Any] = []  # non-empty steps' StepRecords
+    idle_from: dict[int, float] = {}  # step index -> when the loop then found nothing to run
     chunks: list[CompletionChunk] = []
     events: list[Any] = []
     next_arrival = 0
@@ -128,9 +132,12 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
             continue
         if next_arrival == len(arrivals):
             break
+        if starts:
+            idle_from.setdefault(len(starts) - 1, now)
         sleep(max(0.0, arrivals[next_arrival].arrival_time - now))
-    steps = [TracedStep(record.start, (starts[i + 1].start if i + 1 < len(starts)
-                                       else record.end) - record.start,
+    steps = [TracedStep(record.start,
+                        idle_from.get(i, starts[i + 1].start if i + 1 < len(starts)
+                                      else record.end) - record.start,
                         record.num_scheduled_tokens, record.num_seqs, record.num_preempted,
                         batch_view(record.scheduler_output, record.num_sampled))
              for i, record in enumerate(starts)]

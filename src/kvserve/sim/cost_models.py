@@ -237,15 +237,31 @@ class ReplayCostModel:
     With the same trace and flags the simulator then makes the engine's decisions exactly;
     each step's token count is checked against the log, and a divergence is an error naming
     the step.
+
+    With the logged ``starts`` the simulator also holds each step until the time the engine
+    decided it (:meth:`step_start`): the engine's loop reads its clock a little after the
+    arrival that woke it, and an arrival in between is one the engine admitted at once and
+    a replay starting at the first arrival would admit a step later.
     """
 
     name = "replay"
 
-    def __init__(self, durations: list[float], num_tokens: list[int], source: str = "") -> None:
+    def __init__(self, durations: list[float], num_tokens: list[int], source: str = "",
+                 starts: list[float] | None = None) -> None:
+        if starts is not None and len(starts) != len(durations):
+            raise ValueError("one start per step")
         self.durations = durations
         self.num_tokens = num_tokens
+        self.starts = starts
         self.source = source
         self.index = 0
+
+    def step_start(self, now: float) -> float:
+        """The earliest time the next step may start: the engine's logged start, if known."""
+        starts, index = self.starts, self.index
+        if starts is None or index >= len(starts) or starts[index] <= now:
+            return now
+        return starts[index]
 
     def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
         index = self.index
@@ -266,6 +282,7 @@ class ReplayCostModel:
     def load(cls, path: str | Path) -> ReplayCostModel:
         durations: list[float] = []
         num_tokens: list[int] = []
+        starts: list[float] = []
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError as error:
@@ -287,6 +304,12 @@ class ReplayCostModel:
                                      "num_scheduled_tokens >= 1")
             durations.append(float(duration))
             num_tokens.append(tokens)
+            start = row.get("start")
+            if isinstance(start, (int, float)) and not isinstance(start, bool) \
+                    and math.isfinite(start):
+                starts.append(float(start))
         if not durations:
             raise CostModelError(f"{path}: no step lines (is it a step log from the engine?)")
-        return cls(durations, num_tokens, str(path))
+        # A log written before steps carried their start replays by durations alone.
+        return cls(durations, num_tokens, str(path),
+                   starts if len(starts) == len(durations) else None)

@@ -150,7 +150,11 @@ class _Run:
         scheduler = self.scheduler
         now = start = self.arrivals[0].arrival_time if self.arrivals else 0.0
         num_empty = 0
+        # A replayed engine log may hold a step until the time the engine decided it.
+        step_start = getattr(self.sim.cost_model, "step_start", None)
         while True:
+            if step_start is not None:
+                now = step_start(now)
             self._take_due(now)
             self._hand_over()
             if scheduler.has_unfinished_requests():
