@@ -10,6 +10,7 @@ faster than the simulated duration. Run from the repository root:
     .venv/bin/python benchmarks/sim_speed.py            # the figures
     .venv/bin/python benchmarks/sim_speed.py --profile  # where the time goes, by layer
     .venv/bin/python benchmarks/sim_speed.py --events   # scheduler events per step
+    .venv/bin/python benchmarks/sim_speed.py --floor    # per-request work before any step
     .venv/bin/python benchmarks/sim_speed.py --model llama-3.1-70b --hardware h100-sxm \
         --tp 4 --rate 14                                # the same trace elsewhere
 
@@ -26,6 +27,7 @@ import argparse
 import cProfile
 import pstats
 import time
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +80,28 @@ class EventCounter:
               f"{self.finished / per_step:.2f} finished")
 
 
+def per_request_floor(trace: list[Any], block_size: int = 16) -> dict[str, float]:
+    """Seconds the trace's requests cost before any step, by the simulator's own code paths:
+    synthesising each prompt's ids, building its Request, hashing its full prompt blocks
+    (prefix caching). Any design that keeps the engine's requests and prefix cache pays
+    them, however its steps are run."""
+    from kvserve.core.prefix_cache import extend_block_hashes
+    from kvserve.core.request import Request
+
+    start = time.perf_counter()
+    prompts = [r.synthesise_prompt(0) for r in trace]
+    ids = time.perf_counter()
+    max_model_len = SETTINGS["max_model_len"]
+    requests = [Request(r.request_id, p, r.sampling_params(max_model_len),
+                        arrival_time=r.arrival_time) for r, p in zip(trace, prompts, strict=True)]
+    built = time.perf_counter()
+    blocks = sum(len(extend_block_hashes(q, block_size, q.num_prompt_tokens))
+                 for q in requests)
+    hashed = time.perf_counter()
+    return {"prompt ids": ids - start, "Request objects": built - ids,
+            "prompt block hashes": hashed - built, "blocks": blocks}
+
+
 def layer_shares(stats: pstats.Stats) -> dict[str, float]:
     """Share of profiled own-time spent in each kvserve layer (and everything else)."""
     totals: dict[str, float] = {}
@@ -99,6 +123,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--events", action="store_true",
                         help="count scheduler events per step (slows the run a little)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the per-request work any step design must pay, and "
+                             "the speed-up it leaves at most")
     parser.add_argument("--model", default=DEPLOYMENT.model)
     parser.add_argument("--hardware", default=DEPLOYMENT.hardware)
     parser.add_argument("--tp", type=int, default=DEPLOYMENT.tensor_parallel_size)
@@ -147,6 +174,14 @@ def main() -> None:
           f"({wall / result.num_steps / running.mean() * 1e6:.2f} us per running request)")
     if counter is not None:
         counter.print()
+    if args.floor:
+        parts = per_request_floor(trace, echo["cache"]["block_size"])
+        blocks = parts.pop("blocks")
+        floor = sum(parts.values())
+        print("per-request floor   " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+              + f" ({blocks:,.0f} blocks)")
+        print(f"                    {floor:.2f} s before any step: {simulated / floor:.0f}x at "
+              "most, with steps that cost nothing")
     if args.profile:
         stats = pstats.Stats(profiler)
         for layer, share in layer_shares(stats).items():
