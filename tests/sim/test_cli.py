@@ -118,6 +118,29 @@ def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     assert data["capacity_probes"]
 
 
+def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
+    """The KV pool depends on max_num_seqs (the activation reserve holds a logits row per
+    sequence, as vLLM's profiling run does), so each of plan's candidates runs on the pool
+    `kvserve simulate --max-num-seqs N` would size for the same flags: the same blocks,
+    preemptions and figures."""
+    # 24 GB x 0.69 leaves ~0.2 GiB of KV after 14.96 GiB of weights: a pool this trace
+    # fills, with 0.06 GiB more logits reserve at 128 sequences than at 8.
+    memory = ["--model", "llama-3.1-8b", "--hardware", "l4", "--max-model-len", "4096",
+              "--gpu-memory-utilization", "0.69"]
+    assert main(["plan", "--trace", str(trace), *memory, "--candidates", "8,128",
+                 "--no-capacity-search", "--json"]) == 0
+    rows = {r["max_num_seqs"]: r for r in json.loads(capsys.readouterr().out)["sweep"]}
+    assert rows[8]["num_kv_blocks"] > rows[128]["num_kv_blocks"]
+    for value, row in rows.items():
+        report = tmp_path / f"s{value}.json"
+        assert main(["simulate", "--trace", str(trace), *memory, "--max-num-seqs",
+                     str(value), "--quiet", "--report", str(report)]) == 0
+        data = json.loads(report.read_text())
+        assert data["config"]["cache"]["num_blocks"] == row["num_kv_blocks"]
+        assert data["aggregate"]["num_preemptions"] == row["num_preemptions"]
+        assert data["aggregate"]["ttft_p99"] == row["ttft_p99"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--model", "gpt-9"], "unknown model 'gpt-9'; known: llama-3.1-8b, "
                                        "llama-3.1-70b, qwen2.5-7b, mistral-7b, smollm2-135m"),

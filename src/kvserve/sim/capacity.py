@@ -67,8 +67,11 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
                  hardware: HardwareSpec | None = None, gpu_memory_gib: float | None = None,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  activation_reserve_gib: float | None = None, kv_pool_gib: float | None = None,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> KVPool:
-    """The KV pool of one replica (all ``tensor_parallel_size`` devices together)."""
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
+                 num_blocks: int | None = None) -> KVPool:
+    """The KV pool of one replica (all ``tensor_parallel_size`` devices together).
+    ``num_blocks`` gives the pool as a block count (vLLM's --num-gpu-blocks-override): no
+    memory arithmetic, the rest is reported alongside."""
     if not 0 < gpu_memory_utilization <= 1:
         raise CapacityError(f"gpu_memory_utilization must be in (0, 1], "
                             f"got {gpu_memory_utilization}")
@@ -83,6 +86,11 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
         reserve = int(activation_reserve_gib * GiB)
     else:
         reserve = activation_reserve_bytes(model, dtype, max_num_batched_tokens, max_num_seqs)
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise CapacityError(f"num_blocks must be >= 1, got {num_blocks}")
+        return KVPool(per_token, weights, reserve, num_blocks * block_size * per_token,
+                      block_size, num_blocks)
     if kv_pool_gib is not None:
         if kv_pool_gib <= 0:
             raise CapacityError(f"kv_pool_gib must be > 0, got {kv_pool_gib}")

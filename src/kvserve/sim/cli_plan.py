@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-from kvserve.flags import add_scheduler_flags, settings_from_args
+from kvserve.flags import add_scheduler_flags, scheduler_config, settings_from_args
 from kvserve.sim.cli_common import (
     ShowProgress,
     add_deployment_flags,
@@ -64,27 +64,18 @@ def _positive(name: str, value: float | None) -> None:
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.sim import plan
-    from kvserve.sim.capacity import plan_kv_pool
-    from kvserve.sim.presets import get_hardware, get_model
     from kvserve.sim.trace import read_trace
 
     for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99"):
         _positive(name, getattr(args, name))
-    deployment = deployment_from_args(args)
+    deployment = dataclasses.replace(
+        deployment_from_args(args), gpu_memory_gib=args.gpu_memory_gib,
+        kv_pool_gib=args.kv_pool_gib, activation_reserve_gib=args.activation_reserve_gib)
     settings = settings_from_args(args)
-    config, _ = deployment.configs({**settings, "num_kv_blocks": 1})
-    pool = plan_kv_pool(
-        get_model(args.model), args.dtype, settings.get("block_size", 16),
-        hardware=get_hardware(args.hardware), gpu_memory_gib=args.gpu_memory_gib,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        activation_reserve_gib=args.activation_reserve_gib, kv_pool_gib=args.kv_pool_gib,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs)
-    if settings.get("num_kv_blocks") is not None or settings.get("kv_cache_memory") is not None:
-        # The pool was given as a scheduler flag: report and simulate that one.
-        num_blocks = deployment.num_kv_blocks(settings, config)
-        pool = dataclasses.replace(pool, num_blocks=num_blocks, pool_bytes=num_blocks
-                                   * pool.block_size * pool.kv_bytes_per_token)
+    config = scheduler_config(settings)
+    # At the configured max_num_seqs; each candidate of the sweep gets its own pool, as
+    # `kvserve simulate --max-num-seqs N` sizes it (the reserve grows with max_num_seqs).
+    pool = deployment.kv_pool(settings, config)
     trace = read_trace(args.trace) if args.trace else None
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
@@ -96,10 +87,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "hardware": args.hardware, "dtype": args.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         **plan.kv_summary(pool, seq_len), "seq_len_source": source,
+        "pool_max_num_seqs": config.max_num_seqs,
     }
     if trace is None:
         return out
-    settings.setdefault("num_kv_blocks", pool.num_blocks)
     candidates = _candidates(args.candidates)
     rows = plan.sweep_max_num_seqs(ShowProgress(deployment), trace, settings, candidates,
                                    args.seed)
@@ -158,8 +149,9 @@ def _print(result: dict[str, Any]) -> None:
         ("KV bytes per token", f"{result['kv_bytes_per_token']:,} B"),
         ("weights", f"{result['weight_bytes'] / gib:.2f} GiB"),
         ("activation reserve", f"{result['activation_reserve_bytes'] / gib:.2f} GiB"),
-        ("KV pool", f"{result['pool_bytes'] / gib:.2f} GiB = {result['num_blocks']:,} blocks"
-                    f" of {result['block_size']}"),
+        (f"KV pool (at max_num_seqs {result['pool_max_num_seqs']})",
+         f"{result['pool_bytes'] / gib:.2f} GiB = {result['num_blocks']:,} blocks"
+         f" of {result['block_size']}"),
         ("max live tokens", f"{result['max_live_tokens']:,}"),
         (f"max concurrency at {result['seq_len']} tokens ({result['seq_len_source']})",
          f"{result['max_concurrency']:,}"),
@@ -184,11 +176,12 @@ def _print(result: dict[str, Any]) -> None:
         from kvserve.sim.table import fmt_pct, fmt_s
 
         sweep = Table(title="max_num_seqs sweep", title_justify="left")
-        for column in ("max_num_seqs", "preempt", "wasted", "out tok/s", "TTFT p99",
-                       "queue p99", "stall"):
+        for column in ("max_num_seqs", "KV blocks", "preempt", "wasted", "out tok/s",
+                       "TTFT p99", "queue p99", "stall"):
             sweep.add_column(column, justify="right")
         for r in result["sweep"]:
-            sweep.add_row(str(r["max_num_seqs"]), str(r["num_preemptions"]),
+            sweep.add_row(str(r["max_num_seqs"]), f"{r['num_kv_blocks']:,}",
+                          str(r["num_preemptions"]),
                           fmt_pct(r["wasted_fraction"]),
                           f"{r['throughput_output_tok_s']:.1f}", fmt_s(r["ttft_p99"]),
                           fmt_s(r["queue_p99"]), fmt_s(r["longest_stall_s"]))

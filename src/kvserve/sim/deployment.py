@@ -14,7 +14,7 @@ from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.flags import cache_config, scheduler_config
-from kvserve.sim.capacity import kv_bytes_per_token, plan_kv_pool
+from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cost_models import (
     CalibratedCostModel,
     CostModel,
@@ -40,6 +40,11 @@ class Deployment:
     cost_model: str = "roofline"
     calibration: str | None = None
     replay_log: str | None = None
+    # `kvserve plan`'s memory what-ifs (None: the hardware preset's memory, an estimated
+    # activation reserve, a pool sized from both).
+    gpu_memory_gib: float | None = None
+    kv_pool_gib: float | None = None
+    activation_reserve_gib: float | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -65,21 +70,30 @@ class Deployment:
         return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
                                  self.dtype, self.tensor_parallel_size)
 
-    def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
+    def kv_pool(self, settings: dict[str, Any], config: SchedulerConfig) -> KVPool:
+        """The KV pool a run with these flags gets: ``num_kv_blocks`` or ``kv_cache_memory``
+        when given, else sized from memory for this configuration (its activation reserve
+        grows with max_num_seqs and the token budget, as vLLM's profiling run does)."""
         block_size = settings.get("block_size", 16)
-        if settings.get("num_kv_blocks") is not None:
-            return int(settings["num_kv_blocks"])
         model = get_model(self.model)
-        if settings.get("kv_cache_memory") is not None:  # per device, as in vLLM
+        num_blocks = settings.get("num_kv_blocks")
+        if num_blocks is None and settings.get("kv_cache_memory") is not None:
             per_block = kv_bytes_per_token(model, self.dtype,
                                            self.tensor_parallel_size) * block_size
-            pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size
-            return max(1, pool // per_block)
+            pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size  # per device
+            num_blocks = max(1, pool // per_block)
         return plan_kv_pool(model, self.dtype, block_size, hardware=get_hardware(self.hardware),
+                            gpu_memory_gib=self.gpu_memory_gib,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             tensor_parallel_size=self.tensor_parallel_size,
+                            activation_reserve_gib=self.activation_reserve_gib,
+                            kv_pool_gib=self.kv_pool_gib,
                             max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_num_seqs).num_blocks
+                            max_num_seqs=config.max_num_seqs,
+                            num_blocks=None if num_blocks is None else int(num_blocks))
+
+    def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
+        return self.kv_pool(settings, config).num_blocks
 
     def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
         config = scheduler_config(settings)

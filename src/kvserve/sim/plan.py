@@ -76,12 +76,14 @@ def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
                        settings: dict[str, Any], candidates: Sequence[int],
                        seed: int = 0) -> list[dict[str, Any]]:
     """Simulate ``trace`` once per candidate on ``deployment`` (a Deployment, or anything
-    with its ``simulate``) and keep each run's headline figures."""
+    with its ``simulate``) and keep each run's pool and headline figures."""
     rows = []
     for value in candidates:
-        _, result = deployment.simulate(trace, with_max_num_seqs(settings, value), seed=seed)
+        echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
+                                           seed=seed)
         figures = aggregate(result)
-        rows.append({"max_num_seqs": value, **{k: figures[k] for k in SWEEP_FIGURES}})
+        rows.append({"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
+                     **{k: figures[k] for k in SWEEP_FIGURES}})
     return rows
 
 
