@@ -16,7 +16,9 @@ from kvserve.sim.table import SWEEP_COLUMNS, fmt_pct, fmt_s
 _CSS = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #0f172a; max-width: 1320px; }
 h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 28px 0 8px; }
-.grid2 { display: grid; grid-template-columns: repeat(2, 650px); gap: 12px; }
+.grid2 { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 480px), 1fr));
+         gap: 12px; }
+svg { max-width: 100%; height: auto; } .grid2 svg { width: 100%; max-width: 650px; }
 table { border-collapse: collapse; margin: 6px 0; }
 td, th { padding: 3px 10px; border-bottom: 1px solid #e2e8f0; text-align: right; }
 td:first-child, th:first-child { text-align: left; }
