@@ -8,6 +8,13 @@ steadier estimate of either side's own cost). ``--prefill`` adds prefill chunks 
 ``_prefill_attention``. Run from the repository root:
 
     .venv/bin/python benchmarks/attention_kernel.py [--reps 15] [--prefill] [--threads N]
+    .venv/bin/python benchmarks/attention_kernel.py --block-runs [--requests 64 --context 512]
+
+``--block-runs`` times the kernel instead on how the KV blocks lie (the layout term of the
+calibrated cost model, docs/fidelity.md): one decode step over 30 layers of a 1 GiB bf16
+pool, SmolLM2's shape, every request's blocks in runs of r consecutive ids at shuffled
+places (r = 1: fully scattered), alternated; each row's share of the fully scattered
+penalty, against the 1/r the per-scattered-token term charges.
 """
 
 from __future__ import annotations
@@ -74,18 +81,69 @@ def row(label: str, torch_s: tuple[float, float], kernel_s: tuple[float, float],
           f"| {torch_s[1] / kernel_s[1]:6.1f}x | {max_diff:.1e} |")
 
 
+def block_runs(num_requests: int, context_len: int, reps: int) -> None:
+    layers = 30
+    num_blocks = (1 << 30) // (BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * 2 * layers)
+    needed = -(-context_len // BLOCK_SIZE)
+    if num_requests * needed > num_blocks:
+        raise SystemExit(f"{num_requests} x {context_len} tokens do not fit the 1 GiB pool "
+                         f"({num_blocks} blocks of {BLOCK_SIZE})")
+    gen = torch.Generator().manual_seed(0)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, generator=gen).to(torch.bfloat16),
+               torch.randn(shape, generator=gen).to(torch.bfloat16)) for _ in range(layers)]
+    lens = torch.full((num_requests,), context_len)
+    q = torch.randn((num_requests, HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
+
+    def table(run: int) -> torch.Tensor:  # run 0: one consecutive stretch
+        total = num_requests * needed
+        if run == 0:
+            return torch.arange(total).reshape(num_requests, needed)
+        starts = torch.randperm(num_blocks // run, generator=gen)[:-(-total // run)] * run
+        ids = (starts[:, None] + torch.arange(run)[None, :]).reshape(-1)[:total]
+        return ids.reshape(num_requests, needed)
+
+    runs = (1, 2, 4, 8, 16, 0)
+    tables = [table(run) for run in runs]
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        for k, v in caches:
+            out = paged_kernel.decode_attention(q, k, v, t, lens)
+        return out
+
+    steps = [lambda t=t: step(t) for t in tables]
+    medians = [median for median, _ in alternate(steps, reps)]
+    scattered, consecutive = medians[0], medians[-1]
+    print(f"{num_requests} decode requests x {context_len} tokens, 30 layers, bf16, "
+          f"{torch.get_num_threads()} threads, {reps} alternating reps, medians")
+    print()
+    print("| blocks | step ms | share of the scattered penalty | term charges (1/r) |")
+    print("|---|---|---|---|")
+    for run, median in zip(runs, medians, strict=True):
+        share = (median - consecutive) / (scattered - consecutive)
+        label = "consecutive" if run == 0 else f"runs of {run}"
+        print(f"| {label} | {median * 1e3:.2f} | {share:.2f} | "
+              f"{0 if run == 0 else 1 / run:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
+    parser.add_argument("--block-runs", action="store_true",
+                        help="time one decode step by how its blocks lie instead")
+    parser.add_argument("--context", type=int, default=512, help="--block-runs' context")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     if not paged_kernel.available():
         raise SystemExit(f"kernel unavailable: {paged_kernel.unavailable_reason()}")
+    if args.block_runs:
+        block_runs(args.requests, args.context, args.reps)
+        return
     print(f"kernel ready in {time.perf_counter() - start:.1f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.reps} alternating reps, medians")
     print()
