@@ -8,7 +8,7 @@ steadier estimate of either side's own cost). ``--prefill`` adds prefill chunks 
 ``_prefill_attention``. Run from the repository root:
 
     .venv/bin/python benchmarks/attention_kernel.py [--reps 15] [--prefill] [--threads N]
-    .venv/bin/python benchmarks/attention_kernel.py --block-runs [--requests 64 --context 512]
+    .venv/bin/python benchmarks/attention_kernel.py --block-runs [--requests 64] [--context 512]
 
 ``--block-runs`` times the kernel instead on how the KV blocks lie (the layout term of the
 calibrated cost model, docs/fidelity.md): one decode step over 30 layers of a 1 GiB bf16
@@ -129,7 +129,9 @@ def block_runs(num_requests: int, context_len: int, reps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="decode requests (default 128; 64 with --block-runs, which "
+                             "must fit them in a 1 GiB pool)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefill", action="store_true", help="also time prefill chunks")
     parser.add_argument("--block-runs", action="store_true",
@@ -142,8 +144,9 @@ def main() -> None:
     if not paged_kernel.available():
         raise SystemExit(f"kernel unavailable: {paged_kernel.unavailable_reason()}")
     if args.block_runs:
-        block_runs(args.requests, args.context, args.reps)
+        block_runs(args.requests or 64, args.context, args.reps)
         return
+    args.requests = args.requests or 128
     print(f"kernel ready in {time.perf_counter() - start:.1f} s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.reps} alternating reps, medians")
     print()

@@ -8,9 +8,10 @@ the price is compared with the measured duration. No feedback: a wrong price her
 not change what runs next, as it does in a free-running simulation.
 
 The replay holds each step until the engine's logged start, so it admits what the engine
-admitted and follows a Poisson run to its end. (Logs written before steps carried their
-start replay by durations alone and can diverge after a while, where an arrival fell
-between the engine's clock and the replay's; steps up to the divergence are used.)
+admitted and follows a Poisson run to its end. (A replay by durations alone, as before,
+could diverge where an arrival fell between the engine's clock and the replay's; steps
+up to a divergence are used. Logs written before the idle-wait change fold an idle wait
+into the step before it, so a step before an idle period reads long.)
 
 The replay always tracks the block layout, so the table also says what share of each
 group's context KV sat in scattered blocks (kvserve.sim.layout), whether or not the model

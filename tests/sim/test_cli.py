@@ -141,6 +141,25 @@ def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
         assert data["aggregate"]["ttft_p99"] == row["ttft_p99"]
 
 
+def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trace, capsys):
+    """A pool given outright (--kv-pool-gib) is every candidate's; sized from memory, a
+    candidate whose activation reserve leaves no room gets a row saying so, and the
+    recommendations come from the others."""
+    assert main(["plan", "--trace", str(trace), "--kv-pool-gib", "0.05", "--candidates",
+                 "8,1024", "--no-capacity-search", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["num_kv_blocks"] for r in data["sweep"]] == [data["num_blocks"]] * 2 == [25, 25]
+    memory = ["--model", "llama-3.1-8b", "--hardware", "l4", "--max-model-len", "4096",
+              "--gpu-memory-utilization", "0.69"]
+    assert main(["plan", "--trace", str(trace), *memory, "--candidates", "8,1024",
+                 "--no-capacity-search", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    fits, too_big = data["sweep"]
+    assert fits["num_kv_blocks"] > 0 and "error" not in fits
+    assert too_big["num_kv_blocks"] is None and "does not fit" in too_big["error"]
+    assert data["max_num_seqs_best_throughput"] == 8
+
+
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--model", "gpt-9"], "unknown model 'gpt-9'; known: llama-3.1-8b, "
                                        "llama-3.1-70b, qwen2.5-7b, mistral-7b, smollm2-135m"),
@@ -152,6 +171,8 @@ def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
     (["simulate", "--cost-model", "calibrated"], "needs --calibration"),
     (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be > 0"),
     (["plan"], "give --prompt-len and --output-len, or --trace"),
+    (["plan", "--prompt-len", "9", "--output-len", "9", "--block-size", "0"],
+     "block_size=0 is out of range"),
     (["workload", "gen", "--rate", "-2"], "rate must be a positive number"),
     (["workload", "gen", "--prompt-len", "banana:3"], "unknown distribution 'banana'"),
 ])

@@ -89,6 +89,15 @@ def test_a_log_without_steps_is_refused(tmp_path):
         ReplayCostModel.load(path)
 
 
+def test_a_log_with_starts_on_some_steps_only_is_refused(tmp_path):
+    path = tmp_path / "partial.jsonl"
+    path.write_text('{"type": "step", "start": 0.0, "duration": 0.1, '
+                    '"num_scheduled_tokens": 4}\n'
+                    '{"type": "step", "duration": 0.1, "num_scheduled_tokens": 4}\n')
+    with pytest.raises(CostModelError, match="1 of 2 steps have a start"):
+        ReplayCostModel.load(path)
+
+
 def test_the_engine_run_reads_as_a_simulation_report():
     """run_trace returns the engine's run as a SimResult, so report.aggregate measures the
     engine with the simulator's definitions; a replay of its step times agrees on every
@@ -155,7 +164,7 @@ def test_a_replay_follows_the_engine_when_arrivals_fall_between_its_clock_and_th
 
 
 def test_without_the_logged_starts_that_replay_diverges():
-    """The same run replayed from durations alone (an old step log) begins at the first
+    """The same run replayed from durations alone (a log without starts) begins at the first
     arrival rather than at the engine's first step, and parts from it: the case the
     logged starts exist for."""
     trace = generate(WorkloadSpec(num_requests=24, rate=60.0, prompt_len="uniform:16,96",

@@ -170,8 +170,8 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
                          greedy: bool = True) -> tuple[CalibratedCostModel, dict[str, Any]]:
     """Run ``trace`` on ``engine`` (arrivals on the wall clock) and fit the model on the
     steps it ran: each step's shape as the engine recorded it, and its time to the next
-    step's start (what the simulator's clock advances by). Returns the model and what the
-    fit saw.
+    step's start or, before an idle wait, to the moment the loop went idle (the wait is not
+    the step's cost). Returns the model and what the fit saw.
 
     ``greedy`` samples at temperature 0, as the grid does; otherwise each request samples
     with default parameters (temperature 1), which costs a little more per sequence per

@@ -180,9 +180,15 @@ def _print(result: dict[str, Any]) -> None:
                        "TTFT p99", "queue p99", "stall"):
             sweep.add_column(column, justify="right")
         for r in result["sweep"]:
+            if r.get("error"):
+                sweep.add_row(str(r["max_num_seqs"]), "does not fit", *[""] * 6)
+                continue
             sweep.add_row(str(r["max_num_seqs"]), f"{r['num_kv_blocks']:,}",
                           str(r["num_preemptions"]),
                           fmt_pct(r["wasted_fraction"]),
                           f"{r['throughput_output_tok_s']:.1f}", fmt_s(r["ttft_p99"]),
                           fmt_s(r["queue_p99"]), fmt_s(r["longest_stall_s"]))
         console.print(sweep)
+        for r in result["sweep"]:
+            if r.get("error"):
+                console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")

@@ -5,7 +5,10 @@ advances by that much per step. ``unit`` counts steps; ``roofline`` prices FLOPs
 on a hardware preset; ``calibrated`` reads coefficients measured on a real engine. A model
 that also prices where the KV blocks lie (the view's ``scattered_context_tokens``) says so
 with a true ``needs_block_layout`` attribute; the simulator tracks the layout only then
-(:func:`needs_block_layout`).
+(:func:`needs_block_layout`). A model may also have ``step_start(now) -> seconds``, the
+earliest time the next step may start (a replayed engine log holds each step until the
+engine's logged start); the simulator calls it before every step, so a model wrapping
+another must pass it on.
 """
 
 from __future__ import annotations
@@ -276,7 +279,8 @@ class ReplayCostModel:
         return self.durations[index]
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "num_steps": len(self.durations)}
+        return {"name": self.name, "source": self.source, "num_steps": len(self.durations),
+                "held_to_logged_starts": self.starts is not None}
 
     @classmethod
     def load(cls, path: str | Path) -> ReplayCostModel:
@@ -305,11 +309,15 @@ class ReplayCostModel:
             durations.append(float(duration))
             num_tokens.append(tokens)
             start = row.get("start")
-            if isinstance(start, (int, float)) and not isinstance(start, bool) \
-                    and math.isfinite(start):
+            if start is not None:
+                if not isinstance(start, (int, float)) or isinstance(start, bool) \
+                        or not math.isfinite(start):
+                    raise CostModelError(f"{path}:{number}: start must be a number")
                 starts.append(float(start))
         if not durations:
             raise CostModelError(f"{path}: no step lines (is it a step log from the engine?)")
-        # A log written before steps carried their start replays by durations alone.
-        return cls(durations, num_tokens, str(path),
-                   starts if len(starts) == len(durations) else None)
+        if starts and len(starts) != len(durations):
+            raise CostModelError(f"{path}: {len(starts)} of {len(durations)} steps have a "
+                                 "start: give every step one, or none")
+        # The engine's logs carry starts; a log without them replays by durations alone.
+        return cls(durations, num_tokens, str(path), starts or None)

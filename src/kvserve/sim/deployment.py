@@ -74,7 +74,7 @@ class Deployment:
         """The KV pool a run with these flags gets: ``num_kv_blocks`` or ``kv_cache_memory``
         when given, else sized from memory for this configuration (its activation reserve
         grows with max_num_seqs and the token budget, as vLLM's profiling run does)."""
-        block_size = settings.get("block_size", 16)
+        block_size = cache_config(settings, 1).block_size  # the cache flags, checked
         model = get_model(self.model)
         num_blocks = settings.get("num_kv_blocks")
         if num_blocks is None and settings.get("kv_cache_memory") is not None:

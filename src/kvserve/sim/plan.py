@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.core import SchedulerConfig
-from kvserve.sim.capacity import KVPool
+from kvserve.sim.capacity import CapacityError, KVPool
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
@@ -77,10 +77,15 @@ def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
                        seed: int = 0) -> list[dict[str, Any]]:
     """Simulate ``trace`` once per candidate on ``deployment`` (a Deployment, or anything
     with its ``simulate``) and keep each run's pool and headline figures."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for value in candidates:
-        echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
-                                           seed=seed)
+        try:
+            echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
+                                               seed=seed)
+        except CapacityError as error:  # its activation reserve leaves no KV pool
+            rows.append({"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
+                         **dict.fromkeys(SWEEP_FIGURES)})
+            continue
         figures = aggregate(result)
         rows.append({"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
                      **{k: figures[k] for k in SWEEP_FIGURES}})
@@ -90,6 +95,7 @@ def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
 def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict[str, Any]:
     """The largest max_num_seqs that never preempts, and the best-throughput one whose p99
     TTFT meets the target (ties: the smaller max_num_seqs)."""
+    rows = [r for r in rows if r.get("error") is None]  # candidates that fit
     calm = [r["max_num_seqs"] for r in rows if r["num_preemptions"] == 0]
     eligible = [r for r in rows if ttft_p99_target is None
                 or (r["ttft_p99"] is not None and r["ttft_p99"] <= ttft_p99_target)]
