@@ -138,70 +138,61 @@ class LateClock(SteppingClock):
         return self.now
 
 
+DENSE = generate(WorkloadSpec(num_requests=24, rate=60.0, prompt_len="uniform:16,96",
+                             output_len="fixed:12", max_tokens=12, ignore_eos=True, seed=11))
+SPARSE = generate(WorkloadSpec(num_requests=6, rate=0.2, prompt_len="uniform:16,64",
+                               output_len="fixed:6", max_tokens=6, ignore_eos=True, seed=4))
+
+
+def traced(trace, clock):
+    """The engine's run of ``trace`` on ``clock``, and its step log's rows."""
+    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
+                          detokenize=False, **SETTINGS)
+    engine.clock = clock
+    log = io.StringIO()
+    run = run_trace(engine, trace, sleep=clock.sleep, log=log)
+    return run, [json.loads(line) for line in log.getvalue().splitlines()]
+
+
+def replayed(trace, run, with_starts=True):
+    replay = ReplayCostModel([s.duration for s in run.steps],
+                             [s.num_scheduled_tokens for s in run.steps],
+                             starts=[s.start for s in run.steps] if with_starts else None)
+    return Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS), replay,
+                     record_events=True).run(trace)
+
+
+def assert_the_replay_follows(trace, run, rows):
+    result = replayed(trace, run)
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated) == decisions([r for r in rows if r["type"] == "event"])
+    assert list(result.steps.time) == pytest.approx([s.start for s in run.steps], abs=1e-9)
+
+
 def test_a_replay_follows_the_engine_when_arrivals_fall_between_its_clock_and_the_logs():
     """Arrivals denser than the clock's readings land between a step's logged start and
     where a replay would otherwise begin its step (the first arrival, or the end of an idle
     wait): the replay holds each step until the engine's logged start, so it admits what the
     engine admitted and follows it to the end."""
-    trace = generate(WorkloadSpec(num_requests=24, rate=60.0, prompt_len="uniform:16,96",
-                                  output_len="fixed:12", max_tokens=12, ignore_eos=True, seed=11))
-    clock = LateClock()
-    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
-                          detokenize=False, **SETTINGS)
-    engine.clock = clock
-    log = io.StringIO()
-    run_trace(engine, trace, sleep=clock.sleep, log=log)
-    rows = [json.loads(line) for line in log.getvalue().splitlines()]
-    steps = [row for row in rows if row["type"] == "step"]
-    replay = ReplayCostModel([s["duration"] for s in steps],
-                             [s["num_scheduled_tokens"] for s in steps],
-                             starts=[s["start"] for s in steps])
-    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
-                       replay, record_events=True).run(trace)
-    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
-    assert decisions(simulated) == decisions([r for r in rows if r["type"] == "event"])
-    assert list(result.steps.time) == pytest.approx([s["start"] for s in steps], abs=1e-9)
+    assert_the_replay_follows(DENSE, *traced(DENSE, LateClock()))
 
 
 def test_without_the_logged_starts_that_replay_diverges():
     """The same run replayed from durations alone (a log without starts) begins at the first
     arrival rather than at the engine's first step, and parts from it: the case the
     logged starts exist for."""
-    trace = generate(WorkloadSpec(num_requests=24, rate=60.0, prompt_len="uniform:16,96",
-                                  output_len="fixed:12", max_tokens=12, ignore_eos=True, seed=11))
-    clock = LateClock()
-    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, detokenize=False, **SETTINGS)
-    engine.clock = clock
-    run = run_trace(engine, trace, sleep=clock.sleep)
-    replay = ReplayCostModel([s.duration for s in run.steps],
-                             [s.num_scheduled_tokens for s in run.steps])
+    run, _ = traced(DENSE, LateClock())
     with pytest.raises(CostModelError, match="replay diverged"):
-        Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
-                  replay).run(trace)
+        replayed(DENSE, run, with_starts=False)
 
 
 def test_an_idle_wait_is_not_counted_in_the_step_before_it():
     """Requests far apart leave the engine idle between them: each step's logged duration
     ends where the loop found nothing to run (what calibration in service fits), and the
     replay, held to the logged starts, still sees every gap and makes the same decisions."""
-    trace = generate(WorkloadSpec(num_requests=6, rate=0.2, prompt_len="uniform:16,64",
-                                  output_len="fixed:6", max_tokens=6, ignore_eos=True, seed=4))
-    clock = SteppingClock()
-    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
-                          detokenize=False, **SETTINGS)
-    engine.clock = clock
-    log = io.StringIO()
-    run = run_trace(engine, trace, sleep=clock.sleep, log=log)
+    run, rows = traced(SPARSE, SteppingClock())
     busiest = max(step.duration for step in run.steps)
     assert busiest < 0.5  # a few clock readings; the gaps between requests are seconds
     span = run.steps[-1].start - run.steps[0].start
     assert sum(step.duration for step in run.steps[:-1]) < span / 4
-    path_rows = [json.loads(line) for line in log.getvalue().splitlines()]
-    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
-                       ReplayCostModel([s.duration for s in run.steps],
-                                       [s.num_scheduled_tokens for s in run.steps],
-                                       starts=[s.start for s in run.steps]),
-                       record_events=True).run(trace)
-    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
-    assert decisions(simulated) == decisions([r for r in path_rows if r["type"] == "event"])
-    assert list(result.steps.time) == pytest.approx([s.start for s in run.steps], abs=1e-9)
+    assert_the_replay_follows(SPARSE, run, rows)
