@@ -52,6 +52,21 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert after[("kvserve:recomputed_tokens_total", M)] > 0
         assert after[("kvserve:preemption_stall_seconds_count", M)] >= 1
         assert after[("vllm:num_requests_running", M)] == 0
+        # vLLM 0.32's per-request and per-step histograms, and the waiting gauge by reason
+        assert after[("vllm:request_prompt_tokens_sum", M)] == 240
+        assert after[("vllm:request_generation_tokens_sum", M)] == 600
+        assert after[("vllm:request_params_max_tokens_sum", M)] == 600
+        assert after[("vllm:request_params_n_sum", M)] == 6
+        for phase in ("inference", "prefill", "decode"):
+            assert after[(f"vllm:request_{phase}_time_seconds_count", M)] == 6
+        assert after[("vllm:request_inference_time_seconds_sum", M)] >= \
+            after[("vllm:request_decode_time_seconds_sum", M)] > 0
+        assert after[("vllm:request_time_per_output_token_seconds_count", M)] == 6
+        assert after[("vllm:iteration_tokens_total_sum", M)] == \
+            after[("kvserve:scheduled_tokens_total", M)] >= 240 + 600 - 6
+        for reason in ("capacity", "deferred"):
+            assert after[("vllm:num_requests_waiting_by_reason",
+                          (("model_name", "tiny"), ("reason", reason)))] == 0
         lines = [r.getMessage() for r in caplog.records if "preemption request_id=" in
                  r.getMessage()]
         assert len(lines) == preemptions and "num_tokens_lost=" in lines[0]

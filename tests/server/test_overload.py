@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from .helpers import LiveServer, slow_engine, wait_for
+from .helpers import LiveServer, metric_values, slow_engine, wait_for
 
 BLOCKER = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True, "stream": True}
 
@@ -66,6 +66,10 @@ def test_queue_limits_answer_503_with_retry_after():
         assert "Retry-After" in too_many_tokens.headers
         abort(live, "blocker-2", blocker)
         wait_for(live.idle, what="idle")
+        rejections = metric_values(httpx.get(live.url + "/metrics").text)
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            assert rejections[("vllm:admission_rejections_total",
+                               (("model_name", "tiny"), ("reason", reason)))] == 1
 
 
 def test_queue_deadline_answers_503_queue_timeout():

@@ -17,7 +17,12 @@ class RequestRejected(RequestError):
 
 class QueueFullError(RequestError):
     """The waiting queue is at its request or token limit (K4). The server answers 503 with
-    Retry-After; the request may succeed later."""
+    Retry-After; the request may succeed later. ``limit`` names the limit that refused it
+    (``max_num_queued_reqs`` or ``max_num_queued_tokens``, vLLM's rejection reasons)."""
+
+    def __init__(self, message: str, limit: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class InvariantError(AssertionError):

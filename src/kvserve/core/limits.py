@@ -33,9 +33,11 @@ def check_queue_limits(request: Request, waiting: WaitingQueue,
     if max_reqs is not None and len(waiting) >= max_reqs:
         raise QueueFullError(
             f"request {request.request_id}: the waiting queue is full "
-            f"({len(waiting)} requests, max_num_queued_reqs={max_reqs})")
+            f"({len(waiting)} requests, max_num_queued_reqs={max_reqs})",
+            "max_num_queued_reqs")
     max_tokens = config.max_num_queued_tokens
     if max_tokens is not None and waiting.num_tokens + request.num_tokens > max_tokens:
         raise QueueFullError(
             f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
-            f"max_num_queued_tokens={max_tokens} ({waiting.num_tokens} queued)")
+            f"max_num_queued_tokens={max_tokens} ({waiting.num_tokens} queued)",
+            "max_num_queued_tokens")

@@ -95,6 +95,7 @@ async def _queue(state: ServerState, request_id: str,
         for sub_id, _, _ in items:
             state.metrics.request_dropped(sub_id)
         raise _refusal(state, error) from error
+    state.metrics.request_params(len(items), items[0][2].max_tokens)
     state.groups[request_id] = stream
     return stream
 
@@ -102,6 +103,8 @@ async def _queue(state: ServerState, request_id: str,
 def _refusal(state: ServerState, error: BaseException) -> BaseException:
     if isinstance(error, QueueFullError):
         state.metrics.rejected.labels(state.model_name, "503").inc()
+        if error.limit in state.metrics.admission_rejections:
+            state.metrics.admission_rejections[error.limit].inc()
         return APIError(503, f"the server is overloaded: {_strip_id(error)}; retry later",
                         code="queue_full", headers={"Retry-After": state.retry_after()})
     if isinstance(error, (RequestRejected, RequestError, ValueError)):

@@ -29,6 +29,21 @@ from kvserve.engine.async_engine import AsyncEngine, StepReport
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+WAITING_REASONS = ("capacity", "deferred")  # vLLM's; nothing here defers a request
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+
+
+def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 disable_created_metrics()  # vLLM's exposition has no *_created series
 
@@ -71,6 +86,33 @@ class ServerMetrics:
         self.rejected = Counter("kvserve:requests_rejected",
                                 "Requests the scheduler refused at arrival, by HTTP status.",
                                 [*labels, "status"], registry=reg)
+        admission = Counter("vllm:admission_rejections",
+                            "Admission attempts rejected by a queue limit, by reason.",
+                            [*labels, "reason"], registry=reg)
+        self.admission_rejections = {reason: admission.labels(model_name, reason)
+                                     for reason in ADMISSION_REASONS}
+        # Per finished request, as vLLM observes them
+        scheduler_config = engine.engine.scheduler.config
+        tokens = _1_2_5_buckets(scheduler_config.max_model_len)
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", tokens)
+        self.request_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter.", tokens)
+        self.request_n = self._histogram("vllm:request_params_n",
+                                         "The n request parameter.", _N_BUCKETS)
+        self.inference_time = self._histogram("vllm:request_inference_time_seconds",
+                                              "First scheduled to finish (running).")
+        self.prefill_time = self._histogram("vllm:request_prefill_time_seconds",
+                                            "First scheduled to first token.")
+        self.decode_time = self._histogram("vllm:request_decode_time_seconds",
+                                           "First token to finish.")
+        self.time_per_output_token = self._histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time between a request's tokens after the first (0 for one token).")
+        self.iteration_tokens = self._histogram("vllm:iteration_tokens_total",
+                                                "Tokens per engine step.", _STEP_TOKEN_BUCKETS)
         config = engine.engine.scheduler.cache_config
         Gauge("vllm:cache_config_info", "KV cache configuration.",
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
@@ -84,8 +126,9 @@ class ServerMetrics:
         self._e2e_count = 0
         engine.observers.append(self.observe)
 
-    def _histogram(self, name: str, text: str) -> Histogram:
-        return Histogram(name, text, ["model_name"], buckets=_LATENCY_BUCKETS,
+    def _histogram(self, name: str, text: str,
+                   buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, text, ["model_name"], buckets=buckets,
                          registry=self.registry).labels(self.model_name)
 
     def render(self) -> bytes:
@@ -102,9 +145,16 @@ class ServerMetrics:
         with self._lock:
             self._live.pop(request_id, None)
 
+    def request_params(self, n: int, max_tokens: int) -> None:
+        """A request the engine took: its n and max_tokens parameters."""
+        self.request_n.observe(n)
+        self.request_max_tokens.observe(max_tokens)
+
     def observe(self, report: StepReport) -> None:
         """Engine thread, after each step."""
         now = report.time + report.seconds
+        if report.num_scheduled_tokens:
+            self.iteration_tokens.observe(report.num_scheduled_tokens)
         with self._lock:
             for chunk in report.chunks:
                 live = self._live.get(chunk.request_id)
@@ -145,6 +195,19 @@ class ServerMetrics:
         self.request_preemptions.observe(metrics.num_preemptions)
         if metrics.num_preemptions:
             self.stall.observe(metrics.longest_stall)
+        self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.observe(metrics.num_output_tokens)
+        scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
+        if scheduled is not None:
+            self.inference_time.observe(max(0.0, metrics.finished_time - scheduled))
+            if first_token is not None:
+                self.prefill_time.observe(max(0.0, first_token - scheduled))
+        if first_token is not None:
+            decode = max(0.0, metrics.finished_time - first_token)
+            self.decode_time.observe(decode)
+            self.time_per_output_token.observe(
+                decode / (metrics.num_output_tokens - 1) if metrics.num_output_tokens > 1
+                else 0.0)
 
 
 def _families(family: type[GaugeMetricFamily] | type[CounterMetricFamily], labels: list[str],
@@ -184,7 +247,17 @@ class _StatsCollector(Collector):
                  stats.prefix_cache_hits),
                 ("kvserve:recomputed_tokens", "Tokens computed again after a preemption.",
                  stats.num_recomputed_tokens),
-                ("kvserve:engine_steps", "Engine steps.", stats.num_steps)))
+                ("kvserve:engine_steps", "Engine steps.", stats.num_steps),
+                ("kvserve:scheduled_tokens", "Tokens computed, recomputation included.",
+                 stats.num_scheduled_tokens)))
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                    "Waiting requests by reason: 'capacity' waits for room "
+                                    "to be scheduled; 'deferred' is always 0 here.",
+                                    labels=["model_name", "reason"])
+        for reason in WAITING_REASONS:
+            waiting.add_metric([self.model_name, reason],
+                               stats.num_waiting if reason == "capacity" else 0)
+        yield waiting
         blocked = CounterMetricFamily("kvserve:admissions_blocked",
                                       "Steps whose waiting pass stopped, by reason.",
                                       labels=["model_name", "reason"])
