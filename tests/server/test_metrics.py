@@ -87,3 +87,27 @@ def test_boot_lines_and_stats_line(caplog):
         assert line is not None and "Avg generation throughput" in line
         assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Preemptions: 0" in line
         assert stats.line() is None  # nothing happened since
+
+
+def test_the_engine_checks_its_state_each_time_it_falls_idle(caplog):
+    """After each busy spell the engine checks the scheduler's invariants (I1-I4); a broken
+    one is logged and counted in kvserve:invariant_violations, and serving goes on."""
+    with LiveServer(num_kv_blocks=12, max_model_len=512) as live:
+        def complete() -> None:
+            checks = live.state.engine.idle_checks
+            response = httpx.post(live.url + "/v1/completions", timeout=60,
+                                  json={"prompt": [7] * 20, "max_tokens": 4})
+            assert response.status_code == 200
+            wait_for(lambda: live.state.engine.idle_checks > checks, what="idle check")
+
+        complete()
+        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 0
+        pool = live.state.engine.engine.scheduler.kv.pool
+        pool.free_queue.num_free -= 1  # a leak: the count no longer matches the queue
+        with caplog.at_level(logging.ERROR, logger="kvserve.engine"):
+            complete()
+        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 1
+        assert any("I1: free queue holds" in r.getMessage() for r in caplog.records)
+        pool.free_queue.num_free += 1
+        complete()
+        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 1

@@ -28,7 +28,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvserve.core import SamplingParams, SchedulerEvent, SchedulerStats
+from kvserve.core import (
+    InvariantError,
+    SamplingParams,
+    SchedulerEvent,
+    SchedulerStats,
+    check_invariants,
+)
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt
 
 logger = logging.getLogger("kvserve.engine")
@@ -121,6 +127,11 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self.error: BaseException | None = None
         self.stats: SchedulerStats = engine.scheduler.stats()
+        # The scheduler's invariants (I1-I4: no leaked or doubly held block, ...) are checked
+        # each time the engine falls idle, where they are cheapest; a failure is logged and
+        # counted (kvserve:invariant_violations), not raised, so serving goes on.
+        self.idle_checks = self.invariant_violations = 0
+        self._checked_since_busy = True
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -185,7 +196,10 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    self._checked_since_busy = False
                 else:
+                    if not self._checked_since_busy:
+                        self._check_when_idle()
                     self.stats = self.engine.scheduler.stats()
         except BaseException as error:  # the loop must report, not vanish
             logger.exception("engine loop failed")
@@ -193,6 +207,15 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine loop failed: {error!r}"))
         else:
             self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _check_when_idle(self) -> None:
+        self._checked_since_busy = True
+        self.idle_checks += 1
+        try:
+            check_invariants(self.engine.scheduler)
+        except InvariantError as error:
+            self.invariant_violations += 1
+            logger.error("scheduler state check failed with the engine idle: %s", error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; when idle, wait for the first. False on shutdown."""

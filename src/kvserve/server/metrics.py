@@ -249,7 +249,10 @@ class _StatsCollector(Collector):
                  stats.num_recomputed_tokens),
                 ("kvserve:engine_steps", "Engine steps.", stats.num_steps),
                 ("kvserve:scheduled_tokens", "Tokens computed, recomputation included.",
-                 stats.num_scheduled_tokens)))
+                 stats.num_scheduled_tokens),
+                ("kvserve:invariant_violations",
+                 "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
+                 "the engine fell idle.", self.engine.invariant_violations)))
         waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
                                     "Waiting requests by reason: 'capacity' waits for room "
                                     "to be scheduled; 'deferred' is always 0 here.",
