@@ -77,9 +77,8 @@ class ServerMetrics:
                                    "Arrival to finish.")
         self.queue_time = self._histogram("vllm:request_queue_time_seconds",
                                           "Arrival to first scheduling.")
-        self.request_preemptions = Histogram(
-            "vllm:request_num_preemptions", "Preemptions per finished request.", labels,
-            buckets=_COUNT_BUCKETS, registry=reg).labels(model_name)
+        self.request_preemptions = self._histogram(
+            "vllm:request_num_preemptions", "Preemptions per finished request.", _COUNT_BUCKETS)
         self.stall = self._histogram("kvserve:preemption_stall_seconds",
                                      "Longest preemption-to-next-token stall of a preempted "
                                      "request.")
