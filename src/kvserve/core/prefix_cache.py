@@ -59,6 +59,24 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int) -> l
     return hashes
 
 
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
+                        salt: str | None = None) -> list[bytes]:
+    """The chained hashes of every full block of ``token_ids``: the digests the prefix cache
+    gives a request with this prompt and ``cache_salt`` (what a router matches on, R4)."""
+    num_full = len(token_ids) // block_size
+    if num_full == 0:
+        return []
+    hashes = [hash_block_tokens(None, token_ids[:block_size], salt)]
+    data = array("q", token_ids[block_size:num_full * block_size]).tobytes()
+    block_bytes = 8 * block_size  # "q": 8 bytes per token id
+    parent = hashes[0]
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data), block_bytes):
+        parent = blake2b(parent + data[start:start + block_bytes], digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
 def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[bytes],
                            max_blocks: int) -> list[KVBlock]:
     """Blocks for the longest run of leading hashes present in the cache, at most max_blocks.

@@ -1,0 +1,206 @@
+"""Routing requests among data-parallel replicas (spec R1-R5): one pure object that the
+server's data-parallel mode and the simulator's cluster mode both call.
+
+    decision = router.route(prompt_block_hashes(token_ids, block_size, salt), loads)
+
+``loads`` holds one :class:`ReplicaLoad` per replica, index i describing replica i, as the
+caller last saw it (a caller whose loads are reported late should count the requests it has
+routed since). A router never picks a dead replica (R1); with every replica dead it raises
+:class:`NoReplicaError`.
+
+- ``round-robin``: replicas in turn, skipping dead ones (R2).
+- ``least-loaded``: the lowest load score, ``4 * num_waiting + num_running`` (a queued request
+  weighs four running ones, as in vLLM's data-parallel balancer), then the lowest KV usage;
+  ties rotate so that a burst routed on unchanged loads spreads out (R3).
+- ``prefix-affinity``: the replica the router last sent the longest run of this request's
+  leading block hashes to, so a shared prefix is computed once and then hit; unless that
+  replica's load score exceeds the least-loaded replica's by more than ``imbalance_bound``
+  (reason ``imbalance``), or no hash matches (reason ``least_loaded``): then least-loaded (R4).
+  It remembers at most ``max_tracked_blocks`` hashes, forgetting the least recently routed.
+- ``forget_replica(i)`` drops every hash remembered for replica i: its cache is gone (R5).
+
+Everything is deterministic: no salted ``hash()``, no iteration over sets.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvserve.core.errors import ConfigError
+
+ROUTER_POLICIES = ("round-robin", "least-loaded", "prefix-affinity")
+WAITING_WEIGHT = 4
+DEFAULT_IMBALANCE_BOUND = 16
+DEFAULT_MAX_TRACKED_BLOCKS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    replica: int
+    alive: bool
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # 0..1, share of the replica's KV blocks in use
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    replica: int
+    reason: str  # "round_robin" | "least_loaded" | "prefix_hit" | "imbalance"
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is dead: the request cannot be routed (the server answers 503)."""
+
+
+def load_score(load: ReplicaLoad) -> int:
+    """A queued request weighs ``WAITING_WEIGHT`` running ones (R3)."""
+    return WAITING_WEIGHT * load.num_waiting + load.num_running
+
+
+class Router(ABC):
+    """Picks a replica for each request. Subclasses hold only their own routing memory."""
+
+    policy: str
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+
+    @abstractmethod
+    def route(self, prefix_hashes: Sequence[Hashable],
+              loads: Sequence[ReplicaLoad]) -> RouteDecision:
+        """The replica for a request whose leading full-block hashes are ``prefix_hashes``."""
+
+    def forget_replica(self, replica: int) -> None:
+        """Replica ``replica`` lost its cache (restart): drop what points at it (R5)."""
+        self._check_replica(replica)
+
+    def _alive(self, loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+        if len(loads) != self.num_replicas:
+            raise ValueError(f"router for {self.num_replicas} replicas got {len(loads)} loads")
+        for index, load in enumerate(loads):
+            if load.replica != index:
+                raise ValueError(f"loads[{index}] describes replica {load.replica}; "
+                                 f"loads must be in replica order")
+        alive = [load for load in loads if load.alive]
+        if not alive:
+            raise NoReplicaError(f"all {self.num_replicas} replicas are down")
+        return alive
+
+    def _check_replica(self, replica: int) -> None:
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica {replica} out of range 0..{self.num_replicas - 1}")
+
+
+class RoundRobinRouter(Router):
+    policy = "round-robin"
+
+    def __init__(self, num_replicas: int) -> None:
+        super().__init__(num_replicas)
+        self._next = 0
+
+    def route(self, prefix_hashes: Sequence[Hashable],
+              loads: Sequence[ReplicaLoad]) -> RouteDecision:
+        self._alive(loads)
+        replica = self._next
+        while not loads[replica].alive:
+            replica = (replica + 1) % self.num_replicas
+        self._next = (replica + 1) % self.num_replicas
+        return RouteDecision(replica, "round_robin")
+
+
+class LeastLoadedRouter(Router):
+    policy = "least-loaded"
+
+    def __init__(self, num_replicas: int) -> None:
+        super().__init__(num_replicas)
+        self._tie_start = 0
+
+    def route(self, prefix_hashes: Sequence[Hashable],
+              loads: Sequence[ReplicaLoad]) -> RouteDecision:
+        return RouteDecision(self._least_loaded(self._alive(loads)), "least_loaded")
+
+    def _least_loaded(self, alive: Sequence[ReplicaLoad]) -> int:
+        start, n = self._tie_start, self.num_replicas
+        best = min(alive, key=lambda load: (load_score(load), load.kv_usage,
+                                            (load.replica - start) % n))
+        self._tie_start = (best.replica + 1) % n
+        return best.replica
+
+
+class PrefixAffinityRouter(LeastLoadedRouter):
+    policy = "prefix-affinity"
+
+    def __init__(self, num_replicas: int, imbalance_bound: int,
+                 max_tracked_blocks: int) -> None:
+        super().__init__(num_replicas)
+        self.imbalance_bound = imbalance_bound
+        self.max_tracked_blocks = max_tracked_blocks
+        self._owner: dict[Hashable, int] = {}  # insertion order = least recently routed first
+
+    def route(self, prefix_hashes: Sequence[Hashable],
+              loads: Sequence[ReplicaLoad]) -> RouteDecision:
+        alive = self._alive(loads)
+        owner = self._longest_match_owner(prefix_hashes)
+        if owner is not None and loads[owner].alive:
+            least = min(load_score(load) for load in alive)
+            if load_score(loads[owner]) - least <= self.imbalance_bound:
+                decision = RouteDecision(owner, "prefix_hit")
+            else:
+                decision = RouteDecision(self._least_loaded(alive), "imbalance")
+        else:
+            decision = RouteDecision(self._least_loaded(alive), "least_loaded")
+        self._remember(prefix_hashes, decision.replica)
+        return decision
+
+    def forget_replica(self, replica: int) -> None:
+        self._check_replica(replica)
+        self._owner = {h: r for h, r in self._owner.items() if r != replica}
+
+    def _longest_match_owner(self, prefix_hashes: Sequence[Hashable]) -> int | None:
+        # Hashes chain, so a request's k-th hash names its whole first k blocks: walk until
+        # the first unknown one; the last known one is the longest match.
+        owner = None
+        for block_hash in prefix_hashes:
+            replica = self._owner.get(block_hash)
+            if replica is None:
+                break
+            owner = replica
+        return owner
+
+    def _remember(self, prefix_hashes: Sequence[Hashable], replica: int) -> None:
+        owners = self._owner
+        for block_hash in prefix_hashes:
+            owners.pop(block_hash, None)  # re-inserting moves it to the most recent end
+            owners[block_hash] = replica
+        excess = len(owners) - self.max_tracked_blocks
+        if excess > 0:
+            oldest = iter(owners)
+            for block_hash in [next(oldest) for _ in range(excess)]:
+                del owners[block_hash]
+
+
+def make_router(policy: str, num_replicas: int, *,
+                imbalance_bound: int = DEFAULT_IMBALANCE_BOUND,
+                max_tracked_blocks: int = DEFAULT_MAX_TRACKED_BLOCKS) -> Router:
+    """A router for ``num_replicas`` replicas. ``imbalance_bound`` is in load-score units
+    (R4) and only prefix-affinity uses it, as it does ``max_tracked_blocks``."""
+    if policy not in ROUTER_POLICIES:
+        raise ConfigError(f"unknown router {policy!r}; choose from {', '.join(ROUTER_POLICIES)}")
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError(f"data-parallel size must be an integer >= 1, got {num_replicas!r}")
+    if isinstance(imbalance_bound, bool) or not isinstance(imbalance_bound, int) \
+            or imbalance_bound < 0:
+        raise ConfigError(f"router imbalance bound must be an integer >= 0, "
+                          f"got {imbalance_bound!r}")
+    if isinstance(max_tracked_blocks, bool) or not isinstance(max_tracked_blocks, int) \
+            or max_tracked_blocks < 1:
+        raise ConfigError(f"router max tracked blocks must be an integer >= 1, "
+                          f"got {max_tracked_blocks!r}")
+    if policy == "round-robin":
+        return RoundRobinRouter(num_replicas)
+    if policy == "least-loaded":
+        return LeastLoadedRouter(num_replicas)
+    return PrefixAffinityRouter(num_replicas, imbalance_bound, max_tracked_blocks)
