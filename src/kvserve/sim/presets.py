@@ -73,6 +73,9 @@ class HardwareSpec:
     memory_bandwidth: float  # bytes/s
     memory_bytes: int
     interconnect_bandwidth: float  # bytes/s per direction between devices, for TP all-reduce
+    # bytes/s per direction between device memory and host memory (the host KV tier's link:
+    # what one swap-out or swap-in of KV blocks moves at)
+    host_link_bandwidth: float
     compute_efficiency: float = 0.6  # achieved fraction of peak FLOP/s in matmuls
     memory_efficiency: float = 0.8  # achieved fraction of peak bandwidth
     step_overhead_s: float = 0.003  # scheduling, input preparation, kernel launches
@@ -112,26 +115,29 @@ HARDWARE: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
         # H100 SXM5 80GB: BF16/FP16 989 TFLOP/s, FP8 1979, TF32 495; HBM3 3.35 TB/s;
-        # NVLink 4 900 GB/s total (450 per direction).
+        # NVLink 4 900 GB/s total (450 per direction); host link PCIe Gen5 x16, 64 GB/s
+        # per direction (32 GT/s x 16 lanes, before protocol overhead).
         HardwareSpec("h100-sxm", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
-                                  "fp8": 1979 * _T}, 3.35e12, 80 * 10**9, 450e9),
-        # H200 SXM: H100's compute; HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s.
+                                  "fp8": 1979 * _T}, 3.35e12, 80 * 10**9, 450e9, 64e9),
+        # H200 SXM: H100's compute; HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 x16.
         HardwareSpec("h200", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
-                              "fp8": 1979 * _T}, 4.8e12, 141 * 10**9, 450e9),
+                              "fp8": 1979 * _T}, 4.8e12, 141 * 10**9, 450e9, 64e9),
         # A100 SXM 80GB: BF16/FP16 312 TFLOP/s, TF32 156, no FP8; HBM2e 2.039 TB/s;
-        # NVLink 3 600 GB/s total.
+        # NVLink 3 600 GB/s total; host link PCIe Gen4 x16, 32 GB/s per direction.
         HardwareSpec("a100-80gb", {"fp32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
-                     2.039e12, 80 * 10**9, 300e9),
-        # L4: BF16/FP16 121 TFLOP/s, FP8 242.5, TF32 60; GDDR6 24 GB at 300 GB/s; PCIe 4 x16.
+                     2.039e12, 80 * 10**9, 300e9, 32e9),
+        # L4: BF16/FP16 121 TFLOP/s, FP8 242.5, TF32 60; GDDR6 24 GB at 300 GB/s; PCIe 4 x16
+        # (32 GB/s per direction: both its device-to-device and its host link).
         HardwareSpec("l4", {"fp32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T,
-                            "fp8": 242.5 * _T}, 300e9, 24 * 10**9, 32e9),
+                            "fp8": 242.5 * _T}, 300e9, 24 * 10**9, 32e9, 32e9),
         # This machine (2 cores, torch 2.13 CPU), measured by benchmarks/machine_peaks.py
         # (docs/fidelity.md, "This machine"): matmul bf16 408 GFLOP/s, fp32 190 (fp16
         # unmeasured: taken as fp32), copy bandwidth 48.6 GB/s; 24 GiB RAM. The figures are
         # achieved rates, so efficiency is 1.0 and no overhead is added: the plain roofline,
         # whose error against the engine docs/fidelity.md shows beside the calibrated model.
+        # The host tier is the same RAM, so its "link" is the copy bandwidth.
         HardwareSpec("cpu-local", {"fp32": 190e9, "bf16": 408e9, "fp16": 190e9}, 48.6e9,
-                     24 * GiB, 48.6e9, compute_efficiency=1.0, memory_efficiency=1.0,
+                     24 * GiB, 48.6e9, 48.6e9, compute_efficiency=1.0, memory_efficiency=1.0,
                      step_overhead_s=0.0),
     )
 }
