@@ -41,6 +41,18 @@ def add_parser(subparsers: Any) -> None:
                       help="max_num_seqs values to simulate")
     load.add_argument("--no-capacity-search", action="store_true",
                       help="skip the capacity QPS search")
+    preempt = parser.add_argument_group(
+        "preemption cost (docs/preemption.md): swap a victim's KV or recompute it")
+    preempt.add_argument("--preemption-cost", action="store_true",
+                         help="price one preemption victim of --seq-len tokens instead of a "
+                              "capacity plan")
+    preempt.add_argument("--seq-len", type=int, help="the victim's tokens")
+    preempt.add_argument("--link-bandwidth", metavar="RATE",
+                         help="host link per direction, e.g. 64GB/s (default: the hardware "
+                              "preset's)")
+    preempt.add_argument("--prefill-flops", type=float, metavar="FLOP/S",
+                         help="achieved prefill FLOP/s, e.g. 400e12 (default: 40%% of the "
+                              "preset's peak)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_scheduler_flags(parser)
@@ -48,13 +60,68 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.preemption_cost:
+        return _run_preemption_cost(args)
     with cli_errors():
+        for flag in ("seq_len", "link_bandwidth", "prefill_flops"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --preemption-cost")
         result = make_plan(args)
         if args.json:
             print(json.dumps(result, indent=1))
         else:
             _print(result)
     return 0
+
+
+def _run_preemption_cost(args: argparse.Namespace) -> int:
+    from kvserve.sim.preemption_cost import parse_bandwidth, preemption_cost
+
+    with cli_errors():
+        for flag in ("trace", "prompt_len", "output_len"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--preemption-cost takes --seq-len, not "
+                                 f"--{flag.replace('_', '-')}")
+        if args.seq_len is None:
+            raise ValueError("--preemption-cost needs --seq-len (the victim's tokens)")
+        link = None if args.link_bandwidth is None else parse_bandwidth(args.link_bandwidth)
+        cost = preemption_cost(args.model, args.seq_len, hardware=args.hardware,
+                               dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                               link_bandwidth=link, prefill_flops=args.prefill_flops)
+    if args.json:
+        print(json.dumps(cost.to_json(), indent=1))
+    else:
+        _print_preemption_cost(cost)
+    return 0
+
+
+def _print_preemption_cost(cost: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"one preemption victim of {cost.seq_len:,} tokens: {cost.model} "
+                        f"({cost.dtype}) on {cost.hardware} x{cost.tensor_parallel_size}",
+                  show_header=False, title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("KV bytes per token", f"{cost.bytes_per_token:,} B"),
+        ("KV of the victim", f"{cost.bytes_per_token * cost.seq_len / (1 << 30):.3f} GiB"),
+        (f"host link ({cost.link_bandwidth_source})",
+         f"{cost.link_bandwidth / 1e9:g} GB/s per direction"),
+        ("swap one way", f"{cost.swap_one_way_s * 1e3:.2f} ms"),
+        ("swap round trip (out + in)", f"{cost.swap_round_trip_s * 1e3:.2f} ms"),
+        (f"prefill FLOP/s ({cost.prefill_flops_source})", f"{cost.prefill_flops:.4g}"),
+        ("prefill FLOPs F = 2NS + 2LS^2d", f"{cost.prefill_flop_count:.4g}"),
+        ("recompute, cold", f"{cost.recompute_cold_s * 1e3:.2f} ms"),
+        ("swap advantage (cold recompute / round trip)", f"{cost.swap_advantage:.2f}x"),
+        ("prefill rate at which they tie", f"{cost.crossover_prefill_tok_s:,.0f} tok/s"),
+        ("recompute wins once the cached prefix exceeds",
+         f"{cost.survival_threshold:.1%} of the sequence"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console(width=110, highlight=False).print(table)
 
 
 def _positive(name: str, value: float | None) -> None:
