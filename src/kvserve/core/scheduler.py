@@ -41,6 +41,7 @@ _PREEMPTED = RequestStatus.PREEMPTED
 QUEUE_TIMEOUT = "queue_timeout"
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _new_tuple = tuple.__new__
+_NO_CAP = 1 << 62  # no request has this many tokens to compute
 
 
 class _Step:
@@ -88,6 +89,7 @@ class Scheduler:
         self._events: list[SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
+        self.prefill_capacity_bound = False  # N3
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
@@ -167,21 +169,38 @@ class Scheduler:
 
     # -- schedule() ------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        """Choose this step's work under one token budget (D1-D8)."""
+    def schedule(self, now: float, throttle: bool = False) -> SchedulerOutput:
+        """Choose this step's work under one token budget (D1-D8).
+
+        ``throttle`` comes from a data-parallel coordinator whose ranks step in lockstep:
+        when this step defers prefills (N1), running prefill chunks and admissions wait and
+        decodes fill the step (N2).
+        """
         self._now = now
         self._expire_queue_deadlines(now)
         step = _Step(self.config.max_num_batched_tokens)
-        self._schedule_running(step)
+        defer_prefills = throttle and self._should_defer_prefills()
+        self._schedule_running(step, 1 if defer_prefills else _NO_CAP)
         if step.preempted:
             self._note_blocked("preemption")
+        elif defer_prefills:
+            self._note_blocked("prefill_throttle")
         else:
             self._schedule_waiting(step)
+        if not defer_prefills:
+            self.prefill_capacity_bound = bool(self.waiting)  # N3
         self._admission.end_step(len(step.preempted), self.running)
         return self._commit(step)
 
-    def _schedule_running(self, step: _Step) -> None:
-        """Pass 1 (D2, D3): grow every running request, preempting when the pool is short."""
+    def _should_defer_prefills(self) -> bool:
+        """N1: defer unless capacity-bound or nothing is decoding (it would idle the rank)."""
+        return not self.prefill_capacity_bound and any(
+            request.num_tokens - request.num_computed_tokens == 1 for request in self.running)
+
+    def _schedule_running(self, step: _Step, max_new: int = _NO_CAP) -> None:
+        """Pass 1 (D2, D3): grow every running request, preempting when the pool is short.
+        A request with more than ``max_new`` tokens to compute (a prefill chunk on a throttled
+        step, N2) waits for a later step."""
         running = self.running
         threshold = self._long_prefill_threshold
         max_model_len = self._max_model_len
@@ -200,6 +219,9 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) \
                 - num_computed
+            if num_new > max_new:
+                index += 1
+                continue
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
