@@ -33,6 +33,35 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
                                 "implies --cost-model replay")
 
 
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    from kvserve.core.router import DEFAULT_IMBALANCE_BOUND, ROUTER_POLICIES
+
+    group = parser.add_argument_group("data parallel (docs/scale-out.md)")
+    group.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="replicas, each with its own scheduler and KV pool (default 1)")
+    group.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
+                       help="how arrivals are spread over the replicas (default least-loaded)")
+    group.add_argument("--router-imbalance-bound", type=int, default=DEFAULT_IMBALANCE_BOUND,
+                       metavar="SCORE", help="prefix-affinity leaves a replica whose load "
+                       "score exceeds the least-loaded one's by more than this "
+                       f"(default {DEFAULT_IMBALANCE_BOUND})")
+    group.add_argument("--data-parallel-lockstep", action="store_true",
+                       help="replicas step together, each step as long as the slowest "
+                            "(data-parallel attention with MoE)")
+    group.add_argument("--prefill-schedule-interval", type=int, default=1, metavar="K",
+                       help="in lockstep, prefills run only every K-th step on ranks that "
+                            "have decodes (the DP prefill throttle; default 1: off)")
+
+
+def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvserve.sim.cluster import ClusterOptions
+
+    return ClusterOptions(data_parallel_size=args.data_parallel_size, router=args.router,
+                          lockstep=args.data_parallel_lockstep,
+                          prefill_schedule_interval=args.prefill_schedule_interval,
+                          imbalance_bound=args.router_imbalance_bound)
+
+
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.deployment import Deployment
 

@@ -9,8 +9,10 @@ from typing import Any
 
 from kvserve.flags import add_scheduler_flags, parse_sweep, settings_from_args
 from kvserve.sim.cli_common import (
+    add_cluster_flags,
     add_deployment_flags,
     cli_errors,
+    cluster_from_args,
     deployment_from_args,
     simulate_with_progress,
 )
@@ -26,6 +28,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--trace", required=True,
                         help="JSONL trace (kvserve workload gen); - reads standard input")
     add_deployment_flags(parser)
+    add_cluster_flags(parser)
     parser.add_argument("--batching", choices=BATCHING_MODES,
                         help="continuous (default), static batches, or serial")
     parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
@@ -61,12 +64,13 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
              trace: list[Any]) -> None:
     from kvserve.sim import report as reports
+    from kvserve.sim.cluster_report import add_cluster_sections
     from kvserve.sim.table import print_aggregate
 
     echo, result = simulate_with_progress(deployment, trace, settings, "simulating",
                                           seed=args.seed, record_events=bool(args.events),
-                                          check=args.check)
-    report = reports.build_report(echo, result)
+                                          check=args.check, cluster=cluster_from_args(args))
+    report = add_cluster_sections(reports.build_report(echo, result), result)
     if args.report:
         _write(args.report, reports.dumps(report))
     if args.events:
@@ -79,7 +83,15 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
         title = (f"{Path(args.trace).name}: {echo['cost_model']['name']} cost model, "
                  f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
                  f"{echo['cache']['num_blocks']} KV blocks, {echo['batching']} batching")
+        if "data_parallel" in echo:
+            dp = echo["data_parallel"]
+            title += (f", {dp['size']} replicas ({dp['router']}"
+                      f"{', lockstep' if dp['lockstep'] else ''})")
         print_aggregate(report["aggregate"], title, wall_seconds=result.wall_seconds)
+        if "replicas" in report:
+            from kvserve.sim.cluster_report import print_replicas
+
+            print_replicas(report)
     refused = [r for r in report["requests"] if r["finish_reason"] in ("rejected", "queue_full")]
     if refused:
         print(f"warning: {len(refused)} request(s) refused, e.g. {refused[0]['stop_reason']}",
@@ -96,7 +108,8 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
     for value in values:
         echo, result = simulate_with_progress(deployment, trace, {**settings, name: value},
                                               f"{name}={value}", seed=args.seed,
-                                              check=args.check)
+                                              check=args.check,
+                                              cluster=cluster_from_args(args))
         rows.append((value, echo["cache"]["num_blocks"], reports.aggregate(result)))
     # What varies from row to row lives in the rows; the echo keeps what they share.
     echo["scheduler"].pop(name, None)

@@ -15,6 +15,7 @@ from typing import Any
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.flags import cache_config, scheduler_config
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
+from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
 from kvserve.sim.cost_models import (
     CalibratedCostModel,
     CostModel,
@@ -101,14 +102,22 @@ class Deployment:
 
     def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
                  seed: int = 0, record_events: bool = False, check: bool = False,
-                 progress: ProgressFn | None = None) -> tuple[dict[str, Any], SimResult]:
-        """Run ``trace``; returns the config echo for the report and the result."""
+                 progress: ProgressFn | None = None,
+                 cluster: ClusterOptions | None = None) -> tuple[dict[str, Any], SimResult]:
+        """Run ``trace``; returns the config echo for the report and the result. With
+        ``cluster`` of more than one replica (or in lockstep), a ClusterResult."""
         batching = settings.get("batching", "continuous")
         config, cache = self.configs(settings)
         cost_model = self.build_cost_model()
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
                               record_events=record_events, check=check)
-        result = simulator.run(trace, progress)
+        if cluster is not None and (cluster.data_parallel_size > 1 or cluster.lockstep):
+            cost_models = [cost_model] + [self.build_cost_model()
+                                          for _ in range(cluster.data_parallel_size - 1)]
+            result = ClusterSimulator(simulator, cluster, cost_models).run(trace, progress)
+        else:
+            result = simulator.run(trace, progress)
+            cluster = None
         echo = {
             "scheduler": _fields(config),
             "cache": _fields(cache),
@@ -121,6 +130,8 @@ class Deployment:
             "seed": seed,
             "trace": {"num_requests": len(trace), "digest": trace_digest(trace)},
         }
+        if cluster is not None:
+            echo["data_parallel"] = cluster.describe()
         return echo, result
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.sim import svg
+from kvserve.sim.cluster_report import render_replicas
 from kvserve.sim.table import SWEEP_COLUMNS, fmt_pct, fmt_s
 
 _CSS = """
@@ -96,7 +97,7 @@ def render_report(report: dict[str, Any], itl_samples: Sequence[float] | None = 
     body = [f"<h1>kvserve simulation: {escape(_title(config))}</h1>",
             f'<p class="muted">{a["num_steps"]:,} steps; finish reasons: '
             + escape(", ".join(f"{k} {v}" for k, v in a["finish_reasons"].items())) + "</p>",
-            _figures(a), _latency_table(a)]
+            _figures(a), _latency_table(a), *render_replicas(report)]
     t, kv = svg.downsample(series["time"], series["kv_usage"])
     t2, running = svg.downsample(series["time"], series["num_running"])
     t3, waiting = svg.downsample(series["time"], series["num_waiting"])

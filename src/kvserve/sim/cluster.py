@@ -1,0 +1,414 @@
+"""A cluster of data-parallel replicas on one virtual clock (``kvserve simulate
+--data-parallel-size N --router P``).
+
+Each replica is a whole simulated engine: its own Scheduler, KV pool, SimExecutor and cost
+model. An arrival is routed the moment it arrives by the same router object the server uses
+(:mod:`kvserve.core.router`), from each replica's queue and KV usage as they stand then; it
+reaches its replica's scheduler at that replica's next step boundary, as a request reaches a
+busy engine. Until then it counts as waiting there, so a burst does not all see one idle
+replica.
+
+Two ways of stepping:
+
+- independent (default): every replica steps on its own, as separate engines do;
+- lockstep: all replicas step together and a step lasts as long as the slowest replica's,
+  as data-parallel attention with expert-parallel MoE layers does. There the coordinator may
+  throttle prefills (spec N): with ``prefill_schedule_interval`` K > 1, only every K-th step
+  admits or continues prefills on ranks that have decodes to run, so the ranks' long prefill
+  steps coincide instead of each one stretching everybody's decode step in turn.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvserve.core import (
+    ModelOutput,
+    QueueFullError,
+    Request,
+    RequestRejected,
+    Scheduler,
+    SchedulerOutput,
+    check_invariants,
+)
+from kvserve.core.prefix_cache import prompt_block_hashes
+from kvserve.core.router import (
+    DEFAULT_IMBALANCE_BOUND,
+    ROUTER_POLICIES,
+    ReplicaLoad,
+    make_router,
+)
+from kvserve.sim.cost_models import CostModel
+from kvserve.sim.simulator import (
+    ProgressFn,
+    RequestRecord,
+    SimResult,
+    Simulator,
+    StepSeries,
+    _Run,
+)
+from kvserve.sim.trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    data_parallel_size: int = 1
+    router: str = "least-loaded"
+    lockstep: bool = False
+    prefill_schedule_interval: int = 1
+    imbalance_bound: int = DEFAULT_IMBALANCE_BOUND
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got "
+                             f"{self.data_parallel_size}")
+        if self.router not in ROUTER_POLICIES:
+            raise ValueError(f"--router {self.router!r}: choose from "
+                             f"{', '.join(ROUTER_POLICIES)}")
+        if self.prefill_schedule_interval < 1:
+            raise ValueError(f"--prefill-schedule-interval must be >= 1, got "
+                             f"{self.prefill_schedule_interval}")
+        if self.prefill_schedule_interval > 1 and not self.lockstep:
+            raise ValueError("--prefill-schedule-interval throttles ranks that step in "
+                             "lockstep: add --data-parallel-lockstep")
+        if self.imbalance_bound < 0:
+            raise ValueError(f"--router-imbalance-bound must be >= 0, got "
+                             f"{self.imbalance_bound}")
+
+    def describe(self) -> dict[str, object]:
+        return {"size": self.data_parallel_size, "router": self.router,
+                "lockstep": self.lockstep,
+                "prefill_schedule_interval": self.prefill_schedule_interval,
+                "imbalance_bound": self.imbalance_bound}
+
+
+@dataclass
+class ClusterResult(SimResult):
+    """The whole cluster as one SimResult (figures over every request and every replica's
+    steps; its time series sums running and waiting and averages KV usage over replicas),
+    plus each replica's own result and where each request went."""
+
+    replicas: list[SimResult] = field(default_factory=list)
+    replica_of: dict[str, int] = field(default_factory=dict)
+    route_reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A replica's step between its start and its end."""
+
+    start: float
+    duration: float
+    out: SchedulerOutput
+    model_output: ModelOutput
+
+
+class _Replica:
+    """One engine of the cluster: a simulator run fed by the router instead of a trace."""
+
+    def __init__(self, index: int, sim: Simulator, cost_model: CostModel,
+                 records: dict) -> None:
+        self.index = index
+        self.run = _Run(sim, (), None)
+        self.run.records = records  # shared: each replica writes its own requests' rows
+        self.cost_model = cost_model
+        self.inbox: list[Request] = []
+        self.pending_cancels: list[str] = []
+        self.flight: _Flight | None = None
+        self.request_ids: list[str] = []
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.run.scheduler
+
+    def load(self) -> ReplicaLoad:
+        scheduler = self.run.scheduler
+        return ReplicaLoad(self.index, True, len(scheduler.running),
+                           len(scheduler.waiting) + len(self.inbox), scheduler.kv.usage())
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or self.run.scheduler.has_unfinished_requests()
+
+    def hand_over(self) -> None:
+        """Requests routed here since the last step boundary enter the scheduler."""
+        run = self.run
+        for request in self.inbox:
+            try:
+                run.scheduler.add_request(request)
+            except RequestRejected as error:
+                run._refuse(request.request_id, "rejected", str(error))
+                continue
+            except QueueFullError as error:
+                run._refuse(request.request_id, "queue_full", str(error))
+                continue
+            run.live[request.request_id] = request
+        self.inbox.clear()
+
+    def cancel(self, request_id: str, now: float) -> None:
+        for index, request in enumerate(self.inbox):
+            if request.request_id == request_id:
+                del self.inbox[index]
+                self.run.executor.forget(request_id)
+                record = self.run.records[request_id]
+                record.finish_reason, record.stop_reason = "abort", "cancelled"
+                self.run.finished.add(request_id)
+                return
+        if self.flight is not None:
+            self.pending_cancels.append(request_id)
+        else:
+            self.run._cancel(request_id, now)
+
+    def start(self, now: float, throttle: bool) -> _Flight | None:
+        """Schedule one step at ``now``; None when it scheduled nothing (then it is over)."""
+        run = self.run
+        scheduler = run.scheduler
+        for _ in range(len(scheduler.running) + 2):
+            out = scheduler.schedule(now, throttle=throttle)
+            model_output = run.executor.execute(out)
+            if out.total_num_scheduled_tokens:
+                return _Flight(now, self.cost_model.step_time(out, run.executor.view), out,
+                               model_output)
+            # An empty step runs no model (see Simulator.run): update and try again while
+            # a request preempted itself ahead of others.
+            run._collect(scheduler.update(out, model_output, now), now)
+            if not scheduler.running or throttle:
+                return None
+        raise AssertionError(f"replica {self.index} at t={now}: empty steps in a row with "
+                             f"{len(scheduler.running)} requests running")
+
+    def finish(self, flight: _Flight, end: float, check: bool) -> None:
+        run, scheduler, steps = self.run, self.run.scheduler, self.run.steps
+        run._collect(scheduler.update(flight.out, flight.model_output, end), end)
+        steps.time.append(flight.start)
+        steps.duration.append(end - flight.start)
+        steps.num_scheduled_tokens.append(flight.out.total_num_scheduled_tokens)
+        steps.num_running.append(len(scheduler.running))
+        steps.num_waiting.append(len(scheduler.waiting) + len(self.inbox))
+        steps.kv_usage.append(scheduler.kv.usage())
+        if check:
+            check_invariants(scheduler)
+        if run.sim.record_events:
+            run.events.extend(scheduler.take_events())
+        for request_id in self.pending_cancels:
+            run._cancel(request_id, end)
+        self.pending_cancels.clear()
+
+
+class ClusterSimulator:
+    def __init__(self, sim: Simulator, options: ClusterOptions,
+                 cost_models: Sequence[CostModel]) -> None:
+        if sim.batching != "continuous":
+            raise ValueError(f"--batching {sim.batching} holds arrivals in one engine; a "
+                             f"cluster simulation needs continuous batching")
+        if getattr(sim.cost_model, "step_start", None) is not None:
+            raise ValueError("a replayed step log is one engine's: it cannot price a cluster")
+        if len(cost_models) != options.data_parallel_size:
+            raise ValueError("one cost model per replica")
+        self.sim = sim
+        self.options = options
+        self.cost_models = list(cost_models)
+
+    def run(self, trace: Sequence[TraceRequest],
+            progress: ProgressFn | None = None) -> ClusterResult:
+        return _ClusterRun(self, trace, progress).run()
+
+
+class _ClusterRun:
+    def __init__(self, cluster: ClusterSimulator, trace: Sequence[TraceRequest],
+                 progress: ProgressFn | None) -> None:
+        sim, options = cluster.sim, cluster.options
+        self.sim, self.options, self.progress = sim, options, progress
+        self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
+        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
+                                                    r.num_prompt_tokens, deadline=r.deadline)
+                        for r in self.arrivals}
+        self.replicas = [_Replica(i, sim, cost_model, self.records)
+                         for i, cost_model in enumerate(cluster.cost_models)]
+        self.router = make_router(options.router, options.data_parallel_size,
+                                  imbalance_bound=options.imbalance_bound)
+        self.hash_prefixes = options.router == "prefix-affinity"
+        self.block_size = sim.cache_config.block_size
+        self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
+                              if r.cancel_time is not None)
+        self.next_arrival = self.next_cancel = 0
+        self.cancelled_early: set[str] = set()  # membership only
+        self.replica_of: dict[str, int] = {}
+        self.route_reasons: dict[str, int] = {}
+        self.series = StepSeries()
+        self.num_steps = 0
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> ClusterResult:
+        wall_start = time.perf_counter()
+        now = start = self.arrivals[0].arrival_time if self.arrivals else 0.0
+        step = self._step_lockstep if self.options.lockstep else self._step_independent
+        while True:
+            self._take_due(now)
+            upcoming = step(now)
+            if upcoming is None:
+                break
+            now = max(now, upcoming)
+        return self._result(start, now, wall_start)
+
+    def _step_independent(self, now: float) -> float | None:
+        """Start a step on every idle replica with work; the time of the next event."""
+        for replica in self.replicas:
+            if replica.flight is None and replica.has_work():
+                replica.hand_over()
+                replica.flight = replica.start(now, throttle=False)
+        ends = [r.flight.start + r.flight.duration for r in self.replicas if r.flight]
+        upcoming = self._next_event_time()
+        if ends and (upcoming is None or min(ends) <= upcoming):
+            end = min(ends)
+            for replica in self.replicas:  # every step ending then, in replica order
+                flight = replica.flight
+                if flight is not None and flight.start + flight.duration == end:
+                    replica.flight = None
+                    replica.finish(flight, end, self.sim.check)
+                    self._sample(end, flight.out.total_num_scheduled_tokens)
+            return end
+        return upcoming
+
+    def _step_lockstep(self, now: float) -> float | None:
+        """One step of every replica at once, as long as the slowest; the time after it."""
+        throttle = self.num_steps % self.options.prefill_schedule_interval != 0
+        flights = []
+        for replica in self.replicas:
+            flight = None
+            if replica.has_work():
+                replica.hand_over()
+                flight = replica.start(now, throttle)
+            flights.append(flight)
+        if not any(flights):
+            if throttle and any(r.has_work() for r in self.replicas):
+                self.num_steps += 1  # only throttled work was left: the next step may prefill
+                return now
+            return self._next_event_time()
+        duration = max(f.duration for f in flights if f is not None)
+        end = now + duration
+        self.num_steps += 1
+        for replica, flight in zip(self.replicas, flights, strict=True):
+            if flight is not None:
+                replica.finish(flight, end, self.sim.check)
+        self._sample(end, sum(f.out.total_num_scheduled_tokens for f in flights if f))
+        return end
+
+    def _next_event_time(self) -> float | None:
+        times = []
+        if self.next_arrival < len(self.arrivals):
+            times.append(self.arrivals[self.next_arrival].arrival_time)
+        if self.next_cancel < len(self.cancels):
+            times.append(self.cancels[self.next_cancel][0])
+        return min(times) if times else None
+
+    # -- requests in -----------------------------------------------------------------------
+
+    def _take_due(self, now: float) -> None:
+        arrivals, cancels = self.arrivals, self.cancels
+        while self.next_arrival < len(arrivals) and \
+                arrivals[self.next_arrival].arrival_time <= now:
+            arrival = arrivals[self.next_arrival]
+            if arrival.request_id not in self.cancelled_early:
+                self._route(arrival)
+            self.next_arrival += 1
+        while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
+            cancel_time, request_id = cancels[self.next_cancel]
+            owner = self.replica_of.get(request_id)
+            if owner is not None:
+                self.replicas[owner].cancel(request_id, cancel_time)
+            else:  # not arrived yet
+                self.cancelled_early.add(request_id)
+                record = self.records[request_id]
+                record.finish_reason, record.stop_reason = "abort", "cancelled"
+            self.next_cancel += 1
+
+    def _route(self, trace_request: TraceRequest) -> None:
+        seed = self.sim.seed
+        request = Request(
+            trace_request.request_id, trace_request.synthesise_prompt(seed),
+            trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
+            arrival_time=trace_request.arrival_time)
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
+                                     request.sampling_params.cache_salt) \
+            if self.hash_prefixes else ()
+        decision = self.router.route(hashes, [r.load() for r in self.replicas])
+        replica = self.replicas[decision.replica]
+        self.replica_of[request.request_id] = decision.replica
+        self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1
+        replica.request_ids.append(request.request_id)
+        replica.run.executor.register(request.request_id, request.num_prompt_tokens,
+                                      trace_request.output_len, trace_request.ignore_eos,
+                                      trace_request.continuation_key(seed))
+        replica.inbox.append(request)
+
+    # -- results ---------------------------------------------------------------------------
+
+    def _sample(self, now: float, num_scheduled_tokens: int) -> None:
+        """One point of the cluster-wide series after a step ended (its duration is filled
+        in at the end: until the next point)."""
+        series = self.series
+        replicas = self.replicas
+        series.time.append(now)
+        series.duration.append(0.0)
+        series.num_scheduled_tokens.append(num_scheduled_tokens)
+        series.num_running.append(sum(len(r.scheduler.running) for r in replicas))
+        series.num_waiting.append(sum(len(r.scheduler.waiting) + len(r.inbox)
+                                      for r in replicas))
+        series.kv_usage.append(sum(r.scheduler.kv.usage() for r in replicas) / len(replicas))
+        if self.progress is not None and len(series.time) % 256 == 0:
+            self.progress(now, sum(len(r.run.finished) for r in replicas), len(self.arrivals))
+
+    def _replica_result(self, replica: _Replica, start: float, end: float) -> SimResult:
+        run = replica.run
+        for request in run.live.values():
+            run._close_stalls(request)
+        if run.sim.record_events:
+            run.events.extend(run.scheduler.take_events())
+        stats = run.scheduler.stats()
+        return SimResult(
+            start_time=start, end_time=end,
+            records=[self.records[i] for i in replica.request_ids], steps=run.steps,
+            itl_samples=run.itl, num_preemptions=stats.num_preemptions,
+            num_scheduled_tokens=stats.num_scheduled_tokens,
+            num_recomputed_tokens=stats.num_recomputed_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_blocked_steps=stats.num_blocked_steps, events=run.events, wall_seconds=0.0)
+
+    def _result(self, start: float, end: float, wall_start: float) -> ClusterResult:
+        parts = [self._replica_result(r, start, end) for r in self.replicas]
+        series = self._cluster_series(start, end)
+        itl = array("d")
+        blocked: dict[str, int] = {}
+        events = []
+        for part in parts:
+            itl.extend(part.itl_samples)
+            for reason, count in part.num_blocked_steps.items():
+                blocked[reason] = blocked.get(reason, 0) + count
+            events.extend(part.events)
+        events.sort(key=lambda event: event.time)  # stable: replica order within a time
+        return ClusterResult(
+            start_time=start, end_time=end,
+            records=[self.records[r.request_id] for r in self.arrivals], steps=series,
+            itl_samples=itl, num_preemptions=sum(p.num_preemptions for p in parts),
+            num_scheduled_tokens=sum(p.num_scheduled_tokens for p in parts),
+            num_recomputed_tokens=sum(p.num_recomputed_tokens for p in parts),
+            prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
+            prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
+            num_blocked_steps=dict(sorted(blocked.items())), events=events,
+            wall_seconds=time.perf_counter() - wall_start, replicas=parts,
+            replica_of=self.replica_of, route_reasons=dict(sorted(self.route_reasons.items())))
+
+    def _cluster_series(self, start: float, end: float) -> StepSeries:
+        """The cluster-wide series with each point's duration (until the next point), so
+        the time-weighted KV mean is over wall time, and the scheduled tokens per interval."""
+        series = self.series
+        times = series.time
+        for index in range(len(times)):
+            following = times[index + 1] if index + 1 < len(times) else end
+            series.duration[index] = following - times[index]
+        return series
