@@ -33,12 +33,15 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
                                 "implies --cost-model replay")
 
 
-def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> None:
+    """The cluster flags; ``size=False`` for `kvserve plan`, which searches the size."""
     from kvserve.core.router import DEFAULT_IMBALANCE_BOUND, ROUTER_POLICIES
 
     group = parser.add_argument_group("data parallel (docs/scale-out.md)")
-    group.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                       help="replicas, each with its own scheduler and KV pool (default 1)")
+    if size:
+        group.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                           help="replicas, each with its own scheduler and KV pool "
+                                "(default 1)")
     group.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
                        help="how arrivals are spread over the replicas (default least-loaded)")
     group.add_argument("--router-imbalance-bound", type=int, default=DEFAULT_IMBALANCE_BOUND,
@@ -56,7 +59,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.cluster import ClusterOptions
 
-    return ClusterOptions(data_parallel_size=args.data_parallel_size, router=args.router,
+    return ClusterOptions(data_parallel_size=getattr(args, "data_parallel_size", 1),
+                          router=args.router,
                           lockstep=args.data_parallel_lockstep,
                           prefill_schedule_interval=args.prefill_schedule_interval,
                           imbalance_bound=args.router_imbalance_bound)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from typing import Any
 
 from kvserve.flags import add_scheduler_flags, scheduler_config, settings_from_args
 from kvserve.sim.cli_common import (
     ShowProgress,
+    add_cluster_flags,
     add_deployment_flags,
     cli_errors,
+    cluster_from_args,
     deployment_from_args,
 )
 
@@ -53,6 +56,20 @@ def add_parser(subparsers: Any) -> None:
     preempt.add_argument("--prefill-flops", type=float, metavar="FLOP/S",
                          help="achieved prefill FLOP/s, e.g. 400e12 (default: 40%% of the "
                               "preset's peak)")
+    replicas = parser.add_argument_group(
+        "replicas (with --trace: how many data-parallel replicas meet the SLO)")
+    replicas.add_argument("--max-replicas", type=int, metavar="M",
+                          help="simulate 1, 2, 4, ... M replicas and recommend the fewest "
+                               "meeting the SLO (instead of the max_num_seqs sweep)")
+    replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS")
+    replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS")
+    replicas.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="K",
+                          help="candidates simulated at once in local processes "
+                               "(default: one per CPU)")
+    replicas.add_argument("--ray", action="store_true",
+                          help="simulate the candidates as Ray tasks on the cluster "
+                               "RAY_ADDRESS names (a local Ray instance if unset)")
+    add_cluster_flags(parser, size=False)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_scheduler_flags(parser)
@@ -133,8 +150,17 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.sim import plan
     from kvserve.sim.trace import read_trace
 
-    for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99"):
+    for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99", "slo_ttft_p99",
+                 "slo_itl_p99"):
         _positive(name, getattr(args, name))
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    replica_flags = [flag for flag, value in (
+        ("--max-replicas", args.max_replicas), ("--slo-ttft-p99", args.slo_ttft_p99),
+        ("--slo-itl-p99", args.slo_itl_p99)) if value is not None]
+    if replica_flags and (args.max_replicas is None or not args.trace):
+        raise ValueError(f"{replica_flags[0]} plans replicas: give --max-replicas M and "
+                         f"--trace")
     deployment = dataclasses.replace(
         deployment_from_args(args), gpu_memory_gib=args.gpu_memory_gib,
         kv_pool_gib=args.kv_pool_gib, activation_reserve_gib=args.activation_reserve_gib)
@@ -158,6 +184,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     }
     if trace is None:
         return out
+    if args.max_replicas is not None:
+        out.update(_replica_plan(args, deployment, trace, settings))
+        return out
     candidates = _candidates(args.candidates)
     rows = plan.sweep_max_num_seqs(ShowProgress(deployment), trace, settings, candidates,
                                    args.seed)
@@ -166,6 +195,19 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_capacity_search:
         out.update(_capacity(args, ShowProgress(deployment), trace, settings, out))
     return out
+
+
+def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
+                  settings: dict[str, Any]) -> dict[str, Any]:
+    from kvserve.sim import replica_plan
+
+    candidates = replica_plan.replica_candidates(args.max_replicas)
+    options = cluster_from_args(args)
+    rows = replica_plan.run_candidates(deployment, trace, settings, options, candidates,
+                                       seed=args.seed, workers=args.workers,
+                                       use_ray=args.ray)
+    return {"router": options.router, "replica_sweep": rows,
+            **replica_plan.recommend_replicas(rows, args.slo_ttft_p99, args.slo_itl_p99)}
 
 
 def _candidates(text: str) -> list[int]:
@@ -232,6 +274,12 @@ def _print(result: dict[str, Any]) -> None:
                 if result["ttft_p99_target_s"] is not None else ""),
              str(result["max_num_seqs_best_throughput"])),
         ]
+    if "replica_sweep" in result:
+        slo = [f"{name} p99 <= {result[key]} s" for name, key in (
+            ("TTFT", "slo_ttft_p99_s"), ("ITL", "slo_itl_p99_s")) if result[key] is not None]
+        rows.append((f"fewest replicas ({result['router']}) meeting "
+                     f"{', '.join(slo) or 'no SLO (give --slo-ttft-p99 / --slo-itl-p99)'}",
+                     str(result["replicas_recommended"])))
     if "capacity_qps" in result:
         rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
                      str(result["capacity_qps"])))
@@ -239,6 +287,8 @@ def _print(result: dict[str, Any]) -> None:
         table.add_row(name, value)
     console = Console(width=110, highlight=False)
     console.print(table)
+    if "replica_sweep" in result:
+        _print_replica_sweep(console, result["replica_sweep"])
     if "sweep" in result:
         from kvserve.sim.table import fmt_pct, fmt_s
 
@@ -259,3 +309,20 @@ def _print(result: dict[str, Any]) -> None:
         for r in result["sweep"]:
             if r.get("error"):
                 console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")
+
+
+def _print_replica_sweep(console: Any, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from kvserve.sim.table import fmt_pct, fmt_s
+
+    table = Table(title="replica sweep", title_justify="left")
+    for column in ("replicas", "TTFT p50", "TTFT p99", "ITL p99", "queue p99", "out tok/s",
+                   "preempt", "prefix hits", "KV mean"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["replicas"]), fmt_s(r["ttft_p50"]), fmt_s(r["ttft_p99"]),
+                      fmt_s(r["itl_p99"]), fmt_s(r["queue_p99"]),
+                      f"{r['throughput_output_tok_s']:,.1f}", str(r["num_preemptions"]),
+                      fmt_pct(r["prefix_hit_rate"]), fmt_pct(r["kv_usage_mean"]))
+    console.print(table)

@@ -1,0 +1,95 @@
+"""Cluster-sized plans (issue 14 item 7): how many replicas meet an SLO, simulated in
+parallel, byte-identical whether in one process, in worker processes or on Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.sim.cluster import ClusterOptions
+from kvserve.sim.deployment import Deployment
+from kvserve.sim.replica_plan import recommend_replicas, replica_candidates, run_candidates
+from kvserve.sim.workloads import WorkloadSpec, generate
+
+
+def test_candidates_double_up_to_the_maximum() -> None:
+    assert replica_candidates(1) == [1]
+    assert replica_candidates(6) == [1, 2, 4, 6]
+    assert replica_candidates(64) == [1, 2, 4, 8, 16, 32, 64]
+    with pytest.raises(ValueError, match="--max-replicas must be >= 1, got 0"):
+        replica_candidates(0)
+
+
+def row(replicas: int, ttft: float | None, itl: float | None) -> dict:
+    return {"replicas": replicas, "ttft_p99": ttft, "itl_p99": itl}
+
+
+def test_recommendation_is_the_fewest_replicas_meeting_every_slo() -> None:
+    rows = [row(1, 2.0, 0.05), row(2, 0.4, 0.05), row(4, 0.3, 0.02), row(8, 0.2, 0.01)]
+    assert recommend_replicas(rows, 0.5, 0.03) == {
+        "replicas_recommended": 4, "slo_ttft_p99_s": 0.5, "slo_itl_p99_s": 0.03,
+        "replicas_meeting_slo": [4, 8]}
+    assert recommend_replicas(rows, 0.5, None)["replicas_recommended"] == 2
+    assert recommend_replicas(rows, 0.1, None)["replicas_recommended"] is None
+    assert recommend_replicas([row(1, None, None)], 1.0, None)["replicas_meeting_slo"] == []
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    path = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "80", "--rate", "40", "--prefix-groups", "4",
+                 "--prefix-len", "fixed:512", "--prompt-len", "uniform:16,64",
+                 "--output-len", "uniform:8,32", "--seed", "7", "-o", str(path)]) == 0
+    return path
+
+
+def plan_json(trace_path, capsys, *flags: str) -> str:
+    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "4",
+                 "--slo-ttft-p99", "0.05", "--router", "prefix-affinity",
+                 "--num-kv-blocks", "300", "--json", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_is_byte_identical_with_one_or_two_workers(trace_path, capsys) -> None:
+    serial = plan_json(trace_path, capsys, "--workers", "1")
+    parallel = plan_json(trace_path, capsys, "--workers", "2")
+    assert serial == parallel
+    plan = json.loads(serial)
+    assert [r["replicas"] for r in plan["replica_sweep"]] == [1, 2, 4]
+    assert plan["router"] == "prefix-affinity"
+    # more replicas never make this trace's p99 TTFT worse; the fewest meeting it is chosen
+    ttfts = [r["ttft_p99"] for r in plan["replica_sweep"]]
+    assert ttfts == sorted(ttfts, reverse=True)
+    assert plan["replicas_recommended"] == min(plan["replicas_meeting_slo"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--slo-ttft-p99", "1"], "--slo-ttft-p99 plans replicas: give --max-replicas M"),
+    (["--max-replicas", "4", "--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--max-replicas", "4", "--slo-itl-p99", "-1"], "--slo-itl-p99 must be > 0, got -1"),
+])
+def test_bad_plan_flags_are_one_line_errors(trace_path, capsys, flags, message) -> None:
+    assert main(["plan", "--trace", str(trace_path), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="kvserve[ray] not installed")
+def test_plan_on_a_local_ray_instance_matches_local_processes() -> None:
+    import ray
+
+    trace = generate(WorkloadSpec(num_requests=40, rate=40, prompt_len="uniform:16,64",
+                                  output_len="uniform:8,32", seed=9))
+    args = (Deployment(cost_model="unit"), trace, {"num_kv_blocks": 200},
+            ClusterOptions(router="round-robin"), [1, 2])
+    local = run_candidates(*args, workers=1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        on_ray = run_candidates(*args, use_ray=True)
+    finally:
+        ray.shutdown()
+    assert json.dumps(on_ray) == json.dumps(local)
+    assert [r["replicas"] for r in on_ray] == [1, 2]
