@@ -11,7 +11,6 @@ byte-identical however and wherever it ran.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -54,25 +53,15 @@ def run_candidates(deployment: Any, trace: Sequence[TraceRequest], settings: dic
     jobs = [(deployment, trace, settings,
              dataclasses.replace(options, data_parallel_size=n), seed) for n in candidates]
     if use_ray:
-        return _run_on_ray(jobs)
+        from kvserve.ray_tasks import map_on_ray  # the optional extra, outside this layer
+
+        return map_on_ray(simulate_candidate, jobs)
     if workers <= 1 or len(jobs) == 1:
         return [simulate_candidate(*job) for job in jobs]
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
                              mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(simulate_candidate, *job) for job in jobs]
         return [future.result() for future in futures]
-
-
-def _run_on_ray(jobs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("--ray needs Ray: pip install 'kvserve[ray]'") from None
-    if not ray.is_initialized():
-        # RAY_ADDRESS names the cluster; without it, a local Ray instance is started.
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
-    remote = ray.remote(simulate_candidate)
-    return ray.get([remote.remote(*job) for job in jobs])
 
 
 def recommend_replicas(rows: Sequence[dict[str, Any]], slo_ttft_p99: float | None,
