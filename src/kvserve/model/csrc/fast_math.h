@@ -1,13 +1,90 @@
-// Small vectorisable math shared by the kernels.
+// What the kernels share, said once: float32/bfloat16 loads and stores, the dtype dispatch,
+// compile-time unrolling of register-blocked loops, and a vectorisable exp.
 #pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvserve {
 
+// ---------------------------------------------------------------------------------------------
+// Element types: float32 as is; bfloat16 is the high 16 bits of a float32.
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// float32 -> T: bfloat16 rounded to nearest even (as torch's .to(bfloat16)), NaN stays NaN.
+// Written on the bits so that loops over it vectorise.
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = x != x ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  c10::BFloat16 result;
+  std::memcpy(&result, &out, sizeof(out));
+  return result;
+}
+
+// Calls fn(T{}) with T the element type of `type`: float (float32) or c10::BFloat16. Any other
+// dtype is refused with "<what>: only float32 and bfloat16 are supported".
+template <typename Fn>
+inline void dispatch_dtype(c10::ScalarType type, const char* what, Fn&& fn) {
+  if (type == c10::ScalarType::Float) {
+    fn(float{});
+  } else if (type == c10::ScalarType::BFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, what, ": only float32 and bfloat16 are supported");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compile-time unrolling. A register-blocked loop is compiled once per block size; these turn a
+// runtime size into the matching instantiation.
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// fn(Int<n>{}) for a runtime n in [1, Max].
+template <int Max, typename Fn>
+inline void with_constant(int n, Fn&& fn) {
+  if constexpr (Max == 1) {
+    fn(Int<1>{});
+  } else if (n >= Max) {
+    fn(Int<Max>{});
+  } else {
+    with_constant<Max - 1>(n, fn);
+  }
+}
+
+// fn(begin, Int<n>{}) for [0, total) in consecutive chunks of n = Max (the last one shorter).
+template <int Max, typename Fn>
+inline void for_chunks(int total, Fn&& fn) {
+  for (int begin = 0; begin < total; begin += Max) {
+    with_constant<Max>(total - begin, [&](auto n) { fn(begin, n); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // exp for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r, |r| <= ln2 / 2,
 // exp(r) by a degree-6 polynomial, 2^n by building the exponent bits. Relative error ~2e-7.
 inline float exp_nonpositive(float x) {

@@ -17,32 +17,11 @@
 
 namespace {
 
+using kvserve::dispatch_dtype;
+using kvserve::from_float;
+using kvserve::to_float;
+
 constexpr int64_t kElementsPerTask = 1 << 15;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-template <typename T>
-inline T narrow(float x);
-template <>
-inline float narrow<float>(float x) { return x; }
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = x != x ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
-  c10::BFloat16 result;
-  std::memcpy(&result, &out, sizeof(out));
-  return result;
-}
 
 template <typename Fn>
 void for_rows(int64_t rows, int64_t row_elements, Fn fn) {
@@ -50,17 +29,6 @@ void for_rows(int64_t rows, int64_t row_elements, Fn fn) {
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) fn(row);
   });
-}
-
-template <typename Fn>
-void dispatch_dtype(const at::Tensor& t, const char* name, Fn fn) {
-  if (t.scalar_type() == at::kFloat) {
-    fn(float{});
-  } else if (t.scalar_type() == at::kBFloat16) {
-    fn(c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, name, ": only float32 and bfloat16 are supported");
-  }
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* name) {
@@ -76,55 +44,56 @@ void norm_row(const T* src, const T* weight, int64_t hidden, float eps, T* dst) 
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < hidden; ++i) {
-    const float v = widen(src[i]);
+    const float v = to_float(src[i]);
     sum += v * v;
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < hidden; ++i) dst[i] = narrow<T>(widen(src[i]) * inv * widen(weight[i]));
+  for (int64_t i = 0; i < hidden; ++i) {
+    dst[i] = from_float<T>(to_float(src[i]) * inv * to_float(weight[i]));
+  }
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight, per row.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, weight, "rms_norm");
+// Per row: with a residual, residual += x (rounded to the dtype, as a separate add would) and
+// the sum is normalised; without, x is. out = v / sqrt(mean(v^2) + eps) * weight.
+at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                     double eps, const char* name) {
+  check_rows(x, weight, name);
+  TORCH_CHECK(residual == nullptr ||
+                  (residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                   residual->scalar_type() == x.scalar_type()),
+              name, ": residual must be contiguous and match x");
   at::Tensor out = at::empty_like(x);
   const int64_t hidden = x.size(1);
-  dispatch_dtype(x, "rms_norm", [&](auto zero) {
+  dispatch_dtype(x.scalar_type(), name, [&](auto zero) {
     using T = decltype(zero);
     const T* src = x.data_ptr<T>();
     const T* w = weight.data_ptr<T>();
+    T* acc = residual == nullptr ? nullptr : residual->data_ptr<T>();
     T* dst = out.data_ptr<T>();
     for_rows(x.size(0), hidden, [&](int64_t row) {
-      norm_row(src + row * hidden, w, hidden, static_cast<float>(eps), dst + row * hidden);
+      const T* s = src + row * hidden;
+      if (acc != nullptr) {
+        T* r = acc + row * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) {
+          r[i] = from_float<T>(to_float(r[i]) + to_float(s[i]));
+        }
+        s = r;
+      }
+      norm_row(s, w, hidden, static_cast<float>(eps), dst + row * hidden);
     });
   });
   return out;
 }
 
-// residual += x (rounded to the dtype, as a separate add would), then rms_norm(residual).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_rows(x, nullptr, weight, eps, "rms_norm");
+}
+
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                          double eps) {
-  check_rows(x, weight, "add_rms_norm_");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
-                  residual.scalar_type() == x.scalar_type(),
-              "add_rms_norm_: residual must be contiguous and match x");
-  at::Tensor out = at::empty_like(x);
-  const int64_t hidden = x.size(1);
-  dispatch_dtype(x, "add_rms_norm_", [&](auto zero) {
-    using T = decltype(zero);
-    const T* src = x.data_ptr<T>();
-    const T* w = weight.data_ptr<T>();
-    T* acc = residual.data_ptr<T>();
-    T* dst = out.data_ptr<T>();
-    for_rows(x.size(0), hidden, [&](int64_t row) {
-      T* r = acc + row * hidden;
-      const T* s = src + row * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) r[i] = narrow<T>(widen(r[i]) + widen(s[i]));
-      norm_row(r, w, hidden, static_cast<float>(eps), dst + row * hidden);
-    });
-  });
-  return out;
+  return norm_rows(x, &residual, weight, eps, "add_rms_norm_");
 }
 
 // gate_up: [rows, 2 * n] (gate, then up) -> silu(gate) * up: [rows, n].
@@ -133,7 +102,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
               "silu_and_mul: gate_up must be contiguous [rows, 2 * n]");
   const int64_t n = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), n}, gate_up.options());
-  dispatch_dtype(gate_up, "silu_and_mul", [&](auto zero) {
+  dispatch_dtype(gate_up.scalar_type(), "silu_and_mul", [&](auto zero) {
     using T = decltype(zero);
     const T* src = gate_up.data_ptr<T>();
     T* dst = out.data_ptr<T>();
@@ -144,10 +113,10 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         // sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below.
-        const float g = widen(gate[i]);
+        const float g = to_float(gate[i]);
         const float e = kvserve::exp_nonpositive(-std::fabs(g));
         const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-        o[i] = narrow<T>(g * sigmoid * widen(up[i]));
+        o[i] = from_float<T>(g * sigmoid * to_float(up[i]));
       }
     });
   });
@@ -162,9 +131,9 @@ void rotate_heads(T* x, int64_t heads, int64_t dim, const float* cos, const floa
     T* second = first + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      const float a = widen(first[i]), b = widen(second[i]);
-      first[i] = narrow<T>(a * cos[i] - b * sin[i]);
-      second[i] = narrow<T>(b * cos[i] + a * sin[i]);
+      const float a = to_float(first[i]), b = to_float(second[i]);
+      first[i] = from_float<T>(a * cos[i] - b * sin[i]);
+      second[i] = from_float<T>(b * cos[i] + a * sin[i]);
     }
   }
 }
@@ -208,7 +177,7 @@ void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::T
   const int64_t kv_width = num_kv_heads * dim;
   const float* cos_ptr = cos.data_ptr<float>();
   const float* sin_ptr = sin.data_ptr<float>();
-  dispatch_dtype(qkv, "rope_and_write_kv", [&](auto zero) {
+  dispatch_dtype(qkv.scalar_type(), "rope_and_write_kv", [&](auto zero) {
     using T = decltype(zero);
     T* base = qkv.data_ptr<T>();
     T* k_dst = k_cache.data_ptr<T>();

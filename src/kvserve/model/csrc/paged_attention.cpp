@@ -10,15 +10,18 @@
 // the bottleneck on a big batch), then scores for the tile, an online-softmax update (running
 // max m, running sum l, accumulator rescaled by exp(m_old - m_new)), and the tile's V rows
 // accumulated. Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and
-// head_dim a multiple of 16) the dot products and the V accumulation use intrinsics; otherwise
-// plain loops that the compiler vectorises.
+// head_dim a multiple of 16) the dot products and the V accumulation use intrinsics; with
+// AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
+// otherwise plain loops that the compiler vectorises. Which of these the build has is what
+// compiled_isa() reports.
 //
 // Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
 // (kv head, tile of 16 queries); each query row runs the same online softmax over its visible
 // keys.
 //
 // Work items are handed out dynamically (an atomic counter, longest first) inside one
-// at::parallel_for region with one task per thread, since contexts are ragged.
+// at::parallel_for region with one task per thread, since contexts are ragged; each thread
+// keeps one WorkState for all its items, prefill's as decode's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -42,26 +45,25 @@
 
 namespace {
 
+using kvserve::dispatch_dtype;
 using kvserve::exp_nonpositive;
+using kvserve::for_chunks;
+using kvserve::Int;
+using kvserve::to_float;
 
 std::atomic<unsigned> g_touch_sink{0};  // keeps touch_rows' loads
 constexpr int kTileTokens = 64;  // keys per online-softmax step (rounded to whole blocks)
+constexpr int kQueryTile = 16;   // prefill queries per work item
+
+struct Geometry {
+  int64_t block_size, num_kv_heads, head_dim, num_heads, group;
+  int64_t token_stride, block_stride;  // elements
+  int tile;                            // keys per online-softmax step: whole blocks
+  bool exact_bf16_queries = false;     // the scaled float32 queries round to bf16 exactly
+};
 
 // ---------------------------------------------------------------------------------------------
-// Loads: float32 as is, bfloat16 widened (the high 16 bits of a float32).
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint16_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Dot products of the group's query rows with one key row.
+// Dot products of a group's query rows with one key row, and the V accumulation: AVX-512.
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -101,7 +103,133 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(idx, r);
 }
+
+// How dots_simd multiplies query rows by a key row, one register of the key at a time.
+//
+// FloatDot: float32 queries, float32 or bfloat16 keys widened to 16 float32 lanes, an FMA. The
+// query registers are re-read (from L1) at each use: GN x NV of them would not stay in registers.
+template <typename T>
+struct FloatDot {
+  using Query = float;
+  using Key = T;
+  static constexpr int kWidth = 16;  // key elements per register
+  template <int GN, int NV>
+  struct Rows {
+    const float* q;
+    int head_dim;
+    Rows(const float* q_rows, int dim) : q(q_rows), head_dim(dim) {}
+    __m512 operator()(int g, int v) const { return _mm512_loadu_ps(q + g * head_dim + 16 * v); }
+  };
+  static __m512 load_key(const T* k) { return load16(k); }
+  static __m512 madd(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16Dot: bfloat16 queries and keys. vdpbf16ps multiplies 32 bf16 pairs (exact products in
+// float32) and adds them into 16 float32 lanes, with no widening of the keys. A bf16 model's q
+// scaled by 1/sqrt(64) or 1/sqrt(128) is exact in bf16, so only the summation order changes.
+// The GN x NV query registers (NV = head_dim / 32 <= 4) stay loaded for the whole tile.
+struct Bf16Dot {
+  using Query = c10::BFloat16;
+  using Key = c10::BFloat16;
+  static constexpr int kWidth = 32;
+  template <int GN, int NV>
+  struct Rows {
+    static_assert(NV > 0, "the bf16 dot products need head_dim known at compile time");
+    __m512bh reg[GN][NV];
+    Rows(const c10::BFloat16* q, int head_dim) {
+      for (int g = 0; g < GN; ++g)
+        for (int v = 0; v < NV; ++v)
+          reg[g][v] = (__m512bh)_mm512_loadu_si512(q + g * head_dim + 32 * v);
+    }
+    __m512bh operator()(int g, int v) const { return reg[g][v]; }
+  };
+  static __m512bh load_key(const c10::BFloat16* k) {
+    return (__m512bh)_mm512_loadu_si512(k);
+  }
+  static __m512 madd(__m512 acc, __m512bh q, __m512bh k) { return _mm512_dpbf16_ps(acc, q, k); }
+};
 #endif
+
+// scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4) and the tile's keys
+// k_t = rows[t] + off; head_dim is NV registers of Dot::kWidth (NV = 0: known at run time).
+// Sixteen keys at a time: per key and row a vector of partial sums, then one transpose-and-add
+// gives the sixteen scores.
+template <typename Dot, int GN, int NV>
+void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::Key* const* rows,
+               std::ptrdiff_t off, int count, float* scores, int stride) {
+  const int nv = NV > 0 ? NV : head_dim / Dot::kWidth;
+  const typename Dot::template Rows<GN, NV> query(q, head_dim);
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int tn = std::min(16, count - t0);
+    __m512 part[GN][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+      if (t < tn) {
+        const typename Dot::Key* k = rows[t0 + t] + off;
+        for (int v = 0; v < nv; ++v) {
+          const auto key = Dot::load_key(k + Dot::kWidth * v);
+          for (int g = 0; g < GN; ++g) acc[g] = Dot::madd(acc[g], query(g, v), key);
+        }
+      }
+      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
+    for (int g = 0; g < GN; ++g)
+      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+  }
+}
+
+// dots_simd over a GQA group's query rows, four at a time.
+template <typename Dot, int NV>
+void dots_groups(const typename Dot::Query* q, int group, int head_dim,
+                 const typename Dot::Key* const* rows, std::ptrdiff_t off, int count,
+                 float* scores, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    dots_simd<Dot, decltype(gn)::value, NV>(q + g0 * head_dim, head_dim, rows, off, count,
+                                            scores + g0 * stride, stride);
+  });
+}
+
+// acc[g] += sum_t p[g][t] * v_t for GN rows x VN vectors of the accumulator, held in
+// registers over the whole tile.
+template <typename T, int GN, int VN>
+void accumulate_simd(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                     int count, const float* probs, int stride) {
+  __m512 a[GN][VN];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_dim + 16 * v);
+  for (int t = 0; t < count; ++t) {
+    const T* row = rows[t] + off;
+    __m512 x[VN];
+    for (int v = 0; v < VN; ++v) x[v] = load16(row + 16 * v);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * stride + t]);
+      for (int v = 0; v < VN; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(acc + g * head_dim + 16 * v, a[g][v]);
+}
+
+// accumulate_simd over a group's rows, four at a time, and each row's vectors, four (64
+// floats) at a time.
+template <typename T>
+void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows,
+                       std::ptrdiff_t off, int count, const float* probs, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    for_chunks<4>(head_dim / 16, [&](int v0, auto vn) {
+      accumulate_simd<T, decltype(gn)::value, decltype(vn)::value>(
+          acc + g0 * head_dim + 16 * v0, head_dim, rows, off + 16 * v0, count,
+          probs + g0 * stride, stride);
+    });
+  });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The same without intrinsics (any head_dim): loops the compiler vectorises.
 
 // scores[g * stride + t] = q_g . k_t for the tile's keys, k_t = rows[t] + off; q is scaled.
 template <typename T, int D>
@@ -136,197 +264,39 @@ void accumulate_generic(float* acc, int group, int head_dim, const T* const* row
   }
 }
 
-#if defined(__AVX512F__)
-// GN query rows at once (GN <= 4), head_dim a multiple of 16. Sixteen keys at a time: per key
-// and row a vector of partial sums, then one transpose-and-add gives the sixteen scores.
-template <typename T, int GN, int NV>
-void dots_avx512(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                 int count, float* scores, int stride) {
-  const int nv = NV > 0 ? NV : head_dim / 16;  // NV: head_dim / 16 known at compile time
-  for (int t0 = 0; t0 < count; t0 += 16) {
-    const int tn = std::min(16, count - t0);
-    __m512 part[GN][16];
-    for (int t = 0; t < 16; ++t) {
-      __m512 acc[GN];
-      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
-      if (t < tn) {
-        const T* k = rows[t0 + t] + off;
-        for (int v = 0; v < nv; ++v) {
-          const __m512 kv = load16(k + 16 * v);
-          for (int g = 0; g < GN; ++g)
-            acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + 16 * v), kv, acc[g]);
-        }
-      }
-      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
-    }
-    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
-    for (int g = 0; g < GN; ++g)
-      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
-  }
-}
+// ---------------------------------------------------------------------------------------------
+// The choice of path, per call. D is head_dim when it is compiled in (64, 128), else 0.
 
-template <typename T, int NV>
-inline void dots_group(int gn, const float* q, int head_dim, const T* const* rows,
-                       std::ptrdiff_t off, int count, float* scores, int stride) {
-  switch (gn) {
-    case 1: return dots_avx512<T, 1, NV>(q, head_dim, rows, off, count, scores, stride);
-    case 2: return dots_avx512<T, 2, NV>(q, head_dim, rows, off, count, scores, stride);
-    case 3: return dots_avx512<T, 3, NV>(q, head_dim, rows, off, count, scores, stride);
-    default: return dots_avx512<T, 4, NV>(q, head_dim, rows, off, count, scores, stride);
-  }
-}
-
-// GN rows x VN vectors of the accumulator held in registers over the whole tile.
-template <typename T, int GN, int VN>
-void accumulate_avx512(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                       int count, const float* probs, int stride) {
-  __m512 a[GN][VN];
-  for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_dim + 16 * v);
-  for (int t = 0; t < count; ++t) {
-    const T* row = rows[t] + off;
-    __m512 x[VN];
-    for (int v = 0; v < VN; ++v) x[v] = load16(row + 16 * v);
-    for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * stride + t]);
-      for (int v = 0; v < VN; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(acc + g * head_dim + 16 * v, a[g][v]);
-}
-
-template <typename T, int GN>
-void accumulate_columns(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                        int count, const float* probs, int stride) {
-  const int nv = head_dim / 16;
-  for (int v0 = 0; v0 < nv; v0 += 4) {  // four vectors (64 floats) of each row at a time
-    float* a = acc + 16 * v0;
-    const std::ptrdiff_t o = off + 16 * v0;
-    switch (std::min(4, nv - v0)) {
-      case 1: accumulate_avx512<T, GN, 1>(a, head_dim, rows, o, count, probs, stride); break;
-      case 2: accumulate_avx512<T, GN, 2>(a, head_dim, rows, o, count, probs, stride); break;
-      case 3: accumulate_avx512<T, GN, 3>(a, head_dim, rows, o, count, probs, stride); break;
-      default: accumulate_avx512<T, GN, 4>(a, head_dim, rows, o, count, probs, stride); break;
-    }
-  }
-}
-#endif
-
-struct Geometry {
-  int64_t block_size, num_kv_heads, head_dim, num_heads, group;
-  int64_t token_stride, block_stride;  // elements
-  bool exact_bf16_queries = false;  // the scaled float32 queries round to bf16 exactly
-};
-
+// Whether the bf16 dot products apply: bfloat16 keys, bf16 queries scaled by a power of two (so
+// rounding them back to bf16 loses nothing), a head_dim compiled in.
+template <typename T, int D>
+constexpr bool bf16_dots_compiled() {
 #if defined(__AVX512BF16__)
-// dots_avx512 for bfloat16 keys and queries: vdpbf16ps multiplies 32 bf16 pairs (exact products
-// in float32) and adds them into 16 float32 lanes, with no widening of the keys. A bf16 model's
-// q scaled by 1/sqrt(64) or 1/sqrt(128) is exact in bf16, so only the summation order changes.
-template <int GN, int NV>
-void dots_bf16(const c10::BFloat16* q, int head_dim, const c10::BFloat16* const* rows,
-               std::ptrdiff_t off, int count, float* scores, int stride) {
-  __m512bh qv[GN][NV];  // NV = head_dim / 32
-  for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < NV; ++v)
-      qv[g][v] = (__m512bh)_mm512_loadu_si512(q + g * head_dim + 32 * v);
-  for (int t0 = 0; t0 < count; t0 += 16) {
-    const int tn = std::min(16, count - t0);
-    __m512 part[GN][16];
-    for (int t = 0; t < 16; ++t) {
-      __m512 acc[GN];
-      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
-      if (t < tn) {
-        const c10::BFloat16* k = rows[t0 + t] + off;
-        for (int v = 0; v < NV; ++v) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * v);
-          for (int g = 0; g < GN; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qv[g][v], kv);
-        }
-      }
-      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
-    }
-    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
-    for (int g = 0; g < GN; ++g)
-      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
-  }
-}
-
-template <int NV>
-void dots_bf16_groups(const c10::BFloat16* q, int group, int head_dim,
-                      const c10::BFloat16* const* rows, std::ptrdiff_t off, int count,
-                      float* scores, int stride) {
-  for (int g0 = 0; g0 < group; g0 += 4) {
-    const c10::BFloat16* qg = q + g0 * head_dim;
-    float* sg = scores + g0 * stride;
-    switch (std::min(4, group - g0)) {
-      case 1: dots_bf16<1, NV>(qg, head_dim, rows, off, count, sg, stride); break;
-      case 2: dots_bf16<2, NV>(qg, head_dim, rows, off, count, sg, stride); break;
-      case 3: dots_bf16<3, NV>(qg, head_dim, rows, off, count, sg, stride); break;
-      default: dots_bf16<4, NV>(qg, head_dim, rows, off, count, sg, stride); break;
-    }
-  }
-}
-#endif
-
-// Whether dots_with_bf16_queries applies: bfloat16 keys, bf16 queries scaled by a power of
-// two (so rounding them back to bf16 loses nothing), a head_dim it is compiled for.
-template <typename T>
-inline bool bf16_dots_apply(const Geometry& geo) {
-#if defined(__AVX512BF16__)
-  return std::is_same_v<T, c10::BFloat16> && geo.exact_bf16_queries &&
-         (geo.head_dim == 64 || geo.head_dim == 128);
+  return std::is_same_v<T, c10::BFloat16> && D > 0;
 #else
-  (void)geo;
   return false;
 #endif
 }
 
-inline bool is_power_of_two(double x) {
-  int exponent;
-  return x > 0.0 && std::frexp(x, &exponent) == 0.5;
-}
-
-inline void round_to_bf16(const float* src, int64_t n, std::vector<c10::BFloat16>& dst) {
-  dst.resize(n);
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
-}
-
-// dots() for queries already rounded to bf16; only called when bf16_dots_apply<T>.
-template <typename T>
-inline void dots_with_bf16_queries(const c10::BFloat16* q, int group, int head_dim,
-                                   const T* const* rows, std::ptrdiff_t off, int count,
-                                   float* scores, int stride) {
+// Scores of a group's query rows against the tile's keys: q (scaled float32 rows), or q_bf16,
+// the same rows rounded to bf16, when the bf16 dot products apply (else null).
+template <typename T, int D>
+inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int head_dim,
+                 const T* const* rows, std::ptrdiff_t off, int count, float* scores,
+                 int stride) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (head_dim == 64) {
-      return dots_bf16_groups<2>(q, group, head_dim, rows, off, count, scores, stride);
+  if constexpr (bf16_dots_compiled<T, D>()) {
+    if (q_bf16 != nullptr) {
+      return dots_groups<Bf16Dot, D / 32>(q_bf16, group, head_dim, rows, off, count, scores,
+                                          stride);
     }
-    return dots_bf16_groups<4>(q, group, head_dim, rows, off, count, scores, stride);
   }
 #endif
-  (void)q, (void)group, (void)head_dim, (void)rows, (void)off, (void)count, (void)scores,
-      (void)stride;
-  TORCH_CHECK(false, "bf16 dot products are not available here");
-}
-
-template <typename T, int D>
-inline void dots(const float* q, int group, int head_dim, const T* const* rows,
-                 std::ptrdiff_t off, int count, float* scores, int stride) {
+  (void)q_bf16;
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
-    for (int g0 = 0; g0 < group; g0 += 4) {
-      const float* qg = q + g0 * head_dim;
-      float* sg = scores + g0 * stride;
-      const int gn = std::min(4, group - g0);
-      if (head_dim == 64) {
-        dots_group<T, 4>(gn, qg, head_dim, rows, off, count, sg, stride);
-      } else if (head_dim == 128) {
-        dots_group<T, 8>(gn, qg, head_dim, rows, off, count, sg, stride);
-      } else {
-        dots_group<T, 0>(gn, qg, head_dim, rows, off, count, sg, stride);
-      }
-    }
-    return;
+    return dots_groups<FloatDot<T>, D / 16>(q, group, head_dim, rows, off, count, scores,
+                                            stride);
   }
 #endif
   dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride);
@@ -337,25 +307,28 @@ inline void accumulate_values(float* acc, int group, int head_dim, const T* cons
                               std::ptrdiff_t off, int count, const float* probs, int stride) {
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
-    for (int g0 = 0; g0 < group; g0 += 4) {
-      float* ag = acc + g0 * head_dim;
-      const float* pg = probs + g0 * stride;
-      switch (std::min(4, group - g0)) {
-        case 1: accumulate_columns<T, 1>(ag, head_dim, rows, off, count, pg, stride); break;
-        case 2: accumulate_columns<T, 2>(ag, head_dim, rows, off, count, pg, stride); break;
-        case 3: accumulate_columns<T, 3>(ag, head_dim, rows, off, count, pg, stride); break;
-        default: accumulate_columns<T, 4>(ag, head_dim, rows, off, count, pg, stride); break;
-      }
-    }
-    return;
+    return accumulate_groups<T>(acc, group, head_dim, rows, off, count, probs, stride);
   }
 #endif
   accumulate_generic<T, D>(acc, group, head_dim, rows, off, count, probs, stride);
 }
 
-// One online-softmax step for the rows of a tile. scores/probs: [rows][stride]; visible[r] is
-// how many of the tile's keys row r sees (a prefix). Updates m, l, acc in place.
-template <typename T, int D>
+// fn(Int<D>{}) with D = head_dim for the sizes compiled in, else D = 0 (any head_dim).
+template <typename Fn>
+inline void with_head_dim(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 64: return fn(Int<64>{});
+    case 128: return fn(Int<128>{});
+    default: return fn(Int<0>{});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One online-softmax step, and the state a thread keeps across its work items.
+
+// One step for the rows of a tile. scores/probs: [rows][stride]; visible[r] is how many of the
+// tile's keys row r sees (a prefix). Updates m, l, acc in place.
+template <int D>
 inline void softmax_step(float* scores, int rows, int stride, const int* visible, float* m,
                          float* l, float* acc, int head_dim) {
   const int dim = D > 0 ? D : head_dim;
@@ -388,15 +361,55 @@ inline void softmax_step(float* scores, int rows, int stride, const int* visible
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Decode.
+// A thread's buffers, reused from one work item (decode or prefill) to the next.
+template <typename T>
+struct WorkState {
+  std::vector<float> scratch;
+  std::vector<const T*> rows;         // the tile's key rows
+  std::vector<int> visible;           // per query row: how many of the tile's keys it sees
+  std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
+  // Views into scratch, laid out by start(): [nrows][tile] scores (then probabilities),
+  // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
+  float *scores = nullptr, *acc = nullptr, *extra = nullptr, *m = nullptr, *l = nullptr;
 
+  void start(const Geometry& geo, int nrows, int extra_per_row) {
+    const size_t n = static_cast<size_t>(nrows);
+    const size_t dim = static_cast<size_t>(geo.head_dim);
+    scratch.assign(n * (geo.tile + dim + extra_per_row) + 2 * n, 0.0f);
+    scores = scratch.data();
+    acc = scores + n * geo.tile;
+    extra = acc + n * dim;
+    m = extra + n * extra_per_row;
+    l = m + n;
+    std::fill(m, m + n, -std::numeric_limits<float>::infinity());
+    visible.resize(n);
+    rows.resize(geo.tile);
+  }
+
+  // The nrows query rows q (float32, scaled) rounded to bf16 when the bf16 dot products apply
+  // to this call, else null.
+  template <int D>
+  const c10::BFloat16* bf16_queries(const Geometry& geo, const float* q, int nrows) {
+    if (!bf16_dots_compiled<T, D>() || !geo.exact_bf16_queries) return nullptr;
+    const int64_t n = static_cast<int64_t>(nrows) * geo.head_dim;
+    q_bf16.resize(n);
+    for (int64_t i = 0; i < n; ++i) q_bf16[i] = kvserve::from_float<c10::BFloat16>(q[i]);
+    return q_bf16.data();
+  }
+
+  // dst = acc[r] / l[r]: row r's attention output.
+  void finish_row(int r, int dim, float* dst) const {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float* a = acc + static_cast<size_t>(r) * dim;
+    for (int d = 0; d < dim; ++d) dst[d] = a[d] * inv;
+  }
+};
 
 // The row pointers (kv head 0) of keys start .. start + tile, clipped to end; returns how many.
 template <typename T>
 inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table,
-                     int64_t start, int64_t end, int tile, const T** rows) {
-  const int count = static_cast<int>(std::clamp<int64_t>(end - start, 0, tile));
+                     int64_t start, int64_t end, const T** rows) {
+  const int count = static_cast<int>(std::clamp<int64_t>(end - start, 0, geo.tile));
   const int64_t bs = geo.block_size;
   int64_t block = start / bs, offset = start % bs;
   for (int t = 0; t < count; ++t) {
@@ -435,67 +448,6 @@ inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::p
   g_touch_sink.store(s0 ^ s1 ^ s2 ^ s3, std::memory_order_relaxed);
 }
 
-template <typename T>
-struct DecodeState {
-  std::vector<float> scratch;
-  std::vector<const T*> rows;
-  std::vector<int> visible;
-  std::vector<c10::BFloat16> q_bf16;
-};
-
-// Query heads of kv heads [h0, h1) of one request: rows r = (kv head - h0) * group + g are the
-// request's query heads h0 * group + r, contiguous in q and out.
-template <typename T, int D>
-void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
-                 const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
-                 int64_t h0, int64_t h1, float* out, DecodeState<T>& state) {
-  const int group = static_cast<int>(geo.group);
-  const int dim = static_cast<int>(geo.head_dim);
-  const int nrows = static_cast<int>((h1 - h0) * group);
-  const int64_t bs = geo.block_size;
-  const int tile = static_cast<int>(std::max<int64_t>(bs, (kTileTokens / bs) * bs));
-  state.scratch.assign(static_cast<size_t>(nrows) * (tile + dim) + 2 * nrows, 0.0f);
-  float* scores = state.scratch.data();
-  float* acc = scores + static_cast<size_t>(nrows) * tile;
-  float* m = acc + static_cast<size_t>(nrows) * dim;
-  float* l = m + nrows;
-  for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
-  state.visible.resize(nrows);
-  state.rows.resize(tile);
-  const T** cur = state.rows.data();
-  q += h0 * group * dim;
-  out += h0 * group * dim;
-  const std::ptrdiff_t to_v = v_cache - k_cache;
-  const int nheads = static_cast<int>(h1 - h0);
-  const bool bf16_q = bf16_dots_apply<T>(geo);
-  if (bf16_q) round_to_bf16(q, static_cast<int64_t>(nrows) * dim, state.q_bf16);
-  for (int64_t start = 0; start < context_len; start += tile) {
-    const int count = tile_rows(geo, k_cache, table, start, context_len, tile, cur);
-    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
-    touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
-    for (int h = 0; h < nheads; ++h) {
-      if (bf16_q) {
-        dots_with_bf16_queries<T>(state.q_bf16.data() + h * group * dim, group, dim, cur,
-                                  h * dim, count, scores + h * group * tile, tile);
-      } else {
-        dots<T, D>(q + h * group * dim, group, dim, cur, h * dim, count,
-                   scores + h * group * tile, tile);
-      }
-    }
-    std::fill(state.visible.begin(), state.visible.end(), count);
-    softmax_step<T, D>(scores, nrows, tile, state.visible.data(), m, l, acc, dim);
-    for (int t = 0; t < count; ++t) cur[t] += to_v;
-    for (int h = 0; h < nheads; ++h) {
-      accumulate_values<T, D>(acc + h * group * dim, group, dim, cur, h * dim, count,
-                              scores + h * group * tile, tile);
-    }
-  }
-  for (int r = 0; r < nrows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
-  }
-}
-
 // Runs fn(item, thread-local state) over items in the given order, dynamically scheduled.
 template <typename State, typename Fn>
 void run_items(const std::vector<int64_t>& order, Fn fn) {
@@ -513,37 +465,44 @@ void run_items(const std::vector<int64_t>& order, Fn fn) {
   });
 }
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "caches must be float32 or bfloat16");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.device().is_cpu(), "caches must be on the CPU");
-}
+// ---------------------------------------------------------------------------------------------
+// Decode.
 
-// The blocks holding a context's first context_len tokens must exist (no out-of-bounds reads).
-void check_blocks(const int64_t* table, int64_t context_len, int64_t block_size,
-                  int64_t num_blocks) {
-  const int64_t used = (context_len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < used; ++b) {
-    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b],
-                " out of range [0, ", num_blocks, ")");
+// Query heads of kv heads [h0, h1) of one request: rows r = (kv head - h0) * group + g are the
+// request's query heads h0 * group + r, contiguous in q and out.
+template <typename T, int D>
+void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
+                 const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
+                 int64_t h0, int64_t h1, float* out, WorkState<T>& state) {
+  const int group = static_cast<int>(geo.group);
+  const int dim = static_cast<int>(geo.head_dim);
+  const int tile = geo.tile;
+  const int nrows = static_cast<int>((h1 - h0) * group);
+  state.start(geo, nrows, 0);
+  const T** cur = state.rows.data();
+  q += h0 * group * dim;
+  out += h0 * group * dim;
+  const std::ptrdiff_t to_v = v_cache - k_cache;
+  const int nheads = static_cast<int>(h1 - h0);
+  const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, q, nrows);
+  for (int64_t start = 0; start < context_len; start += tile) {
+    const int count = tile_rows(geo, k_cache, table, start, context_len, cur);
+    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
+    touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+    for (int h = 0; h < nheads; ++h) {
+      dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
+                 cur, h * dim, count, state.scores + h * group * tile, tile);
+    }
+    std::fill(state.visible.begin(), state.visible.end(), count);
+    softmax_step<D>(state.scores, nrows, tile, state.visible.data(), state.m, state.l,
+                    state.acc, dim);
+    for (int t = 0; t < count; ++t) cur[t] += to_v;
+    for (int h = 0; h < nheads; ++h) {
+      accumulate_values<T, D>(state.acc + h * group * dim, group, dim, cur, h * dim, count,
+                              state.scores + h * group * tile, tile);
+    }
   }
-}
-
-Geometry geometry(const at::Tensor& k_cache, int64_t num_heads) {
-  Geometry geo;
-  geo.block_size = k_cache.size(1);
-  geo.num_kv_heads = k_cache.size(2);
-  geo.head_dim = k_cache.size(3);
-  geo.num_heads = num_heads;
-  TORCH_CHECK(num_heads % geo.num_kv_heads == 0, "num_heads must be a multiple of kv heads");
-  geo.group = num_heads / geo.num_kv_heads;
-  geo.token_stride = geo.num_kv_heads * geo.head_dim;
-  geo.block_stride = geo.block_size * geo.token_stride;
-  return geo;
+  for (int r = 0; r < nrows; ++r) state.finish_row(r, dim, out + r * dim);
 }
 
 template <typename T, int D>
@@ -559,7 +518,7 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
   std::stable_sort(order.begin(), order.end(),  // longest first
                    [&](int64_t a, int64_t b) { return lens[a / split] > lens[b / split]; });
   const int64_t request_elems = geo.num_heads * geo.head_dim;
-  run_items<DecodeState<T>>(order, [&](int64_t item, DecodeState<T>& state) {
+  run_items<WorkState<T>>(order, [&](int64_t item, WorkState<T>& state) {
     const int64_t req = item / split, part = item % split;
     const int64_t h0 = part * kvh / split, h1 = (part + 1) * kvh / split;
     decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache,
@@ -568,129 +527,55 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
   });
 }
 
-// Generic head_dim (0) plus compiled-in sizes for the usual ones.
-template <typename T>
-void decode_dispatch(const Geometry& geo, const float* q, const T* k, const T* v,
-                     const int64_t* tables, int64_t table_stride, const int64_t* lens,
-                     int64_t n, float* out) {
-  switch (geo.head_dim) {
-    case 64: return decode_impl<T, 64>(geo, q, k, v, tables, table_stride, lens, n, out);
-    case 128: return decode_impl<T, 128>(geo, q, k, v, tables, table_stride, lens, n, out);
-    default: return decode_impl<T, 0>(geo, q, k, v, tables, table_stride, lens, n, out);
-  }
-}
-
-at::Tensor scaled_float_query(const at::Tensor& q, double scale) {
-  return (q.to(at::kFloat) * scale).contiguous();
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(q.dim() == 3, "q must be [num_decodes, num_heads, head_dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
-              "block_tables must be [num_decodes, max_blocks]");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
-              "context_lens must be [num_decodes]");
-  Geometry geo = geometry(k_cache, q.size(1));
-  geo.exact_bf16_queries = q.scalar_type() == at::kBFloat16 && is_power_of_two(scale);
-  const int64_t num_decodes = q.size(0);
-  at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  at::Tensor lens = context_lens.to(at::kLong).contiguous();
-  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
-  const int64_t table_stride = tables.size(1);
-  const int64_t* tables_ptr = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_decodes; ++i) {
-    TORCH_CHECK(lens_ptr[i] >= 0 && lens_ptr[i] <= table_stride * geo.block_size,
-                "context length ", lens_ptr[i], " does not fit the block table");
-    check_blocks(tables_ptr + i * table_stride, lens_ptr[i], geo.block_size, k_cache.size(0));
-  }
-  at::Tensor qf = scaled_float_query(q, scale);
-  at::Tensor out = at::empty({num_decodes, geo.num_heads, geo.head_dim}, qf.options());
-  if (num_decodes == 0) return out.to(q.scalar_type());
-  if (k_cache.scalar_type() == at::kFloat) {
-    decode_dispatch<float>(geo, qf.data_ptr<float>(), k_cache.data_ptr<float>(),
-                           v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), table_stride,
-                           lens_ptr, num_decodes, out.data_ptr<float>());
-  } else {
-    decode_dispatch<c10::BFloat16>(geo, qf.data_ptr<float>(),
-                                   k_cache.data_ptr<c10::BFloat16>(),
-                                   v_cache.data_ptr<c10::BFloat16>(), tables.data_ptr<int64_t>(),
-                                   table_stride, lens_ptr, num_decodes, out.data_ptr<float>());
-  }
-  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
-}
-
 // ---------------------------------------------------------------------------------------------
 // Prefill (one chunk).
-
-constexpr int kQueryTile = 16;
 
 template <typename T, int D>
 void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/,
                   const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
                   int64_t num_queries, int64_t kv_head, int64_t q_begin, int64_t q_end,
-                  float* out, std::vector<float>& scratch, std::vector<const T*>& rows_buf,
-                  std::vector<c10::BFloat16>& q_bf16) {
+                  float* out, WorkState<T>& state) {
   const int group = static_cast<int>(geo.group);
   const int dim = static_cast<int>(geo.head_dim);
-  const int64_t bs = geo.block_size;
-  const int tile = static_cast<int>(std::max<int64_t>(bs, (kTileTokens / bs) * bs));
+  const int tile = geo.tile;
   const int nq = static_cast<int>(q_end - q_begin);
   const int nrows = nq * group;  // row r = query (r / group), head (r % group)
-  scratch.assign(static_cast<size_t>(nrows) * (tile + 2 * dim) + 2 * nrows, 0.0f);
-  float* scores = scratch.data();
-  float* acc = scores + static_cast<size_t>(nrows) * tile;
-  float* qrows = acc + static_cast<size_t>(nrows) * dim;
-  float* m = qrows + static_cast<size_t>(nrows) * dim;
-  float* l = m + nrows;
-  for (int r = 0; r < nrows; ++r) m[r] = -std::numeric_limits<float>::infinity();
+  state.start(geo, nrows, dim);
   // The tile's query rows, contiguous: [query][group][dim].
+  float* qrows = state.extra;
   for (int i = 0; i < nq; ++i) {
     const float* src = q + ((q_begin + i) * geo.num_heads + kv_head * geo.group) * dim;
     std::memcpy(qrows + static_cast<size_t>(i) * group * dim, src, sizeof(float) * group * dim);
   }
-  const bool bf16_q = bf16_dots_apply<T>(geo);
-  if (bf16_q) round_to_bf16(qrows, static_cast<int64_t>(nrows) * dim, q_bf16);
+  const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, qrows, nrows);
   const int64_t first = context_len - num_queries;  // position of query 0
   const int64_t last_visible = first + q_end - 1;   // the tile's last query sees keys <= this
-  std::vector<int> visible(nrows);
-  rows_buf.resize(tile);
-  const T** rows = rows_buf.data();
+  const T** rows = state.rows.data();
+  int* visible = state.visible.data();
   const int64_t head_offset = kv_head * geo.head_dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
   for (int64_t start = 0; start <= last_visible; start += tile) {
-    const int count = static_cast<int>(std::min<int64_t>(tile, last_visible + 1 - start));
-    tile_rows(geo, k_cache, table, start, last_visible + 1, tile, rows);
+    const int count = tile_rows(geo, k_cache, table, start, last_visible + 1, rows);
     for (int t = 0; t < count; ++t) rows[t] += head_offset;
     for (int i = 0; i < nq; ++i) {
       const int64_t sees = first + q_begin + i + 1 - start;  // keys of this tile it sees
       const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
       for (int g = 0; g < group; ++g) visible[i * group + g] = n;
-      if (bf16_q) {
-        dots_with_bf16_queries<T>(q_bf16.data() + static_cast<size_t>(i) * group * dim, group,
-                                  dim, rows, 0, n, scores + static_cast<size_t>(i) * group * tile,
-                                  tile);
-      } else {
-        dots<T, D>(qrows + static_cast<size_t>(i) * group * dim, group, dim, rows, 0, n,
-                   scores + static_cast<size_t>(i) * group * tile, tile);
-      }
+      const size_t row0 = static_cast<size_t>(i) * group;
+      dots<T, D>(qrows + row0 * dim, q_bf16 ? q_bf16 + row0 * dim : nullptr, group, dim, rows,
+                 0, n, state.scores + row0 * tile, tile);
     }
-    softmax_step<T, D>(scores, nrows, tile, visible.data(), m, l, acc, dim);
+    softmax_step<D>(state.scores, nrows, tile, visible, state.m, state.l, state.acc, dim);
     for (int i = 0; i < nq; ++i) {
-      accumulate_values<T, D>(acc + static_cast<size_t>(i) * group * dim, group, dim, rows,
-                              to_v, visible[i * group],
-                              scores + static_cast<size_t>(i) * group * tile, tile);
+      const size_t row0 = static_cast<size_t>(i) * group;
+      accumulate_values<T, D>(state.acc + row0 * dim, group, dim, rows, to_v, visible[row0],
+                              state.scores + row0 * tile, tile);
     }
   }
   for (int i = 0; i < nq; ++i) {
     for (int g = 0; g < group; ++g) {
-      const int r = i * group + g;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       float* dst = out + ((q_begin + i) * geo.num_heads + kv_head * geo.group + g) * dim;
-      for (int d = 0; d < dim; ++d) dst[d] = acc[static_cast<size_t>(r) * dim + d] * inv;
+      state.finish_row(i * group + g, dim, dst);
     }
   }
 }
@@ -705,61 +590,144 @@ void prefill_impl(const Geometry& geo, const float* q, const T* k_cache, const T
   order.reserve(tiles * kvh);
   for (int64_t tile = tiles - 1; tile >= 0; --tile)
     for (int64_t head = 0; head < kvh; ++head) order.push_back(tile * kvh + head);
-  struct State {
-    std::vector<float> scratch;
-    std::vector<const T*> rows;
-    std::vector<c10::BFloat16> q_bf16;
-  };
-  run_items<State>(order, [&](int64_t item, State& state) {
+  run_items<WorkState<T>>(order, [&](int64_t item, WorkState<T>& state) {
     const int64_t tile = item / kvh, head = item % kvh;
     const int64_t begin = tile * kQueryTile;
     const int64_t end = std::min<int64_t>(begin + kQueryTile, num_queries);
     prefill_item<T, D>(geo, q, k_cache, v_cache, table, context_len, num_queries, head, begin,
-                       end, out, state.scratch, state.rows, state.q_bf16);
+                       end, out, state);
   });
 }
 
-template <typename T>
-void prefill_dispatch(const Geometry& geo, const float* q, const T* k, const T* v,
-                      const int64_t* table, int64_t context_len, int64_t n, float* out) {
-  switch (geo.head_dim) {
-    case 64: return prefill_impl<T, 64>(geo, q, k, v, table, context_len, n, out);
-    case 128: return prefill_impl<T, 128>(geo, q, k, v, table, context_len, n, out);
-    default: return prefill_impl<T, 0>(geo, q, k, v, table, context_len, n, out);
+// ---------------------------------------------------------------------------------------------
+// Entry points: checks, then the kernel for the cache's element type and head_dim.
+
+inline bool is_power_of_two(double x) {
+  int exponent;
+  return x > 0.0 && std::frexp(x, &exponent) == 0.5;
+}
+
+// The blocks holding a context's first context_len tokens must exist (no out-of-bounds reads).
+void check_blocks(const int64_t* table, int64_t context_len, int64_t block_size,
+                  int64_t num_blocks) {
+  const int64_t used = (context_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < used; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b],
+                " out of range [0, ", num_blocks, ")");
   }
+}
+
+// Checks the caches and q ([tokens, num_heads, head_dim], `q_shape` names it) and describes
+// the call.
+Geometry geometry(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  double scale, const char* q_shape) {
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "caches must be float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu(), "caches must be on the CPU");
+  TORCH_CHECK(q.dim() == 3, "q must be ", q_shape);
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
+  Geometry geo;
+  geo.block_size = k_cache.size(1);
+  geo.num_kv_heads = k_cache.size(2);
+  geo.head_dim = k_cache.size(3);
+  geo.num_heads = q.size(1);
+  TORCH_CHECK(geo.num_heads % geo.num_kv_heads == 0, "num_heads must be a multiple of kv heads");
+  geo.group = geo.num_heads / geo.num_kv_heads;
+  geo.token_stride = geo.num_kv_heads * geo.head_dim;
+  geo.block_stride = geo.block_size * geo.token_stride;
+  geo.tile = static_cast<int>(
+      std::max<int64_t>(geo.block_size, (kTileTokens / geo.block_size) * geo.block_size));
+  geo.exact_bf16_queries = q.scalar_type() == at::kBFloat16 && is_power_of_two(scale) &&
+                           (geo.head_dim == 64 || geo.head_dim == 128);
+  return geo;
+}
+
+// Scales q to float32, runs kernel(T{}, Int<D>{}, q, out) for the cache's element type T and
+// head_dim D (see with_head_dim), and returns out ([tokens, num_heads, head_dim]) in q's dtype.
+template <typename Kernel>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const Geometry& geo,
+                  double scale, const char* name, Kernel kernel) {
+  const at::Tensor qf = (q.to(at::kFloat) * scale).contiguous();
+  at::Tensor out = at::empty({q.size(0), geo.num_heads, geo.head_dim}, qf.options());
+  if (q.size(0) > 0) {
+    dispatch_dtype(k_cache.scalar_type(), name, [&](auto zero) {
+      with_head_dim(geo.head_dim, [&](auto dim) {
+        kernel(zero, dim, qf.data_ptr<float>(), out.data_ptr<float>());
+      });
+    });
+  }
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  const Geometry geo =
+      geometry(q, k_cache, v_cache, scale, "[num_decodes, num_heads, head_dim]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0),
+              "block_tables must be [num_decodes, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
+              "context_lens must be [num_decodes]");
+  const int64_t num_decodes = q.size(0);
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  const int64_t table_stride = tables.size(1);
+  const int64_t* tables_ptr = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_decodes; ++i) {
+    TORCH_CHECK(lens_ptr[i] >= 0 && lens_ptr[i] <= table_stride * geo.block_size,
+                "context length ", lens_ptr[i], " does not fit the block table");
+    check_blocks(tables_ptr + i * table_stride, lens_ptr[i], geo.block_size, k_cache.size(0));
+  }
+  return attend(q, k_cache, geo, scale, "decode_attention",
+                [&](auto zero, auto dim, const float* qf, float* out) {
+                  using T = decltype(zero);
+                  decode_impl<T, decltype(dim)::value>(
+                      geo, qf, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables_ptr,
+                      table_stride, lens_ptr, num_decodes, out);
+                });
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
                              int64_t context_len, double scale) {
-  check_cache(k_cache, v_cache);
-  TORCH_CHECK(q.dim() == 3, "q must be [num_tokens, num_heads, head_dim]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "q head_dim differs from the cache's");
+  const Geometry geo =
+      geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
   TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
-  Geometry geo = geometry(k_cache, q.size(1));
-  geo.exact_bf16_queries = q.scalar_type() == at::kBFloat16 && is_power_of_two(scale);
   const int64_t n = q.size(0);
   TORCH_CHECK(n <= context_len, "more queries than context");
   TORCH_CHECK(context_len >= 0, "negative context length");
   TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
               "context length does not fit the block table");
-  at::Tensor table = block_table.to(at::kLong).contiguous();
-  check_blocks(table.data_ptr<int64_t>(), context_len, geo.block_size, k_cache.size(0));
-  at::Tensor qf = scaled_float_query(q, scale);
-  at::Tensor out = at::empty({n, geo.num_heads, geo.head_dim}, qf.options());
-  if (n == 0) return out.to(q.scalar_type());
-  if (k_cache.scalar_type() == at::kFloat) {
-    prefill_dispatch<float>(geo, qf.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), table.data_ptr<int64_t>(), context_len,
-                            n, out.data_ptr<float>());
-  } else {
-    prefill_dispatch<c10::BFloat16>(geo, qf.data_ptr<float>(),
-                                    k_cache.data_ptr<c10::BFloat16>(),
-                                    v_cache.data_ptr<c10::BFloat16>(),
-                                    table.data_ptr<int64_t>(), context_len, n,
-                                    out.data_ptr<float>());
-  }
-  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  check_blocks(table_ptr, context_len, geo.block_size, k_cache.size(0));
+  return attend(q, k_cache, geo, scale, "prefill_attention",
+                [&](auto zero, auto dim, const float* qf, float* out) {
+                  using T = decltype(zero);
+                  prefill_impl<T, decltype(dim)::value>(geo, qf, k_cache.data_ptr<T>(),
+                                                        v_cache.data_ptr<T>(), table_ptr,
+                                                        context_len, n, out);
+                });
+}
+
+// The instruction sets this build compiled paths for (-march=native on the building CPU).
+std::vector<std::string> compiled_isa() {
+  std::vector<std::string> isa;
+#if defined(__AVX2__)
+  isa.push_back("avx2");
+#endif
+#if defined(__AVX512F__)
+  isa.push_back("avx512f");
+#endif
+#if defined(__AVX512BF16__)
+  isa.push_back("avx512_bf16");
+#endif
+  return isa;
 }
 
 }  // namespace
@@ -776,11 +744,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
   register_layer_ops(m);
-  m.def("has_avx512", []() {
-#if defined(__AVX512F__)
-    return true;
-#else
-    return false;
-#endif
-  });
+  m.def("compiled_isa", &compiled_isa,
+        "The instruction sets the kernels were compiled for: avx2, avx512f, avx512_bf16");
 }
