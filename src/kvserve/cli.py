@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from kvserve.bench import cli_bench
     from kvserve.engine import cli_calibrate, cli_generate
+    from kvserve.model import cli_info
     from kvserve.server import cli_serve
     from kvserve.sim.commands import register as register_sim
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_calibrate.add_parser(subparsers)
     cli_serve.add_parser(subparsers)
     cli_bench.add_parser(subparsers)
+    cli_info.add_parser(subparsers)
     return parser
 
 

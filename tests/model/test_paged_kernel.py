@@ -200,3 +200,24 @@ def test_decode_few_requests_split_by_kv_head(dtype: torch.dtype) -> None:
         want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
         torch.testing.assert_close(out[row].double(), want, atol=TOLERANCE[dtype],
                                    rtol=TOLERANCE[dtype])
+
+
+def test_float16_caches_take_the_torch_path() -> None:
+    """The kernels compute on float32 and bfloat16 only; a float16 model (LLM(dtype=
+    "float16")) runs attention through torch instead of failing in the kernel's dtype check."""
+    from kvserve.model.attention import paged_attention, torch_paged_attention
+    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
+
+    gen = torch.Generator().manual_seed(12)
+    lens = [5, 40]
+    k_cache, v_cache = _caches(12, 16, 3, 64, torch.float16, gen)
+    tables = _tables([*lens, 20], 16, 12, gen)
+    q = torch.randn((2 + 4, 9, 64), generator=gen).to(torch.float16)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(6, dtype=torch.long), positions=torch.zeros(6, dtype=torch.long),
+        slot_mapping=torch.zeros(6, dtype=torch.long), num_decodes=2,
+        decode_block_tables=tables[:2], decode_context_lens=torch.tensor(lens),
+        prefills=[PrefillChunk(2, 4, 20, tables[2])], logits_indices=torch.tensor([0, 1, 5]))
+    assert paged_kernel.handles(torch.float16) is False
+    assert torch.equal(paged_attention(q, k_cache, v_cache, batch),
+                       torch_paged_attention(q, k_cache, v_cache, batch))

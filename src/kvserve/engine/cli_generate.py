@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.flags import CLIError, settings_from_args
 
     prompts = _prompts(args)
+    # Boot lines (CPU, ISA, kernel per op) and warnings on stderr; stdout is the answers.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     settings.pop("batching", None)
     try:

@@ -23,6 +23,7 @@ from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler,
 from kvserve.engine.engine import Engine, Prompt
 from kvserve.model import paged_kernel
 from kvserve.model.config import ModelConfig
+from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
@@ -108,6 +109,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if not paged_kernel.available():  # build (or load) it now, not in the first step
         logger.warning("paged attention kernel unavailable (%s); using the torch path",
                        paged_kernel.unavailable_reason())
+    for line in boot_lines(kernel_report(), torch_dtype):  # CPU, ISA, kernel per op
+        logger.info("%s", line)
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed)
     tokenizer = tokenizer or own_tokenizer
     config = network.config

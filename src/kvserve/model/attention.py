@@ -12,7 +12,8 @@ Three implementations with one signature:
   one call. Pure torch: always available.
 - :func:`paged_attention` (the default): decodes and prefill chunks through the C++ kernel
   of :mod:`kvserve.model.paged_kernel`, which reads K and V in place through the block
-  tables, when it could be built; otherwise exactly :func:`torch_paged_attention`.
+  tables, when it could be built and the cache is float32 or bfloat16; otherwise exactly
+  :func:`torch_paged_attention`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch) -> torch.Tensor:
     """q: [T, heads, head_dim] (K/V of this step already written). Returns [T, heads, dim]."""
-    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.available())
+    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.handles(k_cache.dtype))
 
 
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

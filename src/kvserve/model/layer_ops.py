@@ -14,11 +14,9 @@ import torch.nn.functional as F
 from kvserve.model import paged_kernel
 from kvserve.model.attention import write_kv
 
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def _fused(dtype: torch.dtype) -> bool:
-    return dtype in _FUSED_DTYPES and paged_kernel.available()
+    return paged_kernel.handles(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

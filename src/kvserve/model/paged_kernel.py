@@ -40,6 +40,7 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
 HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute on (caches, activations)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -120,6 +121,12 @@ def available() -> bool:
     return _load() is not None
 
 
+def handles(dtype: torch.dtype) -> bool:
+    """True if the kernels are built and compute on ``dtype`` (float32, bfloat16); other
+    dtypes (float16) take the torch path."""
+    return dtype in DTYPES and available()
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None if it is True or was not asked yet)."""
     return _error
@@ -130,6 +137,12 @@ def _kernel() -> ModuleType:
     if module is None:
         raise RuntimeError(f"paged attention kernel unavailable: {_error}")
     return module
+
+
+def compiled_isa() -> list[str]:
+    """The instruction sets the built kernels were compiled for, of avx2, avx512f and
+    avx512_bf16 (``-march=native``: what the building CPU has); raises if it is not built."""
+    return list(_kernel().compiled_isa())
 
 
 def layer_ops() -> ModuleType:

@@ -1,0 +1,49 @@
+"""``kvserve info``: the CPU, its instruction sets, and the kernel each op of the model uses."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "info", help="show the CPU, its ISA flags and the kernel each op uses",
+        description="Show this machine's CPU model and instruction sets, whether the C++ "
+                    "kernels are built (building them on first use), and the kernel each op "
+                    "of the model runs in float32 and in bfloat16.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.model.kernel_info import kernel_report
+
+    report = kernel_report().as_dict()
+    print(json.dumps(report, indent=1) if args.json else text(report))
+    return 0
+
+
+def text(report: dict[str, Any]) -> str:
+    """The report as aligned text, one fact a line."""
+    cpu, torch_info, extension = report["cpu"], report["torch"], report["extension"]
+    found = [flag for flag, present in cpu["isa"].items() if present]
+    missing = [flag for flag, present in cpu["isa"].items() if not present]
+    if extension["built"]:
+        built = "built, compiled for " + (" ".join(extension["compiled_isa"]) or "baseline")
+    else:
+        built = f"not built: {extension['error']}"
+    lines = [f"CPU          {cpu['model']} ({cpu['logical_cpus']} logical CPUs)",
+             f"ISA found    {' '.join(found) or '-'}",
+             f"not found    {' '.join(missing) or '-'}",
+             f"torch        {torch_info['version']}, ATen CPU capability "
+             f"{torch_info['aten_cpu_capability']}, {torch_info['threads']} threads, oneDNN "
+             f"bf16: {'yes' if torch_info['onednn_bf16'] else 'no'}",
+             f"C++ kernels  {built}",
+             "AMX          no kvserve kernel uses AMX tiles; oneDNN's packed bf16 projections "
+             "do where the CPU has them"]
+    for dtype, ops in report["ops"].items():
+        lines += ["", f"{dtype}:"]
+        lines += [f"  {op:<14} {kernel}" for op, kernel in ops.items()]
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""What this machine runs: the CPU, the instruction sets it has, and the kernel each op of the
+model uses (``kvserve info``, and the boot log of ``kvserve serve`` and ``kvserve generate``).
+
+The choices are not made here; this module reports the ones the code makes
+(docs/kernels.md):
+
+- projections and the LM head (:class:`kvserve.model.llama.Linear`): bf16 weights packed once
+  for oneDNN where oneDNN runs bf16 (it then picks its own instructions: AMX where present,
+  else AVX512-BF16), otherwise torch's ``F.linear``;
+- attention (:mod:`kvserve.model.paged_kernel`): the C++ kernel, compiled with
+  ``-march=native``, whose paths are AVX512-BF16 dot products (bf16 caches, head_dim 64 or
+  128), AVX-512 intrinsics, or loops the compiler vectorises; the torch path (gather + SDPA)
+  when the extension is not built or the dtype is neither float32 nor bfloat16;
+- RMSNorm (+ residual), SwiGLU, RoPE + K/V write (:mod:`kvserve.model.layer_ops`): fused C++
+  loops vectorised by the compiler for the ISA the build found, or torch ops;
+- sampling: torch (:mod:`kvserve.model.sampler`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The instruction sets that matter to the kernels here or to oneDNN/ATen, in /proc/cpuinfo's
+# spelling. amx_* are reported but no kernel of kvserve's own uses them (docs/kernels.md).
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+OPS = ("projections", "lm_head", "attention", "rms_norm", "silu_and_mul", "rope_kv_write",
+       "sampling")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    logical_cpus: int
+    flags: frozenset[str] = field(default_factory=frozenset)
+
+    def isa(self) -> dict[str, bool]:
+        """Each of ISA_FLAGS: whether this CPU has it."""
+        return {flag: flag in self.flags for flag in ISA_FLAGS}
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """The model name and flags of the first processor in /proc/cpuinfo's text, and the number
+    of processors it lists."""
+    model, flags, count = "", frozenset[str](), 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            count += 1
+        elif key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return CpuInfo(model or platform.processor() or platform.machine(), count or
+                   (os.cpu_count() or 0), flags)
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:
+    """This machine's CPU (without /proc/cpuinfo: the platform's name, no flags)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return parse_cpuinfo(file.read())
+    except OSError:
+        return parse_cpuinfo("")
+
+
+def _vector_isa(compiled_isa: tuple[str, ...]) -> str:
+    if "avx512f" in compiled_isa:
+        return "AVX-512"
+    return "AVX2" if "avx2" in compiled_isa else "baseline x86-64 / scalar"
+
+
+def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
+               onednn_bf16: bool) -> dict[str, str]:
+    """The kernel each op runs for ``dtype``, given whether the C++ extension is built, the
+    instruction sets it was compiled for, and whether oneDNN runs bf16 on this CPU."""
+    from kvserve.model.paged_kernel import DTYPES
+
+    fused = built and dtype in DTYPES
+    vector = _vector_isa(compiled_isa)
+    if dtype == torch.bfloat16 and onednn_bf16:
+        projections = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or " \
+                      "AVX512-BF16 itself)"
+    else:
+        projections = f"torch F.linear {str(dtype).removeprefix('torch.')}"
+    if not fused:
+        attention = "torch (gather + scaled_dot_product_attention)"
+    elif dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
+        attention = "C++ AVX512-BF16 dot products + AVX-512 (head_dim 64/128; others AVX-512)"
+    elif "avx512f" in compiled_isa:
+        attention = "C++ AVX-512 intrinsics (head_dim a multiple of 16; else vectorised loops)"
+    else:
+        attention = f"C++ compiler-vectorised loops ({vector})"
+    elementwise = f"C++ fused ({vector})" if fused else "torch ops"
+    return {"projections": projections, "lm_head": projections, "attention": attention,
+            "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
+            "sampling": "torch"}
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    cpu: CpuInfo
+    torch_version: str
+    aten_cpu_capability: str
+    threads: int
+    onednn_bf16: bool
+    extension_built: bool
+    extension_error: str | None
+    compiled_isa: tuple[str, ...]
+
+    def ops(self, dtype: torch.dtype) -> dict[str, str]:
+        return op_kernels(dtype, self.extension_built, self.compiled_isa, self.onednn_bf16)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for ``kvserve info --json``."""
+        return {
+            "cpu": {"model": self.cpu.model, "logical_cpus": self.cpu.logical_cpus,
+                    "isa": self.cpu.isa()},
+            "torch": {"version": self.torch_version,
+                      "aten_cpu_capability": self.aten_cpu_capability,
+                      "threads": self.threads, "onednn_bf16": self.onednn_bf16},
+            "extension": {"built": self.extension_built, "error": self.extension_error,
+                          "compiled_isa": list(self.compiled_isa)},
+            "ops": {name: self.ops(dtype) for name, dtype in
+                    (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
+        }
+
+
+def onednn_runs_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and \
+        bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def kernel_report() -> KernelReport:
+    """This machine's report; builds (or loads) the C++ extension if that was not done yet."""
+    from kvserve.model import paged_kernel
+
+    built = paged_kernel.available()
+    compiled = tuple(paged_kernel.compiled_isa()) if built else ()
+    return KernelReport(cpu_info(), torch.__version__,
+                        torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+                        onednn_runs_bf16(), built, paged_kernel.unavailable_reason(),
+                        compiled)
+
+
+def isa_line(cpu: CpuInfo) -> str:
+    isa = cpu.isa()
+    found = " ".join(flag for flag, present in isa.items() if present) or "none of interest"
+    missing = " ".join(flag for flag, present in isa.items() if not present)
+    return f"{found}" + (f" (not found: {missing})" if missing else "")
+
+
+def boot_lines(report: KernelReport, dtype: torch.dtype) -> list[str]:
+    """What the server and ``kvserve generate`` log at start-up."""
+    ops = report.ops(dtype)
+    built = "built" if report.extension_built else f"not built ({report.extension_error})"
+    return [f"CPU: {report.cpu.model}, {report.cpu.logical_cpus} logical CPUs, "
+            f"{report.threads} torch threads; ISA: {isa_line(report.cpu)}",
+            f"C++ kernels {built}; {str(dtype).removeprefix('torch.')} kernels: "
+            + "; ".join(f"{op} {kernel}" for op, kernel in ops.items())]

@@ -1,0 +1,113 @@
+"""Issue 16 item 1: ``kvserve info`` and the boot log name the CPU, its ISA flags, whether the
+C++ kernels are built and the kernel each op uses (docs/kernels.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvserve.cli import main
+from kvserve.engine.llm import LLM
+from kvserve.model import kernel_info, paged_kernel
+from kvserve.model.kernel_info import OPS, cpu_info, op_kernels, parse_cpuinfo
+from tests.model.reference import TINY
+
+AMX_XEON = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 \
+avx512_fp16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu
+"""
+ALL_ISA = ("avx2", "avx512f", "avx512_bf16")
+
+
+def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
+    cpu = parse_cpuinfo(AMX_XEON)
+    assert (cpu.model, cpu.logical_cpus) == ("Intel(R) Xeon(R) Platinum 8480+", 2)
+    assert [flag for flag, found in cpu.isa().items() if not found] == []
+    assert cpu.isa()["amx_bf16"] and cpu.isa()["avx512_fp16"]
+    zen4 = parse_cpuinfo("processor : 0\nmodel name : AMD EPYC\nflags : avx2 avx512f "
+                         "avx512_bf16\n")
+    assert [flag for flag, found in zen4.isa().items() if found] == ["avx2", "avx512f",
+                                                                    "avx512_bf16"]
+
+
+def test_bf16_on_an_avx512_bf16_build_uses_onednn_and_the_bf16_dot_products() -> None:
+    ops = op_kernels(torch.bfloat16, True, ALL_ISA, onednn_bf16=True)
+    assert list(ops) == list(OPS)
+    assert ops["projections"].startswith("oneDNN packed bf16")
+    assert ops["lm_head"] == ops["projections"]
+    assert ops["attention"].startswith("C++ AVX512-BF16")
+    assert ops["rms_norm"] == ops["silu_and_mul"] == ops["rope_kv_write"] == "C++ fused (AVX-512)"
+    assert ops["sampling"] == "torch"
+
+
+def test_float32_and_narrower_builds_report_their_own_paths() -> None:
+    assert op_kernels(torch.float32, True, ALL_ISA, True)["attention"].startswith(
+        "C++ AVX-512 intrinsics")
+    assert op_kernels(torch.float32, True, ALL_ISA, True)["projections"] == \
+        "torch F.linear float32"
+    avx2 = op_kernels(torch.bfloat16, True, ("avx2",), onednn_bf16=False)
+    assert avx2["attention"] == "C++ compiler-vectorised loops (AVX2)"
+    assert avx2["rms_norm"] == "C++ fused (AVX2)"
+    assert avx2["projections"] == "torch F.linear bfloat16"
+
+
+@pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])
+def test_without_the_kernels_every_op_is_torch(dtype: torch.dtype, built: bool) -> None:
+    ops = op_kernels(dtype, built, ALL_ISA if built else (), onednn_bf16=False)
+    assert ops["attention"] == "torch (gather + scaled_dot_product_attention)"
+    assert ops["rms_norm"] == ops["silu_and_mul"] == ops["rope_kv_write"] == "torch ops"
+
+
+def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cpu = cpu_info()
+    assert report["cpu"] == {"model": cpu.model, "logical_cpus": cpu.logical_cpus,
+                             "isa": cpu.isa()}
+    assert report["torch"]["version"] == torch.__version__
+    assert report["torch"]["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert report["extension"]["built"] == paged_kernel.available()
+    if paged_kernel.available():
+        # -march=native: the build has exactly the paths this CPU's flags allow.
+        assert report["extension"]["compiled_isa"] == [
+            flag for flag in ALL_ISA if flag in cpu.flags]
+    assert list(report["ops"]) == ["float32", "bfloat16"]
+    for dtype, ops in report["ops"].items():
+        assert ops == kernel_info.kernel_report().ops(getattr(torch, dtype))
+
+
+def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cpu = cpu_info()
+    assert lines[0] == f"CPU          {cpu.model} ({cpu.logical_cpus} logical CPUs)"
+    found = " ".join(flag for flag, present in cpu.isa().items() if present)
+    assert lines[1] == f"ISA found    {found}"
+    assert lines[4].startswith("C++ kernels  built" if paged_kernel.available()
+                               else "C++ kernels  not built")
+    report = kernel_info.kernel_report()
+    for dtype in ("float32", "bfloat16"):
+        start = lines.index(f"{dtype}:")
+        ops = report.ops(getattr(torch, dtype))
+        assert lines[start + 1:start + 1 + len(OPS)] == [
+            f"  {op:<14} {ops[op]}" for op in OPS]
+
+
+def test_an_engine_logs_the_cpu_and_its_kernels_at_boot(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.llm"):
+        LLM(TINY, dtype="bfloat16", num_kv_blocks=8)
+    messages = [record.getMessage() for record in caplog.records]
+    report = kernel_info.kernel_report()
+    assert messages[-2:] == kernel_info.boot_lines(report, torch.bfloat16)
+    assert messages[-2].startswith(f"CPU: {report.cpu.model}, ")
+    assert "bfloat16 kernels: projections " in messages[-1]
