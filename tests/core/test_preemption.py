@@ -51,7 +51,7 @@ def test_golden_preemption_in_a_ten_block_pool():  # F1-F6, B3; vLLM O.8 (11 wit
     assert len(resumed["r1"].token_ids) == 81
     assert out.num_scheduled_tokens["r1"] == 17
     assert r1.num_recomputed_tokens == 16 and scheduler.num_recomputed_tokens == 16
-    assert [e.type for e in r1.events] == [EventType.QUEUED, EventType.SCHEDULED,
+    assert [e.type for e in r1.events] == [EventType.ARRIVED, EventType.ADMITTED,
                                           EventType.PREEMPTED, EventType.RESUMED]
 
 

@@ -41,8 +41,8 @@ def test_priority_order_is_priority_then_arrival_then_id():  # B2
 
 def test_events_carry_timestamps():  # B3
     request = make_request("a")
-    request.record(EventType.QUEUED, 1.5)
-    assert [(e.type, e.timestamp) for e in request.events] == [(EventType.QUEUED, 1.5)]
+    request.record(EventType.ARRIVED, 1.5)
+    assert [(e.type, e.timestamp) for e in request.events] == [(EventType.ARRIVED, 1.5)]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

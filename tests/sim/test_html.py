@@ -23,7 +23,7 @@ def test_run_report_has_time_series_distributions_and_timeline(tmp_path):
                   "Inter-token latency", "Per-request timeline"):
         assert title in html
     assert html.count("<svg") == 5
-    # 60 blocks for 30 requests preempt: stalls are drawn in the stall colour.
+    # 60 blocks for 30 requests preempt: preempted spans are drawn in their colour.
     assert 'fill="#dc2626"' in html
     assert html.count("<g><title>") == 30  # one timeline bar per request
 

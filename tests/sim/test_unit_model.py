@@ -60,7 +60,8 @@ def test_preemption_recompute_and_prefix_hit_by_hand():
     #     sequence (33 tokens = 3 blocks) needs 3 free blocks and 1 is free: blocked.
     #     a samples EOS (its 21st token) at t=21 and frees 3 blocks.
     #   step 22 (t=21): b resumes: hit 16, computes 17 (positions 16-32; 16-31 are
-    #     recomputed) -> token 18 at t=22. Stall: preempted at t=17, next token t=22: 5 s.
+    #     recomputed) -> token 18 at t=22. Stall: preempted at t=17, next token t=22: 5 s;
+    #     preempted span: t=17 to the resume at t=21.
     #   steps 23-25: tokens 19, 20, EOS; b done at t=25.
     # Scheduled: a 16 + 20 = 36; b 16 + 16 + 17 + 3 = 52; 88 in all, 16 recomputed.
     # Prefix cache: a (16 queried, 0 hit), b (16, 0), b again (33, 16): 16 / 65.
@@ -75,7 +76,7 @@ def test_preemption_recompute_and_prefix_hit_by_hand():
     records = by_id(result)
     assert timings(records["a"]) == (0.0, 1.0, 21.0)
     assert timings(records["b"]) == (0.0, 1.0, 25.0)
-    assert records["b"].stalls == [(17.0, 21.0)]
+    assert records["b"].preempted_spans == [(17.0, 21.0)]
     assert records["b"].itl_max == 5.0
     assert a["blocked_steps"] == {"kv_cache": 3, "preemption": 1}
 
@@ -201,7 +202,8 @@ def test_a_request_that_preempts_itself_first_leaves_an_empty_step():
     #        blocked (17 tokens need 2 blocks, 1 is free).
     #   t=1, t=2: b decodes -> token 2 at t=2, EOS at t=3.
     #   t=3: a resumes; its prompt block is still cached (16-token hit), 1 token to compute
-    #        -> token 2 at t=4; EOS at t=5. Stall: preempted at t=1, resumed at t=3.
+    #        -> token 2 at t=4; EOS at t=5. Preempted span: t=1 to the resume at t=3;
+    #        stall: t=1 to the next token at t=4, 3 s.
     result = simulate([req("a", 16, 2), req("b", 30, 2)], num_blocks=3,
                       victim_policy="least-computed")
     assert list(result.steps.num_scheduled_tokens) == [46, 1, 1, 1, 1]
@@ -209,7 +211,7 @@ def test_a_request_that_preempts_itself_first_leaves_an_empty_step():
     records = by_id(result)
     assert timings(records["b"])[2] == 3.0
     assert timings(records["a"]) == (0.0, 1.0, 5.0)
-    assert records["a"].stalls == [(1.0, 3.0)]
+    assert records["a"].preempted_spans == [(1.0, 3.0)]
     a = aggregate(result)
     assert (a["num_preemptions"], a["recomputed_tokens"], a["longest_stall_s"]) == (1, 0, 3.0)
 

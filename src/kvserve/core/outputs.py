@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvserve.core.request import SamplingParams
+from kvserve.core.request import EventType, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,17 +109,31 @@ class RequestOutput(NamedTuple):
     metrics: RequestMetrics | None = None
 
 
+_tuple_new = tuple.__new__
+
+
+def unfinished_output(request_id: str, new_token_ids: list[int]) -> RequestOutput:
+    """``RequestOutput(request_id, new_token_ids)``, at about two thirds of the cost.
+
+    The scheduler builds one per running request per step. ``tuple.__new__`` skips the
+    NamedTuple's Python-level ``__new__``, so the fields are written here by position: the
+    one place that must follow RequestOutput's field order (a test pins it).
+    """
+    return _tuple_new(RequestOutput, (request_id, new_token_ids, False, None, None, None))
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerEvent:
     """One line of the scheduling event log, the same in the engine and the simulator.
 
-    kind: arrived | admitted | resumed | blocked | preempted | finished.
+    ``kind``: an :class:`EventType` (written to the JSONL log as its value: arrived, admitted,
+    resumed, blocked, preempted, finished).
     ``num_tokens``: tokens scheduled on admission, tokens of KV lost on preemption, output
     tokens on finishing. ``reason``: why a request is blocked, or the finish reason.
     """
 
     time: float
-    kind: str
+    kind: EventType
     request_id: str
     num_tokens: int = 0
     reason: str = ""

@@ -48,12 +48,24 @@ _FINISH_REASONS = {
 }
 
 
-class EventType(enum.Enum):
-    QUEUED = "queued"
-    SCHEDULED = "scheduled"
+class EventType(str, enum.Enum):
+    """What happens to a request: one vocabulary for its own timeline (``Request.events``,
+    B3) and for the scheduler's event log (``SchedulerEvent.kind``), whose JSONL lines carry
+    the value (docs/scheduler.md, "Events").
+
+    A ``str`` mixin (Python 3.10 has no ``enum.StrEnum``): a member equals its value, so
+    ``event.kind == "preempted"`` holds and JSON encodes the value.
+    """
+
+    ARRIVED = "arrived"  # queued by add_request
+    ADMITTED = "admitted"  # first scheduled: left the waiting queue for running
+    RESUMED = "resumed"  # admitted again after a preemption
+    BLOCKED = "blocked"  # event log only: the waiting pass stopped at this request
     PREEMPTED = "preempted"
-    RESUMED = "resumed"
     FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from kvserve.core.outputs import (
     SchedulerEvent,
     SchedulerOutput,
     SchedulerStats,
+    unfinished_output,
 )
 from kvserve.core.policies import make_admission_policy, make_victim_policy
 from kvserve.core.queues import make_waiting_queue
@@ -40,8 +41,28 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 QUEUE_TIMEOUT = "queue_timeout"
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
-_new_tuple = tuple.__new__
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
+
+
+def tokens_to_schedule(num_tokens: int, num_computed: int, long_prefill_threshold: int,
+                       max_model_len: int) -> int:
+    """D1 and D5: how many of a request's tokens one step computes, before the budget.
+
+    The tokens still to compute (``num_tokens - num_computed``), capped by the long-prefill
+    threshold (when > 0) and by ``max_model_len - num_computed - 1``. The token budget is
+    the last cap, applied by each pass: the running pass cuts to it, the waiting pass cuts
+    to it with chunked prefill on and stops otherwise (D4).
+
+    With one token to compute (a decode) no cap can bind: a threshold that is on is >= 1,
+    and an unfinished request has num_tokens < max_model_len (J1, J2). The running pass
+    relies on this to skip the call for decodes.
+    """
+    num_new = num_tokens - num_computed
+    if 0 < long_prefill_threshold < num_new:
+        num_new = long_prefill_threshold
+    if num_new > max_model_len - 1 - num_computed:
+        num_new = max_model_len - 1 - num_computed
+    return num_new
 
 
 class _Step:
@@ -109,13 +130,13 @@ class Scheduler:
         check_queue_limits(request, self.waiting, self.config)
         self.requests[request.request_id] = request
         self.waiting.push(request)
-        request.record(EventType.QUEUED, request.arrival_time)
+        request.record(EventType.ARRIVED, request.arrival_time)
         delay = request.sampling_params.max_queue_delay
         if delay is None:
             delay = self.config.max_queue_delay
         if delay is not None:
             self._queue_deadlines.add(request.request_id, request.arrival_time + delay)
-        self._emit(request.arrival_time, "arrived", request, request.num_tokens)
+        self._emit(request.arrival_time, EventType.ARRIVED, request, request.num_tokens)
 
     def abort(self, request_id: str, now: float | None = None) -> bool:
         """Abort a request in any state and free everything it holds (H4).
@@ -152,7 +173,7 @@ class Scheduler:
         self._finished_since_last_step.append(request.request_id)
         reason = status.finish_reason or "error"
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
-        self._emit(now, "finished", request, request.num_output_tokens,
+        self._emit(now, EventType.FINISHED, request, request.num_output_tokens,
                    str(stop_reason) if stop_reason is not None else reason)
         return RequestMetrics(
             arrival_time=request.arrival_time,
@@ -206,28 +227,27 @@ class Scheduler:
         max_model_len = self._max_model_len
         grow_slots, block_size = self.kv.grow_slots, self.kv.block_size
         num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
-        # This loop runs for every running request every step, so D1 and step.schedule() are
-        # written inline and the budget and running count live in locals, brought up to date
-        # around the preemption path, which reads and changes them.
+        # This loop runs for every running request every step, so step.schedule() is written
+        # inline, a decode skips the tokens_to_schedule() call and the caps (it returns 1 for
+        # one token; the budget and max_new are >= 1), and the budget and running count live
+        # in locals, brought up to date around the preemption path, which reads and changes
+        # them.
         budget = step.token_budget
         num_running = len(running)
         index = 0
         while index < num_running and budget > 0:
             request = running[index]
-            # D1: tokens still to compute, capped by the long-prefill threshold, the budget
-            # and the model length
             num_computed = request.num_computed_tokens
-            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) \
-                - num_computed
-            if num_new > max_new:
-                index += 1
-                continue
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > budget:
-                num_new = budget
-            if num_new > max_model_len - 1 - num_computed:
-                num_new = max_model_len - 1 - num_computed
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_new = num_tokens - num_computed
+            if num_new != 1:
+                if num_new > max_new:
+                    index += 1
+                    continue
+                num_new = tokens_to_schedule(num_tokens, num_computed, threshold,
+                                             max_model_len)
+                if num_new > budget:
+                    num_new = budget
             if num_new <= 0:
                 index += 1
                 continue
@@ -285,7 +305,7 @@ class Scheduler:
         self.waiting.push_front(request)
         step.preempted.append(request)
         self.num_preemptions += 1
-        self._emit(self._now, "preempted", request, num_lost)
+        self._emit(self._now, EventType.PREEMPTED, request, num_lost)
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Pass 2 (D4-D6): admit from the head of the queue until something stops us.
@@ -306,10 +326,9 @@ class Scheduler:
                 return
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            threshold = config.long_prefill_token_threshold
-            if 0 < threshold < num_new:
-                num_new = threshold
+            num_new = tokens_to_schedule(request.num_tokens, num_hit_tokens,
+                                         config.long_prefill_token_threshold,
+                                         config.max_model_len)
             if num_new > step.token_budget:
                 if not config.enable_chunked_prefill:
                     self._note_blocked("token_budget")
@@ -340,12 +359,13 @@ class Scheduler:
         step.admitted.add(request.request_id)
         self._blocked_reason.pop(request.request_id, None)
         if resumed:
-            request.record(EventType.RESUMED, self._now)
+            kind = EventType.RESUMED
         else:
+            kind = EventType.ADMITTED
             request.num_cached_tokens = num_hit_tokens
             request.first_scheduled_time = self._now
-            request.record(EventType.SCHEDULED, self._now)
-        self._emit(self._now, "resumed" if resumed else "admitted", request, num_new)
+        request.record(kind, self._now)
+        self._emit(self._now, kind, request, num_new)
 
     def _note_blocked(self, reason: str) -> None:
         """The waiting pass stopped with requests left: count it, and log the head request
@@ -357,7 +377,7 @@ class Scheduler:
             head = self.waiting.peek()
             if self._blocked_reason.get(head.request_id) != reason:
                 self._blocked_reason[head.request_id] = reason
-                self._emit(self._now, "blocked", head, head.num_tokens, reason)
+                self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
 
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
@@ -454,24 +474,19 @@ class Scheduler:
             if not token_ids:
                 raise ValueError(f"executor returned no token for request {request_id}, "
                                  "whose scheduled tokens reached the end of its sequence")
-            if len(token_ids) > 1 or request.first_token_time is None or \
-                    request.preempted_time is not None:
-                output = self._append_tokens(request, token_ids, now)
-                append_output(output)
-                any_finished = any_finished or output.finished
-                continue
-            # The usual step of a decoding request: _append_tokens for one token, with no
-            # first token or stall to note. Inline because this runs for every running
-            # request every step, where the call alone was about 2% of the simulator's time;
-            # for the same reason the output is RequestOutput(request_id, token_ids) built
-            # without the NamedTuple's Python-level __new__, which costs twice as much.
-            token_id = token_ids[0]
-            request.output_token_ids.append(token_id)
-            status, stop_reason = check_stop(request, token_id, length_limit)
+            if request.first_token_time is None or request.preempted_time is not None:
+                self._note_token_after_gap(request, now)
+            # H2: append, then the stop checks. One token is the usual step of a decoding
+            # request and is written inline: this loop runs for every running request every
+            # step, where a call was about 2% of the simulator's time.
+            if len(token_ids) == 1:
+                request.output_token_ids.append(token_ids[0])
+                status, stop_reason = check_stop(request, token_ids[0], length_limit)
+            else:
+                token_ids, status, stop_reason = self._append_tokens(request, token_ids)
             request.last_token_time = now
             if status is None:
-                append_output(_new_tuple(RequestOutput,
-                                         (request_id, token_ids, False, None, None, None)))
+                append_output(unfinished_output(request_id, token_ids))
             else:
                 append_output(self._finished_output(request, token_ids, status, stop_reason,
                                                     now))
@@ -480,30 +495,29 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
-    def _append_tokens(self, request: Request, token_ids: list[int],
-                       now: float) -> RequestOutput:
-        output_token_ids = request.output_token_ids
-        if len(token_ids) == 1:
-            output_token_ids.append(token_ids[0])
-            status, stop_reason = check_stop(request, token_ids[0], self._length_limit)
-            new_token_ids = token_ids
-        else:
-            new_token_ids = []
-            for token_id in token_ids:
-                output_token_ids.append(token_id)
-                new_token_ids.append(token_id)
-                status, stop_reason = check_stop(request, token_id, self._length_limit)
-                if status is not None:
-                    break  # tokens after a stop are dropped
+    @staticmethod
+    def _note_token_after_gap(request: Request, now: float) -> None:
+        """A request's first token, or its first since a preemption: close the stall (B3)."""
         if request.first_token_time is None:
             request.first_token_time = now
         if request.preempted_time is not None:
             request.longest_stall = max(request.longest_stall, now - request.preempted_time)
             request.preempted_time = None
-        request.last_token_time = now
-        if status is None:
-            return RequestOutput(request.request_id, new_token_ids)
-        return self._finished_output(request, new_token_ids, status, stop_reason, now)
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Several tokens in one step (H2): append until one stops the request; the tokens
+        after a stop are dropped. Returns the tokens kept and check_stop()'s verdict."""
+        output_token_ids = request.output_token_ids
+        kept: list[int] = []
+        status, stop_reason = None, None
+        for token_id in token_ids:
+            output_token_ids.append(token_id)
+            kept.append(token_id)
+            status, stop_reason = check_stop(request, token_id, self._length_limit)
+            if status is not None:
+                break
+        return kept, status, stop_reason
 
     def _finished_output(self, request: Request, new_token_ids: list[int],
                          status: RequestStatus, stop_reason: int | None,
@@ -524,7 +538,7 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    def _emit(self, time: float, kind: str, request: Request, num_tokens: int = 0,
+    def _emit(self, time: float, kind: EventType, request: Request, num_tokens: int = 0,
               reason: str = "") -> None:
         if self._events is not None:
             self._events.append(SchedulerEvent(time, kind, request.request_id, num_tokens,

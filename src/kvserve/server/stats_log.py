@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from kvserve.core import EventType
 from kvserve.engine.async_engine import StepReport
 from kvserve.server.state import ServerState
 
@@ -27,7 +28,7 @@ def log_boot(state: ServerState) -> None:
 def log_preemptions(report: StepReport) -> None:
     """Engine thread: one key=value line per preemption."""
     for event in report.events:
-        if event.kind == "preempted":
+        if event.kind is EventType.PREEMPTED:
             logger.info("preemption request_id=%s num_tokens_lost=%d running=%d waiting=%d "
                         "kv_cache_usage=%.3f", event.request_id, event.num_tokens,
                         report.stats.num_running, report.stats.num_waiting,

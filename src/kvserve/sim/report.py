@@ -135,7 +135,8 @@ def request_rows(result: SimResult) -> list[dict[str, Any]]:
             "itl_mean_s": _round(record.itl_sum / gaps if gaps > 0 else None),
             "itl_max_s": _round(record.itl_max if gaps > 0 else None),
             "longest_stall_s": _round(m.longest_stall if m else 0.0),
-            "stalls": [[_round(a), _round(b)] for a, b in record.stalls],
+            # Key kept from report version 1: the preempted spans, preemption -> resume.
+            "stalls": [[_round(a), _round(b)] for a, b in record.preempted_spans],
         })
     return rows
 

@@ -61,7 +61,9 @@ class RequestRecord:
     itl_max: float = 0.0
     itl_sum: float = 0.0
     last_token_time: float | None = None
-    stalls: list[tuple[float, float]] = field(default_factory=list)
+    # (preempted, resumed or finished) spans: time out of the running set after a preemption.
+    # Not a stall: a stall (RequestMetrics.longest_stall) runs on to the next token.
+    preempted_spans: list[tuple[float, float]] = field(default_factory=list)
     deadline: float | None = None
 
 
@@ -219,7 +221,7 @@ class _Run:
         if self.sim.record_events:
             self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
-            self._close_stalls(request)  # still running or waiting when the loop gave up
+            self._close_preempted_spans(request)  # still running or waiting when the loop gave up
         stats = self.scheduler.stats()
         return SimResult(
             start_time=start, end_time=end,
@@ -332,16 +334,17 @@ class _Run:
         self.finished.add(request_id)
         request = self.live.pop(request_id, None)
         if request is not None:
-            self._close_stalls(request)
+            self._close_preempted_spans(request)
         self.executor.forget(request_id)
 
-    def _close_stalls(self, request: Request) -> None:
-        """Preemption stalls from the request's own event history: preempted -> resumed."""
-        stalls = self.records[request.request_id].stalls
+    def _close_preempted_spans(self, request: Request) -> None:
+        """Preempted spans from the request's own event history: preempted -> resumed (or
+        finished, if it never resumed)."""
+        spans = self.records[request.request_id].preempted_spans
         opened = None
         for event in request.events:
             if event.type is EventType.PREEMPTED:
                 opened = event.timestamp
             elif event.type in (EventType.RESUMED, EventType.FINISHED) and opened is not None:
-                stalls.append((opened, event.timestamp))
+                spans.append((opened, event.timestamp))
                 opened = None

@@ -195,13 +195,14 @@ def histogram(title: str, values: Sequence[float] | np.ndarray, x_label: str, *,
 
 
 TIMELINE_COLORS = {"queue": "#cbd5e1", "prefill": "#f59e0b", "decode": "#2563eb",
-                   "stall": "#dc2626"}
+                   "preempted": "#dc2626"}
 
 
 def timeline(title: str, rows: Sequence[dict], *, width: int = 1280,
              row_height: int = 7) -> str:
     """One bar per request: queued (arrival -> first scheduled), prefill (-> first token),
-    decode (-> finished); preemption stalls drawn over it in red."""
+    decode (-> finished); preempted spans (preemption -> resume, the report's ``stalls``)
+    drawn over it in red."""
     rows = [r for r in rows if r.get("finished_time") is not None]
     if not rows:
         return _svg(width, 40, [f'<text x="4" y="20" class="title">{escape(title)}: '
@@ -230,7 +231,7 @@ def timeline(title: str, rows: Sequence[dict], *, width: int = 1280,
                f'{row["output_tokens"]}, TTFT {fmt(row["ttft_s"] or 0)} s, '
                f'{row["num_preemptions"]} preemptions')
         parts.append(f"<g><title>{tip}</title>")
-        for kind, start, end in spans + tuple(("stall", a, b) for a, b in row["stalls"]):
+        for kind, start, end in spans + tuple(("preempted", a, b) for a, b in row["stalls"]):
             if end is None or start is None or end <= start:
                 continue
             x0, x1 = frame.x(start), frame.x(end)
