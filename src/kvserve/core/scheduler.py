@@ -15,6 +15,9 @@ and hashes are stable digests.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from kvserve.core import outputs as core_outputs
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.deadlines import QueueDeadlines
@@ -23,19 +26,22 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.limits import check_queue_limits, check_servable
 from kvserve.core.outputs import (
     CachedRequestData,
-    ModelOutput,
     NewRequestData,
     RequestMetrics,
     RequestOutput,
-    SchedulerEvent,
     SchedulerOutput,
-    SchedulerStats,
     unfinished_output,
 )
 from kvserve.core.policies import make_admission_policy, make_victim_policy
 from kvserve.core.queues import make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
 from kvserve.core.stop import check_stop
+
+if TYPE_CHECKING:
+    from kvserve.core.outputs import ModelOutput
+
+# The step outputs are imported by name; the observation types (events, stats) through the
+# module, so this list is not core/__init__.py's export list over again.
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -107,7 +113,7 @@ class Scheduler:
         self._queue_deadlines = QueueDeadlines()
         self._finished_since_last_step: list[str] = []
         self._pending_outputs: list[RequestOutput] = []
-        self._events: list[SchedulerEvent] | None = [] if record_events else None
+        self._events: list[core_outputs.SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
         self.prefill_capacity_bound = False  # N3
@@ -541,18 +547,18 @@ class Scheduler:
     def _emit(self, time: float, kind: EventType, request: Request, num_tokens: int = 0,
               reason: str = "") -> None:
         if self._events is not None:
-            self._events.append(SchedulerEvent(time, kind, request.request_id, num_tokens,
-                                               reason))
+            self._events.append(core_outputs.SchedulerEvent(time, kind, request.request_id,
+                                                            num_tokens, reason))
 
-    def take_events(self) -> list[SchedulerEvent]:
+    def take_events(self) -> list[core_outputs.SchedulerEvent]:
         """Scheduling events since the last call (empty unless ``record_events``)."""
         if self._events is None:
             return []
         events, self._events = self._events, []
         return events
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def stats(self) -> core_outputs.SchedulerStats:
+        return core_outputs.SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_queued_tokens=self.waiting.num_tokens,
