@@ -365,7 +365,7 @@ class _ClusterRun:
     def _replica_result(self, replica: _Replica, start: float, end: float) -> SimResult:
         run = replica.run
         for request in run.live.values():
-            run._close_stalls(request)
+            run._close_preempted_spans(request)
         if run.sim.record_events:
             run.events.extend(run.scheduler.take_events())
         stats = run.scheduler.stats()
