@@ -28,7 +28,7 @@ from docs_section import publish
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ("import json, sys; sys.path[:0] = sys.argv[1:3]; import sched_overhead; "
            "print(json.dumps(sched_overhead.measure(int(sys.argv[3]), 1000, int(sys.argv[4]), "
-           "sys.argv[5] == 'on')))")
+           "sys.argv[5] == 'on', clock=sys.argv[6])))")
 
 
 def export_src(rev: str, into: Path) -> Path:
@@ -39,10 +39,10 @@ def export_src(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def measure(src: Path, running: int, steps: int, caching: bool) -> dict:
+def measure(src: Path, running: int, steps: int, caching: bool, clock: str = "wall") -> dict:
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, str(src), str(ROOT / "benchmarks"), str(running),
-         str(steps), "on" if caching else "off"],
+         str(steps), "on" if caching else "off", clock],
         check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
     return json.loads(result.stdout)
 
@@ -69,6 +69,9 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by wall clock or by the process's CPU time, which "
+                             "other work on a loaded machine disturbs less")
     parser.add_argument("--section", default="sched_ab",
                         help="the docs/benchmarks.md section to write")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -86,7 +89,8 @@ def main() -> int:
             pairs = []
             for pair in range(args.pairs):
                 order = [args.before, args.after][::1 if pair % 2 == 0 else -1]
-                got = {name: measure(srcs[name], args.running, args.steps, caching)["step_us"]
+                got = {name: measure(srcs[name], args.running, args.steps, caching,
+                                     args.clock)["step_us"]
                        for name in order}
                 pairs.append((got[args.before], got[args.after]))
                 print(json.dumps({"caching": caching, "pair": pair, "before_us": got[
@@ -99,11 +103,13 @@ def main() -> int:
         f"({revs[args.before]})",
         "",
         f"`python benchmarks/sched_ab.py --before {args.before} --after {args.after} "
-        f"--pairs {args.pairs} --running {args.running} --steps {args.steps}` on "
+        f"--pairs {args.pairs} --running {args.running} --steps {args.steps}"
+        f"{' --clock cpu' if args.clock == 'cpu' else ''}` on "
         f"{cpu_description()}, Python {platform.python_version()}; load average "
         f"{load_before:.1f} before, {load_after:.1f} after (2 cores shared with other work, so "
         f"single figures are noisy: compare the ratio). {args.running} running decodes, 1,000 "
-        f"waiting; median step µs of {args.steps} timed steps per run; the order alternates.",
+        f"waiting; median step µs ({args.clock} clock) of {args.steps} timed steps per run; "
+        "the order alternates.",
         "",
         "| prefix caching | before µs (range) | after µs (range) | after / before, median of "
         "pairs |",

@@ -51,7 +51,10 @@ def fake_output(out: SchedulerOutput, scheduler: Scheduler) -> ModelOutput:
 
 
 def measure(num_running: int, num_waiting: int, steps: int, caching: bool,
-            freeze: bool = True) -> dict:
+            freeze: bool = True, clock: str = "wall") -> dict:
+    """``clock``: "wall" (perf_counter) or "cpu" (this process's CPU time, which other
+    processes on a loaded machine disturb less; revision_ab.py compares with it)."""
+    timer = time.perf_counter if clock == "wall" else time.process_time
     rng = random.Random(0)
     block_size = 16
     num_blocks = num_running * (1100 + steps + 64) // block_size + 1024
@@ -79,13 +82,13 @@ def measure(num_running: int, num_waiting: int, steps: int, caching: bool,
     if freeze:
         gc.freeze()
     for i in range(10 + steps):
-        t0 = time.perf_counter()
+        t0 = timer()
         out = scheduler.schedule(now)
-        t1 = time.perf_counter()
+        t1 = timer()
         model_output = fake_output(out, scheduler)
-        t2 = time.perf_counter()
+        t2 = timer()
         scheduler.update(out, model_output, now)
-        t3 = time.perf_counter()
+        t3 = timer()
         now += 1.0
         assert out.total_num_scheduled_tokens == num_running, out.total_num_scheduled_tokens
         if i >= 10:  # warm-up steps are not counted
@@ -98,6 +101,10 @@ def measure(num_running: int, num_waiting: int, steps: int, caching: bool,
                 step_us_p99=sorted(step_us)[int(0.99 * (len(step_us) - 1))],
                 us_per_running_request=statistics.median(step_us) / num_running,
                 gc_freeze=freeze)
+
+
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
 
 
 def markdown(results: list[dict], command: str) -> str:
@@ -122,7 +129,7 @@ def markdown(results: list[dict], command: str) -> str:
             f"| {r['running']} | {r['waiting']} | {'on' if r['prefix_caching'] else 'off'} "
             f"| {r['schedule_us']:.0f} | {r['update_us']:.0f} | {r['step_us']:.0f} "
             f"| {r['us_per_running_request']:.2f} | {ratio} | {r['step_us_p99']:.0f} "
-            f"| {r['step_us_p99_without_gc_freeze']:.0f} |")
+            f"| {_us(r.get('step_us_p99_without_gc_freeze'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +138,11 @@ def main() -> int:
     parser.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--waiting", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time steps by wall clock (default) or by this process's CPU "
+                             "time")
+    parser.add_argument("--no-unfrozen", action="store_true",
+                        help="skip the second run without gc.freeze (its p99 column)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--write-docs", action="store_true",
                         help="replace the 'Scheduler overhead' section of docs/benchmarks.md")
@@ -138,9 +150,11 @@ def main() -> int:
     results = []
     for num_running in args.running:
         for caching in (False, True):
-            result = measure(num_running, args.waiting, args.steps, caching)
-            unfrozen = measure(num_running, args.waiting, args.steps, caching, freeze=False)
-            result["step_us_p99_without_gc_freeze"] = unfrozen["step_us_p99"]
+            result = measure(num_running, args.waiting, args.steps, caching, clock=args.clock)
+            if not args.no_unfrozen:
+                unfrozen = measure(num_running, args.waiting, args.steps, caching,
+                                   freeze=False, clock=args.clock)
+                result["step_us_p99_without_gc_freeze"] = unfrozen["step_us_p99"]
             print(json.dumps(result), flush=True)
             results.append(result)
     command = "python benchmarks/sched_overhead.py " + " ".join(sys.argv[1:])

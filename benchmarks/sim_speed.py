@@ -145,13 +145,14 @@ def main() -> None:
     trace = generate(spec)
     generate_s = time.perf_counter() - start
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if args.profile:
         profiler = cProfile.Profile()
         echo, result = profiler.runcall(deployment.simulate, trace, SETTINGS, seed=0)
     else:
         echo, result = deployment.simulate(trace, SETTINGS, seed=0)
     wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
 
     simulated = result.end_time - result.start_time
     running = np.frombuffer(result.steps.num_running, dtype=np.int64)
@@ -166,6 +167,8 @@ def main() -> None:
     print(f"preemptions         {result.num_preemptions:,}")
     print(f"trace generation    {generate_s:.2f} s")
     print(f"simulation wall     {wall:.2f} s" + (" (under the profiler)" if args.profile else ""))
+    # CPU time of this process: what an A/B on a loaded machine compares (revision_ab.py).
+    print(f"simulation CPU      {cpu:.2f} s")
     print(f"simulated duration  {simulated:.1f} s")
     print(f"speed-up            {simulated / wall:.1f}x simulated time")
     print(f"requests per CPU-s  {len(trace) / wall:,.0f}")
