@@ -6,13 +6,14 @@ import argparse
 import json
 from typing import Any
 
+DESCRIPTION = ("Show this machine's CPU model and instruction sets, whether the C++ kernels "
+               "are built (building them on first use), and the kernel each op of the model "
+               "runs in float32 and in bfloat16.")
+
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "info", help="show the CPU, its ISA flags and the kernel each op uses",
-        description="Show this machine's CPU model and instruction sets, whether the C++ "
-                    "kernels are built (building them on first use), and the kernel each op "
-                    "of the model runs in float32 and in bfloat16.")
+    parser = subparsers.add_parser("info", description=DESCRIPTION,
+                                   help="show the CPU, its ISA flags and the kernel each op uses")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
