@@ -221,3 +221,18 @@ def test_float16_caches_take_the_torch_path() -> None:
     assert paged_kernel.handles(torch.float16) is False
     assert torch.equal(paged_attention(q, k_cache, v_cache, batch),
                        torch_paged_attention(q, k_cache, v_cache, batch))
+
+
+def test_build_lock_clears_a_killed_builds_lock_and_excludes_others(tmp_path) -> None:
+    """torch waits forever on a ``lock`` file a killed build left; under build_lock it goes,
+    and a second process could not take build_lock meanwhile."""
+    import fcntl
+
+    (tmp_path / "lock").touch()
+    with paged_kernel.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        with open(tmp_path / "kvserve-build.lock", "a") as other, \
+                pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "kvserve-build.lock", "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving

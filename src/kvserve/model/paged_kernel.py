@@ -9,8 +9,9 @@ head pairs) handed out longest first.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
 ``ninja``; -O3 -march=native) into torch's extensions cache (``$TORCH_EXTENSIONS_DIR``, by
-default ``~/.cache/torch_extensions``), keyed by the source, the flags and the CPU, so a later
-process loads it in well under a second; the first build takes 30-40 s on the 2-core machine.
+default ``~/.cache/torch_extensions``), keyed by the source, its directory, the flags and the
+CPU, so a later process loads it in well under a second; the first build takes 30-40 s on the
+2-core machine (minutes when the machine is busy).
 Nothing here raises at import: :func:`available` builds or loads it on first call and says
 whether the kernel can be used, :func:`unavailable_reason` why not.
 
@@ -20,6 +21,7 @@ whether the kernel can be used, :func:`unavailable_reason` why not.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import math
@@ -28,6 +30,8 @@ import platform
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -89,16 +93,43 @@ def _build() -> ModuleType:
     # and processes with different sources do not fight over one build directory.
     # The CPU's feature flags too: -march=native output must not load on another CPU model
     # that shares this cache directory (a network home, a container image).
+    # And the sources' directory: ninja rebuilds when build.ninja's source paths change, so
+    # two checkouts of one source sharing a build directory would rebuild in turn.
     key = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + \
-        " ".join(CFLAGS).encode() + _cpu_signature().encode()
-    digest = hashlib.sha256(key).hexdigest()[:12]
-    return cpp_extension.load(
-        name=f"kvserve_paged_attention_{digest}",
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        verbose=False,
-    )
+        " ".join(CFLAGS).encode() + _cpu_signature().encode() + str(CSRC).encode()
+    name = f"kvserve_paged_attention_{hashlib.sha256(key).hexdigest()[:12]}"
+    build_directory = Path(cpp_extension._get_build_directory(name, False))
+    with build_lock(build_directory):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build_directory),
+            verbose=False,
+        )
+
+
+@contextmanager
+def build_lock(build_directory: Path) -> Iterator[None]:
+    """Holds the build directory for one process at a time, by a lock the OS drops when its
+    holder dies, and clears what a killed build left.
+
+    torch's own lock is a file named ``lock`` that the building process removes when done;
+    a build killed meanwhile (a timeout, Ctrl-C twice) leaves it, and every later process
+    that loads the extension then waits for it forever. Under this lock no other kvserve
+    process can be inside torch's, so a ``lock`` file found here is such a leftover.
+    """
+    with open(build_directory / "kvserve-build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a killed build", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load() -> ModuleType | None:
