@@ -250,7 +250,21 @@ def test_growth_past_the_pool_stops_with_length_instead_of_preempting():  # J2
                                                        ignore_eos=True)])["a"]
     # 16 slots: the sequence may reach 17 tokens (the last one is never fed back)
     assert (final.finish_reason, len(final.new_token_ids)) == ("length", 7)
+    assert final.stop_reason == "kv_capacity"  # said plainly, not just "length"
     assert final.metrics is not None and final.metrics.num_preemptions == 0
+
+
+@pytest.mark.parametrize(("max_tokens", "max_model_len", "stop_reason"), [
+    (7, 64, None),            # max_tokens reached on the same token as the pool's limit
+    (100, 17, None),          # max_model_len (17) is the limit, not the pool
+    (100, 64, "kv_capacity"),
+])
+def test_only_the_pool_limit_says_kv_capacity(max_tokens, max_model_len, stop_reason):  # J2
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=max_model_len)
+    final = run_to_completion(scheduler, [make_request("a", 10, max_tokens=max_tokens,
+                                                       ignore_eos=True)])["a"]
+    assert (final.finish_reason, len(final.new_token_ids)) == ("length", 7)
+    assert final.stop_reason == stop_reason
 
 
 def test_duplicate_or_reused_request_is_refused():

@@ -43,13 +43,13 @@ def post_in_thread(live: LiveServer, body: dict, results: list,
 
 
 def test_queue_limits_answer_503_with_retry_after():
-    engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs=1,
+    engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs=2,
                          max_num_queued_tokens=100)
     with LiveServer(engine) as live:
         blocker = start_blocker(live, "blocker")
         results: list = []
-        queued = post_in_thread(live, {"prompt": [5] * 10, "max_tokens": 2}, results)
-        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="one queued")
+        queued = post_in_thread(live, {"prompt": [5] * 10, "max_tokens": 2, "n": 2}, results)
+        wait_for(lambda: live.state.engine.stats.num_waiting == 2, what="two queued")
         full = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert full.status_code == 503
         assert "waiting queue is full" in full.json()["error"]["message"]
@@ -59,17 +59,50 @@ def test_queue_limits_answer_503_with_retry_after():
         assert results[0].status_code == 200
 
         blocker = start_blocker(live, "blocker-2")
+        results = []
+        queued = post_in_thread(live, {"prompt": [5] * 60, "max_tokens": 2}, results)
+        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="one queued")
         too_many_tokens = httpx.post(live.url + "/v1/completions",
-                                     json={"prompt": [5] * 150, "max_tokens": 2})
+                                     json={"prompt": [5] * 50, "max_tokens": 2})
         assert too_many_tokens.status_code == 503
-        assert "max_num_queued_tokens=100" in too_many_tokens.json()["error"]["message"]
+        assert "max_num_queued_tokens=100 (60 queued)" in \
+            too_many_tokens.json()["error"]["message"]
         assert "Retry-After" in too_many_tokens.headers
         abort(live, "blocker-2", blocker)
+        queued.join(timeout=20)
+        assert results[0].status_code == 200
         wait_for(live.idle, what="idle")
         rejections = metric_values(httpx.get(live.url + "/metrics").text)
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             assert rejections[("vllm:admission_rejections_total",
                                (("model_name", "tiny"), ("reason", reason)))] == 1
+
+
+def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
+    engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs=2,
+                         max_num_queued_tokens=100)
+    with LiveServer(engine) as live:
+        cases = [
+            ({"prompt": "x", "n": 3, "max_tokens": 2},
+             "3 sequences at once exceed max_num_queued_reqs=2, the most the waiting queue "
+             "ever holds; send fewer prompts or a smaller n"),
+            ({"prompt": [[5], [6], [7]], "max_tokens": 2}, "3 sequences at once exceed "
+                                                           "max_num_queued_reqs=2"),
+            ({"prompt": [5] * 101, "max_tokens": 2},
+             "101 prompt tokens exceed max_num_queued_tokens=100, the most the waiting "
+             "queue ever holds; send shorter or fewer prompts"),
+            ({"prompt": [[5] * 60, [6] * 60], "max_tokens": 2},
+             "120 prompt tokens exceed max_num_queued_tokens=100"),
+        ]
+        for body, message in cases:
+            response = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+            assert response.status_code == 400, body
+            assert message in response.json()["error"]["message"]
+            assert "Retry-After" not in response.headers
+        assert live.idle()
+        rejected = metric_values(httpx.get(live.url + "/metrics").text)
+        assert rejected[("kvserve:requests_rejected_total",
+                         (("model_name", "tiny"), ("status", "400")))] == len(cases)
 
 
 def test_queue_deadline_answers_503_queue_timeout():
@@ -111,3 +144,15 @@ def test_urgent_requests_finish_first_on_a_saturated_server():
         assert [r.status_code for r in results] == [200] * 5
         assert finished == ["blocker", "r3", "r4", "r0", "r1", "r2"]
         wait_for(live.idle, what="idle")
+
+
+def test_a_sequence_the_pool_cannot_hold_stops_with_kv_capacity():  # J2
+    # 4 blocks of 16 tokens: the sequence stops at 65 tokens, below max_model_len (1024)
+    with LiveServer(num_kv_blocks=4) as live:
+        body = {"prompt": [5] * 10, "max_tokens": 100, "ignore_eos": True}
+        choice = httpx.post(live.url + "/v1/completions", json=body,
+                            timeout=60).json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("length", "kv_capacity")
+        fits = httpx.post(live.url + "/v1/completions", json={**body, "max_tokens": 20},
+                          timeout=60).json()["choices"][0]
+        assert (fits["finish_reason"], fits["stop_reason"]) == ("length", None)

@@ -6,7 +6,7 @@ import pytest
 from kvserve.sim.report import aggregate
 from kvserve.sim.workloads import WorkloadSpec, generate
 
-from .helpers import simulate
+from .helpers import by_id, req, simulate
 
 TRACE = generate(WorkloadSpec(num_requests=60, rate=40.0, prompt_len="uniform:16,200",
                               output_len="uniform:1,80", prefix_groups=3,
@@ -38,3 +38,13 @@ def test_policy_finishes_every_request_under_pressure(config):
                for rec in result.records)
     if config.get("admission_policy") == "reserve":
         assert a["num_preemptions"] == 0  # reserving prompt + max_tokens never preempts
+
+
+def test_a_sequence_the_pool_cannot_hold_reports_kv_capacity():  # J2
+    result = simulate([req("big", 10, 100, ignore_eos=True), req("small", 10, 3)],
+                      num_blocks=4, block_size=4, max_model_len=64)
+    records = by_id(result)
+    assert (records["big"].finish_reason, records["big"].stop_reason) == \
+        ("length", "kv_capacity")
+    assert records["big"].num_output_tokens == 7  # 16 slots + the last token, never fed back
+    assert (records["small"].finish_reason, records["small"].stop_reason) == ("stop", None)

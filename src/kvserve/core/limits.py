@@ -26,9 +26,31 @@ def check_servable(request: Request, config: SchedulerConfig, cache: CacheConfig
             f"({cache.num_token_slots} tokens)")
 
 
+def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
+                    request_id: str) -> None:
+    """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
+    queued, even on an empty queue: more requests at once (a prompt list, ``n``) than
+    max_num_queued_reqs, or more tokens than max_num_queued_tokens. Waiting cannot help it,
+    so a client told to retry would retry forever."""
+    max_reqs = config.max_num_queued_reqs
+    if max_reqs is not None and num_requests > max_reqs:
+        raise RequestRejected(
+            f"request {request_id}: {num_requests} sequences at once exceed "
+            f"max_num_queued_reqs={max_reqs}, the most the waiting queue ever holds; send "
+            "fewer prompts or a smaller n")
+    max_tokens = config.max_num_queued_tokens
+    if max_tokens is not None and num_tokens > max_tokens:
+        raise RequestRejected(
+            f"request {request_id}: {num_tokens} prompt tokens exceed "
+            f"max_num_queued_tokens={max_tokens}, the most the waiting queue ever holds; "
+            "send shorter or fewer prompts")
+
+
 def check_queue_limits(request: Request, waiting: WaitingQueue,
                        config: SchedulerConfig) -> None:
-    """K4: refuse (the server answers 503) when the waiting queue is at its limits."""
+    """K4: refuse what could never be queued (400, see check_queueable), then (the server
+    answers 503) what cannot be queued now because the waiting queue is at its limits."""
+    check_queueable(1, request.num_tokens, config, request.request_id)
     max_reqs = config.max_num_queued_reqs
     if max_reqs is not None and len(waiting) >= max_reqs:
         raise QueueFullError(

@@ -35,7 +35,7 @@ from kvserve.core.outputs import (
 from kvserve.core.policies import make_admission_policy, make_victim_policy
 from kvserve.core.queues import make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
-from kvserve.core.stop import check_stop
+from kvserve.core.stop import check_stop, length_stop_reason
 
 if TYPE_CHECKING:
     from kvserve.core.outputs import ModelOutput
@@ -526,8 +526,10 @@ class Scheduler:
         return kept, status, stop_reason
 
     def _finished_output(self, request: Request, new_token_ids: list[int],
-                         status: RequestStatus, stop_reason: int | None,
+                         status: RequestStatus, stop_reason: int | str | None,
                          now: float) -> RequestOutput:
+        if status is RequestStatus.FINISHED_LENGTH_CAPPED:
+            stop_reason = length_stop_reason(request, self._length_limit, self._max_model_len)
         metrics = self._finish(request, status, now, stop_reason)
         return RequestOutput(request.request_id, new_token_ids, True, status.finish_reason,
                              stop_reason, metrics)

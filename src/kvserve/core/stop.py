@@ -6,6 +6,7 @@ from kvserve.core.request import Request, RequestStatus
 
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+KV_CAPACITY = "kv_capacity"  # stop_reason of a sequence the whole KV pool cannot hold (J2)
 
 
 def check_stop(request: Request, token_id: int,
@@ -29,3 +30,15 @@ def check_stop(request: Request, token_id: int,
     if num_output >= params.max_tokens or at_length_limit:
         return _LENGTH, None
     return None, None
+
+
+def length_stop_reason(request: Request, length_limit: int,
+                       max_model_len: int) -> str | None:
+    """The stop_reason of a request that finished with "length" (J2): ``"kv_capacity"`` when
+    it stopped because the whole KV pool can hold no more of it (``length_limit`` below
+    ``max_model_len``) and not because of max_tokens; otherwise None, as in vLLM."""
+    if length_limit >= max_model_len or request.num_tokens < length_limit:
+        return None
+    if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+        return None
+    return KV_CAPACITY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
@@ -19,6 +20,8 @@ from kvserve.server import generation
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
+
+logger = logging.getLogger("kvserve.server")
 
 
 def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI:
@@ -56,6 +59,19 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> Response:
         return APIError(503, f"the engine is not running: {error}").response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, error: ClientDisconnect) -> Response:
+        # A client hanging up mid-body is ordinary; one debug line each, never a traceback,
+        # so a crowd of them cannot flood the log.
+        logger.debug("%s %s: the client left while sending the body", request.method,
+                     request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        # Only a bug gets here; the traceback is logged by the server after this answer.
+        return APIError(500, f"internal error: {type(error).__name__}").response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
+from kvserve.core.limits import check_queueable
 from kvserve.core.scheduler import QUEUE_TIMEOUT
 from kvserve.engine.async_engine import EngineDeadError, RequestStream
 from kvserve.engine.engine import CompletionChunk
@@ -77,11 +78,22 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
                 replace_seed(base, base.seed + sample)
             choices.append(Choice(index, sub_id, len(prompt)))
             items.append((sub_id, prompt, params))
+    _check_queueable(state, request_id, items)
     stream = await _queue(state, request_id, items, arrival_time)
     generation = _Generation(state, request_id, req, chat, choices, prompts, stream)
     if req.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
+
+
+def _check_queueable(state: ServerState, request_id: str,
+                     items: list[tuple[str, list[int], SamplingParams]]) -> None:
+    """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
+    try:
+        check_queueable(len(items), sum(len(prompt) for _, prompt, _ in items),
+                        state.scheduler_config, request_id)
+    except RequestRejected as error:
+        raise _refusal(state, error) from None
 
 
 async def _queue(state: ServerState, request_id: str,

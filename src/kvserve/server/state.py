@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -11,8 +10,10 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvserve.core import SchedulerConfig
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.server.auth import KeyRing
+from kvserve.server.body import parse_json
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import ServerMetrics
 
@@ -43,7 +44,11 @@ class ServerState:
 
     @property
     def scheduling_policy(self) -> str:
-        return self.engine.engine.scheduler.config.scheduling_policy
+        return self.scheduler_config.scheduling_policy
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.engine.engine.scheduler.config
 
     def new_request_id(self, given: str | None) -> str:
         if given is None:
@@ -55,7 +60,8 @@ class ServerState:
         return given
 
     async def read_json(self, request: Request) -> Any:
-        """The body as JSON; 413 past ``max_body_bytes`` (checked while reading)."""
+        """The body as checked JSON (server/body.py); 413 past ``max_body_bytes`` (checked
+        while reading)."""
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -66,11 +72,7 @@ class ServerState:
             if size > limit:
                 raise _too_large(size, limit)
             chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad_request(f"the request body is not valid JSON: {error}") from None
+        return parse_json(b"".join(chunks))
 
     def retry_after(self) -> str:
         """Seconds a refused client should wait: the waiting queue's worth of requests at the

@@ -1,0 +1,133 @@
+"""Crafted bodies a hostile client sends (issue 19, item 4): each gets an OpenAI-shaped 4xx
+naming the problem, nothing is queued, and the server's log stays clean (no traceback)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvserve.server.body import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
+
+from .helpers import wait_for
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+SURROGATE = "\\ud800"  # a JSON escape for a lone UTF-16 surrogate, written raw
+
+
+def lone(body: str) -> str:
+    """``body`` with a lone surrogate escape where ``@`` stands."""
+    return body.replace("@", SURROGATE)
+
+
+def chat_body(content: str) -> str:
+    return '{"messages": [{"role": "user", "content": ' + content + '}], "max_tokens": 2}'
+
+
+CRAFTED = [
+    # (path, raw body, status, words the message must hold, param)
+    (COMPLETIONS, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400,
+     f"more than {MAX_JSON_DEPTH} levels deep", None),
+    (COMPLETIONS, '{"prompt": "x", "max_tokens": ' + "7" * 5000 + "}", 400,
+     f"number literal longer than {MAX_NUMBER_CHARS} characters", None),
+    (COMPLETIONS, '{"prompt": "x", "temperature": -' + "9" * 5000 + ".5}", 400,
+     "number literal longer", None),
+    (COMPLETIONS, '{"prompt": "x", "temperature": NaN}', 400, "NaN is not a JSON number",
+     None),
+    (COMPLETIONS, '{"prompt": "x", "top_p": Infinity}', 400, "Infinity is not a JSON number",
+     None),
+    (COMPLETIONS, lone('{"prompt": "a@b"}'), 400,
+     "field 'prompt' is not valid Unicode", "prompt"),
+    (COMPLETIONS, lone('{"prompt": ["ok", "@"]}'), 400,
+     "field 'prompt.1' is not valid Unicode", "prompt.1"),
+    (COMPLETIONS, lone('{"prompt": "x", "model": "m@"}'), 400,
+     "field 'model' is not valid Unicode", "model"),
+    (COMPLETIONS, '{"prompt": "x", "stop": ["\\udfff"]}', 400,
+     "field 'stop.0' is not valid Unicode", "stop.0"),
+    (COMPLETIONS, lone('{"prompt": "x", "user": "@"}'), 400,
+     "field 'user' is not valid Unicode", "user"),
+    (COMPLETIONS, lone('{"prompt": "x", "@": 1}'), 400,
+     "a key in '(body)' is not valid Unicode", None),
+    (CHAT, chat_body(lone('"hi @"')), 400,
+     "field 'messages.0.content' is not valid Unicode", "messages.0.content"),
+    (CHAT, chat_body(lone('[{"type": "text", "text": "@"}]')), 400,
+     "field 'messages.0.content.0.text' is not valid Unicode", "messages.0.content.0.text"),
+    (CHAT, lone('{"messages": [{"role": "user", "content": "x", "name": "@"}]}'),
+     400, "field 'messages.0.name' is not valid Unicode", "messages.0.name"),
+    ("/v1/abort", lone('{"request_id": "@"}'), 400,
+     "field 'request_id' is not valid Unicode", "request_id"),
+    ("/v1/abort", lone('{"request_id": ["a", "b@"]}'), 400,
+     "field 'request_id.1' is not valid Unicode", "request_id.1"),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "not valid JSON", None),
+    (COMPLETIONS, '{"prompt": "x"', 400, "not valid JSON", None),
+    (COMPLETIONS, '{"prompt": "x", "max_tokens": 1e999}', 400, "field 'max_tokens'",
+     "max_tokens"),
+]
+
+
+@pytest.fixture
+def server_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Every record the server writes, uvicorn's own error log included (it does not
+    propagate to the root logger that caplog watches)."""
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    uvicorn_error.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG, logger="kvserve.server")
+    try:
+        yield caplog
+    finally:
+        uvicorn_error.removeHandler(caplog.handler)
+
+
+def assert_clean(log: pytest.LogCaptureFixture) -> None:
+    noisy = [r for r in log.records if r.exc_info or r.levelno >= logging.WARNING
+             or "Traceback" in r.getMessage()]
+    assert noisy == [], [r.getMessage() for r in noisy]
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "needle", "param"), CRAFTED)
+def test_crafted_body_is_refused_with_json_and_a_clean_log(server, server_log, path, raw,
+                                                           status, needle, param):
+    content = raw if isinstance(raw, bytes) else raw.encode()
+    response = httpx.post(server.url + path, content=content, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert needle in error["message"]
+    assert error["param"] == param
+    assert server.idle()
+    assert_clean(server_log)
+
+
+def test_a_valid_surrogate_pair_is_text(server):
+    """An escaped pair (U+1F600) is ordinary Unicode and is served."""
+    response = httpx.post(server.url + COMPLETIONS, timeout=30,
+                          content=b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}',
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_clients_leaving_mid_body_log_one_debug_line_each(server, server_log):
+    num_clients = 20
+    for _ in range(num_clients):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                         b'{"prompt": "half a bo')
+
+    def left() -> list[logging.LogRecord]:
+        return [r for r in server_log.records if "left while sending the body" in
+                r.getMessage()]
+
+    wait_for(lambda: len(left()) == num_clients, what="a log line per departed client")
+    assert {r.levelno for r in left()} == {logging.DEBUG}
+    assert {r.getMessage() for r in left()} == {
+        "POST /v1/completions: the client left while sending the body"}
+    assert_clean(server_log)
+    assert server.idle()
