@@ -12,7 +12,7 @@ pool sized from memory, prefix caching on):
    the day compressed to --seconds-per-hour, and the plan `kvserve plan --max-replicas`
    would give: the fewest replicas meeting the SLO, from candidates 8 to 64.
 
-    python benchmarks/data_parallel.py [--write-docs] [--workers 2] [--peak-rate 400]
+    python benchmarks/data_parallel.py [--write-docs] [--workers 2] [--peak-rate 300]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ DEPLOYMENT = Deployment(model="llama-3.1-8b", hardware="h100-sxm")
 SETTINGS = {"max_model_len": 8192}
 CHAT = dict(prefix_groups=32, prefix_len="fixed:1024", prefix_fraction=0.8,
             prompt_len="uniform:256,2048", output_len="lognormal:mean=128,sigma=0.7,max=1024")
-CANDIDATES = (8, 16, 24, 32, 48, 64)
+CANDIDATES = (8, 12, 16, 24, 32, 64)
 
 
 def run(trace: list[TraceRequest], options: ClusterOptions) -> dict[str, Any]:
@@ -176,8 +176,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--router-requests", type=int, default=2000)
     parser.add_argument("--lockstep-requests", type=int, default=240)
-    parser.add_argument("--peak-rate", type=float, default=400.0)
-    parser.add_argument("--seconds-per-hour", type=float, default=3.0)
+    parser.add_argument("--peak-rate", type=float, default=300.0)
+    parser.add_argument("--seconds-per-hour", type=float, default=2.0)
     parser.add_argument("--slo-ttft-p99", type=float, default=0.5)
     parser.add_argument("--slo-itl-p99", type=float, default=0.1)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)

@@ -20,6 +20,7 @@ Two ways of stepping:
 
 from __future__ import annotations
 
+import heapq
 import time
 from array import array
 from collections.abc import Sequence
@@ -239,6 +240,13 @@ class _ClusterRun:
         self.route_reasons: dict[str, int] = {}
         self.series = StepSeries()
         self.num_steps = 0
+        # Independent stepping: steps in flight by (end, replica), replicas to try to start.
+        self.ends: list[tuple[float, int]] = []
+        self.wakeups: list[int] = []
+        # Each replica's (running, waiting, KV usage) as last seen, and their sums, so a
+        # cluster-wide sample costs O(1) however many replicas there are.
+        self.state = [(0, 0, 0.0)] * options.data_parallel_size
+        self.totals = [0, 0, 0.0]
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -255,23 +263,49 @@ class _ClusterRun:
         return self._result(start, now, wall_start)
 
     def _step_independent(self, now: float) -> float | None:
-        """Start a step on every idle replica with work; the time of the next event."""
-        for replica in self.replicas:
+        """Start a step on every idle replica that may have work (one that just finished a
+        step, or got a request or a cancellation); the time of the next event."""
+        ends = self.ends
+        for index in sorted(self.wakeups):
+            replica = self.replicas[index]
             if replica.flight is None and replica.has_work():
                 replica.hand_over()
-                replica.flight = replica.start(now, throttle=False)
-        ends = [r.flight.start + r.flight.duration for r in self.replicas if r.flight]
+                replica.flight = flight = replica.start(now, throttle=False)
+                if flight is not None:
+                    heapq.heappush(ends, (flight.start + flight.duration, index))
+                self._refresh(index)
+        self.wakeups.clear()
         upcoming = self._next_event_time()
-        if ends and (upcoming is None or min(ends) <= upcoming):
-            end = min(ends)
-            for replica in self.replicas:  # every step ending then, in replica order
+        if ends and (upcoming is None or ends[0][0] <= upcoming):
+            end = ends[0][0]
+            while ends and ends[0][0] == end:  # every step ending then, in replica order
+                index = heapq.heappop(ends)[1]
+                replica = self.replicas[index]
                 flight = replica.flight
-                if flight is not None and flight.start + flight.duration == end:
-                    replica.flight = None
-                    replica.finish(flight, end, self.sim.check)
-                    self._sample(end, flight.out.total_num_scheduled_tokens)
+                assert flight is not None
+                replica.flight = None
+                replica.finish(flight, end, self.sim.check)
+                self._refresh(index)
+                self._wake(index)
+                self._sample(end, flight.out.total_num_scheduled_tokens)
             return end
         return upcoming
+
+    def _wake(self, index: int) -> None:
+        if index not in self.wakeups:
+            self.wakeups.append(index)
+
+    def _refresh(self, index: int) -> None:
+        """Bring replica ``index``'s entry of the cluster-wide sums up to date."""
+        scheduler = self.replicas[index].scheduler
+        new = (len(scheduler.running), len(scheduler.waiting) + len(self.replicas[index].inbox),
+               scheduler.kv.usage())
+        old = self.state[index]
+        self.state[index] = new
+        totals = self.totals
+        totals[0] += new[0] - old[0]
+        totals[1] += new[1] - old[1]
+        totals[2] += new[2] - old[2]
 
     def _step_lockstep(self, now: float) -> float | None:
         """One step of every replica at once, as long as the slowest; the time after it."""
@@ -291,9 +325,10 @@ class _ClusterRun:
         duration = max(f.duration for f in flights if f is not None)
         end = now + duration
         self.num_steps += 1
-        for replica, flight in zip(self.replicas, flights, strict=True):
+        for index, (replica, flight) in enumerate(zip(self.replicas, flights, strict=True)):
             if flight is not None:
                 replica.finish(flight, end, self.sim.check)
+            self._refresh(index)
         self._sample(end, sum(f.out.total_num_scheduled_tokens for f in flights if f))
         return end
 
@@ -320,6 +355,8 @@ class _ClusterRun:
             owner = self.replica_of.get(request_id)
             if owner is not None:
                 self.replicas[owner].cancel(request_id, cancel_time)
+                self._wake(owner)
+                self._refresh(owner)
             else:  # not arrived yet
                 self.cancelled_early.add(request_id)
                 record = self.records[request_id]
@@ -344,6 +381,8 @@ class _ClusterRun:
                                       trace_request.output_len, trace_request.ignore_eos,
                                       trace_request.continuation_key(seed))
         replica.inbox.append(request)
+        self._wake(decision.replica)
+        self._refresh(decision.replica)
 
     # -- results ---------------------------------------------------------------------------
 
@@ -351,16 +390,16 @@ class _ClusterRun:
         """One point of the cluster-wide series after a step ended (its duration is filled
         in at the end: until the next point)."""
         series = self.series
-        replicas = self.replicas
+        running, waiting, kv_usage = self.totals
         series.time.append(now)
         series.duration.append(0.0)
         series.num_scheduled_tokens.append(num_scheduled_tokens)
-        series.num_running.append(sum(len(r.scheduler.running) for r in replicas))
-        series.num_waiting.append(sum(len(r.scheduler.waiting) + len(r.inbox)
-                                      for r in replicas))
-        series.kv_usage.append(sum(r.scheduler.kv.usage() for r in replicas) / len(replicas))
+        series.num_running.append(running)
+        series.num_waiting.append(waiting)
+        series.kv_usage.append(max(0.0, kv_usage / len(self.replicas)))
         if self.progress is not None and len(series.time) % 256 == 0:
-            self.progress(now, sum(len(r.run.finished) for r in replicas), len(self.arrivals))
+            self.progress(now, sum(len(r.run.finished) for r in self.replicas),
+                          len(self.arrivals))
 
     def _replica_result(self, replica: _Replica, start: float, end: float) -> SimResult:
         run = replica.run
