@@ -95,8 +95,13 @@ def layer_ops_step(dtype: Any) -> Callable[[], None]:
     return step
 
 
-def run_side(src: Path, reps: int, w1_n: int) -> dict[str, float]:
+def run_side(side: str, src: Path, reps: int, w1_n: int) -> dict[str, float]:
+    # Each side's extension in a cache of its own: older code names its build by source
+    # alone, and another checkout of that source loading it meanwhile would rebuild it.
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" /
+                                "torch_extensions")) / f"kernel_ab-{side}"
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{BENCHMARKS}",
+               TORCH_EXTENSIONS_DIR=str(cache),
                OMP_WAIT_POLICY="PASSIVE")  # as kvserve runs by default; the machine is shared
     out = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(reps),
                           "--w1-n", str(w1_n)], env=env, capture_output=True, text=True,
@@ -172,8 +177,8 @@ def main() -> int:
         pair = {}
         for side in sides:
             start = time.perf_counter()
-            pair[side] = run_side(args.base if side == "base" else args.head, args.reps,
-                                  args.w1_n)
+            pair[side] = run_side(side, args.base if side == "base" else args.head,
+                                  args.reps, args.w1_n)
             print(f"pair {index + 1} {side}: {time.perf_counter() - start:.0f} s "
                   f"{json.dumps(pair[side])}", flush=True)
         pairs.append(pair)
