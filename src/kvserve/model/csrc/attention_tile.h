@@ -1,0 +1,280 @@
+// The arithmetic of one attention tile: the scores of a GQA group's query rows against the
+// tile's keys, and the probability-weighted sum of its values. AVX-512 intrinsics where the
+// build has them and head_dim is a multiple of 16 (with AVX512-BF16 dot products for a bf16
+// model), else loops the compiler vectorises. Used by paged_attention.cpp.
+#pragma once
+
+#include "fast_math.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of a group's query rows with one key row, and the V accumulation: AVX-512.
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Sums each of 16 vectors: lane t of the result is the sum of the lanes of v[t].
+inline __m512 transpose_sum16(__m512 v[16]) {
+  // Step 1: pairs (0,1) ... fold 512 -> 256 bits: lo of a with lo of b, hi with hi.
+  __m512 s8[8];
+  for (int i = 0; i < 8; ++i) {
+    __m512 a = v[2 * i], b = v[2 * i + 1];
+    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44);  // a0 a1 b0 b1 (128-bit lanes)
+    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xEE);  // a2 a3 b2 b3
+    s8[i] = _mm512_add_ps(lo, hi);                 // [a01+a23 | b01+b23] as 2x256
+  }
+  __m512 s4[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512 a = s8[2 * i], b = s8[2 * i + 1];
+    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x88);  // a0 a2 b0 b2
+    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xDD);  // a1 a3 b1 b3
+    s4[i] = _mm512_add_ps(lo, hi);  // 128-bit lanes: token 4i, 4i+1, 4i+2, 4i+3 partials
+  }
+  __m512 s2[2];
+  for (int i = 0; i < 2; ++i) {
+    __m512 a = s4[2 * i], b = s4[2 * i + 1];
+    __m512 lo = _mm512_shuffle_ps(a, b, 0x44);  // per 128: a0 a1 b0 b1
+    __m512 hi = _mm512_shuffle_ps(a, b, 0xEE);  // a2 a3 b2 b3
+    s2[i] = _mm512_add_ps(lo, hi);
+  }
+  __m512 lo = _mm512_shuffle_ps(s2[0], s2[1], 0x88);  // a0 a2 b0 b2
+  __m512 hi = _mm512_shuffle_ps(s2[0], s2[1], 0xDD);  // a1 a3 b1 b3
+  __m512 r = _mm512_add_ps(lo, hi);
+  // Element 4j + k of r now holds token j + 4k; gather them back into token order.
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, r);
+}
+
+// How dots_simd multiplies query rows by a key row, one register of the key at a time.
+//
+// FloatDot: float32 queries, float32 or bfloat16 keys widened to 16 float32 lanes, an FMA. The
+// query registers are re-read (from L1) at each use: GN x NV of them would not stay in registers.
+template <typename T>
+struct FloatDot {
+  using Query = float;
+  using Key = T;
+  static constexpr int kWidth = 16;  // key elements per register
+  template <int GN, int NV>
+  struct Rows {
+    const float* q;
+    int head_dim;
+    Rows(const float* q_rows, int dim) : q(q_rows), head_dim(dim) {}
+    __m512 operator()(int g, int v) const { return _mm512_loadu_ps(q + g * head_dim + 16 * v); }
+  };
+  static __m512 load_key(const T* k) { return load16(k); }
+  static __m512 madd(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+};
+
+#if defined(__AVX512BF16__)
+// Bf16Dot: bfloat16 queries and keys. vdpbf16ps multiplies 32 bf16 pairs (exact products in
+// float32) and adds them into 16 float32 lanes, with no widening of the keys. A bf16 model's q
+// scaled by 1/sqrt(64) or 1/sqrt(128) is exact in bf16, so only the summation order changes.
+// The GN x NV query registers (NV = head_dim / 32 <= 4) stay loaded for the whole tile.
+struct Bf16Dot {
+  using Query = c10::BFloat16;
+  using Key = c10::BFloat16;
+  static constexpr int kWidth = 32;
+  template <int GN, int NV>
+  struct Rows {
+    static_assert(NV > 0, "the bf16 dot products need head_dim known at compile time");
+    __m512bh reg[GN][NV];
+    Rows(const c10::BFloat16* q, int head_dim) {
+      for (int g = 0; g < GN; ++g)
+        for (int v = 0; v < NV; ++v)
+          reg[g][v] = (__m512bh)_mm512_loadu_si512(q + g * head_dim + 32 * v);
+    }
+    __m512bh operator()(int g, int v) const { return reg[g][v]; }
+  };
+  static __m512bh load_key(const c10::BFloat16* k) {
+    return (__m512bh)_mm512_loadu_si512(k);
+  }
+  static __m512 madd(__m512 acc, __m512bh q, __m512bh k) { return _mm512_dpbf16_ps(acc, q, k); }
+};
+#endif
+
+// scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4) and the tile's keys
+// k_t = rows[t] + off; head_dim is NV registers of Dot::kWidth (NV = 0: known at run time).
+// Sixteen keys at a time: per key and row a vector of partial sums, then one transpose-and-add
+// gives the sixteen scores.
+template <typename Dot, int GN, int NV>
+void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::Key* const* rows,
+               std::ptrdiff_t off, int count, float* scores, int stride) {
+  const int nv = NV > 0 ? NV : head_dim / Dot::kWidth;
+  const typename Dot::template Rows<GN, NV> query(q, head_dim);
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int tn = std::min(16, count - t0);
+    __m512 part[GN][16];
+    for (int t = 0; t < 16; ++t) {
+      __m512 acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+      if (t < tn) {
+        const typename Dot::Key* k = rows[t0 + t] + off;
+        for (int v = 0; v < nv; ++v) {
+          const auto key = Dot::load_key(k + Dot::kWidth * v);
+          for (int g = 0; g < GN; ++g) acc[g] = Dot::madd(acc[g], query(g, v), key);
+        }
+      }
+      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
+    for (int g = 0; g < GN; ++g)
+      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+  }
+}
+
+// dots_simd over a GQA group's query rows, four at a time.
+template <typename Dot, int NV>
+void dots_groups(const typename Dot::Query* q, int group, int head_dim,
+                 const typename Dot::Key* const* rows, std::ptrdiff_t off, int count,
+                 float* scores, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    dots_simd<Dot, decltype(gn)::value, NV>(q + g0 * head_dim, head_dim, rows, off, count,
+                                            scores + g0 * stride, stride);
+  });
+}
+
+// acc[g] += sum_t p[g][t] * v_t for GN rows x VN vectors of the accumulator, held in
+// registers over the whole tile.
+template <typename T, int GN, int VN>
+void accumulate_simd(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                     int count, const float* probs, int stride) {
+  __m512 a[GN][VN];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_dim + 16 * v);
+  for (int t = 0; t < count; ++t) {
+    const T* row = rows[t] + off;
+    __m512 x[VN];
+    for (int v = 0; v < VN; ++v) x[v] = load16(row + 16 * v);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * stride + t]);
+      for (int v = 0; v < VN; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(acc + g * head_dim + 16 * v, a[g][v]);
+}
+
+// accumulate_simd over a group's rows, four at a time, and each row's vectors, four (64
+// floats) at a time.
+template <typename T>
+void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows,
+                       std::ptrdiff_t off, int count, const float* probs, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    for_chunks<4>(head_dim / 16, [&](int v0, auto vn) {
+      accumulate_simd<T, decltype(gn)::value, decltype(vn)::value>(
+          acc + g0 * head_dim + 16 * v0, head_dim, rows, off + 16 * v0, count,
+          probs + g0 * stride, stride);
+    });
+  });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The same without intrinsics (any head_dim): loops the compiler vectorises.
+
+// scores[g * stride + t] = q_g . k_t for the tile's keys, k_t = rows[t] + off; q is scaled.
+template <typename T, int D>
+void dots_generic(const float* q, int group, int head_dim, const T* const* rows,
+                  std::ptrdiff_t off, int count, float* scores, int stride) {
+  const int dim = D > 0 ? D : head_dim;
+  for (int t = 0; t < count; ++t) {
+    const T* k = rows[t] + off;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int d = 0; d < dim; ++d) s += qg[d] * to_float(k[d]);
+      scores[g * stride + t] = s;
+    }
+  }
+}
+
+// acc[g] += sum_t p[g][t] * v_t, v_t = rows[t] + off.
+template <typename T, int D>
+void accumulate_generic(float* acc, int group, int head_dim, const T* const* rows,
+                        std::ptrdiff_t off, int count, const float* probs, int stride) {
+  const int dim = D > 0 ? D : head_dim;
+  for (int t = 0; t < count; ++t) {
+    const T* v = rows[t] + off;
+    for (int g = 0; g < group; ++g) {
+      const float p = probs[g * stride + t];
+      float* a = acc + g * dim;
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) a[d] += p * to_float(v[d]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The choice of path, per call. D is head_dim when it is compiled in (64, 128), else 0.
+
+// Whether the bf16 dot products apply: bfloat16 keys, bf16 queries scaled by a power of two (so
+// rounding them back to bf16 loses nothing), a head_dim compiled in.
+template <typename T, int D>
+constexpr bool bf16_dots_compiled() {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && D > 0;
+#else
+  return false;
+#endif
+}
+
+// Scores of a group's query rows against the tile's keys: q (scaled float32 rows), or q_bf16,
+// the same rows rounded to bf16, when the bf16 dot products apply (else null).
+template <typename T, int D>
+inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int head_dim,
+                 const T* const* rows, std::ptrdiff_t off, int count, float* scores,
+                 int stride) {
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_dots_compiled<T, D>()) {
+    if (q_bf16 != nullptr) {
+      return dots_groups<Bf16Dot, D / 32>(q_bf16, group, head_dim, rows, off, count, scores,
+                                          stride);
+    }
+  }
+#endif
+  (void)q_bf16;
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    return dots_groups<FloatDot<T>, D / 16>(q, group, head_dim, rows, off, count, scores,
+                                            stride);
+  }
+#endif
+  dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride);
+}
+
+template <typename T, int D>
+inline void accumulate_values(float* acc, int group, int head_dim, const T* const* rows,
+                              std::ptrdiff_t off, int count, const float* probs, int stride) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    return accumulate_groups<T>(acc, group, head_dim, rows, off, count, probs, stride);
+  }
+#endif
+  accumulate_generic<T, D>(acc, group, head_dim, rows, off, count, probs, stride);
+}
+
+// fn(Int<D>{}) with D = head_dim for the sizes compiled in, else D = 0 (any head_dim).
+template <typename Fn>
+inline void with_head_dim(int64_t head_dim, Fn&& fn) {
+  switch (head_dim) {
+    case 64: return fn(Int<64>{});
+    case 128: return fn(Int<128>{});
+    default: return fn(Int<0>{});
+  }
+}
+
+}  // namespace kvserve
