@@ -13,7 +13,8 @@ faster), the median of the pair ratios and the ratio of the minima.
 
     mkdir -p /tmp/base && git archive a0fe011 src | tar -x -C /tmp/base
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/kernel_ab.py \\
-        --base /tmp/base/src [--pairs 3] [--reps 15] [--w1-n 128] [--write-docs]
+        --base /tmp/base/src [--head DIR/src] [--pairs 3] [--reps 15] [--w1-n 128] \\
+        [--write-docs]
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def main() -> int:
                         help="this side's src directory (default: this checkout's)")
     parser.add_argument("--base-label", help="how to name the base (default: its commit or "
                         "path)")
+    parser.add_argument("--head-label", help="how to name the head (default: its commit or "
+                        "path)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--w1-n", type=int, default=128, help="W1 requests (0: skip W1)")
@@ -185,7 +188,7 @@ def main() -> int:
         loads.append(load())
     command = "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:])
     section = markdown(pairs, command, args.base_label or revision(args.base),
-                       revision(args.head), loads)
+                       args.head_label or revision(args.head), loads)
     publish("kernel_ab", section, pairs, args.json, args.write_docs)
     return 0
 
