@@ -18,6 +18,8 @@ from kvserve.core.errors import ConfigError
 SCHEDULING_POLICIES = ("fcfs", "priority")
 VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
 ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
+PREFIX_CACHE_SCOPES = ("global", "tenant")
+TENANT_FAIRNESS = ("off", "vtc")
 PREEMPTION_MODES = ("recompute",)  # "swap" and "auto" (K3) are planned, see DESIGN.md
 
 _T = TypeVar("_T")
@@ -120,6 +122,17 @@ class SchedulerConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     max_queue_delay: float | None = None
+    # Tenants (SamplingParams.tenant): a per-tenant waiting-queue limit (None: unlimited);
+    # "tenant" scope hashes each tenant's blocks apart (first_block_key); "vtc" orders the
+    # waiting queue by each tenant's weighted service (core/fairness.py), where a prompt
+    # token costs vtc_prompt_token_price, an output token vtc_output_token_price, divided by
+    # the tenant's weight (1.0 unless listed in tenant_weights as (tenant, weight) pairs).
+    max_num_queued_reqs_per_tenant: int | None = None
+    prefix_cache_scope: str = "global"
+    tenant_fairness: str = "off"
+    vtc_prompt_token_price: float = 1.0
+    vtc_output_token_price: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -146,7 +159,23 @@ class SchedulerConfig:
         _check_optional_int("max_num_queued_tokens", self.max_num_queued_tokens, 1)
         if self.max_queue_delay is not None:
             _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True)
+        self._check_tenancy()
         self._check_relations()
+
+    def _check_tenancy(self) -> None:
+        _check_optional_int("max_num_queued_reqs_per_tenant",
+                            self.max_num_queued_reqs_per_tenant, 1)
+        _check_choice("prefix_cache_scope", self.prefix_cache_scope, PREFIX_CACHE_SCOPES)
+        _check_choice("tenant_fairness", self.tenant_fairness, TENANT_FAIRNESS)
+        _check_float("vtc_prompt_token_price", self.vtc_prompt_token_price, 0.0, 1e6)
+        _check_float("vtc_output_token_price", self.vtc_output_token_price, 0.0, 1e6)
+        if not isinstance(self.tenant_weights, tuple):
+            object.__setattr__(self, "tenant_weights", tuple(
+                tuple(pair) for pair in self.tenant_weights))  # from JSON: lists
+        for pair in self.tenant_weights:
+            if len(pair) != 2 or not isinstance(pair[0], str):
+                raise ConfigError(f"tenant_weights must be (tenant, weight) pairs, got {pair!r}")
+            _check_float(f"tenant_weights[{pair[0]!r}]", pair[1], 1e-6, 1e6)
 
     def _check_relations(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -18,12 +18,14 @@ _NO_BLOCKS: list[KVBlock] = []
 
 
 class KVCacheManager:
-    def __init__(self, cache_config: CacheConfig, max_model_len: int, watermark: float = 0.0):
+    def __init__(self, cache_config: CacheConfig, max_model_len: int, watermark: float = 0.0,
+                 *, tenant_scoped: bool = False):
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.enable_caching = cache_config.enable_prefix_caching
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * cache_config.num_blocks)
+        self.tenant_scoped = tenant_scoped  # prefix_cache_scope "tenant": see first_block_key
         # J2: a sequence of n tokens needs n slots to keep decoding (the newest token is fed
         # back), so no sequence can grow past the whole pool plus that last token.
         self.max_sequence_tokens = min(max_model_len, cache_config.num_token_slots + 1)
@@ -65,7 +67,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return _NO_BLOCKS, 0
         num_tokens = request.num_tokens
-        hashes = extend_block_hashes(request, self.block_size, num_tokens)
+        hashes = extend_block_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
         hits = find_longest_cache_hit(self.pool, hashes, (num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
 
@@ -154,7 +156,8 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request_id]
         if num_full <= num_cached:
             return
-        hashes = extend_block_hashes(request, self.block_size, num_full * self.block_size)
+        hashes = extend_block_hashes(request, self.block_size, num_full * self.block_size,
+                                     self.tenant_scoped)
         self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
         self._num_cached_blocks[request_id] = num_full
 

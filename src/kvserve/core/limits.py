@@ -38,6 +38,12 @@ def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
             f"request {request_id}: {num_requests} sequences at once exceed "
             f"max_num_queued_reqs={max_reqs}, the most the waiting queue ever holds; send "
             "fewer prompts or a smaller n")
+    per_tenant = config.max_num_queued_reqs_per_tenant
+    if per_tenant is not None and num_requests > per_tenant:
+        raise RequestRejected(
+            f"request {request_id}: {num_requests} sequences at once exceed "
+            f"max_num_queued_reqs_per_tenant={per_tenant}, the most one tenant may have "
+            "waiting; send fewer prompts or a smaller n")
     max_tokens = config.max_num_queued_tokens
     if max_tokens is not None and num_tokens > max_tokens:
         raise RequestRejected(
@@ -57,6 +63,13 @@ def check_queue_limits(request: Request, waiting: WaitingQueue,
             f"request {request.request_id}: the waiting queue is full "
             f"({len(waiting)} requests, max_num_queued_reqs={max_reqs})",
             "max_num_queued_reqs")
+    per_tenant = config.max_num_queued_reqs_per_tenant
+    tenant = request.sampling_params.tenant
+    if per_tenant is not None and waiting.num_by_tenant.get(tenant, 0) >= per_tenant:
+        raise QueueFullError(
+            f"request {request.request_id}: tenant {tenant!r} has {per_tenant} requests "
+            f"waiting (max_num_queued_reqs_per_tenant={per_tenant})",
+            "max_num_queued_reqs_per_tenant")
     max_tokens = config.max_num_queued_tokens
     if max_tokens is not None and waiting.num_tokens + request.num_tokens > max_tokens:
         raise QueueFullError(

@@ -29,7 +29,21 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
     return h.digest()
 
 
-def extend_block_hashes(request: Request, block_size: int, num_tokens: int) -> list[bytes]:
+def first_block_key(request: Request, tenant_scoped: bool) -> str | None:
+    """The extra key of a request's first block: its cache salt, and under the tenant
+    prefix-cache scope its tenant too, so that no two tenants ever share (or can probe) a
+    cached block, whatever salts they choose. Length-prefixed, so no choice of tenant and
+    salt can spell another pair."""
+    params = request.sampling_params
+    if not tenant_scoped:
+        return params.cache_salt
+    tenant = params.tenant
+    key = f"tenant:{len(tenant)}:{tenant}"
+    return key if params.cache_salt is None else f"{key}|salt:{params.cache_salt}"
+
+
+def extend_block_hashes(request: Request, block_size: int, num_tokens: int,
+                        tenant_scoped: bool = False) -> list[bytes]:
     """Make ``request.block_hashes`` cover every full block within the first ``num_tokens``.
 
     The digests are those of chaining :func:`hash_block_tokens` block by block. Many new
@@ -42,7 +56,7 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int) -> l
     num_full = num_tokens // block_size
     if index == 0 and num_full > 0:  # the first block has no parent and carries the salt
         hashes.append(hash_block_tokens(None, request.token_slice(0, block_size),
-                                        request.sampling_params.cache_salt))
+                                        first_block_key(request, tenant_scoped)))
         index = 1
     if index + 1 == num_full:  # one more block, as when decoding fills one
         hashes.append(hash_block_tokens(hashes[-1], request.token_slice(

@@ -1,7 +1,9 @@
-"""Waiting queues: FCFS and priority behind one interface (spec C1-C3).
+"""Waiting queues: FCFS, priority and tenant fair share (VTC) behind one interface (spec
+C1-C3, T1-T7).
 
-Both keep a running total of the tokens they hold, so the K4 queue-token limit costs O(1).
-A waiting request's token count never changes while it waits (only running requests grow).
+Each keeps a running total of the tokens it holds and of its requests per tenant, so the K4
+queue limits cost O(1). A waiting request's token count never changes while it waits (only
+running requests grow).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
+from kvserve.core.config import SchedulerConfig
 from kvserve.core.request import Request
 
 
@@ -19,6 +22,26 @@ class WaitingQueue(ABC):
 
     def __init__(self) -> None:
         self.num_tokens = 0
+        self.num_by_tenant: dict[str, int] = {}  # waiting requests of each tenant
+
+    def _added(self, request: Request) -> None:
+        self.num_tokens += request.num_tokens
+        tenant = request.sampling_params.tenant
+        self.num_by_tenant[tenant] = self.num_by_tenant.get(tenant, 0) + 1
+
+    def _removed(self, request: Request) -> None:
+        self.num_tokens -= request.num_tokens
+        tenant = request.sampling_params.tenant
+        left = self.num_by_tenant[tenant] - 1
+        if left:
+            self.num_by_tenant[tenant] = left
+        else:
+            del self.num_by_tenant[tenant]
+
+    def record_step(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
+        """Told after every schedule() what ran: a fair-share order charges the service
+        (T3); the others ignore it."""
+        return None
 
     @abstractmethod
     def push(self, request: Request) -> None: ...
@@ -54,17 +77,17 @@ class FCFSQueue(WaitingQueue):
 
     def push(self, request: Request) -> None:
         self._requests.append(request)
-        self.num_tokens += request.num_tokens
+        self._added(request)
 
     def push_front(self, request: Request) -> None:
         # Victims are preempted newest-first, so pushing each to the head keeps their FIFO
         # order: the last one preempted (the earliest admitted) ends up first (C2).
         self._requests.appendleft(request)
-        self.num_tokens += request.num_tokens
+        self._added(request)
 
     def pop(self) -> Request:
         request = self._requests.popleft()
-        self.num_tokens -= request.num_tokens
+        self._removed(request)
         return request
 
     def peek(self) -> Request:
@@ -72,7 +95,7 @@ class FCFSQueue(WaitingQueue):
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
-        self.num_tokens -= request.num_tokens
+        self._removed(request)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -90,14 +113,14 @@ class PriorityQueue(WaitingQueue):
 
     def push(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.sort_key(), request))
-        self.num_tokens += request.num_tokens
+        self._added(request)
 
     def push_front(self, request: Request) -> None:
         self.push(request)
 
     def pop(self) -> Request:
         _, request = heapq.heappop(self._heap)
-        self.num_tokens -= request.num_tokens
+        self._removed(request)
         return request
 
     def peek(self) -> Request:
@@ -111,7 +134,7 @@ class PriorityQueue(WaitingQueue):
         if index < len(self._heap):
             self._heap[index] = last
             heapq.heapify(self._heap)
-        self.num_tokens -= request.num_tokens
+        self._removed(request)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -120,9 +143,13 @@ class PriorityQueue(WaitingQueue):
         return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
 
 
-def make_waiting_queue(policy: str) -> WaitingQueue:
-    if policy == "fcfs":
-        return FCFSQueue()
-    if policy == "priority":
-        return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; expected fcfs or priority")
+def make_waiting_queue(policy: str, config: SchedulerConfig | None = None) -> WaitingQueue:
+    """The waiting queue of ``policy`` (fcfs or priority); with ``config.tenant_fairness``
+    "vtc", tenants' fair share within each priority level (T1)."""
+    if policy not in ("fcfs", "priority"):
+        raise ValueError(f"unknown scheduling policy {policy!r}; expected fcfs or priority")
+    if config is not None and config.tenant_fairness == "vtc":
+        from kvserve.core.fairness import TenantFairQueue
+
+        return TenantFairQueue(policy, config)
+    return FCFSQueue() if policy == "fcfs" else PriorityQueue()

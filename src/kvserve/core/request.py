@@ -116,6 +116,9 @@ class SamplingParams:
     cache_salt: str | None = None
     # Seconds this request may wait before its first scheduling (K4); None: the global default.
     max_queue_delay: float | None = None
+    # Who sent it (an API key's tenant, a user, a client address): per-tenant queue limits,
+    # fair share between tenants (VTC) and the tenant-scoped prefix cache. "": nobody said.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -165,6 +168,7 @@ class SamplingParams:
         _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
                                                   and self.max_queue_delay >= 0),
                  f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
+        _require(isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
 
 
 @dataclass(eq=False, slots=True)

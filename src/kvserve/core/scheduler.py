@@ -101,8 +101,9 @@ class Scheduler:
                  record_events: bool = False) -> None:
         self.config = config
         self.cache_config = cache_config
-        self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark)
-        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
+                                 tenant_scoped=config.prefix_cache_scope == "tenant")
+        self.waiting = make_waiting_queue(config.scheduling_policy, config)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._victim_policy = make_victim_policy(config)
@@ -217,7 +218,9 @@ class Scheduler:
         if not defer_prefills:
             self.prefill_capacity_bound = bool(self.waiting)  # N3
         self._admission.end_step(len(step.preempted), self.running)
-        return self._commit(step)
+        output = self._commit(step)
+        self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
+        return output
 
     def _should_defer_prefills(self) -> bool:
         """N1: defer unless capacity-bound or nothing is decoding (it would idle the rank)."""

@@ -1,0 +1,220 @@
+"""Fair share between tenants (VTC, spec T1-T5), per-tenant queue limits (K4) and the
+tenant-scoped prefix cache (G3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.core import QueueFullError, RequestRejected, SchedulerConfig
+from kvserve.core.fairness import TenantFairQueue
+from tests.conftest import FakeExecutor, make_request, make_scheduler, step
+
+
+def tenant_request(request_id: str, tenant: str, num_prompt_tokens: int = 16,
+                   arrival_time: float = 0.0, **params: object):
+    return make_request(request_id, num_prompt_tokens, arrival_time=arrival_time,
+                        tenant=tenant, **params)
+
+
+def vtc_queue(policy: str = "fcfs", **config: object) -> TenantFairQueue:
+    return TenantFairQueue(policy, SchedulerConfig(tenant_fairness="vtc",
+                                                   **config))  # type: ignore[arg-type]
+
+
+def test_admits_from_the_tenant_with_the_least_service():  # T1, T3
+    queue = vtc_queue()
+    for index in range(3):
+        queue.push(tenant_request(f"a{index}", "A", 10, arrival_time=index))
+    queue.push(tenant_request("b0", "B", 30, arrival_time=5))
+    queue.push(tenant_request("b1", "B", 30, arrival_time=6))
+    # counters start at 0, a tie: a0 (the earlier head) -> A=10; b0 (B=0 < 10) -> B=30;
+    # a1 -> A=20; a2 -> A=30; A has nothing left waiting: b1 -> B=60
+    assert [r.request_id for r in queue] == ["a0", "b0", "a1", "a2", "b1"]
+    popped = [queue.pop().request_id for _ in range(5)]
+    assert popped == ["a0", "b0", "a1", "a2", "b1"]
+    assert queue.counters == {"A": 30.0, "B": 60.0}
+    assert (len(queue), queue.num_tokens, queue.num_by_tenant) == (0, 0, {})
+
+
+def test_weights_divide_the_charge():  # T4
+    queue = vtc_queue(tenant_weights=(("A", 2.0),))
+    for index in range(4):
+        queue.push(tenant_request(f"a{index}", "A", 10, arrival_time=index))
+        queue.push(tenant_request(f"b{index}", "B", 10, arrival_time=index))
+    popped = [queue.pop().request_id for _ in range(6)]
+    # A pays 5 per request, B 10; ties go to the earlier head (b1 before a2)
+    assert popped == ["a0", "b0", "a1", "b1", "a2", "a3"]
+    assert queue.counters == {"A": 20.0, "B": 20.0}
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_least_backlogged_counter():  # T2
+    queue = vtc_queue()
+    queue.push(tenant_request("a0", "A", 100))
+    queue.push(tenant_request("b0", "B", 40))
+    queue.push(tenant_request("b1", "B", 40))
+    assert queue.pop().request_id == "a0"  # tie at 0: the earlier head (same time: by id)
+    assert queue.pop().request_id == "b0"  # A=100, B=40
+    # C was never seen: lifted to the least backlogged counter (B's 40), not left at 0,
+    # where it would take the next 60 tokens' worth of admissions for itself.
+    queue.push(tenant_request("c0", "C", 10))
+    assert queue.counters["C"] == 40.0
+    # nobody backlogged: the floor is the counter of the tenant served last
+    queue.pop(), queue.pop()
+    queue.push(tenant_request("d0", "D", 10))
+    assert queue.counters["D"] == queue.counters[queue._last_served]
+
+
+def test_priority_first_then_fair_share_within_a_level():  # T1
+    queue = vtc_queue("priority")
+    queue.push(tenant_request("a-low", "A", 10, priority=5))
+    queue.push(tenant_request("b-urgent", "B", 10, priority=0, arrival_time=1))
+    queue.push(tenant_request("a-urgent", "A", 10, priority=0, arrival_time=2))
+    queue.push(tenant_request("b-urgent2", "B", 10, priority=0, arrival_time=3))
+    assert [queue.pop().request_id for _ in range(4)] == [
+        "b-urgent", "a-urgent", "b-urgent2", "a-low"]
+
+
+def test_a_preempted_request_returns_to_its_tenants_head_without_a_lift():  # T1, C2
+    queue = vtc_queue()
+    queue.push(tenant_request("a0", "A", 10))
+    queue.push(tenant_request("a1", "A", 10, arrival_time=1))
+    victim = queue.pop()
+    queue.push_front(victim)
+    assert [r.request_id for r in queue] == ["a0", "a1"]
+    assert queue.counters == {"A": 10.0}  # charged when admitted, again when re-admitted
+
+
+def test_remove_forgets_empty_buckets():
+    queue = vtc_queue()
+    request = tenant_request("a0", "A")
+    queue.push(request)
+    queue.remove(request)
+    assert (len(queue), list(queue), queue.num_by_tenant) == (0, [], {})
+    with pytest.raises(ValueError, match="a0 is not in the waiting queue"):
+        queue.remove(request)
+
+
+# -- the service bound on an adversarial trace --------------------------------------------
+
+# A floods with long prompts and short answers, B asks for short prompts and long answers.
+SHAPES = {"A": (64, 2), "B": (8, 16)}  # (prompt tokens, output tokens)
+SEATS = 3
+PROMPT_PRICE, OUTPUT_PRICE = 1.0, 2.0
+# T5, worked out by hand (docs/tenants.md): while both tenants are backlogged, a counter
+# leads the other by at most one admission's prompt charge (the longest prompt: 64 x 1)
+# plus the output charges still to come from the tenant's running requests (3 seats x 16
+# tokens x 2) = 160; service over any interval in which both stay backlogged differs by at
+# most twice that.
+COUNTER_BOUND = PROMPT_PRICE * 64 + SEATS * OUTPUT_PRICE * 16
+INTERVAL_BOUND = 2 * COUNTER_BOUND
+
+
+def run_flood(fairness: str, num_steps: int = 300):
+    """Tenant A sends 2 requests a step, B one every 5 steps (A floods at 10x); the engine
+    serves 3 at a time, far less than either asks. Returns per step: (both backlogged, A's
+    service so far, B's service so far, the VTC counters)."""
+    scheduler = make_scheduler(num_blocks=10_000, max_num_seqs=SEATS,
+                               tenant_fairness=fairness)
+    executor = FakeExecutor()
+    service = {"A": 0.0, "B": 0.0}
+    tenant_of: dict[str, str] = {}
+    history = []
+    for now in range(num_steps):
+        arrivals = [("A", f"a{now}-0"), ("A", f"a{now}-1")]
+        if now % 5 == 0:
+            arrivals.append(("B", f"b{now}"))
+        for tenant, request_id in arrivals:
+            tenant_of[request_id] = tenant
+            prompt, output = SHAPES[tenant]
+            scheduler.add_request(tenant_request(request_id, tenant, prompt, now,
+                                                 max_tokens=output, ignore_eos=True))
+        out, outputs = step(scheduler, executor, float(now))
+        for new in out.scheduled_new_reqs:  # charged on admission, as the paper does
+            service[tenant_of[new.request_id]] += PROMPT_PRICE * len(new.token_ids)
+        for output in outputs:
+            service[tenant_of[output.request_id]] += OUTPUT_PRICE * len(output.new_token_ids)
+        waiting = scheduler.waiting.num_by_tenant
+        counters = dict(getattr(scheduler.waiting, "counters", {}))
+        history.append(("A" in waiting and "B" in waiting, service["A"], service["B"],
+                        counters))
+    return history
+
+
+def largest_interval_gap(history) -> float:
+    """max |W_A(t1, t2) - W_B(t1, t2)| over intervals in which both stayed backlogged."""
+    worst, start = 0.0, None
+    for index, (both, service_a, service_b, _) in enumerate(history):
+        if not both:
+            start = None
+            continue
+        start = index if start is None else start
+        for _, a, b, _ in history[start:index + 1]:  # every t1 of the interval
+            worst = max(worst, abs((service_a - a) - (service_b - b)))
+    return worst
+
+
+def test_a_flooding_tenant_cannot_push_the_service_gap_past_the_bound():  # T5
+    history = run_flood("vtc")
+    backlogged = [h for h in history if h[0]]
+    assert len(backlogged) > 250  # B stays backlogged: it asks for more than its half
+    for _, _, _, counters in backlogged:
+        assert abs(counters["A"] - counters["B"]) <= COUNTER_BOUND
+    assert 0 < largest_interval_gap(history) <= INTERVAL_BOUND  # 132 in this run
+
+
+def test_without_fairness_the_flood_takes_the_engine():
+    """The same trace in FCFS order: B waits behind A's backlog and the gap grows without
+    bound (so the test above can fail)."""
+    history = run_flood("off")
+    assert largest_interval_gap(history) > 10 * INTERVAL_BOUND
+    _, service_a, service_b, _ = history[-1]
+    assert service_a > 8 * service_b
+
+
+# -- per-tenant queue limits (K4) ----------------------------------------------------------
+
+def test_per_tenant_queue_limit_refuses_only_that_tenant():  # T6, K4
+    scheduler = make_scheduler(max_num_queued_reqs_per_tenant=2)
+    scheduler.add_request(tenant_request("a0", "A"))
+    scheduler.add_request(tenant_request("a1", "A"))
+    with pytest.raises(QueueFullError, match=r"tenant 'A' has 2 requests waiting "
+                                             r"\(max_num_queued_reqs_per_tenant=2\)") as error:
+        scheduler.add_request(tenant_request("a2", "A"))
+    assert error.value.limit == "max_num_queued_reqs_per_tenant"
+    scheduler.add_request(tenant_request("b0", "B"))
+    assert scheduler.waiting.num_by_tenant == {"A": 2, "B": 1}
+
+
+def test_a_group_larger_than_the_tenant_limit_is_rejected_not_queue_full():  # T6
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_queued_reqs_per_tenant=4)
+    check_queueable(4, 100, config, "ok")
+    with pytest.raises(RequestRejected, match="5 sequences at once exceed "
+                                              "max_num_queued_reqs_per_tenant=4"):
+        check_queueable(5, 100, config, "big")
+
+
+# -- tenant-scoped prefix cache (G3) -------------------------------------------------------
+
+SHARED = list(range(100, 164))  # 4 full blocks of 16
+
+
+@pytest.mark.parametrize(("scope", "first", "second", "hit_tokens"), [
+    ("tenant", ("A", None), ("B", None), 0),     # no cross-tenant hit
+    ("tenant", ("A", None), ("A", None), 48),    # same tenant: sharing as before (G4)
+    ("tenant", ("A", "s"), ("A", None), 0),      # a salt still separates within a tenant
+    ("tenant", ("A", "s"), ("A", "s"), 48),
+    ("tenant", ("A", "s"), ("B", "s"), 0),       # the same salt does not join tenants
+    ("global", ("A", None), ("B", None), 48),    # global scope: shared as before
+    ("global", ("A", "s"), ("B", "s"), 48),
+])
+def test_prefix_cache_scope(scope, first, second, hit_tokens):  # T7, G4
+    scheduler = make_scheduler(prefix_cache_scope=scope)
+    executor = FakeExecutor()
+    for request_id, (tenant, salt) in (("first", first), ("second", second)):
+        scheduler.add_request(make_request(request_id, prompt_token_ids=SHARED,
+                                           tenant=tenant, cache_salt=salt, max_tokens=1))
+        step(scheduler, executor)
+    stats = scheduler.stats()
+    assert stats.prefix_cache_hits == hit_tokens
