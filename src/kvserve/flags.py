@@ -14,7 +14,13 @@ import re
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
-from kvserve.core.config import ADMISSION_POLICIES, SCHEDULING_POLICIES, VICTIM_POLICIES
+from kvserve.core.config import (
+    ADMISSION_POLICIES,
+    PREFIX_CACHE_SCOPES,
+    SCHEDULING_POLICIES,
+    TENANT_FAIRNESS,
+    VICTIM_POLICIES,
+)
 
 
 class CLIError(Exception):
@@ -30,6 +36,8 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests"),
     ("max_num_queued_tokens", int, "reject arrivals beyond this many waiting tokens"),
     ("max_queue_delay", float, "abort a request that waited this many seconds unscheduled"),
+    ("max_num_queued_reqs_per_tenant", int, "reject a tenant's arrivals beyond this many of "
+     "its requests waiting"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching")
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
@@ -68,6 +76,13 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                        help="KV cache bytes per device (e.g. 20GiB) instead of a block count")
     group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                        action=argparse.BooleanOptionalAction)
+    group.add_argument("--prefix-cache-scope", dest="prefix_cache_scope",
+                       choices=PREFIX_CACHE_SCOPES, help="tenant: each tenant's blocks hash "
+                       "apart, nothing is shared or hinted across tenants (serve's default "
+                       "with API keys); global: shared by all (the default otherwise)")
+    group.add_argument("--tenant-fairness", dest="tenant_fairness", choices=TENANT_FAIRNESS,
+                       help="vtc: admit from the tenant with the least weighted service "
+                            "(Virtual Token Counter), within each priority level")
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,7 @@ adds tenants' keys, as one key per line (``#`` comments), or JSON / TOML::
     most_urgent_priority = 0      # the lowest priority value this key may ask for
     default_priority = 10         # used when the body sets none
     admin = false                 # may call /v1/abort
+    weight = 1.0                  # share under --tenant-fairness vtc (2.0: twice the service)
 
 Priorities follow vLLM: lower is earlier. The server, not the client, decides who may be
 urgent: a body asking for more urgency than its key allows gets 403, and with
@@ -35,6 +36,7 @@ class ApiKey:
     most_urgent_priority: int | None = None  # None: no limit
     default_priority: int = 0
     admin: bool = False
+    weight: float = 1.0
 
 
 OPEN_ACCESS = ApiKey("", "anonymous", admin=True)  # no keys configured: nothing is checked
@@ -82,7 +84,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
     where = f"{path}: key #{index + 1}"
     if not isinstance(entry, dict):
         raise KeyFileError(f"{where} must be a table/object with a 'key'")
-    known = {"key", "tenant", "most_urgent_priority", "default_priority", "admin"}
+    known = {"key", "tenant", "most_urgent_priority", "default_priority", "admin", "weight"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise KeyFileError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
@@ -101,7 +103,12 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise KeyFileError(f"{where}: 'admin' must be true or false")
-    return ApiKey(key, str(entry.get("tenant", f"key-{index + 1}")), urgent, default, admin)
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+            or not 0 < weight <= 1e6:
+        raise KeyFileError(f"{where}: 'weight' must be a number in (0, 1e6]")
+    return ApiKey(key, str(entry.get("tenant", f"key-{index + 1}")), urgent, default, admin,
+                  float(weight))
 
 
 class KeyRing:
@@ -149,3 +156,24 @@ def resolve_priority(requested: int | None, key: ApiKey, *, source: str,
                             f"may ask for (lower is more urgent; the most urgent allowed is "
                             f"{key.most_urgent_priority})", param="priority")
     return priority
+
+
+def tenant_weights(keys: list[ApiKey]) -> tuple[tuple[str, float], ...]:
+    """(tenant, weight) for the scheduler's fair share; a tenant's keys must agree."""
+    weights: dict[str, float] = {}
+    for key in keys:
+        if weights.setdefault(key.tenant, key.weight) != key.weight:
+            raise KeyFileError(f"tenant '{key.tenant}' has keys with different weights "
+                               f"({weights[key.tenant]} and {key.weight})")
+    return tuple((tenant, weight) for tenant, weight in weights.items() if weight != 1.0)
+
+
+def tenant_of(key: ApiKey, keys_enabled: bool, user: str | None,
+              client_host: str | None) -> str:
+    """Who a request is from: its API key's tenant; without keys, the body's ``user``, or
+    else the client's address."""
+    if keys_enabled:
+        return key.tenant
+    if user:
+        return f"user:{user}"
+    return f"addr:{client_host or 'unknown'}"

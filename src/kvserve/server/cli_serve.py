@@ -13,6 +13,10 @@ logger = logging.getLogger("kvserve.server")
 def add_parser(subparsers: Any) -> None:
     from kvserve.engine.cli_generate import add_model_args
     from kvserve.flags import add_scheduler_flags, parse_bytes
+    from kvserve.server.limits import (
+        DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    )
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -35,6 +39,12 @@ def add_parser(subparsers: Any) -> None:
                             "key: the key's default priority, the body may not choose")
     group.add_argument("--max-request-body", type=parse_bytes, default="4MiB",
                        help="largest request body accepted (413 beyond)")
+    group.add_argument("--max-prompts-per-request", type=int,
+                       default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                       help="most prompts in one completions request (400 beyond)")
+    group.add_argument("--max-sequences-per-request", type=int,
+                       default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                       help="most sequences (prompts x n) one request may queue (400 beyond)")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
     add_scheduler_flags(parser)
@@ -63,7 +73,8 @@ def build_state(args: argparse.Namespace) -> Any:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.llm import build_engine
     from kvserve.flags import CLIError, settings_from_args
-    from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys
+    from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, tenant_weights
+    from kvserve.server.limits import FanOutLimits
     from kvserve.server.state import ServerState
 
     keys = [ApiKey(key, "operator", admin=True) for key in args.api_key]
@@ -74,6 +85,16 @@ def build_state(args: argparse.Namespace) -> Any:
         raise CLIError(str(error)) from None
     settings = settings_from_args(args)
     settings.pop("batching", None)
+    try:
+        if keys:  # tenants are known: their caches are apart unless the operator says not
+            settings.setdefault("prefix_cache_scope", "tenant")
+            if tenant_weights(keys):
+                settings["tenant_weights"] = tenant_weights(keys)
+    except KeyFileError as error:
+        raise CLIError(str(error)) from None
+    for name in ("max_prompts_per_request", "max_sequences_per_request"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     policy = settings.get("scheduling_policy", "fcfs")
     urgent = [k.tenant for k in keys if k.default_priority != 0]
     if policy != "priority" and urgent:
@@ -92,8 +113,10 @@ def build_state(args: argparse.Namespace) -> Any:
     except (ConfigError, ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
     name = args.served_model_name or _model_name(args.model)
-    return ServerState(AsyncEngine(engine), name, KeyRing(keys), args.priority_source,
-                       args.max_request_body)
+    state = ServerState(AsyncEngine(engine), name, KeyRing(keys), args.priority_source,
+                        args.max_request_body)
+    state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
+    return state
 
 
 def _model_name(model: str | None) -> str:

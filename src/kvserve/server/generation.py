@@ -24,7 +24,7 @@ from kvserve.core.limits import check_queueable
 from kvserve.core.scheduler import QUEUE_TIMEOUT
 from kvserve.engine.async_engine import EngineDeadError, RequestStream
 from kvserve.engine.engine import CompletionChunk
-from kvserve.server.auth import resolve_priority
+from kvserve.server.auth import resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
@@ -65,9 +65,12 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream_options is not None and not req.stream:
         raise bad_request("'stream_options' is only allowed with 'stream': true",
                           param="stream_options")
+    state.fan_out.check(req, chat)
+    tenant = tenant_of(key, state.keys.enabled, req.user,
+                       request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
     max_tokens = max_tokens_for(state, req, chat, prompts)
-    base = sampling_params(req, chat, max_tokens, priority)
+    base = sampling_params(req, chat, max_tokens, priority, tenant)
     request_id = state.new_request_id(request.headers.get("x-request-id"))
     choices, items = [], []
     for prompt_index, prompt in enumerate(prompts):

@@ -72,7 +72,8 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
     return asked
 
 
-def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int) -> SamplingParams:
+def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
+                    tenant: str = "") -> SamplingParams:
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -88,7 +89,7 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int) -> Sam
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens,
                               ignore_eos=req.ignore_eos, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
-                              priority=priority, logprobs=logprobs, **given)
+                              priority=priority, logprobs=logprobs, tenant=tenant, **given)
     except RequestError as error:
         raise bad_request(str(error)) from None
 

@@ -15,6 +15,7 @@ from kvserve.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.server.auth import KeyRing
 from kvserve.server.body import parse_json
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.limits import FanOutLimits
 from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -28,6 +29,7 @@ class ServerState:
     priority_source: str = "body"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics = field(init=False)
+    fan_out: FanOutLimits = field(default_factory=FanOutLimits)
     groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
     started: float = field(default_factory=time.time)
 

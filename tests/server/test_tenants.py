@@ -1,0 +1,151 @@
+"""Tenants cannot hurt each other through the server (issue 19, items 1-3): the prefix cache
+is scoped by tenant, fan-out is bounded with 400s that name the limit, a tenant's queue
+limit answers 503 + Retry-After to that tenant only, and the fair-share queue is fed the
+tenant of each API key."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from kvserve.core.fairness import TenantFairQueue
+from kvserve.server.auth import ApiKey, KeyFileError, load_keys, tenant_of, tenant_weights
+from kvserve.server.limits import FanOutLimits
+
+from .helpers import LiveServer, slow_engine, wait_for
+
+KEYS = [ApiKey("key-a", "A"), ApiKey("key-b", "B")]
+PROMPT = [(7 * i) % 900 + 10 for i in range(78)]  # 4 full blocks and a bit
+
+
+def complete(live: LiveServer, key: str, body: dict) -> httpx.Response:
+    return httpx.post(live.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"})
+
+
+def prefix_hits(live: LiveServer, key: str, **fields: object) -> int:
+    response = complete(live, key, {"prompt": PROMPT, "max_tokens": 1, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["kvserve"]["prefix_hit_tokens"]
+
+
+@pytest.mark.parametrize(("scope", "cross_tenant_hits"), [("tenant", 0), ("global", 64)])
+def test_prefix_cache_is_scoped_by_tenant(scope, cross_tenant_hits):  # T7, G4
+    with LiveServer(keys=KEYS, prefix_cache_scope=scope) as live:
+        assert prefix_hits(live, "key-a") == 0
+        assert prefix_hits(live, "key-b") == cross_tenant_hits  # nothing shared or hinted
+        assert prefix_hits(live, "key-a") == 64  # within a tenant: 4 blocks, as before
+        assert prefix_hits(live, "key-a", cache_salt="s") == 0  # a salt composes with it
+        assert prefix_hits(live, "key-a", cache_salt="s") == 64
+
+
+def test_fan_out_limits_answer_400_naming_the_limit(server):
+    server.state.fan_out = FanOutLimits(max_prompts_per_request=4,
+                                        max_sequences_per_request=6)
+    try:
+        cases = [
+            ({"prompt": ["a"] * 5}, "prompt",
+             "'prompt' is a list of 5 prompts; this server accepts at most 4 per request "
+             "(--max-prompts-per-request); split it"),
+            ({"prompt": [[5]] * 5}, "prompt", "list of 5 prompts"),
+            ({"prompt": ["a"] * 3, "n": 3}, "n",
+             "3 prompt(s) x n=3 is 9 sequences; this server accepts at most 6 per request "
+             "(--max-sequences-per-request)"),
+            ({"prompt": "a", "n": 7}, "n", "1 prompt(s) x n=7 is 7 sequences"),
+        ]
+        for body, param, message in cases:
+            response = httpx.post(server.url + "/v1/completions", timeout=30,
+                                  json={**body, "max_tokens": 1})
+            assert response.status_code == 400, body
+            error = response.json()["error"]
+            assert (error["param"], error["type"]) == (param, "invalid_request_error")
+            assert message in error["message"]
+        ok = httpx.post(server.url + "/v1/completions", timeout=30,
+                        json={"prompt": ["a"] * 3, "n": 2, "max_tokens": 1})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
+    finally:
+        server.state.fan_out = FanOutLimits()
+    assert server.idle()
+
+
+def test_a_tenants_queue_limit_refuses_only_that_tenant():  # T6
+    engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs_per_tenant=1)
+    with LiveServer(engine, keys=KEYS) as live:
+        blocker_done: list[httpx.Response] = []
+        blocker = threading.Thread(target=lambda: blocker_done.append(complete(
+            live, "key-a", {"prompt": [11] * 20, "max_tokens": 200, "ignore_eos": True})))
+        blocker.start()
+        wait_for(lambda: live.state.engine.stats.num_running == 1, what="A's first running")
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: queued.append(complete(
+            live, "key-a", {"prompt": [12] * 5, "max_tokens": 1})))
+        waiter.start()
+        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="A's second queued")
+
+        full = complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1})
+        assert full.status_code == 503
+        assert full.json()["error"]["message"] == (
+            "the server is overloaded: tenant 'A' has 1 requests waiting "
+            "(max_num_queued_reqs_per_tenant=1); retry later")
+        assert int(full.headers["Retry-After"]) >= 1
+        never = complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1, "n": 2})
+        assert never.status_code == 400
+        assert "2 sequences at once exceed max_num_queued_reqs_per_tenant=1" in \
+            never.json()["error"]["message"]
+        assert "Retry-After" not in never.headers
+
+        other: list[httpx.Response] = []
+        b_thread = threading.Thread(target=lambda: other.append(complete(
+            live, "key-b", {"prompt": [14] * 5, "max_tokens": 1})))
+        b_thread.start()
+        wait_for(lambda: live.state.engine.stats.num_waiting == 2, what="B queued too")
+        live.state.engine.abort(_only_running(live))
+        for thread in (blocker, waiter, b_thread):
+            thread.join(timeout=30)
+        assert [r.status_code for r in queued + other] == [200, 200]
+        wait_for(live.idle, what="idle")
+
+
+def _only_running(live: LiveServer) -> str:
+    running = live.scheduler.running
+    assert len(running) == 1
+    return running[0].request_id
+
+
+def test_the_fair_share_queue_learns_each_keys_tenant():  # T1, T3
+    keys = [ApiKey("key-a", "A", weight=2.0), ApiKey("key-b", "B")]
+    with LiveServer(keys=keys, tenant_fairness="vtc",
+                    tenant_weights=tenant_weights(keys)) as live:
+        assert isinstance(live.scheduler.waiting, TenantFairQueue)
+        for key in ("key-a", "key-b"):
+            assert complete(live, key, {"prompt": [5] * 10, "max_tokens": 3,
+                                        "ignore_eos": True}).status_code == 200
+        # a request costs 10 prompt tokens x 1 + 3 output tokens x 2 = 16, halved for A's
+        # weight of 2: A = 8. B arrives when nobody waits: it starts from the counter of the
+        # tenant served last (A's 8, T2), then pays 16.
+        assert live.scheduler.waiting.counters == {"A": 8.0, "B": 24.0}
+
+
+def test_tenant_without_keys_comes_from_user_or_address():
+    anonymous = ApiKey("", "anonymous")
+    assert tenant_of(KEYS[0], True, "ignored", "10.0.0.1") == "A"
+    assert tenant_of(anonymous, False, "alice", "10.0.0.1") == "user:alice"
+    assert tenant_of(anonymous, False, None, "10.0.0.1") == "addr:10.0.0.1"
+
+
+def test_keys_file_weights(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "a", "tenant": "gold", "weight": 3},
+                                         {"key": "b", "tenant": "free"}]}))
+    keys = load_keys(path)
+    assert [(k.tenant, k.weight) for k in keys] == [("gold", 3.0), ("free", 1.0)]
+    assert tenant_weights(keys) == (("gold", 3.0),)
+    path.write_text(json.dumps([{"key": "a", "weight": 0}]))
+    with pytest.raises(KeyFileError, match=r"key #1: 'weight' must be a number in \(0, 1e6\]"):
+        load_keys(path)
+    twice = [ApiKey("a", "t", weight=2.0), ApiKey("b", "t")]
+    with pytest.raises(KeyFileError, match="tenant 't' has keys with different weights"):
+        tenant_weights(twice)
