@@ -63,7 +63,7 @@ class _Recorder:
 
     def __init__(self, arrivals: Sequence[Any]) -> None:
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
-                                                     r.num_prompt_tokens)
+                                                     r.num_prompt_tokens, tenant=r.tenant)
                         for r in arrivals}
         self.itl = array("d")
 

@@ -107,7 +107,43 @@ def aggregate(result: SimResult) -> dict[str, Any]:
         1 for r in records if r.deadline is not None
         and (r.metrics is None or r.metrics.finished_time > r.deadline))
     out["blocked_steps"] = dict(sorted(result.num_blocked_steps.items()))
+    if any(r.tenant for r in records):
+        out["tenants"] = tenant_service(records)
+        out["jain_fairness_index"] = _round(jain_index(
+            [t["service"] for t in out["tenants"].values()]))
     return out
+
+
+def tenant_service(records: list[RequestRecord], prompt_price: float = 1.0,
+                   output_price: float = 2.0) -> dict[str, dict[str, Any]]:
+    """Per tenant: tokens served (the prompts of requests that were scheduled, every output
+    token), service = prompt_price x prompt + output_price x output (VTC's default prices),
+    its share of all service, and TTFT p50/p99."""
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        by_tenant.setdefault(record.tenant, []).append(record)
+    rows: dict[str, dict[str, Any]] = {}
+    for tenant, mine in sorted(by_tenant.items()):
+        prompt = sum(r.num_prompt_tokens for r in mine if r.metrics is not None
+                     and r.metrics.first_scheduled_time is not None)
+        output = sum(r.num_output_tokens for r in mine)
+        ttfts = [lat for lat in (request_latencies(r)["ttft"] for r in mine)
+                 if lat is not None]
+        rows[tenant] = {"num_requests": len(mine), "prompt_tokens": prompt,
+                        "output_tokens": output,
+                        "service": prompt_price * prompt + output_price * output,
+                        **summarise("ttft", ttfts)}
+    total = sum(row["service"] for row in rows.values())
+    for row in rows.values():
+        row["service_share"] = _round(row["service"] / total if total else 0.0)
+    return rows
+
+
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index, (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one
+    tenant has everything."""
+    squares = sum(v * v for v in values)
+    return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
 
 
 def request_rows(result: SimResult) -> list[dict[str, Any]]:
@@ -138,6 +174,8 @@ def request_rows(result: SimResult) -> list[dict[str, Any]]:
             # Key kept from report version 1: the preempted spans, preemption -> resume.
             "stalls": [[_round(a), _round(b)] for a, b in record.preempted_spans],
         })
+        if record.tenant:
+            rows[-1]["tenant"] = record.tenant
     return rows
 
 

@@ -65,6 +65,7 @@ class RequestRecord:
     # Not a stall: a stall (RequestMetrics.longest_stall) runs on to the next token.
     preempted_spans: list[tuple[float, float]] = field(default_factory=list)
     deadline: float | None = None
+    tenant: str = ""
 
 
 @dataclass
@@ -132,7 +133,8 @@ class _Run:
                                     if needs_block_layout(sim.cost_model) else None)
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
         self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
-                                                    r.num_prompt_tokens, deadline=r.deadline)
+                                                    r.num_prompt_tokens, deadline=r.deadline,
+                                                    tenant=r.tenant)
                         for r in self.arrivals}
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)

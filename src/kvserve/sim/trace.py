@@ -4,7 +4,9 @@ Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` 
 ``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
 request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
-``ignore_eos``. Unknown fields are errors: a field that is accepted must be honoured.
+``ignore_eos``, and ``tenant`` (who sent it: per-tenant queue limits, fair share and the
+tenant-scoped prefix cache, as in ``kvserve serve``). Unknown fields are errors: a field
+that is accepted must be honoured.
 
 Token ids for ``prompt_len`` requests come from :mod:`kvserve.sim.tokens`: positions below
 ``prefix_len`` from the stream of ``prefix_id``, the rest from the stream of ``request_id``.
@@ -46,6 +48,7 @@ class TraceRequest:
     deadline: float | None = None
     cancel_time: float | None = None
     ignore_eos: bool = False
+    tenant: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,7 +78,7 @@ class TraceRequest:
         """How the request is sampled: EOS is the simulated model's, max_tokens defaults to
         ``default_max_tokens`` (the model length) so that EOS or a length limit stops it."""
         return _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
-                                self.priority)
+                                self.priority, self.tenant)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
@@ -88,7 +91,7 @@ class TraceRequest:
             row["prefix_len"] = self.prefix_len
         row["output_len"] = self.output_len
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
-                              ("cancel_time", None), ("ignore_eos", False)):
+                              ("cancel_time", None), ("ignore_eos", False), ("tenant", "")):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -96,16 +99,17 @@ class TraceRequest:
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
-def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int) -> SamplingParams:
+def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
+                     tenant: str) -> SamplingParams:
     # Shared between requests: SamplingParams is frozen, a trace has a handful of distinct
     # ones, and validating a new one costs more than the rest of submitting a request.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                          eos_token_id=EOS_TOKEN_ID, priority=priority)
+                          eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant)
 
 
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
-           "ignore_eos")
+           "ignore_eos", "tenant")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -165,6 +169,9 @@ def parse_request(row: Any) -> TraceRequest:
     priority = row.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an integer, got {priority!r}")
+    tenant = row.get("tenant", "")
+    if not isinstance(tenant, str):
+        raise ValueError(f"tenant must be a string, got {tenant!r}")
     return TraceRequest(
         request_id=request_id,
         arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
@@ -178,6 +185,7 @@ def parse_request(row: Any) -> TraceRequest:
         deadline=_time(row, "deadline"),
         cancel_time=_time(row, "cancel_time"),
         ignore_eos=ignore_eos,
+        tenant=tenant,
     )
 
 
