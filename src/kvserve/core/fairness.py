@@ -22,6 +22,7 @@ request's prompt charge plus the output charge of the requests it has running.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 from kvserve.core.config import SchedulerConfig
@@ -148,13 +149,13 @@ class TenantFairQueue(WaitingQueue):
     def __iter__(self) -> Iterator[Request]:
         """The order of successive pops if no output token were charged in between."""
         counters = dict(self.counters)
-        pending = {level: {t: list(bucket) for t, bucket in tenants.items()}
+        pending = {level: {t: deque(bucket) for t, bucket in tenants.items()}
                    for level, tenants in self._levels.items()}
         while pending:
             tenants = pending[min(pending)]
             tenant = min(tenants, key=lambda t: (counters.get(t, 0.0),
                                                  tenants[t][0].sort_key(), t))
-            request = tenants[tenant].pop(0)
+            request = tenants[tenant].popleft()
             counters[tenant] = counters.get(tenant, 0.0) + self._prompt_price * \
                 request.num_tokens / self._weights.get(tenant, 1.0)
             if not tenants[tenant]:

@@ -58,9 +58,24 @@ def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
     console.print(title, style="bold")
     console.print(summary)
     console.print(latency)
+    if a.get("tenants"):
+        console.print(_tenant_table(a))
     if wall_seconds:
         console.print(f"simulated {a['duration_s']:.1f} s in {wall_seconds:.2f} s of wall time "
                       f"({a['duration_s'] / wall_seconds:,.0f}x)", style="dim")
+
+
+def _tenant_table(a: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"tenants (Jain's fairness index {a['jain_fairness_index']:.3f})",
+                  title_justify="left")
+    for column in ("tenant", "requests", "service share", "TTFT p50", "TTFT p99"):
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for tenant, row in a["tenants"].items():
+        table.add_row(tenant, str(row["num_requests"]), fmt_pct(row["service_share"]),
+                      fmt_s(row["ttft_p50"]), fmt_s(row["ttft_p99"]))
+    return table
 
 
 SWEEP_COLUMNS = (
