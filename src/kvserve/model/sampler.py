@@ -3,8 +3,13 @@ logprobs.
 
 Order per row: repetition, frequency and presence penalties -> temperature (0: greedy) ->
 top-k -> top-p -> min-p -> draw. A seeded request draws from a generator seeded by
-(seed, output position), so its text does not depend on batching or preemption. Logprobs are
-those of the model's own distribution (raw logits), like vLLM's default.
+(seed, output position), so the *draw* does not depend on batching or preemption: given the
+same logits, it picks the same token. The logits themselves are not batch-invariant in
+bfloat16 (docs/tenants.md, "What varies with batching"): the model's reductions run in an
+order that depends on the batch's shape, chunking and prefix-cache hits, so a greedy or
+seeded request can give different text alone, in a batch, or after a hit. In float32 the
+differences are far below the gaps between logits and the text has matched in every check.
+Logprobs are those of the model's own distribution (raw logits), like vLLM's default.
 """
 
 from __future__ import annotations
