@@ -50,7 +50,7 @@ def run_engine(network, prompts, num_blocks=256, block_size=16, caching=True, st
         for i, prompt in pending[:1] if stagger else pending:
             engine.add_request(str(i), prompt, params)
         pending = pending[1:] if stagger else []
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             tokens[chunk.request_id] += chunk.new_token_ids
     check_empty(scheduler)
     return [tokens[str(i)] for i in range(len(prompts))], scheduler

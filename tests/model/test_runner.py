@@ -54,7 +54,7 @@ def generate(engine: Engine, prompts=PROMPTS, stagger=False) -> list[list[int]]:
             for i, prompt in (pending[:1] if stagger else pending):
                 engine.add_request(str(i), prompt, params)
             pending = pending[1:] if stagger else []
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             tokens[chunk.request_id] += chunk.new_token_ids
     check_empty(engine.scheduler)
     return [tokens[str(i)] for i in range(len(prompts))]
@@ -102,7 +102,7 @@ def test_paged_logits_match_the_dense_forward(network):
                                                    logprobs=5, ignore_eos=True))
     logprobs = None
     while engine.has_unfinished_requests():
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             logprobs = chunk.logprobs
     reference = torch.log_softmax(dense_logits(WEIGHTS, TINY, prompt)[-1], dim=-1)
     assert logprobs is not None

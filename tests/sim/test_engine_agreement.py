@@ -52,11 +52,10 @@ def run_engine() -> tuple[list[int], dict[str, tuple[float | None, float]]]:
         if not engine.has_unfinished_requests():
             priced.now = pending[0].arrival_time
             continue
-        chunks = engine.step()
-        assert engine.last_step is not None
-        if engine.last_step.num_scheduled_tokens:
-            steps.append(engine.last_step.num_scheduled_tokens)
-        for chunk in chunks:
+        record = engine.step()
+        if record.num_scheduled_tokens:
+            steps.append(record.num_scheduled_tokens)
+        for chunk in record.chunks:
             if chunk.finished:
                 times[chunk.request_id] = (chunk.metrics.first_token_time,
                                            chunk.metrics.finished_time)

@@ -53,9 +53,8 @@ def engine_log() -> str:
     clock = SteppingClock()
     engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
                           detokenize=False, **SETTINGS)
-    engine.clock = clock
     log = io.StringIO()
-    run_trace(engine, TRACE, sleep=clock.sleep, log=log)
+    run_trace(engine, TRACE, clock=clock, sleep=clock.sleep, log=log)
     return log.getvalue()
 
 
@@ -108,9 +107,8 @@ def test_the_engine_run_reads_as_a_simulation_report():
 
     clock = SteppingClock()
     engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, detokenize=False, **SETTINGS)
-    engine.clock = clock
     log = io.StringIO()
-    run = run_trace(engine, TRACE, sleep=clock.sleep, log=log)
+    run = run_trace(engine, TRACE, clock=clock, sleep=clock.sleep, log=log)
     measured = aggregate(run.result)
     path_text = log.getvalue()
     replay = ReplayCostModel([json.loads(line)["duration"] for line in path_text.splitlines()
@@ -148,9 +146,8 @@ def traced(trace, clock):
     """The engine's run of ``trace`` on ``clock``, and its step log's rows."""
     engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, record_events=True,
                           detokenize=False, **SETTINGS)
-    engine.clock = clock
     log = io.StringIO()
-    run = run_trace(engine, trace, sleep=clock.sleep, log=log)
+    run = run_trace(engine, trace, clock=clock, sleep=clock.sleep, log=log)
     return run, [json.loads(line) for line in log.getvalue().splitlines()]
 
 

@@ -2,9 +2,9 @@
 
 One step, in the engine and in the simulator alike::
 
-    output = scheduler.schedule(clock.now())
+    output = scheduler.schedule(clock())
     model_output = executor.execute(output)
-    request_outputs = scheduler.update(output, model_output, clock.now())
+    request_outputs = scheduler.update(output, model_output, clock())
 
 Call ``update`` after every ``schedule``, even when nothing was scheduled: it delivers the
 outputs of requests the scheduler finished on its own (queue timeouts).
@@ -31,6 +31,9 @@ class Executor(Protocol):
 
 
 class Clock(Protocol):
-    def now(self) -> float:
-        """Seconds; wall time in the engine, virtual time in the simulator."""
+    """Where time comes from: ``clock()`` is seconds from any fixed origin (``time.monotonic``
+    in the engine; a run-relative clock in the trace runner; the simulator passes virtual
+    times to the scheduler directly). The core never reads a clock: it is given ``now``."""
+
+    def __call__(self) -> float:
         ...

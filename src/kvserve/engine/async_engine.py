@@ -7,7 +7,7 @@ output streams for an asyncio server.
     ----------                                   -------------
     add_requests() --(command, Future)------->   between steps: engine.add_request(...)
     abort()        --(command)--------------->   between steps: engine.abort(...)
-    RequestStream  <--call_soon_threadsafe----   engine.step() -> chunks, per stream queue
+    RequestStream  <--call_soon_threadsafe----   engine.step().chunks, per stream queue
 
 Only the engine thread touches the Engine (and so the scheduler and the model); the event
 loop never waits on a forward pass. Every stream ends: with a finished chunk from the
@@ -35,7 +35,7 @@ from kvserve.core import (
     SchedulerStats,
     check_invariants,
 )
-from kvserve.engine.engine import CompletionChunk, Engine, Prompt
+from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -118,6 +118,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, idle_wait: float = 0.005) -> None:
         self.engine = engine
+        self.info: EngineInfo = engine.info  # what the server may know; never the scheduler
         self.idle_wait = idle_wait
         self.observers: list[Callable[[StepReport], None]] = []
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -270,10 +271,9 @@ class AsyncEngine:
 
     def _step(self) -> None:
         start = time.monotonic()
-        chunks = self.engine.step()
-        record = self.engine.last_step
-        num_tokens, seconds = (record.num_scheduled_tokens, record.end - record.start) \
-            if record is not None else (0, 0.0)
+        record = self.engine.step()
+        chunks, num_tokens = record.chunks, record.num_scheduled_tokens
+        seconds = record.end - record.start
         events = self.engine.scheduler.take_events()
         self.stats = self.engine.scheduler.stats()
         if chunks:

@@ -2,26 +2,34 @@
 
 One step: ``schedule(now)`` -> ``executor.execute`` -> ``update`` -> detokenise each
 request's new tokens, match stop strings (finishing the request in the scheduler when one
-matches) -> one :class:`CompletionChunk` per request that moved.
+matches) -> one :class:`CompletionChunk` per request that moved, returned in the step's
+:class:`StepRecord`.
+
+Text goes through the :class:`kvserve.engine.text.Tokenizer` protocol; time through a
+:data:`kvserve.core.Clock` (seconds, any origin). What a front end may know about the engine
+without holding it is :class:`EngineInfo`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.core import (
+    Clock,
     Executor,
     Request,
     RequestMetrics,
     RequestStatus,
     SamplingParams,
     Scheduler,
+    SchedulerConfig,
     SchedulerOutput,
 )
+from kvserve.engine.text import Detokenizer, StopChecker, Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -42,7 +50,8 @@ class CompletionChunk:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step as the engine ran it: when, how long, and the shape of the batch."""
+    """One step as the engine ran it: when, how long, the shape of the batch, and one chunk
+    per request that moved. Scheduling events are the scheduler's: ``take_events()``."""
 
     start: float  # the time schedule() was given
     end: float  # after update()
@@ -51,12 +60,27 @@ class StepRecord:
     num_preempted: int
     num_sampled: int = 0  # requests the model sampled a token for
     scheduler_output: SchedulerOutput | None = None  # what ran (for step logs and shapes)
+    chunks: list[CompletionChunk] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine's fixed facts, read-only, for a front end (server, metrics, logs) that must
+    not reach into the scheduler: plain data, the same for the engine's whole life."""
+
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    scheduling_policy: str
+    block_size: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    scheduler_config: SchedulerConfig  # frozen: admission checks before queueing
 
 
 @dataclass
 class _TextState:
-    detokenizer: Any | None
-    stop_checker: Any | None
+    detokenizer: Detokenizer | None
+    stop_checker: StopChecker | None
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
@@ -68,8 +92,8 @@ class Engine:
     simulations of the runner).
     """
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None,
-                 *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 tokenizer: Tokenizer | None = None, *, clock: Clock = time.monotonic,
                  detokenize: bool = True) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -77,7 +101,10 @@ class Engine:
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, _TextState] = {}
-        self.last_step: StepRecord | None = None  # scheduling events: scheduler.take_events()
+        config, cache = scheduler.config, scheduler.cache_config
+        self.info = EngineInfo(tokenizer, config.max_model_len, config.scheduling_policy,
+                               cache.block_size, cache.num_blocks, cache.enable_prefix_caching,
+                               config)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -91,12 +118,13 @@ class Engine:
         if not items or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise ValueError("a prompt is a string, a non-empty list of token ids, or a list of "
                              "chat messages")
-        vocab_size = getattr(self.tokenizer, "vocab_size", None)
-        if vocab_size is not None and not all(0 <= t < vocab_size for t in items):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if self.tokenizer is not None:
+            vocab_size = self.tokenizer.vocab_size
+            if not all(0 <= t < vocab_size for t in items):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return items
 
-    def _require_tokenizer(self) -> Any:
+    def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass prompts as token ids")
         return self.tokenizer
@@ -105,7 +133,7 @@ class Engine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
         params = params or SamplingParams()
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if params.eos_token_id is None and eos is not None:
             params = dataclasses.replace(params, eos_token_id=eos)
         request = Request(request_id, self.encode_prompt(prompt), params,
@@ -115,12 +143,12 @@ class Engine:
         return request
 
     def _new_text_state(self, request: Request) -> _TextState:
-        if not self.detokenize:
+        tokenizer = self.tokenizer
+        if not self.detokenize or tokenizer is None:
             return _TextState(None, None)
-        from kvserve.model.detokenizer import IncrementalDetokenizer, StopChecker
-        params = request.sampling_params
-        return _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
-                          StopChecker(params.stop) if params.stop else None)
+        stop = request.sampling_params.stop
+        return _TextState(tokenizer.detokenizer(request.prompt_token_ids),
+                          tokenizer.stop_checker(stop) if stop else None)
 
     def abort(self, request_id: str) -> RequestMetrics | None:
         """Abort a request in any state; its metrics, or None if it was unknown or done."""
@@ -133,17 +161,15 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self, now: float | None = None) -> list[CompletionChunk]:
-        """One step; ``now`` (default: the clock) is the time the scheduler decides at."""
-        start = self.clock() if now is None else now
+    def step(self, now: float | None = None, *, clock: Clock | None = None) -> StepRecord:
+        """One step; ``now`` (default: the clock) is the time the scheduler decides at, and
+        ``clock`` (default: the engine's) the one the step's end is read from."""
+        clock = clock or self.clock
+        start = clock() if now is None else now
         scheduler_output = self.scheduler.schedule(start)
         model_output = self.executor.execute(scheduler_output)
-        now = self.clock()
+        now = clock()
         outputs = self.scheduler.update(scheduler_output, model_output, now)
-        self.last_step = StepRecord(start, now, scheduler_output.total_num_scheduled_tokens,
-                                    len(scheduler_output.num_scheduled_tokens),
-                                    len(scheduler_output.preempted_req_ids),
-                                    len(model_output.sampled_token_ids), scheduler_output)
         logprobs = model_output.logprobs or {}
         chunks = []
         for output in outputs:
@@ -154,7 +180,10 @@ class Engine:
             chunks.append(chunk)
             if chunk.finished:
                 self._text.pop(chunk.request_id, None)
-        return chunks
+        return StepRecord(start, now, scheduler_output.total_num_scheduled_tokens,
+                          len(scheduler_output.num_scheduled_tokens),
+                          len(scheduler_output.preempted_req_ids),
+                          len(model_output.sampled_token_ids), scheduler_output, chunks)
 
     def _add_text(self, chunk: CompletionChunk, now: float) -> None:
         state = self._text.get(chunk.request_id)

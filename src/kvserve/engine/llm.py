@@ -21,6 +21,7 @@ import torch
 
 from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.engine.engine import Engine, Prompt
+from kvserve.engine.text import Tokenizer
 from kvserve.model import paged_kernel
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernel_info import boot_lines, kernel_report
@@ -55,7 +56,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
-               load_format: str = "auto", seed: int = 0) -> tuple[LlamaForCausalLM, Any]:
+               load_format: str = "auto", seed: int = 0
+               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """The network with its weights, and the tokenizer.
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
@@ -98,7 +100,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
-                 tokenizer: Any | None = None, **scheduler_settings: Any) -> Engine:
+                 tokenizer: Tokenizer | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
@@ -167,7 +169,7 @@ class LLM:
     def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
         progress = _progress(len(results), use_tqdm)
         while self.engine.has_unfinished_requests():
-            for chunk in self.engine.step():
+            for chunk in self.engine.step().chunks:
                 result = results[chunk.request_id]
                 result.token_ids += chunk.new_token_ids
                 result.text += chunk.new_text

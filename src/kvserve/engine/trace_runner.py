@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from kvserve.core import QueueFullError, RequestRejected
+from kvserve.core import Clock, QueueFullError, RequestRejected
 from kvserve.engine.engine import CompletionChunk, Engine
 from kvserve.sim.executor import BatchView, batch_view
 from kvserve.sim.simulator import RequestRecord, SimResult, StepSeries
@@ -89,23 +89,24 @@ class _Recorder:
 
 
 def run_trace(engine: Engine, trace: Sequence[Any], *, seed: int = 0,
-              sleep: Callable[[float], None] = time.sleep, log: TextIO | None = None,
-              greedy: bool = False) -> TraceRun:
+              clock: Clock = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+              log: TextIO | None = None, greedy: bool = False) -> TraceRun:
     """Submit each trace request (kvserve.sim.trace.TraceRequest) when its time comes and
-    step the engine until everything has finished. ``greedy`` samples at temperature 0
-    (the shared workloads' setting) instead of the trace's default sampling."""
-    clock = engine.clock
+    step the engine until everything has finished. Times are read from ``clock`` (and
+    ``sleep`` waits on it), counted from the run's start; the engine's own clock is not used.
+    ``greedy`` samples at temperature 0 (the shared workloads' setting) instead of the
+    trace's default sampling."""
     origin = clock()
-    engine.clock = lambda: clock() - origin
-    try:
-        return _run(engine, sorted(trace, key=lambda r: (r.arrival_time, r.request_id)), seed,
-                    sleep, log, greedy)
-    finally:
-        engine.clock = clock
+
+    def run_clock() -> float:
+        return clock() - origin
+
+    return _run(engine, sorted(trace, key=lambda r: (r.arrival_time, r.request_id)), seed,
+                run_clock, sleep, log, greedy)
 
 
-def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float], None],
-         log: TextIO | None, greedy: bool) -> TraceRun:
+def _run(engine: Engine, arrivals: list[Any], seed: int, clock: Clock,
+         sleep: Callable[[float], None], log: TextIO | None, greedy: bool) -> TraceRun:
     max_model_len = engine.scheduler.config.max_model_len
     recorder = _Recorder(arrivals)
     series = StepSeries()
@@ -115,17 +116,15 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, sleep: Callable[[float]
     events: list[Any] = []
     next_arrival = 0
     while True:
-        now = engine.clock()
+        now = clock()
         while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_time <= now:
             _submit(engine, arrivals[next_arrival], seed, max_model_len, greedy, recorder)
             next_arrival += 1
         if engine.has_unfinished_requests():
-            step_chunks = engine.step(now)
-            chunks += step_chunks
+            record = engine.step(now, clock=clock)
+            chunks += record.chunks
             events += engine.scheduler.take_events()
-            record = engine.last_step
-            assert record is not None
-            recorder.collect(step_chunks, record.end)
+            recorder.collect(record.chunks, record.end)
             if record.num_scheduled_tokens:
                 starts.append(record)
                 _append_state(series, engine)

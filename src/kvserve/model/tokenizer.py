@@ -64,7 +64,8 @@ def _strftime_now(format: str) -> str:
 
 
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` plus the special ids and chat template that go with it."""
+    """A ``tokenizers.Tokenizer`` plus the special ids and chat template that go with it;
+    implements the engine's :class:`kvserve.engine.text.Tokenizer` protocol."""
 
     def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, chat_template: str | None = None) -> None:
@@ -166,6 +167,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # --- streaming (the kvserve.engine.text.Tokenizer protocol) -------------------------------
+
+    def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids)
+
+    def stop_checker(self, stop: Sequence[str]) -> StopChecker:
+        return StopChecker(stop)
 
     # --- chat ----------------------------------------------------------------------------------
 

@@ -91,8 +91,8 @@ class ServerMetrics:
         self.admission_rejections = {reason: admission.labels(model_name, reason)
                                      for reason in ADMISSION_REASONS}
         # Per finished request, as vLLM observes them
-        scheduler_config = engine.engine.scheduler.config
-        tokens = _1_2_5_buckets(scheduler_config.max_model_len)
+        info = engine.info
+        tokens = _1_2_5_buckets(info.max_model_len)
         self.request_prompt_tokens = self._histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
         self.request_generation_tokens = self._histogram(
@@ -112,11 +112,10 @@ class ServerMetrics:
             "Mean time between a request's tokens after the first (0 for one token).")
         self.iteration_tokens = self._histogram("vllm:iteration_tokens_total",
                                                 "Tokens per engine step.", _STEP_TOKEN_BUCKETS)
-        config = engine.engine.scheduler.cache_config
         Gauge("vllm:cache_config_info", "KV cache configuration.",
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
-              registry=reg).labels(model_name, str(config.block_size), str(config.num_blocks),
-                                   str(config.enable_prefix_caching)).set(1)
+              registry=reg).labels(model_name, str(info.block_size), str(info.num_kv_blocks),
+                                   str(info.enable_prefix_caching)).set(1)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self.num_prompt_tokens = 0  # plain totals for the periodic log line

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.core import RequestMetrics
+from kvserve.engine.text import Tokenizer
 
 
 @dataclass
@@ -58,7 +59,7 @@ def usage(choices: list[Choice], num_prompt_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + completion}
 
 
-def completion_logprobs(tokenizer: Any, entries: list[tuple[int, dict[int, float]]],
+def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
                         offset: int = 0) -> dict[str, Any]:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in entries:
@@ -72,7 +73,7 @@ def completion_logprobs(tokenizer: Any, entries: list[tuple[int, dict[int, float
             "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer: Any, entries: list[tuple[int, dict[int, float]]],
+def chat_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
                   num_top: int) -> dict[str, Any]:
     content = []
     for token_id, entry in entries:

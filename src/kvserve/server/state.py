@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from kvserve.core import SchedulerConfig
 from kvserve.engine.async_engine import AsyncEngine, RequestStream
+from kvserve.engine.text import Tokenizer
 from kvserve.server.auth import KeyRing
 from kvserve.server.body import parse_json
 from kvserve.server.errors import APIError, bad_request
@@ -37,20 +38,23 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine, self.model_name)
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        tokenizer = self.engine.info.tokenizer
+        if tokenizer is None:
+            raise RuntimeError("the server's engine has no tokenizer")
+        return tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.scheduler.config.max_model_len
+        return self.engine.info.max_model_len
 
     @property
     def scheduling_policy(self) -> str:
-        return self.scheduler_config.scheduling_policy
+        return self.engine.info.scheduling_policy
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
-        return self.engine.engine.scheduler.config
+        return self.engine.info.scheduler_config
 
     def new_request_id(self, given: str | None) -> str:
         if given is None:

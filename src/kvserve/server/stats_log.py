@@ -15,12 +15,11 @@ logger = logging.getLogger("kvserve.server")
 
 
 def log_boot(state: ServerState) -> None:
-    scheduler = state.engine.engine.scheduler
-    cache = scheduler.cache_config
-    num_tokens = cache.num_blocks * cache.block_size
-    max_model_len = scheduler.config.max_model_len
-    logger.info("KV cache size: %d tokens (%d blocks of %d)", num_tokens, cache.num_blocks,
-                cache.block_size)
+    info = state.engine.info
+    num_tokens = info.num_kv_blocks * info.block_size
+    max_model_len = info.max_model_len
+    logger.info("KV cache size: %d tokens (%d blocks of %d)", num_tokens, info.num_kv_blocks,
+                info.block_size)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
                 num_tokens / max_model_len)
 
