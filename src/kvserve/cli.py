@@ -7,6 +7,7 @@ Each subcommand lives beside the layer it drives and registers itself here with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -47,7 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_process_defaults() -> None:
+    """What the ``kvserve`` command sets for its own process (and the processes it starts)
+    before anything imports torch; a value the user set is kept.
+
+    OMP_WAIT_POLICY=PASSIVE: PyTorch's CPU kernels run on OpenMP threads that spin while they
+    wait for each other. When anything else wants a core (the server's event loop, another
+    process), a spinning thread keeps the one it waits for off the CPU: a decode step measured
+    9.2 s with spinning against 0.45 s with passive waiting on the 2-core machine under load.
+    On an idle machine spinning is about 20% faster in decode (0.23 vs 0.27 s), so a dedicated
+    offline run may set OMP_WAIT_POLICY=ACTIVE itself. Library use (``LLM()``) leaves the
+    environment as the caller set it.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    set_process_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

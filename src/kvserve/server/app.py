@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -28,6 +29,9 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     """The app for one engine; the engine thread (and the periodic stats line, every
     ``log_stats_interval`` seconds when > 0) starts and stops with the app."""
     stats_logger = StatsLogger(state)
+    # vLLM's exposition has no *_created series. prometheus-client's switch is process-wide,
+    # so it is thrown here, when a server is built, never on import.
+    disable_created_metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

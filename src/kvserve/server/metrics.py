@@ -17,7 +17,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,7 +44,6 @@ def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
             buckets.append(step * scale)
         scale *= 10
 
-disable_created_metrics()  # vLLM's exposition has no *_created series
 
 
 @dataclass
