@@ -1,9 +1,11 @@
 """Command-line plumbing shared by every subcommand: the scheduler and cache flags
-(DESIGN.md, "Flags"), so a simulated deployment is written exactly like a served one, and
-:class:`CLIError`. Flags left unset keep the core's defaults. Imports only the core.
+(DESIGN.md, "Flags"), so a simulated deployment is written exactly like a served one, the
+model flags of the commands that load one, and :class:`CLIError`. Flags left unset keep the
+core's defaults. Imports only the core.
 
 Parsed flags become a flat ``settings`` dict (scheduler fields, cache fields, batching);
-``--sweep NAME=...`` overrides one of its keys per run.
+``--sweep NAME=...`` overrides one of its keys per run. The commands that load a model turn
+their flags into ``build_engine``'s keyword arguments with :func:`engine_args`, in one place.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.core.config import (
     ADMISSION_POLICIES,
+    DEFAULT_BLOCK_SIZE,
     PREFIX_CACHE_SCOPES,
     SCHEDULING_POLICIES,
     TENANT_FAIRNESS,
@@ -40,6 +43,8 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
      "its requests waiting"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching")
+# vLLM's --dtype spellings, for the engine and the simulator alike (docs/dtype.md)
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -83,6 +88,28 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tenant-fairness", dest="tenant_fairness", choices=TENANT_FAIRNESS,
                        help="vtc: admit from the tenant with the least weighted service "
                             "(Virtual Token Counter), within each priority level")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model and weights flags of the commands that load one (generate, serve,
+    calibrate)."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a GGUF file or a Hugging Face directory (default: the bundled "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights, activations and KV cache; auto (default): the model's "
+                             "own, bfloat16 for the bundled model, where this CPU computes "
+                             "bf16 natively (AMX or AVX512-BF16), else float32")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: random weights with the model's shapes (benchmarks)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_engine``'s keyword arguments from the model, scheduler and cache flags; the
+    flags left unset are left out, so build_engine's defaults apply."""
+    return {"dtype": args.dtype, "load_format": args.load_format, "seed": args.seed,
+            **settings_from_args(args)}
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,5 +164,6 @@ def scheduler_config(settings: dict[str, Any]) -> SchedulerConfig:
 
 
 def cache_config(settings: dict[str, Any], num_blocks: int) -> CacheConfig:
-    return CacheConfig(num_blocks=num_blocks, block_size=settings.get("block_size", 16),
+    return CacheConfig(num_blocks=num_blocks,
+                       block_size=settings.get("block_size", DEFAULT_BLOCK_SIZE),
                        enable_prefix_caching=settings.get("enable_prefix_caching", True))

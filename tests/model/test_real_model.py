@@ -78,7 +78,7 @@ def test_preempted_requests_produce_the_same_text(bundled):
 
 
 def test_llm_chat_answers_and_stops_on_a_stop_string():
-    llm = LLM(None, num_kv_blocks=64)
+    llm = LLM(None, dtype="float32", num_kv_blocks=64)  # the float32 answer is pinned
     question = [{"role": "user", "content": "What is the capital of France?"}]
     [answer] = llm.chat(question, SamplingParams(max_tokens=20, temperature=0.0))
     assert answer.text == "The capital of France is Paris."
@@ -90,7 +90,7 @@ def test_llm_chat_answers_and_stops_on_a_stop_string():
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
-    llm = LLM(None, num_kv_blocks=128)
+    llm = LLM(None, dtype="float32", num_kv_blocks=128)
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     alone = llm.generate("Tell me a story", params)[0].token_ids
     batched = llm.generate(["Tell me a story", "Another prompt"], params)[0].token_ids
@@ -100,7 +100,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
 def test_generate_cli_prints_the_answer_and_refuses_bad_input():
     ok = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--chat",
                          "--prompt", "What is the capital of France?", "--max-tokens", "12",
-                         "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=300)
+                         "--num-kv-blocks", "64", "--dtype", "float32"],
+                        capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "Paris" in ok.stdout, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--prompt", "hi",
                           "--max-tokens", "0"], capture_output=True, text=True, timeout=300)

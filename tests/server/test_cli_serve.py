@@ -42,8 +42,8 @@ def test_urgent_default_priority_needs_the_priority_policy(tmp_path, capsys):
 
 
 def test_the_bundled_model_answers_through_the_api():
-    args = build_parser().parse_args(["serve", "--max-model-len", "512",
-                                      "--num-kv-blocks", "64"])
+    args = build_parser().parse_args(["serve", "--max-model-len", "512",  # float32's answer
+                                      "--num-kv-blocks", "64", "--dtype", "float32"])
     state = build_state(args)
     assert state.model_name == "SmolLM2-135M-Instruct"
     with LiveServer(state.engine.engine, model_name=state.model_name) as live:

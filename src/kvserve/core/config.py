@@ -20,6 +20,7 @@ VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
 ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
 PREFIX_CACHE_SCOPES = ("global", "tenant")
 TENANT_FAIRNESS = ("off", "vtc")
+DEFAULT_BLOCK_SIZE = 16  # token slots per KV block, everywhere a block size is not given
 PREEMPTION_MODES = ("recompute",)  # "swap" and "auto" (K3) are planned, see DESIGN.md
 
 _T = TypeVar("_T")
@@ -75,7 +76,7 @@ class CacheConfig:
     """
 
     num_blocks: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.flags import CLIError, parse_bytes
+from kvserve.core.config import DEFAULT_BLOCK_SIZE
+from kvserve.flags import CLIError, add_model_flags, engine_args, parse_bytes
 
 
 def add_parser(subparsers: Any) -> None:
-    from kvserve.engine.cli_generate import add_model_args
-
     parser = subparsers.add_parser(
         "calibrate", help="measure step times on this machine and fit a cost model",
         description="Run the engine over a grid of step shapes (prefill chunks, decode "
@@ -21,7 +20,7 @@ def add_parser(subparsers: Any) -> None:
                     "calibrated cost model (kvserve simulate --cost-model calibrated "
                     "--calibration FILE). With --trace, run that trace on the engine instead "
                     "and fit on the steps it ran (calibration in service).")
-    add_model_args(parser)
+    add_model_flags(parser)
     parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
     parser.add_argument("--trace", metavar="TRACE.jsonl",
                         help="calibrate in service instead: run this trace on the engine "
@@ -35,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--layout-term", action="store_true",
                         help="also measure every shape that reads cached KV on consecutive "
                              "blocks and fit per_scattered_context_token_s (on this machine "
@@ -56,9 +55,7 @@ def run(args: argparse.Namespace) -> int:
                        "the steps the trace runs instead")
     trace = _read_trace(args.trace) if args.trace else None  # bad input fails before loading
     try:
-        engine = build_engine(args.model, dtype=args.dtype, load_format=args.load_format,
-                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                              seed=args.seed, detokenize=False)
+        engine = build_engine(args.model, detokenize=False, **engine_args(args))
     except (ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
     if trace is not None:
@@ -69,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                            layout_twins=args.layout_term)
     model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
                                          repeats=args.repeats, progress=sys.stderr.isatty())
-    meta = {"model": runner.model.config.name, "dtype": args.dtype,
+    meta = {"model": runner.model.config.name, "dtype": _dtype_name(engine),
             "load_format": args.load_format, "block_size": args.block_size,
             "num_samples": len(shapes)}
     Path(args.output).write_text(calibrate.to_json(model, shapes, seconds, meta))
@@ -85,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _dtype_name(engine: Any) -> str:
+    """The dtype the engine's weights were loaded in (``--dtype auto`` resolved)."""
+    return str(engine.executor.model.embed_tokens.weight.dtype).removeprefix("torch.")
 
 
 def _read_trace(path: str) -> list[Any]:
@@ -106,7 +108,7 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
         model, seen = calibrate.calibrate_in_service(engine, trace, greedy=args.greedy)
     except ValueError as error:  # too few steps to fit
         raise CLIError(f"{args.trace}: {error}") from error
-    meta = {"model": engine.executor.model.config.name, "dtype": args.dtype,
+    meta = {"model": engine.executor.model.config.name, "dtype": _dtype_name(engine),
             "load_format": args.load_format, "block_size": args.block_size,
             "trace": str(args.trace), "greedy": args.greedy, **seen}
     Path(args.output).write_text(calibrate.in_service_json(model, meta))

@@ -11,26 +11,14 @@ from typing import Any
 from kvserve.core import ConfigError, RequestError, SamplingParams
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Model and weights flags shared by the commands that load a model."""
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a GGUF file or a Hugging Face directory (default: the bundled "
-                             "SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="weights, activations and KV cache dtype")
-    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                        help="dummy: random weights with the model's shapes (benchmarks)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-
-
 def add_parser(subparsers: Any) -> None:
-    from kvserve.flags import add_scheduler_flags
+    from kvserve.flags import add_model_flags, add_scheduler_flags
 
     parser = subparsers.add_parser(
         "generate", help="generate text offline with the real model",
         description="Generate text for one or more prompts with the real model on this "
                     "machine, through the same scheduler the server uses.")
-    add_model_args(parser)
+    add_model_flags(parser)
     parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeat for a batch); '-' reads one per line from stdin")
     parser.add_argument("--chat", action="store_true",
@@ -62,19 +50,18 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.flags import CLIError, settings_from_args
+    from kvserve.engine.llm import LLM
+    from kvserve.flags import CLIError, engine_args
 
     prompts = _prompts(args)
     # Boot lines (CPU, ISA, kernel per op) and warnings on stderr; stdout is the answers.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    settings = settings_from_args(args)
-    settings.pop("batching", None)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, min_tokens=args.min_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             min_p=args.min_p, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-        llm = _build(args, settings)
+        llm = LLM(args.model, **engine_args(args))
         results = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     except (ConfigError, RequestError, ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
@@ -89,14 +76,3 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(result.text)
     return 0
-
-
-def _build(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
-    from kvserve.engine.llm import LLM
-
-    return LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-               block_size=settings.pop("block_size", 16),
-               num_kv_blocks=settings.pop("num_kv_blocks", None),
-               kv_cache_memory=settings.pop("kv_cache_memory", None),
-               enable_prefix_caching=settings.pop("enable_prefix_caching", True),
-               **settings)

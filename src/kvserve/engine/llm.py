@@ -20,10 +20,12 @@ from typing import Any
 import torch
 
 from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
+from kvserve.core.config import DEFAULT_BLOCK_SIZE
 from kvserve.engine.engine import Engine, Prompt
 from kvserve.engine.text import Tokenizer
 from kvserve.model import paged_kernel
 from kvserve.model.config import ModelConfig
+from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.llama import LlamaForCausalLM
@@ -31,7 +33,6 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
@@ -45,14 +46,6 @@ class GenerationResult:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
@@ -96,18 +89,24 @@ def _return_freed_heap() -> None:
 
 
 def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
-                 "float32", load_format: str = "auto", block_size: int = 16,
+                 "auto", load_format: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
+    ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
+    computes it natively, else float32 (:mod:`kvserve.model.dtype`; a ModelConfig, random
+    weights, counts as float32). The choice and its reason are logged.
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
     ``tokenizer`` overrides the model's own (e.g. a tiny random ModelConfig in tests, given
     the bundled tokenizer so it can take text).
     """
-    torch_dtype = parse_dtype(dtype)
+    stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
+        else checkpoint_dtype(model)
+    torch_dtype, why = resolve_dtype(dtype, stored)
+    logger.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     if not paged_kernel.available():  # build (or load) it now, not in the first step
         logger.warning("paged attention kernel unavailable (%s); using the torch path",
                        paged_kernel.unavailable_reason())

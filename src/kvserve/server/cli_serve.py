@@ -11,8 +11,7 @@ logger = logging.getLogger("kvserve.server")
 
 
 def add_parser(subparsers: Any) -> None:
-    from kvserve.engine.cli_generate import add_model_args
-    from kvserve.flags import add_scheduler_flags, parse_bytes
+    from kvserve.flags import add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
@@ -22,7 +21,7 @@ def add_parser(subparsers: Any) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve the model over /v1/completions and /v1/chat/completions (with "
                     "streaming), with Prometheus metrics at /metrics.")
-    add_model_args(parser)
+    add_model_flags(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                        "127.0.0.1; use 0.0.0.0 to accept other machines)")
@@ -72,7 +71,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from kvserve.core import ConfigError
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.llm import build_engine
-    from kvserve.flags import CLIError, settings_from_args
+    from kvserve.flags import CLIError, engine_args
     from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, tenant_weights
     from kvserve.server.limits import FanOutLimits
     from kvserve.server.state import ServerState
@@ -83,8 +82,7 @@ def build_state(args: argparse.Namespace) -> Any:
             keys += load_keys(args.api_keys)
     except KeyFileError as error:
         raise CLIError(str(error)) from None
-    settings = settings_from_args(args)
-    settings.pop("batching", None)
+    settings = engine_args(args)
     try:
         if keys:  # tenants are known: their caches are apart unless the operator says not
             settings.setdefault("prefix_cache_scope", "tenant")
@@ -103,13 +101,7 @@ def build_state(args: argparse.Namespace) -> Any:
     if not 0 < args.port < 65536:
         raise CLIError(f"--port {args.port} is not a port number")
     try:
-        engine = build_engine(
-            args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-            block_size=settings.pop("block_size", 16),
-            num_kv_blocks=settings.pop("num_kv_blocks", None),
-            kv_cache_memory=settings.pop("kv_cache_memory", None),
-            enable_prefix_caching=settings.pop("enable_prefix_caching", True),
-            record_events=True, **settings)
+        engine = build_engine(args.model, record_events=True, **settings)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
     name = args.served_model_name or _model_name(args.model)
