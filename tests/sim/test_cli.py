@@ -164,7 +164,12 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["simulate", "--model", "gpt-9"], "unknown model 'gpt-9'; known: llama-3.1-8b, "
                                        "llama-3.1-70b, qwen2.5-7b, mistral-7b, smollm2-135m"),
     (["simulate", "--hardware", "tpu"], "unknown hardware 'tpu'; known: h100-sxm"),
-    (["simulate", "--dtype", "int3"], "unknown dtype 'int3'; known: fp32, bf16, fp16, fp8"),
+    (["simulate", "--dtype", "int3"], "unknown dtype 'int3'; known: auto, half, float16, "
+                                      "bfloat16, float, float32"),
+    (["simulate", "--dtype", "fp8"], "--dtype fp8: fp8 is a KV cache dtype here; give "
+                                     "--kv-cache-dtype fp8"),
+    (["plan", "--kv-cache-dtype", "int4", "--prompt-len", "9", "--output-len", "9"],
+     "unknown kv cache dtype 'int4'; known: auto, fp8, fp8_e4m3, fp8_e5m2"),
     (["simulate", "--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
     (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
     (["simulate", "--sweep", "kv-cache-memory=1GiB,lots"], "'lots' is not a size"),

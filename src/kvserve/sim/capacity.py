@@ -68,17 +68,18 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  activation_reserve_gib: float | None = None, kv_pool_gib: float | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 num_blocks: int | None = None) -> KVPool:
+                 num_blocks: int | None = None, kv_dtype: str | None = None) -> KVPool:
     """The KV pool of one replica (all ``tensor_parallel_size`` devices together).
     ``num_blocks`` gives the pool as a block count (vLLM's --num-gpu-blocks-override): no
-    memory arithmetic, the rest is reported alongside."""
+    memory arithmetic, the rest is reported alongside. ``kv_dtype`` is the KV cache's dtype
+    when it is not the weights' (fp8)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise CapacityError(f"gpu_memory_utilization must be in (0, 1], "
                             f"got {gpu_memory_utilization}")
     if tensor_parallel_size < 1:
         raise CapacityError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     tp = tensor_parallel_size
-    per_token = kv_bytes_per_token(model, dtype, tp)
+    per_token = kv_bytes_per_token(model, kv_dtype or dtype, tp)
     weights = weight_bytes(model, dtype)
     if activation_reserve_gib is not None:
         if activation_reserve_gib < 0:

@@ -11,15 +11,19 @@ from kvserve.flags import CLIError
 
 
 def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True) -> None:
-    from kvserve.sim.presets import DTYPE_BYTES, HARDWARE, MODELS
+    from kvserve.sim.presets import HARDWARE, KV_CACHE_DTYPES, MODELS, WEIGHT_DTYPES
 
     group = parser.add_argument_group("deployment")
     group.add_argument("--model", default="llama-3.1-8b",
                        help=f"model preset: {', '.join(MODELS)} (default llama-3.1-8b)")
     group.add_argument("--hardware", default="h100-sxm",
                        help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm)")
-    group.add_argument("--dtype", default="bf16",
-                       help=f"weights and KV dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    group.add_argument("--dtype", default="auto",
+                       help=f"weights and activations: {', '.join(WEIGHT_DTYPES)} (default "
+                            "auto: the presets' own, bfloat16)")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help=f"KV cache: {', '.join(KV_CACHE_DTYPES)} (default auto: as "
+                            "--dtype)")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of device memory for weights, activations and KV")
@@ -68,8 +72,10 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.deployment import Deployment
+    from kvserve.sim.presets import weights_dtype
 
-    return Deployment(model=args.model, hardware=args.hardware, dtype=args.dtype,
+    return Deployment(model=args.model, hardware=args.hardware,
+                      dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       cost_model="replay" if getattr(args, "replay_step_times", None)

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_preemption_cost(args: argparse.Namespace) -> int:
     from kvserve.sim.preemption_cost import parse_bandwidth, preemption_cost
+    from kvserve.sim.presets import kv_dtype, weights_dtype
 
     with cli_errors():
         for flag in ("trace", "prompt_len", "output_len"):
@@ -102,8 +103,10 @@ def _run_preemption_cost(args: argparse.Namespace) -> int:
         if args.seq_len is None:
             raise ValueError("--preemption-cost needs --seq-len (the victim's tokens)")
         link = None if args.link_bandwidth is None else parse_bandwidth(args.link_bandwidth)
-        cost = preemption_cost(args.model, args.seq_len, hardware=args.hardware,
-                               dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        dtype = weights_dtype(args.dtype)
+        cost = preemption_cost(args.model, args.seq_len, hardware=args.hardware, dtype=dtype,
+                               kv_dtype=kv_dtype(dtype, args.kv_cache_dtype),
+                               tensor_parallel_size=args.tensor_parallel_size,
                                link_bandwidth=link, prefill_flops=args.prefill_flops)
     if args.json:
         print(json.dumps(cost.to_json(), indent=1))
@@ -177,7 +180,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     else:
         raise ValueError("give --prompt-len and --output-len, or --trace")
     out: dict[str, Any] = {
-        "model": args.model, "hardware": args.hardware, "dtype": args.dtype,
+        "model": args.model, "hardware": args.hardware, "dtype": deployment.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         **plan.kv_summary(pool, seq_len), "seq_len_source": source,
         "pool_max_num_seqs": config.max_num_seqs,

@@ -76,9 +76,11 @@ class RooflineCostModel:
     dtype: str = "bf16"
     tensor_parallel_size: int = 1
     name: str = "roofline"
+    kv_dtype: str | None = None  # the KV cache's, when not the weights' (fp8)
 
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype)
+        dtype_bytes(self.kv_dtype or self.dtype)
         if self.tensor_parallel_size < 1:
             raise CostModelError("tensor_parallel_size must be >= 1")
 
@@ -96,7 +98,8 @@ class RooflineCostModel:
 
     def bytes_moved(self, view: BatchView) -> float:
         size = dtype_bytes(self.dtype)
-        kv_per_token = self.model.kv_elements_per_token(self.tensor_parallel_size) * size
+        kv_per_token = self.model.kv_elements_per_token(self.tensor_parallel_size) * \
+            dtype_bytes(self.kv_dtype or self.dtype)
         return (self.model.num_params * size
                 + kv_per_token * (view.context_tokens + view.num_tokens))
 
@@ -119,8 +122,11 @@ class RooflineCostModel:
         return 2 * self.model.num_layers * (ring + self.hardware.allreduce_latency_s)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model.name, "hardware": self.hardware.name,
-                "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size}
+        out = {"name": self.name, "model": self.model.name, "hardware": self.hardware.name,
+               "dtype": self.dtype, "tensor_parallel_size": self.tensor_parallel_size}
+        if self.kv_dtype is not None:
+            out["kv_dtype"] = self.kv_dtype
+        return out
 
 
 CALIBRATED_FORMAT = "kvserve-cost-model/1"

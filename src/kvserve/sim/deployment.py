@@ -24,7 +24,7 @@ from kvserve.sim.cost_models import (
     RooflineCostModel,
     UnitCostModel,
 )
-from kvserve.sim.presets import dtype_bytes, get_hardware, get_model
+from kvserve.sim.presets import dtype_bytes, get_hardware, get_model, kv_dtype
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.trace import TraceRequest, dump_trace
 
@@ -46,11 +46,13 @@ class Deployment:
     gpu_memory_gib: float | None = None
     kv_pool_gib: float | None = None
     activation_reserve_gib: float | None = None
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: the weights' dtype, or fp8
 
     def __post_init__(self) -> None:
         get_model(self.model)
         get_hardware(self.hardware)
         dtype_bytes(self.dtype)
+        kv_dtype(self.dtype, self.kv_cache_dtype)
         if self.cost_model not in COST_MODELS:
             raise CostModelError(f"unknown cost model {self.cost_model!r}; known: "
                                  f"{', '.join(COST_MODELS)}")
@@ -69,7 +71,14 @@ class Deployment:
             assert self.replay_log is not None
             return ReplayCostModel.load(self.replay_log)
         return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
-                                 self.dtype, self.tensor_parallel_size)
+                                 self.dtype, self.tensor_parallel_size,
+                                 kv_dtype=self._kv_dtype_if_other())
+
+    def _kv_dtype_if_other(self) -> str | None:
+        """The KV cache's dtype where it is not the weights' (so default reports keep their
+        shape)."""
+        kv = kv_dtype(self.dtype, self.kv_cache_dtype)
+        return None if kv == self.dtype else kv
 
     def kv_pool(self, settings: dict[str, Any], config: SchedulerConfig) -> KVPool:
         """The KV pool a run with these flags gets: ``num_kv_blocks`` or ``kv_cache_memory``
@@ -79,7 +88,7 @@ class Deployment:
         model = get_model(self.model)
         num_blocks = settings.get("num_kv_blocks")
         if num_blocks is None and settings.get("kv_cache_memory") is not None:
-            per_block = kv_bytes_per_token(model, self.dtype,
+            per_block = kv_bytes_per_token(model, kv_dtype(self.dtype, self.kv_cache_dtype),
                                            self.tensor_parallel_size) * block_size
             pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size  # per device
             num_blocks = max(1, pool // per_block)
@@ -91,7 +100,8 @@ class Deployment:
                             kv_pool_gib=self.kv_pool_gib,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs,
-                            num_blocks=None if num_blocks is None else int(num_blocks))
+                            num_blocks=None if num_blocks is None else int(num_blocks),
+                            kv_dtype=self._kv_dtype_if_other())
 
     def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
         return self.kv_pool(settings, config).num_blocks
@@ -130,6 +140,8 @@ class Deployment:
             "seed": seed,
             "trace": {"num_requests": len(trace), "digest": trace_digest(trace)},
         }
+        if self.kv_cache_dtype != "auto":
+            echo["deployment"]["kv_cache_dtype"] = self.kv_cache_dtype
         if cluster is not None:
             echo["data_parallel"] = cluster.describe()
         return echo, result

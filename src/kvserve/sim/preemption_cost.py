@@ -64,10 +64,12 @@ def prefill_flop_count(num_params: int, num_layers: int, hidden_size: int,
 def preemption_cost(model: str, seq_len: int, *, hardware: str = "h100-sxm",
                     dtype: str = "bf16", tensor_parallel_size: int = 1,
                     link_bandwidth: float | None = None,
-                    prefill_flops: float | None = None) -> PreemptionCost:
+                    prefill_flops: float | None = None,
+                    kv_dtype: str | None = None) -> PreemptionCost:
     """One victim of ``seq_len`` tokens; ``link_bandwidth`` (bytes/s per direction) and
     ``prefill_flops`` (achieved FLOP/s) default to the hardware preset's host link and
-    :data:`DEFAULT_PREFILL_MFU` of its peak. Raises ValueError on bad input."""
+    :data:`DEFAULT_PREFILL_MFU` of its peak; ``kv_dtype`` (default: ``dtype``) sizes the KV
+    that is swapped. Raises ValueError on bad input."""
     if seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
     if tensor_parallel_size < 1:
@@ -76,7 +78,7 @@ def preemption_cost(model: str, seq_len: int, *, hardware: str = "h100-sxm",
         if value is not None and not value > 0:
             raise ValueError(f"--{name} must be > 0, got {value:g}")
     spec, device = get_model(model), get_hardware(hardware)
-    per_token = kv_bytes_per_token(spec, dtype, tensor_parallel_size)
+    per_token = kv_bytes_per_token(spec, kv_dtype or dtype, tensor_parallel_size)
     if link_bandwidth is None:
         link_bandwidth, link_source = device.host_link_bandwidth, f"{hardware} preset"
     else:

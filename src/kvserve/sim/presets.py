@@ -89,6 +89,11 @@ class HardwareSpec:
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# The command line speaks vLLM: --dtype in its spellings (``auto`` is the presets' own
+# checkpoint dtype, bf16), and fp8 only as --kv-cache-dtype (docs/dtype.md).
+WEIGHT_DTYPES = {"auto": "bf16", "half": "fp16", "float16": "fp16", "bfloat16": "bf16",
+                 "float": "fp32", "float32": "fp32"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # Public model configs (Hugging Face config.json of each model).
 MODELS: dict[str, ModelSpec] = {
@@ -160,3 +165,19 @@ def get_hardware(name: str) -> HardwareSpec:
 
 def dtype_bytes(dtype: str) -> int:
     return _lookup("dtype", DTYPE_BYTES, dtype)
+
+
+def weights_dtype(spelling: str) -> str:
+    """``--dtype`` (vLLM's spellings) -> the presets' dtype name."""
+    if spelling.startswith("fp8"):
+        raise PresetError(f"--dtype {spelling}: fp8 is a KV cache dtype here; give "
+                          f"--kv-cache-dtype {spelling}")
+    return _lookup("dtype", WEIGHT_DTYPES, spelling)
+
+
+def kv_dtype(weights: str, kv_cache_dtype: str) -> str:
+    """The presets' dtype name of the KV cache: the weights' (``auto``) or fp8."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise PresetError(f"unknown kv cache dtype {kv_cache_dtype!r}; known: "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    return weights if kv_cache_dtype == "auto" else "fp8"
