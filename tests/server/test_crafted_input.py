@@ -63,6 +63,8 @@ CRAFTED = [
     ("/v1/abort", lone('{"request_id": ["a", "b@"]}'), 400,
      "field 'request_id.1' is not valid Unicode", "request_id.1"),
     (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "not valid JSON", None),
+    (COMPLETIONS, b'{"prompt": "a\xed\xa0\x80"}', 400,  # a surrogate as raw bytes
+     "field 'prompt' is not valid Unicode", "prompt"),
     (COMPLETIONS, '{"prompt": "x"', 400, "not valid JSON", None),
     (COMPLETIONS, '{"prompt": "x", "max_tokens": 1e999}', 400, "field 'max_tokens'",
      "max_tokens"),

@@ -7,7 +7,8 @@ after, so that no body can reach a 500.
        so a 100,000-deep array or a 5,000-digit integer would fail inside it)
     -> json.loads (NaN and Infinity are not JSON and are refused)
     -> every string, key or value, is valid Unicode: JSON's \\uD800 escapes can produce lone
-       UTF-16 surrogates, which no tokenizer or UTF-8 encoder accepts
+       UTF-16 surrogates (and so can their UTF-8-style bytes), which no tokenizer or UTF-8
+       encoder accepts
 
 Each refusal is a 400 naming the problem (and the field, for bad text).
 """
@@ -27,6 +28,9 @@ _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _NUMBER_RUN = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets
 _OPENERS = frozenset(b"[{")
+# In an ASCII body a lone surrogate can only come from a \uD800-\uDFFF escape; other bodies
+# may hold its bytes (json.loads decodes UTF-8, -16 and -32 with 'surrogatepass').
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_json(raw: bytes) -> Any:
@@ -40,7 +44,8 @@ def parse_json(raw: bytes) -> Any:
         body = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
-    check_text(body)
+    if not raw.isascii() or _SURROGATE_ESCAPE.search(raw):
+        check_text(body)
     return body
 
 
@@ -62,13 +67,13 @@ def check_text(value: Any, path: str = "") -> None:
     if isinstance(value, str):
         if not _is_unicode(value):
             raise bad_request(f"field '{path or '(body)'}' is not valid Unicode text (it holds "
-                              "an unpaired UTF-16 surrogate escape)", param=path or None)
+                              "an unpaired UTF-16 surrogate)", param=path or None)
     elif isinstance(value, dict):
         for key, item in value.items():
             where = f"{path}.{key}" if path else key
             if not _is_unicode(key):
                 raise bad_request(f"a key in '{path or '(body)'}' is not valid Unicode text "
-                                  "(it holds an unpaired UTF-16 surrogate escape)",
+                                  "(it holds an unpaired UTF-16 surrogate)",
                                   param=path or None)
             check_text(item, where)
     elif isinstance(value, list):
