@@ -94,3 +94,39 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     assert process.returncode == 0, output
     assert "KV cache size: 512 tokens (32 blocks of 16)" in output
     assert "Maximum concurrency for 256 tokens per request: 2.00x" in output
+
+
+def _state(tmp_path, *flags: str):
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "a", "tenant": "gold", "weight": 2}, '
+                    '{"key": "b", "tenant": "free"}]')
+    argv = ["serve", "--load-format", "dummy", "--max-model-len", "256",
+            "--num-kv-blocks", "32", *flags]
+    return build_state(build_parser().parse_args(
+        [part.replace("KEYS", str(keys)) for part in argv]))
+
+
+@pytest.mark.parametrize(("flags", "scope"), [
+    ((), "global"),                                   # no keys: nobody to keep apart
+    (("--api-keys", "KEYS"), "tenant"),               # keys: each tenant's cache its own
+    (("--api-keys", "KEYS", "--prefix-cache-scope", "global"), "global"),
+])
+def test_keys_scope_the_prefix_cache_by_default(tmp_path, flags, scope):  # T7
+    assert _state(tmp_path, *flags).scheduler_config.prefix_cache_scope == scope
+
+
+def test_tenant_flags_reach_the_scheduler_and_the_server(tmp_path):  # T1, T4, T6
+    from kvserve.server.limits import FanOutLimits
+
+    state = _state(tmp_path, "--api-keys", "KEYS", "--tenant-fairness", "vtc",
+                   "--max-num-queued-reqs-per-tenant", "5", "--max-prompts-per-request", "8")
+    config = state.scheduler_config
+    assert (config.tenant_fairness, config.tenant_weights,
+            config.max_num_queued_reqs_per_tenant) == ("vtc", (("gold", 2.0),), 5)
+    assert state.fan_out == FanOutLimits(8, 512)
+
+
+def test_fan_out_flags_must_be_positive(capsys):
+    assert main(["serve", "--max-sequences-per-request", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--max-sequences-per-request must be >= 1")
