@@ -40,24 +40,43 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20.0, what: str = "
         time.sleep(0.01)
 
 
+def engine_spec(delay: float = 0.0, **settings: Any) -> Any:
+    """How an engine process builds the tiny engine (``delay``: seconds per step at least),
+    on one passive thread so the suite's processes do not fight for the two cores."""
+    from kvserve.engine.engine_process import EngineSpec
+
+    factory = functools.partial(slow_engine, delay, **settings) if delay else \
+        functools.partial(make_engine, **settings)
+    return EngineSpec(factory, threads=1, wait_policy="PASSIVE")
+
+
 class LiveServer:
-    """A kvserve app on a free 127.0.0.1 port, served by uvicorn on a thread."""
+    """A kvserve app on a free 127.0.0.1 port, served by uvicorn on a thread. The engine runs
+    on a thread of this process (``engine``, or one built from ``engine_settings``), or, given
+    ``spec``, in an engine process of its own."""
 
     def __init__(self, engine: Engine | None = None, *, model_name: str = "tiny",
                  keys: list[Any] | None = None, priority_source: str = "body",
-                 max_body_bytes: int | None = None, **engine_settings: Any) -> None:
+                 max_body_bytes: int | None = None, spec: Any | None = None,
+                 **engine_settings: Any) -> None:
         import socket
         import threading
 
         import uvicorn
 
         from kvserve.engine.async_engine import AsyncEngine
+        from kvserve.engine.engine_process import ProcessEngine
         from kvserve.server.app import build_app
         from kvserve.server.auth import KeyRing
         from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
-        self.engine = engine or make_engine(**engine_settings)
-        self.state = ServerState(AsyncEngine(self.engine), model_name, KeyRing(keys or []),
+        if spec is not None:
+            self.engine = None
+            serving: Any = ProcessEngine(spec, tokenizer())
+        else:
+            self.engine = engine or make_engine(**engine_settings)
+            serving = AsyncEngine(self.engine)
+        self.state = ServerState(serving, model_name, KeyRing(keys or []),
                                  priority_source, max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         self.app = build_app(self.state)
         self.socket = socket.socket()
@@ -73,6 +92,7 @@ class LiveServer:
 
     @property
     def scheduler(self) -> Any:
+        assert self.engine is not None, "the engine runs in another process"
         return self.engine.scheduler
 
     def idle(self) -> bool:

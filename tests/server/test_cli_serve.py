@@ -22,6 +22,7 @@ def test_serve_flags_parse():
     assert (args.max_num_seqs, args.max_queue_delay, args.num_kv_blocks) == (4, 2.5, 100)
     assert args.max_request_body == 1 << 20
     assert args.host == "127.0.0.1"
+    assert args.engine_process  # vLLM V1's layout: the engine in a process of its own
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -43,7 +44,8 @@ def test_urgent_default_priority_needs_the_priority_policy(tmp_path, capsys):
 
 def test_the_bundled_model_answers_through_the_api():
     args = build_parser().parse_args(["serve", "--max-model-len", "512",  # float32's answer
-                                      "--num-kv-blocks", "64", "--dtype", "float32"])
+                                      "--num-kv-blocks", "64", "--dtype", "float32",
+                                      "--no-engine-process"])
     state = build_state(args)
     assert state.model_name == "SmolLM2-135M-Instruct"
     with LiveServer(state.engine.engine, model_name=state.model_name) as live:
@@ -94,6 +96,10 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     assert process.returncode == 0, output
     assert "KV cache size: 512 tokens (32 blocks of 16)" in output
     assert "Maximum concurrency for 256 tokens per request: 2.00x" in output
+    # the engine ran in a process of its own, which ended with the server
+    pid = int(output.split("engine process pid ")[1].split()[0])
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text(), output
 
 
 def _state(tmp_path, *flags: str):
@@ -101,7 +107,7 @@ def _state(tmp_path, *flags: str):
     keys.write_text('[{"key": "a", "tenant": "gold", "weight": 2}, '
                     '{"key": "b", "tenant": "free"}]')
     argv = ["serve", "--load-format", "dummy", "--max-model-len", "256",
-            "--num-kv-blocks", "32", *flags]
+            "--num-kv-blocks", "32", "--no-engine-process", *flags]
     return build_state(build_parser().parse_args(
         [part.replace("KEYS", str(keys)) for part in argv]))
 

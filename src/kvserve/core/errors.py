@@ -24,6 +24,9 @@ class QueueFullError(RequestError):
         super().__init__(message)
         self.limit = limit
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # the limit survives pickling
+        return (QueueFullError, (str(self), self.limit))
+
 
 class InvariantError(AssertionError):
     """The scheduler's state broke one of the invariants I1-I4: a bug, never bad input."""

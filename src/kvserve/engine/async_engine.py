@@ -24,39 +24,52 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvserve.core import (
-    InvariantError,
-    SamplingParams,
-    SchedulerEvent,
-    SchedulerStats,
-    check_invariants,
-)
+from kvserve.core import SamplingParams, SchedulerStats
+from kvserve.engine.core_loop import ABORTED, EngineCore, StepReport, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
 
-logger = logging.getLogger("kvserve.engine")
+__all__ = ["ABORTED", "AsyncEngine", "EngineDeadError", "RequestStream", "ServingEngine",
+           "StepReport"]
 
-ABORTED = "aborted"  # stop_reason of a request aborted from outside (client, operator)
+logger = logging.getLogger("kvserve.engine")
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped: every open stream raises this."""
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """What one engine step did, handed to observers on the engine thread (metrics, logs).
-    Aborts applied between steps are reported too, with no tokens and no events."""
+class ServingEngine(Protocol):
+    """What the server needs of an engine, wherever it runs (a thread of the server's process:
+    :class:`AsyncEngine`; a process of its own: ``ProcessEngine``; N replicas behind a router:
+    ``DataParallelEngine``). ``stats`` is the latest snapshot; observers are called with each
+    :class:`StepReport` on a thread that is not the event loop's."""
 
-    time: float
-    num_scheduled_tokens: int
-    seconds: float
-    chunks: list[CompletionChunk]
-    events: list[SchedulerEvent]
-    stats: SchedulerStats
+    info: EngineInfo  # the engine's fixed facts (tokenizer, limits, cache shape)
+    observers: list[Callable[[StepReport], None]]
+
+    @property
+    def stats(self) -> SchedulerStats: ...
+    @property
+    def is_running(self) -> bool: ...
+    @property
+    def idle_checks(self) -> int: ...
+    @property
+    def invariant_violations(self) -> int: ...
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams]],
+                           arrival_time: float | None = None) -> RequestStream: ...
+    def abort(self, *request_ids: str) -> None: ...
+    def health(self) -> str | None:
+        """None when the engine serves at full strength; else what is degraded."""
+
+
+class _Aborter(Protocol):
+    def abort(self, *request_ids: str) -> None: ...
 
 
 @dataclass
@@ -77,7 +90,7 @@ class RequestStream:
     the engine produced them. Iterate it; it stops when every request has finished."""
 
     request_ids: list[str]
-    _engine: AsyncEngine
+    _engine: _Aborter
     _queue: asyncio.Queue[CompletionChunk | BaseException] = field(
         default_factory=asyncio.Queue)
     _unfinished: set[str] = field(default_factory=set)  # membership only
@@ -118,6 +131,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, *, idle_wait: float = 0.005) -> None:
         self.engine = engine
+        self.core = EngineCore(engine)
         self.info: EngineInfo = engine.info  # what the server may know; never the scheduler
         self.idle_wait = idle_wait
         self.observers: list[Callable[[StepReport], None]] = []
@@ -127,12 +141,18 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.error: BaseException | None = None
-        self.stats: SchedulerStats = engine.scheduler.stats()
-        # The scheduler's invariants (I1-I4: no leaked or doubly held block, ...) are checked
-        # each time the engine falls idle, where they are cheapest; a failure is logged and
-        # counted (kvserve:invariant_violations), not raised, so serving goes on.
-        self.idle_checks = self.invariant_violations = 0
-        self._checked_since_busy = True
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.core.stats
+
+    @property
+    def idle_checks(self) -> int:
+        return self.core.idle_checks
+
+    @property
+    def invariant_violations(self) -> int:
+        return self.core.invariant_violations
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -152,6 +172,9 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def health(self) -> str | None:
+        return None
 
     # -- requests --------------------------------------------------------------------------
 
@@ -175,12 +198,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[CompletionChunk]:
         """Chunks of one request; leaving the loop early (or being cancelled) aborts it."""
-        stream = await self.add_requests([(request_id, prompt, params)], arrival_time)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            stream.cancel()
+        async for chunk in generate(self, request_id, prompt, params, arrival_time):
+            yield chunk
 
     def abort(self, *request_ids: str) -> None:
         """Abort requests in any state; their streams end with an ``abort`` chunk. Safe from
@@ -192,31 +211,22 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                busy = self.engine.has_unfinished_requests()
-                if not self._drain_commands(block=not busy):
+                if not self._drain_commands(block=not self.core.busy):
                     break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                    self._checked_since_busy = False
+                if self.core.busy:
+                    report = self.core.step()
+                    self._deliver(report.chunks)
+                    self._notify(report)
+                    if stalled(report):
+                        self._stopping.wait(self.idle_wait)
                 else:
-                    if not self._checked_since_busy:
-                        self._check_when_idle()
-                    self.stats = self.engine.scheduler.stats()
+                    self.core.idle()
         except BaseException as error:  # the loop must report, not vanish
             logger.exception("engine loop failed")
             self.error = error
             self._fail_all(EngineDeadError(f"engine loop failed: {error!r}"))
         else:
             self._fail_all(EngineDeadError("the engine was shut down"))
-
-    def _check_when_idle(self) -> None:
-        self._checked_since_busy = True
-        self.idle_checks += 1
-        try:
-            check_invariants(self.engine.scheduler)
-        except InvariantError as error:
-            self.invariant_violations += 1
-            logger.error("scheduler state check failed with the engine idle: %s", error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; when idle, wait for the first. False on shutdown."""
@@ -230,66 +240,26 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._apply_add(command)
             else:
-                self._apply_abort(command)
+                report = self.core.abort(command.request_ids)
+                if report is not None:
+                    self._deliver(report.chunks)
+                    self._notify(report)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
 
     def _apply_add(self, command: _Add) -> None:
-        added: list[str] = []
-        try:
-            for request_id, prompt, params, arrival_time in command.items:
-                self.engine.add_request(request_id, prompt, params, arrival_time)
-                added.append(request_id)
-                self._streams[request_id] = command.stream
-        except Exception as error:
-            for request_id in added:
-                self.engine.abort(request_id)
-                self._streams.pop(request_id, None)
-            self._resolve(command.future, error)
-            return
-        self._resolve(command.future, None)
-
-    def _resolve(self, future: concurrent.futures.Future[None],
-                 error: BaseException | None) -> None:
-        self.stats = self.engine.scheduler.stats()  # an add the caller saw is in the stats
+        error = self.core.add(command.items)
         if error is None:
-            future.set_result(None)
+            for request_id in command.stream.request_ids:
+                self._streams[request_id] = command.stream
+            command.future.set_result(None)
         else:
-            future.set_exception(error)
-
-    def _apply_abort(self, command: _Abort) -> None:
-        chunks = []
-        for request_id in command.request_ids:
-            if self.engine.abort(request_id):
-                chunks.append(CompletionChunk(request_id, [], "", True, "abort", ABORTED))
-        if chunks:
-            self.stats = self.engine.scheduler.stats()
-            self._deliver(chunks)
-            self._notify(StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats))
-
-    def _step(self) -> None:
-        start = time.monotonic()
-        record = self.engine.step()
-        chunks, num_tokens = record.chunks, record.num_scheduled_tokens
-        seconds = record.end - record.start
-        events = self.engine.scheduler.take_events()
-        self.stats = self.engine.scheduler.stats()
-        if chunks:
-            self._deliver(chunks)
-        self._notify(StepReport(start, num_tokens, seconds, chunks, events, self.stats))
-        if num_tokens == 0 and not chunks:
-            # Nothing could run (every waiting request blocked): wait for an arrival or an
-            # abort instead of spinning; queue deadlines are checked again after the wait.
-            self._stopping.wait(self.idle_wait)
+            command.future.set_exception(error)
 
     def _notify(self, report: StepReport) -> None:
-        for observer in self.observers:
-            try:
-                observer(report)
-            except Exception:  # a broken metric must not stop the engine
-                logger.exception("step observer %r failed", observer)
+        notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
         routed = []
@@ -314,7 +284,28 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                self._resolve(command.future, error)
+                command.future.set_exception(error)
+
+
+async def generate(engine: ServingEngine, request_id: str, prompt: Prompt,
+                   params: SamplingParams, arrival_time: float | None = None
+                   ) -> AsyncIterator[CompletionChunk]:
+    """Chunks of one request on any serving engine; leaving early (or being cancelled) aborts
+    it."""
+    stream = await engine.add_requests([(request_id, prompt, params)], arrival_time)
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        stream.cancel()
+
+
+def notify(observers: list[Callable[[StepReport], None]], report: StepReport) -> None:
+    for observer in observers:
+        try:
+            observer(report)
+        except Exception:  # a broken metric must not stop the engine
+            logger.exception("step observer %r failed", observer)
 
 
 def _put_all(routed: list[tuple[RequestStream, CompletionChunk | BaseException]]) -> None:

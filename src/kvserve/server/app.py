@@ -121,7 +121,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     async def health() -> Response:
         if not state.engine.is_running:
             return APIError(503, "the engine is not running").response()
-        return PlainTextResponse("ok")
+        return PlainTextResponse(state.engine.health() or "ok")
 
     @app.get("/version")
     async def version() -> dict[str, Any]:

@@ -46,6 +46,12 @@ def add_parser(subparsers: Any) -> None:
                        help="most sequences (prompts x n) one request may queue (400 beyond)")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="run the scheduler and the model in a process of their own, as "
+                            "vLLM V1 runs its EngineCore, so HTTP and the engine never share "
+                            "one interpreter lock (--no-engine-process: on a thread of the "
+                            "server's process)")
     add_scheduler_flags(parser)
     parser.set_defaults(run=run)
 
@@ -70,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 def build_state(args: argparse.Namespace) -> Any:
     from kvserve.core import ConfigError
     from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.engine_process import EngineStartError
     from kvserve.engine.llm import build_engine
     from kvserve.flags import CLIError, engine_args
     from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, tenant_weights
@@ -100,15 +107,32 @@ def build_state(args: argparse.Namespace) -> Any:
                        "--scheduling-policy priority")
     if not 0 < args.port < 65536:
         raise CLIError(f"--port {args.port} is not a port number")
+    serving: Any
     try:
-        engine = build_engine(args.model, record_events=True, **settings)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+        if args.engine_process:
+            serving = _engine_process(args.model, {"record_events": True, **settings})
+        else:
+            serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
+    except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
     name = args.served_model_name or _model_name(args.model)
-    state = ServerState(AsyncEngine(engine), name, KeyRing(keys), args.priority_source,
+    state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     return state
+
+
+def _engine_process(model: str | None, engine_args: dict[str, Any]) -> Any:
+    """The engine in a spawned process; the tokenizer here, for the server's own use."""
+    import functools
+
+    from kvserve.engine.engine_process import EngineSpec, ProcessEngine
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    return ProcessEngine(EngineSpec(functools.partial(build_engine, model, **engine_args)),
+                         tokenizer)
 
 
 def _model_name(model: str | None) -> str:

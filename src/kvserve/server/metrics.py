@@ -9,7 +9,7 @@ per-request figures are observed on the engine thread as steps complete (:meth:`
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
-from kvserve.engine.async_engine import AsyncEngine, StepReport
+from kvserve.engine.async_engine import ServingEngine, StepReport
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -54,7 +54,7 @@ class _Live:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -207,59 +207,107 @@ class ServerMetrics:
 
 
 def _families(family: type[GaugeMetricFamily] | type[CounterMetricFamily], labels: list[str],
-              rows: tuple[tuple[str, str, float], ...]) -> Iterator[Metric]:
-    """One family of ``family``'s kind per (metric, help text, value) row, labelled."""
+              rows: tuple[tuple[str, str, Callable[[_Engine], float]], ...],
+              engines: list[_Engine]) -> Iterator[Metric]:
+    """One family of ``family``'s kind per (metric, help text, value) row, one sample per
+    engine, labelled."""
     for metric, text, value in rows:
-        series = family(metric, text, labels=["model_name"])
-        series.add_metric(labels, value)
+        series = family(metric, text, labels=labels)
+        for engine in engines:
+            series.add_metric(engine.labels, value(engine))
         yield series
 
 
-class _StatsCollector(Collector):
-    """Scheduler-wide series from the engine's latest stats snapshot."""
+@dataclass
+class _Engine:
+    labels: list[str]
+    stats: SchedulerStats
+    invariant_violations: int
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+
+class _StatsCollector(Collector):
+    """Scheduler-wide series from the engine's latest stats snapshot; with data-parallel
+    replicas, one sample per live replica labelled ``engine="i"``, as vLLM does."""
+
+    def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
+    def _engines(self) -> tuple[list[str], list[_Engine]]:
+        replicas = getattr(self.engine, "replica_stats", None)
+        if replicas is None:
+            return ["model_name"], [_Engine([self.model_name], self.engine.stats,
+                                            self.engine.invariant_violations)]
+        return ["model_name", "engine"], [_Engine([self.model_name, str(index)], stats, bad)
+                                          for index, stats, bad in replicas()]
+
     def collect(self) -> Iterator[Metric]:
-        stats: SchedulerStats = self.engine.stats
-        name = [self.model_name]
-        yield from _families(GaugeMetricFamily, name, (
+        labels, engines = self._engines()
+        yield from _families(GaugeMetricFamily, labels, (
                 ("vllm:num_requests_running", "Requests in the running batch.",
-                 stats.num_running),
+                 lambda e: e.stats.num_running),
                 ("vllm:num_requests_waiting", "Requests waiting (new or preempted).",
-                 stats.num_waiting),
+                 lambda e: e.stats.num_waiting),
                 ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
-                 stats.kv_cache_usage),
+                 lambda e: e.stats.kv_cache_usage),
                 ("kvserve:num_queued_tokens", "Tokens of the waiting requests.",
-                 stats.num_queued_tokens),
-                ("kvserve:num_free_kv_blocks", "Free KV blocks.", stats.num_free_blocks)))
-        yield from _families(CounterMetricFamily, name, (
-                ("vllm:num_preemptions", "Preemptions.", stats.num_preemptions),
+                 lambda e: e.stats.num_queued_tokens),
+                ("kvserve:num_free_kv_blocks", "Free KV blocks.",
+                 lambda e: e.stats.num_free_blocks)), engines)
+        yield from _families(CounterMetricFamily, labels, (
+                ("vllm:num_preemptions", "Preemptions.", lambda e: e.stats.num_preemptions),
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 stats.prefix_cache_queries),
+                 lambda e: e.stats.prefix_cache_queries),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 stats.prefix_cache_hits),
+                 lambda e: e.stats.prefix_cache_hits),
                 ("kvserve:recomputed_tokens", "Tokens computed again after a preemption.",
-                 stats.num_recomputed_tokens),
-                ("kvserve:engine_steps", "Engine steps.", stats.num_steps),
+                 lambda e: e.stats.num_recomputed_tokens),
+                ("kvserve:engine_steps", "Engine steps.", lambda e: e.stats.num_steps),
                 ("kvserve:scheduled_tokens", "Tokens computed, recomputation included.",
-                 stats.num_scheduled_tokens),
+                 lambda e: e.stats.num_scheduled_tokens),
                 ("kvserve:invariant_violations",
                  "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
-                 "the engine fell idle.", self.engine.invariant_violations)))
+                 "the engine fell idle.", lambda e: e.invariant_violations)), engines)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
                                     "Waiting requests by reason: 'capacity' waits for room "
                                     "to be scheduled; 'deferred' is always 0 here.",
-                                    labels=["model_name", "reason"])
-        for reason in WAITING_REASONS:
-            waiting.add_metric([self.model_name, reason],
-                               stats.num_waiting if reason == "capacity" else 0)
-        yield waiting
+                                    labels=[*labels, "reason"])
         blocked = CounterMetricFamily("kvserve:admissions_blocked",
                                       "Steps whose waiting pass stopped, by reason.",
-                                      labels=["model_name", "reason"])
-        for reason, count in sorted(stats.num_blocked_steps.items()):
-            blocked.add_metric([self.model_name, reason], count)
+                                      labels=[*labels, "reason"])
+        for engine in engines:
+            for reason in WAITING_REASONS:
+                waiting.add_metric([*engine.labels, reason],
+                                   engine.stats.num_waiting if reason == "capacity" else 0)
+            for reason, count in sorted(engine.stats.num_blocked_steps.items()):
+                blocked.add_metric([*engine.labels, reason], count)
+        yield waiting
         yield blocked
+        yield from _router_families(self.engine, self.model_name)
+
+
+def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]:
+    """kvserve:router_decisions{replica,reason} and the prefix-affinity hit rate, when the
+    engine routes among replicas."""
+    decisions: dict[tuple[int, str], int] | None = getattr(engine, "decisions", None)
+    if decisions is None:
+        return
+    counts = sorted(decisions.items())
+    family = CounterMetricFamily("kvserve:router_decisions",
+                                 "Requests the router placed, by replica and reason.",
+                                 labels=["model_name", "replica", "reason"])
+    for (replica, reason), count in counts:
+        family.add_metric([model_name, str(replica), reason], count)
+    yield family
+    total = sum(count for _, count in counts)
+    hits = sum(count for (_, reason), count in counts if reason == "prefix_hit")
+    rate = GaugeMetricFamily("kvserve:router_prefix_hit_rate",
+                             "Share of routed requests sent to the replica holding their "
+                             "prefix (prefix-affinity).", labels=["model_name"])
+    rate.add_metric([model_name], hits / total if total else 0.0)
+    yield rate
+    restarts = CounterMetricFamily("kvserve:replica_restarts", "Replicas launched again after "
+                                   "dying.", labels=["model_name", "replica"])
+    for replica, count in enumerate(getattr(engine, "num_restarts", [])):
+        restarts.add_metric([model_name, str(replica)], count)
+    yield restarts

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kvserve.core import SchedulerConfig
-from kvserve.engine.async_engine import AsyncEngine, RequestStream
+from kvserve.engine.async_engine import RequestStream, ServingEngine
 from kvserve.engine.text import Tokenizer
 from kvserve.server.auth import KeyRing
 from kvserve.server.body import parse_json
@@ -24,7 +24,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: ServingEngine
     model_name: str
     keys: KeyRing = field(default_factory=lambda: KeyRing([]))
     priority_source: str = "body"

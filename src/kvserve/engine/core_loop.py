@@ -1,0 +1,115 @@
+"""EngineCore: the engine's side of serving, whichever thread or process runs it.
+
+Between steps it applies the adds and aborts it was sent (an add of several requests is all or
+nothing); each step it reports what ran (a :class:`StepReport`); each time it falls idle it
+checks the scheduler's invariants. :class:`~kvserve.engine.async_engine.AsyncEngine` runs one
+on a thread of the server's process, :mod:`kvserve.engine.engine_process` in a process of its
+own. Everything it returns is plain data that pickles.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.core import (
+    InvariantError,
+    SamplingParams,
+    SchedulerEvent,
+    SchedulerStats,
+    check_invariants,
+)
+from kvserve.engine.engine import CompletionChunk, Engine, Prompt
+
+logger = logging.getLogger("kvserve.engine")
+
+ABORTED = "aborted"  # stop_reason of a request aborted from outside (client, operator)
+
+AddItem = tuple[str, Prompt, SamplingParams, float | None]  # id, prompt, params, arrival
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one engine step did, handed to observers (metrics, logs). Aborts applied between
+    steps are reported too, with no tokens and no events."""
+
+    time: float
+    num_scheduled_tokens: int
+    seconds: float
+    chunks: list[CompletionChunk]
+    events: list[SchedulerEvent]
+    stats: SchedulerStats
+    engine: int = 0  # the replica that ran it (data parallel), as vLLM's engine="i" label
+
+
+class EngineCore:
+    """One :class:`Engine` driven between commands. Not thread-safe: one owner calls it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stats: SchedulerStats = engine.scheduler.stats()
+        # The scheduler's invariants (I1-I4: no leaked or doubly held block, ...) are checked
+        # each time the engine falls idle, where they are cheapest; a failure is logged and
+        # counted (kvserve:invariant_violations), not raised, so serving goes on.
+        self.idle_checks = self.invariant_violations = 0
+        self._checked_since_busy = True
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def add(self, items: Sequence[AddItem]) -> Exception | None:
+        """Queue every item or none; the error of the first that failed (the others are
+        undone), or None."""
+        added: list[str] = []
+        try:
+            for request_id, prompt, params, arrival_time in items:
+                self.engine.add_request(request_id, prompt, params, arrival_time)
+                added.append(request_id)
+        except Exception as error:
+            for request_id in added:
+                self.engine.abort(request_id)
+            return error
+        finally:
+            self.stats = self.engine.scheduler.stats()  # an add the caller saw is in the stats
+        return None
+
+    def abort(self, request_ids: Sequence[str]) -> StepReport | None:
+        """Abort requests in any state; a report with one ``abort`` chunk per request that was
+        live, or None if none was."""
+        chunks = [CompletionChunk(request_id, [], "", True, "abort", ABORTED)
+                  for request_id in request_ids if self.engine.abort(request_id)]
+        if not chunks:
+            return None
+        self.stats = self.engine.scheduler.stats()
+        return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
+
+    def step(self) -> StepReport:
+        start = time.monotonic()
+        record = self.engine.step()
+        chunks, num_tokens = record.chunks, record.num_scheduled_tokens
+        seconds = record.end - record.start
+        events = self.engine.scheduler.take_events()
+        self.stats = self.engine.scheduler.stats()
+        self._checked_since_busy = False
+        return StepReport(start, num_tokens, seconds, chunks, events, self.stats)
+
+    def idle(self) -> None:
+        """The engine has nothing to do: check its state once per busy spell."""
+        if not self._checked_since_busy:
+            self._checked_since_busy = True
+            self.idle_checks += 1
+            try:
+                check_invariants(self.engine.scheduler)
+            except InvariantError as error:
+                self.invariant_violations += 1
+                logger.error("scheduler state check failed with the engine idle: %s", error)
+        self.stats = self.engine.scheduler.stats()
+
+
+def stalled(report: StepReport) -> bool:
+    """Nothing could run (every waiting request blocked): the loop should wait for an arrival
+    or an abort instead of spinning; queue deadlines are checked again after the wait."""
+    return report.num_scheduled_tokens == 0 and not report.chunks

@@ -1,0 +1,469 @@
+"""ProcessEngine: the engine in a process of its own, as vLLM V1 runs its EngineCore.
+
+::
+
+    server process (event loop, tokenizer)          engine process (scheduler, model)
+    --------------------------------------          ---------------------------------
+    add_requests() / abort()  -> sender thread  ==> between steps: EngineCore.add / abort
+    RequestStream, observers  <- reader thread  <== one message per step: add replies,
+                                                    StepReports, stats, idle checks
+
+Both directions carry plain data pickled with protocol 5 over one pipe; the sender sends every
+command queued since its last message as one message, the engine sends one message per step
+(or per batch of commands applied while idle). The server's event loop and the engine never
+share an interpreter lock, so the engine's OpenMP threads may spin
+(``OMP_WAIT_POLICY=ACTIVE`` in the engine process only).
+
+The process is spawned (never forked: the server may hold OpenMP and torch state), builds its
+engine with ``spec.factory`` and answers ``ready`` with its scheduler and cache configuration,
+so a ProcessEngine is usable as soon as it is constructed. If the process dies (killed, out of
+memory, a crash in a step), every open stream and pending add fails with
+:class:`EngineDeadError` at once: no client hangs. The process exits when its pipe closes, so
+it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+from kvserve.core import RequestError, SamplingParams, SchedulerStats
+from kvserve.engine.async_engine import (
+    EngineDeadError,
+    RequestStream,
+    StepReport,
+    _put_all,
+    notify,
+)
+from kvserve.engine.core_loop import AddItem, EngineCore, stalled
+from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
+
+logger = logging.getLogger("kvserve.engine")
+
+PICKLE_PROTOCOL = 5
+_ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How an engine process builds its engine. ``factory`` must pickle: a module-level
+    function, or a ``functools.partial`` of one with picklable arguments. ``threads``: torch
+    intra-op threads in the engine (None: torch's default). ``wait_policy``: the engine's
+    ``OMP_WAIT_POLICY`` (ACTIVE: its threads spin between kernels, as nothing else of the
+    server's runs in that process)."""
+
+    factory: Callable[[], Engine]
+    threads: int | None = None
+    wait_policy: str = "ACTIVE"
+    idle_wait: float = 0.005  # seconds to wait after a step that could run nothing
+
+    def environment(self) -> dict[str, str]:
+        env = {"OMP_WAIT_POLICY": self.wait_policy}
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
+
+# -- messages (plain data) ---------------------------------------------------------------------
+
+@dataclass
+class _Ready:
+    info: EngineInfo  # without the tokenizer: the server has its own
+    stats: SchedulerStats
+    pid: int
+
+
+@dataclass
+class _Failed:
+    message: str
+
+
+@dataclass
+class _Out:
+    """One message from the engine: replies to adds (sequence number, error or None), what ran,
+    and the counters the server shows."""
+
+    replies: list[tuple[int, BaseException | None]] = field(default_factory=list)
+    reports: list[StepReport] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+    idle_checks: int = 0
+    invariant_violations: int = 0
+
+
+_Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", None)
+
+
+# -- the engine process ------------------------------------------------------------------------
+
+def engine_main(conn: Connection, spec: EngineSpec) -> None:
+    """The engine process: build the engine, then serve commands until told to stop or the
+    pipe closes."""
+    # Ctrl-C in a terminal reaches the whole process group: the server shuts the engine
+    # down in order (or the pipe closes and it exits), so the engine ignores SIGINT itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(spec.environment())  # before torch is imported here
+    try:
+        engine = spec.factory()
+        if spec.threads is not None:
+            import torch
+            torch.set_num_threads(spec.threads)
+    except BaseException as error:  # the server reports it and exits
+        _send(conn, _Failed(f"{type(error).__name__}: {error}"))
+        return
+    core = EngineCore(engine)
+    _send(conn, _Ready(dataclasses.replace(engine.info, tokenizer=None), core.stats,
+                       os.getpid()))
+    try:
+        _serve(conn, core, spec.idle_wait)
+    except (EOFError, OSError):  # the server went away
+        return
+
+
+def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
+    wait = 0.0
+    while True:
+        out = _Out()
+        timeout = wait if core.busy else 0.5
+        checks = core.idle_checks
+        while conn.poll(timeout):
+            for kind, payload in pickle.loads(conn.recv_bytes()):
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    seq, items = payload
+                    out.replies.append((seq, _portable(core.add(items))))
+                else:
+                    report = core.abort(payload)
+                    if report is not None:
+                        out.reports.append(report)
+            timeout = 0.0
+        wait = 0.0
+        if core.busy:
+            report = core.step()
+            out.reports.append(report)
+            if stalled(report):
+                wait = idle_wait
+        else:
+            core.idle()
+        if out.replies or out.reports or core.idle_checks != checks:
+            out.stats = core.stats
+            out.idle_checks, out.invariant_violations = \
+                core.idle_checks, core.invariant_violations
+            _send(conn, out)
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """``error`` if it survives pickling whole, else a RequestError with its message."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error, PICKLE_PROTOCOL))
+    except Exception:
+        return RequestError(str(error))
+    return error
+
+
+def _send(conn: Connection, message: object) -> None:
+    conn.send_bytes(pickle.dumps(message, PICKLE_PROTOCOL))
+
+
+# -- the server's side -------------------------------------------------------------------------
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine, or never said it was ready."""
+
+
+class Launcher(Protocol):
+    """Starts one engine process somewhere and hands back the server's end of its pipe: a
+    local spawned process (:class:`LocalLauncher`) or a Ray actor (``RayLauncher``). It may be
+    launched again after a death (a restart)."""
+
+    name: str
+
+    def launch(self, spec: EngineSpec, timeout: float) -> Connection: ...
+    def alive(self) -> bool: ...
+    def kill(self) -> None: ...
+    def join(self, timeout: float) -> None: ...
+    def death(self) -> str: ...
+
+
+class LocalLauncher:
+    """The engine in a process spawned on this machine (never forked: the server may hold
+    OpenMP and torch state), with ``spec``'s environment."""
+
+    def __init__(self, name: str = "kvserve-engine") -> None:
+        self.name = name
+        self.process: multiprocessing.process.BaseProcess | None = None
+
+    def launch(self, spec: EngineSpec, timeout: float) -> Connection:
+        context = multiprocessing.get_context("spawn")
+        conn, child = context.Pipe()
+        self.process = context.Process(target=engine_main, args=(child, spec), name=self.name,
+                                       daemon=True)
+        with _ENV_LOCK:
+            saved = {key: os.environ.get(key) for key in spec.environment()}
+            os.environ.update(spec.environment())
+            try:
+                self.process.start()
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+        child.close()
+        return conn
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+
+    def join(self, timeout: float) -> None:
+        if self.process is not None:
+            self.process.join(timeout)
+
+    def death(self) -> str:
+        assert self.process is not None
+        code = self.process.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+        return f"the engine process (pid {self.process.pid}) died ({how})"
+
+
+class ProcessEngine:
+    """A :class:`~kvserve.engine.async_engine.ServingEngine` whose engine runs in a process of
+    its own (``launcher``; default: a local spawned process). Constructing it starts the
+    process and waits until the engine is built; call :meth:`start` from the event loop before
+    adding requests. ``on_death`` is called (on the reader thread) when the process dies
+    without being stopped."""
+
+    def __init__(self, spec: EngineSpec, tokenizer: Any, *, name: str = "kvserve-engine",
+                 launcher: Launcher | None = None, start_timeout: float = 600.0,
+                 on_death: Callable[[ProcessEngine], None] | None = None) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.name = name
+        self.launcher: Launcher = launcher or LocalLauncher(name)
+        self.on_death = on_death
+        self.observers: list[Callable[[StepReport], None]] = []
+        self.error: BaseException | None = None
+        self.idle_checks = self.invariant_violations = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[int, tuple[concurrent.futures.Future[None], list[str]]] = {}
+        self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
+        self._seq = itertools.count()
+        self._outbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._dead = threading.Event()
+        self._failed: BaseException | None = None  # set once, under _lock, by _fail_all
+        self._conn = self.launcher.launch(spec, start_timeout)
+        ready = self._await_ready(start_timeout)
+        self.info: EngineInfo = dataclasses.replace(ready.info, tokenizer=tokenizer)
+        self.stats: SchedulerStats = ready.stats
+        self.pid = ready.pid
+        logger.info("%s: engine process pid %d ready (%s threads, OMP_WAIT_POLICY=%s)", name,
+                    self.pid, spec.threads or "default", spec.wait_policy)
+
+    @property
+    def pending_adds(self) -> int:
+        """Adds sent and not yet answered (not yet in :attr:`stats`)."""
+        return len(self._pending)
+
+    def _await_ready(self, timeout: float) -> _Ready:
+        deadline = time.monotonic() + timeout
+        try:
+            while not self._conn.poll(0.1):
+                if not self.launcher.alive():
+                    raise EngineStartError(f"{self.launcher.death()} before it was ready")
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"the engine process was not ready after "
+                                           f"{timeout:.0f} s")
+            message = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as error:
+            self._kill()
+            raise EngineStartError(f"the engine process exited before it was ready: "
+                                   f"{error!r}") from None
+        except EngineStartError:
+            self._kill()
+            raise
+        if isinstance(message, _Failed):
+            self._kill()
+            raise EngineStartError(message.message)
+        assert isinstance(message, _Ready), message
+        return message
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        for target, suffix in ((self._read, "reader"), (self._write, "sender")):
+            thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    async def stop(self) -> None:
+        """Stop the engine process (what it was running ends with EngineDeadError)."""
+        self._stopping = True
+        self._outbox.put(("stop", None))
+        self._outbox.put(None)
+        await asyncio.to_thread(self._join)
+
+    def _join(self, timeout: float = 10.0) -> None:
+        self.launcher.join(timeout)
+        if self.launcher.alive():
+            self._kill()
+        self._conn.close()
+        for thread in self._threads:
+            thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _kill(self) -> None:
+        self.launcher.kill()
+        self.launcher.join(10)
+
+    @property
+    def is_running(self) -> bool:
+        return bool(self._threads) and not self._dead.is_set() and not self._stopping
+
+    def health(self) -> str | None:
+        return None
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams]],
+                           arrival_time: float | None = None) -> RequestStream:
+        """As :meth:`AsyncEngine.add_requests`; the engine's refusal (RequestError,
+        QueueFullError, ...) is raised here."""
+        if not self.is_running:
+            raise EngineDeadError(self._death_message())
+        request_ids = [request_id for request_id, _, _ in items]
+        stream = RequestStream(request_ids, self)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        when = time.monotonic() if arrival_time is None else arrival_time
+        payload: list[AddItem] = [(rid, prompt, params, when) for rid, prompt, params in items]
+        seq = next(self._seq)
+        with self._lock:
+            if self._failed is not None:  # it died after the check above
+                raise self._failed
+            for request_id in request_ids:
+                self._streams[request_id] = stream
+            self._pending[seq] = (future, request_ids)
+        self._outbox.put(("add", (seq, payload)))
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        return stream
+
+    def abort(self, *request_ids: str) -> None:
+        """As :meth:`AsyncEngine.abort`: safe from any thread; unknown ids are ignored."""
+        if request_ids:
+            self._outbox.put(("abort", list(request_ids)))
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        while True:
+            command = self._outbox.get()
+            batch: list[_Command] = []
+            while command is not None:
+                batch.append(command)
+                try:
+                    command = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                try:
+                    _send(self._conn, batch)
+                except (OSError, ValueError):  # the process is gone: the reader reports it
+                    return
+            if command is None:
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                self._receive(message)
+        except (EOFError, OSError, ValueError):
+            pass
+        except BaseException:  # a message that cannot be read is as bad as a dead process
+            logger.exception("%s: reading the engine's messages failed", self.name)
+        if self._stopping:
+            return
+        self._dead.set()
+        self.launcher.join(1.0)
+        self.error = EngineDeadError(self._death_message())
+        logger.error("%s", self.error)
+        self._fail_all(self.error)
+        if self.on_death is not None:
+            self.on_death(self)
+
+    def _death_message(self) -> str:
+        if self._stopping:
+            return "the engine was shut down"
+        return self.launcher.death()
+
+    def _receive(self, out: _Out) -> None:
+        for seq, error in out.replies:
+            with self._lock:
+                future, request_ids = self._pending.pop(seq)
+                if error is not None:
+                    for request_id in request_ids:
+                        self._streams.pop(request_id, None)
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        if out.stats is not None:
+            self.stats = out.stats
+            self.idle_checks, self.invariant_violations = \
+                out.idle_checks, out.invariant_violations
+        for report in out.reports:
+            self._deliver(report.chunks)
+            notify(self.observers, report)
+
+    def _deliver(self, chunks: list[CompletionChunk]) -> None:
+        routed = []
+        with self._lock:
+            for chunk in chunks:
+                stream = self._streams.get(chunk.request_id)
+                if stream is None:
+                    continue
+                if chunk.finished:
+                    del self._streams[chunk.request_id]
+                routed.append((stream, chunk))
+        if routed and self._loop is not None:
+            self._loop.call_soon_threadsafe(_put_all, routed)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self._failed = self._failed or error
+            streams = list({id(s): s for s in self._streams.values()}.values())
+            pending = list(self._pending.values())
+            self._streams.clear()
+            self._pending.clear()
+        for future, _ in pending:
+            if not future.done():
+                future.set_exception(error)
+        if self._loop is not None and streams and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_put_all, [(s, error) for s in streams])

@@ -1,0 +1,142 @@
+"""The engine in a process of its own (ProcessEngine, `kvserve serve`'s default): the server
+tests' behaviours hold through the process boundary (completions, streaming, aborts by
+disconnect and by the operator, queue limits and deadlines, metrics, the idle invariant check),
+and an engine process that dies fails every request at once instead of hanging it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from .helpers import LiveServer, engine_spec, metric_values, wait_for
+from .test_disconnect import raw_post
+
+M = (("model_name", "tiny"),)
+LONG = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def live():
+    # one seat, one queued request at most, small prefill chunks, 10 ms steps
+    spec = engine_spec(0.01, max_num_seqs=1, max_num_batched_tokens=32, max_num_queued_reqs=1,
+                       max_model_len=1024)
+    with LiveServer(spec=spec) as server:
+        yield server
+    assert not server.state.engine.launcher.alive()  # stopped with the server
+
+
+def aborted(server: LiveServer) -> int:
+    return server.state.engine.stats.num_finished.get("abort", 0)
+
+
+def test_completions_and_streams_cross_the_process_boundary(live):
+    assert live.state.engine.pid != os.getpid()
+    reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                       json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] == 5
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 4
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_a_streaming_client_that_leaves_aborts_in_the_engine_process(live):
+    before = aborted(live)
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      timeout=30) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    wait_for(lambda: aborted(live) == before + 1, what="the abort")
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_queue_limit_deadline_and_queued_disconnect(live):
+    before = aborted(live)
+    blocker = raw_post(live, LONG)
+    wait_for(lambda: live.state.engine.stats.num_running == 1, what="the blocker")
+    queued = raw_post(live, {**LONG, "max_tokens": 5})
+    wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="one queued")
+    full = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert full.status_code == 503, full.text  # K4: QueueFullError crossed the pipe whole
+    assert "max_num_queued_reqs=1" in full.json()["error"]["message"]
+    assert int(full.headers["Retry-After"]) >= 1
+    queued.close()  # the queued client leaves: its request is aborted in the engine
+    wait_for(lambda: aborted(live) == before + 1, what="the queued abort")
+    for stream in (False, True):  # the per-request queue deadline
+        late = httpx.post(live.url + "/v1/completions", timeout=30, json={
+            "prompt": "x", "max_tokens": 2, "max_queue_delay": 0.05, "stream": stream})
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["message"].startswith("queue timeout")
+    blocker.close()
+    wait_for(lambda: aborted(live) == before + 4, what="the blocker's abort")
+    wait_for(live.idle, what="a whole pool")
+    rejections = metric_values(httpx.get(live.url + "/metrics").text)
+    assert rejections[("vllm:admission_rejections_total",
+                       (("model_name", "tiny"), ("reason", "max_num_queued_reqs")))] == 1
+
+
+def test_operator_abort_and_metrics_through_the_process(live):
+    checks = live.state.engine.idle_checks
+    before = metric_values(httpx.get(live.url + "/metrics").text)
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      headers={"X-Request-Id": "op-1"}, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-op-1"})
+        assert reply.json()["aborted"] == ["cmpl-op-1"]
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    wait_for(live.idle, what="a whole pool")
+    wait_for(lambda: live.state.engine.idle_checks > checks, what="the idle check")
+    after = metric_values(httpx.get(live.url + "/metrics").text)
+    key = ("vllm:request_success_total", (("finished_reason", "abort"), *M))
+    assert after[key] == before.get(key, 0) + 1
+    assert after[("vllm:generation_tokens_total", M)] > before[("vllm:generation_tokens_total",
+                                                                 M)]
+    assert after[("kvserve:invariant_violations_total", M)] == 0
+    assert after[("kvserve:engine_steps_total", M)] == live.state.engine.stats.num_steps > 0
+
+
+def test_a_killed_engine_process_fails_every_request_at_once():
+    spec = engine_spec(0.01, max_num_seqs=1, max_model_len=1024)
+    with LiveServer(spec=spec) as live:
+        results: list = []
+        streamed: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                              json={**LONG, "stream": True}) as response:
+                streamed.extend(response.iter_lines())
+
+        def plain() -> None:
+            results.append(httpx.post(live.url + "/v1/completions", json=LONG, timeout=60))
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        threads[0].start()
+        wait_for(lambda: live.state.engine.stats.num_running == 1, what="decoding")
+        threads[1].start()
+        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="one queued")
+        os.kill(live.state.engine.pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "a client hung on a dead engine"
+        assert results[0].status_code == 503
+        assert "died (signal 9)" in results[0].json()["error"]["message"]
+        events = [line[6:] for line in streamed if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 503
+        assert httpx.get(live.url + "/health").status_code == 503
+        refused = httpx.post(live.url + "/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 503
+        assert "died" in refused.json()["error"]["message"]
