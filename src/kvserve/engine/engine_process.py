@@ -114,7 +114,8 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group: the server shuts the engine
     # down in order (or the pipe closes and it exits), so the engine ignores SIGINT itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # not so in a Ray actor
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(spec.environment())  # before torch is imported here
     try:
         engine = spec.factory()
@@ -199,6 +200,8 @@ class Launcher(Protocol):
     def kill(self) -> None: ...
     def join(self, timeout: float) -> None: ...
     def death(self) -> str: ...
+    def close(self) -> None:
+        """The engine was stopped for good: release what the launcher holds."""
 
 
 class LocalLauncher:
@@ -238,6 +241,9 @@ class LocalLauncher:
     def join(self, timeout: float) -> None:
         if self.process is not None:
             self.process.join(timeout)
+
+    def close(self) -> None:
+        pass
 
     def death(self) -> str:
         assert self.process is not None
@@ -330,6 +336,7 @@ class ProcessEngine:
         self.launcher.join(timeout)
         if self.launcher.alive():
             self._kill()
+        self.launcher.close()
         self._conn.close()
         for thread in self._threads:
             thread.join(timeout)
