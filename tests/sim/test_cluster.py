@@ -163,3 +163,23 @@ def test_bad_cluster_flags_are_one_line_errors(tmp_path, capsys, flags, message)
     assert main(["simulate", "--trace", str(trace), "--quiet", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_cancellations_reach_the_replica_that_holds_the_request(lockstep: bool) -> None:
+    # unit cost: each step lasts 1 s. "early" is cancelled before it arrives, "mid" while
+    # it decodes on replica 1, "late" after it finished (a no-op).
+    trace = [req("a", 16, 20), req("mid", 16, 20, cancel_time=5.5),
+             req("early", 16, 20, arrival=10.0, cancel_time=2.0),
+             req("late", 16, 2, arrival=0.5, cancel_time=30.0)]
+    report, result = run(trace, ClusterOptions(2, "round-robin", lockstep=lockstep))
+    rows = {row["request_id"]: row for row in report["requests"]}
+    assert (rows["mid"]["finish_reason"], rows["mid"]["stop_reason"]) == ("abort", "cancelled")
+    assert (rows["early"]["finish_reason"], rows["early"]["stop_reason"]) == \
+        ("abort", "cancelled")
+    assert rows["early"]["replica"] is None  # never routed
+    assert rows["a"]["finish_reason"] == "stop" and rows["late"]["finish_reason"] == "stop"
+    # "mid" is mid-step at 5.5: the cancellation lands when that step ends, at 6, after
+    # its sixth token (the first at 1 s, then one a second)
+    assert rows["mid"]["replica"] == 1 and rows["mid"]["output_tokens"] == 6
+    assert result.route_reasons == {"round_robin": 3}
