@@ -1,25 +1,31 @@
 #!/usr/bin/env python
-"""The C++ kernels of two checkouts, A/B: kernel timings and W1 offline, alternated.
+"""The C++ kernels of two checkouts, A/B: kernel calls interleaved in one process, and W1
+offline in alternated processes.
 
-Each side is a fresh process whose ``kvserve`` comes from that checkout's ``src`` (its
-extension built from its own csrc/, cached by source hash); the measuring code is this
-file's, so both sides run the same cases. Per side: the decode kernel on a W1-like batch (128
-requests, contexts uniform in [64, 640], SmolLM2's attention shape, as
+Kernels: both checkouts' csrc/ are built as two extension modules and loaded into this one
+process, and every case calls base, head, base, head ... (``--reps`` pairs), so both sides
+see the same machine at the same moments; per case each side's median and minimum, the
+median of the per-pair ratios and the ratio of the minima. Cases: the decode kernel on a
+W1-like batch (128 requests, contexts uniform in [64, 640], SmolLM2's attention shape, as
 benchmarks/attention_kernel.py), float32 and bfloat16; a 512-token prefill chunk; the fused
-layer ops of a 128-token decode step over 30 layers (bf16); then W1 offline (bf16, decode-heavy:
-128 requests, 128 output tokens each; benchmarks/offline_throughput.py), wall seconds. Pairs
-alternate which side goes first. Reported: per pair the ratio base / head (above 1: head
-faster), the median of the pair ratios and the ratio of the minima.
+layer ops of a 128-token decode step over 30 layers (bf16).
+
+W1: each side's whole engine (its ``kvserve`` from its ``src``) runs W1 offline (bf16,
+decode-heavy: 128 output tokens per request; benchmarks/offline_throughput.py) in a fresh
+process, ``--pairs`` pairs, which side goes first alternating; wall seconds per pair, the
+median of the pair ratios and the ratio of the minima. Ratios are base / head: above 1, head
+is faster.
 
     mkdir -p /tmp/base && git archive a0fe011 src | tar -x -C /tmp/base
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/kernel_ab.py \\
-        --base /tmp/base/src [--head DIR/src] [--pairs 3] [--reps 15] [--w1-n 128] \\
+        --base /tmp/base/src [--head DIR/src] [--pairs 3] [--reps 31] [--w1-n 32] \\
         [--write-docs]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -28,49 +34,74 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
+                            Path.home() / ".cache" / "torch_extensions")) / "kernel_ab"
+IDENTICAL = {True: "yes", False: "no", None: "n/a"}
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]  # as model/paged_kernel.py
 
 
-def worker(reps: int, w1_n: int) -> dict[str, float]:
-    """This process's kvserve: the median time (s) of each kernel case, and W1's wall time."""
+def load_kernels(src: Path, side: str) -> ModuleType:
+    """A checkout's csrc/ built as its own extension module (cached by source hash)."""
+    from torch.utils import cpp_extension
+
+    csrc = src / "kvserve" / "model" / "csrc"
+    sources = sorted(csrc.glob("*.cpp"))
+    files = sources + sorted(csrc.glob("*.h"))
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) +
+                            " ".join(CFLAGS).encode()).hexdigest()[:12]
+    name = f"kvserve_ab_{side}_{digest}"
+    build = CACHE / name
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(f) for f in sources],
+                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                              build_directory=str(build), verbose=False)
+
+
+def interleave(fns: list[Callable[[], Any]], reps: int) -> list[list[float]]:
+    """Seconds of each call, run round-robin (after one warm-up each)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for index, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[index].append(time.perf_counter() - start)
+    return times
+
+
+def kernel_cases(kernels: ModuleType) -> dict[str, Callable[[], Any]]:
+    """The timed calls on one side's module; the same inputs for every module."""
     import torch
 
-    from attention_kernel import alternate, decode_case
-    from kvserve.model import paged_kernel
+    from attention_kernel import decode_case
 
-    if not paged_kernel.available():
-        raise SystemExit(f"kernel unavailable: {paged_kernel.unavailable_reason()}")
-    cases = {}
+    cases: dict[str, Callable[[], Any]] = {}
+    scale = 1 / 8  # 1/sqrt(head_dim 64)
     for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype)[6:]
         q, k, v, batch = decode_case(128, dtype, sort=True)
         tables, lens = batch.decode_block_tables, batch.decode_context_lens
-        cases[f"decode {str(dtype)[6:]}"] = \
-            lambda q=q, k=k, v=v, t=tables, n=lens: paged_kernel.decode_attention(q, k, v, t, n)
+        cases[f"decode {name}"] = lambda q=q, k=k, v=v, t=tables, n=lens: \
+            kernels.decode_attention(q, k, v, t, n, scale)
         gen = torch.Generator().manual_seed(1)
         q = torch.randn((512, 9, 64), generator=gen).to(dtype)
         table = torch.randperm(k.shape[0], generator=gen)[:32]
-        cases[f"prefill {str(dtype)[6:]} 512"] = \
-            lambda q=q, k=k, v=v, t=table: paged_kernel.prefill_attention(q, k, v, t, 512)
-    cases["layer ops bf16 x30"] = layer_ops_step(torch.bfloat16)
-    timings = alternate(list(cases.values()), reps)
-    result = {name: median for name, (median, _) in zip(cases, timings, strict=True)}
-    if w1_n:
-        from offline_throughput import run
-
-        result["W1 offline bf16"] = run("w1", w1_n, "bfloat16", 16, 2 << 30)["wall_s"]
-    return result
+        cases[f"prefill {name} 512"] = lambda q=q, k=k, v=v, t=table: \
+            kernels.prefill_attention(q, k, v, t, 512, scale)
+    cases["layer ops bf16 x30"] = layer_ops_step(kernels, torch.bfloat16)
+    return cases
 
 
-def layer_ops_step(dtype: Any) -> Callable[[], None]:
+def layer_ops_step(ops: ModuleType, dtype: Any) -> Callable[[], None]:
     """A 128-token decode step's fused layer ops over 30 layers, SmolLM2-135M's sizes."""
     import torch
 
-    from kvserve.model import paged_kernel
-
-    ops = paged_kernel.layer_ops()
     gen = torch.Generator().manual_seed(2)
     tokens, hidden, inter, heads, kv_heads, dim = 128, 576, 1536, 9, 3, 64
     x = torch.randn((tokens, hidden), generator=gen).to(dtype)
@@ -96,18 +127,40 @@ def layer_ops_step(dtype: Any) -> Callable[[], None]:
     return step
 
 
-def run_side(side: str, src: Path, reps: int, w1_n: int) -> dict[str, float]:
+def compare_kernels(base: Path, head: Path, reps: int) -> list[dict[str, Any]]:
+    import torch
+
+    sides = [load_kernels(base, "base"), load_kernels(head, "head")]
+    base_cases, head_cases = (kernel_cases(module) for module in sides)
+    rows = []
+    for name in base_cases:
+        outputs = base_cases[name](), head_cases[name]()
+        same = torch.equal(*outputs) if isinstance(outputs[0], torch.Tensor) else None
+        base_s, head_s = interleave([base_cases[name], head_cases[name]], reps)
+        ratios = [b / h for b, h in zip(base_s, head_s, strict=True)]
+        rows.append(dict(measure=name, base_median=statistics.median(base_s),
+                         head_median=statistics.median(head_s), base_min=min(base_s),
+                         head_min=min(head_s), median_ratio=statistics.median(ratios),
+                         min_ratio=min(base_s) / min(head_s), identical=same))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def w1_worker(w1_n: int) -> float:
+    from offline_throughput import run
+
+    return run("w1", w1_n, "bfloat16", 16, 2 << 30)["wall_s"]
+
+
+def run_w1(side: str, src: Path, w1_n: int) -> float:
     # Each side's extension in a cache of its own: older code names its build by source
     # alone, and another checkout of that source loading it meanwhile would rebuild it.
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" /
-                                "torch_extensions")) / f"kernel_ab-{side}"
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{BENCHMARKS}",
-               TORCH_EXTENSIONS_DIR=str(cache),
+               TORCH_EXTENSIONS_DIR=str(CACHE.parent / f"kernel_ab-{side}"),
                OMP_WAIT_POLICY="PASSIVE")  # as kvserve runs by default; the machine is shared
-    out = subprocess.run([sys.executable, __file__, "--worker", "--reps", str(reps),
-                          "--w1-n", str(w1_n)], env=env, capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, __file__, "--w1-worker", "--w1-n", str(w1_n)],
+                         env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def load() -> str:
@@ -122,31 +175,39 @@ def revision(src: Path) -> str:
     return out.stdout.strip() if out.returncode == 0 else str(src)
 
 
-def markdown(pairs: list[dict[str, dict[str, float]]], command: str, base: str, head: str,
-             loads: list[str]) -> str:
+def markdown(kernels: list[dict[str, Any]], w1: list[dict[str, float]], reps: int,
+             command: str, labels: tuple[str, str], loads: list[str]) -> str:
     from kvserve.model.kernel_info import cpu_info, isa_line
 
     cpu = cpu_info()
-    names = list(pairs[0]["base"])
     lines = ["## C++ kernels, A/B against the previous code", "",
-             f"`{command}`: base = {base}, head = {head}, pairs: {len(pairs)}, alternated "
-             "(which side runs first alternates too), each side a fresh process. CPU: "
-             f"{cpu.model}, {cpu.logical_cpus} logical CPUs; ISA: {isa_line(cpu)}. Load "
-             f"average (1, 5, 15 min) before and after: {loads[0]} and {loads[-1]}.", "",
-             "Kernel rows are each side's median of the alternated reps (ms); W1 is wall "
-             "seconds. Ratio = base / head: above 1, head is faster.", "",
-             "| measure | base per pair | head per pair | pair ratios | median ratio "
-             "| ratio of minima |", "|---|---|---|---|---|---|"]
-    for name in names:
-        scale, unit = (1.0, "s") if name.startswith("W1") else (1e3, "ms")
-        base_runs = [p["base"][name] * scale for p in pairs]
-        head_runs = [p["head"][name] * scale for p in pairs]
+             f"`{command}`: base = {labels[0]}, head = {labels[1]}. CPU: {cpu.model}, "
+             f"{cpu.logical_cpus} logical CPUs; ISA: {isa_line(cpu)}. Load average (1, 5, "
+             f"15 min) at the start, after the kernels and at the end: {', '.join(loads)} "
+             "(a shared machine).", "",
+             f"Kernels, both sides in one process, calls interleaved base/head, {reps} pairs "
+             "per case (ms). Ratio = base / head: above 1, head is faster.", "",
+             "| case | base median | head median | base min | head min | median of pair "
+             "ratios | ratio of minima | outputs identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in kernels:
+        lines.append(f"| {r['measure']} | {r['base_median'] * 1e3:.2f} "
+                     f"| {r['head_median'] * 1e3:.2f} | {r['base_min'] * 1e3:.2f} "
+                     f"| {r['head_min'] * 1e3:.2f} | {r['median_ratio']:.3f} "
+                     f"| {r['min_ratio']:.3f} "
+                     f"| {IDENTICAL[r['identical']]} |")
+    if w1:
+        base_runs, head_runs = [p["base"] for p in w1], [p["head"] for p in w1]
         ratios = [b / h for b, h in zip(base_runs, head_runs, strict=True)]
-        lines.append(
-            f"| {name} ({unit}) | {', '.join(f'{x:.2f}' for x in base_runs)} "
-            f"| {', '.join(f'{x:.2f}' for x in head_runs)} "
-            f"| {', '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(ratios):.3f} "
-            f"| {min(base_runs) / min(head_runs):.3f} |")
+        lines += ["", f"W1 offline (bf16), wall s, {len(w1)} pairs of fresh processes, "
+                  "which side first alternating:", "",
+                  "| pair | base s | head s | base / head |", "|---|---|---|---|"]
+        lines += [f"| {i + 1} | {b:.1f} | {h:.1f} | {r:.3f} |"
+                  for i, (b, h, r) in enumerate(zip(base_runs, head_runs, ratios,
+                                                    strict=True))]
+        lines.append(f"| median of pair ratios; ratio of minima | | | "
+                     f"{statistics.median(ratios):.3f}; "
+                     f"{min(base_runs) / min(head_runs):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,41 +216,40 @@ def main() -> int:
     parser.add_argument("--base", type=Path, help="the other checkout's src directory")
     parser.add_argument("--head", type=Path, default=ROOT / "src",
                         help="this side's src directory (default: this checkout's)")
-    parser.add_argument("--base-label", help="how to name the base (default: its commit or "
-                        "path)")
-    parser.add_argument("--head-label", help="how to name the head (default: its commit or "
-                        "path)")
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--w1-n", type=int, default=128, help="W1 requests (0: skip W1)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="also write the pairs to this file")
+    parser.add_argument("--base-label", help="how to name the base (default: its commit)")
+    parser.add_argument("--head-label", help="how to name the head (default: its commit)")
+    parser.add_argument("--pairs", type=int, default=3, help="W1 pairs")
+    parser.add_argument("--reps", type=int, default=31, help="interleaved pairs per kernel case")
+    parser.add_argument("--w1-n", type=int, default=32, help="W1 requests (0: skip W1)")
+    parser.add_argument("--w1-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.reps, args.w1_n)))
+    if args.w1_worker:
+        print(w1_worker(args.w1_n))
         return 0
     if args.base is None or not (args.base / "kvserve").is_dir():
         parser.error("--base must be a checkout's src directory (holding kvserve/)")
-    sys.path[:0] = [str(args.head), str(BENCHMARKS)]
+    sys.path[:0] = [str(ROOT / "src"), str(BENCHMARKS)]
     from docs_section import publish
 
-    loads, pairs = [load()], []
-    for index in range(args.pairs):
-        sides = ("base", "head") if index % 2 == 0 else ("head", "base")
+    loads = [load()]
+    kernels = compare_kernels(args.base, args.head, args.reps)
+    loads.append(load())
+    w1 = []
+    for index in range(args.pairs if args.w1_n else 0):
         pair = {}
-        for side in sides:
-            start = time.perf_counter()
-            pair[side] = run_side(side, args.base if side == "base" else args.head,
-                                  args.reps, args.w1_n)
-            print(f"pair {index + 1} {side}: {time.perf_counter() - start:.0f} s "
-                  f"{json.dumps(pair[side])}", flush=True)
-        pairs.append(pair)
-        loads.append(load())
+        for side in ("base", "head") if index % 2 == 0 else ("head", "base"):
+            pair[side] = run_w1(side, args.base if side == "base" else args.head, args.w1_n)
+            print(f"W1 pair {index + 1} {side}: {pair[side]:.1f} s", flush=True)
+        w1.append(pair)
+    loads.append(load())
+    if args.json:  # the figures first, whatever happens to the formatting
+        Path(args.json).write_text(json.dumps({"kernels": kernels, "w1": w1}, indent=1))
+    labels = (args.base_label or revision(args.base), args.head_label or revision(args.head))
     command = "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:])
-    section = markdown(pairs, command, args.base_label or revision(args.base),
-                       args.head_label or revision(args.head), loads)
-    publish("kernel_ab", section, pairs, args.json, args.write_docs)
+    section = markdown(kernels, w1, args.reps, command, labels, loads)
+    publish("kernel_ab", section, {"kernels": kernels, "w1": w1}, args.json, args.write_docs)
     return 0
 
 
