@@ -114,7 +114,7 @@ def test_event_stream_names_each_transition():  # issue item 10
     events = [(e.kind, e.request_id, e.num_tokens, e.reason) for e in scheduler.take_events()]
     assert events[:4] == [("arrived", "r0", 80, ""), ("arrived", "r1", 80, ""),
                           ("admitted", "r0", 80, ""), ("admitted", "r1", 80, "")]
-    assert ("preempted", "r1", 80, "") in events  # the 80 tokens of KV it lost
+    assert ("preempted", "r1", 80, "recompute") in events  # the 80 tokens of KV it lost
     assert ("blocked", "r1", 81, "preemption") in events
     assert ("blocked", "r1", 81, "kv_cache") in events
     assert ("resumed", "r1", 17, "") in events

@@ -21,7 +21,9 @@ ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
 PREFIX_CACHE_SCOPES = ("global", "tenant")
 TENANT_FAIRNESS = ("off", "vtc")
 DEFAULT_BLOCK_SIZE = 16  # token slots per KV block, everywhere a block size is not given
-PREEMPTION_MODES = ("recompute",)  # "swap" and "auto" (K3) are planned, see DESIGN.md
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+# Largest host tier accepted: far beyond any machine's memory, so a bigger one is a typo.
+MAX_HOST_BLOCKS = 1 << 31
 
 _T = TypeVar("_T")
 
@@ -78,11 +80,14 @@ class CacheConfig:
     num_blocks: int
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
+    # The host KV tier (K3): blocks a swap-mode victim's KV is copied to; 0 = no host tier.
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1)
         _check_int("block_size", self.block_size, 1, 1024)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_int("num_host_blocks", self.num_host_blocks, 0, MAX_HOST_BLOCKS)
 
     @property
     def num_token_slots(self) -> int:
@@ -112,6 +117,12 @@ class SchedulerConfig:
     victim_policy: str = "vllm"
     admission_policy: str = "optimistic"
     preemption_mode: str = "recompute"
+    # M1-M3: an urgent arrival (priority policy only) preempts running requests whose
+    # priority value exceeds its own by more than the threshold (SGLang's default 10).
+    enable_priority_preemption: bool = False
+    priority_preemption_threshold: int = 10
+    # P1: a request preempted this many times is no longer a victim; None: no limit.
+    max_preemptions_per_request: int | None = None
     # K2 "adaptive" (SGLang's new_token_ratio): start, floor, and steps to decay from one to
     # the other; after a preemption the ratio is re-estimated assuming `retract_decode_steps`
     # more tokens per running request.
@@ -146,12 +157,10 @@ class SchedulerConfig:
         _check_bool("reserve_full_sequence", self.reserve_full_sequence)
         _check_choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
         _check_choice("admission_policy", self.admission_policy, ADMISSION_POLICIES)
-        if self.preemption_mode in ("swap", "auto"):
-            raise ConfigError(
-                f"preemption_mode={self.preemption_mode!r} is not implemented yet; "
-                "use 'recompute'"
-            )
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_bool("enable_priority_preemption", self.enable_priority_preemption)
+        _check_int("priority_preemption_threshold", self.priority_preemption_threshold, 0)
+        _check_optional_int("max_preemptions_per_request", self.max_preemptions_per_request, 1)
         _check_float("adaptive_init_ratio", self.adaptive_init_ratio, 0.0, 1.0)
         _check_float("adaptive_min_ratio", self.adaptive_min_ratio, 0.0, self.adaptive_init_ratio)
         _check_int("adaptive_decay_steps", self.adaptive_decay_steps, 1)
@@ -189,6 +198,11 @@ class SchedulerConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_model_len={self.max_model_len} when chunked prefill is disabled, "
                 "or a long prompt could never be scheduled"
+            )
+        if self.enable_priority_preemption and self.scheduling_policy != "priority":
+            raise ConfigError(
+                "enable_priority_preemption=True needs scheduling_policy='priority' "
+                f"(got {self.scheduling_policy!r}): only priorities make an arrival urgent"
             )
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold > 0:
             raise ConfigError(

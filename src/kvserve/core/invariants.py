@@ -1,4 +1,8 @@
-"""State checks run after every step in tests and in the simulator's debug mode (spec I1-I4)."""
+"""State checks run after every step in tests and in the simulator's debug mode (spec I1-I4).
+
+Both KV tiers are covered: the device pool (blocks, references, the prefix cache) and the
+host tier (S1), where every host block is free or held by exactly one swapped request.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ def _fail(rule: str, message: str) -> None:
 def check_invariants(scheduler: Scheduler) -> None:
     """Raise :class:`InvariantError` naming the broken rule, or return None."""
     _check_blocks(scheduler)
+    _check_host_blocks(scheduler)
     _check_requests(scheduler)
 
 
@@ -50,17 +55,52 @@ def _check_blocks(scheduler: Scheduler) -> None:
         _fail("I1", "free + referenced blocks != num_blocks")
 
 
+def _check_host_blocks(scheduler: Scheduler) -> None:
+    """I1 for the host tier: free + held == all host blocks, each held once, only by a
+    swapped request, which holds one host block per block of its computed tokens and no
+    device block (a request's KV lives in one tier)."""
+    kv = scheduler.kv
+    host = kv.host_pool
+    free_ids = host.free_block_ids()
+    held_ids = [i for ids in kv.req_to_host_blocks.values() for i in ids]
+    if len(set(free_ids)) != len(free_ids) or len(set(held_ids)) != len(held_ids):
+        _fail("I1", "a host block is free twice or held twice")
+    if set(free_ids) & set(held_ids):
+        _fail("I1", f"host blocks both free and held: {sorted(set(free_ids) & set(held_ids))}")
+    if sorted(free_ids + held_ids) != list(range(host.num_blocks)):
+        _fail("I1", f"host tier: {len(free_ids)} free + {len(held_ids)} held != "
+                    f"{host.num_blocks} blocks")
+    swapped_ids = [r.request_id for r in scheduler.swapped]
+    if sorted(kv.req_to_host_blocks) != sorted(swapped_ids):
+        _fail("I1", f"host blocks held by {sorted(kv.req_to_host_blocks)}, swapped requests "
+                    f"are {sorted(swapped_ids)}")
+    for request in scheduler.swapped:
+        if request.status is not RequestStatus.SWAPPED:
+            _fail("I3", f"{request.request_id} is swapped with status {request.status.name}")
+        num_host = len(kv.req_to_host_blocks[request.request_id])
+        if num_host != kv.num_blocks_for(request.num_computed_tokens) or num_host == 0:
+            _fail("I2", f"swapped {request.request_id} computed "
+                        f"{request.num_computed_tokens} tokens but holds {num_host} host blocks")
+        if kv.num_held_blocks(request.request_id):
+            _fail("I1", f"swapped {request.request_id} still holds device blocks")
+
+
 def _check_requests(scheduler: Scheduler) -> None:
     """I2: running requests hold their computed tokens' blocks; I3: queues are disjoint."""
     kv = scheduler.kv
     running_ids = [r.request_id for r in scheduler.running]
     waiting_ids = [r.request_id for r in scheduler.waiting]
-    if len(set(running_ids)) != len(running_ids) or len(set(waiting_ids)) != len(waiting_ids):
-        _fail("I3", "a request appears twice in one queue")
-    both = set(running_ids) & set(waiting_ids)
-    if both:
-        _fail("I3", f"requests both running and waiting: {sorted(both)}")
-    queued = set(running_ids) | set(waiting_ids)
+    swapped_ids = [r.request_id for r in scheduler.swapped]
+    for ids in (running_ids, waiting_ids, swapped_ids):
+        if len(set(ids)) != len(ids):
+            _fail("I3", "a request appears twice in one queue")
+    for (name, ids), (other, other_ids) in (((("running", running_ids), ("waiting", waiting_ids))),
+                                            (("running", running_ids), ("swapped", swapped_ids)),
+                                            (("waiting", waiting_ids), ("swapped", swapped_ids))):
+        both = set(ids) & set(other_ids)
+        if both:
+            _fail("I3", f"requests both {name} and {other}: {sorted(both)}")
+    queued = set(running_ids) | set(waiting_ids) | set(swapped_ids)
     if queued != set(scheduler.requests):
         _fail("I3", f"unfinished requests outside the queues: "
                     f"{sorted(set(scheduler.requests) - queued)}; "
@@ -85,10 +125,14 @@ def check_empty(scheduler: Scheduler) -> None:
     """I4: after every request finished, nothing is left behind (hashes may stay: lazy
     eviction)."""
     check_invariants(scheduler)
-    if scheduler.requests or scheduler.running or scheduler.waiting:
+    if scheduler.requests or scheduler.running or scheduler.waiting or scheduler.swapped:
         _fail("I4", f"{len(scheduler.requests)} requests left")
-    if scheduler.kv.req_to_blocks:
-        _fail("I4", f"block tables left for {sorted(scheduler.kv.req_to_blocks)}")
+    if scheduler.kv.req_to_blocks or scheduler.kv.req_to_host_blocks:
+        _fail("I4", f"block tables left for {sorted(scheduler.kv.req_to_blocks)}, host "
+                    f"blocks for {sorted(scheduler.kv.req_to_host_blocks)}")
+    host = scheduler.kv.host_pool
+    if host.num_free_blocks != host.num_blocks:
+        _fail("I4", f"{host.num_blocks - host.num_free_blocks} host blocks still held")
     pool = scheduler.kv.pool
     if pool.num_free_blocks != pool.num_blocks or any(b.ref_cnt for b in pool.blocks):
         _fail("I4", f"{pool.num_blocks - pool.num_free_blocks} blocks still referenced")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.config import CacheConfig
+from kvserve.core.host_pool import HostBlockPool
 from kvserve.core.prefix_cache import extend_block_hashes, find_longest_cache_hit
 from kvserve.core.request import Request
 
@@ -31,6 +32,12 @@ class KVCacheManager:
         self.max_sequence_tokens = min(max_model_len, cache_config.num_token_slots + 1)
         self.pool = BlockPool(cache_config.num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # The host tier (K3): a swapped-out request's KV, one host block id per device block
+        # it held for its computed tokens.
+        self.host_pool = HostBlockPool(cache_config.num_host_blocks)
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
         # How many leading blocks of each request are full and registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
@@ -102,14 +109,8 @@ class KVCacheManager:
         num_new_blocks = -(-num_slots // self.block_size) - num_held - num_hits
 
         if num_new_blocks > 0 or hit_blocks or full_sequence_must_fit:
-            num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-            num_needed = max(num_new_blocks, 0) + num_free_hits
-            if full_sequence_must_fit:
-                num_full = min(request.num_tokens, self.max_model_len)
-                num_needed = max(num_needed, self.num_blocks_for(num_full) - num_held
-                                 - num_hits + num_free_hits)
-            if apply_watermark:
-                num_needed += self.watermark_blocks
+            num_needed = self._num_blocks_needed(request, num_new_blocks, num_held, hit_blocks,
+                                                 apply_watermark, full_sequence_must_fit)
             if num_needed + reserved_blocks > self.pool.num_free_blocks:
                 return None
 
@@ -124,6 +125,42 @@ class KVCacheManager:
         if self.enable_caching and num_slots // self.block_size > num_computed // self.block_size:
             self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))
         return new_blocks
+
+    def _num_blocks_needed(self, request: Request, num_new_blocks: int, num_held: int,
+                           hit_blocks: Sequence[KVBlock], apply_watermark: bool,
+                           full_sequence_must_fit: bool,
+                           released: dict[int, int] | None = None) -> int:
+        """Free blocks an allocation takes (E2-E4): new blocks, hit blocks that now sit
+        free, the full-sequence gate and the watermark. ``released`` counts references
+        about to be dropped per block id (urgent preemption's dry run, M2)."""
+        if released:
+            num_free_hits = sum(1 for block in hit_blocks
+                                if block.ref_cnt == released.get(block.block_id, 0))
+        else:
+            num_free_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        num_hits = len(hit_blocks)
+        num_needed = max(num_new_blocks, 0) + num_free_hits
+        if full_sequence_must_fit:
+            num_full = min(request.num_tokens, self.max_model_len)
+            num_needed = max(num_needed, self.num_blocks_for(num_full) - num_held
+                             - num_hits + num_free_hits)
+        if apply_watermark:
+            num_needed += self.watermark_blocks
+        return num_needed
+
+    def fits_after_release(self, request: Request, num_new_tokens: int,
+                           hit_blocks: Sequence[KVBlock], released: dict[int, int], *,
+                           apply_watermark: bool, full_sequence_must_fit: bool,
+                           reserved_blocks: int) -> bool:
+        """Would :meth:`allocate_slots` for a request holding no blocks succeed once the
+        references counted in ``released`` (block id -> count) are dropped? (M2)"""
+        num_slots = min(len(hit_blocks) * self.block_size + num_new_tokens, self.max_model_len)
+        num_new_blocks = -(-num_slots // self.block_size) - len(hit_blocks)
+        num_needed = self._num_blocks_needed(request, num_new_blocks, 0, hit_blocks,
+                                             apply_watermark, full_sequence_must_fit, released)
+        num_freed = sum(1 for block_id, count in released.items()
+                        if self.pool.blocks[block_id].ref_cnt == count)
+        return num_needed + reserved_blocks <= self.pool.num_free_blocks + num_freed
 
     def grow_slots(self, request: Request, num_new_tokens: int) -> list[KVBlock] | None:
         """Slots for a running request's next ``num_new_tokens`` tokens, or None.
@@ -162,11 +199,74 @@ class KVCacheManager:
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Return every block of ``request`` to the pool, tail first (G2)."""
+        """Return every block of ``request`` to the pool, tail first (G2), and any host
+        blocks it holds to the host tier."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
+        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
+        if host_blocks:
+            self.host_pool.free(host_blocks)
+
+    # -- the host tier (K3, S1-S3) ---------------------------------------------------------
+
+    def surviving_prefix_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s leading blocks that stay in the prefix cache when it lets
+        them go: cached blocks another request holds too, so freeing cannot evict them
+        (S4). A resumed request would hit them; the last token is never a hit (G4)."""
+        if not self.enable_caching:
+            return 0
+        held = self.req_to_blocks.get(request.request_id, _NO_BLOCKS)
+        max_blocks = min(len(held), (request.num_tokens - 1) // self.block_size,
+                         request.num_computed_tokens // self.block_size)
+        num_blocks = 0
+        while num_blocks < max_blocks:
+            block = held[num_blocks]
+            if block.block_hash is None or block.ref_cnt < 2:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def num_blocks_to_swap(self, request: Request) -> int:
+        """Device blocks holding ``request``'s computed tokens: what a swap-out copies."""
+        return self.num_blocks_for(request.num_computed_tokens)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Copy the blocks of ``request``'s computed tokens to host blocks and free all its
+        device blocks (S1); returns the (device id, host id) pairs to copy, or None (and
+        changes nothing) when there is nothing to copy or the host tier lacks room (S3)."""
+        num_blocks = self.num_blocks_to_swap(request)
+        if num_blocks == 0 or num_blocks > self.host_pool.num_free_blocks:
+            return None
+        held = self.req_to_blocks[request.request_id]
+        host_ids = self.host_pool.allocate(num_blocks)
+        pairs = [(held[i].block_id, host_ids[i]) for i in range(num_blocks)]
+        self.free(request)
+        self.req_to_host_blocks[request.request_id] = host_ids
+        self.num_swapped_out_blocks += num_blocks
+        return pairs
+
+    def swap_in(self, request: Request,
+                num_new_tokens: int) -> tuple[list[tuple[int, int]], list[KVBlock]] | None:
+        """Bring a swapped request back (S2): new device blocks for its host blocks, plus
+        slots for its next ``num_new_tokens``; all or nothing. Returns the (device id,
+        host id) pairs to copy and every device block it now holds."""
+        host_ids = self.req_to_host_blocks[request.request_id]
+        num_slots = request.num_computed_tokens + num_new_tokens
+        num_needed = max(self.num_blocks_for(num_slots), len(host_ids))
+        if num_needed > self.pool.num_free_blocks:
+            return None
+        del self.req_to_host_blocks[request.request_id]
+        held = self.pool.allocate(num_needed)
+        self.req_to_blocks[request.request_id] = held
+        self._num_cached_blocks[request.request_id] = 0
+        pairs = [(held[i].block_id, host_id) for i, host_id in enumerate(host_ids)]
+        self.host_pool.free(host_ids)
+        self.num_swapped_in_blocks += len(host_ids)
+        if self.enable_caching:  # E5 for every block full once the step's tokens are in
+            self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))
+        return pairs, held
 
     def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
         """Count one admission's lookup (G6): queries in tokens, hits in tokens."""

@@ -58,6 +58,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     # Requests finished or aborted since the previous step: runners drop their state.
     finished_req_ids: list[str]
+    # KV block copies to run before this step's forward (S1, S2), as (device block id, host
+    # block id) pairs: every swap-out (device -> host) first, then every swap-in (host ->
+    # device), since a device block a swap-out frees may be reused in the same step.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -86,6 +91,7 @@ class RequestMetrics:
     num_preemptions: int
     num_recomputed_tokens: int
     longest_stall: float
+    num_swaps: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -128,8 +134,11 @@ class SchedulerEvent:
 
     ``kind``: an :class:`EventType` (written to the JSONL log as its value: arrived, admitted,
     resumed, blocked, preempted, finished).
-    ``num_tokens``: tokens scheduled on admission, tokens of KV lost on preemption, output
-    tokens on finishing. ``reason``: why a request is blocked, or the finish reason.
+    ``num_tokens``: tokens scheduled on admission, tokens of KV lost (recompute) or moved to
+    the host tier (swap) on preemption, output tokens on finishing. ``reason``: why a
+    request is blocked; the finish reason; for a preemption its mode, "recompute" or "swap",
+    prefixed "priority:" for an urgent arrival (M1), with both prices under ``auto`` (S4),
+    e.g. "swap (auto: recompute 0.0123 s, swap 0.004 s)"; "swap" for a swap-in resume.
     """
 
     time: float
@@ -157,3 +166,12 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_finished: dict[str, int]
     num_blocked_steps: dict[str, int]
+    # The host tier and preemption by mode (K3, M). ``num_preemptions_by_mode`` has
+    # "recompute" + "swap" == num_preemptions, and "priority" counts, among those, the
+    # preemptions made for an urgent arrival (M1).
+    num_swapped: int = 0
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)

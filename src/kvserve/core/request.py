@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
     FINISHED_ERROR = 7
+    SWAPPED = 8  # preempted with its KV in the host tier (S1); waits to be swapped in
 
     @property
     def is_finished(self) -> bool:
@@ -193,6 +194,7 @@ class Request:
 
     # Counters (B3).
     num_preemptions: int = 0
+    num_swaps: int = 0  # preemptions that moved its KV to the host tier (S1)
     num_cached_tokens: int = -1  # prefix-hit tokens at first admission; -1 until admitted
     num_recomputed_tokens: int = 0
     max_computed_tokens: int = 0  # high-water mark of num_computed_tokens, for recomputation

@@ -4,8 +4,9 @@ One step is ``schedule(now)`` then ``update(output, model_output, now)``::
 
     schedule:  expire queue deadlines
                -> running pass (grow each running request; preempt when the pool is short)
+               -> swap-in pass (swapped requests come back, oldest swap first)
                -> waiting pass (admit while budget, seats and blocks last; skipped after a
-                  preemption)
+                  preemption or while a request stays swapped out)
                -> commit (advance computed tokens, build the plain-data output)
     update:    append sampled tokens -> stop checks -> free finished requests
 
@@ -15,6 +16,7 @@ and hashes are stable digests.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 from kvserve.core import outputs as core_outputs
@@ -33,6 +35,15 @@ from kvserve.core.outputs import (
     unfinished_output,
 )
 from kvserve.core.policies import make_admission_policy, make_victim_policy
+from kvserve.core.preemption import (
+    PRIORITY,
+    RECOMPUTE,
+    SWAP,
+    PreemptionPrices,
+    VictimGuard,
+    make_preemption_mode,
+    make_urgent_preemption,
+)
 from kvserve.core.queues import make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
 from kvserve.core.stop import check_stop, length_stop_reason
@@ -45,6 +56,7 @@ if TYPE_CHECKING:
 
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
+_SWAPPED = RequestStatus.SWAPPED
 QUEUE_TIMEOUT = "queue_timeout"
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
@@ -74,7 +86,8 @@ def tokens_to_schedule(num_tokens: int, num_computed: int, long_prefill_threshol
 class _Step:
     """Scratch state of one schedule() call."""
 
-    __slots__ = ("admitted", "new_blocks", "num_scheduled", "preempted", "token_budget")
+    __slots__ = ("admitted", "new_blocks", "num_scheduled", "preempted", "swap_in",
+                 "swap_out", "token_budget")
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
@@ -82,6 +95,8 @@ class _Step:
         self.new_blocks: dict[str, list[KVBlock]] = {}
         self.admitted: set[str] = set()  # membership only, never iterated
         self.preempted: list[Request] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
 
     def schedule(self, request: Request, num_tokens: int, new_blocks: list[KVBlock]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -98,15 +113,23 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False,
+                 preemption_prices: PreemptionPrices | None = None) -> None:
+        """``preemption_prices`` (the executor's recompute and copy costs) is needed by
+        ``preemption_mode='auto'`` only (S4)."""
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
                                  tenant_scoped=config.prefix_cache_scope == "tenant")
         self.waiting = make_waiting_queue(config.scheduling_policy, config)
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # oldest swap first (S2)
         self.requests: dict[str, Request] = {}
         self._victim_policy = make_victim_policy(config)
+        self._victims = VictimGuard(config.max_preemptions_per_request,
+                                    self._victim_policy.select)
+        self._preemption_mode = make_preemption_mode(config, cache_config, preemption_prices)
+        self._urgent = make_urgent_preemption(config, self.kv)
         self._admission = make_admission_policy(config, self.kv)
         self._length_limit = self.kv.max_sequence_tokens  # J2
         self._max_model_len = config.max_model_len
@@ -120,6 +143,7 @@ class Scheduler:
         self.prefill_capacity_bound = False  # N3
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {RECOMPUTE: 0, SWAP: 0, PRIORITY: 0}
         self.num_recomputed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_finished: dict[str, int] = {}
@@ -164,6 +188,8 @@ class Scheduler:
             return None
         if request.status is _RUNNING:
             self.running.remove(request)
+        elif request.status is _SWAPPED:
+            self.swapped.remove(request)
         else:
             self.waiting.remove(request)
         return self._finish(request, status, self._now if now is None else now, stop_reason)
@@ -193,6 +219,7 @@ class Scheduler:
             num_preemptions=request.num_preemptions,
             num_recomputed_tokens=request.num_recomputed_tokens,
             longest_stall=request.longest_stall,
+            num_swaps=request.num_swaps,
         )
 
     # -- schedule() ------------------------------------------------------------------------
@@ -213,6 +240,8 @@ class Scheduler:
             self._note_blocked("preemption")
         elif defer_prefills:
             self._note_blocked("prefill_throttle")
+        elif self.swapped and self._schedule_swapped(step):
+            self._note_blocked("swapped")  # S2: a swapped request goes before any admission
         else:
             self._schedule_waiting(step)
         if not defer_prefills:
@@ -273,6 +302,9 @@ class Scheduler:
                 new_blocks, index = self._preempt_until_fits(request, num_new, index, step)
                 budget, num_running = step.token_budget, len(running)
                 if new_blocks is None:
+                    if request.status is _RUNNING:
+                        index += 1  # P2: no victim qualifies; it waits, holding its blocks
+                        continue
                     break  # the request preempted itself: nothing later runs this step
             num_scheduled[request.request_id] = num_new
             if new_blocks:
@@ -283,13 +315,16 @@ class Scheduler:
 
     def _preempt_until_fits(self, request: Request, num_new: int, index: int,
                             step: _Step) -> tuple[list[KVBlock] | None, int]:
-        """Preempt victims until ``request`` fits or is itself the victim (F1-F5).
+        """Preempt victims until ``request`` fits or is itself the victim (F1-F5), or no
+        victim qualifies (P2).
 
-        Returns the new blocks (None if the request preempted itself) and the loop index,
-        moved back when a victim stood before it in ``running``.
+        Returns the new blocks (None if the request preempted itself or must wait) and the
+        loop index, moved back when a victim stood before it in ``running``.
         """
         while True:
-            victim_index = self._victim_policy.select(self.running)
+            victim_index = self._victims.victim_index(self.running, request)
+            if victim_index is None:
+                return None, index
             victim = self.running.pop(victim_index)
             if victim_index < index:
                 index -= 1
@@ -301,20 +336,63 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks, index
 
-    def _preempt(self, request: Request, step: _Step) -> None:
-        """Free all its blocks and send it back to the waiting queue (F4)."""
-        num_lost = request.num_computed_tokens
-        self.kv.free(request)
-        request.status = _PREEMPTED
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, step: _Step, cause: str = "") -> None:
+        """Move its KV to the host tier (S1) or free all its blocks and send it back to the
+        waiting queue (F4), as the preemption mode chooses; ``cause`` is "priority" for an
+        urgent arrival (M1)."""
+        num_tokens = request.num_computed_tokens
+        mode, reason = self._preemption_mode.choose(request, self.kv)
+        pairs = self.kv.swap_out(request) if mode == SWAP else None
+        if pairs is not None:
+            request.status = _SWAPPED
+            request.num_swaps += 1
+            self.swapped.append(request)
+            step.swap_out += pairs
+        else:
+            if mode == SWAP:
+                mode, reason = RECOMPUTE, f"{RECOMPUTE} (host tier full)"  # S3
+            self.kv.free(request)
+            request.status = _PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.push_front(request)
         request.num_preemptions += 1
         if request.preempted_time is None:
             request.preempted_time = self._now
         request.record(EventType.PREEMPTED, self._now)
-        self.waiting.push_front(request)
         step.preempted.append(request)
         self.num_preemptions += 1
-        self._emit(self._now, EventType.PREEMPTED, request, num_lost)
+        self.num_preemptions_by_mode[mode] += 1
+        if cause:
+            self.num_preemptions_by_mode[cause] += 1
+            reason = f"{cause}:{reason}"
+        self._emit(self._now, EventType.PREEMPTED, request, num_tokens, reason)
+
+    def _schedule_swapped(self, step: _Step) -> bool:
+        """Swap-in pass (S2): bring swapped requests back, oldest swap first, into newly
+        allocated device blocks. Returns True if one is left, which blocks admission."""
+        swapped = self.swapped
+        config = self.config
+        while swapped:
+            if step.token_budget <= 0 or len(self.running) >= config.max_num_seqs:
+                return True
+            request = swapped[0]
+            num_new = min(step.token_budget, tokens_to_schedule(
+                request.num_tokens, request.num_computed_tokens, self._long_prefill_threshold,
+                config.max_model_len))
+            swapped_in = self.kv.swap_in(request, num_new)
+            if swapped_in is None:
+                return True
+            pairs, blocks = swapped_in
+            swapped.popleft()
+            request.status = _RUNNING
+            self.running.append(request)
+            step.schedule(request, num_new, blocks)
+            step.admitted.add(request.request_id)
+            step.swap_in += pairs
+            self._blocked_reason.pop(request.request_id, None)
+            request.record(EventType.RESUMED, self._now)
+            self._emit(self._now, EventType.RESUMED, request, num_new, SWAP)
+        return False
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Pass 2 (D4-D6): admit from the head of the queue until something stops us.
@@ -331,7 +409,8 @@ class Scheduler:
                 self._note_blocked("token_budget")
                 return
             if len(self.running) >= config.max_num_seqs:
-                self._note_blocked("max_num_seqs")
+                if self._urgent is None or not self._admit_urgent(step):
+                    self._note_blocked("max_num_seqs")
                 return
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -350,10 +429,47 @@ class Scheduler:
                 reserved_blocks=self._admission.reserved_blocks(request),
             )
             if new_blocks is None:
-                self._note_blocked("kv_cache")
+                if self._urgent is None or not self._admit_urgent(step):
+                    self._note_blocked("kv_cache")
                 return
             self.waiting.pop()
             self._admit(request, num_new, num_hit_tokens, new_blocks, step)
+
+    def _admit_urgent(self, step: _Step) -> bool:
+        """M1-M3: preempt the least urgent running requests that qualify until the head of
+        the waiting queue fits, and admit it; False (and nothing preempted) if they cannot
+        make room. The waiting pass then ends: the step admits nothing else."""
+        config = self.config
+        request = self.waiting.peek()
+        hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = tokens_to_schedule(request.num_tokens, num_hit_tokens,
+                                     config.long_prefill_token_threshold, config.max_model_len)
+        if num_new > step.token_budget:
+            if not config.enable_chunked_prefill:
+                return False
+            num_new = step.token_budget
+        assert self._urgent is not None
+        reserved_blocks = self._admission.reserved_blocks(request)
+        victims = self._urgent.victims(
+            request, self.running, num_new, hit_blocks,
+            full_sequence_must_fit=config.reserve_full_sequence,
+            reserved_blocks=reserved_blocks)
+        if not victims:
+            return False
+        for victim in victims:
+            self.running.remove(victim)
+            step.unschedule(victim)
+            self._preempt(victim, step, PRIORITY)
+        new_blocks = self.kv.allocate_slots(
+            request, num_new, hit_blocks, apply_watermark=bool(self.running),
+            full_sequence_must_fit=config.reserve_full_sequence,
+            reserved_blocks=reserved_blocks)
+        if new_blocks is None:
+            raise AssertionError(f"M2: {request.request_id} does not fit after preempting "
+                                 f"{[v.request_id for v in victims]}")
+        self.waiting.pop()
+        self._admit(request, num_new, num_hit_tokens, new_blocks, step)
+        return True
 
     def _admit(self, request: Request, num_new: int, num_hit_tokens: int,
                new_blocks: list[KVBlock], step: _Step) -> None:
@@ -451,6 +567,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_req_ids=[r.request_id for r in step.preempted],
             finished_req_ids=finished_ids,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
         )
 
     def _count_recomputed(self, request: Request, num_tokens: int) -> None:
@@ -578,4 +696,10 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_finished=dict(self.num_finished),
             num_blocked_steps=dict(self.num_blocked_steps),
+            num_swapped=len(self.swapped),
+            num_host_blocks=self.kv.host_pool.num_blocks,
+            num_free_host_blocks=self.kv.host_pool.num_free_blocks,
+            num_swapped_out_blocks=self.kv.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.kv.num_swapped_in_blocks,
+            num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
         )
