@@ -30,13 +30,16 @@ def token_for(request_id: str, position: int) -> int:
 
 def make_scheduler(num_blocks: int = 1000, block_size: int = 16, *,
                    enable_prefix_caching: bool = True, record_events: bool = False,
+                   num_host_blocks: int = 0, preemption_prices: object = None,
                    **config: object) -> Scheduler:
     config.setdefault("max_model_len", 4096)
     config.setdefault("max_num_seqs", min(256, int(config.get("max_num_batched_tokens", 2048))))
     return Scheduler(SchedulerConfig(**config),  # type: ignore[arg-type]
                      CacheConfig(num_blocks=num_blocks, block_size=block_size,
-                                 enable_prefix_caching=enable_prefix_caching),
-                     record_events=record_events)
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 num_host_blocks=num_host_blocks),
+                     record_events=record_events,
+                     preemption_prices=preemption_prices)  # type: ignore[arg-type]
 
 
 def make_request(request_id: str | int, num_prompt_tokens: int = 16, *,
@@ -58,6 +61,9 @@ class FakeExecutor:
     It also models the KV cache: each scheduled token id is written to its slot through the
     request's block table, and before sampling the whole sequence is read back through the
     block table. A wrong prefix-cache hit, or a block reused while still in use, fails here.
+    The host tier is modelled the same way: the step's swap-out copies (device -> host) run
+    first, then its swap-in copies (host -> device), slot by slot, so a wrong or missing copy
+    fails the read-back of the swapped request.
     """
 
     def __init__(self, token_fn: Callable[[str, int], int] = token_for,
@@ -67,6 +73,7 @@ class FakeExecutor:
         self.block_ids: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id
+        self.host_slots: dict[tuple[int, int], int] = {}  # (host block id, offset) -> token id
         self.block_size = block_size
         self.num_steps = 0
 
@@ -74,6 +81,10 @@ class FakeExecutor:
         for request_id in out.finished_req_ids + out.preempted_req_ids:
             for table in (self.tokens, self.block_ids, self.computed):
                 table.pop(request_id, None)
+        for device_id, host_id in out.blocks_to_swap_out:
+            self._copy_block(self.slots, device_id, self.host_slots, host_id)
+        for device_id, host_id in out.blocks_to_swap_in:
+            self._copy_block(self.host_slots, host_id, self.slots, device_id)
         for new in out.scheduled_new_reqs:
             self.tokens[new.request_id] = list(new.token_ids)
             self.block_ids[new.request_id] = list(new.block_ids)
@@ -99,6 +110,16 @@ class FakeExecutor:
                 tokens.append(token)
         self.num_steps += 1
         return ModelOutput(sampled)
+
+    def _copy_block(self, source: dict[tuple[int, int], int], source_id: int,
+                    target: dict[tuple[int, int], int], target_id: int) -> None:
+        assert self.block_size is not None, "set block_size, or drive it through step()"
+        for offset in range(self.block_size):
+            value = source.get((source_id, offset))
+            if value is None:
+                target.pop((target_id, offset), None)
+            else:
+                target[(target_id, offset)] = value
 
     def _slot(self, request_id: str, position: int) -> tuple[int, int]:
         assert self.block_size is not None, "set block_size, or drive it through step()"
@@ -131,12 +152,15 @@ def step(scheduler: Scheduler, executor: FakeExecutor, now: float = 0.0,
 
 
 def run_to_completion(scheduler: Scheduler, requests: Sequence[Request] = (),
-                      max_steps: int = 100_000) -> dict[str, RequestOutput]:
+                      max_steps: int = 100_000,
+                      executor: FakeExecutor | None = None) -> dict[str, RequestOutput]:
     """Add ``requests``, step until nothing is left, return each request's final output
-    with all its tokens."""
+    with all its tokens (those from this call's steps). Pass the ``executor`` that ran the
+    scheduler's earlier steps, if any: it holds the running requests' state."""
     for request in requests:
         scheduler.add_request(request)
-    executor = FakeExecutor(block_size=scheduler.cache_config.block_size)
+    if executor is None:
+        executor = FakeExecutor(block_size=scheduler.cache_config.block_size)
     tokens: dict[str, list[int]] = {}
     final: dict[str, RequestOutput] = {}
     for n in range(max_steps):

@@ -1,8 +1,11 @@
-"""Property-based tests: random workloads against every policy (issue 2, "Show it").
+"""Property-based tests: random workloads against every policy (issue 2, "Show it") and
+every preemption mode (issue 12).
 
 A fake executor whose token at each position is a fixed function of the request and the
-position drives the scheduler. After every step the invariants hold; every request finishes;
-and each request's tokens are the same in a tiny pool (preemptions) as in a huge one.
+position drives the scheduler; it writes and reads KV through the block tables and runs the
+swap copies, so a wrong block id or copy fails it. After every step the invariants hold in
+both KV tiers; every request finishes; and each request's tokens are the same in a tiny pool
+(preemptions, swaps) as in a huge one.
 """
 
 from __future__ import annotations
@@ -75,29 +78,58 @@ def workloads(draw: st.DrawFn) -> list[Spec]:
     return specs
 
 
+class Prices:
+    """Prices that make ``auto`` choose both ways: swap wins for long cold victims."""
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens * 1e-3
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 0.002 + num_blocks * 1e-3
+
+
+@st.composite
+def preemption(draw: st.DrawFn, policy: str) -> dict:
+    """The preemption flags of issue 12: mode, urgent arrivals, the progress guard."""
+    urgent = policy == "priority" and draw(st.booleans())
+    return dict(
+        preemption_mode=draw(st.sampled_from(["recompute", "swap", "auto"])),
+        enable_priority_preemption=urgent,
+        priority_preemption_threshold=draw(st.sampled_from([0, 1, 10])) if urgent else 10,
+        max_preemptions_per_request=draw(st.sampled_from([None, 1, 3])),
+    )
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> dict:
     chunked = draw(st.booleans())
     budget = draw(st.sampled_from([16, 64, 256])) if chunked else MAX_MODEL_LEN
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
     return dict(
         max_num_seqs=draw(st.integers(1, min(budget, 16))),
         max_num_batched_tokens=budget,
         max_model_len=MAX_MODEL_LEN,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 8, 40])) if chunked else 0,
-        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        scheduling_policy=policy,
         watermark=draw(st.sampled_from([0.0, 0.05, 0.2])),
         reserve_full_sequence=draw(st.booleans()),
         victim_policy=draw(st.sampled_from(["vllm", "sglang", "least-computed"])),
         admission_policy=draw(st.sampled_from(["optimistic", "reserve", "adaptive"])),
+        **draw(preemption(policy)),
     )
 
 
 def simulate(specs: list[Spec], config: dict, num_blocks: int, block_size: int,
-             caching: bool) -> tuple[Scheduler, dict[str, list[int]], dict[str, str]]:
+             caching: bool, num_host_blocks: int = 0,
+             ) -> tuple[Scheduler, dict[str, list[int]], dict[str, str]]:
+    if config.get("preemption_mode", "recompute") != "recompute":
+        num_host_blocks = max(num_host_blocks, 1)
     scheduler = Scheduler(SchedulerConfig(**config),
                           CacheConfig(num_blocks=num_blocks, block_size=block_size,
-                                      enable_prefix_caching=caching))
+                                      enable_prefix_caching=caching,
+                                      num_host_blocks=num_host_blocks),
+                          preemption_prices=Prices())
     executor = FakeExecutor(token_fn, block_size)
     tokens: dict[str, list[int]] = {s.request_id: [] for s in specs}
     reasons: dict[str, str] = {}
@@ -123,14 +155,18 @@ def simulate(specs: list[Spec], config: dict, num_blocks: int, block_size: int,
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=workloads(), config=configs(), block_size=st.sampled_from([2, 4, 16]),
-       caching=st.booleans(), spare_blocks=st.integers(0, 4))
+       caching=st.booleans(), spare_blocks=st.integers(0, 4),
+       num_host_blocks=st.sampled_from([0, 3, 12, 200]))
 def test_random_workloads_keep_invariants_finish_and_match(specs, config, block_size,
-                                                           caching, spare_blocks):
+                                                           caching, spare_blocks,
+                                                           num_host_blocks):
     # the tiny pool still holds the longest request alone (prompt + max_tokens tokens)
     longest = max(len(s.prompt) + s.max_tokens for s in specs)
     tiny_blocks = -(-longest // block_size) + spare_blocks
-    tiny, tiny_tokens, tiny_reasons = simulate(specs, config, tiny_blocks, block_size, caching)
-    huge, huge_tokens, huge_reasons = simulate(specs, config, 10_000, block_size, caching)
+    tiny, tiny_tokens, tiny_reasons = simulate(specs, config, tiny_blocks, block_size, caching,
+                                               num_host_blocks)
+    huge, huge_tokens, huge_reasons = simulate(specs, config, 10_000, block_size, caching,
+                                               num_host_blocks)
 
     check_empty(tiny)
     check_empty(huge)

@@ -11,7 +11,7 @@ same whatever the flags:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
 from kvserve.core.block_pool import KVBlock
@@ -129,7 +129,8 @@ class UrgentPreemption:
     """M1-M2: the running requests to preempt so that ``newcomer`` can be admitted.
 
     Only requests whose priority value exceeds the newcomer's by more than ``threshold``
-    qualify (and, with the guard, were preempted fewer than its limit times); the least
+    qualify (and, with the guard, were preempted fewer than its limit times, P1; and were
+    not admitted in this step); the least
     urgent go first (largest priority value, then latest arrival). If all of them together
     cannot make room, nobody is preempted.
     """
@@ -142,13 +143,18 @@ class UrgentPreemption:
 
     def victims(self, newcomer: Request, running: Sequence[Request], num_new_tokens: int,
                 hit_blocks: Sequence[KVBlock], *, full_sequence_must_fit: bool,
-                reserved_blocks: int) -> list[Request]:
+                reserved_blocks: int, admitted: Container[str]) -> list[Request]:
         """The fewest victims, least urgent first, after which the newcomer's allocation
-        succeeds and a seat is free; [] when the qualifying requests cannot make room."""
+        succeeds and a seat is free; [] when the qualifying requests cannot make room.
+
+        Requests admitted or swapped in during this step (``admitted``) do not qualify: a
+        swap-in's copy runs after every swap-out of the step, so it could not be copied out
+        again, and undoing an admission of the same step is churn."""
         bar = newcomer.priority + self.threshold
         limit = self.limit
         candidates = [r for r in running if r.priority > bar
-                      and (limit is None or r.num_preemptions < limit)]
+                      and (limit is None or r.num_preemptions < limit)
+                      and r.request_id not in admitted]
         candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
         released: dict[int, int] = {}
         for count, victim in enumerate(candidates, 1):

@@ -453,7 +453,7 @@ class Scheduler:
         victims = self._urgent.victims(
             request, self.running, num_new, hit_blocks,
             full_sequence_must_fit=config.reserve_full_sequence,
-            reserved_blocks=reserved_blocks)
+            reserved_blocks=reserved_blocks, admitted=step.admitted)
         if not victims:
             return False
         for victim in victims:
