@@ -19,6 +19,8 @@ from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.core.config import (
     ADMISSION_POLICIES,
     DEFAULT_BLOCK_SIZE,
+    MAX_HOST_BLOCKS,
+    PREEMPTION_MODES,
     PREFIX_CACHE_SCOPES,
     SCHEDULING_POLICIES,
     TENANT_FAIRNESS,
@@ -42,9 +44,12 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_num_queued_reqs_per_tenant", int, "reject a tenant's arrivals beyond this many of "
      "its requests waiting"),
 )
-CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching")
+CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching",
+              "swap_space", "num_host_blocks")
 # vLLM's --dtype spellings, for the engine and the simulator alike (docs/dtype.md)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# A host tier past this is a typo (vLLM's --swap-space is GiB per device; 1 PiB is absurd).
+MAX_SWAP_SPACE = 2**50
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -61,6 +66,15 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
+def parse_gib(text: str) -> int:
+    """--swap-space: a number of GiB, as vLLM takes it ('4', '0.5'), or a size with a unit
+    ('512MiB') -> bytes."""
+    try:
+        return int(float(text) * 2**30)
+    except (ValueError, OverflowError):
+        return parse_bytes(text)
+
+
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scheduler and KV cache (same flags as kvserve serve)")
     for name, kind, text in _SCHEDULER_FLAGS:
@@ -69,8 +83,25 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                        action=argparse.BooleanOptionalAction, help="split long prompts")
     group.add_argument("--scheduling-policy", dest="scheduling_policy",
                        choices=SCHEDULING_POLICIES)
-    group.add_argument("--preemption-mode", dest="preemption_mode",
-                       choices=("recompute", "swap", "auto"))
+    group.add_argument("--preemption-mode", dest="preemption_mode", choices=PREEMPTION_MODES,
+                       help="what a preempted request's KV does: recompute (default), swap "
+                            "to the host tier, or auto (the cheaper per victim)")
+    group.add_argument("--swap-space", dest="swap_space", type=parse_gib,
+                       help="host KV tier per device, GiB (e.g. 4) or a size (e.g. 512MiB); "
+                            "needed by --preemption-mode swap/auto")
+    group.add_argument("--num-host-blocks", dest="num_host_blocks", type=int,
+                       help="host KV tier in blocks, instead of --swap-space")
+    group.add_argument("--enable-priority-preemption", dest="enable_priority_preemption",
+                       action="store_true", default=None,
+                       help="an urgent arrival preempts running requests (needs "
+                            "--scheduling-policy priority)")
+    group.add_argument("--priority-scheduling-preemption-threshold",
+                       dest="priority_preemption_threshold", type=int,
+                       help="only requests whose priority value exceeds the arrival's by more "
+                            "than this are preempted (default 10)")
+    group.add_argument("--max-preemptions-per-request", dest="max_preemptions_per_request",
+                       type=int, help="a request preempted this many times is no longer "
+                                      "a victim (default: no limit)")
     group.add_argument("--victim-policy", dest="victim_policy", choices=VICTIM_POLICIES)
     group.add_argument("--admission-policy", dest="admission_policy",
                        choices=ADMISSION_POLICIES)
@@ -113,10 +144,60 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags the user set, as config keys; unset flags are left out."""
+    """The flags the user set, as config keys; unset flags are left out. Raises CLIError
+    for preemption flags that contradict each other (:func:`check_preemption_flags`)."""
     keys = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
-    return {k: getattr(args, k) for k in keys
-            if getattr(args, k, None) is not None}
+    settings = {k: getattr(args, k) for k in keys
+                if getattr(args, k, None) is not None}
+    check_preemption_flags(settings)
+    return settings
+
+
+def check_preemption_flags(settings: dict[str, Any]) -> None:
+    """Issue 12's flags, checked together: one line naming the flags, or None."""
+    mode = settings.get("preemption_mode", "recompute")
+    swap_space, num_host_blocks = settings.get("swap_space"), settings.get("num_host_blocks")
+    if swap_space is not None and num_host_blocks is not None:
+        raise CLIError("give --swap-space or --num-host-blocks, not both")
+    if swap_space is not None and not 0 <= swap_space <= MAX_SWAP_SPACE:
+        raise CLIError(f"--swap-space {swap_space / 2**30:g} GiB is out of range: "
+                       f"must be 0 to {MAX_SWAP_SPACE // 2**30} GiB")
+    if num_host_blocks is not None and not 0 <= num_host_blocks <= MAX_HOST_BLOCKS:
+        raise CLIError(f"--num-host-blocks {num_host_blocks} is out of range: must be 0 to "
+                       f"{MAX_HOST_BLOCKS}")
+    if mode != "recompute" and not (swap_space or num_host_blocks):
+        raise CLIError(f"--preemption-mode {mode} needs a host KV tier: give --swap-space "
+                       "GiB (or --num-host-blocks N)")
+    urgent = settings.get("enable_priority_preemption", False)
+    if "priority_preemption_threshold" in settings:
+        if not urgent:
+            raise CLIError("--priority-scheduling-preemption-threshold needs "
+                           "--enable-priority-preemption")
+        if settings["priority_preemption_threshold"] < 0:
+            raise CLIError("--priority-scheduling-preemption-threshold must be >= 0, got "
+                           f"{settings['priority_preemption_threshold']}")
+    if urgent and settings.get("scheduling_policy", "fcfs") != "priority":
+        raise CLIError("--enable-priority-preemption needs --scheduling-policy priority")
+    limit = settings.get("max_preemptions_per_request")
+    if limit is not None and limit < 1:
+        raise CLIError(f"--max-preemptions-per-request must be >= 1, got {limit}")
+
+
+def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
+                    num_devices: int = 1) -> int:
+    """The host tier in blocks: --num-host-blocks, or --swap-space (bytes per device, as
+    vLLM's flag) over the bytes one KV block takes on all ``num_devices``; 0 without
+    either. A swap space smaller than one block is an error, not an empty tier."""
+    if settings.get("num_host_blocks") is not None:
+        return int(settings["num_host_blocks"])
+    swap_space = settings.get("swap_space")
+    if not swap_space:
+        return 0
+    num_blocks = int(swap_space) * num_devices // bytes_per_block
+    if num_blocks == 0:
+        raise CLIError(f"--swap-space {int(swap_space)} bytes holds no KV block "
+                       f"({bytes_per_block} bytes each)")
+    return num_blocks
 
 
 def sweep_key(name: str) -> str:
@@ -151,9 +232,10 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--sweep {spec!r}: write NAME=V1,V2,... (e.g. max_num_seqs=64,128)")
     key = sweep_key(name)
     parsed = [parse_value(v) for v in items]
-    if key == "kv_cache_memory":
+    if key in ("kv_cache_memory", "swap_space"):
+        parse = parse_bytes if key == "kv_cache_memory" else parse_gib
         try:
-            parsed = [parse_bytes(v) for v in items]
+            parsed = [parse(v) for v in items]
         except argparse.ArgumentTypeError as error:
             raise ValueError(f"--sweep {spec!r}: {error}") from None
     return key, parsed
@@ -163,7 +245,9 @@ def scheduler_config(settings: dict[str, Any]) -> SchedulerConfig:
     return SchedulerConfig.from_dict({k: v for k, v in settings.items() if k in SCHEDULER_KEYS})
 
 
-def cache_config(settings: dict[str, Any], num_blocks: int) -> CacheConfig:
+def cache_config(settings: dict[str, Any], num_blocks: int,
+                 num_host_blocks: int = 0) -> CacheConfig:
     return CacheConfig(num_blocks=num_blocks,
                        block_size=settings.get("block_size", DEFAULT_BLOCK_SIZE),
-                       enable_prefix_caching=settings.get("enable_prefix_caching", True))
+                       enable_prefix_caching=settings.get("enable_prefix_caching", True),
+                       num_host_blocks=num_host_blocks)

@@ -314,3 +314,24 @@ def test_abort_frees_a_swapped_request_host_blocks():  # H4, S1
     assert scheduler.kv.host_pool.free_block_ids() == list(range(8))
     run_to_completion(scheduler, executor=executor)
     check_empty(scheduler)
+
+
+def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step():  # S2
+    # The executor copies every swap-out before every swap-in: a swap-out in the step of a
+    # swap-in must not overwrite the host blocks that swap-in reads.
+    scheduler = make_scheduler(num_blocks=8, block_size=4, num_host_blocks=2,
+                               preemption_mode="swap")
+    kv = scheduler.kv
+    a, b = make_request("a", 8), make_request("b", 8)
+    for request in (a, b):
+        assert kv.allocate_slots(request, 8) is not None
+        request.num_computed_tokens = 8
+    assert kv.swap_out(a) == [(0, 0), (1, 1)]
+    # a's full blocks go to the tail: free [4, 5, 6, 7, 1, 0]; 8 tokens + 1 take 3 blocks
+    pairs, blocks = kv.swap_in(a, 1)  # type: ignore[misc]
+    assert pairs == [(4, 0), (5, 1)] and [blk.block_id for blk in blocks] == [4, 5, 6]
+    assert kv.host_pool.free_block_ids() == []  # 0 and 1 are being read this step
+    assert kv.swap_out(b) is None  # so b could not be swapped out now
+    kv.end_step()
+    assert kv.host_pool.free_block_ids() == [0, 1]
+    assert kv.swap_out(b) == [(2, 0), (3, 1)]

@@ -36,6 +36,9 @@ class KVCacheManager:
         # it held for its computed tokens.
         self.host_pool = HostBlockPool(cache_config.num_host_blocks)
         self.req_to_host_blocks: dict[str, list[int]] = {}
+        # Host blocks read by this step's swap-ins: free only once the step is built, since
+        # a swap-out of the same step is copied first and must not overwrite them.
+        self._host_blocks_being_read: list[int] = []
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         # How many leading blocks of each request are full and registered in the cache.
@@ -211,6 +214,12 @@ class KVCacheManager:
 
     # -- the host tier (K3, S1-S3) ---------------------------------------------------------
 
+    def end_step(self) -> None:
+        """The step's output is built: the host blocks its swap-ins read are free again."""
+        if self._host_blocks_being_read:
+            self.host_pool.free(self._host_blocks_being_read)
+            self._host_blocks_being_read = []
+
     def surviving_prefix_tokens(self, request: Request) -> int:
         """Tokens of ``request``'s leading blocks that stay in the prefix cache when it lets
         them go: cached blocks another request holds too, so freeing cannot evict them
@@ -262,7 +271,7 @@ class KVCacheManager:
         self.req_to_blocks[request.request_id] = held
         self._num_cached_blocks[request.request_id] = 0
         pairs = [(held[i].block_id, host_id) for i, host_id in enumerate(host_ids)]
-        self.host_pool.free(host_ids)
+        self._host_blocks_being_read += host_ids
         self.num_swapped_in_blocks += len(host_ids)
         if self.enable_caching:  # E5 for every block full once the step's tokens are in
             self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))

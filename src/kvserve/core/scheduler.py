@@ -249,6 +249,8 @@ class Scheduler:
         self._admission.end_step(len(step.preempted), self.running)
         output = self._commit(step)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
+        if step.swap_in:
+            self.kv.end_step()  # S2: only now may a swap-out reuse the host blocks read
         return output
 
     def _should_defer_prefills(self) -> bool:

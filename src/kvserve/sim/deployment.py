@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
-from kvserve.flags import cache_config, scheduler_config
+from kvserve.flags import cache_config, num_host_blocks, scheduler_config
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
 from kvserve.sim.cost_models import (
@@ -26,6 +26,7 @@ from kvserve.sim.cost_models import (
 )
 from kvserve.sim.presets import dtype_bytes, get_hardware, get_model, kv_dtype
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
+from kvserve.sim.swap import SimPreemptionPrices, WithSwapCopies
 from kvserve.sim.trace import TraceRequest, dump_trace
 
 COST_MODELS = ("unit", "roofline", "calibrated", "replay")
@@ -108,7 +109,22 @@ class Deployment:
 
     def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
         config = scheduler_config(settings)
-        return config, cache_config(settings, self.num_kv_blocks(settings, config))
+        block_size = cache_config(settings, 1).block_size
+        per_block = kv_bytes_per_token(get_model(self.model), self.dtype,
+                                       self.tensor_parallel_size) * block_size
+        host_blocks = num_host_blocks(settings, per_block, self.tensor_parallel_size)
+        return config, cache_config(settings, self.num_kv_blocks(settings, config),
+                                    host_blocks)
+
+    def preemption_prices(self, cost_model: CostModel, block_size: int) -> SimPreemptionPrices:
+        """What recomputing and swapping cost here (S4; :mod:`kvserve.sim.swap`)."""
+        if self.cost_model == "replay":  # measured steps price no hypothetical prefill
+            cost_model = RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
+                                           self.dtype, self.tensor_parallel_size)
+        return SimPreemptionPrices(cost_model, get_model(self.model),
+                                   get_hardware(self.hardware), self.dtype,
+                                   self.tensor_parallel_size, block_size,
+                                   copies_take_time=self.cost_model not in ("unit", "replay"))
 
     def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
                  seed: int = 0, record_events: bool = False, check: bool = False,
@@ -118,11 +134,13 @@ class Deployment:
         ``cluster`` of more than one replica (or in lockstep), a ClusterResult."""
         batching = settings.get("batching", "continuous")
         config, cache = self.configs(settings)
-        cost_model = self.build_cost_model()
+        cost_model = self._cost_model(config, cache)
+        prices = getattr(cost_model, "prices", None)
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
-                              record_events=record_events, check=check)
+                              record_events=record_events, check=check,
+                              preemption_prices=prices)
         if cluster is not None and (cluster.data_parallel_size > 1 or cluster.lockstep):
-            cost_models = [cost_model] + [self.build_cost_model()
+            cost_models = [cost_model] + [self._cost_model(config, cache)
                                           for _ in range(cluster.data_parallel_size - 1)]
             result = ClusterSimulator(simulator, cluster, cost_models).run(trace, progress)
         else:
@@ -147,8 +165,27 @@ class Deployment:
         return echo, result
 
 
+    def _cost_model(self, config: SchedulerConfig, cache: CacheConfig) -> CostModel:
+        """The step prices; with a host tier in use, they include the block copies."""
+        cost_model = self.build_cost_model()
+        if config.preemption_mode == "recompute":
+            return cost_model
+        return WithSwapCopies(cost_model, self.preemption_prices(cost_model, cache.block_size))
+
+
+# Fields added after report version 1 (issue 12), echoed only when one of them is set, so a
+# report with default flags stays byte-identical to one written before they existed.
+_LATER_FIELDS = {"num_host_blocks": 0, "enable_priority_preemption": False,
+                 "priority_preemption_threshold": 10, "max_preemptions_per_request": None}
+
+
 def _fields(obj: Any) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+    fields = {name: getattr(obj, name) for name in obj.__dataclass_fields__}
+    later = [name for name in _LATER_FIELDS if name in fields]
+    if all(fields[name] == _LATER_FIELDS[name] for name in later):
+        for name in later:
+            del fields[name]
+    return fields
 
 
 def trace_digest(trace: Sequence[TraceRequest]) -> str:

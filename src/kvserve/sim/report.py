@@ -55,6 +55,9 @@ def aggregate(result: SimResult) -> dict[str, Any]:
     ttft: first token - arrival; itl: every gap between a request's consecutive tokens
     (preemption stalls included); e2e: finish - arrival; queue: first scheduled - arrival.
     kv_usage_mean is weighted by step duration. Percentiles interpolate linearly.
+    With a host tier in use (preemption mode swap or auto), also: preemptions_by_mode
+    ("recompute" + "swap" = num_preemptions; "priority": those for an urgent arrival), and
+    swapped_{out,in}_{blocks,bytes}, the KV copied to and from the host tier.
     """
     records = result.records
     steps = result.steps
@@ -79,6 +82,7 @@ def aggregate(result: SimResult) -> dict[str, Any]:
             1 for r in records if r.metrics is not None and r.metrics.num_preemptions > 0),
         "scheduled_tokens": result.num_scheduled_tokens,
         "recomputed_tokens": result.num_recomputed_tokens,
+        **_swap_figures(result),
         "wasted_fraction": _round(result.num_recomputed_tokens / result.num_scheduled_tokens
                                   if result.num_scheduled_tokens else 0.0),
         "prompt_tokens": num_prompt,
@@ -146,6 +150,19 @@ def jain_index(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * squares) if squares else 1.0
 
 
+def _swap_figures(result: SimResult) -> dict[str, Any]:
+    """The host tier's figures; none in recompute mode, whose reports stay as they were."""
+    if result.preemption_mode == "recompute":
+        return {}
+    return {
+        "preemptions_by_mode": dict(result.num_preemptions_by_mode),
+        "swapped_out_blocks": result.num_swapped_out_blocks,
+        "swapped_in_blocks": result.num_swapped_in_blocks,
+        "swapped_out_bytes": result.num_swapped_out_blocks * result.bytes_per_block,
+        "swapped_in_bytes": result.num_swapped_in_blocks * result.bytes_per_block,
+    }
+
+
 def request_rows(result: SimResult) -> list[dict[str, Any]]:
     rows = []
     for record in result.records:
@@ -165,6 +182,8 @@ def request_rows(result: SimResult) -> list[dict[str, Any]]:
             "cached_tokens": m.num_cached_tokens if m else 0,
             "num_preemptions": m.num_preemptions if m else 0,
             "recomputed_tokens": m.num_recomputed_tokens if m else 0,
+            **({} if result.preemption_mode == "recompute"
+               else {"num_swaps": m.num_swaps if m else 0}),
             "ttft_s": _round(lat["ttft"]),
             "e2e_s": _round(lat["e2e"]),
             "queue_s": _round(lat["queue"]),

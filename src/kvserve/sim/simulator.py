@@ -37,6 +37,7 @@ from kvserve.core import (
     SchedulerOutput,
     check_invariants,
 )
+from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
 from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
@@ -95,6 +96,12 @@ class SimResult:
     num_blocked_steps: dict[str, int]
     events: list[SchedulerEvent]
     wall_seconds: float
+    # The host tier (K3): what was copied, and how each preemption went.
+    preemption_mode: str = "recompute"
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    bytes_per_block: int = 0
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -104,7 +111,8 @@ class SimResult:
 class Simulator:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cost_model: CostModel, *, seed: int = 0, batching: str = "continuous",
-                 record_events: bool = False, check: bool = False) -> None:
+                 record_events: bool = False, check: bool = False,
+                 preemption_prices: PreemptionPrices | None = None) -> None:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
         self.scheduler_config = scheduler_config
@@ -114,6 +122,7 @@ class Simulator:
         self.batching = batching
         self.record_events = record_events
         self.check = check
+        self.preemption_prices = preemption_prices
 
     def run(self, trace: Sequence[TraceRequest],
             progress: ProgressFn | None = None) -> SimResult:
@@ -127,7 +136,8 @@ class _Run:
                  progress: ProgressFn | None) -> None:
         self.sim = sim
         self.scheduler = Scheduler(sim.scheduler_config, sim.cache_config,
-                                   record_events=sim.record_events)
+                                   record_events=sim.record_events,
+                                   preemption_prices=sim.preemption_prices)
         # The layout tracker costs a pass over the batch per step: only for a model using it.
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
@@ -209,7 +219,8 @@ class _Run:
         steps.duration.append(duration)
         steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
         steps.num_running.append(len(scheduler.running))
-        steps.num_waiting.append(len(scheduler.waiting) + len(self.held))
+        steps.num_waiting.append(len(scheduler.waiting) + len(scheduler.swapped)
+                                 + len(self.held))
         steps.kv_usage.append(scheduler.kv.usage())
         if self.sim.check:
             check_invariants(scheduler)
@@ -237,6 +248,11 @@ class _Run:
             num_blocked_steps=stats.num_blocked_steps,
             events=self.events,
             wall_seconds=time.perf_counter() - wall_start,
+            preemption_mode=self.sim.scheduler_config.preemption_mode,
+            num_swapped_out_blocks=stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=stats.num_swapped_in_blocks,
+            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0),
+            num_preemptions_by_mode=stats.num_preemptions_by_mode,
         )
 
     def _next_event_time(self) -> float | None:
