@@ -85,7 +85,7 @@ def test_golden_swap_out_and_swap_in():  # S1, S2, F6
     final = run_to_completion(scheduler, executor=executor)
     assert final["r1"].metrics.num_recomputed_tokens == 0  # type: ignore[union-attr]
     assert final["r1"].metrics.num_swaps == 1  # type: ignore[union-attr]
-    assert [e.type for e in r1.events] == [EventType.QUEUED, EventType.SCHEDULED,
+    assert [e.type for e in r1.events] == [EventType.ARRIVED, EventType.ADMITTED,
                                           EventType.PREEMPTED, EventType.RESUMED,
                                           EventType.FINISHED]
     stats = scheduler.stats()
