@@ -81,3 +81,14 @@ def test_tenant_scope_keeps_tenants_caches_apart():  # T7
                     for r in simulate(trace, prefix_cache_scope=scope).records}
             for scope in ("global", "tenant")}
     assert hits == {"global": {"a": 0, "b": 48, "a2": 48}, "tenant": {"a": 0, "b": 0, "a2": 48}}
+
+
+def test_the_report_echoes_tenant_settings_only_when_set():
+    """So a report with default flags stays byte-identical to one from before tenants."""
+    from kvserve.core import SchedulerConfig
+    from kvserve.sim.deployment import _scheduler_echo
+
+    assert "tenant_fairness" not in _scheduler_echo(SchedulerConfig())
+    echo = _scheduler_echo(SchedulerConfig(tenant_fairness="vtc", prefix_cache_scope="tenant"))
+    assert (echo["tenant_fairness"], echo["prefix_cache_scope"]) == ("vtc", "tenant")
+    assert "tenant_weights" not in echo

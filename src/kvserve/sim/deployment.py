@@ -7,6 +7,7 @@ from memory when no block count is given) and runs a trace through the simulator
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class Deployment:
             result = simulator.run(trace, progress)
             cluster = None
         echo = {
-            "scheduler": _fields(config),
+            "scheduler": _scheduler_echo(config),
             "cache": _fields(cache),
             "cost_model": cost_model.describe(),
             "deployment": {"model": self.model, "hardware": self.hardware,
@@ -186,6 +187,18 @@ def _fields(obj: Any) -> dict[str, Any]:
         for name in later:
             del fields[name]
     return fields
+
+
+# Scheduler fields newer than report version 1, echoed only when they differ from their
+# defaults, so that a report with default flags stays byte-identical.
+_ECHOED_WHEN_SET = ("max_num_queued_reqs_per_tenant", "prefix_cache_scope", "tenant_fairness",
+                    "vtc_prompt_token_price", "vtc_output_token_price", "tenant_weights")
+
+
+def _scheduler_echo(config: SchedulerConfig) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return {name: value for name, value in _fields(config).items()
+            if name not in _ECHOED_WHEN_SET or value != defaults[name]}
 
 
 def trace_digest(trace: Sequence[TraceRequest]) -> str:
