@@ -43,6 +43,11 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_queue_delay", float, "abort a request that waited this many seconds unscheduled"),
     ("max_num_queued_reqs_per_tenant", int, "reject a tenant's arrivals beyond this many of "
      "its requests waiting"),
+    ("lpm_max_queue", int, "lpm and dfs-weight sort a waiting queue of at most this many "
+     "requests and serve a longer one FCFS (default 128)"),
+    ("schedule_aging_s", float, "aging, off by default: under priority a waiting request's "
+     "priority value drops by one per this many seconds waited; under lpm and dfs-weight it "
+     "is promoted ahead of cache hits after this many seconds"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching",
               "swap_space", "num_host_blocks")
@@ -82,7 +87,10 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
                        action=argparse.BooleanOptionalAction, help="split long prompts")
     group.add_argument("--scheduling-policy", dest="scheduling_policy",
-                       choices=SCHEDULING_POLICIES)
+                       choices=SCHEDULING_POLICIES,
+                       help="waiting-queue order: fcfs (default), priority, lpm (longest "
+                            "cached prefix first), dfs-weight (SGLang's walk of the shared "
+                            "prefix tree)")
     group.add_argument("--preemption-mode", dest="preemption_mode", choices=PREEMPTION_MODES,
                        help="what a preempted request's KV does: recompute (default), swap "
                             "to the host tier, or auto (the cheaper per victim)")

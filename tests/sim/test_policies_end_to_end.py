@@ -17,6 +17,10 @@ TRACE = generate(WorkloadSpec(num_requests=60, rate=40.0, prompt_len="uniform:16
 @pytest.mark.parametrize("config", [
     {},
     {"scheduling_policy": "priority"},
+    {"scheduling_policy": "lpm"},
+    {"scheduling_policy": "dfs-weight"},
+    {"scheduling_policy": "lpm", "lpm_max_queue": 4, "schedule_aging_s": 0.05},
+    {"scheduling_policy": "priority", "schedule_aging_s": 0.05},
     {"victim_policy": "sglang"},
     {"victim_policy": "least-computed"},
     {"admission_policy": "reserve"},

@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 
 from kvserve.core.errors import ConfigError
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight")
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # orders that read the prefix cache (C4, C5)
+DEFAULT_LPM_MAX_QUEUE = 128  # SGLang's bound: a longer queue is served FCFS (C6)
 VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
 ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
 PREFIX_CACHE_SCOPES = ("global", "tenant")
@@ -145,6 +147,11 @@ class SchedulerConfig:
     vtc_prompt_token_price: float = 1.0
     vtc_output_token_price: float = 2.0
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    # The waiting side (C4-C7): a cache-aware order ("lpm", "dfs-weight") sorts only a queue
+    # of at most lpm_max_queue requests (longer: FCFS); schedule_aging_s (None: off) lifts a
+    # waiting request by one rank class per that many seconds waited.
+    lpm_max_queue: int = DEFAULT_LPM_MAX_QUEUE
+    schedule_aging_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -170,6 +177,7 @@ class SchedulerConfig:
         if self.max_queue_delay is not None:
             _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True)
         self._check_tenancy()
+        self._check_waiting_order()
         self._check_relations()
 
     def _check_tenancy(self) -> None:
@@ -186,6 +194,25 @@ class SchedulerConfig:
             if len(pair) != 2 or not isinstance(pair[0], str):
                 raise ConfigError(f"tenant_weights must be (tenant, weight) pairs, got {pair!r}")
             _check_float(f"tenant_weights[{pair[0]!r}]", pair[1], 1e-6, 1e6)
+
+    def _check_waiting_order(self) -> None:
+        _check_int("lpm_max_queue", self.lpm_max_queue, 0)
+        if self.schedule_aging_s is not None:
+            _check_float("schedule_aging_s", self.schedule_aging_s, 0.0, math.inf, hi_open=True)
+            if self.schedule_aging_s <= 0:
+                raise ConfigError(f"schedule_aging_s={self.schedule_aging_s} is out of range: "
+                                  "must be > 0 (leave it unset to turn aging off)")
+            if self.scheduling_policy == "fcfs":
+                raise ConfigError("schedule_aging_s needs an order that can starve: "
+                                  "scheduling_policy priority, lpm or dfs-weight, not fcfs")
+            if self.tenant_fairness == "vtc" and self.scheduling_policy == "priority":
+                raise ConfigError("schedule_aging_s with scheduling_policy='priority' and "
+                                  "tenant_fairness='vtc' is not supported: VTC keeps one "
+                                  "queue per fixed priority level")
+            if self.enable_priority_preemption:
+                raise ConfigError("schedule_aging_s with enable_priority_preemption=True is not "
+                                  "supported: urgent preemption (M1-M3) compares fixed "
+                                  "priorities, aging changes them while a request waits")
 
     def _check_relations(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

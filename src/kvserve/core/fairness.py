@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from kvserve.core.config import SchedulerConfig
-from kvserve.core.queues import FCFSQueue, PriorityQueue, WaitingQueue
+from kvserve.core.queues import PrefixView, WaitingQueue, make_plain_queue
 from kvserve.core.request import Request
 
 
@@ -38,7 +38,7 @@ class TenantFairQueue(WaitingQueue):
     def __init__(self, policy: str, config: SchedulerConfig) -> None:
         super().__init__()
         self._by_priority = policy == "priority"
-        self._inner = PriorityQueue if self._by_priority else FCFSQueue
+        self._policy, self._config = policy, config  # each bucket's order (C1-C7)
         self._levels: dict[int, dict[str, WaitingQueue]] = {}
         self._prompt_price = config.vtc_prompt_token_price
         self._output_price = config.vtc_output_token_price
@@ -74,6 +74,12 @@ class TenantFairQueue(WaitingQueue):
                     request.num_computed_tokens >= request.num_tokens:
                 self._charge(request.sampling_params.tenant, price)
 
+    def start_pass(self, cache: PrefixView, now: float) -> None:
+        """A cache-aware or aging order sorts each tenant's bucket (C4-C7)."""
+        for tenants in self._levels.values():
+            for bucket in tenants.values():
+                bucket.start_pass(cache, now)
+
     # -- the queue -------------------------------------------------------------------------
 
     def _bucket_of(self, request: Request) -> WaitingQueue:
@@ -82,7 +88,7 @@ class TenantFairQueue(WaitingQueue):
         tenant = request.sampling_params.tenant
         bucket = tenants.get(tenant)
         if bucket is None:
-            bucket = tenants[tenant] = self._inner()
+            bucket = tenants[tenant] = make_plain_queue(self._policy, self._config)
         return bucket
 
     def push(self, request: Request) -> None:

@@ -81,6 +81,22 @@ class KVCacheManager:
         hits = find_longest_cache_hit(self.pool, hashes, (num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
 
+    def cached_prefix_hashes(self, request: Request) -> list[bytes]:
+        """The leading block hashes of ``request`` that the prefix cache holds now, up to the
+        G4 cap: the blocks :meth:`get_computed_blocks` would hit. Read-only: nothing is
+        referenced, touched or counted (a cache-aware waiting order asks this, C4, C5)."""
+        if not self.enable_caching:
+            return []
+        num_tokens = request.num_tokens
+        hashes = extend_block_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
+        cached = self.pool.cached
+        num_hits = 0
+        for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
+            if block_hash not in cached:
+                break
+            num_hits += 1
+        return hashes[:num_hits]
+
     # -- allocation ------------------------------------------------------------------------
 
     def allocate_slots(

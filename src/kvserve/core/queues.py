@@ -1,5 +1,5 @@
-"""Waiting queues: FCFS, priority and tenant fair share (VTC) behind one interface (spec
-C1-C3, T1-T7).
+"""Waiting queues: FCFS, priority, the cache-aware orders (lpm, dfs-weight) and tenant fair
+share (VTC) behind one interface (spec C1-C7, T1-T7).
 
 Each keeps a running total of the tokens it holds and of its requests per tenant, so the K4
 queue limits cost O(1). A waiting request's token count never changes while it waits (only
@@ -9,12 +9,20 @@ running requests grow).
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
+from typing import Protocol
 
-from kvserve.core.config import SchedulerConfig
+from kvserve.core.config import DEFAULT_LPM_MAX_QUEUE, SCHEDULING_POLICIES, SchedulerConfig
 from kvserve.core.request import Request
+
+
+class PrefixView(Protocol):
+    """What a cache-aware order may ask of the KV cache: a read-only query (C4)."""
+
+    def cached_prefix_hashes(self, request: Request) -> list[bytes]: ...
 
 
 class WaitingQueue(ABC):
@@ -41,6 +49,11 @@ class WaitingQueue(ABC):
     def record_step(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
         """Told after every schedule() what ran: a fair-share order charges the service
         (T3); the others ignore it."""
+        return None
+
+    def start_pass(self, cache: PrefixView, now: float) -> None:
+        """Told before every waiting pass: an order that depends on the prefix cache or on
+        the clock sorts itself here (C4-C7); the others ignore it."""
         return None
 
     @abstractmethod
@@ -143,13 +156,91 @@ class PriorityQueue(WaitingQueue):
         return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
 
 
+class AgingPriorityQueue(WaitingQueue):
+    """Priority with aging (C7): the effective priority is the priority value minus one per
+    ``aging_s`` seconds waited since arrival, ties to the earlier arrival, then the id.
+
+    Every waiting request ages at the same rate, but the whole seconds they have waited cross
+    a boundary at different moments, so the order is re-sorted at each pass (a sorted list,
+    not a heap) for the pass's time.
+    """
+
+    def __init__(self, aging_s: float) -> None:
+        super().__init__()
+        self._aging_s = aging_s
+        self._requests: list[Request] = []
+        self._now = -math.inf  # until the first pass, nobody has aged
+        self._sorted = True
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        waited = now - request.arrival_time
+        steps = int(waited // self._aging_s) if waited > 0 else 0
+        return request.sampling_params.priority - steps
+
+    def _key(self, request: Request) -> tuple[int, float, str]:
+        return (self.effective_priority(request, self._now), request.arrival_time,
+                request.request_id)
+
+    def start_pass(self, cache: PrefixView, now: float) -> None:
+        self._now = now
+        self._requests.sort(key=self._key)
+        self._sorted = True
+
+    def _ordered(self) -> list[Request]:
+        if not self._sorted:
+            self._requests.sort(key=self._key)
+            self._sorted = True
+        return self._requests
+
+    def push(self, request: Request) -> None:
+        self._requests.append(request)
+        self._sorted = False
+        self._added(request)
+
+    def push_front(self, request: Request) -> None:
+        self.push(request)  # no front under priority (C3)
+
+    def pop(self) -> Request:
+        request = self._ordered().pop(0)
+        self._removed(request)
+        return request
+
+    def peek(self) -> Request:
+        return self._ordered()[0]
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)
+        self._removed(request)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._ordered()))
+
+
+def make_plain_queue(policy: str, config: SchedulerConfig | None = None) -> WaitingQueue:
+    """One queue in ``policy``'s order, without tenants (the VTC queue's buckets are these)."""
+    aging_s = config.schedule_aging_s if config is not None else None
+    if policy == "fcfs":
+        return FCFSQueue()
+    if policy == "priority":
+        return PriorityQueue() if aging_s is None else AgingPriorityQueue(aging_s)
+    from kvserve.core.cache_order import CacheAwareQueue
+
+    max_queue = config.lpm_max_queue if config is not None else DEFAULT_LPM_MAX_QUEUE
+    return CacheAwareQueue(policy, max_queue, aging_s)
+
+
 def make_waiting_queue(policy: str, config: SchedulerConfig | None = None) -> WaitingQueue:
-    """The waiting queue of ``policy`` (fcfs or priority); with ``config.tenant_fairness``
-    "vtc", tenants' fair share within each priority level (T1)."""
-    if policy not in ("fcfs", "priority"):
-        raise ValueError(f"unknown scheduling policy {policy!r}; expected fcfs or priority")
+    """The waiting queue of ``policy`` (fcfs, priority, lpm or dfs-weight); with
+    ``config.tenant_fairness`` "vtc", tenants' fair share within each priority level (T1),
+    each tenant's requests in ``policy``'s order."""
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"unknown scheduling policy {policy!r}; expected one of "
+                         f"{', '.join(SCHEDULING_POLICIES)}")
     if config is not None and config.tenant_fairness == "vtc":
         from kvserve.core.fairness import TenantFairQueue
 
         return TenantFairQueue(policy, config)
-    return FCFSQueue() if policy == "fcfs" else PriorityQueue()
+    return make_plain_queue(policy, config)

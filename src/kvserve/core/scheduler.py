@@ -44,7 +44,7 @@ from kvserve.core.preemption import (
     make_preemption_mode,
     make_urgent_preemption,
 )
-from kvserve.core.queues import make_waiting_queue
+from kvserve.core.queues import WaitingQueue, make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
 from kvserve.core.stop import check_stop, length_stop_reason
 
@@ -122,6 +122,8 @@ class Scheduler:
         self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
                                  tenant_scoped=config.prefix_cache_scope == "tenant")
         self.waiting = make_waiting_queue(config.scheduling_policy, config)
+        # Only an order that reads the cache or the clock is told of each pass (C4-C7).
+        self._waiting_sorts = type(self.waiting).start_pass is not WaitingQueue.start_pass
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # oldest swap first (S2)
         self.requests: dict[str, Request] = {}
@@ -406,6 +408,8 @@ class Scheduler:
             return
         config = self.config
         self._admission.start_pass(self.running)
+        if self._waiting_sorts:
+            self.waiting.start_pass(self.kv, self._now)
         while self.waiting:
             if step.token_budget <= 0:
                 self._note_blocked("token_budget")

@@ -1,0 +1,225 @@
+"""Cache-aware waiting orders and aging (C4-C7): small prefix trees worked out by hand."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.core.cache_order import CacheAwareQueue, dfs_weight_order
+from kvserve.core.config import SchedulerConfig
+from kvserve.core.errors import ConfigError
+from kvserve.core.queues import AgingPriorityQueue, make_waiting_queue
+from tests.conftest import FakeExecutor, make_request, make_scheduler, step
+
+
+class FakeCache:
+    """cached_prefix_hashes from a table: request id -> its matched path of node names."""
+
+    def __init__(self, paths: dict[str, list[str]]) -> None:
+        self.paths = paths
+        self.num_queries = 0
+
+    def cached_prefix_hashes(self, request):
+        self.num_queries += 1
+        return [name.encode() for name in self.paths.get(request.request_id, [])]
+
+
+def ids(queue):
+    return [r.request_id for r in queue]
+
+
+# Seven requests (arrival order r1..r7) and their matched prefixes, as paths in the tree
+#
+#   root ── A ── A1            r1 ends at A, r6 at A1
+#     ├──── B ── B1 ── B1x     r2 ends at B1, r5 at B1x
+#     │     └─── B2            r4 ends at B2
+#     ├──── C ── C1 ── C2 ── C3   r7 ends at C3 (the longest match, alone on its branch)
+#     └ r3 matches nothing
+#
+# weights (waiting requests whose match passes through): B 3, B1 2, A 2, C 1, the rest 1.
+TREE = {"r1": ["A"], "r2": ["B", "B1"], "r3": [], "r4": ["B", "B2"],
+        "r5": ["B", "B1", "B1x"], "r6": ["A", "A1"], "r7": ["C", "C1", "C2", "C3"]}
+
+
+def filled(policy, paths=TREE, max_queue=128, aging_s=None, arrivals=None):
+    queue = CacheAwareQueue(policy, max_queue, aging_s)
+    for name in paths:
+        queue.push(make_request(name, 4, arrival_time=(arrivals or {}).get(name, 0.0)))
+    return queue
+
+
+def test_lpm_most_cached_blocks_first_ties_in_arrival_order():  # C4
+    queue = filled("lpm")
+    queue.start_pass(FakeCache(TREE), now=0.0)
+    # matches: r7 4, r5 3, r2 r4 r6 2, r1 1, r3 0
+    assert ids(queue) == ["r7", "r5", "r2", "r4", "r6", "r1", "r3"]
+    assert [queue.pop().request_id for _ in range(3)] == ["r7", "r5", "r2"]
+    assert queue.num_tokens == 16
+
+
+def test_dfs_weight_walks_the_heaviest_branch_deepest_first():  # C5
+    queue = filled("dfs-weight")
+    queue.start_pass(FakeCache(TREE), now=0.0)
+    # root's children by weight: B (3), A (2), C (1); B's: B1 (2), B2 (1); a node's own
+    # requests after its children's; r3 (root) last.
+    assert ids(queue) == ["r5", "r2", "r4", "r6", "r1", "r7", "r3"]
+
+
+def test_dfs_weight_equal_weights_keep_first_reached_order():  # C5
+    paths = {"x": ["X"], "y": ["Y"], "x2": ["X"], "y2": ["Y"]}
+    order = dfs_weight_order([make_request(n, 4) for n in paths],
+                             [[p.encode() for p in path] for path in paths.values()])
+    assert [r.request_id for r in order] == ["x", "x2", "y", "y2"]
+
+
+def test_between_passes_and_for_new_arrivals_the_order_is_kept():  # C4, C2
+    queue = filled("lpm")
+    queue.start_pass(FakeCache(TREE), now=0.0)
+    queue.push(make_request("late", 4))
+    queue.push_front(make_request("victim", 4))
+    assert ids(queue)[:2] == ["victim", "r7"] and ids(queue)[-1] == "late"
+    queue.remove(queue.peek())
+    assert queue.pop().request_id == "r7"
+
+
+def test_a_queue_over_the_bound_is_served_fcfs():  # C6
+    cache = FakeCache(TREE)
+    queue = filled("lpm", max_queue=6)
+    queue.start_pass(cache, now=0.0)
+    assert ids(queue) == ["r1", "r2", "r3", "r4", "r5", "r6", "r7"]
+    assert (cache.num_queries, queue.num_fcfs_passes, queue.num_sorted_passes) == (0, 1, 0)
+    queue.remove(next(r for r in queue if r.request_id == "r3"))  # 6 left: at the bound
+    queue.start_pass(cache, now=0.0)
+    assert ids(queue) == ["r7", "r5", "r2", "r4", "r6", "r1"]
+    assert (cache.num_queries, queue.num_fcfs_passes, queue.num_sorted_passes) == (6, 1, 1)
+
+
+def test_lpm_aging_promotes_ahead_of_cache_hits_after_t():  # C7
+    paths = {"a": [], "b": ["B", "B1"], "c": []}
+    queue = filled("lpm", paths, aging_s=10.0, arrivals={"a": 0.0, "b": 5.0, "c": 1.0})
+    cache = FakeCache(paths)
+    queue.start_pass(cache, now=9.99)
+    assert ids(queue) == ["b", "a", "c"] and queue.promoted == []
+    queue.start_pass(cache, now=10.0)
+    assert ids(queue) == ["a", "b", "c"] and ids(queue.promoted) == ["a"]
+    queue.start_pass(cache, now=11.0)
+    assert ids(queue) == ["a", "c", "b"]
+
+
+def test_priority_aging_drops_the_value_by_one_per_t():  # C7
+    queue = AgingPriorityQueue(aging_s=2.0)
+    queue.push(make_request("x", 4, priority=5, arrival_time=0.0))
+    queue.push(make_request("y", 4, priority=3, arrival_time=3.0))
+    queue.start_pass(None, now=3.99)  # x: 5 - 1 = 4, y: 3
+    assert ids(queue) == ["y", "x"]
+    queue.start_pass(None, now=4.0)  # x: 5 - 2 = 3 = y's 3: the earlier arrival first
+    assert ids(queue) == ["x", "y"]
+    assert queue.effective_priority(queue.peek(), 10.0) == 0
+
+
+def test_config_checks_the_new_fields():  # A4
+    with pytest.raises(ConfigError, match="lpm_max_queue"):
+        SchedulerConfig(scheduling_policy="lpm", lpm_max_queue=-1)
+    with pytest.raises(ConfigError, match="schedule_aging_s=0"):
+        SchedulerConfig(scheduling_policy="lpm", schedule_aging_s=0)
+    with pytest.raises(ConfigError, match="not fcfs"):
+        SchedulerConfig(schedule_aging_s=5.0)
+    with pytest.raises(ConfigError, match="enable_priority_preemption"):
+        SchedulerConfig(scheduling_policy="priority", schedule_aging_s=5.0,
+                        enable_priority_preemption=True)
+    with pytest.raises(ConfigError, match="scheduling_policy='nope'"):
+        SchedulerConfig(scheduling_policy="nope")
+
+
+def test_vtc_buckets_keep_the_cache_aware_order():  # C4, T1
+    config = SchedulerConfig(scheduling_policy="lpm", tenant_fairness="vtc")
+    queue = make_waiting_queue("lpm", config)
+    for name in ("r1", "r2", "r5"):
+        queue.push(make_request(name, 4, tenant="t"))
+    queue.start_pass(FakeCache(TREE), now=0.0)
+    assert ids(queue) == ["r5", "r2", "r1"]
+
+
+# -- on the scheduler, with the real prefix cache --------------------------------------------
+
+def warm_then_queue(policy, executor):
+    """A 12-token prompt runs to its end (3 blocks of 4 stay cached, free); then "cold" (no
+    match) arrives before "hot" (that prompt plus 4 tokens: 3 blocks match)."""
+    scheduler = make_scheduler(num_blocks=32, block_size=4, scheduling_policy=policy,
+                               max_num_seqs=1, max_num_batched_tokens=64)
+    prompt = list(range(100, 112))
+    scheduler.add_request(make_request("warm", prompt_token_ids=prompt, max_tokens=1))
+    step(scheduler, executor)
+    assert not scheduler.requests
+    scheduler.add_request(make_request("cold", 16))
+    scheduler.add_request(make_request("hot", prompt_token_ids=[*prompt, 7, 8, 9, 10]))
+    return scheduler
+
+
+@pytest.mark.parametrize(("policy", "first", "hit_tokens"),
+                         [("fcfs", "cold", 0), ("lpm", "hot", 12), ("dfs-weight", "hot", 12)])
+def test_the_cache_aware_order_admits_the_hit_first(policy, first, hit_tokens):  # C4, C5, G6
+    executor = FakeExecutor()
+    scheduler = warm_then_queue(policy, executor)
+    queries, hits = scheduler.kv.prefix_cache_queries, scheduler.kv.prefix_cache_hits
+    free_before = scheduler.kv.num_free_blocks
+    out, _ = step(scheduler, executor)
+    assert [new.request_id for new in out.scheduled_new_reqs] == [first]
+    admitted = scheduler.requests[first]
+    assert admitted.num_cached_tokens == hit_tokens
+    # The sort's lookups are read-only: only the admission is counted (G6).
+    assert scheduler.kv.prefix_cache_queries - queries == 16
+    assert scheduler.kv.prefix_cache_hits - hits == hit_tokens
+    assert scheduler.kv.num_free_blocks == free_before - 4
+
+
+# -- the aging bound (C7) ----------------------------------------------------------------------
+
+P_MIN, P_MAX, AGING_S = 0, 3, 2.0
+events = st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(P_MIN, P_MAX),
+                            st.integers(0, 3)), min_size=1, max_size=60)
+
+
+def aging_delay(policy, priority):
+    """How long after its arrival a later arrival can still be served before a request:
+    under lpm T, under priority (priority - P_MIN + 1) x T (docs/scheduler.md, C7)."""
+    return AGING_S if policy != "priority" else (priority - P_MIN + 1) * AGING_S
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=st.sampled_from(["priority", "lpm", "dfs-weight"]), script=events,
+       max_queue=st.integers(0, 8))
+def test_with_aging_every_request_is_admitted_within_its_bound(policy, script, max_queue):
+    """Whatever the arrivals, a request is popped after at most (requests waiting when it
+    arrived) + (requests arriving less than its aging delay after it) others (C7)."""
+    queue = make_waiting_queue(policy, SchedulerConfig(
+        scheduling_policy=policy, schedule_aging_s=AGING_S, lpm_max_queue=max_queue))
+    paths: dict[str, list[str]] = {}
+    cache = FakeCache(paths)
+    now, arrived, popped = 0.0, [], []
+    waiting_at_arrival: dict[str, int] = {}
+    popped_before: dict[str, int] = {}
+    for gap, is_arrival, priority, depth in script:
+        now += gap
+        if is_arrival:
+            name = f"r{len(arrived)}"
+            paths[name] = ["shared", "deeper", "deepest"][:depth]
+            waiting_at_arrival[name] = len(queue)
+            popped_before[name] = len(popped)
+            request = make_request(name, 4, priority=priority, arrival_time=now)
+            queue.push(request)
+            arrived.append(request)
+        elif queue:
+            queue.start_pass(cache, now)
+            popped.append(queue.pop())
+    while queue:  # drain: the clock keeps moving
+        now += 1
+        queue.start_pass(cache, now)
+        popped.append(queue.pop())
+    position = {r.request_id: i for i, r in enumerate(popped)}
+    for index, request in enumerate(arrived):
+        name = request.request_id
+        delay = aging_delay(policy, request.sampling_params.priority)
+        close_behind = [r for r in arrived[index + 1:]
+                        if r.arrival_time < request.arrival_time + delay]
+        admissions_in_between = position[name] - popped_before[name]
+        assert admissions_in_between <= waiting_at_arrival[name] + len(close_behind), name
