@@ -17,8 +17,9 @@ moment the loop found nothing to run and waited for an arrival: the wait is not 
 cost. ``start`` is the time the step was decided at; a replay holds each step until then
 (:class:`kvserve.sim.cost_models.ReplayCostModel`), so it admits what the engine admitted.
 
-The run is also returned as a :class:`kvserve.sim.simulator.SimResult`, built with the
-simulator's own definitions (a token's time is the end of the step that produced it), so
+The run is also returned as a :class:`kvserve.runs.SimResult`, recorded by the same
+:class:`kvserve.runs.RunRecorder` the simulator uses (a token's time is the end of the step
+that produced it; refusals, state samples and the result built alike), so
 :func:`kvserve.sim.report.aggregate` computes the engine's figures exactly as it computes a
 simulation's: the fidelity study compares like with like.
 """
@@ -28,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvserve.core import Clock, QueueFullError, RequestRejected
 from kvserve.engine.engine import CompletionChunk, Engine
+from kvserve.runs import RunRecorder, SimResult, StepSeries, rows
 from kvserve.sim.executor import BatchView, batch_view
-from kvserve.sim.simulator import RequestRecord, SimResult, StepSeries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,36 +58,6 @@ class TraceRun:
     result: SimResult
 
 
-class _Recorder:
-    """Per-request records and ITL samples, with the simulator's definitions."""
-
-    def __init__(self, arrivals: Sequence[Any]) -> None:
-        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
-                                                     r.num_prompt_tokens, tenant=r.tenant)
-                        for r in arrivals}
-        self.itl = array("d")
-
-    def refused(self, request_id: str, reason: str, message: str) -> None:
-        record = self.records[request_id]
-        record.finish_reason, record.stop_reason = reason, message
-
-    def collect(self, chunks: Sequence[CompletionChunk], now: float) -> None:
-        for chunk in chunks:
-            record = self.records[chunk.request_id]
-            if chunk.new_token_ids:
-                if record.last_token_time is not None:
-                    gap = now - record.last_token_time
-                    self.itl.append(gap)
-                    record.itl_sum += gap
-                    record.itl_max = max(record.itl_max, gap)
-                record.last_token_time = now
-                record.num_output_tokens += len(chunk.new_token_ids)
-            if chunk.finished:
-                record.finish_reason = chunk.finish_reason or "error"
-                record.stop_reason = None if chunk.stop_reason is None else str(chunk.stop_reason)
-                record.metrics = chunk.metrics
-
-
 def run_trace(engine: Engine, trace: Sequence[Any], *, seed: int = 0,
               clock: Clock = time.monotonic, sleep: Callable[[float], None] = time.sleep,
               log: TextIO | None = None, greedy: bool = False) -> TraceRun:
@@ -108,7 +78,7 @@ def run_trace(engine: Engine, trace: Sequence[Any], *, seed: int = 0,
 def _run(engine: Engine, arrivals: list[Any], seed: int, clock: Clock,
          sleep: Callable[[float], None], log: TextIO | None, greedy: bool) -> TraceRun:
     max_model_len = engine.scheduler.config.max_model_len
-    recorder = _Recorder(arrivals)
+    recorder = RunRecorder(arrivals)
     series = StepSeries()
     starts: list[Any] = []  # non-empty steps' StepRecords
     idle_from: dict[int, float] = {}  # step index -> when the loop then found nothing to run
@@ -124,10 +94,10 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, clock: Clock,
             record = engine.step(now, clock=clock)
             chunks += record.chunks
             events += engine.scheduler.take_events()
-            recorder.collect(record.chunks, record.end)
+            recorder.collect(rows(record.chunks), record.end)
             if record.num_scheduled_tokens:
                 starts.append(record)
-                _append_state(series, engine)
+                series.sample_state(engine.scheduler)
             continue
         if next_arrival == len(arrivals):
             break
@@ -149,39 +119,22 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, clock: Clock,
         write_step_log(log, steps, events)
     start = arrivals[0].arrival_time if arrivals else 0.0
     end = starts[-1].end if starts else start
-    stats = engine.scheduler.stats()
-    result = SimResult(
-        start_time=start, end_time=end,
-        records=[recorder.records[r.request_id] for r in arrivals], steps=series,
-        itl_samples=recorder.itl, num_preemptions=stats.num_preemptions,
-        num_scheduled_tokens=stats.num_scheduled_tokens,
-        num_recomputed_tokens=stats.num_recomputed_tokens,
-        prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits,
-        num_blocked_steps=stats.num_blocked_steps, events=events, wall_seconds=end - start)
+    result = recorder.result(arrivals, start, end, series, engine.scheduler.stats(), events,
+                             end - start,
+                             preemption_mode=engine.scheduler.config.preemption_mode)
     return TraceRun(steps, chunks, result)
 
 
 def _submit(engine: Engine, request: Any, seed: int, max_model_len: int, greedy: bool,
-            recorder: _Recorder) -> None:
+            recorder: RunRecorder) -> None:
     params = request.sampling_params(max_model_len)
     if greedy:
         params = dataclasses.replace(params, temperature=0.0)
     try:
         engine.add_request(request.request_id, request.synthesise_prompt(seed), params,
                            arrival_time=request.arrival_time)
-    except RequestRejected as error:  # refused, as in the simulator
-        recorder.refused(request.request_id, "rejected", str(error))
-    except QueueFullError as error:
-        recorder.refused(request.request_id, "queue_full", str(error))
-
-
-def _append_state(series: StepSeries, engine: Engine) -> None:
-    """The scheduler's state after a step, as the simulator records it."""
-    scheduler = engine.scheduler
-    series.num_running.append(len(scheduler.running))
-    series.num_waiting.append(len(scheduler.waiting))
-    series.kv_usage.append(scheduler.kv.usage())
+    except (RequestRejected, QueueFullError) as error:  # refused, as in the simulator
+        recorder.refuse(request.request_id, error)
 
 
 def write_step_log(log: TextIO, steps: Sequence[TracedStep], events: Sequence[Any]) -> None:

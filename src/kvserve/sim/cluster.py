@@ -139,11 +139,8 @@ class _Replica:
         for request in self.inbox:
             try:
                 run.scheduler.add_request(request)
-            except RequestRejected as error:
-                run._refuse(request.request_id, "rejected", str(error))
-                continue
-            except QueueFullError as error:
-                run._refuse(request.request_id, "queue_full", str(error))
+            except (RequestRejected, QueueFullError) as error:
+                run._refuse(request.request_id, error)
                 continue
             run.live[request.request_id] = request
         self.inbox.clear()

@@ -21,13 +21,11 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvserve.core import (
     CacheConfig,
     QueueFullError,
     Request,
-    RequestMetrics,
     RequestOutput,
     RequestRejected,
     RequestStatus,
@@ -39,73 +37,17 @@ from kvserve.core import (
 )
 from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
+from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
 from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.layout import BlockLayout
 from kvserve.sim.trace import TraceRequest
 
+__all__ = ["BATCHING_MODES", "ProgressFn", "RequestRecord", "SimResult", "Simulator",
+           "StepSeries"]
+
 BATCHING_MODES = ("continuous", "static", "serial")
 ProgressFn = Callable[[float, int, int], None]
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One request's life in the simulation: a report row and a timeline bar."""
-
-    request_id: str
-    arrival_time: float
-    num_prompt_tokens: int
-    finish_reason: str = "unfinished"
-    stop_reason: str | None = None
-    metrics: RequestMetrics | None = None
-    num_output_tokens: int = 0
-    itl_max: float = 0.0
-    itl_sum: float = 0.0
-    last_token_time: float | None = None
-    # (preempted, resumed or finished) spans: time out of the running set after a preemption.
-    # Not a stall: a stall (RequestMetrics.longest_stall) runs on to the next token.
-    preempted_spans: list[tuple[float, float]] = field(default_factory=list)
-    deadline: float | None = None
-    tenant: str = ""
-
-
-@dataclass
-class StepSeries:
-    """Per step: start time, duration and the scheduler's state after the step."""
-
-    time: array = field(default_factory=lambda: array("d"))
-    duration: array = field(default_factory=lambda: array("d"))
-    num_scheduled_tokens: array = field(default_factory=lambda: array("l"))
-    num_running: array = field(default_factory=lambda: array("l"))
-    num_waiting: array = field(default_factory=lambda: array("l"))
-    kv_usage: array = field(default_factory=lambda: array("d"))
-
-
-@dataclass
-class SimResult:
-    start_time: float
-    end_time: float
-    records: list[RequestRecord]
-    steps: StepSeries
-    itl_samples: array
-    num_preemptions: int
-    num_scheduled_tokens: int
-    num_recomputed_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_blocked_steps: dict[str, int]
-    events: list[SchedulerEvent]
-    wall_seconds: float
-    # The host tier (K3): what was copied, and how each preemption went.
-    preemption_mode: str = "recompute"
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
-    bytes_per_block: int = 0
-    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.steps.time)
 
 
 class Simulator:
@@ -142,10 +84,7 @@ class _Run:
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
-        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
-                                                    r.num_prompt_tokens, deadline=r.deadline,
-                                                    tenant=r.tenant)
-                        for r in self.arrivals}
+        self.recorder = RunRecorder(self.arrivals)
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
         self.next_arrival = self.next_cancel = 0  # indices of the next due event
@@ -153,9 +92,20 @@ class _Run:
         self.live: dict[str, Request] = {}
         self.finished: set[str] = set()  # membership only
         self.steps = StepSeries()
-        self.itl = array("d")
         self.events: list[SchedulerEvent] = []
         self.progress = progress
+
+    @property
+    def records(self) -> dict[str, RequestRecord]:
+        return self.recorder.records
+
+    @records.setter
+    def records(self, records: dict[str, RequestRecord]) -> None:
+        self.recorder.records = records  # a cluster's replicas share one table
+
+    @property
+    def itl(self) -> array:
+        return self.recorder.itl
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -218,10 +168,7 @@ class _Run:
         self._collect(scheduler.update(out, model_output, now), now)
         steps.duration.append(duration)
         steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
-        steps.num_running.append(len(scheduler.running))
-        steps.num_waiting.append(len(scheduler.waiting) + len(scheduler.swapped)
-                                 + len(self.held))
-        steps.kv_usage.append(scheduler.kv.usage())
+        steps.sample_state(scheduler, len(self.held))
         if self.sim.check:
             check_invariants(scheduler)
         if self.sim.record_events:
@@ -235,25 +182,11 @@ class _Run:
             self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
             self._close_preempted_spans(request)  # still running or waiting when the loop gave up
-        stats = self.scheduler.stats()
-        return SimResult(
-            start_time=start, end_time=end,
-            records=[self.records[r.request_id] for r in self.arrivals],
-            steps=self.steps, itl_samples=self.itl,
-            num_preemptions=stats.num_preemptions,
-            num_scheduled_tokens=stats.num_scheduled_tokens,
-            num_recomputed_tokens=stats.num_recomputed_tokens,
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            num_blocked_steps=stats.num_blocked_steps,
-            events=self.events,
-            wall_seconds=time.perf_counter() - wall_start,
+        return self.recorder.result(
+            self.arrivals, start, end, self.steps, self.scheduler.stats(), self.events,
+            time.perf_counter() - wall_start,
             preemption_mode=self.sim.scheduler_config.preemption_mode,
-            num_swapped_out_blocks=stats.num_swapped_out_blocks,
-            num_swapped_in_blocks=stats.num_swapped_in_blocks,
-            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0),
-            num_preemptions_by_mode=stats.num_preemptions_by_mode,
-        )
+            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0))
 
     def _next_event_time(self) -> float | None:
         times = []
@@ -290,20 +223,15 @@ class _Run:
                                trace_request.ignore_eos, trace_request.continuation_key(seed))
         try:
             self.scheduler.add_request(request)
-        except RequestRejected as error:
-            self._refuse(request_id, "rejected", str(error))
-            return False
-        except QueueFullError as error:
-            self._refuse(request_id, "queue_full", str(error))
+        except (RequestRejected, QueueFullError) as error:
+            self._refuse(request_id, error)
             return False
         self.live[request_id] = request
         return True
 
-    def _refuse(self, request_id: str, reason: str, message: str) -> None:
+    def _refuse(self, request_id: str, error: RequestRejected | QueueFullError) -> None:
         self.executor.forget(request_id)
-        record = self.records[request_id]
-        record.finish_reason = reason
-        record.stop_reason = message
+        self.recorder.refuse(request_id, error)
         self.finished.add(request_id)
 
     def _cancel(self, request_id: str, now: float) -> None:
@@ -312,43 +240,24 @@ class _Run:
         if request_id in self.live:
             metrics = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
                                                     stop_reason="cancelled", now=now)
-            self._finish(request_id, "abort", "cancelled", metrics)
+            self.recorder.finish(request_id, "abort", "cancelled", metrics)
+            self._forget(request_id)
             return
         for index, held in enumerate(self.held):
             if held.request_id == request_id:
                 del self.held[index]
                 break
-        record = self.records[request_id]
-        record.finish_reason, record.stop_reason = "abort", "cancelled"
+        self.recorder.finish(request_id, "abort", "cancelled")
         self.finished.add(request_id)
 
     # -- outputs ---------------------------------------------------------------------------
 
     def _collect(self, outputs: list[RequestOutput], now: float) -> None:
-        records, append_itl = self.records, self.itl.append
-        # Unpacked rather than read field by field: one output per running request per step.
-        for request_id, new_token_ids, finished, finish_reason, stop, metrics in outputs:
-            record = records[request_id]
-            if new_token_ids:
-                last = record.last_token_time
-                if last is not None:
-                    gap = now - last
-                    append_itl(gap)
-                    record.itl_sum += gap
-                    if gap > record.itl_max:
-                        record.itl_max = gap
-                record.last_token_time = now
-                record.num_output_tokens += len(new_token_ids)
-            if finished:
-                self._finish(request_id, finish_reason or "error",
-                             None if stop is None else str(stop), metrics)
+        for request_id in self.recorder.collect(outputs, now):
+            self._forget(request_id)
 
-    def _finish(self, request_id: str, reason: str, stop_reason: str | None,
-                metrics: RequestMetrics | None) -> None:
-        record = self.records[request_id]
-        record.finish_reason = reason
-        record.stop_reason = stop_reason
-        record.metrics = metrics
+    def _forget(self, request_id: str) -> None:
+        """A finished request (its record is written): drop its state here."""
         self.finished.add(request_id)
         request = self.live.pop(request_id, None)
         if request is not None:
