@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
@@ -127,6 +128,15 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tenant-fairness", dest="tenant_fairness", choices=TENANT_FAIRNESS,
                        help="vtc: admit from the tenant with the least weighted service "
                             "(Virtual Token Counter), within each priority level")
+
+
+def add_command(subparsers: Any, name: str, run: Callable[[argparse.Namespace], int],
+                summary: str, description: str) -> argparse.ArgumentParser:
+    """A ``kvserve NAME`` subcommand whose parsed arguments go to ``run``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(name, help=summary,
+                                                            description=description)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

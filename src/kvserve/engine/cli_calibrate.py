@@ -8,24 +8,26 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
-from kvserve.flags import CLIError, add_model_flags, engine_args, parse_bytes
+from kvserve.flags import CLIError, add_command, add_model_flags, engine_args, parse_bytes
+
+SUMMARY = "measure step times on this machine and fit a cost model"
+DESCRIPTION = ("Run the engine over a grid of step shapes (prefill chunks, decode "
+               "batches at several context lengths, mixed steps, on scattered KV "
+               "blocks), take the median of repeated runs, and fit the simulator's "
+               "calibrated cost model (kvserve simulate --cost-model calibrated "
+               "--calibration FILE). With --trace, run that trace on the engine instead "
+               "and fit on the steps it ran (calibration in service).")
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "calibrate", help="measure step times on this machine and fit a cost model",
-        description="Run the engine over a grid of step shapes (prefill chunks, decode "
-                    "batches at several context lengths, mixed steps, on scattered KV "
-                    "blocks), take the median of repeated runs, and fit the simulator's "
-                    "calibrated cost model (kvserve simulate --cost-model calibrated "
-                    "--calibration FILE). With --trace, run that trace on the engine instead "
-                    "and fit on the steps it ran (calibration in service).")
+    parser = add_command(subparsers, "calibrate", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
     parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
     parser.add_argument("--trace", metavar="TRACE.jsonl",
                         help="calibrate in service instead: run this trace on the engine "
                              "(arrivals on the wall clock, default scheduler settings) and "
-                             "fit on the steps it ran; the grid options are then unused")
+                             "fit on the steps it ran; not with the grid's --quick, "
+                             "--layout-term or --plot")
     parser.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                         help="with --trace: sample at temperature 0, as the grid does "
                              "(--no-greedy: temperature 1, whose sampling cost is then "
@@ -41,7 +43,6 @@ def add_parser(subparsers: Any) -> None:
                              "it helped batch workloads and hurt Poisson ones: "
                              "docs/fidelity.md)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,14 +10,15 @@ from typing import Any
 
 from kvserve.core import ConfigError, RequestError, SamplingParams
 
+SUMMARY = "generate text offline with the real model"
+DESCRIPTION = ("Generate text for one or more prompts with the real model on this "
+               "machine, through the same scheduler the server uses.")
+
 
 def add_parser(subparsers: Any) -> None:
-    from kvserve.flags import add_model_flags, add_scheduler_flags
+    from kvserve.flags import add_command, add_model_flags, add_scheduler_flags
 
-    parser = subparsers.add_parser(
-        "generate", help="generate text offline with the real model",
-        description="Generate text for one or more prompts with the real model on this "
-                    "machine, through the same scheduler the server uses.")
+    parser = add_command(subparsers, "generate", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
     parser.add_argument("--prompt", action="append", default=[],
                         help="a prompt (repeat for a batch); '-' reads one per line from stdin")
@@ -33,7 +34,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_scheduler_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def _prompts(args: argparse.Namespace) -> list[Any]:

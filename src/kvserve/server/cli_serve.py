@@ -10,17 +10,19 @@ from typing import Any
 logger = logging.getLogger("kvserve.server")
 
 
+SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
+DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (with "
+               "streaming), with Prometheus metrics at /metrics.")
+
+
 def add_parser(subparsers: Any) -> None:
-    from kvserve.flags import add_model_flags, add_scheduler_flags, parse_bytes
+    from kvserve.flags import add_command, add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
 
-    parser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve the model over /v1/completions and /v1/chat/completions (with "
-                    "streaming), with Prometheus metrics at /metrics.")
+    parser = add_command(subparsers, "serve", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
@@ -53,7 +55,6 @@ def add_parser(subparsers: Any) -> None:
                             "one interpreter lock (--no-engine-process: on a thread of the "
                             "server's process)")
     add_scheduler_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

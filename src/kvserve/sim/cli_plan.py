@@ -9,7 +9,12 @@ import json
 import os
 from typing import Any
 
-from kvserve.flags import add_scheduler_flags, scheduler_config, settings_from_args
+from kvserve.flags import (
+    add_command,
+    add_scheduler_flags,
+    scheduler_config,
+    settings_from_args,
+)
 from kvserve.sim.cli_common import (
     ShowProgress,
     add_cluster_flags,
@@ -19,12 +24,13 @@ from kvserve.sim.cli_common import (
     deployment_from_args,
 )
 
+SUMMARY = "capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS"
+DESCRIPTION = ("KV bytes per token, the KV pool and the sequences it holds; with "
+               "--trace, simulate a sweep of max_num_seqs and search the capacity QPS.")
+
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "plan", help="capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS",
-        description="KV bytes per token, the KV pool and the sequences it holds; with "
-                    "--trace, simulate a sweep of max_num_seqs and search the capacity QPS.")
+    parser = add_command(subparsers, "plan", run, SUMMARY, DESCRIPTION)
     add_deployment_flags(parser)
     memory = parser.add_argument_group("memory")
     memory.add_argument("--gpu-memory-gib", type=float,
@@ -73,7 +79,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_scheduler_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

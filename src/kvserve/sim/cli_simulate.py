@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.flags import add_scheduler_flags, parse_sweep, settings_from_args
+from kvserve.flags import add_command, add_scheduler_flags, parse_sweep, settings_from_args
 from kvserve.sim.cli_common import (
     add_cluster_flags,
     add_deployment_flags,
@@ -18,13 +18,14 @@ from kvserve.sim.cli_common import (
 )
 from kvserve.sim.simulator import BATCHING_MODES
 
+SUMMARY = "replay a trace through the real scheduler on a virtual clock"
+DESCRIPTION = ("Replay a JSONL trace through kvserve's scheduler with a cost model "
+               "instead of a model, and report latency, throughput, preemptions and KV "
+               "usage.")
+
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "simulate", help="replay a trace through the real scheduler on a virtual clock",
-        description="Replay a JSONL trace through kvserve's scheduler with a cost model "
-                    "instead of a model, and report latency, throughput, preemptions and KV "
-                    "usage.")
+    parser = add_command(subparsers, "simulate", run, SUMMARY, DESCRIPTION)
     parser.add_argument("--trace", required=True,
                         help="JSONL trace (kvserve workload gen); - reads standard input")
     add_deployment_flags(parser)
@@ -41,7 +42,6 @@ def add_parser(subparsers: Any) -> None:
                         help="check the scheduler's invariants after every step (slow)")
     parser.add_argument("--quiet", action="store_true", help="print no table")
     add_scheduler_flags(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
