@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kvserve.core import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from kvserve.core.config import DEFAULT_BLOCK_SIZE
 from kvserve.engine.engine import Engine
 from kvserve.engine.trace_runner import run_trace
 from kvserve.model.runner import ModelRunner
@@ -45,7 +46,7 @@ class StepShape:
     decode_contexts: tuple[int, ...] = ()  # tokens already computed, per decode
     prefills: tuple[tuple[int, int], ...] = ()  # (tokens already computed, tokens now)
     scattered: bool = True  # each sequence's blocks dealt from a shuffled pool, or in order
-    block_size: int = 16  # the pool's: how many context tokens share a block
+    block_size: int = DEFAULT_BLOCK_SIZE  # the pool's: how many context tokens share a block
 
     def view(self) -> BatchView:
         """The simulator's description of this batch.
@@ -70,7 +71,7 @@ class StepShape:
                    for c in (*self.decode_contexts, *(c for c, _ in self.prefills)))
 
 
-def grid(quick: bool = False, block_size: int = 16, layout_twins: bool = False
+def grid(quick: bool = False, block_size: int = DEFAULT_BLOCK_SIZE, layout_twins: bool = False
          ) -> list[StepShape]:
     """Prefill chunks, decode batches at several contexts, and mixed steps, each on
     scattered blocks; with ``layout_twins`` a shape that reads context is followed by its
