@@ -60,6 +60,10 @@ def _tables(lens: list[int], block_size: int, num_blocks: int,
     (4, 4, 64, 32),  # no GQA
     (6, 1, 40, 8),  # head_dim not a multiple of 16: the generic (compiler-vectorised) path
     (12, 2, 32, 5),  # odd block size
+    # The register-blocked AVX-512 loops for every row and vector count (with_constant 1-4):
+    (10, 2, 48, 16),  # group 5 = 4 + 1 rows, 3 vectors of 16
+    (2, 1, 16, 16),  # group 2, 1 vector
+    (3, 1, 96, 16),  # group 3, 4 + 2 vectors
 ])
 @requires_kernel
 def test_decode_matches_plain(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
