@@ -53,12 +53,13 @@ def engine_spec(delay: float = 0.0, **settings: Any) -> Any:
 class LiveServer:
     """A kvserve app on a free 127.0.0.1 port, served by uvicorn on a thread. The engine runs
     on a thread of this process (``engine``, or one built from ``engine_settings``), or, given
-    ``spec``, in an engine process of its own."""
+    ``spec``, in an engine process of its own; or ``serving`` is the ready engine (data
+    parallel replicas)."""
 
     def __init__(self, engine: Engine | None = None, *, model_name: str = "tiny",
                  keys: list[Any] | None = None, priority_source: str = "body",
                  max_body_bytes: int | None = None, spec: Any | None = None,
-                 **engine_settings: Any) -> None:
+                 serving: Any | None = None, **engine_settings: Any) -> None:
         import socket
         import threading
 
@@ -70,9 +71,11 @@ class LiveServer:
         from kvserve.server.auth import KeyRing
         from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
-        if spec is not None:
+        if serving is not None:
             self.engine = None
-            serving: Any = ProcessEngine(spec, tokenizer())
+        elif spec is not None:
+            self.engine = None
+            serving = ProcessEngine(spec, tokenizer())
         else:
             self.engine = engine or make_engine(**engine_settings)
             serving = AsyncEngine(self.engine)

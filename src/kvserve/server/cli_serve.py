@@ -16,6 +16,7 @@ DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (w
 
 
 def add_parser(subparsers: Any) -> None:
+    from kvserve.core.router import ROUTER_POLICIES
     from kvserve.flags import add_command, add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -54,6 +55,22 @@ def add_parser(subparsers: Any) -> None:
                             "vLLM V1 runs its EngineCore, so HTTP and the engine never share "
                             "one interpreter lock (--no-engine-process: on a thread of the "
                             "server's process)")
+    parallel = parser.add_argument_group("data parallel")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                          help="engine replicas, each with its own scheduler, KV pool and "
+                               "model, behind this one server")
+    parallel.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"),
+                          default="mp",
+                          help="mp: local processes; ray: Ray actors on the cluster "
+                               "RAY_ADDRESS names, or on a local Ray instance")
+    parallel.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
+                          help="how a request picks its replica (prefix-affinity: the replica "
+                               "its leading prompt blocks were last sent to, within a load "
+                               "bound)")
+    parallel.add_argument("--threads-per-replica", type=int, default=None, metavar="T",
+                          help="torch threads in each replica (default: the CPUs split "
+                               "evenly among the replicas; with one replica, torch's "
+                               "default)")
     add_scheduler_flags(parser)
 
 
@@ -108,10 +125,21 @@ def build_state(args: argparse.Namespace) -> Any:
                        "--scheduling-policy priority")
     if not 0 < args.port < 65536:
         raise CLIError(f"--port {args.port} is not a port number")
+    if args.data_parallel_size < 1:
+        raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.threads_per_replica is not None and args.threads_per_replica < 1:
+        raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
+    parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
+    if parallel and not args.engine_process:
+        raise CLIError("data-parallel replicas run in engine processes: drop "
+                       "--no-engine-process")
+    build_args = {"record_events": True, **settings}
     serving: Any
     try:
-        if args.engine_process:
-            serving = _engine_process(args.model, {"record_events": True, **settings})
+        if parallel:
+            serving = _data_parallel(args, build_args)
+        elif args.engine_process:
+            serving = _engine_process(args.model, build_args, args.threads_per_replica)
         else:
             serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
@@ -123,17 +151,46 @@ def build_state(args: argparse.Namespace) -> Any:
     return state
 
 
-def _engine_process(model: str | None, engine_args: dict[str, Any]) -> Any:
-    """The engine in a spawned process; the tokenizer here, for the server's own use."""
+def _engine_spec(model: str | None, engine_args: dict[str, Any], threads: int | None) -> Any:
     import functools
 
-    from kvserve.engine.engine_process import EngineSpec, ProcessEngine
+    from kvserve.engine.engine_process import EngineSpec
     from kvserve.engine.llm import build_engine
+
+    return EngineSpec(functools.partial(build_engine, model, **engine_args), threads=threads)
+
+
+def _engine_process(model: str | None, engine_args: dict[str, Any],
+                    threads: int | None) -> Any:
+    """The engine in a spawned process; the tokenizer here, for the server's own use."""
+    from kvserve.engine.engine_process import ProcessEngine
     from kvserve.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
-    return ProcessEngine(EngineSpec(functools.partial(build_engine, model, **engine_args)),
-                         tokenizer)
+    return ProcessEngine(_engine_spec(model, engine_args, threads), load_tokenizer(model))
+
+
+def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any]) -> Any:
+    """N replicas (local processes or Ray actors) behind the router."""
+    import os
+
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import LocalLauncher
+    from kvserve.model.tokenizer import load_tokenizer
+
+    size = args.data_parallel_size
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // size)
+    if args.data_parallel_backend == "ray":
+        from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
+        ensure_ray()
+        launchers: list[Any] = [RayLauncher(i) for i in range(size)]
+    else:
+        launchers = [LocalLauncher(f"kvserve-engine-{i}") for i in range(size)]
+    logger.info("%d engine replicas (%s), %d threads each, router %s", size,
+                args.data_parallel_backend, threads, args.router)
+    return DataParallelEngine(_engine_spec(args.model, engine_args, threads),
+                              load_tokenizer(args.model), launchers,
+                              make_router(args.router, size))
 
 
 def _model_name(model: str | None) -> str:

@@ -1,0 +1,306 @@
+"""DataParallelEngine: N engine replicas behind one router, one ServingEngine to the server.
+
+Each replica is a :class:`ProcessEngine` (its own scheduler, KV pool and model) started by a
+launcher: a local spawned process (``--data-parallel-backend mp``) or a Ray actor (``ray``).
+A request group (a prompt list, ``n`` > 1) goes to one replica, the one
+:mod:`kvserve.core.router` picks from the request's leading block hashes and each replica's
+load (its last stats plus the adds not yet answered).
+
+A replica that dies never hangs a client: a group that has streamed nothing yet is placed again
+on another live replica (same request ids, same arrival time, so its queue deadline holds);
+one that has streamed ends with :class:`EngineDeadError` (the server answers 503 or ends the
+stream with an error event). The router forgets the dead replica's prefixes and stops routing
+to it; the replica is launched again in the background (a process respawn, or Ray's actor
+restart), and :meth:`DataParallelEngine.health` reports the degraded state until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvserve.core import SamplingParams, SchedulerStats
+from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
+from kvserve.core.router import NoReplicaError, ReplicaLoad, Router
+from kvserve.engine.async_engine import EngineDeadError, RequestStream, StepReport, notify
+from kvserve.engine.engine import CompletionChunk, Prompt
+from kvserve.engine.engine_process import EngineSpec, Launcher, ProcessEngine
+
+logger = logging.getLogger("kvserve.engine")
+
+Item = tuple[str, Prompt, SamplingParams]
+
+
+class DataParallelEngine:
+    """N replicas of one engine behind ``router``. ``launchers[i]`` starts replica i (again
+    after a death). Constructing it starts every replica and waits until all are ready."""
+
+    def __init__(self, spec: EngineSpec, tokenizer: Any, launchers: Sequence[Launcher],
+                 router: Router, *, restart_delay: float = 1.0) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.launchers = list(launchers)
+        self.router = router
+        self.restart_delay = restart_delay
+        self.observers: list[Callable[[StepReport], None]] = []
+        self.decisions: dict[tuple[int, str], int] = {}  # (replica, reason) -> count
+        self.num_restarts = [0] * len(self.launchers)
+        self._where: dict[str, int] = {}  # live request id -> replica
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.replicas: list[ProcessEngine | None] = [None] * len(self.launchers)
+        try:
+            for index in range(len(self.launchers)):
+                self.replicas[index] = self._launch(index)
+        except BaseException:
+            for replica in self.replicas:
+                if replica is not None:
+                    replica._kill()
+            raise
+        first = self.replicas[0]
+        assert first is not None
+        self.info = first.info
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def _launch(self, index: int) -> ProcessEngine:
+        replica = ProcessEngine(self.spec, self.tokenizer, name=f"kvserve-engine-{index}",
+                                launcher=self.launchers[index], on_death=self._died)
+        replica.observers.append(lambda report, i=index: self._observe(i, report))
+        return replica
+
+    def _observe(self, index: int, report: StepReport) -> None:
+        if report.chunks:
+            with self._lock:
+                for chunk in report.chunks:
+                    if chunk.finished:
+                        self._where.pop(chunk.request_id, None)
+        notify(self.observers, dataclasses.replace(report, engine=index))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            if replica is not None:
+                replica.start(self._loop)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await asyncio.gather(*(r.stop() for r in self.replicas if r is not None))
+
+    def _live(self) -> list[tuple[int, ProcessEngine]]:
+        return [(i, r) for i, r in enumerate(self.replicas) if r is not None and r.is_running]
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopping and bool(self._live())
+
+    def health(self) -> str | None:
+        """None when every replica serves; else what is missing (the server still serves
+        while one replica is live)."""
+        down = [i for i, r in enumerate(self.replicas) if r is None or not r.is_running]
+        if not down:
+            return None
+        return (f"degraded: replica {', '.join(map(str, down))} of {self.num_replicas} down "
+                f"(restarting); {self.num_replicas - len(down)} serving")
+
+    # -- what the server reads -------------------------------------------------------------
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The sum over the live replicas (KV usage: the share of all their blocks)."""
+        return merge_stats([r.stats for _, r in self._live()] or
+                           [r.stats for r in self.replicas if r is not None])
+
+    def replica_stats(self) -> list[tuple[int, SchedulerStats, int]]:
+        """(replica, its latest stats, its invariant violations) for each live replica."""
+        return [(i, r.stats, r.invariant_violations) for i, r in self._live()]
+
+    @property
+    def idle_checks(self) -> int:
+        return sum(r.idle_checks for r in self.replicas if r is not None)
+
+    @property
+    def invariant_violations(self) -> int:
+        return sum(r.invariant_violations for r in self.replicas if r is not None)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def add_requests(self, items: Sequence[Item],
+                           arrival_time: float | None = None) -> RequestStream:
+        """Route the group to one replica and queue it there (all or nothing); raises what
+        the replica's engine raises, or EngineDeadError when no replica is live."""
+        when = time.monotonic() if arrival_time is None else arrival_time
+        index, stream = await self._place(list(items), when)
+        return _RoutedStream(self, list(items), when, index, stream)  # type: ignore[return-value]
+
+    async def _place(self, items: list[Item], arrival_time: float,
+                     ) -> tuple[int, RequestStream]:
+        hashes = self._prefix_hashes(items[0])
+        while True:
+            loads = [self._load(i) for i in range(self.num_replicas)]
+            try:
+                decision = self.router.route(hashes, loads)
+            except NoReplicaError:
+                raise EngineDeadError("no engine replica is running (every one is "
+                                      "restarting); retry later") from None
+            replica = self.replicas[decision.replica]
+            assert replica is not None
+            with self._lock:
+                key = (decision.replica, decision.reason)
+                self.decisions[key] = self.decisions.get(key, 0) + 1
+                for request_id, _, _ in items:
+                    self._where[request_id] = decision.replica
+            try:
+                return decision.replica, await replica.add_requests(items, arrival_time)
+            except EngineDeadError:
+                continue  # it died just now: the router will not pick it again
+            except BaseException:
+                with self._lock:
+                    for request_id, _, _ in items:
+                        self._where.pop(request_id, None)
+                raise
+
+    def _prefix_hashes(self, item: Item) -> list[bytes]:
+        """The prompt's leading block hashes as the replica's prefix cache will name them
+        (salt and, under the tenant scope, tenant included)."""
+        _, prompt, params = item
+        if not isinstance(prompt, list) or not self.info.enable_prefix_caching:
+            return []
+        tenant_scoped = self.info.scheduler_config.prefix_cache_scope == "tenant"
+        salt = first_block_key(_ParamsOnly(params), tenant_scoped)  # type: ignore[arg-type]
+        return prompt_block_hashes(prompt, self.info.block_size, salt)
+
+    def _load(self, index: int) -> ReplicaLoad:
+        replica = self.replicas[index]
+        if replica is None or not replica.is_running:
+            return ReplicaLoad(index, False, 0, 0, 0.0)
+        stats = replica.stats
+        return ReplicaLoad(index, True, stats.num_running,
+                           stats.num_waiting + replica.pending_adds, stats.kv_cache_usage)
+
+    def abort(self, *request_ids: str) -> None:
+        """Abort requests wherever they run; unknown ids are ignored. Any thread."""
+        by_replica: dict[int, list[str]] = {}
+        with self._lock:
+            for request_id in request_ids:
+                index = self._where.get(request_id)
+                if index is not None:
+                    by_replica.setdefault(index, []).append(request_id)
+        for index, ids in sorted(by_replica.items()):
+            replica = self.replicas[index]
+            if replica is not None:
+                replica.abort(*ids)
+
+    # -- failures --------------------------------------------------------------------------
+
+    def _died(self, replica: ProcessEngine) -> None:
+        """Reader thread of the dead replica: forget its prefixes and launch it again."""
+        index = self.replicas.index(replica)
+        logger.error("replica %d died: %s; restarting it", index, replica.error)
+        self.router.forget_replica(index)
+        with self._lock:  # its requests either moved (placed again) or failed
+            for request_id in [r for r, i in self._where.items() if i == index]:
+                del self._where[request_id]
+        threading.Thread(target=self._restart, args=(index,), name=f"restart-{index}",
+                         daemon=True).start()
+
+    def _restart(self, index: int) -> None:
+        while not self._stopping:
+            try:
+                replica = self._launch(index)
+            except Exception as error:
+                logger.error("replica %d failed to restart: %s", index, error)
+                time.sleep(self.restart_delay)
+                continue
+            if self._stopping or self._loop is None:
+                replica._kill()
+                return
+            self._loop.call_soon_threadsafe(self._swap_in, index, replica)
+            return
+
+    def _swap_in(self, index: int, replica: ProcessEngine) -> None:
+        replica.start(self._loop)
+        self.replicas[index] = replica
+        self.num_restarts[index] += 1
+        logger.info("replica %d is back (restart %d)", index, self.num_restarts[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamsOnly:
+    """What first_block_key reads of a request, before there is one."""
+
+    sampling_params: SamplingParams
+
+
+class _RoutedStream:
+    """A RequestStream that survives its replica's death while nothing has been read: it is
+    placed again on a live replica."""
+
+    def __init__(self, engine: DataParallelEngine, items: list[Item], arrival_time: float,
+                 replica: int, inner: RequestStream) -> None:
+        self.engine = engine
+        self.items = items
+        self.arrival_time = arrival_time
+        self.replica = replica
+        self.inner = inner
+        self.request_ids = inner.request_ids
+        self.read_any = False
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    def __aiter__(self) -> _RoutedStream:
+        return self
+
+    async def __anext__(self) -> CompletionChunk:
+        while True:
+            try:
+                chunk = await self.inner.__anext__()
+            except EngineDeadError as error:
+                if self.read_any or self.engine._stopping:
+                    raise EngineDeadError(f"replica {self.replica} failed with this request "
+                                          f"under way: {error}") from None
+                logger.warning("replica %d died before request %s streamed anything; placing "
+                               "it again", self.replica, self.request_ids[0])
+                self.replica, self.inner = await self.engine._place(self.items,
+                                                                    self.arrival_time)
+                continue
+            self.read_any = True
+            return chunk
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+def merge_stats(parts: Sequence[SchedulerStats]) -> SchedulerStats:
+    """One snapshot for several schedulers: counts add up; KV usage is the share of all their
+    blocks in use."""
+    if len(parts) == 1:
+        return parts[0]
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(SchedulerStats):
+        if field.name == "kv_cache_usage":
+            continue
+        items = [getattr(part, field.name) for part in parts]
+        if isinstance(items[0], dict):
+            merged: dict[str, int] = {}
+            for item in items:
+                for key, count in item.items():
+                    merged[key] = merged.get(key, 0) + count
+            values[field.name] = merged
+        else:
+            values[field.name] = sum(items)
+    blocks = values["num_blocks"]
+    values["kv_cache_usage"] = (blocks - values["num_free_blocks"]) / blocks if blocks else 0.0
+    return SchedulerStats(**values)

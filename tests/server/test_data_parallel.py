@@ -1,0 +1,146 @@
+"""`--data-parallel-size 2` on both backends (local processes; Ray actors on a real local Ray
+instance): completions and streams are served by both replicas, /metrics labels each engine's
+series engine="i" and counts the router's decisions, and a killed replica is survived: what
+had streamed ends with an error, what had not is placed again on the live replica, the replica
+is restarted, /health says degraded until it is back, and every live pool is whole after."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .helpers import LiveServer, engine_spec, metric_values, tokenizer, wait_for
+
+LONG = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_parallel(launchers: list, policy: str = "round-robin"):
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+
+    spec = engine_spec(0.01, max_num_seqs=1, max_model_len=1024)
+    return DataParallelEngine(spec, tokenizer(), launchers, make_router(policy, 2),
+                              restart_delay=0.2)
+
+
+def pools_whole(live: LiveServer) -> bool:
+    replicas = live.state.engine.replica_stats()
+    return len(replicas) == 2 and all(
+        s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+        for _, s, _ in replicas) and not live.state.groups
+
+
+def check_both_replicas_serve(live: LiveServer) -> None:
+    """Round-robin: a plain completion on replica 0, a stream on replica 1 (R2)."""
+    reply = httpx.post(live.url + "/v1/completions", timeout=60,
+                       json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 4
+    wait_for(lambda: pools_whole(live), what="both pools whole")
+    values = metric_values(httpx.get(live.url + "/metrics").text)
+    for replica in ("0", "1"):
+        labels = (("engine", replica), ("model_name", "tiny"))
+        assert values[("kvserve:engine_steps_total", labels)] > 0
+        assert values[("vllm:num_requests_running", labels)] == 0
+        assert values[("kvserve:router_decisions_total", (
+            ("model_name", "tiny"), ("reason", "round_robin"), ("replica", replica)))] == 1
+    assert values[("vllm:generation_tokens_total", (("model_name", "tiny"),))] == 6
+
+
+def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:
+    """Replica 0 holds a stream that has sent tokens and a queued request that has not; it
+    dies. The stream ends with a 503 error event, the queued request is served by replica 1,
+    and replica 0 comes back."""
+    streamed: list[str] = []
+    plain: list[httpx.Response] = []
+
+    def stream(request_id: str) -> None:
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=120,
+                          json={**LONG, "stream": True},
+                          headers={"X-Request-Id": request_id}) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                streamed.append(f"{request_id} {line}")
+
+    def queued() -> None:
+        plain.append(httpx.post(live.url + "/v1/completions", timeout=120, json={
+            "prompt": [7] * 8, "max_tokens": 4, "ignore_eos": True}))
+    engine = live.state.engine
+    threads = [threading.Thread(target=stream, args=("a",))]  # round-robin: replica 0
+    threads[0].start()
+    wait_for(lambda: any(s.startswith("a data:") for s in streamed), what="a streaming")
+    threads.append(threading.Thread(target=stream, args=("b",)))  # replica 1
+    threads[1].start()
+    wait_for(lambda: any(s.startswith("b data:") for s in streamed), what="b streaming")
+    threads.append(threading.Thread(target=queued))  # replica 0, behind a
+    threads[2].start()
+    wait_for(lambda: engine.replicas[0].stats.num_waiting == 1, what="queued on replica 0")
+    kill(engine, 0)
+    threads[0].join(timeout=60)
+    assert not threads[0].is_alive(), "the stream of the dead replica hung"
+    events = [s[len("a data: "):] for s in streamed if s.startswith("a data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
+    assert "replica 0 failed with this request under way" in events[-2]
+    # the queued request moved to replica 1, where it waits behind b
+    wait_for(lambda: engine.replicas[1].stats.num_waiting == 1, what="the retry on replica 1")
+    assert httpx.get(live.url + "/health").text.startswith("degraded: replica 0 of 2 down")
+    httpx.post(live.url + "/v1/abort", json={"request_id": "b"})
+    for thread in threads[1:]:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert plain[0].status_code == 200, plain[0].text
+    assert plain[0].json()["usage"]["completion_tokens"] == 4
+    wait_for(lambda: engine.num_restarts[0] == 1 and engine.health() is None, timeout=300,
+             what="replica 0 to come back")
+    assert httpx.get(live.url + "/health").text == "ok"
+    wait_for(lambda: pools_whole(live), what="every live pool whole")
+    values = metric_values(httpx.get(live.url + "/metrics").text)
+    assert values[("kvserve:replica_restarts_total", (("model_name", "tiny"),
+                                                      ("replica", "0")))] == 1
+    # the router sends new work to the restarted replica again
+    reply = httpx.post(live.url + "/v1/completions", timeout=60,
+                       json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    assert reply.status_code == 200
+
+
+def kill_process(engine, index: int) -> None:
+    os.kill(engine.replicas[index].pid, signal.SIGKILL)
+
+
+def test_two_local_replicas_serve_and_survive_a_killed_one():
+    from kvserve.engine.engine_process import LocalLauncher
+
+    engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
+    with LiveServer(serving=engine) as live:
+        check_both_replicas_serve(live)
+        check_a_killed_replica_is_survived(live, kill_process)
+    assert not any(r.launcher.alive() for r in engine.replicas)
+
+
+def test_two_ray_replicas_serve_and_survive_a_crashed_actor(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from kvserve.engine.ray_launcher import RayLauncher
+
+    # the actors import the engine factory from this test package
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        engine = data_parallel([RayLauncher(i) for i in range(2)])
+        with LiveServer(serving=engine) as live:
+            assert {r.pid for r in engine.replicas} != {os.getpid()}
+            check_both_replicas_serve(live)
+            check_a_killed_replica_is_survived(live, kill_process)  # Ray restarts the actor
+    finally:
+        ray.shutdown()
