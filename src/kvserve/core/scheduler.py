@@ -408,8 +408,9 @@ class Scheduler:
             return
         config = self.config
         self._admission.start_pass(self.running)
-        if self._waiting_sorts:
-            self.waiting.start_pass(self.kv, self._now)
+        if self._waiting_sorts and step.token_budget > 0 and \
+                len(self.running) < config.max_num_seqs:
+            self.waiting.start_pass(self.kv, self._now)  # only when it may admit (C4-C7)
         while self.waiting:
             if step.token_budget <= 0:
                 self._note_blocked("token_budget")
