@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvserve.core.cache_order import CacheAwareQueue, dfs_weight_order
 from kvserve.core.config import SchedulerConfig
-from kvserve.core.errors import ConfigError
+from kvserve.core.errors import ConfigError, RequestError
 from kvserve.core.queues import AgingPriorityQueue, make_waiting_queue
 from tests.conftest import FakeExecutor, make_request, make_scheduler, step
 
@@ -223,3 +223,56 @@ def test_with_aging_every_request_is_admitted_within_its_bound(policy, script, m
                         if r.arrival_time < request.arrival_time + delay]
         admissions_in_between = position[name] - popped_before[name]
         assert admissions_in_between <= waiting_at_arrival[name] + len(close_behind), name
+
+
+# -- requests not ready yet (L2) ---------------------------------------------------------------
+
+def test_not_ready_requests_are_skipped_and_restored_in_order():  # L2, D4
+    executor = FakeExecutor()
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2,
+                               max_num_batched_tokens=64, record_events=True)
+    for name in ("a", "b", "c", "d", "e"):
+        scheduler.add_request(make_request(name, 8))
+    scheduler.set_not_ready("a", "kv_transfer")
+    scheduler.set_not_ready("c", "input")
+    out, _ = step(scheduler, executor)
+    assert [new.request_id for new in out.scheduled_new_reqs] == ["b", "d"]
+    assert ids(scheduler.waiting) == ["a", "c", "e"]  # the skipped back first, in order
+    assert scheduler.waiting.num_tokens == 24
+    blocked = [(e.request_id, e.reason) for e in scheduler.take_events() if e.kind == "blocked"]
+    assert blocked == [("a", "not_ready: kv_transfer"), ("c", "not_ready: input"),
+                       ("e", "max_num_seqs")]
+    assert scheduler.stats().num_blocked_steps == {"not_ready": 1, "max_num_seqs": 1}
+    scheduler.set_not_ready("a", None)
+    scheduler.abort("b")
+    out, _ = step(scheduler, executor)
+    assert [new.request_id for new in out.scheduled_new_reqs] == ["a"]
+    assert ids(scheduler.waiting) == ["c", "e"]
+
+
+def test_a_ready_head_that_does_not_fit_still_blocks_the_queue():  # L2, D4 head-of-line
+    executor = FakeExecutor()
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("big", 24, max_tokens=50, ignore_eos=True))
+    step(scheduler, executor)  # big holds 6 blocks, 7 after its next token
+    scheduler.add_request(make_request("wait", 4))
+    scheduler.add_request(make_request("huge", 12))  # needs 3 blocks, 1 is free
+    scheduler.add_request(make_request("small", 3))  # would fit in that 1
+    scheduler.set_not_ready("wait", "kv_transfer")
+    out, _ = step(scheduler, executor)
+    assert out.scheduled_new_reqs == [] and ids(scheduler.waiting) == ["wait", "huge", "small"]
+    assert scheduler.kv.num_free_blocks == 1
+
+
+def test_skipping_does_not_charge_a_fair_share_tenant():  # L2, T3
+    scheduler = make_scheduler(tenant_fairness="vtc", max_num_batched_tokens=64)
+    scheduler.add_request(make_request("x", 8, tenant="t1"))
+    scheduler.set_not_ready("x", "input")
+    step(scheduler, FakeExecutor())
+    assert scheduler.waiting.counters.get("t1", 0.0) == 0.0 and ids(scheduler.waiting) == ["x"]
+
+
+def test_only_a_waiting_request_can_be_marked_not_ready():  # L2
+    scheduler = make_scheduler()
+    with pytest.raises(RequestError, match="'nope' is not waiting"):
+        scheduler.set_not_ready("nope", "input")

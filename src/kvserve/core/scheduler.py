@@ -398,20 +398,41 @@ class Scheduler:
             self._emit(self._now, EventType.RESUMED, request, num_new, SWAP)
         return False
 
-    def _schedule_waiting(self, step: _Step) -> None:
-        """Pass 2 (D4-D6): admit from the head of the queue until something stops us.
+    def set_not_ready(self, request_id: str, reason: str | None) -> None:
+        """Mark a waiting request not ready (``reason``: what it waits for) or ready again
+        (None): the waiting pass skips it without blocking the queue (L2)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status in (_RUNNING, RequestStatus.SWAPPED):
+            raise RequestError(f"request {request_id!r} is not waiting in the queue")
+        request.not_ready_reason = reason
 
-        Stopping at the first request that does not fit is head-of-line blocking, on purpose:
-        skipping ahead would starve long prompts.
-        """
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Pass 2 (D4-D6, L2): admit from the head of the queue until something stops us;
+        requests not ready yet are set aside for the pass and put back in their places."""
         if not self.waiting:
             return
+        skipped: list[Request] = []
+        self._admit_waiting(step, skipped)
+        if skipped:
+            self.num_blocked_steps["not_ready"] = self.num_blocked_steps.get("not_ready", 0) + 1
+            push_front = self.waiting.push_front
+            for request in reversed(skipped):  # L2: back at the front, in their order
+                push_front(request)
+
+    def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
+        """Stopping at the first ready request that does not fit is head-of-line blocking,
+        on purpose: skipping ahead would starve long prompts."""
         config = self.config
         self._admission.start_pass(self.running)
         if self._waiting_sorts and step.token_budget > 0 and \
                 len(self.running) < config.max_num_seqs:
             self.waiting.start_pass(self.kv, self._now)  # only when it may admit (C4-C7)
         while self.waiting:
+            head = self.waiting.peek()
+            if head.not_ready_reason is not None:
+                self.waiting.remove(head)  # not pop: a fair-share queue charges a pop (T3)
+                self._skip_not_ready(head, skipped)
+                continue
             if step.token_budget <= 0:
                 self._note_blocked("token_budget")
                 return
@@ -441,6 +462,15 @@ class Scheduler:
                 return
             self.waiting.pop()
             self._admit(request, num_new, num_hit_tokens, new_blocks, step)
+
+    def _skip_not_ready(self, request: Request, skipped: list[Request]) -> None:
+        """L2: set aside for this pass; logged once per reason, as a blocked head is."""
+        skipped.append(request)
+        reason = f"not_ready: {request.not_ready_reason}"
+        if self._events is not None and \
+                self._blocked_reason.get(request.request_id) != reason:
+            self._blocked_reason[request.request_id] = reason
+            self._emit(self._now, EventType.BLOCKED, request, request.num_tokens, reason)
 
     def _admit_urgent(self, step: _Step) -> bool:
         """M1-M3: preempt the least urgent running requests that qualify until the head of
