@@ -192,7 +192,8 @@ def _fields(obj: Any) -> dict[str, Any]:
 # Scheduler fields newer than report version 1, echoed only when they differ from their
 # defaults, so that a report with default flags stays byte-identical.
 _ECHOED_WHEN_SET = ("max_num_queued_reqs_per_tenant", "prefix_cache_scope", "tenant_fairness",
-                    "vtc_prompt_token_price", "vtc_output_token_price", "tenant_weights")
+                    "vtc_prompt_token_price", "vtc_output_token_price", "tenant_weights",
+                    "lpm_max_queue", "schedule_aging_s")
 
 
 def _scheduler_echo(config: SchedulerConfig) -> dict[str, Any]:
