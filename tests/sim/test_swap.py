@@ -31,6 +31,10 @@ def test_prices_come_from_the_cost_model_and_the_host_link():  # S4
     assert p.swap_seconds(10) == pytest.approx(10 * BYTES_PER_BLOCK / 64e9)
     assert p.recompute_seconds(512) == roofline().step_time(None, prefill_view(512))
     assert prefill_view(4) == BatchView(1, 4, 1, 0, 0, 10)
+    # GH200's host is across NVLink-C2C: 450 GB/s per direction, 7x PCIe Gen5
+    gh200 = SimPreemptionPrices(roofline(), get_model("llama-3.1-8b"), get_hardware("gh200"),
+                                "bf16", 1, 16)
+    assert gh200.swap_seconds(10) == pytest.approx(10 * BYTES_PER_BLOCK / 450e9)
 
 
 def test_a_step_pays_for_its_copies():  # S1, S2: copies run before the forward

@@ -144,6 +144,11 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec("cpu-local", {"fp32": 190e9, "bf16": 408e9, "fp16": 190e9}, 48.6e9,
                      24 * GiB, 48.6e9, 48.6e9, compute_efficiency=1.0, memory_efficiency=1.0,
                      step_overhead_s=0.0),
+        # GH200 Grace Hopper (96 GB): H100's compute; HBM3 96 GB at 4.0 TB/s; NVLink 4 to
+        # other GPUs, 450 GB/s per direction; the host (Grace's LPDDR5X) over NVLink-C2C,
+        # 900 GB/s total, 450 per direction: the link where a host KV tier is cheapest.
+        HardwareSpec("gh200", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
+                               "fp8": 1979 * _T}, 4.0e12, 96 * 10**9, 450e9, 450e9),
     )
 }
 
