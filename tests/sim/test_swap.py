@@ -68,8 +68,15 @@ def simulate(tmp_path, trace, *flags):
     return json.loads(report.read_text())
 
 
-def test_swap_mode_reports_the_host_tier(tmp_path, trace):  # S1-S3, report
+def test_swap_mode_reports_the_host_tier(tmp_path, trace, capsys):  # S1-S3, report
     data = simulate(tmp_path, trace, "--preemption-mode", "swap", "--swap-space", "1")
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(trace), "--report", str(report),
+                 "--num-kv-blocks", "120", "--max-num-seqs", "32", "--preemption-mode", "swap",
+                 "--swap-space", "1"]) == 0
+    assert json.loads(report.read_text()) == data  # --check changes nothing
+    out = capsys.readouterr().out
+    assert "swapped out / in" in out and "preemptions: swap / recompute / for urgent" in out
     aggregate = data["aggregate"]
     assert aggregate["num_preemptions"] > 0
     assert aggregate["preemptions_by_mode"]["swap"] == aggregate["num_preemptions"]

@@ -23,6 +23,17 @@ def _console(file: Any = None) -> Any:
     return Console(file=file, width=110, highlight=False)
 
 
+def _host_tier_rows(a: dict) -> list[tuple[str, str]]:
+    """Swap figures, when the report has them (preemption mode swap or auto)."""
+    if "swapped_out_blocks" not in a:
+        return []
+    by_mode = a["preemptions_by_mode"]
+    return [("preemptions: swap / recompute / for urgent",
+             f"{by_mode['swap']} / {by_mode['recompute']} / {by_mode['priority']}"),
+            ("swapped out / in", f"{a['swapped_out_blocks']} / {a['swapped_in_blocks']} "
+                                 f"blocks ({a['swapped_out_bytes'] / 2**30:.2f} GiB out)")]
+
+
 def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
                     wall_seconds: float | None = None) -> None:
     from rich.table import Table
@@ -40,6 +51,7 @@ def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
         ("preemptions", f"{a['num_preemptions']} ({a['num_preempted_requests']} requests)"),
         ("recomputed tokens (wasted)",
          f"{a['recomputed_tokens']} ({fmt_pct(a['wasted_fraction'])})"),
+        *_host_tier_rows(a),
         ("longest stall", fmt_s(a["longest_stall_s"])),
         ("prefix hit rate", fmt_pct(a["prefix_hit_rate"])),
         ("KV usage peak / mean", f"{fmt_pct(a['kv_usage_peak'])} / "
