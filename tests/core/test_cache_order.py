@@ -276,3 +276,34 @@ def test_only_a_waiting_request_can_be_marked_not_ready():  # L2
     scheduler = make_scheduler()
     with pytest.raises(RequestError, match="'nope' is not waiting"):
         scheduler.set_not_ready("nope", "input")
+
+
+def test_aging_promotion_on_the_scheduler_is_logged_once():  # C7, C4
+    executor = FakeExecutor()
+    scheduler = make_scheduler(num_blocks=32, block_size=4, scheduling_policy="lpm",
+                               schedule_aging_s=5.0, max_num_seqs=1,
+                               max_num_batched_tokens=64, record_events=True)
+    prompt = list(range(100, 112))
+    scheduler.add_request(make_request("warm", prompt_token_ids=prompt, max_tokens=1))
+    step(scheduler, executor, now=0.0)
+    scheduler.add_request(make_request("cold", 16, arrival_time=0.5, max_tokens=1))
+    for name, tail, arrival in (("hot1", [1, 2, 3, 4], 0.5), ("hot2", [5, 6, 7, 8], 2.0)):
+        scheduler.add_request(make_request(name, prompt_token_ids=[*prompt, *tail],
+                                           arrival_time=arrival, max_tokens=1))
+    scheduler.take_events()
+    admitted = [step(scheduler, executor, now=t)[0].scheduled_new_reqs[0].request_id
+                for t in (1.0, 6.0, 7.0)]
+    assert admitted == ["hot1", "cold", "hot2"]  # cold waited 5.5 s >= 5 at t=6, hot2 4 s
+    promoted = [(e.time, e.request_id, e.reason) for e in scheduler.take_events()
+                if e.kind == "promoted"]
+    assert promoted == [(6.0, "cold", "aging")]
+
+
+def test_priority_aging_reports_each_request_once():  # C7
+    queue = AgingPriorityQueue(aging_s=2.0)
+    queue.push(make_request("x", 4, priority=5, arrival_time=0.0))
+    queue.push(make_request("y", 4, priority=3, arrival_time=3.0))
+    assert queue.start_pass(None, now=1.0) == []
+    assert ids(queue.start_pass(None, now=2.0)) == ["x"]
+    assert queue.start_pass(None, now=4.0) == []
+    assert ids(queue.start_pass(None, now=5.0)) == ["y"]

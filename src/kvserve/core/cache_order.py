@@ -43,18 +43,19 @@ class CacheAwareQueue(WaitingQueue):
         self.num_sorted_passes = 0
         self.num_fcfs_passes = 0  # passes whose queue was over max_queue (C6)
         self.promoted: list[Request] = []  # promoted by aging in the last sorted pass (C7)
+        self._reported: set[str] = set()  # ids already returned as newly promoted
 
     # -- the order -------------------------------------------------------------------------
 
-    def start_pass(self, cache: PrefixView, now: float) -> None:
+    def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         self._order = None
         self.promoted = []
         num_waiting = len(self._arrival)
         if num_waiting > self.max_queue:
             self.num_fcfs_passes += 1
-            return
+            return []
         if num_waiting < 2:
-            return
+            return []
         self.num_sorted_passes += 1
         rest: list[Request] = list(self._arrival)
         if self.aging_s is not None:
@@ -68,6 +69,9 @@ class CacheAwareQueue(WaitingQueue):
         else:
             rest = dfs_weight_order(rest, [cache.cached_prefix_hashes(r) for r in rest])
         self._order = self.promoted + rest
+        lifted = [r for r in self.promoted if r.request_id not in self._reported]
+        self._reported.update(r.request_id for r in lifted)
+        return lifted
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -89,6 +93,7 @@ class CacheAwareQueue(WaitingQueue):
         else:
             request = self._order.pop(0)
             self._arrival.remove(request)
+        self._reported.discard(request.request_id)
         self._removed(request)
         return request
 
@@ -99,6 +104,7 @@ class CacheAwareQueue(WaitingQueue):
         self._arrival.remove(request)
         if self._order is not None:
             self._order.remove(request)
+        self._reported.discard(request.request_id)
         self._removed(request)
 
     def __len__(self) -> int:

@@ -74,11 +74,13 @@ class TenantFairQueue(WaitingQueue):
                     request.num_computed_tokens >= request.num_tokens:
                 self._charge(request.sampling_params.tenant, price)
 
-    def start_pass(self, cache: PrefixView, now: float) -> None:
+    def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         """A cache-aware or aging order sorts each tenant's bucket (C4-C7)."""
+        lifted: list[Request] = []
         for tenants in self._levels.values():
             for bucket in tenants.values():
-                bucket.start_pass(cache, now)
+                lifted += bucket.start_pass(cache, now)
+        return lifted
 
     # -- the queue -------------------------------------------------------------------------
 

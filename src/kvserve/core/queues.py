@@ -51,10 +51,11 @@ class WaitingQueue(ABC):
         (T3); the others ignore it."""
         return None
 
-    def start_pass(self, cache: PrefixView, now: float) -> None:
+    def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         """Told before every waiting pass: an order that depends on the prefix cache or on
-        the clock sorts itself here (C4-C7); the others ignore it."""
-        return None
+        the clock sorts itself here (C4-C7); the others ignore it. Returns the requests that
+        aging lifted for the first time on this pass (C7), for the event log."""
+        return []
 
     @abstractmethod
     def push(self, request: Request) -> None: ...
@@ -171,6 +172,7 @@ class AgingPriorityQueue(WaitingQueue):
         self._requests: list[Request] = []
         self._now = -math.inf  # until the first pass, nobody has aged
         self._sorted = True
+        self._promoted: set[str] = set()  # ids already reported as lifted by aging
 
     def effective_priority(self, request: Request, now: float) -> int:
         waited = now - request.arrival_time
@@ -181,10 +183,15 @@ class AgingPriorityQueue(WaitingQueue):
         return (self.effective_priority(request, self._now), request.arrival_time,
                 request.request_id)
 
-    def start_pass(self, cache: PrefixView, now: float) -> None:
+    def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         self._now = now
         self._requests.sort(key=self._key)
         self._sorted = True
+        limit = now - self._aging_s
+        lifted = [r for r in self._requests
+                  if r.arrival_time <= limit and r.request_id not in self._promoted]
+        self._promoted.update(r.request_id for r in lifted)
+        return lifted
 
     def _ordered(self) -> list[Request]:
         if not self._sorted:
@@ -202,6 +209,7 @@ class AgingPriorityQueue(WaitingQueue):
 
     def pop(self) -> Request:
         request = self._ordered().pop(0)
+        self._promoted.discard(request.request_id)
         self._removed(request)
         return request
 
@@ -210,6 +218,7 @@ class AgingPriorityQueue(WaitingQueue):
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
+        self._promoted.discard(request.request_id)
         self._removed(request)
 
     def __len__(self) -> int:

@@ -62,6 +62,7 @@ class EventType(str, enum.Enum):
     ADMITTED = "admitted"  # first scheduled: left the waiting queue for running
     RESUMED = "resumed"  # admitted again after a preemption
     BLOCKED = "blocked"  # event log only: the waiting pass stopped at this request
+    PROMOTED = "promoted"  # event log only: aging first lifted this waiting request (C7)
     PREEMPTED = "preempted"
     FINISHED = "finished"
 

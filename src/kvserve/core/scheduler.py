@@ -426,7 +426,11 @@ class Scheduler:
         self._admission.start_pass(self.running)
         if self._waiting_sorts and step.token_budget > 0 and \
                 len(self.running) < config.max_num_seqs:
-            self.waiting.start_pass(self.kv, self._now)  # only when it may admit (C4-C7)
+            lifted = self.waiting.start_pass(self.kv, self._now)  # only when it may admit
+            if lifted and self._events is not None:  # C7
+                for request in lifted:
+                    self._emit(self._now, EventType.PROMOTED, request, request.num_tokens,
+                               "aging")
         while self.waiting:
             head = self.waiting.peek()
             if head.not_ready_reason is not None:
