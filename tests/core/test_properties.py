@@ -104,7 +104,10 @@ def preemption(draw: st.DrawFn, policy: str) -> dict:
 def configs(draw: st.DrawFn) -> dict:
     chunked = draw(st.booleans())
     budget = draw(st.sampled_from([16, 64, 256])) if chunked else MAX_MODEL_LEN
-    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "lpm", "dfs-weight"]))
+    preempting = draw(preemption(policy))
+    aging = policy != "fcfs" and not preempting["enable_priority_preemption"] and \
+        draw(st.booleans())
     return dict(
         max_num_seqs=draw(st.integers(1, min(budget, 16))),
         max_num_batched_tokens=budget,
@@ -116,7 +119,9 @@ def configs(draw: st.DrawFn) -> dict:
         reserve_full_sequence=draw(st.booleans()),
         victim_policy=draw(st.sampled_from(["vllm", "sglang", "least-computed"])),
         admission_policy=draw(st.sampled_from(["optimistic", "reserve", "adaptive"])),
-        **draw(preemption(policy)),
+        lpm_max_queue=draw(st.sampled_from([0, 2, 128])),  # C6: sorted or FCFS passes
+        schedule_aging_s=3.0 if aging else None,  # C7
+        **preempting,
     )
 
 
