@@ -144,3 +144,21 @@ def test_two_ray_replicas_serve_and_survive_a_crashed_actor(monkeypatch):
             check_a_killed_replica_is_survived(live, kill_process)  # Ray restarts the actor
     finally:
         ray.shutdown()
+
+
+def test_merged_stats_add_counts_and_pool_shares():
+    """The server-wide snapshot of two replicas: counts and per-reason dicts add up; KV usage
+    is the share of all their blocks in use, not the mean of the two shares."""
+    from kvserve.core import SchedulerStats
+    from kvserve.engine.data_parallel import merge_stats
+
+    def stats(running: int, free: int, blocks: int, finished: dict) -> SchedulerStats:
+        return SchedulerStats(running, 1, 10, 1 - free / blocks, free, blocks, 5, 2, 3, 40, 8,
+                              4, finished, {"kv_capacity": 1})
+    merged = merge_stats([stats(2, 10, 100, {"length": 3}),
+                          stats(1, 40, 50, {"length": 1, "abort": 2})])
+    assert (merged.num_running, merged.num_waiting, merged.num_free_blocks,
+            merged.num_blocks, merged.num_steps) == (3, 2, 50, 150, 10)
+    assert merged.kv_cache_usage == 100 / 150
+    assert merged.num_finished == {"length": 4, "abort": 2}
+    assert merged.num_blocked_steps == {"kv_capacity": 2}
