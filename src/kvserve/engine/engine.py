@@ -75,6 +75,8 @@ class EngineInfo:
     num_kv_blocks: int
     enable_prefix_caching: bool
     scheduler_config: SchedulerConfig  # frozen: admission checks before queueing
+    num_host_blocks: int = 0  # the host KV tier, --swap-space (docs/preemption.md)
+    host_kv_cache_bytes: int = 0  # its size as the executor allocated it (0: unknown)
 
 
 @dataclass
@@ -102,9 +104,11 @@ class Engine:
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, _TextState] = {}
         config, cache = scheduler.config, scheduler.cache_config
+        host = getattr(executor, "host_kv_cache", None)
         self.info = EngineInfo(tokenizer, config.max_model_len, config.scheduling_policy,
                                cache.block_size, cache.num_blocks, cache.enable_prefix_caching,
-                               config)
+                               config, cache.num_host_blocks,
+                               host.num_blocks * host.bytes_per_block if host else 0)
 
     # -- requests --------------------------------------------------------------------------
 

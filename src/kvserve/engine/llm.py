@@ -28,6 +28,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
+from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
@@ -92,6 +93,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  "auto", load_format: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
+                 swap_space: int | None = None, num_host_blocks: int | None = None,
+                 preemption_prices: Any | None = None,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
@@ -102,6 +105,11 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
     ``tokenizer`` overrides the model's own (e.g. a tiny random ModelConfig in tests, given
     the bundled tokenizer so it can take text).
+
+    The host KV tier (docs/preemption.md) holds ``num_host_blocks`` blocks, or as many as
+    ``swap_space`` bytes hold (``--swap-space``). Under ``preemption_mode="auto"`` the
+    scheduler prices each victim with ``preemption_prices``, by default measured here once
+    (:mod:`kvserve.engine.preemption_prices`).
     """
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
@@ -118,13 +126,25 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if num_kv_blocks is None:
         num_kv_blocks = num_blocks_for_memory(config, block_size, torch_dtype,
                                               kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    if num_host_blocks is None:
+        num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
+            config, block_size, torch_dtype, swap_space, what="swap space")
     scheduler_settings.setdefault("max_model_len", config.max_position_embeddings)
-    scheduler = Scheduler(SchedulerConfig.from_dict(scheduler_settings),
-                          CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,
-                                      enable_prefix_caching=enable_prefix_caching),
-                          record_events=record_events)
+    scheduler_config = SchedulerConfig.from_dict(scheduler_settings)
+    cache_config = CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,
+                               enable_prefix_caching=enable_prefix_caching,
+                               num_host_blocks=num_host_blocks)
     kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
-    runner = ModelRunner(network, kv_caches, block_size, sampler=Sampler(seed))
+    host = HostKVCache(kv_caches, num_host_blocks) if num_host_blocks else None
+    runner = ModelRunner(network, kv_caches, block_size, sampler=Sampler(seed),
+                         host_kv_cache=host)
+    if preemption_prices is None and host is not None and \
+            scheduler_config.preemption_mode == "auto":
+        from kvserve.engine.preemption_prices import measure_prices
+        preemption_prices = measure_prices(runner, host, num_kv_blocks)
+        logger.info("%s", preemption_prices.describe())
+    scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
+                          preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
 
 

@@ -12,12 +12,12 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                          memory_bytes: int) -> int:
-    """How many blocks fit in ``memory_bytes`` (``--kv-cache-memory``)."""
+                          memory_bytes: int, what: str = "kv cache memory") -> int:
+    """How many blocks fit in ``memory_bytes`` (``--kv-cache-memory``, ``--swap-space``)."""
     per_block = kv_cache_bytes_per_block(config, block_size, dtype)
     num_blocks = memory_bytes // per_block
     if num_blocks < 1:
-        raise ValueError(f"kv cache memory of {memory_bytes} bytes holds no block: one block of "
+        raise ValueError(f"{what} of {memory_bytes} bytes holds no block: one block of "
                          f"{block_size} tokens needs {per_block} bytes")
     return int(num_blocks)
 

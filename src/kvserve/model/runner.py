@@ -3,7 +3,8 @@
 It keeps its own copy of each request's tokens and block table, built from SchedulerOutput
 alone (new and resumed requests arrive whole, running ones as deltas), turns the step into one
 flattened batch, runs one forward over all scheduled tokens, computes logits only where a
-token is sampled, and samples.
+token is sampled, and samples. With a host KV tier (:mod:`kvserve.model.kv_swap`) it first
+runs the step's block copies: every swap-out, then every swap-in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from kvserve.core import ModelOutput, SamplingParams, SchedulerOutput
 from kvserve.model.attention import paged_attention
 from kvserve.model.input_batch import SequenceSlice, build_batch
+from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import AttentionFn, LlamaForCausalLM
 from kvserve.model.sampler import Sampler, SamplingRow
 
@@ -31,16 +33,19 @@ class _RequestState:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, *,
-                 attention: AttentionFn = paged_attention, sampler: Sampler | None = None
-                 ) -> None:
+                 attention: AttentionFn = paged_attention, sampler: Sampler | None = None,
+                 host_kv_cache: HostKVCache | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.attention = attention
         self.sampler = sampler or Sampler()
         self.requests: dict[str, _RequestState] = {}
+        self.host_kv_cache = host_kv_cache
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
+            self._swap(scheduler_output)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput({})
@@ -60,6 +65,15 @@ class ModelRunner:
             {rid: [tok] for rid, tok in zip(sampling_ids, token_ids, strict=True)},
             None if logprobs is None else {
                 rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)})
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """The step's KV copies, before anything reads or writes the device cache. A
+        swapped-out request is also in ``preempted_req_ids`` (its state is dropped); it comes
+        back as a resumed request whose computed tokens are the blocks swapped in."""
+        if self.host_kv_cache is None:
+            raise RuntimeError("the scheduler asked for KV block copies, but this runner has "
+                               "no host KV tier (--swap-space)")
+        self.host_kv_cache.run(out.blocks_to_swap_out, out.blocks_to_swap_in)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids + out.preempted_req_ids:

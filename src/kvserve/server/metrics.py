@@ -268,6 +268,7 @@ class _StatsCollector(Collector):
                 ("kvserve:invariant_violations",
                  "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
                  "the engine fell idle.", lambda e: e.invariant_violations)), engines)
+        yield from _preemption_families(labels, engines)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
                                     "Waiting requests by reason: 'capacity' waits for room "
                                     "to be scheduled; 'deferred' is always 0 here.",
@@ -311,3 +312,31 @@ def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]
     for replica, count in enumerate(getattr(engine, "num_restarts", [])):
         restarts.add_metric([model_name, str(replica)], count)
     yield restarts
+
+
+def _preemption_families(labels: list[str], engines: list[_Engine]) -> Iterator[Metric]:
+    """The host KV tier and preemptions by mode (docs/preemption.md). ``mode="priority"``
+    counts the preemptions made for an urgent arrival; each of those is also counted under
+    the mode it used, so recompute + swap = vllm:num_preemptions_total."""
+    yield from _families(GaugeMetricFamily, labels, (
+            ("vllm:num_requests_swapped", "Requests whose KV waits in the host tier.",
+             lambda e: e.stats.num_swapped),
+            ("kvserve:host_kv_cache_usage_perc",
+             "Fraction of host-tier KV blocks in use (0..1; 0 without --swap-space).",
+             lambda e: 1.0 - e.stats.num_free_host_blocks / e.stats.num_host_blocks
+             if e.stats.num_host_blocks else 0.0)), engines)
+    by_mode = CounterMetricFamily("kvserve:preemptions",
+                                  "Preemptions by mode; priority = for an urgent arrival "
+                                  "(also counted under its recompute or swap mode).",
+                                  labels=[*labels, "mode"])
+    copied = CounterMetricFamily("kvserve:swapped_blocks",
+                                 "KV blocks copied to (out) and from (in) the host tier.",
+                                 labels=[*labels, "direction"])
+    for engine in engines:
+        for mode in ("recompute", "swap", "priority"):
+            by_mode.add_metric([*engine.labels, mode],
+                               engine.stats.num_preemptions_by_mode.get(mode, 0))
+        copied.add_metric([*engine.labels, "out"], engine.stats.num_swapped_out_blocks)
+        copied.add_metric([*engine.labels, "in"], engine.stats.num_swapped_in_blocks)
+    yield by_mode
+    yield copied

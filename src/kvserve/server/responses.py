@@ -35,6 +35,7 @@ def kvserve_ext(request_id: str, metrics: RequestMetrics | None) -> dict[str, An
             "prefix_hit_tokens": metrics.num_cached_tokens,
             "num_preemptions": metrics.num_preemptions,
             "num_recomputed_tokens": metrics.num_recomputed_tokens,
+            "num_swaps": metrics.num_swaps,
             "longest_stall": metrics.longest_stall}
 
 
@@ -50,6 +51,7 @@ def kvserve_total(request_id: str, choices: list[Choice]) -> dict[str, Any]:
             "prefix_hit_tokens": sum(e.get("prefix_hit_tokens", 0) for e in exts),
             "num_preemptions": sum(e.get("num_preemptions", 0) for e in exts),
             "num_recomputed_tokens": sum(e.get("num_recomputed_tokens", 0) for e in exts),
+            "num_swaps": sum(e.get("num_swaps", 0) for e in exts),
             "longest_stall": max(e.get("longest_stall", 0.0) for e in exts)}
 
 

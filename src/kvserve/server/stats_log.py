@@ -1,5 +1,6 @@
 """Server logs: the boot lines about the KV cache, one structured line per preemption, and a
-periodic line with throughput, queues, KV usage, prefix hit rate and preemptions."""
+periodic line with throughput, queues, KV usage, prefix hit rate and preemptions; with a
+host KV tier (``--swap-space``) its size at boot and its use in the periodic line."""
 
 from __future__ import annotations
 
@@ -22,16 +23,42 @@ def log_boot(state: ServerState) -> None:
                 info.block_size)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
                 num_tokens / max_model_len)
+    logger.info("%s", host_tier_line(state))
+
+
+def host_tier_line(state: ServerState) -> str:
+    """The host KV tier (``--swap-space``) and the preemption mode, for the boot log."""
+    info = state.engine.info
+    mode = info.scheduler_config.preemption_mode
+    if not info.num_host_blocks:
+        return f"Host KV cache (swap space): none; preemption mode: {mode}"
+    size = f", {_size(info.host_kv_cache_bytes)}" if info.host_kv_cache_bytes else ""
+    return (f"Host KV cache (swap space): {info.num_host_blocks * info.block_size} tokens "
+            f"({info.num_host_blocks} blocks of {info.block_size}{size}); "
+            f"preemption mode: {mode}")
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.2f} GiB"
+    return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def log_preemptions(report: StepReport) -> None:
-    """Engine thread: one key=value line per preemption."""
+    """Engine thread: one key=value line per preemption, with its mode and why (the
+    scheduler's reason: "recompute", "swap", "recompute (host tier full)", a "priority:"
+    prefix for an urgent arrival, both prices under auto). A swapped victim loses no
+    tokens: they move to the host tier."""
     for event in report.events:
         if event.kind is EventType.PREEMPTED:
-            logger.info("preemption request_id=%s num_tokens_lost=%d running=%d waiting=%d "
-                        "kv_cache_usage=%.3f", event.request_id, event.num_tokens,
+            reason = event.reason or "recompute"
+            mode = reason.removeprefix("priority:").split(" ", 1)[0]
+            lost, swapped = (0, event.num_tokens) if mode == "swap" else (event.num_tokens, 0)
+            logger.info("preemption request_id=%s mode=%s num_tokens_lost=%d "
+                        "num_tokens_swapped=%d running=%d waiting=%d kv_cache_usage=%.3f "
+                        "reason=%r", event.request_id, mode, lost, swapped,
                         report.stats.num_running, report.stats.num_waiting,
-                        report.stats.kv_cache_usage)
+                        report.stats.kv_cache_usage, reason)
 
 
 class StatsLogger:
@@ -55,10 +82,14 @@ class StatsLogger:
         if not (prompt or generated or stats.num_running or stats.num_waiting):
             return None
         hit_rate = 100.0 * hits / queries if queries else 0.0
+        # With a host tier, vLLM V0's "Swapped" count and the tier's usage join the line.
+        host = "" if not stats.num_host_blocks else (
+            f"Swapped: {stats.num_swapped} reqs, Host KV cache usage: "
+            f"{100 * (1 - stats.num_free_host_blocks / stats.num_host_blocks):.1f}%, ")
         return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-                f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
+                f"{host}KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {preempted}")
 
     async def run(self, interval: float) -> None:
