@@ -59,6 +59,7 @@ def test_the_bundled_model_answers_through_the_api():
 
 
 def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
+    import re
     import signal
     import socket
     import subprocess
@@ -74,7 +75,8 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     kvserve = str(Path(sys.executable).with_name("kvserve"))
     process = subprocess.Popen(
         [kvserve, "serve", "--port", str(port), "--load-format", "dummy",
-         "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "d"],
+         "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "d",
+         "--swap-space", "8MiB", "--preemption-mode", "auto"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180  # generous: start-up on a loaded 2-core machine
@@ -96,6 +98,14 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     assert process.returncode == 0, output
     assert "KV cache size: 512 tokens (32 blocks of 16)" in output
     assert "Maximum concurrency for 256 tokens per request: 2.00x" in output
+    # --swap-space reaches the engine: 8 MiB hold 11 SmolLM2 KV blocks of 16 tokens in fp32
+    # (737,280 B each; 22 in bf16); auto's prices were measured at start-up
+    # (docs/preemption.md).
+    host = re.search(r"Host KV cache \(swap space\): (\d+) tokens \((\d+) blocks of 16, "
+                     r"7\.7 MiB\); preemption mode: auto", output)
+    assert host is not None, output
+    assert (int(host[1]), int(host[2])) in ((176, 11), (352, 22))
+    assert "preemption prices (auto): host copy " in output
     # the engine ran in a process of its own, which ended with the server
     pid = int(output.split("engine process pid ")[1].split()[0])
     status = Path(f"/proc/{pid}/status")
