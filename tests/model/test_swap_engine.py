@@ -50,7 +50,7 @@ def generate(engine: Engine) -> Run:
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     metrics = {}
     while engine.has_unfinished_requests():
-        for chunk in engine.step():
+        for chunk in engine.step().chunks:
             tokens[chunk.request_id] += chunk.new_token_ids
             if chunk.finished:
                 metrics[chunk.request_id] = chunk.metrics
