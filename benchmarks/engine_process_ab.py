@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""W3 online, the engine on a thread of the server (``--no-engine-process``) against the engine
-in a process of its own (the default), alternated in one sitting.
+"""W3 online, the engine on a thread of the server (the default) against the engine in a
+process of its own (``--engine-process``), alternated in one sitting.
 
 Each pair starts a fresh `kvserve serve` for each side (the bundled model, bf16, the default
 1 GiB KV cache, extra serve flags after --) and sends W3 of ../shared/WORKLOADS.md with
@@ -29,7 +29,7 @@ from online_load import OUT, bench, free_port, w3_trace, write_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- engine_process_ab:begin -->", "<!-- engine_process_ab:end -->"
-SIDES = {"thread": ["--no-engine-process"], "process": []}
+SIDES = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
 
 
 def cpu() -> tuple[str, str]:
@@ -128,9 +128,8 @@ def main() -> int:
         "each run in the last column). Each run is a fresh `kvserve serve` (bundled "
         f"SmolLM2-135M-Instruct, {args.dtype}, 1 GiB KV) and W3 of ../shared/WORKLOADS.md by "
         "`kvserve bench serve --trace`; thread = `--no-engine-process` (the engine on a thread "
-        "of the server's process, passive OpenMP waiting), process = the default (the engine "
-        "in a process of its own, `OMP_WAIT_POLICY=ACTIVE` there). Pairs alternate their "
-        "order.", "",
+        "of the server's process, passive OpenMP waiting, the default), process = "
+        "`--engine-process` (`OMP_WAIT_POLICY=ACTIVE` there). Pairs alternate their order.", "",
         "| pair | engine | output tok/s | duration s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
         "completed / failed | load avg |", "|---|---|---|---|---|---|---|---|", *rows, "",
         summary, END, ""])

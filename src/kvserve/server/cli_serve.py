@@ -50,11 +50,12 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
-                       default=True,
+                       default=False,
                        help="run the scheduler and the model in a process of their own, as "
                             "vLLM V1 runs its EngineCore, so HTTP and the engine never share "
-                            "one interpreter lock (--no-engine-process: on a thread of the "
-                            "server's process)")
+                            "one interpreter lock (default: on a thread of the server's "
+                            "process; on 2 cores the engine process's spinning threads cost "
+                            "2/3 of W3's throughput, docs/benchmarks.md)")
     parallel = parser.add_argument_group("data parallel")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                           help="engine replicas, each with its own scheduler, KV pool and "
@@ -130,9 +131,6 @@ def build_state(args: argparse.Namespace) -> Any:
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
-    if parallel and not args.engine_process:
-        raise CLIError("data-parallel replicas run in engine processes: drop "
-                       "--no-engine-process")
     build_args = {"record_events": True, **settings}
     serving: Any
     try:
