@@ -262,14 +262,7 @@ class AsyncEngine:
         notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
-        routed = []
-        for chunk in chunks:
-            stream = self._streams.get(chunk.request_id)
-            if stream is None:
-                continue
-            if chunk.finished:
-                del self._streams[chunk.request_id]
-            routed.append((stream, chunk))
+        routed = route_chunks(self._streams, chunks)
         if routed and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, routed)
 
@@ -306,6 +299,21 @@ def notify(observers: list[Callable[[StepReport], None]], report: StepReport) ->
             observer(report)
         except Exception:  # a broken metric must not stop the engine
             logger.exception("step observer %r failed", observer)
+
+
+def route_chunks(streams: dict[str, RequestStream], chunks: list[CompletionChunk]
+                 ) -> list[tuple[RequestStream, CompletionChunk]]:
+    """Pair each chunk with its request's stream, dropping the stream once its request
+    finishes; chunks of requests nobody streams any more are skipped."""
+    routed = []
+    for chunk in chunks:
+        stream = streams.get(chunk.request_id)
+        if stream is None:
+            continue
+        if chunk.finished:
+            del streams[chunk.request_id]
+        routed.append((stream, chunk))
+    return routed
 
 
 def _put_all(routed: list[tuple[RequestStream, CompletionChunk | BaseException]]) -> None:

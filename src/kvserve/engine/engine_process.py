@@ -48,6 +48,7 @@ from kvserve.engine.async_engine import (
     StepReport,
     _put_all,
     notify,
+    route_chunks,
 )
 from kvserve.engine.core_loop import AddItem, EngineCore, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
@@ -450,15 +451,8 @@ class ProcessEngine:
             notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
-        routed = []
         with self._lock:
-            for chunk in chunks:
-                stream = self._streams.get(chunk.request_id)
-                if stream is None:
-                    continue
-                if chunk.finished:
-                    del self._streams[chunk.request_id]
-                routed.append((stream, chunk))
+            routed = route_chunks(self._streams, chunks)
         if routed and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, routed)
 
