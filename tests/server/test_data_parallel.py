@@ -31,10 +31,10 @@ def data_parallel(launchers: list, policy: str = "round-robin"):
 
 
 def pools_whole(live: LiveServer) -> bool:
-    replicas = live.state.engine.replica_stats()
-    return len(replicas) == 2 and all(
+    stats = [figures.stats for figures in live.state.engine.engine_figures()]
+    return len(stats) == 2 and all(
         s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
-        for _, s, _ in replicas) and not live.state.groups
+        for s in stats) and not live.state.groups
 
 
 def check_both_replicas_serve(live: LiveServer) -> None:

@@ -11,6 +11,7 @@ import httpx
 from .helpers import LiveServer, metric_values, wait_for
 
 M = (("model_name", "tiny"),)
+E = (("engine", "0"), ("model_name", "tiny"))  # an engine's own series (one engine: 0)
 
 
 def scrape(live: LiveServer) -> dict:
@@ -24,8 +25,13 @@ def test_metrics_move_and_count_preemptions(caplog):
     with LiveServer(num_kv_blocks=12, max_model_len=512) as live:
         before = scrape(live)
         assert not [name for name, _ in before if name.endswith("_created")]  # as vLLM's
-        assert before[("vllm:num_preemptions_total", M)] == 0
-        assert before[("vllm:kv_cache_usage_perc", M)] == 0
+        # vLLM labels its one engine 0: the scheduler's series say engine="0", the request
+        # series (the server's own) carry the model only
+        assert ("vllm:num_requests_running", E) in before
+        assert ("vllm:num_requests_running", M) not in before
+        assert ("vllm:time_to_first_token_seconds_count", M) in before
+        assert before[("vllm:num_preemptions_total", E)] == 0
+        assert before[("vllm:kv_cache_usage_perc", E)] == 0
         assert before[("vllm:cache_config_info", (
             ("block_size", "16"), ("enable_prefix_caching", "True"),
             ("model_name", "tiny"), ("num_gpu_blocks", "12")))] == 1
@@ -39,7 +45,7 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert [r.status_code for r in responses] == [200] * 6
         wait_for(live.idle, what="idle")
         after = scrape(live)
-        preemptions = after[("vllm:num_preemptions_total", M)]
+        preemptions = after[("vllm:num_preemptions_total", E)]
         assert preemptions > 0
         assert sum(r.json()["kvserve"]["num_preemptions"] for r in responses) == preemptions
         assert after[("vllm:generation_tokens_total", M)] == 600
@@ -50,9 +56,9 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert after[("vllm:time_to_first_token_seconds_count", M)] == 6
         assert after[("vllm:inter_token_latency_seconds_count", M)] == 594
         assert after[("vllm:request_num_preemptions_count", M)] == 6
-        assert after[("kvserve:recomputed_tokens_total", M)] > 0
+        assert after[("kvserve:recomputed_tokens_total", E)] > 0
         assert after[("kvserve:preemption_stall_seconds_count", M)] >= 1
-        assert after[("vllm:num_requests_running", M)] == 0
+        assert after[("vllm:num_requests_running", E)] == 0
         # vLLM 0.32's per-request and per-step histograms, and the waiting gauge by reason
         assert after[("vllm:request_prompt_tokens_sum", M)] == 240
         assert after[("vllm:request_generation_tokens_sum", M)] == 600
@@ -64,10 +70,10 @@ def test_metrics_move_and_count_preemptions(caplog):
             after[("vllm:request_decode_time_seconds_sum", M)] > 0
         assert after[("vllm:request_time_per_output_token_seconds_count", M)] == 6
         assert after[("vllm:iteration_tokens_total_sum", M)] == \
-            after[("kvserve:scheduled_tokens_total", M)] >= 240 + 600 - 6
+            after[("kvserve:scheduled_tokens_total", E)] >= 240 + 600 - 6
         for reason in ("capacity", "deferred"):
             assert after[("vllm:num_requests_waiting_by_reason",
-                          (("model_name", "tiny"), ("reason", reason)))] == 0
+                          (*E, ("reason", reason)))] == 0
         lines = [r.getMessage() for r in caplog.records if "preemption request_id=" in
                  r.getMessage()]
         assert len(lines) == preemptions and "num_tokens_lost=" in lines[0]
@@ -102,13 +108,13 @@ def test_the_engine_checks_its_state_each_time_it_falls_idle(caplog):
             wait_for(lambda: live.state.engine.idle_checks > checks, what="idle check")
 
         complete()
-        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 0
+        assert scrape(live)[("kvserve:invariant_violations_total", E)] == 0
         pool = live.state.engine.engine.scheduler.kv.pool
         pool.free_queue.num_free -= 1  # a leak: the count no longer matches the queue
         with caplog.at_level(logging.ERROR, logger="kvserve.engine"):
             complete()
-        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 1
+        assert scrape(live)[("kvserve:invariant_violations_total", E)] == 1
         assert any("I1: free queue holds" in r.getMessage() for r in caplog.records)
         pool.free_queue.num_free += 1
         complete()
-        assert scrape(live)[("kvserve:invariant_violations_total", M)] == 1
+        assert scrape(live)[("kvserve:invariant_violations_total", E)] == 1

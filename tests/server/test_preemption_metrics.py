@@ -14,6 +14,7 @@ from kvserve.engine.preemption_prices import MeasuredPreemptionPrices
 from .helpers import LiveServer, metric_values, wait_for
 
 M = (("model_name", "tiny"),)
+E = (("engine", "0"), ("model_name", "tiny"))  # an engine's own series (one engine: 0)
 
 
 def scrape(live: LiveServer) -> dict:
@@ -23,7 +24,7 @@ def scrape(live: LiveServer) -> dict:
 
 
 def by(label: str, value: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((*M, (label, value))))
+    return tuple(sorted((*E, (label, value))))
 
 
 def pressure(live: LiveServer) -> list[dict]:
@@ -52,19 +53,19 @@ def test_swap_preemptions_are_counted_by_mode_and_recompute_nothing(caplog):
         live.state.engine.observers.append(watch)
         before = scrape(live)
         assert before[("kvserve:preemptions_total", by("mode", "swap"))] == 0
-        assert before[("kvserve:host_kv_cache_usage_perc", M)] == 0
+        assert before[("kvserve:host_kv_cache_usage_perc", E)] == 0
         bodies = pressure(live)
         after = scrape(live)
-    preemptions = after[("vllm:num_preemptions_total", M)]
+    preemptions = after[("vllm:num_preemptions_total", E)]
     assert preemptions > 0
     assert after[("kvserve:preemptions_total", by("mode", "swap"))] == preemptions
     assert after[("kvserve:preemptions_total", by("mode", "recompute"))] == 0
     assert after[("kvserve:preemptions_total", by("mode", "priority"))] == 0
     swapped_out = after[("kvserve:swapped_blocks_total", by("direction", "out"))]
     assert swapped_out == after[("kvserve:swapped_blocks_total", by("direction", "in"))] > 0
-    assert after[("kvserve:recomputed_tokens_total", M)] == 0
-    assert after[("vllm:num_requests_swapped", M)] == 0  # all back and finished
-    assert after[("kvserve:host_kv_cache_usage_perc", M)] == 0
+    assert after[("kvserve:recomputed_tokens_total", E)] == 0
+    assert after[("vllm:num_requests_swapped", E)] == 0  # all back and finished
+    assert after[("kvserve:host_kv_cache_usage_perc", E)] == 0
     assert seen["swapped"] >= 1 and seen["host_used"] >= 1  # the gauges' sources moved
     assert sum(b["kvserve"]["num_swaps"] for b in bodies) == preemptions
     assert all(b["kvserve"]["num_recomputed_tokens"] == 0 for b in bodies)
@@ -85,7 +86,7 @@ def test_auto_logs_both_prices_and_recompute_is_counted_as_such(caplog):
                        num_host_blocks=64, preemption_prices=prices) as live:
         bodies = pressure(live)
         after = scrape(live)
-    preemptions = after[("vllm:num_preemptions_total", M)]
+    preemptions = after[("vllm:num_preemptions_total", E)]
     assert preemptions > 0
     assert after[("kvserve:preemptions_total", by("mode", "recompute"))] == preemptions
     assert after[("kvserve:swapped_blocks_total", by("direction", "out"))] == 0
@@ -105,7 +106,7 @@ def test_without_a_host_tier_the_boot_log_says_so_and_the_series_are_zero(caplog
             "prompt": "hi", "max_tokens": 2}).json()
     assert "Host KV cache (swap space): none; preemption mode: recompute" in \
         [r.getMessage() for r in caplog.records]
-    assert values[("vllm:num_requests_swapped", M)] == 0
-    assert values[("kvserve:host_kv_cache_usage_perc", M)] == 0
+    assert values[("vllm:num_requests_swapped", E)] == 0
+    assert values[("kvserve:host_kv_cache_usage_perc", E)] == 0
     assert values[("kvserve:swapped_blocks_total", by("direction", "in"))] == 0
     assert body["kvserve"]["num_swaps"] == 0

@@ -32,14 +32,33 @@ from kvserve.core import SamplingParams, SchedulerStats
 from kvserve.engine.core_loop import ABORTED, EngineCore, StepReport, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
 
-__all__ = ["ABORTED", "AsyncEngine", "EngineDeadError", "RequestStream", "ServingEngine",
-           "StepReport"]
+__all__ = ["ABORTED", "AsyncEngine", "EngineDeadError", "EngineFigures", "RequestStream",
+           "RouterFigures", "ServingEngine", "StepReport"]
 
 logger = logging.getLogger("kvserve.engine")
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped: every open stream raises this."""
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One engine's figures at scrape time. ``index`` is vLLM's ``engine`` label: 0 for a
+    single engine, the replica's index behind a router."""
+
+    index: int
+    stats: SchedulerStats
+    invariant_violations: int
+
+
+@dataclass(frozen=True)
+class RouterFigures:
+    """What a router among replicas has done: requests placed per (replica, reason), and how
+    often each replica was launched again after dying."""
+
+    decisions: dict[tuple[int, str], int]
+    num_restarts: list[int]
 
 
 class ServingEngine(Protocol):
@@ -66,6 +85,10 @@ class ServingEngine(Protocol):
     def abort(self, *request_ids: str) -> None: ...
     def health(self) -> str | None:
         """None when the engine serves at full strength; else what is degraded."""
+    def engine_figures(self) -> list[EngineFigures]:
+        """Each live engine's latest figures (one, index 0, for a single engine)."""
+    def router_figures(self) -> RouterFigures | None:
+        """The router's counts; None when there is no router (one engine)."""
 
 
 class _Aborter(Protocol):
@@ -174,6 +197,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def health(self) -> str | None:
+        return None
+
+    def engine_figures(self) -> list[EngineFigures]:
+        return [EngineFigures(0, self.stats, self.invariant_violations)]
+
+    def router_figures(self) -> RouterFigures | None:
         return None
 
     # -- requests --------------------------------------------------------------------------

@@ -27,7 +27,14 @@ from typing import Any
 from kvserve.core import SamplingParams, SchedulerStats
 from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
 from kvserve.core.router import NoReplicaError, ReplicaLoad, Router
-from kvserve.engine.async_engine import EngineDeadError, RequestStream, StepReport, notify
+from kvserve.engine.async_engine import (
+    EngineDeadError,
+    EngineFigures,
+    RequestStream,
+    RouterFigures,
+    StepReport,
+    notify,
+)
 from kvserve.engine.engine import CompletionChunk, Prompt
 from kvserve.engine.engine_process import EngineSpec, Launcher, ProcessEngine
 
@@ -121,9 +128,14 @@ class DataParallelEngine:
         return merge_stats([r.stats for _, r in self._live()] or
                            [r.stats for r in self.replicas if r is not None])
 
-    def replica_stats(self) -> list[tuple[int, SchedulerStats, int]]:
-        """(replica, its latest stats, its invariant violations) for each live replica."""
-        return [(i, r.stats, r.invariant_violations) for i, r in self._live()]
+    def engine_figures(self) -> list[EngineFigures]:
+        """Each live replica's latest stats and invariant violations, indexed by replica."""
+        return [EngineFigures(i, r.stats, r.invariant_violations) for i, r in self._live()]
+
+    def router_figures(self) -> RouterFigures:
+        with self._lock:
+            decisions = dict(self.decisions)
+        return RouterFigures(decisions, list(self.num_restarts))
 
     @property
     def idle_checks(self) -> int:

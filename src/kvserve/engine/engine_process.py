@@ -44,7 +44,9 @@ from typing import Any, Protocol
 from kvserve.core import RequestError, SamplingParams, SchedulerStats
 from kvserve.engine.async_engine import (
     EngineDeadError,
+    EngineFigures,
     RequestStream,
+    RouterFigures,
     StepReport,
     _put_all,
     notify,
@@ -352,6 +354,12 @@ class ProcessEngine:
         return bool(self._threads) and not self._dead.is_set() and not self._stopping
 
     def health(self) -> str | None:
+        return None
+
+    def engine_figures(self) -> list[EngineFigures]:
+        return [EngineFigures(0, self.stats, self.invariant_violations)]
+
+    def router_figures(self) -> RouterFigures | None:
         return None
 
     # -- requests --------------------------------------------------------------------------

@@ -206,6 +206,13 @@ class ServerMetrics:
                 else 0.0)
 
 
+@dataclass
+class _Engine:
+    labels: list[str]
+    stats: SchedulerStats
+    invariant_violations: int
+
+
 def _families(family: type[GaugeMetricFamily] | type[CounterMetricFamily], labels: list[str],
               rows: tuple[tuple[str, str, Callable[[_Engine], float]], ...],
               engines: list[_Engine]) -> Iterator[Metric]:
@@ -218,31 +225,19 @@ def _families(family: type[GaugeMetricFamily] | type[CounterMetricFamily], label
         yield series
 
 
-@dataclass
-class _Engine:
-    labels: list[str]
-    stats: SchedulerStats
-    invariant_violations: int
-
-
 class _StatsCollector(Collector):
-    """Scheduler-wide series from the engine's latest stats snapshot; with data-parallel
-    replicas, one sample per live replica labelled ``engine="i"``, as vLLM does."""
+    """Scheduler-wide series from each engine's latest stats snapshot, one sample per live
+    engine labelled ``engine="i"`` as vLLM labels them (``engine="0"`` for a single engine),
+    read through :meth:`ServingEngine.engine_figures`."""
 
     def __init__(self, engine: ServingEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
-    def _engines(self) -> tuple[list[str], list[_Engine]]:
-        replicas = getattr(self.engine, "replica_stats", None)
-        if replicas is None:
-            return ["model_name"], [_Engine([self.model_name], self.engine.stats,
-                                            self.engine.invariant_violations)]
-        return ["model_name", "engine"], [_Engine([self.model_name, str(index)], stats, bad)
-                                          for index, stats, bad in replicas()]
-
     def collect(self) -> Iterator[Metric]:
-        labels, engines = self._engines()
+        labels = ["model_name", "engine"]
+        engines = [_Engine([self.model_name, str(e.index)], e.stats, e.invariant_violations)
+                   for e in self.engine.engine_figures()]
         yield from _families(GaugeMetricFamily, labels, (
                 ("vllm:num_requests_running", "Requests in the running batch.",
                  lambda e: e.stats.num_running),
@@ -288,12 +283,12 @@ class _StatsCollector(Collector):
 
 
 def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]:
-    """kvserve:router_decisions{replica,reason} and the prefix-affinity hit rate, when the
-    engine routes among replicas."""
-    decisions: dict[tuple[int, str], int] | None = getattr(engine, "decisions", None)
-    if decisions is None:
+    """kvserve:router_decisions{replica,reason}, the prefix-affinity hit rate and replica
+    restarts, when the engine routes among replicas."""
+    figures = engine.router_figures()
+    if figures is None:
         return
-    counts = sorted(decisions.items())
+    counts = sorted(figures.decisions.items())
     family = CounterMetricFamily("kvserve:router_decisions",
                                  "Requests the router placed, by replica and reason.",
                                  labels=["model_name", "replica", "reason"])
@@ -309,7 +304,7 @@ def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]
     yield rate
     restarts = CounterMetricFamily("kvserve:replica_restarts", "Replicas launched again after "
                                    "dying.", labels=["model_name", "replica"])
-    for replica, count in enumerate(getattr(engine, "num_restarts", [])):
+    for replica, count in enumerate(figures.num_restarts):
         restarts.add_metric([model_name, str(replica)], count)
     yield restarts
 
