@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import os
 from typing import Any
 
 from kvserve.flags import (
@@ -23,6 +23,7 @@ from kvserve.sim.cli_common import (
     cluster_from_args,
     deployment_from_args,
 )
+from kvserve.sim.parallel import Workers, check_workers, default_workers
 
 SUMMARY = "capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS"
 DESCRIPTION = ("KV bytes per token, the KV pool and the sequences it holds; with "
@@ -69,9 +70,10 @@ def add_parser(subparsers: Any) -> None:
                                "meeting the SLO (instead of the max_num_seqs sweep)")
     replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS")
     replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS")
-    replicas.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="K",
-                          help="candidates simulated at once in local processes "
-                               "(default: one per CPU)")
+    replicas.add_argument("--workers", type=int, default=default_workers(), metavar="K",
+                          help="simulations run at once in local processes: the "
+                               "max_num_seqs sweep, the capacity search and the replica "
+                               "sweep (default: one per CPU; the plan is the same)")
     replicas.add_argument("--ray", action="store_true",
                           help="simulate the candidates as Ray tasks on the cluster "
                                "RAY_ADDRESS names (a local Ray instance if unset)")
@@ -161,8 +163,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99", "slo_ttft_p99",
                  "slo_itl_p99"):
         _positive(name, getattr(args, name))
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    check_workers(args.workers)
     replica_flags = [flag for flag, value in (
         ("--max-replicas", args.max_replicas), ("--slo-ttft-p99", args.slo_ttft_p99),
         ("--slo-itl-p99", args.slo_itl_p99)) if value is not None]
@@ -196,12 +197,14 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         out.update(_replica_plan(args, deployment, trace, settings))
         return out
     candidates = _candidates(args.candidates)
-    rows = plan.sweep_max_num_seqs(ShowProgress(deployment), trace, settings, candidates,
-                                   args.seed)
-    out["sweep"] = rows
-    out.update(plan.recommend(rows, args.ttft_p99))
-    if not args.no_capacity_search:
-        out.update(_capacity(args, ShowProgress(deployment), trace, settings, out))
+    # One progress bar per run on a terminal, serially; a pool's runs show none.
+    runner = ShowProgress(deployment) if args.workers <= 1 else deployment
+    with Workers(args.workers) as pool:
+        rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool)
+        out["sweep"] = rows
+        out.update(plan.recommend(rows, args.ttft_p99))
+        if not args.no_capacity_search:
+            out.update(_capacity(args, runner, trace, settings, out, pool))
     return out
 
 
@@ -229,9 +232,9 @@ def _candidates(text: str) -> list[int]:
 
 
 def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
-              settings: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+              settings: dict[str, Any], out: dict[str, Any], pool: Workers,
+              ) -> dict[str, Any]:
     from kvserve.sim import plan
-    from kvserve.sim.report import aggregate
 
     max_num_seqs = (settings.get("max_num_seqs") or out["max_num_seqs_best_throughput"]
                     or out["max_num_seqs_no_preemption"] or 256)
@@ -241,15 +244,27 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
                 "capacity_note": "the trace's arrivals span no time: no rate to scale"}
     run_settings = plan.with_max_num_seqs(settings, max_num_seqs)
 
-    def queue_p99(qps: float) -> float | None:
-        _, result = deployment.simulate(plan.scale_rate(trace, qps), run_settings,
-                                        seed=args.seed)
-        return aggregate(result)["queue_p99"]
+    queue_p99 = functools.partial(queue_p99_at, deployment, trace, run_settings, args.seed)
 
-    qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99)
+    def run_many(rates: list[float]) -> list[float | None]:
+        return pool.map(queue_p99_at, [(deployment, trace, run_settings, args.seed, qps)
+                                       for qps in rates])
+
+    qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99,
+                                    run_many=run_many, workers=args.workers)
     return {"capacity_qps": None if qps is None else round(qps, 4),
             "capacity_max_num_seqs": max_num_seqs,
             "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
+
+
+def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], seed: int,
+                 qps: float) -> float | None:
+    """The p99 queue delay of ``trace`` replayed at ``qps`` (one probe of the search)."""
+    from kvserve.sim import plan
+    from kvserve.sim.report import aggregate
+
+    _, result = deployment.simulate(plan.scale_rate(trace, qps), settings, seed=seed)
+    return aggregate(result)["queue_p99"]
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from kvserve.sim.cli_common import (
     deployment_from_args,
     simulate_with_progress,
 )
+from kvserve.sim.parallel import Workers, check_workers, default_workers
 from kvserve.sim.simulator import BATCHING_MODES
 
 SUMMARY = "replay a trace through the real scheduler on a virtual clock"
@@ -38,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--events", metavar="PATH.jsonl", help="write the scheduling events")
     parser.add_argument("--sweep", metavar="NAME=V1,V2,...",
                         help="one run per value of a flag, e.g. max_num_seqs=64,128,256")
+    parser.add_argument("--workers", type=int, default=default_workers(), metavar="K",
+                        help="a sweep's runs simulated at once in local processes (default: "
+                             "one per CPU; the report is the same)")
     parser.add_argument("--check", action="store_true",
                         help="check the scheduler's invariants after every step (slow)")
     parser.add_argument("--quiet", action="store_true", help="print no table")
@@ -103,14 +107,15 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
     from kvserve.sim import report as reports
     from kvserve.sim.table import print_sweep
 
-    rows = []
-    echo: dict[str, Any] = {}
-    for value in values:
-        echo, result = simulate_with_progress(deployment, trace, {**settings, name: value},
-                                              f"{name}={value}", seed=args.seed,
-                                              check=args.check,
-                                              cluster=cluster_from_args(args))
-        rows.append((value, echo["cache"]["num_blocks"], reports.aggregate(result)))
+    check_workers(args.workers)
+    jobs = [(deployment, trace, {**settings, name: value}, args.seed, args.check,
+             cluster_from_args(args), f"{name}={value}" if args.workers <= 1 else None)
+            for value in values]
+    with Workers(args.workers) as pool:
+        runs = pool.map(sweep_run, jobs)
+    rows = [(value, echo["cache"]["num_blocks"], figures)
+            for value, (echo, figures) in zip(values, runs, strict=True)]
+    echo = runs[-1][0]
     # What varies from row to row lives in the rows; the echo keeps what they share.
     echo["scheduler"].pop(name, None)
     echo["cache"].pop(name, None)
@@ -127,6 +132,21 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
     if not args.quiet:
         print_sweep(name, [(v, a) for v, _, a in rows],
                     f"{Path(args.trace).name}: sweep of {name}")
+
+
+def sweep_run(deployment: Any, trace: list[Any], settings: dict[str, Any], seed: int,
+              check: bool, cluster: Any, label: str | None,
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run of a sweep: its echo and aggregate figures (a progress bar if ``label``)."""
+    from kvserve.sim import report as reports
+
+    if label is None:
+        echo, result = deployment.simulate(trace, settings, seed=seed, check=check,
+                                           cluster=cluster)
+    else:
+        echo, result = simulate_with_progress(deployment, trace, settings, label, seed=seed,
+                                              check=check, cluster=cluster)
+    return echo, reports.aggregate(result)
 
 
 def _write(path: str, text: str) -> None:

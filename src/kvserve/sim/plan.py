@@ -16,6 +16,7 @@ import numpy as np
 
 from kvserve.core import SchedulerConfig
 from kvserve.sim.capacity import CapacityError, KVPool
+from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
@@ -74,22 +75,28 @@ SWEEP_FIGURES = ("num_preemptions", "wasted_fraction", "throughput_output_tok_s"
 
 def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
                        settings: dict[str, Any], candidates: Sequence[int],
-                       seed: int = 0) -> list[dict[str, Any]]:
+                       seed: int = 0, pool: Workers | None = None) -> list[dict[str, Any]]:
     """Simulate ``trace`` once per candidate on ``deployment`` (a Deployment, or anything
-    with its ``simulate``) and keep each run's pool and headline figures."""
-    rows: list[dict[str, Any]] = []
-    for value in candidates:
-        try:
-            echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
-                                               seed=seed)
-        except CapacityError as error:  # its activation reserve leaves no KV pool
-            rows.append({"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
-                         **dict.fromkeys(SWEEP_FIGURES)})
-            continue
-        figures = aggregate(result)
-        rows.append({"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
-                     **{k: figures[k] for k in SWEEP_FIGURES}})
-    return rows
+    with its ``simulate``; it must pickle when ``pool`` has more than one worker) and keep
+    each run's pool and headline figures, in candidate order."""
+    jobs = [(deployment, trace, settings, value, seed) for value in candidates]
+    if pool is None:
+        return [sweep_row(*job) for job in jobs]
+    return pool.map(sweep_row, jobs)
+
+
+def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str, Any],
+              value: int, seed: int) -> dict[str, Any]:
+    """One candidate of the max_num_seqs sweep."""
+    try:
+        echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
+                                           seed=seed)
+    except CapacityError as error:  # its activation reserve leaves no KV pool
+        return {"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
+                **dict.fromkeys(SWEEP_FIGURES)}
+    figures = aggregate(result)
+    return {"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
+            **{k: figures[k] for k in SWEEP_FIGURES}}
 
 
 def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict[str, Any]:
@@ -107,36 +114,64 @@ def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict
 
 
 def capacity_qps(run_queue_p99: Callable[[float], float | None], start_qps: float,
-                 queue_p99_bound: float, *, rel_tol: float = 0.02,
-                 max_probes: int = 24) -> tuple[float | None, list[dict[str, float | None]]]:
+                 queue_p99_bound: float, *, rel_tol: float = 0.02, max_probes: int = 24,
+                 run_many: Callable[[list[float]], list[float | None]] | None = None,
+                 workers: int = 1,
+                 ) -> tuple[float | None, list[dict[str, float | None]]]:
     """The largest rate whose p99 queue delay stays within the bound, by doubling to
-    bracket it and then bisection. Returns (qps or None, probes)."""
+    bracket it and then bisection. Returns (qps or None, probes).
+
+    With ``run_many`` (``run_queue_p99`` over a list of rates, at once) and ``workers`` > 1
+    the search runs ahead (kvserve.sim.parallel): the probes are the same."""
+    p99s: dict[float, float | None] = {}
     probes: list[dict[str, float | None]] = []
 
-    def ok(qps: float) -> bool:
-        p99 = run_queue_p99(qps)
-        probes.append({"qps": round(qps, 6), "queue_p99": p99})
+    def within(p99: float | None) -> bool:
         return p99 is not None and p99 <= queue_p99_bound
 
-    lo, hi = 0.0, start_qps
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if len(probes) >= max_probes // 2:
-            return lo, probes  # still within bound: report the largest rate tried
-    while lo == 0.0 and len(probes) < max_probes // 2:
-        hi /= 2
-        if ok(hi):
-            lo = hi
-            hi *= 2
-    if lo == 0.0:
-        return None, probes
-    while (hi - lo) > rel_tol * lo and len(probes) < max_probes:
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, probes
+    def search(ok: Callable[[float], bool]) -> float | None:
+        lo, hi, asked = 0.0, start_qps, 0
+
+        def probe(qps: float) -> bool:
+            nonlocal asked
+            asked += 1
+            return ok(qps)
+
+        while probe(hi):
+            lo, hi = hi, hi * 2
+            if asked >= max_probes // 2:
+                return lo  # still within bound: report the largest rate tried
+        while lo == 0.0 and asked < max_probes // 2:
+            hi /= 2
+            if probe(hi):
+                lo = hi
+                hi *= 2
+        if lo == 0.0:
+            return None
+        while (hi - lo) > rel_tol * lo and asked < max_probes:
+            mid = (lo + hi) / 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def ok(qps: float) -> bool:
+        if qps not in p99s:
+            if run_many is not None and workers > 1:
+                # The search asks qps first; the rest are its possible next questions.
+                known = {q: within(p) for q, p in p99s.items()}
+                ahead = next_questions(search, known, workers)
+                p99s.update(zip(ahead, run_many(ahead), strict=True))
+            if qps not in p99s:  # the search asked something the replay did not
+                p99s[qps] = run_queue_p99(qps)
+            else:
+                p99s[qps] = run_queue_p99(qps)
+        p99 = p99s[qps]
+        probes.append({"qps": round(qps, 6), "queue_p99": p99})
+        return within(p99)
+
+    return search(ok), probes
 
 
 def kv_summary(pool: KVPool, seq_len: int) -> dict[str, Any]:
