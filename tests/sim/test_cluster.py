@@ -183,3 +183,23 @@ def test_cancellations_reach_the_replica_that_holds_the_request(lockstep: bool) 
     # its sixth token (the first at 1 s, then one a second)
     assert rows["mid"]["replica"] == 1 and rows["mid"]["output_tokens"] == 6
     assert result.route_reasons == {"round_robin": 3}
+
+
+@pytest.mark.parametrize("scope", ["global", "tenant"])
+def test_prefix_affinity_salts_its_guesses_as_the_replicas_cache_does_r4_t7(scope) -> None:
+    """Under the tenant scope the replicas' caches keep tenants apart, so the router must not
+    predict a hit for tenant B on blocks tenant A sent; within a tenant it still does."""
+    shared = tuple(range(100, 164))  # four 16-token blocks
+    trace = [req("a", 0, 2, 0.0, prompt_token_ids=shared, tenant="A"),
+             req("b", 0, 2, 5.0, prompt_token_ids=shared, tenant="B"),
+             req("a2", 0, 2, 10.0, prompt_token_ids=shared, tenant="A")]
+    report, result = run(trace, ClusterOptions(2, "prefix-affinity"),
+                         prefix_cache_scope=scope, block_size=16)
+    hits = {r["request_id"]: r["cached_tokens"] for r in report["requests"]}
+    if scope == "tenant":
+        assert result.route_reasons == {"least_loaded": 2, "prefix_hit": 1}
+        assert hits == {"a": 0, "b": 0, "a2": 48}
+    else:
+        assert result.route_reasons == {"least_loaded": 1, "prefix_hit": 2}
+        assert hits == {"a": 0, "b": 48, "a2": 48}
+    assert result.replica_of["a2"] == result.replica_of["a"]

@@ -35,7 +35,7 @@ from kvserve.core import (
     SchedulerOutput,
     check_invariants,
 )
-from kvserve.core.prefix_cache import prompt_block_hashes
+from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
 from kvserve.core.router import (
     DEFAULT_IMBALANCE_BOUND,
     ROUTER_POLICIES,
@@ -228,6 +228,8 @@ class _ClusterRun:
         self.router = make_router(options.router, options.data_parallel_size,
                                   imbalance_bound=options.imbalance_bound)
         self.hash_prefixes = options.router == "prefix-affinity"
+        # the replicas' prefix caches salt the first block by tenant under this scope (T7)
+        self.tenant_scoped = sim.scheduler_config.prefix_cache_scope == "tenant"
         self.block_size = sim.cache_config.block_size
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
@@ -367,7 +369,7 @@ class _ClusterRun:
             trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
             arrival_time=trace_request.arrival_time)
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
-                                     request.sampling_params.cache_salt) \
+                                     first_block_key(request, self.tenant_scoped)) \
             if self.hash_prefixes else ()
         decision = self.router.route(hashes, [r.load() for r in self.replicas])
         replica = self.replicas[decision.replica]
