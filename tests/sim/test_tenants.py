@@ -92,3 +92,67 @@ def test_the_report_echoes_tenant_settings_only_when_set():
     echo = _scheduler_echo(SchedulerConfig(tenant_fairness="vtc", prefix_cache_scope="tenant"))
     assert (echo["tenant_fairness"], echo["prefix_cache_scope"]) == ("vtc", "tenant")
     assert "tenant_weights" not in echo
+
+
+def two_floods(path) -> None:
+    """Tenants "gold" and "plain" each send 40 identical requests at t=0."""
+    from kvserve.sim.trace import write_trace
+
+    write_trace(path, [req(f"{tenant[0]}{i:02d}", 32, 8, 0.0, tenant=tenant, max_tokens=8,
+                           ignore_eos=True)
+                       for i in range(40) for tenant in ("gold", "plain")])
+
+
+def admitted_first(report: dict, count: int) -> dict[str, int]:
+    """How many of each tenant's requests are among the first ``count`` admitted."""
+    rows = sorted(report["requests"], key=lambda r: (r["first_scheduled_time"], r["request_id"]))
+    tenants = [r["tenant"] for r in rows[:count]]
+    return {t: tenants.count(t) for t in ("gold", "plain")}
+
+
+def test_simulate_tenant_weight_gives_a_tenant_its_share(tmp_path):  # T4
+    """Both backlogged the whole time: with gold's weight 3, gold is charged a third per
+    token, so VTC admits three of its requests for each of plain's."""
+    from kvserve.cli import main
+
+    trace, report = tmp_path / "t.jsonl", tmp_path / "r.json"
+    two_floods(trace)
+    shares = {}
+    for weights in ([], ["--tenant-weight", "gold=3"]):
+        assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
+                     "--num-kv-blocks", "400", "--max-num-seqs", "2",
+                     "--tenant-fairness", "vtc", "--report", str(report), "--quiet",
+                     *weights]) == 0
+        data = json.loads(report.read_text())
+        shares[bool(weights)] = admitted_first(data, 40)
+        echoed = data["config"]["scheduler"].get("tenant_weights")
+        assert echoed == ([["gold", 3.0]] if weights else None)
+    assert shares == {False: {"gold": 20, "plain": 20}, True: {"gold": 30, "plain": 10}}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tenant-weight", "gold"], "--tenant-weight 'gold': write TENANT=WEIGHT, e.g. team-a=2"),
+    (["--tenant-weight", "gold=x"], "--tenant-weight 'gold=x': write TENANT=WEIGHT"),
+    (["--tenant-weight", "=2"], "--tenant-weight '=2': write TENANT=WEIGHT"),
+    (["--tenant-weight", "gold=0"], "--tenant-weight 'gold=0': the weight must be in (0, 1e6]"),
+    (["--tenant-weight", "gold=2", "--tenant-weight", "gold=3"], "tenant 'gold' is given twice"),
+])
+def test_bad_tenant_weights_are_one_line_errors(tmp_path, capsys, flags, message):
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    two_floods(trace)
+    assert main(["simulate", "--trace", str(trace), "--tenant-fairness", "vtc", "--quiet",
+                 *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_tenant_weight_without_fair_share_is_refused(tmp_path, capsys):
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    two_floods(trace)
+    assert main(["simulate", "--trace", str(trace), "--tenant-weight", "gold=2",
+                 "--quiet"]) == 2
+    assert "--tenant-weight needs --tenant-fairness vtc" in capsys.readouterr().err

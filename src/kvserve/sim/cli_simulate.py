@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,11 @@ def add_parser(subparsers: Any) -> None:
                         help="check the scheduler's invariants after every step (slow)")
     parser.add_argument("--quiet", action="store_true", help="print no table")
     add_scheduler_flags(parser)
+    parser.add_argument("--tenant-weight", action="append", default=[],
+                        metavar="TENANT=WEIGHT",
+                        help="a tenant's share under --tenant-fairness vtc, as the keys "
+                             "file's weight field gives it to kvserve serve (2: twice the "
+                             "service; default 1); repeat for each tenant")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
         deployment = deployment_from_args(args)
         settings = settings_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
+        if args.tenant_weight:
+            if settings.get("tenant_fairness") != "vtc" and \
+                    not (sweep and sweep[0] == "tenant_fairness"):
+                raise ValueError("--tenant-weight needs --tenant-fairness vtc: weights only "
+                                 "price the fair share")
+            settings["tenant_weights"] = parse_tenant_weights(args.tenant_weight)
         if sweep and args.events:
             raise ValueError("--events records one run; it cannot be combined with --sweep")
         trace = read_trace(args.trace)
@@ -63,6 +75,26 @@ def run(args: argparse.Namespace) -> int:
         else:
             _run_one(args, deployment, settings, trace)
     return 0
+
+
+def parse_tenant_weights(specs: list[str]) -> tuple[tuple[str, float], ...]:
+    """``["team-a=2", "team-b=0.5"]`` -> SchedulerConfig's ``tenant_weights`` pairs; a
+    malformed, repeated or out-of-range entry is a ValueError naming it."""
+    weights: dict[str, float] = {}
+    for spec in specs:
+        tenant, eq, text = spec.rpartition("=")
+        try:
+            weight = float(text)
+        except ValueError:
+            weight = math.nan
+        if not eq or not tenant or not math.isfinite(weight):
+            raise ValueError(f"--tenant-weight {spec!r}: write TENANT=WEIGHT, e.g. team-a=2")
+        if not 0 < weight <= 1e6:
+            raise ValueError(f"--tenant-weight {spec!r}: the weight must be in (0, 1e6]")
+        if tenant in weights:
+            raise ValueError(f"--tenant-weight: tenant {tenant!r} is given twice")
+        weights[tenant] = weight
+    return tuple(sorted(weights.items()))
 
 
 def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
