@@ -175,3 +175,4 @@ class SchedulerStats:
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    num_waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # of num_waiting

@@ -743,4 +743,5 @@ class Scheduler:
             num_swapped_out_blocks=self.kv.num_swapped_out_blocks,
             num_swapped_in_blocks=self.kv.num_swapped_in_blocks,
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            num_waiting_by_tenant=dict(self.waiting.num_by_tenant),
         )

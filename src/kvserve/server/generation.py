@@ -96,20 +96,26 @@ def _check_queueable(state: ServerState, request_id: str,
         check_queueable(len(items), sum(len(prompt) for _, prompt, _ in items),
                         state.scheduler_config, request_id)
     except RequestRejected as error:
+        state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
 
 
 async def _queue(state: ServerState, request_id: str,
                  items: list[tuple[str, list[int], SamplingParams]],
                  arrival_time: float) -> RequestStream:
+    tenant = items[0][2].tenant  # one request, one tenant
+    counters = state.metrics.tenants.counters(tenant)
     for sub_id, prompt, _ in items:
-        state.metrics.request_added(sub_id, arrival_time, len(prompt))
+        state.metrics.request_added(sub_id, arrival_time, len(prompt), counters)
     try:
         stream = await state.engine.add_requests(items, arrival_time)
     except BaseException as error:
         for sub_id, _, _ in items:
             state.metrics.request_dropped(sub_id)
+        if isinstance(error, QueueFullError | RequestRejected):
+            state.metrics.tenants.refused(tenant, len(items))
         raise _refusal(state, error) from error
+    state.metrics.tenants.queued(tenant, len(items))
     state.metrics.request_params(len(items), items[0][2].max_tokens)
     state.groups[request_id] = stream
     return stream

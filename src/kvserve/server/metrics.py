@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
 from kvserve.engine.async_engine import ServingEngine, StepReport
+from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -51,14 +52,19 @@ class _Live:
     arrival_time: float
     num_prompt_tokens: int
     last_token_time: float | None = None
+    tenant: TenantCounters | None = None
 
 
 class ServerMetrics:
-    def __init__(self, engine: ServingEngine, model_name: str) -> None:
+    def __init__(self, engine: ServingEngine, model_name: str,
+                 known_tenants: list[str] | None = None) -> None:
+        """``known_tenants``: the tenants of the API keys, when keys are configured (the
+        ``tenant`` label's values; any other tenant counts as ``other``)."""
         self.engine = engine
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(engine, model_name))
+        self.tenants = TenantSeries(engine, model_name, self.registry, known_tenants)
         labels = ["model_name"]
         reg = self.registry
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
@@ -133,9 +139,9 @@ class ServerMetrics:
     # -- per request -----------------------------------------------------------------------
 
     def request_added(self, request_id: str, arrival_time: float,
-                      num_prompt_tokens: int) -> None:
+                      num_prompt_tokens: int, tenant: TenantCounters | None = None) -> None:
         with self._lock:
-            self._live[request_id] = _Live(arrival_time, num_prompt_tokens)
+            self._live[request_id] = _Live(arrival_time, num_prompt_tokens, tenant=tenant)
 
     def request_dropped(self, request_id: str) -> None:
         with self._lock:
@@ -171,10 +177,14 @@ class ServerMetrics:
             self.ttft.observe(max(0.0, now - live.arrival_time))
             self.prompt_tokens.inc(live.num_prompt_tokens)
             self.num_prompt_tokens += live.num_prompt_tokens
+            if live.tenant is not None:
+                live.tenant.prompt_tokens.inc(live.num_prompt_tokens)
         else:
             self.itl.observe(max(0.0, now - live.last_token_time) / num_new)
         live.last_token_time = now
         self.generation_tokens.inc(num_new)
+        if live.tenant is not None:
+            live.tenant.generation_tokens.inc(num_new)
         self.num_generation_tokens += num_new
 
     def mean_e2e(self) -> float | None:

@@ -35,7 +35,8 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.engine, self.model_name)
+        known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None
+        self.metrics = ServerMetrics(self.engine, self.model_name, known)
 
     @property
     def tokenizer(self) -> Tokenizer:
