@@ -49,6 +49,10 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("schedule_aging_s", float, "aging, off by default: under priority a waiting request's "
      "priority value drops by one per this many seconds waited; under lpm and dfs-weight it "
      "is promoted ahead of cache hits after this many seconds"),
+    ("max_session_kv", float, "sessions, off by default: the fraction of KV blocks that "
+     "finished turns of multi-turn sessions may keep held for their next turn"),
+    ("session_ttl_s", float, "seconds a session's KV is held after its turn (default 30; a "
+     "request's session ttl overrides it)"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching",
               "swap_space", "num_host_blocks")

@@ -82,7 +82,8 @@ class StepSeries:
         """The scheduler's state after a step; swapped-out requests and ``num_held``
         arrivals not yet handed over count as waiting."""
         self.num_running.append(len(scheduler.running))
-        self.num_waiting.append(len(scheduler.waiting) + len(scheduler.swapped) + num_held)
+        self.num_waiting.append(len(scheduler.waiting) + len(scheduler.swapped) + num_held
+                                + len(scheduler.held_waiting))
         self.kv_usage.append(scheduler.kv.usage())
 
 

@@ -96,7 +96,8 @@ def test_the_request_timeline_and_the_event_log_share_one_vocabulary():  # B3
 
 def test_an_event_kind_is_written_and_compared_as_its_value():  # B3
     assert [k.value for k in EventType] == ["arrived", "admitted", "resumed", "blocked",
-                                            "promoted", "preempted", "finished"]
+                                            "promoted", "preempted", "finished", "held",
+                                            "released"]
     assert EventType.PREEMPTED == "preempted" and str(EventType.PREEMPTED) == "preempted"
     assert f"{EventType.ADMITTED}" == "admitted"
     assert json.dumps({"kind": EventType.BLOCKED}) == '{"kind": "blocked"}'

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 from kvserve.core.errors import ConfigError
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight")
+DEFAULT_SESSION_TTL_S = 30.0  # seconds a finished turn's KV is held (U6)
+MAX_SESSION_TTL_S = 86400.0  # a day: a longer hold is a typo
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # orders that read the prefix cache (C4, C5)
 DEFAULT_LPM_MAX_QUEUE = 128  # SGLang's bound: a longer queue is served FCFS (C6)
 VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
@@ -152,6 +154,11 @@ class SchedulerConfig:
     # waiting request by one rank class per that many seconds waited.
     lpm_max_queue: int = DEFAULT_LPM_MAX_QUEUE
     schedule_aging_s: float | None = None
+    # Sessions (U1-U8): a finished turn's KV stays held for its session's next turn, up to
+    # max_session_kv (a fraction of the pool's blocks; 0: sessions off) for session_ttl_s
+    # seconds unless the request names its own ttl.
+    max_session_kv: float = 0.0
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -178,6 +185,10 @@ class SchedulerConfig:
             _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True)
         self._check_tenancy()
         self._check_waiting_order()
+        _check_float("max_session_kv", self.max_session_kv, 0.0, 1.0)
+        _check_float("session_ttl_s", self.session_ttl_s, 0.0, MAX_SESSION_TTL_S)
+        if self.session_ttl_s <= 0:
+            raise ConfigError(f"session_ttl_s={self.session_ttl_s} is out of range: must be > 0")
         self._check_relations()
 
     def _check_tenancy(self) -> None:

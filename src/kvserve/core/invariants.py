@@ -24,6 +24,8 @@ def check_invariants(scheduler: Scheduler) -> None:
     _check_blocks(scheduler)
     _check_host_blocks(scheduler)
     _check_requests(scheduler)
+    if scheduler.sessions is not None:
+        _check_sessions(scheduler)
 
 
 def _check_blocks(scheduler: Scheduler) -> None:
@@ -41,6 +43,10 @@ def _check_blocks(scheduler: Scheduler) -> None:
             _fail("I1", f"finished request {request_id} still holds blocks")
         for block in blocks:
             holders[block.block_id] += 1
+    if scheduler.sessions is not None:  # U2: a held session's reference
+        for session in scheduler.sessions.held.values():
+            for block in session.blocks:
+                holders[block.block_id] += 1
     free = set(free_ids)
     for block in pool.blocks:
         if block.ref_cnt != holders[block.block_id]:
@@ -89,7 +95,8 @@ def _check_requests(scheduler: Scheduler) -> None:
     """I2: running requests hold their computed tokens' blocks; I3: queues are disjoint."""
     kv = scheduler.kv
     running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting]
+    waiting_ids = [r.request_id for r in scheduler.waiting] + \
+        [r.request_id for r in scheduler.held_waiting]
     swapped_ids = [r.request_id for r in scheduler.swapped]
     for ids in (running_ids, waiting_ids, swapped_ids):
         if len(set(ids)) != len(ids):
@@ -112,6 +119,13 @@ def _check_requests(scheduler: Scheduler) -> None:
         if kv.num_held_blocks(request.request_id) < needed:
             _fail("I2", f"{request.request_id} computed {request.num_computed_tokens} tokens "
                         f"but holds {kv.num_held_blocks(request.request_id)} blocks")
+    for request in scheduler.held_waiting:  # L1: waiting, holding its session's KV (U3)
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens == 0 or \
+                kv.num_held_blocks(request.request_id) != \
+                kv.num_blocks_for(request.num_computed_tokens):
+            _fail("L1", f"held turn {request.request_id} ({request.status.name}, "
+                        f"{request.num_computed_tokens} tokens) holds "
+                        f"{kv.num_held_blocks(request.request_id)} blocks")
     for request in scheduler.waiting:
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             _fail("I3", f"{request.request_id} is waiting with status {request.status.name}")
@@ -121,11 +135,36 @@ def _check_requests(scheduler: Scheduler) -> None:
         _fail("D8", f"{len(scheduler.running)} running > max_num_seqs")
 
 
+def _check_sessions(scheduler: Scheduler) -> None:
+    """U2-U5: held blocks belong to a live, idle session, counted once, within the bound;
+    a session with a turn in flight names an unfinished request."""
+    sessions = scheduler.sessions
+    assert sessions is not None
+    num_blocks = 0
+    for key, session in sessions.held.items():
+        if sessions.sessions.get(key) is not session or session.turn_id is not None:
+            _fail("U2", f"held session {key} is not a live idle session")
+        if len(session.blocks) != scheduler.kv.num_blocks_for(len(session.token_ids)) or \
+                not session.blocks:
+            _fail("U2", f"session {key} holds {len(session.blocks)} blocks for "
+                        f"{len(session.token_ids)} tokens")
+        num_blocks += len(session.blocks)
+    if num_blocks != sessions.num_held_blocks or num_blocks > sessions.max_blocks:
+        _fail("U5", f"sessions hold {num_blocks} blocks, count {sessions.num_held_blocks}, "
+                    f"bound {sessions.max_blocks}")
+    for key, session in sessions.sessions.items():
+        if session.turn_id is None and key not in sessions.held:
+            _fail("U2", f"session {key} is neither held nor in a turn")
+        if session.turn_id is not None and session.turn_id not in scheduler.requests:
+            _fail("U2", f"session {key}'s turn {session.turn_id} is not a live request")
+
+
 def check_empty(scheduler: Scheduler) -> None:
     """I4: after every request finished, nothing is left behind (hashes may stay: lazy
     eviction)."""
     check_invariants(scheduler)
-    if scheduler.requests or scheduler.running or scheduler.waiting or scheduler.swapped:
+    if scheduler.requests or scheduler.running or scheduler.waiting or scheduler.swapped or \
+            scheduler.held_waiting:
         _fail("I4", f"{len(scheduler.requests)} requests left")
     if scheduler.kv.req_to_blocks or scheduler.kv.req_to_host_blocks:
         _fail("I4", f"block tables left for {sorted(scheduler.kv.req_to_blocks)}, host "
@@ -134,5 +173,8 @@ def check_empty(scheduler: Scheduler) -> None:
     if host.num_free_blocks != host.num_blocks:
         _fail("I4", f"{host.num_blocks - host.num_free_blocks} host blocks still held")
     pool = scheduler.kv.pool
-    if pool.num_free_blocks != pool.num_blocks or any(b.ref_cnt for b in pool.blocks):
-        _fail("I4", f"{pool.num_blocks - pool.num_free_blocks} blocks still referenced")
+    # Held sessions outlive their turns (U2): their blocks are the only ones still referenced.
+    num_session = scheduler.sessions.num_held_blocks if scheduler.sessions is not None else 0
+    if pool.num_free_blocks + num_session != pool.num_blocks:
+        _fail("I4", f"{pool.num_blocks - pool.num_free_blocks - num_session} blocks still "
+                    "referenced by no request or session")

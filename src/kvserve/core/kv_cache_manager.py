@@ -228,6 +228,27 @@ class KVCacheManager:
         if host_blocks:
             self.host_pool.free(host_blocks)
 
+    # -- sessions (U2, U3) ------------------------------------------------------------------
+
+    def detach_blocks(self, request: Request, num_tokens: int) -> tuple[list[KVBlock], int]:
+        """Take the blocks holding ``request``'s first ``num_tokens`` tokens away from it,
+        references and all (a session keeps them, U2); free the rest, tail first. Returns
+        the blocks and how many leading ones are registered in the prefix cache."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        num_cached = self._num_cached_blocks.pop(request.request_id, 0)
+        num_kept = self.num_blocks_for(num_tokens)
+        if len(blocks) > num_kept:
+            self.pool.free(reversed(blocks[num_kept:]))
+            del blocks[num_kept:]
+        return blocks, min(num_cached, num_kept)
+
+    def adopt_blocks(self, request: Request, blocks: list[KVBlock], num_cached: int) -> None:
+        """Give ``request`` (holding nothing) blocks whose references it takes over: a
+        session's held KV for its next turn (U3)."""
+        assert request.request_id not in self.req_to_blocks
+        self.req_to_blocks[request.request_id] = blocks
+        self._num_cached_blocks[request.request_id] = num_cached
+
     # -- the host tier (K3, S1-S3) ---------------------------------------------------------
 
     def end_step(self) -> None:

@@ -176,3 +176,10 @@ class SchedulerStats:
     num_swapped_in_blocks: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     num_waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # of num_waiting
+    # Sessions (U1-U8): held now, their blocks, turns admitted on held KV and the tokens
+    # they did not prefill, and releases by reason (ttl, pressure, limit, deleted, aborted).
+    num_sessions_held: int = 0
+    num_session_blocks: int = 0
+    num_session_hits: int = 0
+    num_session_hit_tokens: int = 0
+    session_releases: dict[str, int] = field(default_factory=dict)

@@ -65,6 +65,8 @@ class EventType(str, enum.Enum):
     PROMOTED = "promoted"  # event log only: aging first lifted this waiting request (C7)
     PREEMPTED = "preempted"
     FINISHED = "finished"
+    HELD = "held"  # event log only: a finished turn's KV is now held by its session (U2)
+    RELEASED = "released"  # event log only: a session let its KV go (U5-U8)
 
     def __str__(self) -> str:
         return self.value
@@ -121,6 +123,10 @@ class SamplingParams:
     # Who sent it (an API key's tenant, a user, a client address): per-tenant queue limits,
     # fair share between tenants (VTC) and the tenant-scoped prefix cache. "": nobody said.
     tenant: str = ""
+    # The multi-turn session this request is a turn of (U1): with sessions on, its KV is held
+    # for the session's next turn for session_ttl seconds (None: the scheduler's default).
+    session_id: str | None = None
+    session_ttl: float | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -171,6 +177,16 @@ class SamplingParams:
                                                   and self.max_queue_delay >= 0),
                  f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
         _require(isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
+        if self.session_id is not None or self.session_ttl is not None:
+            self._check_session()
+
+    def _check_session(self) -> None:
+        _require(isinstance(self.session_id, str) and 0 < len(self.session_id) <= 256,
+                 f"session id must be a string of 1 to 256 characters, got {self.session_id!r}")
+        _require(self.session_ttl is None or (_is_number(self.session_ttl)
+                                              and 0 < self.session_ttl <= 86400),
+                 f"session ttl must be a number of seconds in (0, 86400], "
+                 f"got {self.session_ttl!r}")
 
 
 @dataclass(eq=False, slots=True)

@@ -46,6 +46,7 @@ from kvserve.core.preemption import (
 )
 from kvserve.core.queues import WaitingQueue, make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
+from kvserve.core.sessions import DELETED, SessionStore
 from kvserve.core.stop import check_stop, length_stop_reason
 
 if TYPE_CHECKING:
@@ -126,6 +127,10 @@ class Scheduler:
         self._waiting_sorts = type(self.waiting).start_pass is not WaitingQueue.start_pass
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # oldest swap first (S2)
+        # L1: waiting requests that hold KV (a session's next turn), drained first, in order
+        self.held_waiting: deque[Request] = deque()
+        self.sessions = SessionStore(self.kv, config.max_session_kv, config.session_ttl_s,
+                                     self._emit_session) if config.max_session_kv > 0 else None
         self.requests: dict[str, Request] = {}
         self._victim_policy = make_victim_policy(config)
         self._victims = VictimGuard(config.max_preemptions_per_request,
@@ -159,17 +164,29 @@ class Scheduler:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise RequestError(f"request {request.request_id} is not a fresh request")
+        sessions, session = self.sessions, None
+        if request.sampling_params.session_id is not None:
+            if sessions is None:
+                raise RequestError(f"request {request.request_id}: sessions are off on this "
+                                   "server (max_session_kv is 0, flag --max-session-kv)")
+            session = sessions.check_turn(request)  # U3, U4
         check_servable(request, self.config, self.cache_config)
         check_queue_limits(request, self.waiting, self.config)
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        reason = ""
+        if sessions is not None and request.sampling_params.session_id is not None and \
+                sessions.start_turn(request, session):
+            self.held_waiting.append(request)  # L1
+            reason = f"held by a session ({request.num_computed_tokens} tokens)"
+        else:
+            self.waiting.push(request)
         request.record(EventType.ARRIVED, request.arrival_time)
         delay = request.sampling_params.max_queue_delay
         if delay is None:
             delay = self.config.max_queue_delay
         if delay is not None:
             self._queue_deadlines.add(request.request_id, request.arrival_time + delay)
-        self._emit(request.arrival_time, EventType.ARRIVED, request, request.num_tokens)
+        self._emit(request.arrival_time, EventType.ARRIVED, request, request.num_tokens, reason)
 
     def abort(self, request_id: str, now: float | None = None) -> bool:
         """Abort a request in any state and free everything it holds (H4).
@@ -193,7 +210,7 @@ class Scheduler:
         elif request.status is _SWAPPED:
             self.swapped.remove(request)
         else:
-            self.waiting.remove(request)
+            self._remove_waiting(request)
         return self._finish(request, status, self._now if now is None else now, stop_reason)
 
     def _finish(self, request: Request, status: RequestStatus, now: float,
@@ -201,6 +218,8 @@ class Scheduler:
         """Mark finished and free its blocks; the caller has taken it out of its queue."""
         request.status = status
         request.stop_reason = stop_reason
+        if self.sessions is not None and request.sampling_params.session_id is not None:
+            self.sessions.end_turn(request, now)  # U2: a completed turn's KV stays held
         self.kv.free(request)
         request.record(EventType.FINISHED, now)
         del self.requests[request.request_id]
@@ -235,6 +254,9 @@ class Scheduler:
         """
         self._now = now
         self._expire_queue_deadlines(now)
+        sessions = self.sessions
+        if sessions is not None and now >= sessions.next_expiry:
+            sessions.expire(now)  # U6
         step = _Step(self.config.max_num_batched_tokens)
         defer_prefills = throttle and self._should_defer_prefills()
         self._schedule_running(step, 1 if defer_prefills else _NO_CAP)
@@ -247,7 +269,7 @@ class Scheduler:
         else:
             self._schedule_waiting(step)
         if not defer_prefills:
-            self.prefill_capacity_bound = bool(self.waiting)  # N3
+            self.prefill_capacity_bound = bool(self.waiting) or bool(self.held_waiting)  # N3
         self._admission.end_step(len(step.preempted), self.running)
         output = self._commit(step)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
@@ -323,8 +345,13 @@ class Scheduler:
         victim qualifies (P2).
 
         Returns the new blocks (None if the request preempted itself or must wait) and the
-        loop index, moved back when a victim stood before it in ``running``.
+        loop index, moved back when a victim stood before it in ``running``. Held sessions'
+        KV goes first (U7): nobody is preempted while a session holds blocks.
         """
+        while self._release_session_kv():
+            new_blocks = self.kv.grow_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, index
         while True:
             victim_index = self._victims.victim_index(self.running, request)
             if victim_index is None:
@@ -384,6 +411,8 @@ class Scheduler:
                 request.num_tokens, request.num_computed_tokens, self._long_prefill_threshold,
                 config.max_model_len))
             swapped_in = self.kv.swap_in(request, num_new)
+            while swapped_in is None and self._release_session_kv():  # U7
+                swapped_in = self.kv.swap_in(request, num_new)
             if swapped_in is None:
                 return True
             pairs, blocks = swapped_in
@@ -409,6 +438,8 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         """Pass 2 (D4-D6, L2): admit from the head of the queue until something stops us;
         requests not ready yet are set aside for the pass and put back in their places."""
+        if self.held_waiting and not self._admit_held(step):
+            return  # L1: the ordinary queue waits behind a held turn that does not fit
         if not self.waiting:
             return
         skipped: list[Request] = []
@@ -454,18 +485,75 @@ class Scheduler:
                     self._note_blocked("token_budget")
                     return
                 num_new = step.token_budget
-            new_blocks = self.kv.allocate_slots(
-                request, num_new, hit_blocks,
-                apply_watermark=bool(self.running),
-                full_sequence_must_fit=config.reserve_full_sequence,
-                reserved_blocks=self._admission.reserved_blocks(request),
-            )
+            new_blocks = self._allocate_admission(request, num_new, hit_blocks)
             if new_blocks is None:
                 if self._urgent is None or not self._admit_urgent(step):
                     self._note_blocked("kv_cache")
                 return
             self.waiting.pop()
             self._admit(request, num_new, num_hit_tokens, new_blocks, step)
+
+    def _allocate_admission(self, request: Request, num_new: int,
+                            hit_blocks: list[KVBlock]) -> list[KVBlock] | None:
+        """allocate_slots for an admission (E1-E5, K2), releasing held sessions' KV oldest
+        first while it does not fit (U7)."""
+        while True:
+            new_blocks = self.kv.allocate_slots(
+                request, num_new, hit_blocks,
+                apply_watermark=bool(self.running),
+                full_sequence_must_fit=self.config.reserve_full_sequence,
+                reserved_blocks=self._admission.reserved_blocks(request),
+            )
+            if new_blocks is not None or not self._release_session_kv(keep=request):
+                return new_blocks
+
+    def _release_session_kv(self, keep: Request | None = None) -> bool:
+        """U7, under memory pressure: release the oldest held session, or else turn the
+        newest held waiting turn (other than ``keep``) back into an ordinary request whose
+        blocks go back to the pool, still cached. False if there is nothing to release."""
+        sessions = self.sessions
+        if sessions is None:
+            return False
+        if sessions.release_oldest():
+            return True
+        for request in reversed(self.held_waiting):
+            if request is not keep:
+                self.held_waiting.remove(request)
+                sessions.demoted(request)
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                self.waiting.push_front(request)
+                return True
+        return False
+
+    def _admit_held(self, step: _Step) -> bool:
+        """L1: admit the waiting requests that hold KV, in arrival order, before the
+        ordinary queue; each prefills only the tokens its held KV lacks (U3). False if one
+        does not fit: the pass stops there."""
+        config, held = self.config, self.held_waiting
+        while held:
+            request = held[0]
+            if step.token_budget <= 0 or len(self.running) >= config.max_num_seqs:
+                self._note_blocked("token_budget" if step.token_budget <= 0
+                                   else "max_num_seqs", request)
+                return False
+            num_held = request.num_computed_tokens
+            num_new = min(step.token_budget, tokens_to_schedule(
+                request.num_tokens, num_held, config.long_prefill_token_threshold,
+                config.max_model_len))
+            if num_new < request.num_tokens - num_held and not config.enable_chunked_prefill:
+                self._note_blocked("token_budget", request)
+                return False
+            new_blocks = self._allocate_admission(request, num_new, _NO_BLOCKS)
+            if new_blocks is None:
+                self._note_blocked("kv_cache", request)
+                return False
+            if held and held[0] is request:  # still the head: nothing demoted it
+                held.popleft()
+                assert self.sessions is not None
+                self.sessions.note_hit(num_held)
+                self._admit(request, num_new, num_held, new_blocks, step)
+        return True
 
     def _skip_not_ready(self, request: Request, skipped: list[Request]) -> None:
         """L2: set aside for this pass; logged once per reason, as a blocked head is."""
@@ -533,17 +621,20 @@ class Scheduler:
         request.record(kind, self._now)
         self._emit(self._now, kind, request, num_new)
 
-    def _note_blocked(self, reason: str) -> None:
+    def _note_blocked(self, reason: str, head: Request | None = None) -> None:
         """The waiting pass stopped with requests left: count it, and log the head request
-        once per reason."""
-        if not self.waiting:
-            return
+        (the held queue's first, L1, or ``head``) once per reason."""
+        if head is None:
+            if self.held_waiting:
+                head = self.held_waiting[0]  # L1: the real head of the line
+            elif self.waiting:
+                head = self.waiting.peek()
+            else:
+                return
         self.num_blocked_steps[reason] = self.num_blocked_steps.get(reason, 0) + 1
-        if self._events is not None:
-            head = self.waiting.peek()
-            if self._blocked_reason.get(head.request_id) != reason:
-                self._blocked_reason[head.request_id] = reason
-                self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
+        if self._events is not None and self._blocked_reason.get(head.request_id) != reason:
+            self._blocked_reason[head.request_id] = reason
+            self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
 
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
@@ -551,11 +642,29 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.first_scheduled_time is not None:
                 continue
-            self.waiting.remove(request)
+            self._remove_waiting(request)
             metrics = self._finish(request, RequestStatus.FINISHED_ABORTED, now, QUEUE_TIMEOUT)
             self._pending_outputs.append(RequestOutput(
                 request_id, [], finished=True, finish_reason="abort",
                 stop_reason=QUEUE_TIMEOUT, metrics=metrics))
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self.held_waiting and request in self.held_waiting:
+            self.held_waiting.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def release_session(self, tenant: str, session_id: str) -> bool:
+        """End a session early (U8, ``DELETE /v1/sessions/{id}``): its held KV goes back
+        to the pool; a turn in flight runs on but its KV is not held. False if unknown."""
+        if self.sessions is None:
+            return False
+        return self.sessions.release((tenant, session_id), DELETED)
+
+    def _emit_session(self, kind: str, request_id: str, num_tokens: int, reason: str) -> None:
+        if self._events is not None:
+            self._events.append(core_outputs.SchedulerEvent(
+                self._now, EventType(kind), request_id, num_tokens, reason))
 
     def _commit(self, step: _Step) -> SchedulerOutput:
         """Advance num_computed_tokens of every scheduled request (D7) and build the output,
@@ -724,7 +833,7 @@ class Scheduler:
     def stats(self) -> core_outputs.SchedulerStats:
         return core_outputs.SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.held_waiting),
             num_queued_tokens=self.waiting.num_tokens,
             kv_cache_usage=self.kv.usage(),
             num_free_blocks=self.kv.num_free_blocks,
@@ -744,4 +853,5 @@ class Scheduler:
             num_swapped_in_blocks=self.kv.num_swapped_in_blocks,
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
             num_waiting_by_tenant=dict(self.waiting.num_by_tenant),
+            **(self.sessions.stats() if self.sessions is not None else {}),
         )

@@ -193,7 +193,7 @@ def _fields(obj: Any) -> dict[str, Any]:
 # defaults, so that a report with default flags stays byte-identical.
 _ECHOED_WHEN_SET = ("max_num_queued_reqs_per_tenant", "prefix_cache_scope", "tenant_fairness",
                     "vtc_prompt_token_price", "vtc_output_token_price", "tenant_weights",
-                    "lpm_max_queue", "schedule_aging_s")
+                    "lpm_max_queue", "schedule_aging_s", "max_session_kv", "session_ttl_s")
 
 
 def _scheduler_echo(config: SchedulerConfig) -> dict[str, Any]:

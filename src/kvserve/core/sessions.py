@@ -1,0 +1,224 @@
+"""Multi-turn sessions that keep their KV between turns (spec U1-U8, L1).
+
+A session is named by a request (``SamplingParams.session_id``) and scoped to its tenant: the
+key is (tenant, session id). Its life::
+
+    turn 1 arrives ----> runs like any request ----> finishes (stop or length)
+                                                        | U2: its blocks stay referenced
+                                                        v
+                          +------------------------- HELD (idle, expires after its ttl)
+    turn 2 arrives, its   |                             | released (U5-U8): ttl, pressure,
+    prompt extends the    | U3: takes the blocks,       | limit, deleted -> the blocks go
+    held tokens (else     |     waits in the held       v    back to the free queue,
+    refused, U3)          v     queue, drained first    (gone)   still cached (G2)
+                    waiting, holding KV (L1) --> admitted, prefilling only its new tokens
+
+A held session's blocks carry one reference of the session's own, so they are neither free
+nor evictable; releasing one drops that reference like a finished request's free (G2): its
+full blocks stay findable by hash until reused, so a released session falls back to
+ordinary prefix caching. Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvserve.core.block_pool import KVBlock
+from kvserve.core.errors import RequestError
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+
+# Why a held session let go of its KV (kvserve:session_releases_total{reason}).
+TTL, PRESSURE, LIMIT, DELETED, ABORTED = "ttl", "pressure", "limit", "deleted", "aborted"
+RELEASE_REASONS = (TTL, PRESSURE, LIMIT, DELETED, ABORTED)
+_HELD_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+SessionKey = tuple[str, str]  # (tenant, session id)
+# (event kind, request id, tokens, reason): the scheduler's event log
+EmitFn = Callable[[str, str, int, str], None]
+
+
+class SessionError(RequestError):
+    """A turn its session cannot take (U3, U4): the server answers 400."""
+
+
+def session_key(request: Request) -> SessionKey:
+    params = request.sampling_params
+    assert params.session_id is not None
+    return (params.tenant, params.session_id)
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    key: SessionKey
+    cache_salt: str | None
+    turn_id: str | None  # the request of the turn in flight; None while held
+    last_request_id: str
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV the blocks hold
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    expires_at: float = 0.0
+
+
+class SessionStore:
+    """Every live session, the held ones oldest hold first, and their counters."""
+
+    def __init__(self, kv: KVCacheManager, max_fraction: float, default_ttl: float,
+                 emit: EmitFn | None = None) -> None:
+        self.kv = kv
+        self.max_blocks = int(max_fraction * kv.num_blocks)  # U5
+        self.default_ttl = default_ttl
+        self.sessions: dict[SessionKey, Session] = {}
+        self.held: OrderedDict[SessionKey, Session] = OrderedDict()  # oldest hold first
+        self.num_held_blocks = 0
+        self.next_expiry = float("inf")
+        self.num_hits = 0
+        self.num_hit_tokens = 0
+        self.releases: dict[str, int] = {}
+        self._emit = emit
+
+    # -- a turn arrives (U3, U4) ------------------------------------------------------------
+
+    def check_turn(self, request: Request) -> Session | None:
+        """The held session ``request`` continues, None for a first turn (or one after a
+        release); raise SessionError, changing nothing, for a turn its session cannot take."""
+        key = session_key(request)
+        session = self.sessions.get(key)
+        if session is None:
+            return None
+        if session.turn_id is not None:
+            raise SessionError(f"request {request.request_id}: session {key[1]!r} already has "
+                               f"a turn in flight ({session.turn_id}); send one turn at a time")
+        salt = request.sampling_params.cache_salt
+        if salt != session.cache_salt:
+            raise SessionError(f"request {request.request_id}: session {key[1]!r} was started "
+                               "with a different cache_salt; a session keeps one salt")
+        held = session.token_ids
+        prompt = request.prompt_token_ids
+        if len(prompt) <= len(held) or prompt[:len(held)] != held:
+            at = next((i for i, (a, b) in enumerate(zip(prompt, held, strict=False))
+                       if a != b), min(len(prompt), len(held)))
+            raise SessionError(
+                f"request {request.request_id}: the prompt does not extend session "
+                f"{key[1]!r}: the session holds {len(held)} tokens (the previous turns' "
+                f"prompt and output) and the prompt, of {len(prompt)} tokens, "
+                + (f"differs from them at token {at}" if at < len(prompt)
+                   else "adds no token after them")
+                + "; send the whole conversation so far plus the new message")
+        return session
+
+    def start_turn(self, request: Request, session: Session | None) -> bool:
+        """Record ``request`` as its session's turn in flight; a held session's blocks pass
+        to it (the session's reference becomes the request's). True if it now holds KV."""
+        if session is None:
+            key = session_key(request)
+            self.sessions[key] = Session(key, request.sampling_params.cache_salt,
+                                         request.request_id, request.request_id)
+            return False
+        del self.held[session.key]
+        self.num_held_blocks -= len(session.blocks)
+        self.kv.adopt_blocks(request, session.blocks, session.num_cached_blocks)
+        request.num_computed_tokens = len(session.token_ids)
+        session.turn_id = session.last_request_id = request.request_id
+        session.blocks, session.token_ids = [], []
+        return True
+
+    def note_hit(self, num_tokens: int) -> None:
+        """A turn admitted on its session's held KV (kvserve:session_hits_total)."""
+        self.num_hits += 1
+        self.num_hit_tokens += num_tokens
+
+    def stats(self) -> dict[str, object]:
+        """The SchedulerStats fields of sessions."""
+        return {"num_sessions_held": len(self.held),
+                "num_session_blocks": self.num_held_blocks,
+                "num_session_hits": self.num_hits,
+                "num_session_hit_tokens": self.num_hit_tokens,
+                "session_releases": dict(self.releases)}
+
+    # -- a turn ends (U2, U8) ---------------------------------------------------------------
+
+    def end_turn(self, request: Request, now: float) -> None:
+        """Called as ``request`` finishes, before its blocks are freed: a completed turn's KV
+        becomes the session's (U2, bounded by U5); an aborted or failed one ends the session
+        (U8). Nothing happens if the session was deleted meanwhile."""
+        key = session_key(request)
+        session = self.sessions.get(key)
+        if session is None or session.turn_id != request.request_id:
+            return
+        num_tokens = request.num_computed_tokens
+        if request.status not in _HELD_FINISHES or num_tokens == 0 or \
+                self.kv.num_held_blocks(request.request_id) == 0:
+            self._forget(session, ABORTED)
+            return
+        num_blocks = self.kv.num_blocks_for(num_tokens)
+        if num_blocks > self.max_blocks:
+            self._forget(session, LIMIT)  # its blocks are freed with the request's
+            return
+        while self.num_held_blocks + num_blocks > self.max_blocks:
+            self.release_oldest(LIMIT)
+        blocks, num_cached = self.kv.detach_blocks(request, num_tokens)
+        session.turn_id = None
+        session.token_ids = request.all_token_ids[:num_tokens]
+        session.blocks, session.num_cached_blocks = blocks, num_cached
+        ttl = request.sampling_params.session_ttl
+        session.expires_at = now + (self.default_ttl if ttl is None else ttl)
+        self.next_expiry = min(self.next_expiry, session.expires_at)
+        self.held[key] = session
+        self.num_held_blocks += len(blocks)
+        if self._emit is not None:
+            self._emit("held", request.request_id, num_tokens, f"session {key[1]}")
+
+    # -- releases (U5-U8) -------------------------------------------------------------------
+
+    def release(self, key: SessionKey, reason: str) -> bool:
+        """End one session; a held one's blocks go back to the pool. False if unknown."""
+        session = self.sessions.get(key)
+        if session is None:
+            return False
+        if session.turn_id is None:
+            self._release_held(session, reason)
+        else:
+            self._forget(session, reason)  # the turn runs on; its KV will not be held
+        return True
+
+    def release_oldest(self, reason: str = PRESSURE) -> bool:
+        """Release the session held longest (U5, U7); False if none is held."""
+        if not self.held:
+            return False
+        self._release_held(next(iter(self.held.values())), reason)
+        return True
+
+    def expire(self, now: float) -> None:
+        """U6: release every held session whose ttl ran out by ``now``."""
+        if now < self.next_expiry:
+            return
+        for session in [s for s in self.held.values() if s.expires_at <= now]:
+            self._release_held(session, TTL)
+        self.next_expiry = min((s.expires_at for s in self.held.values()),
+                               default=float("inf"))
+
+    def demoted(self, request: Request) -> None:
+        """A waiting turn gave up its session's KV under pressure (U7): it is an ordinary
+        request now; the session waits for it as for any turn in flight."""
+        self._count(PRESSURE, request.request_id, request.num_computed_tokens)
+
+    def _release_held(self, session: Session, reason: str) -> None:
+        del self.held[session.key]
+        del self.sessions[session.key]
+        blocks = session.blocks
+        self.num_held_blocks -= len(blocks)
+        self.kv.pool.free(reversed(blocks))  # tail first, as a request's (G2)
+        self._count(reason, session.last_request_id, len(session.token_ids))
+        session.blocks, session.token_ids = [], []
+
+    def _forget(self, session: Session, reason: str) -> None:
+        del self.sessions[session.key]
+        self._count(reason, session.last_request_id, 0)
+
+    def _count(self, reason: str, request_id: str, num_tokens: int) -> None:
+        self.releases[reason] = self.releases.get(reason, 0) + 1
+        if self._emit is not None:
+            self._emit("released", request_id, num_tokens, reason)

@@ -1,0 +1,381 @@
+"""Sessions that hold their KV between turns (U1-U8) and the held queue drained first (L1):
+exact state worked out by hand on pools of 4-token blocks, and after every path the pool's
+accounting (free + referenced by requests + held by sessions, I1, U2, U5)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvserve.core import RequestError, check_empty, check_invariants
+from kvserve.core.request import EventType
+from kvserve.core.sessions import SessionError
+from tests.conftest import FakeExecutor, make_request, make_scheduler, step, token_for
+
+BS = 4
+
+
+def sched(num_blocks: int = 20, max_session_kv: float = 0.5, **config: object):
+    return make_scheduler(num_blocks, BS, record_events=True, max_session_kv=max_session_kv,
+                          **config)
+
+
+def turn(request_id: str, prompt: list[int], *, session: str = "s", max_tokens: int = 3,
+         arrival_time: float = 0.0, **params: object):
+    return make_request(request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        ignore_eos=True, session_id=session, arrival_time=arrival_time,
+                        **params)
+
+
+def run(scheduler, executor: FakeExecutor, now: float = 0.0, max_steps: int = 200,
+        until: str | None = None) -> dict[str, list[int]]:
+    """Step from ``now`` (one second a step) until nothing is left, or ``until`` finished;
+    returns each finished request's output tokens."""
+    outputs: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
+    for n in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outputs
+        _, results = step(scheduler, executor, now + n)
+        for result in results:
+            tokens.setdefault(result.request_id, []).extend(result.new_token_ids)
+            if result.finished:
+                outputs[result.request_id] = tokens.pop(result.request_id)
+        if until is not None and until in outputs:
+            return outputs
+    raise AssertionError("requests left")
+
+
+def prompt_of(request_id: str, length: int) -> list[int]:
+    return [token_for(request_id + "/prompt", i) for i in range(length)]
+
+
+def first_turn(scheduler, executor):
+    """Turn 1: a 10-token prompt, 3 output tokens; 12 tokens computed (the last sampled
+    token never is), so 3 blocks stay held."""
+    prompt = prompt_of("t1", 10)
+    scheduler.add_request(turn("t1", prompt))
+    run(scheduler, executor)
+    return [*prompt, token_for("t1", 10), token_for("t1", 11), token_for("t1", 12)]
+
+
+def test_a_finished_turn_is_held_and_the_next_prefills_only_its_new_tokens():  # U2 U3 L1
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    stats = scheduler.stats()
+    assert (stats.num_sessions_held, stats.num_session_blocks, stats.num_free_blocks) == \
+        (1, 3, 17)
+    held = scheduler.sessions.held[("", "s")]
+    assert held.token_ids == history[:12] and [b.ref_cnt for b in held.blocks] == [1, 1, 1]
+    assert [(e.kind, e.num_tokens, e.reason) for e in scheduler.take_events()
+            if e.kind is EventType.HELD] == [(EventType.HELD, 12, "session s")]
+
+    held_ids = [b.block_id for b in held.blocks]
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 5), arrival_time=10.0))
+    assert [r.request_id for r in scheduler.held_waiting] == ["t2"] and not scheduler.waiting
+    assert scheduler.requests["t2"].num_computed_tokens == 12
+    out, _ = step(scheduler, executor, 10.0)
+    assert out.num_scheduled_tokens == {"t2": 6}  # 18 tokens, 12 held
+    new = out.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 12  # the held blocks first, then 2 new ones
+    assert new.block_ids[:3] == held_ids and len(new.block_ids) == 5
+    events = scheduler.take_events()
+    assert (events[0].kind, events[0].reason) == (EventType.ARRIVED,
+                                                  "held by a session (12 tokens)")
+    run(scheduler, executor, 11.0)
+    stats = scheduler.stats()
+    assert (stats.num_session_hits, stats.num_session_hit_tokens) == (1, 12)
+    assert stats.prefix_cache_hits == 12  # counted as a hit too (G6)
+    assert (stats.num_sessions_held, stats.num_session_blocks) == (1, 5)  # 18 + 3 - 1 = 20
+
+
+def test_the_held_queue_is_drained_before_the_ordinary_queue():  # L1
+    scheduler = sched(max_num_batched_tokens=8, max_num_seqs=8)
+    executor = FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    scheduler.add_request(make_request("r", 8, arrival_time=5.0))
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 4), arrival_time=6.0))
+    out, _ = step(scheduler, executor, 6.0)
+    # t2 arrived later but holds KV: admitted first, 5 new tokens (17 - 12 held: the last
+    # answer token was never computed); r takes the 3 left of the budget.
+    assert list(out.num_scheduled_tokens.items()) == [("t2", 5), ("r", 3)]
+    assert [r.request_id for r in scheduler.running] == ["t2", "r"]
+
+
+def test_a_held_turn_that_does_not_fit_blocks_the_line_and_is_logged():  # L1 D4
+    scheduler, executor = sched(num_blocks=8, max_session_kv=0.5), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)  # 3 blocks held, 5 free
+    scheduler.add_request(make_request("big", 18, max_tokens=20, ignore_eos=True))
+    step(scheduler, executor, 1.0)  # big needs 5 blocks: fits without releasing
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 6), arrival_time=2.0))
+    scheduler.add_request(make_request("r", 2, arrival_time=3.0))
+    out, _ = step(scheduler, executor, 3.0)
+    # t2 needs 2 more blocks (18 tokens) and none is free: it blocks, r waits behind it.
+    assert list(out.num_scheduled_tokens) == ["big"]
+    blocked = [(e.request_id, e.reason) for e in scheduler.take_events()
+               if e.kind is EventType.BLOCKED]
+    assert blocked == [("t2", "kv_cache")]
+    run(scheduler, executor, 4.0)
+    check_empty(scheduler)
+
+
+def test_a_turn_that_does_not_extend_the_held_tokens_is_refused():  # U3
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    changed = [*history[:5], 7, *history[6:], 1, 2]
+    with pytest.raises(SessionError, match=r"does not extend session 's'.*holds 12 tokens.*"
+                                           r"differs from them at token 5"):
+        scheduler.add_request(turn("bad", changed))
+    with pytest.raises(SessionError, match="adds no token after them"):
+        scheduler.add_request(turn("short", history[:12]))
+    with pytest.raises(SessionError, match="different cache_salt"):
+        scheduler.add_request(turn("salted", [*history, 5], cache_salt="x"))
+    # nothing recorded: the session still holds its 3 blocks, no request is known
+    assert not scheduler.requests and scheduler.stats().num_session_blocks == 3
+    check_invariants(scheduler)
+
+
+def test_one_turn_at_a_time_and_sessions_off_refuse():  # U4 U1
+    scheduler = sched()
+    scheduler.add_request(turn("a", prompt_of("a", 5)))
+    with pytest.raises(SessionError, match="already has a turn in flight \\(a\\)"):
+        scheduler.add_request(turn("b", [*prompt_of("a", 5), 1]))
+    off = make_scheduler(20, BS)
+    with pytest.raises(RequestError, match=r"sessions are off.*--max-session-kv"):
+        off.add_request(turn("a", prompt_of("a", 5)))
+    assert not off.requests
+
+
+def test_sessions_are_tenant_scoped():  # U1
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    scheduler.add_request(turn("a", prompt_of("a", 5), tenant="alice"))
+    scheduler.add_request(turn("b", prompt_of("b", 5), tenant="bob"))  # same id "s"
+    run(scheduler, executor)
+    assert sorted(scheduler.sessions.held) == [("alice", "s"), ("bob", "s")]
+    assert scheduler.release_session("carol", "s") is False
+    assert scheduler.release_session("alice", "s") is True
+    assert sorted(scheduler.sessions.held) == [("bob", "s")]
+
+
+def test_ttl_releases_into_the_prefix_cache():  # U6 G2
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    prompt = prompt_of("t1", 10)
+    scheduler.add_request(turn("t1", prompt, session_ttl=5.0))
+    run(scheduler, executor)  # finishes at step time 2.0 (prefill, 2 decodes)
+    history = prompt + [token_for("t1", p) for p in (10, 11, 12)]
+    assert scheduler.sessions.held[("", "s")].expires_at == 7.0
+    scheduler.schedule(6.9)
+    assert scheduler.stats().num_sessions_held == 1
+    scheduler.take_events()
+    scheduler.schedule(7.0)
+    stats = scheduler.stats()
+    assert (stats.num_sessions_held, stats.num_free_blocks, stats.session_releases) == \
+        (0, 20, {"ttl": 1})
+    assert [(e.kind, e.request_id, e.reason) for e in scheduler.take_events()] == \
+        [(EventType.RELEASED, "t1", "ttl")]
+    # a later turn starts a new session and still hits the 3 cached blocks (12 tokens)
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 5), arrival_time=8.0))
+    assert scheduler.requests["t2"] in scheduler.waiting
+    run(scheduler, executor, 8.0)
+    assert scheduler.stats().prefix_cache_hits == 12
+    assert scheduler.stats().num_session_hits == 0
+
+
+def test_the_bound_releases_the_oldest_hold_first():  # U5
+    scheduler, executor = sched(max_session_kv=0.2), FakeExecutor()  # 4 blocks
+    scheduler.add_request(turn("a", prompt_of("a", 10), session="A"))
+    run(scheduler, executor)  # 3 blocks held
+    scheduler.add_request(turn("b", prompt_of("b", 6), session="B"))
+    run(scheduler, executor, 10.0)  # 8 tokens: 2 blocks; 3 + 2 > 4 releases A
+    assert list(scheduler.sessions.held) == [("", "B")]
+    scheduler.add_request(turn("c", prompt_of("c", 18), session="C"))
+    run(scheduler, executor, 20.0)  # 20 tokens: 5 blocks > 4, never held
+    stats = scheduler.stats()
+    assert (list(scheduler.sessions.held), stats.num_session_blocks) == ([("", "B")], 2)
+    assert stats.session_releases == {"limit": 2}
+    assert ("", "C") not in scheduler.sessions.sessions
+
+
+def test_an_admission_releases_held_sessions_before_blocking():  # U7
+    scheduler, executor = sched(num_blocks=8), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)  # 3 held, 5 free
+    scheduler.add_request(make_request("big", 28, max_tokens=1))  # needs 7 blocks
+    scheduler.take_events()
+    out, _ = step(scheduler, executor, 5.0)
+    assert out.num_scheduled_tokens == {"big": 28}
+    assert scheduler.stats().session_releases == {"pressure": 1}
+    assert [(e.kind, e.request_id, e.reason) for e in scheduler.take_events()] == \
+        [(EventType.RELEASED, "t1", "pressure"), (EventType.ADMITTED, "big", ""),
+         (EventType.FINISHED, "big", "length")]
+    run(scheduler, executor, 6.0)
+    check_empty(scheduler)
+    # released into the cache (G2): big took the 5 hashless blocks, then t1's blocks 2 and
+    # 1 (freed tail first, so evicted first); block 0 survives and a new turn hits it
+    scheduler.add_request(turn("t2", [*history, 1], arrival_time=9.0))
+    run(scheduler, executor, 9.0)
+    assert scheduler.stats().prefix_cache_hits == 4
+
+
+def test_a_growing_request_releases_sessions_before_preempting():  # U7 F1
+    scheduler, executor = sched(num_blocks=6), FakeExecutor(block_size=BS)
+    first_turn(scheduler, executor)  # 3 held, 3 free
+    scheduler.add_request(make_request("g", 8, max_tokens=8, ignore_eos=True))
+    run(scheduler, executor, 5.0)  # grows to 15 tokens: 4 blocks
+    stats = scheduler.stats()
+    assert (stats.num_preemptions, stats.session_releases) == (0, {"pressure": 1})
+
+
+def test_pressure_demotes_a_waiting_turn_to_an_ordinary_request():  # U7 L1
+    scheduler, executor = sched(num_blocks=8, max_session_kv=1.0), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)  # 3 blocks held, 5 free
+    scheduler.add_request(make_request("g", 8, max_tokens=16, ignore_eos=True))
+    step(scheduler, executor, 1.0)  # g: 2 blocks; 3 free
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 15), arrival_time=2.0))
+    step(scheduler, executor, 2.0)  # t2: 28 tokens, holds 3 blocks, needs 4 more: waits
+    assert list(scheduler.held_waiting) == [scheduler.requests["t2"]]
+    scheduler.take_events()
+    outputs = run(scheduler, executor, 3.0, until="g")
+    # g grew into the 3 free blocks, then needed a sixth: t2 gave its 3 blocks back
+    # (demoted to the ordinary queue, its KV still cached) and nobody was preempted.
+    stats = scheduler.stats()
+    assert (stats.num_preemptions, stats.session_releases) == (0, {"pressure": 1})
+    assert ("released", "t2", "pressure") in [(e.kind, e.request_id, e.reason)
+                                              for e in scheduler.take_events()]
+    assert outputs["g"] == [token_for("g", p) for p in range(10, 24)]  # 2 came before
+    outputs = run(scheduler, executor, 30.0)
+    assert outputs["t2"] == [token_for("t2", p) for p in range(28, 31)]
+    assert scheduler.stats().num_sessions_held == 1  # held again after its turn
+    check_empty(scheduler)
+
+
+def test_release_session_deletes_held_or_in_flight():  # U8
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    assert scheduler.release_session("", "s") is True
+    assert scheduler.release_session("", "s") is False
+    assert scheduler.stats().num_free_blocks == 20
+    scheduler.add_request(turn("t2", [*history, 1]))  # a new session, as a first turn
+    step(scheduler, executor, 1.0)
+    assert scheduler.release_session("", "s") is True  # in flight: runs on, not held
+    run(scheduler, executor, 2.0)
+    stats = scheduler.stats()
+    assert (stats.num_sessions_held, stats.session_releases) == (0, {"deleted": 2})
+    check_empty(scheduler)
+
+
+def test_an_aborted_turn_ends_its_session_and_frees_its_blocks():  # U8 H4
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    scheduler.add_request(turn("t2", [*history, 1, 2]))
+    assert scheduler.abort("t2") is True  # waiting in the held queue, holding 3 blocks
+    stats = scheduler.stats()
+    assert (stats.num_free_blocks, stats.session_releases) == (20, {"aborted": 1})
+    assert not scheduler.held_waiting and not scheduler.sessions.sessions
+    check_empty(scheduler)
+
+
+def test_a_preempted_turn_recomputes_and_is_held_after():  # U8 F4 F2
+    scheduler, executor = sched(num_blocks=7, max_session_kv=1.0), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)  # 3 held, 4 free
+    scheduler.add_request(make_request("x", 8, max_tokens=8, ignore_eos=True))
+    step(scheduler, executor, 1.0)  # x: 2 blocks, 2 free
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 1), max_tokens=10,
+                               arrival_time=2.0))
+    scheduler.take_events()
+    outputs = run(scheduler, executor, 2.0)
+    log = [(e.kind.value, e.request_id) for e in scheduler.take_events()]
+    # t2 (admitted last, F2's victim) loses its KV when x grows, is readmitted with prefix
+    # hits, and its finished turn is held again
+    assert log.index(("preempted", "t2")) < log.index(("resumed", "t2")) < \
+        log.index(("held", "t2"))
+    assert ("preempted", "x") not in log
+    assert outputs["t2"] == [token_for("t2", p) for p in range(14, 24)]
+    assert outputs["x"] == [token_for("x", p) for p in range(9, 16)]
+    check_empty(scheduler)
+
+
+def test_held_blocks_are_not_evictable():  # U2 G2
+    scheduler, executor = sched(num_blocks=20), FakeExecutor(block_size=BS)
+    first_turn(scheduler, executor)
+    held = scheduler.sessions.held[("", "s")].blocks
+    assert all(b.ref_cnt == 1 and b.prev_free is None for b in held)
+    assert scheduler.requests == {} and scheduler.kv.req_to_blocks == {}
+    assert not set(scheduler.kv.pool.free_queue.block_ids()) & {b.block_id for b in held}
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> dict:
+    turn_spec = st.tuples(st.integers(1, 12), st.integers(1, 6), st.integers(0, 3),
+                          st.sampled_from([None, 1.0, 3.0, 50.0]),
+                          st.sampled_from(["run", "run", "run", "abort", "delete"]))
+    return {"num_blocks": draw(st.integers(8, 40)),
+            "max_session_kv": draw(st.sampled_from([0.25, 0.5, 1.0])),
+            "conversations": draw(st.lists(st.lists(turn_spec, min_size=1, max_size=4),
+                                           min_size=1, max_size=4))}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations())
+def test_random_conversations_leak_nothing_and_get_exact_answers(case):  # U2-U8 I1 L1
+    """Random conversations, ttls, pressure (small pools), aborts and deletes: after every
+    step the pool's accounting holds (free + referenced by requests + held by sessions),
+    every held block belongs to a live idle session, the KV read back through every block
+    table is right, and every completed turn's answer is exactly the fake model's."""
+    scheduler = sched(case["num_blocks"], case["max_session_kv"])
+    executor = FakeExecutor(block_size=BS)
+    convs = [{"turns": turns, "next": 0, "prompt": [], "due": 0, "live": None}
+             for turns in case["conversations"]]
+    tokens: dict[str, list[int]] = {}
+    for now in range(400):
+        for index, conv in enumerate(convs):
+            if conv["live"] is None and conv["next"] < len(conv["turns"]) and \
+                    now >= conv["due"]:
+                new, max_tokens, _, ttl, _ = conv["turns"][conv["next"]]
+                request_id = f"c{index}t{conv['next']}"
+                prompt = conv["prompt"] + prompt_of(request_id, new)
+                request = turn(request_id, prompt, session=f"S{index}", max_tokens=max_tokens,
+                               arrival_time=float(now), session_ttl=ttl)
+                try:
+                    scheduler.add_request(request)
+                except RequestError as error:
+                    assert "pool" in str(error) or "max_model_len" in str(error), error
+                    conv["next"] = len(conv["turns"])
+                    continue
+                conv["live"], conv["sent"] = request_id, prompt
+        out = scheduler.schedule(float(now))
+        for index, conv in enumerate(convs):  # aborts and deletes land mid-turn
+            if conv["live"] is not None and conv["live"] in scheduler.requests:
+                action = conv["turns"][conv["next"]][4]
+                if action == "abort" and now % 2:
+                    scheduler.abort(conv["live"], float(now))
+                elif action == "delete" and now % 3 == 0:
+                    scheduler.release_session("", f"S{index}")
+        results = scheduler.update(out, executor.execute(out), float(now))
+        check_invariants(scheduler)
+        finished = {r.request_id: r for r in results if r.finished}
+        for result in results:
+            tokens.setdefault(result.request_id, []).extend(result.new_token_ids)
+        for conv in convs:
+            live = conv["live"]
+            if live is None or live in scheduler.requests:
+                continue
+            result = finished.get(live)
+            answer = tokens.pop(live, [])
+            if result is not None and result.finish_reason == "length":
+                start = len(conv["sent"])
+                assert answer == [token_for(live, p) for p in range(start, start + len(answer))]
+                conv["prompt"] = conv["sent"] + answer
+            else:  # aborted: the client resends what it had
+                conv["prompt"] = conv["sent"]
+            think = conv["turns"][conv["next"]][2]
+            conv["live"], conv["next"], conv["due"] = None, conv["next"] + 1, now + 1 + think
+        if not scheduler.has_unfinished_requests() and \
+                all(c["next"] >= len(c["turns"]) for c in convs):
+            break
+    else:
+        raise AssertionError("conversations left")
+    while scheduler.sessions.release_oldest():
+        pass
+    check_empty(scheduler)
+    assert scheduler.stats().num_free_blocks == case["num_blocks"]
