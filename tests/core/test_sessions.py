@@ -153,9 +153,11 @@ def test_sessions_are_tenant_scoped():  # U1
     scheduler.add_request(turn("b", prompt_of("b", 5), tenant="bob"))  # same id "s"
     run(scheduler, executor)
     assert sorted(scheduler.sessions.held) == [("alice", "s"), ("bob", "s")]
-    assert scheduler.release_session("carol", "s") is False
-    assert scheduler.release_session("alice", "s") is True
+    assert scheduler.release_session("s", "carol") == 0
+    assert scheduler.release_session("s", "alice") == 1
     assert sorted(scheduler.sessions.held) == [("bob", "s")]
+    assert scheduler.release_session("s") == 1  # no tenant: every tenant's (an operator)
+    assert not scheduler.sessions.sessions
 
 
 def test_ttl_releases_into_the_prefix_cache():  # U6 G2
@@ -252,12 +254,12 @@ def test_pressure_demotes_a_waiting_turn_to_an_ordinary_request():  # U7 L1
 def test_release_session_deletes_held_or_in_flight():  # U8
     scheduler, executor = sched(), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)
-    assert scheduler.release_session("", "s") is True
-    assert scheduler.release_session("", "s") is False
+    assert scheduler.release_session("s", "") == 1
+    assert scheduler.release_session("s", "") == 0
     assert scheduler.stats().num_free_blocks == 20
     scheduler.add_request(turn("t2", [*history, 1]))  # a new session, as a first turn
     step(scheduler, executor, 1.0)
-    assert scheduler.release_session("", "s") is True  # in flight: runs on, not held
+    assert scheduler.release_session("s", "") == 1  # in flight: runs on, not held
     run(scheduler, executor, 2.0)
     stats = scheduler.stats()
     assert (stats.num_sessions_held, stats.session_releases) == (0, {"deleted": 2})
@@ -350,7 +352,7 @@ def test_random_conversations_leak_nothing_and_get_exact_answers(case):  # U2-U8
                 if action == "abort" and now % 2:
                     scheduler.abort(conv["live"], float(now))
                 elif action == "delete" and now % 3 == 0:
-                    scheduler.release_session("", f"S{index}")
+                    scheduler.release_session(f"S{index}", "")
         results = scheduler.update(out, executor.execute(out), float(now))
         check_invariants(scheduler)
         finished = {r.request_id: r for r in results if r.finished}

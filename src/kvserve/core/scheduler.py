@@ -654,12 +654,16 @@ class Scheduler:
         else:
             self.waiting.remove(request)
 
-    def release_session(self, tenant: str, session_id: str) -> bool:
-        """End a session early (U8, ``DELETE /v1/sessions/{id}``): its held KV goes back
-        to the pool; a turn in flight runs on but its KV is not held. False if unknown."""
-        if self.sessions is None:
-            return False
-        return self.sessions.release((tenant, session_id), DELETED)
+    def release_session(self, session_id: str, tenant: str | None = None) -> int:
+        """End sessions early (U8, ``DELETE /v1/sessions/{id}``): ``tenant``'s session of
+        that id, or every tenant's (None: an operator). A held one's KV goes back to the
+        pool; a turn in flight runs on but its KV is not held. Returns how many ended."""
+        sessions = self.sessions
+        if sessions is None:
+            return 0
+        keys = [(tenant, session_id)] if tenant is not None else \
+            [key for key in sessions.sessions if key[1] == session_id]
+        return sum(sessions.release(key, DELETED) for key in keys)
 
     def _emit_session(self, kind: str, request_id: str, num_tokens: int, reason: str) -> None:
         if self._events is not None:

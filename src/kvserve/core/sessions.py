@@ -44,6 +44,11 @@ class SessionError(RequestError):
     """A turn its session cannot take (U3, U4): the server answers 400."""
 
 
+class SessionNotFound(RequestError):
+    """No live session of that id (for that tenant): ``DELETE /v1/sessions/{id}`` answers
+    404."""
+
+
 def session_key(request: Request) -> SessionKey:
     params = request.sampling_params
     assert params.session_id is not None
