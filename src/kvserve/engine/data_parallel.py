@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from kvserve.engine.async_engine import (
     notify,
 )
 from kvserve.engine.engine import CompletionChunk, Prompt
-from kvserve.engine.engine_process import EngineSpec, Launcher, ProcessEngine
+from kvserve.engine.engine_process import EngineSpec, Launcher, LocalLauncher, ProcessEngine
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -245,6 +246,23 @@ class DataParallelEngine:
         self.replicas[index] = replica
         self.num_restarts[index] += 1
         logger.info("replica %d is back (restart %d)", index, self.num_restarts[index])
+
+
+def default_threads(num_replicas: int) -> int:
+    """Torch threads per replica when none are given: the CPUs split evenly (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // num_replicas)
+
+
+def replica_launchers(num_replicas: int, backend: str) -> list[Launcher]:
+    """One launcher per replica: local spawned processes (``mp``) or Ray actors (``ray``,
+    connecting to Ray now)."""
+    if backend == "ray":
+        from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
+        ensure_ray()
+        return [RayLauncher(i) for i in range(num_replicas)]
+    if backend != "mp":
+        raise ValueError(f"unknown data-parallel backend {backend!r}; choose mp or ray")
+    return [LocalLauncher(f"kvserve-engine-{i}") for i in range(num_replicas)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,30 @@ from kvserve.engine.text import Detokenizer, StopChecker, Tokenizer
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
+def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: text, token ids (checked against the vocabulary), or chat
+    messages (a list of {"role", "content"} dicts, through the chat template)."""
+    if isinstance(prompt, str):
+        return _require(tokenizer).encode(prompt)
+    items = list(prompt)
+    if items and all(isinstance(item, dict) for item in items):
+        return _require(tokenizer).encode_chat(items)
+    if not items or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        raise ValueError("a prompt is a string, a non-empty list of token ids, or a list of "
+                         "chat messages")
+    if tokenizer is not None:
+        vocab_size = tokenizer.vocab_size
+        if not all(0 <= t < vocab_size for t in items):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    return items  # type: ignore[return-value]
+
+
+def _require(tokenizer: Tokenizer | None) -> Tokenizer:
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer: pass prompts as token ids")
+    return tokenizer
+
+
 @dataclass
 class CompletionChunk:
     """What one step produced for one request."""
@@ -114,24 +138,7 @@ class Engine:
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (a list of {"role", "content"} dicts)."""
-        if isinstance(prompt, str):
-            return self._require_tokenizer().encode(prompt)
-        items = list(prompt)
-        if items and all(isinstance(item, dict) for item in items):
-            return self._require_tokenizer().encode_chat(items)
-        if not items or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise ValueError("a prompt is a string, a non-empty list of token ids, or a list of "
-                             "chat messages")
-        if self.tokenizer is not None:
-            vocab_size = self.tokenizer.vocab_size
-            if not all(0 <= t < vocab_size for t in items):
-                raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        return items
-
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: pass prompts as token ids")
-        return self.tokenizer
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: SamplingParams | None = None,

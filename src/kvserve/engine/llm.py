@@ -21,7 +21,8 @@ import torch
 
 from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
-from kvserve.engine.engine import Engine, Prompt
+from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
+from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
 from kvserve.model import paged_kernel
 from kvserve.model.config import ModelConfig
@@ -149,11 +150,44 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
 
 
 class LLM:
-    """Offline batch generation over one engine; keyword arguments go to :func:`build_engine`."""
+    """Offline batch generation; keyword arguments go to :func:`build_engine`.
 
-    def __init__(self, model: str | Path | ModelConfig | None = None, **engine_args: Any) -> None:
-        self.engine = build_engine(model, **engine_args)
+    ``data_parallel_size`` N > 1 runs N engine replicas (each its own scheduler, KV pool and
+    model, in a process of its own, or a Ray actor with ``data_parallel_backend="ray"``)
+    behind the router the server uses (``router``: ``round-robin``, ``least-loaded`` or
+    ``prefix-affinity``), ``threads_per_replica`` torch threads each (default: the CPUs split
+    evenly). Results still come back in the prompts' order. Call :meth:`close` (or use the
+    LLM as a context manager) to stop the replicas; N=1 runs the engine in this process.
+    """
+
+    def __init__(self, model: str | Path | ModelConfig | None = None, *,
+                 data_parallel_size: int = 1, data_parallel_backend: str = "mp",
+                 router: str = "least-loaded", threads_per_replica: int | None = None,
+                 **engine_args: Any) -> None:
         self._ids = itertools.count()
+        self.replicas: ReplicatedEngines | None = None
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
+                or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got "
+                             f"{data_parallel_size!r}")
+        self._engine: Engine | None = None
+        if data_parallel_size == 1:
+            self._engine = build_engine(model, **engine_args)
+            self.tokenizer = self._engine.tokenizer
+            return
+        self.tokenizer = _own_tokenizer(model, engine_args)
+        self.replicas = ReplicatedEngines(
+            model, engine_args, self.tokenizer, size=data_parallel_size,
+            backend=data_parallel_backend, router=router,
+            threads_per_replica=threads_per_replica)
+
+    @property
+    def engine(self) -> Engine:
+        """The one engine (its scheduler, runner, stats), when data_parallel_size is 1."""
+        if self._engine is None:
+            raise AttributeError("an LLM with data_parallel_size > 1 has no single engine: "
+                                 "its replicas run in processes of their own (llm.replicas)")
+        return self._engine
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -168,6 +202,8 @@ class LLM:
             [sampling_params or SamplingParams()] * len(batch)
         if len(params) != len(batch):
             raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        if self.replicas is not None:
+            return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}
         order = []
         for prompt, param in zip(batch, params, strict=True):
@@ -185,23 +221,66 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate(list(conversations), sampling_params, use_tqdm)  # type: ignore
 
+    def close(self) -> None:
+        """Stop the data-parallel replicas, if any (idempotent)."""
+        if self.replicas is not None:
+            self.replicas.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
         progress = _progress(len(results), use_tqdm)
         while self.engine.has_unfinished_requests():
             for chunk in self.engine.step().chunks:
-                result = results[chunk.request_id]
-                result.token_ids += chunk.new_token_ids
-                result.text += chunk.new_text
-                if chunk.logprobs:
-                    result.logprobs += chunk.logprobs
-                if chunk.finished:
-                    result.finish_reason = chunk.finish_reason
-                    result.stop_reason = chunk.stop_reason
-                    result.metrics = chunk.metrics
-                    if progress is not None:
-                        progress.update(1)
+                _absorb(results[chunk.request_id], chunk, progress)
         if progress is not None:
             progress.close()
+
+    def _generate_parallel(self, batch: list[Prompt], params: list[SamplingParams],
+                           use_tqdm: bool) -> list[GenerationResult]:
+        """Every prompt tokenized here (errors raised before anything is queued), then run
+        on the replicas."""
+        assert self.replicas is not None
+        token_ids = [encode_prompt(self.tokenizer, prompt) for prompt in batch]
+        items = [(str(next(self._ids)), ids, param)
+                 for ids, param in zip(token_ids, params, strict=True)]
+        results = {rid: GenerationResult(rid, list(ids)) for rid, ids, _ in items}
+        progress = _progress(len(results), use_tqdm)
+        try:
+            self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
+                                                           progress))
+        finally:
+            if progress is not None:
+                progress.close()
+        return [results[rid] for rid, _, _ in items]
+
+
+def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> None:
+    result.token_ids += chunk.new_token_ids
+    result.text += chunk.new_text
+    if chunk.logprobs:
+        result.logprobs += chunk.logprobs
+    if chunk.finished:
+        result.finish_reason = chunk.finish_reason
+        result.stop_reason = chunk.stop_reason
+        result.metrics = chunk.metrics
+        if progress is not None:
+            progress.update(1)
+
+
+def _own_tokenizer(model: str | Path | ModelConfig | None,
+                   engine_args: dict[str, Any]) -> Tokenizer | None:
+    """The tokenizer the replicas will use, loaded here too (prompts are tokenized here)."""
+    if engine_args.get("tokenizer") is not None:
+        return engine_args["tokenizer"]
+    if isinstance(model, ModelConfig):
+        return None
+    from kvserve.model.tokenizer import load_tokenizer
+    return load_tokenizer(model)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -169,21 +169,17 @@ def _engine_process(model: str | None, engine_args: dict[str, Any],
 
 def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any]) -> Any:
     """N replicas (local processes or Ray actors) behind the router."""
-    import os
-
     from kvserve.core.router import make_router
-    from kvserve.engine.data_parallel import DataParallelEngine
-    from kvserve.engine.engine_process import LocalLauncher
+    from kvserve.engine.data_parallel import (
+        DataParallelEngine,
+        default_threads,
+        replica_launchers,
+    )
     from kvserve.model.tokenizer import load_tokenizer
 
     size = args.data_parallel_size
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // size)
-    if args.data_parallel_backend == "ray":
-        from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
-        ensure_ray()
-        launchers: list[Any] = [RayLauncher(i) for i in range(size)]
-    else:
-        launchers = [LocalLauncher(f"kvserve-engine-{i}") for i in range(size)]
+    threads = args.threads_per_replica or default_threads(size)
+    launchers = replica_launchers(size, args.data_parallel_backend)
     logger.info("%d engine replicas (%s), %d threads each, router %s", size,
                 args.data_parallel_backend, threads, args.router)
     return DataParallelEngine(_engine_spec(args.model, engine_args, threads),

@@ -1,0 +1,87 @@
+"""``LLM(data_parallel_size=N)``: offline generation over N engine replicas behind the router.
+
+The replicas are the server's (:class:`~kvserve.engine.data_parallel.DataParallelEngine`):
+N engine processes (or Ray actors), each with its own scheduler, KV pool and model, torch
+threads split among them. The LLM drives them from an event loop of its own, so
+``generate`` stays a plain blocking call: it adds every request (each its own group, so the
+router spreads a batch), then reads every stream to its end. Prompts are tokenized here, so
+the router sees their leading block hashes (prefix affinity) and each result holds its
+prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvserve.core import SamplingParams
+from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.engine import CompletionChunk
+
+Item = tuple[str, list[int], SamplingParams]
+
+
+class ReplicatedEngines:
+    """N replicas started now; :meth:`close` stops them."""
+
+    def __init__(self, model: Any, engine_args: dict[str, Any], tokenizer: Any, *,
+                 size: int, backend: str = "mp", router: str = "least-loaded",
+                 threads_per_replica: int | None = None) -> None:
+        import functools
+
+        from kvserve.core.router import make_router
+        from kvserve.engine.data_parallel import (
+            DataParallelEngine,
+            default_threads,
+            replica_launchers,
+        )
+        from kvserve.engine.engine_process import EngineSpec
+        from kvserve.engine.llm import build_engine
+
+        if threads_per_replica is not None and threads_per_replica < 1:
+            raise ValueError(f"threads_per_replica must be >= 1, got {threads_per_replica}")
+        policy = make_router(router, size)  # checks the size and the policy first
+        threads = threads_per_replica or default_threads(size)
+        spec = EngineSpec(functools.partial(build_engine, model, **engine_args),
+                          threads=threads)
+        self.loop = asyncio.new_event_loop()
+        self.engine = DataParallelEngine(spec, tokenizer, replica_launchers(size, backend),
+                                         policy)
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        self.engine.start()
+
+    def run(self, items: Sequence[Item], on_chunk: Callable[[CompletionChunk], None]) -> None:
+        """Add every item, then pass each chunk to ``on_chunk`` until all have finished. When
+        an add fails, the ones already queued are aborted and the error is raised."""
+        self.loop.run_until_complete(self._run(items, on_chunk))
+
+    async def _run(self, items: Sequence[Item],
+                   on_chunk: Callable[[CompletionChunk], None]) -> None:
+        added = await asyncio.gather(*(self.engine.add_requests([item]) for item in items),
+                                     return_exceptions=True)
+        failed = [result for result in added if isinstance(result, BaseException)]
+        streams = [result for result in added if not isinstance(result, BaseException)]
+        if failed:
+            for stream in streams:
+                stream.cancel()
+            raise failed[0]
+
+        async def drain(stream: RequestStream) -> None:
+            async for chunk in stream:
+                on_chunk(chunk)
+        try:
+            await asyncio.gather(*(drain(stream) for stream in streams))
+        except BaseException:  # a replica failed under way: leave nothing queued elsewhere
+            for stream in streams:
+                stream.cancel()
+            raise
+
+    def close(self) -> None:
+        """Stop every replica (idempotent)."""
+        if self.loop.is_closed():
+            return
+        self.loop.run_until_complete(self.engine.stop())
+        self.loop.close()

@@ -1,0 +1,74 @@
+"""`LLM(data_parallel_size=2)`: two engine processes behind the router (docs/scale-out.md)
+answer a greedy batch exactly as one engine does, in the prompts' order; a batch with a bad
+prompt queues nothing, and one the replicas refuse leaves no request behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.core import SamplingParams
+from kvserve.engine.llm import LLM
+
+from .helpers import TINY, tokenizer, wait_for
+
+SETTINGS = {"num_kv_blocks": 64, "max_model_len": 256, "tokenizer": None}
+
+
+def settings() -> dict:
+    return {**SETTINGS, "tokenizer": tokenizer()}
+
+
+def batch() -> tuple[list, list[SamplingParams]]:
+    """Six prompts of different lengths (two share a 32-token prefix, one is text) and
+    different output lengths, so the replicas finish them out of order."""
+    shared = list(range(300, 332))
+    prompts = [[*shared, 5, 6, 7], [11] * 20, "The capital of France is", [*shared, 8],
+               list(range(1000, 1050)), [42] * 3]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (12, 3, 9, 1, 6, 15)]
+    return prompts, params
+
+
+def answers(results: list) -> list[tuple]:
+    return [(r.prompt_token_ids, r.token_ids, r.text, r.finish_reason) for r in results]
+
+
+def pools_whole(llm: LLM) -> bool:
+    figures = llm.replicas.engine.engine_figures()
+    return len(figures) == 2 and all(
+        f.stats.num_running == 0 and f.stats.num_waiting == 0
+        and f.stats.num_free_blocks == f.stats.num_blocks for f in figures)
+
+
+def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanly():
+    prompts, params = batch()
+    expected = answers(LLM(TINY, **settings()).generate(prompts, params, use_tqdm=False))
+    assert [len(tokens) for _, tokens, _, _ in expected] == [12, 3, 9, 1, 6, 15]
+    with LLM(TINY, data_parallel_size=2, threads_per_replica=1, router="round-robin",
+             **settings()) as llm:
+        # tokenized here: a bad prompt is refused before any request is queued
+        with pytest.raises(ValueError, match="a non-empty list of token ids"):
+            llm.generate([[1, 2, 3], []], use_tqdm=False)
+        assert llm.replicas.engine.router_figures().decisions == {}
+        results = llm.generate(prompts, params, use_tqdm=False)
+        assert answers(results) == expected
+        assert [r.request_id for r in results] == [str(i) for i in range(6)]
+        # round robin (R2): the six requests went 0, 1, 0, 1, 0, 1
+        assert llm.replicas.engine.router_figures().decisions == {
+            (0, "round_robin"): 3, (1, "round_robin"): 3}
+        wait_for(lambda: pools_whole(llm), what="both pools whole")
+        with pytest.raises(AttributeError, match="no single engine"):
+            _ = llm.engine
+        # refused by a replica (longer than max_model_len): the others are aborted
+        with pytest.raises(Exception, match="max_model_len is 256"):
+            llm.generate([prompts[0], [9] * 300, prompts[2]], params[:3], use_tqdm=False)
+        wait_for(lambda: pools_whole(llm), what="both pools whole after the refusal")
+        # the same replicas go on: the same answers, new request ids
+        again = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+        assert answers(again) == expected[:2]
+        assert [r.request_id for r in again] == ["9", "10"]
+
+
+def test_the_data_parallel_size_is_checked():
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        LLM(TINY, data_parallel_size=0, **settings())
