@@ -162,3 +162,36 @@ def test_merged_stats_add_counts_and_pool_shares():
     assert merged.kv_cache_usage == 100 / 150
     assert merged.num_finished == {"length": 4, "abort": 2}
     assert merged.num_blocked_steps == {"kv_capacity": 2}
+
+
+def test_bench_serve_gets_the_same_answers_from_one_and_two_replicas(capsys):
+    """The load client the docs use (`kvserve bench serve --save-detailed`, greedy, twelve
+    requests at once) gets, request by request, the same text and lengths from one engine as
+    from two replicas behind the router (least-loaded: both serve)."""
+    from kvserve.cli import main
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import LocalLauncher
+
+    def bench(url: str) -> dict:
+        assert main(["bench", "serve", "--base-url", url, "--json", "--no-progress",
+                     "--save-detailed", "--num-prompts", "12", "--input-len", "8:40",
+                     "--output-len", "4:16", "--request-rate", "inf", "--timeout", "120",
+                     "--seed", "3"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert (summary["completed"], summary["failed"]) == (12, 0)
+        return {key: summary[key] for key in ("input_lens", "output_lens", "generated_texts")}
+
+    with LiveServer(max_model_len=1024) as live:
+        one = bench(live.url)
+    assert all(one["generated_texts"]) and sum(one["output_lens"]) >= 12 * 4
+    engine = DataParallelEngine(engine_spec(max_model_len=1024), tokenizer(),
+                                [LocalLauncher(f"replica-{i}") for i in range(2)],
+                                make_router("least-loaded", 2))
+    with LiveServer(serving=engine) as live:
+        two = bench(live.url)
+        decisions = engine.router_figures().decisions
+        assert {replica for replica, _ in decisions} == {0, 1}
+        assert sum(decisions.values()) == 12
+        wait_for(lambda: pools_whole(live), what="both pools whole")
+    assert two == one

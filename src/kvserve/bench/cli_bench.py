@@ -51,6 +51,10 @@ def add_parser(subparsers: Any) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as JSON")
     out.add_argument("--output", help="also write the summary (JSON) to this file")
+    out.add_argument("--save-detailed", action="store_true",
+                     help="add each request's lengths, TTFT, ITLs, generated text and error "
+                          "to the JSON summary (vLLM's keys: input_lens, output_lens, ttfts, "
+                          "itls, generated_texts, errors)")
     out.add_argument("--no-progress", dest="progress", action="store_false")
     parser.set_defaults(run=run)
 
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.bench import runner
     from kvserve.bench.client import Target
-    from kvserve.bench.report import format_table, summarize
+    from kvserve.bench.report import detailed, format_table, summarize
     from kvserve.flags import CLIError
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.close()
     summary = {"model": model, "base_url": base_url, **summarize(result)}
+    if args.save_detailed:
+        summary.update(detailed(result))
     if args.output:
         with open(args.output, "w") as file:
             json.dump(summary, file, indent=2)

@@ -30,6 +30,7 @@ class RequestResult:
     num_output_tokens: int = 0
     disconnected: bool = False
     num_preemptions: int | None = None
+    generated_text: str = ""  # what the server sent back (--save-detailed)
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ async def _read_events(response: httpx.Response, result: RequestResult, start: f
             result.error = f"stream error: {data['error'].get('message')}"
             return
         _note_usage(data, result)
-        if not any(_text(choice) for choice in data.get("choices") or []):
+        text = "".join(_text(choice) for choice in data.get("choices") or [])
+        if not text:
             continue
+        result.generated_text += text
         now = time.perf_counter()
         num_events += 1
         if last is None:
@@ -139,6 +142,9 @@ def _note_usage(data: dict[str, Any], result: RequestResult) -> None:
 
 def _read_body(data: dict[str, Any], result: RequestResult) -> None:
     _note_usage(data, result)
+    result.generated_text = "".join(
+        choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        for choice in data.get("choices") or [])
 
 
 def _message(text: str) -> str:

@@ -71,6 +71,19 @@ def summarize(run: RunResult) -> dict[str, Any]:
     }
 
 
+def detailed(run: RunResult) -> dict[str, list[Any]]:
+    """Per-request figures in request order, under vLLM's ``--save-detailed`` keys: prompt
+    and output lengths, TTFT and the inter-token gaps (seconds), the generated text, and the
+    error ("" when none)."""
+    results = sorted(run.results, key=lambda r: r.index)
+    return {"input_lens": [r.num_prompt_tokens for r in results],
+            "output_lens": [r.num_output_tokens for r in results],
+            "ttfts": [r.ttft for r in results],
+            "itls": [r.itls for r in results],
+            "generated_texts": [r.generated_text for r in results],
+            "errors": [r.error or "" for r in results]}
+
+
 def format_table(summary: dict[str, Any]) -> str:
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,}" if isinstance(value, int) else \
