@@ -4,9 +4,14 @@
 vLLM runs from the scratch venv that ../shared/bench/setup_vllm.sh builds (under
 $PEERS_DIR, default /tmp/peers) with ../shared/bench/vllm_env.sh's runtime settings;
 kvserve runs benchmarks/offline_throughput.py. Both exclude model load; vLLM's script
-warms up on two short requests first. The ratio is vLLM wall / kvserve wall per pair.
+warms up on two short requests first. The figures follow benchmarks/ab_protocol.py (each
+side's best and median, the ratio of bests, the median of the pair ratios, load and steal
+per run, the roofline fraction); with --write-docs the table for this CPU in
+docs/benchmarks.md is replaced. Run it under the bench lock:
 
-    python benchmarks/offline_ab.py [--pairs 2] [--workload w1 w2] [--write-docs]
+    flock /tmp/kvserve-bench.lock python benchmarks/offline_ab.py --pairs 5 --workload w1 \
+        --write-docs
+    python benchmarks/offline_ab.py --pairs 1 --requests 16 --no-peaks   # a smoke run
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import ab_protocol as ab
 from docs_section import publish
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +35,8 @@ PEERS = Path(os.environ.get("PEERS_DIR", Path(tempfile.gettempdir()) / "peers"))
 VLLM_ARGS = {"w1": ["--kv-cache-gib", "2"],
              "w2": ["--kv-blocks", "128", "--block-size", "32", "--max-num-seqs", "64"]}
 KVSERVE_ARGS = {"w1": ["--kv-cache-memory", "2GiB"], "w2": []}
+FIGURES = [ab.Figure("wall_s", "wall s", False), ab.Figure("output_tok_s", "output tok/s",
+                                                             True, "{:.0f}")]
 
 
 def vllm_env() -> dict[str, str]:
@@ -39,57 +46,79 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def run_vllm(workload: str, out: Path) -> dict:
+def run_vllm(workload: str, requests: int, out: Path) -> dict:
     subprocess.run([str(PEERS / "venvs/vllm/bin/python"), str(BENCH / "bench_vllm_offline.py"),
-                    "--dtype", "bfloat16", "--json", str(out), *VLLM_ARGS[workload]],
-                   check=True, env=vllm_env(), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+                    "--dtype", "bfloat16", "--n", str(requests), "--json", str(out),
+                    *VLLM_ARGS[workload]], check=True, env=vllm_env(),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
-def run_kvserve(workload: str, out: Path) -> dict:
+def run_kvserve(workload: str, requests: int, out: Path) -> dict:
     subprocess.run([sys.executable, str(ROOT / "benchmarks/offline_throughput.py"),
-                    "--workload", workload, "--dtype", "bfloat16", "--json", str(out),
-                    *KVSERVE_ARGS[workload]], check=True, stdout=subprocess.DEVNULL)
+                    "--workload", workload, "--dtype", "bfloat16", "--n", str(requests),
+                    "--json", str(out), *KVSERVE_ARGS[workload]],
+                   check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())[0]
+
+
+def run_row(workload: str, pair: int, side: str, r: dict, conditions: ab.Conditions,
+            peaks: dict[str, float] | None) -> str:
+    fraction = "-"
+    if peaks:
+        floor = ab.roofline_floor_s(r["prompt_tokens"] + r["output_tokens"], peaks["bf16_flops"])
+        fraction = f"{floor / r['wall_s']:.2f}"
+    preempted = "?" if r.get("preemptions") is None else f"{r['preemptions']:.0f}"
+    return (f"| {workload.upper()} | {pair} | {side} | {r['wall_s']:.1f} | "
+            f"{r['output_tok_s']:.0f} | {preempted} | {conditions} | {fraction} |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=128, help="first N of W1 (smoke: 16)")
     parser.add_argument("--workload", nargs="+", default=["w1", "w2"], choices=("w1", "w2"))
+    parser.add_argument("--no-peaks", action="store_true",
+                        help="skip measuring this machine's peaks (no roofline column)")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     if not (PEERS / "venvs/vllm/bin/python").exists():
         print(f"no vLLM venv under {PEERS}: run ../shared/bench/setup_vllm.sh first",
               file=sys.stderr)
         return 2
-    lines = ["### Offline throughput, A/B against vLLM on this machine", "",
-             f"`python benchmarks/offline_ab.py {' '.join(sys.argv[1:])}`: vLLM CPU (bf16, "
-             "torch.compile) and kvserve (bf16) alternately, vLLM first, model load "
-             "excluded. W1 in 2 GiB of KV cache on both sides; W2 in 4,096 KV tokens "
-             "(vLLM 128 blocks of 32, its CPU attention's smallest; kvserve 256 of 16), "
-             "max_num_seqs 64.", "",
-             "| workload | pair | vLLM wall s | vLLM preemptions | kvserve wall s | "
-             "kvserve preemptions | kvserve recomputed tokens | vLLM / kvserve |",
-             "|---|---|---|---|---|---|---|---|"]
+    if args.pairs < 1 or not 1 <= args.requests <= 128:
+        print("--pairs must be >= 1 and --requests in [1, 128]", file=sys.stderr)
+        return 2
+    model, flags = ab.cpu()
+    peaks = None if args.no_peaks else ab.measure_peaks()
+    command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
+    lines = [f"### Offline throughput against vLLM on {model}", "",
+             f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
+             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile) "
+             f"and kvserve (bf16) alternately, vLLM first, model load excluded; the first "
+             f"{args.requests} requests of W1. W1 in 2 GiB of KV cache on both sides; W2 in "
+             "4,096 KV tokens (vLLM 128 blocks of 32, its CPU attention's smallest; kvserve "
+             "256 of 16), max_num_seqs 64. The machine is shared with other jobs: each run's "
+             "load average before it and steal time during it are in the rows. Roofline: the "
+             "run's matmul work at the measured bf16 peak over its wall time.", ""]
+    rows = ["| workload | pair | engine | wall s | output tok/s | preemptions | load / steal | "
+            "roofline fraction |", "|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as scratch:
         for workload in args.workload:
-            ratios = []
+            runs: dict[str, list[dict]] = {"vLLM": [], "kvserve": []}
             for pair in range(1, args.pairs + 1):
-                vllm = run_vllm(workload, Path(scratch) / f"vllm-{workload}-{pair}.json")
-                ours = run_kvserve(workload, Path(scratch) / f"ours-{workload}-{pair}.json")
-                ratio = vllm["wall_s"] / ours["wall_s"]
-                ratios.append(ratio)
-                preempted = "?" if vllm["preemptions"] is None else f"{vllm['preemptions']:.0f}"
-                row = (f"| {workload.upper()} | {pair} | {vllm['wall_s']:.1f} | "
-                       f"{preempted} | {ours['wall_s']:.1f} | "
-                       f"{ours['preemptions']} | {ours['recomputed_tokens']} | {ratio:.2f}x |")
-                print(row, flush=True)
-                lines.append(row)
-            lines.append(f"| {workload.upper()} | median | | | | | | "
-                         f"**{statistics.median(ratios):.2f}x** |")
-    publish("offline_ab", "\n".join(lines), write_docs=args.write_docs)
+                for side, runner in (("vLLM", run_vllm), ("kvserve", run_kvserve)):
+                    out = Path(scratch) / f"{side}-{workload}-{pair}.json"
+                    result, conditions = ab.measured(
+                        lambda runner=runner, out=out, w=workload: runner(w, args.requests, out))
+                    runs[side].append(result)
+                    rows.append(run_row(workload, pair, side, result, conditions, peaks))
+                    print(rows[-1], flush=True)
+            lines += [f"{workload.upper()}:", "",
+                      *ab.summary_table(ab.summarize(FIGURES, runs["vLLM"], runs["kvserve"])),
+                      ""]
+    publish(f"offline_ab:{ab.cpu_slug(model)}", "\n".join(lines + rows),
+            write_docs=args.write_docs)
     return 0
 
 

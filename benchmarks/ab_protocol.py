@@ -1,0 +1,178 @@
+"""The A/B protocol of issue 16 shared by offline_ab.py and online_ab.py.
+
+Two engines run alternately on one machine, in pairs (the peer first in each pair). A noisy,
+shared machine makes any single run meaningless, so each figure is reported as:
+
+- each side's best (the minimum of a time, the maximum of a rate) and its median;
+- the ratio of bests ("fastest against fastest");
+- the median of the pair ratios (each pair ran under the same conditions).
+
+Ratios are always "kvserve's speed over the peer's": above 1.0 kvserve is faster (for a time
+or a latency, peer / kvserve; for a rate, kvserve / peer).
+
+Every run records how loaded the machine was: the 1-minute load average before it and the
+steal time during it (from /proc/stat; the share of CPU time the hypervisor gave to others).
+Tables name the CPU they ran on (model and vector ISA flags): a table is true of that CPU
+only. The roofline fraction is the workload's matmul work at this machine's measured bf16
+peak (benchmarks/machine_peaks.py), over the run's wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+# SmolLM2-135M: 30 layers of Q/K/V/O (576x576, 2 x 576x192, 576x576) and SwiGLU (3 x 576x1536),
+# plus the 49,152 x 576 LM head: 134.5 M multiply-adds, 2 FLOPs each, per token.
+MATMUL_FLOPS_PER_TOKEN = 2 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+                              + 49152 * 576)
+ISA_PREFIXES = ("avx", "amx", "fma")
+
+
+def cpu() -> tuple[str, str]:
+    """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo."""
+    model, flags = "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = " ".join(f for f in value.split() if f.startswith(ISA_PREFIXES))
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_slug(model: str) -> str:
+    """A marker-safe name for a CPU model: "AMD EPYC 9R14" -> "amd-epyc-9r14"."""
+    return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-") or "unknown-cpu"
+
+
+def cpu_times() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs since boot, from /proc/stat's "cpu" line."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    # user nice system idle iowait irq softirq steal guest guest_nice; guests are in user
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+@dataclass
+class Conditions:
+    """How loaded the machine was around one run."""
+
+    load_before: float
+    steal_pct: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.load_before:.1f} / {self.steal_pct:.1f}%"
+
+
+def measured(run: Callable[[], dict]) -> tuple[dict, Conditions]:
+    """Run ``run()`` and record the load before it and the steal time during it."""
+    load = os.getloadavg()[0]
+    steal0, total0 = cpu_times()
+    result = run()
+    steal1, total1 = cpu_times()
+    steal = 100.0 * (steal1 - steal0) / (total1 - total0) if total1 > total0 else 0.0
+    return result, Conditions(load, steal)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure compared across the two sides: ``key`` in each run's result."""
+
+    key: str
+    label: str
+    higher_is_better: bool
+    fmt: str = "{:.1f}"
+
+
+@dataclass
+class Summary:
+    """Both sides' best and median of one figure, and the two ratios (kvserve's speed over
+    the peer's: > 1 means kvserve is better)."""
+
+    figure: Figure
+    peer: list[float]
+    ours: list[float]
+    peer_best: float = field(init=False)
+    ours_best: float = field(init=False)
+    ratio_of_bests: float = field(init=False)
+    median_pair_ratio: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.peer or len(self.peer) != len(self.ours):
+            raise ValueError(f"{self.figure.key}: need equal, non-empty lists of runs, got "
+                             f"{len(self.peer)} and {len(self.ours)}")
+        best = max if self.figure.higher_is_better else min
+        self.peer_best, self.ours_best = best(self.peer), best(self.ours)
+        self.ratio_of_bests = self.ratio(self.peer_best, self.ours_best)
+        self.median_pair_ratio = statistics.median(
+            self.ratio(p, o) for p, o in zip(self.peer, self.ours, strict=True))
+
+    def ratio(self, peer: float, ours: float) -> float:
+        """kvserve's speed over the peer's for one pair of values."""
+        if self.figure.higher_is_better:
+            return ours / peer if peer else float("inf")
+        return peer / ours if ours else float("inf")
+
+    @property
+    def peer_median(self) -> float:
+        return statistics.median(self.peer)
+
+    @property
+    def ours_median(self) -> float:
+        return statistics.median(self.ours)
+
+
+def summarize(figures: Sequence[Figure], peer_runs: Sequence[dict],
+              our_runs: Sequence[dict]) -> list[Summary]:
+    return [Summary(f, [r[f.key] for r in peer_runs], [r[f.key] for r in our_runs])
+            for f in figures]
+
+
+def summary_table(summaries: Sequence[Summary], peer: str = "vLLM") -> list[str]:
+    """Markdown rows: each figure's best and median per side and the two ratios."""
+    lines = [f"| figure | {peer} best | {peer} median | kvserve best | kvserve median | "
+             "ratio of bests | median of pair ratios |", "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        f = s.figure.fmt.format
+        lines.append(f"| {s.figure.label} | {f(s.peer_best)} | {f(s.peer_median)} | "
+                     f"{f(s.ours_best)} | {f(s.ours_median)} | {s.ratio_of_bests:.2f}x | "
+                     f"{s.median_pair_ratio:.2f}x |")
+    return lines
+
+
+def roofline_floor_s(tokens: int, bf16_flops: float) -> float:
+    """The least time ``tokens`` (prompt + output) can take through the model's matmuls at
+    this machine's bf16 peak (FLOP/s)."""
+    return tokens * MATMUL_FLOPS_PER_TOKEN / bf16_flops
+
+
+def machine_line(model: str, flags: str, peaks: dict[str, float] | None) -> str:
+    cores = os.cpu_count()
+    text = f"**{model}** ({cores} logical CPUs; ISA: {flags or 'none of avx/amx/fma'})"
+    if peaks:
+        text += (f"; machine_peaks here: bf16 matmul {peaks['bf16_flops'] / 1e9:,.0f} GFLOP/s, "
+                 f"fp32 {peaks['fp32_flops'] / 1e9:,.0f} GFLOP/s, copy "
+                 f"{peaks['copy_bytes'] / 1e9:.1f} GB/s")
+    return text
+
+
+def measure_peaks() -> dict[str, float]:
+    """This machine's peaks, as benchmarks/machine_peaks.py measures them (needs torch)."""
+    import torch
+
+    from machine_peaks import copy_bandwidth, matmul_flops
+    return {"bf16_flops": matmul_flops(torch.bfloat16, (1024, 2048)),
+            "fp32_flops": matmul_flops(torch.float32, (1024, 2048)),
+            "copy_bytes": copy_bandwidth()}

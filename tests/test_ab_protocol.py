@@ -1,0 +1,68 @@
+"""The A/B statistics of benchmarks/ab_protocol.py (issue 16's protocol), without servers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab_protocol as ab
+
+WALL = ab.Figure("wall_s", "wall s", higher_is_better=False)
+RATE = ab.Figure("tok_s", "tok/s", higher_is_better=True, fmt="{:.0f}")
+
+
+def test_times_take_minima_and_ratios_are_peer_over_kvserve():
+    # the issue's AMX Xeon W1 figures: vLLM first in each pair
+    s = ab.Summary(WALL, [27.2, 42.7, 28.2, 32.4, 44.0], [40.9, 42.9, 47.6, 36.7, 41.6])
+    assert (s.peer_best, s.ours_best) == (27.2, 36.7)
+    assert s.peer_median == 32.4 and s.ours_median == 41.6
+    assert s.ratio_of_bests == pytest.approx(27.2 / 36.7)  # 0.74x, as the issue says
+    assert s.median_pair_ratio == pytest.approx(32.4 / 36.7)  # pair 4's 0.88x is the median
+
+
+def test_rates_take_maxima_and_ratios_are_kvserve_over_peer():
+    s = ab.Summary(RATE, [415.0, 400.0, 300.0], [304.0, 440.0, 330.0])
+    assert (s.peer_best, s.ours_best) == (415.0, 440.0)
+    assert s.ratio_of_bests == pytest.approx(440 / 415)
+    assert s.median_pair_ratio == pytest.approx(1.1)  # 304/415, 1.1, 1.1
+
+
+def test_unequal_or_empty_runs_are_refused():
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        ab.Summary(WALL, [1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        ab.Summary(WALL, [], [])
+
+
+def test_summary_table_rows():
+    runs_peer = [{"wall_s": 50.0, "tok_s": 300.0}, {"wall_s": 40.0, "tok_s": 400.0}]
+    runs_ours = [{"wall_s": 40.0, "tok_s": 330.0}, {"wall_s": 50.0, "tok_s": 380.0}]
+    lines = ab.summary_table(ab.summarize([WALL, RATE], runs_peer, runs_ours))
+    assert lines[0].startswith("| figure | vLLM best | vLLM median | kvserve best |")
+    assert lines[2] == "| wall s | 40.0 | 45.0 | 40.0 | 45.0 | 1.00x | 1.02x |"
+    assert lines[3] == "| tok/s | 400 | 350 | 380 | 355 | 0.95x | 1.02x |"
+
+
+def test_roofline_floor_uses_smollm2_matmul_work():
+    # WORKLOADS.md: 269 MFLOP per token; W1 (53,861 tokens) at 410 GFLOP/s bf16 is ~35 s
+    assert ab.MATMUL_FLOPS_PER_TOKEN == 268_959_744
+    assert ab.roofline_floor_s(37_477 + 16_384, 410e9) == pytest.approx(35.3, abs=0.1)
+
+
+def test_cpu_slug_and_machine_facts():
+    assert ab.cpu_slug("AMD EPYC 9R14 96-Core Processor") == "amd-epyc-9r14-96-core-processor"
+    assert ab.cpu_slug("???") == "unknown-cpu"
+    model, flags = ab.cpu()
+    assert model and all(f.startswith(ab.ISA_PREFIXES) for f in flags.split())
+    steal, total = ab.cpu_times()
+    assert 0 <= steal <= total
+
+
+def test_measured_records_load_and_steal():
+    result, conditions = ab.measured(lambda: {"x": 1})
+    assert result == {"x": 1}
+    assert conditions.load_before >= 0 and 0 <= conditions.steal_pct <= 100
+    assert str(ab.Conditions(1.25, 0.5)) == "1.2 / 0.5%"
