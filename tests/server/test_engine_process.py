@@ -141,3 +141,50 @@ def test_a_killed_engine_process_fails_every_request_at_once():
         refused = httpx.post(live.url + "/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 503
         assert "died" in refused.json()["error"]["message"]
+
+
+def completion(live: LiveServer, stream: bool, **body) -> tuple[str, str, object, int]:
+    """(text, finish_reason, stop_reason, completion tokens) of one completion."""
+    body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True, "temperature": 0, **body}
+    if not stream:
+        reply = httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()
+        choice = reply["choices"][0]
+        return (choice["text"], choice["finish_reason"], choice["stop_reason"],
+                reply["usage"]["completion_tokens"])
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=30, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    return ("".join(c["text"] for c in choices), choices[-1]["finish_reason"],
+            choices[-1]["stop_reason"], events[-1]["usage"]["completion_tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
+    """The engine process ships token ids only (its chunks carry no text); the server's
+    reader thread detokenizes, matches the stop string, ends the stream there and has the
+    engine finish the request as stopped (G-rules' "stop" finish, counted by the scheduler
+    and by vllm:request_success_total) with nothing left in the pool."""
+    assert not live.state.engine.spec.detokenize
+    engine_texts: list[str] = []
+    observer = lambda report: engine_texts.extend(c.new_text for c in report.chunks)  # noqa: E731
+    live.state.engine.observers.append(observer)
+    try:
+        full, reason, _, tokens = completion(live, stream)
+        assert (reason, tokens) == ("length", 40) and len(full) > 12
+        stop = full[8:12]
+        index = full.index(stop)
+        stops = live.state.engine.stats.num_finished.get("stop", 0)
+        before = metric_values(httpx.get(live.url + "/metrics").text)
+        text, reason, stop_reason, tokens = completion(live, stream, stop=[stop])
+    finally:
+        live.state.engine.observers.remove(observer)
+    assert (text, reason, stop_reason) == (full[:index], "stop", stop)
+    assert tokens < 40  # no token after the one that completed the stop string is counted
+    assert engine_texts and not any(engine_texts)
+    wait_for(live.idle, what="a whole pool")
+    assert live.state.engine.stats.num_finished.get("stop", 0) == stops + 1
+    after = metric_values(httpx.get(live.url + "/metrics").text)
+    key = ("vllm:request_success_total", (("finished_reason", "stop"), *M))
+    assert after[key] == before.get(key, 0) + 1

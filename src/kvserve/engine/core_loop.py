@@ -86,6 +86,20 @@ class EngineCore:
         self.stats = self.engine.scheduler.stats()
         return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
 
+    def finish_stopped(self, items: Sequence[tuple[str, str]]) -> StepReport | None:
+        """Finish requests whose text reached a stop string, as (request id, stop string)
+        pairs matched by the server's process: a report with one ``stop`` chunk (with the
+        request's metrics) per request still live, or None if none was."""
+        chunks = []
+        for request_id, stop in items:
+            metrics = self.engine.finish_stopped(request_id, stop)
+            if metrics is not None:
+                chunks.append(CompletionChunk(request_id, [], "", True, "stop", stop, metrics))
+        if not chunks:
+            return None
+        self.stats = self.engine.scheduler.stats()
+        return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
+
     def step(self) -> StepReport:
         start = time.monotonic()
         record = self.engine.step()

@@ -29,7 +29,7 @@ from kvserve.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from kvserve.engine.text import Detokenizer, StopChecker, Tokenizer
+from kvserve.engine.text import TextStream, Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -103,14 +103,6 @@ class EngineInfo:
     host_kv_cache_bytes: int = 0  # its size as the executor allocated it (0: unknown)
 
 
-@dataclass
-class _TextState:
-    detokenizer: Detokenizer | None
-    stop_checker: StopChecker | None
-    text: str = ""
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-
-
 class Engine:
     """Drives ``scheduler`` and ``executor`` one step at a time.
 
@@ -126,7 +118,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextStream] = {}
         config, cache = scheduler.config, scheduler.cache_config
         host = getattr(executor, "host_kv_cache", None)
         self.info = EngineInfo(tokenizer, config.max_model_len, config.scheduling_policy,
@@ -150,16 +142,10 @@ class Engine:
         request = Request(request_id, self.encode_prompt(prompt), params,
                           arrival_time=self.clock() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)  # raises before anything else is recorded
-        self._text[request_id] = self._new_text_state(request)
+        if self.detokenize and self.tokenizer is not None:
+            self._text[request_id] = TextStream(self.tokenizer, request.prompt_token_ids,
+                                                request.sampling_params.stop)
         return request
-
-    def _new_text_state(self, request: Request) -> _TextState:
-        tokenizer = self.tokenizer
-        if not self.detokenize or tokenizer is None:
-            return _TextState(None, None)
-        stop = request.sampling_params.stop
-        return _TextState(tokenizer.detokenizer(request.prompt_token_ids),
-                          tokenizer.stop_checker(stop) if stop else None)
 
     def abort(self, request_id: str) -> RequestMetrics | None:
         """Abort a request in any state; its metrics, or None if it was unknown or done."""
@@ -197,19 +183,22 @@ class Engine:
                           len(model_output.sampled_token_ids), scheduler_output, chunks)
 
     def _add_text(self, chunk: CompletionChunk, now: float) -> None:
-        state = self._text.get(chunk.request_id)
-        if state is None or state.detokenizer is None:
+        text = self._text.get(chunk.request_id)
+        if text is None:
             return
-        new_text = state.detokenizer.step(chunk.new_token_ids)
-        if state.stop_checker is not None:
-            new_text, stop = state.stop_checker.check(state.text, new_text)
-            if stop is not None and not chunk.finished:
-                chunk.metrics = self.scheduler.finish_request(
-                    chunk.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop, now=now)
-                chunk.finished, chunk.finish_reason, chunk.stop_reason = True, "stop", stop
-            elif stop is not None:
-                chunk.finish_reason, chunk.stop_reason = "stop", stop
-            elif chunk.finished:
-                new_text += state.stop_checker.flush()
-        state.text += new_text
-        chunk.new_text = new_text
+        chunk.new_text, stop = text.step(chunk.new_token_ids, chunk.finished)
+        if stop is not None and not chunk.finished:
+            chunk.metrics = self.finish_stopped(chunk.request_id, stop, now)
+            chunk.finished = True
+        if stop is not None:
+            chunk.finish_reason, chunk.stop_reason = "stop", stop
+
+    def finish_stopped(self, request_id: str, stop: str, now: float | None = None
+                       ) -> RequestMetrics | None:
+        """Finish a request whose output reached the stop string ``stop`` (matched here, or
+        by the server's process for an engine process); its metrics, or None if it was
+        unknown or already done."""
+        self._text.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
+                                             stop_reason=stop,
+                                             now=self.clock() if now is None else now)

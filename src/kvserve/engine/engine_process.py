@@ -4,15 +4,24 @@
 
     server process (event loop, tokenizer)          engine process (scheduler, model)
     --------------------------------------          ---------------------------------
-    add_requests() / abort()  -> sender thread  ==> between steps: EngineCore.add / abort
+    add_requests() / abort()  -> sender thread  ==> between steps: EngineCore.add / abort /
+                                                      finish_stopped
     RequestStream, observers  <- reader thread  <== one message per step: add replies,
-                                                    StepReports, stats, idle checks
+      (detokenize, stop strings)                    StepReports (token ids), stats
 
 Both directions carry plain data pickled with protocol 5 over one pipe; the sender sends every
 command queued since its last message as one message, the engine sends one message per step
 (or per batch of commands applied while idle). The server's event loop and the engine never
 share an interpreter lock, so the engine's OpenMP threads may spin
 (``OMP_WAIT_POLICY=ACTIVE`` in the engine process only).
+
+Text is the server's work, as in vLLM V1's output processor: the engine process ships token
+ids only, and the reader thread detokenizes each request incrementally and matches its stop
+strings (:class:`~kvserve.engine.text.TextStream`, the same code the in-process engine runs).
+When a stop string matches before the engine finished the request, the text up to it goes to
+the stream at once and the engine is told to finish the request as stopped; its finished
+``stop`` chunk (with the request's metrics) ends the stream, and tokens the engine generated
+for it meanwhile are dropped.
 
 The process is spawned (never forked: the server may hold OpenMP and torch state), builds its
 engine with ``spec.factory`` and answers ``ready`` with its scheduler and cache configuration,
@@ -54,6 +63,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.core_loop import AddItem, EngineCore, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
+from kvserve.engine.text import TextStream
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -67,12 +77,15 @@ class EngineSpec:
     function, or a ``functools.partial`` of one with picklable arguments. ``threads``: torch
     intra-op threads in the engine (None: torch's default). ``wait_policy``: the engine's
     ``OMP_WAIT_POLICY`` (ACTIVE: its threads spin between kernels, as nothing else of the
-    server's runs in that process)."""
+    server's runs in that process). ``detokenize``: whether the engine process turns token
+    ids into text itself (a :class:`ProcessEngine` with a tokenizer does it in the server's
+    process instead)."""
 
     factory: Callable[[], Engine]
     threads: int | None = None
     wait_policy: str = "ACTIVE"
     idle_wait: float = 0.005  # seconds to wait after a step that could run nothing
+    detokenize: bool = True
 
     def environment(self) -> dict[str, str]:
         env = {"OMP_WAIT_POLICY": self.wait_policy}
@@ -108,6 +121,7 @@ class _Out:
 
 
 _Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", None)
+#                             | ("finish", [(id, stop string)])
 
 
 # -- the engine process ------------------------------------------------------------------------
@@ -122,6 +136,7 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     os.environ.update(spec.environment())  # before torch is imported here
     try:
         engine = spec.factory()
+        engine.detokenize = engine.detokenize and spec.detokenize
         if spec.threads is not None:
             import torch
             torch.set_num_threads(spec.threads)
@@ -150,10 +165,11 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
                 if kind == "add":
                     seq, items = payload
                     out.replies.append((seq, _portable(core.add(items))))
-                else:
-                    report = core.abort(payload)
-                    if report is not None:
-                        out.reports.append(report)
+                    continue
+                report = core.abort(payload) if kind == "abort" else \
+                    core.finish_stopped(payload)
+                if report is not None:
+                    out.reports.append(report)
             timeout = 0.0
         wait = 0.0
         if core.busy:
@@ -186,6 +202,15 @@ def _send(conn: Connection, message: object) -> None:
 
 
 # -- the server's side -------------------------------------------------------------------------
+
+@dataclass
+class _PendingAdd:
+    """An add sent and not yet answered: its requests, and what their text streams need."""
+
+    future: concurrent.futures.Future[None]
+    request_ids: list[str]
+    texts: list[tuple[str, list[int], Sequence[str] | None]]
+
 
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine, or never said it was ready."""
@@ -260,12 +285,13 @@ class ProcessEngine:
     its own (``launcher``; default: a local spawned process). Constructing it starts the
     process and waits until the engine is built; call :meth:`start` from the event loop before
     adding requests. ``on_death`` is called (on the reader thread) when the process dies
-    without being stopped."""
+    without being stopped. With a ``tokenizer`` the output text is made here, on the reader
+    thread, not in the engine process (the module's docstring)."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, *, name: str = "kvserve-engine",
                  launcher: Launcher | None = None, start_timeout: float = 600.0,
                  on_death: Callable[[ProcessEngine], None] | None = None) -> None:
-        self.spec = spec
+        self.spec = dataclasses.replace(spec, detokenize=spec.detokenize and tokenizer is None)
         self.tokenizer = tokenizer
         self.name = name
         self.launcher: Launcher = launcher or LocalLauncher(name)
@@ -274,7 +300,9 @@ class ProcessEngine:
         self.error: BaseException | None = None
         self.idle_checks = self.invariant_violations = 0
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[int, tuple[concurrent.futures.Future[None], list[str]]] = {}
+        self._pending: dict[int, _PendingAdd] = {}
+        self._text: dict[str, TextStream] = {}  # reader thread only
+        self._stop_matched: dict[str, str] = {}  # stop string matched, engine not finished yet
         self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -283,7 +311,7 @@ class ProcessEngine:
         self._stopping = False
         self._dead = threading.Event()
         self._failed: BaseException | None = None  # set once, under _lock, by _fail_all
-        self._conn = self.launcher.launch(spec, start_timeout)
+        self._conn = self.launcher.launch(self.spec, start_timeout)
         ready = self._await_ready(start_timeout)
         self.info: EngineInfo = dataclasses.replace(ready.info, tokenizer=tokenizer)
         self.stats: SchedulerStats = ready.stats
@@ -374,14 +402,21 @@ class ProcessEngine:
         stream = RequestStream(request_ids, self)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         when = time.monotonic() if arrival_time is None else arrival_time
-        payload: list[AddItem] = [(rid, prompt, params, when) for rid, prompt, params in items]
+        payload: list[AddItem] = []
+        texts: list[tuple[str, list[int], Sequence[str] | None]] = []
+        for request_id, prompt, params in items:
+            ids = self._prompt_ids(prompt)
+            if ids is not None:
+                prompt = ids
+                texts.append((request_id, ids, params.stop))
+            payload.append((request_id, prompt, params, when))
         seq = next(self._seq)
         with self._lock:
             if self._failed is not None:  # it died after the check above
                 raise self._failed
             for request_id in request_ids:
                 self._streams[request_id] = stream
-            self._pending[seq] = (future, request_ids)
+            self._pending[seq] = _PendingAdd(future, request_ids, texts)
         self._outbox.put(("add", (seq, payload)))
         try:
             await asyncio.wrap_future(future)
@@ -389,6 +424,22 @@ class ProcessEngine:
             stream.cancel()
             raise
         return stream
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int] | None:
+        """The prompt as token ids when the text is made here (text and chat prompts are
+        encoded here, as the engine would); None to leave it to the engine, which reports a
+        bad prompt."""
+        if self.spec.detokenize or self.tokenizer is None:
+            return None
+        try:
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            items = list(prompt)
+            if items and all(isinstance(item, dict) for item in items):
+                return self.tokenizer.encode_chat(items)
+            return items if all(isinstance(t, int) for t in items) else None
+        except Exception:  # the engine refuses it with the same error, to the client
+            return None
 
     def abort(self, *request_ids: str) -> None:
         """As :meth:`AsyncEngine.abort`: safe from any thread; unknown ids are ignored."""
@@ -442,14 +493,16 @@ class ProcessEngine:
     def _receive(self, out: _Out) -> None:
         for seq, error in out.replies:
             with self._lock:
-                future, request_ids = self._pending.pop(seq)
+                add = self._pending.pop(seq)
                 if error is not None:
-                    for request_id in request_ids:
+                    for request_id in add.request_ids:
                         self._streams.pop(request_id, None)
             if error is None:
-                future.set_result(None)
+                for request_id, prompt_ids, stop in add.texts:
+                    self._text[request_id] = TextStream(self.tokenizer, prompt_ids, stop)
+                add.future.set_result(None)
             else:
-                future.set_exception(error)
+                add.future.set_exception(error)
         if out.stats is not None:
             self.stats = out.stats
             self.idle_checks, self.invariant_violations = \
@@ -459,10 +512,36 @@ class ProcessEngine:
             notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
+        if self._text:
+            chunks = [c for c in map(self._with_text, chunks) if c is not None]
         with self._lock:
             routed = route_chunks(self._streams, chunks)
         if routed and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, routed)
+
+    def _with_text(self, chunk: CompletionChunk) -> CompletionChunk | None:
+        """The chunk the request's stream gets: with its text, ended by a stop string, or
+        None (tokens the engine made after a stop string matched here)."""
+        request_id = chunk.request_id
+        text = self._text.get(request_id)
+        if text is None:
+            return chunk
+        if request_id in self._stop_matched:
+            if not chunk.finished:
+                return None
+            del self._text[request_id]
+            return CompletionChunk(request_id, [], "", True, "stop",
+                                   self._stop_matched.pop(request_id), chunk.metrics)
+        new_text, stop = text.step(chunk.new_token_ids, chunk.finished)
+        out = dataclasses.replace(chunk, new_text=new_text)
+        if stop is not None and not chunk.finished:
+            self._stop_matched[request_id] = stop
+            self._outbox.put(("finish", [(request_id, stop)]))
+        elif stop is not None:
+            out.finish_reason, out.stop_reason = "stop", stop
+        if chunk.finished:
+            del self._text[request_id]
+        return out
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
@@ -471,8 +550,8 @@ class ProcessEngine:
             pending = list(self._pending.values())
             self._streams.clear()
             self._pending.clear()
-        for future, _ in pending:
-            if not future.done():
-                future.set_exception(error)
+        for add in pending:
+            if not add.future.done():
+                add.future.set_exception(error)
         if self._loop is not None and streams and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, [(s, error) for s in streams])

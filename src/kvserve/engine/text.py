@@ -67,3 +67,28 @@ class Tokenizer(Protocol):
     def stop_checker(self, stop: Sequence[str]) -> StopChecker:
         """A fresh stop-string matcher for one request."""
         ...
+
+
+class TextStream:
+    """One request's output text as it streams: incremental detokenization, then stop
+    strings. The engine runs one per request on its thread; an engine process leaves this to
+    the server's process (:mod:`kvserve.engine.engine_process`), so both apply one rule."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 stop: Sequence[str] | None) -> None:
+        self.detokenizer = tokenizer.detokenizer(prompt_token_ids)
+        self.stop_checker = tokenizer.stop_checker(stop) if stop else None
+        self.text = ""
+
+    def step(self, new_token_ids: Sequence[int], finished: bool) -> tuple[str, str | None]:
+        """The text ``new_token_ids`` add that may be shown, and the stop string they
+        completed (None if none). The text ends before a stop string; text held back because
+        it could start one is let out once the request has ``finished`` without one."""
+        new_text = self.detokenizer.step(new_token_ids)
+        stop = None
+        if self.stop_checker is not None:
+            new_text, stop = self.stop_checker.check(self.text, new_text)
+            if stop is None and finished:
+                new_text += self.stop_checker.flush()
+        self.text += new_text
+        return new_text, stop
