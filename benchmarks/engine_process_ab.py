@@ -29,7 +29,9 @@ from online_load import OUT, bench, free_port, w3_trace, write_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- engine_process_ab:begin -->", "<!-- engine_process_ab:end -->"
-SIDES = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
+SIDES = {"thread": ["--no-engine-process"], "process": ["--engine-process"],
+         # one torch thread in the engine process leaves a core to the server: it spins
+         "process-1t": ["--engine-process", "--threads-per-replica", "1"]}
 
 
 def cpu() -> tuple[str, str]:
@@ -97,30 +99,33 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--n", type=int, default=200, help="W3 requests (first n)")
+    parser.add_argument("--other", choices=("process", "process-1t"), default="process",
+                        help="the side measured against the engine thread")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     trace = OUT / "w3-trace.jsonl"
     w3_trace(trace, args.n)
-    results: dict[str, list[dict]] = {"thread": [], "process": []}
+    other = args.other
+    results: dict[str, list[dict]] = {"thread": [], other: []}
     rows = []
     for pair in range(args.pairs):
-        order = ("thread", "process") if pair % 2 == 0 else ("process", "thread")
+        order = ("thread", other) if pair % 2 == 0 else (other, "thread")
         for side in order:
             result = run(side, trace, args.dtype, args.serve_flags)
             results[side].append(result)
             rows.append(row(side, pair + 1, result))
             print(rows[-1], flush=True)
     tput = {side: [r["output_throughput"] for r in rs] for side, rs in results.items()}
-    ratios = [p / t for p, t in zip(tput["process"], tput["thread"], strict=True)]
+    ratios = [p / t for p, t in zip(tput[other], tput["thread"], strict=True)]
     model, flags = cpu()
     command = "python benchmarks/engine_process_ab.py " + " ".join(sys.argv[1:])
     summary = (f"Output tok/s, thread: min {min(tput['thread']):.0f}, median "
-               f"{statistics.median(tput['thread']):.0f}; process: min "
-               f"{min(tput['process']):.0f}, median {statistics.median(tput['process']):.0f}. "
-               f"Ratio of minima {min(tput['process']) / min(tput['thread']):.2f}, median of "
-               f"the pair ratios (process / thread) {statistics.median(ratios):.2f}.")
+               f"{statistics.median(tput['thread']):.0f}; {other}: min "
+               f"{min(tput[other]):.0f}, median {statistics.median(tput[other]):.0f}. "
+               f"Ratio of minima {min(tput[other]) / min(tput['thread']):.2f}, median of "
+               f"the pair ratios ({other} / thread) {statistics.median(ratios):.2f}.")
     text = "\n".join([
         BEGIN, "## The engine in its own process (W3 online, A/B)", "",
         f"`flock /tmp/kvserve-bench.lock {command.strip()}` on {model} "
@@ -128,8 +133,10 @@ def main() -> int:
         "each run in the last column). Each run is a fresh `kvserve serve` (bundled "
         f"SmolLM2-135M-Instruct, {args.dtype}, 1 GiB KV) and W3 of ../shared/WORKLOADS.md by "
         "`kvserve bench serve --trace`; thread = `--no-engine-process` (the engine on a thread "
-        "of the server's process, passive OpenMP waiting, the default), process = "
-        "`--engine-process` (`OMP_WAIT_POLICY=ACTIVE` there). Pairs alternate their order.", "",
+        "of the server's process, passive OpenMP waiting), process = `--engine-process` "
+        "(torch's threads on every core, so passive waiting there too), process-1t = "
+        "`--engine-process --threads-per-replica 1` (one engine thread, a core left to the "
+        "server: `OMP_WAIT_POLICY=ACTIVE` there). Pairs alternate their order.", "",
         "| pair | engine | output tok/s | duration s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
         "completed / failed | load avg |", "|---|---|---|---|---|---|---|---|", *rows, "",
         summary, END, ""])

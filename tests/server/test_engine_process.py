@@ -188,3 +188,15 @@ def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
     after = metric_values(httpx.get(live.url + "/metrics").text)
     key = ("vllm:request_success_total", (("finished_reason", "stop"), *M))
     assert after[key] == before.get(key, 0) + 1
+
+
+def test_the_engine_process_spins_only_where_a_core_is_left_to_the_server(monkeypatch):
+    from kvserve.engine.engine_process import EngineSpec
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    policy = lambda **kw: EngineSpec(print, **kw).environment()["OMP_WAIT_POLICY"]  # noqa: E731
+    assert policy() == "PASSIVE"  # torch's default: a thread on every core
+    assert policy(threads=4) == "PASSIVE"
+    assert policy(threads=3) == "ACTIVE"
+    assert policy(threads=3, wait_policy="PASSIVE") == "PASSIVE"  # said outright: kept
+    assert EngineSpec(print, threads=3).environment()["OMP_NUM_THREADS"] == "3"
