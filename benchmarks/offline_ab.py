@@ -73,6 +73,30 @@ def run_row(workload: str, pair: int, side: str, r: dict, conditions: ab.Conditi
             f"{r['output_tok_s']:.0f} | {preempted} | {conditions} | {fraction} |")
 
 
+def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, float] | None,
+            runs: dict[str, dict[str, list[dict]]], rows: list[str]) -> str:
+    command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
+    lines = [f"### Offline throughput against vLLM on {model}", "",
+             f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
+             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile) "
+             f"and kvserve (bf16) alternately, vLLM first, model load excluded; the first "
+             f"{args.requests} requests of W1. W1 in 2 GiB of KV cache on both sides; W2 in "
+             "4,096 KV tokens (vLLM 128 blocks of 32, its CPU attention's smallest; kvserve "
+             "256 of 16), max_num_seqs 64. The machine is shared with other jobs: each run's "
+             "load average before it and steal time during it are in the rows. Roofline: the "
+             "run's matmul work at the measured bf16 peak over its wall time.", ""]
+    for workload, sides in runs.items():
+        pairs = len(sides["kvserve"])
+        if pairs:
+            cut = "" if pairs == args.pairs else f" (cut short: {pairs} pairs done)"
+            lines += [f"{workload.upper()}{cut}:", "",
+                      *ab.summary_table(ab.summarize(FIGURES, sides["vLLM"],
+                                                     sides["kvserve"])), ""]
+    return "\n".join([*lines, "| workload | pair | engine | wall s | output tok/s | "
+                       "preemptions | load / steal | roofline fraction |",
+                       "|---|---|---|---|---|---|---|---|", *rows])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
@@ -91,34 +115,24 @@ def main() -> int:
         return 2
     model, flags = ab.cpu()
     peaks = None if args.no_peaks else ab.measure_peaks()
-    command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
-    lines = [f"### Offline throughput against vLLM on {model}", "",
-             f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
-             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile) "
-             f"and kvserve (bf16) alternately, vLLM first, model load excluded; the first "
-             f"{args.requests} requests of W1. W1 in 2 GiB of KV cache on both sides; W2 in "
-             "4,096 KV tokens (vLLM 128 blocks of 32, its CPU attention's smallest; kvserve "
-             "256 of 16), max_num_seqs 64. The machine is shared with other jobs: each run's "
-             "load average before it and steal time during it are in the rows. Roofline: the "
-             "run's matmul work at the measured bf16 peak over its wall time.", ""]
-    rows = ["| workload | pair | engine | wall s | output tok/s | preemptions | load / steal | "
-            "roofline fraction |", "|---|---|---|---|---|---|---|---|"]
+    runs: dict[str, dict[str, list[dict]]] = {w: {"vLLM": [], "kvserve": []}
+                                              for w in args.workload}
+    rows: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         for workload in args.workload:
-            runs: dict[str, list[dict]] = {"vLLM": [], "kvserve": []}
             for pair in range(1, args.pairs + 1):
                 for side, runner in (("vLLM", run_vllm), ("kvserve", run_kvserve)):
                     out = Path(scratch) / f"{side}-{workload}-{pair}.json"
                     result, conditions = ab.measured(
-                        lambda runner=runner, out=out, w=workload: runner(w, args.requests, out))
-                    runs[side].append(result)
+                        lambda runner=runner, out=out, w=workload: runner(w, args.requests,
+                                                                           out))
+                    runs[workload][side].append(result)
                     rows.append(run_row(workload, pair, side, result, conditions, peaks))
                     print(rows[-1], flush=True)
-            lines += [f"{workload.upper()}:", "",
-                      *ab.summary_table(ab.summarize(FIGURES, runs["vLLM"], runs["kvserve"])),
-                      ""]
-    publish(f"offline_ab:{ab.cpu_slug(model)}", "\n".join(lines + rows),
-            write_docs=args.write_docs)
+                # each finished pair is published: a run cut short keeps what it measured
+                publish(f"offline_ab:{ab.cpu_slug(model)}",
+                        section(args, model, flags, peaks, runs, rows),
+                        write_docs=args.write_docs)
     return 0
 
 

