@@ -24,12 +24,25 @@ import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # SmolLM2-135M: 30 layers of Q/K/V/O (576x576, 2 x 576x192, 576x576) and SwiGLU (3 x 576x1536),
 # plus the 49,152 x 576 LM head: 134.5 M multiply-adds, 2 FLOPs each, per token.
 MATMUL_FLOPS_PER_TOKEN = 2 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
                               + 49152 * 576)
 ISA_PREFIXES = ("avx", "amx", "fma")
+
+
+def shared_bench() -> Path:
+    """../shared/bench beside the checkout (the main checkout's sibling, or a worktree's
+    under /work/wt), or $KVSERVE_SHARED_BENCH."""
+    if "KVSERVE_SHARED_BENCH" in os.environ:
+        return Path(os.environ["KVSERVE_SHARED_BENCH"])
+    root = Path(__file__).resolve().parents[1]
+    for parent in root.parents:
+        if (parent / "shared" / "bench").is_dir():
+            return parent / "shared" / "bench"
+    return root.parent / "shared" / "bench"
 
 
 def cpu() -> tuple[str, str]:

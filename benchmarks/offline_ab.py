@@ -28,7 +28,7 @@ import ab_protocol as ab
 from docs_section import publish
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT.parent / "shared" / "bench"
+BENCH = ab.shared_bench()
 PEERS = Path(os.environ.get("PEERS_DIR", Path(tempfile.gettempdir()) / "peers"))
 # W1 in 2 GiB of KV on both sides (no preemption); W2 in 4,096 KV tokens with 64 seats
 # (vLLM's CPU attention needs blocks of 32, so 128 x 32 against kvserve's 256 x 16).

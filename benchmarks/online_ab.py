@@ -33,7 +33,7 @@ import ab_protocol as ab
 from docs_section import publish
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT.parent / "shared" / "bench"
+BENCH = ab.shared_bench()
 PEERS = Path(os.environ.get("PEERS_DIR", Path(tempfile.gettempdir()) / "peers"))
 VLLM_PYTHON = PEERS / "venvs/vllm/bin/python"
 OUT = ROOT / "out"
