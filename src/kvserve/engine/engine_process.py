@@ -113,6 +113,7 @@ class _Ready:
     info: EngineInfo  # without the tokenizer: the server has its own
     stats: SchedulerStats
     pid: int
+    wants_text: bool = True  # the engine was built to detokenize (LLM(detokenize=False): not)
 
 
 @dataclass
@@ -148,7 +149,8 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     os.environ.update(spec.environment())  # before torch is imported here
     try:
         engine = spec.factory()
-        engine.detokenize = engine.detokenize and spec.detokenize
+        wants_text = engine.detokenize
+        engine.detokenize = wants_text and spec.detokenize
         if spec.threads is not None:
             import torch
             torch.set_num_threads(spec.threads)
@@ -157,7 +159,7 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         return
     core = EngineCore(engine)
     _send(conn, _Ready(dataclasses.replace(engine.info, tokenizer=None), core.stats,
-                       os.getpid()))
+                       os.getpid(), wants_text))
     try:
         _serve(conn, core, spec.idle_wait)
     except (EOFError, OSError):  # the server went away
@@ -328,6 +330,7 @@ class ProcessEngine:
         self.info: EngineInfo = dataclasses.replace(ready.info, tokenizer=tokenizer)
         self.stats: SchedulerStats = ready.stats
         self.pid = ready.pid
+        self.makes_text = ready.wants_text and not self.spec.detokenize  # here, not there
         logger.info("%s: engine process pid %d ready (%s threads, OMP_WAIT_POLICY=%s)", name,
                     self.pid, spec.threads or "default", self.spec.resolved_wait_policy())
 
@@ -441,7 +444,7 @@ class ProcessEngine:
         """The prompt as token ids when the text is made here (text and chat prompts are
         encoded here, as the engine would); None to leave it to the engine, which reports a
         bad prompt."""
-        if self.spec.detokenize or self.tokenizer is None:
+        if not self.makes_text:
             return None
         try:
             if isinstance(prompt, str):
