@@ -13,6 +13,11 @@ pool sized from memory, prefix caching on):
    would give: the fewest replicas meeting the SLO, from candidates 8 to 64.
 
     python benchmarks/data_parallel.py [--write-docs] [--workers 2] [--peak-rate 300]
+
+With ``--engine``, the engine half instead (benchmarks/data_parallel_engine.py): one
+replica with 2 threads against two with one thread each, under each router, on a short
+multi-turn conversation trace on this machine, and the simulator on the same trace; run it
+under the bench lock (``flock /tmp/kvserve-bench.lock``).
 """
 
 from __future__ import annotations
@@ -182,11 +187,22 @@ def main() -> int:
     parser.add_argument("--slo-itl-p99", type=float, default=0.1)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--skip-day", action="store_true")
+    parser.add_argument("--engine", action="store_true",
+                        help="run the engine half on this machine instead")
+    parser.add_argument("--engine-requests", type=int, default=40)
+    parser.add_argument("--engine-rate", type=float, default=1.0,
+                        help="conversations started per second")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--wait-policy", choices=("PASSIVE", "ACTIVE"), default="PASSIVE",
+                        help="the replicas' OMP_WAIT_POLICY (PASSIVE: a 2-thread engine "
+                             "does not spin while other jobs hold the cores)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--write-docs", action="store_true",
                         help="replace the simulated section of docs/benchmarks.md and "
                              "docs/scale-out.md")
     args = parser.parse_args()
+    if args.engine:
+        return engine_main(args)
     load = os.getloadavg()[0]
     parts, rows = [], {}
     text, rows["routers"] = routers_study(args.router_requests)
@@ -207,6 +223,29 @@ def main() -> int:
     publish("data_parallel_sim", section, rows, args.json, args.write_docs)
     if args.write_docs:
         write_section("data_parallel_sim", section, ROOT / "docs" / "scale-out.md")
+    return 0
+
+
+def engine_main(args: argparse.Namespace) -> int:
+    from data_parallel_engine import engine_study
+    from kvserve.model.kernel_info import cpu_info
+
+    cpu = cpu_info()
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)
+    before = os.getloadavg()
+    text, rows = engine_study(args.engine_requests, args.engine_rate, args.rounds,
+                              args.wait_policy)
+    after = os.getloadavg()
+    command = "python benchmarks/data_parallel.py " + " ".join(sys.argv[1:])
+    section = "\n\n".join([
+        "### Data parallel on the engine",
+        f"`{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on "
+        f"{cpu.model} ({os.cpu_count()} cores; {isa or 'no AVX flags read'}), shared with "
+        f"other jobs: load average {before[0]:.1f} before, {after[0]:.1f} after (1 min).",
+        text])
+    publish("data_parallel_engine", section, rows, args.json, args.write_docs)
+    if args.write_docs:
+        write_section("data_parallel_engine", section, ROOT / "docs" / "scale-out.md")
     return 0
 
 
