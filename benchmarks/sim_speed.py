@@ -11,6 +11,7 @@ faster than the simulated duration. Run from the repository root:
     .venv/bin/python benchmarks/sim_speed.py --profile  # where the time goes, by layer
     .venv/bin/python benchmarks/sim_speed.py --events   # scheduler events per step
     .venv/bin/python benchmarks/sim_speed.py --floor    # per-request work before any step
+    .venv/bin/python benchmarks/sim_speed.py --no-fast-forward  # every decoder stepped alone
     .venv/bin/python benchmarks/sim_speed.py --model llama-3.1-70b --hardware h100-sxm \
         --tp 4 --rate 14                                # the same trace elsewhere
 
@@ -122,10 +123,14 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=SPEC.num_requests)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--events", action="store_true",
-                        help="count scheduler events per step (slows the run a little)")
+                        help="count scheduler events per step (slows the run a little; "
+                             "runs without the decode lane)")
     parser.add_argument("--floor", action="store_true",
                         help="also time the per-request work any step design must pay, and "
                              "the speed-up it leaves at most")
+    parser.add_argument("--no-fast-forward", action="store_true",
+                        help="run without the decode lane (docs/simulator-speed.md): the "
+                             "same result, stepping every decoder one at a time")
     parser.add_argument("--model", default=DEPLOYMENT.model)
     parser.add_argument("--hardware", default=DEPLOYMENT.hardware)
     parser.add_argument("--tp", type=int, default=DEPLOYMENT.tensor_parallel_size)
@@ -145,12 +150,16 @@ def main() -> None:
     trace = generate(spec)
     generate_s = time.perf_counter() - start
 
+    # Only when asked: a revision before the lane takes no such argument (sim_speed_ab.py).
+    # The event counter reads each decoder's step, which the lane does not build.
+    options = {"fast_forward": False} if args.no_fast_forward or args.events else {}
     start, cpu_start = time.perf_counter(), time.process_time()
     if args.profile:
         profiler = cProfile.Profile()
-        echo, result = profiler.runcall(deployment.simulate, trace, SETTINGS, seed=0)
+        echo, result = profiler.runcall(deployment.simulate, trace, SETTINGS, seed=0,
+                                        **options)
     else:
-        echo, result = deployment.simulate(trace, SETTINGS, seed=0)
+        echo, result = deployment.simulate(trace, SETTINGS, seed=0, **options)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
 

@@ -50,6 +50,7 @@ from kvserve.core.sessions import DELETED, SessionStore
 from kvserve.core.stop import check_stop, length_stop_reason
 
 if TYPE_CHECKING:
+    from kvserve.core.decode_lane import DecodeLane
     from kvserve.core.outputs import ModelOutput
 
 # The step outputs are imported by name; the observation types (events, stats) through the
@@ -155,6 +156,8 @@ class Scheduler:
         self.num_scheduled_tokens = 0
         self.num_finished: dict[str, int] = {}
         self.num_blocked_steps: dict[str, int] = {}
+        # Steady decoders advanced in bulk: a simulator's option (core/decode_lane.py).
+        self.lane: DecodeLane | None = None
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class Scheduler:
         """Finish a request from outside the stop checks (abort, a matched stop string)."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
+        if self.lane is not None:
+            self.lane.flush()
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -258,8 +263,9 @@ class Scheduler:
         if sessions is not None and now >= sessions.next_expiry:
             sessions.expire(now)  # U6
         step = _Step(self.config.max_num_batched_tokens)
+        num_lane = self.lane.begin_step(step) if self.lane is not None else 0
         defer_prefills = throttle and self._should_defer_prefills()
-        self._schedule_running(step, 1 if defer_prefills else _NO_CAP)
+        self._schedule_running(step, 1 if defer_prefills else _NO_CAP, num_lane)
         if step.preempted:
             self._note_blocked("preemption")
         elif defer_prefills:
@@ -271,7 +277,7 @@ class Scheduler:
         if not defer_prefills:
             self.prefill_capacity_bound = bool(self.waiting) or bool(self.held_waiting)  # N3
         self._admission.end_step(len(step.preempted), self.running)
-        output = self._commit(step)
+        output = self._commit(step, num_lane)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
         if step.swap_in:
             self.kv.end_step()  # S2: only now may a swap-out reuse the host blocks read
@@ -282,10 +288,11 @@ class Scheduler:
         return not self.prefill_capacity_bound and any(
             request.num_tokens - request.num_computed_tokens == 1 for request in self.running)
 
-    def _schedule_running(self, step: _Step, max_new: int = _NO_CAP) -> None:
+    def _schedule_running(self, step: _Step, max_new: int = _NO_CAP, start: int = 0) -> None:
         """Pass 1 (D2, D3): grow every running request, preempting when the pool is short.
         A request with more than ``max_new`` tokens to compute (a prefill chunk on a throttled
-        step, N2) waits for a later step."""
+        step, N2) waits for a later step. The first ``start`` requests are the decode lane,
+        already scheduled."""
         running = self.running
         threshold = self._long_prefill_threshold
         max_model_len = self._max_model_len
@@ -298,7 +305,7 @@ class Scheduler:
         # them.
         budget = step.token_budget
         num_running = len(running)
-        index = 0
+        index = start
         while index < num_running and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
@@ -348,6 +355,8 @@ class Scheduler:
         loop index, moved back when a victim stood before it in ``running``. Held sessions'
         KV goes first (U7): nobody is preempted while a session holds blocks.
         """
+        if self.lane is not None and len(self.lane):
+            raise AssertionError("a preemption with the decode lane formed")
         while self._release_session_kv():
             new_blocks = self.kv.grow_slots(request, num_new)
             if new_blocks is not None:
@@ -670,11 +679,12 @@ class Scheduler:
             self._events.append(core_outputs.SchedulerEvent(
                 self._now, EventType(kind), request_id, num_tokens, reason))
 
-    def _commit(self, step: _Step) -> SchedulerOutput:
+    def _commit(self, step: _Step, num_lane: int = 0) -> SchedulerOutput:
         """Advance num_computed_tokens of every scheduled request (D7) and build the output,
-        in running order, which is batch order."""
+        in running order, which is batch order. The first ``num_lane`` running requests are
+        the decode lane: counted in the total, advanced by the lane itself."""
         num_scheduled = step.num_scheduled
-        total = sum(num_scheduled.values())
+        total = sum(num_scheduled.values()) + num_lane
         if total > self.config.max_num_batched_tokens or \
                 len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"step over its limits (D8): {total} tokens, "
@@ -687,7 +697,7 @@ class Scheduler:
         append_id = cached.request_ids.append
         append_new_block_ids = cached.new_block_ids.append
         append_num_computed = cached.num_computed_tokens.append
-        for request in self.running:
+        for request in (self.running[num_lane:] if num_lane else self.running):
             request_id = request.request_id
             num_new = num_scheduled.get(request_id)
             if num_new is None:
@@ -741,6 +751,8 @@ class Scheduler:
         length_limit = self._length_limit
         append_output = outputs.append
         any_finished = False
+        if self.lane is not None and self.lane.in_step:
+            any_finished = self.lane.finish_due(now, outputs)
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
             if request is None or request.status is not _RUNNING:

@@ -130,7 +130,8 @@ class Deployment:
     def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
                  seed: int = 0, record_events: bool = False, check: bool = False,
                  progress: ProgressFn | None = None,
-                 cluster: ClusterOptions | None = None) -> tuple[dict[str, Any], SimResult]:
+                 cluster: ClusterOptions | None = None,
+                 fast_forward: bool = True) -> tuple[dict[str, Any], SimResult]:
         """Run ``trace``; returns the config echo for the report and the result. With
         ``cluster`` of more than one replica (or in lockstep), a ClusterResult."""
         batching = settings.get("batching", "continuous")
@@ -139,7 +140,7 @@ class Deployment:
         prices = getattr(cost_model, "prices", None)
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
                               record_events=record_events, check=check,
-                              preemption_prices=prices)
+                              preemption_prices=prices, fast_forward=fast_forward)
         if cluster is not None and (cluster.data_parallel_size > 1 or cluster.lockstep):
             cost_models = [cost_model] + [self._cost_model(config, cache)
                                           for _ in range(cluster.data_parallel_size - 1)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.core import ModelOutput, SchedulerOutput
+from kvserve.core.decode_lane import DecodeLane
 from kvserve.sim.layout import BlockLayout
 from kvserve.sim.tokens import EOS_TOKEN_ID, stream_token, stream_tokens
 
@@ -78,6 +79,9 @@ class SimExecutor:
         self._state: dict[str, _SeqState] = {}
         self.layout = layout
         self.view = EMPTY_BATCH
+        # The decode lane (kvserve.core.decode_lane): its members are in a step's total but
+        # not in num_scheduled_tokens; the lane sums their context.
+        self.lane: DecodeLane | None = None
 
     def register(self, request_id: str, num_prompt_tokens: int, output_len: int,
                  ignore_eos: bool, stream: int) -> None:
@@ -133,6 +137,15 @@ class SimExecutor:
             elif computed > seq_len:
                 raise AssertionError(f"{request_id}: scheduled past the end of its sequence")
         scattered = 0 if self.layout is None else self.layout.observe(out)
-        self.view = BatchView(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens,
-                              len(sampled), num_decode, context, pairs, scattered)
+        num_seqs, num_sampled = len(out.num_scheduled_tokens), len(sampled)
+        lane = self.lane
+        if lane is not None and lane.in_step:  # each member decodes one token
+            num_lane = len(lane.members)
+            num_seqs += num_lane
+            num_sampled += num_lane
+            num_decode += num_lane
+            context += lane.context
+            pairs += lane.context + num_lane
+        self.view = BatchView(num_seqs, out.total_num_scheduled_tokens, num_sampled,
+                              num_decode, context, pairs, scattered)
         return ModelOutput(sampled)

@@ -35,11 +35,13 @@ from kvserve.core import (
     SchedulerOutput,
     check_invariants,
 )
+from kvserve.core.decode_lane import DecodeLane
 from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
 from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
 from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
+from kvserve.sim.fast_forward import SimLaneModel
 from kvserve.sim.layout import BlockLayout
 from kvserve.sim.trace import TraceRequest
 
@@ -54,7 +56,10 @@ class Simulator:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cost_model: CostModel, *, seed: int = 0, batching: str = "continuous",
                  record_events: bool = False, check: bool = False,
-                 preemption_prices: PreemptionPrices | None = None) -> None:
+                 preemption_prices: PreemptionPrices | None = None,
+                 fast_forward: bool = True) -> None:
+        """``fast_forward``: advance steady decoders in bulk (the decode lane,
+        docs/simulator-speed.md); the result is the same either way, only slower without."""
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
         self.scheduler_config = scheduler_config
@@ -65,6 +70,7 @@ class Simulator:
         self.record_events = record_events
         self.check = check
         self.preemption_prices = preemption_prices
+        self.fast_forward = fast_forward
 
     def run(self, trace: Sequence[TraceRequest],
             progress: ProgressFn | None = None) -> SimResult:
@@ -116,6 +122,8 @@ class _Run:
         num_empty = 0
         # A replayed engine log may hold a step until the time the engine decided it.
         step_start = getattr(self.sim.cost_model, "step_start", None)
+        if step_start is None:
+            self._start_lane()
         while True:
             if step_start is not None:
                 now = step_start(now)
@@ -145,6 +153,18 @@ class _Run:
             now = max(now, upcoming)
         return self._result(start, now, wall_start)
 
+    def _start_lane(self) -> None:
+        """The decode lane, where it keeps every decision (core/decode_lane.py): not with
+        per-step invariant checks, nor with a block layout to observe per request."""
+        sim, scheduler = self.sim, self.scheduler
+        if not sim.fast_forward or sim.check or self.executor.layout is not None or \
+                not DecodeLane.supported(scheduler):
+            return
+        self.lane_model = SimLaneModel(self.executor, self.recorder)
+        lane = DecodeLane(scheduler, self.lane_model)
+        self.lane_model.lane = lane
+        scheduler.lane = self.executor.lane = lane
+
     def _take_due(self, now: float) -> None:
         """Arrivals and cancellations whose time has come, in time order."""
         arrivals, cancels = self.arrivals, self.cancels
@@ -164,8 +184,15 @@ class _Run:
         model_output = self.executor.execute(out)
         duration = self.sim.cost_model.step_time(out, self.executor.view)
         steps.time.append(now)
+        start = now
         now += duration
-        self._collect(scheduler.update(out, model_output, now), now)
+        lane = scheduler.lane
+        if lane is not None and lane.in_step:
+            outputs = scheduler.update(out, model_output, now)
+            self.lane_model.end_step(start, now, len(lane))
+            self._collect(outputs, now)
+        else:
+            self._collect(scheduler.update(out, model_output, now), now)
         steps.duration.append(duration)
         steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
         steps.sample_state(scheduler, len(self.held))
@@ -178,6 +205,8 @@ class _Run:
         return now
 
     def _result(self, start: float, end: float, wall_start: float) -> SimResult:
+        if self.scheduler.lane is not None:
+            self.scheduler.lane.flush()
         if self.sim.record_events:
             self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
