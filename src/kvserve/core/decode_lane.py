@@ -14,9 +14,9 @@ dissolving (anything else about to read it: a preemption that might pick it, an 
 Every decision the scheduler takes is the one it takes without the lane, so a run's report is
 byte-identical with the lane on or off (tests/sim/test_fast_forward.py). The lane only runs
 where that is simple to keep: no invariant checks, the default admission policy, no urgent
-preemption, no sessions holding KV, a queue whose step record is empty, no throttled steps; before a step whose
-running pass could run out of blocks (and so preempt) it dissolves and the step runs as
-usual.
+preemption, no sessions holding KV, a queue whose step record is empty, no throttled steps;
+before a step whose running pass could run out of blocks (and so preempt) it dissolves and
+the step runs as usual.
 """
 
 from __future__ import annotations
