@@ -41,6 +41,20 @@ def test_free_queue_pops_and_appends_many_as_one_at_a_time():  # G1
         queue.popleft_many(1)
 
 
+def test_free_queue_extendleft_is_appendleft_one_at_a_time():  # G1
+    blocks = [KVBlock(i) for i in range(6)]
+    queue = FreeBlockQueue(blocks[:2])
+    queue.extendleft([blocks[2], blocks[3], blocks[4]])  # each to the head in turn
+    queue.extendleft([])
+    assert queue.block_ids() == [4, 3, 2, 0, 1] and len(queue) == 5
+    empty = FreeBlockQueue([])
+    empty.extendleft([blocks[5]])
+    assert empty.block_ids() == [5] and empty.popleft() is blocks[5]
+    queue.remove(blocks[3])  # the back links are whole: removal from the middle works
+    assert queue.block_ids() == [4, 2, 0, 1]
+    assert [b.block_id for b in queue.popleft_many(4)] == [4, 2, 0, 1]
+
+
 def test_allocating_more_than_free_raises():
     pool = BlockPool(2)
     with pytest.raises(ValueError, match="cannot allocate 3 blocks: only 2 free"):

@@ -112,6 +112,22 @@ class FreeBlockQueue:
         first.prev_free = block
         self.num_free += 1
 
+    def extendleft(self, blocks: list[KVBlock]) -> None:
+        """appendleft() each block in order (so the last ends up first), linking them in one
+        pass: without prefix caching every block a finished request frees goes here."""
+        if not blocks:
+            return
+        first = self._head.next_free
+        assert first is not None
+        following = first
+        for block in blocks:
+            block.next_free = following
+            following.prev_free = block
+            following = block
+        self._head.next_free = following
+        following.prev_free = self._head
+        self.num_free += len(blocks)
+
     def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free
         while block is not None and block is not self._tail:
@@ -176,16 +192,17 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail first)."""
         queue = self.free_queue
-        # Hashed blocks go to the tail in the order given, so they are linked in one pass at
-        # the end; hashless ones go to the head, so the two never interleave.
-        to_tail = []
+        # Hashed blocks go to the tail and hashless ones to the head, each in the order given,
+        # so the two never interleave and each side is linked in one pass at the end.
+        to_head, to_tail = [], []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    queue.appendleft(block)
+                    to_head.append(block)
                 else:
                     to_tail.append(block)
+        queue.extendleft(to_head)
         queue.extend(to_tail)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
