@@ -36,13 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import cli_bench
     from kvserve.engine import cli_calibrate, cli_generate
     from kvserve.model import cli_info
-    from kvserve.server import cli_serve
+    from kvserve.server import cli_record, cli_serve
     from kvserve.sim.commands import register as register_sim
 
     register_sim(subparsers)
     cli_generate.add_parser(subparsers)
     cli_calibrate.add_parser(subparsers)
     cli_serve.add_parser(subparsers)
+    cli_record.add_parser(subparsers)
     cli_bench.add_parser(subparsers)
     cli_info.add_parser(subparsers)
     return parser

@@ -90,3 +90,31 @@ def test_next_turn_prompt_contains_previous_prompt_and_simulated_answer():
     # A request whose prompt goes past its prefix answers from its own stream.
     solo = TraceRequest("s", 0.0, 3, prompt_len=40, prefix_id="c", prefix_len=20)
     assert solo.continuation_key(0) != turn0.continuation_key(0)
+
+
+def test_hashed_prompts_share_exactly_the_blocks_whose_hashes_match():
+    """A recorded prompt (docs/recording.md): block i comes from its hash's stream, so equal
+    hash chains give equal token prefixes and the prefix cache hits as it did (G3)."""
+    from kvserve.sim.trace import parse_request
+
+    a = parse_request({"request_id": "a", "arrival_time": 0, "prompt_len": 40,
+                       "prompt_hashes": ["x1", "y1"], "hash_block_size": 16, "output_len": 3})
+    b = parse_request({"request_id": "b", "arrival_time": 0, "prompt_len": 35,
+                       "prompt_hashes": ["x1", "z1"], "hash_block_size": 16, "output_len": 3})
+    ta, tb = a.synthesise_prompt(0), b.synthesise_prompt(0)
+    assert (len(ta), len(tb)) == (40, 35)
+    assert ta[:16] == tb[:16] and ta[16:32] != tb[16:32]
+    assert parse_request(a.to_json()) == a
+
+
+@pytest.mark.parametrize(("row", "needle"), [
+    ({"prompt_len": 40, "prompt_hashes": ["x"], "hash_block_size": 16}, "has 1 hashes"),
+    ({"prompt_len": 40, "prompt_hashes": ["x", "y"]}, "needs hash_block_size"),
+    ({"prompt_token_ids": [1, 2], "prompt_hashes": [], "hash_block_size": 16},
+     "needs hash_block_size and prompt_len"),
+])
+def test_bad_hashed_prompts_are_named(row, needle):
+    from kvserve.sim.trace import parse_request
+
+    with pytest.raises(ValueError, match=needle):
+        parse_request({"request_id": "a", "arrival_time": 0, "output_len": 1, **row})

@@ -22,6 +22,7 @@ from kvserve.core import (
     check_invariants,
 )
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt
+from kvserve.sim.executor import BatchView, batch_view
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -42,6 +43,10 @@ class StepReport:
     events: list[SchedulerEvent]
     stats: SchedulerStats
     engine: int = 0  # the replica that ran it (data parallel), as vLLM's engine="i" label
+    # Requests the engine took since its last report, each with the time it took it (the
+    # moment its scheduler first saw it: a recording's arrival time, docs/recording.md).
+    arrivals: tuple[tuple[str, float], ...] = ()
+    shape: BatchView | None = None  # the batch as the cost models see it (steps only)
 
 
 class EngineCore:
@@ -55,6 +60,7 @@ class EngineCore:
         # counted (kvserve:invariant_violations), not raised, so serving goes on.
         self.idle_checks = self.invariant_violations = 0
         self._checked_since_busy = True
+        self._arrivals: list[tuple[str, float]] = []
 
     @property
     def busy(self) -> bool:
@@ -74,7 +80,14 @@ class EngineCore:
             return error
         finally:
             self.stats = self.engine.scheduler.stats()  # an add the caller saw is in the stats
+        now = time.monotonic()
+        self._arrivals += [(request_id, now) for request_id in added]
         return None
+
+    def _take_arrivals(self) -> tuple[tuple[str, float], ...]:
+        arrivals = tuple(self._arrivals)
+        self._arrivals.clear()
+        return arrivals
 
     def abort(self, request_ids: Sequence[str]) -> StepReport | None:
         """Abort requests in any state; a report with one ``abort`` chunk per request that was
@@ -84,7 +97,8 @@ class EngineCore:
         if not chunks:
             return None
         self.stats = self.engine.scheduler.stats()
-        return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
+        return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats,
+                          arrivals=self._take_arrivals())
 
     def finish_stopped(self, items: Sequence[tuple[str, str]]) -> StepReport | None:
         """Finish requests whose text reached a stop string, as (request id, stop string)
@@ -108,7 +122,10 @@ class EngineCore:
         events = self.engine.scheduler.take_events()
         self.stats = self.engine.scheduler.stats()
         self._checked_since_busy = False
-        return StepReport(start, num_tokens, seconds, chunks, events, self.stats)
+        shape = batch_view(record.scheduler_output, record.num_sampled) \
+            if num_tokens and record.scheduler_output is not None else None
+        return StepReport(start, num_tokens, seconds, chunks, events, self.stats,
+                          arrivals=self._take_arrivals(), shape=shape)
 
     def idle(self) -> None:
         """The engine has nothing to do: check its state once per busy spell."""

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
-from kvserve.server import generation
+from kvserve.server import admin, generation
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
@@ -37,6 +37,11 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         log_boot(state)
         state.engine.start()
+        if state.recorder is not None:  # serve --record DIR: from the first request on
+            state.engine.observers.append(state.recorder.observe)
+            state.recorder.start()
+            logger.info("recording into %s (prompts: %s)", state.recorder.directory,
+                        state.recorder.prompts)
         task = asyncio.ensure_future(stats_logger.run(log_stats_interval)) \
             if log_stats_interval > 0 else None
         try:
@@ -45,6 +50,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
             if task is not None:
                 task.cancel()
             await state.engine.stop()
+            if state.recorder is not None:
+                state.recorder.close()
 
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -132,6 +139,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    admin.register(app, state)
     return app
 
 

@@ -56,6 +56,18 @@ def add_parser(subparsers: Any) -> None:
                             "one interpreter lock (default: on a thread of the server's "
                             "process; on 2 cores the engine process's spinning threads cost "
                             "2/3 of W3's throughput, docs/benchmarks.md)")
+    record = parser.add_argument_group("recording (docs/recording.md)")
+    record.add_argument("--record", metavar="DIR",
+                        help="record what the server sees into DIR (a trace in the "
+                             "simulator's format and each engine's step log), for kvserve "
+                             "simulate --trace DIR and kvserve whatif DIR")
+    record.add_argument("--record-prompts", choices=("none", "hashes", "ids"),
+                        default="hashes",
+                        help="how prompts are recorded: hashes (default: the chained block "
+                             "hashes of the prefix cache, no text), ids (token ids), none "
+                             "(lengths only)")
+    record.add_argument("--record-max-file-size", type=parse_bytes, default="64MiB",
+                        help="start a new file of a series past this size (default 64MiB)")
     parallel = parser.add_argument_group("data parallel")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                           help="engine replicas, each with its own scheduler, KV pool and "
@@ -102,6 +114,13 @@ def build_state(args: argparse.Namespace) -> Any:
     from kvserve.server.limits import FanOutLimits
     from kvserve.server.state import ServerState
 
+    if args.record is not None:  # before anything else: a bad directory fails at once
+        from kvserve.server.recorder import RecordingError, check_directory
+
+        try:
+            check_directory(args.record)
+        except RecordingError as error:
+            raise CLIError(str(error)) from None
     keys = [ApiKey(key, "operator", admin=True) for key in args.api_key]
     try:
         if args.api_keys:
@@ -146,6 +165,18 @@ def build_state(args: argparse.Namespace) -> Any:
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
+    state.record_prompts = args.record_prompts
+    state.record_max_file_bytes = args.record_max_file_size
+    if args.record is not None:
+        from kvserve.server.recorder import Recorder, RecordingError
+
+        try:
+            state.recorder = Recorder(args.record, serving.info, prompts=args.record_prompts,
+                                      max_file_bytes=args.record_max_file_size,
+                                      model_name=name,
+                                      num_engines=getattr(serving, "num_replicas", 1))
+        except RecordingError as error:
+            raise CLIError(str(error)) from None
     return state
 
 

@@ -107,6 +107,9 @@ async def _queue(state: ServerState, request_id: str,
     counters = state.metrics.tenants.counters(tenant)
     for sub_id, prompt, _ in items:
         state.metrics.request_added(sub_id, arrival_time, len(prompt), counters)
+    recorder = state.recorder
+    if recorder is not None:
+        recorder.submitted(items)
     try:
         stream = await state.engine.add_requests(items, arrival_time)
     except BaseException as error:
@@ -114,6 +117,8 @@ async def _queue(state: ServerState, request_id: str,
             state.metrics.request_dropped(sub_id)
         if isinstance(error, QueueFullError | RequestRejected):
             state.metrics.tenants.refused(tenant, len(items))
+        if recorder is not None:
+            recorder.dropped([sub_id for sub_id, _, _ in items])
         raise _refusal(state, error) from error
     state.metrics.tenants.queued(tenant, len(items))
     state.metrics.request_params(len(items), items[0][2].max_tokens)

@@ -33,6 +33,9 @@ class ServerState:
     fan_out: FanOutLimits = field(default_factory=FanOutLimits)
     groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
     started: float = field(default_factory=time.time)
+    recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
+    record_prompts: str = "hashes"  # --record-prompts
+    record_max_file_bytes: int = 64 << 20  # --record-max-file-size
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None

@@ -10,7 +10,8 @@ from typing import Any
 from kvserve.flags import CLIError
 
 
-def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True) -> None:
+def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True,
+                         recordings: bool = False) -> None:
     from kvserve.sim.presets import HARDWARE, KV_CACHE_DTYPES, MODELS, WEIGHT_DTYPES
 
     group = parser.add_argument_group("deployment")
@@ -28,8 +29,12 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of device memory for weights, activations and KV")
     if cost_model:
-        group.add_argument("--cost-model", default="roofline",
-                           choices=("unit", "roofline", "calibrated", "replay"))
+        group.add_argument("--cost-model", default=None if recordings else "roofline",
+                           choices=("unit", "roofline", "calibrated", "replay"),
+                           help="how long a step takes (default roofline; for a recording, "
+                                "replay of its step times, or, with any scheduler or cache "
+                                "flag given, calibrated: fitted on its steps)"
+                           if recordings else None)
         group.add_argument("--calibration", metavar="PATH.json",
                            help="coefficients for --cost-model calibrated")
         group.add_argument("--replay-step-times", metavar="LOG.jsonl",
@@ -81,7 +86,8 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
                       cost_model="replay" if getattr(args, "replay_step_times", None)
                       else getattr(args, "cost_model", "roofline"),
                       calibration=getattr(args, "calibration", None),
-                      replay_log=getattr(args, "replay_step_times", None))
+                      replay_log=getattr(args, "replay_step_times", None),
+                      recording=getattr(args, "recording", None))
 
 
 def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any],

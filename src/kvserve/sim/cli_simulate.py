@@ -29,8 +29,10 @@ DESCRIPTION = ("Replay a JSONL trace through kvserve's scheduler with a cost mod
 def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "simulate", run, SUMMARY, DESCRIPTION)
     parser.add_argument("--trace", required=True,
-                        help="JSONL trace (kvserve workload gen); - reads standard input")
-    add_deployment_flags(parser)
+                        help="JSONL trace (kvserve workload gen), a server's recording "
+                             "directory (kvserve serve --record DIR: its recorded settings, "
+                             "then any flag given), or - for standard input")
+    add_deployment_flags(parser, recordings=True)
     add_cluster_flags(parser)
     parser.add_argument("--batching", choices=BATCHING_MODES,
                         help="continuous (default), static batches, or serial")
@@ -58,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
     with cli_errors():
         from kvserve.sim.trace import read_trace
 
-        deployment = deployment_from_args(args)
         settings = settings_from_args(args)
+        recording = None
+        if args.trace != "-" and Path(args.trace).is_dir():
+            recording, settings = recorded_run(args, settings)
+        elif args.cost_model is None:
+            args.cost_model = "roofline"
+        args.recording = recording
+        deployment = deployment_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
         if args.tenant_weight:
             if settings.get("tenant_fairness") != "vtc" and \
@@ -69,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             settings["tenant_weights"] = parse_tenant_weights(args.tenant_weight)
         if sweep and args.events:
             raise ValueError("--events records one run; it cannot be combined with --sweep")
-        trace = read_trace(args.trace)
+        trace = recording.trace if recording is not None else read_trace(args.trace)
         if sweep:
             _run_sweep(args, deployment, settings, trace, *sweep)
         else:
@@ -95,6 +103,22 @@ def parse_tenant_weights(specs: list[str]) -> tuple[tuple[str, float], ...]:
             raise ValueError(f"--tenant-weight: tenant {tenant!r} is given twice")
         weights[tenant] = weight
     return tuple(sorted(weights.items()))
+
+
+def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A recording's trace, and its recorded settings under the flags given; the cost model
+    defaults to the recorded step times when no setting changes, else to a model fitted on
+    them (docs/recording.md)."""
+    from kvserve.sim.recording import load_recording
+
+    recording = load_recording(args.trace)
+    recorded = recording.settings
+    size = recorded.pop("data_parallel_size", 1)
+    if getattr(args, "data_parallel_size", 1) == 1 and size > 1:
+        args.data_parallel_size = size
+    if args.cost_model is None:
+        args.cost_model = "replay" if not settings else "calibrated"
+    return recording, {**recorded, **settings}
 
 
 def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],

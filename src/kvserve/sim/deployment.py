@@ -49,6 +49,9 @@ class Deployment:
     kv_pool_gib: float | None = None
     activation_reserve_gib: float | None = None
     kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: the weights' dtype, or fp8
+    # A server's recording (kvserve.sim.recording.Recording): replay reads its step times,
+    # calibrated without a file is fitted on its steps.
+    recording: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -58,19 +61,21 @@ class Deployment:
         if self.cost_model not in COST_MODELS:
             raise CostModelError(f"unknown cost model {self.cost_model!r}; known: "
                                  f"{', '.join(COST_MODELS)}")
-        if self.cost_model == "calibrated" and not self.calibration:
+        if self.cost_model == "calibrated" and not (self.calibration or self.recording):
             raise CostModelError("--cost-model calibrated needs --calibration FILE.json")
-        if self.cost_model == "replay" and not self.replay_log:
+        if self.cost_model == "replay" and not (self.replay_log or self.recording):
             raise CostModelError("--cost-model replay needs --replay-step-times LOG.jsonl")
 
     def build_cost_model(self) -> CostModel:
         if self.cost_model == "unit":
             return UnitCostModel()
         if self.cost_model == "calibrated":
-            assert self.calibration is not None
+            if self.calibration is None:
+                return self.recording.fitted_cost_model()
             return CalibratedCostModel.load(self.calibration)
         if self.cost_model == "replay":
-            assert self.replay_log is not None
+            if self.replay_log is None:
+                return self.recording.replay_cost_model()
             return ReplayCostModel.load(self.replay_log)
         return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
                                  self.dtype, self.tensor_parallel_size,

@@ -5,11 +5,15 @@ Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` 
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
 request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
 ``ignore_eos``, and ``tenant`` (who sent it: per-tenant queue limits, fair share and the
-tenant-scoped prefix cache, as in ``kvserve serve``). Unknown fields are errors: a field
-that is accepted must be honoured.
+tenant-scoped prefix cache, as in ``kvserve serve``). A recorded prompt (``kvserve serve
+--record``, docs/recording.md) may come as ``prompt_len`` with ``prompt_hashes``, the chained
+hashes of its full blocks of ``hash_block_size`` tokens: equal hashes stand for equal
+prefixes. Unknown fields are errors: a field that is accepted must be honoured.
 
 Token ids for ``prompt_len`` requests come from :mod:`kvserve.sim.tokens`: positions below
 ``prefix_len`` from the stream of ``prefix_id``, the rest from the stream of ``request_id``.
+A hashed prompt's block i comes from the stream of its hash (so prompts that shared a prefix
+share it again, block for block), the partial block at its end from the request's stream.
 The simulated model continues the stream its prompt ended in, so a request whose prefix is
 its whole prompt (a conversation turn) answers from the conversation's stream, and the next
 turn's prompt can contain that answer.
@@ -49,6 +53,8 @@ class TraceRequest:
     cancel_time: float | None = None
     ignore_eos: bool = False
     tenant: str = ""
+    prompt_hashes: tuple[str, ...] | None = None
+    hash_block_size: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,9 +74,20 @@ class TraceRequest:
             return list(self.prompt_token_ids)
         assert self.prompt_len is not None
         own = stream_key(seed, "request:" + self.request_id)
+        if self.prompt_hashes is not None:
+            return self._from_hashes(seed, own)
         if self.prefix_id is None:
             return stream_tokens(own, 0, self.prompt_len)
         ids = stream_tokens(stream_key(seed, "prefix:" + self.prefix_id), 0, self.prefix_len)
+        ids += stream_tokens(own, len(ids), self.prompt_len)
+        return ids
+
+    def _from_hashes(self, seed: int, own: int) -> list[int]:
+        assert self.prompt_len is not None and self.prompt_hashes is not None
+        size, ids = self.hash_block_size, []
+        for index, digest in enumerate(self.prompt_hashes):
+            ids += stream_tokens(stream_key(seed, "block:" + digest), index * size,
+                                 (index + 1) * size)
         ids += stream_tokens(own, len(ids), self.prompt_len)
         return ids
 
@@ -86,6 +103,9 @@ class TraceRequest:
             row["prompt_token_ids"] = list(self.prompt_token_ids)
         else:
             row["prompt_len"] = self.prompt_len
+        if self.prompt_hashes is not None:
+            row["prompt_hashes"] = list(self.prompt_hashes)
+            row["hash_block_size"] = self.hash_block_size
         if self.prefix_id is not None:
             row["prefix_id"] = self.prefix_id
             row["prefix_len"] = self.prefix_len
@@ -109,7 +129,7 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
-           "ignore_eos", "tenant")
+           "ignore_eos", "tenant", "prompt_hashes", "hash_block_size")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -161,6 +181,9 @@ def parse_request(row: Any) -> TraceRequest:
             raise ValueError(f"prefix_len {prefix_len} is longer than prompt_len {prompt_len}")
     elif "prefix_len" in row:
         raise ValueError("prefix_len needs a prefix_id")
+    hashes, hash_block_size = _hashes(row, prompt_len)
+    if hashes is not None and prefix_id is not None:
+        raise ValueError("prompt_hashes and prefix_id cannot be combined")
     if "output_len" not in row:
         raise ValueError("missing output_len")
     ignore_eos = row.get("ignore_eos", False)
@@ -186,7 +209,24 @@ def parse_request(row: Any) -> TraceRequest:
         cancel_time=_time(row, "cancel_time"),
         ignore_eos=ignore_eos,
         tenant=tenant,
+        prompt_hashes=hashes,
+        hash_block_size=hash_block_size,
     )
+
+
+def _hashes(row: dict[str, Any], prompt_len: int | None) -> tuple[tuple[str, ...] | None, int]:
+    """A hashed prompt's block hashes and block size; (None, 0) for any other prompt."""
+    if "prompt_hashes" not in row and "hash_block_size" not in row:
+        return None, 0
+    hashes, size = row.get("prompt_hashes"), _int(row, "hash_block_size", 1)
+    if prompt_len is None or size is None or not isinstance(hashes, list) \
+            or not all(isinstance(h, str) and h for h in hashes):
+        raise ValueError("prompt_hashes (a list of strings) needs hash_block_size and "
+                         "prompt_len")
+    if len(hashes) != prompt_len // size:
+        raise ValueError(f"prompt_hashes has {len(hashes)} hashes; a prompt of {prompt_len} "
+                         f"tokens has {prompt_len // size} full blocks of {size}")
+    return tuple(hashes), size
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:

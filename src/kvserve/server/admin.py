@@ -1,0 +1,92 @@
+"""The operator's endpoints beyond /v1/abort: recording switched at run time
+(docs/recording.md). Each needs an admin key when keys are configured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.state import ServerState
+
+
+def require_admin(state: ServerState, request: Request, what: str) -> None:
+    key = state.keys.authenticate(request.headers.get("authorization"))
+    if not key.admin:
+        raise APIError(403, f"{what} needs an admin key")
+
+
+def new_recorder(state: ServerState, directory: str) -> Any:
+    """A recorder into ``directory`` for this server's engines, observing them (inactive
+    until started). Raises RecordingError naming the problem."""
+    from kvserve.server.recorder import Recorder
+
+    recorder = Recorder(directory, state.engine.info, prompts=state.record_prompts,
+                        max_file_bytes=state.record_max_file_bytes,
+                        model_name=state.model_name,
+                        num_engines=getattr(state.engine, "num_replicas", 1))
+    old = state.recorder
+    if old is not None:
+        old.close()
+        if old.observe in state.engine.observers:
+            state.engine.observers.remove(old.observe)
+    state.engine.observers.append(recorder.observe)
+    state.recorder = recorder
+    return recorder
+
+
+def in_flight(state: ServerState) -> int:
+    stats = state.engine.stats
+    return stats.num_running + stats.num_waiting + stats.num_swapped
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    @app.get("/admin/record")
+    async def record_status(request: Request) -> Response:
+        require_admin(state, request, "the recording's status")
+        if state.recorder is None:
+            return JSONResponse({"recording": False, "directory": None})
+        return JSONResponse(state.recorder.status())
+
+    @app.post("/admin/record/start")
+    async def record_start(request: Request) -> Response:
+        from kvserve.server.recorder import RecordingError
+
+        require_admin(state, request, "starting a recording")
+        body = await state.read_json(request) if await _has_body(request) else {}
+        directory = body.get("dir") if isinstance(body, dict) else None
+        if directory is not None and (not isinstance(directory, str) or not directory):
+            raise bad_request("'dir' must be a directory path", param="dir")
+        recorder = state.recorder
+        if directory is not None and (recorder is None or directory != str(recorder.directory)):
+            if recorder is not None and recorder.active:
+                raise bad_request(f"already recording into {recorder.directory}; stop it "
+                                  "first", param="dir")
+            try:
+                recorder = new_recorder(state, directory)
+            except RecordingError as error:
+                raise bad_request(str(error), param="dir") from None
+        if recorder is None:
+            raise bad_request("no recording directory: send {\"dir\": PATH} (or serve with "
+                              "--record DIR)", param="dir")
+        started = recorder.start(in_flight(state))
+        return JSONResponse({**recorder.status(), "changed": started})
+
+    @app.post("/admin/record/stop")
+    async def record_stop(request: Request) -> Response:
+        require_admin(state, request, "stopping a recording")
+        recorder = state.recorder
+        if recorder is None:
+            return JSONResponse({"recording": False, "directory": None, "changed": False})
+        stopped = recorder.stop()
+        recorder.flush()
+        return JSONResponse({**recorder.status(), "changed": stopped})
+
+
+async def _has_body(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    return bool(length and length != "0") or "chunked" in request.headers.get(
+        "transfer-encoding", "")

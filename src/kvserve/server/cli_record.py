@@ -1,0 +1,66 @@
+"""``kvserve record start|stop|status --url URL``: switch a running server's recording
+(POST /admin/record/start, /admin/record/stop; GET /admin/record; docs/recording.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvserve.flags import CLIError, add_command
+
+SUMMARY = "start or stop a running server's recording"
+DESCRIPTION = ("Start, stop or show the recording of a running kvserve server (what kvserve "
+               "serve --record DIR does from boot). Needs an admin key when the server has "
+               "keys.")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = add_command(subparsers, "record", run, SUMMARY, DESCRIPTION)
+    parser.add_argument("action", choices=("start", "stop", "status"))
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the server (default http://127.0.0.1:8000)")
+    parser.add_argument("--dir", help="start: record into this directory on the server's "
+                                      "machine (default: the server's --record DIR)")
+    parser.add_argument("--api-key", help="an admin key, when the server has keys")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = args.url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise CLIError(f"--url {args.url!r} is not an http(s) URL")
+    if args.dir is not None and args.action != "start":
+        raise CLIError("--dir is for start only")
+    path = "/admin/record" if args.action == "status" else f"/admin/record/{args.action}"
+    data = None
+    if args.action != "status":
+        data = json.dumps({"dir": args.dir} if args.dir else {}).encode()
+    request = urllib.request.Request(base + path, data=data,
+                                     method="GET" if data is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    if args.api_key:
+        request.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise CLIError(f"{base}: HTTP {error.code}: {_message(error.read())}") from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise CLIError(f"cannot reach {base}: {reason}") from None
+    state = "recording" if body.get("recording") else "not recording"
+    where = f" into {body['directory']}" if body.get("directory") else ""
+    counts = f" ({body['requests']} requests, {body['steps']} steps written)" \
+        if "requests" in body else ""
+    print(f"{state}{where}{counts}")
+    return 0
+
+
+def _message(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode(errors="replace")[:200]

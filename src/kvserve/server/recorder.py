@@ -1,0 +1,362 @@
+"""``kvserve serve --record DIR``: what the server saw, written as it serves, in the
+simulator's trace format plus each engine's step log (docs/recording.md).
+
+The recorder sits where arrivals are seen: the server hands it each request's prompt and
+sampling parameters before queueing (:meth:`Recorder.submitted`), and it observes every
+:class:`~kvserve.engine.core_loop.StepReport` of every engine (thread, engine process or
+data-parallel replica). A report carries the requests its engine took since the last one,
+with the time it took them: that is a recorded request's ``arrival_time``, the moment its
+scheduler first saw it, so a replay hands it over between the same two steps.
+
+The observer only queues the report; a writer thread turns reports into lines, so the engine
+pays one queue put per step. Files, rotated past ``max_file_bytes``::
+
+    DIR/recording.json            the manifest: format, settings, prompt mode, segments
+    DIR/trace-00000.jsonl         one line per finished request (kvserve.sim.trace format)
+    DIR/steps-0-00000.jsonl       engine 0's steps and scheduling events
+
+Times are seconds since the recording began (one monotonic clock for the server and its
+engine processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvserve.core import SamplingParams
+from kvserve.core.prefix_cache import prompt_block_hashes
+from kvserve.engine.core_loop import ABORTED, StepReport
+from kvserve.engine.engine import EngineInfo
+
+RECORDING_FORMAT = "kvserve-recording/1"
+MANIFEST = "recording.json"
+PROMPT_MODES = ("none", "hashes", "ids")
+DEFAULT_MAX_FILE_BYTES = 64 << 20
+HASH_HEX_DIGITS = 16  # 64 bits of each block's digest: collisions are not a concern
+
+
+class RecordingError(ValueError):
+    """A recording that cannot start: the message is one line naming the problem."""
+
+
+def check_directory(directory: str | Path) -> Path:
+    """``directory``, created if missing, if this process may write a new recording there."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RecordingError(f"cannot create recording directory {path}: "
+                             f"{error.strerror}") from None
+    if not path.is_dir():
+        raise RecordingError(f"recording directory {path} is not a directory")
+    probe = path / f".kvserve-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RecordingError(f"recording directory {path} is not writable: "
+                             f"{error.strerror}") from None
+    if (path / MANIFEST).exists():
+        raise RecordingError(f"{path} already holds a recording ({MANIFEST}); give an empty "
+                             "directory")
+    return path
+
+
+def recorded_settings(info: EngineInfo, num_engines: int = 1) -> dict[str, Any]:
+    """The engine's scheduler and cache settings as ``kvserve simulate`` flags take them."""
+    settings = {f.name: getattr(info.scheduler_config, f.name)
+                for f in dataclasses.fields(info.scheduler_config)}
+    settings["tenant_weights"] = [list(pair) for pair in settings["tenant_weights"]]
+    settings.update(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                    enable_prefix_caching=info.enable_prefix_caching,
+                    num_host_blocks=info.num_host_blocks)
+    if num_engines > 1:
+        settings["data_parallel_size"] = num_engines
+    return settings
+
+
+class _Rotating:
+    """One JSONL series, ``STEM-00000.jsonl``, a new file past ``max_bytes``."""
+
+    def __init__(self, directory: Path, stem: str, max_bytes: int) -> None:
+        self.directory, self.stem, self.max_bytes = directory, stem, max_bytes
+        self.index, self.size = 0, 0
+        self.handle: TextIO | None = None
+
+    def write(self, line: str) -> None:
+        if self.handle is not None and self.size and self.size + len(line) > self.max_bytes:
+            self.handle.close()
+            self.handle, self.index = None, self.index + 1
+        if self.handle is None:
+            path = self.directory / f"{self.stem}-{self.index:05d}.jsonl"
+            self.handle = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+            self.size = path.stat().st_size
+        self.handle.write(line)
+        self.size += len(line)
+
+    def flush(self) -> None:
+        if self.handle is not None:
+            self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+@dataclasses.dataclass
+class _Pending:
+    prompt: Sequence[int]
+    params: SamplingParams
+    arrival: float | None = None  # seconds into the recording, once an engine took it
+
+
+@dataclasses.dataclass
+class _OpenStep:
+    start: float
+    seconds: float
+    num_scheduled_tokens: int
+    shape: Any
+
+
+class Recorder:
+    """Records into ``directory`` (checked by :func:`check_directory`); :meth:`start` begins
+    a segment, :meth:`stop` ends one, :meth:`close` ends the recording."""
+
+    def __init__(self, directory: str | Path, info: EngineInfo, *, prompts: str = "hashes",
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, model_name: str = "",
+                 num_engines: int = 1) -> None:
+        if prompts not in PROMPT_MODES:
+            raise RecordingError(f"--record-prompts must be one of {', '.join(PROMPT_MODES)}, "
+                                 f"got {prompts!r}")
+        if max_file_bytes < 1024:
+            raise RecordingError(f"--record-max-file-size must be at least 1KiB, got "
+                                 f"{max_file_bytes} bytes")
+        self.directory = check_directory(directory)
+        self.prompts, self.block_size = prompts, info.block_size
+        self.max_file_bytes = max_file_bytes
+        self.origin = time.monotonic()
+        self._salt = secrets.token_hex(16)  # hashes name prefixes of this recording only
+        self.manifest: dict[str, Any] = {
+            "format": RECORDING_FORMAT, "model": model_name,
+            "started_unix": round(time.time(), 3), "record_prompts": prompts,
+            "settings": recorded_settings(info, num_engines), "segments": []}
+        self.active = False
+        self.num_requests = self.num_steps = 0
+        self._pending: dict[str, _Pending] = {}
+        self._open_steps: dict[int, _OpenStep] = {}
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._trace = _Rotating(self.directory, "trace", max_file_bytes)
+        self._steps: dict[int, _Rotating] = {}
+        self._lock = threading.Lock()  # start/stop against each other
+        self._write_manifest()
+        self._writer = threading.Thread(target=self._write_loop, name="kvserve-recorder",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- the server's side (event loop) ---------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.origin
+
+    def start(self, in_flight: int = 0) -> bool:
+        """Begin a segment; False if one is open. ``in_flight``: requests the engines hold
+        now, which this recording will not see whole (their replay is not exact)."""
+        with self._lock:
+            if self.active:
+                return False
+            self.active = True
+            self._queue.put(("start", self.now(), in_flight))
+            return True
+
+    def stop(self) -> bool:
+        """End the segment: requests still in flight are written as cut at this moment (a
+        ``cancel_time`` now, docs/recording.md). False if none was open."""
+        with self._lock:
+            if not self.active:
+                return False
+            self.active = False
+            self._queue.put(("stop", self.now()))
+            return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop, write everything, close the files."""
+        self.stop()
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything observed so far is written (tests, status)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def submitted(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
+        """Requests about to be queued (before the engine can report them)."""
+        if self.active:
+            for request_id, prompt, params in items:
+                self._pending[request_id] = _Pending(prompt, params)
+
+    def dropped(self, request_ids: Sequence[str]) -> None:
+        """Requests the engine refused: nothing will be reported of them."""
+        for request_id in request_ids:
+            self._pending.pop(request_id, None)
+
+    def observe(self, report: StepReport) -> None:
+        """A step observer: only queues the report (the engine's thread pays no more)."""
+        if self.active:
+            self._queue.put(report)
+
+    def status(self) -> dict[str, Any]:
+        return {"recording": self.active, "directory": str(self.directory),
+                "record_prompts": self.prompts, "requests": self.num_requests,
+                "steps": self.num_steps}
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            items = [item]
+            with contextlib.suppress(queue.Empty):
+                while item is not None:
+                    item = self._queue.get_nowait()
+                    items.append(item)
+            for entry in items:
+                if entry is None:
+                    self._flush_files(close=True)
+                    return
+                if isinstance(entry, threading.Event):
+                    self._flush_files()
+                    entry.set()
+                elif isinstance(entry, StepReport):
+                    self._record(entry)
+                else:
+                    self._control(entry)
+            self._flush_files()
+
+    def _control(self, entry: tuple[Any, ...]) -> None:
+        segments = self.manifest["segments"]
+        if entry[0] == "start":
+            segments.append({"start": round(entry[1], 6), "stop": None,
+                             "in_flight_at_start": entry[2]})
+        else:
+            stop = entry[1]
+            for engine in list(self._open_steps):
+                self._close_step(engine, None)
+            for request_id, pending in list(self._pending.items()):
+                if pending.arrival is not None:
+                    self._write_request(request_id, pending, None, stop)
+                del self._pending[request_id]
+            if segments:
+                segments[-1]["stop"] = round(stop, 6)
+        self._write_manifest()
+
+    def _record(self, report: StepReport) -> None:
+        origin, pending = self.origin, self._pending
+        for request_id, taken in report.arrivals:
+            entry = pending.get(request_id)
+            if entry is not None:
+                entry.arrival = taken - origin
+        if report.num_scheduled_tokens:
+            self._close_step(report.engine, report.time - origin)
+            self._open_steps[report.engine] = _OpenStep(
+                report.time - origin, report.seconds, report.num_scheduled_tokens,
+                report.shape)
+            self._log(report.engine, [json.dumps(
+                {"type": "event", **dataclasses.asdict(e), "time": round(e.time - origin, 6)})
+                for e in report.events])
+        stats = report.stats
+        if not (stats.num_running or stats.num_waiting or stats.num_swapped):
+            self._close_step(report.engine, None)  # idle now: the wait is not the step's
+        for chunk in report.chunks:
+            if chunk.finished:
+                entry = pending.pop(chunk.request_id, None)
+                if entry is not None and entry.arrival is not None:
+                    cancel = report.time - origin if chunk.stop_reason == ABORTED else None
+                    self._write_request(chunk.request_id, entry, chunk, cancel)
+
+    def _close_step(self, engine: int, next_start: float | None) -> None:
+        """Write engine's open step: it lasted to ``next_start`` (None: its own seconds)."""
+        step = self._open_steps.pop(engine, None)
+        if step is None:
+            return
+        duration = step.seconds if next_start is None else next_start - step.start
+        row: dict[str, Any] = {"type": "step", "start": round(step.start, 6),
+                               "duration": round(max(duration, 0.0), 6),
+                               "num_scheduled_tokens": step.num_scheduled_tokens}
+        if step.shape is not None:
+            row["shape"] = dataclasses.asdict(step.shape)
+        self.num_steps += 1
+        self._log(engine, [json.dumps(row)])
+
+    def _log(self, engine: int, lines: list[str]) -> None:
+        """Append to engine's step log. A step's line is written when its duration is known
+        (at the next step), after its events: step lines are in start order, events in
+        decision order."""
+        series = self._steps.get(engine)
+        if series is None:
+            series = self._steps[engine] = _Rotating(self.directory, f"steps-{engine}",
+                                                     self.max_file_bytes)
+        for line in lines:
+            series.write(line + "\n")
+
+    def _write_request(self, request_id: str, entry: _Pending, chunk: Any,
+                       cancel: float | None) -> None:
+        params = entry.params
+        row: dict[str, Any] = {"request_id": request_id,
+                               "arrival_time": round(entry.arrival or 0.0, 6)}
+        prompt = entry.prompt
+        if self.prompts == "ids":
+            row["prompt_token_ids"] = list(prompt)
+        else:
+            row["prompt_len"] = len(prompt)
+        if self.prompts == "hashes":
+            salt = self._salt + "/" + (params.cache_salt or "")
+            row["prompt_hashes"] = [h.hex()[:HASH_HEX_DIGITS] for h in
+                                    prompt_block_hashes(list(prompt), self.block_size, salt)]
+            row["hash_block_size"] = self.block_size
+        row["output_len"] = _output_len(chunk, params.max_tokens)
+        row["max_tokens"] = params.max_tokens
+        if params.priority:
+            row["priority"] = params.priority
+        if cancel is not None:
+            row["cancel_time"] = round(cancel, 6)
+        if params.ignore_eos:
+            row["ignore_eos"] = True
+        if params.tenant:
+            row["tenant"] = params.tenant
+        self.num_requests += 1
+        self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def _flush_files(self, close: bool = False) -> None:
+        for series in (self._trace, *self._steps.values()):
+            series.close() if close else series.flush()
+
+    def _write_manifest(self) -> None:
+        path = self.directory / MANIFEST
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(self.manifest, indent=1) + "\n", encoding="utf-8")
+        temporary.replace(path)
+
+
+def _output_len(chunk: Any, max_tokens: int) -> int:
+    """What the simulated model should answer so the replay ends the request as the engine
+    did: a stop (EOS, stop string or token) after n tokens is n - 1 tokens and then the
+    simulator's EOS; a length limit, n tokens; anything else (aborted, cut, timed out in the
+    queue) ran on as far as it could, ``max_tokens``."""
+    if chunk is None or chunk.metrics is None or chunk.finish_reason not in ("stop",
+                                                                             "length"):
+        return max_tokens
+    produced = chunk.metrics.num_output_tokens
+    return produced if chunk.finish_reason == "length" else max(produced - 1, 0)

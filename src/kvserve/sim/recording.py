@@ -1,0 +1,225 @@
+"""A recording directory (``kvserve serve --record DIR``, docs/recording.md) read back for
+the simulator: the trace, the recorded settings, each engine's steps and events.
+
+A recording may end badly (the server killed mid-write): a file's last line without its
+newline is skipped with a warning naming it, and the replay ends where the recording does.
+Requests the step log saw arrive that have no trace line (they were still in flight when
+the writing stopped) are lost; the recording is cut at the first of them, or at the end of
+its last logged step, whichever comes first. A request still unfinished at the cut (no
+``finished`` event logged by then) is replayed as cancelled there, as it was in the recording as
+far as anyone can tell; requests arriving after the cut are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvserve.sim.cost_models import CostModelError, ReplayCostModel
+from kvserve.sim.executor import BatchView
+from kvserve.sim.trace import TraceError, TraceRequest, parse_request
+
+MANIFEST = "recording.json"
+RECORDING_FORMAT = "kvserve-recording/1"
+Warn = Callable[[str], None]
+
+
+def is_recording(path: str | Path) -> bool:
+    return Path(path).is_dir()
+
+
+def _stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+@dataclass
+class EngineLog:
+    """One engine's steps (start, duration, tokens, shape) and scheduling events."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return max((s["start"] + s["duration"] for s in self.steps), default=0.0)
+
+
+@dataclass
+class Recording:
+    path: Path
+    manifest: dict[str, Any]
+    trace: list[TraceRequest]
+    engines: dict[int, EngineLog]
+    warnings: list[str]
+    cut: float | None = None  # where the replay ends (None: every request ended in the log)
+    inexact: str | None = None  # why the recorded step times cannot replay exactly
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The recorded scheduler and cache settings, as simulate's flags give them."""
+        settings = dict(self.manifest["settings"])
+        settings["tenant_weights"] = tuple(tuple(p) for p in settings.get("tenant_weights", ()))
+        return settings
+
+    def replay_cost_model(self, engine: int = 0) -> ReplayCostModel:
+        """The recorded step times of ``engine``, each step held to its logged start."""
+        steps = self.engines.get(engine, EngineLog()).steps
+        if not steps:
+            raise CostModelError(f"{self.path}: engine {engine} logged no step to replay")
+        if self.inexact:
+            _stderr(f"{self.path}: {self.inexact}; the replay may diverge")
+        return ReplayCostModel([s["duration"] for s in steps],
+                               [s["num_scheduled_tokens"] for s in steps],
+                               f"{self.path} (engine {engine})",
+                               [s["start"] for s in steps])
+
+    def fitted_cost_model(self) -> Any:
+        """A calibrated cost model fitted on the recorded steps (shape -> duration)."""
+        from kvserve.sim.calibration import fit
+
+        rows = [s for log in self.engines.values() for s in log.steps
+                if "shape" in s and s["duration"] > 0]
+        try:
+            return fit([BatchView(**s["shape"]) for s in rows], [s["duration"] for s in rows],
+                       source=f"fitted on {self.path}'s {len(rows)} steps")
+        except ValueError as error:
+            raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
+                                 f"steps ({error}); give --cost-model") from None
+
+
+def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
+    """Read a recording directory; raises TraceError naming the file and line."""
+    root = Path(path)
+    manifest = _manifest(root)
+    warnings: list[str] = []
+
+    def note(message: str) -> None:
+        warnings.append(message)
+        warn(message)
+
+    rows = [(where, row) for file in _series(root, "trace")
+            for where, row in _lines(file, note)]
+    trace, seen = [], set()
+    for where, row in rows:
+        try:
+            request = parse_request(row)
+        except ValueError as error:
+            raise TraceError(f"{where}: {error}") from None
+        if request.request_id in seen:
+            raise TraceError(f"{where}: duplicate request_id {request.request_id!r}")
+        seen.add(request.request_id)
+        trace.append(request)
+    engines: dict[int, EngineLog] = {}
+    for file in sorted(root.glob("steps-*-*.jsonl")):
+        log = engines.setdefault(int(file.name.split("-")[1]), EngineLog())
+        for where, row in _lines(file, note):
+            _add_step_row(log, where, row)
+    for log in engines.values():
+        log.steps.sort(key=lambda s: s["start"])
+    recording = Recording(root, manifest, trace, engines, warnings)
+    _cut(recording, note)
+    if not recording.trace:
+        raise TraceError(f"{root}: the recording has no whole request")
+    return recording
+
+
+def _manifest(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise TraceError(f"{root} is not a recording directory")
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise TraceError(f"{root}: cannot read {MANIFEST}: {error.strerror} (is it a "
+                         "recording, written by kvserve serve --record?)") from None
+    except json.JSONDecodeError as error:
+        raise TraceError(f"{root / MANIFEST}: not valid JSON: {error.msg}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != RECORDING_FORMAT:
+        raise TraceError(f"{root / MANIFEST}: format must be {RECORDING_FORMAT!r}")
+    if not isinstance(manifest.get("settings"), dict):
+        raise TraceError(f"{root / MANIFEST}: no settings")
+    return manifest
+
+
+def _series(root: Path, stem: str) -> list[Path]:
+    return sorted(root.glob(f"{stem}-*.jsonl"))
+
+
+def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
+    """(file:line, decoded row) for each line; a last line cut short is skipped with a
+    warning, any other bad line is an error."""
+    text = file.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{number}"
+        try:
+            out.append((where, json.loads(line)))
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # no newline after it: the writer stopped mid-line
+                note(f"{where}: the last line is cut short (the server stopped while "
+                     "writing it); replaying up to the line before")
+                break
+            raise TraceError(f"{where}: not valid JSON: {error.msg}") from None
+    return out
+
+
+def _add_step_row(log: EngineLog, where: str, row: Any) -> None:
+    if not isinstance(row, dict) or row.get("type") not in ("step", "event"):
+        raise TraceError(f"{where}: a step log line is a step or an event")
+    if row["type"] == "event":
+        log.events.append(row)
+        return
+    start, duration, tokens = (row.get(k) for k in ("start", "duration",
+                                                    "num_scheduled_tokens"))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+               for v in (start, duration)) or duration < 0 \
+            or not isinstance(tokens, int) or tokens < 1:
+        raise TraceError(f"{where}: a step needs start, duration >= 0 and "
+                         "num_scheduled_tokens >= 1")
+    shape = row.get("shape")
+    if shape is not None and set(shape) != {f.name for f in dataclasses.fields(BatchView)}:
+        raise TraceError(f"{where}: shape must have the fields of a BatchView")
+    log.steps.append(row)
+
+
+def _cut(recording: Recording, note: Warn) -> None:
+    """End the replay where the recording ends (module docstring)."""
+    known = {r.request_id for r in recording.trace}
+    events = [e for log in recording.engines.values() for e in log.events]
+    lost = sorted((e["time"], e["request_id"]) for e in events
+                  if e.get("kind") == "arrived" and e.get("request_id") not in known)
+    ends = [log.end for log in recording.engines.values() if log.steps]
+    cut = max(ends) if ends else None
+    if lost:
+        note(f"{recording.path}: {len(lost)} request(s) arrived with no trace line (in flight "
+             f"when the writing stopped), the first {lost[0][1]!r} at {lost[0][0]:.3f} s; "
+             "replaying up to then")
+        cut = lost[0][0] if cut is None else min(cut, lost[0][0])
+    segments = recording.manifest.get("segments") or []
+    if any(s.get("in_flight_at_start") for s in segments):
+        recording.inexact = ("a segment began with requests in flight, whose steps are in "
+                             "the log but not their requests")
+    if cut is None:
+        return
+    finished = {e["request_id"] for e in events
+                if e.get("kind") == "finished" and e.get("time", cut) <= cut}
+    trace = []
+    for request in recording.trace:
+        if request.arrival_time >= cut:
+            continue
+        if request.request_id not in finished and (request.cancel_time is None
+                                                   or request.cancel_time > cut):
+            request = dataclasses.replace(request, cancel_time=cut)
+        trace.append(request)
+    recording.trace = trace
+    recording.cut = cut
+    for log in recording.engines.values():
+        log.steps = [s for s in log.steps if s["start"] < cut]

@@ -1,0 +1,207 @@
+"""Issue 18: ``kvserve serve --record DIR`` writes what the server saw, and the simulator
+replays it with the recorded step times making the server's decisions, step for step
+(docs/recording.md; the scheduler rules replayed are docs/scheduler.md's, e.g. A1, D3)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvserve.cli import main
+from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.server.auth import ApiKey
+from kvserve.server.recorder import MANIFEST, Recorder
+from kvserve.sim.recording import load_recording
+from kvserve.sim.simulator import Simulator
+
+from .helpers import LiveServer, wait_for
+
+SETTINGS = dict(max_num_seqs=6, max_num_batched_tokens=96, max_model_len=512)
+NUM_BLOCKS = 24  # tight: the run preempts (D1)
+SYSTEM = list(range(1000, 1040))  # 40 shared tokens: 2 full blocks of 16 hit the cache (G3)
+
+
+def prompts(count: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for index in range(count):
+        own = [rng.randrange(3000, 9000) for _ in range(rng.randint(8, 70))]
+        out.append((SYSTEM if index % 2 else []) + own)
+    return out
+
+
+def load(url: str, prompt_list: list[list[int]], *, gap: float = 0.01,
+         max_tokens: int = 24, headers: dict[str, str] | None = None) -> list[dict]:
+    """Send every prompt on its own thread, ``gap`` seconds apart; the replies."""
+    def one(prompt: list[int]) -> dict:
+        reply = httpx.post(url + "/v1/completions", timeout=60, headers=headers, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompt_list)) as pool:
+        futures = []
+        for prompt in prompt_list:
+            futures.append(pool.submit(one, prompt))
+            time.sleep(gap)
+        return [f.result(timeout=120) for f in futures]
+
+
+def decisions(events) -> list[tuple[str, str]]:
+    return [(e["kind"], e["request_id"]) for e in events
+            if e["kind"] in ("admitted", "resumed", "preempted", "finished")]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A short run of the thread engine under load, recorded from boot."""
+    directory = tmp_path_factory.mktemp("rec") / "run"
+    with LiveServer(num_kv_blocks=NUM_BLOCKS, **SETTINGS) as live:
+        live.state.recorder = Recorder(directory, live.state.engine.info, prompts="hashes",
+                                       max_file_bytes=1024)
+        live.state.engine.observers.append(live.state.recorder.observe)
+        live.state.recorder.start()
+        replies = load(live.url, prompts(16))
+        wait_for(live.idle, what="idle")
+        live.state.recorder.close()
+    return directory, replies
+
+
+def test_the_recording_holds_every_request_in_the_simulators_format(recorded):
+    directory, replies = recorded
+    recording = load_recording(directory, warn=pytest.fail)
+    assert len(recording.trace) == 16 and recording.cut is not None
+    by_id = {r.request_id: r for r in recording.trace}
+    for reply in replies:
+        request = by_id[reply["id"].removeprefix("cmpl-")]
+        produced = reply["usage"]["completion_tokens"]
+        reason = reply["choices"][0]["finish_reason"]
+        assert request.output_len == (produced if reason == "length" else produced - 1)
+        assert request.max_tokens == 24 and request.prompt_hashes is not None
+        assert len(request.prompt_hashes) == request.prompt_len // 16
+    shared = [r.prompt_hashes[:2] for r in recording.trace if r.prompt_len >= 48
+              and r.prompt_hashes and len(set(r.prompt_hashes[:2])) == 2]
+    assert len({tuple(h) for h in shared}) < len(shared)  # the system prompt's blocks repeat
+    assert len(list(directory.glob("trace-*.jsonl"))) > 1  # rotated at 1 KiB
+    manifest = json.loads((directory / MANIFEST).read_text())
+    assert manifest["settings"]["num_kv_blocks"] == NUM_BLOCKS
+    assert manifest["segments"][0]["stop"] is not None
+    text = " ".join(p.read_text() for p in directory.glob("trace-*.jsonl"))
+    assert "1000" not in text  # hashes only: no token id of the prompts is written
+
+
+def test_the_replay_with_recorded_step_times_makes_the_servers_decisions(recorded):
+    directory, _ = recorded
+    recording = load_recording(directory, warn=pytest.fail)
+    logged = recording.engines[0]
+    assert any(e["kind"] == "preempted" for e in logged.events)
+    settings = recording.settings
+    result = Simulator(SchedulerConfig.from_dict({k: v for k, v in settings.items()
+                                                  if k in SchedulerConfig.__dataclass_fields__}),
+                       CacheConfig(num_blocks=NUM_BLOCKS), recording.replay_cost_model(),
+                       record_events=True).run(recording.trace)
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated) == decisions(logged.events)
+    assert list(result.steps.num_scheduled_tokens) == \
+        [s["num_scheduled_tokens"] for s in logged.steps]
+    assert result.prefix_cache_hits > 0
+
+
+def test_simulate_replays_a_recording_directory(recorded, tmp_path, capsys):
+    directory, _ = recorded
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(directory), "--report", str(report),
+                 "--quiet"]) == 0
+    data = json.loads(report.read_text())
+    assert data["config"]["cost_model"]["name"] == "replay"
+    assert data["aggregate"]["num_requests"] == 16
+    assert main(["simulate", "--trace", str(directory), "--max-num-seqs", "2", "--report",
+                 str(report), "--quiet"]) == 0
+    data = json.loads(report.read_text())
+    assert data["config"]["cost_model"]["name"] == "calibrated"
+    assert data["config"]["scheduler"]["max_num_seqs"] == 2
+
+
+def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_path):
+    directory, _ = recorded
+    copy = tmp_path / "cut"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    last = sorted(copy.glob("trace-*.jsonl"))[-1]
+    text = last.read_text()
+    last.write_text(text[:-20])  # killed mid-line: the last request's line is cut short
+    warnings: list[str] = []
+    recording = load_recording(copy, warn=warnings.append)
+    assert any(f"{last}:" in w and "cut short" in w for w in warnings)
+    assert any("arrived with no trace line" in w for w in warnings)
+    assert len(recording.trace) < 16
+    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
+                       recording.replay_cost_model(), record_events=True).run(recording.trace)
+    cut = recording.cut
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events
+                 if e.time < cut]
+    logged = [e for e in recording.engines[0].events if e["time"] < cut]
+    assert decisions(simulated) == decisions(logged) and decisions(logged)
+
+
+@pytest.mark.parametrize("kind", ["under_a_file", "read_only"])
+def test_serve_refuses_a_directory_it_cannot_write(tmp_path, capsys, kind):
+    """One line and exit 2 before the model loads (nothing is served)."""
+    if kind == "under_a_file":
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        target, needle = blocker / "rec", "cannot create recording directory"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        target, needle = tmp_path / "ro", "is not writable"
+        target.mkdir()
+        target.chmod(0o500)
+    try:
+        assert main(["serve", "--record", str(target), "--load-format", "dummy",
+                     "--port", "70000"]) == 2
+    finally:
+        if target.exists():
+            target.chmod(0o700)
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
+    keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1")]
+    with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
+        url = live.url
+        user = {"Authorization": "Bearer user-key"}
+        admin = {"Authorization": "Bearer admin-key"}
+        assert httpx.post(url + "/admin/record/start", headers=user).status_code == 403
+        assert httpx.post(url + "/admin/record/start").status_code == 401
+        reply = httpx.post(url + "/admin/record/start", headers=admin)
+        assert reply.status_code == 400 and "no recording directory" in reply.text
+        reply = httpx.post(url + "/admin/record/start", headers=admin,
+                           json={"dir": str(tmp_path / "live")})
+        assert reply.status_code == 200 and reply.json()["recording"] is True
+        load(url, prompts(3), headers=user, max_tokens=4)
+        wait_for(live.idle, what="idle")
+        done = threading.Event()
+        result: list[int] = []
+
+        def stop() -> None:
+            result.append(main(["record", "stop", "--url", url, "--api-key", "admin-key"]))
+            done.set()
+
+        stop()  # the CLI, against the live server
+        assert done.is_set() and result == [0]
+        status = httpx.get(url + "/admin/record", headers=admin).json()
+        assert status["recording"] is False and status["requests"] == 3
+        load(url, prompts(2, seed=9), headers=user, max_tokens=4)  # not recorded
+    recording = load_recording(tmp_path / "live", warn=pytest.fail)
+    assert len(recording.trace) == 3
+    assert {r.tenant for r in recording.trace} == {"t1"}
