@@ -205,3 +205,26 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
     recording = load_recording(tmp_path / "live", warn=pytest.fail)
     assert len(recording.trace) == 3
     assert {r.tenant for r in recording.trace} == {"t1"}
+
+
+def test_an_engine_process_is_recorded_where_arrivals_are_seen(tmp_path):
+    """The engine in a process of its own: arrivals and steps come back in its step reports
+    (one monotonic clock), and the replay still makes its decisions."""
+    from .helpers import engine_spec
+
+    directory = tmp_path / "proc"
+    with LiveServer(spec=engine_spec(num_kv_blocks=NUM_BLOCKS, **SETTINGS)) as live:
+        live.state.recorder = Recorder(directory, live.state.engine.info, prompts="ids")
+        live.state.engine.observers.append(live.state.recorder.observe)
+        live.state.recorder.start()
+        load(live.url, prompts(4, seed=3), max_tokens=6)
+        wait_for(live.idle, what="idle")
+        live.state.recorder.close()
+    recording = load_recording(directory, warn=pytest.fail)
+    assert len(recording.trace) == 4
+    assert all(r.prompt_token_ids is not None for r in recording.trace)
+    assert all("shape" in s for s in recording.engines[0].steps)
+    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
+                       recording.replay_cost_model(), record_events=True).run(recording.trace)
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated) == decisions(recording.engines[0].events)

@@ -6,8 +6,9 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    from kvserve.sim import cli_plan, cli_simulate, cli_workload
+    from kvserve.sim import cli_plan, cli_simulate, cli_whatif, cli_workload
 
     cli_simulate.add_parser(subparsers)
     cli_plan.add_parser(subparsers)
     cli_workload.add_parser(subparsers)
+    cli_whatif.add_parser(subparsers)

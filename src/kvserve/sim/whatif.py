@@ -1,0 +1,134 @@
+"""``kvserve whatif DIR --set NAME=VALUE``: a server's recording replayed as it ran and
+under each change, side by side (docs/recording.md).
+
+The recorded run is the replay of the recorded step times (the server's own decisions and
+times); each change runs the same requests with one setting changed, priced by the changes'
+cost model (default: fitted on the recorded steps). When that model is not the replay, the
+recorded settings also run under it ("model check"), so a change's effect can be read apart
+from the cost model's error.
+
+For the requests whose end-to-end latency moved most, the first scheduling decision that
+differed: each run's events of that request (admitted, preempted, resumed, finished), each
+placed at the step it happened before (the number of steps that started earlier), compared
+in order; the first pair that differs in kind or step is the one shown.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.runs import SimResult
+from kvserve.sim.report import aggregate, request_latencies
+
+DECISIONS = ("admitted", "preempted", "resumed", "finished")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    kind: str
+    step: int
+    time: float
+
+    def describe(self) -> str:
+        return f"{self.kind} at step {self.step} ({self.time:.3f} s)"
+
+
+@dataclasses.dataclass
+class Run:
+    label: str
+    result: SimResult
+    aggregate: dict[str, Any]
+    change: tuple[str, Any] | None = None  # None: recorded settings
+
+
+def make_run(label: str, result: SimResult, change: tuple[str, Any] | None = None) -> Run:
+    return Run(label, result, aggregate(result), change)
+
+
+def decisions(result: SimResult) -> dict[str, list[Decision]]:
+    """Each request's scheduling decisions in order, placed at steps (module docstring)."""
+    starts = list(result.steps.time)
+    out: dict[str, list[Decision]] = {}
+    for event in result.events:
+        kind = str(getattr(event.kind, "value", event.kind))
+        if kind in DECISIONS:
+            out.setdefault(event.request_id, []).append(
+                Decision(kind, bisect.bisect_left(starts, event.time), event.time))
+    return out
+
+
+def first_difference(base: Sequence[Decision], other: Sequence[Decision]
+                     ) -> tuple[Decision | None, Decision | None] | None:
+    """The first pair of decisions that differ in kind or step (None for a missing one), or
+    None if the two lists agree."""
+    for index in range(max(len(base), len(other))):
+        a = base[index] if index < len(base) else None
+        b = other[index] if index < len(other) else None
+        if a is None or b is None or (a.kind, a.step) != (b.kind, b.step):
+            return a, b
+    return None
+
+
+def moved(base: Run, other: Run, top: int) -> list[dict[str, Any]]:
+    """The ``top`` requests whose end-to-end latency moved most (absolute change), with the
+    first decision that differed."""
+    base_e2e = {r.request_id: request_latencies(r)["e2e"] for r in base.result.records}
+    base_decisions, other_decisions = decisions(base.result), decisions(other.result)
+    rows = []
+    for record in other.result.records:
+        before, after = base_e2e.get(record.request_id), request_latencies(record)["e2e"]
+        if before is None or after is None:
+            continue
+        rows.append({"request_id": record.request_id, "e2e_before_s": before,
+                     "e2e_after_s": after, "delta_s": after - before})
+    rows.sort(key=lambda r: (-abs(r["delta_s"]), r["request_id"]))
+    for row in rows[:top]:
+        pair = first_difference(base_decisions.get(row["request_id"], []),
+                                other_decisions.get(row["request_id"], []))
+        row["first_difference"] = None if pair is None else {
+            base.label: pair[0].describe() if pair[0] else "none",
+            other.label: pair[1].describe() if pair[1] else "none"}
+    return [row for row in rows[:top] if abs(row["delta_s"]) > 0]
+
+
+ROWS = (
+    ("requests finished", "num_finished", "{:,}"),
+    ("duration", "duration_s", "{:.3f} s"),
+    ("output tok/s", "throughput_output_tok_s", "{:,.1f}"),
+    ("TTFT p50", "ttft_p50", "{:.3f} s"), ("TTFT p99", "ttft_p99", "{:.3f} s"),
+    ("ITL p50", "itl_p50", "{:.4f} s"), ("ITL p99", "itl_p99", "{:.4f} s"),
+    ("E2E p50", "e2e_p50", "{:.3f} s"), ("E2E p99", "e2e_p99", "{:.3f} s"),
+    ("queue p99", "queue_p99", "{:.3f} s"),
+    ("preemptions", "num_preemptions", "{:,}"),
+    ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
+    ("KV peak", "kv_usage_peak", "{:.1%}"),
+    ("steps", "num_steps", "{:,}"),
+)
+
+
+def figure(aggregate_: dict[str, Any], key: str, pattern: str) -> str:
+    value = aggregate_.get(key)
+    return "-" if value is None else pattern.format(value)
+
+
+def table(runs: Sequence[Run]) -> str:
+    """The aggregate figures, one column per run, as plain text."""
+    header = ["", *[run.label for run in runs]]
+    lines = [[label, *[figure(run.aggregate, key, pattern) for run in runs]]
+             for label, key, pattern in ROWS]
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+                     for row in [header, *lines])
+
+
+def to_json(runs: Sequence[Run], movers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {"runs": [{"label": run.label,
+                      "change": None if run.change is None else
+                      {"name": run.change[0], "value": run.change[1]},
+                      "aggregate": run.aggregate} for run in runs],
+            "moved": movers}
+

@@ -1,0 +1,103 @@
+"""Issue 18: ``kvserve whatif`` on a hand-built recording whose outcome is worked out by hand
+(docs/recording.md).
+
+Two requests, a and b, arrive together at t=0 with 16-token prompts; each answers 2 tokens
+and then EOS (3 tokens). The server ran them with max_num_seqs 1 (A1: at most that many
+running), every step taking 1 s: a prefills at step 0 and decodes at steps 1-2 (finished at
+3 s), then b at steps 3-5 (finished at 6 s). With max_num_seqs 2 and the unit cost model
+(1 s a step) both prefill at step 0 and finish at 3 s: b's latency moves from 6 s to 3 s,
+a's does not move, and b's first differing decision is its admission, at step 3 in the
+recording and at step 0 with the change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+from kvserve.sim.recording import load_recording
+from kvserve.sim.whatif import Decision, first_difference, make_run, moved
+
+
+def build(directory):
+    directory.mkdir()
+    settings = {"max_num_seqs": 1, "max_num_batched_tokens": 64, "max_model_len": 128,
+                "num_kv_blocks": 32, "block_size": 16, "enable_prefix_caching": True}
+    (directory / "recording.json").write_text(json.dumps({
+        "format": "kvserve-recording/1", "settings": settings, "record_prompts": "none",
+        "segments": [{"start": 0.0, "stop": 6.5, "in_flight_at_start": 0}]}))
+    (directory / "trace-00000.jsonl").write_text("".join(
+        json.dumps({"request_id": rid, "arrival_time": 0.0, "prompt_len": 16,
+                    "output_len": 2, "max_tokens": 8}) + "\n" for rid in ("a", "b")))
+    steps = [{"type": "step", "start": float(i), "duration": 1.0, "num_scheduled_tokens": n}
+             for i, n in enumerate((16, 1, 1, 16, 1, 1))]
+    events = [{"type": "event", "time": 3.0, "kind": "finished", "request_id": "a"},
+              {"type": "event", "time": 6.0, "kind": "finished", "request_id": "b"}]
+    (directory / "steps-0-00000.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in steps + events))
+    return directory
+
+
+def test_the_worked_example_moves_b_by_three_seconds_from_its_admission(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    report, html = tmp_path / "w.json", tmp_path / "w.html"
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--cost-model", "unit",
+                 "--report", str(report), "--html", str(html)]) == 0
+    data = json.loads(report.read_text())
+    runs = {run["label"]: run["aggregate"] for run in data["runs"]}
+    assert list(runs) == ["recorded", "recorded (unit model)", "max_num_seqs=2"]
+    assert runs["recorded"]["duration_s"] == 6.0 and runs["recorded"]["num_steps"] == 6
+    assert runs["recorded (unit model)"]["duration_s"] == 6.0
+    assert runs["max_num_seqs=2"]["duration_s"] == 3.0
+    assert (runs["recorded"]["e2e_max"], runs["max_num_seqs=2"]["e2e_max"]) == (6.0, 3.0)
+    [row] = data["moved"]["max_num_seqs=2"]  # a did not move
+    assert (row["request_id"], row["e2e_before_s"], row["e2e_after_s"]) == ("b", 6.0, 3.0)
+    assert row["first_difference"] == {"recorded": "admitted at step 3 (3.000 s)",
+                                       "max_num_seqs=2": "admitted at step 0 (0.000 s)"}
+    out = capsys.readouterr().out
+    assert "b: e2e 6.000 s -> 3.000 s (-3.000 s); recorded: admitted at step 3" in out
+    page = html.read_text()
+    assert page.count("<svg") == 4 and "max_num_seqs=2" in page and "<script" not in page
+
+
+def test_the_recorded_run_replays_the_step_log(tmp_path):
+    recording = load_recording(build(tmp_path / "rec"), warn=pytest.fail)
+    model = recording.replay_cost_model()
+    assert model.durations == [1.0] * 6 and model.starts == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_first_difference_names_the_first_decision_apart():
+    base = [Decision("admitted", 0, 0.0), Decision("preempted", 4, 4.0)]
+    assert first_difference(base, base) is None
+    assert first_difference(base, base[:1]) == (base[1], None)
+    other = [Decision("admitted", 0, 0.1), Decision("finished", 6, 6.0)]
+    assert first_difference(base, other) == (base[1], other[1])
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--set", "max_num_seqs"], "write NAME=VALUE"),
+    (["--set", "nonsense=1"], "cannot sweep 'nonsense'"),
+    (["--set", "max_num_seqs=2", "--top", "0"], "--top must be >= 1"),
+])
+def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
+    directory = build(tmp_path / "rec")
+    assert main(["whatif", str(directory), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_a_directory_that_is_no_recording_is_named(tmp_path, capsys):
+    assert main(["whatif", str(tmp_path), "--set", "max_num_seqs=2"]) == 2
+    assert "cannot read recording.json" in capsys.readouterr().err
+
+
+def test_moved_skips_requests_that_did_not_move(tmp_path):
+    recording = load_recording(build(tmp_path / "rec"), warn=pytest.fail)
+    from kvserve.sim.deployment import Deployment
+
+    deployment = Deployment(cost_model="unit", recording=recording)
+    result = deployment.simulate(recording.trace, recording.settings, record_events=True)[1]
+    run = make_run("x", result)
+    assert moved(run, run, 5) == []
