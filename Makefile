@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: run demo test lint bench clean
+.PHONY: run demo test lint bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,15 @@ demo: $(STAMP)
 	$(BIN)/kvserve simulate --trace out/demo-trace.jsonl --kv-cache-memory 1GiB \
 		--report out/demo-report.json --html out/demo-report.html
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's headless Chromium through chromedriver; this
+# installs both once, quietly (needs root and apt-get; elsewhere the test says it skipped).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+		  >/dev/null 2>&1; } || echo "make browser: chromium not installed (the dashboard's browser test will skip)"
+
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

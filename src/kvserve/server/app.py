@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
 from kvserve.engine.async_engine import EngineDeadError
-from kvserve.server import admin, generation
+from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
@@ -140,6 +140,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     admin.register(app, state)
+    app.state.dashboard = dashboard.register(app, state)
     return app
 
 

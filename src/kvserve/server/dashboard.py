@@ -1,0 +1,169 @@
+"""``GET /dashboard``: the scheduler live, in a browser (docs/recording.md, "Dashboard").
+
+The page (``dashboard_page.PAGE``: inline SVG and JavaScript, nothing fetched but this
+server) opens ``GET /dashboard/events``, a server-sent event stream that sends, every
+``interval`` seconds, the steps since the last message (running, waiting, KV usage,
+preemptions, prefix hit rate) and the timelines of the most recent requests (queued, prefill,
+decode, preempted), the charts of the simulator's HTML report.
+
+Nothing is collected while nobody watches: the view registers its step observer when the
+first stream opens and removes it when the last one closes, so the engine pays nothing then.
+With keys configured, both need an admin key, sent as a header or as ``?key=`` (a browser
+cannot set headers on a page load or an EventSource; the query string may land in access
+logs, so serve the dashboard on a trusted network).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+
+from kvserve.engine.core_loop import StepReport
+from kvserve.server.disconnect import ClosingStreamingResponse
+from kvserve.server.errors import APIError
+from kvserve.server.state import ServerState
+
+MAX_POINTS = 600  # steps kept for the charts
+MAX_REQUESTS = 40  # requests on the timeline
+
+
+class LiveView:
+    """Step samples and recent request timelines, collected only while someone watches."""
+
+    def __init__(self, engine: Any, max_points: int = MAX_POINTS,
+                 max_requests: int = MAX_REQUESTS) -> None:
+        self.engine = engine
+        self.origin = time.monotonic()
+        self.watchers = 0
+        self.max_requests = max_requests
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[int, list[float]]] = deque(maxlen=max_points)
+        self._requests: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._stats: dict[int, Any] = {}  # the latest stats of each engine (data parallel)
+        self._seq = 0
+
+    def watch(self) -> None:
+        with self._lock:
+            self.watchers += 1
+            if self.watchers == 1:
+                self.engine.observers.append(self.observe)
+
+    def leave(self) -> None:
+        with self._lock:
+            self.watchers -= 1
+            if self.watchers == 0:
+                if self.observe in self.engine.observers:
+                    self.engine.observers.remove(self.observe)
+                self._samples.clear()
+                self._requests.clear()
+                self._stats.clear()
+
+    def observe(self, report: StepReport) -> None:
+        """A step observer (on the engine's thread)."""
+        now = round(report.time + report.seconds - self.origin, 4)
+        with self._lock:
+            self._stats[report.engine] = report.stats
+            if report.num_scheduled_tokens:
+                self._seq += 1
+                self._samples.append((self._seq, self._sample(now)))
+            for event in report.events:
+                self._event(event)
+            for chunk in report.chunks:
+                entry = self._requests.get(chunk.request_id)
+                if entry is not None and chunk.new_token_ids and entry["first_token"] is None:
+                    entry["first_token"] = now
+
+    def _sample(self, now: float) -> list[float]:
+        stats = list(self._stats.values())
+        blocks = sum(s.num_blocks for s in stats)
+        used = sum(s.num_blocks - s.num_free_blocks for s in stats)
+        queries = sum(s.prefix_cache_queries for s in stats)
+        hits = sum(s.prefix_cache_hits for s in stats)
+        return [now, sum(s.num_running for s in stats),
+                sum(s.num_waiting + s.num_swapped for s in stats),
+                round(used / blocks, 4) if blocks else 0.0,
+                sum(s.num_preemptions for s in stats),
+                round(hits / queries, 4) if queries else 0.0]
+
+    def _event(self, event: Any) -> None:
+        kind, at = str(getattr(event.kind, "value", event.kind)), round(
+            event.time - self.origin, 4)
+        requests = self._requests
+        if kind == "arrived":
+            requests[event.request_id] = {"id": event.request_id, "arrival": at,
+                                          "scheduled": None, "first_token": None,
+                                          "finished": None, "preempted": []}
+            while len(requests) > self.max_requests:
+                requests.popitem(last=False)
+            return
+        entry = requests.get(event.request_id)
+        if entry is None:
+            return
+        if kind == "admitted" and entry["scheduled"] is None:
+            entry["scheduled"] = at
+        elif kind == "preempted":
+            entry["preempted"].append([at, None])
+        elif kind == "resumed" and entry["preempted"]:
+            entry["preempted"][-1][1] = at
+        elif kind == "finished":
+            entry["finished"] = at
+
+    def snapshot(self, after: int) -> tuple[int, dict[str, Any]]:
+        """The samples after sequence number ``after``, and every recent request."""
+        with self._lock:
+            samples = [s for seq, s in self._samples if seq > after]
+            requests = [dict(r, preempted=[list(p) for p in r["preempted"]])
+                        for r in self._requests.values()]
+            return self._seq, {"now": round(time.monotonic() - self.origin, 4),
+                               "samples": samples, "requests": requests}
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if not state.keys.enabled:
+        return
+    header = request.headers.get("authorization")
+    key = request.query_params.get("key")
+    if header is None and key:
+        header = f"Bearer {key}"
+    if not state.keys.authenticate(header).admin:
+        raise APIError(403, "the dashboard needs an admin key")
+
+
+def register(app: FastAPI, state: ServerState, interval: float = 0.5) -> LiveView:
+    from kvserve.server.dashboard_page import PAGE
+
+    view = LiveView(state.engine)
+
+    @app.get("/dashboard")
+    async def dashboard(request: Request) -> Response:
+        _authorize(state, request)
+        return HTMLResponse(PAGE.replace("__MODEL__", json.dumps(state.model_name)))
+
+    @app.get("/dashboard/events")
+    async def dashboard_events(request: Request) -> Response:
+        _authorize(state, request)
+        view.watch()  # until the response ends, however it ends (the client left)
+        return ClosingStreamingResponse(_stream(view, interval, request), view.leave,
+                                        media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})
+
+    return view
+
+
+async def _stream(view: LiveView, interval: float, request: Request) -> AsyncIterator[str]:
+    """A snapshot every ``interval`` seconds until the client goes (checked before each one:
+    a write to a closed connection need not fail)."""
+    seen = 0
+    while not await request.is_disconnected():
+        seen, snapshot = view.snapshot(seen)
+        yield f"data: {json.dumps(snapshot, separators=(',', ':'))}\n\n"
+        await asyncio.sleep(interval)

@@ -1,0 +1,179 @@
+"""Issue 18: ``GET /dashboard``, the scheduler live over server-sent events, tested in a real
+headless Chromium from Debian's packages (driven through chromedriver's W3C WebDriver API)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.server.auth import ApiKey
+from kvserve.server.dashboard import LiveView
+
+from .helpers import LiveServer, slow_engine, wait_for
+
+SETTINGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run", "--window-size=1360,1500"]
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.png"
+
+
+class Observed:
+    def __init__(self) -> None:
+        self.observers: list = []
+
+
+def test_nothing_is_collected_while_nobody_watches():
+    engine = Observed()
+    view = LiveView(engine)
+    assert engine.observers == []  # the engine pays nothing
+    view.watch()
+    view.watch()
+    assert engine.observers == [view.observe]
+    view.leave()
+    assert engine.observers == [view.observe]
+    view.leave()
+    assert engine.observers == [] and view.snapshot(0)[1]["samples"] == []
+
+
+def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
+    with httpx.stream("GET", url, headers=headers, timeout=10) as reply:
+        assert reply.status_code == 200, reply.read()
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[6:])
+    raise AssertionError("no event")
+
+
+def test_the_stream_needs_an_admin_key_when_keys_are_configured():
+    keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1")]
+    with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
+        assert httpx.get(live.url + "/dashboard").status_code == 401
+        user = {"Authorization": "Bearer user-key"}
+        assert httpx.get(live.url + "/dashboard", headers=user).status_code == 403
+        assert httpx.get(live.url + "/dashboard/events?key=user-key").status_code == 403
+        page = httpx.get(live.url + "/dashboard?key=admin-key")
+        assert page.status_code == 200 and "<script" in page.text
+        assert "http" not in page.text.split("<script", 1)[1].replace(
+            "http://www.w3.org/2000/svg", "")  # nothing fetched from elsewhere
+        snapshot = first_message(live.url + "/dashboard/events?key=admin-key")
+        assert set(snapshot) == {"now", "samples", "requests"}
+        view = live.app.state.dashboard
+        wait_for(lambda: view.watchers == 0, what="the stream closed")
+        assert view.observe not in live.state.engine.observers
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Browser:
+    """Headless Chromium behind chromedriver, spoken to with plain HTTP (W3C WebDriver)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.profile = tempfile.mkdtemp(prefix="kvserve-chromium-")
+        self.driver = subprocess.Popen([shutil.which("chromedriver") or "chromedriver",
+                                        f"--port={self.port}"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{self.port}"
+        wait_for(self._ready, timeout=30, what="chromedriver")
+        reply = httpx.post(self.base + "/session", timeout=60, json={"capabilities": {
+            "alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
+                "binary": shutil.which("chromium"),
+                "args": [*CHROME_FLAGS, f"--user-data-dir={self.profile}"]}}}})
+        assert reply.status_code == 200, reply.text
+        self.session = f"{self.base}/session/{reply.json()['value']['sessionId']}"
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.base + "/status", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get(self, url: str) -> None:
+        httpx.post(self.session + "/url", json={"url": url}, timeout=60).raise_for_status()
+
+    def run(self, script: str):  # type: ignore[no-untyped-def]
+        reply = httpx.post(self.session + "/execute/sync", timeout=30,
+                           json={"script": script, "args": []})
+        reply.raise_for_status()
+        return reply.json()["value"]
+
+    def screenshot(self) -> bytes:
+        reply = httpx.get(self.session + "/screenshot", timeout=30)
+        reply.raise_for_status()
+        return base64.b64decode(reply.json()["value"])
+
+    def close(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.delete(self.session, timeout=30)
+        self.driver.terminate()
+        self.driver.wait(timeout=10)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+STATE = """return {updates: +document.body.dataset.updates, steps: +document.body.dataset.steps,
+  lines: [...document.querySelectorAll('#queues polyline')].map(p => p.getAttribute('points')),
+  bars: document.querySelectorAll('#timeline g.request rect').length,
+  running: document.getElementById('f-running').textContent};"""
+
+
+@pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                    reason="needs Debian's chromium and chromium-driver (make test installs "
+                           "them)")
+def test_the_dashboard_loads_draws_and_updates_in_a_browser_while_a_load_runs():
+    engine = slow_engine(0.03, num_kv_blocks=48, **SETTINGS)
+    with LiveServer(engine) as live:
+        browser = Browser()
+        try:
+            browser.get(live.url + "/dashboard")
+            wait_for(lambda: browser.run(STATE)["updates"] >= 1, timeout=30, what="loaded")
+            view = live.app.state.dashboard
+            assert view.watchers == 1 and view.observe in live.state.engine.observers
+            before = browser.run(STATE)
+            assert before["steps"] == 0  # nothing ran yet
+            replies: list[int] = []
+
+            def one(index: int) -> None:
+                reply = httpx.post(live.url + "/v1/completions", timeout=120, json={
+                    "prompt": [5 + index] * (40 + 9 * index), "max_tokens": 24,
+                    "ignore_eos": True})
+                replies.append(reply.status_code)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+                time.sleep(0.05)
+            wait_for(lambda: browser.run(STATE)["steps"] >= 5, timeout=60, what="steps drawn")
+            during = browser.run(STATE)
+            assert during["updates"] > before["updates"]
+            assert during["bars"] > 0 and all(during["lines"])
+            if os.environ.get("KVSERVE_DASHBOARD_SCREENSHOT"):
+                SCREENSHOT.write_bytes(browser.screenshot())
+            else:
+                assert browser.screenshot()[:8] == b"\x89PNG\r\n\x1a\n"
+            for thread in threads:
+                thread.join(timeout=120)
+            assert replies == [200] * 8
+            wait_for(lambda: browser.run(STATE)["running"] == "0", timeout=30,
+                     what="the figures to show the engine idle")
+        finally:
+            browser.close()
+        wait_for(lambda: view.watchers == 0, timeout=10, what="the page's stream closed")
+        assert view.observe not in live.state.engine.observers
