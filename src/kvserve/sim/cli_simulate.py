@@ -116,8 +116,8 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     size = recorded.pop("data_parallel_size", 1)
     if getattr(args, "data_parallel_size", 1) == 1 and size > 1:
         args.data_parallel_size = size
-    if args.cost_model is None:
-        args.cost_model = "replay" if not settings else "calibrated"
+    if args.cost_model is None:  # one engine's steps replay; replicas' are fitted
+        args.cost_model = "replay" if not settings and size == 1 else "calibrated"
     return recording, {**recorded, **settings}
 
 
