@@ -256,7 +256,8 @@ class Recorder:
                 self._close_step(engine, None)
             for request_id, pending in list(self._pending.items()):
                 if pending.arrival is not None:
-                    self._write_request(request_id, pending, None, stop)
+                    self._write_request(request_id, pending, None,
+                                        max(stop, pending.arrival))
                 del self._pending[request_id]
             if segments:
                 segments[-1]["stop"] = round(stop, 6)

@@ -1,0 +1,115 @@
+"""The recorder on hand-made step reports (docs/recording.md): lines written, durations,
+cancel times, data-parallel step logs, a cut at stop. No engine, no server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
+from kvserve.engine.core_loop import ABORTED, StepReport
+from kvserve.engine.engine import CompletionChunk, EngineInfo
+from kvserve.server.recorder import Recorder, RecordingError
+from kvserve.sim.executor import BatchView
+from kvserve.sim.recording import load_recording
+
+CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+INFO = EngineInfo(None, 256, "fcfs", 16, 32, True, CONFIG)
+BUSY = Scheduler(CONFIG, CacheConfig(num_blocks=32)).stats()
+BUSY = dataclasses.replace(BUSY, num_running=1)
+IDLE = dataclasses.replace(BUSY, num_running=0)
+SHAPE = BatchView(1, 20, 1, 0, 0, 210)
+
+
+def metrics(n: int) -> RequestMetrics:
+    return RequestMetrics(0.0, 0.0, 0.0, 0.0, 20, n, 0, 0, 0, 0.0)
+
+
+def report(recorder, at, tokens, *, engine=0, chunks=(), arrivals=(), stats=BUSY,
+           seconds=0.1):
+    return StepReport(recorder.origin + at, tokens, seconds, list(chunks), [], stats,
+                      engine=engine, shape=SHAPE if tokens else None,
+                      arrivals=tuple((rid, recorder.origin + t) for rid, t in arrivals))
+
+
+def lines(directory, pattern):
+    return [json.loads(line) for path in sorted(directory.glob(pattern))
+            for line in path.read_text().splitlines()]
+
+
+def test_reports_become_trace_lines_and_step_logs_per_engine(tmp_path):
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids", num_engines=2)
+    recorder.start()
+    params = SamplingParams(max_tokens=8, priority=0, tenant="t")
+    recorder.submitted([("a", list(range(20)), params), ("b", list(range(20)), params),
+                        ("c", list(range(20)), params)])
+    recorder.observe(report(recorder, 1.0, 20, arrivals=[("a", 0.9)]))
+    recorder.observe(report(recorder, 1.5, 20, engine=1, arrivals=[("b", 1.4), ("c", 1.45)]))
+    recorder.observe(report(recorder, 2.0, 1, chunks=[
+        CompletionChunk("a", [2], "", True, "stop", None, metrics(3))], stats=IDLE))
+    recorder.observe(report(recorder, 2.2, 0, engine=1, seconds=0.0, chunks=[
+        CompletionChunk("b", [], "", True, "abort", ABORTED)]))
+    recorder.flush()
+    assert recorder.status()["requests"] == 2
+    recorder.close()  # c is still running: written as cut at the stop
+    trace = {row["request_id"]: row for row in lines(tmp_path / "rec", "trace-*.jsonl")}
+    assert trace["a"] == {"request_id": "a", "arrival_time": 0.9,
+                          "prompt_token_ids": list(range(20)), "output_len": 2,
+                          "max_tokens": 8, "tenant": "t"}  # stopped after 3: 2 + EOS
+    assert trace["b"]["cancel_time"] == 2.2 and trace["b"]["output_len"] == 8
+    assert trace["c"]["output_len"] == 8 and trace["c"]["cancel_time"] >= 1.45
+    steps0 = [r for r in lines(tmp_path / "rec", "steps-0-*.jsonl") if r["type"] == "step"]
+    # step 1 ran to step 2's start; step 2 left the engine idle: its own 0.1 s
+    assert [(s["start"], s["duration"]) for s in steps0] == [(1.0, 1.0), (2.0, 0.1)]
+    assert steps0[0]["shape"] == dataclasses.asdict(SHAPE)
+    steps1 = [r for r in lines(tmp_path / "rec", "steps-1-*.jsonl") if r["type"] == "step"]
+    assert [(s["start"], s["duration"]) for s in steps1] == [(1.5, 0.1)]  # closed at stop
+    manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
+    assert manifest["settings"]["data_parallel_size"] == 2
+    assert manifest["segments"][0]["stop"] is not None
+    recording = load_recording(tmp_path / "rec", warn=pytest.fail)
+    assert set(recording.engines) == {0, 1}
+
+
+def test_nothing_is_queued_while_stopped(tmp_path):
+    recorder = Recorder(tmp_path / "rec", INFO)
+    recorder.submitted([("a", [1] * 20, SamplingParams(max_tokens=4))])
+    recorder.observe(report(recorder, 1.0, 20, arrivals=[("a", 0.5)]))
+    assert recorder._queue.empty() and not recorder._pending
+    recorder.close()
+    assert lines(tmp_path / "rec", "trace-*.jsonl") == []
+
+
+def test_hashes_are_keyed_per_recording(tmp_path):
+    params = SamplingParams(max_tokens=4)
+    written = []
+    for name in ("one", "two"):
+        recorder = Recorder(tmp_path / name, INFO)
+        recorder.start()
+        recorder.submitted([("a", list(range(40)), params), ("b", list(range(40)), params)])
+        done = [CompletionChunk(rid, [1], "", True, "length", None, metrics(4))
+                for rid in ("a", "b")]
+        recorder.observe(report(recorder, 1.0, 40, arrivals=[("a", 0.1), ("b", 0.2)],
+                                chunks=done, stats=IDLE))
+        recorder.close()
+        written.append({r["request_id"]: r["prompt_hashes"]
+                        for r in lines(tmp_path / name, "trace-*.jsonl")})
+    assert written[0]["a"] == written[0]["b"] and len(written[0]["a"]) == 2
+    assert written[0]["a"] != written[1]["a"]  # a guessed prompt cannot be checked
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"prompts": "text"}, "--record-prompts must be one of"),
+    ({"max_file_bytes": 10}, "at least 1KiB"),
+])
+def test_bad_options_are_named(tmp_path, kwargs, needle):
+    with pytest.raises(RecordingError, match=needle):
+        Recorder(tmp_path / "rec", INFO, **kwargs)
+
+
+def test_a_directory_holding_a_recording_is_refused(tmp_path):
+    Recorder(tmp_path / "rec", INFO).close()
+    with pytest.raises(RecordingError, match="already holds a recording"):
+        Recorder(tmp_path / "rec", INFO)
