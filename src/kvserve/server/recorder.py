@@ -337,6 +337,8 @@ class Recorder:
             row["ignore_eos"] = True
         if params.tenant:
             row["tenant"] = params.tenant
+        if params.session_id is not None:
+            row["session_id"] = params.session_id
         self.num_requests += 1
         self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
 

@@ -4,11 +4,13 @@ Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` 
 ``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
 request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
-``ignore_eos``, and ``tenant`` (who sent it: per-tenant queue limits, fair share and the
-tenant-scoped prefix cache, as in ``kvserve serve``). A recorded prompt (``kvserve serve
---record``, docs/recording.md) may come as ``prompt_len`` with ``prompt_hashes``, the chained
-hashes of its full blocks of ``hash_block_size`` tokens: equal hashes stand for equal
-prefixes. Unknown fields are errors: a field that is accepted must be honoured.
+``ignore_eos``, ``tenant`` (who sent it: per-tenant queue limits, fair share and the
+tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` (the multi-turn
+session the request is a turn of, whose KV the scheduler may hold between turns, U1). A
+recorded prompt (``kvserve serve --record``, docs/recording.md) may come as ``prompt_len``
+with ``prompt_hashes``, the chained hashes of its full blocks of ``hash_block_size`` tokens:
+equal hashes stand for equal prefixes. Unknown fields are errors: a field that is accepted
+must be honoured.
 
 Token ids for ``prompt_len`` requests come from :mod:`kvserve.sim.tokens`: positions below
 ``prefix_len`` from the stream of ``prefix_id``, the rest from the stream of ``request_id``.
@@ -55,6 +57,7 @@ class TraceRequest:
     tenant: str = ""
     prompt_hashes: tuple[str, ...] | None = None
     hash_block_size: int = 0
+    session_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,7 +98,7 @@ class TraceRequest:
         """How the request is sampled: EOS is the simulated model's, max_tokens defaults to
         ``default_max_tokens`` (the model length) so that EOS or a length limit stops it."""
         return _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
-                                self.priority, self.tenant)
+                                self.priority, self.tenant, self.session_id)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
@@ -111,7 +114,8 @@ class TraceRequest:
             row["prefix_len"] = self.prefix_len
         row["output_len"] = self.output_len
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
-                              ("cancel_time", None), ("ignore_eos", False), ("tenant", "")):
+                              ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
+                              ("session_id", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -120,16 +124,17 @@ class TraceRequest:
 
 @functools.lru_cache(maxsize=1024, typed=True)
 def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
-                     tenant: str) -> SamplingParams:
+                     tenant: str, session_id: str | None = None) -> SamplingParams:
     # Shared between requests: SamplingParams is frozen, a trace has a handful of distinct
     # ones, and validating a new one costs more than the rest of submitting a request.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                          eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant)
+                          eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant,
+                          session_id=session_id)
 
 
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
-           "ignore_eos", "tenant", "prompt_hashes", "hash_block_size")
+           "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -195,6 +200,9 @@ def parse_request(row: Any) -> TraceRequest:
     tenant = row.get("tenant", "")
     if not isinstance(tenant, str):
         raise ValueError(f"tenant must be a string, got {tenant!r}")
+    session_id = row.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
     return TraceRequest(
         request_id=request_id,
         arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
@@ -211,6 +219,7 @@ def parse_request(row: Any) -> TraceRequest:
         tenant=tenant,
         prompt_hashes=hashes,
         hash_block_size=hash_block_size,
+        session_id=session_id,
     )
 
 
