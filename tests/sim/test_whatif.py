@@ -101,3 +101,29 @@ def test_moved_skips_requests_that_did_not_move(tmp_path):
     result = deployment.simulate(recording.trace, recording.settings, record_events=True)[1]
     run = make_run("x", result)
     assert moved(run, run, 5) == []
+
+
+def test_a_bad_line_inside_a_recording_is_an_error_naming_it(tmp_path):
+    from kvserve.sim.trace import TraceError
+
+    directory = build(tmp_path / "rec")
+    steps = directory / "steps-0-00000.jsonl"
+    rows = steps.read_text().splitlines()
+    rows[2] = rows[2][:10]  # not the last line: not a write cut short
+    steps.write_text("\n".join(rows) + "\n")
+    with pytest.raises(TraceError, match=f"{steps}:3: not valid JSON"):
+        load_recording(directory)
+    (directory / "recording.json").write_text('{"format": "other"}')
+    with pytest.raises(TraceError, match="format must be 'kvserve-recording/1'"):
+        load_recording(directory)
+
+
+def test_a_cut_short_last_line_is_skipped_with_a_warning(tmp_path):
+    directory = build(tmp_path / "rec")
+    trace = directory / "trace-00000.jsonl"
+    trace.write_text(trace.read_text()[:-12])  # b's line, killed mid-write
+    warnings: list[str] = []
+    recording = load_recording(directory, warn=warnings.append)
+    assert [r.request_id for r in recording.trace] == ["a"]
+    assert warnings == [f"{trace}:2: the last line is cut short (the server stopped while "
+                        "writing it); replaying up to the line before"]

@@ -117,7 +117,8 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     if getattr(args, "data_parallel_size", 1) == 1 and size > 1:
         args.data_parallel_size = size
     if args.cost_model is None:  # one engine's steps replay; replicas' are fitted
-        args.cost_model = "replay" if not settings and size == 1 else "calibrated"
+        same = not settings and not args.sweep and size == 1
+        args.cost_model = "replay" if same else "calibrated"
     return recording, {**recorded, **settings}
 
 
