@@ -152,7 +152,7 @@ def test_the_dashboard_loads_draws_and_updates_in_a_browser_while_a_load_runs():
 
             def one(index: int) -> None:
                 reply = httpx.post(live.url + "/v1/completions", timeout=120, json={
-                    "prompt": [5 + index] * (40 + 9 * index), "max_tokens": 24,
+                    "prompt": [7] * 32 + [5 + index] * (20 + 9 * index), "max_tokens": 24,
                     "ignore_eos": True})
                 replies.append(reply.status_code)
 
@@ -160,7 +160,7 @@ def test_the_dashboard_loads_draws_and_updates_in_a_browser_while_a_load_runs():
             for thread in threads:
                 thread.start()
                 time.sleep(0.05)
-            wait_for(lambda: browser.run(STATE)["steps"] >= 5, timeout=60, what="steps drawn")
+            wait_for(lambda: browser.run(STATE)["steps"] >= 40, timeout=90, what="steps drawn")
             during = browser.run(STATE)
             assert during["updates"] > before["updates"]
             assert during["bars"] > 0 and all(during["lines"])
