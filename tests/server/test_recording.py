@@ -228,3 +228,23 @@ def test_an_engine_process_is_recorded_where_arrivals_are_seen(tmp_path):
                        recording.replay_cost_model(), record_events=True).run(recording.trace)
     simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
     assert decisions(simulated) == decisions(recording.engines[0].events)
+
+
+def test_serve_record_builds_the_recorder_with_the_engines_settings(tmp_path):
+    from kvserve.cli import build_parser
+    from kvserve.server.cli_serve import build_state
+
+    args = build_parser().parse_args([
+        "serve", "--record", str(tmp_path / "rec"), "--record-prompts", "ids",
+        "--record-max-file-size", "1MiB", "--load-format", "dummy", "--max-model-len", "256",
+        "--num-kv-blocks", "32", "--max-num-seqs", "3"])
+    state = build_state(args)
+    try:
+        assert state.recorder.prompts == "ids" and state.recorder.max_file_bytes == 1 << 20
+        assert not state.recorder.active  # the app starts it with the engine
+        manifest = json.loads((tmp_path / "rec" / MANIFEST).read_text())
+        assert manifest["settings"]["num_kv_blocks"] == 32
+        assert manifest["settings"]["max_num_seqs"] == 3
+        assert manifest["model"] == "SmolLM2-135M-Instruct"
+    finally:
+        state.recorder.close()
