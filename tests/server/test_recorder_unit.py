@@ -113,3 +113,16 @@ def test_a_directory_holding_a_recording_is_refused(tmp_path):
     Recorder(tmp_path / "rec", INFO).close()
     with pytest.raises(RecordingError, match="already holds a recording"):
         Recorder(tmp_path / "rec", INFO)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["status", "--url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1"),
+    (["stop", "--url", "ftp://x"], "is not an http(s) URL"),
+    (["stop", "--dir", "d"], "--dir is for start only"),
+])
+def test_the_record_command_fails_in_one_line(capsys, argv, needle):
+    from kvserve.cli import main
+
+    assert main(["record", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
