@@ -56,12 +56,13 @@ class LaneModel(Protocol):
 
 
 class _Member:
-    __slots__ = ("end_step", "mark", "order", "request")
+    __slots__ = ("end_step", "mark", "model_mark", "order", "request")
 
     def __init__(self, request: Request, order: int, mark: int, end_step: int) -> None:
         self.request = request
         self.order = order  # join order: running order among members
         self.mark = mark  # the lane step the request's state is current for (before it)
+        self.model_mark = mark  # the same for the model's state of it
         self.end_step = end_step  # the lane step that samples its last token
 
 
@@ -131,7 +132,7 @@ class DecodeLane:
                     grown = grow_slots(request, 1)
                     request.num_computed_tokens = behind
                 else:  # the last block fills: the prefix cache hashes its tokens
-                    grown = grow_slots(self._materialise(member, j), 1)
+                    grown = grow_slots(self._materialise(member, j, whole=False), 1)
                 if grown is None:
                     raise AssertionError(f"decode lane: {request.request_id} found no block "
                                          "after the room check")
@@ -244,8 +245,10 @@ class DecodeLane:
 
     # -- bringing members up to date -----------------------------------------------------
 
-    def _materialise(self, member: _Member, step: int) -> Request:
-        """The member's state as of just before lane step ``step``."""
+    def _materialise(self, member: _Member, step: int, whole: bool = True) -> Request:
+        """The member's state as of just before lane step ``step``: the request's, and
+        unless not ``whole`` (a block to hash needs only the request's tokens) the
+        model's."""
         request = member.request
         count = step - member.mark
         if count > 0:
@@ -253,9 +256,11 @@ class DecodeLane:
             request.num_computed_tokens += count
             if request.num_computed_tokens > request.max_computed_tokens:
                 request.max_computed_tokens = request.num_computed_tokens
-            self.model.advance(request, member.mark, step)
             request.last_token_time = self.ends[step - 1]
             member.mark = step
+        if whole and step > member.model_mark:
+            self.model.advance(request, member.model_mark, step)
+            member.model_mark = step
         return request
 
     def flush(self) -> None:
