@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ab_protocol import shared_bench
 from docs_section import publish
 from sched_ab import ROOT, cpu_description
 
@@ -55,15 +56,6 @@ WORKLOAD = [
 ]
 FIGURES = ("sim_duration_s", "out_tok_s", "req_s", "ttft_p50", "ttft_p99", "tpot_p50",
            "tpot_p99", "e2e_p50", "e2e_p99", "queue_p50", "queue_p99", "preemptions")
-
-
-def find_kit() -> Path:
-    """shared/bench/vidur beside the repository (or beside the worktree's parent)."""
-    for parent in ROOT.parents:
-        kit = parent / "shared" / "bench" / "vidur"
-        if kit.is_dir():
-            return kit
-    raise SystemExit("no shared/bench/vidur found above the repository: give --kit")
 
 
 def kvserve_env() -> dict[str, str]:
@@ -182,8 +174,8 @@ def step_costs(kit: Path, peers: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--kit", type=Path, help="shared/bench/vidur (default: found above "
-                                                  "the repository)")
+    parser.add_argument("--kit", type=Path, help="shared/bench/vidur (default: beside the "
+                                                  "checkout, or $KVSERVE_SHARED_BENCH/vidur)")
     parser.add_argument("--peers-dir", type=Path,
                         default=Path(os.environ.get("TMPDIR", "/tmp")) / "peers")
     parser.add_argument("--warm", action="store_true",
@@ -192,7 +184,9 @@ def main() -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    kit, peers = args.kit or find_kit(), args.peers_dir
+    kit, peers = args.kit or shared_bench() / "vidur", args.peers_dir
+    if not (kit / "run_vidur.sh").exists():
+        raise SystemExit(f"no Vidur kit at {kit}: give --kit or $KVSERVE_SHARED_BENCH")
     if not (peers / "venvs" / "vidur" / "bin" / "python").exists():
         raise SystemExit(f"no Vidur venv at {peers}/venvs/vidur: see this script's docstring")
     work = peers / "vs_vidur"
