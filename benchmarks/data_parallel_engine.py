@@ -16,6 +16,7 @@ warm-up request per replica.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import os
@@ -46,7 +47,6 @@ def conversations(num_requests: int, rate: float, seed: int = 1) -> list[TraceRe
     spec = WorkloadSpec(num_requests=num_requests, rate=rate, turns="uniform:3,6",
                         think_time=1.5, prompt_len="uniform:64,160",
                         output_len="uniform:16,32", ignore_eos=True, seed=seed)
-    import dataclasses
     return [dataclasses.replace(r, prompt_token_ids=tuple(r.synthesise_prompt(SEED)),
                                 prompt_len=None, prefix_id=None, prefix_len=0,
                                 max_tokens=r.output_len)

@@ -351,3 +351,15 @@ def test_streamed_output_is_never_retracted():
         assert matched == "<stop>"
         assert "".join(emitted) == "alpha beta "
         assert checker.check(text, "") == ("", "<stop>")  # finished: nothing more
+
+
+def test_the_tokenizer_pickles_after_rendering_a_chat(tokenizer):
+    """LLM(data_parallel_size=N) sends the tokenizer to each replica process in its engine
+    spec: the compiled chat template is left behind and compiled again there."""
+    import pickle
+
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = tokenizer.encode_chat(messages)
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    assert copy._compiled_template is None and tokenizer._compiled_template is not None
+    assert copy.encode_chat(messages) == ids

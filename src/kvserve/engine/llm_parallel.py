@@ -12,6 +12,7 @@ prompt's token ids.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,8 +29,6 @@ class ReplicatedEngines:
     def __init__(self, model: Any, engine_args: dict[str, Any], tokenizer: Any, *,
                  size: int, backend: str = "mp", router: str = "least-loaded",
                  threads_per_replica: int | None = None) -> None:
-        import functools
-
         from kvserve.core.router import make_router
         from kvserve.engine.data_parallel import (
             DataParallelEngine,

@@ -75,6 +75,12 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the compiled chat template (jinja2's code does not pickle; it is
+        compiled again on first use), so an engine spec can carry the tokenizer to a replica
+        process after it has rendered a chat."""
+        return {**self.__dict__, "_compiled_template": None}
+
     # --- construction --------------------------------------------------------------------------
 
     @classmethod
