@@ -65,6 +65,16 @@ class FreeBlockQueue:
         calls without a call per block (allocation takes dozens of blocks per prompt)."""
         if count > self.num_free:
             raise IndexError(f"{count} blocks asked for, {self.num_free} free")
+        if count == 1:  # a decode crossing into its next block: the usual case
+            block = self._head.next_free
+            assert block is not None
+            following = block.next_free
+            assert following is not None
+            self._head.next_free = following
+            following.prev_free = self._head
+            block.prev_free = block.next_free = None
+            self.num_free -= 1
+            return [block]
         blocks = []
         block = self._head.next_free
         for _ in range(count):

@@ -151,8 +151,10 @@ class DecodeLane:
         block_size = self._block_size
         needed = 0
         if due:
-            needed = sum(1 for m in due
-                         if _current_computed(m, self.step) % block_size == 0)
+            step = self.step
+            for m in due:
+                if (m.request.num_computed_tokens + step - m.mark) % block_size == 0:
+                    needed += 1
         for request in self.scheduler.running[len(self.members):]:
             held = len(kv.req_to_blocks.get(request.request_id, ()))
             total = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -283,6 +285,3 @@ class DecodeLane:
 def _order(member: _Member) -> int:
     return member.order
 
-
-def _current_computed(member: _Member, step: int) -> int:
-    return member.request.num_computed_tokens + step - member.mark

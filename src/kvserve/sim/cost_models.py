@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,17 +78,36 @@ class RooflineCostModel:
     name: str = "roofline"
     kv_dtype: str | None = None  # the KV cache's, when not the weights' (fp8)
 
+    # The terms that do not depend on the batch, computed once (the simulator prices every
+    # step): each is the left part of its expression below, so every float is the same.
+    _terms: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype)
         dtype_bytes(self.kv_dtype or self.dtype)
         if self.tensor_parallel_size < 1:
             raise CostModelError("tensor_parallel_size must be >= 1")
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel_size
+        object.__setattr__(self, "_terms", (
+            2.0 * m.matmul_params_per_token, 2.0 * m.lm_head_params,
+            4.0 * m.num_layers * m.num_heads * m.head_dim,
+            m.num_params * dtype_bytes(self.dtype),
+            m.kv_elements_per_token(tp) * dtype_bytes(self.kv_dtype or self.dtype),
+            hw.flops_for(self.dtype) * hw.compute_efficiency * tp,
+            hw.memory_bandwidth * hw.memory_efficiency * tp))
 
     def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
-        if view.num_tokens == 0:
+        """``max(compute_time, memory_time) + overhead + allreduce_time``, inline."""
+        num_tokens = view.num_tokens
+        if num_tokens == 0:
             return 0.0
-        return (max(self.compute_time(view), self.memory_time(view))
-                + self.hardware.step_overhead_s + self.allreduce_time(view))
+        per_token, per_sampled, per_pair, weights, kv_per_token, peak, bandwidth = \
+            self._terms
+        compute = (per_token * num_tokens + per_sampled * view.num_sampled
+                   + per_pair * view.attention_pairs) / peak
+        memory = (weights + kv_per_token * (view.context_tokens + num_tokens)) / bandwidth
+        return (max(compute, memory) + self.hardware.step_overhead_s
+                + self.allreduce_time(view))
 
     def flops(self, view: BatchView) -> float:
         m = self.model
