@@ -2,9 +2,11 @@
 """W1 / W2 offline, vLLM's CPU build and kvserve alternately (vLLM first), same machine.
 
 vLLM runs from the scratch venv that ../shared/bench/setup_vllm.sh builds (under
-$PEERS_DIR, default /tmp/peers) with ../shared/bench/vllm_env.sh's runtime settings;
-kvserve runs benchmarks/offline_throughput.py. Both exclude model load; vLLM's script
-warms up on two short requests first. The figures follow benchmarks/ab_protocol.py (each
+$PEERS_DIR, default /tmp/peers) with ../shared/bench/vllm_env.sh's runtime settings, in
+benchmarks/vllm_offline_worker.py: one ``vllm.LLM`` per workload, built and warmed up once
+(its start compiles for minutes) and run once per pair; kvserve runs
+benchmarks/offline_throughput.py, a fresh process per run. Both exclude model load.
+The figures follow benchmarks/ab_protocol.py (each
 side's best and median, the ratio of bests, the median of the pair ratios, load and steal
 per run, the roofline fraction); with --write-docs the table for this CPU in
 docs/benchmarks.md is replaced. Run it under the bench lock:
@@ -46,12 +48,37 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def run_vllm(workload: str, requests: int, out: Path) -> dict:
-    subprocess.run([str(PEERS / "venvs/vllm/bin/python"), str(BENCH / "bench_vllm_offline.py"),
-                    "--dtype", "bfloat16", "--n", str(requests), "--json", str(out),
-                    *VLLM_ARGS[workload]], check=True, env=vllm_env(),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+class VllmWorker:
+    """vLLM's LLM for one workload, built once; :meth:`run` runs the workload once."""
+
+    def __init__(self, workload: str, requests: int, log: Path) -> None:
+        self.process = subprocess.Popen(
+            [str(PEERS / "venvs/vllm/bin/python"), str(Path(__file__).with_name(
+                "vllm_offline_worker.py")), str(BENCH), "--n", str(requests),
+             *VLLM_ARGS[workload]], env=vllm_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        self._read()  # {"ready": true} once built and warmed up
+
+    def _read(self) -> dict:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise SystemExit(f"the vLLM worker exited ({self.process.wait()}): see its log")
+
+    def run(self) -> dict:
+        assert self.process.stdin is not None
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
 
 def run_kvserve(workload: str, requests: int, out: Path) -> dict:
@@ -78,8 +105,9 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
     command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
     lines = [f"### Offline throughput against vLLM on {model}", "",
              f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
-             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile) "
-             f"and kvserve (bf16) alternately, vLLM first, model load excluded; the first "
+             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile; "
+             "one LLM built once per workload) and kvserve (bf16, a fresh process per run) "
+             "alternately, vLLM first, model load excluded; the first "
              f"{args.requests} requests of W1. W1 in 2 GiB of KV cache on both sides; W2 in "
              "4,096 KV tokens (vLLM 128 blocks of 32, its CPU attention's smallest; kvserve "
              "256 of 16), max_num_seqs 64. The machine is shared with other jobs: each run's "
@@ -120,19 +148,24 @@ def main() -> int:
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         for workload in args.workload:
-            for pair in range(1, args.pairs + 1):
-                for side, runner in (("vLLM", run_vllm), ("kvserve", run_kvserve)):
-                    out = Path(scratch) / f"{side}-{workload}-{pair}.json"
-                    result, conditions = ab.measured(
-                        lambda runner=runner, out=out, w=workload: runner(w, args.requests,
-                                                                           out))
-                    runs[workload][side].append(result)
-                    rows.append(run_row(workload, pair, side, result, conditions, peaks))
-                    print(rows[-1], flush=True)
-                # each finished pair is published: a run cut short keeps what it measured
-                publish(f"offline_ab:{ab.cpu_slug(model)}",
-                        section(args, model, flags, peaks, runs, rows),
-                        write_docs=args.write_docs)
+            vllm = VllmWorker(workload, args.requests, Path(scratch) / "vllm.log")
+            try:
+                for pair in range(1, args.pairs + 1):
+                    out = Path(scratch) / f"kvserve-{workload}-{pair}.json"
+                    for side, runner in (
+                            ("vLLM", vllm.run),
+                            ("kvserve", lambda out=out, w=workload: run_kvserve(
+                                w, args.requests, out))):
+                        result, conditions = ab.measured(runner)
+                        runs[workload][side].append(result)
+                        rows.append(run_row(workload, pair, side, result, conditions, peaks))
+                        print(rows[-1], flush=True)
+                    # each finished pair is published: a run cut short keeps what it measured
+                    publish(f"offline_ab:{ab.cpu_slug(model)}",
+                            section(args, model, flags, peaks, runs, rows),
+                            write_docs=args.write_docs)
+            finally:
+                vllm.close()
     return 0
 
 

