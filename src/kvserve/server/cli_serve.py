@@ -50,12 +50,12 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
-                       default=False,
+                       default=True,
                        help="run the scheduler and the model in a process of their own, as "
                             "vLLM V1 runs its EngineCore, so HTTP and the engine never share "
-                            "one interpreter lock (default: on a thread of the server's "
-                            "process; on 2 cores the engine process's spinning threads cost "
-                            "2/3 of W3's throughput, docs/benchmarks.md)")
+                            "one interpreter lock; text is made in the server's process "
+                            "(default: on; --no-engine-process steps the engine on a thread "
+                            "of the server's process, docs/engine-process.md)")
     record = parser.add_argument_group("recording (docs/recording.md)")
     record.add_argument("--record", metavar="DIR",
                         help="record what the server sees into DIR (a trace in the "
