@@ -83,6 +83,8 @@ class ServingEngine(Protocol):
     async def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream: ...
     def abort(self, *request_ids: str) -> None: ...
+    async def release_session(self, session_id: str, tenant: str | None) -> None:
+        """End a session (U8); raises SessionNotFound when none of that id is live."""
     def health(self) -> str | None:
         """None when the engine serves at full strength; else what is degraded."""
     def engine_figures(self) -> list[EngineFigures]:
@@ -105,6 +107,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Release:
+    session_id: str
+    tenant: str | None
+    future: concurrent.futures.Future[None]
 
 
 @dataclass
@@ -158,7 +167,8 @@ class AsyncEngine:
         self.info: EngineInfo = engine.info  # what the server may know; never the scheduler
         self.idle_wait = idle_wait
         self.observers: list[Callable[[StepReport], None]] = []
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Release | None] = \
+            queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -235,6 +245,14 @@ class AsyncEngine:
         any thread; unknown ids are ignored."""
         self._commands.put(_Abort(list(request_ids)))
 
+    async def release_session(self, session_id: str, tenant: str | None) -> None:
+        """End a session between steps (U8); SessionNotFound when none is live."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Release(session_id, tenant, future))
+        await asyncio.wrap_future(future)
+
     # -- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -268,6 +286,12 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._apply_add(command)
+            elif isinstance(command, _Release):
+                error = self.core.release_session(command.session_id, command.tenant)
+                if error is None:
+                    command.future.set_result(None)
+                else:
+                    command.future.set_exception(error)
             else:
                 report = self.core.abort(command.request_ids)
                 if report is not None:

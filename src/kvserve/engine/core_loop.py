@@ -21,6 +21,7 @@ from kvserve.core import (
     SchedulerStats,
     check_invariants,
 )
+from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt
 from kvserve.sim.executor import BatchView, batch_view
 
@@ -113,6 +114,15 @@ class EngineCore:
             return None
         self.stats = self.engine.scheduler.stats()
         return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
+
+    def release_session(self, session_id: str, tenant: str | None) -> Exception | None:
+        """End a session (U8): None, or SessionNotFound when none of that id is live."""
+        released = self.engine.scheduler.release_session(session_id, tenant)
+        self.stats = self.engine.scheduler.stats()
+        if released:
+            return None
+        return SessionNotFound(f"no session {session_id!r} is live"
+                               + (" for your tenant" if tenant is not None else ""))
 
     def step(self) -> StepReport:
         start = time.monotonic()

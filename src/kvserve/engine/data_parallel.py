@@ -28,6 +28,7 @@ from typing import Any
 from kvserve.core import SamplingParams, SchedulerStats
 from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
 from kvserve.core.router import NoReplicaError, ReplicaLoad, Router
+from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import (
     EngineDeadError,
     EngineFigures,
@@ -213,6 +214,17 @@ class DataParallelEngine:
             replica = self.replicas[index]
             if replica is not None:
                 replica.abort(*ids)
+
+    async def release_session(self, session_id: str, tenant: str | None) -> None:
+        """End the session on every live replica that has it (U8); SessionNotFound when
+        none has. (Turns are routed by prefix, not by session, so each replica keeps its
+        own.)"""
+        results = await asyncio.gather(*(r.release_session(session_id, tenant)
+                                         for _, r in self._live()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == len(results):
+            raise errors[0] if errors else SessionNotFound(f"no session {session_id!r} "
+                                                           "is live")
 
     # -- failures --------------------------------------------------------------------------
 

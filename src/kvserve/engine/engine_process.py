@@ -135,6 +135,7 @@ class _Out:
 
 _Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", None)
 #                             | ("finish", [(id, stop string)])
+#                             | ("release", (seq, session id, tenant))
 
 
 # -- the engine process ------------------------------------------------------------------------
@@ -179,6 +180,11 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
                 if kind == "add":
                     seq, items = payload
                     out.replies.append((seq, _portable(core.add(items))))
+                    continue
+                if kind == "release":
+                    seq, session_id, tenant = payload
+                    out.replies.append((seq, _portable(core.release_session(session_id,
+                                                                            tenant))))
                     continue
                 report = core.abort(payload) if kind == "abort" else \
                     core.finish_stopped(payload)
@@ -460,6 +466,19 @@ class ProcessEngine:
         """As :meth:`AsyncEngine.abort`: safe from any thread; unknown ids are ignored."""
         if request_ids:
             self._outbox.put(("abort", list(request_ids)))
+
+    async def release_session(self, session_id: str, tenant: str | None) -> None:
+        """As :meth:`AsyncEngine.release_session`; answered like an add."""
+        if not self.is_running:
+            raise EngineDeadError(self._death_message())
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        seq = next(self._seq)
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            self._pending[seq] = (future, [])
+        self._outbox.put(("release", (seq, session_id, tenant)))
+        await asyncio.wrap_future(future)
 
     # -- threads ---------------------------------------------------------------------------
 

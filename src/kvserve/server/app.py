@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI endpoints, health, version, metrics and the operator's abort."""
+"""The FastAPI app: OpenAI endpoints, health, version, metrics, the operator's abort and the
+release of a multi-turn session."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
+from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
@@ -123,6 +125,25 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
                 aborted.append(request_id)
         return JSONResponse({"aborted": aborted,
                              "not_found": [i for i in ids if i not in aborted]})
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> Response:
+        """Release a session's held KV now (U8). With API keys, a tenant's key reaches only
+        its own sessions (another tenant's is 404, as if absent); an admin key, or a server
+        without keys, releases every tenant's session of that id."""
+        key = state.keys.authenticate(request.headers.get("authorization"))
+        tenant = None if key.admin else key.tenant
+        try:
+            await state.engine.release_session(session_id, tenant)
+        except SessionNotFound:
+            if state.scheduler_config.max_session_kv == 0:
+                raise APIError(404, f"session {session_id!r} not found: sessions are off on "
+                                    "this server (--max-session-kv)",
+                               code="session_not_found") from None
+            raise APIError(404, f"session {session_id!r} not found: it ended (its ttl ran "
+                                "out, memory pressure released it, or it was deleted) or "
+                                "never existed", code="session_not_found") from None
+        return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
 
     @app.get("/health")
     async def health() -> Response:

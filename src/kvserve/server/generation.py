@@ -70,6 +70,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
     max_tokens = max_tokens_for(state, req, chat, prompts)
+    if req.session is not None and len(prompts) * req.n != 1:
+        raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
+                          f"n={req.n}; send one prompt with n=1", param="session")
     base = sampling_params(req, chat, max_tokens, priority, tenant)
     request_id = state.new_request_id(request.headers.get("x-request-id"))
     choices, items = [], []

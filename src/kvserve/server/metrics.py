@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
+from kvserve.core.sessions import RELEASE_REASONS
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
@@ -274,6 +275,7 @@ class _StatsCollector(Collector):
                  "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
                  "the engine fell idle.", lambda e: e.invariant_violations)), engines)
         yield from _preemption_families(labels, engines)
+        yield from _session_families(labels, engines)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
                                     "Waiting requests by reason: 'capacity' waits for room "
                                     "to be scheduled; 'deferred' is always 0 here.",
@@ -317,6 +319,29 @@ def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]
     for replica, count in enumerate(figures.num_restarts):
         restarts.add_metric([model_name, str(replica)], count)
     yield restarts
+
+
+def _session_families(labels: list[str], engines: list[_Engine]) -> Iterator[Metric]:
+    """Multi-turn sessions holding KV between turns (docs/scheduler.md, U1-U8)."""
+    yield from _families(GaugeMetricFamily, labels, (
+            ("kvserve:sessions_held", "Sessions holding a finished turn's KV now.",
+             lambda e: e.stats.num_sessions_held),
+            ("kvserve:session_kv_blocks", "KV blocks held by sessions between turns.",
+             lambda e: e.stats.num_session_blocks)), engines)
+    yield from _families(CounterMetricFamily, labels, (
+            ("kvserve:session_hits", "Turns admitted on their session's held KV.",
+             lambda e: e.stats.num_session_hits),
+            ("kvserve:session_hit_tokens", "Prompt tokens of those turns not prefilled again.",
+             lambda e: e.stats.num_session_hit_tokens)), engines)
+    releases = CounterMetricFamily("kvserve:session_releases",
+                                   "Sessions whose held KV was let go, by reason (ttl, "
+                                   "pressure, limit, deleted, aborted).",
+                                   labels=[*labels, "reason"])
+    for engine in engines:
+        for reason in RELEASE_REASONS:
+            releases.add_metric([*engine.labels, reason],
+                                engine.stats.session_releases.get(reason, 0))
+    yield releases
 
 
 def _preemption_families(labels: list[str], engines: list[_Engine]) -> Iterator[Metric]:

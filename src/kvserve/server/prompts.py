@@ -85,6 +85,8 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt")
         if getattr(req, name) is not None}
+    if req.session is not None:
+        given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
     try:
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens,
                               ignore_eos=req.ignore_eos, stop=stop,

@@ -27,6 +27,13 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class SessionRef(_Body):
+    """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    ttl: float | None = Field(default=None, gt=0, le=86400)
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat."""
 
@@ -52,6 +59,7 @@ class _Sampling(_Body):
     # kvserve extensions
     max_queue_delay: float | None = Field(default=None, ge=0, le=86400)
     cache_salt: str | None = None
+    session: SessionRef | None = None
     # OpenAI fields not implemented: accepted only with their neutral value.
     logit_bias: Any = None
     best_of: Any = None

@@ -1,0 +1,113 @@
+"""Multi-turn sessions on the real engine and over HTTP (docs/scheduler.md U1-U8): greedy
+answers are the same with sessions on and off, later turns prefill only their new tokens,
+a turn that does not extend its session is a 400, DELETE /v1/sessions/{id} releases one
+(404 when unknown or another tenant's), and the metrics count it all."""
+
+from __future__ import annotations
+
+import httpx
+
+from kvserve.core import SamplingParams
+from kvserve.engine.llm import LLM
+from kvserve.server.auth import ApiKey
+
+from .helpers import TINY, LiveServer, metric_values, tokenizer, wait_for
+
+NEW = [[(11 * i) % 900 + 20 for i in range(21)], [(5 * i) % 700 + 30 for i in range(9)],
+       [(3 * i) % 500 + 40 for i in range(13)]]  # each turn's new tokens
+
+
+def conversation(llm: LLM, session: str | None) -> list[tuple[list[int], list[int], int]]:
+    """Three greedy turns, each prompt the conversation so far plus new tokens: (prompt,
+    answer, prefix-hit tokens) per turn."""
+    history: list[int] = []
+    turns = []
+    for index, new in enumerate(NEW):
+        prompt = history + new
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                session_id=session)
+        result = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert result.metrics is not None, index
+        turns.append((prompt, result.token_ids, result.metrics.num_cached_tokens))
+        history = prompt + result.token_ids
+    return turns
+
+
+def test_greedy_turns_are_identical_with_sessions_on_and_off():  # U2 U3 L1
+    args = {"tokenizer": tokenizer(), "num_kv_blocks": 64, "max_model_len": 512,
+            "enable_prefix_caching": False}  # off: only the session can save prefill
+    off = conversation(LLM(TINY, **args), None)
+    llm = LLM(TINY, max_session_kv=0.5, **args)
+    on = conversation(llm, "chat-1")
+    assert [answer for _, answer, _ in on] == [answer for _, answer, _ in off]
+    assert [hits for _, _, hits in off] == [0, 0, 0]
+    # turns 2 and 3 start from the held KV: the previous prompt and answer but the answer's
+    # last token, whose KV was never computed
+    assert [hits for _, _, hits in on] == [0, 21 + 6 - 1, 21 + 6 + 9 + 6 - 1]
+    stats = llm.engine.scheduler.stats()
+    assert (stats.num_session_hits, stats.num_sessions_held) == (2, 1)
+
+
+def post(live: LiveServer, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(live.url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def test_http_turns_report_held_tokens_and_refuse_a_broken_history():  # U3 U4 U8
+    reference = conversation(LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=64,
+                                 max_model_len=512), None)
+    with LiveServer(max_model_len=512, num_kv_blocks=64, max_session_kv=0.5) as live:
+        hits, lengths = [], []
+        for prompt, _answer, _ in reference:
+            response = post(live, {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                   "ignore_eos": True, "session": {"id": "c", "ttl": 60}})
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            hits.append(choice["kvserve"]["prefix_hit_tokens"])
+            lengths.append(response.json()["usage"]["completion_tokens"])
+        assert lengths == [6, 6, 6]  # the answers' identity: the engine test above
+        assert hits[1:] == [26, 46]  # turns 2 and 3 prefilled only their new tokens
+        broken = [*reference[2][0][:30], 5, 6, 7]
+        response = post(live, {"prompt": broken, "max_tokens": 2, "session": {"id": "c"}})
+        assert response.status_code == 400
+        assert "does not extend session 'c'" in response.json()["error"]["message"]
+        response = post(live, {"prompt": [1, 2], "n": 2, "session": {"id": "d"}})
+        assert response.status_code == 400 and "one sequence" in response.text
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        labels = (("model_name", "tiny"),)
+        assert values[("kvserve:sessions_held", labels)] == 1
+        assert values[("kvserve:session_kv_blocks", labels)] == -(-(46 + 13 + 6 - 1) // 16)
+        assert values[("kvserve:session_hits_total", labels)] == 2
+        response = httpx.delete(live.url + "/v1/sessions/c", timeout=30)
+        assert response.status_code == 200 and response.json()["deleted"] is True
+        response = httpx.delete(live.url + "/v1/sessions/c", timeout=30)
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "session_not_found"
+        wait_for(live.idle, what="the pool to be all free after the delete")
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert values[("kvserve:session_releases_total", (*labels, ("reason", "deleted")))] == 1
+
+
+def test_sessions_are_per_tenant_and_off_by_default():  # U1 U8
+    keys = [ApiKey("key-a", "A"), ApiKey("key-b", "B"), ApiKey("root", "ops", admin=True)]
+    with LiveServer(keys=keys, max_session_kv=0.5) as live:
+        body = {"prompt": NEW[0], "max_tokens": 2, "session": {"id": "s"}}
+        assert post(live, body, "key-a").status_code == 200
+        assert post(live, body, "key-b").status_code == 200  # B's own "s", not A's
+        gone = httpx.delete(live.url + "/v1/sessions/s", timeout=30,
+                            headers={"Authorization": "Bearer key-b"})
+        assert gone.status_code == 200
+        again = httpx.delete(live.url + "/v1/sessions/s", timeout=30,
+                             headers={"Authorization": "Bearer key-b"})
+        assert again.status_code == 404  # A's is there, but B cannot see it
+        assert live.scheduler.stats().num_sessions_held == 1
+        root = httpx.delete(live.url + "/v1/sessions/s", timeout=30,
+                            headers={"Authorization": "Bearer root"})
+        assert root.status_code == 200 and live.scheduler.stats().num_sessions_held == 0
+    with LiveServer() as live:
+        response = post(live, {"prompt": NEW[0], "max_tokens": 2, "session": {"id": "s"}})
+        assert response.status_code == 400
+        assert "sessions are off" in response.json()["error"]["message"]
+        bad = post(live, {"prompt": NEW[0], "session": {"id": "", "ttl": -1}})
+        assert bad.status_code == 400 and "session" in bad.json()["error"]["param"]
+        assert httpx.delete(live.url + "/v1/sessions/s", timeout=30).status_code == 404
