@@ -108,6 +108,8 @@ class SimResult:
     num_swapped_in_blocks: int = 0
     bytes_per_block: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    # Sessions (docs/scheduler.md, U): their counters when they are on, else empty.
+    sessions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -171,7 +173,7 @@ class RunRecorder:
     def result(self, arrivals: Sequence[Arrival], start: float, end: float,
                steps: StepSeries, stats: SchedulerStats, events: list[SchedulerEvent],
                wall_seconds: float, *, preemption_mode: str = "recompute",
-               bytes_per_block: int = 0) -> SimResult:
+               bytes_per_block: int = 0, sessions_on: bool = False) -> SimResult:
         """The run as the report functions read it, records in ``arrivals``' order;
         ``bytes_per_block`` prices the host tier's copies (0: not priced)."""
         return SimResult(
@@ -186,7 +188,17 @@ class RunRecorder:
             wall_seconds=wall_seconds, preemption_mode=preemption_mode,
             num_swapped_out_blocks=stats.num_swapped_out_blocks,
             num_swapped_in_blocks=stats.num_swapped_in_blocks, bytes_per_block=bytes_per_block,
-            num_preemptions_by_mode=stats.num_preemptions_by_mode)
+            num_preemptions_by_mode=stats.num_preemptions_by_mode,
+            sessions=session_figures(stats) if sessions_on else {})
+
+
+def session_figures(stats: SchedulerStats) -> dict[str, Any]:
+    """What sessions did (U1-U8): turns admitted on held KV, the prompt tokens they did not
+    prefill again, the holds left at the end and the releases by reason."""
+    return {"session_hits": stats.num_session_hits,
+            "session_hit_tokens": stats.num_session_hit_tokens,
+            "sessions_held_at_end": stats.num_sessions_held,
+            "session_releases": dict(sorted(stats.session_releases.items()))}
 
 
 def rows(chunks: Iterable[Any]) -> list[OutputRow]:

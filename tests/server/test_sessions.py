@@ -66,7 +66,7 @@ def test_http_turns_report_held_tokens_and_refuse_a_broken_history():  # U3 U4 U
             hits.append(choice["kvserve"]["prefix_hit_tokens"])
             lengths.append(response.json()["usage"]["completion_tokens"])
         assert lengths == [6, 6, 6]  # the answers' identity: the engine test above
-        assert hits[1:] == [26, 46]  # turns 2 and 3 prefilled only their new tokens
+        assert hits[1:] == [26, 41]  # turns 2 and 3 prefilled only their new tokens
         broken = [*reference[2][0][:30], 5, 6, 7]
         response = post(live, {"prompt": broken, "max_tokens": 2, "session": {"id": "c"}})
         assert response.status_code == 400
@@ -74,9 +74,9 @@ def test_http_turns_report_held_tokens_and_refuse_a_broken_history():  # U3 U4 U
         response = post(live, {"prompt": [1, 2], "n": 2, "session": {"id": "d"}})
         assert response.status_code == 400 and "one sequence" in response.text
         values = metric_values(httpx.get(live.url + "/metrics").text)
-        labels = (("model_name", "tiny"),)
+        labels = (("engine", "0"), ("model_name", "tiny"))
         assert values[("kvserve:sessions_held", labels)] == 1
-        assert values[("kvserve:session_kv_blocks", labels)] == -(-(46 + 13 + 6 - 1) // 16)
+        assert values[("kvserve:session_kv_blocks", labels)] == -(-(55 + 6 - 1) // 16)
         assert values[("kvserve:session_hits_total", labels)] == 2
         response = httpx.delete(live.url + "/v1/sessions/c", timeout=30)
         assert response.status_code == 200 and response.json()["deleted"] is True
@@ -85,7 +85,8 @@ def test_http_turns_report_held_tokens_and_refuse_a_broken_history():  # U3 U4 U
         assert response.json()["error"]["code"] == "session_not_found"
         wait_for(live.idle, what="the pool to be all free after the delete")
         values = metric_values(httpx.get(live.url + "/metrics").text)
-        assert values[("kvserve:session_releases_total", (*labels, ("reason", "deleted")))] == 1
+        deleted = (("engine", "0"), ("model_name", "tiny"), ("reason", "deleted"))
+        assert values[("kvserve:session_releases_total", deleted)] == 1
 
 
 def test_sessions_are_per_tenant_and_off_by_default():  # U1 U8
@@ -111,3 +112,15 @@ def test_sessions_are_per_tenant_and_off_by_default():  # U1 U8
         bad = post(live, {"prompt": NEW[0], "session": {"id": "", "ttl": -1}})
         assert bad.status_code == 400 and "session" in bad.json()["error"]["param"]
         assert httpx.delete(live.url + "/v1/sessions/s", timeout=30).status_code == 404
+
+
+def test_delete_reaches_an_engine_process():  # U8
+    from .helpers import engine_spec
+
+    with LiveServer(spec=engine_spec(max_session_kv=0.5)) as live:
+        body = {"prompt": NEW[0], "max_tokens": 2, "session": {"id": "p"}}
+        assert post(live, body).status_code == 200
+        wait_for(lambda: live.state.engine.stats.num_sessions_held == 1, what="the hold")
+        assert httpx.delete(live.url + "/v1/sessions/p", timeout=30).status_code == 200
+        assert httpx.delete(live.url + "/v1/sessions/p", timeout=30).status_code == 404
+        wait_for(lambda: live.state.engine.stats.num_session_blocks == 0, what="the release")

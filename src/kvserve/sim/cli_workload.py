@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> None:
                           "prompt and answer")
     gen.add_argument("--think-time", type=float, default=5.0,
                      help="mean seconds between turns (exponential)")
+    gen.add_argument("--sessions", action="store_true",
+                     help="multi-turn conversations name their session (session_id "
+                          "conv<N>), for simulate --max-session-kv")
     gen.add_argument("--priorities", default="",
                      help="priority classes and weights, e.g. 0:0.2,1:0.8")
     gen.add_argument("--seed", type=int, default=0)
@@ -58,7 +61,8 @@ def run_gen(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
             prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
             prefix_fraction=args.prefix_fraction, turns=args.turns,
-            think_time=args.think_time, priorities=args.priorities, seed=args.seed)
+            think_time=args.think_time, priorities=args.priorities, seed=args.seed,
+            sessions=args.sessions)
         text = dump_trace(generate(spec))
         if args.output:
             try:

@@ -83,6 +83,7 @@ def aggregate(result: SimResult) -> dict[str, Any]:
         "scheduled_tokens": result.num_scheduled_tokens,
         "recomputed_tokens": result.num_recomputed_tokens,
         **_swap_figures(result),
+        **({"sessions": result.sessions} if result.sessions else {}),
         "wasted_fraction": _round(result.num_recomputed_tokens / result.num_scheduled_tokens
                                   if result.num_scheduled_tokens else 0.0),
         "prompt_tokens": num_prompt,

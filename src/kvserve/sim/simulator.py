@@ -38,7 +38,9 @@ from kvserve.core import (
 from kvserve.core.decode_lane import DecodeLane
 from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
+from kvserve.core.sessions import SessionError
 from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
+from kvserve.sim.conversations import ConversationGate
 from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
@@ -96,6 +98,8 @@ class _Run:
         self.next_arrival = self.next_cancel = 0  # indices of the next due event
         self.held: deque[TraceRequest] = deque()  # arrived, not yet handed over (static)
         self.live: dict[str, Request] = {}
+        self.session_fallbacks = 0  # session turns run as ordinary requests (see _submit)
+        self.conversations = ConversationGate.for_trace(self.arrivals)  # None: no sessions
         self.finished: set[str] = set()  # membership only
         self.steps = StepSeries()
         self.events: list[SchedulerEvent] = []
@@ -167,11 +171,19 @@ class _Run:
 
     def _take_due(self, now: float) -> None:
         """Arrivals and cancellations whose time has come, in time order."""
-        arrivals, cancels = self.arrivals, self.cancels
+        arrivals, cancels, gate = self.arrivals, self.cancels, self.conversations
+        if gate is not None:  # turns whose previous turn just ended arrive now
+            for turn in gate.ready(now):
+                if turn.request_id in self.finished:  # cancelled while it waited
+                    gate.ended(turn.request_id)
+                    continue
+                self.recorder.records[turn.request_id].arrival_time = turn.arrival_time
+                self.held.append(turn)
         while self.next_arrival < len(arrivals) and \
                 arrivals[self.next_arrival].arrival_time <= now:
             arrival = arrivals[self.next_arrival]
-            if arrival.request_id not in self.finished:  # else cancelled before arriving
+            if arrival.request_id not in self.finished and \
+                    (gate is None or gate.admit(arrival)):  # else cancelled, or waits
                 self.held.append(arrival)
             self.next_arrival += 1
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
@@ -211,11 +223,17 @@ class _Run:
             self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
             self._close_preempted_spans(request)  # still running or waiting when the loop gave up
-        return self.recorder.result(
+        result = self.recorder.result(
             self.arrivals, start, end, self.steps, self.scheduler.stats(), self.events,
             time.perf_counter() - wall_start,
             preemption_mode=self.sim.scheduler_config.preemption_mode,
-            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0))
+            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0),
+            sessions_on=self.scheduler.sessions is not None)
+        if result.sessions:
+            result.sessions["session_fallbacks"] = self.session_fallbacks
+            gate = self.conversations
+            result.sessions["turns_deferred"] = gate.num_deferred if gate is not None else 0
+        return result
 
     def _next_event_time(self) -> float | None:
         times = []
@@ -244,14 +262,25 @@ class _Run:
         """Hand one request to the scheduler; False if it refused it."""
         seed = self.sim.seed
         request_id = trace_request.request_id
+        sessions = self.scheduler.sessions is not None  # off: a trace's session ids are moot
         request = Request(
             request_id, trace_request.synthesise_prompt(seed),
-            trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
+            trace_request.sampling_params(self.sim.scheduler_config.max_model_len, sessions),
             arrival_time=trace_request.arrival_time)
         self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
                                trace_request.ignore_eos, trace_request.continuation_key(seed))
         try:
-            self.scheduler.add_request(request)
+            try:
+                self.scheduler.add_request(request)
+            except SessionError:
+                # A turn its session cannot take (its previous turn still runs, as an
+                # open-loop trace allows, or it does not extend it) runs as an ordinary one.
+                self.session_fallbacks += 1
+                request = Request(request_id, request.prompt_token_ids, trace_request
+                                  .sampling_params(self.sim.scheduler_config.max_model_len,
+                                                   False),
+                                  arrival_time=trace_request.arrival_time)
+                self.scheduler.add_request(request)
         except (RequestRejected, QueueFullError) as error:
             self._refuse(request_id, error)
             return False
@@ -262,6 +291,8 @@ class _Run:
         self.executor.forget(request_id)
         self.recorder.refuse(request_id, error)
         self.finished.add(request_id)
+        if self.conversations is not None:
+            self.conversations.ended(request_id)
 
     def _cancel(self, request_id: str, now: float) -> None:
         if request_id in self.finished:
@@ -278,6 +309,8 @@ class _Run:
                 break
         self.recorder.finish(request_id, "abort", "cancelled")
         self.finished.add(request_id)
+        if self.conversations is not None:
+            self.conversations.ended(request_id)
 
     # -- outputs ---------------------------------------------------------------------------
 
@@ -288,6 +321,8 @@ class _Run:
     def _forget(self, request_id: str) -> None:
         """A finished request (its record is written): drop its state here."""
         self.finished.add(request_id)
+        if self.conversations is not None:
+            self.conversations.ended(request_id)
         request = self.live.pop(request_id, None)
         if request is not None:
             self._close_preempted_spans(request)

@@ -5,8 +5,10 @@ Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` 
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
 request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
 ``ignore_eos``, ``tenant`` (who sent it: per-tenant queue limits, fair share and the
-tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` (the multi-turn
-session the request is a turn of, whose KV the scheduler may hold between turns, U1). A
+tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with optional
+``session_ttl`` (s): the multi-turn session the request is a turn of, whose KV the
+scheduler holds between turns when the simulation runs with ``--max-session-kv`` (U1;
+ignored otherwise, but its turns are still sent closed loop, docs/sessions.md). A
 recorded prompt (``kvserve serve --record``, docs/recording.md) may come as ``prompt_len``
 with ``prompt_hashes``, the chained hashes of its full blocks of ``hash_block_size`` tokens:
 equal hashes stand for equal prefixes. Unknown fields are errors: a field that is accepted
@@ -23,6 +25,7 @@ turn's prompt can contain that answer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -58,6 +61,7 @@ class TraceRequest:
     prompt_hashes: tuple[str, ...] | None = None
     hash_block_size: int = 0
     session_id: str | None = None
+    session_ttl: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,11 +98,16 @@ class TraceRequest:
         ids += stream_tokens(own, len(ids), self.prompt_len)
         return ids
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, sessions: bool = False) -> SamplingParams:
         """How the request is sampled: EOS is the simulated model's, max_tokens defaults to
-        ``default_max_tokens`` (the model length) so that EOS or a length limit stops it."""
-        return _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
-                                self.priority, self.tenant, self.session_id)
+        ``default_max_tokens`` (the model length) so that EOS or a length limit stops it;
+        with ``sessions`` (the scheduler holds sessions' KV) the turn names its session."""
+        params = _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
+                                  self.priority, self.tenant)
+        if sessions and self.session_id is not None:
+            return dataclasses.replace(params, session_id=self.session_id,
+                                       session_ttl=self.session_ttl)
+        return params
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {"request_id": self.request_id, "arrival_time": self.arrival_time}
@@ -115,7 +124,7 @@ class TraceRequest:
         row["output_len"] = self.output_len
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
-                              ("session_id", None)):
+                              ("session_id", None), ("session_ttl", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -124,17 +133,17 @@ class TraceRequest:
 
 @functools.lru_cache(maxsize=1024, typed=True)
 def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
-                     tenant: str, session_id: str | None = None) -> SamplingParams:
+                     tenant: str) -> SamplingParams:
     # Shared between requests: SamplingParams is frozen, a trace has a handful of distinct
     # ones, and validating a new one costs more than the rest of submitting a request.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                          eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant,
-                          session_id=session_id)
+                          eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant)
 
 
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
-           "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id")
+           "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
+           "session_ttl")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -203,6 +212,9 @@ def parse_request(row: Any) -> TraceRequest:
     session_id = row.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    session_ttl = _time(row, "session_ttl")
+    if session_ttl is not None and (session_id is None or session_ttl <= 0):
+        raise ValueError("session_ttl must be a number > 0, with a session_id")
     return TraceRequest(
         request_id=request_id,
         arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
@@ -220,6 +232,7 @@ def parse_request(row: Any) -> TraceRequest:
         prompt_hashes=hashes,
         hash_block_size=hash_block_size,
         session_id=session_id,
+        session_ttl=session_ttl,
     )
 
 

@@ -133,6 +133,7 @@ class WorkloadSpec:
     prefix_fraction: float = 1.0  # share of requests that use a group's prefix
     turns: str = "fixed:1"  # turns per conversation
     think_time: float = 5.0  # mean seconds between a turn and the next (exponential)
+    sessions: bool = False  # multi-turn conversations carry session_id "conv<N>" (U1)
     priorities: str = ""  # "0:0.2,1:0.8": class:weight; empty: all priority 0
     seed: int = 0
 
@@ -251,7 +252,8 @@ def _conversation(spec: WorkloadSpec, rng: np.random.Generator, conversation: in
         out.append(TraceRequest(
             request_id=request_id, arrival_time=round(arrival, 6), output_len=output_len,
             prompt_len=prompt_len, prefix_id=prefix_id, prefix_len=prefix_len,
-            max_tokens=spec.max_tokens, priority=priority, ignore_eos=spec.ignore_eos))
+            max_tokens=spec.max_tokens, priority=priority, ignore_eos=spec.ignore_eos,
+            session_id=f"conv{conversation}" if spec.sessions and num_turns > 1 else None))
         history = prompt_len + output_len
         arrival += float(think[turn])
     return out

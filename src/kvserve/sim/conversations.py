@@ -1,0 +1,67 @@
+"""Closed-loop conversation turns in a simulated trace (docs/scheduler.md, U).
+
+A chat client sends its next message only after it has read the answer. A trace turn that
+names a session (``session_id``) is therefore sent no earlier than the previous turn of that
+session (same tenant) finished: one arriving before that waits here and arrives the moment
+the previous turn ends (its ``arrival_time`` moves there, and its TTFT counts from there).
+This holds whether sessions are on or off, so the two runs of one trace compare the same
+client behaviour. Traces without session ids never build a gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+
+from kvserve.sim.trace import TraceRequest
+
+_Key = tuple[str, str]  # (tenant, session id)
+
+
+class ConversationGate:
+    def __init__(self) -> None:
+        self._in_flight: dict[_Key, str] = {}  # session -> request id of its live turn
+        self._turn_key: dict[str, _Key] = {}  # request id of a live turn -> its session
+        self._deferred: dict[_Key, deque[TraceRequest]] = {}
+        self._ready: list[_Key] = []  # sessions whose live turn just ended
+        self.num_deferred = 0
+
+    @staticmethod
+    def for_trace(trace: Sequence[TraceRequest]) -> ConversationGate | None:
+        return ConversationGate() if any(r.session_id is not None for r in trace) else None
+
+    def admit(self, arrival: TraceRequest) -> bool:
+        """True if ``arrival`` may arrive now; False: it waits for its session's live turn."""
+        if arrival.session_id is None:
+            return True
+        key = (arrival.tenant, arrival.session_id)
+        if key in self._in_flight:
+            self._deferred.setdefault(key, deque()).append(arrival)
+            self.num_deferred += 1
+            return False
+        self._in_flight[key] = arrival.request_id
+        self._turn_key[arrival.request_id] = key
+        return True
+
+    def ended(self, request_id: str) -> None:
+        """A turn finished (or was refused or cancelled): its session's next turn may come."""
+        key = self._turn_key.pop(request_id, None)
+        if key is not None:
+            del self._in_flight[key]
+            if key in self._deferred:
+                self._ready.append(key)
+
+    def ready(self, now: float) -> list[TraceRequest]:
+        """Deferred turns that may arrive now, their arrival moved to ``now``."""
+        out = []
+        ready, self._ready = self._ready, []
+        for key in ready:
+            queue = self._deferred[key]
+            turn = queue.popleft()
+            if not queue:
+                del self._deferred[key]
+            turn = dataclasses.replace(turn, arrival_time=max(turn.arrival_time, now))
+            if self.admit(turn):
+                out.append(turn)
+        return out

@@ -1,0 +1,63 @@
+"""Sessions in the simulator (docs/scheduler.md, U): the trace's ``session_id``, turns sent
+only after the previous answer (closed loop), held KV with --max-session-kv, and reports
+unchanged when no session is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.sim.trace import parse_request
+from kvserve.sim.workloads import WorkloadSpec, generate
+
+from .helpers import aggregate, by_id, req, simulate
+
+
+def conversation(turns: int = 3, sessions: bool = True) -> list:
+    spec = WorkloadSpec(num_requests=turns, rate=1.0, turns=f"fixed:{turns}", think_time=0.0,
+                        prompt_len="fixed:40", output_len="fixed:8", sessions=sessions)
+    return generate(spec)
+
+
+def test_trace_session_fields_round_trip_and_are_checked():  # U1
+    row = {"request_id": "a", "arrival_time": 0, "prompt_len": 4, "output_len": 1,
+           "session_id": "s", "session_ttl": 5}
+    request = parse_request(row)
+    assert (request.session_id, request.session_ttl) == ("s", 5.0)
+    assert request.to_json()["session_id"] == "s"
+    assert request.sampling_params(64).session_id is None  # sessions off: not named
+    assert request.sampling_params(64, True).session_ttl == 5.0
+    with pytest.raises(ValueError, match="session_ttl must be a number > 0, with a session_id"):
+        parse_request({**row, "session_id": None})
+    with pytest.raises(ValueError, match="session_id must be a non-empty string"):
+        parse_request({**row, "session_id": ""})
+
+
+def test_the_generator_names_sessions_only_when_asked():
+    assert [r.session_id for r in conversation()] == ["conv0"] * 3
+    assert all("session_id" not in r.to_json() for r in conversation(sessions=False))
+
+
+def test_a_turn_waits_for_the_previous_answer_and_starts_from_held_kv():  # U2 U3 L1
+    trace = conversation()  # think time 0: every turn's trace arrival is t=0
+    off, on = simulate(trace), simulate(trace, max_session_kv=0.5)
+    for result in (off, on):
+        rows = by_id(result)
+        # closed loop: each turn arrives when the previous one finished
+        assert rows["c0-t1"].arrival_time == rows["c0-t0"].metrics.finished_time
+        assert rows["c0-t2"].arrival_time == rows["c0-t1"].metrics.finished_time
+    # same answers; with sessions on the later turns start from the held tokens
+    assert [r.num_output_tokens for r in on.records] == [r.num_output_tokens
+                                                          for r in off.records]
+    hits = [by_id(on)[f"c0-t{t}"].metrics.num_cached_tokens for t in range(3)]
+    lengths = [r.num_prompt_tokens for r in trace]
+    assert hits == [0, lengths[0] + 8, lengths[1] + 8]  # prompt + answer (EOS not computed)
+    report = aggregate(on)
+    assert report["sessions"] == {"session_hits": 2, "session_hit_tokens": sum(hits),
+                                  "sessions_held_at_end": 1, "session_releases": {},
+                                  "session_fallbacks": 0, "turns_deferred": 2}
+    assert "sessions" not in aggregate(off)
+
+
+def test_a_trace_without_sessions_reports_as_before():
+    trace = [req(f"r{i}", 40, 8, i * 0.1) for i in range(6)]
+    assert aggregate(simulate(trace)) == aggregate(simulate(trace, max_session_kv=0.0))
