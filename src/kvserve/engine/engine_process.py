@@ -476,7 +476,7 @@ class ProcessEngine:
         with self._lock:
             if self._failed is not None:
                 raise self._failed
-            self._pending[seq] = (future, [])
+            self._pending[seq] = _PendingAdd(future, [], [])
         self._outbox.put(("release", (seq, session_id, tenant)))
         await asyncio.wrap_future(future)
 
