@@ -188,7 +188,8 @@ def main() -> int:
         f"Measured on {cpu_description()}, Python {platform.python_version()}; load average "
         f"{load_before:.1f} at the start (2 cores shared with other work). Later turns: "
         "turn 2 on; each turn is sent when the previous answer is complete (closed loop). "
-        "'Tokens computed' counts prefill, decode and recomputation.", "",
+        "'Tokens computed' counts prefill, decode and recomputation. The simulator's "
+        "figures are on its virtual clock: the machine's load does not change them.", "",
         f"Simulator, `{sim_command}` ({args.conversations} conversations x {args.turns} "
         f"turns, think time {args.think} s, {sim_blocks} KV blocks of {BLOCK_SIZE}: about "
         "half of the conversations' final length together; smollm2-135m on cpu-local):", "",
