@@ -124,7 +124,8 @@ def test_a_session_id_reaches_the_scheduler():
     """A recorded turn of a session (docs/recording.md) keeps its session (U1)."""
     request = parse_request({"request_id": "t2", "arrival_time": 1.0, "prompt_len": 8,
                              "output_len": 2, "session_id": "chat-1"})
-    assert request.sampling_params(64).session_id == "chat-1"
+    assert request.sampling_params(64, sessions=True).session_id == "chat-1"
+    assert request.sampling_params(64).session_id is None  # sessions off: not named (U1)
     assert parse_request(request.to_json()) == request
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         parse_request({"request_id": "t", "arrival_time": 0, "prompt_len": 8,
