@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.core import RequestError, check_empty, check_invariants
-from kvserve.core.request import EventType
+from kvserve.core.request import EventType, RequestStatus
 from kvserve.core.sessions import SessionError
 from tests.conftest import FakeExecutor, make_request, make_scheduler, step, token_for
 
@@ -381,3 +381,15 @@ def test_random_conversations_leak_nothing_and_get_exact_answers(case):  # U2-U8
         pass
     check_empty(scheduler)
     assert scheduler.stats().num_free_blocks == case["num_blocks"]
+
+
+def test_a_turn_stopped_by_a_stop_string_holds_only_its_prompt():  # U2
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    prompt = prompt_of("t1", 10)
+    scheduler.add_request(turn("t1", prompt, max_tokens=8))
+    step(scheduler, executor, 0.0)
+    step(scheduler, executor, 1.0)  # 2 answer tokens; the server's text matched "###"
+    scheduler.finish_request("t1", RequestStatus.FINISHED_STOPPED, stop_reason="###")
+    held = scheduler.sessions.held[("", "s")]
+    assert held.token_ids == prompt and len(held.blocks) == 3  # 10 tokens: 3 blocks
+    check_invariants(scheduler)
