@@ -156,12 +156,17 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: random weights with the model's shapes (benchmarks)")
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a greedy or seeded request gives the same tokens whatever else "
+                             "runs (batch size, chunking, prefix hits, preemption), at a "
+                             "speed cost (docs/tenants.md); vLLM's VLLM_BATCH_INVARIANT=1")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_engine``'s keyword arguments from the model, scheduler and cache flags; the
     flags left unset are left out, so build_engine's defaults apply."""
     return {"dtype": args.dtype, "load_format": args.load_format, "seed": args.seed,
+            **({"batch_invariant": True} if getattr(args, "batch_invariant", False) else {}),
             **settings_from_args(args)}
 
 

@@ -51,7 +51,7 @@ class GenerationResult:
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
-               load_format: str = "auto", seed: int = 0
+               load_format: str = "auto", seed: int = 0, batch_invariant: bool = False
                ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """The network with its weights, and the tokenizer.
 
@@ -72,7 +72,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     else:
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = load_tokenizer(model)
-    network = LlamaForCausalLM.from_weights(config, weights)
+    network = LlamaForCausalLM.from_weights(config, weights, batch_invariant)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
     _return_freed_heap()
@@ -97,7 +97,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  swap_space: int | None = None, num_host_blocks: int | None = None,
                  preemption_prices: Any | None = None,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
-                 tokenizer: Tokenizer | None = None, **scheduler_settings: Any) -> Engine:
+                 tokenizer: Tokenizer | None = None, batch_invariant: bool = False,
+                 **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
     ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
@@ -111,6 +112,11 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``swap_space`` bytes hold (``--swap-space``). Under ``preemption_mode="auto"`` the
     scheduler prices each victim with ``preemption_prices``, by default measured here once
     (:mod:`kvserve.engine.preemption_prices`).
+
+    ``batch_invariant`` (``--batch-invariant``, docs/tenants.md): kernels whose reduction
+    order does not depend on the batch, chunking or prefix-cache hits, and a sampler that
+    takes each row alone, so a greedy or seeded request's tokens do not depend on other
+    traffic. Needs the C++ kernels and float32 or bfloat16; refused otherwise.
     """
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
@@ -121,7 +127,12 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                        paged_kernel.unavailable_reason())
     for line in boot_lines(kernel_report(), torch_dtype):  # CPU, ISA, kernel per op
         logger.info("%s", line)
-    network, own_tokenizer = load_model(model, torch_dtype, load_format, seed)
+    if batch_invariant:
+        check_batch_invariant(torch_dtype)
+        logger.info("batch-invariant: projections by invariant_linear, attention per query "
+                    "row in whole KV tiles, sampling per request")
+    network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
+                                        batch_invariant)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
     if num_kv_blocks is None:
@@ -137,8 +148,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                                num_host_blocks=num_host_blocks)
     kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
     host = HostKVCache(kv_caches, num_host_blocks) if num_host_blocks else None
-    runner = ModelRunner(network, kv_caches, block_size, sampler=Sampler(seed),
-                         host_kv_cache=host)
+    runner = ModelRunner(network, kv_caches, block_size,
+                         sampler=Sampler(seed, batch_invariant), host_kv_cache=host)
     if preemption_prices is None and host is not None and \
             scheduler_config.preemption_mode == "auto":
         from kvserve.engine.preemption_prices import measure_prices
@@ -147,6 +158,17 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+def check_batch_invariant(dtype: torch.dtype) -> None:
+    """Raise ValueError, naming why, where --batch-invariant cannot hold."""
+    if dtype not in paged_kernel.DTYPES:
+        raise ValueError(f"--batch-invariant supports float32 and bfloat16, not "
+                         f"{str(dtype).removeprefix('torch.')}; pass --dtype float32 or "
+                         "bfloat16")
+    if not paged_kernel.available():
+        raise ValueError("--batch-invariant needs kvserve's C++ kernels, which are "
+                         f"unavailable: {paged_kernel.unavailable_reason()}")
 
 
 class LLM:

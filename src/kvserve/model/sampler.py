@@ -4,11 +4,14 @@ logprobs.
 Order per row: repetition, frequency and presence penalties -> temperature (0: greedy) ->
 top-k -> top-p -> min-p -> draw. A seeded request draws from a generator seeded by
 (seed, output position), so the *draw* does not depend on batching or preemption: given the
-same logits, it picks the same token. The logits themselves are not batch-invariant in
-bfloat16 (docs/tenants.md, "What varies with batching"): the model's reductions run in an
-order that depends on the batch's shape, chunking and prefix-cache hits, so a greedy or
-seeded request can give different text alone, in a batch, or after a hit. In float32 the
-differences are far below the gaps between logits and the text has matched in every check.
+same logits, it picks the same token. By default the logits themselves are not
+batch-invariant (docs/tenants.md, "What varies with batching"): the projections' reductions
+run in an order that depends on the batch's shape, so a greedy or seeded request can give
+different text alone, in a batch, or after a prefix-cache hit, in bfloat16 far more often
+than in float32. With ``--batch-invariant`` the model's kernels reduce in a fixed order and
+this sampler handles each row on its own (``batch_invariant=True``), so a greedy or seeded
+request's tokens do not depend on the rest of the batch; an unseeded one still draws from
+the sampler's shared generator, in batch order.
 Logprobs are those of the model's own distribution (raw logits), like vLLM's default.
 """
 
@@ -58,10 +61,20 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, batch_invariant: bool = False) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if self.batch_invariant and len(rows) > 1:  # each row alone: [1, vocab] ops only
+            outputs = [self._rows(logits[i:i + 1], rows[i:i + 1]) for i in range(len(rows))]
+            wanted = any(out.logprobs is not None for out in outputs)
+            return SamplerOutput([out.token_ids[0] for out in outputs], [
+                out.logprobs[0] if out.logprobs is not None else {} for out in outputs
+            ] if wanted else None)
+        return self._rows(logits, rows)
+
+    def _rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits
         if any(row.has_penalties for row in rows):
             logits = logits.clone()

@@ -28,6 +28,7 @@
 
 #include "attention_tile.h"
 #include "fast_math.h"
+#include "invariant_linear.h"
 #include "layer_ops.h"
 
 #include <algorithm>
@@ -481,6 +482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
   register_layer_ops(m);
+  register_invariant_linear(m);
   m.def("compiled_isa", &compiled_isa,
         "The instruction sets the kernels were compiled for: avx2, avx512f, avx512_bf16");
 }
