@@ -12,6 +12,8 @@ its other OpenMP threads run alongside included.
 
     pip install py-spy   # (the `profile` extra; not needed by kvserve itself)
     flock /tmp/kvserve-bench.lock python benchmarks/profile_online.py --n 100 --write-docs
+    python benchmarks/profile_online.py --raw FILE   # the table of a py-spy raw profile
+                                                     # taken otherwise (record --pid ...)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ BUCKETS = [
     ("HTTP, SSE, JSON (event loop)", r"uvicorn|starlette|kvserve/server/|asyncio|h11|"
                                      r"json/|httptools"),
 ]
-IDLE = re.compile(r"\b(wait|select|poll|get|acquire|sleep|recv_bytes|_recv|read) \(")
+IDLE = re.compile(r"\b(wait|select|poll|get|acquire|sleep|recv_bytes|_recv|read|_worker) \(")
 
 
 def parse(path: Path) -> dict[str, collections.Counter]:
@@ -92,9 +94,14 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=100, help="W3 requests (first n)")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    parser.add_argument("--raw", type=Path, help="only print the table of this py-spy raw "
+                        "profile (py-spy record --idle --threads --format raw)")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
     args = parser.parse_args()
+    if args.raw is not None:
+        print("\n".join(table(parse(args.raw))))
+        return 0
     if not shutil.which(args.py_spy):
         print("py-spy not found: pip install py-spy (or --py-spy PATH)", file=sys.stderr)
         return 2

@@ -66,3 +66,22 @@ def test_measured_records_load_and_steal():
     assert result == {"x": 1}
     assert conditions.load_before >= 0 and 0 <= conditions.steal_pct <= 100
     assert str(ab.Conditions(1.25, 0.5)) == "1.2 / 0.5%"
+
+
+def test_profile_buckets_py_spy_samples_by_their_innermost_named_frame(tmp_path):
+    import profile_online
+
+    raw = tmp_path / "raw.txt"
+    engine = "thread (7): kvserve-engine;Thread.run (threading.py:982);step (kvserve/engine/"
+    raw.write_text("\n".join([
+        f"{engine}engine.py:1);execute (kvserve/model/runner.py:5);Linear.forward "
+        "(kvserve/model/llama.py:60) 6",
+        f"{engine}engine.py:1);paged_attention (kvserve/model/attention.py:72) 3",
+        f"{engine}engine.py:1);schedule (kvserve/core/scheduler.py:250) 1",
+        "thread (8): MainThread;run (asyncio/base_events.py:1);select (selectors.py:468) 9",
+        "thread (8): MainThread;run (asyncio/base_events.py:1);dumps (json/__init__.py:2) 1"]))
+    threads = profile_online.parse(raw)
+    assert threads["kvserve-engine"] == {"projections": 6, "attention": 3, "scheduler": 1}
+    assert threads["MainThread"] == {"waiting": 9, "HTTP, SSE, JSON (event loop)": 1}
+    assert profile_online.table(threads)[2] == \
+        "| kvserve-engine | 10 | projections 60%, attention 30%, scheduler 10% |"
