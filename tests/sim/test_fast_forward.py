@@ -130,3 +130,23 @@ def test_the_lane_carries_most_decode_steps_of_a_busy_run() -> None:
     assert lane_steps.count(60) == 198
     assert all(r.num_output_tokens == 201 and r.finish_reason == "stop"
                for r in result.records)
+
+
+def test_conversations_with_and_without_sessions_are_the_same_with_the_lane(tmp_path) -> None:
+    """Multi-turn conversations (a turn arrives when the previous one ends): with sessions
+    off the lane runs and the turns' arrivals follow the same finishes; with sessions
+    holding KV (U2) the lane stays off. Either way the run is the one stepping gives."""
+    from kvserve.cli import main
+    from kvserve.sim.trace import read_trace
+
+    path = tmp_path / "conv.jsonl"
+    assert main(["workload", "gen", "-n", "120", "--rate", "4", "--turns", "uniform:1,4",
+                 "--think-time", "0.5", "--sessions", "--prompt-len", "uniform:50,400",
+                 "--output-len", "uniform:10,120", "--seed", "3", "-o", str(path)]) == 0
+    trace = read_trace(str(path))
+    assert any(r.session_id is not None for r in trace)
+    for extra in ({}, {"max_session_kv": 0.3}):
+        run_settings = {"num_kv_blocks": 400, "enable_prefix_caching": True, **extra}
+        runs = [fingerprint(*DEPLOYMENT.simulate(trace, run_settings, fast_forward=on))
+                for on in (False, True)]
+        assert runs[0] == runs[1]
