@@ -393,3 +393,11 @@ def test_a_turn_stopped_by_a_stop_string_holds_only_its_prompt():  # U2
     held = scheduler.sessions.held[("", "s")]
     assert held.token_ids == prompt and len(held.blocks) == 3  # 10 tokens: 3 blocks
     check_invariants(scheduler)
+
+
+def test_a_waiting_held_turn_counts_as_waiting():  # L1
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn(scheduler, executor)
+    scheduler.add_request(turn("t2", [*history, 1], tenant=""))
+    stats = scheduler.stats()
+    assert (stats.num_waiting, stats.num_waiting_by_tenant) == (1, {"": 1})

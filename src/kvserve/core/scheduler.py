@@ -846,6 +846,13 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
+    def _waiting_by_tenant(self) -> dict[str, int]:
+        counts = dict(self.waiting.num_by_tenant)
+        for request in self.held_waiting:  # L1: session turns wait too
+            tenant = request.sampling_params.tenant
+            counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
     def stats(self) -> core_outputs.SchedulerStats:
         return core_outputs.SchedulerStats(
             num_running=len(self.running),
@@ -868,6 +875,6 @@ class Scheduler:
             num_swapped_out_blocks=self.kv.num_swapped_out_blocks,
             num_swapped_in_blocks=self.kv.num_swapped_in_blocks,
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
-            num_waiting_by_tenant=dict(self.waiting.num_by_tenant),
+            num_waiting_by_tenant=self._waiting_by_tenant(),
             **(self.sessions.stats() if self.sessions is not None else {}),
         )
