@@ -198,19 +198,23 @@ def _cut(recording: Recording, note: Warn) -> None:
                   if e.get("kind") == "arrived" and e.get("request_id") not in known)
     ends = [log.end for log in recording.engines.values() if log.steps]
     cut = max(ends) if ends else None
+    finished_events = [e for e in events if e.get("kind") == "finished"]
     if lost:
         note(f"{recording.path}: {len(lost)} request(s) arrived with no trace line (in flight "
              f"when the writing stopped), the first {lost[0][1]!r} at {lost[0][0]:.3f} s; "
              "replaying up to then")
-        cut = lost[0][0] if cut is None else min(cut, lost[0][0])
+        if cut is None or lost[0][0] < cut:
+            cut = lost[0][0]
+            finished_events = [e for e in finished_events if e.get("time", cut) <= cut]
     segments = recording.manifest.get("segments") or []
     if any(s.get("in_flight_at_start") for s in segments):
         recording.inexact = ("a segment began with requests in flight, whose steps are in "
                              "the log but not their requests")
     if cut is None:
         return
-    finished = {e["request_id"] for e in events
-                if e.get("kind") == "finished" and e.get("time", cut) <= cut}
+    # At the log's end every logged finish counts: a finish is stamped by the engine's clock
+    # a little after the step's own end, which the cut is.
+    finished = {e["request_id"] for e in finished_events}
     trace = []
     for request in recording.trace:
         if request.arrival_time >= cut:
