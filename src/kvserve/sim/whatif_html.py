@@ -11,6 +11,8 @@ from kvserve.sim.html import _page
 from kvserve.sim.report import request_latencies
 from kvserve.sim.whatif import ROWS, Run, figure
 
+WIDTH = 760  # room for four runs' legends beside a chart's title
+
 
 def render_whatif(title: str, runs: Sequence[Run],
                   movers: dict[str, list[dict[str, Any]]]) -> str:
@@ -27,14 +29,15 @@ def render_whatif(title: str, runs: Sequence[Run],
             lines.append((run.label, xs, [100 * y for y in ys] if key == "kv_usage" else ys))
         body.append(svg.line_chart(name, lines, "time (s)",
                                    "% of blocks" if key == "kv_usage" else "requests",
-                                   step=True, y_max=100 if key == "kv_usage" else None))
+                                   step=True, y_max=100 if key == "kv_usage" else None,
+                                   width=WIDTH))
     latency = []
     for run in runs:
         points = sorted((r.arrival_time, request_latencies(r)["e2e"])
                         for r in run.result.records if request_latencies(r)["e2e"] is not None)
         latency.append((run.label, [p[0] for p in points], [p[1] for p in points]))
-    body.append(svg.line_chart("End-to-end latency by arrival", latency, "arrival (s)",
-                               "seconds", markers=True))
+    body.append(svg.line_chart("E2E by arrival", latency, "arrival (s)", "seconds",
+                               markers=True, width=WIDTH))
     body.append("</div>")
     for label, rows in movers.items():
         body.append(f"<h2>Requests that moved most: {escape(label)}</h2>")
