@@ -198,7 +198,8 @@ def main() -> int:
     if not args.skip_engine:
         engine_rows, same, engine_blocks = engine_runs(args)
         rows["engine"] = engine_rows
-        section += ["", f"Engine, `python benchmarks/sessions.py` (the bundled model, greedy, "
+        command = " ".join(["python benchmarks/sessions.py", *sys.argv[1:]])
+        section += ["", f"Engine, `{command}` (the bundled model, greedy, "
                     f"{args.engine_conversations} conversations x {args.engine_turns} turns, "
                     f"100-299 new tokens and {args.engine_output}-token answers per turn, "
                     f"think time {args.engine_think} s, {engine_blocks} KV blocks; answers "
