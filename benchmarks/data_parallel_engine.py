@@ -166,7 +166,8 @@ def engine_study(num_requests: int, rate: float, rounds: int,
         "request on average), 16-32 tokens out (greedy, ignore_eos); the bundled "
         "SmolLM2-135M in bf16, each replica an engine process with a 1 GiB KV pool and "
         f"OMP_WAIT_POLICY={wait_policy}, other flags at their defaults. Each configuration "
-        f"ran {rounds} time(s), alternated; the median run by TTFT p50 is shown. TTFT and "
+        f"ran {rounds} time(s), alternated; the run ranked rounds // 2 by TTFT p50 is shown "
+        "(of two, the slower). TTFT and "
         "E2E are measured in the calling process (the replica's pipe included); the prefix "
         "hit rate is the replicas' own counters.",
         "",
