@@ -124,7 +124,10 @@ def test_two_local_replicas_serve_and_survive_a_killed_one():
     with LiveServer(serving=engine) as live:
         check_both_replicas_serve(live)
         check_a_killed_replica_is_survived(live, kill_process)
-    assert not any(r.launcher.alive() for r in engine.replicas)
+    # stop() killed what did not exit within its join; under load the kernel may still be
+    # reaping it when stop() returns, so poll rather than look once
+    wait_for(lambda: not any(r.launcher.alive() for r in engine.replicas), timeout=60,
+             what="every replica process gone after stop")
 
 
 def test_two_ray_replicas_serve_and_survive_a_crashed_actor(monkeypatch):
