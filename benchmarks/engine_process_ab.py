@@ -68,14 +68,15 @@ def serve(port: int, flags: list[str], log: Path) -> subprocess.Popen:
     raise SystemExit("kvserve serve did not come up in 600 s")
 
 
-def run(side: str, trace: Path, dtype: str, extra: list[str]) -> dict:
-    port = free_port()
-    load = os.getloadavg()[0]
-    server = serve(port, ["--dtype", dtype, "--log-stats-interval", "0", *SIDES[side], *extra],
-                   OUT / f"engine_process_ab_{side}.log")
+def serve_and_bench(name: str, flags: list[str], trace: Path) -> dict:
+    """Start a fresh `kvserve serve` with ``flags``, send ``trace`` through `kvserve bench
+    serve`, stop the server; the result carries the load average before the run. Logs and
+    JSON go to out/NAME.log and out/NAME.json."""
+    port, load = free_port(), os.getloadavg()[0]
+    server = serve(port, flags, OUT / f"{name}.log")
     try:
         result = bench(f"http://127.0.0.1:{port}", ["--trace", str(trace), "--no-progress"],
-                       OUT / f"engine_process_ab_{side}.json")
+                       OUT / f"{name}.json")
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -86,9 +87,15 @@ def run(side: str, trace: Path, dtype: str, extra: list[str]) -> dict:
     return result
 
 
+def run(side: str, trace: Path, dtype: str, extra: list[str]) -> dict:
+    flags = ["--dtype", dtype, "--log-stats-interval", "0", *SIDES[side], *extra]
+    return serve_and_bench(f"engine_process_ab_{side}", flags, trace)
+
+
 def row(side: str, index: int, r: dict) -> str:
+    """One table row: pair, side, output tok/s, duration, TTFT and ITL p50/p99, outcome, load."""
     t, i = r["ttft"], r["itl"]
-    return (f"| {index} | {side} | {r['output_throughput']:.0f} | {r['duration_s']:.1f} | "
+    return (f"| {index} | {side} | {r['output_throughput']:.1f} | {r['duration_s']:.1f} | "
             f"{t['p50_ms'] / 1000:.2f} / {t['p99_ms'] / 1000:.2f} | "
             f"{i['p50_ms']:.0f} / {i['p99_ms']:.0f} | {r['completed']} / {r['failed']} | "
             f"{r['load_before']:.1f} |")

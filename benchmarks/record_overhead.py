@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_process_ab import cpu, serve
-from online_load import OUT, bench, free_port, w3_trace
+from engine_process_ab import cpu, row, serve_and_bench
+from online_load import OUT, w3_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- record_overhead:begin -->", "<!-- record_overhead:end -->"
@@ -39,27 +37,7 @@ def run(side: str, trace: Path, dtype: str, extra: list[str]) -> dict:
     if side == "record":
         shutil.rmtree(RECORDING, ignore_errors=True)
         flags += ["--record", str(RECORDING)]
-    port, load = free_port(), os.getloadavg()[0]
-    server = serve(port, flags, OUT / f"record_overhead_{side}.log")
-    try:
-        result = bench(f"http://127.0.0.1:{port}", ["--trace", str(trace), "--no-progress"],
-                       OUT / f"record_overhead_{side}.json")
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    result["load_before"] = load
-    return result
-
-
-def row(side: str, index: int, r: dict) -> str:
-    t, i = r["ttft"], r["itl"]
-    return (f"| {index} | {side} | {r['output_throughput']:.1f} | {r['duration_s']:.1f} | "
-            f"{t['p50_ms'] / 1000:.2f} / {t['p99_ms'] / 1000:.2f} | "
-            f"{i['p50_ms']:.0f} / {i['p99_ms']:.0f} | {r['completed']} / {r['failed']} | "
-            f"{r['load_before']:.1f} |")
+    return serve_and_bench(f"record_overhead_{side}", flags, trace)
 
 
 def main() -> int:
