@@ -15,44 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
 from docs_section import publish
 from fidelity import DOCS, TITLE
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_flops(dtype: torch.dtype, sizes: tuple[int, ...] = (512, 1024, 2048)) -> float:
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        seconds = median_seconds(lambda a=a, b=b, out=out: torch.matmul(a, b, out=out),
-                                 repeats=max(5, int(2e10 / n ** 3)))
-        best = max(best, 2 * n ** 3 / seconds)
-    return best
-
-
-def copy_bandwidth(num_bytes: int = 512 << 20) -> float:
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), repeats=10)
-    return 2 * num_bytes / seconds
+from kvserve.engine.machine_peaks import copy_bandwidth, matmul_flops
 
 
 def main() -> int:

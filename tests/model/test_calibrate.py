@@ -13,6 +13,7 @@ from kvserve.engine.llm import build_engine
 from kvserve.model.config import ModelConfig
 from kvserve.sim.cost_models import CalibratedCostModel
 from kvserve.sim.layout import BlockLayout
+from kvserve.sim.machine import cpu_identity
 from kvserve.sim.trace import TraceRequest
 
 TINY = ModelConfig(name="tiny", vocab_size=2048, hidden_size=32, intermediate_size=64,
@@ -68,6 +69,8 @@ def test_calibration_on_a_real_runner_writes_a_usable_model(tmp_path):
     assert data["meta"]["model"] == "tiny" and len(data["samples"]) == len(shapes)
     assert {sample["scattered"] for sample in data["samples"]} == {True, False}
     assert {"mean_abs_error", "r2", "machine", "torch"} <= set(data["meta"])
+    # the CPU it ran on, which the simulator checks a run's CPU against (issue 15)
+    assert data["meta"]["cpu"] == cpu_identity()
     loaded = CalibratedCostModel.load(path)
     assert loaded.coefficients == model.coefficients
     calibrate.plot(tmp_path / "fit.svg", shapes, seconds, model)

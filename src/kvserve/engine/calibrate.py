@@ -36,6 +36,7 @@ from kvserve.model.runner import ModelRunner
 from kvserve.sim.calibration import fit
 from kvserve.sim.cost_models import CALIBRATED_FORMAT, CalibratedCostModel
 from kvserve.sim.executor import BatchView
+from kvserve.sim.machine import cpu_identity
 from kvserve.sim.trace import TraceRequest
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -215,14 +216,15 @@ def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],
 
 def _model_file(model: CalibratedCostModel, meta: dict[str, Any],
                 samples: list[dict[str, Any]] | None = None) -> str:
-    """The cost-model JSON: the model, what made it (``meta``, plus this machine), and the
-    grid's samples when there are any."""
+    """The cost-model JSON: the model, what made it (``meta``, plus this machine: its CPU
+    model and ISA extensions in ``meta.cpu``, which the simulator checks against the CPU it
+    runs on), and the grid's samples when there are any."""
     data: dict[str, Any] = {
         "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
         "min_tokens": model.min_tokens, "source": model.source,
         "meta": {**meta, "machine": platform.machine(), "processor": platform.processor(),
                  "python": platform.python_version(), "torch": torch.__version__,
-                 "threads": torch.get_num_threads()}}
+                 "threads": torch.get_num_threads(), "cpu": cpu_identity()}}
     if samples is not None:
         data["samples"] = samples
     return json.dumps(data, indent=1) + "\n"

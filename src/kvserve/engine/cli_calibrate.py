@@ -9,6 +9,7 @@ from typing import Any
 
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
 from kvserve.flags import CLIError, add_command, add_model_flags, engine_args, parse_bytes
+from kvserve.sim.machine import cpu_identity, describe_cpu
 
 SUMMARY = "measure step times on this machine and fit a cost model"
 DESCRIPTION = ("Run the engine over a grid of step shapes (prefill chunks, decode "
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
           f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
           f"R^2 {quality['r2']:.3f}")
+    print(f"  measured on {describe_cpu(cpu_identity())}")
     width = max(map(len, model.coefficients))
     for term, value in model.coefficients.items():
         print(f"  {term:{width}s} {value:.3e} s")
@@ -116,4 +118,5 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
     print(f"wrote {args.output}: fitted on the {seen['num_steps']} steps run in service; "
           f"mean error {100 * seen['mean_abs_error']:.1f}%, "
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
+    print(f"  measured on {describe_cpu(cpu_identity())}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,9 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
     group.add_argument("--model", default="llama-3.1-8b",
                        help=f"model preset: {', '.join(MODELS)} (default llama-3.1-8b)")
     group.add_argument("--hardware", default="h100-sxm",
-                       help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm)")
+                       help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm; "
+                            "cpu-local: this machine's matmul rate and bandwidth, measured "
+                            "once per CPU and cached)")
     group.add_argument("--dtype", default="auto",
                        help=f"weights and activations: {', '.join(WEIGHT_DTYPES)} (default "
                             "auto: the presets' own, bfloat16)")
@@ -77,15 +80,23 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.deployment import Deployment
+    from kvserve.sim.machine import calibration_cpu_warning, local_hardware
     from kvserve.sim.presets import weights_dtype
 
-    return Deployment(model=args.model, hardware=args.hardware,
+    calibration = getattr(args, "calibration", None)
+    warning = calibration_cpu_warning(calibration) if calibration else None
+    if warning:
+        print(warning, file=sys.stderr)
+    # cpu-local is this machine: its peaks measured (once per CPU, then cached), not the
+    # figures of the machine the preset was written on.
+    measured = local_hardware() if args.hardware == "cpu-local" else None
+    return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
                       dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       cost_model="replay" if getattr(args, "replay_step_times", None)
                       else getattr(args, "cost_model", "roofline"),
-                      calibration=getattr(args, "calibration", None),
+                      calibration=calibration,
                       replay_log=getattr(args, "replay_step_times", None),
                       recording=getattr(args, "recording", None))
 

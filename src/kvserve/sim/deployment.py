@@ -25,7 +25,7 @@ from kvserve.sim.cost_models import (
     RooflineCostModel,
     UnitCostModel,
 )
-from kvserve.sim.presets import dtype_bytes, get_hardware, get_model, kv_dtype
+from kvserve.sim.presets import HardwareSpec, dtype_bytes, get_hardware, get_model, kv_dtype
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.swap import SimPreemptionPrices, WithSwapCopies
 from kvserve.sim.trace import TraceRequest, dump_trace
@@ -52,6 +52,9 @@ class Deployment:
     # A server's recording (kvserve.sim.recording.Recording): replay reads its step times,
     # calibrated without a file is fitted on its steps.
     recording: Any = dataclasses.field(default=None, compare=False)
+    # Measured figures standing in for the named preset's (``--hardware cpu-local``: this
+    # machine's peaks, kvserve.sim.machine.local_hardware); the report echoes them.
+    hardware_spec: HardwareSpec | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -65,6 +68,13 @@ class Deployment:
             raise CostModelError("--cost-model calibrated needs --calibration FILE.json")
         if self.cost_model == "replay" and not (self.replay_log or self.recording):
             raise CostModelError("--cost-model replay needs --replay-step-times LOG.jsonl")
+        if self.hardware_spec is not None and self.hardware_spec.name != self.hardware:
+            raise CostModelError(f"hardware_spec is {self.hardware_spec.name!r}, not the "
+                                 f"named {self.hardware!r}")
+
+    def hardware_preset(self) -> HardwareSpec:
+        """The hardware's figures: measured ones when given, else the named preset's."""
+        return self.hardware_spec or get_hardware(self.hardware)
 
     def build_cost_model(self) -> CostModel:
         if self.cost_model == "unit":
@@ -77,7 +87,7 @@ class Deployment:
             if self.replay_log is None:
                 return self.recording.replay_cost_model()
             return ReplayCostModel.load(self.replay_log)
-        return RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
+        return RooflineCostModel(get_model(self.model), self.hardware_preset(),
                                  self.dtype, self.tensor_parallel_size,
                                  kv_dtype=self._kv_dtype_if_other())
 
@@ -99,7 +109,7 @@ class Deployment:
                                            self.tensor_parallel_size) * block_size
             pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size  # per device
             num_blocks = max(1, pool // per_block)
-        return plan_kv_pool(model, self.dtype, block_size, hardware=get_hardware(self.hardware),
+        return plan_kv_pool(model, self.dtype, block_size, hardware=self.hardware_preset(),
                             gpu_memory_gib=self.gpu_memory_gib,
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             tensor_parallel_size=self.tensor_parallel_size,
@@ -125,10 +135,10 @@ class Deployment:
     def preemption_prices(self, cost_model: CostModel, block_size: int) -> SimPreemptionPrices:
         """What recomputing and swapping cost here (S4; :mod:`kvserve.sim.swap`)."""
         if self.cost_model == "replay":  # measured steps price no hypothetical prefill
-            cost_model = RooflineCostModel(get_model(self.model), get_hardware(self.hardware),
+            cost_model = RooflineCostModel(get_model(self.model), self.hardware_preset(),
                                            self.dtype, self.tensor_parallel_size)
         return SimPreemptionPrices(cost_model, get_model(self.model),
-                                   get_hardware(self.hardware), self.dtype,
+                                   self.hardware_preset(), self.dtype,
                                    self.tensor_parallel_size, block_size,
                                    copies_take_time=self.cost_model not in ("unit", "replay"))
 
@@ -167,6 +177,12 @@ class Deployment:
         }
         if self.kv_cache_dtype != "auto":
             echo["deployment"]["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.hardware_spec is not None:
+            hardware = self.hardware_spec
+            echo["deployment"]["hardware_measured"] = {
+                "peak_flops": dict(hardware.peak_flops),
+                "memory_bandwidth": hardware.memory_bandwidth,
+                "memory_bytes": hardware.memory_bytes}
         if cluster is not None:
             echo["data_parallel"] = cluster.describe()
         return echo, result

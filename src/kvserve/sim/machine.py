@@ -1,0 +1,162 @@
+"""Which CPU this is, and its measured peaks: what makes a calibration or the ``cpu-local``
+roofline belong to one machine.
+
+A calibration's step times and a roofline's peaks describe the CPU they were measured on.
+``kvserve calibrate`` records :func:`cpu_identity` in its file's ``meta.cpu``, and the
+simulator warns when a calibration made on another CPU prices this run
+(:func:`calibration_cpu_warning`). ``--hardware cpu-local`` prices steps with this machine's
+own matmul rate and copy bandwidth (:func:`local_hardware`), measured once per CPU by
+:mod:`kvserve.engine.machine_peaks` (torch, in a child process: the simulator itself does not
+import torch) and cached under ``$KVSERVE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/kvserve`` or ``~/.cache/kvserve``) as ``machine-peaks/<cpu key>.json``.
+
+Two CPUs are the same when their model name and their instruction-set extensions that
+change matmul speed (:data:`ISA_FLAGS`) are the same; the core count is recorded too, since
+the peaks are measured with every core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvserve.sim.presets import GiB, HardwareSpec, get_hardware
+
+# Extensions a CPU matmul or copy kernel dispatches on (x86 and Arm spellings of
+# /proc/cpuinfo): two CPUs that differ here run the same step at different speeds.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+             "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2", "sme")
+PEAKS_FORMAT = "kvserve-machine-peaks/1"
+
+
+def parse_cpuinfo(text: str) -> dict[str, Any]:
+    """The CPU model and its :data:`ISA_FLAGS` from /proc/cpuinfo's text (the first
+    processor's entry; x86 says ``model name`` and ``flags``, Arm ``Features``)."""
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return {"model": model, "isa": [flag for flag in ISA_FLAGS if flag in flags]}
+
+
+def cpu_identity() -> dict[str, Any]:
+    """This machine's CPU: ``{"model", "isa", "logical_cpus"}``."""
+    try:
+        identity = parse_cpuinfo(Path("/proc/cpuinfo").read_text(encoding="utf-8",
+                                                                  errors="replace"))
+    except OSError:  # not Linux: the platform's own name, no extension list
+        identity = {"model": "", "isa": []}
+    if not identity["model"]:
+        identity["model"] = platform.processor() or platform.machine() or "unknown"
+    return {**identity, "logical_cpus": os.cpu_count() or 1}
+
+
+def describe_cpu(identity: dict[str, Any]) -> str:
+    isa = ", ".join(identity.get("isa") or []) or "no extensions listed"
+    return f"{identity.get('model', 'unknown')} ({isa}; {identity.get('logical_cpus', '?')} CPUs)"
+
+
+def same_cpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("model") == b.get("model") and \
+        sorted(a.get("isa") or []) == sorted(b.get("isa") or [])
+
+
+def cpu_key(identity: dict[str, Any]) -> str:
+    """A file name for this CPU: its model, readable, and a hash of everything that
+    identifies it."""
+    slug = re.sub(r"[^a-z0-9]+", "-", str(identity.get("model", "")).lower()).strip("-")
+    digest = hashlib.sha256(json.dumps(
+        [identity.get("model"), sorted(identity.get("isa") or []),
+         identity.get("logical_cpus")]).encode()).hexdigest()[:12]
+    return f"{slug[:40] or 'cpu'}-{digest}"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVSERVE_CACHE_DIR"):
+        return Path(os.environ["KVSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvserve"
+
+
+def peaks_path(identity: dict[str, Any]) -> Path:
+    return cache_dir() / "machine-peaks" / f"{cpu_key(identity)}.json"
+
+
+def measure_in_child() -> dict[str, Any]:
+    """This machine's peaks, measured by :mod:`kvserve.engine.machine_peaks` in a child
+    process (it needs torch, which the simulator does not import)."""
+    command = [sys.executable, "-m", "kvserve.engine.machine_peaks", "--json"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        raise ValueError(f"--hardware cpu-local: cannot measure this machine's peaks: "
+                         f"{error}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError("--hardware cpu-local measures this machine's peaks with torch "
+                         f"(pip install 'kvserve[engine]'), and the measurement failed: {last}")
+    return json.loads(done.stdout)
+
+
+def local_peaks(measure: Callable[[], dict[str, Any]] = measure_in_child
+                ) -> dict[str, Any]:
+    """This CPU's measured peaks: from the cache, or measured now and cached."""
+    identity = cpu_identity()
+    path = peaks_path(identity)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") == PEAKS_FORMAT and same_cpu(data.get("cpu", {}), identity):
+            return data
+    except (OSError, json.JSONDecodeError):
+        pass  # none yet (or unreadable): measure
+    data = {"format": PEAKS_FORMAT, "cpu": identity, **measure()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    temporary.replace(path)  # atomic: two simulations measuring at once both read a whole file
+    return data
+
+
+def local_hardware(measure: Callable[[], dict[str, Any]] = measure_in_child) -> HardwareSpec:
+    """The ``cpu-local`` preset with this machine's measured figures: bf16 and fp32 matmul
+    FLOP/s and copy bandwidth (fp16 taken as fp32, as in the preset), its RAM, efficiency
+    1.0 and no fixed overhead (the plain roofline)."""
+    peaks = local_peaks(measure)
+    flops = {"fp32": float(peaks["fp32_flops"]), "bf16": float(peaks["bf16_flops"]),
+             "fp16": float(peaks["fp32_flops"])}
+    bandwidth = float(peaks["memory_bandwidth"])
+    memory = int(peaks.get("memory_bytes") or 24 * GiB)
+    return replace(get_hardware("cpu-local"), peak_flops=flops, memory_bandwidth=bandwidth,
+                   memory_bytes=memory, interconnect_bandwidth=bandwidth,
+                   host_link_bandwidth=bandwidth)
+
+
+def calibration_cpu_warning(path: str | Path) -> str | None:
+    """A one-line warning when the calibration file at ``path`` was measured on another
+    CPU than this one (``meta.cpu``, written by ``kvserve calibrate``); None when it is this
+    CPU or the file does not say (files from before the CPU was recorded)."""
+    try:
+        recorded = json.loads(Path(path).read_text(encoding="utf-8")).get("meta", {}).get("cpu")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None  # the cost model's own loading reports a bad file
+    if not isinstance(recorded, dict):
+        return None
+    here = cpu_identity()
+    if same_cpu(recorded, here):
+        return None
+    return (f"warning: {path} was calibrated on {describe_cpu(recorded)}; this machine is "
+            f"{describe_cpu(here)}: its step times describe the other CPU")
