@@ -12,6 +12,7 @@ faster than the simulated duration. Run from the repository root:
     .venv/bin/python benchmarks/sim_speed.py --events   # scheduler events per step
     .venv/bin/python benchmarks/sim_speed.py --floor    # per-request work before any step
     .venv/bin/python benchmarks/sim_speed.py --no-fast-forward  # every decoder stepped alone
+    .venv/bin/python benchmarks/sim_speed.py --digest   # + a digest of the whole result
     .venv/bin/python benchmarks/sim_speed.py --model llama-3.1-70b --hardware h100-sxm \
         --tp 4 --rate 14                                # the same trace elsewhere
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import pstats
 import time
 from typing import Any
@@ -103,6 +105,25 @@ def per_request_floor(trace: list[Any], block_size: int = 16) -> dict[str, float
             "prompt block hashes": hashed - built, "blocks": blocks}
 
 
+def result_digest(echo: dict[str, Any], result: Any) -> str:
+    """SHA-256 of the run as a report reads it: the report's bytes, every ITL sample, the
+    step series and every record's raw fields (floats by repr). Two revisions, or the lane
+    on and off, gave the same run when their digests are equal."""
+    from kvserve.sim import report as reports
+
+    digest = hashlib.sha256(reports.dumps(reports.build_report(echo, result)).encode())
+    digest.update(bytes(result.itl_samples))
+    steps = result.steps
+    for name in ("time", "duration", "num_scheduled_tokens", "num_running", "num_waiting",
+                 "kv_usage"):
+        digest.update(bytes(getattr(steps, name)))
+    for r in result.records:
+        digest.update(repr((r.request_id, r.finish_reason, r.stop_reason, r.metrics,
+                            r.num_output_tokens, r.itl_sum, r.itl_max, r.last_token_time,
+                            r.preempted_spans)).encode())
+    return digest.hexdigest()
+
+
 def layer_shares(stats: pstats.Stats) -> dict[str, float]:
     """Share of profiled own-time spent in each kvserve layer (and everything else)."""
     totals: dict[str, float] = {}
@@ -131,6 +152,9 @@ def main() -> None:
     parser.add_argument("--no-fast-forward", action="store_true",
                         help="run without the decode lane (docs/simulator-speed.md): the "
                              "same result, stepping every decoder one at a time")
+    parser.add_argument("--digest", action="store_true",
+                        help="also print a SHA-256 of the whole result (report, ITL samples, "
+                             "steps, records), to compare revisions")
     parser.add_argument("--model", default=DEPLOYMENT.model)
     parser.add_argument("--hardware", default=DEPLOYMENT.hardware)
     parser.add_argument("--tp", type=int, default=DEPLOYMENT.tensor_parallel_size)
@@ -186,6 +210,8 @@ def main() -> None:
           f"({wall / result.num_steps / running.mean() * 1e6:.2f} us per running request)")
     if counter is not None:
         counter.print()
+    if args.digest:
+        print(f"result digest       {result_digest(echo, result)}")
     if args.floor:
         parts = per_request_floor(trace, echo["cache"]["block_size"])
         blocks = parts.pop("blocks")

@@ -10,11 +10,15 @@ order (so the sums are the same floating-point sums).
 
 from __future__ import annotations
 
+import struct
+
 from kvserve.core import Request
 from kvserve.core.decode_lane import DecodeLane
 from kvserve.runs import RunRecorder
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.tokens import EOS_TOKEN_ID, stream_tokens
+
+_pack_double = struct.Struct("=d").pack  # native order: array("d")'s byte layout
 
 
 class SimLaneModel:
@@ -87,4 +91,6 @@ class SimLaneModel:
         gap = now - start
         self.gaps.append(gap)
         if num_steady:
-            self.recorder.itl.extend([gap] * num_steady)
+            # The same doubles as extend([gap] * num_steady), copied as bytes: a list of
+            # ~200 floats converted one by one took ~9% of a busy run.
+            self.recorder.itl.frombytes(_pack_double(gap) * num_steady)

@@ -263,12 +263,14 @@ class _Run:
         seed = self.sim.seed
         request_id = trace_request.request_id
         sessions = self.scheduler.sessions is not None  # off: a trace's session ids are moot
+        prompt, answer = trace_request.synthesise_with_answer(seed)
         request = Request(
-            request_id, trace_request.synthesise_prompt(seed),
+            request_id, prompt,
             trace_request.sampling_params(self.sim.scheduler_config.max_model_len, sessions),
             arrival_time=trace_request.arrival_time)
         self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
-                               trace_request.ignore_eos, trace_request.continuation_key(seed))
+                               trace_request.ignore_eos, trace_request.continuation_key(seed),
+                               answer)
         try:
             try:
                 self.scheduler.add_request(request)

@@ -89,6 +89,26 @@ class TraceRequest:
         ids += stream_tokens(own, len(ids), self.prompt_len)
         return ids
 
+    def synthesise_with_answer(self, seed: int) -> tuple[list[int], list[int] | None]:
+        """The prompt's ids and, where the answer continues the request's own stream (no
+        prefix covering the whole prompt, no given or hashed prompt), the first
+        ``output_len`` ids of that answer, drawn in the same pass: the same ids as
+        :meth:`synthesise_prompt` and a separate draw after it (None: draw it separately)."""
+        if self.prompt_token_ids is not None or self.prompt_hashes is not None or \
+                self.prompt_len is None or \
+                (self.prefix_id is not None and self.prefix_len >= self.prompt_len):
+            return self.synthesise_prompt(seed), None
+        own = stream_key(seed, "request:" + self.request_id)
+        start = 0 if self.prefix_id is None else self.prefix_len
+        ids = stream_tokens(own, start, self.prompt_len + self.output_len)
+        split = self.prompt_len - start
+        answer = ids[split:]
+        del ids[split:]
+        if self.prefix_id is None:
+            return ids, answer
+        return stream_tokens(stream_key(seed, "prefix:" + self.prefix_id), 0,
+                             self.prefix_len) + ids, answer
+
     def _from_hashes(self, seed: int, own: int) -> list[int]:
         assert self.prompt_len is not None and self.prompt_hashes is not None
         size, ids = self.hash_block_size, []
