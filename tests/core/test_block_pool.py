@@ -59,6 +59,25 @@ def test_allocating_more_than_free_raises():
     pool = BlockPool(2)
     with pytest.raises(ValueError, match="cannot allocate 3 blocks: only 2 free"):
         pool.allocate(3)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="cannot allocate 1 block: none free"):
+        pool.allocate_one()
+
+
+def test_allocate_one_is_allocate_of_one_block():  # G1, G2
+    """The decode path's single block: the head of the free queue, its hash evicted."""
+    pools = [BlockPool(4), BlockPool(4)]
+    for pool in pools:
+        blocks = pool.allocate(3)
+        pool.cache_block(blocks[0], b"h0")
+        pool.cache_block(blocks[2], b"h0")  # a duplicate stays hashless
+        pool.free(reversed(blocks))  # free queue: 1, 2 (hashless), 3, 0 (hashed h0)
+    got = [pools[0].allocate_one() for _ in range(4)]
+    want = [pools[1].allocate(1)[0] for _ in range(4)]
+    assert [b.block_id for b in got] == [b.block_id for b in want] == [1, 2, 3, 0]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
+    assert pools[0].cached == pools[1].cached == {}
+    assert len(pools[0].free_queue) == 0
 
 
 def test_free_puts_hashless_blocks_at_head_and_hashed_at_tail():  # G2

@@ -92,6 +92,29 @@ def test_next_turn_prompt_contains_previous_prompt_and_simulated_answer():
     assert solo.continuation_key(0) != turn0.continuation_key(0)
 
 
+@pytest.mark.parametrize("request_", [
+    TraceRequest("plain", 0.0, 9, prompt_len=40),
+    TraceRequest("prefixed", 0.0, 5, prompt_len=40, prefix_id="sys", prefix_len=16),
+    TraceRequest("turn", 0.0, 6, prompt_len=32, prefix_id="c", prefix_len=32),
+    TraceRequest("given", 0.0, 4, prompt_token_ids=(5, 6, 7)),
+    TraceRequest("hashed", 0.0, 3, prompt_len=20, prompt_hashes=("h0", "h1"),
+                 hash_block_size=8),
+    TraceRequest("silent", 0.0, 0, prompt_len=8),
+])
+def test_a_prompt_and_its_answer_drawn_together_are_the_separate_draws(request_):
+    """The simulator draws a prompt and its model answer in one pass where both come from
+    the request's own stream (issue 15, speed): the same ids as synthesise_prompt and the
+    answer's own draw; elsewhere it says so (None) and the answer is drawn apart."""
+    prompt, answer = request_.synthesise_with_answer(3)
+    assert prompt == request_.synthesise_prompt(3)
+    n = request_.num_prompt_tokens
+    expected = stream_tokens(request_.continuation_key(3), n, n + request_.output_len)
+    if request_.request_id in ("turn", "given", "hashed"):
+        assert answer is None
+    else:
+        assert answer == expected and len(answer) == request_.output_len
+
+
 def test_hashed_prompts_share_exactly_the_blocks_whose_hashes_match():
     """A recorded prompt (docs/recording.md): block i comes from its hash's stream, so equal
     hash chains give equal token prefixes and the prefix cache hits as it did (G3)."""

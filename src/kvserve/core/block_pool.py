@@ -45,10 +45,16 @@ class FreeBlockQueue:
             self.append(block)
 
     def popleft(self) -> KVBlock:
-        block = self._head.next_free
+        head = self._head
+        block = head.next_free
         if block is self._tail or block is None:
             raise IndexError("no free blocks")
-        self.remove(block)
+        following = block.next_free
+        assert following is not None
+        head.next_free = following
+        following.prev_free = head
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
         return block
 
     def remove(self, block: KVBlock) -> None:
@@ -199,6 +205,19 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def allocate_one(self) -> KVBlock:
+        """``allocate(1)[0]``, without the lists (a decode crossing into its next block)."""
+        queue = self.free_queue
+        if queue.num_free == 0:
+            raise ValueError("cannot allocate 1 block: none free")
+        block = queue.popleft()
+        block_hash = block.block_hash
+        if block_hash is not None:  # evicted only now (G2), as in allocate()
+            del self.cached[block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail first)."""
         queue = self.free_queue
@@ -217,7 +236,10 @@ class BlockPool:
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Register a newly full block under its hash (see :meth:`cache_blocks`)."""
-        self.cache_blocks((block,), (block_hash,))
+        cached = self.cached
+        if block_hash not in cached:
+            block.block_hash = block_hash
+            cached[block_hash] = block
 
     def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes]) -> None:
         """Register newly full blocks, each under its hash.

@@ -198,10 +198,16 @@ class KVCacheManager:
             new_blocks = _NO_BLOCKS
         else:
             num_new_blocks = (num_slots + block_size - 1) // block_size - len(held)
-            if num_new_blocks > self.pool.free_queue.num_free:
+            pool = self.pool
+            if num_new_blocks > pool.free_queue.num_free:
                 return None
-            new_blocks = self.pool.allocate(num_new_blocks)
-            held.extend(new_blocks)
+            if num_new_blocks == 1:  # a decode crossing into its next block: the usual case
+                block = pool.allocate_one()
+                held.append(block)
+                new_blocks = [block]
+            else:
+                new_blocks = pool.allocate(num_new_blocks)
+                held.extend(new_blocks)
         if self.enable_caching and num_slots // block_size > num_computed // block_size:
             self._cache_full_blocks(request, held, num_slots)
         return new_blocks
@@ -214,7 +220,10 @@ class KVCacheManager:
             return
         hashes = extend_block_hashes(request, self.block_size, num_full * self.block_size,
                                      self.tenant_scoped)
-        self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
+        if num_full == num_cached + 1:  # one block, as when decoding fills one
+            self.pool.cache_block(held[num_cached], hashes[num_cached])
+        else:
+            self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
         self._num_cached_blocks[request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -59,8 +59,8 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int,
                                         first_block_key(request, tenant_scoped)))
         index = 1
     if index + 1 == num_full:  # one more block, as when decoding fills one
-        hashes.append(hash_block_tokens(hashes[-1], request.token_slice(
-            index * block_size, num_full * block_size)))
+        hashes.append(hashlib.blake2b(hashes[-1] + array("q", request.token_slice(
+            index * block_size, num_full * block_size)).tobytes(), digest_size=16).digest())
     elif index < num_full:
         data = array("q", request.token_slice(index * block_size,
                                               num_full * block_size)).tobytes()
