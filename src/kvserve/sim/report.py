@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
+from kvserve.sim import indented_json
 from kvserve.sim.simulator import RequestRecord, SimResult
 
 REPORT_VERSION = 1
@@ -201,13 +203,15 @@ def request_rows(result: SimResult) -> list[dict[str, Any]]:
 
 def time_series(result: SimResult) -> dict[str, list[Any]]:
     steps = result.steps
+    # The series are arrays of doubles: round() of each is _round() of each, without a
+    # Python call per step.
     return {
-        "time": [_round(t) for t in steps.time],
-        "step_duration": [_round(d, 9) for d in steps.duration],
+        "time": list(map(round, steps.time, repeat(6))),
+        "step_duration": list(map(round, steps.duration, repeat(9))),
         "num_scheduled_tokens": list(steps.num_scheduled_tokens),
         "num_running": list(steps.num_running),
         "num_waiting": list(steps.num_waiting),
-        "kv_usage": [_round(u) for u in steps.kv_usage],
+        "kv_usage": list(map(round, steps.kv_usage, repeat(6))),
     }
 
 
@@ -234,7 +238,9 @@ def build_sweep_report(config: dict[str, Any], name: str,
 
 
 def dumps(report: dict[str, Any]) -> str:
-    return json.dumps(report, indent=1, allow_nan=False) + "\n"
+    """The report as JSON, indented by one space (``json.dumps(report, indent=1)``, written
+    faster: kvserve.sim.indented_json)."""
+    return indented_json.dumps(report, indent=1) + "\n"
 
 
 def events_jsonl(result: SimResult) -> str:
