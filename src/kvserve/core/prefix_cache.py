@@ -20,8 +20,14 @@ ROOT_HASH = hashlib.blake2b(b"kvserve/prefix-cache/v1", digest_size=16).digest()
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
                       extra_key: str | None = None) -> bytes:
+    return _hash_block_bytes(parent_hash, array("q", token_ids).tobytes(), extra_key)
+
+
+def _hash_block_bytes(parent_hash: bytes | None, data: bytes,
+                      extra_key: str | None = None) -> bytes:
+    """hash_block_tokens of the block whose ids' int64 bytes are ``data``."""
     h = hashlib.blake2b(parent_hash if parent_hash is not None else ROOT_HASH, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
+    h.update(data)
     if extra_key is not None:
         encoded = extra_key.encode()
         h.update(len(encoded).to_bytes(8, "little"))
@@ -70,6 +76,23 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int,
         for start in range(0, len(data), block_bytes):
             parent = blake2b(parent + data[start:start + block_bytes], digest_size=16).digest()
             hashes.append(parent)
+    return hashes
+
+
+def prompt_bytes_block_hashes(data: bytes, block_size: int,
+                              extra_key: str | None = None) -> list[bytes]:
+    """The chained hashes of every full block of a prompt given as its ids' int64 bytes
+    (``array("q", token_ids).tobytes()``), the first block carrying ``extra_key``: what
+    :func:`extend_block_hashes` computes for a fresh request with that prompt."""
+    block_bytes = 8 * block_size  # "q": 8 bytes per token id
+    if len(data) < block_bytes:
+        return []
+    parent = _hash_block_bytes(None, data[:block_bytes], extra_key)
+    hashes = [parent]
+    blake2b = hashlib.blake2b
+    for start in range(block_bytes, len(data) - block_bytes + 1, block_bytes):
+        parent = blake2b(parent + data[start:start + block_bytes], digest_size=16).digest()
+        hashes.append(parent)
     return hashes
 
 

@@ -45,6 +45,7 @@ from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
 from kvserve.sim.layout import BlockLayout
+from kvserve.sim.prompt_draws import PromptDraws
 from kvserve.sim.trace import TraceRequest
 
 __all__ = ["BATCHING_MODES", "ProgressFn", "RequestRecord", "SimResult", "Simulator",
@@ -92,6 +93,8 @@ class _Run:
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
+        self.draws = PromptDraws(self.arrivals, sim.seed,
+                                 with_bytes=sim.cache_config.enable_prefix_caching)
         self.recorder = RunRecorder(self.arrivals)
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
@@ -263,11 +266,13 @@ class _Run:
         seed = self.sim.seed
         request_id = trace_request.request_id
         sessions = self.scheduler.sessions is not None  # off: a trace's session ids are moot
-        prompt, answer = trace_request.synthesise_with_answer(seed)
+        prompt, answer, prompt_bytes = self.draws.take(trace_request)
         request = Request(
             request_id, prompt,
             trace_request.sampling_params(self.sim.scheduler_config.max_model_len, sessions),
             arrival_time=trace_request.arrival_time)
+        if prompt_bytes is not None:
+            self.scheduler.kv.hash_prompt(request, prompt_bytes)
         self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
                                trace_request.ignore_eos, trace_request.continuation_key(seed),
                                answer)
