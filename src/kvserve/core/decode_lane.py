@@ -21,6 +21,7 @@ the step runs as usual.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.core.request import Request, RequestStatus
@@ -121,6 +122,12 @@ class DecodeLane:
             block_size = self._block_size
             due.sort(key=_order)
             whole = self._caching and block_size == 1  # a new block also fills one
+            # Each member's next event (what _schedule_event finds from the step after):
+            # after a fill, the new block it needs next step; after a new block, the step
+            # it fills (prefix caching) or needs the one after.
+            after_fill = j + 1
+            after_new = j + 1 if whole else j + block_size - (1 if self._caching else 0)
+            events = self._events
             for member in due:
                 request = member.request
                 num_computed = request.num_computed_tokens + j - member.mark
@@ -131,12 +138,19 @@ class DecodeLane:
                     request.num_computed_tokens = num_computed
                     grown = grow_slots(request, 1)
                     request.num_computed_tokens = behind
+                    when = after_new
                 else:  # the last block fills: the prefix cache hashes its tokens
                     grown = grow_slots(self._materialise(member, j, whole=False), 1)
+                    when = after_fill
                 if grown is None:
                     raise AssertionError(f"decode lane: {request.request_id} found no block "
                                          "after the room check")
-                self._schedule_event(member, j + 1, num_computed + 1, block_size)
+                if when <= member.end_step:
+                    following = events.get(when)
+                    if following is None:
+                        events[when] = [member]
+                    else:
+                        following.append(member)
         step.token_budget -= len(members)
         self.step = j + 1
         self.starts.append(self.scheduler._now)
@@ -282,6 +296,5 @@ class DecodeLane:
         del self.by_id[member.request.request_id]
 
 
-def _order(member: _Member) -> int:
-    return member.order
+_order = attrgetter("order")  # a member's place in running among members
 
