@@ -15,9 +15,12 @@ pool sized from memory, prefix caching on):
     python benchmarks/data_parallel.py [--write-docs] [--workers 2] [--peak-rate 300]
 
 With ``--engine``, the engine half instead (benchmarks/data_parallel_engine.py): one
-replica with 2 threads against two with one thread each, under each router, on a short
-multi-turn conversation trace on this machine, and the simulator on the same trace; run it
-under the bench lock (``flock /tmp/kvserve-bench.lock``).
+replica with 2 threads against two with one thread each, under each router, on a multi-turn
+conversation trace and on W3, on this machine; and the simulator on the same traces with
+the cost model calibrated on this engine (``--calibration``, ``--calibration-two-threads``:
+``kvserve calibrate`` files). Run it under the bench lock (``flock
+/tmp/kvserve-bench.lock``), in pieces of a round or two: ``--results FILE`` accumulates the
+rounds, and each run writes the section from all of them.
 """
 
 from __future__ import annotations
@@ -189,10 +192,25 @@ def main() -> int:
     parser.add_argument("--skip-day", action="store_true")
     parser.add_argument("--engine", action="store_true",
                         help="run the engine half on this machine instead")
-    parser.add_argument("--engine-requests", type=int, default=40)
-    parser.add_argument("--engine-rate", type=float, default=1.0,
+    parser.add_argument("--engine-requests", type=int, default=48,
+                        help="requests of the conversation trace")
+    parser.add_argument("--engine-rate", type=float, default=0.25,
                         help="conversations started per second")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--think-time", type=float, default=3.0,
+                        help="mean seconds from a turn's arrival to the next turn's")
+    parser.add_argument("--w3-requests", type=int, default=32,
+                        help="the first W3 requests to replay (0: skip W3)")
+    parser.add_argument("--w3-rate", type=float, default=1.0, help="W3's requests per second")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds to run now (each runs every configuration once)")
+    parser.add_argument("--results", metavar="PATH.json",
+                        help="rounds accumulate here, so the study can run in pieces; the "
+                             "section is written from every round in it")
+    parser.add_argument("--calibration", metavar="PATH.json",
+                        help="kvserve calibrate's file for one replica with one thread (the "
+                             "simulated 2 x 1 rows); without it, the cpu-local roofline")
+    parser.add_argument("--calibration-two-threads", metavar="PATH.json",
+                        help="the same for one replica with two threads (the 1 x 2 row)")
     parser.add_argument("--wait-policy", choices=("PASSIVE", "ACTIVE"), default="PASSIVE",
                         help="the replicas' OMP_WAIT_POLICY (PASSIVE: a 2-thread engine "
                              "does not spin while other jobs hold the cores)")
@@ -227,22 +245,46 @@ def main() -> int:
 
 
 def engine_main(args: argparse.Namespace) -> int:
-    from data_parallel_engine import engine_study
+    import json
+
+    from data_parallel_engine import conversations, run_rounds, simulate_all, w3
+    from data_parallel_engine_report import engine_section
     from kvserve.model.kernel_info import cpu_info
 
+    params = {"engine_requests": args.engine_requests, "engine_rate": args.engine_rate,
+              "think_time": args.think_time, "w3_requests": args.w3_requests,
+              "w3_rate": args.w3_rate, "wait_policy": args.wait_policy}
+    traces = {"conversations": conversations(args.engine_requests, args.engine_rate,
+                                             args.think_time)}
+    if args.w3_requests:
+        traces["w3"] = w3(args.w3_requests, args.w3_rate)
+    results: dict[str, Any] = {"params": params}
+    if args.results and Path(args.results).exists():
+        results = json.loads(Path(args.results).read_text())
+        if results["params"] != params:
+            print(f"error: {args.results} holds rounds of other traces ({results['params']}); "
+                  "give the same flags or another file", file=sys.stderr)
+            return 2
+    if args.rounds:
+        started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        before = os.getloadavg()[0]
+        run_rounds(results, traces, args.rounds, args.wait_policy)
+        results.setdefault("pieces", []).append({
+            "command": "python benchmarks/data_parallel.py " + " ".join(sys.argv[1:]),
+            "started": started, "rounds": args.rounds,
+            "load_before": round(before, 1), "load_after": round(os.getloadavg()[0], 1)})
+        if args.results:
+            Path(args.results).write_text(json.dumps(results, indent=1))
+    if not results.get("rounds_done"):
+        print("error: no rounds to report: give --rounds or a --results file that has some",
+              file=sys.stderr)
+        return 2
+    simulated = simulate_all(traces, args.calibration, args.calibration_two_threads)
     cpu = cpu_info()
     isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)
-    before = os.getloadavg()
-    text, rows = engine_study(args.engine_requests, args.engine_rate, args.rounds,
-                              args.wait_policy)
-    after = os.getloadavg()
-    command = "python benchmarks/data_parallel.py " + " ".join(sys.argv[1:])
-    section = "\n\n".join([
-        "### Data parallel on the engine",
-        f"`{command.strip()}` at {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC on "
-        f"{cpu.model} ({os.cpu_count()} cores; {isa or 'no AVX flags read'}), shared with "
-        f"other jobs: load average {before[0]:.1f} before, {after[0]:.1f} after (1 min).",
-        text])
+    machine = f"{cpu.model} ({os.cpu_count()} cores; {isa or 'no AVX flags read'})"
+    section, rows = engine_section(results, simulated, traces, machine,
+                                   args.calibration, args.calibration_two_threads)
     publish("data_parallel_engine", section, rows, args.json, args.write_docs)
     if args.write_docs:
         write_section("data_parallel_engine", section, ROOT / "docs" / "scale-out.md")
