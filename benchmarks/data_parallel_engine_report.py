@@ -72,26 +72,6 @@ def sim_table(sim: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def ordering(values: dict[str, float]) -> list[str]:
-    """Configurations from best (lowest) to worst."""
-    return sorted(values, key=lambda k: values[k])
-
-
-def agreement(runs: dict[str, list[dict[str, Any]]], sim: dict[str, dict[str, Any]],
-              figure: str) -> dict[str, Any]:
-    engine = {k: medians(v)[figure] for k, v in runs.items()}
-    simulated = {k: sim[k][figure] for k in runs}
-    rr, pa = key(CONFIGS[1]), key(CONFIGS[3])
-    lower_better = figure != "prefix_hit_rate"
-    better = (lambda a, b: a < b) if lower_better else (lambda a, b: a > b)
-    return {"figure": figure,
-            "engine_order": ordering(engine) if lower_better else ordering(engine)[::-1],
-            "sim_order": ordering(simulated) if lower_better else ordering(simulated)[::-1],
-            "affinity_beats_rr_engine": better(engine[pa], engine[rr]),
-            "affinity_beats_rr_sim": better(simulated[pa], simulated[rr]),
-            "engine": engine, "simulated": simulated}
-
-
 def breakdown(runs: dict[str, list[dict[str, Any]]], sim: dict[str, dict[str, Any]],
               ) -> list[str]:
     """Where each configuration's time to first token goes, engine (median round) against
@@ -109,25 +89,43 @@ def breakdown(runs: dict[str, list[dict[str, Any]]], sim: dict[str, dict[str, An
     return lines
 
 
+def pair(runs: dict[str, list[dict[str, Any]]], sim: dict[str, dict[str, Any]], figure: str,
+         a: tuple[int, int, str], b: tuple[int, int, str]) -> dict[str, Any]:
+    """Whether configuration ``a`` beats ``b`` on ``figure`` (lower is better, except the
+    hit rate), on the engine (medians) and simulated, and whether the two agree."""
+    engine = [medians(runs[key(c)])[figure] for c in (a, b)]
+    simulated = [sim[key(c)][figure] for c in (a, b)]
+    higher = figure == "prefix_hit_rate"
+
+    def wins(x: list[float]) -> bool:
+        return x[0] > x[1] if higher else x[0] < x[1]
+    return {"figure": figure, "a": key(a), "b": key(b), "engine": engine,
+            "simulated": simulated, "engine_a_wins": wins(engine),
+            "sim_a_wins": wins(simulated), "agree": wins(engine) == wins(simulated)}
+
+
 def verdict(name: str, runs: dict[str, list[dict[str, Any]]],
             sim: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    ttft = agreement(runs, sim, "ttft_p50")
-    hits = agreement(runs, sim, "prefix_hit_rate")
-    pa, rr = key(CONFIGS[3]), key(CONFIGS[1])
-
-    def says(a: dict[str, Any], fmt: Any) -> str:
-        return (f"{fmt(a['engine'][pa])} vs {fmt(a['engine'][rr])} on the engine, "
-                f"{fmt(a['simulated'][pa])} vs {fmt(a['simulated'][rr])} simulated")
-    same_pa = ttft["affinity_beats_rr_engine"] == ttft["affinity_beats_rr_sim"]
-    same_order = ttft["engine_order"] == ttft["sim_order"]
-    text = (f"*{name}*: prefix affinity against round robin on two replicas: prefix hit rate "
-            f"{says(hits, lambda v: f'{v:.1%}')}; TTFT p50 {says(ttft, ms)} ms: "
-            f"the two **{'agree' if same_pa else 'disagree'}** on which is faster. Ordering "
-            f"of all four configurations by TTFT p50, fastest first: engine "
-            f"{', '.join(ttft['engine_order'])}; simulated {', '.join(ttft['sim_order'])} "
-            f"({'the same' if same_order else 'not the same'}).")
-    return text, {"ttft_p50": ttft, "prefix_hit_rate": hits,
-                  "agree_affinity_vs_round_robin": same_pa, "agree_full_order": same_order}
+    """Prefix affinity against round robin (where prefixes are shared), and one replica of
+    two threads against two of one, on the engine and simulated."""
+    one, rr, pa = CONFIGS[0], CONFIGS[1], CONFIGS[3]
+    checks = [pair(runs, sim, "ttft_p50", one, rr), pair(runs, sim, "e2e_p50", one, rr)]
+    if any(r["prefix_hit_rate"] for r in runs[key(pa)]):
+        checks = [pair(runs, sim, "prefix_hit_rate", pa, rr),
+                  pair(runs, sim, "ttft_p50", pa, rr), *checks]
+    fmt = {"prefix_hit_rate": lambda v: f"{v:.1%}", "ttft_p50": lambda v: f"{ms(v)} ms",
+           "e2e_p50": lambda v: f"{ms(v)} ms"}
+    names = {"prefix_hit_rate": "prefix hit rate", "ttft_p50": "TTFT p50",
+             "e2e_p50": "E2E p50"}
+    parts = []
+    for c in checks:
+        f = fmt[c["figure"]]
+        parts.append(f"{c['a']} against {c['b']}, {names[c['figure']]}: "
+                     f"{f(c['engine'][0])} vs {f(c['engine'][1])} on the engine, "
+                     f"{f(c['simulated'][0])} vs {f(c['simulated'][1])} simulated "
+                     f"(**{'agree' if c['agree'] else 'disagree'}**)")
+    return f"*{name}*: " + "; ".join(parts) + ".", {
+        "checks": checks, "all_agree": all(c["agree"] for c in checks)}
 
 
 def _calibration_line(path: str | None, who: str) -> str:
