@@ -24,6 +24,7 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
+from kvserve.model.logits import refine_leading_logits_
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
@@ -198,7 +199,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits [S, vocab]. With a 16-bit head, the candidates near each row's
+        maximum are recomputed without the output rounding (:mod:`kvserve.model.logits`)."""
+        logits = self.lm_head(hidden).float()
+        weight = self.lm_head.weight
+        if hidden.dtype != torch.float32 and not weight.is_meta:
+            refine_leading_logits_(logits, hidden, weight)
+        return logits
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -221,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
         elif can_pack_weights(model.embed_tokens.weight.dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
-                    shared = module.weight is model.embed_tokens.weight
-                    module.pack(release_weight=not shared)
+                    # the LM head keeps its plain weight: compute_logits reads rows of it
+                    keep = module is model.lm_head or module.weight is model.embed_tokens.weight
+                    module.pack(release_weight=not keep)
         return model.eval()
 
     @torch.no_grad()
