@@ -24,7 +24,7 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
-from kvserve.model.logits import refine_leading_logits_
+from kvserve.model.logits import break_rounding_ties_, widen_logits
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
@@ -199,12 +199,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, vocab]. With a 16-bit head, the candidates near each row's
-        maximum are recomputed without the output rounding (:mod:`kvserve.model.logits`)."""
-        logits = self.lm_head(hidden).float()
+        """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
+        rounding is recomputed exactly (:mod:`kvserve.model.logits`); a head whose plain
+        weight was released after packing (an untied head) skips that."""
+        raw = self.lm_head(hidden)
+        if raw.dtype == torch.float32:
+            return raw
+        logits, tied = widen_logits(raw)
         weight = self.lm_head.weight
-        if hidden.dtype != torch.float32 and not weight.is_meta:
-            refine_leading_logits_(logits, hidden, weight)
+        if tied.numel() and not weight.is_meta:
+            break_rounding_ties_(logits, hidden, weight, tied)
         return logits
 
     @classmethod
@@ -228,9 +232,8 @@ class LlamaForCausalLM(nn.Module):
         elif can_pack_weights(model.embed_tokens.weight.dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
-                    # the LM head keeps its plain weight: compute_logits reads rows of it
-                    keep = module is model.lm_head or module.weight is model.embed_tokens.weight
-                    module.pack(release_weight=not keep)
+                    shared = module.weight is model.embed_tokens.weight
+                    module.pack(release_weight=not shared)
         return model.eval()
 
     @torch.no_grad()

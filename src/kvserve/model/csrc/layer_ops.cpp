@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace {
 
@@ -195,6 +196,38 @@ void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::T
   });
 }
 
+// logits: [rows, vocab] bfloat16 (an LM head's output) -> float32 logits, and per row whether
+// its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
+// only way it can have changed a row's greedy token (kvserve/model/logits.py). The widening
+// pass exists anyway; the maximum rides along, and the count re-reads the row from cache.
+std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu(),
+              "widen_logits: logits must be contiguous bfloat16 [rows, vocab] on the CPU");
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  at::Tensor out = at::empty({rows, vocab}, logits.options().dtype(at::kFloat));
+  at::Tensor tied = at::zeros({rows}, logits.options().dtype(at::kBool));
+  const c10::BFloat16* src = logits.data_ptr<c10::BFloat16>();
+  float* dst = out.data_ptr<float>();
+  bool* tied_rows = tied.data_ptr<bool>();
+  for_rows(rows, vocab, [&](int64_t row) {
+    const c10::BFloat16* in = src + row * vocab;
+    float* o = dst + row * vocab;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < vocab; ++i) {
+      o[i] = to_float(in[i]);
+      top = std::max(top, o[i]);
+    }
+    int64_t at_top = 0;
+#pragma omp simd reduction(+ : at_top)
+    for (int64_t i = 0; i < vocab; ++i) at_top += o[i] == top ? 1 : 0;
+    tied_rows[row] = at_top > 1;
+  });
+  return {out, tied};
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -209,4 +242,7 @@ void register_layer_ops(pybind11::module& m) {
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
         py::arg("num_kv_heads"));
+  m.def("widen_logits", &widen_logits,
+        "bfloat16 logits to float32, and per row whether its maximum occurs more than once",
+        py::arg("logits"));
 }
