@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """What breaking the bf16 LM head's rounding ties costs (kvserve.model.logits).
 
-The bundled model's LM head in bfloat16, timed at 1-256 rows (a decode step's sequences) with
-and without :func:`break_rounding_ties_`, alternately, on hidden states made by the model's
-own final norm. Each figure is the median of ``--rounds`` alternated rounds; the table gives
-the head's time, the tie check's extra time and its share. Run it under the bench lock:
+The bundled model's LM head in bfloat16, timed at 1-256 rows (a decode step's sequences) on
+hidden states made by the model's own final norm, three ways alternately: the head and a
+plain ``.float()`` (what ``compute_logits`` did before), ``compute_logits`` (the fused C++
+``widen_logits`` finds the tied rows in that cast), and the same with the torch fallback
+(no C++ extension). Each figure is the median of ``--rounds`` alternated rounds. Run it
+under the bench lock:
 
     flock /tmp/kvserve-bench.lock python benchmarks/lm_head_ties.py --write-docs
 """
@@ -12,8 +14,10 @@ the head's time, the tie check's extra time and its share. Run it under the benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,9 +25,9 @@ import torch
 
 from ab_protocol import cpu
 from docs_section import publish
+from kvserve.model import logits as logits_module
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import load_model_weights
-from kvserve.model.logits import break_rounding_ties_
 
 ROWS = (1, 16, 64, 128, 256)
 
@@ -36,6 +40,17 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+@contextlib.contextmanager
+def torch_fallback() -> Iterator[None]:
+    """widen_logits through torch ops, as without the C++ extension."""
+    handles = logits_module.paged_kernel.handles
+    logits_module.paged_kernel.handles = lambda dtype: False
+    try:
+        yield
+    finally:
+        logits_module.paged_kernel.handles = handles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
@@ -45,19 +60,21 @@ def main() -> None:
     torch.manual_seed(0)
     config, weights = load_model_weights(None, torch.bfloat16)
     model = LlamaForCausalLM.from_weights(config, weights)
-    head, weight = model.lm_head, model.lm_head.weight
+    head = model.lm_head
     rows_out = []
     with torch.no_grad():
         for rows in ROWS:
             ids = torch.randint(0, config.vocab_size, (rows,))
             hidden = model.norm(model.embed_tokens(ids) * 8)
-            plain, tied = [], []
+            plain, fused, fallback = [], [], []
             for _ in range(args.rounds):
                 plain.append(timed(lambda h=hidden: head(h).float(), args.repeats))
-                tied.append(timed(lambda h=hidden: break_rounding_ties_(head(h).float(), h,
-                                                                        weight), args.repeats))
-            a, b = statistics.median(plain), statistics.median(tied)
-            rows_out.append({"rows": rows, "head_ms": a * 1e3, "with_ties_ms": b * 1e3})
+                fused.append(timed(lambda h=hidden: model.compute_logits(h), args.repeats))
+                with torch_fallback():
+                    fallback.append(timed(lambda h=hidden: model.compute_logits(h), args.repeats))
+            rows_out.append({"rows": rows, "head_ms": statistics.median(plain) * 1e3,
+                             "fused_ms": statistics.median(fused) * 1e3,
+                             "torch_ms": statistics.median(fallback) * 1e3})
     model_name, flags = cpu()
     load = Path("/proc/loadavg").read_text().split()[0]
     lines = ["## What breaking bf16 rounding ties in the LM head costs", "",
@@ -65,14 +82,16 @@ def main() -> None:
              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on **{model_name}** "
              f"(ISA: {flags}), load average {load} after; torch threads "
              f"{torch.get_num_threads()}. The bundled SmolLM2-135M's LM head (49,152 x 576, "
-             f"bf16, oneDNN packed) with and without `break_rounding_ties_` "
-             f"(kvserve/model/logits.py), median of {args.rounds} alternated rounds of "
-             f"{args.repeats} calls.", "",
-             "| rows | head ms | head + tie check ms | extra |", "|---|---|---|---|"]
+             f"bf16, oneDNN packed): the head and `.float()` (before), `compute_logits` with "
+             f"the fused C++ `widen_logits` tie check (kvserve/model/logits.py), and with its "
+             f"torch fallback; median of {args.rounds} alternated rounds of {args.repeats} "
+             f"calls.", "",
+             "| rows | head + .float() ms | compute_logits ms (C++) | extra | "
+             "compute_logits ms (torch fallback) | extra |", "|---|---|---|---|---|---|"]
     for r in rows_out:
-        extra = r["with_ties_ms"] / r["head_ms"] - 1
-        lines.append(f"| {r['rows']} | {r['head_ms']:.3f} | {r['with_ties_ms']:.3f} | "
-                     f"{extra:+.1%} |")
+        lines.append(f"| {r['rows']} | {r['head_ms']:.3f} | {r['fused_ms']:.3f} | "
+                     f"{r['fused_ms'] / r['head_ms'] - 1:+.1%} | {r['torch_ms']:.3f} | "
+                     f"{r['torch_ms'] / r['head_ms'] - 1:+.1%} |")
     publish("lm_head_ties", "\n".join(lines), rows_out, None, args.write_docs)
 
 
