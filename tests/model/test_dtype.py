@@ -1,6 +1,6 @@
 """Issue 16.4 and 17.5: --dtype takes vLLM's spellings in every command, and ``auto`` (the
 default) picks the checkpoint's own dtype where the CPU computes bf16 natively, else float32,
-and float32 for a quantized checkpoint (docs/dtype.md)."""
+a quantized checkpoint counting as 16-bit (docs/dtype.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ AVX2 = frozenset({"avx2", "fma"})
 
 
 @pytest.mark.parametrize(("name", "stored", "flags", "expected", "why"), [
-    ("auto", "quantized", AVX512_BF16, torch.float32, "dequantises to float32"),
-    ("auto", "quantized", AMX, torch.float32, "dequantises to float32"),
+    ("auto", "quantized", AVX512_BF16, torch.bfloat16, "quantized and this CPU has avx512_bf16"),
+    ("auto", "quantized", AMX, torch.bfloat16, "quantized and this CPU has amx_bf16"),
+    ("auto", "quantized", AVX2, torch.float32, "quantized but this CPU has no native bf16"),
     ("auto", "bfloat16", AVX512_BF16, torch.bfloat16, "this CPU has avx512_bf16"),
     ("auto", "bfloat16", AMX, torch.bfloat16, "this CPU has amx_bf16"),
     ("auto", "float16", AVX2, torch.float32, "no native bf16"),
@@ -42,7 +43,7 @@ def test_an_unknown_dtype_is_named():
 
 
 def test_the_bundled_model_is_quantized():
-    assert checkpoint_dtype(None) == "quantized"  # Q4_1: auto means float32 (docs/dtype.md)
+    assert checkpoint_dtype(None) == "quantized"  # Q4_1: auto means bfloat16 where native
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "calibrate"])

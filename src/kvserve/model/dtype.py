@@ -5,16 +5,16 @@
     the checkpoint's dtype          this CPU                         auto
     ----------------------          --------                         ----
     float32 (or random weights)     any                              float32
-    quantized (GGUF)                any                              float32
-    bfloat16, float16               AMX or AVX512-BF16 in its flags  bfloat16
-    bfloat16, float16               neither                          float32
+    bfloat16, float16, quantized    AMX or AVX512-BF16 in its flags  bfloat16
+    bfloat16, float16, quantized    neither                          float32
 
 A 16-bit checkpoint runs in bfloat16 on a CPU (float16 has no fast CPU path; vLLM's CPU
 backend casts it too). Without native bf16 a CPU emulates it, slower than float32, so
 ``auto`` falls back to float32 there. A quantized GGUF (the bundled SmolLM2 is Q4_1) is
-dequantised to float32, its own precision: rounding the dequantised weights and activations
-to bfloat16 changes the bundled model's greedy answers (docs/dtype.md), so bfloat16 is
-asked for by name (``--dtype bfloat16``), never picked silently.
+dequantised and then treated as a 16-bit checkpoint, as vLLM's ``auto`` does: the bundled
+model was published in bfloat16, and 4-bit weights lose nothing more in bfloat16. The one
+answer bfloat16 used to change was a tie made by rounding the logits, which the LM head now
+breaks exactly (kvserve.model.logits; docs/dtype.md).
 """
 
 from __future__ import annotations
@@ -74,9 +74,6 @@ def resolve_dtype(name: str | torch.dtype, stored: str = "float32",
         return _DTYPES[name], f"--dtype {name}"
     if stored == "float32":
         return torch.float32, "auto: the checkpoint is float32"
-    if stored == "quantized":
-        return torch.float32, ("auto: the checkpoint is quantized and dequantises to float32 "
-                               "(--dtype bfloat16 is faster but changes its answers)")
     flag = native_bf16(flags)
     if flag is not None:
         return torch.bfloat16, f"auto: the checkpoint is {stored} and this CPU has {flag}"

@@ -199,7 +199,7 @@ void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::T
 // logits: [rows, vocab] bfloat16 (an LM head's output) -> float32 logits, and per row whether
 // its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
 // only way it can have changed a row's greedy token (kvserve/model/logits.py). The widening
-// pass exists anyway; the maximum rides along, and the count re-reads the row from cache.
+// pass exists anyway; the maximum and its count ride along in the same loop.
 std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu(),
@@ -214,15 +214,35 @@ std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   for_rows(rows, vocab, [&](int64_t row) {
     const c10::BFloat16* in = src + row * vocab;
     float* o = dst + row * vocab;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int64_t i = 0; i < vocab; ++i) {
-      o[i] = to_float(in[i]);
-      top = std::max(top, o[i]);
+    // One pass: each of kLanes lanes keeps its maximum and how often it has seen it; the row's
+    // count is the sum over the lanes that hold the row's maximum.
+    constexpr int64_t kLanes = 16;
+    float top[kLanes];
+    int32_t seen[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      top[j] = -INFINITY;
+      seen[j] = 0;
     }
+    int64_t i = 0;
+    for (; i + kLanes <= vocab; i += kLanes) {
+#pragma omp simd
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const float v = to_float(in[i + j]);
+        o[i + j] = v;
+        seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
+        top[j] = std::max(top[j], v);
+      }
+    }
+    for (int64_t j = 0; i < vocab; ++i, ++j) {
+      const float v = to_float(in[i]);
+      o[i] = v;
+      seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
+      top[j] = std::max(top[j], v);
+    }
+    float row_top = -INFINITY;
+    for (int64_t j = 0; j < kLanes; ++j) row_top = std::max(row_top, top[j]);
     int64_t at_top = 0;
-#pragma omp simd reduction(+ : at_top)
-    for (int64_t i = 0; i < vocab; ++i) at_top += o[i] == top ? 1 : 0;
+    for (int64_t j = 0; j < kLanes; ++j) at_top += top[j] == row_top ? seen[j] : 0;
     tied_rows[row] = at_top > 1;
   });
   return {out, tied};
