@@ -207,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   const int64_t rows = logits.size(0);
   const int64_t vocab = logits.size(1);
   at::Tensor out = at::empty({rows, vocab}, logits.options().dtype(at::kFloat));
-  at::Tensor tied = at::zeros({rows}, logits.options().dtype(at::kBool));
+  at::Tensor tied = at::empty({rows}, logits.options().dtype(at::kBool));
   const c10::BFloat16* src = logits.data_ptr<c10::BFloat16>();
   float* dst = out.data_ptr<float>();
   bool* tied_rows = tied.data_ptr<bool>();
