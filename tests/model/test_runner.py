@@ -138,7 +138,8 @@ def test_packed_bf16_projections_generate_what_plain_ones_do(monkeypatch, tied):
     projections = [m for m in packed.modules() if isinstance(m, Linear)]
     assert all(m.packed is not None for m in projections)
     released = [m for m in projections if m.weight.is_meta]
-    assert len(released) == len(projections) - tied  # a tied head keeps the embedding
+    assert len(released) == len(projections) - 1  # the head keeps its plain weight
+    assert not packed.lm_head.weight.is_meta
     assert packed.embed_tokens.weight.device.type == "cpu"
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: False)
     plain = LlamaForCausalLM.from_weights(config, dict(weights))

@@ -200,8 +200,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
-        rounding is recomputed exactly (:mod:`kvserve.model.logits`); a head whose plain
-        weight was released after packing (an untied head) skips that."""
+        rounding is recomputed exactly (:mod:`kvserve.model.logits`) from the head's plain
+        weight, which packing keeps (a meta weight, from a caller's own packing, skips it)."""
         raw = self.lm_head(hidden)
         if raw.dtype == torch.float32:
             return raw
@@ -232,8 +232,10 @@ class LlamaForCausalLM(nn.Module):
         elif can_pack_weights(model.embed_tokens.weight.dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
-                    shared = module.weight is model.embed_tokens.weight
-                    module.pack(release_weight=not shared)
+                    # the LM head keeps its plain weight: compute_logits recomputes rows of it
+                    # to break rounding ties (a tied head's is the embedding table anyway)
+                    keep = module is model.lm_head or module.weight is model.embed_tokens.weight
+                    module.pack(release_weight=not keep)
         return model.eval()
 
     @torch.no_grad()
