@@ -27,6 +27,21 @@ _U_SPAN, _U_FIRST = np.uint64(_SPAN), np.uint64(FIRST_TOKEN_ID)
 _U27, _U30, _U31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
+def _finish_in_place(z: np.ndarray) -> None:
+    """The finaliser of :func:`stream_token`, on a uint64 array of ``(position + 1) * golden +
+    key`` values, in place: splitmix64's mixing, then the token range."""
+    t = z >> _U30
+    z ^= t
+    z *= _U_M1
+    np.right_shift(z, _U27, out=t)
+    z ^= t
+    z *= _U_M2
+    np.right_shift(z, _U31, out=t)
+    z ^= t
+    z %= _U_SPAN
+    z += _U_FIRST
+
+
 def stream_key(seed: int, key: str) -> int:
     """A stable 64-bit key for ``key`` under ``seed`` (no salted ``hash()``)."""
     digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
@@ -56,16 +71,7 @@ def stream_ranges(keys: Sequence[int], starts: Sequence[int],
     z = z.view(np.uint64)
     z *= _U_GOLDEN
     z += np.repeat(np.array(keys, dtype=np.uint64), lengths)
-    t = z >> _U30
-    z ^= t
-    z *= _U_M1
-    np.right_shift(z, _U27, out=t)
-    z ^= t
-    z *= _U_M2
-    np.right_shift(z, _U31, out=t)
-    z ^= t
-    z %= _U_SPAN
-    z += _U_FIRST
+    _finish_in_place(z)
     return z.view(np.int64)
 
 
@@ -77,14 +83,5 @@ def stream_tokens(key: int, start: int, end: int) -> list[int]:
     z = np.arange(start + 1, end + 1, dtype=np.uint64)
     z *= _U_GOLDEN
     z += np.uint64(key)
-    t = z >> _U30
-    z ^= t
-    z *= _U_M1
-    np.right_shift(z, _U27, out=t)
-    z ^= t
-    z *= _U_M2
-    np.right_shift(z, _U31, out=t)
-    z ^= t
-    z %= _U_SPAN
-    z += _U_FIRST
+    _finish_in_place(z)
     return z.tolist()
