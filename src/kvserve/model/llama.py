@@ -201,15 +201,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
         rounding is recomputed exactly (:mod:`kvserve.model.logits`) from the head's plain
-        weight, which packing keeps (a meta weight, from a caller's own packing, skips it)."""
+        weight, which :meth:`from_weights` keeps beside the packed copy."""
         raw = self.lm_head(hidden)
         if raw.dtype == torch.float32:
             return raw
         logits, tied = widen_logits(raw)
-        weight = self.lm_head.weight
-        if tied.numel() and not weight.is_meta:
-            break_rounding_ties_(logits, hidden, weight, tied)
-        return logits
+        return break_rounding_ties_(logits, hidden, self.lm_head.weight, tied)
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],

@@ -28,25 +28,28 @@ def widen_logits(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     whose maximum occurs more than once."""
     if raw.dtype == torch.bfloat16 and raw.is_contiguous() and paged_kernel.handles(raw.dtype):
         logits, tied = paged_kernel.layer_ops().widen_logits(raw)
-    else:
-        logits = raw.float()
-        tied = (logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1
-    return logits, tied.nonzero().squeeze(1)
+        return logits, tied.nonzero().squeeze(1)
+    logits = raw.float()
+    return logits, rows_with_repeated_maximum(logits)
+
+
+def rows_with_repeated_maximum(logits: torch.Tensor) -> torch.Tensor:
+    """The indices of the rows of ``logits`` [S, vocab] whose maximum occurs more than once."""
+    return ((logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1).nonzero().squeeze(1)
 
 
 def break_rounding_ties_(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                          tied: torch.Tensor | None = None) -> torch.Tensor:
     """Replace, in place, the logits equal to their row's maximum, in the rows ``tied`` (by
-    default: every row whose maximum occurs more than once), by their float32 dot products.
-    logits: float32 [S, vocab], rounded from ``hidden`` ([S, hidden], 16-bit) times ``weight``
+    default :func:`rows_with_repeated_maximum`), by their float32 dot products. logits:
+    float32 [S, vocab], rounded from ``hidden`` ([S, hidden], 16-bit) times ``weight``
     ([vocab, hidden], 16-bit). Returns ``logits``."""
     if tied is None:
-        tied = ((logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1) > 1).nonzero()
-        tied = tied.squeeze(1)
+        tied = rows_with_repeated_maximum(logits)
     if tied.numel() == 0:
         return logits
-    top = logits[tied].amax(dim=-1, keepdim=True)
-    rows, cols = (logits[tied] == top).nonzero(as_tuple=True)
+    candidates = logits[tied]
+    rows, cols = (candidates == candidates.amax(dim=-1, keepdim=True)).nonzero(as_tuple=True)
     rows = tied[rows]
     logits[rows, cols] = torch.einsum("nh,nh->n", hidden[rows].float(), weight[cols].float())
     return logits
