@@ -23,6 +23,7 @@ from kvserve.core.config import (
     MAX_HOST_BLOCKS,
     PREEMPTION_MODES,
     PREFIX_CACHE_SCOPES,
+    PREFIX_CACHING_HASH_ALGOS,
     SCHEDULING_POLICIES,
     TENANT_FAIRNESS,
     VICTIM_POLICIES,
@@ -55,7 +56,10 @@ _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
      "request's session ttl overrides it)"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching",
-              "swap_space", "num_host_blocks")
+              "swap_space", "num_host_blocks", "prefix_caching_hash_algo")
+# The simulator hashes blocks with the cheap algorithm unless told otherwise: a hash decides
+# only whether two blocks are equal (docs/scheduler.md, G3). The engine's default: blake2b.
+SIM_HASH_ALGO = "builtin"
 # vLLM's --dtype spellings, for the engine and the simulator alike (docs/dtype.md)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # A host tier past this is a typo (vLLM's --swap-space is GiB per device; 1 PiB is absurd).
@@ -125,6 +129,12 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                        help="KV cache bytes per device (e.g. 20GiB) instead of a block count")
     group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                        action=argparse.BooleanOptionalAction)
+    group.add_argument("--prefix-caching-hash-algo", dest="prefix_caching_hash_algo",
+                       choices=PREFIX_CACHING_HASH_ALGOS,
+                       help="how full blocks are hashed for the prefix cache: blake2b, "
+                            "collision resistant (the engine's default), or builtin, a "
+                            "64-bit non-cryptographic hash several times cheaper (the "
+                            "simulator's default; not for untrusted multi-tenant serving)")
     group.add_argument("--prefix-cache-scope", dest="prefix_cache_scope",
                        choices=PREFIX_CACHE_SCOPES, help="tenant: each tenant's blocks hash "
                        "apart, nothing is shared or hinted across tenants (serve's default "
@@ -277,4 +287,6 @@ def cache_config(settings: dict[str, Any], num_blocks: int,
     return CacheConfig(num_blocks=num_blocks,
                        block_size=settings.get("block_size", DEFAULT_BLOCK_SIZE),
                        enable_prefix_caching=settings.get("enable_prefix_caching", True),
-                       num_host_blocks=num_host_blocks)
+                       num_host_blocks=num_host_blocks,
+                       prefix_caching_hash_algo=settings.get("prefix_caching_hash_algo",
+                                                             SIM_HASH_ALGO))

@@ -1,11 +1,21 @@
 """Spec G3-G5: stable chained block hashes and the longest-prefix lookup."""
 
+import hashlib
+import os
 import subprocess
 import sys
 
-from kvserve.core.config import CacheConfig
+import pytest
+
+from kvserve.core.config import PREFIX_CACHING_HASH_ALGOS, CacheConfig
+from kvserve.core.errors import ConfigError
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.prefix_cache import extend_block_hashes, hash_block_tokens
+from kvserve.core.prefix_cache import (
+    BLOCK_HASHERS,
+    extend_block_hashes,
+    extend_builtin_block_hashes,
+    hash_block_tokens,
+)
 from tests.conftest import make_request
 
 PINNED = "from kvserve.core.prefix_cache import hash_block_tokens as h; " \
@@ -55,17 +65,63 @@ def test_extending_in_steps_gives_the_block_by_block_chain():  # G3
     assert extend_block_hashes(request, 4, request.num_tokens) == expected
 
 
-def cached_manager(tokens, num_blocks=10, block_size=4):
-    kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size),
+BUILTIN_PINNED = "from kvserve.core.prefix_cache import extend_builtin_block_hashes as h; " \
+    "from kvserve.core.request import Request, SamplingParams; " \
+    "print(h(Request('a', [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(cache_salt='salt')), 4, 8))"
+
+
+def test_builtin_hash_is_stable_across_processes():  # G3: ints hash unsalted
+    outputs = {
+        subprocess.run([sys.executable, "-c", BUILTIN_PINNED], capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2")
+    }
+    request = make_request("a", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8], cache_salt="salt")
+    assert outputs == {str(extend_builtin_block_hashes(request, 4, 8))}
+
+
+def test_builtin_hash_is_a_running_sum_of_position_tagged_tuple_hashes():  # G3
+    # 64-bit CPython's tuple hash of these ints: pinned, so a change of it shows here.
+    assert hash((0, 1, 2, 3, 4)) == 891674017800185211
+    salt = int.from_bytes(hashlib.blake2b(b"s", digest_size=8).digest(), "little")
+    prompt = list(range(1000, 1037))  # 9 full blocks of 4, the 10th completed by output
+    request = make_request("a", prompt_token_ids=prompt, cache_salt="s")
+    sequence = [*prompt, 7, 8, 9]
+    expected = [salt + hash((0, *sequence[:4]))]
+    for index in range(1, 10):
+        expected.append(expected[-1] + hash((index, *sequence[4 * index:4 * index + 4])))
+    assert extend_builtin_block_hashes(request, 4, 1) == []
+    assert extend_builtin_block_hashes(request, 4, 4) == expected[:1]
+    assert extend_builtin_block_hashes(request, 4, 27) == expected[:6]  # five at once
+    assert extend_builtin_block_hashes(request, 4, 28) == expected[:7]  # one more
+    request.output_token_ids += [7, 8, 9]
+    assert extend_builtin_block_hashes(request, 4, request.num_tokens) == expected
+    unsalted = make_request("b", prompt_token_ids=prompt)
+    assert extend_builtin_block_hashes(unsalted, 4, 8) == [
+        hash((0, *prompt[:4])), hash((0, *prompt[:4])) + hash((1, *prompt[4:8]))]
+
+
+def test_hash_algos_are_the_configs_choices_and_others_are_refused():  # G3
+    assert tuple(BLOCK_HASHERS) == PREFIX_CACHING_HASH_ALGOS == ("blake2b", "builtin")
+    assert CacheConfig(num_blocks=1).prefix_caching_hash_algo == "blake2b"
+    with pytest.raises(ConfigError, match="prefix_caching_hash_algo='sha256' is not one of "
+                                          "blake2b, builtin"):
+        CacheConfig(num_blocks=1, prefix_caching_hash_algo="sha256")
+
+
+def cached_manager(tokens, num_blocks=10, block_size=4, algo="blake2b"):
+    kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                    prefix_caching_hash_algo=algo),
                         max_model_len=1000)
     owner = make_request("owner", prompt_token_ids=tokens)
     kv.allocate_slots(owner, len(tokens))
     return kv, owner
 
 
-def test_last_token_is_never_a_hit():  # G4
+@pytest.mark.parametrize("algo", PREFIX_CACHING_HASH_ALGOS)
+def test_last_token_is_never_a_hit(algo):  # G4
     tokens = list(range(12))  # exactly three full blocks of 4
-    kv, _ = cached_manager(tokens)
+    kv, _ = cached_manager(tokens, algo=algo)
     twin = make_request("twin", prompt_token_ids=tokens)
     hits, num_hit_tokens = kv.get_computed_blocks(twin)
     assert (len(hits), num_hit_tokens) == (2, 8)
@@ -73,17 +129,19 @@ def test_last_token_is_never_a_hit():  # G4
     assert kv.get_computed_blocks(longer)[1] == 12
 
 
-def test_lookup_stops_at_the_first_miss():  # G4
-    kv, _ = cached_manager(list(range(16)))
+@pytest.mark.parametrize("algo", PREFIX_CACHING_HASH_ALGOS)
+def test_lookup_stops_at_the_first_miss(algo):  # G4
+    kv, _ = cached_manager(list(range(16)), algo=algo)
     # block 1 differs, so block 2 cannot hit even though its tokens match
     probe = make_request("p", prompt_token_ids=[0, 1, 2, 3, 0, 0, 0, 0, *range(8, 16), 1])
     hits, num_hit_tokens = kv.get_computed_blocks(probe)
     assert ([b.block_id for b in hits], num_hit_tokens) == ([0], 4)
 
 
-def test_hits_count_for_held_and_for_free_blocks():  # G5
+@pytest.mark.parametrize("algo", PREFIX_CACHING_HASH_ALGOS)
+def test_hits_count_for_held_and_for_free_blocks(algo):  # G5
     tokens = list(range(9))
-    kv, owner = cached_manager(tokens)
+    kv, owner = cached_manager(tokens, algo=algo)
     probe = make_request("p", prompt_token_ids=tokens)
     assert kv.get_computed_blocks(probe)[1] == 8  # held by owner (ref 1)
     kv.free(owner)
@@ -91,9 +149,10 @@ def test_hits_count_for_held_and_for_free_blocks():  # G5
     assert num_hit_tokens == 8 and all(b.ref_cnt == 0 for b in hits)  # free, still cached
 
 
-def test_salted_requests_do_not_share():  # G3 extra keys
+@pytest.mark.parametrize("algo", PREFIX_CACHING_HASH_ALGOS)
+def test_salted_requests_do_not_share(algo):  # G3 extra keys
     tokens = list(range(9))
-    kv, _ = cached_manager(tokens)
+    kv, _ = cached_manager(tokens, algo=algo)
     salted = make_request("s", prompt_token_ids=tokens, cache_salt="tenant-b")
     assert kv.get_computed_blocks(salted) == ([], 0)
 

@@ -23,7 +23,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        self.block_hash: bytes | int | None = None  # int: the builtin hash algorithm
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -167,7 +167,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVBlock] = {}
+        self.cached: dict[bytes | int, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,7 +177,7 @@ class BlockPool:
         """Fraction of blocks referenced by a request; cached-but-free blocks count as free (G7)."""
         return 1.0 - self.free_queue.num_free / self.num_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+    def get_cached_block(self, block_hash: bytes | int) -> KVBlock | None:
         return self.cached.get(block_hash)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -234,14 +234,14 @@ class BlockPool:
         queue.extendleft(to_head)
         queue.extend(to_tail)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVBlock, block_hash: bytes | int) -> None:
         """Register a newly full block under its hash (see :meth:`cache_blocks`)."""
         cached = self.cached
         if block_hash not in cached:
             block.block_hash = block_hash
             cached[block_hash] = block
 
-    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes]) -> None:
+    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes | int]) -> None:
         """Register newly full blocks, each under its hash.
 
         [kvserve] If another block already holds this hash (two requests computed the same

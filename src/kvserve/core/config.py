@@ -26,6 +26,7 @@ PREFIX_CACHE_SCOPES = ("global", "tenant")
 TENANT_FAIRNESS = ("off", "vtc")
 DEFAULT_BLOCK_SIZE = 16  # token slots per KV block, everywhere a block size is not given
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+PREFIX_CACHING_HASH_ALGOS = ("blake2b", "builtin")  # kvserve.core.prefix_cache.BLOCK_HASHERS
 # Largest host tier accepted: far beyond any machine's memory, so a bigger one is a typo.
 MAX_HOST_BLOCKS = 1 << 31
 
@@ -86,12 +87,17 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # The host KV tier (K3): blocks a swap-mode victim's KV is copied to; 0 = no host tier.
     num_host_blocks: int = 0
+    # How full blocks are hashed for the prefix cache (G3): "blake2b", collision resistant,
+    # or "builtin", a cheaper 64-bit hash (vLLM's --prefix-caching-hash-algo).
+    prefix_caching_hash_algo: str = "blake2b"
 
     def __post_init__(self) -> None:
         _check_int("num_blocks", self.num_blocks, 1)
         _check_int("block_size", self.block_size, 1, 1024)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_int("num_host_blocks", self.num_host_blocks, 0, MAX_HOST_BLOCKS)
+        _check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo,
+                      PREFIX_CACHING_HASH_ALGOS)
 
     @property
     def num_token_slots(self) -> int:

@@ -13,7 +13,8 @@ from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.config import CacheConfig
 from kvserve.core.host_pool import HostBlockPool
 from kvserve.core.prefix_cache import (
-    extend_block_hashes,
+    BLOCK_HASHERS,
+    BlockHash,
     find_longest_cache_hit,
     first_block_key,
     prompt_bytes_block_hashes,
@@ -29,6 +30,9 @@ class KVCacheManager:
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.enable_caching = cache_config.enable_prefix_caching
+        self.hash_algo = cache_config.prefix_caching_hash_algo
+        # Fills a request's block_hashes up to a token count (G3), by the chosen algorithm.
+        self._extend_hashes = BLOCK_HASHERS[self.hash_algo]
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * cache_config.num_blocks)
         self.tenant_scoped = tenant_scoped  # prefix_cache_scope "tenant": see first_block_key
@@ -82,7 +86,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return _NO_BLOCKS, 0
         num_tokens = request.num_tokens
-        hashes = extend_block_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
+        hashes = self._extend_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
         hits = find_longest_cache_hit(self.pool, hashes, (num_tokens - 1) // self.block_size)
         return hits, len(hits) * self.block_size
 
@@ -91,8 +95,9 @@ class KVCacheManager:
         (``array("q", request.prompt_token_ids).tobytes()``) before it is added: the digests
         its first lookup would compute from the list. A simulator that draws prompts as
         arrays has these bytes; converting the list again cost a few percent of a run.
-        Nothing to do without prefix caching or when the request has hashes already."""
-        if not self.enable_caching or request.block_hashes:
+        Nothing to do without prefix caching, when the request has hashes already, or with
+        the ``builtin`` algorithm, which hashes the ids themselves."""
+        if not self.enable_caching or request.block_hashes or self.hash_algo != "blake2b":
             return
         if len(prompt_bytes) != 8 * len(request.prompt_token_ids):
             raise ValueError(f"request {request.request_id}: {len(prompt_bytes)} bytes for "
@@ -100,14 +105,14 @@ class KVCacheManager:
         request.block_hashes = prompt_bytes_block_hashes(
             prompt_bytes, self.block_size, first_block_key(request, self.tenant_scoped))
 
-    def cached_prefix_hashes(self, request: Request) -> list[bytes]:
+    def cached_prefix_hashes(self, request: Request) -> list[BlockHash]:
         """The leading block hashes of ``request`` that the prefix cache holds now, up to the
         G4 cap: the blocks :meth:`get_computed_blocks` would hit. Read-only: nothing is
         referenced, touched or counted (a cache-aware waiting order asks this, C4, C5)."""
         if not self.enable_caching:
             return []
         num_tokens = request.num_tokens
-        hashes = extend_block_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
+        hashes = self._extend_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
         cached = self.pool.cached
         num_hits = 0
         for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
@@ -237,7 +242,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request_id]
         if num_full <= num_cached:
             return
-        hashes = extend_block_hashes(request, self.block_size, num_full * self.block_size,
+        hashes = self._extend_hashes(request, self.block_size, num_full * self.block_size,
                                      self.tenant_scoped)
         if num_full == num_cached + 1:  # one block, as when decoding fills one
             self.pool.cache_block(held[num_cached], hashes[num_cached])

@@ -3,19 +3,28 @@
 A block's hash is a BLAKE2b digest of (parent hash or a fixed seed, the block's token ids,
 extra keys such as the cache salt on the first block). Chaining makes one hash name the whole
 prefix up to and including its block. The digest depends only on its inputs: stable across
-processes and runs, unlike Python's salted ``hash()``.
+processes and runs, unlike Python's salted ``hash()`` of strings and bytes.
+
+``prefix_caching_hash_algo`` (vLLM's ``--prefix-caching-hash-algo``) picks the function:
+``blake2b`` (the default: the digests above, collision resistant) or ``builtin``, a 64-bit
+non-cryptographic hash computed in C, several times cheaper, that the simulator uses
+(docs/scheduler.md, G3; :func:`extend_builtin_block_hashes`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import accumulate, count
+from operator import add
 
 from kvserve.core.block_pool import BlockPool, KVBlock
 from kvserve.core.request import Request
 
 ROOT_HASH = hashlib.blake2b(b"kvserve/prefix-cache/v1", digest_size=16).digest()
+# A block hash: BLAKE2b's 16 bytes, or the builtin algorithm's int.
+BlockHash = bytes | int
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
@@ -77,6 +86,53 @@ def extend_block_hashes(request: Request, block_size: int, num_tokens: int,
             parent = blake2b(parent + data[start:start + block_bytes], digest_size=16).digest()
             hashes.append(parent)
     return hashes
+
+
+def extend_builtin_block_hashes(request: Request, block_size: int, num_tokens: int,
+                                tenant_scoped: bool = False) -> list[BlockHash]:
+    """:func:`extend_block_hashes` with the ``builtin`` algorithm: block i's hash is its
+    parent's plus ``hash((i, *its token ids))``, the first block's parent being its extra key
+    as a 64-bit int (0 without one), so a hash names the whole prefix up to its block.
+
+    Python's ``hash`` of a tuple of ints is not salted (only str and bytes are): the same
+    in every process and run on 64-bit CPython (3.8 on), and computed in C, as are the
+    tuples (``zip`` over one iterator), the hashes (``map``) and the running sum
+    (``accumulate``). It is not collision resistant: two prefixes collide with a chance of
+    about 2**-64, and someone who can choose prompts can make them collide on purpose
+    (docs/scheduler.md, G3): the engine's default stays ``blake2b``.
+    """
+    hashes = request.block_hashes
+    index = len(hashes)
+    num_full = num_tokens // block_size
+    if index >= num_full:
+        return hashes
+    ids = request.token_slice(index * block_size, num_full * block_size)
+    if index:
+        if index + 1 == num_full:  # one more block, as when decoding fills one
+            hashes.append(hashes[-1] + hash((index, *ids)))
+            return hashes
+        parent = hashes[-1]
+    else:
+        parent = _builtin_key(first_block_key(request, tenant_scoped))
+    sums = accumulate(map(hash, zip(count(index), *[iter(ids)] * block_size)), add,
+                      initial=parent)
+    next(sums)  # the parent itself
+    hashes.extend(sums)
+    return hashes
+
+
+def _builtin_key(extra_key: str | None) -> int:
+    """An extra key as a stable 64-bit int (``hash`` of a str is salted per process)."""
+    if extra_key is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(extra_key.encode(), digest_size=8).digest(),
+                          "little")
+
+
+BLOCK_HASHERS: dict[str, Callable[[Request, int, int, bool], list[BlockHash]]] = {
+    "blake2b": extend_block_hashes,  # type: ignore[dict-item]
+    "builtin": extend_builtin_block_hashes,
+}
 
 
 def prompt_bytes_block_hashes(data: bytes, block_size: int,

@@ -207,7 +207,7 @@ class Request:
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
     # Chained hashes of the request's full blocks, filled lazily by the KV cache manager.
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[bytes | int] = field(default_factory=list)  # int: the builtin hash
     # L2: what this waiting request is not ready for yet ("kv_transfer", "input", ...);
     # None: ready. The waiting pass skips it and puts it back in its place.
     not_ready_reason: str | None = None

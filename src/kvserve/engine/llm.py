@@ -95,6 +95,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  swap_space: int | None = None, num_host_blocks: int | None = None,
+                 prefix_caching_hash_algo: str = "blake2b",
                  preemption_prices: Any | None = None,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | None = None, batch_invariant: bool = False,
@@ -145,7 +146,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler_config = SchedulerConfig.from_dict(scheduler_settings)
     cache_config = CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,
                                enable_prefix_caching=enable_prefix_caching,
-                               num_host_blocks=num_host_blocks)
+                               num_host_blocks=num_host_blocks,
+                               prefix_caching_hash_algo=prefix_caching_hash_algo)
     kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
     host = HostKVCache(kv_caches, num_host_blocks) if num_host_blocks else None
     runner = ModelRunner(network, kv_caches, block_size,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
-from kvserve.flags import cache_config, num_host_blocks, scheduler_config
+from kvserve.flags import SIM_HASH_ALGO, cache_config, num_host_blocks, scheduler_config
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
 from kvserve.sim.cost_models import (
@@ -165,7 +165,7 @@ class Deployment:
             cluster = None
         echo = {
             "scheduler": _scheduler_echo(config),
-            "cache": _fields(cache),
+            "cache": _cache_echo(cache),
             "cost_model": cost_model.describe(),
             "deployment": {"model": self.model, "hardware": self.hardware,
                            "dtype": self.dtype,
@@ -208,6 +208,15 @@ def _fields(obj: Any) -> dict[str, Any]:
     if all(fields[name] == _LATER_FIELDS[name] for name in later):
         for name in later:
             del fields[name]
+    return fields
+
+
+def _cache_echo(cache: CacheConfig) -> dict[str, Any]:
+    """The cache's fields; the block hash algorithm only when it is not the simulator's
+    own (it decides nothing but equality: docs/scheduler.md, G3)."""
+    fields = _fields(cache)
+    if fields["prefix_caching_hash_algo"] == SIM_HASH_ALGO:
+        del fields["prefix_caching_hash_algo"]
     return fields
 
 
