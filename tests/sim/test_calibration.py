@@ -50,8 +50,10 @@ def test_a_term_that_would_fit_negative_is_dropped():
 
 
 def test_too_few_samples_is_an_error():
-    with pytest.raises(ValueError, match="at least 7"):
+    with pytest.raises(ValueError, match="at least 6"):
         fit(_views(3), [0.1, 0.1, 0.1])
+    with pytest.raises(ValueError, match="at least 7"):  # the six and the kind term
+        fit(_views(6), [0.1] * 6, kind_term=True)
 
 
 def test_fit_finds_the_knee_of_small_steps():
@@ -124,3 +126,53 @@ def test_fit_on_one_layout_leaves_the_term_at_zero():
     model = fit(views, [truth.step_time(None, v) for v in views])  # type: ignore[arg-type]
     assert model.coefficients["per_scattered_context_token_s"] == 0.0
     assert not model.needs_block_layout
+
+
+def _decodes_and_chunks(n: int, seed: int) -> list[BatchView]:
+    """Decode-only steps and steps with one or two fresh prompt chunks riding along."""
+    rng = np.random.default_rng(seed)
+    views = []
+    for index in range(n):
+        seqs = int(rng.integers(1, 128))
+        context = int(rng.integers(16, 1000)) * seqs
+        chunks = index % 3  # 0: decode only
+        tokens = [int(rng.integers(2, 1024)) for _ in range(chunks)]
+        sampled = seqs + sum(t % 2 for t in tokens)  # an odd chunk ends its prompt
+        views.append(BatchView(seqs + chunks, seqs + sum(tokens), sampled, seqs, context,
+                               context + seqs + sum(t * (t + 1) // 2 for t in tokens)))
+    return views
+
+
+def test_fit_separates_the_kind_term_when_asked():
+    """Decode-only steps and steps with prompt chunks, priced with a fixed cost per step
+    with chunks on top of the six terms: the fit recovers it, and without kind_term leaves
+    it at 0."""
+    truth = CalibratedCostModel({**TRUE, "per_prefill_step_s": 0.002})
+    views = _decodes_and_chunks(400, 3)
+    rng = np.random.default_rng(4)
+    seconds = [truth.step_time(None, v) * (1 + rng.normal(0, 0.003)) for v in views]  # type: ignore[arg-type]
+    model = fit(views, seconds, kind_term=True)
+    assert model.coefficients["per_prefill_step_s"] == pytest.approx(0.002, rel=0.1)
+    assert model.coefficients["fixed_s"] == pytest.approx(TRUE["fixed_s"], rel=0.1)
+    assert fit(views, seconds).coefficients["per_prefill_step_s"] == 0.0
+
+
+def test_relative_to_the_price_does_not_lean_low_on_noisy_steps():
+    """Steps whose times scatter by 20% around the truth: relative to the measured time the
+    fit under-prices their sum by a few percent (a slow step weighs less than a fast one);
+    relative to its own price it does not, and the default stays the plain fit."""
+    views = _decodes_and_chunks(600, 5)
+    truth = CalibratedCostModel(dict(TRUE))
+    rng = np.random.default_rng(6)
+    seconds = [truth.step_time(None, v) * rng.gamma(25, 1 / 25) for v in views]  # type: ignore[arg-type]
+
+    def error_of_the_sum(model):
+        return sum(model.step_time(None, v) for v in views) / sum(seconds) - 1  # type: ignore[arg-type]
+
+    measured = fit(views, seconds, knees=(0,))
+    priced = fit(views, seconds, knees=(0,), relative_to="priced")
+    assert error_of_the_sum(measured) < -0.02
+    assert abs(error_of_the_sum(priced)) < 0.01
+    assert fit(views, seconds, knees=(0,), relative_to="measured") == measured
+    with pytest.raises(ValueError, match="relative_to must be 'measured' or 'priced'"):
+        fit(views, seconds, relative_to="seconds")

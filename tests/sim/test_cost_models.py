@@ -172,3 +172,43 @@ def test_the_layout_term_prices_scattered_context_tokens():
     with pytest.raises(CostModelError, match=unknown):
         CalibratedCostModel.from_dict({"format": "kvserve-cost-model/1", "coefficients": {
             "fixed_s": 0.002, "per_scattered_block_s": 1e-6}})
+
+
+def mixed(batch: int, context: int, chunk: int) -> BatchView:
+    """``batch`` decodes at ``context`` and one fresh prompt chunk of ``chunk`` tokens."""
+    return BatchView(batch + 1, batch + chunk, batch + 1, batch, batch * context,
+                     batch * (context + 1) + chunk * (chunk + 1) // 2)
+
+
+SIX_TERMS = {"fixed_s": 0.01, "per_token_s": 5e-4, "per_seq_s": 1e-4, "per_sampled_s": 1e-4,
+             "per_context_token_s": 1e-6, "per_attention_pair_s": 5e-7}
+
+
+def test_a_file_without_the_kind_term_prices_every_step_as_the_six_term_model(tmp_path):
+    # Files written before the step-kind term existed: it loads at 0, the mixed step
+    # costs what the six terms say, bit for bit, and the report does not echo them.
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": "kvserve-cost-model/1", "coefficients": SIX_TERMS}))
+    cost = CalibratedCostModel.load(path)
+    assert cost.coefficients["per_prefill_step_s"] == 0.0
+    assert set(cost.describe()["coefficients"]) == set(SIX_TERMS)
+    c, view = SIX_TERMS, mixed(8, 400, 100)
+    six = (c["fixed_s"] + c["per_token_s"] * 108 + c["per_seq_s"] * 9 + c["per_sampled_s"] * 9
+           + c["per_context_token_s"] * 3200 + c["per_attention_pair_s"] * view.attention_pairs)
+    assert cost.step_time(None, view) == six
+    assert CalibratedCostModel(dict(SIX_TERMS)).step_time(None, view) == six
+
+
+def test_the_kind_term_prices_steps_with_prefill_chunks_only():
+    cost = CalibratedCostModel.from_dict({"format": "kvserve-cost-model/1", "coefficients": {
+        **SIX_TERMS, "per_prefill_step_s": 0.003}})
+    six = CalibratedCostModel(dict(SIX_TERMS))
+    # a decode-only step carries no chunk: the term adds nothing
+    assert cost.step_time(None, decode(32, 500)) == six.step_time(None, decode(32, 500))
+    # 8 decodes + one 100-token chunk, and two prompts packed in one step: + 0.003 each,
+    # once per step however many chunks it carries
+    packed = BatchView(2, 300, 2, 0, 0, 2 * 150 * 151 // 2)
+    for view in (mixed(8, 400, 100), packed, prefill(1)):
+        assert cost.step_time(None, view) == pytest.approx(six.step_time(None, view) + 0.003)
+    assert cost.describe()["coefficients"]["per_prefill_step_s"] == 0.003
+    assert not cost.needs_block_layout

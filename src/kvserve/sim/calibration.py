@@ -14,6 +14,18 @@ include the same shapes with consecutive and with scattered blocks (``kvserve ca
 --layout-term`` measures both). Off, the model is shape-only: on this machine the term
 fixed a batch workload's error but made Poisson workloads' worse (docs/fidelity.md).
 
+The step-kind term (``per_prefill_step_s``: the fixed cost of a step with prefill chunks
+beyond a decode-only one) is fitted only when asked (``kind_term``): in service the six
+terms priced small chunk loads low and large ones high (docs/fidelity.md, "Step kinds");
+the grid has few mixed shapes to separate it.
+
+``relative_to`` says what a step's error is relative to. ``"measured"`` (the default) is
+plain relative least squares, which leans low when the measurements are noisy: a step
+measured slow weighs less than one measured fast, so in service, where single steps
+scatter by ~10%, the fit under-prices the sum of the noisier (decode-only) steps by ~4%.
+``"priced"`` divides by the model's own price instead (iteratively reweighted, the
+quasi-likelihood fit for errors proportional to the step's cost), which does not lean.
+
 Samples come from a grid of shapes timed one by one (``kvserve calibrate``) or, in
 service, from the steps an engine ran on a trace, each with the shape the engine recorded
 (``kvserve calibrate --trace``).
@@ -27,7 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.sim.cost_models import CALIBRATED_FORMAT, CALIBRATED_TERMS, CalibratedCostModel
+from kvserve.sim.cost_models import (
+    CALIBRATED_FORMAT,
+    CALIBRATED_TERMS,
+    KIND_TERMS,
+    LAYOUT_TERM,
+    CalibratedCostModel,
+)
 from kvserve.sim.executor import BatchView
 
 KNEES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -36,12 +54,16 @@ KNEES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 def features(view: BatchView, min_tokens: int = 0) -> list[float]:
     """The calibrated model's terms, in CALIBRATED_TERMS order."""
     return [1.0, max(view.num_tokens, min_tokens), view.num_seqs, view.num_sampled,
-            view.context_tokens, view.attention_pairs, view.scattered_context_tokens]
+            view.context_tokens, view.attention_pairs, view.scattered_context_tokens,
+            1.0 if view.num_tokens > view.num_decode_seqs else 0.0]
 
 
-def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
-    """Coefficients >= 0 for the ``active`` columns (the others stay 0)."""
-    weighted_x, weighted_y = x / y[:, None], np.ones_like(y)  # rows scaled by 1 / seconds
+def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray, active: list[int],
+                              scale: np.ndarray | None = None) -> np.ndarray:
+    """Coefficients >= 0 for the ``active`` columns (the others stay 0), minimising the
+    squared error relative to ``scale`` (default: the measured seconds ``y``)."""
+    scale = y if scale is None else scale
+    weighted_x, weighted_y = x / scale[:, None], y / scale
     active = list(active)
     coefficients = np.zeros(x.shape[1])
     while active:
@@ -53,25 +75,40 @@ def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray, active: list[int]) -
     return coefficients
 
 
+PRICED_ITERATIONS = 8  # reweightings for relative_to="priced"; the price settles in ~4
+
+
 def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
-        knees: Sequence[int] = KNEES, layout_term: bool = False) -> CalibratedCostModel:
-    if len(views) != len(seconds) or len(views) < len(CALIBRATED_TERMS):
+        knees: Sequence[int] = KNEES, layout_term: bool = False, kind_term: bool = False,
+        relative_to: str = "measured") -> CalibratedCostModel:
+    if relative_to not in ("measured", "priced"):
+        raise ValueError(f"relative_to must be 'measured' or 'priced', got {relative_to!r}")
+    left_out = ({LAYOUT_TERM} if not layout_term else set()) | \
+        (set(KIND_TERMS) if not kind_term else set())
+    active = [i for i, term in enumerate(CALIBRATED_TERMS) if term not in left_out]
+    if len(views) != len(seconds) or len(views) < len(active):
         raise ValueError(f"need as many step times as batch shapes, and at least "
-                         f"{len(CALIBRATED_TERMS)} of them; got {len(views)} and {len(seconds)}")
+                         f"{len(active)} of them; got {len(views)} and {len(seconds)}")
     y = np.asarray(seconds, dtype=float)
     if not (y > 0).all():
         raise ValueError("every measured step time must be > 0")
-    active = [i for i, term in enumerate(CALIBRATED_TERMS)
-              if layout_term or term != "per_scattered_context_token_s"]
     best: tuple[float, int, np.ndarray] | None = None
     for knee in knees:
         x = np.asarray([features(v, knee) for v in views], dtype=float)
         coefficients = _nonnegative_relative_fit(x, y, active)
-        error = float((np.abs(x @ coefficients - y) / y).mean())
-        if best is None or error < best[0]:
-            best = (error, knee, coefficients)
+        scale = y
+        if relative_to == "priced":
+            for _ in range(PRICED_ITERATIONS):
+                scale = np.maximum(x @ coefficients, y.min() / 10)  # a price is never ~0
+                coefficients = _nonnegative_relative_fit(x, y, active, scale)
+            scale = np.maximum(x @ coefficients, y.min() / 10)
+        score = float((np.abs(x @ coefficients - y) / scale).mean())
+        if best is None or score < best[0]:
+            best = (score, knee, coefficients)
     assert best is not None
-    error, knee, coefficients = best
+    _, knee, coefficients = best
+    x = np.asarray([features(v, knee) for v in views], dtype=float)
+    error = float((np.abs(x @ coefficients - y) / y).mean())
     note = f"fitted on {len(y)} steps; mean abs error {100 * error:.1f}%"
     return CalibratedCostModel.from_dict({
         "format": CALIBRATED_FORMAT,

@@ -150,8 +150,14 @@ class RooflineCostModel:
 
 CALIBRATED_FORMAT = "kvserve-cost-model/1"
 LAYOUT_TERM = "per_scattered_context_token_s"
+# The step-kind term: what a step carrying prefill chunks costs beyond a decode-only step of
+# the same shape (docs/fidelity.md, "Step kinds").
+KIND_TERMS = ("per_prefill_step_s",)
 CALIBRATED_TERMS = ("fixed_s", "per_token_s", "per_seq_s", "per_sampled_s",
-                    "per_context_token_s", "per_attention_pair_s", LAYOUT_TERM)
+                    "per_context_token_s", "per_attention_pair_s", LAYOUT_TERM, *KIND_TERMS)
+# Terms a file may leave out (written before they existed): they load as 0, and a model
+# with them at 0 prices and describes itself exactly as one without them.
+OPTIONAL_TERMS = (LAYOUT_TERM, *KIND_TERMS)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class CalibratedCostModel:
                + per_sampled_s * sampled + per_context_token_s * context_tokens
                + per_attention_pair_s * pairs
                + per_scattered_context_token_s * scattered_context_tokens
+               + per_prefill_step_s * (1 if the step carries a prefill chunk else 0)
 
     ``min_tokens`` is the knee of small steps: below it a step costs about the same however
     few tokens it has, because streaming the weights, not arithmetic, bounds it.
@@ -173,10 +180,20 @@ class CalibratedCostModel:
     model prices the batch's shape alone, describes itself without the term and simulates
     exactly as before the term existed.
 
+    ``per_prefill_step_s`` is the optional step-kind term: the fixed cost of a step that
+    carries a prefill chunk (any sequence that is not a one-token decode after cached
+    context, ``num_tokens > num_decode_seqs``) beyond a decode-only step's ``fixed_s``;
+    such a step takes the engine runner's mixed path (prefill attention per chunk, chunk
+    rows packed after the decodes). Chunk tokens already have a slope of their own: on a
+    decode-only step tokens = seqs = sampled, so decodes are priced by per_token_s +
+    per_seq_s + per_sampled_s and chunk tokens by per_token_s alone. At 0 (a file without
+    it) the model is the six-term one, bit for bit.
+
     File format (JSON): {"format": "kvserve-cost-model/1", "coefficients": {term: seconds},
     optional "min_tokens" (default 0), "source": free text, "meta" and "samples" from
-    kvserve calibrate}. Terms are the seven in CALIBRATED_TERMS; missing terms are 0
-    (so files written before the layout term load unchanged); unknown keys are errors.
+    kvserve calibrate}. Terms are the eight in CALIBRATED_TERMS; missing terms are 0
+    (so files written before the layout or kind terms load unchanged); unknown keys are
+    errors.
     :func:`kvserve.sim.calibration.fit` makes one from measured (batch shape, seconds) steps.
     """
 
@@ -186,8 +203,10 @@ class CalibratedCostModel:
     name: str = "calibrated"
 
     def __post_init__(self) -> None:
-        if LAYOUT_TERM not in self.coefficients:  # built in code before the term existed
-            object.__setattr__(self, "coefficients", {**self.coefficients, LAYOUT_TERM: 0.0})
+        missing = [term for term in OPTIONAL_TERMS if term not in self.coefficients]
+        if missing:  # built in code before the terms existed
+            object.__setattr__(self, "coefficients",
+                               {**self.coefficients, **dict.fromkeys(missing, 0.0)})
 
     @property
     def needs_block_layout(self) -> bool:
@@ -196,18 +215,21 @@ class CalibratedCostModel:
     def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
         c = self.coefficients
         tokens = view.num_tokens if view.num_tokens > self.min_tokens else self.min_tokens
-        # The layout term is added last: at 0 it adds exactly 0.0, so prices (and reports)
-        # of a model without it are bit-for-bit those of the six-term model.
+        # The optional terms are added last: at 0 each adds exactly 0.0, so prices (and
+        # reports) of a model without them are bit-for-bit those of the six-term model.
         return (c["fixed_s"] + c["per_token_s"] * tokens
                 + c["per_seq_s"] * view.num_seqs + c["per_sampled_s"] * view.num_sampled
                 + c["per_context_token_s"] * view.context_tokens
                 + c["per_attention_pair_s"] * view.attention_pairs
-                + c[LAYOUT_TERM] * view.scattered_context_tokens)
+                + c[LAYOUT_TERM] * view.scattered_context_tokens
+                + (c["per_prefill_step_s"] if view.num_tokens > view.num_decode_seqs
+                   else 0.0))
 
     def describe(self) -> dict[str, Any]:
         coefficients = dict(self.coefficients)
-        if not coefficients[LAYOUT_TERM]:
-            del coefficients[LAYOUT_TERM]  # unused: the report reads as it did without it
+        for term in OPTIONAL_TERMS:
+            if not coefficients[term]:
+                del coefficients[term]  # unused: the report reads as it did without it
         return {"name": self.name, "coefficients": coefficients,
                 "min_tokens": self.min_tokens, "source": self.source}
 
