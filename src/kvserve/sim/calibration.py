@@ -100,7 +100,10 @@ def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
         if relative_to == "priced":
             for _ in range(PRICED_ITERATIONS):
                 scale = np.maximum(x @ coefficients, y.min() / 10)  # a price is never ~0
-                coefficients = _nonnegative_relative_fit(x, y, active, scale)
+                refitted = _nonnegative_relative_fit(x, y, active, scale)
+                if refitted[0] + refitted[1] <= 0:  # fixed_s and per_token_s both dropped:
+                    break  # a model whose clock cannot advance; keep the last valid one
+                coefficients = refitted
             scale = np.maximum(x @ coefficients, y.min() / 10)
         score = float((np.abs(x @ coefficients - y) / scale).mean())
         if best is None or score < best[0]:
