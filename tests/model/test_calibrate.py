@@ -100,6 +100,27 @@ def test_calibration_in_service_fits_on_every_step_the_engine_ran():
     assert CalibratedCostModel.from_dict(json.loads(calibrate.in_service_json(model, seen)))
 
 
+def test_calibration_in_service_fits_the_kind_term_relative_to_the_price(monkeypatch):
+    """In service the fit has the step-kind term unless told otherwise, and its error is
+    relative to the model's price (docs/fidelity.md, "Step kinds")."""
+    options = []
+
+    def recording_fit(views, seconds, source="", **kwargs):
+        options.append(kwargs)  # a few noisy steps of a tiny model: what is fitted is moot
+        return CalibratedCostModel.from_dict({"format": "kvserve-cost-model/1",
+                                              "coefficients": {"fixed_s": 0.01}})
+
+    monkeypatch.setattr(calibrate, "fit", recording_fit)
+    engine = build_engine(TINY, num_kv_blocks=64, detokenize=False, max_num_seqs=4,
+                          max_num_batched_tokens=64)
+    trace = [TraceRequest(f"r{i}", 0.0, output_len=4, ignore_eos=True,
+                          prompt_token_ids=tuple(range(1, 30 + 9 * i))) for i in range(4)]
+    calibrate.calibrate_in_service(engine, trace)
+    calibrate.calibrate_in_service(engine, trace, kind_term=False)
+    assert options == [{"kind_term": True, "relative_to": "priced"},
+                       {"kind_term": False, "relative_to": "priced"}]
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "does not exist|No such file|cannot read"),
     ("", "the trace has no requests"),

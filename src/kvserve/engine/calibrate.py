@@ -154,10 +154,11 @@ def measure(runner: ModelRunner, shape: StepShape, num_blocks: int, *, warmup: i
 
 
 def calibrate(runner: ModelRunner, num_blocks: int, shapes: Sequence[StepShape], *,
-              warmup: int = 1, repeats: int = 3, progress: bool = False
-              ) -> tuple[CalibratedCostModel, list[float]]:
+              warmup: int = 1, repeats: int = 3, progress: bool = False,
+              kind_term: bool = False) -> tuple[CalibratedCostModel, list[float]]:
     """Measure every shape and fit; returns the model and the measured seconds. The layout
-    term is fitted when the shapes include consecutive twins (``grid(layout_twins=True)``)."""
+    term is fitted when the shapes include consecutive twins (``grid(layout_twins=True)``),
+    the step-kind term when asked."""
     iterator: Any = shapes
     if progress:
         from tqdm import tqdm
@@ -165,15 +166,22 @@ def calibrate(runner: ModelRunner, num_blocks: int, shapes: Sequence[StepShape],
     seconds = [measure(runner, shape, num_blocks, warmup=warmup, repeats=repeats)
                for shape in iterator]
     layout_term = any(not s.scattered and s.reads_context() for s in shapes)
-    return fit([s.view() for s in shapes], seconds, layout_term=layout_term), seconds
+    return fit([s.view() for s in shapes], seconds, layout_term=layout_term,
+               kind_term=kind_term), seconds
 
 
 def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
-                         greedy: bool = True) -> tuple[CalibratedCostModel, dict[str, Any]]:
+                         greedy: bool = True, kind_term: bool = True
+                         ) -> tuple[CalibratedCostModel, dict[str, Any]]:
     """Run ``trace`` on ``engine`` (arrivals on the wall clock) and fit the model on the
     steps it ran: each step's shape as the engine recorded it, and its time to the next
     step's start or, before an idle wait, to the moment the loop went idle (the wait is not
     the step's cost). Returns the model and what the fit saw.
+
+    Single steps in service scatter by ~10%, so the fit's error is relative to the model's
+    price, not to the noisy measured time (``fit(relative_to="priced")``: it does not
+    under-price the sum); ``kind_term`` fits the fixed cost of a step with prefill chunks
+    (docs/fidelity.md, "Step kinds").
 
     ``greedy`` samples at temperature 0, as the grid does; otherwise each request samples
     with default parameters (temperature 1), which costs a little more per sequence per
@@ -182,7 +190,8 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
                 if step.shape is not None]
     views = [step.shape for step in recorded]
     seconds = [step.duration for step in recorded]
-    model = fit(views, seconds, source=f"in service: {len(views)} steps")
+    model = fit(views, seconds, source=f"in service: {len(views)} steps", kind_term=kind_term,
+                relative_to="priced")
     return model, {"num_steps": len(views), **goodness(model, views, seconds)}
 
 

@@ -43,6 +43,11 @@ def add_parser(subparsers: Any) -> None:
                              "blocks and fit per_scattered_context_token_s (on this machine "
                              "it helped batch workloads and hurt Poisson ones: "
                              "docs/fidelity.md)")
+    parser.add_argument("--kind-term", action=argparse.BooleanOptionalAction, default=None,
+                        help="fit per_prefill_step_s, the fixed cost of a step that carries a "
+                             "prefill chunk beyond a decode-only step's (default: on with "
+                             "--trace, off with the grid, whose few mixed shapes hardly "
+                             "separate it)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
 
 
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = calibrate.grid(args.quick, block_size=args.block_size,
                            layout_twins=args.layout_term)
     model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
-                                         repeats=args.repeats, progress=sys.stderr.isatty())
+                                         repeats=args.repeats, progress=sys.stderr.isatty(),
+                                         kind_term=bool(args.kind_term))
     meta = {"model": runner.model.config.name, "dtype": _dtype_name(engine),
             "load_format": args.load_format, "block_size": args.block_size,
             "num_samples": len(shapes)}
@@ -108,7 +114,8 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
     from kvserve.engine import calibrate
 
     try:
-        model, seen = calibrate.calibrate_in_service(engine, trace, greedy=args.greedy)
+        model, seen = calibrate.calibrate_in_service(
+            engine, trace, greedy=args.greedy, kind_term=args.kind_term is not False)
     except ValueError as error:  # too few steps to fit
         raise CLIError(f"{args.trace}: {error}") from error
     meta = {"model": engine.executor.model.config.name, "dtype": _dtype_name(engine),
