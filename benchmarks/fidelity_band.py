@@ -6,24 +6,27 @@ on others; every engine figure is the median of repeated runs with its min-max b
 
 - ``--phase calibrate``: the grid calibration (``kvserve calibrate``'s, as fidelity.py runs
   it), then the **calibration run**: W3's requests 100-199 (arrivals shifted to start at 0)
-  on the engine at 80% of the grid model's capacity, and the six-term model fitted on the
-  steps it ran (``kvserve calibrate --trace``'s fit). Neither sees the requests the study
-  judges.
+  on the engine at 80% of the grid model's capacity, and the in-service models fitted on
+  the steps it ran (``--phase fit``). Neither sees the requests the study judges.
+- ``--phase fit``: (re)fit the in-service models on the calibration run's saved steps, no
+  engine: **kinds**, the six terms and the step-kind term (a fixed cost of a step with
+  prefill chunks), relative to the model's price; **six-term**, ``kvserve calibrate
+  --trace``'s fit before the kind term (six terms, relative to the measured time).
 - ``--phase run --shares 0.5 0.85 1.0 --runs 3``: W3's first 100 requests (the **judged
-  trace**) on the engine at these shares of the in-service model's simulated capacity
+  trace**) on the engine at these shares of the kinds model's simulated capacity
   (``kvserve plan``'s search: the largest rate whose p99 queueing stays within 2 s), each
   share ``--runs`` times, one fresh engine per run; each run's figures and step log are kept.
 - ``--phase report [--write-docs]``: per share, the engine's median and min-max of each
-  figure against the simulated figure of each model (in service; the grid's; "both": one
-  fit on the two sets of samples together) (a figure is met when it lies in the
-  band, or within 8% of the median where the band is narrower); the engine's capacity
-  (the largest share whose median p99 queueing is within 2 s) against the simulated one;
-  and each model's step error on every judged run's own steps (shapes from the step log).
+  figure against the simulated figure of each model (kinds; six-term; the grid's) (a
+  figure is met when it lies in the band, or within 8% of the median where the band is
+  narrower); the engine's capacity (the largest share whose median p99 queueing is within
+  2 s) against the simulated one; and each model's step error on every judged run's own
+  steps (shapes from the step log), in all and by kind (decode-only, with a prefill chunk).
 
 Run each phase under the bench lock on a quiet machine; ``--requests`` and the shares can
 shrink a smoke test (``--phase run --shares 0.5 --runs 1 --requests 8``).
 
-    python benchmarks/fidelity_band.py --phase calibrate
+    python benchmarks/fidelity_band.py --phase calibrate   # or --phase fit on saved steps
     python benchmarks/fidelity_band.py --phase run --shares 0.5 --runs 3
     python benchmarks/fidelity_band.py --phase report --write-docs
 """
@@ -56,7 +59,7 @@ from fidelity import (  # first: sets OMP_WAIT_POLICY before torch loads
 from kvserve.engine import calibrate
 from kvserve.engine.trace_runner import run_trace
 from kvserve.sim.calibration import fit
-from kvserve.sim.cost_models import CalibratedCostModel
+from kvserve.sim.cost_models import CalibratedCostModel, ReplayCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.machine import cpu_identity, describe_cpu
 from kvserve.sim.plan import capacity_qps
@@ -132,20 +135,37 @@ def phase_calibrate(requests: int, quick: bool) -> None:
     note = machine_note()
     engine = new_engine(W1_SETTINGS)
     with (BAND / "calibration-run-steps.jsonl").open("w") as log:
-        run = run_trace(engine, trace, log=log, greedy=True)
-    recorded = [s for s in run.steps if s.shape is not None]
-    views, durations = [s.shape for s in recorded], [s.duration for s in recorded]
-    service = fit(views, durations, source=f"in service: W3 requests 100-199 at {rate:.2f} "
-                  f"req/s, {len(views)} steps")
+        run_trace(engine, trace, log=log, greedy=True)
     meta = {"model": "smollm2-135m", "dtype": "bfloat16", "block_size": BLOCK_SIZE,
-            "trace": f"W3 requests 100-199 at {rate:.3f} req/s", "rate": rate,
-            "num_steps": len(views), **calibrate.goodness(service, views, durations), **note}
-    (BAND / "service.json").write_text(calibrate.in_service_json(service, meta))
-    print(f"grid: {grid.source}\nservice: {service.source}", flush=True)
+            "trace": f"W3 requests 100-199 at {rate:.3f} req/s", "rate": rate, **note}
+    print(f"grid: {grid.source}", flush=True)
+    phase_fit(meta)
+
+
+# The in-service models: file name, and fit() options.
+IN_SERVICE = {"kinds": ("service-kinds", {"kind_term": True, "relative_to": "priced"}),
+              "six-term": ("service", {})}
+
+
+def phase_fit(meta: dict[str, Any] | None = None) -> None:
+    """Fit each in-service model on the calibration run's steps (``meta``: the run's, or
+    the one an earlier fit saved)."""
+    steps = logged_steps(BAND / "calibration-run-steps.jsonl")
+    views, durations = [v for v, _ in steps], [d for _, d in steps]
+    if meta is None:
+        meta = json.loads((BAND / "service.json").read_text())["meta"]
+    for name, (file, options) in IN_SERVICE.items():
+        model = fit(views, durations, source=f"in service ({name}): W3 requests 100-199 at "
+                    f"{meta['rate']:.2f} req/s, {len(views)} steps", **options)
+        quality = calibrate.goodness(model, views, durations)
+        (BAND / f"{file}.json").write_text(calibrate.in_service_json(
+            model, {**meta, "num_steps": len(views), "fit": options, **quality}))
+        print(f"{name}: {model.source}; error of the sum {100 * quality['error_of_the_sum']:+.1f}%",
+              flush=True)
 
 
 def phase_run(shares: list[float], runs: int, requests: int) -> None:
-    capacity = simulated_capacity(load_model("service"), requests)
+    capacity = simulated_capacity(load_model("service-kinds"), requests)
     for index in range(runs):  # the shares alternate, so drift in the machine hits each alike
         for share in shares:
             trace = judged_trace(share * capacity, requests)
@@ -208,23 +228,49 @@ def share_table(share: float, rows: list[dict[str, Any]], models: dict[str, Any]
 
 def step_errors(rows_by_share: dict[float, list[dict[str, Any]]], models: dict[str, Any]
                 ) -> list[str]:
-    lines = ["| share | steps (all runs) | measured median ms | "
-             + " | ".join(f"{name}: error of the sum | {name}: abs error, median"
-                          for name in models) + " |",
-             "|---|---|---|" + "---|---|" * len(models)]
+    lines = ["| share | model | steps (all runs) | measured median ms | error of the sum | "
+             "decode-only steps: error of the sum | steps with a prefill chunk: error of "
+             "the sum | abs error, median |", "|---|---|---|---|---|---|---|---|"]
     for share, rows in rows_by_share.items():
         steps = []
         for index in range(len(rows)):
             steps += logged_steps(BAND / f"share{round(100 * share)}-run{index}-steps.jsonl")
         measured = [s for _, s in steps]
-        cells = [f"{round(100 * share)}%", f"{len(steps):,}",
-                 f"{1000 * statistics.median(measured):.1f}"]
-        for model in models.values():
+        mixed = [view.num_tokens > view.num_decode_seqs for view, _ in steps]
+        for name, model in models.items():
             priced = [model.step_time(None, view) for view, _ in steps]
             errors = [abs(p / m - 1) for p, m in zip(priced, measured, strict=True)]
-            cells += [f"{100 * (sum(priced) / sum(measured) - 1):+.1f}%",
-                      f"{100 * statistics.median(errors):.1f}%"]
-        lines.append("| " + " | ".join(cells) + " |")
+            by_kind = [_sum_error(priced, measured, [m == kind for m in mixed])
+                       for kind in (False, True)]
+            lines.append(f"| {round(100 * share)}% | {name} | {len(steps):,} | "
+                         f"{1000 * statistics.median(measured):.1f} | "
+                         f"{_sum_error(priced, measured, [True] * len(steps))} | "
+                         f"{by_kind[0]} | {by_kind[1]} | {100 * statistics.median(errors):.1f}% |")
+    return lines
+
+
+def _sum_error(priced: list[float], measured: list[float], chosen: list[bool]) -> str:
+    total = sum(m for m, c in zip(measured, chosen, strict=True) if c)
+    if not total:
+        return "—"
+    return f"{100 * (sum(p for p, c in zip(priced, chosen, strict=True) if c) / total - 1):+.1f}%"
+
+
+def replay_lines(rows_by_share: dict[float, list[dict[str, Any]]]) -> list[str]:
+    """Each run simulated with its own measured step times (``ReplayCostModel``): what is
+    left between the replay and the engine is everything but the step prices."""
+    configs = engine_configs(W1_SETTINGS)
+    lines = ["| share | runs | largest error of the replay, any judged figure or queue p99 |",
+             "|---|---|---|"]
+    for share, rows in rows_by_share.items():
+        worst = 0.0
+        for index, row in enumerate(rows):
+            log = BAND / f"share{round(100 * share)}-run{index}-steps.jsonl"
+            replayed = simulate(configs, judged_trace(row["rate"], row["requests"]),
+                                ReplayCostModel.load(log))
+            for key in (*JUDGED_FIGURES, "queue_p99"):
+                worst = max(worst, abs(replayed[key] / row["engine"][key] - 1))
+        lines.append(f"| {round(100 * share)}% | {len(rows)} | {100 * worst:.1f}% |")
     return lines
 
 
@@ -251,24 +297,9 @@ def capacity_lines(rows_by_share: dict[float, list[dict[str, Any]]], capacities:
             f"on the judged trace: {simulated}."]
 
 
-def combined_model() -> CalibratedCostModel:
-    """The six-term model fitted on the calibration run's steps and the grid's shapes
-    together (fidelity_in_service.py's ``--with-grid``)."""
-    views, seconds = [], []
-    for view, duration in logged_steps(BAND / "calibration-run-steps.jsonl"):
-        views.append(view)
-        seconds.append(duration)
-    for sample in json.loads((BAND / "grid.json").read_text())["samples"]:
-        shape = calibrate.StepShape(tuple(sample["decode_contexts"]),
-                                    tuple(map(tuple, sample["prefills"])))
-        views.append(shape.view())
-        seconds.append(sample["seconds"])
-    return fit(views, seconds, source="in service and the grid")
-
-
 def phase_report(write_docs: bool) -> None:
-    models = {"in-service": load_model("service"), "grid": load_model("grid"),
-              "both": combined_model()}
+    models = {"kinds": load_model("service-kinds"), "six-term": load_model("service"),
+              "grid": load_model("grid")}
     rows_by_share: dict[float, list[dict[str, Any]]] = {}
     for path in sorted(BAND.glob("share*-run*.json")):
         row = json.loads(path.read_text())
@@ -276,33 +307,42 @@ def phase_report(write_docs: bool) -> None:
     rows_by_share = dict(sorted(rows_by_share.items()))
     requests = next(iter(rows_by_share.values()))[0]["requests"]
     capacities = {name: simulated_capacity(model, requests) for name, model in models.items()}
-    service_meta = json.loads((BAND / "service.json").read_text())["meta"]
+    service_meta = json.loads((BAND / "service-kinds.json").read_text())["meta"]
     lines = ["## Near capacity, against the engine's spread", "",
              f"`python benchmarks/fidelity_band.py` (phases calibrate, run, report) on "
-             f"{describe_cpu(cpu_identity())}. The in-service model was fitted on the "
+             f"{describe_cpu(cpu_identity())}. The in-service models were fitted on the "
              f"calibration run ({service_meta['trace']}, {service_meta['num_steps']:,} steps, "
-             f"{service_meta['time']}, load {service_meta['load_1min']:.2f}; mean step error "
-             f"{100 * service_meta['mean_abs_error']:.1f}%), the grid model on "
-             "`kvserve calibrate`'s 31 shapes in the same sitting, and \"both\" on the two sets "
-             "of samples together. Judged: W3's first "
-             f"{requests} requests, which neither fit saw. A p50 or p99 is met when the "
-             "simulated figure lies in the engine's min-max band or within 8% of its median.",
-             ""]
+             f"{service_meta['time']}, load {service_meta['load_1min']:.2f}): **kinds** with "
+             "the step-kind term, relative to its price (mean step error "
+             f"{100 * service_meta['mean_abs_error']:.1f}%), **six-term** without it, "
+             "relative to the measured time (the fit before it); the grid model on "
+             "`kvserve calibrate`'s 31 shapes in the same sitting. Judged: W3's first "
+             f"{requests} requests, which no fit saw, at shares of the kinds model's "
+             "capacity. A p50 or p99 is met when the simulated figure lies in the engine's "
+             "min-max band or within 8% of its median.", ""]
     for share, rows in rows_by_share.items():
         table, met = share_table(share, rows, models)
         lines += [*table, "", "Met: " + ", ".join(f"{name} {count} of "
                                                   f"{len(JUDGED_FIGURES)}"
                                                   for name, count in met.items()), ""]
     lines += ["### Capacity on the engine", "", *capacity_lines(rows_by_share, capacities), "",
+              "### The engine's own step times, replayed", "",
+              "Each engine run simulated with its own step log's durations "
+              "(`kvserve simulate --replay-step-times`): the simulator then makes the "
+              "engine's decisions, and whatever differs from the engine besides the price "
+              "of a step (admission, chunking, the loop between steps, the first token's "
+              "time) would show here.", "", *replay_lines(rows_by_share), "",
               "### Step error on the judged runs' own steps", "",
               "Each step the engine ran (its shape from the step log) priced by each model; "
-              "error = priced / measured - 1.", "", *step_errors(rows_by_share, models)]
+              "error = priced / measured - 1, in all and by kind (a step with a prefill "
+              "chunk has num_tokens > num_decode_seqs).", "",
+              *step_errors(rows_by_share, models)]
     publish("fidelity_band", "\n".join(lines), write_docs=write_docs, docs=DOCS, title=TITLE)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=("calibrate", "run", "report"), required=True)
+    parser.add_argument("--phase", choices=("calibrate", "fit", "run", "report"), required=True)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.85, 1.0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=JUDGED,
@@ -316,6 +356,8 @@ def main() -> int:
     BAND.mkdir(parents=True, exist_ok=True)
     if args.phase == "calibrate":
         phase_calibrate(args.requests, args.quick)
+    elif args.phase == "fit":
+        phase_fit()
     elif args.phase == "run":
         phase_run(args.shares, args.runs, args.requests)
     else:
