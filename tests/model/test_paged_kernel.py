@@ -148,6 +148,29 @@ def test_prefill_matches_plain(dtype: torch.dtype, num_tokens: int, context_len:
     torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size", "num_tokens", "context_len"), [
+    (9, 3, 64, 16, 200, 200),  # SmolLM2's shape, a whole prompt over several query tiles
+    (8, 2, 128, 16, 70, 150),  # head_dim 128, a later chunk
+    (4, 4, 64, 5, 45, 61),     # tiles of 60 keys (12 blocks of 5): scores rows padded to 64
+    (12, 2, 64, 32, 100, 100),  # groups of 6 rows; tiles of 64 keys in two blocks
+    (6, 3, 128, 128, 17, 300),  # one block per tile of 128 keys
+])
+@requires_kernel
+def test_prefill_bfloat16_shapes(heads: int, kv_heads: int, dim: int, block_size: int,
+                                 num_tokens: int, context_len: int) -> None:
+    """A bf16 model's prefill takes the packed path (csrc/attention_gemm.h) where the build has
+    AVX512-BF16, else the per-query one: either way the plain result, over query and key tiles
+    of every shape."""
+    gen = torch.Generator().manual_seed(num_tokens + context_len + block_size)
+    num_blocks = -(-context_len // block_size) + 4
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, dim, torch.bfloat16, gen)
+    table = _tables([context_len], block_size, num_blocks, gen)[0]
+    q = torch.randn((num_tokens, heads, dim), generator=gen).to(torch.bfloat16)
+    out = paged_kernel.prefill_attention(q, k_cache, v_cache, table, context_len)
+    want = _plain(q, k_cache, v_cache, table, context_len)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
 @requires_kernel
 def test_prefill_generic_head_dim() -> None:
     gen = torch.Generator().manual_seed(9)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "invariant_linear.cpp"]
 HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h",
+           CSRC / "attention_gemm.h",
            CSRC / "invariant_linear.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]

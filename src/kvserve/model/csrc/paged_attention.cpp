@@ -26,7 +26,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "attention_tile.h"
+#include "attention_gemm.h"
 #include "fast_math.h"
 #include "invariant_linear.h"
 #include "layer_ops.h"
@@ -64,8 +64,51 @@ struct Geometry {
 // ---------------------------------------------------------------------------------------------
 // One online-softmax step, and the state a thread keeps across its work items.
 
+// The largest of s[0 .. n), n > 0.
+inline float row_max(const float* s, int n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int t = 0;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_set1_ps(best);
+  for (; t + 16 <= n; t += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(s + t));
+  best = _mm512_reduce_max_ps(lanes);
+#endif
+  for (; t < n; ++t) best = std::max(best, s[t]);
+  return best;
+}
+
+// s[t] = exp(s[t] - max) for t < n and 0 for n <= t < stride; returns the sum of the first.
+inline float exponentiate_row(float* s, int n, int stride, float max) {
+  int t = 0;
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  if (stride % 16 == 0) {
+    __m512 sums = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(max);
+    for (; t < n; t += 16) {
+      const __mmask16 live = n - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
+      const __m512 p = _mm512_maskz_mov_ps(
+          live, kvserve::exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift)));
+      _mm512_storeu_ps(s + t, p);
+      sums = _mm512_add_ps(sums, p);
+    }
+    for (; t < stride; t += 16) _mm512_storeu_ps(s + t, _mm512_setzero_ps());
+    return _mm512_reduce_add_ps(sums);
+  }
+#endif
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) {
+    const float p = exp_nonpositive(s[i] - max);
+    s[i] = p;
+    sum += p;
+  }
+  for (t = n; t < stride; ++t) s[t] = 0.0f;
+  return sum;
+}
+
 // One step for the rows of a tile. scores/probs: [rows][stride]; visible[r] is how many of the
-// tile's keys row r sees (a prefix). Updates m, l, acc in place.
+// tile's keys row r sees (a prefix). Updates m, l, acc in place; afterwards row r's
+// probabilities are zero from visible[r] on.
 template <int D>
 inline void softmax_step(float* scores, int rows, int stride, const int* visible, float* m,
                          float* l, float* acc, int head_dim) {
@@ -78,18 +121,9 @@ inline void softmax_step(float* scores, int rows, int stride, const int* visible
       std::fill(s, s + stride, 0.0f);
       continue;
     }
-    float tile_max = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
-    const float m_new = std::max(m[r], tile_max);
+    const float m_new = std::max(m[r], row_max(s, n));
     const float alpha = exp_nonpositive(m[r] - m_new);  // m = -inf at first: exp -> 0
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < n; ++t) {
-      const float p = exp_nonpositive(s[t] - m_new);
-      s[t] = p;
-      sum += p;
-    }
-    for (int t = n; t < stride; ++t) s[t] = 0.0f;
+    const float sum = exponentiate_row(s, n, stride, m_new);
     if (alpha != 1.0f) {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) a[d] *= alpha;
@@ -106,16 +140,20 @@ struct WorkState {
   std::vector<const T*> rows;         // the tile's key rows
   std::vector<int> visible;           // per query row: how many of the tile's keys it sees
   std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
-  // Views into scratch, laid out by start(): [nrows][tile] scores (then probabilities),
+  std::vector<uint32_t> packed_keys;  // prefill's tile of keys in pairs order (attention_gemm.h)
+  std::vector<float> wide_values;     // prefill's tile of values in float32
+  // Views into scratch, laid out by start(): [nrows][stride] scores (then probabilities),
   // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
   float *scores = nullptr, *acc = nullptr, *extra = nullptr, *m = nullptr, *l = nullptr;
+  int stride = 0;  // scores per row: the tile rounded up to 16 (whole registers)
 
   void start(const Geometry& geo, int nrows, int extra_per_row) {
     const size_t n = static_cast<size_t>(nrows);
     const size_t dim = static_cast<size_t>(geo.head_dim);
-    scratch.assign(n * (geo.tile + dim + extra_per_row) + 2 * n, 0.0f);
+    stride = (geo.tile + 15) / 16 * 16;
+    scratch.assign(n * (stride + dim + extra_per_row) + 2 * n, 0.0f);
     scores = scratch.data();
-    acc = scores + n * geo.tile;
+    acc = scores + n * stride;
     extra = acc + n * dim;
     m = extra + n * extra_per_row;
     l = m + n;
@@ -227,17 +265,18 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     const int count = tile_rows(geo, k_cache, table, start, context_len, cur);
     for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
     touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+    const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
-                 cur, h * dim, count, state.scores + h * group * tile, tile);
+                 cur, h * dim, count, state.scores + h * group * stride, stride);
     }
     std::fill(state.visible.begin(), state.visible.end(), count);
-    softmax_step<D>(state.scores, nrows, tile, state.visible.data(), state.m, state.l,
+    softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
                     state.acc, dim);
     for (int t = 0; t < count; ++t) cur[t] += to_v;
     for (int h = 0; h < nheads; ++h) {
       accumulate_values<T, D>(state.acc + h * group * dim, group, dim, cur, h * dim, count,
-                              state.scores + h * group * tile, tile);
+                              state.scores + h * group * stride, stride);
     }
   }
   for (int r = 0; r < nrows; ++r) state.finish_row(r, dim, out + r * dim);
@@ -268,6 +307,38 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
 // ---------------------------------------------------------------------------------------------
 // Prefill (one chunk).
 
+// Whether prefill's tiles run as two small matrix products (attention_gemm.h): a bf16 model
+// whose queries round to bf16 exactly (q_bf16 set), on a build with AVX512-BF16.
+template <typename T, int D>
+inline bool packed_tile(const c10::BFloat16* q_bf16) {
+  return bf16_dots_compiled<T, D>() && q_bf16 != nullptr;
+}
+
+// One key tile for all nrows query rows of a prefill work item (state.visible set): the keys
+// packed and the values widened once, the scores of every row, the online-softmax step, the
+// value pass.
+template <typename T, int D>
+void prefill_tile_packed(const c10::BFloat16* q_bf16, int nrows, const T* const* rows,
+                         std::ptrdiff_t to_v, int count, WorkState<T>& state) {
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_dots_compiled<T, D>()) {
+    const int stride = state.stride;
+    state.packed_keys.resize(static_cast<size_t>(D / 2) * stride);
+    state.wide_values.resize(static_cast<size_t>(stride) * D);
+    kvserve::pack_keys<D>(rows, 0, count, state.packed_keys.data(), stride);
+    kvserve::scores_packed<D>(q_bf16, nrows, state.packed_keys.data(), stride, count,
+                              state.scores, stride);
+    softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
+                    state.acc, D);
+    kvserve::widen_values<D>(rows, to_v, count, state.wide_values.data());
+    kvserve::accumulate_widened<D>(state.acc, nrows, state.wide_values.data(),
+                                   state.visible.data(), state.scores, stride);
+    return;
+  }
+#endif
+  (void)q_bf16, (void)nrows, (void)rows, (void)to_v, (void)count, (void)state;
+}
+
 template <typename T, int D>
 void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/,
                   const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
@@ -292,6 +363,7 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
   int* visible = state.visible.data();
   const int64_t head_offset = kv_head * geo.head_dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
+  const int stride = state.stride;
   for (int64_t start = 0; start <= last_visible; start += tile) {
     const int count = tile_rows(geo, k_cache, table, start, last_visible + 1, rows);
     for (int t = 0; t < count; ++t) rows[t] += head_offset;
@@ -299,15 +371,21 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
       const int64_t sees = first + q_begin + i + 1 - start;  // keys of this tile it sees
       const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
       for (int g = 0; g < group; ++g) visible[i * group + g] = n;
+    }
+    if (packed_tile<T, D>(q_bf16)) {
+      prefill_tile_packed<T, D>(q_bf16, nrows, rows, to_v, count, state);
+      continue;
+    }
+    for (int i = 0; i < nq; ++i) {
       const size_t row0 = static_cast<size_t>(i) * group;
       dots<T, D>(qrows + row0 * dim, q_bf16 ? q_bf16 + row0 * dim : nullptr, group, dim, rows,
-                 0, n, state.scores + row0 * tile, tile);
+                 0, visible[row0], state.scores + row0 * stride, stride);
     }
-    softmax_step<D>(state.scores, nrows, tile, visible, state.m, state.l, state.acc, dim);
+    softmax_step<D>(state.scores, nrows, stride, visible, state.m, state.l, state.acc, dim);
     for (int i = 0; i < nq; ++i) {
       const size_t row0 = static_cast<size_t>(i) * group;
       accumulate_values<T, D>(state.acc + row0 * dim, group, dim, rows, to_v, visible[row0],
-                              state.scores + row0 * tile, tile);
+                              state.scores + row0 * stride, stride);
     }
   }
   for (int i = 0; i < nq; ++i) {

@@ -1,0 +1,162 @@
+// A prefill tile as two small matrix products, for a bf16 model on a CPU with AVX512-BF16:
+// many query rows (a tile of queries times its GQA group) against one tile of keys.
+//
+// attention_tile.h multiplies one key row by a few query rows and sums each 16-lane product
+// across its lanes (a transpose per 16 keys and row): the right shape for decode, whose three
+// or four query rows per kv head leave nothing to share. A prefill tile has tens of rows, so
+// here the cost that does not depend on the rows is paid once per tile instead:
+// - the keys are repacked once into pairs-of-dimensions order ("VNNI": 32-bit element j of
+//   key t is its dimensions 2j and 2j + 1), so a query row's scores for 16 keys are D / 2
+//   vdpbf16ps with the query's pair broadcast, and no lanes need summing;
+// - the values are widened to float32 once, and each block of rows accumulates them in
+//   registers (the same float32 multiply-adds, in the same key order, as accumulate_simd).
+// Used by paged_attention.cpp's prefill when the bf16 dot products apply (bf16 keys and
+// queries, head_dim 64 or 128).
+#pragma once
+
+#include "attention_tile.h"  // load16
+#include "fast_math.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace kvserve {
+
+// In place: afterwards m[c] lane r is what m[r] lane c was (16 x 16 32-bit elements).
+inline void transpose16x16_epi32(__m512i m[16]) {
+  __m512i u[16];
+  for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: rows 2i, 2i+1 interleaved
+    u[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
+  }
+  __m512i v[16];  // v[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    v[4 * i] = _mm512_unpacklo_epi64(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 1] = _mm512_unpackhi_epi64(u[4 * i], u[4 * i + 2]);
+    v[4 * i + 2] = _mm512_unpacklo_epi64(u[4 * i + 1], u[4 * i + 3]);
+    v[4 * i + 3] = _mm512_unpackhi_epi64(u[4 * i + 1], u[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes
+    const __m512i w0 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0xEE);
+    const __m512i w2 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0x44);
+    const __m512i w3 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0xEE);
+    m[k] = _mm512_shuffle_i32x4(w0, w2, 0x88);
+    m[4 + k] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
+    m[8 + k] = _mm512_shuffle_i32x4(w1, w3, 0x88);
+    m[12 + k] = _mm512_shuffle_i32x4(w1, w3, 0xDD);
+  }
+}
+
+// packed[j * stride + t] = dimensions (2j, 2j + 1) of key t = rows[t] + off, for j < D / 2
+// and t < count rounded up to 16 (keys past count are zero). stride >= that rounded count.
+template <int D>
+void pack_keys(const c10::BFloat16* const* rows, std::ptrdiff_t off, int count,
+               uint32_t* packed, int stride) {
+  static_assert(D % 32 == 0, "whole registers of 32 bf16 per key");
+  for (int t0 = 0; t0 < count; t0 += 16) {
+    const int tn = std::min(16, count - t0);
+    for (int h = 0; h < D / 32; ++h) {  // 16 pairs (one register of a key) at a time
+      __m512i m[16];
+      for (int t = 0; t < 16; ++t) {
+        m[t] = t < tn ? _mm512_loadu_si512(rows[t0 + t] + off + 32 * h) : _mm512_setzero_si512();
+      }
+      transpose16x16_epi32(m);
+      for (int c = 0; c < 16; ++c) {
+        _mm512_storeu_si512(packed + static_cast<std::ptrdiff_t>(16 * h + c) * stride + t0,
+                            m[c]);
+      }
+    }
+  }
+}
+
+// scores[r * stride + t] = q_r . k_t for RN bf16 query rows (row r at q + r * D) and CN chunks
+// of 16 packed keys starting at chunk c0.
+template <int D, int RN, int CN>
+inline void scores_block(const c10::BFloat16* q, const uint32_t* packed, int packed_stride,
+                         int c0, float* scores, int stride) {
+  __m512 acc[RN][CN];
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < CN; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(q);  // row r's pair j: r * D/2 + j
+  for (int j = 0; j < D / 2; ++j) {
+    __m512bh keys[CN];
+    for (int c = 0; c < CN; ++c) {
+      keys[c] = (__m512bh)_mm512_loadu_si512(packed + j * packed_stride + 16 * (c0 + c));
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r * D / 2 + j]));
+      for (int c = 0; c < CN; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, keys[c]);
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < CN; ++c) _mm512_storeu_ps(scores + r * stride + 16 * (c0 + c), acc[r][c]);
+}
+
+// scores for nrows query rows against count packed keys (chunks of 16; the scores of padding
+// keys past count are written too, as zeros' products).
+template <int D>
+void scores_packed(const c10::BFloat16* q, int nrows, const uint32_t* packed, int packed_stride,
+                   int count, float* scores, int stride) {
+  const int chunks = (count + 15) / 16;
+  for_chunks<4>(chunks, [&](int c0, auto cn) {
+    for_chunks<4>(nrows, [&](int r0, auto rn) {
+      scores_block<D, decltype(rn)::value, decltype(cn)::value>(
+          q + static_cast<std::ptrdiff_t>(r0) * D, packed, packed_stride, c0,
+          scores + static_cast<std::ptrdiff_t>(r0) * stride, stride);
+    });
+  });
+}
+
+// wide[t * D + d] = value row t (rows[t] + off) as float32, for t < count.
+template <int D>
+void widen_values(const c10::BFloat16* const* rows, std::ptrdiff_t off, int count, float* wide) {
+  for (int t = 0; t < count; ++t) {
+    const c10::BFloat16* row = rows[t] + off;
+    for (int v = 0; v < D / 16; ++v) {
+      _mm512_storeu_ps(wide + t * D + 16 * v, load16(row + 16 * v));
+    }
+  }
+}
+
+// acc[r] += sum_{t < count} probs[r * stride + t] * wide[t] for RN rows held in registers.
+template <int D, int RN>
+inline void accumulate_block(float* acc, const float* wide, int count, const float* probs,
+                             int stride) {
+  constexpr int NV = D / 16;
+  __m512 a[RN][NV];
+  for (int r = 0; r < RN; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
+  for (int t = 0; t < count; ++t) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(wide + t * D + 16 * v);
+    for (int r = 0; r < RN; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * stride + t]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[r][v]);
+}
+
+// The value pass for nrows rows: row r adds its first visible[r] keys (its probabilities
+// after those are zero, so a block of rows runs to its longest).
+template <int D>
+void accumulate_widened(float* acc, int nrows, const float* wide, const int* visible,
+                        const float* probs, int stride) {
+  constexpr int kRows = D == 64 ? 6 : 2;  // accumulators + one key's values fit 32 registers
+  for_chunks<kRows>(nrows, [&](int r0, auto rn) {
+    constexpr int RN = decltype(rn)::value;
+    const int count = *std::max_element(visible + r0, visible + r0 + RN);
+    accumulate_block<D, RN>(acc + static_cast<std::ptrdiff_t>(r0) * D, wide, count,
+                            probs + static_cast<std::ptrdiff_t>(r0) * stride, stride);
+  });
+}
+
+}  // namespace kvserve
+
+#endif  // __AVX512BF16__
