@@ -8,8 +8,9 @@ benchmarks/vllm_offline_worker.py: one ``vllm.LLM`` per workload, built and warm
 benchmarks/offline_throughput.py, a fresh process per run. Both exclude model load.
 The figures follow benchmarks/ab_protocol.py (each
 side's best and median, the ratio of bests, the median of the pair ratios, load and steal
-per run, the roofline fraction); with --write-docs the table for this CPU in
-docs/benchmarks.md is replaced. Run it under the bench lock:
+per run, the roofline fraction); with --write-docs the workload's section for this CPU in
+docs/benchmarks.md is replaced (one per workload: a run of W1 alone keeps W2's table).
+Run it under the bench lock:
 
     flock /tmp/kvserve-bench.lock python benchmarks/offline_ab.py --pairs 5 --workload w1 \
         --write-docs
@@ -101,25 +102,25 @@ def run_row(workload: str, pair: int, side: str, r: dict, conditions: ab.Conditi
 
 
 def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, float] | None,
-            runs: dict[str, dict[str, list[dict]]], rows: list[str]) -> str:
+            workload: str, sides: dict[str, list[dict]], rows: list[str]) -> str:
+    """One workload's section: each workload has its own on each CPU, so a run of one
+    workload replaces its own table and leaves the other's."""
     command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
-    lines = [f"### Offline throughput against vLLM on {model}", "",
+    setting = ("W1 in 2 GiB of KV cache on both sides" if workload == "w1" else
+               "W2: W1's requests in 4,096 KV tokens (vLLM 128 blocks of 32, its CPU "
+               "attention's smallest; kvserve 256 of 16), max_num_seqs 64")
+    pairs = len(sides["kvserve"])
+    cut = "" if pairs == args.pairs else f" (cut short: {pairs} pairs done)"
+    lines = [f"### Offline throughput against vLLM on {model}: {workload.upper()}{cut}", "",
              f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
              f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile; "
              "one LLM built once per workload) and kvserve (bf16, a fresh process per run) "
              "alternately, vLLM first, model load excluded; the first "
-             f"{args.requests} requests of W1. W1 in 2 GiB of KV cache on both sides; W2 in "
-             "4,096 KV tokens (vLLM 128 blocks of 32, its CPU attention's smallest; kvserve "
-             "256 of 16), max_num_seqs 64. The machine is shared with other jobs: each run's "
-             "load average before it and steal time during it are in the rows. Roofline: the "
-             "run's matmul work at the measured bf16 peak over its wall time.", ""]
-    for workload, sides in runs.items():
-        pairs = len(sides["kvserve"])
-        if pairs:
-            cut = "" if pairs == args.pairs else f" (cut short: {pairs} pairs done)"
-            lines += [f"{workload.upper()}{cut}:", "",
-                      *ab.summary_table(ab.summarize(FIGURES, sides["vLLM"],
-                                                     sides["kvserve"])), ""]
+             f"{args.requests} requests of W1. {setting}. The machine is shared with other "
+             "jobs: each run's load average before it and steal time during it are in the "
+             "rows. Roofline: the run's matmul work at the measured bf16 peak over its wall "
+             "time.", "",
+             *ab.summary_table(ab.summarize(FIGURES, sides["vLLM"], sides["kvserve"])), ""]
     return "\n".join([*lines, "| workload | pair | engine | wall s | output tok/s | "
                        "preemptions | load / steal | roofline fraction |",
                        "|---|---|---|---|---|---|---|---|", *rows])
@@ -145,7 +146,7 @@ def main() -> int:
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, dict[str, list[dict]]] = {w: {"vLLM": [], "kvserve": []}
                                               for w in args.workload}
-    rows: list[str] = []
+    rows: dict[str, list[str]] = {w: [] for w in args.workload}
     with tempfile.TemporaryDirectory() as scratch:
         for workload in args.workload:
             vllm = VllmWorker(workload, args.requests, Path(scratch) / "vllm.log")
@@ -158,11 +159,13 @@ def main() -> int:
                                 w, args.requests, out))):
                         result, conditions = ab.measured(runner)
                         runs[workload][side].append(result)
-                        rows.append(run_row(workload, pair, side, result, conditions, peaks))
-                        print(rows[-1], flush=True)
+                        rows[workload].append(
+                            run_row(workload, pair, side, result, conditions, peaks))
+                        print(rows[workload][-1], flush=True)
                     # each finished pair is published: a run cut short keeps what it measured
-                    publish(f"offline_ab:{ab.cpu_slug(model)}",
-                            section(args, model, flags, peaks, runs, rows),
+                    publish(f"offline_ab:{ab.cpu_slug(model)}:{workload}",
+                            section(args, model, flags, peaks, workload, runs[workload],
+                                    rows[workload]),
                             write_docs=args.write_docs)
             finally:
                 vllm.close()

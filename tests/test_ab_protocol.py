@@ -85,3 +85,31 @@ def test_profile_buckets_py_spy_samples_by_their_innermost_named_frame(tmp_path)
     assert threads["MainThread"] == {"waiting": 9, "HTTP, SSE, JSON (event loop)": 1}
     assert profile_online.table(threads)[2] == \
         "| kvserve-engine | 10 | projections 60%, attention 30%, scheduler 10% |"
+
+
+def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
+    """A run of W1 alone rewrites W1's section for the CPU and leaves W2's table standing."""
+    import argparse
+
+    import docs_section
+    import offline_ab
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    args = argparse.Namespace(pairs=1, requests=16)
+    result = {"wall_s": 10.0, "output_tok_s": 100.0}
+
+    def write(workload: str, wall: float) -> None:
+        sides = {"vLLM": [result], "kvserve": [dict(result, wall_s=wall)]}
+        text = offline_ab.section(args, "AMD EPYC", "avx2", None, workload, sides,
+                                  [f"| {workload.upper()} | 1 | kvserve | {wall} |"])
+        monkeypatch.setattr(sys, "argv", ["offline_ab.py", "--workload", workload])
+        docs_section.write_section(f"offline_ab:amd-epyc:{workload}", text, docs, "# Benchmarks")
+
+    write("w1", 8.0)
+    write("w2", 9.0)
+    write("w1", 5.0)  # a later W1 run
+    text = docs.read_text()
+    assert text.count("against vLLM on AMD EPYC: W1") == 1
+    assert "| W1 | 1 | kvserve | 5.0 |" in text and "| W1 | 1 | kvserve | 8.0 |" not in text
+    assert "| W2 | 1 | kvserve | 9.0 |" in text  # W2's table survives W1's rerun
