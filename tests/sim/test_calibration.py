@@ -176,3 +176,25 @@ def test_relative_to_the_price_does_not_lean_low_on_noisy_steps():
     assert fit(views, seconds, knees=(0,), relative_to="measured") == measured
     with pytest.raises(ValueError, match="relative_to must be 'measured' or 'priced'"):
         fit(views, seconds, relative_to="seconds")
+
+
+def test_the_priced_fit_keeps_a_model_whose_clock_advances(monkeypatch):
+    """A reweighting that would drop both fixed_s and per_token_s (a few noisy steps of a
+    tiny model did) stops the iteration at the last valid coefficients, so the fit never
+    returns a model CalibratedCostModel refuses."""
+    from kvserve.sim import calibration
+
+    plain = calibration._nonnegative_relative_fit
+
+    def degenerate_when_reweighted(x, y, active, scale=None):
+        coefficients = plain(x, y, active, scale)
+        if scale is not None:
+            coefficients[0] = coefficients[1] = 0.0  # fixed_s, per_token_s
+        return coefficients
+
+    views = _decodes_and_chunks(60, 7)
+    seconds = [CalibratedCostModel(dict(TRUE)).step_time(None, v) for v in views]  # type: ignore[arg-type]
+    monkeypatch.setattr(calibration, "_nonnegative_relative_fit", degenerate_when_reweighted)
+    model = fit(views, seconds, knees=(0,), relative_to="priced")
+    assert model.coefficients == fit(views, seconds, knees=(0,)).coefficients
+    assert model.coefficients["fixed_s"] == pytest.approx(TRUE["fixed_s"], rel=1e-6)
