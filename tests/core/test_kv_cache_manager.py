@@ -1,6 +1,8 @@
 """Spec E1-E5: all-or-nothing allocation with the watermark and the full-sequence gate."""
 
-from kvserve.core.config import CacheConfig
+import pytest
+
+from kvserve.core.config import PREFIX_CACHING_HASH_ALGOS, CacheConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from tests.conftest import make_request
 
@@ -141,3 +143,38 @@ def test_usage_and_prefix_stats():  # G6, G7
     off = make_kv(caching=False)
     off.record_prefix_cache_stats(request, 0)
     assert off.prefix_cache_queries == 0
+
+
+@pytest.mark.parametrize("algo", PREFIX_CACHING_HASH_ALGOS)
+def test_hash_ahead_gives_the_hashes_the_tokens_give_as_they_arrive(algo):  # G3, E5
+    kv = KVCacheManager(CacheConfig(num_blocks=10, block_size=4, prefix_caching_hash_algo=algo),
+                        1000)
+    prompt, answer = list(range(100, 110)), [7, 8, 9, 10, 11, 12, 2]
+    ahead = make_request("a", prompt_token_ids=prompt, cache_salt="s")
+    kv.hash_ahead(ahead, answer)
+    assert ahead.output_token_ids == [] and len(ahead.block_hashes) == 4  # 17 tokens
+    arriving = make_request("b", prompt_token_ids=prompt, cache_salt="s")
+    kv.allocate_slots(arriving, 10)
+    arriving.num_computed_tokens = 10
+    for token in answer:  # decode, registering each block as it fills (E5)
+        arriving.output_token_ids.append(token)
+        kv.grow_slots(arriving, 1)
+        arriving.num_computed_tokens += 1
+    assert ahead.block_hashes == arriving.block_hashes
+    assert [kv.pool.cached[h].block_id for h in arriving.block_hashes] == [0, 1, 2, 3]
+    kv.hash_ahead(arriving, [1, 2, 3, 4])  # has output already: nothing to do
+    assert len(arriving.block_hashes) == 4
+    off = make_kv(caching=False)
+    fresh = make_request("c", prompt_token_ids=prompt)
+    off.hash_ahead(fresh, answer)
+    assert fresh.block_hashes == []
+
+
+def test_hashes_known_ahead_are_read_only_up_to_the_tokens_in():  # G4, E5
+    kv = make_kv(block_size=4)
+    owner = make_request("a", prompt_token_ids=list(range(8)))
+    kv.hash_ahead(owner, [8, 9, 10, 11, 12])  # three blocks hashed, two of them in
+    kv.allocate_slots(owner, 8)
+    assert len(kv.pool.cached) == 2  # block 2's hash is known, its tokens are not in
+    twin = make_request("b", prompt_token_ids=list(range(13)))
+    assert kv.get_computed_blocks(twin)[1] == 8

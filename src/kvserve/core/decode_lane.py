@@ -131,17 +131,19 @@ class DecodeLane:
             for member in due:
                 request = member.request
                 num_computed = request.num_computed_tokens + j - member.mark
-                if num_computed % block_size == 0 and not whole:
-                    # A new block only: grow_slots reads the request's computed tokens and
-                    # held blocks, not its tokens, so nothing else needs bringing up to date.
+                new_only = num_computed % block_size == 0 and not whole
+                if new_only or len(request.block_hashes) * block_size > num_computed:
+                    # A new block, or a block that fills and whose hash is known already
+                    # (KVCacheManager.hash_ahead): grow_slots reads the request's computed
+                    # tokens, held blocks and hashes, not its tokens, so nothing else needs
+                    # bringing up to date.
                     behind = request.num_computed_tokens
                     request.num_computed_tokens = num_computed
                     grown = grow_slots(request, 1)
                     request.num_computed_tokens = behind
-                    when = after_new
                 else:  # the last block fills: the prefix cache hashes its tokens
                     grown = grow_slots(self._materialise(member, j, whole=False), 1)
-                    when = after_fill
+                when = after_new if new_only else after_fill
                 if grown is None:
                     raise AssertionError(f"decode lane: {request.request_id} found no block "
                                          "after the room check")

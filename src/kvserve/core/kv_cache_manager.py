@@ -105,6 +105,23 @@ class KVCacheManager:
         request.block_hashes = prompt_bytes_block_hashes(
             prompt_bytes, self.block_size, first_block_key(request, self.tenant_scoped))
 
+    def hash_ahead(self, request: Request, upcoming: list[int]) -> None:
+        """Hash a fresh request's full blocks over its prompt followed by ``upcoming``, the
+        tokens it will sample first, in one pass: the digests the cache would compute block
+        by block as those tokens arrive. For a model that knows its answers (a simulator);
+        the request's output must begin with ``upcoming``. Hashes past the request's tokens
+        are never read: a lookup stops at its last token (G4) and a block is registered
+        only once its tokens are in (E5). Nothing to do without prefix caching."""
+        if not self.enable_caching or request.output_token_ids:
+            return
+        # The hash functions read tokens through request.token_slice: lend them the answer.
+        request.output_token_ids = upcoming
+        try:
+            self._extend_hashes(request, self.block_size, request.num_tokens,
+                                self.tenant_scoped)
+        finally:
+            request.output_token_ids = []
+
     def cached_prefix_hashes(self, request: Request) -> list[BlockHash]:
         """The leading block hashes of ``request`` that the prefix cache holds now, up to the
         G4 cap: the blocks :meth:`get_computed_blocks` would hit. Read-only: nothing is
@@ -242,8 +259,10 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request_id]
         if num_full <= num_cached:
             return
-        hashes = self._extend_hashes(request, self.block_size, num_full * self.block_size,
-                                     self.tenant_scoped)
+        hashes = request.block_hashes
+        if len(hashes) < num_full:  # else hashed ahead (hash_ahead) or at an earlier call
+            hashes = self._extend_hashes(request, self.block_size, num_full * self.block_size,
+                                         self.tenant_scoped)
         if num_full == num_cached + 1:  # one block, as when decoding fills one
             self.pool.cache_block(held[num_cached], hashes[num_cached])
         else:

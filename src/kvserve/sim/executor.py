@@ -84,17 +84,19 @@ class SimExecutor:
         self.lane: DecodeLane | None = None
 
     def register(self, request_id: str, num_prompt_tokens: int, output_len: int,
-                 ignore_eos: bool, stream: int, drawn: list[int] | None = None) -> None:
+                 ignore_eos: bool, stream: int, drawn: list[int] | None = None) -> list[int]:
         """What the simulated model will answer to ``request_id`` (before it is added).
 
         The answer is drawn once, vectorised (``drawn``: already drawn, the stream's
         ``output_len`` ids after the prompt; the list is kept); with ``ignore_eos`` it
-        continues the stream past ``output_len`` until the scheduler stops the request."""
+        continues the stream past ``output_len`` until the scheduler stops the request.
+        Returns the answer: the tokens the request samples first (not to be changed)."""
         answer = stream_tokens(stream, num_prompt_tokens, num_prompt_tokens + output_len) \
             if drawn is None else drawn
         if not ignore_eos:
             answer.append(EOS_TOKEN_ID)
         self._answers[request_id] = (num_prompt_tokens, answer, stream)
+        return answer
 
     def forget(self, request_id: str) -> None:
         self._answers.pop(request_id, None)

@@ -93,8 +93,10 @@ class _Run:
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
+        # The prompt's bytes serve BLAKE2b's hashes (hash_prompt); builtin hashes the ids.
         self.draws = PromptDraws(self.arrivals, sim.seed,
-                                 with_bytes=sim.cache_config.enable_prefix_caching)
+                                 with_bytes=sim.cache_config.enable_prefix_caching
+                                 and sim.cache_config.prefix_caching_hash_algo == "blake2b")
         self.recorder = RunRecorder(self.arrivals)
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
@@ -273,9 +275,13 @@ class _Run:
             arrival_time=trace_request.arrival_time)
         if prompt_bytes is not None:
             self.scheduler.kv.hash_prompt(request, prompt_bytes)
-        self.executor.register(request_id, request.num_prompt_tokens, trace_request.output_len,
-                               trace_request.ignore_eos, trace_request.continuation_key(seed),
-                               answer)
+        answer = self.executor.register(request_id, request.num_prompt_tokens,
+                                        trace_request.output_len, trace_request.ignore_eos,
+                                        trace_request.continuation_key(seed), answer)
+        # The blocks of the prompt and the answer hashed in one pass, not one at a time as
+        # they fill: the decode lane then brings a member's tokens up to date only when it
+        # finishes (core/decode_lane.py).
+        self.scheduler.kv.hash_ahead(request, answer)
         try:
             try:
                 self.scheduler.add_request(request)
