@@ -90,6 +90,29 @@ def test_free_puts_hashless_blocks_at_head_and_hashed_at_tail():  # G2
     assert pool.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]
 
 
+def test_free_into_an_empty_queue_keeps_hashless_ahead_of_hashed():  # G2
+    pool = BlockPool(5)
+    blocks = pool.allocate(5)  # the free queue is empty
+    pool.cache_blocks(blocks[:3], [b"h0", b"h1", 7])  # an int hash: the builtin algorithm
+    pool.free(reversed(blocks))  # tail first: 4, 3 (hashless), 2, 1, 0 (hashed)
+    assert pool.free_queue.block_ids() == [3, 4, 2, 1, 0]
+    assert [b.block_id for b in pool.free_queue][::-1] == [0, 1, 2, 4, 3]  # links both ways
+    assert len(pool.free_queue) == 5
+
+
+def test_allocating_many_evicts_each_reused_hash_in_queue_order():  # G1, G2
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks[:2], [b"h0", b"h1"])
+    pool.free(reversed(blocks))  # free queue: 2, 3 (hashless), 4, 5, 1, 0 (hashed)
+    taken = pool.allocate(5)
+    assert [b.block_id for b in taken] == [2, 3, 4, 5, 1]
+    assert all(b.ref_cnt == 1 and b.block_hash is None for b in taken)
+    assert pool.cached == {b"h0": blocks[0]}  # only block 1's hash was evicted
+    assert pool.free_queue.block_ids() == [0]
+    assert [b.block_id for b in pool.allocate(1)] == [0] and pool.cached == {}
+
+
 def test_usage_counts_cached_free_blocks_as_free():  # G7
     pool = BlockPool(4)
     blocks = pool.allocate(2)

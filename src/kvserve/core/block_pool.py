@@ -193,9 +193,20 @@ class BlockPool:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only {self.free_queue.num_free} free"
             )
-        blocks = self.free_queue.popleft_many(num_blocks)
+        if num_blocks == 1:
+            return [self.allocate_one()]
+        # popleft_many's unlinking and the eviction in one pass over the blocks (a prompt
+        # takes dozens): the free queue's head is this module's own.
+        queue = self.free_queue
         cached = self.cached
-        for block in blocks:
+        blocks = []
+        head = queue._head
+        block = head.next_free
+        for _ in range(num_blocks):
+            assert block is not None
+            blocks.append(block)
+            following = block.next_free
+            block.prev_free = block.next_free = None
             block_hash = block.block_hash
             if block_hash is not None:  # evicted only now (G2); most reused blocks carry one
                 # A block carries a hash only while the cache maps that hash to it
@@ -203,6 +214,11 @@ class BlockPool:
                 del cached[block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            block = following
+        assert block is not None
+        head.next_free = block
+        block.prev_free = head
+        queue.num_free -= num_blocks
         return blocks
 
     def allocate_one(self) -> KVBlock:
@@ -221,18 +237,29 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the order given (callers pass tail first)."""
         queue = self.free_queue
-        # Hashed blocks go to the tail and hashless ones to the head, each in the order given,
-        # so the two never interleave and each side is linked in one pass at the end.
-        to_head, to_tail = [], []
+        # Hashed blocks go to the tail, linked as they come (with prefix caching nearly every
+        # block a request frees is hashed); hashless ones to the head, each side in the order
+        # given, so the two never interleave.
+        to_head = []
+        tail = queue._tail
+        last = tail.prev_free
+        assert last is not None
+        num_to_tail = 0
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     to_head.append(block)
                 else:
-                    to_tail.append(block)
+                    last.next_free = block
+                    block.prev_free = last
+                    last = block
+                    num_to_tail += 1
+        if num_to_tail:
+            last.next_free = tail
+            tail.prev_free = last
+            queue.num_free += num_to_tail
         queue.extendleft(to_head)
-        queue.extend(to_tail)
 
     def cache_block(self, block: KVBlock, block_hash: bytes | int) -> None:
         """Register a newly full block under its hash (see :meth:`cache_blocks`)."""
