@@ -86,10 +86,13 @@ class EventCounter:
 def per_request_floor(trace: list[Any], block_size: int = 16) -> dict[str, float]:
     """Seconds the trace's requests cost before any step, by the simulator's own code paths:
     synthesising each prompt's ids, building its Request, hashing its full prompt blocks
-    (prefix caching). Any design that keeps the engine's requests and prefix cache pays
-    them, however its steps are run."""
-    from kvserve.core.prefix_cache import extend_block_hashes
+    (prefix caching, with the simulator's hash algorithm). Any design that keeps the engine's
+    requests and prefix cache pays them, however its steps are run."""
+    from kvserve.core.prefix_cache import BLOCK_HASHERS
     from kvserve.core.request import Request
+    from kvserve.flags import SIM_HASH_ALGO
+
+    extend_block_hashes = BLOCK_HASHERS[SIM_HASH_ALGO]
 
     start = time.perf_counter()
     prompts = [r.synthesise_prompt(0) for r in trace]
@@ -98,7 +101,7 @@ def per_request_floor(trace: list[Any], block_size: int = 16) -> dict[str, float
     requests = [Request(r.request_id, p, r.sampling_params(max_model_len),
                         arrival_time=r.arrival_time) for r, p in zip(trace, prompts, strict=True)]
     built = time.perf_counter()
-    blocks = sum(len(extend_block_hashes(q, block_size, q.num_prompt_tokens))
+    blocks = sum(len(extend_block_hashes(q, block_size, q.num_prompt_tokens, False))
                  for q in requests)
     hashed = time.perf_counter()
     return {"prompt ids": ids - start, "Request objects": built - ids,
