@@ -200,3 +200,17 @@ def test_the_engine_process_spins_only_where_a_core_is_left_to_the_server(monkey
     assert policy(threads=3) == "ACTIVE"
     assert policy(threads=3, wait_policy="PASSIVE") == "PASSIVE"  # said outright: kept
     assert EngineSpec(print, threads=3).environment()["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_passive_engine_by_cores_spins_briefly_unless_told(monkeypatch):
+    """Chosen PASSIVE by cores, the engine's threads spin libgomp's default count before they
+    sleep; a policy said outright, or the user's own GOMP_SPINCOUNT, is left alone."""
+    from kvserve.engine.engine_process import BRIEF_SPIN_COUNT, EngineSpec
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert EngineSpec(print).environment()["GOMP_SPINCOUNT"] == BRIEF_SPIN_COUNT == "300000"
+    assert "GOMP_SPINCOUNT" not in EngineSpec(print, wait_policy="PASSIVE").environment()
+    assert "GOMP_SPINCOUNT" not in EngineSpec(print, threads=1).environment()  # ACTIVE
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert "GOMP_SPINCOUNT" not in EngineSpec(print).environment()  # the user's 0 stands

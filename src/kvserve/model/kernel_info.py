@@ -92,7 +92,8 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
     elif dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
-        attention = "C++ AVX512-BF16 dot products + AVX-512 (head_dim 64/128; others AVX-512)"
+        attention = ("C++ AVX512-BF16 dot products + AVX-512 (head_dim 64/128: prefill tiles as "
+                     "packed-key products; others AVX-512)")
     elif "avx512f" in compiled_isa:
         attention = "C++ AVX-512 intrinsics (head_dim a multiple of 16; else vectorised loops)"
     else:
