@@ -17,7 +17,9 @@
 //
 // Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
 // (kv head, tile of 16 queries); each query row runs the same online softmax over its visible
-// keys.
+// keys. For a bf16 model on AVX512-BF16 each tile of keys is repacked, and its values widened,
+// once for all the item's rows (attention_gemm.h); otherwise each query's rows use the
+// decode's per-key dot products.
 //
 // Work items are handed out dynamically (an atomic counter, longest first) inside one
 // at::parallel_for region with one task per thread, since contexts are ragged; each thread
