@@ -47,11 +47,13 @@ from docs_section import publish
 from fidelity import (  # first: sets OMP_WAIT_POLICY before torch loads
     BLOCK_SIZE,
     DOCS,
+    DTYPE,
     OUT,
     QUEUE_P99_BOUND,
     TITLE,
     W1_SETTINGS,
     engine_configs,
+    judge,
     new_engine,
     now,
     simulate,
@@ -125,7 +127,7 @@ def phase_calibrate(requests: int, quick: bool) -> None:
     grid, seconds = calibrate.calibrate(engine.executor, engine.scheduler.cache_config.num_blocks,
                                         shapes, warmup=1 if quick else 2,
                                         repeats=1 if quick else 5)
-    meta = {"model": "smollm2-135m", "dtype": "bfloat16", "block_size": BLOCK_SIZE,
+    meta = {"model": "smollm2-135m", "dtype": DTYPE, "block_size": BLOCK_SIZE,
             "num_samples": len(shapes), "seconds": round(time.perf_counter() - start, 1),
             **machine_note()}
     (BAND / "grid.json").write_text(calibrate.to_json(grid, shapes, seconds, meta))
@@ -136,7 +138,7 @@ def phase_calibrate(requests: int, quick: bool) -> None:
     engine = new_engine(W1_SETTINGS)
     with (BAND / "calibration-run-steps.jsonl").open("w") as log:
         run_trace(engine, trace, log=log, greedy=True)
-    meta = {"model": "smollm2-135m", "dtype": "bfloat16", "block_size": BLOCK_SIZE,
+    meta = {"model": "smollm2-135m", "dtype": DTYPE, "block_size": BLOCK_SIZE,
             "trace": f"W3 requests 100-199 at {rate:.3f} req/s", "rate": rate, **note}
     print(f"grid: {grid.source}", flush=True)
     phase_fit(meta)
@@ -185,16 +187,6 @@ def phase_run(shares: list[float], runs: int, requests: int) -> None:
                   flush=True)
 
 
-def judge(simulated: float | None, values: list[float]) -> tuple[str, bool]:
-    """(error against the median, met): inside [min, max] or within 8% of the median."""
-    median = statistics.median(values)
-    if simulated is None or not median:
-        return "—", False
-    error = simulated / median - 1
-    met = min(values) <= simulated <= max(values) or abs(error) <= NEAR_MEDIAN
-    return f"{100 * error:+.1f}%", met
-
-
 def number(v: float) -> str:
     return f"{v:.3f}" if abs(v) < 10 else f"{v:,.1f}"
 
@@ -217,7 +209,7 @@ def share_table(share: float, rows: list[dict[str, Any]], models: dict[str, Any]
         cells = [f"{number(statistics.median(values))} [{number(min(values))} - "
                  f"{number(max(values))}]"]
         for name in models:
-            error, ok = judge(simulated[name][key], values)
+            error, ok = judge(simulated[name][key], values, NEAR_MEDIAN)
             judged = key in JUDGED_FIGURES
             met[name] += ok and judged
             cells += [number(simulated[name][key]), error,
