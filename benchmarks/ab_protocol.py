@@ -62,9 +62,39 @@ def cpu() -> tuple[str, str]:
     return model, flags
 
 
-def cpu_slug(model: str) -> str:
-    """A marker-safe name for a CPU model: "AMD EPYC 9R14" -> "amd-epyc-9r14"."""
-    return re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-") or "unknown-cpu"
+# The vector tiers a kernel dispatches on, best first: (flag that marks it, slug, label).
+# Cloud CPUs often report a bare model name ("AMD EPYC" for both a Zen 3 with AVX2 only and a
+# Zen 4 with AVX512-BF16), so a table is keyed by the name and the tier.
+ISA_TIERS = (("amx_bf16", "amx", "AMX"), ("avx512_bf16", "avx512-bf16", "AVX512-BF16"),
+             ("avx512f", "avx512", "AVX-512"), ("avx2", "avx2", "AVX2"))
+NATIVE_BF16 = ("amx_bf16", "avx512_bf16")  # kvserve.model.dtype's rule for --dtype auto
+
+
+def isa_tier(flags: str) -> tuple[str, str]:
+    """(slug, label) of the best vector tier in ``flags``; ("", "") below AVX2."""
+    present = set(flags.split())
+    return next(((slug, label) for flag, slug, label in ISA_TIERS if flag in present),
+                ("", ""))
+
+
+def cpu_slug(model: str, flags: str = "") -> str:
+    """A marker-safe name for a CPU: "AMD EPYC 9R14" -> "amd-epyc-9r14", and with its flags
+    "AMD EPYC", "avx avx2 fma" -> "amd-epyc-avx2"."""
+    base = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-") or "unknown-cpu"
+    tier = isa_tier(flags)[0]
+    return f"{base}-{tier}" if tier else base
+
+
+def cpu_title(model: str, flags: str) -> str:
+    """"AMD EPYC (AVX2)": the model name and its best vector tier, for a table's heading."""
+    label = isa_tier(flags)[1]
+    return f"{model} ({label})" if label else model
+
+
+def fast_dtype(flags: str) -> str:
+    """The dtype both engines run in for ``--dtype auto``: bfloat16 where the CPU computes it
+    natively (AMX or AVX512-BF16), float32 elsewhere (on AVX2 alone torch emulates bf16)."""
+    return "bfloat16" if set(flags.split()) & set(NATIVE_BF16) else "float32"
 
 
 def cpu_times() -> tuple[int, int]:

@@ -38,6 +38,7 @@ PEERS = Path(os.environ.get("PEERS_DIR", Path(tempfile.gettempdir()) / "peers"))
 VLLM_ARGS = {"w1": ["--kv-cache-gib", "2"],
              "w2": ["--kv-blocks", "128", "--block-size", "32", "--max-num-seqs", "64"]}
 KVSERVE_ARGS = {"w1": ["--kv-cache-memory", "2GiB"], "w2": []}
+PEAK = {"bfloat16": "bf16_flops", "float32": "fp32_flops"}  # the roofline's matmul rate
 FIGURES = [ab.Figure("wall_s", "wall s", False), ab.Figure("output_tok_s", "output tok/s",
                                                              True, "{:.0f}")]
 
@@ -52,10 +53,10 @@ def vllm_env() -> dict[str, str]:
 class VllmWorker:
     """vLLM's LLM for one workload, built once; :meth:`run` runs the workload once."""
 
-    def __init__(self, workload: str, requests: int, log: Path) -> None:
+    def __init__(self, workload: str, requests: int, dtype: str, log: Path) -> None:
         self.process = subprocess.Popen(
             [str(PEERS / "venvs/vllm/bin/python"), str(Path(__file__).with_name(
-                "vllm_offline_worker.py")), str(BENCH), "--n", str(requests),
+                "vllm_offline_worker.py")), str(BENCH), "--n", str(requests), "--dtype", dtype,
              *VLLM_ARGS[workload]], env=vllm_env(), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
         self._read()  # {"ready": true} once built and warmed up
@@ -82,19 +83,20 @@ class VllmWorker:
             self.process.kill()
 
 
-def run_kvserve(workload: str, requests: int, out: Path) -> dict:
+def run_kvserve(workload: str, requests: int, dtype: str, out: Path) -> dict:
     subprocess.run([sys.executable, str(ROOT / "benchmarks/offline_throughput.py"),
-                    "--workload", workload, "--dtype", "bfloat16", "--n", str(requests),
+                    "--workload", workload, "--dtype", dtype, "--n", str(requests),
                     "--json", str(out), *KVSERVE_ARGS[workload]],
                    check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())[0]
 
 
 def run_row(workload: str, pair: int, side: str, r: dict, conditions: ab.Conditions,
-            peaks: dict[str, float] | None) -> str:
+            peaks: dict[str, float] | None, dtype: str) -> str:
     fraction = "-"
     if peaks:
-        floor = ab.roofline_floor_s(r["prompt_tokens"] + r["output_tokens"], peaks["bf16_flops"])
+        floor = ab.roofline_floor_s(r["prompt_tokens"] + r["output_tokens"],
+                                    peaks[PEAK[dtype]])
         fraction = f"{floor / r['wall_s']:.2f}"
     preempted = "?" if r.get("preemptions") is None else f"{r['preemptions']:.0f}"
     return (f"| {workload.upper()} | {pair} | {side} | {r['wall_s']:.1f} | "
@@ -111,14 +113,16 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
                "attention's smallest; kvserve 256 of 16), max_num_seqs 64")
     pairs = len(sides["kvserve"])
     cut = "" if pairs == args.pairs else f" (cut short: {pairs} pairs done)"
-    lines = [f"### Offline throughput against vLLM on {model}: {workload.upper()}{cut}", "",
+    dtype = args.dtype
+    lines = [f"### Offline throughput against vLLM on {ab.cpu_title(model, flags)}: "
+             f"{workload.upper()}{cut}", "",
              f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
-             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 (bf16, torch.compile; "
-             "one LLM built once per workload) and kvserve (bf16, a fresh process per run) "
+             f"{ab.machine_line(model, flags, peaks)}. vLLM CPU 0.32.0 ({dtype}, torch.compile; "
+             f"one LLM built once per workload) and kvserve ({dtype}, a fresh process per run) "
              "alternately, vLLM first, model load excluded; the first "
              f"{args.requests} requests of W1. {setting}. The machine is shared with other "
              "jobs: each run's load average before it and steal time during it are in the "
-             "rows. Roofline: the run's matmul work at the measured bf16 peak over its wall "
+             f"rows. Roofline: the run's matmul work at the measured {dtype} peak over its wall "
              "time.", "",
              *ab.summary_table(ab.summarize(FIGURES, sides["vLLM"], sides["kvserve"])), ""]
     return "\n".join([*lines, "| workload | pair | engine | wall s | output tok/s | "
@@ -133,6 +137,9 @@ def main() -> int:
     parser.add_argument("--workload", nargs="+", default=["w1", "w2"], choices=("w1", "w2"))
     parser.add_argument("--no-peaks", action="store_true",
                         help="skip measuring this machine's peaks (no roofline column)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="both engines' dtype (auto: bfloat16 where the CPU computes it "
+                             "natively, AMX or AVX512-BF16; float32 elsewhere)")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     if not (PEERS / "venvs/vllm/bin/python").exists():
@@ -143,27 +150,30 @@ def main() -> int:
         print("--pairs must be >= 1 and --requests in [1, 128]", file=sys.stderr)
         return 2
     model, flags = ab.cpu()
+    if args.dtype == "auto":
+        args.dtype = ab.fast_dtype(flags)
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, dict[str, list[dict]]] = {w: {"vLLM": [], "kvserve": []}
                                               for w in args.workload}
     rows: dict[str, list[str]] = {w: [] for w in args.workload}
     with tempfile.TemporaryDirectory() as scratch:
         for workload in args.workload:
-            vllm = VllmWorker(workload, args.requests, Path(scratch) / "vllm.log")
+            vllm = VllmWorker(workload, args.requests, args.dtype, Path(scratch) / "vllm.log")
             try:
                 for pair in range(1, args.pairs + 1):
                     out = Path(scratch) / f"kvserve-{workload}-{pair}.json"
                     for side, runner in (
                             ("vLLM", vllm.run),
                             ("kvserve", lambda out=out, w=workload: run_kvserve(
-                                w, args.requests, out))):
+                                w, args.requests, args.dtype, out))):
                         result, conditions = ab.measured(runner)
                         runs[workload][side].append(result)
                         rows[workload].append(
-                            run_row(workload, pair, side, result, conditions, peaks))
+                            run_row(workload, pair, side, result, conditions, peaks,
+                                    args.dtype))
                         print(rows[workload][-1], flush=True)
                     # each finished pair is published: a run cut short keeps what it measured
-                    publish(f"offline_ab:{ab.cpu_slug(model)}:{workload}",
+                    publish(f"offline_ab:{ab.cpu_slug(model, flags)}:{workload}",
                             section(args, model, flags, peaks, workload, runs[workload],
                                     rows[workload]),
                             write_docs=args.write_docs)

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """W3 online, `vllm serve` (vLLM's CPU build) and `kvserve serve` alternately, vLLM first.
 
-Both servers get the same settings (bf16, 2 GiB of KV cache, prefix caching off, max model
-length 1024) and the same client, ../shared/bench/load_client.py (streaming /v1/completions,
-token-id prompts, greedy, ignore_eos, one warm-up request first), run by the vLLM venv's
-Python (it has aiohttp). Both servers start once, before the first pair, and stay up (idle,
+Both servers get the same settings (``--dtype``: bf16 where the CPU computes it natively,
+float32 elsewhere; 2 GiB of KV cache, prefix caching off, max model length 1024) and the
+same client, ../shared/bench/load_client.py (streaming /v1/completions, token-id prompts,
+greedy, ignore_eos, one warm-up request first), run by the vLLM venv's Python (it has
+aiohttp). Both servers start once, before the first pair, and stay up (idle,
 prefix caching off, so nothing carries over) while the other side runs: a vLLM start compiles
 for minutes, which on a loaded 2-core machine is longer than a run. vLLM runs
 from the scratch venv ../shared/bench/setup_vllm.sh builds (under $PEERS_DIR, default
@@ -48,23 +49,25 @@ FIGURES = [
     ab.Figure("itl_p50_ms", "ITL p50 ms", False, "{:.0f}"),
     ab.Figure("itl_p99_ms", "ITL p99 ms", False, "{:.0f}"),
 ]
-SHARED = ["--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "1024",
-          "--served-model-name", "smollm2"]
+SHARED = ["--host", "127.0.0.1", "--max-model-len", "1024", "--served-model-name", "smollm2"]
+PEAK = {"bfloat16": "bf16_flops", "float32": "fp32_flops"}  # the roofline's matmul rate
 
 
-def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
+def vllm_command(port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0-1",
                LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
                           f"{PEERS / 'venvs/vllm/lib/libiomp5.so'}")
     # (the `vllm` entry point fails in vllm-cpu, ../shared/bench/bench_vllm_serve.sh says why)
     return [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(PEERS / "smollm2-hf"), "--port", str(port), *SHARED,
+            str(PEERS / "smollm2-hf"), "--port", str(port), *SHARED, "--dtype", dtype,
             "--kv-cache-memory-bytes", str(2 << 30), "--no-enable-prefix-caching"], env
 
 
-def kvserve_command(port: int, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+def kvserve_command(port: int, extra: list[str], dtype: str
+                    ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return [sys.executable, "-m", "kvserve", "serve", "--port", str(port), *SHARED,
+            "--dtype", dtype,
             "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
             "--log-stats-interval", "0", *extra], env
 
@@ -107,10 +110,11 @@ def stop(process: subprocess.Popen) -> None:
 class Server:
     """One side's server, started once: ``run()`` sends it W3 through the load client."""
 
-    def __init__(self, side: str, extra: list[str]) -> None:
+    def __init__(self, side: str, extra: list[str], dtype: str) -> None:
         self.side = side
         port = free_port()
-        command, env = vllm_command(port) if side == "vllm" else kvserve_command(port, extra)
+        command, env = vllm_command(port, dtype) if side == "vllm" else \
+            kvserve_command(port, extra, dtype)
         self.log = OUT / f"online_ab_{side}.log"
         with self.log.open("w") as sink:
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
@@ -136,12 +140,13 @@ class Server:
         stop(self.process)
 
 
-def floor_s(run: dict, requests: int, peaks: dict[str, float] | None) -> float | None:
-    """The run's least possible wall time: its matmul work at the bf16 peak, or the last
+def floor_s(run: dict, requests: int, peaks: dict[str, float] | None, dtype: str
+            ) -> float | None:
+    """The run's least possible wall time: its matmul work at the dtype's peak, or the last
     arrival (about requests / 4 s), whichever is longer."""
     if not peaks:
         return None
-    work = ab.roofline_floor_s(run["prompt_tokens"] + run["output_tokens"], peaks["bf16_flops"])
+    work = ab.roofline_floor_s(run["prompt_tokens"] + run["output_tokens"], peaks[PEAK[dtype]])
     return max(work, (requests - 1) / W3_ARRIVAL_RATE)
 
 
@@ -159,17 +164,17 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
     command = "python benchmarks/online_ab.py " + " ".join(sys.argv[1:])
     done = "" if pairs_done == args.pairs else f" (cut short: {pairs_done} pairs done)"
     return "\n".join([
-        f"### W3 online against vLLM on {model}{done}", "",
+        f"### W3 online against vLLM on {ab.cpu_title(model, flags)}{done}", "",
         f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
         f"{ab.machine_line(model, flags, peaks)}. The first {args.requests} requests of W3 "
         "(../shared/WORKLOADS.md) through ../shared/bench/load_client.py against `vllm serve` "
         "(vllm-cpu 0.32.0, torch.compile) and `kvserve serve` alternately, vLLM first; each "
-        "server started once and idle while the other runs; both bf16, 2 GiB KV, prefix "
+        f"server started once and idle while the other runs; both {args.dtype}, 2 GiB KV, prefix "
         "caching off, max model length 1024, each side's own defaults otherwise (vLLM's CPU "
         "server: 128 seats, 2,048 batched tokens; kvserve: 256 seats, 2,048). The machine is "
         "shared with other jobs: each run's load average before it and "
         "steal time during it are in the rows. Roofline: the run's matmul work at the "
-        "measured bf16 peak, or the last arrival if later, over its wall time.", "",
+        f"measured {args.dtype} peak, or the last arrival if later, over its wall time.", "",
         *ab.summary_table(ab.summarize(FIGURES, runs["vllm"], runs["kvserve"])), "",
         "| pair | server | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
         "completed / failed | load / steal | roofline fraction |",
@@ -182,6 +187,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="first N of W3 (smoke: 20)")
     parser.add_argument("--no-peaks", action="store_true",
                         help="skip measuring this machine's peaks (no roofline column)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="both servers' dtype (auto: bfloat16 where the CPU computes it "
+                             "natively, AMX or AVX512-BF16; float32 elsewhere)")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
     args = parser.parse_args()
@@ -194,10 +202,12 @@ def main() -> int:
         return 2
     OUT.mkdir(exist_ok=True)
     model, flags = ab.cpu()
+    if args.dtype == "auto":
+        args.dtype = ab.fast_dtype(flags)
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, list[dict]] = {"vllm": [], "kvserve": []}
     rows: list[str] = []
-    servers = [Server(side, args.serve_flags) for side in ("vllm", "kvserve")]
+    servers = [Server(side, args.serve_flags, args.dtype) for side in ("vllm", "kvserve")]
     try:
         for server in servers:
             server.wait()
@@ -207,10 +217,10 @@ def main() -> int:
                     lambda server=server, pair=pair: server.run(pair, args.requests))
                 runs[server.side].append(result)
                 rows.append(run_row(pair, server.side, result, conditions,
-                                    floor_s(result, args.requests, peaks)))
+                                    floor_s(result, args.requests, peaks, args.dtype)))
                 print(rows[-1], flush=True)
             # each finished pair is published: a run cut short keeps what it measured
-            publish(f"online_ab:{ab.cpu_slug(model)}",
+            publish(f"online_ab:{ab.cpu_slug(model, flags)}",
                     section(args, model, flags, peaks, runs, rows, pair),
                     write_docs=args.write_docs)
     finally:

@@ -1,5 +1,6 @@
 """vLLM's side of benchmarks/offline_ab.py: run by the vLLM venv's Python, it builds one
-``vllm.LLM`` (as ../shared/bench/bench_vllm_offline.py does: bf16, max model length 1024,
+``vllm.LLM`` (as ../shared/bench/bench_vllm_offline.py does: bf16 unless ``--dtype`` says
+float32, max model length 1024,
 prefix caching off, seed 0; warmed up on two short requests), then runs the first N requests
 of W1 once per line read from stdin and prints one JSON line per run (wall seconds, tokens,
 preemptions). One start serves every pair: vLLM compiles for minutes at start-up.
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("bench_dir", help="../shared/bench (workload.py, the model's path)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--n", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--kv-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
@@ -33,7 +35,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     settings: dict = dict(model=args.model or os.path.join(PEERS_DIR, "smollm2-hf"),
-                          dtype="bfloat16", max_model_len=1024, disable_log_stats=False,
+                          dtype=args.dtype, max_model_len=1024, disable_log_stats=False,
                           enable_prefix_caching=False, seed=0,
                           kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)))
     if args.block_size:

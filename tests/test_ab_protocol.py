@@ -55,6 +55,12 @@ def test_roofline_floor_uses_smollm2_matmul_work():
 def test_cpu_slug_and_machine_facts():
     assert ab.cpu_slug("AMD EPYC 9R14 96-Core Processor") == "amd-epyc-9r14-96-core-processor"
     assert ab.cpu_slug("???") == "unknown-cpu"
+    zen3, zen4 = "avx avx2 fma", "avx avx2 avx512f avx512_bf16 avx512_vnni fma"
+    assert ab.cpu_slug("AMD EPYC", zen3) == "amd-epyc-avx2"  # one name, two CPUs
+    assert ab.cpu_slug("AMD EPYC", zen4) == "amd-epyc-avx512-bf16"
+    assert ab.cpu_slug("Intel Xeon", zen4 + " amx_bf16 amx_tile") == "intel-xeon-amx"
+    assert ab.cpu_title("AMD EPYC", zen3) == "AMD EPYC (AVX2)"
+    assert (ab.fast_dtype(zen3), ab.fast_dtype(zen4)) == ("float32", "bfloat16")
     model, flags = ab.cpu()
     assert model and all(f.startswith(ab.ISA_PREFIXES) for f in flags.split())
     steal, total = ab.cpu_times()
@@ -96,7 +102,7 @@ def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
 
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n")
-    args = argparse.Namespace(pairs=1, requests=16)
+    args = argparse.Namespace(pairs=1, requests=16, dtype="float32")
     result = {"wall_s": 10.0, "output_tok_s": 100.0}
 
     def write(workload: str, wall: float) -> None:
@@ -104,12 +110,13 @@ def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
         text = offline_ab.section(args, "AMD EPYC", "avx2", None, workload, sides,
                                   [f"| {workload.upper()} | 1 | kvserve | {wall} |"])
         monkeypatch.setattr(sys, "argv", ["offline_ab.py", "--workload", workload])
-        docs_section.write_section(f"offline_ab:amd-epyc:{workload}", text, docs, "# Benchmarks")
+        docs_section.write_section(f"offline_ab:amd-epyc-avx2:{workload}", text, docs, "# Benchmarks")
 
     write("w1", 8.0)
     write("w2", 9.0)
     write("w1", 5.0)  # a later W1 run
     text = docs.read_text()
-    assert text.count("against vLLM on AMD EPYC: W1") == 1
+    assert text.count("against vLLM on AMD EPYC (AVX2): W1") == 1
+    assert "vLLM CPU 0.32.0 (float32" in text and "kvserve (float32" in text
     assert "| W1 | 1 | kvserve | 5.0 |" in text and "| W1 | 1 | kvserve | 8.0 |" not in text
     assert "| W2 | 1 | kvserve | 9.0 |" in text  # W2's table survives W1's rerun
