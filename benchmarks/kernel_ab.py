@@ -10,7 +10,8 @@ W1-like batch (128 requests, contexts uniform in [64, 640], SmolLM2's attention 
 benchmarks/attention_kernel.py), float32 and bfloat16; a 512-token prefill chunk; the fused
 layer ops of a 128-token decode step over 30 layers (bf16).
 
-W1: each side's whole engine (its ``kvserve`` from its ``src``) runs W1 offline (bf16,
+W1: each side's whole engine (its ``kvserve`` from its ``src``) runs W1 offline (in the dtype
+``--dtype auto`` picks here: bf16 where the CPU computes it natively, else float32;
 decode-heavy: 128 output tokens per request; benchmarks/offline_throughput.py) in a fresh
 process, ``--pairs`` pairs, which side goes first alternating; wall seconds per pair, the
 median of the pair ratios and the ratio of the minima. Ratios are base / head: above 1, head
@@ -146,10 +147,18 @@ def compare_kernels(base: Path, head: Path, reps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def w1_dtype() -> str:
+    """What ``--dtype auto`` runs the bundled model in on this CPU (bf16 where it is native,
+    float32 elsewhere): W1 runs in it."""
+    from kvserve.model.dtype import resolve_dtype
+
+    return str(resolve_dtype("auto", "quantized")[0]).removeprefix("torch.")
+
+
 def w1_worker(w1_n: int) -> float:
     from offline_throughput import run
 
-    return run("w1", w1_n, "bfloat16", 16, 2 << 30)["wall_s"]
+    return run("w1", w1_n, w1_dtype(), 16, 2 << 30)["wall_s"]
 
 
 def run_w1(side: str, src: Path, w1_n: int) -> float:
@@ -199,7 +208,7 @@ def markdown(kernels: list[dict[str, Any]], w1: list[dict[str, float]], reps: in
     if w1:
         base_runs, head_runs = [p["base"] for p in w1], [p["head"] for p in w1]
         ratios = [b / h for b, h in zip(base_runs, head_runs, strict=True)]
-        lines += ["", f"W1 offline (bf16), wall s, {len(w1)} pairs of fresh processes, "
+        lines += ["", f"W1 offline ({w1_dtype()}), wall s, {len(w1)} pairs of fresh processes, "
                   "which side first alternating:", "",
                   "| pair | base s | head s | base / head |", "|---|---|---|---|"]
         lines += [f"| {i + 1} | {b:.1f} | {h:.1f} | {r:.3f} |"

@@ -5,7 +5,7 @@ W1: 128 requests, prompt lengths uniform in [64, 512] (token ids), greedy, ignor
 max_tokens 128, all submitted at once. W2: the same requests with the KV cache capped at
 4,096 tokens and max_num_seqs 64. Wall time excludes model loading.
 
-    python benchmarks/offline_throughput.py [--workload w1 w2] [--dtype bfloat16] [--n 128]
+    python benchmarks/offline_throughput.py [--workload w1 w2] [--dtype auto] [--n 128]
                                             [--write-docs]
 """
 
@@ -29,6 +29,7 @@ from docs_section import publish
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
 from kvserve.flags import parse_bytes
+from kvserve.model.dtype import resolve_dtype
 
 W1_FIRST_IDS = [36058, 12649, 36180, 27207, 35725]  # ../shared/WORKLOADS.md
 PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s; "
@@ -50,6 +51,8 @@ def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int
                       "kv_cache_memory": kv_cache_memory}
     if workload == "w2":
         settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
+    if dtype == "auto":  # named as resolved, so a row says what ran
+        dtype = str(resolve_dtype("auto", "quantized")[0]).removeprefix("torch.")
     llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False, **settings)
     prompts = w1_prompts(n)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
@@ -88,7 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", nargs="+", default=["w1", "w2"], choices=("w1", "w2"))
     parser.add_argument("--n", type=int, default=128, help="first N requests (32: quick)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto (the default): bf16 where the CPU computes it natively "
+                             "(AMX or AVX512-BF16), else float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                         help="W1's KV cache (W2 always holds 4,096 tokens)")

@@ -110,7 +110,8 @@ def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
         text = offline_ab.section(args, "AMD EPYC", "avx2", None, workload, sides,
                                   [f"| {workload.upper()} | 1 | kvserve | {wall} |"])
         monkeypatch.setattr(sys, "argv", ["offline_ab.py", "--workload", workload])
-        docs_section.write_section(f"offline_ab:amd-epyc-avx2:{workload}", text, docs, "# Benchmarks")
+        docs_section.write_section(f"offline_ab:amd-epyc-avx2:{workload}", text, docs,
+                                   "# Benchmarks")
 
     write("w1", 8.0)
     write("w2", 9.0)

@@ -25,7 +25,7 @@ processor\t: 1
 model name\t: Intel(R) Xeon(R) Platinum 8480+
 flags\t\t: fpu
 """
-ALL_ISA = ("avx2", "avx512f", "avx512_bf16")
+ALL_ISA = ("avx2", "fma", "avx512f", "avx512_bf16")
 
 
 def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
@@ -54,10 +54,14 @@ def test_float32_and_narrower_builds_report_their_own_paths() -> None:
         "C++ AVX-512 intrinsics")
     assert op_kernels(torch.float32, True, ALL_ISA, True)["projections"] == \
         "torch F.linear float32"
-    avx2 = op_kernels(torch.bfloat16, True, ("avx2",), onednn_bf16=False)
-    assert avx2["attention"] == "C++ compiler-vectorised loops (AVX2)"
+    avx2 = op_kernels(torch.bfloat16, True, ("avx2", "fma"), onednn_bf16=False)
+    assert avx2["attention"].startswith("C++ AVX2 + FMA intrinsics")  # a Zen 3, say
     assert avx2["rms_norm"] == "C++ fused (AVX2)"
     assert avx2["projections"] == "torch F.linear bfloat16"
+    assert op_kernels(torch.float32, True, ("avx2", "fma"), False, packed_float32=True)[
+        "projections"].startswith("oneDNN packed float32")
+    no_fma = op_kernels(torch.float32, True, ("avx2",), onednn_bf16=False)
+    assert no_fma["attention"] == "C++ compiler-vectorised loops (AVX2)"
 
 
 @pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])

@@ -24,6 +24,27 @@ def test_a_packed_bf16_projection_equals_f_linear(num_tokens):
         assert torch.equal(linear(x), expected)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 64, 300])
+def test_a_packed_float32_projection_matches_f_linear(num_tokens):
+    """oneDNN's float32 GEMM sums in another order than MKL's: equal within rounding."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    linear = Linear(576, 960)
+    linear.weight.data = torch.randn(960, 576, generator=gen)
+    x = torch.randn(num_tokens, 576, generator=gen)
+    expected = F.linear(x, linear.weight)
+    linear.pack()
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_float32_is_packed_where_avx2_is_the_best_vector_tier():
+    zen3 = frozenset({"avx", "avx2", "fma"})
+    assert can_pack_weights(torch.float32, zen3) == torch.backends.mkldnn.is_available()
+    assert not can_pack_weights(torch.float32, zen3 | {"avx512f", "avx512_bf16"})
+    assert not can_pack_weights(torch.float32, frozenset({"sse4_2"}))
+    assert not can_pack_weights(torch.float16, zen3)
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 

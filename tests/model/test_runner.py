@@ -116,14 +116,19 @@ def test_the_default_attention_uses_the_kernel_here():
     assert paged_kernel.available(), paged_kernel.unavailable_reason()
 
 
-@pytest.mark.skipif(not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+PACKABLE = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")),
+    torch.float32]  # oneDNN's float32 GEMM runs on any x86 CPU; packed here by force
+
+
+@pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_bf16_projections_generate_what_plain_ones_do(monkeypatch, tied):
-    """bf16 projections run through oneDNN's packed copies, whose plain weights are then
-    released (except a tied LM head, which is the embedding table): greedy tokens must be
-    those of the same network left unpacked."""
+def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype):
+    """Projections run through oneDNN's packed copies, whose plain weights are then released
+    (except a tied LM head, which is the embedding table, and a bf16 head, kept to break
+    rounding ties): greedy tokens must be those of the same network left unpacked."""
     config = replace(TINY, tie_word_embeddings=tied)
-    weights = {k: v.to(torch.bfloat16) for k, v in random_weights(config, seed=1).items()}
+    weights = {k: v.to(dtype) for k, v in random_weights(config, seed=1).items()}
     if not tied:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].flip(0).clone()
 
@@ -131,15 +136,17 @@ def test_packed_bf16_projections_generate_what_plain_ones_do(monkeypatch, tied):
         scheduler = Scheduler(SchedulerConfig(max_model_len=512, max_num_batched_tokens=64,
                                               max_num_seqs=16),
                               CacheConfig(num_blocks=200, block_size=16))
-        runner = ModelRunner(network, allocate_kv_cache(config, 200, 16, torch.bfloat16), 16)
+        runner = ModelRunner(network, allocate_kv_cache(config, 200, 16, dtype), 16)
         return generate(Engine(scheduler, runner, None), stagger=True)
 
+    monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: True)
     packed = LlamaForCausalLM.from_weights(config, dict(weights))
     projections = [m for m in packed.modules() if isinstance(m, Linear)]
     assert all(m.packed is not None for m in projections)
     released = [m for m in projections if m.weight.is_meta]
-    assert len(released) == len(projections) - 1  # the head keeps its plain weight
-    assert not packed.lm_head.weight.is_meta
+    head_kept = tied or dtype == torch.bfloat16
+    assert len(released) == len(projections) - head_kept
+    assert packed.lm_head.weight.is_meta != head_kept
     assert packed.embed_tokens.weight.device.type == "cpu"
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: False)
     plain = LlamaForCausalLM.from_weights(config, dict(weights))

@@ -3,8 +3,9 @@ KV cache.
 
 The forward pass runs every scheduled token of a step in one flattened batch
 (:class:`~kvserve.model.input_batch.ForwardBatch`): prefill chunks and decodes together.
-Q/K/V and gate/up projections are fused into one matmul each when weights are loaded (and, in
-bf16, pre-packed for oneDNN: :class:`Linear`); each layer's elementwise work runs as three fused
+Q/K/V and gate/up projections are fused into one matmul each when weights are loaded (and
+pre-packed for oneDNN where that pays off: bf16 on AMX / AVX512-BF16, float32 on AVX2-only
+CPUs; :class:`Linear`); each layer's elementwise work runs as three fused
 ops (:mod:`kvserve.model.layer_ops`), with the residual adds folded into the next RMSNorm.
 Weights are named as in Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``)
 and Q/K use the rotate-half RoPE layout.
@@ -23,16 +24,23 @@ from kvserve.model import paged_kernel
 from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
+from kvserve.model.kernel_info import cpu_info, packs_float32
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
 from kvserve.model.logits import break_rounding_ties_, widen_logits
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
 
-def can_pack_weights(dtype: torch.dtype) -> bool:
-    """Whether :meth:`Linear.pack` pays off: bfloat16 on a CPU whose oneDNN runs bf16."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and \
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
+    """Whether :meth:`Linear.pack` pays off on a CPU with ``flags`` (default: this one's):
+    bfloat16 where oneDNN runs bf16 (AMX or AVX512-BF16); float32 where AVX2 is the best
+    vector tier (:func:`~kvserve.model.kernel_info.packs_float32` has the measurements)."""
+    if dtype == torch.bfloat16:
+        return torch.backends.mkldnn.is_available() and \
+            bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float32:
+        return packs_float32(cpu_info().flags if flags is None else flags)
+    return False
 
 
 class Linear(nn.Module):
@@ -41,6 +49,9 @@ class Linear(nn.Module):
     F.linear on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every call;
     the packed copy does that once. Measured on the 2-core benchmark machine over SmolLM2-135M's
     30 layers: 24 -> 12 ms at 12 tokens, 56 -> 40 ms at 64, ~8% at 2,048, bit-identical results.
+    In float32 F.linear calls MKL instead, and the packed copy is oneDNN's own float32 GEMM: on
+    an AVX2-only CPU much faster at decode batches (``can_pack_weights``), with a different
+    summation order (results within float32 rounding, not bit-identical).
 
     With ``invariant`` (``--batch-invariant``) it runs the C++ ``invariant_linear`` instead,
     whose reduction order per output element does not depend on the number of rows
@@ -226,12 +237,13 @@ class LlamaForCausalLM(nn.Module):
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.invariant = True
-        elif can_pack_weights(model.embed_tokens.weight.dtype):
+        elif can_pack_weights(dtype := model.embed_tokens.weight.dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
-                    # the LM head keeps its plain weight: compute_logits recomputes rows of it
-                    # to break rounding ties (a tied head's is the embedding table anyway)
-                    keep = module is model.lm_head or module.weight is model.embed_tokens.weight
+                    # a 16-bit LM head keeps its plain weight: compute_logits recomputes rows
+                    # of it to break rounding ties (a tied head's is the embedding table anyway)
+                    keep = (module is model.lm_head and dtype != torch.float32) or \
+                        module.weight is model.embed_tokens.weight
                     module.pack(release_weight=not keep)
         return model.eval()
 

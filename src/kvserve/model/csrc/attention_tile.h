@@ -1,7 +1,8 @@
 // The arithmetic of one attention tile: the scores of a GQA group's query rows against the
 // tile's keys, and the probability-weighted sum of its values. AVX-512 intrinsics where the
 // build has them and head_dim is a multiple of 16 (with AVX512-BF16 dot products for a bf16
-// model), else loops the compiler vectorises. Used by paged_attention.cpp.
+// model); AVX2 + FMA intrinsics where that is the best the build has and head_dim is a
+// multiple of 8; else loops the compiler vectorises. Used by paged_attention.cpp.
 #pragma once
 
 #include "fast_math.h"
@@ -10,8 +11,13 @@
 #include <cstddef>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The AVX2 tier: a build for a CPU with AVX2 and FMA but no AVX-512 (a Zen 3, say).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define KVSERVE_AVX2_TILES 1
 #endif
 
 namespace kvserve {
@@ -183,6 +189,98 @@ void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// The same on AVX2 + FMA: 8 float32 lanes, eight keys at a time.
+
+#if defined(KVSERVE_AVX2_TILES)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// Lane t of the result is the sum of the eight lanes of v[t].
+inline __m256 transpose_sum8(const __m256 v[8]) {
+  // Per 128-bit half: a holds the sums of v[0..3] over that half's four lanes, b of v[4..7].
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4), head_dim = NV registers of 8
+// (NV = 0: known at run time): per key and row a vector of partial sums, then one
+// transpose-and-add per eight keys. The query rows are re-read from L1 at each use.
+template <typename T, int GN, int NV>
+void dots_avx2(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off, int count,
+               float* scores, int stride) {
+  const int nv = NV > 0 ? NV : head_dim / 8;
+  for (int t0 = 0; t0 < count; t0 += 8) {
+    const int tn = std::min(8, count - t0);
+    __m256 part[GN][8];
+    for (int t = 0; t < 8; ++t) {
+      __m256 acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+      if (t < tn) {
+        const T* k = rows[t0 + t] + off;
+        for (int v = 0; v < nv; ++v) {
+          const __m256 key = load8(k + 8 * v);
+          for (int g = 0; g < GN; ++g)
+            acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * v), key, acc[g]);
+        }
+      }
+      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
+    }
+    for (int g = 0; g < GN; ++g) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, transpose_sum8(part[g]));
+      std::copy(sums, sums + tn, scores + g * stride + t0);
+    }
+  }
+}
+
+// acc[g] += sum_t p[g][t] * v_t for GN rows x VN registers of the accumulator (GN <= 4,
+// VN <= 2: at most 8 accumulators, 2 value registers and a probability in AVX2's 16).
+template <typename T, int GN, int VN>
+void accumulate_avx2(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
+                     int count, const float* probs, int stride) {
+  __m256 a[GN][VN];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) a[g][v] = _mm256_loadu_ps(acc + g * head_dim + 8 * v);
+  for (int t = 0; t < count; ++t) {
+    const T* row = rows[t] + off;
+    __m256 x[VN];
+    for (int v = 0; v < VN; ++v) x[v] = load8(row + 8 * v);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_set1_ps(probs[g * stride + t]);
+      for (int v = 0; v < VN; ++v) a[g][v] = _mm256_fmadd_ps(p, x[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < VN; ++v) _mm256_storeu_ps(acc + g * head_dim + 8 * v, a[g][v]);
+}
+
+template <typename T, int NV>
+void dots_groups_avx2(const float* q, int group, int head_dim, const T* const* rows,
+                      std::ptrdiff_t off, int count, float* scores, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    dots_avx2<T, decltype(gn)::value, NV>(q + g0 * head_dim, head_dim, rows, off, count,
+                                          scores + g0 * stride, stride);
+  });
+}
+
+template <typename T>
+void accumulate_groups_avx2(float* acc, int group, int head_dim, const T* const* rows,
+                            std::ptrdiff_t off, int count, const float* probs, int stride) {
+  for_chunks<4>(group, [&](int g0, auto gn) {
+    for_chunks<2>(head_dim / 8, [&](int v0, auto vn) {
+      accumulate_avx2<T, decltype(gn)::value, decltype(vn)::value>(
+          acc + g0 * head_dim + 8 * v0, head_dim, rows, off + 8 * v0, count,
+          probs + g0 * stride, stride);
+    });
+  });
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // The same without intrinsics (any head_dim): loops the compiler vectorises.
 
 // scores[g * stride + t] = q_g . k_t for the tile's keys, k_t = rows[t] + off; q is scaled.
@@ -253,6 +351,11 @@ inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int hea
                                             stride);
   }
 #endif
+#if defined(KVSERVE_AVX2_TILES)
+  if (head_dim % 8 == 0) {
+    return dots_groups_avx2<T, D / 8>(q, group, head_dim, rows, off, count, scores, stride);
+  }
+#endif
   dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride);
 }
 
@@ -262,6 +365,11 @@ inline void accumulate_values(float* acc, int group, int head_dim, const T* cons
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
     return accumulate_groups<T>(acc, group, head_dim, rows, off, count, probs, stride);
+  }
+#endif
+#if defined(KVSERVE_AVX2_TILES)
+  if (head_dim % 8 == 0) {
+    return accumulate_groups_avx2<T>(acc, group, head_dim, rows, off, count, probs, stride);
   }
 #endif
   accumulate_generic<T, D>(acc, group, head_dim, rows, off, count, probs, stride);

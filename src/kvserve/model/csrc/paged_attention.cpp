@@ -539,6 +539,9 @@ std::vector<std::string> compiled_isa() {
 #if defined(__AVX2__)
   isa.push_back("avx2");
 #endif
+#if defined(__FMA__)
+  isa.push_back("fma");
+#endif
 #if defined(__AVX512F__)
   isa.push_back("avx512f");
 #endif
