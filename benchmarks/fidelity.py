@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -194,8 +195,11 @@ def compare(name: str, description: str, trace: Sequence[TraceRequest],
                "roofline sim": simulate_result(configs, trace, roofline)}
     walls = [wall for wall, _ in engine_runs]
     median_run = sorted(range(runs), key=walls.__getitem__)[runs // 2]
+    # fidelity_steps.py and fidelity_in_service.py read one run: the run of median wall time
+    shutil.copyfile(OUT / f"{name}-run{median_run}-steps.jsonl", OUT / f"{name}-steps.jsonl")
     row = {"name": name, "description": description, "wall_s": walls,
            "load_1min": os.getloadavg()[0],
+           "engine": aggregate(engine_runs[median_run][1]),
            "engine_runs": [aggregate(result) for _, result in engine_runs],
            "calibrated": aggregate(results["calibrated sim"]),
            "roofline": aggregate(results["roofline sim"])}
