@@ -67,7 +67,6 @@ def cpu() -> tuple[str, str]:
 # Zen 4 with AVX512-BF16), so a table is keyed by the name and the tier.
 ISA_TIERS = (("amx_bf16", "amx", "AMX"), ("avx512_bf16", "avx512-bf16", "AVX512-BF16"),
              ("avx512f", "avx512", "AVX-512"), ("avx2", "avx2", "AVX2"))
-NATIVE_BF16 = ("amx_bf16", "avx512_bf16")  # kvserve.model.dtype's rule for --dtype auto
 
 
 def isa_tier(flags: str) -> tuple[str, str]:
@@ -94,7 +93,9 @@ def cpu_title(model: str, flags: str) -> str:
 def fast_dtype(flags: str) -> str:
     """The dtype both engines run in for ``--dtype auto``: bfloat16 where the CPU computes it
     natively (AMX or AVX512-BF16), float32 elsewhere (on AVX2 alone torch emulates bf16)."""
-    return "bfloat16" if set(flags.split()) & set(NATIVE_BF16) else "float32"
+    from kvserve.model.dtype import native_bf16  # the engine's own rule for --dtype auto
+
+    return "bfloat16" if native_bf16(frozenset(flags.split())) else "float32"
 
 
 def cpu_times() -> tuple[int, int]:
