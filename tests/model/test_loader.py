@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import save_file
 
 from kvserve.model import loader
 from kvserve.model.config import SMOLLM2_135M, ModelConfig
 from kvserve.model.dequant import NATIVE_TYPES, UnsupportedTensorTypeError, dequantize
+from kvserve.model.gguf_reader import GGUFFile
 from kvserve.model.loader import (
     ModelNotFoundError,
     UnsupportedModelError,
@@ -44,7 +45,7 @@ def bundled() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def bundled_reader() -> GGUFReader:
+def bundled_reader() -> GGUFFile:
     return loader.open_gguf(default_model_path())
 
 
@@ -129,7 +130,8 @@ def test_bundled_tensors_equal_the_gguf_reference_dequantisation(bundled, bundle
     assert {tensors[name].tensor_type for name in cases} == {T.Q8_0, T.Q4_1, T.F32}
     for gguf_name, hf_name in cases.items():
         tensor = tensors[gguf_name]
-        reference = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        reference = quants.dequantize(tensor.data, tensor.tensor_type)
+        reference = torch.from_numpy(reference.reshape(tensor.numpy_shape).copy())
         assert torch.equal(weights[hf_name], reference), gguf_name
 
 
@@ -140,7 +142,8 @@ def test_bundled_q_and_k_are_the_gguf_rows_unpermuted(bundled, bundled_reader):
             ("blk.2.attn_q.weight", "model.layers.2.self_attn.q_proj.weight", 9),
             ("blk.2.attn_k.weight", "model.layers.2.self_attn.k_proj.weight", 3)):
         tensor = tensors[gguf_name]
-        stored = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        stored = quants.dequantize(tensor.data, tensor.tensor_type)
+        stored = torch.from_numpy(stored.reshape(tensor.numpy_shape).copy())
         assert not torch.equal(weights[hf_name], stored)
         assert torch.equal(llama_cpp_permute(weights[hf_name], num_heads), stored)
 

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.dequant import dequantize
+from kvserve.model.gguf_reader import GGUFFile, read_gguf
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
@@ -50,38 +51,30 @@ def hf_name_from_gguf(name: str) -> str:
     raise UnsupportedModelError(f"GGUF tensor {name!r} is not part of a supported Llama model")
 
 
-def open_gguf(reader_or_path: Any) -> Any:
-    """A ``gguf.GGUFReader`` for a path (or the reader itself). Readers are cached per file:
-    parsing the metadata (49k token strings and merges) takes seconds, and the loader and the
-    tokenizer both need it."""
-    from gguf import GGUFReader
-
-    if isinstance(reader_or_path, GGUFReader):
-        return reader_or_path
-    path = Path(reader_or_path).resolve()
+def open_gguf(file_or_path: GGUFFile | str | Path) -> GGUFFile:
+    """The parsed GGUF file at a path (or the file itself), cached per file: the loader, the
+    tokenizer and the dtype check all read it, and a cached file keeps its memory map."""
+    if isinstance(file_or_path, GGUFFile):
+        return file_or_path
+    path = Path(file_or_path).resolve()
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file {path} does not exist")
     stat = path.stat()
-    return _cached_reader(str(path), stat.st_size, stat.st_mtime_ns)
+    return _cached_file(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
+def _cached_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return read_gguf(path)
 
 
 def clear_gguf_cache() -> None:
-    """Drop cached readers (and their memory maps of the files)."""
-    _cached_reader.cache_clear()
+    """Drop cached files (and their memory maps)."""
+    _cached_file.cache_clear()
 
 
-def _metadata(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
+def _metadata(file: GGUFFile, key: str, default: Any = None) -> Any:
+    value = file.get(key, default)
     if isinstance(value, float):
         # GGUF stores float32: take the shortest decimal that round-trips (1e-05, not
         # 9.999999747378752e-06), which is the value the converter was given.
@@ -89,15 +82,12 @@ def _metadata(reader: Any, key: str, default: Any = None) -> Any:
     return value
 
 
-def _gguf_model_name(reader: Any) -> str:
-    filename = getattr(reader.data, "filename", None)
-    if filename:
-        return Path(filename).name.split(".")[0]
-    return str(_metadata(reader, "general.name", "gguf-model"))
+def _gguf_model_name(file: GGUFFile) -> str:
+    return file.path.name.split(".")[0]
 
 
-def model_config_from_gguf(reader_or_path: Any) -> ModelConfig:
-    """Llama hyperparameters from GGUF metadata (a ``gguf.GGUFReader`` or a path). Tied
+def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig:
+    """Llama hyperparameters from GGUF metadata (a parsed file or a path). Tied
     embeddings when the file has no ``output.weight``."""
     reader = open_gguf(reader_or_path)
     arch = _metadata(reader, "general.architecture")
@@ -117,8 +107,8 @@ def model_config_from_gguf(reader_or_path: Any) -> ModelConfig:
     head_dim = int(_metadata(reader, f"{arch}.attention.key_length", 0)
                    or _metadata(reader, f"{arch}.rope.dimension_count", 0)
                    or hidden_size // num_heads)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = _metadata(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
+    tokens = reader.get("tokenizer.ggml.tokens")
+    vocab_size = _metadata(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else 0)
     tensor_names = {tensor.name for tensor in reader.tensors}
     if not vocab_size:
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
@@ -144,7 +134,7 @@ def model_config_from_gguf(reader_or_path: Any) -> ModelConfig:
     )
 
 
-def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = _metadata(reader, f"{arch}.rope.scaling.type")
     factor = _metadata(reader, f"{arch}.rope.scaling.factor")
     if kind == "none" or (kind is None and factor in (None, 1.0)):
@@ -161,8 +151,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = hf_name_from_gguf(tensor.name)
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        weight = dequantize(tensor.data, tensor.tensor_type, shape)
+        weight = dequantize(tensor.data, tensor.tensor_type, tensor.numpy_shape)
         if name.endswith("q_proj.weight"):
             weight = unpermute_qk(weight, config.num_heads)
         elif name.endswith("k_proj.weight"):

@@ -190,7 +190,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # given an empty table: nn.Embedding's own normal_ init would be overwritten anyway,
+        # and on the meta device it imports torch._dynamo (2 s of every model load)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size))
         with torch.device("cpu"):  # real tables even when the weights start on "meta"
             rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary)

@@ -84,15 +84,12 @@ class Tokenizer:
     # --- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path_or_reader: Any) -> Tokenizer:
-        """Build from a GGUF file's metadata (``tokenizer.ggml.model`` must be ``gpt2``)."""
+    def from_gguf(cls, path_or_file: Any) -> Tokenizer:
+        """Build from a GGUF file's metadata (``tokenizer.ggml.model`` must be ``gpt2``); a
+        path or a parsed :class:`~kvserve.model.gguf_reader.GGUFFile`."""
         from kvserve.model.loader import open_gguf
 
-        reader = open_gguf(path_or_reader)
-
-        def meta(key: str, default: Any = None) -> Any:
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
+        meta = open_gguf(path_or_file).get
 
         kind = meta("tokenizer.ggml.model")
         if kind != "gpt2":
