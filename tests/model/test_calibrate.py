@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +148,65 @@ def test_calibrate_in_service_refuses_grid_options(tmp_path, capsys):
     path.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 8, "output_len": 4}\n')
     assert main(["calibrate", "--trace", str(path), "--quick"]) == 2
     assert "--trace fits on the steps the trace runs" in capsys.readouterr().err
+
+
+def _write_step_log(path, views, seconds):
+    with path.open("w") as log:
+        for index, (view, second) in enumerate(zip(views, seconds, strict=True)):
+            log.write(json.dumps({"type": "step", "index": index, "duration": second,
+                                  "num_scheduled_tokens": view.num_tokens,
+                                  "shape": dataclasses.asdict(view)}) + "\n")
+        log.write(json.dumps({"type": "event", "what": "not a step"}) + "\n")
+
+
+def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
+    """Two runs of one machine, the second 20% slower throughout: the pooled fit prices
+    their sum, and the report shows each run on its own side of it (the machine's
+    run-to-run spread, which a fit on one run would carry into every plan)."""
+    from kvserve.cli import main
+    from kvserve.sim.cost_models import CalibratedCostModel
+    from kvserve.sim.executor import BatchView
+
+    truth = CalibratedCostModel.from_dict({
+        "format": "kvserve-cost-model/1", "min_tokens": 0,
+        "coefficients": {"fixed_s": 0.004, "per_token_s": 2e-4, "per_seq_s": 1e-4,
+                         "per_sampled_s": 0.0, "per_context_token_s": 1e-7,
+                         "per_attention_pair_s": 0.0}})
+    views = [BatchView(seqs, seqs + chunk, seqs, seqs, 300 * seqs, 300 * seqs + chunk * chunk)
+             for seqs in range(1, 17) for chunk in (0, 64, 256)]
+    fast, slow = tmp_path / "fast.jsonl", tmp_path / "slow.jsonl"
+    _write_step_log(fast, views, [truth.step_time(None, v) for v in views])
+    _write_step_log(slow, views, [1.2 * truth.step_time(None, v) for v in views])
+    out = tmp_path / "pooled.json"
+    assert main(["calibrate", "--step-logs", str(fast), str(slow), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    per_log = {Path(row["path"]).name: row for row in data["meta"]["step_logs"]}
+    assert per_log["fast.jsonl"]["num_steps"] == per_log["slow.jsonl"]["num_steps"] == 48
+    assert per_log["fast.jsonl"]["error_of_the_sum"] > 0.05   # priced above the fast run
+    assert per_log["slow.jsonl"]["error_of_the_sum"] < -0.05  # and below the slow one
+    spread = per_log["fast.jsonl"]["error_of_the_sum"] - per_log["slow.jsonl"]["error_of_the_sum"]
+    assert spread == pytest.approx(0.2 / 1.1, abs=0.03)
+    assert abs(data["meta"]["error_of_the_sum"]) < 0.02
+    assert "96 steps of 2 logs" in printed and "run-to-run spread" in printed
+    CalibratedCostModel.load(out)  # a model file the simulator takes
+
+
+@pytest.mark.parametrize(("extra", "content", "message"), [
+    ([], None, "cannot read step log"),
+    ([], '{"type": "step", "duration": 0.1}\n', "no step with a shape"),
+    ([], "{nope\n", r"log.jsonl:1: not valid JSON"),
+    (["--quick"], '{"type": "step"}\n', "not with --trace, --quick"),
+])
+def test_calibrate_refuses_bad_step_logs_in_one_line(tmp_path, capsys, extra, content,
+                                                      message):
+    from kvserve.cli import main
+
+    path = tmp_path / "log.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["calibrate", "--step-logs", str(path), *extra,
+                 "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "c.json").exists()

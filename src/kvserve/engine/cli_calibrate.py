@@ -29,6 +29,11 @@ def add_parser(subparsers: Any) -> None:
                              "(arrivals on the wall clock, default scheduler settings) and "
                              "fit on the steps it ran; not with the grid's --quick, "
                              "--layout-term or --plot")
+    parser.add_argument("--step-logs", nargs="+", metavar="LOG",
+                        help="fit on steps the engine already ran, pooled: step logs "
+                             "(JSONL) or `kvserve serve --record` directories; no model is "
+                             "loaded. Pool runs from different times and rates: one run "
+                             "carries that moment's machine speed (docs/fidelity.md)")
     parser.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                         help="with --trace: sample at temperature 0, as the grid does "
                              "(--no-greedy: temperature 1, whose sampling cost is then "
@@ -60,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and (args.quick or args.layout_term or args.plot):
         raise CLIError("--quick, --layout-term and --plot describe the grid; --trace fits on "
                        "the steps the trace runs instead")
+    if args.step_logs:
+        if args.trace or args.quick or args.layout_term or args.plot:
+            raise CLIError("--step-logs fits on logged steps: not with --trace, --quick, "
+                           "--layout-term or --plot")
+        return _fit_step_logs(args)
     trace = _read_trace(args.trace) if args.trace else None  # bad input fails before loading
     try:
         engine = build_engine(args.model, detokenize=False, **engine_args(args))
@@ -126,4 +136,44 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
           f"mean error {100 * seen['mean_abs_error']:.1f}%, "
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
     print(f"  measured on {describe_cpu(cpu_identity())}")
+    return 0
+
+
+def _fit_step_logs(args: argparse.Namespace) -> int:
+    """Fit one model on the steps of several logs, and say how each log's steps compare
+    with the pooled price: the spread is the machine's run-to-run speed."""
+    from kvserve.engine import calibrate
+    from kvserve.sim.calibration import fit, read_step_log
+
+    logs = []
+    for path in args.step_logs:
+        try:
+            logs.append((path, *read_step_log(path)))
+        except ValueError as error:
+            raise CLIError(str(error).splitlines()[0]) from error
+    views = [view for _, log_views, _ in logs for view in log_views]
+    seconds = [second for _, _, log_seconds in logs for second in log_seconds]
+    try:
+        model = fit(views, seconds, source=f"step logs: {len(views)} steps of {len(logs)} "
+                    "logs", kind_term=args.kind_term is not False, relative_to="priced")
+    except ValueError as error:
+        raise CLIError(f"cannot fit on the logged steps: {error}") from error
+    per_log = [{"path": str(path), "num_steps": len(log_views),
+                "error_of_the_sum": calibrate.goodness(model, log_views,
+                                                       log_seconds)["error_of_the_sum"]}
+               for path, log_views, log_seconds in logs]
+    meta = {"step_logs": per_log, "num_steps": len(views),
+            "fit": {"kind_term": args.kind_term is not False, "relative_to": "priced"},
+            **calibrate.goodness(model, views, seconds)}
+    Path(args.output).write_text(calibrate.in_service_json(model, meta))
+    print(f"wrote {args.output}: fitted on {len(views)} steps of {len(logs)} logs; mean "
+          f"error {100 * meta['mean_abs_error']:.1f}%, error of the sum "
+          f"{100 * meta['error_of_the_sum']:+.1f}%")
+    for row in per_log:
+        print(f"  {row['path']}: {row['num_steps']} steps, priced "
+              f"{100 * row['error_of_the_sum']:+.1f}% against their measured time")
+    if len(per_log) > 1:
+        errors = [row["error_of_the_sum"] for row in per_log]
+        print(f"  the logs' speeds differ by {100 * (max(errors) - min(errors)):.1f} points: "
+              "that is this machine's run-to-run spread, which one run cannot show")
     return 0

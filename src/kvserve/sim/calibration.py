@@ -126,3 +126,42 @@ def save(model: CalibratedCostModel, path: str | Path) -> None:
     data = {"format": CALIBRATED_FORMAT, "source": model.source,
             "coefficients": model.coefficients, "min_tokens": model.min_tokens}
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
+    """Each step's recorded shape and measured seconds from an engine's step log (the
+    trace runner's JSONL, one ``{"type": "step", ..., "duration", "shape"}`` row a step) or
+    a recording directory (every engine's log). Steps without a shape or with no duration
+    are skipped; a log with no usable step is an error naming the file."""
+    from kvserve.sim.recording import is_recording, load_recording
+
+    if is_recording(path):
+        rows = [s for log in load_recording(path, warn=lambda _: None).engines.values()
+                for s in log.steps]
+    else:
+        rows = []
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise ValueError(f"cannot read step log {path}: {error.strerror}") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON: {error.msg}") from None
+            if isinstance(row, dict) and row.get("type") == "step":
+                rows.append(row)
+    views, seconds = [], []
+    for row in rows:
+        shape, duration = row.get("shape"), row.get("duration")
+        if isinstance(shape, dict) and isinstance(duration, (int, float)) and duration > 0:
+            try:
+                views.append(BatchView(**shape))
+            except TypeError:
+                raise ValueError(f"{path}: a step's shape has fields {sorted(shape)}, not "
+                                 "a batch shape's") from None
+            seconds.append(float(duration))
+    if not views:
+        raise ValueError(f"{path}: no step with a shape and a duration (is it an engine's "
+                         "step log or a recording?)")
+    return views, seconds
