@@ -54,7 +54,7 @@ from kvserve.engine import calibrate
 from kvserve.engine.engine import Engine
 from kvserve.engine.llm import build_engine
 from kvserve.engine.trace_runner import run_trace
-from kvserve.model.dtype import resolve_dtype
+from kvserve.model.dtype import auto_dtype_name
 from kvserve.sim.cost_models import CalibratedCostModel, CostModel, RooflineCostModel
 from kvserve.sim.machine import cpu_identity, describe_cpu, local_hardware
 from kvserve.sim.plan import capacity_qps
@@ -74,7 +74,7 @@ QUEUE_P99_BOUND = 2.0  # s: W3's capacity is the largest rate whose p99 queueing
 # What ``--dtype auto`` runs the bundled (quantized) model in on this CPU: bf16 where the CPU
 # computes it natively, float32 elsewhere (torch's emulated bf16 matmul on an AVX2-only CPU
 # is a hundred times slower than its float32).
-DTYPE = str(resolve_dtype("auto", "quantized")[0]).removeprefix("torch.")
+DTYPE = auto_dtype_name()
 PRECISION = {"bfloat16": "bf16", "float32": "fp32"}[DTYPE]  # the roofline's name for it
 BLOCK_SIZE = 16
 W1_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}

@@ -150,9 +150,9 @@ def compare_kernels(base: Path, head: Path, reps: int) -> list[dict[str, Any]]:
 def w1_dtype() -> str:
     """What ``--dtype auto`` runs the bundled model in on this CPU (bf16 where it is native,
     float32 elsewhere): W1 runs in it."""
-    from kvserve.model.dtype import resolve_dtype
+    from kvserve.model.dtype import auto_dtype_name
 
-    return str(resolve_dtype("auto", "quantized")[0]).removeprefix("torch.")
+    return auto_dtype_name()
 
 
 def w1_worker(w1_n: int) -> float:

@@ -29,7 +29,7 @@ from docs_section import publish
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
 from kvserve.flags import parse_bytes
-from kvserve.model.dtype import resolve_dtype
+from kvserve.model.dtype import auto_dtype_name
 
 W1_FIRST_IDS = [36058, 12649, 36180, 27207, 35725]  # ../shared/WORKLOADS.md
 PEERS = {"w1": "vLLM CPU 0.32.0 (bf16, torch.compile): 49.5 s, 331 output tok/s; "
@@ -52,7 +52,7 @@ def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int
     if workload == "w2":
         settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
     if dtype == "auto":  # named as resolved, so a row says what ran
-        dtype = str(resolve_dtype("auto", "quantized")[0]).removeprefix("torch.")
+        dtype = auto_dtype_name()
     llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False, **settings)
     prompts = w1_prompts(n)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)

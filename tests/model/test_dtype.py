@@ -11,7 +11,7 @@ import torch
 
 from kvserve.cli import build_parser
 from kvserve.flags import DTYPES
-from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
+from kvserve.model.dtype import auto_dtype_name, checkpoint_dtype, native_bf16, resolve_dtype
 
 AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
 AMX = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
@@ -40,6 +40,11 @@ def test_resolve_dtype(name, stored, flags, expected, why):
 def test_an_unknown_dtype_is_named():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'; choose one of auto, half"):
         resolve_dtype("fp8")
+
+
+def test_auto_dtype_name_is_resolve_dtypes_choice_on_this_cpu():
+    assert auto_dtype_name("float32") == "float32"  # a float32 checkpoint stays float32
+    assert auto_dtype_name() == ("bfloat16" if native_bf16() else "float32")
 
 
 def test_the_bundled_model_is_quantized():

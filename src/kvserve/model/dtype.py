@@ -79,3 +79,9 @@ def resolve_dtype(name: str | torch.dtype, stored: str = "float32",
         return torch.bfloat16, f"auto: the checkpoint is {stored} and this CPU has {flag}"
     return torch.float32, (f"auto: the checkpoint is {stored} but this CPU has no native bf16 "
                            f"({' or '.join(_NATIVE_BF16_FLAGS)}), so float32 is faster")
+
+
+def auto_dtype_name(stored: str = "quantized") -> str:
+    """The dtype ``--dtype auto`` loads a checkpoint stored as ``stored`` in on this CPU, as
+    a name ("bfloat16", "float32"); the default is the bundled model's (quantized)."""
+    return str(resolve_dtype("auto", stored)[0]).removeprefix("torch.")
