@@ -62,7 +62,7 @@ from fidelity import (  # first: sets OMP_WAIT_POLICY before torch loads
 )
 from kvserve.engine import calibrate
 from kvserve.engine.trace_runner import run_trace
-from kvserve.sim.calibration import fit
+from kvserve.sim.calibration import fit, read_step_log
 from kvserve.sim.cost_models import CalibratedCostModel, ReplayCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.machine import cpu_identity, describe_cpu
@@ -110,12 +110,7 @@ def load_model(name: str) -> CalibratedCostModel:
 
 def logged_steps(path: Path) -> list[tuple[BatchView, float]]:
     """Each logged step's shape (as the engine recorded it) and its measured duration."""
-    steps = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if row["type"] == "step" and row.get("shape"):
-            steps.append((BatchView(**row["shape"]), row["duration"]))
-    return steps
+    return list(zip(*read_step_log(path), strict=True))
 
 
 def machine_note() -> dict[str, Any]:

@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
                         help="fit on steps the engine already ran, pooled: step logs "
                              "(JSONL) or `kvserve serve --record` directories; no model is "
                              "loaded. Pool runs from different times and rates: one run "
-                             "carries that moment's machine speed (docs/fidelity.md)")
+                             "carries that moment's machine speed (docs/fidelity.md). The "
+                             "file names this machine's CPU: give logs made here")
     parser.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
                         help="with --trace: sample at temperature 0, as the grid does "
                              "(--no-greedy: temperature 1, whose sampling cost is then "

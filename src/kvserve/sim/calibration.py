@@ -151,6 +151,15 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
                 raise ValueError(f"{path}:{number}: not valid JSON: {error.msg}") from None
             if isinstance(row, dict) and row.get("type") == "step":
                 rows.append(row)
+    views, seconds = shaped_steps(rows, str(path))
+    if not views:
+        raise ValueError(f"{path}: no step with a shape and a duration (is it an engine's "
+                         "step log or a recording?)")
+    return views, seconds
+
+
+def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], list[float]]:
+    """The fittable steps of logged step rows: those with a shape and a duration > 0."""
     views, seconds = [], []
     for row in rows:
         shape, duration = row.get("shape"), row.get("duration")
@@ -158,10 +167,7 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
             try:
                 views.append(BatchView(**shape))
             except TypeError:
-                raise ValueError(f"{path}: a step's shape has fields {sorted(shape)}, not "
+                raise ValueError(f"{where}: a step's shape has fields {sorted(shape)}, not "
                                  "a batch shape's") from None
             seconds.append(float(duration))
-    if not views:
-        raise ValueError(f"{path}: no step with a shape and a duration (is it an engine's "
-                         "step log or a recording?)")
     return views, seconds

@@ -81,13 +81,12 @@ class Recording:
 
     def fitted_cost_model(self) -> Any:
         """A calibrated cost model fitted on the recorded steps (shape -> duration)."""
-        from kvserve.sim.calibration import fit
+        from kvserve.sim.calibration import fit, shaped_steps
 
-        rows = [s for log in self.engines.values() for s in log.steps
-                if "shape" in s and s["duration"] > 0]
         try:
-            return fit([BatchView(**s["shape"]) for s in rows], [s["duration"] for s in rows],
-                       source=f"fitted on {self.path}'s {len(rows)} steps")
+            views, seconds = shaped_steps([s for log in self.engines.values()
+                                           for s in log.steps], str(self.path))
+            return fit(views, seconds, source=f"fitted on {self.path}'s {len(views)} steps")
         except ValueError as error:
             raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
                                  f"steps ({error}); give --cost-model") from None
