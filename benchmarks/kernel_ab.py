@@ -8,7 +8,7 @@ see the same machine at the same moments; per case each side's median and minimu
 median of the per-pair ratios and the ratio of the minima. Cases: the decode kernel on a
 W1-like batch (128 requests, contexts uniform in [64, 640], SmolLM2's attention shape, as
 benchmarks/attention_kernel.py), float32 and bfloat16; a 512-token prefill chunk; the fused
-layer ops of a 128-token decode step over 30 layers (bf16).
+layer ops of a 128-token decode step over 30 layers (float32 and bf16).
 
 W1: each side's whole engine (its ``kvserve`` from its ``src``) runs W1 offline (in the dtype
 ``--dtype auto`` picks here: bf16 where the CPU computes it natively, else float32;
@@ -26,6 +26,7 @@ is faster.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -43,7 +44,18 @@ BENCHMARKS = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
                             Path.home() / ".cache" / "torch_extensions")) / "kernel_ab"
 IDENTICAL = {True: "yes", False: "no", None: "n/a"}
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]  # as model/paged_kernel.py
+DEFAULT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]  # before CFLAGS was read
+
+
+def checkout_cflags(src: Path) -> list[str]:
+    """The compiler flags a checkout builds its kernels with: its paged_kernel.py's CFLAGS,
+    read without importing it (the flags are part of what an A/B compares)."""
+    tree = ast.parse((src / "kvserve" / "model" / "paged_kernel.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "CFLAGS" for target in node.targets):
+            return list(ast.literal_eval(node.value))
+    return DEFAULT_CFLAGS
 
 
 def load_kernels(src: Path, side: str) -> ModuleType:
@@ -51,15 +63,16 @@ def load_kernels(src: Path, side: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     csrc = src / "kvserve" / "model" / "csrc"
+    cflags = checkout_cflags(src)
     sources = sorted(csrc.glob("*.cpp"))
     files = sources + sorted(csrc.glob("*.h"))
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) +
-                            " ".join(CFLAGS).encode()).hexdigest()[:12]
+                            " ".join(cflags).encode()).hexdigest()[:12]
     name = f"kvserve_ab_{side}_{digest}"
     build = CACHE / name
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(name=name, sources=[str(f) for f in sources],
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                              extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                               build_directory=str(build), verbose=False)
 
 
@@ -95,12 +108,14 @@ def kernel_cases(kernels: ModuleType) -> dict[str, Callable[[], Any]]:
         table = torch.randperm(k.shape[0], generator=gen)[:32]
         cases[f"prefill {name} 512"] = lambda q=q, k=k, v=v, t=table: \
             kernels.prefill_attention(q, k, v, t, 512, scale)
+    cases["layer ops float32 x30"] = layer_ops_step(kernels, torch.float32)
     cases["layer ops bf16 x30"] = layer_ops_step(kernels, torch.bfloat16)
     return cases
 
 
-def layer_ops_step(ops: ModuleType, dtype: Any) -> Callable[[], None]:
-    """A 128-token decode step's fused layer ops over 30 layers, SmolLM2-135M's sizes."""
+def layer_ops_step(ops: ModuleType, dtype: Any) -> Callable[[], Any]:
+    """A 128-token decode step's fused layer ops over 30 layers, SmolLM2-135M's sizes; returns
+    everything they wrote, flattened, so the first call of each side can be compared."""
     import torch
 
     gen = torch.Generator().manual_seed(2)
@@ -117,13 +132,15 @@ def layer_ops_step(ops: ModuleType, dtype: Any) -> Callable[[], None]:
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(64 * 16, generator=gen)[:tokens]
 
-    def step() -> None:
+    def step() -> Any:
         for _ in range(30):
-            ops.add_rms_norm_(x, residual, weight, 1e-5)
+            normed = ops.add_rms_norm_(x, residual, weight, 1e-5)
             ops.rope_and_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, heads,
                                   kv_heads)
             ops.add_rms_norm_(x, residual, weight, 1e-5)
-            ops.silu_and_mul(gate_up)
+            activated = ops.silu_and_mul(gate_up)
+        return torch.cat([t.flatten() for t in (normed, residual, qkv, k_cache, v_cache,
+                                                activated)])
 
     return step
 
