@@ -116,6 +116,8 @@ def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     assert data["max_num_seqs_best_throughput"] == 64
     assert data["capacity_qps"] is None or data["capacity_qps"] > 0
     assert data["capacity_probes"]
+    if data["capacity_qps"] is not None:  # the floor: the p99 at a tenth of the capacity
+        assert data["queue_p99_floor_s"] is None or data["queue_p99_floor_s"] >= 0
 
 
 def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):

@@ -5,6 +5,7 @@ import pytest
 from kvserve.sim.capacity import CapacityError, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.deployment import Deployment
 from kvserve.sim.plan import (
+    capacity_floor,
     capacity_qps,
     recommend,
     scale_rate,
@@ -117,3 +118,25 @@ def test_sweep_on_a_small_pool_finds_the_preemption_threshold():
     assert rows[0]["num_preemptions"] == 0
     assert rows[1]["num_preemptions"] > 0
     assert recommend(rows, None)["max_num_seqs_no_preemption"] == 2
+
+
+def test_capacity_floor_flags_a_bound_the_longest_steps_decide():
+    # kvserve plan's capacity comes with the p99 queue delay at a tenth of it; when
+    # that floor is half the bound or more, the capacity is reported as fragile.
+    asked = []
+
+    def steep(qps):  # a queue that only grows near capacity: floor far below the bound
+        asked.append(qps)
+        return 0.2 if qps < 5 else 9.0
+
+    floor, note = capacity_floor(steep, 6.0, 2.0)
+    assert asked == [pytest.approx(0.6)] and floor == 0.2 and note is None
+
+    def plateau(qps):  # one long step makes every arrival wait ~1.6 s at any rate
+        return 1.6 if qps < 5 else 9.0
+
+    floor, note = capacity_floor(plateau, 4.9, 2.0)
+    assert floor == 1.6
+    assert note is not None and "80% of the 2 s bound" in note
+    assert "--max-num-batched-tokens" in note
+    assert capacity_floor(lambda qps: None, 4.9, 2.0) == (None, None)

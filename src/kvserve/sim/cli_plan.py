@@ -252,9 +252,15 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
 
     qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99,
                                     run_many=run_many, workers=args.workers)
-    return {"capacity_qps": None if qps is None else round(qps, 4),
-            "capacity_max_num_seqs": max_num_seqs,
-            "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
+    found = {"capacity_qps": None if qps is None else round(qps, 4),
+             "capacity_max_num_seqs": max_num_seqs,
+             "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
+    if qps is not None:
+        floor, note = plan.capacity_floor(queue_p99, qps, args.queue_delay_p99)
+        found["queue_p99_floor_s"] = floor
+        if note:
+            found["capacity_note"] = note
+    return found
 
 
 def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], seed: int,
@@ -306,10 +312,17 @@ def _print(result: dict[str, Any]) -> None:
     if "capacity_qps" in result:
         rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
                      str(result["capacity_qps"])))
+    if result.get("queue_p99_floor_s") is not None:
+        from kvserve.sim.plan import FLOOR_SHARE
+
+        rows.append((f"queue p99 at {FLOOR_SHARE:.0%} of that rate",
+                     f"{result['queue_p99_floor_s']:.3f} s"))
     for name, value in rows:
         table.add_row(name, value)
     console = Console(width=110, highlight=False)
     console.print(table)
+    if result.get("capacity_note"):
+        console.print(f"[bold yellow]note:[/] {result['capacity_note']}")
     if "replica_sweep" in result:
         _print_replica_sweep(console, result["replica_sweep"])
     if "sweep" in result:

@@ -174,6 +174,27 @@ def capacity_qps(run_queue_p99: Callable[[float], float | None], start_qps: floa
     return search(ok), probes
 
 
+FLOOR_SHARE = 0.1  # of the capacity: a load at which requests rarely meet one another
+FRAGILE_FLOOR = 0.5  # of the bound: a floor this high leaves the queue little to decide
+
+
+def capacity_floor(run_queue_p99: Callable[[float], float | None], capacity: float,
+                   queue_p99_bound: float) -> tuple[float | None, str | None]:
+    """The p99 queue delay at a tenth of ``capacity`` (the floor: what one long step makes an
+    arrival wait, with almost no queue), and a note when the floor is at least half the
+    bound. Then the bound is crossed where the longest steps pile up, not where the queue
+    starts to grow: p99 queueing sits near the bound over a wide range of rates, and the
+    capacity moves far with small changes in step time (on the engine: run-to-run noise)."""
+    floor = run_queue_p99(FLOOR_SHARE * capacity)
+    if floor is None or floor < FRAGILE_FLOOR * queue_p99_bound:
+        return floor, None
+    return floor, (f"at {FLOOR_SHARE:.0%} of this capacity the p99 queue delay is already "
+                   f"{floor:.2f} s, {floor / queue_p99_bound:.0%} of the {queue_p99_bound:g} s "
+                   "bound: it is set by the longest steps more than by queueing, so the "
+                   "capacity is fragile; a smaller --max-num-batched-tokens shortens those "
+                   "steps, a larger --queue-delay-p99 moves the bound to where the queue grows")
+
+
 def kv_summary(pool: KVPool, seq_len: int) -> dict[str, Any]:
     return {**pool.to_json(), "seq_len": seq_len,
             "max_concurrency": pool.max_concurrency(seq_len)}
