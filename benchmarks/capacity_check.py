@@ -177,6 +177,12 @@ def phase_report(write_docs: bool) -> None:
             f"| {simulated:.2f} | "
             + ", ".join(f"{r['time'][11:16]} ({r['load_1min']:.2f})" for r in rows) + " |")
     passing, failing, within = verdict(medians)
+    speeds = []  # each run's steps: measured time over the model's price of the same shapes
+    for share, rows in sorted(rows_by_share.items()):
+        for index in range(len(rows)):
+            steps = logged_steps(HERE / f"{run_name(share, index)}-steps.jsonl")
+            priced = sum(model.step_time(None, view) for view, _ in steps)
+            speeds.append(f"{share:.0%} run {index + 1}: {sum(d for _, d in steps) / priced:.2f}")
     bracket = ((f"at least {passing:.0%} of C" if passing is not None else "below every share")
                + (f" and below {failing:.0%}" if failing is not None else
                   " (no share missed the bound)"))
@@ -194,7 +200,10 @@ def phase_report(write_docs: bool) -> None:
         f"queueing, s): {probes}.", "", *table, "",
         f"Engine capacity (median of the runs per share): {bracket}. "
         + ("**The simulated capacity is within 10% of the engine's.**" if within else
-           "The runs do not confirm the simulated capacity within 10%."),
+           "The runs do not confirm the simulated capacity within 10%."), "",
+        "Each run's steps, measured against the model's price for the same shapes (1.00: "
+        "priced exactly; below 1, the engine ran faster than the model says): "
+        + "; ".join(speeds) + ".",
     ]
     publish("capacity_check", "\n".join(lines), write_docs=write_docs, docs=DOCS, title=TITLE)
 
