@@ -34,7 +34,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +44,22 @@ from fidelity import (  # first: sets OMP_WAIT_POLICY before torch loads
     QUEUE_P99_BOUND,
     TITLE,
     engine_configs,
-    new_engine,
     simulate,
 )
-from fidelity_band import BAND, JUDGED, judged_trace, logged_steps, machine_note
+from fidelity_band import (
+    BAND,
+    JUDGED,
+    engine_run,
+    judged_trace,
+    logged_steps,
+    machine_note,
+    run_name,
+)
 from kvserve.engine import calibrate
-from kvserve.engine.trace_runner import run_trace
 from kvserve.sim.calibration import fit
 from kvserve.sim.cost_models import CalibratedCostModel
 from kvserve.sim.machine import cpu_identity, describe_cpu
 from kvserve.sim.plan import capacity_qps
-from kvserve.sim.report import aggregate
 
 HERE = OUT / "capacity"
 FLOOR_SHARE = 0.1  # of C: where the p99 queueing is a lone request's wait
@@ -113,43 +117,24 @@ def load_plan() -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def run_name(share: float, index: int) -> str:
-    return f"share{round(100 * share)}-run{index}"
-
-
 def phase_run(shares: list[float], runs: int) -> None:
     plan = load_plan()
     capacity, budget = plan["capacity_qps"], plan["max_num_batched_tokens"]
     for index in range(runs):  # the shares alternate, so drift in the machine hits each alike
         for share in shares:
-            note = machine_note()
-            engine = new_engine(settings(budget))
-            name = run_name(share, index)
-            with (HERE / f"{name}-steps.jsonl").open("w") as log:
-                start = time.perf_counter()
-                run = run_trace(engine, judged_trace(share * capacity), log=log, greedy=True)
-                wall = time.perf_counter() - start
-            row = {"share": share, "rate": share * capacity, "capacity": capacity,
-                   "max_num_batched_tokens": budget, "requests": JUDGED, "wall_s": wall,
-                   **note, "engine": aggregate(run.result)}
-            (HERE / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
-            print(f"{name}: {share * capacity:.3f} req/s, {wall:.0f} s, queue p99 "
-                  f"{row['engine']['queue_p99']:.2f} s, load {note['load_1min']:.2f}",
-                  flush=True)
+            engine_run(HERE, run_name(share, index), settings(budget),
+                       judged_trace(share * capacity),
+                       {"share": share, "rate": share * capacity, "capacity": capacity,
+                        "max_num_batched_tokens": budget, "requests": JUDGED})
 
 
 def verdict(medians: dict[float, float]) -> tuple[float | None, float | None, bool]:
     """Median p99 queueing per share -> (the largest share that holds the bound, the
-    smallest share above it that does not, whether the capacity is confirmed within 10%:
-    held at 0.9 or more, missed at 1.1 or less, and missed at every share above that)."""
-    ordered = sorted(medians)
-    holds = [s for s in ordered if medians[s] <= QUEUE_P99_BOUND]
-    passing = max(holds, default=None)
-    failing = min((s for s in ordered if medians[s] > QUEUE_P99_BOUND
-                   and (passing is None or s > passing)), default=None)
-    within = (passing is not None and failing is not None and passing >= 0.9
-              and failing <= 1.1 and all(medians[s] > QUEUE_P99_BOUND
-                                         for s in ordered if s > failing))
+    smallest share above it, which does not, and whether the capacity is confirmed within
+    10%: held at 0.9 or more and missed at 1.1 or less)."""
+    passing = max((s for s in medians if medians[s] <= QUEUE_P99_BOUND), default=None)
+    failing = min((s for s in medians if passing is None or s > passing), default=None)
+    within = passing is not None and failing is not None and passing >= 0.9 and failing <= 1.1
     return passing, failing, within
 
 

@@ -163,25 +163,36 @@ def phase_fit(meta: dict[str, Any] | None = None) -> None:
               flush=True)
 
 
+def run_name(share: float, index: int) -> str:
+    return f"share{round(100 * share)}-run{index}"
+
+
+def engine_run(directory: Path, name: str, settings: dict[str, Any],
+               trace: list[TraceRequest], row: dict[str, Any]) -> dict[str, Any]:
+    """``trace`` on a fresh engine with ``settings``: its step log goes to
+    ``name``-steps.jsonl and ``row`` (with "rate") plus the run's wall time, the machine's
+    state before it and the engine's figures to ``name``.json, both under ``directory``."""
+    note = machine_note()
+    engine = new_engine(settings)
+    with (directory / f"{name}-steps.jsonl").open("w") as log:
+        start = time.perf_counter()
+        run = run_trace(engine, trace, log=log, greedy=True)
+        wall = time.perf_counter() - start
+    row = {**row, "wall_s": wall, **note, "engine": aggregate(run.result)}
+    (directory / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
+    print(f"{name}: {row['rate']:.3f} req/s, {wall:.0f} s, queue p99 "
+          f"{row['engine']['queue_p99']:.3f} s, load {note['load_1min']:.2f}", flush=True)
+    return row
+
+
 def phase_run(shares: list[float], runs: int, requests: int) -> None:
     capacity = simulated_capacity(load_model("service-kinds"), requests)
     for index in range(runs):  # the shares alternate, so drift in the machine hits each alike
         for share in shares:
-            trace = judged_trace(share * capacity, requests)
-            note = machine_note()
-            engine = new_engine(W1_SETTINGS)
-            name = f"share{round(100 * share)}-run{index}"
-            with (BAND / f"{name}-steps.jsonl").open("w") as log:
-                start = time.perf_counter()
-                run = run_trace(engine, trace, log=log, greedy=True)
-                wall = time.perf_counter() - start
-            row = {"share": share, "rate": share * capacity, "capacity": capacity,
-                   "requests": requests, "wall_s": wall, **note,
-                   "engine": aggregate(run.result)}
-            (BAND / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
-            print(f"{name}: {share * capacity:.3f} req/s, {wall:.0f} s, queue p99 "
-                  f"{row['engine']['queue_p99']:.3f} s, load {note['load_1min']:.2f}",
-                  flush=True)
+            engine_run(BAND, run_name(share, index), W1_SETTINGS,
+                       judged_trace(share * capacity, requests),
+                       {"share": share, "rate": share * capacity, "capacity": capacity,
+                        "requests": requests})
 
 
 def number(v: float) -> str:
@@ -252,7 +263,7 @@ def replay_lines(rows_by_share: dict[float, list[dict[str, Any]]]) -> list[str]:
     for share, rows in rows_by_share.items():
         worst = 0.0
         for index, row in enumerate(rows):
-            log = BAND / f"share{round(100 * share)}-run{index}-steps.jsonl"
+            log = BAND / f"{run_name(share, index)}-steps.jsonl"
             replayed = simulate(configs, judged_trace(row["rate"], row["requests"]),
                                 ReplayCostModel.load(log))
             for key in (*JUDGED_FIGURES, "queue_p99"):
@@ -287,7 +298,7 @@ def capacity_lines(rows_by_share: dict[float, list[dict[str, Any]]], capacities:
 def run_steps(share: float, runs: int) -> list[tuple[BatchView, float]]:
     steps = []
     for index in range(runs):
-        steps += logged_steps(BAND / f"share{round(100 * share)}-run{index}-steps.jsonl")
+        steps += logged_steps(BAND / f"{run_name(share, index)}-steps.jsonl")
     return steps
 
 

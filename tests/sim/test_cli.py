@@ -117,7 +117,9 @@ def test_plan_with_a_trace_recommends_and_finds_capacity(trace, capsys):
     assert data["capacity_qps"] is None or data["capacity_qps"] > 0
     assert data["capacity_probes"]
     if data["capacity_qps"] is not None:  # the floor: the p99 at a tenth of the capacity
-        assert data["queue_p99_floor_s"] is None or data["queue_p99_floor_s"] >= 0
+        floor, bound = data["queue_p99_floor_s"], data["queue_delay_p99_bound_s"]
+        assert floor is not None and floor >= 0
+        assert ("capacity_note" in data) == (floor >= 0.5 * bound)
 
 
 def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
