@@ -6,15 +6,20 @@ Capacity is the largest rate whose p99 queueing (arrival to first scheduled) sta
 2 s. On a CPU where one 2,048-token step takes longer than that bound, p99 queueing sits
 near one step's time at any load, and the 2 s line is crossed by noise, not by the queue
 (docs/fidelity.md, "Capacity on the engine"). This check runs the deployment with a smaller
-step budget (``--max-num-batched-tokens``, default 256), where a step is a fraction of the
+step budget (``--max-num-batched-tokens``, default 512), where a step is a fraction of the
 bound, and brackets the engine's capacity around the simulated one:
 
+- ``--phase calibrate --runs 2 --rate 0.45``: calibration runs on the engine at this step
+  budget, W3's requests 100-199 (none of the judged ones) at ``--rate``, each on a fresh
+  engine, their step logs kept as calib-run*. This machine's speed wanders about 20% from
+  hour to hour (docs/fidelity.md, "Pooled calibration"), so calibrate in the same sitting as
+  the judged runs, not on another day's logs.
 - ``--phase plan``: one model fitted on every step log given (``kvserve calibrate
-  --step-logs``'s pooled kinds fit; default: the calibration and judged runs
-  benchmarks/fidelity_band.py saved, plus this check's own earlier runs), then ``kvserve
-  plan``'s search on W3's first 100 requests: the simulated capacity C, every probe (the p99
-  queueing against the rate, so the bound's steepness shows) and the p99 queueing at 10% of
-  C (the floor a lone request meets). Saved to out/fidelity/capacity/plan.json.
+  --step-logs``'s pooled kinds fit; default: this check's calibration runs, else every log
+  benchmarks/fidelity_band.py and this check saved), then ``kvserve plan``'s search on W3's
+  first 100 requests: the simulated capacity C, every probe (the p99 queueing against the
+  rate, so the bound's steepness shows) and the p99 queueing at 10% of C (the floor a lone
+  request meets). Saved to out/fidelity/capacity/plan.json.
 - ``--phase run --shares 0.9 1.1 --runs 3``: the same requests on the engine at these shares
   of C, the shares alternating, one fresh engine per run; each run's figures and step log
   are kept.
@@ -23,6 +28,7 @@ bound, and brackets the engine's capacity around the simulated one:
   whose median is within the bound and the smallest that is not. C is confirmed within 10%
   when the engine holds the bound at 0.9 C and not at 1.1 C.
 
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/capacity_check.py --phase calibrate
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/capacity_check.py --phase plan
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/capacity_check.py --phase run
     .venv/bin/python benchmarks/capacity_check.py --phase report --write-docs
@@ -49,6 +55,7 @@ from fidelity import (  # first: sets OMP_WAIT_POLICY before torch loads
 from fidelity_band import (
     BAND,
     JUDGED,
+    calibration_trace,
     engine_run,
     judged_trace,
     logged_steps,
@@ -70,10 +77,12 @@ def settings(max_num_batched_tokens: int) -> dict[str, Any]:
 
 
 def step_logs(extra: list[Path]) -> list[Path]:
-    """The logs the model is fitted on: ``extra`` if given, else every saved one."""
+    """The logs the model is fitted on: ``extra`` if given, else this check's calibration
+    runs, else every saved one."""
     if extra:
         return extra
-    return sorted(BAND.glob("*-steps.jsonl")) + sorted(HERE.glob("*-steps.jsonl"))
+    return (sorted(HERE.glob("calib-run*-steps.jsonl")) or
+            sorted(BAND.glob("*-steps.jsonl")) + sorted(HERE.glob("*-steps.jsonl")))
 
 
 def pooled_model(logs: list[Path]) -> CalibratedCostModel:
@@ -88,6 +97,13 @@ def pooled_model(logs: list[Path]) -> CalibratedCostModel:
 
 def queue_p99(model: CalibratedCostModel, budget: int, rate: float) -> float | None:
     return simulate(engine_configs(settings(budget)), judged_trace(rate), model)["queue_p99"]
+
+
+def phase_calibrate(budget: int, rate: float, runs: int) -> None:
+    for index in range(runs):
+        engine_run(HERE, f"calib-run{index}", settings(budget), calibration_trace(rate),
+                   {"rate": rate, "max_num_batched_tokens": budget,
+                    "trace": f"W3 requests {JUDGED}-{2 * JUDGED - 1}"})
 
 
 def phase_plan(budget: int, logs: list[Path]) -> None:
@@ -138,6 +154,13 @@ def verdict(medians: dict[float, float]) -> tuple[float | None, float | None, bo
     return passing, failing, within
 
 
+def speed(model: CalibratedCostModel, log: Path) -> float:
+    """A run's steps: their measured time over the model's price of the same shapes (1.00:
+    priced exactly; below 1, the engine ran faster than the model says)."""
+    steps = logged_steps(log)
+    return sum(d for _, d in steps) / sum(model.step_time(None, view) for view, _ in steps)
+
+
 def phase_report(write_docs: bool) -> None:
     plan = load_plan()
     model = CalibratedCostModel.load(HERE / "model.json")
@@ -162,12 +185,12 @@ def phase_report(write_docs: bool) -> None:
             f"| {simulated:.2f} | "
             + ", ".join(f"{r['time'][11:16]} ({r['load_1min']:.2f})" for r in rows) + " |")
     passing, failing, within = verdict(medians)
-    speeds = []  # each run's steps: measured time over the model's price of the same shapes
+    speeds = [f"{log.name.removesuffix('-steps.jsonl')}: {speed(model, log):.2f}"
+              for log in sorted(HERE.glob("calib-run*-steps.jsonl"))]
     for share, rows in sorted(rows_by_share.items()):
         for index in range(len(rows)):
-            steps = logged_steps(HERE / f"{run_name(share, index)}-steps.jsonl")
-            priced = sum(model.step_time(None, view) for view, _ in steps)
-            speeds.append(f"{share:.0%} run {index + 1}: {sum(d for _, d in steps) / priced:.2f}")
+            log = HERE / f"{run_name(share, index)}-steps.jsonl"
+            speeds.append(f"{share:.0%} run {index + 1}: {speed(model, log):.2f}")
     bracket = ((f"at least {passing:.0%} of C" if passing is not None else "below every share")
                + (f" and below {failing:.0%}" if failing is not None else
                   " (no share missed the bound)"))
@@ -195,18 +218,26 @@ def phase_report(write_docs: bool) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=("plan", "run", "report"), required=True)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--phase", choices=("calibrate", "plan", "run", "report"),
+                        required=True)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--step-logs", type=Path, nargs="+", default=[],
                         help="plan: fit on these engine step logs (default: every saved one)")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.9, 1.1])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3,
+                        help="run: runs per share; calibrate: calibration runs")
+    parser.add_argument("--rate", type=float, default=0.45,
+                        help="calibrate: the calibration runs' rate, req/s")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     if args.max_num_batched_tokens < 1 or args.runs < 1 or min(args.shares) <= 0:
         parser.error("--max-num-batched-tokens and --runs must be >= 1, shares > 0")
+    if args.rate <= 0:
+        parser.error("--rate must be > 0")
     HERE.mkdir(parents=True, exist_ok=True)
-    if args.phase == "plan":
+    if args.phase == "calibrate":
+        phase_calibrate(args.max_num_batched_tokens, args.rate, args.runs)
+    elif args.phase == "plan":
         phase_plan(args.max_num_batched_tokens, step_logs(args.step_logs))
     elif args.phase == "run":
         phase_run(args.shares, args.runs)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Peak resident memory of ``kvserve generate`` with the bundled model and a 1 GiB KV cache
-(issue 4 target: under 2.5 GiB), measured from the child process's rusage; and what an engine
-holds once loaded (what a running server keeps), read from /proc in another child.
+(targets: under 2.5 GiB in any dtype, issue 4; under 2 GiB in bfloat16, issue 16), measured
+from the child process's rusage; and what an engine holds once loaded (what a running server
+keeps), read from /proc in another child. The CPU it ran on is recorded with the figures.
 
     python benchmarks/memory.py [--dtype float32 bfloat16] [--kv-cache-memory 1GiB] [--write-docs]
 """
@@ -15,8 +16,10 @@ import sys
 import time
 
 from docs_section import publish
+from kvserve.model.kernel_info import cpu_info, isa_line
 
-TARGET_GIB = 2.5
+TARGET_GIB = 2.5  # any dtype
+TARGET_GIB_BY_DTYPE = {"bfloat16": 2.0}  # issue 16: no regression from the bf16 figure
 # Build the engine as `kvserve serve` does, then report the process's resident set.
 LOADED = """
 import sys
@@ -56,25 +59,31 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    rows, worst = [], 0.0
+    rows, missed = [], []
     for dtype in args.dtype:
         peak, wall = peak_of_generate(dtype, args.kv_cache_memory)
         loaded = resident_after_load(dtype, args.kv_cache_memory)
-        worst = max(worst, peak)
-        rows.append(f"| {dtype} | **{peak:.2f} GiB** | {loaded:.2f} GiB | {wall:.1f} s |")
-    verdict = "meets" if worst < TARGET_GIB else "misses"
+        target = TARGET_GIB_BY_DTYPE.get(dtype, TARGET_GIB)
+        if peak >= target:
+            missed.append(dtype)
+        rows.append(f"| {dtype} | **{peak:.2f} GiB** | {target:g} GiB | {loaded:.2f} GiB | "
+                    f"{wall:.1f} s |")
+    verdict = (f"misses its target in {', '.join(missed)}" if missed
+               else "meets its target in every dtype measured")
+    cpu = cpu_info()
     section = "\n".join([
         "## Memory", "",
         f"`python benchmarks/memory.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
         f"runs `kvserve generate` (the bundled model, KV cache {args.kv_cache_memory}, "
         "32 tokens) in a child process and reads its peak RSS; another child loads the "
         "engine the same way and reads its resident memory once loaded, idle (what a "
-        f"running server holds). The peak {verdict} the {TARGET_GIB} GiB target. The KV "
-        "cache is allocated once, zeroed at start-up, and never grown.", "",
-        "| weights | peak RSS | resident once loaded | wall, load included |",
-        "|---|---|---|---|", *rows])
+        f"running server holds). On {cpu.model} (ISA: {isa_line(cpu)}). The peak {verdict}. "
+        "The KV cache is allocated once, zeroed at start-up, and "
+        "never grown.", "",
+        "| weights | peak RSS | target | resident once loaded | wall, load included |",
+        "|---|---|---|---|---|", *rows])
     publish("memory", section, write_docs=args.write_docs)
-    return 0 if worst < TARGET_GIB else 1
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
