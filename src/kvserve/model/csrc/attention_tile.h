@@ -3,6 +3,10 @@
 // build has them and head_dim is a multiple of 16 (with AVX512-BF16 dot products for a bf16
 // model); AVX2 + FMA intrinsics where that is the best the build has and head_dim is a
 // multiple of 8; else loops the compiler vectorises. Used by paged_attention.cpp.
+//
+// The two intrinsic tiers share one code: dots_simd and accumulate_simd are written against
+// a vector type (Vec16: AVX-512's 16 float32 lanes; Vec8: AVX2's 8), which is all that
+// differs between them.
 #pragma once
 
 #include "fast_math.h"
@@ -23,7 +27,7 @@
 namespace kvserve {
 
 // ---------------------------------------------------------------------------------------------
-// Dot products of a group's query rows with one key row, and the V accumulation: AVX-512.
+// AVX-512's float32 vectors: 16 lanes.
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -64,24 +68,87 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   return _mm512_permutexvar_ps(idx, r);
 }
 
+// AVX-512's float32 vectors, as dots_simd and accumulate_simd use them.
+struct Vec16 {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMaxVectors = 4;  // of one row per accumulate_simd call (32 registers)
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const c10::BFloat16* p) { return load16(p); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F sum_each(F v[16]) { return transpose_sum16(v); }
+  static void store_first(float* p, F v, int n) {  // lanes 0..n-1
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+  }
+};
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// The same vectors on AVX2 + FMA: 8 float32 lanes.
+
+#if defined(KVSERVE_AVX2_TILES)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// Lane t of the result is the sum of the eight lanes of v[t].
+inline __m256 transpose_sum8(const __m256 v[8]) {
+  // Per 128-bit half: a holds the sums of v[0..3] over that half's four lanes, b of v[4..7].
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+struct Vec8 {
+  using F = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMaxVectors = 2;  // GN x 2 accumulators, 2 values, a probability: 16
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const c10::BFloat16* p) { return load8(p); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F sum_each(F v[8]) { return transpose_sum8(v); }
+  static void store_first(float* p, F v, int n) {  // lanes 0..n-1
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    std::copy(lanes, lanes + n, p);
+  }
+};
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of a group's query rows with the tile's keys, and the V accumulation, in either
+// tier's vectors V.
+
+#if defined(__AVX512F__) || defined(KVSERVE_AVX2_TILES)
 // How dots_simd multiplies query rows by a key row, one register of the key at a time.
 //
-// FloatDot: float32 queries, float32 or bfloat16 keys widened to 16 float32 lanes, an FMA. The
+// FloatDot: float32 queries, float32 or bfloat16 keys widened to float32 lanes, an FMA. The
 // query registers are re-read (from L1) at each use: GN x NV of them would not stay in registers.
-template <typename T>
+template <typename V, typename T>
 struct FloatDot {
+  using Vec = V;
   using Query = float;
   using Key = T;
-  static constexpr int kWidth = 16;  // key elements per register
+  static constexpr int kWidth = V::kLanes;  // key elements per register
   template <int GN, int NV>
   struct Rows {
     const float* q;
     int head_dim;
     Rows(const float* q_rows, int dim) : q(q_rows), head_dim(dim) {}
-    __m512 operator()(int g, int v) const { return _mm512_loadu_ps(q + g * head_dim + 16 * v); }
+    typename V::F operator()(int g, int v) const { return V::load(q + g * head_dim + kWidth * v); }
   };
-  static __m512 load_key(const T* k) { return load16(k); }
-  static __m512 madd(__m512 acc, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, acc); }
+  static typename V::F load_key(const T* k) { return V::load(k); }
+  static typename V::F madd(typename V::F acc, typename V::F q, typename V::F k) {
+    return V::fmadd(q, k, acc);
+  }
 };
 
 #if defined(__AVX512BF16__)
@@ -90,6 +157,7 @@ struct FloatDot {
 // scaled by 1/sqrt(64) or 1/sqrt(128) is exact in bf16, so only the summation order changes.
 // The GN x NV query registers (NV = head_dim / 32 <= 4) stay loaded for the whole tile.
 struct Bf16Dot {
+  using Vec = Vec16;
   using Query = c10::BFloat16;
   using Key = c10::BFloat16;
   static constexpr int kWidth = 32;
@@ -113,19 +181,21 @@ struct Bf16Dot {
 
 // scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4) and the tile's keys
 // k_t = rows[t] + off; head_dim is NV registers of Dot::kWidth (NV = 0: known at run time).
-// Sixteen keys at a time: per key and row a vector of partial sums, then one transpose-and-add
-// gives the sixteen scores.
+// As many keys at a time as a vector has lanes: per key and row a vector of partial sums, then
+// one transpose-and-add gives their scores.
 template <typename Dot, int GN, int NV>
 void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::Key* const* rows,
                std::ptrdiff_t off, int count, float* scores, int stride) {
+  using V = typename Dot::Vec;
+  constexpr int kKeys = V::kLanes;
   const int nv = NV > 0 ? NV : head_dim / Dot::kWidth;
   const typename Dot::template Rows<GN, NV> query(q, head_dim);
-  for (int t0 = 0; t0 < count; t0 += 16) {
-    const int tn = std::min(16, count - t0);
-    __m512 part[GN][16];
-    for (int t = 0; t < 16; ++t) {
-      __m512 acc[GN];
-      for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+  for (int t0 = 0; t0 < count; t0 += kKeys) {
+    const int tn = std::min(kKeys, count - t0);
+    typename V::F part[GN][kKeys];
+    for (int t = 0; t < kKeys; ++t) {
+      typename V::F acc[GN];
+      for (int g = 0; g < GN; ++g) acc[g] = V::zero();
       if (t < tn) {
         const typename Dot::Key* k = rows[t0 + t] + off;
         for (int v = 0; v < nv; ++v) {
@@ -135,9 +205,8 @@ void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::K
       }
       for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
     }
-    const __mmask16 mask = static_cast<__mmask16>((1u << tn) - 1u);
     for (int g = 0; g < GN; ++g)
-      _mm512_mask_storeu_ps(scores + g * stride + t0, mask, transpose_sum16(part[g]));
+      V::store_first(scores + g * stride + t0, V::sum_each(part[g]), tn);
   }
 }
 
@@ -154,126 +223,35 @@ void dots_groups(const typename Dot::Query* q, int group, int head_dim,
 
 // acc[g] += sum_t p[g][t] * v_t for GN rows x VN vectors of the accumulator, held in
 // registers over the whole tile.
-template <typename T, int GN, int VN>
+template <typename V, typename T, int GN, int VN>
 void accumulate_simd(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
                      int count, const float* probs, int stride) {
-  __m512 a[GN][VN];
+  constexpr int kLanes = V::kLanes;
+  typename V::F a[GN][VN];
   for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) a[g][v] = _mm512_loadu_ps(acc + g * head_dim + 16 * v);
+    for (int v = 0; v < VN; ++v) a[g][v] = V::load(acc + g * head_dim + kLanes * v);
   for (int t = 0; t < count; ++t) {
     const T* row = rows[t] + off;
-    __m512 x[VN];
-    for (int v = 0; v < VN; ++v) x[v] = load16(row + 16 * v);
+    typename V::F x[VN];
+    for (int v = 0; v < VN; ++v) x[v] = V::load(row + kLanes * v);
     for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * stride + t]);
-      for (int v = 0; v < VN; ++v) a[g][v] = _mm512_fmadd_ps(p, x[v], a[g][v]);
+      const typename V::F p = V::set1(probs[g * stride + t]);
+      for (int v = 0; v < VN; ++v) a[g][v] = V::fmadd(p, x[v], a[g][v]);
     }
   }
   for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(acc + g * head_dim + 16 * v, a[g][v]);
+    for (int v = 0; v < VN; ++v) V::store(acc + g * head_dim + kLanes * v, a[g][v]);
 }
 
-// accumulate_simd over a group's rows, four at a time, and each row's vectors, four (64
-// floats) at a time.
-template <typename T>
+// accumulate_simd over a group's rows, four at a time, and each row's vectors, V::kMaxVectors
+// at a time.
+template <typename V, typename T>
 void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows,
                        std::ptrdiff_t off, int count, const float* probs, int stride) {
   for_chunks<4>(group, [&](int g0, auto gn) {
-    for_chunks<4>(head_dim / 16, [&](int v0, auto vn) {
-      accumulate_simd<T, decltype(gn)::value, decltype(vn)::value>(
-          acc + g0 * head_dim + 16 * v0, head_dim, rows, off + 16 * v0, count,
-          probs + g0 * stride, stride);
-    });
-  });
-}
-#endif
-
-// ---------------------------------------------------------------------------------------------
-// The same on AVX2 + FMA: 8 float32 lanes, eight keys at a time.
-
-#if defined(KVSERVE_AVX2_TILES)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-// Lane t of the result is the sum of the eight lanes of v[t].
-inline __m256 transpose_sum8(const __m256 v[8]) {
-  // Per 128-bit half: a holds the sums of v[0..3] over that half's four lanes, b of v[4..7].
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4), head_dim = NV registers of 8
-// (NV = 0: known at run time): per key and row a vector of partial sums, then one
-// transpose-and-add per eight keys. The query rows are re-read from L1 at each use.
-template <typename T, int GN, int NV>
-void dots_avx2(const float* q, int head_dim, const T* const* rows, std::ptrdiff_t off, int count,
-               float* scores, int stride) {
-  const int nv = NV > 0 ? NV : head_dim / 8;
-  for (int t0 = 0; t0 < count; t0 += 8) {
-    const int tn = std::min(8, count - t0);
-    __m256 part[GN][8];
-    for (int t = 0; t < 8; ++t) {
-      __m256 acc[GN];
-      for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
-      if (t < tn) {
-        const T* k = rows[t0 + t] + off;
-        for (int v = 0; v < nv; ++v) {
-          const __m256 key = load8(k + 8 * v);
-          for (int g = 0; g < GN; ++g)
-            acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * v), key, acc[g]);
-        }
-      }
-      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
-    }
-    for (int g = 0; g < GN; ++g) {
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, transpose_sum8(part[g]));
-      std::copy(sums, sums + tn, scores + g * stride + t0);
-    }
-  }
-}
-
-// acc[g] += sum_t p[g][t] * v_t for GN rows x VN registers of the accumulator (GN <= 4,
-// VN <= 2: at most 8 accumulators, 2 value registers and a probability in AVX2's 16).
-template <typename T, int GN, int VN>
-void accumulate_avx2(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                     int count, const float* probs, int stride) {
-  __m256 a[GN][VN];
-  for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) a[g][v] = _mm256_loadu_ps(acc + g * head_dim + 8 * v);
-  for (int t = 0; t < count; ++t) {
-    const T* row = rows[t] + off;
-    __m256 x[VN];
-    for (int v = 0; v < VN; ++v) x[v] = load8(row + 8 * v);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 p = _mm256_set1_ps(probs[g * stride + t]);
-      for (int v = 0; v < VN; ++v) a[g][v] = _mm256_fmadd_ps(p, x[v], a[g][v]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int v = 0; v < VN; ++v) _mm256_storeu_ps(acc + g * head_dim + 8 * v, a[g][v]);
-}
-
-template <typename T, int NV>
-void dots_groups_avx2(const float* q, int group, int head_dim, const T* const* rows,
-                      std::ptrdiff_t off, int count, float* scores, int stride) {
-  for_chunks<4>(group, [&](int g0, auto gn) {
-    dots_avx2<T, decltype(gn)::value, NV>(q + g0 * head_dim, head_dim, rows, off, count,
-                                          scores + g0 * stride, stride);
-  });
-}
-
-template <typename T>
-void accumulate_groups_avx2(float* acc, int group, int head_dim, const T* const* rows,
-                            std::ptrdiff_t off, int count, const float* probs, int stride) {
-  for_chunks<4>(group, [&](int g0, auto gn) {
-    for_chunks<2>(head_dim / 8, [&](int v0, auto vn) {
-      accumulate_avx2<T, decltype(gn)::value, decltype(vn)::value>(
-          acc + g0 * head_dim + 8 * v0, head_dim, rows, off + 8 * v0, count,
+    for_chunks<V::kMaxVectors>(head_dim / V::kLanes, [&](int v0, auto vn) {
+      accumulate_simd<V, T, decltype(gn)::value, decltype(vn)::value>(
+          acc + g0 * head_dim + V::kLanes * v0, head_dim, rows, off + V::kLanes * v0, count,
           probs + g0 * stride, stride);
     });
   });
@@ -347,13 +325,14 @@ inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int hea
   (void)q_bf16;
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
-    return dots_groups<FloatDot<T>, D / 16>(q, group, head_dim, rows, off, count, scores,
-                                            stride);
+    return dots_groups<FloatDot<Vec16, T>, D / 16>(q, group, head_dim, rows, off, count,
+                                                   scores, stride);
   }
 #endif
 #if defined(KVSERVE_AVX2_TILES)
   if (head_dim % 8 == 0) {
-    return dots_groups_avx2<T, D / 8>(q, group, head_dim, rows, off, count, scores, stride);
+    return dots_groups<FloatDot<Vec8, T>, D / 8>(q, group, head_dim, rows, off, count, scores,
+                                                 stride);
   }
 #endif
   dots_generic<T, D>(q, group, head_dim, rows, off, count, scores, stride);
@@ -364,12 +343,12 @@ inline void accumulate_values(float* acc, int group, int head_dim, const T* cons
                               std::ptrdiff_t off, int count, const float* probs, int stride) {
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
-    return accumulate_groups<T>(acc, group, head_dim, rows, off, count, probs, stride);
+    return accumulate_groups<Vec16, T>(acc, group, head_dim, rows, off, count, probs, stride);
   }
 #endif
 #if defined(KVSERVE_AVX2_TILES)
   if (head_dim % 8 == 0) {
-    return accumulate_groups_avx2<T>(acc, group, head_dim, rows, off, count, probs, stride);
+    return accumulate_groups<Vec8, T>(acc, group, head_dim, rows, off, count, probs, stride);
   }
 #endif
   accumulate_generic<T, D>(acc, group, head_dim, rows, off, count, probs, stride);

@@ -74,6 +74,12 @@ inline float row_max(const float* s, int n) {
   __m512 lanes = _mm512_set1_ps(best);
   for (; t + 16 <= n; t += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(s + t));
   best = _mm512_reduce_max_ps(lanes);
+#elif defined(__AVX2__)
+  __m256 lanes = _mm256_set1_ps(best);
+  for (; t + 8 <= n; t += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + t));
+  alignas(32) float each[8];
+  _mm256_store_ps(each, lanes);
+  for (const float x : each) best = std::max(best, x);
 #endif
   for (; t < n; ++t) best = std::max(best, s[t]);
   return best;
