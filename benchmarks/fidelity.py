@@ -165,11 +165,11 @@ def workload(name: str, capacity: Callable[[], float], load_requests: int
              ) -> tuple[list[TraceRequest], dict[str, Any], str]:
     """(trace, engine settings, description)."""
     if name == "w1":
-        return w1_trace(), W1_SETTINGS, "W1: 128 requests at t=0, KV cache 1 GiB"
+        return w1_trace(), W1_SETTINGS, "128 requests at t=0, KV cache 1 GiB"
     if name == "w2":
-        return w1_trace(), W2_SETTINGS, "W2: W1 in 4,096 KV tokens, max_num_seqs 64"
+        return w1_trace(), W2_SETTINGS, "W1 in 4,096 KV tokens, max_num_seqs 64"
     if name == "w3":
-        return w3_trace(), W1_SETTINGS, "W3: 200 requests, Poisson 4 req/s"
+        return w3_trace(), W1_SETTINGS, "200 requests, Poisson 4 req/s"
     share, full = LOADS[name], capacity()
     return (w3_trace(load_requests, rate=share * full), W1_SETTINGS,
             f"W3's first {load_requests} requests at {share * full:.2f} req/s, {share:.0%} of "
