@@ -66,10 +66,9 @@ from kvserve.engine import calibrate
 from kvserve.sim.calibration import fit
 from kvserve.sim.cost_models import CalibratedCostModel
 from kvserve.sim.machine import cpu_identity, describe_cpu
-from kvserve.sim.plan import capacity_qps
+from kvserve.sim.plan import FLOOR_SHARE, capacity_floor, capacity_qps
 
 HERE = OUT / "capacity"
-FLOOR_SHARE = 0.1  # of C: where the p99 queueing is a lone request's wait
 
 
 def settings(max_num_batched_tokens: int) -> dict[str, Any]:
@@ -108,17 +107,19 @@ def phase_calibrate(budget: int, rate: float, runs: int) -> None:
 
 def phase_plan(budget: int, logs: list[Path]) -> None:
     model = pooled_model(logs)
-    qps, probes = capacity_qps(lambda rate: queue_p99(model, budget, rate), 1.0,
-                               QUEUE_P99_BOUND, rel_tol=0.01)
+    def at(rate: float) -> float | None:
+        return queue_p99(model, budget, rate)
+
+    qps, probes = capacity_qps(at, 1.0, QUEUE_P99_BOUND, rel_tol=0.01)
     if qps is None:
         raise SystemExit("no rate keeps p99 queueing within the bound in the simulator")
+    floor, _ = capacity_floor(at, qps, QUEUE_P99_BOUND)  # kvserve plan's floor
     (HERE / "model.json").write_text(calibrate.in_service_json(
         model, {"step_logs": [str(log) for log in logs], **machine_note()}))
     plan = {"capacity_qps": qps, "max_num_batched_tokens": budget,
             "queue_p99_bound_s": QUEUE_P99_BOUND, "model_source": model.source,
             "step_logs": [str(log) for log in logs], "probes": probes,
-            "floor": {"qps": FLOOR_SHARE * qps,
-                      "queue_p99": queue_p99(model, budget, FLOOR_SHARE * qps)},
+            "floor": {"qps": FLOOR_SHARE * qps, "queue_p99": floor},
             **machine_note()}
     (HERE / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     print(f"{model.source}\nsimulated capacity at {budget} tokens per step: {qps:.3f} req/s; "
@@ -222,7 +223,8 @@ def main() -> int:
                         required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--step-logs", type=Path, nargs="+", default=[],
-                        help="plan: fit on these engine step logs (default: every saved one)")
+                        help="plan: fit on these engine step logs (default: this check's "
+                             "calibration runs, else every saved one)")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.9, 1.1])
     parser.add_argument("--runs", type=int, default=3,
                         help="run: runs per share; calibrate: calibration runs")

@@ -90,12 +90,6 @@ struct Vec16 {
 // The same vectors on AVX2 + FMA: 8 float32 lanes.
 
 #if defined(KVSERVE_AVX2_TILES)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
 // Lane t of the result is the sum of the eight lanes of v[t].
 inline __m256 transpose_sum8(const __m256 v[8]) {
   // Per 128-bit half: a holds the sums of v[0..3] over that half's four lanes, b of v[4..7].
@@ -110,7 +104,10 @@ struct Vec8 {
   static constexpr int kMaxVectors = 2;  // GN x 2 accumulators, 2 values, a probability: 16
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F load(const c10::BFloat16* p) { return load8(p); }
+  static F load(const c10::BFloat16* p) {  // widened: bf16 is float32's upper half
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
