@@ -133,3 +133,13 @@ def test_the_flag_reaches_every_model_command():
         args = parser.parse_args([command, "--batch-invariant"])
         assert engine_args(args)["batch_invariant"] is True
         assert "batch_invariant" not in engine_args(parser.parse_args([command]))
+
+
+def test_prefill_attention_sums_as_decode_does():
+    """The engine's attention under --batch-invariant asks the prefill kernel for decode's
+    order (match_decode; tests/model/test_paged_kernel.py pins what that gives)."""
+    from kvserve.model.attention import invariant_paged_attention
+    engine = llm("float32", num_kv_blocks=8)
+    assert engine.engine.executor.attention is invariant_paged_attention
+    assert LLM(TINY, dtype="float32", num_kv_blocks=8).engine.executor.attention \
+        is not invariant_paged_attention

@@ -155,20 +155,47 @@ def test_prefill_matches_plain(dtype: torch.dtype, num_tokens: int, context_len:
     (12, 2, 64, 32, 100, 100),  # groups of 6 rows; tiles of 64 keys in two blocks
     (6, 3, 128, 128, 17, 300),  # one block per tile of 128 keys
 ])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @requires_kernel
-def test_prefill_bfloat16_shapes(heads: int, kv_heads: int, dim: int, block_size: int,
-                                 num_tokens: int, context_len: int) -> None:
-    """A bf16 model's prefill takes the packed path (csrc/attention_gemm.h) where the build has
-    AVX512-BF16, else the per-query one: either way the plain result, over query and key tiles
-    of every shape."""
+def test_prefill_tile_shapes(heads: int, kv_heads: int, dim: int, block_size: int,
+                             num_tokens: int, context_len: int, dtype: torch.dtype) -> None:
+    """Prefill repacks each key tile where the build can (csrc/attention_gemm.h: pairs order
+    for a bf16 model on AVX512-BF16, transposed float32 on AVX2), else runs per query: either
+    way the plain result, over query and key tiles of every shape (row blocks of 6 and their
+    remainders, groups of 8 keys and a partial one)."""
     gen = torch.Generator().manual_seed(num_tokens + context_len + block_size)
     num_blocks = -(-context_len // block_size) + 4
-    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, dim, torch.bfloat16, gen)
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, dim, dtype, gen)
     table = _tables([context_len], block_size, num_blocks, gen)[0]
-    q = torch.randn((num_tokens, heads, dim), generator=gen).to(torch.bfloat16)
+    q = torch.randn((num_tokens, heads, dim), generator=gen).to(dtype)
     out = paged_kernel.prefill_attention(q, k_cache, v_cache, table, context_len)
     want = _plain(q, k_cache, v_cache, table, context_len)
-    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)])
+@requires_kernel
+def test_prefill_match_decode_is_bit_identical_to_decode(dtype: torch.dtype, heads: int,
+                                                         kv_heads: int, dim: int) -> None:
+    """--batch-invariant's prefill (match_decode): every row's output is the one a decode step
+    gives that token, bit for bit (a token recomputed after a preemption is the token its
+    decode made). Without it the repacked tiles may differ in the last bits, within tolerance."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    context_len, block_size, num_blocks = 150, 16, 14
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, dim, dtype, gen)
+    table = _tables([context_len], block_size, num_blocks, gen)[0]
+    q = torch.randn((context_len, heads, dim), generator=gen).to(dtype)
+    matched = paged_kernel.prefill_attention(q, k_cache, v_cache, table, context_len,
+                                             match_decode=True)
+    fast = paged_kernel.prefill_attention(q, k_cache, v_cache, table, context_len)
+    positions = [0, 5, 63, 64, 100, 149]
+    decoded = paged_kernel.decode_attention(
+        q[positions], k_cache, v_cache, table.repeat(len(positions), 1),
+        torch.tensor([p + 1 for p in positions]))
+    assert torch.equal(matched[positions], decoded)
+    torch.testing.assert_close(fast.double(), matched.double(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
 
 
 @requires_kernel

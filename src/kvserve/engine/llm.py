@@ -25,6 +25,7 @@ from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
 from kvserve.model import paged_kernel
+from kvserve.model.attention import invariant_paged_attention, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report
@@ -151,6 +152,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
     host = HostKVCache(kv_caches, num_host_blocks) if num_host_blocks else None
     runner = ModelRunner(network, kv_caches, block_size,
+                         attention=invariant_paged_attention if batch_invariant
+                         else paged_attention,
                          sampler=Sampler(seed, batch_invariant), host_kv_cache=host)
     if preemption_prices is None and host is not None and \
             scheduler_config.preemption_mode == "auto":

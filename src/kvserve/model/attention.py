@@ -74,6 +74,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.handles(k_cache.dtype))
 
 
+def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              batch: ForwardBatch) -> torch.Tensor:
+    """:func:`paged_attention` for --batch-invariant: a prefill row's sums in the order a
+    decode step adds them (``match_decode``), so a token recomputed after a preemption gets
+    the output its decode gave."""
+    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.handles(k_cache.dtype),
+                            match_decode=True)
+
+
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           batch: ForwardBatch) -> torch.Tensor:
     """:func:`paged_attention` without the C++ kernel."""
@@ -81,7 +90,8 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     batch: ForwardBatch, use_kernel: bool) -> torch.Tensor:
+                     batch: ForwardBatch, use_kernel: bool,
+                     match_decode: bool = False) -> torch.Tensor:
     num_decodes = batch.num_decodes
     if use_kernel and num_decodes == q.shape[0]:  # decodes only (most steps): no copy
         return paged_kernel.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
@@ -93,10 +103,15 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             batch.decode_context_lens)
     elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
-    prefill = paged_kernel.prefill_attention if use_kernel else _prefill_attention
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        out[rows] = prefill(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
+        if use_kernel:
+            out[rows] = paged_kernel.prefill_attention(q[rows], k_cache, v_cache,
+                                                       chunk.block_table, chunk.context_len,
+                                                       match_decode=match_decode)
+        else:
+            out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
+                                           chunk.context_len)
     return out
 
 

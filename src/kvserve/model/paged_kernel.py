@@ -207,14 +207,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_table: torch.Tensor, context_len: int,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, match_decode: bool = False) -> torch.Tensor:
     """Causal attention for one prefill chunk: the last n tokens of a context_len-token context.
 
     q: [n, num_heads, head_dim]; query i sits at position context_len - n + i and sees keys
     0 ..= that position (this chunk's K and V already written). block_table: [num_blocks].
-    Returns [n, num_heads, head_dim] in q's dtype.
+    Returns [n, num_heads, head_dim] in q's dtype. ``match_decode`` (--batch-invariant): each
+    row's sums in the order a decode step adds them, so a token's output is bit-identical
+    whether a prefill or a decode computed it (the repacked tiles of csrc/attention_gemm.h,
+    faster, sum in another order).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _kernel().prefill_attention(q, k_cache, v_cache, block_table, int(context_len),
-                                       scale)
+                                       scale, match_decode)

@@ -1,17 +1,23 @@
-// A prefill tile as two small matrix products, for a bf16 model on a CPU with AVX512-BF16:
-// many query rows (a tile of queries times its GQA group) against one tile of keys.
+// A prefill tile as two small matrix products: many query rows (a tile of queries times its
+// GQA group) against one tile of keys. Two versions: bf16 dot products for a bf16 model on
+// AVX512-BF16, and float32 on AVX2 + FMA (a Zen 3, say).
 //
 // attention_tile.h multiplies one key row by a few query rows and sums each 16-lane product
 // across its lanes (a transpose per 16 keys and row): the right shape for decode, whose three
 // or four query rows per kv head leave nothing to share. A prefill tile has tens of rows, so
 // here the cost that does not depend on the rows is paid once per tile instead:
-// - the keys are repacked once into pairs-of-dimensions order ("VNNI": 32-bit element j of
-//   key t is its dimensions 2j and 2j + 1), so a query row's scores for 16 keys are D / 2
-//   vdpbf16ps with the query's pair broadcast, and no lanes need summing;
-// - the values are widened to float32 once, and each block of rows accumulates them in
-//   registers (the same float32 multiply-adds, in the same key order, as accumulate_simd).
-// Used by paged_attention.cpp's prefill when the bf16 dot products apply (bf16 keys and
-// queries, head_dim 64 or 128).
+// - AVX512-BF16: the keys are repacked once into pairs-of-dimensions order ("VNNI": 32-bit
+//   element j of key t is its dimensions 2j and 2j + 1), so a query row's scores for 16 keys
+//   are D / 2 vdpbf16ps with the query's pair broadcast, and no lanes need summing; the values
+//   are widened to float32 once, and each block of rows accumulates them in registers (the
+//   same float32 multiply-adds, in the same key order, as accumulate_simd).
+// - AVX2: the keys are transposed once to float32 [dimension][key], so a block of 6 query rows
+//   and 16 keys is D steps of two key loads, six broadcasts and twelve FMAs, every score one
+//   chain of FMAs over the dimensions with no lanes to sum. The values go through
+//   accumulate_values per query as before (that pass was already FMA-bound).
+// Used by paged_attention.cpp's prefill (head_dim 64 or 128), except under --batch-invariant:
+// a row's scores here are summed in another order than decode's, so a token computed in a
+// prefill (after a preemption, say) would not be bit-identical to the same token decoded.
 #pragma once
 
 #include "attention_tile.h"  // load16
@@ -160,3 +166,81 @@ void accumulate_widened(float* acc, int nrows, const float* wide, const int* vis
 }  // namespace kvserve
 
 #endif  // __AVX512BF16__
+
+#if defined(KVSERVE_AVX2_TILES)
+namespace kvserve {
+
+// In place: afterwards m[c] lane r is what m[r] lane c was (8 x 8 float32).
+inline void transpose8x8_ps(__m256 m[8]) {
+  __m256 u[8], v[8];
+  for (int i = 0; i < 4; ++i) {  // within 128-bit lanes: rows 2i, 2i+1 interleaved
+    u[2 * i] = _mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]);
+    u[2 * i + 1] = _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // v[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3
+    v[4 * i] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0x44);
+    v[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0xEE);
+    v[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0x44);
+    v[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {  // rows 0-3 and 4-7 of one column, 128-bit lanes joined
+    m[k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x20);
+    m[4 + k] = _mm256_permute2f128_ps(v[k], v[4 + k], 0x31);
+  }
+}
+
+// packed[d * stride + t] = dimension d of key t (rows[t]) as float32, for d < D and t < count
+// rounded up to 8 (keys past count are zero). stride >= that rounded count.
+template <int D, typename T>
+void transpose_keys(const T* const* rows, int count, float* packed, int stride) {
+  static_assert(D % 8 == 0, "whole registers of 8 float32 per key");
+  for (int t0 = 0; t0 < count; t0 += 8) {
+    const int tn = std::min(8, count - t0);
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 m[8];
+      for (int t = 0; t < 8; ++t) m[t] = t < tn ? Vec8::load(rows[t0 + t] + d0) : Vec8::zero();
+      transpose8x8_ps(m);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(packed + (d0 + d) * stride + t0, m[d]);
+    }
+  }
+}
+
+// scores[r * stride + t] = q_r . k_t for RN float32 query rows (row r at q + r * D) and CN
+// groups of 8 transposed keys starting at group c0: one FMA chain per score, dimension order.
+// The transposed keys' rows and the scores' rows are both stride floats apart.
+template <int D, int RN, int CN>
+inline void scores_block_f32(const float* q, const float* packed, int c0, float* scores,
+                             int stride) {
+  __m256 acc[RN][CN];
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < CN; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m256 keys[CN];
+    for (int c = 0; c < CN; ++c) keys[c] = _mm256_loadu_ps(packed + d * stride + 8 * (c0 + c));
+    for (int r = 0; r < RN; ++r) {
+      const __m256 x = _mm256_broadcast_ss(q + r * D + d);
+      for (int c = 0; c < CN; ++c) acc[r][c] = _mm256_fmadd_ps(x, keys[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(scores + r * stride + 8 * (c0 + c), acc[r][c]);
+}
+
+// scores for nrows query rows against count transposed keys (groups of 8; the scores of
+// padding keys past count are written too, as zeros' products). 6 rows x 16 keys per block:
+// twelve accumulators, two keys and a broadcast fill AVX2's sixteen registers.
+template <int D>
+void scores_transposed(const float* q, int nrows, const float* packed, int count,
+                       float* scores, int stride) {
+  const int groups = (count + 7) / 8;
+  for_chunks<2>(groups, [&](int c0, auto cn) {
+    for_chunks<6>(nrows, [&](int r0, auto rn) {
+      scores_block_f32<D, decltype(rn)::value, decltype(cn)::value>(
+          q + static_cast<std::ptrdiff_t>(r0) * D, packed, c0,
+          scores + static_cast<std::ptrdiff_t>(r0) * stride, stride);
+    });
+  });
+}
+
+}  // namespace kvserve
+#endif  // KVSERVE_AVX2_TILES

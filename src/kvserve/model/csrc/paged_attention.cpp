@@ -17,9 +17,11 @@
 //
 // Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
 // (kv head, tile of 16 queries); each query row runs the same online softmax over its visible
-// keys. For a bf16 model on AVX512-BF16 each tile of keys is repacked, and its values widened,
-// once for all the item's rows (attention_gemm.h); otherwise each query's rows use the
-// decode's per-key dot products.
+// keys. Each tile of keys is repacked once for all the item's rows where the build has a way
+// to (attention_gemm.h): for a bf16 model on AVX512-BF16 (keys in pairs order, values
+// widened), and on AVX2 (keys transposed to float32); otherwise, and under --batch-invariant
+// (match_decode: a row's scores summed exactly as a decode step sums them), each query's rows
+// use the decode's per-key dot products.
 //
 // Work items are handed out dynamically (an atomic counter, longest first) inside one
 // at::parallel_for region with one task per thread, since contexts are ragged; each thread
@@ -61,6 +63,7 @@ struct Geometry {
   int64_t token_stride, block_stride;  // elements
   int tile;                            // keys per online-softmax step: whole blocks
   bool exact_bf16_queries = false;     // the scaled float32 queries round to bf16 exactly
+  bool match_decode = false;  // prefill: no repacked tiles, each row's sums as decode's
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -150,6 +153,7 @@ struct WorkState {
   std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
   std::vector<uint32_t> packed_keys;  // prefill's tile of keys in pairs order (attention_gemm.h)
   std::vector<float> wide_values;     // prefill's tile of values in float32
+  std::vector<float> keys_t;          // prefill's tile of keys transposed (AVX2)
   // Views into scratch, laid out by start(): [nrows][stride] scores (then probabilities),
   // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
   float *scores = nullptr, *acc = nullptr, *extra = nullptr, *m = nullptr, *l = nullptr;
@@ -318,8 +322,21 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
 // Whether prefill's tiles run as two small matrix products (attention_gemm.h): a bf16 model
 // whose queries round to bf16 exactly (q_bf16 set), on a build with AVX512-BF16.
 template <typename T, int D>
-inline bool packed_tile(const c10::BFloat16* q_bf16) {
-  return bf16_dots_compiled<T, D>() && q_bf16 != nullptr;
+inline bool packed_tile(const Geometry& geo, const c10::BFloat16* q_bf16) {
+  return bf16_dots_compiled<T, D>() && q_bf16 != nullptr && !geo.match_decode;
+}
+
+// Whether they run with the keys transposed to float32 (attention_gemm.h): a build whose best
+// tier is AVX2, head_dim compiled in. (The AVX-512 float32 tier keeps the per-query products:
+// the transposed tile is written for AVX2's registers and measured only there.)
+template <int D>
+inline bool transposed_tile(const Geometry& geo) {
+#if defined(KVSERVE_AVX2_TILES)
+  return D > 0 && !geo.match_decode;
+#else
+  (void)geo;
+  return false;
+#endif
 }
 
 // One key tile for all nrows query rows of a prefill work item (state.visible set): the keys
@@ -345,6 +362,32 @@ void prefill_tile_packed(const c10::BFloat16* q_bf16, int nrows, const T* const*
   }
 #endif
   (void)q_bf16, (void)nrows, (void)rows, (void)to_v, (void)count, (void)state;
+}
+
+// The same on AVX2 for float32 query rows (qrows: [nrows][D], row r = query r / group, head
+// r % group): the keys transposed once, the scores of every row, the online-softmax step, then
+// the values per query as the per-query path adds them.
+template <typename T, int D>
+void prefill_tile_transposed(const float* qrows, int nrows, int group, const T* const* rows,
+                             std::ptrdiff_t to_v, int count, WorkState<T>& state) {
+#if defined(KVSERVE_AVX2_TILES)
+  if constexpr (D > 0) {
+    const int stride = state.stride;
+    state.keys_t.resize(static_cast<size_t>(D) * stride);
+    kvserve::transpose_keys<D>(rows, count, state.keys_t.data(), stride);
+    kvserve::scores_transposed<D>(qrows, nrows, state.keys_t.data(), count, state.scores,
+                                  stride);
+    softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
+                    state.acc, D);
+    for (int r0 = 0; r0 < nrows; r0 += group) {
+      accumulate_values<T, D>(state.acc + static_cast<size_t>(r0) * D, group, D, rows, to_v,
+                              state.visible[r0], state.scores + static_cast<size_t>(r0) * stride,
+                              stride);
+    }
+    return;
+  }
+#endif
+  (void)qrows, (void)nrows, (void)group, (void)rows, (void)to_v, (void)count, (void)state;
 }
 
 template <typename T, int D>
@@ -380,8 +423,12 @@ void prefill_item(const Geometry& geo, const float* q /*[n, heads, dim] scaled*/
       const int n = static_cast<int>(std::clamp<int64_t>(sees, 0, count));
       for (int g = 0; g < group; ++g) visible[i * group + g] = n;
     }
-    if (packed_tile<T, D>(q_bf16)) {
+    if (packed_tile<T, D>(geo, q_bf16)) {
       prefill_tile_packed<T, D>(q_bf16, nrows, rows, to_v, count, state);
+      continue;
+    }
+    if (transposed_tile<D>(geo)) {
+      prefill_tile_transposed<T, D>(qrows, nrows, group, rows, to_v, count, state);
       continue;
     }
     for (int i = 0; i < nq; ++i) {
@@ -518,9 +565,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
-                             int64_t context_len, double scale) {
-  const Geometry geo =
-      geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
+                             int64_t context_len, double scale, bool match_decode) {
+  Geometry geo = geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
+  geo.match_decode = match_decode;
   TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
   const int64_t n = q.size(0);
   TORCH_CHECK(n <= context_len, "more queries than context");
@@ -567,9 +614,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("context_lens"), py::arg("scale"));
   m.def("prefill_attention", &prefill_attention,
         "Paged causal attention for one prefill chunk: q [n, H, d] at positions "
-        "context_len - n + i",
+        "context_len - n + i; match_decode: each row's sums in decode's order (no repacked "
+        "tiles), for --batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
-        py::arg("context_len"), py::arg("scale"));
+        py::arg("context_len"), py::arg("scale"), py::arg("match_decode") = false);
   register_layer_ops(m);
   register_invariant_linear(m);
   m.def("compiled_isa", &compiled_isa,
