@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import layer_ops, paged_kernel
-from kvserve.model.llama import Linear, can_pack_weights
+from kvserve.model.llama import Linear, can_pack_weights, panel_linear_available
 
 
 @pytest.mark.skipif(not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
@@ -24,17 +24,56 @@ def test_a_packed_bf16_projection_equals_f_linear(num_tokens):
         assert torch.equal(linear(x), expected)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 64, 300])
-def test_a_packed_float32_projection_matches_f_linear(num_tokens):
-    """oneDNN's float32 GEMM sums in another order than MKL's: equal within rounding."""
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 300])
+@pytest.mark.parametrize("bf16_values", [False, True])
+def test_a_packed_float32_projection_matches_f_linear(num_tokens, bf16_values):
+    """Packed float32 (panel_linear's panels where built, else oneDNN's layout) sums in another
+    order than MKL's: equal within rounding. 970 outputs: a last panel of 10 columns. A weight
+    of bf16 numbers is stored as bf16 in its panels, the same values."""
     gen = torch.Generator().manual_seed(num_tokens)
-    linear = Linear(576, 960)
-    linear.weight.data = torch.randn(960, 576, generator=gen)
+    linear = Linear(576, 970)
+    weight = torch.randn(970, 576, generator=gen)
+    linear.weight.data = weight.to(torch.bfloat16).float() if bf16_values else weight
     x = torch.randn(num_tokens, 576, generator=gen)
     expected = F.linear(x, linear.weight)
     linear.pack()
+    if panel_linear_available():
+        assert linear.panels is not None and linear.panels.shape == (61, 576, 16)
+        assert linear.panels.dtype == (torch.bfloat16 if bf16_values else torch.float32)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
+        assert linear(x.view(1, num_tokens, 576)).shape == (1, num_tokens, 970)
+
+
+@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+@pytest.mark.parametrize("bf16_values", [False, True])
+def test_panel_linear_rows_do_not_depend_on_the_batch(bf16_values):
+    """Each output is one FMA chain over k: a row alone, in a block of 6 or a remainder gives
+    the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    linear = Linear(1536, 100)
+    weight = torch.randn(100, 1536, generator=gen)
+    linear.weight.data = weight.to(torch.bfloat16).float() if bf16_values else weight
+    linear.pack()
+    x = torch.randn(23, 1536, generator=gen)
+    with torch.inference_mode():
+        batch = linear(x)
+        assert torch.equal(torch.cat([linear(x[i:i + 1]) for i in range(23)]), batch)
+        assert torch.equal(torch.cat([linear(x[:4]), linear(x[4:])]), batch)
+
+
+@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+def test_panel_linear_refuses_mismatched_panels():
+    kernel = paged_kernel.layer_ops().panel_linear
+    panels = torch.zeros(4, 64, 16)
+    with pytest.raises(RuntimeError, match="panels must be contiguous"):
+        kernel(torch.zeros(3, 32), panels, 64)  # in_features differ
+    with pytest.raises(RuntimeError, match="panels must be contiguous"):
+        kernel(torch.zeros(3, 64), panels, 80)  # 80 outputs need 5 panels
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        kernel(torch.zeros(3, 64, dtype=torch.bfloat16), panels, 64)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel(torch.zeros(3, 64), panels.half(), 64)
 
 
 def test_float32_is_packed_where_avx2_is_the_best_vector_tier():

@@ -123,10 +123,15 @@ PACKABLE = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("tied", [True, False])
-def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype):
-    """Projections run through oneDNN's packed copies, whose plain weights are then released
-    (except a tied LM head, which is the embedding table, and a bf16 head, kept to break
-    rounding ties): greedy tokens must be those of the same network left unpacked."""
+@pytest.mark.parametrize("panels", [True, False])
+def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype, panels):
+    """Projections run through packed copies (panel_linear's panels for float32 where the
+    build has them, else oneDNN's), whose plain weights are then released (except a tied LM
+    head, which is the embedding table, and a bf16 head, kept to break rounding ties): greedy
+    tokens must be those of the same network left unpacked."""
+    if panels and (dtype != torch.float32 or not llama.panel_linear_available()):
+        pytest.skip("panels: float32 on an AVX2 build")
+    monkeypatch.setattr(llama, "panel_linear_available", lambda: panels)
     config = replace(TINY, tie_word_embeddings=tied)
     weights = {k: v.to(dtype) for k, v in random_weights(config, seed=1).items()}
     if not tied:
@@ -142,7 +147,7 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: True)
     packed = LlamaForCausalLM.from_weights(config, dict(weights))
     projections = [m for m in packed.modules() if isinstance(m, Linear)]
-    assert all(m.packed is not None for m in projections)
+    assert all((m.panels if panels else m.packed) is not None for m in projections)
     released = [m for m in projections if m.weight.is_meta]
     head_kept = tied or dtype == torch.bfloat16
     assert len(released) == len(projections) - head_kept
@@ -150,5 +155,6 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
     assert packed.embed_tokens.weight.device.type == "cpu"
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: False)
     plain = LlamaForCausalLM.from_weights(config, dict(weights))
-    assert all(m.packed is None for m in plain.modules() if isinstance(m, Linear))
+    assert all(m.packed is None and m.panels is None
+               for m in plain.modules() if isinstance(m, Linear))
     assert run(packed) == run(plain)

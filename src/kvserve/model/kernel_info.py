@@ -98,6 +98,10 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     if dtype == torch.bfloat16 and onednn_bf16:
         projections = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or " \
                       "AVX512-BF16 itself)"
+    elif dtype == torch.float32 and packed_float32 and built and vector == "AVX2" and \
+            "fma" in compiled_isa:
+        projections = "C++ AVX2 panel GEMM (panel_linear: weights packed at load in panels " \
+                      "of 16 columns, bf16-stored where they are bf16 numbers)"
     elif dtype == torch.float32 and packed_float32:
         projections = "oneDNN packed float32 (weights packed at load; MKL's sgemm is slow at " \
                       "small batches on this CPU)"

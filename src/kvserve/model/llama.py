@@ -43,15 +43,41 @@ def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) ->
     return False
 
 
+PANEL = 16  # output columns per panel of csrc/panel_linear.cpp
+# bf16 panels: 32-bit element j of each k holds column j in its high half, j + 8 in its low
+_BF16_PAIR_ORDER = [j + 8 * high for j in range(8) for high in (1, 0)]
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [n, k] as csrc/panel_linear.cpp reads it: [ceil(n / 16), k, 16],
+    columns padded with zeros. Stored as bfloat16 when every value is a bf16 number (a bf16
+    checkpoint run in float32: the same values in half the bytes), else as float32."""
+    n, k = weight.shape
+    as_bf16 = weight.to(torch.bfloat16)
+    exact = torch.equal(as_bf16.float(), weight)
+    source = as_bf16 if exact else weight
+    padded = source.new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = source
+    panels = padded.view(-1, PANEL, k).transpose(1, 2)
+    return (panels[:, :, _BF16_PAIR_ORDER] if exact else panels).contiguous()
+
+
+def panel_linear_available() -> bool:
+    """Whether this build has csrc/panel_linear.cpp's kernel (AVX2 without AVX-512)."""
+    return paged_kernel.available() and bool(paged_kernel.layer_ops().panel_linear_compiled())
+
+
 class Linear(nn.Module):
-    """``x @ weight.T`` without bias, optionally through a oneDNN pre-packed copy of the weight.
+    """``x @ weight.T`` without bias, optionally through a copy of the weight packed at load.
 
     F.linear on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every call;
     the packed copy does that once. Measured on the 2-core benchmark machine over SmolLM2-135M's
     30 layers: 24 -> 12 ms at 12 tokens, 56 -> 40 ms at 64, ~8% at 2,048, bit-identical results.
-    In float32 F.linear calls MKL instead, and the packed copy is oneDNN's own float32 GEMM: on
-    an AVX2-only CPU much faster at decode batches (``can_pack_weights``), with a different
-    summation order (results within float32 rounding, not bit-identical).
+    In float32 F.linear calls MKL, slow at decode batches on an AVX2-only CPU
+    (``can_pack_weights``); there the weight is packed in panels for kvserve's own kernel
+    (:func:`pack_panels`, csrc/panel_linear.cpp: 1.15-2.5x oneDNN's packed float32 GEMM at
+    1-2,048 rows on a Zen 3), or for oneDNN's where the extension is not built. Either sums in
+    another order than MKL (results within float32 rounding, not bit-identical).
 
     With ``invariant`` (``--batch-invariant``) it runs the C++ ``invariant_linear`` instead,
     whose reduction order per output element does not depend on the number of rows
@@ -61,15 +87,20 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.packed: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # oneDNN's layout
+        self.panels: torch.Tensor | None = None  # panel_linear's
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
-        """Make the packed copy. With ``release_weight`` the plain weight becomes a shape-only
-        (meta) tensor, so the projection's memory is not held twice; keep it when the tensor
-        is shared (a tied LM head is the embedding table)."""
+        """Make the packed copy: panels for a float32 weight where the build has
+        panel_linear, else oneDNN's. With ``release_weight`` the plain weight becomes a
+        shape-only (meta) tensor, so the projection's memory is not held twice; keep it when
+        the tensor is shared (a tied LM head is the embedding table)."""
         weight = self.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if weight.dtype == torch.float32 and panel_linear_available():
+            self.panels = pack_panels(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if release_weight:
             self.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
                                        requires_grad=False)
@@ -77,6 +108,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return paged_kernel.layer_ops().invariant_linear(x.contiguous(), self.weight)
+        if self.panels is not None:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            out = paged_kernel.layer_ops().panel_linear(rows, self.panels, self.weight.shape[0])
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

@@ -40,10 +40,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "invariant_linear.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "invariant_linear.cpp",
+           CSRC / "panel_linear.cpp"]
 HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h",
-           CSRC / "attention_gemm.h",
-           CSRC / "invariant_linear.h"]
+           CSRC / "attention_gemm.h", CSRC / "invariant_linear.h", CSRC / "panel_linear.h"]
 # -fno-trapping-math: only floating-point exception flags stop being preserved (no
 # reassociation, no change to contraction). It lets gcc if-convert the clamp and select
 # around exp_nonpositive, so silu_and_mul vectorises (with trapping math it ran one element

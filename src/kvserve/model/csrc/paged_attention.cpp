@@ -32,6 +32,7 @@
 
 #include "attention_gemm.h"
 #include "fast_math.h"
+#include "panel_linear.h"
 #include "invariant_linear.h"
 #include "layer_ops.h"
 
@@ -620,6 +621,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("context_len"), py::arg("scale"), py::arg("match_decode") = false);
   register_layer_ops(m);
   register_invariant_linear(m);
+  register_panel_linear(m);
   m.def("compiled_isa", &compiled_isa,
         "The instruction sets the kernels were compiled for: avx2, avx512f, avx512_bf16");
 }
