@@ -75,8 +75,9 @@ class Linear(nn.Module):
     30 layers: 24 -> 12 ms at 12 tokens, 56 -> 40 ms at 64, ~8% at 2,048, bit-identical results.
     In float32 F.linear calls MKL, slow at decode batches on an AVX2-only CPU
     (``can_pack_weights``); there the weight is packed in panels for kvserve's own kernel
-    (:func:`pack_panels`, csrc/panel_linear.cpp: 1.15-2.5x oneDNN's packed float32 GEMM at
-    1-2,048 rows on a Zen 3), or for oneDNN's where the extension is not built. Either sums in
+    (:func:`pack_panels`, csrc/panel_linear.cpp: on a Zen 3, 1.11-1.59x oneDNN's packed float32
+    GEMM at 1-2,048 rows with float32 panels, 1.12-2.6x with bf16 ones;
+    benchmarks/panel_linear.py), or for oneDNN's where the extension is not built. Either sums in
     another order than MKL (results within float32 rounding, not bit-identical).
 
     With ``invariant`` (``--batch-invariant``) it runs the C++ ``invariant_linear`` instead,

@@ -3,9 +3,10 @@
 // and widened on load (the same values in half the bytes).
 //
 // Why not a library GEMM: on a Zen 3 (AVX2, 2 cores) oneDNN's packed float32 GEMM runs
-// SmolLM2's layer projections at 33-110 GFLOP/s for 4-32 rows and ~160 at 512-2,048, MKL's
-// sgemm lower still at decode sizes; this kernel, with its weights streamed from memory
-// (30 layers' worth), at 90-190 and ~190 (benchmarks/panel_linear.py, docs/kernels.md).
+// SmolLM2's layer projections (30 layers' worth, streamed from memory) at 39-116 GFLOP/s for
+// 4-32 rows and ~168 at 512-2,048, MKL's sgemm lower still at decode sizes; this kernel at
+// 59-157 and ~190 with float32 panels, 109-177 and ~190 with bf16 panels
+// (benchmarks/panel_linear.py, docs/benchmarks.md).
 //
 // Layout (llama.pack_panels): the weight's rows (output columns) in panels of 16, each panel
 // [K][16], so a panel streams through memory once per call. bf16 panels order each k's 16
