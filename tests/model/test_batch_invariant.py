@@ -13,6 +13,7 @@ import torch
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM, GenerationResult
 from kvserve.model import paged_kernel
+from kvserve.model.llama import Linear, invariant_projections, pack_panels, panel_linear_available
 from tests.model.reference import TINY
 
 pytestmark = pytest.mark.skipif(not paged_kernel.available(),
@@ -116,6 +117,31 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
     exact = x.double() @ w.double().T
     tolerance = 4e-3 if dtype == torch.bfloat16 else 1e-6  # bf16: the output's rounding
     assert (batch.double() - exact).abs().max() <= tolerance * exact.abs().max()
+
+
+@pytest.mark.skipif(not panel_linear_available(), reason="an AVX2 build's kernel")
+@pytest.mark.parametrize("panel_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(64, 192), (100, 37), (576, 130)])
+def test_panel_linear_rows_do_not_depend_on_the_batch(panel_dtype, k, n):
+    """--batch-invariant in float32 projects with the panels where the build has them."""
+    generator = torch.Generator().manual_seed(k * n)
+    x = torch.randn(37, k, generator=generator)
+    w = torch.randn(n, k, generator=generator).to(panel_dtype).float()  # bf16: exact values
+    panels = pack_panels(w)
+    assert panels.dtype == panel_dtype
+
+    def kernel(rows: torch.Tensor) -> torch.Tensor:
+        return paged_kernel.layer_ops().panel_linear(rows.contiguous(), panels, n)
+
+    batch = kernel(x)
+    alone = torch.cat([kernel(x[i:i + 1]) for i in range(37)])
+    split = torch.cat([kernel(x[:5]), kernel(x[5:])])
+    assert torch.equal(alone, batch) and torch.equal(split, batch)
+    assert invariant_projections(torch.float32) == "panel_linear"
+    assert invariant_projections(torch.bfloat16) == "invariant_linear"
+    model = llm("float32", num_kv_blocks=8).engine.executor.model
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.panels is not None and not m.invariant for m in projections)
 
 
 def test_batch_invariant_refuses_float16():

@@ -31,7 +31,7 @@ from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.kv_swap import HostKVCache
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.llama import LlamaForCausalLM, invariant_projections
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 
@@ -131,8 +131,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         logger.info("%s", line)
     if batch_invariant:
         check_batch_invariant(torch_dtype)
-        logger.info("batch-invariant: projections by invariant_linear, attention per query "
-                    "row in whole KV tiles, sampling per request")
+        logger.info("batch-invariant: projections by %s, attention per query row in whole "
+                    "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
                                         batch_invariant)
     tokenizer = tokenizer or own_tokenizer

@@ -67,6 +67,14 @@ def panel_linear_available() -> bool:
     return paged_kernel.available() and bool(paged_kernel.layer_ops().panel_linear_compiled())
 
 
+def invariant_projections(dtype: torch.dtype) -> str:
+    """The kernel --batch-invariant projects with in ``dtype``: ``panel_linear`` for float32
+    where this build has it (each output is one FMA chain over k in order, whatever the rows
+    of the call, and it is the fast float32 kernel on AVX2), else ``invariant_linear``."""
+    return "panel_linear" if dtype == torch.float32 and panel_linear_available() \
+        else "invariant_linear"
+
+
 class Linear(nn.Module):
     """``x @ weight.T`` without bias, optionally through a copy of the weight packed at load.
 
@@ -267,17 +275,19 @@ class LlamaForCausalLM(nn.Module):
         Parameters are created on the meta device and then bound to the given tensors (q/k/v
         and gate/up concatenated), so no memory is spent on an initialisation that would be
         overwritten, and each source tensor is released as soon as it is used.
-        ``batch_invariant``: every projection runs :class:`Linear`'s invariant kernel (the
-        weights stay unpacked).
+        ``batch_invariant``: every projection runs a kernel whose sums per output do not
+        depend on the rows (:func:`invariant_projections`): the float32 panels where this
+        build has them, else :class:`Linear`'s invariant kernel on the unpacked weights.
         """
         with torch.device("meta"):
             model = cls(config)
         model.load_weights(weights)
-        if batch_invariant:
+        dtype = model.embed_tokens.weight.dtype
+        if batch_invariant and invariant_projections(dtype) == "invariant_linear":
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.invariant = True
-        elif can_pack_weights(dtype := model.embed_tokens.weight.dtype):
+        elif batch_invariant or can_pack_weights(dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
                     # a 16-bit LM head keeps its plain weight: compute_logits recomputes rows
