@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What ``--batch-invariant`` costs: the engine with and without it, alternated, on W1 and
-W3 of ../shared/WORKLOADS.md (bf16, the bundled SmolLM2-135M).
+W3 of ../shared/WORKLOADS.md (the bundled SmolLM2-135M in ``--dtype``, default bf16).
 
 W1: the first ``--w1-n`` requests (default 32, the documented quick form), offline, all at
 once; wall seconds (model load excluded) and output tok/s. W3: the first ``--w3-n`` requests
@@ -9,10 +9,12 @@ of W3 (Poisson 4 req/s, max_tokens 32-256) replayed in-process on the wall clock
 p50, output tok/s. Every run is a fresh process; each pair runs both modes, which one first
 alternating. Ratios are invariant / default (above 1: the mode costs that much). Also counts
 the W1 requests whose greedy tokens are the same in both modes (the invariant kernel rounds
-its sums in another order than oneDNN, so bf16 texts may part).
+its sums in another order than oneDNN, so bf16 texts may part). With --write-docs the
+section for this CPU and dtype in docs/benchmarks.md is replaced (one per CPU tier, as the
+projection kernel the mode uses depends on it: docs/kernels.md).
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/batch_invariant.py \\
-        [--pairs 2] [--w1-n 32] [--w3-n 30] [--threads N] [--write-docs]
+        [--pairs 2] [--w1-n 32] [--w3-n 30] [--threads N] [--dtype float32] [--write-docs]
 
 ``--threads`` sets torch's intra-op threads of the runs (default: torch's own, the cores).
 On a machine shared with other jobs one thread measures the kernels more steadily: with two
@@ -32,17 +34,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ab_protocol as ab
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = Path(__file__).resolve().parent
 MODES = ("default", "invariant")
 
 
-def w1_worker(mode: str, n: int) -> dict[str, Any]:
+def w1_worker(mode: str, n: int, dtype: str) -> dict[str, Any]:
     from kvserve.core import SamplingParams
     from kvserve.engine.llm import LLM
     from offline_throughput import w1_prompts
 
-    llm = LLM(None, dtype="bfloat16", detokenize=False, max_num_seqs=256,
+    llm = LLM(None, dtype=dtype, detokenize=False, max_num_seqs=256,
               max_num_batched_tokens=2048, kv_cache_memory=2 << 30,
               batch_invariant=mode == "invariant")
     prompts = w1_prompts(n)
@@ -56,26 +60,27 @@ def w1_worker(mode: str, n: int) -> dict[str, Any]:
                         for r in results]}
 
 
-def w3_worker(mode: str, n: int) -> dict[str, Any]:
+def w3_worker(mode: str, n: int, dtype: str) -> dict[str, Any]:
     from kvserve.engine.llm import build_engine
     from kvserve.engine.trace_runner import run_trace
     from kvserve.sim.report import aggregate
     from shared_workloads import w3_trace
 
-    engine = build_engine(None, dtype="bfloat16", detokenize=False,
+    engine = build_engine(None, dtype=dtype, detokenize=False,
                           batch_invariant=mode == "invariant")
     figures = aggregate(run_trace(engine, w3_trace(n), greedy=True).result)
     return {key: figures[key] for key in ("ttft_p50", "itl_p50", "throughput_output_tok_s",
                                           "duration_s")}
 
 
-def run(workload: str, mode: str, n: int, threads: int | None) -> dict[str, Any]:
+def run(workload: str, mode: str, n: int, threads: int | None, dtype: str) -> dict[str, Any]:
     """One run in a fresh process (this script as its own worker)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{BENCHMARKS}")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, __file__, "--worker", workload, "--mode", mode,
-                          "--n", str(n)], env=env, capture_output=True, text=True, cwd=ROOT)
+                          "--n", str(n), "--dtype", dtype],
+                         env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{workload} {mode} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,13 +105,13 @@ def markdown(w1: list[dict[str, Any]], w3: list[dict[str, Any]], args: argparse.
     from kvserve.model.kernel_info import cpu_info, isa_line
 
     cpu = cpu_info()
-    lines = ["## The cost of --batch-invariant", "",
+    lines = [f"## The cost of --batch-invariant on {ab.cpu_title(*ab.cpu())}, {args.dtype}", "",
              f"`{command}`: CPU {cpu.model}, {cpu.logical_cpus} logical CPUs; ISA: "
              f"{isa_line(cpu)}. Load average (1, 5, 15 min) at the start and at the end: "
              f"{loads[0]}; {loads[-1]} (a machine shared with other jobs, so the absolute "
              "figures are slow; the ratios come from runs alternated on the same machine).",
-             "", f"bf16, the bundled SmolLM2-135M, {args.threads or 'all'} torch thread(s) per "
-             f"run; {max(len(w1), len(w3))} pairs of fresh processes, which "
+             "", f"{args.dtype}, the bundled SmolLM2-135M, {args.threads or 'all'} torch "
+             f"thread(s) per run; {max(len(w1), len(w3))} pairs of fresh processes, which "
              "mode first alternating. Ratio = invariant / default: above 1, --batch-invariant "
              "costs that much (for output tok/s, below 1).", "",
              "| figure | default (per pair) | --batch-invariant (per pair) | ratio per pair "
@@ -124,8 +129,9 @@ def markdown(w1: list[dict[str, Any]], w3: list[dict[str, Any]], args: argparse.
                                           w1[0]["invariant"]["digests"], strict=True))
         stable = all(p[m]["digests"] == w1[0][m]["digests"] for p in w1 for m in MODES)
         lines += ["", f"W1's greedy tokens: {same} of {args.w1_n} requests the same in both "
-                  "modes (the two projections round differently); each mode gave the same "
-                  f"tokens in every pair: {'yes' if stable else 'no'}."]
+                  "modes (where the mode changes the projection kernel, it rounds "
+                  "differently); each mode gave the same tokens in every pair: "
+                  f"{'yes' if stable else 'no'}."]
     return "\n".join(lines) + "\n"
 
 
@@ -135,6 +141,7 @@ def main() -> int:
     parser.add_argument("--w1-n", type=int, default=32, help="W1 requests (0: skip)")
     parser.add_argument("--w3-n", type=int, default=30, help="W3 requests (0: skip)")
     parser.add_argument("--threads", type=int, help="torch threads per run")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--json", help="write the runs as JSON")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--worker", choices=("w1", "w3"), help=argparse.SUPPRESS)
@@ -143,7 +150,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker = w1_worker if args.worker == "w1" else w3_worker
-        print(json.dumps(worker(args.mode, args.n)))
+        print(json.dumps(worker(args.mode, args.n, args.dtype)))
         return 0
     sys.path.insert(0, str(ROOT / "src"))
     from docs_section import publish
@@ -158,13 +165,14 @@ def main() -> int:
                 continue
             pair = {}
             for mode in order:
-                pair[mode] = run(workload, mode, n, args.threads)
+                pair[mode] = run(workload, mode, n, args.threads, args.dtype)
                 shown = {k: v for k, v in pair[mode].items() if k != "digests"}
                 print(f"pair {index + 1} {workload} {mode}: {shown}", flush=True)
             runs[workload].append(pair)
     loads.append(load())
     section = markdown(runs["w1"], runs["w3"], args, command.strip(), loads)
-    publish("batch_invariant", section, runs, args.json, args.write_docs)
+    name = f"batch_invariant:{ab.cpu_slug(*ab.cpu())}:{args.dtype}"
+    publish(name, section, runs, args.json, args.write_docs)
     return 0
 
 
