@@ -60,6 +60,9 @@ def test_float32_and_narrower_builds_report_their_own_paths() -> None:
     assert avx2["projections"] == "torch F.linear bfloat16"
     assert op_kernels(torch.float32, True, ("avx2", "fma"), False, packed_float32=True)[
         "projections"].startswith("C++ AVX2 panel GEMM")
+    bf16_panels = op_kernels(torch.bfloat16, True, ("avx2", "fma"), False, packed_float32=True)
+    assert bf16_panels["projections"].startswith("C++ AVX2 panel GEMM")
+    assert bf16_panels["projections"].endswith("activations widened to float32)")
     assert op_kernels(torch.float32, False, (), False, packed_float32=True)[
         "projections"].startswith("oneDNN packed float32")  # the extension not built
     no_fma = op_kernels(torch.float32, True, ("avx2",), onednn_bf16=False)

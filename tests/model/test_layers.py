@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import layer_ops, paged_kernel
+from kvserve.model.kernel_info import onednn_runs_bf16
 from kvserve.model.llama import Linear, can_pack_weights, panel_linear_available
 
 
-@pytest.mark.skipif(not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")
 @pytest.mark.parametrize("num_tokens", [1, 11, 64, 300])
 def test_a_packed_bf16_projection_equals_f_linear(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
@@ -60,6 +61,28 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(bf16_values):
         batch = linear(x)
         assert torch.equal(torch.cat([linear(x[i:i + 1]) for i in range(23)]), batch)
         assert torch.equal(torch.cat([linear(x[:4]), linear(x[4:])]), batch)
+
+
+@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_a_bf16_projection_runs_on_bf16_panels(num_tokens):
+    """Where oneDNN has no bf16 (an AVX2 build), a bf16 weight goes into bf16 panels: the
+    activations widen to float32, the sums are float32, the output is rounded to bf16 once,
+    so it is the float32 product of the same numbers rounded (within one bf16 step where the
+    two sum orders straddle a rounding boundary)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    linear = Linear(576, 970)
+    linear.weight.data = torch.randn(970, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    assert can_pack_weights(torch.bfloat16)
+    linear.pack()
+    assert linear.panels is not None and linear.panels.dtype == torch.bfloat16
+    with torch.inference_mode():
+        out = linear(x)
+    expected = F.linear(x.float(), linear.weight.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, 970)
+    torch.testing.assert_close(out, expected, rtol=1 / 128, atol=1e-3)
+    assert (out == expected).float().mean() > 0.95
 
 
 @pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")

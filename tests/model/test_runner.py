@@ -11,8 +11,9 @@ from kvserve.core import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.engine.engine import Engine
 from kvserve.model import llama, paged_kernel
 from kvserve.model.attention import reference_attention, torch_paged_attention
+from kvserve.model.kernel_info import onednn_runs_bf16
 from kvserve.model.kv_cache import allocate_kv_cache
-from kvserve.model.llama import Linear, LlamaForCausalLM, can_pack_weights
+from kvserve.model.llama import Linear, LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from tests.model.reference import TINY, dense_greedy, dense_logits, random_weights
 
@@ -116,21 +117,21 @@ def test_the_default_attention_uses_the_kernel_here():
     assert paged_kernel.available(), paged_kernel.unavailable_reason()
 
 
-PACKABLE = [pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not can_pack_weights(torch.bfloat16), reason="no oneDNN bf16 on this CPU")),
-    torch.float32]  # oneDNN's float32 GEMM runs on any x86 CPU; packed here by force
+PACKABLE = [torch.bfloat16, torch.float32]  # oneDNN's float32 GEMM runs on any x86 CPU
 
 
 @pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("panels", [True, False])
 def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype, panels):
-    """Projections run through packed copies (panel_linear's panels for float32 where the
-    build has them, else oneDNN's), whose plain weights are then released (except a tied LM
-    head, which is the embedding table, and a bf16 head, kept to break rounding ties): greedy
-    tokens must be those of the same network left unpacked."""
-    if panels and (dtype != torch.float32 or not llama.panel_linear_available()):
-        pytest.skip("panels: float32 on an AVX2 build")
+    """Projections run through packed copies (panel_linear's panels where the build has
+    them, else oneDNN's), whose plain weights are then released (except a tied LM head, which
+    is the embedding table, and a bf16 head, kept to break rounding ties): greedy tokens must
+    be those of the same network left unpacked."""
+    if panels and not llama.panel_linear_available():
+        pytest.skip("panels: an AVX2 build")
+    if not panels and dtype == torch.bfloat16 and not onednn_runs_bf16():
+        pytest.skip("no oneDNN bf16 on this CPU")
     monkeypatch.setattr(llama, "panel_linear_available", lambda: panels)
     config = replace(TINY, tie_word_embeddings=tied)
     weights = {k: v.to(dtype) for k, v in random_weights(config, seed=1).items()}

@@ -24,7 +24,7 @@ from kvserve.model import paged_kernel
 from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
-from kvserve.model.kernel_info import cpu_info, packs_float32
+from kvserve.model.kernel_info import cpu_info, onednn_runs_bf16, packs_float32
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
 from kvserve.model.logits import break_rounding_ties_, widen_logits
 
@@ -33,11 +33,11 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch],
 
 def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
     """Whether :meth:`Linear.pack` pays off on a CPU with ``flags`` (default: this one's):
-    bfloat16 where oneDNN runs bf16 (AMX or AVX512-BF16); float32 where AVX2 is the best
-    vector tier (:func:`~kvserve.model.kernel_info.packs_float32` has the measurements)."""
+    bfloat16 where oneDNN runs bf16 (AMX or AVX512-BF16) or this build has the AVX2 panel
+    GEMM; float32 where AVX2 is the best vector tier
+    (:func:`~kvserve.model.kernel_info.packs_float32` has the measurements)."""
     if dtype == torch.bfloat16:
-        return torch.backends.mkldnn.is_available() and \
-            bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return onednn_runs_bf16() or panel_linear_available()
     if dtype == torch.float32:
         return packs_float32(cpu_info().flags if flags is None else flags)
     return False
@@ -68,11 +68,17 @@ def panel_linear_available() -> bool:
 
 
 def invariant_projections(dtype: torch.dtype) -> str:
-    """The kernel --batch-invariant projects with in ``dtype``: ``panel_linear`` for float32
-    where this build has it (each output is one FMA chain over k in order, whatever the rows
-    of the call, and it is the fast float32 kernel on AVX2), else ``invariant_linear``."""
-    return "panel_linear" if dtype == torch.float32 and panel_linear_available() \
-        else "invariant_linear"
+    """The kernel --batch-invariant projects with in ``dtype``: ``panel_linear`` where
+    :meth:`Linear.pack` would use it (each output is one FMA chain over k in order, whatever
+    the rows of the call), else ``invariant_linear``."""
+    return "panel_linear" if uses_panels(dtype) else "invariant_linear"
+
+
+def uses_panels(dtype: torch.dtype) -> bool:
+    """Whether :meth:`Linear.pack` packs a ``dtype`` weight in panels for panel_linear: float32,
+    and bfloat16 where oneDNN has no native bf16 (the panel GEMM's builds never do), on a build
+    with the AVX2 panel GEMM."""
+    return dtype in (torch.float32, torch.bfloat16) and panel_linear_available()
 
 
 class Linear(nn.Module):
@@ -82,7 +88,9 @@ class Linear(nn.Module):
     the packed copy does that once. Measured on the 2-core benchmark machine over SmolLM2-135M's
     30 layers: 24 -> 12 ms at 12 tokens, 56 -> 40 ms at 64, ~8% at 2,048, bit-identical results.
     In float32 F.linear calls MKL, slow at decode batches on an AVX2-only CPU
-    (``can_pack_weights``); there the weight is packed in panels for kvserve's own kernel
+    (``can_pack_weights``), and a bf16 F.linear there is emulated, far slower still; there the
+    weight is packed in panels for kvserve's own kernel (a bf16 weight in bf16 panels, its
+    activations widened to float32 for the call and the output rounded back once)
     (:func:`pack_panels`, csrc/panel_linear.cpp: on a Zen 3, 1.11-1.59x oneDNN's packed float32
     GEMM at 1-2,048 rows with float32 panels, 1.12-2.6x with bf16 ones;
     benchmarks/panel_linear.py), or for oneDNN's where the extension is not built. Either sums in
@@ -101,13 +109,13 @@ class Linear(nn.Module):
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
-        """Make the packed copy: panels for a float32 weight where the build has
-        panel_linear, else oneDNN's. With ``release_weight`` the plain weight becomes a
-        shape-only (meta) tensor, so the projection's memory is not held twice; keep it when
-        the tensor is shared (a tied LM head is the embedding table)."""
+        """Make the packed copy: panels for a float32 or bfloat16 weight where the build has
+        panel_linear (:func:`uses_panels`), else oneDNN's. With ``release_weight`` the plain
+        weight becomes a shape-only (meta) tensor, so the projection's memory is not held
+        twice; keep it when the tensor is shared (a tied LM head is the embedding table)."""
         weight = self.weight.detach()
-        if weight.dtype == torch.float32 and panel_linear_available():
-            self.panels = pack_panels(weight)
+        if uses_panels(weight.dtype):
+            self.panels = pack_panels(weight.float())  # bf16 values: bf16 panels
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if release_weight:
@@ -118,9 +126,9 @@ class Linear(nn.Module):
         if self.invariant:
             return paged_kernel.layer_ops().invariant_linear(x.contiguous(), self.weight)
         if self.panels is not None:
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
             out = paged_kernel.layer_ops().panel_linear(rows, self.panels, self.weight.shape[0])
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
