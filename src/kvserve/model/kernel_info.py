@@ -90,8 +90,8 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
                onednn_bf16: bool, packed_float32: bool = False) -> dict[str, str]:
     """The kernel each op runs for ``dtype``, given whether the C++ extension is built, the
     instruction sets it was compiled for, whether oneDNN runs bf16 on this CPU, and whether
-    float32 projections are packed here (:func:`packs_float32`: AVX2 the best vector tier,
-    where an AVX2 build packs float32 and bfloat16 weights for its panel GEMM)."""
+    float32 projections are packed here (:func:`packs_float32`). An AVX2 build (its best
+    compiled tier) projects bfloat16 on its panel GEMM, and float32 too where it packs."""
     from kvserve.model.paged_kernel import DTYPES
 
     fused = built and dtype in DTYPES
@@ -99,8 +99,8 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     if dtype == torch.bfloat16 and onednn_bf16:
         projections = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or " \
                       "AVX512-BF16 itself)"
-    elif dtype in (torch.float32, torch.bfloat16) and packed_float32 and built and \
-            vector == "AVX2" and "fma" in compiled_isa:
+    elif (dtype == torch.bfloat16 or (dtype == torch.float32 and packed_float32)) and \
+            built and vector == "AVX2" and "fma" in compiled_isa:
         projections = "C++ AVX2 panel GEMM (panel_linear: weights packed at load in panels " \
                       "of 16 columns, bf16-stored where they are bf16 numbers" + \
                       (", activations widened to float32)" if dtype == torch.bfloat16 else ")")

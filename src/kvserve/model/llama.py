@@ -37,7 +37,7 @@ def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) ->
     GEMM; float32 where AVX2 is the best vector tier
     (:func:`~kvserve.model.kernel_info.packs_float32` has the measurements)."""
     if dtype == torch.bfloat16:
-        return onednn_runs_bf16() or panel_linear_available()
+        return onednn_runs_bf16() or uses_panels(dtype)
     if dtype == torch.float32:
         return packs_float32(cpu_info().flags if flags is None else flags)
     return False
@@ -284,14 +284,15 @@ class LlamaForCausalLM(nn.Module):
         and gate/up concatenated), so no memory is spent on an initialisation that would be
         overwritten, and each source tensor is released as soon as it is used.
         ``batch_invariant``: every projection runs a kernel whose sums per output do not
-        depend on the rows (:func:`invariant_projections`): the float32 panels where this
-        build has them, else :class:`Linear`'s invariant kernel on the unpacked weights.
+        depend on the rows (:func:`invariant_projections`): the panels where this build has
+        them (:func:`uses_panels`), else :class:`Linear`'s invariant kernel on the unpacked
+        weights.
         """
         with torch.device("meta"):
             model = cls(config)
         model.load_weights(weights)
         dtype = model.embed_tokens.weight.dtype
-        if batch_invariant and invariant_projections(dtype) == "invariant_linear":
+        if batch_invariant and not uses_panels(dtype):
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.invariant = True
