@@ -90,6 +90,13 @@ def cpu_title(model: str, flags: str) -> str:
     return f"{model} ({label})" if label else model
 
 
+def kernel_env() -> str:
+    """The kernel-choosing environment a run inherits, as a command's prefix
+    ("KVSERVE_PROJECTIONS=panels " or ""), so a recorded command says what ran."""
+    value = os.environ.get("KVSERVE_PROJECTIONS", "").strip()
+    return f"KVSERVE_PROJECTIONS={value} " if value else ""
+
+
 def fast_dtype(flags: str) -> str:
     """The dtype both engines run in for ``--dtype auto``: bfloat16 where the CPU computes it
     natively (AMX or AVX512-BF16), float32 elsewhere (on AVX2 alone torch emulates bf16)."""

@@ -107,7 +107,7 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
             workload: str, sides: dict[str, list[dict]], rows: list[str]) -> str:
     """One workload's section: each workload has its own on each CPU, so a run of one
     workload replaces its own table and leaves the other's."""
-    command = "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
+    command = ab.kernel_env() + "python benchmarks/offline_ab.py " + " ".join(sys.argv[1:])
     setting = ("W1 in 2 GiB of KV cache on both sides" if workload == "w1" else
                "W2: W1's requests in 4,096 KV tokens (vLLM 128 blocks of 32, its CPU "
                "attention's smallest; kvserve 256 of 16), max_num_seqs 64")

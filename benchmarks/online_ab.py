@@ -161,7 +161,7 @@ def run_row(pair: int, side: str, r: dict, conditions: ab.Conditions,
 
 def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, float] | None,
             runs: dict[str, list[dict]], rows: list[str], pairs_done: int) -> str:
-    command = "python benchmarks/online_ab.py " + " ".join(sys.argv[1:])
+    command = ab.kernel_env() + "python benchmarks/online_ab.py " + " ".join(sys.argv[1:])
     done = "" if pairs_done == args.pairs else f" (cut short: {pairs_done} pairs done)"
     return "\n".join([
         f"### W3 online against vLLM on {ab.cpu_title(model, flags)}{done}", "",

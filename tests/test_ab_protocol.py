@@ -121,3 +121,10 @@ def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
     assert "vLLM CPU 0.32.0 (float32" in text and "kvserve (float32" in text
     assert "| W1 | 1 | kvserve | 5.0 |" in text and "| W1 | 1 | kvserve | 8.0 |" not in text
     assert "| W2 | 1 | kvserve | 9.0 |" in text  # W2's table survives W1's rerun
+
+
+def test_a_recorded_command_names_the_projection_kernel_it_was_told(monkeypatch):
+    monkeypatch.delenv("KVSERVE_PROJECTIONS", raising=False)
+    assert ab.kernel_env() == ""
+    monkeypatch.setenv("KVSERVE_PROJECTIONS", "panels")
+    assert ab.kernel_env() == "KVSERVE_PROJECTIONS=panels "

@@ -13,6 +13,7 @@ import torch
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM, GenerationResult
 from kvserve.model import paged_kernel
+from kvserve.model.kernel_info import PROJECTIONS_ENV
 from kvserve.model.llama import Linear, invariant_projections, panel_linear_available
 from tests.model.reference import TINY
 
@@ -119,15 +120,18 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype, k, n):
     assert (batch.double() - exact).abs().max() <= tolerance * exact.abs().max()
 
 
-@pytest.mark.skipif(not panel_linear_available(), reason="an AVX2 build's kernel")
-def test_the_panels_serve_batch_invariant_where_the_build_has_them():
+@pytest.mark.skipif(not panel_linear_available(), reason="a build with AVX2 and FMA")
+def test_the_panels_serve_batch_invariant_where_the_build_has_them(monkeypatch):
     """panel_linear sums each output in one chain whatever the rows (tests/model/test_layers.py
-    pins that), so --batch-invariant keeps it in both dtypes of an AVX2 build."""
+    pins that), so --batch-invariant keeps it in both dtypes where it projects (by default on
+    an AVX2 CPU; here asked for, so that AVX-512 CPUs run this too)."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels-avx2")
     for dtype in DTYPES:
         assert invariant_projections(getattr(torch, dtype)) == "panel_linear"
         model = llm(dtype, num_kv_blocks=8).engine.executor.model
         projections = [m for m in model.modules() if isinstance(m, Linear)]
         assert all(m.panels is not None and not m.invariant for m in projections), dtype
+    monkeypatch.delenv(PROJECTIONS_ENV)
     assert invariant_projections(torch.float16) == "invariant_linear"
 
 

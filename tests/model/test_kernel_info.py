@@ -12,7 +12,14 @@ import torch
 from kvserve.cli import main
 from kvserve.engine.llm import LLM
 from kvserve.model import kernel_info, paged_kernel
-from kvserve.model.kernel_info import OPS, cpu_info, op_kernels, parse_cpuinfo
+from kvserve.model.kernel_info import (
+    OPS,
+    PROJECTIONS_ENV,
+    cpu_info,
+    op_kernels,
+    parse_cpuinfo,
+    projection_kernel,
+)
 from tests.model.reference import TINY
 
 AMX_XEON = """processor\t: 0
@@ -66,6 +73,57 @@ def test_float32_and_narrower_builds_report_their_own_paths() -> None:
     assert no_fma["attention"] == "C++ compiler-vectorised loops (AVX2)"
     assert op_kernels(torch.bfloat16, True, ("avx2",), onednn_bf16=False)["projections"] == \
         "torch F.linear bfloat16"  # no panel GEMM without FMA
+
+
+ZEN3 = ("avx2", "fma")
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize(("dtype", "isa", "onednn_bf16", "packs_fp32", "choice", "kernel"), [
+    (BF16, ALL_ISA, True, False, "auto", "onednn"),          # Zen 4 / AMX: oneDNN's bf16
+    (BF16, ALL_ISA, True, False, "panels", "panels-dpbf16"),  # ... its own panels when asked
+    (BF16, ALL_ISA, True, False, "panels-avx2", "panels-avx2"),
+    (F32, ALL_ISA, True, False, "auto", "torch"),            # float32 on AVX-512: MKL
+    (F32, ALL_ISA, True, False, "panels", "panels-avx2"),    # no bf16 dot for float32 rows
+    (F32, ALL_ISA, True, False, "onednn", "onednn"),
+    (BF16, ZEN3, False, True, "auto", "panels-avx2"),        # Zen 3: the AVX2 panels
+    (F32, ZEN3, False, True, "auto", "panels-avx2"),
+    (BF16, ZEN3, False, True, "panels", "panels-avx2"),
+    (F32, ZEN3, False, True, "torch", "torch"),
+    (BF16, ("avx2", "fma", "avx512f"), False, False, "auto", "panels-avx2"),  # AVX-512, no bf16
+    (BF16, ("avx2",), False, False, "auto", "torch"),        # no FMA: no panels
+    (torch.float16, ALL_ISA, True, False, "auto", "torch"),
+])
+def test_projection_kernel_rules(dtype, isa, onednn_bf16, packs_fp32, choice, kernel) -> None:
+    assert projection_kernel(dtype, True, isa, onednn_bf16, packs_fp32, choice) == kernel
+
+
+@pytest.mark.parametrize(("dtype", "built", "isa", "choice", "why"), [
+    (BF16, True, ZEN3, "onednn", "oneDNN has no native bf16 on this CPU"),
+    (F32, True, ("avx2",), "panels", "this build has no AVX2 \\+ FMA panel GEMM"),
+    (F32, False, (), "panels-avx2", "the C\\+\\+ extension is not built"),
+    (torch.float16, True, ALL_ISA, "panels", "only float32 and bfloat16"),
+])
+def test_a_projection_kernel_this_machine_lacks_is_refused(dtype, built, isa, choice,
+                                                          why) -> None:
+    with pytest.raises(ValueError, match=f"^{PROJECTIONS_ENV}={choice} cannot project .*{why}"):
+        projection_kernel(dtype, built, isa, False, True, choice)
+
+
+def test_a_chosen_kernel_is_reported_with_the_variable_that_chose_it() -> None:
+    ops = op_kernels(BF16, True, ALL_ISA, onednn_bf16=True, choice="panels")
+    assert ops["projections"] == ops["lm_head"]
+    assert ops["projections"].startswith("C++ AVX512-BF16 panel GEMM")
+    assert ops["projections"].endswith(f"[{PROJECTIONS_ENV}=panels]")
+
+
+def test_info_refuses_a_kvserve_projections_it_cannot_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(PROJECTIONS_ENV, "fastest")
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvserve info: error: {PROJECTIONS_ENV}='fastest' is not one of auto, "
+                   "panels, panels-avx2, onednn, torch"]
 
 
 @pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])

@@ -7,8 +7,29 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import layer_ops, paged_kernel
-from kvserve.model.kernel_info import onednn_runs_bf16
-from kvserve.model.llama import Linear, can_pack_weights, panel_linear_available
+from kvserve.model.kernel_info import PROJECTIONS_ENV, onednn_runs_bf16
+from kvserve.model.llama import (
+    Linear,
+    can_pack_weights,
+    pack_pair_panels,
+    panel_linear_available,
+    projection_kernel,
+    uses_panels,
+)
+
+
+def dpbf16_built() -> bool:
+    return paged_kernel.available() and \
+        bool(paged_kernel.layer_ops().panel_linear_bf16_compiled())
+
+
+@pytest.fixture
+def avx2_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Projections on csrc/panel_linear.cpp whatever this CPU's default (it builds wherever
+    AVX2 and FMA do, AVX-512 CPUs included)."""
+    if not panel_linear_available():
+        pytest.skip("panel_linear: a build with AVX2 and FMA")
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels-avx2")
 
 
 @pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")
@@ -38,7 +59,7 @@ def test_a_packed_float32_projection_matches_f_linear(num_tokens, bf16_values):
     x = torch.randn(num_tokens, 576, generator=gen)
     expected = F.linear(x, linear.weight)
     linear.pack()
-    if panel_linear_available():
+    if uses_panels(torch.float32):
         assert linear.panels is not None and linear.panels.shape == (61, 576, 16)
         assert linear.panels.dtype == (torch.bfloat16 if bf16_values else torch.float32)
     with torch.inference_mode():
@@ -46,7 +67,7 @@ def test_a_packed_float32_projection_matches_f_linear(num_tokens, bf16_values):
         assert linear(x.view(1, num_tokens, 576)).shape == (1, num_tokens, 970)
 
 
-@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+@pytest.mark.usefixtures("avx2_panels")
 @pytest.mark.parametrize("bf16_values", [False, True])
 def test_panel_linear_rows_do_not_depend_on_the_batch(bf16_values):
     """Each output is one FMA chain over k: a row alone, in a block of 6 or a remainder gives
@@ -63,10 +84,10 @@ def test_panel_linear_rows_do_not_depend_on_the_batch(bf16_values):
         assert torch.equal(torch.cat([linear(x[:4]), linear(x[4:])]), batch)
 
 
-@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+@pytest.mark.usefixtures("avx2_panels")
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_a_bf16_projection_runs_on_bf16_panels(num_tokens):
-    """Where oneDNN has no bf16 (an AVX2 build), a bf16 weight goes into bf16 panels: the
+    """Where oneDNN has no bf16 (an AVX2 CPU), a bf16 weight goes into bf16 panels: the
     activations widen to float32, the sums are float32, the output is rounded to bf16 once,
     so it is the float32 product of the same numbers rounded (within one bf16 step where the
     two sum orders straddle a rounding boundary)."""
@@ -85,7 +106,7 @@ def test_a_bf16_projection_runs_on_bf16_panels(num_tokens):
     assert (out == expected).float().mean() > 0.95
 
 
-@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: an AVX2 build only")
+@pytest.mark.skipif(not panel_linear_available(), reason="panel_linear: AVX2 and FMA builds")
 def test_panel_linear_refuses_mismatched_panels():
     kernel = paged_kernel.layer_ops().panel_linear
     panels = torch.zeros(4, 64, 16)
@@ -97,6 +118,93 @@ def test_panel_linear_refuses_mismatched_panels():
         kernel(torch.zeros(3, 64, dtype=torch.bfloat16), panels, 64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel(torch.zeros(3, 64), panels.half(), 64)
+
+
+def test_pair_panels_hold_each_column_s_pairs_of_k_side_by_side():
+    """csrc/panel_dpbf16.h's layout: [ceil(n / 16), k / 2, 16, 2], zero columns past n."""
+    weight = torch.randn(37, 10).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    assert panels.shape == (3, 5, 16, 2) and panels.is_contiguous()
+    for column in range(48):
+        for k in range(10):
+            value = panels[column // 16, k // 2, column % 16, k % 2]
+            assert value == (weight[column, k] if column < 37 else 0)
+
+
+@pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")
+@pytest.mark.parametrize("num_tokens", [1, 7, 12, 13, 300])
+def test_the_avx512_bf16_panels_match_float32_sums_of_the_bf16_values(monkeypatch, num_tokens):
+    """vdpbf16ps sums bf16 products in float32: the float32 product of the same numbers,
+    rounded to bf16 once (within one bf16 step where the orders straddle a boundary); rows
+    alone or in blocks of 12 give the same bits. 970 outputs: a last panel of 10 columns."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels")
+    gen = torch.Generator().manual_seed(num_tokens)
+    linear = Linear(576, 970)
+    linear.weight.data = torch.randn(970, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    assert projection_kernel(torch.bfloat16) == "panels-dpbf16"
+    linear.pack()
+    assert linear.pair_panels is not None and linear.pair_panels.shape == (61, 288, 16, 2)
+    with torch.inference_mode():
+        out = linear(x)
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(num_tokens)])
+    expected = F.linear(x.float(), linear.weight.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, 970)
+    torch.testing.assert_close(out, expected, rtol=1 / 128, atol=1e-3)
+    assert (out == expected).float().mean() > 0.95
+    assert torch.equal(alone, out)
+
+
+@pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")
+def test_panel_linear_bf16_refuses_mismatched_panels():
+    kernel = paged_kernel.layer_ops().panel_linear_bf16
+    panels = torch.zeros(4, 32, 16, 2, dtype=torch.bfloat16)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="panels must be contiguous bfloat16"):
+        kernel(x[:, :32].contiguous(), panels, 64)  # in_features differ
+    with pytest.raises(RuntimeError, match="panels must be contiguous bfloat16"):
+        kernel(x, panels, 80)  # 80 outputs need 5 panels
+    with pytest.raises(RuntimeError, match="x must be contiguous bfloat16"):
+        kernel(x.float(), panels, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("choice", ["panels", "panels-avx2", "onednn", "torch"])
+def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
+    """KVSERVE_PROJECTIONS runs a projection on the kernel it names where this machine has it
+    (else the weights cannot be packed: ValueError naming the variable); each kernel's output
+    is F.linear's within rounding."""
+    monkeypatch.setenv(PROJECTIONS_ENV, choice)
+    try:
+        kernel = projection_kernel(dtype)
+    except ValueError as error:
+        assert str(error).startswith(f"{PROJECTIONS_ENV}={choice} cannot project")
+        with pytest.raises(ValueError, match=PROJECTIONS_ENV):
+            can_pack_weights(dtype)
+        return
+    assert kernel == choice or (choice == "panels" and kernel.startswith("panels"))
+    gen = torch.Generator().manual_seed(5)
+    linear = Linear(576, 200)
+    linear.weight.data = torch.randn(200, 576, generator=gen).to(dtype)
+    x = torch.randn(9, 576, generator=gen).to(dtype)
+    expected = F.linear(x.float(), linear.weight.float()).to(dtype)
+    if can_pack_weights(dtype):
+        linear.pack()
+    held = {"panels-avx2": linear.panels, "panels-dpbf16": linear.pair_panels,
+            "onednn": linear.packed, "torch": None}
+    assert [name for name, copy in held.items() if copy is not None] == \
+        ([] if kernel == "torch" else [kernel])
+    with torch.inference_mode():
+        out = linear(x)
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 1 / 64}[dtype]
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_an_unknown_kvserve_projections_names_the_values_it_takes(monkeypatch):
+    monkeypatch.setenv(PROJECTIONS_ENV, "mkl")
+    with pytest.raises(ValueError, match="KVSERVE_PROJECTIONS='mkl' is not one of auto, "
+                                         "panels, panels-avx2, onednn, torch"):
+        can_pack_weights(torch.float32)
 
 
 def test_float32_is_packed_where_avx2_is_the_best_vector_tier():

@@ -11,7 +11,7 @@ from kvserve.core import CacheConfig, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.engine.engine import Engine
 from kvserve.model import llama, paged_kernel
 from kvserve.model.attention import reference_attention, torch_paged_attention
-from kvserve.model.kernel_info import onednn_runs_bf16
+from kvserve.model.kernel_info import PROJECTIONS_ENV
 from kvserve.model.kv_cache import allocate_kv_cache
 from kvserve.model.llama import Linear, LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
@@ -122,17 +122,18 @@ PACKABLE = [torch.bfloat16, torch.float32]  # oneDNN's float32 GEMM runs on any 
 
 @pytest.mark.parametrize("dtype", PACKABLE)
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("panels", [True, False])
-def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype, panels):
-    """Projections run through packed copies (panel_linear's panels where the build has
-    them, else oneDNN's), whose plain weights are then released (except a tied LM head, which
-    is the embedding table, and a bf16 head, kept to break rounding ties): greedy tokens must
-    be those of the same network left unpacked."""
-    if panels and not llama.panel_linear_available():
-        pytest.skip("panels: an AVX2 build")
-    if not panels and dtype == torch.bfloat16 and not onednn_runs_bf16():
-        pytest.skip("no oneDNN bf16 on this CPU")
-    monkeypatch.setattr(llama, "panel_linear_available", lambda: panels)
+@pytest.mark.parametrize("kernel", ["panels-avx2", "panels-dpbf16", "onednn"])
+def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype, kernel):
+    """Projections run through packed copies (the panel GEMMs' panels or oneDNN's layout,
+    KVSERVE_PROJECTIONS picking), whose plain weights are then released (except a tied LM
+    head, which is the embedding table, and a bf16 head, kept to break rounding ties): greedy
+    tokens must be those of the same network left unpacked."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels" if kernel == "panels-dpbf16" else kernel)
+    try:
+        if llama.projection_kernel(dtype) != kernel:
+            pytest.skip(f"{kernel} does not run {dtype} here")
+    except ValueError as error:
+        pytest.skip(str(error))
     config = replace(TINY, tie_word_embeddings=tied)
     weights = {k: v.to(dtype) for k, v in random_weights(config, seed=1).items()}
     if not tied:
@@ -148,7 +149,8 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: True)
     packed = LlamaForCausalLM.from_weights(config, dict(weights))
     projections = [m for m in packed.modules() if isinstance(m, Linear)]
-    assert all((m.panels if panels else m.packed) is not None for m in projections)
+    copy = {"panels-avx2": "panels", "panels-dpbf16": "pair_panels", "onednn": "packed"}[kernel]
+    assert all(getattr(m, copy) is not None for m in projections)
     released = [m for m in projections if m.weight.is_meta]
     head_kept = tied or dtype == torch.bfloat16
     assert len(released) == len(projections) - head_kept
@@ -156,6 +158,6 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
     assert packed.embed_tokens.weight.device.type == "cpu"
     monkeypatch.setattr(llama, "can_pack_weights", lambda dtype: False)
     plain = LlamaForCausalLM.from_weights(config, dict(weights))
-    assert all(m.packed is None and m.panels is None
+    assert all(m.packed is None and m.panels is None and m.pair_panels is None
                for m in plain.modules() if isinstance(m, Linear))
     assert run(packed) == run(plain)

@@ -19,9 +19,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvserve.flags import CLIError
     from kvserve.model.kernel_info import kernel_report
 
-    report = kernel_report().as_dict()
+    try:
+        report = kernel_report().as_dict()
+    except ValueError as error:  # KVSERVE_PROJECTIONS asks for what this machine lacks
+        raise CLIError(str(error)) from None
     print(json.dumps(report, indent=1) if args.json else text(report))
     return 0
 

@@ -4,9 +4,10 @@ model uses (``kvserve info``, and the boot log of ``kvserve serve`` and ``kvserv
 The choices are not made here; this module reports the ones the code makes
 (docs/kernels.md):
 
-- projections and the LM head (:class:`kvserve.model.llama.Linear`): bf16 weights packed once
-  for oneDNN where oneDNN runs bf16 (it then picks its own instructions: AMX where present,
-  else AVX512-BF16), otherwise torch's ``F.linear``;
+- projections and the LM head (:class:`kvserve.model.llama.Linear`): the kernel
+  :func:`projection_kernel` picks (bf16 weights packed once for oneDNN where oneDNN runs bf16,
+  which then picks AMX or AVX512-BF16 itself; kvserve's panel GEMMs; or torch's
+  ``F.linear``), which KVSERVE_PROJECTIONS may override;
 - attention (:mod:`kvserve.model.paged_kernel`): the C++ kernel, compiled with
   ``-march=native``, whose paths are AVX512-BF16 dot products (bf16 caches, head_dim 64 or
   128), AVX-512 intrinsics, or loops the compiler vectorises; the torch path (gather + SDPA)
@@ -86,29 +87,100 @@ def packs_float32(flags: frozenset[str]) -> bool:
     return torch.backends.mkldnn.is_available() and "avx2" in flags and "avx512f" not in flags
 
 
+PROJECTIONS_ENV = "KVSERVE_PROJECTIONS"
+# What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
+# build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
+PROJECTION_CHOICES = ("auto", "panels", "panels-avx2", "onednn", "torch")
+
+
+def projection_choice() -> str:
+    """KVSERVE_PROJECTIONS, checked (``auto`` when unset); ValueError naming the variable and
+    the values it takes for anything else."""
+    value = os.environ.get(PROJECTIONS_ENV, "").strip().lower() or "auto"
+    if value not in PROJECTION_CHOICES:
+        raise ValueError(f"{PROJECTIONS_ENV}={value!r} is not one of "
+                         f"{', '.join(PROJECTION_CHOICES)}")
+    return value
+
+
+def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
+                      onednn_bf16: bool, packs_fp32: bool, choice: str = "auto") -> str:
+    """The kernel :class:`kvserve.model.llama.Linear` projects ``dtype`` with: ``panels-avx2``
+    (csrc/panel_linear.cpp), ``panels-dpbf16`` (csrc/panel_dpbf16.h), ``onednn`` (weights
+    packed once for oneDNN) or ``torch`` (``F.linear``), given whether the C++ extension is
+    built, the instruction sets it was compiled for, whether oneDNN runs bf16 natively here,
+    whether float32 packs here (:func:`packs_float32`) and the choice asked for
+    (KVSERVE_PROJECTIONS). ``auto``: bf16 through oneDNN where it runs bf16 natively (AMX,
+    AVX512-BF16), else on the AVX2 panels (activations widened); float32 on the AVX2 panels
+    where AVX2 is the CPU's best tier, else F.linear (MKL). The AVX512-BF16 panels run only
+    when asked for until measured against oneDNN on such a CPU (docs/kernels.md). ValueError
+    where the choice cannot run here."""
+    avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
+    dpbf16_panels = built and "avx512_bf16" in compiled_isa and dtype == torch.bfloat16
+    onednn = torch.backends.mkldnn.is_available() and (
+        onednn_bf16 if dtype == torch.bfloat16 else dtype == torch.float32)
+    if choice == "auto":
+        if dtype == torch.bfloat16:
+            return "onednn" if onednn_bf16 else "panels-avx2" if avx2_panels else "torch"
+        if dtype == torch.float32 and packs_fp32:
+            return "panels-avx2" if avx2_panels else "onednn"
+        return "torch"
+    name = str(dtype).removeprefix("torch.")
+    available = {"panels": "panels-dpbf16" if dpbf16_panels else
+                 "panels-avx2" if avx2_panels else None,
+                 "panels-avx2": "panels-avx2" if avx2_panels else None,
+                 "onednn": "onednn" if onednn else None, "torch": "torch"}
+    if choice not in available:
+        raise ValueError(f"{PROJECTIONS_ENV}={choice!r} is not one of "
+                         f"{', '.join(PROJECTION_CHOICES)}")
+    kernel = available[choice] if dtype in (torch.float32, torch.bfloat16) else \
+        "torch" if choice == "torch" else None
+    if kernel is None:
+        why = ("the C++ extension is not built" if not built else
+               "this build has no AVX2 + FMA panel GEMM" if choice.startswith("panels") else
+               "oneDNN has no native bf16 on this CPU")
+        raise ValueError(f"{PROJECTIONS_ENV}={choice} cannot project {name} here: " +
+                         (why if dtype in (torch.float32, torch.bfloat16) else
+                          "only float32 and bfloat16 have other kernels than torch"))
+    return kernel
+
+
+def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") -> str:
+    """A line for ``kvserve info`` and the boot log naming :func:`projection_kernel`'s pick."""
+    name = str(dtype).removeprefix("torch.")
+    if kernel == "panels-avx2":
+        text = ("C++ AVX2 panel GEMM (panel_linear: weights packed at load in panels of 16 "
+                "columns, bf16-stored where they are bf16 numbers" +
+                (", activations widened to float32)" if dtype == torch.bfloat16 else ")"))
+    elif kernel == "panels-dpbf16":
+        text = ("C++ AVX512-BF16 panel GEMM (panel_linear_bf16: weights packed at load in "
+                "panels of 16 columns by pairs of k, vdpbf16ps)")
+    elif kernel == "onednn" and dtype == torch.bfloat16:
+        text = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or AVX512-BF16 " \
+               "itself)"
+    elif kernel == "onednn":
+        text = "oneDNN packed float32 (weights packed at load" + \
+               ("; MKL's sgemm is slow at small batches on this CPU)" if choice == "auto"
+                else ")")
+    else:
+        text = f"torch F.linear {name}"
+    return text if choice == "auto" else f"{text} [{PROJECTIONS_ENV}={choice}]"
+
+
 def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
-               onednn_bf16: bool, packed_float32: bool = False) -> dict[str, str]:
+               onednn_bf16: bool, packed_float32: bool = False,
+               choice: str = "auto") -> dict[str, str]:
     """The kernel each op runs for ``dtype``, given whether the C++ extension is built, the
-    instruction sets it was compiled for, whether oneDNN runs bf16 on this CPU, and whether
-    float32 projections are packed here (:func:`packs_float32`). An AVX2 build (its best
-    compiled tier) projects bfloat16 on its panel GEMM, and float32 too where it packs."""
+    instruction sets it was compiled for, whether oneDNN runs bf16 on this CPU, whether
+    float32 projections are packed here (:func:`packs_float32`) and KVSERVE_PROJECTIONS's
+    choice (:func:`projection_kernel`; ValueError where it cannot run here)."""
     from kvserve.model.paged_kernel import DTYPES
 
     fused = built and dtype in DTYPES
     vector = _vector_isa(compiled_isa)
-    if dtype == torch.bfloat16 and onednn_bf16:
-        projections = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or " \
-                      "AVX512-BF16 itself)"
-    elif (dtype == torch.bfloat16 or (dtype == torch.float32 and packed_float32)) and \
-            built and vector == "AVX2" and "fma" in compiled_isa:
-        projections = "C++ AVX2 panel GEMM (panel_linear: weights packed at load in panels " \
-                      "of 16 columns, bf16-stored where they are bf16 numbers" + \
-                      (", activations widened to float32)" if dtype == torch.bfloat16 else ")")
-    elif dtype == torch.float32 and packed_float32:
-        projections = "oneDNN packed float32 (weights packed at load; MKL's sgemm is slow at " \
-                      "small batches on this CPU)"
-    else:
-        projections = f"torch F.linear {str(dtype).removeprefix('torch.')}"
+    projections = describe_projections(
+        projection_kernel(dtype, built, compiled_isa, onednn_bf16, packed_float32, choice),
+        dtype, choice)
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
     elif dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
@@ -137,9 +209,11 @@ class KernelReport:
     extension_error: str | None
     compiled_isa: tuple[str, ...]
 
+    choice: str = "auto"  # KVSERVE_PROJECTIONS
+
     def ops(self, dtype: torch.dtype) -> dict[str, str]:
         return op_kernels(dtype, self.extension_built, self.compiled_isa, self.onednn_bf16,
-                          packs_float32(self.cpu.flags))
+                          packs_float32(self.cpu.flags), self.choice)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``kvserve info --json``."""
@@ -170,7 +244,7 @@ def kernel_report() -> KernelReport:
     return KernelReport(cpu_info(), torch.__version__,
                         torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                         onednn_runs_bf16(), built, paged_kernel.unavailable_reason(),
-                        compiled)
+                        compiled, projection_choice())
 
 
 def isa_line(cpu: CpuInfo) -> str:

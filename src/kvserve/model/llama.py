@@ -4,9 +4,10 @@ KV cache.
 The forward pass runs every scheduled token of a step in one flattened batch
 (:class:`~kvserve.model.input_batch.ForwardBatch`): prefill chunks and decodes together.
 Q/K/V and gate/up projections are fused into one matmul each when weights are loaded (and
-pre-packed for oneDNN where that pays off: bf16 on AMX / AVX512-BF16, float32 on AVX2-only
-CPUs; :class:`Linear`); each layer's elementwise work runs as three fused
-ops (:mod:`kvserve.model.layer_ops`), with the residual adds folded into the next RMSNorm.
+packed once for the kernel :func:`projection_kernel` picks: oneDNN's bf16 on AMX /
+AVX512-BF16, kvserve's panel GEMMs elsewhere; :class:`Linear`); each layer's elementwise work
+runs as three fused ops (:mod:`kvserve.model.layer_ops`), with the residual adds folded into
+the next RMSNorm.
 Weights are named as in Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``)
 and Q/K use the rotate-half RoPE layout.
 """
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import paged_kernel
+from kvserve.model import kernel_info, paged_kernel
 from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
@@ -31,16 +32,22 @@ from kvserve.model.logits import break_rounding_ties_, widen_logits
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 
 
+def projection_kernel(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str:
+    """The kernel :class:`Linear` projects ``dtype`` with on this machine (or on a CPU with
+    ``flags``, for this build): ``panels-avx2``, ``panels-dpbf16``, ``onednn`` or ``torch``
+    (:func:`~kvserve.model.kernel_info.projection_kernel` has the rules; KVSERVE_PROJECTIONS
+    overrides them). ValueError where KVSERVE_PROJECTIONS asks for what cannot run here."""
+    built = paged_kernel.available()
+    return kernel_info.projection_kernel(
+        dtype, built, tuple(paged_kernel.compiled_isa()) if built else (), onednn_runs_bf16(),
+        packs_float32(cpu_info().flags if flags is None else flags),
+        kernel_info.projection_choice())
+
+
 def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
-    """Whether :meth:`Linear.pack` pays off on a CPU with ``flags`` (default: this one's):
-    bfloat16 where oneDNN runs bf16 (AMX or AVX512-BF16) or this build has the AVX2 panel
-    GEMM; float32 where AVX2 is the best vector tier
-    (:func:`~kvserve.model.kernel_info.packs_float32` has the measurements)."""
-    if dtype == torch.bfloat16:
-        return onednn_runs_bf16() or uses_panels(dtype)
-    if dtype == torch.float32:
-        return packs_float32(cpu_info().flags if flags is None else flags)
-    return False
+    """Whether :meth:`Linear.pack` has a packed kernel for ``dtype`` here (on a CPU with
+    ``flags``): anything but F.linear (:func:`projection_kernel`)."""
+    return projection_kernel(dtype, flags) != "torch"
 
 
 PANEL = 16  # output columns per panel of csrc/panel_linear.cpp
@@ -62,23 +69,35 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return (panels[:, :, _BF16_PAIR_ORDER] if exact else panels).contiguous()
 
 
+def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [n, k] (k even) as csrc/panel_dpbf16.h reads it:
+    [ceil(n / 16), k / 2, 16, 2], for each pair of k each column's two weights side by side,
+    columns padded with zeros."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 def panel_linear_available() -> bool:
-    """Whether this build has csrc/panel_linear.cpp's kernel (AVX2 without AVX-512)."""
+    """Whether this build has csrc/panel_linear.cpp's kernel (AVX2 and FMA)."""
     return paged_kernel.available() and bool(paged_kernel.layer_ops().panel_linear_compiled())
 
 
 def invariant_projections(dtype: torch.dtype) -> str:
-    """The kernel --batch-invariant projects with in ``dtype``: ``panel_linear`` where
-    :meth:`Linear.pack` would use it (each output is one FMA chain over k in order, whatever
-    the rows of the call), else ``invariant_linear``."""
-    return "panel_linear" if uses_panels(dtype) else "invariant_linear"
+    """The kernel --batch-invariant projects with in ``dtype``: the panel GEMM
+    (``panel_linear``, or ``panel_linear_bf16``) where :meth:`Linear.pack` would use it (each
+    output is one chain over k in order, whatever the rows of the call), else
+    ``invariant_linear``."""
+    kernel = projection_kernel(dtype)
+    return {"panels-avx2": "panel_linear", "panels-dpbf16": "panel_linear_bf16"}.get(
+        kernel, "invariant_linear")
 
 
 def uses_panels(dtype: torch.dtype) -> bool:
-    """Whether :meth:`Linear.pack` packs a ``dtype`` weight in panels for panel_linear: float32,
-    and bfloat16 where oneDNN has no native bf16 (the panel GEMM's builds never do), on a build
-    with the AVX2 panel GEMM."""
-    return dtype in (torch.float32, torch.bfloat16) and panel_linear_available()
+    """Whether :meth:`Linear.pack` packs a ``dtype`` weight in panels for one of the panel
+    GEMMs (:func:`projection_kernel`)."""
+    return projection_kernel(dtype).startswith("panels")
 
 
 class Linear(nn.Module):
@@ -94,7 +113,10 @@ class Linear(nn.Module):
     (:func:`pack_panels`, csrc/panel_linear.cpp: on a Zen 3, 1.11-1.59x oneDNN's packed float32
     GEMM at 1-2,048 rows with float32 panels, 1.12-2.6x with bf16 ones;
     benchmarks/panel_linear.py), or for oneDNN's where the extension is not built. Either sums in
-    another order than MKL (results within float32 rounding, not bit-identical).
+    another order than MKL (results within float32 rounding, not bit-identical). On an
+    AVX512-BF16 build, KVSERVE_PROJECTIONS=panels packs a bf16 weight in pairs-of-k panels for
+    panel_linear_bf16 (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps);
+    :func:`projection_kernel` decides which (docs/kernels.md).
 
     With ``invariant`` (``--batch-invariant``) it runs the C++ ``invariant_linear`` instead,
     whose reduction order per output element does not depend on the number of rows
@@ -106,15 +128,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.panels: torch.Tensor | None = None  # panel_linear's
+        self.pair_panels: torch.Tensor | None = None  # panel_linear_bf16's
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
-        """Make the packed copy: panels for a float32 or bfloat16 weight where the build has
-        panel_linear (:func:`uses_panels`), else oneDNN's. With ``release_weight`` the plain
-        weight becomes a shape-only (meta) tensor, so the projection's memory is not held
-        twice; keep it when the tensor is shared (a tied LM head is the embedding table)."""
+        """Make the packed copy for :func:`projection_kernel`'s pick: panels for panel_linear
+        or, for a bf16 weight with an even k, for panel_linear_bf16; else oneDNN's. With
+        ``release_weight`` the plain weight becomes a shape-only (meta) tensor, so the
+        projection's memory is not held twice; keep it when the tensor is shared (a tied LM
+        head is the embedding table)."""
         weight = self.weight.detach()
-        if uses_panels(weight.dtype):
+        kernel = projection_kernel(weight.dtype)
+        if kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
+            self.pair_panels = pack_pair_panels(weight)
+        elif kernel.startswith("panels"):
             self.panels = pack_panels(weight.float())  # bf16 values: bf16 panels
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -125,6 +152,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return paged_kernel.layer_ops().invariant_linear(x.contiguous(), self.weight)
+        if self.pair_panels is not None:
+            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+            out = paged_kernel.layer_ops().panel_linear_bf16(rows, self.pair_panels,
+                                                             self.weight.shape[0])
+            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if self.panels is not None:
             rows = x.reshape(-1, x.shape[-1]).float().contiguous()
             out = paged_kernel.layer_ops().panel_linear(rows, self.panels, self.weight.shape[0])

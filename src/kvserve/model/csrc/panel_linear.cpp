@@ -1,4 +1,4 @@
-// Float32 projections on AVX2 CPUs (no AVX-512): out[t][n] = sum_k x[t][k] * w[n][k], x and
+// Float32 projections on AVX2 CPUs: out[t][n] = sum_k x[t][k] * w[n][k], x and
 // out float32, the weight float32 or, where its values are bfloat16 numbers, stored as bf16
 // and widened on load (the same values in half the bytes).
 //
@@ -18,19 +18,28 @@
 // broadcast row value in AVX2's 16 registers: per k one or two 32-byte loads, 6 broadcasts and
 // 12 FMAs. Each output is one FMA chain over k in order, so a row's result does not depend on
 // the other rows of the call (nor on the thread count: panels are spread over threads).
+//
+// The code is AVX2's, so it builds on AVX-512 CPUs too (which run it as it is); there it is
+// used only when asked for (KVSERVE_PROJECTIONS, docs/kernels.md). On AVX512-BF16 builds this
+// file also binds panel_linear_bf16: bf16 rows against bf16 weights in pairs-of-k panels,
+// summed by vdpbf16ps (panel_dpbf16.h).
 
 #include "panel_linear.h"
 
 #include "fast_math.h"
+#include "panel_dpbf16.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSERVE_PANEL_LINEAR 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVSERVE_PANEL_DPBF16 1
 #endif
 
 namespace {
@@ -141,10 +150,53 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 #endif
 }
 
+// x: [rows, k] bfloat16; panels: [ceil(n / 16), k / 2, 16, 2] bfloat16 (panel_dpbf16.h's
+// layout) -> [rows, n] float32.
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "panel_linear_bf16: x must be contiguous bfloat16 [rows, in_features]");
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
+                  panels.size(3) == 2 && 2 * panels.size(1) == x.size(1) && n >= 0 &&
+                  panels.size(0) == (n + kPanel - 1) / kPanel,
+              "panel_linear_bf16: panels must be contiguous bfloat16 "
+              "[ceil(n / 16), in_features / 2, 16, 2]");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
+              "panel_linear_bf16: tensors must be on the CPU");
+  const int64_t rows = x.size(0), k_pairs = panels.size(1), num_panels = panels.size(0);
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+#if defined(KVSERVE_PANEL_DPBF16)
+  if (rows == 0 || n == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+      kvserve::dpbf16::panel_rows<kvserve::dpbf16::NativeDot>(
+          xp, rows, wp + p * k_pairs * 2 * kPanel, k_pairs, op + p * kPanel, n, ncols);
+    }
+  });
+  return out;
+#else
+  (void)num_panels, (void)rows, (void)k_pairs;
+  TORCH_CHECK(false, "panel_linear_bf16: this build has no AVX512-BF16 (see compiled_isa)");
+  return out;
+#endif
+}
+
 }  // namespace
 
 bool panel_linear_compiled() {
 #if defined(KVSERVE_PANEL_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool panel_linear_bf16_compiled() {
+#if defined(KVSERVE_PANEL_DPBF16)
   return true;
 #else
   return false;
@@ -157,5 +209,11 @@ void register_panel_linear(pybind11::module& m) {
         "columns (AVX2 builds)",
         py::arg("x"), py::arg("panels"), py::arg("n"));
   m.def("panel_linear_compiled", &panel_linear_compiled,
-        "Whether this build has panel_linear (an AVX2 build without AVX-512)");
+        "Whether this build has panel_linear (a build with AVX2 and FMA)");
+  m.def("panel_linear_bf16", &panel_linear_bf16,
+        "x @ weight.T for bfloat16 x and a bfloat16 weight packed in pairs-of-k panels of 16 "
+        "columns, float32 out (AVX512-BF16 builds)",
+        py::arg("x"), py::arg("panels"), py::arg("n"));
+  m.def("panel_linear_bf16_compiled", &panel_linear_bf16_compiled,
+        "Whether this build has panel_linear_bf16 (a build with AVX512-BF16)");
 }
