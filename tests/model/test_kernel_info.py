@@ -65,9 +65,9 @@ def test_float32_and_narrower_builds_report_their_own_paths() -> None:
     assert avx2["attention"].startswith("C++ AVX2 + FMA intrinsics")  # a Zen 3, say
     assert avx2["rms_norm"] == "C++ fused (AVX2)"
     assert avx2["projections"].endswith("activations widened to float32)")  # bf16 panels
-    assert op_kernels(torch.float32, True, ("avx2", "fma"), False, packed_float32=True)[
+    assert op_kernels(torch.float32, True, ("avx2", "fma"), False, packs_fp32=True)[
         "projections"].startswith("C++ AVX2 panel GEMM")
-    assert op_kernels(torch.float32, False, (), False, packed_float32=True)[
+    assert op_kernels(torch.float32, False, (), False, packs_fp32=True)[
         "projections"].startswith("oneDNN packed float32")  # the extension not built
     no_fma = op_kernels(torch.float32, True, ("avx2",), onednn_bf16=False)
     assert no_fma["attention"] == "C++ compiler-vectorised loops (AVX2)"

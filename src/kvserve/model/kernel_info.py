@@ -116,33 +116,34 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     when asked for until measured against oneDNN on such a CPU (docs/kernels.md). ValueError
     where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
-    dpbf16_panels = built and "avx512_bf16" in compiled_isa and dtype == torch.bfloat16
-    onednn = torch.backends.mkldnn.is_available() and (
-        onednn_bf16 if dtype == torch.bfloat16 else dtype == torch.float32)
     if choice == "auto":
         if dtype == torch.bfloat16:
             return "onednn" if onednn_bf16 else "panels-avx2" if avx2_panels else "torch"
         if dtype == torch.float32 and packs_fp32:
             return "panels-avx2" if avx2_panels else "onednn"
         return "torch"
-    name = str(dtype).removeprefix("torch.")
-    available = {"panels": "panels-dpbf16" if dpbf16_panels else
-                 "panels-avx2" if avx2_panels else None,
-                 "panels-avx2": "panels-avx2" if avx2_panels else None,
-                 "onednn": "onednn" if onednn else None, "torch": "torch"}
-    if choice not in available:
+    if choice not in PROJECTION_CHOICES:
         raise ValueError(f"{PROJECTIONS_ENV}={choice!r} is not one of "
                          f"{', '.join(PROJECTION_CHOICES)}")
-    kernel = available[choice] if dtype in (torch.float32, torch.bfloat16) else \
-        "torch" if choice == "torch" else None
-    if kernel is None:
-        why = ("the C++ extension is not built" if not built else
-               "this build has no AVX2 + FMA panel GEMM" if choice.startswith("panels") else
-               "oneDNN has no native bf16 on this CPU")
-        raise ValueError(f"{PROJECTIONS_ENV}={choice} cannot project {name} here: " +
-                         (why if dtype in (torch.float32, torch.bfloat16) else
-                          "only float32 and bfloat16 have other kernels than torch"))
-    return kernel
+    if choice == "torch":
+        return "torch"
+    if dtype not in (torch.float32, torch.bfloat16):
+        why = "only float32 and bfloat16 have other kernels than torch"
+    elif choice == "onednn":
+        if torch.backends.mkldnn.is_available() and (onednn_bf16 or dtype == torch.float32):
+            return "onednn"
+        why = "oneDNN has no native bf16 on this CPU" if torch.backends.mkldnn.is_available() \
+            else "this torch has no oneDNN"
+    elif not built:
+        why = "the C++ extension is not built"
+    elif choice == "panels" and dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
+        return "panels-dpbf16"
+    elif avx2_panels:
+        return "panels-avx2"
+    else:
+        why = "this build has no AVX2 + FMA panel GEMM"
+    raise ValueError(f"{PROJECTIONS_ENV}={choice} cannot project "
+                     f"{str(dtype).removeprefix('torch.')} here: {why}")
 
 
 def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") -> str:
@@ -168,7 +169,7 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") 
 
 
 def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
-               onednn_bf16: bool, packed_float32: bool = False,
+               onednn_bf16: bool, packs_fp32: bool = False,
                choice: str = "auto") -> dict[str, str]:
     """The kernel each op runs for ``dtype``, given whether the C++ extension is built, the
     instruction sets it was compiled for, whether oneDNN runs bf16 on this CPU, whether
@@ -179,7 +180,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     fused = built and dtype in DTYPES
     vector = _vector_isa(compiled_isa)
     projections = describe_projections(
-        projection_kernel(dtype, built, compiled_isa, onednn_bf16, packed_float32, choice),
+        projection_kernel(dtype, built, compiled_isa, onednn_bf16, packs_fp32, choice),
         dtype, choice)
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
