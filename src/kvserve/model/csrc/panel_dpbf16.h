@@ -1,7 +1,7 @@
 // bf16 projections on AVX512-BF16 CPUs (a Zen 4, say): out[t][n] = sum_k x[t][k] * w[n][k] with
 // x and w bfloat16 and the sums in float32, by vdpbf16ps on weights packed at load in panels of
 // 16 output columns (llama.pack_pair_panels). panel_linear.cpp binds it; this header is
-// freestanding (intrinsics only, no library calls) so that tools/bochs_panel_check.py can
+// freestanding (intrinsics only, no library calls) so that tools/avx512_check.py can
 // compile the same loops into a flat binary and run them under an x86 emulator on a CPU
 // without AVX-512.
 //
@@ -34,8 +34,9 @@ struct NativeDot {
 
 #if defined(__AVX512F__)
 // The same sum with AVX-512F alone: the high halves' product, then the low halves', each a
-// float32 FMA (the order of the instruction's pseudo-code). Only for checking the layout and
-// the loops under an emulator without AVX512-BF16; vdpbf16ps itself may round differently.
+// float32 FMA (the order of the instruction's pseudo-code). Not used by the extension:
+// tools/avx512_check.py runs it beside NativeDot, so the loops are checked even where an
+// emulator lacks AVX512-BF16; a real CPU's vdpbf16ps may round differently.
 struct WidenDot {
   static __m512 dot(__m512 acc, __m512i x_pair, __m512i w) {
     const __m512i high = _mm512_set1_epi32(-65536);

@@ -1,0 +1,682 @@
+#!/usr/bin/env python
+"""Run kvserve's AVX-512 kernel code under an x86 emulator, on a CPU without AVX-512.
+
+The AVX-512 paths of the C++ kernels run, and are tested (tests/model), only where the CPU
+has AVX-512; a change made on an AVX2 machine leaves them compile-checked at best. This
+script runs what can be lifted out of the extension into a flat binary under BochsCPU
+(``pip install bochscpu-python``; an emulated CPU with AVX-512F but not AVX512-BF16) and
+compares it with a reference. The code is compiled for ``-march=cannonlake -mavx512bf16``
+(the emulated CPU, an i3-8121U, plus AVX512-BF16, see below):
+
+- ``panels``: csrc/panel_dpbf16.h's loops (``panel_rows``) with ``NativeDot`` (vdpbf16ps) and
+  with ``WidenDot`` (its AVX-512F stand-in), over many shapes, against the same chain of
+  float32 FMAs done exactly in numpy (bit for bit), with sentinels past each partial panel's
+  columns;
+- ``tiles``: csrc/attention_tile.h's dispatch (``dots``, ``accumulate_values``) as an AVX-512
+  build runs it: ``FloatDot<Vec16>`` for float32 and bfloat16 keys, ``Bf16Dot`` (vdpbf16ps)
+  for bf16 queries and keys, ``accumulate_simd<Vec16>``; head_dim 64, 128 and sizes known at
+  run time; groups of 1-7 rows; 1-40 keys; against float64 sums within float32 rounding;
+  csrc/attention_gemm.h's prefill tile (``pack_keys`` + ``scores_packed``, ``widen_values`` +
+  ``accumulate_widened``) the same way; and ``exp_nonpositive16`` (csrc/fast_math.h) against
+  the scalar ``exp_nonpositive`` compiled for this CPU, bit for bit, as the header promises.
+
+BochsCPU implements vdpbf16ps, but none of its CPU models sets the AVX512-BF16 feature bit,
+so the instruction faults (#UD). The script runs a patched copy of the wheel's library:
+each model's constructor sets the AVX-512 bit (feature 77) with ``orl $0x2000,0x24(%rbx)``
+followed by ``mov $77,%esi``; the copy sets bit 24 of that word too (feature 88,
+avx512bf16). Where that byte pattern is not found (another wheel) the vdpbf16ps checks are
+skipped and say so. What it cannot run: AMX (not in this emulator), anything that needs
+torch at run time, and the real CPUs' rounding of vdpbf16ps (the emulator follows the ISA's
+pseudo-code: two float32 multiply-adds per lane, odd element first).
+
+    python tools/avx512_check.py [--only panels|tiles] [--cases 60]
+
+Needs g++, ld, objcopy, numpy and bochscpu-python; ``tiles`` also needs torch's headers
+(run it with the project's virtualenv). Prints one line per case and a summary per check;
+exits 1 on any mismatch. The bochscpu-python 0.4.0 wheel needs glibc 2.38's ``__isoc23_*``
+symbols; on an older glibc the script builds a two-function shim and re-runs itself with it
+preloaded. Not part of the test suite (it needs that wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CSRC = Path(__file__).resolve().parent.parent / "src" / "kvserve" / "model" / "csrc"
+PANEL_ENTRY = """
+#include "panel_dpbf16.h"
+#define PANEL_ENTRY(NAME, DOT)                                                           \
+  extern "C" void NAME(const uint16_t* x, int64_t rows, const uint16_t* panel,           \
+                       int64_t k_pairs, float* out, int64_t ldo, int ncols) {            \
+    kvserve::dpbf16::panel_rows<kvserve::dpbf16::DOT>(x, rows, panel, k_pairs, out, ldo, \
+                                                      ncols);                            \
+  }
+PANEL_ENTRY(panel_rows_widen, WidenDot)
+#if defined(__AVX512BF16__)
+PANEL_ENTRY(panel_rows_native, NativeDot)
+#endif
+"""
+TILE_ENTRY = """
+#include "attention_tile.h"
+using kvserve::dots;
+using kvserve::accumulate_values;
+using BF16 = c10::BFloat16;
+#define TILE_ENTRIES(T, NAME, D)                                                              \\
+  extern "C" void dots_##NAME##_##D(const float* q, int group, int head_dim,                 \\
+                                    const T* const* rows, long off, int count, float* scores, \\
+                                    int stride) {                                             \\
+    dots<T, D>(q, nullptr, group, head_dim, rows, off, count, scores, stride);                \\
+  }                                                                                           \\
+  extern "C" void acc_##NAME##_##D(float* acc, int group, int head_dim, const T* const* rows, \\
+                                   long off, int count, const float* probs, int stride) {     \\
+    accumulate_values<T, D>(acc, group, head_dim, rows, off, count, probs, stride);           \\
+  }
+TILE_ENTRIES(float, f32, 64)
+TILE_ENTRIES(float, f32, 128)
+TILE_ENTRIES(float, f32, 0)
+TILE_ENTRIES(BF16, bf16, 64)
+TILE_ENTRIES(BF16, bf16, 128)
+TILE_ENTRIES(BF16, bf16, 0)
+#if defined(__AVX512BF16__)
+#include "attention_gemm.h"
+#define BF16_ENTRIES(D)                                                                       \
+  extern "C" void dots_bf16q_##D(const BF16* q, int group, int head_dim,                     \
+                                 const BF16* const* rows, long off, int count, float* scores, \
+                                 int stride) {                                               \
+    static const float unused = 0.0f;                                                         \
+    dots<BF16, D>(&unused, q, group, head_dim, rows, off, count, scores, stride);            \
+  }                                                                                           \
+  extern "C" void packed_scores_##D(const BF16* q, int nrows, const BF16* const* rows,       \
+                                    long off, int count, uint32_t* packed, int packed_stride, \
+                                    float* scores, int stride) {                              \
+    kvserve::pack_keys<D>(rows, off, count, packed, packed_stride);                           \
+    kvserve::scores_packed<D>(q, nrows, packed, packed_stride, count, scores, stride);       \
+  }                                                                                           \
+  extern "C" void widened_acc_##D(float* acc, int nrows, const BF16* const* rows, long off,  \
+                                  int count, float* wide, const int* visible,                 \
+                                  const float* probs, int stride) {                           \
+    kvserve::widen_values<D>(rows, off, count, wide);                                         \
+    kvserve::accumulate_widened<D>(acc, nrows, wide, visible, probs, stride);                 \
+  }
+BF16_ENTRIES(64)
+BF16_ENTRIES(128)
+#endif
+extern "C" void exp16(const float* x, float* out, int n) {
+  for (int i = 0; i < n; i += 16)
+    _mm512_storeu_ps(out + i, kvserve::exp_nonpositive16(_mm512_loadu_ps(x + i)));
+}
+"""
+INVARIANT_ENTRY = """
+#include "invariant_linear.cpp"
+// invariant_linear's loop over rows and columns without the tensors: out [rows, n] float32.
+template <typename T>
+void run(const T* x, const T* w, int64_t rows, int64_t n, int64_t k, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    kvserve::with_constant<4>(static_cast<int>(std::min<int64_t>(4, rows - r0)), [&](auto rn) {
+      for_chunks<4>(static_cast<int>(n), [&](int c, auto cn) {
+        block<T, decltype(rn)::value, decltype(cn)::value>(x + r0 * k, w + c * k, k,
+                                                           out + r0 * n + c, n);
+      });
+    });
+  }
+}
+extern "C" void invariant_f32(const float* x, const float* w, int64_t rows, int64_t n,
+                              int64_t k, float* out) {
+  run<float>(x, w, rows, n, k, out);
+}
+extern "C" void invariant_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t rows,
+                               int64_t n, int64_t k, float* out) {
+  run<c10::BFloat16>(x, w, rows, n, k, out);
+}
+"""
+EXP_NATIVE = """
+#include "fast_math.h"
+extern "C" void exp_scalar(const float* x, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = kvserve::exp_nonpositive(x[i]);
+}
+"""
+LINKER_SCRIPT = """SECTIONS { . = 0x400000;
+.text : { *(.text*) *(.rodata*) *(.data*) *(.bss*) *(.init_array*) *(.fini_array*) }
+/DISCARD/ : { *(.eh_frame*) *(.gcc_except_table*) *(.comment) *(.note*) } }"""
+# What torch's headers make a translation unit refer to without calling it here: the iostream
+# static initializer (never run: the image's constructors are not called) and the memory
+# functions gcc may call for a copy. Compiled with -fno-builtin so the loops stay loops.
+STUBS = """#include <stddef.h>
+void* memcpy(void* to, const void* from, size_t n) {
+  unsigned char* a = to; const unsigned char* b = from; while (n--) *a++ = *b++; return to; }
+void* memmove(void* to, const void* from, size_t n) {
+  unsigned char* a = to; const unsigned char* b = from;
+  if (a < b) { while (n--) *a++ = *b++; } else { while (n--) a[n] = b[n]; } return to; }
+void* memset(void* to, int c, size_t n) { unsigned char* a = to; while (n--) *a++ = c; return to; }
+int __cxa_atexit(void (*f)(void*), void* p, void* d) { (void)f; (void)p; (void)d; return 0; }
+void* __dso_handle = 0;
+void _ZNSt8ios_base4InitC1Ev(void* self) { (void)self; }
+void _ZNSt8ios_base4InitD1Ev(void* self) { (void)self; }
+"""
+SHIM = """#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+unsigned long long __isoc23_strtoull(const char* s, char** e, int b) { return strtoull(s, e, b); }
+int __isoc23_sscanf(const char* s, const char* f, ...) {
+  va_list a; va_start(a, f); int r = vsscanf(s, f, a); va_end(a); return r; }
+"""
+FLAGS = ["-O3", "-std=c++17", "-fno-trapping-math", "-fno-pic", "-fno-pie", "-fno-exceptions",
+         "-fno-asynchronous-unwind-tables", "-fno-stack-protector", "-ffunction-sections",
+         "-fdata-sections", "-w", f"-I{CSRC}"]
+
+CODE_VA, RETURN_VA, STACK_VA, DATA_VA, PML4 = 0x400000, 0x300000, 0x200000, 0x10000000, 0x100000
+PAGE = 4096
+SENTINEL = np.float32(12345.0)
+
+
+# Each CPU model's constructor: orl $0x2000,0x24(%rbx) (feature 77, avx512); mov %rbx,%rdi;
+# mov $77,%esi. Byte 6 is the top byte of the immediate: 0x01 adds bit 24 (avx512bf16).
+AVX512_CONSTRUCTOR = bytes.fromhex("814b2400200000" "4889dfbe4d000000")
+BF16_BYTE, BF16_VALUE = 6, 0x01
+
+
+def patched_copy() -> Path | None:
+    """A copy of the installed bochscpu package whose CPU models have AVX512-BF16, in a new
+    directory to put first on sys.path (None where the pattern is not in this wheel)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("bochscpu")
+    if spec is None or spec.origin is None:
+        raise SystemExit("avx512_check: pip install bochscpu-python first")
+    package = Path(spec.origin).parent
+    root = Path(tempfile.mkdtemp(prefix="bochscpu-bf16-"))
+    shutil.copytree(package, root / "bochscpu")
+    patched = 0
+    for library in (root / "bochscpu").glob("_bochscpu*.so"):
+        data = bytearray(library.read_bytes())
+        at = data.find(AVX512_CONSTRUCTOR)
+        while at >= 0:
+            data[at + BF16_BYTE] = BF16_VALUE
+            patched += 1
+            at = data.find(AVX512_CONSTRUCTOR, at + 1)
+        library.write_bytes(bytes(data))
+    return root if patched else None
+
+
+def import_bochscpu() -> tuple[Any, bool]:
+    """bochscpu (the patched copy where it can be made) and whether it runs vdpbf16ps."""
+    root = patched_copy()
+    if root is not None:
+        sys.path.insert(0, str(root))
+    try:
+        import bochscpu
+        import bochscpu.cpu
+        import bochscpu.memory
+    except ImportError as error:
+        if "__isoc23" not in str(error) or os.environ.get("KVSERVE_BOCHS_SHIM"):
+            raise SystemExit(f"avx512_check: bochscpu-python does not load: {error}") \
+                from error
+        shim = Path(tempfile.mkdtemp()) / "isoc23_shim.so"
+        source = shim.with_suffix(".c")
+        source.write_text(SHIM)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O2", str(source), "-o", str(shim)],
+                       check=True)
+        env = dict(os.environ, LD_PRELOAD=str(shim), KVSERVE_BOCHS_SHIM="1")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if root is None:
+        print("vdpbf16ps: this bochscpu's library lacks the expected pattern; its checks are "
+              "skipped")
+    return bochscpu, root is not None
+
+
+def torch_includes() -> list[str] | None:
+    try:
+        from torch.utils.cpp_extension import include_paths
+    except ImportError:
+        return None
+    import sysconfig
+
+    return [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+
+
+def build_flat(workdir: Path, source: str, isa: list[str],
+               includes: list[str]) -> tuple[bytes, dict[str, int]]:
+    """``source`` compiled for ``isa`` and linked at CODE_VA: the image and its symbols."""
+    (workdir / "entry.cpp").write_text(source)
+    (workdir / "stubs.c").write_text(STUBS)
+    (workdir / "flat.ld").write_text(LINKER_SCRIPT)
+    subprocess.run(["g++", *FLAGS, *isa, *includes, "-c", "entry.cpp", "-o", "entry.o"],
+                   cwd=workdir, check=True)
+    subprocess.run(["gcc", "-O1", "-fno-builtin", "-ffreestanding", "-fno-pic", "-fno-pie",
+                    "-fno-tree-loop-distribute-patterns", "-fno-asynchronous-unwind-tables",
+                    "-c", "stubs.c", "-o", "stubs.o"], cwd=workdir, check=True)
+    # the extern "C" functions are the entry points; --gc-sections drops all they do not reach
+    defined = subprocess.run(["nm", "--defined-only", "-g", "entry.o"], cwd=workdir, check=True,
+                             capture_output=True, text=True).stdout.split("\n")
+    entries = [f"--undefined={line.split()[2]}" for line in defined
+               if len(line.split()) == 3 and line.split()[1] == "T"
+               and not line.split()[2].startswith("_Z")]
+    subprocess.run(["ld", "--no-warn-rwx-segments", "--gc-sections", *entries, "-T", "flat.ld",
+                    "-o", "entry.elf", "entry.o", "stubs.o"], cwd=workdir, check=True)
+    subprocess.run(["objcopy", "-O", "binary", "entry.elf", "entry.bin"], cwd=workdir,
+                   check=True)
+    symbols = {}
+    for line in subprocess.run(["nm", "entry.elf"], cwd=workdir, check=True,
+                               capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[1] in "Tt":
+            symbols[parts[2]] = int(parts[0], 16)
+    return (workdir / "entry.bin").read_bytes(), symbols
+
+
+class Machine:
+    """One emulated long-mode CPU (CPL 3, identity-mapped pages) that calls a function of a
+    flat image with the SysV ABI."""
+
+    def __init__(self, bochscpu: Any, image: bytes, symbols: dict[str, int]) -> None:
+        self.bx, self.image, self.symbols = bochscpu, image, symbols
+
+    @staticmethod
+    def addresses(sizes: list[int]) -> list[int]:
+        """Where :meth:`call` places buffers of these sizes (a free page after each)."""
+        out, va = [], DATA_VA
+        for size in sizes:
+            out.append(va)
+            va += (size // PAGE + 2) * PAGE
+        return out
+
+    def call(self, symbol: str, args: list[int], buffers: list[bytes]) -> list[bytes]:
+        """Run ``symbol(*args)`` with the buffers at :meth:`addresses`; the buffers after."""
+        bx = self.bx
+        session = bx.Session()
+
+        def missing(gpa: int) -> None:
+            raise RuntimeError(f"page fault at {gpa:#x}")
+
+        session.missing_page_handler = missing
+        table = bx.memory.PageMapLevel4Table()
+        hosts = []
+
+        def map_range(va: int, size: int) -> None:
+            for page in range(va - va % PAGE, va + max(size, 1), PAGE):
+                host = bx.memory.allocate_host_page()
+                hosts.append(host)
+                bx.memory.page_insert(page, host)
+                table.insert(page, page, 1)
+
+        addresses = self.addresses([len(b) for b in buffers])
+        map_range(CODE_VA, len(self.image))
+        map_range(RETURN_VA, PAGE)
+        map_range(STACK_VA, 4 * PAGE)
+        for address, data in zip(addresses, buffers, strict=True):
+            map_range(address, len(data))
+        for host, gpa in table.commit(PML4):
+            bx.memory.page_insert(gpa, host)
+
+        def write(va: int, data: bytes) -> None:
+            if data and not bx.memory.virt_write(PML4, va, list(data)):
+                raise RuntimeError(f"cannot write at {va:#x}")
+
+        write(CODE_VA, self.image)
+        write(RETURN_VA, b"\xf4" * 16)  # hlt: a #GP at CPL 3, which ends the run
+        for address, data in zip(addresses, buffers, strict=True):
+            write(address, data)
+        values = [value & 0xFFFFFFFFFFFFFFFF for value in args]
+        rsp = STACK_VA + 3 * PAGE  # the return address, then arguments 7 onwards
+        write(rsp, struct.pack(f"<{1 + len(values[6:])}Q", RETURN_VA, *values[6:]))
+
+        state = bx.State()
+        bx.cpu.set_long_mode(state)
+        state.cr0 = state.cr0 | 0x2                                  # MP
+        state.cr4 = state.cr4 | (1 << 9) | (1 << 10) | (1 << 18)     # OSFXSR, OSXMMEXCPT, OSXSAVE
+        state.xcr0 = 0xE7                                            # x87 SSE AVX opmask ZMM
+        state.mxcsr = 0x1F80                                         # exceptions masked
+        state.cr3, state.rsp, state.rip = PML4, rsp, self.symbols[symbol]
+        code_segment, data_segment = bx.Segment(), bx.Segment()
+        for segment, selector, attr in ((code_segment, 0x33, 0x22FB),
+                                        (data_segment, 0x2B, 0xCF3)):
+            segment.present, segment.selector, segment.base = True, selector, 0
+            segment.limit, segment.attr = 0xFFFFFFFF, attr
+        state.cs = code_segment
+        state.ds = state.ss = state.es = state.fs = state.gs = data_segment
+        registers = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+        for register, value in zip(registers, values[:6], strict=False):
+            setattr(state, register, value)
+        session.cpu.state = state
+        stopped: list[tuple[int, int]] = []
+
+        def exception(sess: Any, cpu_id: int, vector: int, error: int) -> None:
+            stopped.append((vector, sess.cpu.rip))
+            sess.stop()
+
+        hook = bx.Hook()
+        hook.exception = exception
+        session.run([hook])
+        vector, rip = stopped[0]
+        if not RETURN_VA <= rip < RETURN_VA + 16:
+            raise RuntimeError(f"{symbol}: exception {vector} at rip {rip:#x} (not a return)")
+        out = [bytes(bx.memory.virt_read(PML4, address, len(data)))
+               for address, data in zip(addresses, buffers, strict=True)]
+        for host in hosts:
+            bx.memory.release_host_page(host)
+        return out
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# --- panels ----------------------------------------------------------------------------------
+
+def pack_pair_panels(weight: np.ndarray) -> np.ndarray:
+    """As llama.pack_pair_panels: bf16 bits [n, k] -> [ceil(n / 16), k / 2, 16, 2]."""
+    n, k = weight.shape
+    padded = np.zeros((-(-n // 16) * 16, k), np.uint16)
+    padded[:n] = weight
+    return np.ascontiguousarray(padded.reshape(-1, 16, k // 2, 2).transpose(0, 2, 1, 3))
+
+
+def widen_dot_chain(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """WidenDot's sums exactly: per pair of k, the high (odd k) product then the low one,
+    each added to the float32 sum with one rounding (a bf16 x bf16 product is exact in
+    float32, and a float32 sum plus it is exact in float64 before the rounding)."""
+    acc = np.zeros((x.shape[0], weight.shape[0]), np.float32)
+    for q in range(x.shape[1] // 2):
+        for kk in (2 * q + 1, 2 * q):
+            product = np.outer(x[:, kk], weight[:, kk]).astype(np.float64)
+            acc = (acc.astype(np.float64) + product).astype(np.float32)
+    return acc
+
+
+def isa(bf16: bool) -> list[str]:
+    """The emulated CPU's instruction sets (a Cannon Lake i3), with AVX512-BF16 if patched."""
+    return ["-march=cannonlake", "-mtune=generic"] + (["-mavx512bf16"] if bf16 else [])
+
+
+def check_panels(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
+    machine = Machine(bochscpu, *build_flat(scratch, PANEL_ENTRY, isa(bf16), []))
+    rng = np.random.default_rng(0)
+    shapes = [(rows, n, pairs) for rows in (1, 5, 12, 13, 24, 25) for n, pairs in
+              ((16, 4), (5, 8), (21, 3), (40, 36))]
+    shapes += [(int(rng.integers(1, 40)), int(rng.integers(1, 50)), int(rng.integers(1, 40)))
+               for _ in range(max(0, cases - len(shapes)))]
+    shapes = shapes[:max(cases, 1)]
+    entries = ["panel_rows_widen"] + (["panel_rows_native"] if bf16 else [])
+    passed = total = 0
+    for rows, n, pairs in shapes:
+        k = 2 * pairs
+        x = bf16_bits(rng.standard_normal((rows, k)))
+        weight = bf16_bits(rng.standard_normal((n, k)))
+        panels = pack_pair_panels(weight)
+        expected = widen_dot_chain(widen(x), widen(weight))
+        for entry in entries:
+            got = np.zeros((rows, n), np.float32)
+            wrote_past = False
+            for p in range(panels.shape[0]):
+                ncols = min(16, n - 16 * p)
+                # out at column 0 of rows n + 16 wide (ldo); sentinels past the panel's columns
+                sentinel = np.full((rows, n + 16), SENTINEL)
+                addresses = Machine.addresses([x.nbytes, panels[p].nbytes, sentinel.nbytes])
+                result = machine.call(entry, [addresses[0], rows, addresses[1], pairs,
+                                              addresses[2], n + 16, ncols],
+                                      [x.tobytes(), panels[p].tobytes(), sentinel.tobytes()])[2]
+                out = np.frombuffer(result, np.float32).reshape(rows, n + 16)
+                wrote_past |= not np.all(out[:, ncols:] == SENTINEL)
+                got[:, 16 * p:16 * p + ncols] = out[:, :ncols]
+            ok = np.array_equal(got, expected) and not wrote_past
+            passed += ok
+            total += 1
+            verdict = "bit-identical" if ok else "wrote past its columns" if wrote_past else \
+                "MISMATCH"
+            print(f"panels {entry} rows={rows:3d} n={n:3d} k={k:3d}: {verdict}")
+    return passed, total
+
+
+# --- attention tiles -------------------------------------------------------------------------
+
+def native_exp(scratch: Path, includes: list[str]) -> Callable[[np.ndarray], np.ndarray]:
+    """exp_nonpositive compiled for this CPU, as the extension compiles it."""
+    (scratch / "exp_native.cpp").write_text(EXP_NATIVE)
+    library = scratch / "exp_native.so"
+    subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-fno-trapping-math", "-shared",
+                    "-fPIC", f"-I{CSRC}", *includes, "exp_native.cpp", "-o", str(library)],
+                   cwd=scratch, check=True)
+    function = ctypes.CDLL(str(library)).exp_scalar
+
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty_like(x)
+        function(x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                 ctypes.c_int(x.size))
+        return out
+
+    return run
+
+
+def within_rounding(got: np.ndarray, expected: np.ndarray, magnitude: np.ndarray,
+                    terms: int) -> bool:
+    """|got - expected| within float32 rounding of a sum of ``terms`` products whose absolute
+    values sum to ``magnitude``."""
+    return bool(np.all(np.abs(got - expected) <= 1e-6 * magnitude * terms ** 0.5 + 1e-30))
+
+
+class TileCase:
+    """One GQA group's query rows against ``count`` key/value rows of a cache block, the rows
+    reached through a table of pointers (in reverse memory order), as the kernel sees them."""
+
+    def __init__(self, rng: np.random.Generator, dtype: str, head_dim: int, group: int,
+                 count: int) -> None:
+        self.dtype, self.head_dim, self.group, self.count = dtype, head_dim, group, count
+        self.off = int(rng.integers(0, 3)) * head_dim  # the row's head within the block
+        width = self.off + head_dim + 16
+        block = rng.standard_normal((count, width)).astype(np.float32)
+        if dtype == "f32":
+            self.block_bytes, self.row_bytes = block[::-1].copy(), 4 * width
+            self.keys = block[:, self.off:self.off + head_dim].astype(np.float64)
+        else:
+            bits = bf16_bits(block)
+            self.block_bytes, self.row_bytes = bits[::-1].copy(), 2 * width
+            self.keys = widen(bits)[:, self.off:self.off + head_dim].astype(np.float64)
+        self.stride = count + 5
+
+    def pointers(self, block_address: int) -> bytes:
+        return np.array([block_address + self.row_bytes * (self.count - 1 - t)
+                         for t in range(self.count)], np.uint64).tobytes()
+
+
+def check_tiles(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
+    includes = torch_includes()
+    if includes is None:
+        print("tiles: skipped (torch's headers are needed: run with the project's virtualenv)")
+        return 0, 0
+    machine = Machine(bochscpu, *build_flat(scratch, TILE_ENTRY, isa(bf16), includes))
+    rng = np.random.default_rng(1)
+    configs = [("f32", 64, 64), ("f32", 128, 128), ("f32", 0, 48), ("bf16", 64, 64),
+               ("bf16", 128, 128), ("bf16", 0, 96)]
+    if bf16:
+        configs += [("bf16q", 64, 64), ("bf16q", 128, 128), ("packed", 64, 64),
+                    ("packed", 128, 128)]
+    passed = total = 0
+    for index in range(max(cases, len(configs))):
+        kind, d, head_dim = configs[index % len(configs)]
+        case = TileCase(rng, "f32" if kind == "f32" else "bf16", head_dim,
+                        int(rng.integers(1, 8)), int(rng.integers(1, 41)))
+        check = tile_packed if kind == "packed" else tile_dots_and_values
+        ok = check(machine, rng, case, kind, d)
+        passed += ok
+        total += 1
+        print(f"tiles {kind:6s} head_dim={head_dim:3d} (D={d:3d}) rows={case.group} "
+              f"keys={case.count:2d} off={case.off:3d}: "
+              f"{'within float32 rounding' if ok else 'MISMATCH'}")
+    reference = native_exp(scratch, includes)
+    x = np.concatenate([-rng.exponential(8.0, 4096), -np.linspace(0, 100, 4096),
+                        np.array([0.0, -0.0, -87.0, -87.5, -1e-30, -200.0])]).astype(np.float32)
+    x = np.concatenate([x, np.zeros((-len(x)) % 16, np.float32)])
+    addresses = Machine.addresses([x.nbytes, x.nbytes])
+    out = machine.call("exp16", [*addresses, len(x)], [x.tobytes(), bytes(x.nbytes)])[1]
+    ok = np.array_equal(np.frombuffer(out, np.float32), reference(x))
+    print(f"tiles exp_nonpositive16 on {len(x)} values: "
+          f"{'bit-identical to exp_nonpositive' if ok else 'MISMATCH'}")
+    return passed + ok, total + 1
+
+
+def tile_dots_and_values(machine: Machine, rng: np.random.Generator, case: TileCase,
+                         kind: str, d: int) -> bool:
+    """dots (FloatDot, or Bf16Dot for bf16 queries) and accumulate_values over the case."""
+    q = rng.standard_normal((case.group, case.head_dim)).astype(np.float32)
+    if kind == "bf16q":
+        q_bits = bf16_bits(q)
+        q, q_bytes = widen(q_bits), q_bits.tobytes()
+    else:
+        q_bytes = q.tobytes()
+    scores = np.full((case.group, case.stride), SENTINEL)
+    sizes = [len(q_bytes), case.block_bytes.nbytes, 8 * case.count, scores.nbytes]
+    addresses = Machine.addresses(sizes)
+    args = [addresses[0], case.group, case.head_dim, addresses[2], case.off, case.count,
+            addresses[3], case.stride]
+    name = "bf16" if kind == "bf16q" else case.dtype
+    out = machine.call(f"dots_{kind if kind == 'bf16q' else name}_{d}", args,
+                       [q_bytes, case.block_bytes.tobytes(), case.pointers(addresses[1]),
+                        scores.tobytes()])[3]
+    got = np.frombuffer(out, np.float32).reshape(case.group, case.stride)
+    q64 = q.astype(np.float64)
+    ok = within_rounding(got[:, :case.count], q64 @ case.keys.T, np.abs(q64) @ np.abs(case.keys).T,
+                         case.head_dim) and bool(np.all(got[:, case.count:] == SENTINEL))
+    if kind == "bf16q":
+        return ok
+    acc = rng.standard_normal((case.group, case.head_dim)).astype(np.float32)
+    probs = rng.random((case.group, case.stride)).astype(np.float32)
+    out = machine.call(f"acc_{name}_{d}", args,
+                       [acc.tobytes(), case.block_bytes.tobytes(), case.pointers(addresses[1]),
+                        probs.tobytes()])[0]
+    got_acc = np.frombuffer(out, np.float32).reshape(case.group, case.head_dim)
+    p = probs[:, :case.count].astype(np.float64)
+    return ok and within_rounding(got_acc, acc + p @ case.keys,
+                                  np.abs(acc) + p @ np.abs(case.keys), case.count)
+
+
+def tile_packed(machine: Machine, rng: np.random.Generator, case: TileCase, kind: str,
+                d: int) -> bool:
+    """attention_gemm.h's prefill tile: keys packed in pairs, scores by vdpbf16ps for a block
+    of rows (the padding keys' scores, zeros, included), values widened once and accumulated
+    by blocks of rows up to each row's visible keys."""
+    rows = case.group * 4  # a tile of queries times the group
+    q_bits = bf16_bits(rng.standard_normal((rows, d)))
+    chunks = -(-case.count // 16)
+    packed_stride = 16 * chunks + 16
+    stride = 16 * chunks + 3
+    packed = np.zeros((d // 2, packed_stride), np.uint32)
+    scores = np.full((rows, stride), SENTINEL)
+    addresses = Machine.addresses([q_bits.nbytes, case.block_bytes.nbytes, 8 * case.count,
+                                   packed.nbytes, scores.nbytes])
+    out = machine.call(f"packed_scores_{d}",
+                       [addresses[0], rows, addresses[2], case.off, case.count, addresses[3],
+                        packed_stride, addresses[4], stride],
+                       [q_bits.tobytes(), case.block_bytes.tobytes(),
+                        case.pointers(addresses[1]), packed.tobytes(), scores.tobytes()])[4]
+    got = np.frombuffer(out, np.float32).reshape(rows, stride)
+    q = widen(q_bits).astype(np.float64)
+    ok = within_rounding(got[:, :case.count], q @ case.keys.T, np.abs(q) @ np.abs(case.keys).T,
+                         d)
+    ok &= bool(np.all(got[:, case.count:16 * chunks] == 0.0))
+    ok &= bool(np.all(got[:, 16 * chunks:] == SENTINEL))
+    acc = rng.standard_normal((rows, d)).astype(np.float32)
+    visible = rng.integers(1, case.count + 1, rows).astype(np.int32)
+    probs = rng.random((rows, stride)).astype(np.float32)
+    for r in range(rows):
+        probs[r, visible[r]:] = 0.0  # past a row's visible keys its probabilities are zero
+    wide = np.zeros((case.count, d), np.float32)
+    addresses = Machine.addresses([acc.nbytes, case.block_bytes.nbytes, 8 * case.count,
+                                   wide.nbytes, visible.nbytes, probs.nbytes])
+    out = machine.call(f"widened_acc_{d}",
+                       [addresses[0], rows, addresses[2], case.off, case.count, addresses[3],
+                        addresses[4], addresses[5], stride],
+                       [acc.tobytes(), case.block_bytes.tobytes(), case.pointers(addresses[1]),
+                        wide.tobytes(), visible.tobytes(), probs.tobytes()])[0]
+    got_acc = np.frombuffer(out, np.float32).reshape(rows, d)
+    p = probs[:, :case.count].astype(np.float64)
+    return ok and within_rounding(got_acc, acc + p @ case.keys,
+                                  np.abs(acc) + p @ np.abs(case.keys), case.count)
+
+
+def invariant_rows(machine: Machine, dtype: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The emulated invariant_linear of rows x against w: [len(x), len(w)] float32."""
+    out = np.zeros((len(x), len(w)), np.float32)
+    addresses = Machine.addresses([x.nbytes, w.nbytes, out.nbytes])
+    result = machine.call(f"invariant_{dtype}",
+                          [addresses[0], addresses[1], len(x), len(w), x.shape[1], addresses[2]],
+                          [np.ascontiguousarray(x).tobytes(), w.tobytes(), out.tobytes()])[2]
+    return np.frombuffer(result, np.float32).reshape(len(x), len(w))
+
+
+def check_invariant(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
+    """csrc/invariant_linear.cpp's blocks (F32Step; Bf16Step, vdpbf16ps, where patched):
+    within float32 rounding of float64 sums, and each row bit-identical alone and in the
+    batch (--batch-invariant's promise)."""
+    includes = torch_includes()
+    if includes is None:
+        print("invariant: skipped (torch's headers are needed)")
+        return 0, 0
+    # -fexceptions: the file's tensor function throws (it is compiled, then dropped unused)
+    machine = Machine(bochscpu, *build_flat(scratch, INVARIANT_ENTRY,
+                                            [*isa(bf16), "-fexceptions"], includes))
+    rng = np.random.default_rng(2)
+    dtypes = ["f32"] + (["bf16"] if bf16 else [])
+    passed = total = 0
+    for index in range(max(cases // 3, 2 * len(dtypes))):
+        dtype = dtypes[index % len(dtypes)]
+        rows, n = int(rng.integers(1, 11)), int(rng.integers(1, 23))
+        k = int(rng.choice([16, 32, 40, 64, 70, 96]))
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        if dtype == "bf16":
+            x_bytes, w_bytes = bf16_bits(x), bf16_bits(w)
+            x, w = widen(x_bytes), widen(w_bytes)
+        else:
+            x_bytes, w_bytes = x, w
+
+        batch = invariant_rows(machine, dtype, x_bytes, w_bytes)
+        alone = np.concatenate([invariant_rows(machine, dtype, x_bytes[r:r + 1], w_bytes)
+                                for r in range(rows)])
+        x64, w64 = x.astype(np.float64), w.astype(np.float64)
+        ok = within_rounding(batch, x64 @ w64.T, np.abs(x64) @ np.abs(w64).T, k)
+        ok &= bool(np.array_equal(alone, batch))
+        passed += ok
+        total += 1
+        print(f"invariant {dtype:4s} rows={rows:2d} n={n:2d} k={k:3d}: "
+              f"{'within float32 rounding, rows alone = batch' if ok else 'MISMATCH'}")
+    return passed, total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("panels", "tiles", "invariant"))
+    parser.add_argument("--cases", type=int, default=60, help="cases per check")
+    args = parser.parse_args()
+    bochscpu, bf16 = import_bochscpu()
+    checks = {"panels": check_panels, "tiles": check_tiles, "invariant": check_invariant}
+    failed = False
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, check in checks.items():
+            if args.only in (None, name):
+                workdir = Path(scratch) / name
+                workdir.mkdir()
+                passed, total = check(bochscpu, bf16, workdir, args.cases)
+                print(f"{name}: {passed} of {total} cases match")
+                failed |= passed != total
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
