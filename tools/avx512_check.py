@@ -4,9 +4,9 @@
 The AVX-512 paths of the C++ kernels run, and are tested (tests/model), only where the CPU
 has AVX-512; a change made on an AVX2 machine leaves them compile-checked at best. This
 script runs what can be lifted out of the extension into a flat binary under BochsCPU
-(``pip install bochscpu-python``; an emulated CPU with AVX-512F but not AVX512-BF16) and
-compares it with a reference. The code is compiled for ``-march=cannonlake -mavx512bf16``
-(the emulated CPU, an i3-8121U, plus AVX512-BF16, see below):
+(bochscpu-python, in the dev extra) and compares it with a reference. The code is compiled
+for ``-march=cannonlake -mavx512bf16`` (the emulated CPU, an i3-8121U, plus AVX512-BF16, see
+below):
 
 - ``panels``: csrc/panel_dpbf16.h's loops (``panel_rows``) with ``NativeDot`` (vdpbf16ps) and
   with ``WidenDot`` (its AVX-512F stand-in), over many shapes, against the same chain of
@@ -18,7 +18,9 @@ compares it with a reference. The code is compiled for ``-march=cannonlake -mavx
   run time; groups of 1-7 rows; 1-40 keys; against float64 sums within float32 rounding;
   csrc/attention_gemm.h's prefill tile (``pack_keys`` + ``scores_packed``, ``widen_values`` +
   ``accumulate_widened``) the same way; and ``exp_nonpositive16`` (csrc/fast_math.h) against
-  the scalar ``exp_nonpositive`` compiled for this CPU, bit for bit, as the header promises.
+  the scalar ``exp_nonpositive`` compiled for this CPU, bit for bit, as the header promises;
+- ``invariant``: csrc/invariant_linear.cpp's register blocks (``F32Step``, ``Bf16Step``)
+  within float32 rounding, each row bit-identical alone and in its batch.
 
 BochsCPU implements vdpbf16ps, but none of its CPU models sets the AVX512-BF16 feature bit,
 so the instruction faults (#UD). The script runs a patched copy of the wheel's library:
@@ -31,11 +33,11 @@ pseudo-code: two float32 multiply-adds per lane, odd element first).
 
     python tools/avx512_check.py [--only panels|tiles] [--cases 60]
 
-Needs g++, ld, objcopy, numpy and bochscpu-python; ``tiles`` also needs torch's headers
-(run it with the project's virtualenv). Prints one line per case and a summary per check;
-exits 1 on any mismatch. The bochscpu-python 0.4.0 wheel needs glibc 2.38's ``__isoc23_*``
-symbols; on an older glibc the script builds a two-function shim and re-runs itself with it
-preloaded. Not part of the test suite (it needs that wheel).
+Needs g++, binutils, numpy and bochscpu-python (the dev extra); ``tiles`` and ``invariant``
+also need torch's headers (run it with the project's virtualenv). Prints one line per case
+and a summary per check; exits 1 on any mismatch. The bochscpu-python 0.4.0 wheel needs
+glibc 2.38's ``__isoc23_*`` symbols; on an older glibc the script builds a two-function shim
+and re-runs itself with it preloaded. tests/model/test_avx512_emulated.py runs it.
 """
 
 from __future__ import annotations
