@@ -19,8 +19,11 @@ below):
   csrc/attention_gemm.h's prefill tile (``pack_keys`` + ``scores_packed``, ``widen_values`` +
   ``accumulate_widened``) the same way; and ``exp_nonpositive16`` (csrc/fast_math.h) against
   the scalar ``exp_nonpositive`` compiled for this CPU, bit for bit, as the header promises;
-- ``invariant``: csrc/invariant_linear.cpp's register blocks (``F32Step``, ``Bf16Step``)
-  within float32 rounding, each row bit-identical alone and in its batch.
+- ``invariant``: csrc/invariant_blocks.h, invariant_linear.cpp's register blocks
+  (``F32Step``, ``Bf16Step``), within float32 rounding, each row bit-identical alone and in
+  its batch;
+- ``softmax``: csrc/attention_softmax.h, paged_attention.cpp's online-softmax step
+  (``row_max``, ``exponentiate_row``), against numpy.
 
 BochsCPU implements vdpbf16ps, but none of its CPU models sets the AVX512-BF16 feature bit,
 so the instruction faults (#UD). The script runs a patched copy of the wheel's library:
@@ -31,10 +34,10 @@ skipped and say so. What it cannot run: AMX (not in this emulator), anything tha
 torch at run time, and the real CPUs' rounding of vdpbf16ps (the emulator follows the ISA's
 pseudo-code: two float32 multiply-adds per lane, odd element first).
 
-    python tools/avx512_check.py [--only panels|tiles] [--cases 60]
+    python tools/avx512_check.py [--only panels|tiles|invariant|softmax] [--cases 60]
 
-Needs g++, binutils, numpy and bochscpu-python (the dev extra); ``tiles`` and ``invariant``
-also need torch's headers (run it with the project's virtualenv). Prints one line per case
+Needs g++, binutils, numpy and bochscpu-python (the dev extra); all but ``panels`` also
+need torch's (c10) headers (run it with the project's virtualenv). Prints one line per case
 and a summary per check; exits 1 on any mismatch. The bochscpu-python 0.4.0 wheel needs
 glibc 2.38's ``__isoc23_*`` symbols; on an older glibc the script builds a two-function shim
 and re-runs itself with it preloaded. tests/model/test_avx512_emulated.py runs it.
@@ -51,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +125,15 @@ extern "C" void exp16(const float* x, float* out, int n) {
 }
 """
 INVARIANT_ENTRY = """
-#include "invariant_linear.cpp"
-// invariant_linear's loop over rows and columns without the tensors: out [rows, n] float32.
+#include "invariant_blocks.h"
+// invariant_linear.cpp's loop over rows and columns without the tensors: out [rows, n] float32.
 template <typename T>
 void run(const T* x, const T* w, int64_t rows, int64_t n, int64_t k, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    kvserve::with_constant<4>(static_cast<int>(std::min<int64_t>(4, rows - r0)), [&](auto rn) {
-      for_chunks<4>(static_cast<int>(n), [&](int c, auto cn) {
-        block<T, decltype(rn)::value, decltype(cn)::value>(x + r0 * k, w + c * k, k,
-                                                           out + r0 * n + c, n);
+    kvserve::with_constant<4>(static_cast<int>(rows - r0 < 4 ? rows - r0 : 4), [&](auto rn) {
+      kvserve::for_chunks<4>(static_cast<int>(n), [&](int c, auto cn) {
+        kvserve::invariant::block<T, decltype(rn)::value, decltype(cn)::value>(
+            x + r0 * k, w + c * k, k, out + r0 * n + c, n);
       });
     });
   }
@@ -143,12 +147,21 @@ extern "C" void invariant_bf16(const c10::BFloat16* x, const c10::BFloat16* w, i
   run<c10::BFloat16>(x, w, rows, n, k, out);
 }
 """
+SOFTMAX_ENTRY = """
+#include "attention_softmax.h"
+extern "C" void softmax_step_64(float* scores, int rows, int stride, const int* visible,
+                                float* m, float* l, float* acc) {
+  kvserve::softmax_step<64>(scores, rows, stride, visible, m, l, acc, 64);
+}
+"""
 EXP_NATIVE = """
 #include "fast_math.h"
 extern "C" void exp_scalar(const float* x, float* out, int n) {
   for (int i = 0; i < n; ++i) out[i] = kvserve::exp_nonpositive(x[i]);
 }
 """
+ENTRY_PREFIXES = ("panel_rows_", "dots_", "acc_", "packed_scores_", "widened_acc_", "exp16",
+                  "invariant_", "softmax_")  # the entries' names; the rest of a file is dropped
 LINKER_SCRIPT = """SECTIONS { . = 0x400000;
 .text : { *(.text*) *(.rodata*) *(.data*) *(.bss*) *(.init_array*) *(.fini_array*) }
 /DISCARD/ : { *(.eh_frame*) *(.gcc_except_table*) *(.comment) *(.note*) } }"""
@@ -259,12 +272,12 @@ def build_flat(workdir: Path, source: str, isa: list[str],
     subprocess.run(["gcc", "-O1", "-fno-builtin", "-ffreestanding", "-fno-pic", "-fno-pie",
                     "-fno-tree-loop-distribute-patterns", "-fno-asynchronous-unwind-tables",
                     "-c", "stubs.c", "-o", "stubs.o"], cwd=workdir, check=True)
-    # the extern "C" functions are the entry points; --gc-sections drops all they do not reach
+    # the extern "C" entry points (named by their prefixes) are kept; --gc-sections drops all
+    # they do not reach, such as the extension's tensor functions and its module init
     defined = subprocess.run(["nm", "--defined-only", "-g", "entry.o"], cwd=workdir, check=True,
                              capture_output=True, text=True).stdout.split("\n")
-    entries = [f"--undefined={line.split()[2]}" for line in defined
-               if len(line.split()) == 3 and line.split()[1] == "T"
-               and not line.split()[2].startswith("_Z")]
+    entries = [f"--undefined={fields[2]}" for fields in map(str.split, defined)
+               if len(fields) == 3 and fields[1] == "T" and fields[2].startswith(ENTRY_PREFIXES)]
     subprocess.run(["ld", "--no-warn-rwx-segments", "--gc-sections", *entries, "-T", "flat.ld",
                     "-o", "entry.elf", "entry.o", "stubs.o"], cwd=workdir, check=True)
     subprocess.run(["objcopy", "-O", "binary", "entry.elf", "entry.bin"], cwd=workdir,
@@ -406,8 +419,8 @@ def isa(bf16: bool) -> list[str]:
     return ["-march=cannonlake", "-mtune=generic"] + (["-mavx512bf16"] if bf16 else [])
 
 
-def check_panels(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
-    machine = Machine(bochscpu, *build_flat(scratch, PANEL_ENTRY, isa(bf16), []))
+def check_panels(machine: Machine, bf16: bool, scratch: Path, cases: int,
+                 includes: list[str]) -> tuple[int, int]:
     rng = np.random.default_rng(0)
     shapes = [(rows, n, pairs) for rows in (1, 5, 12, 13, 24, 25) for n, pairs in
               ((16, 4), (5, 8), (21, 3), (40, 36))]
@@ -497,12 +510,8 @@ class TileCase:
                          for t in range(self.count)], np.uint64).tobytes()
 
 
-def check_tiles(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
-    includes = torch_includes()
-    if includes is None:
-        print("tiles: skipped (torch's headers are needed: run with the project's virtualenv)")
-        return 0, 0
-    machine = Machine(bochscpu, *build_flat(scratch, TILE_ENTRY, isa(bf16), includes))
+def check_tiles(machine: Machine, bf16: bool, scratch: Path, cases: int,
+                includes: list[str]) -> tuple[int, int]:
     rng = np.random.default_rng(1)
     configs = [("f32", 64, 64), ("f32", 128, 128), ("f32", 0, 48), ("bf16", 64, 64),
                ("bf16", 128, 128), ("bf16", 0, 96)]
@@ -622,17 +631,11 @@ def invariant_rows(machine: Machine, dtype: str, x: np.ndarray, w: np.ndarray) -
     return np.frombuffer(result, np.float32).reshape(len(x), len(w))
 
 
-def check_invariant(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tuple[int, int]:
-    """csrc/invariant_linear.cpp's blocks (F32Step; Bf16Step, vdpbf16ps, where patched):
-    within float32 rounding of float64 sums, and each row bit-identical alone and in the
-    batch (--batch-invariant's promise)."""
-    includes = torch_includes()
-    if includes is None:
-        print("invariant: skipped (torch's headers are needed)")
-        return 0, 0
-    # -fexceptions: the file's tensor function throws (it is compiled, then dropped unused)
-    machine = Machine(bochscpu, *build_flat(scratch, INVARIANT_ENTRY,
-                                            [*isa(bf16), "-fexceptions"], includes))
+def check_invariant(machine: Machine, bf16: bool, scratch: Path, cases: int,
+                    includes: list[str]) -> tuple[int, int]:
+    """invariant_blocks.h (F32Step; Bf16Step, vdpbf16ps, where patched): within float32
+    rounding of float64 sums, each row bit-identical alone and in the batch
+    (--batch-invariant's promise)."""
     rng = np.random.default_rng(2)
     dtypes = ["f32"] + (["bf16"] if bf16 else [])
     passed = total = 0
@@ -661,22 +664,89 @@ def check_invariant(bochscpu: Any, bf16: bool, scratch: Path, cases: int) -> tup
     return passed, total
 
 
+def check_softmax(machine: Machine, bf16: bool, scratch: Path, cases: int,
+                  includes: list[str]) -> tuple[int, int]:
+    """attention_softmax.h's online-softmax step against numpy (softmax_case)."""
+    rng = np.random.default_rng(3)
+    results = [softmax_case(machine, rng, stride=(16, 48, 20, 64)[index % 4])
+               for index in range(max(cases // 3, 4))]
+    return sum(results), len(results)
+
+
+def softmax_case(machine: Machine, rng: np.random.Generator, stride: int) -> bool:
+    """softmax_step<64> on up to 6 rows of scores, a running max and sum already under way
+    (or not: -inf), and a row that sees none of the tile's keys; stride a multiple of 16
+    takes the AVX-512 exponentials, another the loop."""
+    rows, dim = int(rng.integers(1, 7)), 64
+    scores = (rng.standard_normal((rows, stride)) * 4).astype(np.float32)
+    visible = rng.integers(1, stride + 1, rows).astype(np.int32)
+    visible[rng.integers(0, rows)] = 0 if rows > 1 else visible[0]
+    m = np.where(rng.random(rows) < 0.5, -np.inf, rng.standard_normal(rows) * 4)
+    m = m.astype(np.float32)
+    l_sum = (rng.random(rows) * 3).astype(np.float32)
+    acc = rng.standard_normal((rows, dim)).astype(np.float32)
+    buffers = [scores, visible, m, l_sum, acc]
+    addresses = Machine.addresses([b.nbytes for b in buffers])
+    out = machine.call("softmax_step_64",
+                       [addresses[0], rows, stride, addresses[1], addresses[2], addresses[3],
+                        addresses[4]], [b.tobytes() for b in buffers])
+    got = [np.frombuffer(o, b.dtype).reshape(b.shape) for o, b in zip(out, buffers, strict=True)]
+    ok = True
+    for r in range(rows):
+        n = int(visible[r])
+        if n == 0:  # sees nothing: its probabilities are zero, its state unchanged
+            ok &= bool(np.all(got[0][r] == 0) and got[2][r] == m[r] and got[3][r] == l_sum[r]
+                       and np.array_equal(got[4][r], acc[r]))
+            continue
+        m_new = max(float(m[r]), float(scores[r, :n].max()))
+        alpha = np.exp(np.float64(m[r]) - m_new)
+        p = np.exp((scores[r, :n] - np.float32(m_new)).astype(np.float64))  # float32 difference
+        ok &= bool(np.allclose(got[0][r, :n], p, rtol=1e-6, atol=1e-30))
+        ok &= bool(np.all(got[0][r, n:] == 0)) and got[2][r] == np.float32(m_new)
+        ok &= bool(np.isclose(got[3][r], l_sum[r] * alpha + p.sum(), rtol=1e-5))
+        ok &= bool(np.allclose(got[4][r], acc[r] * alpha, rtol=1e-6, atol=1e-30))
+    print(f"softmax stride={stride:2d} rows={rows} visible={visible.tolist()}: "
+          f"{'within float32 rounding' if ok else 'MISMATCH'}")
+    return ok
+
+
+Check = Callable[[Machine, bool, Path, int, list[str]], tuple[int, int]]
+# name: (the entry source, extra compiler flags, whether it needs torch's headers, the check)
+CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
+    "panels": (PANEL_ENTRY, [], False, check_panels),
+    "tiles": (TILE_ENTRY, [], True, check_tiles),
+    "invariant": (INVARIANT_ENTRY, [], True, check_invariant),
+    "softmax": (SOFTMAX_ENTRY, [], True, check_softmax),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("panels", "tiles", "invariant"))
+    parser.add_argument("--only", choices=tuple(CHECKS))
     parser.add_argument("--cases", type=int, default=60, help="cases per check")
     args = parser.parse_args()
     bochscpu, bf16 = import_bochscpu()
-    checks = {"panels": check_panels, "tiles": check_tiles, "invariant": check_invariant}
+    includes = torch_includes()
     failed = False
-    with tempfile.TemporaryDirectory() as scratch:
-        for name, check in checks.items():
-            if args.only in (None, name):
-                workdir = Path(scratch) / name
-                workdir.mkdir()
-                passed, total = check(bochscpu, bf16, workdir, args.cases)
-                print(f"{name}: {passed} of {total} cases match")
-                failed |= passed != total
+    with tempfile.TemporaryDirectory() as scratch, \
+            ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        builds = {}  # compiled side by side: most of the run is g++ on torch's headers
+        for name, (source, flags, needs_torch, _) in CHECKS.items():
+            if args.only not in (None, name):
+                continue
+            if needs_torch and includes is None:
+                print(f"{name}: skipped (torch's headers are needed: run it with the "
+                      "project's virtualenv)")
+                continue
+            workdir = Path(scratch) / name
+            workdir.mkdir()
+            builds[name] = (workdir, pool.submit(build_flat, workdir, source,
+                                                 [*isa(bf16), *flags], includes or []))
+        for name, (workdir, build) in builds.items():
+            machine = Machine(bochscpu, *build.result())
+            passed, total = CHECKS[name][3](machine, bf16, workdir, args.cases, includes or [])
+            print(f"{name}: {passed} of {total} cases match")
+            failed |= passed != total
     return 1 if failed else 0
 
 
