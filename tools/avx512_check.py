@@ -241,7 +241,7 @@ def import_bochscpu() -> tuple[Any, bool]:
         shim = Path(tempfile.mkdtemp()) / "isoc23_shim.so"
         source = shim.with_suffix(".c")
         source.write_text(SHIM)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O2", str(source), "-o", str(shim)],
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", str(source), "-o", str(shim)],
                        check=True)
         env = dict(os.environ, LD_PRELOAD=str(shim), KVSERVE_BOCHS_SHIM="1")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
