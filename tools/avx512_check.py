@@ -46,6 +46,7 @@ and re-runs itself with it preloaded. tests/model/test_avx512_emulated.py runs i
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import os
 import shutil
@@ -202,17 +203,41 @@ AVX512_CONSTRUCTOR = bytes.fromhex("814b2400200000" "4889dfbe4d000000")
 BF16_BYTE, BF16_VALUE = 6, 0x01
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A temporary directory removed when this process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def preload_shim_if_needed() -> None:
+    """On a glibc older than 2.38 (the wheel's library wants its __isoc23_* functions),
+    re-run this script with a two-function shim preloaded; the child removes it at exit."""
+    if os.environ.get("KVSERVE_BOCHS_SHIM"):
+        atexit.register(shutil.rmtree, os.environ["KVSERVE_BOCHS_SHIM"], ignore_errors=True)
+        return
+    name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+    if name != "glibc" or tuple(int(part) for part in version.split(".")[:2]) >= (2, 38):
+        return
+    directory = Path(tempfile.mkdtemp(prefix="isoc23-shim-"))
+    (directory / "shim.c").write_text(SHIM)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "shim.c", "-o", "shim.so"],
+                   cwd=directory, check=True)
+    env = dict(os.environ, LD_PRELOAD=str(directory / "shim.so"),
+               KVSERVE_BOCHS_SHIM=str(directory))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def patched_copy() -> Path | None:
-    """A copy of the installed bochscpu package whose CPU models have AVX512-BF16, in a new
+    """A copy of the installed bochscpu package whose CPU models have AVX512-BF16, in a
     directory to put first on sys.path (None where the pattern is not in this wheel)."""
     import importlib.util
 
     spec = importlib.util.find_spec("bochscpu")
     if spec is None or spec.origin is None:
         raise SystemExit("avx512_check: pip install bochscpu-python first")
-    package = Path(spec.origin).parent
-    root = Path(tempfile.mkdtemp(prefix="bochscpu-bf16-"))
-    shutil.copytree(package, root / "bochscpu")
+    root = scratch_dir("bochscpu-bf16-")
+    shutil.copytree(Path(spec.origin).parent, root / "bochscpu")
     patched = 0
     for library in (root / "bochscpu").glob("_bochscpu*.so"):
         data = bytearray(library.read_bytes())
@@ -227,6 +252,7 @@ def patched_copy() -> Path | None:
 
 def import_bochscpu() -> tuple[Any, bool]:
     """bochscpu (the patched copy where it can be made) and whether it runs vdpbf16ps."""
+    preload_shim_if_needed()
     root = patched_copy()
     if root is not None:
         sys.path.insert(0, str(root))
@@ -235,16 +261,7 @@ def import_bochscpu() -> tuple[Any, bool]:
         import bochscpu.cpu
         import bochscpu.memory
     except ImportError as error:
-        if "__isoc23" not in str(error) or os.environ.get("KVSERVE_BOCHS_SHIM"):
-            raise SystemExit(f"avx512_check: bochscpu-python does not load: {error}") \
-                from error
-        shim = Path(tempfile.mkdtemp()) / "isoc23_shim.so"
-        source = shim.with_suffix(".c")
-        source.write_text(SHIM)
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", str(source), "-o", str(shim)],
-                       check=True)
-        env = dict(os.environ, LD_PRELOAD=str(shim), KVSERVE_BOCHS_SHIM="1")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        raise SystemExit(f"avx512_check: bochscpu-python does not load: {error}") from error
     if root is None:
         print("vdpbf16ps: this bochscpu's library lacks the expected pattern; its checks are "
               "skipped")
