@@ -214,3 +214,16 @@ def test_a_passive_engine_by_cores_spins_briefly_unless_told(monkeypatch):
     assert "GOMP_SPINCOUNT" not in EngineSpec(print, threads=1).environment()  # ACTIVE
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")
     assert "GOMP_SPINCOUNT" not in EngineSpec(print).environment()  # the user's 0 stands
+
+
+def test_the_kernel_choice_reaches_every_engine_process(monkeypatch):
+    """KVSERVE_PROJECTIONS, as the caller set it, is in each engine process's environment (a
+    Ray actor on another node does not inherit the server's), and only when set."""
+    from kvserve.engine.engine_process import KERNEL_ENVIRONMENT, EngineSpec
+    from kvserve.model.kernel_info import PROJECTIONS_ENV
+
+    assert PROJECTIONS_ENV in KERNEL_ENVIRONMENT
+    monkeypatch.delenv(PROJECTIONS_ENV, raising=False)
+    assert PROJECTIONS_ENV not in EngineSpec(print).environment()
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels")
+    assert EngineSpec(print).environment()[PROJECTIONS_ENV] == "panels"

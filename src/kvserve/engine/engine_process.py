@@ -71,6 +71,9 @@ PICKLE_PROTOCOL = 5
 _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
 # libgomp's spin count when no OMP_WAIT_POLICY is set: how long a waiting OpenMP thread of the
 # engine spins before it sleeps (EngineSpec.environment).
+# The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV), passed to
+# every engine process and replica as the caller set them.
+KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS",)
 BRIEF_SPIN_COUNT = "300000"
 
 
@@ -103,7 +106,8 @@ class EngineSpec:
         return "ACTIVE" if cores > (self.threads or cores) else "PASSIVE"
 
     def environment(self) -> dict[str, str]:
-        """The engine process's OpenMP settings. Where the policy was chosen PASSIVE by cores
+        """The engine process's OpenMP settings, and the caller's KERNEL_ENVIRONMENT. Where the
+        policy was chosen PASSIVE by cores
         (not said outright), the threads still spin briefly before they sleep:
         GOMP_SPINCOUNT=300000, libgomp's own default when no policy is set (a few
         milliseconds), unless the user set GOMP_SPINCOUNT. A step's kernels follow each other
@@ -114,6 +118,9 @@ class EngineSpec:
         env = {"OMP_WAIT_POLICY": self.resolved_wait_policy()}
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
+        for name in KERNEL_ENVIRONMENT:  # so a Ray actor on another node runs the same kernels
+            if name in os.environ:
+                env[name] = os.environ[name]
         if self.wait_policy is None and env["OMP_WAIT_POLICY"] == "PASSIVE" \
                 and "GOMP_SPINCOUNT" not in os.environ:
             env["GOMP_SPINCOUNT"] = BRIEF_SPIN_COUNT
