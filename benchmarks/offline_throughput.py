@@ -46,8 +46,9 @@ def w1_prompts(n: int = 128, seed: int = 0) -> list[list[int]]:
     return prompts[:n]
 
 
-def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int) -> dict:
-    settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": 2048,
+def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int,
+        max_num_batched_tokens: int = 2048) -> dict:
+    settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": max_num_batched_tokens,
                       "kv_cache_memory": kv_cache_memory}
     if workload == "w2":
         settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
@@ -97,12 +98,15 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                         help="W1's KV cache (W2 always holds 4,096 tokens)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the step's token budget (vLLM's CPU LLM class defaults to 4096)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     rows = []
     for workload in args.workload:
-        row = run(workload, args.n, args.dtype, args.block_size, args.kv_cache_memory)
+        row = run(workload, args.n, args.dtype, args.block_size, args.kv_cache_memory,
+                  args.max_num_batched_tokens)
         print(json.dumps(row), flush=True)
         rows.append(row)
     section = markdown(rows, "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]))
