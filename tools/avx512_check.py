@@ -36,11 +36,11 @@ pseudo-code: two float32 multiply-adds per lane, odd element first).
 
     python tools/avx512_check.py [--only panels|tiles|invariant|softmax] [--cases 60]
 
-Needs g++, binutils, numpy and bochscpu-python (the dev extra); all but ``panels`` also
-need torch's (c10) headers (run it with the project's virtualenv). Prints one line per case
-and a summary per check; exits 1 on any mismatch. The bochscpu-python 0.4.0 wheel needs
-glibc 2.38's ``__isoc23_*`` symbols; on an older glibc the script builds a two-function shim
-and re-runs itself with it preloaded. tests/model/test_avx512_emulated.py runs it.
+Needs g++, binutils, numpy, bochscpu-python (the dev extra) and kvserve with torch (its
+headers; the engine's own weight packing): run it with the project's virtualenv. Prints one
+line per case and a summary per check; exits 1 on any mismatch. The bochscpu-python 0.4.0
+wheel needs glibc 2.38's ``__isoc23_*`` symbols; on an older glibc the script builds a
+two-function shim and re-runs itself with it preloaded. tests/model/test_avx512_emulated.py runs it.
 """
 
 from __future__ import annotations
@@ -412,11 +412,14 @@ def widen(bits: np.ndarray) -> np.ndarray:
 # --- panels ----------------------------------------------------------------------------------
 
 def pack_pair_panels(weight: np.ndarray) -> np.ndarray:
-    """As llama.pack_pair_panels: bf16 bits [n, k] -> [ceil(n / 16), k / 2, 16, 2]."""
-    n, k = weight.shape
-    padded = np.zeros((-(-n // 16) * 16, k), np.uint16)
-    padded[:n] = weight
-    return np.ascontiguousarray(padded.reshape(-1, 16, k // 2, 2).transpose(0, 2, 1, 3))
+    """The engine's own packing (llama.pack_pair_panels) of bf16 bits [n, k]:
+    [ceil(n / 16), k / 2, 16, 2], so the layout checked is the one the engine makes."""
+    import torch
+
+    from kvserve.model.llama import pack_pair_panels as pack
+
+    bits = torch.from_numpy(np.ascontiguousarray(weight).view(np.int16)).view(torch.bfloat16)
+    return pack(bits).view(torch.int16).numpy().view(np.uint16)
 
 
 def widen_dot_chain(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -730,7 +733,7 @@ def softmax_case(machine: Machine, rng: np.random.Generator, stride: int) -> boo
 Check = Callable[[Machine, bool, Path, int, list[str]], tuple[int, int]]
 # name: (the entry source, extra compiler flags, whether it needs torch's headers, the check)
 CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
-    "panels": (PANEL_ENTRY, [], False, check_panels),
+    "panels": (PANEL_ENTRY, [], True, check_panels),
     "tiles": (TILE_ENTRY, [], True, check_tiles),
     "invariant": (INVARIANT_ENTRY, [], True, check_invariant),
     "softmax": (SOFTMAX_ENTRY, [], True, check_softmax),
@@ -752,8 +755,8 @@ def main() -> int:
             if args.only not in (None, name):
                 continue
             if needs_torch and includes is None:
-                print(f"{name}: skipped (torch's headers are needed: run it with the "
-                      "project's virtualenv)")
+                print(f"{name}: skipped (torch is needed: run it with the project's "
+                      "virtualenv)")
                 continue
             workdir = Path(scratch) / name
             workdir.mkdir()

@@ -71,10 +71,10 @@ PICKLE_PROTOCOL = 5
 _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
 # libgomp's spin count when no OMP_WAIT_POLICY is set: how long a waiting OpenMP thread of the
 # engine spins before it sleeps (EngineSpec.environment).
+BRIEF_SPIN_COUNT = "300000"
 # The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV), passed to
 # every engine process and replica as the caller set them.
 KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS",)
-BRIEF_SPIN_COUNT = "300000"
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ class EngineSpec:
 
     def environment(self) -> dict[str, str]:
         """The engine process's OpenMP settings, and the caller's KERNEL_ENVIRONMENT. Where the
-        policy was chosen PASSIVE by cores
-        (not said outright), the threads still spin briefly before they sleep:
+        policy was chosen PASSIVE by cores (not said outright), the threads still spin briefly
+        before they sleep:
         GOMP_SPINCOUNT=300000, libgomp's own default when no policy is set (a few
         milliseconds), unless the user set GOMP_SPINCOUNT. A step's kernels follow each other
         within microseconds, so waiting threads catch the next one spinning, and sleep when

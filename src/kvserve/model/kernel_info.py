@@ -93,14 +93,18 @@ PROJECTIONS_ENV = "KVSERVE_PROJECTIONS"
 PROJECTION_CHOICES = ("auto", "panels", "panels-avx2", "onednn", "torch")
 
 
-def projection_choice() -> str:
-    """KVSERVE_PROJECTIONS, checked (``auto`` when unset); ValueError naming the variable and
-    the values it takes for anything else."""
-    value = os.environ.get(PROJECTIONS_ENV, "").strip().lower() or "auto"
+def checked_choice(value: str) -> str:
+    """``value`` if it is one of PROJECTION_CHOICES, else ValueError naming the variable and
+    the values it takes."""
     if value not in PROJECTION_CHOICES:
         raise ValueError(f"{PROJECTIONS_ENV}={value!r} is not one of "
                          f"{', '.join(PROJECTION_CHOICES)}")
     return value
+
+
+def projection_choice() -> str:
+    """KVSERVE_PROJECTIONS, checked (``auto`` when unset)."""
+    return checked_choice(os.environ.get(PROJECTIONS_ENV, "").strip().lower() or "auto")
 
 
 def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
@@ -116,15 +120,12 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     when asked for until measured against oneDNN on such a CPU (docs/kernels.md). ValueError
     where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
-    if choice == "auto":
+    if checked_choice(choice) == "auto":
         if dtype == torch.bfloat16:
             return "onednn" if onednn_bf16 else "panels-avx2" if avx2_panels else "torch"
         if dtype == torch.float32 and packs_fp32:
             return "panels-avx2" if avx2_panels else "onednn"
         return "torch"
-    if choice not in PROJECTION_CHOICES:
-        raise ValueError(f"{PROJECTIONS_ENV}={choice!r} is not one of "
-                         f"{', '.join(PROJECTION_CHOICES)}")
     if choice == "torch":
         return "torch"
     if dtype not in (torch.float32, torch.bfloat16):

@@ -153,6 +153,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 // x: [rows, k] bfloat16; panels: [ceil(n / 16), k / 2, 16, 2] bfloat16 (panel_dpbf16.h's
 // layout) -> [rows, n] float32.
 at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  using kvserve::dpbf16::kPanel;  // the header's panel width, not panel_linear's
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "panel_linear_bf16: x must be contiguous bfloat16 [rows, in_features]");
   TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
