@@ -79,6 +79,48 @@ def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+INT8_MAX = 127  # symmetric int8: [-127, 127], so negation never overflows
+
+
+def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a float tensor [rows, k]: (q int8 [rows, k], scale float32
+    [rows]) with values ~ q * scale, scale = amax / 127 and q = round-half-even(values *
+    (127 / amax)); a row of zeros gets scale 0. csrc/int8_linear.cpp quantizes activations by
+    exactly these float32 operations."""
+    values = values.float()
+    amax = values.abs().amax(1)
+    inverse = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    q = torch.round(values * inverse[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), amax / INT8_MAX
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [n, k] quantized per output column (:func:`quantize_int8`) and packed as
+    csrc/int8_linear.cpp reads it: int8 panels [ceil(n / 16), ceil(k / 2), 16, 2] (k padded to
+    even with zeros) and the columns' scales, padded to whole panels."""
+    q, scale = quantize_int8(weight)
+    if q.shape[1] % 2:
+        q = F.pad(q, (0, 1))
+    panels = pack_pair_panels(q)
+    return panels, F.pad(scale, (0, panels.shape[0] * PANEL - scale.shape[0]))
+
+
+def int8_linear_reference(x: torch.Tensor, q_weight: torch.Tensor,
+                          w_scale: torch.Tensor) -> torch.Tensor:
+    """What csrc/int8_linear.cpp computes, in torch: the rows quantized (:func:`quantize_int8`),
+    their exact integer sums against ``q_weight`` [n, k] (float64 holds them exactly), rounded
+    to float32 and scaled by the row's scale, then the column's. Bit-identical to the kernel."""
+    qx, x_scale = quantize_int8(x.reshape(-1, x.shape[-1]))
+    sums = (qx.double() @ q_weight.double().T).float()
+    out = sums * x_scale[:, None] * w_scale[None, :]
+    return out.view(*x.shape[:-1], q_weight.shape[0])
+
+
+def int8_linear_available() -> bool:
+    """Whether this build has csrc/int8_linear.cpp's kernel (AVX2)."""
+    return paged_kernel.available() and bool(paged_kernel.layer_ops().int8_linear_compiled())
+
+
 def panel_linear_available() -> bool:
     """Whether this build has csrc/panel_linear.cpp's kernel (AVX2 and FMA)."""
     return paged_kernel.available() and bool(paged_kernel.layer_ops().panel_linear_compiled())

@@ -33,6 +33,7 @@
 #include "attention_gemm.h"
 #include "attention_softmax.h"
 #include "fast_math.h"
+#include "int8_linear.h"
 #include "panel_linear.h"
 #include "invariant_linear.h"
 #include "layer_ops.h"
@@ -549,6 +550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   register_invariant_linear(m);
   register_panel_linear(m);
+  register_int8_linear(m);
   m.def("compiled_isa", &compiled_isa,
         "The instruction sets the kernels were compiled for: avx2, avx512f, avx512_bf16");
 }
