@@ -62,6 +62,8 @@ CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_c
 SIM_HASH_ALGO = "builtin"
 # vLLM's --dtype spellings, for the engine and the simulator alike (docs/dtype.md)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# kvserve.model.quantization.QUANTIZATIONS (not imported: that imports torch)
+QUANTIZATIONS = ("int8",)
 # A host tier past this is a typo (vLLM's --swap-space is GiB per device; 1 PiB is absurd).
 MAX_SWAP_SPACE = 2**50
 SCHEDULER_KEYS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
@@ -170,6 +172,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="a greedy or seeded request gives the same tokens whatever else "
                              "runs (batch size, chunking, prefix hits, preemption), at a "
                              "speed cost (docs/tenants.md); vLLM's VLLM_BATCH_INVARIANT=1")
+    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                        help="int8: the projections in dynamic W8A8 int8, quantized at load "
+                             "(faster; greedy text differs from the float model's; "
+                             "docs/quantization.md); default: none")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,6 +183,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     flags left unset are left out, so build_engine's defaults apply."""
     return {"dtype": args.dtype, "load_format": args.load_format, "seed": args.seed,
             **({"batch_invariant": True} if getattr(args, "batch_invariant", False) else {}),
+            **({"quantization": args.quantization}
+               if getattr(args, "quantization", None) is not None else {}),
             **settings_from_args(args)}
 
 

@@ -20,6 +20,7 @@ from kvserve.model.kernel_info import (
     parse_cpuinfo,
     projection_kernel,
 )
+from kvserve.model.quantization import int8_linear_available
 from tests.model.reference import TINY
 
 AMX_XEON = """processor\t: 0
@@ -149,6 +150,10 @@ def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) ->
     assert list(report["ops"]) == ["float32", "bfloat16"]
     for dtype, ops in report["ops"].items():
         assert ops == kernel_info.kernel_report().ops(getattr(torch, dtype))
+    # --quantization int8: its kernel where this machine runs it, else the reason it cannot
+    expected = "int8_linear [--quantization int8]" if int8_linear_available() \
+        else "--quantization int8 needs"
+    assert report["quantization"]["int8"].startswith(expected)
 
 
 def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,6 +165,8 @@ def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str])
     assert lines[1] == f"ISA found    {found}"
     assert lines[4].startswith("C++ kernels  built" if paged_kernel.available()
                                else "C++ kernels  not built")
+    assert lines[6].startswith("quantization int8_linear" if int8_linear_available()
+                               else "quantization --quantization int8 needs")
     report = kernel_info.kernel_report()
     for dtype in ("float32", "bfloat16"):
         start = lines.index(f"{dtype}:")

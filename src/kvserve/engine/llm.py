@@ -32,6 +32,7 @@ from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import LlamaForCausalLM, invariant_projections
+from kvserve.model.quantization import check_quantization
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 
@@ -52,13 +53,14 @@ class GenerationResult:
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
-               load_format: str = "auto", seed: int = 0, batch_invariant: bool = False
-               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+               load_format: str = "auto", seed: int = 0, batch_invariant: bool = False,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """The network with its weights, and the tokenizer.
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
     ModelConfig (random weights, no tokenizer). ``load_format="dummy"`` keeps the file's
     config and tokenizer but draws random weights (benchmarks, calibration).
+    ``quantization``: None or "int8" (:mod:`kvserve.model.quantization`).
     """
     from kvserve.model import loader
     from kvserve.model.tokenizer import load_tokenizer
@@ -73,7 +75,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     else:
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = load_tokenizer(model)
-    network = LlamaForCausalLM.from_weights(config, weights, batch_invariant)
+    network = LlamaForCausalLM.from_weights(config, weights, batch_invariant, quantization)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
     _return_freed_heap()
@@ -100,7 +102,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  preemption_prices: Any | None = None,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | None = None, batch_invariant: bool = False,
-                 **scheduler_settings: Any) -> Engine:
+                 quantization: str | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
     ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
@@ -119,7 +121,12 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     order does not depend on the batch, chunking or prefix-cache hits, and a sampler that
     takes each row alone, so a greedy or seeded request's tokens do not depend on other
     traffic. Needs the C++ kernels and float32 or bfloat16; refused otherwise.
+
+    ``quantization="int8"`` (``--quantization int8``, docs/quantization.md): the projections
+    in dynamic W8A8 int8 (:mod:`kvserve.model.quantization`); needs the C++ kernels on an
+    AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
     """
+    check_quantization(quantization)
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
     torch_dtype, why = resolve_dtype(dtype, stored)
@@ -127,14 +134,14 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if not paged_kernel.available():  # build (or load) it now, not in the first step
         logger.warning("paged attention kernel unavailable (%s); using the torch path",
                        paged_kernel.unavailable_reason())
-    for line in boot_lines(kernel_report(), torch_dtype):  # CPU, ISA, kernel per op
+    for line in boot_lines(kernel_report(), torch_dtype, quantization):  # CPU, ISA, op kernels
         logger.info("%s", line)
     if batch_invariant:
         check_batch_invariant(torch_dtype)
         logger.info("batch-invariant: projections by %s, attention per query row in whole "
                     "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
-                                        batch_invariant)
+                                        batch_invariant, quantization)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
     if num_kv_blocks is None:

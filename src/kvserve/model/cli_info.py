@@ -20,12 +20,15 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.flags import CLIError
-    from kvserve.model.kernel_info import kernel_report
+    from kvserve.model.kernel_info import describe_quantization, kernel_report
+    from kvserve.model.quantization import QUANTIZATIONS, unavailable_reason
 
     try:
         report = kernel_report().as_dict()
     except ValueError as error:  # KVSERVE_PROJECTIONS asks for what this machine lacks
         raise CLIError(str(error)) from None
+    report["quantization"] = {name: unavailable_reason(name) or describe_quantization(name)
+                              for name in QUANTIZATIONS}
     print(json.dumps(report, indent=1) if args.json else text(report))
     return 0
 
@@ -48,6 +51,7 @@ def text(report: dict[str, Any]) -> str:
              f"C++ kernels  {built}",
              "AMX          no kvserve kernel uses AMX tiles; oneDNN's packed bf16 projections "
              "do where the CPU has them"]
+    lines += [f"{'quantization':<13}{kernel}" for kernel in report.get("quantization", {}).values()]
     for dtype, ops in report["ops"].items():
         lines += ["", f"{dtype}:"]
         lines += [f"  {op:<14} {kernel}" for op, kernel in ops.items()]

@@ -256,9 +256,21 @@ def isa_line(cpu: CpuInfo) -> str:
     return f"{found}" + (f" (not found: {missing})" if missing else "")
 
 
-def boot_lines(report: KernelReport, dtype: torch.dtype) -> list[str]:
+def describe_quantization(quantization: str | None) -> str:
+    """The projections' kernel under ``--quantization`` (:mod:`kvserve.model.quantization`)."""
+    if quantization is None:
+        return "none"
+    return (f"int8_linear [--quantization {quantization}]: W8A8 int8 (weights per column at "
+            "load, rows per token each step), exact int32 sums by AVX2 vpmaddwd; LM head in "
+            "the model's dtype")
+
+
+def boot_lines(report: KernelReport, dtype: torch.dtype,
+               quantization: str | None = None) -> list[str]:
     """What the server and ``kvserve generate`` log at start-up."""
     ops = report.ops(dtype)
+    if quantization is not None:
+        ops["projections"] = describe_quantization(quantization)
     built = "built" if report.extension_built else f"not built ({report.extension_error})"
     return [f"CPU: {report.cpu.model}, {report.cpu.logical_cpus} logical CPUs, "
             f"{report.threads} torch threads; ISA: {isa_line(report.cpu)}",

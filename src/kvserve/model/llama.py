@@ -79,48 +79,6 @@ def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-INT8_MAX = 127  # symmetric int8: [-127, 127], so negation never overflows
-
-
-def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of a float tensor [rows, k]: (q int8 [rows, k], scale float32
-    [rows]) with values ~ q * scale, scale = amax / 127 and q = round-half-even(values *
-    (127 / amax)); a row of zeros gets scale 0. csrc/int8_linear.cpp quantizes activations by
-    exactly these float32 operations."""
-    values = values.float()
-    amax = values.abs().amax(1)
-    inverse = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
-    q = torch.round(values * inverse[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), amax / INT8_MAX
-
-
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [n, k] quantized per output column (:func:`quantize_int8`) and packed as
-    csrc/int8_linear.cpp reads it: int8 panels [ceil(n / 16), ceil(k / 2), 16, 2] (k padded to
-    even with zeros) and the columns' scales, padded to whole panels."""
-    q, scale = quantize_int8(weight)
-    if q.shape[1] % 2:
-        q = F.pad(q, (0, 1))
-    panels = pack_pair_panels(q)
-    return panels, F.pad(scale, (0, panels.shape[0] * PANEL - scale.shape[0]))
-
-
-def int8_linear_reference(x: torch.Tensor, q_weight: torch.Tensor,
-                          w_scale: torch.Tensor) -> torch.Tensor:
-    """What csrc/int8_linear.cpp computes, in torch: the rows quantized (:func:`quantize_int8`),
-    their exact integer sums against ``q_weight`` [n, k] (float64 holds them exactly), rounded
-    to float32 and scaled by the row's scale, then the column's. Bit-identical to the kernel."""
-    qx, x_scale = quantize_int8(x.reshape(-1, x.shape[-1]))
-    sums = (qx.double() @ q_weight.double().T).float()
-    out = sums * x_scale[:, None] * w_scale[None, :]
-    return out.view(*x.shape[:-1], q_weight.shape[0])
-
-
-def int8_linear_available() -> bool:
-    """Whether this build has csrc/int8_linear.cpp's kernel (AVX2)."""
-    return paged_kernel.available() and bool(paged_kernel.layer_ops().int8_linear_compiled())
-
-
 def panel_linear_available() -> bool:
     """Whether this build has csrc/panel_linear.cpp's kernel (AVX2 and FMA)."""
     return paged_kernel.available() and bool(paged_kernel.layer_ops().panel_linear_compiled())
@@ -160,6 +118,9 @@ class Linear(nn.Module):
     panel_linear_bf16 (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps);
     :func:`projection_kernel` decides which (docs/kernels.md).
 
+    With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
+    int8 copy of the weight instead (:mod:`kvserve.model.quantization`).
+
     With ``invariant`` (``--batch-invariant``) it runs the C++ ``invariant_linear`` instead,
     whose reduction order per output element does not depend on the number of rows
     (csrc/invariant_linear.cpp); a library GEMM's does.
@@ -171,6 +132,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN's layout
         self.panels: torch.Tensor | None = None  # panel_linear's
         self.pair_panels: torch.Tensor | None = None  # panel_linear_bf16's
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
@@ -191,7 +153,21 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
                                        requires_grad=False)
 
+    def quantize_int8(self) -> None:
+        """Run through csrc/int8_linear.cpp from now on: the weight quantized per output column
+        and packed (:func:`kvserve.model.quantization.pack_int8`); the plain weight becomes a
+        shape-only (meta) tensor."""
+        from kvserve.model.quantization import pack_int8
+
+        weight = self.weight.detach()
+        self.int8 = pack_int8(weight)
+        self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+            out = paged_kernel.layer_ops().int8_linear(rows, *self.int8, self.weight.shape[0])
+            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if self.invariant:
             return paged_kernel.layer_ops().invariant_linear(x.contiguous(), self.weight)
         if self.pair_panels is not None:
@@ -351,7 +327,8 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
-                     batch_invariant: bool = False) -> LlamaForCausalLM:
+                     batch_invariant: bool = False,
+                     quantization: str | None = None) -> LlamaForCausalLM:
         """Build the network around Hugging Face-named weights, consuming ``weights``.
 
         Parameters are created on the meta device and then bound to the given tensors (q/k/v
@@ -361,23 +338,29 @@ class LlamaForCausalLM(nn.Module):
         depend on the rows (:func:`invariant_projections`): the panels where this build has
         them (:func:`uses_panels`), else :class:`Linear`'s invariant kernel on the unpacked
         weights.
+        ``quantization="int8"``: every projection but the LM head runs int8
+        (:meth:`Linear.quantize_int8`); those sums are exact, so row-independent too.
         """
         with torch.device("meta"):
             model = cls(config)
         model.load_weights(weights)
         dtype = model.embed_tokens.weight.dtype
+        linears = [module for module in model.modules() if isinstance(module, Linear)]
+        if quantization == "int8":
+            for module in linears:
+                if module is not model.lm_head:
+                    module.quantize_int8()
+            linears = [model.lm_head]
         if batch_invariant and not uses_panels(dtype):
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.invariant = True
+            for module in linears:
+                module.invariant = True
         elif batch_invariant or can_pack_weights(dtype):
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    # a 16-bit LM head keeps its plain weight: compute_logits recomputes rows
-                    # of it to break rounding ties (a tied head's is the embedding table anyway)
-                    keep = (module is model.lm_head and dtype != torch.float32) or \
-                        module.weight is model.embed_tokens.weight
-                    module.pack(release_weight=not keep)
+            for module in linears:
+                # a 16-bit LM head keeps its plain weight: compute_logits recomputes rows of
+                # it to break rounding ties (a tied head's is the embedding table anyway)
+                keep = (module is model.lm_head and dtype != torch.float32) or \
+                    module.weight is model.embed_tokens.weight
+                module.pack(release_weight=not keep)
         return model.eval()
 
     @torch.no_grad()

@@ -1,0 +1,87 @@
+"""Int8 quantization of the projections (``--quantization int8``, docs/quantization.md).
+
+Dynamic W8A8, as vLLM's and SGLang's int8 CPU paths (torchao's ``int8dq``): each projection's
+weight is quantized once at load, symmetric int8 per output column; each call quantizes its
+rows, symmetric int8 per token; the products are summed exactly in int32
+(csrc/int8_linear.cpp: AVX2 ``vpmaddwd``) and scaled back to float. The LM head keeps the
+model's dtype (as vLLM's W8A8 checkpoints do), as do the embeddings, norms and the KV cache.
+The weights are quantized from whatever the loader produced (the bundled GGUF's Q4_1 blocks
+dequantized), so greedy text differs from the float model's; docs/quantization.md has the
+measured difference and speed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model import paged_kernel
+from kvserve.model.llama import PANEL, pack_pair_panels
+
+QUANTIZATIONS = ("int8",)
+
+
+INT8_MAX = 127  # symmetric int8: [-127, 127], so negation never overflows
+
+
+def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a float tensor [rows, k]: (q int8 [rows, k], scale float32
+    [rows]) with values ~ q * scale, scale = amax / 127 and q = round-half-even(values *
+    (127 / amax)); a row of zeros gets scale 0. csrc/int8_linear.cpp quantizes activations by
+    exactly these float32 operations."""
+    values = values.float()
+    amax = values.abs().amax(1)
+    inverse = torch.where(amax > 0, INT8_MAX / amax, torch.zeros_like(amax))
+    q = torch.round(values * inverse[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), amax / INT8_MAX
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [n, k] quantized per output column (:func:`quantize_int8`) and packed as
+    csrc/int8_linear.cpp reads it: int8 panels [ceil(n / 16), ceil(k / 2), 16, 2] (k padded to
+    even with zeros) and the columns' scales, padded to whole panels."""
+    q, scale = quantize_int8(weight)
+    if q.shape[1] % 2:
+        q = F.pad(q, (0, 1))
+    panels = pack_pair_panels(q)
+    return panels, F.pad(scale, (0, panels.shape[0] * PANEL - scale.shape[0]))
+
+
+def int8_linear_reference(x: torch.Tensor, q_weight: torch.Tensor,
+                          w_scale: torch.Tensor) -> torch.Tensor:
+    """What csrc/int8_linear.cpp computes, in torch: the rows quantized (:func:`quantize_int8`),
+    their exact integer sums against ``q_weight`` [n, k] (float64 holds them exactly), rounded
+    to float32 and scaled by the row's scale, then the column's. Bit-identical to the kernel."""
+    qx, x_scale = quantize_int8(x.reshape(-1, x.shape[-1]))
+    sums = (qx.double() @ q_weight.double().T).float()
+    out = sums * x_scale[:, None] * w_scale[None, :]
+    return out.view(*x.shape[:-1], q_weight.shape[0])
+
+
+def int8_linear_available() -> bool:
+    """Whether this build has csrc/int8_linear.cpp's kernel (AVX2)."""
+    return paged_kernel.available() and bool(paged_kernel.layer_ops().int8_linear_compiled())
+
+
+def unavailable_reason(quantization: str | None) -> str | None:
+    """Why ``quantization`` cannot run here (an unknown name, or no kernel), or None."""
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATIONS:
+        return (f"unknown quantization {quantization!r}; choose "
+                + " or ".join(QUANTIZATIONS) + " (or leave it unset)")
+    if not paged_kernel.available():
+        return (f"--quantization {quantization} needs kvserve's C++ kernels, which are "
+                f"unavailable: {paged_kernel.unavailable_reason()}")
+    if not int8_linear_available():
+        return (f"--quantization {quantization} needs an AVX2 CPU (int8_linear); this build "
+                f"has {', '.join(paged_kernel.compiled_isa()) or 'no vector ISA'}")
+    return None
+
+
+def check_quantization(quantization: str | None) -> None:
+    """Raise ValueError naming why ``quantization`` cannot run here; None always can."""
+    reason = unavailable_reason(quantization)
+    if reason is not None:
+        raise ValueError(reason)
+

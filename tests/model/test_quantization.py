@@ -1,0 +1,160 @@
+"""--quantization int8 (issue 16, "AMX tiles where present (bf16 and int8) ... AVX2 as the
+floor"): dynamic W8A8 projections. csrc/int8_linear.cpp is bit-identical to the torch
+reference (its sums are exact integers), each row's result does not depend on the other rows,
+the model routes every projection but the LM head through it, and bad or impossible requests
+are refused with the reason (docs/quantization.md)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import flags
+from kvserve.core import SamplingParams
+from kvserve.engine.llm import LLM, build_engine
+from kvserve.model import paged_kernel, quantization
+from kvserve.model.kernel_info import boot_lines, kernel_report
+from kvserve.model.llama import Linear, LlamaForCausalLM
+from kvserve.model.loader import dummy_weights
+from kvserve.model.quantization import (
+    check_quantization,
+    int8_linear_available,
+    int8_linear_reference,
+    pack_int8,
+    quantize_int8,
+)
+from tests.model.reference import TINY
+
+needs_kernel = pytest.mark.skipif(not int8_linear_available(),
+                                  reason="int8_linear needs the C++ kernels on an AVX2 CPU")
+
+# rows x n x k: one row (decode), 1-5 rows past a block of 6, columns past a panel of 16, odd
+# k (padded to even), and SmolLM2-135M's fused QKV, gate/up and down shapes
+SHAPES = [(1, 16, 2), (3, 5, 7), (6, 16, 64), (7, 17, 33), (13, 40, 64), (1, 1, 1),
+          (11, 960, 576), (5, 3072, 576), (8, 576, 1536)]
+
+
+def test_activation_quantization_is_symmetric_per_row_and_keeps_zero_rows():
+    x = torch.tensor([[0.5, -2.0, 1.0], [0.0, 0.0, 0.0], [3.0, 1e-9, -3.0]])
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q[0].tolist() == [32, -127, 64]  # 0.5 * 63.5 = 31.75 -> 32; 63.5 -> 64 (half even)
+    assert q[1].tolist() == [0, 0, 0] and scale[1] == 0  # zeros: scale 0, no NaN
+    assert q[2].tolist() == [127, 0, -127]
+    assert torch.equal(scale, torch.tensor([2.0, 0.0, 3.0]) / 127)
+    assert int(q.abs().max()) <= 127  # never -128
+
+
+def test_pack_int8_pads_columns_and_odd_k_with_zeros():
+    weight = torch.randn(17, 5)
+    panels, scales = pack_int8(weight)
+    assert panels.dtype == torch.int8 and tuple(panels.shape) == (2, 3, 16, 2)
+    assert scales.shape == (32,) and torch.all(scales[17:] == 0)
+    q, scale = quantize_int8(weight)
+    assert torch.equal(scales[:17], scale)
+    assert torch.equal(panels[0, :, 3, :].reshape(-1)[:5], q[3])  # column 3, k in order
+    assert torch.all(panels[0, 2, :, 1] == 0)  # k = 5 padded
+    assert torch.all(panels[1, :, 1:, :] == 0)  # columns 17-31 padded
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,n,k", SHAPES)
+def test_the_kernel_is_bit_identical_to_the_reference(rows, n, k):
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 8
+    if rows > 2:
+        x[1] = 0  # a row of zeros: scale 0, output 0
+    weight = torch.randn(n, k, generator=generator)
+    panels, scales = pack_int8(weight)
+    got = paged_kernel.layer_ops().int8_linear(x, panels, scales, n)
+    expected = int8_linear_reference(x, *quantize_int8(weight))
+    assert torch.equal(got, expected)
+    exact = x @ weight.T
+    if exact.norm() > 0:  # and int8 is close to the float product: ~1% of its norm
+        assert float((got - exact).norm() / exact.norm()) < 0.03
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    x, weight = torch.randn(20, 96), torch.randn(50, 96)
+    panels, scales = pack_int8(weight)
+    batch = paged_kernel.layer_ops().int8_linear(x, panels, scales, 50)
+    for row in (0, 5, 6, 19):  # in a block of 6, past it, in the tail
+        alone = paged_kernel.layer_ops().int8_linear(x[row:row + 1].contiguous(), panels,
+                                                     scales, 50)
+        assert torch.equal(alone[0], batch[row])
+
+
+@needs_kernel
+def test_the_kernel_refuses_mismatched_panels():
+    panels, scales = pack_int8(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="int8_linear: panels"):
+        paged_kernel.layer_ops().int8_linear(torch.randn(2, 10), panels, scales, 16)
+    with pytest.raises(RuntimeError, match="int8_linear: scales"):
+        paged_kernel.layer_ops().int8_linear(torch.randn(2, 8), panels, scales[:8], 16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_projection_but_the_lm_head_runs_int8(dtype):
+    weights = dummy_weights(TINY, dtype, seed=3)
+    float_model = LlamaForCausalLM.from_weights(TINY, dict(weights))
+    model = LlamaForCausalLM.from_weights(TINY, dict(weights), quantization="int8")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all((m.int8 is not None) == (m is not model.lm_head) for m in linears)
+    assert all(m.weight.device.type == "meta" for m in linears if m.int8 is not None)
+    hidden = torch.randn(9, TINY.hidden_size).to(dtype)
+    layer = model.layers[0].mlp.down_proj
+    reference_layer = float_model.layers[0].mlp.down_proj
+    x = torch.randn(9, layer.weight.shape[1]).to(dtype)
+    got, exact = layer(x).float(), reference_layer(x).float()
+    assert layer(x).dtype == dtype
+    assert float((got - exact).norm() / exact.norm()) < 0.05
+    assert torch.equal(model.compute_logits(hidden), float_model.compute_logits(hidden))
+
+
+@needs_kernel
+def test_greedy_tokens_under_int8_do_not_depend_on_the_batch():
+    """int8_linear's sums are exact, so --batch-invariant holds with --quantization int8."""
+    rng = random.Random(16)
+    target = [rng.randrange(3, 500) for _ in range(40)]
+    others = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))] for _ in range(7)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    engine = LLM(TINY, dtype="float32", batch_invariant=True, quantization="int8",
+                 num_kv_blocks=256, enable_prefix_caching=False)
+    alone = engine.generate([target], params, use_tqdm=False)[0]
+    batch = engine.generate([*others[:3], target, *others[3:]], params, use_tqdm=False)[3]
+    assert (batch.token_ids, batch.logprobs) == (alone.token_ids, alone.logprobs)
+    assert len(alone.token_ids) == 10
+
+
+def test_unknown_or_unavailable_quantization_is_refused_with_the_reason(monkeypatch):
+    check_quantization(None)  # unquantized always runs
+    with pytest.raises(ValueError, match="unknown quantization 'int4'; choose int8"):
+        build_engine(TINY, quantization="int4", num_kv_blocks=8)
+    monkeypatch.setattr(paged_kernel, "available", lambda: False)
+    monkeypatch.setattr(paged_kernel, "unavailable_reason", lambda: "no compiler")
+    with pytest.raises(ValueError, match=r"needs kvserve.s C\+\+ kernels.*no compiler"):
+        check_quantization("int8")
+
+
+def test_the_cli_offers_what_the_model_implements_and_passes_it_on():
+    assert flags.QUANTIZATIONS == quantization.QUANTIZATIONS
+    parser = flags.argparse.ArgumentParser()
+    flags.add_model_flags(parser)
+    for argv, expected in (([], None), (["-q", "int8"], "int8"),
+                           (["--quantization", "int8"], "int8")):
+        args = parser.parse_args(argv)
+        assert flags.engine_args(args).get("quantization") == expected
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--quantization", "fp8"])
+    assert exit_info.value.code == 2
+
+
+@needs_kernel
+def test_the_boot_log_names_the_int8_kernel():
+    lines = boot_lines(kernel_report(), torch.float32, "int8")
+    assert "projections int8_linear [--quantization int8]" in lines[1]
+    assert "projections int8_linear" not in boot_lines(kernel_report(), torch.float32)[1]
