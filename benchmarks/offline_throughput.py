@@ -6,7 +6,7 @@ max_tokens 128, all submitted at once. W2: the same requests with the KV cache c
 4,096 tokens and max_num_seqs 64. Wall time excludes model loading.
 
     python benchmarks/offline_throughput.py [--workload w1 w2] [--dtype auto] [--n 128]
-                                            [--write-docs]
+                                            [--quantization int8] [--write-docs]
 """
 
 from __future__ import annotations
@@ -47,14 +47,15 @@ def w1_prompts(n: int = 128, seed: int = 0) -> list[list[int]]:
 
 
 def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int,
-        max_num_batched_tokens: int = 2048) -> dict:
+        max_num_batched_tokens: int = 2048, quantization: str | None = None) -> dict:
     settings: dict = {"max_num_seqs": 256, "max_num_batched_tokens": max_num_batched_tokens,
                       "kv_cache_memory": kv_cache_memory}
     if workload == "w2":
         settings.update(max_num_seqs=64, num_kv_blocks=4096 // block_size)
     if dtype == "auto":  # named as resolved, so a row says what ran
         dtype = auto_dtype_name()
-    llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False, **settings)
+    llm = LLM(None, dtype=dtype, block_size=block_size, detokenize=False,
+              quantization=quantization, **settings)
     prompts = w1_prompts(n)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -64,7 +65,8 @@ def run(workload: str, n: int, dtype: str, block_size: int, kv_cache_memory: int
     num_prompt = sum(len(p) for p in prompts)
     num_output = sum(len(r.token_ids) for r in results)
     assert num_output == 128 * len(prompts)
-    return dict(workload=workload, n=len(prompts), dtype=dtype, block_size=block_size,
+    return dict(workload=workload, n=len(prompts), dtype=dtype, quantization=quantization,
+                block_size=block_size,
                 kv_cache=f"{llm.engine.scheduler.cache_config.num_token_slots} tokens",
                 wall_s=wall, output_tok_s=num_output / wall,
                 total_tok_s=(num_prompt + num_output) / wall, prompt_tokens=num_prompt,
@@ -81,7 +83,8 @@ def markdown(rows: list[dict], command: str) -> str:
              "| preemptions | recomputed tokens | peer on this machine |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['workload'].upper()} | {r['n']} | {r['dtype']} | {r['kv_cache']} "
+        dtype = r["dtype"] + (f" + {r['quantization']}" if r.get("quantization") else "")
+        lines.append(f"| {r['workload'].upper()} | {r['n']} | {dtype} | {r['kv_cache']} "
                      f"| {r['wall_s']:.1f} "
                      f"| {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | {r['preemptions']} "
                      f"| {r['recomputed_tokens']} | {PEERS[r['workload']]} |")
@@ -100,13 +103,15 @@ def main() -> int:
                         help="W1's KV cache (W2 always holds 4,096 tokens)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="the step's token budget (vLLM's CPU LLM class defaults to 4096)")
+    parser.add_argument("--quantization", "-q", choices=("int8",), default=None,
+                        help="int8: W8A8 projections (docs/quantization.md)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     rows = []
     for workload in args.workload:
         row = run(workload, args.n, args.dtype, args.block_size, args.kv_cache_memory,
-                  args.max_num_batched_tokens)
+                  args.max_num_batched_tokens, args.quantization)
         print(json.dumps(row), flush=True)
         rows.append(row)
     section = markdown(rows, "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]))

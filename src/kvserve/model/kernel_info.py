@@ -261,8 +261,8 @@ def describe_quantization(quantization: str | None) -> str:
     if quantization is None:
         return "none"
     return (f"int8_linear [--quantization {quantization}]: W8A8 int8 (weights per column at "
-            "load, rows per token each step), exact int32 sums by AVX2 vpmaddwd; LM head in "
-            "the model's dtype")
+            "load, rows per token and group of 64 each step), exact int32 sums by AVX2 "
+            "vpmaddwd; LM head in the model's dtype")
 
 
 def boot_lines(report: KernelReport, dtype: torch.dtype,
