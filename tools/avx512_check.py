@@ -4,9 +4,8 @@
 The AVX-512 paths of the C++ kernels run, and are tested (tests/model), only where the CPU
 has AVX-512; a change made on an AVX2 machine leaves them compile-checked at best. This
 script runs what can be lifted out of the extension into a flat binary under BochsCPU
-(bochscpu-python, in the dev extra) and compares it with a reference. The code is compiled
-for ``-march=cannonlake -mavx512bf16`` (the emulated CPU, an i3-8121U, plus AVX512-BF16, see
-below):
+(bochscpu-python, in the dev extra) on an emulated Sapphire Rapids (see below) and compares it
+with a reference:
 
 - ``panels``: csrc/panel_dpbf16.h's loops (``panel_rows``) with ``NativeDot`` (vdpbf16ps) and
   with ``WidenDot`` (its AVX-512F stand-in), over many shapes, against the same chain of
@@ -23,18 +22,26 @@ below):
   (``F32Step``, ``Bf16Step``), within float32 rounding, each row bit-identical alone and in
   its batch;
 - ``softmax``: csrc/attention_softmax.h, paged_attention.cpp's online-softmax step
-  (``row_max``, ``exponentiate_row``), against numpy.
+  (``row_max``, ``exponentiate_row``), against numpy;
+- ``int8``: csrc/int8_blocks.h (``--quantization int8``): the rows quantized per group of 64
+  and summed against int8 panels by the AVX512-VNNI path (vpdpwssd) and by the AVX2 path
+  (vpmaddwd), bit-identical to each other and within float32 rounding of a float64 reference
+  on numpy's own quantization, with sentinels past each panel's columns.
 
-BochsCPU implements vdpbf16ps, but none of its CPU models sets the AVX512-BF16 feature bit,
-so the instruction faults (#UD). The script runs a patched copy of the wheel's library:
-each model's constructor sets the AVX-512 bit (feature 77) with ``orl $0x2000,0x24(%rbx)``
-followed by ``mov $77,%esi``; the copy sets bit 24 of that word too (feature 88,
-avx512bf16). Where that byte pattern is not found (another wheel) the vdpbf16ps checks are
-skipped and say so. What it cannot run: AMX (not in this emulator), anything that needs
-torch at run time, and the real CPUs' rounding of vdpbf16ps (the emulator follows the ISA's
-pseudo-code: two float32 multiply-adds per lane, odd element first).
+BochsCPU runs every CPU model of Bochs, but bochscpu fixes the model to a Cannon Lake i3
+(AVX-512 without AVX512-BF16 or VNNI, so vdpbf16ps and vpdpwssd fault with #UD). The script
+runs a patched copy of the wheel's library: in ``BX_CPU_C::initialize``'s switch over the
+model, the Cannon Lake case (``call create_corei3_cnl_cpuid@plt; jmp``) calls
+``create_sapphire_rapids_cpuid@plt`` instead, the case just before it in the same switch. The
+emulated CPU is then a Sapphire Rapids (a Xeon w9-3475X: AVX-512, AVX512-BF16, AVX512-VNNI,
+AVX512-FP16; no AMX, which this build of Bochs leaves out), and the code is compiled for
+``-march=cannonlake -mavx512bf16 -mavx512vnni``. Where those bytes are not found (another
+wheel), the Cannon Lake runs and the vdpbf16ps and VNNI checks are skipped and say so. What it
+cannot run: AMX, anything that needs torch at run time, and the real CPUs' rounding of
+vdpbf16ps (the emulator follows the ISA's pseudo-code: two float32 multiply-adds per lane,
+odd element first).
 
-    python tools/avx512_check.py [--only panels|tiles|invariant|softmax] [--cases 60]
+    python tools/avx512_check.py [--only panels|tiles|invariant|softmax|int8] [--cases 60]
 
 Needs g++, binutils, numpy, bochscpu-python (the dev extra) and kvserve with torch (its
 headers; the engine's own weight packing): run it with the project's virtualenv. Prints one
@@ -155,14 +162,49 @@ extern "C" void softmax_step_64(float* scores, int rows, int stride, const int* 
   kvserve::softmax_step<64>(scores, rows, stride, visible, m, l, acc, 64);
 }
 """
+INT8_ENTRY = """
+#include "int8_blocks.h"
+// int8_linear.cpp's call without the tensors or threads: rows quantized, then each panel.
+template <bool Vnni>
+void run(const float* x, int64_t rows, int64_t k, const int8_t* panels, const float* scales,
+         float* out, int64_t n, int64_t ldo, int16_t* q, float* sx) {
+  using namespace kvserve::int8;
+  const int64_t k_pairs = (k + 1) / 2, ldq = 2 * k_pairs, ldg = (k + kGroup - 1) / kGroup;
+  for (int64_t t = 0; t < rows; ++t) quantize_row(x + t * k, k, q + t * ldq, sx + t * ldg);
+  for (int64_t p = 0; p * kPanel < n; ++p) {
+    const int ncols = static_cast<int>(n - p * kPanel < kPanel ? n - p * kPanel : kPanel);
+    const int8_t* panel = panels + p * k_pairs * 2 * kPanel;
+#if defined(KVSERVE_INT8_VNNI)
+    if (Vnni) {
+      panel_rows_vnni(q, rows, ldq, sx, ldg, panel, k_pairs, scales + p * kPanel,
+                      out + p * kPanel, ldo, ncols);
+      continue;
+    }
+#endif
+    panel_rows_avx2(q, rows, ldq, sx, ldg, panel, k_pairs, scales + p * kPanel,
+                    out + p * kPanel, ldo, ncols);
+  }
+}
+#define INT8_ENTRY(NAME, VNNI)                                                            \
+  extern "C" void NAME(const float* x, int64_t rows, int64_t k, const int8_t* panels,     \
+                       const float* scales, float* out, int64_t n, int64_t ldo, int16_t* q, \
+                       float* sx) {                                                       \
+    run<VNNI>(x, rows, k, panels, scales, out, n, ldo, q, sx);                            \
+  }
+INT8_ENTRY(int8_rows_avx2, false)
+#if defined(KVSERVE_INT8_VNNI)
+INT8_ENTRY(int8_rows_vnni, true)
+#endif
+"""
 EXP_NATIVE = """
 #include "fast_math.h"
 extern "C" void exp_scalar(const float* x, float* out, int n) {
   for (int i = 0; i < n; ++i) out[i] = kvserve::exp_nonpositive(x[i]);
 }
 """
+# the entries' names; the rest of a file is dropped
 ENTRY_PREFIXES = ("panel_rows_", "dots_", "acc_", "packed_scores_", "widened_acc_", "exp16",
-                  "invariant_", "softmax_")  # the entries' names; the rest of a file is dropped
+                  "invariant_", "softmax_", "int8_rows_")
 LINKER_SCRIPT = """SECTIONS { . = 0x400000;
 .text : { *(.text*) *(.rodata*) *(.data*) *(.bss*) *(.init_array*) *(.fini_array*) }
 /DISCARD/ : { *(.eh_frame*) *(.gcc_except_table*) *(.comment) *(.note*) } }"""
@@ -197,10 +239,11 @@ PAGE = 4096
 SENTINEL = np.float32(12345.0)
 
 
-# Each CPU model's constructor: orl $0x2000,0x24(%rbx) (feature 77, avx512); mov %rbx,%rdi;
-# mov $77,%esi. Byte 6 is the top byte of the immediate: 0x01 adds bit 24 (avx512bf16).
-AVX512_CONSTRUCTOR = bytes.fromhex("814b2400200000" "4889dfbe4d000000")
-BF16_BYTE, BF16_VALUE = 6, 0x01
+# BX_CPU_C::initialize's case for the Cannon Lake model: call create_corei3_cnl_cpuid@plt;
+# jmp to the join. And the Sapphire Rapids case before it: call create_sapphire_rapids_cpuid@plt;
+# mov bx_cpu,%rbx (the join itself). Both in bochscpu-python 0.4.0's library.
+CANNON_LAKE_CASE = bytes.fromhex("e85c67faff" "e931fdffff")
+SAPPHIRE_RAPIDS_CASE = bytes.fromhex("e8466efaff" "488b1d17d13f00")
 
 
 def scratch_dir(prefix: str) -> Path:
@@ -228,30 +271,38 @@ def preload_shim_if_needed() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def call_target(data: bytes, at: int) -> int:
+    """Where the rel32 ``call`` at offset ``at`` goes (as a file offset, which is the virtual
+    address in this library's text)."""
+    return at + 5 + int.from_bytes(data[at + 1:at + 5], "little", signed=True)
+
+
 def patched_copy() -> Path | None:
-    """A copy of the installed bochscpu package whose CPU models have AVX512-BF16, in a
-    directory to put first on sys.path (None where the pattern is not in this wheel)."""
+    """A copy of the installed bochscpu package whose CPU is the Sapphire Rapids model, in a
+    directory to put first on sys.path (None where the patterns are not in this wheel)."""
     import importlib.util
 
     spec = importlib.util.find_spec("bochscpu")
     if spec is None or spec.origin is None:
         raise SystemExit("avx512_check: pip install bochscpu-python first")
-    root = scratch_dir("bochscpu-bf16-")
+    root = scratch_dir("bochscpu-spr-")
     shutil.copytree(Path(spec.origin).parent, root / "bochscpu")
     patched = 0
     for library in (root / "bochscpu").glob("_bochscpu*.so"):
         data = bytearray(library.read_bytes())
-        at = data.find(AVX512_CONSTRUCTOR)
-        while at >= 0:
-            data[at + BF16_BYTE] = BF16_VALUE
-            patched += 1
-            at = data.find(AVX512_CONSTRUCTOR, at + 1)
+        cannon_lake, sapphire_rapids = data.find(CANNON_LAKE_CASE), data.find(SAPPHIRE_RAPIDS_CASE)
+        if cannon_lake < 0 or sapphire_rapids < 0:
+            continue
+        rel = call_target(data, sapphire_rapids) - (cannon_lake + 5)
+        data[cannon_lake + 1:cannon_lake + 5] = rel.to_bytes(4, "little", signed=True)
         library.write_bytes(bytes(data))
+        patched += 1
     return root if patched else None
 
 
 def import_bochscpu() -> tuple[Any, bool]:
-    """bochscpu (the patched copy where it can be made) and whether it runs vdpbf16ps."""
+    """bochscpu (the patched copy where it can be made) and whether its CPU is the Sapphire
+    Rapids (vdpbf16ps and vpdpwssd run)."""
     preload_shim_if_needed()
     root = patched_copy()
     if root is not None:
@@ -263,8 +314,8 @@ def import_bochscpu() -> tuple[Any, bool]:
     except ImportError as error:
         raise SystemExit(f"avx512_check: bochscpu-python does not load: {error}") from error
     if root is None:
-        print("vdpbf16ps: this bochscpu's library lacks the expected pattern; its checks are "
-              "skipped")
+        print("Sapphire Rapids model: this bochscpu's library lacks the expected bytes; the "
+              "vdpbf16ps and VNNI checks are skipped")
     return bochscpu, root is not None
 
 
@@ -434,9 +485,11 @@ def widen_dot_chain(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return acc
 
 
-def isa(bf16: bool) -> list[str]:
-    """The emulated CPU's instruction sets (a Cannon Lake i3), with AVX512-BF16 if patched."""
-    return ["-march=cannonlake", "-mtune=generic"] + (["-mavx512bf16"] if bf16 else [])
+def isa(sapphire_rapids: bool) -> list[str]:
+    """What the code is compiled for: the Cannon Lake's instruction sets, plus AVX512-BF16 and
+    AVX512-VNNI where the emulated CPU is the Sapphire Rapids."""
+    return ["-march=cannonlake", "-mtune=generic"] + (
+        ["-mavx512bf16", "-mavx512vnni"] if sapphire_rapids else [])
 
 
 def check_panels(machine: Machine, bf16: bool, scratch: Path, cases: int,
@@ -730,6 +783,79 @@ def softmax_case(machine: Machine, rng: np.random.Generator, stride: int) -> boo
     return ok
 
 
+# --- int8 --------------------------------------------------------------------------------------
+
+def quantize_groups_np(x: np.ndarray, group: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """kvserve.model.quantization.quantize_groups in numpy float32: per row and group,
+    scale = amax / 127 and q = rint(x * (127 / amax)), one true division."""
+    rows, k = x.shape
+    q = np.zeros((rows, k), np.int64)
+    scales = np.zeros((rows, -(-k // group)), np.float32)
+    for g, start in enumerate(range(0, k, group)):
+        part = x[:, start:start + group]
+        amax = np.abs(part).max(1)
+        inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        q[:, start:start + group] = np.clip(np.rint(part * inverse[:, None]), -127, 127)
+        scales[:, g] = amax / np.float32(127)
+    return q, scales
+
+
+def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: int,
+               includes: list[str]) -> tuple[int, int]:
+    """int8_blocks.h: the VNNI path (where the CPU is the Sapphire Rapids) bit-identical to
+    the AVX2 path, both within float32 rounding of a float64 reference, nothing written past
+    a panel's columns."""
+    import torch
+
+    from kvserve.model.quantization import pack_int8, quantize_int8
+
+    rng = np.random.default_rng(4)
+    shapes = [(1, 16, 64), (12, 16, 64), (13, 17, 65), (5, 40, 130), (24, 33, 199), (7, 5, 7)]
+    shapes += [(int(rng.integers(1, 30)), int(rng.integers(1, 50)), int(rng.integers(1, 300)))
+               for _ in range(max(0, cases // 3 - len(shapes)))]
+    entries = ["int8_rows_avx2"] + (["int8_rows_vnni"] if sapphire_rapids else [])
+    passed = total = 0
+    for rows, n, k in shapes:
+        x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 8).astype(np.float32)
+        if rows > 2:
+            x[1] = 0
+        weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+        panels, scales = (t.numpy() for t in pack_int8(weight))
+        q_weight, w_scale = (t.numpy().astype(np.float64) for t in quantize_int8(weight))
+        qx, x_scales = quantize_groups_np(x)
+        expected = np.zeros((rows, n))
+        magnitude = np.zeros((rows, n))
+        for g, start in enumerate(range(0, k, 64)):
+            part = slice(start, start + 64)
+            expected += (qx[:, part] @ q_weight[:, part].T) * x_scales[:, g:g + 1]
+            magnitude += (np.abs(qx[:, part]) @ np.abs(q_weight[:, part]).T) * \
+                x_scales[:, g:g + 1]
+        expected *= w_scale[None, :]
+        magnitude *= w_scale[None, :]
+        ldo = n + 16
+        outputs = {}
+        for entry in entries:
+            buffers = [x.tobytes(), panels.tobytes(), scales.tobytes(),
+                       np.full((rows, ldo), SENTINEL).tobytes(),
+                       bytes(2 * rows * 2 * (-(-k // 2))), bytes(4 * rows * -(-k // 64))]
+            addresses = Machine.addresses([len(b) for b in buffers])
+            result = machine.call(entry, [addresses[0], rows, k, addresses[1], addresses[2],
+                                          addresses[3], n, ldo, addresses[4], addresses[5]],
+                                  buffers)[3]
+            outputs[entry] = np.frombuffer(result, np.float32).reshape(rows, ldo)
+        avx2 = outputs["int8_rows_avx2"]
+        ok = bool(np.all(avx2[:, n:] == SENTINEL))
+        ok &= bool(np.all(np.abs(avx2[:, :n] - expected) <= 4 * 2.0**-24 * magnitude + 1e-30))
+        same = all(np.array_equal(out, avx2) for out in outputs.values())
+        ok &= same
+        passed += ok
+        total += 1
+        paths = " = ".join(e.removeprefix("int8_rows_") for e in entries)
+        print(f"int8 {paths} rows={rows:2d} n={n:2d} k={k:3d}: "
+              f"{'bit-identical, within float32 rounding' if ok else 'MISMATCH'}")
+    return passed, total
+
+
 Check = Callable[[Machine, bool, Path, int, list[str]], tuple[int, int]]
 # name: (the entry source, extra compiler flags, whether it needs torch's headers, the check)
 CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
@@ -737,6 +863,7 @@ CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
     "tiles": (TILE_ENTRY, [], True, check_tiles),
     "invariant": (INVARIANT_ENTRY, [], True, check_invariant),
     "softmax": (SOFTMAX_ENTRY, [], True, check_softmax),
+    "int8": (INT8_ENTRY, [], True, check_int8),
 }
 
 

@@ -1,7 +1,7 @@
-"""Issue 16 item 1: the AVX-512 and AVX512-BF16 kernel code is checked on every x86 machine
-the tests run on, not only where the CPU has those instructions: tools/avx512_check.py runs
-it under an x86 emulator against references (docs/kernels.md, "Checking AVX-512 code on a
-CPU without it")."""
+"""Issue 16 item 1: the AVX-512, AVX512-BF16 and AVX512-VNNI kernel code is checked on every
+x86 machine the tests run on, not only where the CPU has those instructions:
+tools/avx512_check.py runs it under an x86 emulator against references (docs/kernels.md,
+"Checking AVX-512 code on a CPU without it")."""
 
 from __future__ import annotations
 
@@ -29,10 +29,11 @@ def test_the_avx512_kernels_match_their_references_under_the_emulator() -> None:
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
     summaries = re.findall(r"^(\w+): (\d+) of (\d+) cases match$", result.stdout, re.MULTILINE)
-    assert [name for name, _, _ in summaries] == ["panels", "tiles", "invariant", "softmax"], \
-        report[-4000:]
+    assert [name for name, _, _ in summaries] == ["panels", "tiles", "invariant", "softmax",
+                                                  "int8"], report[-4000:]
     assert all(passed == total and int(total) > 0 for _, passed, total in summaries)
-    # vdpbf16ps ran too (the patched emulator), not only its AVX-512F stand-in
+    # vdpbf16ps and vpdpwssd ran too (the Sapphire Rapids model), not only their stand-ins
     assert "panels panel_rows_native" in result.stdout
     assert "tiles bf16q" in result.stdout and "tiles packed" in result.stdout
     assert "invariant bf16" in result.stdout
+    assert "int8 avx2 = vnni" in result.stdout  # --quantization int8's VNNI path = AVX2's

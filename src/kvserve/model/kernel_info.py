@@ -258,11 +258,15 @@ def isa_line(cpu: CpuInfo) -> str:
 
 def describe_quantization(quantization: str | None) -> str:
     """The projections' kernel under ``--quantization`` (:mod:`kvserve.model.quantization`)."""
+    from kvserve.model import paged_kernel
+
     if quantization is None:
         return "none"
+    path = paged_kernel.layer_ops().int8_linear_path() if paged_kernel.available() else "none"
+    sums = {"avx512_vnni": "AVX512-VNNI vpdpwssd", "avx2": "AVX2 vpmaddwd"}.get(path, path)
     return (f"int8_linear [--quantization {quantization}]: W8A8 int8 (weights per column at "
-            "load, rows per token and group of 64 each step), exact int32 sums by AVX2 "
-            "vpmaddwd; LM head in the model's dtype")
+            f"load, rows per token and group of 64 each step), exact int32 sums by {sums}; LM "
+            "head in the model's dtype")
 
 
 def boot_lines(report: KernelReport, dtype: torch.dtype,

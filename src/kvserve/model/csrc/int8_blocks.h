@@ -1,0 +1,269 @@
+// int8_linear.cpp's loops (--quantization int8, docs/quantization.md): the rows quantized per
+// group of 64 (AVX2), and their sums against one panel of int8 weights, by AVX2 vpmaddwd or,
+// where the build has AVX512-VNNI (and BW), by vpdpwssd on 512-bit registers. Only intrinsics,
+// inline asm and fast_math.h, so tools/avx512_check.py can run the VNNI path under an
+// emulator. Both paths give the same bits: each group's int32 sums are exact, and each is
+// added into its float32 sum by one FMA in group order, then multiplied by the column's scale.
+#pragma once
+
+#include "fast_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+namespace int8 {
+
+constexpr int kPanel = 16;  // output columns per panel
+constexpr int kGroup = 64;  // k per activation scale (quantization.ACTIVATION_GROUP)
+constexpr int kGroupPairs = kGroup / 2;
+constexpr int kAvx2Rows = 6;    // rows per AVX2 register block (block_sums is written for 6)
+constexpr int kVnniRows = 12;   // rows per AVX512-VNNI register block
+
+#if defined(__AVX2__)
+// One group of a row (len <= kGroup values of x) as int16 and its scale. cvtps2dq rounds by
+// MXCSR, half to even by default, as std::nearbyint does for the tail.
+inline float quantize_group(const float* x, int64_t len, int16_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= len; k += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float amax = *std::max_element(lanes, lanes + 8);
+  for (; k < len; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (k = 0; k + 16 <= len; k += 16) {
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), vinv));
+    a = _mm256_min_epi32(_mm256_max_epi32(a, lo), hi);
+    b = _mm256_min_epi32(_mm256_max_epi32(b, lo), hi);
+    // packs works per 128-bit lane (a0-3 b0-3 a4-7 b4-7): the permute puts them in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), packed);
+  }
+  for (; k < len; ++k) {
+    const float v = std::nearbyint(x[k] * inv);
+    q[k] = static_cast<int16_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  return amax / 127.f;
+}
+
+// Row t of x as int16 (k padded to even with a zero) and its groups' scales.
+inline void quantize_row(const float* x, int64_t k_dim, int16_t* q, float* scales) {
+  for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += kGroup, ++g) {
+    scales[g] = quantize_group(x + k0, std::min<int64_t>(kGroup, k_dim - k0), q + k0);
+  }
+  if (k_dim % 2) q[k_dim] = 0;
+}
+
+// One row of a block: its broadcast int16 pair against both weight vectors, added into its
+// two accumulators. In asm because gcc, given the loop in intrinsics, schedules every row's
+// broadcast and product ahead of the adds and runs out of registers: accumulators spilled to
+// the stack at every k (about half the speed).
+#define KVSERVE_INT8_ROW(R, A0, A1)                                                      \
+  {                                                                                      \
+    __m256i t, u;                                                                        \
+    __asm__("vpbroadcastd %[x], %[t]\n\t"                                                \
+            "vpmaddwd %[w0], %[t], %[u]\n\t"                                             \
+            "vpaddd %[u], %[a0], %[a0]\n\t"                                              \
+            "vpmaddwd %[w1], %[t], %[t]\n\t"                                             \
+            "vpaddd %[t], %[a1], %[a1]"                                                  \
+            : [a0] "+x"(A0), [a1] "+x"(A1), [t] "=&x"(t), [u] "=&x"(u)                  \
+            : [x] "m"(*reinterpret_cast<const int32_t*>(q + (R) * ldq + 2 * p)),         \
+              [w0] "x"(w0), [w1] "x"(w1));                                               \
+  }
+
+// The float32 sums of kAvx2Rows (6) quantized rows (ldq int16 apart; their groups' scales ldg
+// apart) against one panel: acc[2 r] columns 0-7 of row r, acc[2 r + 1] columns 8-15.
+inline void block_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t ldg,
+                const int8_t* panel, int64_t k_pairs, __m256* acc) {
+  for (int i = 0; i < 2 * kAvx2Rows; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p0 = 0, g = 0; p0 < k_pairs; p0 += kGroupPairs, ++g) {
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
+            a21 = a00, a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    const int64_t p1 = std::min<int64_t>(k_pairs, p0 + kGroupPairs);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m128i* w = reinterpret_cast<const __m128i*>(panel + 2 * kPanel * p);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w));      // columns 0-7
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));  // columns 8-15
+      KVSERVE_INT8_ROW(0, a00, a01) KVSERVE_INT8_ROW(1, a10, a11) KVSERVE_INT8_ROW(2, a20, a21)
+      KVSERVE_INT8_ROW(3, a30, a31) KVSERVE_INT8_ROW(4, a40, a41) KVSERVE_INT8_ROW(5, a50, a51)
+    }
+    const __m256i sums[2 * kAvx2Rows] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
+    for (int i = 0; i < 2 * kAvx2Rows; ++i) {
+      const __m256 scale = _mm256_set1_ps(sx[(i / 2) * ldg + g]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), scale, acc[i]);
+    }
+  }
+}
+#undef KVSERVE_INT8_ROW
+
+// The same sums for RN < kAvx2Rows rows (a block's last rows), in intrinsics: with at most three
+// rows gcc keeps them in registers.
+template <int RN>
+inline void tail_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t ldg,
+               const int8_t* panel, int64_t k_pairs, __m256* acc) {
+  for (int i = 0; i < 2 * RN; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p0 = 0, g = 0; p0 < k_pairs; p0 += kGroupPairs, ++g) {
+    __m256i a[RN][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < RN; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+    const int64_t p1 = std::min<int64_t>(k_pairs, p0 + kGroupPairs);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m128i* w = reinterpret_cast<const __m128i*>(panel + 2 * kPanel * p);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
+#pragma GCC unroll 4
+      for (int r = 0; r < RN; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, q + r * ldq + 2 * p, sizeof pair);
+        const __m256i xr = _mm256_set1_epi32(pair);
+        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(xr, w0));
+        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(xr, w1));
+      }
+    }
+    for (int r = 0; r < RN; ++r) {
+      const __m256 scale = _mm256_set1_ps(sx[r * ldg + g]);
+      acc[2 * r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), scale, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][1]), scale, acc[2 * r + 1]);
+    }
+  }
+}
+
+// out[r][c] = sum * sw[c] for the block's first `rows` rows and ncols columns.
+inline void store_block(const __m256* acc, int rows, const float* sw, float* out, int64_t ldo,
+                 int ncols) {
+  alignas(32) float lanes[kPanel];
+  const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
+  for (int r = 0; r < rows; ++r) {
+    const __m256 v0 = _mm256_mul_ps(acc[2 * r], sw0), v1 = _mm256_mul_ps(acc[2 * r + 1], sw1);
+    if (ncols == kPanel) {
+      _mm256_storeu_ps(out + r * ldo, v0);
+      _mm256_storeu_ps(out + r * ldo + 8, v1);
+    } else {
+      _mm256_store_ps(lanes, v0);
+      _mm256_store_ps(lanes + 8, v1);
+      std::copy(lanes, lanes + ncols, out + r * ldo);
+    }
+  }
+}
+
+// All rows of a call against one panel: blocks of kAvx2Rows, the last 1-5 rows by tail_sums.
+inline void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t ldq, const float* sx,
+                            int64_t ldg, const int8_t* panel, int64_t k_pairs, const float* sw,
+                            float* out, int64_t ldo, int ncols) {
+  __m256 acc[2 * kAvx2Rows];
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int left = static_cast<int>(std::min<int64_t>(kAvx2Rows, rows - r0));
+    const int done = left == kAvx2Rows ? kAvx2Rows : std::min(left, 3);
+    if (done == kAvx2Rows) {
+      block_sums(q + r0 * ldq, ldq, sx + r0 * ldg, ldg, panel, k_pairs, acc);
+    } else {
+      with_constant<3>(done, [&](auto tn) {
+        tail_sums<decltype(tn)::value>(q + r0 * ldq, ldq, sx + r0 * ldg, ldg, panel, k_pairs,
+                                       acc);
+      });
+    }
+    store_block(acc, done, sw, out + r0 * ldo, ldo, ncols);
+    r0 += done;
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KVSERVE_INT8_VNNI 1
+// RN rows against one panel: per pair of k the panel's 32 bytes widen to one register of 16
+// columns x 2 k (vpmovsxbw), and each row adds both products into its 16 int32 lanes with one
+// vpdpwssd: one instruction per row per pair where AVX2 needs four (two vpmaddwd, two vpaddd).
+// Row R's pair p broadcast and added into its 16 int32 lanes. In asm, as the AVX2 rows: given
+// intrinsics, gcc copied every accumulator to another register and back at each k.
+#define KVSERVE_VNNI_ROW(R, A)                                                           \
+  if constexpr (RN > (R)) {                                                              \
+    __m512i t;                                                                           \
+    __asm__("vpbroadcastd %[x], %[t]\n\t"                                                \
+            "vpdpwssd %[w], %[t], %[a]"                                                  \
+            : [a] "+v"(A), [t] "=&v"(t)                                                  \
+            : [x] "m"(*reinterpret_cast<const int32_t*>(q + (R) * ldq + 2 * p)),         \
+              [w] "v"(w));                                                               \
+  }
+
+template <int RN>
+inline void vnni_block(const int16_t* q, int64_t ldq, const float* sx, int64_t ldg,
+                       const int8_t* panel, int64_t k_pairs, const float* sw, float* out,
+                       int64_t ldo, int ncols) {
+  static_assert(RN >= 1 && RN <= kVnniRows, "vnni_block is written for 1-12 rows");
+  __m512 acc[RN];
+  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p0 = 0, g = 0; p0 < k_pairs; p0 += kGroupPairs, ++g) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+            a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    const int64_t p1 = std::min<int64_t>(k_pairs, p0 + kGroupPairs);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 2 * kPanel * p)));
+      KVSERVE_VNNI_ROW(0, a0) KVSERVE_VNNI_ROW(1, a1) KVSERVE_VNNI_ROW(2, a2)
+      KVSERVE_VNNI_ROW(3, a3) KVSERVE_VNNI_ROW(4, a4) KVSERVE_VNNI_ROW(5, a5)
+      KVSERVE_VNNI_ROW(6, a6) KVSERVE_VNNI_ROW(7, a7) KVSERVE_VNNI_ROW(8, a8)
+      KVSERVE_VNNI_ROW(9, a9) KVSERVE_VNNI_ROW(10, a10) KVSERVE_VNNI_ROW(11, a11)
+    }
+    const __m512i sums[kVnniRows] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+    for (int r = 0; r < RN; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_set1_ps(sx[r * ldg + g]),
+                               acc[r]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(sw);
+  const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
+  for (int r = 0; r < RN; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_mul_ps(acc[r], scale));
+  }
+}
+#undef KVSERVE_VNNI_ROW
+
+inline void panel_rows_vnni(const int16_t* q, int64_t rows, int64_t ldq, const float* sx,
+                            int64_t ldg, const int8_t* panel, int64_t k_pairs, const float* sw,
+                            float* out, int64_t ldo, int ncols) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kVnniRows) {
+    with_constant<kVnniRows>(static_cast<int>(std::min<int64_t>(kVnniRows, rows - r0)),
+                             [&](auto rn) {
+      vnni_block<decltype(rn)::value>(q + r0 * ldq, ldq, sx + r0 * ldg, ldg, panel, k_pairs,
+                                      sw, out + r0 * ldo, ldo, ncols);
+    });
+  }
+}
+#endif
+
+// out[t][c] for all `rows` quantized rows and one panel's ncols columns, by the build's best
+// path.
+inline void panel_rows(const int16_t* q, int64_t rows, int64_t ldq, const float* sx,
+                       int64_t ldg, const int8_t* panel, int64_t k_pairs, const float* sw,
+                       float* out, int64_t ldo, int ncols) {
+#if defined(KVSERVE_INT8_VNNI)
+  panel_rows_vnni(q, rows, ldq, sx, ldg, panel, k_pairs, sw, out, ldo, ncols);
+#else
+  panel_rows_avx2(q, rows, ldq, sx, ldg, panel, k_pairs, sw, out, ldo, ncols);
+#endif
+}
+
+// The path panel_rows takes in this build.
+inline const char* path() {
+#if defined(KVSERVE_INT8_VNNI)
+  return "avx512_vnni";
+#else
+  return "avx2";
+#endif
+}
+#endif  // __AVX2__
+
+}  // namespace int8
+}  // namespace kvserve
