@@ -5,6 +5,7 @@ and an engine process that dies fails every request at once instead of hanging i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -227,3 +228,22 @@ def test_the_kernel_choice_reaches_every_engine_process(monkeypatch):
     assert PROJECTIONS_ENV not in EngineSpec(print).environment()
     monkeypatch.setenv(PROJECTIONS_ENV, "panels")
     assert EngineSpec(print).environment()[PROJECTIONS_ENV] == "panels"
+
+
+def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):
+    """Issue 16: the boot log (dtype, CPU, ISA, each op's kernel) is written by build_engine in
+    the engine process; a spawned process starts without logging, so it went nowhere."""
+    import asyncio
+    import logging
+
+    from kvserve.engine.engine_process import EngineSpec, ProcessEngine
+
+    assert EngineSpec(print).log_level == logging.getLogger("kvserve").getEffectiveLevel()
+    spec = dataclasses.replace(engine_spec(), log_level=logging.INFO)
+    engine = ProcessEngine(spec, None)
+    try:
+        err = capfd.readouterr().err
+    finally:
+        asyncio.run(engine.stop())
+    assert "INFO kvserve.engine.llm: dtype float32" in err
+    assert "INFO kvserve.engine.llm: CPU: " in err and "projections" in err

@@ -66,6 +66,11 @@ from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
 from kvserve.engine.text import TextStream
 
 logger = logging.getLogger("kvserve.engine")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvserve serve's log lines
+
+
+def _kvserve_log_level() -> int:
+    return logging.getLogger("kvserve").getEffectiveLevel()
 
 PICKLE_PROTOCOL = 5
 _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
@@ -85,13 +90,16 @@ class EngineSpec:
     the engine's ``OMP_WAIT_POLICY``; None chooses by cores (:meth:`resolved_wait_policy`).
     ``detokenize``: whether the engine process turns token
     ids into text itself (a :class:`ProcessEngine` with a tokenizer does it in the server's
-    process instead)."""
+    process instead). ``log_level``: the ``kvserve`` loggers' level in the engine process, by
+    default the creating process's, so the engine's boot log (dtype, CPU, ISA, the kernel of
+    each op) reaches the server's log as the in-process engine's does."""
 
     factory: Callable[[], Engine]
     threads: int | None = None
     wait_policy: str | None = None
     idle_wait: float = 0.005  # seconds to wait after a step that could run nothing
     detokenize: bool = True
+    log_level: int = field(default_factory=_kvserve_log_level)
 
     def resolved_wait_policy(self) -> str:
         """ACTIVE (OpenMP threads spin between kernels) only where the engine's threads leave
@@ -169,6 +177,9 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     if threading.current_thread() is threading.main_thread():  # not so in a Ray actor
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(spec.environment())  # before torch is imported here
+    if not logging.getLogger().handlers:  # a spawned process starts with none (a Ray worker
+        logging.basicConfig(format=LOG_FORMAT)  # has its own): to stderr, the server's
+    logging.getLogger("kvserve").setLevel(spec.log_level)
     try:
         engine = spec.factory()
         wants_text = engine.detokenize

@@ -90,8 +90,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
+    from kvserve.engine.engine_process import LOG_FORMAT
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     from kvserve.server.app import build_app
 
     state = build_state(args)
