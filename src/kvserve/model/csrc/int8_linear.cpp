@@ -1,4 +1,5 @@
-// Int8 projections (--quantization int8, docs/quantization.md): dynamic W8A8 on AVX2.
+// Int8 projections (--quantization int8, docs/quantization.md): dynamic W8A8 on AVX2 (and
+// AVX512-VNNI where the build has it).
 //
 //   weight  w[n][k] ~ qw[n][k] * sw[n]        symmetric int8 per output column, at load
 //   rows    x[t][k] ~ qx[t][k] * sx[t][k / G]  symmetric int8 per row and group of G = 64 k,
@@ -10,8 +11,8 @@
 // a float64 reference (quantization.int8_linear_reference) within float32 rounding. A
 // group's scale is sx = amax / 127 and qx = round-half-even(x * (127 / amax)), clamped to
 // [-127, 127]; a group of zeros has sx = 0 and qx = 0. Scales per group of 64 rather than per
-// row: on the bundled SmolLM2-135M per-row scales cost +3.5% perplexity, groups of 64 +0.7%
-// (the weights' own share +0.4%; docs/quantization.md).
+// row: on the bundled SmolLM2-135M per-row scales cost +3.5% perplexity, groups of 64 about
+// +1% (the weights' own share +0.4%; docs/quantization.md).
 //
 // Layout (llama.pack_pair_panels on the int8 weight): [ceil(n / 16), k / 2, 16, 2], each pair
 // of k holding each column's two weights side by side, k padded to even with zeros. One k pair
@@ -33,9 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
