@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """--quantization int8 against the float model on this CPU: the kernel, the quality, W1.
 
-- **kernel**: int8_linear (csrc/int8_linear.cpp) against what float32 projections run here
-  (the AVX2 float32 panels), over SmolLM2-135M's layer projections x 30 layers of distinct
-  weights at 1-2,048 rows, alternated rounds in one process (panel_linear.py's harness; the
-  int8 figure includes quantizing the rows);
+- **kernel**: int8_linear (csrc/int8_linear.cpp) against the AVX2 float32 panels and, where
+  oneDNN runs bf16 natively (AVX512-BF16, AMX: where ``--dtype auto`` is bf16), oneDNN's
+  packed bf16 GEMM, over SmolLM2-135M's layer projections x 30 layers of distinct weights at
+  1-2,048 rows, alternated rounds in one process (panel_linear.py's harness; the int8 figure
+  includes quantizing the rows, the bf16 one converting them);
 - **quality**: the bundled model in float32 and in int8 over fixed English text (the first
   ``--texts`` topics of Python's own ``pydoc_data``, in every CPython, so the text is the
   same on every machine), teacher-forced: perplexity, and how often the int8 model's top
   token is the float model's; then greedy continuations of ``--prompts`` openings of those
   texts (48 tokens): how many are identical, and the mean number of tokens before the first
   difference;
-- **W1**: benchmarks/offline_throughput.py on W1 (``--n`` requests), float32 then int8,
+- **W1**: benchmarks/offline_throughput.py on W1 (``--n`` requests) in ``--dtype auto``
+  (float32 on AVX2, bf16 where the CPU computes it natively), without then with int8,
   ``--pairs`` alternated pairs, each run its own process; the ratio of minima and the
   median of the pair ratios.
 
@@ -41,12 +43,14 @@ from docs_section import publish
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM, load_model
 from kvserve.model import paged_kernel
+from kvserve.model.dtype import auto_dtype_name
 from kvserve.model.input_batch import SequenceSlice, build_batch
+from kvserve.model.kernel_info import onednn_runs_bf16
 from kvserve.model.kv_cache import allocate_kv_cache
 from kvserve.model.llama import LlamaForCausalLM, pack_panels
 from kvserve.model.quantization import int8_linear_available, pack_int8
 from kvserve.model.tokenizer import Tokenizer
-from panel_linear import LAYERS, ROWS, SHAPES, measure
+from panel_linear import LAYERS, ROWS, SHAPES, Way, measure
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 16
@@ -69,8 +73,19 @@ def kernel_rows(row_counts: list[int], rounds: int) -> list[dict]:
         for k, n, panels, scales in int8s:
             ops.int8_linear(xs[k], panels, scales, n)
 
-    return measure({"float32 panels": float32_panels, "int8_linear": int8_panels},
-                   row_counts, rounds, torch.float32)
+    ways: dict[str, Way] = {"float32 panels": float32_panels, "int8_linear": int8_panels}
+    if onednn_runs_bf16():  # what --dtype auto projects with on this CPU
+        packed = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16),
+                                                                       None))
+                  for w in weights]
+
+        def onednn_bf16(xs: dict[int, torch.Tensor]) -> None:
+            for k, weight in packed:
+                torch.ops.mkldnn._linear_pointwise(xs[k].to(torch.bfloat16), weight, None,
+                                                   "none", [], "")
+
+        ways["oneDNN bf16"] = onednn_bf16
+    return measure(ways, row_counts, rounds, torch.float32)
 
 
 def texts(count: int) -> list[str]:
@@ -129,26 +144,26 @@ def quality(text_count: int, prompt_count: int) -> dict:
 def w1_run(quantization: str | None, n: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, str(HERE / "offline_throughput.py"), "--workload", "w1",
-                   "--n", str(n), "--dtype", "float32", "--json", out.name]
+                   "--n", str(n), "--dtype", "auto", "--json", out.name]
         if quantization:
             command += ["--quantization", quantization]
         subprocess.run(command, check=True, cwd=HERE, stdout=subprocess.DEVNULL)
         row = json.loads(Path(out.name).read_text())[0]
-    print(f"W1 {quantization or 'float32'}: {row['wall_s']:.1f} s", flush=True)
+    print(f"W1 {row['dtype']} {quantization or ''}: {row['wall_s']:.1f} s", flush=True)
     return row
 
 
 def w1_pairs(pairs: int, n: int) -> dict:
-    walls: dict[str, list[float]] = {"float32": [], "int8": []}
-    preemptions: dict[str, list[int]] = {"float32": [], "int8": []}
+    walls: dict[str, list[float]] = {"float": [], "int8": []}
+    preemptions: dict[str, list[int]] = {"float": [], "int8": []}
     for _ in range(pairs):
-        for name, quantization in (("float32", None), ("int8", "int8")):
+        for name, quantization in (("float", None), ("int8", "int8")):
             row = w1_run(quantization, n)
             walls[name].append(row["wall_s"])
             preemptions[name].append(row["preemptions"])
-    ratios = [f / q for f, q in zip(walls["float32"], walls["int8"], strict=True)]
-    return {"n": n, "walls": walls, "preemptions": preemptions,
-            "ratio_of_minima": min(walls["float32"]) / min(walls["int8"]),
+    ratios = [f / q for f, q in zip(walls["float"], walls["int8"], strict=True)]
+    return {"n": n, "dtype": auto_dtype_name(), "walls": walls, "preemptions": preemptions,
+            "ratio_of_minima": min(walls["float"]) / min(walls["int8"]),
             "median_pair_ratio": statistics.median(ratios)}
 
 
@@ -162,13 +177,19 @@ def section(args: argparse.Namespace, kernel: list[dict], judged: dict | None,
              f"{flags}), load average {load} after; torch threads {torch.get_num_threads()}.",
              "", f"Kernel: SmolLM2-135M's four layer projections x {LAYERS} layers of distinct "
              f"weights, median ms of {args.rounds} alternated rounds (int8 includes quantizing "
-             "the rows); speed-up = float32 panels / int8_linear.", "",
-             "| rows | float32 panels ms | GFLOP/s | int8_linear ms | GOP/s | speed-up |",
-             "|---|---|---|---|---|---|"]
+             "the rows); speed-up = the float kernel's ms / int8_linear's.", ""]
+    bf16 = "oneDNN bf16" in kernel[0]
+    lines += ["| rows | float32 panels ms | GFLOP/s | int8_linear ms | GOP/s | speed-up |"
+              + (" oneDNN bf16 ms | GFLOP/s | int8 speed-up over bf16 |" if bf16 else ""),
+              "|---|---|---|---|---|---|" + ("---|---|---|" if bf16 else "")]
     for r in kernel:
         f, q = r["float32 panels"], r["int8_linear"]
-        lines.append(f"| {r['rows']} | {f['ms']:.1f} | {f['gflops']:.0f} | {q['ms']:.1f} | "
-                     f"{q['gflops']:.0f} | {f['ms'] / q['ms']:.2f}x |")
+        row = (f"| {r['rows']} | {f['ms']:.1f} | {f['gflops']:.0f} | {q['ms']:.1f} | "
+               f"{q['gflops']:.0f} | {f['ms'] / q['ms']:.2f}x |")
+        if bf16:
+            b = r["oneDNN bf16"]
+            row += f" {b['ms']:.1f} | {b['gflops']:.0f} | {b['ms'] / q['ms']:.2f}x |"
+        lines.append(row)
     if judged:
         p = judged["perplexity"]
         lines += ["", f"Quality (the bundled model, float32 against int8): {judged['texts']} "
@@ -182,11 +203,12 @@ def section(args: argparse.Namespace, kernel: list[dict], judged: dict | None,
                   "difference."]
     if w1:
         walls = w1["walls"]
-        lines += ["", f"W1 ({w1['n']} requests, float32 KV cache of 1 GiB, "
-                  f"benchmarks/offline_throughput.py per run, alternated float32 first): "
-                  f"float32 {', '.join(f'{s:.1f}' for s in walls['float32'])} s; int8 "
+        dtype = w1["dtype"]
+        lines += ["", f"W1 ({w1['n']} requests, --dtype auto = {dtype}, KV cache of 1 GiB, "
+                  f"benchmarks/offline_throughput.py per run, alternated, {dtype} first): "
+                  f"{dtype} {', '.join(f'{s:.1f}' for s in walls['float'])} s; {dtype} + int8 "
                   f"{', '.join(f'{s:.1f}' for s in walls['int8'])} s; preemptions "
-                  f"{w1['preemptions']['float32']} against {w1['preemptions']['int8']}. "
+                  f"{w1['preemptions']['float']} against {w1['preemptions']['int8']}. "
                   f"int8 is **{w1['ratio_of_minima']:.2f}x** by the ratio of minima, "
                   f"{w1['median_pair_ratio']:.2f}x by the median of the pair ratios."]
     return "\n".join(lines)
