@@ -9,7 +9,7 @@ from decode steps; "execute" is the whole model step, so what it holds beyond th
 Python and torch glue. Run it alone on the machine: anything beside it shows up as time.
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/profile_offline.py [--n 32]
-        [--dtype auto] [--kv-cache-memory 2GiB]
+        [--dtype auto] [--kv-cache-memory 2GiB] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -104,12 +104,15 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=32, help="first N requests of W1")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"))
+    parser.add_argument("--quantization", "-q", choices=("int8",), default=None,
+                        help="int8: W8A8 projections (docs/quantization.md)")
     args = parser.parse_args()
     dtype = auto_dtype_name() if args.dtype == "auto" else args.dtype
     timers = Timers()
     timers.install()
     llm = LLM(None, dtype=dtype, block_size=16, detokenize=False, max_num_seqs=256,
-              max_num_batched_tokens=2048, kv_cache_memory=args.kv_cache_memory)
+              max_num_batched_tokens=2048, kv_cache_memory=args.kv_cache_memory,
+              quantization=args.quantization)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     timers.seconds.clear()
     timers.calls.clear()
@@ -117,7 +120,8 @@ def main() -> int:
     llm.generate(w1_prompts(args.n), params, use_tqdm=False)
     wall = time.perf_counter() - start
     cpu = cpu_info()
-    print(f"W1, first {args.n} requests, {dtype}, {platform.machine()} {cpu.model} "
+    quantized = f" + {args.quantization}" if args.quantization else ""
+    print(f"W1, first {args.n} requests, {dtype}{quantized}, {platform.machine()} {cpu.model} "
           f"(ISA: {isa_line(cpu)}); wall {wall:.1f} s, "
           f"{llm.engine.scheduler.stats().num_steps} steps\n")
     print("| op | rows | seconds | share of wall | calls |\n|---|---|---|---|---|")
