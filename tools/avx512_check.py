@@ -785,21 +785,6 @@ def softmax_case(machine: Machine, rng: np.random.Generator, stride: int) -> boo
 
 # --- int8 --------------------------------------------------------------------------------------
 
-def quantize_groups_np(x: np.ndarray, group: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """kvserve.model.quantization.quantize_groups in numpy float32: per row and group,
-    scale = amax / 127 and q = rint(x * (127 / amax)), one true division."""
-    rows, k = x.shape
-    q = np.zeros((rows, k), np.int64)
-    scales = np.zeros((rows, -(-k // group)), np.float32)
-    for g, start in enumerate(range(0, k, group)):
-        part = x[:, start:start + group]
-        amax = np.abs(part).max(1)
-        inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-        q[:, start:start + group] = np.clip(np.rint(part * inverse[:, None]), -127, 127)
-        scales[:, g] = amax / np.float32(127)
-    return q, scales
-
-
 def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: int,
                includes: list[str]) -> tuple[int, int]:
     """int8_blocks.h: the VNNI path (where the CPU is the Sapphire Rapids) bit-identical to
@@ -807,7 +792,12 @@ def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: in
     a panel's columns."""
     import torch
 
-    from kvserve.model.quantization import pack_int8, quantize_int8
+    from kvserve.model.quantization import (
+        int8_linear_reference,
+        pack_int8,
+        quantize_groups,
+        quantize_int8,
+    )
 
     rng = np.random.default_rng(4)
     shapes = [(1, 16, 64), (12, 16, 64), (13, 17, 65), (5, 40, 130), (24, 33, 199), (7, 5, 7)]
@@ -821,17 +811,13 @@ def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: in
             x[1] = 0
         weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
         panels, scales = (t.numpy() for t in pack_int8(weight))
-        q_weight, w_scale = (t.numpy().astype(np.float64) for t in quantize_int8(weight))
-        qx, x_scales = quantize_groups_np(x)
-        expected = np.zeros((rows, n))
-        magnitude = np.zeros((rows, n))
-        for g, start in enumerate(range(0, k, 64)):
-            part = slice(start, start + 64)
-            expected += (qx[:, part] @ q_weight[:, part].T) * x_scales[:, g:g + 1]
-            magnitude += (np.abs(qx[:, part]) @ np.abs(q_weight[:, part]).T) * \
-                x_scales[:, g:g + 1]
-        expected *= w_scale[None, :]
-        magnitude *= w_scale[None, :]
+        # the engine's own quantization and float64 reference (kvserve.model.quantization)
+        q_weight, w_scale = quantize_int8(weight)
+        expected = int8_linear_reference(torch.from_numpy(x), q_weight, w_scale).numpy()
+        # the sum of the terms' magnitudes, bounded with each row's largest group scale
+        qx, x_scales = (t.double().numpy() for t in quantize_groups(torch.from_numpy(x)))
+        magnitude = (np.abs(qx) @ np.abs(q_weight.double().numpy()).T) * \
+            x_scales.max(1)[:, None] * w_scale.double().numpy()[None, :]
         ldo = n + 16
         outputs = {}
         for entry in entries:

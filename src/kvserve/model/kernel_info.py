@@ -256,12 +256,10 @@ def isa_line(cpu: CpuInfo) -> str:
     return f"{found}" + (f" (not found: {missing})" if missing else "")
 
 
-def describe_quantization(quantization: str | None) -> str:
+def describe_quantization(quantization: str) -> str:
     """The projections' kernel under ``--quantization`` (:mod:`kvserve.model.quantization`)."""
     from kvserve.model import paged_kernel
 
-    if quantization is None:
-        return "none"
     path = paged_kernel.layer_ops().int8_linear_path() if paged_kernel.available() else "none"
     sums = {"avx512_vnni": "AVX512-VNNI vpdpwssd", "avx2": "AVX2 vpmaddwd"}.get(path, path)
     return (f"int8_linear [--quantization {quantization}]: W8A8 int8 (weights per column at "

@@ -150,8 +150,12 @@ class Linear(nn.Module):
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         if release_weight:
-            self.weight = nn.Parameter(torch.empty_like(weight, device="meta"),
-                                       requires_grad=False)
+            self._release_weight()
+
+    def _release_weight(self) -> None:
+        """Keep only the weight's shape (a meta tensor): a packed copy now holds its values."""
+        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"),
+                                   requires_grad=False)
 
     def quantize_int8(self) -> None:
         """Run through csrc/int8_linear.cpp from now on: the weight quantized per output column
@@ -159,29 +163,33 @@ class Linear(nn.Module):
         shape-only (meta) tensor."""
         from kvserve.model.quantization import pack_int8
 
-        weight = self.weight.detach()
-        self.int8 = pack_int8(weight)
-        self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        self.int8 = pack_int8(self.weight.detach())
+        self._release_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = paged_kernel.layer_ops
+        n = self.weight.shape[0]
         if self.int8 is not None:
-            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-            out = paged_kernel.layer_ops().int8_linear(rows, *self.int8, self.weight.shape[0])
-            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            return _flat_rows(x, torch.float32, lambda rows: ops().int8_linear(rows, *self.int8, n))
         if self.invariant:
-            return paged_kernel.layer_ops().invariant_linear(x.contiguous(), self.weight)
+            return ops().invariant_linear(x.contiguous(), self.weight)
         if self.pair_panels is not None:
-            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-            out = paged_kernel.layer_ops().panel_linear_bf16(rows, self.pair_panels,
-                                                             self.weight.shape[0])
-            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            return _flat_rows(x, torch.bfloat16,
+                              lambda rows: ops().panel_linear_bf16(rows, self.pair_panels, n))
         if self.panels is not None:
-            rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-            out = paged_kernel.layer_ops().panel_linear(rows, self.panels, self.weight.shape[0])
-            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+            return _flat_rows(x, torch.float32,
+                              lambda rows: ops().panel_linear(rows, self.panels, n))
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def _flat_rows(x: torch.Tensor, dtype: torch.dtype,
+               kernel: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``kernel`` (a C++ projection taking contiguous 2-D rows) on ``x``'s rows in ``dtype``,
+    its output back in ``x``'s shape and dtype."""
+    out = kernel(x.reshape(-1, x.shape[-1]).to(dtype).contiguous())
+    return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

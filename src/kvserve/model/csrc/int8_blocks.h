@@ -23,8 +23,8 @@ namespace int8 {
 constexpr int kPanel = 16;  // output columns per panel
 constexpr int kGroup = 64;  // k per activation scale (quantization.ACTIVATION_GROUP)
 constexpr int kGroupPairs = kGroup / 2;
-constexpr int kAvx2Rows = 6;    // rows per AVX2 register block (block_sums is written for 6)
-constexpr int kVnniRows = 12;   // rows per AVX512-VNNI register block
+constexpr int kAvx2Rows = 6;   // rows per AVX2 register block (block_sums is written for 6)
+constexpr int kVnniRows = 12;  // rows per AVX512-VNNI register block
 
 #if defined(__AVX2__)
 // One group of a row (len <= kGroup values of x) as int16 and its scale. cvtps2dq rounds by
@@ -87,7 +87,7 @@ inline void quantize_row(const float* x, int64_t k_dim, int16_t* q, float* scale
 // The float32 sums of kAvx2Rows (6) quantized rows (ldq int16 apart; their groups' scales ldg
 // apart) against one panel: acc[2 r] columns 0-7 of row r, acc[2 r + 1] columns 8-15.
 inline void block_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t ldg,
-                const int8_t* panel, int64_t k_pairs, __m256* acc) {
+                       const int8_t* panel, int64_t k_pairs, __m256* acc) {
   for (int i = 0; i < 2 * kAvx2Rows; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t p0 = 0, g = 0; p0 < k_pairs; p0 += kGroupPairs, ++g) {
     __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
@@ -100,7 +100,8 @@ inline void block_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t l
       KVSERVE_INT8_ROW(0, a00, a01) KVSERVE_INT8_ROW(1, a10, a11) KVSERVE_INT8_ROW(2, a20, a21)
       KVSERVE_INT8_ROW(3, a30, a31) KVSERVE_INT8_ROW(4, a40, a41) KVSERVE_INT8_ROW(5, a50, a51)
     }
-    const __m256i sums[2 * kAvx2Rows] = {a00, a01, a10, a11, a20, a21, a30, a31, a40, a41, a50, a51};
+    const __m256i sums[2 * kAvx2Rows] = {a00, a01, a10, a11, a20, a21,
+                                         a30, a31, a40, a41, a50, a51};
     for (int i = 0; i < 2 * kAvx2Rows; ++i) {
       const __m256 scale = _mm256_set1_ps(sx[(i / 2) * ldg + g]);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), scale, acc[i]);
@@ -109,11 +110,11 @@ inline void block_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t l
 }
 #undef KVSERVE_INT8_ROW
 
-// The same sums for RN < kAvx2Rows rows (a block's last rows), in intrinsics: with at most three
-// rows gcc keeps them in registers.
+// The same sums for RN < kAvx2Rows rows (a block's last rows), in intrinsics: with at most
+// three rows gcc keeps them in registers.
 template <int RN>
 inline void tail_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t ldg,
-               const int8_t* panel, int64_t k_pairs, __m256* acc) {
+                      const int8_t* panel, int64_t k_pairs, __m256* acc) {
   for (int i = 0; i < 2 * RN; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t p0 = 0, g = 0; p0 < k_pairs; p0 += kGroupPairs, ++g) {
     __m256i a[RN][2];
@@ -143,7 +144,7 @@ inline void tail_sums(const int16_t* q, int64_t ldq, const float* sx, int64_t ld
 
 // out[r][c] = sum * sw[c] for the block's first `rows` rows and ncols columns.
 inline void store_block(const __m256* acc, int rows, const float* sw, float* out, int64_t ldo,
-                 int ncols) {
+                        int ncols) {
   alignas(32) float lanes[kPanel];
   const __m256 sw0 = _mm256_loadu_ps(sw), sw1 = _mm256_loadu_ps(sw + 8);
   for (int r = 0; r < rows; ++r) {
@@ -185,8 +186,9 @@ inline void panel_rows_avx2(const int16_t* q, int64_t rows, int64_t ldq, const f
 // RN rows against one panel: per pair of k the panel's 32 bytes widen to one register of 16
 // columns x 2 k (vpmovsxbw), and each row adds both products into its 16 int32 lanes with one
 // vpdpwssd: one instruction per row per pair where AVX2 needs four (two vpmaddwd, two vpaddd).
-// Row R's pair p broadcast and added into its 16 int32 lanes. In asm, as the AVX2 rows: given
-// intrinsics, gcc copied every accumulator to another register and back at each k.
+// KVSERVE_VNNI_ROW: row R's pair p broadcast and added into its 16 int32 lanes, in asm as the
+// AVX2 rows are: given intrinsics, gcc copied every accumulator to another register and back
+// at each k.
 #define KVSERVE_VNNI_ROW(R, A)                                                           \
   if constexpr (RN > (R)) {                                                              \
     __m512i t;                                                                           \
