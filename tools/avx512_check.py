@@ -26,7 +26,14 @@ with a reference:
 - ``int8``: csrc/int8_blocks.h (``--quantization int8``): the rows quantized per group of 64
   and summed against int8 panels by the AVX512-VNNI path (vpdpwssd) and by the AVX2 path
   (vpmaddwd), bit-identical to each other and within float32 rounding of a float64 reference
-  on numpy's own quantization, with sentinels past each panel's columns.
+  on numpy's own quantization, with sentinels past each panel's columns;
+- ``amx``: int8_blocks.h's AMX-INT8 path (``tdpbssd``). The emulator has no AMX, so this
+  build defines ``KVSERVE_AMX_MODEL`` and csrc/amx_tiles.h turns the tile instructions into a
+  software model of them written from the ISA's description; the rest (quantization, the
+  AVX-512 FMAs and masked stores) runs as emulated Sapphire Rapids code. The check pins the
+  model to the ISA (its TDPBSSD against numpy over several tile shapes, and a fault on a
+  configuration the CPU refuses), then the path bit-identical to the AVX2 path over the
+  engine's own quad panels (``quantization.pack_int8(weight, "quads")``), sentinels intact.
 
 BochsCPU runs every CPU model of Bochs, but bochscpu fixes the model to a Cannon Lake i3
 (AVX-512 without AVX512-BF16 or VNNI, so vdpbf16ps and vpdpwssd fault with #UD). The script
@@ -36,12 +43,14 @@ model, the Cannon Lake case (``call create_corei3_cnl_cpuid@plt; jmp``) calls
 emulated CPU is then a Sapphire Rapids (a Xeon w9-3475X: AVX-512, AVX512-BF16, AVX512-VNNI,
 AVX512-FP16; no AMX, which this build of Bochs leaves out), and the code is compiled for
 ``-march=cannonlake -mavx512bf16 -mavx512vnni``. Where those bytes are not found (another
-wheel), the Cannon Lake runs and the vdpbf16ps and VNNI checks are skipped and say so. What it
-cannot run: AMX, anything that needs torch at run time, and the real CPUs' rounding of
+wheel), the Cannon Lake runs and the vdpbf16ps, VNNI and AMX checks are skipped and say so.
+What it cannot run: the real AMX instructions (only the model, which shares the author's
+reading of the ISA with the kernel: a real AMX CPU runs tests/model/test_quantization.py's
+AMX test instead), anything that needs torch at run time, and the real CPUs' rounding of
 vdpbf16ps (the emulator follows the ISA's pseudo-code: two float32 multiply-adds per lane,
 odd element first).
 
-    python tools/avx512_check.py [--only panels|tiles|invariant|softmax|int8] [--cases 60]
+    python tools/avx512_check.py [--only panels|tiles|invariant|softmax|int8|amx] [--cases 60]
 
 Needs g++, binutils, numpy, bochscpu-python (the dev extra) and kvserve with torch (its
 headers; the engine's own weight packing): run it with the project's virtualenv. Prints one
@@ -196,6 +205,40 @@ INT8_ENTRY(int8_rows_avx2, false)
 INT8_ENTRY(int8_rows_vnni, true)
 #endif
 """
+AMX_ENTRY = INT8_ENTRY + """
+// int8_linear_quads's call without the tensors or threads (amx_tiles.h's software model:
+// built with -DKVSERVE_AMX_MODEL): rows quantized to int8, scales per block of 16 as
+// [groups][16], then each quad panel.
+extern "C" void amx_rows(const float* x, int64_t rows, int64_t k, const int8_t* panels,
+                         const float* scales, float* out, int64_t n, int64_t ldo, int16_t* q,
+                         int8_t* qa, float* sx) {
+  using namespace kvserve::int8;
+  const int64_t groups = (k + kGroup - 1) / kGroup, ldqa = groups * kGroup;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t block = t / kAmxRows * kAmxRows;
+    quantize_row_int8(x + t * k, k, q, qa + t * ldqa, ldqa, sx + block * groups + t - block,
+                      kAmxRows);
+  }
+  KVSERVE_TILE_LOADCONFIG(kAmxConfig.bytes);
+  for (int64_t p = 0; p * kPanel < n; ++p) {
+    const int ncols = static_cast<int>(n - p * kPanel < kPanel ? n - p * kPanel : kPanel);
+    amx_panel_rows(qa, rows, ldqa, sx, panels + p * groups * kTileBytes, scales + p * kPanel,
+                   out + p * kPanel, ldo, ncols);
+  }
+  KVSERVE_TILE_RELEASE();
+}
+// One TDPBSSD of the model on tiles 0 (c), 1 (a), 2 (b) under `config`; c back in c.
+extern "C" void amx_dpbssd(const uint8_t* config, const int8_t* a, int64_t lda, const int8_t* b,
+                           int64_t ldb, int32_t* c, int64_t ldc) {
+  KVSERVE_TILE_LOADCONFIG(config);
+  KVSERVE_TILE_LOADD(0, c, ldc);
+  KVSERVE_TILE_LOADD(1, a, lda);
+  KVSERVE_TILE_LOADD(2, b, ldb);
+  KVSERVE_TILE_DPBSSD(0, 1, 2);
+  KVSERVE_TILE_STORED(0, c, ldc);
+  KVSERVE_TILE_RELEASE();
+}
+"""
 EXP_NATIVE = """
 #include "fast_math.h"
 extern "C" void exp_scalar(const float* x, float* out, int n) {
@@ -204,7 +247,7 @@ extern "C" void exp_scalar(const float* x, float* out, int n) {
 """
 # the entries' names; the rest of a file is dropped
 ENTRY_PREFIXES = ("panel_rows_", "dots_", "acc_", "packed_scores_", "widened_acc_", "exp16",
-                  "invariant_", "softmax_", "int8_rows_")
+                  "invariant_", "softmax_", "int8_rows_", "amx_")
 LINKER_SCRIPT = """SECTIONS { . = 0x400000;
 .text : { *(.text*) *(.rodata*) *(.data*) *(.bss*) *(.init_array*) *(.fini_array*) }
 /DISCARD/ : { *(.eh_frame*) *(.gcc_except_table*) *(.comment) *(.note*) } }"""
@@ -842,6 +885,100 @@ def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: in
     return passed, total
 
 
+# --- amx ---------------------------------------------------------------------------------------
+
+def tile_config(shapes: dict[int, tuple[int, int]]) -> bytes:
+    """LDTILECFG's 64 bytes, palette 1: tile -> (rows, bytes per row)."""
+    config = bytearray(64)
+    config[0] = 1
+    for tile, (rows, colsb) in shapes.items():
+        config[16 + 2 * tile:18 + 2 * tile] = colsb.to_bytes(2, "little")
+        config[48 + tile] = rows
+    return bytes(config)
+
+
+def dpbssd_reference(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """TDPBSSD as the ISA defines it: c[m][n] += sum over dwords j of a's row m and bytes i of
+    a[m][4 j + i] * b[j][4 n + i], signed (int8 a [M, 4 K], b [K, 4 N], int32 c [M, N])."""
+    k4 = a.shape[1]
+    as_k = b.reshape(k4 // 4, -1, 4).transpose(0, 2, 1).reshape(k4, -1)  # [4 K, N]
+    return c + a.astype(np.int64) @ as_k.astype(np.int64)
+
+
+def check_amx(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: int,
+              includes: list[str]) -> tuple[int, int]:
+    """int8_blocks.h's AMX-INT8 path (amx_tiles.h's software model of the tile instructions,
+    with the Sapphire Rapids' AVX-512 for the rest): the model's TDPBSSD against the ISA's
+    definition in numpy, its refusal of an invalid configuration, and the path bit-identical
+    to the AVX2 path over quad panels (quantization.pack_int8 layout="quads")."""
+    if not sapphire_rapids:
+        print("amx: skipped (the AMX path's AVX-512 needs the Sapphire Rapids model)")
+        return 0, 0
+    import torch
+
+    from kvserve.model.quantization import pack_int8
+
+    rng = np.random.default_rng(5)
+    passed = total = 0
+    for rows, quads, n in [(16, 16, 16), (1, 1, 1), (5, 3, 7), (16, 7, 9), (11, 16, 2)]:
+        a = rng.integers(-128, 128, (rows, 4 * quads), dtype=np.int8)
+        b = rng.integers(-128, 128, (quads, 4 * n), dtype=np.int8)
+        c = rng.integers(-2**20, 2**20, (rows, n), dtype=np.int32)
+        config = tile_config({0: (rows, 4 * n), 1: (rows, 4 * quads), 2: (quads, 4 * n)})
+        buffers = [config, a.tobytes(), b.tobytes(), c.tobytes()]
+        addresses = Machine.addresses([len(x) for x in buffers])
+        got = machine.call("amx_dpbssd", [addresses[0], addresses[1], 4 * quads, addresses[2],
+                                          4 * n, addresses[3], 4 * n], buffers)[3]
+        ok = np.array_equal(np.frombuffer(got, np.int32).reshape(rows, n),
+                            dpbssd_reference(a, b, c))
+        passed += ok
+        total += 1
+        print(f"amx tdpbssd model rows={rows:2d} k={4 * quads:2d} n={n:2d}: "
+              f"{'as the ISA defines' if ok else 'MISMATCH'}")
+    # a configuration the CPU refuses (a's bytes per row not 4 x b's rows) must fault
+    config = tile_config({0: (4, 16), 1: (4, 32), 2: (4, 16)})
+    buffers = [config, bytes(256), bytes(256), bytes(256)]
+    addresses = Machine.addresses([len(x) for x in buffers])
+    try:
+        machine.call("amx_dpbssd", [addresses[0], addresses[1], 64, addresses[2], 64,
+                                    addresses[3], 64], buffers)
+        refused = False
+    except RuntimeError as error:  # ud2: the model's #UD, as the CPU's
+        refused = "exception 6 " in str(error)
+    passed += refused
+    total += 1
+    print(f"amx tdpbssd model, mismatched shapes: {'faults' if refused else 'RAN (wrong)'}")
+
+    shapes = [(1, 16, 64), (16, 16, 64), (17, 17, 65), (5, 40, 130), (33, 33, 199), (7, 5, 7)]
+    shapes += [(int(rng.integers(1, 40)), int(rng.integers(1, 50)), int(rng.integers(1, 300)))
+               for _ in range(max(0, cases // 3 - len(shapes)))]
+    for rows, n, k in shapes:
+        x = (rng.standard_normal((rows, k)) * rng.random((rows, 1)) * 8).astype(np.float32)
+        if rows > 2:
+            x[1] = 0
+        weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+        ldo, groups, padded = n + 16, -(-k // 64), -(-rows // 16) * 16
+        outputs = []
+        for entry, layout in (("int8_rows_avx2", "pairs"), ("amx_rows", "quads")):
+            panels, scales = (t.numpy() for t in pack_int8(weight, layout))
+            buffers = [x.tobytes(), panels.tobytes(), scales.tobytes(),
+                       np.full((rows, ldo), SENTINEL).tobytes(), bytes(2 * rows * (k + 1)),
+                       bytes(padded * groups * 64), bytes(4 * padded * groups)]
+            addresses = Machine.addresses([len(b) for b in buffers])
+            args = [addresses[0], rows, k, addresses[1], addresses[2], addresses[3], n, ldo,
+                    addresses[4]] + ([addresses[5], addresses[6]] if entry == "amx_rows"
+                                     else [addresses[6]])
+            result = machine.call(entry, args, buffers)[3]
+            outputs.append(np.frombuffer(result, np.float32).reshape(rows, ldo))
+        avx2, amx = outputs
+        ok = bool(np.all(amx[:, n:] == SENTINEL)) and np.array_equal(amx, avx2)
+        passed += ok
+        total += 1
+        print(f"amx = avx2 rows={rows:2d} n={n:2d} k={k:3d}: "
+              f"{'bit-identical' if ok else 'MISMATCH'}")
+    return passed, total
+
+
 Check = Callable[[Machine, bool, Path, int, list[str]], tuple[int, int]]
 # name: (the entry source, extra compiler flags, whether it needs torch's headers, the check)
 CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
@@ -850,6 +987,7 @@ CHECKS: dict[str, tuple[str, list[str], bool, Check]] = {
     "invariant": (INVARIANT_ENTRY, [], True, check_invariant),
     "softmax": (SOFTMAX_ENTRY, [], True, check_softmax),
     "int8": (INT8_ENTRY, [], True, check_int8),
+    "amx": (AMX_ENTRY, ["-DKVSERVE_AMX_MODEL"], True, check_amx),
 }
 
 

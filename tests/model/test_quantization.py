@@ -7,7 +7,10 @@ are refused with the reason (docs/quantization.md)."""
 
 from __future__ import annotations
 
+import platform
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -53,7 +56,7 @@ def test_activation_quantization_is_symmetric_per_row_and_keeps_zero_rows():
 
 def test_pack_int8_pads_columns_and_odd_k_with_zeros():
     weight = torch.randn(17, 5)
-    panels, scales = pack_int8(weight)
+    panels, scales = pack_int8(weight, "pairs")
     assert panels.dtype == torch.int8 and tuple(panels.shape) == (2, 3, 16, 2)
     assert scales.shape == (32,) and torch.all(scales[17:] == 0)
     q, scale = quantize_int8(weight)
@@ -61,6 +64,29 @@ def test_pack_int8_pads_columns_and_odd_k_with_zeros():
     assert torch.equal(panels[0, :, 3, :].reshape(-1)[:5], q[3])  # column 3, k in order
     assert torch.all(panels[0, 2, :, 1] == 0)  # k = 5 padded
     assert torch.all(panels[1, :, 1:, :] == 0)  # columns 17-31 padded
+
+
+def test_quad_panels_hold_each_group_as_a_tdpbssd_b_tile():
+    """The AMX path's layout (csrc/int8_blocks.h): per panel of 16 columns and group of 64 k,
+    16 rows of 64 bytes, row j holding each column's k = 64 g + 4 j .. 64 g + 4 j + 3."""
+    weight = torch.randn(17, 70)
+    panels, scales = pack_int8(weight, "quads")
+    q, scale = quantize_int8(weight)
+    assert panels.dtype == torch.int8 and tuple(panels.shape) == (2, 32, 16, 4)
+    assert torch.equal(scales[:17], scale) and torch.all(scales[17:] == 0)
+    for column, g, j in [(0, 0, 0), (3, 0, 15), (16, 1, 0), (9, 0, 7)]:
+        assert torch.equal(panels[column // 16, 16 * g + j, column % 16],
+                           q[column, 64 * g + 4 * j:64 * g + 4 * j + 4])
+    assert torch.all(panels[:, 18:] == 0) and torch.all(panels[:, 17, :, 2:] == 0)  # k >= 70
+    assert torch.all(panels[1, :, 1:] == 0)  # columns 17-31 padded
+    with pytest.raises(ValueError, match="unknown int8 layout 'triples'"):
+        pack_int8(weight, "triples")
+
+
+def test_the_layout_follows_the_kernels_path():
+    expected = ("quads" if int8_linear_available()
+                and paged_kernel.layer_ops().int8_linear_path() == "amx" else "pairs")
+    assert quantization.int8_layout() == expected
 
 
 def test_activations_are_quantized_per_group_of_64():
@@ -136,11 +162,36 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 @needs_kernel
 def test_the_kernel_refuses_mismatched_panels():
-    panels, scales = pack_int8(torch.randn(16, 8))
+    panels, scales = pack_int8(torch.randn(16, 8), "pairs")
     with pytest.raises(RuntimeError, match="int8_linear: panels"):
         paged_kernel.layer_ops().int8_linear(torch.randn(2, 10), panels, scales, 16)
     with pytest.raises(RuntimeError, match="int8_linear: scales"):
         paged_kernel.layer_ops().int8_linear(torch.randn(2, 8), panels, scales[:8], 16)
+
+
+def amx_runs() -> bool:
+    return int8_linear_available() and paged_kernel.layer_ops().int8_linear_path() == "amx"
+
+
+@needs_kernel
+@pytest.mark.skipif(amx_runs(), reason="the AMX path runs here")
+def test_quad_panels_are_refused_where_the_amx_path_cannot_run():
+    panels, scales = pack_int8(torch.randn(16, 64), "quads")
+    reason = paged_kernel.layer_ops().int8_amx_unavailable()
+    assert reason  # why, in words
+    with pytest.raises(RuntimeError, match="quad panels are the AMX-INT8 path's"):
+        paged_kernel.layer_ops().int8_linear(torch.randn(2, 64), panels, scales, 16)
+
+
+@pytest.mark.skipif(not amx_runs(), reason="needs a CPU with AMX-INT8 and Linux's grant")
+@pytest.mark.parametrize("rows,n,k", [*SHAPES, (16, 16, 64), (17, 33, 130), (40, 100, 576)])
+def test_the_amx_path_gives_the_bits_of_the_pairs_path(rows, n, k):
+    """On an AMX CPU: TDPBSSD's exact group sums, added in the same order, give the AVX2 /
+    VNNI path's result bit for bit (tools/avx512_check.py checks the same under emulation)."""
+    x, weight = torch.randn(rows, k) * 4, torch.randn(n, k)
+    ops = paged_kernel.layer_ops()
+    amx = ops.int8_linear(x, *pack_int8(weight, "quads"), n)
+    assert torch.equal(amx, ops.int8_linear(x, *pack_int8(weight, "pairs"), n))
 
 
 @needs_kernel
@@ -220,3 +271,40 @@ def test_the_bundled_model_in_int8_still_answers():
     float_model = LLM(dtype="float32", num_kv_blocks=64).generate([prompt], params,
                                                                   use_tqdm=False)[0]
     assert int8.token_ids[:2] == float_model.token_ids[:2]
+
+
+AMX_UNIT = """
+#include "int8_blocks.h"
+extern "C" const char* status() { return kvserve::amx_status(); }
+extern "C" void rows(const int8_t* qa, int64_t n_rows, int64_t ldqa, const float* sx,
+                     const int8_t* panel, const float* sw, float* out, int64_t ldo, int ncols) {
+  KVSERVE_TILE_LOADCONFIG(kvserve::int8::kAmxConfig.bytes);
+  kvserve::int8::amx_panel_rows(qa, n_rows, ldqa, sx, panel, sw, out, ldo, ncols);
+  KVSERVE_TILE_RELEASE();
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86-64")
+def test_the_amx_path_compiles_to_tile_instructions_for_a_sapphire_rapids(tmp_path):
+    """No CPU here may have AMX, and the emulator has none: tools/avx512_check.py runs the AMX
+    path through amx_tiles.h's software model. This pins the other half: built for a Sapphire
+    Rapids, the same source is the CPU's tile instructions (and asks Linux for the tiles)."""
+    from torch.utils.cpp_extension import include_paths
+
+    source = tmp_path / "amx.cpp"
+    source.write_text(AMX_UNIT)
+    includes = [f"-I{path}" for path in [*include_paths(), str(paged_kernel.CSRC)]]
+
+    def assembly(*defines: str) -> str:
+        subprocess.run(["g++", "-std=c++17", "-O2", "-march=sapphirerapids", "-w", *defines,
+                        *includes, "-S", "-o", str(tmp_path / "amx.s"), str(source)],
+                       check=True, timeout=300)
+        return (tmp_path / "amx.s").read_text()
+
+    real = assembly()
+    for instruction in ("ldtilecfg", "tilezero", "tileloadd", "tdpbssd", "tilestored",
+                        "tilerelease", "syscall"):
+        assert instruction in real, instruction
+    assert "tdpbssd" not in assembly("-DKVSERVE_AMX_MODEL")  # the model: plain code

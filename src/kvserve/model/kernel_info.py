@@ -260,8 +260,12 @@ def describe_quantization(quantization: str) -> str:
     """The projections' kernel under ``--quantization`` (:mod:`kvserve.model.quantization`)."""
     from kvserve.model import paged_kernel
 
-    path = paged_kernel.layer_ops().int8_linear_path() if paged_kernel.available() else "none"
-    sums = {"avx512_vnni": "AVX512-VNNI vpdpwssd", "avx2": "AVX2 vpmaddwd"}.get(path, path)
+    ops = paged_kernel.layer_ops() if paged_kernel.available() else None
+    path = ops.int8_linear_path() if ops is not None else "none"
+    sums = {"amx": "AMX-INT8 tdpbssd", "avx512_vnni": "AVX512-VNNI vpdpwssd",
+            "avx2": "AVX2 vpmaddwd"}.get(path, path)
+    if ops is not None and path != "amx" and cpu_info().isa().get("amx_int8"):
+        sums += f" (AMX-INT8 unused: {ops.int8_amx_unavailable()})"
     return (f"int8_linear [--quantization {quantization}]: W8A8 int8 (weights per column at "
             f"load, rows per token and group of 64 each step), exact int32 sums by {sums}; LM "
             "head in the model's dtype")

@@ -4,9 +4,10 @@ Dynamic W8A8, as vLLM's and SGLang's int8 CPU paths (torchao's ``int8dq``): each
 weight is quantized once at load, symmetric int8 per output column; each call quantizes its
 rows, symmetric int8 per token and group of 64 values (finer than their per-token scales: on
 the bundled 135M model that cuts the perplexity cost from +3.5% to about +1%); the products
-are summed exactly in int32 per group (csrc/int8_linear.cpp: AVX2 ``vpmaddwd``, or AVX512-VNNI
-``vpdpwssd``) and scaled back to float. The LM head keeps the model's dtype (as vLLM's W8A8
-checkpoints do), as do the embeddings, norms and the KV cache.
+are summed exactly in int32 per group (csrc/int8_linear.cpp: AVX2 ``vpmaddwd``, AVX512-VNNI
+``vpdpwssd``, or AMX-INT8 ``tdpbssd`` where Linux grants the tiles) and scaled back to
+float. The LM head keeps the model's dtype (as vLLM's W8A8 checkpoints do), as do the
+embeddings, norms and the KV cache.
 The weights are quantized from whatever the loader produced (the bundled GGUF's Q4_1 blocks
 dequantized), so greedy text differs from the float model's; docs/quantization.md has the
 measured difference and speed.
@@ -52,14 +53,42 @@ def quantize_groups(values: torch.Tensor,
             torch.stack([scale for _, scale in parts], 1))
 
 
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+LAYOUTS = ("pairs", "quads")
+
+
+def int8_layout() -> str:
+    """The panel layout int8_linear reads fastest here: ``quads`` where its AMX-INT8 path runs
+    (``int8_linear_path() == "amx"``), ``pairs`` (AVX2 / AVX512-VNNI) elsewhere."""
+    if paged_kernel.available() and paged_kernel.layer_ops().int8_linear_path() == "amx":
+        return "quads"
+    return "pairs"
+
+
+def pack_quad_panels(q: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [n, k] as the AMX path's quad panels [ceil(n / 16), ceil(k / 64) * 16,
+    16, 4]: per panel of 16 columns, per group of 64 k, TDPBSSD's B tile, whose row j holds
+    each column's k = 4 j .. 4 j + 3 of the group (csrc/int8_blocks.h); n and k padded with
+    zeros."""
+    n, k = q.shape
+    padded = F.pad(q, (0, -k % ACTIVATION_GROUP, 0, -n % PANEL))
+    quads = padded.shape[1] // 4
+    return padded.view(-1, PANEL, quads, 4).transpose(1, 2).contiguous()
+
+
+def pack_int8(weight: torch.Tensor, layout: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [n, k] quantized per output column (:func:`quantize_int8`) and packed as
-    csrc/int8_linear.cpp reads it: int8 panels [ceil(n / 16), ceil(k / 2), 16, 2] (k padded to
-    even with zeros) and the columns' scales, padded to whole panels."""
+    csrc/int8_linear.cpp reads it, with the columns' scales padded to whole panels. Layout
+    ``pairs``: int8 panels [ceil(n / 16), ceil(k / 2), 16, 2] (k padded to even with zeros), for
+    the AVX2 and AVX512-VNNI paths; ``quads``: :func:`pack_quad_panels`, for the AMX path; by
+    default :func:`int8_layout`."""
+    layout = layout or int8_layout()
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown int8 layout {layout!r}; choose " + " or ".join(LAYOUTS))
     q, scale = quantize_int8(weight)
-    if q.shape[1] % 2:
-        q = F.pad(q, (0, 1))
-    panels = pack_pair_panels(q)
+    if layout == "quads":
+        panels = pack_quad_panels(q)
+    else:
+        panels = pack_pair_panels(F.pad(q, (0, q.shape[1] % 2)))
     return panels, F.pad(scale, (0, panels.shape[0] * PANEL - scale.shape[0]))
 
 

@@ -1,11 +1,14 @@
 // int8_linear.cpp's loops (--quantization int8, docs/quantization.md): the rows quantized per
 // group of 64 (AVX2), and their sums against one panel of int8 weights, by AVX2 vpmaddwd or,
-// where the build has AVX512-VNNI (and BW), by vpdpwssd on 512-bit registers. Only intrinsics,
-// inline asm and fast_math.h, so tools/avx512_check.py can run the VNNI path under an
-// emulator. Both paths give the same bits: each group's int32 sums are exact, and each is
-// added into its float32 sum by one FMA in group order, then multiplied by the column's scale.
+// where the build has AVX512-VNNI (and BW), by vpdpwssd on 512-bit registers, or, where it
+// has AMX-INT8 and Linux grants the tiles, by TDPBSSD on tiles (amx_tiles.h). Only
+// intrinsics, inline asm, amx_tiles.h and fast_math.h, so tools/avx512_check.py can run the
+// VNNI and AMX paths under an emulator (AMX through amx_tiles.h's software model). All paths
+// give the same bits: each group's int32 sums are exact, and each is added into its float32
+// sum by one FMA in group order, then multiplied by the column's scale.
 #pragma once
 
+#include "amx_tiles.h"
 #include "fast_math.h"
 
 #include <algorithm>
@@ -245,8 +248,130 @@ inline void panel_rows_vnni(const int16_t* q, int64_t rows, int64_t ldq, const f
 }
 #endif
 
+#if defined(KVSERVE_AMX_TILES) && defined(__AVX512F__)
+#define KVSERVE_INT8_AMX 1
+// AMX-INT8 (Sapphire Rapids and later Xeons; amx_tiles.h): a group of 64 k is exactly one
+// tile row of int8, so each group of a block of 16 rows x one panel of 16 columns is one
+// TDPBSSD (16 x 16 x 64 exact int32 sums), stored and added into 16 float32 sums of 16 lanes
+// by one FMA per row with the rows' group scales, as the AVX2 path adds them: the same bits.
+// It reads its own layouts, which int8_linear.cpp prepares when this path runs:
+//   rows    int8 [rows padded to 16, groups * 64] (padding zero), and their scales per block
+//           of 16 rows as [groups][16] (zero past the rows);
+//   panels  "quad panels" [ceil(n / 16), groups * 16, 16, 4] (quantization.pack_int8 with
+//           layout="quads"): group g of a panel is the 1 KiB B tile of TDPBSSD, row j holding
+//           each column's k = 64 g + 4 j .. 64 g + 4 j + 3 (k padded with zeros).
+constexpr int kAmxRows = 16;                  // rows per A and C tile
+constexpr int kTileBytes = kGroup * kPanel;   // one group of one quad panel
+constexpr int kQuad = 4;
+constexpr int kMaxGroups = 64;                // quantize_row_int8's scales per pass
+
+// Tiles 0 and 3 (C: 16 rows x 16 int32), 1 and 4 (A: 16 rows x 64 int8), 2 and 5 (B: 16
+// quads x 16 columns x 4 int8), each 16 rows of 64 bytes; a constant, so all 64 bytes are in
+// memory.
+struct AmxConfig {
+  alignas(64) uint8_t bytes[64];
+};
+constexpr AmxConfig amx_config() {
+  AmxConfig c{};
+  c.bytes[0] = 1;  // palette 1
+  for (int t = 0; t < 6; ++t) {
+    c.bytes[16 + 2 * t] = 64;
+    c.bytes[48 + t] = kAmxRows;
+  }
+  return c;
+}
+inline constexpr AmxConfig kAmxConfig = amx_config();
+
+// Row t of x quantized as quantize_row does (q: int16 scratch of k + 1), narrowed to int8 and
+// padded with zeros to ldqa bytes; its groups' scales scale_stride apart.
+inline void quantize_row_int8(const float* x, int64_t k_dim, int16_t* q, int8_t* qa,
+                              int64_t ldqa, float* scales, int64_t scale_stride) {
+  float row_scales[kMaxGroups];
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kMaxGroups * kGroup) {
+    const int64_t len = std::min<int64_t>(kMaxGroups * kGroup, k_dim - k0);
+    quantize_row(x + k0, len, q, row_scales);
+    for (int64_t k = 0; k < len; ++k) qa[k0 + k] = static_cast<int8_t>(q[k]);
+    for (int64_t g = 0; g * kGroup < len; ++g) {
+      scales[(k0 / kGroup + g) * scale_stride] = row_scales[g];
+    }
+  }
+  for (int64_t k = k_dim; k < ldqa; ++k) qa[k] = 0;
+}
+
+// Row R's group sums (tile row R of SUMS as 16 int32) added into its float32 sums A with the
+// row's scale for the group (SX[R]), by one FMA.
+#define KVSERVE_AMX_ROW(SUMS, SX, R, A)                                                       \
+  A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(SUMS[R])),                         \
+                      _mm512_set1_ps(SX[R]), A);
+#define KVSERVE_AMX_ROWS(SUMS, SX)                                                            \
+  KVSERVE_AMX_ROW(SUMS, SX, 0, a0) KVSERVE_AMX_ROW(SUMS, SX, 1, a1)                           \
+  KVSERVE_AMX_ROW(SUMS, SX, 2, a2) KVSERVE_AMX_ROW(SUMS, SX, 3, a3)                           \
+  KVSERVE_AMX_ROW(SUMS, SX, 4, a4) KVSERVE_AMX_ROW(SUMS, SX, 5, a5)                           \
+  KVSERVE_AMX_ROW(SUMS, SX, 6, a6) KVSERVE_AMX_ROW(SUMS, SX, 7, a7)                           \
+  KVSERVE_AMX_ROW(SUMS, SX, 8, a8) KVSERVE_AMX_ROW(SUMS, SX, 9, a9)                           \
+  KVSERVE_AMX_ROW(SUMS, SX, 10, a10) KVSERVE_AMX_ROW(SUMS, SX, 11, a11)                       \
+  KVSERVE_AMX_ROW(SUMS, SX, 12, a12) KVSERVE_AMX_ROW(SUMS, SX, 13, a13)                       \
+  KVSERVE_AMX_ROW(SUMS, SX, 14, a14) KVSERVE_AMX_ROW(SUMS, SX, 15, a15)
+
+// One block of 16 rows (their group scales in sx as [groups][16]) against one quad panel;
+// stores the first `rows` rows' ncols columns. Groups go in pairs on two sets of tiles (C, A,
+// B = 0, 1, 2 and 3, 4, 5) so that one group's TDPBSSD need not wait for the other's sums to
+// be stored and read; the FMAs still add the groups in order. The 16 float32 sums are named
+// registers: as an array, gcc kept them on the stack.
+inline void amx_block(const int8_t* qa, int64_t ldqa, const float* sx, int64_t groups,
+                      const int8_t* panel, const float* sw, float* out, int64_t ldo, int rows,
+                      int ncols) {
+  alignas(64) int32_t even[kAmxRows][kPanel], odd[kAmxRows][kPanel];
+  constexpr int64_t kSumStride = kPanel * sizeof(int32_t), kPanelStride = kPanel * kQuad;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool pair = g + 1 < groups;
+    KVSERVE_TILE_ZERO(0);
+    KVSERVE_TILE_LOADD(1, qa + g * kGroup, ldqa);
+    KVSERVE_TILE_LOADD(2, panel + g * kTileBytes, kPanelStride);
+    KVSERVE_TILE_DPBSSD(0, 1, 2);
+    if (pair) {
+      KVSERVE_TILE_ZERO(3);
+      KVSERVE_TILE_LOADD(4, qa + (g + 1) * kGroup, ldqa);
+      KVSERVE_TILE_LOADD(5, panel + (g + 1) * kTileBytes, kPanelStride);
+      KVSERVE_TILE_DPBSSD(3, 4, 5);
+    }
+    KVSERVE_TILE_STORED(0, even, kSumStride);
+    const float* sx_even = sx + g * kAmxRows;
+    KVSERVE_AMX_ROWS(even, sx_even)
+    if (pair) {
+      KVSERVE_TILE_STORED(3, odd, kSumStride);
+      const float* sx_odd = sx_even + kAmxRows;
+      KVSERVE_AMX_ROWS(odd, sx_odd)
+    }
+  }
+  const __m512 acc[kAmxRows] = {a0, a1, a2, a3, a4, a5, a6, a7,
+                                a8, a9, a10, a11, a12, a13, a14, a15};
+  const __m512 scale = _mm512_loadu_ps(sw);
+  const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
+  for (int r = 0; r < rows; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, mask, _mm512_mul_ps(acc[r], scale));
+  }
+}
+#undef KVSERVE_AMX_ROWS
+#undef KVSERVE_AMX_ROW
+
+// All rows of a call (padded to whole blocks of 16; block b's scales at sx + b * groups * 16)
+// against one quad panel. The calling thread's tiles must be configured (kAmxConfig).
+inline void amx_panel_rows(const int8_t* qa, int64_t rows, int64_t ldqa, const float* sx,
+                           const int8_t* panel, const float* sw, float* out, int64_t ldo,
+                           int ncols) {
+  const int64_t groups = ldqa / kGroup;
+  for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+    amx_block(qa + r0 * ldqa, ldqa, sx + r0 * groups, groups, panel, sw, out + r0 * ldo, ldo,
+              static_cast<int>(std::min<int64_t>(kAmxRows, rows - r0)), ncols);
+  }
+}
+#endif
+
 // out[t][c] for all `rows` quantized rows and one panel's ncols columns, by the build's best
-// path.
+// path over pairs-of-k panels (the AMX path reads its own layout: amx_panel_rows).
 inline void panel_rows(const int16_t* q, int64_t rows, int64_t ldq, const float* sx,
                        int64_t ldg, const int8_t* panel, int64_t k_pairs, const float* sw,
                        float* out, int64_t ldo, int ncols) {
