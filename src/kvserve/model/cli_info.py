@@ -49,8 +49,8 @@ def text(report: dict[str, Any]) -> str:
              f"{torch_info['aten_cpu_capability']}, {torch_info['threads']} threads, oneDNN "
              f"bf16: {'yes' if torch_info['onednn_bf16'] else 'no'}",
              f"C++ kernels  {built}",
-             "AMX          no kvserve kernel uses AMX tiles; oneDNN's packed bf16 projections "
-             "do where the CPU has them"]
+             "AMX          --quantization int8 sums on AMX-INT8 tiles where the CPU has them "
+             "and Linux grants them; oneDNN's packed bf16 projections use AMX itself"]
     lines += [f"{'quantization':<13}{kernel}" for kernel in report.get("quantization", {}).values()]
     for dtype, ops in report["ops"].items():
         lines += ["", f"{dtype}:"]
