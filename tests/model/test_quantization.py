@@ -167,6 +167,8 @@ def test_the_kernel_refuses_mismatched_panels():
         paged_kernel.layer_ops().int8_linear(torch.randn(2, 10), panels, scales, 16)
     with pytest.raises(RuntimeError, match="int8_linear: scales"):
         paged_kernel.layer_ops().int8_linear(torch.randn(2, 8), panels, scales[:8], 16)
+    with pytest.raises(RuntimeError, match="int8_linear: panels must be 4-D"):
+        paged_kernel.layer_ops().int8_linear(torch.randn(2, 8), panels[0], scales, 16)
 
 
 def amx_runs() -> bool:

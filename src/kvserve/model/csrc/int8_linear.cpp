@@ -66,14 +66,18 @@ std::string amx_unavailable() {
 void check_common(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
               "int8_linear: x must be contiguous float32 [rows, in_features]");
+  TORCH_CHECK(panels.dim() == 4, "int8_linear: panels must be 4-D (pairs [ceil(n / 16), "
+              "ceil(in_features / 2), 16, 2] or the AMX path's quads [..., 16, 4])");
   TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous() && scales.scalar_type() == at::kFloat &&
-                  panels.dim() == 4 && scales.size(0) == panels.size(0) * kPanel,
+                  scales.size(0) == panels.size(0) * kPanel,
               "int8_linear: scales must be contiguous float32 [ceil(n / 16) * 16]");
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && scales.device().is_cpu(),
               "int8_linear: tensors must be on the CPU");
 }
 
-// The AMX path: quad panels [ceil(n / 16), ceil(k / 64) * 16, 16, 4] (int8_blocks.h).
+// The AMX path: quad panels [ceil(n / 16), ceil(k / 64) * 16, 16, 4] (int8_blocks.h). Their
+// shape gives k only to a whole group of 64 (the pairs' gives it to 2): a weight of another k
+// within the same groups is not caught here.
 at::Tensor int8_linear_quads(const at::Tensor& x, const at::Tensor& panels,
                              const at::Tensor& scales, int64_t n) {
   const int64_t rows = x.size(0), k_dim = x.size(1);
