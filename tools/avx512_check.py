@@ -210,13 +210,13 @@ AMX_ENTRY = INT8_ENTRY + """
 // built with -DKVSERVE_AMX_MODEL): rows quantized to int8, scales per block of 16 as
 // [groups][16], then each quad panel.
 extern "C" void amx_rows(const float* x, int64_t rows, int64_t k, const int8_t* panels,
-                         const float* scales, float* out, int64_t n, int64_t ldo, int16_t* q,
-                         int8_t* qa, float* sx) {
+                         const float* scales, float* out, int64_t n, int64_t ldo, int8_t* qa,
+                         float* sx) {
   using namespace kvserve::int8;
   const int64_t groups = (k + kGroup - 1) / kGroup, ldqa = groups * kGroup;
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t block = t / kAmxRows * kAmxRows;
-    quantize_row_int8(x + t * k, k, q, qa + t * ldqa, ldqa, sx + block * groups + t - block,
+    quantize_row_int8(x + t * k, k, qa + t * ldqa, ldqa, sx + block * groups + t - block,
                       kAmxRows);
   }
   KVSERVE_TILE_LOADCONFIG(kAmxConfig.bytes);
@@ -965,9 +965,10 @@ def check_amx(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: int
                        np.full((rows, ldo), SENTINEL).tobytes(), bytes(2 * rows * (k + 1)),
                        bytes(padded * groups * 64), bytes(4 * padded * groups)]
             addresses = Machine.addresses([len(b) for b in buffers])
+            # int8_rows_avx2 takes the int16 rows and scales; amx_rows the int8 rows and scales
+            rows_and_scales = addresses[5:7] if entry == "amx_rows" else addresses[4:7:2]
             args = [addresses[0], rows, k, addresses[1], addresses[2], addresses[3], n, ldo,
-                    addresses[4]] + ([addresses[5], addresses[6]] if entry == "amx_rows"
-                                     else [addresses[6]])
+                    *rows_and_scales]
             result = machine.call(entry, args, buffers)[3]
             outputs.append(np.frombuffer(result, np.float32).reshape(rows, ldo))
         avx2, amx = outputs

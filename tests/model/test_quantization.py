@@ -83,12 +83,6 @@ def test_quad_panels_hold_each_group_as_a_tdpbssd_b_tile():
         pack_int8(weight, "triples")
 
 
-def test_the_layout_follows_the_kernels_path():
-    expected = ("quads" if int8_linear_available()
-                and paged_kernel.layer_ops().int8_linear_path() == "amx" else "pairs")
-    assert quantization.int8_layout() == expected
-
-
 def test_activations_are_quantized_per_group_of_64():
     x = torch.cat([torch.full((1, 64), 2.0), torch.full((1, 64), 0.01), torch.ones(1, 3)], 1)
     q, scales = quantize_groups(x)

@@ -263,7 +263,6 @@ inline void panel_rows_vnni(const int16_t* q, int64_t rows, int64_t ldq, const f
 constexpr int kAmxRows = 16;                  // rows per A and C tile
 constexpr int kTileBytes = kGroup * kPanel;   // one group of one quad panel
 constexpr int kQuad = 4;
-constexpr int kMaxGroups = 64;                // quantize_row_int8's scales per pass
 
 // Tiles 0 and 3 (C: 16 rows x 16 int32), 1 and 4 (A: 16 rows x 64 int8), 2 and 5 (B: 16
 // quads x 16 columns x 4 int8), each 16 rows of 64 bytes; a constant, so all 64 bytes are in
@@ -282,18 +281,15 @@ constexpr AmxConfig amx_config() {
 }
 inline constexpr AmxConfig kAmxConfig = amx_config();
 
-// Row t of x quantized as quantize_row does (q: int16 scratch of k + 1), narrowed to int8 and
+// Row t of x quantized per group as quantize_row does (quantize_group), narrowed to int8 and
 // padded with zeros to ldqa bytes; its groups' scales scale_stride apart.
-inline void quantize_row_int8(const float* x, int64_t k_dim, int16_t* q, int8_t* qa,
-                              int64_t ldqa, float* scales, int64_t scale_stride) {
-  float row_scales[kMaxGroups];
-  for (int64_t k0 = 0; k0 < k_dim; k0 += kMaxGroups * kGroup) {
-    const int64_t len = std::min<int64_t>(kMaxGroups * kGroup, k_dim - k0);
-    quantize_row(x + k0, len, q, row_scales);
+inline void quantize_row_int8(const float* x, int64_t k_dim, int8_t* qa, int64_t ldqa,
+                              float* scales, int64_t scale_stride) {
+  int16_t q[kGroup];
+  for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += kGroup, ++g) {
+    const int64_t len = std::min<int64_t>(kGroup, k_dim - k0);
+    scales[g * scale_stride] = quantize_group(x + k0, len, q);
     for (int64_t k = 0; k < len; ++k) qa[k0 + k] = static_cast<int8_t>(q[k]);
-    for (int64_t g = 0; g * kGroup < len; ++g) {
-      scales[(k0 / kGroup + g) * scale_stride] = row_scales[g];
-    }
   }
   for (int64_t k = k_dim; k < ldqa; ++k) qa[k] = 0;
 }

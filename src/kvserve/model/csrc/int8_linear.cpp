@@ -101,10 +101,9 @@ at::Tensor int8_linear_quads(const at::Tensor& x, const at::Tensor& panels,
   std::vector<float> sx(static_cast<size_t>(padded * groups));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<int16_t> q(static_cast<size_t>(k_dim + 1));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = t / kAmxRows * kAmxRows;
-      kvserve::int8::quantize_row_int8(xp + t * k_dim, k_dim, q.data(), &qa[t * ldqa], ldqa,
+      kvserve::int8::quantize_row_int8(xp + t * k_dim, k_dim, &qa[t * ldqa], ldqa,
                                        &sx[block * groups + t - block], kAmxRows);
     }
   });
