@@ -455,7 +455,9 @@ class Machine:
         for address, data in zip(addresses, buffers, strict=True):
             write(address, data)
         values = [value & 0xFFFFFFFFFFFFFFFF for value in args]
-        rsp = STACK_VA + 3 * PAGE  # the return address, then arguments 7 onwards
+        # the return address, then arguments 7 onwards; rsp + 8 16-byte aligned, as the ABI has
+        # it after a call (GCC may keep 16-byte temporaries on the stack with aligned stores)
+        rsp = STACK_VA + 3 * PAGE - 8
         write(rsp, struct.pack(f"<{1 + len(values[6:])}Q", RETURN_VA, *values[6:]))
 
         state = bx.State()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -290,3 +293,42 @@ def test_build_lock_clears_a_killed_builds_lock_and_excludes_others(tmp_path) ->
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(tmp_path / "kvserve-build.lock", "a") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released on leaving
+
+
+PREFETCH_UNIT = """
+#include <c10/util/BFloat16.h>
+#include "attention_tile.h"
+using kvserve::Ahead;
+void keys(const float* q, const c10::BFloat16* const* rows, int count, float* scores,
+          const char* const* at) {
+  kvserve::dots<c10::BFloat16, 64>(q, nullptr, 3, 64, rows, 0, count, scores, 64, Ahead{at, 2});
+}
+void values(float* acc, const c10::BFloat16* const* rows, int count, const float* probs,
+            const char* const* at) {
+  kvserve::accumulate_values<c10::BFloat16, 64>(acc, 3, 64, rows, 0, count, probs, 64,
+                                                Ahead{at, 2});
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4", "sapphirerapids"])
+def test_decode_tiles_prefetch_the_next_tile_on_every_tier(tmp_path, march: str) -> None:
+    """Decode's speed on a big batch rests on the next tile's prefetches (Ahead in
+    attention_tile.h); outputs cannot show whether they are there, and GCC has dropped calls
+    whose only effect was a prefetch. The dot products and the value sums, built for each
+    tier (generic loops, AVX2, AVX-512, AVX512-BF16), must hold prefetcht1 instructions."""
+    from torch.utils.cpp_extension import include_paths
+
+    source = tmp_path / "prefetch.cpp"
+    source.write_text(PREFETCH_UNIT)
+    includes = [f"-I{path}" for path in [*include_paths(), str(paged_kernel.CSRC)]]
+    out = tmp_path / "prefetch.s"
+    subprocess.run(["g++", "-std=c++17", "-O3", f"-march={march}", "-w", *includes, "-S",
+                    "-o", str(out), str(source)], check=True, timeout=300)
+    functions = out.read_text().split("@function")  # each piece starts with one's body
+    for names in (("keys", "dots"), ("values", "accumulate")):  # the entry, or what it calls
+        bodies = [body for body in functions[1:]
+                  if any(name in body.split(":", 1)[0] for name in names)]
+        assert bodies and any("prefetcht1" in body for body in bodies), (march, names)

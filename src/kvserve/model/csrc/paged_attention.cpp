@@ -6,10 +6,10 @@
 // Decode: one work item per request (all its kv heads), or per (request, kv head) when there
 // are too few requests to keep the threads busy. Each kv head's query heads (the GQA group)
 // share every K and V row loaded. Keys are visited one tile (64 keys, whole blocks) at a time:
-// the tile's rows are first pulled into the cache (see touch_rows: memory, not arithmetic, is
-// the bottleneck on a big batch), then scores for the tile, an online-softmax update (running
-// max m, running sum l, accumulator rescaled by exp(m_old - m_new)), and the tile's V rows
-// accumulated. Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and
+// scores for the tile, an online-softmax update (running max m, running sum l, accumulator
+// rescaled by exp(m_old - m_new)), and the tile's V rows accumulated. Memory, not arithmetic,
+// bounds decode on a big batch, so while a tile computes, the next one (or the first of the
+// thread's next item) is prefetched into L2, a few lines per key visited (see decode_item). Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and
 // head_dim a multiple of 16) the dot products and the V accumulation use intrinsics; with
 // AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
 // otherwise plain loops that the compiler vectorises. Which of these the build has is what
@@ -77,12 +77,14 @@ struct Geometry {
 template <typename T>
 struct WorkState {
   std::vector<float> scratch;
-  std::vector<const T*> rows;         // the tile's key rows
+  std::vector<const T*> rows;         // the tile's key rows (decode: and the next tile's)
   std::vector<int> visible;           // per query row: how many of the tile's keys it sees
   std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
   std::vector<uint32_t> packed_keys;  // prefill's tile of keys in pairs order (attention_gemm.h)
   std::vector<float> wide_values;     // prefill's tile of values in float32
   std::vector<float> keys_t;          // prefill's tile of keys transposed (AVX2)
+  std::vector<const char*> ahead;     // decode: the next tile's prefetch addresses (Ahead)
+  bool prefetched = false;  // decode: the last item prefetched this one's first tile
   // Views into scratch, laid out by start(): [nrows][stride] scores (then probabilities),
   // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
   float *scores = nullptr, *acc = nullptr, *extra = nullptr, *m = nullptr, *l = nullptr;
@@ -100,7 +102,7 @@ struct WorkState {
     l = m + n;
     std::fill(m, m + n, -std::numeric_limits<float>::infinity());
     visible.resize(n);
-    rows.resize(geo.tile);
+    rows.resize(2 * static_cast<size_t>(geo.tile));  // this tile's and the next's
   }
 
   // The nrows query rows q (float32, scaled) rounded to bf16 when the bf16 dot products apply
@@ -142,8 +144,9 @@ inline int tile_rows(const Geometry& geo, const T* k_cache, const int64_t* table
 // Loads one byte from every cache line of the tile's K and V rows (bytes [0, row_bytes) of
 // each) before any compute reads them: independent loads in address order, which the core
 // keeps many of in flight, where the compute's own loads come a few at a time. Measured on
-// the W1-like batch (one thread, 128 requests, 4 KiB pages): 1.4-1.5x faster decode overall;
-// software prefetches of the next tile (any locality hint) made no difference.
+// the W1-like batch (one thread, 128 requests, 4 KiB pages): 1.4-1.5x faster decode overall.
+// Now only for a tile nothing prefetched (a thread's first); the prefetches spread through
+// the tile before beat it by 1.14-1.3x (docs/kernels.md).
 template <typename T>
 inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::ptrdiff_t to_v) {
   unsigned s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four chains in registers: loads not serialised
@@ -165,7 +168,9 @@ inline void touch_rows(const T* const* rows, int count, size_t row_bytes, std::p
   g_touch_sink.store(s0 ^ s1 ^ s2 ^ s3, std::memory_order_relaxed);
 }
 
-// Runs fn(item, thread-local state) over items in the given order, dynamically scheduled.
+// Runs fn(item, following, thread-local state) over items in the given order, dynamically
+// scheduled. following is the item this thread runs next (-1: none), claimed as item starts, so
+// that fn can fetch ahead into it.
 template <typename State, typename Fn>
 void run_items(const std::vector<int64_t>& order, Fn fn) {
   std::atomic<int64_t> next{0};
@@ -175,8 +180,10 @@ void run_items(const std::vector<int64_t>& order, Fn fn) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     State state;
     for (int64_t task = begin; task < end; ++task) {
-      for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-        fn(order[i], state);
+      for (int64_t i = next.fetch_add(1); i < total;) {
+        const int64_t j = next.fetch_add(1);
+        fn(order[i], j < total ? order[j] : -1, state);
+        i = j;
       }
     }
   });
@@ -185,31 +192,89 @@ void run_items(const std::vector<int64_t>& order, Fn fn) {
 // ---------------------------------------------------------------------------------------------
 // Decode.
 
-// Query heads of kv heads [h0, h1) of one request: rows r = (kv head - h0) * group + g are the
-// request's query heads h0 * group + r, contiguous in q and out.
+// Where a decode work item's keys lie: its request's block table and context length, and the
+// first of its kv heads.
+struct ItemKeys {
+  const int64_t* table;
+  int64_t context_len;
+  int64_t h0;
+};
+
+// The row pointers (kv head h0) of the item's keys start .. start + tile; returns how many.
+template <typename T>
+inline int item_rows(const Geometry& geo, const T* k_cache, const ItemKeys& keys, int64_t start,
+                     const T** rows) {
+  const int count = tile_rows(geo, k_cache, keys.table, start, keys.context_len, rows);
+  for (int t = 0; t < count; ++t) rows[t] += keys.h0 * geo.head_dim;
+  return count;
+}
+
+// The prefetch addresses for a tile of `calls` keys per head over nheads heads (Ahead): the
+// next tile's K rows (to_v 0) or V rows, head-sized pieces in address order, call i of the
+// nheads * calls taking piece i (calls left over repeat the last piece). Returns whether every
+// piece got a call.
+template <typename T>
+bool ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::ptrdiff_t to_v,
+                  int calls, const char** at) {
+  const int total = nheads * calls;
+  int i = 0;
+  for (int t = 0; t < upcoming && i < total; ++t) {
+    for (int h = 0; h < nheads && i < total; ++h) {
+      at[i++] = reinterpret_cast<const char*>(next[t] + to_v + h * dim);
+    }
+  }
+  const char* last = i > 0 ? at[i - 1] : reinterpret_cast<const char*>(next);
+  std::fill(at + i, at + total, last);
+  return i == upcoming * nheads;
+}
+
+// Query heads of kv heads [keys.h0, h1) of one request: rows r = (kv head - h0) * group + g
+// are the request's query heads h0 * group + r, contiguous in q and out.
+//
+// Every tile but a thread's first is prefetched into L2 while the tile before it computes
+// (Ahead, a head-sized piece per key visited): the fetch, which bounds decode on a big batch,
+// runs under the arithmetic. The last tile prefetches the first of the item that follows
+// (null: none); an item whose first tile was not (wholly) prefetched pulls it in first
+// (touch_rows).
 template <typename T, int D>
 void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
-                 const T* k_cache, const T* v_cache, const int64_t* table, int64_t context_len,
-                 int64_t h0, int64_t h1, float* out, WorkState<T>& state) {
+                 const T* k_cache, const T* v_cache, const ItemKeys& keys, int64_t h1,
+                 float* out, const ItemKeys* following, WorkState<T>& state) {
   const int group = static_cast<int>(geo.group);
   const int dim = static_cast<int>(geo.head_dim);
   const int tile = geo.tile;
-  const int nrows = static_cast<int>((h1 - h0) * group);
+  const int nheads = static_cast<int>(h1 - keys.h0);
+  const int nrows = nheads * group;
   state.start(geo, nrows, 0);
-  const T** cur = state.rows.data();
-  q += h0 * group * dim;
-  out += h0 * group * dim;
+  q += keys.h0 * group * dim;
+  out += keys.h0 * group * dim;
   const std::ptrdiff_t to_v = v_cache - k_cache;
-  const int nheads = static_cast<int>(h1 - h0);
   const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, q, nrows);
-  for (int64_t start = 0; start < context_len; start += tile) {
-    const int count = tile_rows(geo, k_cache, table, start, context_len, cur);
-    for (int t = 0; t < count; ++t) cur[t] += h0 * dim;
-    touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+  const int lines = (static_cast<int>(sizeof(T)) * dim + 63) / 64;  // per head-sized piece
+  state.ahead.resize(2 * static_cast<size_t>(nheads) * tile);
+  const char** k_at = state.ahead.data();
+  const char** v_at = k_at + static_cast<size_t>(nheads) * tile;
+  const T** cur = state.rows.data();
+  const T** next = cur + tile;
+  int count = item_rows(geo, k_cache, keys, 0, cur);
+  if (!state.prefetched) touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+  for (int64_t start = 0; start < keys.context_len; start += tile) {
+    const bool last = start + tile >= keys.context_len;
+    const int upcoming = !last ? item_rows(geo, k_cache, keys, start + tile, next)
+                         : following ? item_rows(geo, k_cache, *following, 0, next)
+                                     : 0;
+    const bool ahead = upcoming > 0;
+    if (ahead) {
+      ahead_pieces(next, upcoming, nheads, dim, 0, count, k_at);
+      state.prefetched = ahead_pieces(next, upcoming, nheads, dim, to_v, count, v_at);
+    } else {
+      state.prefetched = false;
+    }
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
-                 cur, h * dim, count, state.scores + h * group * stride, stride);
+                 cur, h * dim, count, state.scores + h * group * stride, stride,
+                 {ahead ? k_at + h * count : nullptr, lines});
     }
     std::fill(state.visible.begin(), state.visible.end(), count);
     softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
@@ -217,8 +282,11 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     for (int t = 0; t < count; ++t) cur[t] += to_v;
     for (int h = 0; h < nheads; ++h) {
       accumulate_values<T, D>(state.acc + h * group * dim, group, dim, cur, h * dim, count,
-                              state.scores + h * group * stride, stride);
+                              state.scores + h * group * stride, stride,
+                              {ahead ? v_at + h * count : nullptr, lines});
     }
+    std::swap(cur, next);
+    count = upcoming;
   }
   for (int r = 0; r < nrows; ++r) state.finish_row(r, dim, out + r * dim);
 }
@@ -236,12 +304,16 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
   std::stable_sort(order.begin(), order.end(),  // longest first
                    [&](int64_t a, int64_t b) { return lens[a / split] > lens[b / split]; });
   const int64_t request_elems = geo.num_heads * geo.head_dim;
-  run_items<WorkState<T>>(order, [&](int64_t item, WorkState<T>& state) {
-    const int64_t req = item / split, part = item % split;
-    const int64_t h0 = part * kvh / split, h1 = (part + 1) * kvh / split;
-    decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache,
-                      tables + req * table_stride, lens[req], h0, h1,
-                      out + req * request_elems, state);
+  const auto keys_of = [&](int64_t item) {
+    const int64_t req = item / split;
+    return ItemKeys{tables + req * table_stride, lens[req], item % split * kvh / split};
+  };
+  run_items<WorkState<T>>(order, [&](int64_t item, int64_t following, WorkState<T>& state) {
+    const int64_t req = item / split;
+    const int64_t h1 = (item % split + 1) * kvh / split;
+    const ItemKeys keys = keys_of(item), after = keys_of(std::max<int64_t>(following, 0));
+    decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache, keys, h1,
+                      out + req * request_elems, following >= 0 ? &after : nullptr, state);
   });
 }
 
@@ -390,7 +462,7 @@ void prefill_impl(const Geometry& geo, const float* q, const T* k_cache, const T
   order.reserve(tiles * kvh);
   for (int64_t tile = tiles - 1; tile >= 0; --tile)
     for (int64_t head = 0; head < kvh; ++head) order.push_back(tile * kvh + head);
-  run_items<WorkState<T>>(order, [&](int64_t item, WorkState<T>& state) {
+  run_items<WorkState<T>>(order, [&](int64_t item, int64_t, WorkState<T>& state) {
     const int64_t tile = item / kvh, head = item % kvh;
     const int64_t begin = tile * kQueryTile;
     const int64_t end = std::min<int64_t>(begin + kQueryTile, num_queries);
