@@ -9,7 +9,7 @@ from decode steps; "execute" is the whole model step, so what it holds beyond th
 Python and torch glue. Run it alone on the machine: anything beside it shows up as time.
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/profile_offline.py [--n 32]
-        [--dtype auto] [--kv-cache-memory 2GiB] [--quantization int8]
+        [--workload w1|w2] [--dtype auto] [--kv-cache-memory 2GiB] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ FUSED_OPS = ("rope_and_write_kv", "silu_and_mul", "rms_norm", "add_rms_norm_")
 
 
 def rows_bucket(rows: int) -> str:
-    return ("<=16 rows" if rows <= 16 else "<=64 rows" if rows <= 64 else
-            "<=160 rows" if rows <= 160 else ">160 rows")
+    return ("<=8 rows" if rows <= 8 else "<=16 rows" if rows <= 16 else
+            "<=64 rows" if rows <= 64 else "<=160 rows" if rows <= 160 else ">160 rows")
 
 
 class Timers:
@@ -102,6 +102,8 @@ class Timers:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=32, help="first N requests of W1")
+    parser.add_argument("--workload", default="w1", choices=("w1", "w2"),
+                        help="w2: W1's requests in 4,096 KV tokens with 64 seats")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"))
     parser.add_argument("--quantization", "-q", choices=("int8",), default=None,
@@ -110,9 +112,11 @@ def main() -> int:
     dtype = auto_dtype_name() if args.dtype == "auto" else args.dtype
     timers = Timers()
     timers.install()
-    llm = LLM(None, dtype=dtype, block_size=16, detokenize=False, max_num_seqs=256,
-              max_num_batched_tokens=2048, kv_cache_memory=args.kv_cache_memory,
-              quantization=args.quantization)
+    memory: dict[str, Any] = ({"max_num_seqs": 64, "num_kv_blocks": 4096 // 16}
+                              if args.workload == "w2" else
+                              {"max_num_seqs": 256, "kv_cache_memory": args.kv_cache_memory})
+    llm = LLM(None, dtype=dtype, block_size=16, detokenize=False, max_num_batched_tokens=2048,
+              quantization=args.quantization, **memory)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     timers.seconds.clear()
     timers.calls.clear()
@@ -121,8 +125,8 @@ def main() -> int:
     wall = time.perf_counter() - start
     cpu = cpu_info()
     quantized = f" + {args.quantization}" if args.quantization else ""
-    print(f"W1, first {args.n} requests, {dtype}{quantized}, {platform.machine()} {cpu.model} "
-          f"(ISA: {isa_line(cpu)}); wall {wall:.1f} s, "
+    print(f"{args.workload.upper()}, first {args.n} requests, {dtype}{quantized}, "
+          f"{platform.machine()} {cpu.model} (ISA: {isa_line(cpu)}); wall {wall:.1f} s, "
           f"{llm.engine.scheduler.stats().num_steps} steps\n")
     print("| op | rows | seconds | share of wall | calls |\n|---|---|---|---|---|")
     for key, seconds in sorted(timers.seconds.items(), key=lambda item: -item[1]):

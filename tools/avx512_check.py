@@ -81,9 +81,9 @@ CSRC = Path(__file__).resolve().parent.parent / "src" / "kvserve" / "model" / "c
 PANEL_ENTRY = """
 #include "panel_dpbf16.h"
 #define PANEL_ENTRY(NAME, DOT)                                                           \
-  extern "C" void NAME(const uint16_t* x, int64_t rows, const uint16_t* panel,           \
-                       int64_t k_pairs, float* out, int64_t ldo, int ncols) {            \
-    kvserve::dpbf16::panel_rows<kvserve::dpbf16::DOT>(x, rows, panel, k_pairs, out, ldo, \
+  extern "C" void NAME(const uint16_t* x, int64_t rows, const uint16_t* panels,          \
+                       int64_t k_pairs, float* out, int64_t ldo, int64_t ncols) {        \
+    kvserve::dpbf16::panel_rows<kvserve::dpbf16::DOT>(x, rows, panels, k_pairs, out, ldo, \
                                                       ncols);                            \
   }
 PANEL_ENTRY(panel_rows_widen, WidenDot)
@@ -540,8 +540,8 @@ def isa(sapphire_rapids: bool) -> list[str]:
 def check_panels(machine: Machine, bf16: bool, scratch: Path, cases: int,
                  includes: list[str]) -> tuple[int, int]:
     rng = np.random.default_rng(0)
-    shapes = [(rows, n, pairs) for rows in (1, 5, 12, 13, 24, 25) for n, pairs in
-              ((16, 4), (5, 8), (21, 3), (40, 36))]
+    shapes = [(rows, n, pairs) for rows in (1, 2, 5, 12, 13, 24, 25) for n, pairs in
+              ((16, 4), (5, 8), (21, 3), (40, 36), (131, 5))]
     shapes += [(int(rng.integers(1, 40)), int(rng.integers(1, 50)), int(rng.integers(1, 40)))
                for _ in range(max(0, cases - len(shapes)))]
     shapes = shapes[:max(cases, 1)]
@@ -554,19 +554,16 @@ def check_panels(machine: Machine, bf16: bool, scratch: Path, cases: int,
         panels = pack_pair_panels(weight)
         expected = widen_dot_chain(widen(x), widen(weight))
         for entry in entries:
-            got = np.zeros((rows, n), np.float32)
-            wrote_past = False
-            for p in range(panels.shape[0]):
-                ncols = min(16, n - 16 * p)
-                # out at column 0 of rows n + 16 wide (ldo); sentinels past the panel's columns
-                sentinel = np.full((rows, n + 16), SENTINEL)
-                addresses = Machine.addresses([x.nbytes, panels[p].nbytes, sentinel.nbytes])
-                result = machine.call(entry, [addresses[0], rows, addresses[1], pairs,
-                                              addresses[2], n + 16, ncols],
-                                      [x.tobytes(), panels[p].tobytes(), sentinel.tobytes()])[2]
-                out = np.frombuffer(result, np.float32).reshape(rows, n + 16)
-                wrote_past |= not np.all(out[:, ncols:] == SENTINEL)
-                got[:, 16 * p:16 * p + ncols] = out[:, :ncols]
+            # all the panels in one call (register blocks of several panels), out in rows
+            # n + 16 wide (ldo): sentinels past its n columns
+            sentinel = np.full((rows, n + 16), SENTINEL)
+            addresses = Machine.addresses([x.nbytes, panels.nbytes, sentinel.nbytes])
+            result = machine.call(entry, [addresses[0], rows, addresses[1], pairs,
+                                          addresses[2], n + 16, n],
+                                  [x.tobytes(), panels.tobytes(), sentinel.tobytes()])[2]
+            out = np.frombuffer(result, np.float32).reshape(rows, n + 16)
+            wrote_past = not np.all(out[:, n:] == SENTINEL)
+            got = out[:, :n]
             ok = np.array_equal(got, expected) and not wrote_past
             passed += ok
             total += 1

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import layer_ops, paged_kernel
-from kvserve.model.kernel_info import PROJECTIONS_ENV, onednn_runs_bf16
+from kvserve.model.kernel_info import HYBRID_PANEL_ROWS, PROJECTIONS_ENV, onednn_runs_bf16
 from kvserve.model.llama import (
     Linear,
     can_pack_weights,
@@ -34,7 +34,8 @@ def avx2_panels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")
 @pytest.mark.parametrize("num_tokens", [1, 11, 64, 300])
-def test_a_packed_bf16_projection_equals_f_linear(num_tokens):
+def test_a_packed_bf16_projection_equals_f_linear(monkeypatch, num_tokens):
+    monkeypatch.setenv(PROJECTIONS_ENV, "onednn")
     gen = torch.Generator().manual_seed(num_tokens)
     linear = Linear(576, 960)
     linear.weight.data = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
@@ -153,6 +154,41 @@ def test_the_avx512_bf16_panels_match_float32_sums_of_the_bf16_values(monkeypatc
     torch.testing.assert_close(out, expected, rtol=1 / 128, atol=1e-3)
     assert (out == expected).float().mean() > 0.95
     assert torch.equal(alone, out)
+
+
+@pytest.mark.skipif(not dpbf16_built() or not onednn_runs_bf16(),
+                    reason="hybrid-dpbf16: an AVX512-BF16 build where oneDNN runs bf16")
+@pytest.mark.parametrize("num_tokens", [1, 12, HYBRID_PANEL_ROWS, HYBRID_PANEL_ROWS + 1, 300])
+def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_onednn(
+        monkeypatch, num_tokens):
+    """hybrid-dpbf16 (auto on an AVX512-BF16 build without AMX) keeps both packings: up to
+    HYBRID_PANEL_ROWS rows a call's output is the panels' (bit for bit), above it oneDNN's."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    ops, called = paged_kernel.layer_ops(), []
+
+    class Spy:  # the extension's functions, each call's name noted
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
+    outputs = {}
+    for choice in ("panels", "onednn", "auto"):
+        monkeypatch.setenv(PROJECTIONS_ENV, choice)
+        if choice == "auto" and projection_kernel(torch.bfloat16) != "hybrid-dpbf16":
+            pytest.skip("auto is not hybrid-dpbf16 on this CPU (AMX: oneDNN)")
+        linear = Linear(576, 200)
+        linear.weight.data = weight.clone()
+        linear.pack()
+        assert choice != "auto" or (linear.packed is not None and linear.pair_panels is not None)
+        called.clear()
+        with torch.inference_mode():
+            outputs[choice] = linear(x)
+    small = num_tokens <= HYBRID_PANEL_ROWS
+    assert called == (["panel_linear_bf16"] if small else [])
+    assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
 
 
 @pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")

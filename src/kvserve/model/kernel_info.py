@@ -88,6 +88,9 @@ def packs_float32(flags: frozenset[str]) -> bool:
 
 
 PROJECTIONS_ENV = "KVSERVE_PROJECTIONS"
+# hybrid-dpbf16: calls of at most this many rows run on the AVX512-BF16 panels, larger ones on
+# oneDNN (on a Zen 4 the panels lead oneDNN up to 128 rows: docs/kernels.md)
+HYBRID_PANEL_ROWS = 128
 # What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
 # build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
 PROJECTION_CHOICES = ("auto", "panels", "panels-avx2", "onednn", "torch")
@@ -115,14 +118,19 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     built, the instruction sets it was compiled for, whether oneDNN runs bf16 natively here,
     whether float32 packs here (:func:`packs_float32`) and the choice asked for
     (KVSERVE_PROJECTIONS). ``auto``: bf16 through oneDNN where it runs bf16 natively (AMX,
-    AVX512-BF16), else on the AVX2 panels (activations widened); float32 on the AVX2 panels
-    where AVX2 is the CPU's best tier, else F.linear (MKL). The AVX512-BF16 panels run only
-    when asked for until measured against oneDNN on such a CPU (docs/kernels.md). ValueError
-    where the choice cannot run here."""
+    AVX512-BF16), and there, on a build with AVX512-BF16 but not AMX, calls of up to
+    :data:`HYBRID_PANEL_ROWS` rows on the AVX512-BF16 panels (``hybrid-dpbf16``: both packings
+    kept; on a Zen 4 the panels are 1.03-1.9x oneDNN at 1-128 rows, 0.87-0.96x above,
+    docs/kernels.md); else bf16 on the AVX2 panels (activations widened); float32 on the AVX2
+    panels where AVX2 is the CPU's best tier, else F.linear (MKL). ValueError where the choice
+    cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
     if checked_choice(choice) == "auto":
+        if dtype == torch.bfloat16 and onednn_bf16:
+            hybrid = built and "avx512_bf16" in compiled_isa and "amx_bf16" not in compiled_isa
+            return "hybrid-dpbf16" if hybrid else "onednn"
         if dtype == torch.bfloat16:
-            return "onednn" if onednn_bf16 else "panels-avx2" if avx2_panels else "torch"
+            return "panels-avx2" if avx2_panels else "torch"
         if dtype == torch.float32 and packs_fp32:
             return "panels-avx2" if avx2_panels else "onednn"
         return "torch"
@@ -157,6 +165,9 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") 
     elif kernel == "panels-dpbf16":
         text = ("C++ AVX512-BF16 panel GEMM (panel_linear_bf16: weights packed at load in "
                 "panels of 16 columns by pairs of k, vdpbf16ps)")
+    elif kernel == "hybrid-dpbf16":
+        text = (f"C++ AVX512-BF16 panel GEMM up to {HYBRID_PANEL_ROWS} rows (panel_linear_bf16, "
+                "vdpbf16ps), oneDNN packed bf16 above (both packed at load)")
     elif kernel == "onednn" and dtype == torch.bfloat16:
         text = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or AVX512-BF16 " \
                "itself)"

@@ -25,7 +25,12 @@ from kvserve.model import kernel_info, paged_kernel
 from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
-from kvserve.model.kernel_info import cpu_info, onednn_runs_bf16, packs_float32
+from kvserve.model.kernel_info import (
+    HYBRID_PANEL_ROWS,
+    cpu_info,
+    onednn_runs_bf16,
+    packs_float32,
+)
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
 from kvserve.model.logits import break_rounding_ties_, widen_logits
 
@@ -143,7 +148,11 @@ class Linear(nn.Module):
         head is the embedding table)."""
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
-        if kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
+        if kernel == "hybrid-dpbf16":  # small calls on the panels, the rest on oneDNN
+            if weight.shape[1] % 2 == 0:
+                self.pair_panels = pack_pair_panels(weight)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        elif kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
             self.pair_panels = pack_pair_panels(weight)
         elif kernel.startswith("panels"):
             self.panels = pack_panels(weight.float())  # bf16 values: bf16 panels
@@ -173,7 +182,8 @@ class Linear(nn.Module):
             return _flat_rows(x, torch.float32, lambda rows: ops().int8_linear(rows, *self.int8, n))
         if self.invariant:
             return ops().invariant_linear(x.contiguous(), self.weight)
-        if self.pair_panels is not None:
+        if self.pair_panels is not None and (
+                self.packed is None or x.numel() <= HYBRID_PANEL_ROWS * x.shape[-1]):
             return _flat_rows(x, torch.bfloat16,
                               lambda rows: ops().panel_linear_bf16(rows, self.pair_panels, n))
         if self.panels is not None:

@@ -602,6 +602,9 @@ std::vector<std::string> compiled_isa() {
 #if defined(__AVX512BF16__)
   isa.push_back("avx512_bf16");
 #endif
+#if defined(__AMX_BF16__)
+  isa.push_back("amx_bf16");
+#endif
   return isa;
 }
 
@@ -624,5 +627,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_panel_linear(m);
   register_int8_linear(m);
   m.def("compiled_isa", &compiled_isa,
-        "The instruction sets the kernels were compiled for: avx2, avx512f, avx512_bf16");
+        "The instruction sets the kernels were compiled for: avx2, fma, avx512f, avx512_bf16, "
+        "amx_bf16");
 }

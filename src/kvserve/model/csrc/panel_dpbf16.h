@@ -8,10 +8,11 @@
 // Layout: panel p is [k / 2][16][2] bfloat16: for each pair of k (2q, 2q + 1), column j's two
 // weights side by side, 2q in the low half of 32-bit element j. A row's pair x[2q], x[2q + 1]
 // read as one 32-bit value and broadcast has the same shape, so one vdpbf16ps adds both
-// products of 16 columns: per pair of k one 64-byte load of the panel and, per row, one
-// broadcast and one vdpbf16ps. A block of up to 12 rows keeps 12 accumulators, the weights and
-// a broadcast in AVX-512's 32 registers. Each output is one chain over k in order, so a row's
-// result does not depend on the other rows of the call.
+// products of 16 columns: per pair of k one 64-byte load per panel and, per row, one broadcast
+// and one vdpbf16ps per panel. A register block is up to 12 rows times up to 8 panels (fewer
+// panels the more rows: panels_for), so that even one row has several independent chains to
+// hide vdpbf16ps's latency and each broadcast serves several panels. Each output is one chain
+// over k in order, so a row's result does not depend on the other rows of the call.
 #pragma once
 
 #include <immintrin.h>
@@ -20,8 +21,13 @@
 namespace kvserve {
 namespace dpbf16 {
 
-constexpr int kPanel = 16;  // output columns per panel
-constexpr int kRows = 12;   // rows per register block
+constexpr int kPanel = 16;     // output columns per panel
+constexpr int kRows = 12;      // rows per register block
+constexpr int kMaxPanels = 8;  // panels per register block
+
+// Panels per register block of n rows: n x panels accumulators, the panels' vectors and a
+// broadcast within AVX-512's 32 registers, at most kMaxPanels.
+constexpr int panels_for(int n) { return 31 / (n + 1) < kMaxPanels ? 31 / (n + 1) : kMaxPanels; }
 
 #if defined(__AVX512BF16__)
 // vdpbf16ps: per float32 lane, acc + x.hi * w.hi + x.lo * w.lo.
@@ -53,44 +59,81 @@ inline __m512i broadcast_pair(const uint16_t* p) {
   return _mm512_set1_epi32(pair);
 }
 
-// out[r][c] for RN rows of x (ldx apart) and one panel's ncols columns.
-template <typename Dot, int RN>
-inline void block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs,
-                  float* out, int64_t ldo, int ncols) {
-  __m512 acc[RN];
+// out[r][16 * p + c] for RN rows of x (ldx apart) and PN consecutive panels (each 32 * k_pairs
+// elements on from the one before), all 16 columns of each but the last's first last_cols.
+template <typename Dot, int RN, int PN>
+inline void block(const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t k_pairs,
+                  float* out, int64_t ldo, int last_cols) {
+  const int64_t stride = 2 * kPanel * k_pairs;
+  __m512 acc[RN][PN];
 #pragma GCC unroll 16
-  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < RN; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < PN; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t q = 0; q < k_pairs; ++q) {
-    const __m512i w = _mm512_loadu_si512(panel + 2 * kPanel * q);
+    __m512i w[PN];
+#pragma GCC unroll 8
+    for (int p = 0; p < PN; ++p) w[p] = _mm512_loadu_si512(panels + p * stride + 2 * kPanel * q);
 #pragma GCC unroll 16
-    for (int r = 0; r < RN; ++r) acc[r] = Dot::dot(acc[r], broadcast_pair(x + r * ldx + 2 * q), w);
+    for (int r = 0; r < RN; ++r) {
+      const __m512i pair = broadcast_pair(x + r * ldx + 2 * q);
+#pragma GCC unroll 8
+      for (int p = 0; p < PN; ++p) acc[r][p] = Dot::dot(acc[r][p], pair, w[p]);
+    }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << ncols) - 1u);
+  const __mmask16 keep = static_cast<__mmask16>((1u << last_cols) - 1u);
 #pragma GCC unroll 16
-  for (int r = 0; r < RN; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+  for (int r = 0; r < RN; ++r) {
+#pragma GCC unroll 8
+    for (int p = 0; p + 1 < PN; ++p) _mm512_storeu_ps(out + r * ldo + kPanel * p, acc[r][p]);
+    _mm512_mask_storeu_ps(out + r * ldo + kPanel * (PN - 1), keep, acc[r][PN - 1]);
+  }
 }
 
-// block<Dot, n> for a run-time n in 1..kRows.
-template <typename Dot, int N = kRows>
-inline void block_of(int n, const uint16_t* x, int64_t ldx, const uint16_t* panel,
-                     int64_t k_pairs, float* out, int64_t ldo, int ncols) {
-  if constexpr (N == 1) {
-    block<Dot, 1>(x, ldx, panel, k_pairs, out, ldo, ncols);
-  } else if (n == N) {
-    block<Dot, N>(x, ldx, panel, k_pairs, out, ldo, ncols);
+// block<Dot, RN, m> for a run-time m in 1..panels_for(RN).
+template <typename Dot, int RN, int PN = panels_for(RN)>
+inline void block_panels(int m, const uint16_t* x, int64_t ldx, const uint16_t* panels,
+                         int64_t k_pairs, float* out, int64_t ldo, int last_cols) {
+  if constexpr (PN == 1) {
+    block<Dot, RN, 1>(x, ldx, panels, k_pairs, out, ldo, last_cols);
+  } else if (m == PN) {
+    block<Dot, RN, PN>(x, ldx, panels, k_pairs, out, ldo, last_cols);
   } else {
-    block_of<Dot, N - 1>(n, x, ldx, panel, k_pairs, out, ldo, ncols);
+    block_panels<Dot, RN, PN - 1>(m, x, ldx, panels, k_pairs, out, ldo, last_cols);
   }
 }
 
-// All rows of x [rows][2 * k_pairs] against one panel: out[r][0..ncols), ldo apart.
+// block<Dot, n, m> for a run-time n in 1..kRows (and m in 1..panels_for(n)).
+template <typename Dot, int RN = kRows>
+inline void block_rows(int n, int m, const uint16_t* x, int64_t ldx, const uint16_t* panels,
+                       int64_t k_pairs, float* out, int64_t ldo, int last_cols) {
+  if constexpr (RN == 1) {
+    block_panels<Dot, 1>(m, x, ldx, panels, k_pairs, out, ldo, last_cols);
+  } else if (n == RN) {
+    block_panels<Dot, RN>(m, x, ldx, panels, k_pairs, out, ldo, last_cols);
+  } else {
+    block_rows<Dot, RN - 1>(n, m, x, ldx, panels, k_pairs, out, ldo, last_cols);
+  }
+}
+
+// All rows of x [rows][2 * k_pairs] against the ceil(ncols / 16) consecutive panels from
+// `panels`: out[r][0..ncols), ldo apart. A group of panels at a time (panels_for the row
+// block's size), all the rows through it, so the group's weights stay in cache for them.
 template <typename Dot>
-inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panel, int64_t k_pairs,
-                       float* out, int64_t ldo, int ncols) {
+inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panels, int64_t k_pairs,
+                       float* out, int64_t ldo, int64_t ncols) {
   const int64_t ldx = 2 * k_pairs;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int n = static_cast<int>(rows - r0 < kRows ? rows - r0 : kRows);
-    block_of<Dot>(n, x + r0 * ldx, ldx, panel, k_pairs, out + r0 * ldo, ldo, ncols);
+  const int64_t count = (ncols + kPanel - 1) / kPanel;
+  const int group = panels_for(rows < kRows ? static_cast<int>(rows) : kRows);
+  for (int64_t p0 = 0; p0 < count; p0 += group) {
+    const int m = static_cast<int>(count - p0 < group ? count - p0 : group);
+    const int64_t rest = ncols - (p0 + m - 1) * kPanel;  // the group's last panel's columns
+    const int last_cols = static_cast<int>(rest < kPanel ? rest : kPanel);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const int n = static_cast<int>(rows - r0 < kRows ? rows - r0 : kRows);
+      block_rows<Dot>(n, m, x + r0 * ldx, ldx, panels + p0 * 2 * kPanel * k_pairs, k_pairs,
+                      out + r0 * ldo + p0 * kPanel, ldo, last_cols);
+    }
   }
 }
 #endif

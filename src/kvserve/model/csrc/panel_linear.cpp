@@ -172,11 +172,9 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int6
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-      kvserve::dpbf16::panel_rows<kvserve::dpbf16::NativeDot>(
-          xp, rows, wp + p * k_pairs * 2 * kPanel, k_pairs, op + p * kPanel, n, ncols);
-    }
+    const int64_t ncols = std::min(n, end * kPanel) - begin * kPanel;
+    kvserve::dpbf16::panel_rows<kvserve::dpbf16::NativeDot>(
+        xp, rows, wp + begin * k_pairs * 2 * kPanel, k_pairs, op + begin * kPanel, n, ncols);
   });
   return out;
 #else
