@@ -9,8 +9,8 @@ with a reference:
 
 - ``panels``: csrc/panel_dpbf16.h's loops (``panel_rows``) with ``NativeDot`` (vdpbf16ps) and
   with ``WidenDot`` (its AVX-512F stand-in), over many shapes, against the same chain of
-  float32 FMAs done exactly in numpy (bit for bit), with sentinels past each partial panel's
-  columns;
+  float32 FMAs done exactly in numpy (bit for bit), all of a weight's panels in one call (its
+  register blocks of several panels), with sentinels past the call's columns;
 - ``tiles``: csrc/attention_tile.h's dispatch (``dots``, ``accumulate_values``) as an AVX-512
   build runs it: ``FloatDot<Vec16>`` for float32 and bfloat16 keys, ``Bf16Dot`` (vdpbf16ps)
   for bf16 queries and keys, ``accumulate_simd<Vec16>``; head_dim 64, 128 and sizes known at
