@@ -119,9 +119,11 @@ class Linear(nn.Module):
     GEMM at 1-2,048 rows with float32 panels, 1.12-2.6x with bf16 ones;
     benchmarks/panel_linear.py), or for oneDNN's where the extension is not built. Either sums in
     another order than MKL (results within float32 rounding, not bit-identical). On an
-    AVX512-BF16 build, KVSERVE_PROJECTIONS=panels packs a bf16 weight in pairs-of-k panels for
-    panel_linear_bf16 (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps);
-    :func:`projection_kernel` decides which (docs/kernels.md).
+    AVX512-BF16 build a bf16 weight is also packed in pairs-of-k panels for panel_linear_bf16
+    (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): without AMX
+    (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to HYBRID_PANEL_ROWS rows running on
+    the panels; with KVSERVE_PROJECTIONS=panels alone. :func:`projection_kernel` decides which
+    (docs/kernels.md).
 
     With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
     int8 copy of the weight instead (:mod:`kvserve.model.quantization`).
