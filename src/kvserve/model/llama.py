@@ -144,7 +144,8 @@ class Linear(nn.Module):
 
     def pack(self, release_weight: bool = False) -> None:
         """Make the packed copy for :func:`projection_kernel`'s pick: panels for panel_linear
-        or, for a bf16 weight with an even k, for panel_linear_bf16; else oneDNN's. With
+        or, for a bf16 weight with an even k, for panel_linear_bf16; else oneDNN's; for
+        ``hybrid-dpbf16`` both of the last two. With
         ``release_weight`` the plain weight becomes a shape-only (meta) tensor, so the
         projection's memory is not held twice; keep it when the tensor is shared (a tied LM
         head is the embedding table)."""
