@@ -9,8 +9,9 @@
 // scores for the tile, an online-softmax update (running max m, running sum l, accumulator
 // rescaled by exp(m_old - m_new)), and the tile's V rows accumulated. Memory, not arithmetic,
 // bounds decode on a big batch, so while a tile computes, the next one (or the first of the
-// thread's next item) is prefetched into L2, a few lines per key visited (see decode_item). Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and
-// head_dim a multiple of 16) the dot products and the V accumulation use intrinsics; with
+// thread's next item) is prefetched into L2, a few lines per key visited (see decode_item).
+// Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and head_dim a
+// multiple of 16) the dot products and the V accumulation use intrinsics; with
 // AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
 // otherwise plain loops that the compiler vectorises. Which of these the build has is what
 // compiled_isa() reports.
@@ -211,10 +212,10 @@ inline int item_rows(const Geometry& geo, const T* k_cache, const ItemKeys& keys
 
 // The prefetch addresses for a tile of `calls` keys per head over nheads heads (Ahead): the
 // next tile's K rows (to_v 0) or V rows, head-sized pieces in address order, call i of the
-// nheads * calls taking piece i (calls left over repeat the last piece). Returns whether every
-// piece got a call.
+// nheads * calls taking piece i (calls left over repeat the last piece; pieces left over, when
+// the next tile has more keys than this one, are not prefetched).
 template <typename T>
-bool ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::ptrdiff_t to_v,
+void ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::ptrdiff_t to_v,
                   int calls, const char** at) {
   const int total = nheads * calls;
   int i = 0;
@@ -225,7 +226,6 @@ bool ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::
   }
   const char* last = i > 0 ? at[i - 1] : reinterpret_cast<const char*>(next);
   std::fill(at + i, at + total, last);
-  return i == upcoming * nheads;
 }
 
 // Query heads of kv heads [keys.h0, h1) of one request: rows r = (kv head - h0) * group + g
@@ -266,10 +266,9 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     const bool ahead = upcoming > 0;
     if (ahead) {
       ahead_pieces(next, upcoming, nheads, dim, 0, count, k_at);
-      state.prefetched = ahead_pieces(next, upcoming, nheads, dim, to_v, count, v_at);
-    } else {
-      state.prefetched = false;
+      ahead_pieces(next, upcoming, nheads, dim, to_v, count, v_at);
     }
+    state.prefetched = ahead && upcoming <= count;  // every piece of the next tile had a call
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
