@@ -26,6 +26,7 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
+    HYBRID_PANEL_COLUMNS,
     HYBRID_PANEL_ROWS,
     cpu_info,
     onednn_runs_bf16,
@@ -122,7 +123,8 @@ class Linear(nn.Module):
     AVX512-BF16 build a bf16 weight is also packed in pairs-of-k panels for panel_linear_bf16
     (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): without AMX
     (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to HYBRID_PANEL_ROWS rows running on
-    the panels; with KVSERVE_PROJECTIONS=panels alone. :func:`projection_kernel` decides which
+    the panels, for weights of up to HYBRID_PANEL_COLUMNS outputs (not an LM head's); with
+    KVSERVE_PROJECTIONS=panels alone. :func:`projection_kernel` decides which
     (docs/kernels.md).
 
     With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
@@ -145,14 +147,15 @@ class Linear(nn.Module):
     def pack(self, release_weight: bool = False) -> None:
         """Make the packed copy for :func:`projection_kernel`'s pick: panels for panel_linear
         or, for a bf16 weight with an even k, for panel_linear_bf16; else oneDNN's; for
-        ``hybrid-dpbf16`` both of the last two. With
+        ``hybrid-dpbf16`` both of the last two (oneDNN's alone for a weight of more than
+        HYBRID_PANEL_COLUMNS outputs, an LM head). With
         ``release_weight`` the plain weight becomes a shape-only (meta) tensor, so the
         projection's memory is not held twice; keep it when the tensor is shared (a tied LM
         head is the embedding table)."""
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
         if kernel == "hybrid-dpbf16":  # small calls on the panels, the rest on oneDNN
-            if weight.shape[1] % 2 == 0:
+            if weight.shape[1] % 2 == 0 and weight.shape[0] <= HYBRID_PANEL_COLUMNS:
                 self.pair_panels = pack_pair_panels(weight)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
