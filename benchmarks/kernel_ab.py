@@ -10,7 +10,8 @@ W1-like batch (128 requests, contexts uniform in [64, 640], SmolLM2's attention 
 benchmarks/attention_kernel.py), float32 and bfloat16, one layer (its ~35 MB of K and V
 partly in the last-level cache from call to call); the same batch over 30 layers of a 2 GiB
 bf16 pool (read from memory, as in the engine); a 512-token prefill chunk; the fused layer
-ops of a 128-token decode step over 30 layers (float32 and bf16).
+ops of a 128-token decode step over 30 layers (float32 and bf16); on an AVX512-BF16 build, the
+layer projections of 30 layers on the bf16 panels at 1, 12 and 128 rows.
 
 W1: each side's whole engine (its ``kvserve`` from its ``src``) runs W1 offline (in the dtype
 ``--dtype auto`` picks here: bf16 where the CPU computes it natively, else float32;
@@ -113,7 +114,34 @@ def kernel_cases(kernels: ModuleType) -> dict[str, Callable[[], Any]]:
     cases["decode bfloat16 x30 (2 GiB pool)"] = decode_pool_step(kernels)
     cases["layer ops float32 x30"] = layer_ops_step(kernels, torch.float32)
     cases["layer ops bf16 x30"] = layer_ops_step(kernels, torch.bfloat16)
+    if kernels.panel_linear_bf16_compiled():
+        for rows in (1, 12, 128):
+            cases[f"bf16 panel projections x30, {rows} rows"] = projections_step(kernels, rows)
     return cases
+
+
+def projections_step(kernels: ModuleType, rows: int) -> Callable[[], Any]:
+    """A decode step's layer projections on the AVX512-BF16 panels (panel_linear_bf16):
+    SmolLM2-135M's q/k/v, o, gate/up and down, 30 layers of distinct bf16 weights (212 MB,
+    shared by both sides), so every call streams its weight from memory as in the engine."""
+    import torch
+
+    from kvserve.model.llama import pack_pair_panels
+
+    if "panels" not in _POOL:
+        gen = torch.Generator().manual_seed(4)
+        shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+        _POOL["panels"] = [
+            (pack_pair_panels((torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)),
+             shape) for _ in range(30) for shape in shapes]
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {k: torch.randn((rows, k), generator=gen).to(torch.bfloat16) for k in (576, 1536)}
+
+    def step() -> Any:  # each output's sum: comparable between the sides, cheap to keep
+        return torch.stack([kernels.panel_linear_bf16(inputs[k], panels, n).double().sum()
+                            for panels, (n, k) in _POOL["panels"]])
+
+    return step
 
 
 _POOL: dict[str, Any] = {}
