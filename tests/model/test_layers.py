@@ -10,7 +10,9 @@ from kvserve.model import layer_ops, paged_kernel
 from kvserve.model.kernel_info import (
     HYBRID_PANEL_COLUMNS,
     HYBRID_PANEL_ROWS,
+    HYBRID_WIDE_PANEL_ROWS,
     PROJECTIONS_ENV,
+    hybrid_panel_rows,
     onednn_runs_bf16,
 )
 from kvserve.model.llama import (
@@ -198,26 +200,29 @@ def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_oned
 
 @pytest.mark.skipif(not dpbf16_built() or not onednn_runs_bf16(),
                     reason="hybrid-dpbf16: an AVX512-BF16 build where oneDNN runs bf16")
-def test_hybrid_projections_leave_an_lm_head_sized_weight_to_onednn(monkeypatch):
-    """A weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head) is packed for oneDNN
-    alone under hybrid-dpbf16, and a small call on it runs there too."""
-    monkeypatch.setenv(PROJECTIONS_ENV, "auto")
-    if projection_kernel(torch.bfloat16) != "hybrid-dpbf16":
-        pytest.skip("auto is not hybrid-dpbf16 on this CPU (AMX: oneDNN)")
+@pytest.mark.parametrize("num_tokens", [HYBRID_WIDE_PANEL_ROWS, HYBRID_WIDE_PANEL_ROWS + 1])
+def test_hybrid_projections_run_an_lm_head_sized_weight_on_the_panels_only_for_few_rows(
+        monkeypatch, num_tokens):
+    """A weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head) runs on the panels up to
+    HYBRID_WIDE_PANEL_ROWS rows, on oneDNN above (bit for bit each kernel's own output)."""
     gen = torch.Generator().manual_seed(0)
     n = HYBRID_PANEL_COLUMNS + 16
-    weight = torch.randn(n, 64, generator=gen).to(torch.bfloat16)
-    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
-    linear = Linear(64, n)
-    linear.weight.data = weight.clone()
-    linear.pack()
-    assert linear.pair_panels is None and linear.packed is not None
-    monkeypatch.setenv(PROJECTIONS_ENV, "onednn")
-    alone = Linear(64, n)
-    alone.weight.data = weight.clone()
-    alone.pack()
-    with torch.inference_mode():
-        assert torch.equal(linear(x), alone(x))
+    weight = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    outputs = {}
+    for choice in ("panels", "onednn", "auto"):
+        monkeypatch.setenv(PROJECTIONS_ENV, choice)
+        if choice == "auto" and projection_kernel(torch.bfloat16) != "hybrid-dpbf16":
+            pytest.skip("auto is not hybrid-dpbf16 on this CPU (AMX: oneDNN)")
+        linear = Linear(576, n)
+        linear.weight.data = weight.clone()
+        linear.pack()
+        with torch.inference_mode():
+            outputs[choice] = linear(x)
+    assert hybrid_panel_rows(n) == HYBRID_WIDE_PANEL_ROWS < hybrid_panel_rows(n - 16)
+    small = num_tokens <= HYBRID_WIDE_PANEL_ROWS
+    assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
+    assert not torch.equal(outputs["panels"], outputs["onednn"])  # the check can tell them apart
 
 
 @pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")

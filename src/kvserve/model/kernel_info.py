@@ -91,10 +91,17 @@ PROJECTIONS_ENV = "KVSERVE_PROJECTIONS"
 # hybrid-dpbf16: calls of at most this many rows run on the AVX512-BF16 panels, larger ones on
 # oneDNN (on a Zen 4 the panels lead oneDNN up to 128 rows: docs/kernels.md)
 HYBRID_PANEL_ROWS = 128
-# ... and only for weights of at most this many output columns: the layer projections (up to
-# 3,072 for SmolLM2-135M), not an LM head (49,152), where oneDNN leads at every row count from
-# 64 and by more inside a model step (docs/kernels.md)
+# ... but for a weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head: 49,152) only up
+# to HYBRID_WIDE_PANEL_ROWS: there oneDNN leads from 64 rows, by more inside a model step,
+# and the panels lead below (1.3-1.6x at 1-16 rows; docs/kernels.md)
 HYBRID_PANEL_COLUMNS = 8192
+HYBRID_WIDE_PANEL_ROWS = 32
+
+
+def hybrid_panel_rows(out_features: int) -> int:
+    """Up to how many rows a hybrid-dpbf16 projection of ``out_features`` outputs runs on the
+    AVX512-BF16 panels (more: oneDNN)."""
+    return HYBRID_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else HYBRID_WIDE_PANEL_ROWS
 # What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
 # build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
 PROJECTION_CHOICES = ("auto", "panels", "panels-avx2", "onednn", "torch")
@@ -171,8 +178,8 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") 
                 "panels of 16 columns by pairs of k, vdpbf16ps)")
     elif kernel == "hybrid-dpbf16":
         text = (f"C++ AVX512-BF16 panel GEMM up to {HYBRID_PANEL_ROWS} rows (panel_linear_bf16, "
-                "vdpbf16ps), oneDNN packed bf16 above (both packed at load; the LM head "
-                "oneDNN only)")
+                f"vdpbf16ps; the LM head up to {HYBRID_WIDE_PANEL_ROWS}), oneDNN packed bf16 "
+                "above (both packed at load)")
     elif kernel == "onednn" and dtype == torch.bfloat16:
         text = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or AVX512-BF16 " \
                "itself)"

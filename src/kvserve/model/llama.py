@@ -26,9 +26,8 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
-    HYBRID_PANEL_COLUMNS,
-    HYBRID_PANEL_ROWS,
     cpu_info,
+    hybrid_panel_rows,
     onednn_runs_bf16,
     packs_float32,
 )
@@ -122,10 +121,9 @@ class Linear(nn.Module):
     another order than MKL (results within float32 rounding, not bit-identical). On an
     AVX512-BF16 build a bf16 weight is also packed in pairs-of-k panels for panel_linear_bf16
     (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): without AMX
-    (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to HYBRID_PANEL_ROWS rows running on
-    the panels, for weights of up to HYBRID_PANEL_COLUMNS outputs (not an LM head's); with
-    KVSERVE_PROJECTIONS=panels alone. :func:`projection_kernel` decides which
-    (docs/kernels.md).
+    (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to :func:`hybrid_panel_rows` rows
+    running on the panels (128; 32 for an LM head); with KVSERVE_PROJECTIONS=panels alone.
+    :func:`projection_kernel` decides which (docs/kernels.md).
 
     With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
     int8 copy of the weight instead (:mod:`kvserve.model.quantization`).
@@ -142,21 +140,22 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None  # panel_linear's
         self.pair_panels: torch.Tensor | None = None  # panel_linear_bf16's
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
+        self.panel_rows = 0  # with packed too (hybrid-dpbf16): calls up to this on pair_panels
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
         """Make the packed copy for :func:`projection_kernel`'s pick: panels for panel_linear
         or, for a bf16 weight with an even k, for panel_linear_bf16; else oneDNN's; for
-        ``hybrid-dpbf16`` both of the last two (oneDNN's alone for a weight of more than
-        HYBRID_PANEL_COLUMNS outputs, an LM head). With
+        ``hybrid-dpbf16`` both of the last two. With
         ``release_weight`` the plain weight becomes a shape-only (meta) tensor, so the
         projection's memory is not held twice; keep it when the tensor is shared (a tied LM
         head is the embedding table)."""
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
         if kernel == "hybrid-dpbf16":  # small calls on the panels, the rest on oneDNN
-            if weight.shape[1] % 2 == 0 and weight.shape[0] <= HYBRID_PANEL_COLUMNS:
+            if weight.shape[1] % 2 == 0:
                 self.pair_panels = pack_pair_panels(weight)
+                self.panel_rows = hybrid_panel_rows(weight.shape[0])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
             self.pair_panels = pack_pair_panels(weight)
@@ -189,7 +188,7 @@ class Linear(nn.Module):
         if self.invariant:
             return ops().invariant_linear(x.contiguous(), self.weight)
         if self.pair_panels is not None and (
-                self.packed is None or x.numel() <= HYBRID_PANEL_ROWS * x.shape[-1]):
+                self.packed is None or x.numel() <= self.panel_rows * x.shape[-1]):
             return _flat_rows(x, torch.bfloat16,
                               lambda rows: ops().panel_linear_bf16(rows, self.pair_panels, n))
         if self.panels is not None:
