@@ -15,9 +15,10 @@ with a reference:
   build runs it: ``FloatDot<Vec16>`` for float32 and bfloat16 keys, ``Bf16Dot`` (vdpbf16ps)
   for bf16 queries and keys, ``accumulate_simd<Vec16>``; head_dim 64, 128 and sizes known at
   run time; groups of 1-7 rows; 1-40 keys; against float64 sums within float32 rounding;
-  csrc/attention_gemm.h's prefill tile (``pack_keys`` + ``scores_packed``, ``widen_values`` +
-  ``accumulate_widened``) the same way; and ``exp_nonpositive16`` (csrc/fast_math.h) against
-  the scalar ``exp_nonpositive`` compiled for this CPU, bit for bit, as the header promises;
+  csrc/attention_gemm.h's prefill tile (``pack_keys`` + ``scores_packed``,
+  ``pack_value_pairs`` + ``probability_pairs`` + ``accumulate_pairs``) the same way; and
+  ``exp_nonpositive16`` (csrc/fast_math.h) against the scalar ``exp_nonpositive`` compiled
+  for this CPU, bit for bit, as the header promises;
 - ``invariant``: csrc/invariant_blocks.h, invariant_linear.cpp's register blocks
   (``F32Step``, ``Bf16Step``), within float32 rounding, each row bit-identical alone and in
   its batch;
@@ -127,11 +128,12 @@ TILE_ENTRIES(BF16, bf16, 0)
     kvserve::pack_keys<D>(rows, off, count, packed, packed_stride);                           \
     kvserve::scores_packed<D>(q, nrows, packed, packed_stride, count, scores, stride);       \
   }                                                                                           \
-  extern "C" void widened_acc_##D(float* acc, int nrows, const BF16* const* rows, long off,  \
-                                  int count, float* wide, const int* visible,                 \
-                                  const float* probs, int stride) {                           \
-    kvserve::widen_values<D>(rows, off, count, wide);                                         \
-    kvserve::accumulate_widened<D>(acc, nrows, wide, visible, probs, stride);                 \
+  extern "C" void pair_acc_##D(float* acc, int nrows, const BF16* const* rows, long off,     \
+                               int count, uint32_t* packed, const int* visible,               \
+                               const float* probs, int stride, uint32_t* pairs) {             \
+    kvserve::pack_value_pairs<D>(rows, off, count, packed);                                   \
+    kvserve::probability_pairs(probs, nrows, stride, count, pairs, stride / 2);               \
+    kvserve::accumulate_pairs<D>(acc, nrows, packed, visible, pairs, stride / 2);             \
   }
 BF16_ENTRIES(64)
 BF16_ENTRIES(128)
@@ -246,7 +248,7 @@ extern "C" void exp_scalar(const float* x, float* out, int n) {
 }
 """
 # the entries' names; the rest of a file is dropped
-ENTRY_PREFIXES = ("panel_rows_", "dots_", "acc_", "packed_scores_", "widened_acc_", "exp16",
+ENTRY_PREFIXES = ("panel_rows_", "dots_", "acc_", "packed_scores_", "pair_acc_", "exp16",
                   "invariant_", "softmax_", "int8_rows_", "amx_")
 LINKER_SCRIPT = """SECTIONS { . = 0x400000;
 .text : { *(.text*) *(.rodata*) *(.data*) *(.bss*) *(.init_array*) *(.fini_array*) }
@@ -501,6 +503,12 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
     return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
+def rounded_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bf16 bits of finite values rounded to nearest even (vcvtneps2bf16's rounding)."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def widen(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -695,8 +703,9 @@ def tile_dots_and_values(machine: Machine, rng: np.random.Generator, case: TileC
 def tile_packed(machine: Machine, rng: np.random.Generator, case: TileCase, kind: str,
                 d: int) -> bool:
     """attention_gemm.h's prefill tile: keys packed in pairs, scores by vdpbf16ps for a block
-    of rows (the padding keys' scores, zeros, included), values widened once and accumulated
-    by blocks of rows up to each row's visible keys."""
+    of rows (the padding keys' scores, zeros, included); values packed in pairs of keys, the
+    probabilities rounded to bf16 (to nearest even), and vdpbf16ps by blocks of rows up to
+    each row's visible keys: the float32 sums of those bf16 products."""
     rows = case.group * 4  # a tile of queries times the group
     q_bits = bf16_bits(rng.standard_normal((rows, d)))
     chunks = -(-case.count // 16)
@@ -722,16 +731,19 @@ def tile_packed(machine: Machine, rng: np.random.Generator, case: TileCase, kind
     probs = rng.random((rows, stride)).astype(np.float32)
     for r in range(rows):
         probs[r, visible[r]:] = 0.0  # past a row's visible keys its probabilities are zero
-    wide = np.zeros((case.count, d), np.float32)
+    packed_values = np.zeros((-(-case.count // 2), d), np.uint32)
+    pairs = np.zeros((rows, stride // 2), np.uint32)
     addresses = Machine.addresses([acc.nbytes, case.block_bytes.nbytes, 8 * case.count,
-                                   wide.nbytes, visible.nbytes, probs.nbytes])
-    out = machine.call(f"widened_acc_{d}",
+                                   packed_values.nbytes, visible.nbytes, probs.nbytes,
+                                   pairs.nbytes])
+    out = machine.call(f"pair_acc_{d}",
                        [addresses[0], rows, addresses[2], case.off, case.count, addresses[3],
-                        addresses[4], addresses[5], stride],
+                        addresses[4], addresses[5], stride, addresses[6]],
                        [acc.tobytes(), case.block_bytes.tobytes(), case.pointers(addresses[1]),
-                        wide.tobytes(), visible.tobytes(), probs.tobytes()])[0]
+                        packed_values.tobytes(), visible.tobytes(), probs.tobytes(),
+                        pairs.tobytes()])[0]
     got_acc = np.frombuffer(out, np.float32).reshape(rows, d)
-    p = probs[:, :case.count].astype(np.float64)
+    p = widen(rounded_bf16_bits(probs[:, :case.count])).astype(np.float64)
     return ok and within_rounding(got_acc, acc + p @ case.keys,
                                   np.abs(acc) + p @ np.abs(case.keys), case.count)
 

@@ -226,6 +226,22 @@ def test_hybrid_projections_run_an_lm_head_sized_weight_on_the_panels_only_for_f
 
 
 @pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_panel_linear_bf16_rounds_its_bf16_output_as_torch_rounds_the_float32_one(num_tokens):
+    """bf16_out rounds each float32 sum to bf16 in the kernel (vcvtneps2bf16): the same bits
+    as the float32 output converted by torch, a last panel of 10 columns included."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(970, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    kernel = paged_kernel.layer_ops().panel_linear_bf16
+    wide, narrow = kernel(x, panels, 970), kernel(x, panels, 970, True)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    assert narrow.shape == (num_tokens, 970)
+    assert torch.equal(narrow, wide.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not dpbf16_built(), reason="panel_linear_bf16: an AVX512-BF16 build")
 def test_panel_linear_bf16_refuses_mismatched_panels():
     kernel = paged_kernel.layer_ops().panel_linear_bf16
     panels = torch.zeros(4, 32, 16, 2, dtype=torch.bfloat16)

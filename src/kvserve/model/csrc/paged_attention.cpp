@@ -82,7 +82,8 @@ struct WorkState {
   std::vector<int> visible;           // per query row: how many of the tile's keys it sees
   std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
   std::vector<uint32_t> packed_keys;  // prefill's tile of keys in pairs order (attention_gemm.h)
-  std::vector<float> wide_values;     // prefill's tile of values in float32
+  std::vector<uint32_t> value_pairs;  // prefill's tile of values in pairs-of-keys order
+  std::vector<uint32_t> probability_pairs;  // prefill's probabilities in bf16, by pairs
   std::vector<float> keys_t;          // prefill's tile of keys transposed (AVX2)
   std::vector<const char*> ahead;     // decode: the next tile's prefetch addresses (Ahead)
   bool prefetched = false;  // decode: the last item prefetched this one's first tile
@@ -349,15 +350,20 @@ void prefill_tile_packed(const c10::BFloat16* q_bf16, int nrows, const T* const*
   if constexpr (bf16_dots_compiled<T, D>()) {
     const int stride = state.stride;
     state.packed_keys.resize(static_cast<size_t>(D / 2) * stride);
-    state.wide_values.resize(static_cast<size_t>(stride) * D);
     kvserve::pack_keys<D>(rows, 0, count, state.packed_keys.data(), stride);
     kvserve::scores_packed<D>(q_bf16, nrows, state.packed_keys.data(), stride, count,
                               state.scores, stride);
     softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
                     state.acc, D);
-    kvserve::widen_values<D>(rows, to_v, count, state.wide_values.data());
-    kvserve::accumulate_widened<D>(state.acc, nrows, state.wide_values.data(),
-                                   state.visible.data(), state.scores, stride);
+    const int pair_stride = stride / 2;
+    state.value_pairs.resize(static_cast<size_t>(stride / 2) * D);
+    state.probability_pairs.resize(static_cast<size_t>(nrows) * pair_stride);
+    kvserve::pack_value_pairs<D>(rows, to_v, count, state.value_pairs.data());
+    kvserve::probability_pairs(state.scores, nrows, stride, count,
+                               state.probability_pairs.data(), pair_stride);
+    kvserve::accumulate_pairs<D>(state.acc, nrows, state.value_pairs.data(),
+                                 state.visible.data(), state.probability_pairs.data(),
+                                 pair_stride);
     return;
   }
 #endif

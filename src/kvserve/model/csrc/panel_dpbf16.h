@@ -59,6 +59,21 @@ inline __m512i broadcast_pair(const uint16_t* p) {
   return _mm512_set1_epi32(pair);
 }
 
+// A panel's 16 outputs of one row (the last panel's first columns only, under keep): float32,
+// or bf16 rounded to nearest even (vcvtneps2bf16; torch's float-to-bf16 rounds so too).
+inline void store_panel(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store_panel(float* out, __mmask16 keep, __m512 v) {
+  _mm512_mask_storeu_ps(out, keep, v);
+}
+#if defined(__AVX512BF16__)
+inline void store_panel(uint16_t* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store_panel(uint16_t* out, __mmask16 keep, __m512 v) {
+  _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
 // Into L2 (prefetcht1), as the decode attention's Ahead does (attention_tile.h says why an asm
 // statement with the address in a register).
 inline void prefetch_l2(const void* p) {
@@ -75,9 +90,9 @@ inline void prefetch_l2(const void* p) {
 // so that its weights come from L2 when its turn comes. A decode step's rows are few, so a
 // group is read from memory once and briefly; left to the hardware the stream ran at 21 GB/s
 // where this machine reads 28.
-template <typename Dot, int RN, int PN>
+template <typename Dot, int RN, int PN, typename Out>
 inline void block(const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_t k_pairs,
-                  float* out, int64_t ldo, int last_cols, const uint16_t* ahead = nullptr) {
+                  Out* out, int64_t ldo, int last_cols, const uint16_t* ahead = nullptr) {
   const int64_t stride = 2 * kPanel * k_pairs;
   __m512 acc[RN][PN];
 #pragma GCC unroll 16
@@ -103,15 +118,15 @@ inline void block(const uint16_t* x, int64_t ldx, const uint16_t* panels, int64_
 #pragma GCC unroll 16
   for (int r = 0; r < RN; ++r) {
 #pragma GCC unroll 8
-    for (int p = 0; p + 1 < PN; ++p) _mm512_storeu_ps(out + r * ldo + kPanel * p, acc[r][p]);
-    _mm512_mask_storeu_ps(out + r * ldo + kPanel * (PN - 1), keep, acc[r][PN - 1]);
+    for (int p = 0; p + 1 < PN; ++p) store_panel(out + r * ldo + kPanel * p, acc[r][p]);
+    store_panel(out + r * ldo + kPanel * (PN - 1), keep, acc[r][PN - 1]);
   }
 }
 
 // block<Dot, RN, m> for a run-time m in 1..panels_for(RN).
-template <typename Dot, int RN, int PN = panels_for(RN)>
+template <typename Dot, int RN, int PN = panels_for(RN), typename Out>
 inline void block_panels(int m, const uint16_t* x, int64_t ldx, const uint16_t* panels,
-                         int64_t k_pairs, float* out, int64_t ldo, int last_cols,
+                         int64_t k_pairs, Out* out, int64_t ldo, int last_cols,
                          const uint16_t* ahead) {
   if constexpr (PN == 1) {
     block<Dot, RN, 1>(x, ldx, panels, k_pairs, out, ldo, last_cols, ahead);
@@ -123,9 +138,9 @@ inline void block_panels(int m, const uint16_t* x, int64_t ldx, const uint16_t* 
 }
 
 // block<Dot, n, m> for a run-time n in 1..kRows (and m in 1..panels_for(n)).
-template <typename Dot, int RN = kRows>
+template <typename Dot, int RN = kRows, typename Out>
 inline void block_rows(int n, int m, const uint16_t* x, int64_t ldx, const uint16_t* panels,
-                       int64_t k_pairs, float* out, int64_t ldo, int last_cols,
+                       int64_t k_pairs, Out* out, int64_t ldo, int last_cols,
                        const uint16_t* ahead) {
   if constexpr (RN == 1) {
     block_panels<Dot, 1>(m, x, ldx, panels, k_pairs, out, ldo, last_cols, ahead);
@@ -137,12 +152,12 @@ inline void block_rows(int n, int m, const uint16_t* x, int64_t ldx, const uint1
 }
 
 // All rows of x [rows][2 * k_pairs] against the ceil(ncols / 16) consecutive panels from
-// `panels`: out[r][0..ncols), ldo apart. A group of panels at a time (panels_for the row
+// `panels`: out[r][0..ncols) (float32, or uint16_t for bf16), ldo apart. A group of panels at a time (panels_for the row
 // block's size), all the rows through it, so the group's weights stay in cache for them; the
 // first row block prefetches the next group (block's ahead).
-template <typename Dot>
+template <typename Dot, typename Out>
 inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panels, int64_t k_pairs,
-                       float* out, int64_t ldo, int64_t ncols) {
+                       Out* out, int64_t ldo, int64_t ncols) {
   const int64_t ldx = 2 * k_pairs;
   const int64_t count = (ncols + kPanel - 1) / kPanel;
   // Row blocks of equal size, at most kRows: 16 rows as 8 + 8 (3 panels each), not 12 + 4,

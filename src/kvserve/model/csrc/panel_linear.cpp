@@ -151,8 +151,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 }
 
 // x: [rows, k] bfloat16; panels: [ceil(n / 16), k / 2, 16, 2] bfloat16 (panel_dpbf16.h's
-// layout) -> [rows, n] float32.
-at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+// layout) -> [rows, n] float32, or bfloat16 with bf16_out (rounded once, in the kernel: no
+// float32 output to allocate and convert).
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                             bool bf16_out) {
   using kvserve::dpbf16::kPanel;  // the header's panel width, not panel_linear's
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "panel_linear_bf16: x must be contiguous bfloat16 [rows, in_features]");
@@ -165,17 +167,23 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int6
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
               "panel_linear_bf16: tensors must be on the CPU");
   const int64_t rows = x.size(0), k_pairs = panels.size(1), num_panels = panels.size(0);
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #if defined(KVSERVE_PANEL_DPBF16)
   if (rows == 0 || n == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    const int64_t ncols = std::min(n, end * kPanel) - begin * kPanel;
-    kvserve::dpbf16::panel_rows<kvserve::dpbf16::NativeDot>(
-        xp, rows, wp + begin * k_pairs * 2 * kPanel, k_pairs, op + begin * kPanel, n, ncols);
-  });
+  auto run = [&](auto* op) {
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      const int64_t ncols = std::min(n, end * kPanel) - begin * kPanel;
+      kvserve::dpbf16::panel_rows<kvserve::dpbf16::NativeDot>(
+          xp, rows, wp + begin * k_pairs * 2 * kPanel, k_pairs, op + begin * kPanel, n, ncols);
+    });
+  };
+  if (bf16_out) {
+    run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  } else {
+    run(out.data_ptr<float>());
+  }
   return out;
 #else
   (void)num_panels, (void)rows, (void)k_pairs;
@@ -211,8 +219,8 @@ void register_panel_linear(pybind11::module& m) {
         "Whether this build has panel_linear (a build with AVX2 and FMA)");
   m.def("panel_linear_bf16", &panel_linear_bf16,
         "x @ weight.T for bfloat16 x and a bfloat16 weight packed in pairs-of-k panels of 16 "
-        "columns, float32 out (AVX512-BF16 builds)",
-        py::arg("x"), py::arg("panels"), py::arg("n"));
+        "columns, float32 out, or bfloat16 with bf16_out (AVX512-BF16 builds)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
   m.def("panel_linear_bf16_compiled", &panel_linear_bf16_compiled,
         "Whether this build has panel_linear_bf16 (a build with AVX512-BF16)");
 }
