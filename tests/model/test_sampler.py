@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvserve.core import SamplingParams
-from kvserve.model.sampler import Sampler, SamplingRow
+from kvserve.model import paged_kernel
+from kvserve.model.sampler import Sampler, SamplingRow, greedy_tokens
 
 PROBS = [0.6, 0.25, 0.1, 0.05]
 LOGITS = torch.tensor([math.log(p) for p in PROBS])
@@ -87,3 +88,27 @@ def test_logprobs_hold_the_sampled_token_and_the_top_n():
     assert out.logprobs[0][1] == pytest.approx(float(expected[1]))
     plain = Sampler()(logits, [SamplingRow(SamplingParams(temperature=0.0), [1], 1)])
     assert plain.logprobs is None
+
+
+@pytest.mark.skipif(not paged_kernel.handles(torch.float32), reason="needs the C++ extension")
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
+def test_the_kernel_argmax_is_torch_argmax_ties_nans_and_infinities_included(vocab):
+    """argmax_rows (greedy_tokens' kernel) answers as torch.argmax: the first maximum of a
+    row, a NaN counting as the maximum, a row of -inf its first entry."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen)
+    last = vocab - 1
+    logits[1, last] = 50.0  # the maximum in the tail past the lanes
+    logits[2, :] = 3.0  # all tied: index 0
+    logits[3, [last, last // 2]] = 60.0  # a tie: the first
+    logits[4, last] = float("nan")
+    logits[5, [last // 3, last]] = float("nan")
+    logits[6, :] = float("-inf")
+    logits[7, last // 2] = float("inf")
+    expected = logits.argmax(dim=-1)
+    got = paged_kernel.layer_ops().argmax_rows(logits)
+    assert got.dtype == torch.long and torch.equal(got, expected)
+    assert torch.equal(greedy_tokens(logits), expected)
+    assert greedy_tokens(logits[:0]).shape == (0,)  # no rows: torch's path
+    with pytest.raises(RuntimeError, match="argmax_rows: logits must be contiguous float32"):
+        paged_kernel.layer_ops().argmax_rows(logits.double())

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core import SamplingParams
+from kvserve.model import paged_kernel
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -82,13 +83,13 @@ class Sampler:
                 if row.has_penalties:
                     _apply_penalties(logits[index], row)
         if all(row.is_greedy for row in rows):
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = greedy_tokens(logits).tolist()
         else:
             token_ids = self._sample(logits, rows)
         return SamplerOutput(token_ids, _logprobs(raw, rows, token_ids))
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_tokens(logits)
         temperatures = torch.tensor([row.params.temperature or 1.0 for row in rows])
         probs = torch.softmax(logits / temperatures[:, None], dim=-1)
         probs = _top_k_top_p_min_p(probs, rows)
@@ -112,6 +113,17 @@ class Sampler:
         drawn = torch.minimum(drawn, last).squeeze(1)  # should rounding reach the total
         is_greedy = torch.tensor([row.is_greedy for row in rows])
         return torch.where(is_greedy, greedy, drawn).tolist()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [S, vocab] logits: the C++ ``argmax_rows`` (rows in
+    parallel; the same first-maximum answer) for contiguous float32 ones where the extension
+    is built, else torch's."""
+    if (logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
+            and logits.shape[0] > 0 and logits.shape[1] > 0
+            and paged_kernel.handles(logits.dtype)):
+        return paged_kernel.layer_ops().argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
