@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import kernel_info, paged_kernel
+from kvserve.model import huge_pages, kernel_info, paged_kernel
 from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
@@ -198,6 +198,17 @@ class Linear(nn.Module):
         if self.packed is None:
             return F.linear(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def _panels_on_huge_pages(linears: list[Linear]) -> None:
+    """Move the projections' panel copies (the GEMMs that stream their weights at decode's
+    few rows) into one huge-page arena each kind (:func:`huge_pages.gather`): 1.11-1.15x the
+    bf16 panels at 12 rows on the Zen 4. One kind at a time, so at most one extra copy."""
+    for attribute in ("pair_panels", "panels"):
+        owners = [module for module in linears if getattr(module, attribute) is not None]
+        copies = huge_pages.gather([getattr(module, attribute) for module in owners])
+        for module, copy in zip(owners, copies, strict=True):
+            setattr(module, attribute, copy)
 
 
 def _flat_rows(x: torch.Tensor, dtype: torch.dtype,
@@ -390,6 +401,7 @@ class LlamaForCausalLM(nn.Module):
                 keep = (module is model.lm_head and dtype != torch.float32) or \
                     module.weight is model.embed_tokens.weight
                 module.pack(release_weight=not keep)
+            _panels_on_huge_pages(linears)
         return model.eval()
 
     @torch.no_grad()
