@@ -359,3 +359,10 @@ def test_bf16_panels_prefetch_the_next_group_of_panels(tmp_path) -> None:
                        check=True, timeout=300)
         text = out.read_text()
         assert "vdpbf16ps" in text and "prefetcht1" in text, march
+
+
+def test_the_build_key_covers_every_kernel_source_and_header() -> None:
+    """The extension's name hashes SOURCES and HEADERS: a header left out of them could be
+    edited without a rebuild, and a stale kernel would load."""
+    on_disk = set(paged_kernel.CSRC.glob("*.cpp")) | set(paged_kernel.CSRC.glob("*.h"))
+    assert set(paged_kernel.SOURCES) | set(paged_kernel.HEADERS) == on_disk

@@ -45,7 +45,8 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "invaria
 HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h",
            CSRC / "panel_dpbf16.h", CSRC / "attention_softmax.h", CSRC / "invariant_blocks.h",
            CSRC / "attention_gemm.h", CSRC / "invariant_linear.h", CSRC / "panel_linear.h",
-           CSRC / "int8_linear.h", CSRC / "int8_blocks.h", CSRC / "amx_tiles.h"]
+           CSRC / "int8_linear.h", CSRC / "int8_blocks.h", CSRC / "amx_tiles.h",
+           CSRC / "prefetch.h"]
 # -fno-trapping-math: only floating-point exception flags stop being preserved (no
 # reassociation, no change to contraction). It lets gcc if-convert the clamp and select
 # around exp_nonpositive, so silu_and_mul vectorises (with trapping math it ran one element

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "fast_math.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -36,20 +37,7 @@ struct Ahead {
 
   void fetch(int t) const {
     const char* p = at[t];
-    for (int i = 0; i < lines; ++i) prefetch_l2(p + 64 * i);
-  }
-
-  // Into L2 (prefetcht1): into L1 (t0) it was 0.76x as fast, as it pushes out the tile being
-  // computed. An asm statement with the address in a register: GCC took a small function
-  // whose only effect was __builtin_prefetch for one with no effect and dropped the calls (an
-  // earlier form of this compiled to no prefetches at all), and a memory operand made it
-  // store the register accumulators around every prefetch.
-  static void prefetch_l2(const char* p) {
-#if defined(__x86_64__)
-    asm volatile("prefetcht1 (%0)" : : "r"(p));
-#else
-    __builtin_prefetch(p, 0, 2);
-#endif
+    for (int i = 0; i < lines; ++i) prefetch_l2(p + 64 * i);  // prefetch.h
   }
 };
 

@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "prefetch.h"  // prefetch_l2
+
 namespace kvserve {
 namespace dpbf16 {
 
@@ -73,16 +75,6 @@ inline void store_panel(uint16_t* out, __mmask16 keep, __m512 v) {
   _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
-
-// Into L2 (prefetcht1), as the decode attention's Ahead does (attention_tile.h says why an asm
-// statement with the address in a register).
-inline void prefetch_l2(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
 
 // out[r][16 * p + c] for RN rows of x (ldx apart) and PN consecutive panels (each 32 * k_pairs
 // elements on from the one before), all 16 columns of each but the last's first last_cols.
