@@ -220,7 +220,8 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
     return {"projections": projections, "lm_head": projections, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
-            "sampling": "torch"}
+            "sampling": ("C++ argmax_rows (greedy rows), torch (sampled rows)" if built
+                         else "torch")}
 
 
 @dataclass(frozen=True)
