@@ -144,9 +144,9 @@ inline void block_rows(int n, int m, const uint16_t* x, int64_t ldx, const uint1
 }
 
 // All rows of x [rows][2 * k_pairs] against the ceil(ncols / 16) consecutive panels from
-// `panels`: out[r][0..ncols) (float32, or uint16_t for bf16), ldo apart. A group of panels at a time (panels_for the row
-// block's size), all the rows through it, so the group's weights stay in cache for them; the
-// first row block prefetches the next group (block's ahead).
+// `panels`: out[r][0..ncols) (float32, or uint16_t for bf16), ldo apart. A group of panels at
+// a time (panels_for the row block's size), all the rows through it, so the group's weights
+// stay in cache for them; the first row block prefetches the next group (block's ahead).
 template <typename Dot, typename Out>
 inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panels, int64_t k_pairs,
                        Out* out, int64_t ldo, int64_t ncols) {
@@ -162,7 +162,8 @@ inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panels, 
     const int m = static_cast<int>(count - p0 < group ? count - p0 : group);
     const int64_t rest = ncols - (p0 + m - 1) * kPanel;  // the group's last panel's columns
     const int last_cols = static_cast<int>(rest < kPanel ? rest : kPanel);
-    // a whole next group only: block prefetches as many panels as it reads, never past the range
+    // a whole next group only: block prefetches as many panels as it reads, never past the
+    // range
     const uint16_t* next = p0 + m + group <= count ? panels + (p0 + m) * stride : nullptr;
     for (int64_t r0 = 0; r0 < rows; r0 += per_block) {
       const int n = static_cast<int>(rows - r0 < per_block ? rows - r0 : per_block);
