@@ -93,7 +93,7 @@ PROJECTIONS_ENV = "KVSERVE_PROJECTIONS"
 HYBRID_PANEL_ROWS = 128
 # ... but for a weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head: 49,152) only up
 # to HYBRID_WIDE_PANEL_ROWS: there oneDNN leads from 64 rows, by more inside a model step,
-# and the panels lead below (1.3-1.6x at 1-16 rows; docs/kernels.md)
+# and the panels lead below (1.3-1.6x at 1-16 rows on a Zen 4; docs/kernels.md)
 HYBRID_PANEL_COLUMNS = 8192
 HYBRID_WIDE_PANEL_ROWS = 32
 

@@ -28,7 +28,7 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,
     """Per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim], zeroed so
     the memory is committed now rather than during the first long step, on transparent huge
     pages where the system has them (:mod:`kvserve.model.huge_pages`: decode reads scattered
-    blocks, 1.12-1.15x faster on 2 MiB pages)."""
+    blocks: 1.12-1.15x faster on 2 MiB pages on the Zen 4)."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [(huge_pages.zeros(shape, dtype), huge_pages.zeros(shape, dtype))
             for _ in range(config.num_layers)]

@@ -12,7 +12,7 @@
 //   pass likewise: the values repacked into pairs-of-keys order, each row's probabilities
 //   rounded to bf16 (as torch's own CPU flash attention does for a bf16 model), and a block
 //   of rows accumulates D / 16 vdpbf16ps per pair of keys in registers, half the
-//   instructions of float32 multiply-adds per key (1.23x the whole bf16 tile).
+//   instructions of float32 multiply-adds per key (1.23x the whole bf16 tile on a Zen 4).
 // - AVX2: the keys are transposed once to float32 [dimension][key], so a block of 6 query rows
 //   and 16 keys is D steps of two key loads, six broadcasts and twelve FMAs, every score one
 //   chain of FMAs over the dimensions with no lanes to sum. The values go through

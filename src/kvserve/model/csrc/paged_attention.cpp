@@ -356,7 +356,7 @@ void prefill_tile_packed(const c10::BFloat16* q_bf16, int nrows, const T* const*
     softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
                     state.acc, D);
     const int pair_stride = stride / 2;
-    state.value_pairs.resize(static_cast<size_t>(stride / 2) * D);
+    state.value_pairs.resize(static_cast<size_t>(pair_stride) * D);
     state.probability_pairs.resize(static_cast<size_t>(nrows) * pair_stride);
     kvserve::pack_value_pairs<D>(rows, to_v, count, state.value_pairs.data());
     kvserve::probability_pairs(state.scores, nrows, stride, count,

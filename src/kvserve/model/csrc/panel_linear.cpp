@@ -167,7 +167,8 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int6
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
               "panel_linear_bf16: tensors must be on the CPU");
   const int64_t rows = x.size(0), k_pairs = panels.size(1), num_panels = panels.size(0);
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  at::Tensor out =
+      at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 #if defined(KVSERVE_PANEL_DPBF16)
   if (rows == 0 || n == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
