@@ -25,6 +25,7 @@ from kvserve.core.config import (
     PREFIX_CACHE_SCOPES,
     PREFIX_CACHING_HASH_ALGOS,
     SCHEDULING_POLICIES,
+    STEP_MIXES,
     TENANT_FAIRNESS,
     VICTIM_POLICIES,
 )
@@ -97,6 +98,14 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
     group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
                        action=argparse.BooleanOptionalAction, help="split long prompts")
+    group.add_argument("--step-mix", dest="step_mix", choices=STEP_MIXES,
+                       help="mixed (default, vLLM V1): decodes and prefill chunks share each "
+                            "step; prefill-first (SGLang's default): while prefill work is "
+                            "pending a step runs prefills only and decodes wait, for a lower "
+                            "TTFT under load at the cost of the inter-token tail")
+    group.add_argument("--max-prefill-only-steps", dest="max_prefill_only_steps", type=int,
+                       help="with --step-mix prefill-first: at most this many prefill-only "
+                            "steps in a row before one that decodes (default 0: no bound)")
     group.add_argument("--scheduling-policy", dest="scheduling_policy",
                        choices=SCHEDULING_POLICIES,
                        help="waiting-queue order: fcfs (default), priority, lpm (longest "

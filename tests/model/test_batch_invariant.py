@@ -160,3 +160,20 @@ def test_prefill_attention_sums_as_decode_does():
     assert engine.engine.executor.attention is invariant_paged_attention
     assert LLM(TINY, dtype="float32", num_kv_blocks=8).engine.executor.attention \
         is not invariant_paged_attention
+
+
+def test_prefill_first_steps_give_the_same_tokens_q2():
+    """--step-mix prefill-first changes which steps a request's tokens come from (its decodes
+    wait while others prefill, Q2), not the tokens: under --batch-invariant the greedy and
+    seeded outputs of a staggered batch (64-token steps chunk the longer prompts while the
+    shorter ones decode) equal the mixed steps' ones."""
+    prompts = [TARGET, *OTHERS[:7]]
+    params = [GREEDY, SEEDED, *[GREEDY] * 6]
+    runs = {}
+    for step_mix in ("mixed", "prefill-first"):
+        engine = llm("float32", enable_prefix_caching=False, max_num_batched_tokens=64,
+                     max_num_seqs=8, step_mix=step_mix)
+        runs[step_mix] = [output(r) for r in engine.generate(prompts, params, use_tqdm=False)]
+        runs[step_mix + " steps"] = engine.engine.scheduler.num_prefill_only_steps
+    assert runs["prefill-first"] == runs["mixed"]
+    assert runs["mixed steps"] == 0 and runs["prefill-first steps"] > 0

@@ -71,6 +71,7 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert after[("vllm:request_time_per_output_token_seconds_count", M)] == 6
         assert after[("vllm:iteration_tokens_total_sum", M)] == \
             after[("kvserve:scheduled_tokens_total", E)] >= 240 + 600 - 6
+        assert after[("kvserve:prefill_only_steps_total", E)] == 0  # mixed steps (Q1)
         for reason in ("capacity", "deferred"):
             assert after[("vllm:num_requests_waiting_by_reason",
                           (*E, ("reason", reason)))] == 0

@@ -73,6 +73,16 @@ def test_sweep_reports_one_row_per_value(tmp_path, trace, capsys):
     assert "max_num_seqs" in capsys.readouterr().out
 
 
+def test_sweep_of_the_step_mix(tmp_path, trace):
+    """Q1: the report of each step mix, by name, as an operator compares them."""
+    report = tmp_path / "s.json"
+    assert main(["simulate", "--trace", str(trace), "--report", str(report), "--quiet",
+                 "--sweep", "step-mix=mixed,prefill-first"]) == 0
+    rows = json.loads(report.read_text())["sweep"]["rows"]
+    assert [r["value"] for r in rows] == ["mixed", "prefill-first"]
+    assert all(r["aggregate"]["num_finished"] == 40 for r in rows)
+
+
 def test_batching_modes_on_the_same_trace(tmp_path, trace):
     results = {}
     for mode in ("continuous", "static", "serial"):
@@ -175,6 +185,8 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["plan", "--kv-cache-dtype", "int4", "--prompt-len", "9", "--output-len", "9"],
      "unknown kv cache dtype 'int4'; known: auto, fp8, fp8_e4m3, fp8_e5m2"),
     (["simulate", "--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
+    (["simulate", "--max-prefill-only-steps", "2"],
+     "max_prefill_only_steps=2 bounds prefill-first steps: it needs step_mix='prefill-first'"),
     (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
     (["simulate", "--sweep", "kv-cache-memory=1GiB,lots"], "'lots' is not a size"),
     (["simulate", "--cost-model", "calibrated"], "needs --calibration"),

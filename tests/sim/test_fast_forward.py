@@ -1,9 +1,9 @@
 """The decode lane (issue 15, item 3; core/decode_lane.py, docs/simulator-speed.md) changes
 how fast the simulator runs and nothing else: on random traces, under every order, victim,
 admission and preemption policy, with prefix caching, priorities, cancellations, queue
-limits, swap and data-parallel replicas, a run with the lane on and one with it off give the
-same report byte for byte and the same raw figures (every ITL sample, every step, every
-record's float sums, the event log)."""
+limits, swap, prefill-first steps and data-parallel replicas, a run with the lane on and one
+with it off give the same report byte for byte and the same raw figures (every ITL sample,
+every step, every record's float sums, the event log)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ POLICIES = [
     {"preemption_mode": "auto", "num_host_blocks": 8},
     {"long_prefill_token_threshold": 24}, {"enable_chunked_prefill": False},
     {"max_num_queued_reqs": 3}, {"max_queue_delay": 0.05},
+    {"step_mix": "prefill-first"}, {"step_mix": "prefill-first", "max_prefill_only_steps": 2},
 ]
 
 

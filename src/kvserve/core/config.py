@@ -26,6 +26,10 @@ PREFIX_CACHE_SCOPES = ("global", "tenant")
 TENANT_FAIRNESS = ("off", "vtc")
 DEFAULT_BLOCK_SIZE = 16  # token slots per KV block, everywhere a block size is not given
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+# Q1: what one step may hold. "mixed" (vLLM V1): decodes and prefills share every step;
+# "prefill-first" (SGLang's default, vLLM V0's without chunked prefill): while prefill work
+# is pending, a step runs prefills only and the decodes wait.
+STEP_MIXES = ("mixed", "prefill-first")
 PREFIX_CACHING_HASH_ALGOS = ("blake2b", "builtin")  # kvserve.core.prefix_cache.BLOCK_HASHERS
 # Largest host tier accepted: far beyond any machine's memory, so a bigger one is a typo.
 MAX_HOST_BLOCKS = 1 << 31
@@ -165,6 +169,10 @@ class SchedulerConfig:
     # seconds unless the request names its own ttl.
     max_session_kv: float = 0.0
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    # Q1-Q3: prefill-first steps, and at most this many of them in a row before a mixed step
+    # (0: no bound, as SGLang).
+    step_mix: str = "mixed"
+    max_prefill_only_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -195,6 +203,8 @@ class SchedulerConfig:
         _check_float("session_ttl_s", self.session_ttl_s, 0.0, MAX_SESSION_TTL_S)
         if self.session_ttl_s <= 0:
             raise ConfigError(f"session_ttl_s={self.session_ttl_s} is out of range: must be > 0")
+        _check_choice("step_mix", self.step_mix, STEP_MIXES)
+        _check_int("max_prefill_only_steps", self.max_prefill_only_steps, 0)
         self._check_relations()
 
     def _check_tenancy(self) -> None:
@@ -232,6 +242,11 @@ class SchedulerConfig:
                                   "priorities, aging changes them while a request waits")
 
     def _check_relations(self) -> None:
+        if self.max_prefill_only_steps and self.step_mix != "prefill-first":
+            raise ConfigError(
+                f"max_prefill_only_steps={self.max_prefill_only_steps} bounds prefill-first "
+                f"steps: it needs step_mix='prefill-first', not {self.step_mix!r}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "

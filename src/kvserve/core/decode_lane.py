@@ -14,9 +14,9 @@ dissolving (anything else about to read it: a preemption that might pick it, an 
 Every decision the scheduler takes is the one it takes without the lane, so a run's report is
 byte-identical with the lane on or off (tests/sim/test_fast_forward.py). The lane only runs
 where that is simple to keep: no invariant checks, the default admission policy, no urgent
-preemption, no sessions holding KV, a queue whose step record is empty, no throttled steps;
-before a step whose running pass could run out of blocks (and so preempt) it dissolves and
-the step runs as usual.
+preemption, no sessions holding KV, a queue whose step record is empty, no throttled or
+prefills-only steps; before a step whose running pass could run out of blocks (and so
+preempt) it dissolves and the step runs as usual.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class DecodeLane:
         from kvserve.core.queues import WaitingQueue
 
         return (type(scheduler._admission) is AdmissionPolicy
+                and scheduler.config.step_mix == "mixed"
                 and scheduler._urgent is None
                 and scheduler.sessions is None
                 and type(scheduler.waiting).record_step is WaitingQueue.record_step)

@@ -176,6 +176,7 @@ class SchedulerStats:
     num_swapped_in_blocks: int = 0
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     num_waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # of num_waiting
+    num_prefill_only_steps: int = 0  # steps that held the decodes back (Q2)
     # Sessions (U1-U8): held now, their blocks, turns admitted on held KV and the tokens
     # they did not prefill, and releases by reason (ttl, pressure, limit, deleted, aborted).
     num_sessions_held: int = 0

@@ -158,6 +158,9 @@ class Scheduler:
         self.num_blocked_steps: dict[str, int] = {}
         # Steady decoders advanced in bulk: a simulator's option (core/decode_lane.py).
         self.lane: DecodeLane | None = None
+        # Q2: prefills-only steps (step_mix "prefill-first"), in all and in a row now.
+        self.num_prefill_only_steps = 0
+        self.num_prefill_only_in_a_row = 0
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -265,7 +268,8 @@ class Scheduler:
         step = _Step(self.config.max_num_batched_tokens)
         num_lane = self.lane.begin_step(step) if self.lane is not None else 0
         defer_prefills = throttle and self._should_defer_prefills()
-        self._schedule_running(step, 1 if defer_prefills else _NO_CAP, num_lane)
+        prefills_only = not defer_prefills and self._prefills_only_step()
+        self._schedule_running(step, 1 if defer_prefills else _NO_CAP, num_lane, prefills_only)
         if step.preempted:
             self._note_blocked("preemption")
         elif defer_prefills:
@@ -274,6 +278,10 @@ class Scheduler:
             self._note_blocked("swapped")  # S2: a swapped request goes before any admission
         else:
             self._schedule_waiting(step)
+        if prefills_only:
+            self._end_prefills_only(step, num_lane)
+        else:
+            self.num_prefill_only_in_a_row = 0  # Q1: the decodes ran
         if not defer_prefills:
             self.prefill_capacity_bound = bool(self.waiting) or bool(self.held_waiting)  # N3
         self._admission.end_step(len(step.preempted), self.running)
@@ -283,16 +291,51 @@ class Scheduler:
             self.kv.end_step()  # S2: only now may a swap-out reuse the host blocks read
         return output
 
+    def _prefills_only_step(self) -> bool:
+        """Q1: under prefill-first, a step runs prefills only while some are pending (a
+        request waits, or a running one is mid-prefill) and some running request decodes,
+        unless the bound on such steps in a row is reached."""
+        config = self.config
+        if config.step_mix != "prefill-first":
+            return False
+        limit = config.max_prefill_only_steps
+        if limit and self.num_prefill_only_in_a_row >= limit:
+            return False
+        decoding = False
+        prefilling = bool(self.waiting) or bool(self.held_waiting)
+        for request in self.running:
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 1:
+                decoding = True
+            elif num_new > 1:
+                prefilling = True
+            if decoding and prefilling:
+                return True
+        return False
+
+    def _end_prefills_only(self, step: _Step, num_lane: int) -> None:
+        """Q3: a prefills-only step that found nothing to run (no room to admit, the queue's
+        head not ready, its one chunk preempted) runs as a mixed step: the decodes go after
+        all. Otherwise it is counted (Q1's bound, Q2's metric)."""
+        if not step.num_scheduled:
+            self._schedule_running(step, _NO_CAP, num_lane)
+            self.num_prefill_only_in_a_row = 0
+        else:
+            self.num_prefill_only_in_a_row += 1
+            self.num_prefill_only_steps += 1
+
     def _should_defer_prefills(self) -> bool:
         """N1: defer unless capacity-bound or nothing is decoding (it would idle the rank)."""
         return not self.prefill_capacity_bound and any(
             request.num_tokens - request.num_computed_tokens == 1 for request in self.running)
 
-    def _schedule_running(self, step: _Step, max_new: int = _NO_CAP, start: int = 0) -> None:
+    def _schedule_running(self, step: _Step, max_new: int = _NO_CAP, start: int = 0,
+                          skip_decodes: bool = False) -> None:
         """Pass 1 (D2, D3): grow every running request, preempting when the pool is short.
         A request with more than ``max_new`` tokens to compute (a prefill chunk on a throttled
-        step, N2) waits for a later step. The first ``start`` requests are the decode lane,
-        already scheduled."""
+        step, N2) waits for a later step, and so does a decode with ``skip_decodes`` (a
+        prefills-only step, Q2). The first ``start`` requests are the decode lane, already
+        scheduled."""
         running = self.running
         threshold = self._long_prefill_threshold
         max_model_len = self._max_model_len
@@ -319,6 +362,9 @@ class Scheduler:
                                              max_model_len)
                 if num_new > budget:
                     num_new = budget
+            elif skip_decodes:
+                index += 1
+                continue
             if num_new <= 0:
                 index += 1
                 continue
@@ -875,6 +921,7 @@ class Scheduler:
             num_swapped_out_blocks=self.kv.num_swapped_out_blocks,
             num_swapped_in_blocks=self.kv.num_swapped_in_blocks,
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            num_prefill_only_steps=self.num_prefill_only_steps,
             num_waiting_by_tenant=self._waiting_by_tenant(),
             **(self.sessions.stats() if self.sessions is not None else {}),
         )

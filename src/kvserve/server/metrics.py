@@ -271,6 +271,9 @@ class _StatsCollector(Collector):
                 ("kvserve:engine_steps", "Engine steps.", lambda e: e.stats.num_steps),
                 ("kvserve:scheduled_tokens", "Tokens computed, recomputation included.",
                  lambda e: e.stats.num_scheduled_tokens),
+                ("kvserve:prefill_only_steps", "Steps that ran prefills only while decodes "
+                 "waited (--step-mix prefill-first).",
+                 lambda e: e.stats.num_prefill_only_steps),
                 ("kvserve:invariant_violations",
                  "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
                  "the engine fell idle.", lambda e: e.invariant_violations)), engines)
