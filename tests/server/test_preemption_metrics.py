@@ -1,15 +1,20 @@
 """Issue 12 in the server: preemptions by mode, the host tier's copies and usage in /metrics,
 ``num_swaps`` in each response's ``kvserve`` object, the host tier in the boot log and the
-mode (and, under auto, both prices) in each preemption line (docs/preemption.md)."""
+mode (and, under auto, both prices) in each preemption line (docs/preemption.md); the step mix
+(docs/scheduler.md, Q1) in the boot log."""
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
+import pytest
 
+from kvserve.core import SchedulerConfig
 from kvserve.engine.preemption_prices import MeasuredPreemptionPrices
+from kvserve.server.stats_log import steps_line
 
 from .helpers import LiveServer, metric_values, wait_for
 
@@ -104,9 +109,24 @@ def test_without_a_host_tier_the_boot_log_says_so_and_the_series_are_zero(caplog
         values = scrape(live)
         body = httpx.post(live.url + "/v1/completions", json={
             "prompt": "hi", "max_tokens": 2}).json()
-    assert "Host KV cache (swap space): none; preemption mode: recompute" in \
-        [r.getMessage() for r in caplog.records]
+    boot = [r.getMessage() for r in caplog.records]
+    assert "Host KV cache (swap space): none; preemption mode: recompute" in boot
+    assert "Steps: mixed (decodes and prefill chunks share each step, vLLM V1); " \
+        "max_num_seqs 256, max_num_batched_tokens 2048" in boot
     assert values[("vllm:num_requests_swapped", E)] == 0
     assert values[("kvserve:host_kv_cache_usage_perc", E)] == 0
     assert values[("kvserve:swapped_blocks_total", by("direction", "in"))] == 0
     assert body["kvserve"]["num_swaps"] == 0
+
+
+@pytest.mark.parametrize("settings, line", [
+    ({"step_mix": "prefill-first"},
+     "Steps: prefill-first (pending prefills run alone while decodes wait, SGLang's default; "
+     "no bound in a row); max_num_seqs 256, max_num_batched_tokens 2048"),
+    ({"step_mix": "prefill-first", "max_prefill_only_steps": 3, "max_num_seqs": 64},
+     "Steps: prefill-first (pending prefills run alone while decodes wait, SGLang's default; "
+     "at most 3 in a row); max_num_seqs 64, max_num_batched_tokens 2048"),
+])
+def test_the_boot_log_names_the_step_mix_q1(settings, line):
+    info = SimpleNamespace(scheduler_config=SchedulerConfig(**settings))
+    assert steps_line(SimpleNamespace(engine=SimpleNamespace(info=info))) == line

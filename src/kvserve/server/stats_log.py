@@ -24,6 +24,20 @@ def log_boot(state: ServerState) -> None:
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
                 num_tokens / max_model_len)
     logger.info("%s", host_tier_line(state))
+    logger.info("%s", steps_line(state))
+
+
+def steps_line(state: ServerState) -> str:
+    """What one step may hold (docs/scheduler.md, D and Q), for the boot log."""
+    config = state.engine.info.scheduler_config
+    limits = (f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+              f"{config.max_num_batched_tokens}")
+    if config.step_mix == "mixed":
+        return f"Steps: mixed (decodes and prefill chunks share each step, vLLM V1); {limits}"
+    bound = (f"at most {config.max_prefill_only_steps} in a row"
+             if config.max_prefill_only_steps else "no bound in a row")
+    return (f"Steps: prefill-first (pending prefills run alone while decodes wait, SGLang's "
+            f"default; {bound}); {limits}")
 
 
 def host_tier_line(state: ServerState) -> str:
