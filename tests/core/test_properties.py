@@ -1,5 +1,5 @@
 """Property-based tests: random workloads against every policy (issue 2, "Show it") and
-every preemption mode (issue 12).
+every preemption mode (issue 12) and step mix (spec Q).
 
 A fake executor whose token at each position is a fixed function of the request and the
 position drives the scheduler; it writes and reads KV through the block tables and runs the
@@ -108,6 +108,7 @@ def configs(draw: st.DrawFn) -> dict:
     preempting = draw(preemption(policy))
     aging = policy != "fcfs" and not preempting["enable_priority_preemption"] and \
         draw(st.booleans())
+    step_mix = draw(st.sampled_from(["mixed", "mixed", "prefill-first"]))  # Q1
     return dict(
         max_num_seqs=draw(st.integers(1, min(budget, 16))),
         max_num_batched_tokens=budget,
@@ -121,6 +122,9 @@ def configs(draw: st.DrawFn) -> dict:
         admission_policy=draw(st.sampled_from(["optimistic", "reserve", "adaptive"])),
         lpm_max_queue=draw(st.sampled_from([0, 2, 128])),  # C6: sorted or FCFS passes
         schedule_aging_s=3.0 if aging else None,  # C7
+        step_mix=step_mix,
+        max_prefill_only_steps=draw(st.sampled_from([0, 1, 3]))
+        if step_mix == "prefill-first" else 0,
         **preempting,
     )
 
