@@ -169,11 +169,12 @@ def test_prefill_first_steps_give_the_same_tokens_q2():
     shorter ones decode) equal the mixed steps' ones."""
     prompts = [TARGET, *OTHERS[:7]]
     params = [GREEDY, SEEDED, *[GREEDY] * 6]
-    runs = {}
+    outputs, prefill_only_steps = {}, {}
     for step_mix in ("mixed", "prefill-first"):
         engine = llm("float32", enable_prefix_caching=False, max_num_batched_tokens=64,
                      max_num_seqs=8, step_mix=step_mix)
-        runs[step_mix] = [output(r) for r in engine.generate(prompts, params, use_tqdm=False)]
-        runs[step_mix + " steps"] = engine.engine.scheduler.num_prefill_only_steps
-    assert runs["prefill-first"] == runs["mixed"]
-    assert runs["mixed steps"] == 0 and runs["prefill-first steps"] > 0
+        results = engine.generate(prompts, params, use_tqdm=False)
+        outputs[step_mix] = [output(r) for r in results]
+        prefill_only_steps[step_mix] = engine.engine.scheduler.num_prefill_only_steps
+    assert outputs["prefill-first"] == outputs["mixed"]
+    assert prefill_only_steps["mixed"] == 0 and prefill_only_steps["prefill-first"] > 0

@@ -162,8 +162,8 @@ inline void panel_rows(const uint16_t* x, int64_t rows, const uint16_t* panels, 
     const int m = static_cast<int>(count - p0 < group ? count - p0 : group);
     const int64_t rest = ncols - (p0 + m - 1) * kPanel;  // the group's last panel's columns
     const int last_cols = static_cast<int>(rest < kPanel ? rest : kPanel);
-    // a whole next group only: block prefetches as many panels as it reads, never past the
-    // range
+    // a whole next group only: block prefetches as many panels as it reads, never past
+    // the range
     const uint16_t* next = p0 + m + group <= count ? panels + (p0 + m) * stride : nullptr;
     for (int64_t r0 = 0; r0 < rows; r0 += per_block) {
       const int n = static_cast<int>(rows - r0 < per_block ? rows - r0 : per_block);
