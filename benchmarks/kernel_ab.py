@@ -24,6 +24,15 @@ is faster.
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/kernel_ab.py \\
         --base /tmp/base/src [--head DIR/src] [--pairs 3] [--reps 31] [--w1-n 32] \\
         [--write-docs]
+
+One checkout under two settings: ``--base-env`` / ``--head-env VAR=VALUE`` (repeatable) set
+environment variables for that side's W1 processes, and ``--reps 0`` skips the kernel cases
+(the same csrc on both sides). On an AMX CPU, whether oneDNN-AMX or the AVX512-BF16 panels
+should take decode's small calls, end to end:
+
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/kernel_ab.py --base src \\
+        --base-env KVSERVE_PROJECTIONS=onednn --head-env KVSERVE_PROJECTIONS=hybrid \\
+        --reps 0 --pairs 5 --w1-n 128
 """
 
 from __future__ import annotations
@@ -247,12 +256,25 @@ def w1_worker(w1_n: int) -> float:
     return run("w1", w1_n, w1_dtype(), 16, 2 << 30)["wall_s"]
 
 
-def run_w1(side: str, src: Path, w1_n: int) -> float:
+def side_environment(settings: list[str]) -> dict[str, str]:
+    """``VAR=VALUE`` settings (``--base-env`` / ``--head-env``) as a dict; ValueError naming
+    one without ``=`` or a name."""
+    env = {}
+    for setting in settings:
+        name, equals, value = setting.partition("=")
+        if not equals or not name.strip():
+            raise ValueError(f"{setting!r} is not VAR=VALUE")
+        env[name.strip()] = value
+    return env
+
+
+def run_w1(side: str, src: Path, w1_n: int, extra_env: dict[str, str] | None = None) -> float:
     # Each side's extension in a cache of its own: older code names its build by source
     # alone, and another checkout of that source loading it meanwhile would rebuild it.
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{BENCHMARKS}",
                TORCH_EXTENSIONS_DIR=str(CACHE.parent / f"kernel_ab-{side}"),
                OMP_WAIT_POLICY="PASSIVE")  # as kvserve runs by default; the machine is shared
+    env.update(extra_env or {})
     out = subprocess.run([sys.executable, __file__, "--w1-worker", "--w1-n", str(w1_n)],
                          env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     return float(out.stdout.strip().splitlines()[-1])
@@ -285,6 +307,8 @@ def markdown(kernels: list[dict[str, Any]], w1: list[dict[str, float]], reps: in
              "| case | base median | head median | base min | head min | median of pair "
              "ratios | ratio of minima | outputs identical |",
              "|---|---|---|---|---|---|---|---|"]
+    if not kernels:
+        lines[-4:] = ["Kernel cases: not run (`--reps 0`)."]
     for r in kernels:
         lines.append(f"| {r['measure']} | {r['base_median'] * 1e3:.2f} "
                      f"| {r['head_median'] * 1e3:.2f} | {r['base_min'] * 1e3:.2f} "
@@ -316,6 +340,10 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3, help="W1 pairs")
     parser.add_argument("--reps", type=int, default=31, help="interleaved pairs per kernel case")
     parser.add_argument("--w1-n", type=int, default=32, help="W1 requests (0: skip W1)")
+    parser.add_argument("--base-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="an environment variable for the base side's W1 runs")
+    parser.add_argument("--head-env", action="append", default=[], metavar="VAR=VALUE",
+                        help="an environment variable for the head side's W1 runs")
     parser.add_argument("--w1-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
@@ -325,23 +353,31 @@ def main() -> int:
         return 0
     if args.base is None or not (args.base / "kvserve").is_dir():
         parser.error("--base must be a checkout's src directory (holding kvserve/)")
+    try:
+        sides_env = {"base": side_environment(args.base_env),
+                     "head": side_environment(args.head_env)}
+    except ValueError as error:
+        parser.error(f"--base-env / --head-env: {error}")
     sys.path[:0] = [str(ROOT / "src"), str(BENCHMARKS)]
     from docs_section import publish
 
     loads = [load()]
-    kernels = compare_kernels(args.base, args.head, args.reps)
+    kernels = compare_kernels(args.base, args.head, args.reps) if args.reps else []
     loads.append(load())
     w1 = []
     for index in range(args.pairs if args.w1_n else 0):
         pair = {}
         for side in ("base", "head") if index % 2 == 0 else ("head", "base"):
-            pair[side] = run_w1(side, args.base if side == "base" else args.head, args.w1_n)
+            pair[side] = run_w1(side, args.base if side == "base" else args.head, args.w1_n,
+                                sides_env[side])
             print(f"W1 pair {index + 1} {side}: {pair[side]:.1f} s", flush=True)
         w1.append(pair)
     loads.append(load())
     if args.json:  # the figures first, whatever happens to the formatting
         Path(args.json).write_text(json.dumps({"kernels": kernels, "w1": w1}, indent=1))
-    labels = (args.base_label or revision(args.base), args.head_label or revision(args.head))
+    labels = tuple(" ".join([getattr(args, f"{side}_label") or revision(src),
+                             *getattr(args, f"{side}_env")])
+                   for side, src in (("base", args.base), ("head", args.head)))
     command = "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:])
     section = markdown(kernels, w1, args.reps, command, labels, loads)
     publish("kernel_ab", section, {"kernels": kernels, "w1": w1}, args.json, args.write_docs)

@@ -89,6 +89,8 @@ BF16, F32 = torch.bfloat16, torch.float32
     (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "onednn"),  # AMX: oneDNN's bf16
     (BF16, ("avx2", "fma", "avx512f"), True, False, "auto", "onednn"),  # no bf16 panels built
     (BF16, ALL_ISA, True, False, "onednn", "onednn"),
+    (BF16, ALL_ISA, True, False, "hybrid", "hybrid-dpbf16"),
+    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "hybrid", "hybrid-dpbf16"),  # AMX, to measure
     (BF16, ALL_ISA, True, False, "panels", "panels-dpbf16"),  # ... its own panels when asked
     (BF16, ALL_ISA, True, False, "panels-avx2", "panels-avx2"),
     (F32, ALL_ISA, True, False, "auto", "torch"),            # float32 on AVX-512: MKL
@@ -111,6 +113,9 @@ def test_projection_kernel_rules(dtype, isa, onednn_bf16, packs_fp32, choice, ke
     (F32, True, ("avx2",), "panels", "this build has no AVX2 \\+ FMA panel GEMM"),
     (F32, False, (), "panels-avx2", "the C\\+\\+ extension is not built"),
     (torch.float16, True, ALL_ISA, "panels", "only float32 and bfloat16"),
+    (F32, True, ALL_ISA, "hybrid", "only a bfloat16 model has it"),
+    (BF16, True, ALL_ISA, "hybrid", "it needs oneDNN's native bf16"),  # onednn_bf16 False
+    (BF16, False, ALL_ISA, "hybrid", "the C\\+\\+ extension is not built"),
 ])
 def test_a_projection_kernel_this_machine_lacks_is_refused(dtype, built, isa, choice,
                                                           why) -> None:
@@ -131,7 +136,7 @@ def test_info_refuses_a_kvserve_projections_it_cannot_run(
     assert main(["info"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvserve info: error: {PROJECTIONS_ENV}='fastest' is not one of auto, "
-                   "panels, panels-avx2, onednn, torch"]
+                   "hybrid, panels, panels-avx2, onednn, torch"]
 
 
 @pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])

@@ -255,7 +255,7 @@ def test_panel_linear_bf16_refuses_mismatched_panels():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("choice", ["panels", "panels-avx2", "onednn", "torch"])
+@pytest.mark.parametrize("choice", ["hybrid", "panels", "panels-avx2", "onednn", "torch"])
 def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
     """KVSERVE_PROJECTIONS runs a projection on the kernel it names where this machine has it
     (else the weights cannot be packed: ValueError naming the variable); each kernel's output
@@ -268,7 +268,8 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
         with pytest.raises(ValueError, match=PROJECTIONS_ENV):
             can_pack_weights(dtype)
         return
-    assert kernel == choice or (choice == "panels" and kernel.startswith("panels"))
+    assert kernel == choice or (choice == "panels" and kernel.startswith("panels")) or \
+        (choice, kernel) == ("hybrid", "hybrid-dpbf16")
     gen = torch.Generator().manual_seed(5)
     linear = Linear(576, 200)
     linear.weight.data = torch.randn(200, 576, generator=gen).to(dtype)
@@ -278,8 +279,9 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
         linear.pack()
     held = {"panels-avx2": linear.panels, "panels-dpbf16": linear.pair_panels,
             "onednn": linear.packed, "torch": None}
+    expected_copies = {"torch": [], "hybrid-dpbf16": ["panels-dpbf16", "onednn"]}
     assert [name for name, copy in held.items() if copy is not None] == \
-        ([] if kernel == "torch" else [kernel])
+        expected_copies.get(kernel, [kernel])
     with torch.inference_mode():
         out = linear(x)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 1 / 64}[dtype]
@@ -289,7 +291,7 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
 def test_an_unknown_kvserve_projections_names_the_values_it_takes(monkeypatch):
     monkeypatch.setenv(PROJECTIONS_ENV, "mkl")
     with pytest.raises(ValueError, match="KVSERVE_PROJECTIONS='mkl' is not one of auto, "
-                                         "panels, panels-avx2, onednn, torch"):
+                                         "hybrid, panels, panels-avx2, onednn, torch"):
         can_pack_weights(torch.float32)
 
 

@@ -104,7 +104,7 @@ def hybrid_panel_rows(out_features: int) -> int:
     return HYBRID_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else HYBRID_WIDE_PANEL_ROWS
 # What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
 # build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
-PROJECTION_CHOICES = ("auto", "panels", "panels-avx2", "onednn", "torch")
+PROJECTION_CHOICES = ("auto", "hybrid", "panels", "panels-avx2", "onednn", "torch")
 
 
 def checked_choice(value: str) -> str:
@@ -133,8 +133,10 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     :data:`HYBRID_PANEL_ROWS` rows on the AVX512-BF16 panels (``hybrid-dpbf16``: both packings
     kept; on a Zen 4 the panels are 1.03-1.9x oneDNN at 1-128 rows, 0.87-0.96x above,
     docs/kernels.md); else bf16 on the AVX2 panels (activations widened); float32 on the AVX2
-    panels where AVX2 is the CPU's best tier, else F.linear (MKL). ValueError where the choice
-    cannot run here."""
+    panels where AVX2 is the CPU's best tier, else F.linear (MKL). ``hybrid`` asks for
+    ``hybrid-dpbf16`` wherever it can run, AMX CPUs included (where ``auto`` leaves every call
+    to oneDNN), so the split can be measured there. ValueError where the choice cannot run
+    here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
     if checked_choice(choice) == "auto":
         if dtype == torch.bfloat16 and onednn_bf16:
@@ -156,6 +158,11 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
             else "this torch has no oneDNN"
     elif not built:
         why = "the C++ extension is not built"
+    elif choice == "hybrid":
+        if dtype == torch.bfloat16 and onednn_bf16 and "avx512_bf16" in compiled_isa:
+            return "hybrid-dpbf16"
+        why = ("only a bfloat16 model has it" if dtype != torch.bfloat16 else
+               "it needs oneDNN's native bf16 and a build with AVX512-BF16")
     elif choice == "panels" and dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
         return "panels-dpbf16"
     elif avx2_panels:
