@@ -248,3 +248,45 @@ def test_serve_record_builds_the_recorder_with_the_engines_settings(tmp_path):
         assert manifest["model"] == "SmolLM2-135M-Instruct"
     finally:
         state.recorder.close()
+
+
+def test_a_segment_begun_on_a_warm_prefix_cache_says_so_and_still_replays(tmp_path, capsys):
+    """Requests served before a run-time recording left blocks in the prefix cache, so the
+    recorded prompts hit where the replay's empty cache cannot: the segment is marked, and
+    simulate and whatif warn and fall back to a cost model fitted on the recorded steps
+    instead of failing on the divergence (docs/recording.md, "Replay")."""
+    with LiveServer(num_kv_blocks=64, **SETTINGS) as live:
+        url = live.url
+        warm = [SYSTEM + list(range(3000, 3020)), SYSTEM + list(range(4000, 4030))]
+        load(url, warm, max_tokens=4)  # before the recording: their blocks stay cached
+        wait_for(live.idle, what="idle")
+        reply = httpx.post(url + "/admin/record/start", json={"dir": str(tmp_path / "warm")})
+        assert reply.status_code == 200, reply.text
+        load(url, warm + prompts(4, seed=5), max_tokens=6)  # the first two hit the cache
+        wait_for(live.idle, what="idle")
+        assert httpx.post(url + "/admin/record/stop").json()["changed"] is True
+        httpx.post(url + "/admin/record/start")  # nothing ran in between: cold enough
+        load(url, prompts(2, seed=6), max_tokens=4)
+        wait_for(live.idle, what="idle")
+        httpx.post(url + "/admin/record/stop")
+    manifest = json.loads((tmp_path / "warm" / MANIFEST).read_text())
+    assert [s.get("prefix_cache_warm_at_start", False) for s in manifest["segments"]] == \
+        [True, False]
+    assert "prefix cache" in load_recording(tmp_path / "warm", warn=pytest.fail).inexact
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(tmp_path / "warm"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "replay diverged" in err and "fitted on the recorded steps instead" in err
+    assert main(["whatif", str(tmp_path / "warm"), "--set", "max_num_seqs=2"]) == 0
+    out, err = capsys.readouterr()
+    assert "fitted on the recorded steps instead" in err and "max_num_seqs=2" in out
+    # asked for by name, the exact replay still fails on the divergence
+    assert main(["simulate", "--trace", str(tmp_path / "warm"), "--cost-model", "replay"]) == 2
+    assert "kvserve simulate: error: replay diverged" in capsys.readouterr().err
+
+
+def test_whatif_names_a_bad_setting_before_replaying(recorded, capsys):
+    directory, _ = recorded
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=-4"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs" in err and "diverged" not in err

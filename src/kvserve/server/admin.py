@@ -43,6 +43,11 @@ def in_flight(state: ServerState) -> int:
     return stats.num_running + stats.num_waiting + stats.num_swapped
 
 
+def cache_queries(state: ServerState) -> int:
+    """The engines' prefix cache lookups so far (tokens): whether the cache was touched."""
+    return state.engine.stats.prefix_cache_queries
+
+
 def register(app: FastAPI, state: ServerState) -> None:
     @app.get("/admin/record")
     async def record_status(request: Request) -> Response:
@@ -72,7 +77,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if recorder is None:
             raise bad_request("no recording directory: send {\"dir\": PATH} (or serve with "
                               "--record DIR)", param="dir")
-        started = recorder.start(in_flight(state))
+        started = recorder.start(in_flight(state), cache_queries(state))
         return JSONResponse({**recorder.status(), "changed": started})
 
     @app.post("/admin/record/stop")
@@ -81,7 +86,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         recorder = state.recorder
         if recorder is None:
             return JSONResponse({"recording": False, "directory": None, "changed": False})
-        stopped = recorder.stop()
+        stopped = recorder.stop(cache_queries(state))
         recorder.flush()
         return JSONResponse({**recorder.status(), "changed": stopped})
 

@@ -152,6 +152,8 @@ class Recorder:
             "started_unix": round(time.time(), 3), "record_prompts": prompts,
             "settings": recorded_settings(info, num_engines), "segments": []}
         self.active = False
+        self._cache_queries_at_stop = 0  # the engines' prefix cache lookups when the last
+        # segment stopped (start: was the cache touched outside the recording since?)
         self.num_requests = self.num_steps = 0
         self._pending: dict[str, _Pending] = {}
         self._open_steps: dict[int, _OpenStep] = {}
@@ -169,23 +171,30 @@ class Recorder:
     def now(self) -> float:
         return time.monotonic() - self.origin
 
-    def start(self, in_flight: int = 0) -> bool:
+    def start(self, in_flight: int = 0, cache_queries: int = 0) -> bool:
         """Begin a segment; False if one is open. ``in_flight``: requests the engines hold
-        now, which this recording will not see whole (their replay is not exact)."""
+        now, which this recording will not see whole (their replay is not exact).
+        ``cache_queries``: the engines' prefix cache lookups so far; more than when the last
+        segment stopped (or than none, for the first) means requests outside the recording
+        may have left blocks in the cache, which a replay starts without."""
         with self._lock:
             if self.active:
                 return False
             self.active = True
-            self._queue.put(("start", self.now(), in_flight))
+            warm = cache_queries > self._cache_queries_at_stop
+            self._queue.put(("start", self.now(), in_flight, warm))
             return True
 
-    def stop(self) -> bool:
+    def stop(self, cache_queries: int | None = None) -> bool:
         """End the segment: requests still in flight are written as cut at this moment (a
-        ``cancel_time`` now, docs/recording.md). False if none was open."""
+        ``cancel_time`` now, docs/recording.md). False if none was open. ``cache_queries``:
+        as :meth:`start`'s, now."""
         with self._lock:
             if not self.active:
                 return False
             self.active = False
+            if cache_queries is not None:
+                self._cache_queries_at_stop = cache_queries
             self._queue.put(("stop", self.now()))
             return True
 
@@ -248,8 +257,10 @@ class Recorder:
     def _control(self, entry: tuple[Any, ...]) -> None:
         segments = self.manifest["segments"]
         if entry[0] == "start":
-            segments.append({"start": round(entry[1], 6), "stop": None,
-                             "in_flight_at_start": entry[2]})
+            segment = {"start": round(entry[1], 6), "stop": None, "in_flight_at_start": entry[2]}
+            if entry[3]:
+                segment["prefix_cache_warm_at_start"] = True
+            segments.append(segment)
         else:
             stop = entry[1]
             for engine in list(self._open_steps):

@@ -119,6 +119,7 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     if args.cost_model is None:  # one engine's steps replay; replicas' are fitted
         same = not settings and not args.sweep and size == 1
         args.cost_model = "replay" if same else "calibrated"
+        args.replay_by_default = same
     return recording, {**recorded, **settings}
 
 
@@ -126,11 +127,20 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
              trace: list[Any]) -> None:
     from kvserve.sim import report as reports
     from kvserve.sim.cluster_report import add_cluster_sections
+    from kvserve.sim.recording import replay_or_fitted
     from kvserve.sim.table import print_aggregate
 
-    echo, result = simulate_with_progress(deployment, trace, settings, "simulating",
-                                          seed=args.seed, record_events=bool(args.events),
-                                          check=args.check, cluster=cluster_from_args(args))
+    def simulate(chosen: Any) -> Any:
+        return simulate_with_progress(chosen, trace, settings, "simulating", seed=args.seed,
+                                      record_events=bool(args.events), check=args.check,
+                                      cluster=cluster_from_args(args))
+
+    # The recorded step times by default; an inexact recording's may not replay (--cost-model
+    # replay, asked for, fails instead).
+    if getattr(args, "replay_by_default", False):
+        echo, result = replay_or_fitted(simulate, deployment)
+    else:
+        echo, result = simulate(deployment)
     report = add_cluster_sections(reports.build_report(echo, result), result)
     if args.report:
         _write(args.report, reports.dumps(report))

@@ -53,7 +53,7 @@ def parse_change(text: str) -> tuple[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     with cli_errors():
-        from kvserve.sim.recording import load_recording
+        from kvserve.sim.recording import load_recording, replay_or_fitted
         from kvserve.sim.whatif import make_run, moved, table, to_json
 
         if args.top < 1:
@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         def simulate(deployment: Any, values: dict[str, Any]) -> Any:
             return deployment.simulate(trace, values, seed=args.seed, record_events=True)[1]
 
-        runs = [make_run("recorded", simulate(replay, settings))]
+        for name, value in changes:  # a bad value is named before anything runs
+            other.configs({**settings, name: value})
+        runs = [make_run("recorded", replay_or_fitted(lambda d: simulate(d, settings), replay))]
         if chosen != "replay":
             runs.append(make_run(f"recorded ({chosen} model)", simulate(other, settings)))
         for name, value in changes:

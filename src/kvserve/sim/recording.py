@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.sim.cost_models import CostModelError, ReplayCostModel
 from kvserve.sim.executor import BatchView
@@ -28,6 +28,7 @@ from kvserve.sim.trace import TraceError, TraceRequest, parse_request
 MANIFEST = "recording.json"
 RECORDING_FORMAT = "kvserve-recording/1"
 Warn = Callable[[str], None]
+T = TypeVar("T")
 
 
 def is_recording(path: str | Path) -> bool:
@@ -90,6 +91,22 @@ class Recording:
         except ValueError as error:
             raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
                                  f"steps ({error}); give --cost-model") from None
+
+
+def replay_or_fitted(run: Callable[[Any], T], deployment: Any, warn: Warn = _stderr) -> T:
+    """``run(deployment)``; where that replays the step times of a recording that cannot
+    replay exactly (:attr:`Recording.inexact`) and the replay diverges, a warning, then
+    ``run`` again under a cost model fitted on the recorded steps (docs/recording.md)."""
+    try:
+        return run(deployment)
+    except CostModelError as error:
+        recording = deployment.recording
+        if deployment.cost_model != "replay" or deployment.replay_log is not None or \
+                recording is None or not recording.inexact:
+            raise
+        warn(f"{recording.path}: {error}; simulating under a cost model fitted on the "
+             "recorded steps instead")
+        return run(dataclasses.replace(deployment, cost_model="calibrated"))
 
 
 def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
@@ -206,9 +223,15 @@ def _cut(recording: Recording, note: Warn) -> None:
             cut = lost[0][0]
             finished_events = [e for e in finished_events if e.get("time", cut) <= cut]
     segments = recording.manifest.get("segments") or []
+    reasons = []
     if any(s.get("in_flight_at_start") for s in segments):
-        recording.inexact = ("a segment began with requests in flight, whose steps are in "
-                             "the log but not their requests")
+        reasons.append("a segment began with requests in flight, whose steps are in the log "
+                       "but not their requests")
+    if any(s.get("prefix_cache_warm_at_start") for s in segments):
+        reasons.append("a segment began with blocks in the server's prefix cache from "
+                       "requests it did not record, which the replay starts without")
+    if reasons:
+        recording.inexact = "; ".join(reasons)
     if cut is None:
         return
     # At the log's end every logged finish counts: a finish is stamped by the engine's clock
