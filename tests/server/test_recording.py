@@ -186,6 +186,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
         reply = httpx.post(url + "/admin/record/start", headers=admin)
         assert reply.status_code == 400 and "no recording directory" in reply.text
         reply = httpx.post(url + "/admin/record/start", headers=admin,
+                           json={"dir": str(tmp_path / "a\u0000b")})
+        assert reply.status_code == 400 and "holds a NUL character" in reply.text
+        reply = httpx.post(url + "/admin/record/start", headers=admin,
                            json={"dir": str(tmp_path / "live")})
         assert reply.status_code == 200 and reply.json()["recording"] is True
         load(url, prompts(3), headers=user, max_tokens=4)

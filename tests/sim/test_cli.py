@@ -185,6 +185,10 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["plan", "--kv-cache-dtype", "int4", "--prompt-len", "9", "--output-len", "9"],
      "unknown kv cache dtype 'int4'; known: auto, fp8, fp8_e4m3, fp8_e5m2"),
     (["simulate", "--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
+    (["simulate", "--tensor-parallel-size", "0"],
+     "--tensor-parallel-size must be an integer >= 1, got 0"),
+    (["simulate", "--tensor-parallel-size", "1000"], "--tensor-parallel-size 1000: "
+     "llama-3.1-8b's 32 attention heads do not divide evenly among the devices"),
     (["simulate", "--max-prefill-only-steps", "2"],
      "max_prefill_only_steps=2 bounds prefill-first steps: it needs step_mix='prefill-first'"),
     (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
@@ -214,6 +218,29 @@ def test_malformed_trace_line_is_named(tmp_path, capsys):
     assert f"{path}:2: missing output_len" in _error_line(capsys)
     assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "cannot read trace" in _error_line(capsys)
+
+
+def test_absurd_lengths_in_a_trace_are_refused_or_cut_before_their_ids_are_drawn(
+        tmp_path, capsys):
+    """J1 on the length alone: a 10^12-token prompt is refused without drawing its ids (that
+    would need 8 TB), and a 10^12-token answer is drawn only as far as max_model_len lets
+    it run (J2), so the run ends by length."""
+    path = tmp_path / "huge.jsonl"
+    rows = [{"request_id": "long-prompt", "arrival_time": 0, "prompt_len": 10**12,
+             "output_len": 4},
+            {"request_id": "long-answer", "arrival_time": 0, "prompt_len": 16,
+             "output_len": 10**12},
+            {"request_id": "shared", "arrival_time": 0, "prompt_len": 10**12,
+             "prefix_id": "p", "prefix_len": 8, "output_len": 1}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(path), "--model", "smollm2-135m", "--quiet",
+                 "--max-model-len", "512", "--report", str(report)]) == 0
+    assert "2 request(s) refused, e.g. request long-prompt: prompt of 1000000000000 tokens " \
+           "leaves no room to generate: max_model_len is 512" in capsys.readouterr().err
+    requests = {r["request_id"]: r for r in json.loads(report.read_text())["requests"]}
+    assert requests["long-answer"]["finish_reason"] == "length"
+    assert requests["long-answer"]["output_tokens"] == 512 - 16
 
 
 def test_sweep_of_batching_and_of_the_pool(tmp_path, trace):

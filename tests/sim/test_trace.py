@@ -27,7 +27,11 @@ def test_write_then_read_round_trips(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ('{"request_id": "x", "arrival_time": 0, "prompt_len": 4}', "missing output_len"),
     ('{"request_id": "x", "arrival_time": -1, "prompt_len": 4, "output_len": 1}',
-     "arrival_time must be a number >= 0"),
+     "arrival_time must be a number of seconds in [0, 1e+10], got -1"),
+    ('{"request_id": "x", "arrival_time": 1e308, "prompt_len": 4, "output_len": 1}',
+     "arrival_time must be a number of seconds in [0, 1e+10]"),
+    ('{"request_id": "x", "arrival_time": 0, "cancel_time": 2e10, "prompt_len": 4, '
+     '"output_len": 1}', "cancel_time must be a number of seconds in [0, 1e+10]"),
     ('{"request_id": "x", "arrival_time": 0, "output_len": 1}', "exactly one of"),
     ('{"request_id": "x", "arrival_time": 0, "prompt_len": 4, "output_len": 1, "foo": 1}',
      "unknown field(s) foo"),

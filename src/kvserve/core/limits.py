@@ -12,15 +12,21 @@ from kvserve.core.request import Request
 def check_servable(request: Request, config: SchedulerConfig, cache: CacheConfig) -> None:
     """J1: refuse a prompt that leaves no room to generate, or that with one generated
     token outgrows the whole KV pool; queued, it could only wedge the head of the line."""
-    num_tokens = request.num_tokens
+    check_servable_length(request.request_id, request.num_tokens, config, cache)
+
+
+def check_servable_length(request_id: str, num_tokens: int, config: SchedulerConfig,
+                          cache: CacheConfig) -> None:
+    """:func:`check_servable` on a prompt's length alone (the simulator asks before it draws
+    a prompt's ids, which a trace line may make absurdly long)."""
     if num_tokens >= config.max_model_len:
         raise RequestRejected(
-            f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room "
+            f"request {request_id}: prompt of {num_tokens} tokens leaves no room "
             f"to generate: max_model_len is {config.max_model_len}")
     if num_tokens + 1 > cache.num_token_slots:
         num_blocks = -(-(num_tokens + 1) // cache.block_size)
         raise RequestRejected(
-            f"request {request.request_id}: prompt of {num_tokens} tokens plus one "
+            f"request {request_id}: prompt of {num_tokens} tokens plus one "
             f"generated token needs {num_blocks} KV blocks, but the whole pool has "
             f"{cache.num_blocks} blocks of {cache.block_size} tokens "
             f"({cache.num_token_slots} tokens)")

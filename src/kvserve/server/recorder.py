@@ -51,6 +51,8 @@ class RecordingError(ValueError):
 
 def check_directory(directory: str | Path) -> Path:
     """``directory``, created if missing, if this process may write a new recording there."""
+    if "\0" in str(directory):
+        raise RecordingError(f"recording directory {str(directory)!r} holds a NUL character")
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)

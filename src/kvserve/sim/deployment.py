@@ -57,7 +57,14 @@ class Deployment:
     hardware_spec: HardwareSpec | None = None
 
     def __post_init__(self) -> None:
-        get_model(self.model)
+        model = get_model(self.model)
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise CostModelError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
+        if model.num_heads % tp:  # vLLM refuses it too: the heads split evenly
+            raise CostModelError(f"--tensor-parallel-size {tp}: {model.name}'s "
+                                 f"{model.num_heads} attention heads do not divide evenly "
+                                 "among the devices")
         get_hardware(self.hardware)
         dtype_bytes(self.dtype)
         kv_dtype(self.dtype, self.kv_cache_dtype)

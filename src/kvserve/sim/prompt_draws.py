@@ -11,6 +11,7 @@ cache's hashes. Every other request is drawn alone, as before. The ids are those
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,13 +27,25 @@ def _plain(request: TraceRequest) -> bool:
             and request.prompt_hashes is None and request.prefix_id is None)
 
 
+def servable_answer(request: TraceRequest, max_model_len: int) -> TraceRequest:
+    """``request`` with its ``output_len`` cut to what max_model_len lets it generate (J2:
+    the rest is never sampled, so never drawn: a trace may ask for 10^10 tokens); itself
+    when nothing is cut."""
+    room = max(0, max_model_len - request.num_prompt_tokens)
+    if request.output_len <= room:
+        return request
+    return dataclasses.replace(request, output_len=room)
+
+
 class PromptDraws:
     """Prompts and answers of ``arrivals`` (in arrival order), drawn ``batch`` at a time."""
 
     def __init__(self, arrivals: Sequence[TraceRequest], seed: int, *,
-                 with_bytes: bool, batch: int = BATCH) -> None:
+                 with_bytes: bool, batch: int = BATCH, max_model_len: int | None = None) -> None:
         self.arrivals = arrivals
         self.seed = seed
+        # Longer prompts are refused before they are drawn; answers are drawn up to it.
+        self.max_model_len = max_model_len
         self.with_bytes = with_bytes  # the prompt's bytes are wanted (prefix caching)
         self.batch = batch
         self._index = {r.request_id: i for i, r in enumerate(arrivals)}
@@ -60,7 +73,10 @@ class PromptDraws:
         if index is None or self.arrivals[index].request_id in self._drawn:
             return
         self._drawn.clear()
-        chosen = [r for r in self.arrivals[index:index + self.batch] if _plain(r)]
+        limit = self.max_model_len
+        chosen = [r if limit is None else servable_answer(r, limit)
+                  for r in self.arrivals[index:index + self.batch]
+                  if _plain(r) and (limit is None or r.num_prompt_tokens < limit)]
         keys = [stream_key(self.seed, "request:" + r.request_id) for r in chosen]
         ends = [r.prompt_len + r.output_len for r in chosen]  # type: ignore[operator]
         ids = stream_ranges(keys, [0] * len(chosen), ends)

@@ -37,6 +37,7 @@ from kvserve.core import (
     check_invariants,
 )
 from kvserve.core.decode_lane import DecodeLane
+from kvserve.core.limits import check_servable_length
 from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
 from kvserve.core.sessions import SessionError
@@ -46,7 +47,7 @@ from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
 from kvserve.sim.layout import BlockLayout
-from kvserve.sim.prompt_draws import PromptDraws
+from kvserve.sim.prompt_draws import PromptDraws, servable_answer
 from kvserve.sim.trace import TraceRequest
 
 __all__ = ["BATCHING_MODES", "ProgressFn", "RequestRecord", "SimResult", "Simulator",
@@ -108,7 +109,8 @@ class _Run:
         # The prompt's bytes serve BLAKE2b's hashes (hash_prompt); builtin hashes the ids.
         self.draws = PromptDraws(self.arrivals, sim.seed,
                                  with_bytes=sim.cache_config.enable_prefix_caching
-                                 and sim.cache_config.prefix_caching_hash_algo == "blake2b")
+                                 and sim.cache_config.prefix_caching_hash_algo == "blake2b",
+                                 max_model_len=sim.scheduler_config.max_model_len)
         self.recorder = RunRecorder(self.arrivals)
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
@@ -279,6 +281,14 @@ class _Run:
         """Hand one request to the scheduler; False if it refused it."""
         seed = self.sim.seed
         request_id = trace_request.request_id
+        config = self.sim.scheduler_config
+        try:  # J1 on the length alone: a refused prompt's ids are never drawn
+            check_servable_length(request_id, trace_request.num_prompt_tokens, config,
+                                  self.sim.cache_config)
+        except RequestRejected as error:
+            self._refuse(request_id, error)
+            return False
+        trace_request = servable_answer(trace_request, config.max_model_len)
         sessions = self.scheduler.sessions is not None  # off: a trace's session ids are moot
         prompt, answer, prompt_bytes = self.draws.take(trace_request)
         request = Request(

@@ -175,6 +175,11 @@ def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
     return value
 
 
+# Seconds since the trace's start; later than this (about 317 years, Unix time included)
+# leaves too few bits of a float for the microseconds the latencies are measured in.
+MAX_TIME = 1e10
+
+
 def _time(row: dict[str, Any], name: str, required: bool = False) -> float | None:
     if name not in row:
         if required:
@@ -182,8 +187,9 @@ def _time(row: dict[str, Any], name: str, required: bool = False) -> float | Non
         return None
     value = row[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            or not math.isfinite(value) or not 0 <= value <= MAX_TIME:
+        raise ValueError(f"{name} must be a number of seconds in [0, {MAX_TIME:.0e}], got "
+                         f"{value!r}")
     return float(value)
 
 
