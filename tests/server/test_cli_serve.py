@@ -28,11 +28,33 @@ def test_serve_flags_parse():
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--api-keys", "/nonexistent/keys"], "cannot read API keys file"),
     (["--port", "70000"], "is not a port number"),
+    (["--max-request-body", "0"], "--max-request-body 0: every request would get 413"),
+    (["--log-stats-interval", "-1"], "--log-stats-interval must be >= 0 seconds"),
+    (["--priority-source", "key"], "--priority-source key takes each request's priority "
+                                   "from its API key: give --api-key or --api-keys"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--host", "999.1.1.1"], "--host '999.1.1.1': cannot resolve it"),
 ])
 def test_serve_errors_are_one_line(capsys, argv, needle):
-    assert main(["serve", *argv]) == 2
+    assert main(["serve", "/nonexistent/model", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_an_address_in_use_is_one_line_before_the_model_loads(capsys):
+    """The address is bound before the engine is built (as vLLM binds first): a port taken
+    is named at once, not after a model load and then by uvicorn with exit code 3. The
+    model path here does not exist, so reaching the engine would be a different error."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "/nonexistent/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvserve serve: error: cannot listen on 127.0.0.1:{port}: Address already " \
+                  "in use\n"
 
 
 def test_urgent_default_priority_needs_the_priority_policy(tmp_path, capsys):

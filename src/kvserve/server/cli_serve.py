@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +98,47 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     from kvserve.server.app import build_app
 
-    state = build_state(args)
+    sockets: list[socket.socket] = []
+    state = build_state(args, before_engine=lambda: sockets.append(
+        bind_socket(args.host, args.port)))
     app = build_app(state, log_stats_interval=args.log_stats_interval)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
                        "it and abort requests (give --api-key or --api-keys)", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
+        uvicorn.Server(config).run(sockets=sockets)
     return 0
 
 
-def build_state(args: argparse.Namespace) -> Any:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port``, not yet listening (uvicorn listens once the app
+    is ready; until then a client is refused, not left hanging), so an address that cannot
+    be had is a one-line error before the model loads, as vLLM binds before its engine
+    starts. CLIError naming the address and why."""
+    from kvserve.flags import CLIError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        why = error.strerror if isinstance(error, socket.gaierror) else "not a host name"
+        raise CLIError(f"--host {host!r}: cannot resolve it: {why}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise CLIError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def build_state(args: argparse.Namespace,
+                before_engine: Callable[[], None] | None = None) -> Any:
+    """The server's state from ``serve``'s flags: every flag checked first (CLIError), then
+    ``before_engine`` (``run`` binds the address there), then the engine built."""
     from kvserve.core import ConfigError
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine_process import EngineStartError
@@ -139,6 +172,17 @@ def build_state(args: argparse.Namespace) -> Any:
     for name in ("max_prompts_per_request", "max_sequences_per_request"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_request_body < 1024:
+        raise CLIError(f"--max-request-body {args.max_request_body}: every request would get "
+                       "413; give at least 1KiB")
+    if not args.log_stats_interval >= 0:  # NaN too
+        raise CLIError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got "
+                       f"{args.log_stats_interval}")
+    if args.priority_source == "key" and not keys:
+        raise CLIError("--priority-source key takes each request's priority from its API key: "
+                       "give --api-key or --api-keys")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise CLIError("--served-model-name must not be empty")
     policy = settings.get("scheduling_policy", "fcfs")
     urgent = [k.tenant for k in keys if k.default_priority != 0]
     if policy != "priority" and urgent:
@@ -152,6 +196,8 @@ def build_state(args: argparse.Namespace) -> Any:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
     build_args = {"record_events": True, **settings}
+    if before_engine is not None:
+        before_engine()
     serving: Any
     try:
         if parallel:
