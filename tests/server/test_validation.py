@@ -56,11 +56,72 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "priority": 3}, 400, "priority scheduling is not enabled"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
     (COMPLETIONS, ["not", "an", "object"], 400, "must be a JSON object"),
+    (COMPLETIONS, {"prompt": "x", "stop": ""}, 400, "'stop' must hold non-empty strings"),
+    (COMPLETIONS, {"prompt": "x", "stop": ["a", ""]}, 400, "'stop' must hold non-empty"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [2, 99999999]}, 400,
+     "'stop_token_ids' has token id 99999999, outside the vocabulary"),
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0] (user) has no 'content'"),
+    (CHAT, {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": None}]}, 400,
+     "messages[1] (user) has no 'content'"),
+    (COMPLETIONS, {"prompt": "x", "n": None, "prompt_logprobs": None}, 400,
+     "unknown field 'prompt_logprobs'"),  # null for a field it does not know is no pass
+    (COMPLETIONS, {"prompt": None}, 400, "field 'prompt'"),  # nor for a required one
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
+     "send exactly one of 'prompt' and 'messages'"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
+    ("/detokenize", {"tokens": [1, -3]}, 400, "'tokens' has token id -3, outside"),
+    ("/detokenize", {"tokens": "hello"}, 400, "field 'tokens'"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)
     assert response.status_code == status, response.text
     assert needle in error_of(response)
+
+
+def test_null_means_the_default_for_an_optional_field(server):
+    """As OpenAI's API and vLLM take them: ``"n": null`` is one choice, ``"stream": null``
+    no stream."""
+    response = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2, "n": None,
+                                          "stream": None, "min_tokens": None,
+                                          "ignore_eos": None, "stream_options": None})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    response = post(server, CHAT, {"messages": [{"role": "user", "content": "x"},
+                                                {"role": "assistant", "content": None},
+                                                {"role": "user", "content": "y"}],
+                                   "max_tokens": 2, "logprobs": None})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
+def test_a_model_is_retrieved_by_name_and_health_answers_head(server):
+    response = httpx.get(server.url + "/v1/models/tiny")
+    assert response.status_code == 200
+    assert response.json()["id"] == "tiny" and response.json()["max_model_len"] == 256
+    response = httpx.get(server.url + "/v1/models/gpt-9")
+    assert response.status_code == 404 and "'gpt-9' does not exist" in error_of(response)
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_tokenize_counts_what_the_endpoints_would_queue(server):
+    """vLLM's /tokenize and /detokenize: a completions prompt's ids, a chat's ids through
+    the template (what the chat endpoint queues: usage.prompt_tokens), and back."""
+    text = "The capital of France"
+    reply = post(server, "/tokenize", {"prompt": text})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["count"] == len(body["tokens"]) > 0 and body["max_model_len"] == 256
+    completion = post(server, COMPLETIONS, {"prompt": text, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == body["count"]
+    back = post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    messages = [{"role": "user", "content": text}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    answer = post(server, CHAT, {"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == answer["usage"]["prompt_tokens"] > body["count"]
+    bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert bare.json()["count"] < chat["count"]
 
 
 def test_bad_json(server):

@@ -21,6 +21,8 @@ from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prompts import chat_ids
+from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, model_error, parse_body
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
 
@@ -98,12 +100,55 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "kvserve", "max_model_len": state.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         state.keys.authenticate(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started),
-            "owned_by": "kvserve", "max_model_len": state.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        state.keys.authenticate(request.headers.get("authorization"))
+        if model_id != state.model_name:
+            raise model_error(model_id, state.model_name)
+        return JSONResponse(model_card())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: the ids the completions (``prompt``) or chat (``messages``)
+        endpoint would queue, their count and max_model_len."""
+        state.keys.authenticate(request.headers.get("authorization"))
+        req = parse_body(TokenizeRequest, await state.read_json(request))
+        if req.model is not None and req.model != state.model_name:
+            raise model_error(req.model, state.model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt,
+                                          req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(chat_ids, state, req.messages,
+                                          req.add_generation_prompt)
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+        state.keys.authenticate(request.headers.get("authorization"))
+        req = parse_body(DetokenizeRequest, await state.read_json(request))
+        if req.model is not None and req.model != state.model_name:
+            raise model_error(req.model, state.model_name)
+        vocab_size = state.tokenizer.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"'tokens' has token id {bad}, outside the vocabulary "
+                              f"[0, {vocab_size})", param="tokens")
+        text = await asyncio.to_thread(state.tokenizer.decode, req.tokens, False)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/abort")
     async def abort(request: Request) -> Response:
@@ -145,7 +190,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
                                 "never existed", code="session_not_found") from None
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not state.engine.is_running:
             return APIError(503, "the engine is not running").response()

@@ -28,6 +28,7 @@ from kvserve.server.auth import resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
+    check_stop_token_ids,
     encode_chat,
     encode_prompts,
     max_tokens_for,
@@ -70,6 +71,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
     max_tokens = max_tokens_for(state, req, chat, prompts)
+    check_stop_token_ids(state, req)
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")

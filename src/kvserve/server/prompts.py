@@ -8,7 +8,7 @@ from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.state import ServerState
 
 
@@ -38,9 +38,18 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+    return [chat_ids(state, req.messages)]
+
+
+def chat_ids(state: ServerState, chat: list[ChatMessage],
+             add_generation_prompt: bool = True) -> list[int]:
+    """``chat`` through the model's chat template, as the chat endpoint sends it."""
     messages = []
-    for message in req.messages:
+    for index, message in enumerate(chat):
         content = message.content
+        if content is None and message.role != "assistant":  # an assistant's may be empty
+            raise bad_request(f"messages[{index}] ({message.role}) has no 'content'",
+                              param=f"messages.{index}.content")
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         entry = {"role": message.role, "content": content or ""}
@@ -48,16 +57,30 @@ def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int
             entry["name"] = message.name
         messages.append(entry)
     try:
-        return [state.tokenizer.encode_chat(messages)]
+        return state.tokenizer.encode_chat(messages, add_generation_prompt)
     except ValueError as error:
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
+
+
+def _tokens(count: int) -> str:
+    return "1 token" if count == 1 else f"{count} tokens"
+
+
+def check_stop_token_ids(state: ServerState, req: Any) -> None:
+    """A stop token the model cannot sample would never stop anything: 400, as a prompt
+    token outside the vocabulary is."""
+    vocab_size = state.tokenizer.vocab_size
+    bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"'stop_token_ids' has token id {bad}, outside the vocabulary "
+                          f"[0, {vocab_size})", param="stop_token_ids")
 
 
 def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
-        raise bad_request(f"the prompt has {longest} tokens, but this model's maximum "
+        raise bad_request(f"the prompt has {_tokens(longest)}, but this model's maximum "
                           f"context length (max_model_len) is {limit} tokens, which leaves "
                           "no room to generate; shorten the prompt", param="prompt")
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
@@ -65,7 +88,7 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
         return limit - longest if chat else min(16, limit - longest)
     if longest + asked > limit:
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-        raise bad_request(f"the prompt has {longest} tokens and {name} is {asked}: "
+        raise bad_request(f"the prompt has {_tokens(longest)} and {name} is {asked}: "
                           f"{longest + asked} tokens exceed this model's maximum context "
                           f"length (max_model_len) of {limit}; ask for at most "
                           f"{limit - longest} tokens", param=name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvserve.server.errors import APIError, bad_request
 
@@ -21,6 +21,18 @@ _Int = Annotated[int, Field(strict=True)]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """``null`` for an optional field means its default, as OpenAI's API and vLLM take
+        ``"n": null`` or ``"stream": null``; a required field's null stays an error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        nulls = [name for name, value in data.items() if value is None and name in fields
+                 and not fields[name].is_required() and fields[name].default is not None]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
 
 class StreamOptions(_Body):
@@ -104,6 +116,23 @@ class ChatCompletionRequest(_Sampling):
     web_search_options: Any = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a prompt, or chat messages as the chat endpoint renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # with messages, as the chat endpoint does
+    add_special_tokens: bool = False  # with a prompt, as the completions endpoint does
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[_Int] = Field(max_length=1 << 20)
+
+
 # Values that ask for nothing, so accepting them honours them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
@@ -130,9 +159,14 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         if value is not None and value not in _NEUTRAL.get(name, ()):
             raise bad_request(f"field '{name}' is not supported by this server; remove it",
                               param=name)
-    if isinstance(request.stop, list) and len(request.stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop' has {len(request.stop)} strings; at most "
+    stop = getattr(request, "stop", None)
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' has {len(stop)} strings; at most "
                           f"{MAX_STOP_STRINGS} are allowed", param="stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if any(not stop for stop in stops):
+        raise bad_request("'stop' must hold non-empty strings (an empty one would stop "
+                          "before any text)", param="stop")
     return request
 
 
