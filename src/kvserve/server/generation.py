@@ -44,6 +44,7 @@ from kvserve.server.protocol import (
 from kvserve.server.responses import (
     SSE_DONE,
     Choice,
+    TextOffsets,
     chat_logprobs,
     completion_logprobs,
     kvserve_ext,
@@ -221,11 +222,11 @@ class _Generation:
         return out
 
     def _logprobs(self, entries: list[tuple[int, dict[int, float]]],
-                  offset: int = 0) -> dict[str, Any]:
+                  offsets: TextOffsets | None = None) -> dict[str, Any]:
         tokenizer = self.state.tokenizer
         if self.chat:
             return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0)
-        return completion_logprobs(tokenizer, entries, offset)
+        return completion_logprobs(tokenizer, entries, offsets)
 
     # -- streamed --------------------------------------------------------------------------
 
@@ -269,10 +270,13 @@ class _Generation:
         yield SSE_DONE
 
     def _event(self, chunk: CompletionChunk) -> str:
-        offset = len(self.choices[chunk.request_id].text)
         choice = self._apply(chunk)
         entries = list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
-        logprobs = self._logprobs(entries, offset) if entries else None
+        logprobs = None
+        if entries:
+            if choice.text_offsets is None:
+                choice.text_offsets = TextOffsets()
+            logprobs = self._logprobs(entries, choice.text_offsets)
         payload = {"content": chunk.new_text} if self.chat else chunk.new_text
         data = self._chunk(choice, payload, logprobs)
         if chunk.finished:

@@ -10,6 +10,8 @@ from typing import Any
 from kvserve.core import RequestMetrics
 from kvserve.engine.text import Tokenizer
 
+_REPLACEMENT = "\ufffd"  # what a token holding part of a character decodes to alone
+
 
 @dataclass
 class Choice:
@@ -24,6 +26,7 @@ class Choice:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    text_offsets: TextOffsets | None = None  # a stream's, as its chunks go out
 
 
 def kvserve_ext(request_id: str, metrics: RequestMetrics | None) -> dict[str, Any]:
@@ -61,13 +64,39 @@ def usage(choices: list[Choice], num_prompt_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + completion}
 
 
+@dataclass
+class TextOffsets:
+    """Where each output token's text starts in a choice's text (the completions API's
+    ``text_offset``), token by token, across a stream's chunks. A character whose UTF-8
+    bytes are split over tokens (each alone decodes to U+FFFD) is counted once, complete:
+    its tokens get the offset where it starts, and text before it in the same token counts
+    at once, so the offsets index the text the client receives."""
+
+    start: int = 0  # the offset where the pending tokens' text starts
+    pending: list[int] = field(default_factory=list)  # tokens ending in an incomplete char
+
+    def next(self, tokenizer: Tokenizer, token_id: int, alone: str) -> int:
+        """The offset of ``token_id`` (``alone``: its text decoded alone)."""
+        pending = self.pending
+        before = self.start + len(tokenizer.decode(pending).rstrip(_REPLACEMENT)) \
+            if pending else self.start
+        pending.append(token_id)
+        decoded = alone if len(pending) == 1 else tokenizer.decode(pending)
+        if not decoded.endswith(_REPLACEMENT):
+            self.start += len(decoded)
+            pending.clear()
+        return before
+
+
 def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
-                        offset: int = 0) -> dict[str, Any]:
+                        offsets_state: TextOffsets | None = None) -> dict[str, Any]:
+    """The completions API's logprobs of ``entries`` (token id, its top logprobs); their
+    offsets continue ``offsets_state`` (a stream's, kept per choice), else start at 0."""
+    state = offsets_state if offsets_state is not None else TextOffsets()
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in entries:
         text = tokenizer.decode([token_id])
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(state.next(tokenizer, token_id, text))
         tokens.append(text)
         token_logprobs.append(entry.get(token_id))
         top.append({tokenizer.decode([t]): lp for t, lp in _ranked(entry)})

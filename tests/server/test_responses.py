@@ -1,0 +1,45 @@
+"""The completions API's logprob offsets (server/responses.py) on text whose characters are
+split over byte-level tokens, with the bundled model's tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.model.tokenizer import load_tokenizer
+from kvserve.server.responses import TextOffsets, completion_logprobs
+
+TEXT = "\n🌟 🌟 ok é"  # each star is 4 UTF-8 bytes over 3 tokens that alone decode to U+FFFD
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def test_a_split_character_counts_once_where_it_starts(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert tokenizer.decode(ids) == TEXT
+    entries = [(token_id, {token_id: -0.5}) for token_id in ids]
+    offsets = completion_logprobs(tokenizer, entries)["text_offset"]
+    # "\n" 0, a star 1, " " 2, a star 3, " ok" 4, " é" 7: not 0..8, one per token
+    assert offsets == [0, 1, 1, 1, 2, 3, 3, 4, 7]
+    for token_id, start in zip(ids, offsets, strict=True):
+        piece = tokenizer.decode([token_id])
+        if "\ufffd" not in piece:
+            assert TEXT[start:start + len(piece)] == piece
+
+
+def test_streamed_chunks_split_inside_a_character_give_the_same_offsets(tokenizer):
+    """A stream keeps one TextOffsets per choice, so a chunk that begins inside a character
+    (its first bytes went out in the previous chunk's tokens) continues the count."""
+    ids = tokenizer.encode(TEXT)
+    entries = [(token_id, {token_id: -0.5}) for token_id in ids]
+    whole = completion_logprobs(tokenizer, entries)["text_offset"]
+    for cut in range(1, len(ids)):
+        state = TextOffsets()
+        first = completion_logprobs(tokenizer, entries[:cut], state)["text_offset"]
+        rest = completion_logprobs(tokenizer, entries[cut:], state)["text_offset"]
+        assert first + rest == whole, cut
+    state = TextOffsets()
+    one_by_one = [completion_logprobs(tokenizer, [e], state)["text_offset"][0] for e in entries]
+    assert one_by_one == whole
