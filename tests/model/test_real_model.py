@@ -108,3 +108,23 @@ def test_generate_cli_prints_the_answer_and_refuses_bad_input():
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "kvserve generate: error: max_tokens must be an integer >= 1, got 0"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompt", ""], "prompt 1 is empty: a completion needs at least one token"),
+    (["--prompt", "hi", "--max-model-len", "0"], "max_model_len must be >= 1, got 0"),
+    (["--prompt", "hi", "--max-model-len", "100000"],
+     "max_model_len 100000 is longer than this model's context (max_position_embeddings "
+     "8192); give --max-model-len 8192 or less"),
+    (["/nonexistent/model.gguf", "--prompt", "hi"],
+     "GGUF file /nonexistent/model.gguf does not exist"),
+])
+def test_generate_refuses_bad_input_before_loading_the_model(capsys, argv, message):
+    """One line, exit 2, and nothing logged first: no dtype line, no kernel report (a
+    path that does not exist used to log the dtype it would have loaded)."""
+    from kvserve.cli import main
+
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"kvserve generate: error: {message}" in err
+    assert "dtype" not in err and "kernels" not in err

@@ -200,6 +200,11 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
      "block_size=0 is out of range"),
     (["workload", "gen", "--rate", "-2"], "rate must be a positive number"),
     (["workload", "gen", "--prompt-len", "banana:3"], "unknown distribution 'banana'"),
+    (["workload", "gen", "--prompt-len", "fixed:0"],
+     "'fixed:0': 0 is below the draws' minimum 1 (min=... lowers it)"),
+    (["workload", "gen", "--turns", "fixed:0"], "'fixed:0': 0 is below the draws' minimum 1"),
+    (["simulate", "--kv-cache-memory", "1KiB"], "kv cache memory of 1024 bytes holds no "
+     "block: one block of 16 tokens needs 2097152 bytes per device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
     if argv[0] == "simulate":

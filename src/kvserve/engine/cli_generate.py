@@ -41,9 +41,13 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
     for prompt in args.prompt:
         prompts += [line for line in sys.stdin.read().splitlines() if line] if prompt == "-" \
             else [prompt]
+    from kvserve.flags import CLIError
+
     if not prompts:
-        from kvserve.flags import CLIError
         raise CLIError("give at least one --prompt")
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None and not args.chat:  # a chat's template has tokens of its own
+        raise CLIError(f"prompt {empty + 1} is empty: a completion needs at least one token")
     if args.chat:
         return [[{"role": "user", "content": p}] for p in prompts]
     return prompts

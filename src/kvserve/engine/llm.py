@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from kvserve.core import CacheConfig, RequestMetrics, SamplingParams, Scheduler, SchedulerConfig
+from kvserve.core import (
+    CacheConfig,
+    ConfigError,
+    RequestMetrics,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
 from kvserve.engine.llm_parallel import ReplicatedEngines
@@ -127,6 +134,10 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
     """
     check_quantization(quantization)
+    if not isinstance(model, ModelConfig):  # a bad path or length fails before any loading
+        from kvserve.model.loader import model_config_from_path
+
+        _check_max_model_len(scheduler_settings, model_config_from_path(model))
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
     torch_dtype, why = resolve_dtype(dtype, stored)
@@ -150,6 +161,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if num_host_blocks is None:
         num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
             config, block_size, torch_dtype, swap_space, what="swap space")
+    _check_max_model_len(scheduler_settings, config)
     scheduler_settings.setdefault("max_model_len", config.max_position_embeddings)
     scheduler_config = SchedulerConfig.from_dict(scheduler_settings)
     cache_config = CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,
@@ -170,6 +182,21 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+def _check_max_model_len(settings: dict[str, Any], config: ModelConfig) -> None:
+    """A max_model_len beyond the model's context (max_position_embeddings) is refused, as
+    vLLM refuses it: positions past it have no rotary embedding here."""
+    asked = settings.get("max_model_len")
+    limit = config.max_position_embeddings
+    if not isinstance(asked, int) or isinstance(asked, bool):
+        return  # absent (the model's own), or SchedulerConfig names the bad value
+    if asked < 1:
+        raise ConfigError(f"max_model_len must be >= 1, got {asked}")
+    if asked > limit:
+        raise ConfigError(f"max_model_len {asked} is longer than this model's context "
+                          f"(max_position_embeddings {limit}); give --max-model-len {limit} "
+                          "or less")
 
 
 def check_batch_invariant(dtype: torch.dtype) -> None:

@@ -226,7 +226,9 @@ def _candidates(text: str) -> list[int]:
         values = sorted({int(v) for v in text.split(",") if v.strip()})
     except ValueError:
         raise ValueError(f"--candidates {text!r}: write integers, e.g. 64,128,256") from None
-    if not values or values[0] < 1:
+    if not values:
+        raise ValueError(f"--candidates {text!r}: give at least one value, e.g. 64,128,256")
+    if values[0] < 1:
         raise ValueError(f"--candidates {text!r}: values must be >= 1")
     return values
 

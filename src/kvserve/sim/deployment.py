@@ -115,7 +115,11 @@ class Deployment:
             per_block = kv_bytes_per_token(model, kv_dtype(self.dtype, self.kv_cache_dtype),
                                            self.tensor_parallel_size) * block_size
             pool = int(settings["kv_cache_memory"]) * self.tensor_parallel_size  # per device
-            num_blocks = max(1, pool // per_block)
+            num_blocks = pool // per_block
+            if num_blocks < 1:  # as kvserve generate / serve refuse it
+                raise ValueError(f"kv cache memory of {settings['kv_cache_memory']} bytes "
+                                 f"holds no block: one block of {block_size} tokens needs "
+                                 f"{per_block // self.tensor_parallel_size} bytes per device")
         return plan_kv_pool(model, self.dtype, block_size, hardware=self.hardware_preset(),
                             gpu_memory_gib=self.gpu_memory_gib,
                             gpu_memory_utilization=self.gpu_memory_utilization,

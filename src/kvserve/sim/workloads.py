@@ -96,6 +96,9 @@ class LengthDist:
         if bad:
             raise WorkloadError(f"{text!r}: parameters out of range (lengths are >= 0, "
                                 "uniform needs low <= high, lognormal mean > 0, zipf a > 1)")
+        if self.kind == "fixed" and p["value"] < self.low:  # not silently clipped up
+            raise WorkloadError(f"{text!r}: {p['value']:g} is below the draws' minimum "
+                                f"{self.low:g} (min=... lowers it)")
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         p = self.params
