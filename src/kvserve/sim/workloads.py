@@ -8,7 +8,8 @@ Distributions are written ``NAME:key=value,...`` (a bare value is the first para
     normal:mean=1000,std=200
     lognormal:mean=1000,sigma=0.6   ln X ~ N(mu, sigma) with E[X] = mean
     zipf:a=1.5,scale=64             scale * K, P(K = k) ~ k^-a
-  each also takes min=,max= to clip (defaults: 1 and unbounded).
+  each also takes min=,max= to clip (defaults: 1 and unbounded); a fixed value below the
+  minimum is an error, not clipped up.
 
 Draw order (fixed, so a seed reproduces a trace), from one ``numpy.random.default_rng(seed)``:
 the start gaps of num_requests conversations; one prefix length per prefix group; then per
