@@ -29,10 +29,17 @@ def test_plain_json_and_toml_keys_files(tmp_path):
      "more urgent than most_urgent_priority"),
     ("{broken", "not valid JSON"),
     ("# nothing\n", "no keys found"),
+    ('[{"key": "a", "most_urgent_priority": "high"}]', "'most_urgent_priority' must be an int"),
+    ('[{"key": "a", "tenant": "t"}, {"key": "a", "tenant": "u"}]',
+     "key #2 is key #1 again; each key may appear once"),
+    ('[{"key": "a", "tenant": ""}]', "'tenant' must be a non-empty string of printable"),
+    ('[{"key": "a", "tenant": "x\\ny"}]', "'tenant' must be a non-empty string of printable"),
+    ("sk-a extra words\n", "'key' must be a non-empty string without spaces"),
+    (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0)"),
 ])
 def test_bad_keys_files_name_the_problem(tmp_path, text, needle):
     path = tmp_path / "keys"
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(KeyFileError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_keys(path)
 

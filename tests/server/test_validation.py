@@ -72,6 +72,7 @@ def error_of(response: httpx.Response) -> str:
     ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
     ("/detokenize", {"tokens": [1, -3]}, 400, "'tokens' has token id -3, outside"),
     ("/detokenize", {"tokens": "hello"}, 400, "field 'tokens'"),
+    (COMPLETIONS, {"prompt": "x", "session": {"id": "a/b"}}, 400, "field 'session.id'"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)

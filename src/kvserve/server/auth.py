@@ -49,9 +49,12 @@ class KeyFileError(ValueError):
 def load_keys(path: str | Path) -> list[ApiKey]:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise KeyFileError(f"cannot read API keys file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise KeyFileError(f"{path}: not UTF-8 text (byte {error.start}); a keys file is "
+                           "lines of keys, JSON or TOML") from None
     stripped = text.lstrip()
     if path.suffix == ".toml":
         entries = _toml_entries(text, path)
@@ -66,7 +69,14 @@ def load_keys(path: str | Path) -> list[ApiKey]:
                    if line.strip() and not line.strip().startswith("#")]
     if not isinstance(entries, list) or not entries:
         raise KeyFileError(f"{path}: no keys found")
-    return [_key_from_entry(entry, index, path) for index, entry in enumerate(entries)]
+    keys = [_key_from_entry(entry, index, path) for index, entry in enumerate(entries)]
+    seen: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        if key.key in seen:  # whose tenant would it be?
+            raise KeyFileError(f"{path}: key #{index + 1} is key #{seen[key.key] + 1} again; "
+                               "each key may appear once")
+        seen[key.key] = index
+    return keys
 
 
 def _toml_entries(text: str, path: Path) -> Any:
@@ -90,13 +100,20 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
         raise KeyFileError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
                            f"{', '.join(sorted(known))}")
     key = entry.get("key")
-    if not isinstance(key, str) or not key:
-        raise KeyFileError(f"{where}: 'key' must be a non-empty string")
-    urgent = entry.get("most_urgent_priority")
-    default = entry.get("default_priority", 0 if urgent is None else max(0, urgent))
-    for name, value in (("most_urgent_priority", urgent), ("default_priority", default)):
+    if not isinstance(key, str) or not key or not key.isprintable() or \
+            any(c.isspace() for c in key):
+        raise KeyFileError(f"{where}: 'key' must be a non-empty string without spaces or "
+                           "control characters (it travels in an HTTP header)")
+    tenant = entry.get("tenant", f"key-{index + 1}")
+    if not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable():
+        raise KeyFileError(f"{where}: 'tenant' must be a non-empty string of printable "
+                           "characters (it names metrics series and log lines)")
+    for name in ("most_urgent_priority", "default_priority"):
+        value = entry.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise KeyFileError(f"{where}: '{name}' must be an integer")
+    urgent = entry.get("most_urgent_priority")
+    default = entry.get("default_priority", 0 if urgent is None else max(0, urgent))
     if urgent is not None and default < urgent:
         raise KeyFileError(f"{where}: default_priority {default} is more urgent than "
                            f"most_urgent_priority {urgent}")
@@ -107,8 +124,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
             or not 0 < weight <= 1e6:
         raise KeyFileError(f"{where}: 'weight' must be a number in (0, 1e6]")
-    return ApiKey(key, str(entry.get("tenant", f"key-{index + 1}")), urgent, default, admin,
-                  float(weight))
+    return ApiKey(key, tenant, urgent, default, admin, float(weight))
 
 
 class KeyRing:

@@ -42,7 +42,8 @@ class StreamOptions(_Body):
 class SessionRef(_Body):
     """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
 
-    id: str = Field(min_length=1, max_length=256)
+    # No "/" (DELETE /v1/sessions/{id} could not name it) and no control characters.
+    id: str = Field(min_length=1, max_length=256, pattern=r"^[^/\x00-\x1f\x7f]+$")
     ttl: float | None = Field(default=None, gt=0, le=86400)
 
 
