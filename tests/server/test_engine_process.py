@@ -54,6 +54,19 @@ def test_completions_and_streams_cross_the_process_boundary(live):
     wait_for(live.idle, what="a whole pool")
 
 
+def test_the_engine_process_outlives_a_process_groups_stop_signals(live):
+    """Ctrl-C, `timeout` and systemd signal the whole group: the engine ignores SIGINT and
+    SIGTERM and is stopped by the server in order (the fixture checks it stops with it), so
+    a shutdown is not logged as a crash, nor restarts replicas."""
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        os.kill(live.state.engine.pid, stop)
+    reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                       json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    assert live.state.engine.launcher.alive()
+    wait_for(live.idle, what="a whole pool")
+
+
 def test_a_streaming_client_that_leaves_aborts_in_the_engine_process(live):
     before = aborted(live)
     with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},

@@ -172,10 +172,13 @@ _Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", 
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, then serve commands until told to stop or the
     pipe closes."""
-    # Ctrl-C in a terminal reaches the whole process group: the server shuts the engine
-    # down in order (or the pipe closes and it exits), so the engine ignores SIGINT itself.
+    # Ctrl-C in a terminal, `timeout`, or systemd's control-group stop reach the whole
+    # process group: the server shuts the engine down in order (or the pipe closes and it
+    # exits), so the engine ignores SIGINT and SIGTERM itself. Were it to die of them first,
+    # the server would log a crash and restart its replicas while shutting down.
     if threading.current_thread() is threading.main_thread():  # not so in a Ray actor
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.update(spec.environment())  # before torch is imported here
     if not logging.getLogger().handlers:  # a spawned process starts with none (a Ray worker
         logging.basicConfig(format=LOG_FORMAT)  # has its own): to stderr, the server's
