@@ -293,3 +293,17 @@ def test_whatif_names_a_bad_setting_before_replaying(recorded, capsys):
     assert main(["whatif", str(directory), "--set", "max_num_seqs=-4"]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs" in err and "diverged" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--trace", "DIR", "--kv-cache-memory", "1MiB"],
+    ["simulate", "--trace", "DIR", "--sweep", "kv_cache_memory=1MiB,1GiB"],
+    ["whatif", "DIR", "--set", "kv_cache_memory=1MiB"],
+])
+def test_a_recordings_pool_is_resized_in_blocks_not_bytes(recorded, capsys, argv):
+    """The recording holds its pool in blocks, not its model's bytes per block, so a size
+    in bytes is refused (it used to be silently ignored) and --num-kv-blocks named."""
+    directory, _ = recorded
+    assert main([str(directory) if a == "DIR" else a for a in argv]) == 2
+    assert "give num_kv_blocks (--num-kv-blocks) instead of kv_cache_memory" in \
+        capsys.readouterr().err

@@ -203,6 +203,8 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["workload", "gen", "--prompt-len", "fixed:0"],
      "'fixed:0': 0 is below the draws' minimum 1 (min=... lowers it)"),
     (["workload", "gen", "--turns", "fixed:0"], "'fixed:0': 0 is below the draws' minimum 1"),
+    (["simulate", "--sweep", "max_num_seqs=2", "--sweep", "max_num_batched_tokens=16,4096"],
+     "--sweep is given 2 times: a sweep varies one setting"),
     (["simulate", "--kv-cache-memory", "1KiB"], "kv cache memory of 1024 bytes holds no "
      "block: one block of 16 tokens needs 2097152 bytes per device"),
 ])

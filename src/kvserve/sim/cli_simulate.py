@@ -40,8 +40,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--report", metavar="PATH.json", help="write the JSON report")
     parser.add_argument("--html", metavar="PATH.html", help="write the HTML report")
     parser.add_argument("--events", metavar="PATH.jsonl", help="write the scheduling events")
-    parser.add_argument("--sweep", metavar="NAME=V1,V2,...",
-                        help="one run per value of a flag, e.g. max_num_seqs=64,128,256")
+    parser.add_argument("--sweep", metavar="NAME=V1,V2,...", action="append",
+                        help="one run per value of a flag, e.g. max_num_seqs=64,128,256 "
+                             "(one --sweep: a sweep varies one setting)")
     parser.add_argument("--workers", type=int, default=default_workers(), metavar="K",
                         help="a sweep's runs simulated at once in local processes (default: "
                              "one per CPU; the report is the same)")
@@ -60,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
     with cli_errors():
         from kvserve.sim.trace import read_trace
 
+        if args.sweep and len(args.sweep) > 1:
+            raise ValueError(f"--sweep is given {len(args.sweep)} times: a sweep varies one "
+                             "setting (run one simulate per setting, or fix the others with "
+                             "their flags)")
+        args.sweep = args.sweep[0] if args.sweep else None
         settings = settings_from_args(args)
         recording = None
         if args.trace != "-" and Path(args.trace).is_dir():
@@ -69,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         args.recording = recording
         deployment = deployment_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
+        if recording is not None:
+            from kvserve.sim.recording import check_pool_setting
+
+            check_pool_setting([*settings_from_args(args), *(sweep[:1] if sweep else ())])
         if args.tenant_weight:
             if settings.get("tenant_fairness") != "vtc" and \
                     not (sweep and sweep[0] == "tenant_fairness"):

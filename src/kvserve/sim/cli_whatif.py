@@ -53,12 +53,17 @@ def parse_change(text: str) -> tuple[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     with cli_errors():
-        from kvserve.sim.recording import load_recording, replay_or_fitted
+        from kvserve.sim.recording import (
+            check_pool_setting,
+            load_recording,
+            replay_or_fitted,
+        )
         from kvserve.sim.whatif import make_run, moved, table, to_json
 
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
         changes = [parse_change(text) for text in args.changes]
+        check_pool_setting([name for name, _ in changes])
         recording = load_recording(args.recording)
         args.recording_dir, args.recording = args.recording, recording
         chosen = args.cost_model or "calibrated"

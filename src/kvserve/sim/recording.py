@@ -93,6 +93,16 @@ class Recording:
                                  f"steps ({error}); give --cost-model") from None
 
 
+def check_pool_setting(names: Any) -> None:
+    """A recording's pool is its number of KV blocks: ``kv_cache_memory`` among ``names``
+    (settings given for a replay) is refused, since the recording does not hold its model's
+    bytes per block to convert it (ValueError naming ``num_kv_blocks`` instead)."""
+    if "kv_cache_memory" in names:
+        raise ValueError("a recording's KV pool is set in blocks (its model's bytes per block "
+                         "are not recorded): give num_kv_blocks (--num-kv-blocks) instead "
+                         "of kv_cache_memory")
+
+
 def replay_or_fitted(run: Callable[[Any], T], deployment: Any, warn: Warn = _stderr) -> T:
     """``run(deployment)``; where that replays the step times of a recording that cannot
     replay exactly (:attr:`Recording.inexact`) and the replay diverges, a warning, then
