@@ -260,3 +260,14 @@ def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):
         asyncio.run(engine.stop())
     assert "INFO kvserve.engine.llm: dtype float32" in err
     assert "INFO kvserve.engine.llm: CPU: " in err and "projections" in err
+
+
+def test_a_503_while_replicas_restart_says_when_to_retry():
+    """Every replica down and restarting: 503 with Retry-After, since a retry will be
+    served; a dead single engine's 503 has none (no retry will)."""
+    from kvserve.engine.async_engine import EngineDeadError
+    from kvserve.server.generation import engine_dead_headers
+
+    assert engine_dead_headers(EngineDeadError("restarting", retry_after=5)) == \
+        {"Retry-After": "5"}
+    assert engine_dead_headers(EngineDeadError("the engine process died")) is None

@@ -39,7 +39,12 @@ logger = logging.getLogger("kvserve.engine")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped: every open stream raises this."""
+    """The engine thread stopped: every open stream raises this. ``retry_after``: seconds
+    after which a retry may succeed (replicas restarting), None when none will."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)

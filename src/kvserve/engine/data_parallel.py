@@ -166,7 +166,7 @@ class DataParallelEngine:
                 decision = self.router.route(hashes, loads)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is running (every one is "
-                                      "restarting); retry later") from None
+                                      "restarting); retry later", retry_after=5) from None
             replica = self.replicas[decision.replica]
             assert replica is not None
             with self._lock:

@@ -73,7 +73,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> Response:
-        return APIError(503, f"the engine is not running: {error}").response()
+        return APIError(503, f"the engine is not running: {error}",
+                        headers=generation.engine_dead_headers(error)).response()
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, error: ClientDisconnect) -> Response:
@@ -215,3 +216,4 @@ def _strip_prefix(request_id: str) -> str:
         if request_id.startswith(prefix):
             return request_id[len(prefix):]
     return request_id
+

@@ -143,7 +143,8 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
         state.metrics.rejected.labels(state.model_name, "400").inc()
         return bad_request(_strip_id(error))
     if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not running: {error}")
+        return APIError(503, f"the engine is not running: {error}",
+                        headers=engine_dead_headers(error))
     return error
 
 
@@ -303,3 +304,8 @@ def _queue_timeout() -> APIError:
                          "retry later", code="queue_timeout", headers={"Retry-After": "1"})
 
 
+
+
+def engine_dead_headers(error: EngineDeadError) -> dict[str, str] | None:
+    """Retry-After where replicas are restarting, so a retry will be served."""
+    return None if error.retry_after is None else {"Retry-After": str(error.retry_after)}
