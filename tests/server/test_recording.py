@@ -307,3 +307,15 @@ def test_a_recordings_pool_is_resized_in_blocks_not_bytes(recorded, capsys, argv
     assert main([str(directory) if a == "DIR" else a for a in argv]) == 2
     assert "give num_kv_blocks (--num-kv-blocks) instead of kv_cache_memory" in \
         capsys.readouterr().err
+
+
+def test_plan_takes_a_recordings_requests(recorded, capsys):
+    """plan --trace DIR reads a recording's requests, as simulate and whatif take it (it
+    used to say "Is a directory")."""
+    directory, _ = recorded
+    assert main(["plan", "--trace", str(directory), "--model", "smollm2-135m", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["seq_len_source"] == "trace p95" and plan["sweep"]
+    lengths = sorted(r.num_prompt_tokens + r.output_len
+                     for r in load_recording(directory, warn=pytest.fail).trace)
+    assert lengths[0] <= plan["seq_len"] <= lengths[-1]

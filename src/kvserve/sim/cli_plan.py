@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import json
+from pathlib import Path
 from typing import Any
 
 from kvserve.flags import (
@@ -42,7 +43,8 @@ def add_parser(subparsers: Any) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--prompt-len", type=int, help="tokens per prompt")
     load.add_argument("--output-len", type=int, help="tokens generated per request")
-    load.add_argument("--trace", help="a JSONL trace: its p95 length, and simulations")
+    load.add_argument("--trace", help="a JSONL trace, or a recording directory (its "
+                                      "requests): its p95 length, and simulations")
     load.add_argument("--ttft-p99", type=float, metavar="SECONDS",
                       help="p99 TTFT target for the throughput recommendation")
     load.add_argument("--queue-delay-p99", type=float, default=5.0, metavar="SECONDS",
@@ -178,7 +180,13 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     # At the configured max_num_seqs; each candidate of the sweep gets its own pool, as
     # `kvserve simulate --max-num-seqs N` sizes it (the reserve grows with max_num_seqs).
     pool = deployment.kv_pool(settings, config)
-    trace = read_trace(args.trace) if args.trace else None
+    trace = None
+    if args.trace and args.trace != "-" and Path(args.trace).is_dir():
+        from kvserve.sim.recording import load_recording  # a recording: its requests
+
+        trace = load_recording(args.trace).trace
+    elif args.trace:
+        trace = read_trace(args.trace)
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
     elif trace is not None:
