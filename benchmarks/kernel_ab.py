@@ -301,14 +301,15 @@ def markdown(kernels: list[dict[str, Any]], w1: list[dict[str, float]], reps: in
              f"`{command}`: base = {labels[0]}, head = {labels[1]}. CPU: {cpu.model}, "
              f"{cpu.logical_cpus} logical CPUs; ISA: {isa_line(cpu)}. Load average (1, 5, "
              f"15 min) at the start, after the kernels and at the end: {', '.join(loads)} "
-             "(a shared machine).", "",
-             f"Kernels, both sides in one process, calls interleaved base/head, {reps} pairs "
-             "per case (ms). Ratio = base / head: above 1, head is faster.", "",
-             "| case | base median | head median | base min | head min | median of pair "
-             "ratios | ratio of minima | outputs identical |",
-             "|---|---|---|---|---|---|---|---|"]
-    if not kernels:
-        lines[-4:] = ["Kernel cases: not run (`--reps 0`)."]
+             "(a shared machine).", ""]
+    if kernels:
+        lines += [f"Kernels, both sides in one process, calls interleaved base/head, {reps} "
+                  "pairs per case (ms). Ratio = base / head: above 1, head is faster.", "",
+                  "| case | base median | head median | base min | head min | median of "
+                  "pair ratios | ratio of minima | outputs identical |",
+                  "|---|---|---|---|---|---|---|---|"]
+    else:
+        lines.append("Kernel cases: not run (`--reps 0`).")
     for r in kernels:
         lines.append(f"| {r['measure']} | {r['base_median'] * 1e3:.2f} "
                      f"| {r['head_median'] * 1e3:.2f} | {r['base_min'] * 1e3:.2f} "

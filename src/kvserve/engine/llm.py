@@ -134,7 +134,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
     """
     check_quantization(quantization)
-    if not isinstance(model, ModelConfig):  # a bad path or length fails before any loading
+    if isinstance(model, ModelConfig):
+        _check_max_model_len(scheduler_settings, model)
+    else:  # a bad path or length fails before anything loads (the header alone is read)
         from kvserve.model.loader import model_config_from_path
 
         _check_max_model_len(scheduler_settings, model_config_from_path(model))
@@ -161,7 +163,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if num_host_blocks is None:
         num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
             config, block_size, torch_dtype, swap_space, what="swap space")
-    _check_max_model_len(scheduler_settings, config)
     scheduler_settings.setdefault("max_model_len", config.max_position_embeddings)
     scheduler_config = SchedulerConfig.from_dict(scheduler_settings)
     cache_config = CacheConfig(num_blocks=num_kv_blocks, block_size=block_size,

@@ -21,7 +21,7 @@ from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.prompts import chat_ids
+from kvserve.server.prompts import chat_ids, check_token_ids
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, model_error, parse_body
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
@@ -143,11 +143,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         req = parse_body(DetokenizeRequest, await state.read_json(request))
         if req.model is not None and req.model != state.model_name:
             raise model_error(req.model, state.model_name)
-        vocab_size = state.tokenizer.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"'tokens' has token id {bad}, outside the vocabulary "
-                              f"[0, {vocab_size})", param="tokens")
+        check_token_ids(req.tokens, state.tokenizer.vocab_size, "'tokens'", "tokens")
         text = await asyncio.to_thread(state.tokenizer.decode, req.tokens, False)
         return JSONResponse({"prompt": text})
 

@@ -29,10 +29,7 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
         where = "'prompt'" if len(prompts) == 1 else f"prompt {index}"
         if not ids:
             raise bad_request(f"{where} is empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"{where} has token id {bad}, outside the vocabulary "
-                              f"[0, {vocab_size})", param="prompt")
+        check_token_ids(ids, vocab_size, where, "prompt")
         encoded.append(ids)
     return encoded
 
@@ -66,14 +63,19 @@ def _tokens(count: int) -> str:
     return "1 token" if count == 1 else f"{count} tokens"
 
 
+def check_token_ids(ids: Any, vocab_size: int, where: str, param: str) -> None:
+    """A 400 naming the first id of ``ids`` outside the vocabulary [0, vocab_size)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{where} has token id {bad}, outside the vocabulary "
+                          f"[0, {vocab_size})", param=param)
+
+
 def check_stop_token_ids(state: ServerState, req: Any) -> None:
     """A stop token the model cannot sample would never stop anything: 400, as a prompt
     token outside the vocabulary is."""
-    vocab_size = state.tokenizer.vocab_size
-    bad = next((t for t in req.stop_token_ids or () if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"'stop_token_ids' has token id {bad}, outside the vocabulary "
-                          f"[0, {vocab_size})", param="stop_token_ids")
+    check_token_ids(req.stop_token_ids or (), state.tokenizer.vocab_size,
+                    "'stop_token_ids'", "stop_token_ids")
 
 
 def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:

@@ -165,7 +165,7 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         raise bad_request(f"'stop' has {len(stop)} strings; at most "
                           f"{MAX_STOP_STRINGS} are allowed", param="stop")
     stops = [stop] if isinstance(stop, str) else stop or []
-    if any(not stop for stop in stops):
+    if not all(stops):
         raise bad_request("'stop' must hold non-empty strings (an empty one would stop "
                           "before any text)", param="stop")
     return request

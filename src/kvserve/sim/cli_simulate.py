@@ -67,18 +67,17 @@ def run(args: argparse.Namespace) -> int:
                              "their flags)")
         args.sweep = args.sweep[0] if args.sweep else None
         settings = settings_from_args(args)
+        sweep = parse_sweep(args.sweep) if args.sweep else None
         recording = None
         if args.trace != "-" and Path(args.trace).is_dir():
+            from kvserve.sim.recording import check_pool_setting
+
+            check_pool_setting([*settings, *(sweep[:1] if sweep else ())])
             recording, settings = recorded_run(args, settings)
         elif args.cost_model is None:
             args.cost_model = "roofline"
         args.recording = recording
         deployment = deployment_from_args(args)
-        sweep = parse_sweep(args.sweep) if args.sweep else None
-        if recording is not None:
-            from kvserve.sim.recording import check_pool_setting
-
-            check_pool_setting([*settings_from_args(args), *(sweep[:1] if sweep else ())])
         if args.tenant_weight:
             if settings.get("tenant_fairness") != "vtc" and \
                     not (sweep and sweep[0] == "tenant_fairness"):
