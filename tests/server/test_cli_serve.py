@@ -30,6 +30,11 @@ def test_serve_flags_parse():
     (["--port", "70000"], "is not a port number"),
     (["--max-request-body", "0"], "--max-request-body 0: every request would get 413"),
     (["--log-stats-interval", "-1"], "--log-stats-interval must be >= 0 seconds"),
+    (["--engine-step-timeout", "-1"], "--engine-step-timeout must be >= 0 seconds (0: never)"),
+    (["--engine-step-timeout", "nan"], "--engine-step-timeout must be >= 0 seconds"),
+    (["--engine-step-timeout", "30", "--no-engine-process"],
+     "--engine-step-timeout watches an engine process: it cannot be used with "
+     "--no-engine-process"),
     (["--priority-source", "key"], "--priority-source key takes each request's priority "
                                    "from its API key: give --api-key or --api-keys"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
@@ -166,3 +171,17 @@ def test_fan_out_flags_must_be_positive(capsys):
     assert main(["serve", "--max-sequences-per-request", "0"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--max-sequences-per-request must be >= 1")
+
+
+def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
+    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT
+    from kvserve.server.cli_serve import _step_timeout
+
+    def timeout(*flags: str) -> float | None:
+        args = build_parser().parse_args(["serve", *flags])
+        return _step_timeout(args, args.data_parallel_size > 1)
+    assert timeout() == DEFAULT_STEP_TIMEOUT
+    assert timeout("--engine-step-timeout", "0") is None
+    assert timeout("--engine-step-timeout", "0", "--no-engine-process") is None
+    assert timeout("--engine-step-timeout", "7.5", "--data-parallel-size", "2",
+                   "--no-engine-process") == 7.5  # replicas are processes whatever the flag

@@ -6,6 +6,7 @@ is restarted, /health says degraded until it is back, and every live pool is who
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,11 +22,13 @@ LONG = {"prompt": [11] * 20, "max_tokens": 900, "ignore_eos": True}
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def data_parallel(launchers: list, policy: str = "round-robin"):
+def data_parallel(launchers: list, policy: str = "round-robin",
+                  step_timeout: float | None = None):
     from kvserve.core.router import make_router
     from kvserve.engine.data_parallel import DataParallelEngine
 
-    spec = engine_spec(0.01, max_num_seqs=1, max_model_len=1024)
+    spec = dataclasses.replace(engine_spec(0.01, max_num_seqs=1, max_model_len=1024),
+                               step_timeout=step_timeout)
     return DataParallelEngine(spec, tokenizer(), launchers, make_router(policy, 2),
                               restart_delay=0.2)
 
@@ -126,6 +129,22 @@ def test_two_local_replicas_serve_and_survive_a_killed_one():
         check_a_killed_replica_is_survived(live, kill_process)
     # stop() killed what did not exit within its join; under load the kernel may still be
     # reaping it when stop() returns, so poll rather than look once
+    wait_for(lambda: not any(r.launcher.alive() for r in engine.replicas), timeout=60,
+             what="every replica process gone after stop")
+
+
+def stop_process(engine, index: int) -> None:
+    os.kill(engine.replicas[index].pid, signal.SIGSTOP)
+
+
+def test_a_hung_replica_is_killed_and_restarted():
+    """A replica that stops making progress (SIGSTOP: alive, silent) is what the step
+    watchdog is for: it is killed at the timeout and then survived as a crash is."""
+    from kvserve.engine.engine_process import LocalLauncher
+
+    engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)], step_timeout=4)
+    with LiveServer(serving=engine) as live:
+        check_a_killed_replica_is_survived(live, stop_process)
     wait_for(lambda: not any(r.launcher.alive() for r in engine.replicas), timeout=60,
              what="every replica process gone after stop")
 

@@ -271,3 +271,48 @@ def test_a_503_while_replicas_restart_says_when_to_retry():
     assert engine_dead_headers(EngineDeadError("restarting", retry_after=5)) == \
         {"Retry-After": "5"}
     assert engine_dead_headers(EngineDeadError("the engine process died")) is None
+
+
+def test_a_hung_engine_process_is_killed_and_fails_its_requests(caplog):
+    """The step watchdog: an engine process that is alive but finishes no step (stopped
+    here) while it has work is killed at --engine-step-timeout, after a warning at half of
+    it; its requests get a 503 that says why, as for any death, instead of hanging."""
+    spec = dataclasses.replace(engine_spec(0.01, max_num_seqs=1, max_model_len=1024),
+                               step_timeout=4.0)
+    with LiveServer(spec=spec) as live:
+        engine = live.state.engine
+        results: list = []
+        thread = threading.Thread(target=lambda: results.append(
+            httpx.post(live.url + "/v1/completions", json=LONG, timeout=60)))
+        thread.start()
+        wait_for(lambda: engine.stats.num_running == 1, what="decoding")
+        os.kill(engine.pid, signal.SIGSTOP)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a client hung on a stopped engine"
+        message = results[0].json()["error"]["message"]
+        assert results[0].status_code == 503
+        assert f"the engine process (pid {engine.pid}) finished no step in 4 s" in message
+        assert "killed as hung (--engine-step-timeout 4)" in message
+        wait_for(lambda: not engine.launcher.alive(), what="the hung process gone")
+        assert httpx.get(live.url + "/health").status_code == 503
+    warnings = [r.getMessage() for r in caplog.records if "finished no step" in r.getMessage()]
+    assert warnings and "it is killed as hung at 4 s" in warnings[0]
+
+
+def test_an_idle_engine_is_never_taken_for_hung():
+    """Silence is only owed while there is work: an idle engine sends nothing, and however
+    long that lasts the watchdog leaves it be."""
+    spec = dataclasses.replace(engine_spec(0.01, max_model_len=1024), step_timeout=4.0)
+    with LiveServer(spec=spec) as live:
+        engine = live.state.engine
+        reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                           json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+        assert reply.status_code == 200
+        wait_for(lambda: engine.stats.num_running == 0, what="idle")
+        assert engine._silent_for() is None
+        engine._last_heard -= 1000  # a long quiet night
+        engine._watch()
+        assert engine._hung is None and engine.launcher.alive()
+        reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                           json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+        assert reply.status_code == 200 and httpx.get(live.url + "/health").text == "ok"

@@ -20,6 +20,7 @@ DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (w
 
 def add_parser(subparsers: Any) -> None:
     from kvserve.core.router import ROUTER_POLICIES
+    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT
     from kvserve.flags import add_command, add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -59,6 +60,10 @@ def add_parser(subparsers: Any) -> None:
                             "one interpreter lock; text is made in the server's process "
                             "(default: on; --no-engine-process steps the engine on a thread "
                             "of the server's process, docs/engine-process.md)")
+    group.add_argument("--engine-step-timeout", type=float, default=None, metavar="SECONDS",
+                       help="kill an engine process (a replica: restart it) that finishes no "
+                            f"step in this long while it has work, as hung (default: "
+                            f"{DEFAULT_STEP_TIMEOUT:g}; 0: never; docs/engine-process.md)")
     record = parser.add_argument_group("recording (docs/recording.md)")
     record.add_argument("--record", metavar="DIR",
                         help="record what the server sees into DIR (a trace in the "
@@ -195,15 +200,17 @@ def build_state(args: argparse.Namespace,
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
+    step_timeout = _step_timeout(args, parallel)
     build_args = {"record_events": True, **settings}
     if before_engine is not None:
         before_engine()
     serving: Any
     try:
         if parallel:
-            serving = _data_parallel(args, build_args)
+            serving = _data_parallel(args, build_args, step_timeout)
         elif args.engine_process:
-            serving = _engine_process(args.model, build_args, args.threads_per_replica)
+            serving = _engine_process(args.model, build_args, args.threads_per_replica,
+                                      step_timeout)
         else:
             serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
@@ -227,25 +234,46 @@ def build_state(args: argparse.Namespace,
     return state
 
 
-def _engine_spec(model: str | None, engine_args: dict[str, Any], threads: int | None) -> Any:
+def _step_timeout(args: argparse.Namespace, parallel: bool) -> float | None:
+    """The step watchdog's timeout (None: off); CLIError for a value it cannot take."""
+    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT
+    from kvserve.flags import CLIError
+
+    if args.engine_step_timeout is None:
+        return DEFAULT_STEP_TIMEOUT
+    if not args.engine_step_timeout >= 0 or args.engine_step_timeout == float("inf"):  # NaN
+        raise CLIError(f"--engine-step-timeout must be >= 0 seconds (0: never), got "
+                       f"{args.engine_step_timeout}")
+    if args.engine_step_timeout and not args.engine_process and not parallel:
+        raise CLIError("--engine-step-timeout watches an engine process: it cannot be used "
+                       "with --no-engine-process (a step on the server's thread cannot be "
+                       "killed)")
+    return args.engine_step_timeout or None
+
+
+def _engine_spec(model: str | None, engine_args: dict[str, Any], threads: int | None,
+                 step_timeout: float | None) -> Any:
     import functools
 
     from kvserve.engine.engine_process import EngineSpec
     from kvserve.engine.llm import build_engine
 
-    return EngineSpec(functools.partial(build_engine, model, **engine_args), threads=threads)
+    return EngineSpec(functools.partial(build_engine, model, **engine_args), threads=threads,
+                      step_timeout=step_timeout)
 
 
 def _engine_process(model: str | None, engine_args: dict[str, Any],
-                    threads: int | None) -> Any:
+                    threads: int | None, step_timeout: float | None) -> Any:
     """The engine in a spawned process; the tokenizer here, for the server's own use."""
     from kvserve.engine.engine_process import ProcessEngine
     from kvserve.model.tokenizer import load_tokenizer
 
-    return ProcessEngine(_engine_spec(model, engine_args, threads), load_tokenizer(model))
+    return ProcessEngine(_engine_spec(model, engine_args, threads, step_timeout),
+                         load_tokenizer(model))
 
 
-def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any]) -> Any:
+def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
+                   step_timeout: float | None) -> Any:
     """N replicas (local processes or Ray actors) behind the router."""
     from kvserve.core.router import make_router
     from kvserve.engine.data_parallel import (
@@ -260,7 +288,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any]) -> Any
     launchers = replica_launchers(size, args.data_parallel_backend)
     logger.info("%d engine replicas (%s), %d threads each, router %s", size,
                 args.data_parallel_backend, threads, args.router)
-    return DataParallelEngine(_engine_spec(args.model, engine_args, threads),
+    return DataParallelEngine(_engine_spec(args.model, engine_args, threads, step_timeout),
                               load_tokenizer(args.model), launchers,
                               make_router(args.router, size))
 
