@@ -101,3 +101,26 @@ def test_operator_abort_ends_a_stream(live):
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     wait_for(live.idle, what="a whole pool")
+
+
+def test_an_operator_abort_is_reported_once(live):
+    """/v1/abort names a request under "aborted" only on the call that aborted it: asked
+    again while the abort is on its way (slow steps keep the stream open), or twice in one
+    call, it is under "not_found", since nothing is left to abort."""
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      headers={"X-Request-Id": "op-2"}, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        live.engine.executor.delay = 3.0  # the abort waits for the step under way
+        try:
+            first = httpx.post(live.url + "/v1/abort",
+                               json={"request_id": ["cmpl-op-2", "cmpl-op-2", "cmpl-none"]})
+            again = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-op-2"})
+            assert "op-2" in live.state.groups, "the stream ended before the retry"
+        finally:
+            live.engine.executor.delay = 0.01
+        events = [line for line in lines if line.startswith("data: ")]
+    assert first.json() == {"aborted": ["cmpl-op-2"], "not_found": ["cmpl-op-2", "cmpl-none"]}
+    assert again.json() == {"aborted": [], "not_found": ["cmpl-op-2"]}
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    wait_for(live.idle, what="a whole pool")

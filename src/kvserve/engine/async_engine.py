@@ -131,6 +131,7 @@ class RequestStream:
     _queue: asyncio.Queue[CompletionChunk | BaseException] = field(
         default_factory=asyncio.Queue)
     _unfinished: set[str] = field(default_factory=set)  # membership only
+    _abort_sent: bool = False
 
     def __post_init__(self) -> None:
         self._unfinished = set(self.request_ids)
@@ -158,6 +159,16 @@ class RequestStream:
         if self._unfinished:
             self._engine.abort(*[r for r in self.request_ids if r in self._unfinished])
             self._unfinished.clear()
+
+    def abort(self) -> bool:
+        """Ask the engine to abort every unfinished request of this stream and keep it open:
+        its consumer sees each end with an ``abort`` chunk. False when there was nothing
+        left to ask (finished, cancelled, or asked already)."""
+        if self._abort_sent or not self._unfinished:
+            return False
+        self._abort_sent = True
+        self._engine.abort(*[r for r in self.request_ids if r in self._unfinished])
+        return True
 
     def _put(self, item: CompletionChunk | BaseException) -> None:
         self._queue.put_nowait(item)

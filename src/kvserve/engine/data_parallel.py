@@ -297,6 +297,7 @@ class _RoutedStream:
         self.inner = inner
         self.request_ids = inner.request_ids
         self.read_any = False
+        self.abort_sent = False
 
     @property
     def finished(self) -> bool:
@@ -310,7 +311,7 @@ class _RoutedStream:
             try:
                 chunk = await self.inner.__anext__()
             except EngineDeadError as error:
-                if self.read_any or self.engine._stopping:
+                if self.read_any or self.abort_sent or self.engine._stopping:
                     raise EngineDeadError(f"replica {self.replica} failed with this request "
                                           f"under way: {error}") from None
                 logger.warning("replica %d died before request %s streamed anything; placing "
@@ -323,6 +324,14 @@ class _RoutedStream:
 
     def cancel(self) -> None:
         self.inner.cancel()
+
+    def abort(self) -> bool:
+        """RequestStream.abort on the replica that holds the requests; an aborted stream is
+        not placed again should that replica die before the abort lands."""
+        if self.abort_sent:
+            return False
+        self.abort_sent = self.inner.abort()
+        return self.abort_sent
 
 
 def merge_stats(parts: Sequence[SchedulerStats]) -> SchedulerStats:

@@ -159,14 +159,13 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
             raise bad_request("send {\"request_id\": ID} or {\"request_id\": [ID, ...]}",
                               param="request_id")
-        aborted = []
+        aborted: list[str] = []
+        not_found: list[str] = []  # no live request, or its abort was asked already
         for request_id in ids:
             stream = state.groups.get(_strip_prefix(request_id))
-            if stream is not None:  # its consumer sees each request end with "abort"
-                state.engine.abort(*stream.request_ids)
-                aborted.append(request_id)
-        return JSONResponse({"aborted": aborted,
-                             "not_found": [i for i in ids if i not in aborted]})
+            found = stream is not None and stream.abort()
+            (aborted if found else not_found).append(request_id)
+        return JSONResponse({"aborted": aborted, "not_found": not_found})
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> Response:
