@@ -133,3 +133,25 @@ def test_clients_leaving_mid_body_log_one_debug_line_each(server, server_log):
         "POST /v1/completions: the client left while sending the body"}
     assert_clean(server_log)
     assert server.idle()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br, gzip"])
+def test_a_compressed_body_is_refused_by_name(server, server_log, encoding):
+    """The server does not decompress request bodies (nor does vLLM's): a compressed body
+    is a 415 naming the encoding, not a 400 about its bytes; `identity` is no encoding."""
+    import gzip
+
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    refused = httpx.post(server.url + COMPLETIONS, content=gzip.compress(body), timeout=30,
+                         headers={"Content-Type": "application/json",
+                                  "Content-Encoding": encoding})
+    assert refused.status_code == 415
+    assert refused.json()["error"]["message"] == (
+        f"the request body has Content-Encoding '{encoding}'; this server reads only "
+        "uncompressed bodies: send it without Content-Encoding")
+    served = httpx.post(server.url + COMPLETIONS, content=body, timeout=30,
+                        headers={"Content-Type": "application/json",
+                                 "Content-Encoding": "identity"})
+    assert served.status_code == 200
+    assert server.idle()
+    assert_clean(server_log)

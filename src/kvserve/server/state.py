@@ -71,7 +71,12 @@ class ServerState:
 
     async def read_json(self, request: Request) -> Any:
         """The body as checked JSON (server/body.py); 413 past ``max_body_bytes`` (checked
-        while reading)."""
+        while reading); 415 for a compressed body (any Content-Encoding but identity)."""
+        encoding = request.headers.get("content-encoding", "identity").strip()
+        if encoding.lower() not in ("", "identity"):
+            raise APIError(415, f"the request body has Content-Encoding '{encoding}'; this "
+                                "server reads only uncompressed bodies: send it without "
+                                "Content-Encoding")
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
