@@ -186,6 +186,15 @@ def test_api_keys_and_priority_limits(tmp_path):
             "aborted": [], "not_found": ["x"]}
         assert httpx.get(live.url + "/v1/models").status_code == 401
         assert httpx.get(live.url + "/health").status_code == 200
+        # two Authorization headers: which one was meant is a guess, so neither is taken,
+        # not even when both name a key (an admin one here)
+        for second in ("Bearer tenant-a", "Bearer root"):
+            both = [("Authorization", "Bearer root"), ("Authorization", second)]
+            twice = httpx.post(live.url + "/v1/abort", json={"request_id": "x"},
+                               headers=both)
+            assert twice.status_code == 401
+            assert "the request has 2 Authorization headers: send one" in error_of(twice)
+            assert httpx.get(live.url + "/v1/models", headers=both).status_code == 401
 
 
 def test_priority_source_key_refuses_a_body_priority():

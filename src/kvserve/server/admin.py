@@ -14,7 +14,7 @@ from kvserve.server.state import ServerState
 
 
 def require_admin(state: ServerState, request: Request, what: str) -> None:
-    key = state.keys.authenticate(request.headers.get("authorization"))
+    key = state.keys.authenticate(request.headers.getlist("authorization"))
     if not key.admin:
         raise APIError(403, f"{what} needs an admin key")
 

@@ -107,12 +107,12 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        state.keys.authenticate(request.headers.get("authorization"))
+        state.keys.authenticate(request.headers.getlist("authorization"))
         return JSONResponse({"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
-        state.keys.authenticate(request.headers.get("authorization"))
+        state.keys.authenticate(request.headers.getlist("authorization"))
         if model_id != state.model_name:
             raise model_error(model_id, state.model_name)
         return JSONResponse(model_card())
@@ -121,7 +121,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     async def tokenize(request: Request) -> Response:
         """vLLM's /tokenize: the ids the completions (``prompt``) or chat (``messages``)
         endpoint would queue, their count and max_model_len."""
-        state.keys.authenticate(request.headers.get("authorization"))
+        state.keys.authenticate(request.headers.getlist("authorization"))
         req = parse_body(TokenizeRequest, await state.read_json(request))
         if req.model is not None and req.model != state.model_name:
             raise model_error(req.model, state.model_name)
@@ -139,7 +139,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         """vLLM's /detokenize: token ids back to text (special tokens kept)."""
-        state.keys.authenticate(request.headers.get("authorization"))
+        state.keys.authenticate(request.headers.getlist("authorization"))
         req = parse_body(DetokenizeRequest, await state.read_json(request))
         if req.model is not None and req.model != state.model_name:
             raise model_error(req.model, state.model_name)
@@ -149,7 +149,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
 
     @app.post("/v1/abort")
     async def abort(request: Request) -> Response:
-        key = state.keys.authenticate(request.headers.get("authorization"))
+        key = state.keys.authenticate(request.headers.getlist("authorization"))
         if not key.admin:
             raise APIError(403, "aborting requests needs an admin key")
         body = await state.read_json(request)
@@ -172,7 +172,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         """Release a session's held KV now (U8). With API keys, a tenant's key reaches only
         its own sessions (another tenant's is 404, as if absent); an admin key, or a server
         without keys, releases every tenant's session of that id."""
-        key = state.keys.authenticate(request.headers.get("authorization"))
+        key = state.keys.authenticate(request.headers.getlist("authorization"))
         tenant = None if key.admin else key.tenant
         try:
             await state.engine.release_session(session_id, tenant)

@@ -137,9 +137,18 @@ class KeyRing:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def authenticate(self, authorization: str | None) -> ApiKey:
+    def authenticate(self, authorization: str | list[str] | None) -> ApiKey:
+        """The key of a request's Authorization header (a list: every one the request sent,
+        ``request.headers.getlist("authorization")``); 401 when it has none, a malformed or
+        unknown one, or more than one (which of two a proxy or a client meant is a guess)."""
         if not self.keys:
             return OPEN_ACCESS
+        if isinstance(authorization, list):
+            if len(authorization) > 1:
+                raise APIError(401, f"the request has {len(authorization)} Authorization "
+                                    "headers: send one, 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            authorization = authorization[0] if authorization else None
         if not authorization:
             raise APIError(401, "missing API key: send the header 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key")

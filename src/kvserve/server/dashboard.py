@@ -130,11 +130,11 @@ class LiveView:
 def _authorize(state: ServerState, request: Request) -> None:
     if not state.keys.enabled:
         return
-    header = request.headers.get("authorization")
+    headers = request.headers.getlist("authorization")
     key = request.query_params.get("key")
-    if header is None and key:
-        header = f"Bearer {key}"
-    if not state.keys.authenticate(header).admin:
+    if not headers and key:
+        headers = [f"Bearer {key}"]
+    if not state.keys.authenticate(headers).admin:
         raise APIError(403, "the dashboard needs an admin key")
 
 

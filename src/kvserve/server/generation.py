@@ -57,7 +57,7 @@ from kvserve.server.state import ServerState
 
 async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     arrival_time = time.monotonic()
-    key = state.keys.authenticate(request.headers.get("authorization"))
+    key = state.keys.authenticate(request.headers.getlist("authorization"))
     body = await state.read_json(request)
     req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
     if req.model is not None and req.model != state.model_name:
