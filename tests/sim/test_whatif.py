@@ -127,3 +127,26 @@ def test_a_cut_short_last_line_is_skipped_with_a_warning(tmp_path):
     assert [r.request_id for r in recording.trace] == ["a"]
     assert warnings == [f"{trace}:2: the last line is cut short (the server stopped while "
                         "writing it); replaying up to the line before"]
+
+
+@pytest.mark.parametrize(("recorded", "flags", "preset", "warned"), [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", [], "smollm2-135m", False),
+    ("Llama-3.1-70B-Instruct", [], "llama-3.1-70b", False),
+    ("SmolLM2-135M-Instruct", ["--model", "qwen2.5-7b"], "qwen2.5-7b", False),
+    ("Mystery-7B", [], "llama-3.1-8b", True),
+    ("", [], "llama-3.1-8b", False),  # a recording that names no model
+])
+def test_a_replay_prices_the_model_it_recorded(tmp_path, capsys, recorded, flags, preset,
+                                               warned):
+    """The model preset of a replay defaults to the recorded model's (it prices what the
+    recorded steps cannot, a preemption's recompute against its swap), not to a preset of
+    another model; a model no preset describes is said so."""
+    directory = build(tmp_path / "rec")
+    manifest = json.loads((directory / "recording.json").read_text())
+    (directory / "recording.json").write_text(json.dumps({**manifest, "model": recorded}))
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(directory), "--quiet", "--report", str(report),
+                 *flags]) == 0
+    assert json.loads(report.read_text())["config"]["deployment"]["model"] == preset
+    err = capsys.readouterr().err
+    assert (f"recorded model '{recorded}', which no model preset describes" in err) == warned

@@ -10,14 +10,18 @@ from typing import Any
 
 from kvserve.flags import CLIError
 
+DEFAULT_MODEL = "llama-3.1-8b"
+
 
 def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True,
                          recordings: bool = False) -> None:
     from kvserve.sim.presets import HARDWARE, KV_CACHE_DTYPES, MODELS, WEIGHT_DTYPES
 
     group = parser.add_argument_group("deployment")
-    group.add_argument("--model", default="llama-3.1-8b",
-                       help=f"model preset: {', '.join(MODELS)} (default llama-3.1-8b)")
+    group.add_argument("--model", default=None if recordings else DEFAULT_MODEL,
+                       help=f"model preset: {', '.join(MODELS)} (default {DEFAULT_MODEL}"
+                            + ("; for a recording, the preset of the model it recorded"
+                               if recordings else "") + ")")
     group.add_argument("--hardware", default="h100-sxm",
                        help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm; "
                             "cpu-local: this machine's matmul rate and bandwidth, measured "
@@ -90,6 +94,8 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     # cpu-local is this machine: its peaks measured (once per CPU, then cached), not the
     # figures of the machine the preset was written on.
     measured = local_hardware() if args.hardware == "cpu-local" else None
+    if args.model is None:
+        args.model = recorded_model(getattr(args, "recording", None))
     return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
                       dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
@@ -99,6 +105,21 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
                       calibration=calibration,
                       replay_log=getattr(args, "replay_step_times", None),
                       recording=getattr(args, "recording", None))
+
+
+def recorded_model(recording: Any) -> str:
+    """The model preset a run takes without --model: the recorded model's preset, else the
+    default (with a warning when the recording names a model no preset describes). On a
+    replay the preset prices only what the recorded steps cannot: a preemption's recompute
+    against its swap, and the host tier's blocks (docs/recording.md)."""
+    if recording is None:
+        return DEFAULT_MODEL
+    preset = recording.model_preset()
+    if preset is None and recording.model:
+        print(f"warning: {recording.path.name} recorded model {recording.model!r}, which no "
+              f"model preset describes; preemptions are priced as {DEFAULT_MODEL}'s (give "
+              "--model)", file=sys.stderr)
+    return preset or DEFAULT_MODEL
 
 
 def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any],

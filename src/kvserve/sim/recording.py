@@ -62,6 +62,21 @@ class Recording:
     inexact: str | None = None  # why the recorded step times cannot replay exactly
 
     @property
+    def model(self) -> str:
+        """The served model's name as the server recorded it ('' if none)."""
+        return str(self.manifest.get("model") or "")
+
+    def model_preset(self) -> str | None:
+        """The simulator's preset for the recorded model, by name (``SmolLM2-135M-Instruct``
+        -> ``smollm2-135m``: the preset's name, its size included, begins the model's), or
+        None when no preset names it."""
+        from kvserve.sim.presets import MODELS
+
+        name = self.model.rsplit("/", 1)[-1].lower()
+        matches = [preset for preset in MODELS if name.startswith(preset)]
+        return max(matches, key=len) if matches else None
+
+    @property
     def settings(self) -> dict[str, Any]:
         """The recorded scheduler and cache settings, as simulate's flags give them."""
         settings = dict(self.manifest["settings"])
