@@ -179,8 +179,12 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
 
     def timeout(*flags: str) -> float | None:
         args = build_parser().parse_args(["serve", *flags])
-        return _step_timeout(args, args.data_parallel_size > 1)
-    assert timeout() == DEFAULT_STEP_TIMEOUT
+        return _step_timeout(args, args.data_parallel_size > 1, args.max_num_batched_tokens)
+    assert timeout() == DEFAULT_STEP_TIMEOUT  # the default budget, 2048 tokens
+    # a step of more tokens takes longer: the default grows past 8192 tokens of budget
+    assert timeout("--max-num-batched-tokens", "8192") == DEFAULT_STEP_TIMEOUT
+    assert timeout("--max-num-batched-tokens", "32768") == 4 * DEFAULT_STEP_TIMEOUT
+    assert timeout("--max-num-batched-tokens", "32768", "--engine-step-timeout", "30") == 30
     assert timeout("--engine-step-timeout", "0") is None
     assert timeout("--engine-step-timeout", "0", "--no-engine-process") is None
     assert timeout("--engine-step-timeout", "7.5", "--data-parallel-size", "2",

@@ -81,10 +81,18 @@ BRIEF_SPIN_COUNT = "300000"
 # every engine process and replica as the caller set them.
 KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS",)
 # `kvserve serve --engine-step-timeout`'s default: seconds without a step, while the engine has
-# work, before the server kills the engine process as hung. Far above any step it takes in
-# earnest: one 8,000-token prefill step of the bundled model took 13 s in bfloat16 and 32 s in
-# float32 on the 2-core Zen 4 machine (docs/engine-process.md, "A hung engine").
+# work, before the server kills the engine process as hung, for each STEP_TIMEOUT_TOKENS of the
+# step's token budget (at least once). Far above any step it takes in earnest: one 8,000-token
+# prefill step of the bundled model took 13 s in bfloat16 and 32 s in float32 on the 2-core
+# Zen 4 machine (docs/engine-process.md, "A hung engine").
 DEFAULT_STEP_TIMEOUT = 120.0
+STEP_TIMEOUT_TOKENS = 8192
+
+
+def default_step_timeout(max_num_batched_tokens: int) -> float:
+    """The watchdog's default for a step of up to this many tokens: a step's time grows with
+    its tokens, so a larger budget waits proportionally longer."""
+    return DEFAULT_STEP_TIMEOUT * max(1.0, max_num_batched_tokens / STEP_TIMEOUT_TOKENS)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (w
 
 def add_parser(subparsers: Any) -> None:
     from kvserve.core.router import ROUTER_POLICIES
-    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT
+    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT, STEP_TIMEOUT_TOKENS
     from kvserve.flags import add_command, add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -63,6 +63,8 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--engine-step-timeout", type=float, default=None, metavar="SECONDS",
                        help="kill an engine process (a replica: restart it) that finishes no "
                             f"step in this long while it has work, as hung (default: "
+                            f"{DEFAULT_STEP_TIMEOUT:g} per {STEP_TIMEOUT_TOKENS} tokens of "
+                            "--max-num-batched-tokens, at least "
                             f"{DEFAULT_STEP_TIMEOUT:g}; 0: never; docs/engine-process.md)")
     record = parser.add_argument_group("recording (docs/recording.md)")
     record.add_argument("--record", metavar="DIR",
@@ -200,7 +202,7 @@ def build_state(args: argparse.Namespace,
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
-    step_timeout = _step_timeout(args, parallel)
+    step_timeout = _step_timeout(args, parallel, settings.get("max_num_batched_tokens"))
     build_args = {"record_events": True, **settings}
     if before_engine is not None:
         before_engine()
@@ -234,13 +236,16 @@ def build_state(args: argparse.Namespace,
     return state
 
 
-def _step_timeout(args: argparse.Namespace, parallel: bool) -> float | None:
+def _step_timeout(args: argparse.Namespace, parallel: bool,
+                  max_num_batched_tokens: int | None) -> float | None:
     """The step watchdog's timeout (None: off); CLIError for a value it cannot take."""
-    from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT
+    from kvserve.core import SchedulerConfig
+    from kvserve.engine.engine_process import default_step_timeout
     from kvserve.flags import CLIError
 
     if args.engine_step_timeout is None:
-        return DEFAULT_STEP_TIMEOUT
+        return default_step_timeout(max_num_batched_tokens or
+                                    SchedulerConfig.max_num_batched_tokens)
     if not args.engine_step_timeout >= 0 or args.engine_step_timeout == float("inf"):  # NaN
         raise CLIError(f"--engine-step-timeout must be >= 0 seconds (0: never), got "
                        f"{args.engine_step_timeout}")
