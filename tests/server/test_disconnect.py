@@ -124,3 +124,18 @@ def test_an_operator_abort_is_reported_once(live):
     assert again.json() == {"aborted": [], "not_found": ["cmpl-op-2"]}
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     wait_for(live.idle, what="a whole pool")
+
+
+@pytest.mark.parametrize("name", ["cmpl-own", "cmpl-cmpl-own"])
+def test_an_id_the_client_chose_with_a_prefix_aborts_by_either_name(live, name):
+    """X-Request-Id `cmpl-own` makes the response id `cmpl-cmpl-own`: /v1/abort finds the
+    request by the id as sent and by the response id."""
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True},
+                      headers={"X-Request-Id": "cmpl-own"}, timeout=30) as response:
+        lines = response.iter_lines()
+        assert json.loads(next(lines)[6:])["id"] == "cmpl-cmpl-own"
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": name})
+        assert reply.json() == {"aborted": [name], "not_found": []}
+        events = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    wait_for(live.idle, what="a whole pool")

@@ -316,3 +316,60 @@ def test_an_idle_engine_is_never_taken_for_hung():
         reply = httpx.post(live.url + "/v1/completions", timeout=30,
                            json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
         assert reply.status_code == 200 and httpx.get(live.url + "/health").text == "ok"
+
+
+@pytest.fixture(scope="module")
+def two_seats():
+    with LiveServer(spec=engine_spec(0.01, max_num_seqs=2, max_model_len=1024)) as server:
+        yield server
+
+
+def test_an_id_in_use_is_refused_without_touching_the_request_that_holds_it(two_seats):
+    """Two requests may not share an engine request id: one sent with a live request's
+    X-Request-Id, or with one its n > 1 choices were given (`g1-0`), gets a 400, and the live
+    request still gets its answer (the engine process used to drop its stream, hanging it)."""
+    live = two_seats
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(httpx.post(
+        live.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "g1"},
+        json={"prompt": "hello", "max_tokens": 60, "ignore_eos": True, "n": 2})))
+    first.start()
+    wait_for(lambda: "g1" in live.state.groups, what="g1 queued")
+    for clash in ("g1", "g1-0", "g1-1"):
+        refused = httpx.post(live.url + "/v1/completions", timeout=30,
+                             headers={"X-Request-Id": clash},
+                             json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 400, refused.text
+        assert f"{clash!r}, which a live request already uses" in refused.json()["error"][
+            "message"]
+    first.join(timeout=60)
+    assert not first.is_alive(), "the request holding the id hung"
+    assert results[0].status_code == 200
+    assert results[0].json()["usage"]["completion_tokens"] == 120
+    # the ids are free again once the request ended
+    again = httpx.post(live.url + "/v1/completions", timeout=30, headers={"X-Request-Id": "g1-0"},
+                       json={"prompt": "x", "max_tokens": 2})
+    assert again.status_code == 200
+    wait_for(live.idle, what="a whole pool")
+
+
+def test_the_engine_process_refuses_an_id_it_streams_already(live):
+    """Below the server's check: ProcessEngine itself refuses an id in use before it
+    registers the new stream, so the stream of the request that holds it is kept."""
+    import asyncio
+
+    from kvserve.core import RequestError, SamplingParams
+
+    engine = live.state.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def run() -> int:
+        stream = await engine.add_requests([("dup", [5] * 4, params)])
+        with pytest.raises(RequestError, match="request id 'dup' is already in use"):
+            await engine.add_requests([("dup", [6] * 4, params)])
+        with pytest.raises(RequestError, match="request id 'pair' is already in use"):
+            await engine.add_requests([("pair", [6] * 4, params), ("pair", [6] * 4, params)])
+        return sum([len(chunk.new_token_ids) async for chunk in stream])
+    future = asyncio.run_coroutine_threadsafe(run(), engine._loop)
+    assert future.result(timeout=30) == 3
+    wait_for(live.idle, what="a whole pool")

@@ -505,6 +505,14 @@ class ProcessEngine:
         with self._lock:
             if self._failed is not None:  # it died after the check above
                 raise self._failed
+            # The engine would refuse an id in use too, but only after its stream here had
+            # been replaced and then dropped, leaving the first request's client unanswered.
+            seen: set[str] = set()
+            for request_id in request_ids:
+                if request_id in self._streams or request_id in seen:
+                    raise RequestError(f"request {request_id}: request id {request_id!r} is "
+                                       "already in use")
+                seen.add(request_id)
             for request_id in request_ids:
                 self._streams[request_id] = stream
             self._pending[seq] = _PendingAdd(future, request_ids, texts)

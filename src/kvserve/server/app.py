@@ -162,7 +162,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         aborted: list[str] = []
         not_found: list[str] = []  # no live request, or its abort was asked already
         for request_id in ids:
-            stream = state.groups.get(_strip_prefix(request_id))
+            stream = state.groups.get(request_id) or \
+                state.groups.get(_strip_prefix(request_id))
             found = stream is not None and stream.abort()
             (aborted if found else not_found).append(request_id)
         return JSONResponse({"aborted": aborted, "not_found": not_found})

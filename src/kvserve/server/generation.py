@@ -88,6 +88,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             choices.append(Choice(index, sub_id, len(prompt)))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
+    state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, items, arrival_time)
     generation = _Generation(state, request_id, req, chat, choices, prompts, stream)
     if req.stream:
@@ -119,6 +120,7 @@ async def _queue(state: ServerState, request_id: str,
     try:
         stream = await state.engine.add_requests(items, arrival_time)
     except BaseException as error:
+        state.release_ids(request_id, [sub_id for sub_id, _, _ in items])
         for sub_id, _, _ in items:
             state.metrics.request_dropped(sub_id)
         if isinstance(error, QueueFullError | RequestRejected):
@@ -172,6 +174,7 @@ class _Generation:
     def close(self) -> None:
         self.stream.cancel()
         self.state.groups.pop(self.request_id, None)
+        self.state.release_ids(self.request_id, list(self.choices))
 
     def _apply(self, chunk: CompletionChunk) -> Choice:
         choice = self.choices[chunk.request_id]

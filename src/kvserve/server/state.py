@@ -32,6 +32,9 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     fan_out: FanOutLimits = field(default_factory=FanOutLimits)
     groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
+    # Every id a live request holds (its group's and its choices' engine ids), held from the
+    # check until the group ends, so that two requests sent at once cannot share one.
+    ids_in_use: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.time)
     recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
     record_prompts: str = "hashes"  # --record-prompts
@@ -65,9 +68,23 @@ class ServerState:
             return uuid.uuid4().hex[:16]
         if not given or len(given) > 128 or not given.isprintable():
             raise bad_request("X-Request-Id must be 1-128 printable characters")
-        if given in self.groups:
-            raise bad_request(f"request id {given!r} is already in use")
         return given
+
+    def hold_ids(self, request_id: str, sub_ids: list[str]) -> None:
+        """Take a request's ids (its group's and its choices'), or a 400 naming one another
+        live request holds; :meth:`release_ids` gives them back. No await between the check
+        and the take, so two requests at once cannot both pass it."""
+        ids = {request_id, *sub_ids}
+        taken = sorted(ids & self.ids_in_use)
+        if taken:
+            what = "request id" if taken[0] == request_id else \
+                f"request id {request_id!r} makes the choice id"
+            raise bad_request(f"{what} {taken[0]!r}, which a live request already uses; "
+                              "send another X-Request-Id")
+        self.ids_in_use |= ids
+
+    def release_ids(self, request_id: str, sub_ids: list[str]) -> None:
+        self.ids_in_use.difference_update((request_id, *sub_ids))
 
     async def read_json(self, request: Request) -> Any:
         """The body as checked JSON (server/body.py); 413 past ``max_body_bytes`` (checked
