@@ -295,6 +295,11 @@ def test_a_hung_engine_process_is_killed_and_fails_its_requests(caplog):
         assert "killed as hung (--engine-step-timeout 4)" in message
         wait_for(lambda: not engine.launcher.alive(), what="the hung process gone")
         assert httpx.get(live.url + "/health").status_code == 503
+        # its request failed: the gauges say nothing is in flight; the counters keep counting
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert values[("vllm:num_requests_running", E)] == 0
+        assert values[("vllm:kv_cache_usage_perc", E)] == 0
+        assert values[("kvserve:engine_steps_total", E)] > 0
     warnings = [r.getMessage() for r in caplog.records if "finished no step" in r.getMessage()]
     assert warnings and "it is killed as hung at 4 s" in warnings[0]
 

@@ -6,7 +6,7 @@ to the event log with :func:`dataclasses.asdict`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvserve.core.request import EventType, SamplingParams
@@ -184,3 +184,12 @@ class SchedulerStats:
     num_session_hits: int = 0
     num_session_hit_tokens: int = 0
     session_releases: dict[str, int] = field(default_factory=dict)
+
+    def at_rest(self) -> SchedulerStats:
+        """This snapshot with nothing in flight (no request running, waiting or swapped,
+        no session held, every block free) and its counters kept: what a dead engine's
+        gauges read once its requests have failed."""
+        return replace(self, num_running=0, num_waiting=0, num_queued_tokens=0,
+                       kv_cache_usage=0.0, num_free_blocks=self.num_blocks, num_swapped=0,
+                       num_free_host_blocks=self.num_host_blocks, num_waiting_by_tenant={},
+                       num_sessions_held=0, num_session_blocks=0)

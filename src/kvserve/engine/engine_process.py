@@ -599,6 +599,7 @@ class ProcessEngine:
         self.launcher.join(1.0)
         self.error = EngineDeadError(self._death_message())
         logger.error("%s", self.error)
+        self.stats = self.stats.at_rest()  # its requests fail: gauges to 0, counters kept
         self._fail_all(self.error)
         if self.on_death is not None:
             self.on_death(self)
