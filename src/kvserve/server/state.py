@@ -89,8 +89,8 @@ class ServerState:
     async def read_json(self, request: Request) -> Any:
         """The body as checked JSON (server/body.py); 413 past ``max_body_bytes`` (checked
         while reading); 415 for a compressed body (any Content-Encoding but identity)."""
-        encoding = request.headers.get("content-encoding", "identity").strip()
-        if encoding.lower() not in ("", "identity"):
+        encoding = ", ".join(request.headers.getlist("content-encoding"))  # every header
+        if any(part.strip().lower() not in ("", "identity") for part in encoding.split(",")):
             raise APIError(415, f"the request body has Content-Encoding '{encoding}'; this "
                                 "server reads only uncompressed bodies: send it without "
                                 "Content-Encoding")
