@@ -29,6 +29,13 @@ from kvserve.server.errors import APIError, bad_request
 PRIORITY_SOURCES = ("body", "key")
 
 
+def is_valid_key(key: object) -> bool:
+    """A key can travel in an Authorization header: a non-empty string of printable
+    characters, no spaces."""
+    return isinstance(key, str) and bool(key) and key.isprintable() and \
+        not any(c.isspace() for c in key)
+
+
 @dataclass(frozen=True)
 class ApiKey:
     key: str
@@ -100,8 +107,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
         raise KeyFileError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
                            f"{', '.join(sorted(known))}")
     key = entry.get("key")
-    if not isinstance(key, str) or not key or not key.isprintable() or \
-            any(c.isspace() for c in key):
+    if not is_valid_key(key):
         raise KeyFileError(f"{where}: 'key' must be a non-empty string without spaces or "
                            "control characters (it travels in an HTTP header)")
     tenant = entry.get("tenant", f"key-{index + 1}")

@@ -151,7 +151,14 @@ def build_state(args: argparse.Namespace,
     from kvserve.engine.engine_process import EngineStartError
     from kvserve.engine.llm import build_engine
     from kvserve.flags import CLIError, engine_args
-    from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, tenant_weights
+    from kvserve.server.auth import (
+        ApiKey,
+        KeyFileError,
+        KeyRing,
+        is_valid_key,
+        load_keys,
+        tenant_weights,
+    )
     from kvserve.server.limits import FanOutLimits
     from kvserve.server.state import ServerState
 
@@ -162,6 +169,10 @@ def build_state(args: argparse.Namespace,
             check_directory(args.record)
         except RecordingError as error:
             raise CLIError(str(error)) from None
+    for key in args.api_key:  # as a keys file's keys are checked
+        if not is_valid_key(key):
+            raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
+                           "spaces or control characters (it travels in an HTTP header)")
     keys = [ApiKey(key, "operator", admin=True) for key in args.api_key]
     try:
         if args.api_keys:
