@@ -75,6 +75,20 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
           "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
 
 
+def check_output_file(flag: str, path: str) -> None:
+    """CLIError unless ``path`` can be written as a file (its folder exists, it is not a
+    folder): checked before long work, so that the work's result is not lost at the end."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise CLIError(f"{flag} {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise CLIError(f"{flag} {path}: permission denied")
+
+
 def parse_bytes(text: str) -> int:
     """'2147483648', '2GiB', '1.5 GB' -> bytes."""
     match = _SIZE.match(str(text))

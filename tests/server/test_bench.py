@@ -51,11 +51,27 @@ def test_bench_counts_refusals_as_errors(capsys):
 
 
 def test_workload_helpers():
-    assert parse_range("64:512") == (64, 512) and parse_range("7") == (7, 7)
-    with pytest.raises(ValueError):
-        parse_range("9:3")
+    assert parse_range("64:512", "--x") == (64, 512) and parse_range("7", "--x") == (7, 7)
+    with pytest.raises(ValueError, match=r"--input-len '9:3': need 1 <= LOW <= HIGH"):
+        parse_range("9:3", "--input-len")
     requests = random_requests(50, (64, 512), (32, 256), seed=1, text=False)
     assert all(64 <= len(r.prompt) <= 512 and 32 <= r.max_tokens <= 256 for r in requests)
     timed = poisson_arrivals(requests, 4.0, seed=1)
     assert timed[0].arrival_time == 0 and timed[-1].arrival_time > 5
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--output", "."], "--output .: is a directory; give a file name"),
+    (["--output", "/nonexistent/x.json"], "--output /nonexistent/x.json: no such directory"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1.0"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
+    (["--input-len", "-5"], "--input-len '-5': need 1 <= LOW <= HIGH"),
+    (["--output-len", "x"], "--output-len 'x' is not N or LOW:HIGH"),
+])
+def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
+    """Checked before a request is sent (no server listens on port 9 here): a bad --output
+    used to fail with a traceback after the whole benchmark had run."""
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1

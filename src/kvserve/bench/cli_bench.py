@@ -70,12 +70,13 @@ def _requests(args: argparse.Namespace) -> list[Any]:
 
     try:
         if args.trace:
-            requests = trace_requests(args.trace, args.seed, parse_range(args.output_len)[1])
+            longest = parse_range(args.output_len, "--output-len")[1]
+            requests = trace_requests(args.trace, args.seed, longest)
         else:
             if args.num_prompts < 1:
                 raise ValueError("--num-prompts must be >= 1")
-            requests = random_requests(args.num_prompts, parse_range(args.input_len),
-                                       parse_range(args.output_len), args.seed,
+            requests = random_requests(args.num_prompts, parse_range(args.input_len, "--input-len"),
+                                       parse_range(args.output_len, "--output-len"), args.seed,
                                        args.prompt_kind == "text")
     except (ValueError, OSError) as error:
         raise CLIError(str(error).splitlines()[0]) from None
@@ -103,12 +104,16 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench import runner
     from kvserve.bench.client import Target
     from kvserve.bench.report import detailed, format_table, summarize
-    from kvserve.flags import CLIError
+    from kvserve.flags import CLIError, check_output_file
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError("--max-concurrency must be >= 1")
     if not 0 <= args.disconnect_prob <= 1:
         raise CLIError("--disconnect-prob must be in [0, 1]")
+    if not 0 < args.timeout < math.inf:
+        raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.output:
+        check_output_file("--output", args.output)
     requests = _requests(args)
     base_url = args.base_url.rstrip("/")
     try:
@@ -127,10 +132,13 @@ def run(args: argparse.Namespace) -> int:
     summary = {"model": model, "base_url": base_url, **summarize(result)}
     if args.save_detailed:
         summary.update(detailed(result))
-    if args.output:
-        with open(args.output, "w") as file:
-            json.dump(summary, file, indent=2)
     print(json.dumps(summary, indent=2) if args.json else format_table(summary))
+    if args.output:
+        try:
+            with open(args.output, "w") as file:
+                json.dump(summary, file, indent=2)
+        except OSError as error:  # it changed since the check: the summary is printed above
+            raise CLIError(f"cannot write {args.output}: {error.strerror}") from None
     return 0
 
 

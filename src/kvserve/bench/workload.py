@@ -23,15 +23,15 @@ class BenchRequest:
     priority: int | None = None
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    """'128' -> (128, 128); '64:512' -> (64, 512)."""
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '64:512' -> (64, 512); a ValueError naming ``flag`` else."""
     low, _, high = text.partition(":")
     try:
         lo, hi = int(low), int(high or low)
     except ValueError:
-        raise ValueError(f"{text!r} is not N or LOW:HIGH") from None
+        raise ValueError(f"{flag} {text!r} is not N or LOW:HIGH") from None
     if lo < 1 or hi < lo:
-        raise ValueError(f"{text!r}: need 1 <= LOW <= HIGH")
+        raise ValueError(f"{flag} {text!r}: need 1 <= LOW <= HIGH")
     return lo, hi
 
 
