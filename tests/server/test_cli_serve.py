@@ -32,8 +32,10 @@ def test_serve_flags_parse():
     (["--log-stats-interval", "-1"], "--log-stats-interval must be >= 0 seconds"),
     (["--api-key", ""], "--api-key '': a key must be a non-empty string"),
     (["--api-key", "two words"], "--api-key 'two words': a key must be a non-empty string"),
-    (["--engine-step-timeout", "-1"], "--engine-step-timeout must be >= 0 seconds (0: never)"),
-    (["--engine-step-timeout", "nan"], "--engine-step-timeout must be >= 0 seconds"),
+    (["--engine-step-timeout", "-1"],
+     "--engine-step-timeout must be a finite number of seconds >= 0 (0: never), got -1.0"),
+    (["--engine-step-timeout", "nan"], "--engine-step-timeout must be a finite number"),
+    (["--engine-step-timeout", "inf"], "--engine-step-timeout must be a finite number"),
     (["--engine-step-timeout", "30", "--no-engine-process"],
      "--engine-step-timeout watches an engine process: it cannot be used with "
      "--no-engine-process"),

@@ -257,9 +257,9 @@ def _step_timeout(args: argparse.Namespace, parallel: bool,
     if args.engine_step_timeout is None:
         return default_step_timeout(max_num_batched_tokens or
                                     SchedulerConfig.max_num_batched_tokens)
-    if not args.engine_step_timeout >= 0 or args.engine_step_timeout == float("inf"):  # NaN
-        raise CLIError(f"--engine-step-timeout must be >= 0 seconds (0: never), got "
-                       f"{args.engine_step_timeout}")
+    if not 0 <= args.engine_step_timeout < float("inf"):  # NaN fails too
+        raise CLIError(f"--engine-step-timeout must be a finite number of seconds >= 0 (0: "
+                       f"never), got {args.engine_step_timeout}")
     if args.engine_step_timeout and not args.engine_process and not parallel:
         raise CLIError("--engine-step-timeout watches an engine process: it cannot be used "
                        "with --no-engine-process (a step on the server's thread cannot be "
