@@ -39,6 +39,8 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "field 'temperature'"),
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "field 'temperature'"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "field 'max_tokens'"),
+    (COMPLETIONS, {"prompt": "x", "max_queue_delay": 0}, 400,
+     "field 'max_queue_delay': input should be greater than 0 (got 0)"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "field 'max_tokens'"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**12}, 400, "field 'max_tokens'"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "field 'top_p'"),

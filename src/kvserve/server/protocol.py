@@ -70,7 +70,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # kvserve extensions
-    max_queue_delay: float | None = Field(default=None, ge=0, le=86400)
+    # > 0: deadlines are checked as a step begins, after the arrival, so 0 always times out
+    max_queue_delay: float | None = Field(default=None, gt=0, le=86400)
     cache_salt: str | None = None
     session: SessionRef | None = None
     # OpenAI fields not implemented: accepted only with their neutral value.
