@@ -157,3 +157,15 @@ def test_a_session_id_reaches_the_scheduler():
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         parse_request({"request_id": "t", "arrival_time": 0, "prompt_len": 8,
                        "output_len": 2, "session_id": ""})
+
+
+def test_a_binary_file_is_named_as_no_trace(tmp_path, capsys):
+    from kvserve.cli import main
+
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(TraceError, match=r"bin.jsonl: not a trace: it is not UTF-8 text"):
+        read_trace(path)
+    assert main(["simulate", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "bin.jsonl: not a trace: it is not UTF-8 text" in err and err.count("\n") == 1

@@ -287,7 +287,11 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     except OSError as error:
         raise TraceError(f"cannot read trace {path}: {error.strerror}") from None
     with handle:
-        return parse_trace(handle, str(path))
+        try:
+            return parse_trace(handle, str(path))
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}: not a trace: it is not UTF-8 text (a trace is JSON "
+                             "lines, one request per line)") from None
 
 
 def parse_trace(lines: Iterable[str], name: str) -> list[TraceRequest]:
