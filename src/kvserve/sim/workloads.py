@@ -144,6 +144,8 @@ class WorkloadSpec:
     def validate(self) -> None:
         if self.num_requests < 1:
             raise WorkloadError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.seed < 0:  # numpy's generators take none
+            raise WorkloadError(f"seed must be >= 0, got {self.seed}")
         if not (self.rate > 0 and math.isfinite(self.rate)):
             raise WorkloadError(f"rate must be a positive number of requests per second, "
                                 f"got {self.rate}")
