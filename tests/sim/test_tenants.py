@@ -135,6 +135,8 @@ def test_simulate_tenant_weight_gives_a_tenant_its_share(tmp_path):  # T4
     (["--tenant-weight", "gold=x"], "--tenant-weight 'gold=x': write TENANT=WEIGHT"),
     (["--tenant-weight", "=2"], "--tenant-weight '=2': write TENANT=WEIGHT"),
     (["--tenant-weight", "gold=0"], "--tenant-weight 'gold=0': the weight must be in (0, 1e6]"),
+    (["--tenant-weight", "gold=nan"], "--tenant-weight 'gold=nan': the weight must be in"),
+    (["--tenant-weight", "gold=inf"], "--tenant-weight 'gold=inf': the weight must be in"),
     (["--tenant-weight", "gold=2", "--tenant-weight", "gold=3"], "tenant 'gold' is given twice"),
 ])
 def test_bad_tenant_weights_are_one_line_errors(tmp_path, capsys, flags, message):

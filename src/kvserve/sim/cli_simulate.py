@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,10 +102,10 @@ def parse_tenant_weights(specs: list[str]) -> tuple[tuple[str, float], ...]:
         try:
             weight = float(text)
         except ValueError:
-            weight = math.nan
-        if not eq or not tenant or not math.isfinite(weight):
+            weight = None
+        if not eq or not tenant or weight is None:
             raise ValueError(f"--tenant-weight {spec!r}: write TENANT=WEIGHT, e.g. team-a=2")
-        if not 0 < weight <= 1e6:
+        if not 0 < weight <= 1e6:  # NaN fails too
             raise ValueError(f"--tenant-weight {spec!r}: the weight must be in (0, 1e6]")
         if tenant in weights:
             raise ValueError(f"--tenant-weight: tenant {tenant!r} is given twice")
