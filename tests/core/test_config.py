@@ -43,6 +43,8 @@ def test_configs_are_frozen():  # A4
     ("enable_priority_preemption", 1, "enable_priority_preemption must be true or false"),
     ("max_num_queued_reqs", 0, "max_num_queued_reqs=0 is out of range"),
     ("max_queue_delay", -1.0, "max_queue_delay=-1.0 is out of range"),
+    ("session_ttl_s", 0, "session_ttl_s=0 is out of range: must be in (0.0, 86400.0]"),
+    ("session_ttl_s", -1, "session_ttl_s=-1 is out of range: must be in (0.0, 86400.0]"),
     ("enable_chunked_prefill", "yes", "enable_chunked_prefill must be true or false"),
 ])
 def test_bad_values_name_the_field_and_range(field, value, message):  # A4

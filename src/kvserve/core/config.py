@@ -50,12 +50,13 @@ def _check_optional_int(name: str, value: Any, lo: int) -> None:
         _check_int(name, value, lo)
 
 
-def _check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = False) -> None:
+def _check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = False,
+                 lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ConfigError(f"{name} must be a number, got {value!r}")
-    if value < lo or value > hi or (hi_open and value == hi):
-        bracket = ")" if hi_open else "]"
-        raise ConfigError(f"{name}={value} is out of range: must be in [{lo}, {hi}{bracket}")
+    if value < lo or value > hi or (hi_open and value == hi) or (lo_open and value == lo):
+        interval = ("(" if lo_open else "[") + f"{lo}, {hi}" + (")" if hi_open else "]")
+        raise ConfigError(f"{name}={value} is out of range: must be in {interval}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -200,9 +201,7 @@ class SchedulerConfig:
         self._check_tenancy()
         self._check_waiting_order()
         _check_float("max_session_kv", self.max_session_kv, 0.0, 1.0)
-        _check_float("session_ttl_s", self.session_ttl_s, 0.0, MAX_SESSION_TTL_S)
-        if self.session_ttl_s <= 0:
-            raise ConfigError(f"session_ttl_s={self.session_ttl_s} is out of range: must be > 0")
+        _check_float("session_ttl_s", self.session_ttl_s, 0.0, MAX_SESSION_TTL_S, lo_open=True)
         _check_choice("step_mix", self.step_mix, STEP_MIXES)
         _check_int("max_prefill_only_steps", self.max_prefill_only_steps, 0)
         self._check_relations()

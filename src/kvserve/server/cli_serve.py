@@ -212,6 +212,7 @@ def build_state(args: argparse.Namespace,
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
+    _check_scheduler_flags(settings)
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
     step_timeout = _step_timeout(args, parallel, settings.get("max_num_batched_tokens"))
     build_args = {"record_events": True, **settings}
@@ -245,6 +246,20 @@ def build_state(args: argparse.Namespace,
         except RecordingError as error:
             raise CLIError(str(error)) from None
     return state
+
+
+def _check_scheduler_flags(settings: dict[str, Any]) -> None:
+    """The scheduler flags' ranges, checked before the model loads (the engine checks them
+    again, with the model's context length as max_model_len's default)."""
+    from kvserve.core import ConfigError
+    from kvserve.flags import CLIError, scheduler_config
+
+    budget = settings.get("max_num_batched_tokens", 2)
+    trial = {"max_model_len": max(2, budget if isinstance(budget, int) else 2), **settings}
+    try:
+        scheduler_config(trial)
+    except ConfigError as error:
+        raise CLIError(str(error)) from None
 
 
 def _step_timeout(args: argparse.Namespace, parallel: bool,
