@@ -52,6 +52,17 @@ def test_serve_errors_are_one_line(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+def test_a_model_path_that_does_not_exist_is_named(capsys):
+    import socket
+
+    with socket.socket() as probe:  # a free port: the address is bound before the model
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "/nonexistent/model.gguf", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == \
+        "kvserve serve: error: model path /nonexistent/model.gguf does not exist\n"
+
+
 def test_an_address_in_use_is_one_line_before_the_model_loads(capsys):
     """The address is bound before the engine is built (as vLLM binds first): a port taken
     is named at once, not after a model load and then by uvicorn with exit code 3. The

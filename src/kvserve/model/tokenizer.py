@@ -217,6 +217,8 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     from kvserve.model.loader import ModelNotFoundError, default_model_path
 
     resolved = default_model_path() if path is None else Path(path)
+    if not resolved.exists():
+        raise ModelNotFoundError(f"model path {resolved} does not exist")
     if resolved.is_dir():
         resolved = resolved / "tokenizer.json"
     if not resolved.is_file():
