@@ -75,3 +75,13 @@ def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_bench_serve_names_a_refused_key_in_one_line(capsys):
+    from kvserve.server.auth import ApiKey
+
+    with LiveServer(keys=[ApiKey("k", "t")]) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--num-prompts", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith(f"cannot list the models at {live.url}/v1/models: HTTP 401: give "
+                            "--api-key\n") and err.count("\n") == 1

@@ -118,8 +118,14 @@ def run(args: argparse.Namespace) -> int:
     base_url = args.base_url.rstrip("/")
     try:
         model = args.model or asyncio.run(runner.first_model(base_url, args.api_key))
+    except httpx.HTTPStatusError as error:
+        status = error.response.status_code
+        hint = ": give --api-key" if status == 401 and not args.api_key else ""
+        raise CLIError(f"cannot list the models at {base_url}/v1/models: HTTP {status}"
+                       f"{hint}") from None
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
-        raise CLIError(f"cannot list the models at {base_url}/v1/models: {error}") from None
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CLIError(f"cannot list the models at {base_url}/v1/models: {reason}") from None
     target = Target(base_url, model, args.endpoint, args.api_key, args.stream,
                     args.ignore_eos, args.temperature)
     progress = _progress(len(requests), args.progress)
