@@ -211,3 +211,14 @@ def test_priority_source_key_refuses_a_body_priority():
                        headers=headers)
         assert refused.status_code == 403
         assert "priority is set by your API key" in error_of(refused)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, {"prompt": [5] * 300}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 300}]}, "messages"),
+])
+def test_a_prompt_over_the_context_names_the_field_it_came_in(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].endswith(f"shorten the {param}")

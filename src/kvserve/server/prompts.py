@@ -82,9 +82,10 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     if longest >= limit:
+        field = "messages" if chat else "prompt"
         raise bad_request(f"the prompt has {_tokens(longest)}, but this model's maximum "
                           f"context length (max_model_len) is {limit} tokens, which leaves "
-                          "no room to generate; shorten the prompt", param="prompt")
+                          f"no room to generate; shorten the {field}", param=field)
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     if asked is None:
         return limit - longest if chat else min(16, limit - longest)
