@@ -75,6 +75,8 @@ def error_of(response: httpx.Response) -> str:
     ("/detokenize", {"tokens": [1, -3]}, 400, "'tokens' has token id -3, outside"),
     ("/detokenize", {"tokens": "hello"}, 400, "field 'tokens'"),
     (COMPLETIONS, {"prompt": "x", "session": {"id": "a/b"}}, 400, "field 'session.id'"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, '(got "yes")'),  # JSON, not repr
+    (COMPLETIONS, {"prompt": "x", "max_tokens": True}, 400, "(got true)"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)

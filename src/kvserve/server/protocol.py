@@ -7,6 +7,7 @@ false``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -179,9 +180,17 @@ def _describe(error: ValidationError) -> tuple[str, str]:
         return f"unknown field '{loc}': this server does not know it; remove it", loc
     if first["type"] == "missing":
         return f"field '{loc}' is required", loc
-    given = first.get("input")
-    shown = repr(given) if len(repr(given)) <= 60 else repr(given)[:57] + "..."
+    shown = _as_json(first.get("input"))
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return f"field '{loc}': {first['msg'].lower()} (got {shown})", loc
+
+
+def _as_json(value: Any) -> str:
+    """The value as the client wrote it (true, null, ["a", 1]), not as Python shows it."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _is_union_tag(part: Any) -> bool:
