@@ -77,6 +77,13 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "session": {"id": "a/b"}}, 400, "field 'session.id'"),
     (COMPLETIONS, {"prompt": "x", "stream": "yes"}, 400, '(got "yes")'),  # JSON, not repr
     (COMPLETIONS, {"prompt": "x", "max_tokens": True}, 400, "(got true)"),
+    (COMPLETIONS, {"prompt": "x", "session": "abc"}, 400,
+     "field 'session': input should be a JSON object"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, 400, "field 'prompt' must be a string, a list of "
+                                             "strings, a list of token ids or a list of"),
+    (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "field 'messages.0.content' must be a string or a list of text parts"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)

@@ -180,9 +180,19 @@ def _describe(error: ValidationError) -> tuple[str, str]:
         return f"unknown field '{loc}': this server does not know it; remove it", loc
     if first["type"] == "missing":
         return f"field '{loc}' is required", loc
+    union = next((i for i, part in enumerate(first["loc"]) if _is_union_tag(part)), None)
+    if union is not None:  # what the field may be, not why its first form failed
+        field = ".".join(str(part) for part in first["loc"][:union])
+        forms = _UNION_FORMS.get(field.rsplit(".", 1)[-1])
+        if forms is not None:
+            return f"field '{field}' must be {forms}", field
+    if first["type"] == "model_type":
+        message = "input should be a JSON object"
+    else:
+        message = first["msg"][:1].lower() + first["msg"][1:]  # type names keep their case
     shown = _as_json(first.get("input"))
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return f"field '{loc}': {first['msg'].lower()} (got {shown})", loc
+    return f"field '{loc}': {message} (got {shown})", loc
 
 
 def _as_json(value: Any) -> str:
@@ -191,6 +201,15 @@ def _as_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(value)
+
+
+# The forms a union-typed field takes, by its name, for the message when none fits.
+_UNION_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": 'a string or a list of text parts ({"type": "text", "text": ...}); image, '
+               "audio and other parts are not supported",
+    "stop": "a string or a list of strings",
+}
 
 
 def _is_union_tag(part: Any) -> bool:
