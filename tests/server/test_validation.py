@@ -231,3 +231,11 @@ def test_a_prompt_over_the_context_names_the_field_it_came_in(server, path, body
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and error["message"].endswith(f"shorten the {param}")
+
+
+def test_a_sampling_refusal_names_its_field_as_param(server):
+    response = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 5})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "min_tokens"
+    assert error["message"] == "min_tokens must be an integer in [0, max_tokens=2], got 5"

@@ -143,7 +143,8 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
                         code="queue_full", headers={"Retry-After": state.retry_after()})
     if isinstance(error, (RequestRejected, RequestError, ValueError)):
         state.metrics.rejected.labels(state.model_name, "400").inc()
-        return bad_request(_strip_id(error))
+        message = _strip_id(error)
+        return bad_request(message, param="session" if message.startswith("session ") else None)
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}",
                         headers=engine_dead_headers(error))

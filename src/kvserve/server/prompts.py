@@ -118,8 +118,10 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               ignore_eos=req.ignore_eos, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               priority=priority, logprobs=logprobs, tenant=tenant, **given)
-    except RequestError as error:
-        raise bad_request(str(error)) from None
+    except RequestError as error:  # its message starts with the field it is about
+        name = str(error).split(" ", 1)[0]
+        raise bad_request(str(error), param=name if name in type(req).model_fields else None
+                          ) from None
 
 
 def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
