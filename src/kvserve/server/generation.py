@@ -171,8 +171,14 @@ class _Generation:
         self.stream = stream
         self.created = int(time.time())
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.closed = False
 
     def close(self) -> None:
+        """End the request here (idempotent: a later call must not release the ids of a new
+        request that took them meanwhile)."""
+        if self.closed:
+            return
+        self.closed = True
         self.stream.cancel()
         self.state.groups.pop(self.request_id, None)
         self.state.release_ids(self.request_id, list(self.choices))
