@@ -141,6 +141,10 @@ def test_a_failed_engine_loop_ends_every_stream_and_refuses_new_work():
                 async for _ in stream:
                     pass
             assert not async_engine.is_running
+            # its request failed: the gauges read nothing in flight, the counters stay
+            stats = async_engine.stats
+            assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
+            assert stats.num_free_blocks == stats.num_blocks
             with pytest.raises(EngineDeadError):
                 await async_engine.add_requests([("e", [5] * 4, greedy())])
         finally:

@@ -193,7 +193,9 @@ class AsyncEngine:
 
     @property
     def stats(self) -> SchedulerStats:
-        return self.core.stats
+        """The scheduler's snapshot; once the loop failed, at rest (its requests failed)."""
+        stats = self.core.stats
+        return stats if self.error is None else stats.at_rest()
 
     @property
     def idle_checks(self) -> int:
