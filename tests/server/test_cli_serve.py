@@ -32,6 +32,7 @@ def test_serve_flags_parse():
     (["--log-stats-interval", "-1"], "--log-stats-interval must be >= 0 seconds"),
     (["--max-session-kv", "1.5"], "max_session_kv=1.5 is out of range"),
     (["--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
+    (["--record-max-file-size", "0"], "--record-max-file-size must be at least 1KiB"),
     (["--api-key", ""], "--api-key '': a key must be a non-empty string"),
     (["--api-key", "two words"], "--api-key 'two words': a key must be a non-empty string"),
     (["--engine-step-timeout", "-1"],

@@ -160,15 +160,15 @@ def build_state(args: argparse.Namespace,
         tenant_weights,
     )
     from kvserve.server.limits import FanOutLimits
+    from kvserve.server.recorder import RecordingError, check_directory, check_options
     from kvserve.server.state import ServerState
 
-    if args.record is not None:  # before anything else: a bad directory fails at once
-        from kvserve.server.recorder import RecordingError, check_directory
-
-        try:
+    try:  # before anything else: a bad directory or option fails at once
+        check_options(args.record_prompts, args.record_max_file_size)
+        if args.record is not None:
             check_directory(args.record)
-        except RecordingError as error:
-            raise CLIError(str(error)) from None
+    except RecordingError as error:
+        raise CLIError(str(error)) from None
     for key in args.api_key:  # as a keys file's keys are checked
         if not is_valid_key(key):
             raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
@@ -236,14 +236,17 @@ def build_state(args: argparse.Namespace,
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
     if args.record is not None:
-        from kvserve.server.recorder import Recorder, RecordingError
+        from kvserve.server.recorder import Recorder
 
         try:
             state.recorder = Recorder(args.record, serving.info, prompts=args.record_prompts,
                                       max_file_bytes=args.record_max_file_size,
                                       model_name=name,
                                       num_engines=getattr(serving, "num_replicas", 1))
-        except RecordingError as error:
+        except RecordingError as error:  # the directory changed since the check
+            import asyncio
+
+            asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
 

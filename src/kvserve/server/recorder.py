@@ -131,6 +131,16 @@ class _OpenStep:
     shape: Any
 
 
+def check_options(prompts: str, max_file_bytes: int) -> None:
+    """RecordingError unless --record-prompts and --record-max-file-size can be used."""
+    if prompts not in PROMPT_MODES:
+        raise RecordingError(f"--record-prompts must be one of {', '.join(PROMPT_MODES)}, "
+                             f"got {prompts!r}")
+    if max_file_bytes < 1024:
+        raise RecordingError(f"--record-max-file-size must be at least 1KiB, got "
+                             f"{max_file_bytes} bytes")
+
+
 class Recorder:
     """Records into ``directory`` (checked by :func:`check_directory`); :meth:`start` begins
     a segment, :meth:`stop` ends one, :meth:`close` ends the recording."""
@@ -138,12 +148,7 @@ class Recorder:
     def __init__(self, directory: str | Path, info: EngineInfo, *, prompts: str = "hashes",
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, model_name: str = "",
                  num_engines: int = 1) -> None:
-        if prompts not in PROMPT_MODES:
-            raise RecordingError(f"--record-prompts must be one of {', '.join(PROMPT_MODES)}, "
-                                 f"got {prompts!r}")
-        if max_file_bytes < 1024:
-            raise RecordingError(f"--record-max-file-size must be at least 1KiB, got "
-                                 f"{max_file_bytes} bytes")
+        check_options(prompts, max_file_bytes)
         self.directory = check_directory(directory)
         self.prompts, self.block_size = prompts, info.block_size
         self.max_file_bytes = max_file_bytes
