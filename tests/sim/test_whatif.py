@@ -150,3 +150,18 @@ def test_a_replay_prices_the_model_it_recorded(tmp_path, capsys, recorded, flags
     assert json.loads(report.read_text())["config"]["deployment"]["model"] == preset
     err = capsys.readouterr().err
     assert (f"recorded model '{recorded}', which no model preset describes" in err) == warned
+
+
+@pytest.mark.parametrize(("flags", "replicas"), [([], 2), (["--data-parallel-size", "1"], 1),
+                                                  (["--data-parallel-size", "3"], 3)])
+def test_a_recording_of_replicas_replays_as_many_unless_told(tmp_path, flags, replicas):
+    """The recorded number of replicas is the default; one given, 1 included, wins."""
+    directory = build(tmp_path / "rec")
+    manifest = json.loads((directory / "recording.json").read_text())
+    manifest["settings"]["data_parallel_size"] = 2
+    (directory / "recording.json").write_text(json.dumps(manifest))
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(directory), "--quiet", "--report", str(report),
+                 "--cost-model", "unit", *flags]) == 0
+    config = json.loads(report.read_text())["config"]
+    assert config.get("data_parallel", {"size": 1})["size"] == replicas

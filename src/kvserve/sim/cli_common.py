@@ -55,9 +55,9 @@ def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> 
 
     group = parser.add_argument_group("data parallel (docs/scale-out.md)")
     if size:
-        group.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+        group.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                            help="replicas, each with its own scheduler and KV pool "
-                                "(default 1)")
+                                "(default 1; for a recording, as many as it recorded)")
     group.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
                        help="how arrivals are spread over the replicas (default least-loaded)")
     group.add_argument("--router-imbalance-bound", type=int, default=DEFAULT_IMBALANCE_BOUND,
@@ -75,7 +75,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> 
 def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.cluster import ClusterOptions
 
-    return ClusterOptions(data_parallel_size=getattr(args, "data_parallel_size", 1),
+    size = getattr(args, "data_parallel_size", None)
+    return ClusterOptions(data_parallel_size=1 if size is None else size,
                           router=args.router,
                           lockstep=args.data_parallel_lockstep,
                           prefill_schedule_interval=args.prefill_schedule_interval,

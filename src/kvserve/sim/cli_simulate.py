@@ -122,10 +122,10 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     recording = load_recording(args.trace)
     recorded = recording.settings
     size = recorded.pop("data_parallel_size", 1)
-    if getattr(args, "data_parallel_size", 1) == 1 and size > 1:
+    if getattr(args, "data_parallel_size", None) is None:  # as recorded unless given
         args.data_parallel_size = size
     if args.cost_model is None:  # one engine's steps replay; replicas' are fitted
-        same = not settings and not args.sweep and size == 1
+        same = not settings and not args.sweep and size == args.data_parallel_size == 1
         args.cost_model = "replay" if same else "calibrated"
         args.replay_by_default = same
     return recording, {**recorded, **settings}
