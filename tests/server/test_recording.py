@@ -175,7 +175,8 @@ def test_serve_refuses_a_directory_it_cannot_write(tmp_path, capsys, kind):
     assert needle in err and err.count("\n") == 1
 
 
-def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
+def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative directory is the server's working directory's
     keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1")]
     with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
         url = live.url
@@ -188,9 +189,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
         reply = httpx.post(url + "/admin/record/start", headers=admin,
                            json={"dir": str(tmp_path / "a\u0000b")})
         assert reply.status_code == 400 and "holds a NUL character" in reply.text
-        reply = httpx.post(url + "/admin/record/start", headers=admin,
-                           json={"dir": str(tmp_path / "live")})
+        reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": "live"})
         assert reply.status_code == 200 and reply.json()["recording"] is True
+        assert reply.json()["directory"] == str(tmp_path / "live")  # where it writes
         load(url, prompts(3), headers=user, max_tokens=4)
         wait_for(live.idle, what="idle")
         done = threading.Event()
@@ -205,6 +206,11 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path):
         status = httpx.get(url + "/admin/record", headers=admin).json()
         assert status["recording"] is False and status["requests"] == 3
         load(url, prompts(2, seed=9), headers=user, max_tokens=4)  # not recorded
+        # its directory named again, relative or not, is the same recording: no refusal
+        for same in ("live", str(tmp_path / "live")):
+            reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": same})
+            assert reply.status_code == 200 and reply.json()["recording"] is True
+            assert httpx.post(url + "/admin/record/stop", headers=admin).status_code == 200
     recording = load_recording(tmp_path / "live", warn=pytest.fail)
     assert len(recording.trace) == 3
     assert {r.tenant for r in recording.trace} == {"t1"}

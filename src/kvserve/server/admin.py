@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import FastAPI
@@ -66,7 +67,10 @@ def register(app: FastAPI, state: ServerState) -> None:
         if directory is not None and (not isinstance(directory, str) or not directory):
             raise bad_request("'dir' must be a directory path", param="dir")
         recorder = state.recorder
-        if directory is not None and (recorder is None or directory != str(recorder.directory)):
+        if directory is not None and "\0" not in directory and recorder is not None and \
+                os.path.abspath(directory) == str(recorder.directory):
+            directory = None  # the current recording's directory: a new segment there
+        if directory is not None:
             if recorder is not None and recorder.active:
                 raise bad_request(f"already recording into {recorder.directory}; stop it "
                                   "first", param="dir")

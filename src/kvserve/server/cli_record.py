@@ -23,7 +23,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="the server (default http://127.0.0.1:8000)")
     parser.add_argument("--dir", help="start: record into this directory on the server's "
-                                      "machine (default: the server's --record DIR)")
+                                      "machine, relative to the server's working directory "
+                                      "(default: the current recording's, at first the "
+                                      "server's --record DIR)")
     parser.add_argument("--api-key", help="an admin key, when the server has keys")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
 

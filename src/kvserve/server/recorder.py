@@ -50,10 +50,11 @@ class RecordingError(ValueError):
 
 
 def check_directory(directory: str | Path) -> Path:
-    """``directory``, created if missing, if this process may write a new recording there."""
+    """``directory`` as an absolute path (a relative one is this process's working
+    directory's), created if missing, if this process may write a new recording there."""
     if "\0" in str(directory):
         raise RecordingError(f"recording directory {str(directory)!r} holds a NUL character")
-    path = Path(directory)
+    path = Path(os.path.abspath(directory))
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
