@@ -88,6 +88,10 @@ def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:
     threads.append(threading.Thread(target=queued))  # replica 0, behind a
     threads[2].start()
     wait_for(lambda: engine.replicas[0].stats.num_waiting == 1, what="queued on replica 0")
+    replica0 = (("engine", "0"), ("model_name", "tiny"))
+    steps_before = metric_values(httpx.get(live.url + "/metrics").text)[
+        ("kvserve:engine_steps_total", replica0)]
+    assert steps_before > 0
     kill(engine, 0)
     threads[0].join(timeout=60)
     assert not threads[0].is_alive(), "the stream of the dead replica hung"
@@ -110,6 +114,9 @@ def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:
     values = metric_values(httpx.get(live.url + "/metrics").text)
     assert values[("kvserve:replica_restarts_total", (("model_name", "tiny"),
                                                       ("replica", "0")))] == 1
+    # its counters carried on across the restart: a counter never goes down
+    assert values[("kvserve:engine_steps_total", replica0)] >= steps_before
+    assert values[("vllm:num_requests_running", replica0)] == 0
     # the router sends new work to the restarted replica again
     reply = httpx.post(live.url + "/v1/completions", timeout=60,
                        json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})

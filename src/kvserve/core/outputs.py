@@ -7,7 +7,7 @@ to the event log with :func:`dataclasses.asdict`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvserve.core.request import EventType, SamplingParams
 
@@ -185,6 +185,19 @@ class SchedulerStats:
     num_session_hit_tokens: int = 0
     session_releases: dict[str, int] = field(default_factory=dict)
 
+    def after(self, earlier: SchedulerStats) -> SchedulerStats:
+        """This snapshot with ``earlier``'s counters added (its gauges kept): the totals of
+        an engine that was restarted, ``earlier`` being what its previous lives counted."""
+        totals: dict[str, Any] = {}
+        for name in COUNTER_FIELDS:
+            mine, theirs = getattr(self, name), getattr(earlier, name)
+            if isinstance(mine, dict):
+                totals[name] = {key: mine.get(key, 0) + theirs.get(key, 0)
+                                for key in {**theirs, **mine}}
+            else:
+                totals[name] = mine + theirs
+        return replace(self, **totals)
+
     def at_rest(self) -> SchedulerStats:
         """This snapshot with nothing in flight (no request running, waiting or swapped,
         no session held, every block free) and its counters kept: what a dead engine's
@@ -193,3 +206,12 @@ class SchedulerStats:
                        kv_cache_usage=0.0, num_free_blocks=self.num_blocks, num_swapped=0,
                        num_free_host_blocks=self.num_host_blocks, num_waiting_by_tenant={},
                        num_sessions_held=0, num_session_blocks=0)
+
+
+# The fields of SchedulerStats that only grow (Prometheus counters); the others are gauges.
+COUNTER_FIELDS = (
+    "num_steps", "num_preemptions", "num_recomputed_tokens", "num_scheduled_tokens",
+    "prefix_cache_queries", "prefix_cache_hits", "num_finished", "num_blocked_steps",
+    "num_swapped_out_blocks", "num_swapped_in_blocks", "num_preemptions_by_mode",
+    "num_prefill_only_steps", "num_session_hits", "num_session_hit_tokens",
+    "session_releases")

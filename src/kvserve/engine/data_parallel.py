@@ -59,6 +59,10 @@ class DataParallelEngine:
         self.observers: list[Callable[[StepReport], None]] = []
         self.decisions: dict[tuple[int, str], int] = {}  # (replica, reason) -> count
         self.num_restarts = [0] * len(self.launchers)
+        # What each replica's earlier lives counted (event loop only): its counters carry on
+        # across a restart instead of starting again at 0.
+        self._earlier: list[SchedulerStats | None] = [None] * len(self.launchers)
+        self._earlier_violations = [0] * len(self.launchers)
         self._where: dict[str, int] = {}  # live request id -> replica
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,13 +130,22 @@ class DataParallelEngine:
 
     @property
     def stats(self) -> SchedulerStats:
-        """The sum over the live replicas (KV usage: the share of all their blocks)."""
-        return merge_stats([r.stats for _, r in self._live()] or
-                           [r.stats for r in self.replicas if r is not None])
+        """The sum over the replicas (KV usage: the share of all their blocks; one that is
+        restarting holds nothing, and its counters carry on, :meth:`engine_figures`)."""
+        return merge_stats([figures.stats for figures in self.engine_figures()])
 
     def engine_figures(self) -> list[EngineFigures]:
-        """Each live replica's latest stats and invariant violations, indexed by replica."""
-        return [EngineFigures(i, r.stats, r.invariant_violations) for i, r in self._live()]
+        """Each replica's latest stats and invariant violations, indexed by replica: its
+        counters include its earlier lives'; one restarting reads at rest until it is back."""
+        figures = []
+        for index, replica in enumerate(self.replicas):
+            if replica is None:
+                continue
+            earlier = self._earlier[index]
+            stats = replica.stats if earlier is None else replica.stats.after(earlier)
+            figures.append(EngineFigures(index, stats, replica.invariant_violations +
+                                         self._earlier_violations[index]))
+        return figures
 
     def router_figures(self) -> RouterFigures:
         with self._lock:
@@ -254,6 +267,11 @@ class DataParallelEngine:
             return
 
     def _swap_in(self, index: int, replica: ProcessEngine) -> None:
+        dead = self.replicas[index]
+        if dead is not None:  # at rest since it died: its counters are final
+            earlier = self._earlier[index]
+            self._earlier[index] = dead.stats if earlier is None else dead.stats.after(earlier)
+            self._earlier_violations[index] += dead.invariant_violations
         replica.start(self._loop)
         self.replicas[index] = replica
         self.num_restarts[index] += 1

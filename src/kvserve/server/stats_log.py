@@ -91,8 +91,8 @@ class StatsLogger:
                    stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
         last, self._last = self._last, current
         elapsed = max(now - last[0], 1e-9)
-        # A restarted replica's counters start again at 0 (as a restarted vLLM's do): a
-        # window spanning the restart counts from there, never below 0.
+        # A replica's counters carry on across its restart (DataParallelEngine); should a
+        # count still fall, the window counts from there, never below 0.
         prompt, generated, preempted, queries, hits = (max(0, c - p) for c, p in
                                                        zip(current[1:], last[1:], strict=True))
         if not (prompt or generated or stats.num_running or stats.num_waiting):
