@@ -33,6 +33,11 @@ def test_serve_flags_parse():
     (["--max-session-kv", "1.5"], "max_session_kv=1.5 is out of range"),
     (["--max-num-seqs", "0"], "max_num_seqs=0 is out of range"),
     (["--record-max-file-size", "0"], "--record-max-file-size must be at least 1KiB"),
+    (["--router", "prefix-affinity"], "--router prefix-affinity picks a replica: it needs "
+                                      "--data-parallel-size 2 or more"),
+    (["--data-parallel-size", "2", "--no-engine-process"],
+     "--no-engine-process steps one engine on a thread of the server; data-parallel "
+     "replicas are engine processes"),
     (["--api-key", ""], "--api-key '': a key must be a non-empty string"),
     (["--api-key", "two words"], "--api-key 'two words': a key must be a non-empty string"),
     (["--engine-step-timeout", "-1"],
@@ -197,7 +202,7 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
 
     def timeout(*flags: str) -> float | None:
         args = build_parser().parse_args(["serve", *flags])
-        return _step_timeout(args, args.data_parallel_size > 1, args.max_num_batched_tokens)
+        return _step_timeout(args, args.max_num_batched_tokens)
     assert timeout() == DEFAULT_STEP_TIMEOUT  # the default budget, 2048 tokens
     # a step of more tokens takes longer: the default grows past 8192 tokens of budget
     assert timeout("--max-num-batched-tokens", "8192") == DEFAULT_STEP_TIMEOUT
@@ -205,5 +210,4 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
     assert timeout("--max-num-batched-tokens", "32768", "--engine-step-timeout", "30") == 30
     assert timeout("--engine-step-timeout", "0") is None
     assert timeout("--engine-step-timeout", "0", "--no-engine-process") is None
-    assert timeout("--engine-step-timeout", "7.5", "--data-parallel-size", "2",
-                   "--no-engine-process") == 7.5  # replicas are processes whatever the flag
+    assert timeout("--engine-step-timeout", "7.5", "--data-parallel-size", "2") == 7.5

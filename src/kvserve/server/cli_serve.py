@@ -86,8 +86,9 @@ def add_parser(subparsers: Any) -> None:
                           default="mp",
                           help="mp: local processes; ray: Ray actors on the cluster "
                                "RAY_ADDRESS names, or on a local Ray instance")
-    parallel.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
-                          help="how a request picks its replica (prefix-affinity: the replica "
+    parallel.add_argument("--router", choices=ROUTER_POLICIES, default=None,
+                          help="how a request picks its replica (default least-loaded; "
+                               "prefix-affinity: the replica "
                                "its leading prompt blocks were last sent to, within a load "
                                "bound)")
     parallel.add_argument("--threads-per-replica", type=int, default=None, metavar="T",
@@ -214,7 +215,14 @@ def build_state(args: argparse.Namespace,
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     _check_scheduler_flags(settings)
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
-    step_timeout = _step_timeout(args, parallel, settings.get("max_num_batched_tokens"))
+    if not parallel and args.router is not None:
+        raise CLIError(f"--router {args.router} picks a replica: it needs "
+                       "--data-parallel-size 2 or more")
+    if parallel and not args.engine_process:
+        raise CLIError("--no-engine-process steps one engine on a thread of the server; "
+                       "data-parallel replicas are engine processes: drop it")
+    args.router = args.router or "least-loaded"
+    step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
     build_args = {"record_events": True, **settings}
     if before_engine is not None:
         before_engine()
@@ -265,7 +273,7 @@ def _check_scheduler_flags(settings: dict[str, Any]) -> None:
         raise CLIError(str(error)) from None
 
 
-def _step_timeout(args: argparse.Namespace, parallel: bool,
+def _step_timeout(args: argparse.Namespace,
                   max_num_batched_tokens: int | None) -> float | None:
     """The step watchdog's timeout (None: off); CLIError for a value it cannot take."""
     from kvserve.core import SchedulerConfig
@@ -278,7 +286,7 @@ def _step_timeout(args: argparse.Namespace, parallel: bool,
     if not 0 <= args.engine_step_timeout < float("inf"):  # NaN fails too
         raise CLIError(f"--engine-step-timeout must be a finite number of seconds >= 0 (0: "
                        f"never), got {args.engine_step_timeout}")
-    if args.engine_step_timeout and not args.engine_process and not parallel:
+    if args.engine_step_timeout and not args.engine_process:
         raise CLIError("--engine-step-timeout watches an engine process: it cannot be used "
                        "with --no-engine-process (a step on the server's thread cannot be "
                        "killed)")
