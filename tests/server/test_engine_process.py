@@ -378,3 +378,22 @@ def test_the_engine_process_refuses_an_id_it_streams_already(live):
     future = asyncio.run_coroutine_threadsafe(run(), engine._loop)
     assert future.result(timeout=30) == 3
     wait_for(live.idle, what="a whole pool")
+
+
+def test_a_503_says_whether_the_server_or_the_request_failed():
+    """Where other replicas still serve, a request a replica's death ended failed alone;
+    with nothing serving, the engine is not running, and /health counts the replicas."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.async_engine import EngineDeadError
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.server.generation import engine_dead_error
+
+    error = EngineDeadError("replica 1 failed with this request under way: it died")
+    for running, head in ((True, "the request failed: "), (False, "the engine is not running: ")):
+        state = SimpleNamespace(engine=SimpleNamespace(is_running=running))
+        reply = engine_dead_error(state, error)
+        assert reply.status == 503 and reply.message == head + str(error)
+    engine = object.__new__(DataParallelEngine)  # its health, without starting replicas
+    engine.replicas = [None, None]
+    assert engine.health() == "every replica (2) is down (restarting)"

@@ -123,6 +123,8 @@ class DataParallelEngine:
         down = [i for i, r in enumerate(self.replicas) if r is None or not r.is_running]
         if not down:
             return None
+        if len(down) == self.num_replicas:
+            return f"every replica ({self.num_replicas}) is down (restarting)"
         return (f"degraded: replica {', '.join(map(str, down))} of {self.num_replicas} down "
                 f"(restarting); {self.num_replicas - len(down)} serving")
 

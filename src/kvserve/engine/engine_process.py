@@ -633,7 +633,7 @@ class ProcessEngine:
             self.launcher.kill()  # the pipe closes: the death path logs it, fails its requests
         elif silent >= limit / 2 and not self._warned:
             self._warned = True
-            logger.warning("%s: the engine process (pid %d) has finished no step in %.0f s "
+            logger.warning("%s: the engine process (pid %d) has finished no step in %.1f s "
                            "with work queued; it is killed as hung at %g s "
                            "(--engine-step-timeout)", self.name, self.pid, silent, limit)
 

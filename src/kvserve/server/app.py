@@ -73,8 +73,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> Response:
-        return APIError(503, f"the engine is not running: {error}",
-                        headers=generation.engine_dead_headers(error)).response()
+        return generation.engine_dead_error(state, error).response()
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, error: ClientDisconnect) -> Response:
@@ -189,8 +188,9 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not state.engine.is_running:
-            return APIError(503, "the engine is not running").response()
+        if not state.engine.is_running:  # replicas say how many are down
+            return APIError(503, state.engine.health() or "the engine is not running"
+                            ).response()
         return PlainTextResponse(state.engine.health() or "ok")
 
     @app.get("/version")

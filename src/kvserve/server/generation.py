@@ -146,8 +146,7 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
         message = _strip_id(error)
         return bad_request(message, param="session" if message.startswith("session ") else None)
     if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not running: {error}",
-                        headers=engine_dead_headers(error))
+        return engine_dead_error(state, error)
     return error
 
 
@@ -319,3 +318,10 @@ def _queue_timeout() -> APIError:
 def engine_dead_headers(error: EngineDeadError) -> dict[str, str] | None:
     """Retry-After where replicas are restarting, so a retry will be served."""
     return None if error.retry_after is None else {"Retry-After": str(error.retry_after)}
+
+
+def engine_dead_error(state: ServerState, error: EngineDeadError) -> APIError:
+    """The 503 for a request an engine's death ended: where other replicas still serve,
+    the request failed, not the server."""
+    what = "the request failed" if state.engine.is_running else "the engine is not running"
+    return APIError(503, f"{what}: {error}", headers=engine_dead_headers(error))
