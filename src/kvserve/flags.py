@@ -268,13 +268,15 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
     return num_blocks
 
 
-def sweep_key(name: str) -> str:
+def sweep_key(name: str, verb: str = "sweep") -> str:
+    """The setting a --sweep (or whatif's --set: ``verb`` "set") names; ValueError naming
+    the known ones."""
     key = name.strip().lstrip("-").replace("-", "_")
     if key in ("num_gpu_blocks_override",):
         key = "num_kv_blocks"
     known = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
     if key not in known:
-        raise ValueError(f"cannot sweep {name!r}; known: {', '.join(known)}")
+        raise ValueError(f"cannot {verb} {name!r}; known: {', '.join(known)}")
     return key
 
 

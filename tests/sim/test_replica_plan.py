@@ -93,3 +93,10 @@ def test_plan_on_a_local_ray_instance_matches_local_processes() -> None:
         ray.shutdown()
     assert json.dumps(on_ray) == json.dumps(local)
     assert [r["replicas"] for r in on_ray] == [1, 2]
+
+
+def test_no_candidate_meeting_the_slo_is_said_in_words(trace_path, capsys) -> None:
+    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "2",
+                 "--slo-ttft-p99", "0.000001", "--num-kv-blocks", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "none of 1, 2 (raise --max-replicas)" in out and "None" not in out

@@ -78,7 +78,7 @@ def test_first_difference_names_the_first_decision_apart():
 
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--set", "max_num_seqs"], "write NAME=VALUE"),
-    (["--set", "nonsense=1"], "cannot sweep 'nonsense'"),
+    (["--set", "nonsense=1"], "cannot set 'nonsense'"),
     (["--set", "max_num_seqs=2", "--top", "0"], "--top must be >= 1"),
 ])
 def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):

@@ -318,7 +318,9 @@ def _print(result: dict[str, Any]) -> None:
             ("TTFT", "slo_ttft_p99_s"), ("ITL", "slo_itl_p99_s")) if result[key] is not None]
         rows.append((f"fewest replicas ({result['router']}) meeting "
                      f"{', '.join(slo) or 'no SLO (give --slo-ttft-p99 / --slo-itl-p99)'}",
-                     str(result["replicas_recommended"])))
+                     str(result["replicas_recommended"] or "none of "
+                         + ", ".join(str(row["replicas"]) for row in result["replica_sweep"])
+                         + " (raise --max-replicas)")))
     if "capacity_qps" in result:
         rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
                      str(result["capacity_qps"])))

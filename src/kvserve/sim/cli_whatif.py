@@ -40,7 +40,7 @@ def parse_change(text: str) -> tuple[str, Any]:
     name, eq, value = text.partition("=")
     if not eq or not value.strip():
         raise ValueError(f"--set {text!r}: write NAME=VALUE, e.g. max_num_seqs=64")
-    key = sweep_key(name)
+    key = sweep_key(name, "set")
     if key in ("kv_cache_memory", "swap_space"):
         from kvserve.flags import parse_bytes, parse_gib
 
