@@ -211,3 +211,17 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
     assert timeout("--engine-step-timeout", "0") is None
     assert timeout("--engine-step-timeout", "0", "--no-engine-process") is None
     assert timeout("--engine-step-timeout", "7.5", "--data-parallel-size", "2") == 7.5
+
+
+def test_a_setting_the_engine_process_refuses_is_one_plain_line(capsys):
+    """Refused in the engine process (it knows the model's context): the message, not the
+    exception's class name before it."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--max-model-len", "100000", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == ("kvserve serve: error: max_model_len 100000 is longer than this model's "
+                   "context (max_position_embeddings 8192); give --max-model-len 8192 or less")

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from kvserve.core import RequestError, SamplingParams, SchedulerStats
+from kvserve.core import ConfigError, RequestError, SamplingParams, SchedulerStats
 from kvserve.engine.async_engine import (
     EngineDeadError,
     EngineFigures,
@@ -207,7 +207,9 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
             import torch
             torch.set_num_threads(spec.threads)
     except BaseException as error:  # the server reports it and exits
-        _send(conn, _Failed(f"{type(error).__name__}: {error}"))
+        # A refusal of the settings reads as a message; anything else names its type.
+        plain = isinstance(error, (ConfigError, ValueError, FileNotFoundError)) and str(error)
+        _send(conn, _Failed(str(error) if plain else f"{type(error).__name__}: {error}"))
         return
     core = EngineCore(engine)
     _send(conn, _Ready(dataclasses.replace(engine.info, tokenizer=None), core.stats,
