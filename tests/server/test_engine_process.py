@@ -155,6 +155,9 @@ def test_a_killed_engine_process_fails_every_request_at_once():
         refused = httpx.post(live.url + "/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 503
         assert "died" in refused.json()["error"]["message"]
+        values = metric_values(httpx.get(live.url + "/metrics").text)  # both are counted
+        assert values[("kvserve:requests_failed_total", (("model_name", "tiny"),
+                                                         ("reason", "engine_died")))] == 2
 
 
 def completion(live: LiveServer, stream: bool, **body) -> tuple[str, str, object, int]:

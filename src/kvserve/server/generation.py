@@ -182,6 +182,11 @@ class _Generation:
         self.state.groups.pop(self.request_id, None)
         self.state.release_ids(self.request_id, list(self.choices))
 
+    def _failed(self) -> None:
+        """The engine died under this request: its unfinished choices end here."""
+        self.state.metrics.requests_failed(
+            [c.request_id for c in self.choices.values() if c.finish_reason is None])
+
     def _apply(self, chunk: CompletionChunk) -> Choice:
         choice = self.choices[chunk.request_id]
         choice.text += chunk.new_text
@@ -201,6 +206,9 @@ class _Generation:
             await race_disconnect(request, self._collect())
         except ClientGone:
             return Response(status_code=499)
+        except EngineDeadError:
+            self._failed()
+            raise
         finally:
             self.close()
         choices = sorted(self.choices.values(), key=lambda c: c.index)
@@ -246,7 +254,9 @@ class _Generation:
         except ClientGone:
             self.close()
             return Response(status_code=499)
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, EngineDeadError):
+                self._failed()
             self.close()
             raise
         if first.stop_reason == QUEUE_TIMEOUT:
@@ -270,6 +280,7 @@ class _Generation:
                     break
                 yield self._event(chunk)
         except EngineDeadError as error:
+            self._failed()
             yield sse(APIError(503, str(error)).body())
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             choices = list(self.choices.values())

@@ -87,6 +87,9 @@ class ServerMetrics:
         self.stall = self._histogram("kvserve:preemption_stall_seconds",
                                      "Longest preemption-to-next-token stall of a preempted "
                                      "request.")
+        self.failed = Counter("kvserve:requests_failed",
+                              "Requests an engine's death ended under way (answered 503), "
+                              "by reason.", [*labels, "reason"], registry=reg)
         self.rejected = Counter("kvserve:requests_rejected",
                                 "Requests the scheduler refused at arrival, by HTTP status.",
                                 [*labels, "status"], registry=reg)
@@ -147,6 +150,14 @@ class ServerMetrics:
     def request_dropped(self, request_id: str) -> None:
         with self._lock:
             self._live.pop(request_id, None)
+
+    def requests_failed(self, request_ids: list[str], reason: str = "engine_died") -> None:
+        """Requests that will never finish in an engine (their engine died under them):
+        counted, and no longer followed."""
+        with self._lock:
+            ended = [r for r in request_ids if self._live.pop(r, None) is not None]
+        if ended:
+            self.failed.labels(self.model_name, reason).inc(len(ended))
 
     def request_params(self, n: int, max_tokens: int) -> None:
         """A request the engine took: its n and max_tokens parameters."""
