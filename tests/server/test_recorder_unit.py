@@ -40,7 +40,8 @@ def lines(directory, pattern):
 
 
 def test_reports_become_trace_lines_and_step_logs_per_engine(tmp_path):
-    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids", num_engines=2)
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids", num_engines=2,
+                        model_name="my-chat", model_id="SmolLM2-135M-Instruct")
     recorder.start()
     params = SamplingParams(max_tokens=8, priority=0, tenant="t")
     recorder.submitted([("a", list(range(20)), params), ("b", list(range(20)), params),
@@ -68,6 +69,7 @@ def test_reports_become_trace_lines_and_step_logs_per_engine(tmp_path):
     assert [(s["start"], s["duration"]) for s in steps1] == [(1.5, 0.1)]  # closed at stop
     manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
     assert manifest["settings"]["data_parallel_size"] == 2
+    assert (manifest["model"], manifest["model_id"]) == ("my-chat", "SmolLM2-135M-Instruct")
     assert manifest["segments"][0]["stop"] is not None
     recording = load_recording(tmp_path / "rec", warn=pytest.fail)
     assert set(recording.engines) == {0, 1}

@@ -165,3 +165,17 @@ def test_a_recording_of_replicas_replays_as_many_unless_told(tmp_path, flags, re
                  "--cost-model", "unit", *flags]) == 0
     config = json.loads(report.read_text())["config"]
     assert config.get("data_parallel", {"size": 1})["size"] == replicas
+
+
+def test_a_model_served_under_an_alias_is_priced_as_itself(tmp_path, capsys):
+    """`serve --served-model-name my-chat` records the alias and the model's own name
+    (``model_id``): the replay's preset comes from the latter."""
+    directory = build(tmp_path / "rec")
+    manifest = json.loads((directory / "recording.json").read_text())
+    (directory / "recording.json").write_text(json.dumps(
+        {**manifest, "model": "my-chat", "model_id": "SmolLM2-135M-Instruct"}))
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(directory), "--quiet", "--report",
+                 str(report)]) == 0
+    assert json.loads(report.read_text())["config"]["deployment"]["model"] == "smollm2-135m"
+    assert "no model preset describes" not in capsys.readouterr().err

@@ -27,7 +27,7 @@ def new_recorder(state: ServerState, directory: str) -> Any:
 
     recorder = Recorder(directory, state.engine.info, prompts=state.record_prompts,
                         max_file_bytes=state.record_max_file_bytes,
-                        model_name=state.model_name,
+                        model_name=state.model_name, model_id=state.model_id,
                         num_engines=getattr(state.engine, "num_replicas", 1))
     old = state.recorder
     if old is not None:

@@ -243,13 +243,14 @@ def build_state(args: argparse.Namespace,
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
+    state.model_id = _model_name(args.model)
     if args.record is not None:
         from kvserve.server.recorder import Recorder
 
         try:
             state.recorder = Recorder(args.record, serving.info, prompts=args.record_prompts,
                                       max_file_bytes=args.record_max_file_size,
-                                      model_name=name,
+                                      model_name=name, model_id=state.model_id,
                                       num_engines=getattr(serving, "num_replicas", 1))
         except RecordingError as error:  # the directory changed since the check
             import asyncio

@@ -148,6 +148,7 @@ class Recorder:
 
     def __init__(self, directory: str | Path, info: EngineInfo, *, prompts: str = "hashes",
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, model_name: str = "",
+                 model_id: str = "",
                  num_engines: int = 1) -> None:
         check_options(prompts, max_file_bytes)
         self.directory = check_directory(directory)
@@ -157,6 +158,7 @@ class Recorder:
         self._salt = secrets.token_hex(16)  # hashes name prefixes of this recording only
         self.manifest: dict[str, Any] = {
             "format": RECORDING_FORMAT, "model": model_name,
+            **({"model_id": model_id} if model_id and model_id != model_name else {}),
             "started_unix": round(time.time(), 3), "record_prompts": prompts,
             "settings": recorded_settings(info, num_engines), "segments": []}
         self.active = False

@@ -39,6 +39,7 @@ class ServerState:
     recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
     record_prompts: str = "hashes"  # --record-prompts
     record_max_file_bytes: int = 64 << 20  # --record-max-file-size
+    model_id: str = ""  # the model's own name where model_name is an alias (recordings)
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None

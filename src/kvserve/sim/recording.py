@@ -63,8 +63,9 @@ class Recording:
 
     @property
     def model(self) -> str:
-        """The served model's name as the server recorded it ('' if none)."""
-        return str(self.manifest.get("model") or "")
+        """The model's name as the server recorded it: its own where it was served under an
+        alias (``model_id``), else the served one ('' if none)."""
+        return str(self.manifest.get("model_id") or self.manifest.get("model") or "")
 
     def model_preset(self) -> str | None:
         """The simulator's preset for the recorded model, by name (``SmolLM2-135M-Instruct``
