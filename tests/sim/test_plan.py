@@ -1,5 +1,7 @@
 """Capacity arithmetic on worked examples, and the simulation-driven recommendations."""
 
+import json
+
 import pytest
 
 from kvserve.sim.capacity import CapacityError, kv_bytes_per_token, plan_kv_pool
@@ -140,3 +142,21 @@ def test_capacity_floor_flags_a_bound_the_longest_steps_decide():
     assert note is not None and "80% of the 2 s bound" in note
     assert "--max-num-batched-tokens" in note
     assert capacity_floor(lambda qps: None, 4.9, 2.0) == (None, None)
+
+
+def test_a_trace_too_short_to_queue_gives_a_lower_bound(tmp_path, capsys):
+    """Eight short requests drain within the bound even when all arrive at once: the search
+    never crosses it, and plan says the capacity is at least the fastest rate it tried
+    rather than reporting that rate as the capacity."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "8", "--rate", "2", "--prompt-len", "fixed:64",
+                 "--output-len", "fixed:8", "-o", str(trace)]) == 0
+    args = ["plan", "--trace", str(trace), "--candidates", "8", "--workers", "1"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["capacity_is_lower_bound"] is True
+    assert "too short to queue past the bound" in result["capacity_note"]
+    assert main(args) == 0
+    assert ">= " in capsys.readouterr().out

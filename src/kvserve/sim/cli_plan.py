@@ -265,6 +265,17 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
     found = {"capacity_qps": None if qps is None else round(qps, 4),
              "capacity_max_num_seqs": max_num_seqs,
              "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
+    if qps is not None and all(p["queue_p99"] is not None and
+                               p["queue_p99"] <= args.queue_delay_p99 for p in probes):
+        # Never past the bound: at the fastest rate tried the whole trace arrives at once
+        # and still drains within it, so this is a lower bound, set by the trace's length.
+        found["capacity_is_lower_bound"] = True
+        found["capacity_note"] = (
+            f"the p99 queue delay stayed within {args.queue_delay_p99:g} s at every rate "
+            f"tried, up to {qps:.4g} QPS: this trace ({len(trace)} requests) is too short "
+            "to queue past the bound at any rate, so the capacity is at least that; give "
+            "a longer trace to measure it")
+        return found
     if qps is not None:
         floor, note = plan.capacity_floor(queue_p99, qps, args.queue_delay_p99)
         found["queue_p99_floor_s"] = floor
@@ -322,8 +333,11 @@ def _print(result: dict[str, Any]) -> None:
                          + ", ".join(str(row["replicas"]) for row in result["replica_sweep"])
                          + " (raise --max-replicas)")))
     if "capacity_qps" in result:
+        qps = result["capacity_qps"]
+        shown = "none" if qps is None else f"{qps:.4g}"
         rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
-                     str(result["capacity_qps"])))
+                     f">= {shown} (the trace is too short to say more)"
+                     if result.get("capacity_is_lower_bound") else shown))
     if result.get("queue_p99_floor_s") is not None:
         from kvserve.sim.plan import FLOOR_SHARE
 
