@@ -179,3 +179,12 @@ def test_a_model_served_under_an_alias_is_priced_as_itself(tmp_path, capsys):
                  str(report)]) == 0
     assert json.loads(report.read_text())["config"]["deployment"]["model"] == "smollm2-135m"
     assert "no model preset describes" not in capsys.readouterr().err
+
+
+def test_requests_a_change_refuses_are_shown(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    assert main(["whatif", str(directory), "--set", "max_model_len=16", "--cost-model",
+                 "unit"]) == 0
+    rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert rows["not finished"].split()[-2:] == ["2", "rejected"]
+    assert rows["requests finished"].split()[-1] == "0"

@@ -96,6 +96,7 @@ def moved(base: Run, other: Run, top: int) -> list[dict[str, Any]]:
 
 ROWS = (
     ("requests finished", "num_finished", "{:,}"),
+    ("not finished", "not_finished", "{}"),  # refused, aborted, timed out: by reason
     ("duration", "duration_s", "{:.3f} s"),
     ("output tok/s", "throughput_output_tok_s", "{:,.1f}"),
     ("TTFT p50", "ttft_p50", "{:.3f} s"), ("TTFT p99", "ttft_p99", "{:.3f} s"),
@@ -110,6 +111,10 @@ ROWS = (
 
 
 def figure(aggregate_: dict[str, Any], key: str, pattern: str) -> str:
+    if key == "not_finished":  # the requests a change refused or ended early, by reason
+        reasons = {reason: count for reason, count in aggregate_["finish_reasons"].items()
+                   if reason not in ("stop", "length")}
+        return ", ".join(f"{count:,} {reason}" for reason, count in reasons.items()) or "0"
     value = aggregate_.get(key)
     return "-" if value is None else pattern.format(value)
 
