@@ -217,6 +217,10 @@ def test_the_engine_process_spins_only_where_a_core_is_left_to_the_server(monkey
     assert policy(threads=3) == "ACTIVE"
     assert policy(threads=3, wait_policy="PASSIVE") == "PASSIVE"  # said outright: kept
     assert EngineSpec(print, threads=3).environment()["OMP_NUM_THREADS"] == "3"
+    # local replicas share the cores: their threads are counted together
+    assert policy(threads=1, processes=3) == "ACTIVE"
+    assert policy(threads=2, processes=2) == "PASSIVE"
+    assert policy(threads=1, processes=4) == "PASSIVE"
 
 
 def test_a_passive_engine_by_cores_spins_briefly_unless_told(monkeypatch):

@@ -51,9 +51,12 @@ class DataParallelEngine:
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, launchers: Sequence[Launcher],
                  router: Router, *, restart_delay: float = 1.0) -> None:
+        self.launchers = list(launchers)
+        if all(isinstance(launcher, LocalLauncher) for launcher in self.launchers):
+            # the replicas share this machine's cores: the wait policy counts all their threads
+            spec = dataclasses.replace(spec, processes=len(self.launchers))
         self.spec = spec
         self.tokenizer = tokenizer
-        self.launchers = list(launchers)
         self.router = router
         self.restart_delay = restart_delay
         self.observers: list[Callable[[StepReport], None]] = []

@@ -101,19 +101,22 @@ class EngineSpec:
     function, or a ``functools.partial`` of one with picklable arguments. ``threads``: torch
     intra-op threads in the engine (None: torch's default, one per core). ``wait_policy``:
     the engine's ``OMP_WAIT_POLICY``; None chooses by cores (:meth:`resolved_wait_policy`).
-    ``step_timeout``: seconds the server waits for a step while the engine has work before it
-    declares the process hung and kills it (the step watchdog, :class:`ProcessEngine`); None:
-    wait for ever. ``detokenize``: whether the engine process turns token
-    ids into text itself (a :class:`ProcessEngine` with a tokenizer does it in the server's
-    process instead). ``log_level``: the ``kvserve`` loggers' level in the engine process, by
-    default the creating process's, so the engine's boot log (dtype, CPU, ISA, the kernel of
-    each op) reaches the server's log as the in-process engine's does."""
+    ``processes``: how many engine processes of this spec share this machine's cores (local
+    data-parallel replicas), for the wait policy. ``step_timeout``: seconds the server waits
+    for a step while the engine has work before it declares the process hung and kills it
+    (the step watchdog, :class:`ProcessEngine`); None: wait for ever. ``detokenize``:
+    whether the engine process turns token ids into text itself (a :class:`ProcessEngine`
+    with a tokenizer does it in the server's process instead). ``log_level``: the
+    ``kvserve`` loggers' level in the engine process, by default the creating process's, so
+    the engine's boot log (dtype, CPU, ISA, the kernel of each op) reaches the server's log
+    as the in-process engine's does."""
 
     factory: Callable[[], Engine]
     threads: int | None = None
     wait_policy: str | None = None
     idle_wait: float = 0.005  # seconds to wait after a step that could run nothing
     step_timeout: float | None = None
+    processes: int = 1  # engine processes of this spec sharing this machine's cores
     detokenize: bool = True
     log_level: int = field(default_factory=_kvserve_log_level)
 
@@ -127,7 +130,7 @@ class EngineSpec:
             return self.wait_policy
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else os.cpu_count() or 1
-        return "ACTIVE" if cores > (self.threads or cores) else "PASSIVE"
+        return "ACTIVE" if cores > (self.threads or cores) * self.processes else "PASSIVE"
 
     def environment(self) -> dict[str, str]:
         """The engine process's OpenMP settings, and the caller's KERNEL_ENVIRONMENT. Where the
