@@ -198,3 +198,16 @@ def test_the_priced_fit_keeps_a_model_whose_clock_advances(monkeypatch):
     model = fit(views, seconds, knees=(0,), relative_to="priced")
     assert model.coefficients == fit(views, seconds, knees=(0,)).coefficients
     assert model.coefficients["fixed_s"] == pytest.approx(TRUE["fixed_s"], rel=1e-6)
+
+
+def test_a_fit_that_leaves_the_clock_still_falls_back_to_the_base_terms():
+    """Steps whose time is all per sequence (fixed and per-token at 0) would make a model
+    whose clock a step without sequences cannot advance, which CalibratedCostModel refuses;
+    the fit then keeps the base terms alone (a replay of such a recording used to fail)."""
+    rng = np.random.default_rng(3)
+    views = [BatchView(int(s), int(t), 0, int(s), 0, 0) for s, t in
+             zip(rng.integers(1, 9, 40), rng.integers(1, 400, 40), strict=True)]
+    seconds = [0.002 * v.num_seqs - 1e-4 for v in views]  # a fixed term would fit negative
+    model = fit(views, seconds, knees=(0,))
+    assert model.coefficients["fixed_s"] + model.coefficients["per_token_s"] > 0
+    assert model.coefficients["per_seq_s"] == 0

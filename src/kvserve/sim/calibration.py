@@ -105,10 +105,15 @@ def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
                     break  # a model whose clock cannot advance; keep the last valid one
                 coefficients = refitted
             scale = np.maximum(x @ coefficients, y.min() / 10)
+        if coefficients[0] + coefficients[1] <= 0:  # fixed_s and per_token_s both 0: a
+            continue  # clock a step without attention cannot advance; not a candidate
         score = float((np.abs(x @ coefficients - y) / scale).mean())
         if best is None or score < best[0]:
             best = (score, knee, coefficients)
-    assert best is not None
+    if best is None:  # every knee put the whole time on other terms: fit the base two alone
+        knee = knees[0]
+        x = np.asarray([features(v, knee) for v in views], dtype=float)
+        best = (0.0, knee, _nonnegative_relative_fit(x, y, [0, 1]))
     _, knee, coefficients = best
     x = np.asarray([features(v, knee) for v in views], dtype=float)
     error = float((np.abs(x @ coefficients - y) / y).mean())
