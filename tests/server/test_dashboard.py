@@ -48,6 +48,23 @@ def test_nothing_is_collected_while_nobody_watches():
     assert engine.observers == [] and view.snapshot(0)[1]["samples"] == []
 
 
+def test_replicas_reporting_out_of_order_keep_the_series_in_time_order():
+    from types import SimpleNamespace
+
+    from kvserve.core import SchedulerStats
+
+    view = LiveView(Observed())
+    view.watch()
+    stats = SchedulerStats(1, 0, 0, 0.1, 90, 100, 1, 0, 0, 8, 0, 0, {}, {})
+    for engine, at in ((0, 5.0), (1, 4.999), (0, 5.01)):  # replica 1's step came in late
+        view.observe(SimpleNamespace(engine=engine, time=view.origin + at, seconds=0.0,
+                                     num_scheduled_tokens=8, stats=stats, events=[],
+                                     chunks=[]))
+    times = [sample[0] for sample in view.snapshot(0)[1]["samples"]]
+    assert times == sorted(times) == [5.0, 5.0, 5.01]
+    view.leave()
+
+
 def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
     with httpx.stream("GET", url, headers=headers, timeout=10) as reply:
         assert reply.status_code == 200, reply.read()

@@ -74,7 +74,10 @@ class LiveView:
             self._stats[report.engine] = report.stats
             if report.num_scheduled_tokens:
                 self._seq += 1
-                self._samples.append((self._seq, self._sample(now)))
+                # Replicas report on their own threads, a little out of order: the series
+                # stays in time order (a sample is never dated before the one before it)
+                last = self._samples[-1][1][0] if self._samples else now
+                self._samples.append((self._seq, self._sample(max(now, last))))
             for event in report.events:
                 self._event(event)
             for chunk in report.chunks:
