@@ -136,12 +136,15 @@ def test_cluster_cli_writes_replicas_to_report_and_html(tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     assert main(["workload", "gen", "-n", "30", "--rate", "20", "--seed", "4",
                  "-o", str(trace)]) == 0
-    report, html = tmp_path / "r.json", tmp_path / "r.html"
+    report, html, events = tmp_path / "r.json", tmp_path / "r.html", tmp_path / "e.jsonl"
     assert main(["simulate", "--trace", str(trace), "--report", str(report), "--html",
                  str(html), "--num-kv-blocks", "300", "--data-parallel-size", "2",
-                 "--router", "round-robin"]) == 0
+                 "--router", "round-robin", "--events", str(events)]) == 0
     data = json.loads(report.read_text())
     assert [row["replica"] for row in data["requests"][:4]] == [0, 1, 0, 1]
+    where = {row["request_id"]: row["replica"] for row in data["requests"]}
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert lines and all(line["replica"] == where[line["request_id"]] for line in lines)
     assert [r["replica"] for r in data["replicas"]] == [0, 1]
     page = html.read_text()
     assert "<h2>Replicas</h2>" in page and "KV cache usage per replica" in page

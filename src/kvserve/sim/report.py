@@ -244,10 +244,14 @@ def dumps(report: dict[str, Any]) -> str:
 
 
 def events_jsonl(result: SimResult) -> str:
+    """One JSON line per scheduler event; a cluster's lines name the replica that held the
+    request (``replica``)."""
+    replica_of = getattr(result, "replica_of", None)
     lines = []
     for event in result.events:
-        lines.append(json.dumps({"time": _round(event.time), "kind": event.kind,
-                                 "request_id": event.request_id,
-                                 "num_tokens": event.num_tokens, "reason": event.reason},
-                                separators=(",", ":")))
+        row = {"time": _round(event.time), "kind": event.kind, "request_id": event.request_id,
+               "num_tokens": event.num_tokens, "reason": event.reason}
+        if replica_of is not None and event.request_id in replica_of:
+            row["replica"] = replica_of[event.request_id]
+        lines.append(json.dumps(row, separators=(",", ":")))
     return "".join(line + "\n" for line in lines)
