@@ -58,13 +58,17 @@ def test_serve_errors_are_one_line(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-def test_a_model_path_that_does_not_exist_is_named(capsys):
+def free_port() -> str:
+    """A port free now (serve binds its address before the model loads)."""
     import socket
 
-    with socket.socket() as probe:  # a free port: the address is bound before the model
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    assert main(["serve", "/nonexistent/model.gguf", "--port", str(port)]) == 2
+        return str(probe.getsockname()[1])
+
+
+def test_a_model_path_that_does_not_exist_is_named(capsys):
+    assert main(["serve", "/nonexistent/model.gguf", "--port", free_port()]) == 2
     assert capsys.readouterr().err == \
         "kvserve serve: error: model path /nonexistent/model.gguf does not exist\n"
 
@@ -216,12 +220,7 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
 def test_a_setting_the_engine_process_refuses_is_one_plain_line(capsys):
     """Refused in the engine process (it knows the model's context): the message, not the
     exception's class name before it."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    assert main(["serve", "--max-model-len", "100000", "--port", str(port)]) == 2
+    assert main(["serve", "--max-model-len", "100000", "--port", free_port()]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == ("kvserve serve: error: max_model_len 100000 is longer than this model's "
                    "context (max_position_embeddings 8192); give --max-model-len 8192 or less")
