@@ -156,6 +156,32 @@ def test_a_hung_replica_is_killed_and_restarted():
              what="every replica process gone after stop")
 
 
+def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
+    """A request that is not streamed has shown its client nothing while it runs: when its
+    replica dies mid-decode, it starts over on the live replica and is answered whole, not
+    with a 503 (a streamed one cannot be: tokens reached its client)."""
+    from kvserve.engine.engine_process import LocalLauncher
+
+    engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
+    with LiveServer(serving=engine) as live:
+        results: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: results.append(httpx.post(
+            live.url + "/v1/completions", timeout=120,
+            json={"prompt": [11] * 20, "max_tokens": 300, "ignore_eos": True})))
+        thread.start()  # round-robin: replica 0
+        wait_for(lambda: engine.replicas[0].stats.num_running == 1 and
+                 engine.replicas[0].stats.num_steps > 20, what="decoding on replica 0")
+        kill_process(engine, 0)
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        assert results[0].status_code == 200, results[0].text
+        assert results[0].json()["usage"]["completion_tokens"] == 300
+        assert engine.replicas[1].stats.num_finished.get("length") == 1  # served there
+        wait_for(lambda: engine.num_restarts[0] == 1 and engine.health() is None,
+                 timeout=300, what="replica 0 to come back")
+        wait_for(lambda: pools_whole(live), what="every pool whole")
+
+
 def test_two_ray_replicas_serve_and_survive_a_crashed_actor(monkeypatch):
     ray = pytest.importorskip("ray")
     from kvserve.engine.ray_launcher import RayLauncher

@@ -33,7 +33,7 @@ from kvserve.engine.core_loop import ABORTED, EngineCore, StepReport, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
 
 __all__ = ["ABORTED", "AsyncEngine", "EngineDeadError", "EngineFigures", "RequestStream",
-           "RouterFigures", "ServingEngine", "StepReport"]
+           "RouterFigures", "ServingEngine", "StepReport", "StreamRestarted"]
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -45,6 +45,12 @@ class EngineDeadError(RuntimeError):
     def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class StreamRestarted(Exception):
+    """Raised by a stream whose requests were placed again from the start (a data-parallel
+    replica died under them, and the consumer had said it can drop what it read): drop the
+    chunks read so far and read on."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,9 @@ class RequestStream:
         default_factory=asyncio.Queue)
     _unfinished: set[str] = field(default_factory=set)  # membership only
     _abort_sent: bool = False
+    # The consumer can drop what it read (none of it reached a client), so a data-parallel
+    # engine may place the requests again after a replica's death (StreamRestarted).
+    replayable: bool = False
 
     def __post_init__(self) -> None:
         self._unfinished = set(self.request_ids)

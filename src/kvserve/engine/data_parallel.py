@@ -35,6 +35,7 @@ from kvserve.engine.async_engine import (
     RequestStream,
     RouterFigures,
     StepReport,
+    StreamRestarted,
     notify,
 )
 from kvserve.engine.engine import CompletionChunk, Prompt
@@ -308,8 +309,9 @@ class _ParamsOnly:
 
 
 class _RoutedStream:
-    """A RequestStream that survives its replica's death while nothing has been read: it is
-    placed again on a live replica."""
+    """A RequestStream that survives its replica's death while nothing has been read, or
+    while what was read can be dropped (``replayable``): it is placed again on a live
+    replica, in the latter case raising StreamRestarted once so the consumer starts over."""
 
     def __init__(self, engine: DataParallelEngine, items: list[Item], arrival_time: float,
                  replica: int, inner: RequestStream) -> None:
@@ -321,6 +323,7 @@ class _RoutedStream:
         self.request_ids = inner.request_ids
         self.read_any = False
         self.abort_sent = False
+        self.replayable = False
 
     @property
     def finished(self) -> bool:
@@ -334,13 +337,18 @@ class _RoutedStream:
             try:
                 chunk = await self.inner.__anext__()
             except EngineDeadError as error:
-                if self.read_any or self.abort_sent or self.engine._stopping:
+                if (self.read_any and not self.replayable) or self.abort_sent or \
+                        self.engine._stopping:
                     raise EngineDeadError(f"replica {self.replica} failed with this request "
                                           f"under way: {error}") from None
-                logger.warning("replica %d died before request %s streamed anything; placing "
-                               "it again", self.replica, self.request_ids[0])
+                logger.warning("replica %d died before request %s reached its client; "
+                               "placing it again", self.replica, self.request_ids[0])
                 self.replica, self.inner = await self.engine._place(self.items,
                                                                     self.arrival_time)
+                if self.read_any:
+                    self.read_any = False
+                    raise StreamRestarted(f"request {self.request_ids[0]} placed again on "
+                                          f"replica {self.replica}") from None
                 continue
             self.read_any = True
             return chunk

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.limits import check_queueable
 from kvserve.core.scheduler import QUEUE_TIMEOUT
-from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
@@ -90,6 +90,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     _check_queueable(state, request_id, items)
     state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, items, arrival_time)
+    stream.replayable = not req.stream  # nothing reaches the client before the end
     generation = _Generation(state, request_id, req, chat, choices, prompts, stream)
     if req.stream:
         return await generation.stream_response(request)
@@ -224,8 +225,15 @@ class _Generation:
         return JSONResponse(body)
 
     async def _collect(self) -> None:
-        async for chunk in self.stream:
-            self._apply(chunk)
+        while True:
+            try:
+                async for chunk in self.stream:
+                    self._apply(chunk)
+                return
+            except StreamRestarted:  # placed again on another replica: start over
+                for choice in self.choices.values():
+                    choice.text, choice.num_output_tokens, choice.logprobs = "", 0, []
+                    choice.finish_reason = choice.stop_reason = choice.metrics = None
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
