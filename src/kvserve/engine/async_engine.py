@@ -164,10 +164,10 @@ class RequestStream:
         return item
 
     def cancel(self) -> None:
-        """Abort every request of this stream that has not finished (idempotent)."""
-        if self._unfinished:
-            self._engine.abort(*[r for r in self.request_ids if r in self._unfinished])
-            self._unfinished.clear()
+        """Abort every request of this stream that has not finished and stop reading it
+        (idempotent)."""
+        self.abort()
+        self._unfinished.clear()
 
     def abort(self) -> bool:
         """Ask the engine to abort every unfinished request of this stream and keep it open:

@@ -67,7 +67,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if directory is not None and (not isinstance(directory, str) or not directory):
             raise bad_request("'dir' must be a directory path", param="dir")
         recorder = state.recorder
-        if directory is not None and "\0" not in directory and recorder is not None and \
+        if directory is not None and recorder is not None and \
                 os.path.abspath(directory) == str(recorder.directory):
             directory = None  # the current recording's directory: a new segment there
         if directory is not None:

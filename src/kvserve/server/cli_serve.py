@@ -266,8 +266,7 @@ def _check_scheduler_flags(settings: dict[str, Any]) -> None:
     from kvserve.core import ConfigError
     from kvserve.flags import CLIError, scheduler_config
 
-    budget = settings.get("max_num_batched_tokens", 2)
-    trial = {"max_model_len": max(2, budget if isinstance(budget, int) else 2), **settings}
+    trial = {"max_model_len": max(2, settings.get("max_num_batched_tokens", 2)), **settings}
     try:
         scheduler_config(trial)
     except ConfigError as error:
