@@ -58,7 +58,9 @@ def test_reports_become_trace_lines_and_step_logs_per_engine(tmp_path):
     trace = {row["request_id"]: row for row in lines(tmp_path / "rec", "trace-*.jsonl")}
     assert trace["a"] == {"request_id": "a", "arrival_time": 0.9,
                           "prompt_token_ids": list(range(20)), "output_len": 2,
-                          "max_tokens": 8, "tenant": "t"}  # stopped after 3: 2 + EOS
+                          "max_tokens": 8, "tenant": "t",
+                          "replica": 0}  # stopped after 3: 2 + EOS
+    assert (trace["b"]["replica"], trace["c"]["replica"]) == (1, 1)  # placed on replica 1
     assert trace["b"]["cancel_time"] == 2.2 and trace["b"]["output_len"] == 8
     assert trace["c"]["output_len"] == 8 and trace["c"]["cancel_time"] >= 1.45
     steps0 = [r for r in lines(tmp_path / "rec", "steps-0-*.jsonl") if r["type"] == "step"]
@@ -69,6 +71,7 @@ def test_reports_become_trace_lines_and_step_logs_per_engine(tmp_path):
     assert [(s["start"], s["duration"]) for s in steps1] == [(1.5, 0.1)]  # closed at stop
     manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
     assert manifest["settings"]["data_parallel_size"] == 2
+    assert "router" not in manifest["settings"]  # no router given: none recorded
     assert (manifest["model"], manifest["model_id"]) == ("my-chat", "SmolLM2-135M-Instruct")
     assert manifest["segments"][0]["stop"] is not None
     recording = load_recording(tmp_path / "rec", warn=pytest.fail)

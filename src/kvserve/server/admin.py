@@ -28,7 +28,8 @@ def new_recorder(state: ServerState, directory: str) -> Any:
     recorder = Recorder(directory, state.engine.info, prompts=state.record_prompts,
                         max_file_bytes=state.record_max_file_bytes,
                         model_name=state.model_name, model_id=state.model_id,
-                        num_engines=getattr(state.engine, "num_replicas", 1))
+                        num_engines=getattr(state.engine, "num_replicas", 1),
+                        router=getattr(state.engine, "router", None))
     old = state.recorder
     if old is not None:
         old.close()

@@ -251,7 +251,8 @@ def build_state(args: argparse.Namespace,
             state.recorder = Recorder(args.record, serving.info, prompts=args.record_prompts,
                                       max_file_bytes=args.record_max_file_size,
                                       model_name=name, model_id=state.model_id,
-                                      num_engines=getattr(serving, "num_replicas", 1))
+                                      num_engines=getattr(serving, "num_replicas", 1),
+                                      router=getattr(serving, "router", None))
         except RecordingError as error:  # the directory changed since the check
             import asyncio
 

@@ -75,8 +75,10 @@ def check_directory(directory: str | Path) -> Path:
     return path
 
 
-def recorded_settings(info: EngineInfo, num_engines: int = 1) -> dict[str, Any]:
-    """The engine's scheduler and cache settings as ``kvserve simulate`` flags take them."""
+def recorded_settings(info: EngineInfo, num_engines: int = 1,
+                      router: Any = None) -> dict[str, Any]:
+    """The engine's scheduler and cache settings as ``kvserve simulate`` flags take them;
+    with replicas, their number and ``router``'s policy (and its imbalance bound)."""
     settings = {f.name: getattr(info.scheduler_config, f.name)
                 for f in dataclasses.fields(info.scheduler_config)}
     settings["tenant_weights"] = [list(pair) for pair in settings["tenant_weights"]]
@@ -85,6 +87,10 @@ def recorded_settings(info: EngineInfo, num_engines: int = 1) -> dict[str, Any]:
                     num_host_blocks=info.num_host_blocks)
     if num_engines > 1:
         settings["data_parallel_size"] = num_engines
+        if router is not None:
+            settings["router"] = router.policy
+            if hasattr(router, "imbalance_bound"):
+                settings["router_imbalance_bound"] = router.imbalance_bound
     return settings
 
 
@@ -122,6 +128,7 @@ class _Pending:
     prompt: Sequence[int]
     params: SamplingParams
     arrival: float | None = None  # seconds into the recording, once an engine took it
+    engine: int = 0  # the replica that took it
 
 
 @dataclasses.dataclass
@@ -148,8 +155,7 @@ class Recorder:
 
     def __init__(self, directory: str | Path, info: EngineInfo, *, prompts: str = "hashes",
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, model_name: str = "",
-                 model_id: str = "",
-                 num_engines: int = 1) -> None:
+                 model_id: str = "", num_engines: int = 1, router: Any = None) -> None:
         check_options(prompts, max_file_bytes)
         self.directory = check_directory(directory)
         self.prompts, self.block_size = prompts, info.block_size
@@ -160,7 +166,8 @@ class Recorder:
             "format": RECORDING_FORMAT, "model": model_name,
             **({"model_id": model_id} if model_id and model_id != model_name else {}),
             "started_unix": round(time.time(), 3), "record_prompts": prompts,
-            "settings": recorded_settings(info, num_engines), "segments": []}
+            "settings": recorded_settings(info, num_engines, router), "segments": []}
+        self.num_engines = num_engines
         self.active = False
         self._cache_queries_at_stop = 0  # the engines' prefix cache lookups when the last
         # segment stopped (start: was the cache touched outside the recording since?)
@@ -289,7 +296,7 @@ class Recorder:
         for request_id, taken in report.arrivals:
             entry = pending.get(request_id)
             if entry is not None:
-                entry.arrival = taken - origin
+                entry.arrival, entry.engine = taken - origin, report.engine
         if report.num_scheduled_tokens:
             self._close_step(report.engine, report.time - origin)
             self._open_steps[report.engine] = _OpenStep(
@@ -360,6 +367,8 @@ class Recorder:
             row["tenant"] = params.tenant
         if params.session_id is not None:
             row["session_id"] = params.session_id
+        if self.num_engines > 1:
+            row["replica"] = entry.engine
         self.num_requests += 1
         self._trace.write(json.dumps(row, separators=(",", ":")) + "\n")
 

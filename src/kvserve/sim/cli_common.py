@@ -50,17 +50,24 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> None:
-    """The cluster flags; ``size=False`` for `kvserve plan`, which searches the size."""
+    """The cluster flags; ``size=False`` for `kvserve plan`, which searches the size (and
+    has no recording's placement to follow)."""
     from kvserve.core.router import DEFAULT_IMBALANCE_BOUND, ROUTER_POLICIES
+    from kvserve.sim.cluster import SIM_ROUTERS
 
     group = parser.add_argument_group("data parallel (docs/scale-out.md)")
     if size:
         group.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                            help="replicas, each with its own scheduler and KV pool "
                                 "(default 1; for a recording, as many as it recorded)")
-    group.add_argument("--router", choices=ROUTER_POLICIES, default="least-loaded",
-                       help="how arrivals are spread over the replicas (default least-loaded)")
-    group.add_argument("--router-imbalance-bound", type=int, default=DEFAULT_IMBALANCE_BOUND,
+    group.add_argument("--router", choices=SIM_ROUTERS if size else ROUTER_POLICIES,
+                       default=None,
+                       help="how arrivals are spread over the replicas (default "
+                            "least-loaded" + ("; for a recording of replicas, recorded: "
+                                              "each request where the server placed it, "
+                                              "or with a setting changed, the server's "
+                                              "router" if size else "") + ")")
+    group.add_argument("--router-imbalance-bound", type=int, default=None,
                        metavar="SCORE", help="prefix-affinity leaves a replica whose load "
                        "score exceeds the least-loaded one's by more than this "
                        f"(default {DEFAULT_IMBALANCE_BOUND})")
@@ -73,14 +80,16 @@ def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> 
 
 
 def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvserve.core.router import DEFAULT_IMBALANCE_BOUND
     from kvserve.sim.cluster import ClusterOptions
 
     size = getattr(args, "data_parallel_size", None)
+    bound = args.router_imbalance_bound
     return ClusterOptions(data_parallel_size=1 if size is None else size,
-                          router=args.router,
+                          router=args.router or "least-loaded",
                           lockstep=args.data_parallel_lockstep,
                           prefill_schedule_interval=args.prefill_schedule_interval,
-                          imbalance_bound=args.router_imbalance_bound)
+                          imbalance_bound=DEFAULT_IMBALANCE_BOUND if bound is None else bound)
 
 
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -116,16 +116,26 @@ def parse_tenant_weights(specs: list[str]) -> tuple[tuple[str, float], ...]:
 def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """A recording's trace, and its recorded settings under the flags given; the cost model
     defaults to the recorded step times when no setting changes, else to a model fitted on
-    them (docs/recording.md)."""
+    them; a recording of replicas replays as a cluster of as many, each request on the
+    replica the server placed it on when it replays, else behind the recorded router
+    (docs/recording.md)."""
     from kvserve.sim.recording import load_recording
 
     recording = load_recording(args.trace)
     recorded = recording.settings
     size = recorded.pop("data_parallel_size", 1)
+    router = recorded.pop("router", None)
+    bound = recorded.pop("router_imbalance_bound", None)
     if getattr(args, "data_parallel_size", None) is None:  # as recorded unless given
         args.data_parallel_size = size
-    if args.cost_model is None:  # one engine's steps replay; replicas' are fitted
-        same = not settings and not args.sweep and size == args.data_parallel_size == 1
+    if args.router_imbalance_bound is None:
+        args.router_imbalance_bound = bound
+    placed = size == 1 or all(r.replica is not None for r in recording.trace)
+    same = not settings and not args.sweep and size == args.data_parallel_size and placed \
+        and args.router in (None, "recorded") and not args.data_parallel_lockstep
+    if args.router is None and size > 1:
+        args.router = "recorded" if same and args.cost_model in (None, "replay") else router
+    if args.cost_model is None:
         args.cost_model = "replay" if same else "calibrated"
         args.replay_by_default = same
     return recording, {**recorded, **settings}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("recording", metavar="DIR", help="a recording directory")
     parser.add_argument("--set", dest="changes", action="append", default=[],
                         metavar="NAME=VALUE", required=True,
-                        help="one changed setting per run, e.g. max_num_seqs=64 or "
-                             "scheduling_policy=lpm; repeat for more runs")
+                        help="one changed setting per run, e.g. max_num_seqs=64, "
+                             "scheduling_policy=lpm, or for a recording of replicas "
+                             "data_parallel_size=4 or router=prefix-affinity; repeat for "
+                             "more runs")
     parser.add_argument("--top", type=int, default=5,
                         help="requests shown per change (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
@@ -36,11 +39,21 @@ def add_parser(subparsers: Any) -> None:
     add_deployment_flags(parser, recordings=True)
 
 
+# The cluster's settings a change may name, beside the scheduler's and the cache's.
+CLUSTER_KEYS = ("data_parallel_size", "router")
+
+
 def parse_change(text: str) -> tuple[str, Any]:
     name, eq, value = text.partition("=")
     if not eq or not value.strip():
         raise ValueError(f"--set {text!r}: write NAME=VALUE, e.g. max_num_seqs=64")
-    key = sweep_key(name, "set")
+    key = name.strip().lstrip("-").replace("-", "_")
+    if key in CLUSTER_KEYS:
+        return key, _cluster_value(text, key, value.strip())
+    try:
+        key = sweep_key(name, "set")
+    except ValueError as error:
+        raise ValueError(f"{error}, {', '.join(CLUSTER_KEYS)}") from None
     if key in ("kv_cache_memory", "swap_space"):
         from kvserve.flags import parse_bytes, parse_gib
 
@@ -51,8 +64,24 @@ def parse_change(text: str) -> tuple[str, Any]:
     return key, parse_value(value)
 
 
+def _cluster_value(text: str, key: str, value: str) -> Any:
+    from kvserve.core.router import ROUTER_POLICIES
+
+    if key == "router":
+        if value not in ROUTER_POLICIES:
+            raise ValueError(f"--set {text!r}: choose a router from "
+                             f"{', '.join(ROUTER_POLICIES)}")
+        return value
+    size = parse_value(value)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"--set {text!r}: data_parallel_size must be an integer >= 1")
+    return size
+
+
 def run(args: argparse.Namespace) -> int:
     with cli_errors():
+        from kvserve.core.router import DEFAULT_IMBALANCE_BOUND
+        from kvserve.sim.cluster import ClusterOptions
         from kvserve.sim.recording import (
             check_pool_setting,
             load_recording,
@@ -71,19 +100,42 @@ def run(args: argparse.Namespace) -> int:
         replay = deployment_from_args(args)
         other = dataclasses.replace(replay, cost_model=chosen)
         settings = recording.settings
-        settings.pop("data_parallel_size", None)
+        recorded = ClusterOptions(settings.pop("data_parallel_size", 1),
+                                  settings.pop("router", "least-loaded"),
+                                  imbalance_bound=settings.pop("router_imbalance_bound",
+                                                               DEFAULT_IMBALANCE_BOUND))
         trace = recording.trace
+        # A recording of replicas replays each request where the server placed it, when
+        # it holds the placement; the model check and the changes go through its router.
+        placed = recorded.data_parallel_size == 1 or \
+            all(r.replica is not None for r in trace)
+        as_placed = dataclasses.replace(recorded, router="recorded") \
+            if recorded.data_parallel_size > 1 else recorded
 
-        def simulate(deployment: Any, values: dict[str, Any]) -> Any:
-            return deployment.simulate(trace, values, seed=args.seed, record_events=True)[1]
+        def simulate(deployment: Any, values: dict[str, Any],
+                     cluster: ClusterOptions = recorded) -> Any:
+            return deployment.simulate(trace, values, seed=args.seed, record_events=True,
+                                       cluster=cluster)[1]
+
+        def variant(name: str, value: Any) -> tuple[dict[str, Any], ClusterOptions]:
+            if name in CLUSTER_KEYS:
+                return settings, dataclasses.replace(recorded, **{name: value})
+            return {**settings, name: value}, recorded
 
         for name, value in changes:  # a bad value is named before anything runs
-            other.configs({**settings, name: value})
-        runs = [make_run("recorded", replay_or_fitted(lambda d: simulate(d, settings), replay))]
-        if chosen != "replay":
+            other.configs(variant(name, value)[0])
+        if placed:
+            runs = [make_run("recorded", replay_or_fitted(
+                lambda d: simulate(d, settings, as_placed), replay))]
+        else:  # an older recording of replicas: where the server placed requests is unknown
+            print("warning: this recording of replicas does not say where the server placed "
+                  f"each request; its run is simulated under the {chosen} model behind the "
+                  f"{recorded.router} router", file=sys.stderr)
+            runs = []
+        if chosen != "replay" or not placed:
             runs.append(make_run(f"recorded ({chosen} model)", simulate(other, settings)))
         for name, value in changes:
-            runs.append(make_run(f"{name}={value}", simulate(other, {**settings, name: value}),
+            runs.append(make_run(f"{name}={value}", simulate(other, *variant(name, value)),
                                  (name, value)))
         changed = [r for r in runs if r.change is not None]
         movers = {r.label: moved(runs[0], r, args.top) for r in changed}

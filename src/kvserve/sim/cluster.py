@@ -8,6 +8,11 @@ reaches its replica's scheduler at that replica's next step boundary, as a reque
 busy engine. Until then it counts as waiting there, so a burst does not all see one idle
 replica.
 
+A recording of replicas (docs/recording.md) replays with ``router`` ``recorded``: each request
+goes to the replica the server placed it on (the trace's ``replica``), and with the replay
+cost model each replica replays its own engine's step log, each step held to its logged
+start, as one engine's replay is (so the replicas make the server's decisions, step for step).
+
 Two ways of stepping:
 
 - independent (default): every replica steps on its own, as separate engines do;
@@ -40,6 +45,7 @@ from kvserve.core.router import (
     DEFAULT_IMBALANCE_BOUND,
     ROUTER_POLICIES,
     ReplicaLoad,
+    RouteDecision,
     make_router,
 )
 from kvserve.sim.cost_models import CostModel
@@ -52,6 +58,9 @@ from kvserve.sim.simulator import (
     _Run,
 )
 from kvserve.sim.trace import TraceRequest
+
+# The simulator's routers: the server's, and the placement a recording holds.
+SIM_ROUTERS = (*ROUTER_POLICIES, "recorded")
 
 
 @dataclass(frozen=True)
@@ -66,9 +75,9 @@ class ClusterOptions:
         if isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got "
                              f"{self.data_parallel_size}")
-        if self.router not in ROUTER_POLICIES:
+        if self.router not in SIM_ROUTERS:
             raise ValueError(f"--router {self.router!r}: choose from "
-                             f"{', '.join(ROUTER_POLICIES)}")
+                             f"{', '.join(SIM_ROUTERS)}")
         if self.prefill_schedule_interval < 1:
             raise ValueError(f"--prefill-schedule-interval must be >= 1, got "
                              f"{self.prefill_schedule_interval}")
@@ -133,6 +142,12 @@ class _Replica:
     def has_work(self) -> bool:
         return bool(self.inbox) or self.run.scheduler.has_unfinished_requests()
 
+    def held_until(self, now: float) -> float:
+        """When this replica's next step may start: ``now``, or later where a replayed log
+        holds the step to the time the engine decided it."""
+        step_start = getattr(self.cost_model, "step_start", None)
+        return now if step_start is None else step_start(now)
+
     def hand_over(self) -> None:
         """Requests routed here since the last step boundary enter the scheduler."""
         run = self.run
@@ -195,16 +210,33 @@ class _Replica:
         self.pending_cancels.clear()
 
 
+def check_recorded_placement(trace: Sequence[TraceRequest], size: int) -> None:
+    """``--router recorded`` needs every request's replica, below ``size`` (ValueError naming
+    the first request that has none or another)."""
+    for request in trace:
+        if request.replica is None:
+            raise ValueError(f"--router recorded places each request on the replica a "
+                             f"recording of replicas names; request {request.request_id!r} "
+                             "names none")
+        if request.replica >= size:
+            raise ValueError(f"--router recorded: request {request.request_id!r} was on "
+                             f"replica {request.replica}, past --data-parallel-size {size}")
+
+
 class ClusterSimulator:
     def __init__(self, sim: Simulator, options: ClusterOptions,
                  cost_models: Sequence[CostModel]) -> None:
         if sim.batching != "continuous":
             raise ValueError(f"--batching {sim.batching} holds arrivals in one engine; a "
                              f"cluster simulation needs continuous batching")
-        if getattr(sim.cost_model, "step_start", None) is not None:
-            raise ValueError("a replayed step log is one engine's: it cannot price a cluster")
         if len(cost_models) != options.data_parallel_size:
             raise ValueError("one cost model per replica")
+        replayed = [getattr(m, "step_start", None) is not None for m in cost_models]
+        if any(replayed) and (options.lockstep or options.router != "recorded"
+                              or len({id(m) for m in cost_models}) < len(cost_models)):
+            raise ValueError("a replayed step log is one engine's: a cluster replays a "
+                             "recording of replicas, each replica its own engine's log, "
+                             "with --router recorded and independent steps")
         self.sim = sim
         self.options = options
         self.cost_models = list(cost_models)
@@ -225,8 +257,11 @@ class _ClusterRun:
                         for r in self.arrivals}
         self.replicas = [_Replica(i, sim, cost_model, self.records)
                          for i, cost_model in enumerate(cluster.cost_models)]
-        self.router = make_router(options.router, options.data_parallel_size,
-                                  imbalance_bound=options.imbalance_bound)
+        self.router = None if options.router == "recorded" else \
+            make_router(options.router, options.data_parallel_size,
+                        imbalance_bound=options.imbalance_bound)
+        if self.router is None:
+            check_recorded_placement(self.arrivals, options.data_parallel_size)
         self.hash_prefixes = options.router == "prefix-affinity"
         # the replicas' prefix caches salt the first block by tenant under this scope (T7)
         self.tenant_scoped = sim.scheduler_config.prefix_cache_scope == "tenant"
@@ -242,6 +277,8 @@ class _ClusterRun:
         # Independent stepping: steps in flight by (end, replica), replicas to try to start.
         self.ends: list[tuple[float, int]] = []
         self.wakeups: list[int] = []
+        self.holds: list[tuple[float, int]] = []  # replicas held to a replayed step's start
+        self.held: set[int] = set()
         # Each replica's (running, waiting, KV usage) as last seen, and their sums, so a
         # cluster-wide sample costs O(1) however many replicas there are.
         self.state = [(0, 0, 0.0)] * options.data_parallel_size
@@ -264,10 +301,19 @@ class _ClusterRun:
     def _step_independent(self, now: float) -> float | None:
         """Start a step on every idle replica that may have work (one that just finished a
         step, or got a request or a cancellation); the time of the next event."""
-        ends = self.ends
+        ends, holds = self.ends, self.holds
+        while holds and holds[0][0] <= now:
+            index = heapq.heappop(holds)[1]
+            self.held.discard(index)
+            self._wake(index)
         for index in sorted(self.wakeups):
             replica = self.replicas[index]
-            if replica.flight is None and replica.has_work():
+            if replica.flight is None and replica.has_work() and index not in self.held:
+                start = replica.held_until(now)
+                if start > now:
+                    heapq.heappush(holds, (start, index))
+                    self.held.add(index)
+                    continue
                 replica.hand_over()
                 replica.flight = flight = replica.start(now, throttle=False)
                 if flight is not None:
@@ -332,7 +378,7 @@ class _ClusterRun:
         return end
 
     def _next_event_time(self) -> float | None:
-        times = []
+        times = [self.holds[0][0]] if self.holds else []
         if self.next_arrival < len(self.arrivals):
             times.append(self.arrivals[self.next_arrival].arrival_time)
         if self.next_cancel < len(self.cancels):
@@ -371,7 +417,10 @@ class _ClusterRun:
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
                                      first_block_key(request, self.tenant_scoped)) \
             if self.hash_prefixes else ()
-        decision = self.router.route(hashes, [r.load() for r in self.replicas])
+        if self.router is None:  # as recorded (checked in __init__)
+            decision = RouteDecision(trace_request.replica, "recorded")  # type: ignore[arg-type]
+        else:
+            decision = self.router.route(hashes, [r.load() for r in self.replicas])
         replica = self.replicas[decision.replica]
         self.replica_of[request.request_id] = decision.replica
         self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1

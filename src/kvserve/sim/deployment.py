@@ -16,7 +16,7 @@ from typing import Any
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.flags import SIM_HASH_ALGO, cache_config, num_host_blocks, scheduler_config
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
-from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
+from kvserve.sim.cluster import ClusterOptions, ClusterSimulator, check_recorded_placement
 from kvserve.sim.cost_models import (
     CalibratedCostModel,
     CostModel,
@@ -83,7 +83,9 @@ class Deployment:
         """The hardware's figures: measured ones when given, else the named preset's."""
         return self.hardware_spec or get_hardware(self.hardware)
 
-    def build_cost_model(self) -> CostModel:
+    def build_cost_model(self, engine: int = 0) -> CostModel:
+        """The step prices of one engine (``engine``: the replica, whose own step log a
+        recording's replay reads)."""
         if self.cost_model == "unit":
             return UnitCostModel()
         if self.cost_model == "calibrated":
@@ -92,7 +94,10 @@ class Deployment:
             return CalibratedCostModel.load(self.calibration)
         if self.cost_model == "replay":
             if self.replay_log is None:
-                return self.recording.replay_cost_model()
+                return self.recording.replay_cost_model(engine)
+            if engine:
+                raise CostModelError("--replay-step-times is one engine's step log: it "
+                                     "cannot price replicas")
             return ReplayCostModel.load(self.replay_log)
         return RooflineCostModel(get_model(self.model), self.hardware_preset(),
                                  self.dtype, self.tensor_parallel_size,
@@ -167,9 +172,11 @@ class Deployment:
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
                               record_events=record_events, check=check,
                               preemption_prices=prices, fast_forward=fast_forward)
+        if cluster is not None and cluster.router == "recorded":  # one replica too
+            check_recorded_placement(trace, cluster.data_parallel_size)
         if cluster is not None and (cluster.data_parallel_size > 1 or cluster.lockstep):
-            cost_models = [cost_model] + [self._cost_model(config, cache)
-                                          for _ in range(cluster.data_parallel_size - 1)]
+            cost_models = [cost_model] + [self._cost_model(config, cache, engine)
+                                          for engine in range(1, cluster.data_parallel_size)]
             result = ClusterSimulator(simulator, cluster, cost_models).run(trace, progress)
         else:
             result = simulator.run(trace, progress)
@@ -199,9 +206,10 @@ class Deployment:
         return echo, result
 
 
-    def _cost_model(self, config: SchedulerConfig, cache: CacheConfig) -> CostModel:
+    def _cost_model(self, config: SchedulerConfig, cache: CacheConfig,
+                    engine: int = 0) -> CostModel:
         """The step prices; with a host tier in use, they include the block copies."""
-        cost_model = self.build_cost_model()
+        cost_model = self.build_cost_model(engine)
         if config.preemption_mode == "recompute":
             return cost_model
         return WithSwapCopies(cost_model, self.preemption_prices(cost_model, cache.block_size))

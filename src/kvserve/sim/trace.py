@@ -8,7 +8,9 @@ request should finish by then), ``cancel_time`` (s, absolute: the client aborts 
 tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with optional
 ``session_ttl`` (s): the multi-turn session the request is a turn of, whose KV the
 scheduler holds between turns when the simulation runs with ``--max-session-kv`` (U1;
-ignored otherwise, but its turns are still sent closed loop, docs/sessions.md). A
+ignored otherwise, but its turns are still sent closed loop, docs/sessions.md), and
+``replica`` (an integer >= 0): the data-parallel replica a recorded server placed the
+request on, which ``--router recorded`` follows (docs/recording.md). A
 recorded prompt (``kvserve serve --record``, docs/recording.md) may come as ``prompt_len``
 with ``prompt_hashes``, the chained hashes of its full blocks of ``hash_block_size`` tokens:
 equal hashes stand for equal prefixes. Unknown fields are errors: a field that is accepted
@@ -62,6 +64,7 @@ class TraceRequest:
     hash_block_size: int = 0
     session_id: str | None = None
     session_ttl: float | None = None
+    replica: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -144,7 +147,8 @@ class TraceRequest:
         row["output_len"] = self.output_len
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
-                              ("session_id", None), ("session_ttl", None)):
+                              ("session_id", None), ("session_ttl", None),
+                              ("replica", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -163,7 +167,7 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
-           "session_ttl")
+           "session_ttl", "replica")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -259,6 +263,7 @@ def parse_request(row: Any) -> TraceRequest:
         hash_block_size=hash_block_size,
         session_id=session_id,
         session_ttl=session_ttl,
+        replica=_int(row, "replica", 0),
     )
 
 
