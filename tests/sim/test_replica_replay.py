@@ -159,7 +159,10 @@ def test_whatif_on_replicas_replays_them_then_changes_the_cluster(tmp_path, caps
     assert runs["recorded (unit model)"]["duration_s"] == 6.0
     assert runs["data_parallel_size=4"]["duration_s"] == 3.0
     assert runs["max_num_seqs=2"]["duration_s"] == 3.0
-    assert "d: e2e 4.550 s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "d: e2e 4.550 s" in out
+    # d finished on replica 1 in the recording, on a replica of its own with four
+    assert "recorded: finished on replica 1 at step" in out
 
 
 @pytest.mark.parametrize(("change", "needle"), [

@@ -9,8 +9,14 @@ from the cost model's error.
 
 For the requests whose end-to-end latency moved most, the first scheduling decision that
 differed: each run's events of that request (admitted, preempted, resumed, finished), each
-placed at the step it happened before (the number of steps that started earlier), compared
-in order; the first pair that differs in kind or step is the one shown.
+placed at the step it happened before (the number of steps that started earlier; in a
+cluster of replicas, the number of any replica's steps that ended earlier, and the replica
+is named), compared in order; the first pair that differs in kind, step or replica is the one
+shown.
+
+A recording of replicas runs as a cluster: the recorded run with each request on the replica
+the server placed it on, the model check and the changes behind the server's router, and a
+change may name the cluster's size or router (``data_parallel_size``, ``router``).
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ class Decision:
     kind: str
     step: int
     time: float
+    replica: int | None = None  # in a cluster: the replica that decided it
 
     def describe(self) -> str:
-        return f"{self.kind} at step {self.step} ({self.time:.3f} s)"
+        where = "" if self.replica is None else f" on replica {self.replica}"
+        return f"{self.kind}{where} at step {self.step} ({self.time:.3f} s)"
 
 
 @dataclasses.dataclass
@@ -51,23 +59,26 @@ def make_run(label: str, result: SimResult, change: tuple[str, Any] | None = Non
 def decisions(result: SimResult) -> dict[str, list[Decision]]:
     """Each request's scheduling decisions in order, placed at steps (module docstring)."""
     starts = list(result.steps.time)
+    replica_of = getattr(result, "replica_of", {})
     out: dict[str, list[Decision]] = {}
     for event in result.events:
         kind = str(getattr(event.kind, "value", event.kind))
         if kind in DECISIONS:
             out.setdefault(event.request_id, []).append(
-                Decision(kind, bisect.bisect_left(starts, event.time), event.time))
+                Decision(kind, bisect.bisect_left(starts, event.time), event.time,
+                         replica_of.get(event.request_id)))
     return out
 
 
 def first_difference(base: Sequence[Decision], other: Sequence[Decision]
                      ) -> tuple[Decision | None, Decision | None] | None:
-    """The first pair of decisions that differ in kind or step (None for a missing one), or
-    None if the two lists agree."""
+    """The first pair of decisions that differ in kind, step or replica (None for a missing
+    one), or None if the two lists agree."""
     for index in range(max(len(base), len(other))):
         a = base[index] if index < len(base) else None
         b = other[index] if index < len(other) else None
-        if a is None or b is None or (a.kind, a.step) != (b.kind, b.step):
+        if a is None or b is None or \
+                (a.kind, a.step, a.replica) != (b.kind, b.step, b.replica):
             return a, b
     return None
 
