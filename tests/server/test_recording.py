@@ -70,6 +70,10 @@ def recorded(tmp_path_factory):
         live.state.recorder.start()
         replies = load(live.url, prompts(16))
         wait_for(live.idle, what="idle")
+        # The engine can read idle before its observers got the step that finished the last
+        # requests; closing then would cut them (written as cancelled, events lost).
+        wait_for(lambda: live.state.recorder.status()["requests"] == 16,
+                 what="16 requests recorded")
         live.state.recorder.close()
     return directory, replies
 
@@ -227,7 +231,8 @@ def test_an_engine_process_is_recorded_where_arrivals_are_seen(tmp_path):
         live.state.engine.observers.append(live.state.recorder.observe)
         live.state.recorder.start()
         load(live.url, prompts(4, seed=3), max_tokens=6)
-        wait_for(live.idle, what="idle")
+        wait_for(lambda: live.state.recorder.status()["requests"] == 4,
+                 what="4 requests recorded")  # the steps that finished them seen (above)
         live.state.recorder.close()
     recording = load_recording(directory, warn=pytest.fail)
     assert len(recording.trace) == 4
