@@ -11,10 +11,18 @@ from typing import Any
 from kvserve.flags import CLIError
 
 DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_HARDWARE = "h100-sxm"
+
+
+RECORDED_COST_MODEL = ("replay of its step times, or, with any scheduler or cache flag "
+                       "given, calibrated: fitted on its steps")
 
 
 def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True,
-                         recordings: bool = False) -> None:
+                         recordings: bool = False,
+                         recorded_cost_model: str = RECORDED_COST_MODEL) -> None:
+    """The deployment flags; ``recordings``: the command takes a recording, whose model and
+    step times (``recorded_cost_model`` says how) are the defaults."""
     from kvserve.sim.presets import HARDWARE, KV_CACHE_DTYPES, MODELS, WEIGHT_DTYPES
 
     group = parser.add_argument_group("deployment")
@@ -22,7 +30,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
                        help=f"model preset: {', '.join(MODELS)} (default {DEFAULT_MODEL}"
                             + ("; for a recording, the preset of the model it recorded"
                                if recordings else "") + ")")
-    group.add_argument("--hardware", default="h100-sxm",
+    group.add_argument("--hardware", default=None,
                        help=f"hardware preset: {', '.join(HARDWARE)} (default h100-sxm; "
                             "cpu-local: this machine's matmul rate and bandwidth, measured "
                             "once per CPU and cached)")
@@ -39,9 +47,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
         group.add_argument("--cost-model", default=None if recordings else "roofline",
                            choices=("unit", "roofline", "calibrated", "replay"),
                            help="how long a step takes (default roofline; for a recording, "
-                                "replay of its step times, or, with any scheduler or cache "
-                                "flag given, calibrated: fitted on its steps)"
-                           if recordings else None)
+                                f"{recorded_cost_model})" if recordings else None)
         group.add_argument("--calibration", metavar="PATH.json",
                            help="coefficients for --cost-model calibrated")
         group.add_argument("--replay-step-times", metavar="LOG.jsonl",
@@ -103,6 +109,7 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
         print(warning, file=sys.stderr)
     # cpu-local is this machine: its peaks measured (once per CPU, then cached), not the
     # figures of the machine the preset was written on.
+    args.hardware = args.hardware or DEFAULT_HARDWARE
     measured = local_hardware() if args.hardware == "cpu-local" else None
     if args.model is None:
         args.model = recorded_model(getattr(args, "recording", None))
@@ -111,7 +118,7 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
                       tensor_parallel_size=args.tensor_parallel_size,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       cost_model="replay" if getattr(args, "replay_step_times", None)
-                      else getattr(args, "cost_model", "roofline"),
+                      else getattr(args, "cost_model", None) or "roofline",
                       calibration=calibration,
                       replay_log=getattr(args, "replay_step_times", None),
                       recording=getattr(args, "recording", None))

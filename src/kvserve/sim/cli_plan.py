@@ -17,6 +17,8 @@ from kvserve.flags import (
     settings_from_args,
 )
 from kvserve.sim.cli_common import (
+    DEFAULT_HARDWARE,
+    DEFAULT_MODEL,
     ShowProgress,
     add_cluster_flags,
     add_deployment_flags,
@@ -33,7 +35,8 @@ DESCRIPTION = ("KV bytes per token, the KV pool and the sequences it holds; with
 
 def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "plan", run, SUMMARY, DESCRIPTION)
-    add_deployment_flags(parser)
+    add_deployment_flags(parser, recordings=True,
+                         recorded_cost_model="calibrated: fitted on its steps")
     memory = parser.add_argument_group("memory")
     memory.add_argument("--gpu-memory-gib", type=float,
                         help="device memory (default: the hardware preset's)")
@@ -43,8 +46,11 @@ def add_parser(subparsers: Any) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--prompt-len", type=int, help="tokens per prompt")
     load.add_argument("--output-len", type=int, help="tokens generated per request")
-    load.add_argument("--trace", help="a JSONL trace, or a recording directory (its "
-                                      "requests): its p95 length, and simulations")
+    load.add_argument("--trace", help="a JSONL trace (its p95 length, and simulations), or "
+                                      "a recording directory: the recorded server planned "
+                                      "as it ran (its settings and KV pool, step times "
+                                      "fitted on its steps), or with --model, --hardware "
+                                      "or --cost-model, that deployment for its requests")
     load.add_argument("--ttft-p99", type=float, metavar="SECONDS",
                       help="p99 TTFT target for the throughput recommendation")
     load.add_argument("--queue-delay-p99", type=float, default=5.0, metavar="SECONDS",
@@ -111,6 +117,8 @@ def _run_preemption_cost(args: argparse.Namespace) -> int:
                                  f"--{flag.replace('_', '-')}")
         if args.seq_len is None:
             raise ValueError("--preemption-cost needs --seq-len (the victim's tokens)")
+        args.model = args.model or DEFAULT_MODEL
+        args.hardware = args.hardware or DEFAULT_HARDWARE
         link = None if args.link_bandwidth is None else parse_bandwidth(args.link_bandwidth)
         dtype = weights_dtype(args.dtype)
         cost = preemption_cost(args.model, args.seq_len, hardware=args.hardware, dtype=dtype,
@@ -172,21 +180,29 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if replica_flags and (args.max_replicas is None or not args.trace):
         raise ValueError(f"{replica_flags[0]} plans replicas: give --max-replicas M and "
                          f"--trace")
+    settings = settings_from_args(args)
+    trace, recording = None, None
+    if args.trace and args.trace != "-" and Path(args.trace).is_dir():
+        from kvserve.sim.recording import load_recording
+
+        recording = load_recording(args.trace)
+        trace = recording.trace
+    elif args.trace:
+        trace = read_trace(args.trace)
+    as_recorded = recording is not None and all(
+        value is None for value in (args.model, args.hardware, args.cost_model,
+                                    args.calibration))
+    if as_recorded:
+        settings = _recorded_settings(args, recording, settings)
+    elif recording is not None:  # another deployment for its requests: the model as recorded
+        args.recording = recording
     deployment = dataclasses.replace(
         deployment_from_args(args), gpu_memory_gib=args.gpu_memory_gib,
         kv_pool_gib=args.kv_pool_gib, activation_reserve_gib=args.activation_reserve_gib)
-    settings = settings_from_args(args)
     config = scheduler_config(settings)
     # At the configured max_num_seqs; each candidate of the sweep gets its own pool, as
     # `kvserve simulate --max-num-seqs N` sizes it (the reserve grows with max_num_seqs).
     pool = deployment.kv_pool(settings, config)
-    trace = None
-    if args.trace and args.trace != "-" and Path(args.trace).is_dir():
-        from kvserve.sim.recording import load_recording  # a recording: its requests
-
-        trace = load_recording(args.trace).trace
-    elif args.trace:
-        trace = read_trace(args.trace)
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
     elif trace is not None:
@@ -194,11 +210,17 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     else:
         raise ValueError("give --prompt-len and --output-len, or --trace")
     out: dict[str, Any] = {
-        "model": args.model, "hardware": args.hardware, "dtype": deployment.dtype,
+        "model": args.model, "hardware": deployment.hardware, "dtype": deployment.dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         **plan.kv_summary(pool, seq_len), "seq_len_source": source,
         "pool_max_num_seqs": config.max_num_seqs,
     }
+    if as_recorded:  # no preset's hardware: the recorded steps price the steps
+        out["hardware"] = None
+        del out["activation_reserve_bytes"]
+        out["recorded"] = {"recording": str(recording.path), "model": recording.model,
+                           "num_steps": sum(len(log.steps)
+                                            for log in recording.engines.values())}
     if trace is None:
         return out
     if args.max_replicas is not None:
@@ -214,6 +236,29 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_capacity_search:
             out.update(_capacity(args, runner, trace, settings, out, pool))
     return out
+
+
+def _recorded_settings(args: argparse.Namespace, recording: Any,
+                       given: dict[str, Any]) -> dict[str, Any]:
+    """The recorded server as it ran: its settings (the flags given over them) and its pool
+    in blocks, priced by a cost model fitted on its steps; its router for a replica plan."""
+    from kvserve.sim.recording import check_pool_setting
+
+    check_pool_setting(given)
+    for flag in ("gpu_memory_gib", "kv_pool_gib", "activation_reserve_gib"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} sizes a planned device's memory; a "
+                             "recording's pool is its blocks (give --num-kv-blocks, or "
+                             "--model and --hardware to plan another deployment)")
+    settings = recording.settings
+    settings.pop("data_parallel_size", None)
+    router = settings.pop("router", None)
+    bound = settings.pop("router_imbalance_bound", None)
+    args.router = args.router or router
+    if args.router_imbalance_bound is None:
+        args.router_imbalance_bound = bound
+    args.recording, args.cost_model = recording, "calibrated"
+    return {**settings, **given}
 
 
 def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
@@ -299,15 +344,19 @@ def _print(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     gib = 1 << 30
-    table = Table(title=f"{result['model']} ({result['dtype']}) on {result['hardware']} "
-                        f"x{result['tensor_parallel_size']}", show_header=False,
-                  title_justify="left")
+    recorded = result.get("recorded")
+    title = f"{result['model']} ({result['dtype']}) on {result['hardware']} " \
+        f"x{result['tensor_parallel_size']}" if recorded is None else \
+        f"{recorded['recording']}: {recorded['model'] or result['model']} as recorded " \
+        f"(step times fitted on its {recorded['num_steps']:,} steps)"
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("figure", style="bold")
     table.add_column("value", justify="right")
     rows = [
         ("KV bytes per token", f"{result['kv_bytes_per_token']:,} B"),
         ("weights", f"{result['weight_bytes'] / gib:.2f} GiB"),
-        ("activation reserve", f"{result['activation_reserve_bytes'] / gib:.2f} GiB"),
+        *([] if recorded else [("activation reserve",
+                                f"{result['activation_reserve_bytes'] / gib:.2f} GiB")]),
         (f"KV pool (at max_num_seqs {result['pool_max_num_seqs']})",
          f"{result['pool_bytes'] / gib:.2f} GiB = {result['num_blocks']:,} blocks"
          f" of {result['block_size']}"),

@@ -1,0 +1,68 @@
+"""``kvserve plan --trace DIR`` on a server's recording plans the recorded server as it ran
+(its settings, its KV pool in blocks, step times fitted on its steps, its router), unless a
+deployment is named (docs/recording.md, "Planning from a recording")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.cli import main
+
+from .test_replica_replay import build
+
+
+def plan(capsys, directory, *argv):
+    assert main(["plan", "--trace", str(directory), "--json", "--candidates", "1,2",
+                 "--no-capacity-search", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_recording_is_planned_as_the_server_ran(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    out = plan(capsys, directory)
+    assert out["recorded"] == {"recording": str(directory), "model": "", "num_steps": 12}
+    assert out["hardware"] is None and "activation_reserve_bytes" not in out
+    assert out["num_blocks"] == 32 and out["block_size"] == 16  # the recorded pool
+    assert out["pool_max_num_seqs"] == 1  # the recorded max_num_seqs
+    assert [row["num_kv_blocks"] for row in out["sweep"]] == [32, 32]
+    # priced by the fit on the recorded 0.5 s and 1 s steps, not an H100's microseconds
+    assert out["sweep"][0]["ttft_p99"] > 0.3
+
+
+def test_a_named_deployment_plans_the_recordings_requests_on_it(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    out = plan(capsys, directory, "--hardware", "h100-sxm")
+    assert "recorded" not in out and out["hardware"] == "h100-sxm"
+    assert out["num_blocks"] != 32 and out["sweep"][0]["ttft_p99"] < 0.3
+
+
+def test_a_replica_plan_goes_through_the_recorded_router(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    out = plan(capsys, directory, "--max-replicas", "2")
+    assert out["router"] == "prefix-affinity"
+    assert [row["replicas"] for row in out["replica_sweep"]] == [1, 2]
+    out = plan(capsys, directory, "--max-replicas", "2", "--router", "round-robin")
+    assert out["router"] == "round-robin"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--kv-pool-gib", "1"], "--kv-pool-gib sizes a planned device's memory"),
+    (["--gpu-memory-gib", "80"], "--gpu-memory-gib sizes a planned device's memory"),
+    (["--kv-cache-memory", "1GiB"], "give num_kv_blocks (--num-kv-blocks) instead"),
+])
+def test_a_recorded_pool_is_resized_in_blocks(tmp_path, capsys, argv, needle):
+    directory = build(tmp_path / "rec")
+    assert main(["plan", "--trace", str(directory), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_the_title_says_what_was_planned(tmp_path, capsys):
+    directory = build(tmp_path / "rec")
+    assert main(["plan", "--trace", str(directory), "--candidates", "1",
+                 "--no-capacity-search"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "as recorded (step times fitted on its 12 steps)" in out
+    assert "activation reserve" not in out
