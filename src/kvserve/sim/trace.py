@@ -1,4 +1,4 @@
-"""The trace file (DESIGN.md, "Files and formats"): JSONL, one request a line.
+"""The trace file (docs/trace-format.md): JSONL, one request a line.
 
 Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` or
 ``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
