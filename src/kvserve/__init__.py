@@ -6,3 +6,18 @@ the server its metrics exposition when it is built (:func:`kvserve.server.app.bu
 """
 
 __version__ = "0.1.0"
+
+from typing import Any
+
+# vLLM's two offline names, as ``from vllm import LLM, SamplingParams`` gives them; loaded on
+# first use, so that importing kvserve (the simulator, the core) does not import torch.
+_LAZY = {"LLM": "kvserve.engine.llm", "SamplingParams": "kvserve.core"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

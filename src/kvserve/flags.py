@@ -89,6 +89,21 @@ def check_output_file(flag: str, path: str) -> None:
         raise CLIError(f"{flag} {path}: permission denied")
 
 
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch generator takes (and the API's seed)
+
+
+def parse_seed(text: str) -> int:
+    """A sampling seed: an integer in [-2**63, 2**64)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range: a seed is in "
+                                         "[-2**63, 2**64)")
+    return seed
+
+
 def parse_bytes(text: str) -> int:
     """'2147483648', '2GiB', '1.5 GB' -> bytes."""
     match = _SIZE.match(str(text))
@@ -190,7 +205,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "bf16 natively (AMX or AVX512-BF16), else float32")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: random weights with the model's shapes (benchmarks)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    parser.add_argument("--seed", type=parse_seed, default=0,
+                        help="seed for unseeded sampling")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a greedy or seeded request gives the same tokens whatever else "
                              "runs (batch size, chunking, prefix hits, preemption), at a "

@@ -210,3 +210,21 @@ def test_calibrate_refuses_bad_step_logs_in_one_line(tmp_path, capsys, extra, co
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-o", "/nonexistent-dir/c.json"], "--output /nonexistent-dir/c.json: no such directory"),
+    (["--plot", "/nonexistent-dir/p.svg"], "--plot /nonexistent-dir/p.svg: no such directory"),
+    (["--block-size", "0"], "block_size=0 is out of range"),
+])
+def test_calibrate_refuses_a_bad_path_or_size_before_measuring(tmp_path, capsys, argv,
+                                                                message):
+    """Checked before the model loads: a bad output path used to fail after the whole
+    measurement, its result lost."""
+    from kvserve.cli import main
+
+    argv = argv if "-o" in argv else [*argv, "-o", str(tmp_path / "c.json")]
+    assert main(["calibrate", "--quick", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert "step shapes" not in err

@@ -118,6 +118,8 @@ def test_generate_cli_prints_the_answer_and_refuses_bad_input():
      "8192); give --max-model-len 8192 or less"),
     (["/nonexistent/model.gguf", "--prompt", "hi"],
      "GGUF file /nonexistent/model.gguf does not exist"),
+    (["--prompt", "hi", "--block-size", "0"], "block_size=0 is out of range"),
+    (["--prompt", "hi", "--max-queue-delay", "0"], "max_queue_delay=0.0 is out of range"),
 ])
 def test_generate_refuses_bad_input_before_loading_the_model(capsys, argv, message):
     """One line, exit 2, and nothing logged first: no dtype line, no kernel report (a
@@ -128,3 +130,13 @@ def test_generate_refuses_bad_input_before_loading_the_model(capsys, argv, messa
     err = capsys.readouterr().err
     assert f"kvserve generate: error: {message}" in err
     assert "dtype" not in err and "kernels" not in err
+
+
+def test_a_seed_out_of_a_generators_range_is_named(capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "hi", "--seed", str(1 << 70)])
+    assert exit_.value.code == 2
+    assert f"argument --seed: {1 << 70} is out of range: a seed is in [-2**63, 2**64)" in \
+        capsys.readouterr().err

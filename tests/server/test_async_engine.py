@@ -106,7 +106,7 @@ def test_abort_from_outside_ends_the_stream_with_an_abort_chunk():
 def test_queue_timeout_ends_a_waiting_stream():
     async def body(engine):
         busy = await engine.add_requests([("busy", [7] * 10, greedy(300))])
-        late = await engine.add_requests([("late", [8] * 10, greedy(4, max_queue_delay=0.0))])
+        late = await engine.add_requests([("late", [8] * 10, greedy(4, max_queue_delay=0.001))])
         chunks = [c async for c in late]
         busy.cancel()
         return chunks

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.server.auth import ApiKey, KeyFileError, KeyRing, load_keys, resolve_priority
+from kvserve.server.auth import (
+    ApiKey,
+    KeyFileError,
+    KeyRing,
+    load_keys,
+    operator_key,
+    resolve_priority,
+)
 from kvserve.server.errors import APIError
 
 
@@ -35,6 +42,7 @@ def test_plain_json_and_toml_keys_files(tmp_path):
     ('[{"key": "a", "tenant": ""}]', "'tenant' must be a non-empty string of printable"),
     ('[{"key": "a", "tenant": "x\\ny"}]', "'tenant' must be a non-empty string of printable"),
     ("sk-a extra words\n", "'key' must be a non-empty string without spaces"),
+    ('[{"key": "a", "tenant": "operator"}]', "tenant 'operator' is the --api-key keys' own"),
     (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0)"),
 ])
 def test_bad_keys_files_name_the_problem(tmp_path, text, needle):
@@ -58,6 +66,9 @@ def test_resolve_priority():
     with pytest.raises(APIError) as error:
         resolve_priority(7, key, source="key", scheduling_policy="priority")
     assert error.value.status == 403
+    # an --api-key key may ask for any priority, whatever the source
+    assert resolve_priority(-5, operator_key("op"), source="key",
+                            scheduling_policy="priority") == -5
     with pytest.raises(APIError) as error:
         resolve_priority(1, ApiKey("k", "t"), source="body", scheduling_policy="fcfs")
     assert error.value.status == 400 and "not enabled" in error.value.message

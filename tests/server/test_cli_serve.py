@@ -166,7 +166,8 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
 
 def _state(tmp_path, *flags: str):
     keys = tmp_path / "keys.json"
-    keys.write_text('[{"key": "a", "tenant": "gold", "weight": 2}, '
+    weight = ', "weight": 2' if "vtc" in flags else ""  # weights need the fair share
+    keys.write_text(f'[{{"key": "a", "tenant": "gold"{weight}}}, '
                     '{"key": "b", "tenant": "free"}]')
     argv = ["serve", "--load-format", "dummy", "--max-model-len", "256",
             "--num-kv-blocks", "32", "--no-engine-process", *flags]
@@ -192,6 +193,16 @@ def test_tenant_flags_reach_the_scheduler_and_the_server(tmp_path):  # T1, T4, T
     assert (config.tenant_fairness, config.tenant_weights,
             config.max_num_queued_reqs_per_tenant) == ("vtc", (("gold", 2.0),), 5)
     assert state.fan_out == FanOutLimits(8, 512)
+
+
+def test_keys_file_weights_without_the_fair_share_are_refused(tmp_path):
+    from kvserve.flags import CLIError
+
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "a", "tenant": "gold", "weight": 2}]')
+    with pytest.raises(CLIError, match=r"gives tenants weights \(gold=2\).*--tenant-fairness"):
+        build_state(build_parser().parse_args(["serve", "--load-format", "dummy",
+                                               "--api-keys", str(keys)]))
 
 
 def test_fan_out_flags_must_be_positive(capsys):

@@ -197,7 +197,8 @@ class SchedulerConfig:
         _check_optional_int("max_num_queued_reqs", self.max_num_queued_reqs, 1)
         _check_optional_int("max_num_queued_tokens", self.max_num_queued_tokens, 1)
         if self.max_queue_delay is not None:
-            _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True)
+            _check_float("max_queue_delay", self.max_queue_delay, 0.0, math.inf, hi_open=True,
+                         lo_open=True)  # 0 could only time out
         self._check_tenancy()
         self._check_waiting_order()
         _check_float("max_session_kv", self.max_session_kv, 0.0, 1.0)

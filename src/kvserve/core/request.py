@@ -139,13 +139,20 @@ class SamplingParams:
         _require(self.eos_token_id is None or (_is_int(self.eos_token_id)
                                                and self.eos_token_id >= 0),
                  f"eos_token_id must be a non-negative integer, got {self.eos_token_id!r}")
+        for name in ("stop_token_ids", "stop"):  # None: vLLM's default, none
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if not isinstance(self.stop_token_ids, tuple):
+            _require(isinstance(self.stop_token_ids, (list, range)),
+                     f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                  f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
+            _require(isinstance(self.stop, list),
+                     f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop))
         _require(all(isinstance(s, str) and s for s in self.stop),
                  f"stop must be non-empty strings, got {self.stop!r}")
@@ -161,8 +168,9 @@ class SamplingParams:
                  f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
         _require(_is_number(self.min_p) and 0 <= self.min_p <= 1,
                  f"min_p must be in [0, 1], got {self.min_p!r}")
-        _require(self.seed is None or _is_int(self.seed),
-                 f"seed must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed)
+                                       and -(1 << 63) <= self.seed < 1 << 64),
+                 f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(_is_number(value) and -2 <= value <= 2,
@@ -174,8 +182,9 @@ class SamplingParams:
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")
         _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
-                                                  and self.max_queue_delay >= 0),
-                 f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
+                                                  and self.max_queue_delay > 0),
+                 f"max_queue_delay must be a number of seconds > 0 (0 could only time out), "
+                 f"got {self.max_queue_delay!r}")
         _require(isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
         if self.session_id is not None or self.session_ttl is not None:
             self._check_session()

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
-from kvserve.flags import CLIError, add_command, add_model_flags, engine_args, parse_bytes
+from kvserve.flags import (
+    CLIError,
+    add_command,
+    add_model_flags,
+    check_output_file,
+    engine_args,
+    parse_bytes,
+)
 from kvserve.sim.machine import cpu_identity, describe_cpu
 
 SUMMARY = "measure step times on this machine and fit a cost model"
@@ -63,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.warmup < 0 or args.repeats < 1:
         raise CLIError("--warmup must be >= 0 and --repeats >= 1")
+    check_output_file("--output", args.output)  # before minutes of measuring, not after
+    if args.plot:
+        check_output_file("--plot", args.plot)
     if args.trace and (args.quick or args.layout_term or args.plot):
         raise CLIError("--quick, --layout-term and --plot describe the grid; --trace fits on "
                        "the steps the trace runs instead")

@@ -134,12 +134,19 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
     """
     check_quantization(quantization)
+    CacheConfig(num_blocks=1, block_size=block_size)  # a bad block size, before any load
+    if isinstance(seed, bool) or not isinstance(seed, int) or \
+            not -(1 << 63) <= seed < 1 << 64:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
     if isinstance(model, ModelConfig):
-        _check_max_model_len(scheduler_settings, model)
-    else:  # a bad path or length fails before anything loads (the header alone is read)
+        header = model
+    else:  # a bad path or setting fails before anything loads (the header alone is read)
         from kvserve.model.loader import model_config_from_path
 
-        _check_max_model_len(scheduler_settings, model_config_from_path(model))
+        header = model_config_from_path(model)
+    _check_max_model_len(scheduler_settings, header)
+    SchedulerConfig.from_dict({"max_model_len": header.max_position_embeddings,
+                               **scheduler_settings})
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
     torch_dtype, why = resolve_dtype(dtype, stored)
@@ -256,32 +263,42 @@ class LLM:
                  use_tqdm: bool = True) -> list[GenerationResult]:
         """Generate for every prompt; results come back in the prompts' order.
 
-        A prompt is a string, a list of token ids, or a list of chat messages; pass a list of
-        them for a batch. ``sampling_params`` is one for all, or one per prompt.
+        A prompt is a string, a list of token ids, a list of chat messages, or vLLM's
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; pass a list of them for a
+        batch. ``sampling_params`` is one for all, or one per prompt. A prompt or a setting
+        that is refused raises before any prompt runs, and leaves nothing queued.
         """
         batch = _as_batch(prompts)
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else \
-            [sampling_params or SamplingParams()] * len(batch)
-        if len(params) != len(batch):
-            raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        params = _params_for(sampling_params, len(batch))
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}
-        order = []
-        for prompt, param in zip(batch, params, strict=True):
-            request_id = str(next(self._ids))
-            request = self.engine.add_request(request_id, prompt, param)
-            results[request_id] = GenerationResult(request_id, list(request.prompt_token_ids))
-            order.append(request_id)
-        self._run(results, use_tqdm)
-        return [results[request_id] for request_id in order]
+        try:
+            for prompt, param in zip(batch, params, strict=True):
+                request_id = str(next(self._ids))
+                request = self.engine.add_request(request_id, prompt, param)
+                results[request_id] = GenerationResult(request_id,
+                                                       list(request.prompt_token_ids))
+            self._run(results, use_tqdm)
+        except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
+            for request_id, result in results.items():
+                if result.finish_reason is None:
+                    self.engine.abort(request_id)
+            raise
+        return list(results.values())
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[GenerationResult]:
-        """One conversation (a list of messages) or several."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(list(conversations), sampling_params, use_tqdm)  # type: ignore
+        """One conversation (a list of {"role", "content"} messages) or several."""
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) \
+                or not messages:
+            raise TypeError("chat() takes a conversation (a non-empty list of {'role', "
+                            "'content'} messages) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conversation in conversations:
+            _check_conversation(conversation)
+        return self.generate(conversations, sampling_params, use_tqdm)  # type: ignore
 
     def close(self) -> None:
         """Stop the data-parallel replicas, if any (idempotent)."""
@@ -296,11 +313,13 @@ class LLM:
 
     def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
         progress = _progress(len(results), use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for chunk in self.engine.step().chunks:
-                _absorb(results[chunk.request_id], chunk, progress)
-        if progress is not None:
-            progress.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for chunk in self.engine.step().chunks:
+                    _absorb(results[chunk.request_id], chunk, progress)
+        finally:
+            if progress is not None:
+                progress.close()
 
     def _generate_parallel(self, batch: list[Prompt], params: list[SamplingParams],
                            use_tqdm: bool) -> list[GenerationResult]:
@@ -345,15 +364,73 @@ def _own_tokenizer(model: str | Path | ModelConfig | None,
     return load_tokenizer(model)
 
 
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)  # type: ignore[arg-type]
-    if items and all(isinstance(t, int) for t in items):
+PROMPT_FORMS = ("a string, a list of token ids, a list of chat messages, "
+                "{'prompt': text} or {'prompt_token_ids': ids}")
+
+
+def _as_batch(prompts: Any) -> list[Prompt]:
+    """``generate``'s prompts as a list of plain prompts (text, token ids or messages)."""
+    if isinstance(prompts, (str, dict)):
+        return [_plain(prompts, 0)]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be {PROMPT_FORMS}, or a list of them; got "
+                        f"{type(prompts).__name__}")
+    items = list(prompts)
+    if not items:
+        raise ValueError("no prompts given")
+    if all(isinstance(t, int) for t in items):
         return [items]  # one prompt of token ids
-    if items and all(isinstance(t, dict) for t in items):
+    if all(isinstance(t, dict) and "role" in t for t in items):
         return [items]  # one conversation
-    return items
+    return [_plain(item, index) for index, item in enumerate(items)]
+
+
+def _plain(prompt: Any, index: int) -> Prompt:
+    """One prompt of a batch as text, token ids or messages (vLLM's dict forms unpacked)."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+            return prompt["prompt_token_ids"]
+        if "role" in keys:
+            raise TypeError(f"prompts[{index}] is one chat message: pass a conversation as "
+                            "a list of messages (or use chat())")
+        raise TypeError(f"prompts[{index}]: a dict prompt is {{'prompt': text}} or "
+                        f"{{'prompt_token_ids': ids}}, got keys {sorted(keys)}")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
+        return prompt
+    raise TypeError(f"prompts[{index}] must be {PROMPT_FORMS}; got {type(prompt).__name__}")
+
+
+def _check_conversation(conversation: Any) -> None:
+    """A conversation's messages each have a string role and content (as the server
+    checks a chat request's), so a bad one is named before the chat template runs."""
+    if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence) \
+            or not conversation:
+        raise TypeError("a conversation is a non-empty list of {'role', 'content'} messages")
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TypeError(f"messages[{index}] must be a dict with a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise TypeError(f"messages[{index}] ({message['role']}) has no string 'content'")
+
+
+def _params_for(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (the defaults), one for all, or a list."""
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    params = [sampling_params] if isinstance(sampling_params, SamplingParams) else \
+        sampling_params
+    if not isinstance(params, Sequence) or \
+            not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("sampling_params must be a SamplingParams (kvserve.core), a list of "
+                        f"them or None; got {type(sampling_params).__name__}")
+    if len(params) == 1 and count > 1:
+        params = list(params) * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)
 
 
 def _progress(total: int, enabled: bool) -> Any:

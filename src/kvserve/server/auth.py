@@ -1,6 +1,7 @@
 """API keys and who may be urgent.
 
-``--api-key KEY`` is the operator's key: any priority, and ``/v1/abort``. ``--api-keys FILE``
+``--api-key KEY`` is the operator's key (tenant ``operator``, which a keys file may not
+name): any priority, with either ``--priority-source``, and ``/v1/abort``. ``--api-keys FILE``
 adds tenants' keys, as one key per line (``#`` comments), or JSON / TOML::
 
     [[keys]]                      # JSON: {"keys": [{...}, ...]} or a bare list
@@ -44,6 +45,16 @@ class ApiKey:
     default_priority: int = 0
     admin: bool = False
     weight: float = 1.0
+    operator: bool = False  # an --api-key key: any priority, whatever --priority-source says
+
+
+# The tenant of the --api-key keys; a keys file may not name it (their caches, sessions and
+# metrics series would merge with the operator's).
+OPERATOR_TENANT = "operator"
+
+
+def operator_key(key: str) -> ApiKey:
+    return ApiKey(key, OPERATOR_TENANT, admin=True, operator=True)
 
 
 OPEN_ACCESS = ApiKey("", "anonymous", admin=True)  # no keys configured: nothing is checked
@@ -114,6 +125,11 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
     if not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable():
         raise KeyFileError(f"{where}: 'tenant' must be a non-empty string of printable "
                            "characters (it names metrics series and log lines)")
+    if tenant == OPERATOR_TENANT:
+        raise KeyFileError(f"{where}: tenant '{OPERATOR_TENANT}' is the --api-key keys' own "
+                           "(a tenant sharing it would share their prefix cache, sessions and "
+                           "metrics); name the tenant otherwise, or give the key with "
+                           "--api-key")
     for name in ("most_urgent_priority", "default_priority"):
         value = entry.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -172,7 +188,8 @@ class KeyRing:
 def resolve_priority(requested: int | None, key: ApiKey, *, source: str,
                      scheduling_policy: str) -> int:
     """The priority a request runs at, or the refusal (400 / 403) with its reason."""
-    if requested is not None and source == "key" and requested != key.default_priority:
+    if requested is not None and source == "key" and not key.operator \
+            and requested != key.default_priority:
         raise APIError(403, f"priority is set by your API key on this server "
                             f"({key.default_priority} for tenant '{key.tenant}'); remove "
                             "'priority' from the request", param="priority")

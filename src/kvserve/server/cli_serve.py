@@ -36,7 +36,8 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--served-model-name", help="the model name clients send (default: "
                        "the model file's name)")
     group.add_argument("--api-key", action="append", default=[],
-                       help="an operator key (any priority, /v1/abort); repeatable")
+                       help="an operator key (tenant 'operator': any priority with either "
+                            "--priority-source, /v1/abort); repeatable")
     group.add_argument("--api-keys", metavar="FILE",
                        help="tenants' keys: one per line, or JSON/TOML with tenant, "
                             "most_urgent_priority, default_priority, admin")
@@ -153,11 +154,11 @@ def build_state(args: argparse.Namespace,
     from kvserve.engine.llm import build_engine
     from kvserve.flags import CLIError, engine_args
     from kvserve.server.auth import (
-        ApiKey,
         KeyFileError,
         KeyRing,
         is_valid_key,
         load_keys,
+        operator_key,
         tenant_weights,
     )
     from kvserve.server.limits import FanOutLimits
@@ -174,7 +175,7 @@ def build_state(args: argparse.Namespace,
         if not is_valid_key(key):
             raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
                            "spaces or control characters (it travels in an HTTP header)")
-    keys = [ApiKey(key, "operator", admin=True) for key in args.api_key]
+    keys = [operator_key(key) for key in args.api_key]
     try:
         if args.api_keys:
             keys += load_keys(args.api_keys)
@@ -184,8 +185,14 @@ def build_state(args: argparse.Namespace,
     try:
         if keys:  # tenants are known: their caches are apart unless the operator says not
             settings.setdefault("prefix_cache_scope", "tenant")
-            if tenant_weights(keys):
-                settings["tenant_weights"] = tenant_weights(keys)
+            weights = tenant_weights(keys)
+            if weights and settings.get("tenant_fairness", "off") != "vtc":
+                shown = ", ".join(f"{tenant}={weight:g}" for tenant, weight in weights)
+                raise CLIError(f"the keys file gives tenants weights ({shown}), which only "
+                               "price the fair share: add --tenant-fairness vtc, or drop "
+                               "the weights")
+            if weights:
+                settings["tenant_weights"] = weights
     except KeyFileError as error:
         raise CLIError(str(error)) from None
     for name in ("max_prompts_per_request", "max_sequences_per_request"):
@@ -262,14 +269,15 @@ def build_state(args: argparse.Namespace,
 
 
 def _check_scheduler_flags(settings: dict[str, Any]) -> None:
-    """The scheduler flags' ranges, checked before the model loads (the engine checks them
-    again, with the model's context length as max_model_len's default)."""
+    """The scheduler and cache flags' ranges, checked before the model loads (the engine
+    checks them again, with the model's context length as max_model_len's default)."""
     from kvserve.core import ConfigError
-    from kvserve.flags import CLIError, scheduler_config
+    from kvserve.flags import CLIError, cache_config, scheduler_config
 
     trial = {"max_model_len": max(2, settings.get("max_num_batched_tokens", 2)), **settings}
     try:
         scheduler_config(trial)
+        cache_config(settings, 1)
     except ConfigError as error:
         raise CLIError(str(error)) from None
 

@@ -63,6 +63,10 @@ class TenantSeries:
                                          "Generated tokens, by tenant.", labels,
                                          registry=registry)
         registry.register(_QueuedCollector(engine, self))
+        for tenant in sorted(self.known or ()):  # known tenants' series exist from boot, at 0
+            for counter in (self.requests, self.rejected, self.prompt_tokens,
+                            self.generation_tokens):
+                counter.labels(model_name, tenant)
 
     def label(self, tenant: str) -> str:
         """The ``tenant`` label value of ``tenant``: its name or ``other``."""

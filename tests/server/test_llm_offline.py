@@ -1,0 +1,106 @@
+"""The offline API, ``LLM(...).generate`` and ``chat``, taken as a vLLM user takes it: vLLM's
+dict prompts, a refused prompt that leaves nothing behind, and bad arguments named, not a
+Python error from deep inside (README, "Generate with the real model")."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvserve
+from kvserve.core import RequestError, SamplingParams
+from kvserve.engine.llm import LLM
+
+from .helpers import TINY, tokenizer
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=64, max_model_len=256,
+               dtype="float32")
+
+
+def ids(results):
+    return [r.token_ids for r in results]
+
+
+def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_works_on(llm):
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 49152\)"):
+        llm.generate(["The capital of France is", [-1]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()  # the first prompt was taken back
+    [result] = llm.generate("Water boils at", GREEDY)
+    assert result.finish_reason == "length" and len(result.token_ids) == 4
+
+
+def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
+    text = llm.generate("Hello there", GREEDY)
+    as_dict = llm.generate({"prompt": "Hello there"}, GREEDY)
+    prompt_ids = text[0].prompt_token_ids
+    as_ids = llm.generate([{"prompt_token_ids": prompt_ids}, {"prompt": "Hello there"}],
+                          GREEDY)
+    assert as_dict[0].prompt_token_ids == prompt_ids
+    assert ids(as_ids) == ids(text) * 2 and as_ids[0].prompt_token_ids == prompt_ids
+
+
+@pytest.mark.parametrize(("prompts", "needle"), [
+    (None, "prompts must be a string"),
+    (5, "prompts must be a string"),
+    (b"hello", "got bytes"),
+    ([], "no prompts given"),
+    ({"prompt": "x", "multi_modal_data": {}}, "got keys ['multi_modal_data', 'prompt']"),
+    ([{"role": "user", "content": "hi"}, "text"], "prompts[0] is one chat message"),
+    (["ok", 3.5], "prompts[1] must be a string"),
+])
+def test_a_prompt_of_no_known_form_is_named(llm, prompts, needle):
+    with pytest.raises((TypeError, ValueError)) as error:
+        llm.generate(prompts, GREEDY)
+    assert needle in str(error.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_of_another_kind_are_named(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate("a", {"max_tokens": 3})
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [GREEDY, GREEDY])
+    assert len(llm.generate(["a", "b"], [GREEDY])) == 2  # one in a list: for all
+
+
+@pytest.mark.parametrize(("messages", "needle"), [
+    ([{"role": "user"}], "messages[0] (user) has no string 'content'"),
+    ([{"content": "hi"}], "messages[0] must be a dict with a string 'role'"),
+    ("hello", "chat() takes a conversation"),
+    ([], "chat() takes a conversation"),
+])
+def test_a_bad_chat_message_is_named_before_the_template_runs(llm, messages, needle):
+    with pytest.raises(TypeError) as error:
+        llm.chat(messages, GREEDY)
+    assert needle in str(error.value)
+
+
+def test_none_is_vllms_default_for_stop_and_stop_token_ids():
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert (params.stop, params.stop_token_ids) == ((), ())
+    with pytest.raises(RequestError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=5)
+    with pytest.raises(RequestError, match="seed must be an integer in"):
+        SamplingParams(seed=1 << 64)
+    with pytest.raises(RequestError, match="max_queue_delay must be a number of seconds > 0"):
+        SamplingParams(max_queue_delay=0)
+
+
+def test_the_package_exports_vllms_two_names_lazily():
+    assert kvserve.LLM is LLM and kvserve.SamplingParams is SamplingParams
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        kvserve.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"block_size": 0}, "block_size=0 is out of range"),
+    ({"seed": 1 << 64}, "seed must be an integer in"),
+    ({"max_queue_delay": 0}, "max_queue_delay=0 is out of range"),
+])
+def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, **kwargs)
