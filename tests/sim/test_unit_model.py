@@ -108,6 +108,23 @@ def test_cancel_before_arrival_means_it_never_runs():
     assert aggregate(result)["num_steps"] == 4
 
 
+def test_a_client_timeout_after_the_request_finished_never_fires():
+    # b finishes at t=4 (prompt 16, 3 tokens + EOS); its timeout at t=1000 is never reached,
+    # so the run ends at t=4, not 1000 (it used to wait for it: 0 tok/s, and plan chose the
+    # smallest max_num_seqs for a trace of client timeouts)
+    from kvserve.core import CacheConfig, SchedulerConfig
+    from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    trace = [req("b", 16, 3, cancel_time=1000.0)]
+    cluster = ClusterSimulator(Simulator(SchedulerConfig(), CacheConfig(100), UnitCostModel()),
+                               ClusterOptions(2), [UnitCostModel(), UnitCostModel()])
+    for result in (simulate(trace), cluster.run(trace)):
+        assert by_id(result)["b"].finish_reason == "stop"
+        assert aggregate(result)["duration_s"] == 4.0
+
+
 def test_max_tokens_caps_before_eos_and_ignore_eos_runs_to_max_tokens():
     # a: output_len 10 but max_tokens 3 -> "length" after 3 tokens (t=3).
     # b: ignore_eos, output_len 1, max_tokens 5 -> 5 tokens, "length" at t=5.

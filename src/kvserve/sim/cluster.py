@@ -381,9 +381,16 @@ class _ClusterRun:
         times = [self.holds[0][0]] if self.holds else []
         if self.next_arrival < len(self.arrivals):
             times.append(self.arrivals[self.next_arrival].arrival_time)
-        if self.next_cancel < len(self.cancels):
-            times.append(self.cancels[self.next_cancel][0])
+        cancels = self.cancels
+        while self.next_cancel < len(cancels) and self._done(cancels[self.next_cancel][1]):
+            self.next_cancel += 1  # a client timeout of a request already done never fires
+        if self.next_cancel < len(cancels):
+            times.append(cancels[self.next_cancel][0])
         return min(times) if times else None
+
+    def _done(self, request_id: str) -> bool:
+        owner = self.replica_of.get(request_id)
+        return owner is not None and request_id in self.replicas[owner].run.finished
 
     # -- requests in -----------------------------------------------------------------------
 

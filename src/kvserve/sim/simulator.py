@@ -258,8 +258,11 @@ class _Run:
         times = []
         if self.next_arrival < len(self.arrivals):
             times.append(self.arrivals[self.next_arrival].arrival_time)
-        if self.next_cancel < len(self.cancels):
-            times.append(self.cancels[self.next_cancel][0])
+        cancels, finished = self.cancels, self.finished
+        while self.next_cancel < len(cancels) and cancels[self.next_cancel][1] in finished:
+            self.next_cancel += 1  # a client timeout of a request already done never fires
+        if self.next_cancel < len(cancels):
+            times.append(cancels[self.next_cancel][0])
         return min(times) if times else None
 
     # -- requests in -----------------------------------------------------------------------
