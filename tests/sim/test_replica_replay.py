@@ -73,6 +73,8 @@ def test_simulate_replays_each_replica_where_the_server_placed_it(tmp_path):
     data = json.loads(report.read_text())
     assert data["config"]["cost_model"]["name"] == "replay"
     assert data["config"]["data_parallel"]["router"] == "recorded"
+    assert data["config"]["cost_model"]["source"] == f"{directory} (engines 0-1, each " \
+        "replica its own)"
     assert finish_times(data) == FINISHED
     rows = [json.loads(line) for line in events.read_text().splitlines()]
     assert {r["request_id"]: r["replica"] for r in rows} == PLACED

@@ -61,3 +61,28 @@ def test_a_turn_waits_for_the_previous_answer_and_starts_from_held_kv():  # U2 U
 def test_a_trace_without_sessions_reports_as_before():
     trace = [req(f"r{i}", 40, 8, i * 0.1) for i in range(6)]
     assert aggregate(simulate(trace)) == aggregate(simulate(trace, max_session_kv=0.0))
+
+
+def test_a_turn_waits_for_its_previous_one_in_a_cluster_too():
+    """Closed loop (kvserve.sim.conversations) across replicas: b, the next turn of a's
+    session sent while a still runs, arrives when a finishes (t=4 under the unit model: a
+    prefill and 3 tokens + EOS), whichever replica each runs on; one engine and two
+    replicas then see the same client (the cluster used to send b at once)."""
+    from kvserve.core import CacheConfig, SchedulerConfig
+    from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    trace = [req("a", 16, 3, session_id="s"), req("b", 40, 2, arrival=0.5, session_id="s"),
+             req("c", 16, 3, arrival=1.0, session_id="s", cancel_time=2.0)]
+    cluster = ClusterSimulator(Simulator(SchedulerConfig(), CacheConfig(100), UnitCostModel()),
+                               ClusterOptions(2, "round-robin"),
+                               [UnitCostModel(), UnitCostModel()])
+    for result in (simulate(trace), cluster.run(trace)):
+        records = by_id(result)
+        assert records["b"].arrival_time == 4.0 and records["b"].finish_reason == "stop"
+        assert records["c"].finish_reason == "abort"  # cancelled while it waited
+    with pytest.raises(ValueError, match="cluster simulation does not model held sessions"):
+        ClusterSimulator(Simulator(SchedulerConfig(max_session_kv=0.5), CacheConfig(100),
+                                   UnitCostModel()), ClusterOptions(2),
+                         [UnitCostModel(), UnitCostModel()])

@@ -48,6 +48,7 @@ from kvserve.core.router import (
     RouteDecision,
     make_router,
 )
+from kvserve.sim.conversations import ConversationGate
 from kvserve.sim.cost_models import CostModel
 from kvserve.sim.simulator import (
     ProgressFn,
@@ -168,6 +169,8 @@ class _Replica:
                 record = self.run.records[request_id]
                 record.finish_reason, record.stop_reason = "abort", "cancelled"
                 self.run.finished.add(request_id)
+                if self.run.conversations is not None:
+                    self.run.conversations.ended(request_id)
                 return
         if self.flight is not None:
             self.pending_cancels.append(request_id)
@@ -231,6 +234,11 @@ class ClusterSimulator:
                              f"cluster simulation needs continuous batching")
         if len(cost_models) != options.data_parallel_size:
             raise ValueError("one cost model per replica")
+        if sim.scheduler_config.max_session_kv > 0:
+            raise ValueError("--max-session-kv holds a session's KV in one engine; the "
+                             "cluster simulation does not model held sessions yet: simulate "
+                             "them with --data-parallel-size 1 (a trace's turns still wait "
+                             "for their previous turn in a cluster)")
         replayed = [getattr(m, "step_start", None) is not None for m in cost_models]
         if any(replayed) and (options.lockstep or options.router != "recorded"
                               or len({id(m) for m in cost_models}) < len(cost_models)):
@@ -257,6 +265,11 @@ class _ClusterRun:
                         for r in self.arrivals}
         self.replicas = [_Replica(i, sim, cost_model, self.records)
                          for i, cost_model in enumerate(cluster.cost_models)]
+        # A conversation's next turn waits for its previous one, on whichever replica it ran
+        # (closed loop, as on one engine: kvserve.sim.conversations).
+        self.conversations = ConversationGate.for_trace(self.arrivals)
+        for replica in self.replicas:
+            replica.run.conversations = self.conversations
         self.router = None if options.router == "recorded" else \
             make_router(options.router, options.data_parallel_size,
                         imbalance_bound=options.imbalance_bound)
@@ -395,11 +408,19 @@ class _ClusterRun:
     # -- requests in -----------------------------------------------------------------------
 
     def _take_due(self, now: float) -> None:
-        arrivals, cancels = self.arrivals, self.cancels
+        arrivals, cancels, gate = self.arrivals, self.cancels, self.conversations
+        if gate is not None:  # turns whose previous turn just ended arrive now
+            for turn in gate.ready(now):
+                if turn.request_id in self.cancelled_early:  # cancelled while it waited
+                    gate.ended(turn.request_id)
+                    continue
+                self.records[turn.request_id].arrival_time = turn.arrival_time
+                self._route(turn)
         while self.next_arrival < len(arrivals) and \
                 arrivals[self.next_arrival].arrival_time <= now:
             arrival = arrivals[self.next_arrival]
-            if arrival.request_id not in self.cancelled_early:
+            if arrival.request_id not in self.cancelled_early and \
+                    (gate is None or gate.admit(arrival)):  # else cancelled, or waits
                 self._route(arrival)
             self.next_arrival += 1
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:

@@ -193,6 +193,10 @@ class Deployment:
             "seed": seed,
             "trace": {"num_requests": len(trace), "digest": trace_digest(trace)},
         }
+        if cluster is not None and self.cost_model == "replay" and self.recording is not None:
+            echo["cost_model"]["source"] = (f"{self.recording.path} (engines 0-"
+                                            f"{cluster.data_parallel_size - 1}, each "
+                                            "replica its own)")
         if self.kv_cache_dtype != "auto":
             echo["deployment"]["kv_cache_dtype"] = self.kv_cache_dtype
         if self.hardware_spec is not None:

@@ -98,13 +98,17 @@ class Recording:
                                [s["start"] for s in steps])
 
     def fitted_cost_model(self) -> Any:
-        """A calibrated cost model fitted on the recorded steps (shape -> duration)."""
+        """A calibrated cost model fitted on the recorded steps (shape -> duration), the way
+        ``kvserve calibrate --trace`` and ``--step-logs`` fit steps run in service: relative
+        to the price, with the prefill-step term (docs/fidelity.md: a fit relative to the
+        measured time leans low on noisy steps)."""
         from kvserve.sim.calibration import fit, shaped_steps
 
         try:
             views, seconds = shaped_steps([s for log in self.engines.values()
                                            for s in log.steps], str(self.path))
-            return fit(views, seconds, source=f"fitted on {self.path}'s {len(views)} steps")
+            return fit(views, seconds, source=f"the recorded steps of {self.path}",
+                       kind_term=True, relative_to="priced")
         except ValueError as error:
             raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
                                  f"steps ({error}); give --cost-model") from None
