@@ -22,9 +22,11 @@ def add_parser(subparsers: Any) -> None:
     gen.add_argument("--rate", type=float, default=1.0,
                      help="mean arrivals (conversations) per second")
     gen.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst"))
-    gen.add_argument("--cv", type=float, default=1.0,
-                     help="gamma: coefficient of variation of the gaps (>1: burstier)")
-    gen.add_argument("--burst-size", type=int, default=8, help="burst: requests per burst")
+    gen.add_argument("--cv", type=float, default=None,
+                     help="gamma: coefficient of variation of the gaps (>1: burstier; "
+                          "default 1)")
+    gen.add_argument("--burst-size", type=int, default=None,
+                     help="burst: requests per burst (default 8)")
     gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST")
     gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST")
     gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
@@ -55,15 +57,23 @@ def run_gen(args: argparse.Namespace) -> int:
         from kvserve.sim.trace import dump_trace
         from kvserve.sim.workloads import WorkloadSpec, generate
 
+        for flag, value, arrival in (("--cv", args.cv, "gamma"),
+                                     ("--burst-size", args.burst_size, "burst")):
+            if value is not None and args.arrival != arrival:
+                raise ValueError(f"{flag} shapes --arrival {arrival}, not {args.arrival}")
         spec = WorkloadSpec(
-            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival, cv=args.cv,
-            burst_size=args.burst_size, prompt_len=args.prompt_len, output_len=args.output_len,
+            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
+            cv=1.0 if args.cv is None else args.cv,
+            burst_size=8 if args.burst_size is None else args.burst_size,
+            prompt_len=args.prompt_len, output_len=args.output_len,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
             prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
             prefix_fraction=args.prefix_fraction, turns=args.turns,
             think_time=args.think_time, priorities=args.priorities, seed=args.seed,
             sessions=args.sessions)
-        text = dump_trace(generate(spec))
+        requests = generate(spec)
+        _check_used(args, requests)
+        text = dump_trace(requests)
         if args.output:
             try:
                 with open(args.output, "w", encoding="utf-8") as handle:
@@ -74,3 +84,21 @@ def run_gen(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(text)
     return 0
+
+
+def _check_used(args: argparse.Namespace, requests: list[Any]) -> None:
+    """Flags that shaped no request are named: --sessions names multi-turn conversations'
+    sessions, and a shared system prompt goes to single-turn requests only (a trace line
+    names one prefix, and a turn's is its conversation so far)."""
+    turns = sum(1 for r in requests if r.prefix_id is not None and
+                r.prefix_id.startswith("conv"))
+    if args.sessions and not turns:
+        raise ValueError("--sessions names the sessions of multi-turn conversations, and "
+                         "this trace has none: give --turns with more than one turn")
+    if args.prefix_groups and turns:
+        if turns == len(requests):
+            raise ValueError("--prefix-groups gives single-turn requests a shared system "
+                             "prompt, and every request here is a turn of a conversation "
+                             "(whose prefix is the conversation so far)")
+        print(f"note: the {turns} turns of multi-turn conversations take no shared system "
+              "prompt (--prefix-groups applies to the single-turn requests)", file=sys.stderr)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvserve.sim.trace import TraceRequest
+from kvserve.sim.trace import MAX_TIME, TraceRequest
 
 
 class WorkloadError(ValueError):
@@ -70,6 +70,8 @@ class LengthDist:
                 number = float(value)
             except ValueError:
                 raise WorkloadError(f"{text!r}: {key}={value!r} is not a number") from None
+            if not math.isfinite(number):
+                raise WorkloadError(f"{text!r}: {key}={value!r} is not a finite number")
             if key in ("min", "max"):
                 clip[key] = int(number)
             elif key in names:
@@ -86,6 +88,11 @@ class LengthDist:
 
     def _validate(self, text: str) -> None:
         p = self.params
+        lengths = [v for k, v in p.items() if k not in ("a", "sigma")]  # not shape terms
+        if not all(math.isfinite(v) for v in p.values()) or \
+                any(v > MAX_LENGTH for v in lengths) or self.low > MAX_LENGTH or \
+                (self.high is not None and self.high > MAX_LENGTH):
+            raise WorkloadError(f"{text!r}: lengths are at most {MAX_LENGTH:.0e} tokens")
         bad = (
             (self.kind == "fixed" and p["value"] < 0)
             or (self.kind == "uniform" and not 0 <= p["low"] <= p["high"])
@@ -119,6 +126,7 @@ class LengthDist:
 
 
 ARRIVALS = ("poisson", "gamma", "burst")
+MAX_LENGTH = 1e9  # tokens: a length beyond it is a typo (and past numpy's integer draws)
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,10 @@ def generate(spec: WorkloadSpec) -> list[TraceRequest]:
                                       prompt_dist, output_dist, group_prefix_lens,
                                       classes, probabilities))
     requests.sort(key=lambda r: (r.arrival_time, r.request_id))
+    if requests[-1].arrival_time > MAX_TIME:
+        raise WorkloadError(f"the trace would run to {requests[-1].arrival_time:.3g} s, past "
+                            f"the {MAX_TIME:.0e} s a trace may span: raise --rate or lower "
+                            "--think-time")
     return requests
 
 
