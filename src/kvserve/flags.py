@@ -38,7 +38,9 @@ class CLIError(Exception):
 _SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_num_seqs", int, "most requests running at once"),
     ("max_num_batched_tokens", int, "token budget of one step"),
-    ("max_model_len", int, "longest sequence (prompt + output)"),
+    ("max_model_len", int, "longest sequence (prompt + output); default: the model's "
+                           "context in serve and generate, 2048 in simulate, plan and whatif "
+                           "(a recording: as recorded)"),
     ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off"),
     ("watermark", float, "fraction of KV blocks kept free when admitting"),
     ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests"),
@@ -233,6 +235,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     keys = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
     settings = {k: getattr(args, k) for k in keys
                 if getattr(args, k, None) is not None}
+    if "kv_cache_memory" in settings and "num_kv_blocks" in settings:
+        raise CLIError("give --kv-cache-memory or --num-kv-blocks, not both (each sizes the "
+                       "KV pool)")
     check_preemption_flags(settings)
     return settings
 

@@ -29,6 +29,11 @@ def test_bench_reports_latencies_throughput_and_preemptions(capsys):
         assert summary["preemptions"] > 0  # 10 blocks cannot hold 8 growing requests
         assert summary["kv_cache_usage_after"] == 0
         wait_for(live.idle, what="idle")
+    from kvserve.bench.report import format_table
+
+    line = format_table(summary).splitlines()[-1]  # counters read as floats: shown whole
+    assert line == f"preemptions (from /metrics): {int(summary['preemptions']):,}, " \
+        f"recomputed tokens: {int(summary['recomputed_tokens']):,}"
 
 
 def test_bench_clients_that_disconnect_leave_nothing_behind(capsys):

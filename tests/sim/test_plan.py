@@ -160,3 +160,25 @@ def test_a_trace_too_short_to_queue_gives_a_lower_bound(tmp_path, capsys):
     assert "too short to queue past the bound" in result["capacity_note"]
     assert main(args) == 0
     assert ">= " in capsys.readouterr().out
+
+
+def test_a_trace_that_queues_past_the_bound_at_any_rate_says_why(tmp_path, capsys):
+    """Two bursts of requests, each longer than the bound to drain under the unit model
+    (1 s a step): slowing the arrivals keeps each burst a burst, so no rate meets the
+    bound; plan says so instead of printing "none" alone, and names the max_num_seqs the
+    search ran at."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({
+        "request_id": f"r{i}", "arrival_time": 0.0 if i < 6 else 100.0, "prompt_len": 16,
+        "output_len": 4}) + "\n" for i in range(12)))
+    args = ["plan", "--trace", str(trace), "--cost-model", "unit", "--candidates", "2",
+            "--workers", "1", "--queue-delay-p99", "0.5"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["capacity_qps"] is None and result["capacity_max_num_seqs"] == 2
+    assert "exceeded 0.5 s at every rate tried" in result["capacity_note"]
+    assert main(args) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "capacity QPS at max_num_seqs 2" in printed and "at every rate tried" in printed

@@ -158,3 +158,15 @@ def test_tenant_weight_without_fair_share_is_refused(tmp_path, capsys):
     assert main(["simulate", "--trace", str(trace), "--tenant-weight", "gold=2",
                  "--quiet"]) == 2
     assert "--tenant-weight needs --tenant-fairness vtc" in capsys.readouterr().err
+
+
+def test_a_weight_for_a_tenant_the_trace_lacks_is_warned_of(tmp_path, capsys):
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    two_floods(trace)
+    assert main(["simulate", "--trace", str(trace), "--tenant-fairness", "vtc", "--quiet",
+                 "--cost-model", "unit", "--tenant-weight", "ghost=2",
+                 "--tenant-weight", "gold=2"]) == 0
+    assert "warning: --tenant-weight names 'ghost', which no request of the trace is from" \
+        in capsys.readouterr().err

@@ -100,8 +100,10 @@ def format_table(summary: dict[str, Any]) -> str:
         row = summary[name]
         lines.append(f"{name.upper():6} " + " ".join(
             f"{fmt(row[k]):>10}" for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")))
-    lines.append(f"preemptions (from /metrics): {fmt(summary['preemptions'])}, recomputed "
-                 f"tokens: {fmt(summary['recomputed_tokens'])}")
+    def count(value: Any) -> str:  # a Prometheus counter reads as a float: 4.0 -> 4
+        return fmt(int(value) if isinstance(value, float) and value.is_integer() else value)
+    lines.append(f"preemptions (from /metrics): {count(summary['preemptions'])}, recomputed "
+                 f"tokens: {count(summary['recomputed_tokens'])}")
     for error, count in summary["errors"].items():
         lines.append(f"error x{count}: {error}")
     return "\n".join(lines)

@@ -49,7 +49,8 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
                            help="how long a step takes (default roofline; for a recording, "
                                 f"{recorded_cost_model})" if recordings else None)
         group.add_argument("--calibration", metavar="PATH.json",
-                           help="coefficients for --cost-model calibrated")
+                           help="coefficients for --cost-model calibrated (kvserve calibrate); "
+                                "implies it")
         group.add_argument("--replay-step-times", metavar="LOG.jsonl",
                            help="replay the step times an engine measured (its step log); "
                                 "implies --cost-model replay")
@@ -104,6 +105,11 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     from kvserve.sim.presets import weights_dtype
 
     calibration = getattr(args, "calibration", None)
+    if calibration is not None:  # implies the model it is for, as --replay-step-times does
+        if getattr(args, "cost_model", None) not in (None, "calibrated"):
+            raise ValueError(f"--calibration gives --cost-model calibrated its coefficients; "
+                             f"it cannot be used with --cost-model {args.cost_model}")
+        args.cost_model = "calibrated"
     warning = calibration_cpu_warning(calibration) if calibration else None
     if warning:
         print(warning, file=sys.stderr)

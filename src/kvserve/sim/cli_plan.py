@@ -117,6 +117,9 @@ def _run_preemption_cost(args: argparse.Namespace) -> int:
                                  f"--{flag.replace('_', '-')}")
         if args.seq_len is None:
             raise ValueError("--preemption-cost needs --seq-len (the victim's tokens)")
+        if args.max_model_len is not None and args.seq_len > args.max_model_len:
+            raise ValueError(f"--seq-len {args.seq_len} is longer than --max-model-len "
+                             f"{args.max_model_len}: no sequence grows that long")
         args.model = args.model or DEFAULT_MODEL
         args.hardware = args.hardware or DEFAULT_HARDWARE
         link = None if args.link_bandwidth is None else parse_bandwidth(args.link_bandwidth)
@@ -176,7 +179,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     check_workers(args.workers)
     replica_flags = [flag for flag, value in (
         ("--max-replicas", args.max_replicas), ("--slo-ttft-p99", args.slo_ttft_p99),
-        ("--slo-itl-p99", args.slo_itl_p99)) if value is not None]
+        ("--slo-itl-p99", args.slo_itl_p99), ("--router", args.router),
+        ("--router-imbalance-bound", args.router_imbalance_bound),
+        ("--data-parallel-lockstep", args.data_parallel_lockstep or None),
+        ("--prefill-schedule-interval", None if args.prefill_schedule_interval == 1 else 1),
+        ("--ray", args.ray or None)) if value is not None]
     if replica_flags and (args.max_replicas is None or not args.trace):
         raise ValueError(f"{replica_flags[0]} plans replicas: give --max-replicas M and "
                          f"--trace")
@@ -205,6 +212,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     pool = deployment.kv_pool(settings, config)
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
+        if seq_len > config.max_model_len:
+            raise ValueError(f"--prompt-len + --output-len = {seq_len} tokens is longer than "
+                             f"max_model_len {config.max_model_len}: such a request is "
+                             "refused (give --max-model-len)")
     elif trace is not None:
         seq_len, source = plan.trace_seq_len_p95(trace), "trace p95"
     else:
@@ -326,6 +337,14 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
         found["queue_p99_floor_s"] = floor
         if note:
             found["capacity_note"] = note
+    else:
+        slowest = min((p["qps"] for p in probes if p["qps"]), default=start)
+        found["capacity_note"] = (
+            f"the p99 queue delay exceeded {args.queue_delay_p99:g} s at every rate tried, "
+            f"down to {slowest:.3g} QPS: slowing the arrivals does not spread this trace's "
+            "requests out enough (they come in bursts that stay bursts at any rate, e.g. a "
+            "trace recorded behind a client's concurrency limit), or one request alone "
+            "waits longer than the bound")
     return found
 
 
@@ -367,11 +386,12 @@ def _print(result: dict[str, Any]) -> None:
     if "sweep" in result:
         rows += [
             ("largest max_num_seqs without preemption",
-             str(result["max_num_seqs_no_preemption"])),
+             _or_none(result["max_num_seqs_no_preemption"], "every candidate preempts")),
             ("best-throughput max_num_seqs" + (
                 f" (TTFT p99 <= {result['ttft_p99_target_s']} s)"
                 if result["ttft_p99_target_s"] is not None else ""),
-             str(result["max_num_seqs_best_throughput"])),
+             _or_none(result["max_num_seqs_best_throughput"],
+                      "no candidate meets the TTFT target")),
         ]
     if "replica_sweep" in result:
         slo = [f"{name} p99 <= {result[key]} s" for name, key in (
@@ -384,7 +404,9 @@ def _print(result: dict[str, Any]) -> None:
     if "capacity_qps" in result:
         qps = result["capacity_qps"]
         shown = "none" if qps is None else f"{qps:.4g}"
-        rows.append((f"capacity QPS (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
+        at = result.get("capacity_max_num_seqs")
+        rows.append(("capacity QPS" + (f" at max_num_seqs {at}" if at else "") +
+                     f" (queue p99 <= {result.get('queue_delay_p99_bound_s')} s)",
                      f">= {shown} (the trace is too short to say more)"
                      if result.get("capacity_is_lower_bound") else shown))
     if result.get("queue_p99_floor_s") is not None:
@@ -420,6 +442,10 @@ def _print(result: dict[str, Any]) -> None:
         for r in result["sweep"]:
             if r.get("error"):
                 console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")
+
+
+def _or_none(value: Any, why: str) -> str:
+    return why if value is None else str(value)
 
 
 def _print_replica_sweep(console: Any, rows: list[dict[str, Any]]) -> None:

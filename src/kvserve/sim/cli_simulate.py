@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
                              "setting (run one simulate per setting, or fix the others with "
                              "their flags)")
         args.sweep = args.sweep[0] if args.sweep else None
+        check_workers(args.workers)  # named whether or not a sweep would use it
         settings = settings_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
         recording = None
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             check_pool_setting([*settings, *(sweep[:1] if sweep else ())])
             recording, settings = recorded_run(args, settings)
         elif args.cost_model is None:
-            args.cost_model = "roofline"
+            args.cost_model = "calibrated" if args.calibration else "roofline"
         args.recording = recording
         deployment = deployment_from_args(args)
         if args.tenant_weight:
@@ -86,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
         if sweep and args.events:
             raise ValueError("--events records one run; it cannot be combined with --sweep")
         trace = recording.trace if recording is not None else read_trace(args.trace)
+        if args.tenant_weight:
+            tenants = {r.tenant for r in trace}
+            absent = [t for t, _ in settings["tenant_weights"] if t not in tenants]
+            if absent:
+                print(f"warning: --tenant-weight names {', '.join(map(repr, absent))}, which "
+                      "no request of the trace is from", file=sys.stderr)
         if sweep:
             _run_sweep(args, deployment, settings, trace, *sweep)
         else:
@@ -122,6 +129,8 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     from kvserve.sim.recording import load_recording
 
     recording = load_recording(args.trace)
+    if args.calibration and args.cost_model is None:  # its coefficients, not the recording's
+        args.cost_model = "calibrated"
     recorded = recording.settings
     size = recorded.pop("data_parallel_size", 1)
     router = recorded.pop("router", None)

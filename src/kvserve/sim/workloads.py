@@ -64,7 +64,11 @@ class LengthDist:
         for index, item in enumerate(p for p in rest.split(",") if p.strip()):
             key, eq, value = item.partition("=")
             if not eq:
-                key, value = (names[index] if index < len(names) else "?"), item
+                if index >= len(names):
+                    raise WorkloadError(f"{text!r}: {kind} takes {len(names)} bare value(s) "
+                                        f"({', '.join(names)}); write the others as min=... "
+                                        "or max=...")
+                key, value = names[index], item
             key = key.strip()
             try:
                 number = float(value)
