@@ -119,4 +119,7 @@ def parse_bandwidth(text: str) -> float:
                              "6.4e10") from None
     if not value > 0:
         raise ValueError(f"--link-bandwidth must be > 0, got {raw!r}")
+    if value < 1e6:  # no host link is this slow: a unit left out (10 meant 10GB/s)
+        raise ValueError(f"--link-bandwidth {raw!r} is {value:g} bytes/s; write the unit, "
+                         "e.g. 64GB/s")
     return value

@@ -47,7 +47,9 @@ def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
         ("requests", f"{a['num_requests']} ({reasons})"),
         ("steps / simulated time", f"{a['num_steps']} / {a['duration_s']:.2f} s"),
         ("output throughput", f"{a['throughput_output_tok_s']:.1f} tok/s"),
-        ("total throughput", f"{a['throughput_total_tok_s']:.1f} tok/s"),
+        # tokens computed per second (recomputation in, prefix hits out): not vLLM's
+        # "total token throughput", (prompt + output) / duration
+        ("computed tokens", f"{a['throughput_total_tok_s']:.1f} tok/s"),
         ("preemptions", f"{a['num_preemptions']} ({a['num_preempted_requests']} requests)"),
         ("recomputed tokens (wasted)",
          f"{a['recomputed_tokens']} ({fmt_pct(a['wasted_fraction'])})"),
