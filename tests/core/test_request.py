@@ -56,7 +56,8 @@ def test_events_carry_timestamps():  # B3
     ({"priority": 1.5}, "priority must be an integer, got 1.5"),
     ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
     ({"logprobs": 50}, "logprobs must be an integer in [0, 20]"),
-    ({"max_queue_delay": -1}, "max_queue_delay must be a number >= 0"),
+    ({"max_queue_delay": -1}, "max_queue_delay must be a number of seconds > 0"),
+    ({"max_queue_delay": 0}, "max_queue_delay must be a number of seconds > 0"),
 ])
 def test_bad_sampling_params_are_named(kwargs, message):
     with pytest.raises(RequestError) as error:

@@ -96,15 +96,25 @@ def _svg(width: int, height: int, parts: list[str]) -> str:
             f'viewBox="0 0 {width} {height}">' + "".join(parts) + "</svg>")
 
 
-def _legend(names: Sequence[str], width: int) -> list[str]:
-    parts = []
-    x = width - _M["right"] - 120 * len(names)
+LEGEND_ROW = 16  # pixels per row of legend entries under a chart
+_CHAR = 6.5  # pixels per character of a tick-sized label, a generous estimate
+
+
+def _legend(names: Sequence[str], width: int, top: int) -> tuple[list[str], int]:
+    """Entries under the chart from ``top``, flowing left to right and wrapping at the
+    chart's width, each as wide as its name (long run labels no longer overlap each other
+    or the title); the parts and the height they take."""
+    parts, x, row = [], _M["left"], 0
     for index, name in enumerate(names):
+        entry = 14 + _CHAR * len(name) + 16
+        if x > _M["left"] and x + entry > width - _M["right"]:
+            x, row = _M["left"], row + 1
+        y = top + row * LEGEND_ROW
         color = PALETTE[index % len(PALETTE)]
-        parts.append(f'<rect x="{x}" y="6" width="10" height="10" fill="{color}"/>'
-                     f'<text x="{x + 14}" y="15" class="tick">{escape(name)}</text>')
-        x += 120
-    return parts
+        parts.append(f'<rect x="{x:.0f}" y="{y}" width="10" height="10" fill="{color}"/>'
+                     f'<text x="{x + 14:.0f}" y="{y + 9}" class="tick">{escape(name)}</text>')
+        x += entry
+    return parts, (row + 1) * LEGEND_ROW + 4
 
 
 def downsample(xs: Sequence[float], ys: Sequence[float],
@@ -154,7 +164,9 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence
                     parts.append(f'<circle cx="{frame.x(x):.1f}" cy="{frame.y(y):.1f}" r="3.5" '
                                  f'fill="{color}"><title>{fmt(x)}: {fmt(y)}</title></circle>')
     if len(series) > 1:
-        parts += _legend([name for name, _, _ in series], width)
+        legend, extra = _legend([name for name, _, _ in series], width, height)
+        parts += legend
+        height += extra
     return _svg(width, height, parts)
 
 

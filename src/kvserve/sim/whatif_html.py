@@ -11,7 +11,7 @@ from kvserve.sim.html import _page
 from kvserve.sim.report import request_latencies
 from kvserve.sim.whatif import ROWS, Run, figure
 
-WIDTH = 760  # room for four runs' legends beside a chart's title
+WIDTH = 760
 
 
 def render_whatif(title: str, runs: Sequence[Run],
