@@ -99,10 +99,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
 
 def test_generate_cli_prints_the_answer_and_refuses_bad_input():
     ok = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--chat",
-                         "--prompt", "What is the capital of France?", "--max-tokens", "12",
-                         "--num-kv-blocks", "64", "--dtype", "float32"],
+                         "--prompt", "What is the capital of France?", "--prompt", "Hi",
+                         "--max-tokens", "12", "--num-kv-blocks", "64", "--dtype", "float32"],
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "Paris" in ok.stdout, ok.stderr
+    # several answers, each under its prompt's number (an answer may span lines)
+    lines = ok.stdout.splitlines()
+    assert lines[0] == "--- prompt 1 ---" and "--- prompt 2 ---" in lines
     bad = subprocess.run([sys.executable, "-m", "kvserve", "generate", "--prompt", "hi",
                           "--max-tokens", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2

@@ -104,3 +104,9 @@ def test_the_package_exports_vllms_two_names_lazily():
 def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, **kwargs)
+
+
+def test_a_vllm_gpu_argument_says_what_sizes_the_same_thing_here():
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) gpu_memory_utilization "
+                                         r"\(gpu_memory_utilization: give kv_cache_memory"):
+        LLM(TINY, tokenizer=tokenizer(), gpu_memory_utilization=0.5)

@@ -289,8 +289,8 @@ class AsyncEngine:
                     break
                 if self.core.busy:
                     report = self.core.step()
+                    self._notify(report)  # before the clients hear: see _notify
                     self._deliver(report.chunks)
-                    self._notify(report)
                     if stalled(report):
                         self._stopping.wait(self.idle_wait)
                 else:
@@ -322,8 +322,8 @@ class AsyncEngine:
             else:
                 report = self.core.abort(command.request_ids)
                 if report is not None:
-                    self._deliver(report.chunks)
                     self._notify(report)
+                    self._deliver(report.chunks)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -339,6 +339,9 @@ class AsyncEngine:
             command.future.set_exception(error)
 
     def _notify(self, report: StepReport) -> None:
+        """Step observers (metrics, the recorder, the dashboard) hear of a step before any
+        client gets its tokens, so whatever a client does next (stopping a recording, reading
+        /metrics) comes after the step in their view."""
         notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:

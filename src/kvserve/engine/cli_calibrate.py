@@ -108,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     for term, value in model.coefficients.items():
         print(f"  {term:{width}s} {value:.3e} s")
     print(f"  {'min_tokens':{width}s} {model.min_tokens} (steps with fewer tokens cost as much)")
+    if args.quick:
+        print(f"note: --quick times {len(shapes)} shapes, enough to check a machine but not to "
+              "tell every term apart (terms it cannot separate come out 0 or equal); for a "
+              "model to simulate with, run the full grid or --trace")
     if args.plot:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         results = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     except (ConfigError, RequestError, ValueError, FileNotFoundError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
-    for prompt, result in zip(prompts, results, strict=True):
+    for number, (prompt, result) in enumerate(zip(prompts, results, strict=True), 1):
         if args.json:
             metrics = result.metrics
             print(json.dumps({
@@ -78,5 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 "num_prompt_tokens": len(result.prompt_token_ids),
                 "num_preemptions": metrics.num_preemptions if metrics else 0}))
         else:
+            if len(prompts) > 1:  # answers may span lines: each under its prompt's number
+                print(f"--- prompt {number} ---")
             print(result.text)
     return 0

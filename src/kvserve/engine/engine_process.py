@@ -660,8 +660,8 @@ class ProcessEngine:
             self.idle_checks, self.invariant_violations = \
                 out.idle_checks, out.invariant_violations
         for report in out.reports:
+            notify(self.observers, report)  # before the clients hear (AsyncEngine._notify)
             self._deliver(report.chunks)
-            notify(self.observers, report)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
         if self._text:

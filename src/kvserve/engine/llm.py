@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import itertools
 import logging
@@ -134,6 +135,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
     """
     check_quantization(quantization)
+    _check_keywords(scheduler_settings)
     CacheConfig(num_blocks=1, block_size=block_size)  # a bad block size, before any load
     if isinstance(seed, bool) or not isinstance(seed, int) or \
             not -(1 << 63) <= seed < 1 << 64:
@@ -190,6 +192,31 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+# vLLM's GPU arguments and what sizes the same thing here.
+_GPU_ARGUMENTS = {"gpu_memory_utilization": "kv_cache_memory (bytes) or num_kv_blocks",
+                  "num_gpu_blocks_override": "num_kv_blocks",
+                  "tensor_parallel_size": "nothing (no tensor parallelism here); "
+                                          "data_parallel_size runs replicas"}
+
+
+def _check_keywords(settings: dict[str, Any]) -> None:
+    """ConfigError naming an argument neither build_engine (LLM) nor SchedulerConfig takes,
+    with what to give instead of a vLLM GPU argument."""
+    import inspect
+
+    own = [name for name, parameter in inspect.signature(build_engine).parameters.items()
+           if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    fields = [f.name for f in dataclasses.fields(SchedulerConfig)]
+    unknown = sorted(set(settings) - set(fields))
+    if not unknown:
+        return
+    hints = [f"{name}: give {_GPU_ARGUMENTS[name]}" for name in unknown if name in _GPU_ARGUMENTS]
+    raise ConfigError(f"unknown argument(s) {', '.join(unknown)}"
+                      + (f" ({'; '.join(hints)})" if hints else "")
+                      + f"; the engine takes {', '.join(own)} and the scheduler's "
+                      f"{', '.join(fields)}")
 
 
 def _check_max_model_len(settings: dict[str, Any], config: ModelConfig) -> None:
@@ -398,7 +425,10 @@ def _plain(prompt: Any, index: int) -> Prompt:
                             "a list of messages (or use chat())")
         raise TypeError(f"prompts[{index}]: a dict prompt is {{'prompt': text}} or "
                         f"{{'prompt_token_ids': ids}}, got keys {sorted(keys)}")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt):
+    if isinstance(prompt, list) and not prompt:
+        raise ValueError(f"prompts[{index}] is empty: a prompt is text, a non-empty list of "
+                         "token ids or a conversation")
+    if isinstance(prompt, (str, list)):
         return prompt
     raise TypeError(f"prompts[{index}] must be {PROMPT_FORMS}; got {type(prompt).__name__}")
 
