@@ -48,7 +48,7 @@ from kvserve.core.router import (
     RouteDecision,
     make_router,
 )
-from kvserve.sim.conversations import ConversationGate
+from kvserve.sim.conversations import ConversationGate, take_due
 from kvserve.sim.cost_models import CostModel
 from kvserve.sim.simulator import (
     ProgressFn,
@@ -408,21 +408,9 @@ class _ClusterRun:
     # -- requests in -----------------------------------------------------------------------
 
     def _take_due(self, now: float) -> None:
-        arrivals, cancels, gate = self.arrivals, self.cancels, self.conversations
-        if gate is not None:  # turns whose previous turn just ended arrive now
-            for turn in gate.ready(now):
-                if turn.request_id in self.cancelled_early:  # cancelled while it waited
-                    gate.ended(turn.request_id)
-                    continue
-                self.records[turn.request_id].arrival_time = turn.arrival_time
-                self._route(turn)
-        while self.next_arrival < len(arrivals) and \
-                arrivals[self.next_arrival].arrival_time <= now:
-            arrival = arrivals[self.next_arrival]
-            if arrival.request_id not in self.cancelled_early and \
-                    (gate is None or gate.admit(arrival)):  # else cancelled, or waits
-                self._route(arrival)
-            self.next_arrival += 1
+        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
+                                     self.cancelled_early, self.records, self._route)
+        cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
             cancel_time, request_id = cancels[self.next_cancel]
             owner = self.replica_of.get(request_id)

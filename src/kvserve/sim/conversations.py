@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
+from typing import Any
 
 from kvserve.sim.trace import TraceRequest
 
@@ -65,3 +66,25 @@ class ConversationGate:
             if self.admit(turn):
                 out.append(turn)
         return out
+
+
+def take_due(arrivals: Sequence[TraceRequest], next_arrival: int, now: float,
+             gate: ConversationGate | None, gone: Container[str], records: dict[str, Any],
+             take: Callable[[TraceRequest], None]) -> int:
+    """Hand ``take`` the turns ``gate`` lets arrive at ``now`` (their records' arrival moved
+    there) and then the arrivals due by ``now`` from index ``next_arrival`` that may come
+    (not ``gone``: cancelled before they came; not waiting for their session's live turn);
+    the index of the next arrival not yet due. One simulator's loop and a cluster's share it."""
+    if gate is not None:  # turns whose previous turn just ended arrive now
+        for turn in gate.ready(now):
+            if turn.request_id in gone:  # cancelled while it waited
+                gate.ended(turn.request_id)
+                continue
+            records[turn.request_id].arrival_time = turn.arrival_time
+            take(turn)
+    while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_time <= now:
+        arrival = arrivals[next_arrival]
+        if arrival.request_id not in gone and (gate is None or gate.admit(arrival)):
+            take(arrival)
+        next_arrival += 1
+    return next_arrival

@@ -42,7 +42,7 @@ from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
 from kvserve.core.sessions import SessionError
 from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
-from kvserve.sim.conversations import ConversationGate
+from kvserve.sim.conversations import ConversationGate, take_due
 from kvserve.sim.cost_models import CostModel, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
@@ -190,21 +190,9 @@ class _Run:
 
     def _take_due(self, now: float) -> None:
         """Arrivals and cancellations whose time has come, in time order."""
-        arrivals, cancels, gate = self.arrivals, self.cancels, self.conversations
-        if gate is not None:  # turns whose previous turn just ended arrive now
-            for turn in gate.ready(now):
-                if turn.request_id in self.finished:  # cancelled while it waited
-                    gate.ended(turn.request_id)
-                    continue
-                self.recorder.records[turn.request_id].arrival_time = turn.arrival_time
-                self.held.append(turn)
-        while self.next_arrival < len(arrivals) and \
-                arrivals[self.next_arrival].arrival_time <= now:
-            arrival = arrivals[self.next_arrival]
-            if arrival.request_id not in self.finished and \
-                    (gate is None or gate.admit(arrival)):  # else cancelled, or waits
-                self.held.append(arrival)
-            self.next_arrival += 1
+        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
+                                     self.finished, self.recorder.records, self.held.append)
+        cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
             self._cancel(cancels[self.next_cancel][1], now)
             self.next_cancel += 1
