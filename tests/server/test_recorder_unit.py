@@ -131,3 +131,26 @@ def test_the_record_command_fails_in_one_line(capsys, argv, needle):
     assert main(["record", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_a_replica_started_again_or_a_request_placed_again_marks_the_recording(tmp_path):
+    """A replica's step count going down (it died and was started again) and a request
+    whose arrival comes from a second replica (placed again after its replica died) are in
+    the manifest, so the replay says why it cannot follow the logs step for step."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="none", num_engines=2)
+    recorder.start()
+    params = SamplingParams(max_tokens=8)
+    recorder.submitted([("a", list(range(20)), params)])
+    recorder.observe(report(recorder, 1.0, 20, engine=1, arrivals=[("a", 0.9)],
+                            stats=dataclasses.replace(BUSY, num_steps=5)))
+    recorder.observe(report(recorder, 2.0, 20, engine=0, arrivals=[("a", 1.9)]))
+    recorder.observe(report(recorder, 3.0, 1, engine=1, chunks=[
+        CompletionChunk("a", [2], "", True, "stop", None, metrics(3))],
+        stats=dataclasses.replace(IDLE, num_steps=1)))
+    recorder.close()
+    manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
+    assert manifest["replica_restarts"] == [{"engine": 1, "time": 3.0}]
+    assert manifest["requests_placed_again"] == 1
+    inexact = load_recording(tmp_path / "rec", warn=lambda _: None).inexact
+    assert "replica 1 was started again at 3.000 s" in inexact
+    assert "1 request(s) were placed again" in inexact

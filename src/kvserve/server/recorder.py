@@ -174,6 +174,7 @@ class Recorder:
         self.num_requests = self.num_steps = 0
         self._pending: dict[str, _Pending] = {}
         self._open_steps: dict[int, _OpenStep] = {}
+        self._last_steps: dict[int, int] = {}  # each engine's step count, as last reported
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._trace = _Rotating(self.directory, "trace", max_file_bytes)
         self._steps: dict[int, _Rotating] = {}
@@ -293,9 +294,12 @@ class Recorder:
 
     def _record(self, report: StepReport) -> None:
         origin, pending = self.origin, self._pending
+        self._note_restart(report)
         for request_id, taken in report.arrivals:
             entry = pending.get(request_id)
             if entry is not None:
+                if entry.arrival is not None and entry.engine != report.engine:
+                    self._note_disruption("requests_placed_again", 1)
                 entry.arrival, entry.engine = taken - origin, report.engine
         if report.num_scheduled_tokens:
             self._close_step(report.engine, report.time - origin)
@@ -314,6 +318,22 @@ class Recorder:
                 if entry is not None and entry.arrival is not None:
                     cancel = report.time - origin if chunk.stop_reason == ABORTED else None
                     self._write_request(chunk.request_id, entry, chunk, cancel)
+
+    def _note_restart(self, report: StepReport) -> None:
+        """A replica's step count going down is a replica started again: its KV and queue
+        were lost mid-recording, which a step-for-step replay cannot follow (the manifest
+        says so: docs/recording.md)."""
+        steps = report.stats.num_steps
+        if steps < self._last_steps.get(report.engine, 0):
+            restarts = self.manifest.setdefault("replica_restarts", [])
+            restarts.append({"engine": report.engine,
+                             "time": round(report.time - self.origin, 6)})
+            self._write_manifest()
+        self._last_steps[report.engine] = steps
+
+    def _note_disruption(self, name: str, count: int) -> None:
+        self.manifest[name] = self.manifest.get(name, 0) + count
+        self._write_manifest()
 
     def _close_step(self, engine: int, next_start: float | None) -> None:
         """Write engine's open step: it lasted to ``next_start`` (None: its own seconds)."""
