@@ -82,7 +82,7 @@ def test_a_turn_waits_for_its_previous_one_in_a_cluster_too():
         records = by_id(result)
         assert records["b"].arrival_time == 4.0 and records["b"].finish_reason == "stop"
         assert records["c"].finish_reason == "abort"  # cancelled while it waited
-    with pytest.raises(ValueError, match="cluster simulation does not model held sessions"):
+    with pytest.raises(ValueError, match="held session KV is not modelled in a cluster"):
         ClusterSimulator(Simulator(SchedulerConfig(max_session_kv=0.5), CacheConfig(100),
                                    UnitCostModel()), ClusterOptions(2),
                          [UnitCostModel(), UnitCostModel()])

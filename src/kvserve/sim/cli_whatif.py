@@ -78,9 +78,26 @@ def _cluster_value(text: str, key: str, value: str) -> Any:
     return size
 
 
+def _recorded_cluster(settings: dict[str, Any], trace: list[Any]) -> tuple[Any, Any]:
+    """The recorded cluster, taken out of ``settings``: (its size and router, for the model
+    check and the changes; the same with each request where the server placed it, for the
+    recorded run, or None for an older recording of replicas that does not say)."""
+    from kvserve.core.router import DEFAULT_IMBALANCE_BOUND
+    from kvserve.sim.cluster import ClusterOptions
+
+    recorded = ClusterOptions(settings.pop("data_parallel_size", 1),
+                              settings.pop("router", "least-loaded"),
+                              imbalance_bound=settings.pop("router_imbalance_bound",
+                                                           DEFAULT_IMBALANCE_BOUND))
+    if recorded.data_parallel_size == 1:
+        return recorded, recorded
+    if any(r.replica is None for r in trace):
+        return recorded, None
+    return recorded, dataclasses.replace(recorded, router="recorded")
+
+
 def run(args: argparse.Namespace) -> int:
     with cli_errors():
-        from kvserve.core.router import DEFAULT_IMBALANCE_BOUND
         from kvserve.sim.cluster import ClusterOptions
         from kvserve.sim.recording import (
             check_pool_setting,
@@ -100,17 +117,9 @@ def run(args: argparse.Namespace) -> int:
         replay = deployment_from_args(args)
         other = dataclasses.replace(replay, cost_model=chosen)
         settings = recording.settings
-        recorded = ClusterOptions(settings.pop("data_parallel_size", 1),
-                                  settings.pop("router", "least-loaded"),
-                                  imbalance_bound=settings.pop("router_imbalance_bound",
-                                                               DEFAULT_IMBALANCE_BOUND))
         trace = recording.trace
-        # A recording of replicas replays each request where the server placed it, when
-        # it holds the placement; the model check and the changes go through its router.
-        placed = recorded.data_parallel_size == 1 or \
-            all(r.replica is not None for r in trace)
-        as_placed = dataclasses.replace(recorded, router="recorded") \
-            if recorded.data_parallel_size > 1 else recorded
+        recorded, as_placed = _recorded_cluster(settings, trace)
+        placed = as_placed is not None
 
         def simulate(deployment: Any, values: dict[str, Any],
                      cluster: ClusterOptions = recorded) -> Any:
