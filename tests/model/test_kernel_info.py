@@ -166,6 +166,11 @@ def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) ->
     expected = "int8_linear [--quantization int8]" if int8_linear_available() \
         else "--quantization int8 needs"
     assert report["quantization"]["int8"].startswith(expected)
+    # what --dtype auto picks for the bundled model here (docs/dtype.md)
+    from kvserve.model.dtype import auto_dtype_name
+
+    assert report["dtype_auto"]["dtype"] == auto_dtype_name()
+    assert report["dtype_auto"]["why"].startswith("auto: the checkpoint is 16-bit")
 
 
 def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,6 +184,9 @@ def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str])
                                else "C++ kernels  not built")
     assert lines[6].startswith("quantization int8_linear" if int8_linear_available()
                                else "quantization --quantization int8 needs")
+    from kvserve.model.dtype import auto_dtype_name
+
+    assert lines[7].startswith(f"dtype auto   {auto_dtype_name()} (the checkpoint is 16-bit")
     report = kernel_info.kernel_report()
     for dtype in ("float32", "bfloat16"):
         start = lines.index(f"{dtype}:")

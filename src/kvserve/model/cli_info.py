@@ -29,8 +29,18 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(error)) from None
     report["quantization"] = {name: unavailable_reason(name) or describe_quantization(name)
                               for name in QUANTIZATIONS}
+    report["dtype_auto"] = dtype_auto()
     print(json.dumps(report, indent=1) if args.json else text(report))
     return 0
+
+
+def dtype_auto() -> dict[str, str]:
+    """What ``--dtype auto`` loads a 16-bit (or quantized) checkpoint in here, such as the
+    bundled model, and why (docs/dtype.md); a float32 checkpoint stays float32."""
+    from kvserve.model.dtype import resolve_dtype
+
+    dtype, why = resolve_dtype("auto", "16-bit")
+    return {"dtype": str(dtype).removeprefix("torch."), "why": why}
 
 
 def text(report: dict[str, Any]) -> str:
@@ -52,6 +62,10 @@ def text(report: dict[str, Any]) -> str:
              "AMX          --quantization int8 sums on AMX-INT8 tiles where the CPU has them "
              "and Linux grants them; oneDNN's packed bf16 projections use AMX itself"]
     lines += [f"{'quantization':<13}{kernel}" for kernel in report.get("quantization", {}).values()]
+    if "dtype_auto" in report:
+        auto = report["dtype_auto"]
+        lines.append(f"dtype auto   {auto['dtype']} ({auto['why'].removeprefix('auto: ')}; a "
+                     "float32 checkpoint stays float32)")
     for dtype, ops in report["ops"].items():
         lines += ["", f"{dtype}:"]
         lines += [f"  {op:<14} {kernel}" for op, kernel in ops.items()]
