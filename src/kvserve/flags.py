@@ -161,16 +161,26 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-preemptions-per-request", dest="max_preemptions_per_request",
                        type=int, help="a request preempted this many times is no longer "
                                       "a victim (default: no limit)")
-    group.add_argument("--victim-policy", dest="victim_policy", choices=VICTIM_POLICIES)
+    group.add_argument("--victim-policy", dest="victim_policy", choices=VICTIM_POLICIES,
+                       help="which running request a short pool preempts: vllm (default: "
+                            "the newest admitted, or under priority the least urgent), sglang "
+                            "(fewest output tokens first), least-computed (fewest computed "
+                            "tokens first) (K1)")
     group.add_argument("--admission-policy", dest="admission_policy",
-                       choices=ADMISSION_POLICIES)
-    group.add_argument("--block-size", dest="block_size", type=int)
+                       choices=ADMISSION_POLICIES,
+                       help="room an admission leaves for running requests' next tokens: "
+                            "optimistic (default, vLLM), reserve (their whole max_tokens), "
+                            "adaptive (SGLang's decaying new-token ratio) (K2)")
+    group.add_argument("--block-size", dest="block_size", type=int,
+                       help="tokens per KV block, 1 to 1024 (default 16)")
     group.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
                        type=int, help="KV blocks in the pool (default: sized from memory)")
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
                        help="KV cache bytes per device (e.g. 20GiB) instead of a block count")
     group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                       action=argparse.BooleanOptionalAction)
+                       action=argparse.BooleanOptionalAction,
+                       help="reuse the KV of full blocks a previous prompt computed (on by "
+                            "default)")
     group.add_argument("--prefix-caching-hash-algo", dest="prefix_caching_hash_algo",
                        choices=PREFIX_CACHING_HASH_ALGOS,
                        help="how full blocks are hashed for the prefix cache: blake2b, "

@@ -20,22 +20,26 @@ def add_parser(subparsers: Any) -> None:
         description="Send a workload to an OpenAI-compatible server (streaming) and report "
                     "TTFT, inter-token latency and E2E p50/p90/p99, throughput, errors, and "
                     "the preemptions the server counted in /metrics meanwhile.")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server (kvserve, vLLM, llama.cpp, ...)")
     parser.add_argument("--endpoint", default="/v1/completions",
-                        choices=("/v1/completions", "/v1/chat/completions"))
+                        choices=("/v1/completions", "/v1/chat/completions"),
+                        help="the API the requests go to")
     parser.add_argument("--model", help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key")
+    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     source = parser.add_argument_group("workload")
     source.add_argument("--trace", help="a kvserve trace (JSONL); its arrival times are used "
                                         "unless --request-rate or --max-concurrency is given")
-    source.add_argument("--num-prompts", type=int, default=100)
+    source.add_argument("--num-prompts", type=int, default=100,
+                        help="requests to send (without --trace)")
     source.add_argument("--input-len", default="64:512",
                         help="prompt length, N or LOW:HIGH (uniform)")
     source.add_argument("--output-len", default="32:256",
                         help="max_tokens, N or LOW:HIGH (uniform)")
     source.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
                         help="ids: token ids (no tokenizer differences); text: random words")
-    source.add_argument("--seed", type=int, default=0)
+    source.add_argument("--seed", type=int, default=0,
+                        help="seed of the drawn lengths, prompts and arrivals")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float,
                       help="Poisson arrivals at this many req/s (inf: all at once)")
@@ -43,10 +47,12 @@ def add_parser(subparsers: Any) -> None:
                       help="at most this many requests in flight")
     load.add_argument("--disconnect-prob", type=float, default=0.0,
                       help="fraction of clients that go away mid-stream at a random token")
-    load.add_argument("--no-stream", dest="stream", action="store_false")
+    load.add_argument("--no-stream", dest="stream", action="store_false",
+                      help="ask for whole answers (TTFT then equals E2E)")
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="do not send ignore_eos (for servers that refuse it)")
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature sent with each request")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -55,7 +61,8 @@ def add_parser(subparsers: Any) -> None:
                      help="add each request's lengths, TTFT, ITLs, generated text and error "
                           "to the JSON summary (vLLM's keys: input_lens, output_lens, ttfts, "
                           "itls, generated_texts, errors)")
-    out.add_argument("--no-progress", dest="progress", action="store_false")
+    out.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar on stderr")
     parser.set_defaults(run=run)
 
 

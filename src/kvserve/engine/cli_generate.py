@@ -31,7 +31,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate past the end-of-sequence token, to --max-tokens")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_scheduler_flags(parser)
 

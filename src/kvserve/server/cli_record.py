@@ -19,7 +19,8 @@ DESCRIPTION = ("Start, stop or show the recording of a running kvserve server (w
 
 def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "record", run, SUMMARY, DESCRIPTION)
-    parser.add_argument("action", choices=("start", "stop", "status"))
+    parser.add_argument("action", choices=("start", "stop", "status"),
+                        help="start (a new segment), stop, or show the status")
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="the server (default http://127.0.0.1:8000)")
     parser.add_argument("--dir", help="start: record into this directory on the server's "

@@ -40,7 +40,9 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
     group.add_argument("--kv-cache-dtype", default="auto",
                        help=f"KV cache: {', '.join(KV_CACHE_DTYPES)} (default auto: as "
                             "--dtype)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="devices one replica's weights and KV are split over (the "
+                            "planned GPUs'; the engine here has none)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of device memory for weights, activations and KV")
     if cost_model:

@@ -76,8 +76,10 @@ def add_parser(subparsers: Any) -> None:
     replicas.add_argument("--max-replicas", type=int, metavar="M",
                           help="simulate 1, 2, 4, ... M replicas and recommend the fewest "
                                "meeting the SLO (instead of the max_num_seqs sweep)")
-    replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS")
-    replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS")
+    replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS",
+                          help="the p99 time to first token a replica count must meet")
+    replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS",
+                          help="the p99 inter-token latency a replica count must meet")
     replicas.add_argument("--workers", type=int, default=default_workers(), metavar="K",
                           help="simulations run at once in local processes: the "
                                "max_num_seqs sweep, the capacity search and the replica "

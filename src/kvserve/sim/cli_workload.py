@@ -30,7 +30,8 @@ def add_parser(subparsers: Any) -> None:
     gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST")
     gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST")
     gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="every request runs to its max_tokens (the trace's ignore_eos)")
     gen.add_argument("--prefix-groups", type=int, default=0,
                      help="number of shared system prompts (0: none)")
     gen.add_argument("--prefix-len", default="fixed:256", metavar="DIST",
