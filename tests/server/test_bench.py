@@ -90,3 +90,16 @@ def test_bench_serve_names_a_refused_key_in_one_line(capsys):
         err = capsys.readouterr().err
         assert err.endswith(f"cannot list the models at {live.url}/v1/models: HTTP 401: give "
                             "--api-key\n") and err.count("\n") == 1
+
+
+def test_save_detailed_prints_the_table_and_writes_the_file(capsys, tmp_path):
+    """--save-detailed without --json used to fail after the whole load (vLLM's per-request
+    "errors" list replaced the counts the table reads) and write nothing."""
+    out = tmp_path / "b.json"
+    with LiveServer(max_model_len=512) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--no-progress",
+                     "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                     "--save-detailed", "--output", str(out)]) == 0
+    assert "requests: 2 completed, 0 failed" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["errors"] == ["", ""] and len(data["ttfts"]) == 2

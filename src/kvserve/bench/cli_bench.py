@@ -143,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.close()
     summary = {"model": model, "base_url": base_url, **summarize(result)}
+    table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
         summary.update(detailed(result))
-    print(json.dumps(summary, indent=2) if args.json else format_table(summary))
+    print(json.dumps(summary, indent=2) if args.json else table)
     if args.output:
         try:
             with open(args.output, "w") as file:
