@@ -124,6 +124,8 @@ def test_a_directory_holding_a_recording_is_refused(tmp_path):
     (["status", "--url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1"),
     (["stop", "--url", "ftp://x"], "is not an http(s) URL"),
     (["stop", "--dir", "d"], "--dir is for start only"),
+    (["status", "--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
+    (["status", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
 ])
 def test_the_record_command_fails_in_one_line(capsys, argv, needle):
     from kvserve.cli import main

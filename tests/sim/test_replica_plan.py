@@ -34,6 +34,8 @@ def test_recommendation_is_the_fewest_replicas_meeting_every_slo() -> None:
         "replicas_meeting_slo": [4, 8]}
     assert recommend_replicas(rows, 0.5, None)["replicas_recommended"] == 2
     assert recommend_replicas(rows, 0.1, None)["replicas_recommended"] is None
+    # no SLO given: nothing to meet, so no count is recommended (it used to say 1)
+    assert recommend_replicas(rows, None, None)["replicas_recommended"] is None
     assert recommend_replicas([row(1, None, None)], 1.0, None)["replicas_meeting_slo"] == []
 
 

@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--url {args.url!r} is not an http(s) URL")
     if args.dir is not None and args.action != "start":
         raise CLIError("--dir is for start only")
+    if not 0 < args.timeout < float("inf"):  # NaN fails too
+        raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     path = "/admin/record" if args.action == "status" else f"/admin/record/{args.action}"
     data = None
     if args.action != "status":
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         reason = getattr(error, "reason", error)
         raise CLIError(f"cannot reach {base}: {reason}") from None
     state = "recording" if body.get("recording") else "not recording"
-    where = f" into {body['directory']}" if body.get("directory") else ""
+    where = (" into " if body.get("recording") else "; last directory ") + body["directory"] \
+        if body.get("directory") else ""
     counts = f" ({body['requests']} requests, {body['steps']} steps written)" \
         if "requests" in body else ""
     print(f"{state}{where}{counts}")

@@ -398,11 +398,14 @@ def _print(result: dict[str, Any]) -> None:
     if "replica_sweep" in result:
         slo = [f"{name} p99 <= {result[key]} s" for name, key in (
             ("TTFT", "slo_ttft_p99_s"), ("ITL", "slo_itl_p99_s")) if result[key] is not None]
-        rows.append((f"fewest replicas ({result['router']}) meeting "
-                     f"{', '.join(slo) or 'no SLO (give --slo-ttft-p99 / --slo-itl-p99)'}",
-                     str(result["replicas_recommended"] or "none of "
-                         + ", ".join(str(row["replicas"]) for row in result["replica_sweep"])
-                         + " (raise --max-replicas)")))
+        if slo:
+            rows.append((f"fewest replicas ({result['router']}) meeting {', '.join(slo)}",
+                         str(result["replicas_recommended"] or "none of " + ", ".join(
+                             str(row["replicas"]) for row in result["replica_sweep"])
+                             + " (raise --max-replicas)")))
+        else:
+            rows.append((f"fewest replicas ({result['router']})",
+                         "no SLO to meet: give --slo-ttft-p99 or --slo-itl-p99"))
     if "capacity_qps" in result:
         qps = result["capacity_qps"]
         shown = "none" if qps is None else f"{qps:.4g}"

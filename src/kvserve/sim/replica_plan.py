@@ -75,6 +75,8 @@ def recommend_replicas(rows: Sequence[dict[str, Any]], slo_ttft_p99: float | Non
         return True
 
     passing = [row["replicas"] for row in rows if meets(row)]
+    if slo_ttft_p99 is None and slo_itl_p99 is None:  # nothing to meet: no recommendation
+        passing = []
     return {"replicas_recommended": min(passing) if passing else None,
             "slo_ttft_p99_s": slo_ttft_p99, "slo_itl_p99_s": slo_itl_p99,
             "replicas_meeting_slo": passing}
