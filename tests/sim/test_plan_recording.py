@@ -22,13 +22,23 @@ def plan(capsys, directory, *argv):
 def test_a_recording_is_planned_as_the_server_ran(tmp_path, capsys):
     directory = build(tmp_path / "rec")
     out = plan(capsys, directory)
-    assert out["recorded"] == {"recording": str(directory), "model": "", "num_steps": 12}
+    assert out["recorded"] == {"recording": str(directory), "model": "", "num_steps": 12,
+                               "data_parallel_size": 2, "router": "prefix-affinity"}
     assert out["hardware"] is None and "activation_reserve_bytes" not in out
     assert out["num_blocks"] == 32 and out["block_size"] == 16  # the recorded pool
     assert out["pool_max_num_seqs"] == 1  # the recorded max_num_seqs
     assert [row["num_kv_blocks"] for row in out["sweep"]] == [32, 32]
+    assert [row["max_num_seqs"] for row in out["sweep"]] == [1, 2]  # the recorded 1 in
     # priced by the fit on the recorded 0.5 s and 1 s steps, not an H100's microseconds
     assert out["sweep"][0]["ttft_p99"] > 0.3
+    # the recorded cluster, two replicas behind its router: a row is simulate's figure
+    report = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(directory), "--max-num-seqs", "2", "--quiet",
+                 "--report", str(report)]) == 0
+    simulated = json.loads(report.read_text())
+    assert simulated["config"]["data_parallel"]["size"] == 2
+    assert out["sweep"][1]["throughput_output_tok_s"] == \
+        simulated["aggregate"]["throughput_output_tok_s"]
 
 
 def test_a_named_deployment_plans_the_recordings_requests_on_it(tmp_path, capsys):
@@ -64,5 +74,6 @@ def test_the_title_says_what_was_planned(tmp_path, capsys):
     assert main(["plan", "--trace", str(directory), "--candidates", "1",
                  "--no-capacity-search"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "as recorded (step times fitted on its 12 steps)" in out
+    assert "as recorded (2 replicas behind prefix-affinity, the KV figures per replica; " \
+        "step times fitted on its 12 steps)" in out
     assert "activation reserve" not in out

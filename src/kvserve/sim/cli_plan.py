@@ -233,15 +233,24 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         del out["activation_reserve_bytes"]
         out["recorded"] = {"recording": str(recording.path), "model": recording.model,
                            "num_steps": sum(len(log.steps)
-                                            for log in recording.engines.values())}
+                                            for log in recording.engines.values()),
+                           "data_parallel_size": args.recorded_size}
     if trace is None:
         return out
     if args.max_replicas is not None:
         out.update(_replica_plan(args, deployment, trace, settings))
         return out
     candidates = _candidates(args.candidates)
+    runs_on: Any = deployment
+    if as_recorded:
+        # the recorded max_num_seqs is always a row; replicas run as the recorded cluster
+        candidates = sorted({*candidates, config.max_num_seqs})
+        if args.recorded_size > 1:
+            runs_on = InCluster(deployment, dataclasses.replace(
+                cluster_from_args(args), data_parallel_size=args.recorded_size))
+            out["recorded"]["router"] = runs_on.cluster.router
     # One progress bar per run on a terminal, serially; a pool's runs show none.
-    runner = ShowProgress(deployment) if args.workers <= 1 else deployment
+    runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
     with Workers(args.workers) as pool:
         rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool)
         out["sweep"] = rows
@@ -264,7 +273,7 @@ def _recorded_settings(args: argparse.Namespace, recording: Any,
                              "recording's pool is its blocks (give --num-kv-blocks, or "
                              "--model and --hardware to plan another deployment)")
     settings = recording.settings
-    settings.pop("data_parallel_size", None)
+    args.recorded_size = settings.pop("data_parallel_size", 1)
     router = settings.pop("router", None)
     bound = settings.pop("router_imbalance_bound", None)
     args.router = args.router or router
@@ -272,6 +281,18 @@ def _recorded_settings(args: argparse.Namespace, recording: Any,
         args.router_imbalance_bound = bound
     args.recording, args.cost_model = recording, "calibrated"
     return {**settings, **given}
+
+
+@dataclasses.dataclass(frozen=True)
+class InCluster:
+    """A deployment whose every simulation runs as the recorded cluster of replicas (the
+    max_num_seqs sweep and the capacity search of a recording of replicas)."""
+
+    deployment: Any
+    cluster: Any
+
+    def simulate(self, trace: Any, settings: dict[str, Any], **kwargs: Any) -> Any:
+        return self.deployment.simulate(trace, settings, cluster=self.cluster, **kwargs)
 
 
 def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
@@ -369,7 +390,7 @@ def _print(result: dict[str, Any]) -> None:
     title = f"{result['model']} ({result['dtype']}) on {result['hardware']} " \
         f"x{result['tensor_parallel_size']}" if recorded is None else \
         f"{recorded['recording']}: {recorded['model'] or result['model']} as recorded " \
-        f"(step times fitted on its {recorded['num_steps']:,} steps)"
+        f"({_replicas(recorded)}step times fitted on its {recorded['num_steps']:,} steps)"
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("figure", style="bold")
     table.add_column("value", justify="right")
@@ -447,6 +468,12 @@ def _print(result: dict[str, Any]) -> None:
         for r in result["sweep"]:
             if r.get("error"):
                 console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")
+
+
+def _replicas(recorded: dict[str, Any]) -> str:
+    size = recorded.get("data_parallel_size", 1)
+    return "" if size == 1 else f"{size} replicas behind {recorded.get('router')}, the KV " \
+        "figures per replica; "
 
 
 def _or_none(value: Any, why: str) -> str:
