@@ -162,9 +162,10 @@ def test_whatif_on_replicas_replays_them_then_changes_the_cluster(tmp_path, caps
     assert runs["data_parallel_size=4"]["duration_s"] == 3.0
     assert runs["max_num_seqs=2"]["duration_s"] == 3.0
     out = capsys.readouterr().out
-    assert "d: e2e 4.550 s" in out
-    # d finished on replica 1 in the recording, on a replica of its own with four
-    assert "recorded: finished on replica 1 at step" in out
+    # against the recorded settings under the unit model: c and d each get a replica of
+    # their own with four, and start at once
+    assert "d: e2e 6.000 s -> 3.000 s (-3.000 s); recorded (unit model): admitted on " \
+        "replica 1 at step 4 (3.000 s); data_parallel_size=4: admitted on replica 3" in out
 
 
 @pytest.mark.parametrize(("change", "needle"), [

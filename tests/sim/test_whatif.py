@@ -54,10 +54,12 @@ def test_the_worked_example_moves_b_by_three_seconds_from_its_admission(tmp_path
     assert (runs["recorded"]["e2e_max"], runs["max_num_seqs=2"]["e2e_max"]) == (6.0, 3.0)
     [row] = data["moved"]["max_num_seqs=2"]  # a did not move
     assert (row["request_id"], row["e2e_before_s"], row["e2e_after_s"]) == ("b", 6.0, 3.0)
-    assert row["first_difference"] == {"recorded": "admitted at step 3 (3.000 s)",
+    # against the recorded settings under the same (unit) model: the change's own effect
+    assert row["first_difference"] == {"recorded (unit model)": "admitted at step 3 (3.000 s)",
                                        "max_num_seqs=2": "admitted at step 0 (0.000 s)"}
     out = capsys.readouterr().out
-    assert "b: e2e 6.000 s -> 3.000 s (-3.000 s); recorded: admitted at step 3" in out
+    assert "b: e2e 6.000 s -> 3.000 s (-3.000 s); recorded (unit model): admitted at step 3" \
+        in out
     page = html.read_text()
     assert page.count("<svg") == 4 and "max_num_seqs=2" in page and "<script" not in page
 

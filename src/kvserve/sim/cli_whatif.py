@@ -147,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
             runs.append(make_run(f"{name}={value}", simulate(other, *variant(name, value)),
                                  (name, value)))
         changed = [r for r in runs if r.change is not None]
-        movers = {r.label: moved(runs[0], r, args.top) for r in changed}
+        # Each change against the recorded settings under the same model and router (the
+        # model check, when there is one): what moved is the change's doing, not the model's
+        # error or the simulated router's placement.
+        base = runs[-len(changed) - 1]
+        movers = {r.label: moved(base, r, args.top) for r in changed}
         print(f"{Path(args.recording_dir).name}: {len(trace)} requests; changes priced by the "
               f"{chosen} cost model")
         print(table(runs))

@@ -7,12 +7,13 @@ cost model (default: fitted on the recorded steps). When that model is not the r
 recorded settings also run under it ("model check"), so a change's effect can be read apart
 from the cost model's error.
 
-For the requests whose end-to-end latency moved most, the first scheduling decision that
-differed: each run's events of that request (admitted, preempted, resumed, finished), each
-placed at the step it happened before (the number of steps that started earlier; in a
-cluster of replicas, the number of any replica's steps that ended earlier, and the replica
-is named), compared in order; the first pair that differs in kind, step or replica is the one
-shown.
+For the requests whose end-to-end latency moved most against the recorded settings under
+the same cost model (the model check, or the recorded run when the changes are priced by the
+replay itself), the first scheduling decision that differed: each run's events of that
+request (admitted, preempted, resumed, finished), each placed at the step it happened
+before (the number of steps that started earlier; in a cluster of replicas, the number of
+any replica's steps that ended earlier, and the replica is named), compared in order; the
+first pair that differs in kind, step or replica is the one shown.
 
 A recording of replicas runs as a cluster: the recorded run with each request on the replica
 the server placed it on, the model check and the changes behind the server's router, and a
