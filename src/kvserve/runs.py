@@ -130,7 +130,8 @@ class RunRecorder:
     """The records of one run's requests and its ITL samples."""
 
     def __init__(self, arrivals: Iterable[Arrival]) -> None:
-        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
+        self.records = {r.request_id: RequestRecord(r.request_id,
+                                                    getattr(r, "received", r.arrival_time),
                                                     r.num_prompt_tokens, deadline=r.deadline,
                                                     tenant=r.tenant)
                         for r in arrivals}

@@ -82,6 +82,10 @@ def test_the_recording_holds_every_request_in_the_simulators_format(recorded):
     directory, replies = recorded
     recording = load_recording(directory, warn=pytest.fail)
     assert len(recording.trace) == 16 and recording.cut is not None
+    # when the server received each request, before the engine took it: latencies count
+    # from there (a request that arrived mid-step waited for the step to end)
+    received = [r.received_time for r in recording.trace if r.received_time is not None]
+    assert received and all(r.received <= r.arrival_time for r in recording.trace)
     by_id = {r.request_id: r for r in recording.trace}
     for reply in replies:
         request = by_id[reply["id"].removeprefix("cmpl-")]

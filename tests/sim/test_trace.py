@@ -16,6 +16,7 @@ def test_write_then_read_round_trips(tmp_path):
                      max_tokens=6, priority=2, deadline=3.0, cancel_time=2.0,
                      ignore_eos=True),
         TraceRequest("c", 1.5, 0, prompt_token_ids=(5, 6, 7)),
+        TraceRequest("d", 2.0, 3, prompt_len=8, replica=1, received_time=1.75),
     ]
     path = tmp_path / "t.jsonl"
     write_trace(path, requests)
@@ -40,6 +41,10 @@ def test_write_then_read_round_trips(tmp_path):
     ('{"request_id": "x", "arrival_time": 0, "prompt_len": 0, "output_len": 1}',
      "prompt_len must be an integer >= 1"),
     ('[1, 2]', "must be a JSON object"),
+    ('{"request_id": "x", "arrival_time": 1, "received_time": 2, "prompt_len": 4, '
+     '"output_len": 1}', "received_time 2 is after arrival_time 1"),
+    ('{"request_id": "x", "arrival_time": 1, "replica": -1, "prompt_len": 4, '
+     '"output_len": 1}', "replica must be an integer >= 0"),
     ('{"request_id": "x", "arrival_time": 0', "not valid JSON"),
 ])
 def test_malformed_line_names_its_line_number(tmp_path, line, message):

@@ -125,6 +125,18 @@ def test_a_client_timeout_after_the_request_finished_never_fires():
         assert aggregate(result)["duration_s"] == 4.0
 
 
+def test_latency_counts_from_when_the_server_received_the_request():
+    # a recorded request the server received at t=0 reached the scheduler at t=0.5 (it
+    # waited for the step then running): its first token at t=1.5 is a TTFT of 1.5, its
+    # queue time 0.5, as its client saw them (the replay used to count from t=0.5)
+    from kvserve.sim.report import request_latencies
+
+    result = simulate([req("a", 16, 3, arrival=0.5, received_time=0.0)])
+    record = by_id(result)["a"]
+    assert record.arrival_time == 0.0
+    assert request_latencies(record) == {"ttft": 1.5, "e2e": 4.5, "queue": 0.5}
+
+
 def test_max_tokens_caps_before_eos_and_ignore_eos_runs_to_max_tokens():
     # a: output_len 10 but max_tokens 3 -> "length" after 3 tokens (t=3).
     # b: ignore_eos, output_len 1, max_tokens 5 -> 5 tokens, "length" at t=5.

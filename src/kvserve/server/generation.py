@@ -117,7 +117,7 @@ async def _queue(state: ServerState, request_id: str,
         state.metrics.request_added(sub_id, arrival_time, len(prompt), counters)
     recorder = state.recorder
     if recorder is not None:
-        recorder.submitted(items)
+        recorder.submitted(items, arrival_time)
     try:
         stream = await state.engine.add_requests(items, arrival_time)
     except BaseException as error:

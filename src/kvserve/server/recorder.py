@@ -129,6 +129,7 @@ class _Pending:
     params: SamplingParams
     arrival: float | None = None  # seconds into the recording, once an engine took it
     engine: int = 0  # the replica that took it
+    received: float | None = None  # seconds into the recording, when the server got it
 
 
 @dataclasses.dataclass
@@ -228,11 +229,14 @@ class Recorder:
         self._queue.put(done)
         done.wait(timeout)
 
-    def submitted(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> None:
-        """Requests about to be queued (before the engine can report them)."""
+    def submitted(self, items: Sequence[tuple[str, Sequence[int], SamplingParams]],
+                  received: float | None = None) -> None:
+        """Requests about to be queued (before the engine can report them), received by
+        the server at ``received`` (its monotonic clock)."""
         if self.active:
+            at = None if received is None else received - self.origin
             for request_id, prompt, params in items:
-                self._pending[request_id] = _Pending(prompt, params)
+                self._pending[request_id] = _Pending(prompt, params, received=at)
 
     def dropped(self, request_ids: Sequence[str]) -> None:
         """Requests the engine refused: nothing will be reported of them."""
@@ -363,8 +367,10 @@ class Recorder:
     def _write_request(self, request_id: str, entry: _Pending, chunk: Any,
                        cancel: float | None) -> None:
         params = entry.params
-        row: dict[str, Any] = {"request_id": request_id,
-                               "arrival_time": round(entry.arrival or 0.0, 6)}
+        arrival = round(entry.arrival or 0.0, 6)
+        row: dict[str, Any] = {"request_id": request_id, "arrival_time": arrival}
+        if entry.received is not None and round(entry.received, 6) < arrival:
+            row["received_time"] = round(max(entry.received, 0.0), 6)
         prompt = entry.prompt
         if self.prompts == "ids":
             row["prompt_token_ids"] = list(prompt)

@@ -260,7 +260,7 @@ class _ClusterRun:
         sim, options = cluster.sim, cluster.options
         self.sim, self.options, self.progress = sim, options, progress
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
-        self.records = {r.request_id: RequestRecord(r.request_id, r.arrival_time,
+        self.records = {r.request_id: RequestRecord(r.request_id, r.received,
                                                     r.num_prompt_tokens, deadline=r.deadline)
                         for r in self.arrivals}
         self.replicas = [_Replica(i, sim, cost_model, self.records)
@@ -429,7 +429,7 @@ class _ClusterRun:
         request = Request(
             trace_request.request_id, trace_request.synthesise_prompt(seed),
             trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
-            arrival_time=trace_request.arrival_time)
+            arrival_time=trace_request.received)
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
                                      first_block_key(request, self.tenant_scoped)) \
             if self.hash_prefixes else ()

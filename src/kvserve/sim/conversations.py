@@ -62,7 +62,8 @@ class ConversationGate:
             turn = queue.popleft()
             if not queue:
                 del self._deferred[key]
-            turn = dataclasses.replace(turn, arrival_time=max(turn.arrival_time, now))
+            if now > turn.arrival_time:  # sent now: a recorded receipt time is moot
+                turn = dataclasses.replace(turn, arrival_time=now, received_time=None)
             if self.admit(turn):
                 out.append(turn)
         return out

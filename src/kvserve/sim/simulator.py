@@ -285,7 +285,7 @@ class _Run:
         request = Request(
             request_id, prompt,
             trace_request.sampling_params(self.sim.scheduler_config.max_model_len, sessions),
-            arrival_time=trace_request.arrival_time)
+            arrival_time=trace_request.received)
         if prompt_bytes is not None:
             self.scheduler.kv.hash_prompt(request, prompt_bytes)
         answer = self.executor.register(request_id, request.num_prompt_tokens,
@@ -305,7 +305,7 @@ class _Run:
                 request = Request(request_id, request.prompt_token_ids, trace_request
                                   .sampling_params(self.sim.scheduler_config.max_model_len,
                                                    False),
-                                  arrival_time=trace_request.arrival_time)
+                                  arrival_time=trace_request.received)
                 self.scheduler.add_request(request)
         except (RequestRejected, QueueFullError) as error:
             self._refuse(request_id, error)

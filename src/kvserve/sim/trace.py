@@ -10,7 +10,10 @@ tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with opt
 scheduler holds between turns when the simulation runs with ``--max-session-kv`` (U1;
 ignored otherwise, but its turns are still sent closed loop, docs/sessions.md), and
 ``replica`` (an integer >= 0): the data-parallel replica a recorded server placed the
-request on, which ``--router recorded`` follows (docs/recording.md). A
+request on, which ``--router recorded`` follows, and ``received_time`` (s, at or before
+``arrival_time``): when a recorded server received the request, which its latencies count
+from and its scheduler orders by, while the request reaches the scheduler at
+``arrival_time`` (docs/recording.md). A
 recorded prompt (``kvserve serve --record``, docs/recording.md) may come as ``prompt_len``
 with ``prompt_hashes``, the chained hashes of its full blocks of ``hash_block_size`` tokens:
 equal hashes stand for equal prefixes. Unknown fields are errors: a field that is accepted
@@ -65,6 +68,12 @@ class TraceRequest:
     session_id: str | None = None
     session_ttl: float | None = None
     replica: int | None = None
+    received_time: float | None = None
+
+    @property
+    def received(self) -> float:
+        """When the request was sent: latencies count from it, the scheduler orders by it."""
+        return self.arrival_time if self.received_time is None else self.received_time
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -148,7 +157,7 @@ class TraceRequest:
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
                               ("session_id", None), ("session_ttl", None),
-                              ("replica", None)):
+                              ("replica", None), ("received_time", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -167,7 +176,7 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
-           "session_ttl", "replica")
+           "session_ttl", "replica", "received_time")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -264,7 +273,17 @@ def parse_request(row: Any) -> TraceRequest:
         session_id=session_id,
         session_ttl=session_ttl,
         replica=_int(row, "replica", 0),
+        received_time=_received(row),
     )
+
+
+def _received(row: dict[str, Any]) -> float | None:
+    received = _time(row, "received_time")
+    if received is not None and received > row["arrival_time"]:
+        raise ValueError(f"received_time {row['received_time']} is after arrival_time "
+                         f"{row['arrival_time']}: a request reaches the scheduler after the "
+                         "server received it")
+    return received
 
 
 def _hashes(row: dict[str, Any], prompt_len: int | None) -> tuple[tuple[str, ...] | None, int]:
