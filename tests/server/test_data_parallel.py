@@ -127,13 +127,20 @@ def kill_process(engine, index: int) -> None:
     os.kill(engine.replicas[index].pid, signal.SIGKILL)
 
 
-def test_two_local_replicas_serve_and_survive_a_killed_one():
+def test_two_local_replicas_serve_and_survive_a_killed_one(tmp_path):
     from kvserve.engine.engine_process import LocalLauncher
+    from kvserve.server.admin import new_recorder
 
     engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
     with LiveServer(serving=engine) as live:
         check_both_replicas_serve(live)
+        recorder = new_recorder(live.state, str(tmp_path / "rec"))  # sees the death
+        recorder.start()
         check_a_killed_replica_is_survived(live, kill_process)
+        recorder.close()
+    manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
+    assert [death["engine"] for death in manifest["replica_deaths"]] == [0]
+    assert manifest["requests_placed_again"] == 1  # the queued request, on replica 1
     # stop() killed what did not exit within its join; under load the kernel may still be
     # reaping it when stop() returns, so poll rather than look once
     wait_for(lambda: not any(r.launcher.alive() for r in engine.replicas), timeout=60,

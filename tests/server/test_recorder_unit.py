@@ -135,24 +135,30 @@ def test_the_record_command_fails_in_one_line(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-def test_a_replica_started_again_or_a_request_placed_again_marks_the_recording(tmp_path):
-    """A replica's step count going down (it died and was started again) and a request
-    whose arrival comes from a second replica (placed again after its replica died) are in
-    the manifest, so the replay says why it cannot follow the logs step for step."""
+def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp_path):
+    """Replica 1 dies at 2.0 s holding a and b: a starts again on replica 0 (placed again),
+    b failed with its replica (its client got a 503), so b's line ends at the death, not at
+    the recording's stop; the manifest names the death and the re-placement, and the replay
+    says why it cannot follow the logs step for step."""
     recorder = Recorder(tmp_path / "rec", INFO, prompts="none", num_engines=2)
     recorder.start()
     params = SamplingParams(max_tokens=8)
-    recorder.submitted([("a", list(range(20)), params)])
-    recorder.observe(report(recorder, 1.0, 20, engine=1, arrivals=[("a", 0.9)],
-                            stats=dataclasses.replace(BUSY, num_steps=5)))
-    recorder.observe(report(recorder, 2.0, 20, engine=0, arrivals=[("a", 1.9)]))
-    recorder.observe(report(recorder, 3.0, 1, engine=1, chunks=[
-        CompletionChunk("a", [2], "", True, "stop", None, metrics(3))],
-        stats=dataclasses.replace(IDLE, num_steps=1)))
+    recorder.submitted([("a", list(range(20)), params), ("b", list(range(20)), params)])
+    recorder.observe(report(recorder, 1.0, 40, engine=1, arrivals=[("a", 0.9), ("b", 0.9)]))
+    recorder.replica_died(1, recorder.origin + 2.0)
+    recorder.observe(report(recorder, 2.5, 20, engine=0, arrivals=[("a", 2.4)]))
+    recorder.observe(report(recorder, 3.0, 1, engine=0, chunks=[
+        CompletionChunk("a", [2], "", True, "stop", None, metrics(3))], stats=IDLE))
+    recorder.flush()
     recorder.close()
     manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
-    assert manifest["replica_restarts"] == [{"engine": 1, "time": 3.0}]
+    assert manifest["replica_deaths"] == [{"engine": 1, "time": 2.0}]
     assert manifest["requests_placed_again"] == 1
+    trace = {row["request_id"]: row for row in lines(tmp_path / "rec", "trace-*.jsonl")}
+    assert (trace["a"]["replica"], trace["a"]["arrival_time"]) == (0, 2.4)
+    assert trace["b"]["cancel_time"] == 2.0 and trace["b"]["replica"] == 1
+    steps1 = [r for r in lines(tmp_path / "rec", "steps-1-*.jsonl") if r["type"] == "step"]
+    assert [(s["start"], s["duration"]) for s in steps1] == [(1.0, 0.1)]  # closed at death
     inexact = load_recording(tmp_path / "rec", warn=lambda _: None).inexact
-    assert "replica 1 was started again at 3.000 s" in inexact
+    assert "replica 1 died at 2.000 s" in inexact
     assert "1 request(s) were placed again" in inexact

@@ -62,6 +62,8 @@ class DataParallelEngine:
         self.restart_delay = restart_delay
         self.observers: list[Callable[[StepReport], None]] = []
         self.decisions: dict[tuple[int, str], int] = {}  # (replica, reason) -> count
+        # Called with (replica index, monotonic time) when a replica dies.
+        self.death_observers: list[Callable[[int, float], None]] = []
         self.num_restarts = [0] * len(self.launchers)
         # What each replica's earlier lives counted (event loop only): its counters carry on
         # across a restart instead of starting again at 0.
@@ -251,6 +253,11 @@ class DataParallelEngine:
         """Reader thread of the dead replica: forget its prefixes and launch it again."""
         index = self.replicas.index(replica)
         logger.error("replica %d died: %s; restarting it", index, replica.error)
+        for observer in list(self.death_observers):  # e.g. a recording marks it
+            try:
+                observer(index, time.monotonic())
+            except Exception:  # an observer must not stop the restart
+                logger.exception("replica death observer failed")
         self.router.forget_replica(index)
         with self._lock:  # its requests either moved (placed again) or failed
             for request_id in [r for r, i in self._where.items() if i == index]:

@@ -130,6 +130,7 @@ class _Pending:
     arrival: float | None = None  # seconds into the recording, once an engine took it
     engine: int = 0  # the replica that took it
     received: float | None = None  # seconds into the recording, when the server got it
+    orphaned: float | None = None  # when its replica died under it (placed again, or failed)
 
 
 @dataclasses.dataclass
@@ -175,7 +176,6 @@ class Recorder:
         self.num_requests = self.num_steps = 0
         self._pending: dict[str, _Pending] = {}
         self._open_steps: dict[int, _OpenStep] = {}
-        self._last_steps: dict[int, int] = {}  # each engine's step count, as last reported
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._trace = _Rotating(self.directory, "trace", max_file_bytes)
         self._steps: dict[int, _Rotating] = {}
@@ -243,6 +243,12 @@ class Recorder:
         for request_id in request_ids:
             self._pending.pop(request_id, None)
 
+    def replica_died(self, engine: int, when: float) -> None:
+        """A data-parallel replica died at ``when`` (monotonic): its requests were placed
+        again or failed; the manifest says so (a replay cannot follow it step for step)."""
+        if self.active:
+            self._queue.put(("died", when - self.origin, engine))
+
     def observe(self, report: StepReport) -> None:
         """A step observer: only queues the report (the engine's thread pays no more)."""
         if self.active:
@@ -283,27 +289,41 @@ class Recorder:
             if entry[3]:
                 segment["prefix_cache_warm_at_start"] = True
             segments.append(segment)
+        elif entry[0] == "died":
+            self._died(entry[1], entry[2])
         else:
             stop = entry[1]
             for engine in list(self._open_steps):
                 self._close_step(engine, None)
             for request_id, pending in list(self._pending.items()):
-                if pending.arrival is not None:
-                    self._write_request(request_id, pending, None,
-                                        max(stop, pending.arrival))
+                if pending.arrival is not None:  # still running, or failed with its replica
+                    end = stop if pending.orphaned is None else pending.orphaned
+                    self._write_request(request_id, pending, None, max(end, pending.arrival))
                 del self._pending[request_id]
             if segments:
                 segments[-1]["stop"] = round(stop, 6)
         self._write_manifest()
 
+    def _died(self, when: float, engine: int) -> None:
+        """Replica ``engine`` died: its open step ends; each request it held is orphaned
+        until another replica takes it (placed again), or ends there (it failed, 503)."""
+        self.manifest.setdefault("replica_deaths", []).append(
+            {"engine": engine, "time": round(when, 6)})
+        self._close_step(engine, None)
+        for entry in self._pending.values():
+            if entry.arrival is not None and entry.engine == engine:
+                entry.orphaned = when
+
     def _record(self, report: StepReport) -> None:
         origin, pending = self.origin, self._pending
-        self._note_restart(report)
         for request_id, taken in report.arrivals:
             entry = pending.get(request_id)
             if entry is not None:
-                if entry.arrival is not None and entry.engine != report.engine:
-                    self._note_disruption("requests_placed_again", 1)
+                if entry.orphaned is not None:  # its replica died: it started again here
+                    self.manifest["requests_placed_again"] = \
+                        self.manifest.get("requests_placed_again", 0) + 1
+                    self._write_manifest()
+                    entry.orphaned = None
                 entry.arrival, entry.engine = taken - origin, report.engine
         if report.num_scheduled_tokens:
             self._close_step(report.engine, report.time - origin)
@@ -322,22 +342,6 @@ class Recorder:
                 if entry is not None and entry.arrival is not None:
                     cancel = report.time - origin if chunk.stop_reason == ABORTED else None
                     self._write_request(chunk.request_id, entry, chunk, cancel)
-
-    def _note_restart(self, report: StepReport) -> None:
-        """A replica's step count going down is a replica started again: its KV and queue
-        were lost mid-recording, which a step-for-step replay cannot follow (the manifest
-        says so: docs/recording.md)."""
-        steps = report.stats.num_steps
-        if steps < self._last_steps.get(report.engine, 0):
-            restarts = self.manifest.setdefault("replica_restarts", [])
-            restarts.append({"engine": report.engine,
-                             "time": round(report.time - self.origin, 6)})
-            self._write_manifest()
-        self._last_steps[report.engine] = steps
-
-    def _note_disruption(self, name: str, count: int) -> None:
-        self.manifest[name] = self.manifest.get(name, 0) + count
-        self._write_manifest()
 
     def _close_step(self, engine: int, next_start: float | None) -> None:
         """Write engine's open step: it lasted to ``next_start`` (None: its own seconds)."""

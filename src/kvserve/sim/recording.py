@@ -261,9 +261,9 @@ def _cut(recording: Recording, note: Warn) -> None:
     if any(s.get("prefix_cache_warm_at_start") for s in segments):
         reasons.append("a segment began with blocks in the server's prefix cache from "
                        "requests it did not record, which the replay starts without")
-    for restart in recording.manifest.get("replica_restarts") or []:
-        reasons.append(f"replica {restart.get('engine')} was started again at "
-                       f"{restart.get('time', 0):.3f} s (its KV and queue were lost)")
+    for death in recording.manifest.get("replica_deaths") or []:
+        reasons.append(f"replica {death.get('engine')} died at {death.get('time', 0):.3f} s "
+                       "(its KV and queue were lost; it was started again)")
     if recording.manifest.get("requests_placed_again"):
         reasons.append(f"{recording.manifest['requests_placed_again']} request(s) were placed "
                        "again on another replica after theirs died")
