@@ -65,6 +65,32 @@ def test_replicas_reporting_out_of_order_keep_the_series_in_time_order():
     view.leave()
 
 
+def test_a_dead_replica_counts_nothing_in_flight():
+    """A replica's death puts its last stats at rest (as /metrics reads a dead replica), so
+    the dashboard stops counting its requests while it restarts; it used to keep them."""
+    from types import SimpleNamespace
+
+    from kvserve.core import SchedulerStats
+
+    engine = Observed()
+    engine.death_observers = []
+    view = LiveView(engine)
+    view.watch()
+    assert engine.death_observers == [view.replica_died]
+    busy = SchedulerStats(3, 2, 0, 0.5, 50, 100, 1, 0, 0, 8, 0, 0, {}, {})
+    for index in (0, 1):
+        view.observe(SimpleNamespace(engine=index, time=view.origin + 1.0, seconds=0.0,
+                                     num_scheduled_tokens=8, stats=busy, events=[],
+                                     chunks=[]))
+    view.replica_died(1, view.origin + 1.5)
+    view.observe(SimpleNamespace(engine=0, time=view.origin + 2.0, seconds=0.0,
+                                 num_scheduled_tokens=8, stats=busy, events=[], chunks=[]))
+    last = view.snapshot(0)[1]["samples"][-1]
+    assert (last[1], last[2]) == (3, 2)  # replica 0's running and waiting only
+    view.leave()
+    assert engine.death_observers == []
+
+
 def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
     with httpx.stream("GET", url, headers=headers, timeout=10) as reply:
         assert reply.status_code == 200, reply.read()

@@ -56,6 +56,9 @@ class LiveView:
             self.watchers += 1
             if self.watchers == 1:
                 self.engine.observers.append(self.observe)
+                deaths = getattr(self.engine, "death_observers", None)  # data parallel
+                if deaths is not None:
+                    deaths.append(self.replica_died)
 
     def leave(self) -> None:
         with self._lock:
@@ -63,9 +66,19 @@ class LiveView:
             if self.watchers == 0:
                 if self.observe in self.engine.observers:
                     self.engine.observers.remove(self.observe)
+                deaths = getattr(self.engine, "death_observers", None)
+                if deaths is not None and self.replica_died in deaths:
+                    deaths.remove(self.replica_died)
                 self._samples.clear()
                 self._requests.clear()
                 self._stats.clear()
+
+    def replica_died(self, engine: int, when: float) -> None:
+        """A replica died: nothing of it is in flight any more (its requests failed or were
+        placed again), as /metrics reads it, until it reports again."""
+        with self._lock:
+            if engine in self._stats:
+                self._stats[engine] = self._stats[engine].at_rest()
 
     def observe(self, report: StepReport) -> None:
         """A step observer (on the engine's thread)."""
