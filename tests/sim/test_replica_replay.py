@@ -111,9 +111,12 @@ def test_without_the_logged_starts_the_replica_replay_would_run_early(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--cost-model", "replay", "--router", "least-loaded"], "with --router recorded"),
-    (["--cost-model", "replay", "--data-parallel-lockstep"], "independent steps"),
-    (["--data-parallel-size", "1", "--router", "recorded"], "past --data-parallel-size 1"),
+    (["--cost-model", "replay", "--router", "least-loaded"], "replays the recorded run only"),
+    (["--cost-model", "replay", "--data-parallel-lockstep"], "replays the recorded run only"),
+    (["--cost-model", "replay", "--max-num-seqs", "2"], "replays the recorded run only"),
+    (["--cost-model", "replay", "--data-parallel-size", "1"], "replays the recorded run only"),
+    (["--data-parallel-size", "3", "--router", "recorded"],
+     "--router recorded replays the 2 recorded replicas"),
 ])
 def test_a_replay_that_cannot_follow_the_logs_is_one_line(tmp_path, capsys, argv, needle):
     directory = build(tmp_path / "rec")

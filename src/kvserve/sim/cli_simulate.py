@@ -139,9 +139,17 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
         args.data_parallel_size = size
     if args.router_imbalance_bound is None:
         args.router_imbalance_bound = bound
+    if args.router == "recorded" and args.data_parallel_size != size:
+        raise ValueError(f"--router recorded replays the {size} recorded replicas; give "
+                         f"--data-parallel-size {size} or leave it out")
     placed = size == 1 or all(r.replica is not None for r in recording.trace)
     same = not settings and not args.sweep and size == args.data_parallel_size and placed \
         and args.router in (None, "recorded") and not args.data_parallel_lockstep
+    if args.cost_model == "replay" and not same:
+        raise ValueError("--cost-model replay replays the recorded run only: its step times "
+                         "are the recorded settings' steps, placed as the server placed "
+                         "them; with a setting, the cluster or the router changed, leave "
+                         "--cost-model out (a model fitted on those steps)")
     if args.router is None and size > 1:
         args.router = "recorded" if same and args.cost_model in (None, "replay") else router
     if args.cost_model is None:
