@@ -234,11 +234,6 @@ class ClusterSimulator:
                              f"cluster simulation needs continuous batching")
         if len(cost_models) != options.data_parallel_size:
             raise ValueError("one cost model per replica")
-        if sim.scheduler_config.max_session_kv > 0:
-            raise ValueError(f"max_session_kv={sim.scheduler_config.max_session_kv:g}: held "
-                             "session KV is not modelled in a cluster simulation yet; give "
-                             "--max-session-kv 0 (turns then run as ordinary requests, still "
-                             "each after the previous one) or --data-parallel-size 1")
         replayed = [getattr(m, "step_start", None) is not None for m in cost_models]
         if any(replayed) and (options.lockstep or options.router != "recorded"
                               or len({id(m) for m in cost_models}) < len(cost_models)):
