@@ -103,3 +103,14 @@ def test_save_detailed_prints_the_table_and_writes_the_file(capsys, tmp_path):
     assert "requests: 2 completed, 0 failed" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["errors"] == ["", ""] and len(data["ttfts"]) == 2
+
+
+def test_a_recording_directory_is_a_trace_to_send_again(capsys, tmp_path):
+    """bench serve --trace DIR sends a server's recording again (its requests, at the times
+    the server received them); it used to say 'Is a directory'."""
+    from tests.sim.test_replica_replay import build
+
+    directory = build(tmp_path / "rec")
+    with LiveServer(max_model_len=512) as live:
+        summary = bench(capsys, live.url, "--trace", str(directory))
+        assert (summary["completed"], summary["failed"]) == (4, 0)

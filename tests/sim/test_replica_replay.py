@@ -75,6 +75,7 @@ def test_simulate_replays_each_replica_where_the_server_placed_it(tmp_path):
     assert data["config"]["data_parallel"]["router"] == "recorded"
     assert data["config"]["cost_model"]["source"] == f"{directory} (engines 0-1, each " \
         "replica its own)"
+    assert data["config"]["cost_model"]["num_steps"] == 12  # both logs
     assert finish_times(data) == FINISHED
     rows = [json.loads(line) for line in events.read_text().splitlines()]
     assert {r["request_id"]: r["replica"] for r in rows} == PLACED

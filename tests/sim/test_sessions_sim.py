@@ -86,10 +86,9 @@ def test_a_turn_waits_for_its_previous_one_in_a_cluster_too():
 
 
 def test_a_cluster_warns_that_it_holds_no_session_kv(tmp_path, capsys):
+    from kvserve.sim import deployment
     from kvserve.sim.cluster import ClusterOptions
     from kvserve.sim.deployment import Deployment
-
-    from kvserve.sim import deployment
 
     deployment._WARNED.clear()  # once per process: this test must see it
     trace = [req("a", 16, 3, session_id="s"), req("b", 40, 2, arrival=0.5, session_id="s")]

@@ -28,7 +28,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--model", help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     source = parser.add_argument_group("workload")
-    source.add_argument("--trace", help="a kvserve trace (JSONL); its arrival times are used "
+    source.add_argument("--trace", help="a kvserve trace (JSONL) or a server's recording "
+                                        "directory (kvserve serve --record); its arrival "
+                                        "times are used "
                                         "unless --request-rate or --max-concurrency is given")
     source.add_argument("--num-prompts", type=int, default=100,
                         help="requests to send (without --trace)")

@@ -3,6 +3,7 @@ is due (seconds from the start; None: as soon as a concurrency slot frees)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,11 +54,22 @@ def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int,
 
 def trace_requests(path: str | Path, seed: int, default_max_tokens: int
                    ) -> list[BenchRequest]:
-    """A kvserve trace (JSONL): token ids, arrival times, max_tokens / output_len, priority."""
+    """A kvserve trace (JSONL), or a server's recording directory (its requests, sent when
+    the server received them): token ids, arrival times, max_tokens / output_len,
+    priority."""
     from kvserve.sim.trace import read_trace
 
+    if Path(path).is_dir():
+        from kvserve.sim.recording import load_recording
+
+        rows = sorted(load_recording(path).trace, key=lambda r: r.received)
+        start = rows[0].received if rows else 0.0
+        rows = [dataclasses.replace(r, arrival_time=r.received - start, received_time=None)
+                for r in rows]
+    else:
+        rows = read_trace(path)
     requests = []
-    for index, row in enumerate(read_trace(path)):
+    for index, row in enumerate(rows):
         ids = row.synthesise_prompt(seed)
         max_tokens = row.max_tokens or row.output_len or default_max_tokens
         requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),

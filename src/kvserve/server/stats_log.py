@@ -19,10 +19,12 @@ def log_boot(state: ServerState) -> None:
     info = state.engine.info
     num_tokens = info.num_kv_blocks * info.block_size
     max_model_len = info.max_model_len
-    logger.info("KV cache size: %d tokens (%d blocks of %d)", num_tokens, info.num_kv_blocks,
-                info.block_size)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
-                num_tokens / max_model_len)
+    replicas = getattr(state.engine, "num_replicas", 1)
+    each = f" per replica, {replicas} replicas" if replicas > 1 else ""
+    logger.info("KV cache size: %d tokens (%d blocks of %d)%s", num_tokens, info.num_kv_blocks,
+                info.block_size, each)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx%s", max_model_len,
+                num_tokens / max_model_len, each)
     logger.info("%s", host_tier_line(state))
     logger.info("%s", steps_line(state))
 

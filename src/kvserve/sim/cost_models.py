@@ -320,10 +320,15 @@ class ReplayCostModel:
                                  "scheduled more")
         scheduled = scheduler_output.total_num_scheduled_tokens
         if scheduled != self.num_tokens[index]:
-            raise CostModelError(f"replay diverged at step {index}: the engine scheduled "
-                                 f"{self.num_tokens[index]} tokens, the simulator {scheduled}")
+            raise CostModelError(f"replay diverged at step {index}{self._where()}: the engine "
+                                 f"scheduled {self.num_tokens[index]} tokens, the simulator "
+                                 f"{scheduled}")
         self.index += 1
         return self.durations[index]
+
+    def _where(self) -> str:
+        """Which log, when it is one engine of several: " of ... (engine 1)"."""
+        return f" of {self.source}" if "(engine " in self.source else ""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "num_steps": len(self.durations),

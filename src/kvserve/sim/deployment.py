@@ -203,6 +203,8 @@ class Deployment:
             echo["cost_model"]["source"] = (f"{self.recording.path} (engines 0-"
                                             f"{cluster.data_parallel_size - 1}, each "
                                             "replica its own)")
+            echo["cost_model"]["num_steps"] = sum(len(log.steps) for log in
+                                                  self.recording.engines.values())
         if self.kv_cache_dtype != "auto":
             echo["deployment"]["kv_cache_dtype"] = self.kv_cache_dtype
         if self.hardware_spec is not None:
