@@ -245,6 +245,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     keys = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
     settings = {k: getattr(args, k) for k in keys
                 if getattr(args, k, None) is not None}
+    if settings.get("num_kv_blocks", 1) < 1:  # named as the flag, not CacheConfig's field
+        raise CLIError(f"--num-kv-blocks must be >= 1, got {settings['num_kv_blocks']}")
     if "kv_cache_memory" in settings and "num_kv_blocks" in settings:
         raise CLIError("give --kv-cache-memory or --num-kv-blocks, not both (each sizes the "
                        "KV pool)")

@@ -97,7 +97,7 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "blake2b"
 
     def __post_init__(self) -> None:
-        _check_int("num_blocks (num_kv_blocks, --num-kv-blocks)", self.num_blocks, 1)
+        _check_int("num_blocks", self.num_blocks, 1)
         _check_int("block_size", self.block_size, 1, 1024)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_int("num_host_blocks", self.num_host_blocks, 0, MAX_HOST_BLOCKS)
