@@ -55,6 +55,8 @@ def test_a_replica_plan_goes_through_the_recorded_router(tmp_path, capsys):
     assert [row["replicas"] for row in out["replica_sweep"]] == [1, 2]
     out = plan(capsys, directory, "--max-replicas", "2", "--router", "round-robin")
     assert out["router"] == "round-robin"
+    out = plan(capsys, directory, "--router", "round-robin")  # the recorded cluster, rerouted
+    assert out["recorded"]["router"] == "round-robin" and out["sweep"]
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

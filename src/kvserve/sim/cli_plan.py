@@ -179,19 +179,21 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                  "slo_itl_p99"):
         _positive(name, getattr(args, name))
     check_workers(args.workers)
+    is_recording = bool(args.trace) and args.trace != "-" and Path(args.trace).is_dir()
+    cluster_flags = [] if is_recording else [  # a recording of replicas runs as a cluster
+        ("--router", args.router), ("--router-imbalance-bound", args.router_imbalance_bound),
+        ("--data-parallel-lockstep", args.data_parallel_lockstep or None),
+        ("--prefill-schedule-interval", None if args.prefill_schedule_interval == 1 else 1)]
     replica_flags = [flag for flag, value in (
         ("--max-replicas", args.max_replicas), ("--slo-ttft-p99", args.slo_ttft_p99),
-        ("--slo-itl-p99", args.slo_itl_p99), ("--router", args.router),
-        ("--router-imbalance-bound", args.router_imbalance_bound),
-        ("--data-parallel-lockstep", args.data_parallel_lockstep or None),
-        ("--prefill-schedule-interval", None if args.prefill_schedule_interval == 1 else 1),
+        ("--slo-itl-p99", args.slo_itl_p99), *cluster_flags,
         ("--ray", args.ray or None)) if value is not None]
     if replica_flags and (args.max_replicas is None or not args.trace):
         raise ValueError(f"{replica_flags[0]} plans replicas: give --max-replicas M and "
                          f"--trace")
     settings = settings_from_args(args)
     trace, recording = None, None
-    if args.trace and args.trace != "-" and Path(args.trace).is_dir():
+    if is_recording:
         from kvserve.sim.recording import load_recording
 
         recording = load_recording(args.trace)
