@@ -30,7 +30,9 @@ DESCRIPTION = ("Run the engine over a grid of step shapes (prefill chunks, decod
 def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "calibrate", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
-    parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json")
+    parser.add_argument("--output", "-o", default="cost-model.json", metavar="PATH.json",
+                        help="where the fitted model goes (--calibration of simulate, plan, "
+                             "whatif)")
     parser.add_argument("--trace", metavar="TRACE.jsonl",
                         help="calibrate in service instead: run this trace on the engine "
                              "(arrivals on the wall clock, default scheduler settings) and "
@@ -48,9 +50,12 @@ def add_parser(subparsers: Any) -> None:
                              "in the fit)")
     parser.add_argument("--plot", metavar="PATH.svg", help="measured vs fitted step times")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs of each shape first")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each shape; their median is its time")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="tokens per KV block of the engine measured")
     parser.add_argument("--layout-term", action="store_true",
                         help="also measure every shape that reads cached KV on consecutive "
                              "blocks and fit per_scattered_context_token_s (on this machine "
@@ -61,7 +66,8 @@ def add_parser(subparsers: Any) -> None:
                              "prefill chunk beyond a decode-only step's (default: on with "
                              "--trace, off with the grid, whose few mixed shapes hardly "
                              "separate it)")
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"))
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
+                        help="the engine's KV pool while measuring (default 1GiB)")
 
 
 def run(args: argparse.Namespace) -> int:

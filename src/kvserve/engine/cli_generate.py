@@ -24,12 +24,20 @@ def add_parser(subparsers: Any) -> None:
                         help="a prompt (repeat for a batch); '-' reads one per line from stdin")
     parser.add_argument("--chat", action="store_true",
                         help="send each prompt as a user message through the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--min-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="most tokens generated per prompt")
+    parser.add_argument("--min-tokens", type=int, default=0,
+                        help="tokens generated before EOS or a stop may end the answer")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling: the smallest set of tokens with this much "
+                             "probability (1: off)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens (0 or -1: off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this fraction of the top token's probability "
+                             "(0: off)")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="generate past the end-of-sequence token, to --max-tokens")

@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                        "127.0.0.1; use 0.0.0.0 to accept other machines)")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=int, default=8000, help="the port to listen on")
     group.add_argument("--served-model-name", help="the model name clients send (default: "
                        "the model file's name)")
     group.add_argument("--api-key", action="append", default=[],

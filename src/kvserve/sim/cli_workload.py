@@ -18,17 +18,22 @@ def add_parser(subparsers: Any) -> None:
                     "NAME:k=v,... : fixed:128, uniform:low=64,high=512, "
                     "normal:mean=1000,std=200, lognormal:mean=1000,sigma=0.6, "
                     "zipf:a=1.5,scale=64; each also takes min= and max= to clip.")
-    gen.add_argument("--num-requests", "-n", type=int, default=100)
+    gen.add_argument("--num-requests", "-n", type=int, default=100,
+                     help="requests in the trace (a conversation's turns count one each)")
     gen.add_argument("--rate", type=float, default=1.0,
                      help="mean arrivals (conversations) per second")
-    gen.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst"))
+    gen.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst"),
+                     help="the arrival process: poisson, gamma (--cv), or bursts "
+                          "(--burst-size) arriving at once")
     gen.add_argument("--cv", type=float, default=None,
                      help="gamma: coefficient of variation of the gaps (>1: burstier; "
                           "default 1)")
     gen.add_argument("--burst-size", type=int, default=None,
                      help="burst: requests per burst (default 8)")
-    gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST")
-    gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST")
+    gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST",
+                     help="prompt lengths (a turn's new text in a conversation)")
+    gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST",
+                     help="answer lengths before EOS (the trace's output_len)")
     gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
     gen.add_argument("--ignore-eos", action="store_true",
                      help="every request runs to its max_tokens (the trace's ignore_eos)")
@@ -48,7 +53,8 @@ def add_parser(subparsers: Any) -> None:
                           "conv<N>), for simulate --max-session-kv")
     gen.add_argument("--priorities", default="",
                      help="priority classes and weights, e.g. 0:0.2,1:0.8")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0,
+                     help="seed of every draw (the same seed, the same trace)")
     gen.add_argument("--output", "-o", metavar="PATH.jsonl", help="default: stdout")
     gen.set_defaults(run=run_gen)
 
