@@ -170,7 +170,7 @@ def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) ->
     from kvserve.model.dtype import auto_dtype_name
 
     assert report["dtype_auto"]["dtype"] == auto_dtype_name()
-    assert report["dtype_auto"]["why"].startswith("auto: the checkpoint is 16-bit")
+    assert report["dtype_auto"]["why"].startswith("auto: the checkpoint is 16-bit or quantized")
 
 
 def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str]) -> None:
@@ -186,7 +186,8 @@ def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str])
                                else "quantization --quantization int8 needs")
     from kvserve.model.dtype import auto_dtype_name
 
-    assert lines[7].startswith(f"dtype auto   {auto_dtype_name()} (the checkpoint is 16-bit")
+    assert lines[7].startswith(f"dtype auto   {auto_dtype_name()} (the checkpoint is 16-bit "
+                               "or quantized")
     report = kernel_info.kernel_report()
     for dtype in ("float32", "bfloat16"):
         start = lines.index(f"{dtype}:")

@@ -114,3 +114,19 @@ def test_a_recording_directory_is_a_trace_to_send_again(capsys, tmp_path):
     with LiveServer(max_model_len=512) as live:
         summary = bench(capsys, live.url, "--trace", str(directory))
         assert (summary["completed"], summary["failed"]) == (4, 0)
+
+
+def test_a_traces_answer_length_is_what_is_asked_for(tmp_path):
+    """output_len tokens and then EOS: bench asks for output_len + 1 tokens (with
+    ignore_eos, the answer's length whatever the served model says), within max_tokens; an
+    ignore_eos line runs to its max_tokens (it asked for max_tokens whatever output_len)."""
+    from kvserve.bench.workload import trace_requests
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"request_id": "a", "arrival_time": 0, "prompt_len": 8, "output_len": 3,
+         "max_tokens": 32},
+        {"request_id": "b", "arrival_time": 0, "prompt_len": 8, "output_len": 0},
+        {"request_id": "c", "arrival_time": 0, "prompt_len": 8, "output_len": 3,
+         "max_tokens": 12, "ignore_eos": True}]))
+    assert [r.max_tokens for r in trace_requests(trace, 0, 64)] == [4, 1, 12]

@@ -26,8 +26,11 @@ def ids(results):
 
 
 def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_works_on(llm):
-    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 49152\)"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt token ids must be in "
+                                         r"\[0, 49152\)"):
         llm.generate(["The capital of France is", [-1]], GREEDY)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: .*max_model_len is 256"):
+        llm.generate(["a", [5] * 300], GREEDY)  # named by its place, not an internal id
     assert not llm.engine.has_unfinished_requests()  # the first prompt was taken back
     [result] = llm.generate("Water boils at", GREEDY)
     assert result.finish_reason == "length" and len(result.token_ids) == 4
@@ -64,7 +67,8 @@ def test_sampling_params_of_another_kind_are_named(llm):
         llm.generate("a", {"max_tokens": 3})
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         llm.generate(["a", "b", "c"], [GREEDY, GREEDY])
-    assert len(llm.generate(["a", "b"], [GREEDY])) == 2  # one in a list: for all
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts"):  # as vLLM
+        llm.generate(["a", "b"], [GREEDY])
 
 
 @pytest.mark.parametrize(("messages", "needle"), [

@@ -143,17 +143,19 @@ def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp
     recorder = Recorder(tmp_path / "rec", INFO, prompts="none", num_engines=2)
     recorder.start()
     params = SamplingParams(max_tokens=8)
-    recorder.submitted([("a", list(range(20)), params), ("b", list(range(20)), params)])
+    recorder.submitted([("a", list(range(20)), params), ("b", list(range(20)), params),
+                        ("c", list(range(20)), params)])
     recorder.observe(report(recorder, 1.0, 40, engine=1, arrivals=[("a", 0.9), ("b", 0.9)]))
-    recorder.replica_died(1, recorder.origin + 2.0)
-    recorder.observe(report(recorder, 2.5, 20, engine=0, arrivals=[("a", 2.4)]))
+    # c was sent to replica 1 but not taken yet: the replica's held ids name it
+    recorder.replica_died(1, recorder.origin + 2.0, ["a", "b", "c"])
+    recorder.observe(report(recorder, 2.5, 20, engine=0, arrivals=[("a", 2.4), ("c", 2.4)]))
     recorder.observe(report(recorder, 3.0, 1, engine=0, chunks=[
         CompletionChunk("a", [2], "", True, "stop", None, metrics(3))], stats=IDLE))
     recorder.flush()
     recorder.close()
     manifest = json.loads((tmp_path / "rec" / "recording.json").read_text())
     assert manifest["replica_deaths"] == [{"engine": 1, "time": 2.0}]
-    assert manifest["requests_placed_again"] == 1
+    assert manifest["requests_placed_again"] == 2  # a and c
     trace = {row["request_id"]: row for row in lines(tmp_path / "rec", "trace-*.jsonl")}
     assert (trace["a"]["replica"], trace["a"]["arrival_time"]) == (0, 2.4)
     assert trace["b"]["cancel_time"] == 2.0 and trace["b"]["replica"] == 1
@@ -161,4 +163,4 @@ def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp
     assert [(s["start"], s["duration"]) for s in steps1] == [(1.0, 0.1)]  # closed at death
     inexact = load_recording(tmp_path / "rec", warn=lambda _: None).inexact
     assert "replica 1 died at 2.000 s" in inexact
-    assert "1 request(s) were placed again" in inexact
+    assert "2 request(s) were placed again" in inexact

@@ -298,6 +298,7 @@ def test_a_segment_begun_on_a_warm_prefix_cache_says_so_and_still_replays(tmp_pa
     assert main(["whatif", str(tmp_path / "warm"), "--set", "max_num_seqs=2"]) == 0
     out, err = capsys.readouterr()
     assert "fitted on the recorded steps instead" in err and "max_num_seqs=2" in out
+    assert "recorded (replay diverged: fitted model)" in out  # not labelled "recorded"
     # asked for by name, the exact replay still fails on the divergence
     assert main(["simulate", "--trace", str(tmp_path / "warm"), "--cost-model", "replay"]) == 2
     assert "kvserve simulate: error: replay diverged" in capsys.readouterr().err

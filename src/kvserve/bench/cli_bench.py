@@ -29,8 +29,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     source = parser.add_argument_group("workload")
     source.add_argument("--trace", help="a kvserve trace (JSONL) or a server's recording "
-                                        "directory (kvserve serve --record); its arrival "
-                                        "times are used "
+                                        "directory (kvserve serve --record): each request "
+                                        "asks for its output_len + 1 tokens (its answer and "
+                                        "EOS) within max_tokens, an ignore_eos line for its "
+                                        "max_tokens; its arrival times are used "
                                         "unless --request-rate or --max-concurrency is given")
     source.add_argument("--num-prompts", type=int, default=100,
                         help="requests to send (without --trace)")

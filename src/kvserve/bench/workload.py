@@ -71,7 +71,11 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
     requests = []
     for index, row in enumerate(rows):
         ids = row.synthesise_prompt(seed)
-        max_tokens = row.max_tokens or row.output_len or default_max_tokens
+        # output_len tokens and then EOS: that many with ignore_eos, the answer's length
+        # whatever the served model says (a recording's request ends as it ended)
+        max_tokens = row.max_tokens or default_max_tokens
+        if not row.ignore_eos:
+            max_tokens = min(max_tokens, row.output_len + 1)
         requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),
                                      row.arrival_time, row.priority or None))
     return requests

@@ -62,8 +62,9 @@ class DataParallelEngine:
         self.restart_delay = restart_delay
         self.observers: list[Callable[[StepReport], None]] = []
         self.decisions: dict[tuple[int, str], int] = {}  # (replica, reason) -> count
-        # Called with (replica index, monotonic time) when a replica dies.
-        self.death_observers: list[Callable[[int, float], None]] = []
+        # Called with (replica index, monotonic time, the request ids it held) when a
+        # replica dies: those are placed again on a live replica, or fail.
+        self.death_observers: list[Callable[[int, float, list[str]], None]] = []
         self.num_restarts = [0] * len(self.launchers)
         # What each replica's earlier lives counted (event loop only): its counters carry on
         # across a restart instead of starting again at 0.
@@ -253,15 +254,16 @@ class DataParallelEngine:
         """Reader thread of the dead replica: forget its prefixes and launch it again."""
         index = self.replicas.index(replica)
         logger.error("replica %d died: %s; restarting it", index, replica.error)
-        for observer in list(self.death_observers):  # e.g. a recording marks it
-            try:
-                observer(index, time.monotonic())
-            except Exception:  # an observer must not stop the restart
-                logger.exception("replica death observer failed")
         self.router.forget_replica(index)
         with self._lock:  # its requests either moved (placed again) or failed
-            for request_id in [r for r, i in self._where.items() if i == index]:
+            held = [r for r, i in self._where.items() if i == index]
+            for request_id in held:
                 del self._where[request_id]
+        for observer in list(self.death_observers):  # e.g. a recording marks it
+            try:
+                observer(index, time.monotonic(), held)
+            except Exception:  # an observer must not stop the restart
+                logger.exception("replica death observer failed")
         threading.Thread(target=self._restart, args=(index,), name=f"restart-{index}",
                          daemon=True).start()
 

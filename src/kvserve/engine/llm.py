@@ -301,9 +301,13 @@ class LLM:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}
         try:
-            for prompt, param in zip(batch, params, strict=True):
+            for index, (prompt, param) in enumerate(zip(batch, params, strict=True)):
                 request_id = str(next(self._ids))
-                request = self.engine.add_request(request_id, prompt, param)
+                try:
+                    request = self.engine.add_request(request_id, prompt, param)
+                except ValueError as error:  # named by its place in the batch, not its id
+                    message = str(error).replace(f"request {request_id} ", "")
+                    raise type(error)(f"prompts[{index}]: {message}") from None
                 results[request_id] = GenerationResult(request_id,
                                                        list(request.prompt_token_ids))
             self._run(results, use_tqdm)
@@ -353,7 +357,12 @@ class LLM:
         """Every prompt tokenized here (errors raised before anything is queued), then run
         on the replicas."""
         assert self.replicas is not None
-        token_ids = [encode_prompt(self.tokenizer, prompt) for prompt in batch]
+        token_ids = []
+        for index, prompt in enumerate(batch):
+            try:
+                token_ids.append(encode_prompt(self.tokenizer, prompt))
+            except ValueError as error:
+                raise type(error)(f"prompts[{index}]: {error}") from None
         items = [(str(next(self._ids)), ids, param)
                  for ids, param in zip(token_ids, params, strict=True)]
         results = {rid: GenerationResult(rid, list(ids)) for rid, ids, _ in items}
@@ -450,15 +459,13 @@ def _params_for(sampling_params: Any, count: int) -> list[SamplingParams]:
     """One SamplingParams per prompt: None (the defaults), one for all, or a list."""
     if sampling_params is None:
         return [SamplingParams()] * count
-    params = [sampling_params] if isinstance(sampling_params, SamplingParams) else \
-        sampling_params
+    params = [sampling_params] * count if isinstance(sampling_params, SamplingParams) \
+        else sampling_params
     if not isinstance(params, Sequence) or \
             not all(isinstance(p, SamplingParams) for p in params):
         raise TypeError("sampling_params must be a SamplingParams (kvserve.core), a list of "
                         f"them or None; got {type(sampling_params).__name__}")
-    if len(params) == 1 and count > 1:
-        params = list(params) * count
-    if len(params) != count:
+    if len(params) != count:  # as vLLM: one for all is a SamplingParams, not a list
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
     return list(params)
 

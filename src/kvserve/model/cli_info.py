@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 DESCRIPTION = ("Show this machine's CPU model and instruction sets, whether the C++ kernels "
-               "are built (building them on first use), and the kernel each op of the model "
-               "runs in float32 and in bfloat16.")
+               "are built (building them on first use), what --dtype auto loads a 16-bit or "
+               "quantized checkpoint in here, and the kernel each op of the model runs in "
+               "float32 and in bfloat16.")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -39,7 +40,7 @@ def dtype_auto() -> dict[str, str]:
     bundled model, and why (docs/dtype.md); a float32 checkpoint stays float32."""
     from kvserve.model.dtype import resolve_dtype
 
-    dtype, why = resolve_dtype("auto", "16-bit")
+    dtype, why = resolve_dtype("auto", "16-bit or quantized")
     return {"dtype": str(dtype).removeprefix("torch."), "why": why}
 
 

@@ -73,7 +73,7 @@ class LiveView:
                 self._requests.clear()
                 self._stats.clear()
 
-    def replica_died(self, engine: int, when: float) -> None:
+    def replica_died(self, engine: int, when: float, request_ids: Any = ()) -> None:
         """A replica died: nothing of it is in flight any more (its requests failed or were
         placed again), as /metrics reads it, until it reports again."""
         with self._lock:

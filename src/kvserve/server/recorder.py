@@ -70,8 +70,8 @@ def check_directory(directory: str | Path) -> Path:
         raise RecordingError(f"recording directory {path} is not writable: "
                              f"{error.strerror}") from None
     if (path / MANIFEST).exists():
-        raise RecordingError(f"{path} already holds a recording ({MANIFEST}); give an empty "
-                             "directory")
+        raise RecordingError(f"{path} already holds a recording ({MANIFEST}); give a "
+                             "directory without one")
     return path
 
 
@@ -243,11 +243,12 @@ class Recorder:
         for request_id in request_ids:
             self._pending.pop(request_id, None)
 
-    def replica_died(self, engine: int, when: float) -> None:
-        """A data-parallel replica died at ``when`` (monotonic): its requests were placed
-        again or failed; the manifest says so (a replay cannot follow it step for step)."""
+    def replica_died(self, engine: int, when: float, request_ids: Sequence[str] = ()) -> None:
+        """A data-parallel replica died at ``when`` (monotonic) holding ``request_ids``: they
+        were placed again or failed; the manifest says so (a replay cannot follow it step for
+        step)."""
         if self.active:
-            self._queue.put(("died", when - self.origin, engine))
+            self._queue.put(("died", when - self.origin, engine, tuple(request_ids)))
 
     def observe(self, report: StepReport) -> None:
         """A step observer: only queues the report (the engine's thread pays no more)."""
@@ -290,7 +291,7 @@ class Recorder:
                 segment["prefix_cache_warm_at_start"] = True
             segments.append(segment)
         elif entry[0] == "died":
-            self._died(entry[1], entry[2])
+            self._died(entry[1], entry[2], entry[3])
         else:
             stop = entry[1]
             for engine in list(self._open_steps):
@@ -304,14 +305,16 @@ class Recorder:
                 segments[-1]["stop"] = round(stop, 6)
         self._write_manifest()
 
-    def _died(self, when: float, engine: int) -> None:
-        """Replica ``engine`` died: its open step ends; each request it held is orphaned
-        until another replica takes it (placed again), or ends there (it failed, 503)."""
+    def _died(self, when: float, engine: int, held: Sequence[str]) -> None:
+        """Replica ``engine`` died: its open step ends; each request it held (taken, or
+        sent and not yet taken) is orphaned until another replica takes it (placed again),
+        or ends there (it failed, 503)."""
         self.manifest.setdefault("replica_deaths", []).append(
             {"engine": engine, "time": round(when, 6)})
         self._close_step(engine, None)
-        for entry in self._pending.values():
-            if entry.arrival is not None and entry.engine == engine:
+        held_ids = set(held)
+        for request_id, entry in self._pending.items():
+            if request_id in held_ids or (entry.arrival is not None and entry.engine == engine):
                 entry.orphaned = when
 
     def _record(self, report: StepReport) -> None:

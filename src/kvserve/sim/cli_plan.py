@@ -189,8 +189,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         ("--slo-itl-p99", args.slo_itl_p99), *cluster_flags,
         ("--ray", args.ray or None)) if value is not None]
     if replica_flags and (args.max_replicas is None or not args.trace):
-        raise ValueError(f"{replica_flags[0]} plans replicas: give --max-replicas M and "
-                         f"--trace")
+        missing = " and ".join(flag for flag, given in (
+            ("--max-replicas M", args.max_replicas is not None), ("--trace", args.trace))
+            if not given)
+        raise ValueError(f"{replica_flags[0]} plans replicas: give {missing}")
     settings = settings_from_args(args)
     trace, recording = None, None
     if is_recording:
@@ -237,6 +239,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                            "num_steps": sum(len(log.steps)
                                             for log in recording.engines.values()),
                            "data_parallel_size": args.recorded_size}
+        if args.recorded_size > 1:
+            out["recorded"]["router"] = args.router or "least-loaded"
     if trace is None:
         return out
     if args.max_replicas is not None:
@@ -250,7 +254,6 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         if args.recorded_size > 1:
             runs_on = InCluster(deployment, dataclasses.replace(
                 cluster_from_args(args), data_parallel_size=args.recorded_size))
-            out["recorded"]["router"] = runs_on.cluster.router
     # One progress bar per run on a terminal, serially; a pool's runs show none.
     runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
     with Workers(args.workers) as pool:

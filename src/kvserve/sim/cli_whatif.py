@@ -134,8 +134,18 @@ def run(args: argparse.Namespace) -> int:
         for name, value in changes:  # a bad value is named before anything runs
             other.configs(variant(name, value)[0])
         if placed:
-            runs = [make_run("recorded", replay_or_fitted(
-                lambda d: simulate(d, settings, as_placed), replay))]
+            fell_back: list[str] = []
+
+            def warn(message: str) -> None:  # the replay diverged: the fitted model runs it
+                fell_back.append(message)
+                print(f"warning: {message}", file=sys.stderr)
+
+            result = replay_or_fitted(lambda d: simulate(d, settings, as_placed), replay,
+                                      warn)
+            label = "recorded (replay diverged: fitted model" + \
+                (", as placed)" if recorded.data_parallel_size > 1 else ")") \
+                if fell_back else "recorded"
+            runs = [make_run(label, result)]
         else:  # an older recording of replicas: where the server placed requests is unknown
             print("warning: this recording of replicas does not say where the server placed "
                   f"each request; its run is simulated under the {chosen} model behind the "

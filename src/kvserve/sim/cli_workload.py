@@ -39,15 +39,15 @@ def add_parser(subparsers: Any) -> None:
                      help="every request runs to its max_tokens (the trace's ignore_eos)")
     gen.add_argument("--prefix-groups", type=int, default=0,
                      help="number of shared system prompts (0: none)")
-    gen.add_argument("--prefix-len", default="fixed:256", metavar="DIST",
-                     help="length of each shared system prompt")
-    gen.add_argument("--prefix-fraction", type=float, default=1.0,
-                     help="share of requests that start with a shared prompt")
+    gen.add_argument("--prefix-len", default=None, metavar="DIST",
+                     help="length of each shared system prompt (default fixed:256)")
+    gen.add_argument("--prefix-fraction", type=float, default=None,
+                     help="share of requests that start with a shared prompt (default 1)")
     gen.add_argument("--turns", default="fixed:1", metavar="DIST",
                      help="turns per conversation; each turn's prompt holds the previous "
                           "prompt and answer")
-    gen.add_argument("--think-time", type=float, default=5.0,
-                     help="mean seconds between turns (exponential)")
+    gen.add_argument("--think-time", type=float, default=None,
+                     help="mean seconds between turns (exponential; default 5)")
     gen.add_argument("--sessions", action="store_true",
                      help="multi-turn conversations name their session (session_id "
                           "conv<N>), for simulate --max-session-kv")
@@ -68,16 +68,23 @@ def run_gen(args: argparse.Namespace) -> int:
                                      ("--burst-size", args.burst_size, "burst")):
             if value is not None and args.arrival != arrival:
                 raise ValueError(f"{flag} shapes --arrival {arrival}, not {args.arrival}")
+        if not args.prefix_groups:
+            for flag, value in (("--prefix-len", args.prefix_len),
+                                ("--prefix-fraction", args.prefix_fraction)):
+                if value is not None:
+                    raise ValueError(f"{flag} shapes the shared system prompts: give "
+                                     "--prefix-groups N")
         spec = WorkloadSpec(
             num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
             cv=1.0 if args.cv is None else args.cv,
             burst_size=8 if args.burst_size is None else args.burst_size,
             prompt_len=args.prompt_len, output_len=args.output_len,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-            prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
-            prefix_fraction=args.prefix_fraction, turns=args.turns,
-            think_time=args.think_time, priorities=args.priorities, seed=args.seed,
-            sessions=args.sessions)
+            prefix_groups=args.prefix_groups,
+            prefix_len="fixed:256" if args.prefix_len is None else args.prefix_len,
+            prefix_fraction=1.0 if args.prefix_fraction is None else args.prefix_fraction,
+            turns=args.turns, think_time=5.0 if args.think_time is None else args.think_time,
+            priorities=args.priorities, seed=args.seed, sessions=args.sessions)
         requests = generate(spec)
         _check_used(args, requests)
         text = dump_trace(requests)
@@ -99,9 +106,11 @@ def _check_used(args: argparse.Namespace, requests: list[Any]) -> None:
     names one prefix, and a turn's is its conversation so far)."""
     turns = sum(1 for r in requests if r.prefix_id is not None and
                 r.prefix_id.startswith("conv"))
-    if args.sessions and not turns:
-        raise ValueError("--sessions names the sessions of multi-turn conversations, and "
-                         "this trace has none: give --turns with more than one turn")
+    for flag, given in (("--sessions", args.sessions),
+                        ("--think-time", args.think_time is not None)):
+        if given and not turns:
+            raise ValueError(f"{flag} shapes multi-turn conversations, and this trace has "
+                             "none: give --turns with more than one turn")
     if args.prefix_groups and turns:
         if turns == len(requests):
             raise ValueError("--prefix-groups gives single-turn requests a shared system "
