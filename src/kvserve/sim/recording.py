@@ -60,6 +60,7 @@ class Recording:
     warnings: list[str]
     cut: float | None = None  # where the replay ends (None: every request ended in the log)
     inexact: str | None = None  # why the recorded step times cannot replay exactly
+    _fitted: Any = field(default=None, repr=False, compare=False)  # fitted once, then kept
 
     @property
     def model(self) -> str:
@@ -104,11 +105,14 @@ class Recording:
         measured time leans low on noisy steps)."""
         from kvserve.sim.calibration import fit, shaped_steps
 
+        if self._fitted is not None:  # a cluster's replicas, a sweep's runs: one fit
+            return self._fitted
         try:
             views, seconds = shaped_steps([s for log in self.engines.values()
                                            for s in log.steps], str(self.path))
-            return fit(views, seconds, source=f"the recorded steps of {self.path}",
-                       kind_term=True, relative_to="priced")
+            self._fitted = fit(views, seconds, source=f"the recorded steps of {self.path}",
+                               kind_term=True, relative_to="priced")
+            return self._fitted
         except ValueError as error:
             raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
                                  f"steps ({error}); give --cost-model") from None
