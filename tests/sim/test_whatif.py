@@ -190,3 +190,21 @@ def test_requests_a_change_refuses_are_shown(tmp_path, capsys):
     rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert rows["not finished"].split()[-2:] == ["2", "rejected"]
     assert rows["requests finished"].split()[-1] == "0"
+
+
+def test_a_calibration_file_prices_the_changes(tmp_path):
+    """--calibration FILE is the changes' model (it implies calibrated), while the recorded
+    run still replays; it was refused once --calibration came to imply its model."""
+    from kvserve.sim import calibration
+    from kvserve.sim.cost_models import CalibratedCostModel
+
+    directory = build(tmp_path / "rec")
+    path = tmp_path / "c.json"
+    calibration.save(CalibratedCostModel({"fixed_s": 0.5}, "by hand"), path)
+    report = tmp_path / "w.json"
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--calibration",
+                 str(path), "--report", str(report)]) == 0
+    runs = {run["label"]: run["aggregate"] for run in json.loads(report.read_text())["runs"]}
+    assert runs["recorded"]["duration_s"] == 6.0  # the log's 1 s steps
+    assert runs["recorded (calibrated model)"]["duration_s"] == 3.0  # 6 steps of 0.5 s
+    assert runs["max_num_seqs=2"]["duration_s"] == 1.5  # 3 steps of 0.5 s

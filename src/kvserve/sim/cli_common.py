@@ -101,17 +101,24 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                           imbalance_bound=DEFAULT_IMBALANCE_BOUND if bound is None else bound)
 
 
+def calibration_implies_its_model(args: argparse.Namespace) -> None:
+    """``--calibration FILE`` implies ``--cost-model calibrated``, as ``--replay-step-times``
+    implies replay; with another cost model named, a ValueError (it used to be ignored).
+    Each command calls it first, before it chooses a default cost model."""
+    if getattr(args, "calibration", None) is None:
+        return
+    if args.cost_model not in (None, "calibrated"):
+        raise ValueError(f"--calibration gives --cost-model calibrated its coefficients; it "
+                         f"cannot be used with --cost-model {args.cost_model}")
+    args.cost_model = "calibrated"
+
+
 def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.sim.deployment import Deployment
     from kvserve.sim.machine import calibration_cpu_warning, local_hardware
     from kvserve.sim.presets import weights_dtype
 
     calibration = getattr(args, "calibration", None)
-    if calibration is not None:  # implies the model it is for, as --replay-step-times does
-        if getattr(args, "cost_model", None) not in (None, "calibrated"):
-            raise ValueError(f"--calibration gives --cost-model calibrated its coefficients; "
-                             f"it cannot be used with --cost-model {args.cost_model}")
-        args.cost_model = "calibrated"
     warning = calibration_cpu_warning(calibration) if calibration else None
     if warning:
         print(warning, file=sys.stderr)

@@ -22,6 +22,7 @@ from kvserve.sim.cli_common import (
     ShowProgress,
     add_cluster_flags,
     add_deployment_flags,
+    calibration_implies_its_model,
     cli_errors,
     cluster_from_args,
     deployment_from_args,
@@ -179,6 +180,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                  "slo_itl_p99"):
         _positive(name, getattr(args, name))
     check_workers(args.workers)
+    calibration_implies_its_model(args)
     is_recording = bool(args.trace) and args.trace != "-" and Path(args.trace).is_dir()
     cluster_flags = [] if is_recording else [  # a recording of replicas runs as a cluster
         ("--router", args.router), ("--router-imbalance-bound", args.router_imbalance_bound),

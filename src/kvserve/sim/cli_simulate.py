@@ -11,6 +11,7 @@ from kvserve.flags import add_command, add_scheduler_flags, parse_sweep, setting
 from kvserve.sim.cli_common import (
     add_cluster_flags,
     add_deployment_flags,
+    calibration_implies_its_model,
     cli_errors,
     cluster_from_args,
     deployment_from_args,
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                              "their flags)")
         args.sweep = args.sweep[0] if args.sweep else None
         check_workers(args.workers)  # named whether or not a sweep would use it
+        calibration_implies_its_model(args)
         settings = settings_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
         recording = None
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             check_pool_setting([*settings, *(sweep[:1] if sweep else ())])
             recording, settings = recorded_run(args, settings)
         elif args.cost_model is None:
-            args.cost_model = "calibrated" if args.calibration else "roofline"
+            args.cost_model = "roofline"
         args.recording = recording
         deployment = deployment_from_args(args)
         if args.tenant_weight:
@@ -129,8 +131,6 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     from kvserve.sim.recording import load_recording
 
     recording = load_recording(args.trace)
-    if args.calibration and args.cost_model is None:  # its coefficients, not the recording's
-        args.cost_model = "calibrated"
     recorded = recording.settings
     size = recorded.pop("data_parallel_size", 1)
     router = recorded.pop("router", None)

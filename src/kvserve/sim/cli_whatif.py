@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.flags import parse_value, sweep_key
-from kvserve.sim.cli_common import add_deployment_flags, cli_errors, deployment_from_args
+from kvserve.sim.cli_common import (
+    add_deployment_flags,
+    calibration_implies_its_model,
+    cli_errors,
+    deployment_from_args,
+)
 
 SUMMARY = "replay a server's recording under changed settings, side by side"
 DESCRIPTION = ("Replay a recording (kvserve serve --record DIR) as it ran, with the "
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         check_pool_setting([name for name, _ in changes])
         recording = load_recording(args.recording)
         args.recording_dir, args.recording = args.recording, recording
+        calibration_implies_its_model(args)  # the changes' model
         chosen = args.cost_model or "calibrated"
         args.cost_model = "replay"
         replay = deployment_from_args(args)
