@@ -31,16 +31,10 @@ def new_recorder(state: ServerState, directory: str) -> Any:
                         num_engines=getattr(state.engine, "num_replicas", 1),
                         router=getattr(state.engine, "router", None))
     old = state.recorder
-    deaths = getattr(state.engine, "death_observers", None)  # data-parallel replicas
     if old is not None:
         old.close()
-        if old.observe in state.engine.observers:
-            state.engine.observers.remove(old.observe)
-        if deaths is not None and old.replica_died in deaths:
-            deaths.remove(old.replica_died)
-    state.engine.observers.append(recorder.observe)
-    if deaths is not None:
-        deaths.append(recorder.replica_died)
+        old.detach(state.engine)
+    recorder.attach(state.engine)
     state.recorder = recorder
     return recorder
 

@@ -42,9 +42,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         log_boot(state)
         state.engine.start()
         if state.recorder is not None:  # serve --record DIR: from the first request on
-            state.engine.observers.append(state.recorder.observe)
-            if hasattr(state.engine, "death_observers"):  # data-parallel replicas
-                state.engine.death_observers.append(state.recorder.replica_died)
+            state.recorder.attach(state.engine)
             state.recorder.start()
             logger.info("recording into %s (prompts: %s)", state.recorder.directory,
                         state.recorder.prompts)

@@ -243,6 +243,20 @@ class Recorder:
         for request_id in request_ids:
             self._pending.pop(request_id, None)
 
+    def attach(self, engine: Any) -> None:
+        """Hear ``engine``'s steps, and its replicas' deaths where it has replicas."""
+        engine.observers.append(self.observe)
+        if hasattr(engine, "death_observers"):
+            engine.death_observers.append(self.replica_died)
+
+    def detach(self, engine: Any) -> None:
+        """Stop hearing ``engine`` (each observer removed if present)."""
+        for observers, observer in ((engine.observers, self.observe),
+                                    (getattr(engine, "death_observers", []),
+                                     self.replica_died)):
+            if observer in observers:
+                observers.remove(observer)
+
     def replica_died(self, engine: int, when: float, request_ids: Sequence[str] = ()) -> None:
         """A data-parallel replica died at ``when`` (monotonic) holding ``request_ids``: they
         were placed again or failed; the manifest says so (a replay cannot follow it step for
