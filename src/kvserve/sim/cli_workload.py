@@ -74,17 +74,15 @@ def run_gen(args: argparse.Namespace) -> int:
                 if value is not None:
                     raise ValueError(f"{flag} shapes the shared system prompts: give "
                                      "--prefix-groups N")
+        given = {name: getattr(args, name) for name in (  # else WorkloadSpec's defaults
+            "cv", "burst_size", "prefix_len", "prefix_fraction", "think_time")
+            if getattr(args, name) is not None}
         spec = WorkloadSpec(
             num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
-            cv=1.0 if args.cv is None else args.cv,
-            burst_size=8 if args.burst_size is None else args.burst_size,
             prompt_len=args.prompt_len, output_len=args.output_len,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-            prefix_groups=args.prefix_groups,
-            prefix_len="fixed:256" if args.prefix_len is None else args.prefix_len,
-            prefix_fraction=1.0 if args.prefix_fraction is None else args.prefix_fraction,
-            turns=args.turns, think_time=5.0 if args.think_time is None else args.think_time,
-            priorities=args.priorities, seed=args.seed, sessions=args.sessions)
+            prefix_groups=args.prefix_groups, turns=args.turns, priorities=args.priorities,
+            seed=args.seed, sessions=args.sessions, **given)
         requests = generate(spec)
         _check_used(args, requests)
         text = dump_trace(requests)
@@ -104,8 +102,9 @@ def _check_used(args: argparse.Namespace, requests: list[Any]) -> None:
     """Flags that shaped no request are named: --sessions names multi-turn conversations'
     sessions, and a shared system prompt goes to single-turn requests only (a trace line
     names one prefix, and a turn's is its conversation so far)."""
-    turns = sum(1 for r in requests if r.prefix_id is not None and
-                r.prefix_id.startswith("conv"))
+    from kvserve.sim.workloads import is_turn
+
+    turns = sum(1 for r in requests if is_turn(r))
     for flag, given in (("--sessions", args.sessions),
                         ("--think-time", args.think_time is not None)):
         if given and not turns:

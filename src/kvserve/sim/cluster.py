@@ -234,9 +234,9 @@ class ClusterSimulator:
                              f"cluster simulation needs continuous batching")
         if len(cost_models) != options.data_parallel_size:
             raise ValueError("one cost model per replica")
-        replayed = [getattr(m, "step_start", None) is not None for m in cost_models]
-        if any(replayed) and (options.lockstep or options.router != "recorded"
-                              or len({id(m) for m in cost_models}) < len(cost_models)):
+        replayed = any(getattr(m, "step_start", None) is not None for m in cost_models)
+        if replayed and (options.lockstep or options.router != "recorded"
+                         or len({id(m) for m in cost_models}) < len(cost_models)):
             raise ValueError("a replayed step log is one engine's: a cluster replays a "
                              "recording of replicas, each replica its own engine's log, "
                              "with --router recorded and independent steps")

@@ -130,6 +130,12 @@ class LengthDist:
 
 
 ARRIVALS = ("poisson", "gamma", "burst")
+CONVERSATION = "conv"  # a multi-turn conversation's prefix and session id: conv<N>
+
+
+def is_turn(request: TraceRequest) -> bool:
+    """Whether a generated request is a turn of a multi-turn conversation."""
+    return request.prefix_id is not None and request.prefix_id.startswith(CONVERSATION)
 MAX_LENGTH = 1e9  # tokens: a length beyond it is a typo (and past numpy's integer draws)
 
 
@@ -261,7 +267,7 @@ def _conversation(spec: WorkloadSpec, rng: np.random.Generator, conversation: in
             # Each turn's prompt is the conversation so far plus new text, all from the
             # conversation's token stream, so the previous prompt and answer are a prefix.
             prompt_len = history + new_text
-            prefix_id, prefix_len = f"conv{conversation}", prompt_len
+            prefix_id, prefix_len = f"{CONVERSATION}{conversation}", prompt_len
             request_id = f"c{conversation}-t{turn}"
         else:
             request_id = f"r{conversation}"
@@ -275,7 +281,8 @@ def _conversation(spec: WorkloadSpec, rng: np.random.Generator, conversation: in
             request_id=request_id, arrival_time=round(arrival, 6), output_len=output_len,
             prompt_len=prompt_len, prefix_id=prefix_id, prefix_len=prefix_len,
             max_tokens=spec.max_tokens, priority=priority, ignore_eos=spec.ignore_eos,
-            session_id=f"conv{conversation}" if spec.sessions and num_turns > 1 else None))
+            session_id=f"{CONVERSATION}{conversation}" if spec.sessions and num_turns > 1
+            else None))
         history = prompt_len + output_len
         arrival += float(think[turn])
     return out
