@@ -127,14 +127,37 @@ def test_a_client_timeout_after_the_request_finished_never_fires():
 
 def test_latency_counts_from_when_the_server_received_the_request():
     # a recorded request the server received at t=0 reached the scheduler at t=0.5 (it
-    # waited for the step then running): its first token at t=1.5 is a TTFT of 1.5, its
-    # queue time 0.5, as its client saw them (the replay used to count from t=0.5)
+    # waited for the step then running). Replaying the recorded steps (each held to its
+    # logged start: 0.5, 1.5, ...) it reaches the scheduler at 0.5 as it did; its first token
+    # at t=1.5 is a TTFT of 1.5, its queue time 0.5, as its client saw them (the replay used
+    # to count from t=0.5)
+    from kvserve.sim.cost_models import ReplayCostModel
     from kvserve.sim.report import request_latencies
 
-    result = simulate([req("a", 16, 3, arrival=0.5, received_time=0.0)])
-    record = by_id(result)["a"]
+    trace = [req("a", 16, 3, arrival=0.5, received_time=0.0)]
+    replay = ReplayCostModel([1.0] * 4, [16, 1, 1, 1], starts=[0.5, 1.5, 2.5, 3.5])
+    record = by_id(simulate(trace, cost_model=replay))["a"]
     assert record.arrival_time == 0.0
     assert request_latencies(record) == {"ttft": 1.5, "e2e": 4.5, "queue": 0.5}
+
+
+def test_a_run_of_other_steps_hands_a_recorded_request_over_on_receipt():
+    # under any other cost model the recorded engine's wait for its step boundary is not
+    # this run's (its own steps make that wait): the request reaches the scheduler at t=0,
+    # when the server received it. It was handed over at 0.5, so a run under the model the
+    # recording was fitted to waited twice (once recorded, once for its own step).
+    from kvserve.core import CacheConfig, SchedulerConfig
+    from kvserve.sim.cluster import ClusterOptions, ClusterSimulator
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.report import request_latencies
+    from kvserve.sim.simulator import Simulator
+
+    trace = [req("a", 16, 3, arrival=0.5, received_time=0.0)]
+    cluster = ClusterSimulator(Simulator(SchedulerConfig(), CacheConfig(100), UnitCostModel()),
+                               ClusterOptions(2), [UnitCostModel(), UnitCostModel()])
+    for result in (simulate(trace), cluster.run(trace)):
+        record = by_id(result)["a"]
+        assert request_latencies(record) == {"ttft": 1.0, "e2e": 4.0, "queue": 0.0}
 
 
 def test_max_tokens_caps_before_eos_and_ignore_eos_runs_to_max_tokens():

@@ -49,7 +49,7 @@ from kvserve.core.router import (
     make_router,
 )
 from kvserve.sim.conversations import ConversationGate, take_due
-from kvserve.sim.cost_models import CostModel
+from kvserve.sim.cost_models import CostModel, holds_recorded_steps
 from kvserve.sim.simulator import (
     ProgressFn,
     RequestRecord,
@@ -254,6 +254,8 @@ class _ClusterRun:
                  progress: ProgressFn | None) -> None:
         sim, options = cluster.sim, cluster.options
         self.sim, self.options, self.progress = sim, options, progress
+        if not all(holds_recorded_steps(model) for model in cluster.cost_models):
+            trace = [r.at_receipt() for r in trace]
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
         self.records = {r.request_id: RequestRecord(r.request_id, r.received,
                                                     r.num_prompt_tokens, deadline=r.deadline)

@@ -280,6 +280,13 @@ class CalibratedCostModel:
         return cls.from_dict(data)
 
 
+def holds_recorded_steps(cost_model: object) -> bool:
+    """Whether ``cost_model`` replays an engine's steps each held to its logged start: then
+    a recorded request reaches the scheduler when that engine took it (between the same two
+    steps); under any other model, when the server received it (TraceRequest.at_receipt)."""
+    return getattr(cost_model, "starts", None) is not None
+
+
 class ReplayCostModel:
     """Step times measured on a real engine, replayed in order (``kvserve simulate
     --replay-step-times LOG``, the step log of :mod:`kvserve.engine.trace_runner`).

@@ -43,7 +43,7 @@ from kvserve.core.request import EventType
 from kvserve.core.sessions import SessionError
 from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
 from kvserve.sim.conversations import ConversationGate, take_due
-from kvserve.sim.cost_models import CostModel, needs_block_layout
+from kvserve.sim.cost_models import CostModel, holds_recorded_steps, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
 from kvserve.sim.layout import BlockLayout
@@ -105,6 +105,8 @@ class _Run:
         # The layout tracker costs a pass over the batch per step: only for a model using it.
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
+        if not holds_recorded_steps(sim.cost_model):
+            trace = [r.at_receipt() for r in trace]
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
         # The prompt's bytes serve BLAKE2b's hashes (hash_prompt); builtin hashes the ids.
         self.draws = PromptDraws(self.arrivals, sim.seed,

@@ -13,7 +13,8 @@ ignored otherwise, but its turns are still sent closed loop, docs/sessions.md), 
 request on, which ``--router recorded`` follows, and ``received_time`` (s, at or before
 ``arrival_time``): when a recorded server received the request, which its latencies count
 from and its scheduler orders by, while the request reaches the scheduler at
-``arrival_time`` (docs/recording.md). A
+``arrival_time`` in a replay of the recorded steps and at ``received_time`` in any other run
+(:meth:`TraceRequest.at_receipt`, docs/recording.md). A
 recorded prompt (``kvserve serve --record``, docs/recording.md) may come as ``prompt_len``
 with ``prompt_hashes``, the chained hashes of its full blocks of ``hash_block_size`` tokens:
 equal hashes stand for equal prefixes. Unknown fields are errors: a field that is accepted
@@ -74,6 +75,15 @@ class TraceRequest:
     def received(self) -> float:
         """When the request was sent: latencies count from it, the scheduler orders by it."""
         return self.arrival_time if self.received_time is None else self.received_time
+
+    def at_receipt(self) -> TraceRequest:
+        """This request reaching the scheduler when the server received it: for a run whose
+        steps are not the recorded ones (a changed setting, a fitted cost model), where the
+        recorded engine's wait for its step boundary is not this run's (its own steps
+        make that wait)."""
+        if self.received_time is None:
+            return self
+        return dataclasses.replace(self, arrival_time=self.received_time, received_time=None)
 
     @property
     def num_prompt_tokens(self) -> int:
