@@ -130,3 +130,47 @@ def test_a_traces_answer_length_is_what_is_asked_for(tmp_path):
         {"request_id": "c", "arrival_time": 0, "prompt_len": 8, "output_len": 3,
          "max_tokens": 12, "ignore_eos": True}]))
     assert [r.max_tokens for r in trace_requests(trace, 0, 64)] == [4, 1, 12]
+
+
+def test_a_traces_client_timeout_is_replayed(tmp_path):
+    """A trace's cancel_time is its client's timeout: bench closes the request that many
+    seconds after sending it (mid-stream, or before it is sent where the client left first)
+    and counts it disconnected. Bench used to ignore cancel_time and run every request to its
+    end."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.bench.client import Target, send
+    from kvserve.bench.workload import trace_requests
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"request_id": "a", "arrival_time": 1, "prompt_len": 8, "output_len": 3},
+        {"request_id": "b", "arrival_time": 1, "prompt_len": 8, "output_len": 3,
+         "cancel_time": 1},
+        {"request_id": "c", "arrival_time": 1, "prompt_len": 8, "output_len": 3,
+         "cancel_time": 1.25}]))
+    requests = trace_requests(trace, 0, 64)
+    assert [r.cancel_after for r in requests] == [None, 0.0, 0.25]
+
+    sent: list[str] = []
+
+    async def one_token_then_silence():
+        yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+        await asyncio.Event().wait()  # a server that never answers again
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(200, content=one_token_then_silence())
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            target = Target("http://test", "m")
+            return [await send(client, target, r) for r in requests[1:]]
+
+    before_sent, timed_out = asyncio.run(go())
+    assert sent == ["/v1/completions"]  # the client that left first sent nothing
+    assert before_sent.disconnected and before_sent.ttft is None
+    assert timed_out.disconnected and not timed_out.ok and timed_out.ttft is not None
+    assert timed_out.e2e >= 0.25 and timed_out.error is None

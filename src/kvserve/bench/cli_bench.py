@@ -33,7 +33,10 @@ def add_parser(subparsers: Any) -> None:
                                         "asks for its output_len + 1 tokens (its answer and "
                                         "EOS) within max_tokens, an ignore_eos line for its "
                                         "max_tokens; its arrival times are used "
-                                        "unless --request-rate or --max-concurrency is given")
+                                        "unless --request-rate or --max-concurrency is "
+                                        "given; a line's cancel_time is its client's "
+                                        "timeout (the client goes away then, counted "
+                                        "disconnected)")
     source.add_argument("--num-prompts", type=int, default=100,
                         help="requests to send (without --trace)")
     source.add_argument("--input-len", default="64:512",

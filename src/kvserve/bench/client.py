@@ -7,6 +7,7 @@ tokens in the event when the server says), E2E is send -> end of stream.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -70,27 +71,41 @@ class Target:
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
                disconnect_after: int | None = None) -> RequestResult:
     """``disconnect_after``: close the stream after that many text events (a client that
-    goes away mid-stream)."""
+    goes away mid-stream); the request's ``cancel_after`` closes it after that many seconds
+    (a trace's client timeout). Either counts the request disconnected."""
     result = RequestResult(request.index, num_prompt_tokens=request.num_prompt_tokens)
+    if request.cancel_after is not None and request.cancel_after <= 0:
+        result.disconnected = True  # the client left before it was sent
+        return result
     start = time.perf_counter()
     try:
-        async with client.stream("POST", target.base_url + target.endpoint,
-                                 json=target.body(request), headers=target.headers) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {_message(text)}"
-                return result
-            if target.stream:
-                await _read_events(response, result, start, disconnect_after)
-            else:
-                _read_body(json.loads(await response.aread()), result)
+        async with asyncio.timeout(request.cancel_after):
+            await _exchange(client, target, request, result, start, disconnect_after)
+    except TimeoutError:
+        result.disconnected = True
     except httpx.HTTPError as error:
         result.error = f"{type(error).__name__}: {error}"
+    if result.error is not None:
         return result
     result.e2e = time.perf_counter() - start
     result.ok = result.error is None and not result.disconnected
     return result
+
+
+async def _exchange(client: httpx.AsyncClient, target: Target, request: BenchRequest,
+                    result: RequestResult, start: float,
+                    disconnect_after: int | None) -> None:
+    async with client.stream("POST", target.base_url + target.endpoint,
+                             json=target.body(request), headers=target.headers) as response:
+        result.status = response.status_code
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            result.error = f"HTTP {response.status_code}: {_message(text)}"
+            return
+        if target.stream:
+            await _read_events(response, result, start, disconnect_after)
+        else:
+            _read_body(json.loads(await response.aread()), result)
 
 
 async def _read_events(response: httpx.Response, result: RequestResult, start: float,

@@ -22,6 +22,7 @@ class BenchRequest:
     max_tokens: int
     arrival_time: float | None = None
     priority: int | None = None
+    cancel_after: float | None = None  # a trace's client timeout: seconds after it is sent
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
@@ -56,7 +57,7 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
                    ) -> list[BenchRequest]:
     """A kvserve trace (JSONL), or a server's recording directory (its requests, sent when
     the server received them): token ids, arrival times, max_tokens / output_len,
-    priority."""
+    priority, and each client's timeout (``cancel_time``: the client goes away then)."""
     from kvserve.sim.trace import read_trace
 
     if Path(path).is_dir():
@@ -64,8 +65,10 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
 
         rows = sorted(load_recording(path).trace, key=lambda r: r.received)
         start = rows[0].received if rows else 0.0
-        rows = [dataclasses.replace(r, arrival_time=r.received - start, received_time=None)
-                for r in rows]
+        rows = [dataclasses.replace(
+            r, arrival_time=r.received - start, received_time=None,
+            cancel_time=None if r.cancel_time is None else r.cancel_time - start)
+            for r in rows]
     else:
         rows = read_trace(path)
     requests = []
@@ -76,8 +79,10 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
         max_tokens = row.max_tokens or default_max_tokens
         if not row.ignore_eos:
             max_tokens = min(max_tokens, row.output_len + 1)
+        cancel_after = None if row.cancel_time is None else \
+            max(0.0, row.cancel_time - row.arrival_time)
         requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),
-                                     row.arrival_time, row.priority or None))
+                                     row.arrival_time, row.priority or None, cancel_after))
     return requests
 
 
@@ -89,6 +94,5 @@ def poisson_arrivals(requests: list[BenchRequest], rate: float,
     for position, request in enumerate(requests):
         if position:
             now += rng.expovariate(rate)
-        out.append(BenchRequest(request.index, request.prompt, request.num_prompt_tokens,
-                                request.max_tokens, now, request.priority))
+        out.append(dataclasses.replace(request, arrival_time=now))
     return out
