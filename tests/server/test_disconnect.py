@@ -139,3 +139,28 @@ def test_an_id_the_client_chose_with_a_prefix_aborts_by_either_name(live, name):
         events = [line for line in lines if line.startswith("data: ")]
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     wait_for(live.idle, what="a whole pool")
+
+
+def test_a_choice_id_aborts_that_choice_and_the_others_run_on(live):
+    """With n > 1 the choices run as `<id>-0`, `<id>-1`, ...: the ids the dashboard and the
+    engine's logs show. /v1/abort with one of them (or with its response-id form) ends that
+    choice with an abort and leaves the others running; it answered not_found."""
+    with httpx.stream("POST", live.url + "/v1/completions",
+                      json={**LONG, "stream": True, "n": 2},
+                      headers={"X-Request-Id": "op-3"}, timeout=30) as response:
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(next(lines)[6:])["choices"][0]["index"] == 0  # 0 runs, 1 waits
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-op-3-1"})
+        assert reply.json() == {"aborted": ["cmpl-op-3-1"], "not_found": []}
+        chunks = []
+        for line in lines:  # choice 1 ends; choice 0 keeps producing
+            chunks.append(json.loads(line[6:])["choices"][0])
+            if chunks[-1]["index"] == 0 and any(c["index"] == 1 for c in chunks):
+                break
+        assert [c["finish_reason"] for c in chunks if c["index"] == 1] == ["abort"]
+        again = httpx.post(live.url + "/v1/abort", json={"request_id": ["op-3-1", "op-3"]})
+        assert again.json() == {"aborted": ["op-3"], "not_found": ["op-3-1"]}
+        rest = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    assert [c["finish_reason"] for r in rest for c in r["choices"] if c["finish_reason"]] \
+        == ["abort"]
+    wait_for(live.idle, what="a whole pool")

@@ -137,7 +137,7 @@ class RequestStream:
     _queue: asyncio.Queue[CompletionChunk | BaseException] = field(
         default_factory=asyncio.Queue)
     _unfinished: set[str] = field(default_factory=set)  # membership only
-    _abort_sent: bool = False
+    _aborting: set[str] = field(default_factory=set)  # asked to abort: membership only
     # The consumer can drop what it read (none of it reached a client), so a data-parallel
     # engine may place the requests again after a replica's death (StreamRestarted).
     replayable: bool = False
@@ -169,14 +169,17 @@ class RequestStream:
         self.abort()
         self._unfinished.clear()
 
-    def abort(self) -> bool:
-        """Ask the engine to abort every unfinished request of this stream and keep it open:
-        its consumer sees each end with an ``abort`` chunk. False when there was nothing
-        left to ask (finished, cancelled, or asked already)."""
-        if self._abort_sent or not self._unfinished:
+    def abort(self, request_id: str | None = None) -> bool:
+        """Ask the engine to abort every unfinished request of this stream (or only
+        ``request_id``, one of them: a choice) and keep it open: its consumer sees each end
+        with an ``abort`` chunk, the others run on. False when there was nothing left to
+        ask (finished, cancelled, or asked already)."""
+        asked = [r for r in (self.request_ids if request_id is None else [request_id])
+                 if r in self._unfinished and r not in self._aborting]
+        if not asked:
             return False
-        self._abort_sent = True
-        self._engine.abort(*[r for r in self.request_ids if r in self._unfinished])
+        self._aborting.update(asked)
+        self._engine.abort(*asked)
         return True
 
     def _put(self, item: CompletionChunk | BaseException) -> None:

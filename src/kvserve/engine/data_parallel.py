@@ -365,13 +365,13 @@ class _RoutedStream:
     def cancel(self) -> None:
         self.inner.cancel()
 
-    def abort(self) -> bool:
-        """RequestStream.abort on the replica that holds the requests; an aborted stream is
-        not placed again should that replica die before the abort lands."""
-        if self.abort_sent:
-            return False
-        self.abort_sent = self.inner.abort()
-        return self.abort_sent
+    def abort(self, request_id: str | None = None) -> bool:
+        """RequestStream.abort on the replica that holds the requests; a stream with an
+        abort asked (of any of its requests) is not placed again should that replica die
+        before the abort lands."""
+        asked = self.inner.abort(request_id)
+        self.abort_sent = self.abort_sent or asked
+        return asked
 
 
 def merge_stats(parts: Sequence[SchedulerStats]) -> SchedulerStats:

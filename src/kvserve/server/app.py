@@ -161,9 +161,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
         aborted: list[str] = []
         not_found: list[str] = []  # no live request, or its abort was asked already
         for request_id in ids:
-            stream = state.groups.get(request_id) or \
-                state.groups.get(_strip_prefix(request_id))
-            found = stream is not None and stream.abort()
+            stream, choice = _live_request(state, request_id)
+            found = stream is not None and stream.abort(choice)
             (aborted if found else not_found).append(request_id)
         return JSONResponse({"aborted": aborted, "not_found": not_found})
 
@@ -205,6 +204,21 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     admin.register(app, state)
     app.state.dashboard = dashboard.register(app, state)
     return app
+
+
+def _live_request(state: ServerState, name: str) -> tuple[Any, str | None]:
+    """The live request ``name`` names, as (its group's stream, None for the whole group or
+    the choice's id): the request's id, its response's ``cmpl-`` / ``chatcmpl-`` id, or a
+    choice's ``<id>-<index>``; (None, None) if none."""
+    for request_id in (name, _strip_prefix(name)):
+        stream = state.groups.get(request_id)
+        if stream is not None:
+            return stream, None
+        group, dash, _ = request_id.rpartition("-")
+        stream = state.groups.get(group) if dash else None
+        if stream is not None and request_id in stream.request_ids:
+            return stream, request_id
+    return None, None
 
 
 def _strip_prefix(request_id: str) -> str:
