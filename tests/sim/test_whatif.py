@@ -208,3 +208,20 @@ def test_a_calibration_file_prices_the_changes(tmp_path):
     assert runs["recorded"]["duration_s"] == 6.0  # the log's 1 s steps
     assert runs["recorded (calibrated model)"]["duration_s"] == 3.0  # 6 steps of 0.5 s
     assert runs["max_num_seqs=2"]["duration_s"] == 1.5  # 3 steps of 0.5 s
+
+
+def test_a_change_that_moved_nothing_says_why(tmp_path, capsys):
+    """A change under which no request finished (max_model_len 8 refuses both 16-token
+    prompts) has nothing to compare: whatif said "no request's latency moved", as if the
+    change were harmless. A change that leaves every latency as it was says so, with the
+    count it compared."""
+    directory = build(tmp_path / "rec")
+    html = tmp_path / "w.html"
+    assert main(["whatif", str(directory), "--cost-model", "unit", "--set", "max_model_len=8",
+                 "--set", "max_num_seqs=1", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "moved most with max_model_len=8:\n  no request finished in both runs, so none " \
+        "to compare (see 'not finished')" in out
+    assert "moved most with max_num_seqs=1:\n  no request's latency moved (of 2 that " \
+        "finished in both runs)" in out
+    assert "no request finished in both runs" in html.read_text()

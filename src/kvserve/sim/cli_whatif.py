@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             load_recording,
             replay_or_fitted,
         )
-        from kvserve.sim.whatif import make_run, moved, table, to_json
+        from kvserve.sim.whatif import make_run, moved, nothing_moved, table, to_json
 
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         # error or the simulated router's placement.
         base = runs[-len(changed) - 1]
         movers = {r.label: moved(base, r, args.top) for r in changed}
+        still = {r.label: nothing_moved(base, r) for r in changed if not movers[r.label]}
         print(f"{Path(args.recording_dir).name}: {len(trace)} requests; changes priced by the "
               f"{chosen} cost model")
         print(table(runs))
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {row['request_id']}: e2e {row['e2e_before_s']:.3f} s -> "
                       f"{row['e2e_after_s']:.3f} s ({row['delta_s']:+.3f} s); {where}")
             if not rows:
-                print("  no request's latency moved")
+                print(f"  {still[label]}")
         if args.report:
             Path(args.report).write_text(json.dumps(to_json(runs, movers), indent=1) + "\n",
                                          encoding="utf-8")
@@ -188,5 +189,5 @@ def run(args: argparse.Namespace) -> int:
             from kvserve.sim.whatif_html import render_whatif
 
             Path(args.html).write_text(render_whatif(Path(args.recording_dir).name, runs,
-                                                     movers), encoding="utf-8")
+                                                     movers, still), encoding="utf-8")
     return 0

@@ -106,6 +106,18 @@ def moved(base: Run, other: Run, top: int) -> list[dict[str, Any]]:
     return [row for row in rows[:top] if abs(row["delta_s"]) > 0]
 
 
+def nothing_moved(base: Run, other: Run) -> str:
+    """What to say where :func:`moved` found no request: that none moved, or that none
+    finished in both runs to compare (every request refused, say)."""
+    finished = {r.request_id for r in base.result.records
+                if request_latencies(r)["e2e"] is not None}
+    both = sum(1 for r in other.result.records
+               if r.request_id in finished and request_latencies(r)["e2e"] is not None)
+    if not both:
+        return "no request finished in both runs, so none to compare (see 'not finished')"
+    return f"no request's latency moved (of {both:,} that finished in both runs)"
+
+
 ROWS = (
     ("requests finished", "num_finished", "{:,}"),
     ("not finished", "not_finished", "{}"),  # refused, aborted, timed out: by reason

@@ -15,7 +15,10 @@ WIDTH = 760
 
 
 def render_whatif(title: str, runs: Sequence[Run],
-                  movers: dict[str, list[dict[str, Any]]]) -> str:
+                  movers: dict[str, list[dict[str, Any]]],
+                  still: dict[str, str] | None = None) -> str:
+    """``still``: for a change whose movers are none, what to say instead
+    (whatif.nothing_moved)."""
     body = [f"<h1>kvserve whatif: {escape(title)}</h1>",
             '<p class="muted">The recorded run is the replay of the server\'s own step '
             "times; every chart puts all runs on the same axes.</p>", _figures(runs),
@@ -41,7 +44,7 @@ def render_whatif(title: str, runs: Sequence[Run],
     body.append("</div>")
     for label, rows in movers.items():
         body.append(f"<h2>Requests that moved most: {escape(label)}</h2>")
-        body.append(_movers(rows))
+        body.append(_movers(rows, (still or {}).get(label, "no request's latency moved")))
     return _page("kvserve whatif", body)
 
 
@@ -53,9 +56,9 @@ def _figures(runs: Sequence[Run]) -> str:
     return f"<table>{head}{rows}</table>"
 
 
-def _movers(rows: list[dict[str, Any]]) -> str:
+def _movers(rows: list[dict[str, Any]], still: str) -> str:
     if not rows:
-        return '<p class="muted">no request\'s latency moved</p>'
+        return f'<p class="muted">{escape(still)}</p>'
     out = ["<table><tr><th>request</th><th>e2e before</th><th>after</th><th>change</th>"
            "<th>first decision that differed</th></tr>"]
     for row in rows:
