@@ -133,6 +133,9 @@ def test_two_local_replicas_serve_and_survive_a_killed_one(tmp_path):
 
     engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
     with LiveServer(serving=engine) as live:
+        # each replica shows under its name in ps and top (it read spawn_main)
+        assert [Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0")[0]
+                for r in engine.replicas] == [b"replica-0", b"replica-1"]
         check_both_replicas_serve(live)
         recorder = new_recorder(live.state, str(tmp_path / "rec"))  # sees the death
         recorder.start()

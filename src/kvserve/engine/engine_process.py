@@ -188,6 +188,17 @@ _Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", 
 
 # -- the engine process ------------------------------------------------------------------------
 
+def _name_process(name: str) -> None:
+    """Show this process as ``name`` (kvserve-engine, kvserve-engine-N) in ps and top, as
+    vLLM names its EngineCore: spawned, it read as multiprocessing's ``spawn_main``.
+    Without setproctitle (the server extra installs it) the name stays."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(name)
+
+
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
     """The engine process: build the engine, then serve commands until told to stop or the
     pipe closes."""
@@ -198,6 +209,7 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
     if threading.current_thread() is threading.main_thread():  # not so in a Ray actor
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _name_process(multiprocessing.current_process().name)
     os.environ.update(spec.environment())  # before torch is imported here
     if not logging.getLogger().handlers:  # a spawned process starts with none (a Ray worker
         logging.basicConfig(format=LOG_FORMAT)  # has its own): to stderr, the server's
