@@ -49,6 +49,43 @@ def test_truncation_keeps_exactly_the_allowed_tokens(params, allowed):
     assert set(draw(params, n=2000)) == allowed
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-38), SamplingParams(temperature=1e-300),
+    SamplingParams(temperature=4e-6, seed=3),
+    SamplingParams(temperature=1.0, repetition_penalty=1e-300),
+    SamplingParams(temperature=1.0, repetition_penalty=1e300),
+    SamplingParams(temperature=1e-3, repetition_penalty=1e-30, top_p=0.5, min_p=0.1),
+])
+def test_extreme_temperatures_and_penalties_draw_a_token_of_the_vocabulary(params):
+    """A temperature below 1e-5 samples greedily (as vLLM); a penalty that overflows float32
+    leaves a distribution. Either made the softmax NaN, and the draw then returned the
+    vocabulary's size: the next step's embedding failed and took the engine down for every
+    request (QA: one request with temperature 1e-38)."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]] * 3)
+    rows = [SamplingRow(params, [0, 2], 1), SamplingRow(params, [1], 1),
+            SamplingRow(SamplingParams(temperature=1.0, seed=1), [3], 1)]
+    token_ids = Sampler(seed=1)(logits, rows).token_ids
+    assert all(0 <= token < 4 for token in token_ids), token_ids
+    if params.temperature < 1e-5:  # greedy, penalties or not
+        assert token_ids[:2] == [0, 0]
+
+
+def test_below_min_tokens_eos_and_stop_token_ids_are_never_drawn():
+    """As vLLM's min-tokens logits processor: until a row has min_tokens outputs, its EOS
+    (unless ignore_eos) and stop token ids are held back, greedy or sampled; drawn, the EOS
+    was kept as text and the model ran on past its own end (QA)."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 4)
+    params = SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0, stop_token_ids=[1])
+    rows = [SamplingRow(params, [9, 9, 9], 1),  # 2 outputs: held
+            SamplingRow(params, [9, 9, 9, 9], 1),  # 3 outputs: free again
+            SamplingRow(SamplingParams(temperature=1.0, seed=5, min_tokens=2, eos_token_id=0,
+                                       stop_token_ids=[1, 2]), [9], 1),
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0,
+                                       ignore_eos=True), [9], 1)]  # EOS is not a stop
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [2, 0, 3, 0]
+
+
 def test_repetition_penalty_demotes_seen_tokens():
     logits = torch.tensor([[2.0, 1.9, -1.0]])
     seen = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0, 2], 1)

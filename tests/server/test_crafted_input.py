@@ -115,6 +115,22 @@ def test_a_valid_surrogate_pair_is_text(server):
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-38}, {"temperature": 1e-300},
+                                     {"temperature": 1, "repetition_penalty": 1e-300}])
+def test_extreme_sampling_values_are_served_and_the_server_lives_on(server, server_log,
+                                                                    extreme):
+    """Valid values at float32's edge: a temperature below 1e-5 is greedy (as vLLM's), a
+    penalty that overflows leaves a distribution. One such request took the engine down
+    (the sampler drew the vocabulary's size), and every later request was a 503."""
+    for body in ({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, **extreme},
+                 {"prompt": "Hello", "max_tokens": 2}):
+        response = httpx.post(server.url + COMPLETIONS, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    wait_for(server.idle, what="a whole pool")
+    assert_clean(server_log)
+
+
 def test_clients_leaving_mid_body_log_one_debug_line_each(server, server_log):
     num_clients = 20
     for _ in range(num_clients):

@@ -1,7 +1,8 @@
 """Turn one step's logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds,
 logprobs.
 
-Order per row: repetition, frequency and presence penalties -> temperature (0: greedy) ->
+Order per row: below min_tokens, EOS and the stop token ids held back (never drawn) ->
+repetition, frequency and presence penalties -> temperature (0: greedy) ->
 top-k -> top-p -> min-p -> draw. A seeded request draws from a generator seeded by
 (seed, output position), so the *draw* does not depend on batching or preemption: given the
 same logits, it picks the same token. By default the logits themselves are not
@@ -26,6 +27,9 @@ from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+# A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
+# overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -46,7 +50,19 @@ class SamplingRow:
 
     @property
     def is_greedy(self) -> bool:
-        return self.params.temperature == 0.0 or self.params.top_k == 1
+        return self.params.temperature < GREEDY_BELOW or self.params.top_k == 1
+
+    @property
+    def held_stops(self) -> list[int]:
+        """The tokens this row may not draw yet: below min_tokens, its EOS (unless
+        ignore_eos) and stop token ids, as vLLM's min-tokens logits processor holds them
+        (drawn, an EOS was kept as text and the model ran on past its own end)."""
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos or params.eos_token_id is None else \
+            [params.eos_token_id]
+        return eos + list(params.stop_token_ids)
 
     @property
     def has_penalties(self) -> bool:
@@ -77,11 +93,16 @@ class Sampler:
 
     def _rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits
-        if any(row.has_penalties for row in rows):
+        penalised = [index for index, row in enumerate(rows) if row.has_penalties]
+        held = [(index, row.held_stops) for index, row in enumerate(rows) if row.held_stops]
+        if penalised or held:
             logits = logits.clone()
-            for index, row in enumerate(rows):
-                if row.has_penalties:
-                    _apply_penalties(logits[index], row)
+            for index in penalised:
+                _apply_penalties(logits[index], rows[index])
+            vocab = logits.shape[-1]
+            for index, token_ids in held:
+                logits[index, [t for t in token_ids if t < vocab]] = float("-inf")
+            logits = _finite(logits)  # a penalty near 0 (or huge) overflows float32
         if all(row.is_greedy for row in rows):
             token_ids = greedy_tokens(logits).tolist()
         else:
@@ -91,7 +112,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         greedy = greedy_tokens(logits)
         temperatures = torch.tensor([row.params.temperature or 1.0 for row in rows])
-        probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+        probs = torch.softmax(_finite(logits / temperatures[:, None]), dim=-1)
         probs = _top_k_top_p_min_p(probs, rows)
         # Inverse CDF: one uniform per row, looked up in the row's cumulative distribution,
         # scaled by the row's total so rounding in the float32 sum cannot push it past the
@@ -111,8 +132,17 @@ class Sampler:
         drawn = torch.searchsorted(cdf, uniforms * total, right=True)
         last = torch.searchsorted(cdf, total)  # the last token with any probability
         drawn = torch.minimum(drawn, last).squeeze(1)  # should rounding reach the total
+        drawn.clamp_(max=logits.shape[-1] - 1)  # never a token past the vocabulary
         is_greedy = torch.tensor([row.is_greedy for row in rows])
         return torch.where(is_greedy, greedy, drawn).tolist()
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with NaN and -inf as the dtype's lowest value and +inf as its highest, so
+    the softmax of a row is a distribution (inf - inf made it NaN, and a NaN row drew the
+    token past the vocabulary, which failed the next step for every request)."""
+    info = torch.finfo(logits.dtype)
+    return torch.nan_to_num(logits, nan=info.min, posinf=info.max, neginf=info.min)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
