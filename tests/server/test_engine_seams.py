@@ -71,11 +71,12 @@ def letter_engine() -> tuple[Engine, LetterExecutor]:
     return Engine(scheduler, executor, LetterTokenizer(), clock=lambda: 0.0), executor
 
 
-def generate_text(stop: list[str] | None = None) -> tuple[str, list[StepRecord]]:
+def generate_text(stop: list[str] | None = None,
+                  **params: object) -> tuple[str, list[StepRecord]]:
     engine, executor = letter_engine()
     executor.register("r", 5, 8, True, 7)
     engine.add_request("r", "hello", SamplingParams(max_tokens=8, ignore_eos=True,
-                                                    stop=stop or ()))
+                                                    stop=stop or (), **params))
     records, text = [], ""
     while engine.has_unfinished_requests():
         record = engine.step()
@@ -104,6 +105,24 @@ def test_a_protocol_tokenizer_drives_the_engine_text_and_stop_strings():
     assert stopped == text[:text.index(stop)]
     last = records[-1].chunks[-1]
     assert (last.finished, last.finish_reason, last.stop_reason) == (True, "stop", stop)
+
+
+def test_min_tokens_holds_stop_strings_and_a_stop_tokens_text_is_not_shown():
+    """As vLLM's: the text of the first min_tokens tokens is not searched for stop strings
+    (a stop string there ended a request that asked for more tokens), and the stop token id
+    that ends a request is not shown as text (its letter was left at the end)."""
+    text, _ = generate_text()
+    stop = text[1:3]  # complete at the third token
+    held, _ = generate_text(stop=[stop], min_tokens=3)
+    # a stop string that ends after the third token is found, even where it begins inside
+    # the first three; their text is shown whole (nothing shown is taken back)
+    assert held == (text[:max(3, text.index(stop, 2))] if stop in text[2:] else text)
+    token = ord(text[4]) - ord("a")
+    stopped, records = generate_text(stop_token_ids=[token])
+    assert stopped == text[:text.index(text[4])]
+    last = records[-1].chunks[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", token)
+    assert last.new_token_ids[-1] == token  # the id is kept; only its text is not shown
 
 
 def test_step_returns_its_record_with_the_chunks():

@@ -29,7 +29,7 @@ from kvserve.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from kvserve.engine.text import TextStream, Tokenizer
+from kvserve.engine.text import TextStream, Tokenizer, ended_by_token
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -143,8 +143,9 @@ class Engine:
                           arrival_time=self.clock() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)  # raises before anything else is recorded
         if self.detokenize and self.tokenizer is not None:
+            params = request.sampling_params
             self._text[request_id] = TextStream(self.tokenizer, request.prompt_token_ids,
-                                                request.sampling_params.stop)
+                                                params.stop, params.min_tokens)
         return request
 
     def abort(self, request_id: str) -> RequestMetrics | None:
@@ -186,7 +187,8 @@ class Engine:
         text = self._text.get(chunk.request_id)
         if text is None:
             return
-        chunk.new_text, stop = text.step(chunk.new_token_ids, chunk.finished)
+        chunk.new_text, stop = text.step(chunk.new_token_ids, chunk.finished,
+                                         ended_by_token(chunk))
         if stop is not None and not chunk.finished:
             chunk.metrics = self.finish_stopped(chunk.request_id, stop, now)
             chunk.finished = True

@@ -63,7 +63,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.core_loop import AddItem, EngineCore, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
-from kvserve.engine.text import TextStream
+from kvserve.engine.text import TextStream, ended_by_token
 
 logger = logging.getLogger("kvserve.engine")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvserve serve's log lines
@@ -297,7 +297,7 @@ class _PendingAdd:
 
     future: concurrent.futures.Future[None]
     request_ids: list[str]
-    texts: list[tuple[str, list[int], Sequence[str] | None]]
+    texts: list[tuple[str, list[int], SamplingParams]]
     sent: float = field(default_factory=time.monotonic)
 
 
@@ -511,12 +511,12 @@ class ProcessEngine:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         when = time.monotonic() if arrival_time is None else arrival_time
         payload: list[AddItem] = []
-        texts: list[tuple[str, list[int], Sequence[str] | None]] = []
+        texts: list[tuple[str, list[int], SamplingParams]] = []
         for request_id, prompt, params in items:
             ids = self._prompt_ids(prompt)
             if ids is not None:
                 prompt = ids
-                texts.append((request_id, ids, params.stop))
+                texts.append((request_id, ids, params))
             payload.append((request_id, prompt, params, when))
         seq = next(self._seq)
         with self._lock:
@@ -662,8 +662,9 @@ class ProcessEngine:
                     for request_id in add.request_ids:
                         self._streams.pop(request_id, None)
             if error is None:
-                for request_id, prompt_ids, stop in add.texts:
-                    self._text[request_id] = TextStream(self.tokenizer, prompt_ids, stop)
+                for request_id, prompt_ids, params in add.texts:
+                    self._text[request_id] = TextStream(self.tokenizer, prompt_ids,
+                                                        params.stop, params.min_tokens)
                 add.future.set_result(None)
             else:
                 add.future.set_exception(error)
@@ -696,7 +697,7 @@ class ProcessEngine:
             del self._text[request_id]
             return CompletionChunk(request_id, [], "", True, "stop",
                                    self._stop_matched.pop(request_id), chunk.metrics)
-        new_text, stop = text.step(chunk.new_token_ids, chunk.finished)
+        new_text, stop = text.step(chunk.new_token_ids, chunk.finished, ended_by_token(chunk))
         out = dataclasses.replace(chunk, new_text=new_text)
         if stop is not None and not chunk.finished:
             self._stop_matched[request_id] = stop

@@ -8,7 +8,10 @@ fake or another tokenizer library behind a thin adapter. Nothing here imports to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import CompletionChunk
 
 
 @runtime_checkable
@@ -36,6 +39,11 @@ class StopChecker(Protocol):
 
     def flush(self) -> str:
         """The held tail, once the request has finished without a stop string."""
+        ...
+
+    def skip(self, new_text: str) -> None:
+        """Take ``new_text`` unsearched and shown whole (the first min_tokens tokens'): a
+        stop string that begins in it is still found where it ends later."""
         ...
 
 
@@ -69,24 +77,43 @@ class Tokenizer(Protocol):
         ...
 
 
+def ended_by_token(chunk: CompletionChunk) -> bool:
+    """Whether ``chunk`` ends its request on its last token: the EOS or a stop token id (the
+    scheduler's stop; a stop string is found later, in the text)."""
+    return chunk.finished and chunk.finish_reason == "stop" and \
+        not isinstance(chunk.stop_reason, str) and bool(chunk.new_token_ids)
+
+
 class TextStream:
     """One request's output text as it streams: incremental detokenization, then stop
     strings. The engine runs one per request on its thread; an engine process leaves this to
     the server's process (:mod:`kvserve.engine.engine_process`), so both apply one rule."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stop: Sequence[str] | None) -> None:
+                 stop: Sequence[str] | None, min_tokens: int = 0) -> None:
         self.detokenizer = tokenizer.detokenizer(prompt_token_ids)
         self.stop_checker = tokenizer.stop_checker(stop) if stop else None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.text = ""
 
-    def step(self, new_token_ids: Sequence[int], finished: bool) -> tuple[str, str | None]:
+    def step(self, new_token_ids: Sequence[int], finished: bool,
+             ended_by_token: bool = False) -> tuple[str, str | None]:
         """The text ``new_token_ids`` add that may be shown, and the stop string they
         completed (None if none). The text ends before a stop string; text held back because
-        it could start one is let out once the request has ``finished`` without one."""
+        it could start one is let out once the request has ``finished`` without one. The
+        text of the first ``min_tokens`` tokens is not searched, as vLLM's: a stop string
+        there ended a request that asked for at least that many tokens. With
+        ``ended_by_token`` (the last id is the EOS or a stop token id that ended the request)
+        that token's text is not shown, as vLLM's (a stop token id ``\\n`` was left in)."""
+        if ended_by_token:
+            new_token_ids = new_token_ids[:-1]
         new_text = self.detokenizer.step(new_token_ids)
+        self.num_tokens += len(new_token_ids)
         stop = None
-        if self.stop_checker is not None:
+        if self.stop_checker is not None and self.num_tokens <= self.min_tokens:
+            self.stop_checker.skip(new_text)
+        elif self.stop_checker is not None:
             new_text, stop = self.stop_checker.check(self.text, new_text)
             if stop is None and finished:
                 new_text += self.stop_checker.flush()
