@@ -84,6 +84,15 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "field 'messages.0.content' must be a string or a list of text parts"),
+    (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {}}]}]}, 400,
+     "unknown field 'messages.0.content.0.cache_control'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": "y", "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "user", "content": "z"}]}, 400,
+     "field 'messages.1.tool_calls' is not supported by this server"),
+    (CHAT, {"messages": [{"role": "assistant", "content": "", "refusal": "no"}]}, 400,
+     "field 'messages.0.refusal' is not supported"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)
@@ -105,6 +114,30 @@ def test_null_means_the_default_for_an_optional_field(server):
                                    "max_tokens": 2, "logprobs": None})
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["logprobs"] is None
+
+
+def test_an_assistant_message_read_back_from_an_sdk_is_sent_again_as_is(server):
+    """OpenAI's SDK (message.model_dump()) and vLLM's answers carry refusal, tool_calls,
+    function_call, audio, annotations and reasoning_content with nothing in them: a saved
+    history came back as a 400 naming 'refusal'."""
+    answer = {"role": "assistant", "content": "y", "refusal": None, "tool_calls": [],
+              "function_call": None, "audio": None, "annotations": [],
+              "reasoning_content": None}
+    response = post(server, CHAT, {"messages": [{"role": "user", "content": "x"}, answer,
+                                                {"role": "user", "content": "z"}],
+                                   "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_a_developer_message_is_the_system_prompt(server):
+    """OpenAI's developer role is the system prompt under its newer name: the template's own
+    default system prompt gave way to it (it was rendered as a turn of its own after it)."""
+    def ids(role: str) -> list[int]:
+        return post(server, "/tokenize", {"messages": [{"role": role, "content": "be brief"},
+                                                       {"role": "user", "content": "x"}]}
+                    ).json()["tokens"]
+
+    assert ids("developer") == ids("system")
 
 
 def test_a_model_is_retrieved_by_name_and_health_answers_head(server):

@@ -49,7 +49,10 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
                               param=f"messages.{index}.content")
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        entry = {"role": message.role, "content": content or ""}
+        # OpenAI's developer message is the system prompt under another name (its newer
+        # models' word): a template that knows no such role rendered it as a turn.
+        role = "system" if message.role == "developer" else message.role
+        entry = {"role": role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)

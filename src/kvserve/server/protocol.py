@@ -96,6 +96,14 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # What an assistant message read back from OpenAI's SDK or vLLM carries: accepted only
+    # with their neutral value (_MESSAGE_NEUTRAL), so a saved history is sent again as is.
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+    reasoning_content: Any = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -149,6 +157,13 @@ _UNSUPPORTED = ("logit_bias", "best_of", "echo", "suffix", "tools", "tool_choice
                 "reasoning_effort", "web_search_options")
 
 
+# A message's fields kvserve does not implement (null is their default, also accepted).
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "refusal": (), "tool_calls": ([],), "function_call": (), "audio": (),
+    "annotations": ([],), "reasoning_content": ("",),
+}
+
+
 def parse_body(model: type[_Body], body: Any) -> Any:
     """Validate ``body`` into ``model`` or raise a 400 naming the first bad field."""
     if not isinstance(body, dict):
@@ -162,6 +177,14 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         if value is not None and value not in _NEUTRAL.get(name, ()):
             raise bad_request(f"field '{name}' is not supported by this server; remove it",
                               param=name)
+    for index, message in enumerate(getattr(request, "messages", None) or ()):
+        for name, neutral in _MESSAGE_NEUTRAL.items():
+            value = getattr(message, name)
+            if value is not None and value not in neutral:
+                where = f"messages.{index}.{name}"
+                raise bad_request(f"field '{where}' is not supported by this server (tool "
+                                  "calls, refusals, audio and reasoning are not); remove it",
+                                  param=where)
     stop = getattr(request, "stop", None)
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' has {len(stop)} strings; at most "
@@ -174,7 +197,13 @@ def parse_body(model: type[_Body], body: Any) -> Any:
 
 
 def _describe(error: ValidationError) -> tuple[str, str]:
-    first = error.errors()[0]
+    errors = error.errors()
+    # An unknown key in an object of the right kind is the problem to name, even in one form
+    # of a union field (a text part's extra key read as "image parts are not supported");
+    # in an object of another kind (an image part) the union's forms are.
+    wrong_kind = {tuple(e["loc"][:-1]) for e in errors if e["type"] == "literal_error"}
+    first = next((e for e in errors if e["type"] == "extra_forbidden"
+                  and tuple(e["loc"][:-1]) not in wrong_kind), errors[0])
     loc = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
     if first["type"] == "extra_forbidden":
         return f"unknown field '{loc}': this server does not know it; remove it", loc
