@@ -121,6 +121,26 @@ def test_queue_deadline_answers_503_queue_timeout():
         abort(live, "blocker", blocker)
         wait_for(live.idle, what="idle")
         assert live.state.engine.stats.num_finished["abort"] == 4
+        # the three 503s are counted (they showed only as aborts, like a client leaving)
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert values[("kvserve:queue_timeouts_total", (("model_name", "tiny"),))] == 3
+
+
+def test_labelled_counters_exist_at_zero_from_boot():
+    """As vLLM's: every finished_reason, status and reason series exists before its first
+    event, so rate() and increase() see the first one and "no data" is not "zero"."""
+    with LiveServer(slow_engine(0.005)) as live:
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+    model = ("model_name", "tiny")
+    for key in [("vllm:request_success_total", (("finished_reason", reason), model))
+                for reason in ("abort", "length", "stop")] + [
+            ("kvserve:requests_rejected_total", (model, ("status", s))) for s in ("400", "503")
+    ] + [("vllm:admission_rejections_total", (model, ("reason", r)))
+         for r in ("max_num_queued_reqs", "max_num_queued_reqs_per_tenant",
+                   "max_num_queued_tokens")] + [
+            ("kvserve:requests_failed_total", (model, ("reason", "engine_died"))),
+            ("kvserve:queue_timeouts_total", (model,))]:
+        assert values[key] == 0, key
 
 
 def test_urgent_requests_finish_first_on_a_saturated_server():

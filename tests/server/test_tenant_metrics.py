@@ -61,6 +61,10 @@ def test_tenant_series_count_each_keys_tenant():  # T6
         assert ok.status_code == 200, ok.text
         wait_for(live.idle, what="idle")
         after = scrape(live)
+        # the tenant's 503 counts under its limit's reason too (it was counted under none)
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert values[("vllm:admission_rejections_total", (
+            ("model_name", "tiny"), ("reason", "max_num_queued_reqs_per_tenant")))] == 1
     aborted = sorted(r.json()["usage"]["completion_tokens"] for r in done
                      if r.status_code == 200)
     assert [r.status_code for r in done] == [200, 200]

@@ -214,7 +214,7 @@ class _Generation:
             self.close()
         choices = sorted(self.choices.values(), key=lambda c: c.index)
         if any(c.stop_reason == QUEUE_TIMEOUT for c in choices):
-            raise _queue_timeout()
+            raise _queue_timeout(self.state)
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -269,7 +269,7 @@ class _Generation:
             raise
         if first.stop_reason == QUEUE_TIMEOUT:
             self.close()
-            raise _queue_timeout()
+            raise _queue_timeout(self.state)
         return ClosingStreamingResponse(self._events(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
@@ -283,7 +283,7 @@ class _Generation:
         try:
             async for chunk in self.stream:
                 if chunk.stop_reason == QUEUE_TIMEOUT:
-                    yield sse(_queue_timeout().body())
+                    yield sse(_queue_timeout(self.state).body())
                     self.close()
                     break
                 yield self._event(chunk)
@@ -326,7 +326,9 @@ class _Generation:
                 "created": self.created, "model": self.state.model_name, "choices": [entry]}
 
 
-def _queue_timeout() -> APIError:
+def _queue_timeout(state: ServerState) -> APIError:
+    """The 503 of a request that waited past its queue deadline, counted."""
+    state.metrics.queue_timeouts.inc()
     return APIError(503, "queue timeout: the request waited longer than its queue deadline "
                          "(--max-queue-delay or 'max_queue_delay') without being scheduled; "
                          "retry later", code="queue_timeout", headers={"Retry-After": "1"})

@@ -29,11 +29,20 @@ from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM V1's buckets for a request's phases (E2E, queue, prefill, decode, inference) and for
+# the time between tokens (inter-token latency, time per output token), so dashboards built
+# on vLLM's bucket bounds read these series unchanged.
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason values
 WAITING_REASONS = ("capacity", "deferred")  # vLLM's; nothing here defers a request
-ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens",
+                     "max_num_queued_reqs_per_tenant")
 
 
 def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
@@ -74,14 +83,18 @@ class ServerMetrics:
                                          labels, registry=reg).labels(model_name)
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        [*labels, "finished_reason"], registry=reg)
+        for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
+            self.request_success.labels(model_name, reason)
         self.ttft = self._histogram("vllm:time_to_first_token_seconds",
                                     "Arrival to first token.")
         self.itl = self._histogram("vllm:inter_token_latency_seconds",
-                                   "Time between consecutive tokens of a request.")
+                                   "Time between consecutive tokens of a request.",
+                                   _TOKEN_GAP_BUCKETS)
         self.e2e = self._histogram("vllm:e2e_request_latency_seconds",
-                                   "Arrival to finish.")
+                                   "Arrival to finish.", _REQUEST_LATENCY_BUCKETS)
         self.queue_time = self._histogram("vllm:request_queue_time_seconds",
-                                          "Arrival to first scheduling.")
+                                          "Arrival to first scheduling.",
+                                          _REQUEST_LATENCY_BUCKETS)
         self.request_preemptions = self._histogram(
             "vllm:request_num_preemptions", "Preemptions per finished request.", _COUNT_BUCKETS)
         self.stall = self._histogram("kvserve:preemption_stall_seconds",
@@ -93,6 +106,13 @@ class ServerMetrics:
         self.rejected = Counter("kvserve:requests_rejected",
                                 "Requests the scheduler refused at arrival, by HTTP status.",
                                 [*labels, "status"], registry=reg)
+        for status in ("400", "503"):  # every series from boot, as vLLM's counters
+            self.rejected.labels(model_name, status)
+        self.failed.labels(model_name, "engine_died")
+        self.queue_timeouts = Counter(
+            "kvserve:queue_timeouts", "Requests answered 503 because they waited past their "
+            "queue deadline (--max-queue-delay, max_queue_delay) unscheduled.", labels,
+            registry=reg).labels(model_name)
         admission = Counter("vllm:admission_rejections",
                             "Admission attempts rejected by a queue limit, by reason.",
                             [*labels, "reason"], registry=reg)
@@ -110,14 +130,18 @@ class ServerMetrics:
         self.request_n = self._histogram("vllm:request_params_n",
                                          "The n request parameter.", _N_BUCKETS)
         self.inference_time = self._histogram("vllm:request_inference_time_seconds",
-                                              "First scheduled to finish (running).")
+                                              "First scheduled to finish (running).",
+                                              _REQUEST_LATENCY_BUCKETS)
         self.prefill_time = self._histogram("vllm:request_prefill_time_seconds",
-                                            "First scheduled to first token.")
+                                            "First scheduled to first token.",
+                                            _REQUEST_LATENCY_BUCKETS)
         self.decode_time = self._histogram("vllm:request_decode_time_seconds",
-                                           "First token to finish.")
+                                           "First token to finish.",
+                                           _REQUEST_LATENCY_BUCKETS)
         self.time_per_output_token = self._histogram(
             "vllm:request_time_per_output_token_seconds",
-            "Mean time between a request's tokens after the first (0 for one token).")
+            "Mean time between a request's tokens after the first (0 for one token).",
+            _TOKEN_GAP_BUCKETS)
         self.iteration_tokens = self._histogram("vllm:iteration_tokens_total",
                                                 "Tokens per engine step.", _STEP_TOKEN_BUCKETS)
         Gauge("vllm:cache_config_info", "KV cache configuration.",
