@@ -135,6 +135,27 @@ def slow_engine(delay: float = 0.01, **settings: Any) -> Engine:
     return engine
 
 
+class PoisonedExecutor(SlowExecutor):
+    """Fails any step that admits a request whose prompt begins with ``poison``: a request
+    that takes down whatever engine runs it."""
+
+    def __init__(self, inner: Any, delay: float, poison: int) -> None:
+        super().__init__(inner, delay)
+        self.poison = poison
+
+    def execute(self, scheduler_output: Any) -> Any:
+        if any(new.token_ids[:1] == [self.poison]
+               for new in scheduler_output.scheduled_new_reqs):
+            raise RuntimeError("a poisoned request")
+        return super().execute(scheduler_output)
+
+
+def poisoned_engine(poison: int, delay: float = 0.01, **settings: Any) -> Engine:
+    engine = make_engine(**settings)
+    engine.executor = PoisonedExecutor(engine.executor, delay, poison)
+    return engine
+
+
 def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """/metrics text -> {(sample name, sorted labels): value}, by prometheus_client's parser."""
     from prometheus_client.parser import text_string_to_metric_families

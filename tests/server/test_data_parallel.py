@@ -7,6 +7,7 @@ is restarted, /health says degraded until it is back, and every live pool is who
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -190,6 +191,35 @@ def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
         wait_for(lambda: engine.num_restarts[0] == 1 and engine.health() is None,
                  timeout=300, what="replica 0 to come back")
         wait_for(lambda: pools_whole(live), what="every pool whole")
+
+
+def test_a_request_that_kills_two_replicas_is_not_placed_again():
+    """A request that fails every engine it reaches (QA: one temperature of 1e-38 did, before
+    the sampler was fixed) was placed again on each live replica in turn, taking the whole
+    server down with everything in flight on it. It is placed again once: the second death
+    fails it, and the replicas come back to serve others."""
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import EngineSpec, LocalLauncher
+
+    from .helpers import poisoned_engine
+
+    spec = EngineSpec(functools.partial(poisoned_engine, 13, max_num_seqs=1,
+                                        max_model_len=1024), threads=1,
+                      wait_policy="PASSIVE")
+    engine = DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"replica-{i}")
+                                                    for i in range(2)],
+                                make_router("round-robin", 2), restart_delay=0.2)
+    with LiveServer(serving=engine) as live:
+        reply = httpx.post(live.url + "/v1/completions", timeout=120,
+                           json={"prompt": [13] * 20, "max_tokens": 4})
+        assert reply.status_code == 503, reply.text
+        assert "second replica to fail with it (it is not placed again" in reply.text
+        wait_for(lambda: engine.num_restarts == [1, 1] and engine.health() is None,
+                 timeout=300, what="both replicas back")
+        reply = httpx.post(live.url + "/v1/completions", timeout=120,
+                           json={"prompt": [11] * 20, "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
 
 
 def test_two_ray_replicas_serve_and_survive_a_hung_actor(monkeypatch):

@@ -176,11 +176,16 @@ class DataParallelEngine:
         """Route the group to one replica and queue it there (all or nothing); raises what
         the replica's engine raises, or EngineDeadError when no replica is live."""
         when = time.monotonic() if arrival_time is None else arrival_time
-        index, stream = await self._place(list(items), when)
-        return _RoutedStream(self, list(items), when, index, stream)  # type: ignore[return-value]
+        index, stream, placed_again = await self._place(list(items), when)
+        return _RoutedStream(self, list(items), when, index, stream,  # type: ignore[return-value]
+                             placed_again)
 
-    async def _place(self, items: list[Item], arrival_time: float,
-                     ) -> tuple[int, RequestStream]:
+    async def _place(self, items: list[Item], arrival_time: float, placed_again: bool = False,
+                     ) -> tuple[int, RequestStream, bool]:
+        """(the replica, its stream, whether the group was placed again): a replica that
+        dies taking the group passes it to another, once. A group whose second replica dies
+        too may be what kills them (one step fails the engine that runs it), and placed
+        again each time it would take every replica down in turn: it fails instead."""
         hashes = self._prefix_hashes(items[0])
         while True:
             loads = [self._load(i) for i in range(self.num_replicas)]
@@ -197,8 +202,15 @@ class DataParallelEngine:
                 for request_id, _, _ in items:
                     self._where[request_id] = decision.replica
             try:
-                return decision.replica, await replica.add_requests(items, arrival_time)
-            except EngineDeadError:
+                stream = await replica.add_requests(items, arrival_time)
+                return decision.replica, stream, placed_again
+            except EngineDeadError as error:
+                if placed_again:
+                    with self._lock:
+                        for request_id, _, _ in items:
+                            self._where.pop(request_id, None)
+                    raise _second_death(decision.replica, error) from None
+                placed_again = True
                 continue  # it died just now: the router will not pick it again
             except BaseException:
                 with self._lock:
@@ -317,13 +329,20 @@ class _ParamsOnly:
     sampling_params: SamplingParams
 
 
+def _second_death(replica: int, error: EngineDeadError) -> EngineDeadError:
+    return EngineDeadError(f"replica {replica} failed with this request, the second replica "
+                           "to fail with it (it is not placed again, lest it be what fails "
+                           f"them): {error}")
+
+
 class _RoutedStream:
     """A RequestStream that survives its replica's death while nothing has been read, or
     while what was read can be dropped (``replayable``): it is placed again on a live
-    replica, in the latter case raising StreamRestarted once so the consumer starts over."""
+    replica, in the latter case raising StreamRestarted once so the consumer starts over.
+    Placed again once at most, as DataParallelEngine._place says why."""
 
     def __init__(self, engine: DataParallelEngine, items: list[Item], arrival_time: float,
-                 replica: int, inner: RequestStream) -> None:
+                 replica: int, inner: RequestStream, placed_again: bool = False) -> None:
         self.engine = engine
         self.items = items
         self.arrival_time = arrival_time
@@ -333,6 +352,7 @@ class _RoutedStream:
         self.read_any = False
         self.abort_sent = False
         self.replayable = False
+        self.placed_again = placed_again
 
     @property
     def finished(self) -> bool:
@@ -350,10 +370,13 @@ class _RoutedStream:
                         self.engine._stopping:
                     raise EngineDeadError(f"replica {self.replica} failed with this request "
                                           f"under way: {error}") from None
+                if self.placed_again:
+                    raise _second_death(self.replica, error) from None
                 logger.warning("replica %d died before request %s reached its client; "
                                "placing it again", self.replica, self.request_ids[0])
-                self.replica, self.inner = await self.engine._place(self.items,
-                                                                    self.arrival_time)
+                self.replica, self.inner, _ = await self.engine._place(
+                    self.items, self.arrival_time, placed_again=True)
+                self.placed_again = True
                 if self.read_any:
                     self.read_any = False
                     raise StreamRestarted(f"request {self.request_ids[0]} placed again on "
