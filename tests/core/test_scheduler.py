@@ -291,6 +291,52 @@ def test_queue_limits_refuse_without_a_trace():  # K4
     assert set(scheduler.requests) == {"a", "c"}
 
 
+def test_an_urgent_arrival_takes_the_place_of_the_least_urgent_waiting(executor):  # K5
+    """Under the priority policy a full queue makes room for a more urgent arrival by
+    ending its least urgent never-scheduled requests; without room, nothing moves."""
+    scheduler = make_scheduler(scheduling_policy="priority", max_num_seqs=1,
+                               max_num_queued_reqs=3, max_num_queued_tokens=100)
+    scheduler.add_request(make_request("run", 4, priority=50, max_tokens=50, arrival_time=0))
+    step(scheduler, executor, 0.0)  # "run" is scheduled: never displaced
+    for name, priority, arrival in (("p50", 50, 1.0), ("p50-late", 50, 2.0), ("p10", 10, 3.0)):
+        scheduler.add_request(make_request(name, 10, priority=priority, arrival_time=arrival))
+    with pytest.raises(QueueFullError, match="waiting queue is full"):  # not more urgent
+        scheduler.add_request(make_request("p50-new", 4, priority=50, arrival_time=4.0))
+    scheduler.add_request(make_request("p0", 4, priority=0, arrival_time=5.0))
+    assert [r.request_id for r in scheduler.waiting] == ["p0", "p10", "p50"]
+    # 90 tokens at priority 10: p50 (the only one less urgent) would free a place and 10
+    # tokens, not the 14 more the token limit needs: nothing moves
+    with pytest.raises(QueueFullError, match="max_num_queued_tokens"):
+        scheduler.add_request(make_request("big", 90, priority=10, arrival_time=6.0))
+    assert [r.request_id for r in scheduler.waiting] == ["p0", "p10", "p50"]
+    outputs = step(scheduler, executor, 7.0)[1]
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in outputs
+            if o.finished] == [("p50-late", "abort", "displaced")]
+    assert "p50-late" not in scheduler.requests
+
+
+def test_a_tenants_urgent_arrival_displaces_its_own_tenant_first():  # K5
+    scheduler = make_scheduler(scheduling_policy="priority", max_num_seqs=1,
+                               max_num_queued_reqs=3, max_num_queued_reqs_per_tenant=2)
+    for name, tenant, priority in (("a1", "A", 50), ("a2", "A", 40), ("b1", "B", 90)):
+        scheduler.add_request(make_request(name, 4, priority=priority, tenant=tenant))
+    # A is at its own limit and the queue at its limit: A's least urgent makes room under
+    # both; B's, though less urgent, frees nothing under A's limit
+    scheduler.add_request(make_request("a0", 4, priority=0, tenant="A"))
+    assert sorted(r.request_id for r in scheduler.waiting) == ["a0", "a2", "b1"]
+    # B's urgent arrival: B is under its limit, the queue is full: the least urgent goes
+    scheduler.add_request(make_request("b0", 4, priority=0, tenant="B"))
+    assert sorted(r.request_id for r in scheduler.waiting) == ["a0", "a2", "b0"]
+
+
+def test_fcfs_queue_limits_displace_nothing():  # K4, K5
+    scheduler = make_scheduler(max_num_queued_reqs=1)
+    scheduler.add_request(make_request("a", 4, priority=50))
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("b", 4, priority=0))
+    assert [r.request_id for r in scheduler.waiting] == ["a"]
+
+
 def test_queue_deadline_times_out_only_never_scheduled_requests(executor):  # K4
     scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, max_queue_delay=2.0)
     scheduler.add_request(make_request("a", 4, max_tokens=10, arrival_time=0.0))

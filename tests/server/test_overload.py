@@ -166,6 +166,37 @@ def test_urgent_requests_finish_first_on_a_saturated_server():
         wait_for(live.idle, what="idle")
 
 
+def test_an_urgent_request_takes_a_full_queues_place():  # K5
+    """Under the priority policy the most urgent tier is not the one a full queue refuses:
+    a waiting request less urgent than the arrival is answered 503 queue_full instead
+    (streamed or not), and the urgent one runs (QA: bronze held the queue, gold got 503s)."""
+    engine = slow_engine(0.002, max_num_seqs=1, scheduling_policy="priority",
+                         max_num_queued_reqs=1)
+    with LiveServer(engine) as live:
+        for stream in (False, True):
+            blocker = start_blocker(live, f"blocker-{stream}")
+            results: list = []
+            low = post_in_thread(live, {"prompt": [5] * 8, "max_tokens": 2, "priority": 50,
+                                        "stream": stream}, results)
+            wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="low queued")
+            urgent_results: list = []
+            urgent = post_in_thread(live, {"prompt": [6] * 8, "max_tokens": 2,
+                                           "priority": 0}, urgent_results)
+            low.join(timeout=30)
+            assert results[0].status_code == 503, results[0].text
+            error = results[0].json()["error"]
+            assert error["code"] == "queue_full" and "more urgent request took" in \
+                error["message"]
+            assert "Retry-After" in results[0].headers
+            wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="urgent queued")
+            abort(live, f"blocker-{stream}", blocker)
+            urgent.join(timeout=30)
+            assert urgent_results[0].status_code == 200
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert values[("kvserve:queue_displacements_total", (("model_name", "tiny"),))] == 2
+        wait_for(live.idle, what="idle")
+
+
 def test_a_sequence_the_pool_cannot_hold_stops_with_kv_capacity():  # J2
     # 4 blocks of 16 tokens: the sequence stops at 65 tokens, below max_model_len (1024)
     with LiveServer(num_kv_blocks=4) as live:

@@ -276,3 +276,16 @@ def test_a_refused_request_takes_no_seat_in_a_static_batch():
     records = by_id(result)
     assert records["big"].finish_reason == "rejected"
     assert records["small"].finish_reason == "stop"
+
+
+def test_a_full_priority_queue_displaces_the_least_urgent_in_a_simulation():  # K5
+    # max_num_seqs 1, queue of 1: a runs from t=0; b (priority 50) waits from 0.1; c
+    # (priority 0) comes at 0.2 to a full queue and takes b's place: b ends abort,
+    # displaced, at 0.2; c runs after a
+    result = simulate([req("a", 16, 3, priority=0), req("b", 16, 1, arrival=0.1, priority=50),
+                       req("c", 16, 1, arrival=0.2, priority=0)],
+                      scheduling_policy="priority", max_num_seqs=1, max_num_queued_reqs=1)
+    records = by_id(result)
+    assert (records["b"].finish_reason, records["b"].stop_reason) == ("abort", "displaced")
+    assert records["b"].metrics.finished_time == 0.2
+    assert records["c"].finish_reason == "stop"

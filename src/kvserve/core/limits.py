@@ -59,26 +59,76 @@ def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
 
 
 def check_queue_limits(request: Request, waiting: WaitingQueue,
-                       config: SchedulerConfig) -> None:
+                       config: SchedulerConfig) -> list[Request]:
     """K4: refuse what could never be queued (400, see check_queueable), then (the server
-    answers 503) what cannot be queued now because the waiting queue is at its limits."""
+    answers 503) what cannot be queued now because the waiting queue is at its limits.
+
+    Under the priority policy a request the limits refuse takes the room of waiting
+    requests less urgent than it instead (K5): the ones to displace are returned (none when
+    it fits), least urgent first; the refusal stands when they would not make room."""
     check_queueable(1, request.num_tokens, config, request.request_id)
+    try:
+        _check_room(request, waiting, config, [])
+        return []
+    except QueueFullError:
+        if config.scheduling_policy != "priority":
+            raise
+        return _displaced_for(request, waiting, config)
+
+
+def _displaced_for(request: Request, waiting: WaitingQueue,
+                   config: SchedulerConfig) -> list[Request]:
+    """K5: waiting requests less urgent than ``request`` (a larger priority value), never
+    scheduled (a preempted one has shown its client tokens), least urgent first (largest
+    priority value, then latest arrival), each taken while it frees room under a limit
+    ``request`` breaks, until it fits; QueueFullError when they cannot make room."""
+    tenant = request.sampling_params.tenant
+    candidates = sorted((r for r in waiting if r.priority > request.priority
+                         and r.first_scheduled_time is None),
+                        key=lambda r: (-r.priority, -r.arrival_time, r.request_id))
+    victims: list[Request] = []
+    # The tenant's own limit first, by its own requests (each frees a place under the
+    # queue's limits too); then the queue's limits, by anyone's.
+    per_tenant = config.max_num_queued_reqs_per_tenant
+    if per_tenant is not None:
+        own = [r for r in candidates if r.sampling_params.tenant == tenant]
+        excess = waiting.num_by_tenant.get(tenant, 0) + 1 - per_tenant
+        victims.extend(own[:max(0, excess)])
+    for candidate in candidates:
+        try:
+            _check_room(request, waiting, config, victims)
+            return victims
+        except QueueFullError:
+            if candidate not in victims:
+                victims.append(candidate)
+    _check_room(request, waiting, config, victims)
+    return victims
+
+
+def _check_room(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
+                leaving: list[Request]) -> None:
+    """QueueFullError when ``request`` cannot join ``waiting`` once ``leaving`` has left."""
     max_reqs = config.max_num_queued_reqs
-    if max_reqs is not None and len(waiting) >= max_reqs:
+    num_waiting = len(waiting) - len(leaving)
+    if max_reqs is not None and num_waiting >= max_reqs:
         raise QueueFullError(
             f"request {request.request_id}: the waiting queue is full "
-            f"({len(waiting)} requests, max_num_queued_reqs={max_reqs})",
+            f"({num_waiting} requests, max_num_queued_reqs={max_reqs})",
             "max_num_queued_reqs")
     per_tenant = config.max_num_queued_reqs_per_tenant
     tenant = request.sampling_params.tenant
-    if per_tenant is not None and waiting.num_by_tenant.get(tenant, 0) >= per_tenant:
-        raise QueueFullError(
-            f"request {request.request_id}: tenant {tenant!r} has {per_tenant} requests "
-            f"waiting (max_num_queued_reqs_per_tenant={per_tenant})",
-            "max_num_queued_reqs_per_tenant")
+    if per_tenant is not None:
+        num_tenant = waiting.num_by_tenant.get(tenant, 0) - \
+            sum(1 for r in leaving if r.sampling_params.tenant == tenant)
+        if num_tenant >= per_tenant:
+            raise QueueFullError(
+                f"request {request.request_id}: tenant {tenant!r} has {per_tenant} requests "
+                f"waiting (max_num_queued_reqs_per_tenant={per_tenant})",
+                "max_num_queued_reqs_per_tenant")
     max_tokens = config.max_num_queued_tokens
-    if max_tokens is not None and waiting.num_tokens + request.num_tokens > max_tokens:
+    num_tokens = waiting.num_tokens - sum(r.num_tokens for r in leaving)
+    if max_tokens is not None and num_tokens + request.num_tokens > max_tokens:
         raise QueueFullError(
             f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
-            f"max_num_queued_tokens={max_tokens} ({waiting.num_tokens} queued)",
+            f"max_num_queued_tokens={max_tokens} ({num_tokens} queued)",
             "max_num_queued_tokens")

@@ -60,6 +60,7 @@ _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _SWAPPED = RequestStatus.SWAPPED
 QUEUE_TIMEOUT = "queue_timeout"
+DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full queue
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
 
@@ -177,7 +178,8 @@ class Scheduler:
                                    "server (max_session_kv is 0, flag --max-session-kv)")
             session = sessions.check_turn(request)  # U3, U4
         check_servable(request, self.config, self.cache_config)
-        check_queue_limits(request, self.waiting, self.config)
+        for victim in check_queue_limits(request, self.waiting, self.config):  # K5
+            self._displace(victim, request)
         self.requests[request.request_id] = request
         reason = ""
         if sessions is not None and request.sampling_params.session_id is not None and \
@@ -702,6 +704,16 @@ class Scheduler:
             self._pending_outputs.append(RequestOutput(
                 request_id, [], finished=True, finish_reason="abort",
                 stop_reason=QUEUE_TIMEOUT, metrics=metrics))
+
+    def _displace(self, victim: Request, by: Request) -> None:
+        """K5: end a waiting request a more urgent arrival takes the place of (the server
+        answers it 503, as if the queue had been full when it came)."""
+        self._remove_waiting(victim)
+        now = max(by.arrival_time, victim.arrival_time)
+        metrics = self._finish(victim, RequestStatus.FINISHED_ABORTED, now, DISPLACED)
+        self._pending_outputs.append(RequestOutput(
+            victim.request_id, [], finished=True, finish_reason="abort",
+            stop_reason=DISPLACED, metrics=metrics))
 
     def _remove_waiting(self, request: Request) -> None:
         if self.held_waiting and request in self.held_waiting:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.limits import check_queueable
-from kvserve.core.scheduler import QUEUE_TIMEOUT
+from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import resolve_priority, tenant_of
@@ -213,8 +213,9 @@ class _Generation:
         finally:
             self.close()
         choices = sorted(self.choices.values(), key=lambda c: c.index)
-        if any(c.stop_reason == QUEUE_TIMEOUT for c in choices):
-            raise _queue_timeout(self.state)
+        ended = next((c.stop_reason for c in choices if c.stop_reason in _QUEUE_ENDS), None)
+        if ended is not None:
+            raise _queue_end(self.state, ended)
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -267,9 +268,9 @@ class _Generation:
                 self._failed()
             self.close()
             raise
-        if first.stop_reason == QUEUE_TIMEOUT:
+        if first.stop_reason in _QUEUE_ENDS:
             self.close()
-            raise _queue_timeout(self.state)
+            raise _queue_end(self.state, first.stop_reason)
         return ClosingStreamingResponse(self._events(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
@@ -282,8 +283,8 @@ class _Generation:
         yield self._event(first)
         try:
             async for chunk in self.stream:
-                if chunk.stop_reason == QUEUE_TIMEOUT:
-                    yield sse(_queue_timeout(self.state).body())
+                if chunk.stop_reason in _QUEUE_ENDS:
+                    yield sse(_queue_end(self.state, chunk.stop_reason).body())
                     self.close()
                     break
                 yield self._event(chunk)
@@ -326,8 +327,18 @@ class _Generation:
                 "created": self.created, "model": self.state.model_name, "choices": [entry]}
 
 
-def _queue_timeout(state: ServerState) -> APIError:
-    """The 503 of a request that waited past its queue deadline, counted."""
+_QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled
+
+
+def _queue_end(state: ServerState, reason: int | str | None) -> APIError:
+    """The 503 of a request the waiting queue ended before it was scheduled, counted: it
+    waited past its queue deadline (K4), or a more urgent arrival took its place (K5)."""
+    if reason == DISPLACED:
+        state.metrics.queue_displacements.inc()
+        return APIError(503, "the server is overloaded: a more urgent request took this "
+                             "one's place in the full waiting queue before it was scheduled; "
+                             "retry later", code="queue_full",
+                        headers={"Retry-After": state.retry_after()})
     state.metrics.queue_timeouts.inc()
     return APIError(503, "queue timeout: the request waited longer than its queue deadline "
                          "(--max-queue-delay or 'max_queue_delay') without being scheduled; "

@@ -113,6 +113,10 @@ class ServerMetrics:
             "kvserve:queue_timeouts", "Requests answered 503 because they waited past their "
             "queue deadline (--max-queue-delay, max_queue_delay) unscheduled.", labels,
             registry=reg).labels(model_name)
+        self.queue_displacements = Counter(
+            "kvserve:queue_displacements", "Waiting requests answered 503 because a more "
+            "urgent arrival took their place in the full queue (priority policy, K5).",
+            labels, registry=reg).labels(model_name)
         admission = Counter("vllm:admission_rejections",
                             "Admission attempts rejected by a queue limit, by reason.",
                             [*labels, "reason"], registry=reg)
