@@ -95,6 +95,18 @@ def test_boot_lines_and_stats_line(caplog):
         assert line is not None and "Avg generation throughput" in line
         assert "Running: 0 reqs, Waiting: 0 reqs" in line and "Preemptions: 0" in line
         assert stats.line() is None  # nothing happened since
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_cache_smaller_than_max_model_len_is_warned_at_boot(caplog):  # J2
+    """vLLM refuses to start; kvserve serves and stops such a sequence at the pool's size
+    (J2), which an operator learned only from a 0.25x in an INFO line."""
+    with caplog.at_level(logging.INFO, logger="kvserve.server"), \
+            LiveServer(num_kv_blocks=16, max_model_len=512):
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["the KV cache holds 256 tokens, fewer than max_model_len 512: a "
+                        "sequence stops at 256 tokens with stop_reason 'kv_capacity' (rule "
+                        "J2); lower --max-model-len or give the cache more memory"]
 
 
 def test_the_engine_checks_its_state_each_time_it_falls_idle(caplog):

@@ -46,13 +46,15 @@ def add_parser(subparsers: Any) -> None:
                        help="body: a request may set its priority within its key's limit; "
                             "key: the key's default priority, the body may not choose")
     group.add_argument("--max-request-body", type=parse_bytes, default="4MiB",
-                       help="largest request body accepted (413 beyond)")
+                       help="largest request body accepted (413 beyond; default 4MiB)")
     group.add_argument("--max-prompts-per-request", type=int,
                        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                       help="most prompts in one completions request (400 beyond)")
+                       help="most prompts in one completions request (400 beyond; default "
+                            f"{DEFAULT_MAX_PROMPTS_PER_REQUEST})")
     group.add_argument("--max-sequences-per-request", type=int,
                        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-                       help="most sequences (prompts x n) one request may queue (400 beyond)")
+                       help="most sequences (prompts x n) one request may queue (400 beyond; "
+                            f"default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,

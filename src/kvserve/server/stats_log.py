@@ -25,6 +25,12 @@ def log_boot(state: ServerState) -> None:
                 info.block_size, each)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx%s", max_model_len,
                 num_tokens / max_model_len, each)
+    if num_tokens < max_model_len:  # vLLM refuses to start; kvserve serves, rule J2
+        logger.warning("the KV cache holds %d tokens%s, fewer than max_model_len %d: a "
+                       "sequence stops at %d tokens with stop_reason 'kv_capacity' (rule "
+                       "J2); lower --max-model-len or give the cache more memory",
+                       num_tokens, " per replica" if replicas > 1 else "", max_model_len,
+                       num_tokens)
     logger.info("%s", host_tier_line(state))
     logger.info("%s", steps_line(state))
 
