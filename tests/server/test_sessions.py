@@ -6,12 +6,13 @@ a turn that does not extend its session is a 400, DELETE /v1/sessions/{id} relea
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM
 from kvserve.server.auth import ApiKey
 
-from .helpers import TINY, LiveServer, metric_values, tokenizer, wait_for
+from .helpers import TINY, LiveServer, engine_spec, metric_values, tokenizer, wait_for
 
 NEW = [[(11 * i) % 900 + 20 for i in range(21)], [(5 * i) % 700 + 30 for i in range(9)],
        [(3 * i) % 500 + 40 for i in range(13)]]  # each turn's new tokens
@@ -124,3 +125,24 @@ def test_delete_reaches_an_engine_process():  # U8
         assert httpx.delete(live.url + "/v1/sessions/p", timeout=30).status_code == 200
         assert httpx.delete(live.url + "/v1/sessions/p", timeout=30).status_code == 404
         wait_for(lambda: live.state.engine.stats.num_session_blocks == 0, what="the release")
+
+
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_an_idle_server_releases_a_session_when_its_ttl_runs_out(engine_process):  # U6
+    """A step released expired sessions, so on an idle server a held session outlived its
+    ttl, its KV in use and sessions_held at 1 until some other request came (QA)."""
+    settings = {"max_model_len": 512, "num_kv_blocks": 64, "max_session_kv": 0.5}
+    server = LiveServer(spec=engine_spec(**settings)) if engine_process else \
+        LiveServer(**settings)
+    with server as live:
+        response = post(live, {"prompt": NEW[0], "max_tokens": 4, "ignore_eos": True,
+                               "session": {"id": "brief", "ttl": 0.3}})
+        assert response.status_code == 200, response.text
+        assert live.state.engine.stats.num_sessions_held == 1
+        wait_for(lambda: live.state.engine.stats.num_sessions_held == 0, timeout=20,
+                 what="the idle engine to release the expired session")
+        assert live.state.engine.stats.num_free_blocks == 64
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        assert [value for (name, labels), value in values.items()
+                if name == "kvserve:session_releases_total" and ("reason", "ttl") in labels
+                ] == [1]

@@ -693,6 +693,16 @@ class Scheduler:
             self._blocked_reason[head.request_id] = reason
             self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
 
+    def expire_sessions(self, now: float) -> int:
+        """U6 between steps (an idle engine: :meth:`schedule` does it at each step):
+        release the held sessions whose ttl ran out by ``now``; how many."""
+        sessions = self.sessions
+        if sessions is None or now < sessions.next_expiry:
+            return 0
+        before = len(sessions.held)
+        sessions.expire(now)
+        return before - len(sessions.held)
+
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
         for request_id in self._queue_deadlines.expired(now):

@@ -297,7 +297,9 @@ class AsyncEngine:
                     if stalled(report):
                         self._stopping.wait(self.idle_wait)
                 else:
-                    self.core.idle()
+                    report = self.core.idle()
+                    if report is not None:  # sessions released: their events and stats
+                        self._notify(report)
         except BaseException as error:  # the loop must report, not vanish
             logger.exception("engine loop failed")
             self.error = error

@@ -137,8 +137,17 @@ class EngineCore:
         return StepReport(start, num_tokens, seconds, chunks, events, self.stats,
                           arrivals=self._take_arrivals(), shape=shape)
 
-    def idle(self) -> None:
-        """The engine has nothing to do: check its state once per busy spell."""
+    def idle(self) -> StepReport | None:
+        """The engine has nothing to do: release the sessions whose ttl ran out (U6; a step
+        does it otherwise, so an idle server held them, its KV usage never back to 0), and
+        check its state once per busy spell. A report (no tokens: the release events and
+        the stats) when sessions were released, else None."""
+        scheduler = self.engine.scheduler
+        report = None
+        if scheduler.expire_sessions(self.engine.clock()):
+            self.stats = scheduler.stats()
+            report = StepReport(time.monotonic(), 0, 0.0, [], scheduler.take_events(),
+                                self.stats)
         if not self._checked_since_busy:
             self._checked_since_busy = True
             self.idle_checks += 1
@@ -148,6 +157,7 @@ class EngineCore:
                 self.invariant_violations += 1
                 logger.error("scheduler state check failed with the engine idle: %s", error)
         self.stats = self.engine.scheduler.stats()
+        return report
 
 
 def stalled(report: StepReport) -> bool:

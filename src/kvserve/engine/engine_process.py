@@ -266,7 +266,9 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
             if stalled(report):
                 wait = idle_wait
         else:
-            core.idle()
+            released = core.idle()  # sessions whose ttl ran out: their events and stats
+            if released is not None:
+                out.reports.append(released)
         if out.replies or out.reports or core.idle_checks != checks:
             out.stats = core.stats
             out.idle_checks, out.invariant_violations = \
