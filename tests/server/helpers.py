@@ -59,7 +59,8 @@ class LiveServer:
     def __init__(self, engine: Engine | None = None, *, model_name: str = "tiny",
                  keys: list[Any] | None = None, priority_source: str = "body",
                  max_body_bytes: int | None = None, spec: Any | None = None,
-                 serving: Any | None = None, **engine_settings: Any) -> None:
+                 serving: Any | None = None, cors: Any | None = None,
+                 **engine_settings: Any) -> None:
         import socket
         import threading
 
@@ -81,7 +82,7 @@ class LiveServer:
             serving = AsyncEngine(self.engine)
         self.state = ServerState(serving, model_name, KeyRing(keys or []),
                                  priority_source, max_body_bytes or DEFAULT_MAX_BODY_BYTES)
-        self.app = build_app(self.state)
+        self.app = build_app(self.state) if cors is None else build_app(self.state, cors=cors)
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]

@@ -272,3 +272,28 @@ def test_a_sampling_refusal_names_its_field_as_param(server):
     error = response.json()["error"]
     assert error["param"] == "min_tokens"
     assert error["message"] == "min_tokens must be an integer in [0, max_tokens=2], got 5"
+
+
+def test_browsers_may_call_the_api_as_vllm_allows_them():
+    """CORS as vLLM's defaults: any origin, answered before the key check (a browser's
+    preflight carries no key); it was a 405. --allowed-origins narrows it; [] turns it off."""
+    from kvserve.server.app import Cors
+    from kvserve.server.auth import ApiKey
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with LiveServer(keys=[ApiKey("k", "t")]) as live:
+        answer = httpx.options(live.url + "/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "*"
+        reply = httpx.get(live.url + "/v1/models", headers={
+            "Origin": "https://app.example", "Authorization": "Bearer k"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+    with LiveServer(cors=Cors(origins=("https://app.example",))) as live:
+        allowed = httpx.options(live.url + "/v1/completions", headers=preflight)
+        other = httpx.options(live.url + "/v1/completions",
+                              headers={**preflight, "Origin": "https://evil.example"})
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    with LiveServer(cors=Cors(origins=())) as live:
+        assert httpx.options(live.url + "/v1/completions", headers=preflight).status_code == 405

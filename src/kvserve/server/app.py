@@ -7,10 +7,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import disable_created_metrics
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -29,7 +31,20 @@ from kvserve.server.stats_log import StatsLogger, log_boot
 logger = logging.getLogger("kvserve.server")
 
 
-def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI:
+@dataclass(frozen=True)
+class Cors:
+    """Which browser origins may call the API (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials, with its defaults: any origin, no credentials).
+    No origins: no CORS headers at all."""
+
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
+def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
+              cors: Cors = Cors()) -> FastAPI:
     """The app for one engine; the engine thread (and the periodic stats line, every
     ``log_stats_interval`` seconds when > 0) starts and stops with the app."""
     stats_logger = StatsLogger(state)
@@ -60,6 +75,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0) -> FastAPI
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
+    if cors.origins:  # answers a browser's preflight before any route or key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins),
+                           allow_methods=list(cors.methods), allow_headers=list(cors.headers),
+                           allow_credentials=cors.credentials)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -55,6 +56,16 @@ def add_parser(subparsers: Any) -> None:
                        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                        help="most sequences (prompts x n) one request may queue (400 beyond; "
                             f"default {DEFAULT_MAX_SEQUENCES_PER_REQUEST})")
+    group.add_argument("--allowed-origins", type=_json_strings, default=["*"], metavar="JSON",
+                       help="browser origins allowed to call the API (CORS), a JSON list as "
+                            "vLLM takes it (default [\"*\"]: any; []: no CORS headers)")
+    group.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
+                       help="CORS: methods allowed, a JSON list (default [\"*\"])")
+    group.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
+                       help="CORS: request headers allowed, a JSON list (default [\"*\"])")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="CORS: allow credentials (cookies, Authorization) from the allowed "
+                            "origins")
     group.add_argument("--log-stats-interval", type=float, default=10.0,
                        help="seconds between stats lines; 0: none")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
@@ -102,18 +113,32 @@ def add_parser(subparsers: Any) -> None:
     add_scheduler_flags(parser)
 
 
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings ('["https://a.example", "*"]'), as vLLM's CORS flags take it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, like "
+                                         '\'["https://app.example"]\'')
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine_process import LOG_FORMAT
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    from kvserve.server.app import build_app
+    from kvserve.server.app import Cors, build_app
 
     sockets: list[socket.socket] = []
     state = build_state(args, before_engine=lambda: sockets.append(
         bind_socket(args.host, args.port)))
-    app = build_app(state, log_stats_interval=args.log_stats_interval)
+    cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                tuple(args.allowed_headers), args.allow_credentials)
+    app = build_app(state, log_stats_interval=args.log_stats_interval, cors=cors)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
