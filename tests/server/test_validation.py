@@ -297,3 +297,16 @@ def test_browsers_may_call_the_api_as_vllm_allows_them():
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     with LiveServer(cors=Cors(origins=())) as live:
         assert httpx.options(live.url + "/v1/completions", headers=preflight).status_code == 405
+
+
+def test_the_request_id_comes_back_as_a_header_and_must_be_ascii(server):
+    """The X-Request-Id header came back on streamed responses only; a UTF-8 id was read as
+    Latin-1 and came back garbled ('cafÃ©'), now it is a 400."""
+    reply = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "plain-1"},
+                       json={"prompt": "x", "max_tokens": 1})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "plain-1"
+    assert reply.json()["id"] == "cmpl-plain-1"
+    utf8 = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "café".encode()},
+                      json={"prompt": "x", "max_tokens": 1})
+    assert utf8.status_code == 400
+    assert "1-128 printable ASCII characters" in error_of(utf8)

@@ -223,7 +223,7 @@ class _Generation:
             "choices": [self._full_choice(c) for c in choices],
             "usage": usage(choices, self.num_prompt_tokens),
             "kvserve": kvserve_total(self.request_id, choices)}
-        return JSONResponse(body)
+        return JSONResponse(body, headers={"X-Request-Id": self.request_id})
 
     async def _collect(self) -> None:
         while True:

@@ -67,8 +67,9 @@ class ServerState:
     def new_request_id(self, given: str | None) -> str:
         if given is None:
             return uuid.uuid4().hex[:16]
-        if not given or len(given) > 128 or not given.isprintable():
-            raise bad_request("X-Request-Id must be 1-128 printable characters")
+        # ASCII: a header is read as Latin-1, so UTF-8 came back garbled ('cafÃ©')
+        if not given or len(given) > 128 or not given.isprintable() or not given.isascii():
+            raise bad_request("X-Request-Id must be 1-128 printable ASCII characters")
         return given
 
     def hold_ids(self, request_id: str, sub_ids: list[str]) -> None:
