@@ -99,7 +99,10 @@ def test_operator_abort_ends_a_stream(live):
         assert reply.json()["aborted"] == ["cmpl-op-1"]
         events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    last = json.loads(events[-2][6:])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    # what the scheduler did with it reaches the client (only the request id did)
+    assert last["kvserve"]["queue_time"] is not None and "num_preemptions" in last["kvserve"]
     wait_for(live.idle, what="a whole pool")
 
 

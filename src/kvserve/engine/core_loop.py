@@ -93,8 +93,12 @@ class EngineCore:
     def abort(self, request_ids: Sequence[str]) -> StepReport | None:
         """Abort requests in any state; a report with one ``abort`` chunk per request that was
         live, or None if none was."""
-        chunks = [CompletionChunk(request_id, [], "", True, "abort", ABORTED)
-                  for request_id in request_ids if self.engine.abort(request_id)]
+        chunks = []
+        for request_id in request_ids:
+            metrics = self.engine.abort(request_id)  # its queue time, preemptions, ...
+            if metrics is not None:
+                chunks.append(CompletionChunk(request_id, [], "", True, "abort", ABORTED,
+                                              metrics))
         if not chunks:
             return None
         self.stats = self.engine.scheduler.stats()

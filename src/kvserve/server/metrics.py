@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from kvserve.core import RequestMetrics, SchedulerStats
 from kvserve.core.sessions import RELEASE_REASONS
 from kvserve.engine.async_engine import ServingEngine, StepReport
+from kvserve.engine.core_loop import ABORTED
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -209,7 +210,9 @@ class ServerMetrics:
                     del self._live[chunk.request_id]
                     self.request_success.labels(self.model_name,
                                                 chunk.finish_reason or "error").inc()
-                    if chunk.metrics is not None:
+                    # vLLM's per-request histograms leave out what a client or an
+                    # operator aborted (its metrics still reach the response)
+                    if chunk.metrics is not None and chunk.stop_reason != ABORTED:
                         self._finished(chunk.metrics)
 
     def _token(self, live: _Live, num_new: int, now: float) -> None:
