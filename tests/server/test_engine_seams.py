@@ -38,8 +38,9 @@ class LetterTokenizer:
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
         return _LetterDetokenizer(self)
 
-    def stop_checker(self, stop: Sequence[str]) -> StopChecker:
-        return StringStopChecker(stop)
+    def stop_checker(self, stop: Sequence[str],
+                     include_stop_str_in_output: bool = False) -> StopChecker:
+        return StringStopChecker(stop, include_stop_str_in_output)
 
 
 class _LetterDetokenizer:
@@ -123,6 +124,18 @@ def test_min_tokens_holds_stop_strings_and_a_stop_tokens_text_is_not_shown():
     last = records[-1].chunks[-1]
     assert (last.finish_reason, last.stop_reason) == ("stop", token)
     assert last.new_token_ids[-1] == token  # the id is kept; only its text is not shown
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_request():
+    """vLLM's include_stop_str_in_output: the matched stop string, or the stop token's text,
+    stays in the output (it was a 400 "unknown field")."""
+    text, _ = generate_text()
+    stop = text[3:5]
+    kept, _ = generate_text(stop=[stop], include_stop_str_in_output=True)
+    assert kept == text[:text.index(stop) + len(stop)]
+    token = ord(text[4]) - ord("a")
+    kept, _ = generate_text(stop_token_ids=[token], include_stop_str_in_output=True)
+    assert kept == text[:text.index(text[4]) + 1]
 
 
 def test_step_returns_its_record_with_the_chunks():

@@ -310,3 +310,16 @@ def test_the_request_id_comes_back_as_a_header_and_must_be_ascii(server):
                       json={"prompt": "x", "max_tokens": 1})
     assert utf8.status_code == 400
     assert "1-128 printable ASCII characters" in error_of(utf8)
+
+
+def test_include_stop_str_in_output_over_http(server):
+    body = {"prompt": "hello there", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = post(server, COMPLETIONS, body).json()["choices"][0]["text"]
+    stop = text[2:5]
+    assert len(stop) == 3, text
+    for include, expected in ((False, text[:text.index(stop)]),
+                              (True, text[:text.index(stop) + 3])):
+        reply = post(server, COMPLETIONS, {**body, "stop": stop,
+                                           "include_stop_str_in_output": include})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected

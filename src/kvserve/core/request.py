@@ -106,6 +106,8 @@ class SamplingParams:
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    # The stop string (or the stop token's text) that ended the request stays in its text.
+    include_stop_str_in_output: bool = False
     priority: int = 0
     temperature: float = 1.0
     top_p: float = 1.0

@@ -145,7 +145,8 @@ class Engine:
         if self.detokenize and self.tokenizer is not None:
             params = request.sampling_params
             self._text[request_id] = TextStream(self.tokenizer, request.prompt_token_ids,
-                                                params.stop, params.min_tokens)
+                                                params.stop, params.min_tokens,
+                                                params.include_stop_str_in_output)
         return request
 
     def abort(self, request_id: str) -> RequestMetrics | None:

@@ -665,8 +665,9 @@ class ProcessEngine:
                         self._streams.pop(request_id, None)
             if error is None:
                 for request_id, prompt_ids, params in add.texts:
-                    self._text[request_id] = TextStream(self.tokenizer, prompt_ids,
-                                                        params.stop, params.min_tokens)
+                    self._text[request_id] = TextStream(
+                        self.tokenizer, prompt_ids, params.stop, params.min_tokens,
+                        params.include_stop_str_in_output)
                 add.future.set_result(None)
             else:
                 add.future.set_exception(error)

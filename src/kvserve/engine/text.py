@@ -72,8 +72,10 @@ class Tokenizer(Protocol):
         """A fresh incremental detokenizer for one request with this prompt."""
         ...
 
-    def stop_checker(self, stop: Sequence[str]) -> StopChecker:
-        """A fresh stop-string matcher for one request."""
+    def stop_checker(self, stop: Sequence[str],
+                     include_stop_str_in_output: bool = False) -> StopChecker:
+        """A fresh stop-string matcher for one request (the matched string kept in the text
+        with ``include_stop_str_in_output``)."""
         ...
 
 
@@ -90,9 +92,15 @@ class TextStream:
     the server's process (:mod:`kvserve.engine.engine_process`), so both apply one rule."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stop: Sequence[str] | None, min_tokens: int = 0) -> None:
+                 stop: Sequence[str] | None, min_tokens: int = 0,
+                 include_stop_str_in_output: bool = False) -> None:
         self.detokenizer = tokenizer.detokenizer(prompt_token_ids)
-        self.stop_checker = tokenizer.stop_checker(stop) if stop else None
+        self.stop_checker: StopChecker | None = None
+        if stop and include_stop_str_in_output:
+            self.stop_checker = tokenizer.stop_checker(stop, True)
+        elif stop:
+            self.stop_checker = tokenizer.stop_checker(stop)  # a one-argument one too
+        self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.text = ""
@@ -105,8 +113,9 @@ class TextStream:
         text of the first ``min_tokens`` tokens is not searched, as vLLM's: a stop string
         there ended a request that asked for at least that many tokens. With
         ``ended_by_token`` (the last id is the EOS or a stop token id that ended the request)
-        that token's text is not shown, as vLLM's (a stop token id ``\\n`` was left in)."""
-        if ended_by_token:
+        that token's text is not shown unless ``include_stop_str_in_output``, as vLLM's (a
+        stop token id ``\\n`` was left in)."""
+        if ended_by_token and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
         new_text = self.detokenizer.step(new_token_ids)
         self.num_tokens += len(new_token_ids)

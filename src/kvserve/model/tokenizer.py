@@ -176,8 +176,9 @@ class Tokenizer:
     def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids)
 
-    def stop_checker(self, stop: Sequence[str]) -> StopChecker:
-        return StopChecker(stop)
+    def stop_checker(self, stop: Sequence[str],
+                     include_stop_str_in_output: bool = False) -> StopChecker:
+        return StopChecker(stop, include_stop_str_in_output)
 
     # --- chat ----------------------------------------------------------------------------------
 
