@@ -43,3 +43,16 @@ def test_streamed_chunks_split_inside_a_character_give_the_same_offsets(tokenize
     state = TextOffsets()
     one_by_one = [completion_logprobs(tokenizer, [e], state)["text_offset"][0] for e in entries]
     assert one_by_one == whole
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_text(tokenizer):
+    """OpenAI's ``bytes``: a token's own bytes, so a client can join them into the text. A
+    token holding part of a character gave the bytes of U+FFFD instead."""
+    from kvserve.server.responses import chat_logprobs
+
+    ids = tokenizer.encode(TEXT)
+    content = chat_logprobs(tokenizer, [(t, {t: -0.5, ids[0]: -1.0}) for t in ids], 1)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == TEXT.encode()
+    star = [entry for entry in content if entry["token"] == "\ufffd"]
+    assert len(star) >= 4 and all(entry["bytes"] != list("\ufffd".encode()) for entry in star)
+    assert content[0]["top_logprobs"][0]["bytes"] == list(b"\n")

@@ -21,6 +21,20 @@ __all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer", "UnsupportedTok
            "load_tokenizer"]
 
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte value has one printable character, the
+    byte's own where it is printable Latin-1 (33-126, 161-172, 174-255), else 256 + its rank
+    among the rest. Character -> byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [value for value in range(256) if value not in printable]
+    chars = {value: chr(value) for value in printable}
+    chars.update({value: chr(256 + rank) for rank, value in enumerate(others)})
+    return {char: value for value, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
 class UnsupportedTokenizerError(ValueError):
     """A tokenizer kind or pre-tokenizer this module does not implement."""
 
@@ -159,6 +173,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, a partial UTF-8 character included (OpenAI's logprob
+        ``bytes``: joined over tokens they give the text back): a byte-level BPE token's
+        characters each stand for one byte; a ``<0xHH>`` byte-fallback token is that
+        byte; any other token is its decoded text's UTF-8."""
+        text = self.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if piece and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return text.encode()
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

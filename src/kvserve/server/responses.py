@@ -106,13 +106,17 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int,
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
                   num_top: int) -> dict[str, Any]:
+    def token(token_id: int) -> tuple[str, list[int]]:
+        text = tokenizer.decode([token_id])
+        own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
+        return text, list(own(token_id) if own is not None else text.encode())
+
     content = []
     for token_id, entry in entries:
-        text = tokenizer.decode([token_id])
+        text, raw = token(token_id)
         content.append({
-            "token": text, "logprob": entry.get(token_id), "bytes": list(text.encode()),
-            "top_logprobs": [{"token": (t_text := tokenizer.decode([t])), "logprob": lp,
-                              "bytes": list(t_text.encode())}
+            "token": text, "logprob": entry.get(token_id), "bytes": raw,
+            "top_logprobs": [{"token": (top := token(t))[0], "logprob": lp, "bytes": top[1]}
                              for t, lp in _ranked(entry)[:num_top]]})
     return {"content": content}
 
