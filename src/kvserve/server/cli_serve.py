@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
-                       "it and abort requests (give --api-key or --api-keys)", args.host)
+                       "it, abort requests and start recordings into any directory this "
+                       "server may write (give --api-key or --api-keys)", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         uvicorn.Server(config).run(sockets=sockets)
