@@ -319,6 +319,11 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
      "unrecognized arguments: --max-num-seqz"),
     (["workload", "gen", "--rate", "fast"], "argument --rate: invalid float value: 'fast'"),
     (["simulate", "--batching", "dynamic", "--trace", "t.jsonl"], "invalid choice: 'dynamic'"),
+    # one rule for every command's seed (simulate took -1 where workload gen refused it)
+    (["simulate", "--trace", "t.jsonl", "--seed", "-1"], "argument --seed: must be >= 0"),
+    (["plan", "--trace", "t.jsonl", "--seed", "-1"], "argument --seed: must be >= 0"),
+    (["workload", "gen", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["whatif", "rec", "--seed", "x"], "argument --seed: 'x' is not an integer"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as info:

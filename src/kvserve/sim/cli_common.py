@@ -18,6 +18,18 @@ RECORDED_COST_MODEL = ("replay of its step times, or, with any scheduler or cach
                        "given, calibrated: fitted on its steps")
 
 
+def seed(text: str) -> int:
+    """A simulation's seed: an integer >= 0, as ``workload gen`` takes it (numpy's
+    generators take no negative seed), so one seed names one trace and its run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = True,
                          recordings: bool = False,
                          recorded_cost_model: str = RECORDED_COST_MODEL) -> None:

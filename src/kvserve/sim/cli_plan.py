@@ -26,6 +26,7 @@ from kvserve.sim.cli_common import (
     cli_errors,
     cluster_from_args,
     deployment_from_args,
+    seed,
 )
 from kvserve.sim.parallel import Workers, check_workers, default_workers
 
@@ -89,7 +90,8 @@ def add_parser(subparsers: Any) -> None:
                           help="simulate the candidates as Ray tasks on the cluster "
                                "RAY_ADDRESS names (a local Ray instance if unset)")
     add_cluster_flags(parser, size=False)
-    parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed for synthetic token ids (>= 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_scheduler_flags(parser)
 

@@ -15,6 +15,7 @@ from kvserve.sim.cli_common import (
     cli_errors,
     cluster_from_args,
     deployment_from_args,
+    seed,
     simulate_with_progress,
 )
 from kvserve.sim.parallel import Workers, check_workers, default_workers
@@ -36,7 +37,8 @@ def add_parser(subparsers: Any) -> None:
     add_cluster_flags(parser)
     parser.add_argument("--batching", choices=BATCHING_MODES,
                         help="continuous (default), static batches, or serial")
-    parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed for synthetic token ids (>= 0)")
     parser.add_argument("--report", metavar="PATH.json", help="write the JSON report")
     parser.add_argument("--html", metavar="PATH.html", help="write the HTML report")
     parser.add_argument("--events", metavar="PATH.jsonl", help="write the scheduling events")

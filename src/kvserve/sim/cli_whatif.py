@@ -16,6 +16,7 @@ from kvserve.sim.cli_common import (
     calibration_implies_its_model,
     cli_errors,
     deployment_from_args,
+    seed,
 )
 
 SUMMARY = "replay a server's recording under changed settings, side by side"
@@ -38,7 +39,8 @@ def add_parser(subparsers: Any) -> None:
                              "more runs")
     parser.add_argument("--top", type=int, default=5,
                         help="requests shown per change (default 5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for synthetic token ids")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help="seed for synthetic token ids (>= 0)")
     parser.add_argument("--html", metavar="PATH.html", help="write the HTML report")
     parser.add_argument("--report", metavar="PATH.json", help="write the JSON report")
     add_deployment_flags(parser, recordings=True)

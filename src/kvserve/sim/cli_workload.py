@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvserve.sim.cli_common import cli_errors
+from kvserve.sim.cli_common import cli_errors, seed
 
 
 def add_parser(subparsers: Any) -> None:
@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
                           "conv<N>), for simulate --max-session-kv")
     gen.add_argument("--priorities", default="",
                      help="priority classes and weights, e.g. 0:0.2,1:0.8")
-    gen.add_argument("--seed", type=int, default=0,
+    gen.add_argument("--seed", type=seed, default=0,
                      help="seed of every draw (the same seed, the same trace)")
     gen.add_argument("--output", "-o", metavar="PATH.jsonl", help="default: stdout")
     gen.set_defaults(run=run_gen)
