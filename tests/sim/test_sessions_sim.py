@@ -85,15 +85,46 @@ def test_a_turn_waits_for_its_previous_one_in_a_cluster_too():
 
 
 
-def test_a_cluster_warns_that_it_holds_no_session_kv(tmp_path, capsys):
-    from kvserve.sim import deployment
+def test_a_cluster_holds_session_kv_on_the_replica_that_ran_the_turn():  # U2 U3
+    """Each replica holds its own sessions, as the server's replicas do: behind prefix
+    affinity a conversation's turns stay on one replica and start from its held KV, as on
+    one engine; round robin sends turn 1 to the other replica, which holds nothing of it
+    (it prefills all, and starts the session there), and turn 2 back to the first, which
+    still holds turn 0's KV: turn 2 starts from those 48 tokens, not the 96 one engine
+    held. (The cluster warned and held nothing.)"""
     from kvserve.sim.cluster import ClusterOptions
     from kvserve.sim.deployment import Deployment
 
-    deployment._WARNED.clear()  # once per process: this test must see it
-    trace = [req("a", 16, 3, session_id="s"), req("b", 40, 2, arrival=0.5, session_id="s")]
-    result = Deployment(cost_model="unit").simulate(
-        trace, {"max_session_kv": 0.5, "num_kv_blocks": 100}, cluster=ClusterOptions(2))[1]
-    assert by_id(result)["b"].arrival_time == 4.0  # still closed loop
-    assert "held session KV is not modelled in a cluster simulation yet" in \
-        capsys.readouterr().err
+    trace = conversation()
+    settings = {"max_session_kv": 0.5, "num_kv_blocks": 200, "enable_prefix_caching": False}
+    one = Deployment(cost_model="unit").simulate(trace, settings)[1]
+    hits = [r.metrics.num_cached_tokens for r in one.records]
+    for router, expected in (("prefix-affinity", hits), ("round-robin", [0, 0, hits[1]])):
+        result = Deployment(cost_model="unit").simulate(
+            trace, settings, cluster=ClusterOptions(2, router))[1]
+        assert [r.metrics.num_cached_tokens for r in result.records] == expected, router
+        sessions = aggregate(result)["sessions"]
+        assert sessions["session_hits"] == sum(1 for h in expected if h)
+        assert sessions["turns_deferred"] == 2 and sessions["session_fallbacks"] == 0
+
+
+def test_a_recorded_turn_extends_the_turn_before_as_its_client_sent_it():  # U4
+    """A recording keeps prompts as block hashes, and the replay drew each block's ids from
+    its hash: turn b's ids did not hold turn a's partial block and answer, so b did not
+    extend a's session and ran as an ordinary request, prefilling everything the server had
+    held (a recording made with sessions diverged from its own replay). b is now written
+    over a's ids and simulated answer; the rest of b, its new message, is drawn as before."""
+    from kvserve.sim.prompt_draws import SessionChains
+
+    a = req("a", 40, 8, session_id="s", prompt_hashes=("h1", "h2"), hash_block_size=16)
+    b = req("b", 60, 4, arrival=5.0, session_id="s", prompt_hashes=("h1", "h2", "h3"),
+            hash_block_size=16)
+    chains = SessionChains(seed=0)
+    prompt_a, answer_a = chains.apply(a, a.synthesise_prompt(0))
+    prompt_b, _ = chains.apply(b, b.synthesise_prompt(0))
+    assert prompt_b[:48] == prompt_a + answer_a and len(prompt_b) == 60
+    assert prompt_b[48:] == b.synthesise_prompt(0)[48:]
+    result = simulate([a, b], max_session_kv=0.5, enable_prefix_caching=False)
+    assert aggregate(result)["sessions"]["session_fallbacks"] == 0
+    # a's prompt and answer held (the EOS after it never computed), as the server held them
+    assert by_id(result)["b"].metrics.num_cached_tokens == 40 + 8

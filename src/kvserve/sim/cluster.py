@@ -25,11 +25,13 @@ Two ways of stepping:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.core import (
     ModelOutput,
@@ -48,8 +50,11 @@ from kvserve.core.router import (
     RouteDecision,
     make_router,
 )
+from kvserve.core.sessions import SessionError
+from kvserve.runs import session_figures
 from kvserve.sim.conversations import ConversationGate, take_due
 from kvserve.sim.cost_models import CostModel, holds_recorded_steps
+from kvserve.sim.prompt_draws import SessionChains
 from kvserve.sim.simulator import (
     ProgressFn,
     RequestRecord,
@@ -154,7 +159,17 @@ class _Replica:
         run = self.run
         for request in self.inbox:
             try:
-                run.scheduler.add_request(request)
+                try:
+                    run.scheduler.add_request(request)
+                except SessionError:
+                    # A turn this replica's session cannot take runs as an ordinary one,
+                    # as on one engine (_Run._submit).
+                    run.session_fallbacks += 1
+                    request = Request(request.request_id, request.prompt_token_ids,
+                                      dataclasses.replace(request.sampling_params,
+                                                          session_id=None, session_ttl=None),
+                                      arrival_time=request.arrival_time)
+                    run.scheduler.add_request(request)
             except (RequestRejected, QueueFullError) as error:
                 run._refuse(request.request_id, error)
                 continue
@@ -267,6 +282,10 @@ class _ClusterRun:
         self.conversations = ConversationGate.for_trace(self.arrivals)
         for replica in self.replicas:
             replica.run.conversations = self.conversations
+        # Each replica holds its own sessions' KV (U1-U8): a turn routed to a replica that
+        # does not hold its session starts one there, as on the server's replicas.
+        self.sessions_on = self.replicas[0].scheduler.sessions is not None
+        self.chains = SessionChains(sim.seed)  # a recording's turns, as their client sent them
         self.router = None if options.router == "recorded" else \
             make_router(options.router, options.data_parallel_size,
                         imbalance_bound=options.imbalance_bound)
@@ -423,9 +442,12 @@ class _ClusterRun:
 
     def _route(self, trace_request: TraceRequest) -> None:
         seed = self.sim.seed
+        prompt, answer = self.chains.apply(trace_request,
+                                           trace_request.synthesise_prompt(seed))
         request = Request(
-            trace_request.request_id, trace_request.synthesise_prompt(seed),
-            trace_request.sampling_params(self.sim.scheduler_config.max_model_len),
+            trace_request.request_id, prompt,
+            trace_request.sampling_params(self.sim.scheduler_config.max_model_len,
+                                          self.sessions_on),
             arrival_time=trace_request.received)
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
                                      first_block_key(request, self.tenant_scoped)) \
@@ -440,7 +462,7 @@ class _ClusterRun:
         replica.request_ids.append(request.request_id)
         replica.run.executor.register(request.request_id, request.num_prompt_tokens,
                                       trace_request.output_len, trace_request.ignore_eos,
-                                      trace_request.continuation_key(seed))
+                                      trace_request.continuation_key(seed), answer)
         replica.inbox.append(request)
         self._wake(decision.replica)
         self._refresh(decision.replica)
@@ -469,7 +491,11 @@ class _ClusterRun:
         if run.sim.record_events:
             run.events.extend(run.scheduler.take_events())
         stats = run.scheduler.stats()
+        sessions = session_figures(stats) if self.sessions_on else {}
+        if sessions:
+            sessions["session_fallbacks"] = run.session_fallbacks
         return SimResult(
+            sessions=sessions,
             start_time=start, end_time=end,
             records=[self.records[i] for i in replica.request_ids], steps=run.steps,
             itl_samples=run.itl, num_preemptions=stats.num_preemptions,
@@ -501,7 +527,26 @@ class _ClusterRun:
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_blocked_steps=dict(sorted(blocked.items())), events=events,
             wall_seconds=time.perf_counter() - wall_start, replicas=parts,
-            replica_of=self.replica_of, route_reasons=dict(sorted(self.route_reasons.items())))
+            replica_of=self.replica_of, route_reasons=dict(sorted(self.route_reasons.items())),
+            sessions=self._session_totals(parts))
+
+    def _session_totals(self, parts: list[SimResult]) -> dict[str, Any]:
+        """The replicas' session figures added up (releases by reason too), with the turns
+        the closed loop held back; {} with sessions off."""
+        if not self.sessions_on:
+            return {}
+        totals: dict[str, Any] = {}
+        for part in parts:
+            for key, value in part.sessions.items():
+                if isinstance(value, dict):
+                    merged = totals.setdefault(key, {})
+                    for reason, count in value.items():
+                        merged[reason] = merged.get(reason, 0) + count
+                else:
+                    totals[key] = totals.get(key, 0) + value
+        gate = self.conversations
+        totals["turns_deferred"] = gate.num_deferred if gate is not None else 0
+        return totals
 
     def _cluster_series(self, start: float, end: float) -> StepSeries:
         """The cluster-wide series with each point's duration (until the next point), so

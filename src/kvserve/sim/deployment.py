@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,11 +167,6 @@ class Deployment:
         ``cluster`` of more than one replica (or in lockstep), a ClusterResult."""
         batching = settings.get("batching", "continuous")
         config, cache = self.configs(settings)
-        if cluster is not None and cluster.data_parallel_size > 1 and config.max_session_kv:
-            _warn_once(f"max_session_kv={config.max_session_kv:g}: held session KV is not "
-                       "modelled in a cluster simulation yet; session turns run as ordinary "
-                       "requests (still each after the previous one)")
-            config = dataclasses.replace(config, max_session_kv=0.0)
         cost_model = self._cost_model(config, cache)
         prices = getattr(cost_model, "prices", None)
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
@@ -231,16 +225,6 @@ class Deployment:
 # report with default flags stays byte-identical to one written before they existed.
 _LATER_FIELDS = {"num_host_blocks": 0, "enable_priority_preemption": False,
                  "priority_preemption_threshold": 10, "max_preemptions_per_request": None}
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """A warning on stderr, once per process (a sweep or plan runs many simulations)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"warning: {message}", file=sys.stderr)
 
 
 def _fields(obj: Any) -> dict[str, Any]:

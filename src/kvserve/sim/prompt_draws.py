@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvserve.sim.tokens import stream_key, stream_ranges
+from kvserve.sim.tokens import stream_key, stream_ranges, stream_tokens
 from kvserve.sim.trace import TraceRequest
 
 BATCH = 64
@@ -37,6 +37,39 @@ def servable_answer(request: TraceRequest, max_model_len: int) -> TraceRequest:
     return dataclasses.replace(request, output_len=room)
 
 
+class SessionChains:
+    """A recorded conversation's turns as their client sent them: each turn's prompt begins
+    with the turn before's prompt and answer.
+
+    A recording keeps a prompt as the hashes of its full blocks, which a replay turns into
+    ids block by block; the answer the server gave, which the next turn's prompt holds, is
+    not among those ids, and the simulated model answers with its own. So a replayed turn
+    did not extend its session's held tokens (U4: it ran as an ordinary request and
+    prefilled everything the server had held) nor find the answer's blocks in the prefix
+    cache. A turn of a session with hashed prompt (``session_id`` and ``prompt_hashes``)
+    is therefore written over the turn before's ids and simulated answer, as long as its
+    prompt is at least that long; the rest of it, its new message, stays as drawn."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._held: dict[tuple[str, str], list[int]] = {}  # (tenant, session) -> ids
+
+    def apply(self, request: TraceRequest, prompt: list[int]
+              ) -> tuple[list[int], list[int] | None]:
+        """``request``'s prompt, chained, and its answer's first ``output_len`` ids as the
+        simulated model will give them (None: not a chained turn, nothing changed)."""
+        if request.session_id is None or request.prompt_hashes is None:
+            return prompt, None
+        key = (request.tenant, request.session_id)
+        held = self._held.get(key)
+        if held is not None and len(held) <= len(prompt):
+            prompt = held + prompt[len(held):]
+        answer = stream_tokens(request.continuation_key(self.seed), len(prompt),
+                               len(prompt) + request.output_len)
+        self._held[key] = prompt + answer
+        return prompt, answer
+
+
 class PromptDraws:
     """Prompts and answers of ``arrivals`` (in arrival order), drawn ``batch`` at a time."""
 
@@ -51,6 +84,7 @@ class PromptDraws:
         self._index = {r.request_id: i for i, r in enumerate(arrivals)}
         # request id -> (its ids: prompt then answer, the prompt's length)
         self._drawn: dict[str, tuple[np.ndarray, int]] = {}
+        self.chains = SessionChains(seed)
 
     def take(self, request: TraceRequest) -> tuple[list[int], list[int] | None, bytes | None]:
         """``request``'s prompt ids, its answer's first ``output_len`` ids (None: the
@@ -61,7 +95,8 @@ class PromptDraws:
             drawn = self._drawn.pop(request.request_id, None)
         if drawn is None:
             prompt, answer = request.synthesise_with_answer(self.seed)
-            return prompt, answer, None
+            prompt, chained = self.chains.apply(request, prompt)
+            return prompt, answer if chained is None else chained, None
         ids, num_prompt = drawn
         prompt_ids = ids[:num_prompt]
         return (prompt_ids.tolist(), ids[num_prompt:].tolist(),

@@ -268,10 +268,6 @@ def _cut(recording: Recording, note: Warn) -> None:
     for death in recording.manifest.get("replica_deaths") or []:
         reasons.append(f"replica {death.get('engine')} died at {death.get('time', 0):.3f} s "
                        "(its KV and queue were lost; it was started again)")
-    settings = recording.manifest.get("settings") or {}
-    if settings.get("data_parallel_size", 1) > 1 and settings.get("max_session_kv"):
-        reasons.append("its replicas held session KV, which the simulated cluster does not "
-                       "model")
     if recording.manifest.get("requests_placed_again"):
         reasons.append(f"{recording.manifest['requests_placed_again']} request(s) were placed "
                        "again on another replica after theirs died")
