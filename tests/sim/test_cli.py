@@ -239,6 +239,11 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
      "--sweep is given 2 times: a sweep varies one setting"),
     (["simulate", "--kv-cache-memory", "1KiB"], "kv cache memory of 1024 bytes holds no "
      "block: one block of 16 tokens needs 2097152 bytes per device"),
+    # every row ran at the 100 blocks given, labelled with the swept sizes (QA)
+    (["simulate", "--sweep", "kv_cache_memory=1GiB,2GiB", "--num-kv-blocks", "100"],
+     "--sweep kv_cache_memory sizes the KV pool, which --num-kv-blocks also sizes"),
+    (["simulate", "--sweep", "num_kv_blocks=10,20", "--kv-cache-memory", "1GiB"],
+     "--sweep num_kv_blocks sizes the KV pool, which --kv-cache-memory also sizes"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
     if argv[0] == "simulate":

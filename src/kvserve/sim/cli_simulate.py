@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         calibration_implies_its_model(args)
         settings = settings_from_args(args)
         sweep = parse_sweep(args.sweep) if args.sweep else None
+        _check_pool_sweep(sweep, settings)
         recording = None
         if args.trace != "-" and Path(args.trace).is_dir():
             from kvserve.sim.recording import check_pool_setting
@@ -102,6 +103,21 @@ def run(args: argparse.Namespace) -> int:
         else:
             _run_one(args, deployment, settings, trace)
     return 0
+
+
+_POOL_FLAGS = {"num_kv_blocks": "--num-kv-blocks", "kv_cache_memory": "--kv-cache-memory"}
+
+
+def _check_pool_sweep(sweep: tuple[str, list[Any]] | None, settings: dict[str, Any]) -> None:
+    """Sweeping one of the KV pool's sizes with the other given: every row ran at the
+    given one and was labelled with the swept value (it was the other way round for
+    num_kv_blocks, which wins): refused, as both flags are for one run."""
+    if sweep is None or sweep[0] not in _POOL_FLAGS:
+        return
+    other = next(name for name in _POOL_FLAGS if name != sweep[0])
+    if other in settings:
+        raise ValueError(f"--sweep {sweep[0]} sizes the KV pool, which {_POOL_FLAGS[other]} "
+                         f"also sizes: give one (drop {_POOL_FLAGS[other]})")
 
 
 def parse_tenant_weights(specs: list[str]) -> tuple[tuple[str, float], ...]:
