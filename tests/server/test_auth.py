@@ -20,6 +20,15 @@ def test_plain_json_and_toml_keys_files(tmp_path):
     plain.write_text("# team keys\nsk-one\n\nsk-two\n")
     assert [(k.key, k.tenant) for k in load_keys(plain)] == [("sk-one", "key-1"),
                                                              ("sk-two", "key-2")]
+    # a key the file grants no urgency may ask for none beyond its default (it could ask
+    # for any, -1000 included, above the operator's own default; QA)
+    assert {(k.most_urgent_priority, k.default_priority) for k in load_keys(plain)} == {(0, 0)}
+    with pytest.raises(APIError) as error:
+        resolve_priority(-1000, load_keys(plain)[0], source="body",
+                         scheduling_policy="priority")
+    assert error.value.status == 403
+    assert resolve_priority(50, load_keys(plain)[0], source="body",
+                            scheduling_policy="priority") == 50
     toml = tmp_path / "keys.toml"
     toml.write_text('[[keys]]\nkey = "a"\ntenant = "gold"\nmost_urgent_priority = -5\n'
                     'default_priority = 0\nadmin = true\n')

@@ -8,7 +8,9 @@ adds tenants' keys, as one key per line (``#`` comments), or JSON / TOML::
     key = "sk-team-a"
     tenant = "team-a"
     most_urgent_priority = 0      # the lowest priority value this key may ask for
-    default_priority = 10         # used when the body sets none
+                                  # (default: its default_priority: no more urgent)
+    default_priority = 10         # used when the body sets none (default: 0, or
+                                  # most_urgent_priority where that is above 0)
     admin = false                 # may call /v1/abort
     weight = 1.0                  # share under --tenant-fairness vtc (2.0: twice the service)
 
@@ -41,7 +43,9 @@ def is_valid_key(key: object) -> bool:
 class ApiKey:
     key: str
     tenant: str
-    most_urgent_priority: int | None = None  # None: no limit
+    # None: no limit (the operator's keys, and no keys at all); a keys file's key has one,
+    # its default_priority where the file names none
+    most_urgent_priority: int | None = None
     default_priority: int = 0
     admin: bool = False
     weight: float = 1.0
@@ -136,7 +140,9 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
             raise KeyFileError(f"{where}: '{name}' must be an integer")
     urgent = entry.get("most_urgent_priority")
     default = entry.get("default_priority", 0 if urgent is None else max(0, urgent))
-    if urgent is not None and default < urgent:
+    if urgent is None:  # the server's call: no more urgent than its default unless granted
+        urgent = default
+    if default < urgent:
         raise KeyFileError(f"{where}: default_priority {default} is more urgent than "
                            f"most_urgent_priority {urgent}")
     admin = entry.get("admin", False)
