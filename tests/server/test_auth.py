@@ -53,6 +53,10 @@ def test_plain_json_and_toml_keys_files(tmp_path):
     ("sk-a extra words\n", "'key' must be a non-empty string without spaces"),
     ('[{"key": "a", "tenant": "operator"}]', "tenant 'operator' is the --api-key keys' own"),
     (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0)"),
+    # two keys silently one tenant, sharing cache, sessions and series (QA)
+    ('[{"key": "x", "tenant": "key-2"}, {"key": "y"}]',
+     "key #2 has no tenant, and its default name 'key-2' is another key's tenant"),
+    ('[{"key": "x", "tenant": "team a "}]', "without spaces at either end"),
 ])
 def test_bad_keys_files_name_the_problem(tmp_path, text, needle):
     path = tmp_path / "keys"

@@ -112,6 +112,9 @@ def test_sessions_are_per_tenant_and_off_by_default():  # U1 U8
         assert "sessions are off" in response.json()["error"]["message"]
         bad = post(live, {"prompt": NEW[0], "session": {"id": "", "ttl": -1}})
         assert bad.status_code == 400 and "session" in bad.json()["error"]["param"]
+        for name in (".", ".."):  # a DELETE could not name it: clients normalise the path
+            bad = post(live, {"prompt": NEW[0], "session": {"id": name}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "session.id"
         assert httpx.delete(live.url + "/v1/sessions/s", timeout=30).status_code == 404
 
 

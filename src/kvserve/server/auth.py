@@ -92,6 +92,13 @@ def load_keys(path: str | Path) -> list[ApiKey]:
     if not isinstance(entries, list) or not entries:
         raise KeyFileError(f"{path}: no keys found")
     keys = [_key_from_entry(entry, index, path) for index, entry in enumerate(entries)]
+    named = {entry["tenant"] for entry in entries
+             if isinstance(entry, dict) and isinstance(entry.get("tenant"), str)}
+    for index, entry in enumerate(entries):
+        if "tenant" not in entry and keys[index].tenant in named:  # silently one tenant
+            raise KeyFileError(f"{path}: key #{index + 1} has no tenant, and its default name "
+                               f"'{keys[index].tenant}' is another key's tenant; name its "
+                               "tenant")
     seen: dict[str, int] = {}
     for index, key in enumerate(keys):
         if key.key in seen:  # whose tenant would it be?
@@ -126,9 +133,11 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
         raise KeyFileError(f"{where}: 'key' must be a non-empty string without spaces or "
                            "control characters (it travels in an HTTP header)")
     tenant = entry.get("tenant", f"key-{index + 1}")
-    if not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable():
+    if not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable() \
+            or tenant != tenant.strip():
         raise KeyFileError(f"{where}: 'tenant' must be a non-empty string of printable "
-                           "characters (it names metrics series and log lines)")
+                           "characters, without spaces at either end (it names metrics "
+                           "series and log lines)")
     if tenant == OPERATOR_TENANT:
         raise KeyFileError(f"{where}: tenant '{OPERATOR_TENANT}' is the --api-key keys' own "
                            "(a tenant sharing it would share their prefix cache, sessions and "

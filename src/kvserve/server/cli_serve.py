@@ -42,7 +42,8 @@ def add_parser(subparsers: Any) -> None:
                             "--priority-source, /v1/abort); repeatable")
     group.add_argument("--api-keys", metavar="FILE",
                        help="tenants' keys: one per line, or JSON/TOML with tenant, "
-                            "most_urgent_priority, default_priority, admin")
+                            "most_urgent_priority, default_priority, admin, weight (a "
+                            "key without tenant is tenant key-N, N its position)")
     group.add_argument("--priority-source", choices=("body", "key"), default="body",
                        help="body: a request may set its priority within its key's limit; "
                             "key: the key's default priority, the body may not choose")

@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvserve.server.errors import APIError, bad_request
 
@@ -43,9 +50,18 @@ class StreamOptions(_Body):
 class SessionRef(_Body):
     """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
 
-    # No "/" (DELETE /v1/sessions/{id} could not name it) and no control characters.
+    # No "/" and not "." or ".." (DELETE /v1/sessions/{id} could not name it: clients
+    # normalise such a path) and no control characters.
     id: str = Field(min_length=1, max_length=256, pattern=r"^[^/\x00-\x1f\x7f]+$")
     ttl: float | None = Field(default=None, gt=0, le=86400)
+
+    @field_validator("id")
+    @classmethod
+    def _nameable(cls, value: str) -> str:
+        if value in (".", ".."):
+            raise ValueError("a session id may not be '.' or '..': a DELETE could not name "
+                             "it (clients normalise the path)")
+        return value
 
 
 class _Sampling(_Body):
