@@ -103,6 +103,25 @@ def test_the_held_queue_is_drained_before_the_ordinary_queue():  # L1
     assert [r.request_id for r in scheduler.running] == ["t2", "r"]
 
 
+def test_under_priority_a_more_urgent_request_goes_before_a_held_turn():  # L5 L1
+    """A held turn went first under every policy: a tenant that made every request a
+    session turn went ahead of other tenants' urgent work (QA). Under the priority policy
+    the more urgent ordinary head goes first; an equally urgent one still waits behind."""
+    for urgent_priority, first in ((0, "r"), (10, "t2")):
+        scheduler = sched(max_num_batched_tokens=8, max_num_seqs=1,
+                          scheduling_policy="priority")
+        executor = FakeExecutor(block_size=BS)
+        history = first_turn(scheduler, executor)
+        scheduler.add_request(turn("t2", history + prompt_of("t2", 4), arrival_time=5.0,
+                                   priority=10))
+        scheduler.add_request(make_request("r", 8, arrival_time=6.0,
+                                           priority=urgent_priority))
+        out, _ = step(scheduler, executor, 6.0)
+        assert list(out.num_scheduled_tokens) == [first], urgent_priority
+        run(scheduler, executor, 7.0)
+        check_empty(scheduler)
+
+
 def test_a_held_turn_that_does_not_fit_blocks_the_line_and_is_logged():  # L1 D4
     scheduler, executor = sched(num_blocks=8, max_session_kv=0.5), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)  # 3 blocks held, 5 free

@@ -586,10 +586,13 @@ class Scheduler:
     def _admit_held(self, step: _Step) -> bool:
         """L1: admit the waiting requests that hold KV, in arrival order, before the
         ordinary queue; each prefills only the tokens its held KV lacks (U3). False if one
-        does not fit: the pass stops there."""
+        does not fit: the pass stops there. Under the priority policy a held turn goes first
+        only while the ordinary queue's head is not more urgent than it (L5)."""
         config, held = self.config, self.held_waiting
         while held:
             request = held[0]
+            if self._outranked(request):
+                return True  # L5: the more urgent ordinary request first
             if step.token_budget <= 0 or len(self.running) >= config.max_num_seqs:
                 self._note_blocked("token_budget" if step.token_budget <= 0
                                    else "max_num_seqs", request)
@@ -611,6 +614,12 @@ class Scheduler:
                 self.sessions.note_hit(num_held)
                 self._admit(request, num_new, num_held, new_blocks, step)
         return True
+
+    def _outranked(self, request: Request) -> bool:
+        """L5: under the priority policy, whether the ordinary queue's head is more urgent
+        than ``request`` (a held turn), which then waits behind it."""
+        return self.config.scheduling_policy == "priority" and bool(self.waiting) and \
+            self.waiting.peek().priority < request.priority
 
     def _skip_not_ready(self, request: Request, skipped: list[Request]) -> None:
         """L2: set aside for this pass; logged once per reason, as a blocked head is."""
