@@ -54,6 +54,15 @@ def make_request(request_id: str | int, num_prompt_tokens: int = 16, *,
                    arrival_time=arrival_time)
 
 
+def occupy_every_seat(scheduler: Scheduler) -> None:
+    """Admit one long request into a scheduler of max_num_seqs 1, so new arrivals wait: the
+    queue limits count a backlog, not what the next step would admit (K4)."""
+    assert scheduler.config.max_num_seqs == 1
+    scheduler.add_request(make_request("busy", 4, max_tokens=1000, ignore_eos=True))
+    scheduler.schedule(0.0)
+    assert len(scheduler.running) == 1
+
+
 class FakeExecutor:
     """A runner that keeps its own per-request state from SchedulerOutput alone, as a real
     model runner must, and samples ``token_fn(request_id, position)``.

@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.core import QueueFullError, RequestRejected, SchedulerConfig
 from kvserve.core.fairness import TenantFairQueue
-from tests.conftest import FakeExecutor, make_request, make_scheduler, step
+from tests.conftest import FakeExecutor, make_request, make_scheduler, occupy_every_seat, step
 
 
 def tenant_request(request_id: str, tenant: str, num_prompt_tokens: int = 16,
@@ -174,7 +174,8 @@ def test_without_fairness_the_flood_takes_the_engine():
 # -- per-tenant queue limits (K4) ----------------------------------------------------------
 
 def test_per_tenant_queue_limit_refuses_only_that_tenant():  # T6, K4
-    scheduler = make_scheduler(max_num_queued_reqs_per_tenant=2)
+    scheduler = make_scheduler(max_num_queued_reqs_per_tenant=2, max_num_seqs=1)
+    occupy_every_seat(scheduler)
     scheduler.add_request(tenant_request("a0", "A"))
     scheduler.add_request(tenant_request("a1", "A"))
     with pytest.raises(QueueFullError, match=r"tenant 'A' has 2 requests waiting "

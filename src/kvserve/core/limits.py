@@ -3,6 +3,8 @@ returns None; none of them records anything."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
 from kvserve.core.queues import WaitingQueue
@@ -58,33 +60,37 @@ def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
             "send shorter or fewer prompts")
 
 
-def check_queue_limits(request: Request, waiting: WaitingQueue,
-                       config: SchedulerConfig) -> list[Request]:
+def check_queue_limits(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
+                       admissible: Sequence[Request] = ()) -> list[Request]:
     """K4: refuse what could never be queued (400, see check_queueable), then (the server
     answers 503) what cannot be queued now because the waiting queue is at its limits.
+    ``admissible``: the waiting requests the next step will admit as things stand, which
+    are no backlog and do not count (a burst into free seats was refused).
 
     Under the priority policy a request the limits refuse takes the room of waiting
     requests less urgent than it instead (K5): the ones to displace are returned (none when
     it fits), least urgent first; the refusal stands when they would not make room."""
     check_queueable(1, request.num_tokens, config, request.request_id)
     try:
-        _check_room(request, waiting, config, [])
+        _check_room(request, waiting, config, list(admissible))
         return []
     except QueueFullError:
         if config.scheduling_policy != "priority":
             raise
-        return _displaced_for(request, waiting, config)
+        return _displaced_for(request, waiting, config, admissible)
 
 
-def _displaced_for(request: Request, waiting: WaitingQueue,
-                   config: SchedulerConfig) -> list[Request]:
+def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
+                   admissible: Sequence[Request]) -> list[Request]:
     """K5: waiting requests less urgent than ``request`` (a larger priority value), never
     scheduled (a preempted one has shown its client tokens), least urgent first (largest
     priority value, then latest arrival), each taken while it frees room under a limit
     ``request`` breaks, until it fits; QueueFullError when they cannot make room."""
     tenant = request.sampling_params.tenant
+    running_next = {r.request_id for r in admissible}
     candidates = sorted((r for r in waiting if r.priority > request.priority
-                         and r.first_scheduled_time is None),
+                         and r.first_scheduled_time is None
+                         and r.request_id not in running_next),
                         key=lambda r: (-r.priority, -r.arrival_time, r.request_id))
     victims: list[Request] = []
     # The tenant's own limit first, by its own requests (each frees a place under the
@@ -92,16 +98,17 @@ def _displaced_for(request: Request, waiting: WaitingQueue,
     per_tenant = config.max_num_queued_reqs_per_tenant
     if per_tenant is not None:
         own = [r for r in candidates if r.sampling_params.tenant == tenant]
-        excess = waiting.num_by_tenant.get(tenant, 0) + 1 - per_tenant
+        excess = waiting.num_by_tenant.get(tenant, 0) + 1 - per_tenant - \
+            sum(1 for r in admissible if r.sampling_params.tenant == tenant)
         victims.extend(own[:max(0, excess)])
     for candidate in candidates:
         try:
-            _check_room(request, waiting, config, victims)
+            _check_room(request, waiting, config, [*admissible, *victims])
             return victims
         except QueueFullError:
             if candidate not in victims:
                 victims.append(candidate)
-    _check_room(request, waiting, config, victims)
+    _check_room(request, waiting, config, [*admissible, *victims])
     return victims
 
 

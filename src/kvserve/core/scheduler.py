@@ -125,6 +125,9 @@ class Scheduler:
         self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
                                  tenant_scoped=config.prefix_cache_scope == "tenant")
         self.waiting = make_waiting_queue(config.scheduling_policy, config)
+        self._limits_queue = any(limit is not None for limit in (  # K4
+            config.max_num_queued_reqs, config.max_num_queued_reqs_per_tenant,
+            config.max_num_queued_tokens))
         # Only an order that reads the cache or the clock is told of each pass (C4-C7).
         self._waiting_sorts = type(self.waiting).start_pass is not WaitingQueue.start_pass
         self.running: list[Request] = []
@@ -178,7 +181,9 @@ class Scheduler:
                                    "server (max_session_kv is 0, flag --max-session-kv)")
             session = sessions.check_turn(request)  # U3, U4
         check_servable(request, self.config, self.cache_config)
-        for victim in check_queue_limits(request, self.waiting, self.config):  # K5
+        admissible = self._admissible_next() if self._limits_queue else ()
+        for victim in check_queue_limits(request, self.waiting, self.config,
+                                         admissible):  # K4, K5
             self._displace(victim, request)
         self.requests[request.request_id] = request
         reason = ""
@@ -723,6 +728,27 @@ class Scheduler:
             self._pending_outputs.append(RequestOutput(
                 request_id, [], finished=True, finish_reason="abort",
                 stop_reason=QUEUE_TIMEOUT, metrics=metrics))
+
+    def _admissible_next(self) -> list[Request]:
+        """K4: the waiting requests the next step would admit as things stand: the seats,
+        token budget and free blocks left once the running requests decode (a block each,
+        kept back) and the held and swapped ones resume, taken from the head of the queue
+        until one does not fit (D4). Prefix hits are not counted (an estimate on the safe
+        side). These are not a backlog, so the queue limits do not count them."""
+        config, kv = self.config, self.kv
+        seats = config.max_num_seqs - len(self.running) - len(self.held_waiting) - \
+            len(self.swapped)
+        budget = config.max_num_batched_tokens - len(self.running)
+        blocks = kv.num_free_blocks - kv.watermark_blocks - len(self.running) - sum(
+            kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
+        admissible: list[Request] = []
+        for request in self.waiting:
+            need = kv.num_blocks_for(request.num_tokens + 1)
+            if seats <= 0 or budget <= 0 or need > blocks:
+                break
+            admissible.append(request)
+            seats, budget, blocks = seats - 1, budget - request.num_tokens, blocks - need
+        return admissible
 
     def _displace(self, victim: Request, by: Request) -> None:
         """K5: end a waiting request a more urgent arrival takes the place of (the server
