@@ -742,6 +742,8 @@ class Scheduler:
         blocks = kv.num_free_blocks - kv.watermark_blocks - len(self.running) - sum(
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
         admissible: list[Request] = []
+        if seats <= 0 or budget <= 0 or blocks <= 0:
+            return admissible  # a busy engine, the common case: no walk of the queue
         for request in self.waiting:
             need = kv.num_blocks_for(request.num_tokens + 1)
             if seats <= 0 or budget <= 0 or need > blocks:
