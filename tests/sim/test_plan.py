@@ -178,7 +178,31 @@ def test_a_trace_that_queues_past_the_bound_at_any_rate_says_why(tmp_path, capsy
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["capacity_qps"] is None and result["capacity_max_num_seqs"] == 2
-    assert "exceeded 0.5 s at every rate tried" in result["capacity_note"]
+    assert "exceeded 0.5 s, or the waiting queue shed requests" in result["capacity_note"]
     assert main(args) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "capacity QPS at max_num_seqs 2" in printed and "at every rate tried" in printed
+
+
+def test_a_queue_that_sheds_is_past_capacity(tmp_path, capsys):
+    """A request a queue deadline timed out (or a limit refused) never waits past the bound,
+    so with shedding on every rate passed: plan reported a capacity of tens of thousands of
+    QPS, at least, for a server that shed 40% of the trace at its own rate (QA). A rate at
+    which the queue sheds is now past capacity."""
+    from kvserve.cli import main
+    from kvserve.sim.cli_plan import queue_p99_at
+    from kvserve.sim.deployment import Deployment
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({
+        "request_id": f"r{i}", "arrival_time": i * 0.5, "prompt_len": 16,
+        "output_len": 4}) + "\n" for i in range(40)))
+    rows = [req(f"r{i}", 16, 4, i * 0.5) for i in range(40)]
+    settings = {"max_num_seqs": 1, "max_queue_delay": 1.0}
+    assert queue_p99_at(Deployment(cost_model="unit"), rows, settings, 0, 0.1) is not None
+    assert queue_p99_at(Deployment(cost_model="unit"), rows, settings, 0, 8.0) is None
+    assert main(["plan", "--trace", str(trace), "--cost-model", "unit", "--candidates", "1",
+                 "--workers", "1", "--max-queue-delay", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["capacity_qps"] is not None and result["capacity_qps"] < 0.25  # 5 s each
+    assert not result.get("capacity_is_lower_bound")

@@ -372,22 +372,36 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
     else:
         slowest = min((p["qps"] for p in probes if p["qps"]), default=start)
         found["capacity_note"] = (
-            f"the p99 queue delay exceeded {args.queue_delay_p99:g} s at every rate tried, "
-            f"down to {slowest:.3g} QPS: slowing the arrivals does not spread this trace's "
-            "requests out enough (they come in bursts that stay bursts at any rate, e.g. a "
-            "trace recorded behind a client's concurrency limit), or one request alone "
-            "waits longer than the bound")
+            f"the p99 queue delay exceeded {args.queue_delay_p99:g} s, or the waiting queue "
+            "shed requests (a queue limit or deadline refused or timed them out; such a "
+            f"probe's queue_p99 is null), at every rate tried, down to {slowest:.3g} QPS: "
+            "slowing the arrivals does not spread this trace's requests out enough (they "
+            "come in bursts that stay bursts at any rate, e.g. a trace recorded behind a "
+            "client's concurrency limit), or one request alone waits longer than the bound")
     return found
 
 
 def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], seed: int,
                  qps: float) -> float | None:
-    """The p99 queue delay of ``trace`` replayed at ``qps`` (one probe of the search)."""
+    """The p99 queue delay of ``trace`` replayed at ``qps`` (one probe of the search); None
+    (past any bound) where the waiting queue shed a request: refused it as full, timed it
+    out or displaced it (``--max-num-queued-*``, ``--max-queue-delay``). A shed request
+    never waits past the bound, so with shedding on every rate passed and plan reported
+    capacities of tens of thousands of QPS."""
     from kvserve.sim import plan
     from kvserve.sim.report import aggregate
 
     _, result = deployment.simulate(plan.scale_rate(trace, qps), settings, seed=seed)
+    if any(shed(record) for record in result.records):
+        return None
     return aggregate(result)["queue_p99"]
+
+
+def shed(record: Any) -> bool:
+    """A request the waiting queue shed under load (not one refused at any rate)."""
+    return record.finish_reason == "queue_full" or (
+        record.finish_reason == "abort" and record.stop_reason in ("queue_timeout",
+                                                                   "displaced"))
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -101,12 +101,14 @@ def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str
 
 def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict[str, Any]:
     """The largest max_num_seqs that never preempts, and the best-throughput one whose p99
-    TTFT meets the target (ties: the smaller max_num_seqs)."""
+    TTFT meets the target (ties: the larger max_num_seqs: equal at the trace's rate, it has
+    the headroom above it, where the capacity search runs; the smaller one made plan report
+    a capacity a third too low when every candidate served the trace alike)."""
     rows = [r for r in rows if r.get("error") is None]  # candidates that fit
     calm = [r["max_num_seqs"] for r in rows if r["num_preemptions"] == 0]
     eligible = [r for r in rows if ttft_p99_target is None
                 or (r["ttft_p99"] is not None and r["ttft_p99"] <= ttft_p99_target)]
-    best = max(eligible, key=lambda r: (r["throughput_output_tok_s"], -r["max_num_seqs"]),
+    best = max(eligible, key=lambda r: (r["throughput_output_tok_s"], r["max_num_seqs"]),
                default=None)
     return {"max_num_seqs_no_preemption": max(calm) if calm else None,
             "max_num_seqs_best_throughput": best["max_num_seqs"] if best else None,
