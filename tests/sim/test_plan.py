@@ -206,3 +206,27 @@ def test_a_queue_that_sheds_is_past_capacity(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["capacity_qps"] is not None and result["capacity_qps"] < 0.25  # 5 s each
     assert not result.get("capacity_is_lower_bound")
+
+
+def test_prompts_max_model_len_refuses_are_named(tmp_path, capsys):
+    """plan dropped such requests silently (and, when all were, recommended settings from
+    rows that served nothing; QA): a warning names how many, all of them is an error."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+
+    def write(lengths: list[int]) -> None:
+        trace.write_text("".join(json.dumps({
+            "request_id": f"r{i}", "arrival_time": i * 1.0, "prompt_len": n,
+            "output_len": 4}) + "\n" for i, n in enumerate(lengths)))
+
+    write([3000, 100, 100, 100])
+    args = ["plan", "--trace", str(trace), "--cost-model", "unit", "--candidates", "2",
+            "--workers", "1", "--json"]
+    assert main(args) == 0
+    assert "1 of 4 requests have prompts of max_model_len 2048 tokens or more" in \
+        capsys.readouterr().err
+    write([3000, 5000])
+    assert main(args) == 2
+    assert "every request of the trace has a prompt of max_model_len 2048 tokens or more" \
+        in capsys.readouterr().err

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,21 @@ def _print_preemption_cost(cost: Any) -> None:
     Console(width=110, highlight=False).print(table)
 
 
+def _check_servable_share(trace: list[Any], max_model_len: int) -> None:
+    """A trace's prompts that max_model_len refuses (J1) are refused at every rate: a
+    warning naming how many, and an error when every one is (plan then recommended settings
+    from rows that served nothing)."""
+    refused = sum(1 for r in trace if r.num_prompt_tokens >= max_model_len)
+    if refused == len(trace):
+        raise ValueError(f"every request of the trace has a prompt of max_model_len "
+                         f"{max_model_len} tokens or more, which is refused: give "
+                         "--max-model-len")
+    if refused:
+        print(f"warning: {refused} of {len(trace)} requests have prompts of max_model_len "
+              f"{max_model_len} tokens or more and are refused at every rate (give "
+              "--max-model-len to plan for them)", file=sys.stderr)
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is not None and not value > 0:
         raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -227,6 +243,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                              f"max_model_len {config.max_model_len}: such a request is "
                              "refused (give --max-model-len)")
     elif trace is not None:
+        _check_servable_share(trace, config.max_model_len)
         seq_len, source = plan.trace_seq_len_p95(trace), "trace p95"
     else:
         raise ValueError("give --prompt-len and --output-len, or --trace")
