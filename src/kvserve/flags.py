@@ -20,6 +20,7 @@ from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.core.config import (
     ADMISSION_POLICIES,
     DEFAULT_BLOCK_SIZE,
+    MAX_BLOCKS,
     MAX_HOST_BLOCKS,
     PREEMPTION_MODES,
     PREFIX_CACHE_SCOPES,
@@ -245,8 +246,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     keys = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
     settings = {k: getattr(args, k) for k in keys
                 if getattr(args, k, None) is not None}
-    if settings.get("num_kv_blocks", 1) < 1:  # named as the flag, not CacheConfig's field
-        raise CLIError(f"--num-kv-blocks must be >= 1, got {settings['num_kv_blocks']}")
+    if not 1 <= settings.get("num_kv_blocks", 1) <= MAX_BLOCKS:  # named as the flag
+        raise CLIError(f"--num-kv-blocks must be in [1, {MAX_BLOCKS}], got "
+                       f"{settings['num_kv_blocks']}")
     if "kv_cache_memory" in settings and "num_kv_blocks" in settings:
         raise CLIError("give --kv-cache-memory or --num-kv-blocks, not both (each sizes the "
                        "KV pool)")

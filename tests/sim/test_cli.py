@@ -221,7 +221,9 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
      "--cost-model unit"),
     (["simulate", "--calibration", "/nonexistent/c.json"], "cannot read cost model"),
     (["simulate", "--workers", "0"], "--workers"),
-    (["simulate", "--num-kv-blocks", "0"], "--num-kv-blocks must be >= 1, got 0"),
+    (["simulate", "--num-kv-blocks", "0"], "--num-kv-blocks must be in [1, 16777216], got 0"),
+    # 10^12 blocks took the machine's memory and the process was killed, no message (QA)
+    (["simulate", "--num-kv-blocks", "1000000000000"], "--num-kv-blocks must be in [1, "),
     (["workload", "gen", "--prompt-len", "uniform:1,5,max=inf"], "is not a finite number"),
     (["workload", "gen", "-n", "3", "--rate", "1e-300"], "past the 1e+10 s a trace may span"),
     (["workload", "gen", "--cv", "2"], "--cv shapes --arrival gamma, not poisson"),

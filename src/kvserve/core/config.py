@@ -33,6 +33,10 @@ STEP_MIXES = ("mixed", "prefill-first")
 PREFIX_CACHING_HASH_ALGOS = ("blake2b", "builtin")  # kvserve.core.prefix_cache.BLOCK_HASHERS
 # Largest host tier accepted: far beyond any machine's memory, so a bigger one is a typo.
 MAX_HOST_BLOCKS = 1 << 31
+# The device pool's blocks are objects made up front (about 120 bytes each in the simulator):
+# 2^24 of them (268M token slots at 16 a block) take about 2 GB; 10^12 took the machine's
+# memory and the process was killed with no message.
+MAX_BLOCKS = 1 << 24
 
 _T = TypeVar("_T")
 
@@ -97,7 +101,7 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "blake2b"
 
     def __post_init__(self) -> None:
-        _check_int("num_blocks", self.num_blocks, 1)
+        _check_int("num_blocks", self.num_blocks, 1, MAX_BLOCKS)
         _check_int("block_size", self.block_size, 1, 1024)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_int("num_host_blocks", self.num_host_blocks, 0, MAX_HOST_BLOCKS)
