@@ -79,7 +79,7 @@ def test_from_dict_rejects_unknown_keys():  # A4
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("num_blocks", 0, "num_blocks=0 is out of range: must be >= 1"),
+    ("num_blocks", 0, "num_blocks=0 is out of range: must be in [1, 16777216]"),
     ("block_size", 0, "block_size=0 is out of range: must be in [1, 1024]"),
     ("enable_prefix_caching", 1, "enable_prefix_caching must be true or false"),
 ])
