@@ -46,6 +46,9 @@ def test_every_request_ends_with_its_answer(requests, num_blocks, block_size, ma
         if record.finish_reason == "abort":
             if record.stop_reason == "queue_timeout":
                 assert "max_queue_delay" in overload and record.num_output_tokens == 0
+            elif record.stop_reason == "displaced":  # K5: a more urgent arrival's place
+                assert "max_num_queued_reqs" in overload and record.num_output_tokens == 0
+                assert policy.get("scheduling_policy") == "priority"
             else:
                 assert record.stop_reason == "cancelled"
                 assert trace_request.cancel_time is not None

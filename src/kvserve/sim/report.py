@@ -45,7 +45,11 @@ def request_latencies(record: RequestRecord) -> dict[str, float | None]:
     if m is None:
         return {"ttft": None, "e2e": None, "queue": None}
     ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
-    return {"ttft": ttft, "e2e": m.finished_time - m.arrival_time, "queue": m.queue_time}
+    # An aborted request (cancelled, timed out in the queue, displaced) has no end-to-end
+    # latency, as a benchmark client counts none for a failed request: its end is the abort
+    # (timeouts at the deadline made the E2E p50 the deadline).
+    e2e = None if record.finish_reason == "abort" else m.finished_time - m.arrival_time
+    return {"ttft": ttft, "e2e": e2e, "queue": m.queue_time}
 
 
 def aggregate(result: SimResult) -> dict[str, Any]:
@@ -55,7 +59,8 @@ def aggregate(result: SimResult) -> dict[str, Any]:
     token (EOS included). scheduled_tokens: every token computed, recomputation included;
     throughput_total_tok_s is that per second. wasted_fraction: recomputed / scheduled.
     ttft: first token - arrival; itl: every gap between a request's consecutive tokens
-    (preemption stalls included); e2e: finish - arrival; queue: first scheduled - arrival.
+    (preemption stalls included); e2e: finish - arrival, of requests not aborted; queue:
+    first scheduled - arrival.
     kv_usage_mean is weighted by step duration. Percentiles interpolate linearly.
     With a host tier in use (preemption mode swap or auto), also: preemptions_by_mode
     ("recompute" + "swap" = num_preemptions; "priority": those for an urgent arrival), and
