@@ -381,3 +381,13 @@ def test_trace_from_standard_input(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO('{"request_id": "a"}\n'))
     assert main(["simulate", "--trace", "-"]) == 2
     assert "<stdin>:1:" in _error_line(capsys)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_standard_output_is_named():
+    """'error: : No space left on device' named no file (QA)."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "kvserve", "workload", "gen", "-n", "3"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith("error: writing the output: No space left on device")

@@ -200,4 +200,6 @@ def cli_errors() -> Iterator[None]:
     except ValueError as error:
         raise CLIError(str(error)) from None
     except OSError as error:
-        raise CLIError(f"{error.filename or ''}: {error.strerror}") from None
+        # no file name: standard output or a pipe ("error: : No space left on device")
+        where = error.filename or "writing the output"
+        raise CLIError(f"{where}: {error.strerror or error}") from None
