@@ -130,3 +130,12 @@ def test_same_seed_same_trace_other_seed_other_trace():
     assert generate(spec) == generate(spec)
     assert generate(spec) != generate(WorkloadSpec(num_requests=200, prefix_groups=3,
                                                    turns="uniform:1,3", seed=10))
+
+
+def test_a_heavy_tail_is_clipped_to_the_longest_length_a_trace_may_hold():
+    """A zipf draw (a = 1.5 has no finite mean) reached hundreds of billions of tokens where a
+    length written past 1e9 is refused (QA): draws are clipped there."""
+    from kvserve.sim.workloads import MAX_LENGTH
+
+    draws = _sample("zipf:a=1.05,scale=1000000")
+    assert draws.max() == MAX_LENGTH and draws.min() >= 1

@@ -7,7 +7,7 @@ Distributions are written ``NAME:key=value,...`` (a bare value is the first para
     uniform:low=64,high=512         integers in [low, high]
     normal:mean=1000,std=200
     lognormal:mean=1000,sigma=0.6   ln X ~ N(mu, sigma) with E[X] = mean
-    zipf:a=1.5,scale=64             scale * K, P(K = k) ~ k^-a
+    zipf:a=2.5,scale=64             scale * K, P(K = k) ~ k^-a (a <= 2: no finite mean)
   each also takes min=,max= to clip (defaults: 1 and unbounded); a fixed value below the
   minimum is an error, not clipped up.
 
@@ -125,7 +125,10 @@ class LengthDist:
             raw = rng.lognormal(math.log(p["mean"]) - sigma * sigma / 2, sigma, size)
         else:
             raw = p["scale"] * rng.zipf(p["a"], size)
-        values = np.rint(raw).astype(np.int64)
+        # A heavy tail (zipf, a wide lognormal) draws past any length a trace may hold:
+        # clipped to MAX_LENGTH, as a length written past it is refused (a zipf draw was
+        # 365 billion tokens).
+        values = np.rint(np.minimum(raw, MAX_LENGTH)).astype(np.int64)
         return np.clip(values, self.low, self.high if self.high is not None else None)
 
 
