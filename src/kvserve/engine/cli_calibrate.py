@@ -157,7 +157,16 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
           f"mean error {100 * seen['mean_abs_error']:.1f}%, "
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
     print(f"  measured on {describe_cpu(cpu_identity())}")
+    _warn_if_poor(seen["mean_abs_error"])
     return 0
+
+
+def _warn_if_poor(error: float) -> None:
+    from kvserve.sim.calibration import poor_fit_note
+
+    note = poor_fit_note(error)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def _fit_step_logs(args: argparse.Namespace) -> int:
@@ -193,6 +202,7 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
     for row in per_log:
         print(f"  {row['path']}: {row['num_steps']} steps, priced "
               f"{100 * row['error_of_the_sum']:+.1f}% against their measured time")
+    _warn_if_poor(meta["mean_abs_error"])
     if len(per_log) > 1:
         errors = [row["error_of_the_sum"] for row in per_log]
         print(f"  the logs' speeds differ by {100 * (max(errors) - min(errors)):.1f} points: "

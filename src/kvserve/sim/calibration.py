@@ -58,6 +58,29 @@ def features(view: BatchView, min_tokens: int = 0) -> list[float]:
             1.0 if view.num_tokens > view.num_decode_seqs else 0.0]
 
 
+POOR_FIT = 0.5  # a mean step error past this prices single steps poorly: say so
+
+
+def mean_abs_error(model: CalibratedCostModel, views: Sequence[BatchView],
+                   seconds: Sequence[float]) -> float:
+    """The mean relative error of ``model``'s price of each step against its measured
+    time."""
+    terms = np.asarray([model.coefficients.get(t, 0.0) for t in CALIBRATED_TERMS])
+    x = np.asarray([features(v, model.min_tokens) for v in views], dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    return float((np.abs(x @ terms - y) / y).mean())
+
+
+def poor_fit_note(error: float) -> str | None:
+    """A warning's text where a fit's mean step error is past POOR_FIT, else None."""
+    if error <= POOR_FIT:
+        return None
+    return (f"the fit prices single steps poorly (mean step error {100 * error:.0f}%: the "
+            "steps' times are noisy, or their shapes vary too little to tell the terms "
+            "apart); a run's total duration holds better than per-step figures such as "
+            "ITL")
+
+
 def _nonnegative_relative_fit(x: np.ndarray, y: np.ndarray, active: list[int],
                               scale: np.ndarray | None = None) -> np.ndarray:
     """Coefficients >= 0 for the ``active`` columns (the others stay 0), minimising the
