@@ -225,3 +225,13 @@ def test_a_change_that_moved_nothing_says_why(tmp_path, capsys):
     assert "moved most with max_num_seqs=1:\n  no request's latency moved (of 2 that " \
         "finished in both runs)" in out
     assert "no request finished in both runs" in html.read_text()
+
+
+def test_deployment_flags_that_price_little_say_so(tmp_path, capsys):
+    """--model and --hardware changed nothing under the fitted model and said nothing (QA):
+    they price only a preemption's recompute against its swap there."""
+    directory = build(tmp_path / "rec")
+    assert main(["whatif", str(directory), "--cost-model", "unit", "--hardware", "h100-sxm",
+                 "--set", "max_num_seqs=2"]) == 0
+    assert "note: --hardware prices only what the recorded steps cannot" in \
+        capsys.readouterr().err

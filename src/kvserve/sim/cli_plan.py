@@ -30,6 +30,7 @@ from kvserve.sim.cli_common import (
     seed,
 )
 from kvserve.sim.parallel import Workers, check_workers, default_workers
+from kvserve.sim.presets import kv_dtype
 
 SUMMARY = "capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS"
 DESCRIPTION = ("KV bytes per token, the KV pool and the sequences it holds; with "
@@ -249,6 +250,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("give --prompt-len and --output-len, or --trace")
     out: dict[str, Any] = {
         "model": args.model, "hardware": deployment.hardware, "dtype": deployment.dtype,
+        "kv_cache_dtype": kv_dtype(deployment.dtype, deployment.kv_cache_dtype),
         "tensor_parallel_size": args.tensor_parallel_size,
         **plan.kv_summary(pool, seq_len), "seq_len_source": source,
         "pool_max_num_seqs": config.max_num_seqs,
@@ -427,7 +429,10 @@ def _print(result: dict[str, Any]) -> None:
 
     gib = 1 << 30
     recorded = result.get("recorded")
-    title = f"{result['model']} ({result['dtype']}) on {result['hardware']} " \
+    kv = result.get("kv_cache_dtype")
+    dtypes = result["dtype"] if kv in (None, result["dtype"]) else \
+        f"{result['dtype']}, KV cache {kv}"
+    title = f"{result['model']} ({dtypes}) on {result['hardware']} " \
         f"x{result['tensor_parallel_size']}" if recorded is None else \
         f"{recorded['recording']}: {recorded['model'] or result['model']} as recorded " \
         f"({_replicas(recorded)}step times fitted on its {recorded['num_steps']:,} steps)"
