@@ -149,3 +149,27 @@ def test_an_idle_server_releases_a_session_when_its_ttl_runs_out(engine_process)
         assert [value for (name, labels), value in values.items()
                 if name == "kvserve:session_releases_total" and ("reason", "ttl") in labels
                 ] == [1]
+
+
+def test_a_turn_sent_while_the_previous_one_runs_is_a_conflict():  # U4
+    """409 Conflict, not 400: the same turn succeeds once the other has finished (QA)."""
+    import threading
+
+    from .helpers import slow_engine
+
+    engine = slow_engine(0.01, max_model_len=512, num_kv_blocks=64, max_session_kv=0.5)
+    with LiveServer(engine) as live:
+        first = threading.Thread(target=post, args=(live, {
+            "prompt": NEW[0], "max_tokens": 200, "ignore_eos": True,
+            "session": {"id": "busy"}}))
+        first.start()
+        wait_for(lambda: live.state.engine.stats.num_running == 1, what="the first turn")
+        second = post(live, {"prompt": NEW[0] + NEW[1], "max_tokens": 2,
+                             "session": {"id": "busy"}})
+        assert second.status_code == 409, second.text
+        error = second.json()["error"]
+        assert error["code"] == "session_busy" and "already has a turn in flight" in \
+            error["message"]
+        live.state.engine.abort(live.scheduler.running[0].request_id)
+        first.join(timeout=60)
+        wait_for(live.idle, what="idle")

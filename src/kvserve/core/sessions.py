@@ -44,6 +44,11 @@ class SessionError(RequestError):
     """A turn its session cannot take (U3, U4): the server answers 400."""
 
 
+class SessionBusy(SessionError):
+    """A turn sent while its session's previous turn still runs (U4): the server answers
+    409 Conflict, since the same turn succeeds once the other has finished."""
+
+
 class SessionNotFound(RequestError):
     """No live session of that id (for that tenant): ``DELETE /v1/sessions/{id}`` answers
     404."""
@@ -94,8 +99,8 @@ class SessionStore:
         if session is None:
             return None
         if session.turn_id is not None:
-            raise SessionError(f"request {request.request_id}: session {key[1]!r} already has "
-                               f"a turn in flight ({session.turn_id}); send one turn at a time")
+            raise SessionBusy(f"request {request.request_id}: session {key[1]!r} already has "
+                              f"a turn in flight ({session.turn_id}); send one turn at a time")
         salt = request.sampling_params.cache_salt
         if salt != session.cache_salt:
             raise SessionError(f"request {request.request_id}: session {key[1]!r} was started "

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.limits import check_queueable
 from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
+from kvserve.core.sessions import SessionBusy
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import resolve_priority, tenant_of
@@ -142,6 +143,9 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
             state.metrics.admission_rejections[error.limit].inc()
         return APIError(503, f"the server is overloaded: {_strip_id(error)}; retry later",
                         code="queue_full", headers={"Retry-After": state.retry_after()})
+    if isinstance(error, SessionBusy):  # the same turn succeeds once the other ends
+        state.metrics.rejected.labels(state.model_name, "409").inc()
+        return APIError(409, _strip_id(error), param="session", code="session_busy")
     if isinstance(error, (RequestRejected, RequestError, ValueError)):
         state.metrics.rejected.labels(state.model_name, "400").inc()
         message = _strip_id(error)

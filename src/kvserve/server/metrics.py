@@ -107,7 +107,7 @@ class ServerMetrics:
         self.rejected = Counter("kvserve:requests_rejected",
                                 "Requests the scheduler refused at arrival, by HTTP status.",
                                 [*labels, "status"], registry=reg)
-        for status in ("400", "503"):  # every series from boot, as vLLM's counters
+        for status in ("400", "409", "503"):  # every series from boot, as vLLM's counters
             self.rejected.labels(model_name, status)
         self.failed.labels(model_name, "engine_died")
         self.queue_timeouts = Counter(
