@@ -323,3 +323,22 @@ def test_include_stop_str_in_output_over_http(server):
                                            "include_stop_str_in_output": include})
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
+
+
+def test_vllm_chat_template_fields(server):
+    """vLLM's add_generation_prompt and chat_template_kwargs (they were 400 unknown field):
+    without the generation prompt the assistant's opening is not in the prompt; a
+    template's own variables pass through; the server's own may not be set."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt_tokens(**extra: object) -> int:
+        reply = post(server, CHAT, {"messages": messages, "max_tokens": 1, **extra})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens"]
+
+    with_opening = prompt_tokens()
+    assert prompt_tokens(add_generation_prompt=False) < with_opening
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == with_opening
+    bad = post(server, CHAT, {"messages": messages, "chat_template_kwargs": {"messages": []}})
+    assert bad.status_code == 400
+    assert "'chat_template_kwargs' may not set 'messages'" in error_of(bad)

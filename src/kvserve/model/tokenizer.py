@@ -234,9 +234,12 @@ class Tokenizer:
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id), **kwargs)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """``template_kwargs``: more variables for the template (vLLM's
+        ``chat_template_kwargs``, e.g. a template's own switches)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                    **template_kwargs))
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:

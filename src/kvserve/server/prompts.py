@@ -35,11 +35,17 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
-    return [chat_ids(state, req.messages)]
+    return [chat_ids(state, req.messages, req.add_generation_prompt,
+                     req.chat_template_kwargs)]
+
+
+# What the template is rendered with already: chat_template_kwargs may not set them.
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def chat_ids(state: ServerState, chat: list[ChatMessage],
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """``chat`` through the model's chat template, as the chat endpoint sends it."""
     messages = []
     for index, message in enumerate(chat):
@@ -56,6 +62,19 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
+    if template_kwargs:
+        taken = [name for name in _TEMPLATE_OWN if name in template_kwargs]
+        if taken:
+            raise bad_request(f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
+                              "renders the template with it", param="chat_template_kwargs")
+    if template_kwargs:
+        try:
+            return state.tokenizer.encode_chat(messages, add_generation_prompt,
+                                               **template_kwargs)
+        except Exception as error:  # the client's variables in the template: any failure
+            raise bad_request(f"cannot apply the chat template with 'chat_template_kwargs': "
+                              f"{type(error).__name__}: {error}",
+                              "chat_template_kwargs") from None
     try:
         return state.tokenizer.encode_chat(messages, add_generation_prompt)
     except ValueError as error:

@@ -125,6 +125,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: end the prompt with the assistant's turn opening (default), and more variables
+    # for the chat template (a template's own switches)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
