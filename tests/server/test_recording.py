@@ -200,6 +200,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
         reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": "live"})
         assert reply.status_code == 200 and reply.json()["recording"] is True
         assert reply.json()["directory"] == str(tmp_path / "live")  # where it writes
+        # another directory while one records: a conflict with the state, not a bad body
+        other = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": "other"})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "recording_active"
         load(url, prompts(3), headers=user, max_tokens=4)
         wait_for(live.idle, what="idle")
         done = threading.Event()

@@ -72,8 +72,8 @@ def register(app: FastAPI, state: ServerState) -> None:
             directory = None  # the current recording's directory: a new segment there
         if directory is not None:
             if recorder is not None and recorder.active:
-                raise bad_request(f"already recording into {recorder.directory}; stop it "
-                                  "first", param="dir")
+                raise APIError(409, f"already recording into {recorder.directory}; stop it "
+                                    "first", param="dir", code="recording_active")
             try:
                 recorder = new_recorder(state, directory)
             except RecordingError as error:
