@@ -235,6 +235,9 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["workload", "gen", "-n", "3", "--prefix-fraction", "0.5"],
      "--prefix-fraction shapes the shared system prompts: give --prefix-groups N"),
     (["plan", "--max-replicas", "2"], "--max-replicas plans replicas: give --trace"),
+    (["plan", "--prompt-len", "10", "--output-len", "2", "--kv-pool-gib", "100",
+      "--gpu-memory-gib", "10"], "--kv-pool-gib gives the pool directly, so "
+                                 "--gpu-memory-gib would size nothing"),
     (["workload", "gen", "-n", "6", "--turns", "fixed:3", "--prefix-groups", "2"],
      "every request here is a turn of a conversation"),
     (["simulate", "--sweep", "max_num_seqs=2", "--sweep", "max_num_batched_tokens=16,4096"],

@@ -44,7 +44,10 @@ def add_parser(subparsers: Any) -> None:
     memory = parser.add_argument_group("memory")
     memory.add_argument("--gpu-memory-gib", type=float,
                         help="device memory (default: the hardware preset's)")
-    memory.add_argument("--kv-pool-gib", type=float, help="the KV pool, given directly")
+    memory.add_argument("--kv-pool-gib", type=float,
+                        help="the KV pool, given directly: the replica's whole pool, all "
+                             "its tensor-parallel devices together (--kv-cache-memory is "
+                             "per device)")
     memory.add_argument("--activation-reserve-gib", type=float,
                         help="activation reserve per device (default: estimated)")
     load = parser.add_argument_group("load")
@@ -200,6 +203,12 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         _positive(name, getattr(args, name))
     check_workers(args.workers)
     calibration_implies_its_model(args)
+    if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed
+        for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib),
+                            ("--activation-reserve-gib", args.activation_reserve_gib)):
+            if value is not None:
+                raise ValueError(f"--kv-pool-gib gives the pool directly, so {flag} would "
+                                 "size nothing: give one of them")
     is_recording = bool(args.trace) and args.trace != "-" and Path(args.trace).is_dir()
     cluster_flags = [] if is_recording else [  # a recording of replicas runs as a cluster
         ("--router", args.router), ("--router-imbalance-bound", args.router_imbalance_bound),
