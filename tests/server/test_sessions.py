@@ -173,3 +173,17 @@ def test_a_turn_sent_while_the_previous_one_runs_is_a_conflict():  # U4
         live.state.engine.abort(live.scheduler.running[0].request_id)
         first.join(timeout=60)
         wait_for(live.idle, what="idle")
+
+
+def test_a_turn_says_how_many_tokens_its_session_holds():  # U2 U5
+    """A turn too big for --max-session-kv was silently not held; the response now says
+    what the next turn will find (kvserve.session_held_tokens; 0: nothing held)."""
+    with LiveServer(max_model_len=512, num_kv_blocks=64, max_session_kv=0.05) as live:
+        small = post(live, {"prompt": NEW[0], "max_tokens": 4, "ignore_eos": True,
+                            "session": {"id": "small"}})
+        assert small.json()["kvserve"]["session_held_tokens"] == 21 + 4 - 1
+        big = post(live, {"prompt": list(range(20, 120)), "max_tokens": 4, "ignore_eos": True,
+                          "session": {"id": "big"}})  # 7 blocks; the bound is 3
+        assert big.json()["kvserve"]["session_held_tokens"] == 0
+        plain = post(live, {"prompt": NEW[0], "max_tokens": 2})
+        assert "session_held_tokens" not in plain.json()["kvserve"]

@@ -92,6 +92,9 @@ class RequestMetrics:
     num_recomputed_tokens: int
     longest_stall: float
     num_swaps: int = 0
+    # A session turn: the tokens its session holds for the next turn (0: none held, e.g.
+    # past --max-session-kv, aborted); None: not a session turn (U2)
+    session_held_tokens: int | None = None
 
     @property
     def queue_time(self) -> float | None:

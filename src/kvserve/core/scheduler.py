@@ -233,8 +233,9 @@ class Scheduler:
         """Mark finished and free its blocks; the caller has taken it out of its queue."""
         request.status = status
         request.stop_reason = stop_reason
+        held = None
         if self.sessions is not None and request.sampling_params.session_id is not None:
-            self.sessions.end_turn(request, now)  # U2: a completed turn's KV stays held
+            held = self.sessions.end_turn(request, now)  # U2: a completed turn's KV stays
         self.kv.free(request)
         request.record(EventType.FINISHED, now)
         del self.requests[request.request_id]
@@ -256,6 +257,7 @@ class Scheduler:
             num_recomputed_tokens=request.num_recomputed_tokens,
             longest_stall=request.longest_stall,
             num_swaps=request.num_swaps,
+            session_held_tokens=held,
         )
 
     # -- schedule() ------------------------------------------------------------------------

@@ -150,25 +150,26 @@ class SessionStore:
 
     # -- a turn ends (U2, U8) ---------------------------------------------------------------
 
-    def end_turn(self, request: Request, now: float) -> None:
+    def end_turn(self, request: Request, now: float) -> int:
         """Called as ``request`` finishes, before its blocks are freed: a completed turn's KV
         becomes the session's (U2, bounded by U5); an aborted or failed one ends the session
-        (U8). Nothing happens if the session was deleted meanwhile."""
+        (U8). Nothing happens if the session was deleted meanwhile. Returns the tokens held
+        for the session's next turn (0: none, and why is logged and counted)."""
         key = session_key(request)
         session = self.sessions.get(key)
         if session is None or session.turn_id != request.request_id:
-            return
+            return 0
         num_tokens = request.num_computed_tokens
         if isinstance(request.stop_reason, str):  # a stop string: the client's text ends
             num_tokens = min(num_tokens, request.num_prompt_tokens)  # inside the answer
         if request.status not in _HELD_FINISHES or num_tokens == 0 or \
                 self.kv.num_held_blocks(request.request_id) == 0:
             self._forget(session, ABORTED)
-            return
+            return 0
         num_blocks = self.kv.num_blocks_for(num_tokens)
         if num_blocks > self.max_blocks:
             self._forget(session, LIMIT)  # its blocks are freed with the request's
-            return
+            return 0
         while self.num_held_blocks + num_blocks > self.max_blocks:
             self.release_oldest(LIMIT)
         blocks, num_cached = self.kv.detach_blocks(request, num_tokens)
@@ -182,6 +183,7 @@ class SessionStore:
         self.num_held_blocks += len(blocks)
         if self._emit is not None:
             self._emit("held", request.request_id, num_tokens, f"session {key[1]}")
+        return num_tokens
 
     # -- releases (U5-U8) -------------------------------------------------------------------
 

@@ -33,13 +33,16 @@ def kvserve_ext(request_id: str, metrics: RequestMetrics | None) -> dict[str, An
     """How the scheduler treated one request (seconds and token counts)."""
     if metrics is None:
         return {"request_id": request_id}
-    return {"request_id": request_id,
-            "queue_time": metrics.queue_time,
-            "prefix_hit_tokens": metrics.num_cached_tokens,
-            "num_preemptions": metrics.num_preemptions,
-            "num_recomputed_tokens": metrics.num_recomputed_tokens,
-            "num_swaps": metrics.num_swaps,
-            "longest_stall": metrics.longest_stall}
+    ext = {"request_id": request_id,
+           "queue_time": metrics.queue_time,
+           "prefix_hit_tokens": metrics.num_cached_tokens,
+           "num_preemptions": metrics.num_preemptions,
+           "num_recomputed_tokens": metrics.num_recomputed_tokens,
+           "num_swaps": metrics.num_swaps,
+           "longest_stall": metrics.longest_stall}
+    if metrics.session_held_tokens is not None:  # a session turn: what its next one finds
+        ext["session_held_tokens"] = metrics.session_held_tokens
+    return ext
 
 
 def kvserve_total(request_id: str, choices: list[Choice]) -> dict[str, Any]:
