@@ -342,3 +342,18 @@ def test_vllm_chat_template_fields(server):
     bad = post(server, CHAT, {"messages": messages, "chat_template_kwargs": {"messages": []}})
     assert bad.status_code == 400
     assert "'chat_template_kwargs' may not set 'messages'" in error_of(bad)
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (a 400 unknown field before)."""
+    import json
+
+    with httpx.stream("POST", server.url + COMPLETIONS, timeout=30, json={
+            "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 3
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"]
+               for e in events)

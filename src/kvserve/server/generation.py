@@ -317,6 +317,9 @@ class _Generation:
             data["choices"][0]["finish_reason"] = chunk.finish_reason
             data["choices"][0]["stop_reason"] = chunk.stop_reason
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
+        options = self.req.stream_options
+        if options is not None and options.include_usage and options.continuous_usage_stats:
+            data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return sse(data)
 
     def _chunk_object(self) -> str:

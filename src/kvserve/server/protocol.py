@@ -45,6 +45,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too
+    continuous_usage_stats: bool = False
 
 
 class SessionRef(_Body):
