@@ -144,6 +144,7 @@ def test_a_model_is_retrieved_by_name_and_health_answers_head(server):
     response = httpx.get(server.url + "/v1/models/tiny")
     assert response.status_code == 200
     assert response.json()["id"] == "tiny" and response.json()["max_model_len"] == 256
+    assert (response.json()["root"], response.json()["parent"]) == ("tiny", None)  # vLLM's
     response = httpx.get(server.url + "/v1/models/gpt-9")
     assert response.status_code == 404 and "'gpt-9' does not exist" in error_of(response)
     assert httpx.head(server.url + "/health").status_code == 200

@@ -120,8 +120,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         return await generation.handle(state, request, chat=True)
 
     def model_card() -> dict[str, Any]:
+        # vLLM's card: root is the model itself (under --served-model-name, its own name)
         return {"id": state.model_name, "object": "model", "created": int(state.started),
-                "owned_by": "kvserve", "max_model_len": state.max_model_len}
+                "owned_by": "kvserve", "root": state.model_id or state.model_name,
+                "parent": None, "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
