@@ -148,6 +148,10 @@ def test_a_turn_that_does_not_extend_the_held_tokens_is_refused():  # U3
         scheduler.add_request(turn("bad", changed))
     with pytest.raises(SessionError, match="adds no token after them"):
         scheduler.add_request(turn("short", history[:12]))
+    # a regenerated last turn: its prompt is shorter than what is held (it said "adds no
+    # token after them", which read as if it held them all; QA)
+    with pytest.raises(SessionError, match=r"is them cut short.*DELETE the session first"):
+        scheduler.add_request(turn("again", history[:10]))
     with pytest.raises(SessionError, match="different cache_salt"):
         scheduler.add_request(turn("salted", [*history, 5], cache_salt="x"))
     # nothing recorded: the session still holds its 3 blocks, no request is known

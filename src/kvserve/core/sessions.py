@@ -110,13 +110,18 @@ class SessionStore:
         if len(prompt) <= len(held) or prompt[:len(held)] != held:
             at = next((i for i, (a, b) in enumerate(zip(prompt, held, strict=False))
                        if a != b), min(len(prompt), len(held)))
+            if at < len(prompt):
+                how = f"differs from them at token {at}"
+            elif len(prompt) < len(held):  # a regenerated or edited last turn, say
+                how = "is them cut short (it holds none of their last tokens)"
+            else:
+                how = "adds no token after them"
             raise SessionError(
                 f"request {request.request_id}: the prompt does not extend session "
                 f"{key[1]!r}: the session holds {len(held)} tokens (the previous turns' "
-                f"prompt and output) and the prompt, of {len(prompt)} tokens, "
-                + (f"differs from them at token {at}" if at < len(prompt)
-                   else "adds no token after them")
-                + "; send the whole conversation so far plus the new message")
+                f"prompt and output) and the prompt, of {len(prompt)} tokens, {how}; send "
+                "the whole conversation so far plus the new message (to send another "
+                "version of an earlier turn, DELETE the session first)")
         return session
 
     def start_turn(self, request: Request, session: Session | None) -> bool:
