@@ -83,11 +83,11 @@ def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
                          max_num_queued_tokens=100)
     with LiveServer(engine) as live:
         cases = [
-            ({"prompt": "x", "n": 3, "max_tokens": 2},
-             "3 sequences at once exceed max_num_queued_reqs=2, the most the waiting queue "
-             "ever holds; send fewer prompts or a smaller n"),
-            ({"prompt": [[5], [6], [7]], "max_tokens": 2}, "3 sequences at once exceed "
-                                                           "max_num_queued_reqs=2"),
+            ({"prompt": "x", "n": 4, "max_tokens": 2},
+             "4 sequences at once exceed max_num_queued_reqs=2 plus max_num_seqs=1, the most "
+             "the waiting queue and one step ever take; send fewer prompts or a smaller n"),
+            ({"prompt": [[5], [6], [7], [8]], "max_tokens": 2}, "4 sequences at once exceed "
+                                                                "max_num_queued_reqs=2"),
             ({"prompt": [5] * 101, "max_tokens": 2},
              "101 prompt tokens exceed max_num_queued_tokens=100, the most the waiting "
              "queue ever holds; send shorter or fewer prompts"),

@@ -53,7 +53,7 @@ def test_tenant_series_count_each_keys_tenant():  # T6
         assert queued[("kvserve:tenant_queued_requests", "B")] == 0
         assert complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1}).status_code == 503
         assert complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1,
-                                        "n": 2}).status_code == 400
+                                        "n": 3}).status_code == 400
         live.state.engine.abort(live.scheduler.running[0].request_id)
         for thread in (blocker, waiter):
             thread.join(timeout=30)
@@ -70,8 +70,8 @@ def test_tenant_series_count_each_keys_tenant():  # T6
     assert [r.status_code for r in done] == [200, 200]
     assert after[("kvserve:tenant_requests_total", "A")] == 2
     assert after[("kvserve:tenant_requests_total", "B")] == 1
-    # the 503's one sequence and the 400's two (n=2): sequences, as they would have queued
-    assert after[("kvserve:tenant_requests_rejected_total", "A")] == 3
+    # the 503's one sequence and the 400's three (n=3): sequences, as they would have queued
+    assert after[("kvserve:tenant_requests_rejected_total", "A")] == 4
     assert after[("kvserve:tenant_requests_rejected_total", "B")] == 0
     assert after[("kvserve:tenant_prompt_tokens_total", "A")] == 20 + 5
     assert after[("kvserve:tenant_prompt_tokens_total", "B")] == 7

@@ -91,9 +91,10 @@ def test_a_tenants_queue_limit_refuses_only_that_tenant():  # T6
             "the server is overloaded: tenant 'A' has 1 requests waiting "
             "(max_num_queued_reqs_per_tenant=1); retry later")
         assert int(full.headers["Retry-After"]) >= 1
-        never = complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1, "n": 2})
+        never = complete(live, "key-a", {"prompt": [13] * 5, "max_tokens": 1, "n": 3})
         assert never.status_code == 400
-        assert "2 sequences at once exceed max_num_queued_reqs_per_tenant=1" in \
+        assert "3 sequences at once exceed max_num_queued_reqs_per_tenant=1 plus " \
+            "max_num_seqs=1" in \
             never.json()["error"]["message"]
         assert "Retry-After" not in never.headers
 

@@ -37,21 +37,25 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
 def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
                     request_id: str) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
-    queued, even on an empty queue: more requests at once (a prompt list, ``n``) than
-    max_num_queued_reqs, or more tokens than max_num_queued_tokens. Waiting cannot help it,
-    so a client told to retry would retry forever."""
+    queued, even on an idle engine with an empty queue: more requests at once (a prompt
+    list, ``n``) than max_num_queued_reqs plus max_num_seqs (the queue's backlog and what
+    the next step admits, which the limit does not count), or more tokens than
+    max_num_queued_tokens. Waiting cannot help it, so a client told to retry would retry
+    forever."""
+    seats = config.max_num_seqs
     max_reqs = config.max_num_queued_reqs
-    if max_reqs is not None and num_requests > max_reqs:
+    if max_reqs is not None and num_requests > max_reqs + seats:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs={max_reqs}, the most the waiting queue ever holds; send "
-            "fewer prompts or a smaller n")
+            f"max_num_queued_reqs={max_reqs} plus max_num_seqs={seats}, the most the "
+            "waiting queue and one step ever take; send fewer prompts or a smaller n")
     per_tenant = config.max_num_queued_reqs_per_tenant
-    if per_tenant is not None and num_requests > per_tenant:
+    if per_tenant is not None and num_requests > per_tenant + seats:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs_per_tenant={per_tenant}, the most one tenant may have "
-            "waiting; send fewer prompts or a smaller n")
+            f"max_num_queued_reqs_per_tenant={per_tenant} plus max_num_seqs={seats}, the "
+            "most one tenant may have waiting and one step takes; send fewer prompts or a "
+            "smaller n")
     max_tokens = config.max_num_queued_tokens
     if max_tokens is not None and num_tokens > max_tokens:
         raise RequestRejected(
