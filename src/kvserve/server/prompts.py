@@ -67,7 +67,6 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         if taken:
             raise bad_request(f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
                               "renders the template with it", param="chat_template_kwargs")
-    if template_kwargs:
         try:
             return state.tokenizer.encode_chat(messages, add_generation_prompt,
                                                **template_kwargs)

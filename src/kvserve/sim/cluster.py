@@ -495,7 +495,6 @@ class _ClusterRun:
         if sessions:
             sessions["session_fallbacks"] = run.session_fallbacks
         return SimResult(
-            sessions=sessions,
             start_time=start, end_time=end,
             records=[self.records[i] for i in replica.request_ids], steps=run.steps,
             itl_samples=run.itl, num_preemptions=stats.num_preemptions,
@@ -503,7 +502,8 @@ class _ClusterRun:
             num_recomputed_tokens=stats.num_recomputed_tokens,
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
-            num_blocked_steps=stats.num_blocked_steps, events=run.events, wall_seconds=0.0)
+            num_blocked_steps=stats.num_blocked_steps, events=run.events, wall_seconds=0.0,
+            sessions=sessions)
 
     def _result(self, start: float, end: float, wall_start: float) -> ClusterResult:
         parts = [self._replica_result(r, start, end) for r in self.replicas]
