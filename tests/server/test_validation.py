@@ -307,6 +307,9 @@ def test_the_request_id_comes_back_as_a_header_and_must_be_ascii(server):
                        json={"prompt": "x", "max_tokens": 1})
     assert reply.status_code == 200 and reply.headers["x-request-id"] == "plain-1"
     assert reply.json()["id"] == "cmpl-plain-1"
+    refused = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "bad-1"},
+                         json={"prompt": "x", "max_tokens": -1})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
     utf8 = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "café".encode()},
                       json={"prompt": "x", "max_tokens": 1})
     assert utf8.status_code == 400

@@ -82,7 +82,11 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
-        return error.response()
+        response = error.response()
+        given = request.headers.get("x-request-id")  # echoed on refusals too, as vLLM does
+        if given and len(given) <= 128 and given.isascii() and given.isprintable():
+            response.headers.setdefault("X-Request-Id", given)
+        return response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
