@@ -216,16 +216,17 @@ def test_a_fit_that_leaves_the_clock_still_falls_back_to_the_base_terms():
 def test_a_poor_fit_is_said_so():
     """A fit on steps whose times are noise (230% mean step error on a loaded machine's
     recording, QA) was used without a word; the error is measured and named past 50%."""
-    from kvserve.sim.calibration import mean_abs_error, poor_fit_note
+    from kvserve.sim.calibration import goodness, poor_fit_note
 
     views = _views(200)
     truth = CalibratedCostModel(dict(TRUE))
     exact = [truth.step_time(None, v) for v in views]  # type: ignore[arg-type]
-    assert mean_abs_error(truth, views, exact) == pytest.approx(0.0, abs=1e-9)
-    assert mean_abs_error(truth, views, [s / 2 for s in exact]) == pytest.approx(1.0)
+    assert goodness(truth, views, exact)["mean_abs_error"] == pytest.approx(0.0, abs=1e-9)
+    assert goodness(truth, views, [s / 2 for s in exact])["mean_abs_error"] == \
+        pytest.approx(1.0)
     rng = np.random.default_rng(2)
     noisy = [s * float(rng.choice([0.2, 5.0])) for s in exact]
     model = fit(views, noisy, source="noise")
-    note = poor_fit_note(mean_abs_error(model, views, noisy))
+    note = poor_fit_note(goodness(model, views, noisy)["mean_abs_error"])
     assert note is not None and "prices single steps poorly" in note
     assert poor_fit_note(0.12) is None

@@ -394,3 +394,17 @@ def test_a_full_standard_output_is_named():
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().endswith("error: writing the output: No space left on device")
+
+
+def test_simulate_names_the_requests_a_full_priority_queue_displaced(tmp_path, capsys):
+    """K5's displaced requests end under abort in the report; simulate says how many."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({
+        "request_id": name, "arrival_time": at, "prompt_len": 16, "output_len": 2,
+        "priority": priority}) + "\n" for name, at, priority in (
+            ("a", 0.0, 0), ("b", 0.001, 50), ("c", 0.002, 0))))
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--cost-model", "unit",
+                 "--scheduling-policy", "priority", "--max-num-seqs", "1",
+                 "--max-num-queued-reqs", "1"]) == 0
+    assert "warning: 1 waiting request(s) displaced by more urgent arrivals" in \
+        capsys.readouterr().err

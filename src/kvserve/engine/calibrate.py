@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvserve.core import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
@@ -33,7 +32,7 @@ from kvserve.core.config import DEFAULT_BLOCK_SIZE
 from kvserve.engine.engine import Engine
 from kvserve.engine.trace_runner import run_trace
 from kvserve.model.runner import ModelRunner
-from kvserve.sim.calibration import fit
+from kvserve.sim.calibration import fit, goodness
 from kvserve.sim.cost_models import CALIBRATED_FORMAT, CalibratedCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.machine import cpu_identity
@@ -197,19 +196,6 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
 
 def in_service_json(model: CalibratedCostModel, meta: dict[str, Any]) -> str:
     return _model_file(model, meta)
-
-
-def goodness(model: CalibratedCostModel, views: Sequence[BatchView],
-             seconds: Sequence[float]) -> dict[str, float]:
-    """How well ``model`` prices the measured steps: mean and max relative error, the
-    error of the summed time, and R^2."""
-    predicted = np.array([model.step_time(None, v) for v in views])  # type: ignore[arg-type]
-    measured = np.array(seconds)
-    error = np.abs(predicted - measured) / measured
-    total = float(((measured - measured.mean()) ** 2).sum()) or 1.0
-    return {"mean_abs_error": float(error.mean()), "max_abs_error": float(error.max()),
-            "error_of_the_sum": float(predicted.sum() / measured.sum() - 1),
-            "r2": 1.0 - float(((measured - predicted) ** 2).sum()) / total}
 
 
 def to_json(model: CalibratedCostModel, shapes: Sequence[StepShape],

@@ -95,11 +95,8 @@ class TextStream:
                  stop: Sequence[str] | None, min_tokens: int = 0,
                  include_stop_str_in_output: bool = False) -> None:
         self.detokenizer = tokenizer.detokenizer(prompt_token_ids)
-        self.stop_checker: StopChecker | None = None
-        if stop and include_stop_str_in_output:
-            self.stop_checker = tokenizer.stop_checker(stop, True)
-        elif stop:
-            self.stop_checker = tokenizer.stop_checker(stop)  # a one-argument one too
+        self.stop_checker = tokenizer.stop_checker(stop, include_stop_str_in_output) \
+            if stop else None
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_tokens = 0

@@ -94,7 +94,7 @@ class Sampler:
     def _rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits
         penalised = [index for index, row in enumerate(rows) if row.has_penalties]
-        held = [(index, row.held_stops) for index, row in enumerate(rows) if row.held_stops]
+        held = [(index, stops) for index, row in enumerate(rows) if (stops := row.held_stops)]
         if penalised or held:
             logits = logits.clone()
             for index in penalised:
@@ -111,7 +111,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         greedy = greedy_tokens(logits)
-        temperatures = torch.tensor([row.params.temperature or 1.0 for row in rows])
+        # a greedy row's draw is not used: 1.0 spares it a division by a near-zero temperature
+        temperatures = torch.tensor([1.0 if row.is_greedy else row.params.temperature
+                                     for row in rows])
         probs = torch.softmax(_finite(logits / temperatures[:, None]), dim=-1)
         probs = _top_k_top_p_min_p(probs, rows)
         # Inverse CDF: one uniform per row, looked up in the row's cumulative distribution,

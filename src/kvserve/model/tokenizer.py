@@ -21,7 +21,6 @@ __all__ = ["IncrementalDetokenizer", "StopChecker", "Tokenizer", "UnsupportedTok
            "load_tokenizer"]
 
 
-
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's): each byte value has one printable character, the
     byte's own where it is printable Latin-1 (33-126, 161-172, 174-255), else 256 + its rank
@@ -34,6 +33,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
 
 class UnsupportedTokenizerError(ValueError):
     """A tokenizer kind or pre-tokenizer this module does not implement."""

@@ -187,6 +187,16 @@ _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _check_neutral(obj: Any, neutral: dict[str, tuple[Any, ...]], prefix: str) -> None:
+    """A 400 naming the first field of ``obj`` kvserve does not implement that carries
+    something other than its neutral value (null, its default, is always neutral)."""
+    for name, values in neutral.items():
+        value = getattr(obj, name, None)
+        if value is not None and value not in values:
+            raise bad_request(f"field '{prefix}{name}' is not supported by this server; "
+                              "remove it", param=f"{prefix}{name}")
+
+
 def parse_body(model: type[_Body], body: Any) -> Any:
     """Validate ``body`` into ``model`` or raise a 400 naming the first bad field."""
     if not isinstance(body, dict):
@@ -195,19 +205,9 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         request = model.model_validate(body)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
-    for name in _UNSUPPORTED:
-        value = getattr(request, name, None)
-        if value is not None and value not in _NEUTRAL.get(name, ()):
-            raise bad_request(f"field '{name}' is not supported by this server; remove it",
-                              param=name)
+    _check_neutral(request, {name: _NEUTRAL.get(name, ()) for name in _UNSUPPORTED}, "")
     for index, message in enumerate(getattr(request, "messages", None) or ()):
-        for name, neutral in _MESSAGE_NEUTRAL.items():
-            value = getattr(message, name)
-            if value is not None and value not in neutral:
-                where = f"messages.{index}.{name}"
-                raise bad_request(f"field '{where}' is not supported by this server (tool "
-                                  "calls, refusals, audio and reasoning are not); remove it",
-                                  param=where)
+        _check_neutral(message, _MESSAGE_NEUTRAL, f"messages.{index}.")
     stop = getattr(request, "stop", None)
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' has {len(stop)} strings; at most "

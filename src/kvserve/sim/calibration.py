@@ -61,14 +61,17 @@ def features(view: BatchView, min_tokens: int = 0) -> list[float]:
 POOR_FIT = 0.5  # a mean step error past this prices single steps poorly: say so
 
 
-def mean_abs_error(model: CalibratedCostModel, views: Sequence[BatchView],
-                   seconds: Sequence[float]) -> float:
-    """The mean relative error of ``model``'s price of each step against its measured
-    time."""
-    terms = np.asarray([model.coefficients.get(t, 0.0) for t in CALIBRATED_TERMS])
-    x = np.asarray([features(v, model.min_tokens) for v in views], dtype=float)
-    y = np.asarray(seconds, dtype=float)
-    return float((np.abs(x @ terms - y) / y).mean())
+def goodness(model: CalibratedCostModel, views: Sequence[BatchView],
+             seconds: Sequence[float]) -> dict[str, float]:
+    """How well ``model`` prices the measured steps: mean and max relative error, the
+    error of the summed time, and R^2."""
+    predicted = np.array([model.step_time(None, v) for v in views])  # type: ignore[arg-type]
+    measured = np.array(seconds)
+    error = np.abs(predicted - measured) / measured
+    total = float(((measured - measured.mean()) ** 2).sum()) or 1.0
+    return {"mean_abs_error": float(error.mean()), "max_abs_error": float(error.max()),
+            "error_of_the_sum": float(predicted.sum() / measured.sum() - 1),
+            "r2": 1.0 - float(((measured - predicted) ** 2).sum()) / total}
 
 
 def poor_fit_note(error: float) -> str | None:

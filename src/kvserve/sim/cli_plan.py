@@ -427,9 +427,10 @@ def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], se
 
 def shed(record: Any) -> bool:
     """A request the waiting queue shed under load (not one refused at any rate)."""
+    from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
+
     return record.finish_reason == "queue_full" or (
-        record.finish_reason == "abort" and record.stop_reason in ("queue_timeout",
-                                                                   "displaced"))
+        record.finish_reason == "abort" and record.stop_reason in (QUEUE_TIMEOUT, DISPLACED))
 
 
 def _print(result: dict[str, Any]) -> None:

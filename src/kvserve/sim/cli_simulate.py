@@ -220,7 +220,9 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
     if refused:
         print(f"warning: {len(refused)} request(s) refused, e.g. {refused[0]['stop_reason']}",
               file=sys.stderr)
-    displaced = sum(1 for r in report["requests"] if r["stop_reason"] == "displaced")
+    from kvserve.core.scheduler import DISPLACED
+
+    displaced = sum(1 for r in report["requests"] if r["stop_reason"] == DISPLACED)
     if displaced:  # K5: counted under abort, said here
         print(f"warning: {displaced} waiting request(s) displaced by more urgent arrivals "
               "(the queue was full; a server answers them 503)", file=sys.stderr)

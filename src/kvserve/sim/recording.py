@@ -103,7 +103,7 @@ class Recording:
         ``kvserve calibrate --trace`` and ``--step-logs`` fit steps run in service: relative
         to the price, with the prefill-step term (docs/fidelity.md: a fit relative to the
         measured time leans low on noisy steps)."""
-        from kvserve.sim.calibration import fit, mean_abs_error, poor_fit_note, shaped_steps
+        from kvserve.sim.calibration import fit, goodness, poor_fit_note, shaped_steps
 
         if self._fitted is not None:  # a cluster's replicas, a sweep's runs: one fit
             return self._fitted
@@ -112,7 +112,7 @@ class Recording:
                                            for s in log.steps], str(self.path))
             self._fitted = fit(views, seconds, source=f"the recorded steps of {self.path}",
                                kind_term=True, relative_to="priced")
-            note = poor_fit_note(mean_abs_error(self._fitted, views, seconds))
+            note = poor_fit_note(goodness(self._fitted, views, seconds)["mean_abs_error"])
             if note:
                 _stderr(f"{self.path}: {note}")
             return self._fitted

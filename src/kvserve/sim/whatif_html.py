@@ -15,9 +15,8 @@ WIDTH = 760
 
 
 def render_whatif(title: str, runs: Sequence[Run],
-                  movers: dict[str, list[dict[str, Any]]],
-                  still: dict[str, str] | None = None) -> str:
-    """``still``: for a change whose movers are none, what to say instead
+                  movers: dict[str, list[dict[str, Any]]], still: dict[str, str]) -> str:
+    """``still``: for each change whose movers are none, what to say instead
     (whatif.nothing_moved)."""
     body = [f"<h1>kvserve whatif: {escape(title)}</h1>",
             '<p class="muted">The recorded run is the replay of the server\'s own step '
@@ -44,7 +43,7 @@ def render_whatif(title: str, runs: Sequence[Run],
     body.append("</div>")
     for label, rows in movers.items():
         body.append(f"<h2>Requests that moved most: {escape(label)}</h2>")
-        body.append(_movers(rows, (still or {}).get(label, "no request's latency moved")))
+        body.append(_movers(rows, still.get(label, "")))
     return _page("kvserve whatif", body)
 
 
