@@ -66,6 +66,8 @@ CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_c
 SIM_HASH_ALGO = "builtin"
 # vLLM's --dtype spellings, for the engine and the simulator alike (docs/dtype.md)
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# kvserve.model.device (not imported: that imports torch); cuda:N is taken too
+DEVICES = ("auto", "cpu", "cuda")
 # kvserve.model.quantization.QUANTIZATIONS (not imported: that imports torch)
 QUANTIZATIONS = ("int8",)
 # A host tier past this is a typo (vLLM's --swap-space is GiB per device; 1 PiB is absurd).
@@ -216,6 +218,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="weights, activations and KV cache; auto (default): the model's "
                              "own, bfloat16 for the bundled model, where this CPU computes "
                              "bf16 natively (AMX or AVX512-BF16), else float32")
+    parser.add_argument("--device", default="auto", type=parse_device,
+                        help="where the model and KV cache run: cpu, cuda (or cuda:N; plain "
+                             "torch ops on an NVIDIA GPU, docs/device.md); auto (default): "
+                             "cuda where this torch sees a CUDA device, else cpu")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: random weights with the model's shapes (benchmarks)")
     parser.add_argument("--seed", type=parse_seed, default=0,
@@ -230,10 +236,26 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "docs/quantization.md); default: none")
 
 
+def is_device_name(text: str) -> bool:
+    """One of DEVICES, or ``cuda:N``."""
+    kind, colon, index = text.partition(":")
+    return kind in DEVICES and (not colon or (kind == "cuda" and index.isdigit()))
+
+
+def parse_device(text: str) -> str:
+    """``--device``: one of DEVICES or ``cuda:N`` (whether the device exists is checked when
+    the engine starts, :func:`kvserve.model.device.resolve_device`)."""
+    if not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose one of "
+                                         f"{', '.join(DEVICES)} (or cuda:N)")
+    return text
+
+
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_engine``'s keyword arguments from the model, scheduler and cache flags; the
     flags left unset are left out, so build_engine's defaults apply."""
-    return {"dtype": args.dtype, "load_format": args.load_format, "seed": args.seed,
+    return {"dtype": args.dtype, "device": args.device, "load_format": args.load_format,
+            "seed": args.seed,
             **({"batch_invariant": True} if getattr(args, "batch_invariant", False) else {}),
             **({"quantization": args.quantization}
                if getattr(args, "quantization", None) is not None else {}),

@@ -102,14 +102,15 @@ def run(args: argparse.Namespace) -> int:
                                          repeats=args.repeats, progress=sys.stderr.isatty(),
                                          kind_term=bool(args.kind_term))
     meta = {"model": runner.model.config.name, "dtype": _dtype_name(engine),
-            "load_format": args.load_format, "block_size": args.block_size,
+            "device": _device_name(engine), "load_format": args.load_format,
+            "block_size": args.block_size,
             "num_samples": len(shapes)}
     Path(args.output).write_text(calibrate.to_json(model, shapes, seconds, meta))
     quality = calibrate.goodness(model, [s.view() for s in shapes], seconds)
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
           f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
           f"R^2 {quality['r2']:.3f}")
-    print(f"  measured on {describe_cpu(cpu_identity())}")
+    print(f"  measured on {_measured_on(engine)}")
     width = max(map(len, model.coefficients))
     for term, value in model.coefficients.items():
         print(f"  {term:{width}s} {value:.3e} s")
@@ -122,6 +123,23 @@ def run(args: argparse.Namespace) -> int:
         calibrate.plot(args.plot, shapes, seconds, model)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _device_name(engine: Any) -> str:
+    """Where the engine ran: "cpu", or a GPU's name and index ("NVIDIA H200 (cuda:0)")."""
+    device = getattr(engine.executor, "device", None)
+    if device is None or device.type != "cuda":
+        return "cpu"
+    import torch
+
+    return f"{torch.cuda.get_device_name(device)} ({device.type}:{device.index or 0})"
+
+
+def _measured_on(engine: Any) -> str:
+    """The machine a calibration's times are of: the CPU's, or the GPU's and the CPU's."""
+    cpu = describe_cpu(cpu_identity())
+    device = _device_name(engine)
+    return cpu if device == "cpu" else f"{device}, host CPU {cpu}"
 
 
 def _dtype_name(engine: Any) -> str:
@@ -150,13 +168,14 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
     except ValueError as error:  # too few steps to fit
         raise CLIError(f"{args.trace}: {error}") from error
     meta = {"model": engine.executor.model.config.name, "dtype": _dtype_name(engine),
-            "load_format": args.load_format, "block_size": args.block_size,
+            "device": _device_name(engine), "load_format": args.load_format,
+            "block_size": args.block_size,
             "trace": str(args.trace), "greedy": args.greedy, **seen}
     Path(args.output).write_text(calibrate.in_service_json(model, meta))
     print(f"wrote {args.output}: fitted on the {seen['num_steps']} steps run in service; "
           f"mean error {100 * seen['mean_abs_error']:.1f}%, "
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
-    print(f"  measured on {describe_cpu(cpu_identity())}")
+    print(f"  measured on {_measured_on(engine)}")
     _warn_if_poor(seen["mean_abs_error"])
     return 0
 

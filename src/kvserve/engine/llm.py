@@ -35,6 +35,8 @@ from kvserve.engine.text import Tokenizer
 from kvserve.model import paged_kernel
 from kvserve.model.attention import invariant_paged_attention, paged_attention
 from kvserve.model.config import ModelConfig
+from kvserve.model.device import check_device_options, resolve_device
+from kvserve.model.device import describe as describe_device
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
@@ -62,13 +64,15 @@ class GenerationResult:
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
                load_format: str = "auto", seed: int = 0, batch_invariant: bool = False,
-               quantization: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+               quantization: str | None = None, device: torch.device | None = None
+               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """The network with its weights, and the tokenizer.
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
     ModelConfig (random weights, no tokenizer). ``load_format="dummy"`` keeps the file's
     config and tokenizer but draws random weights (benchmarks, calibration).
     ``quantization``: None or "int8" (:mod:`kvserve.model.quantization`).
+    ``device``: where the network runs (default the CPU; docs/device.md).
     """
     from kvserve.model import loader
     from kvserve.model.tokenizer import load_tokenizer
@@ -83,7 +87,8 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     else:
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = load_tokenizer(model)
-    network = LlamaForCausalLM.from_weights(config, weights, batch_invariant, quantization)
+    network = LlamaForCausalLM.from_weights(config, weights, batch_invariant, quantization,
+                                            device)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
     _return_freed_heap()
@@ -102,7 +107,8 @@ def _return_freed_heap() -> None:
 
 
 def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | torch.dtype =
-                 "auto", load_format: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
+                 "auto", device: str | torch.device = "auto", load_format: str = "auto",
+                 block_size: int = DEFAULT_BLOCK_SIZE,
                  num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, enable_prefix_caching: bool = True,
                  swap_space: int | None = None, num_host_blocks: int | None = None,
@@ -116,6 +122,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
     computes it natively, else float32 (:mod:`kvserve.model.dtype`; a ModelConfig, random
     weights, counts as float32). The choice and its reason are logged.
+    ``device``: ``cpu``, ``cuda`` (``cuda:N``) or ``auto``, cuda where torch sees one
+    (:mod:`kvserve.model.device`, docs/device.md); logged likewise. The CPU kernels' options
+    (``batch_invariant``, ``quantization``) are refused on a GPU.
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
     ``tokenizer`` overrides the model's own (e.g. a tiny random ModelConfig in tests, given
     the bundled tokenizer so it can take text).
@@ -149,21 +158,27 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     _check_max_model_len(scheduler_settings, header)
     SchedulerConfig.from_dict({"max_model_len": header.max_position_embeddings,
                                **scheduler_settings})
+    torch_device, where = resolve_device(device)
+    check_device_options(torch_device, batch_invariant, quantization)
+    logger.info("device %s (%s)", torch_device, where)
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
-    torch_dtype, why = resolve_dtype(dtype, stored)
+    torch_dtype, why = resolve_dtype(dtype, stored, device=torch_device)
     logger.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), why)
-    if not paged_kernel.available():  # build (or load) it now, not in the first step
-        logger.warning("paged attention kernel unavailable (%s); using the torch path",
-                       paged_kernel.unavailable_reason())
-    for line in boot_lines(kernel_report(), torch_dtype, quantization):  # CPU, ISA, op kernels
-        logger.info("%s", line)
+    if torch_device.type != "cpu":
+        logger.info("%s", describe_device(torch_device))
+    else:
+        if not paged_kernel.available():  # build (or load) it now, not in the first step
+            logger.warning("paged attention kernel unavailable (%s); using the torch path",
+                           paged_kernel.unavailable_reason())
+        for line in boot_lines(kernel_report(), torch_dtype, quantization):  # CPU, ISA, ops
+            logger.info("%s", line)
     if batch_invariant:
         check_batch_invariant(torch_dtype)
         logger.info("batch-invariant: projections by %s, attention per query row in whole "
                     "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
-                                        batch_invariant, quantization)
+                                        batch_invariant, quantization, torch_device)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
     if num_kv_blocks is None:
@@ -178,7 +193,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                                enable_prefix_caching=enable_prefix_caching,
                                num_host_blocks=num_host_blocks,
                                prefix_caching_hash_algo=prefix_caching_hash_algo)
-    kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype)
+    kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype, torch_device)
     host = HostKVCache(kv_caches, num_host_blocks) if num_host_blocks else None
     runner = ModelRunner(network, kv_caches, block_size,
                          attention=invariant_paged_attention if batch_invariant

@@ -1,4 +1,4 @@
-"""Paged attention on the CPU: K and V live in blocks, read through each request's block table.
+"""Paged attention: K and V live in blocks, read through each request's block table.
 
 Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V,
 so one block is one contiguous slab and gathering a request's context is one index_select over
@@ -12,8 +12,8 @@ Three implementations with one signature:
   one call. Pure torch: always available.
 - :func:`paged_attention` (the default): decodes and prefill chunks through the C++ kernel
   of :mod:`kvserve.model.paged_kernel`, which reads K and V in place through the block
-  tables, when it could be built and the cache is float32 or bfloat16; otherwise exactly
-  :func:`torch_paged_attention`.
+  tables, when it could be built and the cache is float32 or bfloat16 on the CPU; otherwise
+  (a GPU's cache too, ``--device cuda``) exactly :func:`torch_paged_attention`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         token_slots = [int(table[p // block_size]) * block_size + p % block_size
                        for p in range(context_len)]
         assert token_slots[-1] == slots[index]
-        slot_index = torch.tensor(token_slots, dtype=torch.long)
+        slot_index = torch.tensor(token_slots, dtype=torch.long, device=q.device)
         keys = k_cache.flatten(0, 1)[slot_index].repeat_interleave(group, dim=1)
         values = v_cache.flatten(0, 1)[slot_index].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[index].float(), keys.float()) / math.sqrt(head_dim)
@@ -71,7 +71,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: ForwardBatch) -> torch.Tensor:
     """q: [T, heads, head_dim] (K/V of this step already written). Returns [T, heads, dim]."""
-    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.handles(k_cache.dtype))
+    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.runs(k_cache))
 
 
 def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,7 +79,7 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """:func:`paged_attention` for --batch-invariant: a prefill row's sums in the order a
     decode step adds them (``match_decode``), so a token recomputed after a preemption gets
     the output its decode gave."""
-    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.handles(k_cache.dtype),
+    return _paged_attention(q, k_cache, v_cache, batch, paged_kernel.runs(k_cache),
                             match_decode=True)
 
 
@@ -142,7 +142,8 @@ def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     keys = k_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
     values = v_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
     # [D, 1, 1, L]: True where the key position is inside the request's context
-    mask = (torch.arange(max_len) < context_lens[:, None])[:, None, None, :]
+    mask = (torch.arange(max_len, device=context_lens.device)
+            < context_lens[:, None])[:, None, None, :]
     attended = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
                                               enable_gqa=True)
     return attended[:, :, 0, :]
@@ -161,7 +162,8 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     else:
         # query i sits at position context_len - n + i and sees keys up to there
         first = context_len - num_tokens
-        mask = torch.arange(context_len)[None, :] <= (first + torch.arange(num_tokens))[:, None]
+        mask = torch.arange(context_len, device=q.device)[None, :] <= \
+            (first + torch.arange(num_tokens, device=q.device))[:, None]
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                   enable_gqa=True)
     return attended.transpose(0, 1)

@@ -8,8 +8,8 @@ from typing import Any
 
 DESCRIPTION = ("Show this machine's CPU model and instruction sets, whether the C++ kernels "
                "are built (building them on first use), what --dtype auto loads a 16-bit or "
-               "quantized checkpoint in here, and the kernel each op of the model runs in "
-               "float32 and in bfloat16.")
+               "quantized checkpoint in here, what --device auto runs on, and the kernel each "
+               "op of the model runs in float32 and in bfloat16.")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     report["quantization"] = {name: unavailable_reason(name) or describe_quantization(name)
                               for name in QUANTIZATIONS}
     report["dtype_auto"] = dtype_auto()
+    report["device_auto"] = device_auto()
     print(json.dumps(report, indent=1) if args.json else text(report))
     return 0
 
@@ -42,6 +43,14 @@ def dtype_auto() -> dict[str, str]:
 
     dtype, why = resolve_dtype("auto", "16-bit or quantized")
     return {"dtype": str(dtype).removeprefix("torch."), "why": why}
+
+
+def device_auto() -> dict[str, str]:
+    """What ``--device auto`` runs on here, and why (docs/device.md)."""
+    from kvserve.model.device import resolve_device
+
+    device, why = resolve_device("auto")
+    return {"device": str(device), "why": why}
 
 
 def text(report: dict[str, Any]) -> str:
@@ -67,6 +76,10 @@ def text(report: dict[str, Any]) -> str:
         auto = report["dtype_auto"]
         lines.append(f"dtype auto   {auto['dtype']} ({auto['why'].removeprefix('auto: ')}; a "
                      "float32 checkpoint stays float32)")
+    if "device_auto" in report:
+        auto = report["device_auto"]
+        lines.append(f"device auto  {auto['device']} ({auto['why'].removeprefix('auto: ')}; "
+                     "the kernels below are the CPU's)")
     for dtype, ops in report["ops"].items():
         lines += ["", f"{dtype}:"]
         lines += [f"  {op:<14} {kernel}" for op, kernel in ops.items()]

@@ -63,9 +63,12 @@ def checkpoint_dtype(path: str | Path | None) -> str:
 
 
 def resolve_dtype(name: str | torch.dtype, stored: str = "float32",
-                  flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+                  flags: frozenset[str] | None = None,
+                  device: torch.device | None = None) -> tuple[torch.dtype, str]:
     """The torch dtype for ``--dtype name`` and why, given the checkpoint's dtype
-    (:func:`checkpoint_dtype`) and the CPU's flags (default: this CPU's)."""
+    (:func:`checkpoint_dtype`) and the CPU's flags (default: this CPU's). On a CUDA
+    ``device`` ``auto`` takes a 16-bit checkpoint in bfloat16 (float16 on a GPU without
+    bf16), as vLLM does there."""
     if isinstance(name, torch.dtype):
         return name, "as given"
     if name not in DTYPES:
@@ -74,6 +77,10 @@ def resolve_dtype(name: str | torch.dtype, stored: str = "float32",
         return _DTYPES[name], f"--dtype {name}"
     if stored == "float32":
         return torch.float32, "auto: the checkpoint is float32"
+    if device is not None and device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"auto: the checkpoint is {stored} and the GPU has bf16"
+        return torch.float16, f"auto: the checkpoint is {stored} and the GPU has no bf16"
     flag = native_bf16(flags)
     if flag is not None:
         return torch.bfloat16, f"auto: the checkpoint is {stored} and this CPU has {flag}"

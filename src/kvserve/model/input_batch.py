@@ -13,6 +13,7 @@ Token order in the batch: all decode tokens first (one per request), then each p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,21 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """This batch with every tensor on ``device`` (itself on the CPU, where it is built)."""
+        if device.type == "cpu":
+            return self
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device, non_blocking=True)
+        return dataclasses.replace(
+            self, input_ids=move(self.input_ids), positions=move(self.positions),
+            slot_mapping=move(self.slot_mapping),
+            decode_block_tables=move(self.decode_block_tables),
+            decode_context_lens=move(self.decode_context_lens),
+            prefills=[dataclasses.replace(chunk, block_table=move(chunk.block_table))
+                      for chunk in self.prefills],
+            logits_indices=move(self.logits_indices))
 
 
 @dataclass

@@ -15,13 +15,13 @@ from kvserve.model import paged_kernel
 from kvserve.model.attention import write_kv
 
 
-def _fused(dtype: torch.dtype) -> bool:
-    return paged_kernel.handles(dtype)
+def _fused(tensor: torch.Tensor) -> bool:
+    return paged_kernel.runs(tensor)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, hidden]."""
-    if _fused(x.dtype) and x.is_contiguous():
+    if _fused(x) and x.is_contiguous():
         return paged_kernel.layer_ops().rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -29,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
     """``residual += x`` in place, then :func:`rms_norm` of the new residual."""
-    if _fused(x.dtype) and x.is_contiguous() and residual.is_contiguous():
+    if _fused(x) and x.is_contiguous() and residual.is_contiguous():
         return paged_kernel.layer_ops().add_rms_norm_(x, residual, weight, eps)
     residual += x
     return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
@@ -37,7 +37,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 * n], gate then up. Returns silu(gate) * up: [T, n]."""
-    if _fused(gate_up.dtype) and gate_up.is_contiguous():
+    if _fused(gate_up) and gate_up.is_contiguous():
         return paged_kernel.layer_ops().silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -54,7 +54,7 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Ten
     """
     head_dim = k_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if (_fused(qkv.dtype) and qkv.is_contiguous() and k_cache.dtype == qkv.dtype
+    if (_fused(qkv) and qkv.is_contiguous() and k_cache.dtype == qkv.dtype
             and v_cache.dtype == qkv.dtype):
         paged_kernel.layer_ops().rope_and_write_kv(
             qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)

@@ -367,8 +367,8 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
-                     batch_invariant: bool = False,
-                     quantization: str | None = None) -> LlamaForCausalLM:
+                     batch_invariant: bool = False, quantization: str | None = None,
+                     device: torch.device | None = None) -> LlamaForCausalLM:
         """Build the network around Hugging Face-named weights, consuming ``weights``.
 
         Parameters are created on the meta device and then bound to the given tensors (q/k/v
@@ -380,10 +380,18 @@ class LlamaForCausalLM(nn.Module):
         weights.
         ``quantization="int8"``: every projection but the LM head runs int8
         (:meth:`Linear.quantize_int8`); those sums are exact, so row-independent too.
+        ``device`` other than the CPU (docs/device.md): the plain weights are moved there and
+        run through torch's own ops; nothing is packed (both options above need the CPU
+        kernels, :func:`kvserve.model.device.check_device_options`).
         """
         with torch.device("meta"):
             model = cls(config)
         model.load_weights(weights)
+        if device is not None and device.type != "cpu":
+            model.to(device)  # moves each module's parameters apart: a tied head is re-tied
+            if model.tie_word_embeddings:
+                model.lm_head.weight = model.embed_tokens.weight
+            return model.eval()
         dtype = model.embed_tokens.weight.dtype
         linears = [module for module in model.modules() if isinstance(module, Linear)]
         if quantization == "int8":

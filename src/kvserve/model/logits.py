@@ -26,7 +26,7 @@ from kvserve.model import paged_kernel
 def widen_logits(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 logits from a 16-bit head's output [S, vocab], and the indices of the rows
     whose maximum occurs more than once."""
-    if raw.dtype == torch.bfloat16 and raw.is_contiguous() and paged_kernel.handles(raw.dtype):
+    if raw.dtype == torch.bfloat16 and raw.is_contiguous() and paged_kernel.runs(raw):
         logits, tied = paged_kernel.layer_ops().widen_logits(raw)
         return logits, tied.nonzero().squeeze(1)
     logits = raw.float()

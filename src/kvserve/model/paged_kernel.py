@@ -168,6 +168,12 @@ def handles(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and available()
 
 
+def runs(tensor: torch.Tensor) -> bool:
+    """:func:`handles` for ``tensor``'s dtype, and only on the CPU: the kernels are CPU code,
+    so a tensor on a GPU (``--device cuda``) takes the torch path."""
+    return tensor.is_cpu and handles(tensor.dtype)
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None if it is True or was not asked yet)."""
     return _error

@@ -42,6 +42,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.requests: dict[str, _RequestState] = {}
         self.host_kv_cache = host_kv_cache
+        self.device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
@@ -50,13 +51,15 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelOutput({})
         decodes, prefills, sampling_ids = self._slices(scheduler_output)
-        batch = build_batch(decodes, prefills, self.block_size)
+        batch = build_batch(decodes, prefills, self.block_size).to(self.device)
         with torch.inference_mode():
             hidden = self.model(batch, self.kv_caches, self.attention)
             sampled = self._sample(hidden, sampling_ids) if sampling_ids else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         if sampled is None:
+            if self.device.type == "cuda":  # the step ends when its kernels do (timings)
+                torch.cuda.synchronize(self.device)
             return ModelOutput({})
         token_ids, logprobs = sampled
         for request_id, token_id in zip(sampling_ids, token_ids, strict=True):

@@ -14,6 +14,8 @@ this sampler handles each row on its own (``batch_invariant=True``), so a greedy
 request's tokens do not depend on the rest of the batch; an unseeded one still draws from
 the sampler's shared generator, in batch order.
 Logprobs are those of the model's own distribution (raw logits), like vLLM's default.
+It runs where the logits are (a GPU's too, ``--device cuda``); seeded draws take their
+uniforms from CPU generators, so a seed gives the same draw on any device.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class Sampler:
         greedy = greedy_tokens(logits)
         # a greedy row's draw is not used: 1.0 spares it a division by a near-zero temperature
         temperatures = torch.tensor([1.0 if row.is_greedy else row.params.temperature
-                                     for row in rows])
+                                     for row in rows], device=logits.device)
         probs = torch.softmax(_finite(logits / temperatures[:, None]), dim=-1)
         probs = _top_k_top_p_min_p(probs, rows)
         # Inverse CDF: one uniform per row, looked up in the row's cumulative distribution,
@@ -131,11 +133,11 @@ class Sampler:
                 (seed * _SEED_MIX + row.num_output_tokens) % (1 << 63))
             uniforms[index].uniform_(generator=generator)
         total = cdf[:, -1:].contiguous()
-        drawn = torch.searchsorted(cdf, uniforms * total, right=True)
+        drawn = torch.searchsorted(cdf, uniforms.to(cdf.device) * total, right=True)
         last = torch.searchsorted(cdf, total)  # the last token with any probability
         drawn = torch.minimum(drawn, last).squeeze(1)  # should rounding reach the total
         drawn.clamp_(max=logits.shape[-1] - 1)  # never a token past the vocabulary
-        is_greedy = torch.tensor([row.is_greedy for row in rows])
+        is_greedy = torch.tensor([row.is_greedy for row in rows], device=logits.device)
         return torch.where(is_greedy, greedy, drawn).tolist()
 
 
@@ -153,7 +155,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     is built, else torch's."""
     if (logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous()
             and logits.shape[0] > 0 and logits.shape[1] > 0
-            and paged_kernel.handles(logits.dtype)):
+            and paged_kernel.runs(logits)):
         return paged_kernel.layer_ops().argmax_rows(logits)
     return logits.argmax(dim=-1)
 
@@ -161,24 +163,26 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                    values * params.repetition_penalty)
     if row.num_output_tokens and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long),
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long,
+                                             device=logits.device),
                                 minlength=logits.shape[0]).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
 def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    vocab = probs.shape[-1]
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows])
-    top_p = torch.tensor([row.params.top_p for row in rows])
-    min_p = torch.tensor([row.params.min_p for row in rows])
+    vocab, device = probs.shape[-1], probs.device
+    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows],
+                         device=device)
+    top_p = torch.tensor([row.params.top_p for row in rows], device=device)
+    min_p = torch.tensor([row.params.min_p for row in rows], device=device)
     if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
+        ranks = torch.arange(vocab, device=device)[None, :]
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
         keep = (ranks < top_k[:, None]) & (before < top_p[:, None])
         keep[:, 0] = True
