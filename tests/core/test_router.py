@@ -1,4 +1,4 @@
-"""The data-parallel router (spec R1-R5): exact decisions per policy, and properties over
+"""The data-parallel router (spec R1-R6): exact decisions per policy, and properties over
 random load sequences (no policy picks a dead replica; prefix-affinity keeps its bound)."""
 
 from __future__ import annotations
@@ -205,3 +205,51 @@ def test_no_dead_replica_and_affinity_within_bound_r1_r4(run: tuple) -> None:
                 assert load_score(chosen) == least
         elif policy == "least-loaded":
             assert load_score(chosen) == least
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_a_session_turn_goes_where_its_session_is_r6(policy: str) -> None:
+    router = make_router(policy, 3)
+    first = router.route([], IDLE3, session=("t", "chat"))
+    busy = [ReplicaLoad(i, True, 9 if i == first.replica else 0, 9 if i == first.replica
+                        else 0, 0.9 if i == first.replica else 0.0) for i in range(3)]
+    again = router.route([], busy, session=("t", "chat"))
+    assert again == RouteDecision(first.replica, "session")  # load does not move it
+    other = router.route([], busy, session=("u", "chat"))  # another tenant's "chat"
+    assert other.reason != "session"
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_a_session_whose_replica_died_or_ended_is_routed_afresh_r5_r6(policy: str) -> None:
+    router = make_router(policy, 2)
+    home = router.route([], loads((0, 0), (0, 0)), session="s").replica
+    dead = [ReplicaLoad(i, i != home, 0, 0, 0.0) for i in range(2)]
+    moved = router.route([], dead, session="s")
+    assert moved.reason != "session" and moved.replica == 1 - home
+    assert router.route([], loads((0, 0), (0, 0)), session="s") == \
+        RouteDecision(1 - home, "session")  # remembered where it went
+    router.forget_replica(1 - home)
+    assert router.route([], loads((0, 0), (0, 0)), session="s").reason != "session"
+    router.forget_sessions(lambda key: key == "s")
+    assert router.route([], loads((0, 0), (0, 0)), session="s").reason != "session"
+
+
+def test_at_most_max_tracked_sessions_are_remembered_least_recent_first_out_r6() -> None:
+    router = make_router("round-robin", 2)
+    router.max_tracked_sessions = 2
+    for name in ("a", "b"):
+        router.route([], loads((0, 0), (0, 0)), session=name)
+    router.route([], loads((0, 0), (0, 0)), session="a")  # a is the most recent now
+    router.route([], loads((0, 0), (0, 0)), session="c")  # b goes
+    reasons = {name: router.route([], loads((0, 0), (0, 0)), session=name).reason
+               for name in ("a", "c", "b")}
+    assert reasons == {"a": "session", "c": "session", "b": "round_robin"}
+
+
+def test_prefix_affinity_learns_the_prefixes_of_session_turns_r4_r6() -> None:
+    router = make_router("prefix-affinity", 2)
+    home = router.route([b"x"], loads((0, 0), (0, 0)), session="s").replica
+    turn = router.route([b"x", b"y"], loads((0, 0), (0, 0)), session="s")
+    assert turn == RouteDecision(home, "session")
+    # an ordinary request sharing the turn's prefix goes where the turn's blocks are
+    assert router.route([b"x", b"y"], loads((0, 0), (0, 0))) == RouteDecision(home, "prefix_hit")

@@ -187,3 +187,37 @@ def test_a_turn_says_how_many_tokens_its_session_holds():  # U2 U5
         assert big.json()["kvserve"]["session_held_tokens"] == 0
         plain = post(live, {"prompt": NEW[0], "max_tokens": 2})
         assert "session_held_tokens" not in plain.json()["kvserve"]
+
+
+def test_a_sessions_turns_follow_it_across_replicas():  # R6 U2 U8
+    """Behind two replicas and the round-robin router, a conversation's turns all go to the
+    replica holding its session (router reason "session") and start from its held KV, as on
+    one engine; after a DELETE the next turn is routed afresh."""
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import LocalLauncher
+
+    reference = conversation(LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=64,
+                                 max_model_len=512), None)
+    spec = engine_spec(max_model_len=512, num_kv_blocks=64, max_session_kv=0.5)
+    engine = DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"r{i}") for i in range(2)],
+                                make_router("round-robin", 2))
+    with LiveServer(serving=engine) as live:
+        hits = []
+        for prompt, _answer, _ in reference:
+            response = post(live, {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                   "ignore_eos": True, "session": {"id": "c"}})
+            assert response.status_code == 200, response.text
+            hits.append(response.json()["choices"][0]["kvserve"]["prefix_hit_tokens"])
+        assert hits[1:] == [26, 41]  # as on one engine (the test above)
+        assert httpx.delete(live.url + "/v1/sessions/c", timeout=30).status_code == 200
+        response = post(live, {"prompt": reference[0][0], "max_tokens": 2,
+                               "session": {"id": "c"}})
+        assert response.status_code == 200, response.text
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        decisions: dict[tuple[str, str], float] = {
+            (dict(labels)["reason"], dict(labels)["replica"]): value
+            for (name, labels), value in values.items()
+            if name == "kvserve:router_decisions_total" and value}
+        assert decisions == {("round_robin", "0"): 1, ("session", "0"): 2,
+                             ("round_robin", "1"): 1}, decisions

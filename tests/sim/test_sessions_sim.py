@@ -85,13 +85,12 @@ def test_a_turn_waits_for_its_previous_one_in_a_cluster_too():
 
 
 
-def test_a_cluster_holds_session_kv_on_the_replica_that_ran_the_turn():  # U2 U3
-    """Each replica holds its own sessions, as the server's replicas do: behind prefix
-    affinity a conversation's turns stay on one replica and start from its held KV, as on
-    one engine; round robin sends turn 1 to the other replica, which holds nothing of it
-    (it prefills all, and starts the session there), and turn 2 back to the first, which
-    still holds turn 0's KV: turn 2 starts from those 48 tokens, not the 96 one engine
-    held. (The cluster warned and held nothing.)"""
+def test_a_cluster_holds_session_kv_on_the_replica_that_ran_the_turn():  # U2 U3 R6
+    """Each replica holds its own sessions, as the server's replicas do, and a session's
+    turns follow it (R6) under every router: round robin too keeps the conversation on the
+    replica that holds its KV, and each turn starts from it as on one engine (before R6
+    round robin sent turn 1 to the other replica, which prefilled all of it). Each turn
+    after the first is routed by its session."""
     from kvserve.sim.cluster import ClusterOptions
     from kvserve.sim.deployment import Deployment
 
@@ -99,12 +98,14 @@ def test_a_cluster_holds_session_kv_on_the_replica_that_ran_the_turn():  # U2 U3
     settings = {"max_session_kv": 0.5, "num_kv_blocks": 200, "enable_prefix_caching": False}
     one = Deployment(cost_model="unit").simulate(trace, settings)[1]
     hits = [r.metrics.num_cached_tokens for r in one.records]
-    for router, expected in (("prefix-affinity", hits), ("round-robin", [0, 0, hits[1]])):
+    assert hits[1] and hits[2]
+    for router in ("prefix-affinity", "round-robin", "least-loaded"):
         result = Deployment(cost_model="unit").simulate(
             trace, settings, cluster=ClusterOptions(2, router))[1]
-        assert [r.metrics.num_cached_tokens for r in result.records] == expected, router
+        assert [r.metrics.num_cached_tokens for r in result.records] == hits, router
+        assert result.route_reasons["session"] == len(hits) - 1, router
         sessions = aggregate(result)["sessions"]
-        assert sessions["session_hits"] == sum(1 for h in expected if h)
+        assert sessions["session_hits"] == sum(1 for h in hits if h)
         assert sessions["turns_deferred"] == 2 and sessions["session_fallbacks"] == 0
 
 

@@ -18,6 +18,10 @@ routed since). A router never picks a dead replica (R1); with every replica dead
   (reason ``imbalance``), or no hash matches (reason ``least_loaded``): then least-loaded (R4).
   It remembers at most ``max_tracked_blocks`` hashes, forgetting the least recently routed.
 - ``forget_replica(i)`` drops every hash remembered for replica i: its cache is gone (R5).
+- Under every policy a session turn (``route(..., session=key)``) goes to the replica its
+  session's last turn went to, which holds its KV (reason ``session``), while that replica is
+  alive; else the policy picks and the router remembers (R6), until the session ends
+  (``forget_sessions``). At most ``max_tracked_sessions`` are remembered, least recent first out.
 
 Everything is deterministic: no salted ``hash()``, no iteration over sets.
 """
@@ -25,7 +29,8 @@ Everything is deterministic: no salted ``hash()``, no iteration over sets.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.errors import ConfigError
@@ -34,6 +39,7 @@ ROUTER_POLICIES = ("round-robin", "least-loaded", "prefix-affinity")
 WAITING_WEIGHT = 4
 DEFAULT_IMBALANCE_BOUND = 16
 DEFAULT_MAX_TRACKED_BLOCKS = 100_000
+DEFAULT_MAX_TRACKED_SESSIONS = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,7 @@ class ReplicaLoad:
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     replica: int
-    reason: str  # "round_robin" | "least_loaded" | "prefix_hit" | "imbalance"
+    reason: str  # "round_robin" | "least_loaded" | "prefix_hit" | "imbalance" | "session"
 
 
 class NoReplicaError(RuntimeError):
@@ -61,21 +67,56 @@ def load_score(load: ReplicaLoad) -> int:
 
 
 class Router(ABC):
-    """Picks a replica for each request. Subclasses hold only their own routing memory."""
+    """Picks a replica for each request: a session turn where its session is (R6), else by
+    the subclass's policy (:meth:`_pick`). Subclasses hold only their own routing memory."""
 
     policy: str
 
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int,
+                 max_tracked_sessions: int = DEFAULT_MAX_TRACKED_SESSIONS) -> None:
         self.num_replicas = num_replicas
+        self.max_tracked_sessions = max_tracked_sessions
+        self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
+
+    def route(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
+              session: Hashable | None = None) -> RouteDecision:
+        """The replica for a request whose leading full-block hashes are ``prefix_hashes``;
+        ``session``: the session it is a turn of (a key naming the tenant too), or None."""
+        alive = self._alive(loads)
+        owner = None if session is None else self._sessions.get(session)
+        if owner is not None and loads[owner].alive:
+            decision = RouteDecision(owner, "session")
+            self._placed(prefix_hashes, owner)
+        else:
+            decision = self._pick(prefix_hashes, loads, alive)
+        if session is not None:
+            self._sessions[session] = decision.replica
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > self.max_tracked_sessions:
+                self._sessions.popitem(last=False)
+        return decision
 
     @abstractmethod
-    def route(self, prefix_hashes: Sequence[Hashable],
-              loads: Sequence[ReplicaLoad]) -> RouteDecision:
-        """The replica for a request whose leading full-block hashes are ``prefix_hashes``."""
+    def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
+              alive: list[ReplicaLoad]) -> RouteDecision:
+        """The policy's choice among the ``alive`` replicas (at least one)."""
+
+    def _placed(self, prefix_hashes: Sequence[Hashable], replica: int) -> None:  # noqa: B027
+        """A request went to ``replica`` by its session: what the policy learns from it
+        (nothing, but for prefix-affinity's memory)."""
 
     def forget_replica(self, replica: int) -> None:
-        """Replica ``replica`` lost its cache (restart): drop what points at it (R5)."""
+        """Replica ``replica`` lost its cache (restart): drop what points at it (R5), its
+        sessions too."""
         self._check_replica(replica)
+        self._sessions = OrderedDict((key, owner) for key, owner in self._sessions.items()
+                                     if owner != replica)
+
+    def forget_sessions(self, ended: Callable[[Hashable], bool]) -> None:
+        """The sessions whose keys ``ended`` names were released: a next turn of one is
+        routed afresh."""
+        self._sessions = OrderedDict((key, owner) for key, owner in self._sessions.items()
+                                     if not ended(key))
 
     def _alive(self, loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
         if len(loads) != self.num_replicas:
@@ -101,9 +142,8 @@ class RoundRobinRouter(Router):
         super().__init__(num_replicas)
         self._next = 0
 
-    def route(self, prefix_hashes: Sequence[Hashable],
-              loads: Sequence[ReplicaLoad]) -> RouteDecision:
-        self._alive(loads)
+    def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
+              alive: list[ReplicaLoad]) -> RouteDecision:
         replica = self._next
         while not loads[replica].alive:
             replica = (replica + 1) % self.num_replicas
@@ -118,9 +158,9 @@ class LeastLoadedRouter(Router):
         super().__init__(num_replicas)
         self._tie_start = 0
 
-    def route(self, prefix_hashes: Sequence[Hashable],
-              loads: Sequence[ReplicaLoad]) -> RouteDecision:
-        return RouteDecision(self._least_loaded(self._alive(loads)), "least_loaded")
+    def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
+              alive: list[ReplicaLoad]) -> RouteDecision:
+        return RouteDecision(self._least_loaded(alive), "least_loaded")
 
     def _least_loaded(self, alive: Sequence[ReplicaLoad]) -> int:
         start, n = self._tie_start, self.num_replicas
@@ -140,9 +180,8 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         self.max_tracked_blocks = max_tracked_blocks
         self._owner: dict[Hashable, int] = {}  # insertion order = least recently routed first
 
-    def route(self, prefix_hashes: Sequence[Hashable],
-              loads: Sequence[ReplicaLoad]) -> RouteDecision:
-        alive = self._alive(loads)
+    def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
+              alive: list[ReplicaLoad]) -> RouteDecision:
         owner = self._longest_match_owner(prefix_hashes)
         if owner is not None and loads[owner].alive:
             least = min(load_score(load) for load in alive)
@@ -155,8 +194,11 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         self._remember(prefix_hashes, decision.replica)
         return decision
 
+    def _placed(self, prefix_hashes: Sequence[Hashable], replica: int) -> None:
+        self._remember(prefix_hashes, replica)
+
     def forget_replica(self, replica: int) -> None:
-        self._check_replica(replica)
+        super().forget_replica(replica)
         self._owner = {h: r for h, r in self._owner.items() if r != replica}
 
     def _longest_match_owner(self, prefix_hashes: Sequence[Hashable]) -> int | None:

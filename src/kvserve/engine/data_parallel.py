@@ -187,10 +187,12 @@ class DataParallelEngine:
         too may be what kills them (one step fails the engine that runs it), and placed
         again each time it would take every replica down in turn: it fails instead."""
         hashes = self._prefix_hashes(items[0])
+        params = items[0][2]
+        session = None if params.session_id is None else (params.tenant, params.session_id)
         while True:
             loads = [self._load(i) for i in range(self.num_replicas)]
             try:
-                decision = self.router.route(hashes, loads)
+                decision = self.router.route(hashes, loads, session)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is running (every one is "
                                       "restarting); retry later", retry_after=5) from None
@@ -250,9 +252,11 @@ class DataParallelEngine:
                 replica.abort(*ids)
 
     async def release_session(self, session_id: str, tenant: str | None) -> None:
-        """End the session on every live replica that has it (U8); SessionNotFound when
-        none has. (Turns are routed by prefix, not by session, so each replica keeps its
-        own.)"""
+        """End the session on every live replica that has it (U8; its turns go to one
+        replica, R6, but one restarted or the router's memory full may have left it on
+        another); SessionNotFound when none has. ``tenant`` None: every tenant's."""
+        self.router.forget_sessions(lambda key: key[1] == session_id  # type: ignore[index]
+                                    and (tenant is None or key[0] == tenant))  # type: ignore[index]
         results = await asyncio.gather(*(r.release_session(session_id, tenant)
                                          for _, r in self._live()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

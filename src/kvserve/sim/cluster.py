@@ -455,7 +455,9 @@ class _ClusterRun:
         if self.router is None:  # as recorded (checked in __init__)
             decision = RouteDecision(trace_request.replica, "recorded")  # type: ignore[arg-type]
         else:
-            decision = self.router.route(hashes, [r.load() for r in self.replicas])
+            params = request.sampling_params
+            session = None if params.session_id is None else (params.tenant, params.session_id)
+            decision = self.router.route(hashes, [r.load() for r in self.replicas], session)
         replica = self.replicas[decision.replica]
         self.replica_of[request.request_id] = decision.replica
         self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1
