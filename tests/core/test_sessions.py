@@ -122,6 +122,41 @@ def test_under_priority_a_more_urgent_request_goes_before_a_held_turn():  # L5 L
         check_empty(scheduler)
 
 
+def test_under_fair_share_a_less_served_tenant_goes_before_a_held_turn():  # T8 L1
+    """A held turn went first under fair share whatever its tenant had been served: a
+    tenant that made every request a session turn took the seats before a tenant with less
+    service. Under VTC the held turn waits while the ordinary queue's next tenant has the
+    smaller counter, and its admission is charged as a popped request's is (T3)."""
+    for fairness, first in (("vtc", "b2"), (None, "t2")):
+        settings = {"tenant_fairness": fairness} if fairness else {}
+        scheduler = sched(num_blocks=40, max_num_batched_tokens=32, max_num_seqs=1,
+                          **settings)
+        executor = FakeExecutor(block_size=BS)
+        prompt = prompt_of("t1", 10)
+        scheduler.add_request(turn("t1", prompt, tenant="a"))
+        scheduler.add_request(make_request("b1", 2, max_tokens=3, ignore_eos=True,
+                                           arrival_time=0.5, tenant="b"))
+        run(scheduler, executor)  # a's turn, then b1: a has been served far more
+        history = [*prompt, token_for("t1", 10), token_for("t1", 11), token_for("t1", 12)]
+        scheduler.add_request(turn("t2", history + prompt_of("t2", 4), arrival_time=20.0,
+                                   tenant="a"))
+        scheduler.add_request(make_request("b2", 2, max_tokens=3, ignore_eos=True,
+                                           arrival_time=20.5, tenant="b"))
+        counters = dict(getattr(scheduler.waiting, "counters", {}))
+        out, _ = step(scheduler, executor, 21.0)
+        assert list(out.num_scheduled_tokens) == [first], fairness
+        if fairness:
+            assert counters["a"] > counters["b"]
+            run(scheduler, executor, 22.0, until="b2")
+            before = scheduler.waiting.counters["a"]
+            step(scheduler, executor, 40.0)  # t2 admitted: its whole prompt, one output
+            config = scheduler.config
+            assert scheduler.waiting.counters["a"] == before + config.vtc_prompt_token_price \
+                * (len(history) + 4) + config.vtc_output_token_price
+        run(scheduler, executor, 41.0)
+        check_empty(scheduler)
+
+
 def test_a_held_turn_that_does_not_fit_blocks_the_line_and_is_logged():  # L1 D4
     scheduler, executor = sched(num_blocks=8, max_session_kv=0.5), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)  # 3 blocks held, 5 free

@@ -128,9 +128,19 @@ class TenantFairQueue(WaitingQueue):
         self._forget_if_empty(request)
         self._removed(request)
         self._len -= 1
-        self._charge(tenant, self._prompt_price * request.num_tokens)  # T3: admitted
-        self._last_served = tenant
+        self.charge_admission(request)
         return request
+
+    def charge_admission(self, request: Request) -> None:
+        """T3: an admitted request's whole sequence, at the prompt price (a held session
+        turn's too, T8, though it never was in this queue)."""
+        tenant = request.sampling_params.tenant
+        self._charge(tenant, self._prompt_price * request.num_tokens)
+        self._last_served = tenant
+
+    def served_less(self, tenant: str, than: str) -> bool:
+        """T8: whether ``tenant``'s counter is below ``than``'s."""
+        return self.counters.get(tenant, 0.0) < self.counters.get(than, 0.0)
 
     def remove(self, request: Request) -> None:
         level = request.sampling_params.priority if self._by_priority else 0

@@ -51,6 +51,16 @@ class WaitingQueue(ABC):
         (T3); the others ignore it."""
         return None
 
+    def charge_admission(self, request: Request) -> None:
+        """Told when a request admitted from elsewhere (a held session turn) starts: a
+        fair-share order charges it as one it popped (T8); the others ignore it."""
+        return None
+
+    def served_less(self, tenant: str, than: str) -> bool:
+        """Whether this order owes ``tenant`` service before ``than`` (T8): only a fair-share
+        order keeps the account."""
+        return False
+
     def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         """Told before every waiting pass: an order that depends on the prefix cache or on
         the clock sorts itself here (C4-C7); the others ignore it. Returns the requests that

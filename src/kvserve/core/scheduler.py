@@ -619,14 +619,21 @@ class Scheduler:
                 held.popleft()
                 assert self.sessions is not None
                 self.sessions.note_hit(num_held)
+                self.waiting.charge_admission(request)  # T8
                 self._admit(request, num_new, num_held, new_blocks, step)
         return True
 
     def _outranked(self, request: Request) -> bool:
-        """L5: under the priority policy, whether the ordinary queue's head is more urgent
-        than ``request`` (a held turn), which then waits behind it."""
-        return self.config.scheduling_policy == "priority" and bool(self.waiting) and \
-            self.waiting.peek().priority < request.priority
+        """Whether the ordinary queue's head goes before ``request`` (a held turn), which
+        then waits behind it: under the priority policy when the head is more urgent (L5);
+        under fair share, at one priority, when the head's tenant was served less (T8)."""
+        if not self.waiting:
+            return False
+        head = self.waiting.peek()
+        if self.config.scheduling_policy == "priority" and head.priority != request.priority:
+            return head.priority < request.priority
+        return self.waiting.served_less(head.sampling_params.tenant,
+                                        request.sampling_params.tenant)
 
     def _skip_not_ready(self, request: Request, skipped: list[Request]) -> None:
         """L2: set aside for this pass; logged once per reason, as a blocked head is."""
