@@ -8,9 +8,9 @@ key is (tenant, session id). Its life::
                                                         v
                           +------------------------- HELD (idle, expires after its ttl)
     turn 2 arrives, its   |                             | released (U5-U8): ttl, pressure,
-    prompt extends the    | U3: takes the blocks,       | limit, deleted -> the blocks go
-    held tokens (else     |     waits in the held       v    back to the free queue,
-    refused, U3)          v     queue, drained first    (gone)   still cached (G2)
+    prompt extends the    | U3: takes the blocks,       | limit, deleted, replaced -> the
+    held tokens (else it  |     waits in the held       v    blocks go back to the free
+    replaces them, U3)    v     queue, drained first    (gone)   queue, still cached (G2)
                     waiting, holding KV (L1) --> admitted, prefilling only its new tokens
 
 A held session's blocks carry one reference of the session's own, so they are neither free
@@ -32,7 +32,8 @@ from kvserve.core.request import Request, RequestStatus
 
 # Why a held session let go of its KV (kvserve:session_releases_total{reason}).
 TTL, PRESSURE, LIMIT, DELETED, ABORTED = "ttl", "pressure", "limit", "deleted", "aborted"
-RELEASE_REASONS = (TTL, PRESSURE, LIMIT, DELETED, ABORTED)
+REPLACED = "replaced"  # a turn that does not extend the held tokens: another version (U3)
+RELEASE_REASONS = (TTL, PRESSURE, LIMIT, DELETED, ABORTED, REPLACED)
 _HELD_FINISHES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 SessionKey = tuple[str, str]  # (tenant, session id)
@@ -92,8 +93,8 @@ class SessionStore:
     # -- a turn arrives (U3, U4) ------------------------------------------------------------
 
     def check_turn(self, request: Request) -> Session | None:
-        """The held session ``request`` continues, None for a first turn (or one after a
-        release); raise SessionError, changing nothing, for a turn its session cannot take."""
+        """The live session ``request`` is a turn of, None for a first turn (or one after a
+        release); raise SessionBusy, changing nothing, while its previous turn runs (U4)."""
         key = session_key(request)
         session = self.sessions.get(key)
         if session is None:
@@ -101,32 +102,18 @@ class SessionStore:
         if session.turn_id is not None:
             raise SessionBusy(f"request {request.request_id}: session {key[1]!r} already has "
                               f"a turn in flight ({session.turn_id}); send one turn at a time")
-        salt = request.sampling_params.cache_salt
-        if salt != session.cache_salt:
-            raise SessionError(f"request {request.request_id}: session {key[1]!r} was started "
-                               "with a different cache_salt; a session keeps one salt")
-        held = session.token_ids
-        prompt = request.prompt_token_ids
-        if len(prompt) <= len(held) or prompt[:len(held)] != held:
-            at = next((i for i, (a, b) in enumerate(zip(prompt, held, strict=False))
-                       if a != b), min(len(prompt), len(held)))
-            if at < len(prompt):
-                how = f"differs from them at token {at}"
-            elif len(prompt) < len(held):  # a regenerated or edited last turn, say
-                how = "is them cut short (it holds none of their last tokens)"
-            else:
-                how = "adds no token after them"
-            raise SessionError(
-                f"request {request.request_id}: the prompt does not extend session "
-                f"{key[1]!r}: the session holds {len(held)} tokens (the previous turns' "
-                f"prompt and output) and the prompt, of {len(prompt)} tokens, {how}; send "
-                "the whole conversation so far plus the new message (to send another "
-                "version of an earlier turn, DELETE the session first)")
         return session
 
     def start_turn(self, request: Request, session: Session | None) -> bool:
-        """Record ``request`` as its session's turn in flight; a held session's blocks pass
-        to it (the session's reference becomes the request's). True if it now holds KV."""
+        """Record ``request`` as its session's turn in flight (``session``: what
+        :meth:`check_turn` returned). A turn that extends the held tokens, with the
+        session's cache salt, takes the session's blocks (their reference becomes the
+        request's); one that does not (a regenerated or edited turn) replaces them: the
+        session's KV is released and the turn starts it afresh (U3). True if it now holds
+        KV."""
+        if session is not None and not _extends(session, request):
+            self._release_held(session, REPLACED)
+            session = None
         if session is None:
             key = session_key(request)
             self.sessions[key] = Session(key, request.sampling_params.cache_salt,
@@ -241,3 +228,11 @@ class SessionStore:
         self.releases[reason] = self.releases.get(reason, 0) + 1
         if self._emit is not None:
             self._emit("released", request_id, num_tokens, reason)
+
+
+def _extends(session: Session, request: Request) -> bool:
+    """U3: whether ``request``'s prompt starts with exactly the held tokens and is longer,
+    under the session's cache salt."""
+    held, prompt = session.token_ids, request.prompt_token_ids
+    return request.sampling_params.cache_salt == session.cache_salt and \
+        len(prompt) > len(held) and prompt[:len(held)] == held

@@ -302,7 +302,7 @@ class _Run:
                 self.scheduler.add_request(request)
             except SessionError:
                 # A turn its session cannot take (its previous turn still runs, as an
-                # open-loop trace allows, or it does not extend it) runs as an ordinary one.
+                # open-loop trace allows) runs as an ordinary one.
                 self.session_fallbacks += 1
                 request = Request(request_id, request.prompt_token_ids, trace_request
                                   .sampling_params(self.sim.scheduler_config.max_model_len,
