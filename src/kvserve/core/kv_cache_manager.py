@@ -54,6 +54,8 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_preempted_queries = 0  # the same of requests back from preemption
+        self.prefix_cache_preempted_hits = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -367,8 +369,15 @@ class KVCacheManager:
         return pairs, held
 
     def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
-        """Count one admission's lookup (G6): queries in tokens, hits in tokens."""
-        if self.enable_caching:
+        """Count one admission's lookup (G6): queries in tokens, hits in tokens; those of a
+        request back from a preemption apart (it re-hits its own blocks, no caching
+        benefit), as vLLM counts them."""
+        if not self.enable_caching:
+            return
+        if request.num_preemptions:
+            self.prefix_cache_preempted_queries += request.num_tokens
+            self.prefix_cache_preempted_hits += num_hit_tokens
+        else:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
 

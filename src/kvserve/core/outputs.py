@@ -169,6 +169,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_finished: dict[str, int]
     num_blocked_steps: dict[str, int]
+    # G6: lookups of requests back from a preemption, kept out of the two above
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
     # The host tier and preemption by mode (K3, M). ``num_preemptions_by_mode`` has
     # "recompute" + "swap" == num_preemptions, and "priority" counts, among those, the
     # preemptions made for an urgent arrival (M1).
@@ -214,7 +217,8 @@ class SchedulerStats:
 # The fields of SchedulerStats that only grow (Prometheus counters); the others are gauges.
 COUNTER_FIELDS = (
     "num_steps", "num_preemptions", "num_recomputed_tokens", "num_scheduled_tokens",
-    "prefix_cache_queries", "prefix_cache_hits", "num_finished", "num_blocked_steps",
+    "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_preempted_queries",
+    "prefix_cache_preempted_hits", "num_finished", "num_blocked_steps",
     "num_swapped_out_blocks", "num_swapped_in_blocks", "num_preemptions_by_mode",
     "num_prefill_only_steps", "num_session_hits", "num_session_hit_tokens",
     "session_releases")

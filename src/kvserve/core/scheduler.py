@@ -981,6 +981,8 @@ class Scheduler:
             num_scheduled_tokens=self.num_scheduled_tokens,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            prefix_cache_preempted_queries=self.kv.prefix_cache_preempted_queries,
+            prefix_cache_preempted_hits=self.kv.prefix_cache_preempted_hits,
             num_finished=dict(self.num_finished),
             num_blocked_steps=dict(self.num_blocked_steps),
             num_swapped=len(self.swapped),

@@ -308,6 +308,12 @@ class _StatsCollector(Collector):
                  lambda e: e.stats.prefix_cache_queries),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  lambda e: e.stats.prefix_cache_hits),
+                ("kvserve:prefix_cache_preempted_queries", "Tokens looked up in the prefix "
+                 "cache by requests back from a preemption (not in vllm:prefix_cache_queries).",
+                 lambda e: e.stats.prefix_cache_preempted_queries),
+                ("kvserve:prefix_cache_preempted_hits", "Tokens of requests back from a "
+                 "preemption found in the prefix cache (not in vllm:prefix_cache_hits).",
+                 lambda e: e.stats.prefix_cache_preempted_hits),
                 ("kvserve:recomputed_tokens", "Tokens computed again after a preemption.",
                  lambda e: e.stats.num_recomputed_tokens),
                 ("kvserve:engine_steps", "Engine steps.", lambda e: e.stats.num_steps),
