@@ -199,7 +199,9 @@ def test_a_turn_says_how_many_tokens_its_session_holds():  # U2 U5
 def test_a_sessions_turns_follow_it_across_replicas():  # R6 U2 U8
     """Behind two replicas and the round-robin router, a conversation's turns all go to the
     replica holding its session (router reason "session") and start from its held KV, as on
-    one engine; after a DELETE the next turn is routed afresh."""
+    one engine; after a DELETE the next turn still goes there, where the prefix cache keeps
+    the released blocks (QA: routed afresh, it landed on the other replica and hit
+    nothing)."""
     from kvserve.core.router import make_router
     from kvserve.engine.data_parallel import DataParallelEngine
     from kvserve.engine.engine_process import LocalLauncher
@@ -218,13 +220,34 @@ def test_a_sessions_turns_follow_it_across_replicas():  # R6 U2 U8
             hits.append(response.json()["choices"][0]["kvserve"]["prefix_hit_tokens"])
         assert hits[1:] == [26, 41]  # as on one engine (the test above)
         assert httpx.delete(live.url + "/v1/sessions/c", timeout=30).status_code == 200
-        response = post(live, {"prompt": reference[0][0], "max_tokens": 2,
+        response = post(live, {"prompt": reference[2][0], "max_tokens": 2,
                                "session": {"id": "c"}})
         assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["kvserve"]["prefix_hit_tokens"] == 48
         values = metric_values(httpx.get(live.url + "/metrics").text)
         decisions: dict[tuple[str, str], float] = {
             (dict(labels)["reason"], dict(labels)["replica"]): value
             for (name, labels), value in values.items()
             if name == "kvserve:router_decisions_total" and value}
-        assert decisions == {("round_robin", "0"): 1, ("session", "0"): 2,
-                             ("round_robin", "1"): 1}, decisions
+        assert decisions == {("round_robin", "0"): 1, ("session", "0"): 3}, decisions
+
+
+def test_session_ids_are_checked_alike_in_a_body_and_in_a_delete():  # U1 U8
+    """A C1 control character got through the body's check (only C0 and DEL were refused),
+    a DEL was echoed raw (invisible) in the message, and a DELETE of an id no body could
+    carry was a 404 repeating it (QA)."""
+    with LiveServer(max_model_len=512, num_kv_blocks=64, max_session_kv=0.5) as live:
+        for bad, shown in (("a\u0085b", "a\\u0085b"), ("a\x7fb", "a\\u007fb")):
+            response = post(live, {"prompt": [1, 2, 3], "max_tokens": 1,
+                                   "session": {"id": bad}})
+            assert response.status_code == 400, bad
+            message = response.json()["error"]["message"]
+            assert "may not contain '/' or control characters" in message, message
+            assert f'(got "{shown}")' in message, message
+        for path, words in (("x" * 300, "at most 256 characters"),
+                            ("%00", "control characters")):
+            response = httpx.delete(f"{live.url}/v1/sessions/{path}", timeout=30)
+            assert response.status_code == 400, path
+            error = response.json()["error"]
+            assert error["message"].startswith("session id: ") and words in error["message"]
+        assert httpx.delete(live.url + "/v1/sessions/fine", timeout=30).status_code == 404

@@ -20,8 +20,9 @@ routed since). A router never picks a dead replica (R1); with every replica dead
 - ``forget_replica(i)`` drops every hash remembered for replica i: its cache is gone (R5).
 - Under every policy a session turn (``route(..., session=key)``) goes to the replica its
   session's last turn went to, which holds its KV (reason ``session``), while that replica is
-  alive; else the policy picks and the router remembers (R6), until the session ends
-  (``forget_sessions``). At most ``max_tracked_sessions`` are remembered, least recent first out.
+  alive; else the policy picks and the router remembers (R6). A released session is not
+  forgotten: its next turn goes back where the released blocks are cached. At most
+  ``max_tracked_sessions`` are remembered, the least recently routed forgotten first.
 
 Everything is deterministic: no salted ``hash()``, no iteration over sets.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.errors import ConfigError
@@ -111,12 +112,6 @@ class Router(ABC):
         self._check_replica(replica)
         self._sessions = OrderedDict((key, owner) for key, owner in self._sessions.items()
                                      if owner != replica)
-
-    def forget_sessions(self, ended: Callable[[Hashable], bool]) -> None:
-        """The sessions whose keys ``ended`` names were released: a next turn of one is
-        routed afresh."""
-        self._sessions = OrderedDict((key, owner) for key, owner in self._sessions.items()
-                                     if not ended(key))
 
     def _alive(self, loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
         if len(loads) != self.num_replicas:

@@ -254,9 +254,9 @@ class DataParallelEngine:
     async def release_session(self, session_id: str, tenant: str | None) -> None:
         """End the session on every live replica that has it (U8; its turns go to one
         replica, R6, but one restarted or the router's memory full may have left it on
-        another); SessionNotFound when none has. ``tenant`` None: every tenant's."""
-        self.router.forget_sessions(lambda key: key[1] == session_id  # type: ignore[index]
-                                    and (tenant is None or key[0] == tenant))  # type: ignore[index]
+        another); SessionNotFound when none has. ``tenant`` None: every tenant's. The
+        router keeps routing the session where it was: that replica's prefix cache keeps
+        the released blocks until they are reused."""
         results = await asyncio.gather(*(r.release_session(session_id, tenant)
                                          for _, r in self._live()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -24,7 +24,13 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import chat_ids, check_token_ids
-from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, model_error, parse_body
+from kvserve.server.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_session_id,
+    model_error,
+    parse_body,
+)
 from kvserve.server.state import ServerState
 from kvserve.server.stats_log import StatsLogger, log_boot
 
@@ -198,6 +204,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         without keys, releases every tenant's session of that id."""
         key = state.keys.authenticate(request.headers.getlist("authorization"))
         tenant = None if key.admin else key.tenant
+        check_session_id(session_id)
         try:
             await state.engine.release_session(session_id, tenant)
         except SessionNotFound:

@@ -374,11 +374,6 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
         logger.warning("%d local replicas x %d threads = %d threads on %d CPUs: the replicas "
                        "will take turns on the cores (fewer replicas, or fewer threads each, "
                        "serve faster)", size, threads, size * threads, cpus)
-    if engine_args.get("max_session_kv") and args.router != "prefix-affinity":
-        logger.warning("sessions hold KV in the replica that ran a turn, and router %s may "
-                       "send the next turn elsewhere (it then runs as a first turn): "
-                       "--router prefix-affinity keeps a conversation's turns together",
-                       args.router)
     return DataParallelEngine(_engine_spec(args.model, engine_args, threads, step_timeout),
                               load_tokenizer(args.model), launchers,
                               make_router(args.router, size))

@@ -8,6 +8,7 @@ false``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -53,13 +54,15 @@ class SessionRef(_Body):
     """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
 
     # No "/" and not "." or ".." (DELETE /v1/sessions/{id} could not name it: clients
-    # normalise such a path) and no control characters.
-    id: str = Field(min_length=1, max_length=256, pattern=r"^[^/\x00-\x1f\x7f]+$")
+    # normalise such a path) and no control characters (C0, DEL or C1).
+    id: str = Field(min_length=1, max_length=256)
     ttl: float | None = Field(default=None, gt=0, le=86400)
 
     @field_validator("id")
     @classmethod
     def _nameable(cls, value: str) -> str:
+        if any(c == "/" or unicodedata.category(c) == "Cc" for c in value):
+            raise ValueError("a session id may not contain '/' or control characters")
         if value in (".", ".."):
             raise ValueError("a session id may not be '.' or '..': a DELETE could not name "
                              "it (clients normalise the path)")
@@ -241,18 +244,37 @@ def _describe(error: ValidationError) -> tuple[str, str]:
     if first["type"] == "model_type":
         message = "input should be a JSON object"
     else:
-        message = first["msg"][:1].lower() + first["msg"][1:]  # type names keep their case
+        message = first["msg"].removeprefix("Value error, ")  # a validator's own words
+        message = message[:1].lower() + message[1:]  # type names keep their case
     shown = _as_json(first.get("input"))
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return f"field '{loc}': {message} (got {shown})", loc
 
 
 def _as_json(value: Any) -> str:
-    """The value as the client wrote it (true, null, ["a", 1]), not as Python shows it."""
+    """The value as the client wrote it (true, null, ["a", 1]), not as Python shows it, with
+    invisible characters (control, format, lone surrogates) escaped so a message shows them
+    (a DEL was printed raw: "got "ab"")."""
     try:
-        return json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(value)
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in _INVISIBLE else c
+                   for c in text)
+
+
+_INVISIBLE = ("Cc", "Cf", "Cs")
+
+
+def check_session_id(session_id: str) -> None:
+    """A 400 naming the rule a session id in a path breaks (DELETE /v1/sessions/{id}), as
+    the request body's ``session.id`` is checked."""
+    try:
+        SessionRef(id=session_id)
+    except ValidationError as error:
+        message, _ = _describe(error)
+        raise bad_request(message.replace("field 'id'", "session id", 1),
+                          param="session_id") from None
 
 
 # The forms a union-typed field takes, by its name, for the message when none fits.
