@@ -64,15 +64,40 @@ def set_process_defaults() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# vLLM serving flags a command here does not take, and what does the same thing here.
+_VLLM_FLAG_HINTS = {
+    "--gpu-memory-utilization": "the KV cache is sized by --kv-cache-memory (e.g. 4GiB) or "
+                                "--num-kv-blocks",
+    "--tensor-parallel-size": "there is no tensor parallelism here; --data-parallel-size runs "
+                              "replicas",
+    "-tp": "there is no tensor parallelism here; --data-parallel-size runs replicas",
+    "--n": "one sequence per prompt offline; the server takes n in a request",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     set_process_defaults()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand, with what to give instead of a vLLM flag
+        names = [flag.split("=")[0] for flag in extra]
+        hints = [f"{name}: {_VLLM_FLAG_HINTS[name]}" for name in names
+                 if name in _VLLM_FLAG_HINTS]
+        _subparser(parser, args.command).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+            + (f" ({'; '.join(hints)})" if hints else ""))
     try:
         return int(args.run(args) or 0)
     except CLIError as error:
         print(f"kvserve {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
 
 
 if __name__ == "__main__":

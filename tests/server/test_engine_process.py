@@ -404,3 +404,24 @@ def test_a_503_says_whether_the_server_or_the_request_failed():
     engine = object.__new__(DataParallelEngine)  # its health, without starting replicas
     engine.replicas = [None, None]
     assert engine.health() == "every replica (2) is down (restarting)"
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_replicas_died(monkeypatch):
+    """A script building LLM(data_parallel_size=2) at import got "exited before it was
+    ready: EOFError()" and nothing more (QA): each spawned replica imports the main module
+    again. The error names the fix for a script, and stays quiet for commands that guard
+    themselves (kvserve, pytest) and for interactive sessions."""
+    import sys
+    import types
+
+    from kvserve.engine import engine_process
+
+    for path, hinted in (("/tmp/batch.py", True), (engine_process.__file__, False),
+                         ("/usr/lib/python3/site-packages/x.py", False), ("", False)):
+        main = types.ModuleType("__main__")
+        if path:
+            main.__file__ = path
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        hint = engine_process._main_guard_hint()
+        assert ('if __name__ == "__main__":' in hint and path in hint) == hinted, path
+        assert bool(hint) == hinted, path

@@ -104,10 +104,54 @@ def test_the_package_exports_vllms_two_names_lazily():
     ({"block_size": 0}, "block_size=0 is out of range"),
     ({"seed": 1 << 64}, "seed must be an integer in"),
     ({"max_queue_delay": 0}, "max_queue_delay=0 is out of range"),
+    ({"num_kv_blocks": 0}, r"num_kv_blocks must be an integer in \[1, "),
+    ({"kv_cache_memory": -1}, "kv_cache_memory must be >= 1 bytes"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory: 'lots' is not a size"),
+    ({"swap_space": -1}, "swap_space must be >= 0 bytes"),
+    ({"device": 3}, "device must be a name such as 'cpu' or 'cuda', got 3"),
+    ({"router": "random"}, "unknown router 'random'"),
+    ({"tokenizer": "no/such/file"}, "tokenizer: model path no/such/file does not exist"),
 ])
-def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, **kwargs)
+def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, monkeypatch):
+    """Refused at once, not after loading the model (QA: num_kv_blocks=0 took 4-16 s on the
+    bundled model; a string size and a device number failed inside with a TypeError)."""
+    import kvserve.engine.llm as llm_module
+
+    def no_load(*args, **kw):
+        raise AssertionError("the model was loaded before the setting was checked")
+
+    monkeypatch.setattr(llm_module, "load_model", no_load)
+    settings = {"tokenizer": tokenizer(), "num_kv_blocks": 8, **kwargs}
+    if "kv_cache_memory" in kwargs:
+        del settings["num_kv_blocks"]
+    from kvserve.model.loader import ModelNotFoundError
+
+    with pytest.raises((ValueError, ModelNotFoundError), match=needle):
+        LLM(TINY, **settings)
+
+
+def test_sizes_take_units_and_the_tokenizer_a_path_as_in_vllm():
+    from kvserve.model.loader import default_model_path
+
+    llm = LLM(TINY, tokenizer=str(default_model_path()), kv_cache_memory="1MiB",
+              swap_space="1MiB")
+    config = llm.engine.scheduler.cache_config
+    per_block = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4 * 16
+    assert config.num_blocks == (1 << 20) // per_block > 0
+    assert config.num_host_blocks == config.num_blocks
+    assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+
+
+def test_text_that_is_not_unicode_is_named_and_a_closed_llm_says_so(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the text is not valid UTF-8: "
+                                         r"character 3 \(after 'ok '\) is an undecodable"):
+        llm.generate(["fine", "ok \udcff"], use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        llm.chat([{"role": "user", "content": "\ud800"}], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("hi", use_tqdm=False)
 
 
 def test_a_vllm_gpu_argument_says_what_sizes_the_same_thing_here():

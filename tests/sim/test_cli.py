@@ -334,6 +334,13 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
     (["plan", "--trace", "t.jsonl", "--seed", "-1"], "argument --seed: must be >= 0"),
     (["workload", "gen", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["whatif", "rec", "--seed", "x"], "argument --seed: 'x' is not an integer"),
+    # named by the subcommand (it said "kvserve: error"), with what a vLLM flag is here
+    (["generate", "--prompt", "x", "-tp=2"],
+     "kvserve generate: error: unrecognized arguments: -tp=2 (-tp: there is no tensor "
+     "parallelism here; --data-parallel-size runs replicas)"),
+    (["serve", "--gpu-memory-utilization=0.9"], "kvserve serve: error: unrecognized "
+     "arguments: --gpu-memory-utilization=0.9 (--gpu-memory-utilization: the KV cache is "
+     "sized by --kv-cache-memory"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as info:

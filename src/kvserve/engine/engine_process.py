@@ -43,6 +43,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -303,6 +304,20 @@ class _PendingAdd:
     sent: float = field(default_factory=time.monotonic)
 
 
+def _main_guard_hint() -> str:
+    """Why a spawned engine process may die at once when started from a script: the child
+    imports the script's main module again, and without ``if __name__ == "__main__":`` it
+    runs the script's LLM(...) again, which multiprocessing refuses in a child."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or ""
+    if not path.endswith(".py") or "site-packages" in path or \
+            path.startswith(os.path.dirname(os.path.dirname(__file__))):
+        return ""  # interactive, python -c, or a command (kvserve, pytest) that guards itself
+    return (f"; if {main.__file__} builds the LLM or server at import, put that under "
+            "`if __name__ == \"__main__\":` (engine processes are spawned: each imports "
+            "the main module again, as with any Python multiprocessing)")
+
+
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine, or never said it was ready."""
 
@@ -447,7 +462,7 @@ class ProcessEngine:
         except (EOFError, OSError) as error:
             self._kill()
             raise EngineStartError(f"the engine process exited before it was ready: "
-                                   f"{error!r}") from None
+                                   f"{error!r}{_main_guard_hint()}") from None
         except EngineStartError:
             self._kill()
             raise

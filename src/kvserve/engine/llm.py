@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import gc
@@ -28,10 +29,12 @@ from kvserve.core import (
     Scheduler,
     SchedulerConfig,
 )
-from kvserve.core.config import DEFAULT_BLOCK_SIZE
+from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
+from kvserve.core.router import ROUTER_POLICIES
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
+from kvserve.flags import parse_bytes
 from kvserve.model import paged_kernel
 from kvserve.model.attention import invariant_paged_attention, paged_attention
 from kvserve.model.config import ModelConfig
@@ -115,7 +118,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  prefix_caching_hash_algo: str = "blake2b",
                  preemption_prices: Any | None = None,
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
-                 tokenizer: Tokenizer | None = None, batch_invariant: bool = False,
+                 tokenizer: Tokenizer | str | Path | None = None,
+                 batch_invariant: bool = False,
                  quantization: str | None = None, **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
 
@@ -126,8 +130,11 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     (:mod:`kvserve.model.device`, docs/device.md); logged likewise. The CPU kernels' options
     (``batch_invariant``, ``quantization``) are refused on a GPU.
     ``scheduler_settings`` are SchedulerConfig fields; unknown ones raise ConfigError.
-    ``tokenizer`` overrides the model's own (e.g. a tiny random ModelConfig in tests, given
-    the bundled tokenizer so it can take text).
+    ``tokenizer`` overrides the model's own: a Tokenizer, or a path (a tokenizer.json, a
+    directory holding one, or a GGUF), as vLLM's ``tokenizer=`` (e.g. a tiny random
+    ModelConfig in tests, given the bundled tokenizer so it can take text).
+    ``kv_cache_memory`` and ``swap_space`` are bytes, or sizes as the flags take them
+    ("1GiB"; vLLM's ``swap_space`` is GiB: give "4GiB" for its 4).
 
     The host KV tier (docs/preemption.md) holds ``num_host_blocks`` blocks, or as many as
     ``swap_space`` bytes hold (``--swap-space``). Under ``preemption_mode="auto"`` the
@@ -145,6 +152,17 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     """
     check_quantization(quantization)
     _check_keywords(scheduler_settings)
+    kv_cache_memory = _size(kv_cache_memory, "kv_cache_memory", minimum=1)
+    swap_space = _size(swap_space, "swap_space", minimum=0)
+    _check_count(num_kv_blocks, "num_kv_blocks", 1, MAX_BLOCKS)
+    _check_count(num_host_blocks, "num_host_blocks", 0, MAX_HOST_BLOCKS)
+    if isinstance(tokenizer, (str, Path)):  # a path, as vLLM's tokenizer= takes one
+        from kvserve.model.loader import ModelNotFoundError
+        from kvserve.model.tokenizer import load_tokenizer
+        try:
+            tokenizer = load_tokenizer(tokenizer)
+        except ModelNotFoundError as error:
+            raise ModelNotFoundError(f"tokenizer: {error}") from None
     CacheConfig(num_blocks=1, block_size=block_size)  # a bad block size, before any load
     if isinstance(seed, bool) or not isinstance(seed, int) or \
             not -(1 << 63) <= seed < 1 << 64:
@@ -207,6 +225,31 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+def _size(value: Any, name: str, minimum: int) -> int | None:
+    """A byte count given as an integer or a size ("1GiB"); ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"{name}: {error}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be bytes (an integer) or a size like '1GiB', got "
+                         f"{value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
+    return value
+
+
+def _check_count(value: Any, name: str, low: int, high: int) -> None:
+    """An integer in [low, high], or None; ValueError naming ``name``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
 # vLLM's GPU arguments and what sizes the same thing here.
@@ -277,10 +320,17 @@ class LLM:
                  **engine_args: Any) -> None:
         self._ids = itertools.count()
         self.replicas: ReplicatedEngines | None = None
+        self._closed = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
                 or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{data_parallel_size!r}")
+        if router not in ROUTER_POLICIES:  # with one replica too: a typo is a typo
+            raise ValueError(f"unknown router {router!r}; choose from "
+                             f"{', '.join(ROUTER_POLICIES)}")
+        if data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"unknown data_parallel_backend {data_parallel_backend!r}; "
+                             "choose mp or ray")
         self._engine: Engine | None = None
         if data_parallel_size == 1:
             self._engine = build_engine(model, **engine_args)
@@ -310,6 +360,9 @@ class LLM:
         batch. ``sampling_params`` is one for all, or one per prompt. A prompt or a setting
         that is refused raises before any prompt runs, and leaves nothing queued.
         """
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() or its with block ended); make "
+                               "another")
         batch = _as_batch(prompts)
         params = _params_for(sampling_params, len(batch))
         if self.replicas is not None:
@@ -347,7 +400,9 @@ class LLM:
         return self.generate(conversations, sampling_params, use_tqdm)  # type: ignore
 
     def close(self) -> None:
-        """Stop the data-parallel replicas, if any (idempotent)."""
+        """Stop the data-parallel replicas, if any (idempotent); the LLM takes no more
+        prompts."""
+        self._closed = True
         if self.replicas is not None:
             self.replicas.close()
 
@@ -407,11 +462,15 @@ def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> 
 def _own_tokenizer(model: str | Path | ModelConfig | None,
                    engine_args: dict[str, Any]) -> Tokenizer | None:
     """The tokenizer the replicas will use, loaded here too (prompts are tokenized here)."""
-    if engine_args.get("tokenizer") is not None:
-        return engine_args["tokenizer"]
+    from kvserve.model.tokenizer import load_tokenizer
+
+    given = engine_args.get("tokenizer")
+    if isinstance(given, (str, Path)):  # a path (build_engine loads it in each replica)
+        return load_tokenizer(given)
+    if given is not None:
+        return given
     if isinstance(model, ModelConfig):
         return None
-    from kvserve.model.tokenizer import load_tokenizer
     return load_tokenizer(model)
 
 

@@ -21,6 +21,8 @@ def resolve_device(name: str | torch.device) -> tuple[torch.device, str]:
     (an unknown name, or a CUDA device this torch does not see)."""
     if isinstance(name, torch.device):
         name = str(name)
+    if not isinstance(name, str):
+        raise ValueError(f"device must be a name such as 'cpu' or 'cuda', got {name!r}")
     if not is_device_name(name):
         raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)} "
                          "(or cuda:N)")

@@ -19,7 +19,8 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, dtype: torch.dty
     num_blocks = memory_bytes // per_block
     if num_blocks < 1:
         raise ValueError(f"{what} of {memory_bytes} bytes holds no block: one block of "
-                         f"{block_size} tokens needs {per_block} bytes")
+                         f"{block_size} tokens needs {per_block} bytes (sizes are bytes: "
+                         "give '4GiB' for 4 GiB)")
     return int(num_blocks)
 
 

@@ -197,8 +197,19 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in ``text`` (``<|im_start|>``) always map to their ids;
-        ``add_special_tokens`` adds BOS only where the model's tokenizer asks for it."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ``add_special_tokens`` adds BOS only where the model's tokenizer asks for it.
+        ValueError for text that is not Unicode (a lone surrogate: bytes that were not UTF-8,
+        read with ``surrogateescape`` as a command line is)."""
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None) \
+                if isinstance(text, str) else None
+            if at is None:
+                raise
+            after = f" (after {text[max(0, at - 10):at]!r})" if at else ""
+            raise ValueError(f"the text is not valid UTF-8: character {at}{after} is an "
+                             "undecodable byte or a lone surrogate") from None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
