@@ -129,3 +129,21 @@ def test_a_recorded_turn_extends_the_turn_before_as_its_client_sent_it():  # U4
     assert aggregate(result)["sessions"]["session_fallbacks"] == 0
     # a's prompt and answer held (the EOS after it never computed), as the server held them
     assert by_id(result)["b"].metrics.num_cached_tokens == 40 + 8
+
+
+def test_simulate_prints_the_session_figures(tmp_path, capsys):  # U2 U6
+    """They were in the --report JSON only (QA)."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "chat.jsonl"
+    assert main(["workload", "gen", "-n", "12", "--rate", "2", "--turns", "fixed:3",
+                 "--sessions", "--seed", "1", "--prompt-len", "fixed:64",
+                 "--output-len", "fixed:8", "--output", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--max-session-kv", "0.5",
+                 "--cost-model", "unit"]) == 0
+    out = capsys.readouterr().out
+    assert "session hits" in out and "8 turns" in out, out
+    assert "sessions held at end" in out
+    assert main(["simulate", "--trace", str(trace), "--cost-model", "unit"]) == 0
+    assert "session hits" not in capsys.readouterr().out  # sessions off: no rows

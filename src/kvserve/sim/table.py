@@ -34,6 +34,18 @@ def _host_tier_rows(a: dict) -> list[tuple[str, str]]:
                                  f"blocks ({a['swapped_out_bytes'] / 2**30:.2f} GiB out)")]
 
 
+def _session_rows(sessions: dict[str, Any]) -> list[tuple[str, str]]:
+    """With --max-session-kv: turns started from held KV and why holds ended (the figures
+    were in the --report JSON only)."""
+    if "session_hits" not in sessions:
+        return []
+    releases = ", ".join(f"{k} {v}" for k, v in sorted(sessions["session_releases"].items()))
+    return [("session hits", f"{sessions['session_hits']} turns, "
+                             f"{sessions['session_hit_tokens']:,} tokens not prefilled"),
+            ("session releases", releases or "none"),
+            ("sessions held at end", str(sessions["sessions_held_at_end"]))]
+
+
 def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
                     wall_seconds: float | None = None) -> None:
     from rich.table import Table
@@ -58,6 +70,7 @@ def print_aggregate(aggregate: dict[str, Any], title: str, file: Any = None,
         ("prefix hit rate", fmt_pct(a["prefix_hit_rate"])),
         ("KV usage peak / mean", f"{fmt_pct(a['kv_usage_peak'])} / "
                                  f"{fmt_pct(a['kv_usage_mean'])}"),
+        *_session_rows(a.get("sessions") or {}),
     ]
     for name, value in rows:
         summary.add_row(name, value)
