@@ -72,3 +72,19 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
 def test_the_data_parallel_size_is_checked():
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         LLM(TINY, data_parallel_size=0, **settings())
+
+
+def test_bad_settings_are_refused_before_any_replica_starts(monkeypatch):
+    """With two replicas a bad setting was an EngineStartError (a RuntimeError) after both
+    processes had started and died; one engine raises a ValueError at once (QA)."""
+    import kvserve.engine.llm as llm_module
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("replicas were started for settings that cannot run")
+
+    monkeypatch.setattr(llm_module, "ReplicatedEngines", no_spawn)
+    for settings, needle in (({"block_size": 0}, "block_size=0 is out of range"),
+                             ({"num_kv_blocks": 0}, "num_kv_blocks must be an integer"),
+                             ({"max_num_seqz": 4}, r"unknown argument\(s\) max_num_seqz")):
+        with pytest.raises(ValueError, match=needle):
+            LLM(TINY, tokenizer=tokenizer(), data_parallel_size=2, **settings)

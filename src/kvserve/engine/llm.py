@@ -120,8 +120,11 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | str | Path | None = None,
                  batch_invariant: bool = False,
-                 quantization: str | None = None, **scheduler_settings: Any) -> Engine:
+                 quantization: str | None = None, _check_only: bool = False,
+                 **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
+    (``_check_only``: raise what these arguments would raise before the model loads, and
+    return None: :func:`check_engine_args`.)
 
     ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
     computes it natively, else float32 (:mod:`kvserve.model.dtype`; a ModelConfig, random
@@ -178,10 +181,14 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                                **scheduler_settings})
     torch_device, where = resolve_device(device)
     check_device_options(torch_device, batch_invariant, quantization)
-    logger.info("device %s (%s)", torch_device, where)
     stored = "float32" if isinstance(model, ModelConfig) or dtype != "auto" \
         else checkpoint_dtype(model)
     torch_dtype, why = resolve_dtype(dtype, stored, device=torch_device)
+    if batch_invariant:
+        check_batch_invariant(torch_dtype)
+    if _check_only:  # check_engine_args: nothing is built
+        return None  # type: ignore[return-value]
+    logger.info("device %s (%s)", torch_device, where)
     logger.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     if torch_device.type != "cpu":
         logger.info("%s", describe_device(torch_device))
@@ -192,7 +199,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         for line in boot_lines(kernel_report(), torch_dtype, quantization):  # CPU, ISA, ops
             logger.info("%s", line)
     if batch_invariant:
-        check_batch_invariant(torch_dtype)
         logger.info("batch-invariant: projections by %s, attention per query row in whole "
                     "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
@@ -252,6 +258,14 @@ def _check_count(value: Any, name: str, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
+def check_engine_args(model: str | Path | ModelConfig | None = None,
+                      **engine_args: Any) -> None:
+    """Raise what :func:`build_engine` would raise for these arguments before it loads the
+    model (ConfigError, ValueError, ModelNotFoundError), loading nothing: data-parallel
+    replicas are started only for arguments every one of them will take."""
+    build_engine(model, **engine_args, _check_only=True)
+
+
 # vLLM's GPU arguments and what sizes the same thing here.
 _GPU_ARGUMENTS = {"gpu_memory_utilization": "kv_cache_memory (bytes) or num_kv_blocks",
                   "num_gpu_blocks_override": "num_kv_blocks",
@@ -265,7 +279,7 @@ def _check_keywords(settings: dict[str, Any]) -> None:
     import inspect
 
     own = [name for name, parameter in inspect.signature(build_engine).parameters.items()
-           if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+           if parameter.kind is inspect.Parameter.KEYWORD_ONLY and not name.startswith("_")]
     fields = [f.name for f in dataclasses.fields(SchedulerConfig)]
     unknown = sorted(set(settings) - set(fields))
     if not unknown:
@@ -336,6 +350,7 @@ class LLM:
             self._engine = build_engine(model, **engine_args)
             self.tokenizer = self._engine.tokenizer
             return
+        check_engine_args(model, **engine_args)  # as one engine raises, before any spawn
         self.tokenizer = _own_tokenizer(model, engine_args)
         self.replicas = ReplicatedEngines(
             model, engine_args, self.tokenizer, size=data_parallel_size,
