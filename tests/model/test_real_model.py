@@ -120,7 +120,7 @@ def test_generate_cli_prints_the_answer_and_refuses_bad_input():
      "max_model_len 100000 is longer than this model's context (max_position_embeddings "
      "8192); give --max-model-len 8192 or less"),
     (["/nonexistent/model.gguf", "--prompt", "hi"],
-     "GGUF file /nonexistent/model.gguf does not exist"),
+     "model path /nonexistent/model.gguf does not exist"),
     (["--prompt", "hi", "--block-size", "0"], "block_size=0 is out of range"),
     (["--prompt", "hi", "--max-queue-delay", "0"], "max_queue_delay=0.0 is out of range"),
 ])

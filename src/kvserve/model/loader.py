@@ -103,6 +103,8 @@ def load_model_weights(path: str | Path | None, dtype: torch.dtype = torch.float
 def model_config_from_path(path: str | Path | None) -> ModelConfig:
     """The config alone (no tensors read), for the paths ``load_model_weights`` takes."""
     resolved = default_model_path() if path is None else Path(path)
+    if not resolved.exists():
+        raise ModelNotFoundError(f"model path {resolved} does not exist")
     if resolved.is_dir():
         config_path = resolved / "config.json"
         if not config_path.is_file():
@@ -110,7 +112,5 @@ def model_config_from_path(path: str | Path | None) -> ModelConfig:
         return model_config_from_hf(json.loads(config_path.read_text()), name=resolved.name)
     if resolved.suffix.lower() == ".gguf":
         return model_config_from_gguf(resolved)
-    if not resolved.exists():
-        raise ModelNotFoundError(f"model path {resolved} does not exist")
     raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "
                                 "with config.json and *.safetensors")

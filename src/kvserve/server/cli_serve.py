@@ -181,7 +181,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.core import ConfigError
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine_process import EngineStartError
-    from kvserve.engine.llm import build_engine
+    from kvserve.engine.llm import build_engine, check_engine_args
     from kvserve.flags import CLIError, engine_args
     from kvserve.server.auth import (
         KeyFileError,
@@ -265,6 +265,8 @@ def build_state(args: argparse.Namespace,
         before_engine()
     serving: Any
     try:
+        if parallel or args.engine_process:  # refused here, before any process starts
+            check_engine_args(args.model, **build_args)
         if parallel:
             serving = _data_parallel(args, build_args, step_timeout)
         elif args.engine_process:
