@@ -60,7 +60,8 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
         with pytest.raises(AttributeError, match="no single engine"):
             _ = llm.engine
         # refused by a replica (longer than max_model_len): the others are aborted
-        with pytest.raises(Exception, match="max_model_len is 256"):
+        with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt of 300 tokens .*"
+                                             "max_model_len is 256"):
             llm.generate([prompts[0], [9] * 300, prompts[2]], params[:3], use_tqdm=False)
         wait_for(lambda: pools_whole(llm), what="both pools whole after the refusal")
         # the same replicas go on: the same answers, new request ids

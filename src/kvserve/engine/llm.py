@@ -389,8 +389,8 @@ class LLM:
                 try:
                     request = self.engine.add_request(request_id, prompt, param)
                 except ValueError as error:  # named by its place in the batch, not its id
-                    message = str(error).replace(f"request {request_id} ", "")
-                    raise type(error)(f"prompts[{index}]: {message}") from None
+                    raise type(error)(f"prompts[{index}]: {_without_id(error, request_id)}"
+                                      ) from None
                 results[request_id] = GenerationResult(request_id,
                                                        list(request.prompt_token_ids))
             self._run(results, use_tqdm)
@@ -472,6 +472,15 @@ def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> 
         result.metrics = chunk.metrics
         if progress is not None:
             progress.update(1)
+
+
+def _without_id(error: Exception, request_id: str) -> str:
+    """An error's message without the internal request id it names (the caller knows the
+    prompt by its place in the batch)."""
+    message = str(error)
+    for prefix in (f"request {request_id}: ", f"request {request_id} "):
+        message = message.replace(prefix, "")
+    return message
 
 
 def _own_tokenizer(model: str | Path | ModelConfig | None,

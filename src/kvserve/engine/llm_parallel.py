@@ -61,12 +61,17 @@ class ReplicatedEngines:
                    on_chunk: Callable[[CompletionChunk], None]) -> None:
         added = await asyncio.gather(*(self.engine.add_requests([item]) for item in items),
                                      return_exceptions=True)
-        failed = [result for result in added if isinstance(result, BaseException)]
+        failed = [(index, result) for index, result in enumerate(added)
+                  if isinstance(result, BaseException)]
         streams = [result for result in added if not isinstance(result, BaseException)]
         if failed:
             for stream in streams:
                 stream.cancel()
-            raise failed[0]
+            index, error = failed[0]
+            if isinstance(error, ValueError):  # named by its place in the batch, as at N=1
+                message = str(error).replace(f"request {items[index][0]}: ", "")
+                error.args = (f"prompts[{index}]: {message}",)  # its other fields kept
+            raise error
 
         async def drain(stream: RequestStream) -> None:
             async for chunk in stream:
