@@ -313,7 +313,7 @@ def _main_guard_hint() -> str:
     if not path.endswith(".py") or "site-packages" in path or \
             path.startswith(os.path.dirname(os.path.dirname(__file__))):
         return ""  # interactive, python -c, or a command (kvserve, pytest) that guards itself
-    return (f"; if {main.__file__} builds the LLM or server at import, put that under "
+    return (f"; if {path} builds the LLM or server at import, put that under "
             "`if __name__ == \"__main__\":` (engine processes are spawned: each imports "
             "the main module again, as with any Python multiprocessing)")
 
