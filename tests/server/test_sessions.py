@@ -5,6 +5,8 @@ a turn that does not extend its session replaces it, DELETE /v1/sessions/{id} re
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -251,3 +253,36 @@ def test_session_ids_are_checked_alike_in_a_body_and_in_a_delete():  # U1 U8
             error = response.json()["error"]
             assert error["message"].startswith("session id: ") and words in error["message"]
         assert httpx.delete(live.url + "/v1/sessions/fine", timeout=30).status_code == 404
+
+
+def test_return_token_ids_gives_what_a_session_turn_sends_back():  # U3, vLLM's field
+    """A chat answer sent back as text may not tokenize to the ids the model produced, and
+    the turn then replaced its session (QA); with vLLM's return_token_ids the client sends
+    back the exact ids, and the next turn starts from the held KV."""
+    with LiveServer(max_model_len=512, num_kv_blocks=64, max_session_kv=0.5) as live:
+        base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        response = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            **base, "messages": [{"role": "user", "content": "hello there"}],
+            "session": {"id": "ids"}})
+        body = response.json()
+        prompt, answer = body["prompt_token_ids"], body["choices"][0]["token_ids"]
+        assert len(prompt) == body["usage"]["prompt_tokens"] and len(answer) == 6
+        turn = post(live, {**base, "prompt": [*prompt, *answer, 11, 12, 13],
+                           "session": {"id": "ids"}})
+        choice = turn.json()["choices"][0]
+        assert choice["kvserve"]["prefix_hit_tokens"] == len(prompt) + 6 - 1  # a session hit
+        assert choice["prompt_token_ids"] == [*prompt, *answer, 11, 12, 13]
+        # streamed: the choice's first chunk carries the prompt's ids, each chunk its own
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json={
+                **base, "prompt": [5, 6, 7], "stream": True}) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines()
+                      if line.startswith("data: {")]
+        chunks = [event["choices"][0] for event in events]
+        assert chunks[0]["prompt_token_ids"] == [5, 6, 7]
+        assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+        streamed = [t for chunk in chunks for t in chunk["token_ids"]]
+        alone = post(live, {**base, "prompt": [5, 6, 7]}).json()["choices"][0]["token_ids"]
+        assert streamed == alone and len(alone) == 6
+        plain = post(live, {"prompt": [5, 6, 7], "max_tokens": 2}).json()["choices"][0]
+        assert "token_ids" not in plain and "prompt_token_ids" not in plain

@@ -86,7 +86,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             params = base if base.seed is None or sample == 0 else \
                 replace_seed(base, base.seed + sample)
-            choices.append(Choice(index, sub_id, len(prompt)))
+            choices.append(Choice(index, sub_id, len(prompt), prompt_token_ids=prompt))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
     state.hold_ids(request_id, [choice.request_id for choice in choices])
@@ -196,6 +196,7 @@ class _Generation:
         choice = self.choices[chunk.request_id]
         choice.text += chunk.new_text
         choice.num_output_tokens += len(chunk.new_token_ids)
+        choice.token_ids += chunk.new_token_ids
         if chunk.logprobs:
             choice.logprobs += list(zip(chunk.new_token_ids, chunk.logprobs, strict=False))
         if chunk.finished:
@@ -227,6 +228,8 @@ class _Generation:
             "choices": [self._full_choice(c) for c in choices],
             "usage": usage(choices, self.num_prompt_tokens),
             "kvserve": kvserve_total(self.request_id, choices)}
+        if self.chat and self.req.return_token_ids:  # one prompt: on the response, as vLLM
+            body["prompt_token_ids"] = choices[0].prompt_token_ids
         return JSONResponse(body, headers={"X-Request-Id": self.request_id})
 
     async def _collect(self) -> None:
@@ -238,6 +241,7 @@ class _Generation:
             except StreamRestarted:  # placed again on another replica: start over
                 for choice in self.choices.values():
                     choice.text, choice.num_output_tokens, choice.logprobs = "", 0, []
+                    choice.token_ids = []
                     choice.finish_reason = choice.stop_reason = choice.metrics = None
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
@@ -249,6 +253,10 @@ class _Generation:
         out["logprobs"] = self._logprobs(choice.logprobs) if choice.logprobs else None
         out["finish_reason"] = choice.finish_reason
         out["stop_reason"] = choice.stop_reason
+        if self.req.return_token_ids:
+            if not self.chat:
+                out["prompt_token_ids"] = choice.prompt_token_ids
+            out["token_ids"] = choice.token_ids
         out["kvserve"] = kvserve_ext(choice.request_id, choice.metrics)
         return out
 
@@ -283,7 +291,10 @@ class _Generation:
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
         if self.chat:
             for choice in sorted(self.choices.values(), key=lambda c: c.index):
-                yield sse(self._chunk(choice, {"role": "assistant", "content": ""}, None))
+                data = self._chunk(choice, {"role": "assistant", "content": ""}, None)
+                if self.req.return_token_ids:
+                    data["prompt_token_ids"] = choice.prompt_token_ids
+                yield sse(data)
         yield self._event(first)
         try:
             async for chunk in self.stream:
@@ -313,6 +324,11 @@ class _Generation:
             logprobs = self._logprobs(entries, choice.text_offsets)
         payload = {"content": chunk.new_text} if self.chat else chunk.new_text
         data = self._chunk(choice, payload, logprobs)
+        if self.req.return_token_ids:
+            entry = data["choices"][0]
+            if not self.chat and len(choice.token_ids) == len(chunk.new_token_ids):
+                entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
+            entry["token_ids"] = chunk.new_token_ids
         if chunk.finished:
             data["choices"][0]["finish_reason"] = chunk.finish_reason
             data["choices"][0]["stop_reason"] = chunk.stop_reason

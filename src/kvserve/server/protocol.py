@@ -84,6 +84,9 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: the response carries the prompt's and each choice's token ids (what a session
+    # turn should send back, docs/sessions.md)
+    return_token_ids: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)

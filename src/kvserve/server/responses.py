@@ -27,6 +27,8 @@ class Choice:
     metrics: RequestMetrics | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     text_offsets: TextOffsets | None = None  # a stream's, as its chunks go out
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the output's, the last one included
 
 
 def kvserve_ext(request_id: str, metrics: RequestMetrics | None) -> dict[str, Any]:
