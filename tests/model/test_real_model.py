@@ -122,6 +122,9 @@ def test_generate_cli_prints_the_answer_and_refuses_bad_input():
     (["/nonexistent/model.gguf", "--prompt", "hi"],
      "model path /nonexistent/model.gguf does not exist"),
     (["--prompt", "hi", "--block-size", "0"], "block_size=0 is out of range"),
+    # bytes that are not UTF-8 reach argv as lone surrogates (QA: a TypeError traceback)
+    (["--prompt", "ok \udcff"], "prompt 1: the text is not valid UTF-8: character 3 "
+                                "(after 'ok ') is an undecodable byte or a lone surrogate"),
     (["--prompt", "hi", "--max-queue-delay", "0"], "max_queue_delay=0.0 is out of range"),
 ])
 def test_generate_refuses_bad_input_before_loading_the_model(capsys, argv, message):

@@ -51,9 +51,14 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
         prompts += [line for line in sys.stdin.read().splitlines() if line] if prompt == "-" \
             else [prompt]
     from kvserve.flags import CLIError
+    from kvserve.model.tokenizer import text_problem
 
     if not prompts:
         raise CLIError("give at least one --prompt")
+    for number, prompt in enumerate(prompts, 1):  # before the model loads, not after
+        problem = text_problem(prompt)
+        if problem is not None:
+            raise CLIError(f"prompt {number}: {problem}")
     empty = next((i for i, p in enumerate(prompts) if not p), None)
     if empty is not None and not args.chat:  # a chat's template has tokens of its own
         raise CLIError(f"prompt {empty + 1} is empty: a completion needs at least one token")

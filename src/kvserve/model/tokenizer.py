@@ -203,13 +203,10 @@ class Tokenizer:
         try:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
-            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None) \
-                if isinstance(text, str) else None
-            if at is None:
+            problem = text_problem(text) if isinstance(text, str) else None
+            if problem is None:
                 raise
-            after = f" (after {text[max(0, at - 10):at]!r})" if at else ""
-            raise ValueError(f"the text is not valid UTF-8: character {at}{after} is an "
-                             "undecodable byte or a lone surrogate") from None
+            raise ValueError(problem) from None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -256,6 +253,17 @@ class Tokenizer:
         if token_id is None:
             return ""
         return self._tokenizer.id_to_token(token_id) or ""
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized, or None: a lone surrogate (bytes that were not UTF-8,
+    read with ``surrogateescape`` as a command line is)."""
+    at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if at is None:
+        return None
+    after = f" (after {text[max(0, at - 10):at]!r})" if at else ""
+    return (f"the text is not valid UTF-8: character {at}{after} is an undecodable byte or "
+            "a lone surrogate")
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
