@@ -158,3 +158,11 @@ def test_a_vllm_gpu_argument_says_what_sizes_the_same_thing_here():
     with pytest.raises(ValueError, match=r"unknown argument\(s\) gpu_memory_utilization "
                                          r"\(gpu_memory_utilization: give kv_cache_memory"):
         LLM(TINY, tokenizer=tokenizer(), gpu_memory_utilization=0.5)
+
+
+def test_a_result_reads_as_vllms_request_output(llm):
+    result = llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    sequence = result.outputs[0]  # vLLM's RequestOutput.outputs[0] (QA: AttributeError)
+    assert (sequence.text, sequence.token_ids, sequence.finish_reason) == \
+        (result.text, result.token_ids, "length")
+    assert len(result.outputs) == 1 and result.prompt_token_ids

@@ -64,6 +64,12 @@ class GenerationResult:
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
+    @property
+    def outputs(self) -> list[GenerationResult]:
+        """vLLM's ``RequestOutput.outputs``: the one sequence, so a script ported from vLLM
+        reads ``result.outputs[0].text`` (and ``token_ids``, ``finish_reason``) as it did."""
+        return [self]
+
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
                load_format: str = "auto", seed: int = 0, batch_invariant: bool = False,
