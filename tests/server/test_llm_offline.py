@@ -149,9 +149,10 @@ def test_text_that_is_not_unicode_is_named_and_a_closed_llm_says_so(llm):
     with pytest.raises(ValueError, match="not valid UTF-8"):
         llm.chat([{"role": "user", "content": "\ud800"}], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    llm.close()
+    closed = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8)  # the fixture is shared
+    closed.close()
     with pytest.raises(RuntimeError, match="this LLM is closed"):
-        llm.generate("hi", use_tqdm=False)
+        closed.generate("hi", use_tqdm=False)
 
 
 def test_a_vllm_gpu_argument_says_what_sizes_the_same_thing_here():
