@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The engine on a GPU (``--device cuda``, docs/device.md): correctness against the CPU's
-torch path, preemption (recompute and swap) on the device, W1/W2 offline throughput, and the
-server (one engine process, then two data-parallel replicas) answering on 127.0.0.1.
+torch path, preemption (recompute and swap) on the device, W1/W2 offline throughput, a quick
+``kvserve calibrate`` (the simulator's cost model of the GPU), and the server (one engine
+process, then two data-parallel replicas) answering on 127.0.0.1.
 
 Made for a lent machine with little time on it, so it runs as one command. The bundled GGUF
 (98 MB) is too large to take along, so the check runs the bundled model's shapes and
@@ -203,6 +204,13 @@ def main() -> int:
                                   **settings)
             note(f"{workload}_{dtype}", info)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    calibration = args.out / "device_calibration.json"  # the simulator's model of this GPU
+    done = subprocess.run([sys.executable, "-m", "kvserve", "calibrate", args.model,
+                           "--load-format", "dummy", "--device", args.device, "--quick",
+                           "--output", str(calibration)], capture_output=True, text=True,
+                          timeout=300)
+    note("calibrate", {"rc": done.returncode, "out": done.stdout[-1500:],
+                       "err": done.stderr[-800:]})
     note("serve", serve_check(args.model, args.device, 8000, []))
     note("serve_dp2", serve_check(args.model, args.device, 8001, ["--data-parallel-size", "2"]))
     return 0

@@ -217,7 +217,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights, activations and KV cache; auto (default): the model's "
                              "own, bfloat16 for the bundled model, where this CPU computes "
-                             "bf16 natively (AMX or AVX512-BF16), else float32")
+                             "bf16 natively (AMX or AVX512-BF16) and on a GPU, else float32")
     parser.add_argument("--device", default="auto", type=parse_device,
                         help="where the model and KV cache run: cpu, cuda (or cuda:N; plain "
                              "torch ops on an NVIDIA GPU, docs/device.md); auto (default): "
