@@ -131,6 +131,24 @@ def test_a_recorded_turn_extends_the_turn_before_as_its_client_sent_it():  # U4
     assert by_id(result)["b"].metrics.num_cached_tokens == 40 + 8
 
 
+def test_a_recorded_turn_that_edits_the_conversation_is_not_chained():  # U3
+    """A turn whose leading blocks are not the turn before's (an earlier message edited)
+    replaced its session on the server; written over the turn before, its replay extended
+    the session instead and diverged from the recording."""
+    from kvserve.sim.prompt_draws import SessionChains
+
+    a = req("a", 40, 8, session_id="s", prompt_hashes=("h1", "h2"), hash_block_size=16)
+    edited = req("e", 60, 4, arrival=5.0, session_id="s", prompt_hashes=("x1", "x2", "x3"),
+                 hash_block_size=16)
+    chains = SessionChains(seed=0)
+    chains.apply(a, a.synthesise_prompt(0))
+    prompt, _ = chains.apply(edited, edited.synthesise_prompt(0))
+    assert prompt == edited.synthesise_prompt(0)  # as drawn from its own hashes
+    result = simulate([a, edited], max_session_kv=0.5, enable_prefix_caching=False)
+    assert by_id(result)["e"].metrics.num_cached_tokens == 0
+    assert aggregate(result)["sessions"]["session_releases"] == {"replaced": 1}
+
+
 def test_simulate_prints_the_session_figures(tmp_path, capsys):  # U2 U6
     """They were in the --report JSON only (QA)."""
     from kvserve.cli import main

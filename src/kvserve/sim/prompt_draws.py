@@ -48,11 +48,16 @@ class SessionChains:
     prefilled everything the server had held) nor find the answer's blocks in the prefix
     cache. A turn of a session with hashed prompt (``session_id`` and ``prompt_hashes``)
     is therefore written over the turn before's ids and simulated answer, as long as its
-    prompt is at least that long; the rest of it, its new message, stays as drawn."""
+    prompt is at least that long and its leading block hashes are the turn before's prompt's
+    (its client sent that conversation on); the rest of it, its new message, stays as drawn.
+    A turn that is another version of the conversation (an edited earlier message) is not
+    chained: the server replaced the session with it (U3), and so does the replay."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._held: dict[tuple[str, str], list[int]] = {}  # (tenant, session) -> ids
+        # (tenant, session) -> the last turn's ids (prompt, simulated answer) and its
+        # prompt's block hashes
+        self._held: dict[tuple[str, str], tuple[list[int], tuple[str, ...]]] = {}
 
     def apply(self, request: TraceRequest, prompt: list[int]
               ) -> tuple[list[int], list[int] | None]:
@@ -61,12 +66,14 @@ class SessionChains:
         if request.session_id is None or request.prompt_hashes is None:
             return prompt, None
         key = (request.tenant, request.session_id)
-        held = self._held.get(key)
-        if held is not None and len(held) <= len(prompt):
-            prompt = held + prompt[len(held):]
+        hashes = tuple(request.prompt_hashes)
+        if key in self._held:
+            held, held_hashes = self._held[key]
+            if len(held) <= len(prompt) and hashes[:len(held_hashes)] == held_hashes:
+                prompt = held + prompt[len(held):]
         answer = stream_tokens(request.continuation_key(self.seed), len(prompt),
                                len(prompt) + request.output_len)
-        self._held[key] = prompt + answer
+        self._held[key] = (prompt + answer, hashes)
         return prompt, answer
 
 
