@@ -149,6 +149,27 @@ def test_a_recorded_turn_that_edits_the_conversation_is_not_chained():  # U3
     assert aggregate(result)["sessions"]["session_releases"] == {"replaced": 1}
 
 
+def test_a_recorded_regenerated_turn_hits_what_the_server_hit():  # U3 G2
+    """A regenerated turn (turn b sent again) replaced the session on the server and hit the
+    released blocks in its prefix cache; the replay drew its blocks from their hashes, not
+    as b's replay had sent them, hit nothing and diverged from the recording (QA)."""
+    from kvserve.sim.prompt_draws import SessionChains
+
+    a = req("a", 40, 8, session_id="s", prompt_hashes=("h1", "h2"), hash_block_size=16)
+    b = req("b", 60, 4, arrival=5.0, session_id="s", prompt_hashes=("h1", "h2", "h3"),
+            hash_block_size=16)
+    again = req("r", 60, 4, arrival=10.0, session_id="s", prompt_hashes=("h1", "h2", "h3"),
+                hash_block_size=16)
+    chains = SessionChains(seed=0)
+    chains.apply(a, a.synthesise_prompt(0))
+    prompt_b, _ = chains.apply(b, b.synthesise_prompt(0))
+    prompt_r, _ = chains.apply(again, again.synthesise_prompt(0))
+    assert prompt_r[:48] == prompt_b[:48] and prompt_r[48:] == again.synthesise_prompt(0)[48:]
+    result = simulate([a, b, again], max_session_kv=0.5)
+    assert by_id(result)["r"].metrics.num_cached_tokens == 48  # b's three full blocks
+    assert aggregate(result)["sessions"]["session_releases"] == {"replaced": 1}
+
+
 def test_simulate_prints_the_session_figures(tmp_path, capsys):  # U2 U6
     """They were in the --report JSON only (QA)."""
     from kvserve.cli import main

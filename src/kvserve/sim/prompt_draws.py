@@ -50,14 +50,18 @@ class SessionChains:
     is therefore written over the turn before's ids and simulated answer, as long as its
     prompt is at least that long and its leading block hashes are the turn before's prompt's
     (its client sent that conversation on); the rest of it, its new message, stays as drawn.
-    A turn that is another version of the conversation (an edited earlier message) is not
-    chained: the server replaced the session with it (U3), and so does the replay."""
+    A turn that is another version of the conversation (a regenerated answer, an edited
+    message) replaced the session on the server (U3), and does in the replay; its leading
+    blocks that an earlier turn of the session sent (hashes chain, so an equal hash is an
+    equal prefix) take the ids that turn was replayed with, so it hits the prefix cache
+    where the server's did."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         # (tenant, session) -> the last turn's ids (prompt, simulated answer) and its
-        # prompt's block hashes
+        # prompt's block hashes; and the ids each full prompt block was replayed with
         self._held: dict[tuple[str, str], tuple[list[int], tuple[str, ...]]] = {}
+        self._blocks: dict[tuple[str, str], dict[str, list[int]]] = {}
 
     def apply(self, request: TraceRequest, prompt: list[int]
               ) -> tuple[list[int], list[int] | None]:
@@ -67,10 +71,21 @@ class SessionChains:
             return prompt, None
         key = (request.tenant, request.session_id)
         hashes = tuple(request.prompt_hashes)
-        if key in self._held:
-            held, held_hashes = self._held[key]
-            if len(held) <= len(prompt) and hashes[:len(held_hashes)] == held_hashes:
-                prompt = held + prompt[len(held):]
+        size = request.hash_block_size
+        blocks = self._blocks.setdefault(key, {})
+        held, held_hashes = self._held.get(key, ([], ()))
+        if key in self._held and len(held) <= len(prompt) and \
+                hashes[:len(held_hashes)] == held_hashes:
+            prompt = held + prompt[len(held):]
+        else:  # a first turn, or another version: the blocks sent before, as sent then
+            prompt = list(prompt)
+            for index, block_hash in enumerate(hashes):
+                ids = blocks.get(block_hash)
+                if ids is None:
+                    break
+                prompt[index * size:(index + 1) * size] = ids
+        for index, block_hash in enumerate(hashes):
+            blocks[block_hash] = prompt[index * size:(index + 1) * size]
         answer = stream_tokens(request.continuation_key(self.seed), len(prompt),
                                len(prompt) + request.output_len)
         self._held[key] = (prompt + answer, hashes)
