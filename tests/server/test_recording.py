@@ -227,6 +227,35 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
     assert {r.tenant for r in recording.trace} == {"t1"}
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_write_error_stops_the_recording_and_says_why(tmp_path):
+    """A full disk killed the writer thread with a traceback while the status still said
+    it recorded, and every later line was lost in silence (QA). Now the recording stops,
+    its status says why, it will not start again there, and serving goes on."""
+    full = tmp_path / "full"
+    full.mkdir()
+    for name in ("trace-00000.jsonl", "steps-0-00000.jsonl"):
+        (full / name).symlink_to("/dev/full")  # every write: "No space left on device"
+    with LiveServer(num_kv_blocks=64, **SETTINGS) as live:
+        url = live.url
+        reply = httpx.post(url + "/admin/record/start", json={"dir": str(full)})
+        assert reply.status_code == 200 and reply.json()["recording"] is True
+        load(url, prompts(2), max_tokens=4)
+
+        def stopped() -> bool:
+            return "error" in httpx.get(url + "/admin/record").json()
+        wait_for(stopped, what="the recording to stop on its write error")
+        status = httpx.get(url + "/admin/record").json()
+        assert status["recording"] is False and "No space left on device" in status["error"]
+        again = httpx.post(url + "/admin/record/start", json={"dir": str(full)})
+        assert again.status_code == 400 and "stopped on a write error" in again.text
+        other = httpx.post(url + "/admin/record/start", json={"dir": str(tmp_path / "ok")})
+        assert other.status_code == 200 and other.json()["recording"] is True
+        load(url, prompts(1, seed=3), max_tokens=4)  # served and recorded there
+        assert httpx.post(url + "/admin/record/stop").status_code == 200
+    assert len(load_recording(tmp_path / "ok", warn=pytest.fail).trace) == 1
+
+
 def test_an_engine_process_is_recorded_where_arrivals_are_seen(tmp_path):
     """The engine in a process of its own: arrivals and steps come back in its step reports
     (one monotonic clock), and the replay still makes its decisions."""

@@ -71,7 +71,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 os.path.abspath(directory) == str(recorder.directory):
             directory = None  # the current recording's directory: a new segment there
         if directory is not None:
-            if recorder is not None and recorder.active:
+            if recorder is not None and recorder.active and recorder.error is None:
                 raise APIError(409, f"already recording into {recorder.directory}; stop it "
                                     "first", param="dir", code="recording_active")
             try:
@@ -81,7 +81,10 @@ def register(app: FastAPI, state: ServerState) -> None:
         if recorder is None:
             raise bad_request("no recording directory: send {\"dir\": PATH} (or serve with "
                               "--record DIR)", param="dir")
-        started = recorder.start(in_flight(state), cache_queries(state))
+        try:
+            started = recorder.start(in_flight(state), cache_queries(state))
+        except RecordingError as error:  # it stopped on a write error
+            raise bad_request(str(error), param="dir") from None
         return JSONResponse({**recorder.status(), "changed": started})
 
     @app.post("/admin/record/stop")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import queue
 import secrets
@@ -38,6 +39,7 @@ from kvserve.core.prefix_cache import prompt_block_hashes
 from kvserve.engine.core_loop import ABORTED, StepReport
 from kvserve.engine.engine import EngineInfo
 
+logger = logging.getLogger("kvserve.server")
 RECORDING_FORMAT = "kvserve-recording/1"
 MANIFEST = "recording.json"
 PROMPT_MODES = ("none", "hashes", "ids")
@@ -171,6 +173,7 @@ class Recorder:
             "settings": recorded_settings(info, num_engines, router), "segments": []}
         self.num_engines = num_engines
         self.active = False
+        self.error: str | None = None  # why the writer stopped the recording, if it did
         self._cache_queries_at_stop = 0  # the engines' prefix cache lookups when the last
         # segment stopped (start: was the cache touched outside the recording since?)
         self.num_requests = self.num_steps = 0
@@ -197,6 +200,9 @@ class Recorder:
         segment stopped (or than none, for the first) means requests outside the recording
         may have left blocks in the cache, which a replay starts without."""
         with self._lock:
+            if self.error is not None:
+                raise RecordingError(f"the recording into {self.directory} stopped on a write "
+                                     f"error ({self.error}); record into another directory")
             if self.active:
                 return False
             self.active = True
@@ -270,9 +276,12 @@ class Recorder:
             self._queue.put(report)
 
     def status(self) -> dict[str, Any]:
-        return {"recording": self.active, "directory": str(self.directory),
-                "record_prompts": self.prompts, "requests": self.num_requests,
-                "steps": self.num_steps}
+        status = {"recording": self.active, "directory": str(self.directory),
+                  "record_prompts": self.prompts, "requests": self.num_requests,
+                  "steps": self.num_steps}
+        if self.error is not None:
+            status["error"] = f"the recording stopped: {self.error}"
+        return status
 
     # -- the writer thread ----------------------------------------------------------------
 
@@ -286,16 +295,30 @@ class Recorder:
                     items.append(item)
             for entry in items:
                 if entry is None:
-                    self._flush_files(close=True)
+                    self._guarded(self._flush_files, close=True)
                     return
                 if isinstance(entry, threading.Event):
-                    self._flush_files()
+                    self._guarded(self._flush_files)
                     entry.set()
+                elif self.error is not None:
+                    continue  # the recording stopped on a write error: nothing more is kept
                 elif isinstance(entry, StepReport):
-                    self._record(entry)
+                    self._guarded(self._record, entry)
                 else:
-                    self._control(entry)
-            self._flush_files()
+                    self._guarded(self._control, entry)
+            self._guarded(self._flush_files)
+
+    def _guarded(self, write: Any, *args: Any, **kwargs: Any) -> None:
+        """``write`` on the writer thread; a write error (a full disk, a file gone) stops
+        the recording with one logged line and the reason in :meth:`status` (the thread died
+        with a traceback, and the status said it still recorded)."""
+        try:
+            write(*args, **kwargs)
+        except OSError as error:
+            if self.error is None:
+                self.error = f"{error.strerror or error} ({error.filename or self.directory})"
+                self.active = False
+                logger.error("recording into %s stopped: %s", self.directory, self.error)
 
     def _control(self, entry: tuple[Any, ...]) -> None:
         segments = self.manifest["segments"]
