@@ -82,12 +82,26 @@ def test_first_difference_names_the_first_decision_apart():
     (["--set", "max_num_seqs"], "write NAME=VALUE"),
     (["--set", "nonsense=1"], "cannot set 'nonsense'"),
     (["--set", "max_num_seqs=2", "--top", "0"], "--top must be >= 1"),
+    # named as the user wrote it (it said "num_blocks must be >= 1"; QA)
+    (["--set", "num_kv_blocks=-5"], "num_kv_blocks must be an integer in [1, "),
 ])
 def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
     directory = build(tmp_path / "rec")
     assert main(["whatif", str(directory), *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_swap_on_a_recording_without_a_host_tier_runs_with_one(tmp_path, capsys):
+    """One --set is one setting, so preemption_mode=swap on a recording made without a host
+    tier could not run at all ("needs a host KV tier"; QA): it runs with one as large as the
+    pool, and its label says so."""
+    directory = build(tmp_path / "rec")
+    report = tmp_path / "w.json"
+    assert main(["whatif", str(directory), "--set", "preemption_mode=swap", "--cost-model",
+                 "unit", "--report", str(report)]) == 0
+    labels = [run["label"] for run in json.loads(report.read_text())["runs"]]
+    assert labels[-1] == "preemption_mode=swap +num_host_blocks=32"
 
 
 def test_a_directory_that_is_no_recording_is_named(tmp_path, capsys):

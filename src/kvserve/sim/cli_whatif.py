@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.core.config import MAX_BLOCKS
 from kvserve.flags import parse_value, sweep_key
 from kvserve.sim.cli_common import (
     add_deployment_flags,
@@ -61,6 +62,13 @@ def parse_change(text: str) -> tuple[str, Any]:
         key = sweep_key(name, "set")
     except ValueError as error:
         raise ValueError(f"{error}, {', '.join(CLUSTER_KEYS)}") from None
+    if key == "num_kv_blocks":  # named as the setting (the pool's check says num_blocks)
+        blocks = parse_value(value)
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or \
+                not 1 <= blocks <= MAX_BLOCKS:
+            raise ValueError(f"--set {text!r}: num_kv_blocks must be an integer in "
+                             f"[1, {MAX_BLOCKS}]")
+        return key, blocks
     if key in ("kv_cache_memory", "swap_space"):
         from kvserve.flags import parse_bytes, parse_gib
 
@@ -145,7 +153,20 @@ def run(args: argparse.Namespace) -> int:
         def variant(name: str, value: Any) -> tuple[dict[str, Any], ClusterOptions]:
             if name in CLUSTER_KEYS:
                 return settings, dataclasses.replace(recorded, **{name: value})
-            return {**settings, name: value}, recorded
+            return {**settings, name: value, **host_tier(name, value)}, recorded
+
+        def host_tier(name: str, value: Any) -> dict[str, Any]:
+            """A change to swap or auto preemption on a recording without a host tier runs
+            with one as large as the device pool (it could not run at all: one --set is one
+            setting), and its label says so."""
+            if name == "preemption_mode" and value != "recompute" and \
+                    not settings.get("num_host_blocks") and settings.get("num_kv_blocks"):
+                return {"num_host_blocks": settings["num_kv_blocks"]}
+            return {}
+
+        def change_label(name: str, value: Any) -> str:
+            added = "".join(f" +{k}={v}" for k, v in host_tier(name, value).items())
+            return f"{name}={value}{added}"
 
         for name, value in changes:  # a bad value is named before anything runs
             other.configs(variant(name, value)[0])
@@ -170,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         if chosen != "replay" or not placed:
             runs.append(make_run(f"recorded ({chosen} model)", simulate(other, settings)))
         for name, value in changes:
-            runs.append(make_run(f"{name}={value}", simulate(other, *variant(name, value)),
+            runs.append(make_run(change_label(name, value),
+                                 simulate(other, *variant(name, value)),
                                  (name, value)))
         changed = [r for r in runs if r.change is not None]
         # Each change against the recorded settings under the same model and router (the
