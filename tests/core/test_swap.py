@@ -194,6 +194,34 @@ def test_urgent_arrival_preempts_exactly_one_victim_above_the_threshold():  # M1
     check_empty(scheduler)
 
 
+def test_an_urgent_arrival_is_not_held_back_by_a_swapped_victim():  # S2 M1
+    """The first urgent arrival swapped a out; a could not come back (no room), and S2 let
+    the waiting pass admit nothing while it stayed out, so the second urgent arrival waited
+    for the whole first one (QA: 0.91 s queued under swap, 0.03 s under recompute). A
+    waiting head more urgent than every swapped request now goes on, as L5 lets it past held
+    turns: u2 preempts c at once."""
+    scheduler = make_scheduler(num_blocks=10, block_size=16, scheduling_policy="priority",
+                               enable_priority_preemption=True, preemption_mode="swap",
+                               num_host_blocks=16)
+    executor = FakeExecutor()
+    for name in ("a", "c"):
+        scheduler.add_request(make_request(name, 60, priority=20, max_tokens=30,
+                                           ignore_eos=True))
+    step(scheduler, executor, 0.0)  # a and c: 8 of 10 blocks
+    scheduler.add_request(make_request("u1", 40, priority=0, arrival_time=1.0, max_tokens=20,
+                                       ignore_eos=True))
+    out, _ = step(scheduler, executor, 1.0)
+    assert out.preempted_req_ids == ["a"] and [r.request_id for r in scheduler.swapped] == ["a"]
+    scheduler.add_request(make_request("u2", 60, priority=0, arrival_time=2.0, max_tokens=20,
+                                       ignore_eos=True))
+    out, _ = step(scheduler, executor, 2.0)
+    assert out.preempted_req_ids == ["c"] and dict(out.num_scheduled_tokens) == \
+        {"u1": 1, "u2": 60}
+    assert scheduler.num_blocked_steps == {}  # not "swapped"
+    run_to_completion(scheduler, executor=executor)
+    check_empty(scheduler)
+
+
 def test_urgent_arrival_within_the_threshold_preempts_none():  # M2
     scheduler = urgent_scheduler()
     executor = FakeExecutor()

@@ -283,7 +283,7 @@ class Scheduler:
             self._note_blocked("preemption")
         elif defer_prefills:
             self._note_blocked("prefill_throttle")
-        elif self.swapped and self._schedule_swapped(step):
+        elif self.swapped and self._schedule_swapped(step) and not self._swaps_outranked():
             self._note_blocked("swapped")  # S2: a swapped request goes before any admission
         else:
             self._schedule_waiting(step)
@@ -622,6 +622,13 @@ class Scheduler:
                 self.waiting.charge_admission(request)  # T8
                 self._admit(request, num_new, num_held, new_blocks, step)
         return True
+
+    def _swaps_outranked(self) -> bool:
+        """S2, as L5: under the priority policy a waiting head more urgent than every
+        request still swapped out is admitted (or preempts, M1) without waiting for them;
+        a swapped victim of an urgent arrival held the next urgent one back."""
+        return self.config.scheduling_policy == "priority" and bool(self.waiting) and \
+            self.waiting.peek().priority < min(r.priority for r in self.swapped)
 
     def _outranked(self, request: Request) -> bool:
         """Whether the ordinary queue's head goes before ``request`` (a held turn), which
