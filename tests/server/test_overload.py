@@ -197,6 +197,31 @@ def test_an_urgent_request_takes_a_full_queues_place():  # K5
         wait_for(live.idle, what="idle")
 
 
+def test_a_displaced_sequence_ends_its_whole_request_at_once():  # K5
+    """K5 displaces sequences: one of an n=3 request's was, the client's 503 came only once
+    the other two had run to their end, and their work was thrown away (QA). The 503 comes
+    now, and the other sequences are aborted."""
+    engine = slow_engine(0.002, max_num_seqs=1, scheduling_policy="priority",
+                         max_num_queued_reqs=3)
+    with LiveServer(engine) as live:
+        blocker = start_blocker(live, "blocker")
+        results: list = []
+        low = post_in_thread(live, {"prompt": [5] * 8, "max_tokens": 40, "n": 3,
+                                    "priority": 50}, results)
+        wait_for(lambda: live.state.engine.stats.num_waiting == 3, what="low's 3 queued")
+        urgent_results: list = []
+        urgent = post_in_thread(live, {"prompt": [6] * 8, "max_tokens": 2, "priority": 0},
+                                urgent_results)
+        low.join(timeout=30)  # while the blocker still runs: nothing of low's could run
+        assert results and results[0].status_code == 503, results
+        assert results[0].json()["error"]["code"] == "queue_full"
+        wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="only urgent left")
+        abort(live, "blocker", blocker)
+        urgent.join(timeout=30)
+        assert urgent_results[0].status_code == 200
+        wait_for(live.idle, what="idle")
+
+
 def test_a_sequence_the_pool_cannot_hold_stops_with_kv_capacity():  # J2
     # 4 blocks of 16 tokens: the sequence stops at 65 tokens, below max_model_len (1024)
     with LiveServer(num_kv_blocks=4) as live:

@@ -237,6 +237,8 @@ class _Generation:
             try:
                 async for chunk in self.stream:
                     self._apply(chunk)
+                    if chunk.stop_reason in _QUEUE_ENDS:  # the request is a 503: end it
+                        return  # now (close() aborts its other sequences) than at their end
                 return
             except StreamRestarted:  # placed again on another replica: start over
                 for choice in self.choices.values():
