@@ -111,6 +111,8 @@ def test_the_package_exports_vllms_two_names_lazily():
     ({"device": 3}, "device must be a name such as 'cpu' or 'cuda', got 3"),
     ({"router": "random"}, "unknown router 'random'"),
     ({"tokenizer": "no/such/file"}, "tokenizer: model path no/such/file does not exist"),
+    # torch's allocator failed after the model loaded (QA: --swap-space 100000)
+    ({"swap_space": 1 << 50}, r"swap space of 1048576.0 GiB is more than this machine's"),
 ])
 def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, monkeypatch):
     """Refused at once, not after loading the model (QA: num_kv_blocks=0 took 4-16 s on the

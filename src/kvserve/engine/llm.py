@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +164,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     _check_keywords(scheduler_settings)
     kv_cache_memory = _size(kv_cache_memory, "kv_cache_memory", minimum=1)
     swap_space = _size(swap_space, "swap_space", minimum=0)
+    _check_host_memory(swap_space)
     _check_count(num_kv_blocks, "num_kv_blocks", 1, MAX_BLOCKS)
     _check_count(num_host_blocks, "num_host_blocks", 0, MAX_HOST_BLOCKS)
     if isinstance(tokenizer, (str, Path)):  # a path, as vLLM's tokenizer= takes one
@@ -254,6 +256,24 @@ def _size(value: Any, name: str, minimum: int) -> int | None:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
     return value
+
+
+def _check_host_memory(swap_space: int | None) -> None:
+    """The host tier must fit in this machine's memory (it failed after the model loaded,
+    with torch's allocator error); above 70% of it, a warning, as vLLM gives."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return
+    if not swap_space or total <= 0:
+        return
+    if swap_space > total:
+        raise ValueError(f"swap space of {swap_space / 2**30:.1f} GiB is more than this "
+                         f"machine's memory ({total / 2**30:.1f} GiB)")
+    if swap_space > 0.7 * total:
+        logger.warning("swap space of %.1f GiB is %.0f%% of this machine's memory "
+                       "(%.1f GiB): possibly too large", swap_space / 2**30,
+                       100 * swap_space / total, total / 2**30)
 
 
 def _check_count(value: Any, name: str, low: int, high: int) -> None:
