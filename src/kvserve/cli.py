@@ -71,7 +71,6 @@ _VLLM_FLAG_HINTS = {
     "--tensor-parallel-size": "there is no tensor parallelism here; --data-parallel-size runs "
                               "replicas",
     "-tp": "there is no tensor parallelism here; --data-parallel-size runs replicas",
-    "--n": "one sequence per prompt offline; the server takes n in a request",
 }
 
 

@@ -30,3 +30,12 @@ class QueueFullError(RequestError):
 
 class InvariantError(AssertionError):
     """The scheduler's state broke one of the invariants I1-I4: a bug, never bad input."""
+
+
+def without_request_id(error: BaseException) -> str:
+    """``error``'s message without the ``request <id>: `` its core messages start with: a
+    caller that knows which request it sent (an HTTP client, ``prompts[i]`` offline) is not
+    shown the internal id."""
+    text = str(error)
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith("request ") else text

@@ -593,8 +593,8 @@ class Scheduler:
     def _admit_held(self, step: _Step) -> bool:
         """L1: admit the waiting requests that hold KV, in arrival order, before the
         ordinary queue; each prefills only the tokens its held KV lacks (U3). False if one
-        does not fit: the pass stops there. Under the priority policy a held turn goes first
-        only while the ordinary queue's head is not more urgent than it (L5)."""
+        does not fit: the pass stops there. A held turn goes first only while the ordinary
+        queue's head does not outrank it (:meth:`_outranked`: L5, T8)."""
         config, held = self.config, self.held_waiting
         while held:
             request = held[0]

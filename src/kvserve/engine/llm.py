@@ -31,7 +31,8 @@ from kvserve.core import (
     SchedulerConfig,
 )
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
-from kvserve.core.router import ROUTER_POLICIES
+from kvserve.core.errors import without_request_id
+from kvserve.core.router import make_router
 from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
@@ -365,12 +366,7 @@ class LLM:
                 or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{data_parallel_size!r}")
-        if router not in ROUTER_POLICIES:  # with one replica too: a typo is a typo
-            raise ValueError(f"unknown router {router!r}; choose from "
-                             f"{', '.join(ROUTER_POLICIES)}")
-        if data_parallel_backend not in ("mp", "ray"):
-            raise ValueError(f"unknown data_parallel_backend {data_parallel_backend!r}; "
-                             "choose mp or ray")
+        make_router(router, data_parallel_size)  # an unknown router, with one replica too
         self._engine: Engine | None = None
         if data_parallel_size == 1:
             self._engine = build_engine(model, **engine_args)
@@ -415,7 +411,7 @@ class LLM:
                 try:
                     request = self.engine.add_request(request_id, prompt, param)
                 except ValueError as error:  # named by its place in the batch, not its id
-                    raise type(error)(f"prompts[{index}]: {_without_id(error, request_id)}"
+                    raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
                                       ) from None
                 results[request_id] = GenerationResult(request_id,
                                                        list(request.prompt_token_ids))
@@ -498,15 +494,6 @@ def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> 
         result.metrics = chunk.metrics
         if progress is not None:
             progress.update(1)
-
-
-def _without_id(error: Exception, request_id: str) -> str:
-    """An error's message without the internal request id it names (the caller knows the
-    prompt by its place in the batch)."""
-    message = str(error)
-    for prefix in (f"request {request_id}: ", f"request {request_id} "):
-        message = message.replace(prefix, "")
-    return message
 
 
 def _own_tokenizer(model: str | Path | ModelConfig | None,

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.core import SamplingParams
+from kvserve.core.errors import without_request_id
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.engine import CompletionChunk
 
@@ -69,8 +70,7 @@ class ReplicatedEngines:
                 stream.cancel()
             index, error = failed[0]
             if isinstance(error, ValueError):  # named by its place in the batch, as at N=1
-                message = str(error).replace(f"request {items[index][0]}: ", "")
-                error.args = (f"prompts[{index}]: {message}",)  # its other fields kept
+                error.args = (f"prompts[{index}]: {without_request_id(error)}",)  # fields kept
             raise error
 
         async def drain(stream: RequestStream) -> None:

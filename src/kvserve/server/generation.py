@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
+from kvserve.core.errors import without_request_id
 from kvserve.core.limits import check_queueable
 from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import SessionBusy
@@ -86,7 +87,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             params = base if base.seed is None or sample == 0 else \
                 replace_seed(base, base.seed + sample)
-            choices.append(Choice(index, sub_id, len(prompt), prompt_token_ids=prompt))
+            choices.append(Choice(index, sub_id, prompt))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
     state.hold_ids(request_id, [choice.request_id for choice in choices])
@@ -141,25 +142,18 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
         state.metrics.rejected.labels(state.model_name, "503").inc()
         if error.limit in state.metrics.admission_rejections:
             state.metrics.admission_rejections[error.limit].inc()
-        return APIError(503, f"the server is overloaded: {_strip_id(error)}; retry later",
+        return APIError(503, f"the server is overloaded: {without_request_id(error)}; retry later",
                         code="queue_full", headers={"Retry-After": state.retry_after()})
     if isinstance(error, SessionBusy):  # the same turn succeeds once the other ends
         state.metrics.rejected.labels(state.model_name, "409").inc()
-        return APIError(409, _strip_id(error), param="session", code="session_busy")
+        return APIError(409, without_request_id(error), param="session", code="session_busy")
     if isinstance(error, (RequestRejected, RequestError, ValueError)):
         state.metrics.rejected.labels(state.model_name, "400").inc()
-        message = _strip_id(error)
+        message = without_request_id(error)
         return bad_request(message, param="session" if message.startswith("session ") else None)
     if isinstance(error, EngineDeadError):
         return engine_dead_error(state, error)
     return error
-
-
-def _strip_id(error: BaseException) -> str:
-    """Core messages start 'request <id>: '; the client knows which request it sent."""
-    text = str(error)
-    head, sep, rest = text.partition(": ")
-    return rest if sep and head.startswith("request ") else text
 
 
 class _Generation:
@@ -195,7 +189,6 @@ class _Generation:
     def _apply(self, chunk: CompletionChunk) -> Choice:
         choice = self.choices[chunk.request_id]
         choice.text += chunk.new_text
-        choice.num_output_tokens += len(chunk.new_token_ids)
         choice.token_ids += chunk.new_token_ids
         if chunk.logprobs:
             choice.logprobs += list(zip(chunk.new_token_ids, chunk.logprobs, strict=False))
@@ -242,8 +235,7 @@ class _Generation:
                 return
             except StreamRestarted:  # placed again on another replica: start over
                 for choice in self.choices.values():
-                    choice.text, choice.num_output_tokens, choice.logprobs = "", 0, []
-                    choice.token_ids = []
+                    choice.text, choice.token_ids, choice.logprobs = "", [], []
                     choice.finish_reason = choice.stop_reason = choice.metrics = None
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:

@@ -19,16 +19,18 @@ class Choice:
 
     index: int
     request_id: str
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
     text: str = ""
-    num_output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the output's, the last one included
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     text_offsets: TextOffsets | None = None  # a stream's, as its chunks go out
-    prompt_token_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # the output's, the last one included
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 def kvserve_ext(request_id: str, metrics: RequestMetrics | None) -> dict[str, Any]:
