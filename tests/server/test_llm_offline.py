@@ -169,3 +169,34 @@ def test_a_result_reads_as_vllms_request_output(llm):
     assert (sequence.text, sequence.token_ids, sequence.finish_reason) == \
         (result.text, result.token_ids, "length")
     assert len(result.outputs) == 1 and result.prompt_token_ids
+
+
+def test_n_samples_come_back_as_vllms_outputs_seeded_repeatably(llm):
+    """SamplingParams(n=3) offline: one result per prompt with n outputs (vLLM's
+    RequestOutput.outputs), sample k seeded seed + k as the server seeds it."""
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=4, temperature=0, n=2)
+    first, second = llm.generate(["Hello", "Water boils at"], [sampled, greedy],
+                                 use_tqdm=False)
+    assert [o.index for o in first.outputs] == [0, 1, 2] and len(second.outputs) == 2
+    texts = [tuple(o.token_ids) for o in first.outputs]
+    assert len(set(texts)) == 3 and all(len(t) == 8 for t in texts)  # three draws
+    assert first.text == first.outputs[0].text  # the result is sample 0, as before
+    again = llm.generate("Hello", sampled, use_tqdm=False)[0]
+    assert [tuple(o.token_ids) for o in again.outputs] == texts  # seeded: repeatable
+    assert second.outputs[0].token_ids == second.outputs[1].token_ids  # greedy: equal
+    assert all(o.prompt_token_ids == first.prompt_token_ids for o in first.outputs)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_n_is_checked_and_a_request_is_one_sequence(llm):
+    with pytest.raises(RequestError, match=r"n must be an integer in \[1, 4096\], got 0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="a session turn is one sequence: got n=2"):
+        llm.generate("Hi", SamplingParams(n=2, session_id="s"), use_tqdm=False)
+    with pytest.raises(RequestError, match="n=2; a request is one sequence"):
+        llm.engine.add_request("direct", [1, 2, 3], SamplingParams(n=2))
+    # the seed range wraps rather than overflow: sample 1 of the largest seed is the smallest
+    top = SamplingParams(n=2, seed=(1 << 64) - 1).samples()
+    assert [p.seed for p in top] == [(1 << 64) - 1, 0] and {p.n for p in top} == {1}
+    assert not llm.engine.has_unfinished_requests()

@@ -48,6 +48,13 @@ def test_greedy_is_deterministic_and_seeds_are_honoured(client):
                                           ).choices[0].text
     assert text(temperature=0) == text(temperature=0)
     assert text(temperature=1.0, seed=7) == text(temperature=1.0, seed=7)
+    # n samples are seeded seed + k; at the top of the seed range sample 1 wraps to 0 (it
+    # overflowed the range: a 500)
+    top = client.completions.create(model="tiny", prompt="abc", max_tokens=8, n=2,
+                                     temperature=1.0, seed=(1 << 64) - 1,
+                                     extra_body={"ignore_eos": True})
+    assert len(top.choices) == 2
+    assert top.choices[1].text == text(temperature=1.0, seed=0)
 
 
 def test_completion_stream_ends_with_usage(client):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.core.errors import RequestError
+
+# The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
+MAX_SAMPLES = 4096
 
 
 class RequestStatus(enum.IntEnum):
@@ -102,6 +105,9 @@ class SamplingParams:
 
     max_tokens: int = 16
     min_tokens: int = 0
+    # Sequences sampled from the prompt (vLLM's n). The scheduler runs one sequence per
+    # request: LLM.generate and the server expand n into n requests (sample k seeded seed+k).
+    n: int = 1
     ignore_eos: bool = False
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -133,6 +139,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
+                 f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                  f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                  f"got {self.min_tokens!r}")
@@ -190,6 +198,18 @@ class SamplingParams:
         _require(isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
         if self.session_id is not None or self.session_ttl is not None:
             self._check_session()
+
+    def samples(self) -> list[SamplingParams]:
+        """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded
+        seed + k (wrapped into the seed range), so seeded samples differ and repeat."""
+        if self.n == 1:
+            return [self]
+        _require(self.session_id is None,
+                 f"a session turn is one sequence: got n={self.n}; send it with n=1")
+        seeds = [None] * self.n if self.seed is None else \
+            [self.seed + k - (1 << 64) if self.seed + k >= 1 << 64 else self.seed + k
+             for k in range(self.n)]
+        return [replace(self, n=1, seed=seed) for seed in seeds]
 
     def _check_session(self) -> None:
         _require(isinstance(self.session_id, str) and 0 < len(self.session_id) <= 256,

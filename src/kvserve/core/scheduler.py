@@ -174,6 +174,10 @@ class Scheduler:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
             raise RequestError(f"request {request.request_id} is not a fresh request")
+        if request.sampling_params.n != 1:
+            raise RequestError(f"request {request.request_id}: n={request.sampling_params.n}; "
+                               "a request is one sequence (LLM.generate and the server add "
+                               "one request per sample)")
         sessions, session = self.sessions, None
         if request.sampling_params.session_id is not None:
             if sessions is None:

@@ -65,12 +65,16 @@ class GenerationResult:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    index: int = 0  # which of the prompt's n samples (vLLM's CompletionOutput.index)
+    # With SamplingParams(n > 1): samples 1 .. n-1 (this result is sample 0).
+    more: list[GenerationResult] = field(default_factory=list, repr=False)
 
     @property
     def outputs(self) -> list[GenerationResult]:
-        """vLLM's ``RequestOutput.outputs``: the one sequence, so a script ported from vLLM
-        reads ``result.outputs[0].text`` (and ``token_ids``, ``finish_reason``) as it did."""
-        return [self]
+        """vLLM's ``RequestOutput.outputs``: the prompt's n sequences, this one first, so a
+        script ported from vLLM reads ``result.outputs[i].text`` (and ``token_ids``,
+        ``finish_reason``) as it did."""
+        return [self, *self.more]
 
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
@@ -404,24 +408,27 @@ class LLM:
         params = _params_for(sampling_params, len(batch))
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
-        results: dict[str, GenerationResult] = {}
+        results: dict[str, GenerationResult] = {}  # every sequence's, by request id
+        firsts: list[GenerationResult] = []  # each prompt's sample 0
         try:
-            for index, (prompt, param) in enumerate(zip(batch, params, strict=True)):
+            for index, (prompt, samples) in enumerate(zip(batch, params, strict=True)):
                 request_id = str(next(self._ids))
-                try:
-                    request = self.engine.add_request(request_id, prompt, param)
-                except ValueError as error:  # named by its place in the batch, not its id
-                    raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
-                                      ) from None
-                results[request_id] = GenerationResult(request_id,
-                                                       list(request.prompt_token_ids))
+                for sample, param in enumerate(samples):
+                    sub_id = _sample_id(request_id, sample)
+                    try:
+                        request = self.engine.add_request(sub_id, prompt, param)
+                    except ValueError as error:  # named by its place in the batch, not its id
+                        raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
+                                          ) from None
+                    results[sub_id] = _sample_result(firsts, sub_id, sample,
+                                                     list(request.prompt_token_ids))
             self._run(results, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
             for request_id, result in results.items():
                 if result.finish_reason is None:
                     self.engine.abort(request_id)
             raise
-        return list(results.values())
+        return firsts
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | None = None,
@@ -470,9 +477,13 @@ class LLM:
                 token_ids.append(encode_prompt(self.tokenizer, prompt))
             except ValueError as error:
                 raise type(error)(f"prompts[{index}]: {error}") from None
-        items = [(str(next(self._ids)), ids, param)
-                 for ids, param in zip(token_ids, params, strict=True)]
-        results = {rid: GenerationResult(rid, list(ids)) for rid, ids, _ in items}
+        items, results, firsts = [], {}, []
+        for ids, samples in zip(token_ids, params, strict=True):
+            request_id = str(next(self._ids))
+            for sample, param in enumerate(samples):
+                sub_id = _sample_id(request_id, sample)
+                items.append((sub_id, ids, param))
+                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids))
         progress = _progress(len(results), use_tqdm)
         try:
             self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
@@ -480,7 +491,23 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [results[rid] for rid, _, _ in items]
+        return firsts
+
+
+def _sample_id(request_id: str, sample: int) -> str:
+    """A prompt's request id for sample 0 (and when n is 1), ``id-k`` for sample k."""
+    return f"{request_id}-{sample}" if sample else request_id
+
+
+def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
+                   prompt_token_ids: list[int]) -> GenerationResult:
+    """Sample ``sample``'s result: a prompt's first starts ``firsts``, the others join it."""
+    result = GenerationResult(request_id, prompt_token_ids, index=sample)
+    if sample:
+        firsts[-1].more.append(result)
+    else:
+        firsts.append(result)
+    return result
 
 
 def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> None:
@@ -566,10 +593,11 @@ def _check_conversation(conversation: Any) -> None:
             raise TypeError(f"messages[{index}] ({message['role']}) has no string 'content'")
 
 
-def _params_for(sampling_params: Any, count: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt: None (the defaults), one for all, or a list."""
+def _params_for(sampling_params: Any, count: int) -> list[list[SamplingParams]]:
+    """Each prompt's sequences (n of them, each one request) from sampling_params: None
+    (the defaults), one for all, or one per prompt. Raises before anything is queued."""
     if sampling_params is None:
-        return [SamplingParams()] * count
+        return [[SamplingParams()]] * count
     params = [sampling_params] * count if isinstance(sampling_params, SamplingParams) \
         else sampling_params
     if not isinstance(params, Sequence) or \
@@ -578,7 +606,10 @@ def _params_for(sampling_params: Any, count: int) -> list[SamplingParams]:
                         f"them or None; got {type(sampling_params).__name__}")
     if len(params) != count:  # as vLLM: one for all is a SamplingParams, not a list
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
-    return list(params)
+    try:
+        return [param.samples() for param in params]
+    except ValueError as error:
+        raise ValueError(f"sampling_params: {error}") from None
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -34,7 +34,6 @@ from kvserve.server.prompts import (
     encode_chat,
     encode_prompts,
     max_tokens_for,
-    replace_seed,
     sampling_params,
 )
 from kvserve.server.protocol import (
@@ -81,12 +80,11 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     base = sampling_params(req, chat, max_tokens, priority, tenant)
     request_id = state.new_request_id(request.headers.get("x-request-id"))
     choices, items = [], []
+    samples = base.samples()  # sample k seeded seed + k
     for prompt_index, prompt in enumerate(prompts):
-        for sample in range(req.n):
+        for sample, params in enumerate(samples):
             index = prompt_index * req.n + sample
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
-            params = base if base.seed is None or sample == 0 else \
-                replace_seed(base, base.seed + sample)
             choices.append(Choice(index, sub_id, prompt))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)

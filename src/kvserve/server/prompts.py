@@ -3,7 +3,6 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
@@ -135,7 +134,7 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
     try:
-        return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens,
+        return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, n=req.n,
                               ignore_eos=req.ignore_eos, stop=stop,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -144,7 +143,3 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         name = str(error).split(" ", 1)[0]
         raise bad_request(str(error), param=name if name in type(req).model_fields else None
                           ) from None
-
-
-def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(params, seed=seed)
