@@ -84,6 +84,9 @@ def test_first_difference_names_the_first_decision_apart():
     (["--set", "max_num_seqs=2", "--top", "0"], "--top must be >= 1"),
     # named as the user wrote it (it said "num_blocks must be >= 1"; QA)
     (["--set", "num_kv_blocks=-5"], "num_kv_blocks must be an integer in [1, "),
+    (["--set", "max_num_seqs=2,x"], "max_num_seqs"),  # each value of a list is checked
+    (["--set", "max_num_seqs=2 max_num_seqs=3"], "max_num_seqs is given twice"),
+    (["--set", "max_num_seqs=2,3 num_kv_blocks=8"], "take one value each"),
 ])
 def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
     directory = build(tmp_path / "rec")
@@ -102,6 +105,27 @@ def test_swap_on_a_recording_without_a_host_tier_runs_with_one(tmp_path, capsys)
                  "unit", "--report", str(report)]) == 0
     labels = [run["label"] for run in json.loads(report.read_text())["runs"]]
     assert labels[-1] == "preemption_mode=swap +num_host_blocks=32"
+
+
+def test_settings_change_together_or_a_run_per_value(tmp_path, capsys):
+    """whatif ran one changed setting per --set: 'A=1 B=2' is now one run changing both,
+    'A=1,2' a run per value (as --sweep); a swap change that names its host tier keeps it."""
+    directory = build(tmp_path / "rec")
+    report = tmp_path / "w.json"
+    assert main(["whatif", str(directory), "--cost-model", "unit", "--report", str(report),
+                 "--set", "max_num_seqs=2,1", "--set", "max_num_seqs=2 num_kv_blocks=2",
+                 "--set", "preemption_mode=swap num_host_blocks=8"]) == 0
+    runs = json.loads(report.read_text())["runs"]
+    assert [run["label"] for run in runs[2:]] == [
+        "max_num_seqs=2", "max_num_seqs=1", "max_num_seqs=2 num_kv_blocks=2",
+        "preemption_mode=swap num_host_blocks=8"]
+    assert [run["change"] for run in runs[1:3]] == [None, {"max_num_seqs": 2}]
+    duration = {run["label"]: run["aggregate"]["duration_s"] for run in runs}
+    assert duration["max_num_seqs=2"] == 3.0 and duration["max_num_seqs=1"] == 6.0
+    # both admitted, but two blocks hold one request's answer: the pool forces preemptions
+    squeezed = runs[4]["aggregate"]
+    assert squeezed["num_preemptions"] >= 1 and duration["max_num_seqs=2"] < \
+        squeezed["duration_s"] < 6.0
 
 
 def test_a_directory_that_is_no_recording_is_named(tmp_path, capsys):

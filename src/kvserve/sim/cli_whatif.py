@@ -34,10 +34,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("recording", metavar="DIR", help="a recording directory")
     parser.add_argument("--set", dest="changes", action="append", default=[],
                         metavar="NAME=VALUE", required=True,
-                        help="one changed setting per run, e.g. max_num_seqs=64, "
+                        help="a run with a changed setting, e.g. max_num_seqs=64, "
                              "scheduling_policy=lpm, or for a recording of replicas "
-                             "data_parallel_size=4 or router=prefix-affinity; repeat for "
-                             "more runs")
+                             "data_parallel_size=4 or router=prefix-affinity; "
+                             "max_num_seqs=32,64 is a run per value; settings apart by "
+                             "spaces change together in one run ('max_num_seqs=64 "
+                             "num_kv_blocks=4096'); repeat for more runs")
     parser.add_argument("--top", type=int, default=5,
                         help="requests shown per change (default 5)")
     parser.add_argument("--seed", type=seed, default=0,
@@ -51,8 +53,29 @@ def add_parser(subparsers: Any) -> None:
 CLUSTER_KEYS = ("data_parallel_size", "router")
 
 
-def parse_change(text: str) -> tuple[str, Any]:
-    name, eq, value = text.partition("=")
+def parse_change(text: str) -> list[dict[str, Any]]:
+    """One --set as the runs it asks for, each the settings it changes: ``NAME=VALUE`` one
+    run, ``NAME=V1,V2`` a run per value (as --sweep), ``A=1 B=2`` one run changing both."""
+    pairs = text.split()
+    if len(pairs) < 2:
+        name, _, values = text.partition("=")
+        return [dict([parse_setting(text, f"{name}={value}")])
+                for value in (values.split(",") if "," in values else [values])]
+    changes: dict[str, Any] = {}
+    for pair in pairs:
+        if "," in pair:
+            raise ValueError(f"--set {text!r}: settings changed together take one value "
+                             "each; give a --set per run")
+        name, value = parse_setting(text, pair)
+        if name in changes:
+            raise ValueError(f"--set {text!r}: {name} is given twice")
+        changes[name] = value
+    return [changes]
+
+
+def parse_setting(text: str, pair: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` (part of the --set ``text``) as a setting and its value."""
+    name, eq, value = pair.partition("=")
     if not eq or not value.strip():
         raise ValueError(f"--set {text!r}: write NAME=VALUE, e.g. max_num_seqs=64")
     key = name.strip().lstrip("-").replace("-", "_")
@@ -123,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
-        changes = [parse_change(text) for text in args.changes]
-        check_pool_setting([name for name, _ in changes])
+        changes = [change for text in args.changes for change in parse_change(text)]
+        check_pool_setting([name for change in changes for name in change])
         recording = load_recording(args.recording)
         args.recording_dir, args.recording = args.recording, recording
         calibration_implies_its_model(args)  # the changes' model
@@ -150,26 +173,29 @@ def run(args: argparse.Namespace) -> int:
             return deployment.simulate(trace, values, seed=args.seed, record_events=True,
                                        cluster=cluster)[1]
 
-        def variant(name: str, value: Any) -> tuple[dict[str, Any], ClusterOptions]:
-            if name in CLUSTER_KEYS:
-                return settings, dataclasses.replace(recorded, **{name: value})
-            return {**settings, name: value, **host_tier(name, value)}, recorded
+        def variant(change: dict[str, Any]) -> tuple[dict[str, Any], ClusterOptions]:
+            cluster = {k: v for k, v in change.items() if k in CLUSTER_KEYS}
+            return ({**settings, **host_tier(change),
+                     **{k: v for k, v in change.items() if k not in CLUSTER_KEYS}},
+                    dataclasses.replace(recorded, **cluster))
 
-        def host_tier(name: str, value: Any) -> dict[str, Any]:
-            """A change to swap or auto preemption on a recording without a host tier runs
-            with one as large as the device pool (it could not run at all: one --set is one
-            setting), and its label says so."""
-            if name == "preemption_mode" and value != "recompute" and \
+        def host_tier(change: dict[str, Any]) -> dict[str, Any]:
+            """A change to swap or auto preemption on a recording without a host tier, and
+            that gives none, runs with one as large as the device pool (it could not run at
+            all), and its label says so."""
+            if change.get("preemption_mode", "recompute") != "recompute" and \
+                    "num_host_blocks" not in change and "swap_space" not in change and \
                     not settings.get("num_host_blocks") and settings.get("num_kv_blocks"):
-                return {"num_host_blocks": settings["num_kv_blocks"]}
+                return {"num_host_blocks": change.get("num_kv_blocks",
+                                                      settings["num_kv_blocks"])}
             return {}
 
-        def change_label(name: str, value: Any) -> str:
-            added = "".join(f" +{k}={v}" for k, v in host_tier(name, value).items())
-            return f"{name}={value}{added}"
+        def change_label(change: dict[str, Any]) -> str:
+            return " ".join([*(f"{k}={v}" for k, v in change.items()),
+                             *(f"+{k}={v}" for k, v in host_tier(change).items())])
 
-        for name, value in changes:  # a bad value is named before anything runs
-            other.configs(variant(name, value)[0])
+        for change in changes:  # a bad value is named before anything runs
+            other.configs(variant(change)[0])
         if placed:
             fell_back: list[str] = []
 
@@ -190,10 +216,9 @@ def run(args: argparse.Namespace) -> int:
             runs = []
         if chosen != "replay" or not placed:
             runs.append(make_run(f"recorded ({chosen} model)", simulate(other, settings)))
-        for name, value in changes:
-            runs.append(make_run(change_label(name, value),
-                                 simulate(other, *variant(name, value)),
-                                 (name, value)))
+        for change in changes:
+            runs.append(make_run(change_label(change), simulate(other, *variant(change)),
+                                 {**change, **host_tier(change)}))
         changed = [r for r in runs if r.change is not None]
         # Each change against the recorded settings under the same model and router (the
         # model check, when there is one): what moved is the change's doing, not the model's

@@ -50,10 +50,10 @@ class Run:
     label: str
     result: SimResult
     aggregate: dict[str, Any]
-    change: tuple[str, Any] | None = None  # None: recorded settings
+    change: dict[str, Any] | None = None  # the settings changed; None: recorded settings
 
 
-def make_run(label: str, result: SimResult, change: tuple[str, Any] | None = None) -> Run:
+def make_run(label: str, result: SimResult, change: dict[str, Any] | None = None) -> Run:
     return Run(label, result, aggregate(result), change)
 
 
@@ -156,8 +156,7 @@ def table(runs: Sequence[Run]) -> str:
 
 def to_json(runs: Sequence[Run], movers: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"runs": [{"label": run.label,
-                      "change": None if run.change is None else
-                      {"name": run.change[0], "value": run.change[1]},
+                      "change": run.change,
                       "aggregate": run.aggregate} for run in runs],
             "moved": movers}
 
