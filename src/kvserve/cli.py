@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvserve import __version__
 from kvserve.flags import CLIError
@@ -20,10 +20,33 @@ __all__ = ["CLIError", "build_parser", "main"]
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``kvserve simulate: error: ...``), exit 2;
-    ``--help`` still prints the full usage. Subcommand parsers inherit this class."""
+    ``--help`` still prints the full usage. Subcommand parsers inherit this class.
+
+    As vLLM's parser: ``--max_num_seqs`` is ``--max-num-seqs``. Unlike argparse's default, a
+    flag is never taken from its prefix (``--max-num`` silently meant ``--max-num-seqs``, and
+    a new flag sharing the prefix would change what an old command line means)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)  # after it: not flags
+        return super().parse_known_args([*map(_dashed, args[:end]), *args[end:]], namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _dashed(arg: str) -> str:
+    """``--a_b=c_d`` as ``--a-b=c_d``: a long flag's name with dashes, its value as given."""
+    if not arg.startswith("--") or "_" not in arg:
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def build_parser() -> argparse.ArgumentParser:

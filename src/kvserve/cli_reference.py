@@ -20,6 +20,9 @@ Every `kvserve` command and its flags, as `kvserve COMMAND --help` gives them (g
 disagree). What the flags do in depth is in the docs each command names: docs/scheduler.md
 for the scheduler and cache flags, docs/recording.md, docs/scale-out.md, docs/tenants.md,
 docs/sessions.md, docs/dtype.md, docs/preemption.md.
+
+As in vLLM, a flag may be written with underscores (`--max_num_seqs` is `--max-num-seqs`). A
+flag is never taken from a prefix of its name: `--max-num` is an error, not `--max-num-seqs`.
 """
 
 

@@ -341,12 +341,28 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
     (["serve", "--gpu-memory-utilization=0.9"], "kvserve serve: error: unrecognized "
      "arguments: --gpu-memory-utilization=0.9 (--gpu-memory-utilization: the KV cache is "
      "sized by --kv-cache-memory"),
+    # a flag is never taken from a prefix of its name (--max-num meant --max-num-seqs)
+    (["simulate", "--trace", "t.jsonl", "--max-num", "4"], "unrecognized arguments: "
+     "--max-num 4"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
     assert message in _error_line(capsys)
+
+
+def test_flags_take_underscores_as_vllms_do(tmp_path, trace):
+    """``--max_num_seqs`` is ``--max-num-seqs`` (vLLM's parser takes both); a value keeps its
+    underscores."""
+    reports = []
+    for flags in (["--max-num-seqs", "4", "--scheduling-policy=fcfs"],
+                  ["--max_num_seqs", "4", "--scheduling_policy=fcfs"]):
+        report = tmp_path / f"r{len(reports)}.json"
+        assert main(["simulate", "--trace", str(trace), *flags, "--report", str(report)]) == 0
+        reports.append(json.loads(report.read_text()))
+    assert reports[0]["config"]["scheduler"]["max_num_seqs"] == 4
+    assert reports[0]["aggregate"] == reports[1]["aggregate"]
 
 
 def test_reports_are_identical_across_processes_and_hash_seeds(tmp_path, trace):
