@@ -212,7 +212,10 @@ def main() -> int:
     note("calibrate", {"rc": done.returncode, "out": done.stdout[-1500:],
                        "err": done.stderr[-800:]})
     note("serve", serve_check(args.model, args.device, 8000, []))
-    note("serve_dp2", serve_check(args.model, args.device, 8001, ["--data-parallel-size", "2"]))
+    # two replicas get a GPU each (cuda); on a machine of one GPU they share it (cuda:0)
+    dp_device = "cuda:0" if args.device == "cuda" and torch.cuda.device_count() < 2 else \
+        args.device
+    note("serve_dp2", serve_check(args.model, dp_device, 8001, ["--data-parallel-size", "2"]))
     return 0
 
 

@@ -16,8 +16,10 @@ import torch
 
 from kvserve import flags
 from kvserve.cli import main
+from kvserve.engine.data_parallel import replica_launchers
+from kvserve.engine.engine_process import EngineSpec
 from kvserve.model import paged_kernel
-from kvserve.model.device import check_device_options, resolve_device
+from kvserve.model.device import check_device_options, replica_gpus, resolve_device
 from kvserve.model.dtype import resolve_dtype
 from kvserve.model.input_batch import SequenceSlice, build_batch
 from kvserve.model.kv_cache import allocate_kv_cache
@@ -51,6 +53,28 @@ def test_cuda_indices_are_checked_against_the_devices_present(monkeypatch):
     assert resolve_device("cuda:1")[0] == torch.device("cuda:1")
     with pytest.raises(ValueError, match=r"2 CUDA device\(s\), cuda:0 to cuda:1"):
         resolve_device("cuda:2")
+
+
+def test_each_local_replica_gets_a_gpu_of_its_own(monkeypatch):
+    """--data-parallel-size N on --device cuda: replica i sees the i-th visible GPU alone (its
+    CUDA_VISIBLE_DEVICES), as vLLM's data-parallel ranks do; every replica sat on cuda:0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert replica_gpus(2, "cuda") == ["0", "1"] and replica_gpus(3, "auto") == ["0", "1", "2"]
+    assert replica_gpus(2, "cuda:1") is None and replica_gpus(1, "cuda") is None  # as named
+    launchers = replica_launchers(2, "mp", "cuda")
+    env = [launcher.environment(EngineSpec(dict)) for launcher in launchers]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5, 7")  # the ones this process may use
+    assert replica_gpus(2, "cuda") == ["5", "7"]
+    with pytest.raises(ValueError, match=r"--data-parallel-size 3 on --device cuda gives "
+                                         r"each replica a GPU of its own, and this machine "
+                                         r"has 2; give --device cuda:0"):
+        replica_gpus(3, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU: no pinning
+    assert "CUDA_VISIBLE_DEVICES" not in replica_launchers(2, "mp", "auto")[0].environment(
+        EngineSpec(dict))
 
 
 def test_a_gpu_refuses_the_options_that_need_the_cpu_kernels():

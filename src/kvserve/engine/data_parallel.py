@@ -314,16 +314,23 @@ def default_threads(num_replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_replicas)
 
 
-def replica_launchers(num_replicas: int, backend: str) -> list[Launcher]:
+def replica_launchers(num_replicas: int, backend: str, device: str = "cpu"
+                      ) -> list[Launcher]:
     """One launcher per replica: local spawned processes (``mp``) or Ray actors (``ray``,
-    connecting to Ray now)."""
+    connecting to Ray now). On ``--device cuda`` (or ``auto`` where there is a GPU) each
+    replica gets a GPU of its own: a local one by its CUDA_VISIBLE_DEVICES, a Ray actor by
+    asking Ray for one."""
+    from kvserve.model.device import replica_gpus
+
     if backend == "ray":
         from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
         ensure_ray()
-        return [RayLauncher(i) for i in range(num_replicas)]
+        gpus = 1 if device == "cuda" else 0  # cuda:N names a device of the node
+        return [RayLauncher(i, num_gpus=gpus) for i in range(num_replicas)]
     if backend != "mp":
         raise ValueError(f"unknown data-parallel backend {backend!r}; choose mp or ray")
-    return [LocalLauncher(f"kvserve-engine-{i}") for i in range(num_replicas)]
+    gpus = replica_gpus(num_replicas, device) or [None] * num_replicas
+    return [LocalLauncher(f"kvserve-engine-{i}", gpu) for i, gpu in enumerate(gpus)]
 
 
 @dataclasses.dataclass(frozen=True)

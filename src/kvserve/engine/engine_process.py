@@ -342,18 +342,27 @@ class LocalLauncher:
     """The engine in a process spawned on this machine (never forked: the server may hold
     OpenMP and torch state), with ``spec``'s environment."""
 
-    def __init__(self, name: str = "kvserve-engine") -> None:
+    def __init__(self, name: str = "kvserve-engine", gpu: str | None = None) -> None:
         self.name = name
+        self.gpu = gpu  # the one GPU this process sees (CUDA_VISIBLE_DEVICES), if any
         self.process: multiprocessing.process.BaseProcess | None = None
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        """The child's environment on top of this process's: ``spec``'s, and its GPU."""
+        env = spec.environment()
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
+        return env
 
     def launch(self, spec: EngineSpec, timeout: float) -> Connection:
         context = multiprocessing.get_context("spawn")
         conn, child = context.Pipe()
         self.process = context.Process(target=engine_main, args=(child, spec), name=self.name,
                                        daemon=True)
+        env = self.environment(spec)
         with _ENV_LOCK:
-            saved = {key: os.environ.get(key) for key in spec.environment()}
-            os.environ.update(spec.environment())
+            saved = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
             try:
                 self.process.start()
             finally:

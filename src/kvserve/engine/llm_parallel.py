@@ -46,8 +46,8 @@ class ReplicatedEngines:
         spec = EngineSpec(functools.partial(build_engine, model, **engine_args),
                           threads=threads)
         self.loop = asyncio.new_event_loop()
-        self.engine = DataParallelEngine(spec, tokenizer, replica_launchers(size, backend),
-                                         policy)
+        launchers = replica_launchers(size, backend, str(engine_args.get("device", "auto")))
+        self.engine = DataParallelEngine(spec, tokenizer, launchers, policy)
         self.loop.run_until_complete(self._start())
 
     async def _start(self) -> None:

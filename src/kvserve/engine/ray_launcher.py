@@ -45,11 +45,13 @@ def ensure_ray() -> Any:
 
 
 class RayLauncher:
-    """Replica ``index`` as a Ray actor holding ``spec.threads`` CPUs (1 if unset)."""
+    """Replica ``index`` as a Ray actor holding ``spec.threads`` CPUs (1 if unset) and
+    ``num_gpus`` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES to its own)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, num_gpus: int = 0) -> None:
         self.name = f"kvserve-engine-{index}"
         self.index = index
+        self.num_gpus = num_gpus
         self.actor: Any = None
         self.ref: Any = None
 
@@ -57,7 +59,7 @@ class RayLauncher:
         ray = ensure_ray()
         self.close()  # a relaunch replaces the dead actor with a new one
         self.actor = ray.remote(_EngineActor).options(
-            num_cpus=spec.threads or 1, max_restarts=0,
+            num_cpus=spec.threads or 1, num_gpus=self.num_gpus, max_restarts=0,
             runtime_env={"env_vars": spec.environment()}).remote()
         # The actor connects back: to this node's address when the cluster is elsewhere
         host = "127.0.0.1" if not os.environ.get("RAY_ADDRESS") else \

@@ -11,6 +11,8 @@ are the same on both.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvserve.flags import DEVICES, is_device_name
@@ -41,6 +43,23 @@ def resolve_device(name: str | torch.device) -> tuple[torch.device, str]:
         raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), "
                          f"cuda:0 to cuda:{count - 1}")
     return torch.device(name), f"--device {name}"
+
+
+def replica_gpus(num_replicas: int, name: str) -> list[str] | None:
+    """Each local data-parallel replica's GPU (its ``CUDA_VISIBLE_DEVICES``, so it sees one
+    as ``cuda``), as vLLM gives each data-parallel rank its own: None where the replicas run
+    on the CPU, or where ``name`` names one device (``cuda:0``: all share it). ValueError
+    where there are fewer GPUs than replicas."""
+    if num_replicas < 2 or name not in ("cuda", "auto") or not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = [gpu.strip() for gpu in visible.split(",") if gpu.strip()] if visible else \
+        [str(index) for index in range(torch.cuda.device_count())]
+    if len(gpus) < num_replicas:
+        raise ValueError(f"--data-parallel-size {num_replicas} on --device {name} gives each "
+                         f"replica a GPU of its own, and this machine has {len(gpus)}; give "
+                         "--device cuda:0 to run every replica on one GPU")
+    return gpus[:num_replicas]
 
 
 def check_device_options(device: torch.device, batch_invariant: bool = False,

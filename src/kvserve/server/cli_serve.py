@@ -368,7 +368,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
 
     size = args.data_parallel_size
     threads = args.threads_per_replica or default_threads(size)
-    launchers = replica_launchers(size, args.data_parallel_backend)
+    launchers = replica_launchers(size, args.data_parallel_backend, args.device)
     logger.info("%d engine replicas (%s), %d threads each, router %s", size,
                 args.data_parallel_backend, threads, args.router)
     cpus = os.cpu_count() or 1
