@@ -66,8 +66,19 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": None}]}, 400,
      "messages[1] (user) has no 'content'"),
-    (COMPLETIONS, {"prompt": "x", "n": None, "prompt_logprobs": None}, 400,
-     "unknown field 'prompt_logprobs'"),  # null for a field it does not know is no pass
+    (COMPLETIONS, {"prompt": "x", "n": None, "frobnicate": None}, 400,
+     "unknown field 'frobnicate'"),  # null for a field it does not know is no pass
+    # vLLM's extras are served at their defaults only (test_vllm_extras_at_their_defaults)
+    (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400,
+     "field 'use_beam_search' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400,
+     "field 'prompt_logprobs' is not supported by this server"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
+     "field 'guided_json' is not supported by this server"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,
+     "field 'add_special_tokens' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "request_id": ""}, 400,
+     "'request_id' must be 1-128 printable ASCII characters"),
     (COMPLETIONS, {"prompt": None}, 400, "field 'prompt'"),  # nor for a required one
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400,
      "send exactly one of 'prompt' and 'messages'"),
@@ -361,3 +372,42 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):
     assert counts == sorted(counts) and counts[-1] == 3
     assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"]
                for e in events)
+
+
+def test_vllm_extras_at_their_defaults_are_served(server):
+    """vLLM's own request fields at vLLM's defaults (what LangChain's VLLMOpenAI and eval
+    harnesses send) were 400 "unknown field"; its body request_id names the request where no
+    X-Request-Id is sent; completions honour add_special_tokens."""
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+                "allowed_token_ids": None, "bad_words": [], "guided_json": None,
+                "truncate_prompt_tokens": None, "return_tokens_as_token_ids": False,
+                "response_format": {"type": "text"}, "echo": False}
+    reply = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 1, **defaults,
+                                       "add_special_tokens": True, "request_id": "body-7"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["id"] == "cmpl-body-7" and reply.headers["x-request-id"] == "body-7"
+    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "x"}],
+                               "max_tokens": 1, **defaults, "add_special_tokens": False,
+                               "continue_final_message": False, "chat_template": None,
+                               "documents": None})
+    assert chat.status_code == 200, chat.text
+    header = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "head-7"},
+                        json={"prompt": "x", "max_tokens": 1, "request_id": "body-8"})
+    assert header.json()["id"] == "cmpl-head-7"  # the header goes first
+
+
+def test_the_chat_role_chunk_carries_the_usage_under_continuous_usage_stats(server):
+    """vLLM's role chunk carries usage (no completion tokens yet); it was null here."""
+    import json
+
+    with httpx.stream("POST", server.url + CHAT, timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    role = events[0]
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert role["usage"]["completion_tokens"] == 0
+    assert role["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0

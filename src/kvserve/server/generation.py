@@ -78,7 +78,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
     base = sampling_params(req, chat, max_tokens, priority, tenant)
-    request_id = state.new_request_id(request.headers.get("x-request-id"))
+    header = request.headers.get("x-request-id")
+    request_id = state.new_request_id(header) if header is not None or req.request_id is None \
+        else state.new_request_id(req.request_id, "'request_id'")
     choices, items = [], []
     samples = base.samples()  # sample k seeded seed + k
     for prompt_index, prompt in enumerate(prompts):
@@ -286,7 +288,7 @@ class _Generation:
                 data = self._chunk(choice, {"role": "assistant", "content": ""}, None)
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
-                yield sse(data)
+                yield sse(self._with_usage(data))  # vLLM's role chunk has it too
         yield self._event(first)
         try:
             async for chunk in self.stream:
@@ -325,10 +327,14 @@ class _Generation:
             data["choices"][0]["finish_reason"] = chunk.finish_reason
             data["choices"][0]["stop_reason"] = chunk.stop_reason
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
+        return sse(self._with_usage(data))
+
+    def _with_usage(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A chunk with the usage so far where vLLM's continuous_usage_stats asks for it."""
         options = self.req.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
-        return sse(data)
+        return data
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

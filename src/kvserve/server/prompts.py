@@ -24,7 +24,8 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
     vocab_size = state.tokenizer.vocab_size
     encoded = []
     for index, item in enumerate(prompts):
-        ids = state.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        ids = state.tokenizer.encode(item, req.add_special_tokens) if isinstance(item, str) \
+            else list(item)
         where = "'prompt'" if len(prompts) == 1 else f"prompt {index}"
         if not ids:
             raise bad_request(f"{where} is empty", param="prompt")

@@ -100,16 +100,43 @@ class _Sampling(_Body):
     max_queue_delay: float | None = Field(default=None, gt=0, le=86400)
     cache_salt: str | None = None
     session: SessionRef | None = None
+    # vLLM's request id in the body (the X-Request-Id header goes first)
+    request_id: str | None = None
     # OpenAI fields not implemented: accepted only with their neutral value.
     logit_bias: Any = None
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
+    response_format: Any = None
+    # vLLM's own extras not implemented, likewise (a client that sends vLLM's defaults, as
+    # LangChain's VLLMOpenAI does, is served; one that asks for more is told which field)
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: BOS where the model's tokenizer adds one (vLLM's default is true; the bundled
+    # model's tokenizer adds none either way)
+    add_special_tokens: bool = False
 
 
 class TextPart(_Body):
@@ -145,7 +172,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     metadata: Any = None
     store: Any = None
     modalities: Any = None
@@ -154,6 +180,11 @@ class ChatCompletionRequest(_Sampling):
     service_tier: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    # vLLM's chat extras not implemented (neutral values only)
+    add_special_tokens: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None
 
 
 class TokenizeRequest(_Body):
@@ -179,11 +210,23 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
+    # vLLM's defaults
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "return_tokens_as_token_ids": (False,), "continue_final_message": (False,),
+    "add_special_tokens": (False,),  # chat's (completions' is honoured)
 }
 _UNSUPPORTED = ("logit_bias", "best_of", "echo", "suffix", "tools", "tool_choice",
                 "parallel_tool_calls", "functions", "function_call", "response_format",
                 "metadata", "store", "modalities", "audio", "prediction", "service_tier",
-                "reasoning_effort", "web_search_options")
+                "reasoning_effort", "web_search_options",
+                "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
+                "length_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                "truncate_prompt_tokens", "return_tokens_as_token_ids", "logits_processors",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+                "kv_transfer_params", "vllm_xargs", "continue_final_message", "documents",
+                "chat_template", "add_special_tokens")
 
 
 # A message's fields kvserve does not implement (null is their default, also accepted).
@@ -211,7 +254,9 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         request = model.model_validate(body)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
-    _check_neutral(request, {name: _NEUTRAL.get(name, ()) for name in _UNSUPPORTED}, "")
+    fields = model.model_fields  # a field one endpoint honours (add_special_tokens) is typed
+    _check_neutral(request, {name: _NEUTRAL.get(name, ()) for name in _UNSUPPORTED
+                             if name in fields and fields[name].annotation is Any}, "")
     for index, message in enumerate(getattr(request, "messages", None) or ()):
         _check_neutral(message, _MESSAGE_NEUTRAL, f"messages.{index}.")
     stop = getattr(request, "stop", None)

@@ -64,12 +64,15 @@ class ServerState:
     def scheduler_config(self) -> SchedulerConfig:
         return self.engine.info.scheduler_config
 
-    def new_request_id(self, given: str | None) -> str:
+    def new_request_id(self, given: str | None, what: str = "X-Request-Id") -> str:
+        """A request's id: ``given`` (the header, or vLLM's body field ``request_id``: named
+        by ``what`` in the error) or a fresh one."""
         if given is None:
             return uuid.uuid4().hex[:16]
         # ASCII: a header is read as Latin-1, so UTF-8 came back garbled ('cafÃ©')
         if not given or len(given) > 128 or not given.isprintable() or not given.isascii():
-            raise bad_request("X-Request-Id must be 1-128 printable ASCII characters")
+            raise bad_request(f"{what} must be 1-128 printable ASCII characters",
+                              param="request_id" if what != "X-Request-Id" else None)
         return given
 
     def hold_ids(self, request_id: str, sub_ids: list[str]) -> None:
