@@ -58,7 +58,10 @@ def check_both_replicas_serve(live: LiveServer) -> None:
         assert values[("vllm:num_requests_running", labels)] == 0
         assert values[("kvserve:router_decisions_total", (
             ("model_name", "tiny"), ("reason", "round_robin"), ("replica", replica)))] == 1
-    assert values[("vllm:generation_tokens_total", (("model_name", "tiny"),))] == 6
+        # each request's tokens counted on the replica that ran it (round robin: one each)
+        assert values[("vllm:generation_tokens_total", labels)] == 3
+        assert values[("vllm:request_success_total", (
+            labels[0], ("finished_reason", "length"), labels[1]))] == 1
 
 
 def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:

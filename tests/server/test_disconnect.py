@@ -53,7 +53,8 @@ def test_streaming_client_leaves_while_decoding(live):
     # metrics forget it too, and count it
     wait_for(lambda: not live.state.metrics._live, what="metrics to drop the request")
     text = httpx.get(live.url + "/metrics").text
-    assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}' in text
+    assert ('vllm:request_success_total{engine="0",finished_reason="abort",'
+            'model_name="tiny"}') in text
 
 
 def test_plain_client_leaves_while_decoding(live):

@@ -116,10 +116,10 @@ def test_operator_abort_and_metrics_through_the_process(live):
     wait_for(live.idle, what="a whole pool")
     wait_for(lambda: live.state.engine.idle_checks > checks, what="the idle check")
     after = metric_values(httpx.get(live.url + "/metrics").text)
-    key = ("vllm:request_success_total", (("finished_reason", "abort"), *M))
+    key = ("vllm:request_success_total", (E[0], ("finished_reason", "abort"), *M))
     assert after[key] == before.get(key, 0) + 1
-    assert after[("vllm:generation_tokens_total", M)] > before[("vllm:generation_tokens_total",
-                                                                 M)]
+    assert after[("vllm:generation_tokens_total", E)] > before[("vllm:generation_tokens_total",
+                                                                 E)]
     assert after[("kvserve:invariant_violations_total", E)] == 0
     assert after[("kvserve:engine_steps_total", E)] == live.state.engine.stats.num_steps > 0
 
@@ -203,7 +203,7 @@ def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
     wait_for(live.idle, what="a whole pool")
     assert live.state.engine.stats.num_finished.get("stop", 0) == stops + 1
     after = metric_values(httpx.get(live.url + "/metrics").text)
-    key = ("vllm:request_success_total", (("finished_reason", "stop"), *M))
+    key = ("vllm:request_success_total", (E[0], ("finished_reason", "stop"), *M))
     assert after[key] == before.get(key, 0) + 1
 
 

@@ -132,7 +132,8 @@ def test_labelled_counters_exist_at_zero_from_boot():
     with LiveServer(slow_engine(0.005)) as live:
         values = metric_values(httpx.get(live.url + "/metrics").text)
     model = ("model_name", "tiny")
-    for key in [("vllm:request_success_total", (("finished_reason", reason), model))
+    for key in [("vllm:request_success_total", (("engine", "0"), ("finished_reason", reason),
+                                                model))
                 for reason in ("abort", "length", "stop")] + [
             ("kvserve:requests_rejected_total", (model, ("status", s))) for s in ("400", "503")
     ] + [("vllm:admission_rejections_total", (model, ("reason", r)))

@@ -132,7 +132,7 @@ async def _queue(state: ServerState, request_id: str,
             recorder.dropped([sub_id for sub_id, _, _ in items])
         raise _refusal(state, error) from error
     state.metrics.tenants.queued(tenant, len(items))
-    state.metrics.request_params(len(items), items[0][2].max_tokens)
+    state.metrics.request_params(items[0][0], len(items), items[0][2].max_tokens)
     state.groups[request_id] = stream
     return stream
 

@@ -1,5 +1,7 @@
 """Prometheus metrics under vLLM's names (DESIGN.md, "Metrics"), so existing dashboards work,
-plus kvserve's own under ``kvserve:``. Every series carries ``model_name``.
+plus kvserve's own under ``kvserve:``. Every series carries ``model_name``, and every one an
+engine observes (scheduler figures, per-request counters and histograms) ``engine="i"``, as
+vLLM labels them (``engine="0"`` for a single engine).
 
 Scheduler-wide figures (running, waiting, KV usage, preemptions, prefix cache, recomputed
 tokens, blocked admissions) are read from the engine's latest stats snapshot at scrape time;
@@ -64,6 +66,62 @@ class _Live:
     num_prompt_tokens: int
     last_token_time: float | None = None
     tenant: TenantCounters | None = None
+    params: tuple[int, int] | None = None  # a group's first request: its n and max_tokens
+
+
+class _EngineSeries:
+    """The per-request series of one engine (``engine="i"``, as vLLM labels every series it
+    observes; a dashboard's ``sum by (engine)`` reads them). A request's are observed on the
+    engine that ran it."""
+
+    def __init__(self, families: dict[str, Histogram | Counter], model_name: str,
+                 engine: int) -> None:
+        labels = (model_name, str(engine))
+        self.prompt_tokens = families["prompt_tokens"].labels(*labels)
+        self.generation_tokens = families["generation_tokens"].labels(*labels)
+        self.labels = labels
+        self.request_success = families["request_success"]
+        for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
+            self.request_success.labels(*labels, reason)
+        for name in _ENGINE_HISTOGRAMS:
+            setattr(self, name, families[name].labels(*labels))
+
+    def success(self, reason: str) -> Counter:
+        return self.request_success.labels(*self.labels, reason)
+
+
+# attribute: (series name, help, buckets); every one labelled model_name and engine
+_ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Arrival to first token.", None),
+    "itl": ("vllm:inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.", _TOKEN_GAP_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+            _REQUEST_LATENCY_BUCKETS),
+    "queue_time": ("vllm:request_queue_time_seconds", "Arrival to first scheduling.",
+                   _REQUEST_LATENCY_BUCKETS),
+    "request_preemptions": ("vllm:request_num_preemptions", "Preemptions per finished "
+                            "request.", _COUNT_BUCKETS),
+    "stall": ("kvserve:preemption_stall_seconds", "Longest preemption-to-next-token stall of "
+              "a preempted request.", None),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                              ()),  # () : token buckets up to max_model_len
+    "request_generation_tokens": ("vllm:request_generation_tokens",
+                                  "Generated tokens per request.", ()),
+    "request_max_tokens": ("vllm:request_params_max_tokens",
+                           "The max_tokens request parameter.", ()),
+    "request_n": ("vllm:request_params_n", "The n request parameter.", _N_BUCKETS),
+    "inference_time": ("vllm:request_inference_time_seconds",
+                       "First scheduled to finish (running).", _REQUEST_LATENCY_BUCKETS),
+    "prefill_time": ("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                     _REQUEST_LATENCY_BUCKETS),
+    "decode_time": ("vllm:request_decode_time_seconds", "First token to finish.",
+                    _REQUEST_LATENCY_BUCKETS),
+    "time_per_output_token": ("vllm:request_time_per_output_token_seconds",
+                              "Mean time between a request's tokens after the first (0 for "
+                              "one token).", _TOKEN_GAP_BUCKETS),
+    "iteration_tokens": ("vllm:iteration_tokens_total", "Tokens per engine step.",
+                         _STEP_TOKEN_BUCKETS),
+}
 
 
 class ServerMetrics:
@@ -78,29 +136,22 @@ class ServerMetrics:
         self.tenants = TenantSeries(engine, model_name, self.registry, known_tenants)
         labels = ["model_name"]
         reg = self.registry
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
-                                     labels, registry=reg).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.",
-                                         labels, registry=reg).labels(model_name)
-        self.request_success = Counter("vllm:request_success", "Finished requests.",
-                                       [*labels, "finished_reason"], registry=reg)
-        for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
-            self.request_success.labels(model_name, reason)
-        self.ttft = self._histogram("vllm:time_to_first_token_seconds",
-                                    "Arrival to first token.")
-        self.itl = self._histogram("vllm:inter_token_latency_seconds",
-                                   "Time between consecutive tokens of a request.",
-                                   _TOKEN_GAP_BUCKETS)
-        self.e2e = self._histogram("vllm:e2e_request_latency_seconds",
-                                   "Arrival to finish.", _REQUEST_LATENCY_BUCKETS)
-        self.queue_time = self._histogram("vllm:request_queue_time_seconds",
-                                          "Arrival to first scheduling.",
-                                          _REQUEST_LATENCY_BUCKETS)
-        self.request_preemptions = self._histogram(
-            "vllm:request_num_preemptions", "Preemptions per finished request.", _COUNT_BUCKETS)
-        self.stall = self._histogram("kvserve:preemption_stall_seconds",
-                                     "Longest preemption-to-next-token stall of a preempted "
-                                     "request.")
+        per_engine = ["model_name", "engine"]
+        tokens = _1_2_5_buckets(engine.info.max_model_len)
+        self._families: dict[str, Histogram | Counter] = {
+            "prompt_tokens": Counter("vllm:prompt_tokens", "Prefill tokens processed.",
+                                     per_engine, registry=reg),
+            "generation_tokens": Counter("vllm:generation_tokens", "Generated tokens.",
+                                         per_engine, registry=reg),
+            "request_success": Counter("vllm:request_success", "Finished requests.",
+                                       [*per_engine, "finished_reason"], registry=reg),
+            **{name: Histogram(series, text, per_engine, registry=reg,
+                               buckets=tokens if buckets == () else buckets or
+                               _LATENCY_BUCKETS)
+               for name, (series, text, buckets) in _ENGINE_HISTOGRAMS.items()}}
+        # every engine's series from boot, as vLLM's: rate() sees the first request
+        self._engines = [_EngineSeries(self._families, model_name, index)
+                         for index in range(getattr(engine, "num_replicas", 1))]
         self.failed = Counter("kvserve:requests_failed",
                               "Requests an engine's death ended under way (answered 503), "
                               "by reason.", [*labels, "reason"], registry=reg)
@@ -123,32 +174,7 @@ class ServerMetrics:
                             [*labels, "reason"], registry=reg)
         self.admission_rejections = {reason: admission.labels(model_name, reason)
                                      for reason in ADMISSION_REASONS}
-        # Per finished request, as vLLM observes them
         info = engine.info
-        tokens = _1_2_5_buckets(info.max_model_len)
-        self.request_prompt_tokens = self._histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens)
-        self.request_generation_tokens = self._histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", tokens)
-        self.request_max_tokens = self._histogram(
-            "vllm:request_params_max_tokens", "The max_tokens request parameter.", tokens)
-        self.request_n = self._histogram("vllm:request_params_n",
-                                         "The n request parameter.", _N_BUCKETS)
-        self.inference_time = self._histogram("vllm:request_inference_time_seconds",
-                                              "First scheduled to finish (running).",
-                                              _REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = self._histogram("vllm:request_prefill_time_seconds",
-                                            "First scheduled to first token.",
-                                            _REQUEST_LATENCY_BUCKETS)
-        self.decode_time = self._histogram("vllm:request_decode_time_seconds",
-                                           "First token to finish.",
-                                           _REQUEST_LATENCY_BUCKETS)
-        self.time_per_output_token = self._histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Mean time between a request's tokens after the first (0 for one token).",
-            _TOKEN_GAP_BUCKETS)
-        self.iteration_tokens = self._histogram("vllm:iteration_tokens_total",
-                                                "Tokens per engine step.", _STEP_TOKEN_BUCKETS)
         Gauge("vllm:cache_config_info", "KV cache configuration.",
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
               registry=reg).labels(model_name, str(info.block_size), str(info.num_kv_blocks),
@@ -161,10 +187,12 @@ class ServerMetrics:
         self._e2e_count = 0
         engine.observers.append(self.observe)
 
-    def _histogram(self, name: str, text: str,
-                   buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
-        return Histogram(name, text, ["model_name"], buckets=buckets,
-                         registry=self.registry).labels(self.model_name)
+    def series(self, engine: int = 0) -> _EngineSeries:
+        """Engine ``engine``'s per-request series."""
+        while engine >= len(self._engines):
+            self._engines.append(_EngineSeries(self._families, self.model_name,
+                                               len(self._engines)))
+        return self._engines[engine]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -188,16 +216,20 @@ class ServerMetrics:
         if ended:
             self.failed.labels(self.model_name, reason).inc(len(ended))
 
-    def request_params(self, n: int, max_tokens: int) -> None:
-        """A request the engine took: its n and max_tokens parameters."""
-        self.request_n.observe(n)
-        self.request_max_tokens.observe(max_tokens)
+    def request_params(self, request_id: str, n: int, max_tokens: int) -> None:
+        """A request the engine took (``request_id``: its group's first): its n and
+        max_tokens parameters, observed when that request finishes, on its engine."""
+        with self._lock:
+            live = self._live.get(request_id)
+            if live is not None:
+                live.params = (n, max_tokens)
 
     def observe(self, report: StepReport) -> None:
         """Engine thread, after each step."""
         now = report.time + report.seconds
+        series = self.series(report.engine)
         if report.num_scheduled_tokens:
-            self.iteration_tokens.observe(report.num_scheduled_tokens)
+            series.iteration_tokens.observe(report.num_scheduled_tokens)
         with self._lock:
             for chunk in report.chunks:
                 live = self._live.get(chunk.request_id)
@@ -205,27 +237,29 @@ class ServerMetrics:
                     continue
                 num_new = len(chunk.new_token_ids)
                 if num_new:
-                    self._token(live, num_new, now)
+                    self._token(series, live, num_new, now)
                 if chunk.finished:
                     del self._live[chunk.request_id]
-                    self.request_success.labels(self.model_name,
-                                                chunk.finish_reason or "error").inc()
+                    series.success(chunk.finish_reason or "error").inc()
+                    if live.params is not None:
+                        series.request_n.observe(live.params[0])
+                        series.request_max_tokens.observe(live.params[1])
                     # vLLM's per-request histograms leave out what a client or an
                     # operator aborted (its metrics still reach the response)
                     if chunk.metrics is not None and chunk.stop_reason != ABORTED:
-                        self._finished(chunk.metrics)
+                        self._finished(series, chunk.metrics)
 
-    def _token(self, live: _Live, num_new: int, now: float) -> None:
+    def _token(self, series: _EngineSeries, live: _Live, num_new: int, now: float) -> None:
         if live.last_token_time is None:
-            self.ttft.observe(max(0.0, now - live.arrival_time))
-            self.prompt_tokens.inc(live.num_prompt_tokens)
+            series.ttft.observe(max(0.0, now - live.arrival_time))
+            series.prompt_tokens.inc(live.num_prompt_tokens)
             self.num_prompt_tokens += live.num_prompt_tokens
             if live.tenant is not None:
                 live.tenant.prompt_tokens.inc(live.num_prompt_tokens)
         else:
-            self.itl.observe(max(0.0, now - live.last_token_time) / num_new)
+            series.itl.observe(max(0.0, now - live.last_token_time) / num_new)
         live.last_token_time = now
-        self.generation_tokens.inc(num_new)
+        series.generation_tokens.inc(num_new)
         if live.tenant is not None:
             live.tenant.generation_tokens.inc(num_new)
         self.num_generation_tokens += num_new
@@ -234,27 +268,27 @@ class ServerMetrics:
         """Mean arrival-to-finish seconds of the finished requests so far."""
         return self._e2e_sum / self._e2e_count if self._e2e_count else None
 
-    def _finished(self, metrics: RequestMetrics) -> None:
+    def _finished(self, series: _EngineSeries, metrics: RequestMetrics) -> None:
         e2e = max(0.0, metrics.finished_time - metrics.arrival_time)
-        self.e2e.observe(e2e)
+        series.e2e.observe(e2e)
         self._e2e_sum += e2e
         self._e2e_count += 1
         if metrics.queue_time is not None:
-            self.queue_time.observe(max(0.0, metrics.queue_time))
-        self.request_preemptions.observe(metrics.num_preemptions)
+            series.queue_time.observe(max(0.0, metrics.queue_time))
+        series.request_preemptions.observe(metrics.num_preemptions)
         if metrics.num_preemptions:
-            self.stall.observe(metrics.longest_stall)
-        self.request_prompt_tokens.observe(metrics.num_prompt_tokens)
-        self.request_generation_tokens.observe(metrics.num_output_tokens)
+            series.stall.observe(metrics.longest_stall)
+        series.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        series.request_generation_tokens.observe(metrics.num_output_tokens)
         scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
         if scheduled is not None:
-            self.inference_time.observe(max(0.0, metrics.finished_time - scheduled))
+            series.inference_time.observe(max(0.0, metrics.finished_time - scheduled))
             if first_token is not None:
-                self.prefill_time.observe(max(0.0, first_token - scheduled))
+                series.prefill_time.observe(max(0.0, first_token - scheduled))
         if first_token is not None:
             decode = max(0.0, metrics.finished_time - first_token)
-            self.decode_time.observe(decode)
-            self.time_per_output_token.observe(
+            series.decode_time.observe(decode)
+            series.time_per_output_token.observe(
                 decode / (metrics.num_output_tokens - 1) if metrics.num_output_tokens > 1
                 else 0.0)
 
