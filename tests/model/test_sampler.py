@@ -10,7 +10,7 @@ import torch
 
 from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
-from kvserve.model.sampler import Sampler, SamplingRow, greedy_tokens
+from kvserve.model.sampler import Sampler, SamplingRow, greedy_tokens, token_seed
 
 PROBS = [0.6, 0.25, 0.1, 0.05]
 LOGITS = torch.tensor([math.log(p) for p in PROBS])
@@ -113,6 +113,26 @@ def test_a_seed_fixes_each_position_independently_of_the_batch():
     positions = [Sampler()(LOGITS[None, :], [SamplingRow(params, [9] + [1] * k, 1)])
                  .token_ids[0] for k in range(40)]
     assert len(set(positions)) > 1  # different output positions draw differently
+
+
+def test_every_bit_of_a_seed_picks_the_stream():
+    """torch's CPU generator reads 32 bits of its seed: seeds apart by 2**32 or 2**63 drew the
+    same tokens (QA: 0, 2**63 and -2**63 gave one text). The high bits are folded in; a seed
+    below 2**32 keeps the stream it had; a negative seed is its two's complement, as torch
+    takes it (-1 is 2**64 - 1, -2**63 is 2**63)."""
+    def low32(value: int) -> int:
+        return torch.Generator().manual_seed(value).initial_seed() & 0xFFFFFFFF
+
+    def stream(seed: int) -> list[float]:
+        return [torch.rand(1, generator=torch.Generator().manual_seed(
+            token_seed(seed, k))).item() for k in range(3)]
+
+    seeds = [0, 1, 5, 1 << 32, 5 + (1 << 32), 1 << 63, (1 << 63) + 5, -1, 2, -2, -7]
+    assert len({tuple(stream(s)) for s in seeds}) == len(seeds)
+    assert stream(-1) == stream((1 << 64) - 1) and stream(-(1 << 63)) == stream(1 << 63)
+    old = 0x9E3779B97F4A7C15  # the mix before the fold: seeds below 2**32 are unchanged
+    assert all(low32(token_seed(s, k)) == low32((s * old + k) % (1 << 63))
+               for s in (0, 7, 123456, (1 << 32) - 1) for k in (0, 9))
 
 
 def test_logprobs_hold_the_sampled_token_and_the_top_n():

@@ -29,6 +29,18 @@ from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_FOLD = 0x9E3779B9  # odd: folds a seed's high 32 bits into its low ones
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's token at ``position``. torch's CPU generator
+    reads only the low 32 bits of its seed, so the request's seed (any in [-2**63, 2**64); a
+    negative one is its two's complement, as torch takes it: -1 is 2**64 - 1) has its high
+    bits folded into them first: seeds apart by a multiple of 2**32 gave one stream (QA: 0
+    and 2**63 drew the same text); a seed in [0, 2**32) keeps its own."""
+    value = seed % (1 << 64)
+    folded = (value + (value >> 32) * _SEED_FOLD) & 0xFFFFFFFF
+    return (folded * _SEED_MIX + position) % (1 << 63)
 # A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
 # overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
 GREEDY_BELOW = 1e-5
@@ -130,7 +142,7 @@ class Sampler:
         for index, row in enumerate(rows):
             seed = row.params.seed
             generator = self.generator if seed is None else torch.Generator().manual_seed(
-                (seed * _SEED_MIX + row.num_output_tokens) % (1 << 63))
+                token_seed(seed, row.num_output_tokens))
             uniforms[index].uniform_(generator=generator)
         total = cdf[:, -1:].contiguous()
         drawn = torch.searchsorted(cdf, uniforms.to(cdf.device) * total, right=True)
