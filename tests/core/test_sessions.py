@@ -273,6 +273,26 @@ def test_the_bound_releases_the_oldest_hold_first():  # U5
     assert ("", "C") not in scheduler.sessions.sessions
 
 
+def test_the_bound_releases_the_tenant_holding_most_first():  # U5 U7
+    """One tenant opening sessions released every other tenant's held KV (QA: the globally
+    oldest hold went first): the tenant holding the most blocks, counting the turn about to
+    be held, gives up its own oldest hold first; a tie falls to the oldest hold."""
+    scheduler, executor = sched(num_blocks=40, max_session_kv=0.2), FakeExecutor()  # 8
+    scheduler.add_request(turn("b1", prompt_of("b1", 6), session="B", tenant="bob",
+                               session_ttl=1000.0))
+    run(scheduler, executor)  # bob: 2 blocks, the oldest hold
+    for index in range(4):  # alice: 2 blocks each
+        scheduler.add_request(turn(f"a{index}", prompt_of(f"a{index}", 6),
+                                   session=f"A{index}", tenant="alice", session_ttl=1000.0))
+        run(scheduler, executor, 10.0 * (index + 1))
+    assert list(scheduler.sessions.held) == [("bob", "B"), ("alice", "A1"), ("alice", "A2"),
+                                             ("alice", "A3")]
+    assert scheduler.stats().session_releases == {"limit": 1}
+    scheduler.sessions.release_oldest()  # U7 likewise: alice holds 6 of the 8
+    assert list(scheduler.sessions.held)[:2] == [("bob", "B"), ("alice", "A2")]
+    check_invariants(scheduler)
+
+
 def test_an_admission_releases_held_sessions_before_blocking():  # U7
     scheduler, executor = sched(num_blocks=8), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)  # 3 held, 5 free

@@ -163,7 +163,7 @@ class SessionStore:
             self._forget(session, LIMIT)  # its blocks are freed with the request's
             return 0
         while self.num_held_blocks + num_blocks > self.max_blocks:
-            self.release_oldest(LIMIT)
+            self.release_oldest(LIMIT, (key[0], num_blocks))
         blocks, num_cached = self.kv.detach_blocks(request, num_tokens)
         session.turn_id = None
         session.token_ids = request.all_token_ids[:num_tokens]
@@ -190,11 +190,23 @@ class SessionStore:
             self._forget(session, reason)  # the turn runs on; its KV will not be held
         return True
 
-    def release_oldest(self, reason: str = PRESSURE) -> bool:
-        """Release the session held longest (U5, U7); False if none is held."""
+    def release_oldest(self, reason: str = PRESSURE,
+                       arriving: tuple[str, int] | None = None) -> bool:
+        """Release the oldest hold of the tenant that holds the most blocks (U5, U7; with
+        one tenant, the session held longest), counting ``arriving`` (a tenant's turn about
+        to be held, in blocks) as that tenant's: a tenant opening sessions releases its own
+        before anyone else's (QA: one released every other tenant's). False if none is
+        held."""
         if not self.held:
             return False
-        self._release_held(next(iter(self.held.values())), reason)
+        blocks: dict[str, int] = {}
+        for session in self.held.values():
+            blocks[session.key[0]] = blocks.get(session.key[0], 0) + len(session.blocks)
+        if arriving is not None and arriving[0] in blocks:
+            blocks[arriving[0]] += arriving[1]
+        most = max(blocks.values())
+        self._release_held(next(s for s in self.held.values() if blocks[s.key[0]] == most),
+                           reason)
         return True
 
     def expire(self, now: float) -> None:
