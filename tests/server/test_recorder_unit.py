@@ -89,20 +89,26 @@ def test_nothing_is_queued_while_stopped(tmp_path):
 
 def test_hashes_are_keyed_per_recording(tmp_path):
     params = SamplingParams(max_tokens=4)
+    salted = {"c": SamplingParams(max_tokens=4, cache_salt=""),
+              "d": SamplingParams(max_tokens=4, cache_salt="x")}
     written = []
     for name in ("one", "two"):
         recorder = Recorder(tmp_path / name, INFO)
         recorder.start()
-        recorder.submitted([("a", list(range(40)), params), ("b", list(range(40)), params)])
+        recorder.submitted([("a", list(range(40)), params), ("b", list(range(40)), params),
+                            *[(rid, list(range(40)), p) for rid, p in salted.items()]])
         done = [CompletionChunk(rid, [1], "", True, "length", None, metrics(4))
-                for rid in ("a", "b")]
-        recorder.observe(report(recorder, 1.0, 40, arrivals=[("a", 0.1), ("b", 0.2)],
+                for rid in "abcd"]
+        recorder.observe(report(recorder, 1.0, 40, arrivals=[(rid, 0.1) for rid in "abcd"],
                                 chunks=done, stats=IDLE))
         recorder.close()
         written.append({r["request_id"]: r["prompt_hashes"]
                         for r in lines(tmp_path / name, "trace-*.jsonl")})
     assert written[0]["a"] == written[0]["b"] and len(written[0]["a"]) == 2
     assert written[0]["a"] != written[1]["a"]  # a guessed prompt cannot be checked
+    # the server shares no block between no salt and an empty one; nor does the recording
+    # (both were hashed alike, and a replay hit what the server never shared; QA)
+    assert len({tuple(written[0][rid]) for rid in "acd"}) == 3
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [

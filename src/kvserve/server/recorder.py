@@ -421,7 +421,10 @@ class Recorder:
         else:
             row["prompt_len"] = len(prompt)
         if self.prompts == "hashes":
-            salt = self._salt + "/" + (params.cache_salt or "")
+            # no salt and an empty salt are apart, as on the server (QA: both hashed alike,
+            # so a replay hit what the server never shared)
+            salt = self._salt if params.cache_salt is None else \
+                f"{self._salt}/{params.cache_salt}"
             row["prompt_hashes"] = [h.hex()[:HASH_HEX_DIGITS] for h in
                                     prompt_block_hashes(list(prompt), self.block_size, salt)]
             row["hash_block_size"] = self.block_size
