@@ -197,6 +197,16 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
         reply = httpx.post(url + "/admin/record/start", headers=admin,
                            json={"dir": str(tmp_path / "a\u0000b")})
         assert reply.status_code == 400 and "holds a NUL character" in reply.text
+        # a body as the rest of the API takes one: an object, no unknown field (QA: [1] was
+        # {} and a stray field was ignored); an empty chunked body is no body
+        for body, needle in ((b"[1]", "must be a JSON object"),
+                             (b"null", "must be a JSON object"),
+                             (b'{"dir": "x", "foo": 1}', "unknown field 'foo'")):
+            reply = httpx.post(url + "/admin/record/start", headers=admin, content=body)
+            assert reply.status_code == 400 and needle in reply.text
+        reply = httpx.post(url + "/admin/record/start", headers=admin,
+                           content=iter([b""]))  # chunked, with no chunk
+        assert reply.status_code == 400 and "no recording directory" in reply.text
         reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": "live"})
         assert reply.status_code == 200 and reply.json()["recording"] is True
         assert reply.json()["directory"] == str(tmp_path / "live")  # where it writes

@@ -239,13 +239,18 @@ def test_session_ids_are_checked_alike_in_a_body_and_in_a_delete():  # U1 U8
     a DEL was echoed raw (invisible) in the message, and a DELETE of an id no body could
     carry was a 404 repeating it (QA)."""
     with LiveServer(max_model_len=512, num_kv_blocks=64, max_session_kv=0.5) as live:
-        for bad, shown in (("a\u0085b", "a\\u0085b"), ("a\x7fb", "a\\u007fb")):
+        # ... nor invisible ones: a right-to-left override or a line separator could make
+        # an id echoed in a message or the event log read as another (QA)
+        for bad, shown in (("a\u0085b", "a\\u0085b"), ("a\x7fb", "a\\u007fb"),
+                           ("\u202eevil", "\\u202eevil"), ("a\u2028b", "a\\u2028b")):
             response = post(live, {"prompt": [1, 2, 3], "max_tokens": 1,
                                    "session": {"id": bad}})
             assert response.status_code == 400, bad
             message = response.json()["error"]["message"]
-            assert "may not contain '/' or control characters" in message, message
+            assert "may not contain '/', control characters or invisible" in message, message
             assert f'(got "{shown}")' in message, message
+        blank = post(live, {"prompt": [1, 2, 3], "max_tokens": 1, "session": {"id": "  "}})
+        assert "may not be only blanks" in blank.json()["error"]["message"]
         for path, words in (("x" * 300, "at most 256 characters"),
                             ("%00", "control characters")):
             response = httpx.delete(f"{live.url}/v1/sessions/{path}", timeout=30)

@@ -325,6 +325,10 @@ def test_the_request_id_comes_back_as_a_header_and_must_be_ascii(server):
                       json={"prompt": "x", "max_tokens": 1})
     assert utf8.status_code == 400
     assert "1-128 printable ASCII characters" in error_of(utf8)
+    # two ids: which was meant? (the first was taken silently; two keys are a 401)
+    two = httpx.post(server.url + COMPLETIONS, json={"prompt": "x", "max_tokens": 1},
+                     headers=[("X-Request-Id", "one"), ("X-Request-Id", "two")])
+    assert two.status_code == 400 and "2 X-Request-Id headers; send one" in error_of(two)
 
 
 def test_include_stop_str_in_output_over_http(server):

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvserve.server.body import parse_json
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
 
@@ -62,8 +63,15 @@ def register(app: FastAPI, state: ServerState) -> None:
         from kvserve.server.recorder import RecordingError
 
         require_admin(state, request, "starting a recording")
-        body = await state.read_json(request) if await _has_body(request) else {}
-        directory = body.get("dir") if isinstance(body, dict) else None
+        raw = await state.read_body(request)
+        body = parse_json(raw) if raw.strip() else {}  # no body (or an empty one): {}
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object, e.g. {\"dir\": PATH}")
+        unknown = sorted(set(body) - {"dir"})
+        if unknown:
+            raise bad_request(f"unknown field {unknown[0]!r}: this endpoint takes 'dir' only",
+                              param=unknown[0])
+        directory = body.get("dir")
         if directory is not None and (not isinstance(directory, str) or not directory):
             raise bad_request("'dir' must be a directory path", param="dir")
         recorder = state.recorder
@@ -96,9 +104,3 @@ def register(app: FastAPI, state: ServerState) -> None:
         stopped = recorder.stop(cache_queries(state))
         recorder.flush()
         return JSONResponse({**recorder.status(), "changed": stopped})
-
-
-async def _has_body(request: Request) -> bool:
-    length = request.headers.get("content-length")
-    return bool(length and length != "0") or "chunked" in request.headers.get(
-        "transfer-encoding", "")

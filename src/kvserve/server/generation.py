@@ -78,7 +78,10 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
     base = sampling_params(req, chat, max_tokens, priority, tenant)
-    header = request.headers.get("x-request-id")
+    given = request.headers.getlist("x-request-id")
+    if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
+        raise bad_request(f"{len(given)} X-Request-Id headers; send one")
+    header = given[0] if given else None
     request_id = state.new_request_id(header) if header is not None or req.request_id is None \
         else state.new_request_id(req.request_id, "'request_id'")
     choices, items = [], []

@@ -54,15 +54,23 @@ class SessionRef(_Body):
     """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
 
     # No "/" and not "." or ".." (DELETE /v1/sessions/{id} could not name it: clients
-    # normalise such a path) and no control characters (C0, DEL or C1).
+    # normalise such a path), no control characters (C0, DEL or C1) and none that print as
+    # nothing (format characters such as a right-to-left override, line and paragraph
+    # separators: an id echoed in a message or the event log could disguise itself), and
+    # not only blanks.
     id: str = Field(min_length=1, max_length=256)
     ttl: float | None = Field(default=None, gt=0, le=86400)
 
     @field_validator("id")
     @classmethod
     def _nameable(cls, value: str) -> str:
-        if any(c == "/" or unicodedata.category(c) == "Cc" for c in value):
-            raise ValueError("a session id may not contain '/' or control characters")
+        if any(c == "/" or unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")
+               for c in value):
+            raise ValueError("a session id may not contain '/', control characters or "
+                             "invisible ones (format characters, line or paragraph "
+                             "separators)")
+        if not value.strip():
+            raise ValueError("a session id may not be only blanks")
         if value in (".", ".."):
             raise ValueError("a session id may not be '.' or '..': a DELETE could not name "
                              "it (clients normalise the path)")
@@ -301,7 +309,8 @@ def _describe(error: ValidationError) -> tuple[str, str]:
 
 def _as_json(value: Any) -> str:
     """The value as the client wrote it (true, null, ["a", 1]), not as Python shows it, with
-    invisible characters (control, format, lone surrogates) escaped so a message shows them
+    invisible characters (control, format, line and paragraph separators, lone surrogates)
+    escaped so a message shows them
     (a DEL was printed raw: "got "ab"")."""
     try:
         text = json.dumps(value, ensure_ascii=False)
@@ -311,7 +320,7 @@ def _as_json(value: Any) -> str:
                    for c in text)
 
 
-_INVISIBLE = ("Cc", "Cf", "Cs")
+_INVISIBLE = ("Cc", "Cf", "Cs", "Zl", "Zp")
 
 
 def check_session_id(session_id: str) -> None:

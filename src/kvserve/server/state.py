@@ -94,6 +94,10 @@ class ServerState:
     async def read_json(self, request: Request) -> Any:
         """The body as checked JSON (server/body.py); 413 past ``max_body_bytes`` (checked
         while reading); 415 for a compressed body (any Content-Encoding but identity)."""
+        return parse_json(await self.read_body(request))
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body's bytes, with :meth:`read_json`'s 413 and 415."""
         encoding = ", ".join(request.headers.getlist("content-encoding"))  # every header
         if any(part.strip().lower() not in ("", "identity") for part in encoding.split(",")):
             raise APIError(415, f"the request body has Content-Encoding '{encoding}'; this "
@@ -109,7 +113,7 @@ class ServerState:
             if size > limit:
                 raise _too_large(size, limit)
             chunks.append(chunk)
-        return parse_json(b"".join(chunks))
+        return b"".join(chunks)
 
     def retry_after(self) -> str:
         """Seconds a refused client should wait: the waiting queue's worth of requests at the
