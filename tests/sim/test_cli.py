@@ -249,6 +249,11 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
      "--sweep kv_cache_memory sizes the KV pool, which --num-kv-blocks also sizes"),
     (["simulate", "--sweep", "num_kv_blocks=10,20", "--kv-cache-memory", "1GiB"],
      "--sweep num_kv_blocks sizes the KV pool, which --kv-cache-memory also sizes"),
+    # a context the model cannot serve, as vLLM refuses it (it planned one; QA)
+    (["simulate", "--max-model-len", "1000000"], "max_model_len 1,000,000 is longer than "
+     "llama-3.1-8b's context (131,072 tokens, its max_position_embeddings)"),
+    (["plan", "--model", "smollm2-135m", "--prompt-len", "10", "--output-len", "2",
+      "--max-model-len", "8193"], "longer than smollm2-135m's context (8,192 tokens"),
 ])
 def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
     if argv[0] == "simulate":

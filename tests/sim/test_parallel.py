@@ -61,9 +61,23 @@ def test_next_questions_are_the_first_question_then_both_answers_breadth_first()
     assert next_questions(search, {1.0: True}, 3) == []
 
 
-def test_workers_map_keeps_order_and_raises_a_jobs_error() -> None:
+def test_workers_map_keeps_order_and_raises_a_jobs_error(monkeypatch) -> None:
+    shown: list[tuple[str, int]] = []
+
+    class Bar:  # a pool's runs had no progress bar at all (QA: plan ran 46 s silently)
+        def __init__(self, total: int, label: str) -> None:
+            self.label = label
+
+        def update(self, done: int) -> None:
+            shown.append((self.label, done))
+
+        def close(self) -> None:
+            shown.append((self.label, -1))
+
+    monkeypatch.setattr("kvserve.sim.parallel.Progress", Bar)
     with Workers(2) as pool:
         assert pool.map(divmod, [(7, 2), (9, 4), (1, 1)]) == [(3, 1), (2, 1), (1, 0)]
+        assert shown == [("3 runs on 2 workers", n) for n in (1, 2, 3, -1)]
         with pytest.raises(ZeroDivisionError):
             pool.map(divmod, [(1, 1), (1, 0)])
     with pytest.raises(ValueError, match="--workers must be >= 1, got 0"):

@@ -243,6 +243,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         deployment_from_args(args), gpu_memory_gib=args.gpu_memory_gib,
         kv_pool_gib=args.kv_pool_gib, activation_reserve_gib=args.activation_reserve_gib)
     config = scheduler_config(settings)
+    deployment.check_context(config)
     # At the configured max_num_seqs; each candidate of the sweep gets its own pool, as
     # `kvserve simulate --max-num-seqs N` sizes it (the reserve grows with max_num_seqs).
     pool = deployment.kv_pool(settings, config)
@@ -286,7 +287,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         if args.recorded_size > 1:
             runs_on = InCluster(deployment, dataclasses.replace(
                 cluster_from_args(args), data_parallel_size=args.recorded_size))
-    # One progress bar per run on a terminal, serially; a pool's runs show none.
+    # One progress bar per run on a terminal, serially; over a pool, one bar over its runs.
     runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
     with Workers(args.workers) as pool:
         rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool)

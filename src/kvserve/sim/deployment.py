@@ -139,8 +139,18 @@ class Deployment:
     def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
         return self.kv_pool(settings, config).num_blocks
 
+    def check_context(self, config: SchedulerConfig) -> None:
+        """ValueError where max_model_len is longer than the model's context, as vLLM
+        refuses it (the engine here too)."""
+        context = get_model(self.model).max_context
+        if context is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len:,} is longer than "
+                             f"{self.model}'s context ({context:,} tokens, its "
+                             "max_position_embeddings)")
+
     def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
         config = scheduler_config(settings)
+        self.check_context(config)
         block_size = cache_config(settings, 1).block_size
         per_block = kv_bytes_per_token(get_model(self.model), self.dtype,
                                        self.tensor_parallel_size) * block_size

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from typing import Any, TypeVar
+
+from kvserve.sim.table import Progress
 
 T = TypeVar("T")
 
@@ -55,6 +57,13 @@ class Workers:
             self._pool = ProcessPoolExecutor(max_workers=self.workers,
                                              mp_context=get_context("spawn"))
         futures = [self._pool.submit(fn, *job) for job in jobs]
+        # the runs' own bars stay in the workers (no terminal there): one bar over the runs
+        progress = Progress(len(futures), f"{len(futures)} runs on {self.workers} workers")
+        try:
+            for done, _ in enumerate(as_completed(futures), 1):
+                progress.update(done)
+        finally:
+            progress.close()
         return [future.result() for future in futures]
 
     def close(self) -> None:

@@ -29,6 +29,9 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    # The longest sequence it was trained for (its config's max_position_embeddings): vLLM
+    # refuses a longer --max-model-len, and so do the simulator and the planner.
+    max_context: int | None = None
 
     @property
     def params_per_layer(self) -> int:
@@ -95,22 +98,24 @@ WEIGHT_DTYPES = {"auto": "bf16", "half": "fp16", "float16": "fp16", "bfloat16": 
                  "float": "fp32", "float32": "fp32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
-# Public model configs (Hugging Face config.json of each model).
+# Public model configs (Hugging Face config.json of each model; max_context is its
+# max_position_embeddings).
 MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
         # meta-llama/Llama-3.1-8B: 32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 128256 vocab.
-        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, max_context=131072),
         # meta-llama/Llama-3.1-70B: 80 layers, 8192 hidden, 64/8 heads, 28672 MLP.
-        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, max_context=131072),
         # Qwen/Qwen2.5-7B: 28 layers, 3584 hidden, 28/4 heads, 18944 MLP, 152064 vocab
         # (its q/k/v biases are a rounding error here and are left out).
-        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064),
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, max_context=131072),
         # mistralai/Mistral-7B-v0.3: 32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 32768 vocab.
-        ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768),
+        ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, max_context=32768),
         # HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 576 hidden, 9/3 heads of 64,
         # 1536 MLP, 49152 vocab, tied embeddings (DESIGN.md's default model).
-        ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True),
+        ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True,
+                  max_context=8192),
     )
 }
 

@@ -149,6 +149,11 @@ class Progress:
         self._enabled = sys.stderr.isatty()
 
     def __call__(self, now: float, num_finished: int, total: int) -> None:
+        """A simulation's progress: requests finished by simulated time ``now``."""
+        self.update(num_finished, f"t={now:.1f}s")
+
+    def update(self, done: int, note: str = "") -> None:
+        """``done`` of the total, with a note after the label."""
         if not self._enabled:
             return
         if self._bar is None:
@@ -159,8 +164,8 @@ class Progress:
             self._bar = RichProgress(transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self._label, total=self._total)
-        self._bar.update(self._task, completed=num_finished,
-                         description=f"{self._label} t={now:.1f}s")
+        self._bar.update(self._task, completed=done,
+                         description=f"{self._label} {note}".rstrip())
 
     def close(self) -> None:
         if self._bar is not None:
