@@ -272,6 +272,15 @@ def test_malformed_trace_line_is_named(tmp_path, capsys):
     assert f"{path}:2: missing output_len" in _error_line(capsys)
     assert main(["simulate", "--trace", str(tmp_path / "nope.jsonl")]) == 2
     assert "cannot read trace" in _error_line(capsys)
+    # a byte-order mark some editors write is not the trace's business (it was "not valid
+    # JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)"; QA)
+    path.write_text('\ufeff{"request_id": "a", "arrival_time": 0, "prompt_len": 4, '
+                    '"output_len": 1}\n', encoding="utf-8")
+    assert main(["simulate", "--trace", str(path)]) == 0
+    # a step log that is not text names its file (it said only "'utf-8' codec can't ...")
+    path.write_bytes(b"\xff\xfe{}\n")
+    assert main(["calibrate", "--step-logs", str(path)]) == 2
+    assert f"{path}: not a step log: it is not UTF-8 text" in _error_line(capsys)
 
 
 def test_absurd_lengths_in_a_trace_are_refused_or_cut_before_their_ids_are_drawn(

@@ -50,7 +50,7 @@ def test_cpus_differ_by_model_or_by_extension_and_key_their_own_cache_files():
     assert machine.cpu_key(zen4) != machine.cpu_key({**zen4, "logical_cpus": 64})
 
 
-def test_cpu_local_measures_once_per_cpu_then_reads_the_cache(cache):
+def test_cpu_local_measures_once_per_cpu_then_reads_the_cache(cache, capsys):
     calls = []
 
     def measure():
@@ -59,6 +59,10 @@ def test_cpu_local_measures_once_per_cpu_then_reads_the_cache(cache):
 
     hardware = machine.local_hardware(measure)
     assert calls == [1]
+    # it says so, where it caches, and how to measure again (it measured 10 s in silence)
+    said = capsys.readouterr().err
+    assert "measuring this machine's matmul and copy peaks" in said
+    assert str(machine.peaks_path(machine.cpu_identity())) in said
     assert hardware.name == "cpu-local"
     assert hardware.peak_flops == {"fp32": 2e11, "bf16": 5e11, "fp16": 2e11}
     assert (hardware.memory_bandwidth, hardware.memory_bytes) == (4e10, 8 << 30)
@@ -69,7 +73,7 @@ def test_cpu_local_measures_once_per_cpu_then_reads_the_cache(cache):
     assert path.parent == cache / "machine-peaks"
     assert json.loads(path.read_text())["cpu"] == machine.cpu_identity()
     assert machine.local_hardware(measure) == hardware
-    assert calls == [1]  # the second call read the cache
+    assert calls == [1] and not capsys.readouterr().err  # the second call read the cache
 
 
 def test_a_cache_file_of_another_cpu_is_measured_over(cache):

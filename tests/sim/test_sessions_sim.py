@@ -26,8 +26,11 @@ def test_trace_session_fields_round_trip_and_are_checked():  # U1
     assert request.to_json()["session_id"] == "s"
     assert request.sampling_params(64).session_id is None  # sessions off: not named
     assert request.sampling_params(64, True).session_ttl == 5.0
-    with pytest.raises(ValueError, match="session_ttl must be a number > 0, with a session_id"):
-        parse_request({**row, "session_id": None})
+    for bad in ({"session_id": None}, {"session_ttl": 0}, {"session_ttl": -1},
+                {"session_ttl": 86401}, {"session_ttl": True}):  # one message for all (QA)
+        with pytest.raises(ValueError, match=r"session_ttl must be a number of seconds in "
+                                             r"\(0, 86400\], with a session_id"):
+            parse_request({**row, **bad})
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         parse_request({**row, "session_id": ""})
 

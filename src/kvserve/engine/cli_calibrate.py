@@ -48,7 +48,9 @@ def add_parser(subparsers: Any) -> None:
                         help="with --trace: sample at temperature 0, as the grid does "
                              "(--no-greedy: temperature 1, whose sampling cost is then "
                              "in the fit)")
-    parser.add_argument("--plot", metavar="PATH.svg", help="measured vs fitted step times")
+    parser.add_argument("--plot", metavar="PATH.svg",
+                        help="measured vs fitted step times of the grid (not with --trace "
+                             "or --step-logs)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed runs of each shape first")

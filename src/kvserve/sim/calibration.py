@@ -172,9 +172,12 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
     else:
         rows = []
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
         except OSError as error:
             raise ValueError(f"cannot read step log {path}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a step log: it is not UTF-8 text (a step log is "
+                             "JSON lines)") from None
         for number, line in enumerate(lines, 1):
             try:
                 row = json.loads(line) if line.strip() else None

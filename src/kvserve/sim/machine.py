@@ -123,6 +123,12 @@ def local_peaks(measure: Callable[[], dict[str, Any]] = measure_in_child
             return data
     except (OSError, json.JSONDecodeError):
         pass  # none yet (or unreadable): measure
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    busy = f"; the load average is {load:.1f}, so the figures will be low" if \
+        load is not None and load > 0.5 * (os.cpu_count() or 1) else ""
+    print(f"--hardware cpu-local: measuring this machine's matmul and copy peaks (about 10 s, "
+          f"once per CPU), cached in {path}{busy}; delete that file to measure again on a "
+          "quiet machine", file=sys.stderr)
     data = {"format": PEAKS_FORMAT, "cpu": identity, **measure()}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")

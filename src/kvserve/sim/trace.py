@@ -261,9 +261,13 @@ def parse_request(row: Any) -> TraceRequest:
     session_id = row.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-    session_ttl = _time(row, "session_ttl")
-    if session_ttl is not None and (session_id is None or session_ttl <= 0):
-        raise ValueError("session_ttl must be a number > 0, with a session_id")
+    session_ttl = row.get("session_ttl")
+    if session_ttl is not None:  # the server's range (one message: QA saw two that disagreed)
+        if isinstance(session_ttl, bool) or not isinstance(session_ttl, (int, float)) or \
+                not 0 < session_ttl <= 86400 or session_id is None:
+            raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
+                             f"session_id, got {session_ttl!r}")
+        session_ttl = float(session_ttl)
     return TraceRequest(
         request_id=request_id,
         arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
@@ -332,6 +336,8 @@ def parse_trace(lines: Iterable[str], name: str) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
     seen: set[str] = set()
     for number, line in enumerate(lines, 1):
+        if number == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
         if not line.strip():
             continue
         try:
