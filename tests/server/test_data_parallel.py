@@ -132,7 +132,7 @@ def kill_process(engine, index: int) -> None:
 
 
 def test_two_local_replicas_serve_and_survive_a_killed_one(tmp_path):
-    from kvserve.engine.engine_process import LocalLauncher
+    from kvserve.engine.engine_process import LocalLauncher, short_process_name
     from kvserve.server.admin import new_recorder
 
     engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
@@ -140,6 +140,11 @@ def test_two_local_replicas_serve_and_survive_a_killed_one(tmp_path):
         # each replica shows under its name in ps and top (it read spawn_main)
         assert [Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0")[0]
                 for r in engine.replicas] == [b"replica-0", b"replica-1"]
+        # and in the kernel's 15-byte short name, apart (kvserve-engine-N all read
+        # kvserve-engine- there)
+        assert [Path(f"/proc/{r.pid}/comm").read_text().strip()
+                for r in engine.replicas] == ["replica-0", "replica-1"]
+        assert short_process_name("kvserve-engine-12") == "kvs-engine-12"
         check_both_replicas_serve(live)
         recorder = new_recorder(live.state, str(tmp_path / "rec"))  # sees the death
         recorder.start()

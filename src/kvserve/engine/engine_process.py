@@ -191,13 +191,21 @@ _Command = tuple[str, Any]  # ("add", (seq, items)) | ("abort", ids) | ("stop", 
 
 def _name_process(name: str) -> None:
     """Show this process as ``name`` (kvserve-engine, kvserve-engine-N) in ps and top, as
-    vLLM names its EngineCore: spawned, it read as multiprocessing's ``spawn_main``.
-    Without setproctitle (the server extra installs it) the name stays."""
+    vLLM names its EngineCore: spawned, it read as multiprocessing's ``spawn_main``. The
+    kernel's short name (``comm``: top, ``ps -o comm``, ``pgrep``) holds 15 bytes, which cut
+    every replica's to ``kvserve-engine-``: it is ``kvs-engine-N`` there. Without
+    setproctitle (the server extra installs it) the name stays."""
     try:
         import setproctitle
     except ImportError:
         return
     setproctitle.setproctitle(name)
+    setproctitle.setthreadtitle(short_process_name(name))
+
+
+def short_process_name(name: str) -> str:
+    """``name`` within the kernel's 15-byte ``comm``: kvserve-engine-12 -> kvs-engine-12."""
+    return name.replace("kvserve-", "kvs-", 1)[:15]
 
 
 def engine_main(conn: Connection, spec: EngineSpec) -> None:
