@@ -58,6 +58,9 @@ def test_events_carry_timestamps():  # B3
     ({"logprobs": 50}, "logprobs must be an integer in [0, 20]"),
     ({"max_queue_delay": -1}, "max_queue_delay must be a number of seconds > 0"),
     ({"max_queue_delay": 0}, "max_queue_delay must be a number of seconds > 0"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be an integer in [0, 20]"),
+    ({"prompt_logprobs": 0, "session_id": "s"},
+     "prompt_logprobs cannot be asked of a session turn"),  # G8
 ])
 def test_bad_sampling_params_are_named(kwargs, message):
     with pytest.raises(RequestError) as error:

@@ -161,3 +161,42 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
     assert all(m.packed is None and m.panels is None and m.pair_panels is None
                for m in plain.modules() if isinstance(m, Linear))
     assert run(packed) == run(plain)
+
+
+@pytest.mark.parametrize(("chunk", "num_blocks", "block_size"), [(2048, 200, 16),
+                                                                  (16, 200, 16), (64, 36, 4)])
+def test_prompt_logprobs_match_the_dense_forward(network, chunk, num_blocks, block_size):
+    """vLLM's prompt_logprobs (G8): every prompt token after the first, its logprob from the
+    raw logits, its rank and the top k, whole on the first chunk; computed in chunks, past a
+    cached prefix (never a hit) and through preemptions (the small pool) alike."""
+    engine = make_engine(network, num_blocks=num_blocks, block_size=block_size,
+                         max_num_batched_tokens=chunk, max_num_seqs=4)
+    prompt = PROMPTS[3]
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm", prompt, plain)  # the prompt's blocks in the cache
+    while engine.has_unfinished_requests():
+        engine.step()
+    asked = replace(plain, prompt_logprobs=3)
+    for name in ("a", "b"):  # b and a compete for the small pool
+        engine.add_request(name, prompt, asked)
+    firsts: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().chunks:
+            if out.prompt_logprobs is not None:
+                assert out.new_token_ids and out.request_id not in firsts  # the first chunk
+                firsts[out.request_id] = out.prompt_logprobs
+    check_empty(engine.scheduler)
+    stats = engine.scheduler.stats()
+    assert stats.prefix_cache_hits == 0  # G8: the warm prefix is never hit
+    reference = torch.log_softmax(dense_logits(WEIGHTS, TINY, prompt), dim=-1)
+    for name in ("a", "b"):
+        entries = firsts[name]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for position, (entry, rank) in enumerate(entries[1:], 1):
+            row, token = reference[position - 1], prompt[position]
+            assert entry[token] == pytest.approx(float(row[token]), abs=1e-4)
+            assert rank == int((row > row[token]).sum()) + 1
+            top = row.topk(3).indices.tolist()
+            assert set(top) <= set(entry) and len(entry) <= 4
+    if block_size == 4:
+        assert engine.scheduler.num_preemptions > 0

@@ -85,8 +85,8 @@ class KVCacheManager:
             tokens  |--------|--------|--------|        3 full blocks, 48 tokens
             search  |--------|--------|-------|         47 tokens -> at most 2 blocks
         """
-        if not self.enable_caching:
-            return _NO_BLOCKS, 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return _NO_BLOCKS, 0  # G8: a cached token's logits are not kept
         num_tokens = request.num_tokens
         hashes = self._extend_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
         hits = find_longest_cache_hit(self.pool, hashes, (num_tokens - 1) // self.block_size)

@@ -70,11 +70,24 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The logprobs of one request's prompt tokens ``first`` .. ``first + len(entries) - 1``
+    that a step computed (``SamplingParams.prompt_logprobs``, G8): for each, the token's own
+    logprob and the top ones (a dict, token id -> logprob) and the token's rank (1: the
+    likeliest)."""
+
+    first: int
+    entries: list[dict[int, float]]
+    ranks: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelOutput:
     """Per request id, the token ids sampled this step (none for a mid-prompt chunk)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

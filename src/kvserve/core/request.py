@@ -124,6 +124,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
+    # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
+    prompt_logprobs: int | None = None
     # Mixed into the first block's hash, so tenants with different salts never share a prefix.
     cache_salt: str | None = None
     # Seconds this request may wait before its first scheduling (K4); None: the global default.
@@ -189,6 +192,10 @@ class SamplingParams:
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                  f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                  and 0 <= self.prompt_logprobs <= 20),
+                 f"prompt_logprobs must be an integer in [0, 20], got "
+                 f"{self.prompt_logprobs!r}")
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")
         _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
@@ -218,6 +225,9 @@ class SamplingParams:
                                               and 0 < self.session_ttl <= 86400),
                  f"session ttl must be a number of seconds in (0, 86400], "
                  f"got {self.session_ttl!r}")
+        _require(self.prompt_logprobs is None or self.session_id is None,
+                 "prompt_logprobs cannot be asked of a session turn: its held tokens are not "
+                 "computed again (G8)")
 
 
 @dataclass(eq=False, slots=True)

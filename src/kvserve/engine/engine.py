@@ -29,6 +29,7 @@ from kvserve.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from kvserve.core.outputs import PromptLogprobs
 from kvserve.engine.text import TextStream, Tokenizer, ended_by_token
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
@@ -58,6 +59,9 @@ def _require(tokenizer: Tokenizer | None) -> Tokenizer:
     return tokenizer
 
 
+PromptLogprob = tuple[dict[int, float], int]  # (token id -> logprob, the token's rank)
+
+
 @dataclass
 class CompletionChunk:
     """What one step produced for one request."""
@@ -70,6 +74,10 @@ class CompletionChunk:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs, on the request's first chunk: per prompt token,
+    # None for the first, then (token id -> logprob for the token and the top ones, the
+    # token's rank) (G8)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,8 @@ class Engine:
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, TextStream] = {}
+        # requests that asked for prompt logprobs, until their first chunk carries them
+        self._prompt_logprobs: dict[str, list[PromptLogprob | None]] = {}
         config, cache = scheduler.config, scheduler.cache_config
         host = getattr(executor, "host_kv_cache", None)
         self.info = EngineInfo(tokenizer, config.max_model_len, config.scheduling_policy,
@@ -142,6 +152,8 @@ class Engine:
         request = Request(request_id, self.encode_prompt(prompt), params,
                           arrival_time=self.clock() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)  # raises before anything else is recorded
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None] * request.num_prompt_tokens
         if self.detokenize and self.tokenizer is not None:
             params = request.sampling_params
             self._text[request_id] = TextStream(self.tokenizer, request.prompt_token_ids,
@@ -152,6 +164,7 @@ class Engine:
     def abort(self, request_id: str) -> RequestMetrics | None:
         """Abort a request in any state; its metrics, or None if it was unknown or done."""
         self._text.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED,
                                              now=self.clock())
 
@@ -169,12 +182,15 @@ class Engine:
         model_output = self.executor.execute(scheduler_output)
         now = clock()
         outputs = self.scheduler.update(scheduler_output, model_output, now)
+        if model_output.prompt_logprobs:
+            self._gather_prompt_logprobs(model_output.prompt_logprobs)
         logprobs = model_output.logprobs or {}
         chunks = []
         for output in outputs:
             chunk = CompletionChunk(output.request_id, output.new_token_ids, "",
                                     output.finished, output.finish_reason, output.stop_reason,
-                                    output.metrics, logprobs.get(output.request_id))
+                                    output.metrics, logprobs.get(output.request_id),
+                                    self._prompt_logprobs.pop(output.request_id, None))
             self._add_text(chunk, now)
             chunks.append(chunk)
             if chunk.finished:
@@ -183,6 +199,17 @@ class Engine:
                           len(scheduler_output.num_scheduled_tokens),
                           len(scheduler_output.preempted_req_ids),
                           len(model_output.sampled_token_ids), scheduler_output, chunks)
+
+    def _gather_prompt_logprobs(self, parts: dict[str, PromptLogprobs]) -> None:
+        """A step's prompt logprobs, into their requests' lists until their first chunk (a
+        request recomputed after a preemption computes them again: the same values)."""
+        for request_id, part in parts.items():
+            slots = self._prompt_logprobs.get(request_id)
+            if slots is None:  # delivered already, or aborted
+                continue
+            for offset, (entry, rank) in enumerate(zip(part.entries, part.ranks,
+                                                       strict=True)):
+                slots[part.first + offset] = (entry, rank)
 
     def _add_text(self, chunk: CompletionChunk, now: float) -> None:
         text = self._text.get(chunk.request_id)
@@ -202,6 +229,7 @@ class Engine:
         by the server's process for an engine process); its metrics, or None if it was
         unknown or already done."""
         self._text.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED,
                                              stop_reason=stop,
                                              now=self.clock() if now is None else now)

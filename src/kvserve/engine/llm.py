@@ -65,6 +65,9 @@ class GenerationResult:
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # vLLM's prompt_logprobs (SamplingParams.prompt_logprobs): per prompt token, None for the
+    # first, then token id -> logprob for the token and the top ones
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which of the prompt's n samples (vLLM's CompletionOutput.index)
     # With SamplingParams(n > 1): samples 1 .. n-1 (this result is sample 0).
     more: list[GenerationResult] = field(default_factory=list, repr=False)
@@ -513,6 +516,9 @@ def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
 def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> None:
     result.token_ids += chunk.new_token_ids
     result.text += chunk.new_text
+    if chunk.prompt_logprobs is not None:
+        result.prompt_logprobs = [None if entry is None else entry[0]
+                                  for entry in chunk.prompt_logprobs]
     if chunk.logprobs:
         result.logprobs += chunk.logprobs
     if chunk.finished:

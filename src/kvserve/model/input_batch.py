@@ -37,7 +37,8 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] long
     prefills: list[PrefillChunk]
-    logits_indices: torch.Tensor  # [S] long: the last token of each sequence that samples
+    # [S + P] long: the last token of each sequence that samples, then the prompt rows
+    logits_indices: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +68,10 @@ class SequenceSlice:
     start_position: int  # = tokens already computed
     block_ids: Sequence[int]
     samples: bool  # does this chunk reach the end of the sequence?
+    # Leading tokens of the chunk whose logits are wanted as well (prompt logprobs, G8):
+    # their rows follow every sampling row in ``logits_indices``, in slice order.
+    prompt_rows: int = 0
+    request_id: str = ""  # whose (the runner's bookkeeping)
 
 
 def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSlice],
@@ -76,10 +81,12 @@ def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSli
     positions: list[int] = []
     slots: list[int] = []
     logits_indices: list[int] = []
+    prompt_indices: list[int] = []
 
     def add(piece: SequenceSlice) -> None:
         start = piece.start_position
         block_ids = piece.block_ids
+        prompt_indices.extend(range(len(input_ids), len(input_ids) + piece.prompt_rows))
         for offset, token_id in enumerate(piece.token_ids):
             position = start + offset
             input_ids.append(token_id)
@@ -111,5 +118,5 @@ def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSli
         decode_block_tables=tables,
         decode_context_lens=context_lens,
         prefills=chunks,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.core import ModelOutput, SamplingParams, SchedulerOutput
+from kvserve.core.outputs import PromptLogprobs
 from kvserve.model.attention import paged_attention
 from kvserve.model.input_batch import SequenceSlice, build_batch
 from kvserve.model.kv_swap import HostKVCache
@@ -52,22 +53,27 @@ class ModelRunner:
             return ModelOutput({})
         decodes, prefills, sampling_ids = self._slices(scheduler_output)
         batch = build_batch(decodes, prefills, self.block_size).to(self.device)
+        num_sampling = len(sampling_ids)
         with torch.inference_mode():
             hidden = self.model(batch, self.kv_caches, self.attention)
-            sampled = self._sample(hidden, sampling_ids) if sampling_ids else None
+            sampled = self._sample(hidden[:num_sampling], sampling_ids) if sampling_ids \
+                else None
+            prompt = self._prompt_logprobs(hidden[num_sampling:], decodes + prefills) \
+                if hidden.shape[0] > num_sampling else None
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         if sampled is None:
             if self.device.type == "cuda":  # the step ends when its kernels do (timings)
                 torch.cuda.synchronize(self.device)
-            return ModelOutput({})
+            return ModelOutput({}, prompt_logprobs=prompt)
         token_ids, logprobs = sampled
         for request_id, token_id in zip(sampling_ids, token_ids, strict=True):
             self.requests[request_id].token_ids.append(token_id)
         return ModelOutput(
             {rid: [tok] for rid, tok in zip(sampling_ids, token_ids, strict=True)},
             None if logprobs is None else {
-                rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)})
+                rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)},
+            prompt)
 
     def _swap(self, out: SchedulerOutput) -> None:
         """The step's KV copies, before anything reads or writes the device cache. A
@@ -106,12 +112,47 @@ class ModelRunner:
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
+            # G8: positions start .. whose logits give the next prompt token's logprob (the
+            # last prompt position's are the first sample's)
+            rows = max(0, min(end, state.num_prompt_tokens - 1) - start) \
+                if state.sampling_params.prompt_logprobs is not None else 0
             piece = SequenceSlice(state.token_ids[start:end], start, state.block_ids,
-                                  samples=end == len(state.token_ids))
+                                  samples=end == len(state.token_ids), prompt_rows=rows,
+                                  request_id=request_id)
             (decodes if num_tokens == 1 else prefills).append((piece, request_id))
         decodes.sort(key=lambda entry: entry[0].start_position)
         sampling_ids = [rid for piece, rid in decodes + prefills if piece.samples]
         return [p for p, _ in decodes], [p for p, _ in prefills], sampling_ids
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, pieces: list[SequenceSlice]
+                         ) -> dict[str, PromptLogprobs]:
+        """The prompt rows' logprobs (G8), from the raw logits as vLLM gives them: each
+        piece's rows are its first ``prompt_rows`` tokens, predicting the token after each."""
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        out: dict[str, PromptLogprobs] = {}
+        row = 0
+        for piece in pieces:
+            if not piece.prompt_rows:
+                continue
+            state = self.requests[piece.request_id]
+            first = piece.start_position + 1  # the token the first row predicts
+            targets = state.token_ids[first:first + piece.prompt_rows]
+            rows = logprobs[row:row + piece.prompt_rows]
+            row += piece.prompt_rows
+            own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
+            ranks = ((rows > own).sum(dim=1) + 1).tolist()
+            wanted = state.sampling_params.prompt_logprobs or 0
+            top_values, top_ids = rows.topk(wanted, dim=1) if wanted else (None, None)
+            entries = []
+            for index, target in enumerate(targets):
+                entry = {target: float(own[index, 0])}
+                if top_ids is not None:
+                    for value, token_id in zip(top_values[index].tolist(),
+                                               top_ids[index].tolist(), strict=True):
+                        entry.setdefault(token_id, value)
+                entries.append(entry)
+            out[piece.request_id] = PromptLogprobs(first, entries, ranks)
+        return out
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]
                 ) -> tuple[list[int], list[dict[int, float]] | None]:
