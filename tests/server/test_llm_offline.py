@@ -200,3 +200,16 @@ def test_n_is_checked_and_a_request_is_one_sequence(llm):
     top = SamplingParams(n=2, seed=(1 << 64) - 1).samples()
     assert [p.seed for p in top] == [(1 << 64) - 1, 0] and {p.n for p in top} == {1}
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_offline_as_vllm_gives_them(llm):  # G8
+    [result] = llm.generate("The capital of France is",
+                            SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),
+                            use_tqdm=False)
+    entries = result.prompt_logprobs
+    assert entries is not None and len(entries) == len(result.prompt_token_ids)
+    assert entries[0] is None
+    for token_id, entry in zip(result.prompt_token_ids[1:], entries[1:], strict=True):
+        assert token_id in entry and 2 <= len(entry) <= 3 and max(entry.values()) <= 0
+    plain = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.token_ids[:2] == result.token_ids

@@ -24,7 +24,7 @@ def error_of(response: httpx.Response) -> str:
 
 @pytest.mark.parametrize(("path", "body", "status", "needle"), [
     (COMPLETIONS, {"prompt": "x", "bogus": 1}, 400, "unknown field 'bogus'"),
-    (COMPLETIONS, {"prompt": "x", "echo": True}, 400, "field 'echo' is not supported"),
+    (COMPLETIONS, {"prompt": "x", "echo": "yes"}, 400, "field 'echo'"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}, 400, "'logit_bias' is not supp"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "field 'tools' is not supported"),
@@ -71,8 +71,11 @@ def error_of(response: httpx.Response) -> str:
     # vLLM's extras are served at their defaults only (test_vllm_extras_at_their_defaults)
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400,
      "field 'use_beam_search' is not supported by this server"),
-    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1}, 400,
-     "field 'prompt_logprobs' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1]}, 400,
+     "field 'allowed_token_ids' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "field 'prompt_logprobs'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "field 'echo' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
      "field 'guided_json' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,
@@ -415,3 +418,43 @@ def test_the_chat_role_chunk_carries_the_usage_under_continuous_usage_stats(serv
     assert role["choices"][0]["delta"]["role"] == "assistant"
     assert role["usage"]["completion_tokens"] == 0
     assert role["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0
+
+
+def test_prompt_logprobs_and_echo_as_vllm_gives_them(server):
+    """vLLM's prompt_logprobs and OpenAI's echo (lm-eval's loglikelihood: echo, logprobs,
+    max_tokens 1) were 400s: the prompt's tokens, each with its logprob from the model (G8;
+    none for the first), before the answer's; streamed, the prompt's text comes first."""
+    import json
+
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    plain = post(server, COMPLETIONS, {**body, "prompt_logprobs": 2}).json()["choices"][0]
+    computed = plain["prompt_logprobs"]
+    tokenized = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(computed) == len(tokenized) and computed[0] is None
+    for token_id, entry in zip(tokenized[1:], computed[1:], strict=True):
+        own = entry[str(token_id)]
+        assert own["logprob"] <= 0 and own["rank"] >= 1
+        assert sorted(v["rank"] for k, v in entry.items() if k != str(token_id))[:2] == [1, 2]
+    echoed = post(server, COMPLETIONS, {**body, "echo": True, "logprobs": 1,
+                                        "max_tokens": 1}).json()["choices"][0]
+    assert echoed["text"].startswith(prompt) and "prompt_logprobs" not in echoed
+    logprobs = echoed["logprobs"]
+    assert len(logprobs["tokens"]) == len(tokenized) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:len(tokenized)] == pytest.approx(
+        [entry[str(t)]["logprob"] for t, entry in zip(tokenized[1:], computed[1:],
+                                                        strict=True)], abs=1e-5)
+    assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"]) == echoed["text"]
+    with httpx.stream("POST", server.url + COMPLETIONS, timeout=30,
+                      json={**body, "echo": True, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    assert events[0]["choices"][0]["text"].startswith(prompt)
+    assert streamed == prompt + plain["text"]
+    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert chat["prompt_logprobs"][0] is None and all(
+        len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # its own token only

@@ -48,10 +48,12 @@ from kvserve.server.responses import (
     TextOffsets,
     chat_logprobs,
     completion_logprobs,
+    echoed_entries,
     kvserve_ext,
     kvserve_total,
     sse,
     usage,
+    vllm_prompt_logprobs,
 )
 from kvserve.server.state import ServerState
 
@@ -86,11 +88,12 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
         else state.new_request_id(req.request_id, "'request_id'")
     choices, items = [], []
     samples = base.samples()  # sample k seeded seed + k
+    echoes = _echo_texts(state, req, prompts) if not chat and req.echo else [""] * len(prompts)
     for prompt_index, prompt in enumerate(prompts):
         for sample, params in enumerate(samples):
             index = prompt_index * req.n + sample
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
-            choices.append(Choice(index, sub_id, prompt))
+            choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
     state.hold_ids(request_id, [choice.request_id for choice in choices])
@@ -100,6 +103,15 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
+
+
+def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for echo: as sent, or its token ids decoded."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if all(isinstance(item, str) for item in req.prompt):
+        return list(req.prompt)
+    return [state.tokenizer.decode(ids) for ids in prompts]
 
 
 def _check_queueable(state: ServerState, request_id: str,
@@ -195,6 +207,8 @@ class _Generation:
         choice.token_ids += chunk.new_token_ids
         if chunk.logprobs:
             choice.logprobs += list(zip(chunk.new_token_ids, chunk.logprobs, strict=False))
+        if chunk.prompt_logprobs is not None:
+            choice.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finished:
             choice.finish_reason = chunk.finish_reason
             choice.stop_reason = chunk.stop_reason
@@ -226,6 +240,8 @@ class _Generation:
             "kvserve": kvserve_total(self.request_id, choices)}
         if self.chat and self.req.return_token_ids:  # one prompt: on the response, as vLLM
             body["prompt_token_ids"] = choices[0].prompt_token_ids
+        if self.chat and self.req.prompt_logprobs is not None:  # likewise
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return JSONResponse(body, headers={"X-Request-Id": self.request_id})
 
     async def _collect(self) -> None:
@@ -240,14 +256,18 @@ class _Generation:
                 for choice in self.choices.values():
                     choice.text, choice.token_ids, choice.logprobs = "", [], []
                     choice.finish_reason = choice.stop_reason = choice.metrics = None
+                    choice.prompt_logprobs = None
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
         if self.chat:
             out["message"] = {"role": "assistant", "content": choice.text}
         else:
-            out["text"] = choice.text
-        out["logprobs"] = self._logprobs(choice.logprobs) if choice.logprobs else None
+            out["text"] = choice.echo + choice.text
+        entries: list[Any] = self._echoed(choice) + choice.logprobs
+        out["logprobs"] = self._logprobs(entries) if entries else None
+        if not self.chat and self.req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(choice)
         out["finish_reason"] = choice.finish_reason
         out["stop_reason"] = choice.stop_reason
         if self.req.return_token_ids:
@@ -257,7 +277,19 @@ class _Generation:
         out["kvserve"] = kvserve_ext(choice.request_id, choice.metrics)
         return out
 
-    def _logprobs(self, entries: list[tuple[int, dict[int, float]]],
+    def _echoed(self, choice: Choice) -> list[Any]:
+        """An echoed prompt's logprob entries, before the answer's (completions with echo
+        and logprobs); none otherwise."""
+        if self.chat or not self.req.echo or self.req.logprobs is None:
+            return []
+        return echoed_entries(choice, self.req.logprobs)
+
+    def _prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None]:
+        computed = choice.prompt_logprobs or [None] * len(choice.prompt_token_ids)
+        return vllm_prompt_logprobs(self.state.tokenizer, choice.prompt_token_ids, computed,
+                                    self.req.prompt_logprobs)
+
+    def _logprobs(self, entries: list[Any],
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
         tokenizer = self.state.tokenizer
         if self.chat:
@@ -312,15 +344,23 @@ class _Generation:
         yield SSE_DONE
 
     def _event(self, chunk: CompletionChunk) -> str:
+        before = self.choices[chunk.request_id]
+        first = not before.token_ids and before.finish_reason is None  # its first chunk
         choice = self._apply(chunk)
-        entries = list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
+        entries: list[Any] = list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
+        if first:  # an echo's prompt goes out before the answer's first text
+            entries = self._echoed(choice) + entries
         logprobs = None
         if entries:
             if choice.text_offsets is None:
                 choice.text_offsets = TextOffsets()
             logprobs = self._logprobs(entries, choice.text_offsets)
-        payload = {"content": chunk.new_text} if self.chat else chunk.new_text
+        text = choice.echo + chunk.new_text if first else chunk.new_text
+        payload = {"content": text} if self.chat else text
         data = self._chunk(choice, payload, logprobs)
+        if first and self.req.prompt_logprobs is not None:
+            where = data if self.chat else data["choices"][0]
+            where["prompt_logprobs"] = self._prompt_logprobs(choice)
         if self.req.return_token_ids:
             entry = data["choices"][0]
             if not self.chat and len(choice.token_ids) == len(chunk.new_token_ids):

@@ -130,8 +130,10 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     given = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt")
-        if getattr(req, name) is not None}
+        "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt",
+        "prompt_logprobs") if getattr(req, name) is not None}
+    if not chat and req.echo and logprobs is not None:  # the echoed prompt's logprobs too
+        given["prompt_logprobs"] = max(logprobs, req.prompt_logprobs or 0)
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
     try:

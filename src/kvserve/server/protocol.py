@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API as kvserve honours them (pydantic, strict, closed).
 
 STYLE.md 11: a field that is accepted works. Unknown fields are refused by name; OpenAI fields
-kvserve does not implement are refused by name unless they carry their neutral value (``echo:
-false``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
+kvserve does not implement are refused by name unless they carry their neutral value
+(``best_of: 1``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
 """
 
 from __future__ import annotations
@@ -110,10 +110,12 @@ class _Sampling(_Body):
     session: SessionRef | None = None
     # vLLM's request id in the body (the X-Request-Id header goes first)
     request_id: str | None = None
+    # vLLM's: each prompt token's logprob and the top this many (G8: computed, never a
+    # prefix-cache hit)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI fields not implemented: accepted only with their neutral value.
     logit_bias: Any = None
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
     response_format: Any = None
     # vLLM's own extras not implemented, likewise (a client that sends vLLM's defaults, as
@@ -122,7 +124,6 @@ class _Sampling(_Body):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -142,6 +143,9 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's: the prompt before each choice's text (and its tokens' logprobs before the
+    # answer's, with logprobs)
+    echo: bool = False
     # vLLM's: BOS where the model's tokenizer adds one (vLLM's default is true; the bundled
     # model's tokenizer adds none either way)
     add_special_tokens: bool = False
@@ -189,6 +193,7 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: Any = None
     web_search_options: Any = None
     # vLLM's chat extras not implemented (neutral values only)
+    echo: Any = None
     add_special_tokens: Any = None
     continue_final_message: Any = None
     documents: Any = None
@@ -229,7 +234,7 @@ _UNSUPPORTED = ("logit_bias", "best_of", "echo", "suffix", "tools", "tool_choice
                 "metadata", "store", "modalities", "audio", "prediction", "service_tier",
                 "reasoning_effort", "web_search_options",
                 "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
-                "length_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                "length_penalty", "allowed_token_ids", "bad_words",
                 "truncate_prompt_tokens", "return_tokens_as_token_ids", "logits_processors",
                 "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                 "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",

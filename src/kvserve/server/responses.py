@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.core import RequestMetrics
+from kvserve.engine.engine import PromptLogprob
 from kvserve.engine.text import Tokenizer
 
 _REPLACEMENT = "\ufffd"  # what a token holding part of a character decodes to alone
@@ -27,6 +28,9 @@ class Choice:
     metrics: RequestMetrics | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     text_offsets: TextOffsets | None = None  # a stream's, as its chunks go out
+    echo: str = ""  # the prompt's text, with echo: before the answer's
+    # With prompt_logprobs (or echo and logprobs): the engine's, on the first chunk (G8)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -95,20 +99,61 @@ class TextOffsets:
         return before
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
+def completion_logprobs(tokenizer: Tokenizer,
+                        entries: list[tuple[int, dict[int, float] | None]],
                         offsets_state: TextOffsets | None = None) -> dict[str, Any]:
-    """The completions API's logprobs of ``entries`` (token id, its top logprobs); their
-    offsets continue ``offsets_state`` (a stream's, kept per choice), else start at 0."""
+    """The completions API's logprobs of ``entries`` (token id, its top logprobs; None for
+    an echoed prompt's first token, which has none); their offsets continue
+    ``offsets_state`` (a stream's, kept per choice), else start at 0."""
     state = offsets_state if offsets_state is not None else TextOffsets()
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in entries:
         text = tokenizer.decode([token_id])
         offsets.append(state.next(tokenizer, token_id, text))
         tokens.append(text)
-        token_logprobs.append(entry.get(token_id))
-        top.append({tokenizer.decode([t]): lp for t, lp in _ranked(entry)})
+        token_logprobs.append(None if entry is None else entry.get(token_id))
+        top.append(None if entry is None else
+                   {tokenizer.decode([t]): lp for t, lp in _ranked(entry)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def echoed_entries(choice: Choice, num_top: int) -> list[tuple[int, dict[int, float] | None]]:
+    """An echoed prompt's tokens as completions logprob entries: each token's own logprob
+    and the top ``num_top`` (the engine computed at least as many), None for the first."""
+    computed = choice.prompt_logprobs or [None] * len(choice.prompt_token_ids)
+    out: list[tuple[int, dict[int, float] | None]] = []
+    for token_id, item in zip(choice.prompt_token_ids, computed, strict=True):
+        if item is None:
+            out.append((token_id, None))
+            continue
+        entry = item[0]
+        kept = dict(_ranked(entry)[:num_top])
+        kept.setdefault(token_id, entry[token_id])
+        out.append((token_id, kept))
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                         computed: list[PromptLogprob | None], num_top: int
+                         ) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then token id ->
+    {logprob, rank, decoded_token} for the top ``num_top`` (ranks 1 .. num_top) and the
+    prompt's own token (its rank in the vocabulary)."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, item in zip(prompt_token_ids, computed, strict=True):
+        if item is None:
+            out.append(None)
+            continue
+        entry, own_rank = item
+        formatted: dict[str, Any] = {}
+        for rank, (top_id, logprob) in enumerate(_ranked(entry)[:num_top], 1):
+            formatted[str(top_id)] = {"logprob": logprob, "rank": rank,
+                                      "decoded_token": tokenizer.decode([top_id])}
+        formatted.setdefault(str(token_id), {"logprob": entry[token_id], "rank": own_rank,
+                                             "decoded_token": tokenizer.decode([token_id])})
+        out.append(formatted)
+    return out
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
