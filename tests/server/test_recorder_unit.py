@@ -170,3 +170,16 @@ def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp
     inexact = load_recording(tmp_path / "rec", warn=lambda _: None).inexact
     assert "replica 1 died at 2.000 s" in inexact
     assert "2 request(s) were placed again" in inexact
+
+
+def test_a_request_asking_prompt_logprobs_is_recorded_so(tmp_path):  # G8
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+    recorder.submitted([("a", list(range(20)), SamplingParams(max_tokens=4,
+                                                              prompt_logprobs=2))])
+    recorder.observe(report(recorder, 1.0, 20, arrivals=[("a", 0.5)], stats=IDLE, chunks=[
+        CompletionChunk("a", [1], "", True, "length", None, metrics(4))]))
+    recorder.close()
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")
+    assert row["prompt_logprobs"] == 2
+    assert load_recording(tmp_path / "rec", warn=pytest.fail).trace[0].prompt_logprobs == 2

@@ -189,3 +189,24 @@ def test_simulate_prints_the_session_figures(tmp_path, capsys):  # U2 U6
     assert "sessions held at end" in out
     assert main(["simulate", "--trace", str(trace), "--cost-model", "unit"]) == 0
     assert "session hits" not in capsys.readouterr().out  # sessions off: no rows
+
+
+def test_a_request_asking_prompt_logprobs_replays_without_prefix_hits():  # G8
+    """The server never gives such a request a prefix hit; its trace line says so, and the
+    simulator computes its whole prompt too (a replay hit what the server did not)."""
+    from kvserve.sim.deployment import Deployment
+
+    shared = list(range(1, 65))
+    rows = [{"request_id": "a", "arrival_time": 0, "prompt_token_ids": shared,
+             "output_len": 2},
+            {"request_id": "b", "arrival_time": 5, "prompt_token_ids": shared,
+             "output_len": 2, "prompt_logprobs": 1},
+            {"request_id": "c", "arrival_time": 10, "prompt_token_ids": shared,
+             "output_len": 2}]
+    trace = [parse_request(row) for row in rows]
+    assert trace[1].to_json()["prompt_logprobs"] == 1
+    _, result = Deployment(cost_model="unit").simulate(trace, {})
+    hits = {r.request_id: r.metrics.num_cached_tokens for r in result.records}
+    assert hits == {"a": 0, "b": 0, "c": 48}
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+        parse_request({**rows[1], "session_id": "s"})

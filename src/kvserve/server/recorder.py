@@ -440,6 +440,8 @@ class Recorder:
             row["tenant"] = params.tenant
         if params.session_id is not None:
             row["session_id"] = params.session_id
+        if params.prompt_logprobs is not None:  # never a prefix hit (G8), in the replay too
+            row["prompt_logprobs"] = params.prompt_logprobs
         if self.num_engines > 1:
             row["replica"] = entry.engine
         self.num_requests += 1

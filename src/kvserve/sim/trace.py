@@ -70,6 +70,8 @@ class TraceRequest:
     session_ttl: float | None = None
     replica: int | None = None
     received_time: float | None = None
+    # It asked for its prompt's logprobs (G8): it computes its whole prompt, never a hit.
+    prompt_logprobs: int | None = None
 
     @property
     def received(self) -> float:
@@ -146,6 +148,8 @@ class TraceRequest:
         with ``sessions`` (the scheduler holds sessions' KV) the turn names its session."""
         params = _sampling_params(self.max_tokens or default_max_tokens, self.ignore_eos,
                                   self.priority, self.tenant)
+        if self.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs)
         if sessions and self.session_id is not None:
             return dataclasses.replace(params, session_id=self.session_id,
                                        session_ttl=self.session_ttl)
@@ -167,7 +171,8 @@ class TraceRequest:
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
                               ("session_id", None), ("session_ttl", None),
-                              ("replica", None), ("received_time", None)):
+                              ("replica", None), ("received_time", None),
+                              ("prompt_logprobs", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -186,7 +191,7 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
-           "session_ttl", "replica", "received_time")
+           "session_ttl", "replica", "received_time", "prompt_logprobs")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -288,7 +293,16 @@ def parse_request(row: Any) -> TraceRequest:
         session_ttl=session_ttl,
         replica=_int(row, "replica", 0),
         received_time=_received(row),
+        prompt_logprobs=_prompt_logprobs(row, session_id),
     )
+
+
+def _prompt_logprobs(row: dict[str, Any], session_id: str | None) -> int | None:
+    value = _int(row, "prompt_logprobs", 0)
+    if value is not None and (value > 20 or session_id is not None):
+        raise ValueError(f"prompt_logprobs must be an integer in [0, 20], on a request that "
+                         f"is no session turn (G8), got {value!r}")
+    return value
 
 
 def _received(row: dict[str, Any]) -> float | None:
