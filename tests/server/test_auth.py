@@ -20,6 +20,9 @@ def test_plain_json_and_toml_keys_files(tmp_path):
     plain.write_text("# team keys\nsk-one\n\nsk-two\n")
     assert [(k.key, k.tenant) for k in load_keys(plain)] == [("sk-one", "key-1"),
                                                              ("sk-two", "key-2")]
+    marked = tmp_path / "keys-bom.json"  # a byte-order mark an editor wrote is no key (QA)
+    marked.write_text('\ufeff[{"key": "sk-b", "tenant": "team-b"}]', encoding="utf-8")
+    assert [(k.key, k.tenant) for k in load_keys(marked)] == [("sk-b", "team-b")]
     # a key the file grants no urgency may ask for none beyond its default (it could ask
     # for any, -1000 included, above the operator's own default; QA)
     assert {(k.most_urgent_priority, k.default_priority) for k in load_keys(plain)} == {(0, 0)}

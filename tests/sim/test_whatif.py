@@ -273,3 +273,11 @@ def test_deployment_flags_that_price_little_say_so(tmp_path, capsys):
                  "--set", "max_num_seqs=2"]) == 0
     assert "note: --hardware prices only what the recorded steps cannot" in \
         capsys.readouterr().err
+
+
+def test_a_recordings_lines_may_start_with_a_byte_order_mark(tmp_path):
+    """A hand-edited recording's file saved with a BOM was "not valid JSON" (QA)."""
+    directory = build(tmp_path / "rec")
+    trace = directory / "trace-00000.jsonl"
+    trace.write_text("\ufeff" + trace.read_text(encoding="utf-8"), encoding="utf-8")
+    assert [r.request_id for r in load_recording(directory).trace] == ["a", "b"]

@@ -71,7 +71,7 @@ class KeyFileError(ValueError):
 def load_keys(path: str | Path) -> list[ApiKey]:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM some editors write: not a key
     except OSError as error:
         raise KeyFileError(f"cannot read API keys file {path}: {error.strerror}") from None
     except UnicodeDecodeError as error:

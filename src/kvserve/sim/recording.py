@@ -207,7 +207,7 @@ def _series(root: Path, stem: str) -> list[Path]:
 def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
     """(file:line, decoded row) for each line; a last line cut short is skipped with a
     warning, any other bad line is an error."""
-    text = file.read_text(encoding="utf-8", errors="replace")
+    text = file.read_text(encoding="utf-8-sig", errors="replace")  # a BOM: no line
     lines = text.split("\n")
     out = []
     for number, line in enumerate(lines, 1):
