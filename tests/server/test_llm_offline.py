@@ -213,3 +213,26 @@ def test_prompt_logprobs_offline_as_vllm_gives_them(llm):  # G8
         assert token_id in entry and 2 <= len(entry) <= 3 and max(entry.values()) <= 0
     plain = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
     assert plain.prompt_logprobs is None and plain.token_ids[:2] == result.token_ids
+
+
+def test_the_progress_bar_counts_prompts_as_vllms(llm, monkeypatch):
+    """n samples of a prompt are one step of the bar (it counted sequences: 3/3 for one
+    prompt of n=3; QA)."""
+    import tqdm
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, **_: object) -> None:
+            self.total, self.done = total, 0
+            bars.append(self)
+
+        def update(self, count: int) -> None:
+            self.done += count
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    llm.generate(["a", "b"], SamplingParams(n=3, max_tokens=2, temperature=0))
+    assert [(bar.total, bar.done) for bar in bars] == [(2, 2)]

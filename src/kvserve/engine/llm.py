@@ -425,7 +425,7 @@ class LLM:
                                           ) from None
                     results[sub_id] = _sample_result(firsts, sub_id, sample,
                                                      list(request.prompt_token_ids))
-            self._run(results, use_tqdm)
+            self._run(results, firsts, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
             for request_id, result in results.items():
                 if result.finish_reason is None:
@@ -459,15 +459,15 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, results: dict[str, GenerationResult], use_tqdm: bool) -> None:
-        progress = _progress(len(results), use_tqdm)
+    def _run(self, results: dict[str, GenerationResult], firsts: list[GenerationResult],
+             use_tqdm: bool) -> None:
+        progress = _Progress(firsts, use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for chunk in self.engine.step().chunks:
                     _absorb(results[chunk.request_id], chunk, progress)
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
 
     def _generate_parallel(self, batch: list[Prompt], params: list[SamplingParams],
                            use_tqdm: bool) -> list[GenerationResult]:
@@ -487,13 +487,12 @@ class LLM:
                 sub_id = _sample_id(request_id, sample)
                 items.append((sub_id, ids, param))
                 results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids))
-        progress = _progress(len(results), use_tqdm)
+        progress = _Progress(firsts, use_tqdm)
         try:
             self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
                                                            progress))
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
         return firsts
 
 
@@ -513,7 +512,7 @@ def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
     return result
 
 
-def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> None:
+def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: _Progress) -> None:
     result.token_ids += chunk.new_token_ids
     result.text += chunk.new_text
     if chunk.prompt_logprobs is not None:
@@ -525,8 +524,7 @@ def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: Any) -> 
         result.finish_reason = chunk.finish_reason
         result.stop_reason = chunk.stop_reason
         result.metrics = chunk.metrics
-        if progress is not None:
-            progress.update(1)
+        progress.finished(result.request_id)
 
 
 def _own_tokenizer(model: str | Path | ModelConfig | None,
@@ -618,11 +616,27 @@ def _params_for(sampling_params: Any, count: int) -> list[list[SamplingParams]]:
         raise ValueError(f"sampling_params: {error}") from None
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled or total < 2:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
+class _Progress:
+    """generate's progress bar (tqdm, where installed and asked for), over prompts as
+    vLLM's: a prompt is done when all its n samples are."""
+
+    def __init__(self, firsts: list[GenerationResult], enabled: bool) -> None:
+        self.bar: Any = None
+        self.owner = {out.request_id: first for first in firsts for out in first.outputs}
+        if enabled and len(firsts) > 1:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=len(firsts), desc="generate", unit="prompt",
+                            dynamic_ncols=True)
+
+    def finished(self, request_id: str) -> None:
+        first = self.owner[request_id]
+        if self.bar is not None and all(out.finish_reason is not None
+                                        for out in first.outputs):
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
