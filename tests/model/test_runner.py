@@ -165,10 +165,15 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
 
 @pytest.mark.parametrize(("chunk", "num_blocks", "block_size"), [(2048, 200, 16),
                                                                   (16, 200, 16), (64, 36, 4)])
-def test_prompt_logprobs_match_the_dense_forward(network, chunk, num_blocks, block_size):
+def test_prompt_logprobs_match_the_dense_forward(network, chunk, num_blocks, block_size,
+                                                  monkeypatch):
     """vLLM's prompt_logprobs (G8): every prompt token after the first, its logprob from the
     raw logits, its rank and the top k, whole on the first chunk; computed in chunks, past a
-    cached prefix (never a hit) and through preemptions (the small pool) alike."""
+    cached prefix (never a hit) and through preemptions (the small pool) alike, the head
+    run over a few rows at a time."""
+    from kvserve.model import runner
+
+    monkeypatch.setattr(runner, "PROMPT_ROWS_AT_ONCE", 7)
     engine = make_engine(network, num_blocks=num_blocks, block_size=block_size,
                          max_num_batched_tokens=chunk, max_num_seqs=4)
     prompt = PROMPTS[3]

@@ -21,6 +21,9 @@ from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import AttentionFn, LlamaForCausalLM
 from kvserve.model.sampler import Sampler, SamplingRow
 
+# Prompt-logprob rows run through the LM head at once (G8): bounds the step's extra memory.
+PROMPT_ROWS_AT_ONCE = 256
+
 
 @dataclass
 class _RequestState:
@@ -127,8 +130,9 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, pieces: list[SequenceSlice]
                          ) -> dict[str, PromptLogprobs]:
         """The prompt rows' logprobs (G8), from the raw logits as vLLM gives them: each
-        piece's rows are its first ``prompt_rows`` tokens, predicting the token after each."""
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        piece's rows are its first ``prompt_rows`` tokens, predicting the token after each.
+        A piece's rows go through the head PROMPT_ROWS_AT_ONCE at a time: a 2,048-token
+        chunk's logits at once are 400 MB at a 49k vocabulary."""
         out: dict[str, PromptLogprobs] = {}
         row = 0
         for piece in pieces:
@@ -136,23 +140,33 @@ class ModelRunner:
                 continue
             state = self.requests[piece.request_id]
             first = piece.start_position + 1  # the token the first row predicts
-            targets = state.token_ids[first:first + piece.prompt_rows]
-            rows = logprobs[row:row + piece.prompt_rows]
-            row += piece.prompt_rows
-            own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
-            ranks = ((rows > own).sum(dim=1) + 1).tolist()
             wanted = state.sampling_params.prompt_logprobs or 0
-            top_values, top_ids = rows.topk(wanted, dim=1) if wanted else (None, None)
-            entries = []
-            for index, target in enumerate(targets):
-                entry = {target: float(own[index, 0])}
-                if top_ids is not None:
-                    for value, token_id in zip(top_values[index].tolist(),
-                                               top_ids[index].tolist(), strict=True):
-                        entry.setdefault(token_id, value)
-                entries.append(entry)
+            entries: list[dict[int, float]] = []
+            ranks: list[int] = []
+            for at in range(0, piece.prompt_rows, PROMPT_ROWS_AT_ONCE):
+                count = min(PROMPT_ROWS_AT_ONCE, piece.prompt_rows - at)
+                targets = state.token_ids[first + at:first + at + count]
+                rows = torch.log_softmax(self.model.compute_logits(
+                    hidden[row + at:row + at + count]).float(), dim=-1)
+                self._prompt_rows(rows, targets, wanted, entries, ranks)
+            row += piece.prompt_rows
             out[piece.request_id] = PromptLogprobs(first, entries, ranks)
         return out
+
+    @staticmethod
+    def _prompt_rows(rows: torch.Tensor, targets: list[int], wanted: int,
+                     entries: list[dict[int, float]], ranks: list[int]) -> None:
+        """Each row's target token: its logprob, its rank and the top ``wanted``."""
+        own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
+        ranks += ((rows > own).sum(dim=1) + 1).tolist()
+        top_values, top_ids = rows.topk(wanted, dim=1) if wanted else (None, None)
+        for index, target in enumerate(targets):
+            entry = {target: float(own[index, 0])}
+            if top_ids is not None:
+                for value, token_id in zip(top_values[index].tolist(),
+                                           top_ids[index].tolist(), strict=True):
+                    entry.setdefault(token_id, value)
+            entries.append(entry)
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]
                 ) -> tuple[list[int], list[dict[int, float]] | None]:
