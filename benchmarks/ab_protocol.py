@@ -46,25 +46,42 @@ def shared_bench() -> Path:
 
 
 def cpu() -> tuple[str, str]:
-    """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo."""
-    model, flags = "unknown CPU", ""
+    """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo; a
+    bare AMD name ("AMD EPYC") gets its generation from the CPU family (zen_generation)."""
+    model, flags, family = "unknown CPU", "", None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name" and model == "unknown CPU":
                     model = value.strip()
+                elif key.strip() == "cpu family" and family is None:
+                    family = int(value) if value.strip().isdigit() else None
                 elif key.strip() == "flags":
                     flags = " ".join(f for f in value.split() if f.startswith(ISA_PREFIXES))
                     break
     except OSError:
         pass
-    return model, flags
+    return with_generation(model, family, flags), flags
+
+
+def with_generation(model: str, family: int | None, flags: str) -> str:
+    """``model`` with its Zen generation where the name alone says nothing of it: cloud CPUs
+    report a bare "AMD EPYC" for a Zen 3 (AVX2), a Zen 4 (AVX512-BF16) and a Zen 5 (family
+    26) alike, and the three must not share a table."""
+    if not model.startswith("AMD") or any(c.isdigit() for c in model) or family is None:
+        return model
+    if family == 25:  # Zen 3 and Zen 4: apart by AVX-512, which only Zen 4 has
+        zen = "Zen 4" if "avx512f" in flags.split() else "Zen 3"
+    else:
+        zen = {26: "Zen 5"}.get(family)
+    return f"{model} {zen}" if zen else model
 
 
 # The vector tiers a kernel dispatches on, best first: (flag that marks it, slug, label).
-# Cloud CPUs often report a bare model name ("AMD EPYC" for both a Zen 3 with AVX2 only and a
-# Zen 4 with AVX512-BF16), so a table is keyed by the name and the tier.
+# Cloud CPUs often report a bare model name ("AMD EPYC" for a Zen 3 with AVX2 only, a Zen 4 and
+# a Zen 5 with AVX512-BF16), so a table is keyed by the name (with its generation, cpu()) and
+# the tier.
 ISA_TIERS = (("amx_bf16", "amx", "AMX"), ("avx512_bf16", "avx512-bf16", "AVX512-BF16"),
              ("avx512f", "avx512", "AVX-512"), ("avx2", "avx2", "AVX2"))
 

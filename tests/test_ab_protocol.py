@@ -61,6 +61,15 @@ def test_cpu_slug_and_machine_facts():
     assert ab.cpu_slug("Intel Xeon", zen4 + " amx_bf16 amx_tile") == "intel-xeon-amx"
     assert ab.cpu_title("AMD EPYC", zen3) == "AMD EPYC (AVX2)"
     assert (ab.fast_dtype(zen3), ab.fast_dtype(zen4)) == ("float32", "bfloat16")
+    # a bare AMD name gets its generation, so a Zen 4 and a Zen 5 do not share a table
+    assert ab.with_generation("AMD EPYC", 25, zen3) == "AMD EPYC Zen 3"
+    assert ab.with_generation("AMD EPYC", 25, zen4) == "AMD EPYC Zen 4"
+    assert ab.with_generation("AMD EPYC", 26, zen4) == "AMD EPYC Zen 5"
+    assert ab.cpu_slug(ab.with_generation("AMD EPYC", 26, zen4), zen4) == \
+        "amd-epyc-zen-5-avx512-bf16"
+    assert ab.with_generation("AMD EPYC 9R14 96-Core Processor", 25, zen4) == \
+        "AMD EPYC 9R14 96-Core Processor"  # a full name says it already
+    assert ab.with_generation("Intel Xeon", 6, zen4) == "Intel Xeon"
     model, flags = ab.cpu()
     assert model and all(f.startswith(ab.ISA_PREFIXES) for f in flags.split())
     steal, total = ab.cpu_times()

@@ -39,6 +39,19 @@ def test_cpuinfo_gives_the_model_and_the_matmul_extensions_in_a_fixed_order():
         "model": "", "isa": ["asimd", "asimddp", "bf16", "i8mm", "sve", "sve2"]}
 
 
+def test_a_zen_4_and_a_zen_5_of_one_name_are_two_cpus():
+    """Both report "AMD EPYC" with the same matmul extensions: the family tells them apart
+    (a Zen 4's calibration priced a Zen 5's runs without a warning); a calibration from
+    before the family was recorded still matches either."""
+    zen4 = machine.parse_cpuinfo("cpu family\t: 25\n" + ZEN4)
+    zen5 = machine.parse_cpuinfo("cpu family\t: 26\n" + ZEN4)
+    assert (zen4["family"], zen5["family"]) == (25, 26)
+    assert not machine.same_cpu(zen4, zen5)
+    assert machine.cpu_key(zen4) != machine.cpu_key(zen5)
+    assert machine.same_cpu({k: v for k, v in zen4.items() if k != "family"}, zen5)
+    assert "AMD EPYC 9R14, family 26 (" in machine.describe_cpu(zen5)
+
+
 def test_cpus_differ_by_model_or_by_extension_and_key_their_own_cache_files():
     zen4 = {**machine.parse_cpuinfo(ZEN4), "logical_cpus": 2}
     no_bf16 = {**zen4, "isa": [f for f in zen4["isa"] if f != "avx512_bf16"]}

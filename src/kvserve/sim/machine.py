@@ -41,16 +41,24 @@ PEAKS_FORMAT = "kvserve-machine-peaks/1"
 
 def parse_cpuinfo(text: str) -> dict[str, Any]:
     """The CPU model and its :data:`ISA_FLAGS` from /proc/cpuinfo's text (the first
-    processor's entry; x86 says ``model name`` and ``flags``, Arm ``Features``)."""
-    model, flags = "", set()
+    processor's entry; x86 says ``model name`` and ``flags``, Arm ``Features``), and on x86
+    its ``family``: a bare "AMD EPYC" with AVX512-BF16 is a Zen 4 (25) or a Zen 5 (26), whose
+    extensions this list does not tell apart."""
+    model, flags, family = "", set(), None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()
         if key in ("model name", "cpu model", "hardware") and not model:
             model = value.strip()
+        elif key == "cpu family" and family is None and value.strip().isdigit():
+            family = int(value)
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
-    return {"model": model, "isa": [flag for flag in ISA_FLAGS if flag in flags]}
+    identity: dict[str, Any] = {"model": model,
+                                "isa": [flag for flag in ISA_FLAGS if flag in flags]}
+    if family is not None:
+        identity["family"] = family
+    return identity
 
 
 def cpu_identity() -> dict[str, Any]:
@@ -67,12 +75,17 @@ def cpu_identity() -> dict[str, Any]:
 
 def describe_cpu(identity: dict[str, Any]) -> str:
     isa = ", ".join(identity.get("isa") or []) or "no extensions listed"
-    return f"{identity.get('model', 'unknown')} ({isa}; {identity.get('logical_cpus', '?')} CPUs)"
+    family = f", family {identity['family']}" if "family" in identity else ""
+    return (f"{identity.get('model', 'unknown')}{family} ({isa}; "
+            f"{identity.get('logical_cpus', '?')} CPUs)")
 
 
 def same_cpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same model, extensions and (where both say it: a calibration from before it was
+    recorded does not) x86 family."""
     return a.get("model") == b.get("model") and \
-        sorted(a.get("isa") or []) == sorted(b.get("isa") or [])
+        sorted(a.get("isa") or []) == sorted(b.get("isa") or []) and \
+        ("family" not in a or "family" not in b or a["family"] == b["family"])
 
 
 def cpu_key(identity: dict[str, Any]) -> str:
@@ -81,7 +94,7 @@ def cpu_key(identity: dict[str, Any]) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", str(identity.get("model", "")).lower()).strip("-")
     digest = hashlib.sha256(json.dumps(
         [identity.get("model"), sorted(identity.get("isa") or []),
-         identity.get("logical_cpus")]).encode()).hexdigest()[:12]
+         identity.get("logical_cpus"), identity.get("family")]).encode()).hexdigest()[:12]
     return f"{slug[:40] or 'cpu'}-{digest}"
 
 
