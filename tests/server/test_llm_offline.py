@@ -192,14 +192,27 @@ def test_n_samples_come_back_as_vllms_outputs_seeded_repeatably(llm):
 def test_n_is_checked_and_a_request_is_one_sequence(llm):
     with pytest.raises(RequestError, match=r"n must be an integer in \[1, 4096\], got 0"):
         SamplingParams(n=0)
-    with pytest.raises(ValueError, match="a session turn is one sequence: got n=2"):
-        llm.generate("Hi", SamplingParams(n=2, session_id="s"), use_tqdm=False)
+    with pytest.raises(RequestError, match="a session turn is one sequence: got n=2"):
+        SamplingParams(n=2, session_id="s")  # when built, as every other bad n (QA)
     with pytest.raises(RequestError, match="n=2; a request is one sequence"):
         llm.engine.add_request("direct", [1, 2, 3], SamplingParams(n=2))
     # the seed range wraps rather than overflow: sample 1 of the largest seed is the smallest
     top = SamplingParams(n=2, seed=(1 << 64) - 1).samples()
     assert [p.seed for p in top] == [(1 << 64) - 1, 0] and {p.n for p in top} == {1}
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_result_has_vllms_finished_cumulative_logprob_and_none_for_no_logprobs(llm):
+    """logprobs was [] where none were asked for (vLLM: None), and finished and
+    cumulative_logprob were missing (QA)."""
+    plain = llm.generate("Hi", GREEDY, use_tqdm=False)[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None and plain.finished
+    asked = llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0, logprobs=1),
+                         use_tqdm=False)[0]
+    assert asked.cumulative_logprob == pytest.approx(
+        sum(entry[token] for token, entry in zip(asked.token_ids, asked.logprobs,
+                                                 strict=True)))
+    assert asked.cumulative_logprob < 0
 
 
 def test_prompt_logprobs_offline_as_vllm_gives_them(llm):  # G8

@@ -87,6 +87,8 @@ def test_first_difference_names_the_first_decision_apart():
     (["--set", "max_num_seqs=2,x"], "max_num_seqs"),  # each value of a list is checked
     (["--set", "max_num_seqs=2 max_num_seqs=3"], "max_num_seqs is given twice"),
     (["--set", "max_num_seqs=2,3 num_kv_blocks=8"], "take one value each"),
+    (["--set", "max_num_seqs=2", "--set", "max_num_seqs=3,2"],
+     "--set asks for the run max_num_seqs=2 twice"),  # the report kept one of the two (QA)
 ])
 def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
     directory = build(tmp_path / "rec")

@@ -211,8 +211,6 @@ class SamplingParams:
         seed + k (wrapped into the seed range), so seeded samples differ and repeat."""
         if self.n == 1:
             return [self]
-        _require(self.session_id is None,
-                 f"a session turn is one sequence: got n={self.n}; send it with n=1")
         seeds = [None] * self.n if self.seed is None else \
             [self.seed + k - (1 << 64) if self.seed + k >= 1 << 64 else self.seed + k
              for k in range(self.n)]
@@ -225,6 +223,8 @@ class SamplingParams:
                                               and 0 < self.session_ttl <= 86400),
                  f"session ttl must be a number of seconds in (0, 86400], "
                  f"got {self.session_ttl!r}")
+        _require(self.n == 1, f"a session turn is one sequence: got n={self.n}; send it "
+                              "with n=1")
         _require(self.prompt_logprobs is None or self.session_id is None,
                  "prompt_logprobs cannot be asked of a session turn: its held tokens are not "
                  "computed again (G8)")

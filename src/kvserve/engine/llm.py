@@ -64,13 +64,28 @@ class GenerationResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with SamplingParams(logprobs=k): per output token, token id -> logprob for it and the
+    # top k; None when none were asked for, as vLLM's
+    logprobs: list[dict[int, float]] | None = None
     # vLLM's prompt_logprobs (SamplingParams.prompt_logprobs): per prompt token, None for the
     # first, then token id -> logprob for the token and the top ones
     prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which of the prompt's n samples (vLLM's CompletionOutput.index)
     # With SamplingParams(n > 1): samples 1 .. n-1 (this result is sample 0).
     more: list[GenerationResult] = field(default_factory=list, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: every sample has finished."""
+        return all(out.finish_reason is not None for out in self.outputs)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs, where logprobs were asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token] for token, entry in zip(self.token_ids, self.logprobs,
+                                                        strict=False))
 
     @property
     def outputs(self) -> list[GenerationResult]:
@@ -519,7 +534,7 @@ def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: _Progres
         result.prompt_logprobs = [None if entry is None else entry[0]
                                   for entry in chunk.prompt_logprobs]
     if chunk.logprobs:
-        result.logprobs += chunk.logprobs
+        result.logprobs = (result.logprobs or []) + chunk.logprobs
     if chunk.finished:
         result.finish_reason = chunk.finish_reason
         result.stop_reason = chunk.stop_reason

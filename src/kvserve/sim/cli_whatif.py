@@ -147,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
         changes = [change for text in args.changes for change in parse_change(text)]
+        runs_asked = [" ".join(f"{k}={v}" for k, v in change.items()) for change in changes]
+        twice = next((run for i, run in enumerate(runs_asked) if run in runs_asked[:i]), None)
+        if twice is not None:  # two columns of one run, and one of them lost in the report
+            raise ValueError(f"--set asks for the run {twice} twice")
         check_pool_setting([name for change in changes for name in change])
         recording = load_recording(args.recording)
         args.recording_dir, args.recording = args.recording, recording
