@@ -38,7 +38,7 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": [1, 99999999]}, 400, "outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "field 'temperature'"),
     (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "field 'temperature'"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "field 'max_tokens'"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 asks for no token"),
     (COMPLETIONS, {"prompt": "x", "max_queue_delay": 0}, 400,
      "field 'max_queue_delay': input should be greater than 0 (got 0)"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "field 'max_tokens'"),
@@ -453,6 +453,28 @@ def test_prompt_logprobs_and_echo_as_vllm_gives_them(server):
     streamed = "".join(e["choices"][0]["text"] for e in events)
     assert events[0]["choices"][0]["text"].startswith(prompt)
     assert streamed == prompt + plain["text"]
+    # vLLM's echo without generation: max_tokens 0 scores the prompt and returns no token
+    for stream in (False, True):
+        reply = post(server, COMPLETIONS, {**body, "echo": True, "logprobs": 1,
+                                           "max_tokens": 0, "stream": stream,
+                                           "stream_options": {"include_usage": True}
+                                           if stream else None})
+        assert reply.status_code == 200, reply.text
+        if stream:
+            events = [json.loads(line[6:]) for line in reply.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            tokens = [t for e in events if e["choices"]
+                      for t in e["choices"][0]["logprobs"]["tokens"]]
+            used = events[-1]["usage"]
+        else:
+            choice = reply.json()["choices"][0]
+            text, tokens, used = choice["text"], choice["logprobs"]["tokens"], \
+                reply.json()["usage"]
+        assert text == prompt and len(tokens) == len(tokenized)
+        assert used["completion_tokens"] == 0
+    refused = post(server, COMPLETIONS, {**body, "max_tokens": 0})
+    assert refused.status_code == 400 and "only with 'echo': true" in error_of(refused)
     chat = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
                                "max_tokens": 1, "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

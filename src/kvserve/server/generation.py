@@ -185,6 +185,8 @@ class _Generation:
         self.created = int(time.time())
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.closed = False
+        # vLLM's echo without generation (max_tokens 0): the one token made is not returned
+        self.prompt_only = not chat and req.echo and req.max_tokens == 0
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -203,10 +205,12 @@ class _Generation:
 
     def _apply(self, chunk: CompletionChunk) -> Choice:
         choice = self.choices[chunk.request_id]
-        choice.text += chunk.new_text
-        choice.token_ids += chunk.new_token_ids
-        if chunk.logprobs:
-            choice.logprobs += list(zip(chunk.new_token_ids, chunk.logprobs, strict=False))
+        if not self.prompt_only:
+            choice.text += chunk.new_text
+            choice.token_ids += chunk.new_token_ids
+            if chunk.logprobs:
+                choice.logprobs += list(zip(chunk.new_token_ids, chunk.logprobs,
+                                            strict=False))
         if chunk.prompt_logprobs is not None:
             choice.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finished:
@@ -347,7 +351,8 @@ class _Generation:
         before = self.choices[chunk.request_id]
         first = not before.token_ids and before.finish_reason is None  # its first chunk
         choice = self._apply(chunk)
-        entries: list[Any] = list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
+        entries: list[Any] = [] if self.prompt_only else \
+            list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
         if first:  # an echo's prompt goes out before the answer's first text
             entries = self._echoed(choice) + entries
         logprobs = None
@@ -355,7 +360,8 @@ class _Generation:
             if choice.text_offsets is None:
                 choice.text_offsets = TextOffsets()
             logprobs = self._logprobs(entries, choice.text_offsets)
-        text = choice.echo + chunk.new_text if first else chunk.new_text
+        text = "" if self.prompt_only else chunk.new_text
+        text = choice.echo + text if first else text
         payload = {"content": text} if self.chat else text
         data = self._chunk(choice, payload, logprobs)
         if first and self.req.prompt_logprobs is not None:
@@ -365,7 +371,7 @@ class _Generation:
             entry = data["choices"][0]
             if not self.chat and len(choice.token_ids) == len(chunk.new_token_ids):
                 entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
-            entry["token_ids"] = chunk.new_token_ids
+            entry["token_ids"] = [] if self.prompt_only else chunk.new_token_ids
         if chunk.finished:
             data["choices"][0]["finish_reason"] = chunk.finish_reason
             data["choices"][0]["stop_reason"] = chunk.stop_reason

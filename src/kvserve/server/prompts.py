@@ -108,6 +108,11 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
                           f"context length (max_model_len) is {limit} tokens, which leaves "
                           f"no room to generate; shorten the {field}", param=field)
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    if asked == 0:  # echo without generation: one token generated, none returned
+        if not req.echo:
+            raise bad_request("max_tokens 0 asks for no token: only with 'echo': true (the "
+                              "prompt scored, nothing generated)", param="max_tokens")
+        asked = 1
     if asked is None:
         return limit - longest if chat else min(16, limit - longest)
     if longest + asked > limit:
@@ -133,6 +138,10 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt",
         "prompt_logprobs") if getattr(req, name) is not None}
     if not chat and req.echo and logprobs is not None:  # the echoed prompt's logprobs too
+        if req.session is not None:
+            raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which a "
+                              "session turn cannot give (its held tokens are not computed "
+                              "again, rule G8)", param="echo")
         given["prompt_logprobs"] = max(logprobs, req.prompt_logprobs or 0)
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl

@@ -144,8 +144,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI's: the prompt before each choice's text (and its tokens' logprobs before the
-    # answer's, with logprobs)
+    # answer's, with logprobs); with max_tokens 0, the prompt alone (vLLM's echo without
+    # generation: one token is generated and not returned)
     echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0, le=1 << 20)  # 0: with echo only
     # vLLM's: BOS where the model's tokenizer adds one (vLLM's default is true; the bundled
     # model's tokenizer adds none either way)
     add_special_tokens: bool = False
