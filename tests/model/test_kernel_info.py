@@ -45,6 +45,11 @@ def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
                          "avx512_bf16\n")
     assert [flag for flag, found in zen4.isa().items() if found] == ["avx2", "avx512f",
                                                                     "avx512_bf16"]
+    # a bare name is shown with its family: a Zen 4 (25) and a Zen 5 (26) both say AMD EPYC
+    zen5 = parse_cpuinfo("processor : 0\nmodel name : AMD EPYC\ncpu family : 26\nflags : "
+                         "avx2 avx512f avx512_bf16\n")
+    assert (zen5.family, zen5.name, zen4.name) == (26, "AMD EPYC, family 26", "AMD EPYC")
+    assert cpu.name == cpu.model  # a full name says enough
 
 
 def test_bf16_on_an_avx512_bf16_build_uses_the_panels_onednn_and_the_bf16_dot_products() -> None:
@@ -150,8 +155,8 @@ def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) ->
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     cpu = cpu_info()
-    assert report["cpu"] == {"model": cpu.model, "logical_cpus": cpu.logical_cpus,
-                             "isa": cpu.isa()}
+    assert report["cpu"] == {"model": cpu.model, "family": cpu.family, "name": cpu.name,
+                             "logical_cpus": cpu.logical_cpus, "isa": cpu.isa()}
     assert report["torch"]["version"] == torch.__version__
     assert report["torch"]["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert report["extension"]["built"] == paged_kernel.available()
@@ -177,7 +182,7 @@ def test_info_text_names_cpu_isa_and_each_op(capsys: pytest.CaptureFixture[str])
     assert main(["info"]) == 0
     lines = capsys.readouterr().out.splitlines()
     cpu = cpu_info()
-    assert lines[0] == f"CPU          {cpu.model} ({cpu.logical_cpus} logical CPUs)"
+    assert lines[0] == f"CPU          {cpu.name} ({cpu.logical_cpus} logical CPUs)"
     found = " ".join(flag for flag, present in cpu.isa().items() if present)
     assert lines[1] == f"ISA found    {found}"
     assert lines[4].startswith("C++ kernels  built" if paged_kernel.available()

@@ -62,7 +62,7 @@ def text(report: dict[str, Any]) -> str:
         built = "built, compiled for " + (" ".join(extension["compiled_isa"]) or "baseline")
     else:
         built = f"not built: {extension['error']}"
-    lines = [f"CPU          {cpu['model']} ({cpu['logical_cpus']} logical CPUs)",
+    lines = [f"CPU          {cpu['name']} ({cpu['logical_cpus']} logical CPUs)",
              f"ISA found    {' '.join(found) or '-'}",
              f"not found    {' '.join(missing) or '-'}",
              f"torch        {torch_info['version']}, ATen CPU capability "

@@ -39,6 +39,15 @@ class CpuInfo:
     model: str
     logical_cpus: int
     flags: frozenset[str] = field(default_factory=frozenset)
+    # x86's CPU family: a bare "AMD EPYC" is a Zen 3 or Zen 4 (25) or a Zen 5 (26)
+    family: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The model name, with the family where the name alone is bare (no digit in it)."""
+        if self.family is None or any(c.isdigit() for c in self.model):
+            return self.model
+        return f"{self.model}, family {self.family}"
 
     def isa(self) -> dict[str, bool]:
         """Each of ISA_FLAGS: whether this CPU has it."""
@@ -48,7 +57,7 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The model name and flags of the first processor in /proc/cpuinfo's text, and the number
     of processors it lists."""
-    model, flags, count = "", frozenset[str](), 0
+    model, flags, count, family = "", frozenset[str](), 0, None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -56,10 +65,12 @@ def parse_cpuinfo(text: str) -> CpuInfo:
             count += 1
         elif key == "model name" and not model:
             model = value.strip()
+        elif key == "cpu family" and family is None and value.strip().isdigit():
+            family = int(value)
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
     return CpuInfo(model or platform.processor() or platform.machine(), count or
-                   (os.cpu_count() or 0), flags)
+                   (os.cpu_count() or 0), flags, family)
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:
@@ -251,7 +262,8 @@ class KernelReport:
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``kvserve info --json``."""
         return {
-            "cpu": {"model": self.cpu.model, "logical_cpus": self.cpu.logical_cpus,
+            "cpu": {"model": self.cpu.model, "family": self.cpu.family,
+                    "name": self.cpu.name, "logical_cpus": self.cpu.logical_cpus,
                     "isa": self.cpu.isa()},
             "torch": {"version": self.torch_version,
                       "aten_cpu_capability": self.aten_cpu_capability,
@@ -309,7 +321,7 @@ def boot_lines(report: KernelReport, dtype: torch.dtype,
     if quantization is not None:
         ops["projections"] = describe_quantization(quantization)
     built = "built" if report.extension_built else f"not built ({report.extension_error})"
-    return [f"CPU: {report.cpu.model}, {report.cpu.logical_cpus} logical CPUs, "
+    return [f"CPU: {report.cpu.name}, {report.cpu.logical_cpus} logical CPUs, "
             f"{report.threads} torch threads; ISA: {isa_line(report.cpu)}",
             f"C++ kernels {built}; {str(dtype).removeprefix('torch.')} kernels: "
             + "; ".join(f"{op} {kernel}" for op, kernel in ops.items())]
