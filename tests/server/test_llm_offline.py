@@ -249,3 +249,20 @@ def test_the_progress_bar_counts_prompts_as_vllms(llm, monkeypatch):
     monkeypatch.setattr(tqdm, "tqdm", Bar)
     llm.generate(["a", "b"], SamplingParams(n=3, max_tokens=2, temperature=0))
     assert [(bar.total, bar.done) for bar in bars] == [(2, 2)]
+
+
+def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm):
+    """RL code reads entry[token].logprob (vLLM's Logprob): it was an AttributeError (QA). A
+    value is still the float it was, with .logprob, .rank and .decoded_token."""
+    result = llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, logprobs=2,
+                                                  prompt_logprobs=1), use_tqdm=False)[0]
+    for token, entry in zip(result.token_ids, result.logprobs, strict=True):
+        own = entry[token]
+        assert own.logprob == float(own) == own and own.rank == 1  # greedy: the likeliest
+        assert own.decoded_token == llm.tokenizer.decode([token])
+        assert sorted(e.rank for e in entry.values()) == [1, 2]
+    for token, entry in zip(result.prompt_token_ids[1:], result.prompt_logprobs[1:],
+                            strict=True):
+        assert entry[token].rank >= 1 and entry[token].logprob <= 0
+    assert result.cumulative_logprob == pytest.approx(
+        sum(float(e[t]) for t, e in zip(result.token_ids, result.logprobs, strict=True)))

@@ -401,6 +401,10 @@ class LLM:
             backend=data_parallel_backend, router=router,
             threads_per_replica=threads_per_replica)
 
+    def _decode(self, token_ids: list[int]) -> str | None:
+        """A logprob's decoded_token (None without a tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
     @property
     def engine(self) -> Engine:
         """The one engine (its scheduler, runner, stats), when data_parallel_size is 1."""
@@ -480,7 +484,7 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for chunk in self.engine.step().chunks:
-                    _absorb(results[chunk.request_id], chunk, progress)
+                    _absorb(results[chunk.request_id], chunk, progress, self._decode)
         finally:
             progress.close()
 
@@ -505,7 +509,7 @@ class LLM:
         progress = _Progress(firsts, use_tqdm)
         try:
             self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
-                                                           progress))
+                                                           progress, self._decode))
         finally:
             progress.close()
         return firsts
@@ -527,14 +531,55 @@ def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
     return result
 
 
-def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: _Progress) -> None:
+class Logprob(float):
+    """A logprob as kvserve gives it (a float) that reads as vLLM's ``Logprob`` too:
+    ``.logprob``, ``.rank`` (1: the likeliest; None where not known: a sampled token
+    outside the top k) and ``.decoded_token``, so ``entry[token].logprob`` works as it did."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, value: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        made = super().__new__(cls, value)
+        made.rank, made.decoded_token = rank, decoded_token
+        return made
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+
+def _entry(entry: dict[int, float], decode: Any, own: tuple[int, int] | None = None
+           ) -> dict[int, float]:
+    """A logprob entry (the sampled or prompt token first, then the top k) with vLLM's
+    Logprob values: ranks by order of logprob; the prompt token's from ``own`` (token id, its
+    rank, the engine's); a sampled token that sorts last may be outside the top k: its rank
+    is not known (None) unless it is the likeliest."""
+    order = sorted(entry, key=lambda token: -entry[token])
+    ranks: dict[int, int | None] = {token: index + 1 for index, token in enumerate(order)}
+    if own is not None:
+        ranks[own[0]] = own[1]
+    else:
+        sampled = next(iter(entry))
+        if ranks[sampled] == len(order) > 1:
+            ranks[sampled] = None
+    return {token: Logprob(value, ranks[token], None if decode is None else decode([token]))
+            for token, value in entry.items()}
+
+
+def _absorb(result: GenerationResult, chunk: CompletionChunk, progress: _Progress,
+            decode: Any = None) -> None:
     result.token_ids += chunk.new_token_ids
     result.text += chunk.new_text
     if chunk.prompt_logprobs is not None:
-        result.prompt_logprobs = [None if entry is None else entry[0]
-                                  for entry in chunk.prompt_logprobs]
+        result.prompt_logprobs = [
+            None if item is None else _entry(item[0], decode, (token, item[1]))
+            for token, item in zip(result.prompt_token_ids, chunk.prompt_logprobs,
+                                   strict=True)]
     if chunk.logprobs:
-        result.logprobs = (result.logprobs or []) + chunk.logprobs
+        result.logprobs = (result.logprobs or []) + [
+            _entry(entry, decode) for entry in chunk.logprobs]
     if chunk.finished:
         result.finish_reason = chunk.finish_reason
         result.stop_reason = chunk.stop_reason
