@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.cpu_name import with_generation
+
 # SmolLM2-135M: 30 layers of Q/K/V/O (576x576, 2 x 576x192, 576x576) and SwiGLU (3 x 576x1536),
 # plus the 49,152 x 576 LM head: 134.5 M multiply-adds, 2 FLOPs each, per token.
 MATMUL_FLOPS_PER_TOKEN = 2 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
@@ -47,7 +49,7 @@ def shared_bench() -> Path:
 
 def cpu() -> tuple[str, str]:
     """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo; a
-    bare AMD name ("AMD EPYC") gets its generation from the CPU family (zen_generation)."""
+    bare AMD name ("AMD EPYC") gets its generation from the CPU family (kvserve.cpu_name)."""
     model, flags, family = "unknown CPU", "", None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
@@ -63,19 +65,6 @@ def cpu() -> tuple[str, str]:
     except OSError:
         pass
     return with_generation(model, family, flags), flags
-
-
-def with_generation(model: str, family: int | None, flags: str) -> str:
-    """``model`` with its Zen generation where the name alone says nothing of it: cloud CPUs
-    report a bare "AMD EPYC" for a Zen 3 (AVX2), a Zen 4 (AVX512-BF16) and a Zen 5 (family
-    26) alike, and the three must not share a table."""
-    if not model.startswith("AMD") or any(c.isdigit() for c in model) or family is None:
-        return model
-    if family == 25:  # Zen 3 and Zen 4: apart by AVX-512, which only Zen 4 has
-        zen = "Zen 4" if "avx512f" in flags.split() else "Zen 3"
-    else:
-        zen = {26: "Zen 5"}.get(family)
-    return f"{model} {zen}" if zen else model
 
 
 # The vector tiers a kernel dispatches on, best first: (flag that marks it, slug, label).

@@ -45,10 +45,11 @@ def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
                          "avx512_bf16\n")
     assert [flag for flag, found in zen4.isa().items() if found] == ["avx2", "avx512f",
                                                                     "avx512_bf16"]
-    # a bare name is shown with its family: a Zen 4 (25) and a Zen 5 (26) both say AMD EPYC
+    # a bare name is shown with its generation: a Zen 4 (family 25) and a Zen 5 (26) both
+    # say AMD EPYC
     zen5 = parse_cpuinfo("processor : 0\nmodel name : AMD EPYC\ncpu family : 26\nflags : "
                          "avx2 avx512f avx512_bf16\n")
-    assert (zen5.family, zen5.name, zen4.name) == (26, "AMD EPYC, family 26", "AMD EPYC")
+    assert (zen5.family, zen5.name, zen4.name) == (26, "AMD EPYC Zen 5", "AMD EPYC")
     assert cpu.name == cpu.model  # a full name says enough
 
 
@@ -208,5 +209,5 @@ def test_an_engine_logs_the_cpu_and_its_kernels_at_boot(
     messages = [record.getMessage() for record in caplog.records]
     report = kernel_info.kernel_report()
     assert messages[-2:] == kernel_info.boot_lines(report, torch.bfloat16)
-    assert messages[-2].startswith(f"CPU: {report.cpu.model}, ")
+    assert messages[-2].startswith(f"CPU: {report.cpu.name}, ")
     assert "bfloat16 kernels: projections " in messages[-1]

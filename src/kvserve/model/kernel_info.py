@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvserve.cpu_name import with_generation
+
 # The instruction sets that matter to the kernels here or to oneDNN/ATen, in /proc/cpuinfo's
 # spelling. amx_* are reported but no kernel of kvserve's own uses them (docs/kernels.md).
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
@@ -44,10 +46,8 @@ class CpuInfo:
 
     @property
     def name(self) -> str:
-        """The model name, with the family where the name alone is bare (no digit in it)."""
-        if self.family is None or any(c.isdigit() for c in self.model):
-            return self.model
-        return f"{self.model}, family {self.family}"
+        """The model name, with its generation where the name alone is bare (cpu_name)."""
+        return with_generation(self.model, self.family, self.flags)
 
     def isa(self) -> dict[str, bool]:
         """Each of ISA_FLAGS: whether this CPU has it."""

@@ -19,7 +19,7 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.input_batch import SequenceSlice, build_batch
 from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import AttentionFn, LlamaForCausalLM
-from kvserve.model.sampler import Sampler, SamplingRow
+from kvserve.model.sampler import Sampler, SamplingRow, logprob_entries
 
 # Prompt-logprob rows run through the LM head at once (G8): bounds the step's extra memory.
 PROMPT_ROWS_AT_ONCE = 256
@@ -140,7 +140,7 @@ class ModelRunner:
                 continue
             state = self.requests[piece.request_id]
             first = piece.start_position + 1  # the token the first row predicts
-            wanted = state.sampling_params.prompt_logprobs or 0
+            wanted = state.sampling_params.prompt_logprobs
             entries: list[dict[int, float]] = []
             ranks: list[int] = []
             for at in range(0, piece.prompt_rows, PROMPT_ROWS_AT_ONCE):
@@ -148,25 +148,13 @@ class ModelRunner:
                 targets = state.token_ids[first + at:first + at + count]
                 rows = torch.log_softmax(self.model.compute_logits(
                     hidden[row + at:row + at + count]).float(), dim=-1)
-                self._prompt_rows(rows, targets, wanted, entries, ranks)
+                own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
+                ranks += ((rows > own).sum(dim=1) + 1).tolist()
+                entries += logprob_entries(rows, targets, [wanted] * count)
             row += piece.prompt_rows
             out[piece.request_id] = PromptLogprobs(first, entries, ranks)
         return out
 
-    @staticmethod
-    def _prompt_rows(rows: torch.Tensor, targets: list[int], wanted: int,
-                     entries: list[dict[int, float]], ranks: list[int]) -> None:
-        """Each row's target token: its logprob, its rank and the top ``wanted``."""
-        own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
-        ranks += ((rows > own).sum(dim=1) + 1).tolist()
-        top_values, top_ids = rows.topk(wanted, dim=1) if wanted else (None, None)
-        for index, target in enumerate(targets):
-            entry = {target: float(own[index, 0])}
-            if top_ids is not None:
-                for value, token_id in zip(top_values[index].tolist(),
-                                           top_ids[index].tolist(), strict=True):
-                    entry.setdefault(token_id, value)
-            entries.append(entry)
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]
                 ) -> tuple[list[int], list[dict[int, float]] | None]:

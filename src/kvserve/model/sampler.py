@@ -41,6 +41,8 @@ def token_seed(seed: int, position: int) -> int:
     value = seed % (1 << 64)
     folded = (value + (value >> 32) * _SEED_FOLD) & 0xFFFFFFFF
     return (folded * _SEED_MIX + position) % (1 << 63)
+
+
 # A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
 # overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
 GREEDY_BELOW = 1e-5
@@ -210,7 +212,13 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
     wanted = [row.params.logprobs for row in rows]
     if all(n is None for n in wanted):
         return None
-    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprob_entries(torch.log_softmax(logits, dim=-1), token_ids, wanted)
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int],
+                    wanted: Sequence[int | None]) -> list[dict[int, float]]:
+    """Per row of ``logprobs``, token id -> logprob for ``token_ids[row]`` (the sampled or
+    the prompt's token) first, then the top ``wanted[row]``; {} where that is None."""
     result: list[dict[int, float]] = []
     for index, n in enumerate(wanted):
         entry: dict[int, float] = {}

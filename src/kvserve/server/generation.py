@@ -187,6 +187,7 @@ class _Generation:
         self.closed = False
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
+        self.streamed: set[str] = set()  # choices whose first chunk went out
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -348,8 +349,8 @@ class _Generation:
         yield SSE_DONE
 
     def _event(self, chunk: CompletionChunk) -> str:
-        before = self.choices[chunk.request_id]
-        first = not before.token_ids and before.finish_reason is None  # its first chunk
+        first = chunk.request_id not in self.streamed  # the choice's first chunk
+        self.streamed.add(chunk.request_id)
         choice = self._apply(chunk)
         entries: list[Any] = [] if self.prompt_only else \
             list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))

@@ -90,9 +90,11 @@ class _EngineSeries:
         return self.request_success.labels(*self.labels, reason)
 
 
+# Stands for token-count buckets up to the server's max_model_len (_1_2_5_buckets).
+_TOKEN_COUNTS: tuple[float, ...] = ()
 # attribute: (series name, help, buckets); every one labelled model_name and engine
-_ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
-    "ttft": ("vllm:time_to_first_token_seconds", "Arrival to first token.", None),
+_ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS),
     "itl": ("vllm:inter_token_latency_seconds",
             "Time between consecutive tokens of a request.", _TOKEN_GAP_BUCKETS),
     "e2e": ("vllm:e2e_request_latency_seconds", "Arrival to finish.",
@@ -102,13 +104,13 @@ _ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
     "request_preemptions": ("vllm:request_num_preemptions", "Preemptions per finished "
                             "request.", _COUNT_BUCKETS),
     "stall": ("kvserve:preemption_stall_seconds", "Longest preemption-to-next-token stall of "
-              "a preempted request.", None),
+              "a preempted request.", _LATENCY_BUCKETS),
     "request_prompt_tokens": ("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                              ()),  # () : token buckets up to max_model_len
+                              _TOKEN_COUNTS),
     "request_generation_tokens": ("vllm:request_generation_tokens",
-                                  "Generated tokens per request.", ()),
+                                  "Generated tokens per request.", _TOKEN_COUNTS),
     "request_max_tokens": ("vllm:request_params_max_tokens",
-                           "The max_tokens request parameter.", ()),
+                           "The max_tokens request parameter.", _TOKEN_COUNTS),
     "request_n": ("vllm:request_params_n", "The n request parameter.", _N_BUCKETS),
     "inference_time": ("vllm:request_inference_time_seconds",
                        "First scheduled to finish (running).", _REQUEST_LATENCY_BUCKETS),
@@ -146,8 +148,7 @@ class ServerMetrics:
             "request_success": Counter("vllm:request_success", "Finished requests.",
                                        [*per_engine, "finished_reason"], registry=reg),
             **{name: Histogram(series, text, per_engine, registry=reg,
-                               buckets=tokens if buckets == () else buckets or
-                               _LATENCY_BUCKETS)
+                               buckets=tokens if buckets is _TOKEN_COUNTS else buckets)
                for name, (series, text, buckets) in _ENGINE_HISTOGRAMS.items()}}
         # every engine's series from boot, as vLLM's: rate() sees the first request
         self._engines = [_EngineSeries(self._families, model_name, index)

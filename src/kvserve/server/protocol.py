@@ -219,7 +219,8 @@ class DetokenizeRequest(_Body):
     tokens: list[_Int] = Field(max_length=1 << 20)
 
 
-# Values that ask for nothing, so accepting them honours them.
+# The fields kvserve does not implement are those typed Any in the bodies above: null (their
+# default) or these values, which ask for nothing, so accepting them honours them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
@@ -231,17 +232,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (False,), "continue_final_message": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
 }
-_UNSUPPORTED = ("logit_bias", "best_of", "echo", "suffix", "tools", "tool_choice",
-                "parallel_tool_calls", "functions", "function_call", "response_format",
-                "metadata", "store", "modalities", "audio", "prediction", "service_tier",
-                "reasoning_effort", "web_search_options",
-                "skip_special_tokens", "spaces_between_special_tokens", "use_beam_search",
-                "length_penalty", "allowed_token_ids", "bad_words",
-                "truncate_prompt_tokens", "return_tokens_as_token_ids", "logits_processors",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-                "kv_transfer_params", "vllm_xargs", "continue_final_message", "documents",
-                "chat_template", "add_special_tokens")
 
 
 # A message's fields kvserve does not implement (null is their default, also accepted).
@@ -269,9 +259,11 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         request = model.model_validate(body)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
-    fields = model.model_fields  # a field one endpoint honours (add_special_tokens) is typed
-    _check_neutral(request, {name: _NEUTRAL.get(name, ()) for name in _UNSUPPORTED
-                             if name in fields and fields[name].annotation is Any}, "")
+    # the fields kvserve does not implement are those typed Any (one an endpoint honours,
+    # completions' echo or add_special_tokens, has its type there)
+    _check_neutral(request, {name: _NEUTRAL.get(name, ())
+                             for name, field in model.model_fields.items()
+                             if field.annotation is Any}, "")
     for index, message in enumerate(getattr(request, "messages", None) or ()):
         _check_neutral(message, _MESSAGE_NEUTRAL, f"messages.{index}.")
     stop = getattr(request, "stop", None)
@@ -317,8 +309,7 @@ def _describe(error: ValidationError) -> tuple[str, str]:
 def _as_json(value: Any) -> str:
     """The value as the client wrote it (true, null, ["a", 1]), not as Python shows it, with
     invisible characters (control, format, line and paragraph separators, lone surrogates)
-    escaped so a message shows them
-    (a DEL was printed raw: "got "ab"")."""
+    escaped so a message shows them (a DEL was printed raw: "got "ab"")."""
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):

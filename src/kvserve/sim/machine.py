@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.cpu_name import with_generation
 from kvserve.sim.presets import GiB, HardwareSpec, get_hardware
 
 # Extensions a CPU matmul or copy kernel dispatches on (x86 and Arm spellings of
@@ -75,9 +76,9 @@ def cpu_identity() -> dict[str, Any]:
 
 def describe_cpu(identity: dict[str, Any]) -> str:
     isa = ", ".join(identity.get("isa") or []) or "no extensions listed"
-    family = f", family {identity['family']}" if "family" in identity else ""
-    return (f"{identity.get('model', 'unknown')}{family} ({isa}; "
-            f"{identity.get('logical_cpus', '?')} CPUs)")
+    name = with_generation(identity.get("model", "unknown"), identity.get("family"),
+                           identity.get("isa") or [])
+    return f"{name} ({isa}; {identity.get('logical_cpus', '?')} CPUs)"
 
 
 def same_cpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
