@@ -57,7 +57,8 @@ def decode_case(num_requests: int, dtype: torch.dtype, sort: bool,
     batch = ForwardBatch(
         input_ids=torch.zeros(num_requests, dtype=torch.long), positions=positions,
         slot_mapping=slots, num_decodes=num_requests, decode_block_tables=tables,
-        decode_context_lens=lens, prefills=[], logits_indices=torch.arange(num_requests))
+        decode_context_lens=lens, decode_context_lens_host=tuple(lens.tolist()), prefills=[],
+        logits_indices=torch.arange(num_requests))
     return q, k_cache, v_cache, batch
 
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,15 @@ def serve_check(model: str, device: str, port: int, extra: list[str],
             "stream": True, "temperature": 0.7, "seed": 1})
         result["chat_chunks"] = stream.count(b"data: ")
         result["chat_done"] = stream.rstrip().endswith(b"data: [DONE]")
+        # a bounded concurrent load: 32 completions of 64 tokens at once
+        start = time.monotonic()
+        with ThreadPoolExecutor(32) as pool:
+            replies = list(pool.map(lambda i: json.loads(post("/v1/completions", {
+                "model": name, "prompt": f"Request {i}: tell me a story", "max_tokens": 64,
+                "temperature": 0.8, "seed": i, "ignore_eos": True})), range(32)))
+        result["load_32x64"] = {
+            "wall_s": round(time.monotonic() - start, 2),
+            "completion_tokens": sum(r["usage"]["completion_tokens"] for r in replies)}
         with urllib.request.urlopen(base + "/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
         result["metrics_success"] = [line for line in metrics.splitlines()
@@ -166,6 +176,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--n", type=int, default=128,
                         help="W1/W2 requests (the squeeze and comparisons take a quarter)")
+    parser.add_argument("--only-serve", action="store_true",
+                        help="only the server checks (one engine process, two replicas)")
     args = parser.parse_args()
     if args.make_stub:
         make_stub(args.make_stub)
@@ -181,6 +193,15 @@ def main() -> int:
         print(key, json.dumps(value), flush=True)
         (args.out / "device_check.json").write_text(json.dumps(report, indent=1))
 
+    if not args.only_serve:
+        offline_checks(args, note)
+    serve_checks(args, note)
+    return 0
+
+
+def offline_checks(args: argparse.Namespace, note: Any) -> None:
+    """Greedy tokens against the CPU, the squeeze with recompute and swap, W1/W2 throughput
+    and a quick calibration."""
     _torch_path_on_cpu()
     small = max(1, args.n // 8)
     prompts = w1_prompts(small)
@@ -211,12 +232,14 @@ def main() -> int:
                           timeout=300)
     note("calibrate", {"rc": done.returncode, "out": done.stdout[-1500:],
                        "err": done.stderr[-800:]})
+
+
+def serve_checks(args: argparse.Namespace, note: Any) -> None:
     note("serve", serve_check(args.model, args.device, 8000, []))
     # two replicas get a GPU each (cuda); on a machine of one GPU they share it (cuda:0)
     dp_device = "cuda:0" if args.device == "cuda" and torch.cuda.device_count() < 2 else \
         args.device
     note("serve_dp2", serve_check(args.model, dp_device, 8001, ["--data-parallel-size", "2"]))
-    return 0
 
 
 if __name__ == "__main__":

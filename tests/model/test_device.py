@@ -161,3 +161,21 @@ def test_the_kv_cache_and_the_network_go_to_the_device_with_a_tied_head_tied():
     assert all(m.packed is None and m.panels is None and m.pair_panels is None
                for m in model.modules() if hasattr(m, "packed"))  # nothing packed for the CPU
     assert TINY.tie_word_embeddings and model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_a_step_reads_nothing_back_from_the_device():
+    """A GPU step queues its kernels and returns; reading a device value back mid-forward
+    (the torch path sized each group of 32 decodes by ``int(lens.max())``) waits for the
+    queue to drain, 30 layers x 8 groups a step: the H200 check (2026-12-04) ran W1 at 91 ms
+    a step. The ``meta`` device has no values to read, so any such read fails here."""
+    meta = torch.device("meta")
+    model = LlamaForCausalLM.from_weights(TINY, dummy_weights(TINY, torch.float32, 0),
+                                          device=meta)
+    caches = allocate_kv_cache(TINY, 64, 16, torch.float32, meta)
+    decodes = [SequenceSlice([5], 20 + i, [(4 * i + b) % 64 for b in range(4)], True)
+               for i in range(40)]  # two groups of decodes
+    prefills = [SequenceSlice([1, 2, 3], 0, [4], samples=True),
+                SequenceSlice([7, 8], 16, [5, 6], samples=True)]  # a whole prompt, a chunk
+    batch = build_batch(decodes, prefills, block_size=16).to(meta)
+    hidden = model.forward(batch, caches)
+    assert hidden.device == meta and hidden.shape[0] == 40 + 2  # the rows that sample

@@ -274,6 +274,7 @@ def test_float16_caches_take_the_torch_path() -> None:
         input_ids=torch.zeros(6, dtype=torch.long), positions=torch.zeros(6, dtype=torch.long),
         slot_mapping=torch.zeros(6, dtype=torch.long), num_decodes=2,
         decode_block_tables=tables[:2], decode_context_lens=torch.tensor(lens),
+        decode_context_lens_host=tuple(lens),
         prefills=[PrefillChunk(2, 4, 20, tables[2])], logits_indices=torch.tensor([0, 1, 5]))
     assert paged_kernel.handles(torch.float16) is False
     assert torch.equal(paged_attention(q, k_cache, v_cache, batch),

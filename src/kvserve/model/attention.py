@@ -121,13 +121,14 @@ DECODE_GROUP = 32
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       batch: ForwardBatch) -> torch.Tensor:
     """Decodes in groups of DECODE_GROUP, each padded only to its own longest context (the
-    runner orders decodes by context length, so padding stays small)."""
+    runner orders decodes by context length, so padding stays small). A group's size comes
+    from the host's copy of the lengths: nothing here waits for the device."""
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     lens = batch.decode_context_lens
     for start in range(0, batch.num_decodes, DECODE_GROUP):
         rows = slice(start, min(start + DECODE_GROUP, batch.num_decodes))
-        num_blocks = -(-int(lens[rows].max()) // block_size)
+        num_blocks = -(-max(batch.decode_context_lens_host[rows]) // block_size)
         out[rows] = _padded_decode(q[rows], k_cache, v_cache,
                                    batch.decode_block_tables[rows, :num_blocks], lens[rows])
     return out

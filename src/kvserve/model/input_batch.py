@@ -36,6 +36,9 @@ class ForwardBatch:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long, padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] long
+    # The same lengths on the host, so code that sizes work by them (the torch path's decode
+    # groups) reads no device tensor: on a GPU each read waited for the queue to drain.
+    decode_context_lens_host: tuple[int, ...]
     prefills: list[PrefillChunk]
     # [S + P] long: the last token of each sequence that samples, then the prompt rows
     logits_indices: torch.Tensor
@@ -101,7 +104,8 @@ def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSli
     max_blocks = max((len(p.block_ids) for p in decodes), default=0)
     padded = [list(p.block_ids) + [0] * (max_blocks - len(p.block_ids)) for p in decodes]
     tables = torch.tensor(padded, dtype=torch.long).view(len(decodes), max_blocks)
-    context_lens = torch.tensor([p.start_position + 1 for p in decodes], dtype=torch.long)
+    lens = tuple(p.start_position + 1 for p in decodes)
+    context_lens = torch.tensor(lens, dtype=torch.long)
     chunks = []
     for piece in prefills:
         start = len(input_ids)
@@ -117,6 +121,7 @@ def build_batch(decodes: Sequence[SequenceSlice], prefills: Sequence[SequenceSli
         num_decodes=len(decodes),
         decode_block_tables=tables,
         decode_context_lens=context_lens,
+        decode_context_lens_host=lens,
         prefills=chunks,
         logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long),
     )
