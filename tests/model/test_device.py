@@ -16,7 +16,7 @@ import torch
 
 from kvserve import flags
 from kvserve.cli import main
-from kvserve.engine.data_parallel import replica_launchers
+from kvserve.engine.data_parallel import ray_gpus_per_replica, replica_launchers
 from kvserve.engine.engine_process import EngineSpec
 from kvserve.model import paged_kernel
 from kvserve.model.device import check_device_options, replica_gpus, resolve_device
@@ -179,3 +179,11 @@ def test_a_step_reads_nothing_back_from_the_device():
     batch = build_batch(decodes, prefills, block_size=16).to(meta)
     hidden = model.forward(batch, caches)
     assert hidden.device == meta and hidden.shape[0] == 40 + 2  # the rows that sample
+
+
+def test_a_ray_replica_asks_for_a_gpu_on_cuda_and_on_auto_where_the_cluster_has_one():
+    assert ray_gpus_per_replica("cuda", 0) == 1  # Ray then waits for one, as vLLM's ranks
+    assert ray_gpus_per_replica("auto", 4) == 1  # asking for none would hide the GPUs
+    assert ray_gpus_per_replica("auto", 0) == 0
+    assert ray_gpus_per_replica("cpu", 4) == 0
+    assert ray_gpus_per_replica("cuda:1", 4) == 0

@@ -314,6 +314,13 @@ def default_threads(num_replicas: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_replicas)
 
 
+def ray_gpus_per_replica(device: str, cluster_gpus: float) -> int:
+    """The GPUs a Ray replica asks for: one on ``cuda``, and on ``auto`` where the cluster
+    has GPUs (an actor that asks for none has them hidden, so ``auto`` inside it would pick
+    the CPU); none on ``cpu``, and on ``cuda:N``, which names a device of the node."""
+    return 1 if device == "cuda" or (device == "auto" and cluster_gpus >= 1) else 0
+
+
 def replica_launchers(num_replicas: int, backend: str, device: str = "cpu"
                       ) -> list[Launcher]:
     """One launcher per replica: local spawned processes (``mp``) or Ray actors (``ray``,
@@ -324,8 +331,8 @@ def replica_launchers(num_replicas: int, backend: str, device: str = "cpu"
 
     if backend == "ray":
         from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
-        ensure_ray()
-        gpus = 1 if device == "cuda" else 0  # cuda:N names a device of the node
+        ray = ensure_ray()
+        gpus = ray_gpus_per_replica(device, ray.cluster_resources().get("GPU", 0))
         return [RayLauncher(i, num_gpus=gpus) for i in range(num_replicas)]
     if backend != "mp":
         raise ValueError(f"unknown data-parallel backend {backend!r}; choose mp or ray")
