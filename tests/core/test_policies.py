@@ -1,8 +1,18 @@
 """Spec K1, K2: victim and admission strategies selected by config."""
 
+from collections.abc import Iterator, Sequence
+
 import pytest
 
-from kvserve.core import check_empty
+from kvserve.core import (
+    CacheConfig,
+    ConfigError,
+    Request,
+    Scheduler,
+    VictimPolicy,
+    WaitingQueue,
+    check_empty,
+)
 from kvserve.core.config import SchedulerConfig
 from kvserve.core.policies import (
     AdaptiveReserve,
@@ -126,3 +136,114 @@ def test_reservation_beyond_the_pool_still_admits_a_lone_request(admission_polic
     final = run_to_completion(scheduler, [make_request("a", 8, max_tokens=1000,
                                                        ignore_eos=True)])
     assert (final["a"].finish_reason, len(final["a"].new_token_ids)) == ("length", 9)
+
+
+@pytest.mark.parametrize("policy", [LeastGeneratedFirst(), LeastComputedFirst()])
+def test_a_tie_goes_to_the_latest_admitted(policy):  # K1
+    """SGLang's retract_decode sorts stably and pops the last, so among equals the newest
+    goes; taking the first preempted the head of the line when requests were alike (QA)."""
+    running = [make_request(name, 16, max_tokens=8) for name in "abc"]
+    for request in running:
+        request.num_computed_tokens = 16
+    assert policy.select(running) == 2
+    running[2].num_computed_tokens = 17  # c computed one more: of the rest, b
+    running[2].output_token_ids.append(5)
+    assert policy.select(running) == 1
+
+
+# -- Your own policy (docs/scheduler.md, "Your own policy") ------------------------------------
+
+
+class ShortestPromptFirst(WaitingQueue):
+    """A waiting order of one's own: the shortest prompt first, ties by arrival."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._requests: list[Request] = []
+
+    def push(self, request: Request) -> None:
+        self._requests.append(request)
+        self._requests.sort(key=lambda r: (r.num_prompt_tokens, r.arrival_time))
+        self._added(request)
+
+    push_front = push  # a preempted request takes its place by length again
+
+    def pop(self) -> Request:
+        request = self._requests.pop(0)
+        self._removed(request)
+        return request
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)
+        self._removed(request)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests))
+
+
+class EarliestFirst(VictimPolicy):
+    """A victim choice of one's own: the earliest admitted."""
+
+    def select(self, running: Sequence[Request]) -> int:
+        return 0
+
+
+def admitted_order(scheduler: Scheduler, requests: list[Request]) -> list[str]:
+    run_to_completion(scheduler, requests)
+    return [event.request_id for event in scheduler.take_events() if event.kind == "admitted"]
+
+
+def test_a_waiting_order_of_ones_own_is_handed_to_the_scheduler():
+    requests = [make_request("a", 30, max_tokens=2), make_request("b", 10, max_tokens=2),
+                make_request("c", 20, max_tokens=2)]
+    config = SchedulerConfig(max_num_seqs=1, max_model_len=256)
+    cache = CacheConfig(num_blocks=64, block_size=16)
+    mine = Scheduler(config, cache, record_events=True, waiting_queue=ShortestPromptFirst())
+    assert admitted_order(mine, requests) == ["b", "c", "a"]
+    check_empty(mine)
+    fcfs = Scheduler(config, cache, record_events=True)
+    assert admitted_order(fcfs, [make_request(r.request_id, r.num_prompt_tokens, max_tokens=2)
+                                 for r in requests]) == ["a", "b", "c"]
+
+
+def test_a_victim_choice_of_ones_own_is_handed_to_the_scheduler():
+    def victims(policy: VictimPolicy | None) -> list[str]:
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=256),
+                              CacheConfig(num_blocks=30, block_size=4), record_events=True,
+                              victim_policy=policy)
+        run_to_completion(scheduler, pressure_workload())
+        check_empty(scheduler)
+        return [e.request_id for e in scheduler.take_events() if e.kind == "preempted"]
+
+    newest_first, earliest_first = victims(None), victims(EarliestFirst())
+    assert newest_first and earliest_first and newest_first != earliest_first
+    assert earliest_first[0] == "0" != newest_first[0]  # the earliest admitted, not the newest
+
+
+def test_a_queue_with_requests_in_it_is_refused():
+    queue = ShortestPromptFirst()
+    queue.push(make_request("a", 4))
+    with pytest.raises(ConfigError, match="waiting_queue must be empty"):
+        Scheduler(SchedulerConfig(), CacheConfig(num_blocks=8), waiting_queue=queue)
+
+
+def test_the_simulator_makes_ones_own_policies_for_each_run():
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+    from kvserve.sim.trace import TraceRequest
+
+    trace = [TraceRequest(name, 0.0, 2, prompt_len=length)
+             for name, length in (("a", 30), ("b", 10), ("c", 20))]
+    sim = Simulator(SchedulerConfig(max_num_seqs=1, max_model_len=256),
+                    CacheConfig(num_blocks=64, block_size=16), UnitCostModel(),
+                    record_events=True, waiting_queue=ShortestPromptFirst,
+                    victim_policy=EarliestFirst)
+    for _ in range(2):  # a fresh queue each run
+        result = sim.run(trace)
+        assert [e.request_id for e in result.events if e.kind == "admitted"] == ["b", "c", "a"]

@@ -23,6 +23,8 @@ from kvserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from kvserve.core.policies import VictimPolicy
+from kvserve.core.queues import WaitingQueue
 from kvserve.core.request import EventType, Request, RequestStatus, SamplingParams
 from kvserve.core.scheduler import Scheduler
 
@@ -49,6 +51,8 @@ __all__ = [
     "SchedulerEvent",
     "SchedulerOutput",
     "SchedulerStats",
+    "VictimPolicy",
+    "WaitingQueue",
     "check_empty",
     "check_invariants",
 ]

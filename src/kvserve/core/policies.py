@@ -4,14 +4,16 @@
 - Admission policies decide how many blocks to keep free for the future growth of running
   requests before a waiting request may be admitted.
 
-A new policy is a new class here plus a name in :mod:`kvserve.core.config`; the scheduler's
-loop does not change.
+A policy of one's own subclasses :class:`VictimPolicy` (exported by :mod:`kvserve.core`) and
+is handed to ``Scheduler(victim_policy=...)`` or ``Simulator(victim_policy=...)``; one that
+kvserve offers by name is a class here plus its name in :mod:`kvserve.core.config`. The
+scheduler's loop does not change either way.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvserve.core.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -21,6 +23,9 @@ from kvserve.core.request import Request
 
 
 class VictimPolicy(ABC):
+    """Which running request to preempt when one cannot grow (K1). ``running`` is in
+    admission order, earliest first; the request that needs blocks is among them."""
+
     @abstractmethod
     def select(self, running: Sequence[Request]) -> int:
         """Index in ``running`` of the request to preempt (possibly the requesting one)."""
@@ -42,20 +47,28 @@ class LeastUrgentFirst(VictimPolicy):
                    key=lambda i: (running[i].priority, running[i].arrival_time))
 
 
+def _newest_least(running: Sequence[Request], key: Callable[[Request], object]) -> int:
+    """The index of the least ``key``; of equals, the latest admitted (min keeps the first
+    it meets, so the scan runs newest first)."""
+    return min(range(len(running) - 1, -1, -1), key=lambda i: key(running[i]))
+
+
 class LeastGeneratedFirst(VictimPolicy):
     """SGLang: fewest output tokens first, ties to the longest prompt: throw away the least
-    generated work for the biggest memory win."""
+    generated work for the biggest memory win. Full ties go to the latest admitted, as
+    SGLang's retract_decode takes them (QA: ties went to the earliest, which preempted the
+    head of the line when requests were alike)."""
 
     def select(self, running: Sequence[Request]) -> int:
-        return min(range(len(running)),
-                   key=lambda i: (running[i].num_output_tokens, -running[i].num_prompt_tokens))
+        return _newest_least(running, lambda r: (r.num_output_tokens, -r.num_prompt_tokens))
 
 
 class LeastComputedFirst(VictimPolicy):
-    """Fewest computed tokens first: the cheapest request to recompute."""
+    """Fewest computed tokens first: the cheapest request to recompute; ties to the latest
+    admitted."""
 
     def select(self, running: Sequence[Request]) -> int:
-        return min(range(len(running)), key=lambda i: running[i].num_computed_tokens)
+        return _newest_least(running, lambda r: r.num_computed_tokens)
 
 
 def make_victim_policy(config: SchedulerConfig) -> VictimPolicy:

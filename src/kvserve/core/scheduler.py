@@ -23,7 +23,7 @@ from kvserve.core import outputs as core_outputs
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.deadlines import QueueDeadlines
-from kvserve.core.errors import RequestError
+from kvserve.core.errors import ConfigError, RequestError
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.limits import check_queue_limits, check_servable
 from kvserve.core.outputs import (
@@ -34,7 +34,7 @@ from kvserve.core.outputs import (
     SchedulerOutput,
     unfinished_output,
 )
-from kvserve.core.policies import make_admission_policy, make_victim_policy
+from kvserve.core.policies import VictimPolicy, make_admission_policy, make_victim_policy
 from kvserve.core.preemption import (
     PRIORITY,
     RECOMPUTE,
@@ -117,14 +117,23 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, *,
                  record_events: bool = False,
-                 preemption_prices: PreemptionPrices | None = None) -> None:
+                 preemption_prices: PreemptionPrices | None = None,
+                 waiting_queue: WaitingQueue | None = None,
+                 victim_policy: VictimPolicy | None = None) -> None:
         """``preemption_prices`` (the executor's recompute and copy costs) is needed by
-        ``preemption_mode='auto'`` only (S4)."""
+        ``preemption_mode='auto'`` only (S4). ``waiting_queue`` and ``victim_policy``: a
+        policy of your own in place of the one ``config`` names (an empty queue; docs/
+        scheduler.md, "Your own policy"). Both are read here, once: assigning another
+        afterwards changes nothing."""
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
                                  tenant_scoped=config.prefix_cache_scope == "tenant")
-        self.waiting = make_waiting_queue(config.scheduling_policy, config)
+        if waiting_queue is not None and len(waiting_queue):
+            raise ConfigError("waiting_queue must be empty: requests enter through "
+                              "add_request")
+        self.waiting = waiting_queue if waiting_queue is not None else \
+            make_waiting_queue(config.scheduling_policy, config)
         self._limits_queue = any(limit is not None for limit in (  # K4
             config.max_num_queued_reqs, config.max_num_queued_reqs_per_tenant,
             config.max_num_queued_tokens))
@@ -137,9 +146,8 @@ class Scheduler:
         self.sessions = SessionStore(self.kv, config.max_session_kv, config.session_ttl_s,
                                      self._emit_session) if config.max_session_kv > 0 else None
         self.requests: dict[str, Request] = {}
-        self._victim_policy = make_victim_policy(config)
-        self._victims = VictimGuard(config.max_preemptions_per_request,
-                                    self._victim_policy.select)
+        victims = victim_policy if victim_policy is not None else make_victim_policy(config)
+        self._victims = VictimGuard(config.max_preemptions_per_request, victims.select)
         self._preemption_mode = make_preemption_mode(config, cache_config, preemption_prices)
         self._urgent = make_urgent_preemption(config, self.kv)
         self._admission = make_admission_policy(config, self.kv)

@@ -34,6 +34,8 @@ from kvserve.core import (
     SchedulerConfig,
     SchedulerEvent,
     SchedulerOutput,
+    VictimPolicy,
+    WaitingQueue,
     check_invariants,
 )
 from kvserve.core.decode_lane import DecodeLane
@@ -62,9 +64,14 @@ class Simulator:
                  cost_model: CostModel, *, seed: int = 0, batching: str = "continuous",
                  record_events: bool = False, check: bool = False,
                  preemption_prices: PreemptionPrices | None = None,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True,
+                 waiting_queue: Callable[[], WaitingQueue] | None = None,
+                 victim_policy: Callable[[], VictimPolicy] | None = None) -> None:
         """``fast_forward``: advance steady decoders in bulk (the decode lane,
-        docs/simulator-speed.md); the result is the same either way, only slower without."""
+        docs/simulator-speed.md); the result is the same either way, only slower without.
+        ``waiting_queue``, ``victim_policy``: makers (a class will do) of a policy of your
+        own, called once per run, in place of the one ``scheduler_config`` names
+        (docs/scheduler.md, "Your own policy")."""
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
         self.scheduler_config = scheduler_config
@@ -76,6 +83,8 @@ class Simulator:
         self.check = check
         self.preemption_prices = preemption_prices
         self.fast_forward = fast_forward
+        self.waiting_queue = waiting_queue
+        self.victim_policy = victim_policy
 
     def run(self, trace: Sequence[TraceRequest],
             progress: ProgressFn | None = None) -> SimResult:
@@ -99,9 +108,11 @@ class _Run:
     def __init__(self, sim: Simulator, trace: Sequence[TraceRequest],
                  progress: ProgressFn | None) -> None:
         self.sim = sim
-        self.scheduler = Scheduler(sim.scheduler_config, sim.cache_config,
-                                   record_events=sim.record_events,
-                                   preemption_prices=sim.preemption_prices)
+        self.scheduler = Scheduler(
+            sim.scheduler_config, sim.cache_config, record_events=sim.record_events,
+            preemption_prices=sim.preemption_prices,
+            waiting_queue=sim.waiting_queue() if sim.waiting_queue else None,
+            victim_policy=sim.victim_policy() if sim.victim_policy else None)
         # The layout tracker costs a pass over the batch per step: only for a model using it.
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
