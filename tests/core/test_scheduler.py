@@ -444,3 +444,14 @@ def test_without_the_full_sequence_gate_a_first_chunk_is_admitted():  # E3, A1
         return dict(step(scheduler, fake)[0].num_scheduled_tokens)
     assert admitted() == {"held": 1}
     assert admitted(reserve_full_sequence=False) == {"held": 1, "long": 7}
+
+
+def test_max_tokens_none_is_what_the_context_leaves():  # J1, vLLM's max_tokens=None
+    scheduler = make_scheduler(max_model_len=64)
+    request = make_request("a", 40, max_tokens=None, ignore_eos=True)
+    final = run_to_completion(scheduler, [request])
+    assert request.sampling_params.max_tokens == 24
+    assert len(final["a"].new_token_ids) == 24 and final["a"].finish_reason == "length"
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        scheduler.add_request(make_request("b", 64, max_tokens=None))
+    assert "b" not in scheduler.requests

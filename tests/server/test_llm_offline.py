@@ -266,3 +266,22 @@ def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm):
         assert entry[token].rank >= 1 and entry[token].logprob <= 0
     assert result.cumulative_logprob == pytest.approx(
         sum(float(e[t]) for t, e in zip(result.token_ids, result.logprobs, strict=True)))
+
+
+def test_a_result_has_vllms_prompt_and_max_tokens_none_fills_the_context(llm):
+    text, ids_only = llm.generate(["Hello", [5, 6, 7]], SamplingParams(max_tokens=2),
+                                  use_tqdm=False)
+    assert (text.prompt, ids_only.prompt) == ("Hello", None)
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2),
+                      use_tqdm=False)
+    assert chat.prompt == llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert llm.tokenizer.encode(chat.prompt) == chat.prompt_token_ids
+    [long] = llm.generate([[5] * 250], SamplingParams(max_tokens=None, ignore_eos=True,
+                                                       temperature=0), use_tqdm=False)
+    assert len(long.token_ids) == 256 - 250 and long.finish_reason == "length"
+
+
+def test_an_empty_text_prompt_is_named_as_text(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt '' is empty: its text "
+                                         "encodes to no token"):
+        llm.generate(["Hi", ""], GREEDY, use_tqdm=False)

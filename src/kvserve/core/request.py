@@ -103,7 +103,9 @@ class SamplingParams:
     matches ``stop`` strings after detokenisation.
     """
 
-    max_tokens: int = 16
+    # None: as many as the context leaves (max_model_len minus the prompt), as vLLM's; the
+    # scheduler's add_request sets the number.
+    max_tokens: int | None = 16
     min_tokens: int = 0
     # Sequences sampled from the prompt (vLLM's n). The scheduler runs one sequence per
     # request: LLM.generate and the server expand n into n requests (sample k seeded seed+k).
@@ -140,11 +142,12 @@ class SamplingParams:
     session_ttl: float | None = None
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+                 f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         _require(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
                  f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (
+                     self.min_tokens if self.max_tokens is None else self.max_tokens),
                  f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                  f"got {self.min_tokens!r}")
         _require(isinstance(self.ignore_eos, bool),

@@ -16,6 +16,7 @@ and hashes are stable digests.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -192,6 +193,10 @@ class Scheduler:
                 raise RequestError(f"request {request.request_id}: sessions are off on this "
                                    "server (max_session_kv is 0, flag --max-session-kv)")
             session = sessions.check_turn(request)  # U3, U4
+        if request.sampling_params.max_tokens is None:  # J1: what the context leaves
+            room = max(1, self.config.max_model_len - request.num_prompt_tokens)
+            request.sampling_params = dataclasses.replace(request.sampling_params,
+                                                          max_tokens=room)
         check_servable(request, self.config, self.cache_config)
         admissible = self._admissible_next() if self._limits_queue else ()
         for victim in check_queue_limits(request, self.waiting, self.config,

@@ -39,7 +39,10 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     """A prompt's token ids: text, token ids (checked against the vocabulary), or chat
     messages (a list of {"role", "content"} dicts, through the chat template)."""
     if isinstance(prompt, str):
-        return _require(tokenizer).encode(prompt)
+        ids = _require(tokenizer).encode(prompt)
+        if not ids:
+            raise ValueError(f"the prompt {prompt!r} is empty: its text encodes to no token")
+        return ids
     items = list(prompt)
     if items and all(isinstance(item, dict) for item in items):
         return _require(tokenizer).encode_chat(items)

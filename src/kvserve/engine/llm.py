@@ -71,6 +71,9 @@ class GenerationResult:
     # first, then token id -> logprob for the token and the top ones
     prompt_logprobs: list[dict[int, float] | None] | None = None
     index: int = 0  # which of the prompt's n samples (vLLM's CompletionOutput.index)
+    # vLLM's RequestOutput.prompt: the prompt's text (a chat's rendered through its
+    # template); None for a prompt given as token ids
+    prompt: str | None = None
     # With SamplingParams(n > 1): samples 1 .. n-1 (this result is sample 0).
     more: list[GenerationResult] = field(default_factory=list, repr=False)
 
@@ -443,7 +446,8 @@ class LLM:
                         raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
                                           ) from None
                     results[sub_id] = _sample_result(firsts, sub_id, sample,
-                                                     list(request.prompt_token_ids))
+                                                     list(request.prompt_token_ids),
+                                                     self._prompt_text(prompt))
             self._run(results, firsts, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
             for request_id, result in results.items():
@@ -451,6 +455,15 @@ class LLM:
                     self.engine.abort(request_id)
             raise
         return firsts
+
+    def _prompt_text(self, prompt: Prompt) -> str | None:
+        """vLLM's ``RequestOutput.prompt`` for a plain prompt (already encoded without
+        error, so a conversation renders)."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is not None and prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+        return None
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | None = None,
@@ -500,12 +513,13 @@ class LLM:
             except ValueError as error:
                 raise type(error)(f"prompts[{index}]: {error}") from None
         items, results, firsts = [], {}, []
-        for ids, samples in zip(token_ids, params, strict=True):
+        for prompt, ids, samples in zip(batch, token_ids, params, strict=True):
             request_id = str(next(self._ids))
             for sample, param in enumerate(samples):
                 sub_id = _sample_id(request_id, sample)
                 items.append((sub_id, ids, param))
-                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids))
+                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids),
+                                                 self._prompt_text(prompt))
         progress = _Progress(firsts, use_tqdm)
         try:
             self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
@@ -521,9 +535,9 @@ def _sample_id(request_id: str, sample: int) -> str:
 
 
 def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
-                   prompt_token_ids: list[int]) -> GenerationResult:
+                   prompt_token_ids: list[int], prompt: str | None) -> GenerationResult:
     """Sample ``sample``'s result: a prompt's first starts ``firsts``, the others join it."""
-    result = GenerationResult(request_id, prompt_token_ids, index=sample)
+    result = GenerationResult(request_id, prompt_token_ids, index=sample, prompt=prompt)
     if sample:
         firsts[-1].more.append(result)
     else:
