@@ -143,7 +143,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                 f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _require(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
                  f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (
