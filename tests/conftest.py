@@ -1,4 +1,5 @@
-"""Factories and a fake executor shared by the tests (STYLE.md 8: fakes over weights)."""
+"""Factories and a fake executor shared by the tests (docs/architecture.md, rule 3: fakes over
+weights)."""
 
 from __future__ import annotations
 

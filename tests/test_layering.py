@@ -1,4 +1,5 @@
-"""DESIGN.md "Layers": kvserve.core is pure standard library; kvserve.sim adds numpy at most.
+"""docs/architecture.md, "Layers": kvserve.core is pure standard library; kvserve.sim adds numpy
+at most.
 
 Each check imports the package in a fresh interpreter where the forbidden modules cannot be
 imported, and also reads every import statement, so a lazy import inside a function counts.

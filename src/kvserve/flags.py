@@ -1,5 +1,5 @@
 """Command-line plumbing shared by every subcommand: the scheduler and cache flags
-(DESIGN.md, "Flags"), so a simulated deployment is written exactly like a served one, the
+(docs/architecture.md, "Flags"), so a simulated deployment is written exactly like a served one, the
 model flags of the commands that load one, and :class:`CLIError`. Flags left unset keep the
 core's defaults. Imports only the core.
 

@@ -1,4 +1,4 @@
-"""The official openai client is the compatibility test (STYLE.md 10)."""
+"""The official openai client is the compatibility test (docs/architecture.md, rule 4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The engine's step loop and the simulator's make the same decisions (DESIGN.md: "zero
-drift between simulated and real scheduling decisions").
+"""The engine's step loop and the simulator's make the same decisions (docs/architecture.md,
+"The one seam": the same decisions, bit for bit).
 
 The engine is driven exactly as in production (Engine.step: schedule -> execute -> update),
 with the simulator's executor in place of the model runner and the cost model advancing a

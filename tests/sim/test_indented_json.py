@@ -1,6 +1,6 @@
 """The report writer (kvserve.sim.indented_json) writes what ``json.dumps(value, indent=n,
-allow_nan=False)`` writes, byte for byte: the report format (DESIGN.md, "Files and formats")
-is unchanged by writing it faster."""
+allow_nan=False)`` writes, byte for byte: the report format (docs/architecture.md, "Files and
+formats") is unchanged by writing it faster."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kvserve.core and kvserve.sim never import torch (DESIGN.md, "Layers")."""
+"""kvserve.core and kvserve.sim never import torch (docs/architecture.md, "Layers")."""
 
 import subprocess
 import sys

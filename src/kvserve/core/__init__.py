@@ -1,4 +1,4 @@
-"""kvserve's scheduler core: pure standard library (DESIGN.md, "Layers").
+"""kvserve's scheduler core: pure standard library (docs/architecture.md, "Layers").
 
 The simulator, the engine and the server all drive these objects unchanged.
 """

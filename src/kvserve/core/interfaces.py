@@ -1,4 +1,4 @@
-"""The two protocols the core is driven through (DESIGN.md, "The one seam: Executor").
+"""The two protocols the core is driven through (docs/architecture.md, "The one seam: Executor").
 
 One step, in the engine and in the simulator alike::
 

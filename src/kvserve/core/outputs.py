@@ -1,4 +1,5 @@
-"""Plain data crossing the Executor seam and leaving the scheduler (DESIGN.md, STYLE.md 5).
+"""Plain data crossing the Executor seam and leaving the scheduler (docs/architecture.md, "The
+one seam" and rule 2).
 
 Frozen dataclasses of ints, strings and lists: printable, comparable in tests, serialisable
 to the event log with :func:`dataclasses.asdict`.

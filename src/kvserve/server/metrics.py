@@ -1,7 +1,7 @@
-"""Prometheus metrics under vLLM's names (DESIGN.md, "Metrics"), so existing dashboards work,
-plus kvserve's own under ``kvserve:``. Every series carries ``model_name``, and every one an
-engine observes (scheduler figures, per-request counters and histograms) ``engine="i"``, as
-vLLM labels them (``engine="0"`` for a single engine).
+"""Prometheus metrics under vLLM's names (docs/architecture.md, "Metrics"), so existing
+dashboards work, plus kvserve's own under ``kvserve:``. Every series carries ``model_name``, and
+every one an engine observes (scheduler figures, per-request counters and histograms)
+``engine="i"``, as vLLM labels them (``engine="0"`` for a single engine).
 
 Scheduler-wide figures (running, waiting, KV usage, preemptions, prefix cache, recomputed
 tokens, blocked admissions) are read from the engine's latest stats snapshot at scrape time;

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API as kvserve honours them (pydantic, strict, closed).
 
-STYLE.md 11: a field that is accepted works. Unknown fields are refused by name; OpenAI fields
-kvserve does not implement are refused by name unless they carry their neutral value
-(``best_of: 1``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
+docs/architecture.md, rule 5: a field that is accepted works. Unknown fields are refused by
+name; OpenAI fields kvserve does not implement are refused by name unless they carry their
+neutral value (``best_of: 1``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """kvserve's simulator: the real scheduler (kvserve.core) driven on a virtual clock with a
-cost model in place of the model. Standard library + numpy only (DESIGN.md, "Layers")."""
+cost model in place of the model. Standard library + numpy only (docs/architecture.md, "Layers")."""
 
 from kvserve.sim.cost_models import (
     CalibratedCostModel,

@@ -1,4 +1,4 @@
-"""SimExecutor: the model replaced by deterministic tokens (DESIGN.md, "The one seam").
+"""SimExecutor: the model replaced by deterministic tokens (docs/architecture.md, "The one seam").
 
 Like a real model runner it keeps per-request state from SchedulerOutput alone: new and
 resumed requests arrive with their whole current sequence, cached requests with their

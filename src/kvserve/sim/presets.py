@@ -113,7 +113,7 @@ MODELS: dict[str, ModelSpec] = {
         # mistralai/Mistral-7B-v0.3: 32 layers, 4096 hidden, 32/8 heads, 14336 MLP, 32768 vocab.
         ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, max_context=32768),
         # HuggingFaceTB/SmolLM2-135M-Instruct: 30 layers, 576 hidden, 9/3 heads of 64,
-        # 1536 MLP, 49152 vocab, tied embeddings (DESIGN.md's default model).
+        # 1536 MLP, 49152 vocab, tied embeddings (docs/architecture.md, "The default model").
         ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_word_embeddings=True,
                   max_context=8192),
     )

@@ -1,5 +1,5 @@
-"""The simulation report (DESIGN.md, "Files and formats"): config echo, aggregate figures,
-per-request rows and per-step time series, as one JSON object.
+"""The simulation report (docs/architecture.md, "Files and formats"): config echo, aggregate
+figures, per-request rows and per-step time series, as one JSON object.
 
 Determinism: the report holds simulated quantities only (never wall time), floats are
 rounded to microseconds, keys keep a fixed order, so the same trace + flags + seed give the

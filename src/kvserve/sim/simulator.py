@@ -1,6 +1,6 @@
 """The event loop: the real Scheduler, a SimExecutor and a cost model on a virtual clock.
 
-One step, exactly as in the engine (DESIGN.md)::
+One step, exactly as in the engine (docs/architecture.md, "The one seam")::
 
     add arrivals whose time has come; abort cancellations whose time has come
     out = scheduler.schedule(now)
