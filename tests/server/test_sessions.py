@@ -176,6 +176,7 @@ def test_a_turn_sent_while_the_previous_one_runs_is_a_conflict():  # U4
         second = post(live, {"prompt": NEW[0] + NEW[1], "max_tokens": 2,
                              "session": {"id": "busy"}})
         assert second.status_code == 409, second.text
+        assert second.headers["retry-after"] == "1"  # as a 503's: the turn may come again
         error = second.json()["error"]
         assert error["code"] == "session_busy" and "already has a turn in flight" in \
             error["message"]

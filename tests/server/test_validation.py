@@ -52,9 +52,14 @@ def error_of(response: httpx.Response) -> str:
      "'stream_options' is only allowed"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "'top_logprobs' needs 'logprobs'"),
-    (COMPLETIONS, {"prompt": [5] * 300}, 400, "maximum context length (max_model_len) is 256"),
-    (COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400,
-     "ask for at most 56 tokens"),
+    (COMPLETIONS, {"prompt": [5] * 300}, 400, "This model's maximum context length is 256 "
+     "tokens (max_model_len). However, your request has 300 tokens of input, which leaves no "
+     "room"),
+    (COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400, "'max_tokens' is too large: "
+     "100. This model's maximum context length is 256 tokens (max_model_len) and your request "
+     "has 200 tokens of input (100 > 256 - 200); ask for at most 56 tokens"),
+    (COMPLETIONS, {"prompt": [[5] * 10, [5] * 255], "max_tokens": 2}, 400,
+     "has 255 tokens of input (prompt 1 of the list) (2 > 256 - 255); ask for at most 1 token"),
     (COMPLETIONS, {"prompt": "x", "priority": 3}, 400, "priority scheduling is not enabled"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
     (COMPLETIONS, ["not", "an", "object"], 400, "must be a JSON object"),
@@ -101,10 +106,10 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "x", "cache_control": {}}]}]}, 400,
      "unknown field 'messages.0.content.0.cache_control'"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}, {
-        "role": "assistant", "content": "y", "tool_calls": [{"id": "c", "type": "function"}]},
-        {"role": "user", "content": "z"}]}, 400,
-     "field 'messages.1.tool_calls' is not supported by this server"),
+    (CHAT, {"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, 400,
+     "field 'messages.0.tool_call_id'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, 400,
+     "field 'verbosity' is not supported"),
     (CHAT, {"messages": [{"role": "assistant", "content": "", "refusal": "no"}]}, 400,
      "field 'messages.0.refusal' is not supported"),
 ])
@@ -162,6 +167,8 @@ def test_a_model_is_retrieved_by_name_and_health_answers_head(server):
     response = httpx.get(server.url + "/v1/models/gpt-9")
     assert response.status_code == 404 and "'gpt-9' does not exist" in error_of(response)
     assert httpx.head(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ping").status_code == 200  # vLLM's name for it
+    assert httpx.post(server.url + "/ping").status_code == 200
 
 
 def test_tokenize_counts_what_the_endpoints_would_queue(server):
@@ -480,3 +487,34 @@ def test_prompt_logprobs_and_echo_as_vllm_gives_them(server):
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert chat["prompt_logprobs"][0] is None and all(
         len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # its own token only
+
+
+def test_a_context_overflow_reads_as_vllms_and_openais(server):
+    """Agent frameworks trim their history on "This model's maximum context length is N
+    tokens" or on OpenAI's code (QA: litellm matched neither)."""
+    response = post(server, CHAT, {"messages": [{"role": "user", "content": "hi " * 400}]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("This model's maximum context length is 256 tokens")
+    assert error["param"] == "messages"
+
+
+def test_a_tool_using_history_and_vllms_default_extras_are_served(server):
+    """An agent replays its history: the assistant's tool calls and the tool's answer go to
+    the template as in vLLM (QA: role 'tool' was a 400); vLLM's own defaults for its newer
+    fields and OpenAI's cache key and safety identifier are accepted."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}
+    body = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "18 C and sunny", "tool_call_id": "call_1"}],
+        "max_tokens": 2, "include_reasoning": True, "mm_processor_kwargs": None,
+        "thinking_token_budget": None, "prompt_cache_key": "agent-7",
+        "safety_identifier": "user-9"}
+    response = post(server, CHAT, body)
+    assert response.status_code == 200, response.text
+    rendered = post(server, "/tokenize", {"messages": body["messages"]}).json()
+    assert rendered["count"] == response.json()["usage"]["prompt_tokens"]
+    text = post(server, "/detokenize", {"tokens": rendered["tokens"]}).json()["prompt"]
+    assert "18 C and sunny" in text and "tool" in text  # the tool's turn, rendered

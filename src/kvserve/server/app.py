@@ -217,6 +217,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
                                 "never existed", code="session_not_found") from None
         return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})
 
+    # /ping: vLLM's (SageMaker's) name for the same check, GET or POST
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not state.engine.is_running:  # replicas say how many are down

@@ -161,7 +161,8 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
                         code="queue_full", headers={"Retry-After": state.retry_after()})
     if isinstance(error, SessionBusy):  # the same turn succeeds once the other ends
         state.metrics.rejected.labels(state.model_name, "409").inc()
-        return APIError(409, without_request_id(error), param="session", code="session_busy")
+        return APIError(409, without_request_id(error), param="session", code="session_busy",
+                        headers={"Retry-After": "1"})
     if isinstance(error, (RequestRejected, RequestError, ValueError)):
         state.metrics.rejected.labels(state.model_name, "400").inc()
         message = without_request_id(error)

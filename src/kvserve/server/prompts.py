@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
-from kvserve.server.errors import bad_request
+from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.state import ServerState
 
@@ -51,6 +51,7 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
     for index, message in enumerate(chat):
         content = message.content
         if content is None and message.role != "assistant":  # an assistant's may be empty
+            # (OpenAI: when it holds tool calls)
             raise bad_request(f"messages[{index}] ({message.role}) has no 'content'",
                               param=f"messages.{index}.content")
         if isinstance(content, list):
@@ -61,6 +62,10 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         entry = {"role": role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
     if template_kwargs:
         taken = [name for name in _TEMPLATE_OWN if name in template_kwargs]
@@ -99,14 +104,24 @@ def check_stop_token_ids(state: ServerState, req: Any) -> None:
                     "'stop_token_ids'", "stop_token_ids")
 
 
+def context_exceeded(message: str, param: str) -> APIError:
+    """A 400 that clients recognise as a context overflow: the message holds vLLM's and
+    OpenAI's "This model's maximum context length is N tokens" (agent frameworks trim their
+    history on that sentence, or on the code), the code is OpenAI's."""
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
 def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
+    which = "" if len(prompts) == 1 else \
+        f" (prompt {[len(p) for p in prompts].index(longest)} of the list)"
     if longest >= limit:
         field = "messages" if chat else "prompt"
-        raise bad_request(f"the prompt has {_tokens(longest)}, but this model's maximum "
-                          f"context length (max_model_len) is {limit} tokens, which leaves "
-                          f"no room to generate; shorten the {field}", param=field)
+        raise context_exceeded(f"This model's maximum context length is {limit} tokens "
+                               f"(max_model_len). However, your request has "
+                               f"{_tokens(longest)} of input{which}, which leaves no room to "
+                               f"generate; shorten the {field}", field)
     asked = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     if asked == 0:  # echo without generation: one token generated, none returned
         if not req.echo:
@@ -117,10 +132,10 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
         return limit - longest if chat else min(16, limit - longest)
     if longest + asked > limit:
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-        raise bad_request(f"the prompt has {_tokens(longest)} and {name} is {asked}: "
-                          f"{longest + asked} tokens exceed this model's maximum context "
-                          f"length (max_model_len) of {limit}; ask for at most "
-                          f"{limit - longest} tokens", param=name)
+        raise context_exceeded(f"'{name}' is too large: {asked}. This model's maximum context "
+                               f"length is {limit} tokens (max_model_len) and your request "
+                               f"has {_tokens(longest)} of input{which} ({asked} > {limit} - "
+                               f"{longest}); ask for at most {_tokens(limit - longest)}", name)
     return asked
 
 

@@ -138,6 +138,8 @@ class _Sampling(_Body):
     structured_outputs: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -159,13 +161,16 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # A tool-using history, replayed: an assistant's tool calls and each tool's answer go to
+    # the chat template as vLLM sends them (a template without tools renders the content)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = None
     # What an assistant message read back from OpenAI's SDK or vLLM carries: accepted only
     # with their neutral value (_MESSAGE_NEUTRAL), so a saved history is sent again as is.
     refusal: Any = None
-    tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
     annotations: Any = None
@@ -194,12 +199,19 @@ class ChatCompletionRequest(_Sampling):
     service_tier: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    verbosity: Any = None
+    # OpenAI's cache-routing hint: the prefix cache finds shared prefixes by their content,
+    # so the hint asks for nothing more; and its end-user id, taken as `user` is
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's chat extras not implemented (neutral values only)
     echo: Any = None
     add_special_tokens: Any = None
     continue_final_message: Any = None
     documents: Any = None
     chat_template: Any = None
+    include_reasoning: Any = None
+    thinking_token_budget: Any = None
 
 
 class TokenizeRequest(_Body):
@@ -231,12 +243,14 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
     "return_tokens_as_token_ids": (False,), "continue_final_message": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
+    # no reasoning parser here: a reply has no reasoning to include or leave out
+    "include_reasoning": (True, False),
 }
 
 
 # A message's fields kvserve does not implement (null is their default, also accepted).
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "refusal": (), "tool_calls": ([],), "function_call": (), "audio": (),
+    "refusal": (), "function_call": (), "audio": (),
     "annotations": ([],), "reasoning_content": ("",),
 }
 
