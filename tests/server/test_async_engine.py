@@ -93,6 +93,25 @@ def test_cancelling_a_consumer_aborts_and_frees_the_blocks():
     assert finished == {"abort": 1}
 
 
+def test_a_caller_gone_while_its_request_is_added_leaves_the_engine_serving():
+    """Cancelled at its await on the add (a client gone, a second Ctrl-C): the engine
+    thread set a cancelled future's result, raised, and failed every request (QA)."""
+    async def body(engine):
+        for attempt in range(5):
+            task = asyncio.ensure_future(engine.add_requests([(f"gone-{attempt}", [7] * 8,
+                                                               greedy(4))]))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        tokens = [c.new_token_ids async for c in engine.generate("after", [7] * 8, greedy(3))]
+        await _until_idle(engine)
+        return sum(map(len, tokens)), engine.is_running, engine.stats.num_finished
+    count, running, finished = run(body)
+    assert (count, running) == (3, True)
+    assert finished.get("length") == 1 and sum(finished.values()) <= 6
+
+
 def test_abort_from_outside_ends_the_stream_with_an_abort_chunk():
     async def body(engine):
         stream = await engine.add_requests([("o", [7] * 10, greedy(1000))])

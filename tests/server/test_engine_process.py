@@ -425,3 +425,30 @@ def test_a_script_without_a_main_guard_is_told_why_its_replicas_died(monkeypatch
         hint = engine_process._main_guard_hint()
         assert ('if __name__ == "__main__":' in hint and path in hint) == hinted, path
         assert bool(hint) == hinted, path
+
+
+def test_a_client_gone_while_its_request_is_being_added_leaves_the_engine_serving(two_seats):
+    """A handler cancelled while the engine process adds its request (a second Ctrl-C, a
+    client gone) cancels the future the reply is for: setting its result raised in the
+    reader thread, which then took the engine for dead and failed every request (QA)."""
+    import asyncio
+
+    from kvserve.core import SamplingParams
+
+    engine = two_seats.state.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def run() -> int:
+        for attempt in range(5):  # cancelled before the reply, each time
+            task = asyncio.ensure_future(engine.add_requests([(f"gone-{attempt}", [5] * 4,
+                                                                params)]))
+            await asyncio.sleep(0)  # at its await: the add is on its way
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        stream = await engine.add_requests([("after", [6] * 4, params)])
+        return sum([len(chunk.new_token_ids) async for chunk in stream])
+    future = asyncio.run_coroutine_threadsafe(run(), engine._loop)
+    assert future.result(timeout=30) == 3
+    assert engine.is_running
+    wait_for(two_seats.idle, what="the cancelled requests aborted, a whole pool")

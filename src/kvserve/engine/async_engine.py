@@ -319,11 +319,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._apply_add(command)
             elif isinstance(command, _Release):
-                error = self.core.release_session(command.session_id, command.tenant)
-                if error is None:
-                    command.future.set_result(None)
-                else:
-                    command.future.set_exception(error)
+                settle(command.future,
+                       self.core.release_session(command.session_id, command.tenant))
             else:
                 report = self.core.abort(command.request_ids)
                 if report is not None:
@@ -336,12 +333,10 @@ class AsyncEngine:
 
     def _apply_add(self, command: _Add) -> None:
         error = self.core.add(command.items)
-        if error is None:
+        if error is None:  # a caller gone meanwhile has asked to abort them: queued next
             for request_id in command.stream.request_ids:
                 self._streams[request_id] = command.stream
-            command.future.set_result(None)
-        else:
-            command.future.set_exception(error)
+        settle(command.future, error)
 
     def _notify(self, report: StepReport) -> None:
         """Step observers (metrics, the recorder, the dashboard) hear of a step before any
@@ -365,7 +360,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                command.future.set_exception(error)
+                settle(command.future, error)
 
 
 async def generate(engine: ServingEngine, request_id: str, prompt: Prompt,
@@ -402,6 +397,19 @@ def route_chunks(streams: dict[str, RequestStream], chunks: list[CompletionChunk
             del streams[chunk.request_id]
         routed.append((stream, chunk))
     return routed
+
+
+def settle(future: concurrent.futures.Future[None], error: BaseException | None = None
+           ) -> None:
+    """Answer a caller waiting on ``future`` (through ``asyncio.wrap_future``), unless it has
+    gone: a cancelled caller cancels the future, and setting a cancelled future's result
+    raises in the engine's thread, which took that for the engine dying (QA: a second Ctrl-C
+    failed every request)."""
+    if future.set_running_or_notify_cancel():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _put_all(routed: list[tuple[RequestStream, CompletionChunk | BaseException]]) -> None:

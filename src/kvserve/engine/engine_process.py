@@ -61,6 +61,7 @@ from kvserve.engine.async_engine import (
     _put_all,
     notify,
     route_chunks,
+    settle,
 )
 from kvserve.engine.core_loop import AddItem, EngineCore, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
@@ -700,9 +701,8 @@ class ProcessEngine:
                     self._text[request_id] = TextStream(
                         self.tokenizer, prompt_ids, params.stop, params.min_tokens,
                         params.include_stop_str_in_output)
-                add.future.set_result(None)
-            else:
-                add.future.set_exception(error)
+            # the caller may have gone meanwhile; its stream asked to abort the requests
+            settle(add.future, error)
         if out.stats is not None:
             self.stats = out.stats
             self.idle_checks, self.invariant_violations = \
@@ -752,6 +752,6 @@ class ProcessEngine:
             self._pending.clear()
         for add in pending:
             if not add.future.done():
-                add.future.set_exception(error)
+                settle(add.future, error)
         if self._loop is not None and streams and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, [(s, error) for s in streams])
