@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import platform
 import shutil
@@ -367,3 +368,21 @@ def test_the_build_key_covers_every_kernel_source_and_header() -> None:
     edited without a rebuild, and a stale kernel would load."""
     on_disk = set(paged_kernel.CSRC.glob("*.cpp")) | set(paged_kernel.CSRC.glob("*.h"))
     assert set(paged_kernel.SOURCES) | set(paged_kernel.HEADERS) == on_disk
+
+
+def test_a_build_says_so_before_the_minute_it_takes(monkeypatch, tmp_path, caplog) -> None:
+    """The first start compiles the kernels (about a minute) and said nothing meanwhile
+    (QA); a start that finds the build loads it without the line."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: kwargs["name"])
+    with caplog.at_level(logging.INFO, logger="kvserve.model.paged_kernel"):
+        name = paged_kernel._build()
+    assert any(m.startswith("building kvserve's C++ kernels for this CPU in " + str(tmp_path))
+               for m in caplog.messages)
+    (tmp_path / f"{name}.so").touch()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvserve.model.paged_kernel"):
+        paged_kernel._build()
+    assert not any("building" in m for m in caplog.messages)

@@ -23,6 +23,13 @@ def test_serve_flags_parse():
     assert args.max_request_body == 1 << 20
     assert args.host == "127.0.0.1"
     assert args.engine_process  # the faster layout, measured (docs/engine-process.md)
+    # vLLM's logging flags, as its unit files carry them
+    args = build_parser().parse_args([
+        "serve", "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level",
+        "warning", "--disable-uvicorn-access-log"])
+    assert (args.disable_log_requests, args.enable_log_requests, args.disable_log_stats,
+            args.uvicorn_log_level, args.disable_uvicorn_access_log) == \
+        (True, False, True, "warning", True)
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -50,6 +57,8 @@ def test_serve_flags_parse():
     (["--priority-source", "key"], "--priority-source key takes each request's priority "
                                    "from its API key: give --api-key or --api-keys"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--enable-log-requests", "--disable-log-requests"],
+     "--enable-log-requests and --disable-log-requests contradict each other"),
     (["--host", "999.1.1.1"], "--host '999.1.1.1': cannot resolve it"),
 ])
 def test_serve_errors_are_one_line(capsys, argv, needle):
@@ -130,7 +139,7 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     process = subprocess.Popen(
         [kvserve, "serve", "--engine-process", "--port", str(port), "--load-format", "dummy",
          "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "d",
-         "--swap-space", "8MiB", "--preemption-mode", "auto"],
+         "--swap-space", "8MiB", "--preemption-mode", "auto", "--enable-log-requests"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180  # generous: start-up on a loaded 2-core machine
@@ -150,6 +159,13 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
+    # vLLM's logging: uvicorn's access line and its shutdown's progress at info, and with
+    # --enable-log-requests a line per request, without its text (QA: a silent server)
+    assert '"POST /v1/completions HTTP/1.1" 200' in output, output
+    assert "Shutting down" in output and "Finished server process" in output, output
+    assert re.search(r"request \w+ queued: tenant 'addr:127\.0\.0\.1', prompt tokens \d+, "
+                     r"sequences 1, max_tokens 2, temperature 1,", output), output
+    assert "'hi'" not in output
     assert "KV cache size: 512 tokens (32 blocks of 16)" in output
     assert "Maximum concurrency for 256 tokens per request: 2.00x" in output
     # --swap-space reaches the engine: 8 MiB hold 11 SmolLM2 KV blocks of 16 tokens in fp32

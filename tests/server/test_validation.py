@@ -169,6 +169,7 @@ def test_a_model_is_retrieved_by_name_and_health_answers_head(server):
     assert httpx.head(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ping").status_code == 200  # vLLM's name for it
     assert httpx.post(server.url + "/ping").status_code == 200
+    assert httpx.head(server.url + "/metrics").status_code == 200
 
 
 def test_tokenize_counts_what_the_endpoints_would_queue(server):

@@ -230,7 +230,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     async def version() -> dict[str, Any]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: a probe's
     async def metrics() -> Response:
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -67,8 +67,23 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--allow-credentials", action="store_true",
                        help="CORS: allow credentials (cookies, Authorization) from the allowed "
                             "origins")
-    group.add_argument("--log-stats-interval", type=float, default=10.0,
-                       help="seconds between stats lines; 0: none")
+    logs = parser.add_argument_group("logging (vLLM's flags)")
+    logs.add_argument("--log-stats-interval", type=float, default=10.0,
+                      help="seconds between stats lines; 0: none")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="no stats lines (--log-stats-interval 0)")
+    logs.add_argument("--enable-log-requests", action="store_true",
+                      help="log each request as it is queued: its id, tenant, prompts' "
+                           "lengths and sampling settings (never the prompt text)")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="the default (requests are not logged); taken so a vLLM command "
+                           "line runs unchanged")
+    logs.add_argument("--uvicorn-log-level", default="info",
+                      choices=("critical", "error", "warning", "info", "debug", "trace"),
+                      help="uvicorn's log level: at info (the default, as vLLM's) an access "
+                           "line for each HTTP request and the shutdown's progress")
+    logs.add_argument("--disable-uvicorn-access-log", action="store_true",
+                      help="no access line for each HTTP request")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                        default=True,
                        help="run the scheduler and the model in a process of their own, as "
@@ -139,13 +154,16 @@ def run(args: argparse.Namespace) -> int:
         bind_socket(args.host, args.port)))
     cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                 tuple(args.allowed_headers), args.allow_credentials)
-    app = build_app(state, log_stats_interval=args.log_stats_interval, cors=cors)
+    app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
+                    else args.log_stats_interval, cors=cors)
     logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
                        "it, abort requests and start recordings into any directory this "
                        "server may write (give --api-key or --api-keys)", args.host)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         uvicorn.Server(config).run(sockets=sockets)
     return 0
@@ -231,6 +249,9 @@ def build_state(args: argparse.Namespace,
     if args.max_request_body < 1024:
         raise CLIError(f"--max-request-body {args.max_request_body}: every request would get "
                        "413; give at least 1KiB")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise CLIError("--enable-log-requests and --disable-log-requests contradict each "
+                       "other; give one")
     if not args.log_stats_interval >= 0:  # NaN too
         raise CLIError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got "
                        f"{args.log_stats_interval}")
@@ -283,6 +304,7 @@ def build_state(args: argparse.Namespace,
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
     state.model_id = _model_name(args.model)
+    state.log_requests = args.enable_log_requests
     if args.record is not None:
         from kvserve.server.recorder import Recorder
 

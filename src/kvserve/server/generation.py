@@ -12,6 +12,7 @@ the queue still gets a real 503, not a 200 with an error inside.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -57,6 +58,19 @@ from kvserve.server.responses import (
 )
 from kvserve.server.state import ServerState
 
+logger = logging.getLogger(__name__)
+
+
+def log_request(request_id: str, tenant: str, prompts: list[list[int]],
+                params: SamplingParams, sequences: int) -> None:
+    """--enable-log-requests: one line as a request is queued (no prompt text: a log is
+    read by more people than the prompts' authors)."""
+    lengths = ", ".join(str(len(p)) for p in prompts[:8]) + (", ..." if len(prompts) > 8 else "")
+    logger.info("request %s queued: tenant %r, prompt tokens %s, sequences %d, "
+                "max_tokens %s, temperature %g, top_p %g, top_k %d, seed %s, priority %d",
+                request_id, tenant, lengths, sequences, params.max_tokens,
+                params.temperature, params.top_p, params.top_k, params.seed, params.priority)
+
 
 async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     arrival_time = time.monotonic()
@@ -96,6 +110,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
+    if state.log_requests:
+        log_request(request_id, tenant, prompts, base, len(items))
     state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, items, arrival_time)
     stream.replayable = not req.stream  # nothing reaches the client before the end

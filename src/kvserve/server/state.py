@@ -40,6 +40,7 @@ class ServerState:
     record_prompts: str = "hashes"  # --record-prompts
     record_max_file_bytes: int = 64 << 20  # --record-max-file-size
     model_id: str = ""  # the model's own name where model_name is an alias (recordings)
+    log_requests: bool = False  # --enable-log-requests
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None
