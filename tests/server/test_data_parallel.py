@@ -105,6 +105,8 @@ def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:
     # the queued request moved to replica 1, where it waits behind b
     wait_for(lambda: engine.replicas[1].stats.num_waiting == 1, what="the retry on replica 1")
     assert httpx.get(live.url + "/health").text.startswith("degraded: replica 0 of 2 down")
+    down = metric_values(httpx.get(live.url + "/metrics").text)
+    assert down[("kvserve:replica_up", (("model_name", "tiny"), ("replica", "0")))] == 0
     httpx.post(live.url + "/v1/abort", json={"request_id": "b"})
     for thread in threads[1:]:
         thread.join(timeout=60)
@@ -118,6 +120,9 @@ def check_a_killed_replica_is_survived(live: LiveServer, kill) -> None:
     values = metric_values(httpx.get(live.url + "/metrics").text)
     assert values[("kvserve:replica_restarts_total", (("model_name", "tiny"),
                                                       ("replica", "0")))] == 1
+    assert values[("kvserve:replica_restart_failures_total", (("model_name", "tiny"),
+                                                              ("replica", "0")))] == 0
+    assert values[("kvserve:replica_up", (("model_name", "tiny"), ("replica", "0")))] == 1
     # its counters carried on across the restart: a counter never goes down
     assert values[("kvserve:engine_steps_total", replica0)] >= steps_before
     assert values[("vllm:num_requests_running", replica0)] == 0
@@ -301,3 +306,45 @@ def test_bench_serve_gets_the_same_answers_from_one_and_two_replicas(capsys):
         assert sum(decisions.values()) == 12
         wait_for(lambda: pools_whole(live), what="both pools whole")
     assert two == one
+
+
+def test_a_replica_dying_at_start_backs_off_and_its_failures_are_counted(monkeypatch):
+    """A crash loop (QA: killed as it started, relaunched every second, failures uncounted):
+    each death within a minute of its start doubles the wait before the next launch, up to
+    30 s; a replica that ran a minute is relaunched at once; a relaunch that dies before
+    it is ready is counted."""
+    from types import SimpleNamespace
+
+    import kvserve.engine.data_parallel as dp
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import EngineStartError
+
+    clock = [1000.0]
+    monkeypatch.setattr(dp.time, "monotonic", lambda: clock[0])
+    engine = object.__new__(DataParallelEngine)  # its restart policy, without replicas
+    engine.restart_delay, engine._started_at, engine._next_delay = 1.0, [clock[0]], [0.0]
+    waits = []
+    for _ in range(8):  # each launch dies at once
+        waits.append(engine._backoff(0))
+        engine._started_at[0] = clock[0]
+    assert waits == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    clock[0] += dp.STABLE_S  # this life lasted a minute: a one-off death
+    assert engine._backoff(0) == 0.0
+    engine._started_at[0] = clock[0]  # and the next launch dies at once again
+    assert engine._backoff(0) == 1.0
+
+    engine._stopping, engine.num_failed_restarts, engine._loop = False, [0], None
+    attempts = []
+
+    def launch(index):
+        attempts.append(index)
+        if len(attempts) < 3:
+            raise EngineStartError("the engine process (pid 7) died (signal 9, SIGKILL) "
+                                      "before it was ready")
+        engine._stopping = True  # the third comes up as the server stops: it is killed
+        return SimpleNamespace(_kill=lambda: attempts.append("killed"))
+
+    engine._launch, engine._sleep_unless_stopping = launch, lambda seconds: None
+    engine._next_delay = [0.0]
+    engine._restart(0)
+    assert attempts == [0, 0, 0, "killed"] and engine.num_failed_restarts == [2]

@@ -70,6 +70,8 @@ class RouterFigures:
 
     decisions: dict[tuple[int, str], int]
     num_restarts: list[int]
+    num_failed_restarts: list[int]  # relaunches that died before they were ready
+    replicas_up: list[bool]  # serving now (False: dead, restarting or waiting to)
 
 
 class ServingEngine(Protocol):

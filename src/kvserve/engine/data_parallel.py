@@ -45,6 +45,9 @@ logger = logging.getLogger("kvserve.engine")
 
 Item = tuple[str, Prompt, SamplingParams]
 
+STABLE_S = 60.0  # a replica that lived this long died once, not in a loop
+MAX_RESTART_DELAY_S = 30.0
+
 
 class DataParallelEngine:
     """N replicas of one engine behind ``router``. ``launchers[i]`` starts replica i (again
@@ -66,6 +69,13 @@ class DataParallelEngine:
         # replica dies: those are placed again on a live replica, or fail.
         self.death_observers: list[Callable[[int, float, list[str]], None]] = []
         self.num_restarts = [0] * len(self.launchers)
+        # Relaunches that failed before the replica was ready (a crash loop counts here).
+        self.num_failed_restarts = [0] * len(self.launchers)
+        # Crash-loop backoff: a replica that dies (or fails to start) within STABLE_S of its
+        # start waits twice as long as last time before its next launch, up to
+        # MAX_RESTART_DELAY_S; one that ran STABLE_S is relaunched at once again.
+        self._started_at = [time.monotonic()] * len(self.launchers)
+        self._next_delay = [0.0] * len(self.launchers)
         # What each replica's earlier lives counted (event loop only): its counters carry on
         # across a restart instead of starting again at 0.
         self._earlier: list[SchedulerStats | None] = [None] * len(self.launchers)
@@ -159,7 +169,10 @@ class DataParallelEngine:
     def router_figures(self) -> RouterFigures:
         with self._lock:
             decisions = dict(self.decisions)
-        return RouterFigures(decisions, list(self.num_restarts))
+        return RouterFigures(decisions, list(self.num_restarts),
+                             list(self.num_failed_restarts),
+                             [replica is not None and replica.is_running
+                              for replica in self.replicas])
 
     @property
     def idle_checks(self) -> int:
@@ -283,19 +296,41 @@ class DataParallelEngine:
         threading.Thread(target=self._restart, args=(index,), name=f"restart-{index}",
                          daemon=True).start()
 
+    def _backoff(self, index: int) -> float:
+        """Seconds to wait before launching replica ``index`` again, and the next wait."""
+        if time.monotonic() - self._started_at[index] >= STABLE_S:
+            self._next_delay[index] = 0.0  # it ran a while: a one-off death
+        delay = self._next_delay[index]
+        self._next_delay[index] = min(MAX_RESTART_DELAY_S,
+                                      max(self.restart_delay, 2 * delay))
+        return delay
+
     def _restart(self, index: int) -> None:
         while not self._stopping:
+            delay = self._backoff(index)
+            if delay:
+                logger.warning("replica %d: waiting %.0f s before launching it again (it "
+                               "died within %.0f s of its start)", index, delay, STABLE_S)
+                self._sleep_unless_stopping(delay)
+                if self._stopping:
+                    return
+            self._started_at[index] = time.monotonic()
             try:
                 replica = self._launch(index)
             except Exception as error:
+                self.num_failed_restarts[index] += 1
                 logger.error("replica %d failed to restart: %s", index, error)
-                time.sleep(self.restart_delay)
                 continue
             if self._stopping or self._loop is None:
                 replica._kill()
                 return
             self._loop.call_soon_threadsafe(self._swap_in, index, replica)
             return
+
+    def _sleep_unless_stopping(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < end:
+            time.sleep(min(0.1, end - time.monotonic()))
 
     def _swap_in(self, index: int, replica: ProcessEngine) -> None:
         dead = self.replicas[index]

@@ -478,9 +478,13 @@ class ProcessEngine:
                                            f"{timeout:.0f} s")
             message = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as error:
+            gone = time.monotonic() + 2  # the pipe closes as the process ends: its exit says why
+            while self.launcher.alive() and time.monotonic() < gone:
+                time.sleep(0.05)
+            why = f"{self.launcher.death()} before it was ready" if not self.launcher.alive() \
+                else f"the engine process closed its pipe before it was ready: {error!r}"
             self._kill()
-            raise EngineStartError(f"the engine process exited before it was ready: "
-                                   f"{error!r}{_main_guard_hint()}") from None
+            raise EngineStartError(f"{why}{_main_guard_hint()}") from None
         except EngineStartError:
             self._kill()
             raise

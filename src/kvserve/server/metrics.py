@@ -405,6 +405,18 @@ def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]
     for replica, count in enumerate(figures.num_restarts):
         restarts.add_metric([model_name, str(replica)], count)
     yield restarts
+    failed = CounterMetricFamily("kvserve:replica_restart_failures", "Relaunches of a dead "
+                                 "replica that failed before it was ready (a crash loop).",
+                                 labels=["model_name", "replica"])
+    for replica, count in enumerate(figures.num_failed_restarts):
+        failed.add_metric([model_name, str(replica)], count)
+    yield failed
+    up = GaugeMetricFamily("kvserve:replica_up", "1 while the replica serves; 0 while it is "
+                           "dead, restarting or waiting to restart.",
+                           labels=["model_name", "replica"])
+    for replica, serving in enumerate(figures.replicas_up):
+        up.add_metric([model_name, str(replica)], 1.0 if serving else 0.0)
+    yield up
 
 
 def _session_families(labels: list[str], engines: list[_Engine]) -> Iterator[Metric]:
