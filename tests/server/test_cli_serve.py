@@ -251,3 +251,51 @@ def test_a_setting_the_engine_process_refuses_is_one_plain_line(capsys):
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == ("kvserve serve: error: max_model_len 100000 is longer than this model's "
                    "context (max_position_embeddings 8192); give --max-model-len 8192 or less")
+
+
+def test_the_server_exits_1_when_its_engine_dies_so_a_supervisor_restarts_it():
+    """A single engine is not started again: the server used to answer 503 for ever, its
+    stats line still printing (QA); it stops with status 1, as vLLM's does."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    port = free_port()
+    kvserve = str(Path(sys.executable).with_name("kvserve"))
+    process = subprocess.Popen(
+        [kvserve, "serve", "--port", port, "--load-format", "dummy", "--max-model-len", "256",
+         "--num-kv-blocks", "32", "--uvicorn-log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("engine process pid" in line for line in lines):
+            line = process.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            assert time.monotonic() < deadline, "kvserve serve did not come up"
+        pid = int(next(line for line in lines if "engine process pid" in line)
+                  .split("engine process pid ")[1].split()[0])
+        while True:  # until it serves, then the engine goes
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "kvserve serve did not come up"
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    output = "".join(lines) + output
+    assert process.returncode == 1, output
+    assert "the engine died (the engine process (pid " in output
+    assert "died (signal 9, SIGKILL)): the server stops with status 1" in output

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -164,9 +166,36 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log)
+    server = uvicorn.Server(config)
+    died = _exit_when_the_engine_dies(server, state.engine)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
-        uvicorn.Server(config).run(sockets=sockets)
-    return 0
+        server.run(sockets=sockets)
+    return 1 if died.is_set() else 0
+
+
+def _exit_when_the_engine_dies(server: Any, engine: Any) -> threading.Event:
+    """A single engine that dies is not started again (data-parallel replicas are): the
+    server then stops, status 1, so that its supervisor (systemd, Kubernetes) starts it
+    again, as vLLM's server does, instead of answering 503 for ever (QA). Set when it did."""
+    from kvserve.engine.data_parallel import DataParallelEngine
+
+    died = threading.Event()
+
+    def watch() -> None:
+        while not server.should_exit:
+            # the shutdown stops the engine only after should_exit: read it again after
+            if server.started and not engine.is_running and not server.should_exit:
+                why = getattr(engine, "error", None) or "it stopped"
+                logger.error("the engine died (%s): the server stops with status 1 so that "
+                             "its supervisor starts it again", why)
+                died.set()
+                server.should_exit = True
+                return
+            time.sleep(0.25)
+
+    if not isinstance(engine, DataParallelEngine):
+        threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+    return died
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
