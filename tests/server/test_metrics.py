@@ -131,3 +131,24 @@ def test_the_engine_checks_its_state_each_time_it_falls_idle(caplog):
         pool.free_queue.num_free += 1
         complete()
         assert scrape(live)[("kvserve:invariant_violations_total", E)] == 1
+
+
+def test_every_http_answer_is_counted_by_route_method_and_status_class():
+    """vLLM's http_requests_total and http_request_duration_seconds: client errors and 503s
+    showed in no series and, with uvicorn quiet, in no log (QA)."""
+    with LiveServer(num_kv_blocks=16, max_model_len=256) as live:
+        assert httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hi", "max_tokens": -1}).status_code == 400
+        assert httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hi", "model": "gpt-9"}).status_code == 404
+        assert httpx.get(live.url + "/nowhere").status_code == 404
+        values = scrape(live)
+    route = (("handler", "/v1/completions"), ("method", "POST"))
+    assert values[("http_requests_total", (*route, ("status", "2xx")))] == 1
+    assert values[("http_requests_total", (*route, ("status", "4xx")))] == 2
+    assert values[("http_requests_total", (("handler", "none"), ("method", "GET"),
+                                           ("status", "4xx")))] == 1
+    assert values[("http_request_duration_seconds_count", route)] == 3
+    assert values[("http_request_duration_seconds_sum", route)] > 0

@@ -23,6 +23,7 @@ from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.server import admin, dashboard, generation
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.metrics import HttpMetrics
 from kvserve.server.prompts import chat_ids, check_token_ids
 from kvserve.server.protocol import (
     DetokenizeRequest,
@@ -81,6 +82,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvserve = state
+    app.add_middleware(HttpMetrics, metrics=state.metrics)  # CORS preflights: not counted
     if cors.origins:  # answers a browser's preflight before any route or key check
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins),
                            allow_methods=list(cors.methods), allow_headers=list(cors.headers),

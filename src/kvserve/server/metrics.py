@@ -11,8 +11,10 @@ per-request figures are observed on the engine thread as steps complete (:meth:`
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -126,6 +128,41 @@ _ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
 }
 
 
+_HTTP_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0)
+
+
+class HttpMetrics:
+    """ASGI middleware: each HTTP request's route (its template, ``none`` where no route
+    matched), method, status class and duration into ``metrics``' http series."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets if the app fails before answering
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            handler = getattr(route, "path", None) or "none"
+            method = scope["method"]
+            self.metrics.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+            self.metrics.http_duration.labels(handler, method).observe(
+                time.perf_counter() - start)
+
+
 class ServerMetrics:
     def __init__(self, engine: ServingEngine, model_name: str,
                  known_tenants: list[str] | None = None) -> None:
@@ -175,6 +212,15 @@ class ServerMetrics:
                             [*labels, "reason"], registry=reg)
         self.admission_rejections = {reason: admission.labels(model_name, reason)
                                      for reason in ADMISSION_REASONS}
+        # Every HTTP answer, as vLLM's server counts them (prometheus-fastapi-instrumentator's
+        # names): 4xx and 503 included, which no engine series sees (QA)
+        self.http_requests = Counter("http_requests", "HTTP requests answered, by route, "
+                                     "method and status class.",
+                                     ["handler", "method", "status"], registry=reg)
+        self.http_duration = Histogram("http_request_duration_seconds", "Seconds from a "
+                                       "request's arrival to the end of its answer (a "
+                                       "stream's last byte).", ["handler", "method"],
+                                       registry=reg, buckets=_HTTP_SECONDS)
         info = engine.info
         Gauge("vllm:cache_config_info", "KV cache configuration.",
               ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
