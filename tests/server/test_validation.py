@@ -164,6 +164,8 @@ def test_a_model_is_retrieved_by_name_and_health_answers_head(server):
     assert response.status_code == 200
     assert response.json()["id"] == "tiny" and response.json()["max_model_len"] == 256
     assert (response.json()["root"], response.json()["parent"]) == ("tiny", None)  # vLLM's
+    [permission] = response.json()["permission"]  # as vLLM's card (QA: absent)
+    assert permission["object"] == "model_permission" and permission["allow_sampling"]
     response = httpx.get(server.url + "/v1/models/gpt-9")
     assert response.status_code == 404 and "'gpt-9' does not exist" in error_of(response)
     assert httpx.head(server.url + "/health").status_code == 200
@@ -519,3 +521,29 @@ def test_a_tool_using_history_and_vllms_default_extras_are_served(server):
     assert rendered["count"] == response.json()["usage"]["prompt_tokens"]
     text = post(server, "/detokenize", {"tokens": rendered["tokens"]}).json()["prompt"]
     assert "18 C and sunny" in text and "tool" in text  # the tool's turn, rendered
+
+
+def test_continue_final_message_goes_on_with_the_assistants_reply(server):
+    """vLLM's continue_final_message: the final assistant message is left open (no end of
+    turn), so the model continues it (QA: a 400, and an assistant message last opened a
+    new turn, which repeated it)."""
+    start = [{"role": "user", "content": "Name a fruit."},
+             {"role": "assistant", "content": "The fruit I name is"}]
+    body = {"messages": start, "add_generation_prompt": False,
+            "continue_final_message": True}
+    ids = post(server, "/tokenize", body).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith("The fruit I name is")
+    closed = post(server, "/tokenize", {"messages": start, "add_generation_prompt": False})
+    assert len(closed.json()["tokens"]) > len(ids)  # the end of turn, which stays off here
+    reply = post(server, CHAT, {**body, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(ids)
+    for bad, needle in (
+            ({"messages": start, "continue_final_message": True},
+             "cannot be used with add_generation_prompt"),
+            ({"messages": start[:1], "add_generation_prompt": False,
+              "continue_final_message": True}, "must be the assistant's (it is 'user')"),
+            ({**body, "chat_template_kwargs": {"continue_final_message": False}},
+             "may not set 'continue_final_message'")):
+        refused = post(server, CHAT, {**bad, "max_tokens": 2})
+        assert refused.status_code == 400 and needle in error_of(refused), refused.text

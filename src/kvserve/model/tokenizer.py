@@ -223,10 +223,15 @@ class Tokenizer:
     # --- chat ----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render ``messages`` with the model's Jinja chat template (sandboxed)."""
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """Render ``messages`` with the model's Jinja chat template (sandboxed).
+        ``continue_final_message`` (vLLM's and Hugging Face's): the last message, the
+        assistant's, is left open, so the model goes on with it (a reply's start given)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
+        if continue_final_message:
+            return self._continued(messages, add_generation_prompt, **kwargs)
         if self._compiled_template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -242,11 +247,36 @@ class Tokenizer:
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id), **kwargs)
 
+    def _continued(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                   **kwargs: Any) -> str:
+        """The conversation rendered and cut right after the final message's content (the
+        template's end of turn dropped). An empty final message is the assistant's turn
+        opened, as ``add_generation_prompt`` opens it."""
+        if add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message; it cannot "
+                             "be used with add_generation_prompt (set it to false)")
+        final = messages[-1] if messages else {}
+        if final.get("role") != "assistant":
+            raise ValueError("continue_final_message continues the last message, which must "
+                             f"be the assistant's (it is {final.get('role')!r})")
+        content = final.get("content") or ""
+        if not content.strip():
+            return self.apply_chat_template(messages[:-1], True, **kwargs)
+        rendered = self.apply_chat_template(messages, False, **kwargs)
+        for text in (content, content.strip()):
+            end = rendered.rfind(text)
+            if end >= 0:
+                return rendered[:end + len(text)]
+        raise ValueError("continue_final_message: the chat template does not render the "
+                         "final message's content as given, so it cannot be continued")
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
                     **template_kwargs: Any) -> list[int]:
         """``template_kwargs``: more variables for the template (vLLM's
         ``chat_template_kwargs``, e.g. a template's own switches)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                    continue_final_message,
                                                     **template_kwargs))
 
     def _token_text(self, token_id: int | None) -> str:

@@ -135,7 +135,14 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         # vLLM's card: root is the model itself (under --served-model-name, its own name)
         return {"id": state.model_name, "object": "model", "created": int(state.started),
                 "owned_by": "kvserve", "root": state.model_id or state.model_name,
-                "parent": None, "max_model_len": state.max_model_len}
+                "parent": None, "max_model_len": state.max_model_len,
+                # vLLM's card lists what a key may do with the model: everything served here
+                "permission": [{"id": f"modelperm-{state.model_name}",
+                                "object": "model_permission", "created": int(state.started),
+                                "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False,
+                                "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -164,7 +171,8 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
                                           req.add_special_tokens)
         else:
             ids = await asyncio.to_thread(chat_ids, state, req.messages,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, None,
+                                          req.continue_final_message)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
                              "tokens": ids})
 

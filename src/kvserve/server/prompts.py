@@ -36,16 +36,18 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
     return [chat_ids(state, req.messages, req.add_generation_prompt,
-                     req.chat_template_kwargs)]
+                     req.chat_template_kwargs, req.continue_final_message)]
 
 
 # What the template is rendered with already: chat_template_kwargs may not set them.
-_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "bos_token",
+                 "eos_token")
 
 
 def chat_ids(state: ServerState, chat: list[ChatMessage],
              add_generation_prompt: bool = True,
-             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+             template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False) -> list[int]:
     """``chat`` through the model's chat template, as the chat endpoint sends it."""
     messages = []
     for index, message in enumerate(chat):
@@ -74,13 +76,14 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
                               "renders the template with it", param="chat_template_kwargs")
         try:
             return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                               **template_kwargs)
+                                               continue_final_message, **template_kwargs)
         except Exception as error:  # the client's variables in the template: any failure
             raise bad_request(f"cannot apply the chat template with 'chat_template_kwargs': "
                               f"{type(error).__name__}: {error}",
                               "chat_template_kwargs") from None
     try:
-        return state.tokenizer.encode_chat(messages, add_generation_prompt)
+        return state.tokenizer.encode_chat(messages, add_generation_prompt,
+                                           continue_final_message)
     except ValueError as error:
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
 

@@ -207,7 +207,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's chat extras not implemented (neutral values only)
     echo: Any = None
     add_special_tokens: Any = None
-    continue_final_message: Any = None
+    # vLLM's: leave the final (assistant) message open and continue it
+    continue_final_message: bool = False
     documents: Any = None
     chat_template: Any = None
     include_reasoning: Any = None
@@ -221,6 +222,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True  # with messages, as the chat endpoint does
+    continue_final_message: bool = False  # likewise
     add_special_tokens: bool = False  # with a prompt, as the completions endpoint does
 
 
@@ -241,7 +243,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's defaults
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
-    "return_tokens_as_token_ids": (False,), "continue_final_message": (False,),
+    "return_tokens_as_token_ids": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
     # no reasoning parser here: a reply has no reasoning to include or leave out
     "include_reasoning": (True, False),
