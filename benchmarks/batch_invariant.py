@@ -106,7 +106,7 @@ def markdown(w1: list[dict[str, Any]], w3: list[dict[str, Any]], args: argparse.
 
     cpu = cpu_info()
     lines = [f"## The cost of --batch-invariant on {ab.cpu_title(*ab.cpu())}, {args.dtype}", "",
-             f"`{command}`: CPU {cpu.model}, {cpu.logical_cpus} logical CPUs; ISA: "
+             f"`{command}`: CPU {cpu.name}, {cpu.logical_cpus} logical CPUs; ISA: "
              f"{isa_line(cpu)}. Load average (1, 5, 15 min) at the start and at the end: "
              f"{loads[0]}; {loads[-1]} (a machine shared with other jobs, so the absolute "
              "figures are slow; the ratios come from runs alternated on the same machine).",

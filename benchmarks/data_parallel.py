@@ -282,7 +282,7 @@ def engine_main(args: argparse.Namespace) -> int:
     simulated = simulate_all(traces, args.calibration, args.calibration_two_threads)
     cpu = cpu_info()
     isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu.flags)
-    machine = f"{cpu.model} ({os.cpu_count()} cores; {isa or 'no AVX flags read'})"
+    machine = f"{cpu.name} ({os.cpu_count()} cores; {isa or 'no AVX flags read'})"
     section, rows = engine_section(results, simulated, traces, machine,
                                    args.calibration, args.calibration_two_threads)
     publish("data_parallel_engine", section, rows, args.json, args.write_docs)

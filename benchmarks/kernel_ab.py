@@ -298,7 +298,7 @@ def markdown(kernels: list[dict[str, Any]], w1: list[dict[str, float]], reps: in
 
     cpu = cpu_info()
     lines = ["## C++ kernels, A/B against the previous code", "",
-             f"`{command}`: base = {labels[0]}, head = {labels[1]}. CPU: {cpu.model}, "
+             f"`{command}`: base = {labels[0]}, head = {labels[1]}. CPU: {cpu.name}, "
              f"{cpu.logical_cpus} logical CPUs; ISA: {isa_line(cpu)}. Load average (1, 5, "
              f"15 min) at the start, after the kernels and at the end: {', '.join(loads)} "
              "(a shared machine).", ""]

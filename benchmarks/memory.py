@@ -77,7 +77,7 @@ def main() -> int:
         f"runs `kvserve generate` (the bundled model, KV cache {args.kv_cache_memory}, "
         "32 tokens) in a child process and reads its peak RSS; another child loads the "
         "engine the same way and reads its resident memory once loaded, idle (what a "
-        f"running server holds). On {cpu.model} (ISA: {isa_line(cpu)}). The peak {verdict}. "
+        f"running server holds). On {cpu.name} (ISA: {isa_line(cpu)}). The peak {verdict}. "
         "The KV cache is allocated once, zeroed at start-up, and "
         "never grown.", "",
         "| weights | peak RSS | target | resident once loaded | wall, load included |",

@@ -132,7 +132,7 @@ def cpu_line() -> str:
     cpu = cpu_info()
     flags = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
                       if f in cpu.flags)
-    return f"{cpu.model} ({flags or 'no AVX flags read'})"
+    return f"{cpu.name} ({flags or 'no AVX flags read'})"
 
 
 def fmt(value: Any, digits: int = 1) -> str:

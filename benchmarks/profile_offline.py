@@ -126,7 +126,7 @@ def main() -> int:
     cpu = cpu_info()
     quantized = f" + {args.quantization}" if args.quantization else ""
     print(f"{args.workload.upper()}, first {args.n} requests, {dtype}{quantized}, "
-          f"{platform.machine()} {cpu.model} (ISA: {isa_line(cpu)}); wall {wall:.1f} s, "
+          f"{platform.machine()} {cpu.name} (ISA: {isa_line(cpu)}); wall {wall:.1f} s, "
           f"{llm.engine.scheduler.stats().num_steps} steps\n")
     print("| op | rows | seconds | share of wall | calls |\n|---|---|---|---|---|")
     for key, seconds in sorted(timers.seconds.items(), key=lambda item: -item[1]):
