@@ -73,6 +73,12 @@ def test_trace_p95_and_rate_scaling():
     trace = [req(f"r{i}", 100 + i, 9, arrival=float(i)) for i in range(100)]
     # lengths 100 + i + 10 (9 tokens and EOS): p95 of 110..209 = 204.05 -> 205.
     assert trace_seq_len_p95(trace) == 205
+    # as a run at max_model_len 2048 serves it: 5,000-token prompts refused (J1) size
+    # nothing, and a sequence stops at max_model_len (QA: the refused raised the headline)
+    mixed = trace + [req(f"big{i}", 5000, 9) for i in range(20)] + [req("long", 2000, 500)]
+    assert trace_seq_len_p95(mixed) > 5000
+    assert trace_seq_len_p95(mixed, 2048) == 205
+    assert trace_seq_len_p95([req("long", 2000, 500)] * 3, 2048) == 2048
     assert trace_rate(trace) == pytest.approx(1.0)
     fast = scale_rate(trace, 4.0)
     assert trace_rate(fast) == pytest.approx(4.0)

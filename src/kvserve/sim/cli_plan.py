@@ -255,7 +255,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                              "refused (give --max-model-len)")
     elif trace is not None:
         _check_servable_share(trace, config.max_model_len)
-        seq_len, source = plan.trace_seq_len_p95(trace), "trace p95"
+        seq_len, source = plan.trace_seq_len_p95(trace, config.max_model_len), "trace p95"
     else:
         raise ValueError("give --prompt-len and --output-len, or --trace")
     out: dict[str, Any] = {

@@ -33,10 +33,17 @@ def generated_tokens(request: TraceRequest) -> int:
     return min(produced, request.max_tokens) if request.max_tokens else produced
 
 
-def trace_seq_len_p95(trace: Sequence[TraceRequest]) -> int:
-    """95th percentile of prompt + generated tokens, rounded up."""
-    lengths = [r.num_prompt_tokens + generated_tokens(r) for r in trace]
-    return math.ceil(float(np.percentile(lengths, 95)))
+def trace_seq_len_p95(trace: Sequence[TraceRequest], max_model_len: int | None = None) -> int:
+    """95th percentile of prompt + generated tokens, rounded up; with ``max_model_len``, of
+    the requests served as a run serves them (a prompt of max_model_len or more is refused,
+    J1; a sequence stops at max_model_len), so the headline sizes what the run holds (QA:
+    refused 5,000-token prompts raised the p95)."""
+    if max_model_len is None:
+        lengths = [r.num_prompt_tokens + generated_tokens(r) for r in trace]
+    else:
+        lengths = [min(r.num_prompt_tokens + generated_tokens(r), max_model_len)
+                   for r in trace if r.num_prompt_tokens < max_model_len]
+    return math.ceil(float(np.percentile(lengths, 95))) if lengths else 0
 
 
 def scale_rate(trace: Sequence[TraceRequest], qps: float) -> list[TraceRequest]:
