@@ -35,8 +35,9 @@ class LetterTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(chr(ord("a") + t) for t in token_ids)
 
-    def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
-        return _LetterDetokenizer(self)
+    def detokenizer(self, prompt_token_ids: Sequence[int],
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        return _LetterDetokenizer(self)  # no special tokens among the letters
 
     def stop_checker(self, stop: Sequence[str],
                      include_stop_str_in_output: bool = False) -> StopChecker:

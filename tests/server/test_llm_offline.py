@@ -285,3 +285,31 @@ def test_an_empty_text_prompt_is_named_as_text(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt '' is empty: its text "
                                          "encodes to no token"):
         llm.generate(["Hi", ""], GREEDY, use_tqdm=False)
+
+
+def test_vllms_detokenize_and_skip_special_tokens_per_request(llm):
+    """SamplingParams(detokenize=False) gives ids and no text; skip_special_tokens=False
+    keeps a special token's text (QA: both were TypeErrors)."""
+    eos = llm.tokenizer.eos_token_id
+    greedy = dict(max_tokens=3, temperature=0, ignore_eos=True)
+    [plain, ids_only] = llm.generate(
+        ["Hello there"] * 2, [SamplingParams(**greedy),
+                              SamplingParams(**greedy, detokenize=False)],
+        use_tqdm=False)
+    assert ids_only.token_ids == plain.token_ids and plain.text and ids_only.text == ""
+    with pytest.raises(ValueError, match="stop strings need the text"):
+        SamplingParams(stop=["x"], detokenize=False)
+    special = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    assert special and llm.tokenizer.decode([eos]) == ""
+    [kept] = llm.generate(["Hello there"], SamplingParams(**greedy, skip_special_tokens=False),
+                          use_tqdm=False)
+    assert kept.token_ids == plain.token_ids
+    assert kept.text == llm.tokenizer.decode(kept.token_ids, skip_special_tokens=False)
+    # a special token drawn mid-output (not the one that ends it) shows only when asked
+    from kvserve.engine.text import TextStream
+
+    for skip, shown in ((True, ""), (False, special)):
+        stream = TextStream.for_request(llm.tokenizer, [5, 6], SamplingParams(
+            skip_special_tokens=skip))
+        assert stream.step([eos], finished=False)[0] == shown
+    assert TextStream.for_request(llm.tokenizer, [5], SamplingParams(detokenize=False)) is None

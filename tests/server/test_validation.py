@@ -412,6 +412,10 @@ def test_vllm_extras_at_their_defaults_are_served(server):
     header = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "head-7"},
                         json={"prompt": "x", "max_tokens": 1, "request_id": "body-8"})
     assert header.json()["id"] == "cmpl-head-7"  # the header goes first
+    # skip_special_tokens false is honoured (special tokens' text kept), not refused
+    kept = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 3, "ignore_eos": True,
+                                      "temperature": 0, "skip_special_tokens": False})
+    assert kept.status_code == 200, kept.text
 
 
 def test_the_chat_role_chunk_carries_the_usage_under_continuous_usage_stats(server):

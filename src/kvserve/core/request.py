@@ -116,6 +116,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # The stop string (or the stop token's text) that ended the request stays in its text.
     include_stop_str_in_output: bool = False
+    # vLLM's: skip_special_tokens False keeps special tokens' text (a template's markers) in
+    # the output; detokenize False makes no text at all (token ids only; no stop strings)
+    skip_special_tokens: bool = True
+    detokenize: bool = True
     priority: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -150,6 +154,11 @@ class SamplingParams:
                      self.min_tokens if self.max_tokens is None else self.max_tokens),
                  f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                  f"got {self.min_tokens!r}")
+        for name in ("skip_special_tokens", "detokenize", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool),
+                     f"{name} must be true or false, got {getattr(self, name)!r}")
+        _require(self.detokenize or not self.stop,
+                 "stop strings need the text: they cannot be used with detokenize=False")
         _require(isinstance(self.ignore_eos, bool),
                  f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         _require(self.eos_token_id is None or (_is_int(self.eos_token_id)

@@ -159,9 +159,9 @@ class Engine:
             self._prompt_logprobs[request_id] = [None] * request.num_prompt_tokens
         if self.detokenize and self.tokenizer is not None:
             params = request.sampling_params
-            self._text[request_id] = TextStream(self.tokenizer, request.prompt_token_ids,
-                                                params.stop, params.min_tokens,
-                                                params.include_stop_str_in_output)
+            text = TextStream.for_request(self.tokenizer, request.prompt_token_ids, params)
+            if text is not None:
+                self._text[request_id] = text
         return request
 
     def abort(self, request_id: str) -> RequestMetrics | None:

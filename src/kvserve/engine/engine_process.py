@@ -702,9 +702,9 @@ class ProcessEngine:
                         self._streams.pop(request_id, None)
             if error is None:
                 for request_id, prompt_ids, params in add.texts:
-                    self._text[request_id] = TextStream(
-                        self.tokenizer, prompt_ids, params.stop, params.min_tokens,
-                        params.include_stop_str_in_output)
+                    text = TextStream.for_request(self.tokenizer, prompt_ids, params)
+                    if text is not None:
+                        self._text[request_id] = text
             # the caller may have gone meanwhile; its stream asked to abort the requests
             settle(add.future, error)
         if out.stats is not None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from kvserve.core import SamplingParams
     from kvserve.engine.engine import CompletionChunk
 
 
@@ -68,8 +69,10 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str:
         ...
 
-    def detokenizer(self, prompt_token_ids: Sequence[int]) -> Detokenizer:
-        """A fresh incremental detokenizer for one request with this prompt."""
+    def detokenizer(self, prompt_token_ids: Sequence[int],
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        """A fresh incremental detokenizer for one request with this prompt (special
+        tokens' text left out unless ``skip_special_tokens`` is False)."""
         ...
 
     def stop_checker(self, stop: Sequence[str],
@@ -93,14 +96,24 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  stop: Sequence[str] | None, min_tokens: int = 0,
-                 include_stop_str_in_output: bool = False) -> None:
-        self.detokenizer = tokenizer.detokenizer(prompt_token_ids)
+                 include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self.detokenizer = tokenizer.detokenizer(prompt_token_ids, skip_special_tokens)
         self.stop_checker = tokenizer.stop_checker(stop, include_stop_str_in_output) \
             if stop else None
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.text = ""
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> TextStream | None:
+        """The stream a request's settings ask for; None with ``detokenize=False``."""
+        if not params.detokenize:
+            return None
+        return cls(tokenizer, prompt_token_ids, params.stop, params.min_tokens,
+                   params.include_stop_str_in_output, params.skip_special_tokens)
 
     def step(self, new_token_ids: Sequence[int], finished: bool,
              ended_by_token: bool = False) -> tuple[str, str | None]:

@@ -213,8 +213,9 @@ class Tokenizer:
 
     # --- streaming (the kvserve.engine.text.Tokenizer protocol) -------------------------------
 
-    def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_token_ids)
+    def detokenizer(self, prompt_token_ids: Sequence[int],
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
     def stop_checker(self, stop: Sequence[str],
                      include_stop_str_in_output: bool = False) -> StopChecker:

@@ -167,6 +167,7 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, n=req.n,
                               ignore_eos=req.ignore_eos, stop=stop,
                               include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               priority=priority, logprobs=logprobs, tenant=tenant, **given)
     except RequestError as error:  # its message starts with the field it is about

@@ -120,7 +120,7 @@ class _Sampling(_Body):
     response_format: Any = None
     # vLLM's own extras not implemented, likewise (a client that sends vLLM's defaults, as
     # LangChain's VLLMOpenAI does, is served; one that asks for more is told which field)
-    skip_special_tokens: Any = None
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -241,7 +241,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
     # vLLM's defaults
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
     "return_tokens_as_token_ids": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
