@@ -247,3 +247,23 @@ def test_the_simulator_makes_ones_own_policies_for_each_run():
     for _ in range(2):  # a fresh queue each run
         result = sim.run(trace)
         assert [e.request_id for e in result.events if e.kind == "admitted"] == ["b", "c", "a"]
+
+
+def test_a_class_for_an_object_or_an_object_for_a_maker_is_named():
+    """QA: a class given to the scheduler failed on len() or at the first preemption; an
+    instance given to the simulator (an empty queue, so falsy) was ignored for FCFS."""
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    config, cache = SchedulerConfig(), CacheConfig(num_blocks=8)
+    with pytest.raises(ConfigError, match=r"waiting_queue must be a WaitingQueue object .*"
+                                          r"got the class ShortestPromptFirst"):
+        Scheduler(config, cache, waiting_queue=ShortestPromptFirst)
+    with pytest.raises(ConfigError, match=r"victim_policy must be a VictimPolicy object .*got "
+                                          r"the class EarliestFirst"):
+        Scheduler(config, cache, victim_policy=EarliestFirst)
+    with pytest.raises(ConfigError, match=r"waiting_queue takes a maker of a WaitingQueue, "
+                                          r"called once per run.*got ShortestPromptFirst"):
+        Simulator(config, cache, UnitCostModel(), waiting_queue=ShortestPromptFirst())
+    with pytest.raises(ConfigError, match="victim_policy takes a maker"):
+        Simulator(config, cache, UnitCostModel(), victim_policy=EarliestFirst())

@@ -177,6 +177,7 @@ def test_a_turn_sent_while_the_previous_one_runs_is_a_conflict():  # U4
                              "session": {"id": "busy"}})
         assert second.status_code == 409, second.text
         assert second.headers["retry-after"] == "1"  # as a 503's: the turn may come again
+        assert second.headers["x-request-id"]  # the id it was given, as an answer's
         error = second.json()["error"]
         assert error["code"] == "session_busy" and "already has a turn in flight" in \
             error["message"]

@@ -130,6 +130,13 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv = KVCacheManager(cache_config, config.max_model_len, config.watermark,
                                  tenant_scoped=config.prefix_cache_scope == "tenant")
+        for name, given, kind in (("waiting_queue", waiting_queue, WaitingQueue),
+                                  ("victim_policy", victim_policy, VictimPolicy)):
+            if given is not None and not isinstance(given, kind):
+                what = f"the class {given.__name__}" if isinstance(given, type) else \
+                    type(given).__name__
+                raise ConfigError(f"{name} must be a {kind.__name__} object (an instance of "
+                                  f"a subclass of kvserve.core.{kind.__name__}), got {what}")
         if waiting_queue is not None and len(waiting_queue):
             raise ConfigError("waiting_queue must be empty: requests enter through "
                               "add_request")

@@ -161,7 +161,10 @@ async def _queue(state: ServerState, request_id: str,
             state.metrics.tenants.refused(tenant, len(items))
         if recorder is not None:
             recorder.dropped([sub_id for sub_id, _, _ in items])
-        raise _refusal(state, error) from error
+        refusal = _refusal(state, error)
+        if isinstance(refusal, APIError):  # the id it was given, as an answer's (QA)
+            refusal.headers.setdefault("X-Request-Id", request_id)
+        raise refusal from error
     state.metrics.tenants.queued(tenant, len(items))
     state.metrics.request_params(items[0][0], len(items), items[0][2].max_tokens)
     state.groups[request_id] = stream

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from kvserve.core import (
     CacheConfig,
+    ConfigError,
     QueueFullError,
     Request,
     RequestOutput,
@@ -83,6 +84,12 @@ class Simulator:
         self.check = check
         self.preemption_prices = preemption_prices
         self.fast_forward = fast_forward
+        for name, maker, kind in (("waiting_queue", waiting_queue, WaitingQueue),
+                                  ("victim_policy", victim_policy, VictimPolicy)):
+            if isinstance(maker, kind) or (maker is not None and not callable(maker)):
+                raise ConfigError(f"{name} takes a maker of a {kind.__name__}, called once per "
+                                  f"run (a fresh one each time): the class itself, or a "
+                                  f"function returning one; got {type(maker).__name__}")
         self.waiting_queue = waiting_queue
         self.victim_policy = victim_policy
 
@@ -111,8 +118,8 @@ class _Run:
         self.scheduler = Scheduler(
             sim.scheduler_config, sim.cache_config, record_events=sim.record_events,
             preemption_prices=sim.preemption_prices,
-            waiting_queue=sim.waiting_queue() if sim.waiting_queue else None,
-            victim_policy=sim.victim_policy() if sim.victim_policy else None)
+            waiting_queue=None if sim.waiting_queue is None else sim.waiting_queue(),
+            victim_policy=None if sim.victim_policy is None else sim.victim_policy())
         # The layout tracker costs a pass over the batch per step: only for a model using it.
         self.executor = SimExecutor(BlockLayout(sim.cache_config.block_size)
                                     if needs_block_layout(sim.cost_model) else None)
