@@ -121,13 +121,31 @@ def test_the_bundled_model_answers_through_the_api():
         wait_for(live.idle, what="idle")
 
 
+def wait_until_serving(process, port: int | str, deadline_s: float = 180) -> None:
+    """Until ``kvserve serve`` answers /health (generous: start-up on a loaded 2-core
+    machine); fails with its output if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "kvserve serve did not come up"
+        time.sleep(0.1)
+
+
 def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     import re
     import signal
     import socket
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import httpx
@@ -142,16 +160,7 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
          "--swap-space", "8MiB", "--preemption-mode", "auto", "--enable-log-requests"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180  # generous: start-up on a loaded 2-core machine
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(0.1)
+        wait_until_serving(process, port)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                            json={"model": "d", "prompt": "hi", "max_tokens": 2})
         assert reply.status_code == 200
@@ -260,10 +269,7 @@ def test_the_server_exits_1_when_its_engine_dies_so_a_supervisor_restarts_it():
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
-
-    import httpx
 
     port = free_port()
     kvserve = str(Path(sys.executable).with_name("kvserve"))
@@ -271,31 +277,17 @@ def test_the_server_exits_1_when_its_engine_dies_so_a_supervisor_restarts_it():
         [kvserve, "serve", "--port", port, "--load-format", "dummy", "--max-model-len", "256",
          "--num-kv-blocks", "32", "--uvicorn-log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while not any("engine process pid" in line for line in lines):
-            line = process.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-        pid = int(next(line for line in lines if "engine process pid" in line)
-                  .split("engine process pid ")[1].split()[0])
-        while True:  # until it serves, then the engine goes
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
+        wait_until_serving(process, port)
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        [engine] = [int(pid) for pid in children  # beside it, multiprocessing's tracker
+                    if "engine" in Path(f"/proc/{pid}/comm").read_text()]
+        os.kill(engine, signal.SIGKILL)
         output, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate()
-    output = "".join(lines) + output
     assert process.returncode == 1, output
     assert "the engine died (the engine process (pid " in output
     assert "died (signal 9, SIGKILL)): the server stops with status 1" in output

@@ -446,23 +446,19 @@ def _router_families(engine: ServingEngine, model_name: str) -> Iterator[Metric]
                              "prefix (prefix-affinity).", labels=["model_name"])
     rate.add_metric([model_name], hits / total if total else 0.0)
     yield rate
-    restarts = CounterMetricFamily("kvserve:replica_restarts", "Replicas launched again after "
-                                   "dying.", labels=["model_name", "replica"])
-    for replica, count in enumerate(figures.num_restarts):
-        restarts.add_metric([model_name, str(replica)], count)
-    yield restarts
-    failed = CounterMetricFamily("kvserve:replica_restart_failures", "Relaunches of a dead "
-                                 "replica that failed before it was ready (a crash loop).",
-                                 labels=["model_name", "replica"])
-    for replica, count in enumerate(figures.num_failed_restarts):
-        failed.add_metric([model_name, str(replica)], count)
-    yield failed
-    up = GaugeMetricFamily("kvserve:replica_up", "1 while the replica serves; 0 while it is "
-                           "dead, restarting or waiting to restart.",
-                           labels=["model_name", "replica"])
-    for replica, serving in enumerate(figures.replicas_up):
-        up.add_metric([model_name, str(replica)], 1.0 if serving else 0.0)
-    yield up
+    per_replica = (
+        (CounterMetricFamily, "kvserve:replica_restarts", "Replicas launched again after "
+         "dying.", figures.num_restarts),
+        (CounterMetricFamily, "kvserve:replica_restart_failures", "Relaunches of a dead "
+         "replica that failed before it was ready (a crash loop).",
+         figures.num_failed_restarts),
+        (GaugeMetricFamily, "kvserve:replica_up", "1 while the replica serves; 0 while it is "
+         "dead, restarting or waiting to restart.", [float(up) for up in figures.replicas_up]))
+    for kind, name, text, values in per_replica:
+        family = kind(name, text, labels=["model_name", "replica"])
+        for replica, value in enumerate(values):
+            family.add_metric([model_name, str(replica)], value)
+        yield family
 
 
 def _session_families(labels: list[str], engines: list[_Engine]) -> Iterator[Metric]:
