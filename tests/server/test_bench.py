@@ -46,13 +46,43 @@ def test_bench_clients_that_disconnect_leave_nothing_behind(capsys):
         assert live.state.engine.stats.num_finished.get("abort", 0) >= 1
 
 
-def test_bench_counts_refusals_as_errors(capsys):
+def test_bench_counts_refusals_as_errors_and_fails_when_nothing_completed(capsys):
+    """A run where every request failed exited 0, so scripts took it for a result (QA; vLLM's
+    tool stops on its test request)."""
     with LiveServer(max_model_len=64) as live:
-        summary = bench(capsys, live.url, "--num-prompts", "3", "--input-len", "100",
-                        "--output-len", "4")
+        assert main(["bench", "serve", "--base-url", live.url, "--json", "--no-progress",
+                     "--num-prompts", "3", "--input-len", "100", "--output-len", "4"]) == 1
+        captured = capsys.readouterr()
+        summary = json.loads(captured.out)
         assert summary["failed"] == 3
         [(message, count)] = summary["errors"].items()
         assert message.startswith("HTTP 400") and count == 3
+        assert "no request completed (3 failed)" in captured.err
+
+
+def test_vllms_bench_flags_keys_and_tpot(capsys, tmp_path):
+    """vLLM's bench serve command lines run (--ignore-eos, --random-input-len, --dataset-name
+    random, --save-result ...), the result has its keys (TPOT among them) and says how it
+    was made; without streaming TTFT is E2E, as the help says (QA: all missing)."""
+    with LiveServer(max_model_len=512) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--no-progress",
+                     "--dataset-name", "random", "--random-input-len", "16",
+                     "--random-output-len", "8", "--num-prompts", "3", "--ignore-eos",
+                     "--seed", "4", "--max-concurrency", "2", "--save-result",
+                     "--result-dir", str(tmp_path), "--result-filename", "r.json"]) == 0
+        assert "TPOT" in capsys.readouterr().out
+        summary = json.loads((tmp_path / "r.json").read_text())
+        plain = bench(capsys, live.url, "--num-prompts", "2", "--input-len", "8",
+                      "--output-len", "4", "--no-stream")
+    assert summary["completed"] == summary["num_prompts"] == 3
+    assert summary["total_output_tokens"] == 3 * 8 and summary["total_input_tokens"] == 3 * 16
+    assert (summary["max_concurrency"], summary["seed"], summary["request_rate"],
+            summary["backend"], summary["model_id"]) == (2, 4, "inf", "openai", "tiny")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"{kind}_{name}_ms" for kind in ("mean", "median", "std", "p99")} <= set(
+            summary), name
+    assert summary["mean_tpot_ms"] > 0 and summary["median_ttft_ms"] == summary["ttft"]["p50_ms"]
+    assert plain["ttft"] == plain["e2e"] and plain["mean_ttft_ms"] == plain["mean_e2el_ms"]
 
 
 def test_workload_helpers():

@@ -1,5 +1,6 @@
 """``kvserve bench serve``: load any OpenAI-compatible server (kvserve, vLLM, llama.cpp) and
-report TTFT, ITL and E2E percentiles, throughput, errors, and preemptions from /metrics."""
+report TTFT, TPOT, ITL and E2E percentiles, throughput, errors, and preemptions from /metrics;
+vLLM's ``bench serve`` flags and result keys where it has them."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ def add_parser(subparsers: Any) -> None:
     parser = commands.add_parser(
         "serve", help="load an OpenAI-compatible server and report latencies",
         description="Send a workload to an OpenAI-compatible server (streaming) and report "
-                    "TTFT, inter-token latency and E2E p50/p90/p99, throughput, errors, and "
-                    "the preemptions the server counted in /metrics meanwhile.")
+                    "TTFT, TPOT (per output token after the first), inter-token latency and "
+                    "E2E p50/p90/p99, throughput, errors, and the preemptions the server "
+                    "counted in /metrics meanwhile. vLLM's bench serve flags are taken "
+                    "where they mean the same (--random-input-len, --ignore-eos, "
+                    "--save-result, ...), and the JSON result carries vLLM's keys "
+                    "(mean_/median_/std_/p99_ttft_ms, ..., duration, total_input_tokens) and "
+                    "the run's settings. Exit status 1 when requests failed and none "
+                    "completed.")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the server (kvserve, vLLM, llama.cpp, ...)")
     parser.add_argument("--endpoint", default="/v1/completions",
@@ -39,12 +46,19 @@ def add_parser(subparsers: Any) -> None:
                                         "disconnected)")
     source.add_argument("--num-prompts", type=int, default=100,
                         help="requests to send (without --trace)")
-    source.add_argument("--input-len", default="64:512",
-                        help="prompt length, N or LOW:HIGH (uniform)")
-    source.add_argument("--output-len", default="32:256",
-                        help="max_tokens, N or LOW:HIGH (uniform)")
-    source.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
-                        help="ids: token ids (no tokenizer differences); text: random words")
+    source.add_argument("--input-len", "--random-input-len", default="64:512",
+                        help="prompt length, N or LOW:HIGH (uniform; vLLM's default is 1024)")
+    source.add_argument("--output-len", "--random-output-len", default="32:256",
+                        help="max_tokens, N or LOW:HIGH (uniform; vLLM's default is 128); "
+                             "with --trace, the default max_tokens of lines without one")
+    source.add_argument("--dataset-name", choices=("random",), default="random",
+                        help="vLLM's: random is the workload drawn here (--trace for a "
+                             "file of requests)")
+    source.add_argument("--prompt-kind", choices=("ids", "text"), default=None,
+                        help="ids: token ids (no tokenizer differences; the default for "
+                             "completions); text: random words (the default for chat, "
+                             "whose messages are text: ids sent as text are several tokens "
+                             "each)")
     source.add_argument("--seed", type=int, default=0,
                         help="seed of the drawn lengths, prompts and arrivals")
     load = parser.add_argument_group("load")
@@ -56,6 +70,9 @@ def add_parser(subparsers: Any) -> None:
                       help="fraction of clients that go away mid-stream at a random token")
     load.add_argument("--no-stream", dest="stream", action="store_false",
                       help="ask for whole answers (TTFT then equals E2E)")
+    load.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
+                      help="send ignore_eos (the default here; vLLM's tool sends it only "
+                           "when given this flag)")
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="do not send ignore_eos (for servers that refuse it)")
     load.add_argument("--temperature", type=float, default=0.0,
@@ -64,6 +81,11 @@ def add_parser(subparsers: Any) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as JSON")
     out.add_argument("--output", help="also write the summary (JSON) to this file")
+    out.add_argument("--save-result", action="store_true",
+                     help="vLLM's: write the summary to --result-dir/--result-filename")
+    out.add_argument("--result-dir", default=".", help="with --save-result (default .)")
+    out.add_argument("--result-filename",
+                     help="with --save-result (default: kvserve-<rate>qps-<model>-<date>.json)")
     out.add_argument("--save-detailed", action="store_true",
                      help="add each request's lengths, TTFT, ITLs, generated text and error "
                           "to the JSON summary (vLLM's keys: input_lens, output_lens, ttfts, "
@@ -89,9 +111,10 @@ def _requests(args: argparse.Namespace) -> list[Any]:
         else:
             if args.num_prompts < 1:
                 raise ValueError("--num-prompts must be >= 1")
+            kind = args.prompt_kind or ("text" if "chat" in args.endpoint else "ids")
             requests = random_requests(args.num_prompts, parse_range(args.input_len, "--input-len"),
                                        parse_range(args.output_len, "--output-len"), args.seed,
-                                       args.prompt_kind == "text")
+                                       kind == "text")
     except (ValueError, OSError) as error:
         raise CLIError(str(error).splitlines()[0]) from None
     rate = args.request_rate
@@ -126,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--disconnect-prob must be in [0, 1]")
     if not 0 < args.timeout < math.inf:
         raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.save_result:
+        if args.output:
+            raise CLIError("give --output or --save-result (with --result-dir and "
+                           "--result-filename), not both")
+        args.output = _result_path(args)
     if args.output:
         check_output_file("--output", args.output)
     requests = _requests(args)
@@ -149,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         on_done=(lambda _: progress.update(1)) if progress is not None else None))
     if progress is not None:
         progress.close()
-    summary = {"model": model, "base_url": base_url, **summarize(result)}
+    summary = {"model": model, "base_url": base_url, **summarize(result),
+               **_settings(args, model, len(requests))}
     table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
         summary.update(detailed(result))
@@ -160,7 +189,48 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(summary, file, indent=2)
         except OSError as error:  # it changed since the check: the summary is printed above
             raise CLIError(f"cannot write {args.output}: {error.strerror}") from None
+    if summary["failed"] and not summary["completed"]:  # as vLLM's tool stops on its test
+        # request, so scripts notice (clients told to go away are not failures)
+        print(f"kvserve bench serve: no request completed ({summary['failed']} failed)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _settings(args: argparse.Namespace, model: str, num_prompts: int) -> dict[str, Any]:
+    """What the run asked for, under vLLM's keys where it has them, so a result file says
+    how it was made."""
+    import datetime
+
+    return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": "openai-chat" if "chat" in args.endpoint else "openai",
+            "model_id": model, "endpoint": args.endpoint, "num_prompts": num_prompts,
+            "request_rate": _rate(args), "burstiness": 1.0,
+            "max_concurrency": args.max_concurrency, "seed": args.seed,
+            "input_len": None if args.trace else args.input_len,
+            "output_len": args.output_len, "trace": args.trace, "stream": args.stream,
+            "ignore_eos": args.ignore_eos, "temperature": args.temperature}
+
+
+def _rate(args: argparse.Namespace) -> float | str:
+    """The arrival rate asked for: req/s, "inf" (all at once) or "trace" (its times)."""
+    if args.request_rate is not None:
+        return "inf" if math.isinf(args.request_rate) else args.request_rate
+    return "trace" if args.trace and args.max_concurrency is None else "inf"
+
+
+def _result_path(args: argparse.Namespace) -> str:
+    """--save-result's file, named as vLLM names its own unless --result-filename."""
+    import datetime
+    import os
+
+    if args.result_filename:
+        return os.path.join(args.result_dir, args.result_filename)
+    rate = _rate(args)
+    rate = rate if isinstance(rate, str) else f"{rate:g}"
+    model = (args.model or "model").split("/")[-1]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(args.result_dir, f"kvserve-{rate}qps-{model}-{stamp}.json")
 
 
 def _progress(total: int, enabled: bool) -> Any:

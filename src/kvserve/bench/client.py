@@ -1,8 +1,10 @@
 """Send one benchmark request to an OpenAI-compatible server and time it.
 
 Times are taken when each streamed event arrives: TTFT is send -> first event with text,
-each inter-token latency is the gap between consecutive events with text (divided by the
-tokens in the event when the server says), E2E is send -> end of stream.
+each inter-token latency is the gap between consecutive events with text (an event may
+carry several tokens on a server that batches them: the gap is then per event, as vLLM's
+tool takes it), E2E is send -> end of stream. Without streaming the first token arrives
+with the whole answer: TTFT is E2E.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
     if result.error is not None:
         return result
     result.e2e = time.perf_counter() - start
+    if not target.stream:
+        result.ttft = result.e2e
     result.ok = result.error is None and not result.disconnected
     return result
 

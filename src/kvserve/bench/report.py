@@ -38,17 +38,38 @@ def _delta(run: RunResult, name: str) -> float | None:
     return run.metrics_after[name] - run.metrics_before.get(name, 0.0)
 
 
+def _tpot(result: Any) -> float | None:
+    """vLLM's time per output token after the first: (E2E - TTFT) / (tokens - 1)."""
+    if result.ttft is None or result.e2e is None or result.num_output_tokens < 2:
+        return None
+    return (result.e2e - result.ttft) / (result.num_output_tokens - 1)
+
+
+def _vllm_flat(name: str, values: list[float]) -> dict[str, float | None]:
+    """vLLM's bench keys for one metric: mean_, median_, std_ and p99_<name>_ms."""
+    if not values:
+        return {f"{kind}_{name}_ms": None for kind in ("mean", "median", "std", "p99")}
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    return {f"mean_{name}_ms": _ms(mean), f"median_{name}_ms": _ms(percentile(values, 50)),
+            f"std_{name}_ms": _ms(std), f"p99_{name}_ms": _ms(percentile(values, 99))}
+
+
 def summarize(run: RunResult) -> dict[str, Any]:
     results = run.results
     done = [r for r in results if r.ok]
     errors: dict[str, int] = {}
     for r in results:
-        if r.error is not None:
-            key = r.error if len(r.error) <= 72 else r.error[:69] + "..."
+        if r.error is not None:  # long enough to name the limit a 503 hit (QA)
+            key = r.error if len(r.error) <= 240 else r.error[:237] + "..."
             errors[key] = errors.get(key, 0) + 1
     output_tokens = sum(r.num_output_tokens for r in done)
     prompt_tokens = sum(r.num_prompt_tokens for r in done)
     duration = max(run.duration, 1e-9)
+    series = {"ttft": [r.ttft for r in done if r.ttft is not None],
+              "tpot": [t for t in map(_tpot, done) if t is not None],
+              "itl": [gap for r in done for gap in r.itls],
+              "e2el": [r.e2e for r in done if r.e2e is not None]}
     return {
         "num_requests": len(results),
         "completed": len(done),
@@ -61,13 +82,19 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "total_token_throughput": round((output_tokens + prompt_tokens) / duration, 2),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
-        "ttft": _latency([r.ttft for r in done if r.ttft is not None]),
-        "itl": _latency([gap for r in done for gap in r.itls]),
-        "e2e": _latency([r.e2e for r in done if r.e2e is not None]),
+        "ttft": _latency(series["ttft"]),
+        "tpot": _latency(series["tpot"]),
+        "itl": _latency(series["itl"]),
+        "e2e": _latency(series["e2el"]),
         "preemptions": _delta(run, "vllm:num_preemptions_total"),
         "recomputed_tokens": _delta(run, "kvserve:recomputed_tokens_total"),
         "kv_cache_usage_after": (run.metrics_after or {}).get("vllm:kv_cache_usage_perc"),
         "requests_running_after": (run.metrics_after or {}).get("vllm:num_requests_running"),
+        # vLLM's bench keys too, so its plotting and collection scripts read this file
+        "duration": round(run.duration, 3), "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        **{key: value for name, values in series.items()
+           for key, value in _vllm_flat(name, values).items()},
     }
 
 
@@ -96,7 +123,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{fmt(summary['output_throughput'])} output tok/s, "
         f"{fmt(summary['total_token_throughput'])} total tok/s",
         f"{'':6} {'p50 ms':>10} {'p90 ms':>10} {'p99 ms':>10} {'mean ms':>10}"]
-    for name in ("ttft", "itl", "e2e"):
+    for name in ("ttft", "tpot", "itl", "e2e"):
         row = summary[name]
         lines.append(f"{name.upper():6} " + " ".join(
             f"{fmt(row[k]):>10}" for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms")))
