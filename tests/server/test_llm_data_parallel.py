@@ -94,3 +94,29 @@ def test_bad_settings_are_refused_before_any_replica_starts(monkeypatch):
                              ({"max_num_seqz": 4}, r"unknown argument\(s\) max_num_seqz")):
         with pytest.raises(ValueError, match=needle):
             LLM(TINY, tokenizer=tokenizer(), data_parallel_size=2, **settings)
+
+
+def test_a_script_that_never_closes_its_replicas_still_exits(tmp_path):
+    """A script ending with replicas open hung for ever at exit: multiprocessing's exit
+    handler waited for engine processes that waited for their pipe (QA, the README's
+    example without `with`)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "batch.py"
+    script.write_text(
+        "from kvserve.core import SamplingParams\n"
+        "from kvserve.engine.llm import LLM\n"
+        "from kvserve.model.config import ModelConfig\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(ModelConfig(name='t', vocab_size=512, hidden_size=64, "
+        "intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, "
+        "max_position_embeddings=256), "
+        "data_parallel_size=2, threads_per_replica=1, num_kv_blocks=16, max_model_len=64)\n"
+        "    [r] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), "
+        "use_tqdm=False)\n"
+        "    print('tokens', len(r.token_ids))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "tokens 2" in done.stdout

@@ -12,6 +12,7 @@ prompt's token ids.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,10 @@ class ReplicatedEngines:
         launchers = replica_launchers(size, backend, str(engine_args.get("device", "auto")))
         self.engine = DataParallelEngine(spec, tokenizer, launchers, policy)
         self.loop.run_until_complete(self._start())
+        # A script that never closes its LLM hung at exit: multiprocessing's exit handler
+        # waits for the engine processes, which wait for their pipe (QA). Registered after
+        # multiprocessing's own, so it runs first (atexit runs the last registered first).
+        atexit.register(self.close)
 
     async def _start(self) -> None:
         self.engine.start()
@@ -84,8 +89,9 @@ class ReplicatedEngines:
             raise
 
     def close(self) -> None:
-        """Stop every replica (idempotent)."""
+        """Stop every replica (idempotent; at the interpreter's exit too)."""
         if self.loop.is_closed():
             return
+        atexit.unregister(self.close)
         self.loop.run_until_complete(self.engine.stop())
         self.loop.close()
