@@ -90,7 +90,8 @@ def load_keys(path: str | Path) -> list[ApiKey]:
         entries = [{"key": line.strip()} for line in text.splitlines()
                    if line.strip() and not line.strip().startswith("#")]
     if not isinstance(entries, list) or not entries:
-        raise KeyFileError(f"{path}: no keys found")
+        raise KeyFileError(f"{path}: no keys found (one key per line, or TOML/JSON with a "
+                           "[[keys]] table per key: docs/tenants.md, 'The keys file')")
     keys = [_key_from_entry(entry, index, path) for index, entry in enumerate(entries)]
     named = {entry["tenant"] for entry in entries
              if isinstance(entry, dict) and isinstance(entry.get("tenant"), str)}
