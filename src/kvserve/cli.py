@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = [flag.split("=")[0] for flag in extra]
         hints = [f"{name}: {_VLLM_FLAG_HINTS[name]}" for name in names
                  if name in _VLLM_FLAG_HINTS]
-        _subparser(parser, args.command).error(
+        _subparser(parser, args).error(
             f"unrecognized arguments: {' '.join(extra)}"
             + (f" ({'; '.join(hints)})" if hints else ""))
     try:
@@ -115,11 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[command]
-    return parser
+def _subparser(parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command ``args`` ran, however deep (``kvserve bench serve``'s, not
+    ``kvserve bench``'s: its flags are the ones to read)."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, actions[0].dest, None) if actions else None
+        if chosen is None:
+            return parser
+        parser = actions[0].choices[chosen]
 
 
 if __name__ == "__main__":

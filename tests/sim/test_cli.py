@@ -355,6 +355,10 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
     (["serve", "--gpu-memory-utilization=0.9"], "kvserve serve: error: unrecognized "
      "arguments: --gpu-memory-utilization=0.9 (--gpu-memory-utilization: the KV cache is "
      "sized by --kv-cache-memory"),
+    # a nested command's own parser names it and its help (it said "kvserve bench")
+    (["bench", "serve", "--bogus"], "kvserve bench serve: error: unrecognized arguments: "
+     "--bogus (see kvserve bench serve --help)"),
+    (["workload", "gen", "--bogus"], "kvserve workload gen: error: unrecognized"),
     # a flag is never taken from a prefix of its name (--max-num meant --max-num-seqs)
     (["simulate", "--trace", "t.jsonl", "--max-num", "4"], "unrecognized arguments: "
      "--max-num 4"),
