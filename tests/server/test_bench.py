@@ -85,6 +85,16 @@ def test_vllms_bench_flags_keys_and_tpot(capsys, tmp_path):
     assert plain["ttft"] == plain["e2e"] and plain["mean_ttft_ms"] == plain["mean_e2el_ms"]
 
 
+def test_vllms_percentile_flags_choose_the_flat_keys(capsys):
+    with LiveServer(max_model_len=512) as live:
+        summary = bench(capsys, live.url, "--num-prompts", "3", "--input-len", "8",
+                        "--output-len", "4", "--percentile-metrics", "ttft,e2el",
+                        "--metric-percentiles", "50,99.9")
+    assert {"p50_ttft_ms", "p99.9_ttft_ms", "p99.9_e2el_ms", "std_e2el_ms"} <= set(summary)
+    assert not {"p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms"} & set(summary)
+    assert summary["p50_ttft_ms"] == summary["median_ttft_ms"]
+
+
 def test_workload_helpers():
     assert parse_range("64:512", "--x") == (64, 512) and parse_range("7", "--x") == (7, 7)
     with pytest.raises(ValueError, match=r"--input-len '9:3': need 1 <= LOW <= HIGH"):
@@ -103,6 +113,11 @@ def test_workload_helpers():
     (["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
     (["--input-len", "-5"], "--input-len '-5': need 1 <= LOW <= HIGH"),
     (["--output-len", "x"], "--output-len 'x' is not N or LOW:HIGH"),
+    (["--percentile-metrics", "ttft,goodput"], "--percentile-metrics 'ttft,goodput': choose "
+     "from ttft,tpot,itl,e2el"),
+    (["--metric-percentiles", "99,101"], "--metric-percentiles '99,101': comma-separated "
+     "numbers in (0, 100]"),
+    (["--save-result", "--output", "x.json"], "give --output or --save-result"),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output

@@ -86,6 +86,12 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--result-dir", default=".", help="with --save-result (default .)")
     out.add_argument("--result-filename",
                      help="with --save-result (default: kvserve-<rate>qps-<model>-<date>.json)")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                     help="vLLM's: the metrics whose mean/median/std/percentile keys the JSON "
+                          "result carries, of ttft,tpot,itl,e2el (default: all four)")
+    out.add_argument("--metric-percentiles", default="99",
+                     help="vLLM's: the percentiles of those keys, comma-separated (e.g. "
+                          "50,90,99.9; default 99)")
     out.add_argument("--save-detailed", action="store_true",
                      help="add each request's lengths, TTFT, ITLs, generated text and error "
                           "to the JSON summary (vLLM's keys: input_lens, output_lens, ttfts, "
@@ -156,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         args.output = _result_path(args)
     if args.output:
         check_output_file("--output", args.output)
+    metrics, percentiles = _flat_keys(args)
     requests = _requests(args)
     base_url = args.base_url.rstrip("/")
     try:
@@ -177,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         on_done=(lambda _: progress.update(1)) if progress is not None else None))
     if progress is not None:
         progress.close()
-    summary = {"model": model, "base_url": base_url, **summarize(result),
+    summary = {"model": model, "base_url": base_url,
+               **summarize(result, metrics, percentiles),
                **_settings(args, model, len(requests))}
     table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
@@ -195,6 +203,26 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _flat_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--percentile-metrics and --metric-percentiles, checked (CLIError naming the value)."""
+    from kvserve.bench.report import VLLM_METRICS
+    from kvserve.flags import CLIError
+
+    metrics = tuple(name.strip() for name in args.percentile_metrics.split(",") if name.strip())
+    unknown = [name for name in metrics if name not in VLLM_METRICS]
+    if unknown or not metrics:
+        raise CLIError(f"--percentile-metrics {args.percentile_metrics!r}: choose from "
+                       f"{','.join(VLLM_METRICS)}")
+    try:
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        percentiles = ()
+    if not percentiles or not all(0 < p < 100 or p == 100 for p in percentiles):
+        raise CLIError(f"--metric-percentiles {args.metric_percentiles!r}: comma-separated "
+                       "numbers in (0, 100]")
+    return metrics, percentiles
 
 
 def _settings(args: argparse.Namespace, model: str, num_prompts: int) -> dict[str, Any]:

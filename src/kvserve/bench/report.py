@@ -45,17 +45,29 @@ def _tpot(result: Any) -> float | None:
     return (result.e2e - result.ttft) / (result.num_output_tokens - 1)
 
 
-def _vllm_flat(name: str, values: list[float]) -> dict[str, float | None]:
-    """vLLM's bench keys for one metric: mean_, median_, std_ and p99_<name>_ms."""
+VLLM_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def _vllm_flat(name: str, values: list[float],
+               percentiles: tuple[float, ...]) -> dict[str, float | None]:
+    """vLLM's bench keys for one metric: mean_, median_, std_ and p<P>_<name>_ms for each P
+    of ``percentiles`` (vLLM's --metric-percentiles: 99.9 is "p99.9")."""
+    keys = [f"p{p:g}_{name}_ms" for p in percentiles]
     if not values:
-        return {f"{kind}_{name}_ms": None for kind in ("mean", "median", "std", "p99")}
+        return {key: None for key in (f"mean_{name}_ms", f"median_{name}_ms",
+                                      f"std_{name}_ms", *keys)}
     mean = sum(values) / len(values)
     std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
     return {f"mean_{name}_ms": _ms(mean), f"median_{name}_ms": _ms(percentile(values, 50)),
-            f"std_{name}_ms": _ms(std), f"p99_{name}_ms": _ms(percentile(values, 99))}
+            f"std_{name}_ms": _ms(std),
+            **{key: _ms(percentile(values, p)) for key, p in zip(keys, percentiles,
+                                                                  strict=True)}}
 
 
-def summarize(run: RunResult) -> dict[str, Any]:
+def summarize(run: RunResult, metrics: tuple[str, ...] = VLLM_METRICS,
+              percentiles: tuple[float, ...] = (99,)) -> dict[str, Any]:
+    """The run's figures; ``metrics`` and ``percentiles`` choose vLLM's flat keys (its
+    --percentile-metrics and --metric-percentiles)."""
     results = run.results
     done = [r for r in results if r.ok]
     errors: dict[str, int] = {}
@@ -93,8 +105,8 @@ def summarize(run: RunResult) -> dict[str, Any]:
         # vLLM's bench keys too, so its plotting and collection scripts read this file
         "duration": round(run.duration, 3), "total_input_tokens": prompt_tokens,
         "total_output_tokens": output_tokens,
-        **{key: value for name, values in series.items()
-           for key, value in _vllm_flat(name, values).items()},
+        **{key: value for name in metrics
+           for key, value in _vllm_flat(name, series[name], percentiles).items()},
     }
 
 
