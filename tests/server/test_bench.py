@@ -219,3 +219,28 @@ def test_a_traces_client_timeout_is_replayed(tmp_path):
     assert before_sent.disconnected and before_sent.ttft is None
     assert timed_out.disconnected and not timed_out.ok and timed_out.ttft is not None
     assert timed_out.e2e >= 0.25 and timed_out.error is None
+
+
+def test_ctrl_c_prints_the_summary_of_what_ended(capsys, monkeypatch):
+    """Ctrl-C printed a 74-line traceback and no figures (QA): the requests that had ended
+    are summarized, the exit status is 130."""
+    from kvserve.bench import runner
+    from kvserve.bench.client import RequestResult
+
+    async def model(base_url, api_key):
+        return "m"
+
+    async def interrupted_run(requests, target, on_done=None, **kwargs):
+        for index in range(2):
+            on_done(RequestResult(index=index, ok=True, ttft=0.1, e2e=0.5,
+                                  num_prompt_tokens=8, num_output_tokens=4))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runner, "first_model", model)
+    monkeypatch.setattr(runner, "run", interrupted_run)
+    assert main(["bench", "serve", "--json", "--no-progress", "--num-prompts", "5",
+                 "--input-len", "8", "--output-len", "4"]) == 130
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert (summary["completed"], summary["num_requests"], summary["total_output_tokens"]) == \
+        (2, 2, 8)
+    assert "interrupted: 2 of 5 requests had ended" in captured.err

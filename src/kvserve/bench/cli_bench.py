@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import sys
+import time
 from typing import Any
 
 
@@ -178,10 +179,22 @@ def run(args: argparse.Namespace) -> int:
     target = Target(base_url, model, args.endpoint, args.api_key, args.stream,
                     args.ignore_eos, args.temperature)
     progress = _progress(len(requests), args.progress)
-    result = asyncio.run(runner.run(
-        requests, target, max_concurrency=args.max_concurrency,
-        disconnect_prob=args.disconnect_prob, seed=args.seed, timeout=args.timeout,
-        on_done=(lambda _: progress.update(1)) if progress is not None else None))
+    finished: list[Any] = []  # for a summary of what ended, should the run be interrupted
+
+    def done(one: Any) -> None:
+        finished.append(one)
+        if progress is not None:
+            progress.update(1)
+    start = time.perf_counter()
+    interrupted = False
+    try:
+        result = asyncio.run(runner.run(
+            requests, target, max_concurrency=args.max_concurrency,
+            disconnect_prob=args.disconnect_prob, seed=args.seed, timeout=args.timeout,
+            on_done=done))
+    except KeyboardInterrupt:  # Ctrl-C: the requests that ended, not a traceback (QA)
+        interrupted = True
+        result = runner.RunResult(finished, time.perf_counter() - start, None, None)
     if progress is not None:
         progress.close()
     summary = {"model": model, "base_url": base_url,
@@ -197,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(summary, file, indent=2)
         except OSError as error:  # it changed since the check: the summary is printed above
             raise CLIError(f"cannot write {args.output}: {error.strerror}") from None
+    if interrupted:
+        print(f"kvserve bench serve: interrupted: {len(finished)} of {len(requests)} requests "
+              "had ended; the summary covers those", file=sys.stderr)
+        return 130
     if summary["failed"] and not summary["completed"]:  # as vLLM's tool stops on its test
         # request, so scripts notice (clients told to go away are not failures)
         print(f"kvserve bench serve: no request completed ({summary['failed']} failed)",
