@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 
@@ -103,6 +104,19 @@ def test_workload_helpers():
     assert all(64 <= len(r.prompt) <= 512 and 32 <= r.max_tokens <= 256 for r in requests)
     timed = poisson_arrivals(requests, 4.0, seed=1)
     assert timed[0].arrival_time == 0 and timed[-1].arrival_time > 5
+    # vLLM's --burstiness: gamma gaps of that shape, the same mean rate; 1.0 is Poisson
+    many = random_requests(4000, (8, 8), (4, 4), seed=2, text=False)
+
+    def gaps(burstiness):
+        times = [r.arrival_time for r in poisson_arrivals(many, 10.0, 3, burstiness)]
+        return [b - a for a, b in pairwise(times)]
+    for burstiness in (0.25, 1.0, 4.0):
+        spread = gaps(burstiness)
+        mean = sum(spread) / len(spread)
+        cv2 = sum((g - mean) ** 2 for g in spread) / len(spread) / mean ** 2
+        assert mean == pytest.approx(0.1, rel=0.1)  # the rate holds
+        assert cv2 == pytest.approx(1 / burstiness, rel=0.2)  # a gamma's CV^2 is 1/shape
+    assert gaps(1.0) == gaps(1)
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
 
 
@@ -118,6 +132,7 @@ def test_workload_helpers():
     (["--metric-percentiles", "99,101"], "--metric-percentiles '99,101': comma-separated "
      "numbers in (0, 100]"),
     (["--save-result", "--output", "x.json"], "give --output or --save-result"),
+    (["--burstiness", "0"], "--burstiness must be a positive number, got 0.0"),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output

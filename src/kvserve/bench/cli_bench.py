@@ -65,6 +65,9 @@ def add_parser(subparsers: Any) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float,
                       help="Poisson arrivals at this many req/s (inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="vLLM's: with --request-rate, the arrival gaps' gamma shape (1.0: "
+                           "Poisson; below 1 burstier, above 1 steadier)")
     load.add_argument("--max-concurrency", type=int,
                       help="at most this many requests in flight")
     load.add_argument("--disconnect-prob", type=float, default=0.0,
@@ -125,12 +128,14 @@ def _requests(args: argparse.Namespace) -> list[Any]:
     except (ValueError, OSError) as error:
         raise CLIError(str(error).splitlines()[0]) from None
     rate = args.request_rate
+    if not 0 < args.burstiness < math.inf:
+        raise CLIError(f"--burstiness must be a positive number, got {args.burstiness}")
     if rate is not None:
         if not rate > 0:
             raise CLIError("--request-rate must be > 0")
         if math.isinf(rate):
             return [_at(r, None) for r in requests]
-        return poisson_arrivals(requests, rate, args.seed)
+        return poisson_arrivals(requests, rate, args.seed, args.burstiness)
     if args.max_concurrency is not None or not args.trace:
         return [_at(r, None) for r in requests]
     return requests
@@ -250,7 +255,7 @@ def _settings(args: argparse.Namespace, model: str, num_prompts: int) -> dict[st
     return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
             "backend": "openai-chat" if "chat" in args.endpoint else "openai",
             "model_id": model, "endpoint": args.endpoint, "num_prompts": num_prompts,
-            "request_rate": _rate(args), "burstiness": 1.0,
+            "request_rate": _rate(args), "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
             "input_len": None if args.trace else args.input_len,
             "output_len": args.output_len, "trace": args.trace, "stream": args.stream,

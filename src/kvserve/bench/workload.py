@@ -86,13 +86,16 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
     return requests
 
 
-def poisson_arrivals(requests: list[BenchRequest], rate: float,
-                     seed: int) -> list[BenchRequest]:
-    """Arrival times of a Poisson process at ``rate`` req/s, the first at 0."""
+def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int,
+                     burstiness: float = 1.0) -> list[BenchRequest]:
+    """Arrival times at a mean of ``rate`` req/s, the first at 0: gaps drawn from a gamma
+    distribution of shape ``burstiness`` and mean 1/rate, as vLLM's bench draws them (1.0:
+    exponential gaps, a Poisson process; below 1 burstier, above 1 steadier)."""
     rng = random.Random(seed + 1)
     now, out = 0.0, []
     for position, request in enumerate(requests):
         if position:
-            now += rng.expovariate(rate)
+            now += rng.expovariate(rate) if burstiness == 1.0 else \
+                rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
         out.append(dataclasses.replace(request, arrival_time=now))
     return out
