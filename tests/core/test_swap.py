@@ -363,3 +363,30 @@ def test_host_blocks_a_swap_in_reads_are_not_reused_in_the_same_step():  # S2
     kv.end_step()
     assert kv.host_pool.free_block_ids() == [0, 1]
     assert kv.swap_out(b) == [(2, 0), (3, 1)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_urgent_arrival_preempting_a_chunk_scheduled_this_step_caches_nothing_unwritten(
+        mode):  # M1, G3
+    """a's second chunk (positions 16-29) is scheduled in the running pass, which registers
+    blocks 4-6 in the prefix cache as it allocates them (as vLLM's); the urgent u then
+    preempts a in the waiting pass, before that chunk runs. The registrations stayed, and a,
+    resumed, hit 28 tokens of which 16 had been written (found by the progress property
+    test: KV read back as None). Its unwritten blocks leave the cache with it."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, scheduling_policy="priority",
+                               enable_priority_preemption=True, priority_preemption_threshold=0,
+                               max_num_seqs=1, max_num_batched_tokens=16,
+                               preemption_mode=mode, num_host_blocks=16 if mode == "swap" else 0,
+                               preemption_prices=Prices() if mode != "recompute" else None)
+    executor = FakeExecutor(block_size=4)
+    scheduler.add_request(make_request("a", 30, priority=5, max_tokens=4, ignore_eos=True))
+    step(scheduler, executor, 0.0)  # a: positions 0-15 written, blocks 0-3 registered
+    scheduler.add_request(make_request("u", 4, priority=0, arrival_time=1.0, max_tokens=2,
+                                       ignore_eos=True))
+    out, _ = step(scheduler, executor, 1.0)
+    assert out.preempted_req_ids == ["a"] and "a" not in out.num_scheduled_tokens
+    assert sum(1 for block in scheduler.kv.pool.cached.values()
+               if block.block_id in range(4, 8)) == 0  # a's chunk never ran
+    final = run_to_completion(scheduler, executor=executor)  # the read-back checks a's KV
+    assert len(final["a"].new_token_ids) == 4
+    check_empty(scheduler)

@@ -281,6 +281,17 @@ class BlockPool:
                 block.block_hash = block_hash
                 cached[block_hash] = block
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take these blocks' hashes out of the cache (blocks registered for KV that was
+        never written); a block whose hash maps to another block keeps nothing."""
+        cached = self.cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
         if self.free_queue.num_free != self.num_blocks:

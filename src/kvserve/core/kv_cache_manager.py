@@ -271,6 +271,22 @@ class KVCacheManager:
             self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
         self._num_cached_blocks[request_id] = num_full
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Take out of the prefix cache the blocks ``request`` registered for tokens it has
+        not computed: blocks are registered when allocated for a step (as vLLM's), so a
+        request preempted in the step that scheduled them, before the step ran, left full
+        hashes on blocks whose last slots were never written, and the next request with that
+        prefix (the victim itself, resumed) read them as computed (an urgent arrival's
+        preemption, M1, found by the progress property test). A no-op for a request
+        preempted between steps: everything it registered is computed."""
+        request_id = request.request_id
+        num_cached = self._num_cached_blocks.get(request_id, 0)
+        keep = request.num_computed_tokens // self.block_size
+        if num_cached <= keep:
+            return
+        self.pool.uncache(self.req_to_blocks[request_id][keep:num_cached])
+        self._num_cached_blocks[request_id] = keep
+
     def free(self, request: Request) -> None:
         """Return every block of ``request`` to the pool, tail first (G2), and any host
         blocks it holds to the host tier."""

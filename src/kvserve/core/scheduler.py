@@ -460,6 +460,7 @@ class Scheduler:
         waiting queue (F4), as the preemption mode chooses; ``cause`` is "priority" for an
         urgent arrival (M1)."""
         num_tokens = request.num_computed_tokens
+        self.kv.forget_uncomputed(request)  # scheduled this step: its blocks are not written
         mode, reason = self._preemption_mode.choose(request, self.kv)
         pairs = self.kv.swap_out(request) if mode == SWAP else None
         if pairs is not None:
