@@ -438,16 +438,16 @@ class LLM:
         try:
             for index, (prompt, samples) in enumerate(zip(batch, params, strict=True)):
                 request_id = str(next(self._ids))
-                for sample, param in enumerate(samples):
-                    sub_id = _sample_id(request_id, sample)
-                    try:
-                        request = self.engine.add_request(sub_id, prompt, param)
-                    except ValueError as error:  # named by its place in the batch, not its id
-                        raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
-                                          ) from None
-                    results[sub_id] = _sample_result(firsts, sub_id, sample,
-                                                     list(request.prompt_token_ids),
-                                                     self._prompt_text(prompt))
+                try:  # encoded (a chat rendered) once for all its n samples
+                    ids, text = self.engine.encode_prompt(prompt), self._prompt_text(prompt)
+                    for sample, param in enumerate(samples):
+                        sub_id = _sample_id(request_id, sample)
+                        self.engine.add_request(sub_id, ids, param)
+                        results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids),
+                                                         text)
+                except ValueError as error:  # named by its place in the batch, not its id
+                    raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
+                                      ) from None
             self._run(results, firsts, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
             for request_id, result in results.items():
@@ -515,11 +515,11 @@ class LLM:
         items, results, firsts = [], {}, []
         for prompt, ids, samples in zip(batch, token_ids, params, strict=True):
             request_id = str(next(self._ids))
+            text = self._prompt_text(prompt)  # once for its n samples
             for sample, param in enumerate(samples):
                 sub_id = _sample_id(request_id, sample)
                 items.append((sub_id, ids, param))
-                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids),
-                                                 self._prompt_text(prompt))
+                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids), text)
         progress = _Progress(firsts, use_tqdm)
         try:
             self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
