@@ -65,14 +65,18 @@ def flags(draw: st.DrawFn) -> dict:
 
 @st.composite
 def arrivals(draw: st.DrawFn) -> list[tuple[int, Request]]:
-    """20-40 requests in the first 5 steps, each up to the model length."""
+    """20-40 requests in the first 5 steps, each up to the model length; some share a
+    prefix with others (one of two families), so prefix hits meet preemption."""
     out = []
     for i in range(draw(st.integers(20, 40))):
         prompt_len = draw(st.integers(1, MAX_MODEL_LEN - 2))
         max_tokens = draw(st.integers(1, MAX_MODEL_LEN - 1 - prompt_len))
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                 priority=draw(st.integers(0, 30)))
-        prompt = [token_fn(f"p{i}", j) for j in range(prompt_len)]
+        family = draw(st.sampled_from([None, 0, 1]))
+        shared = 0 if family is None else draw(st.integers(1, prompt_len))
+        prompt = ([token_fn(f"family{family}", j) for j in range(shared)]
+                  + [token_fn(f"p{i}", j) for j in range(shared, prompt_len)])
         out.append((draw(st.integers(0, 4)), Request(f"r{i}", prompt, params)))
     return out
 

@@ -390,3 +390,48 @@ def test_an_urgent_arrival_preempting_a_chunk_scheduled_this_step_caches_nothing
     final = run_to_completion(scheduler, executor=executor)  # the read-back checks a's KV
     assert len(final["a"].new_token_ids) == 4
     check_empty(scheduler)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("sharer", ["newcomer", "admitted_before"])
+def test_a_running_request_whose_unwritten_blocks_another_holds_is_no_urgent_victim(
+        mode, sharer):  # M1, G3
+    """a's second chunk (positions 20-29) is scheduled in the running pass and registers
+    blocks 5-6 as it allocates them. A prompt sharing a's first 28 tokens hits those blocks
+    in the same step, which is sound while a's chunk runs in that step. Preempting a for an
+    urgent arrival would leave them unwritten under the sharer: the urgent arrival itself
+    (``newcomer``), or a request the same waiting pass admitted just before it
+    (``admitted_before``). a does not qualify in that step; the next step, its blocks
+    written, it does."""
+    shared = [token_for("a/prompt", i) for i in range(30)]
+    scheduler = make_scheduler(num_blocks=32, block_size=4, scheduling_policy="priority",
+                               enable_priority_preemption=True, priority_preemption_threshold=0,
+                               max_num_seqs=1 if sharer == "newcomer" else 2,
+                               max_num_batched_tokens=20, preemption_mode=mode,
+                               num_host_blocks=32 if mode == "swap" else 0,
+                               preemption_prices=Prices() if mode != "recompute" else None)
+    executor = FakeExecutor(block_size=4)
+    scheduler.add_request(make_request("a", prompt_token_ids=shared, priority=5,
+                                       max_tokens=4, ignore_eos=True))
+    step(scheduler, executor, 0.0)  # a: positions 0-19 written, blocks 0-4 registered
+    if sharer == "admitted_before":
+        scheduler.add_request(make_request("b", prompt_token_ids=[*shared[:28], 7, 8],
+                                           priority=0, arrival_time=1.0, max_tokens=2,
+                                           ignore_eos=True))
+        urgent = make_request("u", 4, priority=0, arrival_time=1.5, max_tokens=2,
+                              ignore_eos=True)
+    else:
+        urgent = make_request("u", prompt_token_ids=[*shared[:28], 7, 8, 9, 10], priority=0,
+                              arrival_time=1.0, max_tokens=2, ignore_eos=True)
+    scheduler.add_request(urgent)
+    out, outputs = step(scheduler, executor, 1.0)
+    assert out.preempted_req_ids == [] and out.num_scheduled_tokens["a"] == 10
+    assert "u" not in out.num_scheduled_tokens
+    num_a_tokens = sum(len(o.new_token_ids) for o in outputs if o.request_id == "a")
+    out, outputs = step(scheduler, executor, 2.0)  # a's blocks 5-6 written: a qualifies
+    assert out.preempted_req_ids == ["a"] and "u" in out.num_scheduled_tokens
+    num_a_tokens += sum(len(o.new_token_ids) for o in outputs if o.request_id == "a")
+    final = run_to_completion(scheduler, executor=executor)  # the read-back checks the KV
+    assert num_a_tokens + len(final["a"].new_token_ids) == 4
+    assert final["u"].finish_reason == "length"
+    check_empty(scheduler)

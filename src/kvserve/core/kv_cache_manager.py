@@ -279,13 +279,20 @@ class KVCacheManager:
         prefix (the victim itself, resumed) read them as computed (an urgent arrival's
         preemption, M1, found by the progress property test). A no-op for a request
         preempted between steps: everything it registered is computed."""
+        unwritten = self.unwritten_cached_blocks(request)
+        if unwritten:
+            self.pool.uncache(unwritten)
+            self._num_cached_blocks[request.request_id] -= len(unwritten)
+
+    def unwritten_cached_blocks(self, request: Request) -> list[KVBlock]:
+        """The blocks ``request`` registered in the prefix cache for tokens it has not
+        computed yet: those its chunk scheduled this step will write; [] between steps."""
         request_id = request.request_id
         num_cached = self._num_cached_blocks.get(request_id, 0)
         keep = request.num_computed_tokens // self.block_size
         if num_cached <= keep:
-            return
-        self.pool.uncache(self.req_to_blocks[request_id][keep:num_cached])
-        self._num_cached_blocks[request_id] = keep
+            return []
+        return self.req_to_blocks[request_id][keep:num_cached]
 
     def free(self, request: Request) -> None:
         """Return every block of ``request`` to the pool, tail first (G2), and any host

@@ -130,9 +130,9 @@ class UrgentPreemption:
 
     Only requests whose priority value exceeds the newcomer's by more than ``threshold``
     qualify (and, with the guard, were preempted fewer than its limit times, P1; and were
-    not admitted in this step); the least
-    urgent go first (largest priority value, then latest arrival). If all of them together
-    cannot make room, nobody is preempted.
+    not admitted in this step; and no other request reads the blocks their chunk of this
+    step is to write); the least urgent go first (largest priority value, then latest
+    arrival). If all of them together cannot make room, nobody is preempted.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -152,9 +152,11 @@ class UrgentPreemption:
         again, and undoing an admission of the same step is churn."""
         bar = newcomer.priority + self.threshold
         limit = self.limit
+        hit_ids = {block.block_id for block in hit_blocks}
         candidates = [r for r in running if r.priority > bar
                       and (limit is None or r.num_preemptions < limit)
-                      and r.request_id not in admitted]
+                      and r.request_id not in admitted
+                      and not self._shares_unwritten_blocks(r, hit_ids)]
         candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
         released: dict[int, int] = {}
         for count, victim in enumerate(candidates, 1):
@@ -168,6 +170,14 @@ class UrgentPreemption:
                     reserved_blocks=reserved_blocks):
                 return candidates[:count]
         return []
+
+    def _shares_unwritten_blocks(self, request: Request, hit_ids: set[int]) -> bool:
+        """Whether another request reads blocks ``request`` registered for the chunk it runs
+        this step: the newcomer's hits (``hit_ids``) or a request admitted earlier in this
+        waiting pass. Sound while the chunk runs in the same step; preempted, it would leave
+        them unwritten under their reader, so ``request`` waits a step to qualify."""
+        return any(block.ref_cnt > 1 or block.block_id in hit_ids
+                   for block in self.kv.unwritten_cached_blocks(request))
 
 
 def make_urgent_preemption(config: SchedulerConfig,
