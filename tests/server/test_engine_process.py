@@ -336,10 +336,12 @@ def two_seats():
         yield server
 
 
-def test_an_id_in_use_is_refused_without_touching_the_request_that_holds_it(two_seats):
-    """Two requests may not share an engine request id: one sent with a live request's
-    X-Request-Id, or with one its n > 1 choices were given (`g1-0`), gets a 400, and the live
-    request still gets its answer (the engine process used to drop its stream, hanging it)."""
+def test_an_id_in_use_is_taken_again_with_a_suffix_without_touching_its_holder(two_seats):
+    """A client may reuse a live request's X-Request-Id (a gateway's retry, a benchmark's
+    fixed ids), or send one its n > 1 choices were given (`g1-0`): as vLLM (since 0.14), the
+    second request runs under that id with a random suffix, its answer keeps the id it was
+    sent with, and the live request still gets its answer (the engine process once dropped
+    its stream, hanging it)."""
     live = two_seats
     results: list = []
     first = threading.Thread(target=lambda: results.append(httpx.post(
@@ -347,21 +349,34 @@ def test_an_id_in_use_is_refused_without_touching_the_request_that_holds_it(two_
         json={"prompt": "hello", "max_tokens": 60, "ignore_eos": True, "n": 2})))
     first.start()
     wait_for(lambda: "g1" in live.state.groups, what="g1 queued")
-    for clash in ("g1", "g1-0", "g1-1"):
-        refused = httpx.post(live.url + "/v1/completions", timeout=30,
-                             headers={"X-Request-Id": clash},
-                             json={"prompt": "x", "max_tokens": 2})
-        assert refused.status_code == 400, refused.text
-        assert f"{clash!r}, which a live request already uses" in refused.json()["error"][
-            "message"]
+    clashes = ("g1", "g1-0", "g1-1")
+    answers: dict = {}
+    threads = [threading.Thread(target=lambda clash=clash: answers.__setitem__(
+        clash, httpx.post(live.url + "/v1/completions", timeout=60,
+                          headers={"X-Request-Id": clash},
+                          json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})))
+        for clash in clashes]  # queued behind g1's two choices, which hold both seats
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for clash in clashes:
+        again = answers[clash]
+        assert again.status_code == 200, again.text
+        body = again.json()
+        assert body["id"] == f"cmpl-{clash}" and again.headers["X-Request-Id"] == clash
+        engine_id = body["kvserve"]["request_id"]
+        assert engine_id.startswith(f"{clash}-") and len(engine_id) == len(clash) + 9
+        assert body["usage"]["completion_tokens"] == 2
     first.join(timeout=60)
     assert not first.is_alive(), "the request holding the id hung"
     assert results[0].status_code == 200
     assert results[0].json()["usage"]["completion_tokens"] == 120
-    # the ids are free again once the request ended
+    assert results[0].json()["kvserve"]["request_id"] == "g1"
+    # a free id is the engine's as sent
     again = httpx.post(live.url + "/v1/completions", timeout=30, headers={"X-Request-Id": "g1-0"},
                        json={"prompt": "x", "max_tokens": 2})
-    assert again.status_code == 200
+    assert again.status_code == 200 and again.json()["kvserve"]["request_id"] == "g1-0"
     wait_for(live.idle, what="a whole pool")
 
 

@@ -98,8 +98,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
         raise bad_request(f"{len(given)} X-Request-Id headers; send one")
     header = given[0] if given else None
-    request_id = state.new_request_id(header) if header is not None or req.request_id is None \
+    given_id = state.new_request_id(header) if header is not None or req.request_id is None \
         else state.new_request_id(req.request_id, "'request_id'")
+    request_id = state.engine_id(given_id, len(prompts) * req.n)  # held below, no await between
     choices, items = [], []
     samples = base.samples()  # sample k seeded seed + k
     echoes = _echo_texts(state, req, prompts) if not chat and req.echo else [""] * len(prompts)
@@ -113,9 +114,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if state.log_requests:
         log_request(request_id, tenant, prompts, base, len(items))
     state.hold_ids(request_id, [choice.request_id for choice in choices])
-    stream = await _queue(state, request_id, items, arrival_time)
+    stream = await _queue(state, request_id, given_id, items, arrival_time)
     stream.replayable = not req.stream  # nothing reaches the client before the end
-    generation = _Generation(state, request_id, req, chat, choices, prompts, stream)
+    generation = _Generation(state, request_id, given_id, req, chat, choices, prompts, stream)
     if req.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
@@ -141,7 +142,7 @@ def _check_queueable(state: ServerState, request_id: str,
         raise _refusal(state, error) from None
 
 
-async def _queue(state: ServerState, request_id: str,
+async def _queue(state: ServerState, request_id: str, given_id: str,
                  items: list[tuple[str, list[int], SamplingParams]],
                  arrival_time: float) -> RequestStream:
     tenant = items[0][2].tenant  # one request, one tenant
@@ -163,7 +164,7 @@ async def _queue(state: ServerState, request_id: str,
             recorder.dropped([sub_id for sub_id, _, _ in items])
         refusal = _refusal(state, error)
         if isinstance(refusal, APIError):  # the id it was given, as an answer's (QA)
-            refusal.headers.setdefault("X-Request-Id", request_id)
+            refusal.headers.setdefault("X-Request-Id", given_id)
         raise refusal from error
     state.metrics.tenants.queued(tenant, len(items))
     state.metrics.request_params(items[0][0], len(items), items[0][2].max_tokens)
@@ -192,18 +193,19 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
 
 
 class _Generation:
-    def __init__(self, state: ServerState, request_id: str, req: Any, chat: bool,
-                 choices: list[Choice], prompts: list[list[int]],
+    def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
+                 chat: bool, choices: list[Choice], prompts: list[list[int]],
                  stream: RequestStream) -> None:
         self.state = state
-        self.request_id = request_id
+        self.request_id = request_id  # the engine's
+        self.given_id = given_id  # the client's (or drawn here): the answer's id and header
         self.req = req
         self.chat = chat
         self.choices = {c.request_id: c for c in choices}
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.stream = stream
         self.created = int(time.time())
-        self.response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.response_id = ("chatcmpl-" if chat else "cmpl-") + given_id
         self.closed = False
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
@@ -267,7 +269,7 @@ class _Generation:
             body["prompt_token_ids"] = choices[0].prompt_token_ids
         if self.chat and self.req.prompt_logprobs is not None:  # likewise
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
-        return JSONResponse(body, headers={"X-Request-Id": self.request_id})
+        return JSONResponse(body, headers={"X-Request-Id": self.given_id})
 
     async def _collect(self) -> None:
         while True:
@@ -340,7 +342,7 @@ class _Generation:
         return ClosingStreamingResponse(self._events(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
-                                                  "X-Request-Id": self.request_id})
+                                                  "X-Request-Id": self.given_id})
 
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
         if self.chat:

@@ -76,6 +76,22 @@ class ServerState:
                               param="request_id" if what != "X-Request-Id" else None)
         return given
 
+    def engine_id(self, request_id: str, num_choices: int) -> str:
+        """The id a request goes to the engine with: ``request_id`` (the client's or a fresh
+        one), or, when it or one of its choices' ``<id>-<index>`` is a live request's, that
+        id with a random suffix: a client may reuse an X-Request-Id (a gateway's retry while
+        the first attempt runs, a benchmark's fixed ids), as vLLM (since 0.14) accepts. The
+        answer keeps the client's id; its ``kvserve.request_id`` is the engine's."""
+        engine_id = request_id
+        while self._ids_taken(engine_id, num_choices):
+            engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        return engine_id
+
+    def _ids_taken(self, request_id: str, num_choices: int) -> bool:
+        in_use = self.ids_in_use
+        return request_id in in_use or (num_choices > 1 and any(
+            f"{request_id}-{index}" in in_use for index in range(num_choices)))
+
     def hold_ids(self, request_id: str, sub_ids: list[str]) -> None:
         """Take a request's ids (its group's and its choices'), or a 400 naming one another
         live request holds; :meth:`release_ids` gives them back. No await between the check
