@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kvserve.core import SamplingParams
+from kvserve.core import RequestError, SamplingParams
 from kvserve.model import paged_kernel
 from kvserve.model.sampler import Sampler, SamplingRow, greedy_tokens, token_seed
 
@@ -133,6 +133,57 @@ def test_every_bit_of_a_seed_picks_the_stream():
     old = 0x9E3779B97F4A7C15  # the mix before the fold: seeds below 2**32 are unchanged
     assert all(low32(token_seed(s, k)) == low32((s * old + k) % (1 << 63))
                for s in (0, 7, 123456, (1 << 32) - 1) for k in (0, 9))
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_only_of_its_row():
+    """vLLM's (OpenAI's) logit_bias: added before sampling, greedy included; the row beside
+    it is untouched; logprobs stay the model's own (raw logits, vLLM's default)."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 3)
+    banned = SamplingRow(SamplingParams(temperature=0.0, logit_bias={0: -100, 2: 1.5},
+                                        logprobs=1), [9], 1)
+    forced = SamplingRow(SamplingParams(temperature=1.0, seed=3, logit_bias=[(3, 100)]), [9], 1)
+    plain = SamplingRow(SamplingParams(temperature=0.0), [9], 1)
+    out = Sampler()(logits, [banned, forced, plain])
+    assert out.token_ids == [2, 3, 0]  # 3.0 + 1.5 > 4.0; 0.0 + 100 dwarfs the rest
+    assert out.logprobs is not None
+    assert out.logprobs[0][2] == pytest.approx(float(torch.log_softmax(logits[0], -1)[2]))
+    assert counts_only(draw(SamplingParams(temperature=1.0, logit_bias={0: -100}))) <= {1, 2, 3}
+
+
+def test_allowed_token_ids_are_the_only_ones_drawn():
+    assert counts_only(draw(SamplingParams(temperature=1.0, allowed_token_ids=[2, 3]))) == {2, 3}
+    greedy = SamplingRow(SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]), [9], 1)
+    assert Sampler()(LOGITS[None], [greedy]).token_ids == [1]
+    # with a penalty on the allowed token already seen, the other allowed one wins
+    seen = SamplingRow(SamplingParams(temperature=0.0, allowed_token_ids=[1, 3],
+                                      repetition_penalty=100.0), [1], 0)
+    assert Sampler()(torch.tensor([[5.0, 1.0, 4.0, 0.5]]), [seen]).token_ids == [3]
+
+
+def counts_only(counts: Counter) -> set[int]:
+    return set(counts)
+
+
+@pytest.mark.parametrize(("given", "needle"), [
+    ({0: float("inf")}, "logit_bias must map"), ({-1: 1.0}, "logit_bias must map"),
+    ({"5": 1.0}, "logit_bias must map"), ([(1, 2, 3)], "logit_bias must map"),
+])
+def test_logit_bias_is_checked(given, needle):
+    with pytest.raises(RequestError, match=needle):
+        SamplingParams(logit_bias=given)
+
+
+@pytest.mark.parametrize("given", [[], [-1], [1.5], "12"])
+def test_allowed_token_ids_are_checked(given):
+    with pytest.raises(RequestError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=given)
+
+
+def test_token_constraints_are_kept_as_sorted_pairs_and_a_tuple():
+    params = SamplingParams(logit_bias={7: 1, 2: -3.5}, allowed_token_ids=[4, 1])
+    assert params.logit_bias == ((2, -3.5), (7, 1.0)) and params.allowed_token_ids == (4, 1)
+    assert hash(params) == hash(SamplingParams(logit_bias=[(2, -3.5), (7, 1)],
+                                               allowed_token_ids=(4, 1)))
 
 
 def test_logprobs_hold_the_sampled_token_and_the_top_n():

@@ -36,6 +36,23 @@ def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_works_on(llm):
     assert result.finish_reason == "length" and len(result.token_ids) == 4
 
 
+def test_token_ids_the_sampling_params_name_are_checked_against_the_vocabulary(llm):
+    """logit_bias, allowed_token_ids and stop_token_ids outside the vocabulary would do
+    nothing (or leave nothing to sample): a ValueError naming the field, nothing queued."""
+    for params in (SamplingParams(logit_bias={49152: 5.0}),
+                   SamplingParams(allowed_token_ids=[3, 50000]),
+                   SamplingParams(stop_token_ids=[60000])):
+        field = next(name for name in ("logit_bias", "allowed_token_ids", "stop_token_ids")
+                     if getattr(params, name))
+        with pytest.raises(ValueError, match=rf"{field} holds token id\(s\) outside the "
+                                             r"vocabulary \[0, 49152\)"):
+            llm.generate("hello", params)
+    assert not llm.engine.has_unfinished_requests()
+    [forced] = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0,
+                                                    logit_bias={42: 100}))
+    assert forced.token_ids == [42, 42, 42]
+
+
 def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
     text = llm.generate("Hello there", GREEDY)
     as_dict = llm.generate({"prompt": "Hello there"}, GREEDY)

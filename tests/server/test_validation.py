@@ -25,7 +25,13 @@ def error_of(response: httpx.Response) -> str:
 @pytest.mark.parametrize(("path", "body", "status", "needle"), [
     (COMPLETIONS, {"prompt": "x", "bogus": 1}, 400, "unknown field 'bogus'"),
     (COMPLETIONS, {"prompt": "x", "echo": "yes"}, 400, "field 'echo'"),
-    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}, 400, "'logit_bias' is not supp"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"x5": 1}}, 400,
+     "'logit_bias' keys are token ids (strings of digits), got 'x5'"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"99999999": 1}}, 400,
+     "'logit_bias' has token id 99999999, outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"9" * 40: 1}}, 400,
+     "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "a lot"}}, 400, "logit_bias"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "field 'tools' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,
@@ -76,8 +82,9 @@ def error_of(response: httpx.Response) -> str:
     # vLLM's extras are served at their defaults only (test_vllm_extras_at_their_defaults)
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400,
      "field 'use_beam_search' is not supported by this server"),
-    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1]}, 400,
-     "field 'allowed_token_ids' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 99999999]}, 400,
+     "'allowed_token_ids' has token id 99999999, outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "field 'prompt_logprobs'"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
      "field 'echo' is not supported by this server"),
@@ -551,3 +558,23 @@ def test_continue_final_message_goes_on_with_the_assistants_reply(server):
              "may not set 'continue_final_message'")):
         refused = post(server, CHAT, {**bad, "max_tokens": 2})
         assert refused.status_code == 400 and needle in error_of(refused), refused.text
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
+    """OpenAI's logit_bias (token id strings, clamped to [-100, 100] as vLLM) and vLLM's
+    allowed_token_ids reach the sampler, greedy included, in completions and chat."""
+    def tokens(path: str, **fields: object) -> list[int]:
+        body = {"max_tokens": 4, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+                **fields}
+        body.update({"prompt": "hello"} if path == COMPLETIONS else
+                    {"messages": [{"role": "user", "content": "hello"}]})
+        reply = post(server, path, body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    assert tokens(COMPLETIONS, logit_bias={"42": 1000}) == [42] * 4  # 1000 -> 100: enough
+    assert set(tokens(CHAT, allowed_token_ids=[40, 41])) <= {40, 41}
+    assert set(tokens(COMPLETIONS, temperature=1.0, seed=1, allowed_token_ids=[7])) == {7}
+    first = tokens(CHAT)[0]
+    assert tokens(CHAT, logit_bias={str(first): -100})[0] != first
+    wait_for(server.idle, what="an empty server")

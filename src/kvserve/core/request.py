@@ -130,6 +130,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # vLLM's (OpenAI's logit_bias with integer keys): added to these token ids' logits before
+    # sampling, greedy too (-100 all but bans a token, 100 all but forces it); given as a dict
+    # or (token id, bias) pairs, kept as pairs sorted by token id
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: only these token ids may be sampled (None: any)
+    allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -208,6 +214,7 @@ class SamplingParams:
                                                   and 0 <= self.prompt_logprobs <= 20),
                  f"prompt_logprobs must be an integer in [0, 20], got "
                  f"{self.prompt_logprobs!r}")
+        self._check_token_constraints()
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")
         _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
@@ -217,6 +224,26 @@ class SamplingParams:
         _require(isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
         if self.session_id is not None or self.session_ttl is not None:
             self._check_session()
+
+    def _check_token_constraints(self) -> None:
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(bias.items())
+        _require(isinstance(bias, (tuple, list)) and all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in bias),
+            f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        _require(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in bias),
+                 f"logit_bias must map non-negative token ids to finite numbers, "
+                 f"got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((int(t), float(b)) for t, b in dict(bias).items())))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            _require(isinstance(allowed, (tuple, list, range)) and len(allowed) > 0
+                     and all(_is_int(t) and t >= 0 for t in allowed),
+                     f"allowed_token_ids must be a non-empty list of non-negative token ids, "
+                     f"got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded

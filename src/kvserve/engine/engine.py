@@ -56,6 +56,18 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     return items  # type: ignore[return-value]
 
 
+def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the first field whose token id the model has not (a bias or a stop
+    on it would do nothing, an allowed list of none would leave nothing to sample)."""
+    for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                            ("logit_bias", [t for t, _ in params.logit_bias]),
+                            ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = [t for t in token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{name} holds token id(s) outside the vocabulary "
+                             f"[0, {vocab_size}): {outside[:5]}")
+
+
 def _require(tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is None:
         raise ValueError("this engine has no tokenizer: pass prompts as token ids")
@@ -149,6 +161,8 @@ class Engine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
         params = params or SamplingParams()
+        if self.tokenizer is not None:
+            check_vocabulary(params, self.tokenizer.vocab_size)
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         if params.eos_token_id is None and eos is not None:
             params = dataclasses.replace(params, eos_token_id=eos)

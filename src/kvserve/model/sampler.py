@@ -1,13 +1,14 @@
-"""Turn one step's logits into tokens: penalties, temperature, top-k, top-p, min-p, seeds,
-logprobs.
+"""Turn one step's logits into tokens: allowed tokens, logit bias, penalties, temperature,
+top-k, top-p, min-p, seeds, logprobs.
 
-Order per row: below min_tokens, EOS and the stop token ids held back (never drawn) ->
-repetition, frequency and presence penalties -> temperature (0: greedy) ->
-top-k -> top-p -> min-p -> draw. A seeded request draws from a generator seeded by
-(seed, output position), so the *draw* does not depend on batching or preemption: given the
-same logits, it picks the same token. By default the logits themselves are not
-batch-invariant (docs/tenants.md, "What varies with batching"): the projections' reductions
-run in an order that depends on the batch's shape, so a greedy or seeded request can give
+Order per row, as vLLM's: outside allowed_token_ids never drawn -> logit_bias added ->
+repetition, frequency and presence penalties -> below min_tokens, EOS and the stop token
+ids held back (never drawn) -> temperature (0: greedy) -> top-k -> top-p -> min-p -> draw.
+A seeded request draws from a generator seeded by (seed, output position), so the *draw*
+does not depend on batching or preemption: given the same logits, it picks the same token.
+By default the logits themselves are not batch-invariant (docs/tenants.md, "What varies
+with batching"): the projections' reductions run in an order that depends on the batch's
+shape, so a greedy or seeded request can give
 different text alone, in a batch, or after a prefix-cache hit, in bfloat16 far more often
 than in float32. With ``--batch-invariant`` the model's kernels reduce in a fixed order and
 this sampler handles each row on its own (``batch_invariant=True``), so a greedy or seeded
@@ -86,6 +87,12 @@ class SamplingRow:
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
             p.presence_penalty != 0.0
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this row's logits change before sampling (other than held stops)."""
+        p = self.params
+        return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
+
 
 @dataclass
 class SamplerOutput:
@@ -109,13 +116,13 @@ class Sampler:
 
     def _rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits
-        penalised = [index for index, row in enumerate(rows) if row.has_penalties]
+        shaped = [index for index, row in enumerate(rows) if row.shapes_logits]
         held = [(index, stops) for index, row in enumerate(rows) if (stops := row.held_stops)]
-        if penalised or held:
+        if shaped or held:
             logits = logits.clone()
-            for index in penalised:
-                _apply_penalties(logits[index], rows[index])
             vocab = logits.shape[-1]
+            for index in shaped:
+                _shape(logits[index], rows[index], vocab)
             for index, token_ids in held:
                 logits[index, [t for t in token_ids if t < vocab]] = float("-inf")
             logits = _finite(logits)  # a penalty near 0 (or huge) overflows float32
@@ -172,6 +179,21 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
             and paged_kernel.runs(logits)):
         return paged_kernel.layer_ops().argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
+    """allowed_token_ids, logit_bias and the penalties, in vLLM's order, on one row."""
+    params = row.params
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        allowed[[t for t in params.allowed_token_ids if t < vocab]] = True
+        logits.masked_fill_(~allowed, float("-inf"))
+    if params.logit_bias:
+        token_ids = [t for t, _ in params.logit_bias if t < vocab]
+        biases = [b for t, b in params.logit_bias if t < vocab]
+        logits[token_ids] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    if row.has_penalties:
+        _apply_penalties(logits, row)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:

@@ -101,10 +101,28 @@ def check_token_ids(ids: Any, vocab_size: int, where: str, param: str) -> None:
 
 
 def check_stop_token_ids(state: ServerState, req: Any) -> None:
-    """A stop token the model cannot sample would never stop anything: 400, as a prompt
-    token outside the vocabulary is."""
-    check_token_ids(req.stop_token_ids or (), state.tokenizer.vocab_size,
-                    "'stop_token_ids'", "stop_token_ids")
+    """A stop token the model cannot sample would never stop anything, nor a bias on it do
+    anything: 400, as a prompt token outside the vocabulary is; likewise an allowed token."""
+    vocab_size = state.tokenizer.vocab_size
+    check_token_ids(req.stop_token_ids or (), vocab_size, "'stop_token_ids'", "stop_token_ids")
+    check_token_ids(logit_bias(req), vocab_size, "'logit_bias'", "logit_bias")
+    check_token_ids(req.allowed_token_ids or (), vocab_size, "'allowed_token_ids'",
+                    "allowed_token_ids")
+
+
+def logit_bias(req: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) with integer keys, each bias
+    clamped to [-100, 100] as vLLM does; a 400 for a key that is not a token id."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"'logit_bias' keys are token ids (strings of digits), got "
+                              f"{key[:40]!r}", param="logit_bias")
+        if len(key) > 18:  # int() of thousands of digits is slow, then refused
+            raise bad_request(f"'logit_bias' has token id {key[:40]}..., outside the "
+                              "vocabulary", param="logit_bias")
+        bias[int(key)] = min(100.0, max(-100.0, value))
+    return bias
 
 
 def context_exceeded(message: str, param: str) -> APIError:
@@ -169,6 +187,8 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
+                              logit_bias=tuple(logit_bias(req).items()),
+                              allowed_token_ids=req.allowed_token_ids,
                               priority=priority, logprobs=logprobs, tenant=tenant, **given)
     except RequestError as error:  # its message starts with the field it is about
         name = str(error).split(" ", 1)[0]

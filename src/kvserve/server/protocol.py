@@ -2,7 +2,7 @@
 
 docs/architecture.md, rule 5: a field that is accepted works. Unknown fields are refused by
 name; OpenAI fields kvserve does not implement are refused by name unless they carry their
-neutral value (``best_of: 1``, ``logit_bias: {}``, ``tools: []`` ...), which asks for nothing.
+neutral value (``best_of: 1``, ``tools: []`` ...), which asks for nothing.
 """
 
 from __future__ import annotations
@@ -113,8 +113,12 @@ class _Sampling(_Body):
     # vLLM's: each prompt token's logprob and the top this many (G8: computed, never a
     # prefix-cache hit)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's: token id (a string of digits) -> bias added to its logit, clamped to
+    # [-100, 100] as vLLM does
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1 << 16)
+    # vLLM's: only these token ids may be sampled
+    allowed_token_ids: list[_Int] | None = Field(default=None, min_length=1, max_length=1 << 20)
     # OpenAI fields not implemented: accepted only with their neutral value.
-    logit_bias: Any = None
     best_of: Any = None
     suffix: Any = None
     response_format: Any = None
@@ -124,7 +128,6 @@ class _Sampling(_Body):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
@@ -236,7 +239,7 @@ class DetokenizeRequest(_Body):
 # The fields kvserve does not implement are those typed Any in the bodies above: null (their
 # default) or these values, which ask for nothing, so accepting them honours them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
