@@ -160,6 +160,21 @@ def test_allowed_token_ids_are_the_only_ones_drawn():
     assert Sampler()(torch.tensor([[5.0, 1.0, 4.0, 0.5]]), [seen]).token_ids == [3]
 
 
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_in_the_rest():
+    """vLLM's bad_words: a one-token word never; a longer word's last token not right after
+    the output's last tokens spell the rest of it (the prompt does not count)."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    params = SamplingParams(temperature=0.0, bad_words=["w", "xy"],
+                            bad_words_token_ids=[(3,), (2, 0)])
+    def pick(token_ids: list[int], num_prompt: int) -> int:
+        return Sampler()(logits, [SamplingRow(params, token_ids, num_prompt)]).token_ids[0]
+    assert pick([9, 2], 1) == 1  # the output ends in 2: 0 would finish "xy"
+    assert pick([9, 2, 1], 1) == 0
+    assert pick([2], 1) == 0  # 2 is the prompt's
+    free = SamplingRow(params, [9, 2, 1], 1)
+    assert free.bad_tokens == [3]
+
+
 def counts_only(counts: Counter) -> set[int]:
     return set(counts)
 
@@ -171,6 +186,15 @@ def counts_only(counts: Counter) -> set[int]:
 def test_logit_bias_is_checked(given, needle):
     with pytest.raises(RequestError, match=needle):
         SamplingParams(logit_bias=given)
+
+
+@pytest.mark.parametrize(("field", "given"), [
+    ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [3]),
+    ("bad_words_token_ids", [[]]), ("bad_words_token_ids", [[-1]]),
+])
+def test_bad_words_are_checked(field, given):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: given})
 
 
 @pytest.mark.parametrize("given", [[], [-1], [1.5], "12"])

@@ -53,6 +53,15 @@ def test_token_ids_the_sampling_params_name_are_checked_against_the_vocabulary(l
     assert forced.token_ids == [42, 42, 42]
 
 
+def test_bad_words_offline_are_tokenized_by_the_engine(llm):
+    plain = llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0,
+                                                                    ignore_eos=True))
+    word = plain[0].text.split()[0]
+    [banned] = llm.generate("The capital of France is", SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, bad_words=[word]))
+    assert word not in banned.text.split() and banned.text != plain[0].text
+
+
 def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
     text = llm.generate("Hello there", GREEDY)
     as_dict = llm.generate({"prompt": "Hello there"}, GREEDY)

@@ -578,3 +578,20 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
     first = tokens(CHAT)[0]
     assert tokens(CHAT, logit_bias={str(first): -100})[0] != first
     wait_for(server.idle, what="an empty server")
+
+
+def test_bad_words_are_never_generated(server):
+    """vLLM's bad_words, tokenized by the server (the engine process has no tokenizer): a
+    word greedy decoding wrote, banned, is not written again, at the start or after a
+    space; a blank word is a 400 naming the field."""
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}
+    plain = post(server, COMPLETIONS, body).json()["choices"][0]
+    word = plain["text"].split()[0]
+    banned = post(server, COMPLETIONS, {**body, "bad_words": [word]})
+    assert banned.status_code == 200, banned.text
+    text = banned.json()["choices"][0]["text"]
+    assert word not in text.split() and text != plain["text"]
+    refused = post(server, COMPLETIONS, {**body, "bad_words": ["ok", " "]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
+    wait_for(server.idle, what="an empty server")

@@ -136,6 +136,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's: only these token ids may be sampled (None: any)
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words never generated (each as tokenized at the start of a text and after a
+    # space); the engine that has the tokenizer fills bad_words_token_ids from them, and the
+    # sampler bans a word's last token where the output ends in the rest of it
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -244,6 +249,18 @@ class SamplingParams:
                      f"allowed_token_ids must be a non-empty list of non-negative token ids, "
                      f"got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, (tuple, list)) or not all(
+                isinstance(word, str) and word.strip() for word in words):
+            raise RequestError(f"bad_words must be a list of words (non-blank strings), "
+                               f"got {words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        sequences = self.bad_words_token_ids
+        _require(isinstance(sequences, (tuple, list)) and all(
+            isinstance(ids, (tuple, list)) and ids and all(_is_int(t) and t >= 0 for t in ids)
+            for ids in sequences),
+            f"bad_words_token_ids must be non-empty lists of token ids, got {sequences!r}")
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in sequences))
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded

@@ -30,7 +30,7 @@ from kvserve.core import (
     SchedulerOutput,
 )
 from kvserve.core.outputs import PromptLogprobs
-from kvserve.engine.text import TextStream, Tokenizer, ended_by_token
+from kvserve.engine.text import TextStream, Tokenizer, bad_words_token_ids, ended_by_token
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -61,7 +61,9 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     on it would do nothing, an allowed list of none would leave nothing to sample)."""
     for name, token_ids in (("stop_token_ids", params.stop_token_ids),
                             ("logit_bias", [t for t, _ in params.logit_bias]),
-                            ("allowed_token_ids", params.allowed_token_ids or ())):
+                            ("allowed_token_ids", params.allowed_token_ids or ()),
+                            ("bad_words_token_ids",
+                             [t for ids in params.bad_words_token_ids for t in ids])):
         outside = [t for t in token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"{name} holds token id(s) outside the vocabulary "
@@ -161,6 +163,12 @@ class Engine:
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
         params = params or SamplingParams()
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer: this engine has none; give "
+                                 "bad_words_token_ids")
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                self.tokenizer, params.bad_words))
         if self.tokenizer is not None:
             check_vocabulary(params, self.tokenizer.vocab_size)
         eos = None if self.tokenizer is None else self.tokenizer.eos_token_id

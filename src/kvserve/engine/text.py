@@ -138,3 +138,19 @@ class TextStream:
                 new_text += self.stop_checker.flush()
         self.text += new_text
         return new_text, stop
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it encodes at the start of a text
+    and, where that differs, as it encodes after a space (its form in the middle of one:
+    " routed" is one token where "routed" is two; banned too even then)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip()))
+        if not bare:
+            continue  # a blank word: SamplingParams names it
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        sequences.append(bare)
+        if spaced and spaced != bare:
+            sequences.append(spaced)
+    return tuple(sequences)

@@ -1,9 +1,10 @@
-"""Turn one step's logits into tokens: allowed tokens, logit bias, penalties, temperature,
-top-k, top-p, min-p, seeds, logprobs.
+"""Turn one step's logits into tokens: allowed tokens, bad words, logit bias, penalties,
+temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Order per row, as vLLM's: outside allowed_token_ids never drawn -> logit_bias added ->
-repetition, frequency and presence penalties -> below min_tokens, EOS and the stop token
-ids held back (never drawn) -> temperature (0: greedy) -> top-k -> top-p -> min-p -> draw.
+Order per row, as vLLM's: outside allowed_token_ids, and bad words' next tokens, never
+drawn -> logit_bias added -> repetition, frequency and presence penalties -> below
+min_tokens, EOS and the stop token ids held back (never drawn) -> temperature (0: greedy)
+-> top-k -> top-p -> min-p -> draw.
 A seeded request draws from a generator seeded by (seed, output position), so the *draw*
 does not depend on batching or preemption: given the same logits, it picks the same token.
 By default the logits themselves are not batch-invariant (docs/tenants.md, "What varies
@@ -91,7 +92,21 @@ class SamplingRow:
     def shapes_logits(self) -> bool:
         """Whether this row's logits change before sampling (other than held stops)."""
         p = self.params
-        return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None
+        return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None \
+            or bool(p.bad_words_token_ids)
+
+    @property
+    def bad_tokens(self) -> list[int]:
+        """vLLM's bad_words: each word's last token, where the output ends in the rest of
+        the word (a one-token word: always)."""
+        output = self.output_token_ids
+        banned = []
+        for ids in self.params.bad_words_token_ids:
+            prefix = len(ids) - 1
+            if prefix == 0 or (len(output) >= prefix
+                               and tuple(output[len(output) - prefix:]) == ids[:-1]):
+                banned.append(ids[-1])
+        return banned
 
 
 @dataclass
@@ -182,12 +197,16 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
-    """allowed_token_ids, logit_bias and the penalties, in vLLM's order, on one row."""
+    """allowed_token_ids, bad_words, logit_bias and the penalties, in vLLM's order, on one
+    row."""
     params = row.params
     if params.allowed_token_ids is not None:
         allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
         allowed[[t for t in params.allowed_token_ids if t < vocab]] = True
         logits.masked_fill_(~allowed, float("-inf"))
+    banned = [t for t in row.bad_tokens if t < vocab]
+    if banned:
+        logits[banned] = float("-inf")
     if params.logit_bias:
         token_ids = [t for t, _ in params.logit_bias if t < vocab]
         biases = [b for t, b in params.logit_bias if t < vocab]

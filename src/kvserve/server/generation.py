@@ -93,7 +93,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
-    base = sampling_params(req, chat, max_tokens, priority, tenant)
+    base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer)
     given = request.headers.getlist("x-request-id")
     if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
         raise bad_request(f"{len(given)} X-Request-Id headers; send one")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
+from kvserve.engine.text import Tokenizer, bad_words_token_ids
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.state import ServerState
@@ -161,7 +162,9 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
 
 
 def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
-                    tenant: str = "") -> SamplingParams:
+                    tenant: str = "", tokenizer: Tokenizer | None = None) -> SamplingParams:
+    """The engine's params for a checked body; ``tokenizer`` turns ``bad_words`` into the
+    token sequences the sampler bans (here: an engine process has no tokenizer)."""
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -189,6 +192,10 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               logit_bias=tuple(logit_bias(req).items()),
                               allowed_token_ids=req.allowed_token_ids,
+                              bad_words=tuple(req.bad_words or ()),
+                              bad_words_token_ids=bad_words_token_ids(
+                                  tokenizer, req.bad_words) if tokenizer and req.bad_words
+                              else (),
                               priority=priority, logprobs=logprobs, tenant=tenant, **given)
     except RequestError as error:  # its message starts with the field it is about
         name = str(error).split(" ", 1)[0]

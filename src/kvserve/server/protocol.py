@@ -118,6 +118,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1 << 16)
     # vLLM's: only these token ids may be sampled
     allowed_token_ids: list[_Int] | None = Field(default=None, min_length=1, max_length=1 << 20)
+    # vLLM's: words never generated
+    bad_words: list[str] | None = Field(default=None, max_length=1024)
     # OpenAI fields not implemented: accepted only with their neutral value.
     best_of: Any = None
     suffix: Any = None
@@ -128,7 +130,6 @@ class _Sampling(_Body):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    bad_words: Any = None
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
@@ -245,7 +246,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
     # vLLM's defaults
     "spaces_between_special_tokens": (True,),
-    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1.0,),
     "return_tokens_as_token_ids": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
     # no reasoning parser here: a reply has no reasoning to include or leave out
