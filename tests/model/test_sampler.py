@@ -175,6 +175,24 @@ def test_bad_words_ban_a_words_last_token_where_the_output_ends_in_the_rest():
     assert free.bad_tokens == [3]
 
 
+def test_choices_keep_the_output_on_one_choice_then_end_it():
+    """vLLM's structured output by choice: each token keeps the output a prefix of some
+    choice; one spelled whole may end (EOS) or go on into a longer one; EOS alone once
+    the output left them all."""
+    params = SamplingParams(temperature=1.0, seed=2, eos_token_id=0,
+                            choice_token_ids=[(1, 2), (1, 2, 3), (3,)])
+    def allowed(output: list[int]) -> list[int]:
+        return SamplingRow(params, [9, *output], 1).choice_tokens
+    assert allowed([]) == [1, 3]
+    assert allowed([1]) == [2]
+    assert allowed([1, 2]) == [0, 3]
+    assert allowed([3]) == [0]
+    assert allowed([2]) == [0]
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0]])  # the model wants 3
+    rows = [SamplingRow(params, [9, 1], 1), SamplingRow(params, [9], 1)]
+    assert Sampler()(logits.repeat(2, 1), rows).token_ids == [2, 3]
+
+
 def counts_only(counts: Counter) -> set[int]:
     return set(counts)
 
@@ -191,6 +209,7 @@ def test_logit_bias_is_checked(given, needle):
 @pytest.mark.parametrize(("field", "given"), [
     ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [3]),
     ("bad_words_token_ids", [[]]), ("bad_words_token_ids", [[-1]]),
+    ("choices", [""]), ("choices", "yes"), ("choice_token_ids", [[]]),
 ])
 def test_bad_words_are_checked(field, given):
     with pytest.raises(RequestError, match=field):
@@ -201,6 +220,13 @@ def test_bad_words_are_checked(field, given):
 def test_allowed_token_ids_are_checked(given):
     with pytest.raises(RequestError, match="allowed_token_ids must be a non-empty list"):
         SamplingParams(allowed_token_ids=given)
+
+
+def test_choices_end_at_eos_so_nothing_may_hold_it_back():
+    with pytest.raises(RequestError, match="ignore_eos cannot be true"):
+        SamplingParams(choices=["a"], ignore_eos=True)
+    with pytest.raises(RequestError, match="min_tokens must be 0"):
+        SamplingParams(choices=["a"], min_tokens=2)
 
 
 def test_token_constraints_are_kept_as_sorted_pairs_and_a_tuple():

@@ -62,6 +62,13 @@ def test_bad_words_offline_are_tokenized_by_the_engine(llm):
     assert word not in banned.text.split() and banned.text != plain[0].text
 
 
+def test_choices_offline_are_tokenized_by_the_engine(llm):
+    [result] = llm.generate("The sky is", SamplingParams(temperature=1.0, seed=4, n=3,
+                                                         choices=["blue", "grey"]))
+    assert [sample.text in ("blue", "grey") for sample in result.outputs] == [True] * 3
+    assert result.finish_reason == "stop"
+
+
 def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
     text = llm.generate("Hello there", GREEDY)
     as_dict = llm.generate({"prompt": "Hello there"}, GREEDY)

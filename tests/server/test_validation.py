@@ -595,3 +595,31 @@ def test_bad_words_are_never_generated(server):
     refused = post(server, COMPLETIONS, {**body, "bad_words": ["ok", " "]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
     wait_for(server.idle, what="an empty server")
+
+
+def test_a_choice_constrained_output_is_one_of_the_choices(server):
+    """vLLM's structured output by choice (structured_outputs.choice, or the older
+    guided_choice): the text is one whole choice, ended by EOS, sampled or greedy, in
+    completions and chat; the other constraints are refused by name."""
+    colours = ["red", "green", "light blue"]
+    reply = post(server, COMPLETIONS, {"prompt": "My favourite colour is", "n": 4, "seed": 3,
+                                       "temperature": 1.5, "guided_choice": colours})
+    assert reply.status_code == 200, reply.text
+    for choice in reply.json()["choices"]:
+        assert choice["text"] in colours and choice["finish_reason"] == "stop"
+    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "Pick a colour"}],
+                               "temperature": 0, "structured_outputs": {"choice": colours}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] in colours
+    for body, status, needle in [
+        ({"guided_choice": colours, "ignore_eos": True}, 400, "ignore_eos cannot be true"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, 400,
+         "field 'structured_outputs.json' is not supported"),
+        ({"structured_outputs": {}}, 400, "'structured_outputs' needs 'choice'"),
+        ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]}, 400, "not both"),
+        ({"guided_choice": []}, 400, "guided_choice"),
+        ({"guided_choice": [""]}, 400, "choices must be a list"),
+    ]:
+        refused = post(server, COMPLETIONS, {"prompt": "x", **body})
+        assert refused.status_code == status and needle in error_of(refused), refused.text
+    wait_for(server.idle, what="an empty server")

@@ -11,6 +11,8 @@ from kvserve.core.errors import RequestError
 
 # The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
 MAX_SAMPLES = 4096
+# The most texts a choice-constrained request may choose from.
+MAX_CHOICES = 4096
 
 
 class RequestStatus(enum.IntEnum):
@@ -141,6 +143,10 @@ class SamplingParams:
     # sampler bans a word's last token where the output ends in the rest of it
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's structured output by choice (guided_choice): the output is one of these texts,
+    # then EOS; the engine that has the tokenizer fills choice_token_ids (each as it encodes)
+    choices: tuple[str, ...] = ()
+    choice_token_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -261,6 +267,24 @@ class SamplingParams:
             for ids in sequences),
             f"bad_words_token_ids must be non-empty lists of token ids, got {sequences!r}")
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in sequences))
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        choices = self.choices
+        _require(isinstance(choices, (tuple, list)) and len(choices) <= MAX_CHOICES and all(
+            isinstance(choice, str) and choice for choice in choices),
+            f"choices must be a list of at most {MAX_CHOICES} non-empty strings, "
+            f"got {str(choices)[:200]}")
+        object.__setattr__(self, "choices", tuple(choices))
+        sequences = self.choice_token_ids
+        _require(isinstance(sequences, (tuple, list)) and all(
+            isinstance(ids, (tuple, list)) and ids and all(_is_int(t) and t >= 0 for t in ids)
+            for ids in sequences),
+            f"choice_token_ids must be non-empty lists of token ids, got {sequences!r}")
+        object.__setattr__(self, "choice_token_ids", tuple(tuple(ids) for ids in sequences))
+        if choices or sequences:  # a choice ends at EOS: nothing may hold it back
+            _require(not self.ignore_eos, "choices end at EOS: ignore_eos cannot be true")
+            _require(self.min_tokens == 0, "choices end at EOS: min_tokens must be 0")
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded

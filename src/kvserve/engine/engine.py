@@ -30,7 +30,13 @@ from kvserve.core import (
     SchedulerOutput,
 )
 from kvserve.core.outputs import PromptLogprobs
-from kvserve.engine.text import TextStream, Tokenizer, bad_words_token_ids, ended_by_token
+from kvserve.engine.text import (
+    TextStream,
+    Tokenizer,
+    bad_words_token_ids,
+    choice_token_ids,
+    ended_by_token,
+)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -63,11 +69,19 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
                             ("logit_bias", [t for t, _ in params.logit_bias]),
                             ("allowed_token_ids", params.allowed_token_ids or ()),
                             ("bad_words_token_ids",
-                             [t for ids in params.bad_words_token_ids for t in ids])):
+                             [t for ids in params.bad_words_token_ids for t in ids]),
+                            ("choice_token_ids",
+                             [t for ids in params.choice_token_ids for t in ids])):
         outside = [t for t in token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"{name} holds token id(s) outside the vocabulary "
                              f"[0, {vocab_size}): {outside[:5]}")
+
+
+def _tokenizer_for(tokenizer: Tokenizer | None, field: str, instead: str) -> Tokenizer:
+    if tokenizer is None:
+        raise ValueError(f"{field} need a tokenizer: this engine has none; give {instead}")
+    return tokenizer
 
 
 def _require(tokenizer: Tokenizer | None) -> Tokenizer:
@@ -162,18 +176,7 @@ class Engine:
     def add_request(self, request_id: str, prompt: Prompt,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> Request:
-        params = params or SamplingParams()
-        if params.bad_words and not params.bad_words_token_ids:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer: this engine has none; give "
-                                 "bad_words_token_ids")
-            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
-                self.tokenizer, params.bad_words))
-        if self.tokenizer is not None:
-            check_vocabulary(params, self.tokenizer.vocab_size)
-        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
-        if params.eos_token_id is None and eos is not None:
-            params = dataclasses.replace(params, eos_token_id=eos)
+        params = self._with_token_ids(params or SamplingParams())
         request = Request(request_id, self.encode_prompt(prompt), params,
                           arrival_time=self.clock() if arrival_time is None else arrival_time)
         self.scheduler.add_request(request)  # raises before anything else is recorded
@@ -185,6 +188,29 @@ class Engine:
             if text is not None:
                 self._text[request_id] = text
         return request
+
+    def _with_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with what the tokenizer supplies (EOS, the token ids of bad_words and
+        of choices), checked against its vocabulary; ValueError naming what is missing."""
+        tokenizer = self.tokenizer
+        filled: dict[str, Any] = {}
+        if params.bad_words and not params.bad_words_token_ids:
+            filled["bad_words_token_ids"] = bad_words_token_ids(
+                _tokenizer_for(tokenizer, "bad_words", "bad_words_token_ids"), params.bad_words)
+        if params.choices and not params.choice_token_ids:
+            filled["choice_token_ids"] = choice_token_ids(
+                _tokenizer_for(tokenizer, "choices", "choice_token_ids"), params.choices)
+        if params.eos_token_id is None and tokenizer is not None and \
+                tokenizer.eos_token_id is not None:
+            filled["eos_token_id"] = tokenizer.eos_token_id
+        if filled:
+            params = dataclasses.replace(params, **filled)
+        if params.choice_token_ids and params.eos_token_id is None:
+            raise ValueError("choices end at EOS, and this engine knows no EOS token: give "
+                             "eos_token_id")
+        if tokenizer is not None:
+            check_vocabulary(params, tokenizer.vocab_size)
+        return params
 
     def abort(self, request_id: str) -> RequestMetrics | None:
         """Abort a request in any state; its metrics, or None if it was unknown or done."""

@@ -154,3 +154,9 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tup
         if spaced and spaced != bare:
             sequences.append(spaced)
     return tuple(sequences)
+
+
+def choice_token_ids(tokenizer: Tokenizer, choices: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Each choice's token ids, as the text encodes alone (the output is steered to that
+    spelling of it)."""
+    return tuple(tuple(tokenizer.encode(choice)) for choice in choices)

@@ -1,10 +1,10 @@
 """Turn one step's logits into tokens: allowed tokens, bad words, logit bias, penalties,
 temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Order per row, as vLLM's: outside allowed_token_ids, and bad words' next tokens, never
-drawn -> logit_bias added -> repetition, frequency and presence penalties -> below
-min_tokens, EOS and the stop token ids held back (never drawn) -> temperature (0: greedy)
--> top-k -> top-p -> min-p -> draw.
+Order per row, as vLLM's: outside allowed_token_ids, off every choice's path, and bad
+words' next tokens, never drawn -> logit_bias added -> repetition, frequency and presence
+penalties -> below min_tokens, EOS and the stop token ids held back (never drawn) ->
+temperature (0: greedy) -> top-k -> top-p -> min-p -> draw.
 A seeded request draws from a generator seeded by (seed, output position), so the *draw*
 does not depend on batching or preemption: given the same logits, it picks the same token.
 By default the logits themselves are not batch-invariant (docs/tenants.md, "What varies
@@ -93,7 +93,21 @@ class SamplingRow:
         """Whether this row's logits change before sampling (other than held stops)."""
         p = self.params
         return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None \
-            or bool(p.bad_words_token_ids)
+            or bool(p.bad_words_token_ids) or bool(p.choice_token_ids)
+
+    @property
+    def choice_tokens(self) -> list[int]:
+        """With choices: the tokens that keep the output a prefix of one of them, and EOS
+        once it spells one whole (EOS alone should it have left them all)."""
+        output = tuple(self.output_token_ids)
+        count = len(output)
+        params = self.params
+        tokens = {ids[count] for ids in params.choice_token_ids
+                  if len(ids) > count and ids[:count] == output}
+        if not tokens or output in params.choice_token_ids:
+            assert params.eos_token_id is not None  # the engine refuses choices without one
+            tokens.add(params.eos_token_id)
+        return sorted(tokens)
 
     @property
     def bad_tokens(self) -> list[int]:
@@ -197,13 +211,15 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
-    """allowed_token_ids, bad_words, logit_bias and the penalties, in vLLM's order, on one
-    row."""
+    """allowed_token_ids and choices, bad_words, logit_bias and the penalties, in vLLM's
+    order, on one row."""
     params = row.params
-    if params.allowed_token_ids is not None:
-        allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-        allowed[[t for t in params.allowed_token_ids if t < vocab]] = True
-        logits.masked_fill_(~allowed, float("-inf"))
+    for token_ids in (params.allowed_token_ids,
+                      row.choice_tokens if params.choice_token_ids else None):
+        if token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            allowed[[t for t in token_ids if t < vocab]] = True
+            logits.masked_fill_(~allowed, float("-inf"))
     banned = [t for t in row.bad_tokens if t < vocab]
     if banned:
         logits[banned] = float("-inf")

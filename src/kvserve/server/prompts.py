@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
-from kvserve.engine.text import Tokenizer, bad_words_token_ids
+from kvserve.engine.text import Tokenizer, bad_words_token_ids, choice_token_ids
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.state import ServerState
@@ -184,6 +184,8 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         given["prompt_logprobs"] = max(logprobs, req.prompt_logprobs or 0)
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
+    choices = req.guided_choice or (req.structured_outputs.choice
+                                    if req.structured_outputs is not None else None) or ()
     try:
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, n=req.n,
                               ignore_eos=req.ignore_eos, stop=stop,
@@ -192,6 +194,8 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               logit_bias=tuple(logit_bias(req).items()),
                               allowed_token_ids=req.allowed_token_ids,
+                              choices=tuple(choices), choice_token_ids=choice_token_ids(
+                                  tokenizer, choices) if tokenizer and choices else (),
                               bad_words=tuple(req.bad_words or ()),
                               bad_words_token_ids=bad_words_token_ids(
                                   tokenizer, req.bad_words) if tokenizer and req.bad_words

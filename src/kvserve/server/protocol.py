@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvserve.core.request import MAX_CHOICES
 from kvserve.server.errors import APIError, bad_request
 
 MAX_N = 16
@@ -48,6 +49,22 @@ class StreamOptions(_Body):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far too
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: of its constraints only ``choice`` is implemented; the
+    others (and its options) are accepted null only."""
+
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    json_schema: Any = Field(default=None, alias="json")  # "json" would shadow BaseModel.json
+    regex: Any = None
+    grammar: Any = None
+    json_object: Any = None
+    structural_tag: Any = None
+    disable_fallback: Any = None
+    disable_any_whitespace: Any = None
+    disable_additional_properties: Any = None
+    whitespace_pattern: Any = None
 
 
 class SessionRef(_Body):
@@ -135,11 +152,12 @@ class _Sampling(_Body):
     logits_processors: Any = None
     guided_json: Any = None
     guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
+    # vLLM's structured output by choice: the output is one of these texts
+    structured_outputs: StructuredOutputs | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
     mm_processor_kwargs: Any = None
@@ -284,6 +302,20 @@ def parse_body(model: type[_Body], body: Any) -> Any:
     _check_neutral(request, {name: _NEUTRAL.get(name, ())
                              for name, field in model.model_fields.items()
                              if field.annotation is Any}, "")
+    structured = getattr(request, "structured_outputs", None)
+    if structured is not None:
+        for name, field in StructuredOutputs.model_fields.items():
+            if field.annotation is Any and getattr(structured, name) is not None:
+                key = field.alias or name
+                raise bad_request(f"field 'structured_outputs.{key}' is not supported by this "
+                                  "server (of vLLM's structured outputs only 'choice' is); "
+                                  "remove it", param=f"structured_outputs.{key}")
+        if structured.choice is None:
+            raise bad_request("'structured_outputs' needs 'choice' (the only constraint this "
+                              "server implements)", param="structured_outputs")
+        if getattr(request, "guided_choice", None) is not None:
+            raise bad_request("give 'structured_outputs.choice' or 'guided_choice', not both",
+                              param="guided_choice")
     for index, message in enumerate(getattr(request, "messages", None) or ()):
         _check_neutral(message, _MESSAGE_NEUTRAL, f"messages.{index}.")
     stop = getattr(request, "stop", None)
