@@ -56,3 +56,20 @@ def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_text(tokenizer):
     star = [entry for entry in content if entry["token"] == "\ufffd"]
     assert len(star) >= 4 and all(entry["bytes"] != list("\ufffd".encode()) for entry in star)
     assert content[0]["top_logprobs"][0]["bytes"] == list(b"\n")
+
+
+def test_tokens_holding_part_of_a_character_keep_distinct_names(tokenizer):
+    """Each star's three tokens decode alone to U+FFFD: keyed by that text, a top list of
+    them collapsed into one entry holding the last one's logprob (QA). They are named by
+    their bytes, as OpenAI names them (``bytes:\\xf0\\x9f``), whole tokens by their text."""
+    ids = tokenizer.encode(TEXT)
+    star = ids[1:4]
+    entries = [(star[0], {star[0]: -0.1, star[1]: -2.0, star[2]: -3.0, ids[0]: -4.0})]
+    out = completion_logprobs(tokenizer, entries)
+    [top] = out["top_logprobs"]
+    assert len(top) == 4 and top["\n"] == -4.0
+    names = [name for name in top if name != "\n"]
+    assert all(name.startswith("bytes:\\x") for name in names)
+    assert b"".join(bytes.fromhex(name[6:].replace("\\x", "")) for name in
+                    out["tokens"] + names[1:]) == "🌟".encode()
+    assert top[out["tokens"][0]] == out["token_logprobs"][0] == -0.1

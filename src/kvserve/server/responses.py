@@ -110,12 +110,29 @@ def completion_logprobs(tokenizer: Tokenizer,
     for token_id, entry in entries:
         text = tokenizer.decode([token_id])
         offsets.append(state.next(tokenizer, token_id, text))
-        tokens.append(text)
+        tokens.append(token_string(tokenizer, token_id, text))
         token_logprobs.append(None if entry is None else entry.get(token_id))
         top.append(None if entry is None else
-                   {tokenizer.decode([t]): lp for t, lp in _ranked(entry)})
+                   {token_string(tokenizer, t): lp for t, lp in _ranked(entry)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def token_string(tokenizer: Tokenizer, token_id: int, text: str | None = None) -> str:
+    """A token as the completions API names it: its text decoded alone, or, for a token
+    holding part of a UTF-8 character (alone it decodes to U+FFFD), OpenAI's
+    ``bytes:\\xe3\\x81`` spelling of its bytes, so two such tokens in one top list do not
+    collapse into one U+FFFD key (QA: 2 of 5 entries came back, one with another's
+    value)."""
+    if text is None:
+        text = tokenizer.decode([token_id])
+    own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
+    if _REPLACEMENT not in text or own is None:
+        return text
+    raw = own(token_id)
+    if raw == text.encode():
+        return text  # the token is U+FFFD itself
+    return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def echoed_entries(choice: Choice, num_top: int) -> list[tuple[int, dict[int, float] | None]]:
