@@ -623,3 +623,16 @@ def test_a_choice_constrained_output_is_one_of_the_choices(server):
         refused = post(server, COMPLETIONS, {"prompt": "x", **body})
         assert refused.status_code == status and needle in error_of(refused), refused.text
     wait_for(server.idle, what="an empty server")
+
+
+def test_a_whole_number_written_as_a_float_is_that_integer(server):
+    """`"max_tokens": 5.0` (as `budget / 2` makes it in a client) was a 400 under strict
+    validation; OpenAI's API and vLLM take it. 5.5 and "5" stay errors."""
+    reply = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 5.0, "n": 2.0,
+                                       "ignore_eos": True, "seed": 1.0, "temperature": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 10
+    for value in (5.5, "5"):
+        refused = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": value})
+        assert refused.status_code == 400
+        assert "field 'max_tokens': input should be a valid integer" in error_of(refused)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -29,6 +30,12 @@ MAX_STOP_STRINGS = 16
 _Int = Annotated[int, Field(strict=True)]
 
 
+def _is_int_field(annotation: Any) -> bool:
+    """``int`` or ``int | None``."""
+    return annotation is int or (get_origin(annotation) in (Union, UnionType)
+                                 and set(get_args(annotation)) == {int, type(None)})
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -42,7 +49,19 @@ class _Body(BaseModel):
         fields = cls.model_fields
         nulls = [name for name, value in data.items() if value is None and name in fields
                  and not fields[name].is_required() and fields[name].default is not None]
-        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+        data = {k: v for k, v in data.items() if k not in nulls} if nulls else data
+        return cls._whole_floats_as_ints(data)
+
+    @classmethod
+    def _whole_floats_as_ints(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A whole number written as a float (``"max_tokens": 5.0``, as ``budget / 2`` in
+        a client's code makes it) is that integer in an integer field, as OpenAI's API and
+        vLLM's lax validation take it (QA); 5.5 stays an error, as does "5"."""
+        fields = cls.model_fields
+        whole = {name: int(value) for name, value in data.items()
+                 if isinstance(value, float) and value.is_integer() and name in fields
+                 and _is_int_field(fields[name].annotation)}
+        return {**data, **whole} if whole else data
 
 
 class StreamOptions(_Body):
