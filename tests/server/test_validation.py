@@ -33,7 +33,14 @@ def error_of(response: httpx.Response) -> str:
      "outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "a lot"}}, 400, "logit_bias"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "field 'tools' is not supported"),
+     400, '"auto" tool choice needs a tool-call parser'),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+            "tool_choice": "required"}, 400,
+     'tool_choice "required" needs structured outputs by JSON schema'),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": "all"}, 400,
+     "field 'tools'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "flex"}, 400,
+     "field 'service_tier' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,
      "unknown field 'messages.0.extra'"),
     (CHAT, {"messages": []}, 400, "'messages'"),
@@ -636,3 +643,22 @@ def test_a_whole_number_written_as_a_float_is_that_integer(server):
         refused = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": value})
         assert refused.status_code == 400
         assert "field 'max_tokens': input should be a valid integer" in error_of(refused)
+
+
+def test_tools_with_tool_choice_none_are_ignored_as_vllm_ignores_them(server):
+    """OpenAI SDK code that always sends its tools, with tool_choice "none" where it wants
+    text, was a 400; vLLM serves it without rendering the tools. Likewise OpenAI's
+    service_tier "default" and a reasoning_effort (this model does not reason)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0, "return_token_ids": True}
+    plain = post(server, CHAT, base).json()
+    for extra in ({"tools": [tool], "tool_choice": "none"}, {"service_tier": "default"},
+                  {"reasoning_effort": "low"}):
+        reply = post(server, CHAT, {**base, **extra})
+        assert reply.status_code == 200, (extra, reply.text)
+        body = reply.json()
+        assert body["prompt_token_ids"] == plain["prompt_token_ids"]  # tools not rendered
+        assert body["choices"][0]["message"]["content"] == \
+            plain["choices"][0]["message"]["content"]

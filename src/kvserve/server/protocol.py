@@ -227,7 +227,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: Any = None
+    # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
+    # ignores them; anything that would need a tool-call parser is refused (_check_tools)
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=1024)
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
@@ -280,7 +282,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "metadata": ({},), "store": (False,), "modalities": (["text"],), "service_tier": ("auto",),
+    "metadata": ({},), "store": (False,), "modalities": (["text"],),
+    "service_tier": ("auto", "default"),  # no tiers here: every request is served alike
     # vLLM's defaults
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,),
@@ -288,6 +291,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
     # no reasoning parser here: a reply has no reasoning to include or leave out
     "include_reasoning": (True, False),
+    # nor a reasoning effort to set: the bundled model does not reason (vLLM hands it to the
+    # template, which ignores it)
+    "reasoning_effort": ("minimal", "low", "medium", "high"),
 }
 
 
@@ -316,6 +322,7 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         request = model.model_validate(body)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
+    _check_tools(request)  # before tool_choice's neutral values: its own message
     # the fields kvserve does not implement are those typed Any (one an endpoint honours,
     # completions' echo or add_special_tokens, has its type there)
     _check_neutral(request, {name: _NEUTRAL.get(name, ())
@@ -346,6 +353,27 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         raise bad_request("'stop' must hold non-empty strings (an empty one would stop "
                           "before any text)", param="stop")
     return request
+
+
+def _check_tools(request: Any) -> None:
+    """Tools with tool_choice "none" are served, the tools ignored, as vLLM serves them;
+    "auto" (the default when tools are given, as OpenAI's and vLLM's) needs a tool-call
+    parser and "required" or a named function structured outputs by JSON schema, which
+    this server has neither of: a 400 saying so."""
+    tools = getattr(request, "tools", None)
+    if not tools:
+        return
+    choice = request.tool_choice
+    if choice == "none":
+        return
+    wanted = "auto" if choice is None else choice
+    if wanted == "auto":
+        raise bad_request('"auto" tool choice needs a tool-call parser, which this server '
+                          'does not have; send "tool_choice": "none" to have the tools '
+                          "ignored", param="tool_choice")
+    raise bad_request(f"tool_choice {json.dumps(wanted)[:80]} needs structured outputs by "
+                      "JSON schema, which this server does not implement; send "
+                      '"tool_choice": "none" to have the tools ignored', param="tool_choice")
 
 
 def _describe(error: ValidationError) -> tuple[str, str]:
