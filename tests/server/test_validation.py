@@ -253,6 +253,8 @@ def test_api_keys_and_priority_limits(tmp_path):
         assert missing.status_code == 401 and "missing API key" in error_of(missing)
         wrong = post(live, COMPLETIONS, body, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "invalid API key" in error_of(wrong)
+        assert missing.headers["WWW-Authenticate"] == wrong.headers["WWW-Authenticate"] \
+            == "Bearer"  # RFC 9110 (QA)
         tenant = {"Authorization": "Bearer tenant-a"}
         assert post(live, COMPLETIONS, body, headers=tenant).status_code == 200
         assert post(live, COMPLETIONS, {**body, "priority": 5}, headers=tenant
@@ -662,3 +664,10 @@ def test_tools_with_tool_choice_none_are_ignored_as_vllm_ignores_them(server):
         assert body["prompt_token_ids"] == plain["prompt_token_ids"]  # tools not rendered
         assert body["choices"][0]["message"]["content"] == \
             plain["choices"][0]["message"]["content"]
+
+
+def test_a_method_the_path_does_not_take_is_a_405_naming_the_ones_it_does(server):
+    """RFC 9110: a 405 carries Allow (QA: the error handler dropped starlette's)."""
+    reply = httpx.get(server.url + COMPLETIONS, timeout=30)
+    assert reply.status_code == 405 and "POST" in reply.headers["Allow"]
+    assert reply.json()["error"]["message"].startswith("GET /v1/completions")

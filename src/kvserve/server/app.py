@@ -94,13 +94,17 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         given = request.headers.get("x-request-id")  # echoed on refusals too, as vLLM does
         if given and len(given) <= 128 and given.isascii() and given.isprintable():
             response.headers.setdefault("X-Request-Id", given)
+        if error.status == 401:  # RFC 9110: a 401 names the scheme it wants
+            response.headers.setdefault("WWW-Authenticate", "Bearer")
         return response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
         message = "not found" if error.status_code == 404 else str(error.detail)
-        return APIError(error.status_code, f"{request.method} {request.url.path}: "
-                                           f"{message}").response()
+        response = APIError(error.status_code, f"{request.method} {request.url.path}: "
+                                               f"{message}").response()
+        response.headers.update(error.headers or {})  # a 405's Allow (RFC 9110)
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, error: EngineDeadError) -> Response:
