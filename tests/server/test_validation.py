@@ -671,3 +671,21 @@ def test_a_method_the_path_does_not_take_is_a_405_naming_the_ones_it_does(server
     reply = httpx.get(server.url + COMPLETIONS, timeout=30)
     assert reply.status_code == 405 and "POST" in reply.headers["Allow"]
     assert reply.json()["error"]["message"].startswith("GET /v1/completions")
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    """vLLM's return_tokens_as_token_ids: every token in the logprobs is "token_id:N", the
+    top lists too (completions and chat)."""
+    body = {"max_tokens": 3, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    reply = post(server, COMPLETIONS, {**body, "prompt": "hello", "logprobs": 2}).json()
+    choice = reply["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(name.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"]
+               for name in top)
+    chat = post(server, CHAT, {**body, "messages": [{"role": "user", "content": "hello"}],
+                               "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for entry in content
+               for top in entry["top_logprobs"])

@@ -319,9 +319,10 @@ class _Generation:
     def _logprobs(self, entries: list[Any],
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
         tokenizer = self.state.tokenizer
+        as_ids = bool(self.req.return_tokens_as_token_ids)
         if self.chat:
-            return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0)
-        return completion_logprobs(tokenizer, entries, offsets)
+            return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0, as_ids)
+        return completion_logprobs(tokenizer, entries, offsets, as_ids)
 
     # -- streamed --------------------------------------------------------------------------
 

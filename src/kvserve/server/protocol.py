@@ -156,6 +156,8 @@ class _Sampling(_Body):
     allowed_token_ids: list[_Int] | None = Field(default=None, min_length=1, max_length=1 << 20)
     # vLLM's: words never generated
     bad_words: list[str] | None = Field(default=None, max_length=1024)
+    # vLLM's: logprobs name each token "token_id:N" (its text may not be valid UTF-8)
+    return_tokens_as_token_ids: bool = False
     # OpenAI fields not implemented: accepted only with their neutral value.
     best_of: Any = None
     suffix: Any = None
@@ -167,7 +169,6 @@ class _Sampling(_Body):
     use_beam_search: Any = None
     length_penalty: Any = None
     truncate_prompt_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
     logits_processors: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -287,7 +288,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's defaults
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,),
-    "return_tokens_as_token_ids": (False,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
     # no reasoning parser here: a reply has no reasoning to include or leave out
     "include_reasoning": (True, False),

@@ -101,19 +101,23 @@ class TextOffsets:
 
 def completion_logprobs(tokenizer: Tokenizer,
                         entries: list[tuple[int, dict[int, float] | None]],
-                        offsets_state: TextOffsets | None = None) -> dict[str, Any]:
+                        offsets_state: TextOffsets | None = None,
+                        as_ids: bool = False) -> dict[str, Any]:
     """The completions API's logprobs of ``entries`` (token id, its top logprobs; None for
     an echoed prompt's first token, which has none); their offsets continue
-    ``offsets_state`` (a stream's, kept per choice), else start at 0."""
+    ``offsets_state`` (a stream's, kept per choice), else start at 0. ``as_ids``: vLLM's
+    return_tokens_as_token_ids, each token named ``token_id:N``."""
     state = offsets_state if offsets_state is not None else TextOffsets()
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in entries:
         text = tokenizer.decode([token_id])
         offsets.append(state.next(tokenizer, token_id, text))
-        tokens.append(token_string(tokenizer, token_id, text))
+        tokens.append(f"token_id:{token_id}" if as_ids else
+                      token_string(tokenizer, token_id, text))
         token_logprobs.append(None if entry is None else entry.get(token_id))
         top.append(None if entry is None else
-                   {token_string(tokenizer, t): lp for t, lp in _ranked(entry)})
+                   {f"token_id:{t}" if as_ids else token_string(tokenizer, t): lp
+                    for t, lp in _ranked(entry)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
 
@@ -174,11 +178,14 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float]]],
-                  num_top: int) -> dict[str, Any]:
+                  num_top: int, as_ids: bool = False) -> dict[str, Any]:
+    """The chat API's logprobs; ``as_ids`` as :func:`completion_logprobs`'s (the bytes stay
+    the token's own)."""
     def token(token_id: int) -> tuple[str, list[int]]:
         text = tokenizer.decode([token_id])
         own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
-        return text, list(own(token_id) if own is not None else text.encode())
+        raw = list(own(token_id) if own is not None else text.encode())
+        return (f"token_id:{token_id}" if as_ids else text), raw
 
     content = []
     for token_id, entry in entries:
