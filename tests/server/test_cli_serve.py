@@ -291,3 +291,63 @@ def test_the_server_exits_1_when_its_engine_dies_so_a_supervisor_restarts_it():
     assert process.returncode == 1, output
     assert "the engine died (the engine process (pid " in output
     assert "died (signal 9, SIGKILL)): the server stops with status 1" in output
+
+
+def test_shutdown_timeout_aborts_what_is_still_running_then_exits():
+    """vLLM's --shutdown-timeout: SIGTERM stops taking connections, lets the requests under
+    way run for that long, then aborts them, so a stream ends with finish_reason abort and
+    [DONE] and a whole answer says abort, instead of the shutdown waiting on the longest
+    generation (the default) or cutting the connection."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    kvserve = str(Path(sys.executable).with_name("kvserve"))
+    process = subprocess.Popen(
+        [kvserve, "serve", "--port", str(port), "--load-format", "dummy", "--max-model-len",
+         "1024", "--num-kv-blocks", "128", "--shutdown-timeout", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
+    answers: dict = {}
+
+    def whole() -> None:
+        answers["whole"] = httpx.post(url, json=long, timeout=120).json()
+
+    def streamed() -> None:
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=120) as reply:
+            answers["stream"] = [line for line in reply.iter_lines() if line]
+
+    try:
+        wait_until_serving(process, port)
+        threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+        for thread in threads:
+            thread.start()
+        def running() -> float:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running{"))
+
+        wait_for(lambda: running() == 2, what="both requests running", timeout=120)
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert answers["whole"]["choices"][0]["finish_reason"] == "abort", output
+    assert answers["stream"][-1] == "data: [DONE]", output
+    last = json.loads(answers["stream"][-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert "shutdown timeout (0.5s): aborting the 2 request(s) still under way" in output
+    assert "Traceback" not in output and "Finished server process" in output, output

@@ -689,3 +689,15 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
     assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in chat["token_ids"]]
     assert all(top["token"].startswith("token_id:") for entry in content
                for top in entry["top_logprobs"])
+
+
+def test_a_request_read_once_the_shutdown_began_is_a_503(server):
+    """As vLLM's: nothing new is queued once a shutdown began (kvserve serve's SIGTERM)."""
+    server.state.shutting_down = True
+    try:
+        refused = post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2})
+    finally:
+        server.state.shutting_down = False
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert not server.state.ids_in_use  # nothing held for it
+    assert post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).status_code == 200

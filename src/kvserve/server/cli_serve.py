@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -69,6 +70,11 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--allow-credentials", action="store_true",
                        help="CORS: allow credentials (cookies, Authorization) from the allowed "
                             "origins")
+    group.add_argument("--shutdown-timeout", type=_seconds, default=None, metavar="SECONDS",
+                       help="vLLM's: on SIGTERM (or Ctrl-C) stop taking connections and let "
+                            "the requests under way finish for at most this long, then abort "
+                            "the rest (a stream ends with finish_reason abort); 0 aborts them "
+                            "at once (vLLM's default). Default: wait for them all")
     logs = parser.add_argument_group("logging (vLLM's flags)")
     logs.add_argument("--log-stats-interval", type=float, default=10.0,
                       help="seconds between stats lines; 0: none")
@@ -143,6 +149,16 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds >= 0")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -163,14 +179,53 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
                        "it, abort requests and start recordings into any directory this "
                        "server may write (give --api-key or --api-keys)", args.host)
+    timeout = args.shutdown_timeout
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log)
-    server = uvicorn.Server(config)
+                            access_log=not args.disable_uvicorn_access_log,
+                            # a backstop: the aborts below end every request well before
+                            timeout_graceful_shutdown=None if timeout is None else timeout + 30)
+    server = _draining_server(uvicorn, config, state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         server.run(sockets=sockets)
     return 1 if died.is_set() else 0
+
+
+def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | None) -> Any:
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) aborts the requests still under
+    way ``timeout`` seconds after it began (vLLM's --shutdown-timeout), so their clients get
+    an answer that says so (finish_reason abort) and the server exits; with no timeout it
+    waits for them all, as uvicorn does."""
+
+    class DrainingServer(uvicorn.Server):  # type: ignore[misc, name-defined]
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.shutting_down = True  # a request read from now on is a 503
+            aborter = None if timeout is None else \
+                asyncio.ensure_future(_abort_after(state, timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if aborter is not None:
+                    aborter.cancel()
+
+    return DrainingServer(config)
+
+
+async def _abort_after(state: Any, timeout: float) -> None:
+    """After ``timeout``, abort every live request, and again each moment after, for a
+    request that was still being read or tokenized when the first round went by."""
+    await asyncio.sleep(timeout)
+    logged = False
+    while True:
+        live = list(state.groups.values())
+        if live and not logged:
+            logger.warning("shutdown timeout (%gs): aborting the %d request(s) still under "
+                           "way", timeout, len(live))
+            logged = True
+        for stream in live:
+            stream.abort(None)
+        await asyncio.sleep(0.2)
 
 
 def _exit_when_the_engine_dies(server: Any, engine: Any) -> threading.Event:

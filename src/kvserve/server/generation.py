@@ -111,6 +111,9 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
             choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
             items.append((sub_id, prompt, params))
     _check_queueable(state, request_id, items)
+    if state.shutting_down:  # as vLLM's: once a shutdown began, nothing new is queued
+        raise APIError(503, "the server is shutting down; send the request to another "
+                            "replica", code="shutting_down")
     if state.log_requests:
         log_request(request_id, tenant, prompts, base, len(items))
     state.hold_ids(request_id, [choice.request_id for choice in choices])

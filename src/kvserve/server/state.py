@@ -35,6 +35,7 @@ class ServerState:
     # Every id a live request holds (its group's and its choices' engine ids), held from the
     # check until the group ends, so that two requests sent at once cannot share one.
     ids_in_use: set[str] = field(default_factory=set)
+    shutting_down: bool = False  # kvserve serve's shutdown began: new requests are refused
     started: float = field(default_factory=time.time)
     recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
     record_prompts: str = "hashes"  # --record-prompts
