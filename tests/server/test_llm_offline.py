@@ -69,6 +69,17 @@ def test_choices_offline_are_tokenized_by_the_engine(llm):
     assert result.finish_reason == "stop"
 
 
+def test_json_mode_offline_keeps_the_output_json(llm):
+    from kvserve.model.json_mode import DONE, read
+
+    [result] = llm.generate("A cat as JSON:", SamplingParams(max_tokens=40, temperature=1.0,
+                                                             seed=2, n=3, json_object=True))
+    for sample in result.outputs:
+        state = read(sample.text.encode())
+        assert state is not None and sample.text.lstrip().startswith("{")
+        assert (state.mode == DONE) == (sample.finish_reason == "stop")
+
+
 def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
     text = llm.generate("Hello there", GREEDY)
     as_dict = llm.generate({"prompt": "Hello there"}, GREEDY)

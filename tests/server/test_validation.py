@@ -701,3 +701,36 @@ def test_a_request_read_once_the_shutdown_began_is_a_503(server):
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert not server.state.ids_in_use  # nothing held for it
     assert post(server, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_json_mode_answers_one_json_object(server):
+    """OpenAI's response_format json_object (vLLM's structured_outputs json_object): the
+    answer is one JSON object, ended at EOS, sampled or greedy; json_schema is refused by
+    name."""
+    import json as json_module
+
+    messages = [{"role": "user", "content": "Describe a cat as JSON"}]
+    for body in ({"response_format": {"type": "json_object"}, "temperature": 0},
+                 {"structured_outputs": {"json_object": True}, "temperature": 1.0, "seed": 5,
+                  "n": 2}):
+        reply = post(server, CHAT, {"messages": messages, "max_tokens": 200, **body})
+        assert reply.status_code == 200, reply.text
+        for choice in reply.json()["choices"]:
+            if choice["finish_reason"] == "stop":
+                assert isinstance(json_module.loads(choice["message"]["content"]), dict)
+            else:  # cut by max_tokens: still the beginning of one object
+                from kvserve.model.json_mode import read
+                text = choice["message"]["content"]
+                assert text.lstrip().startswith("{") and read(text.encode()) is not None
+    for body, needle in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "type json_schema is not supported"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True},
+         "ignore_eos cannot be true"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"json_object": True, "choice": ["a"]}},
+         "give choices or json_object, not both"),
+    ]:
+        refused = post(server, CHAT, {"messages": messages, **body})
+        assert refused.status_code == 400 and needle in error_of(refused), refused.text
+    wait_for(server.idle, what="an empty server")

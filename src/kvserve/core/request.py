@@ -147,6 +147,9 @@ class SamplingParams:
     # then EOS; the engine that has the tokenizer fills choice_token_ids (each as it encodes)
     choices: tuple[str, ...] = ()
     choice_token_ids: tuple[tuple[int, ...], ...] = ()
+    # JSON mode (OpenAI's response_format json_object): the output is one JSON object, then
+    # EOS (the model runner keeps it so, kvserve/model/json_mode.py)
+    json_object: bool = False
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -282,9 +285,14 @@ class SamplingParams:
             for ids in sequences),
             f"choice_token_ids must be non-empty lists of token ids, got {sequences!r}")
         object.__setattr__(self, "choice_token_ids", tuple(tuple(ids) for ids in sequences))
-        if choices or sequences:  # a choice ends at EOS: nothing may hold it back
-            _require(not self.ignore_eos, "choices end at EOS: ignore_eos cannot be true")
-            _require(self.min_tokens == 0, "choices end at EOS: min_tokens must be 0")
+        _require(isinstance(self.json_object, bool),
+                 f"json_object must be true or false, got {self.json_object!r}")
+        _require(not (self.json_object and (choices or sequences)),
+                 "give choices or json_object, not both")
+        if choices or sequences or self.json_object:  # they end at EOS: nothing may hold it
+            what = "JSON mode ends" if self.json_object else "choices end"
+            _require(not self.ignore_eos, f"{what} at EOS: ignore_eos cannot be true")
+            _require(self.min_tokens == 0, f"{what} at EOS: min_tokens must be 0")
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded

@@ -205,9 +205,12 @@ class Engine:
             filled["eos_token_id"] = tokenizer.eos_token_id
         if filled:
             params = dataclasses.replace(params, **filled)
-        if params.choice_token_ids and params.eos_token_id is None:
-            raise ValueError("choices end at EOS, and this engine knows no EOS token: give "
-                             "eos_token_id")
+        if params.json_object and tokenizer is None:
+            raise ValueError("json_object needs a tokenizer (the tokens' bytes): this engine "
+                             "has none")
+        if (params.choice_token_ids or params.json_object) and params.eos_token_id is None:
+            raise ValueError("choices and JSON mode end at EOS, and this engine knows no EOS "
+                             "token: give eos_token_id")
         if tokenizer is not None:
             check_vocabulary(params, tokenizer.vocab_size)
         return params

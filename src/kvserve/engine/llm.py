@@ -15,7 +15,7 @@ import gc
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,7 +256,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     runner = ModelRunner(network, kv_caches, block_size,
                          attention=invariant_paged_attention if batch_invariant
                          else paged_attention,
-                         sampler=Sampler(seed, batch_invariant), host_kv_cache=host)
+                         sampler=Sampler(seed, batch_invariant,
+                                         token_bytes=_token_bytes_of(tokenizer)),
+                         host_kv_cache=host)
     if preemption_prices is None and host is not None and \
             scheduler_config.preemption_mode == "auto":
         from kvserve.engine.preemption_prices import measure_prices
@@ -265,6 +267,15 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+
+
+def _token_bytes_of(tokenizer: Tokenizer | None) -> Callable[[], list[bytes]] | None:
+    """The vocabulary as bytes, for JSON mode, made when first asked for."""
+    if tokenizer is None:
+        return None
+    own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
+    return lambda: [own(token_id) if own is not None else tokenizer.decode([token_id]).encode()
+                    for token_id in range(tokenizer.vocab_size)]
 
 
 def _size(value: Any, name: str, minimum: int) -> int | None:

@@ -1,10 +1,11 @@
 """Turn one step's logits into tokens: allowed tokens, bad words, logit bias, penalties,
 temperature, top-k, top-p, min-p, seeds, logprobs.
 
-Order per row, as vLLM's: outside allowed_token_ids, off every choice's path, and bad
-words' next tokens, never drawn -> logit_bias added -> repetition, frequency and presence
-penalties -> below min_tokens, EOS and the stop token ids held back (never drawn) ->
-temperature (0: greedy) -> top-k -> top-p -> min-p -> draw.
+Order per row, as vLLM's: outside allowed_token_ids, off every choice's path or out of
+JSON (JSON mode, kvserve/model/json_mode.py), and bad words' next tokens, never drawn ->
+logit_bias added -> repetition, frequency and presence penalties -> below min_tokens, EOS
+and the stop token ids held back (never drawn) -> temperature (0: greedy) -> top-k ->
+top-p -> min-p -> draw.
 A seeded request draws from a generator seeded by (seed, output position), so the *draw*
 does not depend on batching or preemption: given the same logits, it picks the same token.
 By default the logits themselves are not batch-invariant (docs/tenants.md, "What varies
@@ -22,13 +23,14 @@ uniforms from CPU generators, so a seed gives the same draw on any device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
+from kvserve.model.json_mode import DONE, JsonVocabulary, read
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _SEED_FOLD = 0x9E3779B9  # odd: folds a seed's high 32 bits into its low ones
@@ -93,7 +95,7 @@ class SamplingRow:
         """Whether this row's logits change before sampling (other than held stops)."""
         p = self.params
         return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None \
-            or bool(p.bad_words_token_ids) or bool(p.choice_token_ids)
+            or bool(p.bad_words_token_ids) or bool(p.choice_token_ids) or p.json_object
 
     @property
     def choice_tokens(self) -> list[int]:
@@ -130,9 +132,22 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, batch_invariant: bool = False) -> None:
+    def __init__(self, seed: int = 0, batch_invariant: bool = False,
+                 token_bytes: Callable[[], Sequence[bytes]] | None = None) -> None:
+        """``token_bytes``: the vocabulary's tokens as bytes, asked for at the first request
+        in JSON mode (none: such a request is refused)."""
         self.generator = torch.Generator().manual_seed(seed)
         self.batch_invariant = batch_invariant
+        self._token_bytes = token_bytes
+        self._json: JsonVocabulary | None = None
+
+    def json_vocabulary(self) -> JsonVocabulary:
+        if self._json is None:
+            if self._token_bytes is None:
+                raise ValueError("JSON mode needs the vocabulary's bytes: this sampler has "
+                                 "no tokenizer")
+            self._json = JsonVocabulary(self._token_bytes())
+        return self._json
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if self.batch_invariant and len(rows) > 1:  # each row alone: [1, vocab] ops only
@@ -151,7 +166,7 @@ class Sampler:
             logits = logits.clone()
             vocab = logits.shape[-1]
             for index in shaped:
-                _shape(logits[index], rows[index], vocab)
+                _shape(logits[index], rows[index], vocab, self)
             for index, token_ids in held:
                 logits[index, [t for t in token_ids if t < vocab]] = float("-inf")
             logits = _finite(logits)  # a penalty near 0 (or huge) overflows float32
@@ -210,12 +225,27 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
+def _json_tokens(row: SamplingRow, vocabulary: JsonVocabulary) -> list[int]:
+    """JSON mode: the tokens that keep the output the beginning of one JSON object; EOS
+    alone once it closed (or, should nothing fit, to end it)."""
+    token_bytes = vocabulary.token_bytes
+    state = read(b"".join(token_bytes[t] for t in row.output_token_ids
+                          if t < len(token_bytes)))
+    allowed = vocabulary.allowed(state) if state is not None and state.mode != DONE else []
+    if not allowed:
+        assert row.params.eos_token_id is not None  # the engine refuses JSON mode without
+        allowed = [row.params.eos_token_id]
+    return allowed
+
+
+def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int, sampler: Sampler) -> None:
     """allowed_token_ids and choices, bad_words, logit_bias and the penalties, in vLLM's
     order, on one row."""
     params = row.params
     for token_ids in (params.allowed_token_ids,
-                      row.choice_tokens if params.choice_token_ids else None):
+                      row.choice_tokens if params.choice_token_ids else None,
+                      _json_tokens(row, sampler.json_vocabulary())
+                      if params.json_object else None):
         if token_ids is not None:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             allowed[[t for t in token_ids if t < vocab]] = True

@@ -184,8 +184,10 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         given["prompt_logprobs"] = max(logprobs, req.prompt_logprobs or 0)
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
-    choices = req.guided_choice or (req.structured_outputs.choice
-                                    if req.structured_outputs is not None else None) or ()
+    structured = req.structured_outputs
+    choices = req.guided_choice or (structured.choice if structured is not None else None) or ()
+    json_object = bool(structured is not None and structured.json_object) or (
+        req.response_format is not None and req.response_format.type == "json_object")
     try:
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, n=req.n,
                               ignore_eos=req.ignore_eos, stop=stop,
@@ -194,6 +196,7 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               logit_bias=tuple(logit_bias(req).items()),
                               allowed_token_ids=req.allowed_token_ids,
+                              json_object=json_object,
                               choices=tuple(choices), choice_token_ids=choice_token_ids(
                                   tokenizer, choices) if tokenizer and choices else (),
                               bad_words=tuple(req.bad_words or ()),

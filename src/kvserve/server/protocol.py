@@ -70,6 +70,11 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
 class StructuredOutputs(_Body):
     """vLLM's ``structured_outputs``: of its constraints only ``choice`` is implemented; the
     others (and its options) are accepted null only."""
@@ -78,7 +83,7 @@ class StructuredOutputs(_Body):
     json_schema: Any = Field(default=None, alias="json")  # "json" would shadow BaseModel.json
     regex: Any = None
     grammar: Any = None
-    json_object: Any = None
+    json_object: bool | None = None
     structural_tag: Any = None
     disable_fallback: Any = None
     disable_any_whitespace: Any = None
@@ -161,7 +166,9 @@ class _Sampling(_Body):
     # OpenAI fields not implemented: accepted only with their neutral value.
     best_of: Any = None
     suffix: Any = None
-    response_format: Any = None
+    # OpenAI's: {"type": "text"} (the default) or {"type": "json_object"} (JSON mode); its
+    # json_schema is refused by name
+    response_format: ResponseFormat | None = None
     # vLLM's own extras not implemented, likewise (a client that sends vLLM's defaults, as
     # LangChain's VLLMOpenAI does, is served; one that asks for more is told which field)
     skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text
@@ -282,7 +289,7 @@ class DetokenizeRequest(_Body):
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "modalities": (["text"],),
     "service_tier": ("auto", "default"),  # no tiers here: every request is served alike
     # vLLM's defaults
@@ -328,17 +335,26 @@ def parse_body(model: type[_Body], body: Any) -> Any:
     _check_neutral(request, {name: _NEUTRAL.get(name, ())
                              for name, field in model.model_fields.items()
                              if field.annotation is Any}, "")
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.type == "json_schema":
+        raise bad_request("'response_format' of type json_schema is not supported by this "
+                          "server (no structured outputs by JSON schema); json_object (any "
+                          "JSON object) is", param="response_format")
+    if response_format is not None and response_format.json_schema is not None:
+        raise bad_request(f"'response_format.json_schema' goes with type json_schema, not "
+                          f"{response_format.type}", param="response_format")
     structured = getattr(request, "structured_outputs", None)
     if structured is not None:
         for name, field in StructuredOutputs.model_fields.items():
             if field.annotation is Any and getattr(structured, name) is not None:
                 key = field.alias or name
                 raise bad_request(f"field 'structured_outputs.{key}' is not supported by this "
-                                  "server (of vLLM's structured outputs only 'choice' is); "
+                                  "server (of vLLM's structured outputs 'choice' and "
+                                  "'json_object' are); "
                                   "remove it", param=f"structured_outputs.{key}")
-        if structured.choice is None:
-            raise bad_request("'structured_outputs' needs 'choice' (the only constraint this "
-                              "server implements)", param="structured_outputs")
+        if structured.choice is None and not structured.json_object:
+            raise bad_request("'structured_outputs' needs 'choice' or 'json_object': true (the "
+                              "constraints this server implements)", param="structured_outputs")
         if getattr(request, "guided_choice", None) is not None:
             raise bad_request("give 'structured_outputs.choice' or 'guided_choice', not both",
                               param="guided_choice")
