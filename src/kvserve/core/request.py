@@ -259,10 +259,9 @@ class SamplingParams:
                      f"got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
         words = self.bad_words
-        if isinstance(words, str) or not isinstance(words, (tuple, list)) or not all(
-                isinstance(word, str) and word.strip() for word in words):
-            raise RequestError(f"bad_words must be a list of words (non-blank strings), "
-                               f"got {words!r}")
+        _require(isinstance(words, (tuple, list)) and all(
+            isinstance(word, str) and word.strip() for word in words),
+            f"bad_words must be a list of words (non-blank strings), got {words!r}")
         object.__setattr__(self, "bad_words", tuple(words))
         sequences = self.bad_words_token_ids
         _require(isinstance(sequences, (tuple, list)) and all(
@@ -270,9 +269,10 @@ class SamplingParams:
             for ids in sequences),
             f"bad_words_token_ids must be non-empty lists of token ids, got {sequences!r}")
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in sequences))
-        self._check_choices()
+        self._check_structured_output()
 
-    def _check_choices(self) -> None:
+    def _check_structured_output(self) -> None:
+        """choices or JSON mode: either ends at EOS."""
         choices = self.choices
         _require(isinstance(choices, (tuple, list)) and len(choices) <= MAX_CHOICES and all(
             isinstance(choice, str) and choice for choice in choices),
