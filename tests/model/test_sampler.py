@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -191,6 +192,24 @@ def test_choices_keep_the_output_on_one_choice_then_end_it():
     logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0]])  # the model wants 3
     rows = [SamplingRow(params, [9, 1], 1), SamplingRow(params, [9], 1)]
     assert Sampler()(logits.repeat(2, 1), rows).token_ids == [2, 3]
+
+
+def test_constraints_that_leave_no_token_end_the_row_at_eos():
+    """allowed_token_ids all among the bad words: every logit -inf, which drew token 0
+    greedily and any token sampled (QA); now the row's EOS, which ends it."""
+    params = SamplingParams(allowed_token_ids=[1, 2], bad_words=["a", "b"],
+                            bad_words_token_ids=[(1,), (2,)], eos_token_id=3)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, 9.0]] * 2)
+    rows = [SamplingRow(dataclasses.replace(params, temperature=0.0), [9], 1),
+            SamplingRow(dataclasses.replace(params, temperature=1.0, seed=7), [9], 1)]
+    assert Sampler()(logits, rows).token_ids == [3, 3]
+
+
+def test_a_structured_output_takes_no_other_token_constraint():
+    for constraint in ({"choices": ["a"]}, {"json_object": True}):
+        for other in ({"allowed_token_ids": [1]}, {"bad_words": ["x"]}):
+            with pytest.raises(RequestError, match="cannot be given with it"):
+                SamplingParams(**constraint, **other)
 
 
 def counts_only(counts: Counter) -> set[int]:

@@ -10,6 +10,7 @@ from .helpers import LiveServer, wait_for
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def post(server: LiveServer, path: str, body: object, **kw) -> httpx.Response:
@@ -32,13 +33,18 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"9" * 40: 1}}, 400,
      "outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "a lot"}}, 400, "logit_bias"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]},
      400, '"auto" tool choice needs a tool-call parser'),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
             "tool_choice": "required"}, 400,
      'tool_choice "required" needs structured outputs by JSON schema'),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": "all"}, 400,
      "field 'tools'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}],
+            "tool_choice": "none"}, 400, "tools.0.type"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400,
+     "tools.0.function.name"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "flex"}, 400,
      "field 'service_tier' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,

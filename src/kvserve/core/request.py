@@ -289,6 +289,13 @@ class SamplingParams:
                  f"json_object must be true or false, got {self.json_object!r}")
         _require(not (self.json_object and (choices or sequences)),
                  "give choices or json_object, not both")
+        constrained = "json_object" if self.json_object else "choices"
+        if choices or sequences or self.json_object:  # their tokens are chosen already
+            _require(self.allowed_token_ids is None and not self.bad_words and not
+                     self.bad_words_token_ids,
+                     f"{constrained} says what may be written: allowed_token_ids and "
+                     f"bad_words cannot be given with it (together they could leave no "
+                     f"token)")
         if choices or sequences or self.json_object:  # they end at EOS: nothing may hold it
             what = "JSON mode ends" if self.json_object else "choices end"
             _require(not self.ignore_eos, f"{what} at EOS: ignore_eos cannot be true")

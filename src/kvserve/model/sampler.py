@@ -169,6 +169,7 @@ class Sampler:
                 _shape(logits[index], rows[index], vocab, self)
             for index, token_ids in held:
                 logits[index, [t for t in token_ids if t < vocab]] = float("-inf")
+            _end_where_nothing_is_left(logits, rows)
             logits = _finite(logits)  # a penalty near 0 (or huge) overflows float32
         if all(row.is_greedy for row in rows):
             token_ids = greedy_tokens(logits).tolist()
@@ -223,6 +224,17 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
             and paged_kernel.runs(logits)):
         return paged_kernel.layer_ops().argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def _end_where_nothing_is_left(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """A row whose constraints together leave no token (allowed_token_ids all among its
+    bad words, say) draws its EOS, which ends it, rather than any token of the vocabulary
+    (its logits all -inf: the softmax would be uniform, greedy token 0; QA)."""
+    dead = torch.isneginf(logits).all(dim=-1).tolist()
+    for index, row in enumerate(rows):
+        eos = row.params.eos_token_id
+        if dead[index] and eos is not None and eos < logits.shape[-1]:
+            logits[index, eos] = 0.0
 
 
 def _json_tokens(row: SamplingRow, vocabulary: JsonVocabulary) -> list[int]:

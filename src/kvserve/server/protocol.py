@@ -70,6 +70,20 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    """OpenAI's tool: a function (checked although a served one is ignored: QA)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Any = None
@@ -237,7 +251,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
     # ignores them; anything that would need a tool-call parser is refused (_check_tools)
-    tools: list[dict[str, Any]] | None = Field(default=None, max_length=1024)
+    tools: list[Tool] | None = Field(default=None, max_length=1024)
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
