@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from kvserve.core import SamplingParams
-from kvserve.model.json_mode import DONE, MAX_WHITESPACE, START, JsonVocabulary, read
+from kvserve.model.json_mode import (
+    DONE,
+    MAX_WHITESPACE,
+    START,
+    JsonVocabulary,
+    Schema,
+    SchemaError,
+    read,
+)
 from kvserve.model.sampler import Sampler, SamplingRow
 
 OBJECTS = [b"{}", b'{"a": 1}', b' {"a": [1, 2.5, -3e+2, 0.5E-1, true, false, null]}',
@@ -79,3 +87,91 @@ def test_the_sampler_keeps_a_json_row_in_json_and_ends_it_at_eos():
 
 def test_start_is_before_the_object():
     assert START.mode == "top" and read(b"   {").mode == "obj1"
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+       "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                      "tags": {"type": "array", "items": {"type": "string"}},
+                      "kind": {"enum": ["cat", "dog", 1, 12, None]},
+                      "owner": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}]},
+                      "ok": {"type": "boolean"}, "w": {"type": ["number", "null"]}},
+       "$defs": {"P": {"type": "object", "properties": {"n": {"type": "string"}},
+                       "required": ["n"]}}}
+
+
+@pytest.mark.parametrize("text", [
+    b'{"name":"Bob","age":3}', b'{"age": -12, "name": "x", "tags": ["a", "b"]}',
+    b'{"name":"a","age":0,"kind":"dog"}', b'{"name":"a","age":0,"kind":12}',
+    b'{"name":"a","age":0,"kind":null,"ok":false}', b'{"name":"a","age":0,"owner":{"n":"z"}}',
+    b'{"name":"a","age":0,"owner":null,"w":1.5e3}', b'{"name":"a","age":0,"w":null}',
+])
+def test_an_object_of_the_schema_is_read_to_its_end(text):
+    schema = Schema(PET)
+    assert read(text, schema=schema).mode == DONE
+
+
+@pytest.mark.parametrize("text", [
+    b'{"name":"Bob"}',  # age is required
+    b'{"name":"Bob","age":3.5}', b'{"name":"Bob","age":3e2}',  # an integer
+    b'{"name":"Bob","age":3,"x":1}',  # no other keys
+    b'{"name":"a","name":"b","age":1}',  # each key once
+    b'{"name":1,"age":1}', b'{"name":"a","age":0,"kind":"cow"}',
+    b'{"name":"a","age":0,"kind":123}', b'{"name":"a","age":0,"owner":{}}',
+    b'{"name":"a","age":0,"tags":[1]}', b'{"name":"a","age":0,"ok":"yes"}',
+])
+def test_what_breaks_the_schema_is_never_done(text):
+    state = read(text, schema=Schema(PET))
+    assert state is None or state.mode != DONE
+
+
+@pytest.mark.parametrize(("schema", "needle"), [
+    ({"type": "string"}, "root must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}},
+     "schema.properties.a: 'pattern' is not supported"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"},
+                                                      {"type": "object"}]}}},
+     "alternatives must be of different JSON types"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+     "additionalProperties must be false"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}},
+     "is not a local definition"),
+    ({"type": "object", "required": ["b"], "properties": {"a": {}}},
+     "required must list names of properties"),
+])
+def test_what_a_schema_asks_beyond_the_subset_is_refused_by_name(schema, needle):
+    with pytest.raises(SchemaError, match=needle):
+        Schema(schema)
+
+
+def test_the_allowed_tokens_follow_the_schema():
+    """Keys only from the properties not yet given; a closing brace only once the
+    required keys are in; an integer takes no point."""
+    schema = Schema({"type": "object", "properties": {"a": {"type": "integer"},
+                                                      "b": {"type": "string"}},
+                     "required": ["a"], "additionalProperties": False})
+    pieces = [b"{", b'"a"', b'"b"', b'"c"', b":", b"1", b".", b"}", b",", b'"x"', b'"']
+    vocabulary = JsonVocabulary(pieces)
+
+    def allowed(text: bytes) -> set[bytes]:
+        return {pieces[t] for t in vocabulary.allowed(read(text, schema=schema), schema)}
+
+    assert allowed(b"{") == {b'"a"', b'"b"', b'"'}  # no "}": a is required
+    assert allowed(b'{"a":1') == {b"1", b"}", b","}  # no ".": an integer
+    assert allowed(b'{"a":1,') == {b'"b"', b'"'}  # a was given
+    assert allowed(b'{"b":"x",') == {b'"a"', b'"'}
+
+
+def test_the_allowed_tokens_under_a_schema_are_exactly_those_it_takes():
+    schema = Schema(PET)
+    rng = random.Random(1)
+    alphabet = b'abnmegtkiow{}[]":, 01e.-\\'
+    pieces = [b'"name"', b'"age"', b'"kind"', b'"dog"', b"null", b"12", b'"n"', b'":"']
+    vocabulary = JsonVocabulary(pieces + [bytes(rng.choice(alphabet)
+                                                for _ in range(rng.randint(1, 5)))
+                                          for _ in range(400)])
+    text = b'{"name": "Bo", "kind": 12, "owner": {"n": "z"}, "age": 3, "tags": ["a"]}'
+    for end in range(len(text)):
+        state = read(text[:end], schema=schema)
+        expected = [t for t, data in enumerate(vocabulary.token_bytes)
+                    if data and read(data, state, schema) is not None]
+        assert vocabulary.allowed(state, schema) == expected, text[:end]

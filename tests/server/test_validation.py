@@ -102,7 +102,9 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
      "field 'echo' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
-     "field 'guided_json' is not supported by this server"),
+     "'guided_json': the schema's root must be an object"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+"}, 400,
+     "field 'guided_regex' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,
      "field 'add_special_tokens' is not supported by this server"),
     (COMPLETIONS, {"prompt": "x", "request_id": ""}, 400,
@@ -628,8 +630,8 @@ def test_a_choice_constrained_output_is_one_of_the_choices(server):
     assert chat.json()["choices"][0]["message"]["content"] in colours
     for body, status, needle in [
         ({"guided_choice": colours, "ignore_eos": True}, 400, "ignore_eos cannot be true"),
-        ({"structured_outputs": {"json": {"type": "object"}}}, 400,
-         "field 'structured_outputs.json' is not supported"),
+        ({"structured_outputs": {"regex": "a+"}}, 400,
+         "field 'structured_outputs.regex' is not supported"),
         ({"structured_outputs": {}}, 400, "'structured_outputs' needs 'choice'"),
         ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]}, 400, "not both"),
         ({"guided_choice": []}, 400, "guided_choice"),
@@ -711,8 +713,7 @@ def test_a_request_read_once_the_shutdown_began_is_a_503(server):
 
 def test_json_mode_answers_one_json_object(server):
     """OpenAI's response_format json_object (vLLM's structured_outputs json_object): the
-    answer is one JSON object, ended at EOS, sampled or greedy; json_schema is refused by
-    name."""
+    answer is one JSON object, ended at EOS, sampled or greedy."""
     import json as json_module
 
     messages = [{"role": "user", "content": "Describe a cat as JSON"}]
@@ -729,14 +730,54 @@ def test_json_mode_answers_one_json_object(server):
                 text = choice["message"]["content"]
                 assert text.lstrip().startswith("{") and read(text.encode()) is not None
     for body, needle in [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "type json_schema is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "type json_schema needs it"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}},
+         "'response_format': schema.properties.a: 'pattern' is not supported"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
+         "give one structured output, not json_object and json_schema"),
+        ({"guided_json": "{not json"}, "'guided_json': the JSON schema is not JSON"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True},
          "ignore_eos cannot be true"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"structured_outputs": {"json_object": True, "choice": ["a"]}},
-         "give choices or json_object, not both"),
+         "give one structured output, not choices and json_object"),
     ]:
         refused = post(server, CHAT, {"messages": messages, **body})
         assert refused.status_code == 400 and needle in error_of(refused), refused.text
+    wait_for(server.idle, what="an empty server")
+
+
+def test_a_json_schema_holds_the_answer_to_it(server):
+    """OpenAI's response_format json_schema (what the SDK's .parse() sends), vLLM's
+    structured_outputs.json and guided_json: the answer is an object of the schema, its
+    required keys there, each key once, values of their types and enums."""
+    import json as json_module
+
+    from kvserve.model.json_mode import DONE, check_schema, read
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "title": "Name"},
+                             "age": {"type": "integer"}, "kind": {"enum": ["cat", "dog"]},
+                             "owner": {"anyOf": [{"$ref": "#/$defs/Owner"}, {"type": "null"}]}},
+              "$defs": {"Owner": {"type": "object", "properties": {"n": {"type": "string"}},
+                                  "required": ["n"]}}}
+    compiled = check_schema(json_module.dumps(schema))
+    messages = [{"role": "user", "content": "A pet as JSON"}]
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {
+                      "name": "Pet", "schema": schema, "strict": True}}, "temperature": 0},
+                 {"structured_outputs": {"json": schema}, "temperature": 1.0, "seed": 2,
+                  "n": 2},
+                 {"guided_json": json_module.dumps(schema), "temperature": 1.0, "seed": 9}):
+        reply = post(server, CHAT, {"messages": messages, "max_tokens": 120, **body})
+        assert reply.status_code == 200, reply.text
+        for choice in reply.json()["choices"]:
+            text = choice["message"]["content"]
+            state = read(text.encode(), schema=compiled)
+            assert state is not None, text
+            if choice["finish_reason"] == "stop":
+                assert state.mode == DONE
+                pet = json_module.loads(text)
+                assert {"name", "age"} <= set(pet) <= set(schema["properties"])
+                assert isinstance(pet["age"], int) and pet.get("kind", "cat") in ("cat", "dog")
     wait_for(server.idle, what="an empty server")

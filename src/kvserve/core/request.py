@@ -150,6 +150,10 @@ class SamplingParams:
     # JSON mode (OpenAI's response_format json_object): the output is one JSON object, then
     # EOS (the model runner keeps it so, kvserve/model/json_mode.py)
     json_object: bool = False
+    # Structured output by JSON schema (OpenAI's response_format json_schema): the schema as
+    # JSON text; the output is one object of it, then EOS (the subset kvserve/model/
+    # json_mode.py honours; the engine refuses the rest by name)
+    json_schema: str | None = None
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -272,7 +276,7 @@ class SamplingParams:
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:
-        """choices or JSON mode: either ends at EOS."""
+        """choices, JSON mode or a JSON schema: one at most; each ends at EOS."""
         choices = self.choices
         _require(isinstance(choices, (tuple, list)) and len(choices) <= MAX_CHOICES and all(
             isinstance(choice, str) and choice for choice in choices),
@@ -287,19 +291,22 @@ class SamplingParams:
         object.__setattr__(self, "choice_token_ids", tuple(tuple(ids) for ids in sequences))
         _require(isinstance(self.json_object, bool),
                  f"json_object must be true or false, got {self.json_object!r}")
-        _require(not (self.json_object and (choices or sequences)),
-                 "give choices or json_object, not both")
-        constrained = "json_object" if self.json_object else "choices"
-        if choices or sequences or self.json_object:  # their tokens are chosen already
-            _require(self.allowed_token_ids is None and not self.bad_words and not
-                     self.bad_words_token_ids,
-                     f"{constrained} says what may be written: allowed_token_ids and "
-                     f"bad_words cannot be given with it (together they could leave no "
-                     f"token)")
-        if choices or sequences or self.json_object:  # they end at EOS: nothing may hold it
-            what = "JSON mode ends" if self.json_object else "choices end"
-            _require(not self.ignore_eos, f"{what} at EOS: ignore_eos cannot be true")
-            _require(self.min_tokens == 0, f"{what} at EOS: min_tokens must be 0")
+        _require(self.json_schema is None or isinstance(self.json_schema, str),
+                 f"json_schema must be a JSON schema as text, got {self.json_schema!r}"[:200])
+        given = [name for name, on in (("choices", choices or sequences),
+                                       ("json_object", self.json_object),
+                                       ("json_schema", self.json_schema is not None)) if on]
+        _require(len(given) < 2, f"give one structured output, not {' and '.join(given)}")
+        if not given:
+            return
+        constrained = given[0]  # it says what may be written, and ends at EOS
+        _require(self.allowed_token_ids is None and not self.bad_words and not
+                 self.bad_words_token_ids,
+                 f"{constrained} says what may be written: allowed_token_ids and bad_words "
+                 "cannot be given with it (together they could leave no token)")
+        what = "choices end" if constrained == "choices" else "JSON output ends"
+        _require(not self.ignore_eos, f"{what} at EOS: ignore_eos cannot be true")
+        _require(self.min_tokens == 0, f"{what} at EOS: min_tokens must be 0")
 
     def samples(self) -> list[SamplingParams]:
         """The n sequences as n one-sequence params, the scheduler's unit: sample k is seeded

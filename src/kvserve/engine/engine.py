@@ -205,10 +205,14 @@ class Engine:
             filled["eos_token_id"] = tokenizer.eos_token_id
         if filled:
             params = dataclasses.replace(params, **filled)
-        if params.json_object and tokenizer is None:
-            raise ValueError("json_object needs a tokenizer (the tokens' bytes): this engine "
+        json_output = params.json_object or params.json_schema is not None
+        if json_output and tokenizer is None:
+            raise ValueError("JSON output needs a tokenizer (the tokens' bytes): this engine "
                              "has none")
-        if (params.choice_token_ids or params.json_object) and params.eos_token_id is None:
+        if params.json_schema is not None:
+            from kvserve.model.json_mode import check_schema  # no torch: stdlib only
+            check_schema(params.json_schema)
+        if (params.choice_token_ids or json_output) and params.eos_token_id is None:
             raise ValueError("choices and JSON mode end at EOS, and this engine knows no EOS "
                              "token: give eos_token_id")
         if tokenizer is not None:

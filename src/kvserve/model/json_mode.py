@@ -1,15 +1,24 @@
-"""JSON mode (OpenAI's ``response_format: {"type": "json_object"}``, vLLM's
-``structured_outputs: {"json_object": true}``): the tokens a request may sample next so that
-its output stays the beginning of one JSON object, and ends (EOS) when the object closes.
+"""Structured output by JSON: JSON mode (OpenAI's ``response_format: {"type": "json_object"}``,
+vLLM's ``structured_outputs: {"json_object": true}``) and a JSON schema (OpenAI's
+``{"type": "json_schema", ...}``, vLLM's ``structured_outputs: {"json": ...}``): the tokens a
+request may sample next so that its output stays the beginning of one JSON object (of the
+schema), and ends (EOS) when the object closes.
 
 A byte-level pushdown recognizer of JSON (RFC 8259) reads the output so far; the next tokens
-allowed are those whose bytes it accepts from there. Testing every token of the vocabulary
-at every step would cost a Python loop of 50k tokens, so a :class:`JsonVocabulary` groups
-the tokens once: by their first byte that is not whitespace (only the groups of bytes the
-recognizer accepts next are tried), and, inside a string, tokens without a quote, a
-backslash or a control byte are accepted whatever the state, unchecked. The allowed tokens
-of a state are remembered (a state is small and hashable), so a stretch of one kind (a long
-string, a run of keys at one depth) is computed once.
+allowed are those whose bytes it accepts from there. With a schema, each value is read
+against its schema node: an object takes only its properties' names as keys, each once,
+and closes once its required ones are there; a string, number, integer, boolean or null
+only that; an enum or const only those values (as ``json.dumps`` writes them); an array its
+items; anyOf alternatives of different JSON types. :func:`compile_schema` says which
+keywords are honoured and refuses the others by name (a constraint accepted must hold).
+
+Testing every token of the vocabulary at every step would cost a Python loop of 50k tokens,
+so a :class:`JsonVocabulary` groups the tokens once: by their first byte that is not
+whitespace (only the groups of bytes the recognizer accepts next are tried), and, inside a
+free string, tokens without a quote, a backslash or a control byte are accepted whatever
+the state, unchecked. The allowed tokens of a state are remembered (a state is small and
+hashable), so a stretch of one kind (a long string, a run of keys at one depth) is computed
+once.
 
 Whitespace between tokens is allowed, at most ``MAX_WHITESPACE`` bytes in a row, so that a
 small model cannot fill its answer with blank lines. Strings are checked as JSON strings
@@ -18,51 +27,230 @@ small model cannot fill its answer with blank lines. Strings are checked as JSON
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAX_WHITESPACE = 8
 _WHITESPACE = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrtu')
-_LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 
 # Modes of the recognizer (where it is in the grammar).
 TOP = "top"                # before the object: whitespace or "{"
 OBJECT_FIRST = "obj1"      # after "{": a key or "}"
 OBJECT_KEY = "key"         # after "," in an object: a key
 COLON = "colon"            # after a key
-VALUE = "value"            # after ":" or "," in an array
+VALUE = "value"            # a value of schema node ``extra``
 ARRAY_FIRST = "arr1"       # after "[": a value or "]"
 AFTER_VALUE = "after"      # after a value: ",", or the container's closer
-STRING = "str"             # in a string; ``extra`` True for a key
+STRING = "str"             # in a free string; ``extra`` True for a key
 ESCAPE = "esc"             # after a backslash in a string
 UNICODE = "uni"            # in \\uXXXX; ``extra`` (is_key, hex digits left)
-NUMBER = "num"             # in a number; ``extra`` its part (see _number)
-LITERAL = "lit"            # in true/false/null; ``extra`` the bytes left
+NUMBER = "num"             # in a number; ``extra`` (its part, integer only)
+CHOICE = "lit"             # in one of some texts (a key, an enum, true...); ``extra`` below
 DONE = "done"              # the object closed: only EOS
 
+
+class SchemaError(ValueError):
+    """A JSON schema this recognizer cannot hold an output to; names the keyword."""
+
+
+# -- schemas -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Node:
+    """A compiled schema node. ``kind``: any, object, array, string, number, integer,
+    texts (the value is one of ``texts``: enum, const, boolean, null) or union."""
+
+    kind: str
+    properties: tuple[tuple[str, int], ...] = ()  # object: name -> node index
+    required: frozenset[str] = frozenset()
+    additional: int | None = None  # object: the node of other keys' values; None: none
+    items: int | None = None  # array
+    texts: tuple[bytes, ...] = ()
+    alternatives: tuple[int, ...] = ()  # union
+
+
+# Keywords that only describe (honoured by ignoring them).
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                          "$comment", "strict", "name", "deprecated", "readOnly",
+                          "writeOnly"})
+
+
+class Schema:
+    """A JSON schema compiled into nodes: ``root`` the object the output is, and the free
+    value, object and array that "any" stands for. No schema: JSON mode's any object.
+    SchemaError names what is not honoured."""
+
+    def __init__(self, schema: Any = None, cache_size: int = 4096) -> None:
+        self.nodes: list[Node] = [Node("any")]
+        self.any = 0
+        self.any_object = self._add(Node("object", additional=self.any))
+        self.any_array = self._add(Node("array", items=self.any))
+        self.cache: dict[tuple[int, JsonState], list[int]] = {}  # JsonVocabulary's
+        self.cache_size = cache_size
+        self._defs: dict[str, Any] = {}
+        self._refs: dict[str, int] = {}
+        if schema is None:
+            self.root = self.any_object
+            return
+        if not isinstance(schema, dict):
+            raise SchemaError("a JSON schema must be an object")
+        for keyword in ("definitions", "$defs"):
+            defs = schema.get(keyword, {})
+            if not isinstance(defs, dict):
+                raise SchemaError(f"schema: {keyword} must be an object")
+            self._defs.update(defs)
+        self.root = self._compile(schema, "")
+        if self.nodes[self.root].kind != "object":
+            raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
+
+    def _add(self, node: Node) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _compile(self, schema: Any, where: str) -> int:
+        if schema is True or schema == {}:
+            return self.any
+        if not isinstance(schema, dict):
+            raise SchemaError(f"schema{where}: expected an object, got {schema!r}"[:200])
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], where)
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in schema:
+                return self._union(schema[keyword], f"{where}.{keyword}")
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"schema{where}: enum must be a non-empty list")
+            return self._add(Node("texts", texts=tuple(dict.fromkeys(_text(v)
+                                                                     for v in values))))
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return self._union([{**schema, "type": k} for k in kind], f"{where}.type")
+        known = {"type", "properties", "required", "additionalProperties", "items",
+                 "definitions", "$defs"} | _ANNOTATIONS
+        unknown = sorted(set(schema) - known)
+        if unknown:
+            raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
+                              "type, properties, required, additionalProperties, items, "
+                              "enum, const, anyOf, oneOf, $ref)")
+        if kind == "object" or (kind is None and "properties" in schema):
+            return self._object(schema, where)
+        if kind == "array":
+            items = self._compile(schema.get("items", True), f"{where}.items")
+            return self._add(Node("array", items=items))
+        if kind == "boolean":
+            return self._add(Node("texts", texts=(b"true", b"false")))
+        if kind == "null":
+            return self._add(Node("texts", texts=(b"null",)))
+        if kind in ("string", "number", "integer"):
+            return self._add(Node(kind))
+        if kind is None:
+            return self.any
+        raise SchemaError(f"schema{where}: unknown type {kind!r}")
+
+    def _object(self, schema: dict[str, Any], where: str) -> int:
+        properties = schema.get("properties", {})
+        if not isinstance(properties, dict):
+            raise SchemaError(f"schema{where}: properties must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not set(required) <= set(properties):
+            raise SchemaError(f"schema{where}: required must list names of properties")
+        compiled = tuple((name, self._compile(sub, f"{where}.properties.{name}"))
+                         for name, sub in properties.items())
+        # OpenAI's strict schemas say additionalProperties false; left out, an object with
+        # properties takes only them here too (the keys a model may invent are not asked for)
+        extra = schema.get("additionalProperties", not properties)
+        if properties and extra is not False:
+            raise SchemaError(f"schema{where}: an object with properties takes only them "
+                              "here: additionalProperties must be false or left out")
+        additional = None if extra is False else self._compile(
+            True if extra is True else extra, f"{where}.additionalProperties")
+        return self._add(Node("object", properties=compiled, required=frozenset(required),
+                              additional=additional))
+
+    def _union(self, options: Any, where: str) -> int:
+        if not isinstance(options, list) or not options:
+            raise SchemaError(f"schema{where}: must be a non-empty list")
+        alternatives = tuple(self._compile(option, f"{where}.{i}")
+                             for i, option in enumerate(options))
+        starts = [_first_bytes(self.nodes[a], self.nodes) for a in alternatives]
+        if sum(len(s) for s in starts) != len(set().union(*starts)):
+            raise SchemaError(f"schema{where}: alternatives must be of different JSON types "
+                              "(told apart by their first character)")
+        return self._add(Node("union", alternatives=alternatives))
+
+    def _ref(self, ref: Any, where: str) -> int:
+        if ref in self._refs:
+            return self._refs[ref]
+        prefix = next((p for p in ("#/$defs/", "#/definitions/")
+                       if isinstance(ref, str) and ref.startswith(p)), None)
+        if prefix is None or ref[len(prefix):] not in self._defs:
+            raise SchemaError(f"schema{where}: $ref {ref!r} is not a local definition")
+        index = self._add(Node("any"))  # its place, for a definition that refers to itself
+        self._refs[ref] = index
+        self.nodes[index] = self.nodes[self._compile(self._defs[ref[len(prefix):]],
+                                                     f"{where}.$ref")]
+        return index
+
+
+def _text(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _first_bytes(node: Node, nodes: list[Node]) -> set[int]:
+    """The first characters a value of ``node`` can start with."""
+    kind = node.kind
+    if kind == "texts":
+        return {text[0] for text in node.texts}
+    if kind == "union":
+        return set().union(*(_first_bytes(nodes[a], nodes) for a in node.alternatives))
+    return {"object": set(b"{"), "array": set(b"["), "string": set(b'"'),
+            "number": set(b"-0123456789"), "integer": set(b"-0123456789"),
+            }.get(kind, set(b'{["-0123456789tfn'))
+
+
+ANY_OBJECT = Schema()  # JSON mode's
+
+
+def check_schema(text: str) -> Schema:
+    """A schema given as JSON text, compiled; SchemaError (a ValueError) naming what is
+    wrong or not honoured."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        raise SchemaError("the JSON schema is not JSON") from None
+    return Schema(schema)
+
+
+# -- the recognizer ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class JsonState:
     mode: str
-    stack: str = ""  # "o" and "a", outermost first
-    extra: object = None
+    # open containers, outermost first: ("o", node, keys seen, the key being read or None)
+    # or ("a", node)
+    stack: tuple[tuple[Any, ...], ...] = ()
+    extra: Any = None
     whitespace: int = 0  # whitespace bytes in a row just read
 
 
 START = JsonState(TOP)
 
 
-def feed(state: JsonState | None, byte: int) -> JsonState | None:
-    """The state after ``byte``, or None if no JSON object begins with what was read."""
+def feed(state: JsonState | None, byte: int, schema: Schema = ANY_OBJECT) -> JsonState | None:
+    """The state after ``byte``, or None if no JSON object (of ``schema``) begins with what
+    was read."""
     if state is None:
         return None
     mode = state.mode
     if mode == STRING:
         if byte == 0x22:  # the closing quote
-            return JsonState(COLON if state.extra else AFTER_VALUE, state.stack)
+            return JsonState(COLON, state.stack) if state.extra else _after_value(state.stack)
         if byte == 0x5C:
             return JsonState(ESCAPE, state.stack, state.extra)
         return None if byte < 0x20 else state
@@ -75,68 +263,149 @@ def feed(state: JsonState | None, byte: int) -> JsonState | None:
     if mode == UNICODE:
         if byte not in _HEX:
             return None
-        is_key, left = state.extra  # type: ignore[misc]
+        is_key, left = state.extra
         return JsonState(STRING, state.stack, is_key) if left == 1 else \
             JsonState(UNICODE, state.stack, (is_key, left - 1))
     if mode == NUMBER:
-        return _number(state, byte)
-    if mode == LITERAL:
-        left: bytes = state.extra  # type: ignore[assignment]
-        if byte != left[0]:
-            return None
-        return JsonState(LITERAL, state.stack, left[1:]) if len(left) > 1 else \
-            JsonState(AFTER_VALUE, state.stack)
+        return _number(state, byte, schema)
+    if mode == CHOICE:
+        return _choice(state, byte, schema)
     if mode == DONE:
         return None
     if byte in _WHITESPACE:
         if state.whitespace >= MAX_WHITESPACE:
             return None
         return JsonState(mode, state.stack, state.extra, state.whitespace + 1)
-    return _structural(state, byte)
+    return _structural(state, byte, schema)
 
 
-def _structural(state: JsonState, byte: int) -> JsonState | None:
+def _structural(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
     mode, stack = state.mode, state.stack
     if mode == TOP:
-        return JsonState(OBJECT_FIRST, "o") if byte == ord("{") else None
+        return _open_object((), schema.root) if byte == ord("{") else None
     if mode in (OBJECT_FIRST, OBJECT_KEY):
-        if byte == 0x22:
-            return JsonState(STRING, stack, True)
-        return _close(stack) if mode == OBJECT_FIRST and byte == ord("}") else None
+        if mode == OBJECT_FIRST and byte == ord("}"):
+            return _close(stack, schema)
+        return _key(stack, byte, schema)
     if mode == COLON:
-        return JsonState(VALUE, stack) if byte == ord(":") else None
-    if mode == ARRAY_FIRST and byte == ord("]"):
-        return _close(stack)
-    if mode in (VALUE, ARRAY_FIRST):
-        return _value(stack, byte)
+        if byte != ord(":"):
+            return None
+        _, node, _, key = stack[-1]
+        return JsonState(VALUE, stack, _property_node(schema.nodes[node], key))
+    if mode == ARRAY_FIRST:
+        if byte == ord("]"):
+            return _close(stack, schema)
+        return _value(stack, schema.nodes[stack[-1][1]].items, byte, schema)
+    if mode == VALUE:
+        return _value(stack, state.extra, byte, schema)
     if mode == AFTER_VALUE:
-        top = stack[-1]
+        frame = stack[-1]
+        if frame[0] == "a":
+            if byte == ord(","):
+                return JsonState(VALUE, stack, schema.nodes[frame[1]].items)
+            return _close(stack, schema) if byte == ord("]") else None
         if byte == ord(","):
-            return JsonState(OBJECT_KEY if top == "o" else VALUE, stack)
-        if byte == (ord("}") if top == "o" else ord("]")):
-            return _close(stack)
+            return JsonState(OBJECT_KEY, stack) if _keys_left(frame, schema) else None
+        return _close(stack, schema) if byte == ord("}") else None
     return None
 
 
-def _value(stack: str, byte: int) -> JsonState | None:
-    if byte == 0x22:
+def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> JsonState | None:
+    """The first byte of a value of schema node ``index``."""
+    node = schema.nodes[index]
+    kind = node.kind
+    if kind == "union":
+        for alternative in node.alternatives:
+            state = _value(stack, alternative, byte, schema)
+            if state is not None:
+                return state
+        return None
+    if kind == "texts":
+        return _choice(JsonState(CHOICE, stack, (node.texts, 0, "value")), byte, schema)
+    if byte == 0x22 and kind in ("any", "string"):
         return JsonState(STRING, stack, False)
-    if byte == ord("{"):
-        return JsonState(OBJECT_FIRST, stack + "o")
-    if byte == ord("["):
-        return JsonState(ARRAY_FIRST, stack + "a")
-    if byte == ord("-"):
-        return JsonState(NUMBER, stack, "minus")
-    if byte in _DIGITS:
-        return JsonState(NUMBER, stack, "zero" if byte == ord("0") else "int")
-    if byte in _LITERALS:
-        return JsonState(LITERAL, stack, _LITERALS[byte])
+    if byte == ord("{") and kind in ("any", "object"):
+        return _open_object(stack, index if kind == "object" else schema.any_object)
+    if byte == ord("[") and kind in ("any", "array"):
+        return JsonState(ARRAY_FIRST, (*stack, ("a", index if kind == "array"
+                                                else schema.any_array)))
+    if kind in ("any", "number", "integer"):
+        integer = kind == "integer"
+        if byte == ord("-"):
+            return JsonState(NUMBER, stack, ("minus", integer))
+        if byte in _DIGITS:
+            return JsonState(NUMBER, stack, ("zero" if byte == ord("0") else "int", integer))
+    if kind == "any" and byte in b"tfn":
+        return _choice(JsonState(CHOICE, stack, ((b"true", b"false", b"null"), 0, "value")),
+                       byte, schema)
     return None
 
 
-def _close(stack: str) -> JsonState:
+def _open_object(stack: tuple[Any, ...], index: int) -> JsonState:
+    return JsonState(OBJECT_FIRST, (*stack, ("o", index, frozenset(), None)))
+
+
+def _property_node(node: Node, key: str) -> int:
+    """The schema node of ``key``'s value (a key was only taken where it has one)."""
+    for name, index in node.properties:
+        if name == key:
+            return index
+    assert node.additional is not None
+    return node.additional
+
+
+def _keys_left(frame: tuple[Any, ...], schema: Schema) -> bool:
+    node = schema.nodes[frame[1]]
+    return node.additional is not None or len(frame[2]) < len(node.properties)
+
+
+def _key(stack: tuple[Any, ...], byte: int, schema: Schema) -> JsonState | None:
+    """The first byte of a key: a free string where other keys are allowed, else one of
+    the names not yet given."""
+    if byte != 0x22:
+        return None
+    _, index, seen, _ = stack[-1]
+    node = schema.nodes[index]
+    if node.additional is not None:
+        return JsonState(STRING, stack, True)
+    names = tuple(_text(name) for name, _ in node.properties if name not in seen)
+    return _choice(JsonState(CHOICE, stack, (names, 0, "key")), byte, schema)
+
+
+def _choice(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
+    """In one of some texts (``extra``: the texts still possible, bytes read, and what
+    they are: a "key" or a "value")."""
+    texts, read_so_far, what = state.extra
+    going_on = tuple(t for t in texts if len(t) > read_so_far and t[read_so_far] == byte)
+    if not going_on:  # a text just finished ends here, and this byte comes after it
+        finished = any(len(t) == read_so_far for t in texts)
+        return feed(_after_choice(state.stack, texts, read_so_far, what), byte, schema) \
+            if finished and what == "value" else None
+    read_so_far += 1
+    if len(going_on) == 1 and len(going_on[0]) == read_so_far:
+        return _after_choice(state.stack, going_on, read_so_far, what)
+    return JsonState(CHOICE, state.stack, (going_on, read_so_far, what))
+
+
+def _after_choice(stack: tuple[Any, ...], texts: tuple[bytes, ...], read_so_far: int,
+                  what: str) -> JsonState:
+    if what == "value":
+        return _after_value(stack)
+    name = json.loads(next(t for t in texts if len(t) == read_so_far))
+    kind, index, seen, _ = stack[-1]
+    return JsonState(COLON, (*stack[:-1], (kind, index, seen | {name}, name)))
+
+
+def _after_value(stack: tuple[Any, ...]) -> JsonState:
+    return JsonState(AFTER_VALUE, stack)
+
+
+def _close(stack: tuple[Any, ...], schema: Schema) -> JsonState | None:
+    frame = stack[-1]
+    if frame[0] == "o" and not schema.nodes[frame[1]].required <= frame[2]:
+        return None  # a required key is missing
     rest = stack[:-1]
-    return JsonState(AFTER_VALUE, rest) if rest else JsonState(DONE)
+    return _after_value(rest) if rest else JsonState(DONE)
 
 
 # A number's parts: minus (after "-"), zero (a leading 0), int, point (after "."), frac,
@@ -155,22 +424,25 @@ _NUMBER_NEXT = {
 _COMPLETE = frozenset({"zero", "int", "frac", "expdigits"})
 
 
-def _number(state: JsonState, byte: int) -> JsonState | None:
-    part: str = state.extra  # type: ignore[assignment]
+def _number(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
+    part, integer = state.extra
     kind = ("zero" if byte == ord("0") else "digit" if byte in _DIGITS else
             "point" if byte == ord(".") else "exp" if byte in b"eE" else
             "sign" if byte in b"+-" else None)
+    if integer and kind in ("point", "exp"):
+        kind = None
     following = _NUMBER_NEXT[part].get(kind) if kind is not None else None
     if following is not None:
-        return JsonState(NUMBER, state.stack, following)
+        return JsonState(NUMBER, state.stack, (following, integer))
     if part not in _COMPLETE:
         return None
-    return feed(JsonState(AFTER_VALUE, state.stack), byte)  # the number ended before it
+    return feed(_after_value(state.stack), byte, schema)  # the number ended before it
 
 
-def read(data: bytes, state: JsonState | None = START) -> JsonState | None:
+def read(data: bytes, state: JsonState | None = START,
+         schema: Schema = ANY_OBJECT) -> JsonState | None:
     for byte in data:
-        state = feed(state, byte)
+        state = feed(state, byte, schema)
         if state is None:
             return None
     return state
@@ -180,7 +452,7 @@ class JsonVocabulary:
     """A vocabulary's tokens as bytes, grouped to find a JSON state's next tokens quickly.
     Tokens without bytes (special tokens, as decoded) are never allowed."""
 
-    def __init__(self, token_bytes: Sequence[bytes], cache_size: int = 4096) -> None:
+    def __init__(self, token_bytes: Sequence[bytes]) -> None:
         self.token_bytes = list(token_bytes)
         by_first: dict[int | None, list[int]] = {}
         in_string: list[int] = []  # no quote, backslash or control byte: any string takes it
@@ -197,30 +469,29 @@ class JsonVocabulary:
         self._by_first = by_first
         self._in_string = in_string
         self._string_special = string_special
-        self._cache: dict[JsonState, list[int]] = {}
-        self._cache_size = cache_size
 
-    def allowed(self, state: JsonState) -> list[int]:
-        """The tokens whose bytes keep the output the beginning of a JSON object (none in
-        DONE: the caller allows EOS there)."""
-        cached = self._cache.get(state)
+    def allowed(self, state: JsonState, schema: Schema = ANY_OBJECT) -> list[int]:
+        """The tokens whose bytes keep the output the beginning of a JSON object of
+        ``schema`` (none in DONE: the caller allows EOS there); remembered by the schema."""
+        key = (id(self), state)
+        cached = schema.cache.get(key)
         if cached is not None:
             return cached
         if state.mode == STRING:
             plain, candidates = self._in_string, self._string_special
         else:
             plain = []
-            after_space = feed(state, 0x20)
-            starts = [byte for byte in range(256) if feed(state, byte) is not None or (
-                after_space is not None and feed(after_space, byte) is not None)]
+            after_space = feed(state, 0x20, schema)
+            starts = [byte for byte in range(256) if feed(state, byte, schema) is not None or (
+                after_space is not None and feed(after_space, byte, schema) is not None)]
             candidates = [t for byte in starts if byte not in _WHITESPACE
                           for t in self._by_first.get(byte, ())]
             if after_space is not None:
                 candidates += self._by_first.get(None, [])
         token_bytes = self.token_bytes
         allowed = sorted(plain + [t for t in candidates
-                                  if read(token_bytes[t], state) is not None])
-        if len(self._cache) >= self._cache_size:
-            self._cache.clear()
-        self._cache[state] = allowed
+                                  if read(token_bytes[t], state, schema) is not None])
+        if len(schema.cache) >= schema.cache_size:
+            schema.cache.clear()
+        schema.cache[key] = allowed
         return allowed

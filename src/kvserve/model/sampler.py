@@ -30,7 +30,7 @@ import torch
 
 from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
-from kvserve.model.json_mode import DONE, JsonVocabulary, read
+from kvserve.model.json_mode import ANY_OBJECT, DONE, JsonVocabulary, Schema, check_schema, read
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _SEED_FOLD = 0x9E3779B9  # odd: folds a seed's high 32 bits into its low ones
@@ -95,7 +95,8 @@ class SamplingRow:
         """Whether this row's logits change before sampling (other than held stops)."""
         p = self.params
         return self.has_penalties or bool(p.logit_bias) or p.allowed_token_ids is not None \
-            or bool(p.bad_words_token_ids) or bool(p.choice_token_ids) or p.json_object
+            or bool(p.bad_words_token_ids) or bool(p.choice_token_ids) or p.json_object \
+            or p.json_schema is not None
 
     @property
     def choice_tokens(self) -> list[int]:
@@ -140,6 +141,7 @@ class Sampler:
         self.batch_invariant = batch_invariant
         self._token_bytes = token_bytes
         self._json: JsonVocabulary | None = None
+        self._schemas: dict[str, Schema] = {}  # by their text: each keeps its states' tokens
 
     def json_vocabulary(self) -> JsonVocabulary:
         if self._json is None:
@@ -148,6 +150,17 @@ class Sampler:
                                  "no tokenizer")
             self._json = JsonVocabulary(self._token_bytes())
         return self._json
+
+    def json_schema(self, text: str | None) -> Schema:
+        """JSON mode's any object (None), or the schema of this text, compiled once."""
+        if text is None:
+            return ANY_OBJECT
+        schema = self._schemas.get(text)
+        if schema is None:
+            if len(self._schemas) >= 64:
+                self._schemas.clear()
+            schema = self._schemas[text] = check_schema(text)
+        return schema
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if self.batch_invariant and len(rows) > 1:  # each row alone: [1, vocab] ops only
@@ -237,13 +250,14 @@ def _end_where_nothing_is_left(logits: torch.Tensor, rows: Sequence[SamplingRow]
             logits[index, eos] = 0.0
 
 
-def _json_tokens(row: SamplingRow, vocabulary: JsonVocabulary) -> list[int]:
-    """JSON mode: the tokens that keep the output the beginning of one JSON object; EOS
-    alone once it closed (or, should nothing fit, to end it)."""
+def _json_tokens(row: SamplingRow, vocabulary: JsonVocabulary, schema: Schema) -> list[int]:
+    """JSON output: the tokens that keep the output the beginning of one JSON object (of
+    ``schema``); EOS alone once it closed (or, should nothing fit, to end it)."""
     token_bytes = vocabulary.token_bytes
     state = read(b"".join(token_bytes[t] for t in row.output_token_ids
-                          if t < len(token_bytes)))
-    allowed = vocabulary.allowed(state) if state is not None and state.mode != DONE else []
+                          if t < len(token_bytes)), schema=schema)
+    allowed = vocabulary.allowed(state, schema) \
+        if state is not None and state.mode != DONE else []
     if not allowed:
         assert row.params.eos_token_id is not None  # the engine refuses JSON mode without
         allowed = [row.params.eos_token_id]
@@ -256,8 +270,9 @@ def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int, sampler: Sampler)
     params = row.params
     for token_ids in (params.allowed_token_ids,
                       row.choice_tokens if params.choice_token_ids else None,
-                      _json_tokens(row, sampler.json_vocabulary())
-                      if params.json_object else None):
+                      _json_tokens(row, sampler.json_vocabulary(),
+                                   sampler.json_schema(params.json_schema))
+                      if params.json_object or params.json_schema is not None else None):
         if token_ids is not None:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             allowed[[t for t in token_ids if t < vocab]] = True

@@ -8,7 +8,12 @@ from typing import Any
 from kvserve.core import RequestError, SamplingParams
 from kvserve.engine.text import Tokenizer, bad_words_token_ids, choice_token_ids
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    json_schema_text,
+)
 from kvserve.server.state import ServerState
 
 
@@ -196,7 +201,7 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               logit_bias=tuple(logit_bias(req).items()),
                               allowed_token_ids=req.allowed_token_ids,
-                              json_object=json_object,
+                              json_object=json_object, json_schema=json_schema_text(req),
                               choices=tuple(choices), choice_token_ids=choice_token_ids(
                                   tokenizer, choices) if tokenizer and choices else (),
                               bad_words=tuple(req.bad_words or ()),

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from kvserve.core.request import MAX_CHOICES
+from kvserve.model.json_mode import SchemaError, check_schema
 from kvserve.server.errors import APIError, bad_request
 
 MAX_N = 16
@@ -84,9 +85,18 @@ class Tool(_Body):
     function: FunctionDefinition
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # shadows BaseModel's
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Any = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputs(_Body):
@@ -94,7 +104,8 @@ class StructuredOutputs(_Body):
     others (and its options) are accepted null only."""
 
     choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
-    json_schema: Any = Field(default=None, alias="json")  # "json" would shadow BaseModel.json
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # "json"
+    # would shadow BaseModel.json
     regex: Any = None
     grammar: Any = None
     json_object: bool | None = None
@@ -180,8 +191,8 @@ class _Sampling(_Body):
     # OpenAI fields not implemented: accepted only with their neutral value.
     best_of: Any = None
     suffix: Any = None
-    # OpenAI's: {"type": "text"} (the default) or {"type": "json_object"} (JSON mode); its
-    # json_schema is refused by name
+    # OpenAI's: {"type": "text"} (the default), {"type": "json_object"} (JSON mode) or
+    # {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
     response_format: ResponseFormat | None = None
     # vLLM's own extras not implemented, likewise (a client that sends vLLM's defaults, as
     # LangChain's VLLMOpenAI does, is served; one that asks for more is told which field)
@@ -191,7 +202,7 @@ class _Sampling(_Body):
     length_penalty: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older structured_outputs.json
     guided_regex: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
@@ -350,25 +361,25 @@ def parse_body(model: type[_Body], body: Any) -> Any:
                              for name, field in model.model_fields.items()
                              if field.annotation is Any}, "")
     response_format = getattr(request, "response_format", None)
-    if response_format is not None and response_format.type == "json_schema":
-        raise bad_request("'response_format' of type json_schema is not supported by this "
-                          "server (no structured outputs by JSON schema); json_object (any "
-                          "JSON object) is", param="response_format")
-    if response_format is not None and response_format.json_schema is not None:
-        raise bad_request(f"'response_format.json_schema' goes with type json_schema, not "
-                          f"{response_format.type}", param="response_format")
+    if response_format is not None and (response_format.type == "json_schema") != (
+            response_format.json_schema is not None):
+        raise bad_request("'response_format.json_schema' goes with type json_schema, and "
+                          "type json_schema needs it", param="response_format")
+    json_schema_text(request)  # a 400 naming what is wrong with it, now
     structured = getattr(request, "structured_outputs", None)
     if structured is not None:
         for name, field in StructuredOutputs.model_fields.items():
             if field.annotation is Any and getattr(structured, name) is not None:
                 key = field.alias or name
                 raise bad_request(f"field 'structured_outputs.{key}' is not supported by this "
-                                  "server (of vLLM's structured outputs 'choice' and "
-                                  "'json_object' are); "
-                                  "remove it", param=f"structured_outputs.{key}")
-        if structured.choice is None and not structured.json_object:
-            raise bad_request("'structured_outputs' needs 'choice' or 'json_object': true (the "
-                              "constraints this server implements)", param="structured_outputs")
+                                  "server (of vLLM's structured outputs 'choice', 'json' and "
+                                  "'json_object' are); remove it",
+                                  param=f"structured_outputs.{key}")
+        if structured.choice is None and not structured.json_object and \
+                structured.json_schema is None:
+            raise bad_request("'structured_outputs' needs 'choice', 'json' or 'json_object': "
+                              "true (the constraints this server implements)",
+                              param="structured_outputs")
         if getattr(request, "guided_choice", None) is not None:
             raise bad_request("give 'structured_outputs.choice' or 'guided_choice', not both",
                               param="guided_choice")
@@ -383,6 +394,33 @@ def parse_body(model: type[_Body], body: Any) -> Any:
         raise bad_request("'stop' must hold non-empty strings (an empty one would stop "
                           "before any text)", param="stop")
     return request
+
+
+def json_schema_text(request: Any) -> str | None:
+    """The JSON schema a request holds its answer to (OpenAI's response_format json_schema,
+    vLLM's structured_outputs.json or guided_json), as JSON text, checked: a 400 naming the
+    field when it is given twice, is not JSON, or asks what kvserve/model/json_mode.py does
+    not honour."""
+    response_format = getattr(request, "response_format", None)
+    structured = getattr(request, "structured_outputs", None)
+    given = [(param, schema) for param, schema in (
+        ("response_format", response_format.json_schema.schema_
+         if response_format is not None and response_format.json_schema is not None
+         else None),
+        ("structured_outputs.json", structured.json_schema if structured is not None else None),
+        ("guided_json", getattr(request, "guided_json", None))) if schema is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one JSON schema, not {given[0][0]} and {given[1][0]}",
+                          param=given[1][0])
+    param, schema = given[0]
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        check_schema(text)
+    except SchemaError as error:
+        raise bad_request(f"'{param}': {error}", param=param) from None
+    return text
 
 
 def _check_tools(request: Any) -> None:
