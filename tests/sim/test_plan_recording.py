@@ -71,6 +71,18 @@ def test_a_recorded_pool_is_resized_in_blocks(tmp_path, capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+def test_a_recorded_pool_is_checked_against_a_named_hardware_only(tmp_path, capsys):
+    """A recording's pool ran on its own machine: no preset's memory limits it unless a
+    --hardware is named (then the pool must fit in it, beside the weights)."""
+    directory = build(tmp_path / "rec")
+    assert plan(capsys, directory, "--num-kv-blocks", "100000")["num_blocks"] == 100_000
+    assert main(["plan", "--trace", str(directory), "--num-kv-blocks", "100000",
+                 "--hardware", "l4"]) == 2
+    err = capsys.readouterr().err
+    assert "a KV pool of 195.31 GiB does not fit in the l4 preset's 22.00 GiB" in err
+    assert err.count("\n") == 1
+
+
 def test_the_title_says_what_was_planned(tmp_path, capsys):
     directory = build(tmp_path / "rec")
     assert main(["plan", "--trace", str(directory), "--candidates", "1",

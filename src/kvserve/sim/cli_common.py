@@ -134,12 +134,16 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     warning = calibration_cpu_warning(calibration) if calibration else None
     if warning:
         print(warning, file=sys.stderr)
+    recording = getattr(args, "recording", None)
+    # A recording's own pool ran on its own machine: the default preset's memory is no limit
+    # on it (a --hardware named is).
+    check_pool_fits = recording is None or args.hardware is not None
     # cpu-local is this machine: its peaks measured (once per CPU, then cached), not the
     # figures of the machine the preset was written on.
     args.hardware = args.hardware or DEFAULT_HARDWARE
     measured = local_hardware() if args.hardware == "cpu-local" else None
     if args.model is None:
-        args.model = recorded_model(getattr(args, "recording", None))
+        args.model = recorded_model(recording)
     return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
                       dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,
@@ -148,7 +152,7 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
                       else getattr(args, "cost_model", None) or "roofline",
                       calibration=calibration,
                       replay_log=getattr(args, "replay_step_times", None),
-                      recording=getattr(args, "recording", None))
+                      recording=recording, check_pool_fits=check_pool_fits)
 
 
 def recorded_model(recording: Any) -> str:
