@@ -81,8 +81,10 @@ def add_parser(subparsers: Any) -> None:
     replicas = parser.add_argument_group(
         "replicas (with --trace: how many data-parallel replicas meet the SLO)")
     replicas.add_argument("--max-replicas", type=int, metavar="M",
-                          help="simulate 1, 2, 4, ... M replicas and recommend the fewest "
-                               "meeting the SLO (instead of the max_num_seqs sweep)")
+                          help="the fewest replicas up to M meeting the SLO, searched by "
+                               "simulating 1, 2, 4, ... until one meets it, then bisecting "
+                               "(without an SLO: 1, 2, 4, ... M simulated); instead of the "
+                               "max_num_seqs sweep")
     replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS",
                           help="the p99 time to first token a replica count must meet")
     replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS",
@@ -337,11 +339,16 @@ def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
                   settings: dict[str, Any]) -> dict[str, Any]:
     from kvserve.sim import replica_plan
 
-    candidates = replica_plan.replica_candidates(args.max_replicas)
     options = cluster_from_args(args)
-    rows = replica_plan.run_candidates(deployment, trace, settings, options, candidates,
-                                       seed=args.seed, workers=args.workers,
-                                       use_ray=args.ray)
+    if args.slo_ttft_p99 is None and args.slo_itl_p99 is None:  # nothing to search for
+        rows = replica_plan.run_candidates(
+            deployment, trace, settings, options,
+            replica_plan.replica_candidates(args.max_replicas), seed=args.seed,
+            workers=args.workers, use_ray=args.ray)
+    else:
+        rows = replica_plan.search_replicas(
+            deployment, trace, settings, options, args.max_replicas, args.slo_ttft_p99,
+            args.slo_itl_p99, seed=args.seed, workers=args.workers, use_ray=args.ray)
     return {"router": options.router, "replica_sweep": rows,
             **replica_plan.recommend_replicas(rows, args.slo_ttft_p99, args.slo_itl_p99)}
 
