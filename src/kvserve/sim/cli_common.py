@@ -144,6 +144,13 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     measured = local_hardware() if args.hardware == "cpu-local" else None
     if args.model is None:
         args.model = recorded_model(recording)
+    if calibration:
+        from kvserve.sim.calibration import fitted_on_warning
+        from kvserve.sim.presets import get_model
+
+        warning = fitted_on_warning(calibration, get_model(args.model), args.hardware)
+        if warning:
+            print(warning, file=sys.stderr)
     return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
                       dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
                       tensor_parallel_size=args.tensor_parallel_size,

@@ -7,6 +7,7 @@ development machine, measured with torch (../shared/WORKLOADS.md).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -14,6 +15,10 @@ GiB = 1 << 30
 
 class PresetError(ValueError):
     """An unknown preset name, or a preset combination that does not exist."""
+
+
+MODEL_SHAPE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,11 @@ class ModelSpec:
     # The longest sequence it was trained for (its config's max_position_embeddings): vLLM
     # refuses a longer --max-model-len, and so do the simulator and the planner.
     max_context: int | None = None
+
+    def shape(self) -> dict[str, int]:
+        """What its step times depend on, under the names of the engine's ModelConfig (a
+        calibration file records the shape it was fitted on in ``meta.model_shape``)."""
+        return {name: getattr(self, name) for name in MODEL_SHAPE}
 
     @property
     def params_per_layer(self) -> int:
@@ -166,6 +176,31 @@ HARDWARE: dict[str, HardwareSpec] = {
                                "fp8": 1979 * _T}, 4.0e12, int(95.0 * GiB), 450e9, 450e9),
     )
 }
+
+
+# The word CUDA's name for each preset's GPU carries (torch.cuda.get_device_name: "NVIDIA H100
+# 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"): a calibration file names its device so.
+CUDA_NAMES = {"h100-sxm": "H100", "h200": "H200", "a100-80gb": "A100", "l4": "L4",
+              "gh200": "GH200"}
+
+
+def model_preset_for(name: str) -> str | None:
+    """The model preset a model's name describes (``SmolLM2-135M-Instruct`` or
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` -> ``smollm2-135m``: the preset's name, its size
+    included, begins the model's), or None when no preset names it."""
+    base = name.rsplit("/", 1)[-1].lower()
+    matches = [preset for preset in MODELS if base.startswith(preset)]
+    return max(matches, key=len) if matches else None
+
+
+def hardware_preset_for(device: str) -> str | None:
+    """The hardware preset of a device as the engine names it: ``cpu`` (``cpu-local``), or
+    a GPU's CUDA name, index and all ("NVIDIA H200 (cuda:0)" -> ``h200``); None when no
+    preset describes it."""
+    if device == "cpu":
+        return "cpu-local"
+    words = set(re.split(r"[^A-Z0-9]+", device.upper()))
+    return next((preset for preset, word in CUDA_NAMES.items() if word in words), None)
 
 
 def _lookup(kind: str, table: dict, name: str):  # type: ignore[no-untyped-def]
