@@ -190,13 +190,15 @@ def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any]
 
 
 class ShowProgress:
-    """A deployment whose every simulation shows progress, labelled by its max_num_seqs."""
+    """A deployment whose every simulation shows progress, labelled ``label``, else by its
+    max_num_seqs."""
 
-    def __init__(self, deployment: Any) -> None:
+    def __init__(self, deployment: Any, label: str | None = None) -> None:
         self.deployment = deployment
+        self.label = label
 
     def simulate(self, trace: Any, settings: dict[str, Any], **kwargs: Any) -> Any:
-        label = f"max_num_seqs={settings.get('max_num_seqs', 'default')}"
+        label = self.label or f"max_num_seqs={settings.get('max_num_seqs', 'default')}"
         return simulate_with_progress(self.deployment, trace, settings, label, **kwargs)
 
 

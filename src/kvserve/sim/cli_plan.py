@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -296,7 +295,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         out["sweep"] = rows
         out.update(plan.recommend(rows, args.ttft_p99))
         if not args.no_capacity_search:
-            out.update(_capacity(args, runner, trace, settings, out, pool))
+            out.update(_capacity(args, runs_on, trace, settings, out, pool))
     return out
 
 
@@ -378,11 +377,17 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
                 "capacity_note": "the trace's arrivals span no time: no rate to scale"}
     run_settings = plan.with_max_num_seqs(settings, max_num_seqs)
 
-    queue_p99 = functools.partial(queue_p99_at, deployment, trace, run_settings, args.seed)
+    # Progress as the sweep's: a bar per run in this process (serially, and the floor's
+    # run), one over the runs of each round on a pool.
+    def queue_p99(qps: float) -> float | None:
+        labelled = ShowProgress(deployment, f"capacity search at {qps:.4g} QPS")
+        return queue_p99_at(labelled, trace, run_settings, args.seed, qps)
 
     def run_many(rates: list[float]) -> list[float | None]:
+        if len(rates) == 1:  # a pool runs one job here, without its bar
+            return [queue_p99(rates[0])]
         return pool.map(queue_p99_at, [(deployment, trace, run_settings, args.seed, qps)
-                                       for qps in rates])
+                                       for qps in rates], label="capacity search")
 
     qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99,
                                     run_many=run_many, workers=args.workers)
