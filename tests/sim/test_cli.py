@@ -155,6 +155,24 @@ def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
         assert data["aggregate"]["ttft_p99"] == row["ttft_p99"]
 
 
+def test_requests_cut_short_by_max_model_len_get_a_warning(tmp_path, capsys):
+    """Their finish is "length", as at max_tokens: only a warning tells a run whose context
+    ran out (QA: refusals got one, these only a count in the table)."""
+    trace = tmp_path / "long.jsonl"
+    assert main(["workload", "gen", "-n", "5", "--rate", "5", "--prompt-len", "fixed:1000",
+                 "--output-len", "fixed:500", "--seed", "1", "-o", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--max-model-len", "1200",
+                 "--num-kv-blocks", "500", "--quiet"]) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "warning: 5 request(s) cut short by max_model_len 1200: their context ran out "
+        "before their max_tokens or their end (finish_reason length); give a larger "
+        "--max-model-len to let them finish"]
+    assert main(["simulate", "--trace", str(trace), "--max-model-len", "2048",
+                 "--num-kv-blocks", "500", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # 1,501 tokens fit: none cut short
+
+
 def test_a_pool_given_outright_fits_per_device(capsys):
     """The pool and the weights split over the tensor-parallel devices: 100 GiB of KV for
     Llama-70B on 4 H100s is 25 GiB beside 32.9 GiB of weights on each, which fits; a device

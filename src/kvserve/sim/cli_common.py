@@ -151,15 +151,20 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
         warning = fitted_on_warning(calibration, get_model(args.model), args.hardware)
         if warning:
             print(warning, file=sys.stderr)
-    return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
-                      dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      cost_model="replay" if getattr(args, "replay_step_times", None)
-                      else getattr(args, "cost_model", None) or "roofline",
-                      calibration=calibration,
-                      replay_log=getattr(args, "replay_step_times", None),
-                      recording=recording, check_pool_fits=check_pool_fits)
+    deployment = Deployment(
+        model=args.model, hardware=args.hardware, hardware_spec=measured,
+        dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cost_model="replay" if getattr(args, "replay_step_times", None)
+        else getattr(args, "cost_model", None) or "roofline",
+        calibration=calibration, replay_log=getattr(args, "replay_step_times", None),
+        recording=recording, check_pool_fits=check_pool_fits)
+    if deployment.cost_model == "calibrated" and calibration is None and recording is not None:
+        # Fitted here, once: the runs in worker processes get the fit, and a poor fit's
+        # warning is said once (it was said again by every run of a plan, QA).
+        recording.fitted_cost_model()
+    return deployment
 
 
 def recorded_model(recording: Any) -> str:
