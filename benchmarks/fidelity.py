@@ -107,7 +107,7 @@ def run_calibration(progress: bool, layout_term: bool) -> CalibratedCostModel:
     start = time.perf_counter()
     model, seconds = calibrate.calibrate(runner, engine.scheduler.cache_config.num_blocks,
                                          shapes, warmup=2, repeats=5, progress=progress)
-    meta = {"model": runner.model.config.name, "dtype": DTYPE, "block_size": BLOCK_SIZE,
+    meta = {**calibrate.model_meta(runner.model.config), "dtype": DTYPE, "block_size": BLOCK_SIZE,
             "num_samples": len(shapes), "seconds": round(time.perf_counter() - start, 1)}
     (OUT / "cost-model.json").write_text(calibrate.to_json(model, shapes, seconds, meta))
     calibrate.plot(PLOTS / "fidelity-calibration.svg", shapes, seconds, model)

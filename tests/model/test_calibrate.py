@@ -79,6 +79,19 @@ def test_calibration_on_a_real_runner_writes_a_usable_model(tmp_path):
     assert (tmp_path / "fit.svg").read_text().startswith("<svg")
 
 
+def test_the_file_names_the_model_by_the_shape_the_simulator_checks():
+    """meta.model_shape holds what the simulator compares with --model's preset: the
+    bundled SmolLM2's is the smollm2-135m preset's, key for key."""
+    from kvserve.model.config import SMOLLM2_135M
+    from kvserve.sim.presets import get_model
+
+    meta = calibrate.model_meta(SMOLLM2_135M)
+    assert meta == {"model": "SmolLM2-135M-Instruct",
+                    "model_shape": get_model("smollm2-135m").shape()}
+    assert meta["model_shape"]["num_layers"] == 30
+    assert calibrate.model_meta(TINY)["model_shape"]["hidden_size"] == 32
+
+
 def test_a_shape_for_another_block_size_is_refused():
     engine = build_engine(TINY, num_kv_blocks=64, block_size=16, detokenize=False)
     with pytest.raises(ValueError, match="shape has block size 32, the runner 16"):

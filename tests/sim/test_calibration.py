@@ -1,13 +1,16 @@
 """Fitting a calibrated cost model recovers the coefficients that made the step times."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
-from kvserve.sim.calibration import fit, save
+from kvserve.cli import main
+from kvserve.sim.calibration import fit, fitted_on_warning, save
 from kvserve.sim.cost_models import CalibratedCostModel
 from kvserve.sim.executor import BatchView
+from kvserve.sim.presets import get_model
 
 TRUE = {"fixed_s": 0.004, "per_token_s": 2e-5, "per_seq_s": 0.0, "per_sampled_s": 1e-5,
         "per_context_token_s": 3e-8, "per_attention_pair_s": 1e-9}
@@ -230,3 +233,70 @@ def test_a_poor_fit_is_said_so():
     note = poor_fit_note(goodness(model, views, noisy)["mean_abs_error"])
     assert note is not None and "prices single steps poorly" in note
     assert poor_fit_note(0.12) is None
+
+
+def _calibration_file(tmp_path, meta):
+    path = tmp_path / "cm.json"
+    data = {"format": "kvserve-cost-model/1",
+            "coefficients": {"fixed_s": 0.01, "per_token_s": 1e-6}}
+    if meta is not None:
+        data["meta"] = meta
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_calibration_of_another_model_or_device_is_named_in_a_warning(tmp_path):
+    """QA: a fit on SmolLM2 on the CPU timed Llama-8B on an L4 without a word. The file
+    names the model's shape and the device; the check compares them with the run's."""
+    smol, llama = get_model("smollm2-135m"), get_model("llama-3.1-8b")
+    path = _calibration_file(tmp_path, {"model": "SmolLM2-135M-Instruct",
+                                        "model_shape": smol.shape(), "device": "cpu"})
+    assert fitted_on_warning(path, llama, "l4") == (
+        f"warning: {path} was calibrated on model SmolLM2-135M-Instruct (30 layers, hidden "
+        "576), not this run's llama-3.1-8b and on device cpu, not this run's l4: its step "
+        "times are of what it was calibrated on (give --model and --hardware as "
+        "calibrated, or calibrate on this deployment)")
+    assert fitted_on_warning(path, smol, "cpu-local") is None
+    warning = fitted_on_warning(path, smol, "h100-sxm")
+    assert warning is not None and "device cpu, not this run's h100-sxm" in warning \
+        and "model" not in warning.split(":")[1]
+    # a GPU by its CUDA name; a shape that is no preset's
+    gpu = _calibration_file(tmp_path, {"device": "NVIDIA L4 (cuda:0)", "model": "tiny",
+                                       "model_shape": {"num_layers": 1, "hidden_size": 32}})
+    warning = fitted_on_warning(gpu, llama, "l4")
+    assert warning is not None and "model tiny (1 layers, hidden 32), not this run's " \
+        "llama-3.1-8b:" in warning and "device" not in warning
+    h100 = _calibration_file(tmp_path, {"device": "NVIDIA H100 80GB HBM3 (cuda:0)"})
+    assert fitted_on_warning(h100, llama, "h100-sxm") is None
+    assert "device NVIDIA H100 80GB HBM3 (cuda:0), not this run's h200" in \
+        fitted_on_warning(h100, llama, "h200")
+
+
+@pytest.mark.parametrize("meta", [None, {}, {"model": "a-model-no-preset-names"},
+                                  {"step_logs": [], "num_steps": 9}])
+def test_a_file_that_does_not_say_what_it_was_fitted_on_is_not_checked(tmp_path, meta):
+    path = _calibration_file(tmp_path, meta)
+    assert fitted_on_warning(path, get_model("llama-3.1-8b"), "l4") is None
+    assert CalibratedCostModel.load(path).coefficients["fixed_s"] == 0.01  # still loads
+
+
+def test_an_older_file_is_checked_by_the_preset_its_model_name_names(tmp_path):
+    path = _calibration_file(tmp_path, {"model": "SmolLM2-135M-Instruct"})
+    assert fitted_on_warning(path, get_model("smollm2-135m"), "l4") is None
+    assert "model SmolLM2-135M-Instruct, not this run's llama-3.1-8b" in \
+        fitted_on_warning(path, get_model("llama-3.1-8b"), "l4")
+
+
+def test_simulate_warns_once_and_runs(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "5", "--rate", "10", "--seed", "1",
+                 "-o", str(trace)]) == 0
+    capsys.readouterr()
+    path = _calibration_file(tmp_path, {"model": "SmolLM2-135M-Instruct",
+                                        "model_shape": get_model("smollm2-135m").shape(),
+                                        "device": "cpu"})
+    assert main(["simulate", "--trace", str(trace), "--model", "llama-3.1-8b", "--hardware",
+                 "l4", "--calibration", str(path), "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {path} was calibrated on model "
+                                               "SmolLM2-135M-Instruct")

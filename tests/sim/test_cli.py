@@ -101,7 +101,7 @@ def test_plan_json_has_the_worked_figures(capsys):
                  "250", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["kv_bytes_per_token"], data["max_live_tokens"], data["max_concurrency"]) \
-        == (131_072, 418_592, 331)
+        == (131_072, 453_200, 358)
 
 
 def test_plan_from_device_memory_by_hand(capsys):
@@ -137,10 +137,10 @@ def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
     sequence, as vLLM's profiling run does), so each of plan's candidates runs on the pool
     `kvserve simulate --max-num-seqs N` would size for the same flags: the same blocks,
     preemptions and figures."""
-    # 24 GB x 0.69 leaves ~0.2 GiB of KV after 14.96 GiB of weights: a pool this trace
-    # fills, with 0.06 GiB more logits reserve at 128 sequences than at 8.
+    # 22.0 GiB x 0.70 leaves ~0.2 GiB of KV after 14.96 GiB of weights and the reserve: a
+    # pool this trace fills, with 0.06 GiB more logits reserve at 128 sequences than at 8.
     memory = ["--model", "llama-3.1-8b", "--hardware", "l4", "--max-model-len", "4096",
-              "--gpu-memory-utilization", "0.69"]
+              "--gpu-memory-utilization", "0.70"]
     assert main(["plan", "--trace", str(trace), *memory, "--candidates", "8,128",
                  "--no-capacity-search", "--json"]) == 0
     rows = {r["max_num_seqs"]: r for r in json.loads(capsys.readouterr().out)["sweep"]}
@@ -155,6 +155,37 @@ def test_plan_sweep_sizes_each_pool_as_simulate_does(tmp_path, trace, capsys):
         assert data["aggregate"]["ttft_p99"] == row["ttft_p99"]
 
 
+def test_requests_cut_short_by_max_model_len_get_a_warning(tmp_path, capsys):
+    """Their finish is "length", as at max_tokens: only a warning tells a run whose context
+    ran out (QA: refusals got one, these only a count in the table)."""
+    trace = tmp_path / "long.jsonl"
+    assert main(["workload", "gen", "-n", "5", "--rate", "5", "--prompt-len", "fixed:1000",
+                 "--output-len", "fixed:500", "--seed", "1", "-o", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--max-model-len", "1200",
+                 "--num-kv-blocks", "500", "--quiet"]) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "warning: 5 request(s) cut short by max_model_len 1200: their context ran out "
+        "before their max_tokens or their end (finish_reason length); give a larger "
+        "--max-model-len to let them finish"]
+    assert main(["simulate", "--trace", str(trace), "--max-model-len", "2048",
+                 "--num-kv-blocks", "500", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # 1,501 tokens fit: none cut short
+
+
+def test_a_pool_given_outright_fits_per_device(capsys):
+    """The pool and the weights split over the tensor-parallel devices: 100 GiB of KV for
+    Llama-70B on 4 H100s is 25 GiB beside 32.9 GiB of weights on each, which fits; a device
+    of another size is plan's --gpu-memory-gib."""
+    assert main(["plan", "--model", "llama-3.1-70b", "--tensor-parallel-size", "4",
+                 "--kv-pool-gib", "100", "--prompt-len", "9", "--output-len", "9",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pool_bytes"] == 100 << 30
+    assert main(["plan", "--hardware", "l4", "--num-kv-blocks", "100000", "--gpu-memory-gib",
+                 "300", "--prompt-len", "9", "--output-len", "9", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 100_000
+
+
 def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trace, capsys):
     """A pool given outright (--kv-pool-gib) is every candidate's; sized from memory, a
     candidate whose activation reserve leaves no room gets a row saying so, and the
@@ -164,7 +195,7 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     data = json.loads(capsys.readouterr().out)
     assert [r["num_kv_blocks"] for r in data["sweep"]] == [data["num_blocks"]] * 2 == [25, 25]
     memory = ["--model", "llama-3.1-8b", "--hardware", "l4", "--max-model-len", "4096",
-              "--gpu-memory-utilization", "0.69"]
+              "--gpu-memory-utilization", "0.70"]
     assert main(["plan", "--trace", str(trace), *memory, "--candidates", "8,1024",
                  "--no-capacity-search", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -175,6 +206,26 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
 
 
 @pytest.mark.parametrize("argv, message", [
+    # QA: accepted silently though the pool and the weights need more than an L4 holds
+    (["simulate", "--hardware", "l4", "--max-model-len", "8192", "--max-num-seqs", "64",
+      "--kv-cache-memory", "40GiB"],
+     "a KV pool of 40.00 GiB does not fit in the l4 preset's 22.00 GiB: with 14.96 GiB of "
+     "llama-3.1-8b weights (bf16) and 0.20 GiB of activations it needs 55.16 GiB; give a "
+     "smaller pool, a larger --tensor-parallel-size or another --hardware (a device no "
+     "preset describes: kvserve plan --gpu-memory-gib)"),
+    (["simulate", "--hardware", "l4", "--num-kv-blocks", "100000"],
+     "a KV pool of 195.31 GiB does not fit in the l4 preset's 22.00 GiB"),
+    (["plan", "--hardware", "l4", "--kv-pool-gib", "100", "--prompt-len", "9",
+      "--output-len", "9"], "a KV pool of 100.00 GiB does not fit in the l4 preset's"),
+    # per device: each of 8 L4s holds 12.5 GiB of the pool and 16.43 of the weights
+    (["plan", "--model", "llama-3.1-70b", "--hardware", "l4", "--tensor-parallel-size", "8",
+      "--kv-pool-gib", "100", "--prompt-len", "9", "--output-len", "9"],
+     "a KV pool of 12.50 GiB per device does not fit in the l4 preset's 22.00 GiB: with "
+     "16.43 GiB of llama-3.1-70b weights (bf16) per device"),
+    (["plan", "--num-kv-blocks", "100000", "--gpu-memory-gib", "100", "--prompt-len", "9",
+      "--output-len", "9"], "does not fit in --gpu-memory-gib 100: with 14.96 GiB of "
+     "llama-3.1-8b weights (bf16) and 0.29 GiB of activations it needs 210.56 GiB; give a "
+     "smaller pool, a larger --tensor-parallel-size or a larger --gpu-memory-gib"),
     (["simulate", "--model", "gpt-9"], "unknown model 'gpt-9'; known: llama-3.1-8b, "
                                        "llama-3.1-70b, qwen2.5-7b, mistral-7b, smollm2-135m"),
     (["simulate", "--hardware", "tpu"], "unknown hardware 'tpu'; known: h100-sxm"),

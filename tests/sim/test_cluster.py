@@ -132,6 +132,20 @@ def test_one_replica_report_is_byte_identical(tmp_path) -> None:
     assert "replica" not in json.loads(plain.read_text())["requests"][0]
 
 
+def test_the_cluster_table_says_its_kv_blocks_are_each_replicas(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "8", "--rate", "20", "--seed", "4",
+                 "-o", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--num-kv-blocks", "300",
+                 "--data-parallel-size", "2"]) == 0
+    header = " ".join(capsys.readouterr().out.split())
+    assert "max_num_seqs 256, 300 KV blocks per replica, continuous batching, 2 replicas" \
+        in header
+    assert main(["simulate", "--trace", str(trace), "--num-kv-blocks", "300"]) == 0
+    assert "300 KV blocks, continuous batching" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cluster_cli_writes_replicas_to_report_and_html(tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     assert main(["workload", "gen", "-n", "30", "--rate", "20", "--seed", "4",

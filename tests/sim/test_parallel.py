@@ -39,8 +39,18 @@ def test_capacity_search_running_ahead_probes_what_the_serial_search_probes(
         batches.append(list(rates))
         return [p99(q) for q in rates]
 
-    ahead = capacity_qps(p99, 1.0, 2.0, rel_tol=0.01, run_many=run_many, workers=workers)
+    here: list[float] = []
+
+    def run_here(qps: float) -> float | None:
+        here.append(qps)
+        return p99(qps)
+
+    ahead = capacity_qps(run_here, 1.0, 2.0, rel_tol=0.01, run_many=run_many,
+                         workers=workers)
     assert ahead == serial
+    # each probe runs once, in its batch: every one was run again in this process, with no
+    # progress bar (QA: the capacity search showed no progress), its batch's run wasted
+    assert here == []
     assert all(len(b) <= workers for b in batches)
     # every probe of the search was simulated in some batch; with three workers or more
     # both answers to a question are covered, so two probes take one batch
@@ -118,3 +128,45 @@ def test_simulate_refuses_zero_workers(trace, capsys):
     assert main(["simulate", "--trace", str(trace), "--sweep", "max-num-seqs=2,4",
                  "--workers", "0"]) == 2
     assert "--workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def bars(labels: list[str]) -> type:
+    """A stand-in for kvserve.sim.table.Progress that records the bars' labels."""
+
+    class Bar:
+        def __init__(self, total: int, label: str = "simulating") -> None:
+            labels.append(label)
+
+        def __call__(self, now: float, num_finished: int, total: int) -> None:
+            pass
+
+        def update(self, done: int, note: str = "") -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return Bar
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_capacity_search_shows_progress_as_the_sweep_does(trace, capsys, monkeypatch,
+                                                              workers):
+    """Serially a bar per run, the sweep's labelled by max_num_seqs and the search's by its
+    rate; on a pool one bar over each map's runs (QA: the search showed none)."""
+    labels: list[str] = []
+    monkeypatch.setattr("kvserve.sim.table.Progress", bars(labels))
+    monkeypatch.setattr("kvserve.sim.parallel.Progress", bars(labels))
+    assert main(["plan", "--trace", str(trace), "--num-kv-blocks", "60", "--candidates",
+                 "2,8", "--queue-delay-p99", "0.5", "--json", "--workers", workers]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    floor = f"capacity search at {0.1 * plan['capacity_qps']:.4g} QPS"
+    if workers == "1":
+        probes = [f"capacity search at {p['qps']:.4g} QPS" for p in plan["capacity_probes"]]
+        assert labels == ["max_num_seqs=2", "max_num_seqs=8", *probes, floor]
+    else:
+        assert labels[0] == "2 runs on 2 workers"  # the sweep
+        # each round of the search's runs; a round of one runs here, with its own bar
+        assert "capacity search: 2 runs on 2 workers" in labels[1:-1]
+        assert all(label.startswith("capacity search") for label in labels[1:])
+        assert labels[-1] == floor  # the floor's one run, in this process

@@ -16,7 +16,7 @@ from kvserve.sim.plan import (
     trace_rate,
     trace_seq_len_p95,
 )
-from kvserve.sim.presets import get_hardware, get_model
+from kvserve.sim.presets import HARDWARE, GiB, get_hardware, get_model
 
 from .helpers import req
 
@@ -34,27 +34,39 @@ def test_kv_bytes_per_token_by_hand():
     assert kv_bytes_per_token(get_model("smollm2-135m"), "bf16", 4) == 30_720
 
 
+def test_gpu_presets_hold_the_memory_cuda_reports():
+    """--gpu-memory-utilization is a fraction of the total CUDA reports (torch's "total
+    capacity"), in GiB, not of the datasheet's decimal GB (80 GB is 74.5 GiB: pools on an
+    H100 came out 6% small, and an L4's 24 GB overstated its 22.0 GiB)."""
+    memory = {name: round(h.memory_bytes / GiB, 1) for name, h in HARDWARE.items()
+              if name != "cpu-local"}
+    assert memory == {"h100-sxm": 79.2, "h200": 139.8, "a100-80gb": 79.2, "l4": 22.0,
+                      "gh200": 95.0}
+
+
 def test_llama8b_on_one_h100_by_hand():
-    # usable = 80e9 x 0.9 = 72,000,000,000; weights 8,030,261,248 x 2 = 16,060,522,496;
-    # reserve 1 GiB = 1,073,741,824 -> pool 54,865,735,680 B.
-    # block = 131,072 x 16 = 2,097,152 B -> 26,162 blocks (26,161.98...), 418,592 tokens.
-    # 1,000 + 250 tokens = 79 blocks (78.1 rounded up) -> 26,162 // 79 = 331 sequences.
+    # memory int(79.2 GiB) = 85,040,352,460 B (CUDA's total, not the datasheet's 80 GB);
+    # usable = int(x 0.9) = 76,536,317,214; weights 8,030,261,248 x 2 = 16,060,522,496;
+    # reserve 1 GiB = 1,073,741,824 -> pool 59,402,052,894 B.
+    # block = 131,072 x 16 = 2,097,152 B -> 28,325 blocks (28,325.1), 453,200 tokens.
+    # 1,000 + 250 tokens = 79 blocks (78.1 rounded up) -> 28,325 // 79 = 358 sequences.
     pool = plan_kv_pool(get_model("llama-3.1-8b"), "bf16", 16,
                         hardware=get_hardware("h100-sxm"), activation_reserve_gib=1.0)
+    assert get_hardware("h100-sxm").memory_bytes == 85_040_352_460
     assert pool.weight_bytes == 16_060_522_496
-    assert pool.pool_bytes == 54_865_735_680
-    assert (pool.num_blocks, pool.max_live_tokens) == (26_162, 418_592)
-    assert pool.max_concurrency(1250) == 331
+    assert pool.pool_bytes == 59_402_052_894
+    assert (pool.num_blocks, pool.max_live_tokens) == (28_325, 453_200)
+    assert pool.max_concurrency(1250) == 358
 
 
 def test_llama70b_tp4_pools_four_devices():
-    # usable 4 x 72e9 = 288e9; weights 70,553,706,496 x 2 = 141,107,412,992;
-    # reserve 2 GiB per device x 4 = 8,589,934,592 -> pool 138,302,652,416 B;
-    # / (327,680 x 16) = 26,379 blocks.
+    # usable int(4 x 0.9 x 85,040,352,460) = 306,145,268,856; weights 70,553,706,496 x 2 =
+    # 141,107,412,992; reserve 2 GiB per device x 4 = 8,589,934,592 -> pool
+    # 156,447,921,272 B; / (327,680 x 16) = 29,840 blocks.
     pool = plan_kv_pool(get_model("llama-3.1-70b"), "bf16", 16,
                         hardware=get_hardware("h100-sxm"), tensor_parallel_size=4,
                         activation_reserve_gib=2.0)
-    assert (pool.pool_bytes, pool.num_blocks) == (138_302_652_416, 26_379)
+    assert (pool.pool_bytes, pool.num_blocks) == (156_447_921_272, 29_840)
 
 
 def test_direct_pool_and_explicit_memory():

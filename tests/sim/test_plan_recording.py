@@ -71,6 +71,33 @@ def test_a_recorded_pool_is_resized_in_blocks(tmp_path, capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+def test_a_recorded_pool_is_checked_against_a_named_hardware_only(tmp_path, capsys):
+    """A recording's pool ran on its own machine: no preset's memory limits it unless a
+    --hardware is named (then the pool must fit in it, beside the weights)."""
+    directory = build(tmp_path / "rec")
+    assert plan(capsys, directory, "--num-kv-blocks", "100000")["num_blocks"] == 100_000
+    assert main(["plan", "--trace", str(directory), "--num-kv-blocks", "100000",
+                 "--hardware", "l4"]) == 2
+    err = capsys.readouterr().err
+    assert "a KV pool of 195.31 GiB does not fit in the l4 preset's 22.00 GiB" in err
+    assert err.count("\n") == 1
+
+
+def test_a_poor_fit_is_said_once_however_many_runs_use_it(tmp_path, capsys):
+    """The recorded steps are fitted once, before the runs go to the workers (QA: the
+    warning came once per simulation, seven times for four candidates)."""
+    directory = build(tmp_path / "rec")
+    steps = directory / "steps-1-00000.jsonl"  # replica 1's steps ten times faster than 0's
+    rows = [json.loads(line) for line in steps.read_text().splitlines()]
+    steps.write_text("".join(json.dumps({**row, "duration": 0.05} if row["type"] == "step"
+                                        else row) + "\n" for row in rows))
+    assert main(["plan", "--trace", str(directory), "--candidates", "2,4,8,16", "--json",
+                 "--workers", "2"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if "the fit prices single steps poorly" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {directory}: ")
+
+
 def test_the_title_says_what_was_planned(tmp_path, capsys):
     directory = build(tmp_path / "rec")
     assert main(["plan", "--trace", str(directory), "--candidates", "1",

@@ -11,7 +11,12 @@ import pytest
 from kvserve.cli import main
 from kvserve.sim.cluster import ClusterOptions
 from kvserve.sim.deployment import Deployment
-from kvserve.sim.replica_plan import recommend_replicas, replica_candidates, run_candidates
+from kvserve.sim.replica_plan import (
+    fewest_replicas,
+    recommend_replicas,
+    replica_candidates,
+    run_candidates,
+)
 from kvserve.sim.workloads import WorkloadSpec, generate
 
 
@@ -21,6 +26,26 @@ def test_candidates_double_up_to_the_maximum() -> None:
     assert replica_candidates(64) == [1, 2, 4, 8, 16, 32, 64]
     with pytest.raises(ValueError, match="--max-replicas must be >= 1, got 0"):
         replica_candidates(0)
+
+
+@pytest.mark.parametrize(("needed", "max_replicas", "asked", "found"), [
+    (3, 8, [1, 2, 4, 3], 3),  # QA: powers of two only, plan answered 4
+    (12, 64, [1, 2, 4, 8, 16, 12, 10, 11], 12),
+    (5, 6, [1, 2, 4, 6, 5], 5),  # the maximum closes the doubling
+    (1, 64, [1], 1),
+    (9, 6, [1, 2, 4, 6], None),
+])
+def test_the_search_finds_the_fewest_replicas(needed, max_replicas, asked, found) -> None:
+    """Doubling brackets the fewest count meeting the SLO, bisection finds it: every count in
+    [1, M] can be the answer, not only the powers of two."""
+    seen: list[int] = []
+
+    def meets(count: int) -> bool:
+        seen.append(count)
+        return count >= needed
+
+    assert fewest_replicas(meets, max_replicas) == found
+    assert seen == asked
 
 
 def row(replicas: int, ttft: float | None, itl: float | None) -> dict:
@@ -49,23 +74,34 @@ def trace_path(tmp_path):
 
 
 def plan_json(trace_path, capsys, *flags: str) -> str:
-    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "4",
-                 "--slo-ttft-p99", "0.05", "--router", "prefix-affinity",
+    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "8",
+                 "--slo-ttft-p99", "0.02", "--router", "prefix-affinity",
                  "--num-kv-blocks", "300", "--json", *flags]) == 0
     return capsys.readouterr().out
 
 
 def test_plan_is_byte_identical_with_one_or_two_workers(trace_path, capsys) -> None:
     serial = plan_json(trace_path, capsys, "--workers", "1")
-    parallel = plan_json(trace_path, capsys, "--workers", "2")
+    parallel = plan_json(trace_path, capsys, "--workers", "2")  # the search runs ahead
     assert serial == parallel
     plan = json.loads(serial)
-    assert [r["replicas"] for r in plan["replica_sweep"]] == [1, 2, 4]
+    # p99 TTFT 23.1, 22.7, 19.5, 17.9 ms on 1, 2, 3, 4 replicas: 4 brackets the 20 ms SLO,
+    # 3 meets it (QA: the powers of two 1, 2, 4, 8 answered 4); the rows are the counts
+    # the search simulated, not its speculation's
+    assert [r["replicas"] for r in plan["replica_sweep"]] == [1, 2, 3, 4]
     assert plan["router"] == "prefix-affinity"
-    # more replicas never make this trace's p99 TTFT worse; the fewest meeting it is chosen
+    assert plan["replicas_recommended"] == 3
+    assert plan["replicas_meeting_slo"] == [3, 4]
     ttfts = [r["ttft_p99"] for r in plan["replica_sweep"]]
     assert ttfts == sorted(ttfts, reverse=True)
-    assert plan["replicas_recommended"] == min(plan["replicas_meeting_slo"])
+
+
+def test_without_an_slo_the_powers_of_two_are_simulated(trace_path, capsys) -> None:
+    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "6",
+                 "--num-kv-blocks", "300", "--json", "--workers", "1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["replicas"] for r in plan["replica_sweep"]] == [1, 2, 4, 6]
+    assert plan["replicas_recommended"] is None
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -36,6 +36,7 @@ from kvserve.sim.calibration import fit, goodness
 from kvserve.sim.cost_models import CALIBRATED_FORMAT, CalibratedCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.machine import cpu_identity
+from kvserve.sim.presets import MODEL_SHAPE
 from kvserve.sim.trace import TraceRequest
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -192,6 +193,14 @@ def calibrate_in_service(engine: Engine, trace: Sequence[TraceRequest], *,
     model = fit(views, seconds, source=f"in service: {len(views)} steps", kind_term=kind_term,
                 relative_to="priced")
     return model, {"num_steps": len(views), **goodness(model, views, seconds)}
+
+
+def model_meta(config: Any) -> dict[str, Any]:
+    """The model a calibration times, for its file's ``meta``: its name and its shape (the
+    simulator warns when --model prices another: kvserve.sim.calibration.fitted_on_warning).
+    ``config`` is the engine's ModelConfig."""
+    return {"model": config.name,
+            "model_shape": {name: getattr(config, name) for name in MODEL_SHAPE}}
 
 
 def in_service_json(model: CalibratedCostModel, meta: dict[str, Any]) -> str:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     model, seconds = calibrate.calibrate(runner, num_blocks, shapes, warmup=args.warmup,
                                          repeats=args.repeats, progress=sys.stderr.isatty(),
                                          kind_term=bool(args.kind_term))
-    meta = {"model": runner.model.config.name, "dtype": _dtype_name(engine),
+    meta = {**calibrate.model_meta(runner.model.config), "dtype": _dtype_name(engine),
             "device": _device_name(engine), "load_format": args.load_format,
             "block_size": args.block_size,
             "num_samples": len(shapes)}
@@ -169,7 +169,7 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
             engine, trace, greedy=args.greedy, kind_term=args.kind_term is not False)
     except ValueError as error:  # too few steps to fit
         raise CLIError(f"{args.trace}: {error}") from error
-    meta = {"model": engine.executor.model.config.name, "dtype": _dtype_name(engine),
+    meta = {**calibrate.model_meta(engine.executor.model.config), "dtype": _dtype_name(engine),
             "device": _device_name(engine), "load_format": args.load_format,
             "block_size": args.block_size,
             "trace": str(args.trace), "greedy": args.greedy, **seen}

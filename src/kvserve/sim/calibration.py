@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,7 @@ from kvserve.sim.cost_models import (
     CalibratedCostModel,
 )
 from kvserve.sim.executor import BatchView
+from kvserve.sim.presets import ModelSpec, hardware_preset_for, model_preset_for
 
 KNEES = (0, 1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
@@ -205,3 +207,37 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
                                  "a batch shape's") from None
             seconds.append(float(duration))
     return views, seconds
+
+
+def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str | None:
+    """A one-line warning where the calibration file at ``path`` was fitted on another model
+    than ``model`` (``meta.model_shape``; in files without it, the preset ``meta.model``
+    names) or on another device than the ``hardware`` preset (``meta.device``). None when
+    they match, or where the file does not say (older files have no shape or device, and a
+    fit on step logs neither a model nor a device): then nothing can be checked. Which CPU
+    it was is :func:`kvserve.sim.machine.calibration_cpu_warning`'s."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8")).get("meta")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None  # the cost model's own loading reports a bad file
+    if not isinstance(meta, dict):
+        return None
+    name, shape, device = meta.get("model"), meta.get("model_shape"), meta.get("device")
+    differences = []
+    if isinstance(shape, dict) and shape:
+        if any(shape.get(key, value) != value for key, value in model.shape().items()):
+            differences.append(f"model {name or 'unnamed'} ({_describe_shape(shape)}), not "
+                               f"this run's {model.name}")
+    elif isinstance(name, str) and model_preset_for(name) not in (None, model.name):
+        differences.append(f"model {name}, not this run's {model.name}")
+    if isinstance(device, str) and device and hardware_preset_for(device) != hardware:
+        differences.append(f"device {device}, not this run's {hardware}")
+    if not differences:
+        return None
+    return (f"warning: {path} was calibrated on {' and on '.join(differences)}: its step "
+            "times are of what it was calibrated on (give --model and --hardware as "
+            "calibrated, or calibrate on this deployment)")
+
+
+def _describe_shape(shape: dict[str, Any]) -> str:
+    return f"{shape.get('num_layers', '?')} layers, hidden {shape.get('hidden_size', '?')}"

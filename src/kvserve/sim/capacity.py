@@ -4,7 +4,9 @@
     kv_bytes_per_token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes
                          (x tp / KV heads when tp > KV heads: heads are replicated)
     pool   = gpu_memory x utilization x tp - weights - activation reserve x tp
-             (or given directly)
+             (or given directly: then pool + weights + activation reserve x tp must fit in
+             gpu_memory x tp, whatever the utilization, as vLLM's --kv-cache-memory-bytes
+             bypasses it)
     blocks = floor(pool / (kv_bytes_per_token x block_size)); max_live_tokens = blocks x bs
     concurrency at a sequence length L = floor(blocks / ceil(L / block_size))
 """
@@ -68,11 +70,15 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
                  gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                  activation_reserve_gib: float | None = None, kv_pool_gib: float | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 num_blocks: int | None = None, kv_dtype: str | None = None) -> KVPool:
+                 num_blocks: int | None = None, kv_dtype: str | None = None,
+                 check_fits: bool = True) -> KVPool:
     """The KV pool of one replica (all ``tensor_parallel_size`` devices together).
     ``num_blocks`` gives the pool as a block count (vLLM's --num-gpu-blocks-override): no
     memory arithmetic, the rest is reported alongside. ``kv_dtype`` is the KV cache's dtype
-    when it is not the weights' (fp8)."""
+    when it is not the weights' (fp8). A pool given outright (``num_blocks``,
+    ``kv_pool_gib``) must fit beside the weights and the activation reserve in the devices'
+    memory (``gpu_memory_gib``, else the hardware preset's; not checked with neither, or
+    with ``check_fits`` False: a recording's pool, which ran on whatever machine it ran on)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise CapacityError(f"gpu_memory_utilization must be in (0, 1], "
                             f"got {gpu_memory_utilization}")
@@ -87,23 +93,31 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
         reserve = int(activation_reserve_gib * GiB)
     else:
         reserve = activation_reserve_bytes(model, dtype, max_num_batched_tokens, max_num_seqs)
-    if num_blocks is not None:
-        if num_blocks < 1:
-            raise CapacityError(f"num_blocks must be >= 1, got {num_blocks}")
-        return KVPool(per_token, weights, reserve, num_blocks * block_size * per_token,
-                      block_size, num_blocks)
-    if kv_pool_gib is not None:
-        if kv_pool_gib <= 0:
-            raise CapacityError(f"kv_pool_gib must be > 0, got {kv_pool_gib}")
-        pool = int(kv_pool_gib * GiB)
+    if gpu_memory_gib is not None:
+        if gpu_memory_gib <= 0:
+            raise CapacityError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib}")
+        memory: float | None = gpu_memory_gib * GiB
+        device = f"--gpu-memory-gib {gpu_memory_gib:g}"
+    elif hardware is not None:
+        memory = hardware.memory_bytes
+        device = f"the {hardware.name} preset's {memory / GiB:.2f} GiB"
     else:
-        if gpu_memory_gib is not None:
-            if gpu_memory_gib <= 0:
-                raise CapacityError(f"gpu_memory_gib must be > 0, got {gpu_memory_gib}")
-            memory = gpu_memory_gib * GiB
-        elif hardware is not None:
-            memory = hardware.memory_bytes
+        memory, device = None, ""
+    if num_blocks is not None or kv_pool_gib is not None:
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise CapacityError(f"num_blocks must be >= 1, got {num_blocks}")
+            pool = num_blocks * block_size * per_token
         else:
+            if kv_pool_gib <= 0:
+                raise CapacityError(f"kv_pool_gib must be > 0, got {kv_pool_gib}")
+            pool = int(kv_pool_gib * GiB)
+        if check_fits and memory is not None:
+            _check_fits(model, dtype, pool, weights, reserve, tp, memory, device)
+        if num_blocks is not None:
+            return KVPool(per_token, weights, reserve, pool, block_size, num_blocks)
+    else:
+        if memory is None:
             raise CapacityError("give a hardware preset, gpu_memory_gib or kv_pool_gib")
         pool = int(memory * gpu_memory_utilization * tp) - weights - reserve * tp
         if pool <= 0:
@@ -115,3 +129,22 @@ def plan_kv_pool(model: ModelSpec, dtype: str, block_size: int, *,
     if num_blocks < 1:
         raise CapacityError(f"the KV pool of {pool} bytes holds no block of {block_size} tokens")
     return KVPool(per_token, weights, reserve, pool, block_size, num_blocks)
+
+
+def _check_fits(model: ModelSpec, dtype: str, pool: int, weights: int, reserve: int, tp: int,
+                memory: float, device: str) -> None:
+    """CapacityError where a pool given outright, the weights and the activation reserve
+    need more than each device's memory (``device`` says whose: a preset's, or
+    --gpu-memory-gib's). The pool and the weights split over the ``tp`` devices, the reserve
+    is on each, as the sizing counts them."""
+    need = (pool + weights) / tp + reserve
+    if need <= memory:
+        return
+    each = " per device" if tp > 1 else ""
+    larger = "a larger --gpu-memory-gib" if device.startswith("--") else \
+        "another --hardware (a device no preset describes: kvserve plan --gpu-memory-gib)"
+    raise CapacityError(
+        f"a KV pool of {pool / tp / GiB:.2f} GiB{each} does not fit in {device}: with "
+        f"{weights / tp / GiB:.2f} GiB of {model.name} weights ({dtype}){each} and "
+        f"{reserve / GiB:.2f} GiB of activations it needs {need / GiB:.2f} GiB{each}; give a "
+        f"smaller pool, a larger --tensor-parallel-size or {larger}")

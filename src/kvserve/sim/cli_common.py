@@ -134,21 +134,37 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     warning = calibration_cpu_warning(calibration) if calibration else None
     if warning:
         print(warning, file=sys.stderr)
+    recording = getattr(args, "recording", None)
+    # A recording's own pool ran on its own machine: the default preset's memory is no limit
+    # on it (a --hardware named is).
+    check_pool_fits = recording is None or args.hardware is not None
     # cpu-local is this machine: its peaks measured (once per CPU, then cached), not the
     # figures of the machine the preset was written on.
     args.hardware = args.hardware or DEFAULT_HARDWARE
     measured = local_hardware() if args.hardware == "cpu-local" else None
     if args.model is None:
-        args.model = recorded_model(getattr(args, "recording", None))
-    return Deployment(model=args.model, hardware=args.hardware, hardware_spec=measured,
-                      dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      cost_model="replay" if getattr(args, "replay_step_times", None)
-                      else getattr(args, "cost_model", None) or "roofline",
-                      calibration=calibration,
-                      replay_log=getattr(args, "replay_step_times", None),
-                      recording=getattr(args, "recording", None))
+        args.model = recorded_model(recording)
+    if calibration:
+        from kvserve.sim.calibration import fitted_on_warning
+        from kvserve.sim.presets import get_model
+
+        warning = fitted_on_warning(calibration, get_model(args.model), args.hardware)
+        if warning:
+            print(warning, file=sys.stderr)
+    deployment = Deployment(
+        model=args.model, hardware=args.hardware, hardware_spec=measured,
+        dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cost_model="replay" if getattr(args, "replay_step_times", None)
+        else getattr(args, "cost_model", None) or "roofline",
+        calibration=calibration, replay_log=getattr(args, "replay_step_times", None),
+        recording=recording, check_pool_fits=check_pool_fits)
+    if deployment.cost_model == "calibrated" and calibration is None and recording is not None:
+        # Fitted here, once: the runs in worker processes get the fit, and a poor fit's
+        # warning is said once (it was said again by every run of a plan, QA).
+        recording.fitted_cost_model()
+    return deployment
 
 
 def recorded_model(recording: Any) -> str:
@@ -179,13 +195,15 @@ def simulate_with_progress(deployment: Any, trace: Any, settings: dict[str, Any]
 
 
 class ShowProgress:
-    """A deployment whose every simulation shows progress, labelled by its max_num_seqs."""
+    """A deployment whose every simulation shows progress, labelled ``label``, else by its
+    max_num_seqs."""
 
-    def __init__(self, deployment: Any) -> None:
+    def __init__(self, deployment: Any, label: str | None = None) -> None:
         self.deployment = deployment
+        self.label = label
 
     def simulate(self, trace: Any, settings: dict[str, Any], **kwargs: Any) -> Any:
-        label = f"max_num_seqs={settings.get('max_num_seqs', 'default')}"
+        label = self.label or f"max_num_seqs={settings.get('max_num_seqs', 'default')}"
         return simulate_with_progress(self.deployment, trace, settings, label, **kwargs)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -81,8 +80,10 @@ def add_parser(subparsers: Any) -> None:
     replicas = parser.add_argument_group(
         "replicas (with --trace: how many data-parallel replicas meet the SLO)")
     replicas.add_argument("--max-replicas", type=int, metavar="M",
-                          help="simulate 1, 2, 4, ... M replicas and recommend the fewest "
-                               "meeting the SLO (instead of the max_num_seqs sweep)")
+                          help="the fewest replicas up to M meeting the SLO, searched by "
+                               "simulating 1, 2, 4, ... until one meets it, then bisecting "
+                               "(without an SLO: 1, 2, 4, ... M simulated); instead of the "
+                               "max_num_seqs sweep")
     replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS",
                           help="the p99 time to first token a replica count must meet")
     replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS",
@@ -294,7 +295,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         out["sweep"] = rows
         out.update(plan.recommend(rows, args.ttft_p99))
         if not args.no_capacity_search:
-            out.update(_capacity(args, runner, trace, settings, out, pool))
+            out.update(_capacity(args, runs_on, trace, settings, out, pool))
     return out
 
 
@@ -337,11 +338,16 @@ def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
                   settings: dict[str, Any]) -> dict[str, Any]:
     from kvserve.sim import replica_plan
 
-    candidates = replica_plan.replica_candidates(args.max_replicas)
     options = cluster_from_args(args)
-    rows = replica_plan.run_candidates(deployment, trace, settings, options, candidates,
-                                       seed=args.seed, workers=args.workers,
-                                       use_ray=args.ray)
+    if args.slo_ttft_p99 is None and args.slo_itl_p99 is None:  # nothing to search for
+        rows = replica_plan.run_candidates(
+            deployment, trace, settings, options,
+            replica_plan.replica_candidates(args.max_replicas), seed=args.seed,
+            workers=args.workers, use_ray=args.ray)
+    else:
+        rows = replica_plan.search_replicas(
+            deployment, trace, settings, options, args.max_replicas, args.slo_ttft_p99,
+            args.slo_itl_p99, seed=args.seed, workers=args.workers, use_ray=args.ray)
     return {"router": options.router, "replica_sweep": rows,
             **replica_plan.recommend_replicas(rows, args.slo_ttft_p99, args.slo_itl_p99)}
 
@@ -371,11 +377,17 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
                 "capacity_note": "the trace's arrivals span no time: no rate to scale"}
     run_settings = plan.with_max_num_seqs(settings, max_num_seqs)
 
-    queue_p99 = functools.partial(queue_p99_at, deployment, trace, run_settings, args.seed)
+    # Progress as the sweep's: a bar per run in this process (serially, and the floor's
+    # run), one over the runs of each round on a pool.
+    def queue_p99(qps: float) -> float | None:
+        labelled = ShowProgress(deployment, f"capacity search at {qps:.4g} QPS")
+        return queue_p99_at(labelled, trace, run_settings, args.seed, qps)
 
     def run_many(rates: list[float]) -> list[float | None]:
+        if len(rates) == 1:  # a pool runs one job here, without its bar
+            return [queue_p99(rates[0])]
         return pool.map(queue_p99_at, [(deployment, trace, run_settings, args.seed, qps)
-                                       for qps in rates])
+                                       for qps in rates], label="capacity search")
 
     qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99,
                                     run_many=run_many, workers=args.workers)

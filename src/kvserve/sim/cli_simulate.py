@@ -204,9 +204,11 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
 
         _write(args.html, render_report(report, result.itl_samples))
     if not args.quiet:
+        per_replica = " per replica" if "data_parallel" in echo else ""
         title = (f"{Path(args.trace).name}: {echo['cost_model']['name']} cost model, "
                  f"max_num_seqs {echo['scheduler']['max_num_seqs']}, "
-                 f"{echo['cache']['num_blocks']} KV blocks, {echo['batching']} batching")
+                 f"{echo['cache']['num_blocks']} KV blocks{per_replica}, "
+                 f"{echo['batching']} batching")
         if "data_parallel" in echo:
             dp = echo["data_parallel"]
             title += (f", {dp['size']} replicas ({dp['router']}"
@@ -220,12 +222,29 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
     if refused:
         print(f"warning: {len(refused)} request(s) refused, e.g. {refused[0]['stop_reason']}",
               file=sys.stderr)
+    cut = cut_short(report["requests"], trace, echo["scheduler"]["max_model_len"])
+    if cut:
+        print(f"warning: {cut} request(s) cut short by max_model_len "
+              f"{echo['scheduler']['max_model_len']}: their context ran out before their "
+              "max_tokens or their end (finish_reason length); give a larger "
+              "--max-model-len to let them finish", file=sys.stderr)
     from kvserve.core.scheduler import DISPLACED
 
     displaced = sum(1 for r in report["requests"] if r["stop_reason"] == DISPLACED)
     if displaced:  # K5: counted under abort, said here
         print(f"warning: {displaced} waiting request(s) displaced by more urgent arrivals "
               "(the queue was full; a server answers them 503)", file=sys.stderr)
+
+
+def cut_short(rows: list[dict[str, Any]], trace: list[Any], max_model_len: int) -> int:
+    """Requests that stopped because their sequence reached max_model_len, not at their
+    max_tokens (finish_reason "length" either way) nor for the whole pool (``kv_capacity``,
+    J2): a table counted them under "length" with no word, where refusals get one."""
+    max_tokens = {request.request_id: request.max_tokens for request in trace}
+    return sum(1 for row in rows if row["finish_reason"] == "length"
+               and row["stop_reason"] is None
+               and row["prompt_tokens"] + row["output_tokens"] >= max_model_len
+               and (max_tokens.get(row["request_id"]) or max_model_len) > row["output_tokens"])
 
 
 def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],

@@ -55,6 +55,10 @@ class Deployment:
     # Measured figures standing in for the named preset's (``--hardware cpu-local``: this
     # machine's peaks, kvserve.sim.machine.local_hardware); the report echoes them.
     hardware_spec: HardwareSpec | None = None
+    # A KV pool given outright (--num-kv-blocks, --kv-cache-memory, plan's --kv-pool-gib) must
+    # fit in the hardware's memory beside the weights; False for a recording's own pool on
+    # the default hardware (it ran on the machine it ran on, which no preset names).
+    check_pool_fits: bool = True
 
     def __post_init__(self) -> None:
         model = get_model(self.model)
@@ -134,7 +138,8 @@ class Deployment:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs,
                             num_blocks=None if num_blocks is None else int(num_blocks),
-                            kv_dtype=self._kv_dtype_if_other())
+                            kv_dtype=self._kv_dtype_if_other(),
+                            check_fits=self.check_pool_fits)
 
     def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
         return self.kv_pool(settings, config).num_blocks

@@ -47,10 +47,12 @@ class Workers:
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
 
-    def map(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
+    def map(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]],
+            label: str = "") -> list[T]:
         """``[fn(*job) for job in jobs]`` in that order; ``fn`` and the jobs must pickle
         (module-level functions, plain data). A job's exception is raised here, as the
-        serial loop would raise it."""
+        serial loop would raise it. ``label`` begins the progress bar's ("N runs on K
+        workers")."""
         if self.workers <= 1 or len(jobs) <= 1:
             return [fn(*job) for job in jobs]
         if self._pool is None:
@@ -58,7 +60,8 @@ class Workers:
                                              mp_context=get_context("spawn"))
         futures = [self._pool.submit(fn, *job) for job in jobs]
         # the runs' own bars stay in the workers (no terminal there): one bar over the runs
-        progress = Progress(len(futures), f"{len(futures)} runs on {self.workers} workers")
+        progress = Progress(len(futures), f"{label}{': ' if label else ''}{len(futures)} "
+                                          f"runs on {self.workers} workers")
         try:
             for done, _ in enumerate(as_completed(futures), 1):
                 progress.update(done)

@@ -184,8 +184,6 @@ def capacity_qps(run_queue_p99: Callable[[float], float | None], start_qps: floa
                 p99s.update(zip(ahead, run_many(ahead), strict=True))
             if qps not in p99s:  # the search asked something the replay did not
                 p99s[qps] = run_queue_p99(qps)
-            else:
-                p99s[qps] = run_queue_p99(qps)
         p99 = p99s[qps]
         probes.append({"qps": round(qps, 6), "queue_p99": p99})
         return within(p99)

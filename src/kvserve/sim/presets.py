@@ -7,6 +7,7 @@ development machine, measured with torch (../shared/WORKLOADS.md).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -14,6 +15,10 @@ GiB = 1 << 30
 
 class PresetError(ValueError):
     """An unknown preset name, or a preset combination that does not exist."""
+
+
+MODEL_SHAPE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,11 @@ class ModelSpec:
     # The longest sequence it was trained for (its config's max_position_embeddings): vLLM
     # refuses a longer --max-model-len, and so do the simulator and the planner.
     max_context: int | None = None
+
+    def shape(self) -> dict[str, int]:
+        """What its step times depend on, under the names of the engine's ModelConfig (a
+        calibration file records the shape it was fitted on in ``meta.model_shape``)."""
+        return {name: getattr(self, name) for name in MODEL_SHAPE}
 
     @property
     def params_per_layer(self) -> int:
@@ -120,26 +130,35 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 _T = 1e12
-# NVIDIA datasheets (dense figures, i.e. half the "with sparsity" numbers).
+# NVIDIA datasheets (dense figures, i.e. half the "with sparsity" numbers). Memory is not the
+# datasheet's decimal "80 GB" but the total CUDA reports for the part
+# (torch.cuda.mem_get_info()[1], the "total capacity" of torch's out-of-memory message): the
+# figure vLLM's --gpu-memory-utilization is a fraction of. It is about 0.5 GiB below
+# nvidia-smi's total (the driver's reservation), e.g. H100 SXM 81,559 MiB in nvidia-smi,
+# 79.2 GiB in CUDA.
 HARDWARE: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
         # H100 SXM5 80GB: BF16/FP16 989 TFLOP/s, FP8 1979, TF32 495; HBM3 3.35 TB/s;
         # NVLink 4 900 GB/s total (450 per direction); host link PCIe Gen5 x16, 64 GB/s
-        # per direction (32 GT/s x 16 lanes, before protocol overhead).
+        # per direction (32 GT/s x 16 lanes, before protocol overhead). Memory: nvidia-smi
+        # 81,559 MiB, CUDA 79.2 GiB.
         HardwareSpec("h100-sxm", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
-                                  "fp8": 1979 * _T}, 3.35e12, 80 * 10**9, 450e9, 64e9),
+                                  "fp8": 1979 * _T}, 3.35e12, int(79.2 * GiB), 450e9, 64e9),
         # H200 SXM: H100's compute; HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 x16.
+        # Memory: nvidia-smi 143,771 MiB, CUDA 139.8 GiB.
         HardwareSpec("h200", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
-                              "fp8": 1979 * _T}, 4.8e12, 141 * 10**9, 450e9, 64e9),
+                              "fp8": 1979 * _T}, 4.8e12, int(139.8 * GiB), 450e9, 64e9),
         # A100 SXM 80GB: BF16/FP16 312 TFLOP/s, TF32 156, no FP8; HBM2e 2.039 TB/s;
-        # NVLink 3 600 GB/s total; host link PCIe Gen4 x16, 32 GB/s per direction.
+        # NVLink 3 600 GB/s total; host link PCIe Gen4 x16, 32 GB/s per direction. Memory:
+        # nvidia-smi 81,920 MiB, CUDA 79.2 GiB.
         HardwareSpec("a100-80gb", {"fp32": 156 * _T, "bf16": 312 * _T, "fp16": 312 * _T},
-                     2.039e12, 80 * 10**9, 300e9, 32e9),
+                     2.039e12, int(79.2 * GiB), 300e9, 32e9),
         # L4: BF16/FP16 121 TFLOP/s, FP8 242.5, TF32 60; GDDR6 24 GB at 300 GB/s; PCIe 4 x16
-        # (32 GB/s per direction: both its device-to-device and its host link).
+        # (32 GB/s per direction: both its device-to-device and its host link). Memory:
+        # nvidia-smi 23,034 MiB, CUDA 22.0 GiB.
         HardwareSpec("l4", {"fp32": 60 * _T, "bf16": 121 * _T, "fp16": 121 * _T,
-                            "fp8": 242.5 * _T}, 300e9, 24 * 10**9, 32e9, 32e9),
+                            "fp8": 242.5 * _T}, 300e9, int(22.0 * GiB), 32e9, 32e9),
         # This machine (2 cores, torch 2.13 CPU), measured by benchmarks/machine_peaks.py
         # (docs/fidelity.md, "This machine"): matmul bf16 408 GFLOP/s, fp32 190 (fp16
         # unmeasured: taken as fp32), copy bandwidth 48.6 GB/s; 24 GiB RAM. The figures are
@@ -152,10 +171,36 @@ HARDWARE: dict[str, HardwareSpec] = {
         # GH200 Grace Hopper (96 GB): H100's compute; HBM3 96 GB at 4.0 TB/s; NVLink 4 to
         # other GPUs, 450 GB/s per direction; the host (Grace's LPDDR5X) over NVLink-C2C,
         # 900 GB/s total, 450 per direction: the link where a host KV tier is cheapest.
+        # Memory (the GPU's HBM only): nvidia-smi 97,871 MiB, CUDA 95.0 GiB.
         HardwareSpec("gh200", {"fp32": 495 * _T, "bf16": 989 * _T, "fp16": 989 * _T,
-                               "fp8": 1979 * _T}, 4.0e12, 96 * 10**9, 450e9, 450e9),
+                               "fp8": 1979 * _T}, 4.0e12, int(95.0 * GiB), 450e9, 450e9),
     )
 }
+
+
+# The word CUDA's name for each preset's GPU carries (torch.cuda.get_device_name: "NVIDIA H100
+# 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"): a calibration file names its device so.
+CUDA_NAMES = {"h100-sxm": "H100", "h200": "H200", "a100-80gb": "A100", "l4": "L4",
+              "gh200": "GH200"}
+
+
+def model_preset_for(name: str) -> str | None:
+    """The model preset a model's name describes (``SmolLM2-135M-Instruct`` or
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` -> ``smollm2-135m``: the preset's name, its size
+    included, begins the model's), or None when no preset names it."""
+    base = name.rsplit("/", 1)[-1].lower()
+    matches = [preset for preset in MODELS if base.startswith(preset)]
+    return max(matches, key=len) if matches else None
+
+
+def hardware_preset_for(device: str) -> str | None:
+    """The hardware preset of a device as the engine names it: ``cpu`` (``cpu-local``), or
+    a GPU's CUDA name, index and all ("NVIDIA H200 (cuda:0)" -> ``h200``); None when no
+    preset describes it."""
+    if device == "cpu":
+        return "cpu-local"
+    words = set(re.split(r"[^A-Z0-9]+", device.upper()))
+    return next((preset for preset, word in CUDA_NAMES.items() if word in words), None)
 
 
 def _lookup(kind: str, table: dict, name: str):  # type: ignore[no-untyped-def]

@@ -72,11 +72,9 @@ class Recording:
         """The simulator's preset for the recorded model, by name (``SmolLM2-135M-Instruct``
         -> ``smollm2-135m``: the preset's name, its size included, begins the model's), or
         None when no preset names it."""
-        from kvserve.sim.presets import MODELS
+        from kvserve.sim.presets import model_preset_for
 
-        name = self.model.rsplit("/", 1)[-1].lower()
-        matches = [preset for preset in MODELS if name.startswith(preset)]
-        return max(matches, key=len) if matches else None
+        return model_preset_for(self.model)
 
     @property
     def settings(self) -> dict[str, Any]:
