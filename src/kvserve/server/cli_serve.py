@@ -38,11 +38,16 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                        "127.0.0.1; use 0.0.0.0 to accept other machines)")
     group.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    group.add_argument("--served-model-name", help="the model name clients send (default: "
-                       "the model file's name)")
-    group.add_argument("--api-key", action="append", default=[],
-                       help="an operator key (tenant 'operator': any priority with either "
-                            "--priority-source, /v1/abort); repeatable")
+    group.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model names clients may send, as vLLM takes them: the first "
+                            "is the one /v1/models lists first, the responses and the metrics "
+                            "give; every one is accepted as a request's model (default: the "
+                            "model file's name)")
+    group.add_argument("--api-key", action="extend", nargs="+", default=[], metavar="KEY",
+                       help="operator keys (tenant 'operator': any priority with either "
+                            "--priority-source, /v1/abort): several after one flag, as vLLM "
+                            "takes them, or the flag repeated. Without it, the environment's "
+                            "VLLM_API_KEY is one, as in vLLM")
     group.add_argument("--api-keys", metavar="FILE",
                        help="tenants' keys: one per line, or JSON/TOML with tenant, "
                             "most_urgent_priority, default_priority, admin, weight (a "
@@ -307,7 +312,7 @@ def build_state(args: argparse.Namespace,
         if not is_valid_key(key):
             raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
                            "spaces or control characters (it travels in an HTTP header)")
-    keys = [operator_key(key) for key in args.api_key]
+    keys = [operator_key(key) for key in args.api_key or _env_api_key()]
     try:
         if args.api_keys:
             keys += load_keys(args.api_keys)
@@ -342,8 +347,7 @@ def build_state(args: argparse.Namespace,
     if args.priority_source == "key" and not keys:
         raise CLIError("--priority-source key takes each request's priority from its API key: "
                        "give --api-key or --api-keys")
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise CLIError("--served-model-name must not be empty")
+    names = _served_names(args)
     policy = settings.get("scheduling_policy", "fcfs")
     urgent = [k.tenant for k in keys if k.default_priority != 0]
     if policy != "priority" and urgent:
@@ -381,9 +385,10 @@ def build_state(args: argparse.Namespace,
             serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
-    name = args.served_model_name or _model_name(args.model)
+    name = names[0] if names else _model_name(args.model)
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
+    state.served_model_names = tuple(names or (name,))
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
@@ -404,6 +409,43 @@ def build_state(args: argparse.Namespace,
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
+
+
+def _env_api_key() -> list[str]:
+    """vLLM's VLLM_API_KEY: the operator key when no --api-key is given (an empty value:
+    none). Logged as coming from there, never shown, nor named in an error."""
+    from kvserve.flags import CLIError
+    from kvserve.server.auth import is_valid_key
+
+    key = os.environ.get("VLLM_API_KEY", "")
+    if not key:
+        return []
+    if not is_valid_key(key):
+        raise CLIError("VLLM_API_KEY: a key must be a non-empty string without spaces or "
+                       "control characters (it travels in an HTTP header)")
+    logger.info("API key: an operator key from VLLM_API_KEY (no --api-key given)")
+    return [key]
+
+
+def _served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names, checked; [] when none was given. A name that is a
+    model on disk while no model was given is the model, read as a name (``nargs='+'`` takes
+    every word after the flag): refused, with the order that works."""
+    from kvserve.flags import CLIError
+
+    names = list(args.served_model_name or ())
+    if any(not name.strip() for name in names):
+        raise CLIError("--served-model-name must not be empty")
+    if args.model is None:
+        for name in names:
+            path = Path(name)
+            if (path.suffix.lower() == ".gguf" and path.is_file()) or \
+                    (path / "config.json").is_file():
+                raise CLIError(f"--served-model-name took {name!r}, which is a model on "
+                               "disk: --served-model-name takes every word after it, so give "
+                               f"the model first (kvserve serve {name} --served-model-name "
+                               "NAME ...)")
+    return list(dict.fromkeys(names))  # a name given twice is one name
 
 
 def _check_scheduler_flags(settings: dict[str, Any]) -> None:

@@ -40,7 +40,6 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    model_error,
     parse_body,
 )
 from kvserve.server.responses import (
@@ -77,8 +76,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     body = await state.read_json(request)
     req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
-    if req.model is not None and req.model != state.model_name:
-        raise model_error(req.model, state.model_name)
+    state.check_model(req.model)
     priority = resolve_priority(req.priority, key, source=state.priority_source,
                                 scheduling_policy=state.scheduling_policy)
     if req.stream_options is not None and not req.stream:

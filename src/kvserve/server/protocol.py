@@ -446,6 +446,8 @@ def _is_union_tag(part: Any) -> bool:
                                       or part.startswith(("list[", "function-")))
 
 
-def model_error(name: str | None, served: str) -> APIError:
+def model_error(name: str | None, served: str | tuple[str, ...]) -> APIError:
+    names = (served,) if isinstance(served, str) else served
     return APIError(404, f"the model '{name}' does not exist; this server serves "
-                         f"'{served}'", param="model", code="model_not_found")
+                         f"{', '.join(repr(n) for n in names)}", param="model",
+                    code="model_not_found")

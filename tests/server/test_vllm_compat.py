@@ -1,0 +1,100 @@
+"""`kvserve serve` for an operator coming from `vllm serve` (QA, docs/vllm-compat.md): vLLM's
+environment variables, its flags' several values, the flags taken as no-ops or refused with
+what to do instead, and the model directory's generation_config.json and chat template."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from kvserve.cli import build_parser, main
+from kvserve.server.cli_serve import build_state
+
+from .helpers import LiveServer, tiny_model_dir
+
+
+def serve_state(model: str, *flags: str):
+    """``kvserve serve MODEL FLAGS``'s server state, its engine on a thread of this process
+    (random weights: the model directory's shapes and tokenizer)."""
+    return build_state(build_parser().parse_args(
+        ["serve", model, "--load-format", "dummy", "--max-model-len", "256",
+         "--num-kv-blocks", "32", "--no-engine-process", *flags]))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return tiny_model_dir(tmp_path / "tiny")
+
+
+def test_vllm_api_key_in_the_environment_is_an_operator_key(model_dir, monkeypatch, caplog):
+    """SECURITY (QA): VLLM_API_KEY=secret served with no authentication. As vLLM: without
+    --api-key it is the key; the log says where the key came from, never the key."""
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret-env-key")
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model_dir)
+    assert [(k.key, k.tenant, k.admin) for k in state.keys.keys] == \
+        [("s3cret-env-key", "operator", True)]
+    assert "an operator key from VLLM_API_KEY" in caplog.text
+    assert "s3cret-env-key" not in caplog.text
+    with LiveServer(state=state) as live:
+        url = live.url + "/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer s3cret-env-key"}
+                         ).status_code == 200
+
+
+def test_api_key_flag_wins_over_vllm_api_key(model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    state = serve_state(model_dir, "--api-key", "from-flag")
+    assert [k.key for k in state.keys.keys] == ["from-flag"]
+    monkeypatch.setenv("VLLM_API_KEY", "")  # empty: no key, as vLLM
+    assert not serve_state(model_dir).keys.enabled
+
+
+def test_a_bad_vllm_api_key_is_one_line_that_does_not_show_it(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_API_KEY", "two words")
+    assert main(["serve", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvserve serve: error: VLLM_API_KEY: a key must be a non-empty string "
+                   "without spaces or control characters (it travels in an HTTP header)\n")
+
+
+def test_several_api_keys_after_one_flag_and_repeated():
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "k2", "--api-key", "k3"])
+    assert args.api_key == ["k1", "k2", "k3"] and args.model is None
+
+
+def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
+    """vLLM's nargs='+': the second name was read as the model path (QA). Every name is a
+    request's model; the first is the responses' and the metrics'; /v1/models lists them
+    all, the first first, as vLLM's does."""
+    state = serve_state(model_dir, "--served-model-name", "alpha", "beta")
+    assert (state.model_name, state.model_names) == ("alpha", ("alpha", "beta"))
+    with LiveServer(state=state) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+        assert client.models.retrieve("beta").id == "beta"
+        for name in ("alpha", "beta"):
+            reply = client.completions.create(model=name, prompt="hi", max_tokens=2)
+            assert reply.model == "alpha"
+        with pytest.raises(openai.NotFoundError, match="this server serves 'alpha', 'beta'"):
+            client.completions.create(model="gamma", prompt="hi", max_tokens=2)
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'vllm:num_requests_running{engine="0",model_name="alpha"}' in metrics
+        assert 'model_name="beta"' not in metrics
+
+
+def test_a_model_path_read_as_a_served_name_is_refused_with_the_order_that_works(
+        model_dir, capsys):
+    """--served-model-name takes every word after it, so `--served-model-name a MODEL`
+    would serve the bundled model under the names a and MODEL: refused."""
+    assert main(["serve", "--served-model-name", "a", model_dir]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvserve serve: error: --served-model-name took {model_dir!r}, which is "
+                   "a model on disk: --served-model-name takes every word after it, so give "
+                   f"the model first (kvserve serve {model_dir} --served-model-name NAME "
+                   "...)\n")
