@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,8 @@ from kvserve.core.config import (
     TENANT_FAIRNESS,
     VICTIM_POLICIES,
 )
+
+logger = logging.getLogger("kvserve.cli")
 
 
 class CLIError(Exception):
@@ -214,6 +217,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF file or a Hugging Face directory (default: the bundled "
                              "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL",
+                        help="the model, as vLLM's deprecated --model takes it (a warning "
+                             "says so): give it as the positional argument instead; both "
+                             "given must agree")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights, activations and KV cache; auto (default): the model's "
                              "own, bfloat16 for the bundled model, where this CPU computes "
@@ -234,6 +241,20 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="int8: the projections in dynamic W8A8 int8, quantized at load "
                              "(faster; greedy text differs from the float model's; "
                              "docs/quantization.md); default: none")
+
+
+def resolve_model_option(args: argparse.Namespace) -> None:
+    """vLLM's deprecated ``--model X`` as the positional model (a warning says so); CLIError
+    where both are given and differ. Called first by the commands that load a model."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if args.model is not None and args.model != option:
+        raise CLIError(f"the model is given twice, {args.model} and --model {option}: give "
+                       "one (as the positional argument)")
+    logger.warning("--model is deprecated, as in vLLM: give the model as the positional "
+                   "argument (kvserve %s %s ...)", getattr(args, "command", "serve"), option)
+    args.model, args.model_option = option, None
 
 
 def is_device_name(text: str) -> bool:

@@ -98,3 +98,22 @@ def test_a_model_path_read_as_a_served_name_is_refused_with_the_order_that_works
                    "a model on disk: --served-model-name takes every word after it, so give "
                    f"the model first (kvserve serve {model_dir} --served-model-name NAME "
                    "...)\n")
+
+
+def test_model_flag_is_the_positional_model_with_a_warning(model_dir, caplog):
+    """vLLM still takes --model (deprecated) beside the positional model (QA: refused)."""
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        state = build_state(build_parser().parse_args(
+            ["serve", "--model", model_dir, "--load-format", "dummy", "--max-model-len",
+             "256", "--num-kv-blocks", "32", "--no-engine-process"]))
+    assert (state.model_name, state.engine.info.max_model_len) == ("tiny", 256)
+    assert f"--model is deprecated, as in vLLM: give the model as the positional argument " \
+           f"(kvserve serve {model_dir} ...)" in caplog.text
+    assert serve_state(model_dir, "--model", model_dir).model_name == "tiny"  # both agree
+
+
+def test_model_given_twice_differently_is_one_line(capsys):
+    assert main(["serve", "/models/a.gguf", "--model", "/models/b.gguf"]) == 2
+    assert capsys.readouterr().err == ("kvserve serve: error: the model is given twice, "
+                                       "/models/a.gguf and --model /models/b.gguf: give one "
+                                       "(as the positional argument)\n")

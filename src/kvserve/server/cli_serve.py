@@ -289,7 +289,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine_process import EngineStartError
     from kvserve.engine.llm import build_engine, check_engine_args
-    from kvserve.flags import CLIError, engine_args
+    from kvserve.flags import CLIError, engine_args, resolve_model_option
     from kvserve.server.auth import (
         KeyFileError,
         KeyRing,
@@ -302,6 +302,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.server.recorder import RecordingError, check_directory, check_options
     from kvserve.server.state import ServerState
 
+    resolve_model_option(args)
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
         if args.record is not None:
