@@ -274,13 +274,79 @@ def parse_device(text: str) -> str:
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_engine``'s keyword arguments from the model, scheduler and cache flags; the
-    flags left unset are left out, so build_engine's defaults apply."""
+    flags left unset are left out, so build_engine's defaults apply. With neither
+    --kv-cache-memory nor --num-kv-blocks, vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV
+    cache where it is set (:func:`env_kv_cache_space`)."""
+    settings = settings_from_args(args)
+    if "kv_cache_memory" not in settings and "num_kv_blocks" not in settings:
+        space = env_kv_cache_space()
+        if space is not None:
+            settings["kv_cache_memory"] = space
     return {"dtype": args.dtype, "device": args.device, "load_format": args.load_format,
             "seed": args.seed,
             **({"batch_invariant": True} if getattr(args, "batch_invariant", False) else {}),
             **({"quantization": args.quantization}
                if getattr(args, "quantization", None) is not None else {}),
-            **settings_from_args(args)}
+            **settings}
+
+
+def env_kv_cache_space() -> int | None:
+    """vLLM's VLLM_CPU_KVCACHE_SPACE, the CPU KV cache in GiB ('4', '0.5'; a size with a unit
+    is taken too) as bytes, logged as coming from there; None where it is unset, empty or 0
+    (vLLM's "not set": kvserve's own default then). CLIError for anything else."""
+    import os
+
+    text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text:
+        return None
+    try:
+        space = parse_gib(text)
+    except argparse.ArgumentTypeError:
+        space = -1
+    if space < 0 or space > MAX_SWAP_SPACE:
+        raise CLIError(f"VLLM_CPU_KVCACHE_SPACE {text!r}: give the KV cache's size in GiB, "
+                       "like 4")
+    if space == 0:
+        return None
+    logger.info("KV cache memory: %s GiB from VLLM_CPU_KVCACHE_SPACE (neither "
+                "--kv-cache-memory nor --num-kv-blocks given)", text)
+    return space
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configures_logging() -> bool:
+    """False where vLLM's VLLM_CONFIGURE_LOGGING=0 asks kvserve to leave the logging
+    configuration alone (no handler, no level set); CLIError for a value other than 0 or
+    1."""
+    import os
+
+    value = os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise CLIError(f"VLLM_CONFIGURE_LOGGING {value!r}: give 1 (kvserve configures its "
+                       "log, the default) or 0 (it leaves logging alone)")
+    return value == "1"
+
+
+def configure_logging(format: str) -> None:
+    """A command's log: lines in ``format`` on stderr from INFO, kvserve's loggers at vLLM's
+    VLLM_LOGGING_LEVEL where it is set; nothing at all under VLLM_CONFIGURE_LOGGING=0, as
+    vLLM (the embedding application's configuration stands). CLIError for a level that is
+    not one of LOG_LEVELS."""
+    import os
+
+    if not configures_logging():
+        return
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "").strip().upper()
+    if level == "WARN":
+        level = "WARNING"
+    if level and level not in LOG_LEVELS:
+        raise CLIError(f"VLLM_LOGGING_LEVEL {os.environ['VLLM_LOGGING_LEVEL']!r}: give one of "
+                       f"{', '.join(LOG_LEVELS)}")
+    logging.basicConfig(level=logging.INFO, format=format)
+    if level:
+        logging.getLogger("kvserve").setLevel(level)
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from kvserve.cli import build_parser, main
+from kvserve.flags import engine_args
 from kvserve.server.cli_serve import build_state
 
 from .helpers import LiveServer, tiny_model_dir
@@ -117,3 +118,75 @@ def test_model_given_twice_differently_is_one_line(capsys):
     assert capsys.readouterr().err == ("kvserve serve: error: the model is given twice, "
                                        "/models/a.gguf and --model /models/b.gguf: give one "
                                        "(as the positional argument)\n")
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_kv_cache_unless_a_flag_does(model_dir, monkeypatch,
+                                                                       caplog):
+    """vLLM's CPU KV cache size, GiB: the TINY model's KV block is 2 x 2 layers x 16 tokens
+    x 2 heads x 16 x 4 bytes = 8 KiB, so 0.001 GiB (1,073,741 bytes) holds 131 of them."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")
+    argv = ["serve", model_dir, "--load-format", "dummy", "--max-model-len", "256",
+            "--no-engine-process"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = build_state(build_parser().parse_args(argv))
+    assert state.engine.info.num_kv_blocks == 131
+    assert "KV cache memory: 0.001 GiB from VLLM_CPU_KVCACHE_SPACE (neither " \
+           "--kv-cache-memory nor --num-kv-blocks given)" in caplog.text
+    state = build_state(build_parser().parse_args([*argv, "--kv-cache-memory", "256KiB"]))
+    assert state.engine.info.num_kv_blocks == 32  # the flag wins
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "not set": kvserve's default
+    assert "kv_cache_memory" not in engine_args(build_parser().parse_args(argv))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert engine_args(build_parser().parse_args(argv))["kv_cache_memory"] == 2 << 30
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("VLLM_CPU_KVCACHE_SPACE", "lots", "VLLM_CPU_KVCACHE_SPACE 'lots': give the KV cache's "
+                                       "size in GiB, like 4"),
+    ("VLLM_CPU_KVCACHE_SPACE", "-1", "VLLM_CPU_KVCACHE_SPACE '-1': give the KV cache's "),
+    ("VLLM_LOGGING_LEVEL", "loud", "VLLM_LOGGING_LEVEL 'loud': give one of DEBUG, INFO, "
+                                   "WARNING, ERROR, CRITICAL"),
+    ("VLLM_CONFIGURE_LOGGING", "yes", "VLLM_CONFIGURE_LOGGING 'yes': give 1 (kvserve "
+                                      "configures its log, the default) or 0"),
+])
+def test_a_bad_vllm_variable_is_one_line(monkeypatch, capsys, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    assert main(["serve", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+LOGGING_PROBE = """
+from kvserve.flags import configure_logging
+import logging
+configure_logging("%(levelname)s %(name)s: %(message)s")
+logging.getLogger("kvserve.server").debug("kvserve debug")
+logging.getLogger("kvserve.server").info("kvserve info")
+logging.getLogger("kvserve.server").warning("kvserve warning")
+logging.getLogger("other").info("other info")
+"""
+
+
+@pytest.mark.parametrize(("environment", "lines"), [
+    ({}, ["INFO kvserve.server: kvserve info", "WARNING kvserve.server: kvserve warning",
+          "INFO other: other info"]),
+    ({"VLLM_LOGGING_LEVEL": "debug"},
+     ["DEBUG kvserve.server: kvserve debug", "INFO kvserve.server: kvserve info",
+      "WARNING kvserve.server: kvserve warning", "INFO other: other info"]),
+    ({"VLLM_LOGGING_LEVEL": "WARNING"},
+     ["WARNING kvserve.server: kvserve warning", "INFO other: other info"]),
+    # nothing configured: Python's last resort prints warnings alone, bare
+    ({"VLLM_CONFIGURE_LOGGING": "0", "VLLM_LOGGING_LEVEL": "DEBUG"}, ["kvserve warning"]),
+])
+def test_vllm_logging_variables(environment, lines):
+    """VLLM_LOGGING_LEVEL sets kvserve's loggers' level (not other libraries'); with
+    VLLM_CONFIGURE_LOGGING=0 kvserve configures nothing, as vLLM."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run([sys.executable, "-c", LOGGING_PROBE], capture_output=True,
+                            text=True, env={**env, **environment}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == lines

@@ -168,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine_process import LOG_FORMAT
+    from kvserve.flags import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging(LOG_FORMAT)  # VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING
     from kvserve.server.app import Cors, build_app
 
     sockets: list[socket.socket] = []
