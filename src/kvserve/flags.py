@@ -153,7 +153,8 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                             "to the host tier, or auto (the cheaper per victim)")
     group.add_argument("--swap-space", dest="swap_space", type=parse_gib,
                        help="host KV tier per device, GiB (e.g. 4) or a size (e.g. 512MiB); "
-                            "needed by --preemption-mode swap/auto")
+                            "needed by --preemption-mode swap/auto; under recompute, which "
+                            "never swaps, none is allocated (vLLM V1 ignores it)")
     group.add_argument("--num-host-blocks", dest="num_host_blocks", type=int,
                        help="host KV tier in blocks, instead of --swap-space")
     group.add_argument("--enable-priority-preemption", dest="enable_priority_preemption",
@@ -399,7 +400,11 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
                     num_devices: int = 1) -> int:
     """The host tier in blocks: --num-host-blocks, or --swap-space (bytes per device, as
     vLLM's flag) over the bytes one KV block takes on all ``num_devices``; 0 without
-    either. A swap space smaller than one block is an error, not an empty tier."""
+    either, and 0 under --preemption-mode recompute, which never swaps (the engine
+    allocates none then either, as vLLM V1 ignores --swap-space). A swap space smaller than
+    one block is an error, not an empty tier."""
+    if settings.get("preemption_mode", "recompute") == "recompute":
+        return 0
     if settings.get("num_host_blocks") is not None:
         return int(settings["num_host_blocks"])
     swap_space = settings.get("swap_space")
