@@ -190,3 +190,55 @@ def test_vllm_logging_variables(environment, lines):
                             text=True, env={**env, **environment}, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == lines
+
+
+ROLES = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def chat_prompt_ids(live, content: str = "hi") -> list[int]:
+    """The ids /v1/chat/completions would queue for one user message (vLLM's /tokenize)."""
+    reply = httpx.post(live.url + "/tokenize",
+                       json={"messages": [{"role": "user", "content": content}]})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["tokens"]
+
+
+def test_a_model_directory_s_chat_template_jinja_serves_chat(tmp_path):
+    """QA: chat answered 400 "this tokenizer has no chat template" for a directory whose
+    template is chat_template.jinja (newer transformers write it there)."""
+    from .helpers import tokenizer
+
+    state = serve_state(tiny_model_dir(tmp_path / "m", chat_template=ROLES))
+    with LiveServer(state=state) as live:
+        assert chat_prompt_ids(live) == tokenizer().encode("<user>hi")
+        reply = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0) \
+            .chat.completions.create(model="m", max_tokens=2,
+                                     messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.prompt_tokens == len(tokenizer().encode("<user>hi"))
+
+
+@pytest.mark.parametrize("form", ["file", "text"])
+def test_chat_template_flag_replaces_the_model_s(tmp_path, form, caplog):
+    from .helpers import tokenizer
+
+    model = tiny_model_dir(tmp_path / "m", chat_template=ROLES)
+    mine = "{{ '[' + messages[0]['content'] + ']' }}"
+    if form == "file":
+        (tmp_path / "mine.jinja").write_text(mine)
+        mine = str(tmp_path / "mine.jinja")
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model, "--chat-template", mine)
+    assert "chat template: --chat-template's, in place of the model's" in caplog.text
+    with LiveServer(state=state) as live:
+        assert chat_prompt_ids(live) == tokenizer().encode("[hi]")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("no/such/template.jinja", "--chat-template 'no/such/template.jinja': no such file, and "
+                               "not a template (a Jinja template holds {{ or {%)"),
+    ("{% for %}", "--chat-template: the chat template is not valid Jinja: "),
+])
+def test_a_bad_chat_template_is_one_line_before_the_model_loads(capsys, value, message):
+    assert main(["serve", "/nonexistent/model", "--chat-template", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err

@@ -80,6 +80,10 @@ def add_parser(subparsers: Any) -> None:
                             "the requests under way finish for at most this long, then abort "
                             "the rest (a stream ends with finish_reason abort); 0 aborts them "
                             "at once (vLLM's default). Default: wait for them all")
+    chat = parser.add_argument_group("chat (vLLM's flags)")
+    chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                      help="a Jinja chat template replacing the model's: a file, or the "
+                           "template itself (text holding { or a newline), as vLLM takes it")
     logs = parser.add_argument_group("logging (vLLM's flags)")
     logs.add_argument("--log-stats-interval", type=float, default=10.0,
                       help="seconds between stats lines; 0: none")
@@ -304,6 +308,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.server.state import ServerState
 
     resolve_model_option(args)
+    template = None if args.chat_template is None else _chat_template(args.chat_template)
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
         if args.record is not None:
@@ -387,6 +392,9 @@ def build_state(args: argparse.Namespace,
             serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
+    if template is not None:  # the server's tokenizer renders every chat
+        serving.info.tokenizer.set_chat_template(template)
+        logger.info("chat template: --chat-template's, in place of the model's")
     name = names[0] if names else _model_name(args.model)
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
@@ -411,6 +419,31 @@ def build_state(args: argparse.Namespace,
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's text, or else the template itself where
+    the value looks like one (it holds a brace or a newline); checked as Jinja here, before
+    the model loads."""
+    from kvserve.flags import CLIError
+    from kvserve.model.tokenizer import compile_chat_template
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CLIError(f"--chat-template {value}: cannot read it: {error}") from None
+    elif any(char in value for char in "{}\n"):
+        template = value
+    else:
+        raise CLIError(f"--chat-template {value!r}: no such file, and not a template (a "
+                       "Jinja template holds {{ or {%)")
+    try:
+        compile_chat_template(template)
+    except ValueError as error:
+        raise CLIError(f"--chat-template: {error}") from None
+    return template
 
 
 def _env_api_key() -> list[str]:
