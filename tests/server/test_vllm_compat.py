@@ -242,3 +242,123 @@ def test_a_bad_chat_template_is_one_line_before_the_model_loads(capsys, value, m
     assert main(["serve", "/nonexistent/model", "--chat-template", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.25, "top_p": 0.5, "top_k": 7,
+                     "min_p": 0.05, "repetition_penalty": 1.2, "max_new_tokens": 5}
+
+
+def test_sampling_params_take_the_defaults_a_request_leaves_unset():
+    from kvserve.server.prompts import sampling_params
+    from kvserve.server.protocol import ChatCompletionRequest, parse_body
+
+    defaults = {"temperature": 0.25, "top_p": 0.5, "top_k": 7, "min_p": 0.05,
+                "repetition_penalty": 1.2, "max_tokens": 5}
+    req = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                             "temperature": 0.9, "top_k": -1})
+    params = sampling_params(req, True, 5, 0, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p,
+            params.repetition_penalty) == (0.9, 0.5, -1, 0.05, 1.2)
+    plain = sampling_params(req, True, 5, 0)  # no generation config: SamplingParams' own
+    assert (plain.top_p, plain.min_p, plain.repetition_penalty) == (1.0, 0.0, 1.0)
+
+
+def test_the_model_s_generation_config_gives_its_sampling_defaults(tmp_path, caplog):
+    """vLLM's --generation-config auto (its default): the directory's generation_config.json
+    gives the requests that do not set them their sampling fields and, from max_new_tokens,
+    their max_tokens; the boot log names them. kvserve never read it (QA)."""
+    model = tiny_model_dir(tmp_path / "m", generation_config=GENERATION_CONFIG,
+                           chat_template=ROLES)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model, "--enable-log-requests")
+        assert state.sampling_defaults == {"temperature": 0.25, "top_p": 0.5, "top_k": 7,
+                                           "min_p": 0.05, "repetition_penalty": 1.2,
+                                           "max_tokens": 5}
+        assert "sampling defaults from the model's generation_config.json, for the requests " \
+               "that do not set them: temperature=0.25, top_p=0.5, top_k=7, min_p=0.05, " \
+               "repetition_penalty=1.2, max_tokens=5 (--generation-config vllm: none)" \
+               in caplog.text
+        with LiveServer(state=state) as live:
+            url = live.url + "/v1/chat/completions"
+            hi = [{"role": "user", "content": "hi"}]
+            reply = httpx.post(url, json={"messages": hi, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == 5
+            reply = httpx.post(url, json={"messages": hi, "ignore_eos": True, "max_tokens": 9,
+                                          "temperature": 0.75}).json()
+            assert reply["usage"]["completion_tokens"] == 9  # the request's own go first
+    queued = [r.getMessage() for r in caplog.records if " queued: " in r.getMessage()]
+    assert [line.split(", sequences 1, ")[1].rsplit(", seed", 1)[0] for line in queued] == [
+        "max_tokens 5, temperature 0.25, top_p 0.5, top_k 7",
+        "max_tokens 9, temperature 0.75, top_p 0.5, top_k 7"]
+
+
+def test_generation_config_vllm_ignores_the_file_and_an_override_extends_it(tmp_path):
+    model = tiny_model_dir(tmp_path / "m", generation_config=GENERATION_CONFIG)
+    assert serve_state(model, "--generation-config", "vllm").sampling_defaults == {}
+    state = serve_state(model, "--override-generation-config",
+                        '{"temperature": 0.5, "max_new_tokens": 3}')
+    assert (state.sampling_defaults["temperature"], state.sampling_defaults["max_tokens"],
+            state.sampling_defaults["top_k"]) == (0.5, 3, 7)
+    state = serve_state(model, "--generation-config", "vllm", "--override-generation-config",
+                        '{"temperature": 0.5}')
+    assert state.sampling_defaults == {"temperature": 0.5}
+
+
+def test_the_bundled_model_has_no_generation_config():
+    """A GGUF carries no generation_config.json: its defaults are unchanged."""
+    from kvserve.server.cli_serve import _sampling_defaults
+
+    assert _sampling_defaults(build_parser().parse_args(["serve"])) == {}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--override-generation-config", "[1]"], "argument --override-generation-config: '[1]' "
+                                              "is not a JSON object"),
+    (["--override-generation-config", '{"do_sample": false}'],
+     "override generation config: 'do_sample' is not a sampling default"),
+    (["--generation-config", "/no/such/dir"], "generation config '/no/such/dir': give auto, "
+                                              "vllm or a directory"),
+    (["--response-role", " "], "--response-role must not be empty"),
+])
+def test_bad_sampling_default_flags_are_one_line(capsys, flags, message):
+    assert exit_code(["serve", "/nonexistent/model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def exit_code(argv: list[str]) -> int:
+    """``kvserve ARGV``'s exit code, a usage error's (argparse exits) or the command's."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+
+
+def test_the_offline_llm_s_default_sampling_params_are_the_generation_config_s(tmp_path):
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    model = tiny_model_dir(tmp_path / "m", generation_config={"temperature": 0,
+                                                               "max_new_tokens": 3})
+    llm = LLM(model, load_format="dummy", num_kv_blocks=32, max_model_len=256)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0, max_tokens=3)
+    [default] = llm.generate("Hello", use_tqdm=False)
+    [explicit] = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3),
+                              use_tqdm=False)
+    assert default.token_ids == explicit.token_ids
+    plain = LLM(model, load_format="dummy", num_kv_blocks=32, max_model_len=256,
+                generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_response_role_names_a_chat_answer_s_role(model_dir):
+    state = serve_state(model_dir, "--response-role", "bot", "--chat-template", ROLES)
+    with LiveServer(state=state) as live:
+        url = live.url + "/v1/chat/completions"
+        hi = [{"role": "user", "content": "hi"}]
+        reply = httpx.post(url, json={"messages": hi, "max_tokens": 2}).json()
+        assert reply["choices"][0]["message"]["role"] == "bot"
+        with httpx.stream("POST", url, json={"messages": hi, "max_tokens": 2,
+                                             "stream": True}) as events:
+            first = next(line for line in events.iter_lines() if line)
+        assert '"delta":{"role":"bot","content":""}' in first.replace(" ", "")

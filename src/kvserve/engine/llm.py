@@ -388,13 +388,29 @@ class LLM:
     ``prefix-affinity``), ``threads_per_replica`` torch threads each (default: the CPUs split
     evenly). Results still come back in the prompts' order. Call :meth:`close` (or use the
     LLM as a context manager) to stop the replicas; N=1 runs the engine in this process.
+
+    ``generation_config`` (vLLM's): ``"auto"`` (default) takes the model directory's
+    ``generation_config.json`` sampling defaults for :meth:`get_default_sampling_params`,
+    what ``generate`` and ``chat`` use without ``sampling_params`` (a GGUF, the bundled model
+    too, has none); ``"vllm"`` none; a directory that directory's file.
+    ``override_generation_config`` (a dict in the file's names) overrides or extends them.
     """
 
     def __init__(self, model: str | Path | ModelConfig | None = None, *,
                  data_parallel_size: int = 1, data_parallel_backend: str = "mp",
                  router: str = "least-loaded", threads_per_replica: int | None = None,
+                 generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None,
                  **engine_args: Any) -> None:
+        from kvserve.model.generation_config import sampling_defaults
+
         self._ids = itertools.count()
+        self._sampling_defaults = sampling_defaults(
+            None if isinstance(model, ModelConfig) else model, generation_config,
+            override_generation_config)
+        if self._sampling_defaults:
+            logger.info("sampling defaults from the generation config: %s",
+                        self._sampling_defaults)
         self.replicas: ReplicatedEngines | None = None
         self._closed = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
@@ -413,6 +429,11 @@ class LLM:
             model, engine_args, self.tokenizer, size=data_parallel_size,
             backend=data_parallel_backend, router=router,
             threads_per_replica=threads_per_replica)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling params of a ``generate`` or ``chat`` given none, the
+        generation config's defaults over SamplingParams'."""
+        return SamplingParams(**self._sampling_defaults)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         """A logprob's decoded_token (None without a tokenizer)."""
@@ -440,7 +461,8 @@ class LLM:
             raise RuntimeError("this LLM is closed (close() or its with block ended); make "
                                "another")
         batch = _as_batch(prompts)
-        params = _params_for(sampling_params, len(batch))
+        params = _params_for(sampling_params if sampling_params is not None
+                             else self.get_default_sampling_params(), len(batch))
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}  # every sequence's, by request id

@@ -84,6 +84,19 @@ def add_parser(subparsers: Any) -> None:
     chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template replacing the model's: a file, or the "
                            "template itself (text holding { or a newline), as vLLM takes it")
+    chat.add_argument("--response-role", default="assistant", metavar="ROLE",
+                      help="the role of a chat answer's message (vLLM's; default assistant)")
+    defaults = parser.add_argument_group("sampling defaults (vLLM's flags)")
+    defaults.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                          help="auto (default, as vLLM): the model directory's "
+                               "generation_config.json gives temperature, top_p, top_k, "
+                               "min_p, repetition_penalty and max_new_tokens (the default "
+                               "max_tokens) to the requests that do not set them (a GGUF, the "
+                               "bundled model too, has none); vllm: none; DIR: that "
+                               "directory's file. The boot log names the defaults applied")
+    defaults.add_argument("--override-generation-config", type=_json_object, metavar="JSON",
+                          help="sampling defaults that override or extend the generation "
+                               "config's, in its names, e.g. '{\"temperature\": 0.5}'")
     logs = parser.add_argument_group("logging (vLLM's flags)")
     logs.add_argument("--log-stats-interval", type=float, default=10.0,
                       help="seconds between stats lines; 0: none")
@@ -155,6 +168,18 @@ def _json_strings(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, like "
                                          '\'["https://app.example"]\'')
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object ('{"temperature": 0.5}'), as vLLM's --override-generation-config."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object, like "
+                                         '\'{"temperature": 0.5}\'')
     return value
 
 
@@ -309,6 +334,7 @@ def build_state(args: argparse.Namespace,
 
     resolve_model_option(args)
     template = None if args.chat_template is None else _chat_template(args.chat_template)
+    defaults = _sampling_defaults(args)
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
         if args.record is not None:
@@ -355,6 +381,8 @@ def build_state(args: argparse.Namespace,
         raise CLIError("--priority-source key takes each request's priority from its API key: "
                        "give --api-key or --api-keys")
     names = _served_names(args)
+    if not args.response_role.strip():
+        raise CLIError("--response-role must not be empty")
     policy = settings.get("scheduling_policy", "fcfs")
     urgent = [k.tenant for k in keys if k.default_priority != 0]
     if policy != "priority" and urgent:
@@ -399,6 +427,8 @@ def build_state(args: argparse.Namespace,
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
     state.served_model_names = tuple(names or (name,))
+    state.sampling_defaults = defaults
+    state.response_role = args.response_role
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
@@ -444,6 +474,27 @@ def _chat_template(value: str) -> str:
     except ValueError as error:
         raise CLIError(f"--chat-template: {error}") from None
     return template
+
+
+def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """--generation-config and --override-generation-config's sampling defaults, logged
+    (:mod:`kvserve.model.generation_config`); CLIError naming what cannot be one."""
+    from kvserve.flags import CLIError
+    from kvserve.model.generation_config import sampling_defaults
+
+    try:
+        defaults = sampling_defaults(args.model, args.generation_config,
+                                     args.override_generation_config)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    if defaults:
+        shown = ", ".join(f"{name}={value}" for name, value in defaults.items())
+        source = "--override-generation-config" if args.generation_config == "vllm" else \
+            "the model's generation_config.json" + (
+                " and --override-generation-config" if args.override_generation_config else "")
+        logger.info("sampling defaults from %s, for the requests that do not set them: %s "
+                    "(--generation-config vllm: none)", source, shown)
+    return defaults
 
 
 def _env_api_key() -> list[str]:

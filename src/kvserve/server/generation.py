@@ -91,7 +91,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
-    base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer)
+    base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer,
+                           state.sampling_defaults)
     given = request.headers.getlist("x-request-id")
     if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
         raise bad_request(f"{len(given)} X-Request-Id headers; send one")
@@ -289,7 +290,7 @@ class _Generation:
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            out["message"] = {"role": "assistant", "content": choice.text}
+            out["message"] = {"role": self.state.response_role, "content": choice.text}
         else:
             out["text"] = choice.echo + choice.text
         entries: list[Any] = self._echoed(choice) + choice.logprobs
@@ -349,7 +350,8 @@ class _Generation:
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
         if self.chat:
             for choice in sorted(self.choices.values(), key=lambda c: c.index):
-                data = self._chunk(choice, {"role": "assistant", "content": ""}, None)
+                data = self._chunk(choice, {"role": self.state.response_role, "content": ""},
+                                   None)
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
                 yield sse(self._with_usage(data))  # vLLM's role chunk has it too

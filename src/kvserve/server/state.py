@@ -44,6 +44,9 @@ class ServerState:
     model_id: str = ""  # the model's own name where model_name is an alias (recordings)
     # --served-model-name's names, model_name first: a request may name any of them
     served_model_names: tuple[str, ...] = ()
+    # --generation-config's: SamplingParams field -> default, for a request that sets none
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    response_role: str = "assistant"  # --response-role: a chat answer's message's role
     log_requests: bool = False  # --enable-log-requests
 
     def __post_init__(self) -> None:
