@@ -362,3 +362,39 @@ def test_response_role_names_a_chat_answer_s_role(model_dir):
                                              "stream": True}) as events:
             first = next(line for line in events.iter_lines() if line)
         assert '"delta":{"role":"bot","content":""}' in first.replace(" ", "")
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
+    """vLLM's --max-logprobs (default 20, OpenAI's limit): beyond it a 400 naming the limit;
+    above 20 the answers carry as many as asked."""
+    state = serve_state(model_dir, "--max-logprobs", "30", "--chat-template", ROLES)
+    assert state.max_logprobs == 30
+    with LiveServer(state=state) as live:
+        reply = httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 1, "logprobs": 25, "prompt_logprobs": 30})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert len(choice["logprobs"]["top_logprobs"][0]) in (25, 26)  # + the sampled one
+        assert len(choice["prompt_logprobs"][1]) in (30, 31)  # + the prompt's own token
+        chat = httpx.post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 31})
+        assert chat.status_code == 400
+        assert chat.json()["error"]["message"] == (
+            "'top_logprobs' is 31, more than this server gives: at most 30 (--max-logprobs)")
+        assert chat.json()["error"]["param"] == "top_logprobs"
+    assert serve_state(model_dir, "--max-logprobs", "-1").max_logprobs == 49152  # vocabulary
+
+
+def test_the_engine_refuses_more_logprobs_than_its_max_logprobs(model_dir):
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    llm = LLM(model_dir, load_format="dummy", num_kv_blocks=32, max_model_len=256)
+    with pytest.raises(ValueError, match=r"logprobs 21 is more than this engine gives "
+                                         r"\(max_logprobs 20\)"):
+        llm.generate("hi", SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    wide = LLM(model_dir, load_format="dummy", num_kv_blocks=32, max_model_len=256,
+               max_logprobs=40)
+    [result] = wide.generate("hi", SamplingParams(max_tokens=1, logprobs=40), use_tqdm=False)
+    assert len(result.logprobs[0]) in (40, 41)

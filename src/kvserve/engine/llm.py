@@ -33,7 +33,13 @@ from kvserve.core import (
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
 from kvserve.core.errors import without_request_id
 from kvserve.core.router import make_router
-from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
+from kvserve.engine.engine import (
+    DEFAULT_MAX_LOGPROBS,
+    CompletionChunk,
+    Engine,
+    Prompt,
+    encode_prompt,
+)
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
 from kvserve.flags import parse_bytes
@@ -153,7 +159,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | str | Path | None = None,
                  batch_invariant: bool = False,
-                 quantization: str | None = None, _check_only: bool = False,
+                 quantization: str | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, _check_only: bool = False,
                  **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
     (``_check_only``: raise what these arguments would raise before the model loads, and
@@ -187,6 +194,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``quantization="int8"`` (``--quantization int8``, docs/quantization.md): the projections
     in dynamic W8A8 int8 (:mod:`kvserve.model.quantization`); needs the C++ kernels on an
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
+
+    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` or ``prompt_logprobs`` a
+    request may ask for (ValueError beyond); -1: the whole vocabulary.
     """
     check_quantization(quantization)
     _check_keywords(scheduler_settings)
@@ -195,6 +205,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     _check_host_memory(swap_space)
     _check_count(num_kv_blocks, "num_kv_blocks", 1, MAX_BLOCKS)
     _check_count(num_host_blocks, "num_host_blocks", 0, MAX_HOST_BLOCKS)
+    _check_count(max_logprobs, "max_logprobs", -1, 1 << 30)
     if isinstance(tokenizer, (str, Path)):  # a path, as vLLM's tokenizer= takes one
         from kvserve.model.loader import ModelNotFoundError
         from kvserve.model.tokenizer import load_tokenizer
@@ -274,7 +285,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         logger.info("%s", preemption_prices.describe())
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
-    return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+    return Engine(scheduler, runner, tokenizer, detokenize=detokenize,
+                  max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
 
 
 def _size(value: Any, name: str, minimum: int) -> int | None:

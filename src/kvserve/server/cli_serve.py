@@ -80,6 +80,10 @@ def add_parser(subparsers: Any) -> None:
                             "the requests under way finish for at most this long, then abort "
                             "the rest (a stream ends with finish_reason abort); 0 aborts them "
                             "at once (vLLM's default). Default: wait for them all")
+    group.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                       help="the most logprobs, top_logprobs or prompt_logprobs a request may "
+                            "ask for (400 beyond, naming the limit); -1: the whole "
+                            "vocabulary (default 20, as vLLM's)")
     chat = parser.add_argument_group("chat (vLLM's flags)")
     chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template replacing the model's: a file, or the "
@@ -404,7 +408,10 @@ def build_state(args: argparse.Namespace,
                        "data-parallel replicas are engine processes: drop it")
     args.router = args.router or "least-loaded"
     step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
-    build_args = {"record_events": True, **settings}
+    if args.max_logprobs < -1:
+        raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
+                       f"{args.max_logprobs}")
+    build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     if before_engine is not None:
         before_engine()
     serving: Any
@@ -417,7 +424,7 @@ def build_state(args: argparse.Namespace,
             serving = _engine_process(args.model, build_args, args.threads_per_replica,
                                       step_timeout)
         else:
-            serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
+            serving = AsyncEngine(build_engine(args.model, **build_args))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
     if template is not None:  # the server's tokenizer renders every chat
@@ -428,6 +435,8 @@ def build_state(args: argparse.Namespace,
                         args.max_request_body)
     state.served_model_names = tuple(names or (name,))
     state.sampling_defaults = defaults
+    state.max_logprobs = serving.info.tokenizer.vocab_size if args.max_logprobs == -1 \
+        else args.max_logprobs
     state.response_role = args.response_role
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     state.record_prompts = args.record_prompts

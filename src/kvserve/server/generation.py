@@ -31,6 +31,7 @@ from kvserve.server.auth import resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
+    check_logprobs,
     check_stop_token_ids,
     encode_chat,
     encode_prompts,
@@ -88,6 +89,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
     max_tokens = max_tokens_for(state, req, chat, prompts)
     check_stop_token_ids(state, req)
+    check_logprobs(state, req, chat)
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")

@@ -112,6 +112,17 @@ def check_stop_token_ids(state: ServerState, req: Any) -> None:
                     "allowed_token_ids")
 
 
+def check_logprobs(state: ServerState, req: Any, chat: bool) -> None:
+    """A 400 naming the field that asks for more logprobs than --max-logprobs allows."""
+    limit = state.max_logprobs
+    fields = ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs")
+    for name in fields:
+        asked = getattr(req, name)
+        if asked is not None and asked > limit:
+            raise bad_request(f"'{name}' is {asked}, more than this server gives: at most "
+                              f"{limit} (--max-logprobs)", param=name)
+
+
 def logit_bias(req: Any) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token id strings -> bias) with integer keys, each bias
     clamped to [-100, 100] as vLLM does; a 400 for a key that is not a token id."""

@@ -47,6 +47,7 @@ class ServerState:
     # --generation-config's: SamplingParams field -> default, for a request that sets none
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # --response-role: a chat answer's message's role
+    max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
 
     def __post_init__(self) -> None:
