@@ -14,7 +14,7 @@ from kvserve.cli import build_parser, main
 from kvserve.flags import engine_args
 from kvserve.server.cli_serve import build_state
 
-from .helpers import LiveServer, tiny_model_dir
+from .helpers import LiveServer, tiny_model_dir, wait_for
 
 
 def serve_state(model: str, *flags: str):
@@ -398,3 +398,111 @@ def test_the_engine_refuses_more_logprobs_than_its_max_logprobs(model_dir):
                max_logprobs=40)
     [result] = wide.generate("hi", SamplingParams(max_tokens=1, logprobs=40), use_tqdm=False)
     assert len(result.logprobs[0]) in (40, 41)
+
+
+class UvicornServer:
+    """``kvserve serve``'s uvicorn configuration (uvicorn_config: root path, TLS) around a
+    built state, on a free 127.0.0.1 port on a thread."""
+
+    def __init__(self, state, *flags: str) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from kvserve.server.app import build_app
+        from kvserve.server.cli_serve import uvicorn_config
+
+        args = build_parser().parse_args(["serve", "--uvicorn-log-level", "warning", *flags])
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(build_app(state), args))
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), what="uvicorn")
+        assert self.server.started
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
+
+
+def test_root_path_serves_behind_a_proxy_that_strips_it(model_dir):
+    """vLLM's --root-path (uvicorn's root_path): the proxy strips the prefix, so the API is
+    served without it, and what the server names carries it."""
+    with UvicornServer(serve_state(model_dir), "--root-path", "/llm") as live:
+        base = f"http://127.0.0.1:{live.port}"
+        assert httpx.get(base + "/health").status_code == 200
+        missing = httpx.get(base + "/nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "GET /llm/nope: not found"
+
+
+def test_ssl_files_serve_https(model_dir, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: uvicorn's TLS, with a self-signed certificate."""
+    cryptography = pytest.importorskip("cryptography")
+    del cryptography
+    key_file, cert_file = self_signed(tmp_path)
+    flags = ("--ssl-keyfile", key_file, "--ssl-certfile", cert_file)
+    state = serve_state(model_dir, *flags)  # the files are checked there
+    with UvicornServer(state, *flags) as live:
+        reply = httpx.get(f"https://127.0.0.1:{live.port}/health", verify=cert_file)
+        assert reply.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{live.port}/health")
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1, made with cryptography."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_file, cert_file = folder / "key.pem", folder / "cert.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_file), str(cert_file)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-certfile", "/no/such/cert.pem"], "--ssl-certfile /no/such/cert.pem: no such file"),
+    (["--ssl-certfile", "NOTPEM"], "--ssl-certfile NOTPEM: cannot load the certificate and key"),
+    (["--root-path", "llm"], "--root-path 'llm': a path starts with /"),
+])
+def test_bad_server_flags_are_one_line_before_the_model_loads(tmp_path, capsys, flags,
+                                                              message):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    argv = [str(garbage) if part == "NOTPEM" else part for part in flags]
+    assert main(["serve", "/nonexistent/model", *argv]) == 2
+    err = capsys.readouterr().err.replace(str(garbage), "NOTPEM")
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+def test_max_log_len_is_taken_and_changes_nothing():
+    args = build_parser().parse_args(["serve", "--max-log-len", "100"])
+    assert args.max_log_len == 100

@@ -38,6 +38,15 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                        "127.0.0.1; use 0.0.0.0 to accept other machines)")
     group.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    group.add_argument("--root-path", default="", metavar="PATH",
+                       help="the path prefix a proxy strips before forwarding (uvicorn's and "
+                            "vLLM's root_path): the API is served without it, and the URLs "
+                            "the server names carry it")
+    group.add_argument("--ssl-keyfile", metavar="FILE",
+                       help="serve HTTPS with this private key (PEM), with --ssl-certfile")
+    group.add_argument("--ssl-certfile", metavar="FILE",
+                       help="serve HTTPS with this certificate chain (PEM; it may hold the "
+                            "key too)")
     group.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model names clients may send, as vLLM takes them: the first "
                             "is the one /v1/models lists first, the responses and the metrics "
@@ -112,6 +121,10 @@ def add_parser(subparsers: Any) -> None:
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="the default (requests are not logged); taken so a vLLM command "
                            "line runs unchanged")
+    logs.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                      help="taken so a vLLM command line runs unchanged: vLLM cuts the "
+                           "prompts it logs to N characters; prompts are never logged here "
+                           "(--enable-log-requests logs their lengths), so it changes nothing")
     logs.add_argument("--uvicorn-log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug", "trace"),
                       help="uvicorn's log level: at info (the default, as vLLM's) an access "
@@ -213,22 +226,57 @@ def run(args: argparse.Namespace) -> int:
                 tuple(args.allowed_headers), args.allow_credentials)
     app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
                     else args.log_stats_interval, cors=cors)
-    logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d%s", state.model_name, scheme, args.host, args.port,
+                args.root_path)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
                        "it, abort requests and start recordings into any directory this "
                        "server may write (give --api-key or --api-keys)", args.host)
     timeout = args.shutdown_timeout
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            # a backstop: the aborts below end every request well before
-                            timeout_graceful_shutdown=None if timeout is None else timeout + 30)
-    server = _draining_server(uvicorn, config, state, timeout)
+    server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         server.run(sockets=sockets)
     return 1 if died.is_set() else 0
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn's configuration from serve's flags (the address, logging, vLLM's root path
+    and TLS files)."""
+    import uvicorn
+
+    timeout = args.shutdown_timeout
+    return uvicorn.Config(app, host=args.host, port=args.port,
+                          log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile,
+                          # a backstop: the aborts below end every request well before
+                          timeout_graceful_shutdown=None if timeout is None else timeout + 30)
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """--ssl-keyfile and --ssl-certfile load as uvicorn will load them, checked before the
+    model loads: a missing file or a key that does not match is one line, not a traceback
+    after the load."""
+    import ssl
+
+    from kvserve.flags import CLIError
+
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        return
+    if args.ssl_certfile is None:
+        raise CLIError("--ssl-keyfile needs --ssl-certfile (the certificate for the key)")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+        if path is not None and not Path(path).is_file():
+            raise CLIError(f"{flag} {path}: no such file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile,
+                                                                args.ssl_keyfile)
+    except (ssl.SSLError, OSError) as error:
+        raise CLIError(f"--ssl-certfile {args.ssl_certfile}: cannot load the certificate "
+                       f"and key: {error.strerror or error}") from None
 
 
 def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | None) -> Any:
@@ -394,6 +442,9 @@ def build_state(args: argparse.Namespace,
                        "--scheduling-policy priority")
     if not 0 < args.port < 65536:
         raise CLIError(f"--port {args.port} is not a port number")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise CLIError(f"--root-path {args.root_path!r}: a path starts with /")
+    _check_tls(args)
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
