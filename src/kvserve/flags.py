@@ -97,6 +97,63 @@ def check_output_file(flag: str, path: str) -> None:
         raise CLIError(f"{flag} {path}: permission denied")
 
 
+# vLLM serving flags a command here does not take: whether each takes a value, and what to
+# do instead (kvserve.cli refuses them before a value could be read as the model; a command
+# that defines one of these names, as simulate does --gpu-memory-utilization, takes it).
+# docs/vllm-compat.md lists them.
+_NO_TP = "there is no tensor parallelism; --data-parallel-size runs replicas"
+_NO_PP = "there is no pipeline parallelism; --data-parallel-size runs replicas"
+_NO_TOOLS = ("there is no tool-call parser: chat serves tools with tool_choice none "
+             "(the model's text is the answer, as vLLM without a parser)")
+_NO_REASONING = ("there is no reasoning parser: the model's text is the answer "
+                 "(no reasoning_content is split out)")
+_NO_LORA = "there are no LoRA adapters: serve a model directory with the adapter merged"
+VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
+    "--gpu-memory-utilization": (True, "the KV cache is sized by --kv-cache-memory (e.g. "
+                                       "4GiB) or --num-kv-blocks"),
+    "--tensor-parallel-size": (True, _NO_TP),
+    "-tp": (True, _NO_TP),
+    "--pipeline-parallel-size": (True, _NO_PP),
+    "-pp": (True, _NO_PP),
+    "--enable-auto-tool-choice": (False, _NO_TOOLS),
+    "--tool-call-parser": (True, _NO_TOOLS),
+    "--reasoning-parser": (True, _NO_REASONING),
+    "--enable-reasoning": (False, _NO_REASONING),
+    "--enable-lora": (False, _NO_LORA),
+    "--lora-modules": (True, _NO_LORA),
+    "--middleware": (True, "no ASGI middleware is loaded from the command line: put a proxy "
+                           "in front, or mount kvserve.server.app.build_app in your own app"),
+    "--limit-mm-per-prompt": (True, "there is no multimodal input: text models only "
+                                    "(image and audio parts are refused)"),
+    "--kv-cache-dtype": (True, "the engine's KV cache is in the model's dtype (--dtype); "
+                               "kvserve simulate --kv-cache-dtype models an fp8 one"),
+    "--tokenizer-mode": (True, "the tokenizer is the model's own (its tokenizer.json or GGUF "
+                               "vocabulary)"),
+}
+
+
+def vllm_refusal(flag: str, value: str | None = None) -> str:
+    """The one line that refuses vLLM's ``flag`` (given ``value``) with what to do instead."""
+    shown = f"{flag} {value}" if value else flag
+    return f"vLLM's {shown} is not taken here: {VLLM_FLAG_HINTS[flag][1]}"
+
+
+def refused_vllm_flag(argv: list[str], known: Any) -> str | None:
+    """The refusal of the first vLLM flag of VLLM_FLAG_HINTS in ``argv`` (flags spelt with
+    dashes; before any ``--``) that ``known`` (the command's option strings) lacks, naming
+    the value it was given, or None."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    for index, token in enumerate(argv[:end]):
+        name, eq, value = token.partition("=")
+        if name not in VLLM_FLAG_HINTS or name in known:
+            continue
+        if not eq and VLLM_FLAG_HINTS[name][0] and index + 1 < end and \
+                not argv[index + 1].startswith("-"):
+            value = argv[index + 1]
+        return vllm_refusal(name, value or None)
+    return None
+
+
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch generator takes (and the API's seed)
 
 
@@ -238,7 +295,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="a greedy or seeded request gives the same tokens whatever else "
                              "runs (batch size, chunking, prefix hits, preemption), at a "
                              "speed cost (docs/tenants.md); vLLM's VLLM_BATCH_INVARIANT=1")
-    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+    parser.add_argument("--quantization", "-q", default=None, type=parse_quantization,
+                        metavar="{" + ",".join(QUANTIZATIONS) + "}",
                         help="int8: the projections in dynamic W8A8 int8, quantized at load "
                              "(faster; greedy text differs from the float model's; "
                              "docs/quantization.md); default: none")
@@ -256,6 +314,17 @@ def resolve_model_option(args: argparse.Namespace) -> None:
     logger.warning("--model is deprecated, as in vLLM: give the model as the positional "
                    "argument (kvserve %s %s ...)", getattr(args, "command", "serve"), option)
     args.model, args.model_option = option, None
+
+
+def parse_quantization(text: str) -> str:
+    """--quantization: one of QUANTIZATIONS; vLLM's other methods, named, with what there is
+    instead."""
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not supported here: --quantization int8 quantizes the projections "
+            "at load (dynamic W8A8, docs/quantization.md); a checkpoint quantized ahead "
+            "(awq, gptq, fp8, ...) cannot be loaded: serve its float weights")
+    return text
 
 
 def is_device_name(text: str) -> bool:

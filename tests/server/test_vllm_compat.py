@@ -506,3 +506,94 @@ def test_bad_server_flags_are_one_line_before_the_model_loads(tmp_path, capsys, 
 def test_max_log_len_is_taken_and_changes_nothing():
     args = build_parser().parse_args(["serve", "--max-log-len", "100"])
     assert args.max_log_len == 100
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    # the value is named with its flag, never left over as the model path (QA)
+    (["--gpu-memory-utilization", "0.9", "/models/m.gguf"],
+     "vLLM's --gpu-memory-utilization 0.9 is not taken here: the KV cache is sized by "
+     "--kv-cache-memory (e.g. 4GiB) or --num-kv-blocks (see kvserve serve --help)"),
+    (["/models/m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+     "vLLM's --enable-auto-tool-choice is not taken here: there is no tool-call parser: chat "
+     "serves tools with tool_choice none (the model's text is the answer, as vLLM without a "
+     "parser) (see kvserve serve --help)"),
+    (["--tool-call-parser=hermes"], "vLLM's --tool-call-parser hermes is not taken here: "
+                                    "there is no tool-call parser"),
+    (["--reasoning-parser", "deepseek_r1"], "vLLM's --reasoning-parser deepseek_r1 is not "
+                                            "taken here: there is no reasoning parser"),
+    (["--enable-lora", "--lora-modules", "sql=/lora/sql"],
+     "vLLM's --enable-lora is not taken here: there are no LoRA adapters: serve a model "
+     "directory with the adapter merged"),
+    (["--lora_modules", "sql=/lora/sql"], "vLLM's --lora-modules sql=/lora/sql is not taken "
+                                          "here: there are no LoRA adapters"),
+    (["--middleware", "my.Middleware"], "vLLM's --middleware my.Middleware is not taken "
+                                        "here: no ASGI middleware is loaded from the command "
+                                        "line"),
+    (["--limit-mm-per-prompt", "image=2"], "vLLM's --limit-mm-per-prompt image=2 is not taken "
+                                           "here: there is no multimodal input: text models "
+                                           "only"),
+    (["-tp", "2"], "vLLM's --tensor-parallel-size 2 is not taken here: there is no tensor "
+                   "parallelism; --data-parallel-size runs replicas"),
+    (["--pipeline-parallel-size", "4"], "vLLM's --pipeline-parallel-size 4 is not taken "
+                                        "here: there is no pipeline parallelism"),
+    (["--kv-cache-dtype", "fp8"], "vLLM's --kv-cache-dtype fp8 is not taken here: the "
+                                  "engine's KV cache is in the model's dtype (--dtype); "
+                                  "kvserve simulate --kv-cache-dtype models an fp8 one"),
+    (["--tokenizer-mode", "mistral"], "vLLM's --tokenizer-mode mistral is not taken here: the "
+                                      "tokenizer is the model's own"),
+    (["-q", "awq"], "argument --quantization/-q: 'awq' is not supported here: --quantization "
+                    "int8 quantizes the projections at load (dynamic W8A8, "
+                    "docs/quantization.md); a checkpoint quantized ahead (awq, gptq, fp8, "
+                    "...) cannot be loaded: serve its float weights"),
+])
+def test_vllm_flags_refused_say_what_to_do_instead(capsys, flags, line):
+    assert exit_code(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {line}") and err.count("\n") == 1, err
+
+
+def test_vllm_flags_with_nothing_to_do_here_are_taken_and_each_says_why(model_dir, caplog):
+    flags = ["--trust-remote-code", "--tokenizer-mode", "auto", "--enforce-eager",
+             "--max-seq-len-to-capture", "8192", "-O3", "--disable-custom-all-reduce",
+             "-tp", "1", "--pipeline-parallel-size", "1",
+             "--disable-frontend-multiprocessing", "--download-dir", "/cache",
+             "--revision", "main", "--kv-cache-dtype", "auto", "--disable-log-requests"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model_dir, *flags)
+    assert state.model_name == "tiny"
+    said = [r.getMessage() for r in caplog.records if ": vLLM's, does nothing here: " in
+            r.getMessage()]
+    assert said == [
+        "--trust-remote-code: vLLM's, does nothing here: no model code is run: kvserve "
+        "implements the Llama family itself",
+        "--tokenizer-mode auto: vLLM's, does nothing here: the tokenizer is the model's own "
+        "(auto is the only mode)",
+        "--enforce-eager: vLLM's, does nothing here: there are no CUDA graphs or "
+        "torch.compile here: every step runs eagerly",
+        "--max-seq-len-to-capture 8192: vLLM's, does nothing here: there are no CUDA graphs "
+        "or torch.compile here: every step runs eagerly",
+        "--compilation-config 3: vLLM's, does nothing here: there are no CUDA graphs or "
+        "torch.compile here: every step runs eagerly",
+        "--disable-custom-all-reduce: vLLM's, does nothing here: there is no tensor "
+        "parallelism, so no all-reduce",
+        "--tensor-parallel-size 1: vLLM's, does nothing here: one engine holds the whole "
+        "model (--data-parallel-size runs replicas)",
+        "--pipeline-parallel-size 1: vLLM's, does nothing here: one engine holds the whole "
+        "model (--data-parallel-size runs replicas)",
+        "--disable-frontend-multiprocessing: vLLM's, does nothing here: the API server "
+        "already runs in one process, as vLLM V1's, and the engine in its own "
+        "(--no-engine-process runs it on a thread instead)",
+        "--download-dir /cache: vLLM's, does nothing here: nothing is downloaded: the model "
+        "is a path",
+        "--revision main: vLLM's, does nothing here: nothing is downloaded: the model is a "
+        "path",
+        "--kv-cache-dtype auto: vLLM's, does nothing here: the KV cache is in the model's "
+        "dtype (--dtype), as auto asks"]
+
+
+def test_a_command_that_defines_a_vllm_flag_takes_it():
+    """simulate models --gpu-memory-utilization and --tensor-parallel-size: not refused."""
+    args = build_parser().parse_args(["simulate", "--trace", "t.jsonl",
+                                      "--gpu-memory-utilization", "0.8",
+                                      "--tensor-parallel-size", "2"])
+    assert (args.gpu_memory_utilization, args.tensor_parallel_size) == (0.8, 2)

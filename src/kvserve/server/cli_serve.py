@@ -18,6 +18,37 @@ from typing import Any
 logger = logging.getLogger("kvserve.server")
 
 
+# vLLM's flags that have nothing to do here: taken so a vLLM command line runs unchanged,
+# each given one logging why it does nothing (docs/vllm-compat.md). (flags, add_argument's
+# keywords, why.) --tensor-parallel-size, --pipeline-parallel-size, --tokenizer-mode and
+# --kv-cache-dtype are taken at their neutral value only (_NEUTRAL).
+_NO_GRAPHS = "there are no CUDA graphs or torch.compile here: every step runs eagerly"
+VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
+    (("--trust-remote-code",), {"action": "store_true"},
+     "no model code is run: kvserve implements the Llama family itself"),
+    (("--tokenizer-mode",), {"metavar": "auto"},
+     "the tokenizer is the model's own (auto is the only mode)"),
+    (("--enforce-eager",), {"action": "store_true"}, _NO_GRAPHS),
+    (("--max-seq-len-to-capture",), {"type": int, "metavar": "N"}, _NO_GRAPHS),
+    (("--compilation-config", "-O"), {"metavar": "LEVEL_OR_JSON"}, _NO_GRAPHS),
+    (("--disable-custom-all-reduce",), {"action": "store_true"},
+     "there is no tensor parallelism, so no all-reduce"),
+    (("--tensor-parallel-size", "-tp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--pipeline-parallel-size", "-pp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--disable-frontend-multiprocessing",), {"action": "store_true"},
+     "the API server already runs in one process, as vLLM V1's, and the engine in its own "
+     "(--no-engine-process runs it on a thread instead)"),
+    (("--download-dir",), {"metavar": "DIR"}, "nothing is downloaded: the model is a path"),
+    (("--revision",), {"metavar": "REV"}, "nothing is downloaded: the model is a path"),
+    (("--kv-cache-dtype",), {"metavar": "auto"},
+     "the KV cache is in the model's dtype (--dtype), as auto asks"),
+)
+# The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
+_NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
+            "kv_cache_dtype": "auto"}
+
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (with "
                "streaming), with Prometheus metrics at /metrics.")
@@ -174,6 +205,12 @@ def add_parser(subparsers: Any) -> None:
                                "evenly among the replicas; with one replica, torch's "
                                "default)")
     add_scheduler_flags(parser)
+    noops = parser.add_argument_group("vLLM's flags that do nothing here (each given logs "
+                                      "why; docs/vllm-compat.md)")
+    for names, keywords, why in VLLM_NOOPS:
+        neutral = _NEUTRAL.get(names[0].lstrip("-").replace("-", "_"))
+        taken = f"taken at {neutral} only" if neutral is not None else "taken"
+        noops.add_argument(*names, **keywords, help=f"vLLM's; {taken}, does nothing: {why}")
 
 
 def _json_strings(text: str) -> list[str]:
@@ -445,6 +482,7 @@ def build_state(args: argparse.Namespace,
     if args.root_path and not args.root_path.startswith("/"):
         raise CLIError(f"--root-path {args.root_path!r}: a path starts with /")
     _check_tls(args)
+    _vllm_noops(args)
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
@@ -534,6 +572,23 @@ def _chat_template(value: str) -> str:
     except ValueError as error:
         raise CLIError(f"--chat-template: {error}") from None
     return template
+
+
+def _vllm_noops(args: argparse.Namespace) -> None:
+    """vLLM's flags that do nothing here (VLLM_NOOPS): one line each given, saying why; a
+    value other than the neutral one is refused with what to do instead."""
+    from kvserve.flags import CLIError, vllm_refusal
+
+    for names, _, why in VLLM_NOOPS:
+        dest = names[0].lstrip("-").replace("-", "_")
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        neutral = _NEUTRAL.get(dest)
+        if neutral is not None and value != neutral:
+            raise CLIError(vllm_refusal(names[0], str(value)))
+        shown = names[0] if value is True else f"{names[0]} {value}"
+        logger.info("%s: vLLM's, does nothing here: %s", shown, why)
 
 
 def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
