@@ -89,16 +89,19 @@ def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
         assert 'model_name="beta"' not in metrics
 
 
-def test_a_model_path_read_as_a_served_name_is_refused_with_the_order_that_works(
-        model_dir, capsys):
-    """--served-model-name takes every word after it, so `--served-model-name a MODEL`
-    would serve the bundled model under the names a and MODEL: refused."""
-    assert main(["serve", "--served-model-name", "a", model_dir]) == 2
+@pytest.mark.parametrize("flag", ["--served-model-name", "--api-key"])
+def test_a_model_path_read_as_a_flag_s_value_is_refused_with_the_order_that_works(
+        model_dir, capsys, flag):
+    """Both take every word after them, so `--api-key KEY MODEL` (one key, then the model,
+    as before several values were taken) would serve the bundled model: refused."""
+    assert main(["serve", flag, "a", model_dir]) == 2
     err = capsys.readouterr().err
-    assert err == (f"kvserve serve: error: --served-model-name took {model_dir!r}, which is "
-                   "a model on disk: --served-model-name takes every word after it, so give "
-                   f"the model first (kvserve serve {model_dir} --served-model-name NAME "
-                   "...)\n")
+    assert err == (f"kvserve serve: error: {flag} took {model_dir!r}, which is a model on "
+                   f"disk: {flag} takes every word after it, so give the model first "
+                   f"(kvserve serve {model_dir} {flag} ...)\n")
+    state = serve_state(model_dir, flag, "a", "b")  # the model first: both values are the flag's
+    assert (state.model_names, [k.key for k in state.keys.keys]) == \
+        ((("a", "b"), []) if flag == "--served-model-name" else (("tiny",), ["a", "b"]))
 
 
 def test_model_flag_is_the_positional_model_with_a_warning(model_dir, caplog):

@@ -422,6 +422,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.server.state import ServerState
 
     resolve_model_option(args)
+    _check_model_not_swallowed(args)
     template = None if args.chat_template is None else _chat_template(args.chat_template)
     defaults = _sampling_defaults(args)
     try:  # before anything else: a bad directory or option fails at once
@@ -628,24 +629,33 @@ def _env_api_key() -> list[str]:
     return [key]
 
 
+def _check_model_not_swallowed(args: argparse.Namespace) -> None:
+    """--served-model-name and --api-key take every word after them (vLLM's nargs='+'), so
+    ``--api-key KEY MODEL`` reads the model as a second key and serves the bundled model.
+    With no model given, a value that is a model on disk is that mistake: refused, with the
+    order that works."""
+    from kvserve.flags import CLIError
+
+    if args.model is not None:
+        return
+    for flag, values in (("--served-model-name", args.served_model_name or ()),
+                         ("--api-key", args.api_key)):
+        for value in values:
+            path = Path(value)
+            if (path.suffix.lower() == ".gguf" and path.is_file()) or \
+                    (path / "config.json").is_file():
+                raise CLIError(f"{flag} took {value!r}, which is a model on disk: {flag} "
+                               "takes every word after it, so give the model first "
+                               f"(kvserve serve {value} {flag} ...)")
+
+
 def _served_names(args: argparse.Namespace) -> list[str]:
-    """--served-model-name's names, checked; [] when none was given. A name that is a
-    model on disk while no model was given is the model, read as a name (``nargs='+'`` takes
-    every word after the flag): refused, with the order that works."""
+    """--served-model-name's names, checked; [] when none was given."""
     from kvserve.flags import CLIError
 
     names = list(args.served_model_name or ())
     if any(not name.strip() for name in names):
         raise CLIError("--served-model-name must not be empty")
-    if args.model is None:
-        for name in names:
-            path = Path(name)
-            if (path.suffix.lower() == ".gguf" and path.is_file()) or \
-                    (path / "config.json").is_file():
-                raise CLIError(f"--served-model-name took {name!r}, which is a model on "
-                               "disk: --served-model-name takes every word after it, so give "
-                               f"the model first (kvserve serve {name} --served-model-name "
-                               "NAME ...)")
     return list(dict.fromkeys(names))  # a name given twice is one name
 
 
