@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvserve import __version__
-from kvserve.flags import CLIError
+from kvserve.flags import CLIError, refused_vllm_flag
 
 __all__ = ["CLIError", "build_parser", "main"]
 
@@ -87,27 +87,20 @@ def set_process_defaults() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# vLLM serving flags a command here does not take, and what does the same thing here.
-_VLLM_FLAG_HINTS = {
-    "--gpu-memory-utilization": "the KV cache is sized by --kv-cache-memory (e.g. 4GiB) or "
-                                "--num-kv-blocks",
-    "--tensor-parallel-size": "there is no tensor parallelism here; --data-parallel-size runs "
-                              "replicas",
-    "-tp": "there is no tensor parallelism here; --data-parallel-size runs replicas",
-}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     set_process_defaults()
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # named by the subcommand, with what to give instead of a vLLM flag
-        names = [flag.split("=")[0] for flag in extra]
-        hints = [f"{name}: {_VLLM_FLAG_HINTS[name]}" for name in names
-                 if name in _VLLM_FLAG_HINTS]
-        _subparser(parser, args).error(
-            f"unrecognized arguments: {' '.join(extra)}"
-            + (f" ({'; '.join(hints)})" if hints else ""))
+    given = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(given)
+    command = _subparser(parser, args)
+    # A vLLM flag the command does not take is refused by name, with its value and what to
+    # give instead (flags.VLLM_FLAG_HINTS), before "unrecognized arguments" could list the
+    # value it left as the model path (--gpu-memory-utilization 0.9 MODEL).
+    refused = refused_vllm_flag([_dashed(arg) for arg in given], command._option_string_actions)
+    if refused is not None:
+        command.error(refused)
+    if extra:  # named by the subcommand
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.run(args) or 0)
     except CLIError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,8 @@ from kvserve.core.config import (
     TENANT_FAIRNESS,
     VICTIM_POLICIES,
 )
+
+logger = logging.getLogger("kvserve.cli")
 
 
 class CLIError(Exception):
@@ -94,6 +97,63 @@ def check_output_file(flag: str, path: str) -> None:
         raise CLIError(f"{flag} {path}: permission denied")
 
 
+# vLLM serving flags a command here does not take: whether each takes a value, and what to
+# do instead (kvserve.cli refuses them before a value could be read as the model; a command
+# that defines one of these names, as simulate does --gpu-memory-utilization, takes it).
+# docs/vllm-compat.md lists them.
+_NO_TP = "there is no tensor parallelism; --data-parallel-size runs replicas"
+_NO_PP = "there is no pipeline parallelism; --data-parallel-size runs replicas"
+_NO_TOOLS = ("there is no tool-call parser: chat serves tools with tool_choice none "
+             "(the model's text is the answer, as vLLM without a parser)")
+_NO_REASONING = ("there is no reasoning parser: the model's text is the answer "
+                 "(no reasoning_content is split out)")
+_NO_LORA = "there are no LoRA adapters: serve a model directory with the adapter merged"
+VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
+    "--gpu-memory-utilization": (True, "the KV cache is sized by --kv-cache-memory (e.g. "
+                                       "4GiB) or --num-kv-blocks"),
+    "--tensor-parallel-size": (True, _NO_TP),
+    "-tp": (True, _NO_TP),
+    "--pipeline-parallel-size": (True, _NO_PP),
+    "-pp": (True, _NO_PP),
+    "--enable-auto-tool-choice": (False, _NO_TOOLS),
+    "--tool-call-parser": (True, _NO_TOOLS),
+    "--reasoning-parser": (True, _NO_REASONING),
+    "--enable-reasoning": (False, _NO_REASONING),
+    "--enable-lora": (False, _NO_LORA),
+    "--lora-modules": (True, _NO_LORA),
+    "--middleware": (True, "no ASGI middleware is loaded from the command line: put a proxy "
+                           "in front, or mount kvserve.server.app.build_app in your own app"),
+    "--limit-mm-per-prompt": (True, "there is no multimodal input: text models only "
+                                    "(image and audio parts are refused)"),
+    "--kv-cache-dtype": (True, "the engine's KV cache is in the model's dtype (--dtype); "
+                               "kvserve simulate --kv-cache-dtype models an fp8 one"),
+    "--tokenizer-mode": (True, "the tokenizer is the model's own (its tokenizer.json or GGUF "
+                               "vocabulary)"),
+}
+
+
+def vllm_refusal(flag: str, value: str | None = None) -> str:
+    """The one line that refuses vLLM's ``flag`` (given ``value``) with what to do instead."""
+    shown = f"{flag} {value}" if value else flag
+    return f"vLLM's {shown} is not taken here: {VLLM_FLAG_HINTS[flag][1]}"
+
+
+def refused_vllm_flag(argv: list[str], known: Any) -> str | None:
+    """The refusal of the first vLLM flag of VLLM_FLAG_HINTS in ``argv`` (flags spelt with
+    dashes; before any ``--``) that ``known`` (the command's option strings) lacks, naming
+    the value it was given, or None."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    for index, token in enumerate(argv[:end]):
+        name, eq, value = token.partition("=")
+        if name not in VLLM_FLAG_HINTS or name in known:
+            continue
+        if not eq and VLLM_FLAG_HINTS[name][0] and index + 1 < end and \
+                not argv[index + 1].startswith("-"):
+            value = argv[index + 1]
+        return vllm_refusal(name, value or None)
+    return None
+
+
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch generator takes (and the API's seed)
 
 
@@ -150,7 +210,8 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                             "to the host tier, or auto (the cheaper per victim)")
     group.add_argument("--swap-space", dest="swap_space", type=parse_gib,
                        help="host KV tier per device, GiB (e.g. 4) or a size (e.g. 512MiB); "
-                            "needed by --preemption-mode swap/auto")
+                            "needed by --preemption-mode swap/auto; under recompute, which "
+                            "never swaps, none is allocated (vLLM V1 ignores it)")
     group.add_argument("--num-host-blocks", dest="num_host_blocks", type=int,
                        help="host KV tier in blocks, instead of --swap-space")
     group.add_argument("--enable-priority-preemption", dest="enable_priority_preemption",
@@ -214,6 +275,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="a GGUF file or a Hugging Face directory (default: the bundled "
                              "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL",
+                        help="the model, as vLLM's deprecated --model takes it (a warning "
+                             "says so): give it as the positional argument instead; both "
+                             "given must agree")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights, activations and KV cache; auto (default): the model's "
                              "own, bfloat16 for the bundled model, where this CPU computes "
@@ -230,10 +295,36 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="a greedy or seeded request gives the same tokens whatever else "
                              "runs (batch size, chunking, prefix hits, preemption), at a "
                              "speed cost (docs/tenants.md); vLLM's VLLM_BATCH_INVARIANT=1")
-    parser.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+    parser.add_argument("--quantization", "-q", default=None, type=parse_quantization,
+                        metavar="{" + ",".join(QUANTIZATIONS) + "}",
                         help="int8: the projections in dynamic W8A8 int8, quantized at load "
                              "(faster; greedy text differs from the float model's; "
                              "docs/quantization.md); default: none")
+
+
+def resolve_model_option(args: argparse.Namespace) -> None:
+    """vLLM's deprecated ``--model X`` as the positional model (a warning says so); CLIError
+    where both are given and differ. Called first by the commands that load a model."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if args.model is not None and args.model != option:
+        raise CLIError(f"the model is given twice, {args.model} and --model {option}: give "
+                       "one (as the positional argument)")
+    logger.warning("--model is deprecated, as in vLLM: give the model as the positional "
+                   "argument (kvserve %s %s ...)", getattr(args, "command", "serve"), option)
+    args.model, args.model_option = option, None
+
+
+def parse_quantization(text: str) -> str:
+    """--quantization: one of QUANTIZATIONS; vLLM's other methods, named, with what there is
+    instead."""
+    if text not in QUANTIZATIONS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not supported here: --quantization int8 quantizes the projections "
+            "at load (dynamic W8A8, docs/quantization.md); a checkpoint quantized ahead "
+            "(awq, gptq, fp8, ...) cannot be loaded: serve its float weights")
+    return text
 
 
 def is_device_name(text: str) -> bool:
@@ -253,13 +344,79 @@ def parse_device(text: str) -> str:
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``build_engine``'s keyword arguments from the model, scheduler and cache flags; the
-    flags left unset are left out, so build_engine's defaults apply."""
+    flags left unset are left out, so build_engine's defaults apply. With neither
+    --kv-cache-memory nor --num-kv-blocks, vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) sizes the KV
+    cache where it is set (:func:`env_kv_cache_space`)."""
+    settings = settings_from_args(args)
+    if "kv_cache_memory" not in settings and "num_kv_blocks" not in settings:
+        space = env_kv_cache_space()
+        if space is not None:
+            settings["kv_cache_memory"] = space
     return {"dtype": args.dtype, "device": args.device, "load_format": args.load_format,
             "seed": args.seed,
             **({"batch_invariant": True} if getattr(args, "batch_invariant", False) else {}),
             **({"quantization": args.quantization}
                if getattr(args, "quantization", None) is not None else {}),
-            **settings_from_args(args)}
+            **settings}
+
+
+def env_kv_cache_space() -> int | None:
+    """vLLM's VLLM_CPU_KVCACHE_SPACE, the CPU KV cache in GiB ('4', '0.5'; a size with a unit
+    is taken too) as bytes, logged as coming from there; None where it is unset, empty or 0
+    (vLLM's "not set": kvserve's own default then). CLIError for anything else."""
+    import os
+
+    text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text:
+        return None
+    try:
+        space = parse_gib(text)
+    except argparse.ArgumentTypeError:
+        space = -1
+    if space < 0 or space > MAX_SWAP_SPACE:
+        raise CLIError(f"VLLM_CPU_KVCACHE_SPACE {text!r}: give the KV cache's size in GiB, "
+                       "like 4")
+    if space == 0:
+        return None
+    logger.info("KV cache memory: %s GiB from VLLM_CPU_KVCACHE_SPACE (neither "
+                "--kv-cache-memory nor --num-kv-blocks given)", text)
+    return space
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configures_logging() -> bool:
+    """False where vLLM's VLLM_CONFIGURE_LOGGING=0 asks kvserve to leave the logging
+    configuration alone (no handler, no level set); CLIError for a value other than 0 or
+    1."""
+    import os
+
+    value = os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise CLIError(f"VLLM_CONFIGURE_LOGGING {value!r}: give 1 (kvserve configures its "
+                       "log, the default) or 0 (it leaves logging alone)")
+    return value == "1"
+
+
+def configure_logging(format: str) -> None:
+    """A command's log: lines in ``format`` on stderr from INFO, kvserve's loggers at vLLM's
+    VLLM_LOGGING_LEVEL where it is set; nothing at all under VLLM_CONFIGURE_LOGGING=0, as
+    vLLM (the embedding application's configuration stands). CLIError for a level that is
+    not one of LOG_LEVELS."""
+    import os
+
+    if not configures_logging():
+        return
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "").strip().upper()
+    if level == "WARN":
+        level = "WARNING"
+    if level and level not in LOG_LEVELS:
+        raise CLIError(f"VLLM_LOGGING_LEVEL {os.environ['VLLM_LOGGING_LEVEL']!r}: give one of "
+                       f"{', '.join(LOG_LEVELS)}")
+    logging.basicConfig(level=logging.INFO, format=format)
+    if level:
+        logging.getLogger("kvserve").setLevel(level)
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,7 +469,11 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
                     num_devices: int = 1) -> int:
     """The host tier in blocks: --num-host-blocks, or --swap-space (bytes per device, as
     vLLM's flag) over the bytes one KV block takes on all ``num_devices``; 0 without
-    either. A swap space smaller than one block is an error, not an empty tier."""
+    either, and 0 under --preemption-mode recompute, which never swaps (the engine
+    allocates none then either, as vLLM V1 ignores --swap-space). A swap space smaller than
+    one block is an error, not an empty tier."""
+    if settings.get("preemption_mode", "recompute") == "recompute":
+        return 0
     if settings.get("num_host_blocks") is not None:
         return int(settings["num_host_blocks"])
     swap_space = settings.get("swap_space")

@@ -126,3 +126,21 @@ def test_build_engine_sizes_the_host_tier_and_measures_prices_for_auto():
     with pytest.raises(ValueError, match="swap space of 100 bytes holds no block"):
         build_engine(TINY, block_size=4, num_kv_blocks=32, swap_space=100,
                      preemption_mode="swap")
+
+
+@pytest.mark.parametrize("host", [{"swap_space": 30_720}, {"num_host_blocks": 10}])
+def test_recompute_allocates_no_host_tier_and_says_so(host, caplog):
+    """Only a swapping preemption uses the host tier (sessions and the prefix cache keep
+    their blocks on the device): under recompute, the default, --swap-space held host RAM
+    for nothing (QA: RSS 4 GB against 1.9 with --swap-space 2). vLLM V1 ignores it."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        engine = build_engine(TINY, block_size=4, num_kv_blocks=32, max_model_len=128,
+                              **host)
+    assert engine.scheduler.cache_config.num_host_blocks == 0
+    assert engine.executor.host_kv_cache is None
+    assert engine.info.num_host_blocks == 0
+    assert [r.getMessage() for r in caplog.records if "swap" in r.getMessage()] == [
+        "--swap-space is unused under --preemption-mode recompute, which never swaps (vLLM "
+        "V1 ignores it too): no host KV tier allocated"]

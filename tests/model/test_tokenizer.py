@@ -118,6 +118,34 @@ def test_from_file_matches_from_gguf(tokenizer, tmp_path):
     assert from_directory.chat_template == tokenizer.chat_template
 
 
+def test_a_directory_s_chat_template_jinja_is_its_chat_template(tokenizer, tmp_path):
+    """Newer transformers save the template as chat_template.jinja, not in
+    tokenizer_config.json: it was not read, and chat answered 400 "this tokenizer has no
+    chat template" (QA). As transformers reads them, the file goes before the config's
+    entry; a template given (--chat-template) goes before both."""
+    tokenizer.save(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == "[user] hi\n"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config"}))
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == "[user] hi\n"
+    (tmp_path / "chat_template.jinja").unlink()
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == "config"
+    given = Tokenizer.from_file(tmp_path / "tokenizer.json", chat_template="given")
+    assert given.apply_chat_template(messages) == "given"
+
+
+def test_set_chat_template_replaces_the_model_s_and_refuses_bad_jinja(tokenizer):
+    replaced = Tokenizer.from_gguf(default_model_path())
+    replaced.apply_chat_template([{"role": "user", "content": "x"}])  # compiled: replaced too
+    replaced.set_chat_template("{{ messages[0]['content'] | upper }}")
+    assert replaced.apply_chat_template([{"role": "user", "content": "x"}]) == "X"
+    with pytest.raises(ValueError, match=r"the chat template is not valid Jinja: .* \(line 1\)"):
+        replaced.set_chat_template("{% for %}")
+    assert replaced.chat_template == "{{ messages[0]['content'] | upper }}"  # unchanged
+
+
 def test_load_tokenizer_defaults_to_the_bundled_gguf(tokenizer, tmp_path):
     assert load_tokenizer(None).encode("Hello world") == [19556, 905]
     with pytest.raises(FileNotFoundError, match="no tokenizer"):

@@ -23,6 +23,34 @@ def tokenizer() -> Any:
     return load_tokenizer(None)
 
 
+def tiny_model_dir(path: Any, chat_template: str | None = None,
+                   tokenizer_config: dict[str, Any] | None = None,
+                   generation_config: dict[str, Any] | None = None) -> str:
+    """A Hugging Face directory of the TINY shapes with the bundled tokenizer and no weights,
+    for ``--load-format dummy`` (loads in about a second): its ``chat_template.jinja``,
+    ``tokenizer_config.json`` and ``generation_config.json`` as given (none when None)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": TINY.vocab_size, "hidden_size": TINY.hidden_size,
+        "intermediate_size": TINY.intermediate_size, "num_hidden_layers": TINY.num_layers,
+        "num_attention_heads": TINY.num_heads, "num_key_value_heads": TINY.num_kv_heads,
+        "max_position_embeddings": TINY.max_position_embeddings,
+        "eos_token_id": TINY.eos_token_id, "torch_dtype": "float32"}))
+    tokenizer().save(folder / "tokenizer.json")
+    if chat_template is not None:
+        (folder / "chat_template.jinja").write_text(chat_template)
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return str(folder)
+
+
 def make_engine(num_kv_blocks: int = 256, **settings: Any) -> Engine:
     from kvserve.engine.llm import build_engine
 
@@ -54,13 +82,14 @@ class LiveServer:
     """A kvserve app on a free 127.0.0.1 port, served by uvicorn on a thread. The engine runs
     on a thread of this process (``engine``, or one built from ``engine_settings``), or, given
     ``spec``, in an engine process of its own; or ``serving`` is the ready engine (data
-    parallel replicas)."""
+    parallel replicas); or ``state`` is the whole server's (``kvserve serve``'s build_state),
+    its engine and keys included."""
 
     def __init__(self, engine: Engine | None = None, *, model_name: str = "tiny",
                  keys: list[Any] | None = None, priority_source: str = "body",
                  max_body_bytes: int | None = None, spec: Any | None = None,
                  serving: Any | None = None, cors: Any | None = None,
-                 **engine_settings: Any) -> None:
+                 state: Any | None = None, **engine_settings: Any) -> None:
         import socket
         import threading
 
@@ -72,7 +101,10 @@ class LiveServer:
         from kvserve.server.auth import KeyRing
         from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
-        if serving is not None:
+        if state is not None:
+            self.engine = getattr(state.engine, "engine", None)
+            serving = state.engine
+        elif serving is not None:
             self.engine = None
         elif spec is not None:
             self.engine = None
@@ -80,8 +112,9 @@ class LiveServer:
         else:
             self.engine = engine or make_engine(**engine_settings)
             serving = AsyncEngine(self.engine)
-        self.state = ServerState(serving, model_name, KeyRing(keys or []),
-                                 priority_source, max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        self.state = state or ServerState(serving, model_name, KeyRing(keys or []),
+                                          priority_source,
+                                          max_body_bytes or DEFAULT_MAX_BODY_BYTES)
         self.app = build_app(self.state) if cors is None else build_app(self.state, cors=cors)
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ def test_serve_flags_parse():
         "--max-queue-delay", "2.5", "--num-gpu-blocks-override", "100",
         "--max-request-body", "1MiB"])
     assert (args.port, args.served_model_name, args.api_key, args.priority_source) == \
-        (9000, "m", ["a"], "key")
+        (9000, ["m"], ["a"], "key")
     assert (args.max_num_seqs, args.max_queue_delay, args.num_kv_blocks) == (4, 2.5, 100)
     assert args.max_request_body == 1 << 20
     assert args.host == "127.0.0.1"

@@ -180,7 +180,7 @@ def test_sizes_take_units_and_the_tokenizer_a_path_as_in_vllm():
     from kvserve.model.loader import default_model_path
 
     llm = LLM(TINY, tokenizer=str(default_model_path()), kv_cache_memory="1MiB",
-              swap_space="1MiB")
+              swap_space="1MiB", preemption_mode="swap")
     config = llm.engine.scheduler.cache_config
     per_block = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4 * 16
     assert config.num_blocks == (1 << 20) // per_block > 0

@@ -65,7 +65,10 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "field 'top_p'"),
     (COMPLETIONS, {"prompt": "x", "n": 1000}, 400, "field 'n'"),
     (COMPLETIONS, {"prompt": "x", "ignore_eos": "yes"}, 400, "field 'ignore_eos'"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "field 'logprobs'"),
+    # vLLM's --max-logprobs, 20 by default, names itself (tests/server/test_vllm_compat.py)
+    (COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "'logprobs' is 50, more than this "
+     "server gives: at most 20 (--max-logprobs)"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "field 'logprobs'"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options' is only allowed"),
@@ -98,7 +101,8 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 99999999]}, 400,
      "'allowed_token_ids' has token id 99999999, outside the vocabulary"),
-    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "field 'prompt_logprobs'"),
+    (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "'prompt_logprobs' is 21, "
+     "more than this server gives: at most 20 (--max-logprobs)"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
      "field 'echo' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,

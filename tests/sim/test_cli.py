@@ -400,12 +400,13 @@ def test_calibrated_cost_model_from_a_file(tmp_path, trace):
     (["workload", "gen", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["whatif", "rec", "--seed", "x"], "argument --seed: 'x' is not an integer"),
     # named by the subcommand (it said "kvserve: error"), with what a vLLM flag is here
+    # (all of them: tests/server/test_vllm_compat.py)
     (["generate", "--prompt", "x", "-tp=2"],
-     "kvserve generate: error: unrecognized arguments: -tp=2 (-tp: there is no tensor "
-     "parallelism here; --data-parallel-size runs replicas)"),
-    (["serve", "--gpu-memory-utilization=0.9"], "kvserve serve: error: unrecognized "
-     "arguments: --gpu-memory-utilization=0.9 (--gpu-memory-utilization: the KV cache is "
-     "sized by --kv-cache-memory"),
+     "kvserve generate: error: vLLM's -tp 2 is not taken here: there is no tensor "
+     "parallelism; --data-parallel-size runs replicas (see kvserve generate --help)"),
+    (["serve", "--gpu-memory-utilization=0.9"], "kvserve serve: error: vLLM's "
+     "--gpu-memory-utilization 0.9 is not taken here: the KV cache is sized by "
+     "--kv-cache-memory"),
     # a nested command's own parser names it and its help (it said "kvserve bench")
     (["bench", "serve", "--bogus"], "kvserve bench serve: error: unrecognized arguments: "
      "--bogus (see kvserve bench serve --help)"),

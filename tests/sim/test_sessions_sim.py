@@ -208,5 +208,6 @@ def test_a_request_asking_prompt_logprobs_replays_without_prefix_hits():  # G8
     _, result = Deployment(cost_model="unit").simulate(trace, {})
     hits = {r.request_id: r.metrics.num_cached_tokens for r in result.records}
     assert hits == {"a": 0, "b": 0, "c": 48}
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be an integer in \[0, 20\]"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs cannot be asked of a session "
+                                         r"turn \(G8\), got 1 on session 's'"):
         parse_request({**rows[1], "session_id": "s"})

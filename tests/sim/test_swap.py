@@ -89,8 +89,11 @@ def test_swap_mode_reports_the_host_tier(tmp_path, trace, capsys):  # S1-S3, rep
     assert data["config"]["scheduler"]["preemption_mode"] == "swap"
 
 
-def test_recompute_reports_carry_no_host_tier_fields(tmp_path, trace):  # byte-identical
-    data = simulate(tmp_path, trace)
+@pytest.mark.parametrize("host", [(), ("--swap-space", "1"), ("--num-host-blocks", "64")])
+def test_recompute_reports_carry_no_host_tier_fields(tmp_path, trace, host):  # byte-identical
+    """A host tier given under recompute, which never swaps, is none, as in the engine
+    (vLLM V1 ignores --swap-space): the report is the one without it."""
+    data = simulate(tmp_path, trace, *host)
     assert data["aggregate"]["num_preemptions"] > 0
     assert "swapped_out_blocks" not in data["aggregate"]
     assert "num_swaps" not in data["requests"][0]

@@ -226,12 +226,12 @@ class SamplingParams:
                      f"{name} must be in [-2, 2], got {value!r}")
         _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-                 f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        # how many the engine gives at most is its own setting (max_logprobs, 20 by default)
+        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+                 f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
-                                                  and 0 <= self.prompt_logprobs <= 20),
-                 f"prompt_logprobs must be an integer in [0, 20], got "
-                 f"{self.prompt_logprobs!r}")
+                                                  and self.prompt_logprobs >= 0),
+                 f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
         self._check_token_constraints()
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")

@@ -15,6 +15,7 @@ from kvserve.flags import (
     check_output_file,
     engine_args,
     parse_bytes,
+    resolve_model_option,
 )
 from kvserve.sim.machine import cpu_identity, describe_cpu
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine import calibrate
     from kvserve.engine.llm import build_engine
 
+    resolve_model_option(args)
     if args.warmup < 0 or args.repeats < 1:
         raise CLIError("--warmup must be >= 0 and --repeats >= 1")
     check_output_file("--output", args.output)  # before minutes of measuring, not after

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
@@ -69,11 +68,12 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.engine.llm import LLM
-    from kvserve.flags import CLIError, engine_args
+    from kvserve.flags import CLIError, configure_logging, engine_args, resolve_model_option
 
     prompts = _prompts(args)
     # Boot lines (CPU, ISA, kernel per op) and warnings on stderr; stdout is the answers.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging("%(levelname)s %(name)s: %(message)s")
+    resolve_model_option(args)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, min_tokens=args.min_tokens,

@@ -62,6 +62,10 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     return items  # type: ignore[return-value]
 
 
+# vLLM's default max_logprobs: OpenAI's limit of top_logprobs
+DEFAULT_MAX_LOGPROBS = 20
+
+
 def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """ValueError naming the first field whose token id the model has not (a bias or a stop
     on it would do nothing, an allowed list of none would leave nothing to sample)."""
@@ -151,8 +155,10 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  tokenizer: Tokenizer | None = None, *, clock: Clock = time.monotonic,
-                 detokenize: bool = True) -> None:
+                 detokenize: bool = True, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.scheduler = scheduler
+        # vLLM's max_logprobs: the most logprobs or prompt_logprobs a request may ask for
+        self.max_logprobs = max_logprobs
         self.executor = executor
         self.tokenizer = tokenizer
         self.clock = clock
@@ -191,7 +197,8 @@ class Engine:
 
     def _with_token_ids(self, params: SamplingParams) -> SamplingParams:
         """``params`` with what the tokenizer supplies (EOS, the token ids of bad_words and
-        of choices), checked against its vocabulary; ValueError naming what is missing."""
+        of choices), checked against its vocabulary and max_logprobs; ValueError naming what
+        is missing or too much."""
         tokenizer = self.tokenizer
         filled: dict[str, Any] = {}
         if params.bad_words and not params.bad_words_token_ids:
@@ -205,6 +212,11 @@ class Engine:
             filled["eos_token_id"] = tokenizer.eos_token_id
         if filled:
             params = dataclasses.replace(params, **filled)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name} {asked} is more than this engine gives "
+                                 f"(max_logprobs {self.max_logprobs})")
         json_output = params.json_object or params.json_schema is not None
         if json_output and tokenizer is None:
             raise ValueError("JSON output needs a tokenizer (the tokens' bytes): this engine "

@@ -74,6 +74,15 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvserve serve'
 def _kvserve_log_level() -> int:
     return logging.getLogger("kvserve").getEffectiveLevel()
 
+
+def _configures_logging() -> bool:
+    from kvserve.flags import CLIError, configures_logging
+
+    try:
+        return configures_logging()
+    except CLIError:  # the command refused it already; a library caller: as by default
+        return True
+
 PICKLE_PROTOCOL = 5
 _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
 # libgomp's spin count when no OMP_WAIT_POLICY is set: how long a waiting OpenMP thread of the
@@ -221,8 +230,10 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _name_process(multiprocessing.current_process().name)
     os.environ.update(spec.environment())  # before torch is imported here
-    if not logging.getLogger().handlers:  # a spawned process starts with none (a Ray worker
-        logging.basicConfig(format=LOG_FORMAT)  # has its own): to stderr, the server's
+    # a spawned process starts with no handler (a Ray worker has its own): to stderr, the
+    # server's, unless VLLM_CONFIGURE_LOGGING=0 (inherited) leaves logging alone
+    if not logging.getLogger().handlers and _configures_logging():
+        logging.basicConfig(format=LOG_FORMAT)
     logging.getLogger("kvserve").setLevel(spec.log_level)
     try:
         engine = spec.factory()

@@ -33,7 +33,13 @@ from kvserve.core import (
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
 from kvserve.core.errors import without_request_id
 from kvserve.core.router import make_router
-from kvserve.engine.engine import CompletionChunk, Engine, Prompt, encode_prompt
+from kvserve.engine.engine import (
+    DEFAULT_MAX_LOGPROBS,
+    CompletionChunk,
+    Engine,
+    Prompt,
+    encode_prompt,
+)
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
 from kvserve.flags import parse_bytes
@@ -153,7 +159,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  seed: int = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | str | Path | None = None,
                  batch_invariant: bool = False,
-                 quantization: str | None = None, _check_only: bool = False,
+                 quantization: str | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, _check_only: bool = False,
                  **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
     (``_check_only``: raise what these arguments would raise before the model loads, and
@@ -175,7 +182,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     The host KV tier (docs/preemption.md) holds ``num_host_blocks`` blocks, or as many as
     ``swap_space`` bytes hold (``--swap-space``). Under ``preemption_mode="auto"`` the
     scheduler prices each victim with ``preemption_prices``, by default measured here once
-    (:mod:`kvserve.engine.preemption_prices`).
+    (:mod:`kvserve.engine.preemption_prices`). Under ``"recompute"`` (the default) nothing
+    swaps, so no host tier is allocated whatever they say (a line is logged), as vLLM V1
+    ignores its ``swap_space``.
 
     ``batch_invariant`` (``--batch-invariant``, docs/tenants.md): kernels whose reduction
     order does not depend on the batch, chunking or prefix-cache hits, and a sampler that
@@ -185,6 +194,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``quantization="int8"`` (``--quantization int8``, docs/quantization.md): the projections
     in dynamic W8A8 int8 (:mod:`kvserve.model.quantization`); needs the C++ kernels on an
     AVX2 CPU, refused (ValueError) otherwise, as is an unknown name.
+
+    ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` or ``prompt_logprobs`` a
+    request may ask for (ValueError beyond); -1: the whole vocabulary.
     """
     check_quantization(quantization)
     _check_keywords(scheduler_settings)
@@ -193,6 +205,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     _check_host_memory(swap_space)
     _check_count(num_kv_blocks, "num_kv_blocks", 1, MAX_BLOCKS)
     _check_count(num_host_blocks, "num_host_blocks", 0, MAX_HOST_BLOCKS)
+    _check_count(max_logprobs, "max_logprobs", -1, 1 << 30)
     if isinstance(tokenizer, (str, Path)):  # a path, as vLLM's tokenizer= takes one
         from kvserve.model.loader import ModelNotFoundError
         from kvserve.model.tokenizer import load_tokenizer
@@ -222,6 +235,14 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         check_batch_invariant(torch_dtype)
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
+    if (swap_space or num_host_blocks) and \
+            scheduler_settings.get("preemption_mode", "recompute") == "recompute":
+        # The host tier's only user is a preemption that swaps (sessions and the prefix
+        # cache keep their blocks on the device): allocated here, it was RAM held for
+        # nothing (QA: --swap-space 2 took the RSS from 1.9 to 4 GB).
+        logger.info("--swap-space is unused under --preemption-mode recompute, which never "
+                    "swaps (vLLM V1 ignores it too): no host KV tier allocated")
+        swap_space, num_host_blocks = None, 0
     logger.info("device %s (%s)", torch_device, where)
     logger.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), why)
     if torch_device.type != "cpu":
@@ -266,7 +287,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         logger.info("%s", preemption_prices.describe())
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
-    return Engine(scheduler, runner, tokenizer, detokenize=detokenize)
+    return Engine(scheduler, runner, tokenizer, detokenize=detokenize,
+                  max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
 
 
 def _token_bytes_of(tokenizer: Tokenizer | None) -> Callable[[], list[bytes]] | None:
@@ -389,13 +411,29 @@ class LLM:
     ``prefix-affinity``), ``threads_per_replica`` torch threads each (default: the CPUs split
     evenly). Results still come back in the prompts' order. Call :meth:`close` (or use the
     LLM as a context manager) to stop the replicas; N=1 runs the engine in this process.
+
+    ``generation_config`` (vLLM's): ``"auto"`` (default) takes the model directory's
+    ``generation_config.json`` sampling defaults for :meth:`get_default_sampling_params`,
+    what ``generate`` and ``chat`` use without ``sampling_params`` (a GGUF, the bundled model
+    too, has none); ``"vllm"`` none; a directory that directory's file.
+    ``override_generation_config`` (a dict in the file's names) overrides or extends them.
     """
 
     def __init__(self, model: str | Path | ModelConfig | None = None, *,
                  data_parallel_size: int = 1, data_parallel_backend: str = "mp",
                  router: str = "least-loaded", threads_per_replica: int | None = None,
+                 generation_config: str = "auto",
+                 override_generation_config: dict[str, Any] | None = None,
                  **engine_args: Any) -> None:
+        from kvserve.model.generation_config import sampling_defaults
+
         self._ids = itertools.count()
+        self._sampling_defaults = sampling_defaults(
+            None if isinstance(model, ModelConfig) else model, generation_config,
+            override_generation_config)
+        if self._sampling_defaults:
+            logger.info("sampling defaults from the generation config: %s",
+                        self._sampling_defaults)
         self.replicas: ReplicatedEngines | None = None
         self._closed = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
@@ -414,6 +452,11 @@ class LLM:
             model, engine_args, self.tokenizer, size=data_parallel_size,
             backend=data_parallel_backend, router=router,
             threads_per_replica=threads_per_replica)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling params of a ``generate`` or ``chat`` given none, the
+        generation config's defaults over SamplingParams'."""
+        return SamplingParams(**self._sampling_defaults)
 
     def _decode(self, token_ids: list[int]) -> str | None:
         """A logprob's decoded_token (None without a tokenizer)."""
@@ -441,7 +484,8 @@ class LLM:
             raise RuntimeError("this LLM is closed (close() or its with block ended); make "
                                "another")
         batch = _as_batch(prompts)
-        params = _params_for(sampling_params, len(batch))
+        params = _params_for(sampling_params if sampling_params is not None
+                             else self.get_default_sampling_params(), len(batch))
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}  # every sequence's, by request id

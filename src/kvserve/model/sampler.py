@@ -338,8 +338,8 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int],
         entry: dict[int, float] = {}
         if n is not None:
             entry[token_ids[index]] = float(logprobs[index, token_ids[index]])
-            if n > 0:
-                values, ids = logprobs[index].topk(n)
+            if n > 0:  # the engine's max_logprobs bounds n; the vocabulary does too
+                values, ids = logprobs[index].topk(min(n, logprobs.shape[-1]))
                 for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
                     entry.setdefault(token_id, value)
         result.append(entry)

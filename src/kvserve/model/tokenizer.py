@@ -39,6 +39,11 @@ class UnsupportedTokenizerError(ValueError):
     """A tokenizer kind or pre-tokenizer this module does not implement."""
 
 
+# The chat template's own file in a Hugging Face directory (transformers >= 4.47 write it
+# there instead of tokenizer_config.json's "chat_template").
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -77,6 +82,30 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def compile_chat_template(template: str) -> Any:
+    """``template`` compiled as chat templates are rendered; ValueError naming what makes it
+    invalid Jinja."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return _environment().from_string(template)
+    except TemplateSyntaxError as error:
+        raise ValueError(f"the chat template is not valid Jinja: {error.message} (line "
+                         f"{error.lineno})") from None
+
+
+def _environment() -> Any:
+    """The sandboxed Jinja environment with the settings Hugging Face renders chat templates
+    with, so templates written for it render the same here."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids and chat template that go with it;
     implements the engine's :class:`kvserve.engine.text.Tokenizer` protocol."""
@@ -88,6 +117,12 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self._compiled_template: Any = None
+
+    def set_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (``--chat-template``); ValueError naming a
+        template that is not valid Jinja, checked now rather than at the first chat."""
+        self._compiled_template = compile_chat_template(template)
+        self.chat_template = template
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the compiled chat template (jinja2's code does not pickle; it is
@@ -140,8 +175,11 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None) -> Tokenizer:
-        """Build from a ``tokenizer.json``; BOS/EOS tokens and the chat template come from a
-        ``tokenizer_config.json`` beside it when there is one."""
+        """Build from a ``tokenizer.json``; BOS/EOS tokens come from a
+        ``tokenizer_config.json`` beside it when there is one. The chat template, unless
+        given: a ``chat_template.jinja`` beside it (newer transformers write the template
+        there), else the config's ``chat_template``, in the order transformers reads them
+        (the file takes priority over the config's entry)."""
         path = Path(tokenizer_json)
         tokenizer = HFTokenizer.from_file(str(path))
         config_path = path.with_name("tokenizer_config.json")
@@ -154,7 +192,10 @@ class Tokenizer:
                 token = token.get("content")
             return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
-        template = chat_template or config.get("chat_template")
+        template_path = path.with_name(CHAT_TEMPLATE_FILE)
+        template = chat_template or (template_path.read_text(encoding="utf-8")
+                                     if template_path.is_file() else None) \
+            or config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {entry.get("name"): entry.get("template") for entry in template}
             template = named.get("default")
@@ -234,15 +275,7 @@ class Tokenizer:
         if continue_final_message:
             return self._continued(messages, add_generation_prompt, **kwargs)
         if self._compiled_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            # The settings Hugging Face renders chat templates with, so templates written
-            # for it render the same here.
-            environment = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            environment.globals["raise_exception"] = _raise_exception
-            environment.globals["strftime_now"] = _strftime_now
-            self._compiled_template = environment.from_string(self.chat_template)
+            self._compiled_template = _environment().from_string(self.chat_template)
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),

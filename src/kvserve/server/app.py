@@ -29,7 +29,6 @@ from kvserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     check_session_id,
-    model_error,
     parse_body,
 )
 from kvserve.server.state import ServerState
@@ -135,13 +134,13 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         # vLLM's card: root is the model itself (under --served-model-name, its own name)
-        return {"id": state.model_name, "object": "model", "created": int(state.started),
+        return {"id": name, "object": "model", "created": int(state.started),
                 "owned_by": "kvserve", "root": state.model_id or state.model_name,
                 "parent": None, "max_model_len": state.max_model_len,
                 # vLLM's card lists what a key may do with the model: everything served here
-                "permission": [{"id": f"modelperm-{state.model_name}",
+                "permission": [{"id": f"modelperm-{name}",
                                 "object": "model_permission", "created": int(state.started),
                                 "allow_create_engine": False, "allow_sampling": True,
                                 "allow_logprobs": True, "allow_search_indices": False,
@@ -151,14 +150,15 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         state.keys.authenticate(request.headers.getlist("authorization"))
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        # one card per served name, the first first, as vLLM lists them
+        return JSONResponse({"object": "list",
+                             "data": [model_card(name) for name in state.model_names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Response:
         state.keys.authenticate(request.headers.getlist("authorization"))
-        if model_id != state.model_name:
-            raise model_error(model_id, state.model_name)
-        return JSONResponse(model_card())
+        state.check_model(model_id)
+        return JSONResponse(model_card(model_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -166,8 +166,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         endpoint would queue, their count and max_model_len."""
         state.keys.authenticate(request.headers.getlist("authorization"))
         req = parse_body(TokenizeRequest, await state.read_json(request))
-        if req.model is not None and req.model != state.model_name:
-            raise model_error(req.model, state.model_name)
+        state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt")
         if req.prompt is not None:
@@ -185,8 +184,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         """vLLM's /detokenize: token ids back to text (special tokens kept)."""
         state.keys.authenticate(request.headers.getlist("authorization"))
         req = parse_body(DetokenizeRequest, await state.read_json(request))
-        if req.model is not None and req.model != state.model_name:
-            raise model_error(req.model, state.model_name)
+        state.check_model(req.model)
         check_token_ids(req.tokens, state.tokenizer.vocab_size, "'tokens'", "tokens")
         text = await asyncio.to_thread(state.tokenizer.decode, req.tokens, False)
         return JSONResponse({"prompt": text})

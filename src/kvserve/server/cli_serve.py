@@ -18,6 +18,37 @@ from typing import Any
 logger = logging.getLogger("kvserve.server")
 
 
+# vLLM's flags that have nothing to do here: taken so a vLLM command line runs unchanged,
+# each given one logging why it does nothing (docs/vllm-compat.md). (flags, add_argument's
+# keywords, why.) --tensor-parallel-size, --pipeline-parallel-size, --tokenizer-mode and
+# --kv-cache-dtype are taken at their neutral value only (_NEUTRAL).
+_NO_GRAPHS = "there are no CUDA graphs or torch.compile here: every step runs eagerly"
+VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
+    (("--trust-remote-code",), {"action": "store_true"},
+     "no model code is run: kvserve implements the Llama family itself"),
+    (("--tokenizer-mode",), {"metavar": "auto"},
+     "the tokenizer is the model's own (auto is the only mode)"),
+    (("--enforce-eager",), {"action": "store_true"}, _NO_GRAPHS),
+    (("--max-seq-len-to-capture",), {"type": int, "metavar": "N"}, _NO_GRAPHS),
+    (("--compilation-config", "-O"), {"metavar": "LEVEL_OR_JSON"}, _NO_GRAPHS),
+    (("--disable-custom-all-reduce",), {"action": "store_true"},
+     "there is no tensor parallelism, so no all-reduce"),
+    (("--tensor-parallel-size", "-tp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--pipeline-parallel-size", "-pp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--disable-frontend-multiprocessing",), {"action": "store_true"},
+     "the API server already runs in one process, as vLLM V1's, and the engine in its own "
+     "(--no-engine-process runs it on a thread instead)"),
+    (("--download-dir",), {"metavar": "DIR"}, "nothing is downloaded: the model is a path"),
+    (("--revision",), {"metavar": "REV"}, "nothing is downloaded: the model is a path"),
+    (("--kv-cache-dtype",), {"metavar": "auto"},
+     "the KV cache is in the model's dtype (--dtype), as auto asks"),
+)
+# The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
+_NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
+            "kv_cache_dtype": "auto"}
+
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (with "
                "streaming), with Prometheus metrics at /metrics.")
@@ -38,11 +69,25 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
                        "127.0.0.1; use 0.0.0.0 to accept other machines)")
     group.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    group.add_argument("--served-model-name", help="the model name clients send (default: "
-                       "the model file's name)")
-    group.add_argument("--api-key", action="append", default=[],
-                       help="an operator key (tenant 'operator': any priority with either "
-                            "--priority-source, /v1/abort); repeatable")
+    group.add_argument("--root-path", default="", metavar="PATH",
+                       help="the path prefix a proxy strips before forwarding (uvicorn's and "
+                            "vLLM's root_path): the API is served without it, and the URLs "
+                            "the server names carry it")
+    group.add_argument("--ssl-keyfile", metavar="FILE",
+                       help="serve HTTPS with this private key (PEM), with --ssl-certfile")
+    group.add_argument("--ssl-certfile", metavar="FILE",
+                       help="serve HTTPS with this certificate chain (PEM; it may hold the "
+                            "key too)")
+    group.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model names clients may send, as vLLM takes them: the first "
+                            "is the one /v1/models lists first, the responses and the metrics "
+                            "give; every one is accepted as a request's model (default: the "
+                            "model file's name)")
+    group.add_argument("--api-key", action="extend", nargs="+", default=[], metavar="KEY",
+                       help="operator keys (tenant 'operator': any priority with either "
+                            "--priority-source, /v1/abort): several after one flag, as vLLM "
+                            "takes them, or the flag repeated. Without it, the environment's "
+                            "VLLM_API_KEY is one, as in vLLM")
     group.add_argument("--api-keys", metavar="FILE",
                        help="tenants' keys: one per line, or JSON/TOML with tenant, "
                             "most_urgent_priority, default_priority, admin, weight (a "
@@ -75,6 +120,27 @@ def add_parser(subparsers: Any) -> None:
                             "the requests under way finish for at most this long, then abort "
                             "the rest (a stream ends with finish_reason abort); 0 aborts them "
                             "at once (vLLM's default). Default: wait for them all")
+    group.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                       help="the most logprobs, top_logprobs or prompt_logprobs a request may "
+                            "ask for (400 beyond, naming the limit); -1: the whole "
+                            "vocabulary (default 20, as vLLM's)")
+    chat = parser.add_argument_group("chat (vLLM's flags)")
+    chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                      help="a Jinja chat template replacing the model's: a file, or the "
+                           "template itself (text holding { or a newline), as vLLM takes it")
+    chat.add_argument("--response-role", default="assistant", metavar="ROLE",
+                      help="the role of a chat answer's message (vLLM's; default assistant)")
+    defaults = parser.add_argument_group("sampling defaults (vLLM's flags)")
+    defaults.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
+                          help="auto (default, as vLLM): the model directory's "
+                               "generation_config.json gives temperature, top_p, top_k, "
+                               "min_p, repetition_penalty and max_new_tokens (the default "
+                               "max_tokens) to the requests that do not set them (a GGUF, the "
+                               "bundled model too, has none); vllm: none; DIR: that "
+                               "directory's file. The boot log names the defaults applied")
+    defaults.add_argument("--override-generation-config", type=_json_object, metavar="JSON",
+                          help="sampling defaults that override or extend the generation "
+                               "config's, in its names, e.g. '{\"temperature\": 0.5}'")
     logs = parser.add_argument_group("logging (vLLM's flags)")
     logs.add_argument("--log-stats-interval", type=float, default=10.0,
                       help="seconds between stats lines; 0: none")
@@ -86,6 +152,10 @@ def add_parser(subparsers: Any) -> None:
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="the default (requests are not logged); taken so a vLLM command "
                            "line runs unchanged")
+    logs.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                      help="taken so a vLLM command line runs unchanged: vLLM cuts the "
+                           "prompts it logs to N characters; prompts are never logged here "
+                           "(--enable-log-requests logs their lengths), so it changes nothing")
     logs.add_argument("--uvicorn-log-level", default="info",
                       choices=("critical", "error", "warning", "info", "debug", "trace"),
                       help="uvicorn's log level: at info (the default, as vLLM's) an access "
@@ -135,6 +205,12 @@ def add_parser(subparsers: Any) -> None:
                                "evenly among the replicas; with one replica, torch's "
                                "default)")
     add_scheduler_flags(parser)
+    noops = parser.add_argument_group("vLLM's flags that do nothing here (each given logs "
+                                      "why; docs/vllm-compat.md)")
+    for names, keywords, why in VLLM_NOOPS:
+        neutral = _NEUTRAL.get(names[0].lstrip("-").replace("-", "_"))
+        taken = f"taken at {neutral} only" if neutral is not None else "taken"
+        noops.add_argument(*names, **keywords, help=f"vLLM's; {taken}, does nothing: {why}")
 
 
 def _json_strings(text: str) -> list[str]:
@@ -146,6 +222,18 @@ def _json_strings(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, like "
                                          '\'["https://app.example"]\'')
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object ('{"temperature": 0.5}'), as vLLM's --override-generation-config."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object, like "
+                                         '\'{"temperature": 0.5}\'')
     return value
 
 
@@ -163,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.engine_process import LOG_FORMAT
+    from kvserve.flags import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging(LOG_FORMAT)  # VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING
     from kvserve.server.app import Cors, build_app
 
     sockets: list[socket.socket] = []
@@ -174,22 +263,57 @@ def run(args: argparse.Namespace) -> int:
                 tuple(args.allowed_headers), args.allow_credentials)
     app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
                     else args.log_stats_interval, cors=cors)
-    logger.info("serving %s on http://%s:%d", state.model_name, args.host, args.port)
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("serving %s on %s://%s:%d%s", state.model_name, scheme, args.host, args.port,
+                args.root_path)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not state.keys.enabled:
         logger.warning("listening on %s without API keys: anyone who can reach it may use "
                        "it, abort requests and start recordings into any directory this "
                        "server may write (give --api-key or --api-keys)", args.host)
     timeout = args.shutdown_timeout
-    config = uvicorn.Config(app, host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level,
-                            access_log=not args.disable_uvicorn_access_log,
-                            # a backstop: the aborts below end every request well before
-                            timeout_graceful_shutdown=None if timeout is None else timeout + 30)
-    server = _draining_server(uvicorn, config, state, timeout)
+    server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         server.run(sockets=sockets)
     return 1 if died.is_set() else 0
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn's configuration from serve's flags (the address, logging, vLLM's root path
+    and TLS files)."""
+    import uvicorn
+
+    timeout = args.shutdown_timeout
+    return uvicorn.Config(app, host=args.host, port=args.port,
+                          log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile,
+                          # a backstop: the aborts below end every request well before
+                          timeout_graceful_shutdown=None if timeout is None else timeout + 30)
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """--ssl-keyfile and --ssl-certfile load as uvicorn will load them, checked before the
+    model loads: a missing file or a key that does not match is one line, not a traceback
+    after the load."""
+    import ssl
+
+    from kvserve.flags import CLIError
+
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        return
+    if args.ssl_certfile is None:
+        raise CLIError("--ssl-keyfile needs --ssl-certfile (the certificate for the key)")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+        if path is not None and not Path(path).is_file():
+            raise CLIError(f"{flag} {path}: no such file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile,
+                                                                args.ssl_keyfile)
+    except (ssl.SSLError, OSError) as error:
+        raise CLIError(f"--ssl-certfile {args.ssl_certfile}: cannot load the certificate "
+                       f"and key: {error.strerror or error}") from None
 
 
 def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | None) -> Any:
@@ -284,7 +408,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine_process import EngineStartError
     from kvserve.engine.llm import build_engine, check_engine_args
-    from kvserve.flags import CLIError, engine_args
+    from kvserve.flags import CLIError, engine_args, resolve_model_option
     from kvserve.server.auth import (
         KeyFileError,
         KeyRing,
@@ -297,6 +421,10 @@ def build_state(args: argparse.Namespace,
     from kvserve.server.recorder import RecordingError, check_directory, check_options
     from kvserve.server.state import ServerState
 
+    resolve_model_option(args)
+    _check_model_not_swallowed(args)
+    template = None if args.chat_template is None else _chat_template(args.chat_template)
+    defaults = _sampling_defaults(args)
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
         if args.record is not None:
@@ -307,7 +435,7 @@ def build_state(args: argparse.Namespace,
         if not is_valid_key(key):
             raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
                            "spaces or control characters (it travels in an HTTP header)")
-    keys = [operator_key(key) for key in args.api_key]
+    keys = [operator_key(key) for key in args.api_key or _env_api_key()]
     try:
         if args.api_keys:
             keys += load_keys(args.api_keys)
@@ -342,8 +470,9 @@ def build_state(args: argparse.Namespace,
     if args.priority_source == "key" and not keys:
         raise CLIError("--priority-source key takes each request's priority from its API key: "
                        "give --api-key or --api-keys")
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise CLIError("--served-model-name must not be empty")
+    names = _served_names(args)
+    if not args.response_role.strip():
+        raise CLIError("--response-role must not be empty")
     policy = settings.get("scheduling_policy", "fcfs")
     urgent = [k.tenant for k in keys if k.default_priority != 0]
     if policy != "priority" and urgent:
@@ -351,6 +480,10 @@ def build_state(args: argparse.Namespace,
                        "--scheduling-policy priority")
     if not 0 < args.port < 65536:
         raise CLIError(f"--port {args.port} is not a port number")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise CLIError(f"--root-path {args.root_path!r}: a path starts with /")
+    _check_tls(args)
+    _vllm_noops(args)
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
@@ -365,7 +498,10 @@ def build_state(args: argparse.Namespace,
                        "data-parallel replicas are engine processes: drop it")
     args.router = args.router or "least-loaded"
     step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
-    build_args = {"record_events": True, **settings}
+    if args.max_logprobs < -1:
+        raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
+                       f"{args.max_logprobs}")
+    build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     if before_engine is not None:
         before_engine()
     serving: Any
@@ -378,12 +514,20 @@ def build_state(args: argparse.Namespace,
             serving = _engine_process(args.model, build_args, args.threads_per_replica,
                                       step_timeout)
         else:
-            serving = AsyncEngine(build_engine(args.model, record_events=True, **settings))
+            serving = AsyncEngine(build_engine(args.model, **build_args))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
-    name = args.served_model_name or _model_name(args.model)
+    if template is not None:  # the server's tokenizer renders every chat
+        serving.info.tokenizer.set_chat_template(template)
+        logger.info("chat template: --chat-template's, in place of the model's")
+    name = names[0] if names else _model_name(args.model)
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
+    state.served_model_names = tuple(names or (name,))
+    state.sampling_defaults = defaults
+    state.max_logprobs = serving.info.tokenizer.vocab_size if args.max_logprobs == -1 \
+        else args.max_logprobs
+    state.response_role = args.response_role
     state.fan_out = FanOutLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     state.record_prompts = args.record_prompts
     state.record_max_file_bytes = args.record_max_file_size
@@ -404,6 +548,115 @@ def build_state(args: argparse.Namespace,
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template as vLLM reads it: a file's text, or else the template itself where
+    the value looks like one (it holds a brace or a newline); checked as Jinja here, before
+    the model loads."""
+    from kvserve.flags import CLIError
+    from kvserve.model.tokenizer import compile_chat_template
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CLIError(f"--chat-template {value}: cannot read it: {error}") from None
+    elif any(char in value for char in "{}\n"):
+        template = value
+    else:
+        raise CLIError(f"--chat-template {value!r}: no such file, and not a template (a "
+                       "Jinja template holds {{ or {%)")
+    try:
+        compile_chat_template(template)
+    except ValueError as error:
+        raise CLIError(f"--chat-template: {error}") from None
+    return template
+
+
+def _vllm_noops(args: argparse.Namespace) -> None:
+    """vLLM's flags that do nothing here (VLLM_NOOPS): one line each given, saying why; a
+    value other than the neutral one is refused with what to do instead."""
+    from kvserve.flags import CLIError, vllm_refusal
+
+    for names, _, why in VLLM_NOOPS:
+        dest = names[0].lstrip("-").replace("-", "_")
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        neutral = _NEUTRAL.get(dest)
+        if neutral is not None and value != neutral:
+            raise CLIError(vllm_refusal(names[0], str(value)))
+        shown = names[0] if value is True else f"{names[0]} {value}"
+        logger.info("%s: vLLM's, does nothing here: %s", shown, why)
+
+
+def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """--generation-config and --override-generation-config's sampling defaults, logged
+    (:mod:`kvserve.model.generation_config`); CLIError naming what cannot be one."""
+    from kvserve.flags import CLIError
+    from kvserve.model.generation_config import sampling_defaults
+
+    try:
+        defaults = sampling_defaults(args.model, args.generation_config,
+                                     args.override_generation_config)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    if defaults:
+        shown = ", ".join(f"{name}={value}" for name, value in defaults.items())
+        source = "--override-generation-config" if args.generation_config == "vllm" else \
+            "the model's generation_config.json" + (
+                " and --override-generation-config" if args.override_generation_config else "")
+        logger.info("sampling defaults from %s, for the requests that do not set them: %s "
+                    "(--generation-config vllm: none)", source, shown)
+    return defaults
+
+
+def _env_api_key() -> list[str]:
+    """vLLM's VLLM_API_KEY: the operator key when no --api-key is given (an empty value:
+    none). Logged as coming from there, never shown, nor named in an error."""
+    from kvserve.flags import CLIError
+    from kvserve.server.auth import is_valid_key
+
+    key = os.environ.get("VLLM_API_KEY", "")
+    if not key:
+        return []
+    if not is_valid_key(key):
+        raise CLIError("VLLM_API_KEY: a key must be a non-empty string without spaces or "
+                       "control characters (it travels in an HTTP header)")
+    logger.info("API key: an operator key from VLLM_API_KEY (no --api-key given)")
+    return [key]
+
+
+def _check_model_not_swallowed(args: argparse.Namespace) -> None:
+    """--served-model-name and --api-key take every word after them (vLLM's nargs='+'), so
+    ``--api-key KEY MODEL`` reads the model as a second key and serves the bundled model.
+    With no model given, a value that is a model on disk is that mistake: refused, with the
+    order that works."""
+    from kvserve.flags import CLIError
+
+    if args.model is not None:
+        return
+    for flag, values in (("--served-model-name", args.served_model_name or ()),
+                         ("--api-key", args.api_key)):
+        for value in values:
+            path = Path(value)
+            if (path.suffix.lower() == ".gguf" and path.is_file()) or \
+                    (path / "config.json").is_file():
+                raise CLIError(f"{flag} took {value!r}, which is a model on disk: {flag} "
+                               "takes every word after it, so give the model first "
+                               f"(kvserve serve {value} {flag} ...)")
+
+
+def _served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names, checked; [] when none was given."""
+    from kvserve.flags import CLIError
+
+    names = list(args.served_model_name or ())
+    if any(not name.strip() for name in names):
+        raise CLIError("--served-model-name must not be empty")
+    return list(dict.fromkeys(names))  # a name given twice is one name
 
 
 def _check_scheduler_flags(settings: dict[str, Any]) -> None:

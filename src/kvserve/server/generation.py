@@ -31,6 +31,7 @@ from kvserve.server.auth import resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
+    check_logprobs,
     check_stop_token_ids,
     encode_chat,
     encode_prompts,
@@ -40,7 +41,6 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    model_error,
     parse_body,
 )
 from kvserve.server.responses import (
@@ -77,8 +77,7 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     body = await state.read_json(request)
     req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
-    if req.model is not None and req.model != state.model_name:
-        raise model_error(req.model, state.model_name)
+    state.check_model(req.model)
     priority = resolve_priority(req.priority, key, source=state.priority_source,
                                 scheduling_policy=state.scheduling_policy)
     if req.stream_options is not None and not req.stream:
@@ -90,10 +89,12 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
     max_tokens = max_tokens_for(state, req, chat, prompts)
     check_stop_token_ids(state, req)
+    check_logprobs(state, req, chat)
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
-    base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer)
+    base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer,
+                           state.sampling_defaults)
     given = request.headers.getlist("x-request-id")
     if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
         raise bad_request(f"{len(given)} X-Request-Id headers; send one")
@@ -291,7 +292,7 @@ class _Generation:
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            out["message"] = {"role": "assistant", "content": choice.text}
+            out["message"] = {"role": self.state.response_role, "content": choice.text}
         else:
             out["text"] = choice.echo + choice.text
         entries: list[Any] = self._echoed(choice) + choice.logprobs
@@ -351,7 +352,8 @@ class _Generation:
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
         if self.chat:
             for choice in sorted(self.choices.values(), key=lambda c: c.index):
-                data = self._chunk(choice, {"role": "assistant", "content": ""}, None)
+                data = self._chunk(choice, {"role": self.state.response_role, "content": ""},
+                                   None)
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
                 yield sse(self._with_usage(data))  # vLLM's role chunk has it too

@@ -3,6 +3,7 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvserve.core import RequestError, SamplingParams
@@ -116,6 +117,17 @@ def check_stop_token_ids(state: ServerState, req: Any) -> None:
                     "allowed_token_ids")
 
 
+def check_logprobs(state: ServerState, req: Any, chat: bool) -> None:
+    """A 400 naming the field that asks for more logprobs than --max-logprobs allows."""
+    limit = state.max_logprobs
+    fields = ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs")
+    for name in fields:
+        asked = getattr(req, name)
+        if asked is not None and asked > limit:
+            raise bad_request(f"'{name}' is {asked}, more than this server gives: at most "
+                              f"{limit} (--max-logprobs)", param=name)
+
+
 def logit_bias(req: Any) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token id strings -> bias) with integer keys, each bias
     clamped to [-100, 100] as vLLM does; a 400 for a key that is not a token id."""
@@ -155,7 +167,10 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
             raise bad_request("max_tokens 0 asks for no token: only with 'echo': true (the "
                               "prompt scored, nothing generated)", param="max_tokens")
         asked = 1
-    if asked is None:
+    if asked is None:  # the model's generation config's default, else OpenAI's
+        default = state.sampling_defaults.get("max_tokens")
+        if default is not None:
+            return min(default, limit - longest)
         return limit - longest if chat else min(16, limit - longest)
     if longest + asked > limit:
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
@@ -166,10 +181,16 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
     return asked
 
 
+# The fields a model's generation config may give a default (--generation-config)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
-                    tenant: str = "", tokenizer: Tokenizer | None = None) -> SamplingParams:
+                    tenant: str = "", tokenizer: Tokenizer | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The engine's params for a checked body; ``tokenizer`` turns ``bad_words`` into the
-    token sequences the sampler bans (here: an engine process has no tokenizer)."""
+    token sequences the sampler bans (here: an engine process has no tokenizer);
+    ``defaults`` (--generation-config's) fill the DEFAULTED fields the body left unset."""
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -181,6 +202,9 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "max_queue_delay", "cache_salt",
         "prompt_logprobs") if getattr(req, name) is not None}
+    for name in DEFAULTED:
+        if name not in given and defaults and name in defaults:
+            given[name] = defaults[name]
     if not chat and req.echo and logprobs is not None:  # the echoed prompt's logprobs too
         if req.session is not None:
             raise bad_request("'echo' with 'logprobs' needs the prompt's logprobs, which a "

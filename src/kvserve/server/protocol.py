@@ -178,7 +178,8 @@ class _Sampling(_Body):
     request_id: str | None = None
     # vLLM's: each prompt token's logprob and the top this many (G8: computed, never a
     # prefix-cache hit)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # (at most --max-logprobs, prompts.check_logprobs)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=1 << 20)
     # OpenAI's: token id (a string of digits) -> bias added to its logit, clamped to
     # [-100, 100] as vLLM does
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1 << 16)
@@ -218,7 +219,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=1 << 20)  # --max-logprobs
     # OpenAI's: the prompt before each choice's text (and its tokens' logprobs before the
     # answer's, with logprobs); with max_tokens 0, the prompt alone (vLLM's echo without
     # generation: one token is generated and not returned)
@@ -259,7 +260,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=1 << 20)  # --max-logprobs
     # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
     # ignores them; anything that would need a tool-call parser is refused (_check_tools)
     tools: list[Tool] | None = Field(default=None, max_length=1024)
@@ -514,6 +515,8 @@ def _is_union_tag(part: Any) -> bool:
                                       or part.startswith(("list[", "function-")))
 
 
-def model_error(name: str | None, served: str) -> APIError:
+def model_error(name: str | None, served: str | tuple[str, ...]) -> APIError:
+    names = (served,) if isinstance(served, str) else served
     return APIError(404, f"the model '{name}' does not exist; this server serves "
-                         f"'{served}'", param="model", code="model_not_found")
+                         f"{', '.join(repr(n) for n in names)}", param="model",
+                    code="model_not_found")

@@ -18,6 +18,7 @@ from kvserve.server.body import parse_json
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.limits import FanOutLimits
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import model_error
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -41,11 +42,27 @@ class ServerState:
     record_prompts: str = "hashes"  # --record-prompts
     record_max_file_bytes: int = 64 << 20  # --record-max-file-size
     model_id: str = ""  # the model's own name where model_name is an alias (recordings)
+    # --served-model-name's names, model_name first: a request may name any of them
+    served_model_names: tuple[str, ...] = ()
+    # --generation-config's: SamplingParams field -> default, for a request that sets none
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    response_role: str = "assistant"  # --response-role: a chat answer's message's role
+    max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None
         self.metrics = ServerMetrics(self.engine, self.model_name, known)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may give as its model, model_name first."""
+        return self.served_model_names or (self.model_name,)
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 unless ``name`` (a request's model; None: any) is one this server serves."""
+        if name is not None and name not in self.model_names:
+            raise model_error(name, self.model_names)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -299,9 +299,9 @@ def parse_request(row: Any) -> TraceRequest:
 
 def _prompt_logprobs(row: dict[str, Any], session_id: str | None) -> int | None:
     value = _int(row, "prompt_logprobs", 0)
-    if value is not None and (value > 20 or session_id is not None):
-        raise ValueError(f"prompt_logprobs must be an integer in [0, 20], on a request that "
-                         f"is no session turn (G8), got {value!r}")
+    if value is not None and session_id is not None:
+        raise ValueError(f"prompt_logprobs cannot be asked of a session turn (G8), got "
+                         f"{value!r} on session {session_id!r}")
     return value
 
 

@@ -1,0 +1,602 @@
+"""`kvserve serve` for an operator coming from `vllm serve` (QA, docs/vllm-compat.md): vLLM's
+environment variables, its flags' several values, the flags taken as no-ops or refused with
+what to do instead, and the model directory's generation_config.json and chat template."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from kvserve.cli import build_parser, main
+from kvserve.flags import engine_args
+from kvserve.server.cli_serve import build_state
+
+from .helpers import LiveServer, tiny_model_dir, wait_for
+
+
+def serve_state(model: str, *flags: str):
+    """``kvserve serve MODEL FLAGS``'s server state, its engine on a thread of this process
+    (random weights: the model directory's shapes and tokenizer)."""
+    return build_state(build_parser().parse_args(
+        ["serve", model, "--load-format", "dummy", "--max-model-len", "256",
+         "--num-kv-blocks", "32", "--no-engine-process", *flags]))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return tiny_model_dir(tmp_path / "tiny")
+
+
+def test_vllm_api_key_in_the_environment_is_an_operator_key(model_dir, monkeypatch, caplog):
+    """SECURITY (QA): VLLM_API_KEY=secret served with no authentication. As vLLM: without
+    --api-key it is the key; the log says where the key came from, never the key."""
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret-env-key")
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model_dir)
+    assert [(k.key, k.tenant, k.admin) for k in state.keys.keys] == \
+        [("s3cret-env-key", "operator", True)]
+    assert "an operator key from VLLM_API_KEY" in caplog.text
+    assert "s3cret-env-key" not in caplog.text
+    with LiveServer(state=state) as live:
+        url = live.url + "/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer s3cret-env-key"}
+                         ).status_code == 200
+
+
+def test_api_key_flag_wins_over_vllm_api_key(model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    state = serve_state(model_dir, "--api-key", "from-flag")
+    assert [k.key for k in state.keys.keys] == ["from-flag"]
+    monkeypatch.setenv("VLLM_API_KEY", "")  # empty: no key, as vLLM
+    assert not serve_state(model_dir).keys.enabled
+
+
+def test_a_bad_vllm_api_key_is_one_line_that_does_not_show_it(monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_API_KEY", "two words")
+    assert main(["serve", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("kvserve serve: error: VLLM_API_KEY: a key must be a non-empty string "
+                   "without spaces or control characters (it travels in an HTTP header)\n")
+
+
+def test_several_api_keys_after_one_flag_and_repeated():
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "k2", "--api-key", "k3"])
+    assert args.api_key == ["k1", "k2", "k3"] and args.model is None
+
+
+def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
+    """vLLM's nargs='+': the second name was read as the model path (QA). Every name is a
+    request's model; the first is the responses' and the metrics'; /v1/models lists them
+    all, the first first, as vLLM's does."""
+    state = serve_state(model_dir, "--served-model-name", "alpha", "beta")
+    assert (state.model_name, state.model_names) == ("alpha", ("alpha", "beta"))
+    with LiveServer(state=state) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+        assert client.models.retrieve("beta").id == "beta"
+        for name in ("alpha", "beta"):
+            reply = client.completions.create(model=name, prompt="hi", max_tokens=2)
+            assert reply.model == "alpha"
+        with pytest.raises(openai.NotFoundError, match="this server serves 'alpha', 'beta'"):
+            client.completions.create(model="gamma", prompt="hi", max_tokens=2)
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'vllm:num_requests_running{engine="0",model_name="alpha"}' in metrics
+        assert 'model_name="beta"' not in metrics
+
+
+@pytest.mark.parametrize("flag", ["--served-model-name", "--api-key"])
+def test_a_model_path_read_as_a_flag_s_value_is_refused_with_the_order_that_works(
+        model_dir, capsys, flag):
+    """Both take every word after them, so `--api-key KEY MODEL` (one key, then the model,
+    as before several values were taken) would serve the bundled model: refused."""
+    assert main(["serve", flag, "a", model_dir]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvserve serve: error: {flag} took {model_dir!r}, which is a model on "
+                   f"disk: {flag} takes every word after it, so give the model first "
+                   f"(kvserve serve {model_dir} {flag} ...)\n")
+    state = serve_state(model_dir, flag, "a", "b")  # the model first: both values are the flag's
+    assert (state.model_names, [k.key for k in state.keys.keys]) == \
+        ((("a", "b"), []) if flag == "--served-model-name" else (("tiny",), ["a", "b"]))
+
+
+def test_model_flag_is_the_positional_model_with_a_warning(model_dir, caplog):
+    """vLLM still takes --model (deprecated) beside the positional model (QA: refused)."""
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        state = build_state(build_parser().parse_args(
+            ["serve", "--model", model_dir, "--load-format", "dummy", "--max-model-len",
+             "256", "--num-kv-blocks", "32", "--no-engine-process"]))
+    assert (state.model_name, state.engine.info.max_model_len) == ("tiny", 256)
+    assert f"--model is deprecated, as in vLLM: give the model as the positional argument " \
+           f"(kvserve serve {model_dir} ...)" in caplog.text
+    assert serve_state(model_dir, "--model", model_dir).model_name == "tiny"  # both agree
+
+
+def test_model_given_twice_differently_is_one_line(capsys):
+    assert main(["serve", "/models/a.gguf", "--model", "/models/b.gguf"]) == 2
+    assert capsys.readouterr().err == ("kvserve serve: error: the model is given twice, "
+                                       "/models/a.gguf and --model /models/b.gguf: give one "
+                                       "(as the positional argument)\n")
+
+
+def test_vllm_cpu_kvcache_space_sizes_the_kv_cache_unless_a_flag_does(model_dir, monkeypatch,
+                                                                       caplog):
+    """vLLM's CPU KV cache size, GiB: the TINY model's KV block is 2 x 2 layers x 16 tokens
+    x 2 heads x 16 x 4 bytes = 8 KiB, so 0.001 GiB (1,073,741 bytes) holds 131 of them."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.001")
+    argv = ["serve", model_dir, "--load-format", "dummy", "--max-model-len", "256",
+            "--no-engine-process"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = build_state(build_parser().parse_args(argv))
+    assert state.engine.info.num_kv_blocks == 131
+    assert "KV cache memory: 0.001 GiB from VLLM_CPU_KVCACHE_SPACE (neither " \
+           "--kv-cache-memory nor --num-kv-blocks given)" in caplog.text
+    state = build_state(build_parser().parse_args([*argv, "--kv-cache-memory", "256KiB"]))
+    assert state.engine.info.num_kv_blocks == 32  # the flag wins
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "not set": kvserve's default
+    assert "kv_cache_memory" not in engine_args(build_parser().parse_args(argv))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert engine_args(build_parser().parse_args(argv))["kv_cache_memory"] == 2 << 30
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("VLLM_CPU_KVCACHE_SPACE", "lots", "VLLM_CPU_KVCACHE_SPACE 'lots': give the KV cache's "
+                                       "size in GiB, like 4"),
+    ("VLLM_CPU_KVCACHE_SPACE", "-1", "VLLM_CPU_KVCACHE_SPACE '-1': give the KV cache's "),
+    ("VLLM_LOGGING_LEVEL", "loud", "VLLM_LOGGING_LEVEL 'loud': give one of DEBUG, INFO, "
+                                   "WARNING, ERROR, CRITICAL"),
+    ("VLLM_CONFIGURE_LOGGING", "yes", "VLLM_CONFIGURE_LOGGING 'yes': give 1 (kvserve "
+                                      "configures its log, the default) or 0"),
+])
+def test_a_bad_vllm_variable_is_one_line(monkeypatch, capsys, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    assert main(["serve", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+LOGGING_PROBE = """
+from kvserve.flags import configure_logging
+import logging
+configure_logging("%(levelname)s %(name)s: %(message)s")
+logging.getLogger("kvserve.server").debug("kvserve debug")
+logging.getLogger("kvserve.server").info("kvserve info")
+logging.getLogger("kvserve.server").warning("kvserve warning")
+logging.getLogger("other").info("other info")
+"""
+
+
+@pytest.mark.parametrize(("environment", "lines"), [
+    ({}, ["INFO kvserve.server: kvserve info", "WARNING kvserve.server: kvserve warning",
+          "INFO other: other info"]),
+    ({"VLLM_LOGGING_LEVEL": "debug"},
+     ["DEBUG kvserve.server: kvserve debug", "INFO kvserve.server: kvserve info",
+      "WARNING kvserve.server: kvserve warning", "INFO other: other info"]),
+    ({"VLLM_LOGGING_LEVEL": "WARNING"},
+     ["WARNING kvserve.server: kvserve warning", "INFO other: other info"]),
+    # nothing configured: Python's last resort prints warnings alone, bare
+    ({"VLLM_CONFIGURE_LOGGING": "0", "VLLM_LOGGING_LEVEL": "DEBUG"}, ["kvserve warning"]),
+])
+def test_vllm_logging_variables(environment, lines):
+    """VLLM_LOGGING_LEVEL sets kvserve's loggers' level (not other libraries'); with
+    VLLM_CONFIGURE_LOGGING=0 kvserve configures nothing, as vLLM."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    result = subprocess.run([sys.executable, "-c", LOGGING_PROBE], capture_output=True,
+                            text=True, env={**env, **environment}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == lines
+
+
+ROLES = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def chat_prompt_ids(live, content: str = "hi") -> list[int]:
+    """The ids /v1/chat/completions would queue for one user message (vLLM's /tokenize)."""
+    reply = httpx.post(live.url + "/tokenize",
+                       json={"messages": [{"role": "user", "content": content}]})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["tokens"]
+
+
+def test_a_model_directory_s_chat_template_jinja_serves_chat(tmp_path):
+    """QA: chat answered 400 "this tokenizer has no chat template" for a directory whose
+    template is chat_template.jinja (newer transformers write it there)."""
+    from .helpers import tokenizer
+
+    state = serve_state(tiny_model_dir(tmp_path / "m", chat_template=ROLES))
+    with LiveServer(state=state) as live:
+        assert chat_prompt_ids(live) == tokenizer().encode("<user>hi")
+        reply = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0) \
+            .chat.completions.create(model="m", max_tokens=2,
+                                     messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.prompt_tokens == len(tokenizer().encode("<user>hi"))
+
+
+@pytest.mark.parametrize("form", ["file", "text"])
+def test_chat_template_flag_replaces_the_model_s(tmp_path, form, caplog):
+    from .helpers import tokenizer
+
+    model = tiny_model_dir(tmp_path / "m", chat_template=ROLES)
+    mine = "{{ '[' + messages[0]['content'] + ']' }}"
+    if form == "file":
+        (tmp_path / "mine.jinja").write_text(mine)
+        mine = str(tmp_path / "mine.jinja")
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model, "--chat-template", mine)
+    assert "chat template: --chat-template's, in place of the model's" in caplog.text
+    with LiveServer(state=state) as live:
+        assert chat_prompt_ids(live) == tokenizer().encode("[hi]")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("no/such/template.jinja", "--chat-template 'no/such/template.jinja': no such file, and "
+                               "not a template (a Jinja template holds {{ or {%)"),
+    ("{% for %}", "--chat-template: the chat template is not valid Jinja: "),
+])
+def test_a_bad_chat_template_is_one_line_before_the_model_loads(capsys, value, message):
+    assert main(["serve", "/nonexistent/model", "--chat-template", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.25, "top_p": 0.5, "top_k": 7,
+                     "min_p": 0.05, "repetition_penalty": 1.2, "max_new_tokens": 5}
+
+
+def test_sampling_params_take_the_defaults_a_request_leaves_unset():
+    from kvserve.server.prompts import sampling_params
+    from kvserve.server.protocol import ChatCompletionRequest, parse_body
+
+    defaults = {"temperature": 0.25, "top_p": 0.5, "top_k": 7, "min_p": 0.05,
+                "repetition_penalty": 1.2, "max_tokens": 5}
+    req = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                             "temperature": 0.9, "top_k": -1})
+    params = sampling_params(req, True, 5, 0, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p,
+            params.repetition_penalty) == (0.9, 0.5, -1, 0.05, 1.2)
+    plain = sampling_params(req, True, 5, 0)  # no generation config: SamplingParams' own
+    assert (plain.top_p, plain.min_p, plain.repetition_penalty) == (1.0, 0.0, 1.0)
+
+
+def test_the_model_s_generation_config_gives_its_sampling_defaults(tmp_path, caplog):
+    """vLLM's --generation-config auto (its default): the directory's generation_config.json
+    gives the requests that do not set them their sampling fields and, from max_new_tokens,
+    their max_tokens; the boot log names them. kvserve never read it (QA)."""
+    model = tiny_model_dir(tmp_path / "m", generation_config=GENERATION_CONFIG,
+                           chat_template=ROLES)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model, "--enable-log-requests")
+        assert state.sampling_defaults == {"temperature": 0.25, "top_p": 0.5, "top_k": 7,
+                                           "min_p": 0.05, "repetition_penalty": 1.2,
+                                           "max_tokens": 5}
+        assert "sampling defaults from the model's generation_config.json, for the requests " \
+               "that do not set them: temperature=0.25, top_p=0.5, top_k=7, min_p=0.05, " \
+               "repetition_penalty=1.2, max_tokens=5 (--generation-config vllm: none)" \
+               in caplog.text
+        with LiveServer(state=state) as live:
+            url = live.url + "/v1/chat/completions"
+            hi = [{"role": "user", "content": "hi"}]
+            reply = httpx.post(url, json={"messages": hi, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == 5
+            reply = httpx.post(url, json={"messages": hi, "ignore_eos": True, "max_tokens": 9,
+                                          "temperature": 0.75}).json()
+            assert reply["usage"]["completion_tokens"] == 9  # the request's own go first
+    queued = [r.getMessage() for r in caplog.records if " queued: " in r.getMessage()]
+    assert [line.split(", sequences 1, ")[1].rsplit(", seed", 1)[0] for line in queued] == [
+        "max_tokens 5, temperature 0.25, top_p 0.5, top_k 7",
+        "max_tokens 9, temperature 0.75, top_p 0.5, top_k 7"]
+
+
+def test_generation_config_vllm_ignores_the_file_and_an_override_extends_it(tmp_path):
+    model = tiny_model_dir(tmp_path / "m", generation_config=GENERATION_CONFIG)
+    assert serve_state(model, "--generation-config", "vllm").sampling_defaults == {}
+    state = serve_state(model, "--override-generation-config",
+                        '{"temperature": 0.5, "max_new_tokens": 3}')
+    assert (state.sampling_defaults["temperature"], state.sampling_defaults["max_tokens"],
+            state.sampling_defaults["top_k"]) == (0.5, 3, 7)
+    state = serve_state(model, "--generation-config", "vllm", "--override-generation-config",
+                        '{"temperature": 0.5}')
+    assert state.sampling_defaults == {"temperature": 0.5}
+
+
+def test_the_bundled_model_has_no_generation_config():
+    """A GGUF carries no generation_config.json: its defaults are unchanged."""
+    from kvserve.server.cli_serve import _sampling_defaults
+
+    assert _sampling_defaults(build_parser().parse_args(["serve"])) == {}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--override-generation-config", "[1]"], "argument --override-generation-config: '[1]' "
+                                              "is not a JSON object"),
+    (["--override-generation-config", '{"do_sample": false}'],
+     "override generation config: 'do_sample' is not a sampling default"),
+    (["--generation-config", "/no/such/dir"], "generation config '/no/such/dir': give auto, "
+                                              "vllm or a directory"),
+    (["--response-role", " "], "--response-role must not be empty"),
+])
+def test_bad_sampling_default_flags_are_one_line(capsys, flags, message):
+    assert exit_code(["serve", "/nonexistent/model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def exit_code(argv: list[str]) -> int:
+    """``kvserve ARGV``'s exit code, a usage error's (argparse exits) or the command's."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+
+
+def test_the_offline_llm_s_default_sampling_params_are_the_generation_config_s(tmp_path):
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    model = tiny_model_dir(tmp_path / "m", generation_config={"temperature": 0,
+                                                               "max_new_tokens": 3})
+    llm = LLM(model, load_format="dummy", num_kv_blocks=32, max_model_len=256)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0, max_tokens=3)
+    [default] = llm.generate("Hello", use_tqdm=False)
+    [explicit] = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3),
+                              use_tqdm=False)
+    assert default.token_ids == explicit.token_ids
+    plain = LLM(model, load_format="dummy", num_kv_blocks=32, max_model_len=256,
+                generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_response_role_names_a_chat_answer_s_role(model_dir):
+    state = serve_state(model_dir, "--response-role", "bot", "--chat-template", ROLES)
+    with LiveServer(state=state) as live:
+        url = live.url + "/v1/chat/completions"
+        hi = [{"role": "user", "content": "hi"}]
+        reply = httpx.post(url, json={"messages": hi, "max_tokens": 2}).json()
+        assert reply["choices"][0]["message"]["role"] == "bot"
+        with httpx.stream("POST", url, json={"messages": hi, "max_tokens": 2,
+                                             "stream": True}) as events:
+            first = next(line for line in events.iter_lines() if line)
+        assert '"delta":{"role":"bot","content":""}' in first.replace(" ", "")
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
+    """vLLM's --max-logprobs (default 20, OpenAI's limit): beyond it a 400 naming the limit;
+    above 20 the answers carry as many as asked."""
+    state = serve_state(model_dir, "--max-logprobs", "30", "--chat-template", ROLES)
+    assert state.max_logprobs == 30
+    with LiveServer(state=state) as live:
+        reply = httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 1, "logprobs": 25, "prompt_logprobs": 30})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert len(choice["logprobs"]["top_logprobs"][0]) in (25, 26)  # + the sampled one
+        assert len(choice["prompt_logprobs"][1]) in (30, 31)  # + the prompt's own token
+        chat = httpx.post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 31})
+        assert chat.status_code == 400
+        assert chat.json()["error"]["message"] == (
+            "'top_logprobs' is 31, more than this server gives: at most 30 (--max-logprobs)")
+        assert chat.json()["error"]["param"] == "top_logprobs"
+    assert serve_state(model_dir, "--max-logprobs", "-1").max_logprobs == 49152  # vocabulary
+
+
+def test_the_engine_refuses_more_logprobs_than_its_max_logprobs(model_dir):
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    llm = LLM(model_dir, load_format="dummy", num_kv_blocks=32, max_model_len=256)
+    with pytest.raises(ValueError, match=r"logprobs 21 is more than this engine gives "
+                                         r"\(max_logprobs 20\)"):
+        llm.generate("hi", SamplingParams(max_tokens=1, logprobs=21), use_tqdm=False)
+    wide = LLM(model_dir, load_format="dummy", num_kv_blocks=32, max_model_len=256,
+               max_logprobs=40)
+    [result] = wide.generate("hi", SamplingParams(max_tokens=1, logprobs=40), use_tqdm=False)
+    assert len(result.logprobs[0]) in (40, 41)
+
+
+class UvicornServer:
+    """``kvserve serve``'s uvicorn configuration (uvicorn_config: root path, TLS) around a
+    built state, on a free 127.0.0.1 port on a thread."""
+
+    def __init__(self, state, *flags: str) -> None:
+        import socket
+        import threading
+
+        import uvicorn
+
+        from kvserve.server.app import build_app
+        from kvserve.server.cli_serve import uvicorn_config
+
+        args = build_parser().parse_args(["serve", "--uvicorn-log-level", "warning", *flags])
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(build_app(state), args))
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), what="uvicorn")
+        assert self.server.started
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.socket.close()
+
+
+def test_root_path_serves_behind_a_proxy_that_strips_it(model_dir):
+    """vLLM's --root-path (uvicorn's root_path): the proxy strips the prefix, so the API is
+    served without it, and what the server names carries it."""
+    with UvicornServer(serve_state(model_dir), "--root-path", "/llm") as live:
+        base = f"http://127.0.0.1:{live.port}"
+        assert httpx.get(base + "/health").status_code == 200
+        missing = httpx.get(base + "/nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == "GET /llm/nope: not found"
+
+
+def test_ssl_files_serve_https(model_dir, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: uvicorn's TLS, with a self-signed certificate."""
+    cryptography = pytest.importorskip("cryptography")
+    del cryptography
+    key_file, cert_file = self_signed(tmp_path)
+    flags = ("--ssl-keyfile", key_file, "--ssl-certfile", cert_file)
+    state = serve_state(model_dir, *flags)  # the files are checked there
+    with UvicornServer(state, *flags) as live:
+        reply = httpx.get(f"https://127.0.0.1:{live.port}/health", verify=cert_file)
+        assert reply.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{live.port}/health")
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1, made with cryptography."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    key_file, cert_file = folder / "key.pem", folder / "cert.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_file), str(cert_file)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-certfile", "/no/such/cert.pem"], "--ssl-certfile /no/such/cert.pem: no such file"),
+    (["--ssl-certfile", "NOTPEM"], "--ssl-certfile NOTPEM: cannot load the certificate and key"),
+    (["--root-path", "llm"], "--root-path 'llm': a path starts with /"),
+])
+def test_bad_server_flags_are_one_line_before_the_model_loads(tmp_path, capsys, flags,
+                                                              message):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    argv = [str(garbage) if part == "NOTPEM" else part for part in flags]
+    assert main(["serve", "/nonexistent/model", *argv]) == 2
+    err = capsys.readouterr().err.replace(str(garbage), "NOTPEM")
+    assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+def test_max_log_len_is_taken_and_changes_nothing():
+    args = build_parser().parse_args(["serve", "--max-log-len", "100"])
+    assert args.max_log_len == 100
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    # the value is named with its flag, never left over as the model path (QA)
+    (["--gpu-memory-utilization", "0.9", "/models/m.gguf"],
+     "vLLM's --gpu-memory-utilization 0.9 is not taken here: the KV cache is sized by "
+     "--kv-cache-memory (e.g. 4GiB) or --num-kv-blocks (see kvserve serve --help)"),
+    (["/models/m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+     "vLLM's --enable-auto-tool-choice is not taken here: there is no tool-call parser: chat "
+     "serves tools with tool_choice none (the model's text is the answer, as vLLM without a "
+     "parser) (see kvserve serve --help)"),
+    (["--tool-call-parser=hermes"], "vLLM's --tool-call-parser hermes is not taken here: "
+                                    "there is no tool-call parser"),
+    (["--reasoning-parser", "deepseek_r1"], "vLLM's --reasoning-parser deepseek_r1 is not "
+                                            "taken here: there is no reasoning parser"),
+    (["--enable-lora", "--lora-modules", "sql=/lora/sql"],
+     "vLLM's --enable-lora is not taken here: there are no LoRA adapters: serve a model "
+     "directory with the adapter merged"),
+    (["--lora_modules", "sql=/lora/sql"], "vLLM's --lora-modules sql=/lora/sql is not taken "
+                                          "here: there are no LoRA adapters"),
+    (["--middleware", "my.Middleware"], "vLLM's --middleware my.Middleware is not taken "
+                                        "here: no ASGI middleware is loaded from the command "
+                                        "line"),
+    (["--limit-mm-per-prompt", "image=2"], "vLLM's --limit-mm-per-prompt image=2 is not taken "
+                                           "here: there is no multimodal input: text models "
+                                           "only"),
+    (["-tp", "2"], "vLLM's --tensor-parallel-size 2 is not taken here: there is no tensor "
+                   "parallelism; --data-parallel-size runs replicas"),
+    (["--pipeline-parallel-size", "4"], "vLLM's --pipeline-parallel-size 4 is not taken "
+                                        "here: there is no pipeline parallelism"),
+    (["--kv-cache-dtype", "fp8"], "vLLM's --kv-cache-dtype fp8 is not taken here: the "
+                                  "engine's KV cache is in the model's dtype (--dtype); "
+                                  "kvserve simulate --kv-cache-dtype models an fp8 one"),
+    (["--tokenizer-mode", "mistral"], "vLLM's --tokenizer-mode mistral is not taken here: the "
+                                      "tokenizer is the model's own"),
+    (["-q", "awq"], "argument --quantization/-q: 'awq' is not supported here: --quantization "
+                    "int8 quantizes the projections at load (dynamic W8A8, "
+                    "docs/quantization.md); a checkpoint quantized ahead (awq, gptq, fp8, "
+                    "...) cannot be loaded: serve its float weights"),
+])
+def test_vllm_flags_refused_say_what_to_do_instead(capsys, flags, line):
+    assert exit_code(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {line}") and err.count("\n") == 1, err
+
+
+def test_vllm_flags_with_nothing_to_do_here_are_taken_and_each_says_why(model_dir, caplog):
+    flags = ["--trust-remote-code", "--tokenizer-mode", "auto", "--enforce-eager",
+             "--max-seq-len-to-capture", "8192", "-O3", "--disable-custom-all-reduce",
+             "-tp", "1", "--pipeline-parallel-size", "1",
+             "--disable-frontend-multiprocessing", "--download-dir", "/cache",
+             "--revision", "main", "--kv-cache-dtype", "auto", "--disable-log-requests"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = serve_state(model_dir, *flags)
+    assert state.model_name == "tiny"
+    said = [r.getMessage() for r in caplog.records if ": vLLM's, does nothing here: " in
+            r.getMessage()]
+    assert said == [
+        "--trust-remote-code: vLLM's, does nothing here: no model code is run: kvserve "
+        "implements the Llama family itself",
+        "--tokenizer-mode auto: vLLM's, does nothing here: the tokenizer is the model's own "
+        "(auto is the only mode)",
+        "--enforce-eager: vLLM's, does nothing here: there are no CUDA graphs or "
+        "torch.compile here: every step runs eagerly",
+        "--max-seq-len-to-capture 8192: vLLM's, does nothing here: there are no CUDA graphs "
+        "or torch.compile here: every step runs eagerly",
+        "--compilation-config 3: vLLM's, does nothing here: there are no CUDA graphs or "
+        "torch.compile here: every step runs eagerly",
+        "--disable-custom-all-reduce: vLLM's, does nothing here: there is no tensor "
+        "parallelism, so no all-reduce",
+        "--tensor-parallel-size 1: vLLM's, does nothing here: one engine holds the whole "
+        "model (--data-parallel-size runs replicas)",
+        "--pipeline-parallel-size 1: vLLM's, does nothing here: one engine holds the whole "
+        "model (--data-parallel-size runs replicas)",
+        "--disable-frontend-multiprocessing: vLLM's, does nothing here: the API server "
+        "already runs in one process, as vLLM V1's, and the engine in its own "
+        "(--no-engine-process runs it on a thread instead)",
+        "--download-dir /cache: vLLM's, does nothing here: nothing is downloaded: the model "
+        "is a path",
+        "--revision main: vLLM's, does nothing here: nothing is downloaded: the model is a "
+        "path",
+        "--kv-cache-dtype auto: vLLM's, does nothing here: the KV cache is in the model's "
+        "dtype (--dtype), as auto asks"]
+
+
+def test_a_command_that_defines_a_vllm_flag_takes_it():
+    """simulate models --gpu-memory-utilization and --tensor-parallel-size: not refused."""
+    args = build_parser().parse_args(["simulate", "--trace", "t.jsonl",
+                                      "--gpu-memory-utilization", "0.8",
+                                      "--tensor-parallel-size", "2"])
+    assert (args.gpu_memory_utilization, args.tensor_parallel_size) == (0.8, 2)
