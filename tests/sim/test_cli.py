@@ -16,15 +16,6 @@ REQUIRED_AGGREGATE = [
 ] + [f"{m}_{q}" for m in ("ttft", "itl", "e2e", "queue") for q in ("p50", "p90", "p99", "max")]
 
 
-@pytest.fixture
-def trace(tmp_path):
-    path = tmp_path / "t.jsonl"
-    assert main(["workload", "gen", "-n", "40", "--rate", "20", "--prompt-len",
-                 "uniform:32,256", "--output-len", "uniform:8,64", "--prefix-groups", "2",
-                 "--seed", "3", "-o", str(path)]) == 0
-    return path
-
-
 def _error_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

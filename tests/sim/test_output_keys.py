@@ -10,8 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 from kvserve.cli import main
 
 from .test_replica_replay import build
@@ -61,15 +59,6 @@ def undocumented(paths: set[str], heading: str) -> list[str]:
 def run_json(capsys, argv: list[str]) -> dict:
     assert main(argv) == 0, argv
     return json.loads(capsys.readouterr().out)
-
-
-@pytest.fixture
-def trace(tmp_path):
-    path = tmp_path / "t.jsonl"
-    assert main(["workload", "gen", "-n", "40", "--rate", "20", "--prompt-len",
-                 "uniform:32,256", "--output-len", "uniform:8,64", "--prefix-groups", "2",
-                 "--seed", "3", "-o", str(path)]) == 0
-    return path
 
 
 def test_every_key_of_plan_json_is_documented(tmp_path, trace, capsys):

@@ -267,13 +267,17 @@ class SamplingParams:
             isinstance(word, str) and word.strip() for word in words),
             f"bad_words must be a list of words (non-blank strings), got {words!r}")
         object.__setattr__(self, "bad_words", tuple(words))
-        sequences = self.bad_words_token_ids
+        self._check_token_sequences("bad_words_token_ids")
+        self._check_structured_output()
+
+    def _check_token_sequences(self, name: str) -> None:
+        """A field of token id sequences (bad words', choices'), kept as tuples."""
+        sequences = getattr(self, name)
         _require(isinstance(sequences, (tuple, list)) and all(
             isinstance(ids, (tuple, list)) and ids and all(_is_int(t) and t >= 0 for t in ids)
             for ids in sequences),
-            f"bad_words_token_ids must be non-empty lists of token ids, got {sequences!r}")
-        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(ids) for ids in sequences))
-        self._check_structured_output()
+            f"{name} must be non-empty lists of token ids, got {sequences!r}"[:300])
+        object.__setattr__(self, name, tuple(tuple(ids) for ids in sequences))
 
     def _check_structured_output(self) -> None:
         """choices, JSON mode or a JSON schema: one at most; each ends at EOS."""
@@ -283,12 +287,8 @@ class SamplingParams:
             f"choices must be a list of at most {MAX_CHOICES} non-empty strings, "
             f"got {str(choices)[:200]}")
         object.__setattr__(self, "choices", tuple(choices))
+        self._check_token_sequences("choice_token_ids")
         sequences = self.choice_token_ids
-        _require(isinstance(sequences, (tuple, list)) and all(
-            isinstance(ids, (tuple, list)) and ids and all(_is_int(t) and t >= 0 for t in ids)
-            for ids in sequences),
-            f"choice_token_ids must be non-empty lists of token ids, got {sequences!r}")
-        object.__setattr__(self, "choice_token_ids", tuple(tuple(ids) for ids in sequences))
         _require(isinstance(self.json_object, bool),
                  f"json_object must be true or false, got {self.json_object!r}")
         _require(self.json_schema is None or isinstance(self.json_schema, str),
