@@ -181,6 +181,26 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
     return asked
 
 
+def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The body's constraints on the tokens, as SamplingParams fields: logit_bias,
+    allowed_token_ids, bad_words and the structured outputs (choices, JSON mode, a JSON
+    schema), with the token ids of words and choices where the tokenizer is here."""
+    structured = req.structured_outputs
+    choices = req.guided_choice or (structured.choice if structured is not None else None) or ()
+    words = req.bad_words or ()
+    return {
+        "logit_bias": tuple(logit_bias(req).items()),
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": tuple(words),
+        "bad_words_token_ids": bad_words_token_ids(tokenizer, words) if tokenizer else (),
+        "choices": tuple(choices),
+        "choice_token_ids": choice_token_ids(tokenizer, choices) if tokenizer else (),
+        "json_object": bool(structured is not None and structured.json_object) or (
+            req.response_format is not None and req.response_format.type == "json_object"),
+        "json_schema": json_schema_text(req),
+    }
+
+
 # The fields a model's generation config may give a default (--generation-config)
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -188,8 +208,8 @@ DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                     tenant: str = "", tokenizer: Tokenizer | None = None,
                     defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-    """The engine's params for a checked body; ``tokenizer`` turns ``bad_words`` into the
-    token sequences the sampler bans (here: an engine process has no tokenizer);
+    """The engine's params for a checked body; ``tokenizer`` turns bad words and choices
+    into their token ids (here: an engine process has no tokenizer);
     ``defaults`` (--generation-config's) fill the DEFAULTED fields the body left unset."""
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
@@ -213,26 +233,14 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
         given["prompt_logprobs"] = max(logprobs, req.prompt_logprobs or 0)
     if req.session is not None:
         given["session_id"], given["session_ttl"] = req.session.id, req.session.ttl
-    structured = req.structured_outputs
-    choices = req.guided_choice or (structured.choice if structured is not None else None) or ()
-    json_object = bool(structured is not None and structured.json_object) or (
-        req.response_format is not None and req.response_format.type == "json_object")
     try:
         return SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, n=req.n,
                               ignore_eos=req.ignore_eos, stop=stop,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
-                              logit_bias=tuple(logit_bias(req).items()),
-                              allowed_token_ids=req.allowed_token_ids,
-                              json_object=json_object, json_schema=json_schema_text(req),
-                              choices=tuple(choices), choice_token_ids=choice_token_ids(
-                                  tokenizer, choices) if tokenizer and choices else (),
-                              bad_words=tuple(req.bad_words or ()),
-                              bad_words_token_ids=bad_words_token_ids(
-                                  tokenizer, req.bad_words) if tokenizer and req.bad_words
-                              else (),
-                              priority=priority, logprobs=logprobs, tenant=tenant, **given)
+                              priority=priority, logprobs=logprobs, tenant=tenant,
+                              **_token_constraints(req, tokenizer), **given)
     except RequestError as error:  # its message starts with the field it is about
         name = str(error).split(" ", 1)[0]
         raise bad_request(str(error), param=name if name in type(req).model_fields else None
