@@ -100,7 +100,7 @@ PET = {"type": "object", "additionalProperties": False, "required": ["name", "ag
 
 
 @pytest.mark.parametrize("text", [
-    b'{"name":"Bob","age":3}', b'{"age": -12, "name": "x", "tags": ["a", "b"]}',
+    b'{"name":"Bob","age":3}', b'{"name": "x", "age": -12, "tags": ["a", "b"]}',
     b'{"name":"a","age":0,"kind":"dog"}', b'{"name":"a","age":0,"kind":12}',
     b'{"name":"a","age":0,"kind":null,"ok":false}', b'{"name":"a","age":0,"owner":{"n":"z"}}',
     b'{"name":"a","age":0,"owner":null,"w":1.5e3}', b'{"name":"a","age":0,"w":null}',
@@ -115,6 +115,7 @@ def test_an_object_of_the_schema_is_read_to_its_end(text):
     b'{"name":"Bob","age":3.5}', b'{"name":"Bob","age":3e2}',  # an integer
     b'{"name":"Bob","age":3,"x":1}',  # no other keys
     b'{"name":"a","name":"b","age":1}',  # each key once
+    b'{"age":1,"name":"a"}', b'{"name":"a","age":0,"kind":"dog","tags":[]}',  # in order
     b'{"name":1,"age":1}', b'{"name":"a","age":0,"kind":"cow"}',
     b'{"name":"a","age":0,"kind":123}', b'{"name":"a","age":0,"owner":{}}',
     b'{"name":"a","age":0,"tags":[1]}', b'{"name":"a","age":0,"ok":"yes"}',
@@ -144,8 +145,9 @@ def test_what_a_schema_asks_beyond_the_subset_is_refused_by_name(schema, needle)
 
 
 def test_the_allowed_tokens_follow_the_schema():
-    """Keys only from the properties not yet given; a closing brace only once the
-    required keys are in; an integer takes no point."""
+    """Keys in the schema's order (as OpenAI's strict mode and vLLM write them), an
+    optional one skipped or not; a closing brace only once the required keys are in; an
+    integer takes no point."""
     schema = Schema({"type": "object", "properties": {"a": {"type": "integer"},
                                                       "b": {"type": "string"}},
                      "required": ["a"], "additionalProperties": False})
@@ -155,10 +157,10 @@ def test_the_allowed_tokens_follow_the_schema():
     def allowed(text: bytes) -> set[bytes]:
         return {pieces[t] for t in vocabulary.allowed(read(text, schema=schema), schema)}
 
-    assert allowed(b"{") == {b'"a"', b'"b"', b'"'}  # no "}": a is required
+    assert allowed(b"{") == {b'"a"', b'"'}  # no "}": a is required, and comes first
     assert allowed(b'{"a":1') == {b"1", b"}", b","}  # no ".": an integer
     assert allowed(b'{"a":1,') == {b'"b"', b'"'}  # a was given
-    assert allowed(b'{"b":"x",') == {b'"a"', b'"'}
+    assert allowed(b'{"a":1,"b":"x"') == {b"}"}  # no key left: no ","
 
 
 def test_the_allowed_tokens_under_a_schema_are_exactly_those_it_takes():
@@ -169,9 +171,29 @@ def test_the_allowed_tokens_under_a_schema_are_exactly_those_it_takes():
     vocabulary = JsonVocabulary(pieces + [bytes(rng.choice(alphabet)
                                                 for _ in range(rng.randint(1, 5)))
                                           for _ in range(400)])
-    text = b'{"name": "Bo", "kind": 12, "owner": {"n": "z"}, "age": 3, "tags": ["a"]}'
+    text = b'{"name": "Bo", "age": 3, "tags": ["a"], "kind": 12, "owner": {"n": "z"}}'
     for end in range(len(text)):
         state = read(text[:end], schema=schema)
         expected = [t for t, data in enumerate(vocabulary.token_bytes)
                     if data and read(data, state, schema) is not None]
         assert vocabulary.allowed(state, schema) == expected, text[:end]
+
+
+def test_unions_a_value_settles_are_merged():
+    """Union[int, float] is a number; a union with an any is any (QA: both refused)."""
+    schema = Schema({"type": "object", "properties": {
+        "x": {"anyOf": [{"type": "integer"}, {"type": "number"}]},
+        "y": {"type": ["integer", "number"]}, "z": {"anyOf": [{}, {"type": "string"}]}}})
+    assert read(b'{"x":1.5,"y":2,"z":[true]}', schema=schema).mode == DONE
+
+
+def test_a_json_states_mask_is_built_once():
+    """Building a mask from a list of 49k ids took 4.7 of a JSON step's 5.7 ms: the mask of
+    a list the vocabulary keeps is kept too, and a list it does not keep is not."""
+    sampler = Sampler(token_bytes=lambda: [b"{", b"}"])
+    kept = [1, 3]
+    first = sampler.mask(kept, 8, torch.device("cpu"), remember=True)
+    assert first.tolist() == [False, True, False, True] + [False] * 4
+    assert sampler.mask(kept, 8, torch.device("cpu"), remember=True) is first
+    assert sampler.mask([1, 3], 8, torch.device("cpu"), remember=True) is not first
+    assert sampler.mask(kept, 8, torch.device("cpu")) is not first

@@ -734,7 +734,9 @@ def test_json_mode_answers_one_json_object(server):
                 text = choice["message"]["content"]
                 assert text.lstrip().startswith("{") and read(text.encode()) is not None
     for body, needle in [
-        ({"response_format": {"type": "json_schema"}}, "type json_schema needs it"),
+        ({"response_format": {"type": "json_schema"}}, "type json_schema needs them"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "type json_schema needs them"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}},
          "'response_format': schema.properties.a: 'pattern' is not supported"),

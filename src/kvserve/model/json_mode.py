@@ -178,6 +178,11 @@ class Schema:
             raise SchemaError(f"schema{where}: must be a non-empty list")
         alternatives = tuple(self._compile(option, f"{where}.{i}")
                              for i, option in enumerate(options))
+        kinds = {self.nodes[a].kind for a in alternatives}
+        if "any" in kinds:
+            return self.any
+        if kinds == {"number", "integer"}:  # Union[int, float]: the integers are numbers
+            return self._add(Node("number"))
         starts = [_first_bytes(self.nodes[a], self.nodes) for a in alternatives]
         if sum(len(s) for s in starts) != len(set().union(*starts)):
             raise SchemaError(f"schema{where}: alternatives must be of different JSON types "
@@ -232,7 +237,8 @@ def check_schema(text: str) -> Schema:
 @dataclass(frozen=True)
 class JsonState:
     mode: str
-    # open containers, outermost first: ("o", node, keys seen, the key being read or None)
+    # open containers, outermost first: ("o", node, the index of the next property a key
+    # may name, the key being read or None) or ("a", node)
     # or ("a", node)
     stack: tuple[tuple[Any, ...], ...] = ()
     extra: Any = None
@@ -342,7 +348,7 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
 
 
 def _open_object(stack: tuple[Any, ...], index: int) -> JsonState:
-    return JsonState(OBJECT_FIRST, (*stack, ("o", index, frozenset(), None)))
+    return JsonState(OBJECT_FIRST, (*stack, ("o", index, 0, None)))
 
 
 def _property_node(node: Node, key: str) -> int:
@@ -356,7 +362,19 @@ def _property_node(node: Node, key: str) -> int:
 
 def _keys_left(frame: tuple[Any, ...], schema: Schema) -> bool:
     node = schema.nodes[frame[1]]
-    return node.additional is not None or len(frame[2]) < len(node.properties)
+    return node.additional is not None or frame[2] < len(node.properties)
+
+
+def _next_names(node: Node, position: int) -> list[str]:
+    """The properties a key may name after ``position`` ones are behind: in the schema's
+    order (as OpenAI's strict mode and vLLM write them), skipping optional ones, up to the
+    first required one."""
+    names = []
+    for name, _ in node.properties[position:]:
+        names.append(name)
+        if name in node.required:
+            break
+    return names
 
 
 def _key(stack: tuple[Any, ...], byte: int, schema: Schema) -> JsonState | None:
@@ -364,11 +382,11 @@ def _key(stack: tuple[Any, ...], byte: int, schema: Schema) -> JsonState | None:
     the names not yet given."""
     if byte != 0x22:
         return None
-    _, index, seen, _ = stack[-1]
+    _, index, position, _ = stack[-1]
     node = schema.nodes[index]
     if node.additional is not None:
         return JsonState(STRING, stack, True)
-    names = tuple(_text(name) for name, _ in node.properties if name not in seen)
+    names = tuple(_text(name) for name in _next_names(node, position))
     return _choice(JsonState(CHOICE, stack, (names, 0, "key")), byte, schema)
 
 
@@ -377,23 +395,25 @@ def _choice(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
     they are: a "key" or a "value")."""
     texts, read_so_far, what = state.extra
     going_on = tuple(t for t in texts if len(t) > read_so_far and t[read_so_far] == byte)
-    if not going_on:  # a text just finished ends here, and this byte comes after it
-        finished = any(len(t) == read_so_far for t in texts)
-        return feed(_after_choice(state.stack, texts, read_so_far, what), byte, schema) \
-            if finished and what == "value" else None
+    if not going_on:  # a value just finished ends here, and this byte comes after it
+        if what == "value" and any(len(t) == read_so_far for t in texts):
+            return feed(_after_choice(state.stack, texts, read_so_far, what, schema), byte,
+                        schema)
+        return None
     read_so_far += 1
     if len(going_on) == 1 and len(going_on[0]) == read_so_far:
-        return _after_choice(state.stack, going_on, read_so_far, what)
+        return _after_choice(state.stack, going_on, read_so_far, what, schema)
     return JsonState(CHOICE, state.stack, (going_on, read_so_far, what))
 
 
 def _after_choice(stack: tuple[Any, ...], texts: tuple[bytes, ...], read_so_far: int,
-                  what: str) -> JsonState:
+                  what: str, schema: Schema) -> JsonState:
     if what == "value":
         return _after_value(stack)
     name = json.loads(next(t for t in texts if len(t) == read_so_far))
-    kind, index, seen, _ = stack[-1]
-    return JsonState(COLON, (*stack[:-1], (kind, index, seen | {name}, name)))
+    kind, index, _, _ = stack[-1]
+    position = 1 + [p for p, _ in schema.nodes[index].properties].index(name)
+    return JsonState(COLON, (*stack[:-1], (kind, index, position, name)))
 
 
 def _after_value(stack: tuple[Any, ...]) -> JsonState:
@@ -402,7 +422,8 @@ def _after_value(stack: tuple[Any, ...]) -> JsonState:
 
 def _close(stack: tuple[Any, ...], schema: Schema) -> JsonState | None:
     frame = stack[-1]
-    if frame[0] == "o" and not schema.nodes[frame[1]].required <= frame[2]:
+    if frame[0] == "o" and any(name in schema.nodes[frame[1]].required
+                               for name, _ in schema.nodes[frame[1]].properties[frame[2]:]):
         return None  # a required key is missing
     rest = stack[:-1]
     return _after_value(rest) if rest else JsonState(DONE)

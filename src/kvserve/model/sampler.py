@@ -142,6 +142,10 @@ class Sampler:
         self._token_bytes = token_bytes
         self._json: JsonVocabulary | None = None
         self._schemas: dict[str, Schema] = {}  # by their text: each keeps its states' tokens
+        # a JSON state's allowed tokens as a mask, by the id of the list the vocabulary keeps
+        # for that state (held here, so the id stays its own): building one from a list of
+        # 49k ids took 4.7 of a JSON step's 5.7 ms
+        self._masks: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     def json_vocabulary(self) -> JsonVocabulary:
         if self._json is None:
@@ -150,6 +154,23 @@ class Sampler:
                                  "no tokenizer")
             self._json = JsonVocabulary(self._token_bytes())
         return self._json
+
+    def mask(self, token_ids: Sequence[int], vocab: int, device: torch.device,
+             remember: bool = False) -> torch.Tensor:
+        """True at ``token_ids`` (those below ``vocab``); ``remember``: the list is one the
+        JSON vocabulary keeps, so its mask is kept too."""
+        if remember:
+            kept = self._masks.get(id(token_ids))
+            if kept is not None and kept[0] is token_ids and kept[1].shape[0] == vocab \
+                    and kept[1].device == device:
+                return kept[1]
+        mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        mask[[t for t in token_ids if t < vocab]] = True
+        if remember:
+            if len(self._masks) >= 1024:
+                self._masks.clear()
+            self._masks[id(token_ids)] = (token_ids, mask)  # type: ignore[assignment]
+        return mask
 
     def json_schema(self, text: str | None) -> Schema:
         """JSON mode's any object (None), or the schema of this text, compiled once."""
@@ -268,14 +289,14 @@ def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int, sampler: Sampler)
     """allowed_token_ids and choices, bad_words, logit_bias and the penalties, in vLLM's
     order, on one row."""
     params = row.params
-    for token_ids in (params.allowed_token_ids,
-                      row.choice_tokens if params.choice_token_ids else None,
-                      _json_tokens(row, sampler.json_vocabulary(),
-                                   sampler.json_schema(params.json_schema))
-                      if params.json_object or params.json_schema is not None else None):
+    json_output = params.json_object or params.json_schema is not None
+    for token_ids, remember in (
+            (params.allowed_token_ids, False),
+            (row.choice_tokens if params.choice_token_ids else None, False),
+            (_json_tokens(row, sampler.json_vocabulary(), sampler.json_schema(
+                params.json_schema)) if json_output else None, True)):
         if token_ids is not None:
-            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            allowed[[t for t in token_ids if t < vocab]] = True
+            allowed = sampler.mask(token_ids, vocab, logits.device, remember)
             logits.masked_fill_(~allowed, float("-inf"))
     banned = [t for t in row.bad_tokens if t < vocab]
     if banned:

@@ -363,9 +363,11 @@ def parse_body(model: type[_Body], body: Any) -> Any:
                              if field.annotation is Any}, "")
     response_format = getattr(request, "response_format", None)
     if response_format is not None and (response_format.type == "json_schema") != (
-            response_format.json_schema is not None):
-        raise bad_request("'response_format.json_schema' goes with type json_schema, and "
-                          "type json_schema needs it", param="response_format")
+            response_format.json_schema is not None and
+            response_format.json_schema.schema_ is not None):
+        raise bad_request("'response_format.json_schema' with its 'schema' goes with type "
+                          "json_schema, and type json_schema needs them (QA: without a "
+                          "schema the answer was free text)", param="response_format")
     json_schema_text(request)  # a 400 naming what is wrong with it, now
     structured = getattr(request, "structured_outputs", None)
     if structured is not None:

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""What structured outputs cost (docs/structured-outputs.md): the sampler per row and step
+under each constraint, on SmolLM2's vocabulary (49,152) and random logits, and the offline
+engine's time per output token with a JSON schema against without, alternated.
+
+    python benchmarks/structured_outputs.py [--write-docs] [--pairs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ab_protocol import cpu, cpu_slug, cpu_title
+from docs_section import publish
+from kvserve.core import SamplingParams
+from kvserve.model.sampler import Sampler, SamplingRow
+from kvserve.model.tokenizer import load_tokenizer
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
+          "properties": {"title": {"type": "string"}, "story": {"type": "string"}}}
+PROMPTS = ["Tell a story about a cat as JSON with a title:",
+           "Tell a story about a ship as JSON with a title:"] * 4
+
+
+def per_row_ms(sampler: Sampler, params: SamplingParams, output: list[int],
+               repeats: int = 50) -> float:
+    """The sampler's median time for one row whose output so far is ``output``."""
+    vocab = len(sampler.json_vocabulary().token_bytes)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    row = SamplingRow(params, [1, *output], 1)
+    sampler(logits, [row])  # warm-up: the state's tokens worked out, its mask built
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampler(logits, [row])
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def first_time_ms(tokenizer, text: str) -> float:
+    """A state's first step: its tokens worked out and its mask built (a fresh sampler)."""
+    token_bytes = [tokenizer.token_bytes(t) for t in range(tokenizer.vocab_size)]
+    sampler = Sampler(0, token_bytes=lambda: token_bytes)
+    sampler.json_vocabulary()
+    params = SamplingParams(temperature=1.0, json_schema=json.dumps(SCHEMA), eos_token_id=0)
+    logits = torch.randn(1, tokenizer.vocab_size)
+    start = time.perf_counter()
+    sampler(logits, [SamplingRow(params, [1, *tokenizer.encode(text)], 1)])
+    return 1000 * (time.perf_counter() - start)
+
+
+def sampler_rows(tokenizer) -> list[tuple[str, float]]:
+    token_bytes = [tokenizer.token_bytes(t) for t in range(tokenizer.vocab_size)]
+    sampler = Sampler(0, token_bytes=lambda: token_bytes)
+    in_story = tokenizer.encode('{"title": "A day", "story": "Once upon a time there')
+    after_key = tokenizer.encode('{"title": "A day", "story"')
+    schema = json.dumps(SCHEMA)
+    cases = [
+        ("no constraint", SamplingParams(temperature=1.0), in_story),
+        ("choice of 3", SamplingParams(temperature=1.0, eos_token_id=0, choice_token_ids=[
+            tuple(tokenizer.encode(c)) for c in ("red", "green", "light blue")]), []),
+        ("JSON mode, in a string", SamplingParams(temperature=1.0, json_object=True,
+                                                  eos_token_id=0), in_story),
+        ("JSON schema, in a string", SamplingParams(temperature=1.0, json_schema=schema,
+                                                    eos_token_id=0), in_story),
+        ("JSON schema, after a key", SamplingParams(temperature=1.0, json_schema=schema,
+                                                    eos_token_id=0), after_key),
+    ]
+    rows = [(name, per_row_ms(sampler, params, output)) for name, params, output in cases]
+    rows.append(("JSON schema, a state's first step",
+                 statistics.median(first_time_ms(tokenizer, '{"title": "A day", "story": "x')
+                                   for _ in range(5))))
+    return rows
+
+
+def engine_ms_per_token(llm, schema: bool, max_tokens: int) -> float:
+    """Wall time per output token of the 8 prompts, greedy, at most ``max_tokens`` each."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                            json_schema=json.dumps(SCHEMA) if schema else None,
+                            ignore_eos=not schema)
+    start = time.perf_counter()
+    results = llm.generate(PROMPTS, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return 1000 * elapsed / sum(len(r.token_ids) for r in results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--pairs", type=int, default=5, help="A/B pairs (default 5)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+    from kvserve.engine.llm import LLM
+
+    model, flags = cpu()
+    tokenizer = load_tokenizer(None)
+    sampler_figures = sampler_rows(tokenizer)
+    llm = LLM(max_model_len=512, num_kv_blocks=128)
+    engine_ms_per_token(llm, True, 8)  # warm-up
+    plain, constrained = [], []
+    for _ in range(args.pairs):  # A B A B: the machine is shared and noisy
+        plain.append(engine_ms_per_token(llm, False, args.max_tokens))
+        constrained.append(engine_ms_per_token(llm, True, args.max_tokens))
+    ratios = sorted(c / p for p, c in zip(plain, constrained, strict=True))
+    command = f"python benchmarks/structured_outputs.py {' '.join(sys.argv[1:])}".strip()
+    section = "\n".join([
+        f"## Structured outputs on {cpu_title(model, flags)}", "",
+        f"`{command}`; CPU {model}, ISA {flags or 'none read'}, "
+        f"{torch.get_num_threads()} threads.", "",
+        "The sampler alone, one row of SmolLM2's 49,152-entry vocabulary, median of 50 "
+        "calls (a state's first step: median of 5 fresh samplers):", "",
+        "| constraint | ms per row and step |", "|---|---|",
+        *(f"| {name} | {ms:.3f} |" for name, ms in sampler_figures), "",
+        f"The offline engine (bundled model, {torch.get_num_threads()} threads, "
+        f"8 prompts, greedy, up to {args.max_tokens} tokens each), ms per output token, "
+        f"{args.pairs} pairs alternated (without, then with the schema of two strings):", "",
+        "| | min | median |", "|---|---|---|",
+        f"| without | {min(plain):.2f} | {statistics.median(plain):.2f} |",
+        f"| JSON schema | {min(constrained):.2f} | {statistics.median(constrained):.2f} |",
+        f"| ratio (per pair) | {ratios[0]:.2f} | {statistics.median(ratios):.2f} |"])
+    publish(f"structured-outputs-{cpu_slug(model, flags)}", section, write_docs=args.write_docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
