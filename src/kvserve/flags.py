@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -302,13 +303,18 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "docs/quantization.md); default: none")
 
 
+def _spelled(model: str) -> str:
+    """A model path as compared: "m/" and "./m" name "m" (QA: refused as two models)."""
+    return os.path.normpath(model)
+
+
 def resolve_model_option(args: argparse.Namespace) -> None:
     """vLLM's deprecated ``--model X`` as the positional model (a warning says so); CLIError
     where both are given and differ. Called first by the commands that load a model."""
     option = getattr(args, "model_option", None)
     if option is None:
         return
-    if args.model is not None and args.model != option:
+    if args.model is not None and _spelled(args.model) != _spelled(option):
         raise CLIError(f"the model is given twice, {args.model} and --model {option}: give "
                        "one (as the positional argument)")
     logger.warning("--model is deprecated, as in vLLM: give the model as the positional "

@@ -114,6 +114,8 @@ def test_model_flag_is_the_positional_model_with_a_warning(model_dir, caplog):
     assert f"--model is deprecated, as in vLLM: give the model as the positional argument " \
            f"(kvserve serve {model_dir} ...)" in caplog.text
     assert serve_state(model_dir, "--model", model_dir).model_name == "tiny"  # both agree
+    # one directory however spelled (QA: "m" and "m/" were refused as two models)
+    assert serve_state(model_dir, "--model", model_dir + "/").model_name == "tiny"
 
 
 def test_model_given_twice_differently_is_one_line(capsys):
@@ -245,6 +247,17 @@ def test_a_bad_chat_template_is_one_line_before_the_model_loads(capsys, value, m
     assert main(["serve", "/nonexistent/model", "--chat-template", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_broken_model_chat_template_is_one_line_before_the_model_loads(tmp_path, capsys):
+    """A model directory's chat_template.jinja that is not Jinja made every chat a 500 with
+    a traceback (QA); now serve refuses it at start, naming it and the way out."""
+    model = tiny_model_dir(tmp_path / "m", chat_template="{% for m in messages %}{{ m }")
+    assert main(["serve", model, "--load-format", "dummy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve serve: error: the model's chat template is not valid "
+                          "Jinja: ") and "give one that is with --chat-template FILE" in err
+    assert err.count("\n") == 1, err
 
 
 GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.25, "top_p": 0.5, "top_k": 7,

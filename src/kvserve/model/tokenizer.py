@@ -118,6 +118,15 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template: Any = None
 
+    def compiled_chat_template(self) -> Any:
+        """The chat template, compiled on first use; ValueError if it is not valid Jinja
+        (``kvserve serve`` asks at start, so a broken model template is not a 500 a chat)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        if self._compiled_template is None:
+            self._compiled_template = compile_chat_template(self.chat_template)
+        return self._compiled_template
+
     def set_chat_template(self, template: str) -> None:
         """Replace the model's chat template (``--chat-template``); ValueError naming a
         template that is not valid Jinja, checked now rather than at the first chat."""
@@ -274,9 +283,7 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         if continue_final_message:
             return self._continued(messages, add_generation_prompt, **kwargs)
-        if self._compiled_template is None:
-            self._compiled_template = _environment().from_string(self.chat_template)
-        return self._compiled_template.render(
+        return self.compiled_chat_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id), **kwargs)

@@ -44,6 +44,8 @@ VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
     (("--revision",), {"metavar": "REV"}, "nothing is downloaded: the model is a path"),
     (("--kv-cache-dtype",), {"metavar": "auto"},
      "the KV cache is in the model's dtype (--dtype), as auto asks"),
+    (("--disable-fastapi-docs",), {"action": "store_true"},
+     "the server has no /docs, /redoc or /openapi.json pages to turn off"),
 )
 # The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
 _NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
@@ -423,7 +425,9 @@ def build_state(args: argparse.Namespace,
 
     resolve_model_option(args)
     _check_model_not_swallowed(args)
-    template = None if args.chat_template is None else _chat_template(args.chat_template)
+    template = _chat_template(args.chat_template) if args.chat_template is not None else None
+    if template is None:
+        _check_model_chat_template(args.model)
     defaults = _sampling_defaults(args)
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
@@ -520,6 +524,7 @@ def build_state(args: argparse.Namespace,
     if template is not None:  # the server's tokenizer renders every chat
         serving.info.tokenizer.set_chat_template(template)
         logger.info("chat template: --chat-template's, in place of the model's")
+
     name = names[0] if names else _model_name(args.model)
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
@@ -548,6 +553,26 @@ def build_state(args: argparse.Namespace,
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
+
+
+def _check_model_chat_template(model: Any) -> None:
+    """The model's own chat template compiles (CLIError naming what does not, before the
+    model loads): a broken chat_template.jinja made every chat a 500 (QA)."""
+    from kvserve.flags import CLIError
+    from kvserve.model.loader import ModelNotFoundError
+    from kvserve.model.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model)
+    except (ModelNotFoundError, OSError, ValueError):
+        return  # the engine's loading names what is wrong with the model
+    if tokenizer.chat_template:
+        try:
+            tokenizer.compiled_chat_template()
+        except ValueError as error:
+            message = str(error).removeprefix("the chat template ")
+            raise CLIError(f"the model's chat template {message}; give one that is with "
+                           "--chat-template FILE") from None
 
 
 def _chat_template(value: str) -> str:
