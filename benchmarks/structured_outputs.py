@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What structured outputs cost (docs/structured-outputs.md): the sampler per row and step
 under each constraint, on SmolLM2's vocabulary (49,152) and random logits, and the offline
-engine's time per output token with a JSON schema against without, alternated.
+engine's wall time with a JSON schema against without for the same tokens, alternated.
 
     python benchmarks/structured_outputs.py [--write-docs] [--pairs N]
 """
@@ -79,22 +79,23 @@ def sampler_rows(tokenizer) -> list[tuple[str, float]]:
     return rows
 
 
-def engine_ms_per_token(llm, schema: bool, max_tokens: int) -> float:
-    """Wall time per output token of the 8 prompts, greedy, at most ``max_tokens`` each."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                            json_schema=json.dumps(SCHEMA) if schema else None,
-                            ignore_eos=not schema)
+def engine_seconds(llm, lengths: list[int] | None) -> tuple[float, list[int]]:
+    """Wall time of the 8 prompts, greedy: with the schema (``lengths`` None), each ending
+    where its object closes; without, each run to the length it had with the schema
+    (ignore_eos), so both make the same tokens in the same batches."""
+    schema = json.dumps(SCHEMA)
+    params = [SamplingParams(max_tokens=96, temperature=0.0, json_schema=schema)
+              for _ in PROMPTS] if lengths is None else \
+        [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     start = time.perf_counter()
     results = llm.generate(PROMPTS, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return 1000 * elapsed / sum(len(r.token_ids) for r in results)
+    return time.perf_counter() - start, [len(r.token_ids) for r in results]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--pairs", type=int, default=5, help="A/B pairs (default 5)")
-    parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     from kvserve.engine.llm import LLM
 
@@ -102,11 +103,13 @@ def main() -> int:
     tokenizer = load_tokenizer(None)
     sampler_figures = sampler_rows(tokenizer)
     llm = LLM(max_model_len=512, num_kv_blocks=128)
-    engine_ms_per_token(llm, True, 8)  # warm-up
+    _, lengths = engine_seconds(llm, None)  # warm-up, and the lengths both sides make
     plain, constrained = [], []
     for _ in range(args.pairs):  # A B A B: the machine is shared and noisy
-        plain.append(engine_ms_per_token(llm, False, args.max_tokens))
-        constrained.append(engine_ms_per_token(llm, True, args.max_tokens))
+        plain.append(engine_seconds(llm, lengths)[0])
+        seconds, made = engine_seconds(llm, None)
+        assert made == lengths, (made, lengths)  # greedy: the same answers each time
+        constrained.append(seconds)
     ratios = [c / p for p, c in zip(plain, constrained, strict=True)]
     command = f"python benchmarks/structured_outputs.py {' '.join(sys.argv[1:])}".strip()
     section = "\n".join([
@@ -118,11 +121,13 @@ def main() -> int:
         "| constraint | ms per row and step |", "|---|---|",
         *(f"| {name} | {ms:.3f} |" for name, ms in sampler_figures), "",
         f"The offline engine (bundled model, {torch.get_num_threads()} threads, "
-        f"8 prompts, greedy, up to {args.max_tokens} tokens each), ms per output token, "
-        f"{args.pairs} pairs alternated (without, then with the schema of two strings):", "",
+        f"8 prompts, greedy), the wall time of the 8 answers with the schema of two strings "
+        f"(each ends where its object closes: {sum(lengths)} tokens) and without it (each "
+        f"run to the same length), {args.pairs} pairs alternated, seconds:", "",
         "| | min | median |", "|---|---|---|",
-        f"| without | {min(plain):.2f} | {statistics.median(plain):.2f} |",
-        f"| JSON schema | {min(constrained):.2f} | {statistics.median(constrained):.2f} |", "",
+        f"| without | {min(plain):.3f} | {statistics.median(plain):.3f} |",
+        f"| JSON schema | {min(constrained):.3f} | {statistics.median(constrained):.3f} |",
+        "",
         f"With the schema / without: ratio of minima {min(constrained) / min(plain):.2f}, "
         f"median of the pair ratios {statistics.median(ratios):.2f} (pairs: "
         f"{', '.join(f'{r:.2f}' for r in ratios)})."])
