@@ -35,9 +35,8 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "a lot"}}, 400, "logit_bias"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]},
      400, '"auto" tool choice needs a tool-call parser'),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
-            "tool_choice": "required"}, 400,
-     'tool_choice "required" needs structured outputs by JSON schema'),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL],
+            "tool_choice": "none"}, 400, "tools name the function 'get_weather' twice"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": "all"}, 400,
      "field 'tools'"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}],
@@ -786,4 +785,62 @@ def test_a_json_schema_holds_the_answer_to_it(server):
                 pet = json_module.loads(text)
                 assert {"name", "age"} <= set(pet) <= set(schema["properties"])
                 assert isinstance(pet["age"], int) and pet.get("kind", "cat") in ("cat", "dog")
+    wait_for(server.idle, what="an empty server")
+
+
+TIME = {"type": "function", "function": {"name": "get_time"}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}}
+
+
+def test_a_named_tool_choice_answers_its_call(server):
+    """tool_choice naming a function (LangChain's with_structured_output by function
+    calling) or "required" with one tool: the answer is that call, its arguments held to
+    the function's parameters, in OpenAI's shape, whole or streamed delta by delta."""
+    import json as json_module
+
+    from kvserve.model.json_mode import check_schema, read
+
+    parameters = check_schema(json_module.dumps(WEATHER["function"]["parameters"]))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "tools": [TIME, WEATHER], "tool_choice": named}
+    whole = post(server, CHAT, body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    message = choice["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    call = message["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"]["name"] == "get_weather"
+    arguments = call["function"]["arguments"]
+    assert read(arguments.encode(), schema=parameters) is not None, arguments
+    if choice["finish_reason"] == "stop":
+        assert "city" in json_module.loads(arguments)
+    with httpx.stream("POST", server.url + CHAT, timeout=60,
+                      json={**body, "stream": True}) as reply:
+        events = [json_module.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["index"] == 0
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+    assert all(set(c) == {"index", "function"} for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == arguments
+    one = post(server, CHAT, {**body, "tools": [WEATHER], "tool_choice": "required"})
+    assert one.json()["choices"][0]["message"]["tool_calls"][0]["function"][
+        "arguments"] == arguments  # greedy: the same call
+    for extra, needle in [
+        ({"tool_choice": "required"}, 'tool_choice "required" among several tools'),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "names the function 'nope', which is not among the tools"),
+        ({"tools": None, "tool_choice": named}, "'tool_choice' needs 'tools'"),
+        ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"day": {"type": "string", "format": "date"}}}}}]},
+         "'tool_choice': schema.properties.day: 'format' is not supported"),
+        ({"response_format": {"type": "json_object"}}, "give one structured output"),
+    ]:
+        refused = post(server, CHAT, {**body, **extra})
+        assert refused.status_code == 400 and needle in error_of(refused), refused.text
     wait_for(server.idle, what="an empty server")

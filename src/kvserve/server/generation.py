@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +42,7 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    forced_tool,
     parse_body,
 )
 from kvserve.server.responses import (
@@ -214,6 +216,12 @@ class _Generation:
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
         self.streamed: set[str] = set()  # choices whose first chunk went out
+        # a forced tool call (tool_choice naming a function): each choice's answer is that
+        # call, its arguments the text, under an id of its own
+        function = forced_tool(req) if chat else None
+        self.tool_name = None if function is None else function.name
+        self.tool_call_ids = {c.request_id: f"chatcmpl-tool-{uuid.uuid4().hex}"
+                              for c in choices} if function is not None else {}
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -291,7 +299,10 @@ class _Generation:
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
-        if self.chat:
+        if self.chat and self.tool_name is not None:  # OpenAI's shape: no content
+            out["message"] = {"role": self.state.response_role, "content": None,
+                              "tool_calls": [self._tool_call(choice, choice.text)]}
+        elif self.chat:
             out["message"] = {"role": self.state.response_role, "content": choice.text}
         else:
             out["text"] = choice.echo + choice.text
@@ -391,7 +402,12 @@ class _Generation:
             logprobs = self._logprobs(entries, choice.text_offsets)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
-        payload = {"content": text} if self.chat else text
+        if self.chat and self.tool_name is not None:  # the arguments, delta by delta
+            delta: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            payload = {"tool_calls": [{**self._tool_call(choice, text), "index": 0}
+                                      if first else delta]}
+        else:
+            payload = {"content": text} if self.chat else text
         data = self._chunk(choice, payload, logprobs)
         if first and self.req.prompt_logprobs is not None:
             where = data if self.chat else data["choices"][0]
@@ -413,6 +429,10 @@ class _Generation:
         if options is not None and options.include_usage and options.continuous_usage_stats:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return data
+
+    def _tool_call(self, choice: Choice, arguments: str) -> dict[str, Any]:
+        return {"id": self.tool_call_ids[choice.request_id], "type": "function",
+                "function": {"name": self.tool_name, "arguments": arguments}}
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

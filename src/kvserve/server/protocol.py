@@ -78,6 +78,17 @@ class FunctionDefinition(_Body):
     strict: bool | None = None
 
 
+class FunctionName(_Body):
+    name: str = Field(min_length=1, max_length=256)
+
+
+class NamedToolChoice(_Body):
+    """OpenAI's tool_choice naming one function: {"type": "function", "function": {...}}."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class Tool(_Body):
     """OpenAI's tool: a function (checked although a served one is ignored: QA)."""
 
@@ -264,7 +275,10 @@ class ChatCompletionRequest(_Sampling):
     # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
     # ignores them; anything that would need a tool-call parser is refused (_check_tools)
     tools: list[Tool] | None = Field(default=None, max_length=1024)
-    tool_choice: Any = None
+    # "none" (tools ignored), a named function or, with one tool, "required" (its call is
+    # the answer: its arguments held to the function's parameters, _forced_tool); "auto"
+    # would need a tool-call parser
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
@@ -314,7 +328,7 @@ class DetokenizeRequest(_Body):
 # default) or these values, which ask for nothing, so accepting them honours them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True),
+    "tools": ([],), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "modalities": (["text"],),
     "service_tier": ("auto", "default"),  # no tiers here: every request is served alike
@@ -411,7 +425,8 @@ def json_schema_text(request: Any) -> str | None:
          if response_format is not None and response_format.json_schema is not None
          else None),
         ("structured_outputs.json", structured.json_schema if structured is not None else None),
-        ("guided_json", getattr(request, "guided_json", None))) if schema is not None]
+        ("guided_json", getattr(request, "guided_json", None)),
+        ("tool_choice", _tool_parameters(request))) if schema is not None]
     if not given:
         return None
     if len(given) > 1:
@@ -426,25 +441,60 @@ def json_schema_text(request: Any) -> str | None:
     return text
 
 
+def _tool_parameters(request: Any) -> dict[str, Any] | None:
+    """The forced function's parameters, the schema of its arguments (none given: an
+    object of any keys)."""
+    function = forced_tool(request)
+    if function is None:
+        return None
+    return function.parameters if function.parameters is not None else {"type": "object"}
+
+
 def _check_tools(request: Any) -> None:
-    """Tools with tool_choice "none" are served, the tools ignored, as vLLM serves them;
+    """Tools with tool_choice "none" are served, the tools ignored, as vLLM serves them; a
+    named function (or "required" with one tool) makes its call the answer (forced_tool);
     "auto" (the default when tools are given, as OpenAI's and vLLM's) needs a tool-call
-    parser and "required" or a named function structured outputs by JSON schema, which
-    this server has neither of: a 400 saying so."""
+    parser, and "required" among several tools a choice between their schemas, which this
+    server has neither of: a 400 saying so."""
     tools = getattr(request, "tools", None)
+    choice = getattr(request, "tool_choice", None)
+    names = [tool.function.name for tool in tools or ()]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise bad_request(f"tools name the function {twice!r} twice", param="tools")
     if not tools:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
         return
-    choice = request.tool_choice
     if choice == "none":
         return
-    wanted = "auto" if choice is None else choice
-    if wanted == "auto":
+    if choice is None or choice == "auto":
         raise bad_request('"auto" tool choice needs a tool-call parser, which this server '
-                          'does not have; send "tool_choice": "none" to have the tools '
+                          'does not have; name the function in "tool_choice" (its call is '
+                          'the answer), or send "tool_choice": "none" to have the tools '
                           "ignored", param="tool_choice")
-    raise bad_request(f"tool_choice {json.dumps(wanted)[:80]} needs structured outputs by "
-                      "JSON schema, which this server does not implement; send "
-                      '"tool_choice": "none" to have the tools ignored', param="tool_choice")
+    if choice == "required" and len(tools) > 1:
+        raise bad_request('tool_choice "required" among several tools needs a choice '
+                          "between their schemas, which this server does not make; name "
+                          "the function in \"tool_choice\"", param="tool_choice")
+    forced_tool(request)  # a name among the tools, with parameters this server honours
+
+
+def forced_tool(request: Any) -> FunctionDefinition | None:
+    """The function whose call is the answer (tool_choice names it, or "required" with one
+    tool); a 400 naming what is wrong."""
+    tools = getattr(request, "tools", None)
+    choice = getattr(request, "tool_choice", None)
+    if not tools or choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        return tools[0].function
+    for tool in tools:
+        if tool.function.name == choice.function.name:
+            return tool.function
+    raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is "
+                      f"not among the tools ({', '.join(t.function.name for t in tools)})",
+                      param="tool_choice")
 
 
 def _describe(error: ValidationError) -> tuple[str, str]:
