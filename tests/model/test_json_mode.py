@@ -22,12 +22,13 @@ from kvserve.model.json_mode import (
 )
 from kvserve.model.sampler import Sampler, SamplingRow
 
-OBJECTS = [b"{}", b'{"a": 1}', b' {"a": [1, 2.5, -3e+2, 0.5E-1, true, false, null]}',
+OBJECTS = [b"{}", b'{"a": 1}', b'{"a": [1, 2.5, -3e+2, 0.5E-1, true, false, null]}',
            b'{"k":"v\\n\\"\\u00e9","n":0,"o":{"p":[[],{}]}}', b'{"\xc3\xa9": "\xe2\x82\xac"}']
 NOT_OBJECTS = [b"[]", b'"a"', b'{"a" 1}', b'{"a": 01}', b'{"a": tru}', b"{,}", b'{"a":1,}',
                b'{"a": "\x01"}', b'{"a": [1 2]}', b"{}}", b'{"a": -}', b'{"a": 1.}',
                b'{"a": 1e}', b'{a: 1}', b'{"a": "\\x"}', b'{"a": "\\u12g4"}', b"{} ",
-               b"{" + b" " * (MAX_WHITESPACE + 1) + b"}"]
+               b"{" + b" " * (MAX_WHITESPACE + 1) + b"}",
+               b" {}", b"\n{}"]  # the answer starts with its brace (QA: "\n{" in arguments)
 
 
 @pytest.mark.parametrize("text", OBJECTS)
@@ -87,7 +88,16 @@ def test_the_sampler_keeps_a_json_row_in_json_and_ends_it_at_eos():
 
 
 def test_start_is_before_the_object():
-    assert START.mode == "top" and read(b"   {").mode == "obj1"
+    assert START.mode == "top" and read(b"{").mode == "obj1" and read(b" {") is None
+
+
+def test_an_object_that_lists_no_properties_is_empty_and_one_that_lists_none_is_free():
+    """LangChain's tool without arguments sends {"properties": {}, "type": "object"}: only
+    {} (QA: the model filled it with keys); without "properties", any keys."""
+    closed = Schema({"type": "object", "properties": {}})
+    assert read(b"{}", schema=closed).mode == DONE and read(b'{"a', schema=closed) is None
+    free = Schema({"type": "object"})
+    assert read(b'{"a": 1}', schema=free).mode == DONE
 
 
 PET = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

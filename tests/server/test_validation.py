@@ -3,6 +3,8 @@ message a person can act on, and queues nothing."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -829,8 +831,12 @@ def test_a_named_tool_choice_answers_its_call(server):
     assert all(set(c) == {"index", "function"} for c in calls[1:])
     assert "".join(c["function"]["arguments"] for c in calls) == arguments
     one = post(server, CHAT, {**body, "tools": [WEATHER], "tool_choice": "required"})
-    assert one.json()["choices"][0]["message"]["tool_calls"][0]["function"][
-        "arguments"] == arguments  # greedy: the same call
+    required = one.json()["choices"][0]
+    assert required["message"]["tool_calls"][0]["function"]["arguments"] == arguments
+    # vLLM's finish reasons: stop where the function was named, tool_calls where required
+    assert required["finish_reason"] == ("tool_calls" if choice["finish_reason"] == "stop"
+                                         else choice["finish_reason"])
+    assert not arguments[:1].isspace()  # the arguments start with their brace (QA)
     for extra, needle in [
         ({"tool_choice": "required"}, 'tool_choice "required" among several tools'),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -838,9 +844,25 @@ def test_a_named_tool_choice_answers_its_call(server):
         ({"tools": None, "tool_choice": named}, "'tool_choice' needs 'tools'"),
         ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"day": {"type": "string", "format": "date"}}}}}]},
-         "'tool_choice': schema.properties.day: 'format' is not supported"),
+         "'tools.0.function.parameters': schema.properties.day: 'format' is not supported"),
         ({"response_format": {"type": "json_object"}}, "give one structured output"),
     ]:
         refused = post(server, CHAT, {**body, **extra})
         assert refused.status_code == 400 and needle in error_of(refused), refused.text
     wait_for(server.idle, what="an empty server")
+
+
+def test_a_required_call_finishes_with_tool_calls_and_a_named_one_with_stop(server):
+    """A function without arguments (LangChain sends {"properties": {}}) takes only {}, so
+    the call ends at once; the finish reason is vLLM's: tool_calls where the call was
+    required, stop where the function was named."""
+    now = {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {}}}}
+    body = {"messages": [{"role": "user", "content": "What time is it?"}], "max_tokens": 30,
+            "tools": [now]}
+    for tool_choice, reason in (("required", "tool_calls"),
+                                ({"type": "function", "function": {"name": "now"}}, "stop")):
+        reply = post(server, CHAT, {**body, "tool_choice": tool_choice}).json()["choices"][0]
+        arguments = reply["message"]["tool_calls"][0]["function"]["arguments"]
+        assert arguments.startswith("{") and json.loads(arguments) == {}
+        assert reply["finish_reason"] == reason

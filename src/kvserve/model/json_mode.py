@@ -21,7 +21,8 @@ hashable), so a stretch of one kind (a long string, a run of keys at one depth) 
 once.
 
 Whitespace between tokens is allowed, at most ``MAX_WHITESPACE`` bytes in a row, so that a
-small model cannot fill its answer with blank lines. Strings are checked as JSON strings
+small model cannot fill its answer with blank lines; none before the object (an answer, a
+tool call's arguments, starts with its brace, as OpenAI's do). Strings are checked as JSON strings
 (escapes included), not as UTF-8: a token holding part of a character is allowed.
 """
 
@@ -39,7 +40,7 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrtu')
 
 # Modes of the recognizer (where it is in the grammar).
-TOP = "top"                # before the object: whitespace or "{"
+TOP = "top"                # before the object: "{" (no whitespace: the answer starts there)
 OBJECT_FIRST = "obj1"      # after "{": a key or "}"
 OBJECT_KEY = "key"         # after "," in an object: a key
 COLON = "colon"            # after a key
@@ -137,7 +138,9 @@ class Schema:
         if unknown:
             raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
                               "type, properties, required, additionalProperties, items, "
-                              "enum, const, anyOf, oneOf, $ref)")
+                              "enum, const, anyOf, oneOf, $ref); drop the constraint (a "
+                              "pydantic Field's ge, max_length, pattern...) or, for a date or "
+                              "time, take a str")
         if kind == "object" or (kind is None and "properties" in schema):
             return self._object(schema, where)
         if kind == "array":
@@ -162,9 +165,10 @@ class Schema:
             raise SchemaError(f"schema{where}: required must list names of properties")
         compiled = tuple((name, self._compile(sub, f"{where}.properties.{name}"))
                          for name, sub in properties.items())
-        # OpenAI's strict schemas say additionalProperties false; left out, an object with
-        # properties takes only them here too (the keys a model may invent are not asked for)
-        extra = schema.get("additionalProperties", not properties)
+        # OpenAI's strict schemas say additionalProperties false; left out, an object that
+        # lists properties takes only them here too, an empty list included (LangChain's
+        # tool without arguments: {}), and one that lists none takes any keys
+        extra = schema.get("additionalProperties", "properties" not in schema)
         if properties and extra is not False:
             raise SchemaError(f"schema{where}: an object with properties takes only them "
                               "here: additionalProperties must be false or left out")
@@ -276,6 +280,8 @@ def feed(state: JsonState | None, byte: int, schema: Schema = ANY_OBJECT) -> Jso
         return _number(state, byte, schema)
     if mode == CHOICE:
         return _choice(state, byte, schema)
+    if mode in (DONE, TOP) and byte in _WHITESPACE:
+        return None  # the answer is the object: nothing before it, nothing after it
     if mode == DONE:
         return None
     if byte in _WHITESPACE:

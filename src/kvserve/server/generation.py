@@ -220,6 +220,8 @@ class _Generation:
         # call, its arguments the text, under an id of its own
         function = forced_tool(req) if chat else None
         self.tool_name = None if function is None else function.name
+        # vLLM's finish reason: tool_calls where the call was required, stop where named
+        self.finished_calling = chat and req.tool_choice == "required"
         self.tool_call_ids = {c.request_id: f"chatcmpl-tool-{uuid.uuid4().hex}"
                               for c in choices} if function is not None else {}
 
@@ -310,7 +312,7 @@ class _Generation:
         out["logprobs"] = self._logprobs(entries) if entries else None
         if not self.chat and self.req.prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(choice)
-        out["finish_reason"] = choice.finish_reason
+        out["finish_reason"] = self._finish_reason(choice.finish_reason)
         out["stop_reason"] = choice.stop_reason
         if self.req.return_token_ids:
             if not self.chat:
@@ -418,7 +420,7 @@ class _Generation:
                 entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
             entry["token_ids"] = [] if self.prompt_only else chunk.new_token_ids
         if chunk.finished:
-            data["choices"][0]["finish_reason"] = chunk.finish_reason
+            data["choices"][0]["finish_reason"] = self._finish_reason(chunk.finish_reason)
             data["choices"][0]["stop_reason"] = chunk.stop_reason
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
         return sse(self._with_usage(data))
@@ -429,6 +431,9 @@ class _Generation:
         if options is not None and options.include_usage and options.continuous_usage_stats:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return data
+
+    def _finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.finished_calling else reason
 
     def _tool_call(self, choice: Choice, arguments: str) -> dict[str, Any]:
         return {"id": self.tool_call_ids[choice.request_id], "type": "function",

@@ -415,7 +415,8 @@ def parse_body(model: type[_Body], body: Any) -> Any:
 
 def json_schema_text(request: Any) -> str | None:
     """The JSON schema a request holds its answer to (OpenAI's response_format json_schema,
-    vLLM's structured_outputs.json or guided_json), as JSON text, checked: a 400 naming the
+    vLLM's structured_outputs.json or guided_json, a forced tool's parameters), as JSON
+    text, checked: a 400 naming the
     field when it is given twice, is not JSON, or asks what kvserve/model/json_mode.py does
     not honour."""
     response_format = getattr(request, "response_format", None)
@@ -426,7 +427,7 @@ def json_schema_text(request: Any) -> str | None:
          else None),
         ("structured_outputs.json", structured.json_schema if structured is not None else None),
         ("guided_json", getattr(request, "guided_json", None)),
-        ("tool_choice", _tool_parameters(request))) if schema is not None]
+        *_tool_parameters(request)) if schema is not None]
     if not given:
         return None
     if len(given) > 1:
@@ -441,13 +442,15 @@ def json_schema_text(request: Any) -> str | None:
     return text
 
 
-def _tool_parameters(request: Any) -> dict[str, Any] | None:
+def _tool_parameters(request: Any) -> list[tuple[str, dict[str, Any]]]:
     """The forced function's parameters, the schema of its arguments (none given: an
-    object of any keys)."""
+    object of any keys), named by where they are; [] when no function is forced."""
     function = forced_tool(request)
     if function is None:
-        return None
-    return function.parameters if function.parameters is not None else {"type": "object"}
+        return []
+    index = [tool.function for tool in request.tools].index(function)
+    return [(f"tools.{index}.function.parameters",
+             function.parameters if function.parameters is not None else {"type": "object"})]
 
 
 def _check_tools(request: Any) -> None:
