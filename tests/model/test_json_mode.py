@@ -142,7 +142,12 @@ def test_what_breaks_the_schema_is_never_done(text):
      "schema.properties.a: 'pattern' is not supported"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"},
                                                       {"type": "object"}]}}},
+     "objects in a union must be told apart by their first property"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"},
+                                                      {"enum": ["x"]}]}}},
      "alternatives must be of different JSON types"),
+    ({"type": "object", "properties": {"a": {"type": "array", "minItems": 2,
+                                             "maxItems": 1}}}, "minItems and maxItems"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
      "additionalProperties must be false"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}},
@@ -223,3 +228,30 @@ def test_a_rows_state_goes_on_from_the_step_before():
     assert (None, tuple(output[:4])) in sampler._states
     fresh = Sampler(token_bytes=lambda: pieces)  # no step before: read whole
     assert fresh.json_state(None, ANY_OBJECT, output).mode == DONE
+
+
+CAT_OR_DOG = {"type": "object", "required": ["pet", "n"], "properties": {
+    "pet": {"anyOf": [
+        {"type": "object", "required": ["kind", "meows"], "properties": {
+            "kind": {"const": "cat"}, "meows": {"type": "boolean"}}},
+        {"type": "object", "required": ["kind", "barks"], "properties": {
+            "kind": {"enum": ["dog", "wolf"]}, "barks": {"type": "integer"}}},
+        {"type": "null"}]},
+    "n": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}}}
+
+
+@pytest.mark.parametrize(("text", "done"), [
+    (b'{"pet":{"kind":"cat","meows":true},"n":[1]}', True),
+    (b'{"pet":{"kind":"wolf","barks":3},"n":[1,2]}', True),
+    (b'{"pet":null,"n":[0]}', True),
+    (b'{"pet":{"kind":"cat","barks":3},"n":[1]}', False),  # a cat does not bark
+    (b'{"pet":{"kind":"dog","meows":true},"n":[1]}', False),
+    (b'{"pet":{"meows":true,"kind":"cat"},"n":[1]}', False),  # the tag comes first
+    (b'{"pet":null,"n":[]}', False),  # minItems 1
+    (b'{"pet":null,"n":[1,2,3]}', False),  # maxItems 2
+])
+def test_a_tagged_union_of_objects_and_counted_arrays(text, done):
+    """Objects of a union told apart by their first property (pydantic's discriminated
+    union; a required call among several tools), and arrays' minItems / maxItems."""
+    state = read(text, schema=Schema(CAT_OR_DOG))
+    assert (state is not None and state.mode == DONE) == done

@@ -838,7 +838,6 @@ def test_a_named_tool_choice_answers_its_call(server):
                                          else choice["finish_reason"])
     assert not arguments[:1].isspace()  # the arguments start with their brace (QA)
     for extra, needle in [
-        ({"tool_choice": "required"}, 'tool_choice "required" among several tools'),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "names the function 'nope', which is not among the tools"),
         ({"tools": None, "tool_choice": named}, "'tool_choice' needs 'tools'"),
@@ -866,3 +865,35 @@ def test_a_required_call_finishes_with_tool_calls_and_a_named_one_with_stop(serv
         arguments = reply["message"]["tool_calls"][0]["function"]["arguments"]
         assert arguments.startswith("{") and json.loads(arguments) == {}
         assert reply["finish_reason"] == reason
+
+
+def test_required_among_several_tools_answers_their_calls(server):
+    """tool_choice "required" among several tools (LangChain's tool_choice="any"): the
+    answer is one call or more, each of one of the tools with arguments of its parameters
+    (one with parallel_tool_calls false), in OpenAI's tool_calls shape, whole or streamed
+    (the calls go out whole once the answer is complete); finish_reason tool_calls."""
+    def no_arguments(name: str) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {}}}}
+
+    body = {"messages": [{"role": "user", "content": "Time or date?"}], "max_tokens": 200,
+            "temperature": 0, "tools": [no_arguments("now"), no_arguments("today")],
+            "tool_choice": "required", "parallel_tool_calls": False}
+    reply = post(server, CHAT, body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]  # parallel_tool_calls false: one
+    assert call["function"]["name"] in ("now", "today")
+    assert json.loads(call["function"]["arguments"]) == {}
+    cut = post(server, CHAT, {**body, "max_tokens": 3}).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+    assert cut["message"]["content"].startswith("{")  # cut short: the text as it is
+    with httpx.stream("POST", server.url + CHAT, timeout=60,
+                      json={**body, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    calls = [c for e in events if e["choices"]
+             for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -64,15 +64,22 @@ class SchemaError(ValueError):
 @dataclass(frozen=True)
 class Node:
     """A compiled schema node. ``kind``: any, object, array, string, number, integer,
-    texts (the value is one of ``texts``: enum, const, boolean, null) or union."""
+    texts (the value is one of ``texts``: enum, const, boolean, null), union (of values
+    told apart by their first character) or tagged (objects told apart by their first
+    property's value)."""
 
     kind: str
     properties: tuple[tuple[str, int], ...] = ()  # object: name -> node index
     required: frozenset[str] = frozenset()
     additional: int | None = None  # object: the node of other keys' values; None: none
     items: int | None = None  # array
+    min_items: int = 0  # array
+    max_items: int | None = None  # array
     texts: tuple[bytes, ...] = ()
     alternatives: tuple[int, ...] = ()  # union
+    # tagged: the objects of a union told apart by their first property (``properties``:
+    # its name, with all their values), each value's object
+    by_text: tuple[tuple[bytes, int], ...] = ()
 
 
 # Keywords that only describe (honoured by ignoring them).
@@ -133,19 +140,24 @@ class Schema:
         if isinstance(kind, list):
             return self._union([{**schema, "type": k} for k in kind], f"{where}.type")
         known = {"type", "properties", "required", "additionalProperties", "items",
-                 "definitions", "$defs"} | _ANNOTATIONS
+                 "minItems", "maxItems", "definitions", "$defs"} | _ANNOTATIONS
         unknown = sorted(set(schema) - known)
         if unknown:
             raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
                               "type, properties, required, additionalProperties, items, "
-                              "enum, const, anyOf, oneOf, $ref); drop the constraint (a "
+                              "minItems, maxItems, enum, const, anyOf, oneOf, $ref); drop "
+                              "the constraint (a "
                               "pydantic Field's ge, max_length, pattern...) or, for a date or "
                               "time, take a str")
         if kind == "object" or (kind is None and "properties" in schema):
             return self._object(schema, where)
         if kind == "array":
             items = self._compile(schema.get("items", True), f"{where}.items")
-            return self._add(Node("array", items=items))
+            low, high = schema.get("minItems", 0), schema.get("maxItems")
+            if not _is_count(low) or not (high is None or (_is_count(high) and high >= low)):
+                raise SchemaError(f"schema{where}: minItems and maxItems must be counts, "
+                                  "the first no more than the second")
+            return self._add(Node("array", items=items, min_items=low, max_items=high))
         if kind == "boolean":
             return self._add(Node("texts", texts=(b"true", b"false")))
         if kind == "null":
@@ -187,11 +199,43 @@ class Schema:
             return self.any
         if kinds == {"number", "integer"}:  # Union[int, float]: the integers are numbers
             return self._add(Node("number"))
+        objects = tuple(a for a in alternatives if self.nodes[a].kind == "object")
+        if len(objects) > 1:
+            tagged = self._tagged(objects)
+            if tagged is None:
+                raise SchemaError(f"schema{where}: objects in a union must be told apart by "
+                                  "their first property: one name in each, required, a "
+                                  "const or enum of values no other has (pydantic's "
+                                  "discriminated union)")
+            alternatives = (*(a for a in alternatives if a not in objects), tagged)
+            if len(alternatives) == 1:
+                return tagged
         starts = [_first_bytes(self.nodes[a], self.nodes) for a in alternatives]
         if sum(len(s) for s in starts) != len(set().union(*starts)):
             raise SchemaError(f"schema{where}: alternatives must be of different JSON types "
                               "(told apart by their first character)")
         return self._add(Node("union", alternatives=alternatives))
+
+    def _tagged(self, objects: tuple[int, ...]) -> int | None:
+        """A tagged union of these objects, or None if their first properties do not tell
+        them apart."""
+        nodes = [self.nodes[o] for o in objects]
+        if not all(node.properties for node in nodes):
+            return None
+        name = nodes[0].properties[0][0]
+        by_text: list[tuple[bytes, int]] = []
+        for index, node in zip(objects, nodes, strict=True):
+            first, value = node.properties[0]
+            tag = self.nodes[value]
+            if first != name or first not in node.required or tag.kind != "texts":
+                return None
+            by_text += [(text, index) for text in tag.texts]
+        texts = [text for text, _ in by_text]
+        if len(set(texts)) != len(texts):
+            return None
+        values = self._add(Node("texts", texts=tuple(texts)))
+        return self._add(Node("tagged", properties=((name, values),),
+                              required=frozenset({name}), by_text=tuple(by_text)))
 
     def _ref(self, ref: Any, where: str) -> int:
         if ref in self._refs:
@@ -207,6 +251,10 @@ class Schema:
         return index
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _text(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -218,7 +266,7 @@ def _first_bytes(node: Node, nodes: list[Node]) -> set[int]:
         return {text[0] for text in node.texts}
     if kind == "union":
         return set().union(*(_first_bytes(nodes[a], nodes) for a in node.alternatives))
-    return {"object": set(b"{"), "array": set(b"["), "string": set(b'"'),
+    return {"object": set(b"{"), "tagged": set(b"{"), "array": set(b"["), "string": set(b'"'),
             "number": set(b"-0123456789"), "integer": set(b"-0123456789"),
             }.get(kind, set(b'{["-0123456789tfn'))
 
@@ -242,8 +290,7 @@ def check_schema(text: str) -> Schema:
 class JsonState:
     mode: str
     # open containers, outermost first: ("o", node, the index of the next property a key
-    # may name, the key being read or None) or ("a", node)
-    # or ("a", node)
+    # may name, the key being read or None) or ("a", node, the values begun)
     stack: tuple[tuple[Any, ...], ...] = ()
     extra: Any = None
     whitespace: int = 0  # whitespace bytes in a row just read
@@ -307,14 +354,22 @@ def _structural(state: JsonState, byte: int, schema: Schema) -> JsonState | None
     if mode == ARRAY_FIRST:
         if byte == ord("]"):
             return _close(stack, schema)
-        return _value(stack, schema.nodes[stack[-1][1]].items, byte, schema)
+        _, index, _ = stack[-1]
+        node = schema.nodes[index]
+        if node.max_items == 0:
+            return None
+        return _value((*stack[:-1], ("a", index, 1)), node.items, byte, schema)
     if mode == VALUE:
         return _value(stack, state.extra, byte, schema)
     if mode == AFTER_VALUE:
         frame = stack[-1]
         if frame[0] == "a":
+            _, index, count = frame
+            node = schema.nodes[index]
             if byte == ord(","):
-                return JsonState(VALUE, stack, schema.nodes[frame[1]].items)
+                if node.max_items is not None and count >= node.max_items:
+                    return None
+                return JsonState(VALUE, (*stack[:-1], ("a", index, count + 1)), node.items)
             return _close(stack, schema) if byte == ord("]") else None
         if byte == ord(","):
             return JsonState(OBJECT_KEY, stack) if _keys_left(frame, schema) else None
@@ -336,11 +391,11 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
         return _choice(JsonState(CHOICE, stack, (node.texts, 0, "value")), byte, schema)
     if byte == 0x22 and kind in ("any", "string"):
         return JsonState(STRING, stack, False)
-    if byte == ord("{") and kind in ("any", "object"):
-        return _open_object(stack, index if kind == "object" else schema.any_object)
+    if byte == ord("{") and kind in ("any", "object", "tagged"):
+        return _open_object(stack, schema.any_object if kind == "any" else index)
     if byte == ord("[") and kind in ("any", "array"):
         return JsonState(ARRAY_FIRST, (*stack, ("a", index if kind == "array"
-                                                else schema.any_array)))
+                                                else schema.any_array, 0)))
     if kind in ("any", "number", "integer"):
         integer = kind == "integer"
         if byte == ord("-"):
@@ -414,12 +469,23 @@ def _choice(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
 
 def _after_choice(stack: tuple[Any, ...], texts: tuple[bytes, ...], read_so_far: int,
                   what: str, schema: Schema) -> JsonState:
+    text = next(t for t in texts if len(t) == read_so_far)
     if what == "value":
-        return _after_value(stack)
-    name = json.loads(next(t for t in texts if len(t) == read_so_far))
+        return _after_value(_tag(stack, text, schema))
+    name = json.loads(text)
     kind, index, _, _ = stack[-1]
     position = 1 + [p for p, _ in schema.nodes[index].properties].index(name)
     return JsonState(COLON, (*stack[:-1], (kind, index, position, name)))
+
+
+def _tag(stack: tuple[Any, ...], text: bytes, schema: Schema) -> tuple[Any, ...]:
+    """The stack after a value ``text``: where it was a tagged union's first property, the
+    object it names goes on in its place (its first property read)."""
+    frame = stack[-1] if stack else None
+    if frame is None or frame[0] != "o" or schema.nodes[frame[1]].kind != "tagged":
+        return stack
+    chosen = dict(schema.nodes[frame[1]].by_text)[text]
+    return (*stack[:-1], ("o", chosen, 1, frame[3]))
 
 
 def _after_value(stack: tuple[Any, ...]) -> JsonState:
@@ -428,6 +494,8 @@ def _after_value(stack: tuple[Any, ...]) -> JsonState:
 
 def _close(stack: tuple[Any, ...], schema: Schema) -> JsonState | None:
     frame = stack[-1]
+    if frame[0] == "a" and frame[2] < schema.nodes[frame[1]].min_items:
+        return None  # too few items
     if frame[0] == "o" and any(name in schema.nodes[frame[1]].required
                                for name, _ in schema.nodes[frame[1]].properties[frame[2]:]):
         return None  # a required key is missing

@@ -12,6 +12,7 @@ the queue still gets a real 503, not a 200 with an error inside.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -42,6 +43,7 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    calls_required,
     forced_tool,
     parse_body,
 )
@@ -220,6 +222,8 @@ class _Generation:
         # call, its arguments the text, under an id of its own
         function = forced_tool(req) if chat else None
         self.tool_name = None if function is None else function.name
+        # "required" among several tools: the answer holds the calls (calls_required)
+        self.calls_required = chat and calls_required(req)
         # vLLM's finish reason: tool_calls where the call was required, stop where named
         self.finished_calling = chat and req.tool_choice == "required"
         self.tool_call_ids = {c.request_id: f"chatcmpl-tool-{uuid.uuid4().hex}"
@@ -304,6 +308,8 @@ class _Generation:
         if self.chat and self.tool_name is not None:  # OpenAI's shape: no content
             out["message"] = {"role": self.state.response_role, "content": None,
                               "tool_calls": [self._tool_call(choice, choice.text)]}
+        elif self.calls_required:
+            out["message"] = self._required_message(choice.text)
         elif self.chat:
             out["message"] = {"role": self.state.response_role, "content": choice.text}
         else:
@@ -370,14 +376,16 @@ class _Generation:
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
                 yield sse(self._with_usage(data))  # vLLM's role chunk has it too
-        yield self._event(first)
+        if event := self._event(first):  # "" where nothing goes out yet (calls_required)
+            yield event
         try:
             async for chunk in self.stream:
                 if chunk.stop_reason in _QUEUE_ENDS:
                     yield sse(_queue_end(self.state, chunk.stop_reason).body())
                     self.close()
                     break
-                yield self._event(chunk)
+                if event := self._event(chunk):
+                    yield event
         except EngineDeadError as error:
             self._failed()
             yield sse(APIError(503, str(error)).body())
@@ -404,7 +412,15 @@ class _Generation:
             logprobs = self._logprobs(entries, choice.text_offsets)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
-        if self.chat and self.tool_name is not None:  # the arguments, delta by delta
+        if self.calls_required:  # the calls go out whole, once the answer is complete
+            if not chunk.finished:
+                return ""
+            message = self._required_message(choice.text)
+            payload = {key: value for key, value in message.items() if key != "role"}
+            if "tool_calls" in payload:
+                payload["tool_calls"] = [{"index": i, **call}
+                                         for i, call in enumerate(payload["tool_calls"])]
+        elif self.chat and self.tool_name is not None:  # the arguments, delta by delta
             delta: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             payload = {"tool_calls": [{**self._tool_call(choice, text), "index": 0}
                                       if first else delta]}
@@ -431,6 +447,20 @@ class _Generation:
         if options is not None and options.include_usage and options.continuous_usage_stats:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return data
+
+    def _required_message(self, text: str) -> dict[str, Any]:
+        """calls_required's answer as OpenAI's message: each call with an id of its own and
+        its parameters as the arguments' JSON text; an answer cut short (by max_tokens)
+        stays the text it is."""
+        role = self.state.response_role
+        try:
+            calls = json.loads(text)["tool_calls"]
+        except ValueError:
+            return {"role": role, "content": text}
+        return {"role": role, "content": None, "tool_calls": [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["parameters"])}}
+            for call in calls]}
 
     def _finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.finished_calling else reason

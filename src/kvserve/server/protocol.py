@@ -427,7 +427,7 @@ def json_schema_text(request: Any) -> str | None:
          else None),
         ("structured_outputs.json", structured.json_schema if structured is not None else None),
         ("guided_json", getattr(request, "guided_json", None)),
-        *_tool_parameters(request)) if schema is not None]
+        *_tool_parameters(request), *_required_calls_schema(request)) if schema is not None]
     if not given:
         return None
     if len(given) > 1:
@@ -440,6 +440,29 @@ def json_schema_text(request: Any) -> str | None:
     except SchemaError as error:
         raise bad_request(f"'{param}': {error}", param=param) from None
     return text
+
+
+def calls_required(request: Any) -> bool:
+    """tool_choice "required" among several tools: the answer is one call or more of any
+    of them (one, with parallel_tool_calls false), as {"tool_calls": [{"name": ...,
+    "parameters": {...}}, ...]}, which the server turns into OpenAI's tool_calls."""
+    return getattr(request, "tool_choice", None) == "required" and \
+        len(getattr(request, "tools", None) or ()) > 1
+
+
+def _required_calls_schema(request: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The schema of calls_required's answer: a call is an object tagged by its "name"."""
+    if not calls_required(request):
+        return []
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+         "properties": {"name": {"const": tool.function.name},
+                        "parameters": tool.function.parameters or {"type": "object"}}}
+        for tool in request.tools]}}
+    if request.parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return [("tools", {"type": "object", "required": ["tool_calls"],
+                       "additionalProperties": False, "properties": {"tool_calls": calls}})]
 
 
 def _tool_parameters(request: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -455,10 +478,10 @@ def _tool_parameters(request: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def _check_tools(request: Any) -> None:
     """Tools with tool_choice "none" are served, the tools ignored, as vLLM serves them; a
-    named function (or "required" with one tool) makes its call the answer (forced_tool);
-    "auto" (the default when tools are given, as OpenAI's and vLLM's) needs a tool-call
-    parser, and "required" among several tools a choice between their schemas, which this
-    server has neither of: a 400 saying so."""
+    named function (or "required" with one tool) makes its call the answer (forced_tool),
+    "required" among several tools one call or more of them (calls_required); "auto" (the
+    default when tools are given, as OpenAI's and vLLM's) needs a tool-call parser, which
+    this server has not: a 400 saying so."""
     tools = getattr(request, "tools", None)
     choice = getattr(request, "tool_choice", None)
     names = [tool.function.name for tool in tools or ()]
@@ -476,11 +499,7 @@ def _check_tools(request: Any) -> None:
                           'does not have; name the function in "tool_choice" (its call is '
                           'the answer), or send "tool_choice": "none" to have the tools '
                           "ignored", param="tool_choice")
-    if choice == "required" and len(tools) > 1:
-        raise bad_request('tool_choice "required" among several tools needs a choice '
-                          "between their schemas, which this server does not make; name "
-                          "the function in \"tool_choice\"", param="tool_choice")
-    forced_tool(request)  # a name among the tools, with parameters this server honours
+    forced_tool(request)  # a name among the tools
 
 
 def forced_tool(request: Any) -> FunctionDefinition | None:
@@ -491,7 +510,7 @@ def forced_tool(request: Any) -> FunctionDefinition | None:
     if not tools or choice in (None, "none", "auto"):
         return None
     if choice == "required":
-        return tools[0].function
+        return tools[0].function if len(tools) == 1 else None  # several: required_calls
     for tool in tools:
         if tool.function.name == choice.function.name:
             return tool.function
