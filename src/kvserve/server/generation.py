@@ -12,10 +12,8 @@ the queue still gets a real 503, not a 200 with an error inside.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,8 +41,6 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    calls_required,
-    forced_tool,
     parse_body,
 )
 from kvserve.server.responses import (
@@ -61,6 +57,7 @@ from kvserve.server.responses import (
     vllm_prompt_logprobs,
 )
 from kvserve.server.state import ServerState
+from kvserve.server.tool_calls import ToolCalls
 
 logger = logging.getLogger(__name__)
 
@@ -218,16 +215,9 @@ class _Generation:
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
         self.streamed: set[str] = set()  # choices whose first chunk went out
-        # a forced tool call (tool_choice naming a function): each choice's answer is that
-        # call, its arguments the text, under an id of its own
-        function = forced_tool(req) if chat else None
-        self.tool_name = None if function is None else function.name
-        # "required" among several tools: the answer holds the calls (calls_required)
-        self.calls_required = chat and calls_required(req)
-        # vLLM's finish reason: tool_calls where the call was required, stop where named
-        self.finished_calling = chat and req.tool_choice == "required"
-        self.tool_call_ids = {c.request_id: f"chatcmpl-tool-{uuid.uuid4().hex}"
-                              for c in choices} if function is not None else {}
+        # a tool call as each choice's answer (tool_choice naming a function, or required)
+        self.tools = ToolCalls.of(req, [c.request_id for c in choices],
+                                  state.response_role) if chat else None
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -305,11 +295,8 @@ class _Generation:
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
-        if self.chat and self.tool_name is not None:  # OpenAI's shape: no content
-            out["message"] = {"role": self.state.response_role, "content": None,
-                              "tool_calls": [self._tool_call(choice, choice.text)]}
-        elif self.calls_required:
-            out["message"] = self._required_message(choice.text)
+        if self.tools is not None:
+            out["message"] = self.tools.message(choice.request_id, choice.text)
         elif self.chat:
             out["message"] = {"role": self.state.response_role, "content": choice.text}
         else:
@@ -376,7 +363,7 @@ class _Generation:
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
                 yield sse(self._with_usage(data))  # vLLM's role chunk has it too
-        if event := self._event(first):  # "" where nothing goes out yet (calls_required)
+        if event := self._event(first):  # "" where nothing goes out yet (tool calls)
             yield event
         try:
             async for chunk in self.stream:
@@ -412,18 +399,12 @@ class _Generation:
             logprobs = self._logprobs(entries, choice.text_offsets)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
-        if self.calls_required:  # the calls go out whole, once the answer is complete
-            if not chunk.finished:
-                return ""
-            message = self._required_message(choice.text)
-            payload = {key: value for key, value in message.items() if key != "role"}
-            if "tool_calls" in payload:
-                payload["tool_calls"] = [{"index": i, **call}
-                                         for i, call in enumerate(payload["tool_calls"])]
-        elif self.chat and self.tool_name is not None:  # the arguments, delta by delta
-            delta: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            payload = {"tool_calls": [{**self._tool_call(choice, text), "index": 0}
-                                      if first else delta]}
+        if self.tools is not None:
+            delta = self.tools.delta(choice.request_id, text, choice.text, first,
+                                     chunk.finished)
+            if delta is None:
+                return ""  # the calls go out whole, once the answer is complete
+            payload: Any = delta
         else:
             payload = {"content": text} if self.chat else text
         data = self._chunk(choice, payload, logprobs)
@@ -448,26 +429,8 @@ class _Generation:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return data
 
-    def _required_message(self, text: str) -> dict[str, Any]:
-        """calls_required's answer as OpenAI's message: each call with an id of its own and
-        its parameters as the arguments' JSON text; an answer cut short (by max_tokens)
-        stays the text it is."""
-        role = self.state.response_role
-        try:
-            calls = json.loads(text)["tool_calls"]
-        except ValueError:
-            return {"role": role, "content": text}
-        return {"role": role, "content": None, "tool_calls": [
-            {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["parameters"])}}
-            for call in calls]}
-
     def _finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.finished_calling else reason
-
-    def _tool_call(self, choice: Choice, arguments: str) -> dict[str, Any]:
-        return {"id": self.tool_call_ids[choice.request_id], "type": "function",
-                "function": {"name": self.tool_name, "arguments": arguments}}
+        return reason if self.tools is None else self.tools.finish_reason(reason)
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
