@@ -157,8 +157,10 @@ class SlowExecutor:
     def __init__(self, inner: Any, delay: float) -> None:
         self.inner = inner
         self.delay = delay
+        self.began = 0  # steps begun: a test waits for one that read a delay it set
 
     def execute(self, scheduler_output: Any) -> Any:
+        self.began += 1
         time.sleep(self.delay)
         return self.inner.execute(scheduler_output)
 

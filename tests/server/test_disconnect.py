@@ -116,7 +116,9 @@ def test_an_operator_abort_is_reported_once(live):
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
         live.engine.executor.delay = 3.0  # the abort waits for the step under way
-        try:
+        began = live.engine.executor.began
+        try:  # a step that slept 0.01 s could end first, and the abort with it (under load)
+            wait_for(lambda: live.engine.executor.began > began, what="a slow step")
             first = httpx.post(live.url + "/v1/abort",
                                json={"request_id": ["cmpl-op-2", "cmpl-op-2", "cmpl-none"]})
             again = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-op-2"})
