@@ -154,6 +154,11 @@ def test_what_breaks_the_schema_is_never_done(text):
      "is not a local definition"),
     ({"type": "object", "required": ["b"], "properties": {"a": {}}},
      "required must list names of properties"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                             "minLength": 2}}},
+     "schema.properties.a: 'minLength' is not supported"),  # beside a union: refused too
+    ({"type": "object", "properties": {"a": {"enum": ["x"], "pattern": "y"}}},
+     "schema.properties.a: 'pattern' is not supported"),
 ])
 def test_what_a_schema_asks_beyond_the_subset_is_refused_by_name(schema, needle):
     with pytest.raises(SchemaError, match=needle):

@@ -844,7 +844,9 @@ def test_a_named_tool_choice_answers_its_call(server):
         ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"day": {"type": "string", "format": "date"}}}}}]},
          "'tools.0.function.parameters': schema.properties.day: 'format' is not supported"),
-        ({"response_format": {"type": "json_object"}}, "give one structured output"),
+        ({"response_format": {"type": "json_object"}},
+         "a tool_choice that asks for a call makes the answer that call: 'response_format' "
+         "cannot be given with it"),
     ]:
         refused = post(server, CHAT, {**body, **extra})
         assert refused.status_code == 400 and needle in error_of(refused), refused.text
@@ -886,6 +888,12 @@ def test_required_among_several_tools_answers_their_calls(server):
     [call] = choice["message"]["tool_calls"]  # parallel_tool_calls false: one
     assert call["function"]["name"] in ("now", "today")
     assert json.loads(call["function"]["arguments"]) == {}
+    # a parameter's unsupported keyword is named where it is, not in the calls' union
+    pattern = {"type": "function", "function": {"name": "p", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}}}
+    refused = post(server, CHAT, {**body, "tools": [no_arguments("now"), pattern]})
+    assert refused.status_code == 400 and error_of(refused).startswith(
+        "'tools.1.function.parameters': schema.properties.a: 'pattern' is not supported")
     cut = post(server, CHAT, {**body, "max_tokens": 3}).json()["choices"][0]
     assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
     assert cut["message"]["content"].startswith("{")  # cut short: the text as it is

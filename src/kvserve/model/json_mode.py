@@ -126,11 +126,15 @@ class Schema:
         if not isinstance(schema, dict):
             raise SchemaError(f"schema{where}: expected an object, got {schema!r}"[:200])
         if "$ref" in schema:
+            self._refuse_beside(schema, {"$ref", "definitions", "$defs"}, where)
             return self._ref(schema["$ref"], where)
         for keyword in ("anyOf", "oneOf"):
-            if keyword in schema:
+            if keyword in schema:  # pydantic's discriminator names the tag the union holds
+                self._refuse_beside(schema, {keyword, "discriminator", "definitions", "$defs"},
+                                    where)
                 return self._union(schema[keyword], f"{where}.{keyword}")
         if "enum" in schema or "const" in schema:
+            self._refuse_beside(schema, {"enum", "const", "type"}, where)
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"schema{where}: enum must be a non-empty list")
@@ -139,16 +143,9 @@ class Schema:
         kind = schema.get("type")
         if isinstance(kind, list):
             return self._union([{**schema, "type": k} for k in kind], f"{where}.type")
-        known = {"type", "properties", "required", "additionalProperties", "items",
-                 "minItems", "maxItems", "definitions", "$defs"} | _ANNOTATIONS
-        unknown = sorted(set(schema) - known)
-        if unknown:
-            raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
-                              "type, properties, required, additionalProperties, items, "
-                              "minItems, maxItems, enum, const, anyOf, oneOf, $ref); drop "
-                              "the constraint (a "
-                              "pydantic Field's ge, max_length, pattern...) or, for a date or "
-                              "time, take a str")
+        self._refuse_beside(schema, {"type", "properties", "required", "additionalProperties",
+                                     "items", "minItems", "maxItems", "definitions", "$defs"},
+                            where)
         if kind == "object" or (kind is None and "properties" in schema):
             return self._object(schema, where)
         if kind == "array":
@@ -167,6 +164,18 @@ class Schema:
         if kind is None:
             return self.any
         raise SchemaError(f"schema{where}: unknown type {kind!r}")
+
+    @staticmethod
+    def _refuse_beside(schema: dict[str, Any], known: set[str], where: str) -> None:
+        """SchemaError naming the first keyword of ``schema`` neither ``known`` nor a
+        description (a constraint accepted must hold)."""
+        unknown = sorted(set(schema) - known - _ANNOTATIONS)
+        if unknown:
+            raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
+                              "type, properties, required, additionalProperties, items, "
+                              "minItems, maxItems, enum, const, anyOf, oneOf, $ref); drop "
+                              "the constraint (a pydantic Field's ge, max_length, "
+                              "pattern...) or, for a date or time, take a str")
 
     def _object(self, schema: dict[str, Any], where: str) -> int:
         properties = schema.get("properties", {})

@@ -454,6 +454,13 @@ def _required_calls_schema(request: Any) -> list[tuple[str, dict[str, Any]]]:
     """The schema of calls_required's answer: a call is an object tagged by its "name"."""
     if not calls_required(request):
         return []
+    for index, tool in enumerate(request.tools):  # named where they are, not in the union
+        if tool.function.parameters is not None:
+            param = f"tools.{index}.function.parameters"
+            try:
+                check_schema(json.dumps(tool.function.parameters))
+            except SchemaError as error:
+                raise bad_request(f"'{param}': {error}", param=param) from None
     calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
          "properties": {"name": {"const": tool.function.name},
@@ -500,6 +507,14 @@ def _check_tools(request: Any) -> None:
                           'the answer), or send "tool_choice": "none" to have the tools '
                           "ignored", param="tool_choice")
     forced_tool(request)  # a name among the tools
+    other = next((name for name in ("response_format", "structured_outputs", "guided_json",
+                                    "guided_choice")
+                  if getattr(request, name, None) is not None and not (
+                      name == "response_format" and request.response_format.type == "text")),
+                 None)
+    if other is not None:
+        raise bad_request(f"a tool_choice that asks for a call makes the answer that call: "
+                          f"'{other}' cannot be given with it", param=other)
 
 
 def forced_tool(request: Any) -> FunctionDefinition | None:

@@ -77,5 +77,6 @@ class ToolCalls:
             return None
         return [{"id": _call_id(), "type": "function",
                  "function": {"name": call["name"],
-                              "arguments": json.dumps(call["parameters"])}}
+                              "arguments": json.dumps(call["parameters"],
+                                                      ensure_ascii=False)}}
                 for call in calls]
