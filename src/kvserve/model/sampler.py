@@ -178,7 +178,7 @@ class Sampler:
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         mask[[t for t in token_ids if t < vocab]] = True
         if remember:
-            if len(self._masks) >= 1024:
+            if len(self._masks) >= 256:  # 48 KiB each at a 49k vocabulary
                 self._masks.clear()
             self._masks[id(token_ids)] = (token_ids, mask)  # type: ignore[assignment]
         return mask
