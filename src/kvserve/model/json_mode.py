@@ -28,6 +28,7 @@ tool call's arguments, starts with its brace, as OpenAI's do). Strings are check
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -283,9 +284,12 @@ def _first_bytes(node: Node, nodes: list[Node]) -> set[int]:
 ANY_OBJECT = Schema()  # JSON mode's
 
 
+@functools.lru_cache(maxsize=64)
 def check_schema(text: str) -> Schema:
-    """A schema given as JSON text, compiled; SchemaError (a ValueError) naming what is
-    wrong or not honoured."""
+    """A schema given as JSON text, compiled once per process (the server checks a body's
+    schema, the engine its request's, the sampler holds its rows to it: one Schema, which
+    also keeps its states' tokens); SchemaError (a ValueError) naming what is wrong or not
+    honoured."""
     try:
         schema = json.loads(text)
     except ValueError:
