@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from kvserve import __version__
 from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import EngineDeadError
-from kvserve.server import admin, dashboard, generation
+from kvserve.server import admin, dashboard, generation, responses_api
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import HttpMetrics
 from kvserve.server.prompts import chat_ids, check_token_ids
@@ -133,6 +133,18 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses_api.create(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return responses_api.retrieve(state, request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return responses_api.delete(state, request, response_id)
 
     def model_card(name: str) -> dict[str, Any]:
         # vLLM's card: root is the model itself (under --served-model-name, its own name)

@@ -52,8 +52,8 @@ _NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_m
             "kv_cache_dtype": "auto"}
 
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
-DESCRIPTION = ("Serve the model over /v1/completions and /v1/chat/completions (with "
-               "streaming), with Prometheus metrics at /metrics.")
+DESCRIPTION = ("Serve the model over /v1/completions, /v1/chat/completions and "
+               "/v1/responses (with streaming), with Prometheus metrics at /metrics.")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -64,6 +64,7 @@ def add_parser(subparsers: Any) -> None:
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
+    from kvserve.server.response_store import DEFAULT_STORE_CAPACITY
 
     parser = add_command(subparsers, "serve", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
@@ -126,6 +127,16 @@ def add_parser(subparsers: Any) -> None:
                        help="the most logprobs, top_logprobs or prompt_logprobs a request may "
                             "ask for (400 beyond, naming the limit); -1: the whole "
                             "vocabulary (default 20, as vLLM's)")
+    group.add_argument("--enable-responses-store", action="store_true",
+                       help="keep /v1/responses answers (store: true, OpenAI's default) in "
+                            "memory for GET /v1/responses/{id} and previous_response_id, "
+                            "each readable with its tenant's keys only; also vLLM's "
+                            "VLLM_ENABLE_RESPONSES_API_STORE=1. Off: nothing is kept, as in "
+                            "vLLM (docs/responses-api.md)")
+    group.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_CAPACITY,
+                       metavar="N",
+                       help="with the store on, how many responses it keeps, the oldest "
+                            f"dropped first (default {DEFAULT_STORE_CAPACITY})")
     chat = parser.add_argument_group("chat (vLLM's flags)")
     chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template replacing the model's: a file, or the "
@@ -505,6 +516,8 @@ def build_state(args: argparse.Namespace,
     if args.max_logprobs < -1:
         raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
                        f"{args.max_logprobs}")
+    if args.responses_store_size < 1:
+        raise CLIError(f"--responses-store-size must be >= 1, got {args.responses_store_size}")
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     if before_engine is not None:
         before_engine()
@@ -538,6 +551,7 @@ def build_state(args: argparse.Namespace,
     state.record_max_file_bytes = args.record_max_file_size
     state.model_id = _model_name(args.model)
     state.log_requests = args.enable_log_requests
+    state.responses = _response_store(args)
     if args.record is not None:
         from kvserve.server.recorder import Recorder
 
@@ -553,6 +567,21 @@ def build_state(args: argparse.Namespace,
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state
+
+
+def _response_store(args: argparse.Namespace) -> Any:
+    """The Responses API's store (a ResponseStore): on with --enable-responses-store or
+    vLLM's VLLM_ENABLE_RESPONSES_API_STORE (1 or true)."""
+    from kvserve.server.response_store import ResponseStore
+
+    from_env = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").strip().lower()
+    enabled = args.enable_responses_store or from_env in ("1", "true")
+    if enabled:
+        logger.info("responses store: on, the latest %d /v1/responses answers kept in "
+                    "memory%s", args.responses_store_size,
+                    "" if args.enable_responses_store else
+                    " (VLLM_ENABLE_RESPONSES_API_STORE)")
+    return ResponseStore(enabled, args.responses_store_size)
 
 
 def _check_model_chat_template(model: Any) -> None:

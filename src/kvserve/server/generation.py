@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -27,7 +27,7 @@ from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import SessionBusy
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
-from kvserve.server.auth import resolve_priority, tenant_of
+from kvserve.server.auth import ApiKey, resolve_priority, tenant_of
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
@@ -78,6 +78,17 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     body = await state.read_json(request)
     req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+    generation = await start(state, request, key, req, chat, arrival_time)
+    if req.stream:
+        return await generation.stream_response(request)
+    return await generation.full_response(request)
+
+
+async def start(state: ServerState, request: Request, key: ApiKey, req: Any, chat: bool,
+                arrival_time: float, kind: Callable[..., Generation] | None = None) -> Generation:
+    """A checked request queued: everything between its parsed body and its answer (the
+    Responses API's translated chat request comes in here too, ``kind`` its answer's
+    shape)."""
     state.check_model(req.model)
     priority = resolve_priority(req.priority, key, source=state.priority_source,
                                 scheduling_policy=state.scheduling_policy)
@@ -121,10 +132,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, given_id, items, arrival_time)
     stream.replayable = not req.stream  # nothing reaches the client before the end
-    generation = _Generation(state, request_id, given_id, req, chat, choices, prompts, stream)
-    if req.stream:
-        return await generation.stream_response(request)
-    return await generation.full_response(request)
+    return (kind or Generation)(state, request_id, given_id, req, chat, choices, prompts,
+                                 stream)
 
 
 def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
@@ -197,7 +206,11 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
     return error
 
 
-class _Generation:
+class Generation:
+    """One queued request's answer, whole (:meth:`full_response`) or streamed
+    (:meth:`stream_response`), in the completions or chat shape; the Responses API's shape
+    is a subclass (server/responses_api.py)."""
+
     def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
                  chat: bool, choices: list[Choice], prompts: list[list[int]],
                  stream: RequestStream) -> None:
@@ -263,9 +276,13 @@ class _Generation:
         finally:
             self.close()
         choices = sorted(self.choices.values(), key=lambda c: c.index)
-        ended = next((c.stop_reason for c in choices if c.stop_reason in _QUEUE_ENDS), None)
+        ended = next((c.stop_reason for c in choices if c.stop_reason in QUEUE_ENDS), None)
         if ended is not None:
-            raise _queue_end(self.state, ended)
+            raise queue_end(self.state, ended)
+        return JSONResponse(self.body(choices), headers={"X-Request-Id": self.given_id})
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        """The whole answer's body (``choices`` in order, every one finished)."""
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -277,14 +294,14 @@ class _Generation:
             body["prompt_token_ids"] = choices[0].prompt_token_ids
         if self.chat and self.req.prompt_logprobs is not None:  # likewise
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
-        return JSONResponse(body, headers={"X-Request-Id": self.given_id})
+        return body
 
     async def _collect(self) -> None:
         while True:
             try:
                 async for chunk in self.stream:
                     self._apply(chunk)
-                    if chunk.stop_reason in _QUEUE_ENDS:  # the request is a 503: end it
+                    if chunk.stop_reason in QUEUE_ENDS:  # the request is a 503: end it
                         return  # now (close() aborts its other sequences) than at their end
                 return
             except StreamRestarted:  # placed again on another replica: start over
@@ -347,9 +364,9 @@ class _Generation:
                 self._failed()
             self.close()
             raise
-        if first.stop_reason in _QUEUE_ENDS:
+        if first.stop_reason in QUEUE_ENDS:
             self.close()
-            raise _queue_end(self.state, first.stop_reason)
+            raise queue_end(self.state, first.stop_reason)
         return ClosingStreamingResponse(self._events(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
@@ -367,8 +384,8 @@ class _Generation:
             yield event
         try:
             async for chunk in self.stream:
-                if chunk.stop_reason in _QUEUE_ENDS:
-                    yield sse(_queue_end(self.state, chunk.stop_reason).body())
+                if chunk.stop_reason in QUEUE_ENDS:
+                    yield sse(queue_end(self.state, chunk.stop_reason).body())
                     self.close()
                     break
                 if event := self._event(chunk):
@@ -444,10 +461,10 @@ class _Generation:
                 "created": self.created, "model": self.state.model_name, "choices": [entry]}
 
 
-_QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled
+QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled
 
 
-def _queue_end(state: ServerState, reason: int | str | None) -> APIError:
+def queue_end(state: ServerState, reason: int | str | None) -> APIError:
     """The 503 of a request the waiting queue ended before it was scheduled, counted: it
     waited past its queue deadline (K4), or a more urgent arrival took its place (K5)."""
     if reason == DISPLACED:

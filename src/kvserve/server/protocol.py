@@ -37,7 +37,7 @@ def _is_int_field(annotation: Any) -> bool:
                                  and set(get_args(annotation)) == {int, type(None)})
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
@@ -65,38 +65,38 @@ class _Body(BaseModel):
         return {**data, **whole} if whole else data
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries the usage so far too
     continuous_usage_stats: bool = False
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class FunctionName(_Body):
+class FunctionName(Body):
     name: str = Field(min_length=1, max_length=256)
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     """OpenAI's tool_choice naming one function: {"type": "function", "function": {...}}."""
 
     type: Literal["function"]
     function: FunctionName
 
 
-class Tool(_Body):
+class Tool(Body):
     """OpenAI's tool: a function (checked although a served one is ignored: QA)."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     """OpenAI's response_format.json_schema."""
 
     name: str = Field(min_length=1, max_length=64)
@@ -105,12 +105,12 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(Body):
     """vLLM's ``structured_outputs``: of its constraints only ``choice`` is implemented; the
     others (and its options) are accepted null only."""
 
@@ -127,7 +127,7 @@ class StructuredOutputs(_Body):
     whitespace_pattern: Any = None
 
 
-class SessionRef(_Body):
+class SessionRef(Body):
     """kvserve's extension: the multi-turn session a request is a turn of (U1)."""
 
     # No "/" and not "." or ".." (DELETE /v1/sessions/{id} could not name it: clients
@@ -154,7 +154,7 @@ class SessionRef(_Body):
         return value
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields shared by completions and chat."""
 
     model: str | None = None
@@ -241,12 +241,12 @@ class CompletionRequest(_Sampling):
     add_special_tokens: bool = False
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -306,7 +306,7 @@ class ChatCompletionRequest(_Sampling):
     thinking_token_budget: Any = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """vLLM's ``/tokenize``: a prompt, or chat messages as the chat endpoint renders them."""
 
     model: str | None = None
@@ -317,7 +317,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = False  # with a prompt, as the completions endpoint does
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """vLLM's ``/detokenize``: token ids back to text."""
 
     model: str | None = None
@@ -361,14 +361,21 @@ def _check_neutral(obj: Any, neutral: dict[str, tuple[Any, ...]], prefix: str) -
                               "remove it", param=f"{prefix}{name}")
 
 
-def parse_body(model: type[_Body], body: Any) -> Any:
-    """Validate ``body`` into ``model`` or raise a 400 naming the first bad field."""
+def validate_body(model: type[Body], body: Any) -> Any:
+    """``body`` as ``model`` (its types and bounds only), or a 400 naming the first bad
+    field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        request = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as error:
         raise bad_request(*_describe(error)) from None
+
+
+def parse_body(model: type[Body], body: Any) -> Any:
+    """Validate ``body`` into ``model`` (a completions, chat or tokenize body) with every
+    check of the fields it holds, or raise a 400 naming the first bad field."""
+    request = validate_body(model, body)
     _check_tools(request)  # before tool_choice's neutral values: its own message
     # the fields kvserve does not implement are those typed Any (one an endpoint honours,
     # completions' echo or add_special_tokens, has its type there)

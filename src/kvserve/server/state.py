@@ -19,6 +19,7 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.limits import FanOutLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import model_error
+from kvserve.server.response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -49,6 +50,8 @@ class ServerState:
     response_role: str = "assistant"  # --response-role: a chat answer's message's role
     max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
+    # the Responses API's store (--enable-responses-store): off, store: true keeps nothing
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None

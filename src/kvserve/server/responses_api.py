@@ -1,0 +1,554 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline (docs/responses-api.md).
+
+    body -> ResponsesRequest (checked, errors name the Responses API's fields)
+    -> the conversation: the previous response's (previous_response_id, from the store)
+       + instructions + input items, as chat messages
+    -> a chat request (text.format -> response_format, flat tools -> chat tools)
+    -> generation.start: the same checks, queue, scheduler and engine as /v1/chat/completions
+    -> the answer as a Response object (output items: a message or function calls), or as
+       the Responses API's typed stream events
+
+Responses are kept (``store``) only where the operator turned the store on
+(--enable-responses-store or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1), in memory, the most
+recent ``capacity`` of them, each readable only with the API key that made it. Without the
+store, ``store: true`` (OpenAI's default) is served and not kept, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any, Literal
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.engine import CompletionChunk
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.generation import QUEUE_ENDS, Generation, queue_end, start
+from kvserve.server.protocol import Body, ChatCompletionRequest, parse_body, validate_body
+from kvserve.server.response_store import ResponseStore, Stored
+from kvserve.server.responses import Choice, kvserve_ext
+from kvserve.server.state import ServerState
+
+MAX_INPUT_ITEMS = 4096
+MAX_METADATA_KEYS = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
+
+
+class TextFormat(Body):
+    """``text.format``: plain text, JSON mode or a JSON schema (flat, unlike chat's
+    response_format.json_schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint; this model has none
+
+
+class FunctionTool(Body):
+    """A Responses API function tool (flat: name and parameters beside the type)."""
+
+    type: str
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+
+
+class Reasoning(Body):
+    """Accepted (the bundled model does not reason: nothing to set or summarise)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    text: TextOptions | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=1024)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    reasoning: Reasoning | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    include: list[str] | None = Field(default=None, max_length=64)
+    background: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's and kvserve's extras, as on the chat endpoint
+    priority: int | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    max_queue_delay: float | None = None
+    # OpenAI's, not implemented: accepted null only
+    max_tool_calls: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    stream_options: Any = None
+
+
+# Request fields copied to the chat request under the same name
+_PASSED = ("model", "temperature", "top_p", "stream", "user", "safety_identifier",
+           "prompt_cache_key", "parallel_tool_calls", "priority", "seed", "top_k", "min_p",
+           "stop", "repetition_penalty", "ignore_eos", "min_tokens", "request_id",
+           "cache_salt", "max_queue_delay")
+# A chat request's field -> the Responses API's, in the errors the chat checks raise
+_RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    request = validate_body(ResponsesRequest, body)
+    for name in ("max_tool_calls", "conversation", "prompt", "stream_options"):
+        if getattr(request, name) is not None:
+            raise bad_request(f"field '{name}' is not supported by this server; remove it",
+                              param=name)
+    if request.background:
+        raise bad_request("background mode is not supported by this server: it answers "
+                          "in the request (send 'background': false, or leave it out)",
+                          param="background")
+    if request.include:
+        raise bad_request(f"'include' value {request.include[0]!r} is not supported by "
+                          "this server (it adds nothing to an answer); leave 'include' out",
+                          param="include")
+    if request.top_logprobs:
+        raise bad_request("'top_logprobs' is not supported on /v1/responses by this server; "
+                          "use /v1/chat/completions with logprobs", param="top_logprobs")
+    if request.truncation == "auto":
+        raise bad_request("'truncation': 'auto' is not supported: this server does not drop "
+                          "a conversation's items; send fewer, or 'disabled'",
+                          param="truncation")
+    if request.metadata is not None:
+        _check_metadata(request.metadata)
+    return request
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise bad_request(f"'metadata' has {len(metadata)} keys; at most "
+                          f"{MAX_METADATA_KEYS} are allowed", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise bad_request(f"'metadata' key {key[:64]!r}: keys are at most 64 characters "
+                              "and values at most 512", param="metadata")
+
+
+# -- the conversation -----------------------------------------------------------------------
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items as chat messages (each item checked, errors naming ``input.N``)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("'input' is empty: give a string or at least one item",
+                          param="input")
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"input.{index}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", where), "type": "function",
+                    "function": {"name": _text(item, "name", where),
+                                 "arguments": _text(item, "arguments", where)}}
+            _only(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
+                    and not last["content"]:  # parallel calls: one assistant turn
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _only(item, {"type", "call_id", "output", "id", "status"}, where)
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
+                             "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # another model's reasoning, replayed: this model's template has none
+        else:
+            raise bad_request(f"{where}: item type {kind!r} is not supported by this server "
+                              "(it takes message, function_call, function_call_output and "
+                              "reasoning items)", param=f"{where}.type")
+    return messages
+
+
+def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
+    _only(item, {"type", "role", "content", "id", "status"}, where)
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad_request(f"{where}.role must be user, assistant, system or developer; got "
+                          f"{role!r}", param=f"{where}.role")
+    return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined (as chat joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts",
+                          param=where)
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{where}.{index}: {kind} is not supported: this server's "
+                              "model reads text only", param=f"{where}.{index}.type")
+        else:
+            raise bad_request(f"{where}.{index} must be an input_text or output_text part "
+                              "with its 'text'", param=f"{where}.{index}")
+    return "\n".join(texts)
+
+
+def _text(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or (name != "arguments" and not value):
+        raise bad_request(f"{where}.{name} must be a non-empty string", param=f"{where}.{name}")
+    return value
+
+
+def _only(item: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise bad_request(f"{where}: unknown field {unknown[0]!r}",
+                          param=f"{where}.{unknown[0]}")
+
+
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
+                 messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers ``req``: its instructions, the previous responses'
+    conversation (``history``, without their instructions, as OpenAI's
+    previous_response_id) and its input (``messages``)."""
+    body: dict[str, Any] = {name: getattr(req, name) for name in _PASSED
+                            if getattr(req, name) is not None}
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body["messages"] = system + history + messages
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    text_format = req.text.format if req.text is not None else None
+    if text_format is not None and text_format.type == "json_schema":
+        if text_format.name is None or text_format.schema_ is None:
+            raise bad_request("text.format of type json_schema needs its 'name' and "
+                              "'schema'", param="text.format")
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": text_format.name, "schema": text_format.schema_,
+            "strict": text_format.strict, "description": text_format.description}}
+    elif text_format is not None:
+        body["response_format"] = {"type": text_format.type}
+    for index, tool in enumerate(req.tools or ()):
+        if tool.type != "function":
+            raise bad_request(f"tools.{index}: tool type {tool.type!r} is not supported by "
+                              "this server (function tools are)", param=f"tools.{index}.type")
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": tool.model_dump(
+            exclude={"type"}, exclude_none=True, by_alias=True)} for tool in req.tools]
+    choice = req.tool_choice
+    if isinstance(choice, NamedFunction):
+        body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        body["tool_choice"] = choice
+    elif req.tools:
+        body["tool_choice"] = "auto"  # OpenAI's default with tools (refused: no parser)
+    try:
+        return parse_body(ChatCompletionRequest, body)
+    except APIError as error:
+        raise _renamed(error) from None
+
+
+def _renamed(error: APIError) -> APIError:
+    """A chat check's error in the Responses API's words."""
+    if error.param is None:
+        return error
+    head, dot, rest = error.param.partition(".")
+    param = _RENAMED.get(head, head) + dot + rest
+    message = error.message.replace(f"'{head}", f"'{_RENAMED.get(head, head)}") \
+        if head in _RENAMED else error.message
+    if head == "response_format":
+        message = message.replace("response_format.json_schema", "text.format")
+    return APIError(error.status, message, param=param, code=error.code,
+                    headers=error.headers)
+
+
+# -- the answer -----------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesGeneration(Generation):
+    """A chat generation answered in the Responses API's shapes: ``api`` is the request as
+    sent, ``conversation`` its messages (history and input, without instructions), kept in
+    ``store`` with the answer's, for ``owner``'s key."""
+
+    def __init__(self, *args: Any, api: ResponsesRequest,
+                 conversation: list[dict[str, Any]], store: ResponseStore,
+                 owner: str | None) -> None:
+        super().__init__(*args)
+        self.api = api
+        self.conversation = conversation
+        self.store = store
+        self.owner = owner
+        self.response_id = _new_id("resp")
+        self.item_id = _new_id("msg")
+        self.sequence = 0  # the next stream event's sequence_number
+
+    @property
+    def choice(self) -> Choice:
+        return next(iter(self.choices.values()))  # one sequence: this API has no n
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        response = self._response(self._status(), self._output(), self._usage())
+        if response["status"] == "failed":
+            response["error"] = {"code": "aborted", "message": "the request was aborted "
+                                 "before it finished (an operator's abort, or the server's "
+                                 "shutdown timeout)"}
+        self._keep(response)
+        return response
+
+    # the Response object
+
+    def _response(self, status: str, output: list[dict[str, Any]],
+                  usage: dict[str, Any] | None) -> dict[str, Any]:
+        api = self.api
+        text_format = api.text.format if api.text is not None else None
+        tool_choice = api.tool_choice or ("auto" if api.tools else "none")
+        out: dict[str, Any] = {
+            "id": self.response_id, "object": "response", "created_at": self.created,
+            "status": status, "background": False, "error": None,
+            "incomplete_details": ({"reason": "max_output_tokens"}
+                                   if status == "incomplete" else None),
+            "instructions": api.instructions, "max_output_tokens": api.max_output_tokens,
+            "max_tool_calls": None, "model": self.state.model_name, "output": output,
+            "parallel_tool_calls": api.parallel_tool_calls is not False,
+            "previous_response_id": api.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default", "store": self.store.enabled and api.store,
+            "temperature": 1.0 if api.temperature is None else api.temperature,
+            "text": {"format": ({"type": "text"} if text_format is None else
+                                text_format.model_dump(by_alias=True, exclude_none=True)),
+                     "verbosity": "medium"},
+            "tool_choice": (tool_choice.model_dump() if isinstance(tool_choice, NamedFunction)
+                            else tool_choice),
+            "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
+            "top_logprobs": 0, "top_p": 1.0 if api.top_p is None else api.top_p,
+            "truncation": "disabled", "usage": usage, "user": api.user,
+            "metadata": api.metadata or {}}
+        if status != "in_progress":
+            out["kvserve"] = kvserve_ext(self.choice.request_id, self.choice.metrics)
+        return out
+
+    def _status(self) -> str:
+        reason = self.choice.finish_reason
+        return {"length": "incomplete", "abort": "failed"}.get(reason or "", "completed")
+
+    def _usage(self) -> dict[str, Any]:
+        choice = self.choice
+        cached = choice.metrics.num_cached_tokens if choice.metrics is not None else 0
+        output = choice.num_output_tokens
+        return {"input_tokens": self.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt_tokens + output}
+
+    def _output(self) -> list[dict[str, Any]]:
+        choice = self.choice
+        status = "completed" if choice.finish_reason == "stop" else "incomplete"
+        if self.tools is not None:
+            calls = self.tools.message(choice.request_id, choice.text).get("tool_calls")
+            if calls:
+                return [self._call_item(call["id"], call["function"]["name"],
+                                        call["function"]["arguments"], index, status)
+                        for index, call in enumerate(calls)]
+        return [self._message_item(choice.text, status)]
+
+    def _message_item(self, text: str | None, status: str) -> dict[str, Any]:
+        return {"id": self.item_id, "type": "message", "status": status,
+                "role": "assistant", "content": [] if text is None else [_part(text)]}
+
+    def _call_item(self, call_id: str, name: str, arguments: str, index: int,
+                   status: str) -> dict[str, Any]:
+        return {"id": self._call_item_id(index), "type": "function_call", "status": status,
+                "call_id": call_id, "name": name, "arguments": arguments}
+
+    def _call_item_id(self, index: int) -> str:
+        return "fc_" + self.item_id.removeprefix("msg_") + (f"_{index}" if index else "")
+
+    def _keep(self, response: dict[str, Any]) -> None:
+        """Keep the response and its conversation (this answer's messages appended)."""
+        if not response["store"]:
+            return
+        answer: list[dict[str, Any]] = []
+        for item in response["output"]:
+            if item["type"] == "message":
+                answer.append({"role": "assistant", "content": item["content"][0]["text"]})
+                continue
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if answer and answer[-1].get("tool_calls"):
+                answer[-1]["tool_calls"].append(call)
+            else:
+                answer.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        self.store.put(self.response_id,
+                       Stored(self.owner, response, self.conversation + answer))
+
+    # the stream: the Responses API's typed events
+
+    def _sse(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+    async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
+        opening = self._response("in_progress", [], None)
+        yield self._sse("response.created", response=opening)
+        yield self._sse("response.in_progress", response=opening)
+        # the text, or a named function's arguments, delta by delta; "required" among
+        # several tools: the calls go out whole at the end
+        by_delta = self.tools is None or self.tools.name is not None
+        if by_delta:
+            yield self._opened(self._first_item())
+        chunk: CompletionChunk | None = first
+        try:
+            while chunk is not None:
+                if chunk.stop_reason in QUEUE_ENDS:
+                    error = queue_end(self.state, chunk.stop_reason)
+                    yield self._failed_event(str(error.code), error.message)
+                    self.close()
+                    return
+                self._apply(chunk)
+                if by_delta and chunk.new_text:
+                    yield self._delta(chunk.new_text)
+                chunk = await anext(self.stream, None)
+        except EngineDeadError as error:
+            self._failed()
+            yield self._failed_event("engine_dead", str(error))
+            return
+        response = self.body(list(self.choices.values()))
+        for index, item in enumerate(response["output"]):
+            if index > 0 or not by_delta:
+                yield self._opened({**item, "status": "in_progress"}, index)
+            yield self._closed(item, index)
+        final = {"completed": "response.completed", "incomplete": "response.incomplete",
+                 "failed": "response.failed"}[response["status"]]
+        yield self._sse(final, response=response)
+
+    def _first_item(self) -> dict[str, Any]:
+        if self.tools is None:
+            return self._message_item(None, "in_progress")
+        assert self.tools.name is not None
+        return self._call_item(self.tools.ids[self.choice.request_id], self.tools.name, "",
+                               0, "in_progress")
+
+    def _opened(self, item: dict[str, Any], index: int = 0) -> str:
+        """An output item's opening events (a message's opens its one text part)."""
+        if item["type"] == "message":
+            item = {**item, "content": []}
+        events = self._sse("response.output_item.added", output_index=index, item=item)
+        if item["type"] == "message":
+            events += self._sse("response.content_part.added", item_id=item["id"],
+                                output_index=index, content_index=0, part=_part(""))
+        return events
+
+    def _delta(self, text: str) -> str:
+        if self.tools is None:
+            return self._sse("response.output_text.delta", item_id=self.item_id,
+                             output_index=0, content_index=0, delta=text, logprobs=[])
+        return self._sse("response.function_call_arguments.delta",
+                         item_id=self._call_item_id(0), output_index=0, delta=text)
+
+    def _closed(self, item: dict[str, Any], index: int) -> str:
+        """An output item's closing events."""
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            return (self._sse("response.output_text.done", item_id=item["id"],
+                              output_index=index, content_index=0, text=text, logprobs=[])
+                    + self._sse("response.content_part.done", item_id=item["id"],
+                                output_index=index, content_index=0, part=_part(text))
+                    + self._sse("response.output_item.done", output_index=index, item=item))
+        return (self._sse("response.function_call_arguments.done", item_id=item["id"],
+                          output_index=index, name=item["name"], arguments=item["arguments"])
+                + self._sse("response.output_item.done", output_index=index, item=item))
+
+    def _failed_event(self, code: str, message: str) -> str:
+        response = self._response("failed", [], None)
+        response["error"] = {"code": code, "message": message}
+        return self._sse("response.failed", response=response)
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+# -- the endpoints --------------------------------------------------------------------------
+
+
+def _owner(state: ServerState, request: Request) -> str | None:
+    """Whose stored responses a request may read: its key's tenant (None: keys are off)."""
+    key = state.keys.authenticate(request.headers.getlist("authorization"))
+    return key.tenant if state.keys.enabled else None
+
+
+async def create(state: ServerState, request: Request) -> Response:
+    arrival_time = time.monotonic()
+    key = state.keys.authenticate(request.headers.getlist("authorization"))
+    owner = key.tenant if state.keys.enabled else None
+    api = parse_responses_request(await state.read_json(request))
+    history = state.responses.history(api.previous_response_id, owner)
+    messages = input_messages(api.input)
+    req = chat_request(api, history, messages)
+    kind = partial(ResponsesGeneration, api=api, conversation=history + messages,
+                   store=state.responses, owner=owner)
+    generation = await start(state, request, key, req, True, arrival_time, kind)
+    if api.stream:
+        return await generation.stream_response(request)
+    return await generation.full_response(request)
+
+
+def retrieve(state: ServerState, request: Request, response_id: str) -> Response:
+    stored = state.responses.get(response_id, _owner(state, request))
+    return JSONResponse(stored.response)
+
+
+def delete(state: ServerState, request: Request, response_id: str) -> Response:
+    state.responses.delete(response_id, _owner(state, request))
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -1,0 +1,262 @@
+"""OpenAI's Responses API (docs/responses-api.md): /v1/responses answers as the chat endpoint
+would (same prompt, same tokens), in the Response object's shape and the typed stream
+events the official SDK reads; the store keeps responses for previous_response_id and GET
+only where the operator turned it on, each for its own tenant's keys."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvserve.server.auth import ApiKey
+from kvserve.server.response_store import ResponseStore
+
+from .helpers import LiveServer
+
+TOOL = {"type": "function", "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                       "required": ["city"], "additionalProperties": False}}
+PICK = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    with LiveServer(max_model_len=256) as server:
+        server.state.responses = ResponseStore(enabled=True, capacity=4)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(live: LiveServer, body: dict[str, Any], key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(live.url + "/v1/responses", json={"model": "tiny", **body},
+                      headers=headers, timeout=60)
+
+
+def test_a_response_is_the_chat_answer_in_the_response_shape(client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    response = client.responses.create(
+        model="tiny", instructions="Be brief.", max_output_tokens=6, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}],
+        extra_body={"ignore_eos": True})
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == 6
+    assert response.usage.total_tokens == chat.usage.prompt_tokens + 6
+    # cut by max_output_tokens: incomplete, as OpenAI says it
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert response.instructions == "Be brief." and response.max_output_tokens == 6
+    assert response.model_extra["kvserve"]["num_preemptions"] == 0
+
+
+def test_a_stream_sends_the_typed_events_in_order(client):
+    events = list(client.responses.create(model="tiny", input="Hello", max_output_tokens=5,
+                                          temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 5
+    whole = client.responses.create(model="tiny", input="Hello", max_output_tokens=5,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert whole.output_text == text
+    ids = {event.item_id for event in events if hasattr(event, "item_id")}
+    assert ids == {final.output[0].id}
+
+
+def test_the_sdk_stream_helper_gets_a_completed_response(client):
+    with client.responses.stream(model="tiny", input="Hi", max_output_tokens=40,
+                                 temperature=0, text={"format": {
+                                     "type": "json_schema", "name": "pick",
+                                     "schema": PICK}}) as stream:
+        deltas = [event.delta for event in stream
+                  if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    assert json.loads(final.output_text)["answer"] in ("yes", "no") and "".join(deltas) == \
+        final.output_text
+    assert final.text.format.type == "json_schema"
+
+
+def test_a_named_function_answers_with_a_function_call_item(client):
+    response = client.responses.create(model="tiny", input="Weather?", tools=[TOOL],
+                                       tool_choice={"type": "function",
+                                                    "name": "get_weather"},
+                                       max_output_tokens=60, temperature=0)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+    assert response.status == "completed"
+    # streamed: the arguments delta by delta, the same call
+    events = list(client.responses.create(model="tiny", input="Weather?", tools=[TOOL],
+                                          tool_choice={"type": "function",
+                                                       "name": "get_weather"},
+                                          max_output_tokens=60, temperature=0, stream=True))
+    deltas = "".join(e.delta for e in events
+                     if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == call.arguments
+    # the call and its output sent back as input items: the conversation goes on
+    follow = client.responses.create(
+        model="tiny", max_output_tokens=3, temperature=0, input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.usage.input_tokens > response.usage.input_tokens
+
+
+def test_previous_response_id_continues_the_conversation_from_the_cache(client, live):
+    first = client.responses.create(model="tiny", input="x " * 40, max_output_tokens=4,
+                                    temperature=0)
+    second = client.responses.create(model="tiny", input="And then?", max_output_tokens=4,
+                                     temperature=0, previous_response_id=first.id)
+    # the whole conversation again, its leading blocks found in the prefix cache
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 32
+    assert second.previous_response_id == first.id
+    # the same as sending the conversation outright
+    outright = client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                                       input=[{"role": "user", "content": "x " * 40},
+                                              {"role": "assistant",
+                                               "content": first.output_text},
+                                              {"role": "user", "content": "And then?"}])
+    assert outright.usage.input_tokens == second.usage.input_tokens
+    assert outright.output_text == second.output_text
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    # instructions are the request's own: the next one does not inherit them (OpenAI's)
+    briefed = client.responses.create(model="tiny", input="x " * 40, max_output_tokens=4,
+                                      temperature=0, instructions="Answer in French.")
+    after = client.responses.create(model="tiny", input="And then?", max_output_tokens=4,
+                                    temperature=0, previous_response_id=briefed.id)
+    plain = client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                                    input=[{"role": "user", "content": "x " * 40},
+                                           {"role": "assistant",
+                                            "content": briefed.output_text},
+                                           {"role": "user", "content": "And then?"}])
+    assert after.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_the_store_keeps_the_latest_and_forgets_deleted(client, live):
+    ids = [client.responses.create(model="tiny", input=f"n{i}", max_output_tokens=1).id
+           for i in range(5)]  # capacity 4: the first is dropped
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[1]).id == ids[1]
+    client.responses.delete(ids[1])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[1])
+    refused = post(live, {"input": "more", "previous_response_id": ids[1]})
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == \
+        "previous_response_id"
+    unstored = client.responses.create(model="tiny", input="not kept", store=False,
+                                       max_output_tokens=1)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_stored_response_is_its_tenants_only():
+    keys = [ApiKey("key-a", "A"), ApiKey("key-b", "B")]
+    with LiveServer(keys=keys, max_model_len=256) as live:
+        live.state.responses = ResponseStore(enabled=True)
+        made = post(live, {"input": "secret", "max_output_tokens": 2}, key="key-a")
+        assert made.status_code == 200, made.text
+        response_id = made.json()["id"]
+        url = f"{live.url}/v1/responses/{response_id}"
+        assert httpx.get(url, headers={"Authorization": "Bearer key-a"}).status_code == 200
+        other = httpx.get(url, headers={"Authorization": "Bearer key-b"})
+        assert other.status_code == 404  # not 403: another tenant learns nothing
+        chained = post(live, {"input": "go on", "previous_response_id": response_id},
+                       key="key-b")
+        assert chained.status_code == 404
+        assert httpx.delete(url, headers={"Authorization": "Bearer key-b"}).status_code == 404
+        assert httpx.get(url).status_code == 401
+
+
+def test_without_the_store_nothing_is_kept_and_chaining_says_why():
+    with LiveServer(max_model_len=256) as live:
+        made = post(live, {"input": "hello", "max_output_tokens": 2})
+        assert made.status_code == 200 and made.json()["store"] is False  # served, as vLLM
+        assert httpx.get(f"{live.url}/v1/responses/{made.json()['id']}").status_code == 404
+        chained = post(live, {"input": "more", "previous_response_id": made.json()["id"]})
+        assert chained.status_code == 400
+        assert "--enable-responses-store" in chained.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "bogus": 1}, "bogus"),
+    ({"input": []}, "input"),
+    ({}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input.0.type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.name"),
+    ({"input": "x", "tools": [{"type": "file_search", "name": "f"}]}, "tools.0.type"),
+    ({"input": "x", "tools": [TOOL]}, "tool_choice"),  # auto: no tool-call parser
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
+                                        "schema": {"type": "string", "pattern": "a"}}}},
+     "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "model": "other"}, None),
+])
+def test_bad_requests_name_the_field(live, body, param):
+    response = httpx.post(live.url + "/v1/responses", json=body, timeout=60)
+    expected = 404 if body.get("model") == "other" else 400
+    assert response.status_code == expected, response.text
+    error = response.json()["error"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert error["message"]
+
+
+def test_nothing_is_left_behind(client, live):
+    client.responses.create(model="tiny", input="last", max_output_tokens=2)
+    assert live.idle()
+
+
+@pytest.mark.parametrize(("flag", "env", "enabled"), [
+    (False, None, False), (True, None, True), (False, "1", True), (False, "true", True),
+    (False, "0", False)])
+def test_the_store_is_turned_on_by_the_flag_or_vllms_variable(monkeypatch, flag, env, enabled):
+    import argparse
+
+    from kvserve.server.cli_serve import _response_store
+
+    if env is None:
+        monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", env)
+    store = _response_store(argparse.Namespace(enable_responses_store=flag,
+                                               responses_store_size=8))
+    assert store.enabled is enabled and store.capacity == 8
