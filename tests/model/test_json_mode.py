@@ -260,3 +260,130 @@ def test_a_tagged_union_of_objects_and_counted_arrays(text, done):
     union; a required call among several tools), and arrays' minItems / maxItems."""
     state = read(text, schema=Schema(CAT_OR_DOG))
     assert (state is not None and state.mode == DONE) == done
+
+
+def _one(node: dict) -> Schema:
+    return Schema({"type": "object", "properties": {"v": node}, "required": ["v"],
+                   "additionalProperties": False})
+
+
+def _done(schema: Schema, value: bytes) -> bool:
+    state = read(b'{"v":' + value + b"}", schema=schema)
+    return state is not None and state.mode == DONE
+
+
+BOUNDS = [{"minimum": -5, "maximum": 120}, {"exclusiveMinimum": 0, "exclusiveMaximum": 10},
+          {"minimum": 0.5, "exclusiveMaximum": 2.25}, {"maximum": -2.5},
+          {"minimum": 7}, {"exclusiveMinimum": -1.5}, {"minimum": 0, "exclusiveMinimum": True},
+          {"minimum": 100, "maximum": 100}]
+
+
+def _within(value: float, bounds: dict) -> bool:
+    low, high = bounds.get("minimum"), bounds.get("maximum")
+    low_x, high_x = bounds.get("exclusiveMinimum"), bounds.get("exclusiveMaximum")
+    if low_x is True:
+        low_x, low = low, None
+    return ((low is None or value >= low) and (high is None or value <= high)
+            and (low_x is None or value > low_x) and (high_x is None or value < high_x))
+
+
+@pytest.mark.parametrize("bounds", BOUNDS)
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_a_number_is_held_to_its_bounds(kind, bounds):
+    """minimum, maximum and their exclusive forms (pydantic's ge, le, gt, lt; draft 4's
+    boolean flags): a value is done exactly when it lies within them."""
+    schema = _one({"type": kind, **bounds})
+    rng = random.Random(7)
+    texts = [str(n) for n in range(-150, 160)] + ["-0", "0.5", "2.25", "2.2499", "-2.5",
+                                                   "-2.51", "7.0", "100.00", "-1.4999"]
+    texts += [f"{rng.uniform(-200, 200):.{rng.randint(1, 4)}f}" for _ in range(300)]
+    for text in texts:
+        if kind == "integer" and "." in text:
+            continue
+        assert _done(schema, text.encode()) == _within(float(text), bounds), text
+    assert not _done(schema, b"1e1")  # a bounded number is written without an exponent
+
+
+@pytest.mark.parametrize("bounds", BOUNDS)
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_a_bounded_number_never_reaches_a_dead_end(kind, bounds):
+    """Every beginning the recognizer takes can still be finished (a constrained row that
+    took one would have no token left): breadth first over digits, sign and point."""
+    schema = _one({"type": kind, **bounds})
+    alphabet = b"-0123456789.}"
+    frontier = [read(b'{"v":', schema=schema)]
+    seen = set(frontier)
+    for _ in range(4):  # every beginning of up to four bytes
+        following = []
+        for state in frontier:
+            for byte in alphabet:
+                after = read(bytes([byte]), state, schema)
+                if after is not None and after not in seen:
+                    seen.add(after)
+                    following.append(after)
+        frontier = following
+    for state in seen:
+        assert _finishes(state, schema, alphabet), state
+
+
+def _finishes(state, schema: Schema, alphabet: bytes, depth: int = 12) -> bool:
+    """Some bytes of ``alphabet`` (at most ``depth``) take ``state`` to the object's end:
+    depth first, the closing brace tried first."""
+    if state.mode == DONE:
+        return True
+    if depth == 0:
+        return False
+    return any(_finishes(after, schema, alphabet, depth - 1)
+               for byte in sorted(alphabet, key=lambda b: b != ord("}"))
+               if (after := read(bytes([byte]), state, schema)) is not None)
+
+
+def test_a_string_is_held_to_its_length_in_characters():
+    schema = _one({"type": "string", "minLength": 2, "maxLength": 4})
+    for text in ['""', '"a"', '"ab"', '"abcd"', '"abcde"', '"é"', '"éé"', '"éééé"', '"ééééé"',
+                 '"\\n\\n"', '"\\u00e9x"', '"a\\"b\\\\"']:
+        length = len(json.loads(text))
+        assert _done(schema, text.encode()) == (2 <= length <= 4), text
+    # a counted string is UTF-8: bytes that are no character cannot pad or stretch it
+    for raw in [b'"ab\x80\x80\x80"', b'"\xc3\xa9\xa9"', b'"a\xc3"', b'"a\xe0\x80\x80"',
+                b'"a\xff"', b'"a\xed\xa0\x80"']:
+        assert not _done(schema, raw), raw
+    assert _done(schema, '"a😀"'.encode())
+
+
+def test_the_allowed_tokens_of_a_string_held_to_a_length_are_exactly_those_it_takes():
+    schema = _one({"type": "string", "maxLength": 3, "minLength": 1})
+    rng = random.Random(3)
+    alphabet = ["a", "b", "é", "€", '"', "\\", "n", "u", "0", "}"]
+    pieces = [b'"'] + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))).encode()
+        for _ in range(500)] + ["é".encode()[:1], "é".encode()[1:], "€".encode()[:2],
+                                "€".encode()[1:], "€".encode()[2:] + b"a", b"\xff"]
+    vocabulary = JsonVocabulary(pieces)
+    for prefix in [b'{"v":"', b'{"v":"a', b'{"v":"ab', b'{"v":"ab\xc3', b'{"v":"abc',
+                   b'{"v":"\\', b'{"v":"\\u00', b'{"v":"\xe2', b'{"v":"\xe2\x82']:
+        state = read(prefix, schema=schema)
+        assert state is not None, prefix
+        expected = [t for t, data in enumerate(vocabulary.token_bytes)
+                    if read(data, state, schema) is not None]
+        assert vocabulary.allowed(state, schema) == expected, prefix
+
+
+@pytest.mark.parametrize(("node", "needle"), [
+    ({"type": "integer", "minimum": 3, "maximum": 2}, "no integer lies within"),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2},
+     "no integer lies within"),
+    ({"type": "number", "minimum": "1"}, "must be numbers"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "minLength and maxLength"),
+    ({"type": "number", "multipleOf": 2}, "'multipleOf' is not supported"),
+    ({"type": "string", "maximum": 2}, "'maximum' is not supported"),  # not a string's
+])
+def test_bounds_that_cannot_hold_are_refused_by_name(node, needle):
+    with pytest.raises(SchemaError, match=needle):
+        _one(node)
+
+
+def test_a_type_list_gives_each_type_its_own_keywords():
+    """Optional[conint(ge=1)] as {"type": ["integer", "null"], "minimum": 1}."""
+    schema = _one({"type": ["integer", "null"], "minimum": 1})
+    assert _done(schema, b"null") and _done(schema, b"3") and not _done(schema, b"0")

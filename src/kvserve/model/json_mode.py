@@ -7,9 +7,10 @@ schema), and ends (EOS) when the object closes.
 A byte-level pushdown recognizer of JSON (RFC 8259) reads the output so far; the next tokens
 allowed are those whose bytes it accepts from there. With a schema, each value is read
 against its schema node: an object takes only its properties' names as keys, each once,
-and closes once its required ones are there; a string, number, integer, boolean or null
-only that; an enum or const only those values (as ``json.dumps`` writes them); an array its
-items; anyOf alternatives of different JSON types. :func:`compile_schema` says which
+and closes once its required ones are there; a string (of its minLength to maxLength
+characters), number or integer (within its minimum and maximum), boolean or null only that;
+an enum or const only those values (as ``json.dumps`` writes them); an array its items;
+anyOf alternatives of different JSON types. :func:`compile_schema` says which
 keywords are honoured and refuses the others by name (a constraint accepted must hold).
 
 Testing every token of the vocabulary at every step would cost a Python loop of 50k tokens,
@@ -30,8 +31,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 MAX_WHITESPACE = 8
@@ -81,6 +85,18 @@ class Node:
     # tagged: the objects of a union told apart by their first property (``properties``:
     # its name, with all their values), each value's object
     by_text: tuple[tuple[bytes, int], ...] = ()
+    min_length: int = 0  # string: characters (code points; an escape is one)
+    max_length: int | None = None  # string
+    # number, integer: the bounds, (value, inclusive), None where unbounded (integer: whole
+    # numbers, inclusive)
+    low: tuple[Fraction, bool] | None = None
+    high: tuple[Fraction, bool] | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """A string whose length, or a number whose value, is held to bounds."""
+        return bool(self.min_length) or self.max_length is not None or \
+            self.low is not None or self.high is not None
 
 
 # Keywords that only describe (honoured by ignoring them).
@@ -142,11 +158,13 @@ class Schema:
             return self._add(Node("texts", texts=tuple(dict.fromkeys(_text(v)
                                                                      for v in values))))
         kind = schema.get("type")
-        if isinstance(kind, list):
-            return self._union([{**schema, "type": k} for k in kind], f"{where}.type")
-        self._refuse_beside(schema, {"type", "properties", "required", "additionalProperties",
-                                     "items", "minItems", "maxItems", "definitions", "$defs"},
-                            where)
+        if isinstance(kind, list):  # each type with its own keywords (minimum: numbers')
+            return self._union([{key: value for key, value in schema.items()
+                                 if key not in _TYPED or key in _KEYWORDS.get(k, ())}
+                                | {"type": k}
+                                for k in kind if isinstance(k, str)], f"{where}.type")
+        self._refuse_beside(schema, {"type", "definitions", "$defs", *_KEYWORDS.get(
+            kind if isinstance(kind, str) else "object", ())}, where)
         if kind == "object" or (kind is None and "properties" in schema):
             return self._object(schema, where)
         if kind == "array":
@@ -160,8 +178,14 @@ class Schema:
             return self._add(Node("texts", texts=(b"true", b"false")))
         if kind == "null":
             return self._add(Node("texts", texts=(b"null",)))
-        if kind in ("string", "number", "integer"):
-            return self._add(Node(kind))
+        if kind == "string":
+            low, high = schema.get("minLength", 0), schema.get("maxLength")
+            if not _is_count(low) or not (high is None or (_is_count(high) and high >= low)):
+                raise SchemaError(f"schema{where}: minLength and maxLength must be counts, "
+                                  "the first no more than the second")
+            return self._add(Node(kind, min_length=low, max_length=high))
+        if kind in ("number", "integer"):
+            return self._add(_numbers(kind, schema, where))
         if kind is None:
             return self.any
         raise SchemaError(f"schema{where}: unknown type {kind!r}")
@@ -174,9 +198,10 @@ class Schema:
         if unknown:
             raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
                               "type, properties, required, additionalProperties, items, "
-                              "minItems, maxItems, enum, const, anyOf, oneOf, $ref); drop "
-                              "the constraint (a pydantic Field's ge, max_length, "
-                              "pattern...) or, for a date or time, take a str")
+                              "minItems, maxItems, minLength, maxLength, minimum, maximum, "
+                              "exclusiveMinimum, exclusiveMaximum, enum, const, anyOf, "
+                              "oneOf, $ref); drop the constraint (a pydantic Field's "
+                              "pattern, multiple_of...) or, for a date or time, take a str")
 
     def _object(self, schema: dict[str, Any], where: str) -> int:
         properties = schema.get("properties", {})
@@ -261,6 +286,98 @@ class Schema:
         return index
 
 
+# The keywords each type honours besides type (an object's are also the default's).
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "object": ("properties", "required", "additionalProperties"),
+    "array": ("items", "minItems", "maxItems"),
+    "string": ("minLength", "maxLength"),
+    "number": _BOUNDS, "integer": _BOUNDS}
+_TYPED = frozenset(keyword for keywords in _KEYWORDS.values() for keyword in keywords)
+
+
+def _numbers(kind: str, schema: dict[str, Any], where: str) -> Node:
+    """A number or integer node with its bounds: minimum and maximum, and
+    exclusiveMinimum and exclusiveMaximum as numbers (JSON Schema 6 on, pydantic's gt and
+    lt) or as draft 4's booleans beside them."""
+    bounds: dict[str, tuple[Fraction, bool] | None] = {}
+    for side, keyword, exclusive in (("low", "minimum", "exclusiveMinimum"),
+                                     ("high", "maximum", "exclusiveMaximum")):
+        value, strict = schema.get(keyword), schema.get(exclusive)
+        if isinstance(strict, bool):  # draft 4: the flag of minimum / maximum
+            strict, flag = None, strict
+        else:
+            flag = False
+        found = [(v, inclusive) for v, inclusive in ((value, not flag), (strict, False))
+                 if v is not None]
+        for v, _ in found:
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise SchemaError(f"schema{where}: {keyword} and {exclusive} must be numbers")
+        # both given: the tighter holds
+        pick = max if side == "low" else min
+        bound = pick(((Fraction(str(v)), inclusive) for v, inclusive in found),
+                     key=lambda b: (b[0], (not b[1]) == (side == "low")), default=None)
+        if bound is not None and kind == "integer":  # the whole numbers within, inclusive
+            value_, inclusive = bound
+            whole = math.ceil(value_) if side == "low" else math.floor(value_)
+            if not inclusive and whole == value_:
+                whole += 1 if side == "low" else -1
+            bound = (Fraction(whole), True)
+        bounds[side] = bound
+    low, high = bounds["low"], bounds["high"]
+    if low is not None and high is not None and not _meets(low[0], high[0], True, True,
+                                                           low, high):
+        raise SchemaError(f"schema{where}: no {kind} lies within its minimum and maximum")
+    return Node(kind, low=low, high=high)
+
+
+def _meets(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
+           low: tuple[Fraction, bool] | None, high: tuple[Fraction, bool] | None) -> bool:
+    """Whether the interval from ``a`` to ``b`` (each end included where ``a_in``,
+    ``b_in``) holds a number within ``low`` and ``high``."""
+    if low is not None and (low[0] > a or (low[0] == a and not low[1])):
+        a, a_in = low[0], low[1]
+    if high is not None and (high[0] < b or (high[0] == b and not high[1])):
+        b, b_in = high[0], high[1]
+    return a < b or (a == b and a_in and b_in)
+
+
+def _number_viable(text: bytes, node: Node) -> bool:
+    """Whether the number begun as ``text`` (a sign, digits, a point and digits: no
+    exponent where a number is bounded) can still end within ``node``'s bounds."""
+    negative = text.startswith(b"-")
+    body = text[1:] if negative else text
+    low, high = node.low, node.high
+    if negative:  # v = -u: hold u to the bounds mirrored
+        low, high = ((-high[0], high[1]) if high else None), ((-low[0], low[1]) if low else None)
+    integer = node.kind == "integer"
+    if not body:  # "-": any u >= 0
+        return high is None or _meets(Fraction(0), high[0], True, True, low, high)
+    whole, point, fraction = body.partition(b".")
+    value = Fraction(body.decode()) if point and fraction else Fraction(int(whole))
+    if point:  # u in [D.F, D.F + 10^-len(F))
+        return _meets(value, value + Fraction(1, 10 ** len(fraction)), True, False, low, high)
+    if whole == b"0":
+        return _meets(Fraction(0), Fraction(0 if integer else 1), True, integer, low, high)
+    scale = 1
+    while True:  # u in [D 10^k, (D + 1) 10^k), k more digits (integers: the last excluded)
+        start = value * scale
+        if high is not None and start > high[0]:
+            return False
+        end = (value + 1) * scale
+        if _meets(start, end - 1 if integer else end, True, integer, low, high):
+            return True
+        if high is None:  # ever larger intervals, one will reach the lower bound
+            return True
+        scale *= 10
+
+
+def _number_within(text: bytes, node: Node) -> bool:
+    """Whether the complete number ``text`` is within ``node``'s bounds."""
+    value = Fraction(text.decode())
+    return _meets(value, value, True, True, node.low, node.high)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -319,23 +436,19 @@ def feed(state: JsonState | None, byte: int, schema: Schema = ANY_OBJECT) -> Jso
         return None
     mode = state.mode
     if mode == STRING:
-        if byte == 0x22:  # the closing quote
-            return JsonState(COLON, state.stack) if state.extra else _after_value(state.stack)
-        if byte == 0x5C:
-            return JsonState(ESCAPE, state.stack, state.extra)
-        return None if byte < 0x20 else state
+        return _string(state, byte, schema)
     if mode == ESCAPE:
         if byte not in _ESCAPES:
             return None
         if byte == ord("u"):
             return JsonState(UNICODE, state.stack, (state.extra, 4))
-        return JsonState(STRING, state.stack, state.extra)
+        return JsonState(STRING, state.stack, _counted(state.extra))
     if mode == UNICODE:
         if byte not in _HEX:
             return None
-        is_key, left = state.extra
-        return JsonState(STRING, state.stack, is_key) if left == 1 else \
-            JsonState(UNICODE, state.stack, (is_key, left - 1))
+        inner, left = state.extra
+        return JsonState(STRING, state.stack, _counted(inner)) if left == 1 else \
+            JsonState(UNICODE, state.stack, (inner, left - 1))
     if mode == NUMBER:
         return _number(state, byte, schema)
     if mode == CHOICE:
@@ -349,6 +462,55 @@ def feed(state: JsonState | None, byte: int, schema: Schema = ANY_OBJECT) -> Jso
             return None
         return JsonState(mode, state.stack, state.extra, state.whitespace + 1)
     return _structural(state, byte, schema)
+
+
+def _string(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
+    """In a string: ``extra`` True for a key, False for a free value, or, for a value held
+    to a length, (its node, the characters read, the UTF-8 bytes its last character still
+    needs as (how many, the range of the next one), or None)."""
+    extra = state.extra
+    if extra is True or extra is False:
+        if byte == 0x22:  # the closing quote
+            return JsonState(COLON, state.stack) if extra else _after_value(state.stack)
+        if byte < 0x20:
+            return None
+        return JsonState(ESCAPE, state.stack, extra) if byte == 0x5C else state
+    index, count, pending = extra
+    if pending is not None:  # inside a character: only its next byte
+        left, low, high = pending
+        if not low <= byte <= high:
+            return None
+        return JsonState(STRING, state.stack,
+                         (index, count, (left - 1, 0x80, 0xBF) if left > 1 else None))
+    node = schema.nodes[index]
+    if byte == 0x22:
+        return _after_value(state.stack) if count >= node.min_length else None
+    if byte < 0x20 or (node.max_length is not None and count >= node.max_length):
+        return None  # a character more would be too many
+    if byte == 0x5C:  # counted once the escape is read
+        return JsonState(ESCAPE, state.stack, extra)
+    if byte < 0x80:
+        return JsonState(STRING, state.stack, (index, count + 1, None))
+    following = _UTF8_LEADS.get(byte)
+    if following is None:
+        return None  # not the first byte of a character (counted strings are UTF-8)
+    return JsonState(STRING, state.stack, (index, count + 1, following))
+
+
+# A UTF-8 character's first byte -> the bytes it needs after it: how many, and the range of
+# the next one (RFC 3629: no overlong forms, no surrogates, nothing past U+10FFFF)
+_UTF8_LEADS: dict[int, tuple[int, int, int]] = {
+    **{lead: (1, 0x80, 0xBF) for lead in range(0xC2, 0xE0)},
+    0xE0: (2, 0xA0, 0xBF), **{lead: (2, 0x80, 0xBF) for lead in range(0xE1, 0xED)},
+    0xED: (2, 0x80, 0x9F), 0xEE: (2, 0x80, 0xBF), 0xEF: (2, 0x80, 0xBF),
+    0xF0: (3, 0x90, 0xBF), 0xF1: (3, 0x80, 0xBF), 0xF2: (3, 0x80, 0xBF),
+    0xF3: (3, 0x80, 0xBF), 0xF4: (3, 0x80, 0x8F)}
+
+
+def _counted(extra: Any) -> Any:
+    """A string's ``extra`` after an escape: one character more where they are counted (a
+    surrogate pair's two escapes count two)."""
+    return extra if isinstance(extra, bool) else (extra[0], extra[1] + 1, None)
 
 
 def _structural(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
@@ -403,18 +565,19 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
     if kind == "texts":
         return _choice(JsonState(CHOICE, stack, (node.texts, 0, "value")), byte, schema)
     if byte == 0x22 and kind in ("any", "string"):
-        return JsonState(STRING, stack, False)
+        return JsonState(STRING, stack, (index, 0, None) if node.bounded else False)
     if byte == ord("{") and kind in ("any", "object", "tagged"):
         return _open_object(stack, schema.any_object if kind == "any" else index)
     if byte == ord("[") and kind in ("any", "array"):
         return JsonState(ARRAY_FIRST, (*stack, ("a", index if kind == "array"
                                                 else schema.any_array, 0)))
-    if kind in ("any", "number", "integer"):
-        integer = kind == "integer"
-        if byte == ord("-"):
-            return JsonState(NUMBER, stack, ("minus", integer))
-        if byte in _DIGITS:
-            return JsonState(NUMBER, stack, ("zero" if byte == ord("0") else "int", integer))
+    if kind in ("any", "number", "integer") and (byte == ord("-") or byte in _DIGITS):
+        part = "minus" if byte == ord("-") else "zero" if byte == ord("0") else "int"
+        if not node.bounded:
+            return JsonState(NUMBER, stack, (part, kind == "integer"))
+        text = bytes([byte])
+        return JsonState(NUMBER, stack, (part, kind == "integer", index, text)) \
+            if _number_viable(text, node) else None
     if kind == "any" and byte in b"tfn":
         return _choice(JsonState(CHOICE, stack, ((b"true", b"false", b"null"), 0, "value")),
                        byte, schema)
@@ -533,16 +696,26 @@ _COMPLETE = frozenset({"zero", "int", "frac", "expdigits"})
 
 
 def _number(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
-    part, integer = state.extra
+    """In a number: ``extra`` (its part, integer only), and for a bounded one its node and
+    the text read (no exponent: the bounds are checked on the digits)."""
+    part, integer, *bounded = state.extra
     kind = ("zero" if byte == ord("0") else "digit" if byte in _DIGITS else
             "point" if byte == ord(".") else "exp" if byte in b"eE" else
             "sign" if byte in b"+-" else None)
-    if integer and kind in ("point", "exp"):
+    if (integer and kind in ("point", "exp")) or (bounded and kind == "exp"):
         kind = None
     following = _NUMBER_NEXT[part].get(kind) if kind is not None else None
     if following is not None:
-        return JsonState(NUMBER, state.stack, (following, integer))
+        if not bounded:
+            return JsonState(NUMBER, state.stack, (following, integer))
+        index, text = bounded
+        text += bytes([byte])
+        if not _number_viable(text, schema.nodes[index]):
+            return None
+        return JsonState(NUMBER, state.stack, (following, integer, index, text))
     if part not in _COMPLETE:
+        return None
+    if bounded and not _number_within(bounded[1], schema.nodes[bounded[0]]):
         return None
     return feed(_after_value(state.stack), byte, schema)  # the number ended before it
 
@@ -577,6 +750,19 @@ class JsonVocabulary:
         self._by_first = by_first
         self._in_string = in_string
         self._string_special = string_special
+        # the plain string tokens of whole UTF-8 characters by their number, so a string
+        # held to a length takes those that fit at once; the others (part of a character)
+        # are checked byte by byte there
+        chars = {}
+        partial = []
+        for token_id in in_string:
+            try:
+                chars[token_id] = len(self.token_bytes[token_id].decode())
+            except UnicodeDecodeError:
+                partial.append(token_id)
+        self._by_chars = sorted(chars, key=chars.__getitem__)
+        self._chars = [chars[t] for t in self._by_chars]
+        self._counted_special = string_special + partial
 
     def allowed(self, state: JsonState, schema: Schema = ANY_OBJECT) -> list[int]:
         """The tokens whose bytes keep the output the beginning of a JSON object of
@@ -585,7 +771,16 @@ class JsonVocabulary:
         cached = schema.cache.get(key)
         if cached is not None:
             return cached
-        if state.mode == STRING:
+        if state.mode == STRING and isinstance(state.extra, tuple):  # held to a length
+            index, read_so_far, pending = state.extra
+            maximum = schema.nodes[index].max_length
+            room = len(self._by_chars) if maximum is None else \
+                bisect_right(self._chars, maximum - read_so_far)
+            plain = [] if pending is not None else self._by_chars[:room]
+            candidates = self._counted_special if pending is None else [
+                t for byte in range(pending[1], pending[2] + 1)
+                for t in self._by_first.get(byte, ())]
+        elif state.mode == STRING:
             plain, candidates = self._in_string, self._string_special
         else:
             plain = []
