@@ -201,3 +201,33 @@ def metric_values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
         for sample in family.samples:
             values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return values
+
+
+def rendezvous_engine(folder: str, count: int, **settings: Any) -> Engine:
+    """An engine process that is ready only once ``count`` of them are loading at once (each
+    leaves its pid in ``folder``; ValueError after a minute): replicas launched one after
+    another never are."""
+    import os
+    from pathlib import Path
+
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < count:
+        if time.monotonic() > deadline:
+            raise ValueError("the other replicas never started loading")
+        time.sleep(0.05)
+    return make_engine(**settings)
+
+
+def loading_engine(folder: str, fail_if_named: str | None = None) -> Engine:
+    """An engine process that leaves its pid in ``folder`` and then loads for ever (a
+    minute), or, in the process named ``fail_if_named``, fails at once."""
+    import multiprocessing
+    import os
+    from pathlib import Path
+
+    if multiprocessing.current_process().name == fail_if_named:
+        raise ValueError("this replica's settings are refused")
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(60)
+    raise ValueError("loaded for a minute")

@@ -91,6 +91,26 @@ def test_a_dead_replica_counts_nothing_in_flight():
     assert engine.death_observers == []
 
 
+def test_a_dead_replicas_requests_end_on_the_timeline():
+    """QA: the requests a replica held when it died stayed "running" on the timeline."""
+    from types import SimpleNamespace
+
+    from kvserve.core import SchedulerStats
+
+    view = LiveView(Observed())
+    view.watch()
+    arrived = [SimpleNamespace(kind="arrived", request_id=rid, time=view.origin + 1.0)
+               for rid in ("a", "b", "c")]
+    stats = SchedulerStats(3, 0, 0, 0.5, 50, 100, 1, 0, 0, 8, 0, 0, {}, {})
+    view.observe(SimpleNamespace(engine=0, time=view.origin + 1.0, seconds=0.0,
+                                 num_scheduled_tokens=0, stats=stats, events=arrived,
+                                 chunks=[]))
+    view.replica_died(0, view.origin + 2.5, ["a", "b"])
+    finished = {r["id"]: r["finished"] for r in view.snapshot(0)[1]["requests"]}
+    assert finished == {"a": 2.5, "b": 2.5, "c": None}
+    view.leave()
+
+
 def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
     with httpx.stream("GET", url, headers=headers, timeout=10) as reply:
         assert reply.status_code == 200, reply.read()

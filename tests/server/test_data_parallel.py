@@ -348,3 +348,135 @@ def test_a_replica_dying_at_start_backs_off_and_its_failures_are_counted(monkeyp
     engine._next_delay = [0.0]
     engine._restart(0)
     assert attempts == [0, 0, 0, "killed"] and engine.num_failed_restarts == [2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_replicas_load_at_once(tmp_path):
+    """QA: each replica was launched once the one before was ready, so N took N loads'
+    time. Each of these is ready only once both are loading together."""
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import EngineSpec, LocalLauncher
+
+    from .helpers import rendezvous_engine
+
+    spec = EngineSpec(functools.partial(rendezvous_engine, str(tmp_path), 2,
+                                        max_model_len=256), threads=1, wait_policy="PASSIVE")
+    engine = DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"replica-{i}")
+                                                    for i in range(2)],
+                                make_router("round-robin", 2))
+    with LiveServer(serving=engine) as live:
+        check_both_replicas_serve(live)
+
+
+def test_a_replica_that_fails_to_start_stops_the_others_loading(tmp_path):
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import EngineSpec, EngineStartError, LocalLauncher
+
+    from .helpers import loading_engine
+
+    spec = EngineSpec(functools.partial(loading_engine, str(tmp_path), "replica-0"),
+                      threads=1, wait_policy="PASSIVE")
+    with pytest.raises(EngineStartError, match="settings are refused"):
+        DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"replica-{i}")
+                                               for i in range(2)],
+                           make_router("round-robin", 2))
+    [pid] = [int(name) for name in os.listdir(tmp_path)]  # replica 1, still loading
+    wait_for(lambda: not _alive(pid), timeout=10, what="the loading replica to be stopped")
+
+
+def test_an_engine_process_ends_with_its_server_even_while_it_loads(tmp_path):
+    """QA: a server killed while its replicas loaded left them loading on, orphans."""
+    import subprocess
+    import sys
+
+    script = f"""
+import functools, sys
+sys.path[:0] = {[str(ROOT / "src"), str(ROOT)]!r}
+from kvserve.engine.engine_process import EngineSpec, ProcessEngine
+from tests.server.helpers import loading_engine, tokenizer
+spec = EngineSpec(functools.partial(loading_engine, {str(tmp_path)!r}), threads=1,
+                  wait_policy="PASSIVE")
+ProcessEngine(spec, tokenizer())
+"""
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_for(lambda: os.listdir(tmp_path), timeout=60, what="the engine to start loading")
+        [pid] = [int(name) for name in os.listdir(tmp_path)]
+        server.kill()  # SIGKILL: nothing of the server's runs
+        server.wait(10)
+        wait_for(lambda: not _alive(pid), timeout=10, what="the orphan engine to end")
+    finally:
+        server.kill()
+
+
+def test_a_signal_while_starting_stops_the_server_by_that_signal_in_one_line():
+    import subprocess
+    import sys
+
+    script = f"""
+import os, signal, sys, time
+sys.path[:0] = [{str(ROOT / "src")!r}]
+from kvserve.server.cli_serve import _interruptible_start
+with _interruptible_start():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+print("not reached")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == -signal.SIGTERM  # as a stop while serving ends
+    assert "SIGTERM while starting" in done.stderr and "Traceback" not in done.stderr
+    assert "not reached" not in done.stdout
+
+
+def test_ray_that_cannot_be_reached_is_one_line_at_once(monkeypatch):
+    """QA: RAY_ADDRESS naming nothing left the server in ray.init for minutes; a refusal
+    ended in a traceback. Ray's own SIGTERM handler (exit status 15) does not outlive
+    ray.init: a drained stop ends by the signal with either backend."""
+    import socket
+    import sys
+    from types import SimpleNamespace
+
+    from kvserve.engine.engine_process import EngineStartError
+    from kvserve.engine.ray_launcher import ensure_ray
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))  # as Ray's driver does
+        if kwargs["address"] == "127.0.0.1:1":
+            raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:1\nmore")
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: False,
+                                                           init=init))
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(EngineStartError, match=f"cannot reach the Ray cluster at "
+                                               f"RAY_ADDRESS=127.0.0.1:{port}"):
+        ensure_ray()
+    assert calls == []  # refused before Ray tried
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.delenv("RAY_ADDRESS")
+    ensure_ray()  # a local instance
+    assert calls[-1]["address"] is None and signal.getsignal(signal.SIGTERM) is before
+    import kvserve.engine.ray_launcher as launcher
+
+    monkeypatch.setattr(launcher, "_check_reachable", lambda address: None)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(EngineStartError) as refused:
+        ensure_ray()
+    assert str(refused.value) == ("cannot start on the Ray cluster at RAY_ADDRESS=127.0.0.1:1: "
+                                  "Failed to connect to Ray cluster at 127.0.0.1:1")
+    assert signal.getsignal(signal.SIGTERM) is before

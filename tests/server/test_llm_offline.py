@@ -357,3 +357,18 @@ def test_vllms_detokenize_and_skip_special_tokens_per_request(llm):
             skip_special_tokens=skip))
         assert stream.step([eos], finished=False)[0] == shown
     assert TextStream.for_request(llm.tokenizer, [5], SamplingParams(detokenize=False)) is None
+
+
+def test_generate_takes_one_priority_per_prompt_as_vllm():
+    """QA: vLLM's generate(..., priority=[...]) was a TypeError."""
+    llm = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=64, max_model_len=256,
+              scheduling_policy="priority", max_num_seqs=1)
+    results = llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=2),
+                           use_tqdm=False, priority=[2, 0, 1])
+    waited = [result.metrics.queue_time for result in results]
+    assert waited[1] < waited[2] < waited[0]  # admitted one at a time, most urgent first
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        llm.generate([[5, 6], [7, 8]], use_tqdm=False, priority=[0])
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate([[5, 6]], use_tqdm=False, priority=["high"])
+    assert not llm.engine.has_unfinished_requests()

@@ -17,6 +17,7 @@ restart), and :meth:`DataParallelEngine.health` reports the degraded state until
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -51,13 +52,17 @@ MAX_RESTART_DELAY_S = 30.0
 
 class DataParallelEngine:
     """N replicas of one engine behind ``router``. ``launchers[i]`` starts replica i (again
-    after a death). Constructing it starts every replica and waits until all are ready."""
+    after a death). Constructing it starts every replica at once and waits until all are
+    ready."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, launchers: Sequence[Launcher],
                  router: Router, *, restart_delay: float = 1.0) -> None:
         self.launchers = list(launchers)
-        if all(isinstance(launcher, LocalLauncher) for launcher in self.launchers):
-            # the replicas share this machine's cores: the wait policy counts all their threads
+        if all(isinstance(launcher, LocalLauncher) or getattr(launcher, "on_this_machine",
+                                                               False)
+               for launcher in self.launchers):
+            # the replicas share this machine's cores: the wait policy counts all their
+            # threads (Ray actors on an instance started here too, QA)
             spec = dataclasses.replace(spec, processes=len(self.launchers))
         self.spec = spec
         self.tokenizer = tokenizer
@@ -85,14 +90,7 @@ class DataParallelEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.replicas: list[ProcessEngine | None] = [None] * len(self.launchers)
-        try:
-            for index in range(len(self.launchers)):
-                self.replicas[index] = self._launch(index)
-        except BaseException:
-            for replica in self.replicas:
-                if replica is not None:
-                    replica._kill()
-            raise
+        self._launch_all()
         first = self.replicas[0]
         assert first is not None
         self.info = first.info
@@ -101,9 +99,34 @@ class DataParallelEngine:
     def num_replicas(self) -> int:
         return len(self.replicas)
 
-    def _launch(self, index: int) -> ProcessEngine:
+    def _launch_all(self) -> None:
+        """Start every replica at once and wait until all are ready (N loads take one load's
+        time, QA); the first failure, or a signal meanwhile, stops them all."""
+        cancel = threading.Event()
+        pool = concurrent.futures.ThreadPoolExecutor(len(self.launchers),
+                                                     thread_name_prefix="kvserve-launch")
+        futures = [pool.submit(self._launch, index, cancel)
+                   for index in range(len(self.launchers))]
+        try:
+            concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for index, future in enumerate(futures):
+                self.replicas[index] = future.result()
+        except BaseException:
+            cancel.set()  # the loading ones kill their process and end
+            for future in futures:
+                try:
+                    replica = future.result()
+                except BaseException:  # its own failure: the first one is raised
+                    continue
+                replica._kill()
+            raise
+        finally:
+            pool.shutdown(wait=False)
+
+    def _launch(self, index: int, cancel: threading.Event | None = None) -> ProcessEngine:
         replica = ProcessEngine(self.spec, self.tokenizer, name=f"kvserve-engine-{index}",
-                                launcher=self.launchers[index], on_death=self._died)
+                                launcher=self.launchers[index], on_death=self._died,
+                                cancel=cancel)
         replica.observers.append(lambda report, i=index: self._observe(i, report))
         return replica
 
@@ -368,7 +391,9 @@ def replica_launchers(num_replicas: int, backend: str, device: str = "cpu"
         from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
         ray = ensure_ray()
         gpus = ray_gpus_per_replica(device, ray.cluster_resources().get("GPU", 0))
-        return [RayLauncher(i, num_gpus=gpus) for i in range(num_replicas)]
+        local = not os.environ.get("RAY_ADDRESS")  # ensure_ray started an instance here
+        return [RayLauncher(i, num_gpus=gpus, on_this_machine=local)
+                for i in range(num_replicas)]
     if backend != "mp":
         raise ValueError(f"unknown data-parallel backend {backend!r}; choose mp or ray")
     gpus = replica_gpus(num_replicas, device) or [None] * num_replicas

@@ -229,6 +229,8 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _name_process(multiprocessing.current_process().name)
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),),
+                         name="kvserve-parent-watch", daemon=True).start()
     os.environ.update(spec.environment())  # before torch is imported here
     # a spawned process starts with no handler (a Ray worker has its own): to stderr, the
     # server's, unless VLLM_CONFIGURE_LOGGING=0 (inherited) leaves logging alone
@@ -254,6 +256,16 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         _serve(conn, core, spec.idle_wait)
     except (EOFError, OSError):  # the server went away
         return
+
+
+def _exit_with_parent(parent: int, every: float = 0.5) -> None:
+    """End this engine process once the server that spawned it is gone, loading or not: a
+    server killed outright (SIGKILL, or a signal before its handlers are up) cannot stop it,
+    and while the model loads the pipe is not read, so its closing goes unseen (QA: a
+    replica loading on for its whole load after a SIGTERM, holding its memory)."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(0)
 
 
 def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
@@ -440,7 +452,8 @@ class ProcessEngine:
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, *, name: str = "kvserve-engine",
                  launcher: Launcher | None = None, start_timeout: float = 600.0,
-                 on_death: Callable[[ProcessEngine], None] | None = None) -> None:
+                 on_death: Callable[[ProcessEngine], None] | None = None,
+                 cancel: threading.Event | None = None) -> None:
         self.spec = dataclasses.replace(spec, detokenize=spec.detokenize and tokenizer is None)
         self.tokenizer = tokenizer
         self.name = name
@@ -465,7 +478,11 @@ class ProcessEngine:
         self._warned = False  # the watchdog warned of this silence
         self._hung: str | None = None  # why the watchdog killed the process
         self._conn = self.launcher.launch(self.spec, start_timeout)
-        ready = self._await_ready(start_timeout)
+        try:
+            ready = self._await_ready(start_timeout, cancel)
+        except BaseException:  # a signal, or Ctrl-C, while it loads: the process goes too
+            self._kill()
+            raise
         self.info: EngineInfo = dataclasses.replace(ready.info, tokenizer=tokenizer)
         self.stats: SchedulerStats = ready.stats
         self.pid = ready.pid
@@ -478,10 +495,14 @@ class ProcessEngine:
         """Adds sent and not yet answered (not yet in :attr:`stats`)."""
         return len(self._pending)
 
-    def _await_ready(self, timeout: float) -> _Ready:
+    def _await_ready(self, timeout: float, cancel: threading.Event | None) -> _Ready:
+        """The engine's ready message; EngineStartError if it fails, dies, takes longer than
+        ``timeout`` or ``cancel`` is set (another replica failed to start)."""
         deadline = time.monotonic() + timeout
         try:
             while not self._conn.poll(0.1):
+                if cancel is not None and cancel.is_set():
+                    raise EngineStartError("start cancelled")
                 if not self.launcher.alive():
                     raise EngineStartError(f"{self.launcher.death()} before it was ready")
                 if time.monotonic() > deadline:

@@ -472,13 +472,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
+                 use_tqdm: bool = True, *,
+                 priority: Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt; results come back in the prompts' order.
 
         A prompt is a string, a list of token ids, a list of chat messages, or vLLM's
         ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; pass a list of them for a
-        batch. ``sampling_params`` is one for all, or one per prompt. A prompt or a setting
-        that is refused raises before any prompt runs, and leaves nothing queued.
+        batch. ``sampling_params`` is one for all, or one per prompt. ``priority``, as
+        vLLM's: one per prompt (lower first under ``scheduling_policy="priority"``), in
+        place of its sampling params' own. A prompt or a setting that is refused raises
+        before any prompt runs, and leaves nothing queued.
         """
         if self._closed:
             raise RuntimeError("this LLM is closed (close() or its with block ended); make "
@@ -486,6 +489,8 @@ class LLM:
         batch = _as_batch(prompts)
         params = _params_for(sampling_params if sampling_params is not None
                              else self.get_default_sampling_params(), len(batch))
+        if priority is not None:
+            params = _with_priorities(params, priority)
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}  # every sequence's, by request id
@@ -743,6 +748,17 @@ def _params_for(sampling_params: Any, count: int) -> list[list[SamplingParams]]:
         return [param.samples() for param in params]
     except ValueError as error:
         raise ValueError(f"sampling_params: {error}") from None
+
+
+def _with_priorities(params: list[list[SamplingParams]],
+                     priority: Sequence[int]) -> list[list[SamplingParams]]:
+    """Each prompt's sequences with its priority (vLLM's ``generate(priority=[...])``)."""
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence) or \
+            len(priority) != len(params):
+        raise ValueError(f"priority must be a list of one integer per prompt ({len(params)}), "
+                         f"got {priority!r}"[:200])
+    return [[dataclasses.replace(param, priority=value) for param in samples]
+            for samples, value in zip(params, priority, strict=True)]
 
 
 class _Progress:

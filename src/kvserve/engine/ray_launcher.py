@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
+import socket
 import threading
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -38,20 +40,54 @@ def ensure_ray() -> Any:
     except ImportError:
         raise EngineStartError("--data-parallel-backend ray needs Ray: pip install "
                                "'kvserve[ray]'") from None
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+    if ray.is_initialized():
+        return ray
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        _check_reachable(address)
+    # Ray's driver sets its own SIGTERM handler (exit status 15): the server's stop, ended
+    # by the signal after its drain, must end the same with either backend (QA)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {signum: signal.getsignal(signum)
+                for signum in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        where = f"the Ray cluster at RAY_ADDRESS={address}" if address else \
+            "a local Ray instance"
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise EngineStartError(f"cannot start on {where}: {reason}") from None
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     return ray
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A ``host:port`` RAY_ADDRESS answers a TCP connection within ``timeout`` seconds, or
+    EngineStartError says so at once (Ray would retry for minutes, QA). ``auto``,
+    ``local`` and ``ray://`` client addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise EngineStartError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: "
+                               f"{error.strerror or error}") from None
 
 
 class RayLauncher:
     """Replica ``index`` as a Ray actor holding ``spec.threads`` CPUs (1 if unset) and
     ``num_gpus`` GPUs (Ray sets the actor's CUDA_VISIBLE_DEVICES to its own)."""
 
-    def __init__(self, index: int, num_gpus: int = 0) -> None:
+    def __init__(self, index: int, num_gpus: int = 0, on_this_machine: bool = False) -> None:
         self.name = f"kvserve-engine-{index}"
         self.index = index
         self.num_gpus = num_gpus
+        # on a Ray instance started here: the replicas share this machine's cores
+        self.on_this_machine = on_this_machine
         self.actor: Any = None
         self.ref: Any = None
 

@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,8 +270,9 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.app import Cors, build_app
 
     sockets: list[socket.socket] = []
-    state = build_state(args, before_engine=lambda: sockets.append(
-        bind_socket(args.host, args.port)))
+    with _interruptible_start():
+        state = build_state(args, before_engine=lambda: sockets.append(
+            bind_socket(args.host, args.port)))
     cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                 tuple(args.allowed_headers), args.allow_credentials)
     app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
@@ -289,6 +290,42 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
         server.run(sockets=sockets)
     return 1 if died.is_set() else 0
+
+
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT while the server starts."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible_start() -> Iterator[None]:
+    """SIGTERM or Ctrl-C while the model loads: the engine processes already started are
+    stopped (their builders' cleanup runs as the exception passes), one line says so, and
+    the server ends by that signal, as a stop while serving does (QA: a SIGTERM mid-load
+    killed the server at once and left a replica loading; Ctrl-C printed a traceback)."""
+    import signal
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    caught = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, interrupted) for signum in caught}
+    try:
+        yield
+    except _Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        logger.warning("%s while starting: the engine processes were stopped; exiting", name)
+        for signum in caught:
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.signum)  # ends here, by the signal
+        raise  # not reached
+    finally:
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is interrupted:
+                signal.signal(signum, handler)
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:

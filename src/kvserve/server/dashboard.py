@@ -74,11 +74,17 @@ class LiveView:
                 self._stats.clear()
 
     def replica_died(self, engine: int, when: float, request_ids: Any = ()) -> None:
-        """A replica died: nothing of it is in flight any more (its requests failed or were
-        placed again), as /metrics reads it, until it reports again."""
+        """A replica died: nothing of it is in flight any more, as /metrics reads it, until
+        it reports again; its requests end on the timeline then (QA: they stayed "running"),
+        and one placed again on another replica starts anew there as it arrives."""
         with self._lock:
             if engine in self._stats:
                 self._stats[engine] = self._stats[engine].at_rest()
+            at = round(when - self.origin, 4)
+            for request_id in request_ids:
+                entry = self._requests.get(request_id)
+                if entry is not None and entry["finished"] is None:
+                    entry["finished"] = at
 
     def observe(self, report: StepReport) -> None:
         """A step observer (on the engine's thread)."""
