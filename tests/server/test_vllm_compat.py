@@ -89,6 +89,21 @@ def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
         assert 'model_name="beta"' not in metrics
 
 
+def test_the_model_as_given_is_accepted_as_vllm_serves_it(model_dir):
+    """vLLM serves a model under the path as given; kvserve lists its short name, and took
+    the path as an unknown model (404) from a client moved from vLLM."""
+    state = serve_state(model_dir)
+    assert state.model_aliases == (model_dir,) and model_dir not in state.model_names
+    with LiveServer(state=state) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [state.model_name]
+        reply = client.completions.create(model=model_dir, prompt="hi", max_tokens=2)
+        assert reply.model == state.model_name
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=model_dir + "x", prompt="hi", max_tokens=2)
+    assert serve_state(model_dir, "--served-model-name", "alpha").model_aliases == ()
+
+
 @pytest.mark.parametrize("flag", ["--served-model-name", "--api-key"])
 def test_a_model_path_read_as_a_flag_s_value_is_refused_with_the_order_that_works(
         model_dir, capsys, flag):

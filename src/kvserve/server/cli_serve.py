@@ -370,32 +370,63 @@ def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | Non
     """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) aborts the requests still under
     way ``timeout`` seconds after it began (vLLM's --shutdown-timeout), so their clients get
     an answer that says so (finish_reason abort) and the server exits; with no timeout it
-    waits for them all, as uvicorn does."""
+    waits for them all, as uvicorn does. A second SIGTERM or Ctrl-C aborts them at once (QA:
+    a second SIGTERM did nothing, a second Ctrl-C cut every connection with tracebacks); a
+    third Ctrl-C is uvicorn's forced exit."""
 
     class DrainingServer(uvicorn.Server):  # type: ignore[misc, name-defined]
+        abort_asked = False  # a second signal came
+        _now: asyncio.Event | None = None  # set by it, once the shutdown began
+        _loop: asyncio.AbstractEventLoop | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit or self.abort_asked:
+                super().handle_exit(sig, frame)
+                return
+            self.abort_asked = True
+            logger.warning("a second %s: aborting the requests still under way",
+                           _signal_name(sig))
+            if self._loop is not None and self._now is not None:
+                self._loop.call_soon_threadsafe(self._now.set)
+
         async def shutdown(self, sockets: Any = None) -> None:
             state.shutting_down = True  # a request read from now on is a 503
-            aborter = None if timeout is None else \
-                asyncio.ensure_future(_abort_after(state, timeout))
+            self._loop, self._now = asyncio.get_running_loop(), asyncio.Event()
+            if self.abort_asked:  # before this began
+                self._now.set()
+            aborter = asyncio.ensure_future(_abort_after(state, timeout, self._now))
             try:
                 await super().shutdown(sockets)
             finally:
-                if aborter is not None:
-                    aborter.cancel()
+                aborter.cancel()
 
     return DrainingServer(config)
 
 
-async def _abort_after(state: Any, timeout: float) -> None:
-    """After ``timeout``, abort every live request, and again each moment after, for a
-    request that was still being read or tokenized when the first round went by."""
-    await asyncio.sleep(timeout)
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+async def _abort_after(state: Any, timeout: float | None, now: asyncio.Event) -> None:
+    """After ``timeout`` (None: never), or once ``now`` is set, abort every live request,
+    and again each moment after, for a request that was still being read or tokenized when
+    the first round went by."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(now.wait(), timeout)
     logged = False
     while True:
         live = list(state.groups.values())
         if live and not logged:
-            logger.warning("shutdown timeout (%gs): aborting the %d request(s) still under "
-                           "way", timeout, len(live))
+            if now.is_set():
+                logger.warning("aborting the %d request(s) still under way", len(live))
+            else:
+                logger.warning("shutdown timeout (%gs): aborting the %d request(s) still "
+                               "under way", timeout, len(live))
             logged = True
         for stream in live:
             stream.abort(None)
@@ -579,6 +610,9 @@ def build_state(args: argparse.Namespace,
     state = ServerState(serving, name, KeyRing(keys), args.priority_source,
                         args.max_request_body)
     state.served_model_names = tuple(names or (name,))
+    if not names and args.model is not None and args.model != name:
+        # vLLM serves the model under the path as given: a client moved from it sends that
+        state.model_aliases = (args.model,)
     state.sampling_defaults = defaults
     state.max_logprobs = serving.info.tokenizer.vocab_size if args.max_logprobs == -1 \
         else args.max_logprobs

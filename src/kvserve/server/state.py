@@ -45,6 +45,9 @@ class ServerState:
     model_id: str = ""  # the model's own name where model_name is an alias (recordings)
     # --served-model-name's names, model_name first: a request may name any of them
     served_model_names: tuple[str, ...] = ()
+    # names a request may also give, not listed: without --served-model-name, the model as
+    # given on the command line (vLLM's served name) beside its short name
+    model_aliases: tuple[str, ...] = ()
     # --generation-config's: SamplingParams field -> default, for a request that sets none
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # --response-role: a chat answer's message's role
@@ -64,7 +67,8 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         """A 404 unless ``name`` (a request's model; None: any) is one this server serves."""
-        if name is not None and name not in self.model_names:
+        if name is not None and name not in self.model_names and \
+                name not in self.model_aliases:
             raise model_error(name, self.model_names)
 
     @property
