@@ -104,8 +104,6 @@ def check_output_file(flag: str, path: str) -> None:
 # docs/vllm-compat.md lists them.
 _NO_TP = "there is no tensor parallelism; --data-parallel-size runs replicas"
 _NO_PP = "there is no pipeline parallelism; --data-parallel-size runs replicas"
-_NO_TOOLS = ("there is no tool-call parser: chat serves tools with tool_choice none "
-             "(the model's text is the answer, as vLLM without a parser)")
 _NO_REASONING = ("there is no reasoning parser: the model's text is the answer "
                  "(no reasoning_content is split out)")
 _NO_LORA = "there are no LoRA adapters: serve a model directory with the adapter merged"
@@ -116,8 +114,6 @@ VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
     "-tp": (True, _NO_TP),
     "--pipeline-parallel-size": (True, _NO_PP),
     "-pp": (True, _NO_PP),
-    "--enable-auto-tool-choice": (False, _NO_TOOLS),
-    "--tool-call-parser": (True, _NO_TOOLS),
     "--reasoning-parser": (True, _NO_REASONING),
     "--enable-reasoning": (False, _NO_REASONING),
     "--enable-lora": (False, _NO_LORA),

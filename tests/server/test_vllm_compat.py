@@ -544,12 +544,6 @@ def test_max_log_len_is_taken_and_changes_nothing():
     (["--gpu-memory-utilization", "0.9", "/models/m.gguf"],
      "vLLM's --gpu-memory-utilization 0.9 is not taken here: the KV cache is sized by "
      "--kv-cache-memory (e.g. 4GiB) or --num-kv-blocks (see kvserve serve --help)"),
-    (["/models/m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-     "vLLM's --enable-auto-tool-choice is not taken here: there is no tool-call parser: chat "
-     "serves tools with tool_choice none (the model's text is the answer, as vLLM without a "
-     "parser) (see kvserve serve --help)"),
-    (["--tool-call-parser=hermes"], "vLLM's --tool-call-parser hermes is not taken here: "
-                                    "there is no tool-call parser"),
     (["--reasoning-parser", "deepseek_r1"], "vLLM's --reasoning-parser deepseek_r1 is not "
                                             "taken here: there is no reasoning parser"),
     (["--enable-lora", "--lora-modules", "sql=/lora/sql"],
@@ -628,3 +622,19 @@ def test_a_command_that_defines_a_vllm_flag_takes_it():
                                       "--gpu-memory-utilization", "0.8",
                                       "--tensor-parallel-size", "2"])
     assert (args.gpu_memory_utilization, args.tensor_parallel_size) == (0.8, 2)
+
+
+@pytest.mark.parametrize(("flags", "parser"), [
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], "HermesParser"),
+    (["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"], "Llama3JsonParser"),
+    ([], None)])
+def test_auto_tool_choice_flags_set_the_parser(model_dir, flags, parser):
+    state = serve_state(model_dir, *flags)
+    assert (type(state.tool_parser).__name__ if state.tool_parser else None) == parser
+
+
+@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice"],
+                                   ["--tool-call-parser", "hermes"]])
+def test_one_auto_tool_choice_flag_without_the_other_is_one_line(flags, capsys):
+    assert main(["serve", "--load-format", "dummy", *flags]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err

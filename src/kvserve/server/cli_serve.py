@@ -65,6 +65,7 @@ def add_parser(subparsers: Any) -> None:
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
     from kvserve.server.response_store import DEFAULT_STORE_CAPACITY
+    from kvserve.server.tool_parsers import PARSERS
 
     parser = add_command(subparsers, "serve", run, SUMMARY, DESCRIPTION)
     add_model_flags(parser)
@@ -143,6 +144,15 @@ def add_parser(subparsers: Any) -> None:
                            "template itself (text holding { or a newline), as vLLM takes it")
     chat.add_argument("--response-role", default="assistant", metavar="ROLE",
                       help="the role of a chat answer's message (vLLM's; default assistant)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="serve tool_choice \"auto\" (the default with tools): the tools go "
+                           "to the chat template and the calls the model writes are parsed "
+                           "out of its answer by --tool-call-parser (vLLM's)")
+    chat.add_argument("--tool-call-parser", choices=PARSERS, metavar="{" + ",".join(PARSERS)
+                      + "}",
+                      help="how the model writes its tool calls: hermes (<tool_call>{...}"
+                           "</tool_call>: Hermes, Qwen), llama3_json ({\"name\", "
+                           "\"parameters\"}: Llama 3.1-3.3); with --enable-auto-tool-choice")
     defaults = parser.add_argument_group("sampling defaults (vLLM's flags)")
     defaults.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                           help="auto (default, as vLLM): the model directory's "
@@ -584,6 +594,9 @@ def build_state(args: argparse.Namespace,
     if args.max_logprobs < -1:
         raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
                        f"{args.max_logprobs}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise CLIError("--enable-auto-tool-choice needs --tool-call-parser NAME (how the "
+                       "model writes its calls), and the parser needs the flag, as in vLLM")
     if args.responses_store_size < 1:
         raise CLIError(f"--responses-store-size must be >= 1, got {args.responses_store_size}")
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
@@ -623,6 +636,11 @@ def build_state(args: argparse.Namespace,
     state.model_id = _model_name(args.model)
     state.log_requests = args.enable_log_requests
     state.responses = _response_store(args)
+    if args.tool_call_parser is not None:
+        from kvserve.server.tool_parsers import make_parser
+
+        state.tool_parser = make_parser(args.tool_call_parser)
+        logger.info("tool_choice auto: the model's calls parsed by %s", args.tool_call_parser)
     if args.record is not None:
         from kvserve.server.recorder import Recorder
 

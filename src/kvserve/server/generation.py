@@ -41,6 +41,7 @@ from kvserve.server.prompts import (
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    auto_tools,
     parse_body,
 )
 from kvserve.server.responses import (
@@ -77,7 +78,8 @@ async def handle(state: ServerState, request: Request, chat: bool) -> Response:
     arrival_time = time.monotonic()
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     body = await state.read_json(request)
-    req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body)
+    req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body,
+                          auto_tools=state.tool_parser is not None)
     generation = await start(state, request, key, req, chat, arrival_time)
     if req.stream:
         return await generation.stream_response(request)
@@ -90,6 +92,9 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     Responses API's translated chat request comes in here too, ``kind`` its answer's
     shape)."""
     state.check_model(req.model)
+    parser = state.tool_parser
+    if chat and parser is not None and parser.keeps_special_tokens and auto_tools(req):
+        req = req.model_copy(update={"skip_special_tokens": False})  # a call's markers
     priority = resolve_priority(req.priority, key, source=state.priority_source,
                                 scheduling_policy=state.scheduling_policy)
     if req.stream_options is not None and not req.stream:
@@ -230,7 +235,7 @@ class Generation:
         self.streamed: set[str] = set()  # choices whose first chunk went out
         # a tool call as each choice's answer (tool_choice naming a function, or required)
         self.tools = ToolCalls.of(req, [c.request_id for c in choices],
-                                  state.response_role) if chat else None
+                                  state.response_role, state.tool_parser) if chat else None
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -322,7 +327,7 @@ class Generation:
         out["logprobs"] = self._logprobs(entries) if entries else None
         if not self.chat and self.req.prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(choice)
-        out["finish_reason"] = self._finish_reason(choice.finish_reason)
+        out["finish_reason"] = self._finish_reason(choice)
         out["stop_reason"] = choice.stop_reason
         if self.req.return_token_ids:
             if not self.chat:
@@ -434,7 +439,7 @@ class Generation:
                 entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
             entry["token_ids"] = [] if self.prompt_only else chunk.new_token_ids
         if chunk.finished:
-            data["choices"][0]["finish_reason"] = self._finish_reason(chunk.finish_reason)
+            data["choices"][0]["finish_reason"] = self._finish_reason(choice)
             data["choices"][0]["stop_reason"] = chunk.stop_reason
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
         return sse(self._with_usage(data))
@@ -446,8 +451,10 @@ class Generation:
             data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
         return data
 
-    def _finish_reason(self, reason: str | None) -> str | None:
-        return reason if self.tools is None else self.tools.finish_reason(reason)
+    def _finish_reason(self, choice: Choice) -> str | None:
+        reason = choice.finish_reason
+        return reason if self.tools is None else \
+            self.tools.finish_reason(choice.request_id, reason)
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

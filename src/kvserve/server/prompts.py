@@ -42,20 +42,24 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+    tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
     return [chat_ids(state, req.messages, req.add_generation_prompt,
-                     req.chat_template_kwargs, req.continue_final_message)]
+                     req.chat_template_kwargs, req.continue_final_message, tools)]
 
 
 # What the template is rendered with already: chat_template_kwargs may not set them.
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "bos_token",
-                 "eos_token")
+                 "eos_token", "tools")
 
 
 def chat_ids(state: ServerState, chat: list[ChatMessage],
              add_generation_prompt: bool = True,
              template_kwargs: dict[str, Any] | None = None,
-             continue_final_message: bool = False) -> list[int]:
-    """``chat`` through the model's chat template, as the chat endpoint sends it."""
+             continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """``chat`` through the model's chat template, as the chat endpoint sends it; ``tools``
+    (OpenAI's, as sent) to the template as its ``tools``, as vLLM and transformers pass
+    them (a template without tools renders none)."""
     messages = []
     for index, message in enumerate(chat):
         content = message.content
@@ -83,14 +87,16 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
                               "renders the template with it", param="chat_template_kwargs")
         try:
             return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                               continue_final_message, **template_kwargs)
+                                               continue_final_message, **template_kwargs,
+                                               **({"tools": tools} if tools else {}))
         except Exception as error:  # the client's variables in the template: any failure
             raise bad_request(f"cannot apply the chat template with 'chat_template_kwargs': "
                               f"{type(error).__name__}: {error}",
                               "chat_template_kwargs") from None
     try:
         return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                           continue_final_message)
+                                           continue_final_message,
+                                           **({"tools": tools} if tools else {}))
     except ValueError as error:
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
 

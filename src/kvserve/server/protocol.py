@@ -372,11 +372,12 @@ def validate_body(model: type[Body], body: Any) -> Any:
         raise bad_request(*_describe(error)) from None
 
 
-def parse_body(model: type[Body], body: Any) -> Any:
+def parse_body(model: type[Body], body: Any, auto_tools: bool = False) -> Any:
     """Validate ``body`` into ``model`` (a completions, chat or tokenize body) with every
-    check of the fields it holds, or raise a 400 naming the first bad field."""
+    check of the fields it holds, or raise a 400 naming the first bad field. ``auto_tools``:
+    the server parses tool calls (--enable-auto-tool-choice), so "auto" is served."""
     request = validate_body(model, body)
-    _check_tools(request)  # before tool_choice's neutral values: its own message
+    _check_tools(request, auto_tools)  # before tool_choice's neutral values: its message
     # the fields kvserve does not implement are those typed Any (one an endpoint honours,
     # completions' echo or add_special_tokens, has its type there)
     _check_neutral(request, {name: _NEUTRAL.get(name, ())
@@ -490,12 +491,18 @@ def _tool_parameters(request: Any) -> list[tuple[str, dict[str, Any]]]:
              function.parameters if function.parameters is not None else {"type": "object"})]
 
 
-def _check_tools(request: Any) -> None:
+def auto_tools(request: Any) -> bool:
+    """Tools given with tool_choice "auto" (or none given: OpenAI's default with tools)."""
+    return bool(getattr(request, "tools", None)) and \
+        getattr(request, "tool_choice", None) in (None, "auto")
+
+
+def _check_tools(request: Any, auto_allowed: bool) -> None:
     """Tools with tool_choice "none" are served, the tools ignored, as vLLM serves them; a
     named function (or "required" with one tool) makes its call the answer (forced_tool),
     "required" among several tools one call or more of them (calls_required); "auto" (the
-    default when tools are given, as OpenAI's and vLLM's) needs a tool-call parser, which
-    this server has not: a 400 saying so."""
+    default when tools are given, as OpenAI's and vLLM's) needs a tool-call parser: served
+    where the server has one (``auto_allowed``), else a 400 saying so."""
     tools = getattr(request, "tools", None)
     choice = getattr(request, "tool_choice", None)
     names = [tool.function.name for tool in tools or ()]
@@ -509,10 +516,13 @@ def _check_tools(request: Any) -> None:
     if choice == "none":
         return
     if choice is None or choice == "auto":
+        if auto_allowed:
+            return
         raise bad_request('"auto" tool choice needs a tool-call parser, which this server '
-                          'does not have; name the function in "tool_choice" (its call is '
-                          'the answer), or send "tool_choice": "none" to have the tools '
-                          "ignored", param="tool_choice")
+                          'was not started with (--enable-auto-tool-choice '
+                          '--tool-call-parser NAME); name the function in "tool_choice" (its '
+                          'call is the answer), or send "tool_choice": "none" to have the '
+                          "tools ignored", param="tool_choice")
     forced_tool(request)  # a name among the tools
     other = next((name for name in ("response_format", "structured_outputs", "guided_json",
                                     "guided_choice")

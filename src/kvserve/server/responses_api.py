@@ -254,10 +254,11 @@ def _only(item: dict[str, Any], allowed: set[str], where: str) -> None:
 
 
 def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
-                 messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+                 messages: list[dict[str, Any]], auto_tools: bool = False
+                 ) -> ChatCompletionRequest:
     """The chat request that answers ``req``: its instructions, the previous responses'
     conversation (``history``, without their instructions, as OpenAI's
-    previous_response_id) and its input (``messages``)."""
+    previous_response_id) and its input (``messages``); ``auto_tools`` as parse_body's."""
     body: dict[str, Any] = {name: getattr(req, name) for name in _PASSED
                             if getattr(req, name) is not None}
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -289,7 +290,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     elif req.tools:
         body["tool_choice"] = "auto"  # OpenAI's default with tools (refused: no parser)
     try:
-        return parse_body(ChatCompletionRequest, body)
+        return parse_body(ChatCompletionRequest, body, auto_tools)
     except APIError as error:
         raise _renamed(error) from None
 
@@ -394,11 +395,14 @@ class ResponsesGeneration(Generation):
         choice = self.choice
         status = "completed" if choice.finish_reason == "stop" else "incomplete"
         if self.tools is not None:
-            calls = self.tools.message(choice.request_id, choice.text).get("tool_calls")
-            if calls:
-                return [self._call_item(call["id"], call["function"]["name"],
-                                        call["function"]["arguments"], index, status)
-                        for index, call in enumerate(calls)]
+            message = self.tools.message(choice.request_id, choice.text)
+            calls = message.get("tool_calls")
+            if calls:  # auto: the content before the calls, if any, first
+                said = [self._message_item(message["content"], status)] \
+                    if message.get("content") else []
+                return said + [self._call_item(call["id"], call["function"]["name"],
+                                               call["function"]["arguments"], index, status)
+                               for index, call in enumerate(calls)]
         return [self._message_item(choice.text, status)]
 
     def _message_item(self, text: str | None, status: str) -> dict[str, Any]:
@@ -535,7 +539,7 @@ async def create(state: ServerState, request: Request) -> Response:
     api = parse_responses_request(await state.read_json(request))
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
-    req = chat_request(api, history, messages)
+    req = chat_request(api, history, messages, state.tool_parser is not None)
     kind = partial(ResponsesGeneration, api=api, conversation=history + messages,
                    store=state.responses, owner=owner)
     generation = await start(state, request, key, req, True, arrival_time, kind)

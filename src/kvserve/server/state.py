@@ -53,6 +53,8 @@ class ServerState:
     response_role: str = "assistant"  # --response-role: a chat answer's message's role
     max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
+    # --enable-auto-tool-choice --tool-call-parser: a ToolParser (server/tool_parsers.py)
+    tool_parser: Any = None
     # the Responses API's store (--enable-responses-store): off, store: true keeps nothing
     responses: ResponseStore = field(default_factory=ResponseStore)
 

@@ -2,8 +2,10 @@
 tool_choice (or "required" with one tool): the answer is its call, the arguments the text
 (the JSON decoder holds them to the function's parameters), streamed delta by delta.
 "required" among several tools: the text holds the calls ({"tool_calls": [{"name": ...,
-"parameters": {...}}, ...]}), which go out whole once the answer is complete. Either way in
-OpenAI's shape, each call with an id of its own, and vLLM's finish reasons."""
+"parameters": {...}}, ...]}), which go out whole once the answer is complete. "auto" with a
+tool-call parser (server/tool_parsers.py): the calls the model wrote in its own format, any
+content before them streamed as it comes. Either way in OpenAI's shape, each call with an id
+of its own, and vLLM's finish reasons."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import json
 import uuid
 from typing import Any
 
-from kvserve.server.protocol import calls_required, forced_tool
+from kvserve.server.protocol import auto_tools, calls_required, forced_tool
+from kvserve.server.tool_parsers import ToolParser
 
 
 def _call_id() -> str:
@@ -20,23 +23,38 @@ def _call_id() -> str:
 
 class ToolCalls:
     def __init__(self, role: str, name: str | None, required: bool,
-                 choice_ids: list[str]) -> None:
+                 choice_ids: list[str], parser: ToolParser | None = None) -> None:
         self.role = role
-        self.name = name  # the forced function's; None: calls_required
+        self.name = name  # the forced function's; None: calls_required, or auto
         self.required = required  # tool_choice "required": finish_reason tool_calls
         self.ids = {choice_id: _call_id() for choice_id in choice_ids} if name else {}
+        # "auto" (--enable-auto-tool-choice): the calls the parser finds in the text
+        self.parser = parser
+        self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
+        self.called: set[str] = set()  # auto: the answers that held calls
 
     @classmethod
-    def of(cls, req: Any, choice_ids: list[str], role: str) -> ToolCalls | None:
-        """The tool calls a chat request's answers are, or None (a plain answer)."""
+    def of(cls, req: Any, choice_ids: list[str], role: str,
+           parser: ToolParser | None = None) -> ToolCalls | None:
+        """The tool calls a chat request's answers are (or, with ``parser``, may hold), or
+        None (a plain answer)."""
         function = forced_tool(req)
         if function is None and not calls_required(req):
+            if parser is not None and auto_tools(req):
+                return cls(role, None, False, choice_ids, parser)
             return None
         return cls(role, None if function is None else function.name,
                    req.tool_choice == "required", choice_ids)
 
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
+        if self.parser is not None:
+            parsed = self.parser.parse(text)
+            if not parsed.calls:
+                return {"role": self.role, "content": text}
+            self.called.add(choice_id)
+            return {"role": self.role, "content": parsed.content,
+                    "tool_calls": [_made(name, arguments) for name, arguments in parsed.calls]}
         if self.name is not None:
             return {"role": self.role, "content": None,
                     "tool_calls": [self._call(choice_id, text)]}
@@ -49,6 +67,8 @@ class ToolCalls:
               finished: bool) -> dict[str, Any] | None:
         """A streamed chunk's delta (``text`` its new text, ``whole`` the answer's so far);
         None where nothing goes out yet."""
+        if self.parser is not None:
+            return self._auto_delta(choice_id, whole, finished)
         if self.name is not None:  # the arguments, delta by delta
             return {"tool_calls": [{"index": 0, **self._call(choice_id, text)} if first else
                                    {"index": 0, "function": {"arguments": text}}]}
@@ -61,9 +81,35 @@ class ToolCalls:
                                    for i, call in enumerate(delta["tool_calls"])]
         return delta
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        """vLLM's: tool_calls where the call was required, stop where it was named."""
-        return "tool_calls" if reason == "stop" and self.required else reason
+    def _auto_delta(self, choice_id: str, whole: str, finished: bool
+                    ) -> dict[str, Any] | None:
+        """Auto: the text as content while it surely is, held back where a call may
+        begin; at the end, what was held: the calls (and content before them), or text."""
+        assert self.parser is not None
+        sent = self.sent.get(choice_id, 0)
+        if not finished:
+            end = self.parser.content_end(whole)
+            if end <= sent:
+                return None
+            self.sent[choice_id] = end
+            return {"content": whole[sent:end]}
+        parsed = self.parser.parse(whole)
+        if not parsed.calls:
+            return {"content": whole[sent:]}
+        self.called.add(choice_id)
+        delta: dict[str, Any] = {}
+        before = whole[sent:parsed.content_end].rstrip()
+        if before:
+            delta["content"] = before
+        delta["tool_calls"] = [{"index": i, **_made(name, arguments)}
+                               for i, (name, arguments) in enumerate(parsed.calls)]
+        return delta
+
+    def finish_reason(self, choice_id: str, reason: str | None) -> str | None:
+        """vLLM's: tool_calls where the call was required, or made in auto, stop where it
+        was named."""
+        called = self.required or choice_id in self.called
+        return "tool_calls" if reason == "stop" and called else reason
 
     def _call(self, choice_id: str, arguments: str) -> dict[str, Any]:
         return {"id": self.ids[choice_id], "type": "function",
@@ -75,8 +121,11 @@ class ToolCalls:
             calls = json.loads(text)["tool_calls"]
         except ValueError:
             return None
-        return [{"id": _call_id(), "type": "function",
-                 "function": {"name": call["name"],
-                              "arguments": json.dumps(call["parameters"],
-                                                      ensure_ascii=False)}}
+        return [_made(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
                 for call in calls]
+
+
+def _made(name: str, arguments: str) -> dict[str, Any]:
+    """A call in OpenAI's shape, with an id of its own."""
+    return {"id": _call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}

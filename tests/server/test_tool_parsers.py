@@ -1,0 +1,188 @@
+"""tool_choice "auto" with a tool-call parser (server/tool_parsers.py, vLLM's
+--enable-auto-tool-choice --tool-call-parser): the calls a model writes in its own format
+come out as OpenAI's tool_calls, content before them as content, text without a call that
+parses as the answer; a stream sends content as it comes and holds back only what may begin
+a call."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvserve.server.tool_parsers import ParsedCalls, make_parser
+
+from .helpers import LiveServer
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ("Plain text.", "Plain text.", ()),
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", None, (("get_weather", '{"city": "Oslo"}'),)),
+    (f"Let me look.\n<tool_call>{WEATHER}</tool_call>\n<tool_call>"
+     '{"name": "now", "arguments": {}}</tool_call>', "Let me look.",
+     (("get_weather", '{"city": "Oslo"}'), ("now", "{}"))),
+    (f"<tool_call>{WEATHER}", None, (("get_weather", '{"city": "Oslo"}'),)),  # unclosed
+    ('<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": '
+     '"get_weather", "arguments": {"ci', ()),  # cut short: the text, as vLLM
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+     ()),  # no name
+])
+def test_hermes_reads_calls_after_content(text, content, calls):
+    parsed = make_parser("hermes").parse(text)
+    assert (parsed.content, parsed.calls) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
+     (("get_weather", '{"city": "Oslo"}'),)),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+     None, (("a", "{}"), ("b", '{"x": 1}'))),
+    ("The weather is fine.", "The weather is fine.", ()),
+    ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more',
+     ()),
+    ('{"city": "Oslo"}', '{"city": "Oslo"}', ()),
+])
+def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
+    parsed = make_parser("llama3_json").parse(text)
+    assert (parsed.content, parsed.calls) == (content, calls)
+
+
+@pytest.mark.parametrize(("name", "text", "end"), [
+    ("hermes", "Sure, I", 7),
+    ("hermes", "Sure <tool", 5),  # may begin a call: held back
+    ("hermes", "Sure <tool_call>{", 5),
+    ("hermes", "a < b", 5),
+    ("llama3_json", "  ", 0),
+    ("llama3_json", "{", 0),
+    ("llama3_json", "<|python", 0),
+    ("llama3_json", "The answer", 10),
+])
+def test_a_stream_holds_back_only_what_may_begin_a_call(name, text, end):
+    assert make_parser(name).content_end(text) == end
+
+
+def test_an_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="choose one of hermes, llama3_json"):
+        make_parser("pythonic")
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+SAID = f"Checking.<tool_call>{WEATHER}</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def live():
+    from kvserve.server.tool_parsers import make_parser
+
+    with LiveServer(max_model_len=512) as server:
+        server.state.tool_parser = make_parser("hermes")
+        yield server
+
+
+def _ask(choice_text: str, **fields) -> dict:
+    """A chat whose answer is ``choice_text`` (held to it by a choice constraint: the tiny
+    model writes what it is told), with tools and tool_choice auto."""
+    return {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}],
+            "tools": TOOLS, "max_tokens": 80,
+            "extra_body": {"structured_outputs": {"choice": [choice_text]}}, **fields}
+
+
+def test_auto_answers_with_the_calls_the_model_wrote(live):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(**_ask(SAID))
+    [choice] = reply.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    plain = client.chat.completions.create(**_ask("No call here."))
+    assert plain.choices[0].message.content == "No call here."
+    assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
+
+
+def test_auto_streams_the_content_then_the_calls(live):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(**_ask(SAID), stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
+    assert content == "Checking." and "<tool_call>" not in content
+    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+class EveryAnswerCalls:
+    """A parser that reads every answer as its text, then a call of get_weather."""
+
+    keeps_special_tokens = False
+
+    def parse(self, text: str) -> ParsedCalls:
+        return ParsedCalls("Checking.", (("get_weather", '{"city": "Oslo"}'),), len(text))
+
+    def content_end(self, text: str) -> int:
+        return 0
+
+
+def test_auto_on_the_responses_api_gives_a_message_and_a_function_call():
+    with LiveServer(max_model_len=512) as live:
+        live.state.tool_parser = EveryAnswerCalls()
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        reply = client.responses.create(model="tiny", input="weather?", tools=tools,
+                                        max_output_tokens=4, extra_body={"ignore_eos": True})
+        said, call = reply.output
+        assert (said.type, said.content[0].text) == ("message", "Checking.")
+        assert (call.type, call.name, call.arguments) == ("function_call", "get_weather",
+                                                          '{"city": "Oslo"}')
+        events = list(client.responses.create(model="tiny", input="weather?", tools=tools,
+                                               max_output_tokens=4, stream=True,
+                                               extra_body={"ignore_eos": True}))
+        done = [e.item.type for e in events if e.type == "response.output_item.done"]
+        assert done == ["message", "function_call"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_auto_is_refused_without_a_parser():
+    with LiveServer(max_model_len=256) as live:
+        body = _ask(SAID)
+        body.update(body.pop("extra_body"))
+        reply = httpx.post(live.url + "/v1/chat/completions", timeout=60, json=body)
+        assert reply.status_code == 400
+        assert "--enable-auto-tool-choice" in reply.json()["error"]["message"]
+
+
+def test_parsed_calls_know_where_the_content_ends():
+    assert make_parser("hermes").parse(SAID) == ParsedCalls(
+        "Checking.", (("get_weather", '{"city": "Oslo"}'),), len("Checking."))
+
+
+def test_the_tools_go_to_the_chat_template():
+    """As vLLM and transformers pass them: a template that renders tools shows the model
+    what it may call (the bundled one renders none)."""
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    from .helpers import TINY
+
+    own = load_tokenizer(None)  # not the tests' shared one
+    own.set_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}"
+                          "{% if tools %} tools: {{ tools | tojson }}{% endif %}")
+    engine = build_engine(TINY, tokenizer=own, num_kv_blocks=64, max_model_len=512)
+    with LiveServer(engine) as live:
+        def prompt_tokens(**fields) -> int:
+            reply = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 1,
+                **fields})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"]
+
+        bare = prompt_tokens()
+        with_tools = prompt_tokens(tools=TOOLS, tool_choice="none")
+        assert with_tools - bare > len(own.encode(json.dumps(TOOLS))) // 2  # the tools' JSON
