@@ -387,3 +387,19 @@ def test_a_type_list_gives_each_type_its_own_keywords():
     """Optional[conint(ge=1)] as {"type": ["integer", "null"], "minimum": 1}."""
     schema = _one({"type": ["integer", "null"], "minimum": 1})
     assert _done(schema, b"null") and _done(schema, b"3") and not _done(schema, b"0")
+
+
+@pytest.mark.parametrize("node", [{"type": "number"}, {"type": "integer"}, {},
+                                  {"type": "number", "minimum": -5}])
+def test_a_number_has_at_most_the_digits_a_double_or_int64_holds(node):
+    """QA: a small model at temperature 0 wrote fraction digits until max_tokens."""
+    schema = _one(node)
+    number = "" if node.get("type") == "integer" else ".5"
+    assert _done(schema, b"1" * 1 + b"2" * 19) and not _done(schema, b"1" * 21)
+    if number:
+        assert _done(schema, b"0." + b"3" * 17) and not _done(schema, b"0." + b"3" * 18)
+    if "minimum" not in node and number:
+        assert _done(schema, b"1e308") and not _done(schema, b"1e3080")
+    if number:
+        state = read(b'{"v":0.' + b"3" * 17, schema=schema)
+        assert state is not None and _finishes(state, schema, b"0123456789.e}")  # not stuck

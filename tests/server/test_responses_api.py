@@ -197,11 +197,27 @@ def test_a_stored_response_is_its_tenants_only():
         assert httpx.get(url).status_code == 401
 
 
+def test_one_tenant_cannot_push_out_anothers_responses():
+    """QA: the store was one list: another tenant's requests evicted these."""
+    keys = [ApiKey("key-a", "A"), ApiKey("key-b", "B")]
+    with LiveServer(keys=keys, max_model_len=256) as live:
+        live.state.responses = ResponseStore(enabled=True, capacity=2)
+        mine = post(live, {"input": "mine", "max_output_tokens": 1}, key="key-a").json()["id"]
+        theirs = [post(live, {"input": f"t{i}", "max_output_tokens": 1}, key="key-b").json()
+                  ["id"] for i in range(3)]
+        url = f"{live.url}/v1/responses/"
+        assert httpx.get(url + mine, headers={"Authorization": "Bearer key-a"}
+                         ).status_code == 200
+        assert httpx.get(url + theirs[0], headers={"Authorization": "Bearer key-b"}
+                         ).status_code == 404  # B's own oldest: B's capacity is 2
+
+
 def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     with LiveServer(max_model_len=256) as live:
         made = post(live, {"input": "hello", "max_output_tokens": 2})
         assert made.status_code == 200 and made.json()["store"] is False  # served, as vLLM
-        assert httpx.get(f"{live.url}/v1/responses/{made.json()['id']}").status_code == 404
+        gone = httpx.get(f"{live.url}/v1/responses/{made.json()['id']}")
+        assert gone.status_code == 404 and "store is off" in gone.json()["error"]["message"]
         chained = post(live, {"input": "more", "previous_response_id": made.json()["id"]})
         assert chained.status_code == 400
         assert "--enable-responses-store" in chained.json()["error"]["message"]
@@ -219,7 +235,14 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.name"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": ["hi"]}, "input.0"),
+    ({"input": 7}, "input"),
+    ({"input": "x", "max_output_tokens": 9000}, "max_output_tokens"),  # past the context
+    ({"input": "a " * 3000}, "input"),  # a long string is taken, and too long for 256
     ({"input": "x", "tools": [{"type": "file_search", "name": "f"}]}, "tools.0.type"),
     ({"input": "x", "tools": [TOOL]}, "tool_choice"),  # auto: no tool-call parser
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
@@ -237,7 +260,48 @@ def test_bad_requests_name_the_field(live, body, param):
     error = response.json()["error"]
     if param is not None:
         assert error["param"] == param, error
-    assert error["message"]
+    assert error["message"] and "literal[" not in error["message"]
+    assert "max_tokens" not in error["message"]
+    if body.get("input") == "a " * 3000:  # refused for its tokens, not its characters
+        assert "tokens" in error["message"] and "4096" not in error["message"]
+
+
+def test_what_openai_writes_in_replayed_items_is_taken(client):
+    """QA: a replayed assistant message's phase, a call's caller and namespace (OpenAI's
+    fields, in the SDK's dumps) were refused as unknown."""
+    response = client.responses.create(model="tiny", max_output_tokens=2, input=[
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "phase": "final_answer", "id": "msg_1",
+         "status": "completed",
+         "content": [{"type": "output_text", "text": "hello", "annotations": [],
+                      "logprobs": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+         "caller": None, "namespace": None},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+    assert response.usage.input_tokens > 10
+
+
+def test_the_request_fields_openai_echoes_are_echoed(client):
+    response = client.responses.create(model="tiny", input="hi", max_output_tokens=1,
+                                       prompt_cache_key="k1", safety_identifier="u1")
+    assert (response.prompt_cache_key, response.safety_identifier) == ("k1", "u1")
+
+
+def test_a_stored_responses_input_items_are_listed(client, live):
+    made = client.responses.create(model="tiny", max_output_tokens=1, input=[
+        {"role": "user", "content": "one"}, {"role": "user", "content": "two"}])
+    listed = client.responses.input_items.list(made.id)
+    assert [item.content[0].text for item in listed.data] == ["two", "one"]  # desc
+    ascending = httpx.get(f"{live.url}/v1/responses/{made.id}/input_items",
+                          params={"order": "asc", "limit": 1}).json()
+    assert ascending["has_more"] is True and len(ascending["data"]) == 1
+    assert ascending["data"][0]["content"] == [{"type": "input_text", "text": "one"}]
+    after = httpx.get(f"{live.url}/v1/responses/{made.id}/input_items",
+                      params={"order": "asc", "after": ascending["last_id"]}).json()
+    assert [item["content"][0]["text"] for item in after["data"]] == ["two"]
+    text = client.responses.create(model="tiny", max_output_tokens=1, input="plain")
+    [item] = client.responses.input_items.list(text.id).data
+    assert (item.role, item.content[0].text) == ("user", "plain")
 
 
 def test_nothing_is_left_behind(client, live):

@@ -146,6 +146,9 @@ def test_auto_on_the_responses_api_gives_a_message_and_a_function_call():
                                                extra_body={"ignore_eos": True}))
         done = [e.item.type for e in events if e.type == "response.output_item.done"]
         assert done == ["message", "function_call"]
+        deltas = {e.type: e.delta for e in events if e.type.endswith(".delta")}
+        assert deltas == {"response.output_text.delta": "Checking.",  # whole, one delta each
+                          "response.function_call_arguments.delta": '{"city": "Oslo"}'}
         assert [e.sequence_number for e in events] == list(range(len(events)))
 
 

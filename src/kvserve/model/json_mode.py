@@ -573,10 +573,11 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
                                                 else schema.any_array, 0)))
     if kind in ("any", "number", "integer") and (byte == ord("-") or byte in _DIGITS):
         part = "minus" if byte == ord("-") else "zero" if byte == ord("0") else "int"
+        run = 0 if part == "minus" else 1
         if not node.bounded:
-            return JsonState(NUMBER, stack, (part, kind == "integer"))
+            return JsonState(NUMBER, stack, (part, kind == "integer", run))
         text = bytes([byte])
-        return JsonState(NUMBER, stack, (part, kind == "integer", index, text)) \
+        return JsonState(NUMBER, stack, (part, kind == "integer", run, index, text)) \
             if _number_viable(text, node) else None
     if kind == "any" and byte in b"tfn":
         return _choice(JsonState(CHOICE, stack, ((b"true", b"false", b"null"), 0, "value")),
@@ -693,12 +694,17 @@ _NUMBER_NEXT = {
     "expdigits": {"digit": "expdigits", "zero": "expdigits"},
 }
 _COMPLETE = frozenset({"zero", "int", "frac", "expdigits"})
+# The most digits in a row in each part: past what a double holds (17 significant digits,
+# exponents to 308) and a 64-bit integer (20 digits), a number only grows, and a small
+# model at temperature 0 could write digits until max_tokens (QA).
+_MAX_DIGITS = {"int": 20, "frac": 17, "expdigits": 3}
 
 
 def _number(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
-    """In a number: ``extra`` (its part, integer only), and for a bounded one its node and
-    the text read (no exponent: the bounds are checked on the digits)."""
-    part, integer, *bounded = state.extra
+    """In a number: ``extra`` (its part, integer only, the digits in a row in this part),
+    and for a bounded one its node and the text read (no exponent: the bounds are checked on
+    the digits)."""
+    part, integer, run, *bounded = state.extra
     kind = ("zero" if byte == ord("0") else "digit" if byte in _DIGITS else
             "point" if byte == ord(".") else "exp" if byte in b"eE" else
             "sign" if byte in b"+-" else None)
@@ -706,13 +712,16 @@ def _number(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
         kind = None
     following = _NUMBER_NEXT[part].get(kind) if kind is not None else None
     if following is not None:
+        digits = (run + 1 if following == part else 1) if kind in ("digit", "zero") else 0
+        if digits > _MAX_DIGITS.get(following, digits):
+            return None  # the number ends, or goes on to its next part, instead
         if not bounded:
-            return JsonState(NUMBER, state.stack, (following, integer))
+            return JsonState(NUMBER, state.stack, (following, integer, digits))
         index, text = bounded
         text += bytes([byte])
         if not _number_viable(text, schema.nodes[index]):
             return None
-        return JsonState(NUMBER, state.stack, (following, integer, index, text))
+        return JsonState(NUMBER, state.stack, (following, integer, digits, index, text))
     if part not in _COMPLETE:
         return None
     if bounded and not _number_within(bounded[1], schema.nodes[bounded[0]]):

@@ -142,6 +142,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     async def retrieve_response(request: Request, response_id: str) -> Response:
         return responses_api.retrieve(state, request, response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str) -> Response:
+        return responses_api.input_items(state, request, response_id)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
         return responses_api.delete(state, request, response_id)

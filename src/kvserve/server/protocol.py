@@ -551,7 +551,16 @@ def forced_tool(request: Any) -> FunctionDefinition | None:
                       param="tool_choice")
 
 
-def _describe(error: ValidationError) -> tuple[str, str]:
+def validate_part(model: type[Body], value: Any, where: str) -> Any:
+    """``value`` (part of a body, at ``where``) as ``model``, or a 400 naming the first bad
+    field from the body's root (``tools.0.name``)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        raise bad_request(*_describe(error, where)) from None
+
+
+def _describe(error: ValidationError, where: str = "") -> tuple[str, str]:
     errors = error.errors()
     # An unknown key in an object of the right kind is the problem to name, even in one form
     # of a union field (a text part's extra key read as "image parts are not supported");
@@ -559,7 +568,8 @@ def _describe(error: ValidationError) -> tuple[str, str]:
     wrong_kind = {tuple(e["loc"][:-1]) for e in errors if e["type"] == "literal_error"}
     first = next((e for e in errors if e["type"] == "extra_forbidden"
                   and tuple(e["loc"][:-1]) not in wrong_kind), errors[0])
-    loc = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
+    loc = ".".join([where] * bool(where) + [str(part) for part in first["loc"]
+                                            if not _is_union_tag(part)])
     if first["type"] == "extra_forbidden":
         return f"unknown field '{loc}': this server does not know it; remove it", loc
     if first["type"] == "missing":

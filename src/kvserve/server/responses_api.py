@@ -31,7 +31,13 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.generation import QUEUE_ENDS, Generation, queue_end, start
-from kvserve.server.protocol import Body, ChatCompletionRequest, parse_body, validate_body
+from kvserve.server.protocol import (
+    Body,
+    ChatCompletionRequest,
+    parse_body,
+    validate_body,
+    validate_part,
+)
 from kvserve.server.response_store import ResponseStore, Stored
 from kvserve.server.responses import Choice, kvserve_ext
 from kvserve.server.state import ServerState
@@ -81,7 +87,7 @@ class Reasoning(Body):
 
 class ResponsesRequest(Body):
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    input: Any  # a string, or a list of items (input_messages checks them)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -94,8 +100,8 @@ class ResponsesRequest(Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     text: TextOptions | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=1024)
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tools: list[Any] | None = Field(default=None, max_length=1024)  # _function_tools
+    tool_choice: Any = None  # "none", "auto", "required" or a named function (_tool_choice)
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: Reasoning | None = None
@@ -128,7 +134,8 @@ _PASSED = ("model", "temperature", "top_p", "stream", "user", "safety_identifier
            "stop", "repetition_penalty", "ignore_eos", "min_tokens", "request_id",
            "cache_salt", "max_queue_delay")
 # A chat request's field -> the Responses API's, in the errors the chat checks raise
-_RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+_RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+            "messages": "input"}
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -154,7 +161,37 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
                           param="truncation")
     if request.metadata is not None:
         _check_metadata(request.metadata)
+    if request.tools is not None:
+        request.tools = _function_tools(request.tools)
+    if request.tool_choice is not None:
+        request.tool_choice = _tool_choice(request.tool_choice)
     return request
+
+
+def _function_tools(tools: list[Any]) -> list[FunctionTool]:
+    """The tools, each a function tool (another type is named in the 400: web search, file
+    search and MCP tools are OpenAI's to run)."""
+    checked = []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"tools.{index}: tool type {kind!r} is not supported by this "
+                              "server (function tools are)", param=f"tools.{index}.type")
+        checked.append(validate_part(FunctionTool, tool, f"tools.{index}"))
+    return checked
+
+
+def _tool_choice(choice: Any) -> str | NamedFunction:
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and \
+            set(choice) == {"type", "name"} and isinstance(choice["name"], str) and \
+            choice["name"]:
+        return NamedFunction(type="function", name=choice["name"])
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    hint = f" (tool type {kind!r} is not supported)" if kind not in (None, "function") else ""
+    raise bad_request('\'tool_choice\' must be "none", "auto", "required" or {"type": '
+                      f'"function", "name": ...}}{hint}', param="tool_choice")
 
 
 def _check_metadata(metadata: dict[str, str]) -> None:
@@ -170,16 +207,22 @@ def _check_metadata(metadata: dict[str, str]) -> None:
 # -- the conversation -----------------------------------------------------------------------
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: Any) -> list[dict[str, Any]]:
     """The input items as chat messages (each item checked, errors naming ``input.N``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not items:
-        raise bad_request("'input' is empty: give a string or at least one item",
+    if not isinstance(items, list) or not items:
+        raise bad_request("'input' must be a string or a non-empty list of items",
                           param="input")
+    if len(items) > MAX_INPUT_ITEMS:
+        raise bad_request(f"'input' has {len(items)} items; at most {MAX_INPUT_ITEMS} are "
+                          "allowed", param="input")
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         where = f"input.{index}"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an item (an object such as {{\"role\": "
+                              "\"user\", \"content\": ...}})", param=where)
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
@@ -187,7 +230,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where),
                                  "arguments": _text(item, "arguments", where)}}
-            _only(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            _only(item, {"type", "call_id", "name", "arguments", "id", "status", "caller",
+                         "namespace"}, where)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
                     and not last["content"]:  # parallel calls: one assistant turn
@@ -208,7 +252,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    _only(item, {"type", "role", "content", "id", "status"}, where)
+    _only(item, {"type", "role", "content", "id", "status", "phase"}, where)
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise bad_request(f"{where}.role must be user, assistant, system or developer; got "
@@ -300,11 +344,17 @@ def _renamed(error: APIError) -> APIError:
     if error.param is None:
         return error
     head, dot, rest = error.param.partition(".")
+    if head == "messages":  # the conversation (history, instructions and input) as a whole
+        dot = rest = ""
+    elif head == "tools":  # tools.1.function.parameters: flat here, tools.1.parameters
+        rest = rest.replace(".function.", ".", 1)
     param = _RENAMED.get(head, head) + dot + rest
     message = error.message.replace(f"'{head}", f"'{_RENAMED.get(head, head)}") \
         if head in _RENAMED else error.message
     if head == "response_format":
         message = message.replace("response_format.json_schema", "text.format")
+    if head == "tools":
+        message = message.replace(".function.parameters", ".parameters", 1)
     return APIError(error.status, message, param=param, code=error.code,
                     headers=error.headers)
 
@@ -373,7 +423,8 @@ class ResponsesGeneration(Generation):
             "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
             "top_logprobs": 0, "top_p": 1.0 if api.top_p is None else api.top_p,
             "truncation": "disabled", "usage": usage, "user": api.user,
-            "metadata": api.metadata or {}}
+            "prompt_cache_key": api.prompt_cache_key,
+            "safety_identifier": api.safety_identifier, "metadata": api.metadata or {}}
         if status != "in_progress":
             out["kvserve"] = kvserve_ext(self.choice.request_id, self.choice.metrics)
         return out
@@ -433,7 +484,8 @@ class ResponsesGeneration(Generation):
             else:
                 answer.append({"role": "assistant", "content": None, "tool_calls": [call]})
         self.store.put(self.response_id,
-                       Stored(self.owner, response, self.conversation + answer))
+                       Stored(self.owner, response, self.conversation + answer,
+                              _as_items(self.api.input)))
 
     # the stream: the Responses API's typed events
 
@@ -469,8 +521,9 @@ class ResponsesGeneration(Generation):
             return
         response = self.body(list(self.choices.values()))
         for index, item in enumerate(response["output"]):
-            if index > 0 or not by_delta:
+            if index > 0 or not by_delta:  # whole: its text in one delta, as OpenAI's
                 yield self._opened({**item, "status": "in_progress"}, index)
+                yield self._whole_delta(item, index)
             yield self._closed(item, index)
         final = {"completed": "response.completed", "incomplete": "response.incomplete",
                  "failed": "response.failed"}[response["status"]]
@@ -500,6 +553,16 @@ class ResponsesGeneration(Generation):
         return self._sse("response.function_call_arguments.delta",
                          item_id=self._call_item_id(0), output_index=0, delta=text)
 
+    def _whole_delta(self, item: dict[str, Any], index: int) -> str:
+        """An item that went out whole: its text, or its arguments, as one delta."""
+        if item["type"] == "message":
+            text = item["content"][0]["text"] if item["content"] else ""
+            return self._sse("response.output_text.delta", item_id=item["id"],
+                             output_index=index, content_index=0, delta=text,
+                             logprobs=[]) if text else ""
+        return self._sse("response.function_call_arguments.delta", item_id=item["id"],
+                         output_index=index, delta=item["arguments"])
+
     def _closed(self, item: dict[str, Any], index: int) -> str:
         """An output item's closing events."""
         if item["type"] == "message":
@@ -517,6 +580,24 @@ class ResponsesGeneration(Generation):
         response = self._response("failed", [], None)
         response["error"] = {"code": code, "message": message}
         return self._sse("response.failed", response=response)
+
+
+def _as_items(given: Any) -> list[dict[str, Any]]:
+    """A request's input as items, as OpenAI lists them (GET .../input_items): each with an
+    id, a message's text as a list of parts."""
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    out = []
+    for item in items:
+        if item.get("type", "message") != "message":
+            out.append({"id": item.get("id") or _new_id("item"), **item})
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = [{"type": kind, "text": content}]
+        out.append({**item, "id": item.get("id") or _new_id("msg"), "type": "message",
+                    "content": content})
+    return out
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -542,7 +623,10 @@ async def create(state: ServerState, request: Request) -> Response:
     req = chat_request(api, history, messages, state.tool_parser is not None)
     kind = partial(ResponsesGeneration, api=api, conversation=history + messages,
                    store=state.responses, owner=owner)
-    generation = await start(state, request, key, req, True, arrival_time, kind)
+    try:
+        generation = await start(state, request, key, req, True, arrival_time, kind)
+    except APIError as error:  # the length checks name chat's fields
+        raise _renamed(error) from None
     if api.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
@@ -551,6 +635,32 @@ async def create(state: ServerState, request: Request) -> Response:
 def retrieve(state: ServerState, request: Request, response_id: str) -> Response:
     stored = state.responses.get(response_id, _owner(state, request))
     return JSONResponse(stored.response)
+
+
+def input_items(state: ServerState, request: Request, response_id: str) -> Response:
+    """OpenAI's list of a stored response's input items: ``order`` asc or desc (the
+    default, as OpenAI's), ``limit`` 1-100 (20), ``after`` an item's id."""
+    stored = state.responses.get(response_id, _owner(state, request))
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be asc or desc", param="order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request("'limit' must be an integer from 1 to 100", param="limit")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"'after': no input item {after!r} in this response",
+                              param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(limit_text)]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": len(items) > len(page)})
 
 
 def delete(state: ServerState, request: Request, response_id: str) -> Response:
