@@ -139,11 +139,7 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(client, 
     assert second.usage.input_tokens_details.cached_tokens >= 32
     assert second.previous_response_id == first.id
     # the same as sending the conversation outright
-    outright = client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
-                                       input=[{"role": "user", "content": "x " * 40},
-                                              {"role": "assistant",
-                                               "content": first.output_text},
-                                              {"role": "user", "content": "And then?"}])
+    outright = _sent_outright(client, first)
     assert outright.usage.input_tokens == second.usage.input_tokens
     assert outright.output_text == second.output_text
     assert client.responses.retrieve(second.id).output_text == second.output_text
@@ -152,12 +148,15 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(client, 
                                       temperature=0, instructions="Answer in French.")
     after = client.responses.create(model="tiny", input="And then?", max_output_tokens=4,
                                     temperature=0, previous_response_id=briefed.id)
-    plain = client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
-                                    input=[{"role": "user", "content": "x " * 40},
-                                           {"role": "assistant",
-                                            "content": briefed.output_text},
-                                           {"role": "user", "content": "And then?"}])
-    assert after.usage.input_tokens == plain.usage.input_tokens
+    assert after.usage.input_tokens == _sent_outright(client, briefed).usage.input_tokens
+
+
+def _sent_outright(client, first):
+    """The conversation that chains onto ``first`` with "And then?", sent whole."""
+    return client.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                                   input=[{"role": "user", "content": "x " * 40},
+                                          {"role": "assistant", "content": first.output_text},
+                                          {"role": "user", "content": "And then?"}])
 
 
 def test_the_store_keeps_the_latest_and_forgets_deleted(client, live):
