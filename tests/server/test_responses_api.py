@@ -323,3 +323,19 @@ def test_the_store_is_turned_on_by_the_flag_or_vllms_variable(monkeypatch, flag,
     store = _response_store(argparse.Namespace(enable_responses_store=flag,
                                                responses_store_size=8))
     assert store.enabled is enabled and store.capacity == 8
+
+
+def test_text_and_calls_of_one_turn_replay_as_one_assistant_message(client):
+    """QA: a message item then its function_call became two assistant turns (more tokens
+    than chat's one message with content and tool_calls)."""
+    items = client.responses.create(model="tiny", max_output_tokens=1, input=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me check."},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    chat = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    assert items.usage.input_tokens == chat.usage.prompt_tokens

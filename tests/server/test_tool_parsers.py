@@ -23,13 +23,17 @@ WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     ("Plain text.", "Plain text.", ()),
     (f"<tool_call>\n{WEATHER}\n</tool_call>", None, (("get_weather", '{"city": "Oslo"}'),)),
     (f"Let me look.\n<tool_call>{WEATHER}</tool_call>\n<tool_call>"
-     '{"name": "now", "arguments": {}}</tool_call>', "Let me look.",
+     '{"name": "now", "arguments": {}}</tool_call>', "Let me look.\n",  # as written
      (("get_weather", '{"city": "Oslo"}'), ("now", "{}"))),
     (f"<tool_call>{WEATHER}", None, (("get_weather", '{"city": "Oslo"}'),)),  # unclosed
     ('<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": '
      '"get_weather", "arguments": {"ci', ()),  # cut short: the text, as vLLM
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
      ()),  # no name
+    ('<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>', ()),  # QA: not JSON
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None,
+     (("f", '{"a": 1}'),)),  # an object's JSON text: taken
 ])
 def test_hermes_reads_calls_after_content(text, content, calls):
     parsed = make_parser("hermes").parse(text)
@@ -189,3 +193,49 @@ def test_the_tools_go_to_the_chat_template():
         bare = prompt_tokens()
         with_tools = prompt_tokens(tools=TOOLS, tool_choice="none")
         assert with_tools - bare > len(own.encode(json.dumps(TOOLS))) // 2  # the tools' JSON
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(live):
+    """QA: two calls came back with parallel_tool_calls false (OpenAI answers one)."""
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    two = SAID + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    both = client.chat.completions.create(**_ask(two))
+    one = client.chat.completions.create(**_ask(two), parallel_tool_calls=False)
+    assert len(both.choices[0].message.tool_calls) == 2
+    [call] = one.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+
+
+def test_streamed_and_whole_answers_carry_the_same_content(live):
+    """QA: the text before a call was stripped when whole, not when streamed."""
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    said = f"  Let me check. {SAID[len('Checking.'):]}"
+    whole = client.chat.completions.create(**_ask(said)).choices[0].message.content
+    chunks = list(client.chat.completions.create(**_ask(said), stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole == streamed == "  Let me check. "
+
+
+def test_a_replayed_call_reaches_the_template_as_an_object():
+    """QA: a replayed call's arguments (JSON text in OpenAI's API) were written by the
+    template's tojson as a quoted string; vLLM hands the template an object."""
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    from .helpers import TINY
+
+    own = load_tokenizer(None)
+    own.set_chat_template("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                          "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")
+    engine = build_engine(TINY, tokenizer=own, num_kv_blocks=64, max_model_len=512)
+    with LiveServer(engine) as live:
+        messages = [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": '{"city": "Paris"}'}}]}]
+        ids = httpx.post(live.url + "/tokenize", json={"messages": messages,
+                                                        "add_generation_prompt": False},
+                         timeout=30).json()["tokens"]
+        assert own.decode(ids) == '{"city": "Paris"}'
+        with_tools = httpx.post(live.url + "/tokenize", timeout=30, json={
+            "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+        assert with_tools.status_code == 200, with_tools.text  # QA: vLLM's field, refused

@@ -633,8 +633,12 @@ def test_auto_tool_choice_flags_set_the_parser(model_dir, flags, parser):
     assert (type(state.tool_parser).__name__ if state.tool_parser else None) == parser
 
 
-@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice"],
-                                   ["--tool-call-parser", "hermes"]])
-def test_one_auto_tool_choice_flag_without_the_other_is_one_line(flags, capsys):
-    assert main(["serve", "--load-format", "dummy", *flags]) == 2
+def test_auto_tool_choice_without_a_parser_is_one_line(capsys):
+    assert main(["serve", "--load-format", "dummy", "--enable-auto-tool-choice"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_a_parser_alone_is_taken_as_vllm_takes_it(model_dir, caplog):
+    """QA: vLLM starts with --tool-call-parser alone (auto stays off)."""
+    state = serve_state(model_dir, "--tool-call-parser", "hermes")
+    assert state.tool_parser is None and "auto stays refused" in caplog.text

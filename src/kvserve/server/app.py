@@ -189,9 +189,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
             ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt,
                                           req.add_special_tokens)
         else:
+            tools = [tool.model_dump(exclude_none=True) for tool in req.tools or ()]
             ids = await asyncio.to_thread(chat_ids, state, req.messages,
                                           req.add_generation_prompt, None,
-                                          req.continue_final_message)
+                                          req.continue_final_message, tools or None)
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
                              "tokens": ids})
 

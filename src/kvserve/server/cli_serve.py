@@ -594,9 +594,9 @@ def build_state(args: argparse.Namespace,
     if args.max_logprobs < -1:
         raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
                        f"{args.max_logprobs}")
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CLIError("--enable-auto-tool-choice needs --tool-call-parser NAME (how the "
-                       "model writes its calls), and the parser needs the flag, as in vLLM")
+                       "model writes its calls), as in vLLM")
     if args.responses_store_size < 1:
         raise CLIError(f"--responses-store-size must be >= 1, got {args.responses_store_size}")
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
@@ -636,7 +636,11 @@ def build_state(args: argparse.Namespace,
     state.model_id = _model_name(args.model)
     state.log_requests = args.enable_log_requests
     state.responses = _response_store(args)
-    if args.tool_call_parser is not None:
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        logger.warning("--tool-call-parser %s parses the calls of tool_choice auto, which "
+                       "needs --enable-auto-tool-choice too: auto stays refused",
+                       args.tool_call_parser)  # vLLM takes it alone too
+    elif args.tool_call_parser is not None:
         from kvserve.server.tool_parsers import make_parser
 
         state.tool_parser = make_parser(args.tool_call_parser)

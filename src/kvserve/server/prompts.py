@@ -3,6 +3,7 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,7 +77,7 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
-            entry["tool_calls"] = message.tool_calls
+            entry["tool_calls"] = [_arguments_as_object(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
@@ -99,6 +100,23 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
                                            **({"tools": tools} if tools else {}))
     except ValueError as error:
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
+
+
+def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
+    """A replayed tool call with its arguments as an object, not the JSON text OpenAI's API
+    carries: templates write them with ``tojson``, and the model then reads its own call in
+    the shape it was taught (QA: the text was written as a quoted string), as vLLM does."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _tokens(count: int) -> str:

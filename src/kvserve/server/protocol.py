@@ -315,6 +315,7 @@ class TokenizeRequest(Body):
     add_generation_prompt: bool = True  # with messages, as the chat endpoint does
     continue_final_message: bool = False  # likewise
     add_special_tokens: bool = False  # with a prompt, as the completions endpoint does
+    tools: list[Tool] | None = Field(default=None, max_length=1024)  # with messages: vLLM's
 
 
 class DetokenizeRequest(Body):
@@ -509,7 +510,7 @@ def _check_tools(request: Any, auto_allowed: bool) -> None:
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:
         raise bad_request(f"tools name the function {twice!r} twice", param="tools")
-    if not tools:
+    if not tools or "tool_choice" not in type(request).model_fields:  # /tokenize's: shown
         if choice not in (None, "none"):
             raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
         return

@@ -233,9 +233,9 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             _only(item, {"type", "call_id", "name", "arguments", "id", "status", "caller",
                          "namespace"}, where)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
-                    and not last["content"]:  # parallel calls: one assistant turn
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the same turn's text,
+                # or its calls before: one assistant turn, as the chat answer was (QA)
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -479,8 +479,8 @@ class ResponsesGeneration(Generation):
                 continue
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if answer and answer[-1].get("tool_calls"):
-                answer[-1]["tool_calls"].append(call)
+            if answer:  # the text before the calls, or a call before: one turn
+                answer[-1].setdefault("tool_calls", []).append(call)
             else:
                 answer.append({"role": "assistant", "content": None, "tool_calls": [call]})
         self.store.put(self.response_id,

@@ -9,12 +9,13 @@ of its own, and vLLM's finish reasons."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
 
 from kvserve.server.protocol import auto_tools, calls_required, forced_tool
-from kvserve.server.tool_parsers import ToolParser
+from kvserve.server.tool_parsers import ParsedCalls, ToolParser
 
 
 def _call_id() -> str:
@@ -23,7 +24,8 @@ def _call_id() -> str:
 
 class ToolCalls:
     def __init__(self, role: str, name: str | None, required: bool,
-                 choice_ids: list[str], parser: ToolParser | None = None) -> None:
+                 choice_ids: list[str], parser: ToolParser | None = None,
+                 parallel: bool = True) -> None:
         self.role = role
         self.name = name  # the forced function's; None: calls_required, or auto
         self.required = required  # tool_choice "required": finish_reason tool_calls
@@ -32,6 +34,7 @@ class ToolCalls:
         self.parser = parser
         self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
         self.called: set[str] = set()  # auto: the answers that held calls
+        self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
 
     @classmethod
     def of(cls, req: Any, choice_ids: list[str], role: str,
@@ -41,7 +44,8 @@ class ToolCalls:
         function = forced_tool(req)
         if function is None and not calls_required(req):
             if parser is not None and auto_tools(req):
-                return cls(role, None, False, choice_ids, parser)
+                return cls(role, None, False, choice_ids, parser,
+                           parallel=req.parallel_tool_calls is not False)
             return None
         return cls(role, None if function is None else function.name,
                    req.tool_choice == "required", choice_ids)
@@ -49,7 +53,7 @@ class ToolCalls:
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
         if self.parser is not None:
-            parsed = self.parser.parse(text)
+            parsed = self._parse(text)
             if not parsed.calls:
                 return {"role": self.role, "content": text}
             self.called.add(choice_id)
@@ -93,17 +97,26 @@ class ToolCalls:
                 return None
             self.sent[choice_id] = end
             return {"content": whole[sent:end]}
-        parsed = self.parser.parse(whole)
+        parsed = self._parse(whole)
         if not parsed.calls:
             return {"content": whole[sent:]}
         self.called.add(choice_id)
         delta: dict[str, Any] = {}
-        before = whole[sent:parsed.content_end].rstrip()
-        if before:
+        before = whole[sent:parsed.content_end]
+        if before and parsed.content is not None:
             delta["content"] = before
         delta["tool_calls"] = [{"index": i, **_made(name, arguments)}
                                for i, (name, arguments) in enumerate(parsed.calls)]
         return delta
+
+    def _parse(self, text: str) -> ParsedCalls:
+        """The parser's reading, with parallel_tool_calls false its first call only (as
+        OpenAI answers, and "required" here)."""
+        assert self.parser is not None
+        parsed = self.parser.parse(text)
+        if self.parallel or len(parsed.calls) < 2:
+            return parsed
+        return dataclasses.replace(parsed, calls=parsed.calls[:1])
 
     def finish_reason(self, choice_id: str, reason: str | None) -> str | None:
         """vLLM's: tool_calls where the call was required, or made in auto, stop where it

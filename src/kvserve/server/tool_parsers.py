@@ -59,8 +59,8 @@ class HermesParser:
             if call is None:  # a call that does not parse: the text is the answer
                 return ParsedCalls(text, (), len(text))
             calls.append(call)
-        content = text[:at].strip()
-        return ParsedCalls(content or None, tuple(calls), at)
+        content = text[:at]  # as written (vLLM's), a stream's the same
+        return ParsedCalls(content if content.strip() else None, tuple(calls), at)
 
     def content_end(self, text: str) -> int:
         """How much of ``text`` (an answer so far) is content for sure: up to a call's
@@ -127,8 +127,11 @@ def _call_of(value: Any) -> tuple[str, str] | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # already JSON text, as some models write it
-        return value["name"], arguments
+    if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None  # not arguments a client could read: the answer is the text (QA)
     if not isinstance(arguments, dict):
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)

@@ -1,0 +1,103 @@
+"""Reasoning parsers (vLLM's ``--reasoning-parser NAME``, docs/structured-outputs.md): a
+model that thinks before it answers writes ``<think> ... </think>`` and then its answer; the
+parser splits the text, the thinking going out as the message's ``reasoning`` (vLLM's field,
+once ``reasoning_content``) and the rest as its ``content``.
+
+- ``deepseek_r1``: the model always thinks, its template often opening ``<think>`` in the
+  prompt: the text up to ``</think>`` is reasoning (a leading ``<think>`` dropped); without
+  ``</think>`` (cut short) it is all reasoning (DeepSeek R1 and its Llama distills, QwQ).
+- ``qwen3``: thinking may be off (``enable_thinking`` false in the template): text with
+  ``</think>`` splits there; text that opens ``<think>`` and never closes it is reasoning;
+  any other text is content.
+
+:class:`ReasoningStream` splits a streamed answer as it comes, holding back only what may be
+the first characters of ``</think>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ThinkParser:
+    name: str
+    always_thinks: bool  # text before </think> is reasoning even without <think>
+    keeps_special_tokens: bool = True  # the markers may be special tokens, as vLLM keeps
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole answer, each None where empty."""
+        body = text.lstrip()
+        opened = body.startswith(START)
+        if opened:
+            body = body[len(START):]
+        at = body.find(END)
+        if at >= 0:
+            return _or_none(body[:at].strip()), _or_none(body[at + len(END):].lstrip())
+        if opened or self.always_thinks:  # thinking cut short
+            return _or_none(body.strip()), None
+        return None, _or_none(text)
+
+
+def make_parser(name: str) -> ThinkParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of "
+                         f"{', '.join(PARSERS)}")
+    return ThinkParser(name, always_thinks=name == "deepseek_r1")
+
+
+@dataclass
+class ReasoningStream:
+    """One streamed answer split as it comes: :meth:`feed` takes the whole text so far and
+    gives the new reasoning and content since the last call."""
+
+    parser: ThinkParser
+    reasoning_sent: int = 0  # characters of the reasoning so far sent
+    content_sent: int = 0
+    _content: str = field(default="", init=False)
+
+    @property
+    def content(self) -> str:
+        """The content so far (what a tool-call parser reads)."""
+        return self._content
+
+    def feed(self, whole: str, finished: bool) -> tuple[str, str]:
+        """(new reasoning, new content) since the last call."""
+        reasoning, content = self._split(whole, finished)
+        new_reasoning = reasoning[self.reasoning_sent:]
+        new_content = content[self.content_sent:]
+        self.reasoning_sent, self.content_sent = len(reasoning), len(content)
+        self._content = content
+        return new_reasoning, new_content
+
+    def _split(self, whole: str, finished: bool) -> tuple[str, str]:
+        """The reasoning and content so far, as they will read (not stripped at their
+        ends yet: a stream sends its text as it comes), a possible marker held back."""
+        body = whole.lstrip()
+        if not finished and START.startswith(body):  # "<thi": which way it goes is open
+            return "", ""
+        opened = body.startswith(START)
+        if opened:
+            body = body[len(START):]
+        at = body.find(END)
+        if at >= 0:
+            return body[:at], body[at + len(END):].lstrip()
+        if opened or self.parser.always_thinks:
+            held = 0 if finished else _partial_suffix(body, END)
+            return body[:len(body) - held], ""
+        return "", whole
+
+
+def _or_none(text: str) -> str | None:
+    return text or None
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that ``marker`` starts with."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
