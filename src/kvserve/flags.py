@@ -104,8 +104,6 @@ def check_output_file(flag: str, path: str) -> None:
 # docs/vllm-compat.md lists them.
 _NO_TP = "there is no tensor parallelism; --data-parallel-size runs replicas"
 _NO_PP = "there is no pipeline parallelism; --data-parallel-size runs replicas"
-_NO_REASONING = ("there is no reasoning parser: the model's text is the answer "
-                 "(no reasoning_content is split out)")
 _NO_LORA = "there are no LoRA adapters: serve a model directory with the adapter merged"
 VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
     "--gpu-memory-utilization": (True, "the KV cache is sized by --kv-cache-memory (e.g. "
@@ -114,8 +112,6 @@ VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
     "-tp": (True, _NO_TP),
     "--pipeline-parallel-size": (True, _NO_PP),
     "-pp": (True, _NO_PP),
-    "--reasoning-parser": (True, _NO_REASONING),
-    "--enable-reasoning": (False, _NO_REASONING),
     "--enable-lora": (False, _NO_LORA),
     "--lora-modules": (True, _NO_LORA),
     "--middleware": (True, "no ASGI middleware is loaded from the command line: put a proxy "

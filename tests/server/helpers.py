@@ -231,3 +231,32 @@ def loading_engine(folder: str, fail_if_named: str | None = None) -> Engine:
     Path(folder, str(os.getpid())).touch()
     time.sleep(60)
     raise ValueError("loaded for a minute")
+
+
+class ScriptedExecutor:
+    """Wraps a runner so every request's answer is ``script`` (token ids), then EOS,
+    whatever the model samples: what a model trained for a format (thinking, tool calls)
+    would write."""
+
+    def __init__(self, inner: Any, script: list[int], eos: int) -> None:
+        self.inner = inner
+        self.script = script
+        self.eos = eos
+        self.made: dict[str, int] = {}
+
+    def execute(self, scheduler_output: Any) -> Any:
+        output = self.inner.execute(scheduler_output)
+        for request_id, ids in output.sampled_token_ids.items():
+            for index in range(len(ids)):
+                at = self.made.get(request_id, 0)
+                ids[index] = self.script[at] if at < len(self.script) else self.eos
+                self.made[request_id] = at + 1
+        return output
+
+
+def scripted_engine(text: str, **settings: Any) -> Engine:
+    """The tiny engine whose every answer is ``text``."""
+    engine = make_engine(**settings)
+    engine.executor = ScriptedExecutor(engine.executor, tokenizer().encode(text),
+                                       TINY.eos_token_id)
+    return engine

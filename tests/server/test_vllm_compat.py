@@ -544,8 +544,6 @@ def test_max_log_len_is_taken_and_changes_nothing():
     (["--gpu-memory-utilization", "0.9", "/models/m.gguf"],
      "vLLM's --gpu-memory-utilization 0.9 is not taken here: the KV cache is sized by "
      "--kv-cache-memory (e.g. 4GiB) or --num-kv-blocks (see kvserve serve --help)"),
-    (["--reasoning-parser", "deepseek_r1"], "vLLM's --reasoning-parser deepseek_r1 is not "
-                                            "taken here: there is no reasoning parser"),
     (["--enable-lora", "--lora-modules", "sql=/lora/sql"],
      "vLLM's --enable-lora is not taken here: there are no LoRA adapters: serve a model "
      "directory with the adapter merged"),

@@ -29,6 +29,8 @@ VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
     (("--tokenizer-mode",), {"metavar": "auto"},
      "the tokenizer is the model's own (auto is the only mode)"),
     (("--enforce-eager",), {"action": "store_true"}, _NO_GRAPHS),
+    (("--enable-reasoning",), {"action": "store_true"},
+     "--reasoning-parser alone splits the reasoning out (vLLM 0.10 dropped this flag)"),
     (("--max-seq-len-to-capture",), {"type": int, "metavar": "N"}, _NO_GRAPHS),
     (("--compilation-config", "-O"), {"metavar": "LEVEL_OR_JSON"}, _NO_GRAPHS),
     (("--disable-custom-all-reduce",), {"action": "store_true"},
@@ -64,6 +66,7 @@ def add_parser(subparsers: Any) -> None:
         DEFAULT_MAX_PROMPTS_PER_REQUEST,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
+    from kvserve.server.reasoning_parsers import PARSERS as REASONING_PARSERS
     from kvserve.server.response_store import DEFAULT_STORE_CAPACITY
     from kvserve.server.tool_parsers import PARSERS
 
@@ -144,6 +147,12 @@ def add_parser(subparsers: Any) -> None:
                            "template itself (text holding { or a newline), as vLLM takes it")
     chat.add_argument("--response-role", default="assistant", metavar="ROLE",
                       help="the role of a chat answer's message (vLLM's; default assistant)")
+    chat.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                      metavar="{" + ",".join(REASONING_PARSERS) + "}",
+                      help="split a thinking model's <think>...</think> off its chat answer "
+                           "as the message's reasoning (vLLM's): deepseek_r1 (DeepSeek R1 "
+                           "and its Llama distills, QwQ: the answer starts thinking), qwen3 "
+                           "(thinking may be off)")
     chat.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="serve tool_choice \"auto\" (the default with tools): the tools go "
                            "to the chat template and the calls the model writes are parsed "
@@ -636,6 +645,12 @@ def build_state(args: argparse.Namespace,
     state.model_id = _model_name(args.model)
     state.log_requests = args.enable_log_requests
     state.responses = _response_store(args)
+    if args.reasoning_parser is not None:
+        from kvserve.server.reasoning_parsers import make_parser as make_reasoning_parser
+
+        state.reasoning_parser = make_reasoning_parser(args.reasoning_parser)
+        logger.info("reasoning: <think>...</think> split off chat answers (%s)",
+                    args.reasoning_parser)
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         logger.warning("--tool-call-parser %s parses the calls of tool_choice auto, which "
                        "needs --enable-auto-tool-choice too: auto stays refused",

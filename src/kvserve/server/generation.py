@@ -28,6 +28,7 @@ from kvserve.core.sessions import SessionBusy
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import ApiKey, resolve_priority, tenant_of
+from kvserve.server.chat_answer import ChatAnswer
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
@@ -58,7 +59,6 @@ from kvserve.server.responses import (
     vllm_prompt_logprobs,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.tool_calls import ToolCalls
 
 logger = logging.getLogger(__name__)
 
@@ -233,9 +233,10 @@ class Generation:
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
         self.streamed: set[str] = set()  # choices whose first chunk went out
-        # a tool call as each choice's answer (tool_choice naming a function, or required)
-        self.tools = ToolCalls.of(req, [c.request_id for c in choices],
-                                  state.response_role, state.tool_parser) if chat else None
+        # a chat choice's message: its reasoning, content and tool calls
+        self.answer = ChatAnswer(req, [c.request_id for c in choices], state.response_role,
+                                 state.tool_parser, state.reasoning_parser) if chat else None
+        self.tools = self.answer.tools if self.answer is not None else None
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -317,10 +318,8 @@ class Generation:
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         out: dict[str, Any] = {"index": choice.index}
-        if self.tools is not None:
-            out["message"] = self.tools.message(choice.request_id, choice.text)
-        elif self.chat:
-            out["message"] = {"role": self.state.response_role, "content": choice.text}
+        if self.answer is not None:
+            out["message"] = self.answer.message(choice.request_id, choice.text)
         else:
             out["text"] = choice.echo + choice.text
         entries: list[Any] = self._echoed(choice) + choice.logprobs
@@ -421,14 +420,14 @@ class Generation:
             logprobs = self._logprobs(entries, choice.text_offsets)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
-        if self.tools is not None:
-            delta = self.tools.delta(choice.request_id, text, choice.text, first,
-                                     chunk.finished)
+        if self.answer is not None:
+            delta = self.answer.delta(choice.request_id, text, choice.text, first,
+                                      chunk.finished)
             if delta is None:
-                return ""  # the calls go out whole, once the answer is complete
+                return ""  # nothing to send yet (a call's text, held until it is whole)
             payload: Any = delta
         else:
-            payload = {"content": text} if self.chat else text
+            payload = text
         data = self._chunk(choice, payload, logprobs)
         if first and self.req.prompt_logprobs is not None:
             where = data if self.chat else data["choices"][0]
@@ -453,8 +452,8 @@ class Generation:
 
     def _finish_reason(self, choice: Choice) -> str | None:
         reason = choice.finish_reason
-        return reason if self.tools is None else \
-            self.tools.finish_reason(choice.request_id, reason)
+        return reason if self.answer is None else \
+            self.answer.finish_reason(choice.request_id, reason)
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

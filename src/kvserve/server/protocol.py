@@ -260,7 +260,10 @@ class ChatMessage(Body):
     function_call: Any = None
     audio: Any = None
     annotations: Any = None
-    reasoning_content: Any = None
+    # a reasoning model's thinking, read back (vLLM's reasoning, once reasoning_content):
+    # taken and not rendered, as its templates leave earlier thinking out of the history
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -337,7 +340,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,),
     "add_special_tokens": (False,),  # chat's (completions' is honoured)
-    # no reasoning parser here: a reply has no reasoning to include or leave out
+    # vLLM's: false leaves the reasoning out of the answer (--reasoning-parser's split)
     "include_reasoning": (True, False),
     # nor a reasoning effort to set: the bundled model does not reason (vLLM hands it to the
     # template, which ignores it)
@@ -348,7 +351,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 # A message's fields kvserve does not implement (null is their default, also accepted).
 _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "refusal": (), "function_call": (), "audio": (),
-    "annotations": ([],), "reasoning_content": ("",),
+    "annotations": ([],),
 }
 
 

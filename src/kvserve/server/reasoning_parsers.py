@@ -6,9 +6,9 @@ once ``reasoning_content``) and the rest as its ``content``.
 - ``deepseek_r1``: the model always thinks, its template often opening ``<think>`` in the
   prompt: the text up to ``</think>`` is reasoning (a leading ``<think>`` dropped); without
   ``</think>`` (cut short) it is all reasoning (DeepSeek R1 and its Llama distills, QwQ).
-- ``qwen3``: thinking may be off (``enable_thinking`` false in the template): text with
-  ``</think>`` splits there; text that opens ``<think>`` and never closes it is reasoning;
-  any other text is content.
+- ``qwen3``: thinking may be off (``enable_thinking`` false in the template): an answer
+  that opens with ``<think>`` thinks up to ``</think>`` (all of it, cut short); any other
+  answer is content. (A template that opens ``<think>`` in the prompt: ``deepseek_r1``.)
 
 :class:`ReasoningStream` splits a streamed answer as it comes, holding back only what may be
 the first characters of ``</think>``.
@@ -26,20 +26,19 @@ START, END = "<think>", "</think>"
 class ThinkParser:
     name: str
     always_thinks: bool  # text before </think> is reasoning even without <think>
-    keeps_special_tokens: bool = True  # the markers may be special tokens, as vLLM keeps
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer, each None where empty."""
         body = text.lstrip()
         opened = body.startswith(START)
+        if not opened and not self.always_thinks:
+            return None, _or_none(text)  # it did not think (as a stream reads it too)
         if opened:
             body = body[len(START):]
         at = body.find(END)
         if at >= 0:
             return _or_none(body[:at].strip()), _or_none(body[at + len(END):].lstrip())
-        if opened or self.always_thinks:  # thinking cut short
-            return _or_none(body.strip()), None
-        return None, _or_none(text)
+        return _or_none(body.strip()), None  # thinking cut short
 
 
 def make_parser(name: str) -> ThinkParser:
@@ -80,15 +79,15 @@ class ReasoningStream:
         if not finished and START.startswith(body):  # "<thi": which way it goes is open
             return "", ""
         opened = body.startswith(START)
+        if not opened and not self.parser.always_thinks:
+            return "", whole
         if opened:
             body = body[len(START):]
         at = body.find(END)
         if at >= 0:
             return body[:at], body[at + len(END):].lstrip()
-        if opened or self.parser.always_thinks:
-            held = 0 if finished else _partial_suffix(body, END)
-            return body[:len(body) - held], ""
-        return "", whole
+        held = 0 if finished else _partial_suffix(body, END)
+        return body[:len(body) - held], ""
 
 
 def _or_none(text: str) -> str | None:

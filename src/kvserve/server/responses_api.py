@@ -38,6 +38,7 @@ from kvserve.server.protocol import (
     validate_body,
     validate_part,
 )
+from kvserve.server.reasoning_parsers import END
 from kvserve.server.response_store import ResponseStore, Stored
 from kvserve.server.responses import Choice, kvserve_ext
 from kvserve.server.state import ServerState
@@ -381,7 +382,11 @@ class ResponsesGeneration(Generation):
         self.owner = owner
         self.response_id = _new_id("resp")
         self.item_id = _new_id("msg")
+        self.reasoning_id = "rs_" + self.item_id.removeprefix("msg_")
         self.sequence = 0  # the next stream event's sequence_number
+        # a text stream's items opened so far (reasoning, message), by type: their index
+        self._live: dict[str, int] = {}
+        self._spaces = ""  # a message's leading whitespace, sent once text follows it
 
     @property
     def choice(self) -> Choice:
@@ -439,22 +444,50 @@ class ResponsesGeneration(Generation):
         output = choice.num_output_tokens
         return {"input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": output,
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
                 "total_tokens": self.num_prompt_tokens + output}
 
+    def _reasoning_tokens(self) -> int:
+        """The output tokens up to the one that closes the thinking (all of them, where it
+        never closes): the fewest whose text holds </think>, found by halving."""
+        assert self.answer is not None
+        choice = self.choice
+        if self.answer.split(choice.text)[0] is None:
+            return 0
+        ids, low, high = choice.token_ids, 1, len(choice.token_ids)
+        decode = self.state.tokenizer.decode
+        if END not in decode(ids):
+            return len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if END in decode(ids[:middle]) else (middle + 1, high)
+        return low
+
     def _output(self) -> list[dict[str, Any]]:
+        """The output items: the reasoning (a reasoning parser's), then the message, or the
+        calls (after any text before them)."""
+        assert self.answer is not None
         choice = self.choice
         status = "completed" if choice.finish_reason == "stop" else "incomplete"
+        reasoning, content = self.answer.split(choice.text)
+        items = [self._reasoning_item(reasoning, status)] \
+            if reasoning is not None and self.answer.shows_reasoning else []
         if self.tools is not None:
-            message = self.tools.message(choice.request_id, choice.text)
+            message = self.tools.message(choice.request_id, content)
             calls = message.get("tool_calls")
             if calls:  # auto: the content before the calls, if any, first
                 said = [self._message_item(message["content"], status)] \
                     if message.get("content") else []
-                return said + [self._call_item(call["id"], call["function"]["name"],
-                                               call["function"]["arguments"], index, status)
-                               for index, call in enumerate(calls)]
-        return [self._message_item(choice.text, status)]
+                return items + said + [
+                    self._call_item(call["id"], call["function"]["name"],
+                                    call["function"]["arguments"], index, status)
+                    for index, call in enumerate(calls)]
+        return [*items, self._message_item(content, status)]
+
+    def _reasoning_item(self, text: str | None, status: str) -> dict[str, Any]:
+        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [],
+                "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
     def _message_item(self, text: str | None, status: str) -> dict[str, Any]:
         return {"id": self.item_id, "type": "message", "status": status,
@@ -474,6 +507,8 @@ class ResponsesGeneration(Generation):
             return
         answer: list[dict[str, Any]] = []
         for item in response["output"]:
+            if item["type"] == "reasoning":  # left out of the history, as chat's templates do
+                continue
             if item["type"] == "message":
                 answer.append({"role": "assistant", "content": item["content"][0]["text"]})
                 continue
@@ -498,11 +533,13 @@ class ResponsesGeneration(Generation):
         opening = self._response("in_progress", [], None)
         yield self._sse("response.created", response=opening)
         yield self._sse("response.in_progress", response=opening)
-        # the text, or a named function's arguments, delta by delta; "required" among
-        # several tools: the calls go out whole at the end
-        by_delta = self.tools is None or self.tools.name is not None
-        if by_delta:
-            yield self._opened(self._first_item())
+        tools = self.tools
+        # a named function's arguments delta by delta; "required" among several tools: the
+        # calls whole at the end; otherwise the text as it comes (reasoning, then content)
+        named = tools is not None and tools.name is not None
+        text = tools is None or tools.parser is not None
+        if named:
+            yield self._opened(self._first_call())
         chunk: CompletionChunk | None = first
         try:
             while chunk is not None:
@@ -511,9 +548,15 @@ class ResponsesGeneration(Generation):
                     yield self._failed_event(str(error.code), error.message)
                     self.close()
                     return
-                self._apply(chunk)
-                if by_delta and chunk.new_text:
-                    yield self._delta(chunk.new_text)
+                first_piece = chunk.request_id not in self.streamed
+                self.streamed.add(chunk.request_id)
+                choice = self._apply(chunk)
+                if named and chunk.new_text:
+                    yield self._sse("response.function_call_arguments.delta",
+                                    item_id=self._call_item_id(0), output_index=0,
+                                    delta=chunk.new_text)
+                elif text:
+                    yield self._text_pieces(choice, chunk, first_piece)
                 chunk = await anext(self.stream, None)
         except EngineDeadError as error:
             self._failed()
@@ -521,24 +564,59 @@ class ResponsesGeneration(Generation):
             return
         response = self.body(list(self.choices.values()))
         for index, item in enumerate(response["output"]):
-            if index > 0 or not by_delta:  # whole: its text in one delta, as OpenAI's
+            live = (named and index == 0) or self._live.get(item["type"]) == index
+            if not live:  # whole: its text in one delta, as OpenAI's
                 yield self._opened({**item, "status": "in_progress"}, index)
                 yield self._whole_delta(item, index)
-            yield self._closed(item, index)
+            if item["type"] != "reasoning" or "message" not in self._live:  # closed already
+                yield self._closed(item, index)
         final = {"completed": "response.completed", "incomplete": "response.incomplete",
                  "failed": "response.failed"}[response["status"]]
         yield self._sse(final, response=response)
 
-    def _first_item(self) -> dict[str, Any]:
-        if self.tools is None:
-            return self._message_item(None, "in_progress")
-        assert self.tools.name is not None
+    def _text_pieces(self, choice: Choice, chunk: CompletionChunk, first: bool) -> str:
+        """A text stream's events for one chunk: its reasoning and its content, each item
+        opened as its first text comes (the reasoning closed as the content begins)."""
+        assert self.answer is not None
+        piece = self.answer.delta(choice.request_id, chunk.new_text, choice.text, first,
+                                  chunk.finished) or {}
+        events = ""
+        reasoning, content = piece.get("reasoning") or "", piece.get("content") or ""
+        if reasoning:
+            if "reasoning" not in self._live:
+                self._live["reasoning"] = len(self._live)
+                events += self._opened(self._reasoning_item(None, "in_progress"),
+                                       self._live["reasoning"])
+            events += self._sse("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                output_index=self._live["reasoning"], content_index=0,
+                                delta=reasoning)
+        if content and "message" not in self._live and not (self._spaces + content).strip():
+            self._spaces += content  # only whitespace yet: no message item for it
+            return events
+        if content:
+            if "message" not in self._live:
+                if "reasoning" in self._live:  # its thinking is over
+                    reasoning_text = self.answer.split(choice.text)[0] or ""
+                    events += self._closed(self._reasoning_item(reasoning_text, "completed"),
+                                           self._live["reasoning"])
+                self._live["message"] = len(self._live)
+                events += self._opened(self._message_item(None, "in_progress"),
+                                       self._live["message"])
+                content, self._spaces = self._spaces + content, ""
+            events += self._sse("response.output_text.delta", item_id=self.item_id,
+                                output_index=self._live["message"], content_index=0,
+                                delta=content, logprobs=[])
+        return events
+
+    def _first_call(self) -> dict[str, Any]:
+        """A named function's call item, opened as its arguments begin."""
+        assert self.tools is not None and self.tools.name is not None
         return self._call_item(self.tools.ids[self.choice.request_id], self.tools.name, "",
                                0, "in_progress")
 
     def _opened(self, item: dict[str, Any], index: int = 0) -> str:
         """An output item's opening events (a message's opens its one text part)."""
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             item = {**item, "content": []}
         events = self._sse("response.output_item.added", output_index=index, item=item)
         if item["type"] == "message":
@@ -546,27 +624,27 @@ class ResponsesGeneration(Generation):
                                 output_index=index, content_index=0, part=_part(""))
         return events
 
-    def _delta(self, text: str) -> str:
-        if self.tools is None:
-            return self._sse("response.output_text.delta", item_id=self.item_id,
-                             output_index=0, content_index=0, delta=text, logprobs=[])
-        return self._sse("response.function_call_arguments.delta",
-                         item_id=self._call_item_id(0), output_index=0, delta=text)
-
     def _whole_delta(self, item: dict[str, Any], index: int) -> str:
         """An item that went out whole: its text, or its arguments, as one delta."""
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             text = item["content"][0]["text"] if item["content"] else ""
-            return self._sse("response.output_text.delta", item_id=item["id"],
+            kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            extra: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            return self._sse(f"response.{kind}.delta", item_id=item["id"],
                              output_index=index, content_index=0, delta=text,
-                             logprobs=[]) if text else ""
+                             **extra) if text else ""
         return self._sse("response.function_call_arguments.delta", item_id=item["id"],
                          output_index=index, delta=item["arguments"])
 
     def _closed(self, item: dict[str, Any], index: int) -> str:
         """An output item's closing events."""
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"] if item["content"] else ""
+            return (self._sse("response.reasoning_text.done", item_id=item["id"],
+                              output_index=index, content_index=0, text=text)
+                    + self._sse("response.output_item.done", output_index=index, item=item))
         if item["type"] == "message":
-            text = item["content"][0]["text"]
+            text = item["content"][0]["text"] if item["content"] else ""
             return (self._sse("response.output_text.done", item_id=item["id"],
                               output_index=index, content_index=0, text=text, logprobs=[])
                     + self._sse("response.content_part.done", item_id=item["id"],

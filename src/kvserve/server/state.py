@@ -55,6 +55,8 @@ class ServerState:
     log_requests: bool = False  # --enable-log-requests
     # --enable-auto-tool-choice --tool-call-parser: a ToolParser (server/tool_parsers.py)
     tool_parser: Any = None
+    # --reasoning-parser: a ThinkParser (server/reasoning_parsers.py)
+    reasoning_parser: Any = None
     # the Responses API's store (--enable-responses-store): off, store: true keeps nothing
     responses: ResponseStore = field(default_factory=ResponseStore)
 

@@ -1,0 +1,71 @@
+"""What a chat choice's text becomes in its message: the reasoning a reasoning parser splits
+off (``--reasoning-parser``, server/reasoning_parsers.py), the content, and the tool calls
+(server/tool_calls.py), whole or delta by delta. The Responses API reads the same split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.server.protocol import calls_required, forced_tool
+from kvserve.server.reasoning_parsers import ReasoningStream, ThinkParser
+from kvserve.server.tool_calls import ToolCalls
+from kvserve.server.tool_parsers import ToolParser
+
+
+def thinks(req: Any, parser: ThinkParser | None) -> bool:
+    """Whether a chat request's answers are split by ``parser``: not where the answer is
+    held to a form from its first token (JSON, a choice, a call), which leaves no room to
+    think."""
+    if parser is None:
+        return False
+    response_format = getattr(req, "response_format", None)
+    return not ((response_format is not None and response_format.type != "text")
+                or req.structured_outputs is not None or req.guided_choice is not None
+                or req.guided_json is not None or forced_tool(req) is not None
+                or calls_required(req))
+
+
+class ChatAnswer:
+    def __init__(self, req: Any, choice_ids: list[str], role: str,
+                 tool_parser: ToolParser | None, reasoning: ThinkParser | None) -> None:
+        self.role = role
+        self.tools = ToolCalls.of(req, choice_ids, role, tool_parser)
+        self.reasoning = reasoning if thinks(req, reasoning) else None
+        self.shows_reasoning = getattr(req, "include_reasoning", None) is not False
+        self.streams: dict[str, ReasoningStream] = {}
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole answer (content "" where there is none)."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, content = self.reasoning.split(text)
+        return reasoning, content or ""
+
+    def message(self, choice_id: str, text: str) -> dict[str, Any]:
+        """A whole answer's message."""
+        reasoning, content = self.split(text)
+        message = self.tools.message(choice_id, content) if self.tools is not None else \
+            {"role": self.role, "content": content}
+        if self.reasoning is not None and self.shows_reasoning:
+            message["reasoning"] = reasoning  # vLLM's field (its reasoning_content before)
+        return message
+
+    def delta(self, choice_id: str, text: str, whole: str, first: bool,
+              finished: bool) -> dict[str, Any] | None:
+        """A streamed chunk's delta (``text`` its new text, ``whole`` the answer's so far);
+        None where nothing goes out yet."""
+        reasoning = ""
+        if self.reasoning is not None:
+            stream = self.streams.setdefault(choice_id, ReasoningStream(self.reasoning))
+            reasoning, text = stream.feed(whole, finished)
+            whole = stream.content
+        if self.tools is not None:
+            delta = self.tools.delta(choice_id, text, whole, first, finished)
+        else:
+            delta = {"content": text} if text or self.reasoning is None or finished else None
+        if reasoning and self.shows_reasoning:
+            delta = {"reasoning": reasoning, **(delta or {})}
+        return delta
+
+    def finish_reason(self, choice_id: str, reason: str | None) -> str | None:
+        return reason if self.tools is None else self.tools.finish_reason(choice_id, reason)

@@ -1,0 +1,155 @@
+"""--reasoning-parser (server/reasoning_parsers.py, vLLM's): a thinking model's
+<think>...</think> goes out as the chat message's ``reasoning``, the rest as its content,
+whole or streamed as it comes."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kvserve.server.reasoning_parsers import ReasoningStream, make_parser
+
+from .helpers import LiveServer, scripted_engine
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"), [
+    ("deepseek_r1", "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.", "It is 4."),
+    ("deepseek_r1", "Hmm, 2+2.</think>It is 4.", "Hmm, 2+2.", "It is 4."),  # opened in
+    # the prompt, as R1's template does
+    ("deepseek_r1", "Still thinking", "Still thinking", None),  # cut short
+    ("deepseek_r1", "<think></think>Just 4.", None, "Just 4."),
+    ("qwen3", "<think>a</think>b", "a", "b"),
+    ("qwen3", "No thinking here.", None, "No thinking here."),  # enable_thinking false
+    ("qwen3", "<think>unfinished", "unfinished", None),
+    ("qwen3", "x</think>y", None, "x</think>y"),  # not opened: it did not think
+])
+def test_the_thinking_is_split_off(name, text, reasoning, content):
+    assert make_parser(name).split(text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("text", ["<think>\nHmm, 2+2.\n</think>\n\nIt is 4.",
+                                  "Hmm.</think>Four.", "Plain answer, no thinking.",
+                                  "<think>cut sho"])
+def test_a_stream_adds_up_to_the_whole_split(name, text):
+    """Fed one character at a time, the pieces add up to what the whole answer splits into
+    (up to the whitespace a stream sends as it comes), and no piece of </think> leaks."""
+    parser = make_parser(name)
+    stream = ReasoningStream(parser)
+    reasoning = content = ""
+    for end in range(1, len(text) + 1):
+        new_reasoning, new_content = stream.feed(text[:end], end == len(text))
+        reasoning, content = reasoning + new_reasoning, content + new_content
+        assert "</" not in reasoning[-3:] or end == len(text)
+    whole_reasoning, whole_content = parser.split(text)
+    assert reasoning.strip() == (whole_reasoning or "")
+    assert content.strip() == (whole_content or "").strip()
+    assert "<think>" not in reasoning and "</think>" not in reasoning
+    if whole_reasoning is not None:  # it thought: no marker in the answer either
+        assert "<think>" not in content and "</think>" not in content
+
+
+def test_an_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="choose one of deepseek_r1, qwen3"):
+        make_parser("granite")
+
+
+SAID = "<think>The user greets me.</think>Hello!"
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LiveServer(scripted_engine(SAID, max_model_len=512)) as live:
+        live.state.reasoning_parser = make_parser("deepseek_r1")
+        yield openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+
+
+def _chat(client, **fields):
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, **fields)
+
+
+def test_a_chat_answer_carries_the_reasoning_apart(client):
+    message = _chat(client).choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == ("The user greets me.",
+                                                                   "Hello!")
+    chunks = list(_chat(client, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = "".join(d.model_extra.get("reasoning") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert (streamed, content) == ("The user greets me.", "Hello!")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    hidden = _chat(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "Hello!" and "reasoning" not in hidden.model_extra
+
+
+def test_an_answer_held_to_a_form_is_not_split(client):
+    """JSON, a choice or a call from the first token leave no room to think: the text is
+    the answer (the scripted text breaks the form's mask, so a choice is asked here)."""
+    reply = _chat(client, extra_body={"structured_outputs": {"choice": ["<think>x</think>y"]}})
+    assert "reasoning" not in reply.choices[0].message.model_extra
+
+
+def test_a_replayed_reasoning_is_taken_and_left_out_of_the_prompt(client):
+    """A client sends back the assistant message it got (vLLM's reasoning field, or the
+    older reasoning_content): taken, not rendered (QA: reasoning_content was refused)."""
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "and?"}]
+    with_reasoning = [plain[0], {**plain[1], "reasoning": "The user greets me.",
+                                 "reasoning_content": "The user greets me."}, plain[2]]
+    tokens = [client.chat.completions.create(model="tiny", messages=m, max_tokens=1)
+              .usage.prompt_tokens for m in (plain, with_reasoning)]
+    assert tokens[0] == tokens[1]
+
+
+def test_the_tool_parser_reads_the_content_after_the_thinking():
+    from kvserve.server.tool_parsers import make_parser as make_tool_parser
+
+    said = '<think>Weather, so a call.</think><tool_call>{"name": "f", "arguments": {}}' \
+           '</tool_call>'
+    with LiveServer(scripted_engine(said, max_model_len=512)) as live:
+        live.state.reasoning_parser = make_parser("deepseek_r1")
+        live.state.tool_parser = make_tool_parser("hermes")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        message = _chat(client, tools=tools).choices[0].message
+        assert message.model_extra["reasoning"] == "Weather, so a call."
+        assert [call.function.name for call in message.tool_calls] == ["f"]
+        assert message.content is None
+
+
+def test_the_responses_api_gives_a_reasoning_item_then_the_message(client):
+    whole = client.responses.create(model="tiny", input="hi", max_output_tokens=40)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets me."
+    assert message.type == "message" and whole.output_text == "Hello!"
+    details = whole.usage.output_tokens_details
+    assert 0 < details.reasoning_tokens < whole.usage.output_tokens
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=40,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index(
+        "response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, said) == ("The user greets me.", "Hello!")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_a_plain_answer_with_tools_streams_as_it_comes_on_the_responses_api():
+    """QA: with tools (every agent has some) and auto, a plain answer came in one delta at
+    the end on /v1/responses (chat streamed it)."""
+    from kvserve.server.tool_parsers import make_parser as make_tool_parser
+
+    with LiveServer(scripted_engine("Hello there, my good friend.", max_model_len=512)) as live:
+        live.state.tool_parser = make_tool_parser("hermes")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", "name": "f", "parameters": {}}]
+        events = list(client.responses.create(model="tiny", input="hi", tools=tools,
+                                              max_output_tokens=40, stream=True))
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert len(deltas) > 3 and "".join(deltas) == "Hello there, my good friend."
+        assert events[-1].type == "response.completed"
