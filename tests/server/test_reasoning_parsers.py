@@ -13,11 +13,14 @@ from .helpers import LiveServer, scripted_engine
 
 
 @pytest.mark.parametrize(("name", "text", "reasoning", "content"), [
-    ("deepseek_r1", "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "Hmm, 2+2.", "It is 4."),
+    ("deepseek_r1", "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "\nHmm, 2+2.\n",
+     "\n\nIt is 4."),  # as written, as vLLM's: a stream's pieces add up to them
     ("deepseek_r1", "Hmm, 2+2.</think>It is 4.", "Hmm, 2+2.", "It is 4."),  # opened in
     # the prompt, as R1's template does
     ("deepseek_r1", "Still thinking", "Still thinking", None),  # cut short
     ("deepseek_r1", "<think></think>Just 4.", None, "Just 4."),
+    ("deepseek_r1", "<think>\n\n</think>\n\nHello.", "\n\n", "\n\nHello."),  # QA
+    ("deepseek_r1", "<think>only thinking</think>", "only thinking", None),
     ("qwen3", "<think>a</think>b", "a", "b"),
     ("qwen3", "No thinking here.", None, "No thinking here."),  # enable_thinking false
     ("qwen3", "<think>unfinished", "unfinished", None),
@@ -30,7 +33,8 @@ def test_the_thinking_is_split_off(name, text, reasoning, content):
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 @pytest.mark.parametrize("text", ["<think>\nHmm, 2+2.\n</think>\n\nIt is 4.",
                                   "Hmm.</think>Four.", "Plain answer, no thinking.",
-                                  "<think>cut sho"])
+                                  "<think>cut sho", "<think>\n\n</think>\n\nHello there.",
+                                  "  <think>a</think>", "<think>a</thi"])
 def test_a_stream_adds_up_to_the_whole_split(name, text):
     """Fed one character at a time, the pieces add up to what the whole answer splits into
     (up to the whitespace a stream sends as it comes), and no piece of </think> leaks."""
@@ -42,8 +46,7 @@ def test_a_stream_adds_up_to_the_whole_split(name, text):
         reasoning, content = reasoning + new_reasoning, content + new_content
         assert "</" not in reasoning[-3:] or end == len(text)
     whole_reasoning, whole_content = parser.split(text)
-    assert reasoning.strip() == (whole_reasoning or "")
-    assert content.strip() == (whole_content or "").strip()
+    assert (reasoning, content) == (whole_reasoning or "", whole_content or "")
     assert "<think>" not in reasoning and "</think>" not in reasoning
     if whole_reasoning is not None:  # it thought: no marker in the answer either
         assert "<think>" not in content and "</think>" not in content
@@ -153,3 +156,34 @@ def test_a_plain_answer_with_tools_streams_as_it_comes_on_the_responses_api():
         deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
         assert len(deltas) > 3 and "".join(deltas) == "Hello there, my good friend."
         assert events[-1].type == "response.completed"
+
+
+@pytest.mark.parametrize("said", ["<think>\n\n</think>\n\nHello there.",
+                                  "<think>abc</think>The answer is long and goes on and on.",
+                                  "<think>only thinking</think>"])
+def test_a_responses_stream_agrees_with_its_whole_answer(said):
+    """QA: whitespace-only thinking made the SDK's stream helper raise (a reasoning item
+    streamed at index 0 and missing from the final output, the message added twice); a cut
+    answer's finished thinking flipped to incomplete; all thinking left an empty message."""
+    with LiveServer(scripted_engine(said, max_model_len=512)) as live:
+        live.state.reasoning_parser = make_parser("deepseek_r1")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        with client.responses.stream(model="tiny", input="hi", max_output_tokens=12) as stream:
+            events = list(stream)
+        final = events[-1].response
+        added = [(e.output_index, e.item.type) for e in events
+                 if e.type == "response.output_item.added"]
+        done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+        assert added == [(i, item.type) for i, item in enumerate(final.output)]
+        assert [done[i].model_dump() for i in range(len(final.output))] == \
+            [item.model_dump() for item in final.output]
+        for kind, part in (("reasoning_text", "reasoning"), ("output_text", "message")):
+            deltas = "".join(e.delta for e in events if e.type == f"response.{kind}.delta")
+            items = [item for item in final.output if item.type == part]
+            assert deltas == "".join(c.text for item in items for c in item.content)
+        if said.endswith("</think>"):
+            assert [item.type for item in final.output] == ["reasoning"]
+            message = _chat(client).choices[0].message
+            assert message.content is None and message.model_extra["reasoning"]
+        if "long" in said:  # cut while answering: the thinking had finished
+            assert final.output[0].status == "completed" and final.status == "incomplete"

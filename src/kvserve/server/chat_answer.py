@@ -34,20 +34,27 @@ class ChatAnswer:
         self.shows_reasoning = getattr(req, "include_reasoning", None) is not False
         self.streams: dict[str, ReasoningStream] = {}
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(reasoning, content) of a whole answer (content "" where there is none)."""
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole answer; content None where a thinking answer
+        has none (vLLM's), "" kept where the model said nothing without thinking."""
         if self.reasoning is None:
             return None, text
-        reasoning, content = self.reasoning.split(text)
-        return reasoning, content or ""
+        return self.reasoning.split(text)
+
+    def thought(self, text: str) -> bool:
+        """Whether the answer's thinking is over (its </think> written)."""
+        return self.reasoning is not None and self.reasoning.thought(text)
 
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
         reasoning, content = self.split(text)
-        message = self.tools.message(choice_id, content) if self.tools is not None else \
-            {"role": self.role, "content": content}
-        if self.reasoning is not None and self.shows_reasoning:
-            message["reasoning"] = reasoning  # vLLM's field (its reasoning_content before)
+        message = self.tools.message(choice_id, content or "") if self.tools is not None \
+            else {"role": self.role, "content": content}
+        if self.reasoning is not None:
+            if message.get("content") == "":
+                message["content"] = None  # all thinking: no content, as vLLM's
+            if self.shows_reasoning:
+                message["reasoning"] = reasoning  # vLLM's field (reasoning_content before)
         return message
 
     def delta(self, choice_id: str, text: str, whole: str, first: bool,

@@ -28,17 +28,15 @@ class ThinkParser:
     always_thinks: bool  # text before </think> is reasoning even without <think>
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole answer, each None where empty."""
+        """(reasoning, content) of a whole answer, each as written (whitespace kept, as
+        vLLM's, so that a stream's pieces add up to them) and None where empty."""
+        reasoning, content = split_text(self, text, finished=True)
+        return _or_none(reasoning), _or_none(content)
+
+    def thought(self, text: str) -> bool:
+        """Whether the answer's thinking closed (its </think> written)."""
         body = text.lstrip()
-        opened = body.startswith(START)
-        if not opened and not self.always_thinks:
-            return None, _or_none(text)  # it did not think (as a stream reads it too)
-        if opened:
-            body = body[len(START):]
-        at = body.find(END)
-        if at >= 0:
-            return _or_none(body[:at].strip()), _or_none(body[at + len(END):].lstrip())
-        return _or_none(body.strip()), None  # thinking cut short
+        return (body.startswith(START) or self.always_thinks) and END in body
 
 
 def make_parser(name: str) -> ThinkParser:
@@ -73,21 +71,26 @@ class ReasoningStream:
         return new_reasoning, new_content
 
     def _split(self, whole: str, finished: bool) -> tuple[str, str]:
-        """The reasoning and content so far, as they will read (not stripped at their
-        ends yet: a stream sends its text as it comes), a possible marker held back."""
-        body = whole.lstrip()
-        if not finished and START.startswith(body):  # "<thi": which way it goes is open
-            return "", ""
-        opened = body.startswith(START)
-        if not opened and not self.parser.always_thinks:
-            return "", whole
-        if opened:
-            body = body[len(START):]
-        at = body.find(END)
-        if at >= 0:
-            return body[:at], body[at + len(END):].lstrip()
-        held = 0 if finished else _partial_suffix(body, END)
-        return body[:len(body) - held], ""
+        return split_text(self.parser, whole, finished)
+
+
+def split_text(parser: ThinkParser, whole: str, finished: bool) -> tuple[str, str]:
+    """The reasoning and content of an answer so far (``finished``: all of it), as
+    written; while it goes on, what may be the first characters of a marker is held back.
+    One rule for a stream and a whole answer, so the one adds up to the other."""
+    body = whole.lstrip()
+    if not finished and START.startswith(body):  # "<thi": which way it goes is open
+        return "", ""
+    opened = body.startswith(START)
+    if not opened and not parser.always_thinks:
+        return "", whole  # it did not think
+    if opened:
+        body = body[len(START):]
+    at = body.find(END)
+    if at >= 0:
+        return body[:at], body[at + len(END):]
+    held = 0 if finished else _partial_suffix(body, END)
+    return body[:len(body) - held], ""  # still thinking (or cut short)
 
 
 def _or_none(text: str) -> str | None:

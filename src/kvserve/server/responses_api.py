@@ -471,8 +471,12 @@ class ResponsesGeneration(Generation):
         choice = self.choice
         status = "completed" if choice.finish_reason == "stop" else "incomplete"
         reasoning, content = self.answer.split(choice.text)
-        items = [self._reasoning_item(reasoning, status)] \
+        thought = "completed" if self.answer.thought(choice.text) else status
+        items = [self._reasoning_item(reasoning, thought)] \
             if reasoning is not None and self.answer.shows_reasoning else []
+        if content is None and reasoning is not None:
+            return items  # all thinking: no message, as vLLM's
+        content = content or ""
         if self.tools is not None:
             message = self.tools.message(choice.request_id, content)
             calls = message.get("tool_calls")
