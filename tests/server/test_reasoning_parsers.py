@@ -187,3 +187,17 @@ def test_a_responses_stream_agrees_with_its_whole_answer(said):
             assert message.content is None and message.model_extra["reasoning"]
         if "long" in said:  # cut while answering: the thinking had finished
             assert final.output[0].status == "completed" and final.status == "incomplete"
+
+
+def test_the_tokens_of_held_text_keep_their_logprobs_in_a_stream(client):
+    """QA: the chunks the parser held back (a marker's) went out with none of their
+    tokens' logprobs or ids: a stream had fewer logprob entries than the whole answer."""
+    whole = _chat(client, logprobs=True).choices[0].logprobs.content
+    chunks = list(_chat(client, logprobs=True, stream=True,
+                        extra_body={"return_token_ids": True}))
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs
+                for entry in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra.get("token_ids")
+           or ()]
+    assert len(ids) == len(whole)

@@ -232,7 +232,10 @@ class Generation:
         self.closed = False
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
-        self.streamed: set[str] = set()  # choices whose first chunk went out
+        self.streamed: set[str] = set()  # choices whose first chunk was read
+        self.sent: set[str] = set()  # choices whose first chunk went out
+        # chat: each choice's logprob entries and token ids of chunks not sent yet
+        self.held: dict[str, tuple[list[Any], list[int]]] = {}
         # a chat choice's message: its reasoning, content and tool calls
         self.answer = ChatAnswer(req, [c.request_id for c in choices], state.response_role,
                                  state.tool_parser, state.reasoning_parser) if chat else None
@@ -413,30 +416,39 @@ class Generation:
             list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
         if first:  # an echo's prompt goes out before the answer's first text
             entries = self._echoed(choice) + entries
-        logprobs = None
-        if entries:
-            if choice.text_offsets is None:
-                choice.text_offsets = TextOffsets()
-            logprobs = self._logprobs(entries, choice.text_offsets)
+        token_ids = [] if self.prompt_only else list(chunk.new_token_ids)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
         if self.answer is not None:
             delta = self.answer.delta(choice.request_id, text, choice.text, first,
                                       chunk.finished)
-            if delta is None:
-                return ""  # nothing to send yet (a call's text, held until it is whole)
+            held = self.held.setdefault(choice.request_id, ([], []))
+            if delta is None:  # nothing to send yet (a call's text, held until it is
+                held[0].extend(entries)  # whole): its tokens go out with the next chunk
+                held[1].extend(token_ids)  # (QA: their logprobs were lost)
+                return ""
+            entries, token_ids = held[0] + entries, held[1] + token_ids
+            held[0].clear()
+            held[1].clear()
             payload: Any = delta
         else:
             payload = text
+        logprobs = None
+        if entries:
+            if choice.text_offsets is None:
+                choice.text_offsets = TextOffsets()
+            logprobs = self._logprobs(entries, choice.text_offsets)
         data = self._chunk(choice, payload, logprobs)
-        if first and self.req.prompt_logprobs is not None:
+        opening = choice.request_id not in self.sent  # the choice's first chunk sent
+        self.sent.add(choice.request_id)
+        if opening and self.req.prompt_logprobs is not None:
             where = data if self.chat else data["choices"][0]
             where["prompt_logprobs"] = self._prompt_logprobs(choice)
         if self.req.return_token_ids:
             entry = data["choices"][0]
             if not self.chat and len(choice.token_ids) == len(chunk.new_token_ids):
                 entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
-            entry["token_ids"] = [] if self.prompt_only else chunk.new_token_ids
+            entry["token_ids"] = token_ids
         if chunk.finished:
             data["choices"][0]["finish_reason"] = self._finish_reason(choice)
             data["choices"][0]["stop_reason"] = chunk.stop_reason
