@@ -203,7 +203,7 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
      "a KV pool of 40.00 GiB does not fit in the l4 preset's 22.00 GiB: with 14.96 GiB of "
      "llama-3.1-8b weights (bf16) and 0.20 GiB of activations it needs 55.16 GiB; give a "
      "smaller pool, a larger --tensor-parallel-size or another --hardware (a device no "
-     "preset describes: kvserve plan --gpu-memory-gib)"),
+     "preset describes: --gpu-memory-gib)"),
     (["simulate", "--hardware", "l4", "--num-kv-blocks", "100000"],
      "a KV pool of 195.31 GiB does not fit in the l4 preset's 22.00 GiB"),
     (["plan", "--hardware", "l4", "--kv-pool-gib", "100", "--prompt-len", "9",
@@ -492,3 +492,19 @@ def test_simulate_names_the_requests_a_full_priority_queue_displaced(tmp_path, c
                  "--max-num-queued-reqs", "1"]) == 0
     assert "warning: 1 waiting request(s) displaced by more urgent arrivals" in \
         capsys.readouterr().err
+
+
+def test_simulate_takes_a_devices_memory_as_plan_does(tmp_path, trace, capsys):
+    """QA (session 28): simulate had no flag for a device no preset names; plan's
+    --gpu-memory-gib sizes its pool here too."""
+    sizes = {}
+    for memory in (None, "40"):
+        report = tmp_path / f"r{memory}.json"
+        flags = ["--gpu-memory-gib", memory] if memory else []
+        assert main(["simulate", "--trace", str(trace), "--hardware", "h100-sxm",
+                     "--report", str(report), "--quiet", *flags]) == 0
+        sizes[memory] = json.loads(report.read_text())["config"]["cache"]["num_blocks"]
+    assert 0 < sizes["40"] < sizes[None] / 2  # 40 GiB less the weights, of 79.2 less them
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--gpu-memory-gib", "0"]) == 2
+    assert "--gpu-memory-gib must be > 0" in _error_line(capsys)

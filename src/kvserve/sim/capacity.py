@@ -142,7 +142,7 @@ def _check_fits(model: ModelSpec, dtype: str, pool: int, weights: int, reserve: 
         return
     each = " per device" if tp > 1 else ""
     larger = "a larger --gpu-memory-gib" if device.startswith("--") else \
-        "another --hardware (a device no preset describes: kvserve plan --gpu-memory-gib)"
+        "another --hardware (a device no preset describes: --gpu-memory-gib)"
     raise CapacityError(
         f"a KV pool of {pool / tp / GiB:.2f} GiB{each} does not fit in {device}: with "
         f"{weights / tp / GiB:.2f} GiB of {model.name} weights ({dtype}){each} and "

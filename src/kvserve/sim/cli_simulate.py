@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ def add_parser(subparsers: Any) -> None:
                              "directory (kvserve serve --record DIR: its recorded settings, "
                              "then any flag given), or - for standard input")
     add_deployment_flags(parser, recordings=True)
+    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                        help="the device's memory, for a device no --hardware preset names "
+                             "(its speed: the preset's, or --calibration's); default: the "
+                             "preset's, as kvserve plan takes it")
     add_cluster_flags(parser)
     parser.add_argument("--batching", choices=BATCHING_MODES,
                         help="continuous (default), static batches, or serial")
@@ -83,6 +88,14 @@ def run(args: argparse.Namespace) -> int:
             args.cost_model = "roofline"
         args.recording = recording
         deployment = deployment_from_args(args)
+        if args.gpu_memory_gib is not None:
+            if not args.gpu_memory_gib > 0:
+                raise ValueError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib:g}")
+            if recording is not None and args.hardware is None:
+                raise ValueError("--gpu-memory-gib sizes a planned device's memory; a "
+                                 "recording's pool is its blocks (give --num-kv-blocks, or "
+                                 "--model and --hardware to simulate another deployment)")
+            deployment = dataclasses.replace(deployment, gpu_memory_gib=args.gpu_memory_gib)
         if args.tenant_weight:
             if settings.get("tenant_fairness") != "vtc" and \
                     not (sweep and sweep[0] == "tenant_fairness"):
