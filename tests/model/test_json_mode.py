@@ -156,7 +156,7 @@ def test_what_breaks_the_schema_is_never_done(text):
      "required must list names of properties"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}],
                                              "minLength": 2}}},
-     "schema.properties.a: 'minLength' is not supported"),  # beside a union: refused too
+     "schema.properties.a: 'minLength' holds a value of type string"),  # beside a union
     ({"type": "object", "properties": {"a": {"enum": ["x"], "pattern": "y"}}},
      "schema.properties.a: 'pattern' is not supported"),
 ])
@@ -376,7 +376,10 @@ def test_the_allowed_tokens_of_a_string_held_to_a_length_are_exactly_those_it_ta
     ({"type": "number", "minimum": "1"}, "must be numbers"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "minLength and maxLength"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' is not supported"),
-    ({"type": "string", "maximum": 2}, "'maximum' is not supported"),  # not a string's
+    ({"maximum": 2}, "'maximum' holds a value of type number or integer: give \"type\""),
+    ({"type": "integer", "minimum": 10 ** 20}, "at most 20 digits before its point"),  # QA
+    ({"type": "number", "minimum": 1e25}, "at most 20 digits"),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-19}, "17 after it"),
 ])
 def test_bounds_that_cannot_hold_are_refused_by_name(node, needle):
     with pytest.raises(SchemaError, match=needle):
@@ -403,3 +406,32 @@ def test_a_number_has_at_most_the_digits_a_double_or_int64_holds(node):
     if number:
         state = read(b'{"v":0.' + b"3" * 17, schema=schema)
         assert state is not None and _finishes(state, schema, b"0123456789.e}")  # not stuck
+
+
+def test_a_keyword_of_another_type_holds_nothing_there():
+    """JSON Schema's rule (and vLLM's): "required" beside an array, "minItems" or
+    "maximum" beside a string constrain nothing (QA: refused, naming a keyword the message
+    listed as honoured)."""
+    schema = _one({"type": "array", "items": {"type": "string"}, "required": []})
+    assert _done(schema, b'["a"]')
+    schema = _one({"type": "string", "minItems": 1, "maximum": 2})
+    assert _done(schema, b'"abc"')
+
+
+@pytest.mark.parametrize("bounds", [{"exclusiveMinimum": 0, "maximum": 1e-16},
+                                    {"minimum": 99999999999999999999},
+                                    {"minimum": -1e-17, "maximum": 1e-17}])
+def test_bounds_at_the_digit_caps_leave_no_dead_end(bounds):
+    """The caps (20 digits before the point, 17 after) are part of what can still end
+    within the bounds: a prefix with no room left is refused at its last digit."""
+    schema = _one({"type": "number", **bounds})
+    frontier = [read(b'{"v":', schema=schema)]
+    for _ in range(24):  # the first byte of each branch, depth first: follow one path far
+        state = frontier[-1]
+        nexts = [after for byte in b"0123456789.-" if
+                 (after := read(bytes([byte]), state, schema)) is not None]
+        if not nexts:
+            break
+        frontier.append(nexts[0] if len(frontier) % 2 else nexts[-1])
+    for state in frontier:
+        assert _finishes(state, schema, b"0123456789.}", depth=24), state

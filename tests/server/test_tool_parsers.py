@@ -193,6 +193,11 @@ def test_the_tools_go_to_the_chat_template():
         bare = prompt_tokens()
         with_tools = prompt_tokens(tools=TOOLS, tool_choice="none")
         assert with_tools - bare > len(own.encode(json.dumps(TOOLS))) // 2  # the tools' JSON
+        # vLLM's chat_template_kwargs may give the template its tools (QA: refused) and
+        # win over the request's
+        assert prompt_tokens(chat_template_kwargs={"tools": TOOLS}) == with_tools
+        assert prompt_tokens(tools=TOOLS, tool_choice="none",
+                             chat_template_kwargs={"tools": []}) == bare
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(live):

@@ -163,8 +163,10 @@ class Schema:
                                  if key not in _TYPED or key in _KEYWORDS.get(k, ())}
                                 | {"type": k}
                                 for k in kind if isinstance(k, str)], f"{where}.type")
-        self._refuse_beside(schema, {"type", "definitions", "$defs", *_KEYWORDS.get(
-            kind if isinstance(kind, str) else "object", ())}, where)
+        # A keyword of another type than this one's holds nothing here (JSON Schema's
+        # rule, vLLM's too: "required" beside an array); without a type, only an object's
+        self._refuse_beside(schema, {"type", "definitions", "$defs", *(
+            _TYPED if isinstance(kind, str) else _KEYWORDS["object"])}, where)
         if kind == "object" or (kind is None and "properties" in schema):
             return self._object(schema, where)
         if kind == "array":
@@ -195,6 +197,10 @@ class Schema:
         """SchemaError naming the first keyword of ``schema`` neither ``known`` nor a
         description (a constraint accepted must hold)."""
         unknown = sorted(set(schema) - known - _ANNOTATIONS)
+        if unknown and unknown[0] in _TYPED:  # honoured, with the type it belongs to
+            types = " or ".join(k for k, words in _KEYWORDS.items() if unknown[0] in words)
+            raise SchemaError(f"schema{where}: '{unknown[0]}' holds a value of type {types}: "
+                              f"give \"type\" beside it")
         if unknown:
             raise SchemaError(f"schema{where}: '{unknown[0]}' is not supported (honoured: "
                               "type, properties, required, additionalProperties, items, "
@@ -328,7 +334,13 @@ def _numbers(kind: str, schema: dict[str, Any], where: str) -> Node:
     if low is not None and high is not None and not _meets(low[0], high[0], True, True,
                                                            low, high):
         raise SchemaError(f"schema{where}: no {kind} lies within its minimum and maximum")
-    return Node(kind, low=low, high=high)
+    node = Node(kind, low=low, high=high)
+    if not any(_number_viable(start, node) for start in (b"-", *(bytes([d]) for d in
+                                                                  b"0123456789"))):
+        raise SchemaError(f"schema{where}: no {kind} written with at most "
+                          f"{_MAX_DIGITS['int']} digits before its point and "
+                          f"{_MAX_DIGITS['frac']} after it lies within its bounds")
+    return node
 
 
 def _meets(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
@@ -344,32 +356,58 @@ def _meets(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
 
 def _number_viable(text: bytes, node: Node) -> bool:
     """Whether the number begun as ``text`` (a sign, digits, a point and digits: no
-    exponent where a number is bounded) can still end within ``node``'s bounds."""
+    exponent where a number is bounded) can still end within ``node``'s bounds, written
+    with at most _MAX_DIGITS digits in each part (QA: a bound past them left the answer
+    cut mid-number)."""
     negative = text.startswith(b"-")
     body = text[1:] if negative else text
     low, high = node.low, node.high
     if negative:  # v = -u: hold u to the bounds mirrored
         low, high = ((-high[0], high[1]) if high else None), ((-low[0], low[1]) if low else None)
     integer = node.kind == "integer"
+    step = Fraction(1) if integer else Fraction(1, 10 ** _MAX_DIGITS["frac"])
+    top = (Fraction(10 ** _MAX_DIGITS["int"]), False)  # u has at most 20 integer digits
+    high = top if high is None or high[0] > top[0] else high
+
+    def holds(a: Fraction, b: Fraction, b_in: bool) -> bool:
+        """Some u of the grid (the integers, or multiples of 10^-17) in [a, b] (b
+        excluded unless ``b_in``) within the bounds."""
+        return _on_grid(a, b, True, b_in, low, high, step)
+
     if not body:  # "-": any u >= 0
-        return high is None or _meets(Fraction(0), high[0], True, True, low, high)
+        return holds(Fraction(0), top[0], False)
     whole, point, fraction = body.partition(b".")
     value = Fraction(body.decode()) if point and fraction else Fraction(int(whole))
-    if point:  # u in [D.F, D.F + 10^-len(F))
-        return _meets(value, value + Fraction(1, 10 ** len(fraction)), True, False, low, high)
+    if point:  # u in [D.F, D.F + 10^-len(F)), or D.F itself once no digit may follow
+        if len(fraction) >= _MAX_DIGITS["frac"]:
+            return holds(value, value, True)
+        return holds(value, value + Fraction(1, 10 ** len(fraction)), False)
     if whole == b"0":
-        return _meets(Fraction(0), Fraction(0 if integer else 1), True, integer, low, high)
-    scale = 1
-    while True:  # u in [D 10^k, (D + 1) 10^k), k more digits (integers: the last excluded)
-        start = value * scale
-        if high is not None and start > high[0]:
+        return holds(Fraction(0), Fraction(0 if integer else 1), integer)
+    for more in range(_MAX_DIGITS["int"] - len(whole) + 1):  # u in [D 10^k, (D + 1) 10^k)
+        scale = 10 ** more
+        if value * scale > high[0]:
             return False
-        end = (value + 1) * scale
-        if _meets(start, end - 1 if integer else end, True, integer, low, high):
+        if holds(value * scale, (value + 1) * scale, False):
             return True
-        if high is None:  # ever larger intervals, one will reach the lower bound
-            return True
-        scale *= 10
+    return False
+
+
+def _on_grid(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
+             low: tuple[Fraction, bool] | None, high: tuple[Fraction, bool] | None,
+             step: Fraction) -> bool:
+    """Whether a multiple of ``step`` lies in the interval from ``a`` to ``b`` (each end
+    included where ``a_in``, ``b_in``) and within ``low`` and ``high``."""
+    if low is not None and (low[0] > a or (low[0] == a and not low[1])):
+        a, a_in = low[0], low[1]
+    if high is not None and (high[0] < b or (high[0] == b and not high[1])):
+        b, b_in = high[0], high[1]
+    first, last = math.ceil(a / step), math.floor(b / step)
+    if not a_in and first * step == a:
+        first += 1
+    if not b_in and last * step == b:
+        last -= 1
+    return first <= last
 
 
 def _number_within(text: bytes, node: Node) -> bool:

@@ -50,7 +50,7 @@ def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int
 
 # What the template is rendered with already: chat_template_kwargs may not set them.
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "bos_token",
-                 "eos_token", "tools")
+                 "eos_token")
 
 
 def chat_ids(state: ServerState, chat: list[ChatMessage],
@@ -87,9 +87,10 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
             raise bad_request(f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
                               "renders the template with it", param="chat_template_kwargs")
         try:
+            # the request's tools, unless chat_template_kwargs sets its own (vLLM's)
+            variables = {"tools": tools, **template_kwargs} if tools else template_kwargs
             return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                               continue_final_message, **template_kwargs,
-                                               **({"tools": tools} if tools else {}))
+                                               continue_final_message, **variables)
         except Exception as error:  # the client's variables in the template: any failure
             raise bad_request(f"cannot apply the chat template with 'chat_template_kwargs': "
                               f"{type(error).__name__}: {error}",
