@@ -5,13 +5,14 @@
        + instructions + input items, as chat messages
     -> a chat request (text.format -> response_format, flat tools -> chat tools)
     -> generation.start: the same checks, queue, scheduler and engine as /v1/chat/completions
-    -> the answer as a Response object (output items: a message or function calls), or as
-       the Responses API's typed stream events
+    -> the answer as a Response object (output items: a thinking model's reasoning, a
+       message, function calls), or as the Responses API's typed stream events
 
 Responses are kept (``store``) only where the operator turned the store on
-(--enable-responses-store or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1), in memory, the most
-recent ``capacity`` of them, each readable only with the API key that made it. Without the
-store, ``store: true`` (OpenAI's default) is served and not kept, as vLLM does.
+(--enable-responses-store or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1), in memory, each
+tenant's most recent ``capacity`` (server/response_store.py), each readable only with its
+tenant's keys. Without the store, ``store: true`` (OpenAI's default) is served and not
+kept, as vLLM does.
 """
 
 from __future__ import annotations
