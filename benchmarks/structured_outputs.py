@@ -24,6 +24,11 @@ from kvserve.model.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title", "story"],
           "properties": {"title": {"type": "string"}, "story": {"type": "string"}}}
+# pydantic's Field(max_length=200) and Field(ge=1, le=5): a string counted in characters, an
+# integer held to its bounds (each state's text in the state: more states, each built once)
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["title", "stars"],
+           "properties": {"title": {"type": "string", "maxLength": 200},
+                          "stars": {"type": "integer", "minimum": 1, "maximum": 5}}}
 PROMPTS = ["Tell a story about a cat as JSON with a title:",
            "Tell a story about a ship as JSON with a title:"] * 4
 
@@ -43,16 +48,32 @@ def per_row_ms(sampler: Sampler, params: SamplingParams, output: list[int],
     return 1000 * statistics.median(times)
 
 
-def first_time_ms(tokenizer, text: str) -> float:
+def first_time_ms(tokenizer, text: str, schema: dict = SCHEMA) -> float:
     """A state's first step: its tokens worked out and its mask built (a fresh sampler)."""
     token_bytes = [tokenizer.token_bytes(t) for t in range(tokenizer.vocab_size)]
     sampler = Sampler(0, token_bytes=lambda: token_bytes)
     sampler.json_vocabulary()
-    params = SamplingParams(temperature=1.0, json_schema=json.dumps(SCHEMA), eos_token_id=0)
+    params = SamplingParams(temperature=1.0, json_schema=json.dumps(schema), eos_token_id=0)
     logits = torch.randn(1, tokenizer.vocab_size)
     start = time.perf_counter()
     sampler(logits, [SamplingRow(params, [1, *tokenizer.encode(text)], 1)])
     return 1000 * (time.perf_counter() - start)
+
+
+def walk_ms(tokenizer, schema: dict) -> float:
+    """A fresh sampler's mean time per step along one answer's first 40 tokens inside a
+    string (every state new to it): what a long string costs as it is written."""
+    token_bytes = [tokenizer.token_bytes(t) for t in range(tokenizer.vocab_size)]
+    sampler = Sampler(0, token_bytes=lambda: token_bytes)
+    sampler.json_vocabulary()
+    params = SamplingParams(temperature=1.0, json_schema=json.dumps(schema), eos_token_id=0)
+    text = tokenizer.encode('{"title": "' + "Once upon a time, in a town by the sea, " * 6)
+    start_at = len(tokenizer.encode('{"title": "'))
+    logits = torch.randn(1, tokenizer.vocab_size)
+    start = time.perf_counter()
+    for end in range(start_at, start_at + 40):
+        sampler(logits.clone(), [SamplingRow(params, [1, *text[:end]], 1)])
+    return 1000 * (time.perf_counter() - start) / 40
 
 
 def sampler_rows(tokenizer) -> list[tuple[str, float]]:
@@ -71,11 +92,24 @@ def sampler_rows(tokenizer) -> list[tuple[str, float]]:
                                                     eos_token_id=0), in_story),
         ("JSON schema, after a key", SamplingParams(temperature=1.0, json_schema=schema,
                                                     eos_token_id=0), after_key),
+        ("JSON schema, in a string of at most 200 characters",
+         SamplingParams(temperature=1.0, json_schema=json.dumps(BOUNDED), eos_token_id=0),
+         tokenizer.encode('{"title": "Once upon a time there')),
+        ("JSON schema, in an integer from 1 to 5",
+         SamplingParams(temperature=1.0, json_schema=json.dumps(BOUNDED), eos_token_id=0),
+         tokenizer.encode('{"title": "A day", "stars": ')),
     ]
     rows = [(name, per_row_ms(sampler, params, output)) for name, params, output in cases]
     rows.append(("JSON schema, a state's first step",
                  statistics.median(first_time_ms(tokenizer, '{"title": "A day", "story": "x')
                                    for _ in range(5))))
+    rows.append(("JSON schema, a counted string's state, its first step",
+                 statistics.median(first_time_ms(tokenizer, '{"title": "x', BOUNDED)
+                                   for _ in range(5))))
+    free = {**BOUNDED, "properties": {**BOUNDED["properties"], "title": {"type": "string"}}}
+    rows.append(("40 steps into a free string, fresh (mean per step)", walk_ms(tokenizer, free)))
+    rows.append(("40 steps into a string of at most 200 characters, fresh (mean per step)",
+                 walk_ms(tokenizer, BOUNDED)))
     return rows
 
 

@@ -435,3 +435,20 @@ def test_bounds_at_the_digit_caps_leave_no_dead_end(bounds):
         frontier.append(nexts[0] if len(frontier) % 2 else nexts[-1])
     for state in frontier:
         assert _finishes(state, schema, b"0123456789.}", depth=24), state
+
+
+def test_a_long_counted_strings_states_share_their_tokens():
+    """Past minLength and further from maxLength than any token reaches, every count allows
+    the same tokens: worked out once (a state's first step costs ~8 ms, each count was one);
+    near either end the count is told apart."""
+    schema = _one({"type": "string", "minLength": 3, "maxLength": 60})
+    rng = random.Random(5)
+    pieces = [b'"', b'a"', b"ab", b"abc" * 3, b'\\n', "é".encode()] + [
+        bytes(rng.choice(b'ab"\\n}') for _ in range(rng.randint(1, 6))) for _ in range(200)]
+    vocabulary = JsonVocabulary(pieces)
+    for count in range(0, 61):
+        state = read(b'{"v":"' + b"x" * count, schema=schema)
+        expected = [t for t, data in enumerate(pieces) if read(data, state, schema) is not None]
+        assert vocabulary.allowed(state, schema) == expected, count
+    shared = {key for key in schema.cache if key[1].extra[1] == 3}
+    assert len(schema.cache) < 61 - 10 and shared  # the middle counts are one entry
