@@ -98,7 +98,12 @@ def test_the_model_as_given_is_accepted_as_vllm_serves_it(model_dir):
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == [state.model_name]
         reply = client.completions.create(model=model_dir, prompt="hi", max_tokens=2)
-        assert reply.model == state.model_name
+        assert reply.model == model_dir  # the name it was asked by, as vLLM's (QA)
+        chunks = list(client.completions.create(model=model_dir, prompt="hi", max_tokens=2,
+                                                stream=True))
+        assert {chunk.model for chunk in chunks} == {model_dir}
+        short = client.completions.create(model=state.model_name, prompt="hi", max_tokens=2)
+        assert short.model == state.model_name
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model=model_dir + "x", prompt="hi", max_tokens=2)
     assert serve_state(model_dir, "--served-model-name", "alpha").model_aliases == ()

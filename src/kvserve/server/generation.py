@@ -229,6 +229,9 @@ class Generation:
         self.stream = stream
         self.created = int(time.time())
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + given_id
+        # the served name; a request that named the model as given on the command line
+        # (vLLM's served name, state.model_aliases) gets that name back, as from vLLM
+        self.model = req.model if req.model in state.model_aliases else state.model_name
         self.closed = False
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
@@ -295,7 +298,7 @@ class Generation:
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created, "model": self.state.model_name,
+            "created": self.created, "model": self.model,
             "choices": [self._full_choice(c) for c in choices],
             "usage": usage(choices, self.num_prompt_tokens),
             "kvserve": kvserve_total(self.request_id, choices)}
@@ -403,7 +406,7 @@ class Generation:
         if self.req.stream_options is not None and self.req.stream_options.include_usage:
             choices = list(self.choices.values())
             yield sse({"id": self.response_id, "object": self._chunk_object(),
-                       "created": self.created, "model": self.state.model_name,
+                       "created": self.created, "model": self.model,
                        "choices": [], "usage": usage(choices, self.num_prompt_tokens),
                        "kvserve": kvserve_total(self.request_id, choices)})
         yield SSE_DONE
@@ -476,7 +479,7 @@ class Generation:
         entry["logprobs"] = logprobs
         entry["finish_reason"] = None
         return {"id": self.response_id, "object": self._chunk_object(),
-                "created": self.created, "model": self.state.model_name, "choices": [entry]}
+                "created": self.created, "model": self.model, "choices": [entry]}
 
 
 QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled

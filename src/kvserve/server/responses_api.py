@@ -415,7 +415,7 @@ class ResponsesGeneration(Generation):
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if status == "incomplete" else None),
             "instructions": api.instructions, "max_output_tokens": api.max_output_tokens,
-            "max_tool_calls": None, "model": self.state.model_name, "output": output,
+            "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": api.parallel_tool_calls is not False,
             "previous_response_id": api.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
