@@ -21,7 +21,7 @@ from kvserve.server.recorder import MANIFEST, Recorder
 from kvserve.sim.recording import load_recording
 from kvserve.sim.simulator import Simulator
 
-from .helpers import LiveServer, wait_for
+from .helpers import LiveServer, slow_engine, wait_for
 
 SETTINGS = dict(max_num_seqs=6, max_num_batched_tokens=96, max_model_len=512)
 NUM_BLOCKS = 24  # tight: the run preempts (D1)
@@ -61,9 +61,12 @@ def decisions(events) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A short run of the thread engine under load, recorded from boot."""
+    """A short run of the thread engine under load, recorded from boot. Each step takes
+    at least 10 ms, so the 16 requests (sent 10 ms apart) overlap and the tight pool
+    preempts whatever the machine's load (clean-clone run: steps of a few ms let the early
+    requests finish before the late ones came, and nothing was preempted)."""
     directory = tmp_path_factory.mktemp("rec") / "run"
-    with LiveServer(num_kv_blocks=NUM_BLOCKS, **SETTINGS) as live:
+    with LiveServer(slow_engine(0.01, num_kv_blocks=NUM_BLOCKS, **SETTINGS)) as live:
         live.state.recorder = Recorder(directory, live.state.engine.info, prompts="hashes",
                                        max_file_bytes=1024)
         live.state.engine.observers.append(live.state.recorder.observe)
