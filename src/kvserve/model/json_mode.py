@@ -343,14 +343,25 @@ def _numbers(kind: str, schema: dict[str, Any], where: str) -> Node:
     return node
 
 
-def _meets(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
-           low: tuple[Fraction, bool] | None, high: tuple[Fraction, bool] | None) -> bool:
-    """Whether the interval from ``a`` to ``b`` (each end included where ``a_in``,
-    ``b_in``) holds a number within ``low`` and ``high``."""
+_Bound = tuple[Fraction, bool] | None  # (value, inclusive), None: unbounded
+
+
+def _clipped(a: Fraction, b: Fraction, a_in: bool, b_in: bool, low: _Bound,
+             high: _Bound) -> tuple[Fraction, Fraction, bool, bool]:
+    """The interval from ``a`` to ``b`` (each end included where ``a_in``, ``b_in``) cut to
+    ``low`` and ``high``."""
     if low is not None and (low[0] > a or (low[0] == a and not low[1])):
         a, a_in = low[0], low[1]
     if high is not None and (high[0] < b or (high[0] == b and not high[1])):
         b, b_in = high[0], high[1]
+    return a, b, a_in, b_in
+
+
+def _meets(a: Fraction, b: Fraction, a_in: bool, b_in: bool, low: _Bound,
+           high: _Bound) -> bool:
+    """Whether the interval from ``a`` to ``b`` holds a number within ``low`` and
+    ``high``."""
+    a, b, a_in, b_in = _clipped(a, b, a_in, b_in, low, high)
     return a < b or (a == b and a_in and b_in)
 
 
@@ -393,15 +404,11 @@ def _number_viable(text: bytes, node: Node) -> bool:
     return False
 
 
-def _on_grid(a: Fraction, b: Fraction, a_in: bool, b_in: bool,
-             low: tuple[Fraction, bool] | None, high: tuple[Fraction, bool] | None,
+def _on_grid(a: Fraction, b: Fraction, a_in: bool, b_in: bool, low: _Bound, high: _Bound,
              step: Fraction) -> bool:
     """Whether a multiple of ``step`` lies in the interval from ``a`` to ``b`` (each end
     included where ``a_in``, ``b_in``) and within ``low`` and ``high``."""
-    if low is not None and (low[0] > a or (low[0] == a and not low[1])):
-        a, a_in = low[0], low[1]
-    if high is not None and (high[0] < b or (high[0] == b and not high[1])):
-        b, b_in = high[0], high[1]
+    a, b, a_in, b_in = _clipped(a, b, a_in, b_in, low, high)
     first, last = math.ceil(a / step), math.floor(b / step)
     if not a_in and first * step == a:
         first += 1

@@ -80,7 +80,8 @@ class NamedFunction(Body):
 
 
 class Reasoning(Body):
-    """Accepted (the bundled model does not reason: nothing to set or summarise)."""
+    """Accepted and echoed; it sets nothing: a thinking model thinks as its template and
+    --reasoning-parser say, and no summary is written."""
 
     effort: Literal["minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -418,7 +419,8 @@ class ResponsesGeneration(Generation):
             "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": api.parallel_tool_calls is not False,
             "previous_response_id": api.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": api.reasoning.effort if api.reasoning else None,
+                          "summary": None},
             "service_tier": "default", "store": self.store.enabled and api.store,
             "temperature": 1.0 if api.temperature is None else api.temperature,
             "text": {"format": ({"type": "text"} if text_format is None else
