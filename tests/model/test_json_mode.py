@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvserve.core import SamplingParams
+from kvserve.core import RequestError, SamplingParams
 from kvserve.model.json_mode import (
     ANY_OBJECT,
     DONE,
@@ -20,7 +20,7 @@ from kvserve.model.json_mode import (
     SchemaError,
     read,
 )
-from kvserve.model.sampler import Sampler, SamplingRow
+from kvserve.model.sampler import Sampler, SamplingRow, Thinking, thinking
 
 OBJECTS = [b"{}", b'{"a": 1}', b'{"a": [1, 2.5, -3e+2, 0.5E-1, true, false, null]}',
            b'{"k":"v\\n\\"\\u00e9","n":0,"o":{"p":[[],{}]}}', b'{"\xc3\xa9": "\xe2\x82\xac"}']
@@ -452,3 +452,68 @@ def test_a_long_counted_strings_states_share_their_tokens():
         assert vocabulary.allowed(state, schema) == expected, count
     shared = {key for key in schema.cache if key[1].extra[1] == 3}
     assert len(schema.cache) < 61 - 10 and shared  # the middle counts are one entry
+
+
+THINKING = [b"", b"{", b"}", b"<think>", b"<th", b"ink>", b"hmm", b"</think>", b"\n",
+            b"</", b"think>\n"]  # token 0 the EOS
+
+
+def _thinking_pick(params: SamplingParams, output: list[int], wants: int,
+                   sampler: Sampler | None = None) -> int:
+    """The token a greedy row picks after ``output`` when the model wants ``wants`` most
+    (then "{", then the rest alike)."""
+    logits = torch.zeros(1, len(THINKING))
+    logits[0, wants], logits[0, 1] = 9.0, 5.0
+    sampler = sampler or Sampler(token_bytes=lambda: THINKING)
+    return sampler(logits, [SamplingRow(params, [99, *output], 1)]).token_ids[0]
+
+
+def test_a_thinking_answer_is_held_to_json_from_the_end_of_its_thinking_on():
+    """vLLM's reasoning-aware structured outputs (docs/structured-outputs.md, "Thinking
+    first"): nothing holds while the model thinks; from the token after the closing marker
+    (one token or several, more text in its last) the JSON holds, to EOS."""
+    params = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0,
+                            think_markers=("<think>", "</think>"), think_open=True)
+    assert _thinking_pick(params, [], wants=6) == 6  # free while it thinks
+    assert _thinking_pick(params, [6, 6], wants=6) == 6
+    assert _thinking_pick(params, [6, 7], wants=6) == 1  # thought: "{" first
+    assert _thinking_pick(params, [6, 9, 10], wants=6) == 1  # "</" "think>\n"
+    assert _thinking_pick(params, [6, 7, 1], wants=6) == 2  # "}"
+    assert _thinking_pick(params, [6, 7, 1, 2], wants=6) == 0  # closed: EOS
+    assert [thinking(params, output, THINKING).start for output in (
+        [], [6], [3, 6, 7], [6, 9, 10, 1])] == [None, None, 3, 3]
+    unthinking = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0)
+    assert _thinking_pick(unthinking, [], wants=6) == 1  # without markers: held at once
+
+
+def test_an_answer_that_may_think_chooses_at_its_first_tokens():
+    """Thinking not opened by the prompt (Qwen3's template): the first tokens may open the
+    thinking or begin the JSON; once the marker began it goes on; an answer that began
+    otherwise is held from its first token."""
+    params = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0,
+                            think_markers=("<think>", "</think>"))
+    sampler = Sampler(token_bytes=lambda: THINKING)
+    assert _thinking_pick(params, [], wants=3, sampler=sampler) == 3  # "<think>"
+    assert _thinking_pick(params, [], wants=4, sampler=sampler) == 4  # "<th"
+    assert _thinking_pick(params, [], wants=6, sampler=sampler) == 1  # or the JSON
+    assert _thinking_pick(params, [4], wants=1, sampler=sampler) == 5  # "<th" + "ink>"
+    assert _thinking_pick(params, [3], wants=6, sampler=sampler) == 6  # thinking: free
+    assert _thinking_pick(params, [4, 5, 6, 7], wants=6, sampler=sampler) == 1
+    assert _thinking_pick(params, [1], wants=3, sampler=sampler) == 2  # did not think
+    assert thinking(params, [], THINKING) == Thinking(0, b"")
+    assert thinking(params, [8, 4], THINKING) == Thinking(0, b"\n<th")
+    assert thinking(params, [1], THINKING) == Thinking(0)
+
+
+def test_a_thinking_answer_is_held_to_its_choices_after_its_thinking():
+    params = SamplingParams(temperature=0.0, eos_token_id=0, choice_token_ids=[(2,)],
+                            think_markers=("<think>", "</think>"), think_open=True)
+    assert _thinking_pick(params, [6], wants=6) == 6
+    assert _thinking_pick(params, [6, 7], wants=6) == 2
+    assert _thinking_pick(params, [6, 7, 2], wants=6) == 0
+
+
+@pytest.mark.parametrize("markers", [("<think>",), ("", "</think>"), "<think>", (1, 2)])
+def test_think_markers_are_two_texts(markers):
+    with pytest.raises(RequestError, match="think_markers must be two non-empty texts"):
+        SamplingParams(json_object=True, eos_token_id=0, think_markers=markers)

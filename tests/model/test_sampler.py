@@ -183,7 +183,7 @@ def test_choices_keep_the_output_on_one_choice_then_end_it():
     params = SamplingParams(temperature=1.0, seed=2, eos_token_id=0,
                             choice_token_ids=[(1, 2), (1, 2, 3), (3,)])
     def allowed(output: list[int]) -> list[int]:
-        return SamplingRow(params, [9, *output], 1).choice_tokens
+        return SamplingRow(params, [9, *output], 1).choice_tokens()
     assert allowed([]) == [1, 3]
     assert allowed([1]) == [2]
     assert allowed([1, 2]) == [0, 3]

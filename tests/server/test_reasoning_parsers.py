@@ -4,6 +4,8 @@ whole or streamed as it comes."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -69,7 +71,8 @@ def client():
 
 def _chat(client, **fields):
     return client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=40, **fields)
+        model="tiny", messages=[{"role": "user", "content": "hi"}], **{"max_tokens": 40,
+                                                                       **fields})
 
 
 def test_a_chat_answer_carries_the_reasoning_apart(client):
@@ -86,11 +89,81 @@ def test_a_chat_answer_carries_the_reasoning_apart(client):
     assert hidden.content == "Hello!" and "reasoning" not in hidden.model_extra
 
 
-def test_an_answer_held_to_a_form_is_not_split(client):
-    """JSON, a choice or a call from the first token leave no room to think: the text is
-    the answer (the scripted text breaks the form's mask, so a choice is asked here)."""
-    reply = _chat(client, extra_body={"structured_outputs": {"choice": ["<think>x</think>y"]}})
-    assert "reasoning" not in reply.choices[0].message.model_extra
+def test_an_answer_held_to_a_form_thinks_first(client):
+    """vLLM's reasoning-aware structured outputs: the form holds from the end of the
+    thinking on, so the thinking is the reasoning and the form's text the content (a choice
+    the scripted text spells)."""
+    reply = _chat(client, extra_body={"structured_outputs": {"choice": ["Hello!"]}})
+    message = reply.choices[0].message
+    assert (message.model_extra["reasoning"], message.content) == ("The user greets me.",
+                                                                   "Hello!")
+
+
+def test_a_json_answer_thinks_before_its_object_on_the_real_sampler():
+    """The tiny model never writes </think>: with the thinking open (deepseek_r1) nothing
+    holds it, so all it writes is reasoning; where the template closed the thinking in the
+    prompt, the JSON holds from the first token and nothing is split off."""
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    from .helpers import TINY
+
+    own = load_tokenizer(None)
+    own.set_chat_template(THINKING_TEMPLATE)
+    engine = build_engine(TINY, tokenizer=own, num_kv_blocks=64, max_model_len=512)
+    with LiveServer(engine) as live:
+        live.state.reasoning_parser = make_parser("deepseek_r1")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        json_mode = {"response_format": {"type": "json_object"}, "temperature": 0}
+        message = _chat(client, **json_mode).choices[0].message
+        assert message.content is None
+        assert not message.model_extra["reasoning"].lstrip().startswith("{")  # not held
+        closed = _chat(client, **json_mode,
+                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        message = closed.choices[0].message
+        assert message.content.startswith("{") and "reasoning" not in message.model_extra
+
+
+# Qwen3's way: thinking opened by the model, or closed in the prompt when turned off; with
+# open_think the prompt opens it (DeepSeek R1's, Qwen3 2507's)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}"
+    "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% elif open_think is defined %}<think>\n{% endif %}"
+    "{% endif %}")
+
+
+@pytest.mark.parametrize(("parser", "kwargs", "reasoning", "content"), [
+    ("deepseek_r1", {}, "x", "y"),
+    ("deepseek_r1", {"enable_thinking": False}, None, "x</think>y"),  # closed: not split
+    ("qwen3", {}, None, "x</think>y"),  # not opened, by the prompt or the answer
+    ("qwen3", {"open_think": True}, "x", "y"),  # opened by the prompt
+])
+def test_the_prompts_end_says_whether_the_answer_thinks(parser, kwargs, reasoning,
+                                                         content):
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    from .helpers import TINY, ScriptedExecutor
+
+    own = load_tokenizer(None)
+    own.set_chat_template(THINKING_TEMPLATE)
+    engine = build_engine(TINY, tokenizer=own, num_kv_blocks=64, max_model_len=512)
+    engine.executor = ScriptedExecutor(engine.executor, own.encode("x</think>y"),
+                                       TINY.eos_token_id)
+    with LiveServer(engine) as live:
+        live.state.reasoning_parser = make_parser(parser)
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        message = _chat(client, extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+        assert (message.model_extra.get("reasoning"), message.content) == (reasoning, content)
+
+
+def test_the_prompt_decides_the_answers_thinking():
+    parser = make_parser("qwen3")
+    assert parser.for_prompt("<|assistant|>") is parser
+    assert parser.for_prompt("<|assistant|><think>\n").opened
+    assert parser.for_prompt("<|assistant|><think>\n\n</think>\n\n") is None
+    assert make_parser("deepseek_r1").for_prompt("x").opened
 
 
 def test_a_replayed_reasoning_is_taken_and_left_out_of_the_prompt(client):
@@ -201,3 +274,27 @@ def test_the_tokens_of_held_text_keep_their_logprobs_in_a_stream(client):
     ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra.get("token_ids")
            or ()]
     assert len(ids) == len(whole)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_thinks_first(stream):
+    said = '<think>The user wants f.</think>\n{"city": "Paris"}'
+    with LiveServer(scripted_engine(said, max_model_len=512)) as live:
+        live.state.reasoning_parser = make_parser("deepseek_r1")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        named = {"type": "function", "function": {"name": "f"}}
+        reply = _chat(client, tools=tools, tool_choice=named, stream=stream)
+        if not stream:
+            message = reply.choices[0].message
+            reasoning, calls = message.model_extra["reasoning"], message.tool_calls
+            arguments = calls[0].function.arguments
+        else:
+            deltas = [c.choices[0].delta for c in reply if c.choices]
+            reasoning = "".join(d.model_extra.get("reasoning") or "" for d in deltas)
+            arguments = "".join(call.function.arguments or "" for d in deltas
+                                for call in d.tool_calls or [])
+            assert not "".join(d.content or "" for d in deltas).strip()
+        assert reasoning == "The user wants f."
+        assert json.loads(arguments) == {"city": "Paris"}

@@ -154,6 +154,13 @@ class SamplingParams:
     # JSON text; the output is one object of it, then EOS (the subset kvserve/model/
     # json_mode.py honours; the engine refuses the rest by name)
     json_schema: str | None = None
+    # A reasoning model's structured output (--reasoning-parser, docs/structured-outputs.md,
+    # "Thinking first"): the choices or JSON above hold from the end of its thinking on, as
+    # vLLM's. think_markers: the texts that open and close its thinking ("<think>",
+    # "</think>"); think_open: the output begins inside its thinking (the prompt opened it, or
+    # the model always thinks), else it thinks only where it begins with the opening marker.
+    think_markers: tuple[str, str] | None = None
+    think_open: bool = False
     # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top this
     # many, computed as the prompt is; such a request is never a prefix-cache hit (G8).
     prompt_logprobs: int | None = None
@@ -297,6 +304,15 @@ class SamplingParams:
                                        ("json_object", self.json_object),
                                        ("json_schema", self.json_schema is not None)) if on]
         _require(len(given) < 2, f"give one structured output, not {' and '.join(given)}")
+        markers = self.think_markers
+        if markers is not None:
+            _require(isinstance(markers, (tuple, list)) and len(markers) == 2 and all(
+                isinstance(marker, str) and marker for marker in markers),
+                f"think_markers must be two non-empty texts (opening, closing), got "
+                f"{markers!r}"[:200])
+            object.__setattr__(self, "think_markers", tuple(markers))
+        _require(isinstance(self.think_open, bool),
+                 f"think_open must be true or false, got {self.think_open!r}")
         if not given:
             return
         constrained = given[0]  # it says what may be written, and ends at EOS

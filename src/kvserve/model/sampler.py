@@ -107,11 +107,11 @@ class SamplingRow:
             or bool(p.bad_words_token_ids) or bool(p.choice_token_ids) or p.json_object \
             or p.json_schema is not None
 
-    @property
-    def choice_tokens(self) -> list[int]:
-        """With choices: the tokens that keep the output a prefix of one of them, and EOS
-        once it spells one whole (EOS alone should it have left them all)."""
-        output = tuple(self.output_token_ids)
+    def choice_tokens(self, start: int = 0) -> list[int]:
+        """With choices: the tokens that keep the output (from position ``start`` on: a
+        thinking answer's after its thinking) a prefix of one of them, and EOS once it
+        spells one whole (EOS alone should it have left them all)."""
+        output = tuple(self.output_token_ids[start:])
         count = len(output)
         params = self.params
         tokens = {ids[count] for ids in params.choice_token_ids
@@ -149,7 +149,11 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.batch_invariant = batch_invariant
         self._token_bytes = token_bytes
+        self._bytes: list[bytes] | None = None
         self._json: JsonVocabulary | None = None
+        # the tokens that keep an output the beginning of its opening think marker, by
+        # (marker, the output's bytes so far)
+        self._openings: dict[tuple[bytes, bytes], list[int]] = {}
         # a JSON state's allowed tokens as a mask, by the id of the list the vocabulary keeps
         # for that state (held here, so the id stays its own): building one from a list of
         # 49k ids took 4.7 of a JSON step's 5.7 ms
@@ -157,13 +161,32 @@ class Sampler:
         # a JSON row's recognizer state, by (its schema's text, its output so far)
         self._states: dict[tuple[str | None, tuple[int, ...]], JsonState | None] = {}
 
-    def json_vocabulary(self) -> JsonVocabulary:
-        if self._json is None:
+    def vocabulary_bytes(self) -> list[bytes]:
+        """Each token's bytes (JSON mode and thinking first need them)."""
+        if self._bytes is None:
             if self._token_bytes is None:
                 raise ValueError("JSON mode needs the vocabulary's bytes: this sampler has "
                                  "no tokenizer")
-            self._json = JsonVocabulary(self._token_bytes())
+            self._bytes = list(self._token_bytes())
+        return self._bytes
+
+    def json_vocabulary(self) -> JsonVocabulary:
+        if self._json is None:
+            self._json = JsonVocabulary(self.vocabulary_bytes())
         return self._json
+
+    def opening_tokens(self, marker: bytes, written: bytes) -> list[int]:
+        """The tokens after ``written`` (an output so far, nothing but blanks and the
+        beginning of ``marker``) that go on writing the marker."""
+        key = (marker, written)
+        tokens = self._openings.get(key)
+        if tokens is None:
+            tokens = [token_id for token_id, piece in enumerate(self.vocabulary_bytes())
+                      if piece and _goes_on(marker, (written + piece).lstrip())]
+            if len(self._openings) >= 64:
+                self._openings.clear()
+            self._openings[key] = tokens
+        return tokens
 
     def mask(self, token_ids: Sequence[int], vocab: int, device: torch.device,
              remember: bool = False) -> torch.Tensor:
@@ -295,12 +318,13 @@ def _end_where_nothing_is_left(logits: torch.Tensor, rows: Sequence[SamplingRow]
             logits[index, eos] = 0.0
 
 
-def _json_tokens(row: SamplingRow, sampler: Sampler) -> list[int]:
-    """JSON output: the tokens that keep the output the beginning of one JSON object (of
-    its schema); EOS alone once it closed (or, should nothing fit, to end it)."""
+def _json_tokens(row: SamplingRow, sampler: Sampler, start: int = 0) -> list[int]:
+    """JSON output: the tokens that keep the output (from position ``start`` on) the
+    beginning of one JSON object (of its schema); EOS alone once it closed (or, should
+    nothing fit, to end it)."""
     vocabulary = sampler.json_vocabulary()
     schema = sampler.json_schema(row.params.json_schema)
-    state = sampler.json_state(row.params.json_schema, schema, row.output_token_ids)
+    state = sampler.json_state(row.params.json_schema, schema, row.output_token_ids[start:])
     allowed = vocabulary.allowed(state, schema) \
         if state is not None and state.mode != DONE else []
     if not allowed:
@@ -309,15 +333,81 @@ def _json_tokens(row: SamplingRow, sampler: Sampler) -> list[int]:
     return allowed
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """Where a thinking answer's constraints stand (SamplingParams.think_markers):
+    ``start`` the output position they hold from (None while it thinks); ``opening`` its
+    bytes so far while it may still open its thinking (None once that is settled)."""
+
+    start: int | None
+    opening: bytes | None = None
+
+
+def thinking(params: SamplingParams, output: Sequence[int],
+             token_bytes: Sequence[bytes]) -> Thinking:
+    """A reasoning model's structured output holds from the end of its thinking on (vLLM's
+    reasoning-aware structured outputs): while the output may still open its thinking, its
+    constraints and the opening marker are both allowed; once it opened, nothing holds
+    until the closing marker; then the constraints hold from the next token."""
+    if params.think_markers is None:
+        return Thinking(0)
+    opens, closes = (marker.encode() for marker in params.think_markers)
+    pieces = [token_bytes[t] if t < len(token_bytes) else b"" for t in output]
+    written = b"".join(pieces)
+    after = 0  # where the closing marker is looked for
+    if not params.think_open:
+        body = written.lstrip()
+        if len(body) < len(opens) and opens.startswith(body):
+            return Thinking(0, written)  # "<thi" or nothing: which way it goes is open
+        if not body.startswith(opens):
+            return Thinking(0)  # it did not think: held from its first token
+        after = len(written) - len(body) + len(opens)
+    at = written.find(closes, after)
+    if at < 0:
+        return Thinking(None)  # still thinking
+    left = at + len(closes)
+    for position, piece in enumerate(pieces):  # the token that wrote the marker's end
+        left -= len(piece)
+        if left <= 0:
+            return Thinking(position + 1)
+    raise AssertionError("the closing marker lies within the output")
+
+
+def _structured_tokens(row: SamplingRow,
+                       sampler: Sampler) -> tuple[list[int] | None, bool]:
+    """The tokens a row's choices or JSON allow now, where it has either (None where it
+    has neither, or while it thinks first), and whether the list is one the JSON
+    vocabulary keeps (its mask kept too)."""
+    params = row.params
+    json_output = params.json_object or params.json_schema is not None
+    if not (params.choice_token_ids or json_output):
+        return None, False
+    where = thinking(params, row.output_token_ids, sampler.vocabulary_bytes()) \
+        if params.think_markers is not None else Thinking(0)
+    if where.start is None:
+        return None, False
+    tokens = row.choice_tokens(where.start) if params.choice_token_ids else \
+        _json_tokens(row, sampler, where.start)
+    if where.opening is None:
+        return tokens, json_output
+    assert params.think_markers is not None
+    opening = sampler.opening_tokens(params.think_markers[0].encode(), where.opening)
+    if where.opening.strip():  # the marker begun: it goes on
+        return opening, False
+    return sorted(set(tokens).union(opening)), False
+
+
+def _goes_on(marker: bytes, text: bytes) -> bool:
+    """Whether ``text`` (not empty) is the marker's beginning, or the marker and more."""
+    return bool(text) and (marker.startswith(text) or text.startswith(marker))
+
+
 def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int, sampler: Sampler) -> None:
     """allowed_token_ids and choices, bad_words, logit_bias and the penalties, in vLLM's
     order, on one row."""
     params = row.params
-    json_output = params.json_object or params.json_schema is not None
-    for token_ids, remember in (
-            (params.allowed_token_ids, False),
-            (row.choice_tokens if params.choice_token_ids else None, False),
-            (_json_tokens(row, sampler) if json_output else None, True)):
+    for token_ids, remember in ((params.allowed_token_ids, False),
+                                _structured_tokens(row, sampler)):
         if token_ids is not None:
             allowed = sampler.mask(token_ids, vocab, logits.device, remember)
             logits.masked_fill_(~allowed, float("-inf"))

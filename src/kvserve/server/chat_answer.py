@@ -6,23 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.server.protocol import calls_required, forced_tool
 from kvserve.server.reasoning_parsers import ReasoningStream, ThinkParser
 from kvserve.server.tool_calls import ToolCalls
 from kvserve.server.tool_parsers import ToolParser
-
-
-def thinks(req: Any, parser: ThinkParser | None) -> bool:
-    """Whether a chat request's answers are split by ``parser``: not where the answer is
-    held to a form from its first token (JSON, a choice, a call), which leaves no room to
-    think."""
-    if parser is None:
-        return False
-    response_format = getattr(req, "response_format", None)
-    return not ((response_format is not None and response_format.type != "text")
-                or req.structured_outputs is not None or req.guided_choice is not None
-                or req.guided_json is not None or forced_tool(req) is not None
-                or calls_required(req))
 
 
 class ChatAnswer:
@@ -30,7 +16,9 @@ class ChatAnswer:
                  tool_parser: ToolParser | None, reasoning: ThinkParser | None) -> None:
         self.role = role
         self.tools = ToolCalls.of(req, choice_ids, role, tool_parser)
-        self.reasoning = reasoning if thinks(req, reasoning) else None
+        # a structured answer (JSON, a choice, a forced call) thinks first too: its form
+        # holds from the end of its thinking on (SamplingParams.think_markers)
+        self.reasoning = reasoning
         self.shows_reasoning = getattr(req, "include_reasoning", None) is not False
         self.streams: dict[str, ReasoningStream] = {}
 

@@ -45,6 +45,7 @@ from kvserve.server.protocol import (
     auto_tools,
     parse_body,
 )
+from kvserve.server.reasoning_parsers import ThinkParser
 from kvserve.server.responses import (
     SSE_DONE,
     Choice,
@@ -110,8 +111,9 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     if req.session is not None and len(prompts) * req.n != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
+    reasoning = _reasoning(state, prompts) if chat else None
     base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer,
-                           state.sampling_defaults)
+                           state.sampling_defaults, reasoning)
     given = request.headers.getlist("x-request-id")
     if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
         raise bad_request(f"{len(given)} X-Request-Id headers; send one")
@@ -138,7 +140,17 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     stream = await _queue(state, request_id, given_id, items, arrival_time)
     stream.replayable = not req.stream  # nothing reaches the client before the end
     return (kind or Generation)(state, request_id, given_id, req, chat, choices, prompts,
-                                 stream)
+                                 stream, reasoning)
+
+
+def _reasoning(state: ServerState, prompts: list[list[int]]) -> ThinkParser | None:
+    """The reasoning parser of a chat answer (--reasoning-parser), as its prompt leaves
+    it: None without one, or where the prompt closed the thinking (a template's
+    ``enable_thinking`` false)."""
+    parser = state.reasoning_parser
+    if parser is None:
+        return None
+    return parser.for_prompt(state.tokenizer.decode(prompts[0][-16:]))
 
 
 def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
@@ -218,7 +230,7 @@ class Generation:
 
     def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
                  chat: bool, choices: list[Choice], prompts: list[list[int]],
-                 stream: RequestStream) -> None:
+                 stream: RequestStream, reasoning: ThinkParser | None = None) -> None:
         self.state = state
         self.request_id = request_id  # the engine's
         self.given_id = given_id  # the client's (or drawn here): the answer's id and header
@@ -240,8 +252,9 @@ class Generation:
         # chat: each choice's logprob entries and token ids of chunks not sent yet
         self.held: dict[str, tuple[list[Any], list[int]]] = {}
         # a chat choice's message: its reasoning, content and tool calls
+        # (``reasoning``: the reasoning parser as the prompt leaves it, _reasoning)
         self.answer = ChatAnswer(req, [c.request_id for c in choices], state.response_role,
-                                 state.tool_parser, state.reasoning_parser) if chat else None
+                                 state.tool_parser, reasoning) if chat else None
         self.tools = self.answer.tools if self.answer is not None else None
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ from kvserve.server.protocol import (
     CompletionRequest,
     json_schema_text,
 )
+from kvserve.server.reasoning_parsers import END as THINK_END
+from kvserve.server.reasoning_parsers import START as THINK_START
+from kvserve.server.reasoning_parsers import ThinkParser
 from kvserve.server.state import ServerState
 
 
@@ -226,16 +229,27 @@ def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
     }
 
 
+def _thinking_first(reasoning: ThinkParser | None) -> dict[str, Any]:
+    """The SamplingParams fields that hold a thinking answer's structured output (if it
+    has one) from the end of its thinking on."""
+    if reasoning is None:
+        return {}
+    return {"think_markers": (THINK_START, THINK_END), "think_open": reasoning.opened}
+
+
 # The fields a model's generation config may give a default (--generation-config)
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                     tenant: str = "", tokenizer: Tokenizer | None = None,
-                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, Any] | None = None,
+                    reasoning: ThinkParser | None = None) -> SamplingParams:
     """The engine's params for a checked body; ``tokenizer`` turns bad words and choices
     into their token ids (here: an engine process has no tokenizer);
-    ``defaults`` (--generation-config's) fill the DEFAULTED fields the body left unset."""
+    ``defaults`` (--generation-config's) fill the DEFAULTED fields the body left unset;
+    ``reasoning``: the answer thinks first, its structured output held from the end of its
+    thinking on."""
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -265,7 +279,8 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               skip_special_tokens=req.skip_special_tokens,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               priority=priority, logprobs=logprobs, tenant=tenant,
-                              **_token_constraints(req, tokenizer), **given)
+                              **_token_constraints(req, tokenizer),
+                              **_thinking_first(reasoning), **given)
     except RequestError as error:  # its message starts with the field it is about
         name = str(error).split(" ", 1)[0]
         raise bad_request(str(error), param=name if name in type(req).model_fields else None

@@ -8,7 +8,15 @@ once ``reasoning_content``) and the rest as its ``content``.
   ``</think>`` (cut short) it is all reasoning (DeepSeek R1 and its Llama distills, QwQ).
 - ``qwen3``: thinking may be off (``enable_thinking`` false in the template): an answer
   that opens with ``<think>`` thinks up to ``</think>`` (all of it, cut short); any other
-  answer is content. (A template that opens ``<think>`` in the prompt: ``deepseek_r1``.)
+  answer is content.
+
+Either reads the prompt's end too (:meth:`ThinkParser.for_prompt`): a template that opened
+``<think>`` there (DeepSeek R1's, Qwen3 2507's) has the answer begin inside its thinking; one
+that wrote ``<think></think>`` there (Qwen3's with thinking off) has an answer that does not
+think at all, split by neither.
+
+A structured answer (JSON, a choice, a forced call) thinks first and is held to its form
+from the end of its thinking on, as vLLM's (SamplingParams.think_markers).
 
 :class:`ReasoningStream` splits a streamed answer as it comes, holding back only what may be
 the first characters of ``</think>``.
@@ -16,7 +24,7 @@ the first characters of ``</think>``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
@@ -25,7 +33,17 @@ START, END = "<think>", "</think>"
 @dataclass(frozen=True)
 class ThinkParser:
     name: str
-    always_thinks: bool  # text before </think> is reasoning even without <think>
+    # the answer begins inside its thinking: text before </think> is reasoning even
+    # without <think> (deepseek_r1: always; either: where the prompt opened <think>)
+    opened: bool
+
+    def for_prompt(self, tail: str) -> ThinkParser | None:
+        """This parser for an answer to a prompt ending in ``tail`` (its last tokens as
+        text): None where the prompt closed the thinking (the answer does not think)."""
+        tail = tail.rstrip()
+        if tail.endswith(END):
+            return None
+        return replace(self, opened=True) if tail.endswith(START) else self
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer, each as written (whitespace kept, as
@@ -36,14 +54,14 @@ class ThinkParser:
     def thought(self, text: str) -> bool:
         """Whether the answer's thinking closed (its </think> written)."""
         body = text.lstrip()
-        return (body.startswith(START) or self.always_thinks) and END in body
+        return (body.startswith(START) or self.opened) and END in body
 
 
 def make_parser(name: str) -> ThinkParser:
     if name not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of "
                          f"{', '.join(PARSERS)}")
-    return ThinkParser(name, always_thinks=name == "deepseek_r1")
+    return ThinkParser(name, opened=name == "deepseek_r1")
 
 
 @dataclass
@@ -82,7 +100,7 @@ def split_text(parser: ThinkParser, whole: str, finished: bool) -> tuple[str, st
     if not finished and START.startswith(body):  # "<thi": which way it goes is open
         return "", ""
     opened = body.startswith(START)
-    if not opened and not parser.always_thinks:
+    if not opened and not parser.opened:
         return "", whole  # it did not think
     if opened:
         body = body[len(START):]
