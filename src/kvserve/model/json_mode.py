@@ -32,8 +32,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-from bisect import bisect_right
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -66,6 +66,28 @@ class SchemaError(ValueError):
 
 # -- schemas -----------------------------------------------------------------------------
 
+class Texts(tuple[bytes, ...]):
+    """Texts a value or key is one of, sorted, so those that go on from what was read are
+    one run of them (found by bisection: an enum of 150,000 values was read text by text,
+    seconds a token, QA); hashed once (a state that holds them is a cache key)."""
+
+    _hash: int
+
+    @classmethod
+    def of(cls, texts: Iterable[bytes]) -> Texts:
+        return cls(sorted(set(texts)))
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
+_NO_TEXTS = Texts()
+
+
 @dataclass(frozen=True)
 class Node:
     """A compiled schema node. ``kind``: any, object, array, string, number, integer,
@@ -80,7 +102,7 @@ class Node:
     items: int | None = None  # array
     min_items: int = 0  # array
     max_items: int | None = None  # array
-    texts: tuple[bytes, ...] = ()
+    texts: Texts = _NO_TEXTS
     alternatives: tuple[int, ...] = ()  # union
     # tagged: the objects of a union told apart by their first property (``properties``:
     # its name, with all their values), each value's object
@@ -116,6 +138,7 @@ class Schema:
         self.any_object = self._add(Node("object", additional=self.any))
         self.any_array = self._add(Node("array", items=self.any))
         self.cache: dict[tuple[int, JsonState], list[int]] = {}  # JsonVocabulary's
+        self.names: dict[tuple[int, int], Texts] = {}  # the keys an object may write next
         self.cache_size = cache_size
         self._defs: dict[str, Any] = {}
         self._refs: dict[str, int] = {}
@@ -155,8 +178,7 @@ class Schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"schema{where}: enum must be a non-empty list")
-            return self._add(Node("texts", texts=tuple(dict.fromkeys(_text(v)
-                                                                     for v in values))))
+            return self._add(Node("texts", texts=Texts.of(_text(v) for v in values)))
         kind = schema.get("type")
         if isinstance(kind, list):  # each type with its own keywords (minimum: numbers')
             return self._union([{key: value for key, value in schema.items()
@@ -177,9 +199,9 @@ class Schema:
                                   "the first no more than the second")
             return self._add(Node("array", items=items, min_items=low, max_items=high))
         if kind == "boolean":
-            return self._add(Node("texts", texts=(b"true", b"false")))
+            return self._add(Node("texts", texts=Texts.of((b"true", b"false"))))
         if kind == "null":
-            return self._add(Node("texts", texts=(b"null",)))
+            return self._add(Node("texts", texts=Texts.of((b"null",))))
         if kind == "string":
             low, high = schema.get("minLength", 0), schema.get("maxLength")
             if not _is_count(low) or not (high is None or (_is_count(high) and high >= low)):
@@ -274,7 +296,7 @@ class Schema:
         texts = [text for text, _ in by_text]
         if len(set(texts)) != len(texts):
             return None
-        values = self._add(Node("texts", texts=tuple(texts)))
+        values = self._add(Node("texts", texts=Texts.of(texts)))
         return self._add(Node("tagged", properties=((name, values),),
                               required=frozenset({name}), by_text=tuple(by_text)))
 
@@ -608,7 +630,7 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
                 return state
         return None
     if kind == "texts":
-        return _choice(JsonState(CHOICE, stack, (node.texts, 0, "value")), byte, schema)
+        return _choice(_in_texts(stack, node.texts, "value"), byte, schema)
     if byte == 0x22 and kind in ("any", "string"):
         return JsonState(STRING, stack, (index, 0, None) if node.bounded else False)
     if byte == ord("{") and kind in ("any", "object", "tagged"):
@@ -625,8 +647,7 @@ def _value(stack: tuple[Any, ...], index: int, byte: int, schema: Schema) -> Jso
         return JsonState(NUMBER, stack, (part, kind == "integer", run, index, text)) \
             if _number_viable(text, node) else None
     if kind == "any" and byte in b"tfn":
-        return _choice(JsonState(CHOICE, stack, ((b"true", b"false", b"null"), 0, "value")),
-                       byte, schema)
+        return _choice(_in_texts(stack, _LITERALS, "value"), byte, schema)
     return None
 
 
@@ -669,29 +690,43 @@ def _key(stack: tuple[Any, ...], byte: int, schema: Schema) -> JsonState | None:
     node = schema.nodes[index]
     if node.additional is not None:
         return JsonState(STRING, stack, True)
-    names = tuple(_text(name) for name in _next_names(node, position))
-    return _choice(JsonState(CHOICE, stack, (names, 0, "key")), byte, schema)
+    names = schema.names.get((index, position))
+    if names is None:
+        names = schema.names[index, position] = Texts.of(
+            _text(name) for name in _next_names(node, position))
+    return _choice(_in_texts(stack, names, "key"), byte, schema)
+
+
+_LITERALS = Texts.of((b"true", b"false", b"null"))
+
+
+def _in_texts(stack: tuple[Any, ...], texts: Texts, what: str) -> JsonState:
+    return JsonState(CHOICE, stack, (texts, 0, len(texts), 0, what))
 
 
 def _choice(state: JsonState, byte: int, schema: Schema) -> JsonState | None:
-    """In one of some texts (``extra``: the texts still possible, bytes read, and what
-    they are: a "key" or a "value")."""
-    texts, read_so_far, what = state.extra
-    going_on = tuple(t for t in texts if len(t) > read_so_far and t[read_so_far] == byte)
-    if not going_on:  # a value just finished ends here, and this byte comes after it
-        if what == "value" and any(len(t) == read_so_far for t in texts):
-            return feed(_after_choice(state.stack, texts, read_so_far, what, schema), byte,
-                        schema)
+    """In one of some texts (``extra``: the sorted texts, the run of them still possible,
+    ``[low, high)``, which share the bytes read so far, how many, and what they are: a
+    "key" or a "value")."""
+    texts, low, high, read_so_far, what = state.extra
+
+    def at(text: bytes) -> int:  # ascending over the run; a text read whole sorts first
+        return text[read_so_far] if len(text) > read_so_far else -1
+
+    first = bisect_left(texts, byte, low, high, key=at)
+    last = bisect_right(texts, byte, first, high, key=at)
+    if first == last:  # a value just finished ends here, and this byte comes after it
+        if what == "value" and len(texts[low]) == read_so_far:
+            return feed(_after_choice(state.stack, texts[low], what, schema), byte, schema)
         return None
     read_so_far += 1
-    if len(going_on) == 1 and len(going_on[0]) == read_so_far:
-        return _after_choice(state.stack, going_on, read_so_far, what, schema)
-    return JsonState(CHOICE, state.stack, (going_on, read_so_far, what))
+    if last - first == 1 and len(texts[first]) == read_so_far:
+        return _after_choice(state.stack, texts[first], what, schema)
+    return JsonState(CHOICE, state.stack, (texts, first, last, read_so_far, what))
 
 
-def _after_choice(stack: tuple[Any, ...], texts: tuple[bytes, ...], read_so_far: int,
-                  what: str, schema: Schema) -> JsonState:
-    text = next(t for t in texts if len(t) == read_so_far)
+def _after_choice(stack: tuple[Any, ...], text: bytes, what: str,
+                  schema: Schema) -> JsonState:
     if what == "value":
         return _after_value(_tag(stack, text, schema))
     name = json.loads(text)
