@@ -159,6 +159,20 @@ def test_what_breaks_the_schema_is_never_done(text):
      "schema.properties.a: 'minLength' holds a value of type string"),  # beside a union
     ({"type": "object", "properties": {"a": {"enum": ["x"], "pattern": "y"}}},
      "schema.properties.a: 'pattern' is not supported"),
+    # QA: a TypeError (a 500) each
+    ({"type": "object", "required": [["a"]], "properties": {"a": {}}},
+     "required must list names of properties"),
+    ({"type": "object", "properties": {"a": {"$ref": []}}}, r"\$ref must be a text"),
+    ({"type": "object", "properties": {"a": {"$ref": {}}}}, r"\$ref must be a text"),
+    # QA: any value, silently
+    ({"$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/A"}}}, "refers only to itself"),
+    ({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/A"}}}, "needs the definition's type"),
+    # QA: the bounds were dropped
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer", "minimum": 1},
+                                                      {"type": "number"}]}}},
+     "must have the same bounds"),
 ])
 def test_what_a_schema_asks_beyond_the_subset_is_refused_by_name(schema, needle):
     with pytest.raises(SchemaError, match=needle):
@@ -539,3 +553,25 @@ def test_an_enums_texts_are_found_by_their_run_whatever_their_number():
     state = read(b'{"x":"a', schema=schema)
     expected = [t for t, data in enumerate(pieces) if read(data, state, schema) is not None]
     assert vocabulary.allowed(state, schema) == expected == [6, 7]
+
+
+def test_a_recursive_definition_in_a_union_holds_its_own_shape():
+    """pydantic's tree (a child that is a Node or null): the reference's place stood for
+    any value while the union around it was built, so any child was taken (QA)."""
+    tree = {"$defs": {"Node": {"type": "object", "required": ["v", "child"], "properties": {
+        "v": {"type": "integer"},
+        "child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}},
+        "$ref": "#/$defs/Node"}
+    schema = Schema(tree)
+    for text in (b'{"v":1,"child":null}', b'{"v":1,"child":{"v":2,"child":null}}'):
+        assert read(text, schema=schema).mode == DONE
+    for text in (b'{"v":1,"child":"hello"}', b'{"v":1,"child":[1,2]}'):
+        assert read(text, schema=schema) is None
+
+
+def test_an_integer_or_number_keeps_the_bounds_they_share():
+    schema = Schema({"type": "object", "required": ["x"], "properties": {
+        "x": {"type": ["integer", "number"], "minimum": 5, "maximum": 6}}})
+    assert read(b'{"x":5.5}', schema=schema).mode == DONE
+    assert read(b'{"x":6}', schema=schema).mode == DONE
+    assert read(b'{"x":1000}', schema=schema) is None  # QA: taken

@@ -170,3 +170,36 @@ def test_a_choice_id_aborts_that_choice_and_the_others_run_on(live):
     assert [c["finish_reason"] for r in rest for c in r["choices"] if c["finish_reason"]] \
         == ["abort"]
     wait_for(live.idle, what="a whole pool")
+
+
+@pytest.mark.parametrize(("path", "body", "last"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 30, "ignore_eos": True,
+                         "stream": True}, "[DONE]"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 30, "stream": True},
+     "response.failed"),
+])
+def test_a_fault_while_streaming_ends_the_stream_with_an_error(live, monkeypatch, path,
+                                                               body, last):
+    """QA: an exception in a stream's events cut the connection: no error, no end (a
+    strict client saw a protocol error); now an error event ends it, the request is
+    freed, and the traceback is in the log."""
+    from kvserve.server.generation import Generation
+    from kvserve.server.responses_api import ResponsesGeneration
+
+    calls = []
+
+    def faulty(self, *args):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("a bug")
+        return original(self, *args)
+
+    target = ResponsesGeneration if path == "/v1/responses" else Generation
+    name = "_text_pieces" if path == "/v1/responses" else "_event"
+    original = getattr(target, name)
+    monkeypatch.setattr(target, name, faulty)
+    with httpx.stream("POST", live.url + path, json=body, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert last in lines[-1] or last in lines[-2], lines[-2:]
+    assert any("internal error: RuntimeError" in line for line in lines[-2:])
+    wait_for(live.idle, what="the failed stream's request freed")

@@ -301,6 +301,10 @@ def test_a_stored_responses_input_items_are_listed(client, live):
     text = client.responses.create(model="tiny", max_output_tokens=1, input="plain")
     [item] = client.responses.input_items.list(text.id).data
     assert (item.role, item.content[0].text) == ("user", "plain")
+    for limit in ("²", "0", "101", "x"):  # QA: "²" isdigit and int() failed, a 500
+        refused = httpx.get(f"{live.url}/v1/responses/{made.id}/input_items",
+                            params={"limit": limit})
+        assert refused.status_code == 400 and "'limit' must be" in refused.text
 
 
 def test_nothing_is_left_behind(client, live):

@@ -40,6 +40,21 @@ def test_hermes_reads_calls_after_content(text, content, calls):
     assert (parsed.content, parsed.calls) == (content, calls)
 
 
+DEEP = '{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("hermes", f"<tool_call>{DEEP}</tool_call>"),  # QA: RecursionError, a 500
+    ("llama3_json", DEEP),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'),  # QA: sent
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1e400}}'),  # Infinity
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>'),
+])
+def test_a_call_a_strict_json_parser_cannot_read_is_left_as_text(name, text):
+    parsed = make_parser(name).parse(text)
+    assert (parsed.content, parsed.calls) == (text, ())
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), [
     ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None,
      (("get_weather", '{"city": "Oslo"}'),)),
@@ -244,3 +259,22 @@ def test_a_replayed_call_reaches_the_template_as_an_object():
         with_tools = httpx.post(live.url + "/tokenize", timeout=30, json={
             "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
         assert with_tools.status_code == 200, with_tools.text  # QA: vLLM's field, refused
+
+
+def test_a_replayed_call_whose_arguments_nest_too_deeply_stays_text(live):
+    """QA: the arguments' JSON, read to give the template an object, raised
+    RecursionError (a 500) on /tokenize, chat and /v1/responses."""
+    deep = "[" * 5000 + "]" * 5000
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function",
+                                 "function": {"name": "f", "arguments": deep}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    for path, body in (("/tokenize", {"messages": messages}),
+                       ("/v1/chat/completions", {"messages": messages, "max_tokens": 1}),
+                       ("/v1/responses", {"max_output_tokens": 1, "input": [
+                           {"type": "function_call", "call_id": "c", "name": "f",
+                            "arguments": deep},
+                           {"type": "function_call_output", "call_id": "c",
+                            "output": "ok"}]})):
+        reply = httpx.post(live.url + path, json=body, timeout=60)
+        assert reply.status_code == 200, (path, reply.text[:300])

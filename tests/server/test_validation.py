@@ -905,3 +905,14 @@ def test_required_among_several_tools_answers_their_calls(server):
              for c in e["choices"][0]["delta"].get("tool_calls", [])]
     assert [(c["index"], c["function"]) for c in calls] == [(0, call["function"])]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # a nested pydantic model's parameters: their $defs (QA: refused among several)
+    item = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+    order = {"type": "function", "function": {"name": "order", "parameters": {
+        "$defs": {"Item": item}, "type": "object", "required": ["item"],
+        "properties": {"item": {"$ref": "#/$defs/Item"}}}}}
+    nested = post(server, CHAT, {**body, "tools": [no_arguments("now"), order],
+                                 "max_tokens": 40})
+    assert nested.status_code == 200, nested.text
+    for made in nested.json()["choices"][0]["message"].get("tool_calls") or []:
+        if made["function"]["name"] == "order":
+            assert isinstance(json.loads(made["function"]["arguments"])["item"]["n"], int)

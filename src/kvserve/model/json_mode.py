@@ -113,6 +113,8 @@ class Node:
     # numbers, inclusive)
     low: tuple[Fraction, bool] | None = None
     high: tuple[Fraction, bool] | None = None
+    # pending (a definition's place while it is compiled): the type it says, if it does
+    stands_for: str | None = None
 
     @property
     def bounded(self) -> bool:
@@ -236,7 +238,8 @@ class Schema:
         if not isinstance(properties, dict):
             raise SchemaError(f"schema{where}: properties must be an object")
         required = schema.get("required", [])
-        if not isinstance(required, list) or not set(required) <= set(properties):
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required) \
+                or not set(required) <= set(properties):
             raise SchemaError(f"schema{where}: required must list names of properties")
         compiled = tuple((name, self._compile(sub, f"{where}.properties.{name}"))
                          for name, sub in properties.items())
@@ -257,11 +260,20 @@ class Schema:
             raise SchemaError(f"schema{where}: must be a non-empty list")
         alternatives = tuple(self._compile(option, f"{where}.{i}")
                              for i, option in enumerate(options))
-        kinds = {self.nodes[a].kind for a in alternatives}
+        nodes = [self.nodes[a] for a in alternatives]
+        if any(node.kind == "pending" and node.stands_for is None for node in nodes):
+            raise SchemaError(f"schema{where}: a union that holds a definition within that "
+                              "definition needs the definition's type (\"type\": ...)")
+        kinds = {node.stands_for or node.kind for node in nodes}
         if "any" in kinds:
             return self.any
         if kinds == {"number", "integer"}:  # Union[int, float]: the integers are numbers
-            return self._add(Node("number"))
+            bounds = {(node.low, node.high) for node in nodes}
+            if len(bounds) > 1:  # QA: the bounds were dropped
+                raise SchemaError(f"schema{where}: an integer and a number in a union must "
+                                  "have the same bounds here")
+            low, high = bounds.pop()
+            return self._add(Node("number", low=low, high=high))
         objects = tuple(a for a in alternatives if self.nodes[a].kind == "object")
         if len(objects) > 1:
             tagged = self._tagged(objects)
@@ -301,16 +313,22 @@ class Schema:
                               required=frozenset({name}), by_text=tuple(by_text)))
 
     def _ref(self, ref: Any, where: str) -> int:
+        if not isinstance(ref, str):
+            raise SchemaError(f"schema{where}: $ref must be a text, got {ref!r}"[:200])
         if ref in self._refs:
             return self._refs[ref]
-        prefix = next((p for p in ("#/$defs/", "#/definitions/")
-                       if isinstance(ref, str) and ref.startswith(p)), None)
+        prefix = next((p for p in ("#/$defs/", "#/definitions/") if ref.startswith(p)), None)
         if prefix is None or ref[len(prefix):] not in self._defs:
             raise SchemaError(f"schema{where}: $ref {ref!r} is not a local definition")
-        index = self._add(Node("any"))  # its place, for a definition that refers to itself
+        definition = self._defs[ref[len(prefix):]]
+        # its place, for a definition that refers to itself: "pending" with the type its
+        # definition says, what a union around the reference needs to know of it
+        index = self._add(Node("pending", stands_for=_says_type(definition)))
         self._refs[ref] = index
-        self.nodes[index] = self.nodes[self._compile(self._defs[ref[len(prefix):]],
-                                                     f"{where}.$ref")]
+        compiled = self.nodes[self._compile(definition, f"{where}.$ref")]
+        if compiled.kind == "pending":
+            raise SchemaError(f"schema{where}: $ref {ref!r} refers only to itself")
+        self.nodes[index] = compiled
         return index
 
 
@@ -453,16 +471,31 @@ def _text(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _says_type(schema: Any) -> str | None:
+    """The JSON type a schema says its values have, where it says one plainly."""
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind in _STARTS:
+        return kind
+    return "object" if kind is None and "properties" in schema else None
+
+
+_STARTS = {"object": set(b"{"), "array": set(b"["), "string": set(b'"'),
+           "number": set(b"-0123456789"), "integer": set(b"-0123456789"),
+           "boolean": set(b"tf"), "null": set(b"n")}
+
+
 def _first_bytes(node: Node, nodes: list[Node]) -> set[int]:
     """The first characters a value of ``node`` can start with."""
-    kind = node.kind
+    kind = node.stands_for or node.kind
     if kind == "texts":
         return {text[0] for text in node.texts}
     if kind == "union":
         return set().union(*(_first_bytes(nodes[a], nodes) for a in node.alternatives))
-    return {"object": set(b"{"), "tagged": set(b"{"), "array": set(b"["), "string": set(b'"'),
-            "number": set(b"-0123456789"), "integer": set(b"-0123456789"),
-            }.get(kind, set(b'{["-0123456789tfn'))
+    if kind == "tagged":
+        return set(b"{")
+    return _STARTS.get(kind, set(b'{["-0123456789tfn'))
 
 
 ANY_OBJECT = Schema()  # JSON mode's

@@ -5,6 +5,7 @@ after, so that no body can reach a 500.
     -> nesting depth and number literal lengths, on the raw bytes with strings blanked out
        (Python's parser recurses once per level and turns every integer literal into an int,
        so a 100,000-deep array or a 5,000-digit integer would fail inside it)
+    -> UTF-8 (RFC 8259's; json.loads would take UTF-16 and -32, misread by the checks above)
     -> json.loads (NaN and Infinity are not JSON and are refused)
     -> every string, key or value, is valid Unicode: JSON's \\uD800 escapes can produce lone
        UTF-16 surrogates (and so can their UTF-8-style bytes), which no tokenizer or UTF-8
@@ -28,8 +29,8 @@ _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _NUMBER_RUN = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets
 _OPENERS = frozenset(b"[{")
-# In an ASCII body a lone surrogate can only come from a \uD800-\uDFFF escape; other bodies
-# may hold its bytes (json.loads decodes UTF-8, -16 and -32 with 'surrogatepass').
+# In an ASCII body a lone surrogate can only come from a \uD800-\uDFFF escape; check_text
+# looks at every string of the others too.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -41,8 +42,14 @@ def parse_json(raw: bytes) -> Any:
         raise bad_request(f"the request body has a number literal longer than "
                           f"{MAX_NUMBER_CHARS} characters")
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        # UTF-8 only, as JSON between systems is (RFC 8259): json.loads takes UTF-16 and -32
+        # bytes too, which the checks above, made for UTF-8, misread (QA: 500s past them)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise bad_request(f"the request body is not UTF-8: {error}") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
     if not raw.isascii() or _SURROGATE_ESCAPE.search(raw):
         check_text(body)

@@ -390,10 +390,25 @@ class Generation:
         if first.stop_reason in QUEUE_ENDS:
             self.close()
             raise queue_end(self.state, first.stop_reason)
-        return ClosingStreamingResponse(self._events(first), self.close,
+        return ClosingStreamingResponse(self._guarded(first), self.close,
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache",
                                                   "X-Request-Id": self.given_id})
+
+    async def _guarded(self, first: CompletionChunk) -> AsyncIterator[str]:
+        """The stream's events; a fault here ends it with an error event the client reads
+        (QA: the connection was cut, no error and no end), and its traceback in the log."""
+        try:
+            async for event in self._events(first):
+                yield event
+        except Exception as error:
+            logger.exception("request %s: the stream failed", self.request_id)
+            yield self._fault_event(error)
+
+    def _fault_event(self, error: Exception) -> str:
+        """What ends a stream that failed here: OpenAI's error shape, then [DONE]."""
+        return sse(APIError(500, f"internal error: {type(error).__name__}",
+                            code="internal_error").body()) + SSE_DONE
 
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
         if self.chat:

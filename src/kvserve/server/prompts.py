@@ -3,7 +3,6 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ from kvserve.server.reasoning_parsers import END as THINK_END
 from kvserve.server.reasoning_parsers import START as THINK_START
 from kvserve.server.reasoning_parsers import ThinkParser
 from kvserve.server.state import ServerState
+from kvserve.server.tool_parsers import strict_json
 
 
 def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
@@ -102,7 +102,7 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         return state.tokenizer.encode_chat(messages, add_generation_prompt,
                                            continue_final_message,
                                            **({"tools": tools} if tools else {}))
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # a deep tool-call argument's too (QA)
         raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
 
 
@@ -115,8 +115,8 @@ def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(arguments, str):
         return call
     try:
-        parsed = json.loads(arguments)
-    except ValueError:
+        parsed = strict_json(arguments)
+    except ValueError:  # not JSON, or nested past what can be read (QA: a 500)
         return call
     if not isinstance(parsed, dict):
         return call

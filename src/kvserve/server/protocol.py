@@ -473,15 +473,53 @@ def _required_calls_schema(request: Any) -> list[tuple[str, dict[str, Any]]]:
                 check_schema(json.dumps(tool.function.parameters))
             except SchemaError as error:
                 raise bad_request(f"'{param}': {error}", param=param) from None
+    defs: dict[str, Any] = {}
     calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
-         "properties": {"name": {"const": tool.function.name},
-                        "parameters": tool.function.parameters or {"type": "object"}}}
-        for tool in request.tools]}}
+         "properties": {"name": {"const": tool.function.name}, "parameters": _hoisted(
+             tool.function.parameters or {"type": "object"}, f"tool{index}.", defs)}}
+        for index, tool in enumerate(request.tools)]}}
     if request.parallel_tool_calls is False:
         calls["maxItems"] = 1
-    return [("tools", {"type": "object", "required": ["tool_calls"],
+    return [("tools", {"type": "object", "required": ["tool_calls"], "$defs": defs,
                        "additionalProperties": False, "properties": {"tool_calls": calls}})]
+
+
+# Keywords whose values are data, not schemas: a "$ref" in them is not a reference.
+_DATA = frozenset({"enum", "const", "default", "examples"})
+
+
+def _hoisted(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters within the calls' schema: its definitions ($defs, definitions)
+    moved to the root of that schema as ``prefix`` + name, where its references (which
+    mean the parameters' own root) then find them (QA: a nested pydantic model's tool
+    was refused among several, taken alone)."""
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for local in ("#/$defs/", "#/definitions/"):
+                    if value.startswith(local):
+                        value = "#/$defs/" + prefix + value[len(local):]
+                out[key] = value
+            elif key == "properties" and isinstance(value, dict):  # names, then schemas
+                out[key] = {name: moved(sub) for name, sub in value.items()}
+            else:
+                out[key] = value if key in _DATA else moved(value)
+        return out
+
+    if not isinstance(schema, dict):
+        return schema
+    for keyword in ("$defs", "definitions"):
+        if isinstance(schema.get(keyword), dict):
+            defs.update({prefix + name: moved(value)
+                         for name, value in schema[keyword].items()})
+    return moved({key: value for key, value in schema.items()
+                  if key not in ("$defs", "definitions")})
 
 
 def _tool_parameters(request: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -661,6 +661,9 @@ class ResponsesGeneration(Generation):
                           output_index=index, name=item["name"], arguments=item["arguments"])
                 + self._sse("response.output_item.done", output_index=index, item=item))
 
+    def _fault_event(self, error: Exception) -> str:
+        return self._failed_event("server_error", f"internal error: {type(error).__name__}")
+
     def _failed_event(self, code: str, message: str) -> str:
         response = self._response("failed", [], None)
         response["error"] = {"code": code, "message": message}
@@ -731,7 +734,7 @@ def input_items(state: ServerState, request: Request, response_id: str) -> Respo
     if order not in ("asc", "desc"):
         raise bad_request("'order' must be asc or desc", param="order")
     limit_text = query.get("limit", "20")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+    if not (limit_text.isascii() and limit_text.isdigit()) or not 1 <= int(limit_text) <= 100:
         raise bad_request("'limit' must be an integer from 1 to 100", param="limit")
     items = stored.input_items if order == "asc" else stored.input_items[::-1]
     after = query.get("after")

@@ -151,7 +151,8 @@ class ServerState:
                                 "Content-Encoding")
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isascii() and declared.isdigit() \
+                and int(declared) > limit:  # ("²" is a digit to isdigit, not to int)
             raise _too_large(int(declared), limit)
         chunks, size = [], 0
         async for chunk in request.stream():

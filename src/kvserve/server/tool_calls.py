@@ -10,12 +10,11 @@ of its own, and vLLM's finish reasons."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from typing import Any
 
 from kvserve.server.protocol import auto_tools, calls_required, forced_tool
-from kvserve.server.tool_parsers import ParsedCalls, ToolParser
+from kvserve.server.tool_parsers import ParsedCalls, ToolParser, strict_json, to_json
 
 
 def _call_id() -> str:
@@ -130,12 +129,11 @@ class ToolCalls:
 
     @staticmethod
     def _calls(text: str) -> list[dict[str, Any]] | None:
-        try:
-            calls = json.loads(text)["tool_calls"]
-        except ValueError:
+        try:  # the grammar's (SamplingParams.json_schema): a list of named calls
+            return [_made(call["name"], to_json(call["parameters"]))
+                    for call in strict_json(text)["tool_calls"]]
+        except ValueError:  # cut short, or nested past what can be read (QA: a 500)
             return None
-        return [_made(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                for call in calls]
 
 
 def _made(name: str, arguments: str) -> dict[str, Any]:

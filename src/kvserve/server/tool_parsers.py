@@ -17,6 +17,7 @@ out whole, once the answer is complete.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -80,10 +81,10 @@ class Llama3JsonParser:
         body = body.removeprefix(self.tag).lstrip()
         if not body.startswith("{"):
             return ParsedCalls(text, (), len(text))
-        calls, decoder, at = [], json.JSONDecoder(), 0
+        calls, at = [], 0
         while at < len(body):
             try:
-                value, at = decoder.raw_decode(body, at)
+                value, at = raw_json(body, at)
             except ValueError:
                 return ParsedCalls(text, (), len(text))
             call = _call_of(value)
@@ -116,10 +117,53 @@ def make_parser(name: str) -> ToolParser:
 
 def _call(body: str) -> tuple[str, str] | None:
     try:
-        value = json.loads(body)
+        value = strict_json(body)
     except ValueError:
         return None
     return _call_of(value)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is no JSON number a client reads back")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+
+
+def strict_json(text: str) -> Any:
+    """``text`` as JSON that a strict parser reads back: ValueError where it is not JSON,
+    holds NaN, Infinity or a number past a double's range (Python's json takes them; QA:
+    a call's arguments went out with NaN), or nests deeper than the interpreter reads (a
+    RecursionError was a 500, QA)."""
+    body = text.strip(" \t\n\r")
+    value, end = raw_json(body, 0)
+    if end != len(body):
+        raise ValueError("more than one JSON value")
+    return value
+
+
+def raw_json(text: str, at: int) -> tuple[Any, int]:
+    """The strict JSON value at ``at`` in ``text`` and where it ends (ValueError as
+    :func:`strict_json`)."""
+    try:
+        return _DECODER.raw_decode(text, at)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def to_json(value: Any) -> str:
+    """``value`` as JSON text (ValueError where it nests too deeply to write)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _call_of(value: Any) -> tuple[str, str] | None:
@@ -129,12 +173,15 @@ def _call_of(value: Any) -> tuple[str, str] | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
         try:
-            arguments = json.loads(arguments)
+            arguments = strict_json(arguments)
         except ValueError:
             return None  # not arguments a client could read: the answer is the text (QA)
     if not isinstance(arguments, dict):
         return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
+    try:
+        return value["name"], to_json(arguments)
+    except ValueError:
+        return None
 
 
 def _partial_suffix(text: str, marker: str) -> int:
