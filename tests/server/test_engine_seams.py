@@ -26,7 +26,7 @@ class LetterTokenizer:
     eos_token_id: int | None = None
     vocab_size = 26
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) - ord("a") for c in text]
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -645,3 +645,34 @@ def test_a_parser_alone_is_taken_as_vllm_takes_it(model_dir, caplog):
     """QA: vLLM starts with --tool-call-parser alone (auto stays off)."""
     state = serve_state(model_dir, "--tool-call-parser", "hermes")
     assert state.tool_parser is None and "auto stays refused" in caplog.text
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_by_default_as_vllms():
+    """vLLM's add_special_tokens is true for a text prompt (completions, /tokenize, the
+    offline API): a Llama's BOS went missing here (QA: false by default)."""
+    from tokenizers import processors
+
+    from kvserve.engine.engine import encode_prompt
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    from .helpers import TINY, LiveServer
+
+    own = load_tokenizer(None)
+    bos = own.bos_token_id
+    bos_text = own._tokenizer.id_to_token(bos)
+    own._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos_text} $A", special_tokens=[(bos_text, bos)])
+    bare = own.encode("hello there")
+    assert encode_prompt(own, "hello there") == [bos, *bare]  # LLM.generate's
+    engine = build_engine(TINY, tokenizer=own, num_kv_blocks=64, max_model_len=256)
+    with LiveServer(engine) as live:
+        def prompt_tokens(**fields: object) -> int:
+            reply = httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "prompt": "hello there", "max_tokens": 1, **fields})
+            return reply.json()["usage"]["prompt_tokens"]
+
+        assert prompt_tokens() == len(bare) + 1
+        assert prompt_tokens(add_special_tokens=False) == len(bare)
+        tokens = httpx.post(live.url + "/tokenize", json={"prompt": "hello there"}).json()
+        assert tokens["tokens"] == [bos, *bare]

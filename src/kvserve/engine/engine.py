@@ -45,7 +45,7 @@ def encode_prompt(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
     """A prompt's token ids: text, token ids (checked against the vocabulary), or chat
     messages (a list of {"role", "content"} dicts, through the chat template)."""
     if isinstance(prompt, str):
-        ids = _require(tokenizer).encode(prompt)
+        ids = _require(tokenizer).encode(prompt, add_special_tokens=True)  # vLLM's
         if not ids:
             raise ValueError(f"the prompt {prompt!r} is empty: its text encodes to no token")
         return ids

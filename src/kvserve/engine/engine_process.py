@@ -620,7 +620,7 @@ class ProcessEngine:
             return None
         try:
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return self.tokenizer.encode(prompt, add_special_tokens=True)
             items = list(prompt)
             if items and all(isinstance(item, dict) for item in items):
                 return self.tokenizer.encode_chat(items)

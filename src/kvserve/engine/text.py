@@ -59,7 +59,9 @@ class Tokenizer(Protocol):
         """Token ids are in ``[0, vocab_size)``."""
         ...
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens``: the tokenizer's own (a BOS where it adds one), as a
+        text prompt gets them; a chat template's text writes its own."""
         ...
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

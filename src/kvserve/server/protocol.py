@@ -236,9 +236,10 @@ class CompletionRequest(_Sampling):
     # generation: one token is generated and not returned)
     echo: bool = False
     max_tokens: int | None = Field(default=None, ge=0, le=1 << 20)  # 0: with echo only
-    # vLLM's: BOS where the model's tokenizer adds one (vLLM's default is true; the bundled
-    # model's tokenizer adds none either way)
-    add_special_tokens: bool = False
+    # vLLM's: BOS where the model's tokenizer adds one (Llama 3's, Mistral's), true by
+    # default as vLLM's (QA: false here dropped a Llama's BOS; the bundled model's
+    # tokenizer adds none either way)
+    add_special_tokens: bool = True
 
 
 class TextPart(Body):
@@ -317,7 +318,9 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True  # with messages, as the chat endpoint does
     continue_final_message: bool = False  # likewise
-    add_special_tokens: bool = False  # with a prompt, as the completions endpoint does
+    # with a prompt, as the completions endpoint does (true by default, as vLLM's); with
+    # messages the template writes them
+    add_special_tokens: bool = True
     tools: list[Tool] | None = Field(default=None, max_length=1024)  # with messages: vLLM's
 
 
