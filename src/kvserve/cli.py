@@ -7,6 +7,8 @@ Each subcommand lives beside the layer it drives and registers itself here with
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -91,6 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_process_defaults()
     parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
+    if "serve" in given:
+        try:
+            given = with_config_file(given, _subparser_named(parser, "serve"))
+        except CLIError as error:
+            print(f"kvserve serve: error: {error}", file=sys.stderr)
+            return 2
     args, extra = parser.parse_known_args(given)
     command = _subparser(parser, args)
     # A vLLM flag the command does not take is refused by name, with its value and what to
@@ -106,6 +114,80 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as error:
         print(f"kvserve {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _subparser_named(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[name]
+
+
+def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[str]:
+    """vLLM's ``--config FILE``: a YAML mapping of serve's flags (``max-model-len: 4096``,
+    ``enable-prefix-caching: false``, ``served-model-name: [a, b]``, ``model: PATH``), read
+    as if given on the command line, which wins where it gives the same flag. CLIError
+    naming what cannot be read."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    at = next((i for i, arg in enumerate(argv[:end])
+               if arg == "--config" or arg.startswith("--config=")), None)
+    if at is None:
+        return argv
+    path = argv[at].partition("=")[2] if "=" in argv[at] else (
+        argv[at + 1] if at + 1 < end else None)
+    rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+    if not path:
+        raise CLIError("--config needs a YAML file")
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as file:
+            settings = yaml.safe_load(file)
+    except ImportError:
+        raise CLIError("--config needs PyYAML (pip install pyyaml)") from None
+    except OSError as error:
+        raise CLIError(f"--config {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise CLIError(f"--config {path}: not YAML: {str(error).splitlines()[0]}") from None
+    if settings is None:
+        return rest
+    if not isinstance(settings, dict):
+        raise CLIError(f"--config {path}: a mapping of flags to values is expected, got a "
+                       f"{type(settings).__name__}")
+    given = {_dashed(arg).partition("=")[0] for arg in rest[:end] if arg.startswith("--")}
+    known = serve._option_string_actions
+    extra: list[str] = []
+    model: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if key == "model":
+            model = [str(value)]
+            continue
+        if flag not in known:
+            raise CLIError(f"--config {path}: {key!r} is not a flag of kvserve serve")
+        if flag in given or f"--no-{flag[2:]}" in given:
+            continue  # the command line wins
+        if value is True:
+            extra.append(flag)
+        elif value is False:
+            if f"--no-{flag[2:]}" in known:
+                extra.append(f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            extra += [flag, *(str(item) for item in value)]
+        elif value is not None:
+            extra += [flag, str(value)]
+    if model and not _has_model(rest, serve):
+        index = rest.index("serve") + 1
+        rest = rest[:index] + model + rest[index:]
+    return rest + extra
+
+
+def _has_model(argv: list[str], serve: argparse.ArgumentParser) -> bool:
+    """Whether the command line names a model (serve's positional)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the real parse says it, once
+            args, _ = serve.parse_known_args(argv[argv.index("serve") + 1:])
+    except SystemExit:
+        return True
+    return getattr(args, "model", None) is not None
 
 
 def _subparser(parser: argparse.ArgumentParser,

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
@@ -40,10 +41,11 @@ class CLIError(Exception):
     """Bad input on the command line: printed as one line, exit code 2."""
 
 
-_SCHEDULER_FLAGS: tuple[tuple[str, type, str], ...] = (
+_SCHEDULER_FLAGS: tuple[tuple[str, Any, str], ...] = (  # (dest, type or "tokens", help)
     ("max_num_seqs", int, "most requests running at once"),
-    ("max_num_batched_tokens", int, "token budget of one step"),
-    ("max_model_len", int, "longest sequence (prompt + output); default: the model's "
+    ("max_num_batched_tokens", "tokens", "token budget of one step"),
+    ("max_model_len", "tokens", "longest sequence (prompt + output; 4k, 32K as vLLM "
+                                "reads them); default: the model's "
                            "context in serve and generate, 2048 in simulate, plan and whatif "
                            "(a recording: as recorded)"),
     ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off"),
@@ -122,6 +124,8 @@ VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
                                "kvserve simulate --kv-cache-dtype models an fp8 one"),
     "--tokenizer-mode": (True, "the tokenizer is the model's own (its tokenizer.json or GGUF "
                                "vocabulary)"),
+    "--api-server-count": (True, "one API server process serves here (the engine runs in its "
+                                 "own); --data-parallel-size N runs N engine replicas behind it"),
 }
 
 
@@ -162,6 +166,33 @@ def parse_seed(text: str) -> int:
     return seed
 
 
+_COUNT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtKMGT]?)\s*$")
+
+
+def parse_token_count(text: str) -> int:
+    """A count of tokens as vLLM's human_readable_int reads it: 2048, 4k (4,000), 25.6k
+    (25,600), 4K (4,096: an upper-case unit is binary, and whole)."""
+    match = _COUNT.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of tokens (e.g. 2048, "
+                                         "4k = 4000, 4K = 4096)")
+    number, unit = match.groups()
+    if not unit:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+        return int(number)
+    power = "kmgt".index(unit.lower()) + 1
+    if unit.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: a binary unit ({unit}) takes a whole "
+                                             f"number; use {unit.lower()} for a decimal one")
+        return int(number) * 1024 ** power
+    value = Fraction(number) * 1000 ** power
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
 def parse_bytes(text: str) -> int:
     """'2147483648', '2GiB', '1.5 GB' -> bytes."""
     match = _SIZE.match(str(text))
@@ -182,7 +213,8 @@ def parse_gib(text: str) -> int:
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scheduler and KV cache (same flags as kvserve serve)")
     for name, kind, text in _SCHEDULER_FLAGS:
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
+        group.add_argument("--" + name.replace("_", "-"), dest=name,
+                           type=parse_token_count if kind == "tokens" else kind, help=text)
     group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
                        action=argparse.BooleanOptionalAction, help="split long prompts")
     group.add_argument("--step-mix", dest="step_mix", choices=STEP_MIXES,

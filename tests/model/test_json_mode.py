@@ -18,6 +18,7 @@ from kvserve.model.json_mode import (
     JsonVocabulary,
     Schema,
     SchemaError,
+    check_schema,
     read,
 )
 from kvserve.model.sampler import Sampler, SamplingRow, Thinking, thinking
@@ -575,3 +576,20 @@ def test_an_integer_or_number_keeps_the_bounds_they_share():
     assert read(b'{"x":5.5}', schema=schema).mode == DONE
     assert read(b'{"x":6}', schema=schema).mode == DONE
     assert read(b'{"x":1000}', schema=schema) is None  # QA: taken
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "Infinity", "NaN"])
+def test_a_schema_of_numbers_no_json_holds_is_refused(number):
+    """QA: an enum of 1e400 (read as infinity) let the model write Infinity."""
+    with pytest.raises(SchemaError, match="no JSON number"):
+        check_schema('{"type": "object", "properties": {"a": {"enum": [' + number + "]}}}")
+
+
+def test_an_enum_beside_a_type_keeps_the_values_of_that_type():
+    """QA: {"enum": [1, "a"], "type": "string"} took 1."""
+    schema = Schema({"type": "object", "required": ["x"], "properties": {
+        "x": {"enum": [1, "a", 2.0], "type": ["string", "integer"]}}})
+    assert read(b'{"x":"a"}', schema=schema).mode == DONE
+    assert read(b'{"x":1}', schema=schema).mode == DONE
+    with pytest.raises(SchemaError, match="no value of the enum is of its type"):
+        Schema({"type": "object", "properties": {"x": {"enum": [1], "type": "string"}}})

@@ -256,10 +256,12 @@ def test_the_step_watchdog_is_on_by_default_and_zero_turns_it_off():
 def test_a_setting_the_engine_process_refuses_is_one_plain_line(capsys):
     """Refused in the engine process (it knows the model's context): the message, not the
     exception's class name before it."""
-    assert main(["serve", "--max-model-len", "100000", "--port", free_port()]) == 2
+    assert main(["serve", "--max-model-len", "100k", "--port", free_port()]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == ("kvserve serve: error: max_model_len 100000 is longer than this model's "
-                   "context (max_position_embeddings 8192); give --max-model-len 8192 or less")
+                   "context (max_position_embeddings 8192); give --max-model-len 8192 or less "
+                   "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN is not taken here: there is no "
+                   "rotary scaling past the model's context)")
 
 
 def test_the_server_exits_1_when_its_engine_dies_so_a_supervisor_restarts_it():

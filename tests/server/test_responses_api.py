@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from kvserve.server.auth import ApiKey
+from kvserve.server.errors import APIError
 from kvserve.server.response_store import ResponseStore
 
 from .helpers import LiveServer
@@ -211,6 +212,29 @@ def test_one_tenant_cannot_push_out_anothers_responses():
                          ).status_code == 404  # B's own oldest: B's capacity is 2
 
 
+def test_the_store_keeps_a_tenant_within_its_bytes_too():
+    """QA: bounded by count only, one client's 4 MiB responses (a thousand tools, kept and
+    echoed) grew the server by gigabytes."""
+    from kvserve.server.response_store import Stored
+
+    def stored(owner: str, text: str) -> Stored:
+        return Stored(owner, {"output_text": text}, [], [])
+
+    size = stored("A", "x" * 1000).size
+    store = ResponseStore(enabled=True, capacity=100, max_bytes=3 * size)
+    for index in range(5):
+        store.put(f"a{index}", stored("A", "x" * 1000))
+    store.put("b0", stored("B", "x" * 1000))
+    assert list(store.kept["A"]) == ["a2", "a3", "a4"] and store.used["A"] == 3 * size
+    store.delete("a3", "A")
+    assert store.used["A"] == 2 * size
+    store.put("huge", stored("A", "x" * 10_000))  # alone past the bound: not kept
+    assert list(store.kept["A"]) == ["a2", "a4"] and store.used["A"] == 2 * size
+    assert list(store.kept["B"]) == ["b0"]
+    with pytest.raises(APIError, match="latest 100 responses within 0 MiB"):
+        store.get("a3", "A")
+
+
 def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     with LiveServer(max_model_len=256) as live:
         made = post(live, {"input": "hello", "max_output_tokens": 2})
@@ -301,6 +325,10 @@ def test_a_stored_responses_input_items_are_listed(client, live):
     text = client.responses.create(model="tiny", max_output_tokens=1, input="plain")
     [item] = client.responses.input_items.list(text.id).data
     assert (item.role, item.content[0].text) == ("user", "plain")
+    called = client.responses.create(model="tiny", max_output_tokens=1, input=[
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": None},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+    assert all(item.id for item in client.responses.input_items.list(called.id).data)
     for limit in ("²", "0", "101", "x"):  # QA: "²" isdigit and int() failed, a 500
         refused = httpx.get(f"{live.url}/v1/responses/{made.id}/input_items",
                             params={"limit": limit})
@@ -325,8 +353,9 @@ def test_the_store_is_turned_on_by_the_flag_or_vllms_variable(monkeypatch, flag,
     else:
         monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", env)
     store = _response_store(argparse.Namespace(enable_responses_store=flag,
-                                               responses_store_size=8))
-    assert store.enabled is enabled and store.capacity == 8
+                                               responses_store_size=8,
+                                               responses_store_memory=1 << 20))
+    assert store.enabled is enabled and (store.capacity, store.max_bytes) == (8, 1 << 20)
 
 
 def test_text_and_calls_of_one_turn_replay_as_one_assistant_message(client):

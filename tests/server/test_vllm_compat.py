@@ -72,7 +72,8 @@ def test_several_api_keys_after_one_flag_and_repeated():
 def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
     """vLLM's nargs='+': the second name was read as the model path (QA). Every name is a
     request's model; the first is the responses' and the metrics'; /v1/models lists them
-    all, the first first, as vLLM's does."""
+    all, the first first, as vLLM's does; an answer carries the name it was asked by
+    (vLLM's _get_model_name)."""
     state = serve_state(model_dir, "--served-model-name", "alpha", "beta")
     assert (state.model_name, state.model_names) == ("alpha", ("alpha", "beta"))
     with LiveServer(state=state) as live:
@@ -81,7 +82,10 @@ def test_several_served_model_names_all_accepted_the_first_reported(model_dir):
         assert client.models.retrieve("beta").id == "beta"
         for name in ("alpha", "beta"):
             reply = client.completions.create(model=name, prompt="hi", max_tokens=2)
-            assert reply.model == "alpha"
+            assert reply.model == name
+        unnamed = httpx.post(live.url + "/v1/completions", json={"prompt": "hi",
+                                                                  "max_tokens": 1})
+        assert unnamed.json()["model"] == "alpha"
         with pytest.raises(openai.NotFoundError, match="this server serves 'alpha', 'beta'"):
             client.completions.create(model="gamma", prompt="hi", max_tokens=2)
         metrics = httpx.get(live.url + "/metrics").text
@@ -676,3 +680,128 @@ def test_a_text_prompt_gets_the_tokenizers_bos_by_default_as_vllms():
         assert prompt_tokens(add_special_tokens=False) == len(bare)
         tokens = httpx.post(live.url + "/tokenize", json={"prompt": "hello there"}).json()
         assert tokens["tokens"] == [bos, *bare]
+
+
+def test_invocations_answers_a_chat_or_a_completion_by_its_body():
+    """vLLM's SageMaker route (QA: a 404 for a SageMaker deployment moved from vLLM)."""
+    with LiveServer(max_model_len=256) as live:
+        chat = httpx.post(live.url + "/invocations", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+        text = httpx.post(live.url + "/invocations", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert text.status_code == 200 and text.text.rstrip().endswith("data: [DONE]")
+        assert '"object":"text_completion"' in text.text.replace(" ", "")
+        for body in ({"input": "hi"}, {"prompt": "a", "messages": []}, [1]):
+            refused = httpx.post(live.url + "/invocations", json=body)
+            assert refused.status_code == 400 and "exactly one of them" in refused.text
+        wait_for(live.idle, what="an idle server")
+
+
+def test_more_vllm_flags_with_nothing_to_do_here_are_taken(model_dir, caplog):
+    """QA (an operator's vLLM command lines): each was "unrecognized arguments"."""
+    flags = ["--enable-request-id-headers", "--enable-server-load-tracking",
+             "--enable-log-outputs", "--async-scheduling",
+             "--distributed-executor-backend", "mp", "--disable-sliding-window",
+             "--show-hidden-metrics-for-version", "0.9", "--cuda-graph-sizes", "1", "2",
+             "--guided-decoding-backend", "xgrammar", "--api-server-count", "1"]
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        serve_state(model_dir, *flags)
+    said = [r.getMessage().split(":")[0] for r in caplog.records
+            if ": vLLM's, does nothing here: " in r.getMessage()]
+    assert said == ["--enable-request-id-headers", "--enable-server-load-tracking",
+                    "--enable-log-outputs", "--async-scheduling",
+                    "--distributed-executor-backend mp", "--disable-sliding-window",
+                    "--show-hidden-metrics-for-version 0.9", "--cuda-graph-sizes 1 2",
+                    "--structured-outputs-config xgrammar", "--api-server-count 1"]
+    assert exit_code(["serve", model_dir, "--api-server-count", "4"]) == 2
+
+
+@pytest.mark.parametrize(("text", "count"), [
+    ("2048", 2048), ("4k", 4000), ("25.6k", 25600), ("4K", 4096), ("1m", 1_000_000),
+    ("2M", 2 * 1024 ** 2), (" 8k ", 8000)])
+def test_token_counts_read_as_vllms_human_readable_ints(text, count):
+    from kvserve.flags import parse_token_count
+
+    assert parse_token_count(text) == count
+    args = build_parser().parse_args(["serve", "--max-model-len", text,
+                                      "--max-num-batched-tokens", text])
+    assert args.max_model_len == args.max_num_batched_tokens == count
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("4.5K", "a binary unit (K) takes a whole number"), ("1.5", "not a whole number"),
+    ("0.0001k", "not a whole number"), ("4x", "not a count of tokens"), ("", "not a count")])
+def test_a_count_that_is_not_one_is_refused_by_name(capsys, text, needle):
+    assert exit_code(["serve", "--max-model-len", text]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_config_file_is_read_as_flags_and_the_command_line_wins(tmp_path, model_dir):
+    """vLLM's --config: a YAML mapping of serve's flags (QA: unrecognized)."""
+    from kvserve.cli import _subparser_named, with_config_file
+
+    serve = _subparser_named(build_parser(), "serve")
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {model_dir}\nmax-model-len: 4k\nmax_num_seqs: 8\n"
+                      "enable-prefix-caching: false\nserved-model-name: [a, b]\n"
+                      "enable-log-requests: true\n")
+    argv = with_config_file(["serve", "--config", str(config), "--max-num-seqs", "4"], serve)
+    args = build_parser().parse_args(argv)
+    assert (args.model, args.max_model_len, args.max_num_seqs) == (model_dir, 4000, 4)
+    assert args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
+    assert args.enable_log_requests is True
+    own = with_config_file(["serve", "/other/model", f"--config={config}"], serve)
+    assert build_parser().parse_args(own).model == "/other/model"
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("max-model-len: [", "not YAML"), ("- a\n- b\n", "a mapping of flags to values"),
+    ("no-such-flag: 1\n", "'no-such-flag' is not a flag of kvserve serve")])
+def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, text, needle):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve serve: error: --config ") and needle in err
+    assert err.count("\n") == 1
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+
+
+def test_usage_details_token_ids_and_load_as_vllms_flags_ask(model_dir):
+    """--enable-force-include-usage, --enable-prompt-tokens-details,
+    --return-tokens-as-token-ids and GET /load (QA: refused or 404)."""
+    state = serve_state(model_dir, "--enable-force-include-usage",
+                        "--enable-prompt-tokens-details", "--return-tokens-as-token-ids")
+    with LiveServer(state=state) as live:
+        body = {"prompt": "the same long prompt " * 8, "max_tokens": 2, "logprobs": 1}
+        first = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert all(t.startswith("token_id:") for t in again["choices"][0]["logprobs"]["tokens"])
+        named = httpx.post(live.url + "/v1/completions", timeout=60,
+                           json={**body, "return_tokens_as_token_ids": False}).json()
+        assert not named["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 2, "stream": True}) as reply:
+            events = [line for line in reply.iter_lines() if line.startswith("data: {")]
+        assert '"usage"' in events[-1] and '"choices":[]' in events[-1].replace(" ", "")
+        assert httpx.get(live.url + "/load").json() == {"server_load": 0}
+
+
+def test_quiet_paths_drop_their_access_lines():
+    from kvserve.server.cli_serve import QuietPaths
+
+    quiet = QuietPaths(("/health", "/metrics"))
+
+    def line(path: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:1", "GET", path, "1.1", 200), None)
+
+    assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
+    assert quiet.filter(line("/v1/models"))
+    args = build_parser().parse_args(["serve", "--disable-access-log-for-endpoints",
+                                      "/health, /ping"])
+    assert args.disable_access_log_for_endpoints == ("/health", "/ping")

@@ -388,7 +388,8 @@ def _check_max_model_len(settings: dict[str, Any], config: ModelConfig) -> None:
     if asked > limit:
         raise ConfigError(f"max_model_len {asked} is longer than this model's context "
                           f"(max_position_embeddings {limit}); give --max-model-len {limit} "
-                          "or less")
+                          "or less (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN is not taken here: "
+                          "there is no rotary scaling past the model's context)")
 
 
 def check_batch_invariant(dtype: torch.dtype) -> None:

@@ -180,6 +180,12 @@ class Schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"schema{where}: enum must be a non-empty list")
+            if "type" in schema:  # both hold: the values of that type (QA: 1 taken as string)
+                kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+                values = [v for v in values if any(_is_of(v, kind) for kind in kinds)]
+                if not values:
+                    raise SchemaError(f"schema{where}: no value of the enum is of its type "
+                                      f"{schema['type']!r}"[:200])
             return self._add(Node("texts", texts=Texts.of(_text(v) for v in values)))
         kind = schema.get("type")
         if isinstance(kind, list):  # each type with its own keywords (minimum: numbers')
@@ -463,6 +469,16 @@ def _number_within(text: bytes, node: Node) -> bool:
     return _meets(value, value, True, True, node.low, node.high)
 
 
+def _is_of(value: Any, kind: Any) -> bool:
+    """Whether a JSON value is of the JSON Schema type ``kind``."""
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    return {"string": str, "boolean": bool, "null": type(None), "object": dict,
+            "array": list}.get(kind) is type(value) if kind != "number" else (
+        isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -508,10 +524,26 @@ def check_schema(text: str) -> Schema:
     also keeps its states' tokens); SchemaError (a ValueError) naming what is wrong or not
     honoured."""
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+    except SchemaError:
+        raise
     except ValueError:
         raise SchemaError("the JSON schema is not JSON") from None
     return Schema(schema)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _not_a_number(text)
+    return value
+
+
+def _not_a_number(name: str) -> Any:
+    """NaN and Infinity (1e400 is read as one) are no JSON numbers: an enum of one let the
+    model write Infinity (QA)."""
+    raise SchemaError(f"the JSON schema holds {name}, which is no JSON number (a number past "
+                      "a double's range is read as one)")
 
 
 # -- the recognizer ----------------------------------------------------------------------

@@ -134,6 +134,22 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     async def chat_completions(request: Request) -> Response:
         return await generation.handle(state, request, chat=True)
 
+    @app.get("/load")
+    async def load(request: Request) -> Response:
+        """vLLM's load endpoint: the generation requests under way (a load balancer's
+        least-loaded choice)."""
+        return JSONResponse({"server_load": len(state.groups)})
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """vLLM's SageMaker route: a chat or a completion, told apart by the body."""
+        state.keys.authenticate(request.headers.getlist("authorization"))
+        body = await state.read_json(request)
+        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+            raise bad_request("/invocations takes a chat completion's body ('messages') or "
+                              "a completion's ('prompt'): send exactly one of them")
+        return await generation.handle(state, request, "messages" in body, body)
+
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
         return await responses_api.create(state, request)

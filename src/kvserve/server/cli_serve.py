@@ -48,10 +48,33 @@ VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
      "the KV cache is in the model's dtype (--dtype), as auto asks"),
     (("--disable-fastapi-docs",), {"action": "store_true"},
      "the server has no /docs, /redoc or /openapi.json pages to turn off"),
+    (("--enable-request-id-headers",), {"action": "store_true"},
+     "every answer carries X-Request-Id here already"),
+    (("--enable-server-load-tracking",), {"action": "store_true"},
+     "GET /load always answers the requests under way here"),
+    (("--enable-log-outputs",), {"action": "store_true"},
+     "no prompt or answer text is logged here (a log is read by more people than the "
+     "prompts' authors); --enable-log-requests logs their lengths"),
+    (("--async-scheduling",), {"action": "store_true"},
+     "each step is scheduled once the last one's tokens are back (the engine process "
+     "already keeps the HTTP server off the step's way)"),
+    (("--distributed-executor-backend",), {"metavar": "mp|ray"},
+     "there are no tensor- or pipeline-parallel workers to place (--data-parallel-backend "
+     "places replicas)"),
+    (("--disable-sliding-window",), {"action": "store_true"},
+     "the Llama family attends over the whole context: there is no sliding window"),
+    (("--show-hidden-metrics-for-version",), {"metavar": "VERSION"},
+     "no metric is hidden here"),
+    (("--cuda-graph-sizes",), {"nargs": "+", "metavar": "N"}, _NO_GRAPHS),
+    (("--structured-outputs-config", "--guided-decoding-backend"), {"metavar": "BACKEND"},
+     "structured outputs have one backend here, the sampler's own (docs/structured-"
+     "outputs.md)"),
+    (("--api-server-count",), {"type": int, "metavar": "1"},
+     "one API server process; --data-parallel-size runs engine replicas behind it"),
 )
 # The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
 _NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
-            "kv_cache_dtype": "auto"}
+            "kv_cache_dtype": "auto", "api_server_count": 1}
 
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve the model over /v1/completions, /v1/chat/completions and "
@@ -67,7 +90,7 @@ def add_parser(subparsers: Any) -> None:
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
     from kvserve.server.reasoning_parsers import PARSERS as REASONING_PARSERS
-    from kvserve.server.response_store import DEFAULT_STORE_CAPACITY
+    from kvserve.server.response_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_CAPACITY
     from kvserve.server.tool_parsers import PARSERS
 
     parser = add_command(subparsers, "serve", run, SUMMARY, DESCRIPTION)
@@ -127,6 +150,18 @@ def add_parser(subparsers: Any) -> None:
                             "the requests under way finish for at most this long, then abort "
                             "the rest (a stream ends with finish_reason abort); 0 aborts them "
                             "at once (vLLM's default). Default: wait for them all")
+    group.add_argument("--config", metavar="YAML",
+                       help="vLLM's: a YAML file of these flags (max-model-len: 4096, "
+                            "model: PATH, ...), read as if given here; a flag given on the "
+                            "command line wins")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="vLLM's: every stream ends with a usage chunk, asked for or not")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="vLLM's: usage has prompt_tokens_details.cached_tokens, the "
+                            "prompt tokens read from the prefix cache")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="vLLM's: logprobs name each token token_id:N (a request's "
+                            "return_tokens_as_token_ids false still names them by text)")
     group.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                        help="the most logprobs, top_logprobs or prompt_logprobs a request may "
                             "ask for (400 beyond, naming the limit); -1: the whole "
@@ -139,8 +174,12 @@ def add_parser(subparsers: Any) -> None:
                             "vLLM (docs/responses-api.md)")
     group.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_CAPACITY,
                        metavar="N",
-                       help="with the store on, how many responses it keeps, the oldest "
-                            f"dropped first (default {DEFAULT_STORE_CAPACITY})")
+                       help="with the store on, how many responses it keeps per tenant, "
+                            f"the oldest dropped first (default {DEFAULT_STORE_CAPACITY})")
+    group.add_argument("--responses-store-memory", type=parse_bytes,
+                       default=DEFAULT_STORE_BYTES, metavar="SIZE",
+                       help="with the store on, the most its responses take per tenant, "
+                            "as JSON (e.g. 64MiB; default 256MiB), the oldest dropped first")
     chat = parser.add_argument_group("chat (vLLM's flags)")
     chat.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template replacing the model's: a file, or the "
@@ -194,6 +233,10 @@ def add_parser(subparsers: Any) -> None:
                            "line for each HTTP request and the shutdown's progress")
     logs.add_argument("--disable-uvicorn-access-log", action="store_true",
                       help="no access line for each HTTP request")
+    logs.add_argument("--disable-access-log-for-endpoints", type=_paths, default=(),
+                      metavar="PATHS",
+                      help="vLLM's: no access line for these paths, comma-separated (e.g. "
+                           "/health,/metrics,/ping: a probe's every few seconds)")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                        default=True,
                        help="run the scheduler and the model in a process of their own, as "
@@ -243,6 +286,16 @@ def add_parser(subparsers: Any) -> None:
         neutral = _NEUTRAL.get(names[0].lstrip("-").replace("-", "_"))
         taken = f"taken at {neutral} only" if neutral is not None else "taken"
         noops.add_argument(*names, **keywords, help=f"vLLM's; {taken}, does nothing: {why}")
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    """'/health,/metrics' -> the paths (each begins with /)."""
+    paths = tuple(part.strip() for part in text.split(",") if part.strip())
+    bad = [path for path in paths if not path.startswith("/")]
+    if not paths or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give paths that begin with /, separated "
+                                         "by commas (e.g. /health,/metrics)")
+    return paths
 
 
 def _json_strings(text: str) -> list[str]:
@@ -353,13 +406,33 @@ def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
     import uvicorn
 
     timeout = args.shutdown_timeout
-    return uvicorn.Config(app, host=args.host, port=args.port,
-                          log_level=args.uvicorn_log_level,
-                          access_log=not args.disable_uvicorn_access_log,
-                          root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
-                          ssl_certfile=args.ssl_certfile,
-                          # a backstop: the aborts below end every request well before
-                          timeout_graceful_shutdown=None if timeout is None else timeout + 30)
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
+                            root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile,
+                            # a backstop: the aborts below end every request well before
+                            timeout_graceful_shutdown=None if timeout is None
+                            else timeout + 30)
+    quiet = getattr(args, "disable_access_log_for_endpoints", ())
+    if quiet:  # after uvicorn.Config, which sets its loggers up
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet))
+    return config
+
+
+class QuietPaths(logging.Filter):
+    """Drops uvicorn's access lines for some paths (--disable-access-log-for-endpoints)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path with its query, version, status)
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
 
 
 def _check_tls(args: argparse.Namespace) -> None:
@@ -608,6 +681,9 @@ def build_state(args: argparse.Namespace,
                        "model writes its calls), as in vLLM")
     if args.responses_store_size < 1:
         raise CLIError(f"--responses-store-size must be >= 1, got {args.responses_store_size}")
+    if args.responses_store_memory < 1:
+        raise CLIError("--responses-store-memory must be at least one byte, got "
+                       f"{args.responses_store_memory}")
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     if before_engine is not None:
         before_engine()
@@ -644,6 +720,9 @@ def build_state(args: argparse.Namespace,
     state.record_max_file_bytes = args.record_max_file_size
     state.model_id = _model_name(args.model)
     state.log_requests = args.enable_log_requests
+    state.force_include_usage = args.enable_force_include_usage
+    state.prompt_tokens_details = args.enable_prompt_tokens_details
+    state.tokens_as_ids = args.return_tokens_as_token_ids
     state.responses = _response_store(args)
     if args.reasoning_parser is not None:
         from kvserve.server.reasoning_parsers import make_parser as make_reasoning_parser
@@ -689,7 +768,7 @@ def _response_store(args: argparse.Namespace) -> Any:
                     "memory%s", args.responses_store_size,
                     "" if args.enable_responses_store else
                     " (VLLM_ENABLE_RESPONSES_API_STORE)")
-    return ResponseStore(enabled, args.responses_store_size)
+    return ResponseStore(enabled, args.responses_store_size, args.responses_store_memory)
 
 
 def _check_model_chat_template(model: Any) -> None:
@@ -750,6 +829,8 @@ def _vllm_noops(args: argparse.Namespace) -> None:
         neutral = _NEUTRAL.get(dest)
         if neutral is not None and value != neutral:
             raise CLIError(vllm_refusal(names[0], str(value)))
+        if isinstance(value, list):
+            value = " ".join(value)
         shown = names[0] if value is True else f"{names[0]} {value}"
         logger.info("%s: vLLM's, does nothing here: %s", shown, why)
 

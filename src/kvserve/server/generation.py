@@ -75,10 +75,13 @@ def log_request(request_id: str, tenant: str, prompts: list[list[int]],
                 params.temperature, params.top_p, params.top_k, params.seed, params.priority)
 
 
-async def handle(state: ServerState, request: Request, chat: bool) -> Response:
+async def handle(state: ServerState, request: Request, chat: bool,
+                 body: Any = None) -> Response:
+    """``body``: the body already read (/invocations reads it to choose the endpoint)."""
     arrival_time = time.monotonic()
     key = state.keys.authenticate(request.headers.getlist("authorization"))
-    body = await state.read_json(request)
+    if body is None:
+        body = await state.read_json(request)
     req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body,
                           auto_tools=state.tool_parser is not None)
     generation = await start(state, request, key, req, chat, arrival_time)
@@ -241,9 +244,10 @@ class Generation:
         self.stream = stream
         self.created = int(time.time())
         self.response_id = ("chatcmpl-" if chat else "cmpl-") + given_id
-        # the served name; a request that named the model as given on the command line
-        # (vLLM's served name, state.model_aliases) gets that name back, as from vLLM
-        self.model = req.model if req.model in state.model_aliases else state.model_name
+        # the name the request asked by (any served name, or the model as given on the
+        # command line, state.model_aliases), as vLLM's; the first served name where it
+        # named none (QA: the first always)
+        self.model = req.model or state.model_name
         self.closed = False
         # vLLM's echo without generation (max_tokens 0): the one token made is not returned
         self.prompt_only = not chat and req.echo and req.max_tokens == 0
@@ -313,7 +317,7 @@ class Generation:
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model,
             "choices": [self._full_choice(c) for c in choices],
-            "usage": usage(choices, self.num_prompt_tokens),
+            "usage": self._usage(choices),
             "kvserve": kvserve_total(self.request_id, choices)}
         if self.chat and self.req.return_token_ids:  # one prompt: on the response, as vLLM
             body["prompt_token_ids"] = choices[0].prompt_token_ids
@@ -369,7 +373,8 @@ class Generation:
     def _logprobs(self, entries: list[Any],
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
         tokenizer = self.state.tokenizer
-        as_ids = bool(self.req.return_tokens_as_token_ids)
+        as_ids = self.state.tokens_as_ids if self.req.return_tokens_as_token_ids is None \
+            else self.req.return_tokens_as_token_ids
         if self.chat:
             return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0, as_ids)
         return completion_logprobs(tokenizer, entries, offsets, as_ids)
@@ -431,11 +436,12 @@ class Generation:
         except EngineDeadError as error:
             self._failed()
             yield sse(APIError(503, str(error)).body())
-        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+        if (self.req.stream_options is not None and self.req.stream_options.include_usage) \
+                or self.state.force_include_usage:
             choices = list(self.choices.values())
             yield sse({"id": self.response_id, "object": self._chunk_object(),
                        "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage(choices, self.num_prompt_tokens),
+                       "choices": [], "usage": self._usage(choices),
                        "kvserve": kvserve_total(self.request_id, choices)})
         yield SSE_DONE
 
@@ -486,11 +492,22 @@ class Generation:
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
         return sse(self._with_usage(data))
 
+    def _usage(self, choices: list[Choice]) -> dict[str, Any]:
+        """The answer's usage; with --enable-prompt-tokens-details, the prompt tokens that
+        were prefix-cache hits too (once a prompt, its first sample's), as vLLM's."""
+        counted = usage(choices, self.num_prompt_tokens)
+        if self.state.prompt_tokens_details:
+            n = getattr(self.req, "n", 1) or 1
+            counted["prompt_tokens_details"] = {"cached_tokens": sum(
+                c.metrics.num_cached_tokens for c in choices
+                if c.metrics is not None and c.index % n == 0)}
+        return counted
+
     def _with_usage(self, data: dict[str, Any]) -> dict[str, Any]:
         """A chunk with the usage so far where vLLM's continuous_usage_stats asks for it."""
         options = self.req.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
-            data["usage"] = usage(list(self.choices.values()), self.num_prompt_tokens)
+            data["usage"] = self._usage(list(self.choices.values()))
         return data
 
     def _finish_reason(self, choice: Choice) -> str | None:

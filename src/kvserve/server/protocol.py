@@ -198,8 +198,9 @@ class _Sampling(Body):
     allowed_token_ids: list[_Int] | None = Field(default=None, min_length=1, max_length=1 << 20)
     # vLLM's: words never generated
     bad_words: list[str] | None = Field(default=None, max_length=1024)
-    # vLLM's: logprobs name each token "token_id:N" (its text may not be valid UTF-8)
-    return_tokens_as_token_ids: bool = False
+    # vLLM's: logprobs name each token "token_id:N" (its text may not be valid UTF-8); null:
+    # the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     # OpenAI fields not implemented: accepted only with their neutral value.
     best_of: Any = None
     suffix: Any = None

@@ -5,6 +5,7 @@ made it."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,10 @@ from typing import Any
 from kvserve.server.errors import APIError, bad_request
 
 DEFAULT_STORE_CAPACITY = 1024
+# Each tenant's responses are kept within this many bytes (their JSON's) too: a count alone
+# let one client's 4 MiB responses (a thousand tools, kept and echoed) grow the server by
+# gigabytes (QA).
+DEFAULT_STORE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -20,6 +25,12 @@ class Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # its input's and output's messages, history first
     input_items: list[dict[str, Any]]  # its own input, as items (GET .../input_items)
+
+    @property
+    def size(self) -> int:
+        """Its bytes as JSON (about what it holds in memory, and what a GET sends)."""
+        return sum(len(json.dumps(part, ensure_ascii=False).encode())
+                   for part in (self.response, self.conversation, self.input_items))
 
 
 @dataclass
@@ -30,31 +41,43 @@ class ResponseStore:
 
     enabled: bool = False
     capacity: int = DEFAULT_STORE_CAPACITY  # per tenant (without keys: for everyone)
-    kept: dict[str | None, OrderedDict[str, Stored]] = field(default_factory=dict)
+    max_bytes: int = DEFAULT_STORE_BYTES  # per tenant too
+    kept: dict[str | None, OrderedDict[str, tuple[Stored, int]]] = field(default_factory=dict)
+    used: dict[str | None, int] = field(default_factory=dict)  # bytes kept, per tenant
 
     def put(self, response_id: str, stored: Stored) -> None:
-        mine = self.kept.setdefault(stored.owner, OrderedDict())
-        mine[response_id] = stored
-        while len(mine) > self.capacity:
-            mine.popitem(last=False)
+        """Keep it, dropping the tenant's oldest past ``capacity`` responses or
+        ``max_bytes`` (one larger than ``max_bytes`` is not kept, and pushes out none)."""
+        owner = stored.owner
+        mine = self.kept.setdefault(owner, OrderedDict())
+        size = stored.size
+        if size > self.max_bytes:
+            return  # it would push out all the others and not fit itself
+        mine[response_id] = (stored, size)
+        self.used[owner] = self.used.get(owner, 0) + size
+        while mine and (len(mine) > self.capacity or self.used[owner] > self.max_bytes):
+            _, (_, dropped) = mine.popitem(last=False)
+            self.used[owner] -= dropped
 
     def get(self, response_id: str, owner: str | None) -> Stored:
         """The response, or a 404 (also for another tenant's: its id is not told apart)."""
         if not self.enabled:
-            raise APIError(404, f"response {response_id!r} not found: the response store is "
+            raise APIError(404, f"response {response_id[:100]!r} not found: the response store is "
                                 "off on this server (--enable-responses-store), so no "
                                 "response is kept", param="response_id",
                            code="response_not_found")
-        stored = self.kept.get(owner, {}).get(response_id)
-        if stored is None:
-            raise APIError(404, f"response {response_id!r} not found (each tenant's latest "
-                                f"{self.capacity} responses are kept, in memory)",
+        kept = self.kept.get(owner, {}).get(response_id)
+        if kept is None:
+            raise APIError(404, f"response {response_id[:100]!r} not found (each tenant's latest "
+                                f"{self.capacity} responses within {self.max_bytes >> 20} "
+                                "MiB are kept, in memory)",
                            param="response_id", code="response_not_found")
-        return stored
+        return kept[0]
 
     def delete(self, response_id: str, owner: str | None) -> None:
         self.get(response_id, owner)
-        del self.kept[owner][response_id]
+        _, size = self.kept[owner].pop(response_id)
+        self.used[owner] -= size
 
     def history(self, response_id: str | None, owner: str | None) -> list[dict[str, Any]]:
         if response_id is None:
@@ -68,5 +91,5 @@ class ResponseStore:
         try:
             return list(self.get(response_id, owner).conversation)
         except APIError as error:
-            raise APIError(404, f"previous response {response_id!r} not found",
+            raise APIError(404, f"previous response {response_id[:100]!r} not found",
                            param="previous_response_id", code=error.code) from None

@@ -677,7 +677,8 @@ def _as_items(given: Any) -> list[dict[str, Any]]:
     out = []
     for item in items:
         if item.get("type", "message") != "message":
-            out.append({"id": item.get("id") or _new_id("item"), **item})
+            # (its id after it: an "id": null given kept null, and after= could not page, QA)
+            out.append({**item, "id": item.get("id") or _new_id("item")})
             continue
         content = item.get("content")
         if isinstance(content, str):

@@ -57,6 +57,13 @@ class ServerState:
     tool_parser: Any = None
     # --reasoning-parser: a ThinkParser (server/reasoning_parsers.py)
     reasoning_parser: Any = None
+    # vLLM's --enable-force-include-usage: every stream ends with its usage chunk
+    force_include_usage: bool = False
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    prompt_tokens_details: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens token_id:N unless a request
+    # says otherwise
+    tokens_as_ids: bool = False
     # the Responses API's store (--enable-responses-store): off, store: true keeps nothing
     responses: ResponseStore = field(default_factory=ResponseStore)
 
