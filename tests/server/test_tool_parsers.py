@@ -70,6 +70,45 @@ def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
     assert (parsed.content, parsed.calls) == (content, calls)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+     '{"name": "now", "arguments": {}}]', None,
+     (("get_weather", '{"city": "Oslo"}'), ("now", "{}"))),
+    ('Let me see.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}',
+     "Let me see.", (("get_weather", '{"city": "Oslo"}'), ("now", "{}"))),  # newer form
+    ('[TOOL_CALLS]{"name": "now", "arguments": {}}', None, (("now", "{}"),)),
+    ("[TOOL_CALLS] [{\"name\": \"f\", \"argu", "[TOOL_CALLS] [{\"name\": \"f\", \"argu",
+     ()),  # cut short: the text
+    ("[TOOL_CALLS]f[ARGS]not json", "[TOOL_CALLS]f[ARGS]not json", ()),
+    ("No call.", "No call.", ()),
+])
+def test_mistral_reads_calls_after_its_marker(text, content, calls):
+    parsed = make_parser("mistral").parse(text)
+    assert (parsed.content, parsed.calls) == (content, calls)
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('[get_weather(city="Oslo", days=3, exact=True, tags=("a",)), now()]',
+     (("get_weather", '{"city": "Oslo", "days": 3, "exact": true, "tags": ["a"]}'),
+      ("now", "{}"))),
+    ("<|python_start|>[f(x=None, y={'k': [1.5]})]<|python_end|>",
+     (("f", '{"x": null, "y": {"k": [1.5]}}'),)),
+    ("[f(1)]", ()),  # a positional argument: no call
+    ('[os.system("rm")]', ()),  # not a plain name: never a call, never run
+    ("[f(x=g())]", ()),  # not a literal
+    ("[f(x={1, 2})]", ()),  # a set: no JSON value
+    ("[f(x=1e999)]", ()),  # infinite
+    ("[f(**k)]", ()),
+    ("Hello [f()]", ()),
+    ("[" * 3000 + "]" * 3000, ()),  # too deep for the parser: text, not a 500
+    ("[f(x=", ()),
+])
+def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, calls):
+    parsed = make_parser("pythonic").parse(text)
+    assert parsed.calls == calls
+    assert parsed.content == (None if calls else text)
+
+
 @pytest.mark.parametrize(("name", "text", "end"), [
     ("hermes", "Sure, I", 7),
     ("hermes", "Sure <tool", 5),  # may begin a call: held back
@@ -79,14 +118,21 @@ def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
     ("llama3_json", "{", 0),
     ("llama3_json", "<|python", 0),
     ("llama3_json", "The answer", 10),
+    ("mistral", "Sure [TOOL", 5),
+    ("mistral", "Sure [TOOL_CALLS][", 5),
+    ("mistral", "a [b] c", 7),
+    ("pythonic", " [", 0),
+    ("pythonic", "<|python_st", 0),
+    ("pythonic", "Hello", 5),
 ])
 def test_a_stream_holds_back_only_what_may_begin_a_call(name, text, end):
     assert make_parser(name).content_end(text) == end
 
 
 def test_an_unknown_parser_is_refused_by_name():
-    with pytest.raises(ValueError, match="choose one of hermes, llama3_json"):
-        make_parser("pythonic")
+    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, "
+                                         "pythonic"):
+        make_parser("granite")
 
 
 TOOLS = [{"type": "function", "function": {
@@ -278,3 +324,27 @@ def test_a_replayed_call_whose_arguments_nest_too_deeply_stays_text(live):
                             "output": "ok"}]})):
         reply = httpx.post(live.url + path, json=body, timeout=60)
         assert reply.status_code == 200, (path, reply.text[:300])
+
+
+@pytest.mark.parametrize(("parser", "said"), [
+    ("pythonic", '[get_weather(city="Oslo")]'),
+    ("mistral", 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+])
+def test_the_other_parsers_answer_with_calls_whole_and_streamed(parser, said):
+    from kvserve.server.tool_parsers import make_parser as make_tool_parser
+
+    with LiveServer(max_model_len=512) as server:
+        server.state.tool_parser = make_tool_parser(parser)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        whole = client.chat.completions.create(**_ask(said)).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        [call] = whole.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather", {"city": "Oslo"})
+        chunks = list(client.chat.completions.create(**_ask(said), stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        content = "".join(d.content or "" for d in deltas)
+        assert content == (whole.message.content or "")
+        streamed = [c for d in deltas for c in d.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (call.function.name, call.function.arguments)]

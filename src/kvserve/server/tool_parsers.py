@@ -12,17 +12,26 @@ out whole, once the answer is complete.
 - ``llama3_json``: the answer is the call, ``{"name": ..., "parameters": {...}}`` (or
   ``"arguments"``), several separated by ``;``, after an optional ``<|python_tag|>`` (Llama
   3.1, 3.2 and 3.3's JSON tool calling).
+- ``mistral``: ``[TOOL_CALLS]`` after optional content, then the calls as a JSON list
+  ``[{"name": ..., "arguments": {...}}, ...]`` (Mistral 7B v0.3, Mixtral, Nemo) or, in the
+  newer tokenizers' form, each ``name[ARGS]{...}`` after its own ``[TOOL_CALLS]`` (Mistral
+  Small 3.2, Magistral, Devstral).
+- ``pythonic``: the answer is a Python list of calls with keyword arguments of literal
+  values, ``[get_weather(city="Oslo"), now()]``, optionally between ``<|python_start|>``
+  and ``<|python_end|>`` (Llama 3.2's and Llama 4's pythonic tool calling, ToolACE); read
+  with Python's parser as data, never run.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 @dataclass(frozen=True)
@@ -107,11 +116,118 @@ class Llama3JsonParser:
         return len(text)
 
 
+class MistralParser:
+    marker, args = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True  # the markers are special tokens
+
+    def parse(self, text: str) -> ParsedCalls:
+        at = text.find(self.marker)
+        if at < 0:
+            return ParsedCalls(text, (), len(text))
+        pieces = [piece.strip() for piece in text[at:].split(self.marker)[1:]]
+        calls = self._named(pieces) if self.args in text[at:] else self._listed(pieces)
+        if not calls:
+            return ParsedCalls(text, (), len(text))
+        content = text[:at]
+        return ParsedCalls(content if content.strip() else None, tuple(calls), at)
+
+    def _listed(self, pieces: list[str]) -> list[tuple[str, str]]:
+        """``[TOOL_CALLS] [{...}, ...]``: one JSON list (or object) of calls."""
+        calls = []
+        for piece in pieces:
+            try:
+                value = strict_json(piece)
+            except ValueError:
+                return []
+            for item in value if isinstance(value, list) else [value]:
+                call = _call_of(item)
+                if call is None:
+                    return []
+                calls.append(call)
+        return calls
+
+    def _named(self, pieces: list[str]) -> list[tuple[str, str]]:
+        """``[TOOL_CALLS]name[ARGS]{...}``, each call after its own marker."""
+        calls = []
+        for piece in pieces:
+            name, found, arguments = piece.partition(self.args)
+            call = _call_of({"name": name.strip(), "arguments": arguments.strip()}) \
+                if found and name.strip() else None
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+    def content_end(self, text: str) -> int:
+        at = text.find(self.marker)
+        if at >= 0:
+            return at
+        return len(text) - _partial_suffix(text, self.marker)
+
+
+class PythonicParser:
+    start, end = "<|python_start|>", "<|python_end|>"
+    keeps_special_tokens = True  # Llama 4's tags are special tokens
+
+    def parse(self, text: str) -> ParsedCalls:
+        body = text.strip().removeprefix(self.start).removesuffix(self.end).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return ParsedCalls(text, (), len(text))
+        calls = _python_calls(body)
+        if not calls:
+            return ParsedCalls(text, (), len(text))
+        return ParsedCalls(None, tuple(calls))
+
+    def content_end(self, text: str) -> int:
+        """All of it once it cannot be calls (it starts with neither ``[`` nor the tag);
+        none while it may be."""
+        start = text.lstrip()
+        if not start or start.startswith("[") or start.startswith(self.start) or \
+                self.start.startswith(start):
+            return 0
+        return len(text)
+
+
+def _python_calls(body: str) -> list[tuple[str, str]]:
+    """``[f(a=1), g()]`` as calls, read by Python's parser as data (literals only: a name,
+    an expression or a positional argument is no call; nothing is evaluated)."""
+    try:
+        tree = ast.parse(body, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    if not isinstance(tree.body, ast.List):
+        return []
+    calls = []
+    for node in tree.body.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args \
+                or any(keyword.arg is None for keyword in node.keywords):
+            return []
+        try:
+            arguments = {keyword.arg: _literal(keyword.value) for keyword in node.keywords}
+            calls.append((node.func.id, to_json(arguments)))
+        except ValueError:
+            return []
+    return calls
+
+
+def _literal(node: ast.expr) -> Any:
+    """A literal's value (to_json then refuses what JSON has not: a set, bytes, a complex
+    number; writes True, False and None as JSON's, a tuple as a list)."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        raise ValueError("not a literal") from None
+
+
 def make_parser(name: str) -> ToolParser:
     if name == "hermes":
         return HermesParser()
     if name == "llama3_json":
         return Llama3JsonParser()
+    if name == "mistral":
+        return MistralParser()
+    if name == "pythonic":
+        return PythonicParser()
     raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSERS)}")
 
 
@@ -164,6 +280,8 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+    except TypeError as error:  # a set, bytes: no JSON value
+        raise ValueError(str(error)) from None
 
 
 def _call_of(value: Any) -> tuple[str, str] | None:
