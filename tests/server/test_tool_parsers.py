@@ -280,6 +280,15 @@ def test_streamed_and_whole_answers_carry_the_same_content(live):
     chunks = list(client.chat.completions.create(**_ask(said), stream=True))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole == streamed == "  Let me check. "
+    blank = "\n" + SAID[len("Checking."):]  # QA: null whole, "\n" streamed
+    whole = client.chat.completions.create(**_ask(blank)).choices[0].message.content
+    chunks = list(client.chat.completions.create(**_ask(blank), stream=True))
+    assert whole is None
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.content]
+    plain = "\n\nJust text."
+    whole = client.chat.completions.create(**_ask(plain)).choices[0].message.content
+    chunks = list(client.chat.completions.create(**_ask(plain), stream=True))
+    assert whole == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def test_a_replayed_call_reaches_the_template_as_an_object():

@@ -92,7 +92,9 @@ class ToolCalls:
         sent = self.sent.get(choice_id, 0)
         if not finished:
             end = self.parser.content_end(whole)
-            if end <= sent:
+            # blanks alone are held too: before calls they are no content (a whole
+            # answer's is null; QA: a stream sent "\n")
+            if end <= sent or not whole[:end].strip():
                 return None
             self.sent[choice_id] = end
             return {"content": whole[sent:end]}
