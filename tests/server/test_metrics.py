@@ -152,3 +152,27 @@ def test_every_http_answer_is_counted_by_route_method_and_status_class():
                                            ("status", "4xx")))] == 1
     assert values[("http_request_duration_seconds_count", route)] == 3
     assert values[("http_request_duration_seconds_sum", route)] > 0
+
+
+def test_prompt_tokens_by_source_split_computed_from_cached():
+    """vLLM's vllm:prompt_tokens_by_source, vllm:prompt_tokens_cached and
+    vllm:request_prefill_kv_computed_tokens (QA: a current vLLM dashboard's panels were
+    empty): a repeated prompt's blocks are cache hits."""
+    with LiveServer(num_kv_blocks=64, max_model_len=512) as live:
+        before = scrape(live)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            assert before[("vllm:prompt_tokens_by_source_total", (
+                E[0], *M, ("source", source)))] == 0
+        body = {"prompt": list(range(200, 250)), "max_tokens": 1}
+        for _ in range(2):
+            assert httpx.post(live.url + "/v1/completions", json=body, timeout=60
+                              ).status_code == 200
+        after = scrape(live)
+        hit = after[("vllm:prompt_tokens_by_source_total", (E[0], *M, ("source",
+                                                                         "local_cache_hit")))]
+        computed = after[("vllm:prompt_tokens_by_source_total", (
+            E[0], *M, ("source", "local_compute")))]
+        assert hit == 48 and computed == 100 - 48  # three whole blocks of 16 hit
+        assert after[("vllm:prompt_tokens_cached_total", E)] == hit
+        assert after[("vllm:request_prefill_kv_computed_tokens_sum", E)] == computed
+        assert after[("vllm:request_prefill_kv_computed_tokens_count", E)] == 2

@@ -81,6 +81,9 @@ class _EngineSeries:
         labels = (model_name, str(engine))
         self.prompt_tokens = families["prompt_tokens"].labels(*labels)
         self.generation_tokens = families["generation_tokens"].labels(*labels)
+        self.prompt_tokens_cached = families["prompt_tokens_cached"].labels(*labels)
+        self.by_source = {source: families["prompt_tokens_by_source"].labels(*labels, source)
+                          for source in PROMPT_SOURCES}
         self.labels = labels
         self.request_success = families["request_success"]
         for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
@@ -125,7 +128,13 @@ _ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
                               "one token).", _TOKEN_GAP_BUCKETS),
     "iteration_tokens": ("vllm:iteration_tokens_total", "Tokens per engine step.",
                          _STEP_TOKEN_BUCKETS),
+    "prefill_kv_computed": ("vllm:request_prefill_kv_computed_tokens",
+                            "Prompt tokens a request computed (not prefix-cache hits).",
+                            _TOKEN_COUNTS),
 }
+# vLLM's prompt token sources (vllm:prompt_tokens_by_source); nothing comes over a KV
+# connector here, so external_kv_transfer stays 0
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 _HTTP_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -182,6 +191,13 @@ class ServerMetrics:
                                      per_engine, registry=reg),
             "generation_tokens": Counter("vllm:generation_tokens", "Generated tokens.",
                                          per_engine, registry=reg),
+            "prompt_tokens_cached": Counter("vllm:prompt_tokens_cached",
+                                            "Prompt tokens read from the prefix cache.",
+                                            per_engine, registry=reg),
+            "prompt_tokens_by_source": Counter("vllm:prompt_tokens_by_source",
+                                               "Prompt tokens of finished requests, by "
+                                               "where their KV came from.",
+                                               [*per_engine, "source"], registry=reg),
             "request_success": Counter("vllm:request_success", "Finished requests.",
                                        [*per_engine, "finished_reason"], registry=reg),
             **{name: Histogram(series, text, per_engine, registry=reg,
@@ -326,6 +342,12 @@ class ServerMetrics:
         if metrics.num_preemptions:
             series.stall.observe(metrics.longest_stall)
         series.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+        cached = min(metrics.num_cached_tokens, metrics.num_prompt_tokens)
+        computed = metrics.num_prompt_tokens - cached
+        series.prefill_kv_computed.observe(computed)
+        series.by_source["local_compute"].inc(computed)
+        series.by_source["local_cache_hit"].inc(cached)
+        series.prompt_tokens_cached.inc(cached)
         series.request_generation_tokens.observe(metrics.num_output_tokens)
         scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
         if scheduled is not None:
