@@ -220,3 +220,31 @@ def test_prefix_affinity_salts_its_guesses_as_the_replicas_cache_does_r4_t7(scop
         assert result.route_reasons == {"least_loaded": 1, "prefix_hit": 2}
         assert hits == {"a": 0, "b": 48, "a2": 48}
     assert result.replica_of["a2"] == result.replica_of["a"]
+
+
+def test_kv_figures_mean_the_same_for_one_replica_and_a_cluster(tmp_path):
+    """QA: one replica's KV mean was over its busy steps (0.49), a cluster's over the whole
+    run and averaged over replicas (0.045), so adding a replica looked like a tenfold cut.
+    Now both are time-averages over the run, idle time counted; a cluster's is the
+    replicas' average (each replica's is its own), its peak the fullest replica's."""
+    trace = tmp_path / "sparse.jsonl"
+    trace.write_text('{"request_id":"r0","arrival_time":0,"prompt_len":160,"output_len":9}\n'
+                     '{"request_id":"r1","arrival_time":100,"prompt_len":160,"output_len":9}\n')
+    reports = []
+    for replicas in (1, 2):
+        path = tmp_path / f"r{replicas}.json"
+        assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
+                     "--num-kv-blocks", "20", "--data-parallel-size", str(replicas),
+                     "--router", "round-robin", "--report", str(path)]) == 0
+        reports.append(json.loads(path.read_text()))
+    one, two = (r["aggregate"] for r in reports)
+    # one request at a time, each alone in its pool: the same busy usage either way, over
+    # twice the replicas' time with two
+    assert one["duration_s"] == two["duration_s"] == 110
+    assert one["kv_usage_mean"] == pytest.approx(2 * two["kv_usage_mean"], rel=1e-3)
+    rows = reports[1]["replicas"]
+    assert two["kv_usage_mean"] == pytest.approx(
+        sum(r["kv_usage_mean"] for r in rows) / 2, rel=1e-3)
+    assert one["kv_usage_peak"] == two["kv_usage_peak"] == max(r["kv_usage_peak"]
+                                                               for r in rows) > 0.5
+    assert 0.08 < one["kv_usage_mean"] < 0.1  # ~0.49 busy for 20 s of 110

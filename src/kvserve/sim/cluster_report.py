@@ -7,11 +7,9 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-import numpy as np
-
 from kvserve.sim import svg
 from kvserve.sim.cluster import ClusterResult
-from kvserve.sim.report import _round, aggregate
+from kvserve.sim.report import _round, aggregate, time_mean
 from kvserve.sim.simulator import SimResult
 from kvserve.sim.table import fmt_pct, fmt_s
 
@@ -21,19 +19,16 @@ REPLICA_FIGURES = ("num_requests", "num_finished", "num_steps", "num_preemptions
 MAX_CHART_REPLICAS = 8
 
 
-def _time_mean(values: Any, durations: Any) -> float:
-    data, weights = np.asarray(values, dtype=float), np.asarray(durations, dtype=float)
-    return float((data * weights).sum() / weights.sum()) if weights.sum() > 0 else 0.0
-
-
 def replica_summary(replica: int, result: SimResult) -> dict[str, Any]:
     figures = aggregate(result)
     steps = result.steps
     return {
         "replica": replica,
         **{name: figures[name] for name in REPLICA_FIGURES},
-        "num_running_mean": _round(_time_mean(steps.num_running, steps.duration)),
-        "num_waiting_mean": _round(_time_mean(steps.num_waiting, steps.duration)),
+        "num_running_mean": _round(time_mean(steps.num_running, steps.time,
+                                             result.start_time, result.end_time)),
+        "num_waiting_mean": _round(time_mean(steps.num_waiting, steps.time,
+                                             result.start_time, result.end_time)),
         "time_series": {
             "time": [_round(t) for t in steps.time],
             "kv_usage": [_round(u) for u in steps.kv_usage],

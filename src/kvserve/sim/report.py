@@ -52,6 +52,20 @@ def request_latencies(record: RequestRecord) -> dict[str, float | None]:
     return {"ttft": ttft, "e2e": e2e, "queue": m.queue_time}
 
 
+def time_mean(values: Any, times: Any, start: float, end: float) -> float:
+    """The time-average over the run, ``start`` (its first arrival) to ``end``, of a series
+    whose value ``values[i]`` holds from ``times[i]`` until the next point (the last one
+    until ``end``; before the first, nothing ran: 0). Idle time counts at what the last step
+    left, so a mean means the same for one replica as for a cluster's average over them
+    (QA: one replica's KV mean was over its busy steps only, ten times a cluster's)."""
+    data = np.asarray(values, dtype=float)
+    if end <= start or not len(data):
+        return 0.0
+    points = np.asarray(times, dtype=float)
+    following = np.append(points[1:], end)
+    return float((data * np.clip(following - points, 0.0, None)).sum() / (end - start))
+
+
 def aggregate(result: SimResult) -> dict[str, Any]:
     """The run's headline figures. Definitions:
 
@@ -61,7 +75,8 @@ def aggregate(result: SimResult) -> dict[str, Any]:
     ttft: first token - arrival; itl: every gap between a request's consecutive tokens
     (preemption stalls included); e2e: finish - arrival, of requests not aborted; queue:
     first scheduled - arrival.
-    kv_usage_mean is weighted by step duration. Percentiles interpolate linearly.
+    kv_usage_mean is the time-average over the run (time_mean). Percentiles interpolate
+    linearly.
     With a host tier in use (preemption mode swap or auto), also: preemptions_by_mode
     ("recompute" + "swap" = num_preemptions; "priority": those for an urgent arrival), and
     swapped_{out,in}_{blocks,bytes}, the KV copied to and from the host tier.
@@ -73,7 +88,6 @@ def aggregate(result: SimResult) -> dict[str, Any]:
     latencies = [request_latencies(r) for r in records]
     num_output = sum(r.num_output_tokens for r in records)
     num_prompt = sum(r.num_prompt_tokens for r in finished)
-    durations = np.frombuffer(steps.duration, dtype=float) if len(steps.duration) else None
     usage = np.frombuffer(steps.kv_usage, dtype=float) if len(steps.kv_usage) else None
     reasons: dict[str, int] = {}
     for record in records:
@@ -110,11 +124,14 @@ def aggregate(result: SimResult) -> dict[str, Any]:
     out["longest_stall_s"] = _round(max(stalls, default=0.0))
     queries = result.prefix_cache_queries
     out["prefix_hit_rate"] = _round(result.prefix_cache_hits / queries if queries else 0.0)
-    out["kv_usage_peak"] = _round(usage.max() if usage is not None else 0.0)
-    # Time-weighted: a long step at high usage counts for more than a short one.
-    out["kv_usage_mean"] = _round(
-        float((usage * durations).sum() / durations.sum())
-        if usage is not None and durations is not None and durations.sum() > 0 else 0.0)
+    # a cluster's: the fullest replica's pool at its fullest (the replicas' average hid
+    # one replica at 100% behind idle ones, QA); its mean is of the average, as the load
+    parts = getattr(result, "replicas", None)
+    out["kv_usage_peak"] = _round(
+        max((max(part.steps.kv_usage, default=0.0) for part in parts), default=0.0) if parts
+        else usage.max() if usage is not None else 0.0)
+    out["kv_usage_mean"] = _round(time_mean(steps.kv_usage, steps.time, result.start_time,
+                                            result.end_time))
     out["deadline_misses"] = sum(
         1 for r in records if r.deadline is not None
         and (r.metrics is None or r.metrics.finished_time > r.deadline))
