@@ -137,4 +137,28 @@ def test_no_candidate_meeting_the_slo_is_said_in_words(trace_path, capsys) -> No
     assert main(["plan", "--trace", str(trace_path), "--max-replicas", "2",
                  "--slo-ttft-p99", "0.000001", "--num-kv-blocks", "300"]) == 0
     out = capsys.readouterr().out
-    assert "none of 1, 2 (raise --max-replicas)" in out and "None" not in out
+    words = _right_column(out)
+    assert "none of 1, 2 (" in words and "None" not in out
+    assert "(raise --max-replicas)" in words or "more replicas barely help" in words
+
+
+def test_a_target_below_what_a_request_takes_alone_is_said_so(tmp_path, capsys) -> None:
+    """QA: a 1 ms TTFT target none of 1, 2, 4 replicas met was told to raise
+    --max-replicas, though more replicas no longer helped: requests far apart each have
+    the pool to themselves already."""
+    trace = tmp_path / "sparse.jsonl"
+    trace.write_text("".join(
+        f'{{"request_id":"r{i}","arrival_time":{i * 100},"prompt_len":160,"output_len":9}}\n'
+        for i in range(8)))
+    assert main(["plan", "--trace", str(trace), "--max-replicas", "4", "--cost-model", "unit",
+                 "--slo-ttft-p99", "0.001", "--num-kv-blocks", "300"]) == 0
+    words = _right_column(capsys.readouterr().out)
+    assert "none of 1, 2, 4 (more replicas barely help: TTFT p99 1 s at 4 replicas, 1 s " \
+           "at 2; the target is below what a request takes with the pool to itself" in words
+
+
+def _right_column(out: str) -> str:
+    """The summary table's values, their wrapped lines joined (the left column's wrap
+    interleaves with them line by line)."""
+    return " ".join(" ".join(line.split("│")[2].split()) for line in out.splitlines()
+                    if line.count("│") >= 3)

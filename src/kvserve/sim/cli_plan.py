@@ -491,7 +491,7 @@ def _print(result: dict[str, Any]) -> None:
             rows.append((f"fewest replicas ({result['router']}) meeting {', '.join(slo)}",
                          str(result["replicas_recommended"] or "none of " + ", ".join(
                              str(row["replicas"]) for row in result["replica_sweep"])
-                             + " (raise --max-replicas)")))
+                             + _why_none(result))))
         else:
             rows.append((f"fewest replicas ({result['router']})",
                          "no SLO to meet: give --slo-ttft-p99 or --slo-itl-p99"))
@@ -542,6 +542,30 @@ def _replicas(recorded: dict[str, Any]) -> str:
     size = recorded.get("data_parallel_size", 1)
     return "" if size == 1 else f"{size} replicas behind {recorded.get('router')}, the KV " \
         "figures per replica; "
+
+
+def _why_none(result: dict[str, Any]) -> str:
+    """Why no replica count met the SLO: too few tried, or a target below what more replicas
+    reach (the last doubling gained under 5% on a figure that misses; QA: a 1 ms TTFT target
+    was told to raise --max-replicas)."""
+    rows = result["replica_sweep"]
+    if len(rows) < 2:
+        return " (raise --max-replicas)"
+    before, last = rows[-2], rows[-1]
+    floors = []
+    for name, figure, key in (("TTFT", "ttft_p99", "slo_ttft_p99_s"),
+                              ("ITL", "itl_p99", "slo_itl_p99_s")):
+        target, now, then = result[key], last[figure], before[figure]
+        if target is None or now is None or now <= target or then is None:
+            continue
+        if then <= 0 or (then - now) / then < 0.05:
+            floors.append(f"{name} p99 {now:.3g} s at {last['replicas']} replicas, "
+                          f"{then:.3g} s at {before['replicas']}")
+    if floors:
+        return (f" (more replicas barely help: {'; '.join(floors)}; the target is below "
+                "what a request takes with the pool to itself: a faster GPU or model, or a "
+                "looser target)")
+    return " (raise --max-replicas)"
 
 
 def _or_none(value: Any, why: str) -> str:
