@@ -76,6 +76,11 @@ def test_first_difference_names_the_first_decision_apart():
     assert first_difference(base, base[:1]) == (base[1], None)
     other = [Decision("admitted", 0, 0.1), Decision("finished", 6, 6.0)]
     assert first_difference(base, other) == (base[1], other[1])
+    # the same decision at the same moment, after fewer (larger) steps: the same (QA)
+    renumbered = [Decision("admitted", 0, 0.0), Decision("preempted", 2, 4.0)]
+    assert first_difference(base, renumbered) is None
+    later = [Decision("admitted", 0, 0.0), Decision("preempted", 5, 4.5)]
+    assert first_difference(base, later) == (base[1], later[1])
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -33,7 +33,9 @@ def add_parser(subparsers: Any) -> None:
     gen.add_argument("--burst-size", type=int, default=None,
                      help="burst: requests per burst (default 8)")
     gen.add_argument("--prompt-len", default="uniform:64,512", metavar="DIST",
-                     help="prompt lengths (a turn's new text in a conversation)")
+                     help="prompt lengths: each request's own text (a turn's new text in a "
+                          "conversation); with --prefix-groups a request's shared prefix "
+                          "comes on top of it")
     gen.add_argument("--output-len", default="uniform:32,256", metavar="DIST",
                      help="answer lengths before EOS (the trace's output_len)")
     gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
