@@ -6,6 +6,7 @@ only where the operator turned it on, each for its own tenant's keys."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvserve.server.auth import ApiKey
 from kvserve.server.errors import APIError
 from kvserve.server.response_store import ResponseStore
 
-from .helpers import LiveServer
+from .helpers import LiveServer, wait_for
 
 TOOL = {"type": "function", "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
@@ -255,7 +256,7 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     ({"input": [{"type": "web_search_call", "id": "w"}]}, "input.0.type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -372,3 +373,63 @@ def test_text_and_calls_of_one_turn_replay_as_one_assistant_message(client):
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
     assert items.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_background_response_is_polled_to_its_end(client, live):
+    """OpenAI's background mode (with the store): answered at once, queued; GET reads it
+    until it completes, with the same answer a request would have had."""
+    made = client.responses.create(model="tiny", input="Say hi.", max_output_tokens=6,
+                                   temperature=0, background=True)
+    assert made.background is True and made.status in ("queued", "in_progress")
+    deadline = time.monotonic() + 60
+    while (now := client.responses.retrieve(made.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never ended"
+        time.sleep(0.05)
+    assert now.status in ("completed", "incomplete") and now.background is True
+    plain = client.responses.create(model="tiny", input="Say hi.", max_output_tokens=6,
+                                    temperature=0)
+    assert now.output_text == plain.output_text
+    assert now.usage.output_tokens == plain.usage.output_tokens
+    chained = client.responses.create(model="tiny", input="Again.", max_output_tokens=2,
+                                      previous_response_id=now.id)
+    assert chained.status in ("completed", "incomplete")
+    wait_for(live.idle, what="nothing left under way")
+
+
+def test_a_background_response_can_be_cancelled_and_frees_its_request():
+    from .helpers import slow_engine
+
+    with LiveServer(slow_engine(0.02, max_model_len=256)) as live:
+        live.state.responses = ResponseStore(enabled=True)
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        made = client.responses.create(model="tiny", input="Go on.", background=True,
+                                       max_output_tokens=200, extra_body={"ignore_eos": True})
+        chain = post(live, {"input": "next", "previous_response_id": made.id})
+        assert chain.status_code == 400 and "still under way" in chain.text
+        cancelled = client.responses.cancel(made.id)
+        assert cancelled.status == "cancelled" and cancelled.error is None
+        assert client.responses.retrieve(made.id).status == "cancelled"
+        assert client.responses.cancel(made.id).status == "cancelled"  # again: as it is
+        wait_for(live.idle, what="the cancelled request's blocks freed")
+        deleted = client.responses.create(model="tiny", input="Go on.", background=True,
+                                          max_output_tokens=200,
+                                          extra_body={"ignore_eos": True})
+        client.responses.delete(deleted.id)
+        wait_for(live.idle, what="the deleted request's blocks freed")
+        plain = post(live, {"input": "hi", "max_output_tokens": 1}).json()
+        refused = httpx.post(f"{live.url}/v1/responses/{plain['id']}/cancel")
+        assert refused.status_code == 400 and "not created in the background" in refused.text
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"background": True, "stream": True}, "'background' with 'stream' is not supported"),
+])
+def test_background_needs_what_it_needs(live, body, needle):
+    refused = post(live, {"input": "hi", **body})
+    assert refused.status_code == 400 and needle in refused.text
+
+
+def test_background_needs_the_store():
+    with LiveServer(max_model_len=256) as live:
+        refused = post(live, {"input": "hi", "background": True})
+        assert refused.status_code == 400 and "--enable-responses-store" in refused.text

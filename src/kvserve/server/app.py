@@ -164,7 +164,11 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        return responses_api.delete(state, request, response_id)
+        return await responses_api.delete(state, request, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await responses_api.cancel(state, request, response_id)
 
     def model_card(name: str) -> dict[str, Any]:
         # vLLM's card: root is the model itself (under --served-model-name, its own name)

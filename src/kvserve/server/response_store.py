@@ -53,6 +53,8 @@ class ResponseStore:
         size = stored.size
         if size > self.max_bytes:
             return  # it would push out all the others and not fit itself
+        if response_id in mine:  # a background response's whole answer after its first
+            self.used[owner] -= mine.pop(response_id)[1]
         mine[response_id] = (stored, size)
         self.used[owner] = self.used.get(owner, 0) + size
         while mine and (len(mine) > self.capacity or self.used[owner] > self.max_bytes):
@@ -89,7 +91,12 @@ class ResponseStore:
                               "conversation as 'input' instead",
                               param="previous_response_id")
         try:
-            return list(self.get(response_id, owner).conversation)
+            stored = self.get(response_id, owner)
         except APIError as error:
             raise APIError(404, f"previous response {response_id[:100]!r} not found",
                            param="previous_response_id", code=error.code) from None
+        if stored.response.get("status") in ("queued", "in_progress"):
+            raise bad_request(f"previous response {response_id[:100]!r} is still under way "
+                              "(background): wait until GET /v1/responses/{id} says it "
+                              "completed", param="previous_response_id")
+        return list(stored.conversation)

@@ -17,7 +17,9 @@ kept, as vLLM does.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +45,8 @@ from kvserve.server.reasoning_parsers import END
 from kvserve.server.response_store import ResponseStore, Stored
 from kvserve.server.responses import Choice, kvserve_ext
 from kvserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
 
 MAX_INPUT_ITEMS = 4096
 MAX_METADATA_KEYS = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
@@ -147,10 +151,10 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         if getattr(request, name) is not None:
             raise bad_request(f"field '{name}' is not supported by this server; remove it",
                               param=name)
-    if request.background:
-        raise bad_request("background mode is not supported by this server: it answers "
-                          "in the request (send 'background': false, or leave it out)",
-                          param="background")
+    if request.background and request.stream:
+        raise bad_request("'background' with 'stream' is not supported by this server: "
+                          "create it in the background and poll GET /v1/responses/{id}, or "
+                          "stream it in the request", param="background")
     if request.include:
         raise bad_request(f"'include' value {request.include[0]!r} is not supported by "
                           "this server (it adds nothing to an answer); leave 'include' out",
@@ -386,6 +390,7 @@ class ResponsesGeneration(Generation):
         self.item_id = _new_id("msg")
         self.reasoning_id = "rs_" + self.item_id.removeprefix("msg_")
         self.sequence = 0  # the next stream event's sequence_number
+        self.cancelled = False  # a background response the client cancelled
         # a text stream's items opened so far (reasoning, message), by type: their index
         self._live: dict[str, int] = {}
         self._spaces = ""  # a message's leading whitespace, sent once text follows it
@@ -396,7 +401,9 @@ class ResponsesGeneration(Generation):
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         response = self._response(self._status(), self._output(), self._usage())
-        if response["status"] == "failed":
+        if response["status"] == "cancelled":
+            response["error"] = None
+        elif response["status"] == "failed":
             response["error"] = {"code": "aborted", "message": "the request was aborted "
                                  "before it finished (an operator's abort, or the server's "
                                  "shutdown timeout)"}
@@ -412,7 +419,7 @@ class ResponsesGeneration(Generation):
         tool_choice = api.tool_choice or ("auto" if api.tools else "none")
         out: dict[str, Any] = {
             "id": self.response_id, "object": "response", "created_at": self.created,
-            "status": status, "background": False, "error": None,
+            "status": status, "background": api.background, "error": None,
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if status == "incomplete" else None),
             "instructions": api.instructions, "max_output_tokens": api.max_output_tokens,
@@ -439,7 +446,48 @@ class ResponsesGeneration(Generation):
 
     def _status(self) -> str:
         reason = self.choice.finish_reason
+        if self.cancelled:
+            return "cancelled"
         return {"length": "incomplete", "abort": "failed"}.get(reason or "", "completed")
+
+    # background mode
+
+    def run_in_background(self, running: dict[str, Any]) -> Response:
+        """Answer at once with the response ``queued``, kept in the store, and generate it
+        in a task of the server's (in ``running`` until it ends, for cancel and the
+        shutdown's drain); the store then holds the whole answer."""
+        opening = self._response("queued", [], None)
+        self._keep(opening)
+        task = asyncio.create_task(self._in_background(running))
+        running[self.response_id] = (self, task)
+        return JSONResponse(opening, headers={"X-Request-Id": self.given_id})
+
+    async def _in_background(self, running: dict[str, Any]) -> None:
+        try:
+            await self._collect()
+        except EngineDeadError as error:
+            self._failed()
+            failed = self._response("failed", [], None)
+            failed["error"] = {"code": "engine_dead", "message": str(error)}
+            self._keep(failed)
+            return
+        except Exception as error:  # a bug: the response says failed, the log says why
+            logger.exception("background response %s failed", self.response_id)
+            failed = self._response("failed", [], None)
+            failed["error"] = {"code": "server_error",
+                               "message": f"internal error: {type(error).__name__}"}
+            self._keep(failed)
+            return
+        finally:
+            self.close()
+            running.pop(self.response_id, None)
+        self.body(list(self.choices.values()))  # kept in the store
+
+    def cancel(self) -> None:
+        """End a background response here: its engine request is aborted (its task reads
+        the abort and ends)."""
+        self.cancelled = True
+        self.stream.abort()
 
     def _usage(self) -> dict[str, Any]:
         choice = self.choice
@@ -710,15 +758,39 @@ async def create(state: ServerState, request: Request) -> Response:
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
     req = chat_request(api, history, messages, state.tool_parser is not None)
+    if api.background and not (state.responses.enabled and api.store):
+        raise bad_request("'background' keeps the response for GET /v1/responses/{id} to "
+                          "read: it needs the response store (--enable-responses-store, or "
+                          "VLLM_ENABLE_RESPONSES_API_STORE=1) and 'store': true",
+                          param="background")
     kind = partial(ResponsesGeneration, api=api, conversation=history + messages,
                    store=state.responses, owner=owner)
     try:
         generation = await start(state, request, key, req, True, arrival_time, kind)
     except APIError as error:  # the length checks name chat's fields
         raise _renamed(error) from None
+    if api.background:
+        return generation.run_in_background(state.background)
     if api.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
+
+
+async def cancel(state: ServerState, request: Request, response_id: str) -> Response:
+    """OpenAI's cancel of a background response: one under way ends, ``cancelled`` (its
+    engine requests aborted, their blocks freed); one that ended is returned as it is."""
+    owner = _owner(state, request)
+    stored = state.responses.get(response_id, owner)
+    if not stored.response.get("background"):
+        raise bad_request(f"response {response_id[:100]!r} was not created in the "
+                          "background: only a background response can be cancelled",
+                          param="response_id")
+    running = state.background.get(response_id)
+    if running is not None:
+        generation, task = running
+        generation.cancel()
+        await asyncio.shield(task)
+    return JSONResponse(state.responses.get(response_id, owner).response)
 
 
 def retrieve(state: ServerState, request: Request, response_id: str) -> Response:
@@ -752,6 +824,12 @@ def input_items(state: ServerState, request: Request, response_id: str) -> Respo
                          "has_more": len(items) > len(page)})
 
 
-def delete(state: ServerState, request: Request, response_id: str) -> Response:
-    state.responses.delete(response_id, _owner(state, request))
+async def delete(state: ServerState, request: Request, response_id: str) -> Response:
+    owner = _owner(state, request)
+    state.responses.get(response_id, owner)  # a 404 first, for another tenant's too
+    running = state.background.get(response_id)
+    if running is not None:  # under way: it ends here, then is forgotten
+        running[0].cancel()
+        await asyncio.shield(running[1])
+    state.responses.delete(response_id, owner)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -66,6 +66,8 @@ class ServerState:
     tokens_as_ids: bool = False
     # the Responses API's store (--enable-responses-store): off, store: true keeps nothing
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # background responses under way: id -> (their generation, their task)
+    background: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None
