@@ -248,3 +248,16 @@ def test_kv_figures_mean_the_same_for_one_replica_and_a_cluster(tmp_path):
     assert one["kv_usage_peak"] == two["kv_usage_peak"] == max(r["kv_usage_peak"]
                                                                for r in rows) > 0.5
     assert 0.08 < one["kv_usage_mean"] < 0.1  # ~0.49 busy for 20 s of 110
+
+
+def test_a_router_with_one_replica_says_it_changes_nothing(tmp_path, capsys):
+    """QA: --router prefix-affinity with one replica was taken and silently ignored."""
+    trace = tmp_path / "one.jsonl"
+    trace.write_text('{"request_id":"r0","arrival_time":0,"prompt_len":16,"output_len":2}\n')
+    assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
+                 "--router", "prefix-affinity"]) == 0
+    assert "--router prefix-affinity spreads arrivals over replicas; with one replica it " \
+           "changes nothing" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
+                 "--router", "prefix-affinity", "--data-parallel-size", "2"]) == 0
+    assert "changes nothing" not in capsys.readouterr().err

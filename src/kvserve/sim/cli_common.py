@@ -106,6 +106,10 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     size = getattr(args, "data_parallel_size", None)
     bound = args.router_imbalance_bound
+    if (size or 1) == 1 and args.router not in (None, "recorded") and \
+            not getattr(args, "max_replicas", None):  # QA: silently ignored
+        print(f"note: --router {args.router} spreads arrivals over replicas; with one "
+              "replica it changes nothing (give --data-parallel-size N)", file=sys.stderr)
     return ClusterOptions(data_parallel_size=1 if size is None else size,
                           router=args.router or "least-loaded",
                           lockstep=args.data_parallel_lockstep,
