@@ -523,6 +523,10 @@ def sweep_key(name: str, verb: str = "sweep") -> str:
     if key in ("num_gpu_blocks_override",):
         key = "num_kv_blocks"
     known = (*SCHEDULER_KEYS, *CACHE_KEYS, "batching")
+    if key == "data_parallel_size" and verb == "sweep":  # QA: whatif --set takes it
+        raise ValueError("cannot sweep 'data_parallel_size': kvserve plan --max-replicas M "
+                         "runs 1, 2, 4, ... M replicas side by side (and simulate "
+                         "--data-parallel-size N one count)")
     if key not in known:
         raise ValueError(f"cannot {verb} {name!r}; known: {', '.join(known)}")
     return key

@@ -234,6 +234,7 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["simulate", "--max-prefill-only-steps", "2"],
      "max_prefill_only_steps=2 bounds prefill-first steps: it needs step_mix='prefill-first'"),
     (["simulate", "--sweep", "colour=1,2"], "cannot sweep 'colour'"),
+    (["simulate", "--sweep", "data_parallel_size=1,2"], "kvserve plan --max-replicas M"),
     (["simulate", "--sweep", "kv-cache-memory=1GiB,lots"], "'lots' is not a size"),
     (["simulate", "--cost-model", "calibrated"], "needs --calibration"),
     (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be > 0"),
