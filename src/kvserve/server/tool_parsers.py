@@ -107,13 +107,7 @@ class Llama3JsonParser:
         return ParsedCalls(None, tuple(calls))
 
     def content_end(self, text: str) -> int:
-        """All of it once it cannot be a call (it starts with neither ``{`` nor the tag);
-        none while it may be."""
-        start = text.lstrip()
-        if not start or start.startswith("{") or start.startswith(self.tag) or \
-                self.tag.startswith(start):
-            return 0
-        return len(text)
+        return _whole_answer_end(text, "{", self.tag)
 
 
 class MistralParser:
@@ -179,13 +173,7 @@ class PythonicParser:
         return ParsedCalls(None, tuple(calls))
 
     def content_end(self, text: str) -> int:
-        """All of it once it cannot be calls (it starts with neither ``[`` nor the tag);
-        none while it may be."""
-        start = text.lstrip()
-        if not start or start.startswith("[") or start.startswith(self.start) or \
-                self.start.startswith(start):
-            return 0
-        return len(text)
+        return _whole_answer_end(text, "[", self.start)
 
 
 def _python_calls(body: str) -> list[tuple[str, str]]:
@@ -300,6 +288,16 @@ def _call_of(value: Any) -> tuple[str, str] | None:
         return value["name"], to_json(arguments)
     except ValueError:
         return None
+
+
+def _whole_answer_end(text: str, opener: str, tag: str) -> int:
+    """Where the content surely ends in an answer that is calls or none (llama3_json,
+    pythonic): all of it once it cannot be calls (it starts with neither ``opener`` nor
+    ``tag``), none while it may be."""
+    start = text.lstrip()
+    if not start or start.startswith(opener) or start.startswith(tag) or tag.startswith(start):
+        return 0
+    return len(text)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
