@@ -433,3 +433,37 @@ def test_background_needs_the_store():
     with LiveServer(max_model_len=256) as live:
         refused = post(live, {"input": "hi", "background": True})
         assert refused.status_code == 400 and "--enable-responses-store" in refused.text
+
+
+def test_a_background_response_under_way_is_never_pushed_out_and_always_ends_readable():
+    """QA: a running background response could be evicted by newer ones (then neither read
+    nor cancelled, and back later); one larger than the store keeps stayed queued for ever,
+    or was a 404 at once while it ran."""
+    from .helpers import slow_engine
+
+    with LiveServer(slow_engine(0.02, max_model_len=256)) as live:
+        store = live.state.responses = ResponseStore(enabled=True, capacity=2)
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        slow = {"background": True, "max_output_tokens": 100, "extra_body": {"ignore_eos": True}}
+        running = client.responses.create(model="tiny", input="Go on.", **slow)
+        newer = [post(live, {"input": f"n{i}", "max_output_tokens": 1}).json()["id"]
+                 for i in range(3)]
+        assert client.responses.retrieve(running.id).status == "queued"  # pinned
+        assert [httpx.get(f"{live.url}/v1/responses/{i}").status_code for i in newer] == \
+            [404, 404, 200]  # the ended ones went, oldest first (it counts, kept)
+        assert client.responses.cancel(running.id).status == "cancelled"
+        # one whose whole answer is more than the store keeps: failed, said why
+        ongoing = client.responses.create(model="tiny", input="Go on.",
+                                          **{**slow, "max_output_tokens": 200})
+        # its queued self fits (and what says it failed), its whole answer alone does not
+        store.max_bytes = store.kept[None][ongoing.id][1] + 400
+        deadline = time.monotonic() + 60
+        while (now := client.responses.retrieve(ongoing.id)).status == "queued":
+            assert time.monotonic() < deadline, "never ended"
+            time.sleep(0.05)
+        assert now.status == "failed" and now.error.code == "response_too_large"
+        assert now.usage.output_tokens == 200
+        store.max_bytes = 10  # even the queued response is too large: refused, nothing runs
+        refused = post(live, {"input": "x", "background": True, "max_output_tokens": 5})
+        assert refused.status_code == 400 and "--responses-store-memory" in refused.text
+        wait_for(live.idle, what="nothing left running")

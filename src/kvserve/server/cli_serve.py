@@ -488,11 +488,22 @@ def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | Non
                 self._now.set()
             aborter = asyncio.ensure_future(_abort_after(state, timeout, self._now))
             try:
+                await _drain_background(state)
                 await super().shutdown(sockets)
             finally:
                 aborter.cancel()
 
     return DrainingServer(config)
+
+
+async def _drain_background(state: Any) -> None:
+    """Wait for the Responses API's background responses (no connection waits for them, so
+    uvicorn did not, and the engine stopped under them; QA), while new requests are 503s;
+    the shutdown timeout aborts them as it aborts the others."""
+    tasks = [task for _, task in list(getattr(state, "background", {}).values())]
+    if tasks:
+        logger.info("waiting for %d background response(s) to finish", len(tasks))
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _signal_name(number: int) -> str:

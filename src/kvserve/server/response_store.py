@@ -33,6 +33,10 @@ class Stored:
                    for part in (self.response, self.conversation, self.input_items))
 
 
+def _under_way(stored: Stored) -> bool:
+    return stored.response.get("status") in ("queued", "in_progress")
+
+
 @dataclass
 class ResponseStore:
     """Responses kept for GET /v1/responses/{id} and previous_response_id: each tenant's
@@ -45,21 +49,28 @@ class ResponseStore:
     kept: dict[str | None, OrderedDict[str, tuple[Stored, int]]] = field(default_factory=dict)
     used: dict[str | None, int] = field(default_factory=dict)  # bytes kept, per tenant
 
-    def put(self, response_id: str, stored: Stored) -> None:
-        """Keep it, dropping the tenant's oldest past ``capacity`` responses or
-        ``max_bytes`` (one larger than ``max_bytes`` is not kept, and pushes out none)."""
+    def put(self, response_id: str, stored: Stored) -> bool:
+        """Keep it (replacing what was kept under its id: a background response's whole
+        answer after its first), dropping the tenant's oldest ended responses past
+        ``capacity`` responses or ``max_bytes``; one under way (a background response's)
+        is never dropped (QA: it could not be cancelled, then came back). False where it
+        is larger than ``max_bytes`` alone: not kept, and it pushes out none."""
         owner = stored.owner
         mine = self.kept.setdefault(owner, OrderedDict())
+        if response_id in mine:
+            self.used[owner] -= mine.pop(response_id)[1]
         size = stored.size
         if size > self.max_bytes:
-            return  # it would push out all the others and not fit itself
-        if response_id in mine:  # a background response's whole answer after its first
-            self.used[owner] -= mine.pop(response_id)[1]
+            return False  # it would push out all the others and not fit itself
         mine[response_id] = (stored, size)
         self.used[owner] = self.used.get(owner, 0) + size
-        while mine and (len(mine) > self.capacity or self.used[owner] > self.max_bytes):
-            _, (_, dropped) = mine.popitem(last=False)
-            self.used[owner] -= dropped
+        while len(mine) > self.capacity or self.used[owner] > self.max_bytes:
+            oldest = next((key for key, (kept, _) in mine.items()
+                           if not _under_way(kept) and key != response_id), None)
+            if oldest is None:  # only responses under way (and this one): kept over
+                break
+            self.used[owner] -= mine.pop(oldest)[1]
+        return True
 
     def get(self, response_id: str, owner: str | None) -> Stored:
         """The response, or a 404 (also for another tenant's: its id is not told apart)."""
@@ -95,7 +106,7 @@ class ResponseStore:
         except APIError as error:
             raise APIError(404, f"previous response {response_id[:100]!r} not found",
                            param="previous_response_id", code=error.code) from None
-        if stored.response.get("status") in ("queued", "in_progress"):
+        if _under_way(stored):
             raise bad_request(f"previous response {response_id[:100]!r} is still under way "
                               "(background): wait until GET /v1/responses/{id} says it "
                               "completed", param="previous_response_id")

@@ -373,6 +373,10 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+_TOO_LARGE = ("the response is larger than this server's store keeps for a tenant ({} bytes "
+              "as JSON, --responses-store-memory)")
+
+
 class ResponsesGeneration(Generation):
     """A chat generation answered in the Responses API's shapes: ``api`` is the request as
     sent, ``conversation`` its messages (history and input, without instructions), kept in
@@ -455,9 +459,14 @@ class ResponsesGeneration(Generation):
     def run_in_background(self, running: dict[str, Any]) -> Response:
         """Answer at once with the response ``queued``, kept in the store, and generate it
         in a task of the server's (in ``running`` until it ends, for cancel and the
-        shutdown's drain); the store then holds the whole answer."""
+        shutdown's drain); the store then holds the whole answer. A 400 where even the
+        queued response is more than the store keeps (QA: a 404 at once, the request
+        running on)."""
         opening = self._response("queued", [], None)
-        self._keep(opening)
+        if not self._keep(opening):
+            self.close()
+            raise bad_request(_TOO_LARGE.format(self.store.max_bytes) + ": send it without "
+                              "'background'", param="background")
         task = asyncio.create_task(self._in_background(running))
         running[self.response_id] = (self, task)
         return JSONResponse(opening, headers={"X-Request-Id": self.given_id})
@@ -556,10 +565,11 @@ class ResponsesGeneration(Generation):
     def _call_item_id(self, index: int) -> str:
         return "fc_" + self.item_id.removeprefix("msg_") + (f"_{index}" if index else "")
 
-    def _keep(self, response: dict[str, Any]) -> None:
-        """Keep the response and its conversation (this answer's messages appended)."""
+    def _keep(self, response: dict[str, Any]) -> bool:
+        """Keep the response and its conversation (this answer's messages appended); False
+        where the store could not (off, store false, or larger than it keeps)."""
         if not response["store"]:
-            return
+            return False
         answer: list[dict[str, Any]] = []
         for item in response["output"]:
             if item["type"] == "reasoning":  # left out of the history, as chat's templates do
@@ -573,9 +583,18 @@ class ResponsesGeneration(Generation):
                 answer[-1].setdefault("tool_calls", []).append(call)
             else:
                 answer.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        self.store.put(self.response_id,
-                       Stored(self.owner, response, self.conversation + answer,
-                              _as_items(self.api.input)))
+        kept = self.store.put(self.response_id,
+                              Stored(self.owner, response, self.conversation + answer,
+                                     _as_items(self.api.input)))
+        if not kept and self.api.background:  # what its poller reads instead (QA: it was
+            # queued for ever): its status and usage, without the long parts
+            too_large = {**self._response("failed", [], response["usage"]),
+                         "instructions": None, "tools": [], "metadata": {},
+                         "error": {"code": "response_too_large", "message": _TOO_LARGE.format(
+                             self.store.max_bytes)}}
+            too_large.pop("kvserve", None)
+            self.store.put(self.response_id, Stored(self.owner, too_large, [], []))
+        return kept
 
     # the stream: the Responses API's typed events
 
