@@ -49,6 +49,10 @@ DEEP = '{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'),  # QA: sent
     ("llama3_json", '{"name": "f", "parameters": {"a": 1e400}}'),  # Infinity
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": -Infinity}"}</tool_call>'),
+    # a lone surrogate: no UTF-8 answer carries it (QA: a 500 when whole)
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": "\\udc00"}}]'),
+    ("pythonic", "[f(x='\\ud800')]"),
 ])
 def test_a_call_a_strict_json_parser_cannot_read_is_left_as_text(name, text):
     parsed = make_parser(name).parse(text)
@@ -80,6 +84,14 @@ def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
     ("[TOOL_CALLS] [{\"name\": \"f\", \"argu", "[TOOL_CALLS] [{\"name\": \"f\", \"argu",
      ()),  # cut short: the text
     ("[TOOL_CALLS]f[ARGS]not json", "[TOOL_CALLS]f[ARGS]not json", ()),
+    # a marker inside a string is text (QA: the call was lost)
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"q": "see [ARGS] and [TOOL_CALLS]"}}]',
+     None, (("f", '{"q": "see [ARGS] and [TOOL_CALLS]"}'),)),
+    ('[TOOL_CALLS]f[ARGS]{"q": "a [TOOL_CALLS] b"}[TOOL_CALLS]g[ARGS]{}', None,
+     (("f", '{"q": "a [TOOL_CALLS] b"}'), ("g", "{}"))),
+    ('[TOOL_CALLS] [{"name": "", "arguments": {}}]',
+     '[TOOL_CALLS] [{"name": "", "arguments": {}}]', ()),  # QA: a call to ""
+    ('[TOOL_CALLS][ARGS]{}', '[TOOL_CALLS][ARGS]{}', ()),
     ("No call.", "No call.", ()),
 ])
 def test_mistral_reads_calls_after_its_marker(text, content, calls):
@@ -102,6 +114,9 @@ def test_mistral_reads_calls_after_its_marker(text, content, calls):
     ("Hello [f()]", ()),
     ("[" * 3000 + "]" * 3000, ()),  # too deep for the parser: text, not a 500
     ("[f(x=", ()),
+    ("[f(a=1, a=2)]", ()),  # QA: taken, a=2
+    ("[f(x={None: 1, 1: 2, True: 3})]", ()),  # QA: a value lost
+    ("[f(x={'k': [{'j': 1}]})]", (("f", '{"x": {"k": [{"j": 1}]}}'),)),
 ])
 def test_pythonic_reads_an_answer_that_is_a_list_of_calls(text, calls):
     parsed = make_parser("pythonic").parse(text)

@@ -118,38 +118,41 @@ class MistralParser:
         at = text.find(self.marker)
         if at < 0:
             return ParsedCalls(text, (), len(text))
-        pieces = [piece.strip() for piece in text[at:].split(self.marker)[1:]]
-        calls = self._named(pieces) if self.args in text[at:] else self._listed(pieces)
+        calls = self._calls(text[at:])
         if not calls:
             return ParsedCalls(text, (), len(text))
         content = text[:at]
         return ParsedCalls(content if content.strip() else None, tuple(calls), at)
 
-    def _listed(self, pieces: list[str]) -> list[tuple[str, str]]:
-        """``[TOOL_CALLS] [{...}, ...]``: one JSON list (or object) of calls."""
-        calls = []
-        for piece in pieces:
+    def _calls(self, text: str) -> list[tuple[str, str]]:
+        """The calls of ``text`` (which starts with the marker): after each marker, a JSON
+        list (or object) of calls, or ``name[ARGS]{...}``, the JSON read whole (a marker
+        written inside a string is text: QA), nothing but blanks between them."""
+        calls: list[tuple[str, str]] = []
+        rest = text
+        while rest:
+            if not rest.startswith(self.marker):
+                return []
+            rest = rest[len(self.marker):].lstrip()
             try:
-                value = strict_json(piece)
+                if rest.startswith(("[", "{")):  # the list form
+                    value, end = raw_json(rest, 0)
+                    items = value if isinstance(value, list) else [value]
+                else:  # the newer form: name[ARGS]{...}
+                    name, found, after = rest.partition(self.args)
+                    if not found or self.marker in name:
+                        return []
+                    rest = after.lstrip()
+                    arguments, end = raw_json(rest, 0)
+                    items = [{"name": name.strip(), "arguments": arguments}]
             except ValueError:
                 return []
-            for item in value if isinstance(value, list) else [value]:
+            for item in items:
                 call = _call_of(item)
                 if call is None:
                     return []
                 calls.append(call)
-        return calls
-
-    def _named(self, pieces: list[str]) -> list[tuple[str, str]]:
-        """``[TOOL_CALLS]name[ARGS]{...}``, each call after its own marker."""
-        calls = []
-        for piece in pieces:
-            name, found, arguments = piece.partition(self.args)
-            call = _call_of({"name": name.strip(), "arguments": arguments.strip()}) \
-                if found and name.strip() else None
-            if call is None:
-                return []
-            calls.append(call)
+            rest = rest[end:].lstrip()
         return calls
 
     def content_end(self, text: str) -> int:
@@ -190,6 +193,9 @@ def _python_calls(body: str) -> list[tuple[str, str]]:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args \
                 or any(keyword.arg is None for keyword in node.keywords):
             return []
+        names = [keyword.arg for keyword in node.keywords]
+        if len(set(names)) != len(names):  # f(a=1, a=2): Python refuses it too (QA)
+            return []
         try:
             arguments = {keyword.arg: _literal(keyword.value) for keyword in node.keywords}
             calls.append((node.func.id, to_json(arguments)))
@@ -200,11 +206,26 @@ def _python_calls(body: str) -> list[tuple[str, str]]:
 
 def _literal(node: ast.expr) -> Any:
     """A literal's value (to_json then refuses what JSON has not: a set, bytes, a complex
-    number; writes True, False and None as JSON's, a tuple as a list)."""
+    number; writes True, False and None as JSON's, a tuple as a list). A dict's keys must
+    be strings: {None: 1, 1: 2, True: 3} lost a value as Python merged 1 and True (QA)."""
     try:
-        return ast.literal_eval(node)
+        value = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         raise ValueError("not a literal") from None
+    if not _string_keys(value):
+        raise ValueError("a dict with keys that are not strings")
+    return value
+
+
+def _string_keys(value: Any, depth: int = 0) -> bool:
+    if depth > 64:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _string_keys(item, depth + 1)
+                   for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_string_keys(item, depth + 1) for item in value)
+    return True
 
 
 def make_parser(name: str) -> ToolParser:
@@ -263,18 +284,22 @@ def raw_json(text: str, at: int) -> tuple[Any, int]:
 
 
 def to_json(value: Any) -> str:
-    """``value`` as JSON text (ValueError where it nests too deeply to write)."""
+    """``value`` as JSON text (ValueError where it nests too deeply to write, holds what JSON
+    has not, or a lone surrogate, which no UTF-8 answer can carry: QA, a 500)."""
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
-    except TypeError as error:  # a set, bytes: no JSON value
+    except (TypeError, UnicodeEncodeError) as error:  # a set, bytes; "\ud800"
         raise ValueError(str(error)) from None
+    return text
 
 
 def _call_of(value: Any) -> tuple[str, str] | None:
     """``{"name": ..., "arguments" or "parameters": {...}}`` as (name, arguments' JSON)."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
+            not value["name"].strip():  # QA: a call to "" was taken
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
