@@ -245,7 +245,7 @@ def test_a_rows_state_goes_on_from_the_step_before():
     for end in range(len(output) + 1):
         expected = read(b"".join(pieces[t] for t in output[:end]))
         assert sampler.json_state(None, ANY_OBJECT, output[:end]) == expected
-    assert (None, tuple(output[:4])) in sampler._states
+    assert (None, b"", tuple(output[:4])) in sampler._states
     fresh = Sampler(token_bytes=lambda: pieces)  # no step before: read whole
     assert fresh.json_state(None, ANY_OBJECT, output).mode == DONE
 
@@ -593,3 +593,45 @@ def test_an_enum_beside_a_type_keeps_the_values_of_that_type():
     assert read(b'{"x":1}', schema=schema).mode == DONE
     with pytest.raises(SchemaError, match="no value of the enum is of its type"):
         Schema({"type": "object", "properties": {"x": {"enum": [1], "type": "string"}}})
+
+
+CLOSING = [*THINKING, b"</think", b">{", b'>"', b">\n", b'</think>{"a']  # 11 .. 15
+
+
+def test_bytes_after_the_closing_marker_in_its_token_begin_the_form():
+    """QA: the form held from the token after the one that closed the thinking, so what
+    that token wrote after the marker was never checked ('>"' put '"' before the JSON).
+    Now those bytes begin the form, and while it thinks a token that would close it with
+    bytes the form cannot begin with is never drawn."""
+    params = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0,
+                            think_markers=("<think>", "</think>"), think_open=True)
+
+    def pick(output: list[int], wants: int) -> int:
+        logits = torch.zeros(1, len(CLOSING))
+        logits[0, wants] = 9.0
+        sampler = Sampler(token_bytes=lambda: CLOSING)
+        return sampler(logits, [SamplingRow(params, [99, *output], 1)]).token_ids[0]
+
+    assert pick([6, 11], wants=13) != 13  # '>"': banned
+    assert pick([6, 11], wants=12) == 12  # '>{': closes and begins the object
+    assert pick([6, 11, 12], wants=6) == 2  # then "}" (the "{" was read)
+    assert pick([6, 11], wants=14) == 14  # ">\n": a blank after it is fine
+    assert pick([6], wants=15) == 15  # '</think>{"a': the marker and the JSON's beginning
+    choices = SamplingParams(temperature=0.0, eos_token_id=0, choice_token_ids=[(2,)],
+                             think_markers=("<think>", "</think>"), think_open=True)
+    sampler = Sampler(token_bytes=lambda: CLOSING)
+    assert 12 in sampler.closing_bans(choices, b"</think") and \
+        14 not in sampler.closing_bans(choices, b"</think")
+
+
+def test_a_thinking_rows_state_goes_on_from_the_step_before():
+    """QA: every step read the whole output's bytes again (O(n^2) over a long thinking);
+    now only the last token is read, and the answer is the whole reading's."""
+    params = SamplingParams(json_object=True, eos_token_id=0,
+                            think_markers=("<think>", "</think>"))
+    output = [3, 6, 6, 9, 6, 9, 10, 1]  # <think> hmm hmm </ hmm </ think>\\n {
+    sampler = Sampler(token_bytes=lambda: CLOSING)
+    for end in range(len(output) + 1):
+        assert sampler.thinking_of(params, output[:end]) == thinking(params, output[:end],
+                                                                     CLOSING), end
+    assert thinking(params, output, CLOSING) == Thinking(7, leftover=b"")

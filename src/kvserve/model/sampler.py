@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -159,7 +160,12 @@ class Sampler:
         # 49k ids took 4.7 of a JSON step's 5.7 ms
         self._masks: dict[int, tuple[list[int], torch.Tensor]] = {}
         # a JSON row's recognizer state, by (its schema's text, its output so far)
-        self._states: dict[tuple[str | None, tuple[int, ...]], JsonState | None] = {}
+        self._states: dict[tuple[str | None, bytes, tuple[int, ...]], JsonState | None] = {}
+        # a thinking row's Thinking, by (its markers, opened, its output so far)
+        self._thoughts: dict[tuple[Any, bool, tuple[int, ...]], Thinking] = {}
+        # the tokens that would close a row's thinking with bytes its form cannot begin
+        # with, by (the closing marker, the output's end that begins it, the form)
+        self._closings: dict[tuple[Any, ...], list[int]] = {}
 
     def vocabulary_bytes(self) -> list[bytes]:
         """Each token's bytes (JSON mode and thinking first need them)."""
@@ -174,6 +180,61 @@ class Sampler:
         if self._json is None:
             self._json = JsonVocabulary(self.vocabulary_bytes())
         return self._json
+
+    def thinking_of(self, params: SamplingParams, output: Sequence[int]) -> Thinking:
+        """:func:`thinking`, from the step before where it is known: a settled row's stays,
+        a thinking row's looks for its closing marker in its tail and its last token only
+        (the whole output's bytes each step made a long thinking O(n^2); QA)."""
+        assert params.think_markers is not None
+        thoughts = self._thoughts
+        key = (params.think_markers, params.think_open, tuple(output))
+        known = thoughts.get(key)
+        if known is not None:
+            return known
+        before = thoughts.get((key[0], key[1], key[2][:-1])) if output else None
+        token_bytes = self.vocabulary_bytes()
+        if before is not None and before.opening is None and before.start is not None:
+            where = before  # settled: the form holds from where it did
+        elif before is not None and before.opening is None:  # thinking: only its last
+            closes = params.think_markers[1].encode()  # token can close it
+            last = output[-1]
+            window = before.tail + (token_bytes[last] if last < len(token_bytes) else b"")
+            at = window.find(closes)
+            where = Thinking(None, tail=_tail(window, closes)) if at < 0 else \
+                Thinking(len(output), leftover=window[at + len(closes):].lstrip())
+        else:
+            where = thinking(params, output, token_bytes)
+        if len(thoughts) >= 4096:
+            thoughts.clear()
+        thoughts[key] = where
+        return where
+
+    def closing_bans(self, params: SamplingParams, tail: bytes) -> list[int]:
+        """While a row thinks, the tokens that would write the rest of its closing marker
+        (after ``tail``, its thinking's end) and then bytes its form cannot begin with:
+        they are never drawn (QA: a token writing '>"' closed the thinking and put '"'
+        before the JSON)."""
+        assert params.think_markers is not None
+        closes = params.think_markers[1].encode()
+        form = (params.json_schema, params.json_object, bool(params.choice_token_ids))
+        key = (closes, tail, form)
+        bans = self._closings.get(key)
+        if bans is None:
+            schema = self.json_schema(params.json_schema) \
+                if params.json_object or params.json_schema is not None else None
+            bans = []
+            for token_id, piece in enumerate(self.vocabulary_bytes()):
+                joined = tail + piece
+                at = joined.find(closes) if piece else -1
+                if at < 0:
+                    continue
+                leftover = joined[at + len(closes):].lstrip()
+                if leftover and (schema is None or read(leftover, START, schema) is None):
+                    bans.append(token_id)
+            if len(self._closings) >= 64:
+                self._closings.clear()
+            self._closings[key] = bans
+        return bans
 
     def opening_tokens(self, marker: bytes, written: bytes) -> list[int]:
         """The tokens after ``written`` (an output so far, nothing but blanks and the
@@ -205,21 +266,24 @@ class Sampler:
             self._masks[id(token_ids)] = (token_ids, mask)  # type: ignore[assignment]
         return mask
 
-    def json_state(self, text: str | None, schema: Schema,
-                   output: Sequence[int]) -> JsonState | None:
-        """The recognizer's state after ``output``: from the state after all but its last
-        token, kept from the step before, when there is one (reading the whole output
-        again each step cost a request O(n^2) and 17% of its time per token)."""
+    def json_state(self, text: str | None, schema: Schema, output: Sequence[int],
+                   prefix: bytes = b"") -> JsonState | None:
+        """The recognizer's state after ``prefix`` (the bytes a thinking answer wrote after
+        its closing marker, in that marker's token) and ``output``: from the state after
+        all but its last token, kept from the step before, when there is one (reading the
+        whole output again each step cost a request O(n^2) and 17% of its time per
+        token)."""
         token_bytes = self.json_vocabulary().token_bytes
         states = self._states
-        key = (text, tuple(output))
-        before = states.get((text, key[1][:-1])) if output else START
+        key = (text, prefix, tuple(output))
+        first = read(prefix, START, schema) if prefix else START
+        before = states.get((text, prefix, key[2][:-1])) if output else first
         if before is not None or not output:
             state = read(token_bytes[output[-1]] if output[-1] < len(token_bytes) else b"",
-                         before, schema) if output else START
+                         before, schema) if output else first
         else:
             state = read(b"".join(token_bytes[t] for t in output if t < len(token_bytes)),
-                         schema=schema)
+                         first, schema)
         if len(states) >= 4096:
             states.clear()
         states[key] = state
@@ -318,13 +382,15 @@ def _end_where_nothing_is_left(logits: torch.Tensor, rows: Sequence[SamplingRow]
             logits[index, eos] = 0.0
 
 
-def _json_tokens(row: SamplingRow, sampler: Sampler, start: int = 0) -> list[int]:
-    """JSON output: the tokens that keep the output (from position ``start`` on) the
-    beginning of one JSON object (of its schema); EOS alone once it closed (or, should
-    nothing fit, to end it)."""
+def _json_tokens(row: SamplingRow, sampler: Sampler, start: int = 0,
+                 prefix: bytes = b"") -> list[int]:
+    """JSON output: the tokens that keep the output (from position ``start`` on, after
+    ``prefix``) the beginning of one JSON object (of its schema); EOS alone once it closed
+    (or, should nothing fit, to end it)."""
     vocabulary = sampler.json_vocabulary()
     schema = sampler.json_schema(row.params.json_schema)
-    state = sampler.json_state(row.params.json_schema, schema, row.output_token_ids[start:])
+    state = sampler.json_state(row.params.json_schema, schema, row.output_token_ids[start:],
+                               prefix)
     allowed = vocabulary.allowed(state, schema) \
         if state is not None and state.mode != DONE else []
     if not allowed:
@@ -337,10 +403,15 @@ def _json_tokens(row: SamplingRow, sampler: Sampler, start: int = 0) -> list[int
 class Thinking:
     """Where a thinking answer's constraints stand (SamplingParams.think_markers):
     ``start`` the output position they hold from (None while it thinks); ``opening`` its
-    bytes so far while it may still open its thinking (None once that is settled)."""
+    bytes so far while it may still open its thinking (None once that is settled);
+    ``leftover`` what the token that wrote the closing marker wrote after it (the form's
+    first bytes, blanks stripped); ``tail``, while it thinks, the end of its thinking that
+    may begin the closing marker."""
 
     start: int | None
     opening: bytes | None = None
+    leftover: bytes = b""
+    tail: bytes = b""
 
 
 def thinking(params: SamplingParams, output: Sequence[int],
@@ -348,7 +419,9 @@ def thinking(params: SamplingParams, output: Sequence[int],
     """A reasoning model's structured output holds from the end of its thinking on (vLLM's
     reasoning-aware structured outputs): while the output may still open its thinking, its
     constraints and the opening marker are both allowed; once it opened, nothing holds
-    until the closing marker; then the constraints hold from the next token."""
+    until the closing marker (but a token that would close it with bytes the form cannot
+    begin with: :meth:`Sampler.closing_bans`); then the constraints hold, from the bytes
+    after the marker in the token that wrote it."""
     if params.think_markers is None:
         return Thinking(0)
     opens, closes = (marker.encode() for marker in params.think_markers)
@@ -363,38 +436,49 @@ def thinking(params: SamplingParams, output: Sequence[int],
             return Thinking(0)  # it did not think: held from its first token
         after = len(written) - len(body) + len(opens)
     at = written.find(closes, after)
-    if at < 0:
-        return Thinking(None)  # still thinking
-    left = at + len(closes)
+    if at < 0:  # still thinking
+        return Thinking(None, tail=_tail(written[after:], closes))
+    closed, end = at + len(closes), 0
     for position, piece in enumerate(pieces):  # the token that wrote the marker's end
-        left -= len(piece)
-        if left <= 0:
-            return Thinking(position + 1)
+        end += len(piece)
+        if end >= closed:
+            return Thinking(position + 1, leftover=written[closed:end].lstrip())
     raise AssertionError("the closing marker lies within the output")
 
 
-def _structured_tokens(row: SamplingRow,
-                       sampler: Sampler) -> tuple[list[int] | None, bool]:
+def _tail(written: bytes, marker: bytes) -> bytes:
+    """The longest end of ``written`` that ``marker`` begins with (not all of it)."""
+    for length in range(min(len(marker) - 1, len(written)), 0, -1):
+        if marker.startswith(written[-length:]):
+            return written[-length:]
+    return b""
+
+
+def _structured_tokens(row: SamplingRow, sampler: Sampler
+                       ) -> tuple[list[int] | None, bool, list[int]]:
     """The tokens a row's choices or JSON allow now, where it has either (None where it
-    has neither, or while it thinks first), and whether the list is one the JSON
-    vocabulary keeps (its mask kept too)."""
+    has neither, or while it thinks first), whether the list is one the JSON vocabulary
+    keeps (its mask kept too), and the tokens it may not draw (while it thinks, those that
+    would end its thinking with what its form cannot begin with)."""
     params = row.params
     json_output = params.json_object or params.json_schema is not None
     if not (params.choice_token_ids or json_output):
-        return None, False
-    where = thinking(params, row.output_token_ids, sampler.vocabulary_bytes()) \
+        return None, False, []
+    where = sampler.thinking_of(params, row.output_token_ids) \
         if params.think_markers is not None else Thinking(0)
     if where.start is None:
-        return None, False
-    tokens = row.choice_tokens(where.start) if params.choice_token_ids else \
-        _json_tokens(row, sampler, where.start)
+        return None, False, sampler.closing_bans(params, where.tail)
+    if params.choice_token_ids:
+        tokens = row.choice_tokens(where.start)
+    else:
+        tokens = _json_tokens(row, sampler, where.start, where.leftover)
     if where.opening is None:
-        return tokens, json_output
+        return tokens, json_output, []
     assert params.think_markers is not None
     opening = sampler.opening_tokens(params.think_markers[0].encode(), where.opening)
     if where.opening.strip():  # the marker begun: it goes on
-        return opening, False
-    return sorted(set(tokens).union(opening)), False
+        return opening, False, []
+    return sorted(set(tokens).union(opening)), False, []
 
 
 def _goes_on(marker: bytes, text: bytes) -> bool:
@@ -406,12 +490,12 @@ def _shape(logits: torch.Tensor, row: SamplingRow, vocab: int, sampler: Sampler)
     """allowed_token_ids and choices, bad_words, logit_bias and the penalties, in vLLM's
     order, on one row."""
     params = row.params
-    for token_ids, remember in ((params.allowed_token_ids, False),
-                                _structured_tokens(row, sampler)):
+    structured, remember, closing = _structured_tokens(row, sampler)
+    for token_ids, kept in ((params.allowed_token_ids, False), (structured, remember)):
         if token_ids is not None:
-            allowed = sampler.mask(token_ids, vocab, logits.device, remember)
+            allowed = sampler.mask(token_ids, vocab, logits.device, kept)
             logits.masked_fill_(~allowed, float("-inf"))
-    banned = [t for t in row.bad_tokens if t < vocab]
+    banned = [t for t in [*row.bad_tokens, *closing] if t < vocab]
     if banned:
         logits[banned] = float("-inf")
     if params.logit_bias:
