@@ -296,5 +296,22 @@ def test_a_forced_call_thinks_first(stream):
             arguments = "".join(call.function.arguments or "" for d in deltas
                                 for call in d.tool_calls or [])
             assert not "".join(d.content or "" for d in deltas).strip()
+            # the call goes out once the thinking is over, and no delta is empty (QA: the
+            # call went out first, then an empty delta a thinking token)
+            calls = [i for i, d in enumerate(deltas) if d.tool_calls]
+            thoughts = [i for i, d in enumerate(deltas) if d.model_extra.get("reasoning")]
+            assert max(thoughts) < min(calls)
+            assert all(d.tool_calls[0].function.arguments for d in deltas[min(calls) + 1:]
+                       if d.tool_calls)
+        events = list(client.responses.create(
+            model="tiny", input="hi", max_output_tokens=40, stream=True,
+            tools=[{"type": "function", "name": "f", "parameters": tools[0]["function"][
+                "parameters"]}], tool_choice={"type": "function", "name": "f"}))
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["reasoning", "function_call"]
+        added = [(e.output_index, e.item.type) for e in events
+                 if e.type == "response.output_item.added"]
+        assert added == [(0, "reasoning"), (1, "function_call")]
+        assert json.loads(final.output[1].arguments) == {"city": "Paris"}
         assert reasoning == "The user wants f."
         assert json.loads(arguments) == {"city": "Paris"}

@@ -612,6 +612,8 @@ class ResponsesGeneration(Generation):
         # calls whole at the end; otherwise the text as it comes (reasoning, then content)
         named = tools is not None and tools.name is not None
         text = tools is None or tools.parser is not None
+        if named and self.answer is not None and self.answer.reasoning is not None:
+            named = text = False  # thinks, then calls: the items go out whole, in order
         if named:
             yield self._opened(self._first_call())
         chunk: CompletionChunk | None = first

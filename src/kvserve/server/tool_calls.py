@@ -34,6 +34,7 @@ class ToolCalls:
         self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
         self.called: set[str] = set()  # auto: the answers that held calls
         self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
+        self.opened: set[str] = set()  # named, streamed: the answers whose call went out
 
     @classmethod
     def of(cls, req: Any, choice_ids: list[str], role: str,
@@ -72,9 +73,17 @@ class ToolCalls:
         None where nothing goes out yet."""
         if self.parser is not None:
             return self._auto_delta(choice_id, whole, finished)
-        if self.name is not None:  # the arguments, delta by delta
-            return {"tool_calls": [{"index": 0, **self._call(choice_id, text)} if first else
-                                   {"index": 0, "function": {"arguments": text}}]}
+        if self.name is not None:  # the arguments, delta by delta, from their first text
+            # (a thinking answer's first chunks are reasoning: QA, the call went out before
+            # it, then an empty delta a token)
+            if choice_id not in self.opened:
+                if not text and not finished:
+                    return None
+                self.opened.add(choice_id)
+                return {"tool_calls": [{"index": 0, **self._call(choice_id, text)}]}
+            if not text:
+                return None
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         if not finished:
             return None
         message = self.message(choice_id, whole)
