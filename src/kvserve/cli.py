@@ -152,6 +152,7 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
     if not isinstance(settings, dict):
         raise CLIError(f"--config {path}: a mapping of flags to values is expected, got a "
                        f"{type(settings).__name__}")
+    end = rest.index("--") if "--" in rest else len(rest)  # the flags end there
     given = {_dashed(arg).partition("=")[0] for arg in rest[:end] if arg.startswith("--")}
     known = serve._option_string_actions
     extra: list[str] = []
@@ -159,12 +160,20 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
     for key, value in settings.items():
         flag = "--" + str(key).replace("_", "-")
         if key == "model":
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                if value is not None:  # QA: a list became the path "['a', 'b']"
+                    raise CLIError(f"--config {path}: model must be a path, got {value!r}")
+                continue
             model = [str(value)]
             continue
         if flag not in known:
             raise CLIError(f"--config {path}: {key!r} is not a flag of kvserve serve")
         if flag in given or f"--no-{flag[2:]}" in given:
             continue  # the command line wins
+        switch = known[flag].nargs == 0  # takes no value: true or false (QA: a quoted
+        if switch and not isinstance(value, bool) and value is not None:  # 'no' was the model)
+            raise CLIError(f"--config {path}: {key} takes true or false, got "
+                           f"{value!r}"[:300])
         if value is True:
             extra.append(flag)
         elif value is False:
@@ -177,7 +186,8 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
     if model and not _has_model(rest, serve):
         index = rest.index("serve") + 1
         rest = rest[:index] + model + rest[index:]
-    return rest + extra
+        end += len(model)
+    return rest[:end] + extra + rest[end:]  # before a "--", where flags are still read
 
 
 def _has_model(argv: list[str], serve: argparse.ArgumentParser) -> bool:

@@ -753,11 +753,18 @@ def test_a_config_file_is_read_as_flags_and_the_command_line_wins(tmp_path, mode
     assert args.enable_log_requests is True
     own = with_config_file(["serve", "/other/model", f"--config={config}"], serve)
     assert build_parser().parse_args(own).model == "/other/model"
+    # flags go before a "--" (QA: after it they were read as positionals); model: null is none
+    config.write_text("model: null\nmax-num-seqs: 8\n")
+    assert with_config_file(["serve", "--config", str(config), "--", "x"], serve) == \
+        ["serve", "--max-num-seqs", "8", "--", "x"]
 
 
 @pytest.mark.parametrize(("text", "needle"), [
     ("max-model-len: [", "not YAML"), ("- a\n- b\n", "a mapping of flags to values"),
-    ("no-such-flag: 1\n", "'no-such-flag' is not a flag of kvserve serve")])
+    ("no-such-flag: 1\n", "'no-such-flag' is not a flag of kvserve serve"),
+    # QA: a quoted 'no' became "--enable-prefix-caching no", "no" the model; a list model
+    ("enable-prefix-caching: 'no'\n", "enable-prefix-caching takes true or false, got 'no'"),
+    ("model: [a, b]\n", "model must be a path, got ['a', 'b']")])
 def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, text, needle):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
