@@ -9,7 +9,7 @@ from typing import Any
 
 from kvserve.sim import svg
 from kvserve.sim.cluster import ClusterResult
-from kvserve.sim.report import _round, aggregate, time_mean
+from kvserve.sim.report import _round, aggregate, state_times, time_mean
 from kvserve.sim.simulator import SimResult
 from kvserve.sim.table import fmt_pct, fmt_s
 
@@ -25,9 +25,9 @@ def replica_summary(replica: int, result: SimResult) -> dict[str, Any]:
     return {
         "replica": replica,
         **{name: figures[name] for name in REPLICA_FIGURES},
-        "num_running_mean": _round(time_mean(steps.num_running, steps.time,
+        "num_running_mean": _round(time_mean(steps.num_running, state_times(result),
                                              result.start_time, result.end_time)),
-        "num_waiting_mean": _round(time_mean(steps.num_waiting, steps.time,
+        "num_waiting_mean": _round(time_mean(steps.num_waiting, state_times(result),
                                              result.start_time, result.end_time)),
         "time_series": {
             "time": [_round(t) for t in steps.time],
