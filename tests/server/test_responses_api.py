@@ -448,7 +448,8 @@ def test_a_background_response_under_way_is_never_pushed_out_and_always_ends_rea
         running = client.responses.create(model="tiny", input="Go on.", **slow)
         newer = [post(live, {"input": f"n{i}", "max_output_tokens": 1}).json()["id"]
                  for i in range(3)]
-        assert client.responses.retrieve(running.id).status == "queued"  # pinned
+        wait_for(lambda: client.responses.retrieve(running.id).status == "in_progress",
+                 what="its first token")  # from queued; pinned (never pushed out)
         assert [httpx.get(f"{live.url}/v1/responses/{i}").status_code for i in newer] == \
             [404, 404, 200]  # the ended ones went, oldest first (it counts, kept)
         assert client.responses.cancel(running.id).status == "cancelled"
@@ -458,7 +459,8 @@ def test_a_background_response_under_way_is_never_pushed_out_and_always_ends_rea
         # its queued self fits (and what says it failed), its whole answer alone does not
         store.max_bytes = store.kept[None][ongoing.id][1] + 400
         deadline = time.monotonic() + 60
-        while (now := client.responses.retrieve(ongoing.id)).status == "queued":
+        while (now := client.responses.retrieve(ongoing.id)).status in ("queued",
+                                                                          "in_progress"):
             assert time.monotonic() < deadline, "never ended"
             time.sleep(0.05)
         assert now.status == "failed" and now.error.code == "response_too_large"

@@ -492,6 +492,14 @@ class ResponsesGeneration(Generation):
             running.pop(self.response_id, None)
         self.body(list(self.choices.values()))  # kept in the store
 
+    def _apply(self, chunk: CompletionChunk) -> Choice:
+        """A chunk read; a background response's first says it is ``in_progress`` (it
+        went from queued to its end, QA)."""
+        if self.api.background and not self.choice.token_ids and chunk.new_token_ids and \
+                not chunk.finished:
+            self._keep(self._response("in_progress", [], None))
+        return super()._apply(chunk)
+
     def cancel(self) -> None:
         """End a background response here: its engine request is aborted (its task reads
         the abort and ends)."""
