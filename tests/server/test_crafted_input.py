@@ -113,6 +113,15 @@ def test_crafted_body_is_refused_with_json_and_a_clean_log(server, server_log, p
     assert_clean(server_log)
 
 
+def test_a_body_after_a_utf8_bom_is_read(server):
+    """RFC 8259 lets a parser skip a BOM, and some Windows tools send one (QA: refused once
+    bodies were read as UTF-8 only)."""
+    response = httpx.post(server.url + COMPLETIONS, timeout=30,
+                          content=b'\xef\xbb\xbf{"prompt": "hi", "max_tokens": 1}',
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
 def test_a_valid_surrogate_pair_is_text(server):
     """An escaped pair (U+1F600) is ordinary Unicode and is served."""
     response = httpx.post(server.url + COMPLETIONS, timeout=30,

@@ -53,6 +53,9 @@ DEEP = '{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": "\\udc00"}}]'),
     ("pythonic", "[f(x='\\ud800')]"),
+    ("hermes", '<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>'),  # in its name
+    ("llama3_json", '{"name": "\\ud800", "parameters": {}}'),
+    ("mistral", "[TOOL_CALLS]hello there friend[ARGS]{}"),  # prose is no function's name
 ])
 def test_a_call_a_strict_json_parser_cannot_read_is_left_as_text(name, text):
     parsed = make_parser(name).parse(text)

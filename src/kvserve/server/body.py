@@ -44,7 +44,7 @@ def parse_json(raw: bytes) -> Any:
     try:
         # UTF-8 only, as JSON between systems is (RFC 8259): json.loads takes UTF-16 and -32
         # bytes too, which the checks above, made for UTF-8, misread (QA: 500s past them)
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a BOM before it is dropped (RFC 8259 allows it)
     except UnicodeDecodeError as error:
         raise bad_request(f"the request body is not UTF-8: {error}") from None
     try:

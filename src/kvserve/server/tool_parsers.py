@@ -240,6 +240,11 @@ def make_parser(name: str) -> ToolParser:
     raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSERS)}")
 
 
+# A function's name as OpenAI's API takes one (letters, digits, _ and -; dots, for the
+# namespaced names some templates write), so prose or a lone surrogate is never a call.
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
 def _call(body: str) -> tuple[str, str] | None:
     try:
         value = strict_json(body)
@@ -299,7 +304,7 @@ def to_json(value: Any) -> str:
 def _call_of(value: Any) -> tuple[str, str] | None:
     """``{"name": ..., "arguments" or "parameters": {...}}`` as (name, arguments' JSON)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
-            not value["name"].strip():  # QA: a call to "" was taken
+            not _NAME.fullmatch(value["name"]):  # QA: "", a lone surrogate (a 500), prose
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
