@@ -635,3 +635,16 @@ def test_a_thinking_rows_state_goes_on_from_the_step_before():
         assert sampler.thinking_of(params, output[:end]) == thinking(params, output[:end],
                                                                      CLOSING), end
     assert thinking(params, output, CLOSING) == Thinking(7, leftover=b"")
+
+
+def test_blanks_may_come_between_the_thinking_and_its_form():
+    """A model writes "</think>\\n\\n" before its answer: the blanks are allowed (a few),
+    then the form holds as from its first byte (QA: "{" was forced at once)."""
+    params = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0,
+                            think_markers=("<think>", "</think>"), think_open=True)
+    assert _thinking_pick(params, [6, 7], wants=8) == 8  # "\n" after "</think>"
+    assert _thinking_pick(params, [6, 7, 8], wants=6) == 1  # then "{"
+    assert _thinking_pick(params, [6, 7, 8, 1], wants=8) in (2, 8)  # the object goes on
+    assert _thinking_pick(params, [6, 7, 8, 8, 8, 8], wants=8) == 1  # enough blanks
+    plain = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0)
+    assert _thinking_pick(plain, [], wants=8) == 1  # without thinking: the object at once

@@ -166,6 +166,7 @@ class Sampler:
         # the tokens that would close a row's thinking with bytes its form cannot begin
         # with, by (the closing marker, the output's end that begins it, the form)
         self._closings: dict[tuple[Any, ...], list[int]] = {}
+        self._blanks: frozenset[int] | None = None
 
     def vocabulary_bytes(self) -> list[bytes]:
         """Each token's bytes (JSON mode and thinking first need them)."""
@@ -180,6 +181,14 @@ class Sampler:
         if self._json is None:
             self._json = JsonVocabulary(self.vocabulary_bytes())
         return self._json
+
+    def blank_tokens(self) -> frozenset[int]:
+        """The tokens that write only blanks (spaces, tabs, newlines)."""
+        if self._blanks is None:
+            self._blanks = frozenset(token_id for token_id, piece in
+                                     enumerate(self.vocabulary_bytes())
+                                     if piece and not piece.strip(b" \t\n\r"))
+        return self._blanks
 
     def thinking_of(self, params: SamplingParams, output: Sequence[int]) -> Thinking:
         """:func:`thinking`, from the step before where it is known: a settled row's stays,
@@ -446,6 +455,10 @@ def thinking(params: SamplingParams, output: Sequence[int],
     raise AssertionError("the closing marker lies within the output")
 
 
+# The most blank tokens a thinking answer may write between its thinking and its form.
+MAX_BLANK_TOKENS = 4
+
+
 def _tail(written: bytes, marker: bytes) -> bytes:
     """The longest end of ``written`` that ``marker`` begins with (not all of it)."""
     for length in range(min(len(marker) - 1, len(written)), 0, -1):
@@ -468,10 +481,19 @@ def _structured_tokens(row: SamplingRow, sampler: Sampler
         if params.think_markers is not None else Thinking(0)
     if where.start is None:
         return None, False, sampler.closing_bans(params, where.tail)
+    start, blank = where.start, False
+    if where.start and not where.leftover:  # after a thinking, blanks may come first (a
+        # model's "</think>\n\n", QA: the form was forced at once, off its trained path)
+        blanks, output = sampler.blank_tokens(), row.output_token_ids
+        while start < len(output) and output[start] in blanks:
+            start += 1
+        blank = start == len(output) and start - where.start < MAX_BLANK_TOKENS
     if params.choice_token_ids:
-        tokens = row.choice_tokens(where.start)
+        tokens = row.choice_tokens(start)
     else:
-        tokens = _json_tokens(row, sampler, where.start, where.leftover)
+        tokens = _json_tokens(row, sampler, start, where.leftover)
+    if blank:
+        return sorted(sampler.blank_tokens().union(tokens)), False, []
     if where.opening is None:
         return tokens, json_output, []
     assert params.think_markers is not None
