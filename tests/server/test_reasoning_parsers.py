@@ -291,7 +291,9 @@ def test_a_forced_call_thinks_first(stream):
             reasoning, calls = message.model_extra["reasoning"], message.tool_calls
             arguments = calls[0].function.arguments
         else:
-            deltas = [c.choices[0].delta for c in reply if c.choices]
+            chunks = [c for c in reply if c.choices]
+            assert chunks[-1].choices[0].finish_reason == "stop"  # the EOS chunk's
+            deltas = [c.choices[0].delta for c in chunks]
             reasoning = "".join(d.model_extra.get("reasoning") or "" for d in deltas)
             arguments = "".join(call.function.arguments or "" for d in deltas
                                 for call in d.tool_calls or [])

@@ -830,6 +830,8 @@ def test_a_named_tool_choice_answers_its_call(server):
     assert calls[0]["id"].startswith("chatcmpl-tool-")
     assert all(set(c) == {"index", "function"} for c in calls[1:])
     assert "".join(c["function"]["arguments"] for c in calls) == arguments
+    assert [e for e in events if e["choices"]][-1]["choices"][0]["finish_reason"] == \
+        choice["finish_reason"]  # the stream ends with it, as the whole answer says
     one = post(server, CHAT, {**body, "tools": [WEATHER], "tool_choice": "required"})
     required = one.json()["choices"][0]
     assert required["message"]["tool_calls"][0]["function"]["arguments"] == arguments

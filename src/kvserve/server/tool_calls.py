@@ -81,8 +81,8 @@ class ToolCalls:
                     return None
                 self.opened.add(choice_id)
                 return {"tool_calls": [{"index": 0, **self._call(choice_id, text)}]}
-            if not text:
-                return None
+            if not text:  # the last chunk (its EOS) still carries the finish reason
+                return {} if finished else None
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         if not finished:
             return None
