@@ -273,13 +273,17 @@ class Schema:
         kinds = {node.stands_for or node.kind for node in nodes}
         if "any" in kinds:
             return self.any
-        if kinds == {"number", "integer"}:  # Union[int, float]: the integers are numbers
-            bounds = {(node.low, node.high) for node in nodes}
-            if len(bounds) > 1:  # QA: the bounds were dropped
-                raise SchemaError(f"schema{where}: an integer and a number in a union must "
-                                  "have the same bounds here")
-            low, high = bounds.pop()
-            return self._add(Node("number", low=low, high=high))
+        if kinds == {"number", "integer"}:  # Union[int, float]: the integers are numbers,
+            # where the numbers' bounds hold every integer's (the same keywords, or a type
+            # list: an integer's are its whole numbers within them); QA: bounds were dropped
+            numbers = [node for node in nodes if node.kind == "number"]
+            widest = next((node for node in numbers if all(
+                _within(other, node) for other in nodes)), None)
+            if widest is None:
+                raise SchemaError(f"schema{where}: an integer and a number in a union are "
+                                  "held here only where the number's bounds hold the "
+                                  "integer's")
+            return alternatives[nodes.index(widest)]
         objects = tuple(a for a in alternatives if self.nodes[a].kind == "object")
         if len(objects) > 1:
             tagged = self._tagged(objects)
@@ -485,6 +489,21 @@ def _is_count(value: Any) -> bool:
 
 def _text(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _within(inner: Node, outer: Node) -> bool:
+    """Whether every value ``inner``'s bounds take, ``outer``'s take too."""
+    def inside(a: tuple[Fraction, bool] | None, b: tuple[Fraction, bool] | None,
+               lower: bool) -> bool:
+        if b is None:
+            return True
+        if a is None:
+            return False
+        if a[0] != b[0]:
+            return a[0] > b[0] if lower else a[0] < b[0]
+        return b[1] or not a[1]
+
+    return inside(inner.low, outer.low, True) and inside(inner.high, outer.high, False)
 
 
 def _says_type(schema: Any) -> str | None:
