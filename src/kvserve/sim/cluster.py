@@ -475,13 +475,16 @@ class _ClusterRun:
         """One point of the cluster-wide series after a step ended (its duration is filled
         in at the end: until the next point)."""
         series = self.series
-        running, waiting, kv_usage = self.totals
+        running, waiting, _ = self.totals
         series.time.append(now)
         series.duration.append(0.0)
         series.num_scheduled_tokens.append(num_scheduled_tokens)
         series.num_running.append(running)
         series.num_waiting.append(waiting)
-        series.kv_usage.append(max(0.0, kv_usage / len(self.replicas)))
+        # the replicas' usage after their last steps, as their own series have it, so the
+        # cluster's mean is their means' average (QA: 0.5% apart, sampled after scheduling)
+        usage = [r.run.steps.kv_usage[-1] for r in self.replicas if len(r.run.steps.kv_usage)]
+        series.kv_usage.append(sum(usage) / len(self.replicas))
         if self.progress is not None and len(series.time) % 256 == 0:
             self.progress(now, sum(len(r.run.finished) for r in self.replicas),
                           len(self.arrivals))
