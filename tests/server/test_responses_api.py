@@ -258,7 +258,6 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
@@ -469,3 +468,42 @@ def test_a_background_response_under_way_is_never_pushed_out_and_always_ends_rea
         refused = post(live, {"input": "x", "background": True, "max_output_tokens": 5})
         assert refused.status_code == 400 and "--responses-store-memory" in refused.text
         wait_for(live.idle, what="nothing left running")
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_conversation_fits(live):
+    """OpenAI's truncation "auto": a conversation longer than the context loses its
+    oldest items, as few as fit; "disabled" (the default) is the context's 400."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant",
+              "content": f"turn {i}: " + "words " * 20} for i in range(20)]
+    turns.append({"role": "user", "content": "and now?"})
+    body = {"input": turns, "max_output_tokens": 4, "instructions": "Be brief."}
+    refused = post(live, body)
+    assert refused.status_code == 400 and "maximum context length" in refused.text
+    made = post(live, {**body, "truncation": "auto"})
+    assert made.status_code == 200, made.text
+    answer = made.json()
+    assert answer["truncation"] == "auto" and answer["usage"]["input_tokens"] + 4 <= 256
+    fewer = post(live, {**body, "truncation": "auto", "input": turns[1:]}).json()
+    assert fewer["usage"]["input_tokens"] == answer["usage"]["input_tokens"]  # the same cut
+    # a tool's output is never left without its call
+    called = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+              {"type": "function_call_output", "call_id": "c", "output": "words " * 60},
+              *turns[-9:]]
+    assert post(live, {"input": called, "max_output_tokens": 4,
+                       "truncation": "auto"}).status_code == 200
+    alone = post(live, {"input": "words " * 400, "truncation": "auto"})
+    assert alone.status_code == 400  # the last item alone is too long: nothing to drop
+    wait_for(live.idle, what="nothing left running")
+
+
+def test_a_cut_conversation_never_starts_with_a_tools_output():
+    from kvserve.server.responses_api import _from
+
+    conversation = [{"role": "user", "content": "a"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+                    {"role": "tool", "tool_call_id": "c", "content": "out"},
+                    {"role": "tool", "tool_call_id": "d", "content": "out"},
+                    {"role": "user", "content": "b"}]
+    assert _from(conversation, 1)[0]["role"] == "assistant"
+    assert _from(conversation, 2) == conversation[4:]  # the outputs go with their call
+    assert _from(conversation[:4], 3) == conversation[3:4]  # the last item always stays

@@ -34,6 +34,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.generation import QUEUE_ENDS, Generation, queue_end, start
+from kvserve.server.prompts import encode_chat, max_tokens_for
 from kvserve.server.protocol import (
     Body,
     ChatCompletionRequest,
@@ -162,10 +163,6 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if request.top_logprobs:
         raise bad_request("'top_logprobs' is not supported on /v1/responses by this server; "
                           "use /v1/chat/completions with logprobs", param="top_logprobs")
-    if request.truncation == "auto":
-        raise bad_request("'truncation': 'auto' is not supported: this server does not drop "
-                          "a conversation's items; send fewer, or 'disabled'",
-                          param="truncation")
     if request.metadata is not None:
         _check_metadata(request.metadata)
     if request.tools is not None:
@@ -441,7 +438,7 @@ class ResponsesGeneration(Generation):
                             else tool_choice),
             "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
             "top_logprobs": 0, "top_p": 1.0 if api.top_p is None else api.top_p,
-            "truncation": "disabled", "usage": usage, "user": api.user,
+            "truncation": api.truncation or "disabled", "usage": usage, "user": api.user,
             "prompt_cache_key": api.prompt_cache_key,
             "safety_identifier": api.safety_identifier, "metadata": api.metadata or {}}
         if status != "in_progress":
@@ -786,7 +783,6 @@ async def create(state: ServerState, request: Request) -> Response:
     api = parse_responses_request(await state.read_json(request))
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
-    req = chat_request(api, history, messages, state.tool_parser is not None)
     if api.background and not (state.responses.enabled and api.store):
         raise bad_request("'background' keeps the response for GET /v1/responses/{id} to "
                           "read: it needs the response store (--enable-responses-store, or "
@@ -795,7 +791,8 @@ async def create(state: ServerState, request: Request) -> Response:
     kind = partial(ResponsesGeneration, api=api, conversation=history + messages,
                    store=state.responses, owner=owner)
     try:
-        generation = await start(state, request, key, req, True, arrival_time, kind)
+        generation = await _start(state, request, key, api, history + messages,
+                                  arrival_time, kind)
     except APIError as error:  # the length checks name chat's fields
         raise _renamed(error) from None
     if api.background:
@@ -803,6 +800,56 @@ async def create(state: ServerState, request: Request) -> Response:
     if api.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
+
+
+async def _start(state: ServerState, request: Request, key: Any, api: ResponsesRequest,
+                 conversation: list[dict[str, Any]], arrival_time: float,
+                 kind: Any) -> Generation:
+    """The request queued; with ``truncation: "auto"`` (OpenAI's), a conversation longer
+    than the context loses its oldest items, as few as make it fit (found by bisection;
+    a tool's output never stays without its call; the last item always stays)."""
+    auto_tools = state.tool_parser is not None
+
+    def chat(dropped: int) -> Any:
+        return chat_request(api, [], _from(conversation, dropped), auto_tools)
+
+    async def fits(dropped: int) -> bool:  # the context check alone: nothing is queued
+        req = chat(dropped)
+        prompts = await asyncio.to_thread(encode_chat, state, req)
+        try:
+            max_tokens_for(state, req, True, prompts)
+        except APIError as error:
+            if error.code != "context_length_exceeded":
+                raise
+            return False
+        return True
+
+    try:
+        return await start(state, request, key, chat(0), True, arrival_time, kind)
+    except APIError as error:
+        if api.truncation != "auto" or error.code != "context_length_exceeded" or \
+                len(conversation) < 2:
+            raise
+        overflow = error
+    low, high, cut = 1, len(conversation) - 1, None  # the fewest dropped that fit
+    while low <= high:
+        middle = (low + high) // 2
+        if await fits(middle):
+            cut, high = middle, middle - 1
+        else:
+            low = middle + 1
+    if cut is None:
+        raise overflow
+    return await start(state, request, key, chat(cut), True, arrival_time, kind)
+
+
+def _from(conversation: list[dict[str, Any]], dropped: int) -> list[dict[str, Any]]:
+    """The conversation without its first ``dropped`` messages, and without tool outputs
+    left at its start (their calls gone)."""
+    kept = conversation[dropped:]
+    while len(kept) > 1 and kept[0].get("role") == "tool":
+        kept = kept[1:]
+    return kept
 
 
 async def cancel(state: ServerState, request: Request, response_id: str) -> Response:
