@@ -343,6 +343,9 @@ def test_browsers_may_call_the_api_as_vllm_allows_them():
         reply = httpx.get(live.url + "/v1/models", headers={
             "Origin": "https://app.example", "Authorization": "Bearer k"})
         assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+        # a browser's script may read the request's id and a 503's Retry-After
+        exposed = reply.headers["access-control-expose-headers"].lower()
+        assert "x-request-id" in exposed and "retry-after" in exposed
     with LiveServer(cors=Cors(origins=("https://app.example",))) as live:
         allowed = httpx.options(live.url + "/v1/completions", headers=preflight)
         other = httpx.options(live.url + "/v1/completions",

@@ -83,9 +83,12 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     app.state.kvserve = state
     app.add_middleware(HttpMetrics, metrics=state.metrics)  # CORS preflights: not counted
     if cors.origins:  # answers a browser's preflight before any route or key check
+        # a browser's script may read the headers a client acts on: the request's id, a
+        # 503's Retry-After (CORS hides all but a few by default)
         app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins),
                            allow_methods=list(cors.methods), allow_headers=list(cors.headers),
-                           allow_credentials=cors.credentials)
+                           allow_credentials=cors.credentials,
+                           expose_headers=["X-Request-Id", "Retry-After"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
