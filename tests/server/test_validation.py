@@ -104,8 +104,7 @@ def error_of(response: httpx.Response) -> str:
      "'allowed_token_ids' has token id 99999999, outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "'prompt_logprobs' is 21, "
      "more than this server gives: at most 20 (--max-logprobs)"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
-     "field 'echo' is not supported by this server"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": "yes"}, 400, "echo"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
      "'guided_json': the schema's root must be an object"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+"}, 400,
@@ -921,3 +920,29 @@ def test_required_among_several_tools_answers_their_calls(server):
     for made in nested.json()["choices"][0]["message"].get("tool_calls") or []:
         if made["function"]["name"] == "order":
             assert isinstance(json.loads(made["function"]["arguments"])["item"]["n"], int)
+
+
+def test_chat_echo_begins_the_answer_with_the_assistants_message(server):
+    """vLLM's chat echo: with the last message the assistant's (continued), the answer's
+    content begins with it, whole or streamed (a chunk of its own after the role's); a
+    last message of another role echoes nothing (it was a 400)."""
+    continued = {"messages": [{"role": "user", "content": "Count."},
+                              {"role": "assistant", "content": "One, two,"}],
+                 "add_generation_prompt": False, "continue_final_message": True,
+                 "max_tokens": 4, "temperature": 0}
+    plain = post(server, CHAT, continued).json()["choices"][0]["message"]["content"]
+    echoed = post(server, CHAT, {**continued, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "One, two," + plain
+    with httpx.stream("POST", server.url + CHAT, timeout=60,
+                      json={**continued, "echo": True, "stream": True}) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[1] == {"content": "One, two,"}
+    assert "".join(d.get("content") or "" for d in deltas) == "One, two," + plain
+    user_last = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 2, "temperature": 0, "echo": True}).json()
+    alone = post(server, CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                "max_tokens": 2, "temperature": 0}).json()
+    assert user_last["choices"][0]["message"]["content"] == \
+        alone["choices"][0]["message"]["content"]

@@ -156,6 +156,17 @@ def _reasoning(state: ServerState, prompts: list[list[int]]) -> ThinkParser | No
     return parser.for_prompt(state.tokenizer.decode(prompts[0][-16:]))
 
 
+def _chat_echo(req: Any, role: str) -> str:
+    """vLLM's chat echo: the last message's text where ``echo`` is asked and that message
+    is the answer's role (an assistant's), else nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != role:
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content)
+    return content or ""
+
+
 def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
     """Each prompt's text for echo: as sent, or its token ids decoded."""
     if isinstance(req.prompt, str):
@@ -260,6 +271,8 @@ class Generation:
         self.answer = ChatAnswer(req, [c.request_id for c in choices], state.response_role,
                                  state.tool_parser, reasoning) if chat else None
         self.tools = self.answer.tools if self.answer is not None else None
+        # chat's echo (vLLM's): the last message's text, where it is the answer's role
+        self.echoed = _chat_echo(req, state.response_role) if chat else ""
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -343,6 +356,8 @@ class Generation:
         out: dict[str, Any] = {"index": choice.index}
         if self.answer is not None:
             out["message"] = self.answer.message(choice.request_id, choice.text)
+            if self.echoed:
+                out["message"]["content"] = self.echoed + (out["message"]["content"] or "")
         else:
             out["text"] = choice.echo + choice.text
         entries: list[Any] = self._echoed(choice) + choice.logprobs
@@ -423,6 +438,8 @@ class Generation:
                 if self.req.return_token_ids:
                     data["prompt_token_ids"] = choice.prompt_token_ids
                 yield sse(self._with_usage(data))  # vLLM's role chunk has it too
+                if self.echoed:  # vLLM's: the echoed text in a chunk of its own
+                    yield sse(self._chunk(choice, {"content": self.echoed}, None))
         if event := self._event(first):  # "" where nothing goes out yet (tool calls)
             yield event
         try:

@@ -300,8 +300,10 @@ class ChatCompletionRequest(_Sampling):
     # so the hint asks for nothing more; and its end-user id, taken as `user` is
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's: the answer's content begins with the last message's where that message is the
+    # answer's role (an assistant's, continued with continue_final_message)
+    echo: bool = False
     # vLLM's chat extras not implemented (neutral values only)
-    echo: Any = None
     add_special_tokens: Any = None
     # vLLM's: leave the final (assistant) message open and continue it
     continue_final_message: bool = False
@@ -335,7 +337,7 @@ class DetokenizeRequest(Body):
 # The fields kvserve does not implement are those typed Any in the bodies above: null (their
 # default) or these values, which ask for nothing, so accepting them honours them.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "tools": ([],), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "modalities": (["text"],),
