@@ -250,6 +250,7 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "x", "bogus": 1}, "bogus"),
     ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),  # QA
     ({}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input.0.content.0.type"),
@@ -507,3 +508,8 @@ def test_a_cut_conversation_never_starts_with_a_tools_output():
     assert _from(conversation, 1)[0]["role"] == "assistant"
     assert _from(conversation, 2) == conversation[4:]  # the outputs go with their call
     assert _from(conversation[:4], 3) == conversation[3:4]  # the last item always stays
+
+
+def test_an_input_of_reasoning_alone_says_there_is_nothing_to_answer(live):
+    refused = post(live, {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]})
+    assert refused.status_code == 400 and "holds nothing to answer" in refused.text

@@ -783,6 +783,9 @@ async def create(state: ServerState, request: Request) -> Response:
     api = parse_responses_request(await state.read_json(request))
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
+    if not messages and not history:  # QA: chat's "messages ... at least 1 item (got [])"
+        raise bad_request("'input' holds nothing to answer: reasoning items are left out of "
+                          "the prompt; send a message", param="input")
     if api.background and not (state.responses.enabled and api.store):
         raise bad_request("'background' keeps the response for GET /v1/responses/{id} to "
                           "read: it needs the response store (--enable-responses-store, or "
