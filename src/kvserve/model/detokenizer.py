@@ -8,7 +8,7 @@ stop string is held until it either completes the stop string or cannot any more
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AnyStr
 
 if TYPE_CHECKING:
     from kvserve.model.tokenizer import Tokenizer
@@ -81,6 +81,16 @@ class IncrementalDetokenizer:
             self._num_partial_chars += len(delta)
         self.text += delta
         return delta
+
+
+def held_length(text: AnyStr, marker: AnyStr) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (not all of it):
+    what a stream holds back while it may still become the marker (a stop string, a think
+    or tool-call marker, in text or bytes)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
 
 
 class StopChecker:
@@ -156,10 +166,4 @@ class StopChecker:
 
     def _held_tail_length(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return max((held_length(text, stop) for stop in self.stop), default=0)

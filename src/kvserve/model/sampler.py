@@ -31,6 +31,7 @@ import torch
 
 from kvserve.core import SamplingParams
 from kvserve.model import paged_kernel
+from kvserve.model.detokenizer import held_length
 from kvserve.model.json_mode import (
     ANY_OBJECT,
     DONE,
@@ -461,10 +462,8 @@ MAX_BLANK_TOKENS = 4
 
 def _tail(written: bytes, marker: bytes) -> bytes:
     """The longest end of ``written`` that ``marker`` begins with (not all of it)."""
-    for length in range(min(len(marker) - 1, len(written)), 0, -1):
-        if marker.startswith(written[-length:]):
-            return written[-length:]
-    return b""
+    length = held_length(written, marker)
+    return written[len(written) - length:]
 
 
 def _structured_tokens(row: SamplingRow, sampler: Sampler

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvserve.model.detokenizer import held_length
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
@@ -107,17 +109,9 @@ def split_text(parser: ThinkParser, whole: str, finished: bool) -> tuple[str, st
     at = body.find(END)
     if at >= 0:
         return body[:at], body[at + len(END):]
-    held = 0 if finished else _partial_suffix(body, END)
+    held = 0 if finished else held_length(body, END)
     return body[:len(body) - held], ""  # still thinking (or cut short)
 
 
 def _or_none(text: str) -> str | None:
     return text or None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that ``marker`` starts with."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

@@ -31,6 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvserve.model.detokenizer import held_length
+
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
@@ -78,7 +80,7 @@ class HermesParser:
         at = text.find(self.start)
         if at >= 0:
             return at
-        return len(text) - _partial_suffix(text, self.start)
+        return len(text) - held_length(text, self.start)
 
 
 class Llama3JsonParser:
@@ -159,7 +161,7 @@ class MistralParser:
         at = text.find(self.marker)
         if at >= 0:
             return at
-        return len(text) - _partial_suffix(text, self.marker)
+        return len(text) - held_length(text, self.marker)
 
 
 class PythonicParser:
@@ -328,11 +330,3 @@ def _whole_answer_end(text: str, opener: str, tag: str) -> int:
     if not start or start.startswith(opener) or start.startswith(tag) or tag.startswith(start):
         return 0
     return len(text)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that ``marker`` starts with."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
