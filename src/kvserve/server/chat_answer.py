@@ -45,7 +45,7 @@ class ChatAnswer:
                 message["reasoning"] = reasoning  # vLLM's field (reasoning_content before)
         return message
 
-    def delta(self, choice_id: str, text: str, whole: str, first: bool,
+    def delta(self, choice_id: str, text: str, whole: str,
               finished: bool) -> dict[str, Any] | None:
         """A streamed chunk's delta (``text`` its new text, ``whole`` the answer's so far);
         None where nothing goes out yet."""
@@ -55,7 +55,7 @@ class ChatAnswer:
             reasoning, text = stream.feed(whole, finished)
             whole = stream.content
         if self.tools is not None:
-            delta = self.tools.delta(choice_id, text, whole, first, finished)
+            delta = self.tools.delta(choice_id, text, whole, finished)
         else:
             delta = {"content": text} if text or self.reasoning is None or finished else None
         if reasoning and self.shows_reasoning:

@@ -474,8 +474,7 @@ class Generation:
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
         if self.answer is not None:
-            delta = self.answer.delta(choice.request_id, text, choice.text, first,
-                                      chunk.finished)
+            delta = self.answer.delta(choice.request_id, text, choice.text, chunk.finished)
             held = self.held.setdefault(choice.request_id, ([], []))
             if delta is None:  # nothing to send yet (a call's text, held until it is
                 held[0].extend(entries)  # whole): its tokens go out with the next chunk

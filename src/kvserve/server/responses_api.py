@@ -629,15 +629,13 @@ class ResponsesGeneration(Generation):
                     yield self._failed_event(str(error.code), error.message)
                     self.close()
                     return
-                first_piece = chunk.request_id not in self.streamed
-                self.streamed.add(chunk.request_id)
                 choice = self._apply(chunk)
                 if named and chunk.new_text:
                     yield self._sse("response.function_call_arguments.delta",
                                     item_id=self._call_item_id(0), output_index=0,
                                     delta=chunk.new_text)
                 elif text:
-                    yield self._text_pieces(choice, chunk, first_piece)
+                    yield self._text_pieces(choice, chunk)
                 chunk = await anext(self.stream, None)
         except EngineDeadError as error:
             self._failed()
@@ -655,11 +653,11 @@ class ResponsesGeneration(Generation):
                  "failed": "response.failed"}[response["status"]]
         yield self._sse(final, response=response)
 
-    def _text_pieces(self, choice: Choice, chunk: CompletionChunk, first: bool) -> str:
+    def _text_pieces(self, choice: Choice, chunk: CompletionChunk) -> str:
         """A text stream's events for one chunk: its reasoning and its content, each item
         opened as its first text comes (the reasoning closed as the content begins)."""
         assert self.answer is not None
-        piece = self.answer.delta(choice.request_id, chunk.new_text, choice.text, first,
+        piece = self.answer.delta(choice.request_id, chunk.new_text, choice.text,
                                   chunk.finished) or {}
         events = ""
         reasoning, content = piece.get("reasoning") or "", piece.get("content") or ""

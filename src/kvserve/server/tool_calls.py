@@ -67,7 +67,7 @@ class ToolCalls:
             return {"role": self.role, "content": text}
         return {"role": self.role, "content": None, "tool_calls": calls}
 
-    def delta(self, choice_id: str, text: str, whole: str, first: bool,
+    def delta(self, choice_id: str, text: str, whole: str,
               finished: bool) -> dict[str, Any] | None:
         """A streamed chunk's delta (``text`` its new text, ``whole`` the answer's so far);
         None where nothing goes out yet."""
