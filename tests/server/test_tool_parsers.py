@@ -2,7 +2,7 @@
 --enable-auto-tool-choice --tool-call-parser): the calls a model writes in its own format
 come out as OpenAI's tool_calls, content before them as content, text without a call that
 parses as the answer; a stream sends content as it comes and holds back only what may begin
-a call."""
+a call, then each call from when its name is whole, its arguments as they are written."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.server.tool_parsers import ParsedCalls, make_parser
+from kvserve.server.tool_parsers import CallSoFar, ParsedCalls, make_parser
 
 from .helpers import LiveServer
 
@@ -147,6 +147,44 @@ def test_a_stream_holds_back_only_what_may_begin_a_call(name, text, end):
     assert make_parser(name).content_end(text) == end
 
 
+STREAMED = [
+    ("hermes", f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>"
+               '{"arguments": {"q": "a \\"}\\" [x]", "n": [1, {"b": null}], "f": -1.5e3},'
+               ' "name": "search"}</tool_call>'),  # the name after the arguments
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "now"}</tool_call>'),  # no arguments: {}
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 12}} ; '
+                    '{"name": "b", "arguments": {"y": true}}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "now", "arguments": {}}]'),
+    ("mistral", 'See.[TOOL_CALLS]get_weather[ARGS]{"city": "a [TOOL_CALLS] b"}'
+                "[TOOL_CALLS]now[ARGS]{}"),
+    ("mistral", '[TOOL_CALLS]{"name": "now", "arguments": {"t": 1}}'),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), STREAMED)
+def test_a_streamed_call_grows_into_the_whole_answers_call(name, text):
+    """Read at every length of the answer, a call's name is whole or absent and its
+    arguments only grow; at the end they are the whole answer's (the same JSON)."""
+    parser = make_parser(name)
+    before: list[CallSoFar] = []
+    for end in range(len(text) + 1):
+        calls = parser.calls_so_far(text[:end])
+        assert len(calls) >= len(before) - 1  # the last may lose its unfinished name
+        for old, new in zip(before, calls, strict=False):
+            assert old.name is None or new.name == old.name
+            assert new.arguments.startswith(old.arguments) and (new.done or not old.done)
+        before = [call for call in calls if call.name is not None or call.done]
+    whole = parser.parse(text).calls
+    assert [(c.name, json.loads(c.arguments), c.done) for c in before] == [
+        (call_name, json.loads(arguments), True) for call_name, arguments in whole]
+
+
+def test_pythonic_calls_go_out_whole_at_the_end():
+    assert make_parser("pythonic").calls_so_far('[get_weather(city="Oslo")') == []
+
+
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, "
                                          "pythonic"):
@@ -190,15 +228,40 @@ def test_auto_answers_with_the_calls_the_model_wrote(live):
     assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
 
 
+def _assembled(chunks) -> list[tuple[str, str, str]]:
+    """A stream's calls as a client puts them together: (id, name, arguments) by index,
+    the id and name from a call's first piece, its arguments the pieces' concatenation."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for piece in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            if piece.index not in calls:
+                assert piece.id and piece.type == "function" and piece.function.name
+                calls[piece.index] = [piece.id, piece.function.name, ""]
+            else:
+                assert piece.id is None and piece.function.name is None
+            calls[piece.index][2] += piece.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[index]) for index in sorted(calls)]
+
+
 def test_auto_streams_the_content_then_the_calls(live):
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
-    chunks = list(client.chat.completions.create(**_ask(SAID), stream=True))
+    two = SAID + '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    chunks = list(client.chat.completions.create(**_ask(two), stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
     assert content == "Checking." and "<tool_call>" not in content
-    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather")]
-    assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    calls = _assembled(chunks)
+    assert [(name, json.loads(arguments)) for _, name, arguments in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+    assert calls[0][0] != calls[1][0]
+    # the arguments as the model writes them, over several chunks (vLLM's), not whole
+    pieces = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(pieces) > 4
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    one = list(client.chat.completions.create(**_ask(two), stream=True,
+                                              parallel_tool_calls=False))
+    assert [(name, json.loads(arguments)) for _, name, arguments in _assembled(one)] == [
+        ("get_weather", {"city": "Oslo"})]
 
 
 class EveryAnswerCalls:
@@ -211,6 +274,9 @@ class EveryAnswerCalls:
 
     def content_end(self, text: str) -> int:
         return 0
+
+    def calls_so_far(self, text: str) -> list[CallSoFar]:
+        return []
 
 
 def test_auto_on_the_responses_api_gives_a_message_and_a_function_call():
@@ -372,6 +438,5 @@ def test_the_other_parsers_answer_with_calls_whole_and_streamed(parser, said):
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         content = "".join(d.content or "" for d in deltas)
         assert content == (whole.message.content or "")
-        streamed = [c for d in deltas for c in d.tool_calls or []]
-        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        assert [(name, arguments) for _, name, arguments in _assembled(chunks)] == [
             (call.function.name, call.function.arguments)]

@@ -4,8 +4,9 @@ tool_choice (or "required" with one tool): the answer is its call, the arguments
 "required" among several tools: the text holds the calls ({"tool_calls": [{"name": ...,
 "parameters": {...}}, ...]}), which go out whole once the answer is complete. "auto" with a
 tool-call parser (server/tool_parsers.py): the calls the model wrote in its own format, any
-content before them streamed as it comes. Either way in OpenAI's shape, each call with an id
-of its own, and vLLM's finish reasons."""
+content before them streamed as it comes, then each call as vLLM streams it: its id and name
+once the name is whole, then its arguments as they are written. Either way in OpenAI's shape,
+each call with an id of its own, and vLLM's finish reasons."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import uuid
 from typing import Any
 
 from kvserve.server.protocol import auto_tools, calls_required, forced_tool
-from kvserve.server.tool_parsers import ParsedCalls, ToolParser, strict_json, to_json
+from kvserve.server.tool_parsers import CallSoFar, ParsedCalls, ToolParser, strict_json, to_json
 
 
 def _call_id() -> str:
@@ -33,6 +34,8 @@ class ToolCalls:
         self.parser = parser
         self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
         self.called: set[str] = set()  # auto: the answers that held calls
+        # auto, streamed: each answer's calls under way, [id, arguments' length sent]
+        self.streaming: dict[str, list[list[Any]]] = {}
         self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
         self.opened: set[str] = set()  # named, streamed: the answers whose call went out
 
@@ -96,17 +99,53 @@ class ToolCalls:
     def _auto_delta(self, choice_id: str, whole: str, finished: bool
                     ) -> dict[str, Any] | None:
         """Auto: the text as content while it surely is, held back where a call may
-        begin; at the end, what was held: the calls (and content before them), or text."""
+        begin; each call from when its name is whole, its arguments as they are written
+        (a stream commits to a call there: what follows is its arguments, as vLLM's). At
+        the end, a stream no call went out in yet: what was held, the calls (and content
+        before them) or text."""
         assert self.parser is not None
         sent = self.sent.get(choice_id, 0)
-        if not finished:
-            end = self.parser.content_end(whole)
-            # blanks alone are held too: before calls they are no content (a whole
-            # answer's is null; QA: a stream sent "\n")
-            if end <= sent or not whole[:end].strip():
-                return None
+        if finished and choice_id not in self.streaming:
+            return self._whole_delta(choice_id, whole, sent)
+        delta: dict[str, Any] = {}
+        end = self.parser.content_end(whole)
+        # blanks alone are held too: before calls they are no content (a whole answer's is
+        # null; QA: a stream sent "\n")
+        if end > sent and whole[:end].strip() and choice_id not in self.streaming:
             self.sent[choice_id] = end
-            return {"content": whole[sent:end]}
+            delta["content"] = whole[sent:end]
+        if end < len(whole):
+            pieces = self._call_pieces(choice_id, self.parser.calls_so_far(whole))
+            if pieces:
+                delta["tool_calls"] = pieces
+        return delta if delta or finished else None
+
+    def _call_pieces(self, choice_id: str, calls: list[CallSoFar]) -> list[dict[str, Any]]:
+        """The tool_calls delta pieces for what ``calls`` wrote since the last chunk."""
+        if not self.parallel:
+            calls = calls[:1]
+        streaming = self.streaming.get(choice_id, [])
+        pieces: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            if index < len(streaming):
+                new = call.arguments[streaming[index][1]:]
+                if new:
+                    pieces.append({"index": index, "function": {"arguments": new}})
+            elif call.name is not None and index == len(streaming):
+                streaming.append([_call_id(), 0])
+                pieces.append({"index": index, "id": streaming[index][0], "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+            else:  # its name is not whole yet: it and the calls after it wait
+                break
+            streaming[index][1] = len(call.arguments)
+        if streaming:
+            self.streaming[choice_id] = streaming
+            self.called.add(choice_id)
+        return pieces
+
+    def _whole_delta(self, choice_id: str, whole: str, sent: int) -> dict[str, Any]:
+        """The end of a stream no call went out in yet: the rest of its content, or the
+        calls (and the content before them)."""
         parsed = self._parse(whole)
         if not parsed.calls:
             return {"content": whole[sent:]}

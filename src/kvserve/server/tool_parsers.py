@@ -4,8 +4,11 @@ format, the parser finds them in the answer's text and the answer goes out as Op
 ``tool_calls``; text that holds no call (or no call that parses) is the answer's content.
 
 Each parser also says how much of a streamed answer is surely content (``content_end``), so
-a stream sends its text as it comes and holds back only what may begin a call; the calls go
-out whole, once the answer is complete.
+a stream sends its text as it comes and holds back only what may begin a call, and what of
+its calls the text has written so far (``calls_so_far``): a call goes out once its name is
+whole, then its arguments as the model writes them (their text as written, which the whole
+answer's ``arguments`` holds as the same JSON value; pythonic's calls go out whole at the
+end, as their arguments are Python, not JSON).
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, after
   optional content (Hermes 2 and 3, Qwen 2.5 and others' templates).
@@ -47,12 +50,24 @@ class ParsedCalls:
     content_end: int = 0
 
 
+@dataclass(frozen=True)
+class CallSoFar:
+    """A call as much of it as a streamed answer has written: its name once whole (None
+    before), its arguments' text written so far, and whether they are complete."""
+
+    name: str | None
+    arguments: str
+    done: bool
+
+
 class ToolParser(Protocol):
     keeps_special_tokens: bool
 
     def parse(self, text: str) -> ParsedCalls: ...
 
     def content_end(self, text: str) -> int: ...
+
+    def calls_so_far(self, text: str) -> list[CallSoFar]: ...
 
 
 class HermesParser:
@@ -82,6 +97,20 @@ class HermesParser:
             return at
         return len(text) - held_length(text, self.start)
 
+    def calls_so_far(self, text: str) -> list[CallSoFar]:
+        calls: list[CallSoFar] = []
+        at = text.find(self.start)
+        while at >= 0:
+            at = _blank_end(text, at + len(self.start))
+            if not text.startswith("{", at):
+                break
+            call, end = _object_call(text, at)
+            calls.append(call)
+            if end is None:
+                break
+            at = text.find(self.start, end)
+        return calls
+
 
 class Llama3JsonParser:
     tag = "<|python_tag|>"
@@ -110,6 +139,22 @@ class Llama3JsonParser:
 
     def content_end(self, text: str) -> int:
         return _whole_answer_end(text, "{", self.tag)
+
+    def calls_so_far(self, text: str) -> list[CallSoFar]:
+        calls: list[CallSoFar] = []
+        at = _blank_end(text, 0)
+        if text.startswith(self.tag, at):
+            at = _blank_end(text, at + len(self.tag))
+        while text.startswith("{", at):
+            call, end = _object_call(text, at)
+            calls.append(call)
+            if end is None:
+                break
+            at = _blank_end(text, end)
+            if not text.startswith(";", at):
+                break
+            at = _blank_end(text, at + 1)
+        return calls
 
 
 class MistralParser:
@@ -163,6 +208,51 @@ class MistralParser:
             return at
         return len(text) - held_length(text, self.marker)
 
+    def calls_so_far(self, text: str) -> list[CallSoFar]:
+        calls: list[CallSoFar] = []
+        at = text.find(self.marker)
+        while at >= 0:
+            at = _blank_end(text, at + len(self.marker))
+            if text.startswith(("[", "{"), at):  # the list form
+                items_end = self._list_so_far(text, at, calls)
+                if items_end is None:
+                    return calls
+                at = items_end
+            else:  # name[ARGS]{...}
+                name, found, _ = text[at:].partition(self.args)
+                if not found or self.marker in name or not _NAME.fullmatch(name.strip()):
+                    return calls
+                start = _blank_end(text, at + len(name) + len(self.args))
+                if not text.startswith("{", start):
+                    return calls
+                end = _value_end(text, start)
+                calls.append(CallSoFar(name.strip(), text[start:end], end is not None))
+                if end is None:
+                    return calls
+                at = end
+            at = text.find(self.marker, at)
+        return calls
+
+    @staticmethod
+    def _list_so_far(text: str, at: int, calls: list[CallSoFar]) -> int | None:
+        """The calls of the list (or lone object) at ``at``, added to ``calls``; where the
+        list ends, None while it goes on."""
+        if text[at] == "{":
+            call, end = _object_call(text, at)
+            calls.append(call)
+            return end
+        at = _blank_end(text, at + 1)
+        while text.startswith("{", at):
+            call, end = _object_call(text, at)
+            calls.append(call)
+            if end is None:
+                return None
+            at = _blank_end(text, end)
+            if not text.startswith(",", at):
+                break
+            at = _blank_end(text, at + 1)
+        return at + 1 if text.startswith("]", at) else None
+
 
 class PythonicParser:
     start, end = "<|python_start|>", "<|python_end|>"
@@ -179,6 +269,9 @@ class PythonicParser:
 
     def content_end(self, text: str) -> int:
         return _whole_answer_end(text, "[", self.start)
+
+    def calls_so_far(self, text: str) -> list[CallSoFar]:
+        return []  # Python's arguments, not JSON: the calls go out whole at the end
 
 
 def _python_calls(body: str) -> list[tuple[str, str]]:
@@ -330,3 +423,93 @@ def _whole_answer_end(text: str, opener: str, tag: str) -> int:
     if not start or start.startswith(opener) or start.startswith(tag) or tag.startswith(start):
         return 0
     return len(text)
+
+
+# A streamed call's JSON read as far as it is written: strings whole (an unfinished one
+# matches nothing), brackets, separators, and runs of anything else (numbers, literals).
+_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+_BLANKS = re.compile(r"\s*")
+
+
+def _blank_end(text: str, at: int) -> int:
+    match = _BLANKS.match(text, at)
+    assert match is not None
+    return match.end()
+
+
+def _value_end(text: str, at: int) -> int | None:
+    """Where the JSON value that starts at ``at`` ends; None while it may go on (or is no
+    value)."""
+    depth = 0
+    while True:
+        at = _blank_end(text, at)
+        piece = _PIECE.match(text, at)
+        if piece is None:  # the text's end, or an unfinished string
+            return None
+        at = piece.end()
+        token = piece.group()
+        if token in ("{", "["):
+            depth += 1
+        elif token in ("}", "]"):
+            depth -= 1
+            if depth <= 0:
+                return at if depth == 0 else None
+        elif depth == 0:
+            if token in (":", ","):
+                return None
+            # a string is whole at its quote; a number or literal where something follows
+            return at if token.startswith('"') or at < len(text) else None
+
+
+def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
+    """The call the JSON object at ``at`` writes so far (``{"name": ..., "arguments" or
+    "parameters": {...}}``, either first), and where the object ends (None while it goes
+    on). The arguments are their text as written; JSON text in a string, decoded, once
+    the string is whole."""
+    fields: dict[str, tuple[int, int | None]] = {}
+    end: int | None = None
+    at = _blank_end(text, at + 1)
+    while at < len(text):
+        if text[at] == "}":
+            end = at + 1
+            break
+        key = _PIECE.match(text, at)
+        if key is None or not key.group().startswith('"'):
+            break
+        colon = _blank_end(text, key.end())
+        if not text.startswith(":", colon):
+            break
+        start = _blank_end(text, colon + 1)
+        if start >= len(text):
+            break
+        stop = _value_end(text, start)
+        try:
+            fields[json.loads(key.group())] = (start, stop)
+        except ValueError:
+            break
+        if stop is None:
+            break
+        at = _blank_end(text, stop)
+        if text.startswith(",", at):
+            at = _blank_end(text, at + 1)
+    name = None
+    if "name" in fields and fields["name"][1] is not None:
+        start, stop = fields["name"]
+        value = _loads(text[start:stop])
+        name = value if isinstance(value, str) and _NAME.fullmatch(value) else None
+    given = fields.get("arguments", fields.get("parameters"))
+    if given is None:  # none (yet): {} once the object is whole, as the whole answer's
+        return CallSoFar(name, "{}" if end is not None else "", end is not None), end
+    start, stop = given
+    if text[start] == "{":
+        return CallSoFar(name, text[start:len(text) if stop is None else stop],
+                         stop is not None), end
+    value = _loads(text[start:stop]) if stop is not None else None
+    return CallSoFar(name, value if isinstance(value, str) else "", stop is not None), end
+
+
+def _loads(text: str) -> Any:
+    try:
+        return strict_json(text)
+    except ValueError:
+        return None
