@@ -276,6 +276,11 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "model": "other"}, None),
+    ({"input": "x", "tools": [{"name": "f"}]}, "tools.0.type"),  # QA: "tool type None"
+    ({"input": "x", "text": {"format": {"type": "json_object", "schema": {}}}},
+     "text.format.schema"),  # QA: taken, the schema ignored
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 1}]},
+     "input.0.arguments"),
 ])
 def test_bad_requests_name_the_field(live, body, param):
     response = httpx.post(live.url + "/v1/responses", json=body, timeout=60)
@@ -286,6 +291,9 @@ def test_bad_requests_name_the_field(live, body, param):
         assert error["param"] == param, error
     assert error["message"] and "literal[" not in error["message"]
     assert "max_tokens" not in error["message"]
+    assert "None" not in error["message"]
+    if param == "input.0.arguments":  # "" is arguments too (QA: "non-empty")
+        assert "must be a string" in error["message"]
     if body.get("input") == "a " * 3000:  # refused for its tokens, not its characters
         assert "tokens" in error["message"] and "4096" not in error["message"]
 

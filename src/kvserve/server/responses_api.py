@@ -178,6 +178,9 @@ def _function_tools(tools: list[Any]) -> list[FunctionTool]:
     checked = []
     for index, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind is None:  # QA: "tool type None is not supported"
+            raise bad_request(f"tools.{index}: a tool needs its 'type' (\"function\")",
+                              param=f"tools.{index}.type")
         if kind != "function":
             raise bad_request(f"tools.{index}: tool type {kind!r} is not supported by this "
                               "server (function tools are)", param=f"tools.{index}.type")
@@ -290,7 +293,8 @@ def _content(content: Any, where: str) -> str:
 def _text(item: dict[str, Any], name: str, where: str) -> str:
     value = item.get(name)
     if not isinstance(value, str) or (name != "arguments" and not value):
-        raise bad_request(f"{where}.{name} must be a non-empty string", param=f"{where}.{name}")
+        kind = "a string" if name == "arguments" else "a non-empty string"  # "" is no args
+        raise bad_request(f"{where}.{name} must be {kind}", param=f"{where}.{name}")
     return value
 
 
@@ -314,6 +318,10 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
     text_format = req.text.format if req.text is not None else None
+    if text_format is not None and text_format.type != "json_schema" and \
+            text_format.schema_ is not None:  # QA: taken, and the schema ignored
+        raise bad_request(f"text.format of type {text_format.type} takes no 'schema' (a "
+                          "schema is type json_schema's)", param="text.format.schema")
     if text_format is not None and text_format.type == "json_schema":
         if text_format.name is None or text_format.schema_ is None:
             raise bad_request("text.format of type json_schema needs its 'name' and "
