@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.server.tool_parsers import CallSoFar, ParsedCalls, make_parser
 
-from .helpers import LiveServer
+from .helpers import LiveServer, scripted_engine
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
 
@@ -440,3 +440,42 @@ def test_the_other_parsers_answer_with_calls_whole_and_streamed(parser, said):
         assert content == (whole.message.content or "")
         assert [(name, arguments) for _, name, arguments in _assembled(chunks)] == [
             (call.function.name, call.function.arguments)]
+
+
+def test_auto_calls_stream_on_the_responses_api_as_items():
+    """Each call is a function_call item opened as its name is whole, its arguments in
+    deltas as they are written; the message before it closes first; what the deltas add up
+    to is what the done events and the final response carry."""
+    from kvserve.server.tool_parsers import make_parser as make_tool_parser
+
+    said = ("Let me look." + SAID[len("Checking."):] +
+            '<tool_call>{"name": "now", "arguments": {"tz": "UTC"}}</tool_call>')
+    with LiveServer(scripted_engine(said, max_model_len=512)) as live:
+        live.state.tool_parser = make_tool_parser("hermes")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", **TOOLS[0]["function"]},
+                 {"type": "function", "name": "now", "parameters": {"type": "object"}}]
+        events = list(client.responses.create(model="tiny", input="weather?", tools=tools,
+                                               max_output_tokens=80, stream=True))
+    kinds = [(e.type, getattr(e, "output_index", None)) for e in events
+             if e.type.startswith("response.output_item")]
+    assert kinds == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.output_item.done", 1),
+                     ("response.output_item.added", 2), ("response.output_item.done", 2)]
+    deltas: dict[int, str] = {}
+    for event in events:
+        if event.type == "response.function_call_arguments.delta":
+            deltas[event.output_index] = deltas.get(event.output_index, "") + event.delta
+    assert len([e for e in events if e.type == "response.function_call_arguments.delta"]) > 4
+    done = {e.output_index: e.arguments for e in events
+            if e.type == "response.function_call_arguments.done"}
+    final = events[-1].response
+    message, first, second = final.output
+    assert message.content[0].text == "Let me look."
+    assert deltas == done == {1: first.arguments, 2: second.arguments}
+    assert [(c.name, json.loads(c.arguments)) for c in (first, second)] == [
+        ("get_weather", {"city": "Oslo"}), ("now", {"tz": "UTC"})]
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(a.id, getattr(a, "call_id", None)) for a in added[1:]] == [
+        (c.id, c.call_id) for c in (first, second)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))

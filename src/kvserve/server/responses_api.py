@@ -400,8 +400,10 @@ class ResponsesGeneration(Generation):
         self.reasoning_id = "rs_" + self.item_id.removeprefix("msg_")
         self.sequence = 0  # the next stream event's sequence_number
         self.cancelled = False  # a background response the client cancelled
-        # a text stream's items opened so far (reasoning, message), by type: their index
+        # a text stream's items opened so far (reasoning, message, call0, call1...): their
+        # index; the indices of those closed already
         self._live: dict[str, int] = {}
+        self._shut: set[int] = set()
         self._spaces = ""  # a message's leading whitespace, sent once text follows it
 
     @property
@@ -650,20 +652,25 @@ class ResponsesGeneration(Generation):
             yield self._failed_event("engine_dead", str(error))
             return
         response = self.body(list(self.choices.values()))
+        calls = 0
         for index, item in enumerate(response["output"]):
-            live = (named and index == 0) or self._live.get(item["type"]) == index
+            key = item["type"]
+            if key == "function_call":
+                key, calls = f"call{calls}", calls + 1
+            live = (named and index == 0) or self._live.get(key) == index
             if not live:  # whole: its text in one delta, as OpenAI's
                 yield self._opened({**item, "status": "in_progress"}, index)
                 yield self._whole_delta(item, index)
-            if item["type"] != "reasoning" or "message" not in self._live:  # closed already
+            if index not in self._shut:
                 yield self._closed(item, index)
         final = {"completed": "response.completed", "incomplete": "response.incomplete",
                  "failed": "response.failed"}[response["status"]]
         yield self._sse(final, response=response)
 
     def _text_pieces(self, choice: Choice, chunk: CompletionChunk) -> str:
-        """A text stream's events for one chunk: its reasoning and its content, each item
-        opened as its first text comes (the reasoning closed as the content begins)."""
+        """A text stream's events for one chunk: its reasoning, its content and its calls
+        (auto, a tool-call parser's), each item opened as its first text comes and the one
+        before it closed."""
         assert self.answer is not None
         piece = self.answer.delta(choice.request_id, chunk.new_text, choice.text,
                                   chunk.finished) or {}
@@ -671,29 +678,59 @@ class ResponsesGeneration(Generation):
         reasoning, content = piece.get("reasoning") or "", piece.get("content") or ""
         if reasoning:
             if "reasoning" not in self._live:
-                self._live["reasoning"] = len(self._live)
-                events += self._opened(self._reasoning_item(None, "in_progress"),
-                                       self._live["reasoning"])
+                events += self._open_live("reasoning",
+                                          self._reasoning_item(None, "in_progress"))
             events += self._sse("response.reasoning_text.delta", item_id=self.reasoning_id,
                                 output_index=self._live["reasoning"], content_index=0,
                                 delta=reasoning)
         if content and "message" not in self._live and not (self._spaces + content).strip():
             self._spaces += content  # only whitespace yet: no message item for it
-            return events
+            content = ""
         if content:
             if "message" not in self._live:
-                if "reasoning" in self._live:  # its thinking is over
-                    reasoning_text = self.answer.split(choice.text)[0] or ""
-                    events += self._closed(self._reasoning_item(reasoning_text, "completed"),
-                                           self._live["reasoning"])
-                self._live["message"] = len(self._live)
-                events += self._opened(self._message_item(None, "in_progress"),
-                                       self._live["message"])
+                events += self._open_live("message", self._message_item(None, "in_progress"))
                 content, self._spaces = self._spaces + content, ""
             events += self._sse("response.output_text.delta", item_id=self.item_id,
                                 output_index=self._live["message"], content_index=0,
                                 delta=content, logprobs=[])
+        for call in piece.get("tool_calls") or ():
+            key, function = f"call{call['index']}", call["function"]
+            if key not in self._live:
+                events += self._open_live(key, self._call_item(
+                    call["id"], function["name"], "", call["index"], "in_progress"))
+            if function.get("arguments"):
+                events += self._sse("response.function_call_arguments.delta",
+                                    item_id=self._call_item_id(call["index"]),
+                                    output_index=self._live[key],
+                                    delta=function["arguments"])
         return events
+
+    def _open_live(self, key: str, item: dict[str, Any]) -> str:
+        """Open a streamed item, closing the one before it (the thinking is over as the
+        content begins; the content as a call begins)."""
+        events = ""
+        if self._live:
+            last, index = max(self._live.items(), key=lambda entry: entry[1])
+            if index not in self._shut:
+                events += self._closed(self._live_item(last), index)
+                self._shut.add(index)
+        self._live[key] = len(self._live)
+        return events + self._opened(item, self._live[key])
+
+    def _live_item(self, key: str) -> dict[str, Any]:
+        """A streamed item as it is when the next one begins."""
+        assert self.answer is not None
+        reasoning, content = self.answer.split(self.choice.text)
+        if key == "reasoning":
+            return self._reasoning_item(reasoning or "", "completed")
+        assert self.tools is not None  # only calls come after a message or a call
+        message = self.tools.message(self.choice.request_id, content or "")
+        if key == "message":
+            return self._message_item(message["content"] or "", "completed")
+        index = int(key.removeprefix("call"))
+        call = message["tool_calls"][index]
+        return self._call_item(call["id"], call["function"]["name"],
+                               call["function"]["arguments"], index, "completed")
 
     def _first_call(self) -> dict[str, Any]:
         """A named function's call item, opened as its arguments begin."""

@@ -34,8 +34,8 @@ class ToolCalls:
         self.parser = parser
         self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
         self.called: set[str] = set()  # auto: the answers that held calls
-        # auto, streamed: each answer's calls under way, [id, arguments' length sent]
-        self.streaming: dict[str, list[list[Any]]] = {}
+        # auto, streamed: each answer's calls that went out, as far as they did
+        self.streaming: dict[str, list[dict[str, Any]]] = {}
         self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
         self.opened: set[str] = set()  # named, streamed: the answers whose call went out
 
@@ -55,6 +55,13 @@ class ToolCalls:
 
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
+        if self.parser is not None and choice_id in self.streaming:
+            # streamed: the calls as they went out (a stream commits to a call), after
+            # the content it sent
+            content = text[:self.sent.get(choice_id, 0)]
+            return {"role": self.role, "content": content if content.strip() else None,
+                    "tool_calls": [dict(call, function=dict(call["function"]))
+                                   for call in self.streaming[choice_id]]}
         if self.parser is not None:
             parsed = self._parse(text)
             if not parsed.calls:
@@ -128,16 +135,17 @@ class ToolCalls:
         pieces: list[dict[str, Any]] = []
         for index, call in enumerate(calls):
             if index < len(streaming):
-                new = call.arguments[streaming[index][1]:]
+                function = streaming[index]["function"]
+                new = call.arguments[len(function["arguments"]):]
                 if new:
                     pieces.append({"index": index, "function": {"arguments": new}})
+                function["arguments"] = call.arguments
             elif call.name is not None and index == len(streaming):
-                streaming.append([_call_id(), 0])
-                pieces.append({"index": index, "id": streaming[index][0], "type": "function",
-                               "function": {"name": call.name, "arguments": call.arguments}})
+                streaming.append(_made(call.name, call.arguments))
+                pieces.append({"index": index, **streaming[index],
+                               "function": dict(streaming[index]["function"])})
             else:  # its name is not whole yet: it and the calls after it wait
                 break
-            streaming[index][1] = len(call.arguments)
         if streaming:
             self.streaming[choice_id] = streaming
             self.called.add(choice_id)
