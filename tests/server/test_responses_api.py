@@ -521,3 +521,56 @@ def test_a_cut_conversation_never_starts_with_a_tools_output():
 def test_an_input_of_reasoning_alone_says_there_is_nothing_to_answer(live):
     refused = post(live, {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]})
     assert refused.status_code == 400 and "holds nothing to answer" in refused.text
+
+
+def test_logprobs_come_with_the_message_when_included(client):
+    """include message.output_text.logprobs (and top_logprobs N): the message's part
+    carries each token's logprob and its N likeliest, chat's values, whole or streamed."""
+    asked = {"model": "tiny", "input": "Name a color.", "max_output_tokens": 6,
+             "temperature": 0, "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    response = client.responses.create(**asked)
+    [part] = response.output[0].content
+    assert response.top_logprobs == 2
+    assert len(part.logprobs) == response.usage.output_tokens == 6
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Name a color."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in part.logprobs] == [
+        (e.token, round(e.logprob, 4)) for e in chat]
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [entry for e in events if e.type == "response.output_text.delta"
+                for entry in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.token for e in streamed] == [e.token for e in done.logprobs] == [
+        e.token for e in part.logprobs]
+    plain = client.responses.create(model="tiny", input="Name a color.", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"include": ["file_search_call.results"]}, "'file_search_call.results'"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+])
+def test_logprobs_asked_wrongly_are_refused(live, fields, needle):
+    response = post(live, {"model": "tiny", "input": "x", **fields})
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+def test_a_thinking_answers_logprobs_are_its_messages_tokens_only():
+    from kvserve.server.reasoning_parsers import make_parser
+
+    from .helpers import scripted_engine
+
+    said = "<think>Red or blue.</think>Blue is calm."
+    with LiveServer(scripted_engine(said, max_model_len=256)) as server:
+        server.state.reasoning_parser = make_parser("deepseek_r1")
+        reply = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "Name a color.", "max_output_tokens": 40,
+            "include": ["message.output_text.logprobs"]}).json()
+    reasoning, message = reply["output"]
+    assert reasoning["content"][0]["text"] == "Red or blue."
+    text = message["content"][0]["text"]
+    assert text == "Blue is calm."
+    assert "".join(e["token"] for e in message["content"][0]["logprobs"]) == text

@@ -456,7 +456,8 @@ def test_auto_calls_stream_on_the_responses_api_as_items():
         tools = [{"type": "function", **TOOLS[0]["function"]},
                  {"type": "function", "name": "now", "parameters": {"type": "object"}}]
         events = list(client.responses.create(model="tiny", input="weather?", tools=tools,
-                                               max_output_tokens=80, stream=True))
+                                               max_output_tokens=80, stream=True,
+                                               include=["message.output_text.logprobs"]))
     kinds = [(e.type, getattr(e, "output_index", None)) for e in events
              if e.type.startswith("response.output_item")]
     assert kinds == [("response.output_item.added", 0), ("response.output_item.done", 0),
@@ -472,6 +473,12 @@ def test_auto_calls_stream_on_the_responses_api_as_items():
     final = events[-1].response
     message, first, second = final.output
     assert message.content[0].text == "Let me look."
+    # its logprobs are the message's tokens', not the calls' after it (the last, ".<",
+    # ends the message and begins the call)
+    tokens = [e.token for e in message.content[0].logprobs]
+    assert "".join(tokens).startswith("Let me look.") and tokens[-1] == ".<"
+    assert tokens == [e.token for ev in events if ev.type == "response.output_text.delta"
+                      for e in ev.logprobs]
     assert deltas == done == {1: first.arguments, 2: second.arguments}
     assert [(c.name, json.loads(c.arguments)) for c in (first, second)] == [
         ("get_weather", {"city": "Oslo"}), ("now", {"tz": "UTC"})]

@@ -50,6 +50,7 @@ from kvserve.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 MAX_INPUT_ITEMS = 4096
+LOGPROBS = "message.output_text.logprobs"  # the one 'include' value: the message's logprobs
 MAX_METADATA_KEYS = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 
 
@@ -156,13 +157,10 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         raise bad_request("'background' with 'stream' is not supported by this server: "
                           "create it in the background and poll GET /v1/responses/{id}, or "
                           "stream it in the request", param="background")
-    if request.include:
-        raise bad_request(f"'include' value {request.include[0]!r} is not supported by "
-                          "this server (it adds nothing to an answer); leave 'include' out",
-                          param="include")
-    if request.top_logprobs:
-        raise bad_request("'top_logprobs' is not supported on /v1/responses by this server; "
-                          "use /v1/chat/completions with logprobs", param="top_logprobs")
+    unknown = [value for value in request.include or () if value != LOGPROBS]
+    if unknown:
+        raise bad_request(f"'include' value {unknown[0]!r} is not supported by this server "
+                          f"(it includes {LOGPROBS!r} only)", param="include")
     if request.metadata is not None:
         _check_metadata(request.metadata)
     if request.tools is not None:
@@ -305,6 +303,12 @@ def _only(item: dict[str, Any], allowed: set[str], where: str) -> None:
                           param=f"{where}.{unknown[0]}")
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the message carries its tokens' logprobs: OpenAI's include value, or
+    top_logprobs asked for (which would mean nothing without it)."""
+    return LOGPROBS in (req.include or ()) or bool(req.top_logprobs)
+
+
 def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
                  messages: list[dict[str, Any]], auto_tools: bool = False
                  ) -> ChatCompletionRequest:
@@ -345,6 +349,9 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
         body["tool_choice"] = choice
     elif req.tools:
         body["tool_choice"] = "auto"  # OpenAI's default with tools (refused: no parser)
+    if wants_logprobs(req):  # chat's, the message's tokens then picked out of them
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     try:
         return parse_body(ChatCompletionRequest, body, auto_tools)
     except APIError as error:
@@ -405,6 +412,7 @@ class ResponsesGeneration(Generation):
         self._live: dict[str, int] = {}
         self._shut: set[int] = set()
         self._spaces = ""  # a message's leading whitespace, sent once text follows it
+        self._held: list[Any] = []  # the logprobs of tokens whose text has not gone out
 
     @property
     def choice(self) -> Choice:
@@ -447,7 +455,7 @@ class ResponsesGeneration(Generation):
             "tool_choice": (tool_choice.model_dump() if isinstance(tool_choice, NamedFunction)
                             else tool_choice),
             "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
-            "top_logprobs": 0, "top_p": 1.0 if api.top_p is None else api.top_p,
+            "top_logprobs": api.top_logprobs or 0, "top_p": 1.0 if api.top_p is None else api.top_p,
             "truncation": api.truncation or "disabled", "usage": usage, "user": api.user,
             "prompt_cache_key": api.prompt_cache_key,
             "safety_identifier": api.safety_identifier, "metadata": api.metadata or {}}
@@ -556,21 +564,42 @@ class ResponsesGeneration(Generation):
             message = self.tools.message(choice.request_id, content)
             calls = message.get("tool_calls")
             if calls:  # auto: the content before the calls, if any, first
-                said = [self._message_item(message["content"], status)] \
+                said = [self._message_item(message["content"], status,
+                                           self._message_logprobs(message["content"]))] \
                     if message.get("content") else []
                 return items + said + [
                     self._call_item(call["id"], call["function"]["name"],
                                     call["function"]["arguments"], index, status)
                     for index, call in enumerate(calls)]
-        return [*items, self._message_item(content, status)]
+        return [*items, self._message_item(content, status, self._message_logprobs(content))]
 
     def _reasoning_item(self, text: str | None, status: str) -> dict[str, Any]:
         return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [],
                 "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
-    def _message_item(self, text: str | None, status: str) -> dict[str, Any]:
+    def _message_item(self, text: str | None, status: str,
+                      logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": self.item_id, "type": "message", "status": status,
-                "role": "assistant", "content": [] if text is None else [_part(text)]}
+                "role": "assistant",
+                "content": [] if text is None else [_part(text, logprobs or [])]}
+
+    def _message_logprobs(self, text: str) -> list[dict[str, Any]]:
+        """The logprobs of the message's tokens (none unless asked for): those after the
+        thinking, as far as the message's text goes (a call's tokens may follow)."""
+        choice = self.choice
+        if not wants_logprobs(self.api) or not choice.logprobs:
+            return []
+        start = self._reasoning_tokens()
+        ids = choice.token_ids[start:len(choice.logprobs)]
+        decode, wanted = self.state.tokenizer.decode, len(text)
+        low, high = len(ids), len(ids)  # all of them, where the message is all the text;
+        if len(decode(ids)) > wanted:  # else the fewest whose text holds the message's
+            low = 0
+            while low < high:
+                middle = (low + high) // 2
+                low, high = (middle + 1, high) if len(decode(ids[:middle])) < wanted \
+                    else (low, middle)
+        return self._logprobs(choice.logprobs[start:start + low])["content"]
 
     def _call_item(self, call_id: str, name: str, arguments: str, index: int,
                    status: str) -> dict[str, Any]:
@@ -676,6 +705,10 @@ class ResponsesGeneration(Generation):
                                   chunk.finished) or {}
         events = ""
         reasoning, content = piece.get("reasoning") or "", piece.get("content") or ""
+        if wants_logprobs(self.api):  # a chunk's tokens go with the text they make
+            self._held += list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
+            if (reasoning or piece.get("tool_calls")) and not content:
+                self._held = []  # thinking's, or a call's: no message's
         if reasoning:
             if "reasoning" not in self._live:
                 events += self._open_live("reasoning",
@@ -690,9 +723,11 @@ class ResponsesGeneration(Generation):
             if "message" not in self._live:
                 events += self._open_live("message", self._message_item(None, "in_progress"))
                 content, self._spaces = self._spaces + content, ""
+            held, self._held = self._held, []
             events += self._sse("response.output_text.delta", item_id=self.item_id,
                                 output_index=self._live["message"], content_index=0,
-                                delta=content, logprobs=[])
+                                delta=content,
+                                logprobs=self._logprobs(held)["content"] if held else [])
         for call in piece.get("tool_calls") or ():
             key, function = f"call{call['index']}", call["function"]
             if key not in self._live:
@@ -726,7 +761,8 @@ class ResponsesGeneration(Generation):
         assert self.tools is not None  # only calls come after a message or a call
         message = self.tools.message(self.choice.request_id, content or "")
         if key == "message":
-            return self._message_item(message["content"] or "", "completed")
+            said = message["content"] or ""
+            return self._message_item(said, "completed", self._message_logprobs(said))
         index = int(key.removeprefix("call"))
         call = message["tool_calls"][index]
         return self._call_item(call["id"], call["function"]["name"],
@@ -753,7 +789,8 @@ class ResponsesGeneration(Generation):
         if item["type"] in ("message", "reasoning"):
             text = item["content"][0]["text"] if item["content"] else ""
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            extra: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
+            extra: dict[str, Any] = {"logprobs": item["content"][0]["logprobs"]} \
+                if item["type"] == "message" and item["content"] else {}
             return self._sse(f"response.{kind}.delta", item_id=item["id"],
                              output_index=index, content_index=0, delta=text,
                              **extra) if text else ""
@@ -769,8 +806,10 @@ class ResponsesGeneration(Generation):
                     + self._sse("response.output_item.done", output_index=index, item=item))
         if item["type"] == "message":
             text = item["content"][0]["text"] if item["content"] else ""
+            logprobs = item["content"][0]["logprobs"] if item["content"] else []
             return (self._sse("response.output_text.done", item_id=item["id"],
-                              output_index=index, content_index=0, text=text, logprobs=[])
+                              output_index=index, content_index=0, text=text,
+                              logprobs=logprobs)
                     + self._sse("response.content_part.done", item_id=item["id"],
                                 output_index=index, content_index=0, part=_part(text))
                     + self._sse("response.output_item.done", output_index=index, item=item))
@@ -806,8 +845,8 @@ def _as_items(given: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 # -- the endpoints --------------------------------------------------------------------------
