@@ -429,12 +429,67 @@ def test_a_background_response_can_be_cancelled_and_frees_its_request():
         assert refused.status_code == 400 and "not created in the background" in refused.text
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    ({"background": True, "stream": True}, "'background' with 'stream' is not supported"),
+def test_a_streamed_background_response_can_be_streamed_again(client, live):
+    """background with stream (OpenAI's, vLLM's): the request streams the events, which
+    are kept; GET ?stream=true&starting_after=N sends those after N again."""
+    events = list(client.responses.create(model="tiny", input="Name a color.",
+                                          background=True, stream=True, max_output_tokens=8,
+                                          temperature=0))
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[0].response.background is True
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    made = events[-1].response
+    again = list(client.responses.retrieve(made.id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
+    assert [e.sequence_number for e in client.responses.retrieve(made.id, stream=True)] == \
+        list(range(len(events)))
+    polled = client.responses.retrieve(made.id)
+    assert polled.status == made.status and polled.output_text == made.output_text
+    wait_for(live.idle, what="nothing left under way")
+
+
+@pytest.mark.parametrize(("query", "needle"), [
+    ("stream=true", "has no events to stream"),  # made in the background, not streamed
+    ("stream=maybe", "'stream' must be true or false"),
+    ("stream=true&starting_after=x", "'starting_after' must be"),
 ])
-def test_background_needs_what_it_needs(live, body, needle):
-    refused = post(live, {"input": "hi", **body})
+def test_streaming_a_response_again_is_refused_where_it_cannot_be(client, live, query, needle):
+    made = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                   background=True)
+    wait_for(lambda: client.responses.retrieve(made.id).status not in ("queued", "in_progress"),
+             what="its end")
+    refused = httpx.get(f"{live.url}/v1/responses/{made.id}?{query}", timeout=60)
     assert refused.status_code == 400 and needle in refused.text
+
+
+def test_a_streamed_background_response_outlives_its_reader_and_is_followed_live():
+    """The request's reader going away stops nothing; a GET stream follows the response
+    under way to its end; cancelled, the stream ends with the response cancelled."""
+    from .helpers import slow_engine
+
+    with LiveServer(slow_engine(0.02, max_model_len=256)) as live:
+        live.state.responses = ResponseStore(enabled=True)
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        body = {"model": "tiny", "input": "Go on.", "background": True, "stream": True,
+                "max_output_tokens": 30, "ignore_eos": True}
+        with httpx.stream("POST", live.url + "/v1/responses", json=body, timeout=60) as reply:
+            first = next(reply.iter_lines())
+        assert first == "event: response.created"
+        [response_id] = list(live.state.responses.kept[None])  # (its id: the store's one)
+        events = list(client.responses.retrieve(response_id, stream=True, starting_after=0))
+        assert events[0].sequence_number == 1 and events[-1].type == "response.incomplete"
+        assert events[-1].response.usage.output_tokens == 30
+        asked = {**body, "max_output_tokens": 200, "extra_body": {"ignore_eos": True}}
+        del asked["ignore_eos"]
+        with client.responses.create(**asked) as stream:
+            cancelled_id = next(iter(stream)).response.id  # response.created's
+        follower = client.responses.retrieve(cancelled_id, stream=True)
+        assert client.responses.cancel(cancelled_id).status == "cancelled"
+        last = list(follower)[-1]
+        assert (last.type, last.response.status) == ("response.failed", "cancelled")
+        wait_for(live.idle, what="nothing left running")
 
 
 def test_background_needs_the_store():

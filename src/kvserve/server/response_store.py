@@ -25,12 +25,15 @@ class Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # its input's and output's messages, history first
     input_items: list[dict[str, Any]]  # its own input, as items (GET .../input_items)
+    # a background response created with stream: its stream's events, for GET ?stream=true
+    events: list[str] | None = None
 
     @property
     def size(self) -> int:
         """Its bytes as JSON (about what it holds in memory, and what a GET sends)."""
         return sum(len(json.dumps(part, ensure_ascii=False).encode())
-                   for part in (self.response, self.conversation, self.input_items))
+                   for part in (self.response, self.conversation, self.input_items)) + \
+            sum(len(event.encode()) for event in self.events or ())
 
 
 def _under_way(stored: Stored) -> bool:

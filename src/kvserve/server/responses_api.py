@@ -18,6 +18,7 @@ kept, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -28,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
@@ -153,10 +154,6 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         if getattr(request, name) is not None:
             raise bad_request(f"field '{name}' is not supported by this server; remove it",
                               param=name)
-    if request.background and request.stream:
-        raise bad_request("'background' with 'stream' is not supported by this server: "
-                          "create it in the background and poll GET /v1/responses/{id}, or "
-                          "stream it in the request", param="background")
     unknown = [value for value in request.include or () if value != LOGPROBS]
     if unknown:
         raise bad_request(f"'include' value {unknown[0]!r} is not supported by this server "
@@ -381,6 +378,41 @@ def _renamed(error: APIError) -> APIError:
 # -- the answer -----------------------------------------------------------------------------
 
 
+class EventLog:
+    """A background response's stream events as they are made (``stream`` with
+    ``background``): the request that made it and any GET ?stream=true follow it from a
+    sequence number on, each to its end; a reader that goes away stops nothing."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: str) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        """The events after sequence number ``after``, those to come included."""
+        at = after + 1
+        while True:
+            changed = self._changed  # set by any event added while those before go out
+            while at < len(self.events):
+                yield self.events[at]
+                at += 1
+            if self.ended:
+                return
+            await changed.wait()
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -413,6 +445,7 @@ class ResponsesGeneration(Generation):
         self._shut: set[int] = set()
         self._spaces = ""  # a message's leading whitespace, sent once text follows it
         self._held: list[Any] = []  # the logprobs of tokens whose text has not gone out
+        self.log: EventLog | None = None  # background with stream: its events, kept
 
     @property
     def choice(self) -> Choice:
@@ -482,30 +515,61 @@ class ResponsesGeneration(Generation):
             self.close()
             raise bad_request(_TOO_LARGE.format(self.store.max_bytes) + ": send it without "
                               "'background'", param="background")
+        if self.api.stream:  # its events kept, and this request follows them
+            self.log = EventLog()
+            self._sse("response.created", response=opening)
+            self._sse("response.queued", response=opening)
         task = asyncio.create_task(self._in_background(running))
         running[self.response_id] = (self, task)
-        return JSONResponse(opening, headers={"X-Request-Id": self.given_id})
+        headers = {"X-Request-Id": self.given_id}
+        if self.log is not None:
+            return StreamingResponse(self.log.follow(-1), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers})
+        return JSONResponse(opening, headers=headers)
 
     async def _in_background(self, running: dict[str, Any]) -> None:
         try:
-            await self._collect()
+            if self.log is None:
+                await self._collect()
+                self.body(list(self.choices.values()))  # kept in the store
+            else:
+                await self._log_events()
         except EngineDeadError as error:
             self._failed()
-            failed = self._response("failed", [], None)
-            failed["error"] = {"code": "engine_dead", "message": str(error)}
-            self._keep(failed)
-            return
+            self._failed_event("engine_dead", str(error))  # kept, and logged if streamed
         except Exception as error:  # a bug: the response says failed, the log says why
             logger.exception("background response %s failed", self.response_id)
-            failed = self._response("failed", [], None)
-            failed["error"] = {"code": "server_error",
-                               "message": f"internal error: {type(error).__name__}"}
-            self._keep(failed)
-            return
+            self._failed_event("server_error", f"internal error: {type(error).__name__}")
         finally:
             self.close()
+            if self.log is not None:
+                self._keep_events()
             running.pop(self.response_id, None)
-        self.body(list(self.choices.values()))  # kept in the store
+            if self.log is not None:
+                self.log.end()
+
+    async def _log_events(self) -> None:
+        """A streamed background response's events, made into its log (by _sse) as a
+        stream's are; the response kept at its end, as _events keeps it."""
+        assert self.log is not None
+        first = await anext(self.stream, None)
+        if first is None:  # nothing came: it ended at once (an abort)
+            self.body(list(self.choices.values()))
+            return
+        async for _ in self._events(first, opened=True):  # a fault: _in_background's
+            pass
+
+    def _keep_events(self) -> None:
+        """The log kept with the response, for GET ?stream=true once it ended (without it
+        where the two are more than the store keeps: the response comes first)."""
+        assert self.log is not None
+        try:
+            stored = self.store.get(self.response_id, self.owner)
+        except APIError:  # deleted meanwhile
+            return
+        if not self.store.put(self.response_id,
+                              dataclasses.replace(stored, events=list(self.log.events))):
+            self.store.put(self.response_id, stored)
 
     def _apply(self, chunk: CompletionChunk) -> Choice:
         """A chunk read; a background response's first says it is ``in_progress`` (it
@@ -645,11 +709,18 @@ class ResponsesGeneration(Generation):
     def _sse(self, kind: str, **data: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        event = f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        if self.log is not None:
+            self.log.add(event)
+        return event
 
-    async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
+    async def _events(self, first: CompletionChunk, opened: bool = False
+                      ) -> AsyncIterator[str]:
+        """The stream's events (``opened``: its response.created went out already, as a
+        background response's does when it is queued)."""
         opening = self._response("in_progress", [], None)
-        yield self._sse("response.created", response=opening)
+        if not opened:
+            yield self._sse("response.created", response=opening)
         yield self._sse("response.in_progress", response=opening)
         tools = self.tools
         # a named function's arguments delta by delta; "required" among several tools: the
@@ -692,8 +763,10 @@ class ResponsesGeneration(Generation):
                 yield self._whole_delta(item, index)
             if index not in self._shut:
                 yield self._closed(item, index)
+        # (a cancelled background response's: OpenAI's stream has no cancelled event)
         final = {"completed": "response.completed", "incomplete": "response.incomplete",
-                 "failed": "response.failed"}[response["status"]]
+                 "failed": "response.failed", "cancelled": "response.failed"}[
+                     response["status"]]
         yield self._sse(final, response=response)
 
     def _text_pieces(self, choice: Choice, chunk: CompletionChunk) -> str:
@@ -821,8 +894,12 @@ class ResponsesGeneration(Generation):
         return self._failed_event("server_error", f"internal error: {type(error).__name__}")
 
     def _failed_event(self, code: str, message: str) -> str:
+        """The event that ends a stream that failed; a background response's failure
+        kept, for its poller to read."""
         response = self._response("failed", [], None)
         response["error"] = {"code": code, "message": message}
+        if self.api.background:
+            self._keep(response)
         return self._sse("response.failed", response=response)
 
 
@@ -955,8 +1032,38 @@ async def cancel(state: ServerState, request: Request, response_id: str) -> Resp
 
 
 def retrieve(state: ServerState, request: Request, response_id: str) -> Response:
+    """The stored response; with ``stream=true``, a streamed background response's events
+    after ``starting_after`` (a sequence number), following it to its end if it is under
+    way, as OpenAI's."""
     stored = state.responses.get(response_id, _owner(state, request))
-    return JSONResponse(stored.response)
+    query = request.query_params
+    streamed = query.get("stream", "false")
+    if streamed not in ("true", "false"):
+        raise bad_request("'stream' must be true or false", param="stream")
+    if streamed == "false":
+        return JSONResponse(stored.response)
+    after_text = query.get("starting_after", "-1")
+    if not (after_text == "-1" or (after_text.isascii() and after_text.isdigit()
+                                   and len(after_text) < 10)):
+        raise bad_request("'starting_after' must be an event's sequence number (an integer "
+                          "from 0)", param="starting_after")
+    running = state.background.get(response_id)
+    log = running[0].log if running is not None else None
+    if log is not None:
+        events: AsyncIterator[str] = log.follow(int(after_text))
+    elif stored.events is not None:
+        events = _replayed(stored.events[int(after_text) + 1:])
+    else:
+        raise bad_request(f"response {response_id[:100]!r} has no events to stream: only a "
+                          "response created with 'background' and 'stream' keeps them; GET "
+                          "it without 'stream'", param="stream")
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _replayed(events: list[str]) -> AsyncIterator[str]:
+    for event in events:
+        yield event
 
 
 def input_items(state: ServerState, request: Request, response_id: str) -> Response:
