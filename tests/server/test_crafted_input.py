@@ -3,6 +3,7 @@ naming the problem, nothing is queued, and the server's log stays clean (no trac
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ def lone(body: str) -> str:
 def chat_body(content: str) -> str:
     return '{"messages": [{"role": "user", "content": ' + content + '}], "max_tokens": 2}'
 
+
+DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 450 + '{"type":"integer"}' + \
+    '},"required":["a"]}' * 450
 
 CRAFTED = [
     # (path, raw body, status, words the message must hold, param)
@@ -75,6 +79,15 @@ CRAFTED = [
     (COMPLETIONS, '{"prompt": "x"', 400, "not valid JSON", None),
     (COMPLETIONS, '{"prompt": "x", "max_tokens": 1e999}', 400, "field 'max_tokens'",
      "max_tokens"),
+    # a schema sent as a string skips the body's depth check (QA: a RecursionError, a 500)
+    (COMPLETIONS, json.dumps({"prompt": "x", "structured_outputs": {
+        "json": "[" * 5000 + "]" * 5000}}), 400, "more than 64 levels deep",
+     "structured_outputs.json"),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}],
+                       "guided_json": '{"a":' * 5000 + "1" + "}" * 5000}), 400,
+     "more than 64 levels deep", "guided_json"),
+    (COMPLETIONS, json.dumps({"prompt": "x", "guided_json": DEEP_SCHEMA}), 400,
+     "more than 64 levels deep", "guided_json"),  # parses, then compiled as deep
 ]
 
 

@@ -548,7 +548,30 @@ def check_schema(text: str) -> Schema:
         raise
     except ValueError:
         raise SchemaError("the JSON schema is not JSON") from None
+    except RecursionError:  # QA: a schema sent as a string skips the body's depth check
+        raise SchemaError(_TOO_DEEP) from None
+    if _depth(schema) > MAX_SCHEMA_DEPTH:  # compiling it would recurse as deep (QA: a 500)
+        raise SchemaError(_TOO_DEEP)
     return Schema(schema)
+
+
+MAX_SCHEMA_DEPTH = 64  # as a request body's (server/body.py)
+_TOO_DEEP = f"the JSON schema nests arrays/objects more than {MAX_SCHEMA_DEPTH} levels deep"
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests arrays and objects (counted without recursing)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_SCHEMA_DEPTH:
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def _finite(text: str) -> float:
