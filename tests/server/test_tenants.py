@@ -150,3 +150,35 @@ def test_keys_file_weights(tmp_path):
     twice = [ApiKey("a", "t", weight=2.0), ApiKey("b", "t")]
     with pytest.raises(KeyFileError, match="tenant 't' has keys with different weights"):
         tenant_weights(twice)
+
+
+def test_a_tenants_request_id_tells_nothing_of_the_ids_others_hold():
+    """QA: the engine's id got a suffix only where another tenant's live request held the
+    id, which told that tenant's ids apart; a tenant's own id now always gets one (its
+    answer keeps the id it sent), the operator's as before."""
+    engine = slow_engine(0.02, max_model_len=256)
+    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
+    with LiveServer(engine, keys=keys) as live:
+        ids: dict[str, str] = {}
+
+        def ask(key: str, name: str) -> None:
+            reply = httpx.post(live.url + "/v1/completions", timeout=60,
+                               headers={"Authorization": f"Bearer {key}",
+                                        "X-Request-Id": "job-42"},
+                               json={"prompt": "x", "max_tokens": 30 if name == "a" else 1,
+                                     "ignore_eos": True})
+            assert reply.status_code == 200 and reply.headers["X-Request-Id"] == "job-42"
+            ids[name] = reply.json()["kvserve"]["request_id"]
+
+        first = threading.Thread(target=ask, args=("key-a", "a"))
+        first.start()
+        wait_for(lambda: any(i.startswith("job-42") for i in live.state.ids_in_use),
+                 what="A's job-42 live")
+        ask("key-b", "b while A's runs")
+        first.join(timeout=60)
+        wait_for(live.idle, what="A's done")
+        ask("key-b", "b alone")
+        ask("key-op", "operator")
+    assert all(ids[name].startswith("job-42-") and len(ids[name]) == len("job-42") + 9
+               for name in ("a", "b while A's runs", "b alone"))
+    assert ids["operator"] == "job-42"  # the operator's id as sent, where it is free

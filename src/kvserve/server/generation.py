@@ -27,7 +27,7 @@ from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import SessionBusy
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
-from kvserve.server.auth import ApiKey, resolve_priority, tenant_of
+from kvserve.server.auth import OPERATOR_TENANT, ApiKey, resolve_priority, tenant_of
 from kvserve.server.chat_answer import ChatAnswer
 from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
 from kvserve.server.errors import APIError, bad_request
@@ -123,7 +123,12 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     header = given[0] if given else None
     given_id = state.new_request_id(header) if header is not None or req.request_id is None \
         else state.new_request_id(req.request_id, "'request_id'")
-    request_id = state.engine_id(given_id, len(prompts) * req.n)  # held below, no await between
+    # (a keys-file tenant's own id always gets a suffix: whether it got one told whether
+    # another tenant held that id live, QA)
+    private = (header is not None or req.request_id is not None) and state.keys.enabled \
+        and key.tenant != OPERATOR_TENANT
+    request_id = state.engine_id(given_id, len(prompts) * req.n, private)  # held below, no
+    # await between
     choices, items = [], []
     samples = base.samples()  # sample k seeded seed + k
     echoes = _echo_texts(state, req, prompts) if not chat and req.echo else [""] * len(prompts)

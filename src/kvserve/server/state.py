@@ -114,13 +114,15 @@ class ServerState:
                               param="request_id" if what != "X-Request-Id" else None)
         return given
 
-    def engine_id(self, request_id: str, num_choices: int) -> str:
+    def engine_id(self, request_id: str, num_choices: int, private: bool = False) -> str:
         """The id a request goes to the engine with: ``request_id`` (the client's or a fresh
         one), or, when it or one of its choices' ``<id>-<index>`` is a live request's, that
         id with a random suffix: a client may reuse an X-Request-Id (a gateway's retry while
         the first attempt runs, a benchmark's fixed ids), as vLLM (since 0.14) accepts. The
-        answer keeps the client's id; its ``kvserve.request_id`` is the engine's."""
-        engine_id = request_id
+        answer keeps the client's id; its ``kvserve.request_id`` is the engine's.
+        ``private`` (a tenant's id among others'): always with a suffix, so that it tells
+        nothing of the ids others hold."""
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if private else request_id
         while self._ids_taken(engine_id, num_choices):
             engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         return engine_id
