@@ -53,13 +53,21 @@ def test_plain_json_and_toml_keys_files(tmp_path):
      "key #2 is key #1 again; each key may appear once"),
     ('[{"key": "a", "tenant": ""}]', "'tenant' must be a non-empty string of printable"),
     ('[{"key": "a", "tenant": "x\\ny"}]', "'tenant' must be a non-empty string of printable"),
-    ("sk-a extra words\n", "'key' must be a non-empty string without spaces"),
+    ("sk-a extra words\n", "'key' must be a non-empty string of printable ASCII without "
+                           "spaces"),
     ('[{"key": "a", "tenant": "operator"}]', "tenant 'operator' is the --api-key keys' own"),
     (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0)"),
     # two keys silently one tenant, sharing cache, sessions and series (QA)
     ('[{"key": "x", "tenant": "key-2"}, {"key": "y"}]',
      "key #2 has no tenant, and its default name 'key-2' is another key's tenant"),
     ('[{"key": "x", "tenant": "team a "}]', "without spaces at either end"),
+    # QA: a key past ASCII never matched (a header is read as Latin-1); a priority past a
+    # body's range; JSON too deep to read was a traceback
+    ('[{"key": "sk-caf\u00e9"}]', "'key' must be a non-empty string of printable ASCII"),
+    ('[{"key": "a", "most_urgent_priority": -99999999999999999999}]',
+     "'most_urgent_priority' must be an integer from -2"),
+    ('[{"key": "a", "default_priority": 2147483648}]', "'default_priority' must be an int"),
+    ("[" * 100_000, "JSON nested too deeply to be a keys file"),
 ])
 def test_bad_keys_files_name_the_problem(tmp_path, text, needle):
     path = tmp_path / "keys"

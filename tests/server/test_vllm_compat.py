@@ -61,7 +61,7 @@ def test_a_bad_vllm_api_key_is_one_line_that_does_not_show_it(monkeypatch, capsy
     assert main(["serve", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert err == ("kvserve serve: error: VLLM_API_KEY: a key must be a non-empty string "
-                   "without spaces or control characters (it travels in an HTTP header)\n")
+                   "of printable ASCII without spaces (it travels in an HTTP header)\n")
 
 
 def test_several_api_keys_after_one_flag_and_repeated():

@@ -33,10 +33,17 @@ PRIORITY_SOURCES = ("body", "key")
 
 
 def is_valid_key(key: object) -> bool:
-    """A key can travel in an Authorization header: a non-empty string of printable
-    characters, no spaces."""
-    return isinstance(key, str) and bool(key) and key.isprintable() and \
+    """A key can travel in an Authorization header: a non-empty string of printable ASCII
+    characters, no spaces (a header is read as Latin-1, so a key past ASCII never matched
+    what a client sends as UTF-8, QA)."""
+    return isinstance(key, str) and bool(key) and key.isascii() and key.isprintable() and \
         not any(c.isspace() for c in key)
+
+
+KEY_RULE = "a non-empty string of printable ASCII without spaces (it travels in an HTTP header)"
+# A key's priorities, as a body's (server/protocol.py): a keys file could make a tenant more
+# urgent than any body may write (QA)
+PRIORITY_RANGE = (-(1 << 31), 1 << 31)
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,8 @@ def load_keys(path: str | Path) -> list[ApiKey]:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise KeyFileError(f"{path}: not valid JSON: {error}") from None
+        except RecursionError:  # QA: a traceback
+            raise KeyFileError(f"{path}: JSON nested too deeply to be a keys file") from None
         entries = data.get("keys") if isinstance(data, dict) else data
     else:
         entries = [{"key": line.strip()} for line in text.splitlines()
@@ -131,8 +140,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
                            f"{', '.join(sorted(known))}")
     key = entry.get("key")
     if not is_valid_key(key):
-        raise KeyFileError(f"{where}: 'key' must be a non-empty string without spaces or "
-                           "control characters (it travels in an HTTP header)")
+        raise KeyFileError(f"{where}: 'key' must be {KEY_RULE}")
     tenant = entry.get("tenant", f"key-{index + 1}")
     if not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable() \
             or tenant != tenant.strip():
@@ -146,8 +154,10 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
                            "--api-key")
     for name in ("most_urgent_priority", "default_priority"):
         value = entry.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise KeyFileError(f"{where}: '{name}' must be an integer")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not PRIORITY_RANGE[0] <= value < PRIORITY_RANGE[1]):
+            raise KeyFileError(f"{where}: '{name}' must be an integer from -2**31 to "
+                               "2**31 - 1, as a request's priority")
     urgent = entry.get("most_urgent_priority")
     default = entry.get("default_priority", 0 if urgent is None else max(0, urgent))
     if urgent is None:  # the server's call: no more urgent than its default unless granted

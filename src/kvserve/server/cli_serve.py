@@ -594,6 +594,7 @@ def build_state(args: argparse.Namespace,
     from kvserve.engine.llm import build_engine, check_engine_args
     from kvserve.flags import CLIError, engine_args, resolve_model_option
     from kvserve.server.auth import (
+        KEY_RULE,
         KeyFileError,
         KeyRing,
         is_valid_key,
@@ -619,8 +620,7 @@ def build_state(args: argparse.Namespace,
         raise CLIError(str(error)) from None
     for key in args.api_key:  # as a keys file's keys are checked
         if not is_valid_key(key):
-            raise CLIError(f"--api-key {key!r}: a key must be a non-empty string without "
-                           "spaces or control characters (it travels in an HTTP header)")
+            raise CLIError(f"--api-key {key!r}: a key must be {KEY_RULE}")
     keys = [operator_key(key) for key in args.api_key or _env_api_key()]
     try:
         if args.api_keys:
@@ -871,14 +871,13 @@ def _env_api_key() -> list[str]:
     """vLLM's VLLM_API_KEY: the operator key when no --api-key is given (an empty value:
     none). Logged as coming from there, never shown, nor named in an error."""
     from kvserve.flags import CLIError
-    from kvserve.server.auth import is_valid_key
+    from kvserve.server.auth import KEY_RULE, is_valid_key
 
     key = os.environ.get("VLLM_API_KEY", "")
     if not key:
         return []
     if not is_valid_key(key):
-        raise CLIError("VLLM_API_KEY: a key must be a non-empty string without spaces or "
-                       "control characters (it travels in an HTTP header)")
+        raise CLIError(f"VLLM_API_KEY: a key must be {KEY_RULE}")
     logger.info("API key: an operator key from VLLM_API_KEY (no --api-key given)")
     return [key]
 
