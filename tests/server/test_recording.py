@@ -198,8 +198,15 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
         reply = httpx.post(url + "/admin/record/start", headers=admin)
         assert reply.status_code == 400 and "no recording directory" in reply.text
         reply = httpx.post(url + "/admin/record/start", headers=admin,
-                           json={"dir": str(tmp_path / "a\u0000b")})
+                           json={"dir": "a\u0000b"})
         assert reply.status_code == 400 and "holds a NUL character" in reply.text
+        # a tenant's admin key records under the server's working directory only (QA: any
+        # path; the operator's may name any)
+        for outside in (str(tmp_path.parent / "elsewhere"), "../elsewhere", "a/../../b"):
+            reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": outside})
+            assert reply.status_code == 400 and "under the server's working directory" in \
+                reply.text
+        assert not (tmp_path.parent / "elsewhere").exists()
         # a body as the rest of the API takes one: an object, no unknown field (QA: [1] was
         # {} and a stray field was ignored); an empty chunked body is no body
         for body, needle in ((b"[1]", "must be a JSON object"),

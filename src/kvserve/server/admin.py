@@ -15,10 +15,25 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.state import ServerState
 
 
-def require_admin(state: ServerState, request: Request, what: str) -> None:
+def require_admin(state: ServerState, request: Request, what: str) -> Any:
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     if not key.admin:
         raise APIError(403, f"{what} needs an admin key")
+    return key
+
+
+def check_tenant_directory(directory: str) -> None:
+    """A keys file's admin (a tenant's key, not the operator's) records only under the
+    server's working directory, as docs/cli.md says (QA: any path the server could write,
+    and its errors told which paths exist); a 400 otherwise."""
+    if "\0" in directory:
+        return  # the recorder's own check names it
+    here = os.path.realpath(os.getcwd())
+    where = os.path.realpath(os.path.join(here, directory))
+    if os.path.isabs(directory) or os.path.commonpath([here, where]) != here:
+        raise bad_request("'dir' must be a directory under the server's working directory, "
+                          "named relative to it (an operator's key may name any)",
+                          param="dir")
 
 
 def new_recorder(state: ServerState, directory: str) -> Any:
@@ -62,7 +77,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def record_start(request: Request) -> Response:
         from kvserve.server.recorder import RecordingError
 
-        require_admin(state, request, "starting a recording")
+        key = require_admin(state, request, "starting a recording")
         raw = await state.read_body(request)
         body = parse_json(raw) if raw.strip() else {}  # no body (or an empty one): {}
         if not isinstance(body, dict):
@@ -78,6 +93,8 @@ def register(app: FastAPI, state: ServerState) -> None:
         if directory is not None and recorder is not None and \
                 os.path.abspath(directory) == str(recorder.directory):
             directory = None  # the current recording's directory: a new segment there
+        if directory is not None and state.keys.enabled and not key.operator:
+            check_tenant_directory(directory)
         if directory is not None:
             if recorder is not None and recorder.active and recorder.error is None:
                 raise APIError(409, f"already recording into {recorder.directory}; stop it "

@@ -25,8 +25,8 @@ def add_parser(subparsers: Any) -> None:
                         help="the server (default http://127.0.0.1:8000)")
     parser.add_argument("--dir", help="start: record into this directory on the server's "
                                       "machine, relative to the server's working directory "
-                                      "(default: the current recording's, at first the "
-                                      "server's --record DIR)")
+                                      "(a tenant's admin key: under it; default: the current "
+                                      "recording's, at first the server's --record DIR)")
     parser.add_argument("--api-key", help="an admin key, when the server has keys")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
 
