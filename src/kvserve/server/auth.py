@@ -16,7 +16,8 @@ adds tenants' keys, as one key per line (``#`` comments), or JSON / TOML::
 
 Priorities follow vLLM: lower is earlier. The server, not the client, decides who may be
 urgent: a body asking for more urgency than its key allows gets 403, and with
-``--priority-source key`` the body may not choose at all.
+``--priority-source key`` the body may not choose (a body that sends the key's own
+priority is taken: it chooses nothing).
 """
 
 from __future__ import annotations

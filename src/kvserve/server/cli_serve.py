@@ -124,7 +124,8 @@ def add_parser(subparsers: Any) -> None:
                             "key without tenant is tenant key-N, N its position)")
     group.add_argument("--priority-source", choices=("body", "key"), default="body",
                        help="body: a request may set its priority within its key's limit; "
-                            "key: the key's default priority, the body may not choose")
+                            "key: the key's default priority, the body may not choose "
+                            "another (403)")
     group.add_argument("--max-request-body", type=parse_bytes, default="4MiB",
                        help="largest request body accepted (413 beyond; default 4MiB)")
     group.add_argument("--max-prompts-per-request", type=int,
