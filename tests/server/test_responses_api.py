@@ -281,6 +281,11 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
      "text.format.schema"),  # QA: taken, the schema ignored
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 1}]},
      "input.0.arguments"),
+    # QA: taken, the id an object, the status "banana", an output of no call
+    ({"input": [{"role": "user", "content": "x", "id": {"a": 1}}]}, "input.0.id"),
+    ({"input": [{"role": "user", "content": "x", "status": "banana"}]}, "input.0.status"),
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "c9", "output": "ok"}]}, "input"),
 ])
 def test_bad_requests_name_the_field(live, body, param):
     response = httpx.post(live.url + "/v1/responses", json=body, timeout=60)

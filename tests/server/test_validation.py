@@ -138,6 +138,13 @@ def error_of(response: httpx.Response) -> str:
      "field 'verbosity' is not supported"),
     (CHAT, {"messages": [{"role": "assistant", "content": "", "refusal": "no"}]}, 400,
      "field 'messages.0.refusal' is not supported"),
+    # a replayed call as OpenAI writes one (QA: {"a": 1} went to the template)
+    (CHAT, {"messages": [{"role": "user", "content": "x"},
+                         {"role": "assistant", "tool_calls": [{"a": 1}]}]}, 400,
+     "field 'messages.1.tool_calls': tool call 0 must be"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+     400, "tool call 0 must be"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)

@@ -267,6 +267,24 @@ class ChatMessage(Body):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_as_openai_writes_them(cls, calls: list[dict[str, Any]] | None
+                                     ) -> list[dict[str, Any]] | None:
+        """Each replayed call as OpenAI's API writes one: a function with its name and its
+        arguments' JSON text; an id and the type "function" where given (QA: {"a": 1}
+        went to the template)."""
+        for index, call in enumerate(calls or ()):
+            function = call.get("function")
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and function["name"] and isinstance(function.get("arguments"), str)) \
+                    or call.get("type", "function") != "function" \
+                    or not isinstance(call.get("id", ""), str):
+                raise ValueError(f"tool call {index} must be {{\"id\": ..., \"type\": "
+                                 "\"function\", \"function\": {\"name\": ..., "
+                                 "\"arguments\": \"<JSON text>\"}}")
+        return calls
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -225,6 +225,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an item (an object such as {{\"role\": "
                               "\"user\", \"content\": ...}})", param=where)
+        _common_fields(item, where)
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
@@ -251,6 +252,29 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                               "(it takes message, function_call, function_call_output and "
                               "reasoning items)", param=f"{where}.type")
     return messages
+
+
+def _common_fields(item: dict[str, Any], where: str) -> None:
+    """An item's id and status, as OpenAI writes them, where given (QA: an object as the id,
+    "banana" as the status were taken)."""
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise bad_request(f"{where}.id must be a string", param=f"{where}.id")
+    if item.get("status") not in (None, "in_progress", "completed", "incomplete"):
+        raise bad_request(f"{where}.status must be in_progress, completed or incomplete",
+                          param=f"{where}.status")
+
+
+def check_tool_outputs(conversation: list[dict[str, Any]]) -> None:
+    """Each function_call_output answers a call made before it (in the input or the
+    previous responses'), as OpenAI requires (QA: an output of no call was taken)."""
+    called: set[str] = set()
+    for message in conversation:
+        called.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise bad_request(f"'input': the function_call_output of call_id "
+                              f"{message['tool_call_id'][:100]!r} answers no function_call "
+                              "before it (in the input or the previous responses)",
+                              param="input")
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -942,6 +966,7 @@ async def create(state: ServerState, request: Request) -> Response:
     api = parse_responses_request(await state.read_json(request))
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
+    check_tool_outputs(history + messages)
     if not messages and not history:  # QA: chat's "messages ... at least 1 item (got [])"
         raise bad_request("'input' holds nothing to answer: reasoning items are left out of "
                           "the prompt; send a message", param="input")
