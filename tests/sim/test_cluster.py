@@ -172,6 +172,7 @@ def test_cluster_cli_writes_replicas_to_report_and_html(tmp_path) -> None:
      "add --data-parallel-lockstep"),
     (["--data-parallel-size", "2", "--router-imbalance-bound", "-1"],
      "--router-imbalance-bound must be >= 0, got -1"),
+    (["-dp", "1000000000"], "--data-parallel-size 1000000000: at most 1024 replicas"),
 ])
 def test_bad_cluster_flags_are_one_line_errors(tmp_path, capsys, flags, message) -> None:
     trace = tmp_path / "t.jsonl"
@@ -180,6 +181,15 @@ def test_bad_cluster_flags_are_one_line_errors(tmp_path, capsys, flags, message)
     assert main(["simulate", "--trace", str(trace), "--quiet", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_cluster_refuses_a_prompt_too_long_without_drawing_it() -> None:
+    """J1 on the length alone, as one engine's (QA: a cluster drew a 10**13-token prompt's
+    ids to hash them for the router: 72.8 TiB asked for)."""
+    trace = [req("huge", 10**13, 5), req("ok", 32, 4)]
+    report, _ = run(trace, ClusterOptions(2, "prefix-affinity"), max_model_len=2048)
+    assert report["aggregate"]["finish_reasons"] == {"rejected": 1, "stop": 1}
+    assert sum(r["num_requests"] for r in report["replicas"]) == 2
 
 
 @pytest.mark.parametrize("lockstep", [False, True])
@@ -261,3 +271,7 @@ def test_a_router_with_one_replica_says_it_changes_nothing(tmp_path, capsys):
     assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
                  "--router", "prefix-affinity", "--data-parallel-size", "2"]) == 0
     assert "changes nothing" not in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace), "--cost-model", "unit",
+                 "--data-parallel-lockstep"]) == 0  # QA: taken silently
+    assert "--data-parallel-lockstep steps replicas together; with one replica it changes " \
+           "nothing" in capsys.readouterr().err

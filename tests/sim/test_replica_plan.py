@@ -107,7 +107,12 @@ def test_without_an_slo_the_powers_of_two_are_simulated(trace_path, capsys) -> N
 @pytest.mark.parametrize(("flags", "message"), [
     (["--slo-ttft-p99", "1"], "--slo-ttft-p99 plans replicas: give --max-replicas M"),
     (["--max-replicas", "4", "--workers", "0"], "--workers must be >= 1, got 0"),
-    (["--max-replicas", "4", "--slo-itl-p99", "-1"], "--slo-itl-p99 must be > 0, got -1"),
+    (["--max-replicas", "4", "--slo-itl-p99", "-1"],
+     "--slo-itl-p99 must be a finite number > 0, got -1"),
+    (["--max-replicas", "4", "--slo-ttft-p99", "inf"],  # QA: taken
+     "--slo-ttft-p99 must be a finite number > 0, got inf"),
+    (["--max-replicas", "100000"], "--max-replicas 100000: at most 1024 replicas"),  # QA:
+    # minutes into gigabytes, silent
 ])
 def test_bad_plan_flags_are_one_line_errors(trace_path, capsys, flags, message) -> None:
     assert main(["plan", "--trace", str(trace_path), *flags]) == 2

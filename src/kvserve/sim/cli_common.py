@@ -78,7 +78,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> 
 
     group = parser.add_argument_group("data parallel (docs/scale-out.md)")
     if size:
-        group.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+        group.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
                            help="replicas, each with its own scheduler and KV pool "
                                 "(default 1; for a recording, as many as it recorded)")
     group.add_argument("--router", choices=SIM_ROUTERS if size else ROUTER_POLICIES,
@@ -110,6 +110,10 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             not getattr(args, "max_replicas", None):  # QA: silently ignored
         print(f"note: --router {args.router} spreads arrivals over replicas; with one "
               "replica it changes nothing (give --data-parallel-size N)", file=sys.stderr)
+    if (size or 1) == 1 and args.data_parallel_lockstep and \
+            not getattr(args, "max_replicas", None):  # QA: taken silently
+        print("note: --data-parallel-lockstep steps replicas together; with one replica it "
+              "changes nothing (give --data-parallel-size N)", file=sys.stderr)
     return ClusterOptions(data_parallel_size=1 if size is None else size,
                           router=args.router or "least-loaded",
                           lockstep=args.data_parallel_lockstep,

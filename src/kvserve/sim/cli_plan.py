@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,9 @@ def _check_servable_share(trace: list[Any], max_model_len: int) -> None:
 
 
 def _positive(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if value is not None and not 0 < value < math.inf:  # QA: inf was taken
+        raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got "
+                         f"{value}")
 
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,6 +204,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("prompt_len", "output_len", "ttft_p99", "queue_delay_p99", "slo_ttft_p99",
                  "slo_itl_p99"):
         _positive(name, getattr(args, name))
+    if args.max_replicas is not None:
+        from kvserve.sim.replica_plan import check_max_replicas
+
+        check_max_replicas(args.max_replicas)
     check_workers(args.workers)
     calibration_implies_its_model(args)
     if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed

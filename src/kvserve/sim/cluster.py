@@ -42,6 +42,7 @@ from kvserve.core import (
     SchedulerOutput,
     check_invariants,
 )
+from kvserve.core.limits import check_servable_length
 from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
 from kvserve.core.router import (
     DEFAULT_IMBALANCE_BOUND,
@@ -67,6 +68,9 @@ from kvserve.sim.trace import TraceRequest
 
 # The simulator's routers: the server's, and the placement a recording holds.
 SIM_ROUTERS = (*ROUTER_POLICIES, "recorded")
+# Each simulated replica holds its own scheduler and KV pool: a count past this ran for
+# minutes into gigabytes before it said anything (QA); vLLM deployments stay far below it.
+MAX_REPLICAS = 1024
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class ClusterOptions:
         if isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got "
                              f"{self.data_parallel_size}")
+        if self.data_parallel_size > MAX_REPLICAS:
+            raise ValueError(f"--data-parallel-size {self.data_parallel_size}: at most "
+                             f"{MAX_REPLICAS} replicas are simulated (each holds its own "
+                             "scheduler and KV pool)")
         if self.router not in SIM_ROUTERS:
             raise ValueError(f"--router {self.router!r}: choose from "
                              f"{', '.join(SIM_ROUTERS)}")
@@ -442,32 +450,44 @@ class _ClusterRun:
 
     def _route(self, trace_request: TraceRequest) -> None:
         seed = self.sim.seed
+        config = self.sim.scheduler_config
+        params = trace_request.sampling_params(config.max_model_len, self.sessions_on)
+        try:  # J1 on the length alone, as one engine's: a refused prompt's ids are never
+            # drawn (QA: a trace line's 10**13 tokens were, to hash them for the router)
+            check_servable_length(trace_request.request_id, trace_request.num_prompt_tokens,
+                                  config, self.sim.cache_config)
+        except RequestRejected as error:
+            replica = self.replicas[self._place(trace_request, (), params)]
+            replica.run._refuse(trace_request.request_id, error)
+            return
         prompt, answer = self.chains.apply(trace_request,
                                            trace_request.synthesise_prompt(seed))
-        request = Request(
-            trace_request.request_id, prompt,
-            trace_request.sampling_params(self.sim.scheduler_config.max_model_len,
-                                          self.sessions_on),
-            arrival_time=trace_request.received)
+        request = Request(trace_request.request_id, prompt, params,
+                          arrival_time=trace_request.received)
         hashes = prompt_block_hashes(request.prompt_token_ids, self.block_size,
                                      first_block_key(request, self.tenant_scoped)) \
             if self.hash_prefixes else ()
-        if self.router is None:  # as recorded (checked in __init__)
-            decision = RouteDecision(trace_request.replica, "recorded")  # type: ignore[arg-type]
-        else:
-            params = request.sampling_params
-            session = None if params.session_id is None else (params.tenant, params.session_id)
-            decision = self.router.route(hashes, [r.load() for r in self.replicas], session)
-        replica = self.replicas[decision.replica]
-        self.replica_of[request.request_id] = decision.replica
-        self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1
-        replica.request_ids.append(request.request_id)
+        index = self._place(trace_request, hashes, params)
+        replica = self.replicas[index]
         replica.run.executor.register(request.request_id, request.num_prompt_tokens,
                                       trace_request.output_len, trace_request.ignore_eos,
                                       trace_request.continuation_key(seed), answer)
         replica.inbox.append(request)
-        self._wake(decision.replica)
-        self._refresh(decision.replica)
+        self._wake(index)
+        self._refresh(index)
+
+    def _place(self, trace_request: TraceRequest, hashes: Sequence[Any],
+               params: Any) -> int:
+        """The replica the router (or the recording) places a request on, counted."""
+        if self.router is None:  # as recorded (checked in __init__)
+            decision = RouteDecision(trace_request.replica, "recorded")  # type: ignore[arg-type]
+        else:
+            session = None if params.session_id is None else (params.tenant, params.session_id)
+            decision = self.router.route(hashes, [r.load() for r in self.replicas], session)
+        self.replica_of[trace_request.request_id] = decision.replica
+        self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1
+        self.replicas[decision.replica].request_ids.append(trace_request.request_id)
+        return decision.replica
 
     # -- results ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvserve.sim.cluster import ClusterOptions
+from kvserve.sim.cluster import MAX_REPLICAS, ClusterOptions
 from kvserve.sim.parallel import Workers, map_ordered, next_questions
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
@@ -27,10 +27,17 @@ ROW_FIGURES = ("num_finished", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "qu
                "kv_usage_mean")
 
 
-def replica_candidates(max_replicas: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_replicas``, and ``max_replicas`` itself."""
+def check_max_replicas(max_replicas: int) -> None:
     if max_replicas < 1:
         raise ValueError(f"--max-replicas must be >= 1, got {max_replicas}")
+    if max_replicas > MAX_REPLICAS:  # QA: minutes into gigabytes, silent
+        raise ValueError(f"--max-replicas {max_replicas}: at most {MAX_REPLICAS} replicas "
+                         "are simulated (each holds its own scheduler and KV pool)")
+
+
+def replica_candidates(max_replicas: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_replicas``, and ``max_replicas`` itself."""
+    check_max_replicas(max_replicas)
     values, n = [], 1
     while n < max_replicas:
         values.append(n)
