@@ -60,6 +60,10 @@ def test_serve_flags_parse():
     (["--enable-log-requests", "--disable-log-requests"],
      "--enable-log-requests and --disable-log-requests contradict each other"),
     (["--host", "999.1.1.1"], "--host '999.1.1.1': cannot resolve it"),
+    (["--router-imbalance-bound", "4"], "--router-imbalance-bound bounds --router "
+                                        "prefix-affinity"),
+    (["-dp", "2", "--router", "prefix-affinity", "--router-imbalance-bound", "-1"],
+     "--router-imbalance-bound must be >= 0, got -1"),
 ])
 def test_serve_errors_are_one_line(capsys, argv, needle):
     assert main(["serve", "/nonexistent/model", *argv]) == 2
@@ -415,3 +419,22 @@ def test_sigterm_lets_background_responses_finish():
             process.communicate()
     assert "waiting for 1 background response(s) to finish" in output, output
     assert "Traceback" not in output, output
+
+
+def test_the_routers_imbalance_bound_is_the_one_planned(monkeypatch):
+    """QA: simulate and plan took --router-imbalance-bound, serve always used 16, so a plan
+    made with another bound could not be deployed."""
+    from kvserve.server import cli_serve
+
+    args = build_parser().parse_args(["serve", "-dp", "2", "--router", "prefix-affinity",
+                                      "--router-imbalance-bound", "4"])
+    made = {}
+
+    class Built:
+        def __init__(self, spec, tokenizer, launchers, router):
+            made["router"] = router
+
+    monkeypatch.setattr("kvserve.engine.data_parallel.DataParallelEngine", Built)
+    monkeypatch.setattr("kvserve.model.tokenizer.load_tokenizer", lambda model: None)
+    cli_serve._data_parallel(args, {}, None)
+    assert made["router"].imbalance_bound == 4

@@ -471,9 +471,9 @@ def test_ray_that_cannot_be_reached_is_one_line_at_once(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     ensure_ray()  # a local instance
     assert calls[-1]["address"] is None and signal.getsignal(signal.SIGTERM) is before
-    import kvserve.engine.ray_launcher as launcher
+    import kvserve.ray_tasks as ray_tasks
 
-    monkeypatch.setattr(launcher, "_check_reachable", lambda address: None)
+    monkeypatch.setattr(ray_tasks, "_check_reachable", lambda address: None)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(EngineStartError) as refused:
         ensure_ray()

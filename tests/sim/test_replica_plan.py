@@ -167,3 +167,25 @@ def _right_column(out: str) -> str:
     interleaves with them line by line)."""
     return " ".join(" ".join(line.split("│")[2].split()) for line in out.splitlines()
                     if line.count("│") >= 3)
+
+
+def test_plan_on_a_ray_cluster_that_cannot_be_reached_is_one_line(trace_path, capsys,
+                                                                   monkeypatch) -> None:
+    """QA: plan --ray with RAY_ADDRESS naming nothing hung in Ray's retries; it is refused
+    at once, as serve's Ray backend is (kvserve.ray_tasks.connect)."""
+    import socket
+    import sys
+    from types import SimpleNamespace
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    tried = []
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(
+        is_initialized=lambda: False, init=lambda **kwargs: tried.append(kwargs)))
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert main(["plan", "--trace", str(trace_path), "--max-replicas", "2",
+                 "--slo-ttft-p99", "1", "--ray", "--num-kv-blocks", "300"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot reach the Ray cluster at RAY_ADDRESS=127.0.0.1:{port}" \
+        in err[0] and not tried

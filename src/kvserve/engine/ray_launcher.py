@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
-import socket
 import threading
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from kvserve.engine.engine_process import EngineSpec, EngineStartError, engine_main
+from kvserve.ray_tasks import RayUnavailable, connect
 
 
 class _EngineActor:
@@ -34,48 +33,12 @@ class _EngineActor:
 
 
 def ensure_ray() -> Any:
-    """Ray, connected: to ``RAY_ADDRESS`` when set, else to a local instance started now."""
+    """Ray, connected (kvserve.ray_tasks.connect): to ``RAY_ADDRESS`` when set, else to a
+    local instance started now."""
     try:
-        import ray
-    except ImportError:
-        raise EngineStartError("--data-parallel-backend ray needs Ray: pip install "
-                               "'kvserve[ray]'") from None
-    if ray.is_initialized():
-        return ray
-    address = os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        _check_reachable(address)
-    # Ray's driver sets its own SIGTERM handler (exit status 15): the server's stop, ended
-    # by the signal after its drain, must end the same with either backend (QA)
-    main = threading.current_thread() is threading.main_thread()
-    handlers = {signum: signal.getsignal(signum)
-                for signum in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        where = f"the Ray cluster at RAY_ADDRESS={address}" if address else \
-            "a local Ray instance"
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise EngineStartError(f"cannot start on {where}: {reason}") from None
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    return ray
-
-
-def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """A ``host:port`` RAY_ADDRESS answers a TCP connection within ``timeout`` seconds, or
-    EngineStartError says so at once (Ray would retry for minutes, QA). ``auto``,
-    ``local`` and ``ray://`` client addresses are left to Ray."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
-    except OSError as error:
-        raise EngineStartError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: "
-                               f"{error.strerror or error}") from None
+        return connect("--data-parallel-backend ray")
+    except RayUnavailable as error:
+        raise EngineStartError(str(error)) from None
 
 
 class RayLauncher:

@@ -82,7 +82,7 @@ DESCRIPTION = ("Serve the model over /v1/completions, /v1/chat/completions and "
 
 
 def add_parser(subparsers: Any) -> None:
-    from kvserve.core.router import ROUTER_POLICIES
+    from kvserve.core.router import DEFAULT_IMBALANCE_BOUND, ROUTER_POLICIES
     from kvserve.engine.engine_process import DEFAULT_STEP_TIMEOUT, STEP_TIMEOUT_TOKENS
     from kvserve.flags import add_command, add_model_flags, add_scheduler_flags, parse_bytes
     from kvserve.server.limits import (
@@ -276,6 +276,10 @@ def add_parser(subparsers: Any) -> None:
                                "prefix-affinity: the replica "
                                "its leading prompt blocks were last sent to, within a load "
                                "bound)")
+    parallel.add_argument("--router-imbalance-bound", type=int, default=None, metavar="SCORE",
+                          help="prefix-affinity leaves a replica whose load score exceeds "
+                               "the least-loaded one's by more than this (default "
+                               f"{DEFAULT_IMBALANCE_BOUND}, as kvserve simulate's and plan's)")
     parallel.add_argument("--threads-per-replica", type=int, default=None, metavar="T",
                           help="torch threads in each replica (default: the CPUs split "
                                "evenly among the replicas; with one replica, torch's "
@@ -680,6 +684,12 @@ def build_state(args: argparse.Namespace,
     if not parallel and args.router is not None:
         raise CLIError(f"--router {args.router} picks a replica: it needs "
                        "--data-parallel-size 2 or more")
+    bound = args.router_imbalance_bound
+    if bound is not None and (not parallel or args.router != "prefix-affinity"):
+        raise CLIError("--router-imbalance-bound bounds --router prefix-affinity: give it "
+                       "with --data-parallel-size 2 or more")
+    if bound is not None and bound < 0:
+        raise CLIError(f"--router-imbalance-bound must be >= 0, got {bound}")
     if parallel and not args.engine_process:
         raise CLIError("--no-engine-process steps one engine on a thread of the server; "
                        "data-parallel replicas are engine processes: drop it")
@@ -971,7 +981,7 @@ def _engine_process(model: str | None, engine_args: dict[str, Any],
 def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
                    step_timeout: float | None) -> Any:
     """N replicas (local processes or Ray actors) behind the router."""
-    from kvserve.core.router import make_router
+    from kvserve.core.router import DEFAULT_IMBALANCE_BOUND, make_router
     from kvserve.engine.data_parallel import (
         DataParallelEngine,
         default_threads,
@@ -991,7 +1001,9 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
                        "serve faster)", size, threads, size * threads, cpus)
     return DataParallelEngine(_engine_spec(args.model, engine_args, threads, step_timeout),
                               load_tokenizer(args.model), launchers,
-                              make_router(args.router, size))
+                              make_router(args.router, size, imbalance_bound=(
+                                  DEFAULT_IMBALANCE_BOUND if args.router_imbalance_bound
+                                  is None else args.router_imbalance_bound)))
 
 
 def _model_name(model: str | None) -> str:
