@@ -237,7 +237,7 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["simulate", "--sweep", "data_parallel_size=1,2"], "kvserve plan --max-replicas M"),
     (["simulate", "--sweep", "kv-cache-memory=1GiB,lots"], "'lots' is not a size"),
     (["simulate", "--cost-model", "calibrated"], "needs --calibration"),
-    (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be > 0"),
+    (["plan", "--prompt-len", "-5", "--output-len", "10"], "--prompt-len must be a finite number > 0"),
     (["plan"], "give --prompt-len and --output-len, or --trace"),
     (["plan", "--prompt-len", "9", "--output-len", "9", "--block-size", "0"],
      "block_size=0 is out of range"),
