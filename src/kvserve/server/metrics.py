@@ -30,6 +30,7 @@ from kvserve.core import RequestMetrics, SchedulerStats
 from kvserve.core.sessions import RELEASE_REASONS
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
+from kvserve.server.slow_steps import SlowSteps
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -85,6 +86,8 @@ class _EngineSeries:
         self.by_source = {source: families["prompt_tokens_by_source"].labels(*labels, source)
                           for source in PROMPT_SOURCES}
         self.labels = labels
+        self.slow_steps_total = families["slow_steps"].labels(*labels)
+        self.slow_steps = SlowSteps(engine)
         self.request_success = families["request_success"]
         for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
             self.request_success.labels(*labels, reason)
@@ -200,6 +203,10 @@ class ServerMetrics:
                                                [*per_engine, "source"], registry=reg),
             "request_success": Counter("vllm:request_success", "Finished requests.",
                                        [*per_engine, "finished_reason"], registry=reg),
+            "slow_steps": Counter("kvserve:slow_steps", "Engine steps that took over 10x the "
+                                  "median of the engine's recent steps and at least 0.25 s "
+                                  "(kvserve/server/slow_steps.py: a shared CPU, usually).",
+                                  per_engine, registry=reg),
             **{name: Histogram(series, text, per_engine, registry=reg,
                                buckets=tokens if buckets is _TOKEN_COUNTS else buckets)
                for name, (series, text, buckets) in _ENGINE_HISTOGRAMS.items()}}
@@ -250,6 +257,11 @@ class ServerMetrics:
         self._e2e_count = 0
         engine.observers.append(self.observe)
 
+    def flush_slow_steps(self) -> None:
+        """Log the engines' slow steps not told yet (the periodic stats loop)."""
+        for series in self._engines:
+            series.slow_steps.flush()
+
     def series(self, engine: int = 0) -> _EngineSeries:
         """Engine ``engine``'s per-request series."""
         while engine >= len(self._engines):
@@ -293,6 +305,9 @@ class ServerMetrics:
         series = self.series(report.engine)
         if report.num_scheduled_tokens:
             series.iteration_tokens.observe(report.num_scheduled_tokens)
+            if series.slow_steps.observe(report.seconds, report.num_scheduled_tokens,
+                                         report.stats.num_running):
+                series.slow_steps_total.inc()
         with self._lock:
             for chunk in report.chunks:
                 live = self._live.get(chunk.request_id)

@@ -119,6 +119,7 @@ class StatsLogger:
     async def run(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
+            self.state.metrics.flush_slow_steps()
             line = self.line()
             if line is not None:
                 logger.info(line)
