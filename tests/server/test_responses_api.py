@@ -624,13 +624,22 @@ def test_a_thinking_answers_logprobs_are_its_messages_tokens_only():
     from .helpers import scripted_engine
 
     said = "<think>Red or blue.</think>Blue is calm."
+    asked = {"model": "tiny", "input": "Name a color.", "max_output_tokens": 40,
+             "include": ["message.output_text.logprobs"]}
     with LiveServer(scripted_engine(said, max_model_len=256)) as server:
         server.state.reasoning_parser = make_parser("deepseek_r1")
-        reply = httpx.post(server.url + "/v1/responses", timeout=60, json={
-            "model": "tiny", "input": "Name a color.", "max_output_tokens": 40,
-            "include": ["message.output_text.logprobs"]}).json()
+        reply = httpx.post(server.url + "/v1/responses", timeout=60, json=asked).json()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        events = list(client.responses.create(**asked, stream=True))
     reasoning, message = reply["output"]
     assert reasoning["content"][0]["text"] == "Red or blue."
     text = message["content"][0]["text"]
-    assert text == "Blue is calm."
-    assert "".join(e["token"] for e in message["content"][0]["logprobs"]) == text
+    assert text == "Blue is calm." and reply["status"] == "completed"  # ended by its EOS
+    # the message's tokens only: no </think> (QA: in the first streamed delta), no EOS
+    # (QA: in .done and the response, in no delta; OpenAI lists none)
+    tokens = [e["token"] for e in message["content"][0]["logprobs"]]
+    assert "".join(tokens) == text and "" not in tokens
+    streamed = [e.token for ev in events if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    [done] = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert streamed == [e.token for e in done.logprobs] == tokens

@@ -34,6 +34,15 @@ WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
      '<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>', ()),  # QA: not JSON
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None,
      (("f", '{"a": 1}'),)),  # an object's JSON text: taken
+    # the block's JSON read whole: a closing tag in a string is text (QA: whole, the answer
+    # was text; streamed, a call)
+    ('<tool_call>{"name": "f", "arguments": {"q": "</tool_call>"}}</tool_call>', None,
+     (("f", '{"q": "</tool_call>"}'),)),
+    ('<tool_call>{"name": "f", "arguments": {}} junk</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}} junk</tool_call>', ()),
+    # both keys: the first written, as a stream reads it (QA: the stream joined the two)
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+     None, (("f", '{"a": 1}'),)),
 ])
 def test_hermes_reads_calls_after_content(text, content, calls):
     parsed = make_parser("hermes").parse(text)
@@ -160,6 +169,9 @@ STREAMED = [
     ("mistral", 'See.[TOOL_CALLS]get_weather[ARGS]{"city": "a [TOOL_CALLS] b"}'
                 "[TOOL_CALLS]now[ARGS]{}"),
     ("mistral", '[TOOL_CALLS]{"name": "now", "arguments": {"t": 1}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "</tool_call>"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "parameters": {"a": 1}, "arguments": {"b": 2}}'
+               "</tool_call>"),
 ]
 
 
@@ -486,3 +498,27 @@ def test_auto_calls_stream_on_the_responses_api_as_items():
     assert [(a.id, getattr(a, "call_id", None)) for a in added[1:]] == [
         (c.id, c.call_id) for c in (first, second)]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_calls_that_go_out_whole_keep_their_ids_on_the_responses_stream():
+    """QA: a call that reached the stream whole at the end (pythonic's, always) got a new
+    call_id each time its item was read (added, done, the final response), and the SDK's
+    responses.stream() raised 'Completed output item identity changed'."""
+    from kvserve.server.tool_parsers import make_parser as make_tool_parser
+
+    with LiveServer(scripted_engine('[get_weather(city="Oslo"), now()]',
+                                    max_model_len=512)) as live:
+        live.state.tool_parser = make_tool_parser("pythonic")
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        tools = [{"type": "function", **TOOLS[0]["function"]},
+                 {"type": "function", "name": "now", "parameters": {"type": "object"}}]
+        events = list(client.responses.create(model="tiny", input="weather?", tools=tools,
+                                               max_output_tokens=40, stream=True))
+        with client.responses.stream(model="tiny", input="weather?", tools=tools,
+                                     max_output_tokens=40) as stream:
+            final = stream.get_final_response()
+    added = [e.item.call_id for e in events if e.type == "response.output_item.added"]
+    done = [e.item.call_id for e in events if e.type == "response.output_item.done"]
+    assert added == done == [item.call_id for item in events[-1].response.output]
+    assert len(set(added)) == 2
+    assert [item.name for item in final.output] == ["get_weather", "now"]

@@ -43,7 +43,7 @@ from kvserve.server.protocol import (
     validate_body,
     validate_part,
 )
-from kvserve.server.reasoning_parsers import END
+from kvserve.server.reasoning_parsers import END, START
 from kvserve.server.response_store import ResponseStore, Stored
 from kvserve.server.responses import Choice, kvserve_ext
 from kvserve.server.state import ServerState
@@ -469,6 +469,7 @@ class ResponsesGeneration(Generation):
         self._shut: set[int] = set()
         self._spaces = ""  # a message's leading whitespace, sent once text follows it
         self._held: list[Any] = []  # the logprobs of tokens whose text has not gone out
+        self._thinking = self._thinks("")  # whether the answer is (yet) thinking
         self.log: EventLog | None = None  # background with stream: its events, kept
 
     @property
@@ -679,14 +680,15 @@ class ResponsesGeneration(Generation):
             return []
         start = self._reasoning_tokens()
         ids = choice.token_ids[start:len(choice.logprobs)]
+        # the fewest whose text holds the message's: a call's tokens after it are left out,
+        # and a stop token, which writes nothing (QA: the EOS was in .done, in no delta;
+        # OpenAI lists none)
         decode, wanted = self.state.tokenizer.decode, len(text)
-        low, high = len(ids), len(ids)  # all of them, where the message is all the text;
-        if len(decode(ids)) > wanted:  # else the fewest whose text holds the message's
-            low = 0
-            while low < high:
-                middle = (low + high) // 2
-                low, high = (middle + 1, high) if len(decode(ids[:middle])) < wanted \
-                    else (low, middle)
+        low, high = 0, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (middle + 1, high) if len(decode(ids[:middle])) < wanted \
+                else (low, middle)
         return self._logprobs(choice.logprobs[start:start + low])["content"]
 
     def _call_item(self, call_id: str, name: str, arguments: str, index: int,
@@ -803,9 +805,13 @@ class ResponsesGeneration(Generation):
         events = ""
         reasoning, content = piece.get("reasoning") or "", piece.get("content") or ""
         if wants_logprobs(self.api):  # a chunk's tokens go with the text they make
+            thinking = self._thinking  # before this chunk
+            self._thinking = self._thinks(choice.text)
             self._held += list(zip(chunk.new_token_ids, chunk.logprobs or [], strict=False))
-            if (reasoning or piece.get("tool_calls")) and not content:
-                self._held = []  # thinking's, or a call's: no message's
+            if (reasoning or piece.get("tool_calls") or thinking) and not content:
+                # thinking's (</think>'s too, which writes neither: QA, it went out with
+                # the first text), or a call's: no message's
+                self._held = []
         if reasoning:
             if "reasoning" not in self._live:
                 events += self._open_live("reasoning",
@@ -836,6 +842,16 @@ class ResponsesGeneration(Generation):
                                     output_index=self._live[key],
                                     delta=function["arguments"])
         return events
+
+    def _thinks(self, text: str) -> bool:
+        """Whether an answer that has written ``text`` is thinking: a reasoning parser's,
+        begun inside its thinking (or opened it), not yet closed."""
+        parser = self.answer.reasoning if self.answer is not None else None
+        if parser is None:
+            return False
+        opened = parser.opened or text.lstrip().startswith(START) or \
+            START.startswith(text.lstrip())  # "" or "<thi": may be opening it
+        return opened and not parser.thought(text)
 
     def _open_live(self, key: str, item: dict[str, Any]) -> str:
         """Open a streamed item, closing the one before it (the thinking is over as the

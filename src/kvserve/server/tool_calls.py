@@ -38,6 +38,9 @@ class ToolCalls:
         self.streaming: dict[str, list[dict[str, Any]]] = {}
         self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
         self.opened: set[str] = set()  # named, streamed: the answers whose call went out
+        # each answer's calls' ids by place, one id per call however often it is read (QA:
+        # the Responses stream read a whole answer's calls three times, three ids each)
+        self.call_ids: dict[str, list[str]] = {}
 
     @classmethod
     def of(cls, req: Any, choice_ids: list[str], role: str,
@@ -68,11 +71,12 @@ class ToolCalls:
                 return {"role": self.role, "content": text}
             self.called.add(choice_id)
             return {"role": self.role, "content": parsed.content,
-                    "tool_calls": [_made(name, arguments) for name, arguments in parsed.calls]}
+                    "tool_calls": [self._made(choice_id, index, name, arguments)
+                                   for index, (name, arguments) in enumerate(parsed.calls)]}
         if self.name is not None:
             return {"role": self.role, "content": None,
                     "tool_calls": [self._call(choice_id, text)]}
-        calls = self._calls(text)
+        calls = self._calls(choice_id, text)
         if calls is None:  # cut short (max_tokens): the text as it is
             return {"role": self.role, "content": text}
         return {"role": self.role, "content": None, "tool_calls": calls}
@@ -136,12 +140,14 @@ class ToolCalls:
         for index, call in enumerate(calls):
             if index < len(streaming):
                 function = streaming[index]["function"]
+                if not call.arguments.startswith(function["arguments"]):
+                    continue  # read otherwise now: what went out stays (never a non-prefix)
                 new = call.arguments[len(function["arguments"]):]
                 if new:
                     pieces.append({"index": index, "function": {"arguments": new}})
                 function["arguments"] = call.arguments
             elif call.name is not None and index == len(streaming):
-                streaming.append(_made(call.name, call.arguments))
+                streaming.append(self._made(choice_id, index, call.name, call.arguments))
                 pieces.append({"index": index, **streaming[index],
                                "function": dict(streaming[index]["function"])})
             else:  # its name is not whole yet: it and the calls after it wait
@@ -162,7 +168,7 @@ class ToolCalls:
         before = whole[sent:parsed.content_end]
         if before and parsed.content is not None:
             delta["content"] = before
-        delta["tool_calls"] = [{"index": i, **_made(name, arguments)}
+        delta["tool_calls"] = [{"index": i, **self._made(choice_id, i, name, arguments)}
                                for i, (name, arguments) in enumerate(parsed.calls)]
         return delta
 
@@ -185,16 +191,17 @@ class ToolCalls:
         return {"id": self.ids[choice_id], "type": "function",
                 "function": {"name": self.name, "arguments": arguments}}
 
-    @staticmethod
-    def _calls(text: str) -> list[dict[str, Any]] | None:
+    def _calls(self, choice_id: str, text: str) -> list[dict[str, Any]] | None:
         try:  # the grammar's (SamplingParams.json_schema): a list of named calls
-            return [_made(call["name"], to_json(call["parameters"]))
-                    for call in strict_json(text)["tool_calls"]]
+            return [self._made(choice_id, index, call["name"], to_json(call["parameters"]))
+                    for index, call in enumerate(strict_json(text)["tool_calls"])]
         except ValueError:  # cut short, or nested past what can be read (QA: a 500)
             return None
 
-
-def _made(name: str, arguments: str) -> dict[str, Any]:
-    """A call in OpenAI's shape, with an id of its own."""
-    return {"id": _call_id(), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    def _made(self, choice_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:
+        """Answer ``choice_id``'s call ``index`` in OpenAI's shape, with its own id."""
+        ids = self.call_ids.setdefault(choice_id, [])
+        while len(ids) <= index:
+            ids.append(_call_id())
+        return {"id": ids[index], "type": "function",
+                "function": {"name": name, "arguments": arguments}}

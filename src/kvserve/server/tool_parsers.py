@@ -74,18 +74,28 @@ class HermesParser:
     start, end = "<tool_call>", "</tool_call>"
     # vLLM's: the markers may be special tokens, whose text must be kept
     keeps_special_tokens = True
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedCalls:
+        """Each ``<tool_call>`` block's JSON read whole, so a ``</tool_call>`` inside one of
+        its strings is text (QA: the answer was text whole, a call streamed); a block may
+        be left unclosed at the end."""
         at = text.find(self.start)
         if at < 0:
             return ParsedCalls(text, (), len(text))
         calls = []
-        for body in self._block.findall(text[at:]):
-            call = _call(body)
-            if call is None:  # a call that does not parse: the text is the answer
+        block = at
+        while block >= 0:
+            body = _blank_end(text, block + len(self.start))
+            try:
+                value, end = raw_json(text, body)
+            except ValueError:  # a call that does not parse: the text is the answer
+                return ParsedCalls(text, (), len(text))
+            call = _call_of(value)
+            after = _blank_end(text, end)
+            if call is None or not (text.startswith(self.end, after) or after == len(text)):
                 return ParsedCalls(text, (), len(text))
             calls.append(call)
+            block = text.find(self.start, after)
         content = text[:at]  # as written (vLLM's), a stream's the same
         return ParsedCalls(content if content.strip() else None, tuple(calls), at)
 
@@ -340,14 +350,6 @@ def make_parser(name: str) -> ToolParser:
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
-def _call(body: str) -> tuple[str, str] | None:
-    try:
-        value = strict_json(body)
-    except ValueError:
-        return None
-    return _call_of(value)
-
-
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -401,7 +403,10 @@ def _call_of(value: Any) -> tuple[str, str] | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
             not _NAME.fullmatch(value["name"]):  # QA: "", a lone surrogate (a 500), prose
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    # the first of the two written, as a stream reads it (QA: one with both streamed the
+    # one, then the other's text after it)
+    given = next((key for key in value if key in ("arguments", "parameters")), None)
+    arguments = {} if given is None else value[given]
     if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
         try:
             arguments = strict_json(arguments)
@@ -483,8 +488,8 @@ def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
         if start >= len(text):
             break
         stop = _value_end(text, start)
-        try:
-            fields[json.loads(key.group())] = (start, stop)
+        try:  # a key written twice: its first (QA: a second "name" renamed a streamed call)
+            fields.setdefault(json.loads(key.group()), (start, stop))
         except ValueError:
             break
         if stop is None:
@@ -497,7 +502,7 @@ def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
         start, stop = fields["name"]
         value = _loads(text[start:stop])
         name = value if isinstance(value, str) and _NAME.fullmatch(value) else None
-    given = fields.get("arguments", fields.get("parameters"))
+    given = next((fields[key] for key in fields if key in ("arguments", "parameters")), None)
     if given is None:  # none (yet): {} once the object is whole, as the whole answer's
         return CallSoFar(name, "{}" if end is not None else "", end is not None), end
     start, stop = given
