@@ -112,7 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except CLIError as error:
-        print(f"kvserve {args.command}: error: {error}", file=sys.stderr)
+        # a nested command by its whole name (QA: `kvserve workload gen`'s said `workload`)
+        sub = getattr(args, f"{args.command}_command", None)
+        name = args.command if sub is None else f"{args.command} {sub}"
+        print(f"kvserve {name}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -332,9 +332,17 @@ def _spelled(model: str) -> str:
     return os.path.normpath(model)
 
 
+_SIZE_UNITS = frozenset({"b", "k", "kb", "kib", "m", "mb", "mib", "g", "gb", "gib", "t", "tb",
+                         "tib"})
+
+
 def resolve_model_option(args: argparse.Namespace) -> None:
     """vLLM's deprecated ``--model X`` as the positional model (a warning says so); CLIError
     where both are given and differ. Called first by the commands that load a model."""
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and model.lower() in _SIZE_UNITS and not os.path.exists(model):
+        raise CLIError(f"model path {model!r} looks like a size's unit left over from a flag "
+                       "(--kv-cache-memory 1 GiB): write a size without a space, e.g. 1GiB")
     option = getattr(args, "model_option", None)
     if option is None:
         return

@@ -543,9 +543,15 @@ def test_bad_server_flags_are_one_line_before_the_model_loads(tmp_path, capsys, 
     assert err.startswith(f"kvserve serve: error: {message}") and err.count("\n") == 1, err
 
 
-def test_max_log_len_is_taken_and_changes_nothing():
+def test_max_log_len_is_taken_and_changes_nothing(caplog):
+    from kvserve.server.cli_serve import _vllm_noops
+
     args = build_parser().parse_args(["serve", "--max-log-len", "100"])
     assert args.max_log_len == 100
+    caplog.set_level(logging.INFO, logger="kvserve.server")
+    _vllm_noops(args)  # says so in one line, as every no-op does (QA: it said nothing)
+    assert [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("--max-log-len 100: vLLM's, does nothing here")]
 
 
 @pytest.mark.parametrize(("flags", "line"), [

@@ -304,8 +304,24 @@ def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
         argv = [*argv, "--trace", str(trace)]
     assert main(argv) == 2
     line = _error_line(capsys)
-    assert line.startswith(f"kvserve {argv[0]}: error: ")
+    name = " ".join(argv[:2]) if argv[0] == "workload" else argv[0]  # (QA: `workload`)
+    assert line.startswith(f"kvserve {name}: error: ")
     assert message in line
+
+
+def test_plans_candidates_are_checked_before_its_trace_is_read(tmp_path, capsys):
+    """QA: the trace's warning came first, so the error was not one line."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 999999, '
+                     '"output_len": 2}\n')
+    assert main(["plan", "--trace", str(trace), "--candidates", "8,x"]) == 2
+    assert "write integers, e.g. 64,128,256" in _error_line(capsys)
+
+
+def test_a_size_split_by_a_space_is_named_not_taken_as_the_model(capsys):
+    assert main(["serve", "--kv-cache-memory", "1", "GiB"]) == 2
+    assert "model path 'GiB' looks like a size's unit left over from a flag" in \
+        _error_line(capsys)
 
 
 def test_malformed_trace_line_is_named(tmp_path, capsys):

@@ -45,6 +45,8 @@ def test_the_worked_example_moves_b_by_three_seconds_from_its_admission(tmp_path
     report, html = tmp_path / "w.json", tmp_path / "w.html"
     assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--cost-model", "unit",
                  "--report", str(report), "--html", str(html)]) == 0
+    printed = capsys.readouterr()
+    assert f"wrote {report}\nwrote {html}" in printed.err  # QA: silent
     data = json.loads(report.read_text())
     runs = {run["label"]: run["aggregate"] for run in data["runs"]}
     assert list(runs) == ["recorded", "recorded (unit model)", "max_num_seqs=2"]
@@ -57,9 +59,8 @@ def test_the_worked_example_moves_b_by_three_seconds_from_its_admission(tmp_path
     # against the recorded settings under the same (unit) model: the change's own effect
     assert row["first_difference"] == {"recorded (unit model)": "admitted at step 3 (3.000 s)",
                                        "max_num_seqs=2": "admitted at step 0 (0.000 s)"}
-    out = capsys.readouterr().out
     assert "b: e2e 6.000 s -> 3.000 s (-3.000 s); recorded (unit model): admitted at step 3" \
-        in out
+        in printed.out
     page = html.read_text()
     assert page.count("<svg") == 4 and "max_num_seqs=2" in page and "<script" not in page
 

@@ -110,7 +110,7 @@ def _build() -> ModuleType:
     name = f"kvserve_paged_attention_{hashlib.sha256(key).hexdigest()[:12]}"
     build_directory = Path(cpp_extension._get_build_directory(name, False))
     if not (build_directory / f"{name}.so").exists():  # QA: a minute of silence at boot
-        logger.info("building kvserve's C++ kernels for this CPU in %s: about a minute on "
+        logger.info("building kvserve's C++ kernels for this CPU in %s: a minute or two on "
                     "two cores, once (later starts load the build)", build_directory)
     with build_lock(build_directory):
         return cpp_extension.load(

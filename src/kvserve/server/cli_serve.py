@@ -855,6 +855,10 @@ def _vllm_noops(args: argparse.Namespace) -> None:
             value = " ".join(value)
         shown = names[0] if value is True else f"{names[0]} {value}"
         logger.info("%s: vLLM's, does nothing here: %s", shown, why)
+    if args.max_log_len is not None:  # a logging flag, declared with them (QA: no line)
+        logger.info("--max-log-len %d: vLLM's, does nothing here: vLLM cuts the prompts it "
+                    "logs; prompts are never logged here (--enable-log-requests logs their "
+                    "lengths)", args.max_log_len)
 
 
 def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:

@@ -208,6 +208,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         from kvserve.sim.replica_plan import check_max_replicas
 
         check_max_replicas(args.max_replicas)
+    _candidates(args.candidates)  # before the trace's warnings (QA: two lines, not one)
     check_workers(args.workers)
     calibration_implies_its_model(args)
     if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed
@@ -286,7 +287,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_replicas is not None:
         out.update(_replica_plan(args, deployment, trace, settings))
         return out
-    candidates = _candidates(args.candidates)
+    candidates = _candidates(args.candidates)  # (checked before the trace was read too)
     runs_on: Any = deployment
     if as_recorded:
         # the recorded max_num_seqs is always a row; replicas run as the recorded cluster

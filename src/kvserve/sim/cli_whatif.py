@@ -265,11 +265,20 @@ def run(args: argparse.Namespace) -> int:
             if not rows:
                 print(f"  {still[label]}")
         if args.report:
-            Path(args.report).write_text(json.dumps(to_json(runs, movers), indent=1) + "\n",
-                                         encoding="utf-8")
+            _write(args.report, json.dumps(to_json(runs, movers), indent=1) + "\n")
         if args.html:
             from kvserve.sim.whatif_html import render_whatif
 
-            Path(args.html).write_text(render_whatif(Path(args.recording_dir).name, runs,
-                                                     movers, still), encoding="utf-8")
+            _write(args.html, render_whatif(Path(args.recording_dir).name, runs, movers,
+                                            still))
     return 0
+
+
+def _write(path: str, text: str) -> None:
+    """A file written, said on stderr as simulate says it (QA: silent); a path that cannot
+    be written is one line."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror}") from None
+    print(f"wrote {path}", file=sys.stderr)

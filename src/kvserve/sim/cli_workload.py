@@ -17,7 +17,9 @@ def add_parser(subparsers: Any) -> None:
         description="Generate a seeded trace. Lengths are distributions written "
                     "NAME:k=v,... : fixed:128, uniform:low=64,high=512, "
                     "normal:mean=1000,std=200, lognormal:mean=1000,sigma=0.6, "
-                    "zipf:a=2.5,scale=64; each also takes min= and max= to clip "
+                    "zipf:a=2.5,scale=64 (a bare value is the next parameter in that "
+                    "order: uniform:64,512, lognormal:1000,0.6); each also takes min= and "
+                    "max= to clip "
                     "(every draw is clipped to 1e9 tokens; a zipf a <= 2 has no finite "
                     "mean: give it a max=).")
     gen.add_argument("--num-requests", "-n", type=int, default=100,

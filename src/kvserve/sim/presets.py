@@ -103,9 +103,11 @@ class HardwareSpec:
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # The command line speaks vLLM: --dtype in its spellings (``auto`` is the presets' own
-# checkpoint dtype, bf16), and fp8 only as --kv-cache-dtype (docs/dtype.md).
+# checkpoint dtype, bf16), and fp8 only as --kv-cache-dtype (docs/dtype.md); the short names
+# the reports print are taken too (QA: copied from a table, refused).
 WEIGHT_DTYPES = {"auto": "bf16", "half": "fp16", "float16": "fp16", "bfloat16": "bf16",
-                 "float": "fp32", "float32": "fp32"}
+                 "float": "fp32", "float32": "fp32", "bf16": "bf16", "fp16": "fp16",
+                 "fp32": "fp32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # Public model configs (Hugging Face config.json of each model; max_context is its
