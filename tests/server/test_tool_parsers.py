@@ -193,6 +193,20 @@ def test_a_streamed_call_grows_into_the_whole_answers_call(name, text):
         (call_name, json.loads(arguments), True) for call_name, arguments in whole]
 
 
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": 7',
+])
+def test_a_stream_never_starts_a_call_the_whole_answer_leaves_as_text(text):
+    """QA: arguments that are no object streamed a call (with arguments "") where the whole
+    answer was text: the name is told only once the arguments can be a call's."""
+    parser = make_parser("hermes")
+    assert parser.parse(text).calls == ()
+    assert all(call.name is None for end in range(len(text) + 1)
+               for call in parser.calls_so_far(text[:end]))
+
+
 def test_pythonic_calls_go_out_whole_at_the_end():
     assert make_parser("pythonic").calls_so_far('[get_weather(city="Oslo")') == []
 

@@ -502,15 +502,21 @@ def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
         start, stop = fields["name"]
         value = _loads(text[start:stop])
         name = value if isinstance(value, str) and _NAME.fullmatch(value) else None
+    # The name is told only once the arguments can be a call's (an object, or an object's
+    # JSON text), so a stream never starts a call the whole answer would leave as text
+    # (QA: "arguments": [1, 2] streamed a call with arguments "").
     given = next((fields[key] for key in fields if key in ("arguments", "parameters")), None)
     if given is None:  # none (yet): {} once the object is whole, as the whole answer's
-        return CallSoFar(name, "{}" if end is not None else "", end is not None), end
+        return (CallSoFar(name, "{}", True) if end is not None
+                else CallSoFar(None, "", False)), end
     start, stop = given
     if text[start] == "{":
         return CallSoFar(name, text[start:len(text) if stop is None else stop],
                          stop is not None), end
     value = _loads(text[start:stop]) if stop is not None else None
-    return CallSoFar(name, value if isinstance(value, str) else "", stop is not None), end
+    if isinstance(value, str) and isinstance(_loads(value), dict):
+        return CallSoFar(name, value, True), end
+    return CallSoFar(None, "", stop is not None), end
 
 
 def _loads(text: str) -> Any:
