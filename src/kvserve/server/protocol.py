@@ -272,12 +272,14 @@ class ChatMessage(Body):
     def _calls_as_openai_writes_them(cls, calls: list[dict[str, Any]] | None
                                      ) -> list[dict[str, Any]] | None:
         """Each replayed call as OpenAI's API writes one: a function with its name and its
-        arguments' JSON text; an id and the type "function" where given (QA: {"a": 1}
+        arguments' JSON text (or the object itself, which the template takes anyway, as
+        some clients send it); an id and the type "function" where given (QA: {"a": 1}
         went to the template)."""
         for index, call in enumerate(calls or ()):
             function = call.get("function")
             if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                    and function["name"] and isinstance(function.get("arguments"), str)) \
+                    and function["name"]
+                    and isinstance(function.get("arguments"), (str, dict))) \
                     or call.get("type", "function") != "function" \
                     or not isinstance(call.get("id", ""), str):
                 raise ValueError(f"tool call {index} must be {{\"id\": ..., \"type\": "
