@@ -12,10 +12,10 @@ from kvserve.server.tool_parsers import ToolParser
 
 
 class ChatAnswer:
-    def __init__(self, req: Any, choice_ids: list[str], role: str,
-                 tool_parser: ToolParser | None, reasoning: ThinkParser | None) -> None:
+    def __init__(self, req: Any, role: str, tool_parser: ToolParser | None,
+                 reasoning: ThinkParser | None) -> None:
         self.role = role
-        self.tools = ToolCalls.of(req, choice_ids, role, tool_parser)
+        self.tools = ToolCalls.of(req, role, tool_parser)
         # a structured answer (JSON, a choice, a forced call) thinks first too: its form
         # holds from the end of its thinking on (SamplingParams.think_markers)
         self.reasoning = reasoning

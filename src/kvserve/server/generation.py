@@ -273,8 +273,8 @@ class Generation:
         self.held: dict[str, tuple[list[Any], list[int]]] = {}
         # a chat choice's message: its reasoning, content and tool calls
         # (``reasoning``: the reasoning parser as the prompt leaves it, _reasoning)
-        self.answer = ChatAnswer(req, [c.request_id for c in choices], state.response_role,
-                                 state.tool_parser, reasoning) if chat else None
+        self.answer = ChatAnswer(req, state.response_role, state.tool_parser,
+                                 reasoning) if chat else None
         self.tools = self.answer.tools if self.answer is not None else None
         # chat's echo (vLLM's): the last message's text, where it is the answer's role
         self.echoed = _chat_echo(req, state.response_role) if chat else ""

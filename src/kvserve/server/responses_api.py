@@ -884,8 +884,8 @@ class ResponsesGeneration(Generation):
     def _first_call(self) -> dict[str, Any]:
         """A named function's call item, opened as its arguments begin."""
         assert self.tools is not None and self.tools.name is not None
-        return self._call_item(self.tools.ids[self.choice.request_id], self.tools.name, "",
-                               0, "in_progress")
+        return self._call_item(self.tools.call_id(self.choice.request_id, 0), self.tools.name,
+                               "", 0, "in_progress")
 
     def _opened(self, item: dict[str, Any], index: int = 0) -> str:
         """An output item's opening events (a message's opens its one text part)."""

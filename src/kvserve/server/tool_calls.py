@@ -24,12 +24,10 @@ def _call_id() -> str:
 
 class ToolCalls:
     def __init__(self, role: str, name: str | None, required: bool,
-                 choice_ids: list[str], parser: ToolParser | None = None,
-                 parallel: bool = True) -> None:
+                 parser: ToolParser | None = None, parallel: bool = True) -> None:
         self.role = role
         self.name = name  # the forced function's; None: calls_required, or auto
         self.required = required  # tool_choice "required": finish_reason tool_calls
-        self.ids = {choice_id: _call_id() for choice_id in choice_ids} if name else {}
         # "auto" (--enable-auto-tool-choice): the calls the parser finds in the text
         self.parser = parser
         self.sent: dict[str, int] = {}  # auto, streamed: each answer's text sent as content
@@ -43,18 +41,18 @@ class ToolCalls:
         self.call_ids: dict[str, list[str]] = {}
 
     @classmethod
-    def of(cls, req: Any, choice_ids: list[str], role: str,
+    def of(cls, req: Any, role: str,
            parser: ToolParser | None = None) -> ToolCalls | None:
         """The tool calls a chat request's answers are (or, with ``parser``, may hold), or
         None (a plain answer)."""
         function = forced_tool(req)
         if function is None and not calls_required(req):
             if parser is not None and auto_tools(req):
-                return cls(role, None, False, choice_ids, parser,
+                return cls(role, None, False, parser,
                            parallel=req.parallel_tool_calls is not False)
             return None
         return cls(role, None if function is None else function.name,
-                   req.tool_choice == "required", choice_ids)
+                   req.tool_choice == "required")
 
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
@@ -188,8 +186,8 @@ class ToolCalls:
         return "tool_calls" if reason == "stop" and called else reason
 
     def _call(self, choice_id: str, arguments: str) -> dict[str, Any]:
-        return {"id": self.ids[choice_id], "type": "function",
-                "function": {"name": self.name, "arguments": arguments}}
+        assert self.name is not None
+        return self._made(choice_id, 0, self.name, arguments)
 
     def _calls(self, choice_id: str, text: str) -> list[dict[str, Any]] | None:
         try:  # the grammar's (SamplingParams.json_schema): a list of named calls
@@ -198,10 +196,14 @@ class ToolCalls:
         except ValueError:  # cut short, or nested past what can be read (QA: a 500)
             return None
 
-    def _made(self, choice_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:
-        """Answer ``choice_id``'s call ``index`` in OpenAI's shape, with its own id."""
+    def call_id(self, choice_id: str, index: int) -> str:
+        """Answer ``choice_id``'s call ``index``'s id, the same however often it is read."""
         ids = self.call_ids.setdefault(choice_id, [])
         while len(ids) <= index:
             ids.append(_call_id())
-        return {"id": ids[index], "type": "function",
+        return ids[index]
+
+    def _made(self, choice_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:
+        """Answer ``choice_id``'s call ``index`` in OpenAI's shape, with its own id."""
+        return {"id": self.call_id(choice_id, index), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
