@@ -241,3 +241,50 @@ def test_calibrate_refuses_a_bad_path_or_size_before_measuring(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert "step shapes" not in err
+
+
+def _recording(directory: Path, model: str, views, seconds) -> Path:
+    """A recording directory (docs/recording.md) of ``model`` whose step log is ``views``
+    at ``seconds``."""
+    directory.mkdir()
+    (directory / "recording.json").write_text(json.dumps({
+        "format": "kvserve-recording/1", "model": model, "record_prompts": "none",
+        "settings": {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": 1024,
+                     "num_kv_blocks": 64, "block_size": 16, "enable_prefix_caching": True},
+        "segments": [{"start": 0.0, "stop": 100.0, "in_flight_at_start": 0}]}))
+    (directory / "trace-00000.jsonl").write_text(json.dumps({
+        "request_id": "a", "arrival_time": 0.0, "prompt_len": 16, "output_len": 2,
+        "max_tokens": 8}) + "\n")
+    rows = [{"type": "step", "start": float(index), "duration": second,
+             "num_scheduled_tokens": view.num_tokens, "shape": dataclasses.asdict(view)}
+            for index, (view, second) in enumerate(zip(views, seconds, strict=True))]
+    rows.append({"type": "event", "time": 3.0, "kind": "finished", "request_id": "a"})
+    (directory / "steps-0-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def test_a_fit_on_recordings_names_their_model_and_refuses_two(tmp_path, capsys):
+    """The recordings' model goes into the file, so simulate warns where it prices another;
+    recordings of two models are not pooled into one price."""
+    from kvserve.cli import main
+    from kvserve.sim.executor import BatchView
+
+    views = [BatchView(seqs, seqs + chunk, seqs, seqs, 300 * seqs, 300 * seqs + chunk * chunk)
+             for seqs in range(1, 17) for chunk in (0, 64, 256)]
+    seconds = [0.004 + 2e-4 * v.num_tokens + 1e-4 * v.num_seqs for v in views]
+    small = _recording(tmp_path / "small", "SmolLM2-135M-Instruct", views, seconds)
+    other = _recording(tmp_path / "other", "Llama-3.1-8B-Instruct", views, seconds)
+    out = tmp_path / "fit.json"
+    assert main(["calibrate", "--step-logs", str(small), "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["model"] == "SmolLM2-135M-Instruct"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 16, '
+                     '"output_len": 2}\n')
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--calibration", str(out), "--model",
+                 "llama-3.1-8b", "--quiet"]) == 0
+    assert "was calibrated on model SmolLM2-135M-Instruct, not this run's llama-3.1-8b" in \
+        capsys.readouterr().err
+    assert main(["calibrate", "--step-logs", str(small), str(other), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--step-logs are of different models" in err[0]

@@ -192,6 +192,20 @@ def _warn_if_poor(error: float) -> None:
         print(f"warning: {note}", file=sys.stderr)
 
 
+def _recorded_models(paths: list[str]) -> set[str]:
+    """The models the recordings among ``paths`` served; CLIError where they differ (one fit
+    prices one model's steps)."""
+    from kvserve.sim.recording import is_recording, recorded_model
+
+    models = {path: recorded_model(path) for path in paths if is_recording(path)}
+    named = {model for model in models.values() if model}
+    if len(named) > 1:
+        listed = ", ".join(f"{path} ({model})" for path, model in models.items())
+        raise CLIError(f"--step-logs are of different models: {listed}; fit each model's "
+                       "logs apart")
+    return named
+
+
 def _fit_step_logs(args: argparse.Namespace) -> int:
     """Fit one model on the steps of several logs, and say how each log's steps compare
     with the pooled price: the spread is the machine's run-to-run speed."""
@@ -204,6 +218,7 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
             logs.append((path, *read_step_log(path)))
         except ValueError as error:
             raise CLIError(str(error).splitlines()[0]) from error
+    models = _recorded_models(args.step_logs)  # (read above: they are recordings)
     views = [view for _, log_views, _ in logs for view in log_views]
     seconds = [second for _, _, log_seconds in logs for second in log_seconds]
     try:
@@ -215,7 +230,10 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
                 "error_of_the_sum": calibrate.goodness(model, log_views,
                                                        log_seconds)["error_of_the_sum"]}
                for path, log_views, log_seconds in logs]
-    meta = {"step_logs": per_log, "num_steps": len(views),
+    # the recordings' model, so simulate warns where the file prices another (a plain step
+    # log names none)
+    meta = {**({"model": models.pop()} if len(models) == 1 else {}),
+            "step_logs": per_log, "num_steps": len(views),
             "fit": {"kind_term": args.kind_term is not False, "relative_to": "priced"},
             **calibrate.goodness(model, views, seconds)}
     Path(args.output).write_text(calibrate.in_service_json(model, meta))

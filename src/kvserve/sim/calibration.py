@@ -214,7 +214,8 @@ def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str 
     than ``model`` (``meta.model_shape``; in files without it, the preset ``meta.model``
     names) or on another device than the ``hardware`` preset (``meta.device``). None when
     they match, or where the file does not say (older files have no shape or device, and a
-    fit on step logs neither a model nor a device): then nothing can be checked. Which CPU
+    fit on step logs no device, and a model only by its recordings' name): then nothing
+    can be checked. Which CPU
     it was is :func:`kvserve.sim.machine.calibration_cpu_warning`'s."""
     try:
         meta = json.loads(Path(path).read_text(encoding="utf-8")).get("meta")

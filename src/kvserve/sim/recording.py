@@ -181,6 +181,13 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
     return recording
 
 
+def recorded_model(path: str | Path) -> str:
+    """The model a recording's server served (as :attr:`Recording.model`), from its manifest
+    alone ('' if it names none); TraceError where it is no recording."""
+    manifest = _manifest(Path(path))
+    return str(manifest.get("model_id") or manifest.get("model") or "")
+
+
 def _manifest(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise TraceError(f"{root} is not a recording directory")
