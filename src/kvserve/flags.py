@@ -64,6 +64,9 @@ _SCHEDULER_FLAGS: tuple[tuple[str, Any, str], ...] = (  # (dest, type or "tokens
      "finished turns of multi-turn sessions may keep held for their next turn"),
     ("session_ttl_s", float, "seconds a session's KV is held after its turn (default 30; a "
      "request's session ttl overrides it)"),
+    ("max_held_first", int, "at most this many session turns holding KV admitted ahead of a "
+     "waiting ordinary request before it is served (default 0: no bound; held turns go "
+     "first, rules L1, L6)"),
 )
 CACHE_KEYS = ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching",
               "swap_space", "num_host_blocks", "prefix_caching_hash_algo")

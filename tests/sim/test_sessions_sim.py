@@ -211,3 +211,14 @@ def test_a_request_asking_prompt_logprobs_replays_without_prefix_hits():  # G8
     with pytest.raises(ValueError, match=r"prompt_logprobs cannot be asked of a session "
                                          r"turn \(G8\), got 1 on session 's'"):
         parse_request({**rows[1], "session_id": "s"})
+
+
+def test_max_held_first_without_sessions_is_one_line(tmp_path, capsys):
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 8, '
+                     '"output_len": 2}\n')
+    assert main(["simulate", "--trace", str(trace), "--max-held-first", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_held_first=2 bounds session turns that hold KV" in err[0]

@@ -174,6 +174,9 @@ class SchedulerConfig:
     # seconds unless the request names its own ttl.
     max_session_kv: float = 0.0
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    # L6: at most this many held turns admitted ahead of a waiting ordinary request before
+    # it is served (0: no bound, L1 as is).
+    max_held_first: int = 0
     # Q1-Q3: prefill-first steps, and at most this many of them in a row before a mixed step
     # (0: no bound, as SGLang).
     step_mix: str = "mixed"
@@ -207,6 +210,7 @@ class SchedulerConfig:
         self._check_waiting_order()
         _check_float("max_session_kv", self.max_session_kv, 0.0, 1.0)
         _check_float("session_ttl_s", self.session_ttl_s, 0.0, MAX_SESSION_TTL_S, lo_open=True)
+        _check_int("max_held_first", self.max_held_first, 0)
         _check_choice("step_mix", self.step_mix, STEP_MIXES)
         _check_int("max_prefill_only_steps", self.max_prefill_only_steps, 0)
         self._check_relations()
@@ -251,6 +255,10 @@ class SchedulerConfig:
                 f"max_prefill_only_steps={self.max_prefill_only_steps} bounds prefill-first "
                 f"steps: it needs step_mix='prefill-first', not {self.step_mix!r}"
             )
+        if self.max_held_first and not self.max_session_kv:
+            raise ConfigError(
+                f"max_held_first={self.max_held_first} bounds session turns that hold KV: "
+                "sessions are off (give max_session_kv, --max-session-kv)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "

@@ -151,6 +151,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # oldest swap first (S2)
         # L1: waiting requests that hold KV (a session's next turn), drained first, in order
         self.held_waiting: deque[Request] = deque()
+        self._held_ahead = 0  # held turns admitted ahead of the ordinary head since (L6)
         self.sessions = SessionStore(self.kv, config.max_session_kv, config.session_ttl_s,
                                      self._emit_session) if config.max_session_kv > 0 else None
         self.requests: dict[str, Request] = {}
@@ -580,6 +581,7 @@ class Scheduler:
                     self._note_blocked("kv_cache")
                 return
             self.waiting.pop()
+            self._held_ahead = 0  # L6: the ordinary queue served
             self._admit(request, num_new, num_hit_tokens, new_blocks, step)
 
     def _allocate_admission(self, request: Request, num_new: int,
@@ -642,6 +644,8 @@ class Scheduler:
                 return False
             if held and held[0] is request:  # still the head: nothing demoted it
                 held.popleft()
+                # L6: one more admitted ahead of the ordinary queue's head, if one waits
+                self._held_ahead = self._held_ahead + 1 if self.waiting else 0
                 assert self.sessions is not None
                 self.sessions.note_hit(num_held)
                 self.waiting.charge_admission(request)  # T8
@@ -657,10 +661,14 @@ class Scheduler:
 
     def _outranked(self, request: Request) -> bool:
         """Whether the ordinary queue's head goes before ``request`` (a held turn), which
-        then waits behind it: under the priority policy when the head is more urgent (L5);
-        under fair share, at one priority, when the head's tenant was served less (T8)."""
+        then waits behind it: once max_held_first held turns went ahead of it (L6); under
+        the priority policy when the head is more urgent (L5); under fair share, at one
+        priority, when the head's tenant was served less (T8)."""
         if not self.waiting:
             return False
+        limit = self.config.max_held_first
+        if limit and self._held_ahead >= limit:
+            return True
         head = self.waiting.peek()
         if self.config.scheduling_policy == "priority" and head.priority != request.priority:
             return head.priority < request.priority
