@@ -305,8 +305,10 @@ class ServerMetrics:
         series = self.series(report.engine)
         if report.num_scheduled_tokens:
             series.iteration_tokens.observe(report.num_scheduled_tokens)
+            sequences = report.shape.num_seqs if report.shape is not None \
+                else len(report.chunks)
             if series.slow_steps.observe(report.seconds, report.num_scheduled_tokens,
-                                         report.stats.num_running):
+                                         sequences):
                 series.slow_steps_total.inc()
         with self._lock:
             for chunk in report.chunks:

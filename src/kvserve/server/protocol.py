@@ -271,17 +271,18 @@ class ChatMessage(Body):
     @classmethod
     def _calls_as_openai_writes_them(cls, calls: list[dict[str, Any]] | None
                                      ) -> list[dict[str, Any]] | None:
-        """Each replayed call as OpenAI's API writes one: a function with its name and its
-        arguments' JSON text (or the object itself, which the template takes anyway, as
-        some clients send it); an id and the type "function" where given (QA: {"a": 1}
-        went to the template)."""
+        """Each replayed call as OpenAI's API writes one: a function with its name (its
+        arguments' JSON text, the object itself as some clients send it, or none); an id and
+        the type "function" where given, null standing for none as everywhere in a body
+        (QA: {"a": 1} went to the template; LangChain writes "id": null for a call it made
+        up)."""
         for index, call in enumerate(calls or ()):
             function = call.get("function")
             if not (isinstance(function, dict) and isinstance(function.get("name"), str)
                     and function["name"]
-                    and isinstance(function.get("arguments"), (str, dict))) \
-                    or call.get("type", "function") != "function" \
-                    or not isinstance(call.get("id", ""), str):
+                    and isinstance(function.get("arguments"), (str, dict, type(None)))) \
+                    or call.get("type") not in (None, "function") \
+                    or not isinstance(call.get("id"), (str, type(None))):
                 raise ValueError(f"tool call {index} must be {{\"id\": ..., \"type\": "
                                  "\"function\", \"function\": {\"name\": ..., "
                                  "\"arguments\": \"<JSON text>\"}}")

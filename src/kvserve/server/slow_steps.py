@@ -3,8 +3,10 @@ throughput line falling to a few tokens/s (QA: 1.2 s decode steps, back to back,
 usual 10 ms, while other processes took the CPU; nothing in the logs said why).
 
 A step with tokens is slow when it takes more than ``FACTOR`` times the median of the
-engine's last ``WINDOW`` steps and at least ``FLOOR`` seconds (a 2 ms step taking 30 ms is
-noise). Each one counts in ``kvserve:slow_steps_total``; the log says so at once, then at
+engine's last ``WINDOW`` steps, and ``FACTOR`` times their median per token, and at least
+``FLOOR`` seconds (a 2 ms step taking 30 ms is noise; a long prompt's prefill takes its
+tokens' time, not a stall's: QA, a 907-token prefill of 2.7 s against 9 ms decodes was
+called slow). Each one counts in ``kvserve:slow_steps_total``; the log says so at once, then at
 most once per ``EVERY`` seconds with what came in between, with the machine's load average,
 which tells a shared CPU apart from a scheduler that chose a big batch (the step's size is in
 the line too). docs/engine-process.md, "Slow steps".
@@ -36,6 +38,7 @@ class SlowSteps:
     engine: int = 0
     total: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    per_token: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _pending: int = 0  # slow steps not in a log line yet
     _slowest: tuple[float, int, int] = (0.0, 0, 0)  # seconds, sequences, tokens
     _median: float = 0.0
@@ -50,8 +53,10 @@ class SlowSteps:
         slow = False
         if seconds >= FLOOR and len(self.recent) >= MIN_STEPS:
             median = statistics.median(self.recent)  # only for a step past the floor
-            slow = seconds > FACTOR * median
+            slow = seconds > FACTOR * median and \
+                seconds / num_tokens > FACTOR * statistics.median(self.per_token)
         self.recent.append(seconds)
+        self.per_token.append(seconds / num_tokens)
         if not slow:
             return False
         with self._lock:
@@ -77,9 +82,9 @@ class SlowSteps:
         since = "" if self._last_line == float("-inf") else \
             f" in the last {now - self._last_line:.0f} s"
         logger.warning(
-            "%s%d engine step(s)%s took over %.0fx the median step (%.1f ms), the slowest "
-            "%.2f s (%d running, %d token(s)); %s: a step is the model's and the "
-            "sampler's work, so a CPU shared with other processes (or fewer cores than "
+            "%s%d engine step(s)%s took over %.0fx the median step (%.1f ms), also per token, "
+            "the slowest %.2f s (%d sequence(s), %d token(s)); %s: a step is the model's and "
+            "the sampler's work, so a CPU shared with other processes (or fewer cores than "
             "threads) is the usual cause, not the scheduler", where, self._pending, since,
             FACTOR, 1000 * self._median, seconds, sequences, tokens, load_line())
         self._pending, self._slowest, self._last_line = 0, (0.0, 0, 0), now
