@@ -535,3 +535,34 @@ def test_max_held_first_needs_sessions():
 
     with pytest.raises(ConfigError, match="max_held_first=2 bounds session turns"):
         SchedulerConfig(max_held_first=2)
+
+
+def test_max_held_first_never_serves_a_less_urgent_request_first():  # L6 L5
+    """QA: under the priority policy the bound let priority-5 requests go ahead of
+    priority-0 held turns; it serves the ordinary head only where it is at least as
+    urgent."""
+    def first_after_one_held(plain_priority: int) -> str:
+        scheduler = sched(num_blocks=80, max_num_batched_tokens=64, max_num_seqs=1,
+                          max_held_first=1, scheduling_policy="priority")
+        executor = FakeExecutor(block_size=BS)
+        histories = {}
+        for name in ("a", "b"):
+            prompt = prompt_of(name, 6)
+            scheduler.add_request(turn(f"{name}1", prompt, session=name))
+            run(scheduler, executor)
+            histories[name] = [*prompt, *(token_for(f"{name}1", 6 + i) for i in range(3))]
+        scheduler.add_request(make_request("r", 8, max_tokens=1, arrival_time=50.0,
+                                           priority=plain_priority))
+        for name in ("a", "b"):
+            scheduler.add_request(turn(f"{name}2", histories[name] + prompt_of(name, 2),
+                                       session=name, max_tokens=1, arrival_time=51.0))
+        admitted = []
+        for n in range(40):
+            out, _ = step(scheduler, executor, 52.0 + n)
+            admitted += [new.request_id for new in out.scheduled_new_reqs]
+            if not scheduler.has_unfinished_requests():
+                break
+        return admitted[1]
+
+    assert first_after_one_held(0) == "r"  # as urgent: the bound serves it
+    assert first_after_one_held(5) == "b2"  # less urgent: the held turns keep going first

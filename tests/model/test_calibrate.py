@@ -288,3 +288,9 @@ def test_a_fit_on_recordings_names_their_model_and_refuses_two(tmp_path, capsys)
     assert main(["calibrate", "--step-logs", str(small), str(other), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--step-logs are of different models" in err[0]
+    # a bare step log names no model: a fit pooling one names none (QA: labelled with the
+    # recording's, though half its steps were another model's)
+    bare = tmp_path / "bare.jsonl"
+    _write_step_log(bare, views, seconds)
+    assert main(["calibrate", "--step-logs", str(small), str(bare), "-o", str(out)]) == 0
+    assert "model" not in json.loads(out.read_text())["meta"]

@@ -45,8 +45,9 @@ def test_serve_flags_parse():
     (["--data-parallel-size", "2", "--no-engine-process"],
      "--no-engine-process steps one engine on a thread of the server; data-parallel "
      "replicas are engine processes"),
-    (["--api-key", ""], "--api-key '': a key must be a non-empty string"),
-    (["--api-key", "two words"], "--api-key 'two words': a key must be a non-empty string"),
+    (["--api-key", ""], "--api-key: a key must be a non-empty string"),
+    (["--api-key", "two words"], "--api-key: a key must be a non-empty string"),  # (never
+    (["--api-key", "sk-\u00e9"], "--api-key: a key must be a non-empty string"),  # shown)
     (["--engine-step-timeout", "-1"],
      "--engine-step-timeout must be a finite number of seconds >= 0 (0: never), got -1.0"),
     (["--engine-step-timeout", "nan"], "--engine-step-timeout must be a finite number"),
@@ -60,8 +61,11 @@ def test_serve_flags_parse():
     (["--enable-log-requests", "--disable-log-requests"],
      "--enable-log-requests and --disable-log-requests contradict each other"),
     (["--host", "999.1.1.1"], "--host '999.1.1.1': cannot resolve it"),
-    (["--router-imbalance-bound", "4"], "--router-imbalance-bound bounds --router "
-                                        "prefix-affinity"),
+    (["--router-imbalance-bound", "4"], "--router-imbalance-bound bounds the router's "
+                                        "choice of a replica: it needs --data-parallel-size"),
+    (["-dp", "2", "--router-imbalance-bound", "4"],  # QA: told to add replicas
+     "bounds --router prefix-affinity, not least-loaded (the default): give --router "
+     "prefix-affinity"),
     (["-dp", "2", "--router", "prefix-affinity", "--router-imbalance-bound", "-1"],
      "--router-imbalance-bound must be >= 0, got -1"),
 ])

@@ -202,7 +202,7 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
         assert reply.status_code == 400 and "holds a NUL character" in reply.text
         # a tenant's admin key records under the server's working directory only (QA: any
         # path; the operator's may name any)
-        for outside in (str(tmp_path.parent / "elsewhere"), "../elsewhere", "a/../../b"):
+        for outside in (str(tmp_path.parent / "elsewhere"), "../elsewhere", "a/../../b", "."):
             reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": outside})
             assert reply.status_code == 400 and "under the server's working directory" in \
                 reply.text

@@ -182,3 +182,26 @@ def test_a_tenants_request_id_tells_nothing_of_the_ids_others_hold():
     assert all(ids[name].startswith("job-42-") and len(ids[name]) == len("job-42") + 9
                for name in ("a", "b while A's runs", "b alone"))
     assert ids["operator"] == "job-42"  # the operator's id as sent, where it is free
+
+
+def test_an_admin_aborts_a_tenants_running_request_by_the_id_it_was_sent_with():
+    """QA: a keys-file tenant's request runs under a suffixed engine id, told only in its
+    answer's end: /v1/abort by the id the client sent found nothing while it ran."""
+    engine = slow_engine(0.02, max_model_len=256)
+    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
+    with LiveServer(engine, keys=keys) as live:
+        answers: list[httpx.Response] = []
+        running = threading.Thread(target=lambda: answers.append(httpx.post(
+            live.url + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 200, "ignore_eos": True},
+            headers={"Authorization": "Bearer key-a", "X-Request-Id": "long-1"})))
+        running.start()
+        wait_for(lambda: "long-1" in live.state.given, what="long-1 running")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "long-1"},
+                           headers={"Authorization": "Bearer key-op"}, timeout=30)
+        running.join(timeout=60)
+        assert reply.json() == {"aborted": ["long-1"], "not_found": []}
+        [answer] = answers
+        assert answer.json()["choices"][0]["finish_reason"] == "abort"
+        wait_for(live.idle, what="its blocks freed")
+        assert live.state.given == {}

@@ -661,15 +661,16 @@ class Scheduler:
 
     def _outranked(self, request: Request) -> bool:
         """Whether the ordinary queue's head goes before ``request`` (a held turn), which
-        then waits behind it: once max_held_first held turns went ahead of it (L6); under
-        the priority policy when the head is more urgent (L5); under fair share, at one
-        priority, when the head's tenant was served less (T8)."""
+        then waits behind it: once max_held_first held turns went ahead of it, unless it is
+        less urgent (L6); under the priority policy when the head is more urgent (L5);
+        under fair share, at one priority, when the head's tenant was served less (T8)."""
         if not self.waiting:
             return False
-        limit = self.config.max_held_first
-        if limit and self._held_ahead >= limit:
-            return True
         head = self.waiting.peek()
+        limit = self.config.max_held_first
+        if limit and self._held_ahead >= limit and not (  # L6, never against urgency (QA)
+                self.config.scheduling_policy == "priority" and head.priority > request.priority):
+            return True
         if self.config.scheduling_policy == "priority" and head.priority != request.priority:
             return head.priority < request.priority
         return self.waiting.served_less(head.sampling_params.tenant,

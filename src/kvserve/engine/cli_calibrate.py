@@ -193,17 +193,19 @@ def _warn_if_poor(error: float) -> None:
 
 
 def _recorded_models(paths: list[str]) -> set[str]:
-    """The models the recordings among ``paths`` served; CLIError where they differ (one fit
-    prices one model's steps)."""
+    """The model ``paths`` were run with, where every one is a recording naming it (a bare
+    step log names none, so a fit pooling one names none either: QA, another model's log
+    beside a recording was labelled with the recording's model); CLIError where two
+    recordings name different models (one fit prices one model's steps)."""
     from kvserve.sim.recording import is_recording, recorded_model
 
-    models = {path: recorded_model(path) for path in paths if is_recording(path)}
+    models = {path: recorded_model(path) if is_recording(path) else "" for path in paths}
     named = {model for model in models.values() if model}
     if len(named) > 1:
-        listed = ", ".join(f"{path} ({model})" for path, model in models.items())
+        listed = ", ".join(f"{path} ({model})" for path, model in models.items() if model)
         raise CLIError(f"--step-logs are of different models: {listed}; fit each model's "
                        "logs apart")
-    return named
+    return named if all(models.values()) else set()
 
 
 def _fit_step_logs(args: argparse.Namespace) -> int:

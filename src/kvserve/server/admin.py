@@ -30,7 +30,7 @@ def check_tenant_directory(directory: str) -> None:
         return  # the recorder's own check names it
     here = os.path.realpath(os.getcwd())
     where = os.path.realpath(os.path.join(here, directory))
-    if os.path.isabs(directory) or os.path.commonpath([here, where]) != here:
+    if os.path.isabs(directory) or where == here or os.path.commonpath([here, where]) != here:
         raise bad_request("'dir' must be a directory under the server's working directory, "
                           "named relative to it (an operator's key may name any)",
                           param="dir")

@@ -246,6 +246,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         for request_id in ids:
             stream, choice = _live_request(state, request_id)
             found = stream is not None and stream.abort(choice)
+            # the id the client sent, where its requests run under suffixed engine ids
+            for engine_id in list(state.given.get(_strip_prefix(request_id), ())):
+                group = state.groups.get(engine_id)
+                found = (group is not None and group.abort(None)) or found
             (aborted if found else not_found).append(request_id)
         return JSONResponse({"aborted": aborted, "not_found": not_found})
 

@@ -625,7 +625,7 @@ def build_state(args: argparse.Namespace,
         raise CLIError(str(error)) from None
     for key in args.api_key:  # as a keys file's keys are checked
         if not is_valid_key(key):
-            raise CLIError(f"--api-key {key!r}: a key must be {KEY_RULE}")
+            raise CLIError(f"--api-key: a key must be {KEY_RULE}")  # never shown (QA)
     keys = [operator_key(key) for key in args.api_key or _env_api_key()]
     try:
         if args.api_keys:
@@ -685,9 +685,13 @@ def build_state(args: argparse.Namespace,
         raise CLIError(f"--router {args.router} picks a replica: it needs "
                        "--data-parallel-size 2 or more")
     bound = args.router_imbalance_bound
-    if bound is not None and (not parallel or args.router != "prefix-affinity"):
-        raise CLIError("--router-imbalance-bound bounds --router prefix-affinity: give it "
-                       "with --data-parallel-size 2 or more")
+    if bound is not None and not parallel:
+        raise CLIError("--router-imbalance-bound bounds the router's choice of a replica: "
+                       "it needs --data-parallel-size 2 or more")
+    if bound is not None and args.router != "prefix-affinity":  # QA: told to add replicas
+        raise CLIError(f"--router-imbalance-bound bounds --router prefix-affinity, not "
+                       f"{args.router or 'least-loaded (the default)'}: give --router "
+                       "prefix-affinity")
     if bound is not None and bound < 0:
         raise CLIError(f"--router-imbalance-bound must be >= 0, got {bound}")
     if parallel and not args.engine_process:
@@ -996,8 +1000,11 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
     size = args.data_parallel_size
     threads = args.threads_per_replica or default_threads(size)
     launchers = replica_launchers(size, args.data_parallel_backend, args.device)
-    logger.info("%d engine replicas (%s), %d threads each, router %s", size,
-                args.data_parallel_backend, threads, args.router)
+    chosen = DEFAULT_IMBALANCE_BOUND if args.router_imbalance_bound is None \
+        else args.router_imbalance_bound
+    bound = f", imbalance bound {chosen}" if args.router == "prefix-affinity" else ""
+    logger.info("%d engine replicas (%s), %d threads each, router %s%s", size,
+                args.data_parallel_backend, threads, args.router, bound)
     cpus = os.cpu_count() or 1
     if args.data_parallel_backend == "mp" and size * threads > cpus:
         logger.warning("%d local replicas x %d threads = %d threads on %d CPUs: the replicas "
@@ -1005,9 +1012,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
                        "serve faster)", size, threads, size * threads, cpus)
     return DataParallelEngine(_engine_spec(args.model, engine_args, threads, step_timeout),
                               load_tokenizer(args.model), launchers,
-                              make_router(args.router, size, imbalance_bound=(
-                                  DEFAULT_IMBALANCE_BOUND if args.router_imbalance_bound
-                                  is None else args.router_imbalance_bound)))
+                              make_router(args.router, size, imbalance_bound=chosen))
 
 
 def _model_name(model: str | None) -> str:

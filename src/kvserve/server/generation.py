@@ -219,6 +219,8 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
     state.metrics.tenants.queued(tenant, len(items))
     state.metrics.request_params(items[0][0], len(items), items[0][2].max_tokens)
     state.groups[request_id] = stream
+    if given_id != request_id:
+        state.given.setdefault(given_id, []).append(request_id)
     return stream
 
 
@@ -287,6 +289,11 @@ class Generation:
         self.closed = True
         self.stream.cancel()
         self.state.groups.pop(self.request_id, None)
+        given = self.state.given.get(self.given_id)
+        if given is not None and self.request_id in given:
+            given.remove(self.request_id)
+            if not given:
+                del self.state.given[self.given_id]
         self.state.release_ids(self.request_id, list(self.choices))
 
     def _failed(self) -> None:

@@ -78,7 +78,7 @@ class _EngineSeries:
     engine that ran it."""
 
     def __init__(self, families: dict[str, Histogram | Counter], model_name: str,
-                 engine: int) -> None:
+                 engine: int, replicas: int = 1) -> None:
         labels = (model_name, str(engine))
         self.prompt_tokens = families["prompt_tokens"].labels(*labels)
         self.generation_tokens = families["generation_tokens"].labels(*labels)
@@ -87,7 +87,7 @@ class _EngineSeries:
                           for source in PROMPT_SOURCES}
         self.labels = labels
         self.slow_steps_total = families["slow_steps"].labels(*labels)
-        self.slow_steps = SlowSteps(engine)
+        self.slow_steps = SlowSteps(engine, replicas)
         self.request_success = families["request_success"]
         for reason in FINISHED_REASONS:  # from boot, as vLLM's: rate() sees the first one
             self.request_success.labels(*labels, reason)
@@ -211,8 +211,9 @@ class ServerMetrics:
                                buckets=tokens if buckets is _TOKEN_COUNTS else buckets)
                for name, (series, text, buckets) in _ENGINE_HISTOGRAMS.items()}}
         # every engine's series from boot, as vLLM's: rate() sees the first request
-        self._engines = [_EngineSeries(self._families, model_name, index)
-                         for index in range(getattr(engine, "num_replicas", 1))]
+        replicas = getattr(engine, "num_replicas", 1)
+        self._engines = [_EngineSeries(self._families, model_name, index, replicas)
+                         for index in range(replicas)]
         self.failed = Counter("kvserve:requests_failed",
                               "Requests an engine's death ended under way (answered 503), "
                               "by reason.", [*labels, "reason"], registry=reg)

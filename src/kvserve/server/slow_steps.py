@@ -36,6 +36,7 @@ class SlowSteps:
     """One engine's slow steps (the engine thread calls :meth:`observe`)."""
 
     engine: int = 0
+    replicas: int = 1  # data-parallel: every line names its replica, the first's too (QA)
     total: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     per_token: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -78,7 +79,7 @@ class SlowSteps:
 
     def _log(self, now: float) -> None:
         seconds, sequences, tokens = self._slowest
-        where = f"replica {self.engine}: " if self.engine else ""
+        where = f"replica {self.engine}: " if self.replicas > 1 else ""
         since = "" if self._last_line == float("-inf") else \
             f" in the last {now - self._last_line:.0f} s"
         logger.warning(

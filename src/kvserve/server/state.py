@@ -34,6 +34,10 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     fan_out: FanOutLimits = field(default_factory=FanOutLimits)
     groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
+    # the engine ids of live requests that run under another id than the client gave (a
+    # suffix, engine_id), by the client's: /v1/abort takes the id the client knows (QA: a
+    # tenant's request could not be aborted while it ran)
+    given: dict[str, list[str]] = field(default_factory=dict)
     # Every id a live request holds (its group's and its choices' engine ids), held from the
     # check until the group ends, so that two requests sent at once cannot share one.
     ids_in_use: set[str] = field(default_factory=set)

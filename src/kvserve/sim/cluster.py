@@ -453,12 +453,13 @@ class _ClusterRun:
         config = self.sim.scheduler_config
         params = trace_request.sampling_params(config.max_model_len, self.sessions_on)
         try:  # J1 on the length alone, as one engine's: a refused prompt's ids are never
-            # drawn (QA: a trace line's 10**13 tokens were, to hash them for the router)
+            # drawn (QA: a trace line's 10**13 tokens were, to hash them for the router),
+            # and it is never routed, as the server refuses it before its router (QA: it
+            # took a round-robin turn); the first replica's run records the refusal
             check_servable_length(trace_request.request_id, trace_request.num_prompt_tokens,
                                   config, self.sim.cache_config)
         except RequestRejected as error:
-            replica = self.replicas[self._place(trace_request, (), params)]
-            replica.run._refuse(trace_request.request_id, error)
+            self.replicas[0].run._refuse(trace_request.request_id, error)
             return
         prompt, answer = self.chains.apply(trace_request,
                                            trace_request.synthesise_prompt(seed))
