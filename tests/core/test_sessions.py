@@ -497,37 +497,43 @@ def test_a_waiting_held_turn_counts_as_waiting():  # L1
     assert (stats.num_waiting, stats.num_waiting_by_tenant) == (1, {"": 1})
 
 
+def admissions_with_held_turns(sessions: str, limit: int, plain_priority: int = 0,
+                               **config: object) -> list[str]:
+    """Each of ``sessions`` runs a first turn, held afterwards; then a plain request "r"
+    (``plain_priority``) waits, and every session's next turn arrives behind it: the order
+    in which they are admitted, with max_held_first ``limit``, one seat."""
+    scheduler = sched(num_blocks=80, max_num_batched_tokens=64, max_num_seqs=1,
+                      max_held_first=limit, **config)
+    executor = FakeExecutor(block_size=BS)
+    histories = {}
+    for name in sessions:
+        prompt = prompt_of(name, 6)
+        scheduler.add_request(turn(f"{name}1", prompt, session=name))
+        run(scheduler, executor)
+        histories[name] = [*prompt, *(token_for(f"{name}1", 6 + i) for i in range(3))]
+    scheduler.add_request(make_request("r", 8, max_tokens=1, arrival_time=50.0,
+                                       priority=plain_priority))
+    for name in sessions:
+        scheduler.add_request(turn(f"{name}2", histories[name] + prompt_of(name, 2),
+                                   session=name, max_tokens=1, arrival_time=51.0))
+    admitted = []
+    for n in range(40):
+        out, _ = step(scheduler, executor, 52.0 + n)
+        admitted += [new.request_id for new in out.scheduled_new_reqs]
+        if not scheduler.has_unfinished_requests():
+            break
+    check_invariants(scheduler)
+    return admitted
+
+
 def test_at_most_max_held_first_held_turns_go_before_a_waiting_request():  # L6 L1
     """QA: with held turns always first, a client sending turns back to back got 317
     requests served while a plain client got 21. With max_held_first K, once K held turns
     went ahead of the ordinary queue's waiting head, that head is served next; without it
     (0, the default) every held turn goes first (L1)."""
-    def order(limit: int) -> list[str]:
-        scheduler = sched(num_blocks=80, max_num_batched_tokens=64, max_num_seqs=1,
-                          max_held_first=limit)
-        executor = FakeExecutor(block_size=BS)
-        histories = {}
-        for name in ("a", "b", "c"):  # three sessions' first turns, each held afterwards
-            prompt = prompt_of(name, 6)
-            scheduler.add_request(turn(f"{name}1", prompt, session=name))
-            run(scheduler, executor)
-            histories[name] = [*prompt, *(token_for(f"{name}1", 6 + i) for i in range(3))]
-        scheduler.add_request(make_request("r", 8, max_tokens=1, arrival_time=50.0))
-        for name in ("a", "b", "c"):
-            scheduler.add_request(turn(f"{name}2", histories[name] + prompt_of(name, 2),
-                                       session=name, max_tokens=1, arrival_time=51.0))
-        admitted = []
-        for n in range(40):
-            out, _ = step(scheduler, executor, 52.0 + n)
-            admitted += [new.request_id for new in out.scheduled_new_reqs]
-            if not scheduler.has_unfinished_requests():
-                break
-        check_invariants(scheduler)
-        return admitted
-
-    assert order(0) == ["a2", "b2", "c2", "r"]  # L1: every held turn first
-    assert order(2) == ["a2", "b2", "r", "c2"]  # L6: two, then the waiting request
-    assert order(1) == ["a2", "r", "b2", "c2"]
+    assert admissions_with_held_turns("abc", 0) == ["a2", "b2", "c2", "r"]  # L1
+    assert admissions_with_held_turns("abc", 2) == ["a2", "b2", "r", "c2"]  # L6
+    assert admissions_with_held_turns("abc", 1) == ["a2", "r", "b2", "c2"]
 
 
 def test_max_held_first_needs_sessions():
@@ -541,28 +547,7 @@ def test_max_held_first_never_serves_a_less_urgent_request_first():  # L6 L5
     """QA: under the priority policy the bound let priority-5 requests go ahead of
     priority-0 held turns; it serves the ordinary head only where it is at least as
     urgent."""
-    def first_after_one_held(plain_priority: int) -> str:
-        scheduler = sched(num_blocks=80, max_num_batched_tokens=64, max_num_seqs=1,
-                          max_held_first=1, scheduling_policy="priority")
-        executor = FakeExecutor(block_size=BS)
-        histories = {}
-        for name in ("a", "b"):
-            prompt = prompt_of(name, 6)
-            scheduler.add_request(turn(f"{name}1", prompt, session=name))
-            run(scheduler, executor)
-            histories[name] = [*prompt, *(token_for(f"{name}1", 6 + i) for i in range(3))]
-        scheduler.add_request(make_request("r", 8, max_tokens=1, arrival_time=50.0,
-                                           priority=plain_priority))
-        for name in ("a", "b"):
-            scheduler.add_request(turn(f"{name}2", histories[name] + prompt_of(name, 2),
-                                       session=name, max_tokens=1, arrival_time=51.0))
-        admitted = []
-        for n in range(40):
-            out, _ = step(scheduler, executor, 52.0 + n)
-            admitted += [new.request_id for new in out.scheduled_new_reqs]
-            if not scheduler.has_unfinished_requests():
-                break
-        return admitted[1]
-
-    assert first_after_one_held(0) == "r"  # as urgent: the bound serves it
-    assert first_after_one_held(5) == "b2"  # less urgent: the held turns keep going first
+    as_urgent = admissions_with_held_turns("ab", 1, 0, scheduling_policy="priority")
+    less_urgent = admissions_with_held_turns("ab", 1, 5, scheduling_policy="priority")
+    assert as_urgent == ["a2", "r", "b2"]  # as urgent: the bound serves it
+    assert less_urgent == ["a2", "b2", "r"]  # less urgent: the held turns keep going first

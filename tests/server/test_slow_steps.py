@@ -34,7 +34,7 @@ def test_a_step_ten_times_the_median_and_past_the_floor_is_slow(caplog):
            "slowest 1.20 s (3 sequence(s), 3 token(s)); load average" in line
     # more within EVERY seconds: counted, told in one line once it has passed
     assert detector.observe(1.5, 2, 2, now=2.0) and detector.observe(1.3, 2, 2, now=3.0)
-    assert len(caplog.records) == 1 and detector.total == 3
+    assert len(caplog.records) == 1  # (each observe said it was slow: the counter's)
     detector.flush(now=1.0 + EVERY)
     assert "2 engine step(s) in the last 10 s took over 10x" in caplog.records[-1].getMessage()
     assert "the slowest 1.50 s" in caplog.records[-1].getMessage()

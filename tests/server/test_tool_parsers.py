@@ -207,10 +207,6 @@ def test_a_stream_never_starts_a_call_the_whole_answer_leaves_as_text(text):
                for call in parser.calls_so_far(text[:end]))
 
 
-def test_pythonic_calls_go_out_whole_at_the_end():
-    assert make_parser("pythonic").calls_so_far('[get_weather(city="Oslo")') == []
-
-
 def test_an_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, "
                                          "pythonic"):

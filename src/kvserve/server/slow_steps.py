@@ -37,7 +37,6 @@ class SlowSteps:
 
     engine: int = 0
     replicas: int = 1  # data-parallel: every line names its replica, the first's too (QA)
-    total: int = 0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     per_token: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     _pending: int = 0  # slow steps not in a log line yet
@@ -61,7 +60,6 @@ class SlowSteps:
         if not slow:
             return False
         with self._lock:
-            self.total += 1
             self._pending += 1
             self._median = median
             if seconds > self._slowest[0]:

@@ -100,12 +100,7 @@ class HermesParser:
         return ParsedCalls(content if content.strip() else None, tuple(calls), at)
 
     def content_end(self, text: str) -> int:
-        """How much of ``text`` (an answer so far) is content for sure: up to a call's
-        start, or up to what may be its first characters."""
-        at = text.find(self.start)
-        if at >= 0:
-            return at
-        return len(text) - held_length(text, self.start)
+        return _marker_content_end(text, self.start)
 
     def calls_so_far(self, text: str) -> list[CallSoFar]:
         calls: list[CallSoFar] = []
@@ -213,10 +208,7 @@ class MistralParser:
         return calls
 
     def content_end(self, text: str) -> int:
-        at = text.find(self.marker)
-        if at >= 0:
-            return at
-        return len(text) - held_length(text, self.marker)
+        return _marker_content_end(text, self.marker)
 
     def calls_so_far(self, text: str) -> list[CallSoFar]:
         calls: list[CallSoFar] = []
@@ -418,6 +410,15 @@ def _call_of(value: Any) -> tuple[str, str] | None:
         return value["name"], to_json(arguments)
     except ValueError:
         return None
+
+
+def _marker_content_end(text: str, marker: str) -> int:
+    """Where the content surely ends in an answer whose calls follow ``marker`` (hermes,
+    mistral): at the marker, or before what may be its first characters."""
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    return len(text) - held_length(text, marker)
 
 
 def _whole_answer_end(text: str, opener: str, tag: str) -> int:
