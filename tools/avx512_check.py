@@ -864,7 +864,8 @@ def check_int8(machine: Machine, sapphire_rapids: bool, scratch: Path, cases: in
         if rows > 2:
             x[1] = 0
         weight = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
-        panels, scales = (t.numpy() for t in pack_int8(weight))
+        # pairs, whatever this machine's default layout (quads where the CPU has AMX)
+        panels, scales = (t.numpy() for t in pack_int8(weight, "pairs"))
         # the engine's own quantization and float64 reference (kvserve.model.quantization)
         q_weight, w_scale = quantize_int8(weight)
         expected = int8_linear_reference(torch.from_numpy(x), q_weight, w_scale).numpy()
