@@ -165,7 +165,8 @@ def test_packed_projections_generate_what_plain_ones_do(monkeypatch, tied, dtype
         # order than the panels': a bf16 ulp flipped sends this random net's greedy path
         # elsewhere. The first token's logprobs must agree within bf16 rounding instead.
         first, reference = first_logprobs(packed, config), first_logprobs(plain, config)
-        assert len(first) == len(PROMPTS) and [list(d) for d in first] == [list(d) for d in reference]
+        assert len(first) == len(PROMPTS)
+        assert [list(d) for d in first] == [list(d) for d in reference]
         for got, want in zip(first, reference, strict=True):
             assert list(got.values()) == pytest.approx(list(want.values()), abs=0.05)
         return
