@@ -212,3 +212,37 @@ def test_an_engine_logs_the_cpu_and_its_kernels_at_boot(
     assert messages[-2:] == kernel_info.boot_lines(report, torch.bfloat16)
     assert messages[-2].startswith(f"CPU: {report.cpu.name}, ")
     assert "bfloat16 kernels: projections " in messages[-1]
+
+
+def test_prefill_chunks_go_to_torchs_flash_attention_for_bf16_on_amx_only() -> None:
+    """Issue 16 item 1: on an AMX Xeon torch's flash attention (oneDNN brgemm on the tiles)
+    was 1.2-2.5x the C++ prefill kernel at 16-640 rows (docs/kernels.md); elsewhere the kernel
+    stays, as nothing measured flash there. KVSERVE_PREFILL_ATTENTION overrides the rule."""
+    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, prefill_attention_kernel
+
+    amx = frozenset({"avx512_bf16", "amx_bf16"})
+    assert prefill_attention_kernel(BF16, amx) == "flash"
+    assert prefill_attention_kernel(F32, amx) == "kernel"  # AMX has no float32 tiles
+    assert prefill_attention_kernel(BF16, frozenset({"avx512_bf16"})) == "kernel"  # a Zen 4
+    assert prefill_attention_kernel(BF16, amx, "kernel") == "kernel"
+    assert prefill_attention_kernel(F32, frozenset(), "flash") == "flash"
+    on_amx = op_kernels(BF16, True, (*ALL_ISA, "amx_bf16"), True, flags=amx)["attention"]
+    assert f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention" in on_amx
+    assert "flash" not in op_kernels(BF16, True, ALL_ISA, True, flags=amx - {"amx_bf16"})[
+        "attention"]
+    asked = op_kernels(F32, True, ALL_ISA, True, prefill="flash")["attention"]
+    assert asked.endswith("[KVSERVE_PREFILL_ATTENTION=flash]")
+    # not built: every op is torch's already, flash or not
+    assert op_kernels(BF16, False, (), True, flags=amx)["attention"] == \
+        "torch (gather + scaled_dot_product_attention)"
+
+
+def test_a_prefill_attention_choice_not_known_is_refused(monkeypatch) -> None:
+    from kvserve.model.kernel_info import PREFILL_ATTENTION_ENV, prefill_attention_choice
+
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, " Flash ")
+    assert prefill_attention_choice() == "flash"
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "amx")
+    with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION='amx' is not one of "
+                                         "auto, kernel, flash"):
+        prefill_attention_choice()

@@ -386,3 +386,50 @@ def test_a_build_says_so_before_the_minute_it_takes(monkeypatch, tmp_path, caplo
     with caplog.at_level(logging.INFO, logger="kvserve.model.paged_kernel"):
         paged_kernel._build()
     assert not any("building" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@requires_kernel
+def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_kernel(
+        monkeypatch, dtype: torch.dtype) -> None:
+    """KVSERVE_PREFILL_ATTENTION=flash (auto on an AMX CPU in bf16): chunks of
+    FLASH_PREFILL_ROWS+ rows, whole prompts and chunks after a prefix alike, go to torch's
+    flash attention and match the plain attention; shorter chunks, decodes and
+    --batch-invariant's prefill rows stay on the C++ kernel."""
+    from kvserve.model import attention
+    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
+    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
+
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = _caches(80, 16, 3, 64, dtype, gen)
+    tables = _tables([300, 200, 40], 16, 80, gen)
+    # (rows, context): a whole prompt, a chunk after a prefix, a chunk too short for flash
+    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
+    q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(dtype)
+    chunks, start = [], 0
+    for (n, context), table in zip(shapes, tables, strict=True):
+        chunks.append(PrefillChunk(start, n, context, table[:-(-context // 16)]))
+        start += n
+    none = torch.zeros(0, dtype=torch.long)
+    batch = ForwardBatch(none, none, none, 0, torch.zeros((0, 1), dtype=torch.long), none, (),
+                         chunks, none)
+    calls = []
+    kernel_prefill = paged_kernel.prefill_attention
+    monkeypatch.setattr(paged_kernel, "prefill_attention",
+                        lambda q, *a, **k: calls.append(q.shape[0]) or kernel_prefill(q, *a, **k))
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "flash")
+    out = attention.paged_attention(q, k_cache, v_cache, batch)
+    assert calls == [FLASH_PREFILL_ROWS - 1]
+    for chunk in chunks:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        want = _plain(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
+        torch.testing.assert_close(out[rows].double(), want, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
+    calls.clear()
+    attention.invariant_paged_attention(q, k_cache, v_cache, batch)
+    assert calls == [n for n, _ in shapes]
+    calls.clear()
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
+    torch.testing.assert_close(attention.paged_attention(q, k_cache, v_cache, batch).double(),
+                               out.double(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert calls == [n for n, _ in shapes]

@@ -238,16 +238,19 @@ def test_a_passive_engine_by_cores_spins_briefly_unless_told(monkeypatch):
 
 
 def test_the_kernel_choice_reaches_every_engine_process(monkeypatch):
-    """KVSERVE_PROJECTIONS, as the caller set it, is in each engine process's environment (a
-    Ray actor on another node does not inherit the server's), and only when set."""
+    """KVSERVE_PROJECTIONS (and KVSERVE_PREFILL_ATTENTION), as the caller set it, is in each
+    engine process's environment (a Ray actor on another node does not inherit the server's),
+    and only when set."""
     from kvserve.engine.engine_process import KERNEL_ENVIRONMENT, EngineSpec
-    from kvserve.model.kernel_info import PROJECTIONS_ENV
+    from kvserve.model.kernel_info import PREFILL_ATTENTION_ENV, PROJECTIONS_ENV
 
     assert PROJECTIONS_ENV in KERNEL_ENVIRONMENT
     monkeypatch.delenv(PROJECTIONS_ENV, raising=False)
     assert PROJECTIONS_ENV not in EngineSpec(print).environment()
     monkeypatch.setenv(PROJECTIONS_ENV, "panels")
     assert EngineSpec(print).environment()[PROJECTIONS_ENV] == "panels"
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")  # the prefill attention's, too
+    assert EngineSpec(print).environment()[PREFILL_ATTENTION_ENV] == "kernel"
 
 
 def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):

@@ -49,7 +49,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.device import check_device_options, resolve_device
 from kvserve.model.device import describe as describe_device
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
-from kvserve.model.kernel_info import boot_lines, kernel_report
+from kvserve.model.kernel_info import boot_lines, kernel_report, prefill_attention_choice
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import LlamaForCausalLM, invariant_projections
@@ -233,6 +233,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     torch_dtype, why = resolve_dtype(dtype, stored, device=torch_device)
     if batch_invariant:
         check_batch_invariant(torch_dtype)
+    prefill_attention_choice()  # KVSERVE_PREFILL_ATTENTION, refused before anything is built
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
     if (swap_space or num_host_blocks) and \

@@ -18,12 +18,13 @@ Three implementations with one signature:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import paged_kernel
+from kvserve.model import kernel_info, paged_kernel
 from kvserve.model.input_batch import ForwardBatch
 
 
@@ -89,6 +90,14 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return _paged_attention(q, k_cache, v_cache, batch, False)
 
 
+@functools.cache
+def _flash_prefill(dtype: torch.dtype, choice: str) -> bool:
+    """Whether prefill chunks of FLASH_PREFILL_ROWS+ rows skip the C++ kernel for torch's
+    flash attention (kernel_info.prefill_attention_kernel has the rule)."""
+    return kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags,
+                                                choice) == "flash"
+
+
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: ForwardBatch, use_kernel: bool,
                      match_decode: bool = False) -> torch.Tensor:
@@ -103,9 +112,12 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             batch.decode_context_lens)
     elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
+    # --batch-invariant's prefill rows keep the kernel: only it sums as a decode does
+    flash = use_kernel and batch.prefills and not match_decode and \
+        _flash_prefill(q.dtype, kernel_info.prefill_attention_choice())
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if use_kernel:
+        if use_kernel and not (flash and chunk.num_tokens >= kernel_info.FLASH_PREFILL_ROWS):
             out[rows] = paged_kernel.prefill_attention(q[rows], k_cache, v_cache,
                                                        chunk.block_table, chunk.context_len,
                                                        match_decode=match_decode)
@@ -154,9 +166,10 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """q: [n, heads, dim], the last n tokens of a context of ``context_len`` tokens."""
     num_tokens = q.shape[0]
-    keys = _gather_blocks(k_cache, block_table)[:context_len].transpose(0, 1)
-    values = _gather_blocks(v_cache, block_table)[:context_len].transpose(0, 1)
-    query = q.transpose(0, 1)  # [heads, n, dim]
+    # 4-D [1, heads, tokens, dim]: ATen's CPU flash attention takes no 3-D input (2-4x slower)
+    keys = _gather_blocks(k_cache, block_table)[:context_len].transpose(0, 1)[None]
+    values = _gather_blocks(v_cache, block_table)[:context_len].transpose(0, 1)[None]
+    query = q.transpose(0, 1)[None]
     if num_tokens == context_len:
         attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                   enable_gqa=True)
@@ -167,4 +180,4 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             (first + torch.arange(num_tokens, device=q.device))[:, None]
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                   enable_gqa=True)
-    return attended.transpose(0, 1)
+    return attended[0].transpose(0, 1)

@@ -127,6 +127,36 @@ def checked_choice(value: str) -> str:
     return value
 
 
+PREFILL_ATTENTION_ENV = "KVSERVE_PREFILL_ATTENTION"
+# What KVSERVE_PREFILL_ATTENTION may ask for: auto (prefill_attention_kernel's rule), kernel
+# (the C++ paged kernel), flash (torch's flash attention over the gathered context).
+PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "flash")
+# flash: a prefill chunk of at least this many rows (fewer: the C++ kernel, as decodes)
+FLASH_PREFILL_ROWS = 16
+
+
+def prefill_attention_choice() -> str:
+    """KVSERVE_PREFILL_ATTENTION, checked (``auto`` when unset)."""
+    value = os.environ.get(PREFILL_ATTENTION_ENV, "").strip().lower() or "auto"
+    if value not in PREFILL_ATTENTION_CHOICES:
+        raise ValueError(f"{PREFILL_ATTENTION_ENV}={value!r} is not one of "
+                         f"{', '.join(PREFILL_ATTENTION_CHOICES)}")
+    return value
+
+
+def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
+                             choice: str = "auto") -> str:
+    """What a CPU prefill chunk of FLASH_PREFILL_ROWS rows or more runs on where the C++
+    kernel is built: ``kernel`` (csrc's paged prefill tiles) or ``flash`` (torch's
+    scaled_dot_product_attention over the gathered context, 4-D so ATen takes its flash
+    attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them).
+    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.2-2.5x the kernel at 16-640 rows on an
+    AMX Xeon, docs/kernels.md), the kernel elsewhere (no other CPU measured flash yet)."""
+    if choice == "auto":
+        return "flash" if dtype == torch.bfloat16 and "amx_bf16" in flags else "kernel"
+    return choice
+
+
 def projection_choice() -> str:
     """KVSERVE_PROJECTIONS, checked (``auto`` when unset)."""
     return checked_choice(os.environ.get(PROJECTIONS_ENV, "").strip().lower() or "auto")
@@ -212,11 +242,13 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") 
 
 def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
                onednn_bf16: bool, packs_fp32: bool = False,
-               choice: str = "auto") -> dict[str, str]:
+               choice: str = "auto", flags: frozenset[str] = frozenset(),
+               prefill: str = "auto") -> dict[str, str]:
     """The kernel each op runs for ``dtype``, given whether the C++ extension is built, the
     instruction sets it was compiled for, whether oneDNN runs bf16 on this CPU, whether
-    float32 projections are packed here (:func:`packs_float32`) and KVSERVE_PROJECTIONS's
-    choice (:func:`projection_kernel`; ValueError where it cannot run here)."""
+    float32 projections are packed here (:func:`packs_float32`), KVSERVE_PROJECTIONS's
+    choice (:func:`projection_kernel`; ValueError where it cannot run here), the CPU's flags
+    and KVSERVE_PREFILL_ATTENTION's choice (:func:`prefill_attention_kernel`)."""
     from kvserve.model.paged_kernel import DTYPES
 
     fused = built and dtype in DTYPES
@@ -224,6 +256,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     projections = describe_projections(
         projection_kernel(dtype, built, compiled_isa, onednn_bf16, packs_fp32, choice),
         dtype, choice)
+    flash = prefill_attention_kernel(dtype, flags, prefill) == "flash"
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
     elif dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
@@ -235,6 +268,11 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
         attention = "C++ AVX2 + FMA intrinsics (head_dim a multiple of 8; else vectorised loops)"
     else:
         attention = f"C++ compiler-vectorised loops ({vector})"
+    if fused and flash:
+        attention += (f"; prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention "
+                      "(oneDNN brgemm, AMX tiles where the CPU has them)")
+        if prefill != "auto":
+            attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
     return {"projections": projections, "lm_head": projections, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
@@ -254,10 +292,12 @@ class KernelReport:
     compiled_isa: tuple[str, ...]
 
     choice: str = "auto"  # KVSERVE_PROJECTIONS
+    prefill: str = "auto"  # KVSERVE_PREFILL_ATTENTION
 
     def ops(self, dtype: torch.dtype) -> dict[str, str]:
         return op_kernels(dtype, self.extension_built, self.compiled_isa, self.onednn_bf16,
-                          packs_float32(self.cpu.flags), self.choice)
+                          packs_float32(self.cpu.flags), self.choice, self.cpu.flags,
+                          self.prefill)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for ``kvserve info --json``."""
@@ -289,7 +329,7 @@ def kernel_report() -> KernelReport:
     return KernelReport(cpu_info(), torch.__version__,
                         torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                         onednn_runs_bf16(), built, paged_kernel.unavailable_reason(),
-                        compiled, projection_choice())
+                        compiled, projection_choice(), prefill_attention_choice())
 
 
 def isa_line(cpu: CpuInfo) -> str:
