@@ -5,7 +5,8 @@ heads, 3 KV heads, head_dim 64), block size 16, shuffled block tables; float32 a
 caches. A = ``kvserve.model.attention._decode_attention`` (gather + masked SDPA), B = the kernel,
 timed alternately (A B A B ...), medians (and minima: on a shared machine the minimum is the
 steadier estimate of either side's own cost). ``--prefill`` adds prefill chunks against
-``_prefill_attention``. Run from the repository root:
+``_prefill_attention`` (4-D SDPA: ATen's flash attention, which a bf16 chunk of 16+ rows runs
+on an AMX CPU; ``KVSERVE_PREFILL_ATTENTION``, docs/kernels.md). Run from the repository root:
 
     .venv/bin/python benchmarks/attention_kernel.py [--reps 15] [--prefill] [--threads N]
     .venv/bin/python benchmarks/attention_kernel.py --block-runs [--requests 64] [--context 512]
@@ -184,7 +185,8 @@ def main() -> None:
         print("\n".join(notes))
         return
     for dtype in (torch.float32, torch.bfloat16):
-        for num_tokens, context_len in ((512, 512), (128, 128), (256, 640)):
+        for num_tokens, context_len in ((16, 512), (64, 64), (64, 512), (128, 128), (300, 300),
+                                        (512, 512), (256, 640)):
             q, k_cache, v_cache, _ = decode_case(1, dtype, True, seed=num_tokens + context_len)
             gen = torch.Generator().manual_seed(1)
             num_blocks = k_cache.shape[0]

@@ -23,6 +23,7 @@ import torch
 from docs_section import publish
 from fidelity import DOCS, TITLE
 from kvserve.engine.machine_peaks import copy_bandwidth, matmul_flops
+from kvserve.model.kernel_info import cpu_info, isa_line
 
 
 def main() -> int:
@@ -31,10 +32,11 @@ def main() -> int:
     args = parser.parse_args()
     bf16, fp32 = matmul_flops(torch.bfloat16), matmul_flops(torch.float32)
     bandwidth = copy_bandwidth()
+    cpu = cpu_info()
     lines = ["## This machine", "",
              f"`python benchmarks/machine_peaks.py --write-docs` at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {platform.machine()}, "
-             f"{platform.processor() or 'unknown processor'}, {os.cpu_count()} cores, "
+             f"{cpu.name} (ISA: {isa_line(cpu)}), {os.cpu_count()} cores, "
              f"torch {torch.__version__} with {torch.get_num_threads()} threads.", "",
              "| figure | measured |", "|---|---|",
              f"| matmul bf16 (best of n = 512, 1024, 2048) | {bf16 / 1e9:.0f} GFLOP/s |",
