@@ -50,7 +50,7 @@ def shared_bench() -> Path:
 def cpu() -> tuple[str, str]:
     """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo; a
     bare AMD name ("AMD EPYC") gets its generation from the CPU family (kvserve.cpu_name)."""
-    model, flags, family = "unknown CPU", "", None
+    model, flags, family, number = "unknown CPU", "", None, None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
@@ -59,12 +59,14 @@ def cpu() -> tuple[str, str]:
                     model = value.strip()
                 elif key.strip() == "cpu family" and family is None:
                     family = int(value) if value.strip().isdigit() else None
+                elif key.strip() == "model" and number is None:
+                    number = int(value) if value.strip().isdigit() else None
                 elif key.strip() == "flags":
                     flags = " ".join(f for f in value.split() if f.startswith(ISA_PREFIXES))
                     break
     except OSError:
         pass
-    return with_generation(model, family, flags), flags
+    return with_generation(model, family, flags, number), flags
 
 
 # The vector tiers a kernel dispatches on, best first: (flag that marks it, slug, label).

@@ -70,6 +70,17 @@ def test_cpu_slug_and_machine_facts():
     assert ab.with_generation("AMD EPYC 9R14 96-Core Processor", 25, zen4) == \
         "AMD EPYC 9R14 96-Core Processor"  # a full name says it already
     assert ab.with_generation("Intel Xeon", 6, zen4) == "Intel Xeon"
+    # a bare Xeon name gets its generation from the model number: a Sapphire Rapids and an
+    # Emerald Rapids (both AMX) do not share a table either
+    amx = zen4 + " amx_bf16 amx_tile"
+    xeon = "Intel(R) Xeon(R) Processor"
+    assert ab.with_generation(xeon, 6, amx, 143) == f"{xeon} Sapphire Rapids"
+    assert ab.cpu_slug(ab.with_generation(xeon, 6, amx, 207), amx) == \
+        "intel-r-xeon-r-processor-emerald-rapids-amx"
+    assert ab.with_generation(xeon, 6, amx, 85) == xeon  # Skylake to Cooper Lake: one number
+    assert ab.with_generation(xeon, 6, amx) == xeon
+    assert ab.with_generation("Intel(R) Xeon(R) Platinum 8480+", 6, amx, 143) == \
+        "Intel(R) Xeon(R) Platinum 8480+"
     model, flags = ab.cpu()
     assert model and all(f.startswith(ab.ISA_PREFIXES) for f in flags.split())
     steal, total = ab.cpu_times()

@@ -1,19 +1,32 @@
 """A CPU's name as the project's tables, boot log and calibrations give it: a bare cloud name
-("AMD EPYC") with its generation, read from /proc/cpuinfo's CPU family. A Zen 3 (AVX2 only),
-a Zen 4 and a Zen 5 (both AVX512-BF16) all report "AMD EPYC", and nothing measured on one
-stands for another (docs/benchmarks.md, "Against vLLM, one table per CPU"). Standard library
+("AMD EPYC", "Intel(R) Xeon(R) Processor") with its generation, read from /proc/cpuinfo's
+CPU family (and, for Intel, its model number). A Zen 3 (AVX2 only), a Zen 4 and a Zen 5 (both
+AVX512-BF16) all report "AMD EPYC", a Sapphire Rapids and an Emerald Rapids (both AMX) the
+bare Xeon name, and nothing measured on one stands for another (docs/benchmarks.md,
+"Against vLLM, one table per CPU"). Standard library
 only: the simulator and the benchmark scripts use it too."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+# Intel's server generations by (family 6) model number, where one number is one generation
+# (85 is Skylake, Cascade Lake and Cooper Lake alike, so it is left bare)
+INTEL_XEON_GENERATIONS = {106: "Ice Lake", 143: "Sapphire Rapids", 207: "Emerald Rapids",
+                          173: "Granite Rapids"}
 
-def with_generation(model: str, family: int | None, flags: str | Iterable[str]) -> str:
-    """``model`` with its Zen generation where the name alone says nothing of it (no digit
-    in it): family 25 is a Zen 3 without AVX-512 and a Zen 4 with it, 26 a Zen 5. ``flags``:
-    /proc/cpuinfo's, as a string or as names."""
-    if not model.startswith("AMD") or any(c.isdigit() for c in model) or family is None:
+
+def with_generation(model: str, family: int | None, flags: str | Iterable[str],
+                    model_number: int | None = None) -> str:
+    """``model`` with its generation where the name alone says nothing of it (no digit in
+    it): AMD's family 25 is a Zen 3 without AVX-512 and a Zen 4 with it, 26 a Zen 5; an Intel
+    name of family 6 takes :data:`INTEL_XEON_GENERATIONS`'s by ``model_number`` (/proc/cpuinfo's
+    ``model``). ``flags``: /proc/cpuinfo's, as a string or as names."""
+    if any(c.isdigit() for c in model) or family is None:
+        return model
+    if model.startswith("Intel") and family == 6 and model_number in INTEL_XEON_GENERATIONS:
+        return f"{model} {INTEL_XEON_GENERATIONS[model_number]}"
+    if not model.startswith("AMD"):
         return model
     if family == 25:
         names = flags.split() if isinstance(flags, str) else set(flags)

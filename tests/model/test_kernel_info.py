@@ -50,6 +50,10 @@ def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
     zen5 = parse_cpuinfo("processor : 0\nmodel name : AMD EPYC\ncpu family : 26\nflags : "
                          "avx2 avx512f avx512_bf16\n")
     assert (zen5.family, zen5.name, zen4.name) == (26, "AMD EPYC Zen 5", "AMD EPYC")
+    emerald = parse_cpuinfo("processor : 0\nmodel name : Intel(R) Xeon(R) Processor\n"
+                            "cpu family : 6\nmodel : 207\nflags : avx512f amx_bf16\n")
+    assert (emerald.model_number, emerald.name) == (207, "Intel(R) Xeon(R) Processor "
+                                                         "Emerald Rapids")
     assert cpu.name == cpu.model  # a full name says enough
 
 

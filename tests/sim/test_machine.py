@@ -53,6 +53,18 @@ def test_a_zen_4_and_a_zen_5_of_one_name_are_two_cpus():
     assert machine.describe_cpu(bare).startswith("AMD EPYC Zen 5 (")
 
 
+def test_a_sapphire_and_an_emerald_rapids_of_one_name_are_two_cpus():
+    """Both report the bare "Intel(R) Xeon(R) Processor" with AMX: the model number tells
+    them apart, in the name and in whether a calibration is the machine's own."""
+    xeon = ZEN4.replace("AMD EPYC 9R14", "Intel(R) Xeon(R) Processor")
+    sapphire = machine.parse_cpuinfo("cpu family\t: 6\nmodel\t\t: 143\n" + xeon)
+    emerald = machine.parse_cpuinfo("cpu family\t: 6\nmodel\t\t: 207\n" + xeon)
+    assert (sapphire["model_number"], emerald["model_number"]) == (143, 207)
+    assert not machine.same_cpu(sapphire, emerald)
+    assert machine.same_cpu({k: v for k, v in sapphire.items() if k != "model_number"}, emerald)
+    assert machine.describe_cpu(emerald).startswith("Intel(R) Xeon(R) Processor Emerald Rapids (")
+
+
 def test_cpus_differ_by_model_or_by_extension_and_key_their_own_cache_files():
     zen4 = {**machine.parse_cpuinfo(ZEN4), "logical_cpus": 2}
     no_bf16 = {**zen4, "isa": [f for f in zen4["isa"] if f != "avx512_bf16"]}

@@ -43,11 +43,13 @@ class CpuInfo:
     flags: frozenset[str] = field(default_factory=frozenset)
     # x86's CPU family: a bare "AMD EPYC" is a Zen 3 or Zen 4 (25) or a Zen 5 (26)
     family: int | None = None
+    # x86's model number: a bare Intel Xeon of family 6 is a Sapphire Rapids (143), say
+    model_number: int | None = None
 
     @property
     def name(self) -> str:
         """The model name, with its generation where the name alone is bare (cpu_name)."""
-        return with_generation(self.model, self.family, self.flags)
+        return with_generation(self.model, self.family, self.flags, self.model_number)
 
     def isa(self) -> dict[str, bool]:
         """Each of ISA_FLAGS: whether this CPU has it."""
@@ -57,7 +59,7 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The model name and flags of the first processor in /proc/cpuinfo's text, and the number
     of processors it lists."""
-    model, flags, count, family = "", frozenset[str](), 0, None
+    model, flags, count, family, number = "", frozenset[str](), 0, None, None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -67,10 +69,12 @@ def parse_cpuinfo(text: str) -> CpuInfo:
             model = value.strip()
         elif key == "cpu family" and family is None and value.strip().isdigit():
             family = int(value)
+        elif key == "model" and number is None and value.strip().isdigit():
+            number = int(value)
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
     return CpuInfo(model or platform.processor() or platform.machine(), count or
-                   (os.cpu_count() or 0), flags, family)
+                   (os.cpu_count() or 0), flags, family, number)
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:

@@ -45,7 +45,7 @@ def parse_cpuinfo(text: str) -> dict[str, Any]:
     processor's entry; x86 says ``model name`` and ``flags``, Arm ``Features``), and on x86
     its ``family``: a bare "AMD EPYC" with AVX512-BF16 is a Zen 4 (25) or a Zen 5 (26), whose
     extensions this list does not tell apart."""
-    model, flags, family = "", set(), None
+    model, flags, family, number = "", set(), None, None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()
@@ -53,12 +53,16 @@ def parse_cpuinfo(text: str) -> dict[str, Any]:
             model = value.strip()
         elif key == "cpu family" and family is None and value.strip().isdigit():
             family = int(value)
+        elif key == "model" and number is None and value.strip().isdigit():
+            number = int(value)
         elif key in ("flags", "features") and not flags:
             flags = set(value.split())
     identity: dict[str, Any] = {"model": model,
                                 "isa": [flag for flag in ISA_FLAGS if flag in flags]}
     if family is not None:
         identity["family"] = family
+    if number is not None:
+        identity["model_number"] = number
     return identity
 
 
@@ -77,16 +81,17 @@ def cpu_identity() -> dict[str, Any]:
 def describe_cpu(identity: dict[str, Any]) -> str:
     isa = ", ".join(identity.get("isa") or []) or "no extensions listed"
     name = with_generation(identity.get("model", "unknown"), identity.get("family"),
-                           identity.get("isa") or [])
+                           identity.get("isa") or [], identity.get("model_number"))
     return f"{name} ({isa}; {identity.get('logical_cpus', '?')} CPUs)"
 
 
 def same_cpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """The same model, extensions and (where both say it: a calibration from before it was
-    recorded does not) x86 family."""
+    recorded does not) x86 family and model number."""
     return a.get("model") == b.get("model") and \
         sorted(a.get("isa") or []) == sorted(b.get("isa") or []) and \
-        ("family" not in a or "family" not in b or a["family"] == b["family"])
+        all(key not in a or key not in b or a[key] == b[key]
+            for key in ("family", "model_number"))
 
 
 def cpu_key(identity: dict[str, Any]) -> str:
