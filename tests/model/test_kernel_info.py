@@ -62,8 +62,11 @@ def test_bf16_on_an_avx512_bf16_build_uses_the_panels_onednn_and_the_bf16_dot_pr
     assert list(ops) == list(OPS)
     assert ops["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 128 rows")
     assert "oneDNN packed bf16 above" in ops["projections"]
-    assert op_kernels(torch.bfloat16, True, (*ALL_ISA, "amx_bf16"), onednn_bf16=True)[
-        "projections"].startswith("oneDNN packed bf16")  # an AMX build: oneDNN's tiles
+    # an AMX build: the panels only up to 8 rows (oneDNN's tiles lead from 16), not the head
+    amx = op_kernels(torch.bfloat16, True, (*ALL_ISA, "amx_bf16"), onednn_bf16=True)
+    assert amx["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 8 rows")
+    assert "not the LM head" in amx["projections"] and "on AMX tiles" in amx["projections"]
+    assert amx["lm_head"].startswith("oneDNN packed bf16")
     assert ops["lm_head"] == ops["projections"]
     assert ops["attention"].startswith("C++ AVX512-BF16")
     assert ops["rms_norm"] == ops["silu_and_mul"] == ops["rope_kv_write"] == "C++ fused (AVX-512)"
@@ -96,11 +99,11 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.mark.parametrize(("dtype", "isa", "onednn_bf16", "packs_fp32", "choice", "kernel"), [
     (BF16, ALL_ISA, True, False, "auto", "hybrid-dpbf16"),   # Zen 4: small calls on panels
-    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "onednn"),  # AMX: oneDNN's bf16
+    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "hybrid-dpbf16"),  # AMX: 8 rows
     (BF16, ("avx2", "fma", "avx512f"), True, False, "auto", "onednn"),  # no bf16 panels built
     (BF16, ALL_ISA, True, False, "onednn", "onednn"),
     (BF16, ALL_ISA, True, False, "hybrid", "hybrid-dpbf16"),
-    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "hybrid", "hybrid-dpbf16"),  # AMX, to measure
+    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "hybrid", "hybrid-dpbf16"),
     (BF16, ALL_ISA, True, False, "panels", "panels-dpbf16"),  # ... its own panels when asked
     (BF16, ALL_ISA, True, False, "panels-avx2", "panels-avx2"),
     (F32, ALL_ISA, True, False, "auto", "torch"),            # float32 on AVX-512: MKL

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from kvserve.model import layer_ops, paged_kernel
 from kvserve.model.kernel_info import (
+    AMX_PANEL_ROWS,
+    AMX_WIDE_PANEL_ROWS,
     HYBRID_PANEL_COLUMNS,
     HYBRID_PANEL_ROWS,
     HYBRID_WIDE_PANEL_ROWS,
@@ -23,6 +25,11 @@ from kvserve.model.llama import (
     projection_kernel,
     uses_panels,
 )
+
+
+def amx_build() -> bool:
+    """The extension compiled for AMX (the hybrid projections' row limits are AMX's)."""
+    return paged_kernel.available() and "amx_bf16" in paged_kernel.compiled_isa()
 
 
 def dpbf16_built() -> bool:
@@ -165,11 +172,13 @@ def test_the_avx512_bf16_panels_match_float32_sums_of_the_bf16_values(monkeypatc
 
 @pytest.mark.skipif(not dpbf16_built() or not onednn_runs_bf16(),
                     reason="hybrid-dpbf16: an AVX512-BF16 build where oneDNN runs bf16")
-@pytest.mark.parametrize("num_tokens", [1, 12, HYBRID_PANEL_ROWS, HYBRID_PANEL_ROWS + 1, 300])
+@pytest.mark.parametrize("num_tokens", [1, AMX_PANEL_ROWS, AMX_PANEL_ROWS + 1, 12,
+                                        HYBRID_PANEL_ROWS, HYBRID_PANEL_ROWS + 1, 300])
 def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_onednn(
         monkeypatch, num_tokens):
-    """hybrid-dpbf16 (auto on an AVX512-BF16 build without AMX) keeps both packings: up to
-    HYBRID_PANEL_ROWS rows a call's output is the panels' (bit for bit), above it oneDNN's."""
+    """hybrid-dpbf16 (auto on an AVX512-BF16 build) keeps both packings: up to
+    HYBRID_PANEL_ROWS rows (AMX_PANEL_ROWS on an AMX build) a call's output is the panels'
+    (bit for bit), above it oneDNN's."""
     gen = torch.Generator().manual_seed(num_tokens)
     weight = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
@@ -184,8 +193,7 @@ def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_oned
     outputs = {}
     for choice in ("panels", "onednn", "auto"):
         monkeypatch.setenv(PROJECTIONS_ENV, choice)
-        if choice == "auto" and projection_kernel(torch.bfloat16) != "hybrid-dpbf16":
-            pytest.skip("auto is not hybrid-dpbf16 on this CPU (AMX: oneDNN)")
+        assert choice != "auto" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
         linear = Linear(576, 200)
         linear.weight.data = weight.clone()
         linear.pack()
@@ -193,18 +201,19 @@ def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_oned
         called.clear()
         with torch.inference_mode():
             outputs[choice] = linear(x)
-    small = num_tokens <= HYBRID_PANEL_ROWS
+    small = num_tokens <= (AMX_PANEL_ROWS if amx_build() else HYBRID_PANEL_ROWS)
     assert called == (["panel_linear_bf16"] if small else [])
     assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
 
 
 @pytest.mark.skipif(not dpbf16_built() or not onednn_runs_bf16(),
                     reason="hybrid-dpbf16: an AVX512-BF16 build where oneDNN runs bf16")
-@pytest.mark.parametrize("num_tokens", [HYBRID_WIDE_PANEL_ROWS, HYBRID_WIDE_PANEL_ROWS + 1])
+@pytest.mark.parametrize("num_tokens", [1, HYBRID_WIDE_PANEL_ROWS, HYBRID_WIDE_PANEL_ROWS + 1])
 def test_hybrid_projections_run_an_lm_head_sized_weight_on_the_panels_only_for_few_rows(
         monkeypatch, num_tokens):
     """A weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head) runs on the panels up to
-    HYBRID_WIDE_PANEL_ROWS rows, on oneDNN above (bit for bit each kernel's own output)."""
+    HYBRID_WIDE_PANEL_ROWS rows, on oneDNN above (bit for bit each kernel's own output); on an
+    AMX build always on oneDNN, with no panels packed for it."""
     gen = torch.Generator().manual_seed(0)
     n = HYBRID_PANEL_COLUMNS + 16
     weight = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
@@ -212,15 +221,17 @@ def test_hybrid_projections_run_an_lm_head_sized_weight_on_the_panels_only_for_f
     outputs = {}
     for choice in ("panels", "onednn", "auto"):
         monkeypatch.setenv(PROJECTIONS_ENV, choice)
-        if choice == "auto" and projection_kernel(torch.bfloat16) != "hybrid-dpbf16":
-            pytest.skip("auto is not hybrid-dpbf16 on this CPU (AMX: oneDNN)")
+        assert choice != "auto" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
         linear = Linear(576, n)
         linear.weight.data = weight.clone()
         linear.pack()
+        assert choice != "auto" or (linear.pair_panels is None) == amx_build()
         with torch.inference_mode():
             outputs[choice] = linear(x)
     assert hybrid_panel_rows(n) == HYBRID_WIDE_PANEL_ROWS < hybrid_panel_rows(n - 16)
-    small = num_tokens <= HYBRID_WIDE_PANEL_ROWS
+    assert hybrid_panel_rows(n, amx=True) == AMX_WIDE_PANEL_ROWS == 0
+    assert hybrid_panel_rows(n - 16, amx=True) == AMX_PANEL_ROWS
+    small = not amx_build() and num_tokens <= HYBRID_WIDE_PANEL_ROWS
     assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
     assert not torch.equal(outputs["panels"], outputs["onednn"])  # the check can tell them apart
 

@@ -113,9 +113,19 @@ HYBRID_PANEL_COLUMNS = 8192
 HYBRID_WIDE_PANEL_ROWS = 32
 
 
-def hybrid_panel_rows(out_features: int) -> int:
+# On an AMX build oneDNN runs the tiles, and the panels lead only in the smallest calls: a
+# layer projection's up to AMX_PANEL_ROWS rows (1.42x oneDNN at 1 row, 1.04x at 8, 0.62x at
+# 16 on an Emerald Rapids), an LM head's never (0.99x at 1 row, 0.86x at 4; docs/kernels.md)
+AMX_PANEL_ROWS = 8
+AMX_WIDE_PANEL_ROWS = 0
+
+
+def hybrid_panel_rows(out_features: int, amx: bool = False) -> int:
     """Up to how many rows a hybrid-dpbf16 projection of ``out_features`` outputs runs on the
-    AVX512-BF16 panels (more: oneDNN)."""
+    AVX512-BF16 panels (more: oneDNN), on a build with AMX or without; 0: never (no panels
+    packed)."""
+    if amx:
+        return AMX_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else AMX_WIDE_PANEL_ROWS
     return HYBRID_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else HYBRID_WIDE_PANEL_ROWS
 # What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
 # build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
@@ -174,19 +184,17 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     built, the instruction sets it was compiled for, whether oneDNN runs bf16 natively here,
     whether float32 packs here (:func:`packs_float32`) and the choice asked for
     (KVSERVE_PROJECTIONS). ``auto``: bf16 through oneDNN where it runs bf16 natively (AMX,
-    AVX512-BF16), and there, on a build with AVX512-BF16 but not AMX, calls of up to
-    :data:`HYBRID_PANEL_ROWS` rows on the AVX512-BF16 panels (``hybrid-dpbf16``: both packings
-    kept; on a Zen 4 the panels are 1.03-1.9x oneDNN at 1-128 rows, 0.87-0.96x above,
-    docs/kernels.md); else bf16 on the AVX2 panels (activations widened); float32 on the AVX2
-    panels where AVX2 is the CPU's best tier, else F.linear (MKL). ``hybrid`` asks for
-    ``hybrid-dpbf16`` wherever it can run, AMX CPUs included (where ``auto`` leaves every call
-    to oneDNN), so the split can be measured there. ValueError where the choice cannot run
-    here."""
+    AVX512-BF16), and there, on a build with AVX512-BF16, the smallest calls on the
+    AVX512-BF16 panels (``hybrid-dpbf16``: both packings kept; :func:`hybrid_panel_rows` says
+    up to how many rows: 128 without AMX, where the panels are 1.03-1.9x oneDNN at 1-128 rows
+    on a Zen 4; 8 with AMX, whose tiles oneDNN uses from 16 rows; docs/kernels.md); else bf16
+    on the AVX2 panels (activations widened); float32 on the AVX2 panels where AVX2 is the
+    CPU's best tier, else F.linear (MKL). ``hybrid`` asks for ``hybrid-dpbf16`` wherever it
+    can run. ValueError where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
     if checked_choice(choice) == "auto":
         if dtype == torch.bfloat16 and onednn_bf16:
-            hybrid = built and "avx512_bf16" in compiled_isa and "amx_bf16" not in compiled_isa
-            return "hybrid-dpbf16" if hybrid else "onednn"
+            return "hybrid-dpbf16" if built and "avx512_bf16" in compiled_isa else "onednn"
         if dtype == torch.bfloat16:
             return "panels-avx2" if avx2_panels else "torch"
         if dtype == torch.float32 and packs_fp32:
@@ -218,8 +226,10 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
                      f"{str(dtype).removeprefix('torch.')} here: {why}")
 
 
-def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") -> str:
-    """A line for ``kvserve info`` and the boot log naming :func:`projection_kernel`'s pick."""
+def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto",
+                         amx: bool = False) -> str:
+    """A line for ``kvserve info`` and the boot log naming :func:`projection_kernel`'s pick
+    (``amx``: on a build with AMX)."""
     name = str(dtype).removeprefix("torch.")
     if kernel == "panels-avx2":
         text = ("C++ AVX2 panel GEMM (panel_linear: weights packed at load in panels of 16 "
@@ -229,8 +239,10 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto") 
         text = ("C++ AVX512-BF16 panel GEMM (panel_linear_bf16: weights packed at load in "
                 "panels of 16 columns by pairs of k, vdpbf16ps)")
     elif kernel == "hybrid-dpbf16":
-        text = (f"C++ AVX512-BF16 panel GEMM up to {HYBRID_PANEL_ROWS} rows (panel_linear_bf16, "
-                f"vdpbf16ps; the LM head up to {HYBRID_WIDE_PANEL_ROWS}), oneDNN packed bf16 "
+        rows, head = hybrid_panel_rows(1, amx), hybrid_panel_rows(HYBRID_PANEL_COLUMNS + 1, amx)
+        text = (f"C++ AVX512-BF16 panel GEMM up to {rows} rows (panel_linear_bf16, vdpbf16ps; "
+                + (f"the LM head up to {head}" if head else "not the LM head") +
+                "), oneDNN packed bf16 " + ("on AMX tiles " if amx else "") +
                 "above (both packed at load)")
     elif kernel == "onednn" and dtype == torch.bfloat16:
         text = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or AVX512-BF16 " \
@@ -257,9 +269,12 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
 
     fused = built and dtype in DTYPES
     vector = _vector_isa(compiled_isa)
-    projections = describe_projections(
-        projection_kernel(dtype, built, compiled_isa, onednn_bf16, packs_fp32, choice),
-        dtype, choice)
+    kernel = projection_kernel(dtype, built, compiled_isa, onednn_bf16, packs_fp32, choice)
+    amx = "amx_bf16" in compiled_isa
+    projections = describe_projections(kernel, dtype, choice, amx)
+    lm_head = projections
+    if kernel == "hybrid-dpbf16" and not hybrid_panel_rows(HYBRID_PANEL_COLUMNS + 1, amx):
+        lm_head = describe_projections("onednn", dtype, choice)  # no panels for the head
     flash = prefill_attention_kernel(dtype, flags, prefill) == "flash"
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
@@ -278,7 +293,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
         if prefill != "auto":
             attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
-    return {"projections": projections, "lm_head": projections, "attention": attention,
+    return {"projections": projections, "lm_head": lm_head, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
             "sampling": ("C++ argmax_rows (greedy rows), torch (sampled rows)" if built
                          else "torch")}

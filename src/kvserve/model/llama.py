@@ -122,7 +122,8 @@ class Linear(nn.Module):
     AVX512-BF16 build a bf16 weight is also packed in pairs-of-k panels for panel_linear_bf16
     (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): without AMX
     (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to :func:`hybrid_panel_rows` rows
-    running on the panels (128; 32 for an LM head); with KVSERVE_PROJECTIONS=panels alone.
+    running on the panels (128, 32 for an LM head; with AMX 8, and no LM head); with
+    KVSERVE_PROJECTIONS=panels alone.
     :func:`projection_kernel` decides which (docs/kernels.md).
 
     With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
@@ -153,9 +154,10 @@ class Linear(nn.Module):
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
         if kernel == "hybrid-dpbf16":  # small calls on the panels, the rest on oneDNN
-            if weight.shape[1] % 2 == 0:
+            rows = hybrid_panel_rows(weight.shape[0], "amx_bf16" in paged_kernel.compiled_isa())
+            if weight.shape[1] % 2 == 0 and rows:
                 self.pair_panels = pack_pair_panels(weight)
-                self.panel_rows = hybrid_panel_rows(weight.shape[0])
+                self.panel_rows = rows
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
             self.pair_panels = pack_pair_panels(weight)
