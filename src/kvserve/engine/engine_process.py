@@ -89,8 +89,7 @@ _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment wh
 # engine spins before it sleeps (EngineSpec.environment).
 BRIEF_SPIN_COUNT = "300000"
 # The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV and
-# PREFILL_ATTENTION_ENV), passed to
-# every engine process and replica as the caller set them.
+# PREFILL_ATTENTION_ENV), passed to every engine process and replica as the caller set them.
 KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS", "KVSERVE_PREFILL_ATTENTION")
 # `kvserve serve --engine-step-timeout`'s default: seconds without a step, while the engine has
 # work, before the server kills the engine process as hung, for each STEP_TIMEOUT_TOKENS of the

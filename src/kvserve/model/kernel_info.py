@@ -29,7 +29,8 @@ import torch
 from kvserve.cpu_name import with_generation
 
 # The instruction sets that matter to the kernels here or to oneDNN/ATen, in /proc/cpuinfo's
-# spelling. amx_* are reported but no kernel of kvserve's own uses them (docs/kernels.md).
+# spelling. amx_* pick kernels (the int8 path's tiles, the projections' and the prefill
+# attention's rules below; docs/kernels.md, "AMX").
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 OPS = ("projections", "lm_head", "attention", "rms_norm", "silu_and_mul", "rope_kv_write",
@@ -164,7 +165,7 @@ def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
     kernel is built: ``kernel`` (csrc's paged prefill tiles) or ``flash`` (torch's
     scaled_dot_product_attention over the gathered context, 4-D so ATen takes its flash
     attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them).
-    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.2-2.5x the kernel at 16-640 rows on an
+    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.15-2.5x the kernel at 16-640 rows on an
     AMX Xeon, docs/kernels.md), the kernel elsewhere (no other CPU measured flash yet)."""
     if choice == "auto":
         return "flash" if dtype == torch.bfloat16 and "amx_bf16" in flags else "kernel"

@@ -120,7 +120,7 @@ class Linear(nn.Module):
     benchmarks/panel_linear.py), or for oneDNN's where the extension is not built. Either sums in
     another order than MKL (results within float32 rounding, not bit-identical). On an
     AVX512-BF16 build a bf16 weight is also packed in pairs-of-k panels for panel_linear_bf16
-    (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): without AMX
+    (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): by ``auto``
     (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to :func:`hybrid_panel_rows` rows
     running on the panels (128, 32 for an LM head; with AMX 8, and no LM head); with
     KVSERVE_PROJECTIONS=panels alone.
