@@ -223,7 +223,7 @@ def test_an_engine_logs_the_cpu_and_its_kernels_at_boot(
 
 def test_prefill_chunks_go_to_torchs_flash_attention_for_bf16_on_amx_only() -> None:
     """Issue 16 item 1: on an AMX Xeon torch's flash attention (oneDNN brgemm on the tiles)
-    was 1.2-2.5x the C++ prefill kernel at 16-640 rows (docs/kernels.md); elsewhere the kernel
+    was 1.1-2.5x the C++ prefill kernel at 16-640 rows (docs/kernels.md); elsewhere the kernel
     stays, as nothing measured flash there. KVSERVE_PREFILL_ATTENTION overrides the rule."""
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, prefill_attention_kernel
 

@@ -165,7 +165,7 @@ def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
     kernel is built: ``kernel`` (csrc's paged prefill tiles) or ``flash`` (torch's
     scaled_dot_product_attention over the gathered context, 4-D so ATen takes its flash
     attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them).
-    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.15-2.5x the kernel at 16-640 rows on an
+    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel at 16-640 rows on an
     AMX Xeon, docs/kernels.md), the kernel elsewhere (no other CPU measured flash yet)."""
     if choice == "auto":
         return "flash" if dtype == torch.bfloat16 and "amx_bf16" in flags else "kernel"
