@@ -163,7 +163,8 @@ def test_info_json_describes_this_machine(capsys: pytest.CaptureFixture[str]) ->
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     cpu = cpu_info()
-    assert report["cpu"] == {"model": cpu.model, "family": cpu.family, "name": cpu.name,
+    assert report["cpu"] == {"model": cpu.model, "family": cpu.family,
+                             "model_number": cpu.model_number, "name": cpu.name,
                              "logical_cpus": cpu.logical_cpus, "isa": cpu.isa()}
     assert report["torch"]["version"] == torch.__version__
     assert report["torch"]["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()

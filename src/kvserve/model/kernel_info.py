@@ -323,8 +323,8 @@ class KernelReport:
         """Plain data for ``kvserve info --json``."""
         return {
             "cpu": {"model": self.cpu.model, "family": self.cpu.family,
-                    "name": self.cpu.name, "logical_cpus": self.cpu.logical_cpus,
-                    "isa": self.cpu.isa()},
+                    "model_number": self.cpu.model_number, "name": self.cpu.name,
+                    "logical_cpus": self.cpu.logical_cpus, "isa": self.cpu.isa()},
             "torch": {"version": self.torch_version,
                       "aten_cpu_capability": self.aten_cpu_capability,
                       "threads": self.threads, "onednn_bf16": self.onednn_bf16},
