@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.cpu_name import with_generation
+from kvserve.cpu_name import CpuFields, read_cpuinfo, with_generation
 
 # SmolLM2-135M: 30 layers of Q/K/V/O (576x576, 2 x 576x192, 576x576) and SwiGLU (3 x 576x1536),
 # plus the 49,152 x 576 LM head: 134.5 M multiply-adds, 2 FLOPs each, per token.
@@ -50,23 +50,14 @@ def shared_bench() -> Path:
 def cpu() -> tuple[str, str]:
     """The CPU's model name and its vector ISA flags (avx*, amx*, fma), from /proc/cpuinfo; a
     bare AMD name ("AMD EPYC") gets its generation from the CPU family (kvserve.cpu_name)."""
-    model, flags, family, number = "unknown CPU", "", None, None
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown CPU":
-                    model = value.strip()
-                elif key.strip() == "cpu family" and family is None:
-                    family = int(value) if value.strip().isdigit() else None
-                elif key.strip() == "model" and number is None:
-                    number = int(value) if value.strip().isdigit() else None
-                elif key.strip() == "flags":
-                    flags = " ".join(f for f in value.split() if f.startswith(ISA_PREFIXES))
-                    break
+            found = read_cpuinfo(cpuinfo.read())
     except OSError:
-        pass
-    return with_generation(model, family, flags, number), flags
+        found = CpuFields()
+    flags = " ".join(f for f in found.flags if f.startswith(ISA_PREFIXES))
+    return with_generation(found.model or "unknown CPU", found.family, flags,
+                           found.model_number), flags
 
 
 # The vector tiers a kernel dispatches on, best first: (flag that marks it, slug, label).

@@ -9,6 +9,42 @@ only: the simulator and the benchmark scripts use it too."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CpuFields:
+    """What /proc/cpuinfo says of the first processor, and how many it lists."""
+
+    model: str = ""  # x86's "model name"; Arm's "cpu model" or "Hardware" ("" if none)
+    family: int | None = None  # x86's "cpu family"
+    model_number: int | None = None  # x86's "model"
+    flags: tuple[str, ...] = ()  # x86's "flags", Arm's "Features", in the file's order
+    processors: int = 0
+
+
+def read_cpuinfo(text: str) -> CpuFields:
+    """/proc/cpuinfo's text as :class:`CpuFields` (the first value of each key: the first
+    processor's)."""
+    found: dict[str, str] = {}
+    processors = 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "processor":
+            processors += 1
+        else:
+            found.setdefault(key, value.strip())
+
+    def number(key: str) -> int | None:
+        value = found.get(key, "")
+        return int(value) if value.isdigit() else None
+
+    model = next((found[key] for key in ("model name", "cpu model", "hardware")
+                  if found.get(key)), "")
+    flags = found.get("flags") or found.get("features") or ""
+    return CpuFields(model, number("cpu family"), number("model"), tuple(flags.split()),
+                     processors)
 
 # Intel's server generations by (family 6) model number, where one number is one generation
 # (85 is Skylake, Cascade Lake and Cooper Lake alike, so it is left bare)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvserve.cpu_name import with_generation
+from kvserve.cpu_name import read_cpuinfo, with_generation
 
 # The instruction sets that matter to the kernels here or to oneDNN/ATen, in /proc/cpuinfo's
 # spelling. amx_* pick kernels (the int8 path's tiles, the projections' and the prefill
@@ -60,22 +60,9 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The model name and flags of the first processor in /proc/cpuinfo's text, and the number
     of processors it lists."""
-    model, flags, count, family, number = "", frozenset[str](), 0, None, None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "processor":
-            count += 1
-        elif key == "model name" and not model:
-            model = value.strip()
-        elif key == "cpu family" and family is None and value.strip().isdigit():
-            family = int(value)
-        elif key == "model" and number is None and value.strip().isdigit():
-            number = int(value)
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return CpuInfo(model or platform.processor() or platform.machine(), count or
-                   (os.cpu_count() or 0), flags, family, number)
+    cpu = read_cpuinfo(text)
+    return CpuInfo(cpu.model or platform.processor() or platform.machine(), cpu.processors or
+                   (os.cpu_count() or 0), frozenset(cpu.flags), cpu.family, cpu.model_number)
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> CpuInfo:

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvserve.cpu_name import with_generation
+from kvserve.cpu_name import read_cpuinfo, with_generation
 from kvserve.sim.presets import GiB, HardwareSpec, get_hardware
 
 # Extensions a CPU matmul or copy kernel dispatches on (x86 and Arm spellings of
@@ -45,24 +45,13 @@ def parse_cpuinfo(text: str) -> dict[str, Any]:
     processor's entry; x86 says ``model name`` and ``flags``, Arm ``Features``), and on x86
     its ``family``: a bare "AMD EPYC" with AVX512-BF16 is a Zen 4 (25) or a Zen 5 (26), whose
     extensions this list does not tell apart."""
-    model, flags, family, number = "", set(), None, None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "cpu model", "hardware") and not model:
-            model = value.strip()
-        elif key == "cpu family" and family is None and value.strip().isdigit():
-            family = int(value)
-        elif key == "model" and number is None and value.strip().isdigit():
-            number = int(value)
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-    identity: dict[str, Any] = {"model": model,
-                                "isa": [flag for flag in ISA_FLAGS if flag in flags]}
-    if family is not None:
-        identity["family"] = family
-    if number is not None:
-        identity["model_number"] = number
+    cpu = read_cpuinfo(text)
+    identity: dict[str, Any] = {"model": cpu.model,
+                                "isa": [flag for flag in ISA_FLAGS if flag in cpu.flags]}
+    if cpu.family is not None:
+        identity["family"] = cpu.family
+    if cpu.model_number is not None:
+        identity["model_number"] = cpu.model_number
     return identity
 
 
