@@ -190,8 +190,9 @@ def _kernel() -> ModuleType:
 
 
 def compiled_isa() -> list[str]:
-    """The instruction sets the built kernels were compiled for, of avx2, avx512f and
-    avx512_bf16 (``-march=native``: what the building CPU has); raises if it is not built."""
+    """The instruction sets the built kernels were compiled for, of avx2, fma, avx512f,
+    avx512_bf16 and amx_bf16 (``-march=native``: what the building CPU has); raises if it is
+    not built."""
     return list(_kernel().compiled_isa())
 
 
