@@ -222,24 +222,39 @@ def test_an_engine_logs_the_cpu_and_its_kernels_at_boot(
     assert "bfloat16 kernels: projections " in messages[-1]
 
 
-def test_prefill_chunks_go_to_torchs_flash_attention_for_bf16_on_amx_only() -> None:
+def test_prefill_chunks_go_to_amx_tiles_or_torchs_flash_attention_for_bf16_on_amx_only(
+        ) -> None:
     """Issue 16 item 1: on an AMX Xeon torch's flash attention (oneDNN brgemm on the tiles)
-    was 1.1-2.5x the C++ prefill kernel at 16-640 rows (docs/kernels.md); elsewhere the kernel
-    stays, as nothing measured flash there. KVSERVE_PREFILL_ATTENTION overrides the rule."""
+    was 1.1-2.5x the C++ prefill kernel at 16-640 rows, and kvserve's own AMX tiles
+    (csrc/attention_amx.h) 1.2-2.5x flash (docs/kernels.md): bf16 prefill chunks take the
+    tiles where the build compiled them, flash on an AMX CPU whose build did not; elsewhere
+    the kernel stays, as nothing measured either there. KVSERVE_PREFILL_ATTENTION overrides
+    the rule; amx where the build has no AMX path is refused."""
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, prefill_attention_kernel
 
     amx = frozenset({"avx512_bf16", "amx_bf16"})
-    assert prefill_attention_kernel(BF16, amx) == "flash"
-    assert prefill_attention_kernel(F32, amx) == "kernel"  # AMX has no float32 tiles
+    built_amx = (*ALL_ISA, "amx_bf16")
+    assert prefill_attention_kernel(BF16, amx, "auto", built_amx) == "amx"
+    assert prefill_attention_kernel(BF16, amx) == "flash"  # no AMX path in the build
+    assert prefill_attention_kernel(F32, amx, "auto", built_amx) == "kernel"  # no fp32 tiles
     assert prefill_attention_kernel(BF16, frozenset({"avx512_bf16"})) == "kernel"  # a Zen 4
-    assert prefill_attention_kernel(BF16, amx, "kernel") == "kernel"
+    assert prefill_attention_kernel(BF16, amx, "kernel", built_amx) == "kernel"
+    assert prefill_attention_kernel(BF16, amx, "flash", built_amx) == "flash"
     assert prefill_attention_kernel(F32, frozenset(), "flash") == "flash"
-    on_amx = op_kernels(BF16, True, (*ALL_ISA, "amx_bf16"), True, flags=amx)["attention"]
-    assert f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention" in on_amx
+    with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION=amx needs a build with "
+                                         "AMX-BF16 tiles"):
+        prefill_attention_kernel(BF16, amx, "amx", ALL_ISA)
+    on_amx = op_kernels(BF16, True, built_amx, True, flags=amx)["attention"]
+    assert on_amx.endswith(f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
+                           "(head_dim 64; others torch's flash attention)")
+    flash = op_kernels(BF16, True, ALL_ISA, True, flags=amx)["attention"]
+    assert f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention" in flash
     assert "flash" not in op_kernels(BF16, True, ALL_ISA, True, flags=amx - {"amx_bf16"})[
         "attention"]
     asked = op_kernels(F32, True, ALL_ISA, True, prefill="flash")["attention"]
     assert asked.endswith("[KVSERVE_PREFILL_ATTENTION=flash]")
+    with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION=amx"):
+        op_kernels(BF16, True, ALL_ISA, True, flags=amx, prefill="amx")
     # not built: every op is torch's already, flash or not
     assert op_kernels(BF16, False, (), True, flags=amx)["attention"] == \
         "torch (gather + scaled_dot_product_attention)"
@@ -250,7 +265,7 @@ def test_a_prefill_attention_choice_not_known_is_refused(monkeypatch) -> None:
 
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, " Flash ")
     assert prefill_attention_choice() == "flash"
-    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "amx")
-    with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION='amx' is not one of "
-                                         "auto, kernel, flash"):
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "tiles")
+    with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION='tiles' is not one of "
+                                         "auto, kernel, flash, amx"):
         prefill_attention_choice()

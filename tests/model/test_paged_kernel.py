@@ -433,3 +433,109 @@ def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_k
     torch.testing.assert_close(attention.paged_attention(q, k_cache, v_cache, batch).double(),
                                out.double(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     assert calls == [n for n, _ in shapes]
+
+
+def _amx_reason() -> str:
+    return paged_kernel.amx_prefill_status() if paged_kernel.available() \
+        else f"kernel unavailable: {paged_kernel.unavailable_reason()}"
+
+
+requires_amx = pytest.mark.skipif(bool(_amx_reason()), reason=_amx_reason() or "AMX")
+
+
+@requires_amx
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(16, 9, 3), (32, 4, 4), (16, 8, 1)])
+def test_amx_prefill_attention_matches_plain(block_size: int, heads: int,
+                                             kv_heads: int) -> None:
+    """csrc/attention_amx.h against float64 attention: whole prompts and chunks after a
+    prefix, rows and contexts on and off the tiles' 16 rows and 64 keys (a last partial tile
+    of queries, keys past the context masked), GQA groups of 1-8, shuffled block tables;
+    within bf16's rounding, as flash and the kernel are."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1, 1), (5, 5), (16, 16), (17, 40), (63, 64), (64, 65), (100, 300),
+              (300, 300), (16, 512), (33, 1000)]
+    num_blocks = sum(-(-context // block_size) for _, context in shapes) + 7
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, 64, torch.bfloat16, gen)
+    tables = _tables([context for _, context in shapes], block_size, num_blocks, gen)
+    for (n, context), table in zip(shapes, tables, strict=True):
+        q = torch.randn((n, heads, 64), generator=gen).to(torch.bfloat16)
+        got = paged_kernel.amx_prefill_attention(q, k_cache, v_cache, table, context)
+        assert got.dtype == torch.bfloat16 and got.shape == q.shape
+        want = _plain(q, k_cache, v_cache, table, context)
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=n, c=context: f"{n} rows, context {c}: {m}")
+
+
+@requires_amx
+def test_amx_prefill_attention_refuses_what_it_does_not_compute() -> None:
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = _caches(8, 16, 3, 64, torch.bfloat16, gen)
+    table = torch.arange(8)
+    q = torch.randn((20, 9, 64), generator=gen).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        paged_kernel.amx_prefill_attention(q.float(), k_cache.float(), v_cache.float(), table,
+                                           20)
+    wide_k, wide_v = _caches(8, 16, 3, 128, torch.bfloat16, gen)
+    with pytest.raises(RuntimeError, match="head_dim 64"):
+        paged_kernel.amx_prefill_attention(torch.zeros((20, 9, 128), dtype=torch.bfloat16),
+                                           wide_k, wide_v, table, 20)
+    with pytest.raises(RuntimeError, match="context length does not fit"):
+        paged_kernel.amx_prefill_attention(q, k_cache, v_cache, table[:1], 20)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_kernel.amx_prefill_attention(q, k_cache, v_cache, table + 8, 20)
+
+
+@requires_kernel
+def test_a_build_without_amx_says_why_it_has_no_amx_prefill() -> None:
+    status = paged_kernel.amx_prefill_status()
+    if "amx_bf16" in paged_kernel.compiled_isa():
+        assert status == "" or "Linux" in status
+    else:
+        assert "no AMX-BF16 path" in status
+        with pytest.raises(RuntimeError, match="no AMX-BF16 path"):
+            paged_kernel.amx_prefill_attention(torch.zeros((1, 9, 64), dtype=torch.bfloat16),
+                                               *_caches(1, 16, 3, 64, torch.bfloat16,
+                                                        torch.Generator()),
+                                               torch.zeros(1, dtype=torch.long), 1)
+
+
+@requires_amx
+def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
+    """KVSERVE_PREFILL_ATTENTION=amx (auto on an AMX build in bf16): chunks of
+    FLASH_PREFILL_ROWS+ rows go to the AMX tiles, shorter ones and --batch-invariant's rows
+    to the C++ kernel; every chunk matches the plain attention."""
+    from kvserve.model import attention
+    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
+    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
+
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache = _caches(80, 16, 3, 64, torch.bfloat16, gen)
+    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
+    tables = _tables([context for _, context in shapes], 16, 80, gen)
+    q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(torch.bfloat16)
+    chunks, start = [], 0
+    for (n, context), table in zip(shapes, tables, strict=True):
+        chunks.append(PrefillChunk(start, n, context, table[:-(-context // 16)]))
+        start += n
+    none = torch.zeros(0, dtype=torch.long)
+    batch = ForwardBatch(none, none, none, 0, torch.zeros((0, 1), dtype=torch.long), none, (),
+                         chunks, none)
+    kernel_rows, amx_rows = [], []
+    kernel_prefill, amx_prefill = paged_kernel.prefill_attention, \
+        paged_kernel.amx_prefill_attention
+    monkeypatch.setattr(paged_kernel, "prefill_attention", lambda q, *a, **k:
+                        kernel_rows.append(q.shape[0]) or kernel_prefill(q, *a, **k))
+    monkeypatch.setattr(paged_kernel, "amx_prefill_attention", lambda q, *a, **k:
+                        amx_rows.append(q.shape[0]) or amx_prefill(q, *a, **k))
+    for choice in ("amx", "auto"):
+        kernel_rows.clear(), amx_rows.clear()
+        monkeypatch.setenv(PREFILL_ATTENTION_ENV, choice)
+        out = attention.paged_attention(q, k_cache, v_cache, batch)
+        assert (kernel_rows, amx_rows) == ([FLASH_PREFILL_ROWS - 1], [300, 64])
+        for chunk in chunks:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            want = _plain(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
+            torch.testing.assert_close(out[rows].double(), want, atol=2e-2, rtol=2e-2)
+    kernel_rows.clear(), amx_rows.clear()
+    attention.invariant_paged_attention(q, k_cache, v_cache, batch)
+    assert (kernel_rows, amx_rows) == ([n for n, _ in shapes], [])

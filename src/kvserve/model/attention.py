@@ -91,11 +91,16 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 @functools.cache
-def _flash_prefill(dtype: torch.dtype, choice: str) -> bool:
-    """Whether prefill chunks of FLASH_PREFILL_ROWS+ rows skip the C++ kernel for torch's
-    flash attention (kernel_info.prefill_attention_kernel has the rule)."""
-    return kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags,
-                                                choice) == "flash"
+def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
+    """What prefill chunks of FLASH_PREFILL_ROWS+ rows run on: ``kernel``, ``flash`` or
+    ``amx`` (kernel_info.prefill_attention_kernel has the rule); amx where this head_dim or
+    this process cannot run it (Linux refused the tile state) is flash."""
+    kind = kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags, choice,
+                                                tuple(paged_kernel.compiled_isa()))
+    if kind == "amx" and (head_dim != kernel_info.AMX_PREFILL_HEAD_DIM or
+                          paged_kernel.amx_prefill_status()):
+        return "flash"
+    return kind
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -113,14 +118,19 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
     # --batch-invariant's prefill rows keep the kernel: only it sums as a decode does
-    flash = use_kernel and batch.prefills and not match_decode and \
-        _flash_prefill(q.dtype, kernel_info.prefill_attention_choice())
+    kind = "kernel"
+    if use_kernel and batch.prefills and not match_decode:
+        kind = _prefill_kernel(q.dtype, q.shape[-1], kernel_info.prefill_attention_choice())
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if use_kernel and not (flash and chunk.num_tokens >= kernel_info.FLASH_PREFILL_ROWS):
+        if use_kernel and (kind == "kernel" or
+                           chunk.num_tokens < kernel_info.FLASH_PREFILL_ROWS):
             out[rows] = paged_kernel.prefill_attention(q[rows], k_cache, v_cache,
                                                        chunk.block_table, chunk.context_len,
                                                        match_decode=match_decode)
+        elif kind == "amx":
+            out[rows] = paged_kernel.amx_prefill_attention(q[rows], k_cache, v_cache,
+                                                           chunk.block_table, chunk.context_len)
         else:
             out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
                                            chunk.context_len)

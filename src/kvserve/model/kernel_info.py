@@ -131,10 +131,13 @@ def checked_choice(value: str) -> str:
 
 PREFILL_ATTENTION_ENV = "KVSERVE_PREFILL_ATTENTION"
 # What KVSERVE_PREFILL_ATTENTION may ask for: auto (prefill_attention_kernel's rule), kernel
-# (the C++ paged kernel), flash (torch's flash attention over the gathered context).
-PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "flash")
-# flash: a prefill chunk of at least this many rows (fewer: the C++ kernel, as decodes)
+# (the C++ paged kernel), flash (torch's flash attention over the gathered context), amx (the
+# C++ AMX-BF16 tiles of csrc/attention_amx.h).
+PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "flash", "amx")
+# flash and amx: a prefill chunk of at least this many rows (fewer: the C++ kernel, as decodes)
 FLASH_PREFILL_ROWS = 16
+# amx: the head_dim csrc/attention_amx.h computes (another runs flash instead)
+AMX_PREFILL_HEAD_DIM = 64
 
 
 def prefill_attention_choice() -> str:
@@ -147,15 +150,25 @@ def prefill_attention_choice() -> str:
 
 
 def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
-                             choice: str = "auto") -> str:
+                             choice: str = "auto", compiled_isa: tuple[str, ...] = ()) -> str:
     """What a CPU prefill chunk of FLASH_PREFILL_ROWS rows or more runs on where the C++
-    kernel is built: ``kernel`` (csrc's paged prefill tiles) or ``flash`` (torch's
+    kernel is built: ``kernel`` (csrc's paged prefill tiles), ``flash`` (torch's
     scaled_dot_product_attention over the gathered context, 4-D so ATen takes its flash
-    attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them).
-    ``auto``: flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel at 16-640 rows on an
-    AMX Xeon, docs/kernels.md), the kernel elsewhere (no other CPU measured flash yet)."""
+    attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them)
+    or ``amx`` (csrc/attention_amx.h: kvserve's own AMX-BF16 tiles, read straight from the
+    paged cache; bf16, head_dim 64, where the build compiled it). ``auto``: amx for bf16 where
+    the build has it (1.2-2.5x flash at 16-1,000 rows on an AMX Xeon, docs/kernels.md), else
+    flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel there), the kernel elsewhere
+    (no other CPU measured flash yet). ValueError where ``amx`` is asked for and this build
+    has no AMX path."""
     if choice == "auto":
+        if dtype == torch.bfloat16 and "amx_bf16" in compiled_isa:
+            return "amx"
         return "flash" if dtype == torch.bfloat16 and "amx_bf16" in flags else "kernel"
+    if choice == "amx" and "amx_bf16" not in compiled_isa:
+        raise ValueError(f"{PREFILL_ATTENTION_ENV}=amx needs a build with AMX-BF16 tiles "
+                         f"(a CPU with amx_bf16); this one compiled "
+                         f"{' '.join(compiled_isa) or 'no C++ kernels'}")
     return choice
 
 
@@ -263,7 +276,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     lm_head = projections
     if kernel == "hybrid-dpbf16" and not hybrid_panel_rows(HYBRID_PANEL_COLUMNS + 1, amx):
         lm_head = describe_projections("onednn", dtype, choice)  # no panels for the head
-    flash = prefill_attention_kernel(dtype, flags, prefill) == "flash"
+    prefill_kernel = prefill_attention_kernel(dtype, flags, prefill, compiled_isa)
     if not fused:
         attention = "torch (gather + scaled_dot_product_attention)"
     elif dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
@@ -275,11 +288,14 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
         attention = "C++ AVX2 + FMA intrinsics (head_dim a multiple of 8; else vectorised loops)"
     else:
         attention = f"C++ compiler-vectorised loops ({vector})"
-    if fused and flash:
+    if fused and prefill_kernel == "flash":
         attention += (f"; prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention "
                       "(oneDNN brgemm, AMX tiles where the CPU has them)")
-        if prefill != "auto":
-            attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
+    elif fused and prefill_kernel == "amx":
+        attention += (f"; prefill chunks of {FLASH_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
+                      f"(head_dim {AMX_PREFILL_HEAD_DIM}; others torch's flash attention)")
+    if fused and prefill_kernel != "kernel" and prefill != "auto":
+        attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
     return {"projections": projections, "lm_head": lm_head, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,

@@ -46,7 +46,7 @@ HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h"
            CSRC / "panel_dpbf16.h", CSRC / "attention_softmax.h", CSRC / "invariant_blocks.h",
            CSRC / "attention_gemm.h", CSRC / "invariant_linear.h", CSRC / "panel_linear.h",
            CSRC / "int8_linear.h", CSRC / "int8_blocks.h", CSRC / "amx_tiles.h",
-           CSRC / "prefetch.h"]
+           CSRC / "prefetch.h", CSRC / "attention_amx.h"]
 # -fno-trapping-math: only floating-point exception flags stop being preserved (no
 # reassociation, no change to contraction). It lets gcc if-convert the clamp and select
 # around exp_nonpositive, so silu_and_mul vectorises (with trapping math it ran one element
@@ -216,6 +216,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _kernel().decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def amx_prefill_status() -> str:
+    """Why :func:`amx_prefill_attention` cannot run in this process ("" where it can): a build
+    without the AMX-BF16 path, or Linux refusing the tile state."""
+    return str(_kernel().amx_prefill_status())
+
+
+def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, context_len: int,
+                          scale: float | None = None) -> torch.Tensor:
+    """:func:`prefill_attention` on AMX-BF16 tiles (csrc/attention_amx.h): bfloat16 q and
+    caches, head_dim 64; the keys and values read straight from the paged cache. Its sums
+    differ from the C++ kernel's and flash's in order only (float32 throughout, probabilities
+    rounded to bf16 before the value products, as both do)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _kernel().amx_prefill_attention(q, k_cache, v_cache, block_table, int(context_len),
+                                           scale)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

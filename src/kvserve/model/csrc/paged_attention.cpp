@@ -31,6 +31,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_amx.h"
 #include "attention_gemm.h"
 #include "attention_softmax.h"
 #include "fast_math.h"
@@ -592,6 +593,77 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 });
 }
 
+// A prefill chunk's attention on AMX tiles (attention_amx.h): bfloat16, head_dim 64. Raises
+// where this build or this process cannot run it (amx_prefill_status says why).
+std::string amx_prefill_status() {
+#if defined(KVSERVE_AMX_ATTENTION)
+  return kvserve::amx_status();
+#else
+  return "this build has no AMX-BF16 path (-march=native on a CPU without amx_bf16)";
+#endif
+}
+
+at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                                 int64_t context_len, double scale) {
+  const std::string status = amx_prefill_status();
+  TORCH_CHECK(status.empty(), "amx_prefill_attention: ", status);
+#if defined(KVSERVE_AMX_ATTENTION)
+  namespace amx = kvserve::amx_attention;
+  const Geometry geo = geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "amx_prefill_attention takes bfloat16 q and caches");
+  TORCH_CHECK(geo.head_dim == amx::kDim, "amx_prefill_attention takes head_dim ", amx::kDim);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == amx::kDim, "q's rows must be contiguous");
+  TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
+  const int64_t n = q.size(0);
+  TORCH_CHECK(n >= 1 && n <= context_len, "need 1 ..= context_len queries");
+  TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
+              "context length does not fit the block table");
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const int64_t* table_ptr = table.data_ptr<int64_t>();
+  check_blocks(table_ptr, context_len, geo.block_size, k_cache.size(0));
+  const int64_t padded = (context_len + amx::kKeys - 1) / amx::kKeys * amx::kKeys;
+  const int64_t kv_heads = geo.num_kv_heads, blocks = padded / amx::kKeys;
+  at::Tensor keys = at::empty({kv_heads, amx::key_words(padded)}, q.options().dtype(at::kInt));
+  at::Tensor values =
+      at::empty({kv_heads, amx::value_halves(padded)}, q.options().dtype(at::kShort));
+  auto* key_words = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  auto* value_words = reinterpret_cast<uint16_t*>(values.data_ptr<int16_t>());
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / blocks, block = item % blocks;
+      amx::pack_block(k_ptr, v_ptr, table_ptr, geo.block_size, geo.token_stride, head,
+                      context_len, block * amx::kKeys, (block + 1) * amx::kKeys,
+                      key_words + head * amx::key_words(padded),
+                      value_words + head * amx::value_halves(padded));
+    }
+  });
+  at::Tensor out = at::empty({n, geo.num_heads, amx::kDim}, q.options());
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t row_blocks = (n + amx::kRows - 1) / amx::kRows;
+  at::parallel_for(0, geo.num_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    const amx::TileConfig config = amx::tile_config();
+    KVSERVE_TILE_LOADCONFIG(&config);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / row_blocks, kv_head = head / geo.group;
+      amx::attend_rows(q_ptr + head * amx::kDim, q.stride(0),
+                       key_words + kv_head * amx::key_words(padded),
+                       value_words + kv_head * amx::value_halves(padded), n, context_len,
+                       (item % row_blocks) * amx::kRows, static_cast<float>(scale),
+                       out_ptr + head * amx::kDim, geo.num_heads * amx::kDim);
+    }
+    KVSERVE_TILE_RELEASE();
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
 // The instruction sets this build compiled paths for (-march=native on the building CPU).
 std::vector<std::string> compiled_isa() {
   std::vector<std::string> isa;
@@ -627,6 +699,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tiles), for --batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"), py::arg("match_decode") = false);
+  m.def("amx_prefill_attention", &amx_prefill_attention,
+        "prefill_attention on AMX-BF16 tiles: bfloat16, head_dim 64 (csrc/attention_amx.h)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("context_len"), py::arg("scale"));
+  m.def("amx_prefill_status", &amx_prefill_status,
+        "why amx_prefill_attention cannot run here (empty where it can)");
   register_layer_ops(m);
   register_invariant_linear(m);
   register_panel_linear(m);
