@@ -6,7 +6,9 @@ caches. A = ``kvserve.model.attention._decode_attention`` (gather + masked SDPA)
 timed alternately (A B A B ...), medians (and minima: on a shared machine the minimum is the
 steadier estimate of either side's own cost). ``--prefill`` adds prefill chunks against
 ``_prefill_attention`` (4-D SDPA: ATen's flash attention, which a bf16 chunk of 16+ rows runs
-on an AMX CPU; ``KVSERVE_PREFILL_ATTENTION``, docs/kernels.md). Run from the repository root:
+on an AMX CPU; ``KVSERVE_PREFILL_ATTENTION``, docs/kernels.md) and, where the build has
+them, a table of bf16 chunks on kvserve's own AMX tiles (csrc/attention_amx.h) against flash
+and the kernel, the three alternated. Run from the repository root:
 
     .venv/bin/python benchmarks/attention_kernel.py [--reps 15] [--prefill] [--threads N]
     .venv/bin/python benchmarks/attention_kernel.py --block-runs [--requests 64] [--context 512]
@@ -21,6 +23,7 @@ penalty, against the 1/r the per-scattered-token term charges.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -208,8 +211,41 @@ def main() -> None:
             torch_s, kernel_s = alternate([run_torch, run_kernel], args.reps)
             row(f"prefill {str(dtype)[6:]} {num_tokens} q, context {context_len}", torch_s,
                 kernel_s, diff)
+    amx_table(args.reps)
     print()
     print("\n".join(notes))
+
+
+AMX_SHAPES = ((16, 16), (17, 40), (64, 64), (16, 512), (64, 512), (128, 128), (300, 300),
+              (512, 512), (256, 640), (33, 1000))
+
+
+def amx_table(reps: int) -> None:
+    """bf16 prefill chunks on the AMX tiles, flash and the C++ kernel, alternated (minima)."""
+    status = paged_kernel.amx_prefill_status()
+    if status:
+        print(f"\n(no AMX prefill table: {status})")
+        return
+    print("\nbf16 prefill chunks, minima of the three alternated (ms):\n")
+    print("| rows, context | AMX tiles | flash | C++ kernel | flash / AMX | kernel / AMX | "
+          "max diff AMX vs flash |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(2)
+    for num_tokens, context_len in AMX_SHAPES:
+        needed = -(-context_len // BLOCK_SIZE)
+        shape = (needed + 8, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        table = torch.randperm(shape[0], generator=gen)[:needed]
+        q = torch.randn((num_tokens, HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
+        args = (q, k_cache, v_cache, table, context_len)
+        fns = [functools.partial(fn, *args) for fn in (
+            paged_kernel.amx_prefill_attention, _prefill_attention,
+            paged_kernel.prefill_attention)]
+        diff = (fns[0]().float() - fns[1]().float()).abs().max().item()
+        (_, amx), (_, flash), (_, kernel) = alternate(fns, reps)
+        print(f"| {num_tokens}, {context_len} | {amx * 1e3:.3f} | {flash * 1e3:.3f} | "
+              f"{kernel * 1e3:.3f} | {flash / amx:.2f}x | {kernel / amx:.2f}x | {diff:.1e} |")
 
 
 if __name__ == "__main__":
