@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = kernel_report().as_dict()
-    except ValueError as error:  # KVSERVE_PROJECTIONS asks for what this machine lacks
+    except ValueError as error:  # KVSERVE_PROJECTIONS or _PREFILL_ATTENTION asks for too much
         raise CLIError(str(error)) from None
     report["quantization"] = {name: unavailable_reason(name) or describe_quantization(name)
                               for name in QUANTIZATIONS}
