@@ -240,6 +240,11 @@ def test_prefill_chunks_go_to_amx_tiles_or_torchs_flash_attention_for_bf16_on_am
     assert prefill_attention_kernel(BF16, frozenset({"avx512_bf16"})) == "kernel"  # a Zen 4
     assert prefill_attention_kernel(BF16, amx, "kernel", built_amx) == "kernel"
     assert prefill_attention_kernel(BF16, amx, "flash", built_amx) == "flash"
+    assert prefill_attention_kernel(BF16, amx, "amx", built_amx) == "amx"
+    # the tiles take bf16 only: asked for float32, flash (which takes any dtype) runs
+    assert prefill_attention_kernel(F32, amx, "amx", built_amx) == "flash"
+    assert "torch's flash attention" in op_kernels(F32, True, built_amx, True, flags=amx,
+                                                   prefill="amx")["attention"]
     assert prefill_attention_kernel(F32, frozenset(), "flash") == "flash"
     with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION=amx needs a build with "
                                          "AMX-BF16 tiles"):

@@ -539,3 +539,13 @@ def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     kernel_rows.clear(), amx_rows.clear()
     attention.invariant_paged_attention(q, k_cache, v_cache, batch)
     assert (kernel_rows, amx_rows) == ([n for n, _ in shapes], [])
+    # float32 asked for amx: the tiles take bf16 only, so flash runs its long chunks
+    kernel_rows.clear()
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "amx")
+    q32, k32, v32 = q.float(), k_cache.float(), v_cache.float()
+    out = attention.paged_attention(q32, k32, v32, batch)
+    assert (kernel_rows, amx_rows) == ([FLASH_PREFILL_ROWS - 1], [])
+    for chunk in chunks:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        want = _plain(q32[rows], k32, v32, chunk.block_table, chunk.context_len)
+        torch.testing.assert_close(out[rows].double(), want, atol=1e-5, rtol=1e-5)

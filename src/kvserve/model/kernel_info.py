@@ -160,7 +160,7 @@ def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
     the build has it (1.2-2.5x flash at 16-1,000 rows on an AMX Xeon, docs/kernels.md), else
     flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel there), the kernel elsewhere
     (no other CPU measured flash yet). ValueError where ``amx`` is asked for and this build
-    has no AMX path."""
+    has no AMX path; ``amx`` for another dtype than bf16 is flash."""
     if choice == "auto":
         if dtype == torch.bfloat16 and "amx_bf16" in compiled_isa:
             return "amx"
@@ -169,6 +169,8 @@ def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
         raise ValueError(f"{PREFILL_ATTENTION_ENV}=amx needs a build with AMX-BF16 tiles "
                          f"(a CPU with amx_bf16); this one compiled "
                          f"{' '.join(compiled_isa) or 'no C++ kernels'}")
+    if choice == "amx" and dtype != torch.bfloat16:
+        return "flash"  # the tiles compute bf16 only; flash takes any dtype
     return choice
 
 
