@@ -53,17 +53,31 @@ BUCKETS = [
 IDLE = re.compile(r"\b(wait|select|poll|get|acquire|sleep|recv_bytes|_recv|read|_worker) \(")
 
 
-def parse(path: Path) -> dict[str, collections.Counter]:
-    """py-spy's raw output (``thread (tid): name;frame;...;frame count``), idle samples
-    included, as {thread name: Counter(bucket -> samples)}."""
+PROCESS = re.compile(r"^process (\d+):")
+
+
+def parse(path: Path, processes: dict[int, str] | None = None
+          ) -> dict[str, collections.Counter]:
+    """py-spy's raw output (``thread (tid): name;frame;...;frame count``; with
+    --subprocesses each line starts ``process pid:"cmdline";``), idle samples included, as
+    {thread name: Counter(bucket -> samples)}. A process's threads are named after it:
+    ``processes`` labels pids (the server) and any other pid is an engine process; without
+    it (--raw), each is ``process <pid>``."""
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        head, *frames = stack.split(";")
+        parts = stack.split(";")
+        owner = ""
+        if parts and (match := PROCESS.match(parts[0])):
+            pid = int(match.group(1))
+            owner = (f"process {pid}" if processes is None
+                     else processes.get(pid, "engine process")) + ": "
+            parts = parts[1:]
+        head, *frames = parts
         name = head.partition(": ")[2] or "unnamed"
-        name = re.sub(r"-\d+$", "", name)
+        name = owner + re.sub(r"-\d+$", "", name)
         threads[name][bucket(frames)] += int(count)
     return threads
 
@@ -132,7 +146,8 @@ def main() -> int:
         result = bench(f"http://127.0.0.1:{port}", ["--trace", str(trace), "--no-progress"],
                        OUT / "profile_online.json")
     finally:
-        for child in _children(server.pid):  # the server under py-spy: SIGINT stops it in order
+        served = _children(server.pid)  # the server under py-spy
+        for child in served:  # SIGINT stops it in order
             os.kill(child, signal.SIGINT)
         server.wait(timeout=120)
     command = "python benchmarks/profile_online.py " + " ".join(sys.argv[1:])
@@ -145,7 +160,7 @@ def main() -> int:
         "Samples over the whole run (start-up and the idle tail included), each put in one "
         "bucket by its innermost kvserve, torch or server frame; `waiting` is a thread "
         "blocked for work, a lock or the GIL.", "",
-        *table(parse(raw))])
+        *table(parse(raw, {pid: "server" for pid in served}))])
     publish("profile_online", text, write_docs=args.write_docs)
     return 0
 

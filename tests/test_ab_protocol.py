@@ -111,6 +111,16 @@ def test_profile_buckets_py_spy_samples_by_their_innermost_named_frame(tmp_path)
     assert threads["MainThread"] == {"waiting": 9, "HTTP, SSE, JSON (event loop)": 1}
     assert profile_online.table(threads)[2] == \
         "| kvserve-engine | 10 | projections 60%, attention 30%, scheduler 10% |"
+    # py-spy 0.4 with --subprocesses starts each line with its process: the server's threads
+    # and the engine process's (both have a MainThread) stay apart (all were "unnamed" before)
+    raw.write_text("\n".join([
+        'process 40:"python -m kvserve serve";thread (40): MainThread;run (asyncio/'
+        'base_events.py:1);select (selectors.py:468) 5',
+        'process 41:"";thread (41): MainThread;_serve (kvserve/engine/engine_process.py:3);'
+        'paged_attention (kvserve/model/attention.py:72) 4']))
+    threads = profile_online.parse(raw, {40: "server"})
+    assert threads == {"server: MainThread": {"waiting": 5},
+                       "engine process: MainThread": {"attention": 4}}
 
 
 def test_offline_sections_are_one_per_workload(tmp_path, monkeypatch):
