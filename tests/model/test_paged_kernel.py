@@ -7,11 +7,15 @@ import math
 import platform
 import shutil
 import subprocess
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from kvserve.model import paged_kernel
+
+if TYPE_CHECKING:
+    from kvserve.model.input_batch import ForwardBatch
 
 requires_kernel = pytest.mark.skipif(
     not paged_kernel.available(),
@@ -388,6 +392,28 @@ def test_a_build_says_so_before_the_minute_it_takes(monkeypatch, tmp_path, caplo
     assert not any("building" in m for m in caplog.messages)
 
 
+def _three_chunks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, ForwardBatch]:
+    """q, caches and a prefill-only ForwardBatch of three chunks (rows, context): a whole
+    prompt, a chunk after a prefix, and one a row too short for flash or the AMX tiles."""
+    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
+    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS
+
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = _caches(80, 16, 3, 64, dtype, gen)
+    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
+    tables = _tables([context for _, context in shapes], 16, 80, gen)
+    q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(dtype)
+    chunks, start = [], 0
+    for (n, context), table in zip(shapes, tables, strict=True):
+        chunks.append(PrefillChunk(start, n, context, table[:-(-context // 16)]))
+        start += n
+    none = torch.zeros(0, dtype=torch.long)
+    batch = ForwardBatch(none, none, none, 0, torch.zeros((0, 1), dtype=torch.long), none, (),
+                         chunks, none)
+    return q, k_cache, v_cache, batch
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @requires_kernel
 def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_kernel(
@@ -397,22 +423,10 @@ def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_k
     flash attention and match the plain attention; shorter chunks, decodes and
     --batch-invariant's prefill rows stay on the C++ kernel."""
     from kvserve.model import attention
-    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
 
-    gen = torch.Generator().manual_seed(11)
-    k_cache, v_cache = _caches(80, 16, 3, 64, dtype, gen)
-    tables = _tables([300, 200, 40], 16, 80, gen)
-    # (rows, context): a whole prompt, a chunk after a prefix, a chunk too short for flash
-    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
-    q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(dtype)
-    chunks, start = [], 0
-    for (n, context), table in zip(shapes, tables, strict=True):
-        chunks.append(PrefillChunk(start, n, context, table[:-(-context // 16)]))
-        start += n
-    none = torch.zeros(0, dtype=torch.long)
-    batch = ForwardBatch(none, none, none, 0, torch.zeros((0, 1), dtype=torch.long), none, (),
-                         chunks, none)
+    q, k_cache, v_cache, batch = _three_chunks(dtype, 11)
+    chunks, shapes = batch.prefills, [(c.num_tokens, c.context_len) for c in batch.prefills]
     calls = []
     kernel_prefill = paged_kernel.prefill_attention
     monkeypatch.setattr(paged_kernel, "prefill_attention",
@@ -505,21 +519,10 @@ def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     FLASH_PREFILL_ROWS+ rows go to the AMX tiles, shorter ones and --batch-invariant's rows
     to the C++ kernel; every chunk matches the plain attention."""
     from kvserve.model import attention
-    from kvserve.model.input_batch import ForwardBatch, PrefillChunk
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
 
-    gen = torch.Generator().manual_seed(12)
-    k_cache, v_cache = _caches(80, 16, 3, 64, torch.bfloat16, gen)
-    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
-    tables = _tables([context for _, context in shapes], 16, 80, gen)
-    q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(torch.bfloat16)
-    chunks, start = [], 0
-    for (n, context), table in zip(shapes, tables, strict=True):
-        chunks.append(PrefillChunk(start, n, context, table[:-(-context // 16)]))
-        start += n
-    none = torch.zeros(0, dtype=torch.long)
-    batch = ForwardBatch(none, none, none, 0, torch.zeros((0, 1), dtype=torch.long), none, (),
-                         chunks, none)
+    q, k_cache, v_cache, batch = _three_chunks(torch.bfloat16, 12)
+    chunks, shapes = batch.prefills, [(c.num_tokens, c.context_len) for c in batch.prefills]
     kernel_rows, amx_rows = [], []
     kernel_prefill, amx_prefill = paged_kernel.prefill_attention, \
         paged_kernel.amx_prefill_attention
