@@ -570,20 +570,28 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 });
 }
 
+// One prefill chunk's block table, checked against its n queries, its context and the cache,
+// as contiguous int64.
+at::Tensor checked_chunk_table(const at::Tensor& block_table, int64_t n, int64_t context_len,
+                               const Geometry& geo, const at::Tensor& k_cache) {
+  TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
+  TORCH_CHECK(n <= context_len, "more queries than context");
+  TORCH_CHECK(context_len >= 0, "negative context length");
+  TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
+              "context length does not fit the block table");
+  at::Tensor table = block_table.to(at::kLong).contiguous();
+  check_blocks(table.data_ptr<int64_t>(), context_len, geo.block_size, k_cache.size(0));
+  return table;
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
                              int64_t context_len, double scale, bool match_decode) {
   Geometry geo = geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
   geo.match_decode = match_decode;
-  TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
   const int64_t n = q.size(0);
-  TORCH_CHECK(n <= context_len, "more queries than context");
-  TORCH_CHECK(context_len >= 0, "negative context length");
-  TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
-              "context length does not fit the block table");
-  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const at::Tensor table = checked_chunk_table(block_table, n, context_len, geo, k_cache);
   const int64_t* table_ptr = table.data_ptr<int64_t>();
-  check_blocks(table_ptr, context_len, geo.block_size, k_cache.size(0));
   return attend(q, k_cache, geo, scale, "prefill_attention",
                 [&](auto zero, auto dim, const float* qf, float* out) {
                   using T = decltype(zero);
@@ -615,14 +623,10 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "amx_prefill_attention takes bfloat16 q and caches");
   TORCH_CHECK(geo.head_dim == amx::kDim, "amx_prefill_attention takes head_dim ", amx::kDim);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == amx::kDim, "q's rows must be contiguous");
-  TORCH_CHECK(block_table.dim() == 1, "block_table must be [num_blocks]");
   const int64_t n = q.size(0);
-  TORCH_CHECK(n >= 1 && n <= context_len, "need 1 ..= context_len queries");
-  TORCH_CHECK(context_len <= block_table.size(0) * geo.block_size,
-              "context length does not fit the block table");
-  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  TORCH_CHECK(n >= 1, "amx_prefill_attention needs at least one query");
+  const at::Tensor table = checked_chunk_table(block_table, n, context_len, geo, k_cache);
   const int64_t* table_ptr = table.data_ptr<int64_t>();
-  check_blocks(table_ptr, context_len, geo.block_size, k_cache.size(0));
   const int64_t padded = (context_len + amx::kKeys - 1) / amx::kKeys * amx::kKeys;
   const int64_t kv_heads = geo.num_kv_heads, blocks = padded / amx::kKeys;
   at::Tensor keys = at::empty({kv_heads, amx::key_words(padded)}, q.options().dtype(at::kInt));
