@@ -62,11 +62,16 @@ def test_bf16_on_an_avx512_bf16_build_uses_the_panels_onednn_and_the_bf16_dot_pr
     assert list(ops) == list(OPS)
     assert ops["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 128 rows")
     assert "oneDNN packed bf16 above" in ops["projections"]
-    # an AMX build: the panels only up to 8 rows (oneDNN's tiles lead from 16), not the head
+    # an AMX build: the panels on kvserve's own tiles up to 512 rows, not the head
     amx = op_kernels(torch.bfloat16, True, (*ALL_ISA, "amx_bf16"), onednn_bf16=True)
-    assert amx["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 8 rows")
+    assert amx["projections"].startswith("C++ AMX-BF16 tiles up to 512 rows")
     assert "not the LM head" in amx["projections"] and "on AMX tiles" in amx["projections"]
     assert amx["lm_head"].startswith("oneDNN packed bf16")
+    # ... or, asked for hybrid-dpbf16, the AVX512-BF16 panels only up to 8 rows
+    asked = op_kernels(torch.bfloat16, True, (*ALL_ISA, "amx_bf16"), onednn_bf16=True,
+                       choice="hybrid")
+    assert asked["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 8 rows")
+    assert asked["lm_head"].startswith("oneDNN packed bf16")
     assert ops["lm_head"] == ops["projections"]
     assert ops["attention"].startswith("C++ AVX512-BF16")
     assert ops["rms_norm"] == ops["silu_and_mul"] == ops["rope_kv_write"] == "C++ fused (AVX-512)"
@@ -99,7 +104,8 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.mark.parametrize(("dtype", "isa", "onednn_bf16", "packs_fp32", "choice", "kernel"), [
     (BF16, ALL_ISA, True, False, "auto", "hybrid-dpbf16"),   # Zen 4: small calls on panels
-    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "hybrid-dpbf16"),  # AMX: 8 rows
+    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "hybrid-amx"),  # AMX: the tiles
+    (BF16, (*ALL_ISA, "amx_bf16"), True, False, "amx", "hybrid-amx"),
     (BF16, ("avx2", "fma", "avx512f"), True, False, "auto", "onednn"),  # no bf16 panels built
     (BF16, ALL_ISA, True, False, "onednn", "onednn"),
     (BF16, ALL_ISA, True, False, "hybrid", "hybrid-dpbf16"),
@@ -129,6 +135,8 @@ def test_projection_kernel_rules(dtype, isa, onednn_bf16, packs_fp32, choice, ke
     (F32, True, ALL_ISA, "hybrid", "only a bfloat16 model has it"),
     (BF16, True, ALL_ISA, "hybrid", "it needs oneDNN's native bf16"),  # onednn_bf16 False
     (BF16, False, ALL_ISA, "hybrid", "the C\\+\\+ extension is not built"),
+    (BF16, True, ALL_ISA, "amx", "this build has no AMX-BF16 tiles"),
+    (F32, True, (*ALL_ISA, "amx_bf16"), "amx", "only a bfloat16 model has it"),
 ])
 def test_a_projection_kernel_this_machine_lacks_is_refused(dtype, built, isa, choice,
                                                           why) -> None:
@@ -149,7 +157,7 @@ def test_info_refuses_a_kvserve_projections_it_cannot_run(
     assert main(["info"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvserve info: error: {PROJECTIONS_ENV}='fastest' is not one of auto, "
-                   "hybrid, panels, panels-avx2, onednn, torch"]
+                   "amx, hybrid, panels, panels-avx2, onednn, torch"]
 
 
 @pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from kvserve.model import layer_ops, paged_kernel
 from kvserve.model.kernel_info import (
     AMX_PANEL_ROWS,
+    AMX_TILE_K,
+    AMX_TILE_PANEL_ROWS,
     AMX_WIDE_PANEL_ROWS,
     HYBRID_PANEL_COLUMNS,
     HYBRID_PANEL_ROWS,
@@ -176,9 +178,9 @@ def test_the_avx512_bf16_panels_match_float32_sums_of_the_bf16_values(monkeypatc
                                         HYBRID_PANEL_ROWS, HYBRID_PANEL_ROWS + 1, 300])
 def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_onednn(
         monkeypatch, num_tokens):
-    """hybrid-dpbf16 (auto on an AVX512-BF16 build) keeps both packings: up to
-    HYBRID_PANEL_ROWS rows (AMX_PANEL_ROWS on an AMX build) a call's output is the panels'
-    (bit for bit), above it oneDNN's."""
+    """hybrid-dpbf16 (auto on an AVX512-BF16 build without AMX; KVSERVE_PROJECTIONS=hybrid
+    anywhere it builds) keeps both packings: up to HYBRID_PANEL_ROWS rows (AMX_PANEL_ROWS on an
+    AMX build) a call's output is the panels' (bit for bit), above it oneDNN's."""
     gen = torch.Generator().manual_seed(num_tokens)
     weight = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
@@ -191,19 +193,23 @@ def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_oned
 
     monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
     outputs = {}
-    for choice in ("panels", "onednn", "auto"):
+    for choice in ("panels", "onednn", "hybrid"):
         monkeypatch.setenv(PROJECTIONS_ENV, choice)
-        assert choice != "auto" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
+        assert choice != "hybrid" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
         linear = Linear(576, 200)
         linear.weight.data = weight.clone()
         linear.pack()
-        assert choice != "auto" or (linear.packed is not None and linear.pair_panels is not None)
+        assert choice != "hybrid" or (
+            linear.packed is not None and linear.pair_panels is not None)
         called.clear()
         with torch.inference_mode():
             outputs[choice] = linear(x)
     small = num_tokens <= (AMX_PANEL_ROWS if amx_build() else HYBRID_PANEL_ROWS)
     assert called == (["panel_linear_bf16"] if small else [])
-    assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
+    assert torch.equal(outputs["hybrid"], outputs["panels" if small else "onednn"])
+    monkeypatch.setenv(PROJECTIONS_ENV, "auto")
+    assert projection_kernel(torch.bfloat16) == ("hybrid-amx" if amx_build() else
+                                                 "hybrid-dpbf16")
 
 
 @pytest.mark.skipif(not dpbf16_built() or not onednn_runs_bf16(),
@@ -213,26 +219,28 @@ def test_hybrid_projections_run_an_lm_head_sized_weight_on_the_panels_only_for_f
         monkeypatch, num_tokens):
     """A weight of more than HYBRID_PANEL_COLUMNS outputs (an LM head) runs on the panels up to
     HYBRID_WIDE_PANEL_ROWS rows, on oneDNN above (bit for bit each kernel's own output); on an
-    AMX build always on oneDNN, with no panels packed for it."""
+    AMX build always on oneDNN, with no panels packed for it (hybrid-amx too)."""
     gen = torch.Generator().manual_seed(0)
     n = HYBRID_PANEL_COLUMNS + 16
     weight = torch.randn(n, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
     outputs = {}
-    for choice in ("panels", "onednn", "auto"):
+    for choice in ("panels", "onednn", "hybrid", "auto"):
         monkeypatch.setenv(PROJECTIONS_ENV, choice)
-        assert choice != "auto" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
+        assert choice != "hybrid" or projection_kernel(torch.bfloat16) == "hybrid-dpbf16"
         linear = Linear(576, n)
         linear.weight.data = weight.clone()
         linear.pack()
-        assert choice != "auto" or (linear.pair_panels is None) == amx_build()
+        assert choice not in ("hybrid", "auto") or (linear.pair_panels is None) == amx_build()
         with torch.inference_mode():
             outputs[choice] = linear(x)
     assert hybrid_panel_rows(n) == HYBRID_WIDE_PANEL_ROWS < hybrid_panel_rows(n - 16)
     assert hybrid_panel_rows(n, amx=True) == AMX_WIDE_PANEL_ROWS == 0
+    assert hybrid_panel_rows(n, amx=True, tiles=True) == AMX_WIDE_PANEL_ROWS
     assert hybrid_panel_rows(n - 16, amx=True) == AMX_PANEL_ROWS
     small = not amx_build() and num_tokens <= HYBRID_WIDE_PANEL_ROWS
-    assert torch.equal(outputs["auto"], outputs["panels" if small else "onednn"])
+    for choice in ("hybrid", "auto"):
+        assert torch.equal(outputs[choice], outputs["panels" if small else "onednn"])
     assert not torch.equal(outputs["panels"], outputs["onednn"])  # the check can tell them apart
 
 
@@ -265,8 +273,91 @@ def test_panel_linear_bf16_refuses_mismatched_panels():
         kernel(x.float(), panels, 64)
 
 
+requires_tiles = pytest.mark.skipif(
+    not paged_kernel.available() or not paged_kernel.panel_amx_runs(),
+    reason="panel_linear_amx: an AMX-BF16 build whose process Linux grants the tiles")
+
+
+@requires_tiles
+@pytest.mark.parametrize(("num_tokens", "n", "k"), [
+    (1, 576, 576), (15, 200, 576), (16, 960, 1536), (17, 970, 32), (33, 48, 64),
+    (100, 3072, 576), (AMX_TILE_PANEL_ROWS, 40, 96)])
+def test_panel_linear_amx_sums_as_the_dpbf16_panels_within_float32_rounding(num_tokens, n, k):
+    """The AMX tiles read the dpbf16 panels as they lie: float32 sums within rounding of
+    panel_linear_bf16's (another order), bf16 output the float32 one rounded, and each row's
+    result the same bits alone as beside any other rows (a row's sums never see another)."""
+    gen = torch.Generator().manual_seed(num_tokens + n)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16)
+    panels = pack_pair_panels(weight)
+    ops = paged_kernel.layer_ops()
+    wide, narrow = ops.panel_linear_amx(x, panels, n), ops.panel_linear_amx(x, panels, n, True)
+    assert wide.shape == narrow.shape == (num_tokens, n)
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(wide, ops.panel_linear_bf16(x, panels, n), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(wide, x.double() @ weight.double().T, rtol=1e-5, atol=1e-3,
+                               check_dtype=False)
+    assert torch.equal(narrow, wide.to(torch.bfloat16))
+    for row in {0, num_tokens // 2, num_tokens - 1}:
+        assert torch.equal(ops.panel_linear_amx(x[row:row + 1], panels, n), wide[row:row + 1])
+
+
+@requires_tiles
+def test_panel_linear_amx_refuses_what_its_tiles_cannot_read():
+    kernel = paged_kernel.layer_ops().panel_linear_amx
+    x = torch.zeros(3, 48, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="in_features must be a multiple of 32"):
+        kernel(x, pack_pair_panels(torch.zeros(16, 48, dtype=torch.bfloat16)), 16)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    panels = pack_pair_panels(torch.zeros(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="panels must be contiguous bfloat16"):
+        kernel(x, panels, 80)  # 80 outputs need 5 panels
+    with pytest.raises(RuntimeError, match="x must be contiguous bfloat16"):
+        kernel(x.float(), panels, 64)
+    assert kernel(x[:0], panels, 64).shape == (0, 64)
+
+
+@requires_tiles
+@pytest.mark.skipif(not onednn_runs_bf16(), reason="hybrid-amx: oneDNN runs bf16")
+@pytest.mark.parametrize("num_tokens", [1, AMX_PANEL_ROWS + 1, 20, AMX_TILE_PANEL_ROWS,
+                                        AMX_TILE_PANEL_ROWS + 1])
+def test_hybrid_amx_projections_run_calls_up_to_its_rows_on_the_tiles(monkeypatch, num_tokens):
+    """hybrid-amx (auto on an AMX-BF16 build) keeps the panels and oneDNN's copy: up to
+    AMX_TILE_PANEL_ROWS rows a call is panel_linear_amx's (bit for bit), above oneDNN's; a
+    weight whose in_features is not a multiple of AMX_TILE_K runs hybrid-dpbf16's rows."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ops, called = paged_kernel.layer_ops(), []
+
+    class Spy:  # the extension's functions, each call's name noted
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
+    monkeypatch.setenv(PROJECTIONS_ENV, "auto")
+    assert projection_kernel(torch.bfloat16) == "hybrid-amx"
+    for k in (576, 2 * AMX_TILE_K + 2):
+        weight = torch.randn(200, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(num_tokens, k, generator=gen).to(torch.bfloat16)
+        linear = Linear(k, 200)
+        linear.weight.data = weight.clone()
+        linear.pack()
+        assert linear.packed is not None and linear.pair_panels is not None
+        assert linear.panel_amx == (k % AMX_TILE_K == 0)
+        called.clear()
+        with torch.inference_mode():
+            out = linear(x)
+        rows = AMX_TILE_PANEL_ROWS if linear.panel_amx else AMX_PANEL_ROWS
+        kernel = "panel_linear_amx" if linear.panel_amx else "panel_linear_bf16"
+        assert called == ([kernel] if num_tokens <= rows else [])
+        if num_tokens <= rows:
+            assert torch.equal(out, getattr(ops, kernel)(x, linear.pair_panels, 200, True))
+        else:
+            assert torch.equal(out, F.linear(x, weight))  # oneDNN's, as an unpacked F.linear
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("choice", ["hybrid", "panels", "panels-avx2", "onednn", "torch"])
+@pytest.mark.parametrize("choice", ["amx", "hybrid", "panels", "panels-avx2", "onednn", "torch"])
 def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
     """KVSERVE_PROJECTIONS runs a projection on the kernel it names where this machine has it
     (else the weights cannot be packed: ValueError naming the variable); each kernel's output
@@ -280,7 +371,7 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
             can_pack_weights(dtype)
         return
     assert kernel == choice or (choice == "panels" and kernel.startswith("panels")) or \
-        (choice, kernel) == ("hybrid", "hybrid-dpbf16")
+        (choice, kernel) in (("hybrid", "hybrid-dpbf16"), ("amx", "hybrid-amx"))
     gen = torch.Generator().manual_seed(5)
     linear = Linear(576, 200)
     linear.weight.data = torch.randn(200, 576, generator=gen).to(dtype)
@@ -290,7 +381,8 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
         linear.pack()
     held = {"panels-avx2": linear.panels, "panels-dpbf16": linear.pair_panels,
             "onednn": linear.packed, "torch": None}
-    expected_copies = {"torch": [], "hybrid-dpbf16": ["panels-dpbf16", "onednn"]}
+    expected_copies = {"torch": [], "hybrid-dpbf16": ["panels-dpbf16", "onednn"],
+                       "hybrid-amx": ["panels-dpbf16", "onednn"]}
     assert [name for name, copy in held.items() if copy is not None] == \
         expected_copies.get(kernel, [kernel])
     with torch.inference_mode():
@@ -302,7 +394,7 @@ def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
 def test_an_unknown_kvserve_projections_names_the_values_it_takes(monkeypatch):
     monkeypatch.setenv(PROJECTIONS_ENV, "mkl")
     with pytest.raises(ValueError, match="KVSERVE_PROJECTIONS='mkl' is not one of auto, "
-                                         "hybrid, panels, panels-avx2, onednn, torch"):
+                                         "amx, hybrid, panels, panels-avx2, onednn, torch"):
         can_pack_weights(torch.float32)
 
 

@@ -106,18 +106,31 @@ HYBRID_WIDE_PANEL_ROWS = 32
 # 16 on an Emerald Rapids), an LM head's never (0.99x at 1 row, 0.86x at 4; docs/kernels.md)
 AMX_PANEL_ROWS = 8
 AMX_WIDE_PANEL_ROWS = 0
+# hybrid-amx: the same panels read by kvserve's own AMX-BF16 tiles (csrc/panel_amx.h) up to
+# AMX_TILE_PANEL_ROWS rows, oneDNN above: with the weights cold, as in a model step, the tiles
+# streamed 30 layers' projections at 1.4x oneDNN's speed at 16-32 rows, 1.1-1.2x at 64-512,
+# level at 1,024 and 0.6x at 2,048 (an Emerald Rapids; docs/kernels.md). An LM head keeps
+# oneDNN alone (AMX_WIDE_PANEL_ROWS: no second copy of its 49,152 columns).
+AMX_TILE_PANEL_ROWS = 512
+# the tiles step through k 32 at a time: a weight whose in_features is not a multiple runs
+# hybrid-dpbf16's rows instead
+AMX_TILE_K = 32
 
 
-def hybrid_panel_rows(out_features: int, amx: bool = False) -> int:
-    """Up to how many rows a hybrid-dpbf16 projection of ``out_features`` outputs runs on the
-    AVX512-BF16 panels (more: oneDNN), on a build with AMX or without; 0: never (no panels
-    packed)."""
+def hybrid_panel_rows(out_features: int, amx: bool = False, tiles: bool = False) -> int:
+    """Up to how many rows a hybrid projection of ``out_features`` outputs runs on the panels
+    (more: oneDNN): hybrid-dpbf16's AVX512-BF16 panels on a build with AMX or without, or
+    with ``tiles`` hybrid-amx's AMX tiles; 0: never (no panels packed)."""
+    wide = out_features > HYBRID_PANEL_COLUMNS
+    if tiles:
+        return AMX_WIDE_PANEL_ROWS if wide else AMX_TILE_PANEL_ROWS
     if amx:
-        return AMX_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else AMX_WIDE_PANEL_ROWS
-    return HYBRID_PANEL_ROWS if out_features <= HYBRID_PANEL_COLUMNS else HYBRID_WIDE_PANEL_ROWS
-# What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), panels (the
-# build's best panel GEMM for the dtype), panels-avx2, onednn, torch (F.linear, the reference).
-PROJECTION_CHOICES = ("auto", "hybrid", "panels", "panels-avx2", "onednn", "torch")
+        return AMX_WIDE_PANEL_ROWS if wide else AMX_PANEL_ROWS
+    return HYBRID_WIDE_PANEL_ROWS if wide else HYBRID_PANEL_ROWS
+# What KVSERVE_PROJECTIONS may ask for: auto (the rules of projection_kernel), amx
+# (hybrid-amx), hybrid (hybrid-dpbf16), panels (the build's best panel GEMM for the dtype),
+# panels-avx2, onednn, torch (F.linear, the reference).
+PROJECTION_CHOICES = ("auto", "amx", "hybrid", "panels", "panels-avx2", "onednn", "torch")
 
 
 def checked_choice(value: str) -> str:
@@ -187,17 +200,22 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     built, the instruction sets it was compiled for, whether oneDNN runs bf16 natively here,
     whether float32 packs here (:func:`packs_float32`) and the choice asked for
     (KVSERVE_PROJECTIONS). ``auto``: bf16 through oneDNN where it runs bf16 natively (AMX,
-    AVX512-BF16), and there, on a build with AVX512-BF16, the smallest calls on the
-    AVX512-BF16 panels (``hybrid-dpbf16``: both packings kept; :func:`hybrid_panel_rows` says
-    up to how many rows: 128 without AMX, where the panels are 1.03-1.9x oneDNN at 1-128 rows
-    on a Zen 4; 8 with AMX, whose tiles oneDNN uses from 16 rows; docs/kernels.md); else bf16
+    AVX512-BF16), and there, on a build with AVX512-BF16, the smaller calls on the
+    same weights packed in panels (both packings kept; :func:`hybrid_panel_rows` says
+    up to how many rows): on a build with AMX-BF16 read by kvserve's own tiles
+    (``hybrid-amx``, up to 512 rows: 1.1-1.4x oneDNN there), else by AVX512-BF16 dot products
+    (``hybrid-dpbf16``, up to 128 rows: 1.03-1.9x oneDNN at 1-128 rows on a Zen 4;
+    KVSERVE_PROJECTIONS=hybrid on an AMX build: up to 8); docs/kernels.md; else bf16
     on the AVX2 panels (activations widened); float32 on the AVX2 panels where AVX2 is the
     CPU's best tier, else F.linear (MKL). ``hybrid`` asks for ``hybrid-dpbf16`` wherever it
     can run. ValueError where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
+    tiles = "amx_bf16" in compiled_isa
     if checked_choice(choice) == "auto":
         if dtype == torch.bfloat16 and onednn_bf16:
-            return "hybrid-dpbf16" if built and "avx512_bf16" in compiled_isa else "onednn"
+            if built and "avx512_bf16" in compiled_isa:
+                return "hybrid-amx" if tiles else "hybrid-dpbf16"
+            return "onednn"
         if dtype == torch.bfloat16:
             return "panels-avx2" if avx2_panels else "torch"
         if dtype == torch.float32 and packs_fp32:
@@ -214,11 +232,14 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
             else "this torch has no oneDNN"
     elif not built:
         why = "the C++ extension is not built"
-    elif choice == "hybrid":
-        if dtype == torch.bfloat16 and onednn_bf16 and "avx512_bf16" in compiled_isa:
-            return "hybrid-dpbf16"
-        why = ("only a bfloat16 model has it" if dtype != torch.bfloat16 else
-               "it needs oneDNN's native bf16 and a build with AVX512-BF16")
+    elif choice in ("hybrid", "amx"):
+        if choice == "amx" and not tiles:
+            why = "this build has no AMX-BF16 tiles (a CPU with amx_bf16)"
+        elif dtype == torch.bfloat16 and onednn_bf16 and "avx512_bf16" in compiled_isa:
+            return "hybrid-amx" if choice == "amx" else "hybrid-dpbf16"
+        else:
+            why = ("only a bfloat16 model has it" if dtype != torch.bfloat16 else
+                   "it needs oneDNN's native bf16 and a build with AVX512-BF16")
     elif choice == "panels" and dtype == torch.bfloat16 and "avx512_bf16" in compiled_isa:
         return "panels-dpbf16"
     elif avx2_panels:
@@ -247,6 +268,10 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto",
                 + (f"the LM head up to {head}" if head else "not the LM head") +
                 "), oneDNN packed bf16 " + ("on AMX tiles " if amx else "") +
                 "above (both packed at load)")
+    elif kernel == "hybrid-amx":
+        text = (f"C++ AMX-BF16 tiles up to {AMX_TILE_PANEL_ROWS} rows (panel_linear_amx over "
+                "weights packed in panels of 16 columns by pairs of k; not the LM head), "
+                "oneDNN packed bf16 on AMX tiles above (both packed at load)")
     elif kernel == "onednn" and dtype == torch.bfloat16:
         text = "oneDNN packed bf16 (weights packed at load; oneDNN picks AMX or AVX512-BF16 " \
                "itself)"
@@ -276,7 +301,8 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     amx = "amx_bf16" in compiled_isa
     projections = describe_projections(kernel, dtype, choice, amx)
     lm_head = projections
-    if kernel == "hybrid-dpbf16" and not hybrid_panel_rows(HYBRID_PANEL_COLUMNS + 1, amx):
+    if kernel == "hybrid-amx" or (
+            kernel == "hybrid-dpbf16" and not hybrid_panel_rows(HYBRID_PANEL_COLUMNS + 1, amx)):
         lm_head = describe_projections("onednn", dtype, choice)  # no panels for the head
     prefill_kernel = prefill_attention_kernel(dtype, flags, prefill, compiled_isa)
     if not fused:

@@ -26,6 +26,7 @@ from kvserve.model.attention import paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
+    AMX_TILE_K,
     cpu_info,
     hybrid_panel_rows,
     onednn_runs_bf16,
@@ -123,7 +124,10 @@ class Linear(nn.Module):
     (:func:`pack_pair_panels`, csrc/panel_dpbf16.h: bf16 rows, vdpbf16ps): by ``auto``
     (``hybrid-dpbf16``) beside oneDNN's copy, calls of up to :func:`hybrid_panel_rows` rows
     running on the panels (128, 32 for an LM head; with AMX 8, and no LM head); with
-    KVSERVE_PROJECTIONS=panels alone.
+    KVSERVE_PROJECTIONS=panels alone. On an AMX-BF16 build (``hybrid-amx``) the same panels
+    are read by kvserve's own AMX tiles instead (csrc/panel_amx.h: a panel of 16 columns is a
+    column of B tiles as it lies), up to 512 rows, where Linux grants the tiles and
+    in_features is a multiple of 32.
     :func:`projection_kernel` decides which (docs/kernels.md).
 
     With ``--quantization int8`` (:meth:`quantize_int8`) it runs csrc/int8_linear.cpp over an
@@ -141,7 +145,8 @@ class Linear(nn.Module):
         self.panels: torch.Tensor | None = None  # panel_linear's
         self.pair_panels: torch.Tensor | None = None  # panel_linear_bf16's
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
-        self.panel_rows = 0  # with packed too (hybrid-dpbf16): calls up to this on pair_panels
+        self.panel_rows = 0  # with packed too (hybrid-*): calls up to this on pair_panels
+        self.panel_amx = False  # hybrid-amx: pair_panels read by AMX tiles (panel_linear_amx)
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
@@ -153,8 +158,11 @@ class Linear(nn.Module):
         head is the embedding table)."""
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
-        if kernel == "hybrid-dpbf16":  # small calls on the panels, the rest on oneDNN
-            rows = hybrid_panel_rows(weight.shape[0], "amx_bf16" in paged_kernel.compiled_isa())
+        if kernel in ("hybrid-dpbf16", "hybrid-amx"):  # smaller calls on the panels
+            self.panel_amx = kernel == "hybrid-amx" and weight.shape[1] % AMX_TILE_K == 0 \
+                and paged_kernel.panel_amx_runs()
+            rows = hybrid_panel_rows(weight.shape[0], "amx_bf16" in paged_kernel.compiled_isa(),
+                                     tiles=self.panel_amx)
             if weight.shape[1] % 2 == 0 and rows:
                 self.pair_panels = pack_pair_panels(weight)
                 self.panel_rows = rows
@@ -192,8 +200,9 @@ class Linear(nn.Module):
         if self.pair_panels is not None and (
                 self.packed is None or x.numel() <= self.panel_rows * x.shape[-1]):
             bf16_out = x.dtype == torch.bfloat16  # rounded in the kernel
-            return _flat_rows(x, torch.bfloat16, lambda rows: ops().panel_linear_bf16(
-                rows, self.pair_panels, n, bf16_out))
+            kernel = ops().panel_linear_amx if self.panel_amx else ops().panel_linear_bf16
+            return _flat_rows(x, torch.bfloat16,
+                              lambda rows: kernel(rows, self.pair_panels, n, bf16_out))
         if self.panels is not None:
             return _flat_rows(x, torch.float32,
                               lambda rows: ops().panel_linear(rows, self.panels, n))

@@ -22,6 +22,7 @@ whether the kernel can be used, :func:`unavailable_reason` why not.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import math
@@ -46,7 +47,7 @@ HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h"
            CSRC / "panel_dpbf16.h", CSRC / "attention_softmax.h", CSRC / "invariant_blocks.h",
            CSRC / "attention_gemm.h", CSRC / "invariant_linear.h", CSRC / "panel_linear.h",
            CSRC / "int8_linear.h", CSRC / "int8_blocks.h", CSRC / "amx_tiles.h",
-           CSRC / "prefetch.h", CSRC / "attention_amx.h"]
+           CSRC / "prefetch.h", CSRC / "attention_amx.h", CSRC / "panel_amx.h"]
 # -fno-trapping-math: only floating-point exception flags stop being preserved (no
 # reassociation, no change to contraction). It lets gcc if-convert the clamp and select
 # around exp_nonpositive, so silu_and_mul vectorises (with trapping math it ran one element
@@ -216,6 +217,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _kernel().decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def panel_amx_runs() -> bool:
+    """Whether this process runs ``panel_linear_amx`` (csrc/panel_amx.h): an AMX-BF16 build
+    whose process Linux granted the tile state."""
+    return available() and _panel_amx_status() == ""
+
+
+@functools.cache
+def _panel_amx_status() -> str:
+    status = str(layer_ops().panel_linear_amx_status())
+    if status and "amx_bf16" in compiled_isa():
+        logger.warning("the projections' AMX tiles cannot run here (%s): the AVX512-BF16 "
+                       "panels and oneDNN run them", status)
+    return status
 
 
 def amx_prefill_status() -> str:

@@ -27,12 +27,14 @@
 #include "panel_linear.h"
 
 #include "fast_math.h"
+#include "panel_amx.h"
 #include "panel_dpbf16.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -193,6 +195,65 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int6
 #endif
 }
 
+// Why this build or process cannot run panel_linear_amx ("" where it can).
+std::string panel_linear_amx_status() {
+#if defined(KVSERVE_PANEL_AMX)
+  return kvserve::amx_status();
+#else
+  return "this build has no AMX-BF16 path (-march=native on a CPU without amx_bf16)";
+#endif
+}
+
+// panel_linear_bf16 on AMX tiles (panel_amx.h): the same panels, in_features a multiple of 32.
+at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                            bool bf16_out) {
+  const std::string status = panel_linear_amx_status();
+  TORCH_CHECK(status.empty(), "panel_linear_amx: ", status);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "panel_linear_amx: x must be contiguous bfloat16 [rows, in_features]");
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16 && panels.size(2) == 16 &&
+                  panels.size(3) == 2 && 2 * panels.size(1) == x.size(1) && n >= 0 &&
+                  panels.size(0) == (n + 15) / 16,
+              "panel_linear_amx: panels must be contiguous bfloat16 "
+              "[ceil(n / 16), in_features / 2, 16, 2]");
+  TORCH_CHECK(x.size(1) % 32 == 0, "panel_linear_amx: in_features must be a multiple of 32");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
+              "panel_linear_amx: tensors must be on the CPU");
+  const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
+  at::Tensor out =
+      at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+#if defined(KVSERVE_PANEL_AMX)
+  namespace amx = kvserve::panel_amx;
+  if (rows == 0 || n == 0) return out;
+  const int64_t padded_rows = (rows + amx::kRows - 1) / amx::kRows * amx::kRows;
+  at::Tensor rows_in = x;
+  if (padded_rows != rows) {  // whole A tiles: zero rows after the real ones
+    rows_in = at::zeros({padded_rows, k}, x.options());
+    rows_in.narrow(0, 0, rows).copy_(x);
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(rows_in.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  const int64_t k_steps = k / amx::kStepK;
+  auto run = [&](auto* op) {
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      const amx::TileConfig config = amx::tile_config();
+      KVSERVE_TILE_LOADCONFIG(&config);
+      const int last_cols = end == num_panels ? static_cast<int>(n - (end - 1) * 16) : 16;
+      amx::panel_rows(xp, rows, padded_rows, wp + begin * k * 16, k_steps, end - begin,
+                      last_cols, op + begin * 16, n);
+      KVSERVE_TILE_RELEASE();
+    });
+  };
+  if (bf16_out) {
+    run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  } else {
+    run(out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 bool panel_linear_compiled() {
@@ -222,6 +283,12 @@ void register_panel_linear(pybind11::module& m) {
         "x @ weight.T for bfloat16 x and a bfloat16 weight packed in pairs-of-k panels of 16 "
         "columns, float32 out, or bfloat16 with bf16_out (AVX512-BF16 builds)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
+  m.def("panel_linear_amx", &panel_linear_amx,
+        "panel_linear_bf16 on AMX-BF16 tiles, in_features a multiple of 32 (AMX builds, "
+        "where Linux grants the tiles: panel_linear_amx_status)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
+  m.def("panel_linear_amx_status", &panel_linear_amx_status,
+        "Why panel_linear_amx cannot run here (empty where it can)");
   m.def("panel_linear_bf16_compiled", &panel_linear_bf16_compiled,
         "Whether this build has panel_linear_bf16 (a build with AVX512-BF16)");
 }
