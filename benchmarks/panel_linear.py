@@ -15,11 +15,16 @@ FMA, where panel_linear exists.
 to bf16 outputs as :class:`kvserve.model.llama.Linear` calls it: oneDNN's packed bf16 where it
 runs bf16 natively (AMX, AVX512-BF16), the AVX2 panels with bf16 panels (rows widened to
 float32 first) and, on an AVX512-BF16 build, panel_linear_bf16's pairs-of-k panels
-(vdpbf16ps). That is the measurement that decides KVSERVE_PROJECTIONS's default for bf16 on
+(vdpbf16ps), and on an AMX-BF16 build the same panels on kvserve's own tiles
+(panel_linear_amx, csrc/panel_amx.h). ``--between-mb`` reads other memory between layers, as
+a step's attention reads the KV cache, so the weights come from memory as they do in a step.
+That is the measurement that decides KVSERVE_PROJECTIONS's default for bf16 on
 such a CPU (docs/kernels.md); each CPU gets its own section. Run it under the bench lock:
 
     flock /tmp/kvserve-bench.lock python benchmarks/panel_linear.py --write-docs
     flock /tmp/kvserve-bench.lock python benchmarks/panel_linear.py --dtype bfloat16 --write-docs
+    flock /tmp/kvserve-bench.lock python benchmarks/panel_linear.py --dtype bfloat16 \
+        --between-mb 5 --write-docs
 """
 
 from __future__ import annotations
@@ -45,13 +50,16 @@ LAYERS = 30
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 
 
-def timed(fn: Callable[[dict[int, torch.Tensor]], None], xs: dict[int, torch.Tensor]) -> float:
+def timed(fn: Callable[[dict[int, torch.Tensor]], float | None],
+          xs: dict[int, torch.Tensor]) -> float:
+    """The seconds fn took, or those it reports (a way that leaves out work of its own)."""
     start = time.perf_counter()
-    fn(xs)
-    return time.perf_counter() - start
+    spent = fn(xs)
+    return time.perf_counter() - start if spent is None else spent
 
 
-Way = Callable[[dict[int, torch.Tensor]], None]
+Way = Callable[[dict[int, torch.Tensor]], float | None]
+Call = Callable[[int, dict[int, torch.Tensor]], None]  # weight i's projection of its rows
 
 
 def measure(ways: dict[str, Way], row_counts: list[int], rounds: int,
@@ -82,6 +90,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--between-mb", type=int, default=0,
+                        help="bfloat16: MB of other memory read before each layer (untimed), "
+                             "as attention reads the KV cache in a model step (default 0)")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     if not panel_linear_available():
@@ -135,41 +146,50 @@ def main() -> int:
     return 0
 
 
-def bf16_ways() -> dict[str, Way]:
-    """Each bf16 kernel this machine has, over the same thirty layers of bf16 weights."""
+def bf16_ways(between_mb: int = 0) -> dict[str, Way]:
+    """Each bf16 kernel this machine has, over the same thirty layers of bf16 weights. With
+    ``between_mb``, that many MB of other memory are read before each layer's four
+    projections (not timed), as a model step's attention reads the KV cache between them:
+    alone, the layers' 212 MB are the only traffic, and a CPU whose last-level cache holds a
+    good part of them serves those from the cache, which a model step does not."""
     ops = paged_kernel.layer_ops()
     weights = [torch.randn(n, k).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
-    ways: dict[str, Way] = {}
+    calls: dict[str, Call] = {}
     if onednn_runs_bf16():
-        packed = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, None))
-                  for w in weights]
-
-        def onednn(xs: dict[int, torch.Tensor]) -> None:
-            for k, weight in packed:
-                torch.ops.mkldnn._linear_pointwise(xs[k], weight, None, "none", [], "")
-
-        ways["oneDNN bf16"] = onednn
-    panels = [(w.shape[1], w.shape[0], pack_panels(w.float())) for w in weights]
-
-    def avx2_panels(xs: dict[int, torch.Tensor]) -> None:
-        for k, n, weight in panels:
-            ops.panel_linear(xs[k].float(), weight, n).to(torch.bfloat16)
-
-    ways["AVX2 bf16 panels"] = avx2_panels
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        calls["oneDNN bf16"] = lambda i, xs: torch.ops.mkldnn._linear_pointwise(
+            xs[weights[i].shape[1]], packed[i], None, "none", [], "")
+    panels = [pack_panels(w.float()) for w in weights]
+    calls["AVX2 bf16 panels"] = lambda i, xs: ops.panel_linear(
+        xs[weights[i].shape[1]].float(), panels[i], weights[i].shape[0]).to(torch.bfloat16)
     if ops.panel_linear_bf16_compiled():
-        pairs = [(w.shape[1], w.shape[0], pack_pair_panels(w)) for w in weights]
+        pairs = [pack_pair_panels(w) for w in weights]
+        calls["AVX512-BF16 panels"] = lambda i, xs: ops.panel_linear_bf16(
+            xs[weights[i].shape[1]], pairs[i], weights[i].shape[0], True)  # bf16 out, as Linear
+        if paged_kernel.panel_amx_runs():
+            calls["AMX tiles on the panels"] = lambda i, xs: ops.panel_linear_amx(
+                xs[weights[i].shape[1]], pairs[i], weights[i].shape[0], True)
+    other = torch.ones(LAYERS, max(1, between_mb * 2**20 // 2), dtype=torch.bfloat16)
 
-        def dpbf16_panels(xs: dict[int, torch.Tensor]) -> None:
-            for k, n, weight in pairs:
-                ops.panel_linear_bf16(xs[k], weight, n, True)  # bf16 out, as Linear asks
+    def way(call: Call) -> Way:
+        def run(xs: dict[int, torch.Tensor]) -> float:
+            spent = 0.0
+            for layer in range(LAYERS):
+                if between_mb > 0:
+                    other[layer].sum()
+                start = time.perf_counter()
+                for i in range(layer * len(SHAPES), (layer + 1) * len(SHAPES)):
+                    call(i, xs)
+                spent += time.perf_counter() - start
+            return spent
+        return run
 
-        ways["AVX512-BF16 panels"] = dpbf16_panels
-    return ways
+    return {name: way(call) for name, call in calls.items()}
 
 
 def bf16_main(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    ways = bf16_ways()
+    ways = bf16_ways(args.between_mb)
     rows_out = measure(ways, args.rows, args.rounds, torch.bfloat16)
     model_name, flags = cpu()
     load = Path("/proc/loadavg").read_text().split()[0]
@@ -180,7 +200,10 @@ def bf16_main(args: argparse.Namespace) -> int:
              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on **{model_name}** (ISA: "
              f"{flags}), load average {load} after; torch threads {torch.get_num_threads()}. "
              f"SmolLM2-135M's four layer projections x {LAYERS} layers of distinct bf16 "
-             f"weights, bf16 rows in and bf16 outputs out (the conversions included); median "
+             f"weights, bf16 rows in and bf16 outputs out (the conversions included)" +
+             (f", {args.between_mb} MB of other memory read before each layer (untimed, as "
+              "attention reads the KV cache in a step)" if args.between_mb > 0 else "") +
+             "; median "
              f"ms of {args.rounds} alternated rounds, GFLOP/s from the fastest. Ratio: "
              f"{names[0]} / the column's kernel (above 1, that kernel is faster).", "",
              "| rows | " + " | ".join(

@@ -69,8 +69,10 @@ def text(report: dict[str, Any]) -> str:
              f"{torch_info['aten_cpu_capability']}, {torch_info['threads']} threads, oneDNN "
              f"bf16: {'yes' if torch_info['onednn_bf16'] else 'no'}",
              f"C++ kernels  {built}",
-             "AMX          --quantization int8 sums on AMX-INT8 tiles where the CPU has them "
-             "and Linux grants them; oneDNN's packed bf16 projections use AMX itself"]
+             "AMX          where the CPU has the tiles and Linux grants them: bf16 "
+             "projections of up to 512 rows and bf16 prefill attention on kvserve's own "
+             "AMX-BF16 tiles (larger projections on oneDNN's), --quantization int8 on "
+             "AMX-INT8 tiles"]
     lines += [f"{'quantization':<13}{kernel}" for kernel in report.get("quantization", {}).values()]
     if "dtype_auto" in report:
         auto = report["dtype_auto"]

@@ -159,13 +159,14 @@ class Linear(nn.Module):
         weight = self.weight.detach()
         kernel = projection_kernel(weight.dtype)
         if kernel in ("hybrid-dpbf16", "hybrid-amx"):  # smaller calls on the panels
-            self.panel_amx = kernel == "hybrid-amx" and weight.shape[1] % AMX_TILE_K == 0 \
+            tiles = kernel == "hybrid-amx" and weight.shape[1] % AMX_TILE_K == 0 \
                 and paged_kernel.panel_amx_runs()
             rows = hybrid_panel_rows(weight.shape[0], "amx_bf16" in paged_kernel.compiled_isa(),
-                                     tiles=self.panel_amx)
+                                     tiles=tiles)
             if weight.shape[1] % 2 == 0 and rows:
                 self.pair_panels = pack_pair_panels(weight)
                 self.panel_rows = rows
+                self.panel_amx = tiles
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         elif kernel == "panels-dpbf16" and weight.shape[1] % 2 == 0:
             self.pair_panels = pack_pair_panels(weight)
