@@ -356,6 +356,26 @@ def test_hybrid_amx_projections_run_calls_up_to_its_rows_on_the_tiles(monkeypatc
             assert torch.equal(out, F.linear(x, weight))  # oneDNN's, as an unpacked F.linear
 
 
+@pytest.mark.skipif(not amx_build() or not dpbf16_built() or not onednn_runs_bf16(),
+                    reason="hybrid-amx: an AMX-BF16 build where oneDNN runs bf16")
+def test_hybrid_amx_without_the_tile_state_keeps_the_dpbf16_split(monkeypatch):
+    """Where Linux refuses the tile state (panel_amx_runs False), an AMX build's auto still
+    names hybrid-amx (what the build has) but each weight runs hybrid-dpbf16's rows: the
+    AVX512-BF16 panels up to AMX_PANEL_ROWS, oneDNN above; no call reaches the tiles."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "auto")
+    monkeypatch.setattr(paged_kernel, "panel_amx_runs", lambda: False)
+    linear = Linear(576, 200)
+    linear.weight.data = torch.randn(200, 576).to(torch.bfloat16)
+    linear.pack()
+    assert projection_kernel(torch.bfloat16) == "hybrid-amx"
+    assert not linear.panel_amx and linear.panel_rows == AMX_PANEL_ROWS
+    x = torch.randn(AMX_PANEL_ROWS, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = linear(x)
+    assert torch.equal(out, paged_kernel.layer_ops().panel_linear_bf16(
+        x, linear.pair_panels, 200, True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("choice", ["amx", "hybrid", "panels", "panels-avx2", "onednn", "torch"])
 def test_kvserve_projections_picks_the_kernel(monkeypatch, dtype, choice):
