@@ -8,8 +8,9 @@
 // share every K and V row loaded. Keys are visited one tile (64 keys, whole blocks) at a time:
 // scores for the tile, an online-softmax update (running max m, running sum l, accumulator
 // rescaled by exp(m_old - m_new)), and the tile's V rows accumulated. Memory, not arithmetic,
-// bounds decode on a big batch, so while a tile computes, the next one (or the first of the
-// thread's next item) is prefetched into L2, a few lines per key visited (see decode_item).
+// bounds decode on a big batch, so while a tile computes, the next keys of the thread's stream
+// (this item's, then its next item's) are prefetched into L2, a few lines per key visited
+// (see decode_item).
 // Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and head_dim a
 // multiple of 16) the dot products and the V accumulation use intrinsics; with
 // AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
@@ -86,8 +87,8 @@ struct WorkState {
   std::vector<uint32_t> value_pairs;  // prefill's tile of values in pairs-of-keys order
   std::vector<uint32_t> probability_pairs;  // prefill's probabilities in bf16, by pairs
   std::vector<float> keys_t;          // prefill's tile of keys transposed (AVX2)
-  std::vector<const char*> ahead;     // decode: the next tile's prefetch addresses (Ahead)
-  bool prefetched = false;  // decode: the last item prefetched this one's first tile
+  std::vector<const char*> ahead;     // decode: the window's prefetch addresses (Ahead)
+  int prefetched = 0;  // decode: how many of this item's first keys the last item prefetched
   // Views into scratch, laid out by start(): [nrows][stride] scores (then probabilities),
   // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
   float *scores = nullptr, *acc = nullptr, *extra = nullptr, *m = nullptr, *l = nullptr;
@@ -105,7 +106,8 @@ struct WorkState {
     l = m + n;
     std::fill(m, m + n, -std::numeric_limits<float>::infinity());
     visible.resize(n);
-    rows.resize(2 * static_cast<size_t>(geo.tile));  // this tile's and the next's
+    // decode: this tile's rows, the next's, the prefetch window's and the following item's
+    rows.resize(4 * static_cast<size_t>(geo.tile));
   }
 
   // The nrows query rows q (float32, scaled) rounded to bf16 when the bf16 dot products apply
@@ -213,9 +215,9 @@ inline int item_rows(const Geometry& geo, const T* k_cache, const ItemKeys& keys
 }
 
 // The prefetch addresses for a tile of `calls` keys per head over nheads heads (Ahead): the
-// next tile's K rows (to_v 0) or V rows, head-sized pieces in address order, call i of the
-// nheads * calls taking piece i (calls left over repeat the last piece; pieces left over, when
-// the next tile has more keys than this one, are not prefetched).
+// window's K rows (to_v 0) or V rows, head-sized pieces in address order, call i of the
+// nheads * calls taking piece i (calls left over repeat the last piece; the window has at
+// most `calls` rows, so no piece is left over).
 template <typename T>
 void ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::ptrdiff_t to_v,
                   int calls, const char** at) {
@@ -233,10 +235,14 @@ void ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::
 // Query heads of kv heads [keys.h0, h1) of one request: rows r = (kv head - h0) * group + g
 // are the request's query heads h0 * group + r, contiguous in q and out.
 //
-// Every tile but a thread's first is prefetched into L2 while the tile before it computes
-// (Ahead, a head-sized piece per key visited): the fetch, which bounds decode on a big batch,
-// runs under the arithmetic. The last tile prefetches the first of the item that follows
-// (null: none); an item whose first tile was not (wholly) prefetched pulls it in first
+// The keys a thread visits form one stream, item after item. While a tile of n keys computes,
+// the next n keys of that stream not yet fetched (the window: this item's keys from the
+// cursor on, then the following item's first tile, whose first rows its own start needs) are
+// prefetched into L2 (Ahead, a head-sized piece per key visited): the fetch, which bounds
+// decode on a big batch, runs under the arithmetic about one tile ahead. So a short last tile
+// (context_len % 64 keys) does not leave the next item's first tile to be fetched while
+// nothing computes: the tile before it already fetched most of it. What no window reached
+// (a thread's first item; after items shorter than a tile) is pulled in at the item's start
 // (touch_rows).
 template <typename T, int D>
 void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
@@ -247,6 +253,7 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   const int tile = geo.tile;
   const int nheads = static_cast<int>(h1 - keys.h0);
   const int nrows = nheads * group;
+  const int already = state.prefetched;  // (start() below keeps it)
   state.start(geo, nrows, 0);
   q += keys.h0 * group * dim;
   out += keys.h0 * group * dim;
@@ -258,19 +265,31 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   const char** v_at = k_at + static_cast<size_t>(nheads) * tile;
   const T** cur = state.rows.data();
   const T** next = cur + tile;
+  const T** window = next + tile;
+  const T** follow = window + tile;  // the following item's first tile
+  const int follow_count = following ? item_rows(geo, k_cache, *following, 0, follow) : 0;
+  int follow_done = 0;  // rows of follow prefetched so far
   int count = item_rows(geo, k_cache, keys, 0, cur);
-  if (!state.prefetched) touch_rows(cur, count, sizeof(T) * nheads * dim, to_v);
+  const int fetched = std::min(already, count);
+  if (fetched < count) {
+    touch_rows(cur + fetched, count - fetched, sizeof(T) * nheads * dim, to_v);
+  }
+  int64_t cursor = count;  // this item's keys before the cursor are fetched or prefetched
   for (int64_t start = 0; start < keys.context_len; start += tile) {
     const bool last = start + tile >= keys.context_len;
-    const int upcoming = !last ? item_rows(geo, k_cache, keys, start + tile, next)
-                         : following ? item_rows(geo, k_cache, *following, 0, next)
-                                     : 0;
-    const bool ahead = upcoming > 0;
+    const int upcoming = last ? 0 : item_rows(geo, k_cache, keys, start + tile, next);
+    int size = cursor < keys.context_len ? item_rows(geo, k_cache, keys, cursor, window) : 0;
+    size = std::min(size, count);
+    cursor += size;
+    const int more = std::min(count - size, follow_count - follow_done);
+    for (int t = 0; t < more; ++t) window[size + t] = follow[follow_done + t];
+    follow_done += more;
+    size += more;
+    const bool ahead = size > 0;
     if (ahead) {
-      ahead_pieces(next, upcoming, nheads, dim, 0, count, k_at);
-      ahead_pieces(next, upcoming, nheads, dim, to_v, count, v_at);
+      ahead_pieces(window, size, nheads, dim, 0, count, k_at);
+      ahead_pieces(window, size, nheads, dim, to_v, count, v_at);
     }
-    state.prefetched = ahead && upcoming <= count;  // every piece of the next tile had a call
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
@@ -290,6 +309,7 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     count = upcoming;
   }
   for (int r = 0; r < nrows; ++r) state.finish_row(r, dim, out + r * dim);
+  state.prefetched = follow_done;
 }
 
 template <typename T, int D>
