@@ -1,6 +1,7 @@
 // A software prefetch into L2, for the kernels whose speed rests on fetching ahead: the decode
-// attention's next tile (attention_tile.h's Ahead) and the bf16 panels' next group
-// (panel_dpbf16.h). Freestanding, so tools/avx512_check.py can build it into its flat binary.
+// attention's next keys (attention_tile.h's Ahead) and the bf16 panels' next group
+// (panel_dpbf16.h, and panel_amx.h's tiles over the same panels). Freestanding, so
+// tools/avx512_check.py can build it into its flat binary.
 #pragma once
 
 namespace kvserve {
