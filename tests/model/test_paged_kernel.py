@@ -367,6 +367,39 @@ def test_bf16_panels_prefetch_the_next_group_of_panels(tmp_path) -> None:
         assert "vdpbf16ps" in text and "prefetcht1" in text, march
 
 
+AMX_PANEL_UNIT = """
+#include "panel_amx.h"
+void tiles(const uint16_t* x, long rows, const uint16_t* panels, long k_steps, long count,
+           uint16_t* out, long ldo) {
+  kvserve::panel_amx::panel_rows(x, rows, (rows + 15) / 16 * 16, panels, k_steps, count, 16,
+                                 out, ldo);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86-64")
+def test_the_projection_tiles_build_for_amx_and_prefetch_the_next_group(tmp_path) -> None:
+    """panel_amx.h (hybrid-amx's kernel) streams the panels at decode's few rows only as fast
+    as its prefetch of the next group lets it; built for a Sapphire Rapids on any x86 machine,
+    it must hold the tile products and prefetcht1, and build to nothing for a CPU without
+    AMX-BF16 (the binding then reports why)."""
+    source = tmp_path / "tiles.cpp"
+    source.write_text(AMX_PANEL_UNIT)
+    texts = {}
+    for march in ("sapphirerapids", "cooperlake"):  # AMX-BF16; AVX512-BF16 without AMX
+        out = tmp_path / f"tiles-{march}.s"
+        unit = source if march == "sapphirerapids" else tmp_path / "none.cpp"
+        if march != "sapphirerapids":
+            unit.write_text('#include "panel_amx.h"\n#ifdef KVSERVE_PANEL_AMX\n#error\n#endif\n')
+        subprocess.run(["g++", "-std=c++17", "-O3", f"-march={march}", "-w",
+                        f"-I{paged_kernel.CSRC}", "-S", "-o", str(out), str(unit)],
+                       check=True, timeout=300)
+        texts[march] = out.read_text()
+    assert "tdpbf16ps" in texts["sapphirerapids"] and "prefetcht1" in texts["sapphirerapids"]
+    assert "tdpbf16ps" not in texts["cooperlake"]
+
+
 def test_the_build_key_covers_every_kernel_source_and_header() -> None:
     """The extension's name hashes SOURCES and HEADERS: a header left out of them could be
     edited without a rebuild, and a stale kernel would load."""
