@@ -39,6 +39,20 @@ def dpbf16_built() -> bool:
         bool(paged_kernel.layer_ops().panel_linear_bf16_compiled())
 
 
+def spy_layer_ops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Route paged_kernel.layer_ops() through a spy; returns the list each call's name (the
+    extension function asked for) is appended to."""
+    ops, called = paged_kernel.layer_ops(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
+    return called
+
+
 @pytest.fixture
 def avx2_panels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Projections on csrc/panel_linear.cpp whatever this CPU's default (it builds wherever
@@ -184,14 +198,7 @@ def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_oned
     gen = torch.Generator().manual_seed(num_tokens)
     weight = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
-    ops, called = paged_kernel.layer_ops(), []
-
-    class Spy:  # the extension's functions, each call's name noted
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(ops, name)
-
-    monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
+    called = spy_layer_ops(monkeypatch)
     outputs = {}
     for choice in ("panels", "onednn", "hybrid"):
         monkeypatch.setenv(PROJECTIONS_ENV, choice)
@@ -326,14 +333,7 @@ def test_hybrid_amx_projections_run_calls_up_to_its_rows_on_the_tiles(monkeypatc
     AMX_TILE_PANEL_ROWS rows a call is panel_linear_amx's (bit for bit), above oneDNN's; a
     weight whose in_features is not a multiple of AMX_TILE_K runs hybrid-dpbf16's rows."""
     gen = torch.Generator().manual_seed(num_tokens)
-    ops, called = paged_kernel.layer_ops(), []
-
-    class Spy:  # the extension's functions, each call's name noted
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(ops, name)
-
-    monkeypatch.setattr(paged_kernel, "layer_ops", Spy)
+    ops, called = paged_kernel.layer_ops(), spy_layer_ops(monkeypatch)
     monkeypatch.setenv(PROJECTIONS_ENV, "auto")
     assert projection_kernel(torch.bfloat16) == "hybrid-amx"
     for k in (576, 2 * AMX_TILE_K + 2):

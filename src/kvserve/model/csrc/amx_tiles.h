@@ -1,5 +1,6 @@
 // AMX tiles for int8_blocks.h's AMX-INT8 path: the few tile instructions it uses, as macros
-// over either the CPU's instructions or a software model of them.
+// over either the CPU's instructions or a software model of them; and the tile configuration
+// the bf16 tile kernels load (attention_amx.h, panel_amx.h; real tiles only).
 //
 // - A build whose CPU has AMX-TILE and AMX-INT8 (-march=native on a Sapphire Rapids or later
 //   Xeon defines __AMX_TILE__ and __AMX_INT8__) uses the instructions. Linux hands a process
@@ -24,6 +25,26 @@
 #pragma once
 
 #include <cstdint>
+
+namespace kvserve {
+
+// LDTILECFG's 64 bytes with every tile 16 rows x 64 bytes (palette 1): the configuration of the
+// bf16 tile kernels (attention_amx.h, panel_amx.h).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline TileConfig full_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  return config;
+}
+
+}  // namespace kvserve
 
 #if defined(KVSERVE_AMX_MODEL)
 

@@ -46,21 +46,6 @@ constexpr int64_t kRows = 16;     // queries per work item (a tile's rows)
 constexpr int64_t kKeys = 64;     // keys per online-softmax step (four score tiles)
 constexpr int64_t kTileWords = 256;  // 16 rows x 64 bytes, as uint32 (keys) or 512 uint16
 
-// The tile configuration: every tile 16 rows x 64 bytes (LDTILECFG's layout, amx_tiles.h).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline TileConfig tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  return config;
-}
-
 // Packed keys of one kv head: for key block b (16 keys) and half h (32 dimensions), the tile at
 // (b * 2 + h) * kTileWords: [16 dimension pairs][16 keys] uint32. Packed values: for key block
 // c (32 keys) and dimension block e (16), the tile at (c * 4 + e) * 2 * kTileWords uint16:

@@ -670,7 +670,7 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t row_blocks = (n + amx::kRows - 1) / amx::kRows;
   at::parallel_for(0, geo.num_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    const amx::TileConfig config = amx::tile_config();
+    const kvserve::TileConfig config = kvserve::full_tile_config();
     KVSERVE_TILE_LOADCONFIG(&config);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / row_blocks, kv_head = head / geo.group;

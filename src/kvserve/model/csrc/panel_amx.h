@@ -43,20 +43,6 @@ constexpr int64_t kRows = 16;      // rows per A tile
 constexpr int64_t kStepK = 32;     // k per tile step (16 pairs)
 constexpr int64_t kTileBytes = 1024;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline TileConfig tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  return config;
-}
-
 // Writes a C tile's 16 x 16 float32 (scratch) to out rows [0, rows) and columns [0, cols).
 inline void write_tile(const float* scratch, int rows, int cols, float* out, int64_t ldo) {
   const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1u);
@@ -149,7 +135,7 @@ inline void store_tile(float* scratch, int rows, int cols, Out* out, int64_t ldo
 // out[r][c] for rows [0, rows) of x (padded_rows of them readable, a multiple of 16; k_steps *
 // 32 values each) against panels [0, count) (the last one's first last_cols columns real);
 // out's row r at out + r * ldo. Runs on the calling thread, whose tiles must be configured
-// (tile_config).
+// (full_tile_config).
 template <typename Out>
 inline void panel_rows(const uint16_t* x, int64_t rows, int64_t padded_rows,
                        const uint16_t* panels, int64_t k_steps, int64_t count, int last_cols,

@@ -237,7 +237,7 @@ at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64
   const int64_t k_steps = k / amx::kStepK;
   auto run = [&](auto* op) {
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      const amx::TileConfig config = amx::tile_config();
+      const kvserve::TileConfig config = kvserve::full_tile_config();
       KVSERVE_TILE_LOADCONFIG(&config);
       const int last_cols = end == num_panels ? static_cast<int>(n - (end - 1) * 16) : 16;
       amx::panel_rows(xp, rows, padded_rows, wp + begin * k * 16, k_steps, end - begin,
