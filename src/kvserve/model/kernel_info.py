@@ -108,8 +108,9 @@ AMX_PANEL_ROWS = 8
 AMX_WIDE_PANEL_ROWS = 0
 # hybrid-amx: the same panels read by kvserve's own AMX-BF16 tiles (csrc/panel_amx.h) up to
 # AMX_TILE_PANEL_ROWS rows, oneDNN above: with the weights cold, as in a model step, the tiles
-# streamed 30 layers' projections at 1.4x oneDNN's speed at 16-32 rows, 1.1-1.2x at 64-512,
-# level at 1,024 and 0.6x at 2,048 (an Emerald Rapids; docs/kernels.md). An LM head keeps
+# streamed 30 layers' projections at 1.3-1.4x oneDNN's speed at 1-8 rows, 1.5-1.6x at 16-32,
+# 1.05-1.3x at 64-512, level at 1,024 and 0.6x at 2,048 (an Emerald Rapids;
+# benchmarks/panel_linear.py --between-mb 5, docs/kernels.md). An LM head keeps
 # oneDNN alone (AMX_WIDE_PANEL_ROWS: no second copy of its 49,152 columns).
 AMX_TILE_PANEL_ROWS = 512
 # the tiles step through k 32 at a time: a weight whose in_features is not a multiple runs
@@ -203,12 +204,12 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     AVX512-BF16), and there, on a build with AVX512-BF16, the smaller calls on the
     same weights packed in panels (both packings kept; :func:`hybrid_panel_rows` says
     up to how many rows): on a build with AMX-BF16 read by kvserve's own tiles
-    (``hybrid-amx``, up to 512 rows: 1.1-1.4x oneDNN there), else by AVX512-BF16 dot products
+    (``hybrid-amx``, up to 512 rows: 1.05-1.6x oneDNN there), else by AVX512-BF16 dot products
     (``hybrid-dpbf16``, up to 128 rows: 1.03-1.9x oneDNN at 1-128 rows on a Zen 4;
     KVSERVE_PROJECTIONS=hybrid on an AMX build: up to 8); docs/kernels.md; else bf16
     on the AVX2 panels (activations widened); float32 on the AVX2 panels where AVX2 is the
     CPU's best tier, else F.linear (MKL). ``hybrid`` asks for ``hybrid-dpbf16`` wherever it
-    can run. ValueError where the choice cannot run here."""
+    can run, ``amx`` for ``hybrid-amx``. ValueError where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
     tiles = "amx_bf16" in compiled_isa
     if checked_choice(choice) == "auto":

@@ -14,11 +14,12 @@
 // 1 KiB tile per 32 k per panel, and this path needs no packing of its own: on an AMX build
 // the panels are packed beside oneDNN's copy already (hybrid-dpbf16).
 //
-// How: the rows, padded to whole tiles of 16 with zero rows, are A operands of 16 rows x 32 k
-// loaded from x in place (row stride 2 k bytes). Each thread takes a contiguous run of panels
-// and walks it a group at a time: for two row tiles, two panels (C tiles 0-3, A tiles 4-5, B
-// tiles 6-7), for one row tile three panels (C 0-2, A 3, B 4-6); every k step loads the
-// group's B tiles once for all its row tiles. A group's first row tiles prefetch the next
+// How: the rows are A operands of 16 rows x 32 k loaded in place (row stride 2 k bytes; where
+// their count is not a multiple of 16, from a copy padded with zero rows). Each thread takes a
+// contiguous run of panels and walks it a group at a time: for two row tiles or more, two
+// panels (C tiles 0-3, A tiles 4-5, B tiles 6-7; each k step loads the group's B tiles once
+// for a pair of row tiles, again from cache for the next pair), for one row tile three panels
+// (C 0-2, A 3, B 4-6). A group's first row tiles prefetch the next
 // group's weights into L2 (a line per 64 bytes of B read), so the stream runs ahead of the
 // tiles. The C tiles are stored to a float32 scratch and written out (float32, or bf16
 // rounded to nearest even) for the real rows and columns only.
