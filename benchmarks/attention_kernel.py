@@ -222,7 +222,7 @@ AMX_SHAPES = ((16, 16), (17, 40), (64, 64), (16, 512), (64, 512), (128, 128), (3
 
 def amx_table(reps: int) -> None:
     """bf16 prefill chunks on the AMX tiles, flash and the C++ kernel, alternated (minima)."""
-    status = paged_kernel.amx_prefill_status()
+    status = paged_kernel.amx_bf16_status()
     if status:
         print(f"\n(no AMX prefill table: {status})")
         return

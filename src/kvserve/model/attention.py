@@ -98,7 +98,7 @@ def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
     kind = kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags, choice,
                                                 tuple(paged_kernel.compiled_isa()))
     if kind == "amx" and (head_dim != kernel_info.AMX_PREFILL_HEAD_DIM or
-                          paged_kernel.amx_prefill_status()):
+                          paged_kernel.amx_bf16_status()):
         return "flash"
     return kind
 

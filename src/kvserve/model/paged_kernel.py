@@ -219,25 +219,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _kernel().decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def panel_amx_runs() -> bool:
-    """Whether this process runs ``panel_linear_amx`` (csrc/panel_amx.h): an AMX-BF16 build
-    whose process Linux granted the tile state."""
-    return available() and _panel_amx_status() == ""
-
-
 @functools.cache
-def _panel_amx_status() -> str:
-    status = str(layer_ops().panel_linear_amx_status())
+def amx_bf16_status() -> str:
+    """Why this process cannot run the bf16 AMX tile kernels (:func:`amx_prefill_attention`,
+    ``panel_linear_amx``): "" where it can; else a build without them, or Linux refusing the
+    tile state (said once as a warning on a build that has them)."""
+    status = str(_kernel().amx_bf16_status())
     if status and "amx_bf16" in compiled_isa():
-        logger.warning("the projections' AMX tiles cannot run here (%s): the AVX512-BF16 "
-                       "panels and oneDNN run them", status)
+        logger.warning("the AMX-BF16 tiles cannot run here (%s): prefill attention runs on "
+                       "torch's flash attention, the projections on the AVX512-BF16 panels "
+                       "and oneDNN", status)
     return status
 
 
-def amx_prefill_status() -> str:
-    """Why :func:`amx_prefill_attention` cannot run in this process ("" where it can): a build
-    without the AMX-BF16 path, or Linux refusing the tile state."""
-    return str(_kernel().amx_prefill_status())
+def panel_amx_runs() -> bool:
+    """Whether this process runs ``panel_linear_amx`` (csrc/panel_amx.h)."""
+    return available() and amx_bf16_status() == ""
 
 
 def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -218,3 +218,24 @@ inline const char* amx_status() {
 }  // namespace kvserve
 
 #endif
+
+// The bf16 tile kernels (attention_amx.h, panel_amx.h): real AMX-BF16 tiles and AVX512-BF16
+// for what runs beside them, never the software model (it has no TDPBF16PS).
+#if defined(KVSERVE_AMX_TILES) && !defined(KVSERVE_AMX_MODEL) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__)
+#define KVSERVE_AMX_BF16 1
+#endif
+
+namespace kvserve {
+
+// Why this process cannot run the bf16 tile kernels ("" where it can): a build without them,
+// or Linux refusing the tile state.
+inline const char* amx_bf16_status() {
+#if defined(KVSERVE_AMX_BF16)
+  return amx_status();
+#else
+  return "this build has no AMX-BF16 path (-march=native on a CPU without amx_bf16)";
+#endif
+}
+
+}  // namespace kvserve

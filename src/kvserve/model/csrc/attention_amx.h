@@ -26,9 +26,7 @@
 #include "amx_tiles.h"
 #include "fast_math.h"
 
-#if defined(KVSERVE_AMX_TILES) && !defined(KVSERVE_AMX_MODEL) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__)
-#define KVSERVE_AMX_ATTENTION 1
+#if defined(KVSERVE_AMX_BF16)
 
 #include <immintrin.h>
 

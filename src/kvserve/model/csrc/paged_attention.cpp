@@ -236,8 +236,8 @@ void ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::
 // are the request's query heads h0 * group + r, contiguous in q and out.
 //
 // The keys a thread visits form one stream, item after item. While a tile of n keys computes,
-// the next n keys of that stream not yet fetched (the window: this item's keys from the
-// cursor on, then the following item's first tile, whose first rows its own start needs) are
+// the next n keys of that stream not yet fetched (the window: this item's next tile, then the
+// following item's first tile, whose first rows its own start needs) are
 // prefetched into L2 (Ahead, a head-sized piece per key visited): the fetch, which bounds
 // decode on a big batch, runs under the arithmetic about one tile ahead. So a short last tile
 // (context_len % 64 keys) does not leave the next item's first tile to be fetched while
@@ -274,21 +274,25 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   if (fetched < count) {
     touch_rows(cur + fetched, count - fetched, sizeof(T) * nheads * dim, to_v);
   }
-  int64_t cursor = count;  // this item's keys before the cursor are fetched or prefetched
   for (int64_t start = 0; start < keys.context_len; start += tile) {
     const bool last = start + tile >= keys.context_len;
     const int upcoming = last ? 0 : item_rows(geo, k_cache, keys, start + tile, next);
-    int size = cursor < keys.context_len ? item_rows(geo, k_cache, keys, cursor, window) : 0;
-    size = std::min(size, count);
-    cursor += size;
-    const int more = std::min(count - size, follow_count - follow_done);
-    for (int t = 0; t < more; ++t) window[size + t] = follow[follow_done + t];
-    follow_done += more;
-    size += more;
+    // The window: the next tile (every tile but the last has `tile` keys, so it has calls for
+    // all of it), then as much of the following item's first tile as calls are left for.
+    const T* const* ahead_rows = next;
+    int size = upcoming;
+    const int more = std::min(count - upcoming, follow_count - follow_done);
+    if (more > 0) {
+      std::copy(next, next + upcoming, window);
+      std::copy(follow + follow_done, follow + follow_done + more, window + upcoming);
+      follow_done += more;
+      size += more;
+      ahead_rows = window;
+    }
     const bool ahead = size > 0;
     if (ahead) {
-      ahead_pieces(window, size, nheads, dim, 0, count, k_at);
-      ahead_pieces(window, size, nheads, dim, to_v, count, v_at);
+      ahead_pieces(ahead_rows, size, nheads, dim, 0, count, k_at);
+      ahead_pieces(ahead_rows, size, nheads, dim, to_v, count, v_at);
     }
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
@@ -621,22 +625,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 });
 }
 
-// A prefill chunk's attention on AMX tiles (attention_amx.h): bfloat16, head_dim 64. Raises
-// where this build or this process cannot run it (amx_prefill_status says why).
-std::string amx_prefill_status() {
-#if defined(KVSERVE_AMX_ATTENTION)
-  return kvserve::amx_status();
-#else
-  return "this build has no AMX-BF16 path (-march=native on a CPU without amx_bf16)";
-#endif
-}
+// Why this process cannot run the bf16 tile kernels (amx_prefill_attention, panel_linear_amx):
+// "" where it can.
+std::string amx_bf16_status() { return kvserve::amx_bf16_status(); }
 
+// A prefill chunk's attention on AMX tiles (attention_amx.h): bfloat16, head_dim 64. Raises
+// where this build or this process cannot run it (amx_bf16_status says why).
 at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale) {
-  const std::string status = amx_prefill_status();
+  const std::string status = amx_bf16_status();
   TORCH_CHECK(status.empty(), "amx_prefill_attention: ", status);
-#if defined(KVSERVE_AMX_ATTENTION)
+#if defined(KVSERVE_AMX_BF16)
   namespace amx = kvserve::amx_attention;
   const Geometry geo = geometry(q, k_cache, v_cache, scale, "[num_tokens, num_heads, head_dim]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
@@ -727,8 +727,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill_attention on AMX-BF16 tiles: bfloat16, head_dim 64 (csrc/attention_amx.h)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
-  m.def("amx_prefill_status", &amx_prefill_status,
-        "why amx_prefill_attention cannot run here (empty where it can)");
+  m.def("amx_bf16_status", &amx_bf16_status,
+        "why the bf16 AMX tile kernels (amx_prefill_attention, panel_linear_amx) cannot run "
+        "here (empty where they can)");
   register_layer_ops(m);
   register_invariant_linear(m);
   register_panel_linear(m);

@@ -28,9 +28,7 @@
 #include "amx_tiles.h"
 #include "prefetch.h"
 
-#if defined(KVSERVE_AMX_TILES) && !defined(KVSERVE_AMX_MODEL) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__)
-#define KVSERVE_PANEL_AMX 1
+#if defined(KVSERVE_AMX_BF16)
 
 #include <immintrin.h>
 

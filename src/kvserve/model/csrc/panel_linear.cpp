@@ -195,19 +195,10 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int6
 #endif
 }
 
-// Why this build or process cannot run panel_linear_amx ("" where it can).
-std::string panel_linear_amx_status() {
-#if defined(KVSERVE_PANEL_AMX)
-  return kvserve::amx_status();
-#else
-  return "this build has no AMX-BF16 path (-march=native on a CPU without amx_bf16)";
-#endif
-}
-
 // panel_linear_bf16 on AMX tiles (panel_amx.h): the same panels, in_features a multiple of 32.
 at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                             bool bf16_out) {
-  const std::string status = panel_linear_amx_status();
+  const std::string status = kvserve::amx_bf16_status();
   TORCH_CHECK(status.empty(), "panel_linear_amx: ", status);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "panel_linear_amx: x must be contiguous bfloat16 [rows, in_features]");
@@ -223,7 +214,7 @@ at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64
   const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
   at::Tensor out =
       at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-#if defined(KVSERVE_PANEL_AMX)
+#if defined(KVSERVE_AMX_BF16)
   namespace amx = kvserve::panel_amx;
   if (rows == 0 || n == 0) return out;
   const int64_t padded_rows = (rows + amx::kRows - 1) / amx::kRows * amx::kRows;
@@ -285,10 +276,8 @@ void register_panel_linear(pybind11::module& m) {
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
   m.def("panel_linear_amx", &panel_linear_amx,
         "panel_linear_bf16 on AMX-BF16 tiles, in_features a multiple of 32 (AMX builds, "
-        "where Linux grants the tiles: panel_linear_amx_status)",
+        "where Linux grants the tiles: amx_bf16_status)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
-  m.def("panel_linear_amx_status", &panel_linear_amx_status,
-        "Why panel_linear_amx cannot run here (empty where it can)");
   m.def("panel_linear_bf16_compiled", &panel_linear_bf16_compiled,
         "Whether this build has panel_linear_bf16 (a build with AVX512-BF16)");
 }
