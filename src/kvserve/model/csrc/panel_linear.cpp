@@ -152,22 +152,29 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 #endif
 }
 
+// bf16 rows x [rows, k] and pairs-of-k panels [ceil(n / 16), k / 2, 16, 2] (panel_dpbf16.h's
+// layout, which panel_amx.h reads too) that fit each other and n, on the CPU.
+void check_pair_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                       const char* name) {
+  constexpr int64_t width = 16;  // output columns per panel
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
+              ": x must be contiguous bfloat16 [rows, in_features]");
+  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kBFloat16 && panels.size(2) == width &&
+                  panels.size(3) == 2 && 2 * panels.size(1) == x.size(1) && n >= 0 &&
+                  panels.size(0) == (n + width - 1) / width,
+              name, ": panels must be contiguous bfloat16 [ceil(n / 16), in_features / 2, 16, 2]");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), name,
+              ": tensors must be on the CPU");
+}
+
 // x: [rows, k] bfloat16; panels: [ceil(n / 16), k / 2, 16, 2] bfloat16 (panel_dpbf16.h's
 // layout) -> [rows, n] float32, or bfloat16 with bf16_out (rounded once, in the kernel: no
 // float32 output to allocate and convert).
 at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                              bool bf16_out) {
   using kvserve::dpbf16::kPanel;  // the header's panel width, not panel_linear's
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "panel_linear_bf16: x must be contiguous bfloat16 [rows, in_features]");
-  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
-                  panels.size(3) == 2 && 2 * panels.size(1) == x.size(1) && n >= 0 &&
-                  panels.size(0) == (n + kPanel - 1) / kPanel,
-              "panel_linear_bf16: panels must be contiguous bfloat16 "
-              "[ceil(n / 16), in_features / 2, 16, 2]");
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
-              "panel_linear_bf16: tensors must be on the CPU");
+  check_pair_panels(x, panels, n, "panel_linear_bf16");
   const int64_t rows = x.size(0), k_pairs = panels.size(1), num_panels = panels.size(0);
   at::Tensor out =
       at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
@@ -200,17 +207,8 @@ at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64
                             bool bf16_out) {
   const std::string status = kvserve::amx_bf16_status();
   TORCH_CHECK(status.empty(), "panel_linear_amx: ", status);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "panel_linear_amx: x must be contiguous bfloat16 [rows, in_features]");
-  TORCH_CHECK(panels.dim() == 4 && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kBFloat16 && panels.size(2) == 16 &&
-                  panels.size(3) == 2 && 2 * panels.size(1) == x.size(1) && n >= 0 &&
-                  panels.size(0) == (n + 15) / 16,
-              "panel_linear_amx: panels must be contiguous bfloat16 "
-              "[ceil(n / 16), in_features / 2, 16, 2]");
+  check_pair_panels(x, panels, n, "panel_linear_amx");
   TORCH_CHECK(x.size(1) % 32 == 0, "panel_linear_amx: in_features must be a multiple of 32");
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(),
-              "panel_linear_amx: tensors must be on the CPU");
   const int64_t rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
   at::Tensor out =
       at::empty({rows, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
