@@ -15,7 +15,9 @@ and Q/K use the rotate-half RoPE layout.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, 
 from kvserve.model.logits import break_rounding_ties_, widen_logits
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+DecodeStack = Any  # the C++ class of csrc/decode_stack.cpp: run(...) -> (x, residual)
 
 
 def projection_kernel(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str:
@@ -356,16 +359,40 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_word_embeddings = config.tie_word_embeddings
+        self._stack: DecodeStack | None = None  # _decode_stack's, for the caches at _stack_key
+        self._stack_rows = 0
+        self._stack_key: int | None = None
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: AttentionFn = paged_attention) -> torch.Tensor:
         """Hidden states of the tokens whose logits are needed: [S, hidden]."""
         x, residual = self.embed_tokens(batch.input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, batch, kv_cache, attention)
+        stack = self._decode_stack(batch, kv_caches, attention)
+        if stack is not None:  # the same kernels in the same order, looped in C++
+            x, residual = stack.run(x, batch.positions, batch.slot_mapping,
+                                    batch.decode_block_tables, batch.decode_context_lens)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, batch, kv_cache, attention)
         if residual is None:
             return self.norm(x[batch.logits_indices])
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
+
+    def _decode_stack(self, batch: ForwardBatch,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      attention: AttentionFn) -> DecodeStack | None:
+        """The C++ loop over the layers (csrc/decode_stack.cpp) for this step where it runs
+        what the modules would: decodes only, on paged_attention, and few enough rows that
+        every projection takes its pair panels. Built at the first such step for these
+        caches (the layers' kernels are fixed by then: packing happens at load)."""
+        rows = batch.num_decodes
+        if rows == 0 or rows != batch.num_tokens or attention is not paged_attention:
+            return None
+        key = kv_caches[0][0].data_ptr() if kv_caches else None
+        if self._stack_key != key:
+            self._stack, self._stack_rows = build_decode_stack(self, kv_caches)
+            self._stack_key = key
+        return self._stack if rows <= self._stack_rows else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
@@ -462,3 +489,47 @@ class LlamaForCausalLM(nn.Module):
         weights.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
         if weights:
             raise ValueError(f"unused weights in the checkpoint: {sorted(weights)[:5]}")
+
+
+def decode_stack_enabled() -> bool:
+    """``KVSERVE_DECODE_STACK=0`` runs every step through the modules (to time ops one by one,
+    benchmarks/profile_offline.py, or to compare); anything else leaves the C++ loop on."""
+    return os.environ.get("KVSERVE_DECODE_STACK", "1") != "0"
+
+
+def build_decode_stack(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor,
+                       torch.Tensor]]) -> tuple[DecodeStack | None, int]:
+    """The C++ loop over ``model``'s layers with these caches, and the most rows a step may
+    have for it (each projection's pair-panel limit); (None, 0) where a layer would run
+    something the loop does not: a float32 model or cache, int8, --batch-invariant, a
+    projection without pair panels, a GPU, or no C++ kernels."""
+    if not kv_caches or not decode_stack_enabled() or not paged_kernel.runs(kv_caches[0][0]):
+        return None, 0
+    if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 for k, v in kv_caches):
+        return None, 0
+    norms, panels, widths, amx, caches = [], [], [], [], []
+    eps = {model.layers[0].input_layernorm.eps}
+    rows = math.inf
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != torch.bfloat16:
+                return None, 0
+            norms.append(norm.weight)
+            eps.add(norm.eps)
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if linear.pair_panels is None or linear.int8 is not None or linear.invariant:
+                return None, 0
+            if linear.packed is not None:  # hybrid: the panels up to panel_rows only
+                rows = min(rows, linear.panel_rows)
+            panels.append(linear.pair_panels)
+            widths.append(linear.weight.shape[0])
+            amx.append(linear.panel_amx)
+        caches += [k_cache, v_cache]
+    if len(eps) != 1:
+        return None, 0
+    attention = model.layers[0].self_attn
+    stack = paged_kernel.layer_ops().DecodeStack(
+        norms, panels, widths, amx, caches, attention.rotary.cos, attention.rotary.sin,
+        eps.pop(), attention.num_heads, attention.num_kv_heads, 1.0 / math.sqrt(attention.head_dim))
+    return stack, int(min(rows, 1 << 30))

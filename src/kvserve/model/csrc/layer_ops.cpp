@@ -6,6 +6,7 @@
 // them to pay for waking the threads; a decode step's few rows run on the calling thread.
 
 #include "layer_ops.h"
+#include "ops.h"
 
 #include "fast_math.h"
 
@@ -91,6 +92,25 @@ at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor
   return out;
 }
 
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* first = x + h * dim;
+    T* second = first + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = to_float(first[i]), b = to_float(second[i]);
+      first[i] = from_float<T>(a * cos[i] - b * sin[i]);
+      second[i] = from_float<T>(b * cos[i] + a * sin[i]);
+    }
+  }
+}
+
+}  // namespace
+
+namespace kvserve::ops {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return norm_rows(x, nullptr, weight, eps, "rms_norm");
 }
@@ -125,21 +145,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     });
   });
   return out;
-}
-
-template <typename T>
-void rotate_heads(T* x, int64_t heads, int64_t dim, const float* cos, const float* sin) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    T* first = x + h * dim;
-    T* second = first + half;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = to_float(first[i]), b = to_float(second[i]);
-      first[i] = from_float<T>(a * cos[i] - b * sin[i]);
-      second[i] = from_float<T>(b * cos[i] + a * sin[i]);
-    }
-  }
 }
 
 // qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], q then k then v per token. Rotates q and
@@ -198,6 +203,10 @@ void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::T
     });
   });
 }
+
+}  // namespace kvserve::ops
+
+namespace {
 
 // logits: [rows, vocab] bfloat16 (an LM head's output) -> float32 logits, and per row whether
 // its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
@@ -313,13 +322,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * weight per row", py::arg("x"),
+  m.def("rms_norm", &kvserve::ops::rms_norm, "x / sqrt(mean(x^2) + eps) * weight per row", py::arg("x"),
         py::arg("weight"), py::arg("eps"));
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; return rms_norm(residual)",
+  m.def("add_rms_norm_", &kvserve::ops::add_rms_norm_, "residual += x; return rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate, up]",
+  m.def("silu_and_mul", &kvserve::ops::silu_and_mul, "silu(gate) * up for gate_up = [gate, up]",
         py::arg("gate_up"));
-  m.def("rope_and_write_kv", &rope_and_write_kv,
+  m.def("rope_and_write_kv", &kvserve::ops::rope_and_write_kv,
         "Rotate q and k of a fused qkv in place and store k and v at their cache slots",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"),

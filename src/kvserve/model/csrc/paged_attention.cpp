@@ -40,6 +40,8 @@
 #include "panel_linear.h"
 #include "invariant_linear.h"
 #include "layer_ops.h"
+#include "ops.h"
+#include "decode_stack.h"
 
 #include <algorithm>
 #include <atomic>
@@ -565,6 +567,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const Geometry
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
+}  // namespace
+
+namespace kvserve::ops {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale) {
@@ -593,6 +599,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                       table_stride, lens_ptr, num_decodes, out);
                 });
 }
+
+}  // namespace kvserve::ops
+
+namespace {
 
 // One prefill chunk's block table, checked against its n queries, its context and the cache,
 // as contiguous int64.
@@ -712,7 +722,7 @@ std::vector<std::string> compiled_isa() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention,
+  m.def("decode_attention", &kvserve::ops::decode_attention,
         "Paged decode attention: q [D, H, d], caches [blocks, block_size, kv_heads, d], "
         "block_tables [D, max_blocks] long, context_lens [D] long, scale",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -731,6 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "why the bf16 AMX tile kernels (amx_prefill_attention, panel_linear_amx) cannot run "
         "here (empty where they can)");
   register_layer_ops(m);
+  register_decode_stack(m);
   register_invariant_linear(m);
   register_panel_linear(m);
   register_int8_linear(m);

@@ -25,6 +25,7 @@
 // summed by vdpbf16ps (panel_dpbf16.h).
 
 #include "panel_linear.h"
+#include "ops.h"
 
 #include "fast_math.h"
 #include "panel_amx.h"
@@ -168,6 +169,10 @@ void check_pair_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
               ": tensors must be on the CPU");
 }
 
+}  // namespace
+
+namespace kvserve::ops {
+
 // x: [rows, k] bfloat16; panels: [ceil(n / 16), k / 2, 16, 2] bfloat16 (panel_dpbf16.h's
 // layout) -> [rows, n] float32, or bfloat16 with bf16_out (rounded once, in the kernel: no
 // float32 output to allocate and convert).
@@ -243,7 +248,7 @@ at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64
   return out;
 }
 
-}  // namespace
+}  // namespace kvserve::ops
 
 bool panel_linear_compiled() {
 #if defined(KVSERVE_PANEL_LINEAR)
@@ -268,11 +273,11 @@ void register_panel_linear(pybind11::module& m) {
         py::arg("x"), py::arg("panels"), py::arg("n"));
   m.def("panel_linear_compiled", &panel_linear_compiled,
         "Whether this build has panel_linear (a build with AVX2 and FMA)");
-  m.def("panel_linear_bf16", &panel_linear_bf16,
+  m.def("panel_linear_bf16", &kvserve::ops::panel_linear_bf16,
         "x @ weight.T for bfloat16 x and a bfloat16 weight packed in pairs-of-k panels of 16 "
         "columns, float32 out, or bfloat16 with bf16_out (AVX512-BF16 builds)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
-  m.def("panel_linear_amx", &panel_linear_amx,
+  m.def("panel_linear_amx", &kvserve::ops::panel_linear_amx,
         "panel_linear_bf16 on AMX-BF16 tiles, in_features a multiple of 32 (AMX builds, "
         "where Linux grants the tiles: amx_bf16_status)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bf16_out") = false);
