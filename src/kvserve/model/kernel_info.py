@@ -14,6 +14,9 @@ The choices are not made here; this module reports the ones the code makes
   when the extension is not built or the dtype is neither float32 nor bfloat16;
 - RMSNorm (+ residual), SwiGLU, RoPE + K/V write (:mod:`kvserve.model.layer_ops`): fused C++
   loops vectorised by the compiler for the ISA the build found, or torch ops;
+- the loop over the layers: a decode-only step of a bf16 model whose projections run on the
+  pair panels loops in C++ (csrc/decode_stack.cpp, :func:`kvserve.model.llama.build_decode_stack`),
+  unless KVSERVE_DECODE_STACK=0; other steps run the modules;
 - sampling: torch (:mod:`kvserve.model.sampler`).
 """
 
@@ -34,7 +37,8 @@ from kvserve.cpu_name import read_cpuinfo, with_generation
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 OPS = ("projections", "lm_head", "attention", "rms_norm", "silu_and_mul", "rope_kv_write",
-       "sampling")
+       "layer_loop", "sampling")
+DECODE_STACK_ENV = "KVSERVE_DECODE_STACK"
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,29 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto",
     return text if choice == "auto" else f"{text} [{PROJECTIONS_ENV}={choice}]"
 
 
+def decode_stack_enabled() -> bool:
+    """``KVSERVE_DECODE_STACK=0`` runs every step's layers through the modules (to time ops
+    one by one, benchmarks/profile_offline.py, or to compare); else decode steps that
+    :func:`describe_layer_loop` names loop in C++."""
+    return os.environ.get(DECODE_STACK_ENV, "1") != "0"
+
+
+def describe_layer_loop(kernel: str, dtype: torch.dtype, fused: bool, amx: bool) -> str:
+    """Which steps loop over the layers in C++ (csrc/decode_stack.cpp) for this projection
+    kernel: decode-only steps of a bf16 model whose projections run on the pair panels."""
+    modules = "Python (the modules, one call per op)"
+    if not fused or dtype != torch.bfloat16 or kernel not in (
+            "hybrid-amx", "hybrid-dpbf16", "panels-dpbf16"):
+        return modules
+    if not decode_stack_enabled():
+        return f"{modules} [{DECODE_STACK_ENV}=0]"
+    rows = {"hybrid-amx": f"up to {AMX_TILE_PANEL_ROWS} rows",
+            "hybrid-dpbf16": f"up to {hybrid_panel_rows(1, amx)} rows",
+            "panels-dpbf16": "of any rows"}[kernel]
+    return (f"C++ for decode-only steps {rows} (decode_stack: the same kernels, no Python "
+            "between them), the modules for the rest")
+
+
 def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
                onednn_bf16: bool, packs_fp32: bool = False,
                choice: str = "auto", flags: frozenset[str] = frozenset(),
@@ -328,6 +355,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
     return {"projections": projections, "lm_head": lm_head, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
+            "layer_loop": describe_layer_loop(kernel, dtype, fused, amx),
             "sampling": ("C++ argmax_rows (greedy rows), torch (sampled rows)" if built
                          else "torch")}
 

@@ -15,7 +15,6 @@ and Q/K use the rotate-half RoPE layout.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
     AMX_TILE_K,
     cpu_info,
+    decode_stack_enabled,
     hybrid_panel_rows,
     onednn_runs_bf16,
     packs_float32,
@@ -491,18 +491,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unused weights in the checkpoint: {sorted(weights)[:5]}")
 
 
-def decode_stack_enabled() -> bool:
-    """``KVSERVE_DECODE_STACK=0`` runs every step through the modules (to time ops one by one,
-    benchmarks/profile_offline.py, or to compare); anything else leaves the C++ loop on."""
-    return os.environ.get("KVSERVE_DECODE_STACK", "1") != "0"
-
-
 def build_decode_stack(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor,
                        torch.Tensor]]) -> tuple[DecodeStack | None, int]:
     """The C++ loop over ``model``'s layers with these caches, and the most rows a step may
     have for it (each projection's pair-panel limit); (None, 0) where a layer would run
     something the loop does not: a float32 model or cache, int8, --batch-invariant, a
-    projection without pair panels, a GPU, or no C++ kernels."""
+    projection without pair panels, a GPU, no C++ kernels, or KVSERVE_DECODE_STACK=0
+    (:func:`kernel_info.describe_layer_loop` says which steps it takes)."""
     if not kv_caches or not decode_stack_enabled() or not paged_kernel.runs(kv_caches[0][0]):
         return None, 0
     if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 for k, v in kv_caches):
