@@ -157,3 +157,32 @@ def test_the_stack_refuses_lists_that_do_not_match_per_layer():
     cache = torch.zeros(2, BLOCK, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="per layer 2 norms, 4 panels"):
         ops.DecodeStack([cos], [], [], [], [cache, cache], cos, sin, 1e-5, 4, 2, 0.25)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_an_engine_generates_the_same_tokens_and_logprobs_with_the_stack_on_or_off(
+        monkeypatch, preemption_mode):
+    """End to end through LLM: greedy and seeded requests in a pool tight enough to preempt
+    (recompute, or swap to host blocks and back), the stack on (default) and off."""
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 60))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True,
+                             logprobs=2)] * 6
+    settings = dict(dtype="bfloat16", num_kv_blocks=24, max_num_seqs=8,
+                    preemption_mode=preemption_mode,
+                    num_host_blocks=48 if preemption_mode == "swap" else 0)
+    runs = {}
+    for stack in ("1", "0"):
+        monkeypatch.setenv(STACK_ENV, stack)
+        llm = LLM(TINY, **settings)
+        results = llm.generate(prompts, params, use_tqdm=False)
+        model = llm.engine.executor.model
+        assert (model._stack is not None) == (stack == "1")
+        runs[stack] = ([(r.token_ids, r.logprobs) for r in results],
+                       llm.engine.scheduler.num_preemptions)
+    assert runs["1"] == runs["0"]
+    assert runs["1"][1] > 0  # the pool was tight enough to preempt
