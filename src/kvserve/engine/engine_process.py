@@ -88,8 +88,9 @@ _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment wh
 # libgomp's spin count when no OMP_WAIT_POLICY is set: how long a waiting OpenMP thread of the
 # engine spins before it sleeps (EngineSpec.environment).
 BRIEF_SPIN_COUNT = "300000"
-# The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV and
-# PREFILL_ATTENTION_ENV), passed to every engine process and replica as the caller set them.
+# The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV,
+# PREFILL_ATTENTION_ENV and DECODE_STACK_ENV), passed to every engine process and replica as the
+# caller set them.
 KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS", "KVSERVE_PREFILL_ATTENTION", "KVSERVE_DECODE_STACK")
 # `kvserve serve --engine-step-timeout`'s default: seconds without a step, while the engine has
 # work, before the server kills the engine process as hung, for each STEP_TIMEOUT_TOKENS of the

@@ -7,7 +7,9 @@ Q/K/V and gate/up projections are fused into one matmul each when weights are lo
 packed once for the kernel :func:`projection_kernel` picks: oneDNN's bf16 on AMX /
 AVX512-BF16, kvserve's panel GEMMs elsewhere; :class:`Linear`); each layer's elementwise work
 runs as three fused ops (:mod:`kvserve.model.layer_ops`), with the residual adds folded into
-the next RMSNorm.
+the next RMSNorm. A decode-only step whose projections all run on the pair panels loops over
+the layers in C++ instead (:func:`build_decode_stack`, csrc/decode_stack.cpp): the same
+kernels in the same order, without the Python between them.
 Weights are named as in Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``)
 and Q/K use the rotate-half RoPE layout.
 """

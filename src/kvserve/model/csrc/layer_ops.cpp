@@ -322,12 +322,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &kvserve::ops::rms_norm, "x / sqrt(mean(x^2) + eps) * weight per row", py::arg("x"),
+  m.def("rms_norm", &kvserve::ops::rms_norm, "x / sqrt(mean(x^2) + eps) * weight per row",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm_", &kvserve::ops::add_rms_norm_,
+        "residual += x; return rms_norm(residual)", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
-  m.def("add_rms_norm_", &kvserve::ops::add_rms_norm_, "residual += x; return rms_norm(residual)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &kvserve::ops::silu_and_mul, "silu(gate) * up for gate_up = [gate, up]",
-        py::arg("gate_up"));
+  m.def("silu_and_mul", &kvserve::ops::silu_and_mul,
+        "silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"));
   m.def("rope_and_write_kv", &kvserve::ops::rope_and_write_kv,
         "Rotate q and k of a fused qkv in place and store k and v at their cache slots",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
