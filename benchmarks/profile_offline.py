@@ -6,7 +6,7 @@ wall-clock timers (perf_counter around each call; a microsecond or two per call 
 calls of tens of microseconds to tens of milliseconds) and runs W1 offline as
 benchmarks/offline_throughput.py does. Rows split prefill-heavy steps (more than 160 rows)
 from decode steps; "execute" is the whole model step, so what it holds beyond the rest is
-Python and torch glue (decode steps run through the modules here: KVSERVE_DECODE_STACK=0
+Python and torch glue (decode steps run through the modules here: KVSERVE_LAYER_STACK=0
 unless set). Run it alone on the machine: anything beside it shows up as time.
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/profile_offline.py [--n 32]
@@ -25,11 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # as offline_throughput.py
-# Every op through the modules, where the timers are: the C++ loop over a decode step's layers
-# (docs/kernels.md, "Decode steps: the layers in one C++ call") would hide them. So the wall
-# here is the modules' wall; KVSERVE_DECODE_STACK=1 keeps the loop (its ops then count as
+# Every op through the modules, where the timers are: the C++ loop over a step's layers
+# (docs/kernels.md, "The layers in one C++ call") would hide them. So the wall
+# here is the modules' wall; KVSERVE_LAYER_STACK=1 keeps the loop (its ops then count as
 # "execute" only).
-os.environ.setdefault("KVSERVE_DECODE_STACK", "0")
+os.environ.setdefault("KVSERVE_LAYER_STACK", "0")
 
 from kvserve.core import SamplingParams
 from kvserve.engine.llm import LLM

@@ -285,20 +285,20 @@ def test_a_prefill_attention_choice_not_known_is_refused(monkeypatch) -> None:
 
 
 def test_the_layer_loop_line_names_the_steps_that_loop_in_cpp(monkeypatch) -> None:
-    """docs/kernels.md, "Decode steps: the layers in one C++ call": bf16 decode-only steps
-    whose projections run on the pair panels, up to the panels' rows; not float32, not
-    oneDNN-only, not without the C++ kernels; KVSERVE_DECODE_STACK=0 says so."""
-    from kvserve.model.kernel_info import DECODE_STACK_ENV, describe_layer_loop
+    """docs/kernels.md, "The layers in one C++ call": bf16 steps whose projections run on
+    the pair panels, up to the panels' rows; not float32, not
+    oneDNN-only, not without the C++ kernels; KVSERVE_LAYER_STACK=0 says so."""
+    from kvserve.model.kernel_info import LAYER_STACK_ENV, describe_layer_loop
 
     bf16 = torch.bfloat16
     assert describe_layer_loop("hybrid-amx", bf16, True, True).startswith(
-        "C++ for decode-only steps up to 512 rows")
+        "C++ for steps up to 512 rows")
     assert "of any rows" in describe_layer_loop("panels-dpbf16", bf16, True, False)
     assert describe_layer_loop("hybrid-dpbf16", bf16, True, False).startswith(
-        "C++ for decode-only steps up to 128 rows")
+        "C++ for steps up to 128 rows")
     for kernel, dtype, fused in (("onednn", bf16, True), ("hybrid-amx", bf16, False),
                                  ("panels-avx2", torch.float32, True)):
         assert describe_layer_loop(kernel, dtype, fused, True).startswith("Python")
-    monkeypatch.setenv(DECODE_STACK_ENV, "0")
+    monkeypatch.setenv(LAYER_STACK_ENV, "0")
     assert describe_layer_loop("hybrid-amx", bf16, True, True).endswith(
-        f"[{DECODE_STACK_ENV}=0]")
+        f"[{LAYER_STACK_ENV}=0]")

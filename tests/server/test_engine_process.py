@@ -238,12 +238,12 @@ def test_a_passive_engine_by_cores_spins_briefly_unless_told(monkeypatch):
 
 
 def test_the_kernel_choice_reaches_every_engine_process(monkeypatch):
-    """KVSERVE_PROJECTIONS (and KVSERVE_PREFILL_ATTENTION, KVSERVE_DECODE_STACK), as the
+    """KVSERVE_PROJECTIONS (and KVSERVE_PREFILL_ATTENTION, KVSERVE_LAYER_STACK), as the
     caller set it, is in each engine process's environment (a Ray actor on another node does
     not inherit the server's), and only when set."""
     from kvserve.engine.engine_process import KERNEL_ENVIRONMENT, EngineSpec
     from kvserve.model.kernel_info import (
-        DECODE_STACK_ENV,
+        LAYER_STACK_ENV,
         PREFILL_ATTENTION_ENV,
         PROJECTIONS_ENV,
     )
@@ -255,8 +255,8 @@ def test_the_kernel_choice_reaches_every_engine_process(monkeypatch):
     assert EngineSpec(print).environment()[PROJECTIONS_ENV] == "panels"
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")  # the prefill attention's, too
     assert EngineSpec(print).environment()[PREFILL_ATTENTION_ENV] == "kernel"
-    monkeypatch.setenv(DECODE_STACK_ENV, "0")  # and the layer loop's
-    assert EngineSpec(print).environment()[DECODE_STACK_ENV] == "0"
+    monkeypatch.setenv(LAYER_STACK_ENV, "0")  # and the layer loop's
+    assert EngineSpec(print).environment()[LAYER_STACK_ENV] == "0"
 
 
 def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):

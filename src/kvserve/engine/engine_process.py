@@ -89,9 +89,9 @@ _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment wh
 # engine spins before it sleeps (EngineSpec.environment).
 BRIEF_SPIN_COUNT = "300000"
 # The variables that choose kernels (kvserve.model.kernel_info.PROJECTIONS_ENV,
-# PREFILL_ATTENTION_ENV and DECODE_STACK_ENV), passed to every engine process and replica as the
+# PREFILL_ATTENTION_ENV and LAYER_STACK_ENV), passed to every engine process and replica as the
 # caller set them.
-KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS", "KVSERVE_PREFILL_ATTENTION", "KVSERVE_DECODE_STACK")
+KERNEL_ENVIRONMENT = ("KVSERVE_PROJECTIONS", "KVSERVE_PREFILL_ATTENTION", "KVSERVE_LAYER_STACK")
 # `kvserve serve --engine-step-timeout`'s default: seconds without a step, while the engine has
 # work, before the server kills the engine process as hung, for each STEP_TIMEOUT_TOKENS of the
 # step's token budget (at least once). Far above any step it takes in earnest: one 8,000-token

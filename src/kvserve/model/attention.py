@@ -103,6 +103,13 @@ def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
     return kind
 
 
+def prefill_kernel(k_cache: torch.Tensor) -> str:
+    """What :func:`paged_attention`'s prefill chunks of FLASH_PREFILL_ROWS+ rows run on for
+    this cache: ``kernel``, ``flash`` or ``amx`` (:func:`_prefill_kernel`)."""
+    return _prefill_kernel(k_cache.dtype, k_cache.shape[-1],
+                           kernel_info.prefill_attention_choice())
+
+
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: ForwardBatch, use_kernel: bool,
                      match_decode: bool = False) -> torch.Tensor:

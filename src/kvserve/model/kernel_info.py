@@ -14,9 +14,10 @@ The choices are not made here; this module reports the ones the code makes
   when the extension is not built or the dtype is neither float32 nor bfloat16;
 - RMSNorm (+ residual), SwiGLU, RoPE + K/V write (:mod:`kvserve.model.layer_ops`): fused C++
   loops vectorised by the compiler for the ISA the build found, or torch ops;
-- the loop over the layers: a decode-only step of a bf16 model whose projections run on the
-  pair panels loops in C++ (csrc/decode_stack.cpp, :func:`kvserve.model.llama.build_decode_stack`),
-  unless KVSERVE_DECODE_STACK=0; other steps run the modules;
+- the loop over the layers: a step of a bf16 model whose projections run on the pair panels
+  (few enough rows) loops in C++ (csrc/layer_stack.cpp,
+  :func:`kvserve.model.llama.build_layer_stack`), unless KVSERVE_LAYER_STACK=0; other steps
+  run the modules;
 - sampling: torch (:mod:`kvserve.model.sampler`).
 """
 
@@ -38,7 +39,7 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 OPS = ("projections", "lm_head", "attention", "rms_norm", "silu_and_mul", "rope_kv_write",
        "layer_loop", "sampling")
-DECODE_STACK_ENV = "KVSERVE_DECODE_STACK"
+LAYER_STACK_ENV = "KVSERVE_LAYER_STACK"
 
 
 @dataclass(frozen=True)
@@ -289,27 +290,28 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto",
     return text if choice == "auto" else f"{text} [{PROJECTIONS_ENV}={choice}]"
 
 
-def decode_stack_enabled() -> bool:
-    """``KVSERVE_DECODE_STACK=0`` runs every step's layers through the modules (to time ops
+def layer_stack_enabled() -> bool:
+    """``KVSERVE_LAYER_STACK=0`` runs every step's layers through the modules (to time ops
     one by one, benchmarks/profile_offline.py, or to compare); else decode steps that
     :func:`describe_layer_loop` names loop in C++."""
-    return os.environ.get(DECODE_STACK_ENV, "1") != "0"
+    return os.environ.get(LAYER_STACK_ENV, "1") != "0"
 
 
 def describe_layer_loop(kernel: str, dtype: torch.dtype, fused: bool, amx: bool) -> str:
-    """Which steps loop over the layers in C++ (csrc/decode_stack.cpp) for this projection
-    kernel: decode-only steps of a bf16 model whose projections run on the pair panels."""
+    """Which steps loop over the layers in C++ (csrc/layer_stack.cpp) for this projection
+    kernel: steps of a bf16 model whose projections all run on the pair panels, with their
+    prefill chunks (if any) on the C++ kernel or the AMX tiles."""
     modules = "Python (the modules, one call per op)"
     if not fused or dtype != torch.bfloat16 or kernel not in (
             "hybrid-amx", "hybrid-dpbf16", "panels-dpbf16"):
         return modules
-    if not decode_stack_enabled():
-        return f"{modules} [{DECODE_STACK_ENV}=0]"
+    if not layer_stack_enabled():
+        return f"{modules} [{LAYER_STACK_ENV}=0]"
     rows = {"hybrid-amx": f"up to {AMX_TILE_PANEL_ROWS} rows",
             "hybrid-dpbf16": f"up to {hybrid_panel_rows(1, amx)} rows",
             "panels-dpbf16": "of any rows"}[kernel]
-    return (f"C++ for decode-only steps {rows} (decode_stack: the same kernels, no Python "
-            "between them), the modules for the rest")
+    return (f"C++ for steps {rows} (layer_stack: the same kernels, no Python between "
+            "them; not where a prefill chunk takes torch's flash attention), the modules above")
 
 
 def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],

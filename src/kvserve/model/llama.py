@@ -7,8 +7,8 @@ Q/K/V and gate/up projections are fused into one matmul each when weights are lo
 packed once for the kernel :func:`projection_kernel` picks: oneDNN's bf16 on AMX /
 AVX512-BF16, kvserve's panel GEMMs elsewhere; :class:`Linear`); each layer's elementwise work
 runs as three fused ops (:mod:`kvserve.model.layer_ops`), with the residual adds folded into
-the next RMSNorm. A decode-only step whose projections all run on the pair panels loops over
-the layers in C++ instead (:func:`build_decode_stack`, csrc/decode_stack.cpp): the same
+the next RMSNorm. A step whose projections all run on the pair panels (few enough rows) loops
+over the layers in C++ instead (:func:`build_layer_stack`, csrc/layer_stack.cpp): the same
 kernels in the same order, without the Python between them.
 Weights are named as in Hugging Face checkpoints (``model.layers.0.self_attn.q_proj.weight``)
 and Q/K use the rotate-half RoPE layout.
@@ -25,14 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import huge_pages, kernel_info, paged_kernel
-from kvserve.model.attention import paged_attention
+from kvserve.model.attention import paged_attention, prefill_kernel
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
     AMX_TILE_K,
+    FLASH_PREFILL_ROWS,
     cpu_info,
-    decode_stack_enabled,
     hybrid_panel_rows,
+    layer_stack_enabled,
     onednn_runs_bf16,
     packs_float32,
 )
@@ -40,7 +41,7 @@ from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, 
 from kvserve.model.logits import break_rounding_ties_, widen_logits
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
-DecodeStack = Any  # the C++ class of csrc/decode_stack.cpp: run(...) -> (x, residual)
+LayerStack = Any  # the C++ class of csrc/layer_stack.cpp: run(...) -> (x, residual)
 
 
 def projection_kernel(dtype: torch.dtype, flags: frozenset[str] | None = None) -> str:
@@ -361,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_word_embeddings = config.tie_word_embeddings
-        self._stack: DecodeStack | None = None  # _decode_stack's, for the caches at _stack_key
+        self._stack: LayerStack | None = None  # _layer_stack's, for the caches at _stack_key
         self._stack_rows = 0
         self._stack_key: int | None = None
 
@@ -369,10 +370,15 @@ class LlamaForCausalLM(nn.Module):
                 attention: AttentionFn = paged_attention) -> torch.Tensor:
         """Hidden states of the tokens whose logits are needed: [S, hidden]."""
         x, residual = self.embed_tokens(batch.input_ids), None
-        stack = self._decode_stack(batch, kv_caches, attention)
+        stack, prefill = self._layer_stack(batch, kv_caches, attention)
         if stack is not None:  # the same kernels in the same order, looped in C++
-            x, residual = stack.run(x, batch.positions, batch.slot_mapping,
-                                    batch.decode_block_tables, batch.decode_context_lens)
+            chunks = batch.prefills
+            x, residual = stack.run(
+                x, batch.positions, batch.slot_mapping, batch.num_decodes,
+                batch.decode_block_tables, batch.decode_context_lens,
+                [c.start for c in chunks], [c.num_tokens for c in chunks],
+                [c.context_len for c in chunks], [c.block_table for c in chunks],
+                prefill == "amx", FLASH_PREFILL_ROWS)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, batch, kv_cache, attention)
@@ -380,21 +386,29 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x[batch.logits_indices])
         return self.norm(x[batch.logits_indices], residual[batch.logits_indices])
 
-    def _decode_stack(self, batch: ForwardBatch,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      attention: AttentionFn) -> DecodeStack | None:
-        """The C++ loop over the layers (csrc/decode_stack.cpp) for this step where it runs
-        what the modules would: decodes only, on paged_attention, and few enough rows that
-        every projection takes its pair panels. Built at the first such step for these
-        caches (the layers' kernels are fixed by then: packing happens at load)."""
-        rows = batch.num_decodes
-        if rows == 0 or rows != batch.num_tokens or attention is not paged_attention:
-            return None
+    def _layer_stack(self, batch: ForwardBatch,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     attention: AttentionFn) -> tuple[LayerStack | None, str]:
+        """The C++ loop over the layers (csrc/layer_stack.cpp) for this step where it runs
+        what the modules would, and what its prefill chunks of FLASH_PREFILL_ROWS+ rows run
+        on (attention.prefill_kernel; "" without chunks): attention by paged_attention, few
+        enough rows that every projection takes its pair panels, and no chunk for torch's
+        flash attention. (None, "") otherwise. Built at the first step for these caches (the
+        layers' kernels are fixed by then: packing happens at load)."""
+        rows = batch.num_tokens
+        if rows == 0 or attention is not paged_attention:
+            return None, ""
         key = kv_caches[0][0].data_ptr() if kv_caches else None
         if self._stack_key != key:
-            self._stack, self._stack_rows = build_decode_stack(self, kv_caches)
+            self._stack, self._stack_rows = build_layer_stack(self, kv_caches)
             self._stack_key = key
-        return self._stack if rows <= self._stack_rows else None
+        if rows > self._stack_rows:
+            return None, ""
+        prefill = prefill_kernel(kv_caches[0][0]) if batch.prefills else ""
+        if prefill == "flash" and any(
+                chunk.num_tokens >= FLASH_PREFILL_ROWS for chunk in batch.prefills):
+            return None, ""
+        return self._stack, prefill
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
@@ -493,14 +507,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unused weights in the checkpoint: {sorted(weights)[:5]}")
 
 
-def build_decode_stack(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor,
-                       torch.Tensor]]) -> tuple[DecodeStack | None, int]:
+def build_layer_stack(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor,
+                       torch.Tensor]]) -> tuple[LayerStack | None, int]:
     """The C++ loop over ``model``'s layers with these caches, and the most rows a step may
     have for it (each projection's pair-panel limit); (None, 0) where a layer would run
     something the loop does not: a float32 model or cache, int8, --batch-invariant, a
-    projection without pair panels, a GPU, no C++ kernels, or KVSERVE_DECODE_STACK=0
+    projection without pair panels, a GPU, no C++ kernels, or KVSERVE_LAYER_STACK=0
     (:func:`kernel_info.describe_layer_loop` says which steps it takes)."""
-    if not kv_caches or not decode_stack_enabled() or not paged_kernel.runs(kv_caches[0][0]):
+    if not kv_caches or not layer_stack_enabled() or not paged_kernel.runs(kv_caches[0][0]):
         return None, 0
     if any(k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 for k, v in kv_caches):
         return None, 0
@@ -526,7 +540,7 @@ def build_decode_stack(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     if len(eps) != 1:
         return None, 0
     attention = model.layers[0].self_attn
-    stack = paged_kernel.layer_ops().DecodeStack(
+    stack = paged_kernel.layer_ops().LayerStack(
         norms, panels, widths, amx, caches, attention.rotary.cos, attention.rotary.sin,
         eps.pop(), attention.num_heads, attention.num_kv_heads, 1.0 / math.sqrt(attention.head_dim))
     return stack, int(min(rows, 1 << 30))

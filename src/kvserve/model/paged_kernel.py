@@ -42,13 +42,13 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "invariant_linear.cpp",
-           CSRC / "panel_linear.cpp", CSRC / "int8_linear.cpp", CSRC / "decode_stack.cpp"]
+           CSRC / "panel_linear.cpp", CSRC / "int8_linear.cpp", CSRC / "layer_stack.cpp"]
 HEADERS = [CSRC / "layer_ops.h", CSRC / "fast_math.h", CSRC / "attention_tile.h",
            CSRC / "panel_dpbf16.h", CSRC / "attention_softmax.h", CSRC / "invariant_blocks.h",
            CSRC / "attention_gemm.h", CSRC / "invariant_linear.h", CSRC / "panel_linear.h",
            CSRC / "int8_linear.h", CSRC / "int8_blocks.h", CSRC / "amx_tiles.h",
            CSRC / "prefetch.h", CSRC / "attention_amx.h", CSRC / "panel_amx.h", CSRC / "ops.h",
-           CSRC / "decode_stack.h"]
+           CSRC / "layer_stack.h"]
 # -fno-trapping-math: only floating-point exception flags stop being preserved (no
 # reassociation, no change to contraction). It lets gcc if-convert the clamp and select
 # around exp_nonpositive, so silu_and_mul vectorises (with trapping math it ran one element

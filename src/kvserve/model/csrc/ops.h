@@ -1,4 +1,4 @@
-// The kernels one step's decoder layers call, for C++ callers (decode_stack.cpp) as for the
+// The kernels one step's decoder layers call, for C++ callers (layer_stack.cpp) as for the
 // Python bindings: each is defined in its own file and bound under the same name.
 #pragma once
 
@@ -25,5 +25,11 @@ at::Tensor panel_linear_amx(const at::Tensor& x, const at::Tensor& panels, int64
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale);
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_table,
+                             int64_t context_len, double scale, bool match_decode);
+at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& block_table,
+                                 int64_t context_len, double scale);
 
 }  // namespace kvserve::ops

@@ -41,7 +41,7 @@
 #include "invariant_linear.h"
 #include "layer_ops.h"
 #include "ops.h"
-#include "decode_stack.h"
+#include "layer_stack.h"
 
 #include <algorithm>
 #include <atomic>
@@ -618,6 +618,14 @@ at::Tensor checked_chunk_table(const at::Tensor& block_table, int64_t n, int64_t
   return table;
 }
 
+// Why this process cannot run the bf16 tile kernels (amx_prefill_attention, panel_linear_amx):
+// "" where it can.
+std::string amx_bf16_status() { return kvserve::amx_bf16_status(); }
+
+}  // namespace
+
+namespace kvserve::ops {
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table,
                              int64_t context_len, double scale, bool match_decode) {
@@ -634,10 +642,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                         context_len, n, out);
                 });
 }
-
-// Why this process cannot run the bf16 tile kernels (amx_prefill_attention, panel_linear_amx):
-// "" where it can.
-std::string amx_bf16_status() { return kvserve::amx_bf16_status(); }
 
 // A prefill chunk's attention on AMX tiles (attention_amx.h): bfloat16, head_dim 64. Raises
 // where this build or this process cannot run it (amx_bf16_status says why).
@@ -698,6 +702,10 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
 }
 
+}  // namespace kvserve::ops
+
+namespace {
+
 // The instruction sets this build compiled paths for (-march=native on the building CPU).
 std::vector<std::string> compiled_isa() {
   std::vector<std::string> isa;
@@ -727,13 +735,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_tables [D, max_blocks] long, context_lens [D] long, scale",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"));
-  m.def("prefill_attention", &prefill_attention,
+  m.def("prefill_attention", &kvserve::ops::prefill_attention,
         "Paged causal attention for one prefill chunk: q [n, H, d] at positions "
         "context_len - n + i; match_decode: each row's sums in decode's order (no repacked "
         "tiles), for --batch-invariant",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"), py::arg("match_decode") = false);
-  m.def("amx_prefill_attention", &amx_prefill_attention,
+  m.def("amx_prefill_attention", &kvserve::ops::amx_prefill_attention,
         "prefill_attention on AMX-BF16 tiles: bfloat16, head_dim 64 (csrc/attention_amx.h)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
@@ -741,7 +749,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "why the bf16 AMX tile kernels (amx_prefill_attention, panel_linear_amx) cannot run "
         "here (empty where they can)");
   register_layer_ops(m);
-  register_decode_stack(m);
+  register_layer_stack(m);
   register_invariant_linear(m);
   register_panel_linear(m);
   register_int8_linear(m);

@@ -1,5 +1,5 @@
-"""A decode step's layers in one C++ call (csrc/decode_stack.cpp, llama.build_decode_stack):
-the same bits as the modules' loop, and only for the steps whose every kernel it runs."""
+"""A step's layers in one C++ call (csrc/layer_stack.cpp, llama.build_layer_stack): the
+same bits as the modules' loop, and only for the steps whose every kernel it runs."""
 
 from __future__ import annotations
 
@@ -9,18 +9,28 @@ import pytest
 import torch
 
 from kvserve.model import paged_kernel
-from kvserve.model.attention import paged_attention, torch_paged_attention
+from kvserve.model.attention import paged_attention, prefill_kernel, torch_paged_attention
+from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import SequenceSlice, build_batch
-from kvserve.model.kernel_info import PROJECTIONS_ENV, onednn_runs_bf16
+from kvserve.model.kernel_info import (
+    FLASH_PREFILL_ROWS,
+    PREFILL_ATTENTION_ENV,
+    PROJECTIONS_ENV,
+    onednn_runs_bf16,
+)
 from kvserve.model.kv_cache import allocate_kv_cache
-from kvserve.model.llama import LlamaForCausalLM, projection_kernel
+from kvserve.model.llama import LlamaForCausalLM, build_layer_stack, projection_kernel
 
-from .reference import TINY, random_weights
+from .reference import random_weights
 from .test_layers import dpbf16_built, spy_layer_ops
 
+# head_dim 64: the AMX tiles' prefill attention runs it (reference.TINY's 16 goes to flash)
+TINY = ModelConfig(name="tiny64", vocab_size=512, hidden_size=128, intermediate_size=256,
+                   num_layers=3, num_heads=2, num_kv_heads=1, head_dim=64,
+                   max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=None)
 BLOCK = 16
 NUM_BLOCKS = 600
-STACK_ENV = "KVSERVE_DECODE_STACK"
+STACK_ENV = "KVSERVE_LAYER_STACK"
 
 pytestmark = pytest.mark.skipif(not dpbf16_built(),
                                 reason="the stack runs the AVX512-BF16 pair panels")
@@ -59,9 +69,9 @@ def copy_of(caches):
     return [(k.clone(), v.clone()) for k, v in caches]
 
 
-def decode_batch(rows: int, prefill: int = 0, seed: int = 0):
+def decode_batch(rows: int, prefills: tuple[tuple[int, int], ...] = (), seed: int = 0):
     """``rows`` decodes of contexts 1 to ~90 tokens on their own blocks, then a prefill chunk
-    of ``prefill`` tokens if asked."""
+    of ``tokens`` after ``computed`` tokens for each (computed, tokens) of ``prefills``."""
     rng = random.Random(seed)
     free = list(range(1, NUM_BLOCKS))
     rng.shuffle(free)
@@ -69,27 +79,42 @@ def decode_batch(rows: int, prefill: int = 0, seed: int = 0):
     def take(tokens: int) -> list[int]:
         return [free.pop() for _ in range(-(-tokens // BLOCK))]
 
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(TINY.vocab_size) for _ in range(count)]
+
     decodes = []
     for _ in range(rows):
         computed = rng.randint(0, 90)
-        decodes.append(SequenceSlice([rng.randrange(TINY.vocab_size)], computed,
-                                     take(computed + 1), True))
-    prefills = [SequenceSlice([rng.randrange(TINY.vocab_size) for _ in range(prefill)], 0,
-                              take(prefill), True)] if prefill else []
-    return build_batch(decodes, prefills, BLOCK)
+        decodes.append(SequenceSlice(tokens(1), computed, take(computed + 1), True))
+    chunks = [SequenceSlice(tokens(count), computed, take(computed + count), True)
+              for computed, count in prefills]
+    return build_batch(decodes, chunks, BLOCK)
+
+
+STEPS = {"1 decode": (1, ()), "5 decodes": (5, ()), "16 decodes": (16, ()),
+         "33 decodes": (33, ()), "8 decodes and a 40-token prompt": (8, ((0, 40),)),
+         "a 3-token chunk after 50": (0, ((50, 3),)),
+         "6 decodes and two chunks": (6, ((0, 20), (33, 17)))}
 
 
 @pytest.mark.parametrize("choice", ["amx", "hybrid", "panels"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 33])
-def test_a_decode_step_through_the_stack_is_the_modules_bit_for_bit(monkeypatch, choice, rows):
+@pytest.mark.parametrize("step", list(STEPS))
+def test_a_step_through_the_stack_is_the_modules_bit_for_bit(monkeypatch, choice, step):
+    """Decodes, prefill chunks (on the AMX tiles where they run, else the C++ kernel; below
+    FLASH_PREFILL_ROWS rows the kernel) or both: the same output and K/V as the modules."""
     monkeypatch.setenv(PROJECTIONS_ENV, choice)
     projections(choice)
-    model, batch = tiny_model(), decode_batch(rows, seed=rows)
+    rows, prefills = STEPS[step]
+    model, batch = tiny_model(), decode_batch(rows, prefills, seed=len(step))
     stacked = filled_caches()
     looped = copy_of(stacked)
-    with torch.inference_mode():
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        called = spy_layer_ops(patch)
         out = model(batch, stacked)
         assert model._stack is not None and model._stack.num_layers == TINY.num_layers
+        if batch.num_tokens > model._stack_rows:  # hybrid-dpbf16 on an AMX build: 8 rows
+            pytest.skip(f"{batch.num_tokens} rows are oneDNN's for {choice} here")
+        assert [name for name in called if name != "LayerStack"] == ["add_rms_norm_"]
         monkeypatch.setenv(STACK_ENV, "0")  # rebuilt for the other caches: off
         expected = model(batch, looped)
         assert model._stack is None
@@ -108,17 +133,23 @@ def layer_calls(model, batch, caches, attention=paged_attention) -> list[str]:
     return called
 
 
-def test_the_stack_runs_decode_only_steps_and_the_modules_the_rest(monkeypatch):
-    """Through the stack a forward asks for nothing but the final norm; a step with a
-    prefill chunk, or the torch attention, runs the modules."""
-    monkeypatch.setenv(PROJECTIONS_ENV, "hybrid")
-    projections("hybrid")
+def test_the_stack_runs_steps_whose_kernels_it_calls_and_the_modules_the_rest(monkeypatch):
+    """Through the stack a forward asks for nothing but the final norm, with prefill chunks
+    too; the torch attention, or a chunk that torch's flash attention would take
+    (KVSERVE_PREFILL_ATTENTION=flash, FLASH_PREFILL_ROWS rows or more), runs the modules."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels")  # the pair panels at any rows
+    projections("panels")
     model, caches = tiny_model(), filled_caches()
     assert layer_calls(model, decode_batch(8), caches) == ["add_rms_norm_"]
-    mixed = layer_calls(model, decode_batch(8, prefill=20), caches)
-    assert mixed.count("rope_and_write_kv") == TINY.num_layers
+    assert layer_calls(model, decode_batch(8, ((0, 20),)), caches) == ["add_rms_norm_"]
     called = layer_calls(model, decode_batch(8), caches, torch_paged_attention)
     assert called.count("rope_and_write_kv") == TINY.num_layers
+    assert prefill_kernel(caches[0][0]) in ("amx", "kernel")  # this CPU's, for head_dim 64
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "flash")
+    small = decode_batch(8, ((0, FLASH_PREFILL_ROWS - 1),))
+    assert layer_calls(model, small, caches) == ["add_rms_norm_"]  # the kernel's rows
+    flash = layer_calls(model, decode_batch(8, ((0, FLASH_PREFILL_ROWS),)), caches)
+    assert flash.count("rope_and_write_kv") == TINY.num_layers
 
 
 def test_a_step_with_more_rows_than_the_panels_take_runs_the_modules(monkeypatch):
@@ -137,7 +168,7 @@ def test_a_step_with_more_rows_than_the_panels_take_runs_the_modules(monkeypatch
 @pytest.mark.parametrize("options", [{"dtype": torch.float32}, {"batch_invariant": True},
                                      {"quantization": "int8"}, {"env": "0"}])
 def test_the_stack_is_not_built_for_what_it_does_not_run(monkeypatch, options):
-    """float32, --batch-invariant, int8 and KVSERVE_DECODE_STACK=0 keep the modules."""
+    """float32, --batch-invariant, int8 and KVSERVE_LAYER_STACK=0 keep the modules."""
     monkeypatch.setenv(PROJECTIONS_ENV, "hybrid")
     projections("hybrid")
     if "env" in options:
@@ -151,12 +182,38 @@ def test_the_stack_is_not_built_for_what_it_does_not_run(monkeypatch, options):
     assert model._stack is None and model._stack_key is not None
 
 
+def test_a_step_whose_chunks_do_not_tile_its_rows_is_refused(monkeypatch):
+    """LayerStack.run checks what the batch says: chunks after the decodes, one after the
+    other, covering every row (a wrong batch is an error, never a silent partial step)."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "panels")
+    projections("panels")
+    model, caches = tiny_model(), filled_caches()
+    stack, _ = build_layer_stack(model, caches)
+    batch = decode_batch(2, ((0, 5),))
+    x = model.embed_tokens(batch.input_ids)
+    chunk = batch.prefills[0]
+
+    def run(starts, rows):
+        stack.run(x, batch.positions, batch.slot_mapping, 2, batch.decode_block_tables,
+                  batch.decode_context_lens, starts, rows, [chunk.context_len],
+                  [chunk.block_table], False, FLASH_PREFILL_ROWS)
+
+    with torch.inference_mode():
+        run([2], [5])  # as the batch says
+        with pytest.raises(RuntimeError, match="chunks must follow the decodes"):
+            run([3], [5])
+        with pytest.raises(RuntimeError, match="must cover the step's rows"):
+            run([2], [4])
+        with pytest.raises(RuntimeError, match="one start, row count"):
+            run([2, 7], [5])
+
+
 def test_the_stack_refuses_lists_that_do_not_match_per_layer():
     ops = paged_kernel.layer_ops()
     cos = sin = torch.zeros(8, 8)
     cache = torch.zeros(2, BLOCK, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="per layer 2 norms, 4 panels"):
-        ops.DecodeStack([cos], [], [], [], [cache, cache], cos, sin, 1e-5, 4, 2, 0.25)
+        ops.LayerStack([cos], [], [], [], [cache, cache], cos, sin, 1e-5, 4, 2, 0.25)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
