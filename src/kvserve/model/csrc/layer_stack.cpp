@@ -50,9 +50,9 @@ class LayerStack {
   // Per layer, in order: norms (input, post-attention), panels and projections' n and amx
   // flags (qkv, o, gate_up, down), caches (k, v).
   LayerStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& panels,
-              const std::vector<int64_t>& widths, const std::vector<bool>& amx,
-              const std::vector<at::Tensor>& caches, at::Tensor cos, at::Tensor sin,
-              double eps, int64_t num_heads, int64_t num_kv_heads, double scale)
+             const std::vector<int64_t>& widths, const std::vector<bool>& amx,
+             const std::vector<at::Tensor>& caches, at::Tensor cos, at::Tensor sin,
+             double eps, int64_t num_heads, int64_t num_kv_heads, double scale)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), scale_(scale) {
     const size_t count = caches.size() / 2;
@@ -180,7 +180,7 @@ class LayerStack {
 
 void register_layer_stack(pybind11::module& m) {
   pybind11::class_<LayerStack>(m, "LayerStack",
-                                "A step's decoder layers in one call (layer_stack.cpp)")
+                               "A step's decoder layers in one call (layer_stack.cpp)")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<int64_t>&, const std::vector<bool>&,
                           const std::vector<at::Tensor>&, at::Tensor, at::Tensor, double,
