@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from kvserve.model import paged_kernel
-from kvserve.model.attention import paged_attention, prefill_kernel, torch_paged_attention
+from kvserve.model.attention import (
+    kernel_prefill_route,
+    paged_attention,
+    torch_paged_attention,
+)
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import SequenceSlice, build_batch
 from kvserve.model.kernel_info import (
@@ -144,11 +148,13 @@ def test_the_stack_runs_steps_whose_kernels_it_calls_and_the_modules_the_rest(mo
     assert layer_calls(model, decode_batch(8, ((0, 20),)), caches) == ["add_rms_norm_"]
     called = layer_calls(model, decode_batch(8), caches, torch_paged_attention)
     assert called.count("rope_and_write_kv") == TINY.num_layers
-    assert prefill_kernel(caches[0][0]) in ("amx", "kernel")  # this CPU's, for head_dim 64
+    big = decode_batch(8, ((0, FLASH_PREFILL_ROWS),))
+    assert kernel_prefill_route(big, torch.bfloat16, 64) in ("amx", "kernel")  # this CPU's
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "flash")
     small = decode_batch(8, ((0, FLASH_PREFILL_ROWS - 1),))
     assert layer_calls(model, small, caches) == ["add_rms_norm_"]  # the kernel's rows
-    flash = layer_calls(model, decode_batch(8, ((0, FLASH_PREFILL_ROWS),)), caches)
+    assert kernel_prefill_route(big, torch.bfloat16, 64) is None
+    flash = layer_calls(model, big, caches)
     assert flash.count("rope_and_write_kv") == TINY.num_layers
 
 

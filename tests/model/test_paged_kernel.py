@@ -462,7 +462,7 @@ def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_k
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
 
     q, k_cache, v_cache, batch = _three_chunks(dtype, 11)
-    chunks, shapes = batch.prefills, [(c.num_tokens, c.context_len) for c in batch.prefills]
+    chunks = batch.prefills
     calls = []
     kernel_prefill = paged_kernel.prefill_attention
     monkeypatch.setattr(paged_kernel, "prefill_attention",
@@ -475,14 +475,23 @@ def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_k
         want = _plain(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
         torch.testing.assert_close(out[rows].double(), want, atol=TOLERANCE[dtype],
                                    rtol=TOLERANCE[dtype])
-    calls.clear()
-    attention.invariant_paged_attention(q, k_cache, v_cache, batch)
-    assert calls == [n for n, _ in shapes]
-    calls.clear()
+    # every chunk on the C++ kernel (one step_attention call): each the kernel's own bits
+    invariant = attention.invariant_paged_attention(q, k_cache, v_cache, batch)
+    _assert_chunks_ran(invariant, q, k_cache, v_cache, batch, kernel_prefill, match_decode=True)
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "kernel")
-    torch.testing.assert_close(attention.paged_attention(q, k_cache, v_cache, batch).double(),
-                               out.double(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    assert calls == [n for n, _ in shapes]
+    kernel = attention.paged_attention(q, k_cache, v_cache, batch)
+    torch.testing.assert_close(kernel.double(), out.double(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    _assert_chunks_ran(kernel, q, k_cache, v_cache, batch, kernel_prefill)
+
+
+def _assert_chunks_ran(out, q, k_cache, v_cache, batch, route, **options) -> None:
+    """Each prefill chunk's rows of ``out`` are what ``route(chunk)`` gives, bit for bit (a
+    route is a kernel with its own summation order, so the bits name it)."""
+    for chunk in batch.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        want = route(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, **options)
+        assert torch.equal(out[rows], want), chunk.num_tokens
 
 
 def _amx_reason() -> str:
@@ -553,12 +562,13 @@ def test_a_build_without_amx_says_why_it_has_no_amx_prefill() -> None:
 def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     """KVSERVE_PREFILL_ATTENTION=amx (auto on an AMX build in bf16): chunks of
     FLASH_PREFILL_ROWS+ rows go to the AMX tiles, shorter ones and --batch-invariant's rows
-    to the C++ kernel; every chunk matches the plain attention."""
+    to the C++ kernel (all in one step_attention call: the bits say which kernel ran each);
+    every chunk matches the plain attention."""
     from kvserve.model import attention
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
 
     q, k_cache, v_cache, batch = _three_chunks(torch.bfloat16, 12)
-    chunks, shapes = batch.prefills, [(c.num_tokens, c.context_len) for c in batch.prefills]
+    chunks = batch.prefills
     kernel_rows, amx_rows = [], []
     kernel_prefill, amx_prefill = paged_kernel.prefill_attention, \
         paged_kernel.amx_prefill_attention
@@ -566,20 +576,27 @@ def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
                         kernel_rows.append(q.shape[0]) or kernel_prefill(q, *a, **k))
     monkeypatch.setattr(paged_kernel, "amx_prefill_attention", lambda q, *a, **k:
                         amx_rows.append(q.shape[0]) or amx_prefill(q, *a, **k))
+
+    def by_rows(q, *args):  # the route the rule names: tiles from FLASH_PREFILL_ROWS rows
+        return (amx_prefill if q.shape[0] >= FLASH_PREFILL_ROWS else kernel_prefill)(q, *args)
+
+    long = chunks[0]  # the two kernels sum in other orders: their bits differ
+    long_rows = slice(long.start, long.start + long.num_tokens)
+    assert not torch.equal(*(f(q[long_rows], k_cache, v_cache, long.block_table,
+                                 long.context_len) for f in (amx_prefill, kernel_prefill)))
     for choice in ("amx", "auto"):
-        kernel_rows.clear(), amx_rows.clear()
         monkeypatch.setenv(PREFILL_ATTENTION_ENV, choice)
         out = attention.paged_attention(q, k_cache, v_cache, batch)
-        assert (kernel_rows, amx_rows) == ([FLASH_PREFILL_ROWS - 1], [300, 64])
+        _assert_chunks_ran(out, q, k_cache, v_cache, batch, by_rows)
         for chunk in chunks:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             want = _plain(q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len)
             torch.testing.assert_close(out[rows].double(), want, atol=2e-2, rtol=2e-2)
+    invariant = attention.invariant_paged_attention(q, k_cache, v_cache, batch)
+    _assert_chunks_ran(invariant, q, k_cache, v_cache, batch, kernel_prefill, match_decode=True)
+    # float32 asked for amx: the tiles take bf16 only, so flash runs its long chunks (the
+    # Python path: the spies see its calls)
     kernel_rows.clear(), amx_rows.clear()
-    attention.invariant_paged_attention(q, k_cache, v_cache, batch)
-    assert (kernel_rows, amx_rows) == ([n for n, _ in shapes], [])
-    # float32 asked for amx: the tiles take bf16 only, so flash runs its long chunks
-    kernel_rows.clear()
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "amx")
     q32, k32, v32 = q.float(), k_cache.float(), v_cache.float()
     out = attention.paged_attention(q32, k32, v32, batch)

@@ -103,20 +103,33 @@ def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
     return kind
 
 
-def prefill_kernel(k_cache: torch.Tensor) -> str:
-    """What :func:`paged_attention`'s prefill chunks of FLASH_PREFILL_ROWS+ rows run on for
-    this cache: ``kernel``, ``flash`` or ``amx`` (:func:`_prefill_kernel`)."""
-    return _prefill_kernel(k_cache.dtype, k_cache.shape[-1],
-                           kernel_info.prefill_attention_choice())
+def kernel_prefill_route(batch: ForwardBatch, dtype: torch.dtype, head_dim: int,
+                         match_decode: bool = False) -> str | None:
+    """What this step's prefill chunks of FLASH_PREFILL_ROWS+ rows run on when the C++
+    kernels run its attention (:func:`paged_kernel.step_attention`): ``kernel`` or ``amx``;
+    None where one of them is torch's flash attention's (:func:`_prefill_kernel`), which only
+    the Python path calls. --batch-invariant's rows (``match_decode``) keep the kernel: only
+    it sums as a decode does."""
+    if not batch.prefills or match_decode:
+        return "kernel"
+    kind = _prefill_kernel(dtype, head_dim, kernel_info.prefill_attention_choice())
+    if kind != "flash":
+        return kind
+    if any(chunk.num_tokens >= kernel_info.FLASH_PREFILL_ROWS for chunk in batch.prefills):
+        return None
+    return "kernel"  # every chunk is shorter than flash takes
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: ForwardBatch, use_kernel: bool,
                      match_decode: bool = False) -> torch.Tensor:
+    if use_kernel:
+        route = kernel_prefill_route(batch, q.dtype, q.shape[-1], match_decode)
+        if route is not None:  # every row on the C++ kernels: one call
+            return paged_kernel.step_attention(q, k_cache, v_cache, batch, route == "amx",
+                                               kernel_info.FLASH_PREFILL_ROWS, match_decode)
+    # torch's paths: the torch decodes, or prefill chunks for flash attention
     num_decodes = batch.num_decodes
-    if use_kernel and num_decodes == q.shape[0]:  # decodes only (most steps): no copy
-        return paged_kernel.decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
-                                             batch.decode_context_lens)
     out = torch.empty_like(q)
     if num_decodes and use_kernel:
         out[:num_decodes] = paged_kernel.decode_attention(
@@ -124,20 +137,11 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             batch.decode_context_lens)
     elif num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, batch)
-    # --batch-invariant's prefill rows keep the kernel: only it sums as a decode does
-    kind = "kernel"
-    if use_kernel and batch.prefills and not match_decode:
-        kind = _prefill_kernel(q.dtype, q.shape[-1], kernel_info.prefill_attention_choice())
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if use_kernel and (kind == "kernel" or
-                           chunk.num_tokens < kernel_info.FLASH_PREFILL_ROWS):
+        if use_kernel and chunk.num_tokens < kernel_info.FLASH_PREFILL_ROWS:
             out[rows] = paged_kernel.prefill_attention(q[rows], k_cache, v_cache,
-                                                       chunk.block_table, chunk.context_len,
-                                                       match_decode=match_decode)
-        elif kind == "amx":
-            out[rows] = paged_kernel.amx_prefill_attention(q[rows], k_cache, v_cache,
-                                                           chunk.block_table, chunk.context_len)
+                                                       chunk.block_table, chunk.context_len)
         else:
             out[rows] = _prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
                                            chunk.context_len)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import huge_pages, kernel_info, paged_kernel
-from kvserve.model.attention import paged_attention, prefill_kernel
+from kvserve.model.attention import kernel_prefill_route, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
@@ -370,15 +370,11 @@ class LlamaForCausalLM(nn.Module):
                 attention: AttentionFn = paged_attention) -> torch.Tensor:
         """Hidden states of the tokens whose logits are needed: [S, hidden]."""
         x, residual = self.embed_tokens(batch.input_ids), None
-        stack, prefill = self._layer_stack(batch, kv_caches, attention)
+        stack, route = self._layer_stack(batch, kv_caches, attention)
         if stack is not None:  # the same kernels in the same order, looped in C++
-            chunks = batch.prefills
-            x, residual = stack.run(
-                x, batch.positions, batch.slot_mapping, batch.num_decodes,
-                batch.decode_block_tables, batch.decode_context_lens,
-                [c.start for c in chunks], [c.num_tokens for c in chunks],
-                [c.context_len for c in chunks], [c.block_table for c in chunks],
-                prefill == "amx", FLASH_PREFILL_ROWS)
+            x, residual = stack.run(x, batch.positions, batch.slot_mapping,
+                                    *paged_kernel.step_layout(batch), route == "amx",
+                                    FLASH_PREFILL_ROWS)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, batch, kv_cache, attention)
@@ -388,27 +384,25 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_stack(self, batch: ForwardBatch,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                     attention: AttentionFn) -> tuple[LayerStack | None, str]:
+                     attention: AttentionFn) -> tuple[LayerStack | None, str | None]:
         """The C++ loop over the layers (csrc/layer_stack.cpp) for this step where it runs
-        what the modules would, and what its prefill chunks of FLASH_PREFILL_ROWS+ rows run
-        on (attention.prefill_kernel; "" without chunks): attention by paged_attention, few
-        enough rows that every projection takes its pair panels, and no chunk for torch's
-        flash attention. (None, "") otherwise. Built at the first step for these caches (the
-        layers' kernels are fixed by then: packing happens at load)."""
+        what the modules would, and its prefill chunks' route
+        (:func:`attention.kernel_prefill_route`): attention by paged_attention, few enough
+        rows that every projection takes its pair panels, and no chunk for torch's flash
+        attention; else (None, None). Built at the first step for these caches (the layers'
+        kernels are fixed by then: packing happens at load)."""
         rows = batch.num_tokens
         if rows == 0 or attention is not paged_attention:
-            return None, ""
+            return None, None
         key = kv_caches[0][0].data_ptr() if kv_caches else None
         if self._stack_key != key:
             self._stack, self._stack_rows = build_layer_stack(self, kv_caches)
             self._stack_key = key
-        if rows > self._stack_rows:
-            return None, ""
-        prefill = prefill_kernel(kv_caches[0][0]) if batch.prefills else ""
-        if prefill == "flash" and any(
-                chunk.num_tokens >= FLASH_PREFILL_ROWS for chunk in batch.prefills):
-            return None, ""
-        return self._stack, prefill
+        if self._stack is None or rows > self._stack_rows:
+            return None, None
+        k_cache = kv_caches[0][0]
+        route = kernel_prefill_route(batch, k_cache.dtype, k_cache.shape[-1])
+        return (self._stack, route) if route is not None else (None, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output

@@ -35,8 +35,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.model.input_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +222,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _kernel().decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def step_layout(batch: ForwardBatch) -> tuple[Any, ...]:
+    """The step's rows as :func:`step_attention` and the layer stack take them (csrc/ops.h's
+    StepLayout): num_decodes, the decodes' block tables and context lengths, then the
+    chunks' first rows, row counts, context lengths and block tables."""
+    chunks = batch.prefills
+    return (batch.num_decodes, batch.decode_block_tables, batch.decode_context_lens,
+            [c.start for c in chunks], [c.num_tokens for c in chunks],
+            [c.context_len for c in chunks], [c.block_table for c in chunks])
+
+
+def step_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   batch: ForwardBatch, amx_prefill: bool, min_tile_rows: int,
+                   match_decode: bool = False, scale: float | None = None) -> torch.Tensor:
+    """One step's attention in one call: its decodes by :func:`decode_attention`, then each
+    prefill chunk by :func:`amx_prefill_attention` (``amx_prefill`` and min_tile_rows rows or
+    more) or :func:`prefill_attention` (with ``match_decode``). q: [T, num_heads, head_dim]
+    in the batch's row order; returns the same shape."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _kernel().step_attention(q, k_cache, v_cache, *step_layout(batch), amx_prefill,
+                                    min_tile_rows, scale, match_decode)
 
 
 @functools.cache

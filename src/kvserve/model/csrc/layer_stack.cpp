@@ -12,8 +12,8 @@
 //
 // What it covers: steps of a bfloat16 model whose every projection runs on the pair panels
 // at this row count (panel_linear_bf16, or panel_linear_amx where the panel is marked for the
-// tiles), decodes through decode_attention and prefill chunks through the C++ prefill kernel
-// or the AMX tiles. llama.py decides when (its _layer_stack); anything else (oneDNN
+// tiles), attention through step_attention (decodes, and prefill chunks on the C++ prefill
+// kernel or the AMX tiles, as paged_attention runs them). llama.py decides when (its _layer_stack); anything else (oneDNN
 // projections, a chunk for torch's flash attention, int8, float32, --batch-invariant, a GPU)
 // runs the modules as before.
 
@@ -71,48 +71,22 @@ class LayerStack {
     head_dim_ = layers_[0].k_cache.size(3);
   }
 
-  // One step's tokens, in the batch's order (input_batch.py): num_decodes decodes (their
-  // block tables and context lengths), then each prefill chunk (its first row, rows, context
-  // length after it and block table). A chunk of min_tile_rows rows or more runs on the AMX
-  // tiles where amx_prefill (attention.py's _prefill_kernel said "amx"), else the C++ kernel.
-  struct Step {
-    int64_t num_decodes;
-    const at::Tensor& block_tables;
-    const at::Tensor& context_lens;
-    const std::vector<int64_t>& chunk_starts;
-    const std::vector<int64_t>& chunk_rows;
-    const std::vector<int64_t>& chunk_contexts;
-    const std::vector<at::Tensor>& chunk_tables;
-    bool amx_prefill;
-    int64_t min_tile_rows;
-  };
-
   // embeddings: the step's [rows, hidden] bfloat16. Returns (x, residual) after the last
   // layer, as LlamaForCausalLM's loop leaves them: the model's output is
   // rms_norm(x + residual).
   std::tuple<at::Tensor, at::Tensor> run(
       const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& slot_mapping,
       int64_t num_decodes, const at::Tensor& block_tables, const at::Tensor& context_lens,
-      const std::vector<int64_t>& chunk_starts, const std::vector<int64_t>& chunk_rows,
-      const std::vector<int64_t>& chunk_contexts, const std::vector<at::Tensor>& chunk_tables,
+      std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_rows,
+      std::vector<int64_t> chunk_contexts, std::vector<at::Tensor> chunk_tables,
       bool amx_prefill, int64_t min_tile_rows) const {
     TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous() &&
                     embeddings.scalar_type() == at::kBFloat16,
                 "LayerStack.run: embeddings must be contiguous bfloat16 [rows, hidden]");
-    const size_t chunks = chunk_starts.size();
-    TORCH_CHECK(chunk_rows.size() == chunks && chunk_contexts.size() == chunks &&
-                    chunk_tables.size() == chunks,
-                "LayerStack.run: one start, row count, context and table per chunk");
-    int64_t covered = num_decodes;
-    for (size_t i = 0; i < chunks; ++i) {
-      TORCH_CHECK(chunk_starts[i] == covered && chunk_rows[i] > 0,
-                  "LayerStack.run: chunks must follow the decodes and each other");
-      covered += chunk_rows[i];
-    }
-    TORCH_CHECK(num_decodes >= 0 && covered == embeddings.size(0),
-                "LayerStack.run: the decodes and chunks must cover the step's rows");
-    const Step step{num_decodes, block_tables, context_lens, chunk_starts, chunk_rows,
-                    chunk_contexts, chunk_tables, amx_prefill, min_tile_rows};
+    const kvserve::ops::StepLayout step{num_decodes, block_tables, context_lens,
+                                        std::move(chunk_starts), std::move(chunk_rows),
+                                        std::move(chunk_contexts), std::move(chunk_tables)};
+    step.check(embeddings.size(0), "LayerStack.run");  // before any layer writes K/V
     at::Tensor x = embeddings;
     at::Tensor residual;
     const int64_t q_width = num_heads_ * head_dim_;
@@ -129,7 +103,9 @@ class LayerStack {
       kvserve::ops::rope_and_write_kv(qkv, positions, cos_, sin_, k_cache, v_cache,
                                       slot_mapping, num_heads_, num_kv_heads_);
       const at::Tensor q = qkv.narrow(1, 0, q_width).view({-1, num_heads_, head_dim_});
-      h = layer.o(attend(q, layer, step).flatten(1));
+      const at::Tensor attended = kvserve::ops::step_attention(
+          q, layer.k_cache, layer.v_cache, step, amx_prefill, min_tile_rows, scale_, false);
+      h = layer.o(attended.flatten(1));
       h = kvserve::ops::add_rms_norm_(h, residual, layer.post_norm, eps_);
       x = layer.down(kvserve::ops::silu_and_mul(layer.gate_up(h)));
     }
@@ -139,36 +115,6 @@ class LayerStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  // attention.py's _paged_attention for this layer: the decodes at once, then each chunk,
-  // into one [rows, heads, head_dim] output.
-  at::Tensor attend(const at::Tensor& q, const Layer& layer, const Step& step) const {
-    const int64_t decodes = step.num_decodes;
-    if (decodes == q.size(0)) {
-      return kvserve::ops::decode_attention(q, layer.k_cache, layer.v_cache, step.block_tables,
-                                            step.context_lens, scale_);
-    }
-    at::Tensor out = at::empty_like(q);
-    if (decodes > 0) {
-      out.narrow(0, 0, decodes)
-          .copy_(kvserve::ops::decode_attention(q.narrow(0, 0, decodes), layer.k_cache,
-                                                layer.v_cache, step.block_tables,
-                                                step.context_lens, scale_));
-    }
-    for (size_t i = 0; i < step.chunk_starts.size(); ++i) {
-      const int64_t start = step.chunk_starts[i], rows = step.chunk_rows[i];
-      const at::Tensor chunk = q.narrow(0, start, rows);
-      out.narrow(0, start, rows)
-          .copy_(step.amx_prefill && rows >= step.min_tile_rows
-                     ? kvserve::ops::amx_prefill_attention(chunk, layer.k_cache, layer.v_cache,
-                                                           step.chunk_tables[i],
-                                                           step.chunk_contexts[i], scale_)
-                     : kvserve::ops::prefill_attention(chunk, layer.k_cache, layer.v_cache,
-                                                       step.chunk_tables[i],
-                                                       step.chunk_contexts[i], scale_, false));
-    }
-    return out;
-  }
-
   std::vector<Layer> layers_;
   at::Tensor cos_, sin_;  // float32 [max_positions, head_dim / 2]
   double eps_;

@@ -4,6 +4,9 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace kvserve::ops {
 
 // layer_ops.cpp
@@ -31,5 +34,27 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& v_cache, const at::Tensor& block_table,
                                  int64_t context_len, double scale);
+
+// One step's rows in the batch's order (input_batch.py): num_decodes decodes (their block
+// tables [num_decodes, max_blocks] and context lengths), then each prefill chunk (its first
+// row, its rows, its context length after it, its block table).
+struct StepLayout {
+  int64_t num_decodes = 0;
+  at::Tensor block_tables, context_lens;
+  std::vector<int64_t> chunk_starts, chunk_rows, chunk_contexts;
+  std::vector<at::Tensor> chunk_tables;
+
+  // Raises (naming `name`) unless the chunks follow the decodes and each other and cover
+  // exactly `rows` rows.
+  void check(int64_t rows, const char* name) const;
+};
+
+// One step's attention, as attention.py's paged_attention runs it on the C++ kernels: the
+// decodes in one decode_attention call, then each chunk, on the AMX tiles (amx_prefill, a
+// chunk of min_tile_rows rows or more) or prefill_attention (with match_decode), into one
+// [rows, heads, head_dim] output.
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const StepLayout& step, bool amx_prefill,
+                          int64_t min_tile_rows, double scale, bool match_decode);
 
 }  // namespace kvserve::ops

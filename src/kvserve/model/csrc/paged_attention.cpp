@@ -702,6 +702,51 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
 }
 
+void StepLayout::check(int64_t rows, const char* name) const {
+  const size_t chunks = chunk_starts.size();
+  TORCH_CHECK(chunk_rows.size() == chunks && chunk_contexts.size() == chunks &&
+                  chunk_tables.size() == chunks,
+              name, ": one start, row count, context and table per chunk");
+  int64_t covered = num_decodes;
+  for (size_t i = 0; i < chunks; ++i) {
+    TORCH_CHECK(chunk_starts[i] == covered && chunk_rows[i] > 0, name,
+                ": chunks must follow the decodes and each other");
+    covered += chunk_rows[i];
+  }
+  TORCH_CHECK(num_decodes >= 0 && covered == rows, name,
+              ": the decodes and chunks must cover the step's rows");
+}
+
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const StepLayout& step, bool amx_prefill,
+                          int64_t min_tile_rows, double scale, bool match_decode) {
+  TORCH_CHECK(!(amx_prefill && match_decode),
+              "step_attention: match_decode's rows run on the C++ kernel, not the tiles");
+  const int64_t decodes = step.num_decodes;
+  if (decodes == q.size(0) && step.chunk_starts.empty()) {  // most steps: no copy
+    return decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens, scale);
+  }
+  step.check(q.size(0), "step_attention");
+  at::Tensor out = at::empty_like(q);
+  if (decodes > 0) {
+    out.narrow(0, 0, decodes)
+        .copy_(decode_attention(q.narrow(0, 0, decodes), k_cache, v_cache, step.block_tables,
+                                step.context_lens, scale));
+  }
+  for (size_t i = 0; i < step.chunk_starts.size(); ++i) {
+    const int64_t start = step.chunk_starts[i], rows = step.chunk_rows[i];
+    const at::Tensor chunk = q.narrow(0, start, rows);
+    const at::Tensor& table = step.chunk_tables[i];
+    out.narrow(0, start, rows)
+        .copy_(amx_prefill && rows >= min_tile_rows
+                   ? amx_prefill_attention(chunk, k_cache, v_cache, table,
+                                           step.chunk_contexts[i], scale)
+                   : prefill_attention(chunk, k_cache, v_cache, table, step.chunk_contexts[i],
+                                       scale, match_decode));
+  }
+  return out;
+}
+
 }  // namespace kvserve::ops
 
 namespace {
@@ -745,6 +790,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill_attention on AMX-BF16 tiles: bfloat16, head_dim 64 (csrc/attention_amx.h)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("context_len"), py::arg("scale"));
+  m.def("step_attention",
+        [](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+           int64_t num_decodes, const at::Tensor& block_tables, const at::Tensor& context_lens,
+           std::vector<int64_t> chunk_starts, std::vector<int64_t> chunk_rows,
+           std::vector<int64_t> chunk_contexts, std::vector<at::Tensor> chunk_tables,
+           bool amx_prefill, int64_t min_tile_rows, double scale, bool match_decode) {
+          const kvserve::ops::StepLayout step{num_decodes, block_tables, context_lens,
+                                              std::move(chunk_starts), std::move(chunk_rows),
+                                              std::move(chunk_contexts),
+                                              std::move(chunk_tables)};
+          return kvserve::ops::step_attention(q, k_cache, v_cache, step, amx_prefill,
+                                              min_tile_rows, scale, match_decode);
+        },
+        "One step's attention on the C++ kernels: decodes, then each prefill chunk (on the "
+        "AMX tiles where amx_prefill and it has min_tile_rows rows)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("num_decodes"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("chunk_starts"),
+        py::arg("chunk_rows"), py::arg("chunk_contexts"), py::arg("chunk_tables"),
+        py::arg("amx_prefill"), py::arg("min_tile_rows"), py::arg("scale"),
+        py::arg("match_decode"));
   m.def("amx_bf16_status", &amx_bf16_status,
         "why the bf16 AMX tile kernels (amx_prefill_attention, panel_linear_amx) cannot run "
         "here (empty where they can)");
