@@ -221,12 +221,17 @@ def rendezvous_engine(folder: str, count: int, **settings: Any) -> Engine:
 
 def loading_engine(folder: str, fail_if_named: str | None = None) -> Engine:
     """An engine process that leaves its pid in ``folder`` and then loads for ever (a
-    minute), or, in the process named ``fail_if_named``, fails at once."""
+    minute), or, in the process named ``fail_if_named``, fails as soon as another one is
+    loading (its pid is in ``folder``; at most 30 s): a replica that failed before the other
+    had even started left nothing loading to stop, and the test that stops it raced."""
     import multiprocessing
     import os
     from pathlib import Path
 
     if multiprocessing.current_process().name == fail_if_named:
+        deadline = time.monotonic() + 30
+        while not os.listdir(folder) and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ValueError("this replica's settings are refused")
     Path(folder, str(os.getpid())).touch()
     time.sleep(60)
