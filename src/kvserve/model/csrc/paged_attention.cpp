@@ -663,32 +663,43 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* table_ptr = table.data_ptr<int64_t>();
   const int64_t padded = (context_len + amx::kKeys - 1) / amx::kKeys * amx::kKeys;
   const int64_t kv_heads = geo.num_kv_heads, blocks = padded / amx::kKeys;
+  const int64_t row_blocks = (n + amx::kRows - 1) / amx::kRows;
+  const int64_t items = geo.num_heads * row_blocks;  // work items: 16 queries of one head
+  constexpr int64_t kQueryWords = amx::kDim / 2 * amx::kRows;
   at::Tensor keys = at::empty({kv_heads, amx::key_words(padded)}, q.options().dtype(at::kInt));
   at::Tensor values =
       at::empty({kv_heads, amx::value_halves(padded)}, q.options().dtype(at::kShort));
+  at::Tensor queries = at::empty({items, kQueryWords}, q.options().dtype(at::kInt));
   auto* key_words = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
   auto* value_words = reinterpret_cast<uint16_t*>(values.data_ptr<int16_t>());
+  auto* query_words = reinterpret_cast<uint32_t*>(queries.data_ptr<int32_t>());
   const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / blocks, block = item % blocks;
-      amx::pack_block(k_ptr, v_ptr, table_ptr, geo.block_size, geo.token_stride, head,
-                      context_len, block * amx::kKeys, (block + 1) * amx::kKeys,
-                      key_words + head * amx::key_words(padded),
-                      value_words + head * amx::value_halves(padded));
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  // packing: the context's keys and values per kv head and 32 keys, then the queries per item
+  at::parallel_for(0, kv_heads * blocks + items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      if (task < kv_heads * blocks) {
+        const int64_t head = task / blocks, block = task % blocks;
+        amx::pack_block(k_ptr, v_ptr, table_ptr, geo.block_size, geo.token_stride, head,
+                        context_len, block * amx::kKeys, (block + 1) * amx::kKeys,
+                        key_words + head * amx::key_words(padded),
+                        value_words + head * amx::value_halves(padded));
+      } else {
+        const int64_t item = task - kv_heads * blocks;
+        amx::pack_queries(q_ptr + item / row_blocks * amx::kDim, q.stride(0), n,
+                          item % row_blocks * amx::kRows, query_words + item * kQueryWords);
+      }
     }
   });
   at::Tensor out = at::empty({n, geo.num_heads, amx::kDim}, q.options());
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t row_blocks = (n + amx::kRows - 1) / amx::kRows;
-  at::parallel_for(0, geo.num_heads * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const kvserve::TileConfig config = kvserve::full_tile_config();
     KVSERVE_TILE_LOADCONFIG(&config);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / row_blocks, kv_head = head / geo.group;
-      amx::attend_rows(q_ptr + head * amx::kDim, q.stride(0),
+      amx::attend_rows(query_words + item * kQueryWords,
                        key_words + kv_head * amx::key_words(padded),
                        value_words + kv_head * amx::value_halves(padded), n, context_len,
                        (item % row_blocks) * amx::kRows, static_cast<float>(scale),
