@@ -9,7 +9,8 @@ median of the per-pair ratios and the ratio of the minima. Cases: the decode ker
 W1-like batch (128 requests, contexts uniform in [64, 640], SmolLM2's attention shape, as
 benchmarks/attention_kernel.py), float32 and bfloat16, one layer (its ~35 MB of K and V
 partly in the last-level cache from call to call); the same batch over 30 layers of a 2 GiB
-bf16 pool (read from memory, as in the engine); a 512-token prefill chunk; the fused layer
+bf16 pool (read from memory, as in the engine); a 512-token prefill chunk (and on a build
+with AMX tiles, bf16 chunks of 128, 320 and 512 tokens on them); the fused layer
 ops of a 128-token decode step over 30 layers (float32 and bf16); on an AVX512-BF16 build, the
 layer projections of 30 layers on the bf16 panels at 1, 12 and 128 rows.
 
@@ -120,6 +121,11 @@ def kernel_cases(kernels: ModuleType) -> dict[str, Callable[[], Any]]:
         table = torch.randperm(k.shape[0], generator=gen)[:32]
         cases[f"prefill {name} 512"] = lambda q=q, k=k, v=v, t=table: \
             kernels.prefill_attention(q, k, v, t, 512, scale)
+        if dtype == torch.bfloat16 and not kernels.amx_bf16_status():
+            for rows in (128, 320, 512):  # W1's prompts are 64-512 tokens
+                cases[f"prefill bfloat16 {rows} on AMX tiles"] = \
+                    lambda q=q[:rows], k=k, v=v, t=table, n=rows: \
+                    kernels.amx_prefill_attention(q, k, v, t, n, scale)
     cases["decode bfloat16 x30 (2 GiB pool)"] = decode_pool_step(kernels)
     cases["layer ops float32 x30"] = layer_ops_step(kernels, torch.float32)
     cases["layer ops bf16 x30"] = layer_ops_step(kernels, torch.bfloat16)

@@ -677,35 +677,45 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   // packing: the context's keys and values per kv head and 32 keys, then the queries per item
-  at::parallel_for(0, kv_heads * blocks + items, 1, [&](int64_t begin, int64_t end) {
+  // (two passes, as a key block costs far more than a query block)
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      if (task < kv_heads * blocks) {
-        const int64_t head = task / blocks, block = task % blocks;
-        amx::pack_block(k_ptr, v_ptr, table_ptr, geo.block_size, geo.token_stride, head,
-                        context_len, block * amx::kKeys, (block + 1) * amx::kKeys,
-                        key_words + head * amx::key_words(padded),
-                        value_words + head * amx::value_halves(padded));
-      } else {
-        const int64_t item = task - kv_heads * blocks;
-        amx::pack_queries(q_ptr + item / row_blocks * amx::kDim, q.stride(0), n,
-                          item % row_blocks * amx::kRows, query_words + item * kQueryWords);
-      }
+      const int64_t head = task / blocks, block = task % blocks;
+      amx::pack_block(k_ptr, v_ptr, table_ptr, geo.block_size, geo.token_stride, head,
+                      context_len, block * amx::kKeys, (block + 1) * amx::kKeys,
+                      key_words + head * amx::key_words(padded),
+                      value_words + head * amx::value_halves(padded));
+    }
+  });
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      amx::pack_queries(q_ptr + item / row_blocks * amx::kDim, q.stride(0), n,
+                        item % row_blocks * amx::kRows, query_words + item * kQueryWords);
     }
   });
   at::Tensor out = at::empty({n, geo.num_heads, amx::kDim}, q.options());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    const kvserve::TileConfig config = kvserve::full_tile_config();
-    KVSERVE_TILE_LOADCONFIG(&config);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / row_blocks, kv_head = head / geo.group;
-      amx::attend_rows(query_words + item * kQueryWords,
-                       key_words + kv_head * amx::key_words(padded),
-                       value_words + kv_head * amx::value_halves(padded), n, context_len,
-                       (item % row_blocks) * amx::kRows, static_cast<float>(scale),
-                       out_ptr + head * amx::kDim, geo.num_heads * amx::kDim);
+  // An item's work grows with its queries' positions: the last queries first, the heads of a
+  // kv head side by side (they read the same keys and values), taken by whichever thread is
+  // free (a static split gave one thread the long half of a head).
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; ++i) {
+    order[i] = (i % geo.num_heads) * row_blocks + (row_blocks - 1 - i / geo.num_heads);
+  }
+  struct Tiles {  // a thread's tile configuration, for the items it runs
+    Tiles() {
+      const kvserve::TileConfig config = kvserve::full_tile_config();
+      KVSERVE_TILE_LOADCONFIG(&config);
     }
-    KVSERVE_TILE_RELEASE();
+    ~Tiles() { KVSERVE_TILE_RELEASE(); }
+  };
+  run_items<Tiles>(order, [&](int64_t item, int64_t, Tiles&) {
+    const int64_t head = item / row_blocks, kv_head = head / geo.group;
+    amx::attend_rows(query_words + item * kQueryWords,
+                     key_words + kv_head * amx::key_words(padded),
+                     value_words + kv_head * amx::value_halves(padded), n, context_len,
+                     (item % row_blocks) * amx::kRows, static_cast<float>(scale),
+                     out_ptr + head * amx::kDim, geo.num_heads * amx::kDim);
   });
   return out;
 #else
