@@ -526,6 +526,35 @@ def test_amx_prefill_attention_matches_plain(block_size: int, heads: int,
 
 
 @requires_amx
+@pytest.mark.parametrize("growth", ["rising", "falling", "sharp"])
+def test_amx_prefill_attention_rescales_when_later_keys_score_higher(growth: str) -> None:
+    """The tiles' running max moves lazily (only past 2^8 in log2 units), storing and
+    rescaling the output tiles mid-walk when it does: keys whose scores rise along the
+    context (a move on most 32-key steps), fall (the first step's max holds), or spread over
+    hundreds of units (probabilities underflowing to 0) all match float64 attention."""
+    gen = torch.Generator().manual_seed(8)
+    block_size, kv_heads, heads, context = 16, 3, 9, 400
+    num_blocks = context // block_size + 9
+    k_cache, v_cache = _caches(num_blocks, block_size, kv_heads, 64, torch.float32, gen)
+    table = _tables([context], block_size, num_blocks, gen)[0]
+    slots = table[torch.arange(context) // block_size] * block_size + \
+        torch.arange(context) % block_size
+    ramp = torch.linspace(0.2, 3.0, context)  # per position
+    weight = {"rising": ramp, "falling": ramp.flip(0),
+              "sharp": torch.full((context,), 12.0)}[growth]
+    flat = k_cache.flatten(0, 1)
+    flat[slots] = flat[slots] * weight[:, None, None]
+    k_cache, v_cache = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    q = (torch.randn((context, heads, 64), generator=gen) * 2).to(torch.bfloat16)
+    for n in (context, 70):  # the whole prompt; a chunk after a prefix
+        got = paged_kernel.amx_prefill_attention(q[-n:], k_cache, v_cache, table, context)
+        want = _plain(q[-n:], k_cache, v_cache, table, context)
+        assert torch.isfinite(got.float()).all()
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=n: f"{growth}, {n} rows: {m}")
+
+
+@requires_amx
 def test_amx_prefill_attention_refuses_what_it_does_not_compute() -> None:
     gen = torch.Generator().manual_seed(6)
     k_cache, v_cache = _caches(8, 16, 3, 64, torch.bfloat16, gen)
