@@ -51,6 +51,7 @@ constexpr int64_t kRows = 16;     // queries per work item (a tile's columns)
 constexpr int64_t kKeys = 32;     // keys per online-softmax step (two score tiles)
 constexpr int64_t kTileHalves = 512;  // 16 rows x 64 bytes, as uint16
 constexpr float kLazyRescale = 8.0f;  // log2 units: the running max moves past this, not before
+constexpr int64_t kQueryWords = kDim / 2 * kRows;  // one item's packed queries (pack_queries)
 
 // Packed keys of one kv head: rows [padded][64] bf16, as the cache holds them but contiguous
 // (a score tile's A operand is 16 of these rows, half of each). Packed values: for key block c
@@ -109,7 +110,8 @@ inline void transpose16(__m512i rows[16]) {
 }
 
 // The score tiles' B operands for queries [q0, q0 + 16) of one head (rows past n zero):
-// packed[h][p][r] = the bf16 pair of dimensions 32 h + 2 p, + 1 of query q0 + r (2 tiles).
+// packed[h][p][r] = the bf16 pair of dimensions 32 h + 2 p, + 1 of query q0 + r (2 tiles,
+// kQueryWords uint32).
 inline void pack_queries(const uint16_t* q, int64_t q_stride, int64_t n, int64_t q0,
                          uint32_t* packed) {
   const int64_t rows = std::min(kRows, n - q0);

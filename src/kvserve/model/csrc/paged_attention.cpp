@@ -665,11 +665,10 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t kv_heads = geo.num_kv_heads, blocks = padded / amx::kKeys;
   const int64_t row_blocks = (n + amx::kRows - 1) / amx::kRows;
   const int64_t items = geo.num_heads * row_blocks;  // work items: 16 queries of one head
-  constexpr int64_t kQueryWords = amx::kDim / 2 * amx::kRows;
   at::Tensor keys = at::empty({kv_heads, amx::key_words(padded)}, q.options().dtype(at::kInt));
   at::Tensor values =
       at::empty({kv_heads, amx::value_halves(padded)}, q.options().dtype(at::kShort));
-  at::Tensor queries = at::empty({items, kQueryWords}, q.options().dtype(at::kInt));
+  at::Tensor queries = at::empty({items, amx::kQueryWords}, q.options().dtype(at::kInt));
   auto* key_words = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
   auto* value_words = reinterpret_cast<uint16_t*>(values.data_ptr<int16_t>());
   auto* query_words = reinterpret_cast<uint32_t*>(queries.data_ptr<int32_t>());
@@ -690,7 +689,7 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       amx::pack_queries(q_ptr + item / row_blocks * amx::kDim, q.stride(0), n,
-                        item % row_blocks * amx::kRows, query_words + item * kQueryWords);
+                        item % row_blocks * amx::kRows, query_words + item * amx::kQueryWords);
     }
   });
   at::Tensor out = at::empty({n, geo.num_heads, amx::kDim}, q.options());
@@ -711,7 +710,7 @@ at::Tensor amx_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   };
   run_items<Tiles>(order, [&](int64_t item, int64_t, Tiles&) {
     const int64_t head = item / row_blocks, kv_head = head / geo.group;
-    amx::attend_rows(query_words + item * kQueryWords,
+    amx::attend_rows(query_words + item * amx::kQueryWords,
                      key_words + kv_head * amx::key_words(padded),
                      value_words + kv_head * amx::value_halves(padded), n, context_len,
                      (item % row_blocks) * amx::kRows, static_cast<float>(scale),
