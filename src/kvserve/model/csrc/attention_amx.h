@@ -83,32 +83,6 @@ inline void pack_block(const uint16_t* k_cache, const uint16_t* v_cache, const i
   }
 }
 
-// Transposes 16 rows of 16 32-bit lanes in place (rows[c] becomes column c).
-inline void transpose16(__m512i rows[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  __m512i u[16];  // u[4 i + k], lane l: column 4 l + k of rows 4 i .. 4 i + 3
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // the 4 x 4 lanes of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512i w0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i w3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    rows[k] = _mm512_shuffle_i32x4(w0, w2, 0x88);
-    rows[4 + k] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
-    rows[8 + k] = _mm512_shuffle_i32x4(w1, w3, 0x88);
-    rows[12 + k] = _mm512_shuffle_i32x4(w1, w3, 0xDD);
-  }
-}
-
 // The score tiles' B operands for queries [q0, q0 + 16) of one head (rows past n zero):
 // packed[h][p][r] = the bf16 pair of dimensions 32 h + 2 p, + 1 of query q0 + r (2 tiles,
 // kQueryWords uint32).
@@ -121,7 +95,7 @@ inline void pack_queries(const uint16_t* q, int64_t q_stride, int64_t n, int64_t
       lanes[r] = r < rows ? _mm512_loadu_si512(q + (q0 + r) * q_stride + 32 * h)
                           : _mm512_setzero_si512();
     }
-    transpose16(lanes);
+    transpose16x16_epi32(lanes);
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(packed + (h * 16 + p) * kRows, lanes[p]);
   }
 }
@@ -289,7 +263,7 @@ inline void attend_rows(const uint32_t* queries, const uint32_t* keys,
     for (int64_t d = 0; d < 16; ++d) {
       lanes[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(output[16 * e + d]), inverse));
     }
-    transpose16(lanes);  // lanes[r]: query r's 16 dimensions
+    transpose16x16_epi32(lanes);  // lanes[r]: query r's 16 dimensions
     for (int64_t r = 0; r < rows; ++r) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q0 + r) * out_stride + 16 * e),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(lanes[r])));

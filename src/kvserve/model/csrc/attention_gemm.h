@@ -34,32 +34,6 @@
 
 namespace kvserve {
 
-// In place: afterwards m[c] lane r is what m[r] lane c was (16 x 16 32-bit elements).
-inline void transpose16x16_epi32(__m512i m[16]) {
-  __m512i u[16];
-  for (int i = 0; i < 8; ++i) {  // within 128-bit lanes: rows 2i, 2i+1 interleaved
-    u[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
-    u[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
-  }
-  __m512i v[16];  // v[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
-  for (int i = 0; i < 4; ++i) {
-    v[4 * i] = _mm512_unpacklo_epi64(u[4 * i], u[4 * i + 2]);
-    v[4 * i + 1] = _mm512_unpackhi_epi64(u[4 * i], u[4 * i + 2]);
-    v[4 * i + 2] = _mm512_unpacklo_epi64(u[4 * i + 1], u[4 * i + 3]);
-    v[4 * i + 3] = _mm512_unpackhi_epi64(u[4 * i + 1], u[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // a 4 x 4 transpose of 128-bit lanes
-    const __m512i w0 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(v[k], v[4 + k], 0xEE);
-    const __m512i w2 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0x44);
-    const __m512i w3 = _mm512_shuffle_i32x4(v[8 + k], v[12 + k], 0xEE);
-    m[k] = _mm512_shuffle_i32x4(w0, w2, 0x88);
-    m[4 + k] = _mm512_shuffle_i32x4(w0, w2, 0xDD);
-    m[8 + k] = _mm512_shuffle_i32x4(w1, w3, 0x88);
-    m[12 + k] = _mm512_shuffle_i32x4(w1, w3, 0xDD);
-  }
-}
-
 // packed[j * stride + t] = dimensions (2j, 2j + 1) of key t = rows[t] + off, for j < D / 2
 // and t < count rounded up to 16 (keys past count are zero). stride >= that rounded count.
 template <int D>
