@@ -238,7 +238,11 @@ def test_prefill_chunks_go_to_amx_tiles_or_torchs_flash_attention_for_bf16_on_am
     tiles where the build compiled them, flash on an AMX CPU whose build did not; elsewhere
     the kernel stays, as nothing measured either there. KVSERVE_PREFILL_ATTENTION overrides
     the rule; amx where the build has no AMX path is refused."""
-    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, prefill_attention_kernel
+    from kvserve.model.kernel_info import (
+        AMX_PREFILL_ROWS,
+        FLASH_PREFILL_ROWS,
+        prefill_attention_kernel,
+    )
 
     amx = frozenset({"avx512_bf16", "amx_bf16"})
     built_amx = (*ALL_ISA, "amx_bf16")
@@ -258,7 +262,7 @@ def test_prefill_chunks_go_to_amx_tiles_or_torchs_flash_attention_for_bf16_on_am
                                          "AMX-BF16 tiles"):
         prefill_attention_kernel(BF16, amx, "amx", ALL_ISA)
     on_amx = op_kernels(BF16, True, built_amx, True, flags=amx)["attention"]
-    assert on_amx.endswith(f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
+    assert on_amx.endswith(f"prefill chunks of {AMX_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
                            "(head_dim 64; others torch's flash attention)")
     flash = op_kernels(BF16, True, ALL_ISA, True, flags=amx)["attention"]
     assert f"prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention" in flash

@@ -428,16 +428,15 @@ def test_a_build_says_so_before_the_minute_it_takes(monkeypatch, tmp_path, caplo
     assert not any("building" in m for m in caplog.messages)
 
 
-def _three_chunks(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, ForwardBatch]:
-    """q, caches and a prefill-only ForwardBatch of three chunks (rows, context): a whole
-    prompt, a chunk after a prefix, and one a row too short for flash or the AMX tiles."""
+def _chunks(dtype: torch.dtype, seed: int, short: tuple[int, ...]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+    """q, caches and a prefill-only ForwardBatch of chunks (rows, context): a whole prompt, a
+    chunk after a prefix, then one of each ``short`` row count over 40 tokens of context."""
     from kvserve.model.input_batch import ForwardBatch, PrefillChunk
-    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS
 
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache = _caches(80, 16, 3, 64, dtype, gen)
-    shapes = [(300, 300), (64, 200), (FLASH_PREFILL_ROWS - 1, 40)]
+    shapes = [(300, 300), (64, 200), *((n, 40) for n in short)]
     tables = _tables([context for _, context in shapes], 16, 80, gen)
     q = torch.randn((sum(n for n, _ in shapes), 9, 64), generator=gen).to(dtype)
     chunks, start = [], 0
@@ -461,7 +460,7 @@ def test_flash_prefill_chunks_match_plain_and_short_or_invariant_ones_keep_the_k
     from kvserve.model import attention
     from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
 
-    q, k_cache, v_cache, batch = _three_chunks(dtype, 11)
+    q, k_cache, v_cache, batch = _chunks(dtype, 11, (FLASH_PREFILL_ROWS - 1,))
     chunks = batch.prefills
     calls = []
     kernel_prefill = paged_kernel.prefill_attention
@@ -590,13 +589,18 @@ def test_a_build_without_amx_says_why_it_has_no_amx_prefill() -> None:
 @requires_amx
 def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     """KVSERVE_PREFILL_ATTENTION=amx (auto on an AMX build in bf16): chunks of
-    FLASH_PREFILL_ROWS+ rows go to the AMX tiles, shorter ones and --batch-invariant's rows
-    to the C++ kernel (all in one step_attention call: the bits say which kernel ran each);
-    every chunk matches the plain attention."""
+    AMX_PREFILL_ROWS+ rows go to the AMX tiles (FLASH_PREFILL_ROWS - 1 rows too), shorter
+    ones and --batch-invariant's rows to the C++ kernel (all in one step_attention call: the
+    bits say which kernel ran each); every chunk matches the plain attention."""
     from kvserve.model import attention
-    from kvserve.model.kernel_info import FLASH_PREFILL_ROWS, PREFILL_ATTENTION_ENV
+    from kvserve.model.kernel_info import (
+        AMX_PREFILL_ROWS,
+        FLASH_PREFILL_ROWS,
+        PREFILL_ATTENTION_ENV,
+    )
 
-    q, k_cache, v_cache, batch = _three_chunks(torch.bfloat16, 12)
+    q, k_cache, v_cache, batch = _chunks(torch.bfloat16, 12,
+                                         (AMX_PREFILL_ROWS - 1, FLASH_PREFILL_ROWS - 1))
     chunks = batch.prefills
     kernel_rows, amx_rows = [], []
     kernel_prefill, amx_prefill = paged_kernel.prefill_attention, \
@@ -606,13 +610,13 @@ def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     monkeypatch.setattr(paged_kernel, "amx_prefill_attention", lambda q, *a, **k:
                         amx_rows.append(q.shape[0]) or amx_prefill(q, *a, **k))
 
-    def by_rows(q, *args):  # the route the rule names: tiles from FLASH_PREFILL_ROWS rows
-        return (amx_prefill if q.shape[0] >= FLASH_PREFILL_ROWS else kernel_prefill)(q, *args)
+    def by_rows(q, *args):  # the route the rule names: tiles from AMX_PREFILL_ROWS rows
+        return (amx_prefill if q.shape[0] >= AMX_PREFILL_ROWS else kernel_prefill)(q, *args)
 
-    long = chunks[0]  # the two kernels sum in other orders: their bits differ
-    long_rows = slice(long.start, long.start + long.num_tokens)
-    assert not torch.equal(*(f(q[long_rows], k_cache, v_cache, long.block_table,
-                                 long.context_len) for f in (amx_prefill, kernel_prefill)))
+    for chunk in chunks:  # the two kernels sum in other orders: their bits differ
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        assert not torch.equal(*(f(q[rows], k_cache, v_cache, chunk.block_table,
+                                   chunk.context_len) for f in (amx_prefill, kernel_prefill)))
     for choice in ("amx", "auto"):
         monkeypatch.setenv(PREFILL_ATTENTION_ENV, choice)
         out = attention.paged_attention(q, k_cache, v_cache, batch)
@@ -629,7 +633,7 @@ def test_amx_prefill_chunks_route_by_rows_and_match_plain(monkeypatch) -> None:
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "amx")
     q32, k32, v32 = q.float(), k_cache.float(), v_cache.float()
     out = attention.paged_attention(q32, k32, v32, batch)
-    assert (kernel_rows, amx_rows) == ([FLASH_PREFILL_ROWS - 1], [])
+    assert (kernel_rows, amx_rows) == ([AMX_PREFILL_ROWS - 1, FLASH_PREFILL_ROWS - 1], [])
     for chunk in chunks:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         want = _plain(q32[rows], k32, v32, chunk.block_table, chunk.context_len)

@@ -92,7 +92,8 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @functools.cache
 def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
-    """What prefill chunks of FLASH_PREFILL_ROWS+ rows run on: ``kernel``, ``flash`` or
+    """What prefill chunks of FLASH_PREFILL_ROWS+ rows (amx: AMX_PREFILL_ROWS+) run on:
+    ``kernel``, ``flash`` or
     ``amx`` (kernel_info.prefill_attention_kernel has the rule); amx where this head_dim or
     this process cannot run it (Linux refused the tile state) is flash."""
     kind = kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags, choice,
@@ -105,11 +106,12 @@ def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
 
 def kernel_prefill_route(batch: ForwardBatch, dtype: torch.dtype, head_dim: int,
                          match_decode: bool = False) -> str | None:
-    """What this step's prefill chunks of FLASH_PREFILL_ROWS+ rows run on when the C++
-    kernels run its attention (:func:`paged_kernel.step_attention`): ``kernel`` or ``amx``;
-    None where one of them is torch's flash attention's (:func:`_prefill_kernel`), which only
-    the Python path calls. --batch-invariant's rows (``match_decode``) keep the kernel: only
-    it sums as a decode does."""
+    """What this step's prefill chunks of FLASH_PREFILL_ROWS+ rows (AMX_PREFILL_ROWS+ for the
+    tiles) run on when the C++ kernels run its attention
+    (:func:`paged_kernel.step_attention`): ``kernel`` or ``amx``; None where one of them is
+    torch's flash attention's (:func:`_prefill_kernel`), which only the Python path calls.
+    --batch-invariant's rows (``match_decode``) keep the kernel: only it sums as a decode
+    does."""
     if not batch.prefills or match_decode:
         return "kernel"
     kind = _prefill_kernel(dtype, head_dim, kernel_info.prefill_attention_choice())
@@ -127,7 +129,7 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         route = kernel_prefill_route(batch, q.dtype, q.shape[-1], match_decode)
         if route is not None:  # every row on the C++ kernels: one call
             return paged_kernel.step_attention(q, k_cache, v_cache, batch, route == "amx",
-                                               kernel_info.FLASH_PREFILL_ROWS, match_decode)
+                                               kernel_info.AMX_PREFILL_ROWS, match_decode)
     # torch's paths: the torch decodes, or prefill chunks for flash attention
     num_decodes = batch.num_decodes
     out = torch.empty_like(q)

@@ -153,8 +153,12 @@ PREFILL_ATTENTION_ENV = "KVSERVE_PREFILL_ATTENTION"
 # (the C++ paged kernel), flash (torch's flash attention over the gathered context), amx (the
 # C++ AMX-BF16 tiles of csrc/attention_amx.h).
 PREFILL_ATTENTION_CHOICES = ("auto", "kernel", "flash", "amx")
-# flash and amx: a prefill chunk of at least this many rows (fewer: the C++ kernel, as decodes)
+# flash: a prefill chunk of at least this many rows (fewer: the C++ kernel, as decodes)
 FLASH_PREFILL_ROWS = 16
+# amx: the same for the AMX tiles (csrc/attention_amx.h pads a chunk to 16 rows per head, yet
+# from 8 rows beats the kernel: 1.26x at 8 rows over 512 keys, 0.90x at 4, 0.45x at 1;
+# docs/kernels.md)
+AMX_PREFILL_ROWS = 8
 # amx: the head_dim csrc/attention_amx.h computes (another runs flash instead)
 AMX_PREFILL_HEAD_DIM = 64
 
@@ -170,16 +174,16 @@ def prefill_attention_choice() -> str:
 
 def prefill_attention_kernel(dtype: torch.dtype, flags: frozenset[str],
                              choice: str = "auto", compiled_isa: tuple[str, ...] = ()) -> str:
-    """What a CPU prefill chunk of FLASH_PREFILL_ROWS rows or more runs on where the C++
-    kernel is built: ``kernel`` (csrc's paged prefill tiles), ``flash`` (torch's
-    scaled_dot_product_attention over the gathered context, 4-D so ATen takes its flash
-    attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has them)
-    or ``amx`` (csrc/attention_amx.h: kvserve's own AMX-BF16 tiles, read straight from the
-    paged cache; bf16, head_dim 64, where the build compiled it). ``auto``: amx for bf16 where
-    the build has it (1.2-2.5x flash at 16-1,000 rows on an AMX Xeon, docs/kernels.md), else
-    flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel there), the kernel elsewhere
-    (no other CPU measured flash yet). ValueError where ``amx`` is asked for and this build
-    has no AMX path; ``amx`` for another dtype than bf16 is flash."""
+    """What a CPU prefill chunk of FLASH_PREFILL_ROWS rows or more (AMX_PREFILL_ROWS for amx)
+    runs on where the C++ kernel is built: ``kernel`` (csrc's paged prefill tiles), ``flash``
+    (torch's scaled_dot_product_attention over the gathered context, 4-D so ATen takes its
+    flash attention, whose bf16 products are oneDNN brgemm calls: AMX tiles where the CPU has
+    them) or ``amx`` (csrc/attention_amx.h: kvserve's own AMX-BF16 tiles, read straight from
+    the paged cache; bf16, head_dim 64, where the build compiled it). ``auto``: amx for bf16
+    where the build has it (2-4x flash at 16-1,000 rows on an AMX Xeon, docs/kernels.md),
+    else flash for bf16 on a CPU with amx_bf16 (1.1-2.5x the kernel there), the kernel
+    elsewhere (no other CPU measured flash yet). ValueError where ``amx`` is asked for and
+    this build has no AMX path; ``amx`` for another dtype than bf16 is flash."""
     if choice == "auto":
         if dtype == torch.bfloat16 and "amx_bf16" in compiled_isa:
             return "amx"
@@ -350,7 +354,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
         attention += (f"; prefill chunks of {FLASH_PREFILL_ROWS}+ rows: torch's flash attention "
                       "(oneDNN brgemm, AMX tiles where the CPU has them)")
     elif fused and prefill_kernel == "amx":
-        attention += (f"; prefill chunks of {FLASH_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
+        attention += (f"; prefill chunks of {AMX_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
                       f"(head_dim {AMX_PREFILL_HEAD_DIM}; others torch's flash attention)")
     if fused and prefill_kernel != "kernel" and prefill != "auto":
         attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"

@@ -29,8 +29,8 @@ from kvserve.model.attention import kernel_prefill_route, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.input_batch import ForwardBatch
 from kvserve.model.kernel_info import (
+    AMX_PREFILL_ROWS,
     AMX_TILE_K,
-    FLASH_PREFILL_ROWS,
     cpu_info,
     hybrid_panel_rows,
     layer_stack_enabled,
@@ -374,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
         if stack is not None:  # the same kernels in the same order, looped in C++
             x, residual = stack.run(x, batch.positions, batch.slot_mapping,
                                     *paged_kernel.step_layout(batch), route == "amx",
-                                    FLASH_PREFILL_ROWS)
+                                    AMX_PREFILL_ROWS)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, batch, kv_cache, attention)
