@@ -529,8 +529,10 @@ def test_amx_prefill_attention_matches_plain(block_size: int, heads: int,
 def test_amx_prefill_attention_rescales_when_later_keys_score_higher(growth: str) -> None:
     """The tiles' running max moves lazily (only past 2^8 in log2 units), storing and
     rescaling the output tiles mid-walk when it does: keys whose scores rise along the
-    context (a move on most 32-key steps), fall (the first step's max holds), or spread over
-    hundreds of units (probabilities underflowing to 0) all match float64 attention."""
+    context (the max moves several times mid-walk), fall (the first step's max mostly
+    holds), or spread over tens of log2 units (most probabilities underflow to 0) all match
+    float64 attention. With the rescale removed from the kernel these fail; the tests
+    above pass."""
     gen = torch.Generator().manual_seed(8)
     block_size, kv_heads, heads, context = 16, 3, 9, 400
     num_blocks = context // block_size + 9

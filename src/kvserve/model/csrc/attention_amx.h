@@ -20,10 +20,9 @@
 //   rounded to bf16 to nearest even, as the other bf16 paths do, and laid out as a B tile of
 //   key pairs x queries); values x probabilities added into four output tiles (2-5, dimensions
 //   x queries) that stay in the tiles for the whole walk. Tiles 6 and 7 are operand scratch.
-// - The running max moves lazily: only where
-//   a step's score passes it by kLazyRescale (in log2 units), so most steps never store the
-//   output tiles to rescale them; probabilities are then at most 2^8, exact enough in float32
-//   and bf16 alike.
+// - The running max moves lazily: only where a step's score passes it by kLazyRescale (in
+//   log2 units), so most steps never store the output tiles to rescale them; probabilities
+//   are then at most 2^8, exact enough in float32 and bf16 alike.
 // - Tile loads take no data from pending vector stores, nor vector loads from tile stores:
 //   each waits for the other's stores to reach the cache. So the steps are pipelined: in step
 //   s the scores of step s + 1 and the value products of step s - 1 are issued before step s's
