@@ -93,9 +93,9 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 @functools.cache
 def _prefill_kernel(dtype: torch.dtype, head_dim: int, choice: str) -> str:
     """What prefill chunks of FLASH_PREFILL_ROWS+ rows (amx: AMX_PREFILL_ROWS+) run on:
-    ``kernel``, ``flash`` or
-    ``amx`` (kernel_info.prefill_attention_kernel has the rule); amx where this head_dim or
-    this process cannot run it (Linux refused the tile state) is flash."""
+    ``kernel``, ``flash`` or ``amx`` (kernel_info.prefill_attention_kernel has the rule); amx
+    where this head_dim or this process cannot run it (Linux refused the tile state) is
+    flash."""
     kind = kernel_info.prefill_attention_kernel(dtype, kernel_info.cpu_info().flags, choice,
                                                 tuple(paged_kernel.compiled_isa()))
     if kind == "amx" and (head_dim != kernel_info.AMX_PREFILL_HEAD_DIM or

@@ -296,7 +296,7 @@ def describe_projections(kernel: str, dtype: torch.dtype, choice: str = "auto",
 
 def layer_stack_enabled() -> bool:
     """``KVSERVE_LAYER_STACK=0`` runs every step's layers through the modules (to time ops
-    one by one, benchmarks/profile_offline.py, or to compare); else decode steps that
+    one by one, benchmarks/profile_offline.py, or to compare); else the steps that
     :func:`describe_layer_loop` names loop in C++."""
     return os.environ.get(LAYER_STACK_ENV, "1") != "0"
 

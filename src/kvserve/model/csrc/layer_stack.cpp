@@ -13,9 +13,9 @@
 // What it covers: steps of a bfloat16 model whose every projection runs on the pair panels
 // at this row count (panel_linear_bf16, or panel_linear_amx where the panel is marked for the
 // tiles), attention through step_attention (decodes, and prefill chunks on the C++ prefill
-// kernel or the AMX tiles, as paged_attention runs them). llama.py decides when (its _layer_stack); anything else (oneDNN
-// projections, a chunk for torch's flash attention, int8, float32, --batch-invariant, a GPU)
-// runs the modules as before.
+// kernel or the AMX tiles, as paged_attention runs them). llama.py decides when (its
+// _layer_stack); anything else (oneDNN projections, a chunk for torch's flash attention,
+// int8, float32, --batch-invariant, a GPU) runs the modules as before.
 
 #include "layer_stack.h"
 
