@@ -304,15 +304,16 @@ def test_build_lock_clears_a_killed_builds_lock_and_excludes_others(tmp_path) ->
 PREFETCH_UNIT = """
 #include <c10/util/BFloat16.h>
 #include "attention_tile.h"
-using kvserve::Ahead;
+using Ahead = kvserve::Ahead<c10::BFloat16>;
 void keys(const float* q, const c10::BFloat16* const* rows, int count, float* scores,
-          const char* const* at) {
-  kvserve::dots<c10::BFloat16, 64>(q, nullptr, 3, 64, rows, 0, count, scores, 64, Ahead{at, 2});
+          const c10::BFloat16* const* window) {
+  kvserve::dots<c10::BFloat16, 64>(q, nullptr, 3, 64, rows, 0, count, scores, 64,
+                                   Ahead{window, count, 0, 3, 64, 2});
 }
 void values(float* acc, const c10::BFloat16* const* rows, int count, const float* probs,
-            const char* const* at) {
+            const c10::BFloat16* const* window) {
   kvserve::accumulate_values<c10::BFloat16, 64>(acc, 3, 64, rows, 0, count, probs, 64,
-                                                Ahead{at, 2});
+                                                Ahead{window, count, 0, 3, 64, 2});
 }
 """
 

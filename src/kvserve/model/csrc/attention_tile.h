@@ -27,17 +27,37 @@
 
 namespace kvserve {
 
-// Addresses to prefetch while a tile computes (the next tile's rows, in address order): the
-// call visiting the tile's key t prefetches `lines` cache lines from at[t] into L2. Spread over
-// the keys this way, the fetch of the next tile runs under this tile's arithmetic instead of
-// before it. at == nullptr: nothing to prefetch.
+// What to prefetch while a tile computes: the window's rows (the next keys of the thread's
+// stream, in address order), each cut into `pieces` head-sized pieces of `dim` elements from
+// rows[r] + offset, fetched one piece per key the tile's calls visit, `lines` cache lines each.
+// A cursor: fetch() takes the next piece, and from(i) starts a call's share at piece i. Spread
+// over the keys this way, the fetch of the next tile runs under this tile's arithmetic instead
+// of before it. size 0: nothing to prefetch.
+template <typename T>
 struct Ahead {
-  const char* const* at = nullptr;
-  int lines = 0;
+  const T* const* rows = nullptr;
+  int size = 0;              // rows in the window
+  std::ptrdiff_t offset = 0;  // elements from a row pointer to its first piece (K 0, V to_v)
+  int pieces = 1;            // per row
+  int dim = 0;               // elements per piece
+  int lines = 0;             // cache lines per piece
+  int row = 0, piece = 0;    // the cursor: the next piece to fetch
 
-  void fetch(int t) const {
-    const char* p = at[t];
+  Ahead from(int first) const {
+    Ahead at = *this;
+    at.row = first / pieces;
+    at.piece = first % pieces;
+    return at;
+  }
+
+  void fetch() {
+    if (row >= size) return;
+    const char* p = reinterpret_cast<const char*>(rows[row] + offset + piece * dim);
     for (int i = 0; i < lines; ++i) prefetch_l2(p + 64 * i);  // prefetch.h
+    if (++piece == pieces) {
+      piece = 0;
+      ++row;
+    }
   }
 };
 
@@ -51,34 +71,24 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-// Sums each of 16 vectors: lane t of the result is the sum of the lanes of v[t].
-inline __m512 transpose_sum16(__m512 v[16]) {
-  // Step 1: pairs (0,1) ... fold 512 -> 256 bits: lo of a with lo of b, hi with hi.
-  __m512 s8[8];
-  for (int i = 0; i < 8; ++i) {
-    __m512 a = v[2 * i], b = v[2 * i + 1];
-    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x44);  // a0 a1 b0 b1 (128-bit lanes)
-    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xEE);  // a2 a3 b2 b3
-    s8[i] = _mm512_add_ps(lo, hi);                 // [a01+a23 | b01+b23] as 2x256
+// The transpose-and-add of 16 vectors (lane t of the result: the sum of the lanes of vector t)
+// as a binary tree over the vectors in order: fold16<L> joins two neighbouring subtrees of
+// 2^L vectors each, halving their partial sums' width; finish16 puts the lanes in order.
+template <int L>
+inline __m512 fold16(__m512 a, __m512 b) {
+  if constexpr (L == 0) {  // 512 -> 256 bits per vector: lo of a with lo of b, hi with hi
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  } else if constexpr (L == 1) {  // 128-bit lanes: 4 vectors' partials
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  } else if constexpr (L == 2) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  } else {
+    static_assert(L == 3, "16 vectors: four levels");
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
   }
-  __m512 s4[4];
-  for (int i = 0; i < 4; ++i) {
-    __m512 a = s8[2 * i], b = s8[2 * i + 1];
-    __m512 lo = _mm512_shuffle_f32x4(a, b, 0x88);  // a0 a2 b0 b2
-    __m512 hi = _mm512_shuffle_f32x4(a, b, 0xDD);  // a1 a3 b1 b3
-    s4[i] = _mm512_add_ps(lo, hi);  // 128-bit lanes: token 4i, 4i+1, 4i+2, 4i+3 partials
-  }
-  __m512 s2[2];
-  for (int i = 0; i < 2; ++i) {
-    __m512 a = s4[2 * i], b = s4[2 * i + 1];
-    __m512 lo = _mm512_shuffle_ps(a, b, 0x44);  // per 128: a0 a1 b0 b1
-    __m512 hi = _mm512_shuffle_ps(a, b, 0xEE);  // a2 a3 b2 b3
-    s2[i] = _mm512_add_ps(lo, hi);
-  }
-  __m512 lo = _mm512_shuffle_ps(s2[0], s2[1], 0x88);  // a0 a2 b0 b2
-  __m512 hi = _mm512_shuffle_ps(s2[0], s2[1], 0xDD);  // a1 a3 b1 b3
-  __m512 r = _mm512_add_ps(lo, hi);
-  // Element 4j + k of r now holds token j + 4k; gather them back into token order.
+}
+inline __m512 finish16(__m512 r) {
+  // Element 4j + k of r now holds vector j + 4k; gather them back into order.
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(idx, r);
 }
@@ -94,7 +104,10 @@ struct Vec16 {
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static F sum_each(F v[16]) { return transpose_sum16(v); }
+  static constexpr int kLevels = 4;  // of the transpose-and-add (KeySums)
+  template <int L>
+  static F fold(F a, F b) { return fold16<L>(a, b); }
+  static F finish(F r) { return finish16(r); }
   static void store_first(float* p, F v, int n) {  // lanes 0..n-1
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
   }
@@ -105,12 +118,16 @@ struct Vec16 {
 // The same vectors on AVX2 + FMA: 8 float32 lanes.
 
 #if defined(KVSERVE_AVX2_TILES)
-// Lane t of the result is the sum of the eight lanes of v[t].
-inline __m256 transpose_sum8(const __m256 v[8]) {
-  // Per 128-bit half: a holds the sums of v[0..3] over that half's four lanes, b of v[4..7].
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+// The transpose-and-add of 8 vectors as Vec16's, on 8 lanes: two rounds of vhaddps within the
+// 128-bit halves, then the halves of the two 4-vector subtrees added across.
+template <int L>
+inline __m256 fold8(__m256 a, __m256 b) {
+  if constexpr (L < 2) {
+    return _mm256_hadd_ps(a, b);
+  } else {
+    static_assert(L == 2, "8 vectors: three levels");
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
 }
 
 struct Vec8 {
@@ -126,7 +143,10 @@ struct Vec8 {
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static F sum_each(F v[8]) { return transpose_sum8(v); }
+  static constexpr int kLevels = 3;
+  template <int L>
+  static F fold(F a, F b) { return fold8<L>(a, b); }
+  static F finish(F r) { return r; }
   static void store_first(float* p, F v, int n) {  // lanes 0..n-1
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, v);
@@ -191,6 +211,30 @@ struct Bf16Dot {
 };
 #endif
 
+// The lane sums of V::kLanes keys' partial vectors per row (lane t of sums[g]: the sum of key
+// t's vector for row g), the transpose-and-add's tree folded as its leaves arrive in key
+// order: at most one vector per level waits, per row. (Holding all the keys' vectors for the
+// transpose at the end, GN x 16 of them, spilled them to the stack.)
+template <typename V, int GN>
+struct KeySums {
+  using F = typename V::F;
+  F waiting[V::kLevels][GN];
+  F sums[GN];
+
+  // Key T's vectors (p is consumed).
+  template <int T, int L = 0>
+  void add(F (&p)[GN]) {
+    if constexpr (L == V::kLevels) {
+      for (int g = 0; g < GN; ++g) sums[g] = V::finish(p[g]);
+    } else if constexpr (((T >> L) & 1) != 0) {
+      for (int g = 0; g < GN; ++g) p[g] = V::template fold<L>(waiting[L][g], p[g]);
+      add<T, L + 1>(p);
+    } else {
+      for (int g = 0; g < GN; ++g) waiting[L][g] = p[g];
+    }
+  }
+};
+
 // scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4) and the tile's keys
 // k_t = rows[t] + off; head_dim is NV registers of Dot::kWidth (NV = 0: known at run time).
 // As many keys at a time as a vector has lanes: per key and row a vector of partial sums, then
@@ -198,29 +242,29 @@ struct Bf16Dot {
 template <typename Dot, int GN, int NV>
 void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::Key* const* rows,
                std::ptrdiff_t off, int count, float* scores, int stride,
-               const Ahead& ahead) {
+               Ahead<typename Dot::Key> ahead) {
   using V = typename Dot::Vec;
   constexpr int kKeys = V::kLanes;
   const int nv = NV > 0 ? NV : head_dim / Dot::kWidth;
   const typename Dot::template Rows<GN, NV> query(q, head_dim);
   for (int t0 = 0; t0 < count; t0 += kKeys) {
     const int tn = std::min(kKeys, count - t0);
-    typename V::F part[GN][kKeys];
-    for (int t = 0; t < kKeys; ++t) {
+    KeySums<V, GN> sums;
+    unrolled<kKeys>([&](auto key) {
+      constexpr int t = decltype(key)::value;
       typename V::F acc[GN];
       for (int g = 0; g < GN; ++g) acc[g] = V::zero();
       if (t < tn) {
-        if (ahead.at) ahead.fetch(t0 + t);
+        ahead.fetch();
         const typename Dot::Key* k = rows[t0 + t] + off;
         for (int v = 0; v < nv; ++v) {
-          const auto key = Dot::load_key(k + Dot::kWidth * v);
-          for (int g = 0; g < GN; ++g) acc[g] = Dot::madd(acc[g], query(g, v), key);
+          const auto key_part = Dot::load_key(k + Dot::kWidth * v);
+          for (int g = 0; g < GN; ++g) acc[g] = Dot::madd(acc[g], query(g, v), key_part);
         }
       }
-      for (int g = 0; g < GN; ++g) part[g][t] = acc[g];
-    }
-    for (int g = 0; g < GN; ++g)
-      V::store_first(scores + g * stride + t0, V::sum_each(part[g]), tn);
+      sums.template add<t>(acc);
+    });
+    for (int g = 0; g < GN; ++g) V::store_first(scores + g * stride + t0, sums.sums[g], tn);
   }
 }
 
@@ -228,11 +272,11 @@ void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::K
 template <typename Dot, int NV>
 void dots_groups(const typename Dot::Query* q, int group, int head_dim,
                  const typename Dot::Key* const* rows, std::ptrdiff_t off, int count,
-                 float* scores, int stride, const Ahead& ahead) {
+                 float* scores, int stride, const Ahead<typename Dot::Key>& ahead) {
   for_chunks<4>(group, [&](int g0, auto gn) {
     dots_simd<Dot, decltype(gn)::value, NV>(q + g0 * head_dim, head_dim, rows, off, count,
                                             scores + g0 * stride, stride,
-                                            g0 == 0 ? ahead : Ahead{});
+                                            g0 == 0 ? ahead : Ahead<typename Dot::Key>{});
   });
 }
 
@@ -240,13 +284,13 @@ void dots_groups(const typename Dot::Query* q, int group, int head_dim,
 // registers over the whole tile.
 template <typename V, typename T, int GN, int VN>
 void accumulate_simd(float* acc, int head_dim, const T* const* rows, std::ptrdiff_t off,
-                     int count, const float* probs, int stride, const Ahead& ahead) {
+                     int count, const float* probs, int stride, Ahead<T> ahead) {
   constexpr int kLanes = V::kLanes;
   typename V::F a[GN][VN];
   for (int g = 0; g < GN; ++g)
     for (int v = 0; v < VN; ++v) a[g][v] = V::load(acc + g * head_dim + kLanes * v);
   for (int t = 0; t < count; ++t) {
-    if (ahead.at) ahead.fetch(t);
+    ahead.fetch();
     const T* row = rows[t] + off;
     typename V::F x[VN];
     for (int v = 0; v < VN; ++v) x[v] = V::load(row + kLanes * v);
@@ -264,12 +308,12 @@ void accumulate_simd(float* acc, int head_dim, const T* const* rows, std::ptrdif
 template <typename V, typename T>
 void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows,
                        std::ptrdiff_t off, int count, const float* probs, int stride,
-                       const Ahead& ahead) {
+                       const Ahead<T>& ahead) {
   for_chunks<4>(group, [&](int g0, auto gn) {
     for_chunks<V::kMaxVectors>(head_dim / V::kLanes, [&](int v0, auto vn) {
       accumulate_simd<V, T, decltype(gn)::value, decltype(vn)::value>(
           acc + g0 * head_dim + V::kLanes * v0, head_dim, rows, off + V::kLanes * v0, count,
-          probs + g0 * stride, stride, g0 == 0 && v0 == 0 ? ahead : Ahead{});
+          probs + g0 * stride, stride, g0 == 0 && v0 == 0 ? ahead : Ahead<T>{});
     });
   });
 }
@@ -282,10 +326,10 @@ void accumulate_groups(float* acc, int group, int head_dim, const T* const* rows
 template <typename T, int D>
 void dots_generic(const float* q, int group, int head_dim, const T* const* rows,
                   std::ptrdiff_t off, int count, float* scores, int stride,
-                  const Ahead& ahead) {
+                  Ahead<T> ahead) {
   const int dim = D > 0 ? D : head_dim;
   for (int t = 0; t < count; ++t) {
-    if (ahead.at) ahead.fetch(t);
+    ahead.fetch();
     const T* k = rows[t] + off;
     for (int g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
@@ -301,10 +345,10 @@ void dots_generic(const float* q, int group, int head_dim, const T* const* rows,
 template <typename T, int D>
 void accumulate_generic(float* acc, int group, int head_dim, const T* const* rows,
                         std::ptrdiff_t off, int count, const float* probs, int stride,
-                        const Ahead& ahead) {
+                        Ahead<T> ahead) {
   const int dim = D > 0 ? D : head_dim;
   for (int t = 0; t < count; ++t) {
-    if (ahead.at) ahead.fetch(t);
+    ahead.fetch();
     const T* v = rows[t] + off;
     for (int g = 0; g < group; ++g) {
       const float p = probs[g * stride + t];
@@ -335,7 +379,7 @@ constexpr bool bf16_dots_compiled() {
 template <typename T, int D>
 inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int head_dim,
                  const T* const* rows, std::ptrdiff_t off, int count, float* scores,
-                 int stride, const Ahead& ahead = {}) {
+                 int stride, const Ahead<T>& ahead = {}) {
 #if defined(__AVX512BF16__)
   if constexpr (bf16_dots_compiled<T, D>()) {
     if (q_bf16 != nullptr) {
@@ -365,7 +409,7 @@ inline void dots(const float* q, const c10::BFloat16* q_bf16, int group, int hea
 template <typename T, int D>
 inline void accumulate_values(float* acc, int group, int head_dim, const T* const* rows,
                               std::ptrdiff_t off, int count, const float* probs, int stride,
-                              const Ahead& ahead = {}) {
+                              const Ahead<T>& ahead = {}) {
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0) {
     return accumulate_groups<Vec16, T>(acc, group, head_dim, rows, off, count, probs, stride,

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -78,6 +79,17 @@ inline void with_constant(int n, Fn&& fn) {
   } else {
     with_constant<Max - 1>(n, fn);
   }
+}
+
+// fn(Int<0>{}), fn(Int<1>{}) ... fn(Int<N - 1>{}), in that order: a loop unrolled with its index
+// known at compile time.
+template <typename Fn, int... I>
+inline void unrolled_each(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(Int<I>{}), ...);
+}
+template <int N, typename Fn>
+inline void unrolled(Fn&& fn) {
+  unrolled_each(fn, std::make_integer_sequence<int, N>{});
 }
 
 // fn(begin, Int<n>{}) for [0, total) in consecutive chunks of n = Max (the last one shorter).

@@ -55,6 +55,7 @@
 
 namespace {
 
+using kvserve::Ahead;
 using kvserve::accumulate_values;
 using kvserve::bf16_dots_compiled;
 using kvserve::dispatch_dtype;
@@ -89,7 +90,6 @@ struct WorkState {
   std::vector<uint32_t> value_pairs;  // prefill's tile of values in pairs-of-keys order
   std::vector<uint32_t> probability_pairs;  // prefill's probabilities in bf16, by pairs
   std::vector<float> keys_t;          // prefill's tile of keys transposed (AVX2)
-  std::vector<const char*> ahead;     // decode: the window's prefetch addresses (Ahead)
   int prefetched = 0;  // decode: how many of this item's first keys the last item prefetched
   // Views into scratch, laid out by start(): [nrows][stride] scores (then probabilities),
   // [nrows][dim] accumulators, [nrows][extra] for the caller, the running max m and sum l.
@@ -216,24 +216,6 @@ inline int item_rows(const Geometry& geo, const T* k_cache, const ItemKeys& keys
   return count;
 }
 
-// The prefetch addresses for a tile of `calls` keys per head over nheads heads (Ahead): the
-// window's K rows (to_v 0) or V rows, head-sized pieces in address order, call i of the
-// nheads * calls taking piece i (calls left over repeat the last piece; the window has at
-// most `calls` rows, so no piece is left over).
-template <typename T>
-void ahead_pieces(const T* const* next, int upcoming, int nheads, int dim, std::ptrdiff_t to_v,
-                  int calls, const char** at) {
-  const int total = nheads * calls;
-  int i = 0;
-  for (int t = 0; t < upcoming && i < total; ++t) {
-    for (int h = 0; h < nheads && i < total; ++h) {
-      at[i++] = reinterpret_cast<const char*>(next[t] + to_v + h * dim);
-    }
-  }
-  const char* last = i > 0 ? at[i - 1] : reinterpret_cast<const char*>(next);
-  std::fill(at + i, at + total, last);
-}
-
 // Query heads of kv heads [keys.h0, h1) of one request: rows r = (kv head - h0) * group + g
 // are the request's query heads h0 * group + r, contiguous in q and out.
 //
@@ -262,9 +244,6 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   const std::ptrdiff_t to_v = v_cache - k_cache;
   const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, q, nrows);
   const int lines = (static_cast<int>(sizeof(T)) * dim + 63) / 64;  // per head-sized piece
-  state.ahead.resize(2 * static_cast<size_t>(nheads) * tile);
-  const char** k_at = state.ahead.data();
-  const char** v_at = k_at + static_cast<size_t>(nheads) * tile;
   const T** cur = state.rows.data();
   const T** next = cur + tile;
   const T** window = next + tile;
@@ -291,16 +270,17 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
       size += more;
       ahead_rows = window;
     }
-    const bool ahead = size > 0;
-    if (ahead) {
-      ahead_pieces(ahead_rows, size, nheads, dim, 0, count, k_at);
-      ahead_pieces(ahead_rows, size, nheads, dim, to_v, count, v_at);
-    }
+    // The window's pieces over the calls: head h's dot products (and value sums) over the
+    // tile's count keys take pieces h * count onwards; the window has at most count rows, so
+    // nheads * count calls cover its pieces.
+    const Ahead<T> k_ahead{ahead_rows, size, 0, nheads, dim, lines};
+    Ahead<T> v_ahead = k_ahead;
+    v_ahead.offset = to_v;
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
       dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
                  cur, h * dim, count, state.scores + h * group * stride, stride,
-                 {ahead ? k_at + h * count : nullptr, lines});
+                 k_ahead.from(h * count));
     }
     std::fill(state.visible.begin(), state.visible.end(), count);
     softmax_step<D>(state.scores, nrows, stride, state.visible.data(), state.m, state.l,
@@ -309,7 +289,7 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     for (int h = 0; h < nheads; ++h) {
       accumulate_values<T, D>(state.acc + h * group * dim, group, dim, cur, h * dim, count,
                               state.scores + h * group * stride, stride,
-                              {ahead ? v_at + h * count : nullptr, lines});
+                              v_ahead.from(h * count));
     }
     std::swap(cur, next);
     count = upcoming;
