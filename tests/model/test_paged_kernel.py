@@ -341,6 +341,84 @@ def test_decode_tiles_prefetch_the_next_tile_on_every_tier(tmp_path, march: str)
         assert bodies and any("prefetcht1" in body for body in bodies), (march, names)
 
 
+TILE_SUMS_PROGRAM = r"""
+#include <c10/util/BFloat16.h>
+#include "attention_tile.h"
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+// dots (scores) and accumulate_values of a GQA group of 3 over `count` keys, head_dim 64,
+// against double sums; prints the largest relative error of each.
+int main() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  const int group = 3, dim = 64, stride = 64;
+  double worst_dot = 0, worst_acc = 0;
+  for (int count : {1, 5, 8, 15, 16, 23, 64}) {
+    std::vector<c10::BFloat16> keys(count * dim);
+    for (auto& k : keys) k = c10::BFloat16(normal(rng));
+    std::vector<const c10::BFloat16*> rows(count);
+    for (int t = 0; t < count; ++t) rows[t] = keys.data() + t * dim;
+    std::vector<float> q(group * dim), scores(group * stride, -1.0f), acc(group * dim, 0.0f);
+    for (auto& x : q) x = normal(rng);
+    kvserve::dots<c10::BFloat16, 64>(q.data(), nullptr, group, dim, rows.data(), 0, count,
+                                     scores.data(), stride);
+    std::vector<float> probs(group * stride, 0.0f);
+    for (int g = 0; g < group; ++g)
+      for (int t = 0; t < count; ++t) probs[g * stride + t] = 0.5f + 0.01f * t;
+    kvserve::accumulate_values<c10::BFloat16, 64>(acc.data(), group, dim, rows.data(), 0, count,
+                                                  probs.data(), stride);
+    for (int g = 0; g < group; ++g) {
+      for (int t = 0; t < count; ++t) {
+        double want = 0;
+        for (int d = 0; d < dim; ++d) want += double(q[g * dim + d]) * float(keys[t * dim + d]);
+        worst_dot = std::max(worst_dot, std::fabs(scores[g * stride + t] - want) / 8.0);
+      }
+      for (int d = 0; d < dim; ++d) {
+        double want = 0;
+        for (int t = 0; t < count; ++t) want += probs[g * stride + t] * float(keys[t * dim + d]);
+        worst_acc = std::max(worst_acc, std::fabs(acc[g * dim + d] - want) / (1.0 + count));
+      }
+    }
+  }
+  std::printf("%g %g\n", worst_dot, worst_acc);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ on x86-64")
+@pytest.mark.parametrize(("march", "flags"), [("x86-64-v3", {"avx2", "fma"}),
+                                              ("x86-64-v4", {"avx512f", "avx512bw"})])
+def test_decode_tiles_sum_each_key_on_the_avx2_and_avx512_tiers(tmp_path, march: str,
+                                                                 flags: set[str]) -> None:
+    """dots_simd sums each key's partial vector by the transpose-and-add's tree, folded as the
+    keys arrive (KeySums in attention_tile.h); a lane out of place gives another key's score.
+    The extension runs only the host's best tier, so the AVX2 tier (Vec8's three levels) and
+    the AVX-512 float tier (Vec16's four) are built here and run against double sums, with
+    tiles shorter than a vector's lanes among them."""
+    from kvserve.model.kernel_info import cpu_info
+
+    cpu_flags = cpu_info().flags
+    if not flags <= cpu_flags:
+        pytest.skip(f"this CPU lacks {sorted(flags - cpu_flags)}")
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    source = tmp_path / "sums.cpp"
+    source.write_text(TILE_SUMS_PROGRAM)
+    binary = tmp_path / "sums"
+    lib = library_paths()[0]
+    subprocess.run(["g++", "-std=c++17", "-O2", f"-march={march}", "-w",
+                    *[f"-I{path}" for path in [*include_paths(), str(paged_kernel.CSRC)]],
+                    "-o", str(binary), str(source), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10"],
+                   check=True, timeout=300)
+    worst_dot, worst_acc = map(float, subprocess.run([str(binary)], capture_output=True,
+                                                     text=True, check=True,
+                                                     timeout=60).stdout.split())
+    assert worst_dot < 1e-5 and worst_acc < 1e-5, (march, worst_dot, worst_acc)
+
+
 PANEL_PREFETCH_UNIT = """
 #include "panel_dpbf16.h"
 void panels(const uint16_t* x, long rows, const uint16_t* panels, long k_pairs, float* out,
