@@ -238,8 +238,8 @@ struct KeySums {
 
 // scores[g * stride + t] = q_g . k_t for GN query rows (GN <= 4) and the tile's keys
 // k_t = rows[t] + off; head_dim is NV registers of Dot::kWidth (NV = 0: known at run time).
-// As many keys at a time as a vector has lanes: per key and row a vector of partial sums, then
-// one transpose-and-add gives their scores.
+// As many keys at a time as a vector has lanes: per key and row a vector of partial sums, whose
+// lane sums (KeySums) are their scores.
 template <typename Dot, int GN, int NV>
 void dots_simd(const typename Dot::Query* q, int head_dim, const typename Dot::Key* const* rows,
                std::ptrdiff_t off, int count, float* scores, int stride,
