@@ -26,6 +26,9 @@ is faster.
         --base /tmp/base/src [--head DIR/src] [--pairs 3] [--reps 31] [--w1-n 32] \\
         [--write-docs]
 
+``--section NAME`` writes the table under its own markers in docs/benchmarks.md (the default,
+kernel_ab, is replaced by every run that writes the docs).
+
 One checkout under two settings: ``--base-env`` / ``--head-env VAR=VALUE`` (repeatable) set
 environment variables for that side's W1 processes, and ``--reps 0`` skips the kernel cases
 (the same csrc on both sides). On an AMX CPU, whether oneDNN-AMX or the AVX512-BF16 panels
@@ -43,6 +46,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -58,6 +62,7 @@ CACHE = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
                             Path.home() / ".cache" / "torch_extensions")) / "kernel_ab"
 IDENTICAL = {True: "yes", False: "no", None: "n/a"}
 DEFAULT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]  # before CFLAGS was read
+SECTION_NAME = re.compile(r"[A-Za-z0-9_]+")  # --section: the name inside its docs markers
 
 
 def checkout_cflags(src: Path) -> list[str]:
@@ -354,7 +359,14 @@ def main() -> int:
     parser.add_argument("--w1-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--section", default="kernel_ab",
+                        help="the docs/benchmarks.md section to write (default kernel_ab: "
+                             "each run replaces the last; name one, e.g. kernel_ab_decode, "
+                             "to keep a table beside the others)")
     args = parser.parse_args()
+    if not SECTION_NAME.fullmatch(args.section):
+        parser.error(f"--section {args.section!r}: letters, digits and _ only (it names the "
+                     "section's <!-- markers --> in docs/benchmarks.md)")
     if args.w1_worker:
         print(w1_worker(args.w1_n))
         return 0
@@ -387,7 +399,7 @@ def main() -> int:
                    for side, src in (("base", args.base), ("head", args.head)))
     command = "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:])
     section = markdown(kernels, w1, args.reps, command, labels, loads)
-    publish("kernel_ab", section, {"kernels": kernels, "w1": w1}, args.json, args.write_docs)
+    publish(args.section, section, {"kernels": kernels, "w1": w1}, args.json, args.write_docs)
     return 0
 
 

@@ -41,3 +41,26 @@ def test_bad_side_settings_exit_with_code_2(monkeypatch, capsys):
         kernel_ab.main()
     assert exit_info.value.code == 2
     assert "--base-env / --head-env: 'X' is not VAR=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["kernel ab", "a-b", "x:y", ""])
+def test_a_section_name_outside_its_markers_alphabet_exits_with_code_2(monkeypatch, capsys,
+                                                                        name):
+    monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--base", "src", "--section", name])
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_ab.main()
+    assert exit_info.value.code == 2
+    assert f"--section {name!r}: letters, digits and _ only" in capsys.readouterr().err
+
+
+def test_a_named_section_is_written_beside_the_default_one(tmp_path):
+    from docs_section import write_section
+
+    docs = tmp_path / "benchmarks.md"
+    write_section("kernel_ab", "## default run", docs)
+    write_section("kernel_ab_decode", "## named run", docs)
+    write_section("kernel_ab", "## default run again", docs)
+    text = docs.read_text()
+    assert "## named run" in text and "## default run again" in text
+    assert "## default run\n" not in text
