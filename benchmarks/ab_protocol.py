@@ -117,23 +117,50 @@ def cpu_times() -> tuple[int, int]:
 
 @dataclass
 class Conditions:
-    """How loaded the machine was around one run."""
+    """How loaded the machine was around one run: the load average before it, the steal time
+    during it and a bf16 matmul's rate just before it (:func:`matmul_probe`; None: not
+    measured)."""
 
     load_before: float
     steal_pct: float = 0.0
+    bf16_gflops: float | None = None
 
     def __str__(self) -> str:
-        return f"{self.load_before:.1f} / {self.steal_pct:.1f}%"
+        text = f"{self.load_before:.1f} / {self.steal_pct:.1f}%"
+        return text if self.bf16_gflops is None else f"{text} / {self.bf16_gflops:,.0f}"
 
 
-def measured(run: Callable[[], dict]) -> tuple[dict, Conditions]:
-    """Run ``run()`` and record the load before it and the steal time during it."""
+# The probe before each run: 1024^3 bf16 products for about PROBE_BUDGET_S. On the AMX Xeon
+# one hour's matmuls ran at half the speed of the hours before while the load average and the
+# steal time looked as usual (docs/benchmarks.md, the seventh session there): the rate of the
+# matrix units, shared with whatever else runs on the host, is a condition of its own.
+PROBE_SIZE = 1024
+PROBE_BUDGET_S = 0.1
+
+
+def matmul_probe() -> float | None:
+    """bf16 GFLOP/s of a PROBE_SIZE matmul now (machine_peaks' measurement, cut to
+    PROBE_BUDGET_S), or None where torch is not importable."""
+    try:
+        import torch
+
+        from machine_peaks import matmul_flops
+    except ImportError:
+        return None
+    return matmul_flops(torch.bfloat16, (PROBE_SIZE,), budget_s=PROBE_BUDGET_S) / 1e9
+
+
+def measured(run: Callable[[], dict],
+             probe: Callable[[], float | None] = matmul_probe) -> tuple[dict, Conditions]:
+    """Run ``run()`` and record the matmul probe and the load before it and the steal time
+    during it."""
+    gflops = probe()
     load = os.getloadavg()[0]
     steal0, total0 = cpu_times()
     result = run()
     steal1, total1 = cpu_times()
     steal = 100.0 * (steal1 - steal0) / (total1 - total0) if total1 > total0 else 0.0
-    return result, Conditions(load, steal)
+    return result, Conditions(load, steal, gflops)
 
 
 @dataclass(frozen=True)

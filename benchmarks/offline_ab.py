@@ -121,12 +121,13 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
              f"one LLM built once per workload) and kvserve ({dtype}, a fresh process per run) "
              "alternately, vLLM first, model load excluded; the first "
              f"{args.requests} requests of W1. {setting}. The machine is shared with other "
-             "jobs: each run's load average before it and steal time during it are in the "
-             f"rows. Roofline: the run's matmul work at the measured {dtype} peak over its wall "
+             "jobs: each run's load average before it, steal time during it and a 1024^3 "
+             "bf16 matmul's rate just before it are in the rows. Roofline: the run's matmul "
+             f"work at the measured {dtype} peak over its wall "
              "time.", "",
              *ab.summary_table(ab.summarize(FIGURES, sides["vLLM"], sides["kvserve"])), ""]
     return "\n".join([*lines, "| workload | pair | engine | wall s | output tok/s | "
-                       "preemptions | load / steal | roofline fraction |",
+                       "preemptions | load / steal / bf16 GFLOP/s | roofline fraction |",
                        "|---|---|---|---|---|---|---|---|", *rows])
 
 

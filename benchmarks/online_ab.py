@@ -172,12 +172,13 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
         f"server started once and idle while the other runs; both {args.dtype}, 2 GiB KV, prefix "
         "caching off, max model length 1024, each side's own defaults otherwise (vLLM's CPU "
         "server: 128 seats, 2,048 batched tokens; kvserve: 256 seats, 2,048). The machine is "
-        "shared with other jobs: each run's load average before it and "
-        "steal time during it are in the rows. Roofline: the run's matmul work at the "
-        f"measured {args.dtype} peak, or the last arrival if later, over its wall time.", "",
+        "shared with other jobs: each run's load average before it, steal time during it and "
+        "a 1024^3 bf16 matmul's rate just before it are in the rows. Roofline: the run's "
+        f"matmul work at the measured {args.dtype} peak, or the last arrival if later, over "
+        "its wall time.", "",
         *ab.summary_table(ab.summarize(FIGURES, runs["vllm"], runs["kvserve"])), "",
         "| pair | server | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
-        "completed / failed | load / steal | roofline fraction |",
+        "completed / failed | load / steal / bf16 GFLOP/s | roofline fraction |",
         "|---|---|---|---|---|---|---|---|---|", *rows])
 
 

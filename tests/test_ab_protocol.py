@@ -88,10 +88,35 @@ def test_cpu_slug_and_machine_facts():
 
 
 def test_measured_records_load_and_steal():
-    result, conditions = ab.measured(lambda: {"x": 1})
+    result, conditions = ab.measured(lambda: {"x": 1}, probe=lambda: None)
     assert result == {"x": 1}
     assert conditions.load_before >= 0 and 0 <= conditions.steal_pct <= 100
+    assert conditions.bf16_gflops is None
     assert str(ab.Conditions(1.25, 0.5)) == "1.2 / 0.5%"
+
+
+def test_each_run_is_preceded_by_a_matmul_probe(monkeypatch):
+    """The matrix units' rate before each run (one hour on the AMX Xeon ran them at half
+    speed with load and steal as usual): probed before the run starts, shown in the row."""
+    import machine_peaks
+
+    order = []
+    monkeypatch.setattr(machine_peaks, "matmul_flops",
+                        lambda dtype, sizes, budget_s: order.append(("probe", sizes)) or 1126e9)
+    result, conditions = ab.measured(lambda: order.append("run") or {"x": 2})
+    assert result == {"x": 2}
+    assert order == [("probe", (ab.PROBE_SIZE,)), "run"]
+    assert conditions.bf16_gflops == pytest.approx(1126.0)
+    assert str(ab.Conditions(2.4, 3.04, 1126.4)) == "2.4 / 3.0% / 1,126"
+
+
+def test_the_probe_measures_a_bf16_matmul_quickly():
+    import time
+
+    start = time.perf_counter()
+    gflops = ab.matmul_probe()
+    assert gflops is not None and gflops > 0
+    assert time.perf_counter() - start < 5.0  # about PROBE_BUDGET_S, then one product
 
 
 def test_profile_buckets_py_spy_samples_by_their_innermost_named_frame(tmp_path):
