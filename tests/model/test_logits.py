@@ -7,6 +7,7 @@ import torch
 from kvserve.model import logits as logits_module
 from kvserve.model import paged_kernel
 from kvserve.model.logits import break_rounding_ties_, widen_logits
+from kvserve.model.sampler import greedy_tokens
 
 
 def test_a_tie_made_by_rounding_is_broken_by_the_exact_dot_products():
@@ -66,3 +67,47 @@ def test_no_rows_and_a_single_row(path):
     assert logits.shape == (0, 8) and tied.numel() == 0
     logits, tied = widen_logits(torch.tensor([[1.0, 3.0, 2.0]], dtype=torch.bfloat16))
     assert logits.tolist() == [[1.0, 3.0, 2.0]] and tied.numel() == 0
+
+
+@pytest.mark.skipif(not paged_kernel.available(), reason="no C++ extension")
+def test_greedy_rows_is_the_argmax_and_the_tie_flag_of_the_widened_logits():
+    """The C++ greedy_rows: what argmax_rows gives for widen_logits' float32 rows, and
+    widen_logits' tied rows, without the float32 logits."""
+    raw = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    raw[1, 10] = raw[1, 20] = 9.0   # a tie at the top: the first index
+    raw[2, 5] = 9.0                 # a clear maximum, a tie below it
+    raw[2, 6] = raw[2, 7] = 8.0
+    raw[3, 7] = float("nan")        # a NaN counts as the maximum (argmax_rows' rule)
+    raw[4, :] = -2.0                # every entry equal
+    index, tied = paged_kernel.layer_ops().greedy_rows(raw)
+    wide, want_tied = widen_logits(raw)
+    assert index.tolist() == greedy_tokens(wide).tolist()
+    assert index.tolist()[1:5] == [10, 5, 7, 0]
+    assert tied.nonzero().squeeze(1).tolist() == want_tied.tolist()
+
+
+@pytest.mark.skipif(not paged_kernel.available(), reason="no C++ extension")
+def test_a_models_greedy_tokens_are_its_logits_first_maxima_with_ties_broken():
+    """LlamaForCausalLM.greedy_tokens (the runner's path for plain greedy rows) gives
+    compute_logits' greedy tokens: a tie made by the bf16 rounding is broken by the exact
+    products (token 9 over token 5 here), every other row the same first maximum."""
+    from kvserve.model.llama import LlamaForCausalLM
+    from tests.model.reference import TINY, random_weights
+
+    weights = {name: w.to(torch.bfloat16) for name, w in random_weights(TINY, seed=4).items()}
+    embeddings = weights["model.embed_tokens.weight"]  # the head: tied embeddings
+    embeddings[5] = embeddings[9] = 0.0
+    embeddings[5, :2] = torch.tensor([25.0, 0.34375])   # 25.34375 -> 25.375 in bf16
+    embeddings[9, :2] = torch.tensor([25.0, 0.40625])   # 25.40625 -> 25.375 in bf16
+    model = LlamaForCausalLM.from_weights(TINY, weights)
+    hidden = torch.randn(64, TINY.hidden_size, generator=torch.Generator().manual_seed(6))
+    hidden = (hidden * 3).to(torch.bfloat16)
+    hidden[0] = 0.0
+    hidden[0, :2] = 1.0
+    with torch.inference_mode():
+        fast = model.greedy_tokens(hidden)
+        slow = greedy_tokens(model.compute_logits(hidden))
+        raw = model.lm_head(hidden)
+    assert raw[0, 5] == raw[0, 9] == raw[0].max()  # the rounding made the tie
+    assert fast[0].item() == 9
+    assert torch.equal(fast, slow)

@@ -231,3 +231,26 @@ def test_prompt_logprobs_match_the_dense_forward(network, chunk, num_blocks, blo
             assert set(top) <= set(entry) and len(entry) <= 4
     if block_size == 4:
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_plain_greedy_steps_take_the_models_greedy_tokens_and_others_the_logits(
+        network, expected, monkeypatch):
+    """A step whose sampling rows are all plain greedy (Sampler.plain_greedy) asks the model
+    for its greedy tokens (no float32 logits); a step with a logprobs row samples from the
+    logits as before. Both give the dense reference's tokens."""
+    calls = []
+    original = network.greedy_tokens
+    monkeypatch.setattr(network, "greedy_tokens",
+                        lambda hidden: calls.append(hidden.shape[0]) or original(hidden))
+    assert generate(make_engine(network)) == expected
+    assert calls and sum(calls) == len(PROMPTS) * MAX_TOKENS
+    calls.clear()
+    engine = make_engine(network)
+    engine.add_request("0", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0,
+                                                       ignore_eos=True, logprobs=2))
+    tokens, logprobs = [], []
+    while engine.has_unfinished_requests():
+        for chunk in engine.step().chunks:
+            tokens += chunk.new_token_ids
+            logprobs += chunk.logprobs or []
+    assert calls == [] and tokens == expected[0][:3] and len(logprobs) == 3

@@ -28,6 +28,22 @@ def test_greedy_is_argmax():
     assert Sampler()(logits, rows).token_ids == [1, 0]
 
 
+def test_plain_greedy_rows_are_those_the_sampler_only_takes_the_first_maximum_of():
+    """Sampler.plain_greedy: the rows a model's greedy_tokens may answer without the float32
+    logits (runner.py): greedy, nothing shaping the logits, no held stops, no logprobs."""
+    def row(output=(7,), **params):
+        return SamplingRow(SamplingParams(**params), [1, *output], 1)
+
+    assert Sampler.plain_greedy([row(temperature=0.0), row(top_k=1, temperature=0.7)])
+    assert Sampler.plain_greedy([row(temperature=0.0, min_tokens=2, ignore_eos=True,
+                                     eos_token_id=2)])  # nothing held: EOS ignored
+    for other in (row(temperature=0.7), row(temperature=0.0, logprobs=1),
+                  row(temperature=0.0, repetition_penalty=1.2),
+                  row(temperature=0.0, logit_bias={3: 1.0}),
+                  row(temperature=0.0, min_tokens=3, eos_token_id=2)):  # holds its EOS
+        assert not Sampler.plain_greedy([row(temperature=0.0), other])
+
+
 def test_temperature_one_draws_the_model_distribution():
     counts = draw(SamplingParams(temperature=1.0))
     for token, p in enumerate(PROBS):

@@ -39,6 +39,7 @@ from kvserve.model.kernel_info import (
 )
 from kvserve.model.layer_ops import add_rms_norm_, rms_norm, rope_and_write_kv, silu_and_mul
 from kvserve.model.logits import break_rounding_ties_, widen_logits
+from kvserve.model.sampler import greedy_tokens
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
 LayerStack = Any  # the C++ class of csrc/layer_stack.cpp: run(...) -> (x, residual)
@@ -408,11 +409,31 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [S, vocab]. With a 16-bit head, a row's maximum tied by the output
         rounding is recomputed exactly (:mod:`kvserve.model.logits`) from the head's plain
         weight, which :meth:`from_weights` keeps beside the packed copy."""
-        raw = self.lm_head(hidden)
+        return self._logits_of(self.lm_head(hidden), hidden)
+
+    def _logits_of(self, raw: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if raw.dtype == torch.float32:
             return raw
         logits, tied = widen_logits(raw)
         return break_rounding_ties_(logits, hidden, self.lm_head.weight, tied)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token: the first maximum of :meth:`compute_logits`, as the
+        sampler takes it, without the float32 logits [S, vocab] where the head is bfloat16 on
+        the C++ kernels (``greedy_rows``: per row the argmax and whether the maximum repeats;
+        for the rows where it does, compute_logits' own tie-break on those rows alone, the
+        same products in the same order)."""
+        raw = self.lm_head(hidden)
+        if raw.dtype != torch.bfloat16 or not paged_kernel.runs(raw):
+            return greedy_tokens(self._logits_of(raw, hidden))
+        raw = raw.contiguous()
+        index, tied = paged_kernel.layer_ops().greedy_rows(raw)
+        rows = tied.nonzero().squeeze(1)
+        if rows.numel():
+            wide = break_rounding_ties_(raw[rows].float(), hidden[rows], self.lm_head.weight,
+                                        torch.arange(rows.numel()))
+            index[rows] = greedy_tokens(wide)
+        return index
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],

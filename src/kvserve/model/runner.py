@@ -158,11 +158,14 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]
                 ) -> tuple[list[int], list[dict[int, float]] | None]:
-        logits = self.model.compute_logits(hidden)
         rows = []
         for request_id in request_ids:
             state = self.requests[request_id]
             rows.append(SamplingRow(state.sampling_params, state.token_ids,
                                     state.num_prompt_tokens))
+        if self.sampler.plain_greedy(rows) and hasattr(self.model, "greedy_tokens"):
+            # the same tokens without the float32 logits (docs/kernels.md, "sampling")
+            return self.model.greedy_tokens(hidden).tolist(), None
+        logits = self.model.compute_logits(hidden)
         result = self.sampler(logits, rows)
         return result.token_ids, result.logprobs

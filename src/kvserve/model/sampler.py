@@ -313,6 +313,14 @@ class Sampler:
             ] if wanted else None)
         return self._rows(logits, rows)
 
+    @staticmethod
+    def plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+        """Whether this sampler takes every row's first maximum of the logits as they are:
+        every row greedy, none shaped or holding stops, none asking for logprobs (so a model's
+        ``greedy_tokens`` may stand in for the logits and this call; runner.py)."""
+        return all(row.is_greedy and not row.shapes_logits and not row.held_stops
+                   and row.params.logprobs is None for row in rows)
+
     def _rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raw = logits
         shaped = [index for index, row in enumerate(rows) if row.shapes_logits]

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -212,6 +213,40 @@ namespace {
 // its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
 // only way it can have changed a row's greedy token (kvserve/model/logits.py). The widening
 // pass exists anyway; the maximum and its count ride along in the same loop.
+// in[0 .. n) as float32 into out; whether the maximum occurs more than once. One pass: each of
+// kLanes lanes keeps its maximum and how often it has seen it; the row's count is the sum over
+// the lanes that hold the row's maximum.
+inline bool widen_row(const c10::BFloat16* in, float* out, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  float top[kLanes];
+  int32_t seen[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    top[j] = -INFINITY;
+    seen[j] = 0;
+  }
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float v = to_float(in[i + j]);
+      out[i + j] = v;
+      seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
+      top[j] = std::max(top[j], v);
+    }
+  }
+  for (int64_t j = 0; i < n; ++i, ++j) {
+    const float v = to_float(in[i]);
+    out[i] = v;
+    seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
+    top[j] = std::max(top[j], v);
+  }
+  float row_top = -INFINITY;
+  for (int64_t j = 0; j < kLanes; ++j) row_top = std::max(row_top, top[j]);
+  int64_t at_top = 0;
+  for (int64_t j = 0; j < kLanes; ++j) at_top += top[j] == row_top ? seen[j] : 0;
+  return at_top > 1;
+}
+
 std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu(),
@@ -224,38 +259,7 @@ std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   float* dst = out.data_ptr<float>();
   bool* tied_rows = tied.data_ptr<bool>();
   for_rows(rows, vocab, [&](int64_t row) {
-    const c10::BFloat16* in = src + row * vocab;
-    float* o = dst + row * vocab;
-    // One pass: each of kLanes lanes keeps its maximum and how often it has seen it; the row's
-    // count is the sum over the lanes that hold the row's maximum.
-    constexpr int64_t kLanes = 16;
-    float top[kLanes];
-    int32_t seen[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) {
-      top[j] = -INFINITY;
-      seen[j] = 0;
-    }
-    int64_t i = 0;
-    for (; i + kLanes <= vocab; i += kLanes) {
-#pragma omp simd
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const float v = to_float(in[i + j]);
-        o[i + j] = v;
-        seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
-        top[j] = std::max(top[j], v);
-      }
-    }
-    for (int64_t j = 0; i < vocab; ++i, ++j) {
-      const float v = to_float(in[i]);
-      o[i] = v;
-      seen[j] = v > top[j] ? 1 : seen[j] + (v == top[j] ? 1 : 0);
-      top[j] = std::max(top[j], v);
-    }
-    float row_top = -INFINITY;
-    for (int64_t j = 0; j < kLanes; ++j) row_top = std::max(row_top, top[j]);
-    int64_t at_top = 0;
-    for (int64_t j = 0; j < kLanes; ++j) at_top += top[j] == row_top ? seen[j] : 0;
-    tied_rows[row] = at_top > 1;
+    tied_rows[row] = widen_row(src + row * vocab, dst + row * vocab, vocab);
   });
   return {out, tied};
 }
@@ -319,6 +323,31 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// Per row of bfloat16 logits [rows, vocab]: what argmax_rows gives for widen_logits' float32
+// rows, and widen_logits' tied flag, without writing the float32 logits (each row is widened
+// into a thread's own buffer, which stays in L2). A greedy step of W1 (128 rows of a 49,152
+// vocabulary) wrote and read back 25 MB of float32 logits for its argmax.
+std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu() &&
+                  logits.size(1) > 0,
+              "greedy_rows: logits must be contiguous bfloat16 [rows, vocab > 0] on the CPU");
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  at::Tensor index = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor tied = at::empty({rows}, logits.options().dtype(at::kBool));
+  const c10::BFloat16* src = logits.data_ptr<c10::BFloat16>();
+  int64_t* index_rows = index.data_ptr<int64_t>();
+  bool* tied_rows = tied.data_ptr<bool>();
+  for_rows(rows, vocab, [&](int64_t row) {
+    thread_local std::vector<float> wide;
+    wide.resize(vocab);
+    tied_rows[row] = widen_row(src + row * vocab, wide.data(), vocab);
+    index_rows[row] = argmax_row(wide.data(), vocab);
+  });
+  return {index, tied};
+}
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
@@ -339,5 +368,9 @@ void register_layer_ops(pybind11::module& m) {
         py::arg("logits"));
   m.def("argmax_rows", &argmax_rows,
         "per row of float32 logits, the first index of its maximum (NaN counts as the maximum)",
+        py::arg("logits"));
+  m.def("greedy_rows", &greedy_rows,
+        "per row of bfloat16 logits, argmax_rows and widen_logits' tied flag, without the "
+        "float32 logits",
         py::arg("logits"));
 }
