@@ -209,10 +209,6 @@ void rope_and_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::T
 
 namespace {
 
-// logits: [rows, vocab] bfloat16 (an LM head's output) -> float32 logits, and per row whether
-// its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
-// only way it can have changed a row's greedy token (kvserve/model/logits.py). The widening
-// pass exists anyway; the maximum and its count ride along in the same loop.
 // in[0 .. n) as float32 into out; whether the maximum occurs more than once. One pass: each of
 // kLanes lanes keeps its maximum and how often it has seen it; the row's count is the sum over
 // the lanes that hold the row's maximum.
@@ -247,6 +243,10 @@ inline bool widen_row(const c10::BFloat16* in, float* out, int64_t n) {
   return at_top > 1;
 }
 
+// logits: [rows, vocab] bfloat16 (an LM head's output) -> float32 logits, and per row whether
+// its maximum occurs more than once. Rounding to bfloat16 is monotonic, so such a tie is the
+// only way it can have changed a row's greedy token (kvserve/model/logits.py). The widening
+// pass exists anyway; the maximum and its count ride along in the same loop.
 std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu(),
