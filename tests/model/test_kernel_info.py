@@ -76,6 +76,9 @@ def test_bf16_on_an_avx512_bf16_build_uses_the_panels_onednn_and_the_bf16_dot_pr
     assert ops["attention"].startswith("C++ AVX512-BF16")
     assert ops["rms_norm"] == ops["silu_and_mul"] == ops["rope_kv_write"] == "C++ fused (AVX-512)"
     assert ops["sampling"].startswith("C++ argmax_rows (greedy rows)")
+    assert "greedy_rows" in ops["sampling"]  # bf16 plain greedy steps (llama.greedy_tokens)
+    assert "greedy_rows" not in op_kernels(torch.float32, True, ALL_ISA,
+                                           onednn_bf16=True)["sampling"]
     assert op_kernels(torch.bfloat16, False, (), onednn_bf16=True)["sampling"] == "torch"
 
 

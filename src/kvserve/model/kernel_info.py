@@ -362,8 +362,9 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     return {"projections": projections, "lm_head": lm_head, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
             "layer_loop": describe_layer_loop(kernel, dtype, fused, amx),
-            "sampling": ("C++ argmax_rows (greedy rows), C++ greedy_rows (a bf16 step of "
-                         "plain greedy rows), torch (sampled rows)" if built
+            "sampling": (("C++ argmax_rows (greedy rows), C++ greedy_rows (a step of plain "
+                          "greedy rows), torch (sampled rows)" if dtype == torch.bfloat16 else
+                          "C++ argmax_rows (greedy rows), torch (sampled rows)") if built
                          else "torch")}
 
 
