@@ -110,13 +110,9 @@ def test_each_run_is_preceded_by_a_matmul_probe(monkeypatch):
     assert str(ab.Conditions(2.4, 3.04, 1126.4)) == "2.4 / 3.0% / 1,126"
 
 
-def test_the_probe_measures_a_bf16_matmul_quickly():
-    import time
-
-    start = time.perf_counter()
+def test_the_probe_measures_a_bf16_matmul():
     gflops = ab.matmul_probe()
     assert gflops is not None and gflops > 0
-    assert time.perf_counter() - start < 5.0  # about PROBE_BUDGET_S, then one product
 
 
 def test_profile_buckets_py_spy_samples_by_their_innermost_named_frame(tmp_path):

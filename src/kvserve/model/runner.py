@@ -163,7 +163,7 @@ class ModelRunner:
             state = self.requests[request_id]
             rows.append(SamplingRow(state.sampling_params, state.token_ids,
                                     state.num_prompt_tokens))
-        if self.sampler.plain_greedy(rows) and hasattr(self.model, "greedy_tokens"):
+        if self.sampler.plain_greedy(rows):
             # the same tokens without the float32 logits (docs/kernels.md, "sampling")
             return self.model.greedy_tokens(hidden).tolist(), None
         logits = self.model.compute_logits(hidden)
