@@ -106,6 +106,29 @@ def test_decode_float32_query_on_bfloat16_cache() -> None:
         torch.testing.assert_close(out[row].double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@requires_kernel
+def test_decode_reads_queries_in_place_from_a_wider_row(dtype: torch.dtype) -> None:
+    """A step's q is a view into its qkv rows (rows 15 heads apart, 9 of them read): the kernel
+    scales and reads them in place and writes q's dtype, giving its contiguous copy's output."""
+    gen = torch.Generator().manual_seed(8)
+    lens = [5, 70, 300, 16]
+    k_cache, v_cache = _caches(40, 16, 3, 64, dtype, gen)
+    tables = _tables(lens, 16, 40, gen)
+    qkv = torch.randn((len(lens), 15 * 64), generator=gen).to(dtype)
+    q = qkv[:, :9 * 64].view(len(lens), 9, 64)
+    assert not q.is_contiguous()
+    context = torch.tensor(lens)
+    out = paged_kernel.decode_attention(q, k_cache, v_cache, tables, context)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, paged_kernel.decode_attention(q.contiguous(), k_cache, v_cache,
+                                                          tables, context))
+    for row, n in enumerate(lens):
+        want = _plain(q[row:row + 1], k_cache, v_cache, tables[row], n)[0]
+        torch.testing.assert_close(out[row].double(), want, atol=TOLERANCE[dtype],
+                                   rtol=TOLERANCE[dtype])
+
+
 @requires_kernel
 def test_decode_large_scores_are_stable() -> None:
     """Scores in the hundreds: the online softmax must not overflow."""

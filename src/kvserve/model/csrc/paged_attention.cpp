@@ -11,7 +11,8 @@
 // bounds decode on a big batch, so while a tile computes, the next keys of the thread's stream
 // (this item's, then its next item's) are prefetched into L2, a few lines per key visited
 // (see decode_item).
-// Arithmetic is float32; bfloat16 caches are widened on load. With AVX-512 (and head_dim a
+// Arithmetic is float32; bfloat16 caches are widened on load. A step's queries are read in
+// place (a view into qkv) and scaled per work item, and the output written in their dtype. With AVX-512 (and head_dim a
 // multiple of 16) the dot products and the V accumulation use intrinsics; with
 // AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
 // otherwise plain loops that the compiler vectorises. Which of these the build has is what
@@ -85,6 +86,7 @@ struct WorkState {
   std::vector<float> scratch;
   std::vector<const T*> rows;         // the tile's key rows (decode: and the next tile's)
   std::vector<int> visible;           // per query row: how many of the tile's keys it sees
+  std::vector<float> q_scaled;        // decode: the item's query rows, scaled, float32
   std::vector<c10::BFloat16> q_bf16;  // the query rows rounded to bf16, for Bf16Dot
   std::vector<uint32_t> packed_keys;  // prefill's tile of keys in pairs order (attention_gemm.h)
   std::vector<uint32_t> value_pairs;  // prefill's tile of values in pairs-of-keys order
@@ -112,6 +114,17 @@ struct WorkState {
     rows.resize(4 * static_cast<size_t>(geo.tile));
   }
 
+  // The nrows query rows at src (contiguous, in the model's dtype Q) times scale, in float32:
+  // the same values a step's (q.to(float32) * scale) gives, made per item inside the kernel's
+  // threads instead of by three torch ops per layer.
+  template <typename Q>
+  const float* scaled_queries(const Q* src, int nrows, int dim, float scale) {
+    const size_t n = static_cast<size_t>(nrows) * static_cast<size_t>(dim);
+    q_scaled.resize(n);
+    for (size_t i = 0; i < n; ++i) q_scaled[i] = kvserve::to_float(src[i]) * scale;
+    return q_scaled.data();
+  }
+
   // The nrows query rows q (float32, scaled) rounded to bf16 when the bf16 dot products apply
   // to this call, else null.
   template <int D>
@@ -123,11 +136,12 @@ struct WorkState {
     return q_bf16.data();
   }
 
-  // dst = acc[r] / l[r]: row r's attention output.
-  void finish_row(int r, int dim, float* dst) const {
+  // dst = acc[r] / l[r]: row r's attention output (rounded to nearest even for bf16 O).
+  template <typename O>
+  void finish_row(int r, int dim, O* dst) const {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     const float* a = acc + static_cast<size_t>(r) * dim;
-    for (int d = 0; d < dim; ++d) dst[d] = a[d] * inv;
+    for (int d = 0; d < dim; ++d) dst[d] = kvserve::from_float<O>(a[d] * inv);
   }
 };
 
@@ -228,10 +242,10 @@ inline int item_rows(const Geometry& geo, const T* k_cache, const ItemKeys& keys
 // nothing computes: the tile before it already fetched most of it. What no window reached
 // (a thread's first item; after items shorter than a tile) is pulled in at the item's start
 // (touch_rows).
-template <typename T, int D>
-void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], scaled*/,
-                 const T* k_cache, const T* v_cache, const ItemKeys& keys, int64_t h1,
-                 float* out, const ItemKeys* following, WorkState<T>& state) {
+template <typename T, int D, typename Q>
+void decode_item(const Geometry& geo, const Q* q /*request's [heads, dim], unscaled*/,
+                 float scale, const T* k_cache, const T* v_cache, const ItemKeys& keys,
+                 int64_t h1, Q* out, const ItemKeys* following, WorkState<T>& state) {
   const int group = static_cast<int>(geo.group);
   const int dim = static_cast<int>(geo.head_dim);
   const int tile = geo.tile;
@@ -239,10 +253,10 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   const int nrows = nheads * group;
   const int already = state.prefetched;  // (start() below keeps it)
   state.start(geo, nrows, 0);
-  q += keys.h0 * group * dim;
   out += keys.h0 * group * dim;
+  const float* qf = state.scaled_queries(q + keys.h0 * group * dim, nrows, dim, scale);
   const std::ptrdiff_t to_v = v_cache - k_cache;
-  const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, q, nrows);
+  const c10::BFloat16* q_bf16 = state.template bf16_queries<D>(geo, qf, nrows);
   const int lines = (static_cast<int>(sizeof(T)) * dim + 63) / 64;  // per head-sized piece
   const T** cur = state.rows.data();
   const T** next = cur + tile;
@@ -278,7 +292,7 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
     v_ahead.offset = to_v;
     const int stride = state.stride;
     for (int h = 0; h < nheads; ++h) {
-      dots<T, D>(q + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
+      dots<T, D>(qf + h * group * dim, q_bf16 ? q_bf16 + h * group * dim : nullptr, group, dim,
                  cur, h * dim, count, state.scores + h * group * stride, stride,
                  k_ahead.from(h * count));
     }
@@ -298,10 +312,12 @@ void decode_item(const Geometry& geo, const float* q /*request's [heads, dim], s
   state.prefetched = follow_done;
 }
 
-template <typename T, int D>
-void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T* v_cache,
-                 const int64_t* tables, int64_t table_stride, const int64_t* lens,
-                 int64_t num_decodes, float* out) {
+// q: request r's query rows [heads, dim] at q + r * q_stride (Q: the model's dtype, or float32);
+// out: [num_decodes, heads, dim], contiguous, of the same type.
+template <typename T, int D, typename Q>
+void decode_impl(const Geometry& geo, const Q* q, int64_t q_stride, float scale,
+                 const T* k_cache, const T* v_cache, const int64_t* tables,
+                 int64_t table_stride, const int64_t* lens, int64_t num_decodes, Q* out) {
   // A work item is a request's kv heads [h0, h1): all of them (one pass over each token's
   // contiguous K and V rows) when there are enough requests to keep the threads busy, else one.
   const int64_t kvh = geo.num_kv_heads;
@@ -319,7 +335,7 @@ void decode_impl(const Geometry& geo, const float* q, const T* k_cache, const T*
     const int64_t req = item / split;
     const int64_t h1 = (item % split + 1) * kvh / split;
     const ItemKeys keys = keys_of(item), after = keys_of(std::max<int64_t>(following, 0));
-    decode_item<T, D>(geo, q + req * request_elems, k_cache, v_cache, keys, h1,
+    decode_item<T, D>(geo, q + req * q_stride, scale, k_cache, v_cache, keys, h1,
                       out + req * request_elems, following >= 0 ? &after : nullptr, state);
   });
 }
@@ -571,13 +587,32 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                 "context length ", lens_ptr[i], " does not fit the block table");
     check_blocks(tables_ptr + i * table_stride, lens_ptr[i], geo.block_size, k_cache.size(0));
   }
-  return attend(q, k_cache, geo, scale, "decode_attention",
-                [&](auto zero, auto dim, const float* qf, float* out) {
-                  using T = decltype(zero);
-                  decode_impl<T, decltype(dim)::value>(
-                      geo, qf, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables_ptr,
-                      table_stride, lens_ptr, num_decodes, out);
-                });
+  // The kernel scales q and rounds its output itself where q has the caches' dtype (a model's
+  // own steps), reading q's rows in place (a view into qkv: rows apart, heads contiguous);
+  // other queries go through float32.
+  const bool in_place = q.scalar_type() == k_cache.scalar_type() && q.stride(2) == 1 &&
+                        q.stride(1) == geo.head_dim;
+  const at::Tensor qs = in_place ? q : q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({num_decodes, geo.num_heads, geo.head_dim}, qs.options());
+  if (num_decodes > 0) {
+    dispatch_dtype(k_cache.scalar_type(), "decode_attention", [&](auto zero) {
+      using T = decltype(zero);
+      with_head_dim(geo.head_dim, [&](auto dim) {
+        constexpr int D = decltype(dim)::value;
+        auto run = [&](auto* q_rows, auto* out_rows) {
+          decode_impl<T, D>(geo, q_rows, qs.stride(0), static_cast<float>(scale),
+                            k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables_ptr,
+                            table_stride, lens_ptr, num_decodes, out_rows);
+        };
+        if (in_place) {
+          run(qs.data_ptr<T>(), out.data_ptr<T>());
+        } else {
+          run(qs.data_ptr<float>(), out.data_ptr<float>());
+        }
+      });
+    });
+  }
+  return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
 }
 
 }  // namespace kvserve::ops
