@@ -73,17 +73,25 @@ def test_no_rows_and_a_single_row(path):
 def test_greedy_rows_is_the_argmax_and_the_tie_flag_of_the_widened_logits():
     """The C++ greedy_rows: what argmax_rows gives for widen_logits' float32 rows, and
     widen_logits' tied rows, without the float32 logits."""
-    raw = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    # 1,000 entries: 62 whole vectors of 16 and a tail of 8 (after every lane's index)
+    raw = torch.randn(9, 1000, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    raw[0, 500] = raw[5, 17] = 9.0  # clear maxima
     raw[1, 10] = raw[1, 20] = 9.0   # a tie at the top: the first index
     raw[2, 5] = 9.0                 # a clear maximum, a tie below it
     raw[2, 6] = raw[2, 7] = 8.0
     raw[3, 7] = float("nan")        # a NaN counts as the maximum (argmax_rows' rule)
     raw[4, :] = -2.0                # every entry equal
+    raw[6, 3] = raw[6, 995] = 9.0   # a tie between a lane and the tail
+    raw[7, 998] = 9.0               # the maximum in the tail alone
+    raw[8, :] = float("-inf")
+    for rows in (raw, raw[:, :10]):  # and rows shorter than a vector
+        index, tied = paged_kernel.layer_ops().greedy_rows(rows.contiguous())
+        wide, want_tied = widen_logits(rows.contiguous())
+        assert index.tolist() == greedy_tokens(wide).tolist()
+        assert tied.nonzero().squeeze(1).tolist() == want_tied.tolist()
     index, tied = paged_kernel.layer_ops().greedy_rows(raw)
-    wide, want_tied = widen_logits(raw)
-    assert index.tolist() == greedy_tokens(wide).tolist()
-    assert index.tolist()[1:5] == [10, 5, 7, 0]
-    assert tied.nonzero().squeeze(1).tolist() == want_tied.tolist()
+    assert index.tolist() == [500, 10, 5, 7, 0, 17, 3, 998, 0]
+    assert tied.nonzero().squeeze(1).tolist() == [1, 4, 6, 8]
 
 
 @pytest.mark.skipif(not paged_kernel.available(), reason="no C++ extension")

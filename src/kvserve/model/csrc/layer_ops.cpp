@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -323,10 +324,58 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+#if defined(__AVX512F__)
+// One row of greedy_rows, n < 2^31: argmax_row's index (a NaN counting as the maximum) and
+// widen_row's tied flag for the row as float32, in one pass over the bf16 values, with nothing
+// written (each 16 values widened in a register). Per lane: its maximum, where it first saw it
+// and how often; then the lanes that hold the row's maximum give the first index and the count.
+inline std::pair<int64_t, bool> greedy_row(const c10::BFloat16* in, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __m512i where = _mm512_setzero_si512();
+  __m512i seen = _mm512_setzero_si512();
+  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  const __m512i one = _mm512_set1_epi32(1);
+  __mmask16 unordered = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    const __mmask16 above = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+    const __mmask16 equal = _mm512_cmp_ps_mask(v, top, _CMP_EQ_OQ);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_mask_mov_ps(top, above, v);
+    where = _mm512_mask_mov_epi32(where, above, lane);
+    seen = _mm512_mask_mov_epi32(_mm512_mask_add_epi32(seen, equal, seen, one), above, one);
+    lane = _mm512_add_epi32(lane, step);
+  }
+  float best = _mm512_reduce_max_ps(top);
+  const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
+  int64_t at = _mm512_mask_reduce_min_epi32(holders, where);  // (no lanes ran: 0)
+  int64_t count = _mm512_mask_reduce_add_epi32(holders, seen);
+  bool nan = unordered != 0;
+  for (; i < n; ++i) {  // the last n % 16, after every lane's index
+    const float v = to_float(in[i]);
+    if (v > best) {
+      best = v, at = i, count = 1;
+    } else if (v == best) {
+      ++count;
+    }
+    nan = nan || v != v;
+  }
+  if (nan) {
+    at = 0;
+    while (to_float(in[at]) == to_float(in[at])) ++at;
+  }
+  return {at, count > 1};
+}
+#endif
+
 // Per row of bfloat16 logits [rows, vocab]: what argmax_rows gives for widen_logits' float32
 // rows, and widen_logits' tied flag, without writing the float32 logits (each row is widened
 // into a thread's own buffer, which stays in L2). A greedy step of W1 (128 rows of a 49,152
-// vocabulary) wrote and read back 25 MB of float32 logits for its argmax.
+// vocabulary) wrote and read back 25 MB of float32 logits for its argmax. With AVX-512 each
+// row is one pass (greedy_row); without, a row widened into the thread's buffer, then argmax.
 std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu() &&
@@ -340,6 +389,12 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   int64_t* index_rows = index.data_ptr<int64_t>();
   bool* tied_rows = tied.data_ptr<bool>();
   for_rows(rows, vocab, [&](int64_t row) {
+#if defined(__AVX512F__)
+    if (vocab < (int64_t{1} << 31)) {
+      std::tie(index_rows[row], tied_rows[row]) = greedy_row(src + row * vocab, vocab);
+      return;
+    }
+#endif
     thread_local std::vector<float> wide;
     wide.resize(vocab);
     tied_rows[row] = widen_row(src + row * vocab, wide.data(), vocab);
