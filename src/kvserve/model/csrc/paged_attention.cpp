@@ -12,11 +12,11 @@
 // (this item's, then its next item's) are prefetched into L2, a few lines per key visited
 // (see decode_item).
 // Arithmetic is float32; bfloat16 caches are widened on load. A step's queries are read in
-// place (a view into qkv) and scaled per work item, and the output written in their dtype. With AVX-512 (and head_dim a
-// multiple of 16) the dot products and the V accumulation use intrinsics; with
-// AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see Bf16Dot);
-// otherwise plain loops that the compiler vectorises. Which of these the build has is what
-// compiled_isa() reports.
+// place (a view into qkv) and scaled per work item, and the output written in their dtype.
+// With AVX-512 (and head_dim a multiple of 16) the dot products and the V accumulation use
+// intrinsics; with AVX512-BF16, a bf16 model's dot products multiply bf16 pairs directly (see
+// Bf16Dot); otherwise plain loops that the compiler vectorises. Which of these the build has
+// is what compiled_isa() reports.
 //
 // Prefill: one chunk of n queries at positions context_len - n + i (causal). One work item per
 // (kv head, tile of 16 queries); each query row runs the same online softmax over its visible
