@@ -359,12 +359,11 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     if fused and prefill_kernel != "kernel" and prefill != "auto":
         attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
+    plain = ", C++ greedy_rows (a step of plain greedy rows)" if dtype == torch.bfloat16 else ""
     return {"projections": projections, "lm_head": lm_head, "attention": attention,
             "rms_norm": elementwise, "silu_and_mul": elementwise, "rope_kv_write": elementwise,
             "layer_loop": describe_layer_loop(kernel, dtype, fused, amx),
-            "sampling": (("C++ argmax_rows (greedy rows), C++ greedy_rows (a step of plain "
-                          "greedy rows), torch (sampled rows)" if dtype == torch.bfloat16 else
-                          "C++ argmax_rows (greedy rows), torch (sampled rows)") if built
+            "sampling": (f"C++ argmax_rows (greedy rows){plain}, torch (sampled rows)" if built
                          else "torch")}
 
 

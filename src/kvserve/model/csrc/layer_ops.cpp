@@ -19,8 +19,6 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
-#include <utility>
-#include <vector>
 
 namespace {
 
@@ -265,45 +263,71 @@ std::tuple<at::Tensor, at::Tensor> widen_logits(const at::Tensor& logits) {
   return {out, tied};
 }
 
-// The first index of the maximum of in[0 .. n), n > 0, a NaN counting as the maximum. One pass
-// (AVX-512: each lane keeps its maximum and where it first saw it, and whether it saw a NaN);
-// only a row with a NaN is read again, for the first NaN.
-inline int64_t argmax_row(const float* in, int64_t n) {
+// A row's first maximum: its index, a NaN counting as the maximum (torch.argmax's answer), and
+// whether the maximum occurs more than once among the other values (widen_row's flag).
+struct RowMax {
+  int64_t at = 0;
+  bool repeats = false;
+};
+
+#if defined(__AVX512F__)
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_lanes(const c10::BFloat16* p) {  // widened in the register
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+// RowMax of in[0 .. n), n > 0, float32 or bfloat16 (read as float32), in one pass (AVX-512:
+// each lane keeps its maximum, where it first saw it, how often, and whether it saw a NaN; the
+// lanes holding the row's maximum then give the first index and the count); only a row with a
+// NaN is read again, for the first NaN.
+template <typename T>
+inline RowMax first_max(const T* in, int64_t n) {
   int64_t i = 0;
   float best = -INFINITY;
-  int64_t at = 0;
+  int64_t at = 0, count = 0;
   bool nan = false;
 #if defined(__AVX512F__)
   if (n >= 16 && n < (int64_t{1} << 31)) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     __m512i where = _mm512_setzero_si512();
+    __m512i seen = _mm512_setzero_si512();
     __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
+    const __m512i one = _mm512_set1_epi32(1);
     __mmask16 unordered = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(in + i);
+      const __m512 v = load_lanes(in + i);
       const __mmask16 above = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      const __mmask16 equal = _mm512_cmp_ps_mask(v, top, _CMP_EQ_OQ);
       unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       top = _mm512_mask_mov_ps(top, above, v);
       where = _mm512_mask_mov_epi32(where, above, lane);
+      seen = _mm512_mask_mov_epi32(_mm512_mask_add_epi32(seen, equal, seen, one), above, one);
       lane = _mm512_add_epi32(lane, step);
     }
     nan = unordered != 0;
     best = _mm512_reduce_max_ps(top);
     const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
     at = _mm512_mask_reduce_min_epi32(holders, where);  // (a row of -inf: every lane, so 0)
+    count = _mm512_mask_reduce_add_epi32(holders, seen);
   }
 #endif
-  if (i == 0) best = in[0];  // no lanes ran: the scalar loop alone
-  for (; i < n; ++i) {
-    if (in[i] > best) best = in[i], at = i;
-    nan = nan || in[i] != in[i];
+  for (; i < n; ++i) {  // what no lane took (all of it without AVX-512), after their indices
+    const float v = to_float(in[i]);
+    if (v > best) {
+      best = v, at = i, count = 1;
+    } else if (v == best) {
+      ++count;
+    }
+    nan = nan || v != v;
   }
   if (nan) {
     at = 0;
-    while (in[at] == in[at]) ++at;
+    while (to_float(in[at]) == to_float(in[at])) ++at;
   }
-  return at;
+  return {at, count > 1};
 }
 
 // Per row of float32 logits [rows, vocab], the index of its maximum, the first where it
@@ -320,62 +344,14 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* src = logits.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  for_rows(rows, vocab, [&](int64_t row) { index[row] = argmax_row(src + row * vocab, vocab); });
+  for_rows(rows, vocab, [&](int64_t row) { index[row] = first_max(src + row * vocab, vocab).at; });
   return out;
 }
 
-#if defined(__AVX512F__)
-// One row of greedy_rows, n < 2^31: argmax_row's index (a NaN counting as the maximum) and
-// widen_row's tied flag for the row as float32, in one pass over the bf16 values, with nothing
-// written (each 16 values widened in a register). Per lane: its maximum, where it first saw it
-// and how often; then the lanes that hold the row's maximum give the first index and the count.
-inline std::pair<int64_t, bool> greedy_row(const c10::BFloat16* in, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  __m512i where = _mm512_setzero_si512();
-  __m512i seen = _mm512_setzero_si512();
-  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  const __m512i one = _mm512_set1_epi32(1);
-  __mmask16 unordered = 0;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
-    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    const __mmask16 above = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
-    const __mmask16 equal = _mm512_cmp_ps_mask(v, top, _CMP_EQ_OQ);
-    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_mask_mov_ps(top, above, v);
-    where = _mm512_mask_mov_epi32(where, above, lane);
-    seen = _mm512_mask_mov_epi32(_mm512_mask_add_epi32(seen, equal, seen, one), above, one);
-    lane = _mm512_add_epi32(lane, step);
-  }
-  float best = _mm512_reduce_max_ps(top);
-  const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
-  int64_t at = _mm512_mask_reduce_min_epi32(holders, where);  // (no lanes ran: 0)
-  int64_t count = _mm512_mask_reduce_add_epi32(holders, seen);
-  bool nan = unordered != 0;
-  for (; i < n; ++i) {  // the last n % 16, after every lane's index
-    const float v = to_float(in[i]);
-    if (v > best) {
-      best = v, at = i, count = 1;
-    } else if (v == best) {
-      ++count;
-    }
-    nan = nan || v != v;
-  }
-  if (nan) {
-    at = 0;
-    while (to_float(in[at]) == to_float(in[at])) ++at;
-  }
-  return {at, count > 1};
-}
-#endif
-
 // Per row of bfloat16 logits [rows, vocab]: what argmax_rows gives for widen_logits' float32
-// rows, and widen_logits' tied flag, without writing the float32 logits (each row is widened
-// into a thread's own buffer, which stays in L2). A greedy step of W1 (128 rows of a 49,152
-// vocabulary) wrote and read back 25 MB of float32 logits for its argmax. With AVX-512 each
-// row is one pass (greedy_row); without, a row widened into the thread's buffer, then argmax.
+// rows, and widen_logits' tied flag, without the float32 logits: first_max over the bf16
+// values, nothing written. A greedy step of W1 (128 rows of a 49,152 vocabulary) wrote and read
+// back 25 MB of float32 logits for its argmax.
 std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == at::kBFloat16 && logits.device().is_cpu() &&
@@ -389,16 +365,9 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   int64_t* index_rows = index.data_ptr<int64_t>();
   bool* tied_rows = tied.data_ptr<bool>();
   for_rows(rows, vocab, [&](int64_t row) {
-#if defined(__AVX512F__)
-    if (vocab < (int64_t{1} << 31)) {
-      std::tie(index_rows[row], tied_rows[row]) = greedy_row(src + row * vocab, vocab);
-      return;
-    }
-#endif
-    thread_local std::vector<float> wide;
-    wide.resize(vocab);
-    tied_rows[row] = widen_row(src + row * vocab, wide.data(), vocab);
-    index_rows[row] = argmax_row(wide.data(), vocab);
+    const RowMax found = first_max(src + row * vocab, vocab);
+    index_rows[row] = found.at;
+    tied_rows[row] = found.repeats;
   });
   return {index, tied};
 }
