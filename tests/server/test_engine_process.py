@@ -276,6 +276,8 @@ def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):
         asyncio.run(engine.stop())
     assert "INFO kvserve.engine.llm: dtype float32" in err
     assert "INFO kvserve.engine.llm: CPU: " in err and "projections" in err
+    # stopped though never started: told to stop, not killed after a 10 s wait
+    assert engine.launcher.process.exitcode == 0
 
 
 def test_a_503_while_replicas_restart_says_when_to_retry():

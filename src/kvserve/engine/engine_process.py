@@ -539,8 +539,14 @@ class ProcessEngine:
     async def stop(self) -> None:
         """Stop the engine process (what it was running ends with EngineDeadError)."""
         self._stopping = True
-        self._outbox.put(("stop", None))
-        self._outbox.put(None)
+        if self._threads:
+            self._outbox.put(("stop", None))
+            self._outbox.put(None)
+        else:  # never started: no sender thread carries the message (it waited 10 s, killed)
+            try:
+                _send(self._conn, [("stop", None)])
+            except (OSError, ValueError):
+                pass  # the process is gone already
         await asyncio.to_thread(self._join)
 
     def _join(self, timeout: float = 10.0) -> None:
