@@ -35,9 +35,12 @@ browser:
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
 		  >/dev/null 2>&1; } || echo "make browser: chromium not installed (the dashboard's browser test will skip)"
 
+# Two pytest workers (pytest-xdist): most of the suite's time is servers and engine processes
+# booting and waiting, which overlap; the tests that start a real Ray instance share one
+# worker (xdist_group "ray"). `python -m pytest` alone still runs everything in one process.
 test: $(STAMP) browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -235,6 +235,7 @@ def test_a_request_that_kills_two_replicas_is_not_placed_again():
         assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray instance at a time (Makefile)
 def test_two_ray_replicas_serve_and_survive_a_hung_actor(monkeypatch):
     """A Ray actor that stops making progress (SIGSTOP) is killed by the step watchdog
     through ``ray.kill`` and survived as a crash is: the killed-process path then runs as

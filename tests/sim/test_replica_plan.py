@@ -120,6 +120,7 @@ def test_bad_plan_flags_are_one_line_errors(trace_path, capsys, flags, message) 
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.xdist_group("ray")  # one local Ray instance at a time (Makefile)
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="kvserve[ray] not installed")
 def test_plan_on_a_local_ray_instance_matches_local_processes() -> None:
     import ray

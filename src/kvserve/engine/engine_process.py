@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -543,10 +544,8 @@ class ProcessEngine:
             self._outbox.put(("stop", None))
             self._outbox.put(None)
         else:  # never started: no sender thread carries the message (it waited 10 s, killed)
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the process is gone already
                 _send(self._conn, [("stop", None)])
-            except (OSError, ValueError):
-                pass  # the process is gone already
         await asyncio.to_thread(self._join)
 
     def _join(self, timeout: float = 10.0) -> None:
