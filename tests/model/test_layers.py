@@ -22,6 +22,7 @@ from kvserve.model.kernel_info import (
 from kvserve.model.llama import (
     Linear,
     can_pack_weights,
+    onednn_rows,
     pack_pair_panels,
     panel_linear_available,
     projection_kernel,
@@ -75,6 +76,38 @@ def test_a_packed_bf16_projection_equals_f_linear(monkeypatch, num_tokens):
     assert linear.packed is not None
     with torch.inference_mode():
         assert torch.equal(linear(x), expected)
+
+
+def test_onednn_row_counts_are_sixteen_an_octave_and_never_fewer_rows():
+    """oneDNN builds a kernel per row count: the projections' calls are rounded up to one of
+    16 row counts an octave, at most a sixteenth more rows; below 32 rows as they are."""
+    assert [onednn_rows(m) for m in (1, 17, 31, 32, 33, 513, 1000, 1024, 1025, 2047)] == \
+        [1, 17, 31, 32, 34, 544, 1024, 1024, 1088, 2048]
+    for m in range(1, 4100):
+        assert m <= onednn_rows(m) <= m + m // 16
+    assert len({onednn_rows(m) for m in range(513, 2049)}) == 32  # two octaves
+
+
+@pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("num_tokens", [33, 513, 1000, 1024])
+def test_a_padded_onednn_projection_gives_the_unpadded_bits(monkeypatch, num_tokens):
+    """A projection marked pad_rows (the model's, not its LM head) runs oneDNN at
+    onednn_rows(rows) rows, zero rows added, and returns the first rows: the same bits as the
+    call at the rows themselves."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "onednn")
+    gen = torch.Generator().manual_seed(num_tokens)
+    linear = Linear(576, 960)
+    linear.weight.data = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    linear.pack()
+    with torch.inference_mode():
+        plain = linear(x)
+        linear.pad_rows = True
+        padded = linear(x)
+        assert torch.equal(padded, plain) and padded.shape == (num_tokens, 960)
+        # computed at the padded row count: the output is a view of that many rows
+        assert padded.untyped_storage().nbytes() == onednn_rows(num_tokens) * 960 * 2
+        assert linear(x.view(1, num_tokens, 576)).shape == (1, num_tokens, 960)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 300])

@@ -63,6 +63,20 @@ def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) ->
     return projection_kernel(dtype, flags) != "torch"
 
 
+# oneDNN builds a kernel for each row count it meets (~10 ms a projection shape on the AMX
+# Xeon, ~46 ms a step over the 30 layers), and prefill steps' row counts rarely repeat
+# (53 of a W3 run's 59 steps over 512 rows were new): so the projections run at one of
+# 2 ** ONEDNN_ROWS_LOG2 row counts an octave (docs/kernels.md, "oneDNN's row counts").
+ONEDNN_ROWS_LOG2 = 4
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN projection of ``rows`` rows runs at: ``rows`` rounded up to one
+    of 16 values an octave (at most a sixteenth more); below 32 rows, ``rows`` itself."""
+    step = 1 << max(0, rows.bit_length() - 1 - ONEDNN_ROWS_LOG2)
+    return -(-rows // step) * step
+
+
 PANEL = 16  # output columns per panel of csrc/panel_linear.cpp
 # bf16 panels: 32-bit element j of each k holds column j in its high half, j + 8 in its low
 _BF16_PAIR_ORDER = [j + 8 * high for j in range(8) for high in (1, 0)]
@@ -154,6 +168,7 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
         self.panel_rows = 0  # with packed too (hybrid-*): calls up to this on pair_panels
         self.panel_amx = False  # hybrid-amx: pair_panels read by AMX tiles (panel_linear_amx)
+        self.pad_rows = False  # oneDNN calls at onednn_rows(rows) (the projections, not the head)
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
@@ -216,7 +231,21 @@ class Linear(nn.Module):
                               lambda rows: ops().panel_linear(rows, self.panels, n))
         if self.packed is None:
             return F.linear(x, self.weight)
+        if self.pad_rows:
+            return _onednn_padded(x, self.packed)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def _onednn_padded(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """oneDNN's projection of ``x``'s rows run at :func:`onednn_rows` rows, zero rows added
+    and their outputs dropped (a row's output depends on that row alone: the same bits)."""
+    rows = x.reshape(-1, x.shape[-1])
+    padded = onednn_rows(rows.shape[0])
+    if padded == rows.shape[0]:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(F.pad(rows, (0, 0, 0, padded - rows.shape[0])),
+                                             packed, None, "none", [], "")
+    return out[:rows.shape[0]].view(*x.shape[:-1], out.shape[-1])
 
 
 def _panels_on_huge_pages(linears: list[Linear]) -> None:
@@ -479,6 +508,9 @@ class LlamaForCausalLM(nn.Module):
                 keep = (module is model.lm_head and dtype != torch.float32) or \
                     module.weight is model.embed_tokens.weight
                 module.pack(release_weight=not keep)
+                # the head's rows are the step's requests: few row counts, and padding them
+                # would cost a whole vocabulary's columns a row
+                module.pad_rows = module.packed is not None and module is not model.lm_head
             _panels_on_huge_pages(linears)
         return model.eval()
 
