@@ -31,6 +31,7 @@ from kvserve.model.loader import (
     permute_qk,
     unpermute_qk,
 )
+from kvserve.model.weights import DUMMY_BLOCK
 
 T = GGMLQuantizationType
 TINY = ModelConfig(name="tiny", vocab_size=96, hidden_size=64, intermediate_size=96,
@@ -447,6 +448,10 @@ def test_dummy_weights_shapes_scale_and_determinism():
     assert not torch.equal(other["model.layers.0.self_attn.q_proj.weight"],
                            weights["model.layers.0.self_attn.q_proj.weight"])
     assert dummy_weights(TINY, dtype=torch.bfloat16)["model.norm.weight"].dtype == torch.bfloat16
+    # cut from a stream that repeats DUMMY_BLOCK draws (a prime), so rows never line up
+    table = dummy_weights(replace(config, vocab_size=4000), seed=7)["model.embed_tokens.weight"]
+    assert table.numel() > 2 * DUMMY_BLOCK
+    assert len({tuple(row[:8].tolist()) for row in table}) == 4000
 
 
 # --- the loaded weights make a working model ----------------------------------------------------
