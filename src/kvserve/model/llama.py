@@ -168,7 +168,7 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
         self.panel_rows = 0  # with packed too (hybrid-*): calls up to this on pair_panels
         self.panel_amx = False  # hybrid-amx: pair_panels read by AMX tiles (panel_linear_amx)
-        self.pad_rows = False  # oneDNN calls at onednn_rows(rows) (the projections, not the head)
+        self.pad_rows = True  # oneDNN calls at onednn_rows(rows) (from_weights: not the head)
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
@@ -508,10 +508,10 @@ class LlamaForCausalLM(nn.Module):
                 keep = (module is model.lm_head and dtype != torch.float32) or \
                     module.weight is model.embed_tokens.weight
                 module.pack(release_weight=not keep)
-                # the head's rows are the step's requests: few row counts, and padding them
-                # would cost a whole vocabulary's columns a row
-                module.pad_rows = module.packed is not None and module is not model.lm_head
             _panels_on_huge_pages(linears)
+        # the head's rows are the step's requests (few row counts), and each row added would
+        # cost a whole vocabulary of columns
+        model.lm_head.pad_rows = False
         return model.eval()
 
     @torch.no_grad()
