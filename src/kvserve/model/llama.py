@@ -262,8 +262,7 @@ def warm_up_onednn(model: nn.Module, max_rows: int) -> int:
     zeros. Returns the number of calls made (0 where no projection runs on oneDNN)."""
     shapes: dict[tuple[int, int, torch.dtype], Linear] = {}
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is not None and module.pad_rows \
-                and module.int8 is None and not module.invariant:
+        if isinstance(module, Linear) and module.packed is not None and module.pad_rows:
             out_features, in_features = module.weight.shape
             key = (in_features, out_features, module.weight.dtype)
             known = shapes.get(key)
