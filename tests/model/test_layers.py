@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model import layer_ops, llama, paged_kernel
+from kvserve.model import layer_ops, paged_kernel
 from kvserve.model.kernel_info import (
     AMX_PANEL_ROWS,
     AMX_TILE_K,
@@ -22,13 +22,11 @@ from kvserve.model.kernel_info import (
 from kvserve.model.llama import (
     Linear,
     can_pack_weights,
-    onednn_row_counts,
     onednn_rows,
     pack_pair_panels,
     panel_linear_available,
     projection_kernel,
     uses_panels,
-    warm_up_onednn,
 )
 
 
@@ -88,44 +86,6 @@ def test_onednn_row_counts_are_sixteen_an_octave_and_never_fewer_rows():
     for m in range(1, 4100):
         assert m <= onednn_rows(m) <= m + m // 16
     assert len({onednn_rows(m) for m in range(513, 2049)}) == 32  # two octaves
-
-
-def test_the_warm_up_calls_one_module_of_each_shape_at_every_padded_row_count(monkeypatch):
-    """warm_up_onednn builds oneDNN's kernels (kept by shape) at load: one call per padded row
-    count a step of up to max_rows can meet, for one module of each packed shape, the one whose
-    calls reach oneDNN from the fewest rows; not the unpadded LM head, not unpacked modules."""
-    calls: list[tuple[int, int, int]] = []
-
-    def spy(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        calls.append((x.shape[0], x.shape[1], packed.shape[0]))
-        return x.new_zeros(x.shape[0], packed.shape[0])
-
-    monkeypatch.setattr(llama, "_onednn_padded", spy)
-
-    def packed(in_features: int, out_features: int, panel_rows: int = 0) -> Linear:
-        module = Linear(in_features, out_features)
-        module.packed = torch.zeros(out_features, in_features)  # the spy reads its shape
-        if panel_rows:
-            module.pair_panels, module.panel_rows = torch.zeros(1), panel_rows
-        return module
-
-    model = torch.nn.ModuleList([
-        packed(64, 96, panel_rows=40), packed(64, 96, panel_rows=8),  # the same shape
-        packed(96, 64, panel_rows=40),
-        packed(64, 500),  # the head: not padded
-        Linear(64, 32),  # not packed: F.linear
-    ])
-    model[3].pad_rows = False
-    assert warm_up_onednn(model, 100) == len(calls)
-    assert onednn_row_counts(8, 100) == [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
-                                         23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 34, 36, 38,
-                                         40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64,
-                                         68, 72, 76, 80, 84, 88, 92, 96, 100]
-    assert calls == [(rows, 64, 96) for rows in onednn_row_counts(8, 100)] + \
-        [(rows, 96, 64) for rows in onednn_row_counts(40, 100)]
-    assert onednn_row_counts(512, 2048) == sorted({onednn_rows(m) for m in range(513, 2049)})
-    calls.clear()
-    assert warm_up_onednn(torch.nn.ModuleList([Linear(64, 32)]), 100) == 0 and not calls
 
 
 @pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")

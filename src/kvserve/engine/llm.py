@@ -15,7 +15,6 @@ import gc
 import itertools
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,7 @@ from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report, prefill_attention_choice
 from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
 from kvserve.model.kv_swap import HostKVCache
-from kvserve.model.llama import LlamaForCausalLM, invariant_projections, warm_up_onednn
+from kvserve.model.llama import LlamaForCausalLM, invariant_projections
 from kvserve.model.quantization import check_quantization
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
@@ -282,7 +281,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                          sampler=Sampler(seed, batch_invariant,
                                          token_bytes=_token_bytes_of(tokenizer)),
                          host_kv_cache=host)
-    _warm_up(network, scheduler_config.max_num_batched_tokens)
     if preemption_prices is None and host is not None and \
             scheduler_config.preemption_mode == "auto":
         from kvserve.engine.preemption_prices import measure_prices
@@ -292,16 +290,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                           preemption_prices=preemption_prices)
     return Engine(scheduler, runner, tokenizer, detokenize=detokenize,
                   max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
-
-
-def _warm_up(network: LlamaForCausalLM, max_rows: int) -> None:
-    """oneDNN's projection kernels for every row count a step can meet, built now rather than
-    in the first requests' steps (:func:`kvserve.model.llama.warm_up_onednn`)."""
-    started = time.perf_counter()
-    calls = warm_up_onednn(network, max_rows)
-    if calls:
-        logger.info("oneDNN projection kernels built for steps of up to %d rows: %d calls in "
-                    "%.2f s", max_rows, calls, time.perf_counter() - started)
 
 
 def _token_bytes_of(tokenizer: Tokenizer | None) -> Callable[[], list[bytes]] | None:

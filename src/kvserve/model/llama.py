@@ -248,40 +248,6 @@ def _onednn_padded(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return out[:rows.shape[0]].view(*x.shape[:-1], out.shape[-1])
 
 
-def onednn_row_counts(low: int, high: int) -> list[int]:
-    """The row counts oneDNN is called at by a padded projection whose calls of ``low`` rows
-    or fewer go elsewhere (the panels), for calls of up to ``high`` rows."""
-    return sorted({onednn_rows(rows) for rows in range(low + 1, high + 1)})
-
-
-def warm_up_onednn(model: nn.Module, max_rows: int) -> int:
-    """Build oneDNN's kernels now for every row count a step of up to ``max_rows`` rows can
-    call the padded projections at (:func:`onednn_rows`), so that no request pays ~10 ms a
-    projection shape the first time its step meets a row count (docs/kernels.md, "oneDNN's
-    row counts"). oneDNN keeps its kernels by shape, so one module of each shape is run, on
-    zeros. Returns the number of calls made (0 where no projection runs on oneDNN)."""
-    shapes: dict[tuple[int, int, torch.dtype], Linear] = {}
-    for module in model.modules():
-        if isinstance(module, Linear) and module.packed is not None and module.pad_rows:
-            out_features, in_features = module.weight.shape
-            key = (in_features, out_features, module.weight.dtype)
-            known = shapes.get(key)
-            if known is None or _onednn_above(module) < _onednn_above(known):
-                shapes[key] = module
-    calls = 0
-    with torch.inference_mode():
-        for (in_features, _, dtype), module in shapes.items():
-            for rows in onednn_row_counts(_onednn_above(module), max_rows):
-                module(torch.zeros(rows, in_features, dtype=dtype))
-                calls += 1
-    return calls
-
-
-def _onednn_above(module: Linear) -> int:
-    """The row count above which ``module``'s calls go to oneDNN."""
-    return module.panel_rows if module.pair_panels is not None else 0
-
-
 def _panels_on_huge_pages(linears: list[Linear]) -> None:
     """Move the projections' panel copies (the GEMMs that stream their weights at decode's
     few rows) into one huge-page arena each kind (:func:`huge_pages.gather`): 1.11-1.15x the
