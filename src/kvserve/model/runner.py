@@ -16,6 +16,7 @@ import torch
 from kvserve.core import ModelOutput, SamplingParams, SchedulerOutput
 from kvserve.core.outputs import PromptLogprobs
 from kvserve.model.attention import paged_attention
+from kvserve.model.host_heap import HeapTrimmer
 from kvserve.model.input_batch import SequenceSlice, build_batch
 from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import AttentionFn, LlamaForCausalLM
@@ -47,8 +48,16 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.host_kv_cache = host_kv_cache
         self.device = kv_caches[0][0].device if kv_caches else torch.device("cpu")
+        # the heap keeps the steps' freed activations: given back past 128 MiB of growth
+        self.heap = HeapTrimmer()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            self.heap.after_step()
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
             self._swap(scheduler_output)
         self._update_states(scheduler_output)
