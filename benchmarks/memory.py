@@ -50,7 +50,8 @@ while trace or engine.has_unfinished_requests():
     while trace and trace[0].arrival_time <= time.perf_counter() - start:
         request = trace.pop(0)
         engine.add_request(request.request_id, list(request.prompt_token_ids),
-                           SamplingParams(max_tokens=request.max_tokens, ignore_eos=True))
+                           SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                          temperature=0.0))  # greedy, as load_client asks
     if engine.has_unfinished_requests():
         engine.step()
     else:
