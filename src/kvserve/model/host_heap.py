@@ -61,13 +61,9 @@ class HeapTrimmer:
         self.slack = slack
         self._trim = trim or _malloc_trim()
         self._resident = resident
+        # None: nothing to trim with, or no /proc (after_step then does nothing)
         self.baseline = resident() if self._trim is not None else None
         self.trims = 0
-
-    @property
-    def active(self) -> bool:
-        """Whether this process can be trimmed (glibc and /proc)."""
-        return self.baseline is not None
 
     def after_step(self) -> None:
         if self.baseline is None:
