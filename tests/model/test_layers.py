@@ -91,9 +91,8 @@ def test_onednn_row_counts_are_sixteen_an_octave_and_never_fewer_rows():
 @pytest.mark.skipif(not onednn_runs_bf16(), reason="no oneDNN bf16 on this CPU")
 @pytest.mark.parametrize("num_tokens", [33, 513, 1000, 1024])
 def test_a_padded_onednn_projection_gives_the_unpadded_bits(monkeypatch, num_tokens):
-    """A projection with pad_rows (the model's, not its LM head) runs oneDNN at
-    onednn_rows(rows) rows, zero rows added, and returns the first rows: the same bits as the
-    call at the rows themselves."""
+    """A oneDNN projection runs at onednn_rows(rows) rows, zero rows added, and returns the
+    first rows: the same bits as the call at the rows themselves."""
     monkeypatch.setenv(PROJECTIONS_ENV, "onednn")
     gen = torch.Generator().manual_seed(num_tokens)
     linear = Linear(576, 960)
@@ -101,10 +100,9 @@ def test_a_padded_onednn_projection_gives_the_unpadded_bits(monkeypatch, num_tok
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
     linear.pack()
     with torch.inference_mode():
-        padded = linear(x)  # (a Linear pads unless told not to, as the LM head is)
+        padded = linear(x)
         assert torch.equal(linear(x.view(1, num_tokens, 576))[0], padded)
-        linear.pad_rows = False
-        plain = linear(x)
+        plain = torch.ops.mkldnn._linear_pointwise(x, linear.packed, None, "none", [], "")
         assert torch.equal(padded, plain) and padded.shape == (num_tokens, 960)
         # computed at the padded row count: the output is a view of that many rows
         assert padded.untyped_storage().nbytes() == onednn_rows(num_tokens) * 960 * 2

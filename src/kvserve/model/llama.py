@@ -65,8 +65,9 @@ def can_pack_weights(dtype: torch.dtype, flags: frozenset[str] | None = None) ->
 
 # oneDNN builds a kernel for each row count it meets (~10 ms a projection shape on the AMX
 # Xeon, ~46 ms a step over the 30 layers), and prefill steps' row counts rarely repeat
-# (53 of a W3 run's 59 steps over 512 rows were new): so the projections run at one of
-# 2 ** ONEDNN_ROWS_LOG2 row counts an octave (docs/kernels.md, "oneDNN's row counts").
+# (53 of a W3 run's 59 steps over 512 rows were new), and each one built stays cached
+# (~0.6 MiB): so the projections, the LM head's too, run at one of 2 ** ONEDNN_ROWS_LOG2 row
+# counts an octave (docs/kernels.md, "oneDNN's row counts").
 ONEDNN_ROWS_LOG2 = 4
 
 
@@ -168,7 +169,6 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None  # int8_linear's, and scales
         self.panel_rows = 0  # with packed too (hybrid-*): calls up to this on pair_panels
         self.panel_amx = False  # hybrid-amx: pair_panels read by AMX tiles (panel_linear_amx)
-        self.pad_rows = True  # oneDNN calls at onednn_rows(rows) (from_weights: not the head)
         self.invariant = False
 
     def pack(self, release_weight: bool = False) -> None:
@@ -231,9 +231,7 @@ class Linear(nn.Module):
                               lambda rows: ops().panel_linear(rows, self.panels, n))
         if self.packed is None:
             return F.linear(x, self.weight)
-        if self.pad_rows:
-            return _onednn_padded(x, self.packed)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return _onednn_padded(x, self.packed)
 
 
 def _onednn_padded(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -509,9 +507,6 @@ class LlamaForCausalLM(nn.Module):
                     module.weight is model.embed_tokens.weight
                 module.pack(release_weight=not keep)
             _panels_on_huge_pages(linears)
-        # the head's rows are the step's requests (few row counts), and each row added would
-        # cost a whole vocabulary of columns
-        model.lm_head.pad_rows = False
         return model.eval()
 
     @torch.no_grad()
