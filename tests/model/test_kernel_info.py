@@ -60,8 +60,13 @@ def test_cpuinfo_gives_the_first_processor_and_counts_them() -> None:
 def test_bf16_on_an_avx512_bf16_build_uses_the_panels_onednn_and_the_bf16_dot_products() -> None:
     ops = op_kernels(torch.bfloat16, True, ALL_ISA, onednn_bf16=True)
     assert list(ops) == list(OPS)
-    assert ops["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 128 rows")
-    assert "oneDNN packed bf16 above" in ops["projections"]
+    # no AMX: every call on the AVX512-BF16 panels, the head's too (one copy of the weights)
+    assert ops["projections"].startswith("C++ AVX512-BF16 panel GEMM (panel_linear_bf16")
+    assert "oneDNN" not in ops["projections"]
+    # hybrid-dpbf16 when asked: the panels up to 128 rows (the head 32), oneDNN above
+    hybrid = op_kernels(torch.bfloat16, True, ALL_ISA, onednn_bf16=True, choice="hybrid")
+    assert hybrid["projections"].startswith("C++ AVX512-BF16 panel GEMM up to 128 rows")
+    assert "oneDNN packed bf16 above" in hybrid["projections"]
     # an AMX build: the panels on kvserve's own tiles up to 512 rows, not the head
     amx = op_kernels(torch.bfloat16, True, (*ALL_ISA, "amx_bf16"), onednn_bf16=True)
     assert amx["projections"].startswith("C++ AMX-BF16 tiles up to 512 rows")
@@ -106,7 +111,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 @pytest.mark.parametrize(("dtype", "isa", "onednn_bf16", "packs_fp32", "choice", "kernel"), [
-    (BF16, ALL_ISA, True, False, "auto", "hybrid-dpbf16"),   # Zen 4: small calls on panels
+    (BF16, ALL_ISA, True, False, "auto", "panels-dpbf16"),   # Zen 4: every call on panels
     (BF16, (*ALL_ISA, "amx_bf16"), True, False, "auto", "hybrid-amx"),  # AMX: the tiles
     (BF16, (*ALL_ISA, "amx_bf16"), True, False, "amx", "hybrid-amx"),
     (BF16, ("avx2", "fma", "avx512f"), True, False, "auto", "onednn"),  # no bf16 panels built

@@ -209,22 +209,24 @@ def projection_kernel(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, 
     packed once for oneDNN) or ``torch`` (``F.linear``), given whether the C++ extension is
     built, the instruction sets it was compiled for, whether oneDNN runs bf16 natively here,
     whether float32 packs here (:func:`packs_float32`) and the choice asked for
-    (KVSERVE_PROJECTIONS). ``auto``: bf16 through oneDNN where it runs bf16 natively (AMX,
-    AVX512-BF16), and there, on a build with AVX512-BF16, the smaller calls on the
-    same weights packed in panels (both packings kept; :func:`hybrid_panel_rows` says
-    up to how many rows): on a build with AMX-BF16 read by kvserve's own tiles
-    (``hybrid-amx``, up to 512 rows: 1.05-1.6x oneDNN there), else by AVX512-BF16 dot products
-    (``hybrid-dpbf16``, up to 128 rows: 1.03-1.9x oneDNN at 1-128 rows on a Zen 4;
-    KVSERVE_PROJECTIONS=hybrid on an AMX build: up to 8); docs/kernels.md; else bf16
+    (KVSERVE_PROJECTIONS). ``auto``: bf16 where oneDNN runs bf16 natively (AMX,
+    AVX512-BF16): on a build with AMX-BF16 oneDNN, with the smaller calls on the same weights
+    packed in panels read by kvserve's own tiles (``hybrid-amx``, up to 512 rows: 1.05-1.6x
+    oneDNN there; both packings kept, :func:`hybrid_panel_rows`); on a build with
+    AVX512-BF16 but no AMX every call on the panels' AVX512-BF16 dot products
+    (``panels-dpbf16``: level with oneDNN at 256-2,048 rows on a Zen 4, 1.03-1.9x at 1-128,
+    one copy of the weights; ``hybrid-dpbf16``, oneDNN above 128 rows, was what auto ran
+    before 6 December); elsewhere oneDNN; docs/kernels.md. Else bf16
     on the AVX2 panels (activations widened); float32 on the AVX2 panels where AVX2 is the
     CPU's best tier, else F.linear (MKL). ``hybrid`` asks for ``hybrid-dpbf16`` wherever it
-    can run, ``amx`` for ``hybrid-amx``. ValueError where the choice cannot run here."""
+    can run (KVSERVE_PROJECTIONS=hybrid on an AMX build: up to 8 rows), ``amx`` for
+    ``hybrid-amx``. ValueError where the choice cannot run here."""
     avx2_panels = built and "avx2" in compiled_isa and "fma" in compiled_isa
     tiles = "amx_bf16" in compiled_isa
     if checked_choice(choice) == "auto":
         if dtype == torch.bfloat16 and onednn_bf16:
             if built and "avx512_bf16" in compiled_isa:
-                return "hybrid-amx" if tiles else "hybrid-dpbf16"
+                return "hybrid-amx" if tiles else "panels-dpbf16"
             return "onednn"
         if dtype == torch.bfloat16:
             return "panels-avx2" if avx2_panels else "torch"
