@@ -223,8 +223,9 @@ def test_the_avx512_bf16_panels_match_float32_sums_of_the_bf16_values(monkeypatc
                                         HYBRID_PANEL_ROWS, HYBRID_PANEL_ROWS + 1, 300])
 def test_hybrid_projections_run_small_calls_on_the_panels_and_large_ones_on_onednn(
         monkeypatch, num_tokens):
-    """hybrid-dpbf16 (KVSERVE_PROJECTIONS=hybrid anywhere it builds) keeps both packings: up to HYBRID_PANEL_ROWS rows (AMX_PANEL_ROWS on an
-    AMX build) a call's output is the panels' (bit for bit), above it oneDNN's."""
+    """hybrid-dpbf16 (KVSERVE_PROJECTIONS=hybrid anywhere it builds) keeps both packings: up
+    to HYBRID_PANEL_ROWS rows (AMX_PANEL_ROWS on an AMX build) a call's output is the
+    panels' (bit for bit), above it oneDNN's."""
     gen = torch.Generator().manual_seed(num_tokens)
     weight = torch.randn(200, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
