@@ -20,6 +20,7 @@ import time
 
 import ab_protocol as ab
 from docs_section import publish
+from kvserve.model.host_heap import TRIM_SLACK_BYTES
 from kvserve.model.kernel_info import cpu_info, isa_line
 
 TARGET_GIB = 2.5  # any dtype
@@ -128,14 +129,15 @@ def main() -> int:
         "engine the same way and reads its resident memory once loaded, idle (what a "
         "server holds before its first request); with `--serve-w3` a third replays W3's 200 "
         "requests at their arrival times and reads its peak and final resident memory (the "
-        "runner gives the C heap's freed memory back past 128 MiB of growth: "
+        f"runner gives the C heap's freed memory back past {TRIM_SLACK_BYTES >> 20} MiB of "
+        "growth: "
         f"`kvserve.model.host_heap`). On {cpu.name} (ISA: {isa_line(cpu)}). The peak of "
         f"`generate` {verdict}. The KV cache is allocated once, zeroed at start-up, and "
         "never grown.", "",
         "| weights | peak RSS | target | resident once loaded | serving W3: peak / final | "
         "wall, load included |",
         "|---|---|---|---|---|---|", *rows])
-    # one section per CPU (the first, "memory", holds the Zen 4's figures of 3 December)
+    # one section per CPU (the older one named "memory" holds a Zen 5's figures)
     publish(f"memory:{ab.cpu_slug(model, flags)}", section, write_docs=args.write_docs)
     return 1 if missed else 0
 
