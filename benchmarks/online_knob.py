@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""W3 online against `kvserve serve` at several values of one serve flag, alternated: what a
+knob costs, measured on this machine (`kvserve whatif` predicts it from a recording).
+
+One server per value, all started before the first run and idle while another runs (prefix
+caching off, so nothing carries over), each with benchmarks/online_ab.py's settings (its
+``--dtype``, 2 GiB of KV cache, max model length 1024) plus ``--FLAG VALUE``. Each round runs
+every value once through ../shared/bench/load_client.py, the order rotated one place per round
+so that no value always runs first. Per value: each figure's best and median; per run, the
+machine's conditions (benchmarks/ab_protocol.py). With --write-docs the table for this CPU and
+flag in docs/benchmarks.md is replaced. Each server holds its KV cache, so at most
+MAX_VALUES values run in one sitting.
+
+    flock /tmp/kvserve-bench.lock python benchmarks/online_knob.py \\
+        --flag max-num-batched-tokens --values 2048,1024,512 --rounds 2 --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+
+import ab_protocol as ab
+from docs_section import publish
+from online_ab import FIGURES, OUT, VLLM_PYTHON, Server
+
+MAX_VALUES = 4
+
+
+def run_order(values: Sequence[str], round_index: int) -> list[str]:
+    """The values in the order round ``round_index`` (from 0) runs them: rotated one place a
+    round, so each value leads a round in turn."""
+    shift = round_index % len(values)
+    return [*values[shift:], *values[:shift]]
+
+
+def value_rows(values: Sequence[str], runs: dict[str, list[dict]]) -> list[str]:
+    """Markdown rows: per value, each figure's best and median (best: the highest rate, the
+    lowest time)."""
+    lines = ["| value | " + " | ".join(f"{f.label} best / median" for f in FIGURES) + " |",
+             "|---|" + "---|" * len(FIGURES)]
+    for value in values:
+        cells = []
+        for figure in FIGURES:
+            series = [run[figure.key] for run in runs[value]]
+            best = max(series) if figure.higher_is_better else min(series)
+            cells.append(f"{figure.fmt.format(best)} / "
+                         f"{figure.fmt.format(statistics.median(series))}")
+        lines.append(f"| {value} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def run_row(round_number: int, value: str, r: dict, conditions: ab.Conditions) -> str:
+    return (f"| {round_number} | {value} | {r['output_tok_s']:.0f} | {r['wall_s']:.1f} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+            f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['completed']} / "
+            f"{r['failed']} | {conditions} |")
+
+
+def section(args: argparse.Namespace, model: str, flags: str, runs: dict[str, list[dict]],
+            rows: list[str], rounds_done: int) -> str:
+    command = ab.kernel_env() + "python benchmarks/online_knob.py " + " ".join(sys.argv[1:])
+    done = "" if rounds_done == args.rounds else f" (cut short: {rounds_done} rounds done)"
+    return "\n".join([
+        f"### W3 online at each `--{args.flag}` on {ab.cpu_title(model, flags)}{done}", "",
+        f"`flock /tmp/kvserve-bench.lock {command.strip()}` on "
+        f"{ab.machine_line(model, flags, None)}. The first {args.requests} requests of W3 "
+        "through ../shared/bench/load_client.py against one `kvserve serve` per value, "
+        "alternated (the order rotated each round); each "
+        f"{args.dtype}, 2 GiB KV, prefix caching off, max model length 1024, defaults "
+        "otherwise. Each run's load average before it, steal time during it and a 1024^3 "
+        "bf16 matmul's rate just before it are in the rows.", "",
+        *value_rows(args.values, runs), "",
+        "| round | value | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
+        "completed / failed | load / steal / bf16 GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|", *rows])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flag", required=True,
+                        help="a kvserve serve flag without its dashes, e.g. max-num-seqs")
+    parser.add_argument("--values", required=True, type=lambda text: text.split(","),
+                        help=f"its values, comma-separated (2 to {MAX_VALUES})")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=200, help="first N of W3 (smoke: 20)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="auto: bfloat16 where the CPU computes it natively, else float32")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("serve_flags", nargs="*", help="more kvserve serve flags (after --)")
+    args = parser.parse_args()
+    args.flag = args.flag.lstrip("-")
+    if not VLLM_PYTHON.exists():  # the load client runs on the vLLM venv's Python (aiohttp)
+        print(f"no load-client venv at {VLLM_PYTHON}: run ../shared/bench/setup_vllm.sh first",
+              file=sys.stderr)
+        return 2
+    if not 2 <= len(args.values) <= MAX_VALUES or len(set(args.values)) != len(args.values) \
+            or "" in args.values:
+        print(f"--values: 2 to {MAX_VALUES} distinct values, comma-separated", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or not 1 <= args.requests <= 200:
+        print("--rounds must be >= 1 and --requests in [1, 200]", file=sys.stderr)
+        return 2
+    OUT.mkdir(exist_ok=True)
+    model, flags = ab.cpu()
+    if args.dtype == "auto":
+        args.dtype = ab.fast_dtype(flags)
+    servers = {value: Server(f"knob_{args.flag}_{value}",
+                             [*args.serve_flags, f"--{args.flag}", value], args.dtype)
+               for value in args.values}
+    runs: dict[str, list[dict]] = {value: [] for value in args.values}
+    rows: list[str] = []
+    try:
+        for server in servers.values():
+            server.wait()
+        for index in range(args.rounds):
+            for value in run_order(args.values, index):
+                result, conditions = ab.measured(
+                    lambda value=value, index=index: servers[value].run(index + 1,
+                                                                        args.requests))
+                runs[value].append(result)
+                rows.append(run_row(index + 1, value, result, conditions))
+                print(rows[-1], flush=True)
+            publish(f"online_knob:{ab.cpu_slug(model, flags)}:{args.flag}",
+                    section(args, model, flags, runs, rows, index + 1),
+                    write_docs=args.write_docs)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

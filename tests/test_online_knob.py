@@ -1,0 +1,36 @@
+"""benchmarks/online_knob.py's run order and per-value table, without servers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import online_knob
+
+
+def test_each_value_leads_one_round_in_turn():
+    values = ["2048", "1024", "512"]
+    orders = [online_knob.run_order(values, index) for index in range(4)]
+    assert orders[:3] == [["2048", "1024", "512"], ["1024", "512", "2048"],
+                          ["512", "2048", "1024"]]
+    assert orders[3] == orders[0]
+    assert all(sorted(order) == sorted(values) for order in orders)
+
+
+def run(tok_s: float, ttft_p99_s: float) -> dict:
+    return {"output_tok_s": tok_s, "wall_s": 20000 / tok_s, "ttft_p50_s": 1.0,
+            "ttft_p99_s": ttft_p99_s, "itl_p50_ms": 180.0, "itl_p99_ms": 500.0}
+
+
+def test_value_rows_take_the_highest_rate_and_lowest_time_as_best():
+    runs = {"2048": [run(380.0, 4.2), run(390.0, 3.9), run(370.0, 5.0)],
+            "512": [run(400.0, 11.9)]}
+    header, rule, first, second = online_knob.value_rows(["2048", "512"], runs)
+    assert header.startswith("| value | output tok/s best / median | wall s best / median")
+    assert rule.count("---") == 1 + len(online_knob.FIGURES)
+    cells = [cell.strip() for cell in first.strip("|").split("|")]
+    assert cells[0] == "2048"
+    assert cells[1] == "390 / 380"  # tok/s: the highest, then the median
+    assert cells[4] == "3.90 / 4.20"  # TTFT p99: the lowest, then the median
+    assert second.startswith("| 512 | 400 / 400 |")
