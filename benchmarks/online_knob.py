@@ -11,20 +11,31 @@ machine's conditions (benchmarks/ab_protocol.py). With --write-docs the table fo
 flag in docs/benchmarks.md is replaced. Each server holds its KV cache, so at most
 MAX_VALUES values run in one sitting.
 
-    flock /tmp/kvserve-bench.lock python benchmarks/online_knob.py \\
-        --flag max-num-batched-tokens --values 2048,1024,512 --rounds 2 --write-docs
+With --whatif the first value's server records its first run (POST /admin/record/start and
+stop, docs/recording.md), and `kvserve whatif` prices the other values on that recording; its
+prediction goes in the section beside the runs. Takes a flag whatif can change (a scheduler
+or cache setting; its name with underscores).
+
+    flock /tmp/kvserve-bench.lock python benchmarks/online_knob.py --whatif \\
+        --flag max-num-batched-tokens --values 2048,1024,512 --rounds 3 --write-docs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
 import ab_protocol as ab
 from docs_section import publish
-from online_ab import FIGURES, OUT, VLLM_PYTHON, Server
+from online_ab import FIGURES, OUT, ROOT, VLLM_PYTHON, Server
 
 MAX_VALUES = 4
 
@@ -52,6 +63,58 @@ def value_rows(values: Sequence[str], runs: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+# whatif's report: (label, aggregate key, scale to the runs' unit, format), as FIGURES
+WHATIF_FIGURES = [("output tok/s", "throughput_output_tok_s", 1.0, "{:.0f}"),
+                  ("wall s", "duration_s", 1.0, "{:.1f}"),
+                  ("TTFT p50 s", "ttft_p50", 1.0, "{:.2f}"),
+                  ("TTFT p99 s", "ttft_p99", 1.0, "{:.2f}"),
+                  ("ITL p50 ms", "itl_p50", 1000.0, "{:.0f}"),
+                  ("ITL p99 ms", "itl_p99", 1000.0, "{:.0f}")]
+
+
+def whatif_rows(report: dict) -> list[str]:
+    """Markdown rows of `kvserve whatif --report`'s runs: the recorded one, the calibrated
+    model's reading of it, and each change."""
+    lines = ["| run | " + " | ".join(label for label, *_ in WHATIF_FIGURES) + " |",
+             "|---|" + "---|" * len(WHATIF_FIGURES)]
+    for run in report["runs"]:
+        figures = run["aggregate"]
+        cells = [fmt.format(figures[key] * scale) for _, key, scale, fmt in WHATIF_FIGURES]
+        lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def post(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def recorded_run(server: Server, directory: Path, round_number: int, requests: int) -> dict:
+    """``server.run`` with the server recording it into ``directory`` (replaced)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    post(f"{server.url}/admin/record/start", {"dir": str(directory)})
+    try:
+        return server.run(round_number, requests)
+    finally:
+        post(f"{server.url}/admin/record/stop")
+
+
+def whatif(directory: Path, setting: str, values: Sequence[str]) -> dict | str:
+    """`kvserve whatif`'s report on ``directory`` with ``setting`` at each of ``values``, or
+    its error's last line."""
+    report = OUT / "online_knob_whatif.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvserve", "whatif", str(directory), "--set",
+         f"{setting}={','.join(values)}", "--report", str(report)],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
+    return json.loads(report.read_text())
+
+
 def run_row(round_number: int, value: str, r: dict, conditions: ab.Conditions) -> str:
     return (f"| {round_number} | {value} | {r['output_tok_s']:.0f} | {r['wall_s']:.1f} | "
             f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
@@ -60,7 +123,7 @@ def run_row(round_number: int, value: str, r: dict, conditions: ab.Conditions) -
 
 
 def section(args: argparse.Namespace, model: str, flags: str, runs: dict[str, list[dict]],
-            rows: list[str], rounds_done: int) -> str:
+            rows: list[str], rounds_done: int, predicted: dict | str | None = None) -> str:
     command = ab.kernel_env() + "python benchmarks/online_knob.py " + " ".join(sys.argv[1:])
     done = "" if rounds_done == args.rounds else f" (cut short: {rounds_done} rounds done)"
     return "\n".join([
@@ -75,7 +138,19 @@ def section(args: argparse.Namespace, model: str, flags: str, runs: dict[str, li
         *value_rows(args.values, runs), "",
         "| round | value | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
         "completed / failed | load / steal / bf16 GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|", *rows])
+        "|---|---|---|---|---|---|---|---|", *rows, *whatif_part(args, predicted)])
+
+
+def whatif_part(args: argparse.Namespace, predicted: dict | str | None) -> list[str]:
+    """The section's lines on whatif's prediction (none without --whatif)."""
+    if predicted is None:
+        return []
+    head = (f"`kvserve whatif` on the recording of round 1's run at {args.flag} "
+            f"{args.values[0]} (the server's own timing of it, the warm-up request included), "
+            f"each other value priced by the cost model fitted on its steps:")
+    if isinstance(predicted, str):
+        return ["", f"{head} it failed: {predicted}"]
+    return ["", head, "", *whatif_rows(predicted)]
 
 
 def main() -> int:
@@ -88,6 +163,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="first N of W3 (smoke: 20)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="auto: bfloat16 where the CPU computes it natively, else float32")
+    parser.add_argument("--whatif", action="store_true",
+                        help="record the first value's first run and let kvserve whatif "
+                             "predict the others from it")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="more kvserve serve flags (after --)")
     args = parser.parse_args()
@@ -112,19 +190,28 @@ def main() -> int:
                for value in args.values}
     runs: dict[str, list[dict]] = {value: [] for value in args.values}
     rows: list[str] = []
+    recording = OUT / f"online_knob_{args.flag}_{args.values[0]}.rec"
+    predicted: dict | str | None = None
+
+    def run_once(value: str, index: int) -> dict:
+        if args.whatif and index == 0 and value == args.values[0]:
+            return recorded_run(servers[value], recording, 1, args.requests)
+        return servers[value].run(index + 1, args.requests)
+
     try:
         for server in servers.values():
             server.wait()
         for index in range(args.rounds):
             for value in run_order(args.values, index):
                 result, conditions = ab.measured(
-                    lambda value=value, index=index: servers[value].run(index + 1,
-                                                                        args.requests))
+                    lambda value=value, index=index: run_once(value, index))
                 runs[value].append(result)
                 rows.append(run_row(index + 1, value, result, conditions))
                 print(rows[-1], flush=True)
+            if args.whatif and predicted is None:
+                predicted = whatif(recording, args.flag.replace("-", "_"), args.values[1:])
             publish(f"online_knob:{ab.cpu_slug(model, flags)}:{args.flag}",
-                    section(args, model, flags, runs, rows, index + 1),
+                    section(args, model, flags, runs, rows, index + 1, predicted),
                     write_docs=args.write_docs)
     finally:
         for server in servers.values():

@@ -34,3 +34,25 @@ def test_value_rows_take_the_highest_rate_and_lowest_time_as_best():
     assert cells[1] == "390 / 380"  # tok/s: the highest, then the median
     assert cells[4] == "3.90 / 4.20"  # TTFT p99: the lowest, then the median
     assert second.startswith("| 512 | 400 / 400 |")
+
+
+def aggregate(tok_s: float, itl_p99_s: float) -> dict:
+    return {"throughput_output_tok_s": tok_s, "duration_s": 75.0, "ttft_p50": 1.25,
+            "ttft_p99": 3.8, "itl_p50": 0.1728, "itl_p99": itl_p99_s}
+
+
+def test_whatif_rows_put_each_run_in_the_runs_units():
+    report = {"runs": [{"label": "recorded", "aggregate": aggregate(394.2, 1.4086)},
+                       {"label": "max_num_batched_tokens=512",
+                        "aggregate": aggregate(386.2, 0.4204)}]}
+    header, _, recorded, changed = online_knob.whatif_rows(report)
+    assert header == ("| run | output tok/s | wall s | TTFT p50 s | TTFT p99 s | ITL p50 ms | "
+                      "ITL p99 ms |")
+    assert recorded == "| recorded | 394 | 75.0 | 1.25 | 3.80 | 173 | 1409 |"  # ITL in ms
+    assert changed.startswith("| max_num_batched_tokens=512 | 386 |")
+    assert changed.endswith("| 420 |")
+
+
+def test_a_whatif_that_fails_gives_its_error_not_a_report(tmp_path):
+    answer = online_knob.whatif(tmp_path / "missing", "max_num_batched_tokens", ["512"])
+    assert isinstance(answer, str) and "missing" in answer
