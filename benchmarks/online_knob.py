@@ -47,6 +47,10 @@ def run_order(values: Sequence[str], round_index: int) -> list[str]:
     return [*values[shift:], *values[:shift]]
 
 
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
 def value_rows(values: Sequence[str], runs: dict[str, list[dict]]) -> list[str]:
     """Markdown rows: per value, each figure's best and median (best: the highest rate, the
     lowest time)."""
@@ -58,7 +62,7 @@ def value_rows(values: Sequence[str], runs: dict[str, list[dict]]) -> list[str]:
             series = [run[figure.key] for run in runs[value]]
             best = max(series) if figure.higher_is_better else min(series)
             cells.append(f"{figure.fmt.format(best)} / "
-                         f"{figure.fmt.format(statistics.median(series))}")
+                         f"{figure.fmt.format(median(runs[value], figure.key))}")
         lines.append(f"| {value} | " + " | ".join(cells) + " |")
     return lines
 
@@ -81,6 +85,27 @@ def whatif_rows(report: dict) -> list[str]:
         figures = run["aggregate"]
         cells = [fmt.format(figures[key] * scale) for _, key, scale, fmt in WHATIF_FIGURES]
         lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def change_rows(values: Sequence[str], runs: dict[str, list[dict]], report: dict) -> list[str]:
+    """Markdown rows: each other value's change from the first, as whatif predicted it (the
+    change's figure over its reading of the recorded settings, "recorded (calibrated model)")
+    and as the engine made it (the value's median over the first value's median)."""
+    predicted = {run["label"]: run["aggregate"] for run in report["runs"]}
+    base = predicted["recorded (calibrated model)"]
+    lines = [f"| change from {values[0]} | " + " | ".join(f.label for f in FIGURES) + " |",
+             "|---|" + "---|" * len(FIGURES)]
+    for value in values[1:]:
+        change = next((aggregate for label, aggregate in predicted.items()
+                       if label.endswith(f"={value}")), None)
+        if change is None:
+            continue
+        whatif_cells = [f"{change[key] / base[key]:.2f}x" for _, key, *_ in WHATIF_FIGURES]
+        engine_cells = [f"{median(runs[value], f.key) / median(runs[values[0]], f.key):.2f}x"
+                        for f in FIGURES]
+        lines.append(f"| {value}, whatif | " + " | ".join(whatif_cells) + " |")
+        lines.append(f"| {value}, the engine | " + " | ".join(engine_cells) + " |")
     return lines
 
 
@@ -138,10 +163,11 @@ def section(args: argparse.Namespace, model: str, flags: str, runs: dict[str, li
         *value_rows(args.values, runs), "",
         "| round | value | output tok/s | wall s | TTFT p50 / p99 s | ITL p50 / p99 ms | "
         "completed / failed | load / steal / bf16 GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|", *rows, *whatif_part(args, predicted)])
+        "|---|---|---|---|---|---|---|---|", *rows, *whatif_part(args, runs, predicted)])
 
 
-def whatif_part(args: argparse.Namespace, predicted: dict | str | None) -> list[str]:
+def whatif_part(args: argparse.Namespace, runs: dict[str, list[dict]],
+                predicted: dict | str | None) -> list[str]:
     """The section's lines on whatif's prediction (none without --whatif)."""
     if predicted is None:
         return []
@@ -150,7 +176,10 @@ def whatif_part(args: argparse.Namespace, predicted: dict | str | None) -> list[
             f"each other value priced by the cost model fitted on its steps:")
     if isinstance(predicted, str):
         return ["", f"{head} it failed: {predicted}"]
-    return ["", head, "", *whatif_rows(predicted)]
+    return ["", head, "", *whatif_rows(predicted), "",
+            "Each change as whatif predicted it (over its own reading of the recorded settings, "
+            "the row above) and as the engine made it (medians over medians):", "",
+            *change_rows(args.values, runs, predicted)]
 
 
 def main() -> int:

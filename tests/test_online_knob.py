@@ -56,3 +56,31 @@ def test_whatif_rows_put_each_run_in_the_runs_units():
 def test_a_whatif_that_fails_gives_its_error_not_a_report(tmp_path):
     answer = online_knob.whatif(tmp_path / "missing", "max_num_batched_tokens", ["512"])
     assert isinstance(answer, str) and "missing" in answer
+
+
+def test_change_rows_set_whatifs_change_beside_the_engines():
+    # whatif's change is read against its own reading of the recorded settings, the
+    # engine's as the value's median over the first value's
+    report = {"runs": [{"label": "recorded", "aggregate": aggregate(397.0, 1.446)},
+                       {"label": "recorded (calibrated model)",
+                        "aggregate": aggregate(400.0, 1.4)},
+                       {"label": "max_num_batched_tokens=512",
+                        "aggregate": aggregate(384.0, 0.42)}]}
+    runs = {"2048": [run(392.0, 3.8), run(371.0, 4.4), run(397.0, 3.5)],
+            "512": [run(369.0, 13.2), run(337.0, 18.5), run(380.0, 11.3)]}
+    header, _, predicted, measured = online_knob.change_rows(["2048", "512"], runs, report)
+    assert header.startswith("| change from 2048 | output tok/s | wall s |")
+    cells = [cell.strip() for cell in predicted.strip("|").split("|")]
+    assert cells[0] == "512, whatif" and cells[1] == "0.96x"  # 384 / 400
+    assert cells[-1] == "0.30x"  # ITL p99 0.42 / 1.4
+    cells = [cell.strip() for cell in measured.strip("|").split("|")]
+    assert cells[0] == "512, the engine"
+    assert cells[1] == f"{369 / 392:.2f}x"  # medians, not bests
+    assert cells[4] == f"{13.2 / 3.8:.2f}x"
+
+
+def test_change_rows_skip_a_value_whatif_did_not_price():
+    report = {"runs": [{"label": "recorded (calibrated model)",
+                        "aggregate": aggregate(400.0, 1.4)}]}
+    runs = {"2048": [run(392.0, 3.8)], "512": [run(369.0, 13.2)]}
+    assert len(online_knob.change_rows(["2048", "512"], runs, report)) == 2  # header, rule
