@@ -67,23 +67,26 @@ def value_rows(values: Sequence[str], runs: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-# whatif's report: (label, aggregate key, scale to the runs' unit, format), as FIGURES
-WHATIF_FIGURES = [("output tok/s", "throughput_output_tok_s", 1.0, "{:.0f}"),
-                  ("wall s", "duration_s", 1.0, "{:.1f}"),
-                  ("TTFT p50 s", "ttft_p50", 1.0, "{:.2f}"),
-                  ("TTFT p99 s", "ttft_p99", 1.0, "{:.2f}"),
-                  ("ITL p50 ms", "itl_p50", 1000.0, "{:.0f}"),
-                  ("ITL p99 ms", "itl_p99", 1000.0, "{:.0f}")]
+# each figure of a run (FIGURES' keys) in whatif's report: its aggregate key, and the scale
+# to the run's unit
+WHATIF_KEYS = {"output_tok_s": ("throughput_output_tok_s", 1.0), "wall_s": ("duration_s", 1.0),
+               "ttft_p50_s": ("ttft_p50", 1.0), "ttft_p99_s": ("ttft_p99", 1.0),
+               "itl_p50_ms": ("itl_p50", 1000.0), "itl_p99_ms": ("itl_p99", 1000.0)}
+
+
+def predicted_figure(aggregate: dict, figure: ab.Figure) -> float:
+    """``figure`` (one of FIGURES) read from a whatif run's aggregate, in the runs' unit."""
+    key, scale = WHATIF_KEYS[figure.key]
+    return aggregate[key] * scale
 
 
 def whatif_rows(report: dict) -> list[str]:
     """Markdown rows of `kvserve whatif --report`'s runs: the recorded one, the calibrated
     model's reading of it, and each change."""
-    lines = ["| run | " + " | ".join(label for label, *_ in WHATIF_FIGURES) + " |",
-             "|---|" + "---|" * len(WHATIF_FIGURES)]
+    lines = ["| run | " + " | ".join(f.label for f in FIGURES) + " |",
+             "|---|" + "---|" * len(FIGURES)]
     for run in report["runs"]:
-        figures = run["aggregate"]
-        cells = [fmt.format(figures[key] * scale) for _, key, scale, fmt in WHATIF_FIGURES]
+        cells = [f.fmt.format(predicted_figure(run["aggregate"], f)) for f in FIGURES]
         lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -101,7 +104,8 @@ def change_rows(values: Sequence[str], runs: dict[str, list[dict]], report: dict
                        if label.endswith(f"={value}")), None)
         if change is None:
             continue
-        whatif_cells = [f"{change[key] / base[key]:.2f}x" for _, key, *_ in WHATIF_FIGURES]
+        whatif_cells = [f"{predicted_figure(change, f) / predicted_figure(base, f):.2f}x"
+                        for f in FIGURES]
         engine_cells = [f"{median(runs[value], f.key) / median(runs[values[0]], f.key):.2f}x"
                         for f in FIGURES]
         lines.append(f"| {value}, whatif | " + " | ".join(whatif_cells) + " |")
