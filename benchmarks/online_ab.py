@@ -182,6 +182,21 @@ def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, f
         "|---|---|---|---|---|---|---|---|---|", *rows])
 
 
+def prepare(args: argparse.Namespace) -> tuple[str, str] | None:
+    """What every W3 script here needs before its servers start: the vLLM venv (its Python
+    runs the load client, and vLLM), out/, and this CPU's model and flags, ``args.dtype``
+    resolved on them; None, said on stderr, where the venv is missing."""
+    if not VLLM_PYTHON.exists():
+        print(f"no vLLM venv under {PEERS}: run ../shared/bench/setup_vllm.sh first",
+              file=sys.stderr)
+        return None
+    OUT.mkdir(exist_ok=True)
+    model, flags = ab.cpu()
+    if args.dtype == "auto":
+        args.dtype = ab.fast_dtype(flags)
+    return model, flags
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
@@ -194,17 +209,13 @@ def main() -> int:
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
     args = parser.parse_args()
-    if not VLLM_PYTHON.exists():
-        print(f"no vLLM venv under {PEERS}: run ../shared/bench/setup_vllm.sh first",
-              file=sys.stderr)
-        return 2
     if args.pairs < 1 or not 1 <= args.requests <= 200:
         print("--pairs must be >= 1 and --requests in [1, 200]", file=sys.stderr)
         return 2
-    OUT.mkdir(exist_ok=True)
-    model, flags = ab.cpu()
-    if args.dtype == "auto":
-        args.dtype = ab.fast_dtype(flags)
+    machine = prepare(args)
+    if machine is None:
+        return 2
+    model, flags = machine
     peaks = None if args.no_peaks else ab.measure_peaks()
     runs: dict[str, list[dict]] = {"vllm": [], "kvserve": []}
     rows: list[str] = []

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import ab_protocol as ab
 from docs_section import publish
-from online_ab import FIGURES, OUT, ROOT, VLLM_PYTHON, Server
+from online_ab import FIGURES, OUT, ROOT, Server, prepare
 
 MAX_VALUES = 4
 
@@ -203,10 +203,6 @@ def main() -> int:
     parser.add_argument("serve_flags", nargs="*", help="more kvserve serve flags (after --)")
     args = parser.parse_args()
     args.flag = args.flag.lstrip("-")
-    if not VLLM_PYTHON.exists():  # the load client runs on the vLLM venv's Python (aiohttp)
-        print(f"no load-client venv at {VLLM_PYTHON}: run ../shared/bench/setup_vllm.sh first",
-              file=sys.stderr)
-        return 2
     if not 2 <= len(args.values) <= MAX_VALUES or len(set(args.values)) != len(args.values) \
             or "" in args.values:
         print(f"--values: 2 to {MAX_VALUES} distinct values, comma-separated", file=sys.stderr)
@@ -214,10 +210,10 @@ def main() -> int:
     if args.rounds < 1 or not 1 <= args.requests <= 200:
         print("--rounds must be >= 1 and --requests in [1, 200]", file=sys.stderr)
         return 2
-    OUT.mkdir(exist_ok=True)
-    model, flags = ab.cpu()
-    if args.dtype == "auto":
-        args.dtype = ab.fast_dtype(flags)
+    machine = prepare(args)  # the load client runs on the vLLM venv's Python (aiohttp)
+    if machine is None:
+        return 2
+    model, flags = machine
     servers = {value: Server(f"knob_{args.flag}_{value}",
                              [*args.serve_flags, f"--{args.flag}", value], args.dtype)
                for value in args.values}
