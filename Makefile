@@ -38,8 +38,13 @@ browser:
 # Two pytest workers (pytest-xdist): most of the suite's time is servers and engine processes
 # booting and waiting, which overlap; the tests that start a real Ray instance share one
 # worker (xdist_group "ray"). `python -m pytest` alone still runs everything in one process.
+# `kvserve info` first: it compiles kvserve's C++ kernels for this CPU if this checkout has
+# not (two to three minutes on two cores, once; cached by the sources' hash and path), so the
+# build is set-up rather than the first kernel test's, and it prints the CPU, its instruction
+# sets and each op's kernel at the head of the log.
 test: $(STAMP) browser
 	$(BIN)/ruff check .
+	$(BIN)/kvserve info
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
