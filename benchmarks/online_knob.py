@@ -177,7 +177,7 @@ def whatif_part(args: argparse.Namespace, runs: dict[str, list[dict]],
         return []
     head = (f"`kvserve whatif` on the recording of round 1's run at {args.flag} "
             f"{args.values[0]} (the server's own timing of it, the warm-up request included), "
-            f"each other value priced by the cost model fitted on its steps:")
+            "each other value priced by the cost model fitted on its steps:")
     if isinstance(predicted, str):
         return ["", f"{head} it failed: {predicted}"]
     return ["", head, "", *whatif_rows(predicted), "",
