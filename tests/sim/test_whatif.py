@@ -18,7 +18,18 @@ import pytest
 
 from kvserve.cli import main
 from kvserve.sim.recording import load_recording
-from kvserve.sim.whatif import Decision, first_difference, make_run, moved
+from kvserve.sim.whatif import (
+    SHAPE_SUPPORT,
+    Decision,
+    ShapeTally,
+    describe_bin,
+    first_difference,
+    make_run,
+    moved,
+    off_record,
+    recorded_shapes,
+    shape_bin,
+)
 
 
 def build(directory):
@@ -304,3 +315,84 @@ def test_a_model_check_far_from_the_recording_is_said(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: the roofline model runs the recorded settings in" in out
     assert 'against the "recorded (roofline model)" column' in out
+
+
+def build_shaped(directory, requests=6):
+    """A recording whose steps carry their shapes: ``requests`` 16-token prompts at t=0,
+    each answering 2 tokens then EOS, served one at a time (max_num_seqs 1): per request a
+    prefill step of one request (0.5 s), then two decode-only steps of one (0.1 s)."""
+    directory.mkdir()
+    settings = {"max_num_seqs": 1, "max_num_batched_tokens": 64, "max_model_len": 128,
+                "num_kv_blocks": 64, "block_size": 16, "enable_prefix_caching": False}
+    ids = [f"r{i}" for i in range(requests)]
+    (directory / "recording.json").write_text(json.dumps({
+        "format": "kvserve-recording/1", "settings": settings, "record_prompts": "none",
+        "segments": [{"start": 0.0, "stop": 0.7 * requests + 1, "in_flight_at_start": 0}]}))
+    (directory / "trace-00000.jsonl").write_text("".join(
+        json.dumps({"request_id": rid, "arrival_time": 0.0, "prompt_len": 16,
+                    "output_len": 2, "max_tokens": 8}) + "\n" for rid in ids))
+    rows, now = [], 0.0
+    for _ in ids:
+        for context, tokens, seconds in ((0, 16, 0.5), (16, 1, 0.1), (17, 1, 0.1)):
+            shape = {"num_seqs": 1, "num_tokens": tokens, "num_sampled": 1,
+                     "num_decode_seqs": 1 if tokens == 1 else 0, "context_tokens": context,
+                     "attention_pairs": tokens * context + tokens * (tokens + 1) // 2,
+                     "scattered_context_tokens": 0}
+            rows.append({"type": "step", "start": now, "duration": seconds,
+                         "num_scheduled_tokens": tokens, "shape": shape})
+            now += seconds
+    (directory / "steps-0-00000.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows))
+    return directory
+
+
+def test_time_in_shapes_the_recording_lacks_is_counted_and_said(tmp_path, capsys):
+    """Priced by the model fitted on the recorded steps, a change that runs steps of more
+    requests than any recorded one spends its time in shapes the recording has none of: the
+    table's "unrecorded shapes" row and a note say how much and which (docs/fidelity.md,
+    "Shapes the recording lacks"). The recorded settings spend none there."""
+    directory = build_shaped(tmp_path / "rec")
+    report = tmp_path / "w.json"
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=4", "--set",
+                 "max_num_seqs=1", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    runs = {run["label"]: run["aggregate"] for run in json.loads(report.read_text())["runs"]}
+    assert runs["recorded (calibrated model)"]["off_record_share"] == 0.0
+    assert runs["max_num_seqs=1"]["off_record_share"] == 0.0
+    wide = runs["max_num_seqs=4"]["off_record"]
+    assert wide["share"] > 0.5 and wide["support_steps"] == SHAPE_SUPPORT
+    shapes = {row["shape"]: row["recorded_steps"] for row in wide["shapes"]}
+    assert shapes["steps with prefill of 4-7 requests"] == 0
+    assert "unrecorded shapes" in out
+    assert "note: " in out and "of max_num_seqs=4's step time went to step shapes the " \
+        "recording has fewer than 5 steps of (" in out
+    assert "max_num_seqs=1's step time" not in out
+    # another model than the one fitted here: nothing to count against
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=4", "--cost-model",
+                 "unit"]) == 0
+    assert "unrecorded shapes" not in capsys.readouterr().out
+
+
+def test_a_shape_is_its_kind_and_its_requests_octave():
+    from kvserve.sim.executor import BatchView
+
+    def view(seqs, tokens, decode):
+        return BatchView(seqs, tokens, seqs, decode, 0, 0)
+
+    assert shape_bin(view(1, 16, 0)) == (True, 1)
+    assert shape_bin(view(3, 3, 3)) == (False, 2)
+    assert shape_bin(view(200, 2048, 199)) == (True, 8)
+    assert describe_bin((True, 1)) == "steps with prefill of 1 request"
+    assert describe_bin((False, 8)) == "decode-only steps of 128-255 requests"
+    tally = ShapeTally()
+    tally.add(view(1, 1, 1), 1.0)
+    tally.add(view(4, 40, 3), 3.0)
+    result = off_record(tally, recorded_shapes([view(1, 1, 1)] * SHAPE_SUPPORT))
+    assert result.share == 0.75
+    assert result.shapes == (("steps with prefill of 4-7 requests", 3.0, 0),)
+    assert result.note("x").startswith("75% of x's step time")
+    tally.add(view(4, 40, 3), 6.0)  # now 1 s of 10 in the shape recorded too rarely
+    result = off_record(tally, recorded_shapes([view(4, 40, 3)] * SHAPE_SUPPORT +
+                                               [view(1, 1, 1)] * (SHAPE_SUPPORT - 1)))
+    assert result.share == 0.1 and result.shapes[0][2] == SHAPE_SUPPORT - 1
+    assert result.note("x") is None  # under OFF_RECORD_NOTE

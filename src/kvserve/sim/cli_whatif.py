@@ -156,7 +156,16 @@ def run(args: argparse.Namespace) -> int:
             load_recording,
             replay_or_fitted,
         )
-        from kvserve.sim.whatif import make_run, moved, nothing_moved, table, to_json
+        from kvserve.sim.whatif import (
+            ShapeTally,
+            make_run,
+            moved,
+            nothing_moved,
+            off_record,
+            recorded_shapes,
+            table,
+            to_json,
+        )
 
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
@@ -186,10 +195,24 @@ def run(args: argparse.Namespace) -> int:
         recorded, as_placed = _recorded_cluster(settings, trace)
         placed = as_placed is not None
 
+        # Under the model fitted on the recorded steps, where each run's time went against
+        # the shapes the recording has (whatif.py: "unrecorded shapes").
+        shapes = recorded_shapes(recording.step_shapes()[0]) \
+            if chosen == "calibrated" and other.calibration is None else None
+
         def simulate(deployment: Any, values: dict[str, Any],
-                     cluster: ClusterOptions = recorded) -> Any:
+                     cluster: ClusterOptions = recorded, observe: Any = None) -> Any:
             return deployment.simulate(trace, values, seed=args.seed, record_events=True,
-                                       cluster=cluster)[1]
+                                       cluster=cluster, observe=observe)[1]
+
+        def priced(label: str, values: dict[str, Any], cluster: ClusterOptions = recorded,
+                   change: dict[str, Any] | None = None) -> Any:
+            """A run under the changes' model, with its unrecorded shapes where fitted."""
+            if shapes is None:
+                return make_run(label, simulate(other, values, cluster), change)
+            tally = ShapeTally()
+            result = simulate(other, values, cluster, tally.add)
+            return make_run(label, result, change, off_record(tally, shapes))
 
         def variant(change: dict[str, Any]) -> tuple[dict[str, Any], ClusterOptions]:
             cluster = {k: v for k, v in change.items() if k in CLUSTER_KEYS}
@@ -233,10 +256,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{recorded.router} router", file=sys.stderr)
             runs = []
         if chosen != "replay" or not placed:
-            runs.append(make_run(f"recorded ({chosen} model)", simulate(other, settings)))
+            runs.append(priced(f"recorded ({chosen} model)", settings))
         for change in changes:
-            runs.append(make_run(change_label(change), simulate(other, *variant(change)),
-                                 {**change, **host_tier(change)}))
+            runs.append(priced(change_label(change), *variant(change),
+                               {**change, **host_tier(change)}))
         changed = [r for r in runs if r.change is not None]
         # Each change against the recorded settings under the same model and router (the
         # model check, when there is one): what moved is the change's doing, not the model's
@@ -254,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{runs[0].aggregate['duration_s']:.1f} s ({off:+.0%}): read each change "
                   f"against the \"{base.label}\" column, not against the recording (a "
                   "calibration measured on a quiet machine prices a busy one's steps low)")
+        for run in changed:
+            extrapolated = run.off_record and run.off_record.note(run.label)
+            if extrapolated:
+                print(f"note: {extrapolated}")
         for label, rows in movers.items():
             print(f"\nmoved most with {label}:")
             for row in rows:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +46,27 @@ def needs_block_layout(model: CostModel) -> bool:
     rather than part of the protocol, so a model that does not price the layout (every one
     but a calibrated model with a layout coefficient) needs nothing new."""
     return bool(getattr(model, "needs_block_layout", False))
+
+
+class ObservedCostModel:
+    """A cost model that also hands each step it prices to ``observe`` (the step's shape and
+    its seconds): ``kvserve whatif`` tallies where a change's time went by shape."""
+
+    def __init__(self, inner: CostModel, observe: Callable[[BatchView, float], None]) -> None:
+        self.inner = inner
+        self.observe = observe
+        self.name = inner.name
+
+    def __getattr__(self, name: str) -> Any:  # prices, step_start, needs_block_layout, ...
+        return getattr(self.inner, name)
+
+    def step_time(self, scheduler_output: SchedulerOutput, view: BatchView) -> float:
+        seconds = self.inner.step_time(scheduler_output, view)
+        self.observe(view, seconds)
+        return seconds
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
 
 
 class UnitCostModel:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +21,12 @@ from kvserve.sim.cost_models import (
     CalibratedCostModel,
     CostModel,
     CostModelError,
+    ObservedCostModel,
     ReplayCostModel,
     RooflineCostModel,
     UnitCostModel,
 )
+from kvserve.sim.executor import BatchView
 from kvserve.sim.presets import HardwareSpec, dtype_bytes, get_hardware, get_model, kv_dtype
 from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.swap import SimPreemptionPrices, WithSwapCopies
@@ -177,12 +179,15 @@ class Deployment:
                  seed: int = 0, record_events: bool = False, check: bool = False,
                  progress: ProgressFn | None = None,
                  cluster: ClusterOptions | None = None,
-                 fast_forward: bool = True) -> tuple[dict[str, Any], SimResult]:
+                 fast_forward: bool = True,
+                 observe: Callable[[BatchView, float], None] | None = None
+                 ) -> tuple[dict[str, Any], SimResult]:
         """Run ``trace``; returns the config echo for the report and the result. With
-        ``cluster`` of more than one replica (or in lockstep), a ClusterResult."""
+        ``cluster`` of more than one replica (or in lockstep), a ClusterResult. ``observe``
+        is handed every step priced (its shape and seconds, any replica's)."""
         batching = settings.get("batching", "continuous")
         config, cache = self.configs(settings)
-        cost_model = self._cost_model(config, cache)
+        cost_model = self._cost_model(config, cache, observe=observe)
         prices = getattr(cost_model, "prices", None)
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
                               record_events=record_events, check=check,
@@ -190,7 +195,7 @@ class Deployment:
         if cluster is not None and cluster.router == "recorded":  # one replica too
             check_recorded_placement(trace, cluster.data_parallel_size)
         if cluster is not None and (cluster.data_parallel_size > 1 or cluster.lockstep):
-            cost_models = [cost_model] + [self._cost_model(config, cache, engine)
+            cost_models = [cost_model] + [self._cost_model(config, cache, engine, observe)
                                           for engine in range(1, cluster.data_parallel_size)]
             result = ClusterSimulator(simulator, cluster, cost_models).run(trace, progress)
         else:
@@ -227,13 +232,14 @@ class Deployment:
         return echo, result
 
 
-    def _cost_model(self, config: SchedulerConfig, cache: CacheConfig,
-                    engine: int = 0) -> CostModel:
+    def _cost_model(self, config: SchedulerConfig, cache: CacheConfig, engine: int = 0,
+                    observe: Callable[[BatchView, float], None] | None = None) -> CostModel:
         """The step prices; with a host tier in use, they include the block copies."""
         cost_model = self.build_cost_model(engine)
-        if config.preemption_mode == "recompute":
-            return cost_model
-        return WithSwapCopies(cost_model, self.preemption_prices(cost_model, cache.block_size))
+        if config.preemption_mode != "recompute":
+            cost_model = WithSwapCopies(cost_model,
+                                        self.preemption_prices(cost_model, cache.block_size))
+        return cost_model if observe is None else ObservedCostModel(cost_model, observe)
 
 
 # Fields added after report version 1 (issue 12), echoed only when one of them is set, so a

@@ -96,18 +96,25 @@ class Recording:
                                f"{self.path} (engine {engine})",
                                [s["start"] for s in steps])
 
+    def step_shapes(self) -> tuple[list[Any], list[float]]:
+        """Every engine's logged steps that have a shape and a duration: their batch shapes
+        and seconds (calibration.shaped_steps)."""
+        from kvserve.sim.calibration import shaped_steps
+
+        return shaped_steps([s for log in self.engines.values() for s in log.steps],
+                            str(self.path))
+
     def fitted_cost_model(self) -> Any:
         """A calibrated cost model fitted on the recorded steps (shape -> duration), the way
         ``kvserve calibrate --trace`` and ``--step-logs`` fit steps run in service: relative
         to the price, with the prefill-step term (docs/fidelity.md: a fit relative to the
         measured time leans low on noisy steps)."""
-        from kvserve.sim.calibration import fit, goodness, poor_fit_note, shaped_steps
+        from kvserve.sim.calibration import fit, goodness, poor_fit_note
 
         if self._fitted is not None:  # a cluster's replicas, a sweep's runs: one fit
             return self._fitted
         try:
-            views, seconds = shaped_steps([s for log in self.engines.values()
-                                           for s in log.steps], str(self.path))
+            views, seconds = self.step_shapes()
             self._fitted = fit(views, seconds, source=f"the recorded steps of {self.path}",
                                kind_term=True, relative_to="priced")
             note = poor_fit_note(goodness(self._fitted, views, seconds)["mean_abs_error"])

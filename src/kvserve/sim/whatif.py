@@ -17,6 +17,11 @@ first pair that differs in kind or replica, or in step at another time, is the o
 (the same decision taken at the same moment is the same, however the steps before it
 numbered).
 
+Under the cost model fitted on the recorded steps, each run also says how much of its step
+time went to step shapes the recording has fewer than SHAPE_SUPPORT steps of ("unrecorded
+shapes"; a shape is whether the step carries prefill, and its requests to the octave): the
+fit extrapolates there (docs/fidelity.md, "Shapes the recording lacks").
+
 A recording of replicas runs as a cluster: the recorded run with each request on the replica
 the server placed it on, the model check and the changes behind the server's router, and a
 change may name the cluster's size or router (``data_parallel_size``, ``router``).
@@ -26,10 +31,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvserve.runs import SimResult
+from kvserve.sim.executor import BatchView
 from kvserve.sim.report import aggregate, request_latencies
 
 DECISIONS = ("admitted", "preempted", "resumed", "finished")
@@ -53,10 +60,85 @@ class Run:
     result: SimResult
     aggregate: dict[str, Any]
     change: dict[str, Any] | None = None  # the settings changed; None: recorded settings
+    off_record: OffRecord | None = None  # under the fitted model: its unrecorded shapes
 
 
-def make_run(label: str, result: SimResult, change: dict[str, Any] | None = None) -> Run:
-    return Run(label, result, aggregate(result), change)
+def make_run(label: str, result: SimResult, change: dict[str, Any] | None = None,
+             off_record: OffRecord | None = None) -> Run:
+    figures = aggregate(result)
+    if off_record is not None:
+        figures["off_record_share"] = off_record.share
+        figures["off_record"] = off_record.to_json()
+    return Run(label, result, figures, change, off_record)
+
+
+SHAPE_SUPPORT = 5  # a shape the recording has fewer steps of is extrapolated (module doc)
+OFF_RECORD_NOTE = 0.2  # a change with this share of its step time there gets a note
+
+
+def shape_bin(view: BatchView) -> tuple[bool, int]:
+    """A step's shape as the support check sorts it: whether it carries prefill (more tokens
+    than decode rows), and its requests' octave (1, 2-3, 4-7, ...)."""
+    return view.num_tokens > view.num_decode_seqs, view.num_seqs.bit_length()
+
+
+def describe_bin(shape: tuple[bool, int]) -> str:
+    prefill, octave = shape
+    low, high = 1 << max(octave - 1, 0), (1 << octave) - 1
+    rows = "1 request" if high <= 1 else f"{low}-{high} requests"
+    return f"{'steps with prefill' if prefill else 'decode-only steps'} of {rows}"
+
+
+class ShapeTally:
+    """Seconds priced per shape (:func:`shape_bin`): an ``observe`` for
+    ``Deployment.simulate``."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[tuple[bool, int]] = Counter()
+
+    def add(self, view: BatchView, seconds: float) -> None:
+        self.seconds[shape_bin(view)] += seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class OffRecord:
+    """The share of a run's priced step time in shapes the recording has fewer than
+    SHAPE_SUPPORT steps of, and those shapes (description, seconds, recorded steps),
+    most seconds first."""
+
+    share: float
+    shapes: tuple[tuple[str, float, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"share": self.share, "support_steps": SHAPE_SUPPORT,
+                "shapes": [{"shape": shape, "seconds": seconds, "recorded_steps": steps}
+                           for shape, seconds, steps in self.shapes]}
+
+    def note(self, label: str) -> str | None:
+        """The warning where the share is OFF_RECORD_NOTE or more, else None."""
+        if self.share < OFF_RECORD_NOTE:
+            return None
+        top = "; ".join(f"{shape}: {seconds:.1f} s, {steps} recorded"
+                        for shape, seconds, steps in self.shapes[:3])
+        return (f"{self.share:.0%} of {label}'s step time went to step shapes the recording "
+                f"has fewer than {SHAPE_SUPPORT} steps of ({top}); the cost model fitted on "
+                "the recorded steps prices those by extrapolation, which has put tails "
+                "15-40% off (docs/fidelity.md, \"Shapes the recording lacks\"): to check "
+                "the column, record a run under a setting that makes such steps")
+
+
+def recorded_shapes(views: Iterable[BatchView]) -> Counter[tuple[bool, int]]:
+    """How many recorded steps each shape has."""
+    return Counter(shape_bin(view) for view in views)
+
+
+def off_record(tally: ShapeTally, recorded: Counter[tuple[bool, int]]) -> OffRecord:
+    total = sum(tally.seconds.values())
+    thin = sorted(((seconds, shape) for shape, seconds in tally.seconds.items()
+                   if recorded[shape] < SHAPE_SUPPORT), reverse=True)
+    return OffRecord(sum(seconds for seconds, _ in thin) / total if total > 0 else 0.0,
+                     tuple((describe_bin(shape), seconds, recorded[shape])
+                           for seconds, shape in thin))
 
 
 def decisions(result: SimResult) -> dict[str, list[Decision]]:
@@ -135,7 +217,14 @@ ROWS = (
     ("prefix hit rate", "prefix_hit_rate", "{:.1%}"),
     ("KV peak", "kv_usage_peak", "{:.1%}"),
     ("steps", "num_steps", "{:,}"),
+    ("unrecorded shapes", "off_record_share", "{:.0%}"),  # only under the fitted model
 )
+
+
+def rows_for(runs: Sequence[Run]) -> list[tuple[str, str, str]]:
+    """ROWS, less "unrecorded shapes" where no run has it (a model not fitted here)."""
+    return [row for row in ROWS if row[1] != "off_record_share"
+            or any(run.aggregate.get("off_record_share") is not None for run in runs)]
 
 
 def figure(aggregate_: dict[str, Any], key: str, pattern: str) -> str:
@@ -151,7 +240,7 @@ def table(runs: Sequence[Run]) -> str:
     """The aggregate figures, one column per run, as plain text."""
     header = ["", *[run.label for run in runs]]
     lines = [[label, *[figure(run.aggregate, key, pattern) for run in runs]]
-             for label, key, pattern in ROWS]
+             for label, key, pattern in rows_for(runs)]
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(row, widths, strict=True)))

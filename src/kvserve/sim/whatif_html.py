@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.sim import svg
 from kvserve.sim.html import _page
 from kvserve.sim.report import request_latencies
-from kvserve.sim.whatif import ROWS, Run, figure
+from kvserve.sim.whatif import Run, figure, rows_for
 
 WIDTH = 760
 
@@ -51,7 +51,7 @@ def _figures(runs: Sequence[Run]) -> str:
     head = "<tr><th></th>" + "".join(f"<th>{escape(r.label)}</th>" for r in runs) + "</tr>"
     rows = "".join(f"<tr><td>{escape(label)}</td>" + "".join(
         f"<td>{escape(figure(r.aggregate, key, pattern))}</td>" for r in runs) + "</tr>"
-        for label, key, pattern in ROWS)
+        for label, key, pattern in rows_for(runs))
     return f"<table>{head}{rows}</table>"
 
 
