@@ -82,11 +82,14 @@ def predicted_figure(aggregate: dict, figure: ab.Figure) -> float:
 
 def whatif_rows(report: dict) -> list[str]:
     """Markdown rows of `kvserve whatif --report`'s runs: the recorded one, the calibrated
-    model's reading of it, and each change."""
-    lines = ["| run | " + " | ".join(f.label for f in FIGURES) + " |",
-             "|---|" + "---|" * len(FIGURES)]
+    model's reading of it, and each change, with the share of its step time in shapes the
+    recording lacks (docs/fidelity.md, "Shapes the recording lacks")."""
+    lines = ["| run | " + " | ".join(f.label for f in FIGURES) + " | unrecorded shapes |",
+             "|---|" + "---|" * (len(FIGURES) + 1)]
     for run in report["runs"]:
         cells = [f.fmt.format(predicted_figure(run["aggregate"], f)) for f in FIGURES]
+        share = run["aggregate"].get("off_record_share")
+        cells.append("-" if share is None else f"{share:.0%}")
         lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
     return lines
 

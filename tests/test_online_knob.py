@@ -44,13 +44,14 @@ def aggregate(tok_s: float, itl_p99_s: float) -> dict:
 def test_whatif_rows_put_each_run_in_the_runs_units():
     report = {"runs": [{"label": "recorded", "aggregate": aggregate(394.2, 1.4086)},
                        {"label": "max_num_batched_tokens=512",
-                        "aggregate": aggregate(386.2, 0.4204)}]}
+                        "aggregate": {**aggregate(386.2, 0.4204), "off_record_share": 0.52}}]}
     header, _, recorded, changed = online_knob.whatif_rows(report)
     assert header == ("| run | output tok/s | wall s | TTFT p50 s | TTFT p99 s | ITL p50 ms | "
-                      "ITL p99 ms |")
-    assert recorded == "| recorded | 394 | 75.0 | 1.25 | 3.80 | 173 | 1409 |"  # ITL in ms
+                      "ITL p99 ms | unrecorded shapes |")
+    # ITL in ms; the replay has no share (only runs under the fitted model do)
+    assert recorded == "| recorded | 394 | 75.0 | 1.25 | 3.80 | 173 | 1409 | - |"
     assert changed.startswith("| max_num_batched_tokens=512 | 386 |")
-    assert changed.endswith("| 420 |")
+    assert changed.endswith("| 420 | 52% |")
 
 
 def test_a_whatif_that_fails_gives_its_error_not_a_report(tmp_path):
