@@ -396,3 +396,17 @@ def test_a_shape_is_its_kind_and_its_requests_octave():
                                                [view(1, 1, 1)] * (SHAPE_SUPPORT - 1)))
     assert result.share == 0.1 and result.shapes[0][2] == SHAPE_SUPPORT - 1
     assert result.note("x") is None  # under OFF_RECORD_NOTE
+
+
+def test_simulate_on_a_recording_warns_of_its_unrecorded_shapes(tmp_path, capsys):
+    """``kvserve simulate --trace REC`` with a setting changed runs on the same fitted model
+    as whatif's changes, and warns the same way; with the recorded settings (the replay)
+    nothing is counted."""
+    directory = build_shaped(tmp_path / "rec")
+    assert main(["simulate", "--trace", str(directory), "--max-num-seqs", "4",
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "of this run's step time went to step shapes the " \
+        "recording has fewer than 5 steps of (" in err
+    assert main(["simulate", "--trace", str(directory), "--quiet"]) == 0
+    assert "step shapes" not in capsys.readouterr().err

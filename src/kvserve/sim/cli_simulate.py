@@ -196,10 +196,20 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
     from kvserve.sim.recording import replay_or_fitted
     from kvserve.sim.table import print_aggregate
 
+    # A run priced by the model fitted on a recording's steps: where its time went against
+    # the shapes the recording has (docs/fidelity.md, "Shapes the recording lacks").
+    tally = None
+    if args.recording is not None and deployment.cost_model == "calibrated" and \
+            deployment.calibration is None:
+        from kvserve.sim.whatif import ShapeTally, off_record, recorded_shapes
+
+        tally = ShapeTally()
+
     def simulate(chosen: Any) -> Any:
         return simulate_with_progress(chosen, trace, settings, "simulating", seed=args.seed,
                                       record_events=bool(args.events), check=args.check,
-                                      cluster=cluster_from_args(args))
+                                      cluster=cluster_from_args(args),
+                                      observe=tally.add if tally is not None else None)
 
     # The recorded step times by default; an inexact recording's may not replay (--cost-model
     # replay, asked for, fails instead).
@@ -207,6 +217,11 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
         echo, result = replay_or_fitted(simulate, deployment)
     else:
         echo, result = simulate(deployment)
+    if tally is not None:
+        note = off_record(tally, recorded_shapes(args.recording.step_shapes()[0])).note(
+            "this run")
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
     report = add_cluster_sections(reports.build_report(echo, result), result)
     if args.report:
         _write(args.report, reports.dumps(report))

@@ -123,8 +123,8 @@ class OffRecord:
         return (f"{self.share:.0%} of {label}'s step time went to step shapes the recording "
                 f"has fewer than {SHAPE_SUPPORT} steps of ({top}); the cost model fitted on "
                 "the recorded steps prices those by extrapolation, which has put tails "
-                "15-40% off (docs/fidelity.md, \"Shapes the recording lacks\"): to check "
-                "the column, record a run under a setting that makes such steps")
+                "15-40% off (docs/fidelity.md, \"Shapes the recording lacks\"): to check, "
+                "record a run under a setting that makes such steps")
 
 
 def recorded_shapes(views: Iterable[BatchView]) -> Counter[tuple[bool, int]]:
