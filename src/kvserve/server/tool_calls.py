@@ -15,7 +15,14 @@ import uuid
 from typing import Any
 
 from kvserve.server.protocol import auto_tools, calls_required, forced_tool
-from kvserve.server.tool_parsers import CallSoFar, ParsedCalls, ToolParser, strict_json, to_json
+from kvserve.server.tool_parsers import (
+    CallSoFar,
+    ParsedCalls,
+    Scanned,
+    ToolParser,
+    strict_json,
+    to_json,
+)
 
 
 def _call_id() -> str:
@@ -34,6 +41,7 @@ class ToolCalls:
         self.called: set[str] = set()  # auto: the answers that held calls
         # auto, streamed: each answer's calls that went out, as far as they did
         self.streaming: dict[str, list[dict[str, Any]]] = {}
+        self.scanned: dict[str, Scanned] = {}  # auto, streamed: each answer's JSON scan
         self.parallel = parallel  # auto: parallel_tool_calls false keeps the first call
         self.opened: set[str] = set()  # named, streamed: the answers whose call went out
         # each answer's calls' ids by place, one id per call however often it is read (QA:
@@ -124,7 +132,8 @@ class ToolCalls:
             self.sent[choice_id] = end
             delta["content"] = whole[sent:end]
         if end < len(whole):
-            pieces = self._call_pieces(choice_id, self.parser.calls_so_far(whole))
+            pieces = self._call_pieces(choice_id, self.parser.calls_so_far(
+                whole, self.scanned.setdefault(choice_id, {})))
             if pieces:
                 delta["tool_calls"] = pieces
         return delta if delta or finished else None

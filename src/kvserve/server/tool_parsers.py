@@ -60,6 +60,14 @@ class CallSoFar:
     done: bool
 
 
+# What the scan of a streamed answer learned of its JSON values, by where each value starts:
+# the text it read (a prefix of every later text of that stream), where the value ends
+# (None while it goes on), and where and at which depth to go on scanning. A stream keeps
+# one (ToolCalls, per choice), so each chunk scans only what is new: without it, a call's
+# arguments of n pieces were scanned whole each chunk, n^2 / 2 pieces over the stream.
+Scanned = dict[int, tuple[str, "int | None", int, int]]
+
+
 class ToolParser(Protocol):
     keeps_special_tokens: bool
 
@@ -67,7 +75,7 @@ class ToolParser(Protocol):
 
     def content_end(self, text: str) -> int: ...
 
-    def calls_so_far(self, text: str) -> list[CallSoFar]: ...
+    def calls_so_far(self, text: str, scanned: Scanned | None = None) -> list[CallSoFar]: ...
 
 
 class HermesParser:
@@ -102,14 +110,14 @@ class HermesParser:
     def content_end(self, text: str) -> int:
         return _marker_content_end(text, self.start)
 
-    def calls_so_far(self, text: str) -> list[CallSoFar]:
+    def calls_so_far(self, text: str, scanned: Scanned | None = None) -> list[CallSoFar]:
         calls: list[CallSoFar] = []
         at = text.find(self.start)
         while at >= 0:
             at = _blank_end(text, at + len(self.start))
             if not text.startswith("{", at):
                 break
-            call, end = _object_call(text, at)
+            call, end = _object_call(text, at, scanned)
             calls.append(call)
             if end is None:
                 break
@@ -145,13 +153,13 @@ class Llama3JsonParser:
     def content_end(self, text: str) -> int:
         return _whole_answer_end(text, "{", self.tag)
 
-    def calls_so_far(self, text: str) -> list[CallSoFar]:
+    def calls_so_far(self, text: str, scanned: Scanned | None = None) -> list[CallSoFar]:
         calls: list[CallSoFar] = []
         at = _blank_end(text, 0)
         if text.startswith(self.tag, at):
             at = _blank_end(text, at + len(self.tag))
         while text.startswith("{", at):
-            call, end = _object_call(text, at)
+            call, end = _object_call(text, at, scanned)
             calls.append(call)
             if end is None:
                 break
@@ -210,13 +218,13 @@ class MistralParser:
     def content_end(self, text: str) -> int:
         return _marker_content_end(text, self.marker)
 
-    def calls_so_far(self, text: str) -> list[CallSoFar]:
+    def calls_so_far(self, text: str, scanned: Scanned | None = None) -> list[CallSoFar]:
         calls: list[CallSoFar] = []
         at = text.find(self.marker)
         while at >= 0:
             at = _blank_end(text, at + len(self.marker))
             if text.startswith(("[", "{"), at):  # the list form
-                items_end = self._list_so_far(text, at, calls)
+                items_end = self._list_so_far(text, at, calls, scanned)
                 if items_end is None:
                     return calls
                 at = items_end
@@ -227,7 +235,7 @@ class MistralParser:
                 start = _blank_end(text, at + len(name) + len(self.args))
                 if not text.startswith("{", start):
                     return calls
-                end = _value_end(text, start)
+                end = _value_end(text, start, scanned)
                 calls.append(CallSoFar(name.strip(), text[start:end], end is not None))
                 if end is None:
                     return calls
@@ -236,16 +244,17 @@ class MistralParser:
         return calls
 
     @staticmethod
-    def _list_so_far(text: str, at: int, calls: list[CallSoFar]) -> int | None:
+    def _list_so_far(text: str, at: int, calls: list[CallSoFar],
+                     scanned: Scanned | None) -> int | None:
         """The calls of the list (or lone object) at ``at``, added to ``calls``; where the
         list ends, None while it goes on."""
         if text[at] == "{":
-            call, end = _object_call(text, at)
+            call, end = _object_call(text, at, scanned)
             calls.append(call)
             return end
         at = _blank_end(text, at + 1)
         while text.startswith("{", at):
-            call, end = _object_call(text, at)
+            call, end = _object_call(text, at, scanned)
             calls.append(call)
             if end is None:
                 return None
@@ -272,7 +281,7 @@ class PythonicParser:
     def content_end(self, text: str) -> int:
         return _whole_answer_end(text, "[", self.start)
 
-    def calls_so_far(self, text: str) -> list[CallSoFar]:
+    def calls_so_far(self, text: str, scanned: Scanned | None = None) -> list[CallSoFar]:
         return []  # Python's arguments, not JSON: the calls go out whole at the end
 
 
@@ -443,14 +452,23 @@ def _blank_end(text: str, at: int) -> int:
     return match.end()
 
 
-def _value_end(text: str, at: int) -> int | None:
+def _value_end(text: str, at: int, scanned: Scanned | None = None) -> int | None:
     """Where the JSON value that starts at ``at`` ends; None while it may go on (or is no
-    value)."""
-    depth = 0
+    value). With ``scanned`` (the stream's, see Scanned), the scan goes on from where the
+    last one on a shorter text of the stream stopped."""
+    start, depth = at, 0
+    if scanned is not None and start in scanned:
+        read, end, resume, resume_depth = scanned[start]
+        if text.startswith(read):
+            if end is not None:
+                return end
+            at, depth = resume, resume_depth
     while True:
         at = _blank_end(text, at)
         piece = _PIECE.match(text, at)
         if piece is None:  # the text's end, or an unfinished string
+            if scanned is not None:  # the text's end, or the string's opening quote:
+                scanned[start] = (text[:at], None, at, depth)  # go on from there
             return None
         at = piece.end()
         token = piece.group()
@@ -459,15 +477,25 @@ def _value_end(text: str, at: int) -> int | None:
         elif token in ("}", "]"):
             depth -= 1
             if depth <= 0:
-                return at if depth == 0 else None
+                return _ended(text, start, at, scanned) if depth == 0 else None
         elif depth == 0:
             if token in (":", ","):
                 return None
             # a string is whole at its quote; a number or literal where something follows
-            return at if token.startswith('"') or at < len(text) else None
+            return _ended(text, start, at, scanned) \
+                if token.startswith('"') or at < len(text) else None
 
 
-def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
+def _ended(text: str, start: int, end: int, scanned: Scanned | None) -> int:
+    """``end``, kept in ``scanned`` for the value at ``start``, with the text read up to it
+    and the character after it (what told a number whole)."""
+    if scanned is not None:
+        scanned[start] = (text[:end + 1], end, end, 0)
+    return end
+
+
+def _object_call(text: str, at: int,
+                 scanned: Scanned | None = None) -> tuple[CallSoFar, int | None]:
     """The call the JSON object at ``at`` writes so far (``{"name": ..., "arguments" or
     "parameters": {...}}``, either first), and where the object ends (None while it goes
     on). The arguments are their text as written; JSON text in a string, decoded, once
@@ -488,7 +516,7 @@ def _object_call(text: str, at: int) -> tuple[CallSoFar, int | None]:
         start = _blank_end(text, colon + 1)
         if start >= len(text):
             break
-        stop = _value_end(text, start)
+        stop = _value_end(text, start, scanned)
         try:  # a key written twice: its first (QA: a second "name" renamed a streamed call)
             fields.setdefault(json.loads(key.group()), (start, stop))
         except ValueError:
