@@ -259,6 +259,19 @@ def test_a_result_has_vllms_finished_cumulative_logprob_and_none_for_no_logprobs
     assert asked.cumulative_logprob < 0
 
 
+def test_a_request_without_logprobs_gets_none_beside_one_with_them(llm):
+    """QA (fuzz): a request that asked for no logprobs, in steps beside one that did, got
+    an empty entry for each token sampled in those steps (the HTTP answer: null logprobs,
+    fewer than its tokens); the one that asked gets one per token."""
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    asked = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    without, with_ = llm.generate(["Hi", "Hello there"], [plain, asked], use_tqdm=False)
+    assert without.logprobs is None and without.cumulative_logprob is None
+    assert len(with_.logprobs) == len(with_.token_ids) == 4
+    assert all(token in entry for token, entry in zip(with_.token_ids, with_.logprobs,
+                                                      strict=True))
+
+
 def test_prompt_logprobs_offline_as_vllm_gives_them(llm):  # G8
     [result] = llm.generate("The capital of France is",
                             SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2),

@@ -83,8 +83,10 @@ class ModelRunner:
             self.requests[request_id].token_ids.append(token_id)
         return ModelOutput(
             {rid: [tok] for rid, tok in zip(sampling_ids, token_ids, strict=True)},
-            None if logprobs is None else {
-                rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)},
+            None if logprobs is None else {  # only the requests that asked (the sampler
+                # gives the others {}, which read as "logprobs": QA, null entries)
+                rid: [entry] for rid, entry in zip(sampling_ids, logprobs, strict=True)
+                if self.requests[rid].sampling_params.logprobs is not None},
             prompt)
 
     def _swap(self, out: SchedulerOutput) -> None:
