@@ -148,6 +148,17 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "tool", "function": {"name": "f", "arguments": "{}"}}]}]},
      400, "tool call 0 must be"),
+    # QA (fuzz): pydantic's names of a union's members were the field ("field
+    # 'tool_choice.literal['none','auto','required']'", "'guided_json.dict[str,any]'")
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {}}}, 400,
+     "field 'tool_choice.function.name' is required"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": 1.5}, 400,
+     'field \'tool_choice\' must be "none", "auto", "required" or {"type": "function"'),
+    (COMPLETIONS, {"prompt": "x", "guided_json": 5}, 400,
+     "field 'guided_json' must be a JSON schema: an object, or its JSON text"),
+    (COMPLETIONS, {"prompt": "x", "structured_outputs": {"json": 5}}, 400,
+     "field 'structured_outputs.json' must be a JSON schema"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)

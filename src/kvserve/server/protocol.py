@@ -636,7 +636,7 @@ def _describe(error: ValidationError, where: str = "") -> tuple[str, str]:
     # in an object of another kind (an image part) the union's forms are.
     wrong_kind = {tuple(e["loc"][:-1]) for e in errors if e["type"] == "literal_error"}
     first = next((e for e in errors if e["type"] == "extra_forbidden"
-                  and tuple(e["loc"][:-1]) not in wrong_kind), errors[0])
+                  and tuple(e["loc"][:-1]) not in wrong_kind), None) or _deepest(errors)
     loc = ".".join([where] * bool(where) + [str(part) for part in first["loc"]
                                             if not _is_union_tag(part)])
     if first["type"] == "extra_forbidden":
@@ -691,13 +691,46 @@ _UNION_FORMS = {
     "content": 'a string or a list of text parts ({"type": "text", "text": ...}); image, '
                "audio and other parts are not supported",
     "stop": "a string or a list of strings",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": '
+                   '{"name": ...}}',
+    "guided_json": "a JSON schema: an object, or its JSON text",
+    "json": "a JSON schema: an object, or its JSON text",
 }
 
 
 def _is_union_tag(part: Any) -> bool:
-    """pydantic names the union member it tried (``str``, ``list[int]``) in the location."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool")
-                                      or part.startswith(("list[", "function-")))
+    """pydantic names the union member it tried (``str``, ``list[int]``,
+    ``literal['none','auto']``, a model's class name) in the location."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool")
+        or part.startswith(("list[", "dict[", "literal[", "function-"))
+        or part in _body_class_names())
+
+
+def _body_class_names() -> set[str]:
+    """The request models' class names (a union of models names the one it tried)."""
+    names, todo = set(), [Body]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            names.add(cls.__name__)
+            todo.append(cls)
+    return names
+
+
+def _depth_in_union(error: Any) -> int:
+    """How far past the union member it tried an error lies (0 where it is not in one, or
+    where the value was not of that member's kind at all)."""
+    loc = error["loc"]
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    return 0 if tag is None else len(loc) - tag - 1
+
+
+def _deepest(errors: list[Any]) -> Any:
+    """The error to name: where a union's member took the value in (an object of its kind)
+    and failed inside it, that failure (tool_choice's missing function.name, not "should be
+    'none', 'auto' or 'required'"); else the first."""
+    depth = max(_depth_in_union(error) for error in errors)
+    return next(e for e in errors if _depth_in_union(e) == depth) if depth else errors[0]
 
 
 def model_error(name: str | None, served: str | tuple[str, ...]) -> APIError:
