@@ -159,11 +159,23 @@ def error_of(response: httpx.Response) -> str:
      "field 'guided_json' must be a JSON schema: an object, or its JSON text"),
     (COMPLETIONS, {"prompt": "x", "structured_outputs": {"json": 5}}, 400,
      "field 'structured_outputs.json' must be a JSON schema"),
+    # QA (fuzz): the engine's names of structured outputs ("choices must be ... got
+    # ('',)"; "JSON output ends at EOS" for a call the client forced)
+    (COMPLETIONS, {"prompt": "x", "guided_choice": [""]}, 400,
+     "'guided_choice' must be a list of at most 4096 non-empty strings, got [\"\"]"),
+    (COMPLETIONS, {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "min_tokens": 1},
+     400, "the choices 'structured_outputs.choice' gives end at EOS: min_tokens must be 0"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": "required", "ignore_eos": True}, 400,
+     "the JSON output 'tool_choice' asks for ends at EOS: ignore_eos cannot be true"),
 ])
 def test_bad_request(server, path, body, status, needle):
     response = post(server, path, body)
     assert response.status_code == status, response.text
     assert needle in error_of(response)
+    for field in ("guided_choice", "structured_outputs", "tool_choice"):  # named: the param
+        if f"'{field}" in needle:
+            assert response.json()["error"]["param"].startswith(field)
 
 
 def test_null_means_the_default_for_an_optional_field(server):
@@ -663,7 +675,7 @@ def test_a_choice_constrained_output_is_one_of_the_choices(server):
         ({"structured_outputs": {}}, 400, "'structured_outputs' needs 'choice'"),
         ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["b"]}, 400, "not both"),
         ({"guided_choice": []}, 400, "guided_choice"),
-        ({"guided_choice": [""]}, 400, "choices must be a list"),
+        ({"guided_choice": [""]}, 400, "'guided_choice' must be a list"),
     ]:
         refused = post(server, COMPLETIONS, {"prompt": "x", **body})
         assert refused.status_code == status and needle in error_of(refused), refused.text
@@ -765,13 +777,14 @@ def test_json_mode_answers_one_json_object(server):
             "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}},
          "'response_format': schema.properties.a: 'pattern' is not supported"),
         ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
-         "give one structured output, not json_object and json_schema"),
+         "give one structured output, not 'response_format' and 'guided_json'"),
         ({"guided_json": "{not json"}, "'guided_json': the JSON schema is not JSON"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True},
          "ignore_eos cannot be true"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"structured_outputs": {"json_object": True, "choice": ["a"]}},
-         "give one structured output, not choices and json_object"),
+         "give one structured output, not 'structured_outputs.choice' and "
+         "'structured_outputs.json_object'"),
     ]:
         refused = post(server, CHAT, {"messages": messages, **body})
         assert refused.status_code == 400 and needle in error_of(refused), refused.text

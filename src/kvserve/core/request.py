@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -81,6 +82,14 @@ class EventType(str, enum.Enum):
 class RequestEvent:
     type: EventType
     timestamp: float
+
+
+def _as_json(value: Any) -> str:
+    """A list or tuple as the client wrote it (["a", ""]), not as Python shows it."""
+    try:
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -292,7 +301,7 @@ class SamplingParams:
         _require(isinstance(choices, (tuple, list)) and len(choices) <= MAX_CHOICES and all(
             isinstance(choice, str) and choice for choice in choices),
             f"choices must be a list of at most {MAX_CHOICES} non-empty strings, "
-            f"got {str(choices)[:200]}")
+            f"got {_as_json(choices)[:200]}")
         object.__setattr__(self, "choices", tuple(choices))
         self._check_token_sequences("choice_token_ids")
         sequences = self.choice_token_ids

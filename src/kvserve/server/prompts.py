@@ -13,7 +13,7 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    json_schema_text,
+    json_schema_given,
 )
 from kvserve.server.reasoning_parsers import END as THINK_END
 from kvserve.server.reasoning_parsers import START as THINK_START
@@ -216,6 +216,7 @@ def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
     structured = req.structured_outputs
     choices = req.guided_choice or (structured.choice if structured is not None else None) or ()
     words = req.bad_words or ()
+    schema = json_schema_given(req)
     return {
         "logit_bias": tuple(logit_bias(req).items()),
         "allowed_token_ids": req.allowed_token_ids,
@@ -225,8 +226,45 @@ def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
         "choice_token_ids": choice_token_ids(tokenizer, choices) if tokenizer else (),
         "json_object": bool(structured is not None and structured.json_object) or (
             req.response_format is not None and req.response_format.type == "json_object"),
-        "json_schema": json_schema_text(req),
+        "json_schema": None if schema is None else schema[1],
     }
+
+
+def _structured_fields(req: Any) -> dict[str, str]:
+    """The body's field each of the engine's structured-output fields came from, for its
+    refusals (QA: "choices must be ... got ('',)" for guided_choice, "JSON output ends at
+    EOS" for a forced tool call)."""
+    structured = req.structured_outputs
+    schema = json_schema_given(req)
+    schema_field = "json_schema" if schema is None else schema[0]
+    return {
+        "choices": "guided_choice" if req.guided_choice else "structured_outputs.choice",
+        "json_object": "structured_outputs.json_object"
+        if structured is not None and structured.json_object else "response_format",
+        # a forced call's (or calls') schema: the tool_choice that asked for it
+        "json_schema": "tool_choice" if schema_field.startswith("tools.") else schema_field,
+    }
+
+
+def _in_body_terms(message: str, req: Any) -> tuple[str, str | None]:
+    """An engine refusal's message in the body's field names, and the field it is about
+    (the first word of the message; a structured output by the field it came in)."""
+    fields = _structured_fields(req)
+    schema_or_mode = fields["json_schema"] if fields["json_schema"] != "json_schema" \
+        else fields["json_object"]
+    for prefix, field, said in (
+            ("choices end", fields["choices"], "the choices '{}' gives end"),
+            ("JSON output ends", schema_or_mode, "the JSON output '{}' asks for ends")):
+        if message.startswith(prefix):  # "... at EOS: min_tokens must be 0"
+            return said.format(field) + message[len(prefix):], field
+    words = message.split(" ")
+    for index, word in enumerate(words):  # the names, at the start or after "not"/"and"
+        if word in fields and (index == 0 or words[index - 1] in ("not", "and")):
+            words[index] = f"'{fields[word]}'"
+    name = message.split(" ", 1)[0]
+    field = fields.get(name, name)
+    return " ".join(words), field if name in fields or name in type(req).model_fields \
+        else None
 
 
 def _thinking_first(reasoning: ThinkParser | None) -> dict[str, Any]:
@@ -282,6 +320,4 @@ def sampling_params(req: Any, chat: bool, max_tokens: int, priority: int,
                               **_token_constraints(req, tokenizer),
                               **_thinking_first(reasoning), **given)
     except RequestError as error:  # its message starts with the field it is about
-        name = str(error).split(" ", 1)[0]
-        raise bad_request(str(error), param=name if name in type(req).model_fields else None
-                          ) from None
+        raise bad_request(*_in_body_terms(str(error), req)) from None

@@ -458,6 +458,13 @@ def json_schema_text(request: Any) -> str | None:
     text, checked: a 400 naming the
     field when it is given twice, is not JSON, or asks what kvserve/model/json_mode.py does
     not honour."""
+    given = json_schema_given(request)
+    return None if given is None else given[1]
+
+
+def json_schema_given(request: Any) -> tuple[str, str] | None:
+    """json_schema_text's schema with the field it came in (``guided_json``,
+    ``tools.0.function.parameters``)."""
     response_format = getattr(request, "response_format", None)
     structured = getattr(request, "structured_outputs", None)
     given = [(param, schema) for param, schema in (
@@ -478,7 +485,7 @@ def json_schema_text(request: Any) -> str | None:
         check_schema(text)
     except SchemaError as error:
         raise bad_request(f"'{param}': {error}", param=param) from None
-    return text
+    return param, text
 
 
 def calls_required(request: Any) -> bool:

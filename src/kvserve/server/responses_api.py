@@ -391,6 +391,8 @@ def _renamed(error: APIError) -> APIError:
     param = _RENAMED.get(head, head) + dot + rest
     message = error.message.replace(f"'{head}", f"'{_RENAMED.get(head, head)}") \
         if head in _RENAMED else error.message
+    for chat_name, name in _RENAMED.items():  # a bound named in it ("[0, max_tokens=2]")
+        message = message.replace(f"{chat_name}=", f"{name}=")
     if head == "response_format":
         message = message.replace("response_format.json_schema", "text.format")
     if head == "tools":
