@@ -99,6 +99,12 @@ def error_of(response: httpx.Response) -> str:
     # vLLM's extras are served at their defaults only (test_vllm_extras_at_their_defaults)
     (COMPLETIONS, {"prompt": "x", "use_beam_search": True}, 400,
      "field 'use_beam_search' is not supported by this server"),
+    # QA (fuzz): compared with ==, true was best_of 1 and 0 was use_beam_search false
+    (COMPLETIONS, {"prompt": "x", "best_of": True}, 400,
+     "field 'best_of' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "use_beam_search": 0}, 400,
+     "field 'use_beam_search' is not supported by this server"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"1" * 19: 1}}, 400, "outside the vocabulary"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [1, 99999999]}, 400,
      "'allowed_token_ids' has token id 99999999, outside the vocabulary"),
@@ -630,6 +636,8 @@ def test_logit_bias_and_allowed_token_ids_steer_the_tokens(server):
         return reply.json()["choices"][0]["token_ids"]
 
     assert tokens(COMPLETIONS, logit_bias={"42": 1000}) == [42] * 4  # 1000 -> 100: enough
+    # leading zeros: token 42 still (QA: refused as "outside the vocabulary" past 18 digits)
+    assert tokens(COMPLETIONS, logit_bias={"0" * 30 + "42": 100}) == [42] * 4
     assert set(tokens(CHAT, allowed_token_ids=[40, 41])) <= {40, 41}
     assert set(tokens(COMPLETIONS, temperature=1.0, seed=1, allowed_token_ids=[7])) == {7}
     first = tokens(CHAT)[0]

@@ -164,7 +164,8 @@ def logit_bias(req: Any) -> dict[int, float]:
         if not key.isascii() or not key.isdigit():
             raise bad_request(f"'logit_bias' keys are token ids (strings of digits), got "
                               f"{key[:40]!r}", param="logit_bias")
-        if len(key) > 18:  # int() of thousands of digits is slow, then refused
+        if len(key.lstrip("0")) > 18:  # int() of thousands of digits is slow, then refused
+            # (leading zeros are no digits of it: QA, "00000000000000000001" is token 1)
             raise bad_request(f"'logit_bias' has token id {key[:40]}..., outside the "
                               "vocabulary", param="logit_bias")
         bias[int(key)] = min(100.0, max(-100.0, value))

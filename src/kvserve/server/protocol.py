@@ -387,7 +387,9 @@ def _check_neutral(obj: Any, neutral: dict[str, tuple[Any, ...]], prefix: str) -
     something other than its neutral value (null, its default, is always neutral)."""
     for name, values in neutral.items():
         value = getattr(obj, name, None)
-        if value is not None and value not in values:
+        # true is no 1 and 0 no false here (QA: best_of true, use_beam_search 0 taken)
+        if value is not None and not any(
+                isinstance(value, bool) == isinstance(v, bool) and value == v for v in values):
             raise bad_request(f"field '{prefix}{name}' is not supported by this server; "
                               "remove it", param=f"{prefix}{name}")
 
