@@ -168,6 +168,15 @@ def test_what_breaks_the_schema_is_never_done(text):
     # QA: any value, silently
     ({"$defs": {"A": {"$ref": "#/$defs/A"}}, "type": "object",
       "properties": {"a": {"$ref": "#/$defs/A"}}}, "refers only to itself"),
+    # QA (fuzz): a cycle through another $ref; a list of no type names read "non-empty";
+    # false shown as Python's False
+    ({"$defs": {"N": {"$ref": "#/$defs/M"}, "M": {"$ref": "#/$defs/N"}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/N"}}}, "through other \\$refs back to itself"),
+    ({"type": "object", "properties": {"a": {"type": [5]}}},
+     r"schema.properties.a.type: a list of types must be a non-empty list of type names, "
+     r"got \[5\]"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": False}}},
+     "schema.properties.a.items: expected an object, got false"),
     ({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}}, "type": "object",
       "properties": {"a": {"$ref": "#/$defs/A"}}}, "needs the definition's type"),
     # QA: the bounds were dropped

@@ -165,6 +165,8 @@ def error_of(response: httpx.Response) -> str:
      "field 'guided_json' must be a JSON schema: an object, or its JSON text"),
     (COMPLETIONS, {"prompt": "x", "structured_outputs": {"json": 5}}, 400,
      "field 'structured_outputs.json' must be a JSON schema"),
+    (COMPLETIONS, {"prompt": "x", "structured_outputs": {"json": "null"}}, 400,
+     "'structured_outputs.json': a JSON schema must be an object, got null"),  # was JSON mode
     # QA (fuzz): the engine's names of structured outputs ("choices must be ... got
     # ('',)"; "JSON output ends at EOS" for a call the client forced)
     (COMPLETIONS, {"prompt": "x", "guided_choice": [""]}, 400,

@@ -166,7 +166,7 @@ class Schema:
         if schema is True or schema == {}:
             return self.any
         if not isinstance(schema, dict):
-            raise SchemaError(f"schema{where}: expected an object, got {schema!r}"[:200])
+            raise SchemaError(f"schema{where}: expected an object, got {_shown(schema)}")
         if "$ref" in schema:
             self._refuse_beside(schema, {"$ref", "definitions", "$defs"}, where)
             return self._ref(schema["$ref"], where)
@@ -185,10 +185,13 @@ class Schema:
                 values = [v for v in values if any(_is_of(v, kind) for kind in kinds)]
                 if not values:
                     raise SchemaError(f"schema{where}: no value of the enum is of its type "
-                                      f"{schema['type']!r}"[:200])
+                                      f"{_shown(schema['type'])}")
             return self._add(Node("texts", texts=Texts.of(_text(v) for v in values)))
         kind = schema.get("type")
         if isinstance(kind, list):  # each type with its own keywords (minimum: numbers')
+            if not kind or not all(isinstance(k, str) for k in kind):  # QA: [5] was "empty"
+                raise SchemaError(f"schema{where}.type: a list of types must be a non-empty "
+                                  f"list of type names, got {_shown(kind)}")
             return self._union([{key: value for key, value in schema.items()
                                  if key not in _TYPED or key in _KEYWORDS.get(k, ())}
                                 | {"type": k}
@@ -324,7 +327,7 @@ class Schema:
 
     def _ref(self, ref: Any, where: str) -> int:
         if not isinstance(ref, str):
-            raise SchemaError(f"schema{where}: $ref must be a text, got {ref!r}"[:200])
+            raise SchemaError(f"schema{where}: $ref must be a text, got {_shown(ref)}")
         if ref in self._refs:
             return self._refs[ref]
         prefix = next((p for p in ("#/$defs/", "#/definitions/") if ref.startswith(p)), None)
@@ -337,7 +340,8 @@ class Schema:
         self._refs[ref] = index
         compiled = self.nodes[self._compile(definition, f"{where}.$ref")]
         if compiled.kind == "pending":
-            raise SchemaError(f"schema{where}: $ref {ref!r} refers only to itself")
+            raise SchemaError(f"schema{where}: $ref {ref!r} refers only to itself, or "
+                              "through other $refs back to itself, with no type between")
         self.nodes[index] = compiled
         return index
 
@@ -552,7 +556,18 @@ def check_schema(text: str) -> Schema:
         raise SchemaError(_TOO_DEEP) from None
     if _depth(schema) > MAX_SCHEMA_DEPTH:  # compiling it would recurse as deep (QA: a 500)
         raise SchemaError(_TOO_DEEP)
+    if schema is None:  # Schema(None) is JSON mode's any object (QA: "null" took it)
+        raise SchemaError("a JSON schema must be an object, got null")
     return Schema(schema)
+
+
+def _shown(value: Any) -> str:
+    """A schema's value as JSON writes it (false, not False), cut to 100 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 MAX_SCHEMA_DEPTH = 64  # as a request body's (server/body.py)
