@@ -130,6 +130,9 @@ def test_an_operator_abort_is_reported_once(live):
     assert again.json() == {"aborted": [], "not_found": ["cmpl-op-2"]}
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
     wait_for(live.idle, what="a whole pool")
+    # a field it does not know is refused, as every endpoint's (QA: taken)
+    odd = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-x", "force": True})
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "force"
 
 
 @pytest.mark.parametrize("name", ["cmpl-own", "cmpl-cmpl-own"])

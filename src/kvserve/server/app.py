@@ -236,6 +236,10 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
             raise APIError(403, "aborting requests needs an admin key")
         body = await state.read_json(request)
         ids = body.get("request_id") if isinstance(body, dict) else None
+        extra = sorted(set(body) - {"request_id"}) if isinstance(body, dict) else []
+        if extra:  # as every other endpoint refuses a field it does not know (QA: taken)
+            raise bad_request(f"unknown field '{extra[0]}': this server does not know it; "
+                              "remove it", param=extra[0])
         if isinstance(ids, str):
             ids = [ids]
         if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
