@@ -99,6 +99,19 @@ def test_tenants_from_user_are_capped_with_an_other_bucket():
     assert after[("kvserve:tenant_prompt_tokens_total", "user:u1")] == 8
 
 
+def test_a_users_invisible_characters_are_escaped_in_its_label():
+    """QA (fuzz): a ``user`` with a carriage return and a terminal escape went into the
+    scrape as sent; its label writes them as \\uXXXX."""
+    with LiveServer() as live:
+        reply = httpx.post(live.url + "/v1/completions", json={
+            "prompt": [21] * 4, "max_tokens": 2, "user": "a\rb\x1b[31m\u2028"}, timeout=30)
+        assert reply.status_code == 200
+        wait_for(live.idle, what="idle")
+        text = httpx.get(live.url + "/metrics", timeout=30).text
+    assert r'tenant="user:a\\u000db\\u001b[31m\\u2028"' in text  # \\ is \ escaped
+    assert "\r" not in text and "\x1b" not in text and "\u2028" not in text
+
+
 class _Engine:
     """Only what the queued-requests collector reads: a stats snapshot."""
 

@@ -5,7 +5,8 @@ A label value is a tenant's name when the tenants are known (the API keys file's
 ``operator``); any other name is ``other``. Without keys a tenant is ``user:<user>`` or
 ``addr:<ip>``, names a client chooses, so the first ``max_series`` distinct names get their
 own series and every later one (and any name longer than ``MAX_LABEL_CHARS``) is counted as
-``other``: no client can grow the scrape or the server's memory without bound.
+``other``: no client can grow the scrape or the server's memory without bound. Such a
+name's invisible characters are written as ``\\uXXXX`` in its label.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from kvserve.engine.async_engine import ServingEngine
 MAX_TENANT_SERIES = 100  # tenant labels given out when tenants are not known in advance
 MAX_LABEL_CHARS = 128
 OTHER = "other"
+
+
+def _printable(name: str) -> str:
+    """A client's name as a label value with its invisible characters (control, format,
+    line and paragraph separators, lone surrogates) written as ``\\uXXXX``: a carriage return
+    or a terminal's escape went into the scrape as sent (QA), where a reader that splits
+    lines on CR, or a terminal showing the scrape, took them as its own."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in name)
 
 
 @dataclass
@@ -81,7 +92,7 @@ class TenantSeries:
                 label = tenant if tenant in self.known else OTHER
             elif len(tenant) <= MAX_LABEL_CHARS and tenant != OTHER \
                     and self._num_named < self.max_series:
-                label = tenant
+                label = _printable(tenant)
                 self._num_named += 1
             else:
                 label = OTHER
