@@ -454,6 +454,11 @@ def test_a_streamed_background_response_can_be_streamed_again(client, live):
         list(range(len(events)))
     polled = client.responses.retrieve(made.id)
     assert polled.status == made.status and polled.output_text == made.output_text
+    last = len(events) - 1  # after the last event: none; past it, a 400 (QA: an empty 200)
+    assert list(client.responses.retrieve(made.id, stream=True, starting_after=last)) == []
+    past = httpx.get(f"{live.url}/v1/responses/{made.id}?stream=true&starting_after="
+                     f"{last + 1}", timeout=60)
+    assert past.status_code == 400 and f"the stream ended at event {last}" in past.text
     wait_for(live.idle, what="nothing left under way")
 
 

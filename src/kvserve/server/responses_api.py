@@ -1095,6 +1095,9 @@ def retrieve(state: ServerState, request: Request, response_id: str) -> Response
     if log is not None:
         events: AsyncIterator[str] = log.follow(int(after_text))
     elif stored.events is not None:
+        if int(after_text) >= len(stored.events):  # QA: an empty stream, no end told
+            raise bad_request(f"'starting_after' {after_text}: the stream ended at event "
+                              f"{len(stored.events) - 1}", param="starting_after")
         events = _replayed(stored.events[int(after_text) + 1:])
     else:
         raise bad_request(f"response {response_id[:100]!r} has no events to stream: only a "
