@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvserve import __version__
-from kvserve.flags import CLIError, refused_vllm_flag
+from kvserve.flags import CLIError, check_output_paths, refused_vllm_flag
 
 __all__ = ["CLIError", "build_parser", "main"]
 
@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # named by the subcommand
         command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        check_output_paths(args)
         return int(args.run(args) or 0)
     except CLIError as error:
         # a nested command by its whole name (QA: `kvserve workload gen`'s said `workload`)

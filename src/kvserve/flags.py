@@ -103,6 +103,46 @@ def check_output_file(flag: str, path: str) -> None:
         raise CLIError(f"{flag} {path}: permission denied")
 
 
+# Where a command writes (its args' dest -> the flag) and the dests that hold paths it reads.
+OUTPUT_FLAGS = {"report": "--report", "html": "--html", "events": "--events",
+                "output": "--output", "plot": "--plot", "result_filename": "--result-filename"}
+INPUT_DESTS = ("trace", "recording", "step_logs", "calibration", "replay_step_times")
+
+
+def check_output_paths(args: Any) -> None:
+    """CLIError where an output path is empty, is "-" (no file: standard output is what a
+    command prints anyway; ``workload gen -o -`` is taken as that), is a file the command
+    reads (QA: ``simulate --trace t.jsonl --report t.jsonl`` replaced the trace; a file in
+    a recording directory counts), or is given to two outputs (the last one won)."""
+    import os
+
+    if getattr(args, "command", None) == "workload" and getattr(args, "output", None) == "-":
+        args.output = None  # standard output, as --trace - reads standard input
+    outputs = [(flag, getattr(args, dest)) for dest, flag in OUTPUT_FLAGS.items()
+               if isinstance(getattr(args, dest, None), str)]
+    inputs: dict[str, str] = {}  # real path -> the input it is part of
+    for dest in INPUT_DESTS:
+        value = getattr(args, dest, None)
+        for path in (value if isinstance(value, list) else [value]):
+            if not isinstance(path, str) or path in ("", "-"):
+                continue
+            files = [os.path.join(path, name) for name in os.listdir(path)] \
+                if os.path.isdir(path) else [path]
+            inputs.update((os.path.realpath(file), path) for file in files)
+    written: dict[str, str] = {}
+    for flag, path in outputs:
+        if path in ("", "-"):
+            raise CLIError(f"{flag} needs a file name, got {path!r}")
+        real = os.path.realpath(path)
+        if real in inputs:
+            source = "" if inputs[real] == path else f" (in {inputs[real]})"
+            raise CLIError(f"{flag} {path} is a file this command reads{source}: writing it "
+                           "would replace it; give another file")
+        if real in written:
+            raise CLIError(f"{flag} and {written[real]} are both {path}: give each its own")
+        written[real] = flag
+
+
 # vLLM serving flags a command here does not take: whether each takes a value, and what to
 # do instead (kvserve.cli refuses them before a value could be read as the model; a command
 # that defines one of these names, as simulate does --gpu-memory-utilization, takes it).

@@ -526,3 +526,32 @@ def test_simulate_takes_a_devices_memory_as_plan_does(tmp_path, trace, capsys):
     capsys.readouterr()
     assert main(["simulate", "--trace", str(trace), "--gpu-memory-gib", "0"]) == 2
     assert "--gpu-memory-gib must be > 0" in _error_line(capsys)
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, trace, capsys):
+    """QA (CLI fuzz): ``--report`` naming the trace replaced the trace with the report
+    (exit 0); two outputs on one path kept the last; "" wrote nothing, and ``-`` a file
+    named "-". Each is one line and exit 2, the inputs untouched; ``workload gen -o -``
+    writes to standard output."""
+    from pathlib import Path
+
+    before = Path(trace).read_text()
+    trace = str(trace)
+    cases = [
+        (["--report", trace], "is a file this command reads"),
+        (["--events", trace], "is a file this command reads"),
+        (["--report", str(tmp_path / "a"), "--html", str(tmp_path / "a")],
+         "--html and --report are both"),
+        (["--report", ""], "--report needs a file name, got ''"),
+        (["--html", "-"], "--html needs a file name, got '-'"),
+    ]
+    for flags, needle in cases:
+        assert main(["simulate", "--trace", trace, "--quiet", *flags]) == 2
+        assert needle in _error_line(capsys)
+    assert Path(trace).read_text() == before and not (tmp_path / "a").exists()
+    assert main(["calibrate", "--step-logs", trace, "-o", trace]) == 2
+    assert "is a file this command reads" in _error_line(capsys)
+    assert Path(trace).read_text() == before
+    assert main(["workload", "gen", "-n", "2", "-o", "-"]) == 0
+    assert capsys.readouterr().out.count('"request_id"') == 2
+    assert not os.path.exists("-")
