@@ -113,11 +113,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_output_paths(args)
         return int(args.run(args) or 0)
     except CLIError as error:
-        # a nested command by its whole name (QA: `kvserve workload gen`'s said `workload`)
-        sub = getattr(args, f"{args.command}_command", None)
-        name = args.command if sub is None else f"{args.command} {sub}"
-        print(f"kvserve {name}: error: {error}", file=sys.stderr)
+        print(f"kvserve {_command_name(args)}: error: {error}", file=sys.stderr)
         return 2
+    except (BrokenPipeError, KeyboardInterrupt):
+        raise
+    except OSError as error:  # the machine's, not a bug: a full disk or standard output, a
+        # path the OS refuses (QA: `kvserve info > /dev/full`, `calibrate -o /proc/x`)
+        where = error.filename or "writing the output"
+        print(f"kvserve {_command_name(args)}: error: {where}: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """A nested command by its whole name (QA: `kvserve workload gen`'s said `workload`)."""
+    sub = getattr(args, f"{args.command}_command", None)
+    return args.command if sub is None else f"{args.command} {sub}"
 
 
 def _subparser_named(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -149,6 +160,9 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
         raise CLIError("--config needs PyYAML (pip install pyyaml)") from None
     except OSError as error:
         raise CLIError(f"--config {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:  # QA: a traceback
+        raise CLIError(f"--config {path}: not UTF-8 text (a YAML file of serve's flags)"
+                       ) from None
     except yaml.YAMLError as error:
         raise CLIError(f"--config {path}: not YAML: {str(error).splitlines()[0]}") from None
     if settings is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -97,10 +98,19 @@ def check_output_file(flag: str, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CLIError(f"{flag} {path}: is a directory; give a file name")
+    if os.path.exists(path) and not os.path.isfile(path):  # QA: /dev/full, at the end
+        raise CLIError(f"{flag} {path}: is not a regular file; give a file name")
     if not os.path.isdir(folder):
         raise CLIError(f"{flag} {path}: no such directory {folder}")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise CLIError(f"{flag} {path}: permission denied")
+    if not os.path.exists(path):  # as root, os.access says yes to anything (QA: /proc/x)
+        try:
+            with open(path, "x"):
+                pass
+        except OSError as error:
+            raise CLIError(f"{flag} {path}: {error.strerror or error}") from None
+        os.remove(path)
 
 
 # Where a command writes (its args' dest -> the flag) and the dests that hold paths it reads.
@@ -192,6 +202,33 @@ def refused_vllm_flag(argv: list[str], known: Any) -> str | None:
             value = argv[index + 1]
         return vllm_refusal(name, value or None)
     return None
+
+
+def check_url(flag: str, url: str) -> str:
+    """``url`` without a trailing slash, or CLIError unless it is an http(s) URL with a
+    host (QA: "http://[::1" was a ValueError's traceback)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a bad port raises here)
+    except ValueError as error:
+        raise CLIError(f"{flag} {url!r} is not a URL: {error}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CLIError(f"{flag} {url!r} is not an http(s) URL")
+    return url.rstrip("/")
+
+
+def finite_float(text: str) -> float:
+    """A number flag's value: a float that is finite (QA: ``--gpu-memory-gib inf`` and
+    ``--prefill-flops inf`` were tracebacks, ``nan`` a message naming no flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what a torch generator takes (and the API's seed)

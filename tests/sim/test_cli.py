@@ -555,3 +555,56 @@ def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, trace
     assert main(["workload", "gen", "-n", "2", "-o", "-"]) == 0
     assert capsys.readouterr().out.count('"request_id"') == 2
     assert not os.path.exists("-")
+
+
+def _run(argv: list[str]) -> int:
+    """main's exit status, where argparse's own refusals exit rather than return."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    # QA (CLI fuzz): tracebacks (exit 1) each
+    (["plan", "--prompt-len", "512", "--output-len", "128", "--gpu-memory-gib", "inf"],
+     "argument --gpu-memory-gib: must be a finite number, got 'inf'"),
+    (["plan", "--prompt-len", "512", "--output-len", "128", "--kv-pool-gib", "nan"],
+     "argument --kv-pool-gib: must be a finite number, got 'nan'"),
+    (["plan", "--preemption-cost", "--seq-len", "1000", "--prefill-flops", "1e309"],
+     "argument --prefill-flops: must be a finite number"),
+    (["plan", "--preemption-cost", "--seq-len", "1000", "--link-bandwidth", "inf"],
+     "--link-bandwidth must be a finite rate > 0"),
+    (["workload", "gen", "-n", "10", "--arrival", "gamma", "--cv", "1e-300"],
+     "cv must be in [0.001, 1000], got 1e-300"),
+    (["workload", "gen", "-n", "1000000000000"], "num_requests must be in [1, 100,000,000]"),
+    (["workload", "gen", "-n", "10", "--prefix-groups", "99999999999"],
+     "prefix_groups must be in [0, num_requests]"),
+    (["record", "start", "--url", "http://[::1"], "--url 'http://[::1' is not a URL"),
+    # silently wrong (exit 0): nan think time as 0, 64Gb/s (bits) read as bytes
+    (["workload", "gen", "-n", "6", "--turns", "fixed:3", "--think-time", "nan"],
+     "argument --think-time: must be a finite number, got 'nan'"),
+    (["plan", "--preemption-cost", "--seq-len", "1000", "--link-bandwidth", "64Gb/s"],
+     "a lowercase b is bits; write the rate in bytes, e.g. 8GB/s for 64Gb/s"),
+])
+def test_bad_numbers_and_urls_are_one_line_and_exit_2(argv, needle, capsys):
+    assert _run(argv) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_an_output_the_os_refuses_is_one_line(tmp_path, capsys):
+    """QA (CLI fuzz): as root, a path under /proc passed the folder check and the work's end
+    was a traceback; /dev/full likewise; a full standard output was a traceback too."""
+    log = tmp_path / "steps.jsonl"
+    log.write_text("")
+    for path, needle in (("/proc/kvserve-x", "--output /proc/kvserve-x: "),
+                         ("/dev/full", "--output /dev/full: is not a regular file")):
+        assert _run(["calibrate", "--step-logs", str(log), "-o", path]) == 2
+        assert needle in _error_line(capsys)
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "kvserve", "plan", "--preemption-cost",
+                               "--seq-len", "100"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "kvserve plan: error: writing the output: No space left " \
+        "on device"

@@ -131,13 +131,22 @@ def test_calibrated_model_is_linear_in_its_terms(tmp_path):
     ({"format": "other", "coefficients": {"fixed_s": 1}}, "format must be"),
     ({"format": "kvserve-cost-model/1", "coefficients": {"per_flop": 1}},
      "unknown coefficient(s) per_flop"),
-    ({"format": "kvserve-cost-model/1", "coefficients": {"fixed_s": -1}}, "must be a number >= 0"),
+    ({"format": "kvserve-cost-model/1", "coefficients": {"fixed_s": -1}},
+     "fixed_s must be a number of seconds in [0, 3600], got -1"),
+    # QA (CLI fuzz): 1.7e308 ran a simulation to "simulated time inf s", exit 0
+    ({"format": "kvserve-cost-model/1", "coefficients": {"fixed_s": 1.7e308}},
+     "fixed_s must be a number of seconds in [0, 3600], got 1.7e+308"),
     ({"format": "kvserve-cost-model/1", "coefficients": {"per_seq_s": 1}}, "never advances"),
     ({"format": "kvserve-cost-model/1", "coefficients": {"fixed_s": 1}, "x": 1}, "unknown key"),
 ])
-def test_calibrated_model_rejects_bad_files(data, message):
+def test_calibrated_model_rejects_bad_files(data, message, tmp_path):
     with pytest.raises(CostModelError, match=re.escape(message)):
         CalibratedCostModel.from_dict(data)
+    path = tmp_path / "c.json"  # loaded from a file, the file is named too
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostModelError, match=re.escape(f"{path}: ") + ".*" +
+                       re.escape(message)):
+        CalibratedCostModel.load(path)
 
 
 def test_a_file_without_the_layout_term_loads_with_it_at_zero(tmp_path):

@@ -89,7 +89,7 @@ def test_cli_table_names_each_figure(capsys):
     (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
     ([], "--preemption-cost needs --seq-len"),
     (["--seq-len", "9", "--link-bandwidth", "fast"], "--link-bandwidth 'fast' is not a rate"),
-    (["--seq-len", "9", "--link-bandwidth", "0GB/s"], "--link-bandwidth must be > 0"),
+    (["--seq-len", "9", "--link-bandwidth", "0GB/s"], "--link-bandwidth must be a finite rate > 0"),
     (["--seq-len", "9", "--link-bandwidth", "10"],
      "--link-bandwidth '10' is 10 bytes/s; write the unit"),
     (["--seq-len", "9", "--prefill-flops", "0"], "--prefill-flops must be > 0, got 0"),

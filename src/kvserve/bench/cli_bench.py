@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench import runner
     from kvserve.bench.client import Target
     from kvserve.bench.report import detailed, format_table, summarize
-    from kvserve.flags import CLIError, check_output_file
+    from kvserve.flags import CLIError, check_output_file, check_url
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError("--max-concurrency must be >= 1")
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file("--output", args.output)
     metrics, percentiles = _flat_keys(args)
     requests = _requests(args)
-    base_url = args.base_url.rstrip("/")
+    base_url = check_url("--base-url", args.base_url)
     try:
         model = args.model or asyncio.run(runner.first_model(base_url, args.api_key))
     except httpx.HTTPStatusError as error:

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvserve.flags import CLIError, add_command
+from kvserve.flags import CLIError, add_command, check_url
 
 SUMMARY = "start or stop a running server's recording"
 DESCRIPTION = ("Start, stop or show the recording of a running kvserve server (what kvserve "
@@ -32,9 +32,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    base = args.url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        raise CLIError(f"--url {args.url!r} is not an http(s) URL")
+    base = check_url("--url", args.url)
     if args.dir is not None and args.action != "start":
         raise CLIError("--dir is for start only")
     if not 0 < args.timeout < float("inf"):  # NaN fails too

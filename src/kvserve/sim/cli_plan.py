@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.flags import (
     add_command,
     add_scheduler_flags,
+    finite_float,
     scheduler_config,
     settings_from_args,
 )
@@ -42,13 +43,13 @@ def add_parser(subparsers: Any) -> None:
     add_deployment_flags(parser, recordings=True,
                          recorded_cost_model="calibrated: fitted on its steps")
     memory = parser.add_argument_group("memory")
-    memory.add_argument("--gpu-memory-gib", type=float,
+    memory.add_argument("--gpu-memory-gib", type=finite_float,
                         help="device memory (default: the hardware preset's)")
-    memory.add_argument("--kv-pool-gib", type=float,
+    memory.add_argument("--kv-pool-gib", type=finite_float,
                         help="the KV pool, given directly: the replica's whole pool, all "
                              "its tensor-parallel devices together (--kv-cache-memory is "
                              "per device)")
-    memory.add_argument("--activation-reserve-gib", type=float,
+    memory.add_argument("--activation-reserve-gib", type=finite_float,
                         help="activation reserve per device (default: estimated)")
     load = parser.add_argument_group("load")
     load.add_argument("--prompt-len", type=int, help="tokens per prompt")
@@ -58,9 +59,9 @@ def add_parser(subparsers: Any) -> None:
                                       "as it ran (its settings and KV pool, step times "
                                       "fitted on its steps), or with --model, --hardware "
                                       "or --cost-model, that deployment for its requests")
-    load.add_argument("--ttft-p99", type=float, metavar="SECONDS",
+    load.add_argument("--ttft-p99", type=finite_float, metavar="SECONDS",
                       help="p99 TTFT target for the throughput recommendation")
-    load.add_argument("--queue-delay-p99", type=float, default=5.0, metavar="SECONDS",
+    load.add_argument("--queue-delay-p99", type=finite_float, default=5.0, metavar="SECONDS",
                       help="p99 queue-delay bound that defines capacity (default 5)")
     load.add_argument("--candidates", default="16,32,64,128,256,512,1024",
                       help="max_num_seqs values to simulate")
@@ -75,7 +76,7 @@ def add_parser(subparsers: Any) -> None:
     preempt.add_argument("--link-bandwidth", metavar="RATE",
                          help="host link per direction, e.g. 64GB/s (default: the hardware "
                               "preset's)")
-    preempt.add_argument("--prefill-flops", type=float, metavar="FLOP/S",
+    preempt.add_argument("--prefill-flops", type=finite_float, metavar="FLOP/S",
                          help="achieved prefill FLOP/s, e.g. 400e12 (default: 40%% of the "
                               "preset's peak)")
     replicas = parser.add_argument_group(
@@ -85,9 +86,9 @@ def add_parser(subparsers: Any) -> None:
                                "simulating 1, 2, 4, ... until one meets it, then bisecting "
                                "(without an SLO: 1, 2, 4, ... M simulated); instead of the "
                                "max_num_seqs sweep")
-    replicas.add_argument("--slo-ttft-p99", type=float, metavar="SECONDS",
+    replicas.add_argument("--slo-ttft-p99", type=finite_float, metavar="SECONDS",
                           help="the p99 time to first token a replica count must meet")
-    replicas.add_argument("--slo-itl-p99", type=float, metavar="SECONDS",
+    replicas.add_argument("--slo-itl-p99", type=finite_float, metavar="SECONDS",
                           help="the p99 inter-token latency a replica count must meet")
     replicas.add_argument("--workers", type=int, default=default_workers(), metavar="K",
                           help="simulations run at once in local processes: the "

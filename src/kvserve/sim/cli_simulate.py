@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvserve.flags import add_command, add_scheduler_flags, parse_sweep, settings_from_args
+from kvserve.flags import (
+    add_command,
+    add_scheduler_flags,
+    finite_float,
+    parse_sweep,
+    settings_from_args,
+)
 from kvserve.sim.cli_common import (
     add_cluster_flags,
     add_deployment_flags,
@@ -35,7 +41,7 @@ def add_parser(subparsers: Any) -> None:
                              "directory (kvserve serve --record DIR: its recorded settings, "
                              "then any flag given), or - for standard input")
     add_deployment_flags(parser, recordings=True)
-    parser.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+    parser.add_argument("--gpu-memory-gib", type=finite_float, metavar="GIB",
                         help="the device's memory, for a device no --hardware preset names "
                              "(its speed: the preset's, or --calibration's); default: the "
                              "preset's, as kvserve plan takes it")

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvserve.flags import finite_float
 from kvserve.sim.cli_common import cli_errors, seed
 
 
@@ -24,12 +25,12 @@ def add_parser(subparsers: Any) -> None:
                     "mean: give it a max=).")
     gen.add_argument("--num-requests", "-n", type=int, default=100,
                      help="requests in the trace (a conversation's turns count one each)")
-    gen.add_argument("--rate", type=float, default=1.0,
+    gen.add_argument("--rate", type=finite_float, default=1.0,
                      help="mean arrivals (conversations) per second")
     gen.add_argument("--arrival", default="poisson", choices=("poisson", "gamma", "burst"),
                      help="the arrival process: poisson, gamma (--cv), or bursts "
                           "(--burst-size) arriving at once")
-    gen.add_argument("--cv", type=float, default=None,
+    gen.add_argument("--cv", type=finite_float, default=None,
                      help="gamma: coefficient of variation of the gaps (>1: burstier; "
                           "default 1)")
     gen.add_argument("--burst-size", type=int, default=None,
@@ -47,12 +48,12 @@ def add_parser(subparsers: Any) -> None:
                      help="number of shared system prompts (0: none)")
     gen.add_argument("--prefix-len", default=None, metavar="DIST",
                      help="length of each shared system prompt (default fixed:256)")
-    gen.add_argument("--prefix-fraction", type=float, default=None,
+    gen.add_argument("--prefix-fraction", type=finite_float, default=None,
                      help="share of requests that start with a shared prompt (default 1)")
     gen.add_argument("--turns", default="fixed:1", metavar="DIST",
                      help="turns per conversation; each turn's prompt holds the previous "
                           "prompt and answer")
-    gen.add_argument("--think-time", type=float, default=None,
+    gen.add_argument("--think-time", type=finite_float, default=None,
                      help="mean seconds between turns (exponential; default 5)")
     gen.add_argument("--sessions", action="store_true",
                      help="multi-turn conversations name their session (session_id "

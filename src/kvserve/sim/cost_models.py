@@ -279,9 +279,9 @@ class CalibratedCostModel:
         for term in CALIBRATED_TERMS:
             value = given.get(term, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < 0:
-                raise CostModelError(f"coefficient {term} must be a number >= 0, "
-                                     f"got {value!r}")
+                    or not math.isfinite(value) or not 0 <= value <= MAX_COEFFICIENT_S:
+                raise CostModelError(f"coefficient {term} must be a number of seconds in "
+                                     f"[0, {MAX_COEFFICIENT_S:g}], got {value!r}")
             coefficients[term] = float(value)
         if coefficients["fixed_s"] + coefficients["per_token_s"] <= 0:
             raise CostModelError("fixed_s or per_token_s must be > 0, or time never advances")
@@ -299,7 +299,15 @@ class CalibratedCostModel:
         except json.JSONDecodeError as error:
             raise CostModelError(f"{path}: not valid JSON: {error.msg} "
                                  f"(line {error.lineno})") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except CostModelError as error:  # which file (QA: the coefficient alone was named)
+            raise CostModelError(f"{path}: {error}") from None
+
+
+# A coefficient's ceiling: an hour a step, token or pair is no measurement, and past it a
+# run's clock reached inf (QA: fixed_s 1.7e308 printed "simulated time inf s", exit 0).
+MAX_COEFFICIENT_S = 3600.0
 
 
 def holds_recorded_steps(cost_model: object) -> bool:

@@ -20,6 +20,8 @@ computes its share of F, so both the link and the FLOP/s scale with the device c
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass
 
 from kvserve.sim.capacity import kv_bytes_per_token
@@ -109,6 +111,9 @@ def parse_bandwidth(text: str) -> float:
 
     raw = str(text).strip()
     body = raw[:-2] if raw.lower().endswith("/s") else raw
+    if re.search(r"[kKmMgGtTpP]i?b$", body):  # QA: 64Gb/s was read as 64 GB/s, 8x off
+        raise ValueError(f"--link-bandwidth {raw!r}: a lowercase b is bits; write the "
+                         "rate in bytes, e.g. 8GB/s for 64Gb/s")
     try:
         value = float(body)
     except ValueError:
@@ -117,8 +122,8 @@ def parse_bandwidth(text: str) -> float:
         except Exception:  # argparse.ArgumentTypeError
             raise ValueError(f"--link-bandwidth {raw!r} is not a rate like 64GB/s or "
                              "6.4e10") from None
-    if not value > 0:
-        raise ValueError(f"--link-bandwidth must be > 0, got {raw!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"--link-bandwidth must be a finite rate > 0, got {raw!r}")
     if value < 1e6:  # no host link is this slow: a unit left out (10 meant 10GB/s)
         raise ValueError(f"--link-bandwidth {raw!r} is {value:g} bytes/s; write the unit, "
                          "e.g. 64GB/s")

@@ -139,7 +139,13 @@ CONVERSATION = "conv"  # a multi-turn conversation's prefix and session id: conv
 def is_turn(request: TraceRequest) -> bool:
     """Whether a generated request is a turn of a multi-turn conversation."""
     return request.prefix_id is not None and request.prefix_id.startswith(CONVERSATION)
+
+
 MAX_LENGTH = 1e9  # tokens: a length beyond it is a typo (and past numpy's integer draws)
+
+
+MAX_REQUESTS = 100_000_000  # a trace's requests (10^8 lines: gigabytes already)
+MIN_CV, MAX_CV = 1e-3, 1e3  # gamma arrivals' coefficient of variation
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,9 @@ class WorkloadSpec:
     seed: int = 0
 
     def validate(self) -> None:
-        if self.num_requests < 1:
-            raise WorkloadError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not 1 <= self.num_requests <= MAX_REQUESTS:  # QA: 10^12 was numpy's MemoryError
+            raise WorkloadError(f"num_requests must be in [1, {MAX_REQUESTS:,}], got "
+                                f"{self.num_requests}")
         if self.seed < 0:  # numpy's generators take none
             raise WorkloadError(f"seed must be >= 0, got {self.seed}")
         if not (self.rate > 0 and math.isfinite(self.rate)):
@@ -173,16 +180,18 @@ class WorkloadSpec:
         if self.arrival not in ARRIVALS:
             raise WorkloadError(f"unknown arrival process {self.arrival!r}; known: "
                                 f"{', '.join(ARRIVALS)}")
-        if not self.cv > 0:
-            raise WorkloadError(f"cv must be > 0, got {self.cv}")
+        if not MIN_CV <= self.cv <= MAX_CV:  # past these the gamma's shape over/underflows
+            raise WorkloadError(f"cv must be in [{MIN_CV:g}, {MAX_CV:g}], got {self.cv}")
         if self.burst_size < 1:
             raise WorkloadError(f"burst_size must be >= 1, got {self.burst_size}")
-        if self.prefix_groups < 0:
-            raise WorkloadError(f"prefix_groups must be >= 0, got {self.prefix_groups}")
+        if not 0 <= self.prefix_groups <= self.num_requests:
+            raise WorkloadError(f"prefix_groups must be in [0, num_requests], got "
+                                f"{self.prefix_groups}")
         if not 0 <= self.prefix_fraction <= 1:
             raise WorkloadError(f"prefix_fraction must be in [0, 1], got {self.prefix_fraction}")
-        if self.think_time < 0:
-            raise WorkloadError(f"think_time must be >= 0, got {self.think_time}")
+        if not (self.think_time >= 0 and math.isfinite(self.think_time)):  # QA: nan was 0
+            raise WorkloadError(f"think_time must be a number of seconds >= 0, got "
+                                f"{self.think_time}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise WorkloadError(f"max_tokens must be >= 1, got {self.max_tokens}")
         parse_priorities(self.priorities)
