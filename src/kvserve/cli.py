@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_process_defaults()
     parser = build_parser()
     given = list(sys.argv[1:] if argv is None else argv)
-    if "serve" in given:
+    if given[:1] == ["serve"]:  # serve's own (QA: `bench serve --config` read it as serve's)
         try:
             given = with_config_file(given, _subparser_named(parser, "serve"))
         except CLIError as error:

@@ -589,12 +589,20 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
     vLLM's flag) over the bytes one KV block takes on all ``num_devices``; 0 without
     either, and 0 under --preemption-mode recompute, which never swaps (the engine
     allocates none then either, as vLLM V1 ignores --swap-space). A swap space smaller than
-    one block is an error, not an empty tier."""
+    one block is an error, not an empty tier. Either value is checked under any mode (QA:
+    ``--sweep num_host_blocks=abc,-5`` ran as two rows under recompute)."""
+    given, swap_space = settings.get("num_host_blocks"), settings.get("swap_space")
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)
+                              or given < 0):
+        raise CLIError(f"num_host_blocks must be an integer >= 0, got {given!r}")
+    if swap_space is not None and (isinstance(swap_space, bool) or
+                                   not isinstance(swap_space, (int, float)) or
+                                   not 0 <= swap_space < float("inf")):
+        raise CLIError(f"swap_space must be a size >= 0 (e.g. 4GiB), got {swap_space!r}")
     if settings.get("preemption_mode", "recompute") == "recompute":
         return 0
-    if settings.get("num_host_blocks") is not None:
-        return int(settings["num_host_blocks"])
-    swap_space = settings.get("swap_space")
+    if given is not None:
+        return given
     if not swap_space:
         return 0
     num_blocks = int(swap_space) * num_devices // bytes_per_block

@@ -581,6 +581,11 @@ def _run(argv: list[str]) -> int:
     (["workload", "gen", "-n", "10", "--prefix-groups", "99999999999"],
      "prefix_groups must be in [0, num_requests]"),
     (["record", "start", "--url", "http://[::1"], "--url 'http://[::1' is not a URL"),
+    # taken, and silently wrong or ignored
+    (["plan", "--prompt-len", "100", "--output-len", "100", "--kv-pool-gib", "1",
+      "--kv-cache-memory", "20GiB"], "so --kv-cache-memory would size nothing"),
+    (["plan", "--prompt-len", "100", "--output-len", "100", "--kv-pool-gib", "1",
+      "--num-kv-blocks", "100"], "so --num-kv-blocks would size nothing"),
     # silently wrong (exit 0): nan think time as 0, 64Gb/s (bits) read as bytes
     (["workload", "gen", "-n", "6", "--turns", "fixed:3", "--think-time", "nan"],
      "argument --think-time: must be a finite number, got 'nan'"),
@@ -608,3 +613,26 @@ def test_an_output_the_os_refuses_is_one_line(tmp_path, capsys):
     assert done.returncode == 2
     assert done.stderr.strip() == "kvserve plan: error: writing the output: No space left " \
         "on device"
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--sweep", "num_host_blocks=abc,-5"], "num_host_blocks must be an integer >= 0, got 'abc'"),
+    (["--sweep", "swap_space=-1,-2"], "swap_space must be a size >= 0"),
+    (["--max-num-seqs", "8", "--sweep", "max_num_seqs=16,32"],
+     "--sweep max_num_seqs sets what --max-num-seqs sets: give one (drop --max-num-seqs)"),
+])
+def test_sweep_values_are_checked_under_any_mode(trace, flags, needle, capsys):
+    """QA (CLI fuzz): host-tier values were checked only under swap (``abc`` and ``-5`` ran
+    as two rows), and a flag the sweep also set was dropped without a word."""
+    assert _run(["simulate", "--trace", str(trace), "--quiet", "--workers", "1", *flags]) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_only_serve_reads_a_config_file(tmp_path, capsys):
+    """QA (CLI fuzz): the word serve anywhere (``bench serve``, a trace named serve) made
+    the command line read --config as kvserve serve's, and its errors said "kvserve serve"."""
+    config = tmp_path / "c.yaml"
+    config.write_text("max-model-len: 0\n")
+    assert _run(["bench", "serve", "--config", str(config)]) == 2
+    line = _error_line(capsys)
+    assert "kvserve serve" not in line and "--max-model-len" not in line

@@ -410,3 +410,19 @@ def test_simulate_on_a_recording_warns_of_its_unrecorded_shapes(tmp_path, capsys
         "recording has fewer than 5 steps of (" in err
     assert main(["simulate", "--trace", str(directory), "--quiet"]) == 0
     assert "step shapes" not in capsys.readouterr().err
+
+
+def test_a_step_shape_that_counts_below_zero_and_replay_step_times_are_refused(tmp_path,
+                                                                                capsys):
+    """QA (CLI fuzz): a shape of num_tokens -5 was fitted on; --replay-step-times was taken
+    by whatif and changed nothing."""
+    directory = build_shaped(tmp_path / "rec")
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--replay-step-times",
+                 str(directory / "steps-0-00000.jsonl")]) == 2
+    assert "--replay-step-times is for simulate" in capsys.readouterr().err
+    log = directory / "steps-0-00000.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows[3]["shape"]["num_tokens"] = -5
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["whatif", str(directory), "--set", "max_num_seqs=2"]) == 2
+    assert "a step's shape has num_tokens -5" in capsys.readouterr().err

@@ -205,6 +205,11 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
             except TypeError:
                 raise ValueError(f"{where}: a step's shape has fields {sorted(shape)}, not "
                                  "a batch shape's") from None
+            bad = next(((k, v) for k, v in shape.items() if isinstance(v, bool)
+                        or not isinstance(v, int) or v < 0), None)
+            if bad is not None:  # QA: num_tokens -5 was fitted on
+                raise ValueError(f"{where}: a step's shape has {bad[0]} {bad[1]!r}; a shape "
+                                 "counts requests and tokens (integers >= 0)")
             seconds.append(float(duration))
     return views, seconds
 

@@ -214,7 +214,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     calibration_implies_its_model(args)
     if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed
         for flag, value in (("--gpu-memory-gib", args.gpu_memory_gib),
-                            ("--activation-reserve-gib", args.activation_reserve_gib)):
+                            ("--activation-reserve-gib", args.activation_reserve_gib),
+                            # QA: these two won, silently
+                            ("--kv-cache-memory", getattr(args, "kv_cache_memory", None)),
+                            ("--num-kv-blocks", getattr(args, "num_kv_blocks", None))):
             if value is not None:
                 raise ValueError(f"--kv-pool-gib gives the pool directly, so {flag} would "
                                  "size nothing: give one of them")

@@ -131,6 +131,9 @@ def _check_pool_sweep(sweep: tuple[str, list[Any]] | None, settings: dict[str, A
     """Sweeping one of the KV pool's sizes with the other given: every row ran at the
     given one and was labelled with the swept value (it was the other way round for
     num_kv_blocks, which wins): refused, as both flags are for one run."""
+    if sweep is not None and sweep[0] in settings:  # QA: the flag was dropped, silently
+        flag = "--" + sweep[0].replace("_", "-")
+        raise ValueError(f"--sweep {sweep[0]} sets what {flag} sets: give one (drop {flag})")
     if sweep is None or sweep[0] not in _POOL_FLAGS:
         return
     other = next(name for name in _POOL_FLAGS if name != sweep[0])

@@ -169,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
 
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
+        if getattr(args, "replay_step_times", None):  # QA: taken, and nothing changed
+            raise ValueError("--replay-step-times is for simulate: whatif replays the "
+                             "recording's own steps, and prices the changes with --cost-model "
+                             "or --calibration")
         changes = [change for text in args.changes for change in parse_change(text)]
         runs_asked = [" ".join(f"{k}={v}" for k, v in change.items()) for change in changes]
         twice = next((run for i, run in enumerate(runs_asked) if run in runs_asked[:i]), None)
