@@ -636,3 +636,16 @@ def test_only_serve_reads_a_config_file(tmp_path, capsys):
     assert _run(["bench", "serve", "--config", str(config)]) == 2
     line = _error_line(capsys)
     assert "kvserve serve" not in line and "--max-model-len" not in line
+
+
+def test_plan_with_no_candidate_that_fits_says_so(trace, capsys):
+    """QA (CLI fuzz): with no candidate that fits, the summary said "every candidate
+    preempts" and "no candidate meets the TTFT target" (none was given), and searched the
+    capacity at max_num_seqs 256, no candidate."""
+    assert main(["plan", "--trace", str(trace), "--candidates", "1000000"]) == 0
+    out = capsys.readouterr()
+    rows = [line for line in out.out.splitlines()
+            if "without preemption" in line or "best-throughput" in line]
+    assert len(rows) == 2 and all("no candidate fits" in row for row in rows)
+    assert "no candidate max_num_seqs fits: no capacity to search" in out.out + out.err
+    assert "capacity QPS at max_num_seqs" not in out.out

@@ -380,12 +380,17 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
               ) -> dict[str, Any]:
     from kvserve.sim import plan
 
+    if not out.get("num_candidates_fitting", 1) and not settings.get("max_num_seqs"):
+        return {"capacity_qps": None,  # QA: searched at 256, no candidate
+                "capacity_note": "no candidate max_num_seqs fits: no capacity to search",
+                "queue_delay_p99_bound_s": args.queue_delay_p99}
     max_num_seqs = (settings.get("max_num_seqs") or out["max_num_seqs_best_throughput"]
                     or out["max_num_seqs_no_preemption"] or 256)
     start = plan.trace_rate(trace)
     if start is None:
         return {"capacity_qps": None,
-                "capacity_note": "the trace's arrivals span no time: no rate to scale"}
+                "capacity_note": "the trace's arrivals span no time: no rate to scale",
+                "queue_delay_p99_bound_s": args.queue_delay_p99}
     run_settings = plan.with_max_num_seqs(settings, max_num_seqs)
 
     # Progress as the sweep's: a bar per run in this process (serially, and the floor's
@@ -486,13 +491,18 @@ def _print(result: dict[str, Any]) -> None:
          f"{result['max_concurrency']:,}"),
     ]
     if "sweep" in result:
+        # QA: with no candidate that fits, "every candidate preempts" and "no candidate
+        # meets the TTFT target" (none was given)
+        none_fit = result.get("num_candidates_fitting", 1) == 0
         rows += [
             ("largest max_num_seqs without preemption",
-             _or_none(result["max_num_seqs_no_preemption"], "every candidate preempts")),
+             _or_none(result["max_num_seqs_no_preemption"],
+                      "no candidate fits" if none_fit else "every candidate preempts")),
             ("best-throughput max_num_seqs" + (
                 f" (TTFT p99 <= {result['ttft_p99_target_s']} s)"
                 if result["ttft_p99_target_s"] is not None else ""),
              _or_none(result["max_num_seqs_best_throughput"],
+                      "no candidate fits" if none_fit else
                       "no candidate meets the TTFT target")),
         ]
     if "replica_sweep" in result:

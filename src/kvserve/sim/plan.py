@@ -129,7 +129,8 @@ def recommend(rows: list[dict[str, Any]], ttft_p99_target: float | None) -> dict
                key=lambda r: r["max_num_seqs"], default=None)
     return {"max_num_seqs_no_preemption": max(calm) if calm else None,
             "max_num_seqs_best_throughput": best["max_num_seqs"] if best else None,
-            "ttft_p99_target_s": ttft_p99_target}
+            "ttft_p99_target_s": ttft_p99_target,
+            "num_candidates_fitting": len(rows)}
 
 
 def capacity_qps(run_queue_p99: Callable[[float], float | None], start_qps: float,
