@@ -116,7 +116,8 @@ def test_recommend_picks_the_largest_calm_and_the_fastest_within_target():
     ]
     assert recommend(rows, 2.5) == {"max_num_seqs_no_preemption": 16,
                                     "max_num_seqs_best_throughput": 32,
-                                    "ttft_p99_target_s": 2.5}
+                                    "ttft_p99_target_s": 2.5,
+                                    "num_candidates_fitting": 4}
     assert recommend(rows, None)["max_num_seqs_best_throughput"] == 64
     assert recommend(rows, 0.5)["max_num_seqs_best_throughput"] is None
     # within 1% of the best is a tie, which goes to the larger value (QA: 246.0715 tok/s at
