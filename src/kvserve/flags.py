@@ -650,6 +650,11 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--sweep {spec!r}: write NAME=V1,V2,... (e.g. max_num_seqs=64,128)")
     key = sweep_key(name)
     parsed = [parse_value(v) for v in items]
+    if key == "num_kv_blocks" and not all(  # named as the flag's (QA: "num_blocks must...")
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BLOCKS
+            for v in parsed):
+        raise ValueError(f"--sweep {spec!r}: num_kv_blocks values must be integers in "
+                         f"[1, {MAX_BLOCKS}]")
     if key in ("kv_cache_memory", "swap_space"):
         parse = parse_bytes if key == "kv_cache_memory" else parse_gib
         try:

@@ -581,6 +581,9 @@ def _run(argv: list[str]) -> int:
     (["workload", "gen", "-n", "10", "--prefix-groups", "99999999999"],
      "prefix_groups must be in [0, num_requests]"),
     (["record", "start", "--url", "http://[::1"], "--url 'http://[::1' is not a URL"),
+    (["workload", "gen", "-n", "5", "--priorities", "0:nan"],
+     "weights must be finite numbers >= 0"),  # QA: numpy's "Probabilities contain NaN"
+    (["workload", "gen", "-n", "5", "--priorities", "0:1,0:1"], "a class is given twice"),
     # taken, and silently wrong or ignored
     (["plan", "--prompt-len", "100", "--output-len", "100", "--kv-pool-gib", "1",
       "--kv-cache-memory", "20GiB"], "so --kv-cache-memory would size nothing"),
@@ -620,6 +623,9 @@ def test_an_output_the_os_refuses_is_one_line(tmp_path, capsys):
     (["--sweep", "swap_space=-1,-2"], "swap_space must be a size >= 0"),
     (["--max-num-seqs", "8", "--sweep", "max_num_seqs=16,32"],
      "--sweep max_num_seqs sets what --max-num-seqs sets: give one (drop --max-num-seqs)"),
+    # named as the engine's setting, not the flag (QA)
+    (["--sweep", "num_kv_blocks=100,0"], "num_kv_blocks values must be integers in [1, "),
+    (["--gpu-memory-gib", "1e23"], "gpu_memory_gib makes a KV pool of "),
 ])
 def test_sweep_values_are_checked_under_any_mode(trace, flags, needle, capsys):
     """QA (CLI fuzz): host-tier values were checked only under swap (``abc`` and ``-5`` ran

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.core.config import MAX_BLOCKS
 from kvserve.flags import SIM_HASH_ALGO, cache_config, num_host_blocks, scheduler_config
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cluster import ClusterOptions, ClusterSimulator, check_recorded_placement
@@ -144,7 +145,17 @@ class Deployment:
                             check_fits=self.check_pool_fits)
 
     def num_kv_blocks(self, settings: dict[str, Any], config: SchedulerConfig) -> int:
-        return self.kv_pool(settings, config).num_blocks
+        """The pool's blocks; ValueError naming the setting where they are none or more
+        than the scheduler takes (QA: "num_blocks must be >= 1" for --sweep
+        num_kv_blocks=0, "num_blocks=4607... is out of range" for --gpu-memory-gib 1e23)."""
+        num_blocks = self.kv_pool(settings, config).num_blocks
+        if not 1 <= num_blocks <= MAX_BLOCKS:
+            given = "num_kv_blocks" if "num_kv_blocks" in settings else \
+                "kv_cache_memory" if "kv_cache_memory" in settings else \
+                "gpu_memory_gib" if self.gpu_memory_gib is not None else "the device's memory"
+            raise ValueError(f"{given} makes a KV pool of {num_blocks:,} blocks; the "
+                             f"scheduler takes 1 to {MAX_BLOCKS:,}")
+        return num_blocks
 
     def check_context(self, config: SchedulerConfig) -> None:
         """ValueError where max_model_len is longer than the model's context, as vLLM

@@ -209,8 +209,11 @@ def parse_priorities(text: str) -> tuple[list[int], list[float]]:
         except ValueError:
             raise WorkloadError(f"priorities {text!r}: write class:weight pairs, "
                                 "e.g. 0:0.2,1:0.8") from None
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise WorkloadError(f"priorities {text!r}: weights must be >= 0 and not all 0")
+    if not all(0 <= w < math.inf for w in weights) or sum(weights) <= 0:  # NaN fails too
+        raise WorkloadError(f"priorities {text!r}: weights must be finite numbers >= 0, not "
+                            "all 0")
+    if len(set(classes)) < len(classes):  # QA: 0:1,0:1 taken
+        raise WorkloadError(f"priorities {text!r}: a class is given twice")
     return classes, weights
 
 
