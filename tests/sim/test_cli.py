@@ -551,6 +551,8 @@ def test_an_output_that_is_an_input_or_another_output_is_refused(tmp_path, trace
     assert Path(trace).read_text() == before and not (tmp_path / "a").exists()
     assert main(["calibrate", "--step-logs", trace, "-o", trace]) == 2
     assert "is a file this command reads" in _error_line(capsys)
+    assert main(["calibrate", "--step-logs", trace, trace, "-o", str(tmp_path / "c")]) == 2
+    assert f"--step-logs names {trace} twice" in _error_line(capsys)  # QA: counted twice
     assert Path(trace).read_text() == before
     assert main(["workload", "gen", "-n", "2", "-o", "-"]) == 0
     assert capsys.readouterr().out.count('"request_id"') == 2
@@ -584,6 +586,8 @@ def _run(argv: list[str]) -> int:
     (["workload", "gen", "-n", "5", "--priorities", "0:nan"],
      "weights must be finite numbers >= 0"),  # QA: numpy's "Probabilities contain NaN"
     (["workload", "gen", "-n", "5", "--priorities", "0:1,0:1"], "a class is given twice"),
+    (["plan", "--prompt-len", "100", "--output-len", "100", "--ttft-p99", "1"],
+     "--ttft-p99 picks among the simulated candidates: it needs --trace"),  # QA: ignored
     # taken, and silently wrong or ignored
     (["plan", "--prompt-len", "100", "--output-len", "100", "--kv-pool-gib", "1",
       "--kv-cache-memory", "20GiB"], "so --kv-cache-memory would size nothing"),

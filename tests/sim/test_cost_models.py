@@ -149,6 +149,15 @@ def test_calibrated_model_rejects_bad_files(data, message, tmp_path):
         CalibratedCostModel.load(path)
 
 
+def test_a_cost_model_file_may_start_with_a_byte_order_mark(tmp_path):
+    """As traces and step logs may (QA: refused here alone)."""
+    path = tmp_path / "bom.json"
+    path.write_text("\ufeff" + json.dumps({"format": "kvserve-cost-model/1",
+                                            "coefficients": {"fixed_s": 0.01}}),
+                    encoding="utf-8")
+    assert CalibratedCostModel.load(path).coefficients["fixed_s"] == 0.01
+
+
 def test_a_file_without_the_layout_term_loads_with_it_at_zero(tmp_path):
     # Files written before the layout term existed have six coefficients.
     path = tmp_path / "old.json"

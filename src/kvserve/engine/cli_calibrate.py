@@ -214,6 +214,9 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
     from kvserve.engine import calibrate
     from kvserve.sim.calibration import fit, read_step_log
 
+    twice = next((p for i, p in enumerate(args.step_logs) if p in args.step_logs[:i]), None)
+    if twice is not None:  # QA: its steps counted twice in the fit
+        raise CLIError(f"--step-logs names {twice} twice")
     logs = []
     for path in args.step_logs:
         try:

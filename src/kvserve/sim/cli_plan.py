@@ -210,6 +210,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 
         check_max_replicas(args.max_replicas)
     _candidates(args.candidates)  # before the trace's warnings (QA: two lines, not one)
+    if args.ttft_p99 is not None and not args.trace:  # QA: ignored, silently
+        raise ValueError("--ttft-p99 picks among the simulated candidates: it needs --trace")
     check_workers(args.workers)
     calibration_implies_its_model(args)
     if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed

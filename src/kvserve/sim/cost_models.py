@@ -293,7 +293,8 @@ class CalibratedCostModel:
     @classmethod
     def load(cls, path: str | Path) -> CalibratedCostModel:
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            # utf-8-sig: a BOM is taken, as in traces and step logs (QA: refused here alone)
+            data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
         except OSError as error:
             raise CostModelError(f"cannot read cost model {path}: {error.strerror}") from None
         except json.JSONDecodeError as error:
