@@ -149,6 +149,9 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
     path = argv[at].partition("=")[2] if "=" in argv[at] else (
         argv[at + 1] if at + 1 < end else None)
     rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+    flags_end = rest.index("--") if "--" in rest else len(rest)
+    if any(arg == "--config" or arg.startswith("--config=") for arg in rest[:flags_end]):
+        raise CLIError("give one --config file (QA: the second was ignored)")
     if not path:
         raise CLIError("--config needs a YAML file")
     try:
@@ -184,7 +187,7 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
                 continue
             model = [str(value)]
             continue
-        if flag not in known:
+        if flag not in known or flag == "--config":  # QA: a nested config: ignored
             raise CLIError(f"--config {path}: {key!r} is not a flag of kvserve serve")
         if flag in given or f"--no-{flag[2:]}" in given:
             continue  # the command line wins
@@ -198,9 +201,11 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
             if f"--no-{flag[2:]}" in known:
                 extra.append(f"--no-{flag[2:]}")
         elif isinstance(value, list):
+            if known[flag].nargs in (None, 1, "?"):  # QA: its second value became the model
+                raise CLIError(f"--config {path}: {key} takes one value, got a list")
             extra += [flag, *(str(item) for item in value)]
         elif value is not None:
-            extra += [flag, str(value)]
+            extra.append(f"{flag}={value}")  # one token: a value may start with "-" (QA)
     if model and not _has_model(rest, serve):
         index = rest.index("serve") + 1
         rest = rest[:index] + model + rest[index:]

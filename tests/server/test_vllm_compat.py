@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvserve.cli import build_parser, main
-from kvserve.flags import engine_args
+from kvserve.flags import CLIError, engine_args
 from kvserve.server.cli_serve import build_state
 
 from .helpers import LiveServer, tiny_model_dir, wait_for
@@ -762,7 +762,13 @@ def test_a_config_file_is_read_as_flags_and_the_command_line_wins(tmp_path, mode
     # flags go before a "--" (QA: after it they were read as positionals); model: null is none
     config.write_text("model: null\nmax-num-seqs: 8\n")
     assert with_config_file(["serve", "--config", str(config), "--", "x"], serve) == \
-        ["serve", "--max-num-seqs", "8", "--", "x"]
+        ["serve", "--max-num-seqs=8", "--", "x"]
+    # a value that starts with "-" reaches its flag's own check (QA: "expected one argument")
+    config.write_text("swap-space: -1GiB\n")
+    assert with_config_file(["serve", "--config", str(config)], serve) == \
+        ["serve", "--swap-space=-1GiB"]
+    with pytest.raises(CLIError, match="give one --config file"):
+        with_config_file(["serve", "--config", str(config), "--config", str(config)], serve)
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -770,7 +776,11 @@ def test_a_config_file_is_read_as_flags_and_the_command_line_wins(tmp_path, mode
     ("no-such-flag: 1\n", "'no-such-flag' is not a flag of kvserve serve"),
     # QA: a quoted 'no' became "--enable-prefix-caching no", "no" the model; a list model
     ("enable-prefix-caching: 'no'\n", "enable-prefix-caching takes true or false, got 'no'"),
-    ("model: [a, b]\n", "model must be a path, got ['a', 'b']")])
+    ("model: [a, b]\n", "model must be a path, got ['a', 'b']"),
+    # QA (CLI fuzz): a nested config ignored; a list's second value became the model; a
+    # value starting with "-" read as a flag ("expected one argument")
+    ("config: other.yaml\n", "'config' is not a flag of kvserve serve"),
+    ("max-model-len: [4096, 8192]\n", "max-model-len takes one value, got a list")])
 def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, text, needle):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
