@@ -629,6 +629,7 @@ def test_an_output_the_os_refuses_is_one_line(tmp_path, capsys):
      "--sweep max_num_seqs sets what --max-num-seqs sets: give one (drop --max-num-seqs)"),
     # named as the engine's setting, not the flag (QA)
     (["--sweep", "num_kv_blocks=100,0"], "num_kv_blocks values must be integers in [1, "),
+    (["--sweep", ""], "--sweep '': write NAME=V1,V2,..."),  # QA: one plain run, exit 0
     (["--gpu-memory-gib", "1e23"], "gpu_memory_gib makes a KV pool of "),
 ])
 def test_sweep_values_are_checked_under_any_mode(trace, flags, needle, capsys):

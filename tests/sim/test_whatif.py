@@ -106,6 +106,8 @@ def test_first_difference_names_the_first_decision_apart():
     (["--set", "max_num_seqs=2,3 num_kv_blocks=8"], "take one value each"),
     (["--set", "max_num_seqs=2", "--set", "max_num_seqs=3,2"],
      "--set asks for the run max_num_seqs=2 twice"),  # the report kept one of the two (QA)
+    # QA (CLI fuzz): a note on what --model prices came first, then the error
+    (["--set", "max_num_seqs=2", "--model", "gpt-9"], "unknown model 'gpt-9'"),
 ])
 def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
     directory = build(tmp_path / "rec")

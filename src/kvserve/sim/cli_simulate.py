@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         check_workers(args.workers)  # named whether or not a sweep would use it
         calibration_implies_its_model(args)
         settings = settings_from_args(args)
-        sweep = parse_sweep(args.sweep) if args.sweep else None
+        sweep = parse_sweep(args.sweep) if args.sweep is not None else None  # "" too (QA)
         _check_pool_sweep(sweep, settings)
         recording = None
         if args.trace != "-" and Path(args.trace).is_dir():

@@ -185,14 +185,14 @@ def run(args: argparse.Namespace) -> int:
         chosen = args.cost_model or "calibrated"
         named = [flag for flag, value in (("--model", args.model),
                                           ("--hardware", args.hardware)) if value]
+        args.cost_model = "replay"
+        replay = deployment_from_args(args)  # a bad --model is named before any note (QA)
         if named and chosen != "roofline":  # docs/recording.md: the recorded steps price
             verb = "price" if len(named) > 1 else "prices"
             print(f"note: {' and '.join(named)} {verb} only what the recorded steps cannot "
                   f"(a preemption's recompute against its swap) under the {chosen} cost "
                   "model; give --cost-model roofline to price the steps by them",
                   file=sys.stderr)
-        args.cost_model = "replay"
-        replay = deployment_from_args(args)
         other = dataclasses.replace(replay, cost_model=chosen)
         settings = recording.settings
         trace = recording.trace
