@@ -660,3 +660,15 @@ def test_plan_with_no_candidate_that_fits_says_so(trace, capsys):
     assert len(rows) == 2 and all("no candidate fits" in row for row in rows)
     assert "no candidate max_num_seqs fits: no capacity to search" in out.out + out.err
     assert "capacity QPS at max_num_seqs" not in out.out
+
+
+def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, trace, capsys):
+    """QA (CLI fuzz): a warning that the file was fitted on another model came first, then
+    an error naming the coefficient but not the file."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"format": "kvserve-cost-model/1",
+                                "coefficients": {"fixed_s": 0.01, "per_token_s": -1},
+                                "meta": {"model": "smollm2-135m", "device": "elsewhere"}}))
+    assert _run(["simulate", "--trace", str(trace), "--calibration", str(path),
+                 "--quiet"]) == 2
+    assert f"{path}: coefficient per_token_s must be" in _error_line(capsys)

@@ -154,8 +154,11 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
         args.model = recorded_model(recording)
     if calibration:
         from kvserve.sim.calibration import fitted_on_warning
+        from kvserve.sim.cost_models import CalibratedCostModel
         from kvserve.sim.presets import get_model
 
+        CalibratedCostModel.load(calibration)  # a bad file is the one line (QA: after a
+        # warning on the model it was fitted on), named with its path
         warning = fitted_on_warning(calibration, get_model(args.model), args.hardware)
         if warning:
             print(warning, file=sys.stderr)
