@@ -428,3 +428,16 @@ def test_a_step_shape_that_counts_below_zero_and_replay_step_times_are_refused(t
     log.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert main(["whatif", str(directory), "--set", "max_num_seqs=2"]) == 2
     assert "a step's shape has num_tokens -5" in capsys.readouterr().err
+
+
+def test_a_recording_whose_steps_all_took_no_time_is_named(tmp_path, capsys):
+    """QA (CLI fuzz): "replay log has N steps; the simulation scheduled more" (whatif),
+    "got 0 and 0" (plan), where every step's duration was 0."""
+    directory = build_shaped(tmp_path / "rec")
+    log = directory / "steps-0-00000.jsonl"
+    rows = [{**json.loads(line), "duration": 0} for line in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for argv in (["whatif", str(directory), "--set", "max_num_seqs=2"],
+                 ["plan", "--trace", str(directory)]):
+        assert main(argv) == 2
+        assert "every logged step has duration 0" in capsys.readouterr().err

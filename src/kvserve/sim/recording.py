@@ -181,6 +181,11 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
             _add_step_row(log, where, row)
     for log in engines.values():
         log.steps.sort(key=lambda s: s["start"])
+    steps = [step for log in engines.values() for step in log.steps]
+    if steps and not any(step["duration"] > 0 for step in steps):  # QA: "the simulation
+        # scheduled more" (whatif), "got 0 and 0" (plan)
+        raise TraceError(f"{root}: every logged step has duration 0: no step times to "
+                         "replay or fit")
     recording = Recording(root, manifest, trace, engines, warnings)
     _cut(recording, note)
     if not recording.trace:
