@@ -420,15 +420,15 @@ def resolve_model_option(args: argparse.Namespace) -> None:
     """vLLM's deprecated ``--model X`` as the positional model (a warning says so); CLIError
     where both are given and differ. Called first by the commands that load a model."""
     model = getattr(args, "model", None)
+    option = getattr(args, "model_option", None)
+    if option is not None and model is not None and _spelled(model) != _spelled(option):
+        raise CLIError(f"the model is given twice, {model} and --model {option}: give "
+                       "one (as the positional argument)")  # first (QA: "b" read as a unit)
     if isinstance(model, str) and model.lower() in _SIZE_UNITS and not os.path.exists(model):
         raise CLIError(f"model path {model!r} looks like a size's unit left over from a flag "
                        "(--kv-cache-memory 1 GiB): write a size without a space, e.g. 1GiB")
-    option = getattr(args, "model_option", None)
     if option is None:
         return
-    if args.model is not None and _spelled(args.model) != _spelled(option):
-        raise CLIError(f"the model is given twice, {args.model} and --model {option}: give "
-                       "one (as the positional argument)")
     logger.warning("--model is deprecated, as in vLLM: give the model as the positional "
                    "argument (kvserve %s %s ...)", getattr(args, "command", "serve"), option)
     args.model, args.model_option = option, None

@@ -147,6 +147,9 @@ def test_model_given_twice_differently_is_one_line(capsys):
     assert capsys.readouterr().err == ("kvserve serve: error: the model is given twice, "
                                        "/models/a.gguf and --model /models/b.gguf: give one "
                                        "(as the positional argument)\n")
+    # before the unit check (QA: "--model a b" said "b" looked like a size's unit)
+    assert main(["serve", "--model", "a", "b"]) == 2
+    assert "the model is given twice, b and --model a" in capsys.readouterr().err
 
 
 def test_vllm_cpu_kvcache_space_sizes_the_kv_cache_unless_a_flag_does(model_dir, monkeypatch,
