@@ -643,6 +643,10 @@ def parse_value(text: str) -> Any:
     return text
 
 
+# The scheduler settings counted in tokens (their flags take 4k, 32K)
+TOKEN_KEYS = frozenset(name for name, kind, _ in _SCHEDULER_FLAGS if kind == "tokens")
+
+
 def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     name, eq, values = spec.partition("=")
     items = [v for v in values.split(",") if v.strip()]
@@ -650,6 +654,11 @@ def parse_sweep(spec: str) -> tuple[str, list[Any]]:
         raise ValueError(f"--sweep {spec!r}: write NAME=V1,V2,... (e.g. max_num_seqs=64,128)")
     key = sweep_key(name)
     parsed = [parse_value(v) for v in items]
+    if key in TOKEN_KEYS:  # as their flags read them (QA: --max-model-len 4k, not here)
+        try:
+            parsed = [parse_token_count(v) for v in items]
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--sweep {spec!r}: {error}") from None
     if key == "num_kv_blocks" and not all(  # named as the flag's (QA: "num_blocks must...")
             isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_BLOCKS
             for v in parsed):

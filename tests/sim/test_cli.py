@@ -672,3 +672,15 @@ def test_a_bad_calibration_file_is_one_line_naming_it(tmp_path, trace, capsys):
     assert _run(["simulate", "--trace", str(trace), "--calibration", str(path),
                  "--quiet"]) == 2
     assert f"{path}: coefficient per_token_s must be" in _error_line(capsys)
+
+
+def test_token_counts_in_a_sweep_read_as_their_flags_read_them():
+    """QA (CLI fuzz): --max-model-len 4k worked, --sweep max_model_len=4k was refused."""
+    from kvserve.flags import parse_sweep
+    from kvserve.sim.cli_whatif import parse_setting
+
+    assert parse_sweep("max_model_len=4k,2K") == ("max_model_len", [4000, 2048])
+    assert parse_setting("max_num_batched_tokens=1k", "max_num_batched_tokens=1k") == \
+        ("max_num_batched_tokens", 1000)
+    with pytest.raises(ValueError, match="is not a count of tokens"):
+        parse_sweep("max_num_batched_tokens=lots")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.core.config import MAX_BLOCKS
-from kvserve.flags import parse_value, sweep_key
+from kvserve.flags import TOKEN_KEYS, parse_token_count, parse_value, sweep_key
 from kvserve.sim.cli_common import (
     add_deployment_flags,
     calibration_implies_its_model,
@@ -97,6 +97,11 @@ def parse_setting(text: str, pair: str) -> tuple[str, Any]:
 
         try:
             return key, (parse_bytes if key == "kv_cache_memory" else parse_gib)(value)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--set {text!r}: {error}") from None
+    if key in TOKEN_KEYS:  # 4k, 32K as the flags read them
+        try:
+            return key, parse_token_count(value)
         except argparse.ArgumentTypeError as error:
             raise ValueError(f"--set {text!r}: {error}") from None
     return key, parse_value(value)
