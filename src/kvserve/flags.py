@@ -124,8 +124,6 @@ def check_output_paths(args: Any) -> None:
     command prints anyway; ``workload gen -o -`` is taken as that), is a file the command
     reads (QA: ``simulate --trace t.jsonl --report t.jsonl`` replaced the trace; a file in
     a recording directory counts), or is given to two outputs (the last one won)."""
-    import os
-
     if getattr(args, "command", None) == "workload" and getattr(args, "output", None) == "-":
         args.output = None  # standard output, as --trace - reads standard input
     outputs = [(flag, getattr(args, dest)) for dest, flag in OUTPUT_FLAGS.items()
