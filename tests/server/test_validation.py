@@ -293,6 +293,28 @@ def test_body_too_large():
         assert response.status_code == 413
 
 
+def test_a_body_that_never_arrives_whole_is_a_408():
+    """QA (fuzz): a body declared longer than sent held its connection with no end (a
+    slow-client hole); past the read deadline the answer is 408 and the server serves on."""
+    import socket
+
+    with LiveServer() as live:
+        live.state.body_read_timeout = 0.5
+        host, port = live.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            answer = ""
+            while "}}" not in answer:  # the whole JSON error, however the packets split
+                piece = raw.recv(4096).decode()
+                if not piece:
+                    break
+                answer += piece
+        assert answer.startswith("HTTP/1.1 408") and "did not arrive whole within 0.5 s" \
+            in answer
+        assert post(live, COMPLETIONS, {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_api_keys_and_priority_limits(tmp_path):
     from kvserve.server.auth import ApiKey, load_keys
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
@@ -22,6 +23,7 @@ from kvserve.server.protocol import model_error
 from kvserve.server.response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+BODY_READ_TIMEOUT_S = 60.0  # a 4 MiB body (the default limit) at 70 KB/s
 
 
 @dataclass
@@ -31,6 +33,9 @@ class ServerState:
     keys: KeyRing = field(default_factory=lambda: KeyRing([]))
     priority_source: str = "body"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # seconds a request's body may take to arrive whole (QA: a body declared longer than
+    # sent held its connection and task with no end, a slow-client hole); 408 past it
+    body_read_timeout: float = BODY_READ_TIMEOUT_S
     metrics: ServerMetrics = field(init=False)
     fan_out: FanOutLimits = field(default_factory=FanOutLimits)
     groups: dict[str, RequestStream] = field(default_factory=dict)  # live, by request id
@@ -169,12 +174,22 @@ class ServerState:
         if declared is not None and declared.isascii() and declared.isdigit() \
                 and int(declared) > limit:  # ("²" is a digit to isdigit, not to int)
             raise _too_large(int(declared), limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+
+        try:  # wait_for, not asyncio.timeout: Python 3.10 has no such
+            await asyncio.wait_for(read(), self.body_read_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive whole within "
+                                f"{self.body_read_timeout:g} s ({sum(map(len, chunks))} "
+                                "bytes came); send it at once") from None
         return b"".join(chunks)
 
     def retry_after(self) -> str:
