@@ -75,6 +75,8 @@ def test_clipping_bounds_every_draw():
     ("lognormal:mean=x", "not a number"),
     ("zipf:a=0.5", "out of range"),
     ("fixed:value=3,bogus=1", "unknown parameter 'bogus'"),
+    ("uniform:low=64,low=65,high=512", "low is given twice"),  # QA: the last one won
+    ("uniform:64,low=65", "low is given twice"),
 ])
 def test_bad_distributions_are_named(text, message):
     with pytest.raises(WorkloadError, match=message):

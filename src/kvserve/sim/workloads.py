@@ -61,6 +61,7 @@ class LengthDist:
         names = _DIST_PARAMS[kind]
         params: dict[str, float] = dict(_DIST_DEFAULTS.get(kind, {}))
         clip: dict[str, int] = {}
+        given: set[str] = set()
         for index, item in enumerate(p for p in rest.split(",") if p.strip()):
             key, eq, value = item.partition("=")
             if not eq:
@@ -70,6 +71,9 @@ class LengthDist:
                                         "or max=...")
                 key, value = names[index], item
             key = key.strip()
+            if key in given:  # QA (CLI fuzz): the last one won, silently
+                raise WorkloadError(f"{text!r}: {key} is given twice")
+            given.add(key)
             try:
                 number = float(value)
             except ValueError:
