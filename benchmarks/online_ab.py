@@ -150,13 +150,18 @@ def floor_s(run: dict, requests: int, peaks: dict[str, float] | None, dtype: str
     return max(work, (requests - 1) / W3_ARRIVAL_RATE)
 
 
+def w3_cells(r: dict) -> str:
+    """A W3 run's figures as table cells: tok/s, wall, TTFT p50 / p99, ITL p50 / p99,
+    completed / failed (online_knob.py's rows too)."""
+    return (f"{r['output_tok_s']:.0f} | {r['wall_s']:.1f} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
+            f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['completed']} / {r['failed']}")
+
+
 def run_row(pair: int, side: str, r: dict, conditions: ab.Conditions,
             floor: float | None) -> str:
     fraction = "-" if floor is None else f"{floor / r['wall_s']:.2f}"
-    return (f"| {pair} | {side} | {r['output_tok_s']:.0f} | {r['wall_s']:.1f} | "
-            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-            f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['completed']} / "
-            f"{r['failed']} | {conditions} | {fraction} |")
+    return f"| {pair} | {side} | {w3_cells(r)} | {conditions} | {fraction} |"
 
 
 def section(args: argparse.Namespace, model: str, flags: str, peaks: dict[str, float] | None,

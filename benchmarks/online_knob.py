@@ -35,7 +35,7 @@ from pathlib import Path
 
 import ab_protocol as ab
 from docs_section import publish
-from online_ab import FIGURES, OUT, ROOT, Server, prepare
+from online_ab import FIGURES, OUT, ROOT, Server, prepare, w3_cells
 
 MAX_VALUES = 4
 
@@ -148,10 +148,7 @@ def whatif(directory: Path, setting: str, values: Sequence[str]) -> dict | str:
 
 
 def run_row(round_number: int, value: str, r: dict, conditions: ab.Conditions) -> str:
-    return (f"| {round_number} | {value} | {r['output_tok_s']:.0f} | {r['wall_s']:.1f} | "
-            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-            f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['completed']} / "
-            f"{r['failed']} | {conditions} |")
+    return f"| {round_number} | {value} | {w3_cells(r)} | {conditions} |"
 
 
 def section(args: argparse.Namespace, model: str, flags: str, runs: dict[str, list[dict]],
