@@ -141,7 +141,9 @@ def check_output_paths(args: Any) -> None:
     for flag, path in outputs:
         if path in ("", "-"):
             raise CLIError(f"{flag} needs a file name, got {path!r}")
-        real = os.path.realpath(path)
+        where = os.path.join(getattr(args, "result_dir", None) or "", path) \
+            if flag == "--result-filename" else path  # bench's file is in --result-dir
+        real = os.path.realpath(where)
         if real in inputs:
             source = "" if inputs[real] == path else f" (in {inputs[real]})"
             raise CLIError(f"{flag} {path} is a file this command reads{source}: writing it "

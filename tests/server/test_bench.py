@@ -259,3 +259,18 @@ def test_ctrl_c_prints_the_summary_of_what_ended(capsys, monkeypatch):
     assert (summary["completed"], summary["num_requests"], summary["total_output_tokens"]) == \
         (2, 2, 8)
     assert "interrupted: 2 of 5 requests had ended" in captured.err
+
+
+def test_a_result_file_that_is_the_trace_is_refused(capsys, tmp_path):
+    """QA: --result-filename was compared with the inputs as given, not inside --result-dir,
+    so ``--trace D/t.jsonl --result-dir D --result-filename t.jsonl`` would have replaced the
+    trace with the summary. One line, exit 2, before any request; the trace untouched."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 8, '
+                     '"output_len": 2}\n')
+    before = trace.read_text()
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(trace),
+                 "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "t.jsonl"]) == 2
+    assert "--result-filename t.jsonl is a file this command reads" in capsys.readouterr().err
+    assert trace.read_text() == before
