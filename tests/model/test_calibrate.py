@@ -210,6 +210,10 @@ def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
     ([], '{"type": "step", "duration": 0.1}\n', "no step with a shape"),
     ([], "{nope\n", r"log.jsonl:1: not valid JSON"),
     (["--quick"], '{"type": "step"}\n', "not with --trace, --quick"),
+    # QA (CLI fuzz): taken and ignored, as if they shaped the fit
+    (["--block-size", "0", "--no-greedy"], '{"type": "step"}\n',
+     r"runs no model: --greedy/--no-greedy, --block-size would change nothing; leave them"),
+    (["--dtype", "float32"], '{"type": "step"}\n', r"runs no model: --dtype would change"),
 ])
 def test_calibrate_refuses_bad_step_logs_in_one_line(tmp_path, capsys, extra, content,
                                                       message):

@@ -71,6 +71,17 @@ def add_parser(subparsers: Any) -> None:
                              "separate it)")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
                         help="the engine's KV pool while measuring (default 1GiB)")
+    _RUN_DEFAULTS.update((dest, parser.get_default(dest)) for dest in _RUN_FLAGS)
+
+
+# What configures a model run: --step-logs loads no model, so it refuses these where given
+# other than their defaults (QA: `--step-logs L --block-size 0` was taken and ignored).
+_RUN_FLAGS = {"model": "MODEL", "dtype": "--dtype", "device": "--device",
+              "load_format": "--load-format", "seed": "--seed",
+              "batch_invariant": "--batch-invariant", "quantization": "--quantization",
+              "greedy": "--greedy/--no-greedy", "warmup": "--warmup", "repeats": "--repeats",
+              "block_size": "--block-size", "kv_cache_memory": "--kv-cache-memory"}
+_RUN_DEFAULTS: dict[str, Any] = {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
         if args.trace or args.quick or args.layout_term or args.plot:
             raise CLIError("--step-logs fits on logged steps: not with --trace, --quick, "
                            "--layout-term or --plot")
+        given = [flag for dest, flag in _RUN_FLAGS.items()
+                 if getattr(args, dest, None) != _RUN_DEFAULTS.get(dest)]
+        if given:
+            raise CLIError(f"--step-logs fits on logged steps and runs no model: "
+                           f"{', '.join(given)} would change nothing; leave "
+                           f"{'it' if len(given) == 1 else 'them'} out")
         return _fit_step_logs(args)
     trace = _read_trace(args.trace) if args.trace else None  # bad input fails before loading
     try:
