@@ -51,11 +51,13 @@ _SCHEDULER_FLAGS: tuple[tuple[str, Any, str], ...] = (  # (dest, type or "tokens
                            "(a recording: as recorded)"),
     ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off"),
     ("watermark", float, "fraction of KV blocks kept free when admitting"),
-    ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests"),
-    ("max_num_queued_tokens", int, "reject arrivals beyond this many waiting tokens"),
+    ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests (per "
+     "data-parallel replica, as max_num_seqs)"),
+    ("max_num_queued_tokens", int, "reject arrivals beyond this many waiting tokens (per "
+     "replica)"),
     ("max_queue_delay", float, "abort a request that waited this many seconds unscheduled"),
     ("max_num_queued_reqs_per_tenant", int, "reject a tenant's arrivals beyond this many of "
-     "its requests waiting"),
+     "its requests waiting (per replica)"),
     ("lpm_max_queue", int, "lpm and dfs-weight sort a waiting queue of at most this many "
      "requests and serve a longer one FCFS (default 128)"),
     ("schedule_aging_s", float, "aging, off by default: under priority a waiting request's "

@@ -251,3 +251,41 @@ def test_prefix_affinity_learns_the_prefixes_of_session_turns_r4_r6() -> None:
     assert turn == RouteDecision(home, "session")
     # an ordinary request sharing the turn's prefix goes where the turn's blocks are
     assert router.route([b"x", b"y"], loads((0, 0), (0, 0))) == RouteDecision(home, "prefix_hit")
+
+
+@pytest.mark.parametrize("policy", ROUTER_POLICIES)
+def test_a_refused_request_leaves_the_router_as_it_found_it_r7(policy: str) -> None:
+    """QA (data-parallel fuzz): a session's first turn refused by its replica (queue full)
+    pinned the session there, and its prefix pointed there, though neither ran."""
+    router = make_router(policy, 2)
+    idle = loads((0, 0), (0, 0))
+    refused = router.route([b"p", b"q"], idle, session="s")
+    router.withdraw(refused, [b"p", b"q"], session="s")
+    assert router.route([], loads((0, 0), (0, 0)), session="s").reason != "session"
+    if policy == "prefix-affinity":
+        assert router.route([b"p", b"q"], idle).reason == "least_loaded"  # not a hit
+
+
+def test_withdraw_restores_what_the_router_knew_before_r7() -> None:
+    router = make_router("prefix-affinity", 2)
+    idle = loads((0, 0), (0, 0))
+    home = router.route([b"a"], idle, session="s").replica  # s and a live on home
+    busy_home = [ReplicaLoad(i, True, 40 if i == home else 0, 0, 0.0) for i in range(2)]
+    dead_home = [ReplicaLoad(i, i != home, 0, 0, 0.0) for i in range(2)]
+    moved = router.route([b"a", b"b"], dead_home, session="s")  # home down: elsewhere
+    assert moved.replica == 1 - home
+    router.withdraw(moved, [b"a", b"b"], session="s")  # refused there
+    assert router.route([b"a"], idle) == RouteDecision(home, "prefix_hit")
+    assert router.route([], idle, session="s") == RouteDecision(home, "session")
+    # withdraw goes by where a hash points now: a later decision to the same replica is
+    # undone with it (at worst one affinity missed), one elsewhere is kept
+    first = router.route([b"c"], busy_home)
+    second = router.route([b"c"], busy_home)
+    assert first.replica == second.replica == 1 - home
+    router.withdraw(first, [b"c"])
+    assert router.route([b"c"], idle).reason == "least_loaded"  # both undone: c unknown
+    refused = router.route([b"d"], busy_home)  # to 1 - home
+    only_home = [ReplicaLoad(i, i == home, 0, 0, 0.0) for i in range(2)]
+    assert router.route([b"d"], only_home).replica == home  # d now points at home
+    router.withdraw(refused, [b"d"])
+    assert router.route([b"d"], idle) == RouteDecision(home, "prefix_hit")

@@ -235,6 +235,58 @@ def test_a_request_that_kills_two_replicas_is_not_placed_again():
         assert reply.status_code == 200, reply.text
 
 
+def test_a_refusal_under_data_parallelism_names_its_replica_and_routes_nothing():  # R7
+    """QA (data-parallel fuzz): a request its replica refused (the queue limits, which hold
+    per replica) counted as a router decision and pinned its session there, though it never
+    ran; the 503 read like the whole server's count. Now the refusal names the replica, the
+    router forgets it, and a DELETE of a session while no replica runs is a 503, not 404."""
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import LocalLauncher
+
+    spec = engine_spec(0.01, max_num_seqs=1, max_model_len=1024, max_num_queued_reqs=1,
+                       max_session_kv=0.5)
+    engine = DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"replica-{i}")
+                                                    for i in range(2)],
+                                make_router("round-robin", 2), restart_delay=0.2)
+    with LiveServer(serving=engine) as live:
+        replies: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda i=i: replies.append(httpx.post(
+            live.url + "/v1/completions", timeout=120, json=LONG,
+            headers={"X-Request-Id": f"fill-{i}"}))) for i in range(4)]
+        for thread in threads:  # round-robin: one running and one waiting on each
+            thread.start()
+        wait_for(lambda: all(r.stats.num_running == 1 and r.stats.num_waiting == 1
+                             for r in engine.replicas), what="both replicas full")
+        turn = {"prompt": [5] * 20, "max_tokens": 2, "session": {"id": "s"}}
+        refused = httpx.post(live.url + "/v1/completions", timeout=60, json=turn)
+        assert refused.status_code == 503, refused.text
+        message = refused.json()["error"]["message"]
+        assert "replica 0 of 2: the waiting queue is full (1 requests, " \
+            "max_num_queued_reqs=1, per replica)" in message, message
+        httpx.post(live.url + "/v1/abort", json={"request_id": [f"fill-{i}" for i in range(4)]})
+        for thread in threads:
+            thread.join(timeout=60)
+        wait_for(lambda: pools_whole(live), what="both pools whole")
+        assert httpx.post(live.url + "/v1/completions", timeout=60,
+                          json=turn).status_code == 200
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        decisions = {(dict(labels)["reason"], dict(labels)["replica"]): value
+                     for (name, labels), value in values.items()
+                     if name == "kvserve:router_decisions_total" and value}
+        # the four fills and the turn, routed afresh (not "session": it ran nowhere), to
+        # replica 1: the turn in order moved on past the refusal
+        assert decisions == {("round_robin", "0"): 2, ("round_robin", "1"): 3}, decisions
+        live_replicas = engine._live
+        engine._live = lambda: []  # as while every replica restarts
+        try:
+            gone = httpx.delete(live.url + "/v1/sessions/s", timeout=30)
+        finally:
+            engine._live = live_replicas
+        assert gone.status_code == 503 and "retry later" in gone.json()["error"]["message"]
+        assert httpx.delete(live.url + "/v1/sessions/s", timeout=30).status_code == 200
+
+
 @pytest.mark.xdist_group("ray")  # one local Ray instance at a time (Makefile)
 def test_two_ray_replicas_serve_and_survive_a_hung_actor(monkeypatch):
     """A Ray actor that stops making progress (SIGSTOP) is killed by the step watchdog

@@ -119,6 +119,7 @@ def test_sessions_are_per_tenant_and_off_by_default():  # U1 U8
         response = post(live, {"prompt": NEW[0], "max_tokens": 2, "session": {"id": "s"}})
         assert response.status_code == 400
         assert "sessions are off" in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "session"  # QA: it was null
         bad = post(live, {"prompt": NEW[0], "session": {"id": "", "ttl": -1}})
         assert bad.status_code == 400 and "session" in bad.json()["error"]["param"]
         for name in (".", ".."):  # a DELETE could not name it: clients normalise the path

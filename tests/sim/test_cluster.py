@@ -281,3 +281,25 @@ def test_a_router_with_one_replica_says_it_changes_nothing(tmp_path, capsys):
                  "--data-parallel-lockstep"]) == 0  # QA: taken silently
     assert "--data-parallel-lockstep steps replicas together; with one replica it changes " \
            "nothing" in capsys.readouterr().err
+
+
+def test_a_request_its_replica_refuses_is_no_decision_r7() -> None:
+    """As the server's DataParallelEngine: a request its replica's queue limits refuse (they
+    hold per replica) is not counted as a router decision, and its prefix teaches the
+    router nothing. Five arrivals at once on two replicas that queue one each: round robin
+    puts three on replica 0, whose queue refuses the third."""
+    shared = tuple(range(100, 164))
+    trace = [req(f"r{i}", 0, 4, 0.0, prompt_token_ids=(i, *shared)) for i in range(5)]
+    report, result = run(trace, ClusterOptions(2, "round-robin"), max_num_seqs=1,
+                         max_num_queued_reqs=1, block_size=16)
+    reasons = {row["request_id"]: row["finish_reason"] for row in report["requests"]}
+    refused = sorted(r for r, reason in reasons.items() if reason != "stop")
+    assert refused == ["r4"]
+    assert result.route_reasons == {"round_robin": 4}
+    # prefix-affinity: the refused request's prefix does not point at the replica that
+    # refused it, so a later request with it is routed by load, not as a hit
+    late = req("late", 0, 2, 50.0, prompt_token_ids=(4, *shared))
+    _, result = run([*trace, late], ClusterOptions(2, "prefix-affinity"), max_num_seqs=1,
+                    max_num_queued_reqs=1, block_size=16)
+    assert result.route_reasons.get("prefix_hit", 0) == 0, result.route_reasons
+    assert sum(result.route_reasons.values()) == 5

@@ -23,6 +23,9 @@ routed since). A router never picks a dead replica (R1); with every replica dead
   alive; else the policy picks and the router remembers (R6). A released session is not
   forgotten: its next turn goes back where the released blocks are cached. At most
   ``max_tracked_sessions`` are remembered, the least recently routed forgotten first.
+- ``withdraw(decision, ...)``: the replica refused the request (its queue limits, a session
+  busy there): what ``route`` learnt from it is undone, so a session whose first turn never
+  ran is not pinned and a prefix never computed there is not pointed at it (R7).
 
 Everything is deterministic: no salted ``hash()``, no iteration over sets.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.core.errors import ConfigError
 
@@ -56,6 +59,10 @@ class ReplicaLoad:
 class RouteDecision:
     replica: int
     reason: str  # "round_robin" | "least_loaded" | "prefix_hit" | "imbalance" | "session"
+    # what the router knew before it: the session's replica and each prefix hash's, for
+    # withdraw (R7); not part of the decision's value
+    before: tuple[int | None, tuple[int | None, ...]] = field(
+        default=(None, ()), compare=False, repr=False)
 
 
 class NoReplicaError(RuntimeError):
@@ -85,6 +92,7 @@ class Router(ABC):
         ``session``: the session it is a turn of (a key naming the tenant too), or None."""
         alive = self._alive(loads)
         owner = None if session is None else self._sessions.get(session)
+        before = (owner, self._owners_of(prefix_hashes))
         if owner is not None and loads[owner].alive:
             decision = RouteDecision(owner, "session")
             self._placed(prefix_hashes, owner)
@@ -95,7 +103,28 @@ class Router(ABC):
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.max_tracked_sessions:
                 self._sessions.popitem(last=False)
-        return decision
+        return RouteDecision(decision.replica, decision.reason, before)
+
+    def withdraw(self, decision: RouteDecision, prefix_hashes: Sequence[Hashable],
+                 session: Hashable | None = None) -> None:
+        """The replica ``decision`` named refused the request (``route``'s arguments
+        again): what routing it taught the router is undone where nothing has changed it
+        since (R7)."""
+        session_owner, hash_owners = decision.before
+        if session is not None and self._sessions.get(session) == decision.replica:
+            if session_owner is None:
+                del self._sessions[session]
+            else:
+                self._sessions[session] = session_owner
+        self._unlearn(prefix_hashes, hash_owners, decision.replica)
+
+    def _owners_of(self, prefix_hashes: Sequence[Hashable]) -> tuple[int | None, ...]:
+        """The replica each hash points at, for withdraw (none but under prefix-affinity)."""
+        return ()
+
+    def _unlearn(self, prefix_hashes: Sequence[Hashable],  # noqa: B027
+                 owners: tuple[int | None, ...], replica: int) -> None:
+        """Point the hashes that now point at ``replica`` back at ``owners``."""
 
     @abstractmethod
     def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
@@ -191,6 +220,19 @@ class PrefixAffinityRouter(LeastLoadedRouter):
 
     def _placed(self, prefix_hashes: Sequence[Hashable], replica: int) -> None:
         self._remember(prefix_hashes, replica)
+
+    def _owners_of(self, prefix_hashes: Sequence[Hashable]) -> tuple[int | None, ...]:
+        return tuple(self._owner.get(block_hash) for block_hash in prefix_hashes)
+
+    def _unlearn(self, prefix_hashes: Sequence[Hashable], owners: tuple[int | None, ...],
+                 replica: int) -> None:
+        for block_hash, owner in zip(prefix_hashes, owners, strict=False):
+            if self._owner.get(block_hash) != replica:
+                continue  # routed again since, or forgotten
+            if owner is None:
+                del self._owner[block_hash]
+            else:
+                self._owner[block_hash] = owner
 
     def forget_replica(self, replica: int) -> None:
         super().forget_replica(replica)

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvserve.core import SamplingParams, SchedulerStats
+from kvserve.core import QueueFullError, SamplingParams, SchedulerStats
 from kvserve.core.prefix_cache import first_block_key, prompt_block_hashes
-from kvserve.core.router import NoReplicaError, ReplicaLoad, Router
+from kvserve.core.router import NoReplicaError, ReplicaLoad, RouteDecision, Router
 from kvserve.core.sessions import SessionNotFound
 from kvserve.engine.async_engine import (
     EngineDeadError,
@@ -228,21 +228,22 @@ class DataParallelEngine:
         while True:
             loads = [self._load(i) for i in range(self.num_replicas)]
             try:
-                decision = self.router.route(hashes, loads, session)
+                with self._lock:  # the reader thread of a dying replica forgets it
+                    decision = self.router.route(hashes, loads, session)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is running (every one is "
                                       "restarting); retry later", retry_after=5) from None
             replica = self.replicas[decision.replica]
             assert replica is not None
             with self._lock:
-                key = (decision.replica, decision.reason)
-                self.decisions[key] = self.decisions.get(key, 0) + 1
                 for request_id, _, _ in items:
                     self._where[request_id] = decision.replica
             try:
                 stream = await replica.add_requests(items, arrival_time)
+                self._count(decision)
                 return decision.replica, stream, placed_again
             except EngineDeadError as error:
+                self._count(decision)
                 if placed_again:
                     with self._lock:
                         for request_id, _, _ in items:
@@ -250,11 +251,21 @@ class DataParallelEngine:
                     raise _second_death(decision.replica, error) from None
                 placed_again = True
                 continue  # it died just now: the router will not pick it again
-            except BaseException:
+            except BaseException as error:
+                # refused (queue limits, a busy session, bad input): neither a decision
+                # nor anything the router should remember (R7)
                 with self._lock:
                     for request_id, _, _ in items:
                         self._where.pop(request_id, None)
+                    self.router.withdraw(decision, hashes, session)
+                if isinstance(error, QueueFullError):
+                    raise _per_replica(error, decision.replica, self.num_replicas) from None
                 raise
+
+    def _count(self, decision: RouteDecision) -> None:
+        with self._lock:
+            key = (decision.replica, decision.reason)
+            self.decisions[key] = self.decisions.get(key, 0) + 1
 
     def _prefix_hashes(self, item: Item) -> list[bytes]:
         """The prompt's leading block hashes as the replica's prefix cache will name them
@@ -293,8 +304,12 @@ class DataParallelEngine:
         another); SessionNotFound when none has. ``tenant`` None: every tenant's. The
         router keeps routing the session where it was: that replica's prefix cache keeps
         the released blocks until they are reused."""
+        live = self._live()
+        if not live:  # QA: a 404 "never existed" while every replica restarts
+            raise EngineDeadError("no engine replica is running (every one is restarting); "
+                                  "retry later", retry_after=5)
         results = await asyncio.gather(*(r.release_session(session_id, tenant)
-                                         for _, r in self._live()), return_exceptions=True)
+                                         for _, r in live), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if len(errors) == len(results):
             raise errors[0] if errors else SessionNotFound(f"no session {session_id!r} "
@@ -306,8 +321,8 @@ class DataParallelEngine:
         """Reader thread of the dead replica: forget its prefixes and launch it again."""
         index = self.replicas.index(replica)
         logger.error("replica %d died: %s; restarting it", index, replica.error)
-        self.router.forget_replica(index)
         with self._lock:  # its requests either moved (placed again) or failed
+            self.router.forget_replica(index)
             held = [r for r, i in self._where.items() if i == index]
             for request_id in held:
                 del self._where[request_id]
@@ -405,6 +420,18 @@ class _ParamsOnly:
     """What first_block_key reads of a request, before there is one."""
 
     sampling_params: SamplingParams
+
+
+def _per_replica(error: QueueFullError, replica: int, num_replicas: int) -> QueueFullError:
+    """The queue limits hold per replica, as max_num_seqs does (docs/scale-out.md): the
+    refusal says whose (QA: "tenant 'b' has 4 requests waiting" beside /metrics' 8)."""
+    head, sep, rest = str(error).partition(": ")
+    if not (sep and head.startswith("request ")):
+        head, sep, rest = "", "", str(error)
+    if rest.endswith(")"):  # "(max_num_queued_reqs=3)" -> "(max_num_queued_reqs=3, ...)"
+        rest = rest[:-1] + ", per replica)"
+    return QueueFullError(f"{head}{sep}replica {replica} of {num_replicas}: {rest}",
+                          error.limit)
 
 
 def _second_death(replica: int, error: EngineDeadError) -> EngineDeadError:

@@ -238,7 +238,8 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
     if isinstance(error, (RequestRejected, RequestError, ValueError)):
         state.metrics.rejected.labels(state.model_name, "400").inc()
         message = without_request_id(error)
-        return bad_request(message, param="session" if message.startswith("session ") else None)
+        about_sessions = message.startswith(("session ", "sessions "))  # QA: "sessions are off"
+        return bad_request(message, param="session" if about_sessions else None)
     if isinstance(error, EngineDeadError):
         return engine_dead_error(state, error)
     return error

@@ -29,7 +29,7 @@ import dataclasses
 import heapq
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,10 @@ class _Replica:
         self.pending_cancels: list[str] = []
         self.flight: _Flight | None = None
         self.request_ids: list[str] = []
+        # the router's decision for each request in the inbox, withdrawn where this
+        # replica refuses it (R7, as the server's DataParallelEngine does)
+        self.routes: dict[str, tuple[RouteDecision, Sequence[Any], Any]] = {}
+        self.withdraw: Callable[[RouteDecision, Sequence[Any], Any], None] | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -180,7 +184,11 @@ class _Replica:
                     run.scheduler.add_request(request)
             except (RequestRejected, QueueFullError) as error:
                 run._refuse(request.request_id, error)
+                route = self.routes.pop(request.request_id, None)
+                if route is not None and self.withdraw is not None:
+                    self.withdraw(*route)
                 continue
+            self.routes.pop(request.request_id, None)
             run.live[request.request_id] = request
         self.inbox.clear()
 
@@ -188,6 +196,7 @@ class _Replica:
         for index, request in enumerate(self.inbox):
             if request.request_id == request_id:
                 del self.inbox[index]
+                self.routes.pop(request_id, None)
                 self.run.executor.forget(request_id)
                 record = self.run.records[request_id]
                 record.finish_reason, record.stop_reason = "abort", "cancelled"
@@ -299,6 +308,9 @@ class _ClusterRun:
                         imbalance_bound=options.imbalance_bound)
         if self.router is None:
             check_recorded_placement(self.arrivals, options.data_parallel_size)
+        else:
+            for replica in self.replicas:
+                replica.withdraw = self._withdraw
         self.hash_prefixes = options.router == "prefix-affinity"
         # the replicas' prefix caches salt the first block by tenant under this scope (T7)
         self.tenant_scoped = sim.scheduler_config.prefix_cache_scope == "tenant"
@@ -485,10 +497,20 @@ class _ClusterRun:
         else:
             session = None if params.session_id is None else (params.tenant, params.session_id)
             decision = self.router.route(hashes, [r.load() for r in self.replicas], session)
+            self.replicas[decision.replica].routes[trace_request.request_id] = \
+                (decision, hashes, session)
         self.replica_of[trace_request.request_id] = decision.replica
         self.route_reasons[decision.reason] = self.route_reasons.get(decision.reason, 0) + 1
         self.replicas[decision.replica].request_ids.append(trace_request.request_id)
         return decision.replica
+
+    def _withdraw(self, decision: RouteDecision, hashes: Sequence[Any], session: Any) -> None:
+        """A replica refused what it was routed (its queue limits): not a decision (R7)."""
+        assert self.router is not None
+        self.router.withdraw(decision, hashes, session)
+        self.route_reasons[decision.reason] -= 1
+        if not self.route_reasons[decision.reason]:
+            del self.route_reasons[decision.reason]
 
     # -- results ---------------------------------------------------------------------------
 
