@@ -167,10 +167,10 @@ def test_prefix_caching_off_finds_nothing():
 
 
 def test_reset_is_refused_while_blocks_are_held_then_forgets_everything():  # O.12
-    from tests.conftest import make_scheduler, run_to_completion
+    from tests.conftest import FakeExecutor, make_scheduler, run_to_completion, step
     scheduler = make_scheduler(block_size=4)
-    scheduler.add_request(make_request("a", 9))
-    scheduler.schedule(0.0)
+    scheduler.add_request(make_request("a", 9, max_tokens=4, ignore_eos=True))
+    step(scheduler, FakeExecutor(block_size=4), 0.0)  # its prompt's two blocks written
     assert not scheduler.reset_prefix_cache()
     scheduler.abort("a")
     assert scheduler.kv.pool.cached and scheduler.reset_prefix_cache()

@@ -435,3 +435,20 @@ def test_a_running_request_whose_unwritten_blocks_another_holds_is_no_urgent_vic
     assert num_a_tokens + len(final["a"].new_token_ids) == 4
     assert final["u"].finish_reason == "length"
     check_empty(scheduler)
+
+
+def test_a_request_aborted_in_the_step_that_scheduled_it_caches_nothing_unwritten():  # G3, H4
+    """QA (offline API fuzz): a step that failed before the model wrote the KV (an
+    interrupt, an error in the forward) ended its requests by abort, and the blocks their
+    chunks registered at allocation stayed in the prefix cache unwritten; the next request
+    with that prompt hit them and generated other text, silently. What it wrote stays."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=16)
+    executor = FakeExecutor(block_size=4)
+    scheduler.add_request(make_request("a", 30, max_tokens=4, ignore_eos=True))
+    step(scheduler, executor, 0.0)  # positions 0-15 written, blocks 0-3 registered
+    written = {block.block_id for block in scheduler.kv.pool.cached.values()}
+    scheduler.schedule(1.0)  # the next chunk registers blocks 4-6 ...
+    assert len(scheduler.kv.pool.cached) > len(written)
+    assert scheduler.abort("a", 1.0)  # ... and the step fails before writing them
+    assert {block.block_id for block in scheduler.kv.pool.cached.values()} == written
+    check_empty(scheduler)

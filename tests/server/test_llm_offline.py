@@ -36,6 +36,29 @@ def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_works_on(llm):
     assert result.finish_reason == "length" and len(result.token_ids) == 4
 
 
+def test_a_step_that_fails_before_the_forward_leaves_the_prefix_cache_sound(llm):  # G3
+    """QA (offline API fuzz): an interrupt in a step after schedule(), before the model
+    wrote the KV, ended the call's requests by abort with their new blocks left in the
+    prefix cache; the same prompt then hit the unwritten blocks and generated other text."""
+    prompt = list(range(100, 150))  # three full blocks of 16
+    [truth] = llm.generate([prompt], GREEDY)
+    assert llm.engine.scheduler.kv.reset_prefix_cache()
+    executor = llm.engine.executor
+    execute = executor.execute
+
+    def interrupted(scheduler_output):
+        executor.execute = execute
+        raise KeyboardInterrupt
+
+    executor.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], GREEDY)
+    assert executor.execute == execute
+    assert not llm.engine.scheduler.kv.pool.cached  # nothing it registered was written
+    [after] = llm.generate([prompt], GREEDY)
+    assert after.token_ids == truth.token_ids
+
+
 def test_token_ids_the_sampling_params_name_are_checked_against_the_vocabulary(llm):
     """logit_bias, allowed_token_ids and stop_token_ids outside the vocabulary would do
     nothing (or leave nothing to sample): a ValueError naming the field, nothing queued."""

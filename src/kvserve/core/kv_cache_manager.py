@@ -271,25 +271,29 @@ class KVCacheManager:
             self.pool.cache_blocks(held[num_cached:num_full], hashes[num_cached:num_full])
         self._num_cached_blocks[request_id] = num_full
 
-    def forget_uncomputed(self, request: Request) -> None:
+    def forget_uncomputed(self, request: Request, num_written: int | None = None) -> None:
         """Take out of the prefix cache the blocks ``request`` registered for tokens it has
         not computed: blocks are registered when allocated for a step (as vLLM's), so a
         request preempted in the step that scheduled them, before the step ran, left full
         hashes on blocks whose last slots were never written, and the next request with that
         prefix (the victim itself, resumed) read them as computed (an urgent arrival's
         preemption, M1, found by the progress property test). A no-op for a request
-        preempted between steps: everything it registered is computed."""
-        unwritten = self.unwritten_cached_blocks(request)
+        preempted between steps: everything it registered is computed. ``num_written``: the
+        tokens whose KV is written, where fewer than its computed ones (a request ended
+        after schedule() counted its chunk computed, before the step ran it)."""
+        unwritten = self.unwritten_cached_blocks(request, num_written)
         if unwritten:
             self.pool.uncache(unwritten)
             self._num_cached_blocks[request.request_id] -= len(unwritten)
 
-    def unwritten_cached_blocks(self, request: Request) -> list[KVBlock]:
+    def unwritten_cached_blocks(self, request: Request,
+                                num_written: int | None = None) -> list[KVBlock]:
         """The blocks ``request`` registered in the prefix cache for tokens it has not
         computed yet: those its chunk scheduled this step will write; [] between steps."""
         request_id = request.request_id
         num_cached = self._num_cached_blocks.get(request_id, 0)
-        keep = request.num_computed_tokens // self.block_size
+        written = request.num_computed_tokens if num_written is None else num_written
+        keep = written // self.block_size
         if num_cached <= keep:
             return []
         return self.req_to_blocks[request_id][keep:num_cached]

@@ -64,6 +64,7 @@ QUEUE_TIMEOUT = "queue_timeout"
 DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full queue
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
+_NOTHING_IN_FLIGHT: dict[str, int] = {}  # read only: update() ran the step
 
 
 def tokens_to_schedule(num_tokens: int, num_computed: int, long_prefill_threshold: int,
@@ -166,6 +167,9 @@ class Scheduler:
         self._queue_deadlines = QueueDeadlines()
         self._finished_since_last_step: list[str] = []
         self._pending_outputs: list[RequestOutput] = []
+        # the last schedule()'s tokens per request until its update(): computed on paper,
+        # not yet written (what a request ended in between, by a failed step, never wrote)
+        self._in_flight: dict[str, int] = {}
         self._events: list[core_outputs.SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
@@ -258,6 +262,11 @@ class Scheduler:
         """Mark finished and free its blocks; the caller has taken it out of its queue."""
         request.status = status
         request.stop_reason = stop_reason
+        # ended in the step that scheduled it (an abort after a failed step): what that step
+        # registered was never written (QA: the next request with its prompt read it)
+        in_flight = self._in_flight.get(request.request_id)
+        if in_flight:
+            self.kv.forget_uncomputed(request, request.num_computed_tokens - in_flight)
         held = None
         if self.sessions is not None and request.sampling_params.session_id is not None:
             held = self.sessions.end_turn(request, now)  # U2: a completed turn's KV stays
@@ -878,6 +887,7 @@ class Scheduler:
             request.num_computed_tokens = end
         self.num_steps += 1
         self.num_scheduled_tokens += total
+        self._in_flight = num_scheduled
         finished_ids, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -900,6 +910,7 @@ class Scheduler:
                now: float) -> list[RequestOutput]:
         """Append sampled tokens, run stop checks and free what finished (H1-H3, J2)."""
         self._now = now
+        self._in_flight = _NOTHING_IN_FLIGHT
         outputs, self._pending_outputs = self._pending_outputs, []
         sampled = model_output.sampled_token_ids
         requests = self.requests
