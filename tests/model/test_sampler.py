@@ -61,6 +61,9 @@ def test_low_temperature_sharpens():
     (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),  # mass above token 2: 0.85
     (SamplingParams(temperature=1.0, top_p=0.5), {0}),
     (SamplingParams(temperature=1.0, min_p=0.3), {0, 1}),  # 0.3 x 0.6 = 0.18 > 0.1
+    # past the vocabulary: off, as in vLLM (QA: 2**63 overflowed the step's int64 tensor)
+    (SamplingParams(temperature=1.0, top_k=2**63), {0, 1, 2, 3}),
+    (SamplingParams(temperature=1.0, top_k=2**64 + 1, top_p=0.7), {0, 1}),
 ])
 def test_truncation_keeps_exactly_the_allowed_tokens(params, allowed):
     assert set(draw(params, n=2000)) == allowed

@@ -551,7 +551,9 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
 
 def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     vocab, device = probs.shape[-1], probs.device
-    top_k = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows],
+    # a top_k at or past the vocabulary is off, as in vLLM (QA: 2**63 overflowed int64)
+    top_k = torch.tensor([min(row.params.top_k, vocab) if row.params.top_k > 0 else vocab
+                          for row in rows],
                          device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], device=device)
