@@ -64,9 +64,11 @@ def test_token_ids_the_sampling_params_name_are_checked_against_the_vocabulary(l
     nothing (or leave nothing to sample): a ValueError naming the field, nothing queued."""
     for params in (SamplingParams(logit_bias={49152: 5.0}),
                    SamplingParams(allowed_token_ids=[3, 50000]),
-                   SamplingParams(stop_token_ids=[60000])):
-        field = next(name for name in ("logit_bias", "allowed_token_ids", "stop_token_ids")
-                     if getattr(params, name))
+                   SamplingParams(stop_token_ids=[60000]),
+                   # QA: with choices, which end only at EOS, it ran on to max_tokens
+                   SamplingParams(eos_token_id=49152, choices=["yes", "no"])):
+        field = next(name for name in ("logit_bias", "allowed_token_ids", "stop_token_ids",
+                                       "eos_token_id") if getattr(params, name))
         with pytest.raises(ValueError, match=rf"{field} holds token id\(s\) outside the "
                                              r"vocabulary \[0, 49152\)"):
             llm.generate("hello", params)

@@ -75,7 +75,11 @@ def check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
                             ("bad_words_token_ids",
                              [t for ids in params.bad_words_token_ids for t in ids]),
                             ("choice_token_ids",
-                             [t for ids in params.choice_token_ids for t in ids])):
+                             [t for ids in params.choice_token_ids for t in ids]),
+                            # QA: one outside ended nothing, and choices or JSON, which may
+                            # only end at EOS, ran on to max_tokens on token 0
+                            ("eos_token_id", [] if params.eos_token_id is None
+                             else [params.eos_token_id])):
         outside = [t for t in token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"{name} holds token id(s) outside the vocabulary "
