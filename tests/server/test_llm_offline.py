@@ -152,6 +152,21 @@ def test_a_bad_chat_message_is_named_before_the_template_runs(llm, messages, nee
     assert needle in str(error.value)
 
 
+@pytest.mark.parametrize(("prompts", "needle"), [
+    ([{"role": "user", "content": None}], "prompts[0]: messages[0] (user) has no string"),
+    ([{"role": "user"}], "prompts[0]: messages[0] (user) has no string 'content'"),
+    ([[{"role": "user", "content": "Hi"}], [{"role": 5, "content": "hi"}]],
+     "prompts[1]: messages[0] must be a dict with a string 'role'"),
+])
+def test_a_conversation_given_to_generate_is_checked_as_chat_checks_it(llm, prompts, needle):
+    """QA (offline API fuzz): the chat template failed on these with a TypeError or
+    jinja2's UndefinedError naming neither the prompt nor the message."""
+    with pytest.raises(TypeError) as error:
+        llm.generate(prompts, GREEDY)
+    assert needle in str(error.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_none_is_vllms_default_for_stop_and_stop_token_ids():
     params = SamplingParams(stop=None, stop_token_ids=None)
     assert (params.stop, params.stop_token_ids) == ((), ())

@@ -694,9 +694,16 @@ def _as_batch(prompts: Any) -> list[Prompt]:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) for t in items):
         return [items]  # one prompt of token ids
-    if all(isinstance(t, dict) and "role" in t for t in items):
-        return [items]  # one conversation
-    return [_plain(item, index) for index, item in enumerate(items)]
+    batch = [items] if all(isinstance(t, dict) and "role" in t for t in items) \
+        else [_plain(item, index) for index, item in enumerate(items)]  # one conversation
+    for index, prompt in enumerate(batch):  # as chat() checks them (QA: the chat template
+        # failed on a bad message with a TypeError or jinja2's UndefinedError, unnamed)
+        if isinstance(prompt, list) and isinstance(prompt[0], dict):
+            try:
+                _check_conversation(prompt)
+            except TypeError as error:
+                raise TypeError(f"prompts[{index}]: {error}") from None
+    return batch
 
 
 def _plain(prompt: Any, index: int) -> Prompt:
