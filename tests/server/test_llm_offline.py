@@ -396,6 +396,11 @@ def test_vllms_detokenize_and_skip_special_tokens_per_request(llm):
     assert ids_only.token_ids == plain.token_ids and plain.text and ids_only.text == ""
     with pytest.raises(ValueError, match="stop strings need the text"):
         SamplingParams(stop=["x"], detokenize=False)
+    wordless = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, detokenize=False)
+    with pytest.raises(ValueError, match="stop strings need the text, and this LLM was "
+                                         "built with detokenize=False"):  # QA: ignored
+        wordless.generate(["Hello there"], SamplingParams(**greedy, stop=["."]))
+    assert not wordless.engine.has_unfinished_requests()
     special = llm.tokenizer.decode([eos], skip_special_tokens=False)
     assert special and llm.tokenizer.decode([eos]) == ""
     [kept] = llm.generate(["Hello there"], SamplingParams(**greedy, skip_special_tokens=False),

@@ -430,6 +430,7 @@ class LLM:
         from kvserve.model.generation_config import sampling_defaults
 
         self._ids = itertools.count()
+        self._detokenize = engine_args.get("detokenize", True)
         self._sampling_defaults = sampling_defaults(
             None if isinstance(model, ModelConfig) else model, generation_config,
             override_generation_config)
@@ -493,6 +494,9 @@ class LLM:
                              else self.get_default_sampling_params(), len(batch))
         if priority is not None:
             params = _with_priorities(params, priority)
+        if not self._detokenize and any(p.stop for samples in params for p in samples):
+            raise ValueError("stop strings need the text, and this LLM was built with "
+                             "detokenize=False: give stop_token_ids instead")  # QA: ignored
         if self.replicas is not None:
             return self._generate_parallel(batch, params, use_tqdm)
         results: dict[str, GenerationResult] = {}  # every sequence's, by request id
