@@ -197,6 +197,17 @@ def test_the_package_exports_vllms_two_names_lazily():
     ({"tokenizer": "no/such/file"}, "tokenizer: model path no/such/file does not exist"),
     # torch's allocator failed after the model loaded (QA: --swap-space 100000)
     ({"swap_space": 1 << 50}, r"swap space of 1048576.0 GiB is more than this machine's"),
+    # QA (offline API fuzz): each refused only after the model loaded
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
+    ({"kv_cache_memory": 1}, "kv cache memory of 1 bytes holds no block"),
+    ({"kv_cache_memory": "10TiB"}, r"kv_cache_memory of 10240.0 GiB is \d+ blocks of 16 "
+                                   r"tokens, more than a pool holds"),
+    ({"kv_cache_memory": "4TiB", "block_size": 1024},
+     r"the KV cache of 4096.0 GiB is more than this machine's memory"),
+    ({"num_kv_blocks": 1 << 24, "block_size": 1024},
+     r"the KV cache of \d+.\d GiB is more than this machine's memory"),
+    ({"preemption_mode": "swap"}, r"preemption_mode='swap' needs a host KV tier"),
 ])
 def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, monkeypatch):
     """Refused at once, not after loading the model (QA: num_kv_blocks=0 took 4-16 s on the
@@ -208,7 +219,7 @@ def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, 
 
     monkeypatch.setattr(llm_module, "load_model", no_load)
     settings = {"tokenizer": tokenizer(), "num_kv_blocks": 8, **kwargs}
-    if "kv_cache_memory" in kwargs:
+    if "kv_cache_memory" in kwargs and "num_kv_blocks" not in kwargs:
         del settings["num_kv_blocks"]
     from kvserve.model.loader import ModelNotFoundError
 

@@ -50,7 +50,11 @@ from kvserve.model.device import check_device_options, resolve_device
 from kvserve.model.device import describe as describe_device
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
 from kvserve.model.kernel_info import boot_lines, kernel_report, prefill_attention_choice
-from kvserve.model.kv_cache import allocate_kv_cache, num_blocks_for_memory
+from kvserve.model.kv_cache import (
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    num_blocks_for_memory,
+)
 from kvserve.model.kv_swap import HostKVCache
 from kvserve.model.llama import LlamaForCausalLM, invariant_projections
 from kvserve.model.quantization import check_quantization
@@ -213,7 +217,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
             tokenizer = load_tokenizer(tokenizer)
         except ModelNotFoundError as error:
             raise ModelNotFoundError(f"tokenizer: {error}") from None
-    CacheConfig(num_blocks=1, block_size=block_size)  # a bad block size, before any load
+    # a bad block size, caching switch or hash, before any load (QA: after a 10 s load)
+    CacheConfig(num_blocks=1, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                prefix_caching_hash_algo=prefix_caching_hash_algo)
     if isinstance(seed, bool) or not isinstance(seed, int) or \
             not -(1 << 63) <= seed < 1 << 64:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
@@ -234,6 +240,11 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if batch_invariant:
         check_batch_invariant(torch_dtype)
     prefill_attention_choice()  # KVSERVE_PREFILL_ATTENTION, refused before anything is built
+    _check_pool(header, block_size, torch_dtype, torch_device, num_kv_blocks, kv_cache_memory)
+    mode = scheduler_settings.get("preemption_mode", "recompute")
+    if mode != "recompute" and not (swap_space or num_host_blocks):
+        raise ConfigError(f"preemption_mode={mode!r} needs a host KV tier: give swap_space "
+                          "(--swap-space) or num_host_blocks")
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
     if (swap_space or num_host_blocks) and \
@@ -318,22 +329,44 @@ def _size(value: Any, name: str, minimum: int) -> int | None:
     return value
 
 
-def _check_host_memory(swap_space: int | None) -> None:
-    """The host tier must fit in this machine's memory (it failed after the model loaded,
-    with torch's allocator error); above 70% of it, a warning, as vLLM gives."""
+def _check_host_memory(size: int | None, what: str = "swap space") -> None:
+    """The host tier (or a KV pool on the CPU) must fit in this machine's memory (it failed
+    after the model loaded, with torch's allocator error); above 70% of it, a warning, as
+    vLLM gives."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return
-    if not swap_space or total <= 0:
+    if not size or total <= 0:
         return
-    if swap_space > total:
-        raise ValueError(f"swap space of {swap_space / 2**30:.1f} GiB is more than this "
+    if size > total:
+        raise ValueError(f"{what} of {size / 2**30:.1f} GiB is more than this "
                          f"machine's memory ({total / 2**30:.1f} GiB)")
-    if swap_space > 0.7 * total:
-        logger.warning("swap space of %.1f GiB is %.0f%% of this machine's memory "
-                       "(%.1f GiB): possibly too large", swap_space / 2**30,
-                       100 * swap_space / total, total / 2**30)
+    if size > 0.7 * total:
+        logger.warning("%s of %.1f GiB is %.0f%% of this machine's memory "
+                       "(%.1f GiB): possibly too large", what, size / 2**30,
+                       100 * size / total, total / 2**30)
+
+
+def _check_pool(header: ModelConfig, block_size: int, dtype: torch.dtype,
+                device: torch.device, num_kv_blocks: int | None,
+                kv_cache_memory: int | None) -> None:
+    """The KV pool's size from the model's header, before its weights load (QA: a size that
+    holds no block, or more blocks than a pool may have, was refused after the load, the
+    latter naming num_blocks, a setting the caller never gave; one past the machine's
+    memory failed in the allocator)."""
+    per_block = kv_cache_bytes_per_block(header, block_size, dtype)
+    if num_kv_blocks is None:
+        memory = kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        num_blocks = num_blocks_for_memory(header, block_size, dtype, memory)
+        if num_blocks > MAX_BLOCKS:
+            raise ValueError(f"kv_cache_memory of {memory / 2**30:.1f} GiB is {num_blocks} "
+                             f"blocks of {block_size} tokens, more than a pool holds "
+                             f"({MAX_BLOCKS}): give less, or a larger block_size")
+    else:
+        memory = num_kv_blocks * per_block
+    if device.type == "cpu":
+        _check_host_memory(memory, "the KV cache")
 
 
 def _check_count(value: Any, name: str, low: int, high: int) -> None:
