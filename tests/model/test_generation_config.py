@@ -80,3 +80,22 @@ def test_a_bad_file_is_named(model_dir, tmp_path):
         sampling_defaults(model_dir)
     with pytest.raises(ValueError, match=r"generation_config\.json does not exist"):
         sampling_defaults(None, str(tmp_path))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"overrides": "temperature=0"}, "override_generation_config must be a dict of sampling "
+                                     "defaults (e.g. {'temperature': 0.7}), got str"),
+    ({"overrides": [("temperature", 0)]}, "override_generation_config must be a dict"),
+    ({"source": 5}, "generation_config must be 'auto', 'vllm' or a directory, got int"),
+])
+def test_arguments_of_the_wrong_kind_are_named(kwargs, message):
+    """QA (offline API fuzz): AttributeError and pathlib's TypeError, naming neither."""
+    with pytest.raises(TypeError, match=re.escape(message)):
+        sampling_defaults(None, **kwargs)
+
+
+def test_a_model_that_is_not_a_path_is_named():
+    from kvserve.engine.llm import LLM
+
+    with pytest.raises(TypeError, match=r"model must be a path .* got int"):
+        LLM(5)  # QA: pathlib's "expected str, bytes or os.PathLike object"

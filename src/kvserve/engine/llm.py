@@ -202,6 +202,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     ``max_logprobs`` (vLLM's, default 20): the most ``logprobs`` or ``prompt_logprobs`` a
     request may ask for (ValueError beyond); -1: the whole vocabulary.
     """
+    if model is not None and not isinstance(model, (str, Path, ModelConfig)):
+        raise TypeError(f"model must be a path (a GGUF file or a Hugging Face directory) or "
+                        f"None for the bundled model, got {type(model).__name__}")  # QA
     check_quantization(quantization)
     _check_keywords(scheduler_settings)
     kv_cache_memory = _size(kv_cache_memory, "kv_cache_memory", minimum=1)

@@ -31,9 +31,15 @@ def sampling_defaults(model: str | Path | None, source: str = "auto",
     names, if it is one; ``vllm``: none; else a directory) and ``overrides``. ValueError
     naming the file or the override that cannot be a default (an unknown override, a value
     of the wrong type or out of range)."""
+    if not isinstance(source, (str, Path)):  # QA: pathlib's TypeError, naming nothing
+        raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got "
+                        f"{type(source).__name__}")
+    if overrides is not None and not isinstance(overrides, Mapping):  # QA: AttributeError
+        raise TypeError(f"override_generation_config must be a dict of sampling defaults "
+                        f"(e.g. {{'temperature': 0.7}}), got {type(overrides).__name__}")
     config: dict[str, Any] = {}
     if source == "auto":
-        if model is not None and Path(model).is_dir():
+        if isinstance(model, (str, Path)) and Path(model).is_dir():
             config = _read(Path(model) / GENERATION_CONFIG_FILE, required=False)
     elif source != "vllm":
         folder = Path(source)
