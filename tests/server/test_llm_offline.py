@@ -87,6 +87,16 @@ def test_bad_words_offline_are_tokenized_by_the_engine(llm):
     assert word not in banned.text.split() and banned.text != plain[0].text
 
 
+@pytest.mark.parametrize("params", [SamplingParams(bad_words=["ok", "\ud800"]),
+                                    SamplingParams(choices=["\ud800"])])
+def test_a_bad_word_or_choice_that_is_not_text_is_named_by_its_field(llm, params):
+    """QA (offline API fuzz): "prompts[0]: the text is not valid UTF-8", the prompt blamed."""
+    field = "bad_words" if params.bad_words else "choices"
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: {field}: the text is not valid"):
+        llm.generate("hello", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_choices_offline_are_tokenized_by_the_engine(llm):
     [result] = llm.generate("The sky is", SamplingParams(temperature=1.0, seed=4, n=3,
                                                          choices=["blue", "grey"]))

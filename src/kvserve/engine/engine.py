@@ -205,12 +205,19 @@ class Engine:
         is missing or too much."""
         tokenizer = self.tokenizer
         filled: dict[str, Any] = {}
-        if params.bad_words and not params.bad_words_token_ids:
-            filled["bad_words_token_ids"] = bad_words_token_ids(
-                _tokenizer_for(tokenizer, "bad_words", "bad_words_token_ids"), params.bad_words)
-        if params.choices and not params.choice_token_ids:
-            filled["choice_token_ids"] = choice_token_ids(
-                _tokenizer_for(tokenizer, "choices", "choice_token_ids"), params.choices)
+        try:  # a text the tokenizer refuses is named by its field (QA: blamed on the prompt)
+            if params.bad_words and not params.bad_words_token_ids:
+                field = "bad_words"
+                filled["bad_words_token_ids"] = bad_words_token_ids(
+                    _tokenizer_for(tokenizer, field, "bad_words_token_ids"), params.bad_words)
+            if params.choices and not params.choice_token_ids:
+                field = "choices"
+                filled["choice_token_ids"] = choice_token_ids(
+                    _tokenizer_for(tokenizer, field, "choice_token_ids"), params.choices)
+        except ValueError as error:
+            message = str(error)
+            raise ValueError(message if message.startswith(field) else f"{field}: {message}"
+                             ) from None
         if params.eos_token_id is None and tokenizer is not None and \
                 tokenizer.eos_token_id is not None:
             filled["eos_token_id"] = tokenizer.eos_token_id
