@@ -155,6 +155,75 @@ def check_output_paths(args: Any) -> None:
         written[real] = flag
 
 
+# vLLM's flags that have nothing to do here: taken so a vLLM command line runs unchanged,
+# each given one logging why it does nothing (docs/vllm-compat.md). (flags, add_argument's
+# keywords, why.) --tensor-parallel-size, --pipeline-parallel-size, --tokenizer-mode and
+# --kv-cache-dtype are taken at their neutral value only (VLLM_NOOP_NEUTRAL).
+_NO_GRAPHS = "there are no CUDA graphs or torch.compile here: every step runs eagerly"
+VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
+    (("--trust-remote-code",), {"action": "store_true"},
+     "no model code is run: kvserve implements the Llama family itself"),
+    (("--tokenizer-mode",), {"metavar": "auto"},
+     "the tokenizer is the model's own (auto is the only mode)"),
+    (("--enforce-eager",), {"action": "store_true"}, _NO_GRAPHS),
+    (("--enable-reasoning",), {"action": "store_true"},
+     "--reasoning-parser alone splits the reasoning out (vLLM 0.10 dropped this flag)"),
+    (("--max-seq-len-to-capture",), {"type": int, "metavar": "N"}, _NO_GRAPHS),
+    (("--compilation-config", "-O"), {"metavar": "LEVEL_OR_JSON"}, _NO_GRAPHS),
+    (("--disable-custom-all-reduce",), {"action": "store_true"},
+     "there is no tensor parallelism, so no all-reduce"),
+    (("--tensor-parallel-size", "-tp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--pipeline-parallel-size", "-pp"), {"type": int, "metavar": "1"},
+     "one engine holds the whole model (--data-parallel-size runs replicas)"),
+    (("--disable-frontend-multiprocessing",), {"action": "store_true"},
+     "the API server already runs in one process, as vLLM V1's, and the engine in its own "
+     "(--no-engine-process runs it on a thread instead)"),
+    (("--download-dir",), {"metavar": "DIR"}, "nothing is downloaded: the model is a path"),
+    (("--revision",), {"metavar": "REV"}, "nothing is downloaded: the model is a path"),
+    (("--kv-cache-dtype",), {"metavar": "auto"},
+     "the KV cache is in the model's dtype (--dtype), as auto asks"),
+    (("--disable-fastapi-docs",), {"action": "store_true"},
+     "the server has no /docs, /redoc or /openapi.json pages to turn off"),
+    (("--enable-request-id-headers",), {"action": "store_true"},
+     "every answer carries X-Request-Id here already"),
+    (("--enable-server-load-tracking",), {"action": "store_true"},
+     "GET /load always answers the requests under way here"),
+    (("--enable-log-outputs",), {"action": "store_true"},
+     "no prompt or answer text is logged here (a log is read by more people than the "
+     "prompts' authors); --enable-log-requests logs their lengths"),
+    (("--async-scheduling",), {"action": "store_true"},
+     "each step is scheduled once the last one's tokens are back (the engine process "
+     "already keeps the HTTP server off the step's way)"),
+    (("--distributed-executor-backend",), {"metavar": "mp|ray"},
+     "there are no tensor- or pipeline-parallel workers to place (--data-parallel-backend "
+     "places replicas)"),
+    (("--disable-sliding-window",), {"action": "store_true"},
+     "the Llama family attends over the whole context: there is no sliding window"),
+    (("--show-hidden-metrics-for-version",), {"metavar": "VERSION"},
+     "no metric is hidden here"),
+    (("--cuda-graph-sizes",), {"nargs": "+", "metavar": "N"}, _NO_GRAPHS),
+    (("--structured-outputs-config", "--guided-decoding-backend"), {"metavar": "BACKEND"},
+     "structured outputs have one backend here, the sampler's own (docs/structured-"
+     "outputs.md)"),
+    (("--api-server-count",), {"type": int, "metavar": "1"},
+     "one API server process; --data-parallel-size runs engine replicas behind it"),
+)
+# The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
+VLLM_NOOP_NEUTRAL: dict[str, Any] = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
+    "kv_cache_dtype": "auto", "api_server_count": 1}
+
+
+def vllm_noop(dest: str) -> tuple[Any, str] | None:
+    """(the value it is taken at, or None for any; why it does nothing) for a vLLM flag or
+    argument by its Python name (``enforce_eager``), or None where it is not a no-op."""
+    for names, _, why in VLLM_NOOPS:
+        if any(name.lstrip("-").replace("-", "_") == dest for name in names):
+            return VLLM_NOOP_NEUTRAL.get(dest), why
+    return None
+
+
 # vLLM serving flags a command here does not take: whether each takes a value, and what to
 # do instead (kvserve.cli refuses them before a value could be read as the model; a command
 # that defines one of these names, as simulate does --gpu-memory-utilization, takes it).

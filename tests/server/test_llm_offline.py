@@ -237,6 +237,29 @@ def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, 
         LLM(TINY, **settings)
 
 
+def test_vllms_no_op_arguments_are_taken_and_a_real_request_for_them_refused(caplog):
+    """QA (offline API fuzz): LLM(enforce_eager=True), trust_remote_code=True and
+    tensor_parallel_size=1, in most vLLM scripts, were refused as unknown arguments, though
+    serve takes the same flags as no-ops. Each is taken, logging why it changes nothing; a
+    tensor-parallel size above 1 is refused with what to give instead."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        llm = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, enforce_eager=True,
+                  trust_remote_code=True, tensor_parallel_size=1, kv_cache_dtype="auto")
+    assert "enforce_eager=True is taken and changes nothing: there are no CUDA graphs" \
+        in caplog.text
+    assert "trust_remote_code=True is taken and changes nothing: no model code is run" \
+        in caplog.text
+    assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not taken here \(one "
+                                         r"engine holds the whole model.*\); only 1; give "
+                                         r"nothing \(no tensor parallelism here\)"):
+        LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not taken here"):
+        LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, kv_cache_dtype="fp8")
+
+
 def test_sizes_take_units_and_the_tokenizer_a_path_as_in_vllm():
     from kvserve.model.loader import default_model_path
 

@@ -42,7 +42,7 @@ from kvserve.engine.engine import (
 )
 from kvserve.engine.llm_parallel import ReplicatedEngines
 from kvserve.engine.text import Tokenizer
-from kvserve.flags import parse_bytes
+from kvserve.flags import parse_bytes, vllm_noop
 from kvserve.model import paged_kernel
 from kvserve.model.attention import invariant_paged_attention, paged_attention
 from kvserve.model.config import ModelConfig
@@ -389,6 +389,33 @@ def check_engine_args(model: str | Path | ModelConfig | None = None,
 
 
 # vLLM's GPU arguments and what sizes the same thing here.
+# vLLM's LLM arguments that change nothing here (the serve flags of the same names:
+# flags.VLLM_NOOPS): taken, each logging why, so a vLLM script runs unchanged
+_LLM_NOOPS = ("trust_remote_code", "tokenizer_mode", "enforce_eager", "max_seq_len_to_capture",
+              "compilation_config", "disable_custom_all_reduce", "tensor_parallel_size",
+              "pipeline_parallel_size", "download_dir", "revision", "kv_cache_dtype",
+              "distributed_executor_backend", "disable_sliding_window", "cuda_graph_sizes",
+              "async_scheduling")
+
+
+def _take_vllm_noops(engine_args: dict[str, Any]) -> None:
+    """Take vLLM's no-op arguments out of ``engine_args``, logging why each changes
+    nothing; ConfigError for one at another value than the only one it is taken at
+    (``tensor_parallel_size=2``). QA: ``LLM(enforce_eager=True)`` was refused."""
+    for name in _LLM_NOOPS:
+        if name not in engine_args:
+            continue
+        value = engine_args.pop(name)
+        found = vllm_noop(name)
+        assert found is not None, name  # every name of _LLM_NOOPS is a serve flag's
+        neutral, why = found
+        if neutral is not None and value != neutral:
+            hint = _GPU_ARGUMENTS.get(name)
+            raise ConfigError(f"{name}={value!r} is not taken here ({why}); only {neutral!r}"
+                              + (f"; give {hint}" if hint else ""))
+        logger.info("%s=%r is taken and changes nothing: %s", name, value, why)
+
+
 _GPU_ARGUMENTS = {"gpu_memory_utilization": "kv_cache_memory (bytes) or num_kv_blocks",
                   "num_gpu_blocks_override": "num_kv_blocks",
                   "tensor_parallel_size": "nothing (no tensor parallelism here); "
@@ -465,6 +492,7 @@ class LLM:
                  **engine_args: Any) -> None:
         from kvserve.model.generation_config import sampling_defaults
 
+        _take_vllm_noops(engine_args)
         self._ids = itertools.count()
         self._detokenize = engine_args.get("detokenize", True)
         self._sampling_defaults = sampling_defaults(

@@ -15,66 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvserve.flags import VLLM_NOOP_NEUTRAL, VLLM_NOOPS
+
 logger = logging.getLogger("kvserve.server")
-
-
-# vLLM's flags that have nothing to do here: taken so a vLLM command line runs unchanged,
-# each given one logging why it does nothing (docs/vllm-compat.md). (flags, add_argument's
-# keywords, why.) --tensor-parallel-size, --pipeline-parallel-size, --tokenizer-mode and
-# --kv-cache-dtype are taken at their neutral value only (_NEUTRAL).
-_NO_GRAPHS = "there are no CUDA graphs or torch.compile here: every step runs eagerly"
-VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
-    (("--trust-remote-code",), {"action": "store_true"},
-     "no model code is run: kvserve implements the Llama family itself"),
-    (("--tokenizer-mode",), {"metavar": "auto"},
-     "the tokenizer is the model's own (auto is the only mode)"),
-    (("--enforce-eager",), {"action": "store_true"}, _NO_GRAPHS),
-    (("--enable-reasoning",), {"action": "store_true"},
-     "--reasoning-parser alone splits the reasoning out (vLLM 0.10 dropped this flag)"),
-    (("--max-seq-len-to-capture",), {"type": int, "metavar": "N"}, _NO_GRAPHS),
-    (("--compilation-config", "-O"), {"metavar": "LEVEL_OR_JSON"}, _NO_GRAPHS),
-    (("--disable-custom-all-reduce",), {"action": "store_true"},
-     "there is no tensor parallelism, so no all-reduce"),
-    (("--tensor-parallel-size", "-tp"), {"type": int, "metavar": "1"},
-     "one engine holds the whole model (--data-parallel-size runs replicas)"),
-    (("--pipeline-parallel-size", "-pp"), {"type": int, "metavar": "1"},
-     "one engine holds the whole model (--data-parallel-size runs replicas)"),
-    (("--disable-frontend-multiprocessing",), {"action": "store_true"},
-     "the API server already runs in one process, as vLLM V1's, and the engine in its own "
-     "(--no-engine-process runs it on a thread instead)"),
-    (("--download-dir",), {"metavar": "DIR"}, "nothing is downloaded: the model is a path"),
-    (("--revision",), {"metavar": "REV"}, "nothing is downloaded: the model is a path"),
-    (("--kv-cache-dtype",), {"metavar": "auto"},
-     "the KV cache is in the model's dtype (--dtype), as auto asks"),
-    (("--disable-fastapi-docs",), {"action": "store_true"},
-     "the server has no /docs, /redoc or /openapi.json pages to turn off"),
-    (("--enable-request-id-headers",), {"action": "store_true"},
-     "every answer carries X-Request-Id here already"),
-    (("--enable-server-load-tracking",), {"action": "store_true"},
-     "GET /load always answers the requests under way here"),
-    (("--enable-log-outputs",), {"action": "store_true"},
-     "no prompt or answer text is logged here (a log is read by more people than the "
-     "prompts' authors); --enable-log-requests logs their lengths"),
-    (("--async-scheduling",), {"action": "store_true"},
-     "each step is scheduled once the last one's tokens are back (the engine process "
-     "already keeps the HTTP server off the step's way)"),
-    (("--distributed-executor-backend",), {"metavar": "mp|ray"},
-     "there are no tensor- or pipeline-parallel workers to place (--data-parallel-backend "
-     "places replicas)"),
-    (("--disable-sliding-window",), {"action": "store_true"},
-     "the Llama family attends over the whole context: there is no sliding window"),
-    (("--show-hidden-metrics-for-version",), {"metavar": "VERSION"},
-     "no metric is hidden here"),
-    (("--cuda-graph-sizes",), {"nargs": "+", "metavar": "N"}, _NO_GRAPHS),
-    (("--structured-outputs-config", "--guided-decoding-backend"), {"metavar": "BACKEND"},
-     "structured outputs have one backend here, the sampler's own (docs/structured-"
-     "outputs.md)"),
-    (("--api-server-count",), {"type": int, "metavar": "1"},
-     "one API server process; --data-parallel-size runs engine replicas behind it"),
-)
-# The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
-_NEUTRAL = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
-            "kv_cache_dtype": "auto", "api_server_count": 1}
 
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve the model over /v1/completions, /v1/chat/completions and "
@@ -288,7 +231,7 @@ def add_parser(subparsers: Any) -> None:
     noops = parser.add_argument_group("vLLM's flags that do nothing here (each given logs "
                                       "why; docs/vllm-compat.md)")
     for names, keywords, why in VLLM_NOOPS:
-        neutral = _NEUTRAL.get(names[0].lstrip("-").replace("-", "_"))
+        neutral = VLLM_NOOP_NEUTRAL.get(names[0].lstrip("-").replace("-", "_"))
         taken = f"taken at {neutral} only" if neutral is not None else "taken"
         noops.add_argument(*names, **keywords, help=f"vLLM's; {taken}, does nothing: {why}")
 
@@ -852,7 +795,7 @@ def _vllm_noops(args: argparse.Namespace) -> None:
         value = getattr(args, dest)
         if value is None or value is False:
             continue
-        neutral = _NEUTRAL.get(dest)
+        neutral = VLLM_NOOP_NEUTRAL.get(dest)
         if neutral is not None and value != neutral:
             raise CLIError(vllm_refusal(names[0], str(value)))
         if isinstance(value, list):
