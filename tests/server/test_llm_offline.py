@@ -422,6 +422,38 @@ def test_a_result_has_vllms_prompt_and_max_tokens_none_fills_the_context(llm):
     assert len(long.token_ids) == 256 - 250 and long.finish_reason == "length"
 
 
+def test_chat_takes_vllms_template_options_and_openais_content_parts(llm):
+    """QA (offline API fuzz): chat() took no add_generation_prompt, continue_final_message,
+    tools or chat_template_kwargs (TypeError), and refused a content of text parts and an
+    assistant's None content, which vLLM and OpenAI's format take."""
+    template = llm.tokenizer.apply_chat_template
+    asked = [{"role": "user", "content": "Hi"}]
+    started = [*asked, {"role": "assistant", "content": "Hello, I am"}]
+    [closed] = llm.chat(asked, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt == template(asked, add_generation_prompt=False)
+    [going_on] = llm.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True)
+    assert going_on.prompt.endswith("Hello, I am")
+    assert going_on.prompt_token_ids == llm.tokenizer.encode(going_on.prompt)
+    with pytest.raises(ValueError, match="cannot be used with add_generation_prompt"):
+        llm.chat(started, GREEDY, continue_final_message=True)
+    [parts] = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                        {"role": "assistant", "content": None},
+                        {"role": "user", "content": "again"}], GREEDY, use_tqdm=False)
+    assert parts.prompt == template([*asked, {"role": "assistant", "content": ""},
+                                     {"role": "user", "content": "again"}])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    [with_tools] = llm.chat(asked, GREEDY, use_tqdm=False, tools=[tool],
+                            chat_template_kwargs={"custom": 1})
+    assert with_tools.prompt == template(asked, tools=[tool], custom=1)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set "
+                                         "'add_generation_prompt'"):
+        llm.chat(asked, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
+    with pytest.raises(TypeError, match=r"messages\[0\] \(user\) has no string 'content'"):
+        llm.chat([{"role": "user", "content": None}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_an_empty_text_prompt_is_named_as_text(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt '' is empty: its text "
                                          "encodes to no token"):

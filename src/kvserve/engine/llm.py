@@ -569,7 +569,7 @@ class LLM:
             for index, (prompt, samples) in enumerate(zip(batch, params, strict=True)):
                 request_id = str(next(self._ids))
                 try:  # encoded (a chat rendered) once for all its n samples
-                    ids, text = self.engine.encode_prompt(prompt), self._prompt_text(prompt)
+                    ids, text = self._encode(prompt), self._prompt_text(prompt)
                     for sample, param in enumerate(samples):
                         sub_id = _sample_id(request_id, sample)
                         self.engine.add_request(sub_id, ids, param)
@@ -586,27 +586,58 @@ class LLM:
             raise
         return firsts
 
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, _RenderedChat):
+            return prompt.ids
+        return encode_prompt(self.tokenizer, prompt)
+
     def _prompt_text(self, prompt: Prompt) -> str | None:
         """vLLM's ``RequestOutput.prompt`` for a plain prompt (already encoded without
         error, so a conversation renders)."""
         if isinstance(prompt, str):
             return prompt
+        if isinstance(prompt, _RenderedChat):
+            return prompt.text
         if self.tokenizer is not None and prompt and isinstance(prompt[0], dict):
             return self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
         return None
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[GenerationResult]:
-        """One conversation (a list of {"role", "content"} messages) or several."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             tools: Sequence[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[GenerationResult]:
+        """One conversation (a list of {"role", "content"} messages) or several, through the
+        model's chat template. vLLM's options: ``add_generation_prompt`` (open the
+        assistant's turn), ``continue_final_message`` (go on with the last, assistant's,
+        message instead; not with the former), ``tools`` (OpenAI's function tools, the
+        template's ``tools``) and ``chat_template_kwargs`` (more template variables). A
+        message's content is text, a list of ``{"type": "text", "text": ...}`` parts, or
+        None on an assistant's message (one that made tool calls)."""
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) \
                 or not messages:
             raise TypeError("chat() takes a conversation (a non-empty list of {'role', "
                             "'content'} messages) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        for conversation in conversations:
-            _check_conversation(conversation)
-        return self.generate(conversations, sampling_params, use_tqdm)  # type: ignore
+        variables = _template_variables(tools, chat_template_kwargs)
+        rendered = []
+        for index, conversation in enumerate(conversations):
+            normal = _check_conversation(conversation)
+            if self.tokenizer is None:
+                raise ValueError("chat() needs a tokenizer (the chat template): this LLM "
+                                 "has none; give token ids to generate()")
+            where = "" if len(conversations) == 1 else f"conversation {index}: "
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    normal, add_generation_prompt, continue_final_message, **variables)
+            except (ValueError, RecursionError) as error:  # continue_final_message's
+                raise ValueError(f"{where}{error}") from None
+            except Exception as error:  # the caller's variables in the template: anything
+                raise ValueError(f"{where}cannot apply the chat template: "
+                                 f"{type(error).__name__}: {error}") from None
+            rendered.append(_RenderedChat(text, self.tokenizer.encode(text)))
+        return self.generate(rendered, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Stop the data-parallel replicas, if any (idempotent); the LLM takes no more
@@ -639,7 +670,7 @@ class LLM:
         token_ids = []
         for index, prompt in enumerate(batch):
             try:
-                token_ids.append(encode_prompt(self.tokenizer, prompt))
+                token_ids.append(self._encode(prompt))
             except ValueError as error:
                 raise type(error)(f"prompts[{index}]: {error}") from None
         items, results, firsts = [], {}, []
@@ -768,7 +799,7 @@ def _as_batch(prompts: Any) -> list[Prompt]:
         # failed on a bad message with a TypeError or jinja2's UndefinedError, unnamed)
         if isinstance(prompt, list) and isinstance(prompt[0], dict):
             try:
-                _check_conversation(prompt)
+                batch[index] = _check_conversation(prompt)
             except TypeError as error:
                 raise TypeError(f"prompts[{index}]: {error}") from None
     return batch
@@ -776,6 +807,8 @@ def _as_batch(prompts: Any) -> list[Prompt]:
 
 def _plain(prompt: Any, index: int) -> Prompt:
     """One prompt of a batch as text, token ids or messages (vLLM's dict forms unpacked)."""
+    if isinstance(prompt, _RenderedChat):
+        return prompt  # type: ignore[return-value]
     if isinstance(prompt, dict):
         keys = set(prompt)
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
@@ -795,17 +828,61 @@ def _plain(prompt: Any, index: int) -> Prompt:
     raise TypeError(f"prompts[{index}] must be {PROMPT_FORMS}; got {type(prompt).__name__}")
 
 
-def _check_conversation(conversation: Any) -> None:
-    """A conversation's messages each have a string role and content (as the server
-    checks a chat request's), so a bad one is named before the chat template runs."""
+def _check_conversation(conversation: Any) -> list[dict[str, Any]]:
+    """A conversation's messages each with a string role and content (as the server checks
+    a chat request's), so a bad one is named before the chat template runs; returned as the
+    template takes them: a content of text parts joined, an assistant's None as "" (its
+    tool calls are the message), as the server's chat endpoint sends them."""
     if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence) \
             or not conversation:
         raise TypeError("a conversation is a non-empty list of {'role', 'content'} messages")
+    normal = []
     for index, message in enumerate(conversation):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TypeError(f"messages[{index}] must be a dict with a string 'role'")
-        if not isinstance(message.get("content"), str):
-            raise TypeError(f"messages[{index}] ({message['role']}) has no string 'content'")
+        content = message.get("content")
+        if isinstance(content, list) and content and all(
+                isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str) for part in content):
+            content = "\n".join(part["text"] for part in content)  # OpenAI's text parts
+        elif content is None and message["role"] == "assistant" and "content" in message:
+            content = ""
+        if not isinstance(content, str):
+            raise TypeError(f"messages[{index}] ({message['role']}) has no string 'content' "
+                            "(text, or a list of {'type': 'text', 'text': ...} parts)")
+        normal.append(message if content is message.get("content") else
+                      {**message, "content": content})
+    return normal
+
+
+# What the chat template is rendered with already: chat_template_kwargs may not set them.
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "bos_token",
+                 "eos_token")
+
+
+def _template_variables(tools: Any, kwargs: Any) -> dict[str, Any]:
+    """chat()'s tools and chat_template_kwargs as the template's variables (the kwargs'
+    own ``tools`` wins, as vLLM's)."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {type(kwargs).__name__}")
+    taken = [name for name in _TEMPLATE_OWN if name in (kwargs or {})]
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}: chat() renders the "
+                         "template with it (give it as chat()'s own argument)")
+    if tools is not None and (isinstance(tools, (str, bytes, dict))
+                              or not isinstance(tools, Sequence)
+                              or not all(isinstance(tool, dict) for tool in tools)):
+        raise TypeError("tools must be a list of OpenAI tool dicts ({'type': 'function', "
+                        "'function': {...}})")
+    return {**({"tools": list(tools)} if tools else {}), **(kwargs or {})}
+
+
+@dataclass(frozen=True)
+class _RenderedChat:
+    """A conversation chat() rendered with its options: its text and token ids."""
+
+    text: str
+    ids: list[int]
 
 
 def _params_for(sampling_params: Any, count: int) -> list[list[SamplingParams]]:
