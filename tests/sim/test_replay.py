@@ -193,3 +193,17 @@ def test_an_idle_wait_is_not_counted_in_the_step_before_it():
     span = run.steps[-1].start - run.steps[0].start
     assert sum(step.duration for step in run.steps[:-1]) < span / 4
     assert_the_replay_follows(SPARSE, run, rows)
+
+
+def test_a_line_without_ignore_eos_runs_output_len_and_its_eos_on_the_engine():
+    """As bench serve --trace sends a line (docs/trace-format.md): output_len tokens and
+    the EOS, whatever this model draws. QA: a model that never draws the simulated model's
+    EOS ran each line to max_model_len (calibrate --trace on a workload gen trace, minutes)."""
+    engine = build_engine(TINY, num_kv_blocks=NUM_BLOCKS, detokenize=False, **SETTINGS)
+    trace = generate(WorkloadSpec(num_requests=4, rate=100.0, prompt_len="fixed:16",
+                                  output_len="uniform:2,9", seed=4))
+    assert not any(r.ignore_eos or r.max_tokens for r in trace)
+    clock = SteppingClock()
+    run = run_trace(engine, trace, clock=clock, sleep=clock.sleep)
+    produced = {r.request_id: r.num_output_tokens for r in run.result.records}
+    assert produced == {r.request_id: r.output_len + 1 for r in trace}

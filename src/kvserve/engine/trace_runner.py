@@ -128,6 +128,13 @@ def _run(engine: Engine, arrivals: list[Any], seed: int, clock: Clock,
 def _submit(engine: Engine, request: Any, seed: int, max_model_len: int, greedy: bool,
             recorder: RunRecorder) -> None:
     params = request.sampling_params(max_model_len)
+    if not request.ignore_eos:
+        # output_len tokens and the EOS, whatever this model answers, as bench serve --trace
+        # sends a line (docs/trace-format.md): the model rarely draws the simulated model's
+        # EOS, so a line without max_tokens ran to the model length (QA: calibrate --trace
+        # on a workload gen trace ran for minutes)
+        params = dataclasses.replace(params, ignore_eos=True, max_tokens=min(
+            params.max_tokens or max_model_len, request.output_len + 1))
     if greedy:
         params = dataclasses.replace(params, temperature=0.0)
     try:
