@@ -168,6 +168,27 @@ def test_info_refuses_a_kvserve_projections_it_cannot_run(
                    "amx, hybrid, panels, panels-avx2, onednn, torch"]
 
 
+def test_info_shows_a_choice_that_runs_one_dtype_only_as_refused_for_the_other(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """QA (docs check): KVSERVE_PROJECTIONS=hybrid, a bf16 kernel, made `kvserve info` exit
+    2 on its float32 rows, though generate runs it and docs/kernels.md says info prints the
+    pick. Now the float32 rows say why they refuse; only a choice no dtype runs is exit 2."""
+    from kvserve.model.kernel_info import kernel_report
+
+    monkeypatch.setenv(PROJECTIONS_ENV, "hybrid")
+    try:
+        kernel_report().ops(BF16)
+    except ValueError as error:  # no AVX512-BF16 build here: hybrid runs nowhere
+        assert main(["info"]) == 2
+        assert str(error) in capsys.readouterr().err
+        return
+    assert main(["info", "--json"]) == 0
+    ops = json.loads(capsys.readouterr().out)["ops"]
+    assert ops["float32"] == {"refused": f"{PROJECTIONS_ENV}=hybrid cannot project float32 "
+                                         "here: only a bfloat16 model has it"}
+    assert ops["bfloat16"]["projections"].endswith(f"[{PROJECTIONS_ENV}=hybrid]")
+
+
 @pytest.mark.parametrize(("dtype", "built"), [(torch.bfloat16, False), (torch.float16, True)])
 def test_without_the_kernels_every_op_is_torch(dtype: torch.dtype, built: bool) -> None:
     ops = op_kernels(dtype, built, ALL_ISA if built else (), onednn_bf16=False)

@@ -28,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
         report = kernel_report().as_dict()
     except ValueError as error:  # KVSERVE_PROJECTIONS or _PREFILL_ATTENTION asks for too much
         raise CLIError(str(error)) from None
+    refusals = [ops["refused"] for ops in report["ops"].values() if "refused" in ops]
+    if len(refusals) == len(report["ops"]):  # no dtype can run what was asked
+        raise CLIError(refusals[0])
     report["quantization"] = {name: unavailable_reason(name) or describe_quantization(name)
                               for name in QUANTIZATIONS}
     report["dtype_auto"] = dtype_auto()

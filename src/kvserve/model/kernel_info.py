@@ -399,9 +399,18 @@ class KernelReport:
                       "threads": self.threads, "onednn_bf16": self.onednn_bf16},
             "extension": {"built": self.extension_built, "error": self.extension_error,
                           "compiled_isa": list(self.compiled_isa)},
-            "ops": {name: self.ops(dtype) for name, dtype in
+            "ops": {name: self._ops_or_refusal(dtype) for name, dtype in
                     (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
         }
+
+    def _ops_or_refusal(self, dtype: torch.dtype) -> dict[str, str]:
+        """The ops' kernels, or ``{"refused": why}`` where a KVSERVE_ choice cannot run
+        this dtype (QA: KVSERVE_PROJECTIONS=hybrid, bf16 only, made `kvserve info` exit 2
+        on its float32 rows instead of printing the bf16 pick)."""
+        try:
+            return self.ops(dtype)
+        except ValueError as error:
+            return {"refused": str(error)}
 
 
 def onednn_runs_bf16() -> bool:
