@@ -551,3 +551,30 @@ def test_max_held_first_never_serves_a_less_urgent_request_first():  # L6 L5
     less_urgent = admissions_with_held_turns("ab", 1, 5, scheduling_policy="priority")
     assert as_urgent == ["a2", "r", "b2"]  # as urgent: the bound serves it
     assert less_urgent == ["a2", "b2", "r"]  # less urgent: the held turns keep going first
+
+
+def test_a_turn_demoted_for_an_ordinary_admission_is_queued_behind_it_not_lost():  # U7 I3
+    """QA (core fuzz): the ordinary head's admission demoted a held waiting turn to the
+    front of the ordinary queue, and the pop meant for the head took the turn instead: the
+    turn was in no queue, never to finish, and the head was admitted twice."""
+    from tests.conftest import run_to_completion
+
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_session_kv=1.0,
+                               max_held_first=1)
+    executor = FakeExecutor(block_size=4)
+    a1 = make_request("a1", 8, max_tokens=1, session_id="s1")
+    c1 = make_request("c1", 8, max_tokens=1, session_id="s2")
+    run_to_completion(scheduler, [a1, c1], executor=executor)  # 2 + 2 blocks held (U2)
+    scheduler.add_request(make_request("a2", prompt_token_ids=a1.all_token_ids + [7] * 4,
+                                       max_tokens=1, session_id="s1"))
+    scheduler.add_request(make_request("x", 16, max_tokens=1))  # 4 blocks: needs c's
+    scheduler.add_request(make_request("c2", prompt_token_ids=c1.all_token_ids + [7] * 4,
+                                       max_tokens=1, session_id="s2"))
+    out = scheduler.schedule(1.0)
+    check_invariants(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a2", "x"]
+    assert [r.request_id for r in scheduler.waiting] == ["c2"]  # demoted, at the front
+    scheduler.update(out, executor.execute(out), 1.0)
+    final = run_to_completion(scheduler, executor=executor)
+    assert "c2" in final
+    check_empty(scheduler)

@@ -24,7 +24,7 @@ from kvserve.core import outputs as core_outputs
 from kvserve.core.block_pool import KVBlock
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.deadlines import QueueDeadlines
-from kvserve.core.errors import ConfigError, RequestError
+from kvserve.core.errors import ConfigError, InvariantError, RequestError
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.limits import check_queue_limits, check_servable
 from kvserve.core.outputs import (
@@ -584,19 +584,28 @@ class Scheduler:
                     self._note_blocked("token_budget")
                     return
                 num_new = step.token_budget
-            new_blocks = self._allocate_admission(request, num_new, hit_blocks)
+            demoted: list[Request] = []  # U7's, queued again once the head is out
+            new_blocks = self._allocate_admission(request, num_new, hit_blocks, demoted)
             if new_blocks is None:
+                self._requeue_demoted(demoted)
                 if self._urgent is None or not self._admit_urgent(step):
                     self._note_blocked("kv_cache")
                 return
-            self.waiting.pop()
+            popped = self.waiting.pop()
+            self._requeue_demoted(demoted)
+            if popped is not request:
+                raise InvariantError(f"{type(self.waiting).__name__}.pop() took request "
+                                     f"{getattr(popped, 'request_id', popped)!r}, not "
+                                     f"{request.request_id!r}, the head its peek() gave")
             self._held_ahead = 0  # L6: the ordinary queue served
             self._admit(request, num_new, num_hit_tokens, new_blocks, step)
 
     def _allocate_admission(self, request: Request, num_new: int,
-                            hit_blocks: list[KVBlock]) -> list[KVBlock] | None:
+                            hit_blocks: list[KVBlock],
+                            demoted: list[Request] | None = None) -> list[KVBlock] | None:
         """allocate_slots for an admission (E1-E5, K2), releasing held sessions' KV oldest
-        first while it does not fit (U7)."""
+        first while it does not fit (U7); held turns it demotes go to ``demoted`` where
+        given, else back to the ordinary queue's front."""
         while True:
             new_blocks = self.kv.allocate_slots(
                 request, num_new, hit_blocks,
@@ -604,13 +613,21 @@ class Scheduler:
                 full_sequence_must_fit=self.config.reserve_full_sequence,
                 reserved_blocks=self._admission.reserved_blocks(request),
             )
-            if new_blocks is not None or not self._release_session_kv(keep=request):
+            if new_blocks is not None or \
+                    not self._release_session_kv(keep=request, demoted=demoted):
                 return new_blocks
 
-    def _release_session_kv(self, keep: Request | None = None) -> bool:
+    def _requeue_demoted(self, demoted: list[Request]) -> None:
+        for request in demoted:
+            self.waiting.push_front(request)
+
+    def _release_session_kv(self, keep: Request | None = None,
+                            demoted: list[Request] | None = None) -> bool:
         """U7, under memory pressure: release the oldest held session, or else turn the
         newest held waiting turn (other than ``keep``) back into an ordinary request whose
-        blocks go back to the pool, still cached. False if there is nothing to release."""
+        blocks go back to the pool, still cached: to the ordinary queue's front, or to
+        ``demoted`` for the caller to queue once it has taken the head it is admitting
+        (QA: pushed in front of it, the turn was popped in its place and lost)."""
         sessions = self.sessions
         if sessions is None:
             return False
@@ -622,7 +639,10 @@ class Scheduler:
                 sessions.demoted(request)
                 self.kv.free(request)
                 request.num_computed_tokens = 0
-                self.waiting.push_front(request)
+                if demoted is None:
+                    self.waiting.push_front(request)
+                else:
+                    demoted.append(request)
                 return True
         return False
 
