@@ -578,3 +578,26 @@ def test_a_turn_demoted_for_an_ordinary_admission_is_queued_behind_it_not_lost()
     final = run_to_completion(scheduler, executor=executor)
     assert "c2" in final
     check_empty(scheduler)
+
+
+def test_a_turn_ended_in_the_step_that_scheduled_it_holds_only_what_was_written():  # U2 H4
+    """QA (core fuzz): a turn finished (a stop string, an abort) between schedule() and the
+    update() of the step that scheduled its second chunk held both chunks for its session,
+    and the next turn read the unwritten one."""
+    from kvserve.core import ModelOutput
+    from tests.conftest import run_to_completion
+
+    scheduler = make_scheduler(num_blocks=50, block_size=4, max_session_kv=0.5,
+                               max_num_batched_tokens=8, max_num_seqs=4)
+    executor = FakeExecutor(block_size=4)
+    a1 = make_request("a1", 16, max_tokens=4, session_id="s")
+    scheduler.add_request(a1)
+    step(scheduler, executor, 0.0)  # the first chunk, 8 tokens, written
+    out = scheduler.schedule(1.0)  # the second scheduled ...
+    scheduler.finish_request("a1", RequestStatus.FINISHED_STOPPED, now=1.0)
+    scheduler.update(out, ModelOutput({}), 1.0)  # ... and never run
+    a2 = make_request("a2", prompt_token_ids=a1.prompt_token_ids + [5, 6, 7], max_tokens=2,
+                      session_id="s")
+    final = run_to_completion(scheduler, [a2], executor=executor)  # reads back a2's KV
+    assert len(final["a2"].new_token_ids) == 2
+    check_empty(scheduler)

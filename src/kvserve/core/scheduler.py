@@ -266,7 +266,9 @@ class Scheduler:
         # registered was never written (QA: the next request with its prompt read it)
         in_flight = self._in_flight.get(request.request_id)
         if in_flight:
-            self.kv.forget_uncomputed(request, request.num_computed_tokens - in_flight)
+            written = request.num_computed_tokens - in_flight
+            self.kv.forget_uncomputed(request, written)
+            request.num_computed_tokens = written  # all a session may hold of it (U2; QA)
         held = None
         if self.sessions is not None and request.sampling_params.session_id is not None:
             held = self.sessions.end_turn(request, now)  # U2: a completed turn's KV stays
