@@ -596,7 +596,7 @@ def test_a_turn_ended_in_the_step_that_scheduled_it_holds_only_what_was_written(
     out = scheduler.schedule(1.0)  # the second scheduled ...
     scheduler.finish_request("a1", RequestStatus.FINISHED_STOPPED, now=1.0)
     scheduler.update(out, ModelOutput({}), 1.0)  # ... and never run
-    a2 = make_request("a2", prompt_token_ids=a1.prompt_token_ids + [5, 6, 7], max_tokens=2,
+    a2 = make_request("a2", prompt_token_ids=[*a1.prompt_token_ids, 5, 6, 7], max_tokens=2,
                       session_id="s")
     final = run_to_completion(scheduler, [a2], executor=executor)  # reads back a2's KV
     assert len(final["a2"].new_token_ids) == 2

@@ -78,11 +78,14 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": [5] * 300}, 400, "This model's maximum context length is 256 "
      "tokens (max_model_len). However, your request has 300 tokens of input, which leaves no "
      "room"),
-    (COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100}, 400, "'max_tokens' is too large: "
-     "100. This model's maximum context length is 256 tokens (max_model_len) and your request "
-     "has 200 tokens of input (100 > 256 - 200); ask for at most 56 tokens"),
-    (COMPLETIONS, {"prompt": [[5] * 10, [5] * 255], "max_tokens": 2}, 400,
-     "has 255 tokens of input (prompt 1 of the list) (2 > 256 - 255); ask for at most 1 token"),
+    # past the whole context: refused as vLLM refuses it (one that only overruns what the
+    # prompt leaves is served cut short: test_a_max_tokens_past_the_prompts_room_...)
+    (COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 300}, 400, "'max_tokens' is too large: "
+     "300. This model's maximum context length is 256 tokens (max_model_len) and your request "
+     "has 200 tokens of input (300 > 256 - 200); ask for at most 56 tokens"),
+    (COMPLETIONS, {"prompt": [[5] * 10, [5] * 255], "max_tokens": 257}, 400,
+     "has 255 tokens of input (prompt 1 of the list) (257 > 256 - 255); ask for at most 1 "
+     "token"),
     (COMPLETIONS, {"prompt": "x", "priority": 3}, 400, "priority scheduling is not enabled"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
     (COMPLETIONS, ["not", "an", "object"], 400, "must be a JSON object"),
@@ -588,6 +591,25 @@ def test_prompt_logprobs_and_echo_as_vllm_gives_them(server):
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert chat["prompt_logprobs"][0] is None and all(
         len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # its own token only
+
+
+def test_a_max_tokens_past_the_prompts_room_is_served_cut_short_as_vllm(server):
+    """QA (vLLM compat): a chat client's fixed max_tokens on a long history, prompt +
+    max_tokens past max_model_len, was a 400 here; vLLM 0.32 serves it cut short to the
+    context (finish_reason "length"), each prompt of a list to its own room."""
+    one = post(server, COMPLETIONS, {"prompt": [5] * 200, "max_tokens": 100,
+                                     "ignore_eos": True}).json()
+    assert one["usage"]["completion_tokens"] == 56
+    assert one["choices"][0]["finish_reason"] == "length"
+    both = post(server, COMPLETIONS, {"prompt": [[5] * 10, [5] * 250], "max_tokens": 8,
+                                      "ignore_eos": True}).json()
+    lengths = [len(c["text"]) > 0 for c in both["choices"]]
+    assert both["usage"]["completion_tokens"] == 8 + 6 and all(lengths)
+    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "hi " * 200}],
+                               "max_completion_tokens": 255, "min_tokens": 255,
+                               "ignore_eos": True}).json()
+    assert chat["usage"]["total_tokens"] == 256
+    assert chat["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_context_overflow_reads_as_vllms_and_openais(server):

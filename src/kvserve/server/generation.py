@@ -37,6 +37,7 @@ from kvserve.server.prompts import (
     encode_chat,
     encode_prompts,
     max_tokens_for,
+    room_for,
     sampling_params,
 )
 from kvserve.server.protocol import (
@@ -137,7 +138,7 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
             index = prompt_index * req.n + sample
             sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
             choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
-            items.append((sub_id, prompt, params))
+            items.append((sub_id, prompt, room_for(state, params, prompt)))
     _check_queueable(state, request_id, items)
     if state.shutting_down:  # as vLLM's: once a shutdown began, nothing new is queued
         raise APIError(503, "the server is shutting down; send the request to another "

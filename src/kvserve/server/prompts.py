@@ -3,6 +3,7 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -179,7 +180,14 @@ def context_exceeded(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="context_length_exceeded")
 
 
-def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]]) -> int:
+def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[int]],
+                   strict: bool = False) -> int:
+    """The request's max_tokens, checked against the context: a prompt that leaves no room
+    to generate, or a max_tokens past the whole context, is a 400
+    (``context_length_exceeded``); one that only overruns what a prompt leaves is served
+    cut short to it (``finish_reason: "length"``), as vLLM's get_max_tokens does, prompt by
+    prompt (:func:`room_for`). ``strict``: that too is the 400 (the Responses API's
+    truncation, which drops history until the answer fits whole)."""
     limit = state.max_model_len
     longest = max(len(p) for p in prompts)
     which = "" if len(prompts) == 1 else \
@@ -201,13 +209,23 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
         if default is not None:
             return min(default, limit - longest)
         return limit - longest if chat else min(16, limit - longest)
-    if longest + asked > limit:
+    if longest + asked > limit and (strict or asked > limit):
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         raise context_exceeded(f"'{name}' is too large: {asked}. This model's maximum context "
                                f"length is {limit} tokens (max_model_len) and your request "
                                f"has {_tokens(longest)} of input{which} ({asked} > {limit} - "
                                f"{longest}); ask for at most {_tokens(limit - longest)}", name)
     return asked
+
+
+def room_for(state: ServerState, params: SamplingParams, prompt: list[int]) -> SamplingParams:
+    """``params`` with max_tokens cut to what ``prompt`` leaves of the context, as vLLM cuts
+    each prompt's (QA: a chat client's fixed max_tokens on a long history was a 400 here,
+    served cut short by vLLM)."""
+    room = state.max_model_len - len(prompt)
+    if params.max_tokens is None or params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:

@@ -1018,33 +1018,33 @@ async def _start(state: ServerState, request: Request, key: Any, api: ResponsesR
     def chat(dropped: int) -> Any:
         return chat_request(api, [], _from(conversation, dropped), auto_tools)
 
-    async def fits(dropped: int) -> bool:  # the context check alone: nothing is queued
+    async def overflow(dropped: int) -> APIError | None:  # nothing is queued
+        """The context's 400 where the answer would not fit whole (strict: the chat
+        endpoints serve such a request cut short, as vLLM does), else None."""
         req = chat(dropped)
         prompts = await asyncio.to_thread(encode_chat, state, req)
         try:
-            max_tokens_for(state, req, True, prompts)
+            max_tokens_for(state, req, True, prompts, strict=True)
         except APIError as error:
             if error.code != "context_length_exceeded":
                 raise
-            return False
-        return True
+            return error
+        return None
 
-    try:
+    if api.truncation != "auto" or len(conversation) < 2:
         return await start(state, request, key, chat(0), True, arrival_time, kind)
-    except APIError as error:
-        if api.truncation != "auto" or error.code != "context_length_exceeded" or \
-                len(conversation) < 2:
-            raise
-        overflow = error
+    whole = await overflow(0)
+    if whole is None:
+        return await start(state, request, key, chat(0), True, arrival_time, kind)
     low, high, cut = 1, len(conversation) - 1, None  # the fewest dropped that fit
     while low <= high:
         middle = (low + high) // 2
-        if await fits(middle):
+        if await overflow(middle) is None:
             cut, high = middle, middle - 1
         else:
             low = middle + 1
     if cut is None:
-        raise overflow
+        raise whole
     return await start(state, request, key, chat(cut), True, arrival_time, kind)
 
 
