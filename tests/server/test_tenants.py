@@ -66,6 +66,11 @@ def test_fan_out_limits_answer_400_naming_the_limit(server):
         ok = httpx.post(server.url + "/v1/completions", timeout=30,
                         json={"prompt": ["a"] * 3, "n": 2, "max_tokens": 1})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
+        # n has no cap of its own (QA: a fixed 16 refused vLLM's pass@k evaluations)
+        server.state.fan_out = FanOutLimits(max_sequences_per_request=40)
+        many = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a", "n": 40, "max_tokens": 1})
+        assert many.status_code == 200 and len(many.json()["choices"]) == 40
     finally:
         server.state.fan_out = FanOutLimits()
     assert server.idle()

@@ -64,7 +64,8 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "field 'max_tokens'"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**12}, 400, "field 'max_tokens'"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "field 'top_p'"),
-    (COMPLETIONS, {"prompt": "x", "n": 1000}, 400, "field 'n'"),
+    (COMPLETIONS, {"prompt": "x", "n": 1000}, 400, "1 prompt(s) x n=1000 is 1000 sequences; "
+     "this server accepts at most 512 per request (--max-sequences-per-request)"),
     (COMPLETIONS, {"prompt": "x", "ignore_eos": "yes"}, 400, "field 'ignore_eos'"),
     # vLLM's --max-logprobs, 20 by default, names itself (tests/server/test_vllm_compat.py)
     (COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "'logprobs' is 50, more than this "

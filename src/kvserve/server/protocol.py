@@ -25,7 +25,6 @@ from kvserve.core.request import MAX_CHOICES
 from kvserve.model.json_mode import SchemaError, check_schema
 from kvserve.server.errors import APIError, bad_request
 
-MAX_N = 16
 MAX_STOP_STRINGS = 16
 
 _Int = Annotated[int, Field(strict=True)]
@@ -172,7 +171,9 @@ class _Sampling(Body):
     # vLLM's: the response carries the prompt's and each choice's token ids (what a session
     # turn should send back, docs/sessions.md)
     return_token_ids: bool = False
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    # no cap of its own: prompts x n is bounded by --max-sequences-per-request (QA: a fixed
+    # 16 refused vLLM's pass@k evaluations, n=100 and more, whatever the operator allowed)
+    n: int = Field(default=1, ge=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=100)
