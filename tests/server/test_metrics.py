@@ -33,8 +33,13 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert before[("vllm:num_preemptions_total", E)] == 0
         assert before[("vllm:kv_cache_usage_perc", E)] == 0
         assert before[("vllm:cache_config_info", (
-            ("block_size", "16"), ("enable_prefix_caching", "True"),
-            ("model_name", "tiny"), ("num_gpu_blocks", "12")))] == 1
+            ("block_size", "16"), ("cache_dtype", "auto"), ("enable_prefix_caching", "True"),
+            ("engine", "0"), ("kv_cache_max_concurrency", "0.4"),
+            ("kv_cache_size_tokens", "192"), ("model_name", "tiny"), ("num_cpu_blocks", "None"),
+            ("num_gpu_blocks", "12")))] == 1  # vLLM's labels (QA: no engine to join on)
+        # vLLM's buckets (QA: 0 ... 100 here, no 4), and the process series it exports
+        assert ("vllm:request_num_preemptions_bucket", (*E[:1], ("le", "4.0"), *M)) in before
+        assert before[("process_resident_memory_bytes", ())] > 0
 
         def one(index: int) -> httpx.Response:
             return httpx.post(live.url + "/v1/completions", timeout=60, json={
@@ -64,6 +69,7 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert after[("vllm:request_generation_tokens_sum", E)] == 600
         assert after[("vllm:request_params_max_tokens_sum", E)] == 600
         assert after[("vllm:request_params_n_sum", E)] == 6
+        assert after[("vllm:request_max_num_generation_tokens_sum", E)] == 600
         for phase in ("inference", "prefill", "decode"):
             assert after[(f"vllm:request_{phase}_time_seconds_count", E)] == 6
         assert after[("vllm:request_inference_time_seconds_sum", E)] >= \
@@ -176,3 +182,21 @@ def test_prompt_tokens_by_source_split_computed_from_cached():
         assert after[("vllm:prompt_tokens_cached_total", E)] == hit
         assert after[("vllm:request_prefill_kv_computed_tokens_sum", E)] == computed
         assert after[("vllm:request_prefill_kv_computed_tokens_count", E)] == 2
+
+
+def test_n_and_the_longest_answer_are_per_prompt_max_tokens_per_sequence_as_vllm():
+    """vLLM 0.32 observes request_params_n and request_max_num_generation_tokens once per
+    prompt (its parent request) and request_params_max_tokens once per sequence (QA: n and
+    max_tokens once per HTTP request here, the longest answer not at all)."""
+    with LiveServer(num_kv_blocks=32, max_model_len=256) as live:
+        assert httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 3,
+            "ignore_eos": True}).status_code == 200
+        wait_for(live.idle, what="idle")
+        values = scrape(live)
+    assert (values[("vllm:request_params_n_count", E)],
+            values[("vllm:request_params_n_sum", E)]) == (2, 4)
+    assert (values[("vllm:request_params_max_tokens_count", E)],
+            values[("vllm:request_params_max_tokens_sum", E)]) == (4, 12)
+    assert (values[("vllm:request_max_num_generation_tokens_count", E)],
+            values[("vllm:request_max_num_generation_tokens_sum", E)]) == (2, 6)

@@ -146,7 +146,7 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     if state.log_requests:
         log_request(request_id, tenant, prompts, base, len(items))
     state.hold_ids(request_id, [choice.request_id for choice in choices])
-    stream = await _queue(state, request_id, given_id, items, arrival_time)
+    stream = await _queue(state, request_id, given_id, items, arrival_time, req.n)
     stream.replayable = not req.stream  # nothing reaches the client before the end
     return (kind or Generation)(state, request_id, given_id, req, chat, choices, prompts,
                                  stream, reasoning)
@@ -195,7 +195,7 @@ def _check_queueable(state: ServerState, request_id: str,
 
 async def _queue(state: ServerState, request_id: str, given_id: str,
                  items: list[tuple[str, list[int], SamplingParams]],
-                 arrival_time: float) -> RequestStream:
+                 arrival_time: float, n: int = 1) -> RequestStream:
     tenant = items[0][2].tenant  # one request, one tenant
     counters = state.metrics.tenants.counters(tenant)
     for sub_id, prompt, _ in items:
@@ -218,7 +218,8 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
             refusal.headers.setdefault("X-Request-Id", given_id)
         raise refusal from error
     state.metrics.tenants.queued(tenant, len(items))
-    state.metrics.request_params(items[0][0], len(items), items[0][2].max_tokens)
+    state.metrics.request_params([(sub_id, params.max_tokens) for sub_id, _, params in items],
+                                 n)
     state.groups[request_id] = stream
     if given_id != request_id:
         state.given.setdefault(given_id, []).append(request_id)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -42,7 +45,8 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                       2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+# vLLM 0.32's, so a dashboard's le="4.0" reads the same (QA: 0 ... 100 here, no 4)
+_COUNT_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason values
@@ -64,12 +68,24 @@ def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
 
 
 @dataclass
+class _Group:
+    """One prompt's ``n`` sequences, as vLLM's parent request: its n and its longest answer
+    are observed when the last of them finishes."""
+
+    n: int
+    remaining: int
+    longest: int = 0
+
+
+@dataclass
 class _Live:
     arrival_time: float
     num_prompt_tokens: int
     last_token_time: float | None = None
     tenant: TenantCounters | None = None
-    params: tuple[int, int] | None = None  # a group's first request: its n and max_tokens
+    max_tokens: int | None = None  # the request's max_tokens parameter (after the context)
+    group: _Group | None = None
+    num_generated: int = 0
 
 
 class _EngineSeries:
@@ -120,6 +136,9 @@ _ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "request_max_tokens": ("vllm:request_params_max_tokens",
                            "The max_tokens request parameter.", _TOKEN_COUNTS),
     "request_n": ("vllm:request_params_n", "The n request parameter.", _N_BUCKETS),
+    "request_max_generation": ("vllm:request_max_num_generation_tokens",
+                               "The longest answer among a request's n sequences.",
+                               _TOKEN_COUNTS),
     "inference_time": ("vllm:request_inference_time_seconds",
                        "First scheduled to finish (running).", _REQUEST_LATENCY_BUCKETS),
     "prefill_time": ("vllm:request_prefill_time_seconds", "First scheduled to first token.",
@@ -140,8 +159,9 @@ _ENGINE_HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-_HTTP_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                 120.0)
+# prometheus-fastapi-instrumentator's default bounds, which vLLM's server exports (QA: 14
+# others here, so a fleet's histogram_quantile mixed bounds)
+_HTTP_SECONDS = (0.1, 0.5, 1.0)
 
 
 class HttpMetrics:
@@ -184,6 +204,10 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StatsCollector(engine, model_name))
+        # the process_*, python_gc_* and python_info series vLLM's server exports (of this,
+        # the API server's, process), which generic alerts read (QA: none here)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(collector)
         self.tenants = TenantSeries(engine, model_name, self.registry, known_tenants)
         labels = ["model_name"]
         reg = self.registry
@@ -246,10 +270,20 @@ class ServerMetrics:
                                        "stream's last byte).", ["handler", "method"],
                                        registry=reg, buckets=_HTTP_SECONDS)
         info = engine.info
-        Gauge("vllm:cache_config_info", "KV cache configuration.",
-              ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
-              registry=reg).labels(model_name, str(info.block_size), str(info.num_kv_blocks),
-                                   str(info.enable_prefix_caching)).set(1)
+        # vLLM's labels where the engine has the fact (its engine label too, for joins on
+        # it; QA: without), and model_name as every series here
+        size_tokens = info.num_kv_blocks * info.block_size
+        config_info = Gauge(
+            "vllm:cache_config_info", "KV cache configuration.",
+            ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching",
+             "cache_dtype", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+             "num_cpu_blocks"], registry=reg)
+        for index in range(replicas):
+            config_info.labels(
+                model_name, str(index), str(info.block_size), str(info.num_kv_blocks),
+                str(info.enable_prefix_caching), "auto", str(size_tokens),
+                f"{size_tokens / info.max_model_len:.1f}",
+                str(info.num_host_blocks) if info.num_host_blocks else "None").set(1)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self.num_prompt_tokens = 0  # plain totals for the periodic log line
@@ -292,13 +326,19 @@ class ServerMetrics:
         if ended:
             self.failed.labels(self.model_name, reason).inc(len(ended))
 
-    def request_params(self, request_id: str, n: int, max_tokens: int) -> None:
-        """A request the engine took (``request_id``: its group's first): its n and
-        max_tokens parameters, observed when that request finishes, on its engine."""
+    def request_params(self, sequences: Sequence[tuple[str, int | None]], n: int) -> None:
+        """Sequences the engine took, (request id, max_tokens) each, ``n`` per prompt in
+        order: each sequence's max_tokens is observed as it finishes (vLLM counts one per
+        sequence), each prompt's n and longest answer when its last sequence does (one per
+        parent request, as vLLM's)."""
         with self._lock:
-            live = self._live.get(request_id)
-            if live is not None:
-                live.params = (n, max_tokens)
+            for start in range(0, len(sequences), n):
+                ids = sequences[start:start + n]
+                group = _Group(n, len(ids))
+                for request_id, max_tokens in ids:
+                    live = self._live.get(request_id)
+                    if live is not None:
+                        live.max_tokens, live.group = max_tokens, group
 
     def observe(self, report: StepReport) -> None:
         """Engine thread, after each step."""
@@ -322,9 +362,15 @@ class ServerMetrics:
                 if chunk.finished:
                     del self._live[chunk.request_id]
                     series.success(chunk.finish_reason or "error").inc()
-                    if live.params is not None:
-                        series.request_n.observe(live.params[0])
-                        series.request_max_tokens.observe(live.params[1])
+                    if live.max_tokens is not None:
+                        series.request_max_tokens.observe(live.max_tokens)
+                    group = live.group
+                    if group is not None:
+                        group.longest = max(group.longest, live.num_generated)
+                        group.remaining -= 1
+                        if not group.remaining:
+                            series.request_n.observe(group.n)
+                            series.request_max_generation.observe(group.longest)
                     # vLLM's per-request histograms leave out what a client or an
                     # operator aborted (its metrics still reach the response)
                     if chunk.metrics is not None and chunk.stop_reason != ABORTED:
@@ -340,6 +386,7 @@ class ServerMetrics:
         else:
             series.itl.observe(max(0.0, now - live.last_token_time) / num_new)
         live.last_token_time = now
+        live.num_generated += num_new
         series.generation_tokens.inc(num_new)
         if live.tenant is not None:
             live.tenant.generation_tokens.inc(num_new)
