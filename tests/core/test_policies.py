@@ -226,6 +226,34 @@ def test_a_victim_choice_of_ones_own_is_handed_to_the_scheduler():
     assert earliest_first[0] == "0" != newest_first[0]  # the earliest admitted, not the newest
 
 
+@pytest.mark.parametrize("answer", [None, -1, 99, 1.0, True])
+def test_a_victim_choice_that_is_no_index_into_running_is_named(answer):
+    """QA (core fuzz): None livelocked the run (nobody preempted), -1 took the last request
+    and counted its tokens off the budget twice, 99 or 1.0 were a bare IndexError or
+    TypeError naming no policy. And the policy was handed the scheduler's own list."""
+    from kvserve.core.errors import InvariantError
+
+    class Odd(VictimPolicy):
+        def select(self, running: Sequence[Request]) -> int:
+            assert isinstance(running, tuple)  # a copy: sorting it reorders nothing
+            return answer  # type: ignore[return-value]
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=256),
+                          CacheConfig(num_blocks=30, block_size=4), victim_policy=Odd())
+    with pytest.raises(InvariantError, match=r"Odd.select\(\) must return an index into "
+                                             rf"running \(0 to \d+\), got {answer!r}"):
+        run_to_completion(scheduler, pressure_workload())
+
+
+def test_auto_preemption_prices_without_the_two_prices_are_refused():  # S4 A4
+    """QA (core fuzz): any object was taken, and failed at the first preemption, inside
+    schedule(), with the victim out of every queue."""
+    with pytest.raises(ConfigError, match="preemption_prices must have recompute_seconds"
+                                          r".* object lacks recompute_seconds and swap_seconds"):
+        Scheduler(SchedulerConfig(preemption_mode="auto"),
+                  CacheConfig(num_blocks=8, num_host_blocks=8), preemption_prices=object())
+
+
 def test_a_queue_with_requests_in_it_is_refused():
     queue = ShortestPromptFirst()
     queue.push(make_request("a", 4))

@@ -94,6 +94,12 @@ def make_preemption_mode(config: SchedulerConfig, cache_config: CacheConfig,
     if prices is None:
         raise ConfigError("preemption_mode='auto' needs preemption_prices (the executor's "
                           "recompute and copy costs) to choose per victim")
+    missing = [name for name in ("recompute_seconds", "swap_seconds")
+               if not callable(getattr(prices, name, None))]
+    if missing:  # QA: it failed at the first preemption, inside schedule(), victim lost
+        raise ConfigError(f"preemption_prices must have recompute_seconds(num_tokens) and "
+                          f"swap_seconds(num_blocks) (PreemptionPrices); "
+                          f"{type(prices).__name__} lacks {' and '.join(missing)}")
     return AutoMode(prices)
 
 

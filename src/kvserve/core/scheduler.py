@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.core import outputs as core_outputs
@@ -65,6 +66,22 @@ DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full 
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
 _NOTHING_IN_FLIGHT: dict[str, int] = {}  # read only: update() ran the step
+
+
+def _checked_select(policy: VictimPolicy) -> Callable[[Sequence[Request]], int]:
+    """A user's VictimPolicy.select, given a copy of ``running`` (QA: a policy that sorted
+    the list in place reordered the scheduler's) and held to an index into it: None, -1, a
+    float or one past the end was a livelock, a victim preempted twice over or a bare
+    IndexError naming no policy (core fuzz)."""
+    name = type(policy).__name__
+
+    def select(running: Sequence[Request]) -> int:
+        index = policy.select(tuple(running))
+        if type(index) is not int or not 0 <= index < len(running):
+            raise InvariantError(f"{name}.select() must return an index into running "
+                                 f"(0 to {len(running) - 1}), got {index!r}")
+        return index
+    return select
 
 
 def tokens_to_schedule(num_tokens: int, num_computed: int, long_prefill_threshold: int,
@@ -156,8 +173,9 @@ class Scheduler:
         self.sessions = SessionStore(self.kv, config.max_session_kv, config.session_ttl_s,
                                      self._emit_session) if config.max_session_kv > 0 else None
         self.requests: dict[str, Request] = {}
-        victims = victim_policy if victim_policy is not None else make_victim_policy(config)
-        self._victims = VictimGuard(config.max_preemptions_per_request, victims.select)
+        select = make_victim_policy(config).select if victim_policy is None else \
+            _checked_select(victim_policy)
+        self._victims = VictimGuard(config.max_preemptions_per_request, select)
         self._preemption_mode = make_preemption_mode(config, cache_config, preemption_prices)
         self._urgent = make_urgent_preemption(config, self.kv)
         self._admission = make_admission_policy(config, self.kv)
