@@ -601,3 +601,25 @@ def test_a_turn_ended_in_the_step_that_scheduled_it_holds_only_what_was_written(
     final = run_to_completion(scheduler, [a2], executor=executor)  # reads back a2's KV
     assert len(final["a2"].new_token_ids) == 2
     check_empty(scheduler)
+
+
+def test_a_held_turn_cannot_wait_not_ready_and_ready_is_always_taken():  # L1 L2
+    """QA (core fuzz): set_not_ready was taken on a turn waiting with its session's KV,
+    which was admitted regardless, and the flag could then not be cleared (a running
+    request "is not waiting")."""
+    from tests.conftest import run_to_completion
+
+    scheduler = make_scheduler(num_blocks=50, block_size=4, max_session_kv=0.5)
+    executor = FakeExecutor(block_size=4)
+    first = make_request("t1", 8, max_tokens=1, session_id="s")
+    run_to_completion(scheduler, [first], executor=executor)
+    scheduler.add_request(make_request("t2", prompt_token_ids=[*first.all_token_ids, 9],
+                                       max_tokens=1, session_id="s"))
+    with pytest.raises(RequestError, match="'t2' is a session turn waiting with its "
+                                           "session's KV"):
+        scheduler.set_not_ready("t2", "input")
+    with pytest.raises(RequestError, match="reason must be a non-empty string"):
+        scheduler.set_not_ready("t2", "")
+    scheduler.set_not_ready("t2", None)  # ready: always taken
+    run_to_completion(scheduler, executor=executor)
+    check_empty(scheduler)

@@ -550,8 +550,20 @@ class Scheduler:
         """Mark a waiting request not ready (``reason``: what it waits for) or ready again
         (None): the waiting pass skips it without blocking the queue (L2)."""
         request = self.requests.get(request_id)
-        if request is None or request.status in (_RUNNING, RequestStatus.SWAPPED):
+        if request is None:
             raise RequestError(f"request {request_id!r} is not waiting in the queue")
+        if reason is None:  # ready: always taken (QA: refused once the request ran)
+            request.not_ready_reason = None
+            return
+        if not isinstance(reason, str) or not reason:
+            raise RequestError(f"set_not_ready: reason must be a non-empty string (what the "
+                               f"request waits for) or None, got {reason!r}")
+        if request.status in (_RUNNING, RequestStatus.SWAPPED):
+            raise RequestError(f"request {request_id!r} is not waiting in the queue")
+        if request in self.held_waiting:  # QA: it was admitted regardless (L2 ignored)
+            raise RequestError(f"request {request_id!r} is a session turn waiting with its "
+                               "session's KV (L1): it is admitted as soon as it fits and "
+                               "cannot wait not ready")
         request.not_ready_reason = reason
 
     def _schedule_waiting(self, step: _Step) -> None:
