@@ -173,6 +173,9 @@ def completion(live: LiveServer, stream: bool, **body) -> tuple[str, str, object
         events = [json.loads(line[6:]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     choices = [e["choices"][0] for e in events if e["choices"]]
+    # no empty chunk but the finishing one (QA: a withheld stop string's start sent "", as
+    # vLLM does not)
+    assert all(c["text"] or c["finish_reason"] for c in choices), choices
     return ("".join(c["text"] for c in choices), choices[-1]["finish_reason"],
             choices[-1]["stop_reason"], events[-1]["usage"]["completion_tokens"])
 

@@ -501,6 +501,16 @@ class Generation:
             payload: Any = delta
         else:
             payload = text
+            held = self.held.setdefault(choice.request_id, ([], []))
+            if not text and not chunk.finished:  # a token whose text is withheld (a stop
+                # string's start, half a character): no empty chunk, as vLLM sends none
+                held[0].extend(entries)  # (QA); its token and logprobs go with the next
+                held[1].extend(token_ids)
+                return ""
+            if held[0] or held[1]:
+                entries, token_ids = held[0] + entries, held[1] + token_ids
+                held[0].clear()
+                held[1].clear()
         logprobs = None
         if entries:
             if choice.text_offsets is None:
