@@ -688,7 +688,13 @@ def test_a_text_prompt_gets_the_tokenizers_bos_by_default_as_vllms():
         assert prompt_tokens() == len(bare) + 1
         assert prompt_tokens(add_special_tokens=False) == len(bare)
         tokens = httpx.post(live.url + "/tokenize", json={"prompt": "hello there"}).json()
-        assert tokens["tokens"] == [bos, *bare]
+        assert tokens["tokens"] == [bos, *bare] and tokens["token_strs"] is None
+        # vLLM's return_token_strs (QA: refused as an unknown field)
+        strs = httpx.post(live.url + "/tokenize", json={"prompt": "hello there",
+                                                         "return_token_strs": True}).json()
+        assert strs["token_strs"] == [live.state.tokenizer.id_to_token(i)
+                                      for i in strs["tokens"]]
+        assert len(strs["token_strs"]) == strs["count"]
 
 
 def test_invocations_answers_a_chat_or_a_completion_by_its_body():

@@ -216,8 +216,11 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
             ids = await asyncio.to_thread(chat_ids, state, req.messages,
                                           req.add_generation_prompt, None,
                                           req.continue_final_message, tools or None)
+        # vLLM's token_strs, null unless asked (QA: return_token_strs was an unknown field)
+        strs = [state.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs \
+            else None
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len,
-                             "tokens": ids})
+                             "tokens": ids, "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -347,6 +347,7 @@ class TokenizeRequest(Body):
     # messages the template writes them
     add_special_tokens: bool = True
     tools: list[Tool] | None = Field(default=None, max_length=1024)  # with messages: vLLM's
+    return_token_strs: bool = False  # vLLM's: each id's token as the vocabulary writes it
 
 
 class DetokenizeRequest(Body):
