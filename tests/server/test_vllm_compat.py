@@ -4,6 +4,7 @@ what to do instead, and the model directory's generation_config.json and chat te
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -837,3 +838,23 @@ def test_quiet_paths_drop_their_access_lines():
     args = build_parser().parse_args(["serve", "--disable-access-log-for-endpoints",
                                       "/health, /ping"])
     assert args.disable_access_log_for_endpoints == ("/health", "/ping")
+
+
+def test_keys_vllm_always_sends_are_there_null_where_nothing_fills_them():
+    """QA (vLLM compat diff): clients that index dicts (resp["system_fingerprint"],
+    message["refusal"], usage["prompt_tokens_details"]) met a KeyError here; vLLM and
+    OpenAI send them, null. A completions stream chunk carries stop_reason on every chunk."""
+    with LiveServer(max_model_len=256) as live:
+        chat = httpx.post(live.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json={
+                "prompt": "hi", "max_tokens": 3, "ignore_eos": True,
+                "stream": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+    assert chat["system_fingerprint"] is None
+    assert chat["usage"]["prompt_tokens_details"] is None
+    message = chat["choices"][0]["message"]
+    assert all(message[key] is None for key in ("refusal", "annotations", "audio",
+                                                  "function_call"))
+    assert chunks and all("stop_reason" in c["choices"][0] for c in chunks)

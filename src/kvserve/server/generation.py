@@ -344,6 +344,7 @@ class Generation:
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model,
+            "system_fingerprint": None,  # OpenAI's and vLLM's key (QA: a KeyError here)
             "choices": [self._full_choice(c) for c in choices],
             "usage": self._usage(choices),
             "kvserve": kvserve_total(self.request_id, choices)}
@@ -373,6 +374,8 @@ class Generation:
             out["message"] = self.answer.message(choice.request_id, choice.text)
             if self.echoed:
                 out["message"]["content"] = self.echoed + (out["message"]["content"] or "")
+            for key in _NULL_MESSAGE_KEYS:  # vLLM's, null here (QA: indexing them failed)
+                out["message"].setdefault(key, None)
         else:
             out["text"] = choice.echo + choice.text
         entries: list[Any] = self._echoed(choice) + choice.logprobs
@@ -524,8 +527,8 @@ class Generation:
             where["prompt_logprobs"] = self._prompt_logprobs(choice)
         if self.req.return_token_ids:
             entry = data["choices"][0]
-            if not self.chat and len(choice.token_ids) == len(chunk.new_token_ids):
-                entry["prompt_token_ids"] = choice.prompt_token_ids  # the choice's first
+            if not self.chat and opening:  # the choice's first chunk sent
+                entry["prompt_token_ids"] = choice.prompt_token_ids
             entry["token_ids"] = token_ids
         if chunk.finished:
             data["choices"][0]["finish_reason"] = self._finish_reason(choice)
@@ -536,7 +539,8 @@ class Generation:
     def _usage(self, choices: list[Choice]) -> dict[str, Any]:
         """The answer's usage; with --enable-prompt-tokens-details, the prompt tokens that
         were prefix-cache hits too (once a prompt, its first sample's), as vLLM's."""
-        counted = usage(choices, self.num_prompt_tokens)
+        counted: dict[str, Any] = {**usage(choices, self.num_prompt_tokens),
+                                   "prompt_tokens_details": None}  # vLLM's, null unless on
         if self.state.prompt_tokens_details:
             n = getattr(self.req, "n", 1) or 1
             counted["prompt_tokens_details"] = {"cached_tokens": sum(
@@ -564,11 +568,15 @@ class Generation:
         entry["delta" if self.chat else "text"] = payload
         entry["logprobs"] = logprobs
         entry["finish_reason"] = None
+        if not self.chat:
+            entry["stop_reason"] = None  # on every chunk, as vLLM's
         return {"id": self.response_id, "object": self._chunk_object(),
                 "created": self.created, "model": self.model, "choices": [entry]}
 
 
 QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled
+# a chat answer's message keys vLLM (and OpenAI) always send, null where nothing fills them
+_NULL_MESSAGE_KEYS = ("refusal", "annotations", "audio", "function_call")
 
 
 def queue_end(state: ServerState, reason: int | str | None) -> APIError:
