@@ -59,6 +59,20 @@ def test_a_step_that_fails_before_the_forward_leaves_the_prefix_cache_sound(llm)
     assert after.token_ids == truth.token_ids
 
 
+def test_a_batch_past_the_queue_limits_is_refused_as_never_fitting():  # K4
+    """QA (offline API fuzz): a QueueFullError ("retry later") for a batch that, queued
+    whole by generate(), could never fit; nothing is left queued."""
+    from kvserve.core import RequestRejected
+
+    small = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=16, max_num_seqs=1,
+                max_num_queued_reqs=1)
+    with pytest.raises(RequestRejected, match=r"prompts\[2\]: the waiting queue is full .*"
+                                              "send fewer prompts per call"):
+        small.generate([[5, 6]] * 5, GREEDY, use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+    assert len(small.generate([[5, 6]] * 2, GREEDY, use_tqdm=False)) == 2
+
+
 def test_token_ids_the_sampling_params_name_are_checked_against_the_vocabulary(llm):
     """logit_bias, allowed_token_ids and stop_token_ids outside the vocabulary would do
     nothing (or leave nothing to sample): a ValueError naming the field, nothing queued."""

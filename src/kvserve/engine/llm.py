@@ -31,7 +31,7 @@ from kvserve.core import (
     SchedulerConfig,
 )
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
-from kvserve.core.errors import without_request_id
+from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
 from kvserve.engine.engine import (
     DEFAULT_MAX_LOGPROBS,
@@ -575,6 +575,11 @@ class LLM:
                         self.engine.add_request(sub_id, ids, param)
                         results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids),
                                                          text)
+                except QueueFullError as error:  # not "retry later": this batch never fits
+                    raise RequestRejected(
+                        f"prompts[{index}]: {without_request_id(error)}: generate() queues its "
+                        "whole batch at once, so a queue limit caps the batch; send fewer "
+                        "prompts per call or raise the limit") from None
                 except ValueError as error:  # named by its place in the batch, not its id
                     raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
                                       ) from None
