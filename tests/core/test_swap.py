@@ -452,3 +452,31 @@ def test_a_request_aborted_in_the_step_that_scheduled_it_caches_nothing_unwritte
     assert scheduler.abort("a", 1.0)  # ... and the step fails before writing them
     assert {block.block_id for block in scheduler.kv.pool.cached.values()} == written
     check_empty(scheduler)
+
+
+def test_a_request_swapped_in_by_a_step_that_failed_caches_nothing_of_it():  # S2 G3 H4
+    """QA (review): the swap-in registers the fresh device blocks' hashes at schedule time,
+    before the step's host-to-device copy; a step that failed, its requests aborted, left
+    them cached, and the next request with that prompt read 64 tokens never copied."""
+    scheduler = make_scheduler(num_blocks=10, block_size=16, num_host_blocks=8,
+                               preemption_mode="swap")
+    executor = FakeExecutor()
+    for name in ("r0", "r1"):
+        scheduler.add_request(make_request(name, 80, max_tokens=10, ignore_eos=True))
+    step(scheduler, executor, 0.0)
+    scheduler.add_request(make_request("r2", 4, arrival_time=1.0, max_tokens=2,
+                                       ignore_eos=True))
+    out, _ = step(scheduler, executor, 1.0)
+    assert out.blocks_to_swap_out  # r1 went to the host tier
+    now = 2.0
+    while "r0" in scheduler.requests:
+        step(scheduler, executor, now)
+        now += 1
+    out = scheduler.schedule(now)  # r1 swapped back in; the step then fails
+    targets = {device for device, _ in out.blocks_to_swap_in}
+    assert targets
+    for request_id in list(out.num_scheduled_tokens):
+        scheduler.abort(request_id, now)
+    cached = {block.block_id for block in scheduler.kv.pool.cached.values()}
+    assert not cached & targets
+    check_empty(scheduler)

@@ -109,7 +109,7 @@ class _Step:
     """Scratch state of one schedule() call."""
 
     __slots__ = ("admitted", "new_blocks", "num_scheduled", "preempted", "swap_in",
-                 "swap_out", "token_budget")
+                 "swap_out", "swapped_in", "token_budget")
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
@@ -119,6 +119,7 @@ class _Step:
         self.preempted: list[Request] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.swapped_in: set[str] = set()  # membership only: whose blocks swap_in copies
 
     def schedule(self, request: Request, num_tokens: int, new_blocks: list[KVBlock]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -188,6 +189,7 @@ class Scheduler:
         # the last schedule()'s tokens per request until its update(): computed on paper,
         # not yet written (what a request ended in between, by a failed step, never wrote)
         self._in_flight: dict[str, int] = {}
+        self._swapped_in_flight: set[str] = set()  # whose blocks that step's copy fills
         self._events: list[core_outputs.SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
@@ -284,7 +286,9 @@ class Scheduler:
         # registered was never written (QA: the next request with its prompt read it)
         in_flight = self._in_flight.get(request.request_id)
         if in_flight:
-            written = request.num_computed_tokens - in_flight
+            # swapped in by that step: its host-to-device copy never ran either (QA)
+            written = 0 if request.request_id in self._swapped_in_flight else \
+                request.num_computed_tokens - in_flight
             self.kv.forget_uncomputed(request, written)
             request.num_computed_tokens = written  # all a session may hold of it (U2; QA)
         held = None
@@ -541,6 +545,7 @@ class Scheduler:
             step.schedule(request, num_new, blocks)
             step.admitted.add(request.request_id)
             step.swap_in += pairs
+            step.swapped_in.add(request.request_id)
             self._blocked_reason.pop(request.request_id, None)
             request.record(EventType.RESUMED, self._now)
             self._emit(self._now, EventType.RESUMED, request, num_new, SWAP)
@@ -940,6 +945,7 @@ class Scheduler:
         self.num_steps += 1
         self.num_scheduled_tokens += total
         self._in_flight = num_scheduled
+        self._swapped_in_flight = step.swapped_in
         finished_ids, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
