@@ -277,15 +277,21 @@ def test_withdraw_restores_what_the_router_knew_before_r7() -> None:
     router.withdraw(moved, [b"a", b"b"], session="s")  # refused there
     assert router.route([b"a"], idle) == RouteDecision(home, "prefix_hit")
     assert router.route([], idle, session="s") == RouteDecision(home, "session")
-    # withdraw goes by where a hash points now: a later decision to the same replica is
-    # undone with it (at worst one affinity missed), one elsewhere is kept
+    # withdraw undoes only what its own route taught and nothing has taught since (QA,
+    # review: a later accepted request's prefix, or a running turn's session pin, was
+    # undone by an earlier refused one's withdrawal)
     first = router.route([b"c"], busy_home)
     second = router.route([b"c"], busy_home)
     assert first.replica == second.replica == 1 - home
     router.withdraw(first, [b"c"])
-    assert router.route([b"c"], idle).reason == "least_loaded"  # both undone: c unknown
+    assert router.route([b"c"], idle) == RouteDecision(1 - home, "prefix_hit")
     refused = router.route([b"d"], busy_home)  # to 1 - home
     only_home = [ReplicaLoad(i, i == home, 0, 0, 0.0) for i in range(2)]
     assert router.route([b"d"], only_home).replica == home  # d now points at home
     router.withdraw(refused, [b"d"])
     assert router.route([b"d"], idle) == RouteDecision(home, "prefix_hit")
+    turn_a = router.route([], idle, session="t")  # a first turn, then a second one on it
+    turn_b = router.route([], idle, session="t")
+    assert turn_b == RouteDecision(turn_a.replica, "session")
+    router.withdraw(turn_a, [], session="t")  # the first refused, the second running
+    assert router.route([], idle, session="t") == RouteDecision(turn_a.replica, "session")

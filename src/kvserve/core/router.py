@@ -59,10 +59,11 @@ class ReplicaLoad:
 class RouteDecision:
     replica: int
     reason: str  # "round_robin" | "least_loaded" | "prefix_hit" | "imbalance" | "session"
-    # what the router knew before it: the session's replica and each prefix hash's, for
-    # withdraw (R7); not part of the decision's value
+    # what the router knew before it (the session's replica and each prefix hash's) and
+    # the stamp of what it taught, for withdraw (R7); not part of the decision's value
     before: tuple[int | None, tuple[int | None, ...]] = field(
         default=(None, ()), compare=False, repr=False)
+    stamp: int = field(default=0, compare=False, repr=False)
 
 
 class NoReplicaError(RuntimeError):
@@ -85,6 +86,11 @@ class Router(ABC):
         self.num_replicas = num_replicas
         self.max_tracked_sessions = max_tracked_sessions
         self._sessions: OrderedDict[Hashable, int] = OrderedDict()  # least recent first
+        # the route that last taught each session and prefix hash: withdraw undoes only
+        # what its own route taught and nothing has taught since (QA: a later accepted
+        # turn's pin, or prefix, undone by an earlier refused one's withdrawal)
+        self._stamp = 0
+        self._session_taught: dict[Hashable, int] = {}
 
     def route(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
               session: Hashable | None = None) -> RouteDecision:
@@ -93,6 +99,7 @@ class Router(ABC):
         alive = self._alive(loads)
         owner = None if session is None else self._sessions.get(session)
         before = (owner, self._owners_of(prefix_hashes))
+        self._stamp += 1
         if owner is not None and loads[owner].alive:
             decision = RouteDecision(owner, "session")
             self._placed(prefix_hashes, owner)
@@ -101,9 +108,11 @@ class Router(ABC):
         if session is not None:
             self._sessions[session] = decision.replica
             self._sessions.move_to_end(session)
+            self._session_taught[session] = self._stamp
             if len(self._sessions) > self.max_tracked_sessions:
-                self._sessions.popitem(last=False)
-        return RouteDecision(decision.replica, decision.reason, before)
+                gone, _ = self._sessions.popitem(last=False)
+                self._session_taught.pop(gone, None)
+        return RouteDecision(decision.replica, decision.reason, before, self._stamp)
 
     def withdraw(self, decision: RouteDecision, prefix_hashes: Sequence[Hashable],
                  session: Hashable | None = None) -> None:
@@ -111,20 +120,22 @@ class Router(ABC):
         again): what routing it taught the router is undone where nothing has changed it
         since (R7)."""
         session_owner, hash_owners = decision.before
-        if session is not None and self._sessions.get(session) == decision.replica:
+        if session is not None and self._session_taught.get(session) == decision.stamp:
+            del self._session_taught[session]
             if session_owner is None:
-                del self._sessions[session]
+                self._sessions.pop(session, None)
             else:
                 self._sessions[session] = session_owner
-        self._unlearn(prefix_hashes, hash_owners, decision.replica)
+        self._unlearn(prefix_hashes, hash_owners, decision.stamp)
 
     def _owners_of(self, prefix_hashes: Sequence[Hashable]) -> tuple[int | None, ...]:
         """The replica each hash points at, for withdraw (none but under prefix-affinity)."""
         return ()
 
     def _unlearn(self, prefix_hashes: Sequence[Hashable],  # noqa: B027
-                 owners: tuple[int | None, ...], replica: int) -> None:
-        """Point the hashes that now point at ``replica`` back at ``owners``."""
+                 owners: tuple[int | None, ...], stamp: int) -> None:
+        """Point the hashes the route stamped ``stamp`` taught, and nothing since, back
+        at ``owners``."""
 
     @abstractmethod
     def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
@@ -141,6 +152,8 @@ class Router(ABC):
         self._check_replica(replica)
         self._sessions = OrderedDict((key, owner) for key, owner in self._sessions.items()
                                      if owner != replica)
+        self._session_taught = {key: stamp for key, stamp in self._session_taught.items()
+                                if key in self._sessions}
 
     def _alive(self, loads: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
         if len(loads) != self.num_replicas:
@@ -203,6 +216,7 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         self.imbalance_bound = imbalance_bound
         self.max_tracked_blocks = max_tracked_blocks
         self._owner: dict[Hashable, int] = {}  # insertion order = least recently routed first
+        self._hash_taught: dict[Hashable, int] = {}  # the stamp of the route that taught it
 
     def _pick(self, prefix_hashes: Sequence[Hashable], loads: Sequence[ReplicaLoad],
               alive: list[ReplicaLoad]) -> RouteDecision:
@@ -225,10 +239,12 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         return tuple(self._owner.get(block_hash) for block_hash in prefix_hashes)
 
     def _unlearn(self, prefix_hashes: Sequence[Hashable], owners: tuple[int | None, ...],
-                 replica: int) -> None:
+                 stamp: int) -> None:
+        taught = self._hash_taught
         for block_hash, owner in zip(prefix_hashes, owners, strict=False):
-            if self._owner.get(block_hash) != replica:
-                continue  # routed again since, or forgotten
+            if taught.get(block_hash) != stamp or block_hash not in self._owner:
+                continue  # taught again since, or forgotten
+            del taught[block_hash]
             if owner is None:
                 del self._owner[block_hash]
             else:
@@ -237,6 +253,7 @@ class PrefixAffinityRouter(LeastLoadedRouter):
     def forget_replica(self, replica: int) -> None:
         super().forget_replica(replica)
         self._owner = {h: r for h, r in self._owner.items() if r != replica}
+        self._hash_taught = {h: t for h, t in self._hash_taught.items() if h in self._owner}
 
     def _longest_match_owner(self, prefix_hashes: Sequence[Hashable]) -> int | None:
         # Hashes chain, so a request's k-th hash names its whole first k blocks: walk until
@@ -250,15 +267,17 @@ class PrefixAffinityRouter(LeastLoadedRouter):
         return owner
 
     def _remember(self, prefix_hashes: Sequence[Hashable], replica: int) -> None:
-        owners = self._owner
+        owners, taught, stamp = self._owner, self._hash_taught, self._stamp
         for block_hash in prefix_hashes:
             owners.pop(block_hash, None)  # re-inserting moves it to the most recent end
             owners[block_hash] = replica
+            taught[block_hash] = stamp
         excess = len(owners) - self.max_tracked_blocks
         if excess > 0:
             oldest = iter(owners)
             for block_hash in [next(oldest) for _ in range(excess)]:
                 del owners[block_hash]
+                taught.pop(block_hash, None)
 
 
 def make_router(policy: str, num_replicas: int, *,
