@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from .helpers import LiveServer, metric_values, wait_for
+from .helpers import LiveServer, engine_spec, metric_values, wait_for
 
 M = (("model_name", "tiny"),)
 E = (("engine", "0"), ("model_name", "tiny"))  # an engine's own series (one engine: 0)
@@ -188,15 +188,21 @@ def test_n_and_the_longest_answer_are_per_prompt_max_tokens_per_sequence_as_vllm
     """vLLM 0.32 observes request_params_n and request_max_num_generation_tokens once per
     prompt (its parent request) and request_params_max_tokens once per sequence (QA: n and
     max_tokens once per HTTP request here, the longest answer not at all)."""
-    with LiveServer(num_kv_blocks=32, max_model_len=256) as live:
+    # in an engine process, as served: its answers race the add's reply
+    with LiveServer(spec=engine_spec(num_kv_blocks=32, max_model_len=256)) as live:
         assert httpx.post(live.url + "/v1/completions", timeout=60, json={
             "prompt": [[5, 6], [7, 8, 9]], "n": 2, "max_tokens": 3,
             "ignore_eos": True}).status_code == 200
+        # one-token answers may finish before add_requests returns (QA, review: a group
+        # registered after that never completed, its n unobserved)
+        for _ in range(8):
+            assert httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "prompt": [5, 6], "n": 3, "max_tokens": 1}).status_code == 200
         wait_for(live.idle, what="idle")
         values = scrape(live)
     assert (values[("vllm:request_params_n_count", E)],
-            values[("vllm:request_params_n_sum", E)]) == (2, 4)
+            values[("vllm:request_params_n_sum", E)]) == (2 + 8, 4 + 24)
     assert (values[("vllm:request_params_max_tokens_count", E)],
-            values[("vllm:request_params_max_tokens_sum", E)]) == (4, 12)
+            values[("vllm:request_params_max_tokens_sum", E)]) == (4 + 24, 12 + 24)
     assert (values[("vllm:request_max_num_generation_tokens_count", E)],
-            values[("vllm:request_max_num_generation_tokens_sum", E)]) == (2, 6)
+            values[("vllm:request_max_num_generation_tokens_sum", E)]) == (2 + 8, 6 + 8)

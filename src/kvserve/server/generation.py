@@ -200,6 +200,10 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
     counters = state.metrics.tenants.counters(tenant)
     for sub_id, prompt, _ in items:
         state.metrics.request_added(sub_id, arrival_time, len(prompt), counters)
+    # before the engine has them: a sequence may finish before add_requests returns (QA:
+    # registered after, its group never completed and its n went unobserved)
+    state.metrics.request_params([(sub_id, params.max_tokens) for sub_id, _, params in items],
+                                 n)
     recorder = state.recorder
     if recorder is not None:
         recorder.submitted(items, arrival_time)
@@ -218,8 +222,6 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
             refusal.headers.setdefault("X-Request-Id", given_id)
         raise refusal from error
     state.metrics.tenants.queued(tenant, len(items))
-    state.metrics.request_params([(sub_id, params.max_tokens) for sub_id, _, params in items],
-                                 n)
     state.groups[request_id] = stream
     if given_id != request_id:
         state.given.setdefault(given_id, []).append(request_id)
