@@ -641,7 +641,11 @@ class LLM:
             except Exception as error:  # the caller's variables in the template: anything
                 raise ValueError(f"{where}cannot apply the chat template: "
                                  f"{type(error).__name__}: {error}") from None
-            rendered.append(_RenderedChat(text, self.tokenizer.encode(text)))
+            try:
+                ids = self.tokenizer.encode(text)
+            except ValueError as error:  # text that is not Unicode, named by its place
+                raise ValueError(f"{where}{error}") from None
+            rendered.append(_RenderedChat(text, ids))
         return self.generate(rendered, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
     def close(self) -> None:
