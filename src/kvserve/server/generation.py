@@ -109,7 +109,11 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     tenant = tenant_of(key, state.keys.enabled, req.user,
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
-    max_tokens = max_tokens_for(state, req, chat, prompts)
+    # the Responses API keeps OpenAI's 400 for an answer that would overrun the context
+    # (its truncation decides); the chat endpoints cut it short, as vLLM does
+    max_tokens = max_tokens_for(state, req, chat, prompts,
+                                strict=getattr(getattr(kind, "func", kind), "strict_context",
+                                               False))  # kind: the class, or a partial of it
     check_stop_token_ids(state, req)
     check_logprobs(state, req, chat)
     if req.session is not None and len(prompts) * req.n != 1:

@@ -452,6 +452,8 @@ class ResponsesGeneration(Generation):
     sent, ``conversation`` its messages (history and input, without instructions), kept in
     ``store`` with the answer's, for ``owner``'s key."""
 
+    strict_context = True  # truncation "disabled": OpenAI's 400 where the answer overruns
+
     def __init__(self, *args: Any, api: ResponsesRequest,
                  conversation: list[dict[str, Any]], store: ResponseStore,
                  owner: str | None) -> None:
