@@ -3,7 +3,7 @@ scenarios with exact block ids in both tiers."""
 
 import pytest
 
-from kvserve.core import ConfigError, EventType, RequestStatus, check_empty
+from kvserve.core import ConfigError, EventType, RequestStatus, Scheduler, check_empty
 from kvserve.core.preemption import VictimGuard
 from tests.conftest import (
     FakeExecutor,
@@ -328,13 +328,20 @@ def test_priority_preemption_needs_the_priority_policy():  # M1
         make_scheduler(enable_priority_preemption=True)
 
 
-def test_abort_frees_a_swapped_request_host_blocks():  # H4, S1
+def _two_of_80_tokens_with_swap() -> tuple[Scheduler, FakeExecutor]:
+    """Two 80-token prompts in 10 blocks of 16 with a host tier, after their first step:
+    the next step swaps r1 out."""
     scheduler = make_scheduler(num_blocks=10, block_size=16, num_host_blocks=8,
                                preemption_mode="swap")
     executor = FakeExecutor()
     for name in ("r0", "r1"):
         scheduler.add_request(make_request(name, 80, max_tokens=10, ignore_eos=True))
     step(scheduler, executor, 0.0)
+    return scheduler, executor
+
+
+def test_abort_frees_a_swapped_request_host_blocks():  # H4, S1
+    scheduler, executor = _two_of_80_tokens_with_swap()
     step(scheduler, executor, 1.0)
     assert scheduler.kv.req_to_host_blocks == {"r1": [0, 1, 2, 3, 4]}
     assert scheduler.abort("r1")
@@ -458,12 +465,7 @@ def test_a_request_swapped_in_by_a_step_that_failed_caches_nothing_of_it():  # S
     """QA (review): the swap-in registers the fresh device blocks' hashes at schedule time,
     before the step's host-to-device copy; a step that failed, its requests aborted, left
     them cached, and the next request with that prompt read 64 tokens never copied."""
-    scheduler = make_scheduler(num_blocks=10, block_size=16, num_host_blocks=8,
-                               preemption_mode="swap")
-    executor = FakeExecutor()
-    for name in ("r0", "r1"):
-        scheduler.add_request(make_request(name, 80, max_tokens=10, ignore_eos=True))
-    step(scheduler, executor, 0.0)
+    scheduler, executor = _two_of_80_tokens_with_swap()
     scheduler.add_request(make_request("r2", 4, arrival_time=1.0, max_tokens=2,
                                        ignore_eos=True))
     out, _ = step(scheduler, executor, 1.0)
