@@ -66,6 +66,7 @@ DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full 
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
 _NOTHING_IN_FLIGHT: dict[str, int] = {}  # read only: update() ran the step
+_NO_SWAP_INS: set[str] = set()  # read only, shared: a step that swapped nothing in
 
 
 def _checked_select(policy: VictimPolicy) -> Callable[[Sequence[Request]], int]:
@@ -119,7 +120,8 @@ class _Step:
         self.preempted: list[Request] = []
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
-        self.swapped_in: set[str] = set()  # membership only: whose blocks swap_in copies
+        self.swapped_in: set[str] = _NO_SWAP_INS  # whose blocks swap_in copies (made on
+        # the first: a set a step is too many for the simulator's steps, which rarely swap)
 
     def schedule(self, request: Request, num_tokens: int, new_blocks: list[KVBlock]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -189,7 +191,7 @@ class Scheduler:
         # the last schedule()'s tokens per request until its update(): computed on paper,
         # not yet written (what a request ended in between, by a failed step, never wrote)
         self._in_flight: dict[str, int] = {}
-        self._swapped_in_flight: set[str] = set()  # whose blocks that step's copy fills
+        self._swapped_in_flight: set[str] = _NO_SWAP_INS  # whose blocks its copy fills
         self._events: list[core_outputs.SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
@@ -545,6 +547,8 @@ class Scheduler:
             step.schedule(request, num_new, blocks)
             step.admitted.add(request.request_id)
             step.swap_in += pairs
+            if step.swapped_in is _NO_SWAP_INS:
+                step.swapped_in = set()
             step.swapped_in.add(request.request_id)
             self._blocked_reason.pop(request.request_id, None)
             request.record(EventType.RESUMED, self._now)

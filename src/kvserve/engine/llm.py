@@ -243,7 +243,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if batch_invariant:
         check_batch_invariant(torch_dtype)
     prefill_attention_choice()  # KVSERVE_PREFILL_ATTENTION, refused before anything is built
-    _check_pool(header, block_size, torch_dtype, torch_device, num_kv_blocks, kv_cache_memory)
+    num_kv_blocks = _pool_blocks(header, block_size, torch_dtype, torch_device, num_kv_blocks,
+                                 kv_cache_memory)
     mode = scheduler_settings.get("preemption_mode", "recompute")
     if mode != "recompute" and not (swap_space or num_host_blocks):
         raise ConfigError(f"preemption_mode={mode!r} needs a host KV tier: give swap_space "
@@ -275,9 +276,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                                         batch_invariant, quantization, torch_device)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
-    if num_kv_blocks is None:
-        num_kv_blocks = num_blocks_for_memory(config, block_size, torch_dtype,
-                                              kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     if num_host_blocks is None:
         num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
             config, block_size, torch_dtype, swap_space, what="swap space")
@@ -351,25 +349,25 @@ def _check_host_memory(size: int | None, what: str = "swap space") -> None:
                        100 * size / total, total / 2**30)
 
 
-def _check_pool(header: ModelConfig, block_size: int, dtype: torch.dtype,
-                device: torch.device, num_kv_blocks: int | None,
-                kv_cache_memory: int | None) -> None:
-    """The KV pool's size from the model's header, before its weights load (QA: a size that
-    holds no block, or more blocks than a pool may have, was refused after the load, the
-    latter naming num_blocks, a setting the caller never gave; one past the machine's
+def _pool_blocks(header: ModelConfig, block_size: int, dtype: torch.dtype,
+                 device: torch.device, num_kv_blocks: int | None,
+                 kv_cache_memory: int | None) -> int:
+    """The KV pool's blocks, from the model's header before its weights load (QA: a size
+    that holds no block, or more blocks than a pool may have, was refused after the load,
+    the latter naming num_blocks, a setting the caller never gave; one past the machine's
     memory failed in the allocator)."""
-    per_block = kv_cache_bytes_per_block(header, block_size, dtype)
     if num_kv_blocks is None:
         memory = kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        num_blocks = num_blocks_for_memory(header, block_size, dtype, memory)
-        if num_blocks > MAX_BLOCKS:
-            raise ValueError(f"kv_cache_memory of {memory / 2**30:.1f} GiB is {num_blocks} "
+        num_kv_blocks = num_blocks_for_memory(header, block_size, dtype, memory)
+        if num_kv_blocks > MAX_BLOCKS:
+            raise ValueError(f"kv_cache_memory of {memory / 2**30:.1f} GiB is {num_kv_blocks} "
                              f"blocks of {block_size} tokens, more than a pool holds "
                              f"({MAX_BLOCKS}): give less, or a larger block_size")
     else:
-        memory = num_kv_blocks * per_block
+        memory = num_kv_blocks * kv_cache_bytes_per_block(header, block_size, dtype)
     if device.type == "cpu":
         _check_host_memory(memory, "the KV cache")
+    return num_kv_blocks
 
 
 def _check_count(value: Any, name: str, low: int, high: int) -> None:
@@ -388,7 +386,6 @@ def check_engine_args(model: str | Path | ModelConfig | None = None,
     build_engine(model, **engine_args, _check_only=True)
 
 
-# vLLM's GPU arguments and what sizes the same thing here.
 # vLLM's LLM arguments that change nothing here (the serve flags of the same names:
 # flags.VLLM_NOOPS): taken, each logging why, so a vLLM script runs unchanged
 _LLM_NOOPS = ("trust_remote_code", "tokenizer_mode", "enforce_eager", "max_seq_len_to_capture",
@@ -416,6 +413,7 @@ def _take_vllm_noops(engine_args: dict[str, Any]) -> None:
         logger.info("%s=%r is taken and changes nothing: %s", name, value, why)
 
 
+# vLLM's GPU arguments and what sizes the same thing here.
 _GPU_ARGUMENTS = {"gpu_memory_utilization": "kv_cache_memory (bytes) or num_kv_blocks",
                   "num_gpu_blocks_override": "num_kv_blocks",
                   "tensor_parallel_size": "nothing (no tensor parallelism here); "
@@ -553,7 +551,8 @@ class LLM:
         if self._closed:
             raise RuntimeError("this LLM is closed (close() or its with block ended); make "
                                "another")
-        batch = _as_batch(prompts)
+        batch = [self._render(prompt, f"prompts[{index}]: ") if _is_conversation(prompt)
+                 else prompt for index, prompt in enumerate(_as_batch(prompts))]
         params = _params_for(sampling_params if sampling_params is not None
                              else self.get_default_sampling_params(), len(batch))
         if priority is not None:
@@ -603,8 +602,6 @@ class LLM:
             return prompt
         if isinstance(prompt, _RenderedChat):
             return prompt.text
-        if self.tokenizer is not None and prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
         return None
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -626,27 +623,33 @@ class LLM:
                             "'content'} messages) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         variables = _template_variables(tools, chat_template_kwargs)
-        rendered = []
-        for index, conversation in enumerate(conversations):
-            normal = _check_conversation(conversation)
-            if self.tokenizer is None:
-                raise ValueError("chat() needs a tokenizer (the chat template): this LLM "
-                                 "has none; give token ids to generate()")
-            where = "" if len(conversations) == 1 else f"conversation {index}: "
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    normal, add_generation_prompt, continue_final_message, **variables)
-            except (ValueError, RecursionError) as error:  # continue_final_message's
-                raise ValueError(f"{where}{error}") from None
-            except Exception as error:  # the caller's variables in the template: anything
-                raise ValueError(f"{where}cannot apply the chat template: "
-                                 f"{type(error).__name__}: {error}") from None
-            try:
-                ids = self.tokenizer.encode(text)
-            except ValueError as error:  # text that is not Unicode, named by its place
-                raise ValueError(f"{where}{error}") from None
-            rendered.append(_RenderedChat(text, ids))
+        rendered = [self._render(_check_conversation(conversation),
+                                 "" if len(conversations) == 1 else f"conversation {i}: ",
+                                 add_generation_prompt, continue_final_message, variables)
+                    for i, conversation in enumerate(conversations)]
         return self.generate(rendered, sampling_params, use_tqdm)  # type: ignore[arg-type]
+
+    def _render(self, messages: list[dict[str, Any]], where: str,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                variables: dict[str, Any] | None = None) -> _RenderedChat:
+        """A checked conversation through the chat template, once: its text (a result's
+        ``prompt``) and its ids; ValueError beginning with ``where``."""
+        if self.tokenizer is None:
+            raise ValueError(f"{where}a conversation needs a tokenizer (its chat template): "
+                             "this LLM has none; give token ids")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, continue_final_message, **(variables or {}))
+        except (ValueError, RecursionError) as error:  # continue_final_message's
+            raise ValueError(f"{where}{error}") from None
+        except Exception as error:  # the caller's variables in the template: anything
+            raise ValueError(f"{where}cannot apply the chat template: "
+                             f"{type(error).__name__}: {error}") from None
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as error:  # text that is not Unicode, named by its place
+            raise ValueError(f"{where}{error}") from None
+        return _RenderedChat(text, ids)
 
     def close(self) -> None:
         """Stop the data-parallel replicas, if any (idempotent); the LLM takes no more
@@ -802,11 +805,11 @@ def _as_batch(prompts: Any) -> list[Prompt]:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) for t in items):
         return [items]  # one prompt of token ids
-    batch = [items] if all(isinstance(t, dict) and "role" in t for t in items) \
-        else [_plain(item, index) for index, item in enumerate(items)]  # one conversation
+    conversation = all(isinstance(t, dict) and "role" in t for t in items)
+    batch = [items] if conversation else [_plain(item, index) for index, item in enumerate(items)]
     for index, prompt in enumerate(batch):  # as chat() checks them (QA: the chat template
         # failed on a bad message with a TypeError or jinja2's UndefinedError, unnamed)
-        if isinstance(prompt, list) and isinstance(prompt[0], dict):
+        if _is_conversation(prompt):
             try:
                 batch[index] = _check_conversation(prompt)
             except TypeError as error:
@@ -884,6 +887,10 @@ def _template_variables(tools: Any, kwargs: Any) -> dict[str, Any]:
         raise TypeError("tools must be a list of OpenAI tool dicts ({'type': 'function', "
                         "'function': {...}})")
     return {**({"tools": list(tools)} if tools else {}), **(kwargs or {})}
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ async def handle(state: ServerState, request: Request, chat: bool,
 
 
 async def start(state: ServerState, request: Request, key: ApiKey, req: Any, chat: bool,
-                arrival_time: float, kind: Callable[..., Generation] | None = None) -> Generation:
+                arrival_time: float, kind: Callable[..., Generation] | None = None,
+                strict_context: bool = False) -> Generation:
     """A checked request queued: everything between its parsed body and its answer (the
     Responses API's translated chat request comes in here too, ``kind`` its answer's
     shape)."""
@@ -109,11 +110,9 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     tenant = tenant_of(key, state.keys.enabled, req.user,
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
-    # the Responses API keeps OpenAI's 400 for an answer that would overrun the context
-    # (its truncation decides); the chat endpoints cut it short, as vLLM does
-    max_tokens = max_tokens_for(state, req, chat, prompts,
-                                strict=getattr(getattr(kind, "func", kind), "strict_context",
-                                               False))  # kind: the class, or a partial of it
+    # strict_context: the Responses API keeps OpenAI's 400 for an answer that would
+    # overrun the context (its truncation decides); the chat endpoints cut it short, as vLLM
+    max_tokens = max_tokens_for(state, req, chat, prompts, strict=strict_context)
     check_stop_token_ids(state, req)
     check_logprobs(state, req, chat)
     if req.session is not None and len(prompts) * req.n != 1:
@@ -498,28 +497,25 @@ class Generation:
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
         if self.answer is not None:
-            delta = self.answer.delta(choice.request_id, text, choice.text, chunk.finished)
-            held = self.held.setdefault(choice.request_id, ([], []))
-            if delta is None:  # nothing to send yet (a call's text, held until it is
-                held[0].extend(entries)  # whole): its tokens go out with the next chunk
-                held[1].extend(token_ids)  # (QA: their logprobs were lost)
-                return ""
-            entries, token_ids = held[0] + entries, held[1] + token_ids
-            held[0].clear()
-            held[1].clear()
-            payload: Any = delta
+            payload: Any = self.answer.delta(choice.request_id, text, choice.text,
+                                             chunk.finished)
+            # None: nothing to send yet (a call's text, held until it is whole)
+            withheld = payload is None
         else:
             payload = text
-            held = self.held.setdefault(choice.request_id, ([], []))
-            if not text and not chunk.finished:  # a token whose text is withheld (a stop
-                # string's start, half a character): no empty chunk, as vLLM sends none
-                held[0].extend(entries)  # (QA); its token and logprobs go with the next
-                held[1].extend(token_ids)
-                return ""
-            if held[0] or held[1]:
-                entries, token_ids = held[0] + entries, held[1] + token_ids
-                held[0].clear()
-                held[1].clear()
+            # a token whose text is withheld (a stop string's start, half a character): no
+            # empty chunk, as vLLM sends none (QA)
+            withheld = not text and not chunk.finished
+        held = self.held.get(choice.request_id)
+        if withheld:  # its tokens and logprobs go out with the next chunk (QA: were lost)
+            if held is None:
+                held = self.held[choice.request_id] = ([], [])
+            held[0].extend(entries)
+            held[1].extend(token_ids)
+            return ""
+        if held is not None:
+            entries, token_ids = held[0] + entries, held[1] + token_ids
+            del self.held[choice.request_id]
         logprobs = None
         if entries:
             if choice.text_offsets is None:

@@ -452,8 +452,6 @@ class ResponsesGeneration(Generation):
     sent, ``conversation`` its messages (history and input, without instructions), kept in
     ``store`` with the answer's, for ``owner``'s key."""
 
-    strict_context = True  # truncation "disabled": OpenAI's 400 where the answer overruns
-
     def __init__(self, *args: Any, api: ResponsesRequest,
                  conversation: list[dict[str, Any]], store: ResponseStore,
                  owner: str | None) -> None:
@@ -1033,21 +1031,21 @@ async def _start(state: ServerState, request: Request, key: Any, api: ResponsesR
             return error
         return None
 
-    if api.truncation != "auto" or len(conversation) < 2:
-        return await start(state, request, key, chat(0), True, arrival_time, kind)
-    whole = await overflow(0)
-    if whole is None:
-        return await start(state, request, key, chat(0), True, arrival_time, kind)
-    low, high, cut = 1, len(conversation) - 1, None  # the fewest dropped that fit
-    while low <= high:
-        middle = (low + high) // 2
-        if await overflow(middle) is None:
-            cut, high = middle, middle - 1
-        else:
-            low = middle + 1
-    if cut is None:
-        raise whole
-    return await start(state, request, key, chat(cut), True, arrival_time, kind)
+    cut: int | None = 0
+    if api.truncation == "auto" and len(conversation) >= 2:
+        whole = await overflow(0)
+        if whole is not None:
+            low, high, cut = 1, len(conversation) - 1, None  # the fewest dropped that fit
+            while low <= high:
+                middle = (low + high) // 2
+                if await overflow(middle) is None:
+                    cut, high = middle, middle - 1
+                else:
+                    low = middle + 1
+            if cut is None:
+                raise whole
+    return await start(state, request, key, chat(cut), True, arrival_time, kind,
+                       strict_context=True)
 
 
 def _from(conversation: list[dict[str, Any]], dropped: int) -> list[dict[str, Any]]:
