@@ -24,7 +24,7 @@ def test_metrics_move_and_count_preemptions(caplog):
     # 12 blocks of 16 = 192 tokens; six requests growing to 140 tokens each must preempt
     with LiveServer(num_kv_blocks=12, max_model_len=512) as live:
         before = scrape(live)
-        assert not [name for name, _ in before if name.endswith("_created")]  # as vLLM's
+        assert not [name for name, _ in before if name.endswith("_created")]  # vllm-compat.md
         # vLLM labels its one engine 0, on the scheduler's series and the request series
         # alike (the request series carried the model only: sum by (engine) came back empty)
         assert ("vllm:num_requests_running", E) in before

@@ -54,8 +54,9 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     """The app for one engine; the engine thread (and the periodic stats line, every
     ``log_stats_interval`` seconds when > 0) starts and stops with the app."""
     stats_logger = StatsLogger(state)
-    # vLLM's exposition has no *_created series. prometheus-client's switch is process-wide,
-    # so it is thrown here, when a server is built, never on import.
+    # No *_created series (vLLM 0.32 has them; docs/vllm-compat.md says why not here).
+    # prometheus-client's switch is process-wide, so it is thrown when a server is built,
+    # never on import.
     disable_created_metrics()
 
     @asynccontextmanager
