@@ -66,6 +66,20 @@ def test_every_import_statement_respects_the_layer(layer, allowed):
         assert not outside, f"{path.relative_to(SRC)} imports {sorted(outside)}"
 
 
+def test_sim_never_imports_upward():
+    """The simulator plans without torch: it may use core and the torch-free top-level
+    helpers, never the model, the engine or the server (docs/architecture.md, Layers)."""
+    allowed = ("kvserve.core", "kvserve.sim", "kvserve.flags", "kvserve.runs",
+               "kvserve.cpu_name", "kvserve.ray_tasks")
+    for path in sorted((SRC / "sim").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.startswith("kvserve."):
+                    assert name.startswith(allowed), f"sim/{path.name} imports {name}"
+
+
 def test_core_never_imports_upward():
     for path in sorted((SRC / "core").rglob("*.py")):
         tree = ast.parse(path.read_text())

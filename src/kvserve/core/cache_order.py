@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
+from kvserve.core.config import CACHE_AWARE_POLICIES
 from kvserve.core.queues import PrefixView, WaitingQueue
 from kvserve.core.request import Request
 
@@ -33,8 +34,9 @@ class CacheAwareQueue(WaitingQueue):
 
     def __init__(self, policy: str, max_queue: int, aging_s: float | None = None) -> None:
         super().__init__()
-        if policy not in ("lpm", "dfs-weight"):
-            raise ValueError(f"{policy!r} is not a cache-aware order (lpm, dfs-weight)")
+        if policy not in CACHE_AWARE_POLICIES:
+            raise ValueError(f"{policy!r} is not a cache-aware order "
+                             f"({', '.join(CACHE_AWARE_POLICIES)})")
         self.policy = policy
         self.max_queue = max_queue
         self.aging_s = aging_s

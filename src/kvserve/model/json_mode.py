@@ -10,8 +10,9 @@ against its schema node: an object takes only its properties' names as keys, eac
 and closes once its required ones are there; a string (of its minLength to maxLength
 characters), number or integer (within its minimum and maximum), boolean or null only that;
 an enum or const only those values (as ``json.dumps`` writes them); an array its items;
-anyOf alternatives of different JSON types. :func:`compile_schema` says which
-keywords are honoured and refuses the others by name (a constraint accepted must hold).
+anyOf alternatives of different JSON types. :func:`check_schema` (through
+``Schema._compile``) says which keywords are honoured and refuses the others by name (a
+constraint accepted must hold).
 
 Testing every token of the vocabulary at every step would cost a Python loop of 50k tokens,
 so a :class:`JsonVocabulary` groups the tokens once: by their first byte that is not

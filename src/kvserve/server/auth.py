@@ -30,8 +30,6 @@ from typing import Any
 
 from kvserve.server.errors import APIError, bad_request
 
-PRIORITY_SOURCES = ("body", "key")
-
 
 def is_valid_key(key: object) -> bool:
     """A key can travel in an Authorization header: a non-empty string of printable ASCII

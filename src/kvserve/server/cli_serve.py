@@ -718,8 +718,6 @@ def build_state(args: argparse.Namespace,
                                       num_engines=getattr(serving, "num_replicas", 1),
                                       router=getattr(serving, "router", None))
         except RecordingError as error:  # the directory changed since the check
-            import asyncio
-
             asyncio.run(serving.stop())  # no engine process may outlive the refusal
             raise CLIError(str(error)) from None
     return state

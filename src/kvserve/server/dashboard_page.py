@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvserve.sim.html import _CSS
+from kvserve.sim.html import REPORT_CSS
 from kvserve.sim.svg import PALETTE, TIMELINE_COLORS
 
 _SCRIPT = """
@@ -122,7 +122,7 @@ _FIGURES = "".join(
                        ("preemptions", "preemptions"), ("hit", "prefix hit rate")))
 
 PAGE = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<title>kvserve dashboard</title><style>" + _CSS + "</style></head>"
+        "<title>kvserve dashboard</title><style>" + REPORT_CSS + "</style></head>"
         "<body data-updates=\"0\" data-steps=\"0\"><h1>kvserve dashboard: <span id=\"model\">"
         "</span></h1><p class=\"muted\" id=\"status\">connecting...</p>"
         f"<div class=\"figures\">{_FIGURES}</div>"

@@ -14,7 +14,7 @@ from kvserve.sim import svg
 from kvserve.sim.cluster_report import render_replicas
 from kvserve.sim.table import SWEEP_COLUMNS, fmt_pct, fmt_s
 
-_CSS = """
+REPORT_CSS = """
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #0f172a; max-width: 1320px; }
 h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 16px; margin: 28px 0 8px; }
 .grid2 { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(100%, 480px), 1fr));
@@ -37,7 +37,7 @@ MAX_TIMELINE_ROWS = 200
 
 def _page(title: str, body: list[str]) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
+            f"<title>{escape(title)}</title><style>{REPORT_CSS}</style></head><body>"
             + "\n".join(body) + "</body></html>\n")
 
 

@@ -20,7 +20,6 @@ from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
-DEFAULT_CANDIDATES = (16, 32, 64, 128, 256, 512, 1024)
 _DEFAULT_BUDGET = SchedulerConfig().max_num_batched_tokens
 
 
