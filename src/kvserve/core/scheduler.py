@@ -109,19 +109,21 @@ def tokens_to_schedule(num_tokens: int, num_computed: int, long_prefill_threshol
 class _Step:
     """Scratch state of one schedule() call."""
 
-    __slots__ = ("admitted", "new_blocks", "num_scheduled", "preempted", "swap_in",
-                 "swap_out", "swapped_in", "token_budget")
+    __slots__ = ("blocks_to_swap_in", "blocks_to_swap_out", "new_blocks", "new_request_ids",
+                 "num_scheduled", "preempted", "swapped_in_ids", "token_budget")
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.num_scheduled: dict[str, int] = {}
         self.new_blocks: dict[str, list[KVBlock]] = {}
-        self.admitted: set[str] = set()  # membership only, never iterated
+        self.new_request_ids: set[str] = set()  # admitted or swapped in: NewRequestData
+        # (membership only, never iterated)
         self.preempted: list[Request] = []
-        self.swap_out: list[tuple[int, int]] = []
-        self.swap_in: list[tuple[int, int]] = []
-        self.swapped_in: set[str] = _NO_SWAP_INS  # whose blocks swap_in copies (made on
-        # the first: a set a step is too many for the simulator's steps, which rarely swap)
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+        self.swapped_in_ids: set[str] = _NO_SWAP_INS  # whose blocks blocks_to_swap_in
+        # copies (made on the first: a set a step is too many for the simulator's steps,
+        # which rarely swap)
 
     def schedule(self, request: Request, num_tokens: int, new_blocks: list[KVBlock]) -> None:
         self.num_scheduled[request.request_id] = num_tokens
@@ -191,7 +193,7 @@ class Scheduler:
         # the last schedule()'s tokens per request until its update(): computed on paper,
         # not yet written (what a request ended in between, by a failed step, never wrote)
         self._in_flight: dict[str, int] = {}
-        self._swapped_in_flight: set[str] = _NO_SWAP_INS  # whose blocks its copy fills
+        self._swapped_ids_in_flight: set[str] = _NO_SWAP_INS  # whose blocks its copy fills
         self._events: list[core_outputs.SchedulerEvent] | None = [] if record_events else None
         self._blocked_reason: dict[str, str] = {}
         self._now = 0.0
@@ -289,7 +291,7 @@ class Scheduler:
         in_flight = self._in_flight.get(request.request_id)
         if in_flight:
             # swapped in by that step: its host-to-device copy never ran either (QA)
-            written = 0 if request.request_id in self._swapped_in_flight else \
+            written = 0 if request.request_id in self._swapped_ids_in_flight else \
                 request.num_computed_tokens - in_flight
             self.kv.forget_uncomputed(request, written)
             request.num_computed_tokens = written  # all a session may hold of it (U2; QA)
@@ -356,7 +358,7 @@ class Scheduler:
         self._admission.end_step(len(step.preempted), self.running)
         output = self._commit(step, num_lane)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
-        if step.swap_in:
+        if step.blocks_to_swap_in:
             self.kv.end_step()  # S2: only now may a swap-out reuse the host blocks read
         return output
 
@@ -503,7 +505,7 @@ class Scheduler:
             request.status = _SWAPPED
             request.num_swaps += 1
             self.swapped.append(request)
-            step.swap_out += pairs
+            step.blocks_to_swap_out += pairs
         else:
             if mode == SWAP:
                 mode, reason = RECOMPUTE, f"{RECOMPUTE} (host tier full)"  # S3
@@ -545,11 +547,11 @@ class Scheduler:
             request.status = _RUNNING
             self.running.append(request)
             step.schedule(request, num_new, blocks)
-            step.admitted.add(request.request_id)
-            step.swap_in += pairs
-            if step.swapped_in is _NO_SWAP_INS:
-                step.swapped_in = set()
-            step.swapped_in.add(request.request_id)
+            step.new_request_ids.add(request.request_id)
+            step.blocks_to_swap_in += pairs
+            if step.swapped_in_ids is _NO_SWAP_INS:
+                step.swapped_in_ids = set()
+            step.swapped_in_ids.add(request.request_id)
             self._blocked_reason.pop(request.request_id, None)
             request.record(EventType.RESUMED, self._now)
             self._emit(self._now, EventType.RESUMED, request, num_new, SWAP)
@@ -773,7 +775,7 @@ class Scheduler:
         victims = self._urgent.victims(
             request, self.running, num_new, hit_blocks,
             full_sequence_must_fit=config.reserve_full_sequence,
-            reserved_blocks=reserved_blocks, admitted=step.admitted)
+            reserved_blocks=reserved_blocks, admitted=step.new_request_ids)
         if not victims:
             return False
         for victim in victims:
@@ -801,7 +803,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         self.running.append(request)
         step.schedule(request, num_new, new_blocks)
-        step.admitted.add(request.request_id)
+        step.new_request_ids.add(request.request_id)
         self._blocked_reason.pop(request.request_id, None)
         if resumed:
             kind = EventType.RESUMED
@@ -843,11 +845,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.first_scheduled_time is not None:
                 continue
-            self._remove_waiting(request)
-            metrics = self._finish(request, RequestStatus.FINISHED_ABORTED, now, QUEUE_TIMEOUT)
-            self._pending_outputs.append(RequestOutput(
-                request_id, [], finished=True, finish_reason="abort",
-                stop_reason=QUEUE_TIMEOUT, metrics=metrics))
+            self._abort_waiting(request, now, QUEUE_TIMEOUT)
 
     def _admissible_next(self) -> list[Request]:
         """K4: the waiting requests the next step would admit as things stand: the seats,
@@ -875,12 +873,15 @@ class Scheduler:
     def _displace(self, victim: Request, by: Request) -> None:
         """K5: end a waiting request a more urgent arrival takes the place of (the server
         answers it 503, as if the queue had been full when it came)."""
-        self._remove_waiting(victim)
-        now = max(by.arrival_time, victim.arrival_time)
-        metrics = self._finish(victim, RequestStatus.FINISHED_ABORTED, now, DISPLACED)
+        self._abort_waiting(victim, max(by.arrival_time, victim.arrival_time), DISPLACED)
+
+    def _abort_waiting(self, request: Request, now: float, stop_reason: str) -> None:
+        """End a request that never left the queue; its output says why (``stop_reason``)."""
+        self._remove_waiting(request)
+        metrics = self._finish(request, RequestStatus.FINISHED_ABORTED, now, stop_reason)
         self._pending_outputs.append(RequestOutput(
-            victim.request_id, [], finished=True, finish_reason="abort",
-            stop_reason=DISPLACED, metrics=metrics))
+            request.request_id, [], finished=True, finish_reason="abort",
+            stop_reason=stop_reason, metrics=metrics))
 
     def _remove_waiting(self, request: Request) -> None:
         if self.held_waiting and request in self.held_waiting:
@@ -917,7 +918,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         block_ids = self.kv.get_block_ids
-        admitted, new_blocks_of = step.admitted, step.new_blocks
+        admitted, new_blocks_of = step.new_request_ids, step.new_blocks
         # Bound appends: this loop runs for every running request every step.
         append_id = cached.request_ids.append
         append_new_block_ids = cached.new_block_ids.append
@@ -949,7 +950,7 @@ class Scheduler:
         self.num_steps += 1
         self.num_scheduled_tokens += total
         self._in_flight = num_scheduled
-        self._swapped_in_flight = step.swapped_in
+        self._swapped_ids_in_flight = step.swapped_in_ids
         finished_ids, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -958,8 +959,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             preempted_req_ids=[r.request_id for r in step.preempted],
             finished_req_ids=finished_ids,
-            blocks_to_swap_out=step.swap_out,
-            blocks_to_swap_in=step.swap_in,
+            blocks_to_swap_out=step.blocks_to_swap_out,
+            blocks_to_swap_in=step.blocks_to_swap_in,
         )
 
     def _count_recomputed(self, request: Request, num_tokens: int) -> None:
