@@ -59,7 +59,7 @@ class EventCounter:
     def install(self) -> None:
         from kvserve.sim import simulator
 
-        run_step = simulator._Run._run_step
+        run_step = simulator.SimRun._run_step
         counter = self
 
         def counting_run_step(run, out, now):  # type: ignore[no-untyped-def]
@@ -73,7 +73,7 @@ class EventCounter:
             counter.finished += len(out.finished_req_ids)
             return now
 
-        simulator._Run._run_step = counting_run_step  # type: ignore[method-assign]
+        simulator.SimRun._run_step = counting_run_step  # type: ignore[method-assign]
 
     def print(self) -> None:
         per_step = self.steps or 1

@@ -149,9 +149,9 @@ def test_the_switch_follows_the_layout_coefficient():
     assert not CalibratedCostModel(dict(SIX_TERMS)).needs_block_layout
     with_term = CalibratedCostModel({**SIX_TERMS, "per_scattered_context_token_s": 1e-7})
     assert needs_block_layout(with_term)
-    from kvserve.sim.simulator import _Run
-    assert _Run(Simulator(*_CONFIG, with_term), _TRACE, None).executor.layout is not None
-    assert _Run(Simulator(*_CONFIG, CalibratedCostModel(dict(SIX_TERMS))), _TRACE,
+    from kvserve.sim.simulator import SimRun
+    assert SimRun(Simulator(*_CONFIG, with_term), _TRACE, None).executor.layout is not None
+    assert SimRun(Simulator(*_CONFIG, CalibratedCostModel(dict(SIX_TERMS))), _TRACE,
                 None).executor.layout is None
 
 

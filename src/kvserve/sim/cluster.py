@@ -60,9 +60,9 @@ from kvserve.sim.simulator import (
     ProgressFn,
     RequestRecord,
     SimResult,
+    SimRun,
     Simulator,
     StepSeries,
-    _Run,
 )
 from kvserve.sim.trace import TraceRequest
 
@@ -136,7 +136,7 @@ class _Replica:
     def __init__(self, index: int, sim: Simulator, cost_model: CostModel,
                  records: dict) -> None:
         self.index = index
-        self.run = _Run(sim, (), None)
+        self.run = SimRun(sim, (), None)
         self.run.records = records  # shared: each replica writes its own requests' rows
         self.cost_model = cost_model
         self.inbox: list[Request] = []
@@ -175,7 +175,7 @@ class _Replica:
                     run.scheduler.add_request(request)
                 except SessionError:
                     # A turn this replica's session cannot take runs as an ordinary one,
-                    # as on one engine (_Run._submit).
+                    # as on one engine (SimRun._submit).
                     run.session_fallbacks += 1
                     request = Request(request.request_id, request.prompt_token_ids,
                                       dataclasses.replace(request.sampling_params,
@@ -183,7 +183,7 @@ class _Replica:
                                       arrival_time=request.arrival_time)
                     run.scheduler.add_request(request)
             except (RequestRejected, QueueFullError) as error:
-                run._refuse(request.request_id, error)
+                run.refuse(request.request_id, error)
                 route = self.routes.pop(request.request_id, None)
                 if route is not None and self.withdraw is not None:
                     self.withdraw(*route)
@@ -207,7 +207,7 @@ class _Replica:
         if self.flight is not None:
             self.pending_cancels.append(request_id)
         else:
-            self.run._cancel(request_id, now)
+            self.run.cancel(request_id, now)
 
     def start(self, now: float, throttle: bool) -> _Flight | None:
         """Schedule one step at ``now``; None when it scheduled nothing (then it is over)."""
@@ -221,7 +221,7 @@ class _Replica:
                                model_output)
             # An empty step runs no model (see Simulator.run): update and try again while
             # a request preempted itself ahead of others.
-            run._collect(scheduler.update(out, model_output, now), now)
+            run.collect(scheduler.update(out, model_output, now), now)
             if not scheduler.running or throttle:
                 return None
         raise AssertionError(f"replica {self.index} at t={now}: empty steps in a row with "
@@ -229,7 +229,7 @@ class _Replica:
 
     def finish(self, flight: _Flight, end: float, check: bool) -> None:
         run, scheduler, steps = self.run, self.run.scheduler, self.run.steps
-        run._collect(scheduler.update(flight.out, flight.model_output, end), end)
+        run.collect(scheduler.update(flight.out, flight.model_output, end), end)
         steps.time.append(flight.start)
         steps.duration.append(end - flight.start)
         steps.num_scheduled_tokens.append(flight.out.total_num_scheduled_tokens)
@@ -241,7 +241,7 @@ class _Replica:
         if run.sim.record_events:
             run.events.extend(scheduler.take_events())
         for request_id in self.pending_cancels:
-            run._cancel(request_id, end)
+            run.cancel(request_id, end)
         self.pending_cancels.clear()
 
 
@@ -471,7 +471,7 @@ class _ClusterRun:
             check_servable_length(trace_request.request_id, trace_request.num_prompt_tokens,
                                   config, self.sim.cache_config)
         except RequestRejected as error:
-            self.replicas[0].run._refuse(trace_request.request_id, error)
+            self.replicas[0].run.refuse(trace_request.request_id, error)
             return
         prompt, answer = self.chains.apply(trace_request,
                                            trace_request.synthesise_prompt(seed))
@@ -535,7 +535,7 @@ class _ClusterRun:
     def _replica_result(self, replica: _Replica, start: float, end: float) -> SimResult:
         run = replica.run
         for request in run.live.values():
-            run._close_preempted_spans(request)
+            run.close_preempted_spans(request)
         if run.sim.record_events:
             run.events.extend(run.scheduler.take_events())
         stats = run.scheduler.stats()

@@ -103,14 +103,19 @@ class Simulator:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return _Run(self, trace, progress).run()
+            return SimRun(self, trace, progress).run()
         finally:
             if enabled:
                 gc.enable()
 
 
-class _Run:
-    """The state of one simulation."""
+class SimRun:
+    """The state of one simulation: its scheduler, simulated executor and records.
+
+    ``Simulator.run`` drives one over a whole trace. The cluster simulation
+    (sim/cluster.py) makes one per replica, with no trace of its own, and drives it from
+    outside: it hands requests to its scheduler and calls :meth:`refuse`, :meth:`cancel`,
+    :meth:`collect` and :meth:`close_preempted_spans`, the methods public for that use."""
 
     def __init__(self, sim: Simulator, trace: Sequence[TraceRequest],
                  progress: ProgressFn | None) -> None:
@@ -181,7 +186,7 @@ class _Run:
                 # An empty step runs no model and takes no time. With requests running it
                 # happens when a request preempted itself ahead of others (D3 ends the running
                 # pass); the next schedule() goes on without it.
-                self._collect(scheduler.update(out, self.executor.execute(out), now), now)
+                self.collect(scheduler.update(out, self.executor.execute(out), now), now)
                 if scheduler.running:
                     num_empty += 1
                     if num_empty > len(scheduler.running) + 1:
@@ -214,7 +219,7 @@ class _Run:
                                      self.finished, self.recorder.records, self.held.append)
         cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
-            self._cancel(cancels[self.next_cancel][1], now)
+            self.cancel(cancels[self.next_cancel][1], now)
             self.next_cancel += 1
 
     def _run_step(self, out: SchedulerOutput, now: float) -> float:
@@ -229,9 +234,9 @@ class _Run:
         if lane is not None and lane.in_step:
             outputs = scheduler.update(out, model_output, now)
             self.lane_model.end_step(start, now, len(lane))
-            self._collect(outputs, now)
+            self.collect(outputs, now)
         else:
-            self._collect(scheduler.update(out, model_output, now), now)
+            self.collect(scheduler.update(out, model_output, now), now)
         steps.duration.append(duration)
         steps.num_scheduled_tokens.append(out.total_num_scheduled_tokens)
         steps.sample_state(scheduler, len(self.held))
@@ -249,7 +254,7 @@ class _Run:
         if self.sim.record_events:
             self.events.extend(self.scheduler.take_events())
         for request in self.live.values():
-            self._close_preempted_spans(request)  # still running or waiting when the loop gave up
+            self.close_preempted_spans(request)  # still running or waiting when the loop gave up
         result = self.recorder.result(
             self.arrivals, start, end, self.steps, self.scheduler.stats(), self.events,
             time.perf_counter() - wall_start,
@@ -297,7 +302,7 @@ class _Run:
             check_servable_length(request_id, trace_request.num_prompt_tokens, config,
                                   self.sim.cache_config)
         except RequestRejected as error:
-            self._refuse(request_id, error)
+            self.refuse(request_id, error)
             return False
         trace_request = servable_answer(trace_request, config.max_model_len)
         sessions = self.scheduler.sessions is not None  # off: a trace's session ids are moot
@@ -328,19 +333,22 @@ class _Run:
                                   arrival_time=trace_request.received)
                 self.scheduler.add_request(request)
         except (RequestRejected, QueueFullError) as error:
-            self._refuse(request_id, error)
+            self.refuse(request_id, error)
             return False
         self.live[request_id] = request
         return True
 
-    def _refuse(self, request_id: str, error: RequestRejected | QueueFullError) -> None:
+    def refuse(self, request_id: str, error: RequestRejected | QueueFullError) -> None:
+        """A request refused before it queued: its record says why."""
         self.executor.forget(request_id)
         self.recorder.refuse(request_id, error)
         self.finished.add(request_id)
         if self.conversations is not None:
             self.conversations.ended(request_id)
 
-    def _cancel(self, request_id: str, now: float) -> None:
+    def cancel(self, request_id: str, now: float) -> None:
+        """The client gave up on the request at ``now`` (its trace's cancel time): aborted
+        wherever it is, unless it already finished."""
         if request_id in self.finished:
             return
         if request_id in self.live:
@@ -360,7 +368,8 @@ class _Run:
 
     # -- outputs ---------------------------------------------------------------------------
 
-    def _collect(self, outputs: list[RequestOutput], now: float) -> None:
+    def collect(self, outputs: list[RequestOutput], now: float) -> None:
+        """A step's outputs into the records; the finished requests are forgotten."""
         for request_id in self.recorder.collect(outputs, now):
             self._forget(request_id)
 
@@ -371,10 +380,10 @@ class _Run:
             self.conversations.ended(request_id)
         request = self.live.pop(request_id, None)
         if request is not None:
-            self._close_preempted_spans(request)
+            self.close_preempted_spans(request)
         self.executor.forget(request_id)
 
-    def _close_preempted_spans(self, request: Request) -> None:
+    def close_preempted_spans(self, request: Request) -> None:
         """Preempted spans from the request's own event history: preempted -> resumed (or
         finished, if it never resumed)."""
         spans = self.records[request.request_id].preempted_spans
