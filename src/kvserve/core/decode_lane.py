@@ -17,6 +17,11 @@ where that is simple to keep: no invariant checks, the default admission policy,
 preemption, no sessions holding KV, a queue whose step record is empty, no throttled or
 prefills-only steps; before a step whose running pass could run out of blocks (and so
 preempt) it dissolves and the step runs as usual.
+
+The lane is part of the scheduler, in a file of its own: it takes the step's scratch state
+(``_Step``) and reads the scheduler's private ``_now``, ``_length_limit``, ``_admission`` and
+``_urgent`` and calls ``_finished_output``, on a path that runs every step. Renaming one of
+those there means renaming it here (tests/sim/test_fast_forward.py fails otherwise).
 """
 
 from __future__ import annotations

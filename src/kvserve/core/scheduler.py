@@ -182,6 +182,8 @@ class Scheduler:
             _checked_select(victim_policy)
         self._victims = VictimGuard(config.max_preemptions_per_request, select)
         self._preemption_mode = make_preemption_mode(config, cache_config, preemption_prices)
+        # _urgent, _admission, _length_limit and _now are read by the decode lane too
+        # (core/decode_lane.py, a part of the scheduler in a file of its own)
         self._urgent = make_urgent_preemption(config, self.kv)
         self._admission = make_admission_policy(config, self.kv)
         self._length_limit = self.kv.max_sequence_tokens  # J2

@@ -75,6 +75,7 @@ class _SeqState:
 
 class SimExecutor:
     def __init__(self, layout: BlockLayout | None = None) -> None:
+        # both read, and _state advanced, by the lane's half (sim/fast_forward.py)
         self._answers: dict[str, tuple[int, list[int], int]] = {}
         self._state: dict[str, _SeqState] = {}
         self.layout = layout

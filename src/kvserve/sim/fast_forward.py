@@ -6,6 +6,9 @@ lane the executor's state of it and its run record fall behind; :meth:`SimLaneMo
 brings both up to date the way the per-step path would have: one computed token and one
 sampled token per lane step, and one inter-token gap per step, added to the record in step
 order (so the sums are the same floating-point sums).
+
+:class:`SimLaneModel` reads and advances the executor's private per-request state
+(``SimExecutor._state``, ``_answers``): it is the executor's other half, for the lane.
 """
 
 from __future__ import annotations
