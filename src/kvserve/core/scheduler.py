@@ -621,14 +621,10 @@ class Scheduler:
                 return
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = tokens_to_schedule(request.num_tokens, num_hit_tokens,
-                                         config.long_prefill_token_threshold,
-                                         config.max_model_len)
-            if num_new > step.token_budget:
-                if not config.enable_chunked_prefill:
-                    self._note_blocked("token_budget")
-                    return
-                num_new = step.token_budget
+            num_new = self._admission_tokens(request, num_hit_tokens, step.token_budget)
+            if num_new is None:
+                self._note_blocked("token_budget")
+                return
             demoted: list[Request] = []  # U7's, queued again once the head is out
             new_blocks = self._allocate_admission(request, num_new, hit_blocks, demoted)
             if new_blocks is None:
@@ -706,10 +702,8 @@ class Scheduler:
                                    else "max_num_seqs", request)
                 return False
             num_held = request.num_computed_tokens
-            num_new = min(step.token_budget, tokens_to_schedule(
-                request.num_tokens, num_held, config.long_prefill_token_threshold,
-                config.max_model_len))
-            if num_new < request.num_tokens - num_held and not config.enable_chunked_prefill:
+            num_new = self._admission_tokens(request, num_held, step.token_budget)
+            if num_new is None:
                 self._note_blocked("token_budget", request)
                 return False
             new_blocks = self._allocate_admission(request, num_new, _NO_BLOCKS)
@@ -759,6 +753,17 @@ class Scheduler:
             self._blocked_reason[request.request_id] = reason
             self._emit(self._now, EventType.BLOCKED, request, request.num_tokens, reason)
 
+    def _admission_tokens(self, request: Request, num_computed: int,
+                          token_budget: int) -> int | None:
+        """D4, for the passes that admit (waiting, held, urgent): the tokens of
+        ``request``'s first step from ``num_computed`` on (D1, D5), cut to the budget with
+        chunked prefill on; None when they do not fit and chunked prefill is off."""
+        num_new = tokens_to_schedule(request.num_tokens, num_computed,
+                                     self._long_prefill_threshold, self._max_model_len)
+        if num_new <= token_budget:
+            return num_new
+        return token_budget if self.config.enable_chunked_prefill else None
+
     def _admit_urgent(self, step: _Step) -> bool:
         """M1-M3: preempt the least urgent running requests that qualify until the head of
         the waiting queue fits, and admit it; False (and nothing preempted) if they cannot
@@ -766,12 +771,9 @@ class Scheduler:
         config = self.config
         request = self.waiting.peek()
         hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-        num_new = tokens_to_schedule(request.num_tokens, num_hit_tokens,
-                                     config.long_prefill_token_threshold, config.max_model_len)
-        if num_new > step.token_budget:
-            if not config.enable_chunked_prefill:
-                return False
-            num_new = step.token_budget
+        num_new = self._admission_tokens(request, num_hit_tokens, step.token_budget)
+        if num_new is None:
+            return False
         assert self._urgent is not None
         reserved_blocks = self._admission.reserved_blocks(request)
         victims = self._urgent.victims(
