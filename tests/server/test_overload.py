@@ -124,6 +124,16 @@ def test_queue_deadline_answers_503_queue_timeout():
         # the three 503s are counted (they showed only as aborts, like a client leaving)
         values = metric_values(httpx.get(live.url + "/metrics").text)
         assert values[("kvserve:queue_timeouts_total", (("model_name", "tiny"),))] == 3
+        # ... and never as finished requests: no latency, token or params observation (QA:
+        # the e2e histogram was pulled toward the deadline, prompts counted as computed)
+        engine_0 = (("engine", "0"), ("model_name", "tiny"))
+        for name in ("vllm:e2e_request_latency_seconds_count",
+                     "vllm:request_prompt_tokens_count",
+                     "vllm:request_prefill_kv_computed_tokens_count",
+                     "vllm:request_params_max_tokens_count", "vllm:request_params_n_count"):
+            assert values[(name, engine_0)] == 0, name
+        assert values[("vllm:request_success_total", (
+            ("engine", "0"), ("finished_reason", "abort"), ("model_name", "tiny")))] == 4
 
 
 def test_labelled_counters_exist_at_zero_from_boot():

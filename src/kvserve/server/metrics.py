@@ -30,12 +30,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
+from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import RELEASE_REASONS
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
 from kvserve.server.slow_steps import SlowSteps
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
+_UNCOUNTED = (ABORTED, QUEUE_TIMEOUT, DISPLACED)  # finishes the per-request histograms skip
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 # vLLM V1's buckets for a request's phases (E2E, queue, prefill, decode, inference) and for
@@ -75,6 +77,7 @@ class _Group:
     n: int
     remaining: int
     longest: int = 0
+    counted: bool = False  # a sequence of it finished that the histograms count
 
 
 @dataclass
@@ -362,18 +365,22 @@ class ServerMetrics:
                 if chunk.finished:
                     del self._live[chunk.request_id]
                     series.success(chunk.finish_reason or "error").inc()
-                    if live.max_tokens is not None:
+                    # vLLM's per-request histograms leave out what a client or an
+                    # operator aborted (its metrics still reach the response), and so
+                    # what the waiting queue ended unrun (a 503: K4, K5)
+                    counted = chunk.stop_reason not in _UNCOUNTED
+                    if counted and live.max_tokens is not None:
                         series.request_max_tokens.observe(live.max_tokens)
                     group = live.group
                     if group is not None:
-                        group.longest = max(group.longest, live.num_generated)
+                        if counted:
+                            group.longest = max(group.longest, live.num_generated)
+                            group.counted = True
                         group.remaining -= 1
-                        if not group.remaining:
+                        if not group.remaining and group.counted:
                             series.request_n.observe(group.n)
                             series.request_max_generation.observe(group.longest)
-                    # vLLM's per-request histograms leave out what a client or an
-                    # operator aborted (its metrics still reach the response)
-                    if chunk.metrics is not None and chunk.stop_reason != ABORTED:
+                    if counted and chunk.metrics is not None:
                         self._finished(series, chunk.metrics)
 
     def _token(self, series: _EngineSeries, live: _Live, num_new: int, now: float) -> None:
