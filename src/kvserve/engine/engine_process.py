@@ -468,6 +468,7 @@ class ProcessEngine:
         self._pending: dict[int, _PendingAdd] = {}
         self._text: dict[str, TextStream] = {}  # reader thread only
         self._stop_matched: dict[str, str] = {}  # stop string matched, engine not finished yet
+        self._dropped: dict[str, int] = {}  # tokens the engine made after that, not sent
         self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -750,12 +751,13 @@ class ProcessEngine:
             self.idle_checks, self.invariant_violations = \
                 out.idle_checks, out.invariant_violations
         for report in out.reports:
+            if self._text:  # the observers count what the clients get, as in-process
+                report = dataclasses.replace(report, chunks=[
+                    c for c in map(self._with_text, report.chunks) if c is not None])
             notify(self.observers, report)  # before the clients hear (AsyncEngine._notify)
             self._deliver(report.chunks)
 
     def _deliver(self, chunks: list[CompletionChunk]) -> None:
-        if self._text:
-            chunks = [c for c in map(self._with_text, chunks) if c is not None]
         with self._lock:
             routed = route_chunks(self._streams, chunks)
         if routed and self._loop is not None:
@@ -769,11 +771,18 @@ class ProcessEngine:
         if text is None:
             return chunk
         if request_id in self._stop_matched:
+            dropped = self._dropped.get(request_id, 0) + len(chunk.new_token_ids)
             if not chunk.finished:
+                self._dropped[request_id] = dropped
                 return None
             del self._text[request_id]
+            self._dropped.pop(request_id, None)
+            metrics = chunk.metrics  # the tokens made after the stop were never the answer
+            if metrics is not None and dropped:
+                metrics = dataclasses.replace(
+                    metrics, num_output_tokens=metrics.num_output_tokens - dropped)
             return CompletionChunk(request_id, [], "", True, "stop",
-                                   self._stop_matched.pop(request_id), chunk.metrics)
+                                   self._stop_matched.pop(request_id), metrics)
         new_text, stop = text.step(chunk.new_token_ids, chunk.finished, ended_by_token(chunk))
         out = dataclasses.replace(chunk, new_text=new_text)
         if stop is not None and not chunk.finished:
