@@ -52,7 +52,6 @@ from kvserve.core.router import (
     make_router,
 )
 from kvserve.core.sessions import SessionError
-from kvserve.runs import session_figures
 from kvserve.sim.conversations import ConversationGate, take_due
 from kvserve.sim.cost_models import CostModel, holds_recorded_steps
 from kvserve.sim.prompt_draws import SessionChains
@@ -64,7 +63,7 @@ from kvserve.sim.simulator import (
     Simulator,
     StepSeries,
 )
-from kvserve.sim.trace import TraceRequest
+from kvserve.sim.trace import TraceRequest, check_trace
 
 # The simulator's routers: the server's, and the placement a recording holds.
 SIM_ROUTERS = (*ROUTER_POLICIES, "recorded")
@@ -153,9 +152,11 @@ class _Replica:
         return self.run.scheduler
 
     def load(self) -> ReplicaLoad:
-        scheduler = self.run.scheduler
+        scheduler = self.run.scheduler  # the server's load: its stats' num_waiting (held
+        # session turns too) and the adds not yet applied (engine/data_parallel.py)
         return ReplicaLoad(self.index, True, len(scheduler.running),
-                           len(scheduler.waiting) + len(self.inbox), scheduler.kv.usage())
+                           len(scheduler.waiting) + len(scheduler.held_waiting)
+                           + len(self.inbox), scheduler.kv.usage())
 
     def has_work(self) -> bool:
         return bool(self.inbox) or self.run.scheduler.has_unfinished_requests()
@@ -233,9 +234,7 @@ class _Replica:
         steps.time.append(flight.start)
         steps.duration.append(end - flight.start)
         steps.num_scheduled_tokens.append(flight.out.total_num_scheduled_tokens)
-        steps.num_running.append(len(scheduler.running))
-        steps.num_waiting.append(len(scheduler.waiting) + len(self.inbox))
-        steps.kv_usage.append(scheduler.kv.usage())
+        steps.sample_state(scheduler, len(self.inbox))  # as one engine's series
         if check:
             check_invariants(scheduler)
         if run.sim.record_events:
@@ -278,6 +277,7 @@ class ClusterSimulator:
 
     def run(self, trace: Sequence[TraceRequest],
             progress: ProgressFn | None = None) -> ClusterResult:
+        check_trace(trace)
         return _ClusterRun(self, trace, progress).run()
 
 
@@ -290,7 +290,8 @@ class _ClusterRun:
             trace = [r.at_receipt() for r in trace]
         self.arrivals = sorted(trace, key=lambda r: (r.arrival_time, r.request_id))
         self.records = {r.request_id: RequestRecord(r.request_id, r.received,
-                                                    r.num_prompt_tokens, deadline=r.deadline)
+                                                    r.num_prompt_tokens, deadline=r.deadline,
+                                                    tenant=r.tenant)
                         for r in self.arrivals}
         self.replicas = [_Replica(i, sim, cost_model, self.records)
                          for i, cost_model in enumerate(cluster.cost_models)]
@@ -323,6 +324,7 @@ class _ClusterRun:
         self.route_reasons: dict[str, int] = {}
         self.series = StepSeries()
         self.num_steps = 0
+        self.last_step_end = 0.0
         # Independent stepping: steps in flight by (end, replica), replicas to try to start.
         self.ends: list[tuple[float, int]] = []
         self.wakeups: list[int] = []
@@ -345,7 +347,8 @@ class _ClusterRun:
             if upcoming is None:
                 break
             now = max(now, upcoming)
-        return self._result(start, now, wall_start)
+        # to the end of the last step: a refusal or a cancellation after it adds no time
+        return self._result(start, max(start, self.last_step_end), wall_start)
 
     def _step_independent(self, now: float) -> float | None:
         """Start a step on every idle replica that may have work (one that just finished a
@@ -369,7 +372,7 @@ class _ClusterRun:
                     heapq.heappush(ends, (flight.start + flight.duration, index))
                 self._refresh(index)
         self.wakeups.clear()
-        upcoming = self._next_event_time()
+        upcoming = self._next_event_time(now)
         if ends and (upcoming is None or ends[0][0] <= upcoming):
             end = ends[0][0]
             while ends and ends[0][0] == end:  # every step ending then, in replica order
@@ -392,8 +395,9 @@ class _ClusterRun:
     def _refresh(self, index: int) -> None:
         """Bring replica ``index``'s entry of the cluster-wide sums up to date."""
         scheduler = self.replicas[index].scheduler
-        new = (len(scheduler.running), len(scheduler.waiting) + len(self.replicas[index].inbox),
-               scheduler.kv.usage())
+        new = (len(scheduler.running), len(scheduler.waiting) + len(scheduler.swapped)
+               + len(scheduler.held_waiting) + len(self.replicas[index].inbox),
+               scheduler.kv.usage())  # waiting as StepSeries.sample_state counts it
         old = self.state[index]
         self.state[index] = new
         totals = self.totals
@@ -415,7 +419,7 @@ class _ClusterRun:
             if throttle and any(r.has_work() for r in self.replicas):
                 self.num_steps += 1  # only throttled work was left: the next step may prefill
                 return now
-            return self._next_event_time()
+            return self._next_event_time(now)
         duration = max(f.duration for f in flights if f is not None)
         end = now + duration
         self.num_steps += 1
@@ -426,7 +430,9 @@ class _ClusterRun:
         self._sample(end, sum(f.out.total_num_scheduled_tokens for f in flights if f))
         return end
 
-    def _next_event_time(self) -> float | None:
+    def _next_event_time(self, now: float) -> float | None:
+        if self.conversations is not None and self.conversations.has_ready:
+            return now  # a turn refused or cancelled: its session's next one comes now
         times = [self.holds[0][0]] if self.holds else []
         if self.next_arrival < len(self.arrivals):
             times.append(self.arrivals[self.next_arrival].arrival_time)
@@ -438,8 +444,8 @@ class _ClusterRun:
         return min(times) if times else None
 
     def _done(self, request_id: str) -> bool:
-        owner = self.replica_of.get(request_id)
-        return owner is not None and request_id in self.replicas[owner].run.finished
+        """Finished where it ran, or refused before routing (by the first replica's run)."""
+        return request_id in self.replicas[self.replica_of.get(request_id, 0)].run.finished
 
     # -- requests in -----------------------------------------------------------------------
 
@@ -448,10 +454,12 @@ class _ClusterRun:
                                      self.cancelled_early, self.records, self._route)
         cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
-            cancel_time, request_id = cancels[self.next_cancel]
+            request_id = cancels[self.next_cancel][1]
             owner = self.replica_of.get(request_id)
-            if owner is not None:
-                self.replicas[owner].cancel(request_id, cancel_time)
+            if self._done(request_id):
+                pass  # refused before routing, or finished: the timeout never fires
+            elif owner is not None:  # applied now, at a step boundary (as one engine's)
+                self.replicas[owner].cancel(request_id, now)
                 self._wake(owner)
                 self._refresh(owner)
             else:  # not arrived yet
@@ -517,6 +525,7 @@ class _ClusterRun:
     def _sample(self, now: float, num_scheduled_tokens: int) -> None:
         """One point of the cluster-wide series after a step ended (its duration is filled
         in at the end: until the next point)."""
+        self.last_step_end = now
         series = self.series
         running, waiting, _ = self.totals
         series.time.append(now)
@@ -538,31 +547,30 @@ class _ClusterRun:
             run.close_preempted_spans(request)
         if run.sim.record_events:
             run.events.extend(run.scheduler.take_events())
-        stats = run.scheduler.stats()
-        sessions = session_figures(stats) if self.sessions_on else {}
-        if sessions:
-            sessions["session_fallbacks"] = run.session_fallbacks
-        return SimResult(
-            start_time=start, end_time=end,
-            records=[self.records[i] for i in replica.request_ids], steps=run.steps,
-            itl_samples=run.itl, num_preemptions=stats.num_preemptions,
-            num_scheduled_tokens=stats.num_scheduled_tokens,
-            num_recomputed_tokens=stats.num_recomputed_tokens,
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            num_blocked_steps=stats.num_blocked_steps, events=run.events, wall_seconds=0.0,
-            sessions=sessions)
+        # as one engine's result (the host tier's figures too: QA, a cluster run had none)
+        result = run.recorder.result(
+            [self.records[i] for i in replica.request_ids], start, end, run.steps,
+            run.scheduler.stats(), run.events, 0.0,
+            preemption_mode=self.sim.scheduler_config.preemption_mode,
+            bytes_per_block=getattr(self.sim.preemption_prices, "bytes_per_block", 0),
+            sessions_on=self.sessions_on)
+        if result.sessions:
+            result.sessions["session_fallbacks"] = run.session_fallbacks
+        return result
 
     def _result(self, start: float, end: float, wall_start: float) -> ClusterResult:
         parts = [self._replica_result(r, start, end) for r in self.replicas]
         series = self._cluster_series(start, end)
         itl = array("d")
         blocked: dict[str, int] = {}
+        by_mode: dict[str, int] = {}
         events = []
         for part in parts:
             itl.extend(part.itl_samples)
             for reason, count in part.num_blocked_steps.items():
                 blocked[reason] = blocked.get(reason, 0) + count
+            for mode, count in part.num_preemptions_by_mode.items():
+                by_mode[mode] = by_mode.get(mode, 0) + count
             events.extend(part.events)
         events.sort(key=lambda event: event.time)  # stable: replica order within a time
         return ClusterResult(
@@ -574,7 +582,12 @@ class _ClusterRun:
             prefix_cache_queries=sum(p.prefix_cache_queries for p in parts),
             prefix_cache_hits=sum(p.prefix_cache_hits for p in parts),
             num_blocked_steps=dict(sorted(blocked.items())), events=events,
-            wall_seconds=time.perf_counter() - wall_start, replicas=parts,
+            wall_seconds=time.perf_counter() - wall_start,
+            preemption_mode=parts[0].preemption_mode,
+            num_swapped_out_blocks=sum(p.num_swapped_out_blocks for p in parts),
+            num_swapped_in_blocks=sum(p.num_swapped_in_blocks for p in parts),
+            bytes_per_block=parts[0].bytes_per_block,
+            num_preemptions_by_mode=by_mode, replicas=parts,
             replica_of=self.replica_of, route_reasons=dict(sorted(self.route_reasons.items())),
             sessions=self._session_totals(parts))
 

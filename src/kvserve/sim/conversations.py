@@ -37,13 +37,22 @@ class ConversationGate:
         if arrival.session_id is None:
             return True
         key = (arrival.tenant, arrival.session_id)
-        if key in self._in_flight:
+        if key in self._in_flight or key in self._deferred:  # behind the turns before it
             self._deferred.setdefault(key, deque()).append(arrival)
             self.num_deferred += 1
             return False
-        self._in_flight[key] = arrival.request_id
-        self._turn_key[arrival.request_id] = key
+        self._start(key, arrival.request_id)
         return True
+
+    def _start(self, key: _Key, request_id: str) -> None:
+        self._in_flight[key] = request_id
+        self._turn_key[request_id] = key
+
+    @property
+    def has_ready(self) -> bool:
+        """Deferred turns may arrive now (their previous turn ended): the loop must take them
+        before it waits for the next event."""
+        return bool(self._ready)
 
     def ended(self, request_id: str) -> None:
         """A turn finished (or was refused or cancelled): its session's next turn may come."""
@@ -64,8 +73,8 @@ class ConversationGate:
                 del self._deferred[key]
             if now > turn.arrival_time:  # sent now: a recorded receipt time is moot
                 turn = dataclasses.replace(turn, arrival_time=now, received_time=None)
-            if self.admit(turn):
-                out.append(turn)
+            self._start(key, turn.request_id)
+            out.append(turn)
         return out
 
 
@@ -76,9 +85,11 @@ def take_due(arrivals: Sequence[TraceRequest], next_arrival: int, now: float,
     there) and then the arrivals due by ``now`` from index ``next_arrival`` that may come
     (not ``gone``: cancelled before they came; not waiting for their session's live turn);
     the index of the next arrival not yet due. One simulator's loop and a cluster's share it."""
-    if gate is not None:  # turns whose previous turn just ended arrive now
+    # Turns whose previous turn just ended arrive now, until none is left: one cancelled
+    # while it waited (or refused by ``take``) lets its session's next turn come at once.
+    while gate is not None and gate.has_ready:
         for turn in gate.ready(now):
-            if turn.request_id in gone:  # cancelled while it waited
+            if turn.request_id in gone:
                 gate.ended(turn.request_id)
                 continue
             records[turn.request_id].arrival_time = turn.arrival_time

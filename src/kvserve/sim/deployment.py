@@ -15,7 +15,14 @@ from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
 from kvserve.core.config import MAX_BLOCKS
-from kvserve.flags import SIM_HASH_ALGO, cache_config, num_host_blocks, scheduler_config
+from kvserve.flags import (
+    CACHE_KEYS,
+    SCHEDULER_KEYS,
+    SIM_HASH_ALGO,
+    cache_config,
+    num_host_blocks,
+    scheduler_config,
+)
 from kvserve.sim.capacity import KVPool, kv_bytes_per_token, plan_kv_pool
 from kvserve.sim.cluster import ClusterOptions, ClusterSimulator, check_recorded_placement
 from kvserve.sim.cost_models import (
@@ -196,6 +203,10 @@ class Deployment:
         """Run ``trace``; returns the config echo for the report and the result. With
         ``cluster`` of more than one replica (or in lockstep), a ClusterResult. ``observe``
         is handed every step priced (its shape and seconds, any replica's)."""
+        unknown = sorted(set(settings) - {*SCHEDULER_KEYS, *CACHE_KEYS, "batching"})
+        if unknown:  # QA: a misspelt key (max_num_seq) ran at the default, silently
+            raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join((*SCHEDULER_KEYS, *CACHE_KEYS, 'batching'))}")
         batching = settings.get("batching", "continuous")
         config, cache = self.configs(settings)
         cost_model = self._cost_model(config, cache, observe=observe)

@@ -51,7 +51,7 @@ from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
 from kvserve.sim.layout import BlockLayout
 from kvserve.sim.prompt_draws import PromptDraws, servable_answer
-from kvserve.sim.trace import TraceRequest
+from kvserve.sim.trace import TraceRequest, check_trace
 
 __all__ = ["BATCHING_MODES", "ProgressFn", "RequestRecord", "SimResult", "Simulator",
            "StepSeries"]
@@ -100,6 +100,7 @@ class Simulator:
         yet the collector, triggered by allocations, kept traversing the young lists of
         token ids: about 100 passes, ~8% of sim_speed.py's run (docs/simulator-speed.md).
         Reference counting frees everything as before; the collector is back afterwards."""
+        check_trace(trace)
         enabled = gc.isenabled()
         gc.disable()
         try:
@@ -166,7 +167,7 @@ class SimRun:
     def run(self) -> SimResult:
         wall_start = time.perf_counter()
         scheduler = self.scheduler
-        now = start = self.arrivals[0].arrival_time if self.arrivals else 0.0
+        now = start = end = self.arrivals[0].arrival_time if self.arrivals else 0.0
         num_empty = 0
         # A replayed engine log may hold a step until the time the engine decided it.
         step_start = getattr(self.sim.cost_model, "step_start", None)
@@ -180,7 +181,7 @@ class SimRun:
             if scheduler.has_unfinished_requests():
                 out = scheduler.schedule(now)
                 if out.total_num_scheduled_tokens:
-                    now = self._run_step(out, now)
+                    now = end = self._run_step(out, now)
                     num_empty = 0
                     continue
                 # An empty step runs no model and takes no time. With requests running it
@@ -195,11 +196,12 @@ class SimRun:
                     continue
                 if not scheduler.has_unfinished_requests():
                     continue  # held arrivals may be handed over now
-            upcoming = self._next_event_time()
+            upcoming = self._next_event_time(now)
             if upcoming is None:
                 break  # done, or nothing can ever run again: those stay "unfinished"
             now = max(now, upcoming)
-        return self._result(start, now, wall_start)
+        # to the end of the last step: a refusal or a cancellation after it adds no time
+        return self._result(start, end, wall_start)
 
     def _start_lane(self) -> None:
         """The decode lane, where it keeps every decision (core/decode_lane.py): not with
@@ -267,7 +269,9 @@ class SimRun:
             result.sessions["turns_deferred"] = gate.num_deferred if gate is not None else 0
         return result
 
-    def _next_event_time(self) -> float | None:
+    def _next_event_time(self, now: float) -> float | None:
+        if self.conversations is not None and self.conversations.has_ready:
+            return now  # a turn refused or cancelled: its session's next one comes now
         times = []
         if self.next_arrival < len(self.arrivals):
             times.append(self.arrivals[self.next_arrival].arrival_time)

@@ -36,7 +36,7 @@ import functools
 import json
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,37 @@ def _time(row: dict[str, Any], name: str, required: bool = False) -> float | Non
         raise ValueError(f"{name} must be a number of seconds in [0, {MAX_TIME:.0e}], got "
                          f"{value!r}")
     return float(value)
+
+
+def check_trace(trace: Sequence[Any]) -> None:
+    """The checks of :func:`parse_request` a run cannot do without, for a trace built in
+    Python (a file's lines are parsed): TraceRequest items, times that are numbers of
+    seconds in range (a NaN arrival never came due: the run waited forever), the lengths'
+    ranges and one prompt. Raises TypeError or ValueError naming the request and field."""
+    for item in trace:
+        if not isinstance(item, TraceRequest):
+            raise TypeError(f"a trace is a sequence of TraceRequest, got "
+                            f"{type(item).__name__}")
+        where = f"request {item.request_id!r}: "
+        for name in ("arrival_time", "deadline", "cancel_time", "received_time"):
+            value = getattr(item, name)
+            if value is None and name != "arrival_time":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or not 0 <= value <= MAX_TIME:
+                raise ValueError(f"{where}{name} must be a number of seconds in "
+                                 f"[0, {MAX_TIME:.0e}], got {value!r}")
+        counts = [("output_len", 0, False), ("max_tokens", 1, True)]
+        if item.prompt_token_ids is None:  # else the ids are the prompt (its length unread)
+            counts.append(("prompt_len", 1, False))
+        for name, lo, optional in counts:
+            value = getattr(item, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{where}{name} must be an integer >= {lo}, got {value!r}")
+        if item.prompt_token_ids is not None and not item.prompt_token_ids:
+            raise ValueError(f"{where}prompt_token_ids must not be empty")
 
 
 def parse_request(row: Any) -> TraceRequest:
