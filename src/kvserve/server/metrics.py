@@ -568,8 +568,9 @@ def _session_families(labels: list[str], engines: list[_Engine]) -> Iterator[Met
             ("kvserve:session_hit_tokens", "Prompt tokens of those turns not prefilled again.",
              lambda e: e.stats.num_session_hit_tokens)), engines)
     releases = CounterMetricFamily("kvserve:session_releases",
-                                   "Sessions whose held KV was let go, by reason (ttl, "
-                                   "pressure, limit, deleted, aborted).",
+                                   "Sessions ended, by reason (ttl, pressure, limit, "
+                                   "deleted, aborted, replaced): a hold let go, or a "
+                                   "turn's KV that will not be held.",
                                    labels=[*labels, "reason"])
     for engine in engines:
         for reason in RELEASE_REASONS:
