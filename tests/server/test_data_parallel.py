@@ -201,6 +201,14 @@ def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
         assert results[0].status_code == 200, results[0].text
         assert results[0].json()["usage"]["completion_tokens"] == 300
         assert engine.replicas[1].stats.num_finished.get("length") == 1  # served there
+        # its TTFT is replica 0's; the re-run's first token is no inter-token latency on
+        # replica 1 (QA: one spanned the death and the relaunch)
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+        count = {(name, dict(labels).get("engine")): value
+                 for (name, labels), value in values.items() if name.endswith("_count")}
+        assert count[("vllm:time_to_first_token_seconds_count", "0")] == 1
+        assert count[("vllm:time_to_first_token_seconds_count", "1")] == 0
+        assert count[("vllm:inter_token_latency_seconds_count", "1")] == 299
         wait_for(lambda: engine.num_restarts[0] == 1 and engine.health() is None,
                  timeout=300, what="replica 0 to come back")
         wait_for(lambda: pools_whole(live), what="every pool whole")

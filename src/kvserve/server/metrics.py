@@ -89,6 +89,8 @@ class _Live:
     max_tokens: int | None = None  # the request's max_tokens parameter (after the context)
     group: _Group | None = None
     num_generated: int = 0
+    engine: int = 0  # the replica its tokens came from (data parallel: one placed again
+    # after its replica died changes it, docs/scale-out.md)
 
 
 class _EngineSeries:
@@ -361,7 +363,7 @@ class ServerMetrics:
                     continue
                 num_new = len(chunk.new_token_ids)
                 if num_new:
-                    self._token(series, live, num_new, now)
+                    self._token(series, live, num_new, now, report.engine)
                 if chunk.finished:
                     del self._live[chunk.request_id]
                     series.success(chunk.finish_reason or "error").inc()
@@ -383,13 +385,17 @@ class ServerMetrics:
                     if counted and chunk.metrics is not None:
                         self._finished(series, chunk.metrics)
 
-    def _token(self, series: _EngineSeries, live: _Live, num_new: int, now: float) -> None:
+    def _token(self, series: _EngineSeries, live: _Live, num_new: int, now: float,
+               engine: int) -> None:
         if live.last_token_time is None:
             series.ttft.observe(max(0.0, now - live.arrival_time))
             series.prompt_tokens.inc(live.num_prompt_tokens)
             self.num_prompt_tokens += live.num_prompt_tokens
             if live.tenant is not None:
                 live.tenant.prompt_tokens.inc(live.num_prompt_tokens)
+            live.engine = engine
+        elif engine != live.engine:  # placed again: the re-run's first token is no ITL
+            live.engine = engine     # (QA: one spanned the death and the relaunch)
         else:
             series.itl.observe(max(0.0, now - live.last_token_time) / num_new)
         live.last_token_time = now
