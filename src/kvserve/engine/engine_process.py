@@ -425,11 +425,11 @@ class LocalLauncher:
     def death(self) -> str:
         assert self.process is not None
         code = self.process.exitcode
-        how = f"exit code {code}" if code is None or code >= 0 else _signal_name(-code)
+        how = f"exit code {code}" if code is None or code >= 0 else _signal_label(-code)
         return f"the engine process (pid {self.process.pid}) died ({how})"
 
 
-def _signal_name(number: int) -> str:
+def _signal_label(number: int) -> str:
     """``signal 15, SIGTERM``: what killed a process, as an operator would look it up."""
     try:
         return f"signal {number}, {signal.Signals(number).name}"
