@@ -414,6 +414,26 @@ def test_hf_directory_with_missing_tensor_names_it(tmp_path):
         load_model_weights(tmp_path)
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ('{"a":', r"config\.json: not valid JSON \(Expecting value"),
+    ("[1]", r"config\.json: not a JSON object"),
+    ("{}", r"config\.json: no 'hidden_size' \(a Llama model's config names it\)"),
+])
+def test_a_config_json_that_does_not_read_is_named(tmp_path, text, message):
+    """QA: "Expecting value: line 2 column 1" or a KeyError traceback, no file named."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_config_from_path(tmp_path)
+
+
+def test_a_safetensors_file_that_does_not_read_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UnsupportedModelError, match=r"model\.safetensors: cannot read its "
+                                                     r"tensors \("):
+        load_model_weights(tmp_path)
+
+
 def test_model_config_from_hf_smollm2_config_json():
     smollm2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the fields read here)
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -90,6 +92,27 @@ def test_a_model_path_that_does_not_exist_is_named(capsys):
         "kvserve serve: error: model path /nonexistent/model.gguf does not exist\n"
 
 
+def test_a_model_whose_tokenizer_does_not_parse_is_named(tmp_path, capsys):
+    """QA: a truncated tokenizer.json (a Git LFS pointer) was a traceback from the
+    tokenizers library and exit 1; so was a GGUF without its suffix."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 100}))
+    (model / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\n")
+    assert main(["serve", str(model), "--port", free_port()]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve serve: error: {model}/tokenizer.json is not a "
+                          "tokenizer.json that loads (") and err.count("\n") == 1, err
+    renamed = tmp_path / "model.bin"
+    renamed.write_bytes(b"GGUF" + bytes(64))
+    assert main(["serve", str(renamed), "--port", free_port()]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvserve serve: error: {renamed}: expected a .gguf file or a Hugging " \
+                  "Face directory with config.json and *.safetensors\n"
+
+
 def test_an_address_in_use_is_one_line_before_the_model_loads(capsys):
     """The address is bound before the engine is built (as vLLM binds first): a port taken
     is named at once, not after a model load and then by uvicorn with exit code 3. The
@@ -175,7 +198,7 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
     finally:
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=30)
-    assert process.returncode == 0, output
+    assert process.returncode == -signal.SIGINT, output  # ends by it: a shell's 130 (QA: 0)
     # vLLM's logging: uvicorn's access line and its shutdown's progress at info, and with
     # --enable-log-requests a line per request, without its text (QA: a silent server)
     assert '"POST /v1/completions HTTP/1.1" 200' in output, output
@@ -442,3 +465,37 @@ def test_the_routers_imbalance_bound_is_the_one_planned(monkeypatch):
     monkeypatch.setattr("kvserve.model.tokenizer.load_tokenizer", lambda model: None)
     cli_serve._data_parallel(args, {}, None)
     assert made["router"].imbalance_bound == 4
+
+
+def test_a_second_server_on_the_port_is_refused_in_one_line_when_it_listens():
+    """Two servers started together both bind the port (SO_REUSEADDR, which a restart
+    needs; neither listens while it loads): the one that listens second is refused in one
+    line and its engine stopped (QA: a traceback from uvicorn after the load, named an
+    error "writing the output")."""
+    import argparse
+    import socket
+
+    from kvserve.flags import CLIError
+    from kvserve.server.cli_serve import _listen, bind_socket
+
+    first = bind_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    second = bind_socket("127.0.0.1", port)  # taken too: nobody listens yet
+    stopped: list[bool] = []
+
+    class Engine:
+        async def stop(self) -> None:
+            stopped.append(True)
+
+    state = argparse.Namespace(engine=Engine())
+    try:
+        first.listen()
+        with pytest.raises(CLIError, match=rf"^cannot listen on 127\.0\.0\.1:{port}: Address "
+                                           r"already in use \(another server took"):
+            _listen([second], argparse.Namespace(host="127.0.0.1", port=port), state)
+        assert stopped == [True] and second.fileno() == -1  # closed
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the first one's address is untouched
+    finally:
+        first.close()
+        second.close()

@@ -49,7 +49,12 @@ def checkpoint_dtype(path: str | Path | None) -> str:
 
     resolved = default_model_path() if path is None else Path(path)
     if (resolved / "config.json").is_file():
-        config = json.loads((resolved / "config.json").read_text())
+        try:
+            config = json.loads((resolved / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "float32"  # the loader names what is wrong with it
+        if not isinstance(config, dict):
+            return "float32"
         stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
         return "float32" if stored == "float" else stored
     if resolved.suffix.lower() != ".gguf" or not resolved.is_file():

@@ -15,6 +15,27 @@ from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, che
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
+def read_hf_config(config_path: Path, name: str | None = None) -> ModelConfig:
+    """A Hugging Face ``config.json`` read into a ModelConfig; a file that is not valid
+    JSON, or lacks a key the Llama family needs, is an UnsupportedModelError naming the file
+    (QA: "Expecting value: line 2 column 1" or a KeyError traceback, no file named)."""
+    try:
+        config_dict = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UnsupportedModelError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(config_dict, dict):
+        raise UnsupportedModelError(f"{config_path}: not a JSON object")
+    try:
+        return model_config_from_hf(config_dict, name=name)
+    except UnsupportedModelError:
+        raise
+    except KeyError as error:
+        raise UnsupportedModelError(f"{config_path}: no {error} (a Llama model's config "
+                                    "names it)") from None
+    except (TypeError, ValueError) as error:  # a count that is not a number
+        raise UnsupportedModelError(f"{config_path}: {error}") from None
+
+
 def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None) -> ModelConfig:
     """Llama hyperparameters from a Hugging Face ``config.json`` dict."""
     architectures = list(config_dict.get("architectures") or [])
@@ -75,10 +96,14 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
     if not config_path.is_file() or not files:
         raise ModelNotFoundError(f"{directory} is not a Hugging Face model directory: it needs "
                                  "config.json and at least one *.safetensors file")
-    config = model_config_from_hf(json.loads(config_path.read_text()), name=directory.name)
+    config = read_hf_config(config_path, name=directory.name)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as error:  # safetensors' own SafetensorError, and OSError
+            raise UnsupportedModelError(f"{file}: cannot read its tensors ({error})") from None
+        for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             weights[name] = tensor.to(dtype).contiguous()

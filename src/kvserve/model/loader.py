@@ -24,7 +24,6 @@ shapes every loader checks, dummy weights, the errors).
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ from kvserve.model.gguf_file import (
     permute_qk,
     unpermute_qk,
 )
-from kvserve.model.hf_checkpoint import load_hf_directory, model_config_from_hf
+from kvserve.model.hf_checkpoint import load_hf_directory, model_config_from_hf, read_hf_config
 from kvserve.model.weights import (
     ModelNotFoundError,
     UnsupportedModelError,
@@ -109,7 +108,7 @@ def model_config_from_path(path: str | Path | None) -> ModelConfig:
         config_path = resolved / "config.json"
         if not config_path.is_file():
             raise ModelNotFoundError(f"{resolved} has no config.json")
-        return model_config_from_hf(json.loads(config_path.read_text()), name=resolved.name)
+        return read_hf_config(config_path, name=resolved.name)
     if resolved.suffix.lower() == ".gguf":
         return model_config_from_gguf(resolved)
     raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "

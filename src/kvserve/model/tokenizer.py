@@ -190,7 +190,11 @@ class Tokenizer:
         there), else the config's ``chat_template``, in the order transformers reads them
         (the file takes priority over the config's entry)."""
         path = Path(tokenizer_json)
-        tokenizer = HFTokenizer.from_file(str(path))
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # the tokenizers library raises a bare Exception (QA:
+            # a truncated download, a Git LFS pointer, a GGUF without its suffix: tracebacks)
+            raise ValueError(f"{path} is not a tokenizer.json that loads ({error})") from None
         config_path = path.with_name("tokenizer_config.json")
         config: Mapping[str, Any] = (json.loads(config_path.read_text())
                                      if config_path.is_file() else {})

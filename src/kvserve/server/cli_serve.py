@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -307,9 +308,39 @@ def run(args: argparse.Namespace) -> int:
     timeout = args.shutdown_timeout
     server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down cleanly
+    _listen(sockets, args, state)
+    try:
         server.run(sockets=sockets)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then raised it again
+        if not died.is_set():
+            _end_by(signal.SIGINT)  # 130, as a Ctrl-C while starting (QA: 0)
     return 1 if died.is_set() else 0
+
+
+def _listen(sockets: list[socket.socket], args: argparse.Namespace, state: Any) -> None:
+    """Listen on the address bound before the load. Two servers started together on one
+    port both bind it (SO_REUSEADDR, which a restart needs); the second to listen is
+    refused here, in one line, its engine stopped (QA: a traceback from uvicorn, named an
+    error "writing the output")."""
+    from kvserve.flags import CLIError
+
+    try:
+        for sock in sockets:
+            sock.listen(2048)  # uvicorn's backlog
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        asyncio.run(state.engine.stop())
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: "
+                       f"{error.strerror or error} (another server took the address while "
+                       f"this one loaded)") from None
+
+
+def _end_by(signum: int) -> None:
+    """End this process by ``signum``'s default action: a parent (a shell, systemd) sees
+    the signal that stopped it, as it does for SIGTERM."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 class _Interrupted(BaseException):
@@ -326,7 +357,6 @@ def _interruptible_start() -> Iterator[None]:
     stopped (their builders' cleanup runs as the exception passes), one line says so, and
     the server ends by that signal, as a stop while serving does (QA: a SIGTERM mid-load
     killed the server at once and left a replica loading; Ctrl-C printed a traceback)."""
-    import signal
 
     def interrupted(signum: int, frame: Any) -> None:
         raise _Interrupted(signum)
@@ -340,7 +370,7 @@ def _interruptible_start() -> Iterator[None]:
         logger.warning("%s while starting: the engine processes were stopped; exiting", name)
         for signum in caught:
             signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), stop.signum)  # ends here, by the signal
+        _end_by(stop.signum)
         raise  # not reached
     finally:
         for signum, handler in previous.items():
@@ -455,8 +485,6 @@ async def _drain_background(state: Any) -> None:
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:
