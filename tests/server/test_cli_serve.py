@@ -336,7 +336,9 @@ def test_shutdown_timeout_aborts_what_is_still_running_then_exits(flags, signals
     way run for that long, then aborts them, so a stream ends with finish_reason abort and
     [DONE] and a whole answer says abort, instead of the shutdown waiting on the longest
     generation (the default) or cutting the connection. A second SIGTERM aborts them at
-    once (QA: it did nothing; a second Ctrl-C cut the connections, with tracebacks)."""
+    once (QA: it did nothing; a second Ctrl-C cut the connections, with tracebacks). A body
+    still arriving is cut short by the abort too, with a 503 (QA: a slow upload held the
+    exit 30-60 s and ended in uvicorn's plain 500, with a traceback)."""
     import json
     import signal
     import socket
@@ -377,6 +379,9 @@ def test_shutdown_timeout_aborts_what_is_still_running_then_exits(flags, signals
                        if line.startswith("vllm:num_requests_running{"))
 
         wait_for(lambda: running() == 2, what="both requests running", timeout=120)
+        half = socket.create_connection(("127.0.0.1", port), timeout=60)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
         process.send_signal(signal.SIGTERM)
         if signals == 2:  # once the shutdown began: the server takes no connection
             wait_for(lambda: not accepts(port), what="the shutdown to begin", timeout=60)
@@ -384,9 +389,12 @@ def test_shutdown_timeout_aborts_what_is_still_running_then_exits(flags, signals
         for thread in threads:
             thread.join(timeout=60)
         output, _ = process.communicate(timeout=60)
+        cut_short = half.recv(4096)
+        half.close()
     finally:
         if process.poll() is None:
             process.kill()
+    assert cut_short.startswith(b"HTTP/1.1 503") and b"shutting_down" in cut_short, cut_short
     assert answers["whole"]["choices"][0]["finish_reason"] == "abort", output
     assert answers["stream"][-1] == "data: [DONE]", output
     last = json.loads(answers["stream"][-2].removeprefix("data: "))

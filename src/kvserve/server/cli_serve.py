@@ -497,6 +497,7 @@ async def _abort_after(state: Any, timeout: float | None, now: asyncio.Event) ->
     the first round went by."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(now.wait(), timeout)
+    state.abort_body_reads()
     logged = False
     while True:
         live = list(state.groups.values())

@@ -47,6 +47,9 @@ class ServerState:
     # check until the group ends, so that two requests sent at once cannot share one.
     ids_in_use: set[str] = field(default_factory=set)
     shutting_down: bool = False  # kvserve serve's shutdown began: new requests are refused
+    # set when the shutdown aborts what is under way (its timeout, a second signal): a
+    # body still arriving then ends in a 503 (QA: one slow upload held the exit 30-60 s)
+    _reads_abort: asyncio.Future[None] | None = field(default=None, repr=False)
     started: float = field(default_factory=time.time)
     recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
     record_prompts: str = "hashes"  # --record-prompts
@@ -184,13 +187,29 @@ class ServerState:
                     raise _too_large(size, limit)
                 chunks.append(chunk)
 
-        try:  # wait_for, not asyncio.timeout: Python 3.10 has no such
-            await asyncio.wait_for(read(), self.body_read_timeout)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive whole within "
-                                f"{self.body_read_timeout:g} s ({sum(map(len, chunks))} "
-                                "bytes came); send it at once") from None
-        return b"".join(chunks)
+        if self._reads_abort is None:
+            self._reads_abort = asyncio.get_running_loop().create_future()
+        # a task, as wait_for made; raced against the shutdown's abort and the timeout
+        reading = asyncio.ensure_future(read())
+        done, _ = await asyncio.wait((reading, self._reads_abort), timeout=self.body_read_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if reading in done:
+            reading.result()  # its 413, if any
+            return b"".join(chunks)
+        reading.cancel()
+        if self._reads_abort in done:
+            raise APIError(503, "the server is shutting down; send the request to another "
+                                "replica", code="shutting_down")
+        raise APIError(408, f"the request body did not arrive whole within "
+                            f"{self.body_read_timeout:g} s ({sum(map(len, chunks))} "
+                            "bytes came); send it at once")
+
+    def abort_body_reads(self) -> None:
+        """The shutdown aborts what is under way: the bodies still arriving end in a 503."""
+        if self._reads_abort is None:
+            self._reads_abort = asyncio.get_running_loop().create_future()
+        if not self._reads_abort.done():
+            self._reads_abort.set_result(None)
 
     def retry_after(self) -> str:
         """Seconds a refused client should wait: the waiting queue's worth of requests at the
