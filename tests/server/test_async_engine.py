@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvserve.core import QueueFullError, RequestRejected, SamplingParams
-from kvserve.core.scheduler import QUEUE_TIMEOUT
+from kvserve.core.stop import QUEUE_TIMEOUT
 from kvserve.engine.async_engine import ABORTED, AsyncEngine
 
 from .helpers import make_engine

@@ -49,7 +49,7 @@ from kvserve.core.preemption import (
 from kvserve.core.queues import WaitingQueue, make_waiting_queue
 from kvserve.core.request import EventType, Request, RequestStatus
 from kvserve.core.sessions import DELETED, SessionStore
-from kvserve.core.stop import check_stop, length_stop_reason
+from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT, check_stop, length_stop_reason
 
 if TYPE_CHECKING:
     from kvserve.core.decode_lane import DecodeLane
@@ -61,8 +61,6 @@ if TYPE_CHECKING:
 _RUNNING = RequestStatus.RUNNING
 _PREEMPTED = RequestStatus.PREEMPTED
 _SWAPPED = RequestStatus.SWAPPED
-QUEUE_TIMEOUT = "queue_timeout"
-DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full queue
 _NO_BLOCKS: list[KVBlock] = []  # shared, never stored: step.new_blocks keeps only non-empty
 _NO_CAP = 1 << 62  # no request has this many tokens to compute
 _NOTHING_IN_FLIGHT: dict[str, int] = {}  # read only: update() ran the step

@@ -7,6 +7,9 @@ from kvserve.core.request import Request, RequestStatus
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 KV_CAPACITY = "kv_capacity"  # stop_reason of a sequence the whole KV pool cannot hold (J2)
+# stop_reasons of a request the waiting queue ended before it ran (the server's 503s)
+QUEUE_TIMEOUT = "queue_timeout"  # K4: it waited past its queue deadline
+DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full queue
 
 
 def check_stop(request: Request, token_id: int,

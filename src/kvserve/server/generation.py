@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.errors import without_request_id
 from kvserve.core.limits import check_queueable
-from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import SessionBusy
+from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import OPERATOR_TENANT, ApiKey, resolve_priority, tenant_of

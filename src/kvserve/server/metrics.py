@@ -30,8 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
-from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
 from kvserve.core.sessions import RELEASE_REASONS
+from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
 from kvserve.server.slow_steps import SlowSteps

@@ -458,7 +458,7 @@ def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], se
 
 def shed(record: Any) -> bool:
     """A request the waiting queue shed under load (not one refused at any rate)."""
-    from kvserve.core.scheduler import DISPLACED, QUEUE_TIMEOUT
+    from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
 
     return record.finish_reason == "queue_full" or (
         record.finish_reason == "abort" and record.stop_reason in (QUEUE_TIMEOUT, DISPLACED))

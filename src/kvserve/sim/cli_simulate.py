@@ -265,7 +265,7 @@ def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any]
               f"{echo['scheduler']['max_model_len']}: their context ran out before their "
               "max_tokens or their end (finish_reason length); give a larger "
               "--max-model-len to let them finish", file=sys.stderr)
-    from kvserve.core.scheduler import DISPLACED
+    from kvserve.core.stop import DISPLACED
 
     displaced = sum(1 for r in report["requests"] if r["stop_reason"] == DISPLACED)
     if displaced:  # K5: counted under abort, said here
