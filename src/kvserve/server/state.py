@@ -7,7 +7,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -21,6 +21,11 @@ from kvserve.server.limits import FanOutLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import model_error
 from kvserve.server.response_store import ResponseStore
+
+if TYPE_CHECKING:  # imported by the modules that build them, not on every request's path
+    from kvserve.server.reasoning_parsers import ThinkParser
+    from kvserve.server.recorder import Recorder
+    from kvserve.server.tool_parsers import ToolParser
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 BODY_READ_TIMEOUT_S = 60.0  # a 4 MiB body (the default limit) at 70 KB/s
@@ -51,7 +56,7 @@ class ServerState:
     # body still arriving then ends in a 503 (QA: one slow upload held the exit 30-60 s)
     _reads_abort: asyncio.Future[None] | None = field(default=None, repr=False)
     started: float = field(default_factory=time.time)
-    recorder: Any = None  # a kvserve.server.recorder.Recorder with --record (or at run time)
+    recorder: Recorder | None = None  # with --record (or started at run time)
     record_prompts: str = "hashes"  # --record-prompts
     record_max_file_bytes: int = 64 << 20  # --record-max-file-size
     model_id: str = ""  # the model's own name where model_name is an alias (recordings)
@@ -66,9 +71,9 @@ class ServerState:
     max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
     # --enable-auto-tool-choice --tool-call-parser: a ToolParser (server/tool_parsers.py)
-    tool_parser: Any = None
+    tool_parser: ToolParser | None = None
     # --reasoning-parser: a ThinkParser (server/reasoning_parsers.py)
-    reasoning_parser: Any = None
+    reasoning_parser: ThinkParser | None = None
     # vLLM's --enable-force-include-usage: every stream ends with its usage chunk
     force_include_usage: bool = False
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
