@@ -103,16 +103,19 @@ def test_trace_p95_and_rate_scaling():
     assert scaled[10].at_receipt().arrival_time == pytest.approx(3.0)
 
 
+SERVED = {"num_finished": 10, "num_rejected": 0, "num_shed": 0}  # a run that served it all
+
+
 def test_recommend_picks_the_largest_calm_and_the_fastest_within_target():
     rows = [
         {"max_num_seqs": 8, "num_preemptions": 0, "throughput_output_tok_s": 100.0,
-         "ttft_p99": 9.0},
+         "ttft_p99": 9.0, **SERVED},
         {"max_num_seqs": 16, "num_preemptions": 0, "throughput_output_tok_s": 180.0,
-         "ttft_p99": 2.0},
+         "ttft_p99": 2.0, **SERVED},
         {"max_num_seqs": 32, "num_preemptions": 5, "throughput_output_tok_s": 250.0,
-         "ttft_p99": 1.0},
+         "ttft_p99": 1.0, **SERVED},
         {"max_num_seqs": 64, "num_preemptions": 40, "throughput_output_tok_s": 260.0,
-         "ttft_p99": 3.0},
+         "ttft_p99": 3.0, **SERVED},
     ]
     assert recommend(rows, 2.5) == {"max_num_seqs_no_preemption": 16,
                                     "max_num_seqs_best_throughput": 32,
@@ -127,6 +130,53 @@ def test_recommend_picks_the_largest_calm_and_the_fastest_within_target():
     assert recommend(near, None)["max_num_seqs_best_throughput"] == 64
     near[1]["throughput_output_tok_s"] = 240.0  # 2.5% below: not a tie
     assert recommend(near, None)["max_num_seqs_best_throughput"] == 32
+
+
+def test_recommend_passes_over_runs_that_did_not_serve_the_trace():
+    """A run's p99s cover what it served: one that shed requests (a queue limit or
+    deadline) or refused more than another candidate (a smaller pool) is no recommendation
+    (QA: 148 of 200 shed "met" the TTFT target; 59 of 60 refused was chosen)."""
+    fast = {"max_num_seqs": 32, "num_preemptions": 0, "throughput_output_tok_s": 250.0,
+            "ttft_p99": 1.0, **SERVED}
+    slow = {**fast, "max_num_seqs": 8, "throughput_output_tok_s": 100.0}
+    for spoiled in ({"num_shed": 3}, {"num_rejected": 2}, {"num_finished": 0}):
+        result = recommend([slow, {**fast, **spoiled}], 2.0)
+        assert (result["max_num_seqs_best_throughput"],
+                result["max_num_seqs_no_preemption"]) == (8, 8), spoiled
+        assert result["num_candidates_fitting"] == 2
+    # refused by every candidate alike (prompts past max_model_len): still comparable
+    assert recommend([{**slow, "num_rejected": 2}, {**fast, "num_rejected": 2}],
+                     2.0)["max_num_seqs_best_throughput"] == 32
+
+
+def test_plan_names_requests_no_pool_holds_and_keeps_a_budget_given(tmp_path, capsys):
+    """QA: plan said nothing of 59 of 60 requests its pool refused, recommended a setting
+    from the one it served, and ran a candidate above a --max-num-batched-tokens given with
+    the budget raised (matching no simulate run with the flags)."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({
+        "request_id": f"r{i}", "arrival_time": i * 0.5, "prompt_len": 300 if i else 16,
+        "output_len": 4}) + "\n" for i in range(6)))
+    (tmp_path / "long.jsonl").write_text("".join(trace.read_text().splitlines(True)[1:]))
+    argv = ["plan", "--trace", str(trace), "--cost-model", "unit", "--workers", "1",
+            "--no-capacity-search", "--json"]
+    assert main([*argv, "--num-kv-blocks", "8", "--candidates", "4,8"]) == 0
+    out = capsys.readouterr()
+    assert "warning: 5 of 6 requests have prompts no candidate's KV pool holds" in out.err
+    rows = json.loads(out.out)["sweep"]
+    assert [(r["num_finished"], r["num_rejected"], r["num_shed"]) for r in rows] == \
+        [(1, 5, 0), (1, 5, 0)]
+    assert main([*argv[:2], str(tmp_path / "long.jsonl"), *argv[3:], "--num-kv-blocks", "8",
+                 "--candidates", "4,8"]) == 2
+    assert "no candidate served any of the trace's 5 requests" in capsys.readouterr().err
+    assert main([*argv, "--num-kv-blocks", "64", "--candidates", "4,8",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "6"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert "error" not in rows[0] and rows[1]["error"] == \
+        "max_num_seqs 8 is above the --max-num-batched-tokens 6 given (a step schedules a " \
+        "token per sequence at least)"
 
 
 def test_capacity_search_brackets_then_bisects():

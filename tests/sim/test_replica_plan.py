@@ -64,6 +64,20 @@ def test_recommendation_is_the_fewest_replicas_meeting_every_slo() -> None:
     assert recommend_replicas([row(1, None, None)], 1.0, None)["replicas_meeting_slo"] == []
 
 
+def test_a_count_that_shed_requests_meets_no_slo_and_itl_without_gaps_breaks_none() -> None:
+    """QA: with --max-queue-delay, 1 replica shedding 118 of 200 requests "met" a TTFT
+    target that needs 3 (its p99 covered what it served); and answers a token long, with
+    no inter-token gap to measure, missed every ITL target, advised "raise --max-replicas"."""
+    served = {"num_finished": 200, "num_shed": 0}
+    rows = [{**row(1, 0.5, 0.01), "num_finished": 82, "num_shed": 118},
+            {**row(2, 0.5, 0.01), **served}]
+    assert recommend_replicas(rows, 1.0, None)["replicas_meeting_slo"] == [2]
+    short = [{**row(1, 0.2, None), **served}]
+    assert recommend_replicas(short, None, 0.1)["replicas_recommended"] == 1
+    assert recommend_replicas([{**row(1, None, None), "num_finished": 0, "num_shed": 0}],
+                              None, 0.1)["replicas_recommended"] is None  # served nothing
+
+
 @pytest.fixture
 def trace_path(tmp_path):
     path = tmp_path / "t.jsonl"

@@ -192,6 +192,27 @@ def _check_servable_share(trace: list[Any], max_model_len: int) -> None:
               "--max-model-len to plan for them)", file=sys.stderr)
 
 
+def _check_served(rows: list[dict[str, Any]], trace: list[Any], max_model_len: int) -> None:
+    """Prompts a candidate's KV pool cannot hold are refused at every rate (J2): a warning
+    naming how many where every candidate refuses some, an error where no candidate served
+    anything (QA: plan recommended settings, and a capacity, from rows that served 1 of 60
+    requests, or none)."""
+    num_requests = len(trace)
+    fitting = [row for row in rows if row.get("error") is None]
+    if not fitting:
+        return  # the sweep's rows say why each does not fit
+    if max(row["num_finished"] for row in fitting) == 0:
+        raise ValueError(f"no candidate served any of the trace's {num_requests} requests "
+                         "(each refused or shed them all): give a larger KV pool "
+                         "(--num-kv-blocks, --gpu-memory-gib) or --max-model-len")
+    too_long = sum(1 for r in trace if r.num_prompt_tokens >= max_model_len)  # warned of
+    refused = min(row["num_rejected"] for row in fitting) - too_long
+    if refused > 0:
+        print(f"warning: {refused} of {num_requests} requests have prompts no candidate's KV "
+              "pool holds and are refused at every rate: the rows cover the rest (give a "
+              "larger pool to plan for them)", file=sys.stderr)
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is not None and not 0 < value < math.inf:  # QA: inf was taken
         raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got "
@@ -305,6 +326,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
     with Workers(args.workers) as pool:
         rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool)
+        _check_served(rows, trace, config.max_model_len)
         out["sweep"] = rows
         out.update(plan.recommend(rows, args.ttft_p99))
         if not args.no_capacity_search:
@@ -386,8 +408,10 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
         return {"capacity_qps": None,  # QA: searched at 256, no candidate
                 "capacity_note": "no candidate max_num_seqs fits: no capacity to search",
                 "queue_delay_p99_bound_s": args.queue_delay_p99}
+    fitting = [r["max_num_seqs"] for r in out.get("sweep", ()) if r.get("error") is None]
     max_num_seqs = (settings.get("max_num_seqs") or out["max_num_seqs_best_throughput"]
-                    or out["max_num_seqs_no_preemption"] or 256)
+                    or out["max_num_seqs_no_preemption"] or max(fitting, default=None)
+                    or min(256, settings.get("max_num_batched_tokens", 256)))
     start = plan.trace_rate(trace)
     if start is None:
         return {"capacity_qps": None,
@@ -451,17 +475,9 @@ def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], se
     from kvserve.sim.report import aggregate
 
     _, result = deployment.simulate(plan.scale_rate(trace, qps), settings, seed=seed)
-    if any(shed(record) for record in result.records):
+    if any(plan.shed(record) for record in result.records):
         return None
     return aggregate(result)["queue_p99"]
-
-
-def shed(record: Any) -> bool:
-    """A request the waiting queue shed under load (not one refused at any rate)."""
-    from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
-
-    return record.finish_reason == "queue_full" or (
-        record.finish_reason == "abort" and record.stop_reason in (QUEUE_TIMEOUT, DISPLACED))
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -543,14 +559,15 @@ def _print(result: dict[str, Any]) -> None:
         from kvserve.sim.table import fmt_pct, fmt_s
 
         sweep = Table(title="max_num_seqs sweep", title_justify="left")
-        for column in ("max_num_seqs", "KV blocks", "preempt", "wasted", "out tok/s",
-                       "TTFT p99", "queue p99", "stall"):
+        for column in ("max_num_seqs", "KV blocks", "served", "refused", "shed", "preempt",
+                       "wasted", "out tok/s", "TTFT p99", "queue p99", "stall"):
             sweep.add_column(column, justify="right")
         for r in result["sweep"]:
             if r.get("error"):
-                sweep.add_row(str(r["max_num_seqs"]), "does not fit", *[""] * 6)
+                sweep.add_row(str(r["max_num_seqs"]), "does not fit", *[""] * 9)
                 continue
             sweep.add_row(str(r["max_num_seqs"]), f"{r['num_kv_blocks']:,}",
+                          str(r["num_finished"]), str(r["num_rejected"]), str(r["num_shed"]),
                           str(r["num_preemptions"]),
                           fmt_pct(r["wasted_fraction"]),
                           f"{r['throughput_output_tok_s']:.1f}", fmt_s(r["ttft_p99"]),
@@ -572,6 +589,9 @@ def _why_none(result: dict[str, Any]) -> str:
     reach (the last doubling gained under 5% on a figure that misses; QA: a 1 ms TTFT target
     was told to raise --max-replicas)."""
     rows = result["replica_sweep"]
+    if rows and rows[-1].get("num_shed"):
+        return (f" (even {rows[-1]['replicas']} shed requests by a queue limit or deadline: "
+                "raise --max-replicas or loosen the limit)")
     if len(rows) < 2:
         return " (raise --max-replicas)"
     before, last = rows[-2], rows[-1]
@@ -601,11 +621,12 @@ def _print_replica_sweep(console: Any, rows: list[dict[str, Any]]) -> None:
     from kvserve.sim.table import fmt_pct, fmt_s
 
     table = Table(title="replica sweep", title_justify="left")
-    for column in ("replicas", "TTFT p50", "TTFT p99", "ITL p99", "queue p99", "out tok/s",
-                   "preempt", "prefix hits", "KV mean"):
+    for column in ("replicas", "served", "shed", "TTFT p50", "TTFT p99", "ITL p99",
+                   "queue p99", "out tok/s", "preempt", "prefix hits", "KV mean"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(str(r["replicas"]), fmt_s(r["ttft_p50"]), fmt_s(r["ttft_p99"]),
+        table.add_row(str(r["replicas"]), str(r["num_finished"]), str(r.get("num_shed", 0)),
+                      fmt_s(r["ttft_p50"]), fmt_s(r["ttft_p99"]),
                       fmt_s(r["itl_p99"]), fmt_s(r["queue_p99"]),
                       f"{r['throughput_output_tok_s']:,.1f}", str(r["num_preemptions"]),
                       fmt_pct(r["prefix_hit_rate"]), fmt_pct(r["kv_usage_mean"]))
