@@ -309,6 +309,45 @@ def test_an_engine_process_is_recorded_where_arrivals_are_seen(tmp_path):
     assert decisions(simulated) == decisions(recording.engines[0].events)
 
 
+def test_a_stop_string_matched_in_the_server_process_is_recorded_as_the_engine_ran(
+        tmp_path):
+    """The engine process finishes a request a step after the server matched its stop
+    string: the metrics count what the client got, the recording what the engine computed,
+    so its replay makes the same steps (QA: recorded a token short, the replay diverged)."""
+    from .helpers import engine_spec
+
+    directory = tmp_path / "stop"
+    with LiveServer(spec=engine_spec(0.01, max_num_seqs=4, max_model_len=1024)) as live:
+        body = {"max_tokens": 40, "temperature": 0}
+        for seed in range(40):  # an answer with a stop string half way or further in
+            rng = random.Random(seed)
+            body["prompt"] = [rng.randrange(100, 40000) for _ in range(12)]
+            reply = httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()
+            full = reply["choices"][0]["text"]
+            stop = full[len(full) * 2 // 3:][:4]
+            if reply["usage"]["completion_tokens"] >= 20 and full.index(stop) > len(full) // 2:
+                break
+        live.state.recorder = Recorder(directory, live.state.engine.info, prompts="ids")
+        live.state.engine.observers.append(live.state.recorder.observe)
+        live.state.recorder.start()
+        other = threading.Thread(target=lambda: httpx.post(live.url + "/v1/completions", json={
+            "prompt": [7] * 12, "max_tokens": 60, "ignore_eos": True}, timeout=60))
+        other.start()
+        cut = httpx.post(live.url + "/v1/completions", json={**body, "stop": [stop]},
+                         timeout=30).json()
+        other.join()
+        wait_for(lambda: live.state.recorder.status()["requests"] == 2, what="recorded")
+        live.state.recorder.close()
+        settings = live.state.engine.info
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    recording = load_recording(directory, warn=pytest.fail)
+    result = Simulator(SchedulerConfig(max_num_seqs=4, max_model_len=1024),
+                       CacheConfig(num_blocks=settings.num_kv_blocks),
+                       recording.replay_cost_model()).run(recording.trace)  # diverged here
+    assert list(result.steps.num_scheduled_tokens) == \
+        [step["num_scheduled_tokens"] for step in recording.engines[0].steps]
+
+
 def test_serve_record_builds_the_recorder_with_the_engines_settings(tmp_path):
     from kvserve.cli import build_parser
     from kvserve.server.cli_serve import build_state

@@ -48,6 +48,10 @@ class StepReport:
     # moment its scheduler first saw it: a recording's arrival time, docs/recording.md).
     arrivals: tuple[tuple[str, float], ...] = ()
     shape: BatchView | None = None  # the batch as the cost models see it (steps only)
+    # The chunks as the engine made them, where the server's process cut some short (a stop
+    # string it matched: engine_process.py); ``chunks`` are then what the clients got. A
+    # recording keeps these: its replay redoes the engine's work, token for token.
+    engine_chunks: list[CompletionChunk] | None = None
 
 
 class EngineCore:

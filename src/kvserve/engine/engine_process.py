@@ -752,7 +752,7 @@ class ProcessEngine:
                 out.idle_checks, out.invariant_violations
         for report in out.reports:
             if self._text:  # the observers count what the clients get, as in-process
-                report = dataclasses.replace(report, chunks=[
+                report = dataclasses.replace(report, engine_chunks=report.chunks, chunks=[
                     c for c in map(self._with_text, report.chunks) if c is not None])
             notify(self.observers, report)  # before the clients hear (AsyncEngine._notify)
             self._deliver(report.chunks)

@@ -376,7 +376,10 @@ class Recorder:
         stats = report.stats
         if not (stats.num_running or stats.num_waiting or stats.num_swapped):
             self._close_step(report.engine, None)  # idle now: the wait is not the step's
-        for chunk in report.chunks:
+        # as the engine made them: a replay redoes its work (QA: a stop string matched in the
+        # server's process recorded the answer a token short, and the replay diverged)
+        chunks = report.chunks if report.engine_chunks is None else report.engine_chunks
+        for chunk in chunks:
             if chunk.finished:
                 entry = pending.pop(chunk.request_id, None)
                 if entry is not None and entry.arrival is not None:
