@@ -95,7 +95,6 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
 def check_output_file(flag: str, path: str) -> None:
     """CLIError unless ``path`` can be written as a file (its folder exists, it is not a
     folder): checked before long work, so that the work's result is not lost at the end."""
-
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CLIError(f"{flag} {path}: is a directory; give a file name")
@@ -552,7 +551,6 @@ def env_kv_cache_space() -> int | None:
     """vLLM's VLLM_CPU_KVCACHE_SPACE, the CPU KV cache in GiB ('4', '0.5'; a size with a unit
     is taken too) as bytes, logged as coming from there; None where it is unset, empty or 0
     (vLLM's "not set": kvserve's own default then). CLIError for anything else."""
-
     text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
     if not text:
         return None
@@ -577,7 +575,6 @@ def configures_logging() -> bool:
     """False where vLLM's VLLM_CONFIGURE_LOGGING=0 asks kvserve to leave the logging
     configuration alone (no handler, no level set); CLIError for a value other than 0 or
     1."""
-
     value = os.environ.get("VLLM_CONFIGURE_LOGGING", "1").strip() or "1"
     if value not in ("0", "1"):
         raise CLIError(f"VLLM_CONFIGURE_LOGGING {value!r}: give 1 (kvserve configures its "
@@ -590,7 +587,6 @@ def configure_logging(format: str) -> None:
     VLLM_LOGGING_LEVEL where it is set; nothing at all under VLLM_CONFIGURE_LOGGING=0, as
     vLLM (the embedding application's configuration stands). CLIError for a level that is
     not one of LOG_LEVELS."""
-
     if not configures_logging():
         return
     level = os.environ.get("VLLM_LOGGING_LEVEL", "").strip().upper()

@@ -4,6 +4,7 @@ template, incremental detokenisation and stop strings."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from jinja2.exceptions import SecurityError
@@ -391,3 +392,22 @@ def test_the_tokenizer_pickles_after_rendering_a_chat(tokenizer):
     copy = pickle.loads(pickle.dumps(tokenizer))
     assert copy._compiled_template is None and tokenizer._compiled_template is not None
     assert copy.encode_chat(messages) == ids
+
+
+def test_a_tokenizer_file_that_does_not_read_is_named(tokenizer, tmp_path):
+    """QA: a truncated tokenizer.json was a bare Exception from the tokenizers library (a
+    traceback from serve); a bad tokenizer_config.json or chat_template.jinja named no
+    file."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not a tokenizer"):
+        Tokenizer.from_file(path)
+    tokenizer.save(path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text('{"bos_token": ')
+    with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: not valid JSON"):
+        Tokenizer.from_file(path)
+    config.write_text("{}")
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
+        Tokenizer.from_file(path)

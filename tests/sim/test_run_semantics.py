@@ -150,6 +150,14 @@ def test_a_trace_built_in_python_is_checked_as_a_file_is(bad, message):
             run(trace, cluster)
 
 
+def test_a_request_id_twice_in_a_trace_is_refused():
+    """QA: one engine failed with a bare RequestError, a cluster merged the two into one
+    row with wrong figures."""
+    for cluster in (ONE, TWO):
+        with pytest.raises(ValueError, match="request 'a': the id is in the trace twice"):
+            run([req("a", 10, 2), req("a", 10, 2, 1.0)], cluster)
+
+
 def test_a_trace_of_something_else_is_a_type_error():
     with pytest.raises(TypeError, match="a trace is a sequence of TraceRequest, got dict"):
         run([{"request_id": "a"}])

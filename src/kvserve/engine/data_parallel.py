@@ -76,9 +76,9 @@ class DataParallelEngine:
         self.num_restarts = [0] * len(self.launchers)
         # Relaunches that failed before the replica was ready (a crash loop counts here).
         self.num_failed_restarts = [0] * len(self.launchers)
-        # Crash-loop backoff: a replica that dies (or fails to start) within STABLE_S of its
-        # start waits twice as long as last time before its next launch, up to
-        # MAX_RESTART_DELAY_S; one that ran STABLE_S is relaunched at once again.
+        # Crash-loop backoff: the first death within STABLE_S of a start is relaunched at
+        # once; each further one (or a failed launch) waits longer (restart_delay, then twice
+        # the last wait, up to MAX_RESTART_DELAY_S); one that ran STABLE_S starts over.
         self._started_at = [time.monotonic()] * len(self.launchers)
         self._next_delay = [0.0] * len(self.launchers)
         # What each replica's earlier lives counted (event loop only): its counters carry on

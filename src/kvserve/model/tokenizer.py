@@ -196,8 +196,13 @@ class Tokenizer:
             # a truncated download, a Git LFS pointer, a GGUF without its suffix: tracebacks)
             raise ValueError(f"{path} is not a tokenizer.json that loads ({error})") from None
         config_path = path.with_name("tokenizer_config.json")
-        config: Mapping[str, Any] = (json.loads(config_path.read_text())
-                                     if config_path.is_file() else {})
+        try:
+            config: Mapping[str, Any] = (json.loads(config_path.read_text())
+                                         if config_path.is_file() else {})
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{config_path}: not valid JSON ({error})") from None
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{config_path}: not a JSON object")
 
         def token_id(key: str) -> int | None:
             token = config.get(key)
@@ -206,9 +211,12 @@ class Tokenizer:
             return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
         template_path = path.with_name(CHAT_TEMPLATE_FILE)
-        template = chat_template or (template_path.read_text(encoding="utf-8")
-                                     if template_path.is_file() else None) \
-            or config.get("chat_template")
+        try:
+            template = chat_template or (template_path.read_text(encoding="utf-8")
+                                         if template_path.is_file() else None) \
+                or config.get("chat_template")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{template_path}: not UTF-8 text ({error})") from None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {entry.get("name"): entry.get("template") for entry in template}
             template = named.get("default")

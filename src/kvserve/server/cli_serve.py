@@ -298,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
                 tuple(args.allowed_headers), args.allow_credentials)
     app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
                     else args.log_stats_interval, cors=cors)
+    _listen(sockets, args, state)  # before "serving": a second server on the port is refused
     scheme = "https" if args.ssl_certfile else "http"
     logger.info("serving %s on %s://%s:%d%s", state.model_name, scheme, args.host, args.port,
                 args.root_path)
@@ -308,7 +309,6 @@ def run(args: argparse.Namespace) -> int:
     timeout = args.shutdown_timeout
     server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
-    _listen(sockets, args, state)
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then raised it again
@@ -330,7 +330,10 @@ def _listen(sockets: list[socket.socket], args: argparse.Namespace, state: Any) 
     except OSError as error:
         for sock in sockets:
             sock.close()
-        asyncio.run(state.engine.stop())
+        try:
+            asyncio.run(state.engine.stop())
+        except Exception:  # the refusal is the message; the stop's failure is logged
+            logger.exception("stopping the engine after the refusal failed")
         raise CLIError(f"cannot listen on {args.host}:{args.port}: "
                        f"{error.strerror or error} (another server took the address while "
                        f"this one loaded)") from None

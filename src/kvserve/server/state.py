@@ -54,7 +54,8 @@ class ServerState:
     shutting_down: bool = False  # kvserve serve's shutdown began: new requests are refused
     # set when the shutdown aborts what is under way (its timeout, a second signal): a
     # body still arriving then ends in a 503 (QA: one slow upload held the exit 30-60 s)
-    _reads_abort: asyncio.Future[None] | None = field(default=None, repr=False)
+    _reads_abort: asyncio.Future[None] | None = field(default=None, init=False, repr=False,
+                                                      compare=False)
     started: float = field(default_factory=time.time)
     recorder: Recorder | None = None  # with --record (or started at run time)
     record_prompts: str = "hashes"  # --record-prompts
@@ -196,12 +197,16 @@ class ServerState:
             self._reads_abort = asyncio.get_running_loop().create_future()
         # a task, as wait_for made; raced against the shutdown's abort and the timeout
         reading = asyncio.ensure_future(read())
-        done, _ = await asyncio.wait((reading, self._reads_abort), timeout=self.body_read_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait((reading, self._reads_abort),
+                                         timeout=self.body_read_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():  # timed out, aborted, or this handler cancelled
+                reading.cancel()
         if reading in done:
             reading.result()  # its 413, if any
             return b"".join(chunks)
-        reading.cancel()
         if self._reads_abort in done:
             raise APIError(503, "the server is shutting down; send the request to another "
                                 "replica", code="shutting_down")

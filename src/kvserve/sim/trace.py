@@ -226,11 +226,15 @@ def check_trace(trace: Sequence[Any]) -> None:
     Python (a file's lines are parsed): TraceRequest items, times that are numbers of
     seconds in range (a NaN arrival never came due: the run waited forever), the lengths'
     ranges and one prompt. Raises TypeError or ValueError naming the request and field."""
+    seen: set[str] = set()
     for item in trace:
         if not isinstance(item, TraceRequest):
             raise TypeError(f"a trace is a sequence of TraceRequest, got "
                             f"{type(item).__name__}")
         where = f"request {item.request_id!r}: "
+        if item.request_id in seen:  # a cluster merged the two into one row (QA)
+            raise ValueError(f"{where}the id is in the trace twice")
+        seen.add(item.request_id)
         for name in ("arrival_time", "deadline", "cancel_time", "received_time"):
             value = getattr(item, name)
             if value is None and name != "arrival_time":
