@@ -189,7 +189,9 @@ def test_kvserve_serve_process_boots_logs_and_stops_on_sigint():
         [kvserve, "serve", "--engine-process", "--port", str(port), "--load-format", "dummy",
          "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "d",
          "--swap-space", "8MiB", "--preemption-mode", "auto", "--enable-log-requests"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # as a job started in the background: SIGINT ignored (the server still stops on it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         wait_until_serving(process, port)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,

@@ -309,12 +309,16 @@ def run(args: argparse.Namespace) -> int:
     timeout = args.shutdown_timeout
     server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
     died = _exit_when_the_engine_dies(server, state.engine)
-    try:
+    # Ctrl-C: uvicorn shuts down cleanly, then raises it again, unless SIGINT came ignored
+    # from the parent (a job in the background); either way the server ends by it (130), as
+    # a Ctrl-C while starting does (QA: 0)
+    with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=sockets)
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down cleanly, then raised it again
-        if not died.is_set():
-            _end_by(signal.SIGINT)  # 130, as a Ctrl-C while starting (QA: 0)
-    return 1 if died.is_set() else 0
+    if died.is_set():
+        return 1
+    if server.stop_signal == signal.SIGINT:
+        _end_by(signal.SIGINT)
+    return 0
 
 
 def _listen(sockets: list[socket.socket], args: argparse.Namespace, state: Any) -> None:
@@ -449,10 +453,12 @@ def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | Non
 
     class DrainingServer(uvicorn.Server):  # type: ignore[misc, name-defined]
         abort_asked = False  # a second signal came
+        stop_signal: int | None = None  # the first signal, which the server ends by
         _now: asyncio.Event | None = None  # set by it, once the shutdown began
         _loop: asyncio.AbstractEventLoop | None = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stop_signal = self.stop_signal or sig
             if not self.should_exit or self.abort_asked:
                 super().handle_exit(sig, frame)
                 return
