@@ -179,6 +179,31 @@ def test_plan_names_requests_no_pool_holds_and_keeps_a_budget_given(tmp_path, ca
         "token per sequence at least)"
 
 
+def test_the_headline_falls_back_to_a_candidate_when_the_default_does_not_fit(tmp_path,
+                                                                               capsys):
+    """QA: plan sized its headline pool at the default max_num_seqs 256, a value never asked
+    for, and ended on a tight device whose candidates fit (and on a token budget given below
+    256)."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"request_id": f"r{i}", "arrival_time": i * 0.5,
+                                         "prompt_len": 64, "output_len": 4}) + "\n"
+                             for i in range(4)))
+    argv = ["plan", "--trace", str(trace), "--workers", "1", "--no-capacity-search", "--json"]
+    assert main([*argv, "--hardware", "l4", "--gpu-memory-gib", "16.9",
+                 "--candidates", "8,16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pool_max_num_seqs"] == 16 and result["max_num_seqs_best_throughput"]
+    assert main([*argv, "--cost-model", "unit", "--num-kv-blocks", "64",
+                 "--max-num-batched-tokens", "6", "--candidates", "4,8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["pool_max_num_seqs"] == 4 and result["sweep"][1]["error"]
+    assert main([*argv, "--hardware", "l4", "--gpu-memory-gib", "16.9",
+                 "--candidates", "4096"]) == 2  # nothing fits: the smallest's reason
+    assert "does not fit" in capsys.readouterr().err
+
+
 def test_capacity_search_brackets_then_bisects():
     # A queue whose p99 delay is 0 up to 7.3 QPS and grows past it; bound 1 s.
     probes = []

@@ -177,6 +177,32 @@ def _print_preemption_cost(cost: Any) -> None:
     Console(width=110, highlight=False).print(table)
 
 
+def _headline_pool(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],
+                   sweeps: bool) -> tuple[Any, Any]:
+    """The scheduler config and KV pool the headline figures describe: at the max_num_seqs
+    set, else the default (each candidate of a sweep gets its own pool, as `kvserve simulate
+    --max-num-seqs N` sizes it: the reserve grows with max_num_seqs). With no max_num_seqs
+    set and a sweep to run, at the largest candidate whose pool fits where the default's does
+    not, or is above the token budget given (QA: the default, a value never asked for, ended
+    the plan on a tight device whose candidates fit)."""
+    from kvserve.core import ConfigError
+    from kvserve.sim import plan
+    from kvserve.sim.capacity import CapacityError
+
+    fallbacks = sorted(_candidates(args.candidates), reverse=True) \
+        if sweeps and "max_num_seqs" not in settings else []
+    for value in (None, *fallbacks):
+        try:
+            headline = settings if value is None else plan.with_max_num_seqs(settings, value)
+            config = scheduler_config(headline)
+            deployment.check_context(config)
+            return config, deployment.kv_pool(headline, config)
+        except (CapacityError, ConfigError, plan.BudgetError):
+            if value == (fallbacks[-1] if fallbacks else None):
+                raise
+    raise AssertionError("not reached")
+
+
 def _check_servable_share(trace: list[Any], max_model_len: int) -> None:
     """A trace's prompts that max_model_len refuses (J1) are refused at every rate: a
     warning naming how many, and an error when every one is (plan then recommended settings
@@ -277,11 +303,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     deployment = dataclasses.replace(
         deployment_from_args(args), gpu_memory_gib=args.gpu_memory_gib,
         kv_pool_gib=args.kv_pool_gib, activation_reserve_gib=args.activation_reserve_gib)
-    config = scheduler_config(settings)
-    deployment.check_context(config)
-    # At the configured max_num_seqs; each candidate of the sweep gets its own pool, as
-    # `kvserve simulate --max-num-seqs N` sizes it (the reserve grows with max_num_seqs).
-    pool = deployment.kv_pool(settings, config)
+    config, pool = _headline_pool(args, deployment, settings, sweeps=trace is not None
+                                  and args.max_replicas is None)
     if args.prompt_len is not None and args.output_len is not None:
         seq_len, source = args.prompt_len + args.output_len, "prompt_len + output_len"
         if seq_len > config.max_model_len:
