@@ -920,7 +920,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         block_ids = self.kv.get_block_ids
-        admitted, new_blocks_of = step.new_request_ids, step.new_blocks
+        new_ids, new_blocks_of = step.new_request_ids, step.new_blocks
         # Bound appends: this loop runs for every running request every step.
         append_id = cached.request_ids.append
         append_new_block_ids = cached.new_block_ids.append
@@ -931,7 +931,7 @@ class Scheduler:
             if num_new is None:
                 continue
             num_computed = request.num_computed_tokens
-            if request_id in admitted:
+            if request_id in new_ids:
                 new_reqs.append(NewRequestData(
                     request_id, request.all_token_ids, request.num_prompt_tokens,
                     block_ids(request_id), num_computed, request.num_preemptions > 0,

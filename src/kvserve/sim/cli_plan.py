@@ -189,18 +189,19 @@ def _headline_pool(args: argparse.Namespace, deployment: Any, settings: dict[str
     from kvserve.sim import plan
     from kvserve.sim.capacity import CapacityError
 
-    fallbacks = sorted(_candidates(args.candidates), reverse=True) \
-        if sweeps and "max_num_seqs" not in settings else []
-    for value in (None, *fallbacks):
+    values: list[int | None] = [None]  # None: as set, or the default
+    if sweeps and "max_num_seqs" not in settings:
+        values += sorted(_candidates(args.candidates), reverse=True)
+    for tried, value in enumerate(values, 1):
         try:
             headline = settings if value is None else plan.with_max_num_seqs(settings, value)
             config = scheduler_config(headline)
             deployment.check_context(config)
             return config, deployment.kv_pool(headline, config)
         except (CapacityError, ConfigError, plan.BudgetError):
-            if value == (fallbacks[-1] if fallbacks else None):
+            if tried == len(values):  # the smallest candidate's reason, or the default's
                 raise
-    raise AssertionError("not reached")
+    raise AssertionError("not reached: the last value tried returns or raises")
 
 
 def _check_servable_share(trace: list[Any], max_model_len: int) -> None:
@@ -431,10 +432,10 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
         return {"capacity_qps": None,  # QA: searched at 256, no candidate
                 "capacity_note": "no candidate max_num_seqs fits: no capacity to search",
                 "queue_delay_p99_bound_s": args.queue_delay_p99}
-    fitting = [r["max_num_seqs"] for r in out.get("sweep", ()) if r.get("error") is None]
+    # (with none set, some candidate fits: checked above)
     max_num_seqs = (settings.get("max_num_seqs") or out["max_num_seqs_best_throughput"]
-                    or out["max_num_seqs_no_preemption"] or max(fitting, default=None)
-                    or min(256, settings.get("max_num_batched_tokens", 256)))
+                    or out["max_num_seqs_no_preemption"]
+                    or max(r["max_num_seqs"] for r in out["sweep"] if r.get("error") is None))
     start = plan.trace_rate(trace)
     if start is None:
         return {"capacity_qps": None,
