@@ -101,6 +101,14 @@ def test_trace_p95_and_rate_scaling():
     scaled = scale_rate(received, 4.0)
     assert scaled[10].received_time == pytest.approx(3.0)
     assert scaled[10].at_receipt().arrival_time == pytest.approx(3.0)
+    # a receipt ahead of its arrival keeps its lead, never before the trace's start (QA:
+    # squeezed, it came out negative and the capacity probe's run refused the trace)
+    early = [dataclasses.replace(r, received_time=max(0.0, r.arrival_time - 0.3))
+             for r in trace]
+    squeezed = scale_rate(early, 40.0)
+    assert squeezed[1].received_time == 0.0
+    assert squeezed[-1].arrival_time > 0.3
+    assert squeezed[-1].received_time == pytest.approx(squeezed[-1].arrival_time - 0.3)
 
 
 SERVED = {"num_finished": 10, "num_rejected": 0, "num_shed": 0}  # a run that served it all

@@ -48,7 +48,9 @@ def trace_seq_len_p95(trace: Sequence[TraceRequest], max_model_len: int | None =
 
 def scale_rate(trace: Sequence[TraceRequest], qps: float) -> list[TraceRequest]:
     """The same requests with arrival gaps stretched or squeezed to a mean rate of ``qps``
-    (cancel times, deadlines and a recording's receipt times move with their request)."""
+    (cancel times, deadlines and a recording's receipt times move with their request; a
+    receipt ahead of its arrival keeps its lead, but not past the trace's start: squeezed,
+    an early request's came out before 0, which a run refuses, QA)."""
     first = min(r.arrival_time for r in trace)
     span = max(r.arrival_time for r in trace) - first
     factor = (len(trace) - 1) / span / qps
@@ -59,7 +61,8 @@ def scale_rate(trace: Sequence[TraceRequest], qps: float) -> list[TraceRequest]:
     return [replace(r, arrival_time=first + (r.arrival_time - first) * factor,
                     cancel_time=move(r.cancel_time, r.arrival_time),
                     deadline=move(r.deadline, r.arrival_time),
-                    received_time=move(r.received_time, r.arrival_time)) for r in trace]
+                    received_time=None if r.received_time is None
+                    else max(0.0, move(r.received_time, r.arrival_time))) for r in trace]
 
 
 def trace_rate(trace: Sequence[TraceRequest]) -> float | None:
