@@ -209,6 +209,10 @@ def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
         assert count[("vllm:time_to_first_token_seconds_count", "0")] == 1
         assert count[("vllm:time_to_first_token_seconds_count", "1")] == 0
         assert count[("vllm:inter_token_latency_seconds_count", "1")] == 299
+        # its longest answer is the one it got, not that plus the dropped run's tokens
+        sums = {(name, dict(labels).get("engine")): value
+                for (name, labels), value in values.items() if name.endswith("_sum")}
+        assert sums[("vllm:request_max_num_generation_tokens_sum", "1")] == 300
         wait_for(lambda: engine.num_restarts[0] == 1 and engine.health() is None,
                  timeout=300, what="replica 0 to come back")
         wait_for(lambda: pools_whole(live), what="every pool whole")

@@ -395,7 +395,9 @@ class ServerMetrics:
                 live.tenant.prompt_tokens.inc(live.num_prompt_tokens)
             live.engine = engine
         elif engine != live.engine:  # placed again: the re-run's first token is no ITL
-            live.engine = engine     # (QA: one spanned the death and the relaunch)
+            live.engine = engine     # (QA: one spanned the death and the relaunch), and
+            live.num_generated = 0   # its answer starts over (the longest-answer histogram
+            # passed max_tokens); the counters keep the dropped run's tokens: engine work
         else:
             series.itl.observe(max(0.0, now - live.last_token_time) / num_new)
         live.last_token_time = now
