@@ -14,6 +14,9 @@ import threading
 import httpx
 import pytest
 
+from kvserve.engine.core_loop import StepReport
+from kvserve.engine.engine import CompletionChunk
+
 from .helpers import LiveServer, engine_spec, metric_values, wait_for
 from .test_disconnect import raw_post
 
@@ -190,7 +193,12 @@ def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
     stop are in no counter (QA: one a request, billed to its tenant)."""
     assert live.state.engine.makes_text and not live.state.engine.spec.detokenize
     engine_texts: list[str] = []
-    observer = lambda report: engine_texts.extend(c.new_text for c in report.chunks)  # noqa: E731
+    ends: list[tuple[float, CompletionChunk]] = []  # each chunk the observers got, its step's end
+
+    def observer(report: StepReport) -> None:
+        engine_texts.extend(c.new_text for c in report.chunks)
+        ends.extend((report.time + report.seconds, c) for c in report.chunks)
+
     live.state.engine.observers.append(observer)
     try:
         full, reason, _, tokens = completion(live, stream)
@@ -212,6 +220,10 @@ def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
     assert after[key] == before.get(key, 0) + 1
     for name in ("vllm:generation_tokens_total", "vllm:request_generation_tokens_sum"):
         assert after[(name, E)] - before[(name, E)] == tokens, name
+    # the answer finished with the step that made its last token, not the one after the stop
+    # (QA: its TPOT and e2e took in a step whose token no client got)
+    last = max(end for end, chunk in ends if chunk.new_token_ids)
+    assert ends[-1][1].metrics.finished_time == last
 
 
 def test_the_engine_process_spins_only_where_a_core_is_left_to_the_server(monkeypatch):

@@ -37,7 +37,7 @@ class StepReport:
     """What one engine step did, handed to observers (metrics, logs). Aborts applied between
     steps are reported too, with no tokens and no events."""
 
-    time: float
+    time: float  # the step's start on the engine's clock (time + seconds: its end)
     num_scheduled_tokens: int
     seconds: float
     chunks: list[CompletionChunk]
@@ -133,7 +133,6 @@ class EngineCore:
                                + (" for your tenant" if tenant is not None else ""))
 
     def step(self) -> StepReport:
-        start = time.monotonic()
         record = self.engine.step()
         chunks, num_tokens = record.chunks, record.num_scheduled_tokens
         seconds = record.end - record.start
@@ -142,7 +141,9 @@ class EngineCore:
         self._checked_since_busy = False
         shape = batch_view(record.scheduler_output, record.num_sampled) \
             if num_tokens and record.scheduler_output is not None else None
-        return StepReport(start, num_tokens, seconds, chunks, events, self.stats,
+        # the step's own times, so time + seconds is when its requests finished (the engine
+        # process ends a request a stop string ended then)
+        return StepReport(record.start, num_tokens, seconds, chunks, events, self.stats,
                           arrivals=self._take_arrivals(), shape=shape)
 
     def idle(self) -> StepReport | None:

@@ -467,7 +467,9 @@ class ProcessEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[int, _PendingAdd] = {}
         self._text: dict[str, TextStream] = {}  # reader thread only
-        self._stop_matched: dict[str, str] = {}  # stop string matched, engine not finished yet
+        # stop string matched, engine not finished yet: the string, and the end of the step
+        # that made the token completing it (the answer's finish time)
+        self._stop_matched: dict[str, tuple[str, float]] = {}
         self._dropped: dict[str, int] = {}  # tokens the engine made after that, not sent
         self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
         self._seq = itertools.count()
@@ -752,8 +754,10 @@ class ProcessEngine:
                 out.idle_checks, out.invariant_violations
         for report in out.reports:
             if self._text:  # the observers count what the clients get, as in-process
+                end = report.time + report.seconds
                 report = dataclasses.replace(report, engine_chunks=report.chunks, chunks=[
-                    c for c in map(self._with_text, report.chunks) if c is not None])
+                    c for c in (self._with_text(c, end) for c in report.chunks)
+                    if c is not None])
             notify(self.observers, report)  # before the clients hear (AsyncEngine._notify)
             self._deliver(report.chunks)
 
@@ -763,9 +767,10 @@ class ProcessEngine:
         if routed and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, routed)
 
-    def _with_text(self, chunk: CompletionChunk) -> CompletionChunk | None:
+    def _with_text(self, chunk: CompletionChunk, end: float) -> CompletionChunk | None:
         """The chunk the request's stream gets: with its text, ended by a stop string, or
-        None (tokens the engine made after a stop string matched here)."""
+        None (tokens the engine made after a stop string matched here); ``end`` is the end
+        of the step that made the chunk."""
         request_id = chunk.request_id
         text = self._text.get(request_id)
         if text is None:
@@ -777,16 +782,17 @@ class ProcessEngine:
                 return None
             del self._text[request_id]
             self._dropped.pop(request_id, None)
-            metrics = chunk.metrics  # the tokens made after the stop were never the answer
-            if metrics is not None and dropped:
+            stop, matched_at = self._stop_matched.pop(request_id)
+            metrics = chunk.metrics  # the tokens made after the stop were never the answer,
+            if metrics is not None:  # and the answer ended with the step that completed it
                 metrics = dataclasses.replace(
-                    metrics, num_output_tokens=metrics.num_output_tokens - dropped)
-            return CompletionChunk(request_id, [], "", True, "stop",
-                                   self._stop_matched.pop(request_id), metrics)
+                    metrics, num_output_tokens=metrics.num_output_tokens - dropped,
+                    finished_time=matched_at)
+            return CompletionChunk(request_id, [], "", True, "stop", stop, metrics)
         new_text, stop = text.step(chunk.new_token_ids, chunk.finished, ended_by_token(chunk))
         out = dataclasses.replace(chunk, new_text=new_text)
         if stop is not None and not chunk.finished:
-            self._stop_matched[request_id] = stop
+            self._stop_matched[request_id] = (stop, end)
             self._outbox.put(("finish", [(request_id, stop)]))
         elif stop is not None:
             out.finish_reason, out.stop_reason = "stop", stop
