@@ -138,6 +138,18 @@ def test_one_replica_in_lockstep_counts_waiting_as_one_engine_does():
     ({"output_len": -1}, "output_len must be an integer >= 0"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"prompt_len": "10"}, "prompt_len must be an integer >= 1"),
+    # the rules between fields, as a parsed line keeps them (review: not checked here)
+    ({"received_time": 2.0, "arrival_time": 1.0}, "received_time 2 is after arrival_time 1"),
+    ({"prefix_id": "p", "prefix_len": 11}, "prefix_len 11 is longer than prompt_len 10"),
+    ({"prefix_len": 4}, "prefix_len needs a prefix_id"),
+    ({"priority": "high"}, "priority must be an integer, got 'high'"),
+    ({"tenant": 3}, "tenant must be a string, got 3"),
+    ({"session_ttl": 5.0}, r"session_ttl must be a number of seconds in \(0, 86400\], "
+                           "with a session_id"),
+    ({"session_id": "s", "prompt_logprobs": 1}, "prompt_logprobs cannot be asked of a session"),
+    ({"prompt_hashes": ("h",), "hash_block_size": 4}, "prompt_hashes has 1 hashes; a prompt "
+                                                      "of 10 tokens has 2 full blocks of 4"),
+    ({"replica": -1}, "replica must be an integer >= 0"),
 ])
 def test_a_trace_built_in_python_is_checked_as_a_file_is(bad, message):
     """QA: a NaN arrival never came due and the run waited forever; max_tokens 0 ran to the

@@ -225,7 +225,9 @@ def check_trace(trace: Sequence[Any]) -> None:
     """The checks of :func:`parse_request` a run cannot do without, for a trace built in
     Python (a file's lines are parsed): TraceRequest items, times that are numbers of
     seconds in range (a NaN arrival never came due: the run waited forever), the lengths'
-    ranges and one prompt. Raises TypeError or ValueError naming the request and field."""
+    ranges and one prompt, and every rule a parsed line's fields keep between them
+    (received before arrival, the prefix's, the session's). Raises TypeError or ValueError
+    naming the request and field."""
     seen: set[str] = set()
     for item in trace:
         if not isinstance(item, TraceRequest):
@@ -254,6 +256,10 @@ def check_trace(trace: Sequence[Any]) -> None:
                 raise ValueError(f"{where}{name} must be an integer >= {lo}, got {value!r}")
         if item.prompt_token_ids is not None and not item.prompt_token_ids:
             raise ValueError(f"{where}prompt_token_ids must not be empty")
+        try:
+            _check_fields(item)
+        except ValueError as error:
+            raise ValueError(f"{where}{error}") from None
 
 
 def parse_request(row: Any) -> TraceRequest:
@@ -276,93 +282,114 @@ def parse_request(row: Any) -> TraceRequest:
             raise ValueError("prompt_token_ids must be a non-empty list of integers >= 0")
         ids = tuple(ids)
     prefix_id = row.get("prefix_id")
-    prefix_len = _int(row, "prefix_len", 0, 0)
-    if prefix_id is not None:
-        if not isinstance(prefix_id, str) or ids is not None or "prefix_len" not in row:
-            raise ValueError("prefix_id must be a string, with prefix_len and prompt_len")
-        if prefix_len > prompt_len:
-            raise ValueError(f"prefix_len {prefix_len} is longer than prompt_len {prompt_len}")
-    elif "prefix_len" in row:
+    if prefix_id is not None and "prefix_len" not in row:
+        raise ValueError("prefix_id must be a string, with prefix_len and prompt_len")
+    if prefix_id is None and "prefix_len" in row:
         raise ValueError("prefix_len needs a prefix_id")
     hashes, hash_block_size = _hashes(row, prompt_len)
-    if hashes is not None and prefix_id is not None:
-        raise ValueError("prompt_hashes and prefix_id cannot be combined")
     if "output_len" not in row:
         raise ValueError("missing output_len")
-    ignore_eos = row.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be true or false, got {ignore_eos!r}")
-    priority = row.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
-    tenant = row.get("tenant", "")
-    if not isinstance(tenant, str):
-        raise ValueError(f"tenant must be a string, got {tenant!r}")
-    session_id = row.get("session_id")
-    if session_id is not None and (not isinstance(session_id, str) or not session_id):
-        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
     session_ttl = row.get("session_ttl")
-    if session_ttl is not None:  # the server's range (one message: QA saw two that disagreed)
-        if isinstance(session_ttl, bool) or not isinstance(session_ttl, (int, float)) or \
-                not 0 < session_ttl <= 86400 or session_id is None:
-            raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
-                             f"session_id, got {session_ttl!r}")
+    if isinstance(session_ttl, int) and not isinstance(session_ttl, bool):
         session_ttl = float(session_ttl)
-    return TraceRequest(
+    request = TraceRequest(
         request_id=request_id,
         arrival_time=_time(row, "arrival_time", required=True),  # type: ignore[arg-type]
         output_len=_int(row, "output_len", 0),
         prompt_len=prompt_len,
         prompt_token_ids=ids,
         prefix_id=prefix_id,
-        prefix_len=prefix_len,
+        prefix_len=_int(row, "prefix_len", 0, 0),
         max_tokens=_int(row, "max_tokens", 1),
-        priority=priority,
+        priority=row.get("priority", 0),
         deadline=_time(row, "deadline"),
         cancel_time=_time(row, "cancel_time"),
-        ignore_eos=ignore_eos,
-        tenant=tenant,
+        ignore_eos=row.get("ignore_eos", False),
+        tenant=row.get("tenant", ""),
         prompt_hashes=hashes,
         hash_block_size=hash_block_size,
-        session_id=session_id,
+        session_id=row.get("session_id"),
         session_ttl=session_ttl,
         replica=_int(row, "replica", 0),
-        received_time=_received(row),
-        prompt_logprobs=_prompt_logprobs(row, session_id),
+        received_time=_time(row, "received_time"),
+        prompt_logprobs=_int(row, "prompt_logprobs", 0),
     )
+    _check_fields(request)
+    return request
 
 
-def _prompt_logprobs(row: dict[str, Any], session_id: str | None) -> int | None:
-    value = _int(row, "prompt_logprobs", 0)
-    if value is not None and session_id is not None:
+def _check_fields(request: TraceRequest) -> None:
+    """The rules on a request's fields that are not a JSON line's alone, for a parsed line
+    and a request built in Python alike; raises ValueError naming the field."""
+    prefix_id, prefix_len, prompt_len = request.prefix_id, request.prefix_len, request.prompt_len
+    if prefix_id is not None:
+        if not isinstance(prefix_id, str) or request.prompt_token_ids is not None:
+            raise ValueError("prefix_id must be a string, with prefix_len and prompt_len")
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
+            raise ValueError(f"prefix_len must be an integer >= 0, got {prefix_len!r}")
+        if prompt_len is not None and prefix_len > prompt_len:
+            raise ValueError(f"prefix_len {prefix_len} is longer than prompt_len {prompt_len}")
+        if request.prompt_hashes is not None:
+            raise ValueError("prompt_hashes and prefix_id cannot be combined")
+    elif prefix_len:
+        raise ValueError("prefix_len needs a prefix_id")
+    if request.prompt_hashes is not None or request.hash_block_size:
+        _check_hashes(request)
+    if not isinstance(request.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be true or false, got {request.ignore_eos!r}")
+    priority = request.priority
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if not isinstance(request.tenant, str):
+        raise ValueError(f"tenant must be a string, got {request.tenant!r}")
+    session_id, session_ttl = request.session_id, request.session_ttl
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    if session_ttl is not None and (  # the server's range (one message: QA saw two)
+            isinstance(session_ttl, bool) or not isinstance(session_ttl, (int, float))
+            or not 0 < session_ttl <= 86400 or session_id is None):
+        raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
+                         f"session_id, got {session_ttl!r}")
+    replica = request.replica
+    if replica is not None and (isinstance(replica, bool) or not isinstance(replica, int)
+                                or replica < 0):
+        raise ValueError(f"replica must be an integer >= 0, got {replica!r}")
+    received = request.received_time
+    if received is not None and received > request.arrival_time:
+        raise ValueError(f"received_time {received:g} is after arrival_time "
+                         f"{request.arrival_time:g}: a request reaches the scheduler after "
+                         "the server received it")
+    _check_prompt_logprobs(request.prompt_logprobs, session_id)
+
+
+def _check_prompt_logprobs(value: Any, session_id: str | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"prompt_logprobs must be an integer >= 0, got {value!r}")
+    if session_id is not None:
         raise ValueError(f"prompt_logprobs cannot be asked of a session turn (G8), got "
                          f"{value!r} on session {session_id!r}")
-    return value
-
-
-def _received(row: dict[str, Any]) -> float | None:
-    received = _time(row, "received_time")
-    if received is not None and received > row["arrival_time"]:
-        raise ValueError(f"received_time {row['received_time']} is after arrival_time "
-                         f"{row['arrival_time']}: a request reaches the scheduler after the "
-                         "server received it")
-    return received
 
 
 def _hashes(row: dict[str, Any], prompt_len: int | None) -> tuple[tuple[str, ...] | None, int]:
-    """A hashed prompt's block hashes and block size; (None, 0) for any other prompt."""
+    """A hashed prompt's block hashes and block size; (None, 0) for any other prompt (their
+    rules: :func:`_check_hashes`)."""
     if "prompt_hashes" not in row and "hash_block_size" not in row:
         return None, 0
-    hashes, size = row.get("prompt_hashes"), _int(row, "hash_block_size", 1)
-    if prompt_len is None or size is None or not isinstance(hashes, list) \
-            or not all(isinstance(h, str) and h for h in hashes):
+    hashes = row.get("prompt_hashes")
+    return tuple(hashes) if isinstance(hashes, list) else hashes, row.get("hash_block_size")
+
+
+def _check_hashes(request: TraceRequest) -> None:
+    hashes, size, prompt_len = request.prompt_hashes, request.hash_block_size, request.prompt_len
+    if prompt_len is None or isinstance(size, bool) or not isinstance(size, int) or size < 1 \
+            or not isinstance(hashes, tuple) or not all(isinstance(h, str) and h for h in hashes):
         raise ValueError("prompt_hashes (a list of strings) needs hash_block_size and "
                          "prompt_len")
     if len(hashes) != prompt_len // size:
         raise ValueError(f"prompt_hashes has {len(hashes)} hashes; a prompt of {prompt_len} "
                          f"tokens has {prompt_len // size} full blocks of {size}")
-    return tuple(hashes), size
-
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Read a JSONL trace ("-": standard input); blank lines are skipped. Raises TraceError
