@@ -434,6 +434,21 @@ def test_a_safetensors_file_that_does_not_read_is_named(tmp_path):
         load_model_weights(tmp_path)
 
 
+def test_running_out_of_memory_reading_a_safetensors_file_is_not_blamed_on_it(
+        tmp_path, monkeypatch):
+    """Review: the broad catch named the file as unreadable for a MemoryError too."""
+    import safetensors.torch
+
+    def out_of_memory(path: str) -> dict:
+        raise MemoryError
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    monkeypatch.setattr(safetensors.torch, "load_file", out_of_memory)
+    with pytest.raises(MemoryError):
+        load_model_weights(tmp_path)
+
+
 def test_model_config_from_hf_smollm2_config_json():
     smollm2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the fields read here)
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,

@@ -101,6 +101,8 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
     for file in files:
         try:
             tensors = load_file(str(file))
+        except MemoryError:  # no file's fault: the message would blame the file
+            raise
         except Exception as error:  # safetensors' own SafetensorError, and OSError
             raise UnsupportedModelError(f"{file}: cannot read its tensors ({error})") from None
         for name, tensor in tensors.items():
