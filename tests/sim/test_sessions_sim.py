@@ -222,3 +222,19 @@ def test_max_held_first_without_sessions_is_one_line(tmp_path, capsys):
     assert main(["simulate", "--trace", str(trace), "--max-held-first", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "max_held_first=2 bounds session turns that hold KV" in err[0]
+
+
+def test_a_replicas_load_counts_its_held_session_turns():  # R1 U2
+    """The cluster's router sees a replica's load as the server's router does: a session
+    turn held waiting for its KV (L1) is waiting (the server's stats.num_waiting counts it),
+    so least-loaded does not send new work to a replica that only looks idle."""
+    from kvserve.core import CacheConfig, SchedulerConfig
+    from kvserve.sim.cluster import _Replica
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    sim = Simulator(SchedulerConfig(), CacheConfig(num_blocks=64), UnitCostModel())
+    replica = _Replica(0, sim, UnitCostModel(), {})
+    assert replica.load().num_waiting == 0
+    replica.scheduler.held_waiting.append(object())  # type: ignore[arg-type]
+    assert replica.load().num_waiting == 1
