@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -14,9 +15,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.flags import VLLM_NOOP_NEUTRAL, VLLM_NOOPS
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import ServingEngine
+    from kvserve.server.auth import ApiKey
+    from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 
@@ -570,27 +576,35 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclasses.dataclass
+class _Setup:
+    """``serve``'s flags, checked: what the engine and the server's state are built from."""
+
+    keys: list[ApiKey]
+    names: list[str]  # --served-model-name's
+    template: str | None  # --chat-template's, in place of the model's
+    sampling_defaults: dict[str, Any]
+    parallel: bool  # data-parallel replicas (or one Ray replica)
+    step_timeout: float | None
+    build_args: dict[str, Any]  # the engine's
+
+
 def build_state(args: argparse.Namespace,
-                before_engine: Callable[[], None] | None = None) -> Any:
+                before_engine: Callable[[], None] | None = None) -> ServerState:
     """The server's state from ``serve``'s flags: every flag checked first (CLIError), then
     ``before_engine`` (``run`` binds the address there), then the engine built."""
-    from kvserve.core import ConfigError
-    from kvserve.engine.async_engine import AsyncEngine
-    from kvserve.engine.engine_process import EngineStartError
-    from kvserve.engine.llm import build_engine, check_engine_args
+    setup = _check_flags(args)
+    if before_engine is not None:
+        before_engine()
+    serving = _start_engine(args, setup)
+    return _server_state(args, setup, serving)
+
+
+def _check_flags(args: argparse.Namespace) -> _Setup:
+    """Every flag of ``serve`` checked, before anything starts: CLIError for the first bad
+    one."""
     from kvserve.flags import CLIError, engine_args, resolve_model_option
-    from kvserve.server.auth import (
-        KEY_RULE,
-        KeyFileError,
-        KeyRing,
-        is_valid_key,
-        load_keys,
-        operator_key,
-        tenant_weights,
-    )
-    from kvserve.server.limits import FanOutLimits
     from kvserve.server.recorder import RecordingError, check_directory, check_options
-    from kvserve.server.state import ServerState
 
     resolve_model_option(args)
     _check_model_not_swallowed(args)
@@ -604,41 +618,10 @@ def build_state(args: argparse.Namespace,
             check_directory(args.record)
     except RecordingError as error:
         raise CLIError(str(error)) from None
-    for key in args.api_key:  # as a keys file's keys are checked
-        if not is_valid_key(key):
-            raise CLIError(f"--api-key: a key must be {KEY_RULE}")  # never shown (QA)
-    keys = [operator_key(key) for key in args.api_key or _env_api_key()]
-    try:
-        if args.api_keys:
-            keys += load_keys(args.api_keys)
-    except KeyFileError as error:
-        raise CLIError(str(error)) from None
+    keys = _api_keys(args)
     settings = engine_args(args)
-    try:
-        if keys:  # tenants are known: their caches are apart unless the operator says not
-            settings.setdefault("prefix_cache_scope", "tenant")
-            weights = tenant_weights(keys)
-            if weights and settings.get("tenant_fairness", "off") != "vtc":
-                shown = ", ".join(f"{tenant}={weight:g}" for tenant, weight in weights)
-                raise CLIError(f"the keys file gives tenants weights ({shown}), which only "
-                               "price the fair share: add --tenant-fairness vtc, or drop "
-                               "the weights")
-            if weights:
-                settings["tenant_weights"] = weights
-    except KeyFileError as error:
-        raise CLIError(str(error)) from None
-    for name in ("max_prompts_per_request", "max_sequences_per_request"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_request_body < 1024:
-        raise CLIError(f"--max-request-body {args.max_request_body}: every request would get "
-                       "413; give at least 1KiB")
-    if args.enable_log_requests and args.disable_log_requests:
-        raise CLIError("--enable-log-requests and --disable-log-requests contradict each "
-                       "other; give one")
-    if not args.log_stats_interval >= 0:  # NaN too
-        raise CLIError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got "
-                       f"{args.log_stats_interval}")
+    _apply_tenants(keys, settings)
+    _check_request_flags(args)
     if args.priority_source == "key" and not keys:
         raise CLIError("--priority-source key takes each request's priority from its API key: "
                        "give --api-key or --api-keys")
@@ -656,11 +639,80 @@ def build_state(args: argparse.Namespace,
         raise CLIError(f"--root-path {args.root_path!r}: a path starts with /")
     _check_tls(args)
     _vllm_noops(args)
+    _check_scheduler_flags(settings)
+    parallel = _check_replica_flags(args)
+    step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
+    _check_answer_flags(args)
+    build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
+    return _Setup(keys, names, template, defaults, parallel, step_timeout, build_args)
+
+
+def _api_keys(args: argparse.Namespace) -> list[ApiKey]:
+    """The operator's keys (--api-key, or VLLM_API_KEY) and the keys file's tenants."""
+    from kvserve.flags import CLIError
+    from kvserve.server.auth import KEY_RULE, KeyFileError, is_valid_key, load_keys, operator_key
+
+    for key in args.api_key:  # as a keys file's keys are checked
+        if not is_valid_key(key):
+            raise CLIError(f"--api-key: a key must be {KEY_RULE}")  # never shown (QA)
+    keys = [operator_key(key) for key in args.api_key or _env_api_key()]
+    try:
+        if args.api_keys:
+            keys += load_keys(args.api_keys)
+    except KeyFileError as error:
+        raise CLIError(str(error)) from None
+    return keys
+
+
+def _apply_tenants(keys: list[ApiKey], settings: dict[str, Any]) -> None:
+    """Known tenants' engine settings: their caches apart unless the operator says not (T7),
+    and the keys file's weights priced by VTC."""
+    from kvserve.flags import CLIError
+    from kvserve.server.auth import KeyFileError, tenant_weights
+
+    if not keys:
+        return
+    settings.setdefault("prefix_cache_scope", "tenant")
+    try:
+        weights = tenant_weights(keys)
+    except KeyFileError as error:
+        raise CLIError(str(error)) from None
+    if weights and settings.get("tenant_fairness", "off") != "vtc":
+        shown = ", ".join(f"{tenant}={weight:g}" for tenant, weight in weights)
+        raise CLIError(f"the keys file gives tenants weights ({shown}), which only "
+                       "price the fair share: add --tenant-fairness vtc, or drop "
+                       "the weights")
+    if weights:
+        settings["tenant_weights"] = weights
+
+
+def _check_request_flags(args: argparse.Namespace) -> None:
+    """The limits on a request and the request log's flags."""
+    from kvserve.flags import CLIError
+
+    for name in ("max_prompts_per_request", "max_sequences_per_request"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_request_body < 1024:
+        raise CLIError(f"--max-request-body {args.max_request_body}: every request would get "
+                       "413; give at least 1KiB")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise CLIError("--enable-log-requests and --disable-log-requests contradict each "
+                       "other; give one")
+    if not args.log_stats_interval >= 0:  # NaN too
+        raise CLIError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got "
+                       f"{args.log_stats_interval}")
+
+
+def _check_replica_flags(args: argparse.Namespace) -> bool:
+    """The data-parallel flags; whether the server runs replicas behind a router (and
+    ``args.router`` set to the one it uses)."""
+    from kvserve.flags import CLIError
+
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
-    _check_scheduler_flags(settings)
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
     if not parallel and args.router is not None:
         raise CLIError(f"--router {args.router} picks a replica: it needs "
@@ -679,7 +731,13 @@ def build_state(args: argparse.Namespace,
         raise CLIError("--no-engine-process steps one engine on a thread of the server; "
                        "data-parallel replicas are engine processes: drop it")
     args.router = args.router or "least-loaded"
-    step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
+    return parallel
+
+
+def _check_answer_flags(args: argparse.Namespace) -> None:
+    """What an answer may carry: logprobs, tool calls, the Responses API's store."""
+    from kvserve.flags import CLIError
+
     if args.max_logprobs < -1:
         raise CLIError(f"--max-logprobs must be >= 0 (or -1: the whole vocabulary), got "
                        f"{args.max_logprobs}")
@@ -691,34 +749,55 @@ def build_state(args: argparse.Namespace,
     if args.responses_store_memory < 1:
         raise CLIError("--responses-store-memory must be at least one byte, got "
                        f"{args.responses_store_memory}")
-    build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
-    if before_engine is not None:
-        before_engine()
-    serving: Any
+
+
+def _start_engine(args: argparse.Namespace, setup: _Setup) -> ServingEngine:
+    """The serving engine: data-parallel replicas, one engine process, or an engine stepped
+    on a thread of the server (--no-engine-process)."""
+    from kvserve.core import ConfigError
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.engine_process import EngineStartError
+    from kvserve.engine.llm import build_engine, check_engine_args
+    from kvserve.flags import CLIError
+
+    build_args = setup.build_args
+    serving: ServingEngine
     try:
-        if parallel or args.engine_process:  # refused here, before any process starts
+        if setup.parallel or args.engine_process:  # refused here, before any process starts
             check_engine_args(args.model, **build_args)
-        if parallel:
-            serving = _data_parallel(args, build_args, step_timeout)
+        if setup.parallel:
+            serving = _data_parallel(args, build_args, setup.step_timeout)
         elif args.engine_process:
             serving = _engine_process(args.model, build_args, args.threads_per_replica,
-                                      step_timeout)
+                                      setup.step_timeout)
         else:
             serving = AsyncEngine(build_engine(args.model, **build_args))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
-    if template is not None:  # the server's tokenizer renders every chat
-        serving.info.tokenizer.set_chat_template(template)
+    if setup.template is not None:  # the server's tokenizer renders every chat
+        serving.info.tokenizer.set_chat_template(setup.template)
         logger.info("chat template: --chat-template's, in place of the model's")
+    return serving
 
+
+def _server_state(args: argparse.Namespace, setup: _Setup,
+                  serving: ServingEngine) -> ServerState:
+    """The server's state around ``serving``, configured by the flags."""
+    from kvserve.flags import CLIError
+    from kvserve.server.auth import KeyRing
+    from kvserve.server.limits import FanOutLimits
+    from kvserve.server.recorder import RecordingError
+    from kvserve.server.state import ServerState
+
+    names = setup.names
     name = names[0] if names else _model_name(args.model)
-    state = ServerState(serving, name, KeyRing(keys), args.priority_source,
+    state = ServerState(serving, name, KeyRing(setup.keys), args.priority_source,
                         args.max_request_body)
     state.served_model_names = tuple(names or (name,))
     if not names and args.model is not None and args.model != name:
         # vLLM serves the model under the path as given: a client moved from it sends that
         state.model_aliases = (args.model,)
-    state.sampling_defaults = defaults
+    state.sampling_defaults = setup.sampling_defaults
     state.max_logprobs = serving.info.tokenizer.vocab_size if args.max_logprobs == -1 \
         else args.max_logprobs
     state.response_role = args.response_role
