@@ -285,6 +285,15 @@ def check_url(flag: str, url: str) -> str:
         raise CLIError(f"{flag} {url!r} is not a URL: {error}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise CLIError(f"{flag} {url!r} is not an http(s) URL")
+    host = parts.hostname
+    if host.replace(".", "").isdigit():  # QA: http://256.1.1.1 was httpx's traceback
+        import ipaddress
+
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise CLIError(f"{flag} {url!r} is not a URL: {host} is not an IPv4 "
+                           "address") from None
     return url.rstrip("/")
 
 

@@ -133,6 +133,11 @@ def test_workload_helpers():
      "numbers in (0, 100]"),
     (["--save-result", "--output", "x.json"], "give --output or --save-result"),
     (["--burstiness", "0"], "--burstiness must be a positive number, got 0.0"),
+    (["--base-url", "http://256.1.1.1:1"], "is not a URL: 256.1.1.1 is not an IPv4 address"),
+    (["--num-prompts", "1000", "--input-len", "1000000"], "--num-prompts 1000 of up to "
+     "1000000 tokens may hold more than 100,000,000 prompt tokens"),
+    (["--save-result", "--result-dir", "/nonexistent"], "--result-dir /nonexistent: not a "
+     "directory this user may write in"),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output
@@ -256,8 +261,9 @@ def test_ctrl_c_prints_the_summary_of_what_ended(capsys, monkeypatch):
                  "--input-len", "8", "--output-len", "4"]) == 130
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
-    assert (summary["completed"], summary["num_requests"], summary["total_output_tokens"]) == \
-        (2, 2, 8)
+    # the 3 still under way were sent: counted, as interrupted (QA: "of 2" for 5 sent)
+    assert (summary["completed"], summary["num_requests"], summary["interrupted"],
+            summary["total_output_tokens"]) == (2, 5, 3, 8)
     assert "interrupted: 2 of 5 requests had ended" in captured.err
 
 
@@ -274,3 +280,23 @@ def test_a_result_file_that_is_the_trace_is_refused(capsys, tmp_path):
                  "--result-filename", "t.jsonl"]) == 2
     assert "--result-filename t.jsonl is a file this command reads" in capsys.readouterr().err
     assert trace.read_text() == before
+
+
+def test_save_result_names_the_file_after_the_model_served(capsys, monkeypatch, tmp_path):
+    """QA: without --model the file was kvserve-...-model-<date>.json, whatever was served."""
+    from kvserve.bench import runner
+    from kvserve.bench.client import RequestResult
+
+    async def model(base_url, api_key):
+        return "org/served-model"
+
+    async def one_run(requests, target, on_done=None, **kwargs):
+        return runner.RunResult([RequestResult(index=0, ok=True, ttft=0.1, e2e=0.5,
+                                               num_output_tokens=4)], 1.0, None, None)
+    monkeypatch.setattr(runner, "first_model", model)
+    monkeypatch.setattr(runner, "run", one_run)
+    assert main(["bench", "serve", "--no-progress", "--num-prompts", "1", "--input-len", "8",
+                 "--output-len", "4", "--save-result", "--result-dir", str(tmp_path)]) == 0
+    [written] = tmp_path.iterdir()
+    assert written.name.startswith("kvserve-inf" + "qps-served-model-")
+    assert json.loads(written.read_text())["model_id"] == "org/served-model"

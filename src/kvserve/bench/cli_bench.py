@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -26,8 +27,12 @@ def add_parser(subparsers: Any) -> None:
                     "where they mean the same (--random-input-len, --ignore-eos, "
                     "--save-result, ...), and the JSON result carries vLLM's keys "
                     "(mean_/median_/std_/p99_ttft_ms, ..., duration, total_input_tokens) and "
-                    "the run's settings. Exit status 1 when requests failed and none "
-                    "completed.")
+                    "the run's settings. A request completes when its answer is whole (a "
+                    "stream ended by [DONE], or a JSON body); an answer that breaks the "
+                    "protocol, or takes longer than --timeout, fails it with the reason. "
+                    "Output tokens are each answer's usage (a server that sends none has "
+                    "its text events counted, with a warning). Exit status 1 when requests "
+                    "failed and none completed.")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the server (kvserve, vLLM, llama.cpp, ...)")
     parser.add_argument("--endpoint", default="/v1/completions",
@@ -81,7 +86,8 @@ def add_parser(subparsers: Any) -> None:
                       help="do not send ignore_eos (for servers that refuse it)")
     load.add_argument("--temperature", type=float, default=0.0,
                       help="sampling temperature sent with each request")
-    load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds a request's whole answer may take (default 600)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the summary as JSON")
     out.add_argument("--output", help="also write the summary (JSON) to this file")
@@ -107,6 +113,7 @@ def add_parser(subparsers: Any) -> None:
 
 def _requests(args: argparse.Namespace) -> list[Any]:
     from kvserve.bench.workload import (
+        MAX_WORKLOAD_TOKENS,
         parse_range,
         poisson_arrivals,
         random_requests,
@@ -121,8 +128,13 @@ def _requests(args: argparse.Namespace) -> list[Any]:
         else:
             if args.num_prompts < 1:
                 raise ValueError("--num-prompts must be >= 1")
+            input_len = parse_range(args.input_len, "--input-len")
+            if args.num_prompts * input_len[1] > MAX_WORKLOAD_TOKENS:
+                raise ValueError(f"--num-prompts {args.num_prompts} of up to {input_len[1]} "
+                                 f"tokens may hold more than {MAX_WORKLOAD_TOKENS:,} prompt "
+                                 "tokens: send fewer or shorter prompts")
             kind = args.prompt_kind or ("text" if "chat" in args.endpoint else "ids")
-            requests = random_requests(args.num_prompts, parse_range(args.input_len, "--input-len"),
+            requests = random_requests(args.num_prompts, input_len,
                                        parse_range(args.output_len, "--output-len"), args.seed,
                                        kind == "text")
     except (ValueError, OSError) as error:
@@ -161,11 +173,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--disconnect-prob must be in [0, 1]")
     if not 0 < args.timeout < math.inf:
         raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if args.save_result:
-        if args.output:
-            raise CLIError("give --output or --save-result (with --result-dir and "
-                           "--result-filename), not both")
-        args.output = _result_path(args)
+    if args.save_result and args.output:
+        raise CLIError("give --output or --save-result (with --result-dir and "
+                       "--result-filename), not both")
+    if args.save_result and args.result_filename:
+        check_output_file("--result-filename",
+                          os.path.join(args.result_dir, args.result_filename))
+    elif args.save_result and not (os.path.isdir(args.result_dir)  # the name waits for the
+                                   and os.access(args.result_dir, os.W_OK)):  # model's
+        raise CLIError(f"--result-dir {args.result_dir}: not a directory this user may "
+                       "write in")
     if args.output:
         check_output_file("--output", args.output)
     metrics, percentiles = _flat_keys(args)
@@ -181,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CLIError(f"cannot list the models at {base_url}/v1/models: {reason}") from None
+    if args.save_result:  # named after the model served (QA: "model" without --model)
+        args.output = _result_path(args, model)
+        check_output_file("--result-dir", args.output)
     target = Target(base_url, model, args.endpoint, args.api_key, args.stream,
                     args.ignore_eos, args.temperature)
     progress = _progress(len(requests), args.progress)
@@ -205,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
     summary = {"model": model, "base_url": base_url,
                **summarize(result, metrics, percentiles),
                **_settings(args, model, len(requests))}
+    if interrupted:  # the requests still under way are no figures, but they were sent
+        summary["num_requests"] = len(requests)  # QA: "of 1" where 4 were
+        summary["interrupted"] = len(requests) - len(finished)
     table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
         summary.update(detailed(result))
@@ -269,16 +292,15 @@ def _rate(args: argparse.Namespace) -> float | str:
     return "trace" if args.trace and args.max_concurrency is None else "inf"
 
 
-def _result_path(args: argparse.Namespace) -> str:
+def _result_path(args: argparse.Namespace, model: str) -> str:
     """--save-result's file, named as vLLM names its own unless --result-filename."""
     import datetime
-    import os
 
     if args.result_filename:
         return os.path.join(args.result_dir, args.result_filename)
     rate = _rate(args)
     rate = rate if isinstance(rate, str) else f"{rate:g}"
-    model = (args.model or "model").split("/")[-1]
+    model = model.split("/")[-1]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join(args.result_dir, f"kvserve-{rate}qps-{model}-{stamp}.json")
 

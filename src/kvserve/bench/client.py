@@ -4,7 +4,13 @@ Times are taken when each streamed event arrives: TTFT is send -> first event wi
 each inter-token latency is the gap between consecutive events with text (an event may
 carry several tokens on a server that batches them: the gap is then per event, as vLLM's
 tool takes it), E2E is send -> end of stream. Without streaming the first token arrives
-with the whole answer: TTFT is E2E.
+with the whole answer: TTFT is E2E, and no TPOT is measured.
+
+A request completes when its answer is whole: a stream ended by ``[DONE]``, or a JSON body.
+An answer that breaks the protocol (a stream that ends without ``[DONE]``, a 200 that is no
+event stream, an event that is no JSON object, an error event) fails the request with the
+reason. Output tokens are the answer's ``usage``; a server that sends none has its streamed
+events counted instead (``usage_missing`` says so; the summary warns).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ class RequestResult:
     disconnected: bool = False
     num_preemptions: int | None = None
     generated_text: str = ""  # what the server sent back (--save-detailed)
+    streamed: bool = True  # False: the whole answer at once (no TPOT to measure)
+    usage_missing: bool = False  # no usage came: output tokens are the text events counted
+
+
+class BadAnswer(Exception):
+    """An answer that breaks the OpenAI protocol: its request failed, for this reason."""
 
 
 @dataclass(frozen=True)
@@ -71,22 +83,34 @@ class Target:
 
 
 async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
-               disconnect_after: int | None = None) -> RequestResult:
+               disconnect_after: int | None = None,
+               timeout: float | None = None) -> RequestResult:
     """``disconnect_after``: close the stream after that many text events (a client that
     goes away mid-stream); the request's ``cancel_after`` closes it after that many seconds
-    (a trace's client timeout). Either counts the request disconnected."""
-    result = RequestResult(request.index, num_prompt_tokens=request.num_prompt_tokens)
-    if request.cancel_after is not None and request.cancel_after <= 0:
+    (a trace's client timeout). Either counts the request disconnected. ``timeout``: the
+    seconds the whole answer may take, or the request fails."""
+    result = RequestResult(request.index, num_prompt_tokens=request.num_prompt_tokens,
+                           streamed=target.stream)
+    cancel = request.cancel_after
+    if cancel is not None and cancel <= 0:
         result.disconnected = True  # the client left before it was sent
         return result
+    cancels = cancel is not None and (timeout is None or cancel <= timeout)
     start = time.perf_counter()
     try:
-        async with asyncio.timeout(request.cancel_after):
+        async with asyncio.timeout(cancel if cancels else timeout):
             await _exchange(client, target, request, result, start, disconnect_after)
     except TimeoutError:
-        result.disconnected = True
+        if cancels:
+            result.disconnected = True
+        else:  # QA: a server sending a token now and then held the run for ever
+            result.error = f"no whole answer within the timeout ({timeout:g} s)"
     except httpx.HTTPError as error:
-        result.error = f"{type(error).__name__}: {error}"
+        detail = str(error) or ("timed out" if isinstance(error, httpx.TimeoutException)
+                                else "no detail")  # QA: "ReadTimeout: " and nothing
+        result.error = f"{type(error).__name__}: {detail}"
+    except BadAnswer as error:
+        result.error = str(error)
     if result.error is not None:
         return result
     result.e2e = time.perf_counter() - start
@@ -107,26 +131,30 @@ async def _exchange(client: httpx.AsyncClient, target: Target, request: BenchReq
             result.error = f"HTTP {response.status_code}: {_message(text)}"
             return
         if target.stream:
+            kind = response.headers.get("content-type")  # none: the lines tell
+            if kind is not None and not kind.startswith("text/event-stream"):
+                raise BadAnswer(f"HTTP 200 but {kind}, not an event stream")  # QA: a
+                # proxy's login page, a whole JSON answer, counted completed
             await _read_events(response, result, start, disconnect_after)
         else:
-            _read_body(json.loads(await response.aread()), result)
+            _read_body(await response.aread(), result)
 
 
 async def _read_events(response: httpx.Response, result: RequestResult, start: float,
                        disconnect_after: int | None) -> None:
     last = None
     num_events = 0
+    usage_seen = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            if not usage_seen:  # QA: 0 output tok/s from a server that sends no usage
+                result.num_output_tokens, result.usage_missing = num_events, True
             return
-        data = json.loads(payload)
-        if "error" in data:
-            result.error = f"stream error: {data['error'].get('message')}"
-            return
-        _note_usage(data, result)
+        data = _event(payload)
+        usage_seen = _note_usage(data, result) or usage_seen
         text = "".join(_text(choice) for choice in data.get("choices") or [])
         if not text:
             continue
@@ -141,26 +169,54 @@ async def _read_events(response: httpx.Response, result: RequestResult, start: f
         if disconnect_after is not None and num_events >= disconnect_after:
             result.disconnected = True
             return
-    if result.num_output_tokens == 0:
-        result.num_output_tokens = num_events
+    raise BadAnswer(f"the stream ended before [DONE] ({num_events} text events)")
+
+
+def _event(payload: str) -> dict[str, Any]:
+    """One event's JSON object; BadAnswer for anything else, and for an error event."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise BadAnswer(f"a stream event is not a JSON object: {payload[:80]!r}")
+    if "error" in data:
+        error = data["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise BadAnswer(f"stream error: {message}")
+    return data
 
 
 def _text(choice: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-def _note_usage(data: dict[str, Any], result: RequestResult) -> None:
-    usage = data.get("usage")
-    if usage:
-        result.num_output_tokens = usage.get("completion_tokens", 0)
-        result.num_prompt_tokens = usage.get("prompt_tokens", result.num_prompt_tokens)
+def _note_usage(data: dict[str, Any], result: RequestResult) -> bool:
+    """Take the event's usage and kvserve figures; whether it carried usage."""
     ext = data.get("kvserve")
     if isinstance(ext, dict) and "num_preemptions" in ext:
         result.num_preemptions = ext["num_preemptions"]
+    usage = data.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    tokens = usage.get("completion_tokens")
+    if isinstance(tokens, int):
+        result.num_output_tokens = tokens
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        result.num_prompt_tokens = prompt
+    return isinstance(tokens, int)
 
 
-def _read_body(data: dict[str, Any], result: RequestResult) -> None:
-    _note_usage(data, result)
+def _read_body(body: bytes, result: RequestResult) -> None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise BadAnswer(f"HTTP 200 but not a JSON answer: {body[:80]!r}")
+    if not _note_usage(data, result):
+        result.usage_missing = True  # nothing to count the tokens by: 0
     result.generated_text = "".join(
         choice.get("text") or (choice.get("message") or {}).get("content") or ""
         for choice in data.get("choices") or [])

@@ -39,8 +39,10 @@ def _delta(run: RunResult, name: str) -> float | None:
 
 
 def _tpot(result: Any) -> float | None:
-    """vLLM's time per output token after the first: (E2E - TTFT) / (tokens - 1)."""
-    if result.ttft is None or result.e2e is None or result.num_output_tokens < 2:
+    """vLLM's time per output token after the first: (E2E - TTFT) / (tokens - 1); None
+    for an answer not streamed (its TTFT is its E2E: QA read a measured 0 ms)."""
+    if not result.streamed or result.ttft is None or result.e2e is None \
+            or result.num_output_tokens < 2:
         return None
     return (result.e2e - result.ttft) / (result.num_output_tokens - 1)
 
@@ -88,6 +90,10 @@ def summarize(run: RunResult, metrics: tuple[str, ...] = VLLM_METRICS,
         "failed": sum(1 for r in results if r.error is not None),
         "disconnected": sum(1 for r in results if r.disconnected),
         "errors": errors,
+        "error_counts": errors,  # kept by --save-detailed, whose "errors" is per request
+        # completed answers that came with no usage: their output tokens are the streamed
+        # text events counted (one per token on a server that sends one at a time), or 0
+        "usage_missing": sum(1 for r in done if r.usage_missing),
         "duration_s": round(run.duration, 3),
         "request_throughput": round(len(done) / duration, 3),
         "output_throughput": round(output_tokens / duration, 2),
@@ -129,12 +135,15 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{value:,.2f}" if isinstance(value, float) else str(value)
     lines = [
         f"requests: {summary['completed']} completed, {summary['failed']} failed, "
-        f"{summary['disconnected']} disconnected, of {summary['num_requests']} "
+        f"{summary['disconnected']} disconnected"
+        + (f", {summary['interrupted']} interrupted" if summary.get("interrupted") else "")
+        + f", of {summary['num_requests']} "
         f"in {summary['duration_s']:.1f} s",
         f"throughput: {fmt(summary['request_throughput'])} req/s, "
         f"{fmt(summary['output_throughput'])} output tok/s, "
         f"{fmt(summary['total_token_throughput'])} total tok/s",
-        f"{'':6} {'p50 ms':>10} {'p90 ms':>10} {'p99 ms':>10} {'mean ms':>10}"]
+        f"{'':6} {'p50 ms':>10} {'p90 ms':>10} {'p99 ms':>10} {'mean ms':>10}"
+        + (f"   (over the {summary['completed']} completed)" if summary["failed"] else "")]
     for name in ("ttft", "tpot", "itl", "e2e"):
         row = summary[name]
         lines.append(f"{name.upper():6} " + " ".join(
@@ -143,6 +152,11 @@ def format_table(summary: dict[str, Any]) -> str:
         return fmt(int(value) if isinstance(value, float) and value.is_integer() else value)
     lines.append(f"preemptions (from /metrics): {count(summary['preemptions'])}, recomputed "
                  f"tokens: {count(summary['recomputed_tokens'])}")
-    for error, count in summary["errors"].items():
-        lines.append(f"error x{count}: {error}")
+    for error, times in summary["error_counts"].items():
+        lines.append(f"error x{times}: {error}")
+    if summary["usage_missing"]:
+        counted = "the text events counted (an event of several tokens reads low)" \
+            if summary.get("stream", True) else "not counted"
+        lines.append(f"warning: {summary['usage_missing']} answer(s) came with no usage: "
+                     f"their output tokens are {counted}")
     return "\n".join(lines)

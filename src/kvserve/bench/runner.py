@@ -26,8 +26,14 @@ class RunResult:
     metrics_after: dict[str, float] | None
 
 
+# Gauges of a share, one sample per engine: their mean, where a sum reads past 100% with
+# data-parallel engines (QA: two engines at 80% read 1.6).
+_MEAN_OVER_LABELS = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
+
+
 async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, float] | None:
-    """Every sample of /metrics summed over its labels; None if the server has no /metrics."""
+    """Every sample of /metrics summed over its labels (a share's gauge averaged); None if
+    the server has no /metrics."""
     try:
         response = await client.get(base_url + "/metrics")
     except httpx.HTTPError:
@@ -35,6 +41,7 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
     if response.status_code != 200:
         return None
     totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for line in response.text.splitlines():
         match = _SAMPLE.match(line)
         if match:
@@ -42,7 +49,11 @@ async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, 
                 value = float(match.group(3))
             except ValueError:
                 continue
-            totals[match.group(1)] = totals.get(match.group(1), 0.0) + value
+            name = match.group(1)
+            totals[name] = totals.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    for name in _MEAN_OVER_LABELS & totals.keys():
+        totals[name] /= counts[name]
     return totals
 
 
@@ -73,10 +84,10 @@ async def run(requests: list[BenchRequest], target: Target, *,
                 await asyncio.sleep(max(0.0, start + request.arrival_time -
                                         time.perf_counter()))
             if gate is None:
-                result = await send(client, target, request, disconnect_after)
+                result = await _send(client, target, request, disconnect_after, timeout)
             else:
                 async with gate:
-                    result = await send(client, target, request, disconnect_after)
+                    result = await _send(client, target, request, disconnect_after, timeout)
             if on_done is not None:
                 on_done(result)
             return result
@@ -86,3 +97,15 @@ async def run(requests: list[BenchRequest], target: Target, *,
         duration = time.perf_counter() - start
         after = await scrape_metrics(client, target.base_url)
     return RunResult(list(results), duration, before, after)
+
+
+async def _send(client: httpx.AsyncClient, target: Target, request: BenchRequest,
+                disconnect_after: int | None, timeout: float) -> RequestResult:
+    """One request; whatever its answer raises fails that request, not the run (QA: an odd
+    event's AttributeError lost every result)."""
+    try:
+        return await send(client, target, request, disconnect_after, timeout)
+    except Exception as error:  # reported as the request's error
+        return RequestResult(request.index, num_prompt_tokens=request.num_prompt_tokens,
+                             streamed=target.stream,
+                             error=f"bad answer: {type(error).__name__}: {error}")

@@ -25,15 +25,23 @@ class BenchRequest:
     cancel_after: float | None = None  # a trace's client timeout: seconds after it is sent
 
 
+# The longest prompt or answer a flag may ask for, and the most prompt tokens a drawn
+# workload may hold (QA: a 10^20-token prompt was built in memory until the run was killed).
+MAX_LEN = 10_000_000
+MAX_WORKLOAD_TOKENS = 100_000_000
+
+
 def parse_range(text: str, flag: str) -> tuple[int, int]:
     """'128' -> (128, 128); '64:512' -> (64, 512); a ValueError naming ``flag`` else."""
-    low, _, high = text.partition(":")
+    low, colon, high = text.partition(":")
     try:
-        lo, hi = int(low), int(high or low)
+        lo, hi = int(low), int(high if colon else low)  # QA: "1:" was taken as 1
     except ValueError:
         raise ValueError(f"{flag} {text!r} is not N or LOW:HIGH") from None
     if lo < 1 or hi < lo:
         raise ValueError(f"{flag} {text!r}: need 1 <= LOW <= HIGH")
+    if hi > MAX_LEN:
+        raise ValueError(f"{flag} {text!r}: at most {MAX_LEN:,} tokens")
     return lo, hi
 
 
