@@ -29,9 +29,11 @@ from pathlib import Path
 from kvserve.cpu_name import CpuFields, read_cpuinfo, with_generation
 
 # SmolLM2-135M: 30 layers of Q/K/V/O (576x576, 2 x 576x192, 576x576) and SwiGLU (3 x 576x1536),
-# plus the 49,152 x 576 LM head: 134.5 M multiply-adds, 2 FLOPs each, per token.
-MATMUL_FLOPS_PER_TOKEN = 2 * (30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
-                              + 49152 * 576)
+# 106.2 M multiply-adds per token, 2 FLOPs each; the 49,152 x 576 LM head's 28.3 M only for
+# a token sampled (a prompt's last position, or a decode step), as both engines compute it.
+LAYER_FLOPS_PER_TOKEN = 2 * 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+LM_HEAD_FLOPS_PER_TOKEN = 2 * 49152 * 576
+MATMUL_FLOPS_PER_TOKEN = LAYER_FLOPS_PER_TOKEN + LM_HEAD_FLOPS_PER_TOKEN
 ISA_PREFIXES = ("avx", "amx", "fma")
 
 
@@ -229,10 +231,12 @@ def summary_table(summaries: Sequence[Summary], peer: str = "vLLM") -> list[str]
     return lines
 
 
-def roofline_floor_s(tokens: int, bf16_flops: float) -> float:
-    """The least time ``tokens`` (prompt + output) can take through the model's matmuls at
-    this machine's bf16 peak (FLOP/s)."""
-    return tokens * MATMUL_FLOPS_PER_TOKEN / bf16_flops
+def roofline_floor_s(prompt_tokens: int, output_tokens: int, bf16_flops: float) -> float:
+    """The least time a run's tokens can take through the model's matmuls at this machine's
+    bf16 peak (FLOP/s): every token through the layers, the LM head for each output token
+    (until 6 December every prompt token was counted through it too: 1.17x W1's work)."""
+    return ((prompt_tokens + output_tokens) * LAYER_FLOPS_PER_TOKEN
+            + output_tokens * LM_HEAD_FLOPS_PER_TOKEN) / bf16_flops
 
 
 def machine_line(model: str, flags: str, peaks: dict[str, float] | None) -> str:

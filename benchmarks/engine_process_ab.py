@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_load import OUT, bench, free_port, w3_trace, write_docs
+from online_load import OUT, bench, free_port, w3_count, w3_trace, write_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- engine_process_ab:begin -->", "<!-- engine_process_ab:end -->"
@@ -105,7 +105,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--n", type=int, default=200, help="W3 requests (first n)")
+    parser.add_argument("--n", type=w3_count, default=200, help="W3 requests (first n)")
     parser.add_argument("--other", choices=("process", "process-1t"), default="process",
                         help="the side measured against the engine thread")
     parser.add_argument("--write-docs", action="store_true")

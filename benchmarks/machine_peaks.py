@@ -34,7 +34,7 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     cpu = cpu_info()
     lines = ["## This machine", "",
-             f"`python benchmarks/machine_peaks.py --write-docs` at "
+             f"`python benchmarks/machine_peaks.py{' --write-docs' if args.write_docs else ''}` at "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {platform.machine()}, "
              f"{cpu.name} (ISA: {isa_line(cpu)}), {os.cpu_count()} cores, "
              f"torch {torch.__version__} with {torch.get_num_threads()} threads.", "",
@@ -42,9 +42,9 @@ def main() -> int:
              f"| matmul bf16 (best of n = 512, 1024, 2048) | {bf16 / 1e9:.0f} GFLOP/s |",
              f"| matmul fp32 | {fp32 / 1e9:.0f} GFLOP/s |",
              f"| memory bandwidth (512 MiB copy, read + write) | {bandwidth / 1e9:.1f} GB/s |",
-             "", "The `cpu-local` roofline preset uses these figures as they are (efficiency "
-             "1.0, no fixed step overhead), so its error in the tables below is the "
-             "uncalibrated roofline's own."]
+             "", "`--hardware cpu-local` measures the same figures itself (once per CPU, "
+             "cached) and uses them as they are (efficiency 1.0, no fixed step overhead), "
+             "so its error in the tables below is the uncalibrated roofline's own."]
     publish("machine", "\n".join(lines), write_docs=args.write_docs, docs=DOCS, title=TITLE)
     return 0
 

@@ -95,7 +95,7 @@ def run_row(workload: str, pair: int, side: str, r: dict, conditions: ab.Conditi
             peaks: dict[str, float] | None, dtype: str) -> str:
     fraction = "-"
     if peaks:
-        floor = ab.roofline_floor_s(r["prompt_tokens"] + r["output_tokens"],
+        floor = ab.roofline_floor_s(r["prompt_tokens"], r["output_tokens"],
                                     peaks[PEAK[dtype]])
         fraction = f"{floor / r['wall_s']:.2f}"
     preempted = "?" if r.get("preemptions") is None else f"{r['preemptions']:.0f}"

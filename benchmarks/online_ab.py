@@ -146,7 +146,7 @@ def floor_s(run: dict, requests: int, peaks: dict[str, float] | None, dtype: str
     arrival (about requests / 4 s), whichever is longer."""
     if not peaks:
         return None
-    work = ab.roofline_floor_s(run["prompt_tokens"] + run["output_tokens"], peaks[PEAK[dtype]])
+    work = ab.roofline_floor_s(run["prompt_tokens"], run["output_tokens"], peaks[PEAK[dtype]])
     return max(work, (requests - 1) / W3_ARRIVAL_RATE)
 
 

@@ -37,6 +37,18 @@ PEERS = ("vLLM CPU 0.32.0 (bf16): TTFT p50/p99 1.61 s / 27.6 s, ITL p50/p99 218 
          "1.35 s, 311 output tok/s; llama.cpp: TTFT 329 s / 671 s, 40 output tok/s")
 
 
+def w3_count(text: str) -> int:
+    """--n: how many of W3's 200 requests (an argparse type: one line for a bad value; QA:
+    --n 250 was an IndexError after the parse)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= n <= 200:
+        raise argparse.ArgumentTypeError(f"W3 has 200 requests: give 1 to 200, not {n}")
+    return n
+
+
 def w3_trace(path: Path, n: int = 200) -> None:
     """The exact W3 draw (numpy default_rng(1): lengths, max_tokens, gaps, then prompts)."""
     rng = np.random.default_rng(1)
@@ -110,14 +122,17 @@ def drain(url: str, timeout: float = 120.0) -> tuple[float, dict[str, float]]:
         time.sleep(0.2)
 
 
-def section(w3: dict, soak: dict, drain_s: float, command: str, dtype: str) -> str:
+def section(w3: dict, soak: dict, drain_s: float, command: str, dtype: str, n: int,
+            serve_flags: list[str]) -> str:
     t, i = w3["ttft"], w3["itl"]
+    flags = f" and `{' '.join(serve_flags)}`" if serve_flags else ""
     return "\n".join([
         BEGIN, "## Online load", "",
         f"`{command}` on {platform.machine()}, {os.cpu_count()} cores shared with other jobs. "
-        f"`kvserve serve` with the bundled SmolLM2-135M-Instruct in {dtype} and the default "
-        "1 GiB KV cache; W3 of ../shared/WORKLOADS.md sent by `kvserve bench serve --trace` "
-        "(200 requests, Poisson 4 req/s, prompts 64-512 token ids, max_tokens 32-256, "
+        f"`kvserve serve` with the bundled SmolLM2-135M-Instruct in {dtype}, the default "
+        f"1 GiB KV cache{flags}; W3 of ../shared/WORKLOADS.md sent by `kvserve bench serve "
+        f"--trace` (the first {n} of its 200 requests, Poisson 4 req/s, prompts 64-512 token "
+        "ids, max_tokens 32-256, "
         "greedy, ignore_eos, streaming). The arrival rate overloads every engine on this "
         "machine, so this measures behaviour under overload; this run does not separate "
         "server overhead from model time.", "",
@@ -150,7 +165,7 @@ def write_docs(text: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--n", type=int, default=200, help="W3 requests (first n)")
+    parser.add_argument("--n", type=w3_count, default=200, help="W3 requests (first n)")
     parser.add_argument("--soak-clients", type=int, default=200)
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
@@ -176,7 +191,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
     command = "python benchmarks/online_load.py " + " ".join(sys.argv[1:])
-    text = section(w3, soak, drain_s, command.strip(), args.dtype)
+    text = section(w3, soak, drain_s, command.strip(), args.dtype, args.n,
+                   args.serve_flags)
     print(text)
     print(json.dumps({"w3": w3, "soak": soak, "drain_s": drain_s, "after": after,
                       "idle_before_soak": idle}, indent=2), file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_process_ab import cpu, row, serve_and_bench
-from online_load import OUT, w3_trace
+from online_load import OUT, w3_count, w3_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- record_overhead:begin -->", "<!-- record_overhead:end -->"
@@ -43,7 +43,7 @@ def run(side: str, trace: Path, dtype: str, extra: list[str]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2)
-    parser.add_argument("--n", type=int, default=60, help="W3 requests (the first n)")
+    parser.add_argument("--n", type=w3_count, default=60, help="W3 requests (the first n)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("serve_flags", nargs="*", help="extra kvserve serve flags (after --)")
