@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.core.checks import is_int
 from kvserve.core.config import (
     ADMISSION_POLICIES,
     DEFAULT_BLOCK_SIZE,
@@ -664,8 +665,7 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
     one block is an error, not an empty tier. Either value is checked under any mode (QA:
     ``--sweep num_host_blocks=abc,-5`` ran as two rows under recompute)."""
     given, swap_space = settings.get("num_host_blocks"), settings.get("swap_space")
-    if given is not None and (isinstance(given, bool) or not isinstance(given, int)
-                              or given < 0):
+    if given is not None and (not is_int(given) or given < 0):
         raise CLIError(f"num_host_blocks must be an integer >= 0, got {given!r}")
     if swap_space is not None and (isinstance(swap_space, bool) or
                                    not isinstance(swap_space, (int, float)) or

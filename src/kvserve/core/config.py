@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvserve.core.checks import is_int, is_real
 from kvserve.core.errors import ConfigError
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight")
@@ -42,7 +43,7 @@ _T = TypeVar("_T")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -56,7 +57,7 @@ def _check_optional_int(name: str, value: Any, lo: int) -> None:
 
 def _check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = False,
                  lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if not is_real(value) or math.isnan(value):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     if value < lo or value > hi or (hi_open and value == hi) or (lo_open and value == lo):
         interval = ("(" if lo_open else "[") + f"{lo}, {hi}" + (")" if hi_open else "]")

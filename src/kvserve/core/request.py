@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvserve.core.checks import is_finite, is_int
 from kvserve.core.errors import RequestError
 
 # The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
@@ -97,14 +97,6 @@ def _require(ok: bool, message: str) -> None:
         raise RequestError(message)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
@@ -186,11 +178,11 @@ class SamplingParams:
     session_ttl: float | None = None
 
     def __post_init__(self) -> None:
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _require(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _require(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
+        _require(is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
                  f"n must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (
+        _require(is_int(self.min_tokens) and 0 <= self.min_tokens <= (
                      self.min_tokens if self.max_tokens is None else self.max_tokens),
                  f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                  f"got {self.min_tokens!r}")
@@ -201,7 +193,7 @@ class SamplingParams:
                  "stop strings need the text: they cannot be used with detokenize=False")
         _require(isinstance(self.ignore_eos, bool),
                  f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        _require(self.eos_token_id is None or (_is_int(self.eos_token_id)
+        _require(self.eos_token_id is None or (is_int(self.eos_token_id)
                                                and self.eos_token_id >= 0),
                  f"eos_token_id must be a non-negative integer, got {self.eos_token_id!r}")
         for name in ("stop_token_ids", "stop"):  # None: vLLM's default, none
@@ -211,7 +203,7 @@ class SamplingParams:
             _require(isinstance(self.stop_token_ids, (list, range)),
                      f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _require(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                  f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -221,37 +213,37 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         _require(all(isinstance(s, str) and s for s in self.stop),
                  f"stop must be non-empty strings, got {self.stop!r}")
-        _require(_is_int(self.priority), f"priority must be an integer, got {self.priority!r}")
+        _require(is_int(self.priority), f"priority must be an integer, got {self.priority!r}")
         self._check_sampling_fields()
 
     def _check_sampling_fields(self) -> None:
-        _require(_is_number(self.temperature) and self.temperature >= 0,
+        _require(is_finite(self.temperature) and self.temperature >= 0,
                  f"temperature must be a number >= 0, got {self.temperature!r}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1,
+        _require(is_finite(self.top_p) and 0 < self.top_p <= 1,
                  f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= -1,
+        _require(is_int(self.top_k) and self.top_k >= -1,
                  f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
-        _require(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+        _require(is_finite(self.min_p) and 0 <= self.min_p <= 1,
                  f"min_p must be in [0, 1], got {self.min_p!r}")
-        _require(self.seed is None or (_is_int(self.seed)
+        _require(self.seed is None or (is_int(self.seed)
                                        and -(1 << 63) <= self.seed < 1 << 64),
                  f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _require(_is_number(value) and -2 <= value <= 2,
+            _require(is_finite(value) and -2 <= value <= 2,
                      f"{name} must be in [-2, 2], got {value!r}")
-        _require(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+        _require(is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         # how many the engine gives at most is its own setting (max_logprobs, 20 by default)
-        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+        _require(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                  f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+        _require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
                                                   and self.prompt_logprobs >= 0),
                  f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
         self._check_token_constraints()
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")
-        _require(self.max_queue_delay is None or (_is_number(self.max_queue_delay)
+        _require(self.max_queue_delay is None or (is_finite(self.max_queue_delay)
                                                   and self.max_queue_delay > 0),
                  f"max_queue_delay must be a number of seconds > 0 (0 could only time out), "
                  f"got {self.max_queue_delay!r}")
@@ -266,7 +258,7 @@ class SamplingParams:
         _require(isinstance(bias, (tuple, list)) and all(
             isinstance(pair, (tuple, list)) and len(pair) == 2 for pair in bias),
             f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
-        _require(all(_is_int(t) and t >= 0 and _is_number(b) for t, b in bias),
+        _require(all(is_int(t) and t >= 0 and is_finite(b) for t, b in bias),
                  f"logit_bias must map non-negative token ids to finite numbers, "
                  f"got {self.logit_bias!r}")
         object.__setattr__(self, "logit_bias",
@@ -274,7 +266,7 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         if allowed is not None:
             _require(isinstance(allowed, (tuple, list, range)) and len(allowed) > 0
-                     and all(_is_int(t) and t >= 0 for t in allowed),
+                     and all(is_int(t) and t >= 0 for t in allowed),
                      f"allowed_token_ids must be a non-empty list of non-negative token ids, "
                      f"got {allowed!r}")
             object.__setattr__(self, "allowed_token_ids", tuple(allowed))
@@ -290,7 +282,7 @@ class SamplingParams:
         """A field of token id sequences (bad words', choices'), kept as tuples."""
         sequences = getattr(self, name)
         _require(isinstance(sequences, (tuple, list)) and all(
-            isinstance(ids, (tuple, list)) and ids and all(_is_int(t) and t >= 0 for t in ids)
+            isinstance(ids, (tuple, list)) and ids and all(is_int(t) and t >= 0 for t in ids)
             for ids in sequences),
             f"{name} must be non-empty lists of token ids, got {sequences!r}"[:300])
         object.__setattr__(self, name, tuple(tuple(ids) for ids in sequences))
@@ -346,7 +338,7 @@ class SamplingParams:
     def _check_session(self) -> None:
         _require(isinstance(self.session_id, str) and 0 < len(self.session_id) <= 256,
                  f"session id must be a string of 1 to 256 characters, got {self.session_id!r}")
-        _require(self.session_ttl is None or (_is_number(self.session_ttl)
+        _require(self.session_ttl is None or (is_finite(self.session_ttl)
                                               and 0 < self.session_ttl <= 86400),
                  f"session ttl must be a number of seconds in (0, 86400], "
                  f"got {self.session_ttl!r}")
@@ -400,7 +392,7 @@ class Request:
                  f"request_id must be a non-empty string, got {self.request_id!r}")
         _require(isinstance(self.prompt_token_ids, list) and len(self.prompt_token_ids) > 0,
                  f"request {self.request_id}: prompt_token_ids must be a non-empty list")
-        _require(_is_number(self.arrival_time),
+        _require(is_finite(self.arrival_time),
                  f"request {self.request_id}: arrival_time must be a number")
         _require(isinstance(self.sampling_params, SamplingParams),
                  f"request {self.request_id}: sampling_params must be a SamplingParams")

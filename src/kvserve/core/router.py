@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.core.checks import is_int
 from kvserve.core.errors import ConfigError
 
 ROUTER_POLICIES = ("round-robin", "least-loaded", "prefix-affinity")
@@ -287,14 +288,12 @@ def make_router(policy: str, num_replicas: int, *,
     (R4) and only prefix-affinity uses it, as it does ``max_tracked_blocks``."""
     if policy not in ROUTER_POLICIES:
         raise ConfigError(f"unknown router {policy!r}; choose from {', '.join(ROUTER_POLICIES)}")
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+    if not is_int(num_replicas) or num_replicas < 1:
         raise ConfigError(f"data-parallel size must be an integer >= 1, got {num_replicas!r}")
-    if isinstance(imbalance_bound, bool) or not isinstance(imbalance_bound, int) \
-            or imbalance_bound < 0:
+    if not is_int(imbalance_bound) or imbalance_bound < 0:
         raise ConfigError(f"router imbalance bound must be an integer >= 0, "
                           f"got {imbalance_bound!r}")
-    if isinstance(max_tracked_blocks, bool) or not isinstance(max_tracked_blocks, int) \
-            or max_tracked_blocks < 1:
+    if not is_int(max_tracked_blocks) or max_tracked_blocks < 1:
         raise ConfigError(f"router max tracked blocks must be an integer >= 1, "
                           f"got {max_tracked_blocks!r}")
     if policy == "round-robin":

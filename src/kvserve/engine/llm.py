@@ -30,6 +30,7 @@ from kvserve.core import (
     Scheduler,
     SchedulerConfig,
 )
+from kvserve.core.checks import is_int
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
 from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
@@ -223,7 +224,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     # a bad block size, caching switch or hash, before any load (QA: after a 10 s load)
     CacheConfig(num_blocks=1, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 prefix_caching_hash_algo=prefix_caching_hash_algo)
-    if isinstance(seed, bool) or not isinstance(seed, int) or \
+    if not is_int(seed) or \
             not -(1 << 63) <= seed < 1 << 64:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
     if isinstance(model, ModelConfig):
@@ -322,7 +323,7 @@ def _size(value: Any, name: str, minimum: int) -> int | None:
             value = parse_bytes(value)
         except argparse.ArgumentTypeError as error:
             raise ValueError(f"{name}: {error}") from None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{name} must be bytes (an integer) or a size like '1GiB', got "
                          f"{value!r}")
     if value < minimum:
@@ -374,7 +375,7 @@ def _check_count(value: Any, name: str, low: int, high: int) -> None:
     """An integer in [low, high], or None; ValueError naming ``name``."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
@@ -501,8 +502,7 @@ class LLM:
                         self._sampling_defaults)
         self.replicas: ReplicatedEngines | None = None
         self._closed = False
-        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) \
-                or data_parallel_size < 1:
+        if not is_int(data_parallel_size) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{data_parallel_size!r}")
         make_router(router, data_parallel_size)  # an unknown router, with one replica too

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.core.checks import is_int, is_real
 from kvserve.server.errors import APIError, bad_request
 
 
@@ -153,7 +154,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
                            "--api-key")
     for name in ("most_urgent_priority", "default_priority"):
         value = entry.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+        if value is not None and (not is_int(value)
                                   or not PRIORITY_RANGE[0] <= value < PRIORITY_RANGE[1]):
             raise KeyFileError(f"{where}: '{name}' must be an integer from -2**31 to "
                                "2**31 - 1, as a request's priority")
@@ -168,8 +169,7 @@ def _key_from_entry(entry: Any, index: int, path: Path) -> ApiKey:
     if not isinstance(admin, bool):
         raise KeyFileError(f"{where}: 'admin' must be true or false")
     weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-            or not 0 < weight <= 1e6:
+    if not is_real(weight) or not 0 < weight <= 1e6:
         raise KeyFileError(f"{where}: 'weight' must be a number in (0, 1e6]")
     return ApiKey(key, tenant, urgent, default, admin, float(weight))
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.core.checks import is_int
 from kvserve.core.config import MAX_BLOCKS
 from kvserve.flags import TOKEN_KEYS, parse_token_count, parse_value, sweep_key
 from kvserve.sim.cli_common import (
@@ -87,7 +88,7 @@ def parse_setting(text: str, pair: str) -> tuple[str, Any]:
         raise ValueError(f"{error}, {', '.join(CLUSTER_KEYS)}") from None
     if key == "num_kv_blocks":  # named as the setting (the pool's check says num_blocks)
         blocks = parse_value(value)
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or \
+        if not is_int(blocks) or \
                 not 1 <= blocks <= MAX_BLOCKS:
             raise ValueError(f"--set {text!r}: num_kv_blocks must be an integer in "
                              f"[1, {MAX_BLOCKS}]")
@@ -130,7 +131,7 @@ def _cluster_value(text: str, key: str, value: str) -> Any:
                              f"{', '.join(ROUTER_POLICIES)}")
         return value
     size = parse_value(value)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size) or size < 1:
         raise ValueError(f"--set {text!r}: data_parallel_size must be an integer >= 1")
     return size
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvserve.core import SchedulerOutput
+from kvserve.core.checks import is_finite, is_int
 from kvserve.sim.executor import BatchView
 from kvserve.sim.presets import HardwareSpec, ModelSpec, dtype_bytes
 
@@ -278,15 +279,14 @@ class CalibratedCostModel:
         coefficients = {}
         for term in CALIBRATED_TERMS:
             value = given.get(term, 0.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or not 0 <= value <= MAX_COEFFICIENT_S:
+            if not is_finite(value) or not 0 <= value <= MAX_COEFFICIENT_S:
                 raise CostModelError(f"coefficient {term} must be a number of seconds in "
                                      f"[0, {MAX_COEFFICIENT_S:g}], got {value!r}")
             coefficients[term] = float(value)
         if coefficients["fixed_s"] + coefficients["per_token_s"] <= 0:
             raise CostModelError("fixed_s or per_token_s must be > 0, or time never advances")
         min_tokens = data.get("min_tokens", 0)
-        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        if not is_int(min_tokens) or min_tokens < 0:
             raise CostModelError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
         return cls(coefficients, str(data.get("source", "")), min_tokens)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.core import CacheConfig, SchedulerConfig
+from kvserve.core.checks import is_int
 from kvserve.core.config import MAX_BLOCKS
 from kvserve.flags import (
     CACHE_KEYS,
@@ -73,7 +74,7 @@ class Deployment:
     def __post_init__(self) -> None:
         model = get_model(self.model)
         tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        if not is_int(tp) or tp < 1:
             raise CostModelError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
         if model.num_heads % tp:  # vLLM refuses it too: the heads split evenly
             raise CostModelError(f"--tensor-parallel-size {tp}: {model.name}'s "

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.core import SamplingParams
+from kvserve.core.checks import is_finite, is_int, is_real
 from kvserve.sim.tokens import EOS_TOKEN_ID, stream_key, stream_tokens
 
 
@@ -198,7 +198,7 @@ def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
     value = row.get(name, default)
     if value is default and name not in row:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    if not is_int(value) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
     return value
 
@@ -214,8 +214,7 @@ def _time(row: dict[str, Any], name: str, required: bool = False) -> float | Non
             raise ValueError(f"missing {name}")
         return None
     value = row[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0 <= value <= MAX_TIME:
+    if not is_finite(value) or not 0 <= value <= MAX_TIME:
         raise ValueError(f"{name} must be a number of seconds in [0, {MAX_TIME:.0e}], got "
                          f"{value!r}")
     return float(value)
@@ -241,8 +240,7 @@ def check_trace(trace: Sequence[Any]) -> None:
             value = getattr(item, name)
             if value is None and name != "arrival_time":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or not 0 <= value <= MAX_TIME:
+            if not is_finite(value) or not 0 <= value <= MAX_TIME:
                 raise ValueError(f"{where}{name} must be a number of seconds in "
                                  f"[0, {MAX_TIME:.0e}], got {value!r}")
         counts = [("output_len", 0, False), ("max_tokens", 1, True)]
@@ -252,7 +250,7 @@ def check_trace(trace: Sequence[Any]) -> None:
             value = getattr(item, name)
             if value is None and optional:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            if not is_int(value) or value < lo:
                 raise ValueError(f"{where}{name} must be an integer >= {lo}, got {value!r}")
         if item.prompt_token_ids is not None and not item.prompt_token_ids:
             raise ValueError(f"{where}prompt_token_ids must not be empty")
@@ -325,7 +323,7 @@ def _check_fields(request: TraceRequest) -> None:
     if prefix_id is not None:
         if not isinstance(prefix_id, str) or request.prompt_token_ids is not None:
             raise ValueError("prefix_id must be a string, with prefix_len and prompt_len")
-        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
+        if not is_int(prefix_len) or prefix_len < 0:
             raise ValueError(f"prefix_len must be an integer >= 0, got {prefix_len!r}")
         if prompt_len is not None and prefix_len > prompt_len:
             raise ValueError(f"prefix_len {prefix_len} is longer than prompt_len {prompt_len}")
@@ -338,7 +336,7 @@ def _check_fields(request: TraceRequest) -> None:
     if not isinstance(request.ignore_eos, bool):
         raise ValueError(f"ignore_eos must be true or false, got {request.ignore_eos!r}")
     priority = request.priority
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if not is_int(priority):
         raise ValueError(f"priority must be an integer, got {priority!r}")
     if not isinstance(request.tenant, str):
         raise ValueError(f"tenant must be a string, got {request.tenant!r}")
@@ -346,13 +344,12 @@ def _check_fields(request: TraceRequest) -> None:
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
     if session_ttl is not None and (  # the server's range (one message: QA saw two)
-            isinstance(session_ttl, bool) or not isinstance(session_ttl, (int, float))
+            not is_real(session_ttl)
             or not 0 < session_ttl <= 86400 or session_id is None):
         raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
                          f"session_id, got {session_ttl!r}")
     replica = request.replica
-    if replica is not None and (isinstance(replica, bool) or not isinstance(replica, int)
-                                or replica < 0):
+    if replica is not None and (not is_int(replica) or replica < 0):
         raise ValueError(f"replica must be an integer >= 0, got {replica!r}")
     received = request.received_time
     if received is not None and received > request.arrival_time:
@@ -365,7 +362,7 @@ def _check_fields(request: TraceRequest) -> None:
 def _check_prompt_logprobs(value: Any, session_id: str | None) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"prompt_logprobs must be an integer >= 0, got {value!r}")
     if session_id is not None:
         raise ValueError(f"prompt_logprobs cannot be asked of a session turn (G8), got "
@@ -383,7 +380,7 @@ def _hashes(row: dict[str, Any], prompt_len: int | None) -> tuple[tuple[str, ...
 
 def _check_hashes(request: TraceRequest) -> None:
     hashes, size, prompt_len = request.prompt_hashes, request.hash_block_size, request.prompt_len
-    if prompt_len is None or isinstance(size, bool) or not isinstance(size, int) or size < 1 \
+    if prompt_len is None or not is_int(size) or size < 1 \
             or not isinstance(hashes, tuple) or not all(isinstance(h, str) and h for h in hashes):
         raise ValueError("prompt_hashes (a list of strings) needs hash_block_size and "
                          "prompt_len")
