@@ -258,6 +258,31 @@ def test_ttl_releases_into_the_prefix_cache():  # U6 G2
     assert scheduler.stats().num_session_hits == 0
 
 
+def test_a_turn_arriving_after_its_hold_expired_finds_none_without_a_step_between():  # U6
+    """QA: the simulator does not step while idle, so a turn 10 s after one with a 1 s ttl
+    took the hold the server (which releases between steps) had let go; the replay of a
+    recording diverged. The arrival releases it first."""
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    history = first_turn_with_ttl(scheduler, executor, ttl=1.0)  # held until 3.0
+    scheduler.take_events()
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 5), arrival_time=10.0))
+    assert scheduler.requests["t2"] in scheduler.waiting  # not held: an ordinary turn
+    released, arrived = scheduler.take_events()
+    assert (released.kind, released.request_id, released.reason) == \
+        (EventType.RELEASED, "t1", "ttl")
+    assert (arrived.kind, arrived.request_id, arrived.reason) == (EventType.ARRIVED, "t2", "")
+    run(scheduler, executor, 10.0)
+    stats = scheduler.stats()
+    assert (stats.num_session_hits, stats.prefix_cache_hits) == (0, 12)
+
+
+def first_turn_with_ttl(scheduler, executor, ttl: float) -> list[int]:
+    prompt = prompt_of("t1", 10)
+    scheduler.add_request(turn("t1", prompt, session_ttl=ttl))
+    run(scheduler, executor)  # finishes at step time 2.0
+    return prompt + [token_for("t1", p) for p in (10, 11, 12)]
+
+
 def test_the_bound_releases_the_oldest_hold_first():  # U5
     scheduler, executor = sched(max_session_kv=0.2), FakeExecutor()  # 4 blocks
     scheduler.add_request(turn("a", prompt_of("a", 10), session="A"))
@@ -503,7 +528,7 @@ def admissions_with_held_turns(sessions: str, limit: int, plain_priority: int = 
     (``plain_priority``) waits, and every session's next turn arrives behind it: the order
     in which they are admitted, with max_held_first ``limit``, one seat."""
     scheduler = sched(num_blocks=80, max_num_batched_tokens=64, max_num_seqs=1,
-                      max_held_first=limit, **config)
+                      max_held_first=limit, session_ttl_s=600.0, **config)  # held at 51 s
     executor = FakeExecutor(block_size=BS)
     histories = {}
     for name in sessions:

@@ -238,3 +238,18 @@ def test_a_replicas_load_counts_its_held_session_turns():  # R1 U2
     assert replica.load().num_waiting == 0
     replica.scheduler.held_waiting.append(object())  # type: ignore[arg-type]
     assert replica.load().num_waiting == 1
+
+
+def test_a_turn_after_its_sessions_ttl_ran_out_in_an_idle_gap_is_no_session_hit():  # U6
+    """QA: the simulator does not step while idle, and the turn 10 s after one with a 1 s
+    ttl took the hold the server had released (its replay of a recording diverged)."""
+    import dataclasses
+
+    first, second = conversation(turns=2)
+    second = dataclasses.replace(second, arrival_time=10.0)
+    results = {}
+    for ttl in (1.0, 30.0):
+        trace = [dataclasses.replace(t, session_ttl=ttl) for t in (first, second)]
+        result = simulate(trace, max_session_kv=0.5)
+        results[ttl] = aggregate(result)["sessions"]["session_hits"]
+    assert results == {1.0: 0, 30.0: 1}

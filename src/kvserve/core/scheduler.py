@@ -224,6 +224,8 @@ class Scheduler:
                                "a request is one sequence (LLM.generate and the server add "
                                "one request per sample)")
         sessions, session = self.sessions, None
+        if sessions is not None and request.arrival_time >= sessions.next_expiry:
+            sessions.expire(request.arrival_time)  # U6: no turn takes a hold past its ttl
         if request.sampling_params.session_id is not None:
             if sessions is None:
                 raise RequestError(f"request {request.request_id}: sessions are off on this "
