@@ -183,3 +183,145 @@ def test_a_request_asking_prompt_logprobs_is_recorded_so(tmp_path):  # G8
     [row] = lines(tmp_path / "rec", "trace-*.jsonl")
     assert row["prompt_logprobs"] == 2
     assert load_recording(tmp_path / "rec", warn=pytest.fail).trace[0].prompt_logprobs == 2
+
+
+def test_a_group_the_queue_refused_part_of_leaves_no_event_behind():
+    """QA: the undone first of an n=2 request (its second found the queue full) left its
+    arrival and abort in the event log, in no trace: a recording's replay read it as a
+    request still in flight at the end and stopped there (19 of 24 requests, all aborted)."""
+    from kvserve.core import QueueFullError
+    from kvserve.engine.core_loop import EngineCore
+
+    from .helpers import make_engine
+
+    core = EngineCore(make_engine(max_num_queued_reqs=1, max_num_seqs=1,
+                                  max_num_batched_tokens=64))
+    params = SamplingParams(max_tokens=4)
+    assert core.add([("x", [5] * 4, params, None)]) is None
+    error = core.add([("g-0", [5] * 4, params, None), ("g-1", [5] * 4, params, None)])
+    assert isinstance(error, QueueFullError)
+    events = core.engine.scheduler.take_events()
+    assert [(e.kind, e.request_id) for e in events] == [("arrived", "x")]
+
+
+def test_a_segment_begun_mid_step_logs_nothing_from_before_it(tmp_path):
+    """QA: ``kvserve record start`` on a busy server logged the step under way and the
+    in-flight requests' arrivals at negative times; the replay read those as requests lost
+    at the end, and refused the recording ("no whole request")."""
+    from kvserve.core.outputs import SchedulerEvent
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.origin -= 10.0  # the server has run 10 s; the segment begins now
+    recorder.start(in_flight=1)
+    recorder.flush()
+    begun = json.loads((tmp_path / "rec" / "recording.json").read_text())["segments"][0]
+    params = SamplingParams(max_tokens=2)
+    recorder.submitted([("new", list(range(20)), params)])
+    before = begun["start"] - 0.5  # the step under way, and the old request's arrival
+    recorder.observe(StepReport(recorder.origin + before, 20, 0.6, [], [
+        SchedulerEvent(recorder.origin + before - 1.0, "arrived", "old", 20)], BUSY,
+        shape=SHAPE))
+    after = begun["start"] + 0.2
+    recorder.observe(StepReport(recorder.origin + after, 20, 0.1, [
+        CompletionChunk("new", [1, 2], "", True, "length", None, metrics(2))], [
+        SchedulerEvent(recorder.origin + after, "arrived", "new", 20),
+        SchedulerEvent(recorder.origin + after, "admitted", "new", 20)], IDLE, shape=SHAPE,
+        arrivals=(("new", recorder.origin + after),)))
+    recorder.close()
+    rows = lines(tmp_path / "rec", "steps-0-*.jsonl")
+    assert [r["start"] for r in rows if r["type"] == "step"] == [round(after, 6)]
+    assert {r["request_id"] for r in rows if r["type"] == "event"} == {"new"}
+    warnings: list[str] = []
+    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    assert [r.request_id for r in recording.trace] == ["new"] and not warnings
+    assert "in flight" in (recording.inexact or "")
+
+
+def test_events_of_a_report_with_no_step_are_logged_and_a_turns_own_ttl_recorded(tmp_path):
+    """QA: a session released while the engine was idle (a report with no tokens) was in no
+    log; a turn's own session ttl was not recorded, so its replay held it the server's
+    default."""
+    from kvserve.core.outputs import SchedulerEvent
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+    params = SamplingParams(max_tokens=2, session_id="s", session_ttl=5.0)
+    recorder.submitted([("t1", list(range(20)), params)])
+    recorder.observe(report(recorder, 1.0, 20, arrivals=[("t1", 0.9)], chunks=[
+        CompletionChunk("t1", [1, 2], "", True, "length", None, metrics(2))], stats=IDLE))
+    recorder.observe(StepReport(recorder.origin + 7.0, 0, 0.0, [], [
+        SchedulerEvent(recorder.origin + 6.1, "released", "t1", 21, "ttl")], IDLE))
+    recorder.close()
+    events = [r for r in lines(tmp_path / "rec", "steps-0-*.jsonl") if r["type"] == "event"]
+    assert [(e["kind"], e["time"], e["reason"]) for e in events] == [("released", 6.1, "ttl")]
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")
+    assert (row["session_id"], row["session_ttl"]) == ("s", 5.0)
+
+
+def one_request_recording(directory, prompts: str = "ids") -> None:
+    recorder = Recorder(directory, INFO, prompts=prompts)
+    recorder.start()
+    recorder.submitted([("a", list(range(20)), SamplingParams(max_tokens=2))])
+    recorder.observe(report(recorder, 1.0, 20, arrivals=[("a", 0.9)], chunks=[
+        CompletionChunk("a", [1, 2], "", True, "length", None, metrics(2))], stats=IDLE))
+    recorder.close()
+
+
+def test_prompts_recorded_as_lengths_replay_as_inexact(tmp_path):
+    """QA: docs say such a replay shares no prefix, yet it was taken as exact, and any prefix
+    hit the server had made it fail ("replay diverged")."""
+    one_request_recording(tmp_path / "rec", prompts="none")
+    recording = load_recording(tmp_path / "rec", warn=pytest.fail)
+    assert "lengths only (--record-prompts none)" in (recording.inexact or "")
+
+
+def test_an_old_recordings_undone_group_member_is_not_taken_for_a_lost_request(tmp_path):
+    """Recordings made before the engine took such events back hold them: an arrival with
+    no trace line that ended without ever running is no request lost at the end."""
+    one_request_recording(tmp_path / "rec")
+    log = sorted((tmp_path / "rec").glob("steps-0-*.jsonl"))[0]
+    ghost = [{"type": "event", "time": 0.95, "kind": kind, "request_id": "g-0",
+              "num_tokens": 20, "reason": reason} for kind, reason in
+             (("arrived", ""), ("finished", "abort"))]
+    log.write_text("".join(json.dumps(row) + "\n" for row in ghost) + log.read_text())
+    recording = load_recording(tmp_path / "rec", warn=pytest.fail)
+    assert [r.request_id for r in recording.trace] == ["a"] and recording.cut is not None
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("event", "an event needs a request_id, a kind"),
+    ("segments", "segments must be a list of objects"),
+    ("deaths", "replica_deaths: time must be a number"),
+    ("deep", "not valid JSON: nested too deep"),
+    ("digits", "not valid JSON: Exceeds the limit"),
+    ("name", "not a step log's name"),
+])
+def test_a_damaged_recording_is_one_error_naming_the_file(tmp_path, damage, message):
+    """QA: a KeyError, an AttributeError or a RecursionError's traceback, "Unknown format
+    code 'f'", or a message naming no file."""
+    from kvserve.sim.trace import TraceError
+
+    directory = tmp_path / "rec"
+    one_request_recording(directory)
+    manifest_path = directory / "recording.json"
+    manifest = json.loads(manifest_path.read_text())
+    log = sorted(directory.glob("steps-0-*.jsonl"))[0]
+    trace = sorted(directory.glob("trace-*.jsonl"))[0]
+    if damage == "event":
+        log.write_text(log.read_text() + json.dumps({"type": "event", "kind": "arrived",
+                                                     "time": 1.0}) + "\n")
+    elif damage == "segments":
+        manifest_path.write_text(json.dumps({**manifest, "segments": "oops"}))
+    elif damage == "deaths":
+        manifest_path.write_text(json.dumps({**manifest, "replica_deaths": [
+            {"engine": 0, "time": "x"}]}))
+    elif damage == "deep":
+        trace.write_text("[" * 100_000 + "]" * 100_000 + "\n" + trace.read_text())
+    elif damage == "digits":
+        trace.write_text('{"request_id": "b", "arrival_time": 1' + "0" * 5000 + "}\n"
+                         + trace.read_text())
+    else:
+        log.rename(directory / "steps-x-00000.jsonl")
+    with pytest.raises(TraceError, match=message) as caught:
+        load_recording(directory, warn=lambda text: None)
+    assert str(directory) in str(caught.value) and "\n" not in str(caught.value)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.core import outputs as core_outputs
@@ -1071,6 +1071,15 @@ class Scheduler:
         if self._events is not None:
             self._events.append(core_outputs.SchedulerEvent(time, kind, request.request_id,
                                                             num_tokens, reason))
+
+    def withdraw_events(self, request_ids: Iterable[str]) -> None:
+        """Take back the events not yet taken of requests the caller added and undid at once
+        (a group of ``n`` the queue refused part of): in no event log, as they are in no
+        trace (QA: a recording's replay read such an arrival as one still in flight at its
+        end, and stopped there)."""
+        if self._events:
+            ids = set(request_ids)
+            self._events = [e for e in self._events if e.request_id not in ids]
 
     def take_events(self) -> list[core_outputs.SchedulerEvent]:
         """Scheduling events since the last call (empty unless ``record_events``)."""

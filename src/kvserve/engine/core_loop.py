@@ -82,6 +82,7 @@ class EngineCore:
         except Exception as error:
             for request_id in added:
                 self.engine.abort(request_id)
+            self.engine.scheduler.withdraw_events(added)  # never taken: in no log either
             return error
         finally:
             self.stats = self.engine.scheduler.stats()  # an add the caller saw is in the stats

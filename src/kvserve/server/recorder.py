@@ -365,14 +365,20 @@ class Recorder:
                     self._write_manifest()
                     entry.orphaned = None
                 entry.arrival, entry.engine = taken - origin, report.engine
-        if report.num_scheduled_tokens:
+        # What came before the segment began is not its (QA: a segment begun with requests
+        # in flight logged the step under way, and their arrivals, at negative times, and
+        # the replay read those as requests still in flight at its end)
+        begun = self.manifest["segments"][-1]["start"] if self.manifest["segments"] else 0.0
+        if report.num_scheduled_tokens and report.time - origin >= begun:
             self._close_step(report.engine, report.time - origin)
             self._open_steps[report.engine] = _OpenStep(
                 report.time - origin, report.seconds, report.num_scheduled_tokens,
                 report.shape)
-            self._log(report.engine, [json.dumps(
-                {"type": "event", **dataclasses.asdict(e), "time": round(e.time - origin, 6)})
-                for e in report.events])
+        # every report's events, a step's or not (QA: sessions released while the engine
+        # was idle were in no log)
+        self._log(report.engine, [json.dumps(
+            {"type": "event", **dataclasses.asdict(e), "time": round(e.time - origin, 6)})
+            for e in report.events if e.time - origin >= begun])
         stats = report.stats
         if not (stats.num_running or stats.num_waiting or stats.num_swapped):
             self._close_step(report.engine, None)  # idle now: the wait is not the step's
@@ -404,6 +410,8 @@ class Recorder:
         """Append to engine's step log. A step's line is written when its duration is known
         (at the next step), after its events: step lines are in start order, events in
         decision order."""
+        if not lines:
+            return
         series = self._steps.get(engine)
         if series is None:
             series = self._steps[engine] = _Rotating(self.directory, f"steps-{engine}",
@@ -443,6 +451,8 @@ class Recorder:
             row["tenant"] = params.tenant
         if params.session_id is not None:
             row["session_id"] = params.session_id
+            if params.session_ttl is not None:  # its own, not the server's (QA: replayed
+                row["session_ttl"] = params.session_ttl  # at the server's default)
         if params.prompt_logprobs is not None:  # never a prefix hit (G8), in the replay too
             row["prompt_logprobs"] = params.prompt_logprobs
         if self.num_engines > 1:

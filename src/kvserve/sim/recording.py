@@ -13,7 +13,6 @@ far as anyone can tell; requests arriving after the cut are left out.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from collections.abc import Callable
@@ -21,11 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvserve.core.checks import is_finite, is_int
+from kvserve.core.request import EventType
 from kvserve.sim.cost_models import CostModelError, ReplayCostModel
 from kvserve.sim.executor import BatchView
-from kvserve.sim.trace import TraceError, TraceRequest, parse_request
+from kvserve.sim.trace import TraceError, TraceRequest, decode_line, parse_request
 
 MANIFEST = "recording.json"
+EVENT_KINDS = frozenset(kind.value for kind in EventType)
 RECORDING_FORMAT = "kvserve-recording/1"
 Warn = Callable[[str], None]
 T = TypeVar("T")
@@ -176,7 +178,10 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
         trace.append(request)
     engines: dict[int, EngineLog] = {}
     for file in sorted(root.glob("steps-*-*.jsonl")):
-        log = engines.setdefault(int(file.name.split("-")[1]), EngineLog())
+        engine = file.name.split("-")[1]
+        if not engine.isdigit():
+            raise TraceError(f"{file}: not a step log's name (steps-ENGINE-N.jsonl)")
+        log = engines.setdefault(int(engine), EngineLog())
         for where, row in _lines(file, note):
             _add_step_row(log, where, row)
     for log in engines.values():
@@ -204,17 +209,39 @@ def _manifest(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise TraceError(f"{root} is not a recording directory")
     try:
-        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        manifest = decode_line((root / MANIFEST).read_text(encoding="utf-8"))
     except OSError as error:
         raise TraceError(f"{root}: cannot read {MANIFEST}: {error.strerror} (is it a "
                          "recording, written by kvserve serve --record?)") from None
-    except json.JSONDecodeError as error:
-        raise TraceError(f"{root / MANIFEST}: not valid JSON: {error.msg}") from None
+    except ValueError as error:
+        raise TraceError(f"{root / MANIFEST}: {error}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != RECORDING_FORMAT:
         raise TraceError(f"{root / MANIFEST}: format must be {RECORDING_FORMAT!r}")
     if not isinstance(manifest.get("settings"), dict):
         raise TraceError(f"{root / MANIFEST}: no settings")
+    _check_times(root / MANIFEST, manifest, "segments", ("start",), ("stop",))
+    _check_times(root / MANIFEST, manifest, "replica_deaths", ("time",), ())
     return manifest
+
+
+def _check_times(where: Path, manifest: dict[str, Any], key: str, times: tuple[str, ...],
+                 optional: tuple[str, ...]) -> None:
+    """``key``: absent, or a list of objects whose ``times`` are numbers of seconds (and
+    ``optional`` numbers or null); a replica death's engine an integer (QA: an
+    AttributeError's traceback, "Unknown format code 'f'")."""
+    rows = manifest.get(key)
+    if rows is None:
+        return
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise TraceError(f"{where}: {key} must be a list of objects")
+    for row in rows:
+        bad = [name for name in times if not is_finite(row.get(name))]
+        bad += [name for name in optional if row.get(name) is not None
+                and not is_finite(row[name])]
+        if key == "replica_deaths" and not is_int(row.get("engine")):
+            bad.append("engine")
+        if bad:
+            raise TraceError(f"{where}: {key}: {', '.join(bad)} must be a number in {row}")
 
 
 def _series(root: Path, stem: str) -> list[Path]:
@@ -224,7 +251,10 @@ def _series(root: Path, stem: str) -> list[Path]:
 def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
     """(file:line, decoded row) for each line; a last line cut short is skipped with a
     warning, any other bad line is an error."""
-    text = file.read_text(encoding="utf-8-sig", errors="replace")  # a BOM: no line
+    try:
+        text = file.read_text(encoding="utf-8-sig", errors="replace")  # a BOM: no line
+    except OSError as error:
+        raise TraceError(f"cannot read {file}: {error.strerror or error}") from None
     lines = text.split("\n")
     out = []
     for number, line in enumerate(lines, 1):
@@ -232,20 +262,25 @@ def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
             continue
         where = f"{file}:{number}"
         try:
-            out.append((where, json.loads(line)))
-        except json.JSONDecodeError as error:
+            out.append((where, decode_line(line)))
+        except ValueError as error:
             if number == len(lines):  # no newline after it: the writer stopped mid-line
                 note(f"{where}: the last line is cut short (the server stopped while "
                      "writing it); replaying up to the line before")
                 break
-            raise TraceError(f"{where}: not valid JSON: {error.msg}") from None
+            raise TraceError(f"{where}: {error}") from None
     return out
 
 
 def _add_step_row(log: EngineLog, where: str, row: Any) -> None:
     if not isinstance(row, dict) or row.get("type") not in ("step", "event"):
         raise TraceError(f"{where}: a step log line is a step or an event")
-    if row["type"] == "event":
+    if row["type"] == "event":  # QA: one without a request_id was a KeyError's traceback
+        request_id, kind = row.get("request_id"), row.get("kind")
+        if not isinstance(request_id, str) or not request_id or kind not in EVENT_KINDS \
+                or not is_finite(row.get("time")):
+            raise TraceError(f"{where}: an event needs a request_id, a kind (one of "
+                             f"{', '.join(sorted(EVENT_KINDS))}) and a time in seconds")
         log.events.append(row)
         return
     start, duration, tokens = (row.get(k) for k in ("start", "duration",
@@ -265,11 +300,19 @@ def _cut(recording: Recording, note: Warn) -> None:
     """End the replay where the recording ends (module docstring)."""
     known = {r.request_id for r in recording.trace}
     events = [e for log in recording.engines.values() for e in log.events]
+    finished_events = [e for e in events if e["kind"] == "finished"]
+    ran = {e["request_id"] for e in events if e["kind"] == "admitted"}
+    unrun = {e["request_id"] for e in finished_events} - ran
+    segments = recording.manifest.get("segments") or []
+    # An arrival with no trace line was in flight when the writing stopped (or its line was
+    # cut short), unless it ended without ever running (a group of n the queue refused part
+    # of, undone at once: recordings before 6 December log it) or it came between segments
+    # (in flight when one began)
     lost = sorted((e["time"], e["request_id"]) for e in events
-                  if e.get("kind") == "arrived" and e.get("request_id") not in known)
+                  if e["kind"] == "arrived" and e["request_id"] not in known
+                  and e["request_id"] not in unrun and _within(segments, e["time"]))
     ends = [log.end for log in recording.engines.values() if log.steps]
     cut = max(ends) if ends else None
-    finished_events = [e for e in events if e.get("kind") == "finished"]
     if lost:
         note(f"{recording.path}: {len(lost)} request(s) arrived with no trace line (in flight "
              f"when the writing stopped), the first {lost[0][1]!r} at {lost[0][0]:.3f} s; "
@@ -277,7 +320,6 @@ def _cut(recording: Recording, note: Warn) -> None:
         if cut is None or lost[0][0] < cut:
             cut = lost[0][0]
             finished_events = [e for e in finished_events if e.get("time", cut) <= cut]
-    segments = recording.manifest.get("segments") or []
     reasons = []
     if any(s.get("in_flight_at_start") for s in segments):
         reasons.append("a segment began with requests in flight, whose steps are in the log "
@@ -288,6 +330,9 @@ def _cut(recording: Recording, note: Warn) -> None:
     for death in recording.manifest.get("replica_deaths") or []:
         reasons.append(f"replica {death.get('engine')} died at {death.get('time', 0):.3f} s "
                        "(its KV and queue were lost; it was started again)")
+    if recording.manifest.get("record_prompts") == "none":  # QA: exact, then "diverged"
+        reasons.append("the prompts were recorded as lengths only (--record-prompts none), "
+                       "so the replay shares none of the server's prefix hits")
     if recording.manifest.get("requests_placed_again"):
         reasons.append(f"{recording.manifest['requests_placed_again']} request(s) were placed "
                        "again on another replica after theirs died")
@@ -310,3 +355,9 @@ def _cut(recording: Recording, note: Warn) -> None:
     recording.cut = cut
     for log in recording.engines.values():
         log.steps = [s for s in log.steps if s["start"] < cut]
+
+
+def _within(segments: list[dict[str, Any]], time: float) -> bool:
+    """Whether ``time`` falls in a recorded segment (no segments: the whole log)."""
+    return not segments or any(
+        s["start"] <= time and (s.get("stop") is None or time <= s["stop"]) for s in segments)

@@ -400,9 +400,24 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     with handle:
         try:
             return parse_trace(handle, str(path))
+        except OSError as error:  # QA: a read error was told as "writing the output"
+            raise TraceError(f"cannot read trace {path}: {error.strerror or error}") from None
         except UnicodeDecodeError:
             raise TraceError(f"{path}: not a trace: it is not UTF-8 text (a trace is JSON "
                              "lines, one request per line)") from None
+
+
+def decode_line(line: str) -> Any:
+    """One line's JSON value; ValueError saying why it is none (QA: a line nested 100,000
+    deep was a RecursionError's traceback, a 5,000-digit number named no line)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON: {error.msg}") from None
+    except RecursionError:
+        raise ValueError("not valid JSON: nested too deep") from None
+    except ValueError as error:  # Python's limit on an integer's digits
+        raise ValueError(f"not valid JSON: {str(error).split(';')[0]}") from None
 
 
 def parse_trace(lines: Iterable[str], name: str) -> list[TraceRequest]:
@@ -414,9 +429,7 @@ def parse_trace(lines: Iterable[str], name: str) -> list[TraceRequest]:
         if not line.strip():
             continue
         try:
-            request = parse_request(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise TraceError(f"{name}:{number}: not valid JSON: {error.msg}") from None
+            request = parse_request(decode_line(line))
         except ValueError as error:
             raise TraceError(f"{name}:{number}: {error}") from None
         if request.request_id in seen:
