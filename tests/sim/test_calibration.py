@@ -87,9 +87,13 @@ def test_min_tokens_round_trips_and_is_checked(tmp_path):
     save(model, path)
     assert CalibratedCostModel.load(path) == model
     from kvserve.sim.cost_models import CALIBRATED_FORMAT, CostModelError
-    with pytest.raises(CostModelError, match="min_tokens must be an integer >= 0, got -1"):
+    with pytest.raises(CostModelError, match=r"min_tokens must be an integer in \[0, 1,000,000\] "
+                                             r"\(a step's tokens\), got -1"):
         CalibratedCostModel.from_dict({"format": CALIBRATED_FORMAT, "coefficients": TRUE,
                                        "min_tokens": -1})
+    with pytest.raises(CostModelError, match="min_tokens must be an integer in"):  # QA: every
+        CalibratedCostModel.from_dict({"format": CALIBRATED_FORMAT,  # step priced ~1e28 s
+                                       "coefficients": TRUE, "min_tokens": 10**30})
 
 
 def test_fit_separates_the_layout_term_when_both_layouts_are_measured():

@@ -286,8 +286,9 @@ class CalibratedCostModel:
         if coefficients["fixed_s"] + coefficients["per_token_s"] <= 0:
             raise CostModelError("fixed_s or per_token_s must be > 0, or time never advances")
         min_tokens = data.get("min_tokens", 0)
-        if not is_int(min_tokens) or min_tokens < 0:
-            raise CostModelError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        if not is_int(min_tokens) or not 0 <= min_tokens <= MAX_MIN_TOKENS:  # QA: 10**30
+            raise CostModelError(f"min_tokens must be an integer in [0, {MAX_MIN_TOKENS:,}] "
+                                 f"(a step's tokens), got {min_tokens!r}")  # priced 1e28 s
         return cls(coefficients, str(data.get("source", "")), min_tokens)
 
     @classmethod
@@ -309,6 +310,7 @@ class CalibratedCostModel:
 # A coefficient's ceiling: an hour a step, token or pair is no measurement, and past it a
 # run's clock reached inf (QA: fixed_s 1.7e308 printed "simulated time inf s", exit 0).
 MAX_COEFFICIENT_S = 3600.0
+MAX_MIN_TOKENS = 1_000_000  # the small-step knee: far above any step's token budget
 
 
 def holds_recorded_steps(cost_model: object) -> bool:
