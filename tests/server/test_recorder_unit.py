@@ -295,6 +295,8 @@ def test_an_old_recordings_undone_group_member_is_not_taken_for_a_lost_request(t
     ("deep", "not valid JSON: nested too deep"),
     ("digits", "not valid JSON: Exceeds the limit"),
     ("name", "not a step log's name"),
+    ("setting", r"recording\.json: settings: max_num_seqs must be an integer"),
+    ("blocks", r"recording\.json: settings: num_kv_blocks must be an integer >= 1, got -5"),
 ])
 def test_a_damaged_recording_is_one_error_naming_the_file(tmp_path, damage, message):
     """QA: a KeyError, an AttributeError or a RecursionError's traceback, "Unknown format
@@ -320,6 +322,12 @@ def test_a_damaged_recording_is_one_error_naming_the_file(tmp_path, damage, mess
     elif damage == "digits":
         trace.write_text('{"request_id": "b", "arrival_time": 1' + "0" * 5000 + "}\n"
                          + trace.read_text())
+    elif damage == "setting":
+        manifest_path.write_text(json.dumps({**manifest, "settings": {
+            **manifest["settings"], "max_num_seqs": "abc"}}))
+    elif damage == "blocks":
+        manifest_path.write_text(json.dumps({**manifest, "settings": {
+            **manifest["settings"], "num_kv_blocks": -5}}))
     else:
         log.rename(directory / "steps-x-00000.jsonl")
     with pytest.raises(TraceError, match=message) as caught:

@@ -221,7 +221,26 @@ def _manifest(root: Path) -> dict[str, Any]:
         raise TraceError(f"{root / MANIFEST}: no settings")
     _check_times(root / MANIFEST, manifest, "segments", ("start",), ("stop",))
     _check_times(root / MANIFEST, manifest, "replica_deaths", ("time",), ())
+    _check_settings(root / MANIFEST, manifest["settings"])
     return manifest
+
+
+def _check_settings(where: Path, settings: dict[str, Any]) -> None:
+    """The recorded settings make a scheduler and a cache (QA: a bad one was refused later
+    naming no file, and ``num_kv_blocks`` as ``num_blocks``)."""
+    from kvserve.core import ConfigError
+    from kvserve.flags import cache_config, scheduler_config
+
+    blocks = settings.get("num_kv_blocks", 1)
+    if not is_int(blocks) or blocks < 1:
+        raise TraceError(f"{where}: settings: num_kv_blocks must be an integer >= 1, got "
+                         f"{blocks!r}")
+    try:
+        scheduler_config({**settings, "tenant_weights": tuple(
+            tuple(p) for p in settings.get("tenant_weights", ()))})
+        cache_config(settings, blocks)
+    except (ConfigError, TypeError, ValueError) as error:
+        raise TraceError(f"{where}: settings: {error}") from None
 
 
 def _check_times(where: Path, manifest: dict[str, Any], key: str, times: tuple[str, ...],
