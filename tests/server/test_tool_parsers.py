@@ -172,6 +172,13 @@ STREAMED = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"q": "</tool_call>"}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "parameters": {"a": 1}, "arguments": {"b": 2}}'
                "</tool_call>"),
+    # a call's field written twice: its first, whole as streamed (QA: the whole answer
+    # called g, or passed {"b": 2}, where the stream had f and {"a": 1})
+    ("hermes", '<tool_call>{"name": "f", "name": "g", "arguments": {"a": 1}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}'
+               "</tool_call>"),
+    ("llama3_json", '{"name": "f", "name": "g", "parameters": {"a": 1}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "name": "g", "arguments": {"a": 1}}]'),
 ]
 
 

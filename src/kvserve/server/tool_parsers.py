@@ -95,7 +95,7 @@ class HermesParser:
         while block >= 0:
             body = _blank_end(text, block + len(self.start))
             try:
-                value, end = raw_json(text, body)
+                value, end = raw_json(text, body, call=True)
             except ValueError:  # a call that does not parse: the text is the answer
                 return ParsedCalls(text, (), len(text))
             call = _call_of(value)
@@ -137,7 +137,7 @@ class Llama3JsonParser:
         calls, at = [], 0
         while at < len(body):
             try:
-                value, at = raw_json(body, at)
+                value, at = raw_json(body, at, call=True)
             except ValueError:
                 return ParsedCalls(text, (), len(text))
             call = _call_of(value)
@@ -196,7 +196,7 @@ class MistralParser:
             rest = rest[len(self.marker):].lstrip()
             try:
                 if rest.startswith(("[", "{")):  # the list form
-                    value, end = raw_json(rest, 0)
+                    value, end = raw_json(rest, 0, call=True)
                     items = value if isinstance(value, list) else [value]
                 else:  # the newer form: name[ARGS]{...}
                     name, found, after = rest.partition(self.args)
@@ -362,7 +362,21 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _first_call_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's keys as a stream reads a call: the first of a call's own field written
+    twice (QA: {"name": "f", "name": "g"} called g in the whole answer, f in the stream),
+    the last of any other key, as json takes it."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key not in _CALL_FIELDS or key not in out:
+            out[key] = value
+    return out
+
+
+_CALL_FIELDS = frozenset({"name", "arguments", "parameters"})
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+_CALL_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant,
+                                 object_pairs_hook=_first_call_fields)
 
 
 def strict_json(text: str) -> Any:
@@ -377,11 +391,12 @@ def strict_json(text: str) -> Any:
     return value
 
 
-def raw_json(text: str, at: int) -> tuple[Any, int]:
+def raw_json(text: str, at: int, call: bool = False) -> tuple[Any, int]:
     """The strict JSON value at ``at`` in ``text`` and where it ends (ValueError as
-    :func:`strict_json`)."""
+    :func:`strict_json`); ``call``: a call's object, its fields read as a stream reads
+    them."""
     try:
-        return _DECODER.raw_decode(text, at)
+        return (_CALL_DECODER if call else _DECODER).raw_decode(text, at)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 
