@@ -122,6 +122,25 @@ def test_an_object_of_the_schema_is_read_to_its_end(text):
     assert read(text, schema=schema).mode == DONE
 
 
+@pytest.mark.parametrize(("schema", "good", "bad"), [
+    # QA: an object's keyword without a type held nothing; it makes the value an object
+    ({"type": "object", "properties": {"a": {"additionalProperties": False}},
+      "required": ["a"]}, b'{"a":{}}', b'{"a":1}'),
+    ({"type": "object", "properties": {"a": {"additionalProperties": {"type": "integer"}}},
+      "required": ["a"]}, b'{"a":{"k":1}}', b'{"a":{"k":"v"}}'),
+    # both enum and const: the values both hold
+    ({"type": "object", "properties": {"a": {"enum": [1, 2], "const": 2}}, "required": ["a"]},
+     b'{"a":2}', b'{"a":1}'),
+    # {}: any value, of which an answer (a call's arguments) is an object (QA: refused)
+    ({}, b'{"k":[1]}', b'[1]'),
+])
+def test_a_schema_holds_what_it_says(schema, good, bad):
+    compiled = Schema(schema)
+    assert read(good, schema=compiled).mode == DONE
+    state = read(bad, schema=compiled)
+    assert state is None or state.mode != DONE
+
+
 @pytest.mark.parametrize("text", [
     b'{"name":"Bob"}',  # age is required
     b'{"name":"Bob","age":3.5}', b'{"name":"Bob","age":3e2}',  # an integer
@@ -157,7 +176,22 @@ def test_what_breaks_the_schema_is_never_done(text):
      "required must list names of properties"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}],
                                              "minLength": 2}}},
-     "schema.properties.a: 'minLength' holds a value of type string"),  # beside a union
+     "schema.properties.a: 'minLength' cannot be given beside 'anyOf', which decides the "
+     "value here: move it into each alternative"),  # beside a union
+    # QA: "'type' is not supported (honoured: type, ...)"; "give type" where it was given
+    ({"type": "object", "properties": {"a": {"type": "string", "$ref": "#/$defs/A"}},
+      "$defs": {"A": {"type": "string"}}},
+     "'type' cannot be given beside '\\$ref', which decides the value here: move it into "
+     "the schema it names"),
+    ({"type": "object", "properties": {"a": {"type": "string", "enum": ["abc", "d"],
+                                             "maxLength": 1}}},
+     "'maxLength' cannot be given beside 'enum', which decides the value here: drop it"),
+    # QA: const dropped silently where both were given
+    ({"type": "object", "properties": {"a": {"enum": [1, 2], "const": 3}}},
+     "const 3 is not among the enum's values"),
+    # QA: object keywords without a type held nothing (any value)
+    ({"type": "object", "properties": {"a": {"required": ["x"]}}},
+     "required must list names of properties"),
     ({"type": "object", "properties": {"a": {"enum": ["x"], "pattern": "y"}}},
      "schema.properties.a: 'pattern' is not supported"),
     # QA: a TypeError (a 500) each

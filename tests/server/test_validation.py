@@ -115,8 +115,9 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, 400, "'prompt_logprobs' is 21, "
      "more than this server gives: at most 20 (--max-logprobs)"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "echo": "yes"}, 400, "echo"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
-     "'guided_json': the schema's root must be an object"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}],
+            "guided_json": {"type": "string"}}, 400,
+     "'guided_json': the schema's root must be an object"),  # ({}: any object)
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+"}, 400,
      "field 'guided_regex' is not supported by this server"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,

@@ -156,6 +156,8 @@ class Schema:
                 raise SchemaError(f"schema: {keyword} must be an object")
             self._defs.update(defs)
         self.root = self._compile(schema, "")
+        if self.root == self.any:  # {}: any value, of which an answer is an object (QA:
+            self.root = self.any_object  # a tool's "parameters": {} was refused)
         if self.nodes[self.root].kind != "object":
             raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
 
@@ -169,18 +171,25 @@ class Schema:
         if not isinstance(schema, dict):
             raise SchemaError(f"schema{where}: expected an object, got {_shown(schema)}")
         if "$ref" in schema:
-            self._refuse_beside(schema, {"$ref", "definitions", "$defs"}, where)
+            self._refuse_beside(schema, {"$ref", "definitions", "$defs"}, where, "$ref")
             return self._ref(schema["$ref"], where)
         for keyword in ("anyOf", "oneOf"):
             if keyword in schema:  # pydantic's discriminator names the tag the union holds
                 self._refuse_beside(schema, {keyword, "discriminator", "definitions", "$defs"},
-                                    where)
+                                    where, keyword)
                 return self._union(schema[keyword], f"{where}.{keyword}")
         if "enum" in schema or "const" in schema:
-            self._refuse_beside(schema, {"enum", "const", "type"}, where)
+            self._refuse_beside(schema, {"enum", "const", "type"}, where,
+                                "enum" if "enum" in schema else "const")
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values:
                 raise SchemaError(f"schema{where}: enum must be a non-empty list")
+            if "enum" in schema and "const" in schema:  # both hold (QA: const was dropped)
+                const = _text(schema["const"])
+                values = [v for v in values if _text(v) == const]
+                if not values:
+                    raise SchemaError(f"schema{where}: const {_shown(schema['const'])} is "
+                                      "not among the enum's values: no value holds both")
             if "type" in schema:  # both hold: the values of that type (QA: 1 taken as string)
                 kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
                 values = [v for v in values if any(_is_of(v, kind) for kind in kinds)]
@@ -201,8 +210,8 @@ class Schema:
         # rule, vLLM's too: "required" beside an array); without a type, only an object's
         self._refuse_beside(schema, {"type", "definitions", "$defs", *(
             _TYPED if isinstance(kind, str) else _KEYWORDS["object"])}, where)
-        if kind == "object" or (kind is None and "properties" in schema):
-            return self._object(schema, where)
+        if kind == "object" or (kind is None and any(k in schema for k in _KEYWORDS["object"])):
+            return self._object(schema, where)  # QA: {"required": [...]} alone held nothing
         if kind == "array":
             items = self._compile(schema.get("items", True), f"{where}.items")
             low, high = schema.get("minItems", 0), schema.get("maxItems")
@@ -227,10 +236,18 @@ class Schema:
         raise SchemaError(f"schema{where}: unknown type {kind!r}")
 
     @staticmethod
-    def _refuse_beside(schema: dict[str, Any], known: set[str], where: str) -> None:
+    def _refuse_beside(schema: dict[str, Any], known: set[str], where: str,
+                       beside: str | None = None) -> None:
         """SchemaError naming the first keyword of ``schema`` neither ``known`` nor a
-        description (a constraint accepted must hold)."""
+        description (a constraint accepted must hold); ``beside``: the keyword that decides
+        the value here (enum, const, a union, $ref), which takes no other."""
         unknown = sorted(set(schema) - known - _ANNOTATIONS)
+        if unknown and beside is not None and (unknown[0] in _TYPED or unknown[0] == "type"):
+            # QA: "'type' is not supported (honoured: type, ...)", "give type" beside one
+            instead = "move it into the schema it names" if beside == "$ref" else \
+                "drop it" if beside in ("enum", "const") else "move it into each alternative"
+            raise SchemaError(f"schema{where}: '{unknown[0]}' cannot be given beside "
+                              f"'{beside}', which decides the value here: {instead}")
         if unknown and unknown[0] in _TYPED:  # honoured, with the type it belongs to
             types = " or ".join(k for k, words in _KEYWORDS.items() if unknown[0] in words)
             raise SchemaError(f"schema{where}: '{unknown[0]}' holds a value of type {types}: "
