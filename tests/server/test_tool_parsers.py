@@ -339,6 +339,23 @@ def test_auto_is_refused_without_a_parser():
         assert "--enable-auto-tool-choice" in reply.json()["error"]["message"]
 
 
+def test_auto_refuses_a_function_name_no_call_can_be_read_to(live):
+    """QA: "get weather" was served under auto, and the model's call to it came back as its
+    text; a forced call to it is served (no parser reads it)."""
+    tools = [{"type": "function", "function": {"name": "get weather", "parameters": {
+        "type": "object", "properties": {}}}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": tools,
+            "max_tokens": 4}
+    reply = httpx.post(live.url + "/v1/chat/completions", timeout=60, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "tools.0.function.name"
+    assert error["message"].startswith("'get weather': under tool_choice \"auto\"")
+    forced = {**body, "tool_choice": {"type": "function", "function": {"name": "get weather"}}}
+    assert httpx.post(live.url + "/v1/chat/completions", timeout=60,
+                      json=forced).status_code == 200
+
+
 def test_parsed_calls_know_where_the_content_ends():
     assert make_parser("hermes").parse(SAID) == ParsedCalls(
         "Checking.", (("get_weather", '{"city": "Oslo"}'),), len("Checking."))

@@ -597,6 +597,7 @@ def _check_tools(request: Any, auto_allowed: bool) -> None:
         return
     if choice is None or choice == "auto":
         if auto_allowed:
+            _check_call_names(names)
             return
         raise bad_request('"auto" tool choice needs a tool-call parser, which this server '
                           'was not started with (--enable-auto-tool-choice '
@@ -612,6 +613,19 @@ def _check_tools(request: Any, auto_allowed: bool) -> None:
     if other is not None:
         raise bad_request(f"a tool_choice that asks for a call makes the answer that call: "
                           f"'{other}' cannot be given with it", param=other)
+
+
+def _check_call_names(names: list[str]) -> None:
+    """Under "auto" each name must be one the parser reads a call to (QA: a function named
+    "get weather" was served, and the model's call to it came back as its text)."""
+    from kvserve.server.tool_parsers import CALL_NAME
+
+    for index, name in enumerate(names):
+        if not CALL_NAME.fullmatch(name):
+            raise bad_request(f"{name!r}: under tool_choice \"auto\" a function's name is "
+                              "1 to 128 letters, digits, _, . or - (as OpenAI's API takes "
+                              "one), so that the model's call to it can be read",
+                              param=f"tools.{index}.function.name")
 
 
 def forced_tool(request: Any) -> FunctionDefinition | None:

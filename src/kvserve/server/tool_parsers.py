@@ -347,8 +347,10 @@ def make_parser(name: str) -> ToolParser:
 
 
 # A function's name as OpenAI's API takes one (letters, digits, _ and -; dots, for the
-# namespaced names some templates write), so prose or a lone surrogate is never a call.
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+# namespaced names some templates write), so prose or a lone surrogate is never a call; a
+# request's tools for "auto" are held to it (protocol.py).
+CALL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+_NAME = CALL_NAME
 
 
 def _finite(text: str) -> float:
