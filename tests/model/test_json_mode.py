@@ -538,6 +538,8 @@ def test_a_thinking_answer_is_held_to_json_from_the_end_of_its_thinking_on():
     assert _thinking_pick(params, [6, 9, 10], wants=6) == 1  # "</" "think>\n"
     assert _thinking_pick(params, [6, 7, 1], wants=6) == 2  # "}"
     assert _thinking_pick(params, [6, 7, 1, 2], wants=6) == 0  # closed: EOS
+    assert _thinking_pick(params, [6], wants=0) != 0  # no EOS while it thinks (QA: a "stop"
+    # answer with no JSON); it must close its thinking and write its form
     assert [thinking(params, output, THINKING).start for output in (
         [], [6], [3, 6, 7], [6, 9, 10, 1])] == [None, None, 3, 3]
     unthinking = SamplingParams(temperature=0.0, json_object=True, eos_token_id=0)

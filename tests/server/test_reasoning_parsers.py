@@ -99,6 +99,22 @@ def test_an_answer_held_to_a_form_thinks_first(client):
                                                                    "Hello!")
 
 
+def test_a_named_call_cut_short_while_thinking_is_no_call(client):
+    """QA: the answer ended in its thinking and the call went out with arguments "", which
+    no client reads as JSON; there is no call, only the reasoning and finish_reason
+    length, whole and streamed."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    named = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}},
+             "max_tokens": 12}  # its thinking, not its end
+    [choice] = _chat(client, **named).choices
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.model_extra["reasoning"]
+    chunks = list(_chat(client, stream=True, **named))
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_a_json_answer_thinks_before_its_object_on_the_real_sampler():
     """The tiny model never writes </think>: with the thinking open (deepseek_r1) nothing
     holds it, so all it writes is reasoning; where the template closed the thinking in the

@@ -486,8 +486,11 @@ def _structured_tokens(row: SamplingRow, sampler: Sampler
         return None, False, []
     where = sampler.thinking_of(params, row.output_token_ids) \
         if params.think_markers is not None else Thinking(0)
-    if where.start is None:
-        return None, False, sampler.closing_bans(params, where.tail)
+    if where.start is None:  # thinking: it may not end before it writes its form (QA:
+        # EOS while thinking made a "stop" answer with no JSON, or a call with no arguments)
+        bans = sampler.closing_bans(params, where.tail)
+        eos = params.eos_token_id
+        return None, False, bans if eos is None or params.ignore_eos else [*bans, eos]
     start, blank = where.start, False
     if where.start and not where.leftover:  # after a thinking, blanks may come first (a
         # model's "</think>\n\n", QA: the form was forced at once, off its trained path)

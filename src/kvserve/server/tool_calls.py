@@ -79,9 +79,9 @@ class ToolCalls:
             return {"role": self.role, "content": parsed.content,
                     "tool_calls": [self._made(choice_id, index, name, arguments)
                                    for index, (name, arguments) in enumerate(parsed.calls)]}
-        if self.name is not None:
+        if self.name is not None:  # nothing written (cut short while thinking): no call
             return {"role": self.role, "content": None,
-                    "tool_calls": [self._call(choice_id, text)]}
+                    "tool_calls": [self._call(choice_id, text)] if text else []}
         calls = self._calls(choice_id, text)
         if calls is None:  # cut short (max_tokens): the text as it is
             return {"role": self.role, "content": text}
@@ -97,8 +97,8 @@ class ToolCalls:
             # (a thinking answer's first chunks are reasoning: QA, the call went out before
             # it, then an empty delta a token)
             if choice_id not in self.opened:
-                if not text and not finished:
-                    return None
+                if not text:  # nothing yet; or nothing at all: no call, its finish reason
+                    return {} if finished else None
                 self.opened.add(choice_id)
                 return {"tool_calls": [{"index": 0, **self._call(choice_id, text)}]}
             if not text:  # the last chunk (its EOS) still carries the finish reason
