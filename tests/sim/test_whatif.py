@@ -311,12 +311,29 @@ def test_a_model_check_far_from_the_recording_is_said(tmp_path, capsys):
     directory = build(tmp_path / "rec")
     assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--cost-model",
                  "unit"]) == 0
-    assert "note: the unit model runs" not in capsys.readouterr().out
+    assert "note: the unit model" not in capsys.readouterr().out
     assert main(["whatif", str(directory), "--set", "max_num_seqs=2", "--cost-model",
                  "roofline", "--model", "smollm2-135m", "--hardware", "h100-sxm"]) == 0
     out = capsys.readouterr().out
     assert "note: the roofline model runs the recorded settings in" in out
     assert 'against the "recorded (roofline model)" column' in out
+
+
+def test_a_model_check_whose_latencies_alone_are_off_is_said(capsys):
+    """QA: TTFT p50 79% above the recording's with the duration within 3%: no note."""
+    from types import SimpleNamespace
+
+    from kvserve.sim.cli_whatif import model_check_gap
+
+    recorded = SimpleNamespace(aggregate={"duration_s": 10.0, "ttft_p50": 0.2,
+                                          "itl_p50": 0.05})
+    check = SimpleNamespace(aggregate={"duration_s": 10.3, "ttft_p50": 0.358,
+                                       "itl_p50": 0.06})
+    words, off = model_check_gap(recorded, check)
+    assert words == "gives the recorded settings a TTFT p50 of 358 ms against the " \
+        "recording's 200 ms" and off == pytest.approx(0.79)
+    close = SimpleNamespace(aggregate={"duration_s": 10.3, "ttft_p50": 0.21, "itl_p50": 0.05})
+    assert model_check_gap(recorded, close) is None
 
 
 def build_shaped(directory, requests=6):
