@@ -648,3 +648,25 @@ def test_a_held_turn_cannot_wait_not_ready_and_ready_is_always_taken():  # L1 L2
     scheduler.set_not_ready("t2", None)  # ready: always taken
     run_to_completion(scheduler, executor=executor)
     check_empty(scheduler)
+
+
+@pytest.mark.parametrize("policy", ["reserve", "adaptive"])
+def test_a_held_turn_is_admitted_on_the_reservation_of_what_runs_now(policy):  # L1 K2
+    """QA (spec pass): the held pass read the admission policy's reservation for a running
+    set of an earlier step (a request long finished), refused a turn that fit on every step,
+    and the ordinary queue behind it (L1) waited for ever with half the pool free."""
+    scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
+                      admission_policy=policy, session_ttl_s=3600.0)
+    executor = FakeExecutor(block_size=BS)
+    prompt = prompt_of("t1", 7)
+    scheduler.add_request(turn("t1", prompt, max_tokens=2))
+    run(scheduler, executor)  # 8 tokens held: 2 blocks
+    history = [*prompt, token_for("t1", 7), token_for("t1", 8)]
+    scheduler.add_request(make_request("big", 3, max_tokens=30, ignore_eos=True,
+                                       arrival_time=10.0))
+    run(scheduler, executor, 10.0)  # reserved for (7 blocks), and finished
+    assert scheduler.sessions.num_held_blocks == 2
+    scheduler.add_request(turn("t2", history + prompt_of("t2", 4), arrival_time=60.0))
+    scheduler.add_request(make_request("other", 4, max_tokens=3, ignore_eos=True,
+                                       arrival_time=60.0))
+    assert set(run(scheduler, executor, 60.0, max_steps=20)) == {"t2", "other"}

@@ -582,6 +582,12 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         """Pass 2 (D4-D6, L2): admit from the head of the queue until something stops us;
         requests not ready yet are set aside for the pass and put back in their places."""
+        if not self.held_waiting and not self.waiting:
+            return
+        # K2's reservation for what runs now, before either queue admits (QA: the held pass
+        # read the one of a step long gone, refused a turn that fit on every step, and the
+        # ordinary queue behind it waited for ever)
+        self._admission.start_pass(self.running)
         if self.held_waiting and not self._admit_held(step):
             return  # L1: the ordinary queue waits behind a held turn that does not fit
         if not self.waiting:
@@ -598,7 +604,6 @@ class Scheduler:
         """Stopping at the first ready request that does not fit is head-of-line blocking,
         on purpose: skipping ahead would starve long prompts."""
         config = self.config
-        self._admission.start_pass(self.running)
         if self._waiting_sorts and step.token_budget > 0 and \
                 len(self.running) < config.max_num_seqs:
             lifted = self.waiting.start_pass(self.kv, self._now)  # only when it may admit
