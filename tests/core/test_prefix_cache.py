@@ -177,3 +177,20 @@ def test_reset_is_refused_while_blocks_are_held_then_forgets_everything():  # O.
     assert not scheduler.kv.pool.cached
     assert all(b.block_hash is None for b in scheduler.kv.pool.blocks)
     run_to_completion(scheduler, [make_request("a2", prompt_token_ids=list(range(9)))])
+
+
+def test_a_request_asking_prompt_logprobs_is_sorted_as_no_hit():  # C4 C5 G8
+    """QA (spec pass): lpm and dfs-weight counted the cached blocks of a request that
+    computes its whole prompt (G8), so it went ahead of real hits as a 10-block one."""
+    from tests.conftest import FakeExecutor, make_scheduler, step
+
+    scheduler = make_scheduler(64, 4)
+    executor = FakeExecutor(block_size=4)
+    prompt = list(range(1000, 1041))
+    scheduler.add_request(make_request("warm", prompt_token_ids=prompt, max_tokens=1))
+    while scheduler.has_unfinished_requests():
+        step(scheduler, executor, 0.0)
+    plain = make_request("plain", prompt_token_ids=prompt, max_tokens=1)
+    asking = make_request("asking", prompt_token_ids=prompt, max_tokens=1, prompt_logprobs=1)
+    assert len(scheduler.kv.cached_prefix_hashes(plain)) == 10
+    assert scheduler.kv.cached_prefix_hashes(asking) == []

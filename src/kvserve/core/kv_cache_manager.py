@@ -127,8 +127,10 @@ class KVCacheManager:
     def cached_prefix_hashes(self, request: Request) -> list[BlockHash]:
         """The leading block hashes of ``request`` that the prefix cache holds now, up to the
         G4 cap: the blocks :meth:`get_computed_blocks` would hit. Read-only: nothing is
-        referenced, touched or counted (a cache-aware waiting order asks this, C4, C5)."""
-        if not self.enable_caching:
+        referenced, touched or counted (a cache-aware waiting order asks this, C4, C5);
+        none for a request that asked for its prompt's logprobs (G8: it computes them all;
+        QA: lpm sorted it as a hit it never got)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         num_tokens = request.num_tokens
         hashes = self._extend_hashes(request, self.block_size, num_tokens, self.tenant_scoped)
