@@ -670,3 +670,13 @@ def test_a_held_turn_is_admitted_on_the_reservation_of_what_runs_now(policy):  #
     scheduler.add_request(make_request("other", 4, max_tokens=3, ignore_eos=True,
                                        arrival_time=60.0))
     assert set(run(scheduler, executor, 60.0, max_steps=20)) == {"t2", "other"}
+
+
+def test_a_turn_the_pool_capped_holds_all_it_computed():  # U2 J2
+    """QA (spec pass): a turn stopped by the pool's size (J2: finish length, stop reason
+    "kv_capacity") was taken for one a stop string ended and held its prompt only."""
+    scheduler, executor = sched(num_blocks=8, max_session_kv=1.0), FakeExecutor(block_size=BS)
+    scheduler.add_request(turn("t1", prompt_of("t1", 10), max_tokens=100))
+    run(scheduler, executor)
+    [held] = scheduler.sessions.held.values()
+    assert len(held.token_ids) == 32  # the whole pool: 10 prompt + 23 out - 1

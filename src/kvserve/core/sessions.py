@@ -152,8 +152,10 @@ class SessionStore:
         if session is None or session.turn_id != request.request_id:
             return 0
         num_tokens = request.num_computed_tokens
-        if isinstance(request.stop_reason, str):  # a stop string: the client's text ends
-            num_tokens = min(num_tokens, request.num_prompt_tokens)  # inside the answer
+        if request.status is RequestStatus.FINISHED_STOPPED and \
+                isinstance(request.stop_reason, str):  # a stop string: the client's text
+            num_tokens = min(num_tokens, request.num_prompt_tokens)  # ends inside the answer
+            # (not J2's "kv_capacity", a length finish: QA, that held its prompt only)
         if request.status not in _HELD_FINISHES or num_tokens == 0 or \
                 self.kv.num_held_blocks(request.request_id) == 0:
             self._forget(session, ABORTED)
