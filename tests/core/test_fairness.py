@@ -221,3 +221,33 @@ def test_prefix_cache_scope(scope, first, second, hit_tokens):  # T7, G4
         step(scheduler, executor)
     stats = scheduler.stats()
     assert stats.prefix_cache_hits == hit_tokens
+
+
+def test_a_tenant_back_from_idle_with_held_session_turns_is_lifted_too():  # T2 T8 L1
+    """QA (spec pass): a held turn never passed the fair queue's push, so a tenant back from
+    idle with session turns kept its idle-time counter (50 against 218) and all its turns
+    went ahead of the backlogged tenant."""
+    scheduler = make_scheduler(400, 4, max_model_len=256, max_num_seqs=1,
+                               tenant_fairness="vtc", max_session_kv=1.0,
+                               session_ttl_s=86400.0)
+    executor = FakeExecutor(block_size=4)
+    for i in range(3):
+        scheduler.add_request(make_request(f"b{i}", 8, max_tokens=1, ignore_eos=True,
+                                           session_id=f"S{i}", tenant="B"))
+    now = 0.0
+    while scheduler.has_unfinished_requests():
+        step(scheduler, executor, now)
+        now += 1.0
+    for i in range(6):
+        scheduler.add_request(make_request(f"a{i}", 40, max_tokens=1, ignore_eos=True,
+                                           tenant="A", arrival_time=now))
+    for _ in range(3):
+        step(scheduler, executor, now)
+        now += 1.0
+    counters = scheduler.waiting.counters
+    assert counters["B"] < counters["A"]  # B was served less, while it was away
+    scheduler.add_request(make_request(
+        "b0.2", prompt_token_ids=[*scheduler.sessions.sessions[("B", "S0")].token_ids, 7],
+        max_tokens=1, ignore_eos=True, session_id="S0", tenant="B", arrival_time=now))
+    assert scheduler.requests["b0.2"] in scheduler.held_waiting
+    assert counters["B"] == counters["A"]  # lifted, not credited

@@ -131,6 +131,13 @@ class TenantFairQueue(WaitingQueue):
         self.charge_admission(request)
         return request
 
+    def arrived_elsewhere(self, request: Request) -> None:
+        """T2 for a held session turn (QA: it never passed push, so a tenant back from idle
+        with held turns went ahead of the others on service it banked while idle)."""
+        tenant = request.sampling_params.tenant
+        if tenant not in self.num_by_tenant:
+            self._lift(tenant)
+
     def charge_admission(self, request: Request) -> None:
         """T3: an admitted request's whole sequence, at the prompt price (a held session
         turn's too, T8, though it never was in this queue)."""

@@ -56,6 +56,12 @@ class WaitingQueue(ABC):
         fair-share order charges it as one it popped (T8); the others ignore it."""
         return None
 
+    def arrived_elsewhere(self, request: Request) -> None:
+        """Told when a new request waits elsewhere (a held session turn, L1) whose tenant
+        has nothing waiting: a fair-share order lifts the tenant as for one pushed here
+        (T2); the others ignore it."""
+        return None
+
     def served_less(self, tenant: str, than: str) -> bool:
         """Whether this order owes ``tenant`` service before ``than`` (T8): only a fair-share
         order keeps the account."""

@@ -244,6 +244,9 @@ class Scheduler:
         reason = ""
         if sessions is not None and request.sampling_params.session_id is not None and \
                 sessions.start_turn(request, session):
+            tenant = request.sampling_params.tenant
+            if not any(r.sampling_params.tenant == tenant for r in self.held_waiting):
+                self.waiting.arrived_elsewhere(request)  # T2: a returning tenant is lifted
             self.held_waiting.append(request)  # L1
             reason = f"held by a session ({request.num_computed_tokens} tokens)"
         else:
