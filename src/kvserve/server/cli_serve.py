@@ -629,7 +629,7 @@ def _check_flags(args: argparse.Namespace) -> _Setup:
     if not args.response_role.strip():
         raise CLIError("--response-role must not be empty")
     policy = settings.get("scheduling_policy", "fcfs")
-    urgent = [k.tenant for k in keys if k.default_priority != 0]
+    urgent = list(dict.fromkeys(k.tenant for k in keys if k.default_priority != 0))
     if policy != "priority" and urgent:
         raise CLIError(f"API keys with a non-zero default_priority ({', '.join(urgent)}) need "
                        "--scheduling-policy priority")
