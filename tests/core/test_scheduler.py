@@ -317,6 +317,19 @@ def test_the_queue_limits_count_a_backlog_not_a_burst_into_free_seats():  # K4
         assert taken == accepted, num_blocks
 
 
+def test_a_running_prefill_leaves_no_budget_to_admit_past_the_limit(executor):  # K4 D1
+    """QA (spec pass): what the next step admits took one token per running request, so a
+    long prompt mid-prefill, whose next chunk takes the whole budget, let 6 requests past a
+    queue limit of 1; the next step admitted none of them."""
+    scheduler = make_scheduler(1000, 16, max_model_len=8192, max_num_batched_tokens=512,
+                               max_num_seqs=8, max_num_queued_reqs=1)
+    scheduler.add_request(make_request("long", 4000, max_tokens=5))
+    step(scheduler, executor, 0.0)  # 512 of 4000 computed: the next chunk takes the budget
+    scheduler.add_request(make_request("w0", 16, arrival_time=0.5))  # the one allowed
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("w1", 16, arrival_time=0.5))
+
+
 def test_an_urgent_arrival_takes_the_place_of_the_least_urgent_waiting(executor):  # K5
     """Under the priority policy a full queue makes room for a more urgent arrival by
     ending its least urgent never-scheduled requests; without room, nothing moves."""

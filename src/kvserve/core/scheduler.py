@@ -861,19 +861,25 @@ class Scheduler:
 
     def _admissible_next(self) -> list[Request]:
         """K4: the waiting requests the next step would admit as things stand: the seats,
-        token budget and free blocks left once the running requests decode (a block each,
-        kept back) and the held and swapped ones resume, taken from the head of the queue
-        until one does not fit (D4). Prefix hits are not counted (an estimate on the safe
-        side). These are not a backlog, so the queue limits do not count them."""
+        token budget and free blocks left once the running requests take their next tokens
+        (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
+        that took the whole budget let 6 requests past a limit of 1) with a block each kept
+        back, and the held and swapped ones resume, taken from the head of the queue until
+        one does not fit (D4). Prefix hits are not counted (an estimate on the safe side).
+        These are not a backlog, so the queue limits do not count them."""
         config, kv = self.config, self.kv
         seats = config.max_num_seqs - len(self.running) - len(self.held_waiting) - \
             len(self.swapped)
-        budget = config.max_num_batched_tokens - len(self.running)
+        admissible: list[Request] = []
+        if seats <= 0:
+            return admissible  # a busy engine, the common case: no walk of the queue
+        budget = config.max_num_batched_tokens - sum(
+            tokens_to_schedule(r.num_tokens, r.num_computed_tokens, self._long_prefill_threshold,
+                               self._max_model_len) for r in self.running)
         blocks = kv.num_free_blocks - kv.watermark_blocks - len(self.running) - sum(
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
-        admissible: list[Request] = []
-        if seats <= 0 or budget <= 0 or blocks <= 0:
-            return admissible  # a busy engine, the common case: no walk of the queue
+        if budget <= 0 or blocks <= 0:
+            return admissible
         for request in self.waiting:
             need = kv.num_blocks_for(request.num_tokens + 1)
             if seats <= 0 or budget <= 0 or need > blocks:
