@@ -680,3 +680,27 @@ def test_a_turn_the_pool_capped_holds_all_it_computed():  # U2 J2
     run(scheduler, executor)
     [held] = scheduler.sessions.held.values()
     assert len(held.token_ids) == 32  # the whole pool: 10 prompt + 23 out - 1
+
+
+def test_an_urgent_arrival_releases_held_kv_before_a_second_victim():  # U7 M1
+    """QA (spec pass): with every seat taken, the urgent arrival preempted both running
+    requests while an idle session kept its 4 blocks; the seat takes one victim, and the
+    held KV gives way before a second (U7: before anything else)."""
+    scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
+                      scheduling_policy="priority", enable_priority_preemption=True)
+    executor = FakeExecutor(block_size=BS)
+    scheduler.add_request(turn("t1", prompt_of("t1", 15), max_tokens=2, priority=20))
+    run(scheduler, executor)
+    assert scheduler.sessions.num_held_blocks == 4
+    for name, arrival in (("lo1", 5.0), ("lo2", 5.5)):
+        scheduler.add_request(make_request(name, 11, max_tokens=100, ignore_eos=True,
+                                           priority=20, arrival_time=arrival))
+    step(scheduler, executor, 6.0)
+    assert scheduler.kv.num_free_blocks == 0
+    scheduler.add_request(make_request("urgent", 22, max_tokens=5, ignore_eos=True,
+                                       priority=0, arrival_time=7.0))
+    out, _ = step(scheduler, executor, 7.0)
+    assert list(out.preempted_req_ids) == ["lo2"]
+    assert [new.request_id for new in out.scheduled_new_reqs] == ["urgent"]
+    assert scheduler.sessions.num_held_blocks == 0
+    check_invariants(scheduler)

@@ -784,10 +784,20 @@ class Scheduler:
             return False
         assert self._urgent is not None
         reserved_blocks = self._admission.reserved_blocks(request)
-        victims = self._urgent.victims(
-            request, self.running, num_new, hit_blocks,
-            full_sequence_must_fit=config.reserve_full_sequence,
-            reserved_blocks=reserved_blocks, admitted=step.new_request_ids)
+
+        def find_victims() -> list[Request]:
+            assert self._urgent is not None
+            return self._urgent.victims(
+                request, self.running, num_new, hit_blocks,
+                full_sequence_must_fit=config.reserve_full_sequence,
+                reserved_blocks=reserved_blocks, admitted=step.new_request_ids)
+
+        victims = find_victims()
+        # U7 before M1's second victim: the seat needs one; held sessions' KV gives way
+        # before more running requests do (QA: two preempted, an idle session kept 4 blocks)
+        while len(victims) > 1 and self.sessions is not None and \
+                self.sessions.release_oldest():
+            victims = find_victims()
         if not victims:
             return False
         for victim in victims:
