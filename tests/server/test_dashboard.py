@@ -139,6 +139,25 @@ def test_the_stream_needs_an_admin_key_when_keys_are_configured():
         assert view.observe not in live.state.engine.observers
 
 
+def test_the_model_name_reaches_the_page_as_text_and_the_page_is_kept_to_itself():
+    """QA: a --served-model-name holding </script> ran as script on the page whose URL
+    carries the admin key; the page now takes it as HTML text, and its headers keep it from
+    other sites, frames and caches."""
+    keys = [ApiKey("admin-key", "ops", admin=True)]
+    with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
+        live.state.model_name = '</script><script>document.title="PWNED"</script>"x'
+        page = httpx.get(live.url + "/dashboard?key=admin-key")
+        assert page.status_code == 200
+        assert "PWNED" not in page.text.split("</h1>", 1)[1]  # nowhere past the heading
+        assert "&lt;/script&gt;&lt;script&gt;document.title=&quot;PWNED&quot;" in page.text
+        assert page.text.count("<script>") == 1  # the page's own, and no other
+        headers = page.headers
+        assert "default-src 'none'" in headers["content-security-policy"]
+        assert (headers["x-content-type-options"], headers["x-frame-options"],
+                headers["referrer-policy"], headers["cache-control"]) == (
+            "nosniff", "DENY", "no-referrer", "no-store")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

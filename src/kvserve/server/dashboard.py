@@ -16,6 +16,7 @@ logs, so serve the dashboard on a trusted network).
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import threading
 import time
@@ -160,6 +161,16 @@ def _authorize(state: ServerState, request: Request) -> None:
         raise APIError(403, "the dashboard needs an admin key")
 
 
+# The page runs its own inline script and style and loads nothing else; the admin key in
+# its URL goes to no other site, and nothing frames, caches or sniffs it.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                               "style-src 'unsafe-inline'; connect-src 'self'; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}
+
+
 def register(app: FastAPI, state: ServerState, interval: float = 0.5) -> LiveView:
     from kvserve.server.dashboard_page import PAGE
 
@@ -168,7 +179,10 @@ def register(app: FastAPI, state: ServerState, interval: float = 0.5) -> LiveVie
     @app.get("/dashboard")
     async def dashboard(request: Request) -> Response:
         _authorize(state, request)
-        return HTMLResponse(PAGE.replace("__MODEL__", json.dumps(state.model_name)))
+        # the name as HTML text, never in the script (QA: a --served-model-name holding
+        # </script> ran as script on a page whose URL carries the admin key)
+        return HTMLResponse(PAGE.replace("__MODEL__", html.escape(state.model_name)),
+                            headers=PAGE_HEADERS)
 
     @app.get("/dashboard/events")
     async def dashboard_events(request: Request) -> Response:

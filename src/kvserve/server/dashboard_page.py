@@ -124,7 +124,7 @@ _FIGURES = "".join(
 PAGE = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         "<title>kvserve dashboard</title><style>" + REPORT_CSS + "</style></head>"
         "<body data-updates=\"0\" data-steps=\"0\"><h1>kvserve dashboard: <span id=\"model\">"
-        "</span></h1><p class=\"muted\" id=\"status\">connecting...</p>"
+        "__MODEL__</span></h1><p class=\"muted\" id=\"status\">connecting...</p>"
         f"<div class=\"figures\">{_FIGURES}</div>"
         "<h2>Over time</h2><div class=\"grid2\">"
         + "".join(f'<svg id="{name}" xmlns="http://www.w3.org/2000/svg" width="640" '
@@ -133,8 +133,7 @@ PAGE = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         + "</div><h2>Requests over time</h2><p class=\"muted\">grey: queued, amber: prefill "
         "(first scheduled to first token), blue: decode, red: preempted and waiting to "
         "resume.</p><svg id=\"timeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"1280\" "
-        "height=\"68\"></svg><script>document.getElementById(\"model\").textContent = "
-        "__MODEL__;"
+        "height=\"68\"></svg><script>"
         + _SCRIPT.replace("__PALETTE__", json.dumps(list(PALETTE)))
         .replace("__COLORS__", json.dumps(TIMELINE_COLORS))
         + "</script></body></html>\n")
