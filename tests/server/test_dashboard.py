@@ -46,6 +46,10 @@ def test_nothing_is_collected_while_nobody_watches():
     assert engine.observers == [view.observe]
     view.leave()
     assert engine.observers == [] and view.snapshot(0)[1]["samples"] == []
+    view.origin -= 20.0  # the server has run 20 s; a watcher comes
+    view.watch()  # its times count from now, as the page says (QA: from boot)
+    assert view.snapshot(0)[1]["now"] < 5.0
+    view.leave()
 
 
 def test_replicas_reporting_out_of_order_keep_the_series_in_time_order():

@@ -237,7 +237,7 @@ def _model_file(model: CalibratedCostModel, meta: dict[str, Any],
 def plot(path: str | Path, shapes: Sequence[StepShape], seconds: Sequence[float],
          model: CalibratedCostModel) -> None:
     """Measured and fitted step time per grid point, sorted by measured time (SVG)."""
-    from kvserve.sim.svg import line_chart
+    from kvserve.sim.svg import line_chart, standalone
 
     order = sorted(range(len(shapes)), key=lambda i: seconds[i])
     xs = list(range(len(order)))
@@ -246,4 +246,4 @@ def plot(path: str | Path, shapes: Sequence[StepShape], seconds: Sequence[float]
                      [("measured", xs, [seconds[i] for i in order]), ("fitted", xs, fitted)],
                      "grid point (by measured time)", "seconds", markers=True,
                      width=720, height=320)
-    Path(path).write_text(svg, encoding="utf-8")
+    Path(path).write_text(standalone(svg), encoding="utf-8")

@@ -55,7 +55,8 @@ class LiveView:
     def watch(self) -> None:
         with self._lock:
             self.watchers += 1
-            if self.watchers == 1:
+            if self.watchers == 1:  # times count from when the watching began, as the
+                self.origin = time.monotonic()  # page says (they counted from boot: QA)
                 self.engine.observers.append(self.observe)
                 deaths = getattr(self.engine, "death_observers", None)  # data parallel
                 if deaths is not None:

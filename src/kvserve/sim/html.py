@@ -27,10 +27,7 @@ td:first-child, th:first-child { text-align: left; }
 .figure { background: #f1f5f9; border-radius: 6px; padding: 8px 10px; }
 .figure b { display: block; font-size: 18px; }
 .muted { color: #64748b; } pre { background: #f8fafc; padding: 8px; font-size: 12px; }
-svg .title { font-weight: 600; font-size: 13px; } svg .tick { font-size: 11px; fill: #475569; }
-svg .label { font-size: 12px; fill: #334155; } svg .grid { stroke: #e2e8f0; }
-svg .axis { stroke: #94a3b8; }
-"""
+""" + svg.SVG_CSS
 
 MAX_TIMELINE_ROWS = 200
 

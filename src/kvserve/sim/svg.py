@@ -140,7 +140,9 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence
     if not all_x:
         return _svg(width, 40, [f'<text x="4" y="20" class="title">{escape(title)}: '
                                 'no data</text>'])
-    top = y_max if y_max is not None else max(max(all_y, default=1.0) * 1.05, 1e-9)
+    top = y_max if y_max is not None else max(all_y, default=1.0) * 1.05
+    if top <= y_min:  # every value 0: a 0..1 axis (QA: ticks of 2e-10 preemptions)
+        top = y_min + 1.0
     frame = _Frame(width, height, (min(all_x), max(all_x)), (y_min, top), log_x=log_x)
     parts = frame.axes(title, x_label, y_label, x_ticks, y_fmt=y_fmt,
                        x_tick_labels=x_tick_labels)
@@ -234,13 +236,15 @@ def timeline(title: str, rows: Sequence[dict], *, width: int = 1280,
                  f'text-anchor="middle">simulated time (s)</text>')
     for index, row in enumerate(rows):
         y = _M["top"] + index * row_height
-        first_scheduled = row["first_scheduled_time"] or row["finished_time"]
-        first_token = row["first_token_time"] or row["finished_time"]
+        finished = row["finished_time"]  # a time of 0.0 is one (QA: `or` took it for none,
+        first_scheduled = _or(row["first_scheduled_time"], finished)  # and drew the first
+        first_token = _or(row["first_token_time"], finished)  # row as queued throughout)
         spans = (("queue", row["arrival_time"], first_scheduled),
                  ("prefill", first_scheduled, first_token),
                  ("decode", first_token, row["finished_time"]))
         tip = (f'{escape(row["request_id"])}: prompt {row["prompt_tokens"]}, output '
-               f'{row["output_tokens"]}, TTFT {fmt(row["ttft_s"] or 0)} s, '
+               f'{row["output_tokens"]}, TTFT '
+               f'{"-" if row["ttft_s"] is None else fmt(row["ttft_s"]) + " s"}, '
                f'{row["num_preemptions"]} preemptions')
         parts.append(f"<g><title>{tip}</title>")
         for kind, start, end in spans + tuple(("preempted", a, b) for a, b in row["stalls"]):
@@ -256,3 +260,23 @@ def timeline(title: str, rows: Sequence[dict], *, width: int = 1280,
                      f'<text x="{x + 14}" y="15" class="tick">{kind}</text>')
         x += 90
     return _svg(width, height, parts)
+
+
+def _or(value: float | None, default: float) -> float:
+    """``value``, or ``default`` where it is None (0.0 is a time)."""
+    return default if value is None else value
+
+
+# The charts' own rules (a report's page carries them in REPORT_CSS; a chart written as a
+# file of its own, in its <style>: QA, calibrate --plot drew no grid, axis or tick lines).
+SVG_CSS = """svg .title { font-weight: 600; font-size: 13px; }
+svg .tick { font-size: 11px; fill: #475569; }
+svg .label { font-size: 12px; fill: #334155; } svg .grid { stroke: #e2e8f0; }
+svg .axis { stroke: #94a3b8; } svg text { font-family: system-ui, sans-serif; }
+"""
+
+
+def standalone(svg: str) -> str:
+    """A chart as a file of its own: its style inside it."""
+    head, _, rest = svg.partition(">")
+    return f"{head}><style>{SVG_CSS}</style>{rest}"
