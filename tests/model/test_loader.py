@@ -533,3 +533,16 @@ def test_bundled_weights_answer_a_question_greedily(bundled):
             output.append(int(dense_logits(config, weights, prompt + output)[-1].argmax()))
     # "The capital of France is Paris.<|im_end|>"
     assert output == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_vocabulary_is_refused():
+    """QA (model files pass): ids past the model's embedding passed every check (each made
+    against the tokenizer's size), and one request's IndexError killed the engine and
+    stopped the server."""
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.tokenizer import load_tokenizer
+
+    with pytest.raises(ValueError, match="the tokenizer has 49152 token ids but the model's "
+                                         "vocab_size is 96"):
+        build_engine(TINY, tokenizer=load_tokenizer(None), num_kv_blocks=16,
+                     max_model_len=64)

@@ -277,6 +277,12 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                                         batch_invariant, quantization, torch_device)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        # QA: ids past the model's embedding passed every check (made against the
+        # tokenizer's), and one request's IndexError took the engine and the server down
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} token ids but the model's "
+                         f"vocab_size is {config.vocab_size}: the ids past it have no "
+                         "embedding (a tokenizer of another model?)")
     if num_host_blocks is None:
         num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
             config, block_size, torch_dtype, swap_space, what="swap space")
