@@ -546,3 +546,36 @@ def test_a_tokenizer_with_more_ids_than_the_models_vocabulary_is_refused():
                                          "vocab_size is 96"):
         build_engine(TINY, tokenizer=load_tokenizer(None), num_kv_blocks=16,
                      max_model_len=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_a_tensor_that_is_no_float_weight_is_refused_by_name(tmp_path, dtype):
+    """QA (model files pass): int8, int64, bool and fp8 tensors were cast to float and the
+    model ran, wrong, without a word."""
+    weights = dummy_weights(TINY, seed=5)
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(dtype)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="tensor model.norm.weight is "
+                                                    f"{str(dtype).removeprefix('torch.')}"):
+        load_model_weights(tmp_path)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),  # QA: ran as SiLU
+    ({"num_attention_heads": 0}, "must be >= 1"),  # QA: a ZeroDivisionError
+])
+def test_a_config_kvserve_would_compute_otherwise_is_refused(tmp_path, change, message):
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY), **change}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_config_from_path(tmp_path)
+
+
+def test_a_sliding_window_caps_the_context_where_attention_is_as_trained(tmp_path):
+    """QA: Mistral's sliding_window was ignored: past it every token attended to all."""
+    config = {**hf_config_dict(TINY), "max_position_embeddings": 2048, "sliding_window": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert model_config_from_path(tmp_path).max_position_embeddings == 512
+    off = {**config, "use_sliding_window": False}  # Qwen2's way of saying none
+    (tmp_path / "config.json").write_text(json.dumps(off))
+    assert model_config_from_path(tmp_path).max_position_embeddings == 2048

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,12 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
 
+logger = logging.getLogger("kvserve.model")
+
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# A float checkpoint's tensors: another dtype is a quantized checkpoint whose scales go
+# unread, or no weight at all (QA: int8, int64, bool and fp8 tensors were cast and run)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def read_hf_config(config_path: Path, name: str | None = None) -> ModelConfig:
@@ -48,8 +54,25 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
     for flag in ("attention_bias", "mlp_bias"):
         if config_dict.get(flag):
             raise UnsupportedModelError(f"Hugging Face config {flag}=true is not supported")
+    # what the model computes that kvserve's layers would compute otherwise, silently (QA:
+    # a gelu model ran as silu; a sliding window attended to every token)
+    act = config_dict.get("hidden_act", config_dict.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"Hugging Face config hidden_act {act!r} is not supported "
+                                    "(the MLP computes SiLU: silu)")
     hidden_size = int(config_dict["hidden_size"])
     num_heads = int(config_dict["num_attention_heads"])
+    if num_heads < 1 or hidden_size < 1:  # QA: a ZeroDivisionError's traceback
+        raise UnsupportedModelError(f"Hugging Face config hidden_size {hidden_size} and "
+                                    f"num_attention_heads {num_heads} must be >= 1")
+    max_positions = int(config_dict.get("max_position_embeddings", 2048))
+    window = config_dict.get("sliding_window") if config_dict.get("use_sliding_window", True) \
+        else None
+    if window is not None and int(window) < max_positions:  # attention within the window
+        logger.warning("the model attends within a sliding window of %d tokens, which "
+                       "kvserve's attention does not keep: its context is capped there (of "
+                       "%d), where every token attends as trained", int(window), max_positions)
+        max_positions = int(window)
     eos = config_dict.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -62,7 +85,7 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
         num_heads=num_heads,
         num_kv_heads=int(config_dict.get("num_key_value_heads") or num_heads),
         head_dim=int(config_dict.get("head_dim") or hidden_size // num_heads),
-        max_position_embeddings=int(config_dict.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(config_dict.get("rms_norm_eps", 1e-6)),
         rope_theta=float(config_dict.get("rope_theta", 10000.0)),
         rope_scaling=_hf_rope_scaling(config_dict.get("rope_scaling")),
@@ -108,6 +131,11 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            if tensor.dtype not in FLOAT_DTYPES:
+                raise UnsupportedModelError(
+                    f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}: "
+                    "a float checkpoint's are float32, float16 or bfloat16 (a quantized "
+                    "checkpoint is not read; --quantization int8 quantizes a float one)")
             weights[name] = tensor.to(dtype).contiguous()
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
