@@ -99,3 +99,25 @@ def test_a_model_that_is_not_a_path_is_named():
 
     with pytest.raises(TypeError, match=r"model must be a path .* got int"):
         LLM(5)  # QA: pathlib's "expected str, bytes or os.PathLike object"
+
+
+def test_the_models_end_of_sequence_ids_stop_every_answer(tmp_path):
+    """QA (model files pass): only the tokenizer's EOS stopped an answer; a directory whose
+    generation config lists more (Llama-3-Instruct's <|eot_id|>) never stopped at them.
+    vLLM adds them to each request's stop ids unless it ignores EOS."""
+    from kvserve.core import SamplingParams
+    from kvserve.model.generation_config import model_eos_ids
+    from tests.server.helpers import make_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert model_eos_ids(tmp_path) == (2, 7)  # config.json's, without a generation config
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 118]}))
+    assert model_eos_ids(tmp_path) == (2, 118)  # the generation config's first
+    assert model_eos_ids(None) == () and model_eos_ids(tmp_path / "none") == ()
+    engine = make_engine(num_kv_blocks=16)
+    engine.extra_eos_ids = (118,)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, stop_token_ids=(9,)))
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    requests = engine.scheduler.requests
+    assert requests["a"].sampling_params.stop_token_ids == (9, 118)
+    assert requests["b"].sampling_params.stop_token_ids == ()

@@ -165,6 +165,9 @@ class Engine:
         self.max_logprobs = max_logprobs
         self.executor = executor
         self.tokenizer = tokenizer
+        # the model's end-of-sequence ids besides the tokenizer's (generation_config.json's
+        # or config.json's, model_eos_ids): stop ids of every request not ignoring EOS
+        self.extra_eos_ids: tuple[int, ...] = ()
         self.clock = clock
         self.detokenize = detokenize and tokenizer is not None
         self._text: dict[str, TextStream] = {}
@@ -221,6 +224,9 @@ class Engine:
         if params.eos_token_id is None and tokenizer is not None and \
                 tokenizer.eos_token_id is not None:
             filled["eos_token_id"] = tokenizer.eos_token_id
+        extra = [i for i in self.extra_eos_ids if i not in params.stop_token_ids]
+        if extra and not params.ignore_eos:  # as vLLM's update_from_generation_config
+            filled["stop_token_ids"] = (*params.stop_token_ids, *extra)
         if filled:
             params = dataclasses.replace(params, **filled)
         for name in ("logprobs", "prompt_logprobs"):

@@ -50,6 +50,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.device import check_device_options, resolve_device
 from kvserve.model.device import describe as describe_device
 from kvserve.model.dtype import checkpoint_dtype, resolve_dtype
+from kvserve.model.generation_config import model_eos_ids
 from kvserve.model.kernel_info import boot_lines, kernel_report, prefill_attention_choice
 from kvserve.model.kv_cache import (
     allocate_kv_cache,
@@ -307,8 +308,16 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         logger.info("%s", preemption_prices.describe())
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
-    return Engine(scheduler, runner, tokenizer, detokenize=detokenize,
-                  max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
+    engine = Engine(scheduler, runner, tokenizer, detokenize=detokenize,
+                    max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
+    own_eos = tokenizer.eos_token_id if tokenizer is not None else None
+    engine.extra_eos_ids = tuple(i for i in model_eos_ids(
+        model if isinstance(model, (str, Path)) else None)
+        if i != own_eos and i < config.vocab_size)
+    if engine.extra_eos_ids:
+        logger.info("end of sequence also at token ids %s (the model's generation config)",
+                    ", ".join(map(str, engine.extra_eos_ids)))
+    return engine
 
 
 def _token_bytes_of(tokenizer: Tokenizer | None) -> Callable[[], list[bytes]] | None:

@@ -7,7 +7,8 @@ defaults), ``vllm`` reads none, a directory reads that directory's; vLLM's
 ``--override-generation-config`` JSON overrides or extends the result, in the file's own
 names. Only the sampling fields vLLM takes from the file are read (``max_new_tokens`` is
 the default ``max_tokens``); the file's other keys (token ids, ``do_sample``) are not
-sampling defaults and are left alone, as vLLM leaves them.
+sampling defaults and are left alone, as vLLM leaves them; its ``eos_token_id`` (or
+config.json's) is read apart, by :func:`model_eos_ids`: every one stops an answer.
 """
 
 from __future__ import annotations
@@ -61,6 +62,28 @@ def sampling_defaults(model: str | Path | None, source: str = "auto",
         _check(name, value, where[name])
         defaults[field] = value
     return defaults
+
+
+def model_eos_ids(model: str | Path | None) -> tuple[int, ...]:
+    """A Hugging Face directory's end-of-sequence ids: ``generation_config.json``'s
+    ``eos_token_id`` (an id or a list), else ``config.json``'s, as vLLM reads them (QA:
+    only the tokenizer's EOS stopped an answer, so a Llama-3-Instruct directory never
+    stopped at <|eot_id|>). () for a GGUF, the bundled model, or ids not written as ids."""
+    if not isinstance(model, (str, Path)) or not Path(model).is_dir():
+        return ()
+    for name in (GENERATION_CONFIG_FILE, "config.json"):
+        path = Path(model) / name
+        try:
+            data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # read, and refused by name, where it matters (the model's load)
+        ids = data.get("eos_token_id") if isinstance(data, dict) else None
+        if ids is None:
+            continue
+        ids = [ids] if not isinstance(ids, list) else ids
+        return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool)
+                     and i >= 0)
+    return ()
 
 
 def _read(path: Path, required: bool) -> dict[str, Any]:
