@@ -564,6 +564,13 @@ def test_a_tensor_that_is_no_float_weight_is_refused_by_name(tmp_path, dtype):
 @pytest.mark.parametrize(("change", "message"), [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),  # QA: ran as SiLU
     ({"num_attention_heads": 0}, "must be >= 1"),  # QA: a ZeroDivisionError
+    # QA: a KeyError after every weight had loaded; NaN answers, printed empty, exit 0
+    ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling \(linear\) factor must be"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "original_max_position_embeddings must be a number > 0, got None"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be a number > 0"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a number > 0"),
+    ({"rope_theta": 0}, "rope_theta must be a number > 0"),
 ])
 def test_a_config_kvserve_would_compute_otherwise_is_refused(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY), **change}))

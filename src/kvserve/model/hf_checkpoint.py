@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvserve.core.checks import is_finite
 from kvserve.model.config import ModelConfig
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
 
@@ -86,13 +87,23 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
         num_kv_heads=int(config_dict.get("num_key_value_heads") or num_heads),
         head_dim=int(config_dict.get("head_dim") or hidden_size // num_heads),
         max_position_embeddings=max_positions,
-        rms_norm_eps=float(config_dict.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(config_dict.get("rope_theta", 10000.0)),
+        rms_norm_eps=_positive(config_dict, "rms_norm_eps", 1e-6),
+        rope_theta=_positive(config_dict, "rope_theta", 10000.0),
         rope_scaling=_hf_rope_scaling(config_dict.get("rope_scaling")),
         tie_word_embeddings=bool(config_dict.get("tie_word_embeddings", False)),
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=eos,
     )
+
+
+def _positive(config_dict: Mapping[str, Any], name: str, default: float) -> float:
+    """A number the model divides or takes a power by: > 0 and finite (QA: a negative or
+    NaN rms_norm_eps, a rope_theta of 0, loaded, and every answer was empty)."""
+    value = config_dict.get(name, default)
+    if not is_finite(value) or value <= 0:
+        raise UnsupportedModelError(f"Hugging Face config {name} must be a number > 0, got "
+                                    f"{value!r}")
+    return float(value)
 
 
 def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -105,6 +116,16 @@ def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None
     if kind not in ("linear", "llama3"):
         raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported "
                                     "(supported: linear, llama3)")
+    # what each kind reads, as positive numbers (QA: a KeyError's traceback, after every
+    # weight had loaded; a factor of 0 made every answer NaN)
+    needs = ("factor",) if kind == "linear" else (
+        "factor", "original_max_position_embeddings")
+    optional = () if kind == "linear" else ("low_freq_factor", "high_freq_factor")
+    for name in (*needs, *(n for n in optional if n in scaling)):
+        value = scaling.get(name)
+        if not is_finite(value) or value <= 0:
+            raise UnsupportedModelError(f"rope_scaling ({kind}) {name} must be a number > 0, "
+                                        f"got {value!r}")
     scaling.pop("type", None)
     scaling["rope_type"] = kind
     return scaling
