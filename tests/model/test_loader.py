@@ -586,3 +586,27 @@ def test_a_sliding_window_caps_the_context_where_attention_is_as_trained(tmp_pat
     off = {**config, "use_sliding_window": False}  # Qwen2's way of saying none
     (tmp_path / "config.json").write_text(json.dumps(off))
     assert model_config_from_path(tmp_path).max_position_embeddings == 2048
+
+
+@pytest.mark.parametrize("broken", ["head_count_zero", "embedding_array"])
+def test_a_gguf_whose_metadata_does_not_read_is_one_error_naming_it(tmp_path, broken):
+    """QA (model files pass): a head count of 0 was a ZeroDivisionError's traceback, an
+    embedding length written as an array a TypeError's."""
+    path = tmp_path / f"{broken}.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    if broken == "embedding_array":
+        writer.add_array("llama.embedding_length", [64, 64])
+    else:
+        writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(0 if broken == "head_count_zero" else 4)
+    writer.add_vocab_size(96)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=f"{path.name}: ") as caught:
+        model_config_from_path(path)
+    assert "\n" not in str(caught.value)

@@ -44,6 +44,7 @@ from kvserve.model.weights import (
     UnsupportedModelError,
     dummy_weights,
     expected_weight_shapes,
+    file_named,
 )
 
 __all__ = [
@@ -94,7 +95,8 @@ def load_model_weights(path: str | Path | None, dtype: torch.dtype = torch.float
     if resolved.is_dir():
         return load_hf_directory(resolved, dtype)
     if resolved.suffix.lower() == ".gguf":
-        return load_gguf(resolved, dtype)
+        with file_named(resolved):
+            return load_gguf(resolved, dtype)
     raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "
                                 "with config.json and *.safetensors")
 
@@ -110,6 +112,7 @@ def model_config_from_path(path: str | Path | None) -> ModelConfig:
             raise ModelNotFoundError(f"{resolved} has no config.json")
         return read_hf_config(config_path, name=resolved.name)
     if resolved.suffix.lower() == ".gguf":
-        return model_config_from_gguf(resolved)
+        with file_named(resolved):
+            return model_config_from_gguf(resolved)
     raise UnsupportedModelError(f"{resolved}: expected a .gguf file or a Hugging Face directory "
                                 "with config.json and *.safetensors")

@@ -362,5 +362,8 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     if not resolved.is_file():
         raise ModelNotFoundError(f"no tokenizer at {resolved}")
     if resolved.suffix.lower() == ".gguf":
-        return Tokenizer.from_gguf(resolved)
+        from kvserve.model.weights import file_named
+
+        with file_named(resolved):
+            return Tokenizer.from_gguf(resolved)
     return Tokenizer.from_file(resolved)

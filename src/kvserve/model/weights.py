@@ -3,7 +3,9 @@ runs, random ("dummy") weights, and the loaders' errors."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,22 @@ class ModelNotFoundError(FileNotFoundError):
 
 class UnsupportedModelError(ValueError):
     """An architecture, tensor or setting this loader does not implement."""
+
+
+@contextlib.contextmanager
+def file_named(path: str | Path) -> Iterator[None]:
+    """Whatever reading ``path`` raises that is not already a model error becomes one line
+    naming the file (QA: a GGUF's odd metadata, alignment 0, a count that is an array, a
+    tokenizer without tokens, was a ZeroDivisionError's, TypeError's or IndexError's
+    traceback). MemoryError and the model errors pass as they are."""
+    try:
+        yield
+    except (ModelNotFoundError, UnsupportedModelError):
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, StopIteration,
+            RuntimeError, OverflowError, AttributeError) as error:
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UnsupportedModelError(f"{path}: not a model kvserve reads: {detail}") from None
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
