@@ -610,3 +610,29 @@ def test_a_gguf_whose_metadata_does_not_read_is_one_error_naming_it(tmp_path, br
     with pytest.raises(UnsupportedModelError, match=f"{path.name}: ") as caught:
         model_config_from_path(path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_sharded_directory_is_read_by_its_index(tmp_path):
+    """QA (model files pass): the index was not read: a Mistral repository's
+    consolidated.safetensors beside the shards doubled every tensor (now: the index's files
+    only), a missing shard was told as missing tensors (now: named), and a tensor in two
+    files was the last one read (now: refused)."""
+    weights = dummy_weights(TINY, seed=5)
+    names = sorted(weights)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(TINY)))
+    shards = {"model-1.safetensors": names[:5], "model-2.safetensors": names[5:]}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, str(tmp_path / file))
+    save_file(weights, str(tmp_path / "consolidated.safetensors"))  # Mistral's own copy
+    index = {"weight_map": {n: file for file, part in shards.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, loaded = load_model_weights(tmp_path)
+    assert set(loaded) == set(weights) - ({"lm_head.weight"} if TINY.tie_word_embeddings
+                                          else set())
+    (tmp_path / "model-2.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match=r"names model-2\.safetensors, which is not in"):
+        load_model_weights(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()  # no index: every file, and the
+    save_file({n: weights[n] for n in names[5:]}, str(tmp_path / "model-2.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"is in consolidated\.safetensors too"):
+        load_model_weights(tmp_path)  # copy's tensors are twice

@@ -284,6 +284,10 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} token ids but the model's "
                          f"vocab_size is {config.vocab_size}: the ids past it have no "
                          "embedding (a tokenizer of another model?)")
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is not None and not 0 <= eos < tokenizer.vocab_size:  # QA: loaded, and every
+        raise ValueError(f"the tokenizer's end-of-sequence id {eos} is outside its "  # request
+                         f"{tokenizer.vocab_size} ids")  # failed, blamed on its prompt
     if num_host_blocks is None:
         num_host_blocks = 0 if not swap_space else num_blocks_for_memory(
             config, block_size, torch_dtype, swap_space, what="swap space")

@@ -136,12 +136,13 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
     from safetensors.torch import load_file
 
     config_path = directory / "config.json"
-    files = sorted(directory.glob("*.safetensors"))
+    files = _weight_files(directory)
     if not config_path.is_file() or not files:
         raise ModelNotFoundError(f"{directory} is not a Hugging Face model directory: it needs "
                                  "config.json and at least one *.safetensors file")
     config = read_hf_config(config_path, name=directory.name)
     weights: dict[str, torch.Tensor] = {}
+    source: dict[str, Path] = {}
     for file in files:
         try:
             tensors = load_file(str(file))
@@ -157,8 +158,38 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
                     f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}: "
                     "a float checkpoint's are float32, float16 or bfloat16 (a quantized "
                     "checkpoint is not read; --quantization int8 quantizes a float one)")
+            if name in source:  # QA: the last one read won, without a word
+                raise UnsupportedModelError(f"{file}: tensor {name} is in {source[name].name} "
+                                            "too: which one is the model's?")
+            source[name] = file
             weights[name] = tensor.to(dtype).contiguous()
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     check_weights(config, weights, source=str(directory))
     return config, weights
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding the model: those its index names, where it has one
+    (``model.safetensors.index.json``; a missing shard is named; a Mistral repository's
+    ``consolidated.safetensors`` beside the shards is not the model's), else every one
+    (QA: the index was not read; a missing shard was told as missing tensors)."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        names = None
+    if not names or not all(isinstance(name, str) and "/" not in name for name in names):
+        raise UnsupportedModelError(f"{index}: not a safetensors index (a JSON object whose "
+                                    "weight_map names each tensor's file)")
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise ModelNotFoundError(f"{index} names {', '.join(missing)}, which "
+                                 f"{'is' if len(missing) == 1 else 'are'} not in {directory}")
+    return [directory / name for name in names]
