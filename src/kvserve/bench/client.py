@@ -172,14 +172,20 @@ async def _read_events(response: httpx.Response, result: RequestResult, start: f
     raise BadAnswer(f"the stream ended before [DONE] ({num_events} text events)")
 
 
-def _event(payload: str) -> dict[str, Any]:
-    """One event's JSON object; BadAnswer for anything else, and for an error event."""
+def _json_object(text: str | bytes, what: str) -> dict[str, Any]:
+    """``text``'s JSON object; BadAnswer saying ``what`` it is not, otherwise."""
     try:
-        data = json.loads(payload)
+        data = json.loads(text)
     except ValueError:
         data = None
     if not isinstance(data, dict):
-        raise BadAnswer(f"a stream event is not a JSON object: {payload[:80]!r}")
+        raise BadAnswer(f"{what}: {text[:80]!r}")
+    return data
+
+
+def _event(payload: str) -> dict[str, Any]:
+    """One event's JSON object; BadAnswer for anything else, and for an error event."""
+    data = _json_object(payload, "a stream event is not a JSON object")
     if "error" in data:
         error = data["error"]
         message = error.get("message") if isinstance(error, dict) else error
@@ -209,12 +215,7 @@ def _note_usage(data: dict[str, Any], result: RequestResult) -> bool:
 
 
 def _read_body(body: bytes, result: RequestResult) -> None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise BadAnswer(f"HTTP 200 but not a JSON answer: {body[:80]!r}")
+    data = _json_object(body, "HTTP 200 but not a JSON answer")
     if not _note_usage(data, result):
         result.usage_missing = True  # nothing to count the tokens by: 0
     result.generated_text = "".join(
