@@ -268,8 +268,8 @@ def test_a_turn_arriving_after_its_hold_expired_finds_none_without_a_step_betwee
     scheduler.add_request(turn("t2", history + prompt_of("t2", 5), arrival_time=10.0))
     assert scheduler.requests["t2"] in scheduler.waiting  # not held: an ordinary turn
     released, arrived = scheduler.take_events()
-    assert (released.kind, released.request_id, released.reason) == \
-        (EventType.RELEASED, "t1", "ttl")
+    assert (released.kind, released.request_id, released.reason, released.time) == \
+        (EventType.RELEASED, "t1", "ttl", 10.0)  # when it was noticed, not the last step
     assert (arrived.kind, arrived.request_id, arrived.reason) == (EventType.ARRIVED, "t2", "")
     run(scheduler, executor, 10.0)
     stats = scheduler.stats()

@@ -3,6 +3,7 @@ object, and a vocabulary's allowed tokens are exactly those it takes next."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -538,6 +539,8 @@ def test_a_thinking_answer_is_held_to_json_from_the_end_of_its_thinking_on():
     assert _thinking_pick(params, [6, 9, 10], wants=6) == 1  # "</" "think>\n"
     assert _thinking_pick(params, [6, 7, 1], wants=6) == 2  # "}"
     assert _thinking_pick(params, [6, 7, 1, 2], wants=6) == 0  # closed: EOS
+    ending = dataclasses.replace(params, stop_token_ids=(8,))  # the model's other end ids
+    assert _thinking_pick(ending, [6], wants=8) != 8  # are stop ids: none while it thinks
     assert _thinking_pick(params, [6], wants=0) != 0  # no EOS while it thinks (QA: a "stop"
     # answer with no JSON); it must close its thinking and write its form
     assert [thinking(params, output, THINKING).start for output in (

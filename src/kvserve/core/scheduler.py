@@ -224,8 +224,7 @@ class Scheduler:
                                "a request is one sequence (LLM.generate and the server add "
                                "one request per sample)")
         sessions, session = self.sessions, None
-        if sessions is not None and request.arrival_time >= sessions.next_expiry:
-            sessions.expire(request.arrival_time)  # U6: no turn takes a hold past its ttl
+        self.expire_sessions(request.arrival_time)  # U6: no turn takes a hold past its ttl
         if request.sampling_params.session_id is not None:
             if sessions is None:
                 raise RequestError(f"request {request.request_id}: sessions are off on this "
@@ -852,13 +851,19 @@ class Scheduler:
             self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
 
     def expire_sessions(self, now: float) -> int:
-        """U6 between steps (an idle engine: :meth:`schedule` does it at each step):
-        release the held sessions whose ttl ran out by ``now``; how many."""
+        """U6 between steps (an idle engine, an arrival: :meth:`schedule` does it at each
+        step): release the held sessions whose ttl ran out by ``now``, their events at
+        ``now`` (the last step's time, which they carried, was before a recording began:
+        QA); how many."""
         sessions = self.sessions
         if sessions is None or now < sessions.next_expiry:
             return 0
-        before = len(sessions.held)
-        sessions.expire(now)
+        before, decided = len(sessions.held), self._now
+        self._now = now
+        try:
+            sessions.expire(now)
+        finally:
+            self._now = decided
         return before - len(sessions.held)
 
     def _expire_queue_deadlines(self, now: float) -> None:
@@ -883,9 +888,11 @@ class Scheduler:
         admissible: list[Request] = []
         if seats <= 0:
             return admissible  # a busy engine, the common case: no walk of the queue
+        # at least one token each: a decode whose step is under way has none left to compute
+        threshold, max_model_len = self._long_prefill_threshold, self._max_model_len
         budget = config.max_num_batched_tokens - sum(
-            tokens_to_schedule(r.num_tokens, r.num_computed_tokens, self._long_prefill_threshold,
-                               self._max_model_len) for r in self.running)
+            max(1, tokens_to_schedule(r.num_tokens, r.num_computed_tokens, threshold,
+                                      max_model_len)) for r in self.running)
         blocks = kv.num_free_blocks - kv.watermark_blocks - len(self.running) - sum(
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
         if budget <= 0 or blocks <= 0:

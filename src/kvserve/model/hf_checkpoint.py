@@ -156,8 +156,9 @@ def load_hf_directory(directory: Path, dtype: torch.dtype
             if tensor.dtype not in FLOAT_DTYPES:
                 raise UnsupportedModelError(
                     f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}: "
-                    "a float checkpoint's are float32, float16 or bfloat16 (a quantized "
-                    "checkpoint is not read; --quantization int8 quantizes a float one)")
+                    "a float checkpoint's are float32, float16, bfloat16 or float64 (a "
+                    "quantized checkpoint is not read; --quantization int8 quantizes a float "
+                    "one)")
             if name in source:  # QA: the last one read won, without a word
                 raise UnsupportedModelError(f"{file}: tensor {name} is in {source[name].name} "
                                             "too: which one is the model's?")

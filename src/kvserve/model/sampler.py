@@ -489,8 +489,9 @@ def _structured_tokens(row: SamplingRow, sampler: Sampler
     if where.start is None:  # thinking: it may not end before it writes its form (QA:
         # EOS while thinking made a "stop" answer with no JSON, or a call with no arguments)
         bans = sampler.closing_bans(params, where.tail)
-        eos = params.eos_token_id
-        return None, False, bans if eos is None or params.ignore_eos else [*bans, eos]
+        ends = [] if params.ignore_eos or params.eos_token_id is None else \
+            [params.eos_token_id]  # and its stop ids: the model's other end-of-sequence
+        return None, False, [*bans, *ends, *params.stop_token_ids]  # ids among them (review)
     start, blank = where.start, False
     if where.start and not where.leftover:  # after a thinking, blanks may come first (a
         # model's "</think>\n\n", QA: the form was forced at once, off its trained path)
