@@ -636,3 +636,30 @@ def test_a_sharded_directory_is_read_by_its_index(tmp_path):
     save_file({n: weights[n] for n in names[5:]}, str(tmp_path / "model-2.safetensors"))
     with pytest.raises(UnsupportedModelError, match=r"is in consolidated\.safetensors too"):
         load_model_weights(tmp_path)  # copy's tensors are twice
+
+
+@pytest.mark.parametrize(("first", "second", "message"), [
+    ("kvtest.aa", "kvtest.ab", "gives the key 'kvtest.aa' twice"),
+    ("tensor_1", "tensor_2", "holds the tensor 'tensor_1' twice"),
+])
+def test_a_gguf_naming_a_key_or_tensor_twice_is_refused(tmp_path, first, second, message):
+    """QA (model files pass): the last one read won, without a word."""
+    from kvserve.model.gguf_reader import GGUFFormatError, read_gguf
+
+    path = tmp_path / "twice.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    if first.startswith("kvtest"):
+        writer.add_uint32(first, 1)
+        writer.add_uint32(second, 2)
+    else:
+        writer.add_tensor(first, np.zeros(4, dtype=np.float32))
+        writer.add_tensor(second, np.ones(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = path.read_bytes()
+    assert data.count(second.encode()) == 1
+    path.write_bytes(data.replace(second.encode(), first.encode()))
+    with pytest.raises(GGUFFormatError, match=message):
+        read_gguf(path)

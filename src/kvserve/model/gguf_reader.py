@@ -162,10 +162,16 @@ def read_gguf(path: str | Path) -> GGUFFile:
     metadata: dict[str, Any] = {}
     for _ in range(num_fields):
         key = cursor.string()
+        if key in metadata:  # QA: the last one read won, without a word
+            raise cursor.error(f"gives the key {key!r} twice")
         metadata[key] = cursor.value(cursor.unpack(_U32))
     infos = []
+    names: set[str] = set()
     for _ in range(num_tensors):
         name = cursor.string()
+        if name in names:  # QA: the last one read won, without a word
+            raise cursor.error(f"holds the tensor {name!r} twice")
+        names.add(name)
         dims = tuple(cursor.unpack(_U64) for _ in range(cursor.unpack(_U32)))
         infos.append((name, dims, cursor.unpack(_U32), cursor.unpack(_U64)))
     alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
