@@ -81,9 +81,7 @@ class Recording:
     @property
     def settings(self) -> dict[str, Any]:
         """The recorded scheduler and cache settings, as simulate's flags give them."""
-        settings = dict(self.manifest["settings"])
-        settings["tenant_weights"] = tuple(tuple(p) for p in settings.get("tenant_weights", ()))
-        return settings
+        return _settings(self.manifest["settings"])
 
     def replay_cost_model(self, engine: int = 0) -> ReplayCostModel:
         """The recorded step times of ``engine``, each step held to its logged start (none
@@ -219,10 +217,18 @@ def _manifest(root: Path) -> dict[str, Any]:
         raise TraceError(f"{root / MANIFEST}: format must be {RECORDING_FORMAT!r}")
     if not isinstance(manifest.get("settings"), dict):
         raise TraceError(f"{root / MANIFEST}: no settings")
-    _check_times(root / MANIFEST, manifest, "segments", ("start",), ("stop",))
-    _check_times(root / MANIFEST, manifest, "replica_deaths", ("time",), ())
+    _check_rows(root / MANIFEST, manifest, "segments", times=("start",), optional=("stop",))
+    _check_rows(root / MANIFEST, manifest, "replica_deaths", times=("time",),
+                ints=("engine",))
     _check_settings(root / MANIFEST, manifest["settings"])
     return manifest
+
+
+def _settings(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's settings as simulate's flags give them (tenant weights as pairs)."""
+    settings = dict(recorded)
+    settings["tenant_weights"] = tuple(tuple(p) for p in settings.get("tenant_weights", ()))
+    return settings
 
 
 def _check_settings(where: Path, settings: dict[str, Any]) -> None:
@@ -236,18 +242,17 @@ def _check_settings(where: Path, settings: dict[str, Any]) -> None:
         raise TraceError(f"{where}: settings: num_kv_blocks must be an integer >= 1, got "
                          f"{blocks!r}")
     try:
-        scheduler_config({**settings, "tenant_weights": tuple(
-            tuple(p) for p in settings.get("tenant_weights", ()))})
+        scheduler_config(_settings(settings))
         cache_config(settings, blocks)
     except (ConfigError, TypeError, ValueError) as error:
         raise TraceError(f"{where}: settings: {error}") from None
 
 
-def _check_times(where: Path, manifest: dict[str, Any], key: str, times: tuple[str, ...],
-                 optional: tuple[str, ...]) -> None:
-    """``key``: absent, or a list of objects whose ``times`` are numbers of seconds (and
-    ``optional`` numbers or null); a replica death's engine an integer (QA: an
-    AttributeError's traceback, "Unknown format code 'f'")."""
+def _check_rows(where: Path, manifest: dict[str, Any], key: str, *, times: tuple[str, ...],
+                optional: tuple[str, ...] = (), ints: tuple[str, ...] = ()) -> None:
+    """``key``: absent, or a list of objects whose ``times`` are numbers of seconds, its
+    ``optional`` ones numbers or null, its ``ints`` integers (QA: an AttributeError's
+    traceback, "Unknown format code 'f'")."""
     rows = manifest.get(key)
     if rows is None:
         return
@@ -257,8 +262,7 @@ def _check_times(where: Path, manifest: dict[str, Any], key: str, times: tuple[s
         bad = [name for name in times if not is_finite(row.get(name))]
         bad += [name for name in optional if row.get(name) is not None
                 and not is_finite(row[name])]
-        if key == "replica_deaths" and not is_int(row.get("engine")):
-            bad.append("engine")
+        bad += [name for name in ints if not is_int(row.get(name))]
         if bad:
             raise TraceError(f"{where}: {key}: {', '.join(bad)} must be a number in {row}")
 

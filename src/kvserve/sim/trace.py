@@ -344,8 +344,7 @@ def _check_fields(request: TraceRequest) -> None:
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
     if session_ttl is not None and (  # the server's range (one message: QA saw two)
-            not is_real(session_ttl)
-            or not 0 < session_ttl <= 86400 or session_id is None):
+            not is_real(session_ttl) or not 0 < session_ttl <= 86400 or session_id is None):
         raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
                          f"session_id, got {session_ttl!r}")
     replica = request.replica
@@ -356,17 +355,12 @@ def _check_fields(request: TraceRequest) -> None:
         raise ValueError(f"received_time {received:g} is after arrival_time "
                          f"{request.arrival_time:g}: a request reaches the scheduler after "
                          "the server received it")
-    _check_prompt_logprobs(request.prompt_logprobs, session_id)
-
-
-def _check_prompt_logprobs(value: Any, session_id: str | None) -> None:
-    if value is None:
-        return
-    if not is_int(value) or value < 0:
-        raise ValueError(f"prompt_logprobs must be an integer >= 0, got {value!r}")
-    if session_id is not None:
+    logprobs = request.prompt_logprobs
+    if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
+        raise ValueError(f"prompt_logprobs must be an integer >= 0, got {logprobs!r}")
+    if logprobs is not None and session_id is not None:
         raise ValueError(f"prompt_logprobs cannot be asked of a session turn (G8), got "
-                         f"{value!r} on session {session_id!r}")
+                         f"{logprobs!r} on session {session_id!r}")
 
 
 def _hashes(row: dict[str, Any], prompt_len: int | None) -> tuple[tuple[str, ...] | None, int]:
