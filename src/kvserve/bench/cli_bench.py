@@ -176,13 +176,8 @@ def run(args: argparse.Namespace) -> int:
     if args.save_result and args.output:
         raise CLIError("give --output or --save-result (with --result-dir and "
                        "--result-filename), not both")
-    if args.save_result and args.result_filename:
-        check_output_file("--result-filename",
-                          os.path.join(args.result_dir, args.result_filename))
-    elif args.save_result and not (os.path.isdir(args.result_dir)  # the name waits for the
-                                   and os.access(args.result_dir, os.W_OK)):  # model's
-        raise CLIError(f"--result-dir {args.result_dir}: not a directory this user may "
-                       "write in")
+    if args.save_result:
+        _check_result_dir(args)
     if args.output:
         check_output_file("--output", args.output)
     metrics, percentiles = _flat_keys(args)
@@ -225,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
     summary = {"model": model, "base_url": base_url,
                **summarize(result, metrics, percentiles),
                **_settings(args, model, len(requests))}
-    if interrupted:  # the requests still under way are no figures, but they were sent
-        summary["num_requests"] = len(requests)  # QA: "of 1" where 4 were
-        summary["interrupted"] = len(requests) - len(finished)
+    if interrupted:  # the requests not ended (under way, or not sent yet) are no figures,
+        summary["num_requests"] = len(requests)  # but the run had them (QA: "of 1" where
+        summary["interrupted"] = len(requests) - len(finished)  # 4 were sent)
     table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
         summary.update(detailed(result))
@@ -290,6 +285,19 @@ def _rate(args: argparse.Namespace) -> float | str:
     if args.request_rate is not None:
         return "inf" if math.isinf(args.request_rate) else args.request_rate
     return "trace" if args.trace and args.max_concurrency is None else "inf"
+
+
+def _check_result_dir(args: argparse.Namespace) -> None:
+    """--save-result's file, before any request: the whole path where --result-filename
+    names it, else the directory (the name waits for the model's)."""
+    from kvserve.flags import CLIError, check_output_file
+
+    if args.result_filename:
+        check_output_file("--result-filename",
+                          os.path.join(args.result_dir, args.result_filename))
+    elif not (os.path.isdir(args.result_dir) and os.access(args.result_dir, os.W_OK)):
+        raise CLIError(f"--result-dir {args.result_dir}: not a directory this user may "
+                       "write in")
 
 
 def _result_path(args: argparse.Namespace, model: str) -> str:
