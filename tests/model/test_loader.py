@@ -663,3 +663,19 @@ def test_a_gguf_naming_a_key_or_tensor_twice_is_refused(tmp_path, first, second,
     path.write_bytes(data.replace(second.encode(), first.encode()))
     with pytest.raises(GGUFFormatError, match=message):
         read_gguf(path)
+
+
+def test_the_rotary_tables_hold_max_model_len_positions_not_the_models_whole_context():
+    """QA (model files pass): the cos/sin tables had a row per position of the model's
+    context whatever --max-model-len said: ~2 GiB for a 4M-context model served at 8k."""
+    from kvserve.engine.llm import build_engine
+    from kvserve.model.llama import RotaryEmbedding
+
+    config = replace(TINY, max_position_embeddings=1 << 16)
+    engine = build_engine(config, num_kv_blocks=16, max_model_len=64)
+    rotary = engine.executor.model.layers[0].self_attn.rotary
+    assert rotary.cos.shape[0] == rotary.sin.shape[0] == 64
+    whole = RotaryEmbedding(config)
+    assert torch.equal(rotary.cos, whole.cos[:64]) and torch.equal(rotary.sin, whole.sin[:64])
+    assert build_engine(TINY, num_kv_blocks=16).executor.model.layers[0].self_attn.rotary \
+        .cos.shape[0] == 256  # max_model_len absent: the model's context

@@ -112,8 +112,8 @@ class GenerationResult:
 
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
                load_format: str = "auto", seed: int = 0, batch_invariant: bool = False,
-               quantization: str | None = None, device: torch.device | None = None
-               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+               quantization: str | None = None, device: torch.device | None = None,
+               max_positions: int | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
     """The network with its weights, and the tokenizer.
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
@@ -121,6 +121,8 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     config and tokenizer but draws random weights (benchmarks, calibration).
     ``quantization``: None or "int8" (:mod:`kvserve.model.quantization`).
     ``device``: where the network runs (default the CPU; docs/device.md).
+    ``max_positions``: the longest sequence served (max_model_len): the rotary tables'
+    rows, at most the model's context.
     """
     from kvserve.model import loader
     from kvserve.model.tokenizer import load_tokenizer
@@ -136,7 +138,7 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
         config, weights = loader.load_model_weights(model, dtype)
         tokenizer = load_tokenizer(model)
     network = LlamaForCausalLM.from_weights(config, weights, batch_invariant, quantization,
-                                            device)
+                                            device, max_positions)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
     gc.collect()
     _return_freed_heap()
@@ -275,7 +277,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         logger.info("batch-invariant: projections by %s, attention per query row in whole "
                     "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
-                                        batch_invariant, quantization, torch_device)
+                                        batch_invariant, quantization, torch_device,
+                                        scheduler_settings.get("max_model_len"))
     tokenizer = tokenizer or own_tokenizer
     config = network.config
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:

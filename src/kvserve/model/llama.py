@@ -309,11 +309,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """float32 cos and sin tables, [max_positions, head_dim / 2], for the rotate-half layout."""
+    """float32 cos and sin tables, [max_positions, head_dim / 2], for the rotate-half layout.
+    ``max_positions``: the longest sequence served (max_model_len), at most the model's
+    context; a 4M-context model served at 8k needs 8k rows, not 2 GiB of them."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        rows = config.max_position_embeddings if max_positions is None \
+            else min(max_positions, config.max_position_embeddings)
+        positions = torch.arange(rows, dtype=torch.float32)
         angles = torch.outer(positions, rope_inv_freq(config))  # [max_pos, dim / 2]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -375,7 +379,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
         # given an empty table: nn.Embedding's own normal_ init would be overwritten anyway,
@@ -384,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
             config.vocab_size, config.hidden_size,
             _weight=torch.empty(config.vocab_size, config.hidden_size))
         with torch.device("cpu"):  # real tables even when the weights start on "meta"
-            rotary = RotaryEmbedding(config)
+            rotary = RotaryEmbedding(config, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, rotary)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -465,7 +469,8 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
                      batch_invariant: bool = False, quantization: str | None = None,
-                     device: torch.device | None = None) -> LlamaForCausalLM:
+                     device: torch.device | None = None, max_positions: int | None = None
+                     ) -> LlamaForCausalLM:
         """Build the network around Hugging Face-named weights, consuming ``weights``.
 
         Parameters are created on the meta device and then bound to the given tensors (q/k/v
@@ -480,9 +485,10 @@ class LlamaForCausalLM(nn.Module):
         ``device`` other than the CPU (docs/device.md): the plain weights are moved there and
         run through torch's own ops; nothing is packed (both options above need the CPU
         kernels, :func:`kvserve.model.device.check_device_options`).
+        ``max_positions``: :class:`RotaryEmbedding`'s.
         """
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, max_positions)
         model.load_weights(weights)
         if device is not None and device.type != "cpu":
             model.to(device)  # moves each module's parameters apart: a tied head is re-tied
