@@ -156,14 +156,7 @@ class UrgentPreemption:
         Requests admitted or swapped in during this step (``admitted``) do not qualify: a
         swap-in's copy runs after every swap-out of the step, so it could not be copied out
         again, and undoing an admission of the same step is churn."""
-        bar = newcomer.priority + self.threshold
-        limit = self.limit
-        hit_ids = {block.block_id for block in hit_blocks}
-        candidates = [r for r in running if r.priority > bar
-                      and (limit is None or r.num_preemptions < limit)
-                      and r.request_id not in admitted
-                      and not self._shares_unwritten_blocks(r, hit_ids)]
-        candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
+        candidates = self.candidates(newcomer, running, hit_blocks, admitted)
         released: dict[int, int] = {}
         for count, victim in enumerate(candidates, 1):
             for block in self.kv.req_to_blocks.get(victim.request_id, ()):
@@ -176,6 +169,20 @@ class UrgentPreemption:
                     reserved_blocks=reserved_blocks):
                 return candidates[:count]
         return []
+
+    def candidates(self, newcomer: Request, running: Sequence[Request],
+                   hit_blocks: Sequence[KVBlock], admitted: Container[str]) -> list[Request]:
+        """The running requests that may be preempted for ``newcomer`` (M2), least
+        urgent first."""
+        bar = newcomer.priority + self.threshold
+        limit = self.limit
+        hit_ids = {block.block_id for block in hit_blocks}
+        candidates = [r for r in running if r.priority > bar
+                      and (limit is None or r.num_preemptions < limit)
+                      and r.request_id not in admitted
+                      and not self._shares_unwritten_blocks(r, hit_ids)]
+        candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
+        return candidates
 
     def _shares_unwritten_blocks(self, request: Request, hit_ids: set[int]) -> bool:
         """Whether another request reads blocks ``request`` registered for the chunk it runs

@@ -791,10 +791,16 @@ class Scheduler:
                 full_sequence_must_fit=config.reserve_full_sequence,
                 reserved_blocks=reserved_blocks, admitted=step.new_request_ids)
 
+        def held_kv_helps(victims: list[Request]) -> bool:
+            """U7 before M1's second victim (the seat needs one; QA: two preempted while an
+            idle session kept 4 blocks), and where no victim set makes room while some
+            request qualifies (the victims' blocks and the held ones together may)."""
+            assert self._urgent is not None
+            return len(victims) > 1 or (not victims and bool(self._urgent.candidates(
+                request, self.running, hit_blocks, step.new_request_ids)))
+
         victims = find_victims()
-        # U7 before M1's second victim: the seat needs one; held sessions' KV gives way
-        # before more running requests do (QA: two preempted, an idle session kept 4 blocks)
-        while len(victims) > 1 and self.sessions is not None and \
+        while held_kv_helps(victims) and self.sessions is not None and \
                 self.sessions.release_oldest():
             victims = find_victims()
         if not victims:
