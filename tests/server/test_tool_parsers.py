@@ -179,6 +179,11 @@ STREAMED = [
                "</tool_call>"),
     ("llama3_json", '{"name": "f", "name": "g", "parameters": {"a": 1}}'),
     ("mistral", '[TOOL_CALLS][{"name": "f", "name": "g", "arguments": {"a": 1}}]'),
+    # inside the arguments a key written twice is json's, its last, as the client reads the
+    # streamed text (QA: the whole answer passed {"name": "a"}, the stream {"name": "b"})
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"name": "a", "name": "b", '
+               '"o": {"arguments": 1, "arguments": 2}}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"parameters": 1, "parameters": 2}}]'),
 ]
 
 

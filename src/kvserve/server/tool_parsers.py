@@ -364,21 +364,29 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _first_call_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object's keys as a stream reads a call: the first of a call's own field written
-    twice (QA: {"name": "f", "name": "g"} called g in the whole answer, f in the stream),
-    the last of any other key, as json takes it."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key not in _CALL_FIELDS or key not in out:
-            out[key] = value
-    return out
+class _Object(dict):
+    """A JSON object as json reads it (a key written twice: its last, as a client reads a
+    call's streamed arguments), with ``call_fields``: a call's own fields as a stream reads
+    them, the first of one written twice (QA: {"name": "f", "name": "g"} called g in the
+    whole answer, f in the stream), in the order written. Only the call's object reads
+    ``call_fields``: inside its arguments such keys are plain keys."""
+
+    call_fields: dict[str, Any]
+
+
+def _object_of(pairs: list[tuple[str, Any]]) -> _Object:
+    value = _Object(pairs)
+    value.call_fields = {}
+    for key, item in pairs:
+        if key in _CALL_FIELDS:
+            value.call_fields.setdefault(key, item)
+    return value
 
 
 _CALL_FIELDS = frozenset({"name", "arguments", "parameters"})
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
 _CALL_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant,
-                                 object_pairs_hook=_first_call_fields)
+                                 object_pairs_hook=_object_of)
 
 
 def strict_json(text: str) -> Any:
@@ -418,13 +426,17 @@ def to_json(value: Any) -> str:
 
 def _call_of(value: Any) -> tuple[str, str] | None:
     """``{"name": ..., "arguments" or "parameters": {...}}`` as (name, arguments' JSON)."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or \
-            not _NAME.fullmatch(value["name"]):  # QA: "", a lone surrogate (a 500), prose
+    if not isinstance(value, dict):
+        return None
+    fields = value.call_fields if isinstance(value, _Object) else value
+    name = fields.get("name")
+    if not isinstance(name, str) or \
+            not _NAME.fullmatch(name):  # QA: "", a lone surrogate (a 500), prose
         return None
     # the first of the two written, as a stream reads it (QA: one with both streamed the
     # one, then the other's text after it)
-    given = next((key for key in value if key in ("arguments", "parameters")), None)
-    arguments = {} if given is None else value[given]
+    given = next((key for key in fields if key in ("arguments", "parameters")), None)
+    arguments = {} if given is None else fields[given]
     if isinstance(arguments, str):  # JSON text, as some models write it: an object's only
         try:
             arguments = strict_json(arguments)
@@ -433,7 +445,7 @@ def _call_of(value: Any) -> tuple[str, str] | None:
     if not isinstance(arguments, dict):
         return None
     try:
-        return value["name"], to_json(arguments)
+        return name, to_json(arguments)
     except ValueError:
         return None
 
