@@ -563,7 +563,13 @@ def test_a_tensor_that_is_no_float_weight_is_refused_by_name(tmp_path, dtype):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),  # QA: ran as SiLU
-    ({"num_attention_heads": 0}, "must be >= 1"),  # QA: a ZeroDivisionError
+    ({"num_attention_heads": 0}, "must be a whole number >= 1, got 0"),  # a ZeroDivisionError
+    # QA (model files pass): read as 64, as a number, as tied
+    ({"hidden_size": 64.7}, "hidden_size must be a whole number >= 1, got 64.7"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers must be a whole number >= 1, got '2'"),
+    ({"head_dim": True}, "head_dim must be a whole number >= 1, got True"),
+    ({"sliding_window": 0}, "sliding_window must be a whole number >= 1, got 0"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     # QA: a KeyError after every weight had loaded; NaN answers, printed empty, exit 0
     ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling \(linear\) factor must be"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

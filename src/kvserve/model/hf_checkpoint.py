@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvserve.core.checks import is_finite
+from kvserve.core.checks import is_finite, is_int
 from kvserve.model.config import ModelConfig
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
 
@@ -61,39 +61,60 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"Hugging Face config hidden_act {act!r} is not supported "
                                     "(the MLP computes SiLU: silu)")
-    hidden_size = int(config_dict["hidden_size"])
-    num_heads = int(config_dict["num_attention_heads"])
-    if num_heads < 1 or hidden_size < 1:  # QA: a ZeroDivisionError's traceback
-        raise UnsupportedModelError(f"Hugging Face config hidden_size {hidden_size} and "
-                                    f"num_attention_heads {num_heads} must be >= 1")
-    max_positions = int(config_dict.get("max_position_embeddings", 2048))
-    window = config_dict.get("sliding_window") if config_dict.get("use_sliding_window", True) \
-        else None
-    if window is not None and int(window) < max_positions:  # attention within the window
+    hidden_size = _count(config_dict, "hidden_size")
+    num_heads = _count(config_dict, "num_attention_heads")
+    max_positions = _count(config_dict, "max_position_embeddings", 2048)
+    window = _count(config_dict, "sliding_window", None) \
+        if config_dict.get("use_sliding_window", True) else None
+    if window is not None and window < max_positions:  # attention within the window
         logger.warning("the model attends within a sliding window of %d tokens, which "
                        "kvserve's attention does not keep: its context is capped there (of "
-                       "%d), where every token attends as trained", int(window), max_positions)
-        max_positions = int(window)
+                       "%d), where every token attends as trained", window, max_positions)
+        max_positions = window
     eos = config_dict.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return ModelConfig(
         name=name or str(config_dict.get("_name_or_path") or "hf-model"),
-        vocab_size=int(config_dict["vocab_size"]),
+        vocab_size=_count(config_dict, "vocab_size"),
         hidden_size=hidden_size,
-        intermediate_size=int(config_dict["intermediate_size"]),
-        num_layers=int(config_dict["num_hidden_layers"]),
+        intermediate_size=_count(config_dict, "intermediate_size"),
+        num_layers=_count(config_dict, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(config_dict.get("num_key_value_heads") or num_heads),
-        head_dim=int(config_dict.get("head_dim") or hidden_size // num_heads),
+        num_kv_heads=_count(config_dict, "num_key_value_heads", num_heads),
+        head_dim=_count(config_dict, "head_dim", hidden_size // num_heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=_positive(config_dict, "rms_norm_eps", 1e-6),
         rope_theta=_positive(config_dict, "rope_theta", 10000.0),
         rope_scaling=_hf_rope_scaling(config_dict.get("rope_scaling")),
-        tie_word_embeddings=bool(config_dict.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(config_dict, "tie_word_embeddings"),
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=eos,
     )
+
+
+def _count(config_dict: Mapping[str, Any], name: str, default: Any = ...) -> Any:
+    """A size or count, a whole number >= 1; ``default`` where the key is absent or null
+    (a KeyError where there is none). QA (model files pass): 64.7 was read as 64, "64" and
+    true as numbers, 0 heads was a ZeroDivisionError's traceback."""
+    value = config_dict.get(name)
+    if value is None:
+        if default is ...:
+            raise KeyError(name)
+        return default
+    if not is_int(value) or value < 1:
+        raise UnsupportedModelError(f"Hugging Face config {name} must be a whole number "
+                                    f">= 1, got {value!r}")
+    return value
+
+
+def _flag(config_dict: Mapping[str, Any], name: str) -> bool:
+    """A true/false setting, false where absent (QA: "false", a string, tied the head)."""
+    value = config_dict.get(name, False)
+    if not isinstance(value, bool):
+        raise UnsupportedModelError(f"Hugging Face config {name} must be true or false, got "
+                                    f"{value!r}")
+    return value
 
 
 def _positive(config_dict: Mapping[str, Any], name: str, default: float) -> float:
