@@ -685,3 +685,35 @@ def test_the_rotary_tables_hold_max_model_len_positions_not_the_models_whole_con
     assert torch.equal(rotary.cos, whole.cos[:64]) and torch.equal(rotary.sin, whole.sin[:64])
     assert build_engine(TINY, num_kv_blocks=16).executor.model.layers[0].self_attn.rotary \
         .cos.shape[0] == 256  # max_model_len absent: the model's context
+
+
+@pytest.mark.parametrize(("rope", "theta", "scaling"), [
+    ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 500000.0,
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}),
+    ({"rope_type": "default", "rope_theta": 1e6}, 1e6, None),
+    ({"rope_theta": 1e6}, 1e6, None),
+    ({"rope_type": "linear", "factor": 2.0}, 10000.0, {"rope_type": "linear", "factor": 2.0}),
+])
+def test_a_transformers_v5_config_gives_its_rope_in_rope_parameters(tmp_path, rope, theta,
+                                                                    scaling):
+    """QA (numerics pass): transformers v5 writes rope_theta and the scaling inside
+    rope_parameters; a Llama 3 config was read as theta 10000 with no scaling."""
+    config = {key: value for key, value in hf_config_dict(TINY).items()
+              if key not in ("rope_theta", "rope_scaling")}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    read = model_config_from_path(tmp_path)
+    assert (read.rope_theta, read.rope_scaling) == (theta, scaling)
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    ({"full_attention": {"rope_theta": 1e6}}, "per-layer-type parameters are not supported"),
+    ({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_scaling type 'yarn'"),
+    ({"rope_theta": 0}, "rope_theta must be a number > 0"),
+])
+def test_rope_parameters_kvserve_cannot_compute_are_refused(tmp_path, rope, message):
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY),
+                                                      "rope_parameters": rope}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_config_from_path(tmp_path)

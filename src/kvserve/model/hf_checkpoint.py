@@ -85,8 +85,7 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
         head_dim=_count(config_dict, "head_dim", hidden_size // num_heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=_positive(config_dict, "rms_norm_eps", 1e-6),
-        rope_theta=_positive(config_dict, "rope_theta", 10000.0),
-        rope_scaling=_hf_rope_scaling(config_dict.get("rope_scaling")),
+        **_rope(config_dict),
         tie_word_embeddings=_flag(config_dict, "tie_word_embeddings"),
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=eos,
@@ -125,6 +124,26 @@ def _positive(config_dict: Mapping[str, Any], name: str, default: float) -> floa
         raise UnsupportedModelError(f"Hugging Face config {name} must be a number > 0, got "
                                     f"{value!r}")
     return float(value)
+
+
+def _rope(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelConfig's ``rope_theta`` and ``rope_scaling``. transformers v5 writes both in
+    ``rope_parameters`` (as vLLM reads it); older configs beside each other. QA (numerics
+    pass): a v5 Llama 3 config was read as theta 10000 with no scaling, and served garbage
+    without a word."""
+    parameters = config_dict.get("rope_parameters")
+    if parameters is None:
+        return {"rope_theta": _positive(config_dict, "rope_theta", 10000.0),
+                "rope_scaling": _hf_rope_scaling(config_dict.get("rope_scaling"))}
+    if not isinstance(parameters, Mapping) or \
+            any(isinstance(value, Mapping) for value in parameters.values()):
+        raise UnsupportedModelError("Hugging Face config rope_parameters must be one object "
+                                    "of numbers (per-layer-type parameters are not supported)"
+                                    f", got {parameters!r}")
+    theta_from = parameters if "rope_theta" in parameters else config_dict
+    return {"rope_theta": _positive(theta_from, "rope_theta", 10000.0),
+            "rope_scaling": _hf_rope_scaling({key: value for key, value in parameters.items()
+                                              if key != "rope_theta"})}
 
 
 def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
