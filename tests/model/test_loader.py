@@ -297,9 +297,13 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
-                    qtypes: dict[str, GGMLQuantizationType], arch: str = "llama") -> None:
-    """Write ``weights`` (HF layout) as llama.cpp's converter would: Q/K rows permuted."""
+                    qtypes: dict[str, GGMLQuantizationType], arch: str = "llama",
+                    floats: dict[str, float] | None = None) -> None:
+    """Write ``weights`` (HF layout) as llama.cpp's converter would: Q/K rows permuted;
+    ``floats``: more float32 metadata."""
     writer = GGUFWriter(str(path), arch)
+    for key, value in (floats or {}).items():
+        writer.add_float32(key, value)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -717,3 +721,12 @@ def test_rope_parameters_kvserve_cannot_compute_are_refused(tmp_path, rope, mess
                                                       "rope_parameters": rope}))
     with pytest.raises(UnsupportedModelError, match=message):
         model_config_from_path(tmp_path)
+
+
+def test_a_gguf_with_the_older_linear_scale_key_runs_scaled(tmp_path):
+    """QA (numerics pass): a file with only ``rope.scale_linear`` (conversions of late 2023)
+    ran with plain RoPE, where llama.cpp takes it as the linear factor."""
+    path = tmp_path / "old.gguf"
+    write_tiny_gguf(path, TINY, dummy_weights(TINY), {}, floats={"llama.rope.scale_linear": 4.0})
+    assert model_config_from_path(path).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+

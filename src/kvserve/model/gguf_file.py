@@ -135,8 +135,12 @@ def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig
 
 
 def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """The file's rope scaling; its factor from the older key ``rope.scale_linear`` where
+    the newer one is absent, as llama.cpp reads it (QA: such a file ran unscaled)."""
     kind = _metadata(reader, f"{arch}.rope.scaling.type")
     factor = _metadata(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = _metadata(reader, f"{arch}.rope.scale_linear")
     if kind == "none" or (kind is None and factor in (None, 1.0)):
         return None
     if kind in (None, "linear"):
