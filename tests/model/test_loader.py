@@ -730,3 +730,13 @@ def test_a_gguf_with_the_older_linear_scale_key_runs_scaled(tmp_path):
     write_tiny_gguf(path, TINY, dummy_weights(TINY), {}, floats={"llama.rope.scale_linear": 4.0})
     assert model_config_from_path(path).rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
+
+@pytest.mark.parametrize(("qtype", "shape"), [(T.Q8_0, (2, 48)), (T.Q4_K, (4, 320))])
+def test_a_quantized_tensor_whose_rows_are_not_whole_blocks_is_refused(qtype, shape):
+    """QA (numerics pass): such a tensor (no writer makes one; ggml refuses it) was read as
+    a stream of blocks, each across two rows."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    raw = bytes(shape[0] * shape[1] // block_size * type_size)
+    with pytest.raises(ValueError, match=f"rows of {shape[1]} are not a whole number of "
+                                         f"{block_size}-value blocks"):
+        dequantize(raw, qtype, shape)

@@ -99,6 +99,9 @@ def dequantize(raw: np.ndarray | bytes, qtype: GGMLQuantizationType | int,
     num_elements = int(np.prod(shape)) if shape else 1
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     expected_bytes = num_elements // block_size * type_size
+    if shape and shape[-1] % block_size:  # ggml's rule: QA, read with blocks across rows
+        raise ValueError(f"{qtype.name} tensor of shape {shape}: its rows of {shape[-1]} are "
+                         f"not a whole number of {block_size}-value blocks")
     if num_elements % block_size or data.size != expected_bytes:
         raise ValueError(f"{qtype.name} tensor of shape {shape} needs {expected_bytes} bytes, "
                          f"got {data.size}")
