@@ -265,6 +265,25 @@ def test_chat_template_is_sandboxed_and_can_raise(tokenizer):
         Tokenizer(tokenizer._tokenizer).apply_chat_template([])
 
 
+def test_chat_templates_render_as_transformers_renders_them(tokenizer):
+    """QA (chat templates pass): Jinja's own tojson sorted the keys and escaped non-ASCII and
+    <>&'; {% generation %} was refused as invalid Jinja; tools and documents were undefined
+    (so `tools is not none` held); unk_token and pad_token rendered empty."""
+    custom = Tokenizer(tokenizer._tokenizer, unk_token_id=0, pad_token_id=2, chat_template=(
+        "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}"
+        "{% endfor %}{{ messages[0].arguments | tojson }}|{{ tools is none }}"
+        "{{ documents is none }}|{{ unk_token }}{{ pad_token }}"))
+    rendered = custom.apply_chat_template(
+        [{"role": "user", "content": "x", "arguments": {"zeta": "ü<&'", "alpha": 1}}])
+    assert rendered == ('[x]{"zeta": "ü<&\'", "alpha": 1}|TrueTrue|'
+                        '<|endoftext|><|im_end|>')
+    assert custom.apply_chat_template([{"content": "x", "arguments": {}}],
+                                      tools=[{"a": 1}]).endswith(
+        "|FalseTrue|<|endoftext|><|im_end|>")
+    indented = Tokenizer(tokenizer._tokenizer, chat_template="{{ {'b': 1} | tojson(indent=2) }}")
+    assert indented.apply_chat_template([]) == '{\n  "b": 1\n}'
+
+
 # --- incremental detokenisation -----------------------------------------------------------------
 
 MULTIBYTE = "Grüße 😀 aus 東京! 👨‍👩‍👧 ok"
@@ -411,3 +430,4 @@ def test_a_tokenizer_file_that_does_not_read_is_named(tokenizer, tmp_path):
     (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
     with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
         Tokenizer.from_file(path)
+

@@ -94,13 +94,42 @@ def compile_chat_template(template: str) -> Any:
                          f"{error.lineno})") from None
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson``: the keys in their order, the text as it is. Jinja's own
+    sorts the keys and escapes non-ASCII and ``<>&'`` (QA: a tool's schema and a call's
+    arguments reached the model otherwise than it was trained on, and than vLLM sends)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _generation_tag() -> type:
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's text
+    with it (for training masks) and renders what it holds; a template using it was refused
+    as invalid Jinja (QA)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = frozenset({"generation"})
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationTag
+
+
 def _environment() -> Any:
     """The sandboxed Jinja environment with the settings Hugging Face renders chat templates
     with, so templates written for it render the same here."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _generation_tag()])
+    environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment
@@ -111,10 +140,13 @@ class Tokenizer:
     implements the engine's :class:`kvserve.engine.text.Tokenizer` protocol."""
 
     def __init__(self, tokenizer: HFTokenizer, *, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None, chat_template: str | None = None) -> None:
+                 eos_token_id: int | None = None, chat_template: str | None = None,
+                 unk_token_id: int | None = None, pad_token_id: int | None = None) -> None:
         self._tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.unk_token_id = unk_token_id
+        self.pad_token_id = pad_token_id
         self.chat_template = chat_template
         self._compiled_template: Any = None
 
@@ -180,7 +212,9 @@ class Tokenizer:
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B:1",
                 special_tokens=[(tokens[bos], bos)])
         return cls(tokenizer, bos_token_id=bos, eos_token_id=eos,
-                   chat_template=meta("tokenizer.chat_template"))
+                   chat_template=meta("tokenizer.chat_template"),
+                   unk_token_id=meta("tokenizer.ggml.unknown_token_id"),
+                   pad_token_id=meta("tokenizer.ggml.padding_token_id"))
 
     @classmethod
     def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -221,7 +255,8 @@ class Tokenizer:
             named = {entry.get("name"): entry.get("template") for entry in template}
             template = named.get("default")
         return cls(tokenizer, bos_token_id=token_id("bos_token"),
-                   eos_token_id=token_id("eos_token"), chat_template=template)
+                   eos_token_id=token_id("eos_token"), chat_template=template,
+                   unk_token_id=token_id("unk_token"), pad_token_id=token_id("pad_token"))
 
     def save(self, tokenizer_json: str | Path) -> None:
         """Write the vocabulary, merges and pre-tokenizer as a ``tokenizer.json``."""
@@ -295,10 +330,16 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         if continue_final_message:
             return self._continued(messages, add_generation_prompt, **kwargs)
+        # as transformers renders: tools and documents none unless given (QA: undefined,
+        # `tools is not none` held and a template wrote an empty tools block), and the
+        # special tokens by name
+        variables = {"tools": None, "documents": None, **kwargs}
         return self.compiled_chat_template().render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id), **kwargs)
+            eos_token=self._token_text(self.eos_token_id),
+            unk_token=self._token_text(self.unk_token_id),
+            pad_token=self._token_text(self.pad_token_id), **variables)
 
     def _continued(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                    **kwargs: Any) -> str:

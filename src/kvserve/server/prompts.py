@@ -54,7 +54,7 @@ def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int
 
 # What the template is rendered with already: chat_template_kwargs may not set them.
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "continue_final_message", "bos_token",
-                 "eos_token")
+                 "eos_token", "unk_token", "pad_token")
 
 
 def chat_ids(state: ServerState, chat: list[ChatMessage],
