@@ -284,6 +284,18 @@ def test_chat_templates_render_as_transformers_renders_them(tokenizer):
     assert indented.apply_chat_template([]) == '{\n  "b": 1\n}'
 
 
+def test_continue_final_message_continues_any_role(tokenizer):
+    """QA (chat templates pass): a user's final message was refused; transformers and vLLM
+    cut the conversation after it whatever its role."""
+    custom = Tokenizer(tokenizer._tokenizer, chat_template=(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"))
+    assert custom.apply_chat_template([{"role": "user", "content": "Once upon"}], False,
+                                      continue_final_message=True) == "<user>Once upon"
+    with pytest.raises(ValueError, match=r"the final message \('user'\) is empty"):
+        custom.apply_chat_template([{"role": "user", "content": ""}], False,
+                                   continue_final_message=True)
+
+
 # --- incremental detokenisation -----------------------------------------------------------------
 
 MULTIBYTE = "Grüße 😀 aus 東京! 👨‍👩‍👧 ok"

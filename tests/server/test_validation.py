@@ -663,8 +663,8 @@ def test_continue_final_message_goes_on_with_the_assistants_reply(server):
     for bad, needle in (
             ({"messages": start, "continue_final_message": True},
              "cannot be used with add_generation_prompt"),
-            ({"messages": start[:1], "add_generation_prompt": False,
-              "continue_final_message": True}, "must be the assistant's (it is 'user')"),
+            ({"messages": [{"role": "user", "content": " "}], "add_generation_prompt": False,
+              "continue_final_message": True}, "the final message ('user') is empty"),
             ({**body, "chat_template_kwargs": {"continue_final_message": False}},
              "may not set 'continue_final_message'")):
         refused = post(server, CHAT, {**bad, "max_tokens": 2})

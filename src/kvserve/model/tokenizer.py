@@ -344,17 +344,19 @@ class Tokenizer:
     def _continued(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                    **kwargs: Any) -> str:
         """The conversation rendered and cut right after the final message's content (the
-        template's end of turn dropped). An empty final message is the assistant's turn
-        opened, as ``add_generation_prompt`` opens it."""
+        template's end of turn dropped), whatever its role, as transformers cuts it (a
+        client may have the model go on with a user's text). An empty final message of the
+        assistant is its turn opened, as ``add_generation_prompt`` opens it."""
         if add_generation_prompt:
             raise ValueError("continue_final_message continues the last message; it cannot "
                              "be used with add_generation_prompt (set it to false)")
         final = messages[-1] if messages else {}
-        if final.get("role") != "assistant":
-            raise ValueError("continue_final_message continues the last message, which must "
-                             f"be the assistant's (it is {final.get('role')!r})")
         content = final.get("content") or ""
         if not content.strip():
+            if final.get("role") != "assistant":
+                raise ValueError("continue_final_message: the final message "
+                                 f"({final.get('role')!r}) is empty; there is nothing to "
+                                 "continue")
             return self.apply_chat_template(messages[:-1], True, **kwargs)
         rendered = self.apply_chat_template(messages, False, **kwargs)
         for text in (content, content.strip()):
