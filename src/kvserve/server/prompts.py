@@ -85,26 +85,24 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
-    if template_kwargs:
-        taken = [name for name in _TEMPLATE_OWN if name in template_kwargs]
-        if taken:
-            raise bad_request(f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
-                              "renders the template with it", param="chat_template_kwargs")
-        try:
-            # the request's tools, unless chat_template_kwargs sets its own (vLLM's)
-            variables = {"tools": tools, **template_kwargs} if tools else template_kwargs
-            return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                               continue_final_message, **variables)
-        except Exception as error:  # the client's variables in the template: any failure
-            raise bad_request(f"cannot apply the chat template with 'chat_template_kwargs': "
-                              f"{type(error).__name__}: {error}",
-                              "chat_template_kwargs") from None
+    taken = [name for name in _TEMPLATE_OWN if name in (template_kwargs or ())]
+    if taken:
+        raise bad_request(f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
+                          "renders the template with it", param="chat_template_kwargs")
+    # the request's tools, unless chat_template_kwargs sets its own (vLLM's)
+    variables = {**({"tools": tools} if tools else {}), **(template_kwargs or {})}
     try:
         return state.tokenizer.encode_chat(messages, add_generation_prompt,
-                                           continue_final_message,
-                                           **({"tools": tools} if tools else {}))
-    except (ValueError, RecursionError) as error:  # a deep tool-call argument's too (QA)
-        raise bad_request(f"cannot apply the chat template: {error}", "messages") from None
+                                           continue_final_message, **variables)
+    except MemoryError:
+        raise
+    except Exception as error:  # the template's failure on this request (a TypeError, an
+        # undefined attribute, the sandbox's refusal, a deep tool-call argument): the
+        # request's fault, as vLLM answers it (QA: a 500 unless chat_template_kwargs was set)
+        what = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
+        with_kwargs = " with 'chat_template_kwargs'" if template_kwargs else ""
+        raise bad_request(f"cannot apply the chat template{with_kwargs}: {what}{error}",
+                          "chat_template_kwargs" if template_kwargs else "messages") from None
 
 
 def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
