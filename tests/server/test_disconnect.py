@@ -135,6 +135,41 @@ def test_an_operator_abort_is_reported_once(live):
     assert odd.status_code == 400 and odd.json()["error"]["param"] == "force"
 
 
+@pytest.mark.parametrize("name", ["op-q", "cmpl-op-q", "op-q-1"])
+def test_an_operator_abort_reaches_a_request_the_engine_is_still_taking(live, name):
+    """QA (churn pass): from the hold of its ids until the engine took it (the end of the
+    step under way, seconds under load) /v1/abort answered not_found, and the request ran
+    to its end. Now the abort is kept and done once the engine has it; a choice's id ends
+    that choice alone."""
+    blocker = raw_post(live, LONG)
+    wait_for(lambda: running_output(live), what="the blocker to run")
+    live.engine.executor.delay = 3.0  # the add waits for the step under way
+    began = live.engine.executor.began
+    try:
+        wait_for(lambda: live.engine.executor.began > began, what="a slow step")
+        body = json.dumps({"prompt": [13] * 5, "max_tokens": 3, "ignore_eos": True, "n": 2})
+        sock = socket.create_connection(("127.0.0.1", live.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: op-q\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" +
+                     body.encode())
+        wait_for(lambda: "op-q" in live.state.queuing, what="the add under way")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": [name, name]})
+        assert reply.json() == {"aborted": [name], "not_found": [name]}
+    finally:
+        live.engine.executor.delay = 0.01
+    blocker.close()
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    choices = json.loads(answer.split(b"\r\n\r\n", 1)[1])["choices"]
+    reasons = sorted(choice["finish_reason"] for choice in choices)
+    assert reasons == (["abort", "length"] if name == "op-q-1" else ["abort", "abort"])
+    assert not live.state.queuing
+    wait_for(live.idle, what="a whole pool")
+
+
 @pytest.mark.parametrize("name", ["cmpl-own", "cmpl-cmpl-own"])
 def test_an_id_the_client_chose_with_a_prefix_aborts_by_either_name(live, name):
     """X-Request-Id `cmpl-own` makes the response id `cmpl-cmpl-own`: /v1/abort finds the

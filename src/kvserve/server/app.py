@@ -254,10 +254,13 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         for request_id in ids:
             stream, choice = _live_request(state, request_id)
             found = stream is not None and stream.abort(choice)
+            found = _abort_queuing(state, request_id) or found
             # the id the client sent, where its requests run under suffixed engine ids
             for engine_id in list(state.given.get(_strip_prefix(request_id), ())):
                 group = state.groups.get(engine_id)
-                found = (group is not None and group.abort(None)) or found
+                queuing = state.queuing.get(engine_id)
+                found = (group is not None and group.abort(None)) or \
+                    (queuing is not None and queuing.ask(None)) or found
             (aborted if found else not_found).append(request_id)
         return JSONResponse({"aborted": aborted, "not_found": not_found})
 
@@ -317,6 +320,20 @@ def _live_request(state: ServerState, name: str) -> tuple[Any, str | None]:
         if stream is not None and request_id in stream.request_ids:
             return stream, request_id
     return None, None
+
+
+def _abort_queuing(state: ServerState, name: str) -> bool:
+    """Ask the abort of a request the engine has not answered the add of yet (ServerState's
+    ``queuing``), named as :func:`_live_request` takes it; False if none or asked already."""
+    for request_id in (name, _strip_prefix(name)):
+        queuing = state.queuing.get(request_id)
+        if queuing is not None:
+            return queuing.ask(None)
+        group, dash, _ = request_id.rpartition("-")
+        queuing = state.queuing.get(group) if dash else None
+        if queuing is not None and request_id in queuing.choice_ids:
+            return queuing.ask(request_id)
+    return False
 
 
 def _strip_prefix(request_id: str) -> str:

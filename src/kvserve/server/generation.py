@@ -60,7 +60,7 @@ from kvserve.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
-from kvserve.server.state import ServerState
+from kvserve.server.state import Queuing, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +210,14 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
     recorder = state.recorder
     if recorder is not None:
         recorder.submitted(items, arrival_time)
+    queuing = state.queuing[request_id] = Queuing(frozenset(sub_id for sub_id, _, _ in items))
+    if given_id != request_id:
+        state.given.setdefault(given_id, []).append(request_id)
     try:
         stream = await state.engine.add_requests(items, arrival_time)
     except BaseException as error:
+        del state.queuing[request_id]
+        _forget_given(state, given_id, request_id)
         state.release_ids(request_id, [sub_id for sub_id, _, _ in items])
         for sub_id, _, _ in items:
             state.metrics.request_dropped(sub_id)
@@ -225,10 +230,19 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
             refusal.headers.setdefault("X-Request-Id", given_id)
         raise refusal from error
     state.metrics.tenants.queued(tenant, len(items))
+    del state.queuing[request_id]
     state.groups[request_id] = stream
-    if given_id != request_id:
-        state.given.setdefault(given_id, []).append(request_id)
+    for choice in queuing.aborts:  # asked while the engine took it
+        stream.abort(choice)
     return stream
+
+
+def _forget_given(state: ServerState, given_id: str, request_id: str) -> None:
+    given = state.given.get(given_id)
+    if given is not None and request_id in given:
+        given.remove(request_id)
+        if not given:
+            del state.given[given_id]
 
 
 def _refusal(state: ServerState, error: BaseException) -> BaseException:
@@ -297,11 +311,7 @@ class Generation:
         self.closed = True
         self.stream.cancel()
         self.state.groups.pop(self.request_id, None)
-        given = self.state.given.get(self.given_id)
-        if given is not None and self.request_id in given:
-            given.remove(self.request_id)
-            if not given:
-                del self.state.given[self.given_id]
+        _forget_given(self.state, self.given_id, self.request_id)
         self.state.release_ids(self.request_id, list(self.choices))
 
     def _failed(self) -> None:

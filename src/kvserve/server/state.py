@@ -32,6 +32,24 @@ BODY_READ_TIMEOUT_S = 60.0  # a 4 MiB body (the default limit) at 70 KB/s
 
 
 @dataclass
+class Queuing:
+    """A request the engine has not answered the add of yet (tokenized, handed over; until
+    the engine's next step ends): what /v1/abort asked of it meanwhile, done once the
+    engine has it (QA: ``not_found``, and the request ran to its end). ``aborts``: None for
+    the whole request, else choice ids."""
+
+    choice_ids: frozenset[str]
+    aborts: set[str | None] = field(default_factory=set)
+
+    def ask(self, choice: str | None) -> bool:
+        """Abort ``choice`` (None: every one) once queued; False if asked already."""
+        if None in self.aborts or choice in self.aborts:
+            return False
+        self.aborts.add(choice)
+        return True
+
+
+@dataclass
 class ServerState:
     engine: ServingEngine
     model_name: str
@@ -48,6 +66,8 @@ class ServerState:
     # suffix, engine_id), by the client's: /v1/abort takes the id the client knows (QA: a
     # tenant's request could not be aborted while it ran)
     given: dict[str, list[str]] = field(default_factory=dict)
+    # requests between their ids' hold and the engine's answer to their add, by request id
+    queuing: dict[str, Queuing] = field(default_factory=dict)
     # Every id a live request holds (its group's and its choices' engine ids), held from the
     # check until the group ends, so that two requests sent at once cannot share one.
     ids_in_use: set[str] = field(default_factory=set)
