@@ -423,6 +423,27 @@ def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm):
         sum(float(e[t]) for t, e in zip(result.token_ids, result.logprobs, strict=True)))
 
 
+def test_a_sampled_tokens_rank_is_over_the_whole_vocabulary(llm):
+    """QA (sampling pass): with logprobs=0 every sampled token read rank 1 (a rank-58 one
+    too), and one at rank k within the top k read None: the rank was guessed from the
+    entry. vLLM ranks it over the whole vocabulary, whatever logprobs asks."""
+    params = {"max_tokens": 24, "temperature": 0.1, "seed": 7, "ignore_eos": True}
+    [alone] = llm.generate("Once upon a time", SamplingParams(**params, logprobs=0),
+                           use_tqdm=False)
+    [wide] = llm.generate("Once upon a time", SamplingParams(**params, logprobs=20),
+                          use_tqdm=False)
+    assert alone.token_ids == wide.token_ids
+    ranks = [entry[token].rank for token, entry in zip(alone.token_ids, alone.logprobs,
+                                                         strict=True)]
+    assert ranks == [entry[token].rank for token, entry in zip(wide.token_ids, wide.logprobs,
+                                                                 strict=True)]
+    assert min(ranks) == 1 and any(1 < r <= 20 for r in ranks) and max(ranks) > 20
+    for token, entry in zip(wide.token_ids, wide.logprobs, strict=True):
+        own = float(entry[token])  # the others: the top 20, less the token where it is one
+        likelier = sum(float(value) >= own for value in list(entry.values())[1:])
+        assert entry[token].rank == likelier + 1 if likelier < 20 else entry[token].rank > 20
+
+
 def test_a_result_has_vllms_prompt_and_max_tokens_none_fills_the_context(llm):
     text, ids_only = llm.generate(["Hello", [5, 6, 7]], SamplingParams(max_tokens=2),
                                   use_tqdm=False)

@@ -70,6 +70,15 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+class LogprobEntry(dict[int, float]):
+    """One token's logprobs: token id -> logprob, the token's own (sampled, or the
+    prompt's) first, then the top ones asked for; ``rank``: the token's own rank in the
+    whole vocabulary, as vLLM counts it (1 + the tokens likelier; a tie counts before it),
+    which the top ones alone cannot tell (QA: a rank-58 token read as 1)."""
+
+    rank: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
     """The logprobs of one request's prompt tokens ``first`` .. ``first + len(entries) - 1``

@@ -762,17 +762,15 @@ class Logprob(float):
 def _entry(entry: dict[int, float], decode: Any, own: tuple[int, int] | None = None
            ) -> dict[int, float]:
     """A logprob entry (the sampled or prompt token first, then the top k) with vLLM's
-    Logprob values: ranks by order of logprob; the prompt token's from ``own`` (token id, its
-    rank, the engine's); a sampled token that sorts last may be outside the top k: its rank
-    is not known (None) unless it is the likeliest."""
+    Logprob values: the top ones ranked by order of logprob; the prompt token's rank from
+    ``own`` (token id, its rank), the sampled one's from the entry (LogprobEntry.rank), both
+    the engine's, over the whole vocabulary."""
     order = sorted(entry, key=lambda token: -entry[token])
     ranks: dict[int, int | None] = {token: index + 1 for index, token in enumerate(order)}
     if own is not None:
         ranks[own[0]] = own[1]
     else:
-        sampled = next(iter(entry))
-        if ranks[sampled] == len(order) > 1:
-            ranks[sampled] = None
+        ranks[next(iter(entry))] = getattr(entry, "rank", None)
     return {token: Logprob(value, ranks[token], None if decode is None else decode([token]))
             for token, value in entry.items()}
 

@@ -160,7 +160,7 @@ class ModelRunner:
                 rows = torch.log_softmax(self.model.compute_logits(
                     hidden[row + at:row + at + count]).float(), dim=-1)
                 own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
-                ranks += ((rows > own).sum(dim=1) + 1).tolist()
+                ranks += (rows >= own).sum(dim=1).tolist()  # vLLM's: a tie counts before
                 entries += logprob_entries(rows, targets, [wanted] * count)
             row += piece.prompt_rows
             out[piece.request_id] = PromptLogprobs(first, entries, ranks)

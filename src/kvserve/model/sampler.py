@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvserve.core import SamplingParams
+from kvserve.core.outputs import LogprobEntry
 from kvserve.model import paged_kernel
 from kvserve.model.detokenizer import held_length
 from kvserve.model.json_mode import (
@@ -584,13 +585,16 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int],
                     wanted: Sequence[int | None]) -> list[dict[int, float]]:
-    """Per row of ``logprobs``, token id -> logprob for ``token_ids[row]`` (the sampled or
-    the prompt's token) first, then the top ``wanted[row]``; {} where that is None."""
+    """Per row of ``logprobs``, a LogprobEntry: token id -> logprob for ``token_ids[row]``
+    (the sampled or the prompt's token) first, then the top ``wanted[row]``, and that
+    token's rank; {} where ``wanted[row]`` is None."""
     result: list[dict[int, float]] = []
     for index, n in enumerate(wanted):
-        entry: dict[int, float] = {}
+        entry = LogprobEntry()
         if n is not None:
-            entry[token_ids[index]] = float(logprobs[index, token_ids[index]])
+            own = logprobs[index, token_ids[index]]
+            entry[token_ids[index]] = float(own)
+            entry.rank = int((logprobs[index] >= own).sum())  # vLLM's count, ties before
             if n > 0:  # the engine's max_logprobs bounds n; the vocabulary does too
                 values, ids = logprobs[index].topk(min(n, logprobs.shape[-1]))
                 for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
