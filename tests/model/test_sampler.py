@@ -308,3 +308,31 @@ def test_the_kernel_argmax_is_torch_argmax_ties_nans_and_infinities_included(voc
     assert greedy_tokens(logits[:0]).shape == (0,)  # no rows: torch's path
     with pytest.raises(RuntimeError, match="argmax_rows: logits must be contiguous float32"):
         paged_kernel.layer_ops().argmax_rows(logits.double())
+
+
+@pytest.mark.parametrize(("params", "kept"), [
+    ({"top_k": 2, "top_p": 0.5}, [0]),  # top_p of what top_k left: 0.4 / 0.7 > 0.5
+    ({"min_p": 0.6, "top_p": 0.5}, [0]),  # min_p first, then top_p of what it left
+    ({"min_p": 0.6, "top_k": 3}, [0, 1]),
+    ({"top_p": 0.5}, [0, 1]),  # alone, of the whole distribution
+    ({"top_k": 3, "top_p": 0.8}, [0, 1, 2]),  # above the third: 0.7 / 0.9 = 0.78 < 0.8
+])
+def test_top_p_measures_what_min_p_and_top_k_left(params, kept):
+    """QA (sampling pass): top_p was measured on the whole distribution and min_p ran last;
+    vLLM V1 applies min_p, then top_k, then top_p on the survivors renormalised (keeping 10
+    tokens where vLLM kept 6, 15-24% of the mass on tokens vLLM never draws)."""
+    from kvserve.model.sampler import _top_k_top_p_min_p
+
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    rows = [SamplingRow(SamplingParams(temperature=1.0, **params), [9], 1)]
+    assert _top_k_top_p_min_p(probs, rows)[0].nonzero().flatten().tolist() == kept
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """QA (sampling pass): top_k cut the tie at the k-th value by sort order (bf16 logits
+    tie often: top_k=50 kept 50 where vLLM keeps 51); vLLM keeps every tied token."""
+    from kvserve.model.sampler import _top_k_top_p_min_p
+
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=2), [9], 1)]
+    assert _top_k_top_p_min_p(probs, rows)[0].nonzero().flatten().tolist() == [0, 1, 2, 3]

@@ -4,8 +4,8 @@ temperature, top-k, top-p, min-p, seeds, logprobs.
 Order per row, as vLLM's: outside allowed_token_ids, off every choice's path or out of
 JSON (JSON mode, kvserve/model/json_mode.py), and bad words' next tokens, never drawn ->
 logit_bias added -> repetition, frequency and presence penalties -> below min_tokens, EOS
-and the stop token ids held back (never drawn) -> temperature (0: greedy) -> top-k ->
-top-p -> min-p -> draw.
+and the stop token ids held back (never drawn) -> temperature (0: greedy) -> min-p ->
+top-k -> top-p (of what min-p and top-k left) -> draw.
 A seeded request draws from a generator seeded by (seed, output position), so the *draw*
 does not depend on batching or preemption: given the same logits, it picks the same token.
 By default the logits themselves are not batch-invariant (docs/tenants.md, "What varies
@@ -555,6 +555,9 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
 
 
 def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """vLLM V1's order: min_p (of the whole distribution), then top_k (every token tied
+    with the k-th kept), then top_p of what those left, renormalised (QA: top_p measured the
+    whole distribution and min_p ran last, which kept tokens vLLM never draws)."""
     vocab, device = probs.shape[-1], probs.device
     # a top_k at or past the vocabulary is off, as in vLLM (QA: 2**63 overflowed int64)
     top_k = torch.tensor([min(row.params.top_k, vocab) if row.params.top_k > 0 else vocab
@@ -562,16 +565,17 @@ def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
                          device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], device=device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        keep = (ranks < top_k[:, None]) & (before < top_p[:, None])
-        keep[:, 0] = True
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
     if bool((min_p > 0).any()):
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        kth = sorted_probs.gather(-1, top_k[:, None] - 1)
+        kept = sorted_probs * (sorted_probs >= kth)
+        before = kept.cumsum(dim=-1) - kept  # the kept mass strictly above each token
+        keep = (kept > 0) & (before < top_p[:, None] * kept.sum(dim=-1, keepdim=True))
+        keep[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
     return probs
 
 
