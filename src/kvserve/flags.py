@@ -207,11 +207,14 @@ VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
      "outputs.md)"),
     (("--api-server-count",), {"type": int, "metavar": "1"},
      "one API server process; --data-parallel-size runs engine replicas behind it"),
+    (("--logprobs-mode",), {"metavar": "raw_logprobs"},
+     "logprobs are the model's own distribution, before the sampling parameters shape it "
+     "(raw_logprobs, vLLM's default)"),
 )
 # The value each of these takes (another value is refused with flags.VLLM_FLAG_HINTS' hint)
 VLLM_NOOP_NEUTRAL: dict[str, Any] = {
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "tokenizer_mode": "auto",
-    "kv_cache_dtype": "auto", "api_server_count": 1}
+    "kv_cache_dtype": "auto", "api_server_count": 1, "logprobs_mode": "raw_logprobs"}
 
 
 def vllm_noop(dest: str) -> tuple[Any, str] | None:
@@ -243,6 +246,8 @@ VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
                            "in front, or mount kvserve.server.app.build_app in your own app"),
     "--limit-mm-per-prompt": (True, "there is no multimodal input: text models only "
                                     "(image and audio parts are refused)"),
+    "--logprobs-mode": (True, "logprobs are the model's own distribution (raw_logprobs); "
+                              "the sampled token and its rank tell what the sampler drew"),
     "--kv-cache-dtype": (True, "the engine's KV cache is in the model's dtype (--dtype); "
                                "kvserve simulate --kv-cache-dtype models an fp8 one"),
     "--tokenizer-mode": (True, "the tokenizer is the model's own (its tokenizer.json or GGUF "

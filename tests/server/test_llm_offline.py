@@ -260,7 +260,8 @@ def test_vllms_no_op_arguments_are_taken_and_a_real_request_for_them_refused(cap
 
     with caplog.at_level(logging.INFO, logger="kvserve"):
         llm = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, enforce_eager=True,
-                  trust_remote_code=True, tensor_parallel_size=1, kv_cache_dtype="auto")
+                  trust_remote_code=True, tensor_parallel_size=1, kv_cache_dtype="auto",
+                  logprobs_mode="raw_logprobs")
     assert "enforce_eager=True is taken and changes nothing: there are no CUDA graphs" \
         in caplog.text
     assert "trust_remote_code=True is taken and changes nothing: no model code is run" \
@@ -272,6 +273,8 @@ def test_vllms_no_op_arguments_are_taken_and_a_real_request_for_them_refused(cap
         LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not taken here"):
         LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs' is not taken"):
+        LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=8, logprobs_mode="processed_logprobs")
 
 
 def test_sizes_take_units_and_the_tokenizer_a_path_as_in_vllm():

@@ -581,6 +581,9 @@ def test_max_log_len_is_taken_and_changes_nothing(caplog):
     (["--kv-cache-dtype", "fp8"], "vLLM's --kv-cache-dtype fp8 is not taken here: the "
                                   "engine's KV cache is in the model's dtype (--dtype); "
                                   "kvserve simulate --kv-cache-dtype models an fp8 one"),
+    (["--logprobs-mode", "processed_logprobs"], "vLLM's --logprobs-mode processed_logprobs is "
+                                                "not taken here: logprobs are the model's own "
+                                                "distribution (raw_logprobs)"),
     (["--tokenizer-mode", "mistral"], "vLLM's --tokenizer-mode mistral is not taken here: the "
                                       "tokenizer is the model's own"),
     (["-q", "awq"], "argument --quantization/-q: 'awq' is not supported here: --quantization "

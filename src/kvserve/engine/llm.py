@@ -415,7 +415,7 @@ _LLM_NOOPS = ("trust_remote_code", "tokenizer_mode", "enforce_eager", "max_seq_l
               "compilation_config", "disable_custom_all_reduce", "tensor_parallel_size",
               "pipeline_parallel_size", "download_dir", "revision", "kv_cache_dtype",
               "distributed_executor_backend", "disable_sliding_window", "cuda_graph_sizes",
-              "async_scheduling")
+              "async_scheduling", "logprobs_mode")
 
 
 def _take_vllm_noops(engine_args: dict[str, Any]) -> None:
