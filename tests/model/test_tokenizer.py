@@ -443,3 +443,20 @@ def test_a_tokenizer_file_that_does_not_read_is_named(tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
         Tokenizer.from_file(path)
 
+
+
+def test_a_stop_string_begun_in_the_min_tokens_text_cuts_the_output_at_its_start(tokenizer):
+    """QA (detokenization pass): stop=[".\\n"], min_tokens=2 on " Paris" "." "\\n" answered
+    " Paris." (the "." already sent) where vLLM answers " Paris": the min_tokens text is not
+    searched, but its tail that may begin a stop string is held as any text's."""
+    from kvserve.engine.text import TextStream
+
+    ids = tokenizer.encode(" Paris.\n")
+    stream = TextStream(tokenizer, tokenizer.encode("The capital of France is"), [".\n"],
+                        min_tokens=2)
+    steps = [stream.step([token], finished=False) for token in ids]
+    assert "".join(text for text, _ in steps) == " Paris" and steps[-1][1] == ".\n"
+    ended = TextStream(tokenizer, [], [".\n"], min_tokens=5)
+    texts = [ended.step([token], finished=index == len(ids) - 2)
+             for index, token in enumerate(ids[:-1])]
+    assert "".join(text for text, _ in texts) == " Paris."  # finished: the held "." let out

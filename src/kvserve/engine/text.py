@@ -42,9 +42,10 @@ class StopChecker(Protocol):
         """The held tail, once the request has finished without a stop string."""
         ...
 
-    def skip(self, new_text: str) -> None:
-        """Take ``new_text`` unsearched and shown whole (the first min_tokens tokens'): a
-        stop string that begins in it is still found where it ends later."""
+    def skip(self, new_text: str) -> str:
+        """Take ``new_text`` unsearched (the first min_tokens tokens'), and return what may
+        be shown: all but a tail that could begin a stop string, so one that begins in it
+        and ends later cuts the output at its start."""
         ...
 
 
@@ -133,11 +134,11 @@ class TextStream:
         self.num_tokens += len(new_token_ids)
         stop = None
         if self.stop_checker is not None and self.num_tokens <= self.min_tokens:
-            self.stop_checker.skip(new_text)
+            new_text = self.stop_checker.skip(new_text)
         elif self.stop_checker is not None:
             new_text, stop = self.stop_checker.check(self.text, new_text)
-            if stop is None and finished:
-                new_text += self.stop_checker.flush()
+        if self.stop_checker is not None and stop is None and finished:
+            new_text += self.stop_checker.flush()
         self.text += new_text
         return new_text, stop
 

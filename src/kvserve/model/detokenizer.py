@@ -135,12 +135,14 @@ class StopChecker:
             return self._emit_to(end), stop
         return self._emit_to(len(self._text) - self._held_tail_length(self._text)), None
 
-    def skip(self, new_text: str) -> None:
-        """Take ``new_text`` unsearched and emitted whole (the text of a request's first
-        min_tokens tokens): kept, so a stop string that begins in it is found where it ends
-        in later text. Only before the first :meth:`check` (nothing is held then)."""
+    def skip(self, new_text: str) -> str:
+        """Take ``new_text`` unsearched (the text of a request's first min_tokens tokens),
+        and return what may be emitted: all but a tail that could begin a stop string, held
+        as :meth:`check` holds it, so a stop string that begins in it and ends in later text
+        cuts the output at its start, as vLLM's (QA: its start was emitted already, and
+        stayed in an answer that said it stopped there)."""
         self._text += new_text
-        self._num_emitted = len(self._text)
+        return self._emit_to(len(self._text) - self._held_tail_length(self._text))
 
     def flush(self) -> str:
         """The held-back tail, once no more text will come (the request finished otherwise)."""
