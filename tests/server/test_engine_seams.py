@@ -32,7 +32,7 @@ class LetterTokenizer:
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode("".join(m["content"] for m in messages))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t) for t in token_ids)
 
     def detokenizer(self, prompt_token_ids: Sequence[int],

@@ -73,3 +73,24 @@ def test_tokens_holding_part_of_a_character_keep_distinct_names(tokenizer):
     assert b"".join(bytes.fromhex(name[6:].replace("\\x", "")) for name in
                     out["tokens"] + names[1:]) == "🌟".encode()
     assert top[out["tokens"][0]] == out["token_logprobs"][0] == -0.1
+
+
+def test_special_tokens_are_named_and_counted_as_written(tokenizer):
+    """QA (detokenization pass): <|im_start|> and <|im_end|> were '' in logprobs (two in one
+    top list collided on that key), chat bytes were [], and an echoed prompt's offsets after
+    <|im_start|> were 12 characters short; vLLM names and counts them as written."""
+    from kvserve.server.responses import chat_logprobs
+
+    text = "<|im_start|>user\nHi<|im_end|>"
+    ids = tokenizer.encode(text)
+    start, end = ids[0], ids[-1]
+    entries = [(t, {t: -0.5, start: -1.0, end: -2.0}) for t in ids]
+    logprobs = completion_logprobs(tokenizer, entries)
+    assert logprobs["tokens"][0] == "<|im_start|>" and logprobs["tokens"][-1] == "<|im_end|>"
+    assert set(logprobs["top_logprobs"][1]) == {"user", "<|im_start|>", "<|im_end|>"}
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        assert text[offset:offset + len(token)] == token
+    content = chat_logprobs(tokenizer, entries, 3)["content"]
+    assert content[-1]["token"] == "<|im_end|>" and bytes(content[-1]["bytes"]) == b"<|im_end|>"
+    assert [top["token"] for top in content[1]["top_logprobs"]] == [
+        "user", "<|im_start|>", "<|im_end|>"]

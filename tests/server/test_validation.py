@@ -1012,6 +1012,20 @@ def test_required_among_several_tools_answers_their_calls(server):
             assert isinstance(json.loads(made["function"]["arguments"])["item"]["n"], int)
 
 
+def test_an_echoed_token_id_prompt_keeps_its_special_tokens(server):
+    """QA (detokenization pass): echo of [<|im_start|>, user, ...] dropped <|im_start|>
+    (where /detokenize keeps it), and its logprob offsets no longer indexed the text."""
+    ids = httpx.post(server.url + "/tokenize",
+                     json={"prompt": "<|im_start|>user\nHi"}).json()["tokens"]
+    choice = post(server, COMPLETIONS, {"prompt": ids, "echo": True, "logprobs": 0,
+                                        "max_tokens": 1, "temperature": 0}).json()["choices"][0]
+    assert choice["text"].startswith("<|im_start|>user\nHi")
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"][:2] == ["<|im_start|>", "user"]
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        assert choice["text"][offset:offset + len(token)] == token
+
+
 def test_chat_echo_begins_the_answer_with_the_assistants_message(server):
     """vLLM's chat echo: with the last message the assistant's (continued), the answer's
     content begins with it, whole or streamed (a chunk of its own after the role's); a

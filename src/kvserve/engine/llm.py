@@ -546,8 +546,10 @@ class LLM:
         return SamplingParams(**self._sampling_defaults)
 
     def _decode(self, token_ids: list[int]) -> str | None:
-        """A logprob's decoded_token (None without a tokenizer)."""
-        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+        """A logprob's decoded_token, a special token as written (None without a
+        tokenizer)."""
+        return None if self.tokenizer is None else \
+            self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     @property
     def engine(self) -> Engine:

@@ -69,7 +69,7 @@ class Tokenizer(Protocol):
         """The chat template applied to ``messages``, with the generation prompt, as ids."""
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ...
 
     def detokenizer(self, prompt_token_ids: Sequence[int],

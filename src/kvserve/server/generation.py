@@ -177,12 +177,13 @@ def _chat_echo(req: Any, role: str) -> str:
 
 
 def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
-    """Each prompt's text for echo: as sent, or its token ids decoded."""
+    """Each prompt's text for echo: as sent, or its token ids decoded, special tokens as
+    written (vLLM's; QA: <|im_start|> was dropped, where /detokenize keeps it)."""
     if isinstance(req.prompt, str):
         return [req.prompt]
     if all(isinstance(item, str) for item in req.prompt):
         return list(req.prompt)
-    return [state.tokenizer.decode(ids) for ids in prompts]
+    return [state.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def _check_queueable(state: ServerState, request_id: str,

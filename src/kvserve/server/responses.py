@@ -87,12 +87,13 @@ class TextOffsets:
     pending: list[int] = field(default_factory=list)  # tokens ending in an incomplete char
 
     def next(self, tokenizer: Tokenizer, token_id: int, alone: str) -> int:
-        """The offset of ``token_id`` (``alone``: its text decoded alone)."""
+        """The offset of ``token_id`` (``alone``: its text decoded alone, a special token's
+        as written, as vLLM counts it: QA, an echoed <|im_start|> counted 0 characters)."""
         pending = self.pending
-        before = self.start + len(tokenizer.decode(pending).rstrip(_REPLACEMENT)) \
+        before = self.start + len(_decoded(tokenizer, pending).rstrip(_REPLACEMENT)) \
             if pending else self.start
         pending.append(token_id)
-        decoded = alone if len(pending) == 1 else tokenizer.decode(pending)
+        decoded = alone if len(pending) == 1 else _decoded(tokenizer, pending)
         if not decoded.endswith(_REPLACEMENT):
             self.start += len(decoded)
             pending.clear()
@@ -110,7 +111,7 @@ def completion_logprobs(tokenizer: Tokenizer,
     state = offsets_state if offsets_state is not None else TextOffsets()
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token_id, entry in entries:
-        text = tokenizer.decode([token_id])
+        text = _decoded(tokenizer, [token_id])
         offsets.append(state.next(tokenizer, token_id, text))
         tokens.append(f"token_id:{token_id}" if as_ids else
                       token_string(tokenizer, token_id, text))
@@ -122,6 +123,12 @@ def completion_logprobs(tokenizer: Tokenizer,
             "text_offset": offsets}
 
 
+def _decoded(tokenizer: Tokenizer, token_ids: list[int]) -> str:
+    """Tokens' text as logprobs name and count it: special tokens as written, as vLLM's
+    (QA: <|im_end|> was '', and two special tokens in one top list collided on it)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
 def token_string(tokenizer: Tokenizer, token_id: int, text: str | None = None) -> str:
     """A token as the completions API names it: its text decoded alone, or, for a token
     holding part of a UTF-8 character (alone it decodes to U+FFFD), OpenAI's
@@ -129,7 +136,7 @@ def token_string(tokenizer: Tokenizer, token_id: int, text: str | None = None) -
     collapse into one U+FFFD key (QA: 2 of 5 entries came back, one with another's
     value)."""
     if text is None:
-        text = tokenizer.decode([token_id])
+        text = _decoded(tokenizer, [token_id])
     own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
     if _REPLACEMENT not in text or own is None:
         return text
@@ -170,9 +177,9 @@ def vllm_prompt_logprobs(tokenizer: Tokenizer, prompt_token_ids: list[int],
         formatted: dict[str, Any] = {}
         for rank, (top_id, logprob) in enumerate(_ranked(entry)[:num_top], 1):
             formatted[str(top_id)] = {"logprob": logprob, "rank": rank,
-                                      "decoded_token": tokenizer.decode([top_id])}
+                                      "decoded_token": _decoded(tokenizer, [top_id])}
         formatted.setdefault(str(token_id), {"logprob": entry[token_id], "rank": own_rank,
-                                             "decoded_token": tokenizer.decode([token_id])})
+                                             "decoded_token": _decoded(tokenizer, [token_id])})
         out.append(formatted)
     return out
 
@@ -182,9 +189,10 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, dict[int, float
     """The chat API's logprobs; ``as_ids`` as :func:`completion_logprobs`'s (the bytes stay
     the token's own)."""
     def token(token_id: int) -> tuple[str, list[int]]:
-        text = tokenizer.decode([token_id])
+        text = _decoded(tokenizer, [token_id])
         own = getattr(tokenizer, "token_bytes", None)  # a protocol tokenizer may lack it
-        raw = list(own(token_id) if own is not None else text.encode())
+        raw = list(own(token_id) if own is not None and _REPLACEMENT in text
+                   else text.encode())
         return (f"token_id:{token_id}" if as_ids else text), raw
 
     content = []
