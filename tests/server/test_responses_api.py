@@ -286,6 +286,10 @@ def test_without_the_store_nothing_is_kept_and_chaining_says_why():
     ({"input": [{"role": "user", "content": "x", "status": "banana"}]}, "input.0.status"),
     ({"input": [{"role": "user", "content": "x"},
                 {"type": "function_call_output", "call_id": "c9", "output": "ok"}]}, "input"),
+    # QA (Responses pass): a call with no output was taken; OpenAI answers 400
+    ({"input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+     "input"),
     # QA (fuzz): "min_tokens must be an integer in [0, max_tokens=2]"
     ({"input": "x", "max_output_tokens": 2, "min_tokens": 5}, "min_tokens"),
 ])

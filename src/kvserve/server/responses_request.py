@@ -241,15 +241,26 @@ def _common_fields(item: dict[str, Any], where: str) -> None:
 
 def check_tool_outputs(conversation: list[dict[str, Any]]) -> None:
     """Each function_call_output answers a call made before it (in the input or the
-    previous responses'), as OpenAI requires (QA: an output of no call was taken)."""
+    previous responses'), and each call has its output, as OpenAI requires (QA: an output
+    of no call was taken, and a call with no output)."""
     called: set[str] = set()
+    unanswered: dict[str, None] = {}  # in call order
     for message in conversation:
-        called.update(call["id"] for call in message.get("tool_calls") or ())
-        if message["role"] == "tool" and message["tool_call_id"] not in called:
-            raise bad_request(f"'input': the function_call_output of call_id "
-                              f"{message['tool_call_id'][:100]!r} answers no function_call "
-                              "before it (in the input or the previous responses)",
-                              param="input")
+        for call in message.get("tool_calls") or ():
+            called.add(call["id"])
+            unanswered[call["id"]] = None
+        if message["role"] == "tool":
+            if message["tool_call_id"] not in called:
+                raise bad_request(f"'input': the function_call_output of call_id "
+                                  f"{message['tool_call_id'][:100]!r} answers no "
+                                  "function_call before it (in the input or the previous "
+                                  "responses)", param="input")
+            unanswered.pop(message["tool_call_id"], None)
+    if unanswered:
+        call_id = next(iter(unanswered))
+        raise bad_request(f"'input': no function_call_output for the function_call of call_id "
+                          f"{call_id[:100]!r} (in the input or the previous responses): send "
+                          "one for each call", param="input")
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
