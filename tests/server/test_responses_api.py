@@ -659,3 +659,13 @@ def test_a_thinking_answers_logprobs_are_its_messages_tokens_only():
                 for e in ev.logprobs]
     [done] = [ev for ev in events if ev.type == "response.output_text.done"]
     assert streamed == [e.token for e in done.logprobs] == tokens
+
+
+def test_openais_newer_values_are_taken_and_the_tier_served_is_named(live):
+    """QA (Responses pass): reasoning.effort "none", service_tier "flex" and
+    prompt_cache_retention were 400s; there is nothing here for them to set, and the answer
+    names the tier it was served in, "default", as OpenAI names the tier used."""
+    reply = post(live, {"input": "hi", "max_output_tokens": 2, "service_tier": "flex",
+                        "reasoning": {"effort": "none"}, "prompt_cache_retention": "24h"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["service_tier"] == "default"

@@ -46,7 +46,7 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
             "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400,
      "tools.0.function.name"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "flex"}, 400,
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "premium"}, 400,
      "field 'service_tier' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,
      "unknown field 'messages.0.extra'"),
@@ -761,7 +761,10 @@ def test_tools_with_tool_choice_none_are_ignored_as_vllm_ignores_them(server):
             "temperature": 0, "return_token_ids": True}
     plain = post(server, CHAT, base).json()
     for extra in ({"tools": [tool], "tool_choice": "none"}, {"service_tier": "default"},
-                  {"reasoning_effort": "low"}):
+                  {"reasoning_effort": "low"},
+                  # QA (Responses pass): OpenAI's newer values were 400s
+                  {"service_tier": "flex"}, {"reasoning_effort": "none"},
+                  {"prompt_cache_retention": "24h"}):
         reply = post(server, CHAT, {**base, **extra})
         assert reply.status_code == 200, (extra, reply.text)
         body = reply.json()

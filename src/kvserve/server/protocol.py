@@ -321,6 +321,7 @@ class ChatCompletionRequest(_Sampling):
     # OpenAI's cache-routing hint: the prefix cache finds shared prefixes by their content,
     # so the hint asks for nothing more; and its end-user id, taken as `user` is
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
     safety_identifier: str | None = None
     # vLLM's: the answer's content begins with the last message's where that message is the
     # answer's role (an assistant's, continued with continue_final_message)
@@ -364,7 +365,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "modalities": (["text"],),
-    "service_tier": ("auto", "default"),  # no tiers here: every request is served alike
+    # no tiers here: every request is served alike (a tier asked for is served as the
+    # default one, as vLLM takes it)
+    "service_tier": ("auto", "default", "flex", "priority", "scale"),
+    # how long OpenAI keeps a prompt's cache: the prefix cache here keeps blocks until
+    # they are needed, whatever is asked
+    "prompt_cache_retention": ("in_memory", "24h"),
     # vLLM's defaults
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,), "length_penalty": (1.0,),
@@ -373,7 +379,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "include_reasoning": (True, False),
     # nor a reasoning effort to set: the bundled model does not reason (vLLM hands it to the
     # template, which ignores it)
-    "reasoning_effort": ("minimal", "low", "medium", "high"),
+    "reasoning_effort": ("none", "minimal", "low", "medium", "high", "xhigh"),
 }
 
 

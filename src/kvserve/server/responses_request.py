@@ -65,7 +65,7 @@ class Reasoning(Body):
     """Accepted and echoed; it sets nothing: a thinking model thinks as its template and
     --reasoning-parser say, and no summary is written."""
 
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -84,13 +84,14 @@ class ResponsesRequest(Body):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # kept until needed
     text: TextOptions | None = None
     tools: list[Any] | None = Field(default=None, max_length=1024)  # _function_tools
     tool_choice: Any = None  # "none", "auto", "required" or a named function (_tool_choice)
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: Reasoning | None = None
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
     include: list[str] | None = Field(default=None, max_length=64)
     background: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
