@@ -669,3 +669,10 @@ def test_openais_newer_values_are_taken_and_the_tier_served_is_named(live):
                         "reasoning": {"effort": "none"}, "prompt_cache_retention": "24h"})
     assert reply.status_code == 200, reply.text
     assert reply.json()["service_tier"] == "default"
+
+
+def test_a_conversation_too_long_is_named_in_the_responses_words(live):
+    """QA (Responses pass): the 400 said "shorten the messages", a chat word."""
+    reply = post(live, {"input": "a " * 3000, "truncation": "disabled"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    assert "messages" not in reply.json()["error"]["message"], reply.text

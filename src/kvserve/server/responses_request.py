@@ -384,5 +384,7 @@ def in_responses_words(error: APIError) -> APIError:
         message = message.replace("response_format.json_schema", "text.format")
     if head == "tools":
         message = message.replace(".function.parameters", ".parameters", 1)
+    if head == "messages":  # QA: "... no room to generate; shorten the messages"
+        message = message.replace("the messages", "the input")
     return APIError(error.status, message, param=param, code=error.code,
                     headers=error.headers)
