@@ -46,6 +46,8 @@ def error_of(response: httpx.Response) -> str:
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
             "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400,
      "tools.0.function.name"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400,
+     "remove it (the server's template is set where it starts: --chat-template FILE)"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "service_tier": "premium"}, 400,
      "field 'service_tier' is not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,

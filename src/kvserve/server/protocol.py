@@ -398,8 +398,17 @@ def _check_neutral(obj: Any, neutral: dict[str, tuple[Any, ...]], prefix: str) -
         # true is no 1 and 0 no false here (QA: best_of true, use_beam_search 0 taken)
         if value is not None and not any(
                 isinstance(value, bool) == isinstance(v, bool) and value == v for v in values):
+            hint = _INSTEAD.get(prefix + name)
             raise bad_request(f"field '{prefix}{name}' is not supported by this server; "
-                              "remove it", param=f"{prefix}{name}")
+                              f"remove it{f' ({hint})' if hint else ''}",
+                              param=f"{prefix}{name}")
+
+
+# What to do instead of a field refused above, where there is something (QA: a bare "not
+# supported" for a request's chat template)
+_INSTEAD = {
+    "chat_template": "the server's template is set where it starts: --chat-template FILE",
+}
 
 
 def validate_body(model: type[Body], body: Any) -> Any:
