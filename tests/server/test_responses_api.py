@@ -676,3 +676,26 @@ def test_a_conversation_too_long_is_named_in_the_responses_words(live):
     reply = post(live, {"input": "a " * 3000, "truncation": "disabled"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
     assert "messages" not in reply.json()["error"]["message"], reply.text
+
+
+def test_an_item_reference_reads_the_stored_item_it_names(live):
+    """QA (Responses pass): OpenAI's item_reference (SDKs send earlier turns' items so when
+    they are stored) was a 400; it stands for the stored item of that id, an earlier
+    response's output or input item."""
+    first = post(live, {"input": "Say hi", "max_output_tokens": 3, "temperature": 0}).json()
+    [answer] = first["output"]
+    [asked] = httpx.get(f"{live.url}/v1/responses/{first['id']}/input_items",
+                        timeout=30).json()["data"]
+    by_reference = post(live, {"input": [
+        {"type": "item_reference", "id": asked["id"]},
+        {"type": "item_reference", "id": answer["id"]},
+        {"role": "user", "content": "Again"}], "max_output_tokens": 1})
+    spelled = post(live, {"input": [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": answer["content"][0]["text"]},
+        {"role": "user", "content": "Again"}], "max_output_tokens": 1})
+    assert by_reference.status_code == 200, by_reference.text
+    assert by_reference.json()["usage"]["input_tokens"] == \
+        spelled.json()["usage"]["input_tokens"]
+    missing = post(live, {"input": [{"type": "item_reference", "id": "msg_none"}]})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "input.0.id"

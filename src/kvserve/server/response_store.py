@@ -90,6 +90,15 @@ class ResponseStore:
                            param="response_id", code="response_not_found")
         return kept[0]
 
+    def item(self, item_id: str, owner: str | None) -> dict[str, Any] | None:
+        """The stored item (an input's or an output's) of this id, the latest response's
+        first, or None (OpenAI's ``item_reference`` names one)."""
+        for stored, _ in reversed(self.kept.get(owner, {}).values()):
+            for item in (*(stored.response.get("output") or ()), *stored.input_items):
+                if item.get("id") == item_id:
+                    return item
+        return None
+
     def delete(self, response_id: str, owner: str | None) -> None:
         self.get(response_id, owner)
         _, size = self.kept[owner].pop(response_id)

@@ -617,6 +617,36 @@ def _as_items(given: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _referenced(given: Any, store: ResponseStore, owner: str | None) -> Any:
+    """The input with each ``item_reference`` replaced by the stored item it names (an
+    earlier response's input or output item, the tenant's own), as OpenAI reads it (QA: a
+    400, where SDKs send earlier turns' items so when they are stored); a 404 naming an id
+    not kept."""
+    if not isinstance(given, list) or not any(
+            isinstance(item, dict) and item.get("type") == "item_reference" for item in given):
+        return given
+    if not store.enabled:
+        raise bad_request("'item_reference' names a stored item: it needs the response "
+                          "store (--enable-responses-store); send the item itself instead",
+                          param="input")
+    out = []
+    for index, item in enumerate(given):
+        if not isinstance(item, dict) or item.get("type") != "item_reference":
+            out.append(item)
+            continue
+        item_id = item.get("id")
+        if set(item) - {"type", "id"} or not isinstance(item_id, str):
+            raise bad_request(f"input.{index}: an item_reference is {{\"type\": "
+                              "\"item_reference\", \"id\": ID}", param=f"input.{index}")
+        found = store.item(item_id, owner)
+        if found is None:
+            raise APIError(404, f"item {item_id[:100]!r} not found (input.{index}: the items "
+                                "of the responses kept are found)", param=f"input.{index}.id",
+                           code="item_not_found")
+        out.append(found)
+    return out
+
+
 def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
@@ -635,6 +665,7 @@ async def create(state: ServerState, request: Request) -> Response:
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     owner = key.tenant if state.keys.enabled else None
     api = parse_responses_request(await state.read_json(request))
+    api.input = _referenced(api.input, state.responses, owner)
     history = state.responses.history(api.previous_response_id, owner)
     messages = input_messages(api.input)
     check_tool_outputs(history + messages)
