@@ -59,7 +59,9 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """At the end of generation: emit what is still held, U+FFFD for incomplete bytes."""
+        """What is still held, U+FFFD for incomplete bytes. The engine does not call it:
+        an answer that ends inside a character drops those bytes, as vLLM's (no U+FFFD is
+        sent); it is here for a caller that wants every byte shown."""
         return self._advance(final=True)
 
     def _decode(self, start: int, end: int | None = None) -> str:
