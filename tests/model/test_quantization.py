@@ -7,6 +7,7 @@ are refused with the reason (docs/quantization.md)."""
 
 from __future__ import annotations
 
+import math
 import platform
 import random
 import shutil
@@ -304,3 +305,30 @@ def test_the_amx_path_compiles_to_tile_instructions_for_a_sapphire_rapids(tmp_pa
                         "tilerelease", "syscall"):
         assert instruction in real, instruction
     assert "tdpbssd" not in assembly("-DKVSERVE_AMX_MODEL")  # the model: plain code
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", [0, 10, 63, 64, 97, 99])  # lanes of chunks, the tail
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_group_that_is_not_finite_gives_nan_as_the_float_product_does(where, value):
+    """QA (numerics pass): a NaN came out finite (max_ps drops it unless it sits in the last
+    chunk), an inf came out inf with the wrong sign, where the reference said NaN."""
+    weight = torch.randn(16, 100, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
+    x[1, where] = value
+    got = paged_kernel.layer_ops().int8_linear(x, *pack_int8(weight), 16)
+    assert torch.isnan(got[1]).all() and torch.isfinite(got[[0, 2]]).all()
+    assert torch.isnan(int8_linear_reference(x, *quantize_int8(weight))[1]).all()
+
+
+@needs_kernel
+def test_a_group_of_tiny_values_counts_as_zeros_and_keeps_its_neighbours():
+    """QA (numerics pass): under ~3.7e-37 127 / amax overflowed, and every value of the
+    group, zeros included, came out as -amax; such a group adds nothing now."""
+    x = torch.zeros(1, 128)
+    x[0, :4] = torch.tensor([3e-37, -1.5e-37, 7.5e-38, 0.0])
+    x[0, 64:] = 1.0
+    weight = torch.eye(128)
+    got = paged_kernel.layer_ops().int8_linear(x, *pack_int8(weight), 128)
+    assert torch.equal(got[0, :64], torch.zeros(64)) and torch.allclose(got[0, 64:], x[0, 64:])
+    assert torch.equal(int8_linear_reference(x, *quantize_int8(weight)).float(), got)

@@ -15,6 +15,8 @@ measured difference and speed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -26,20 +28,31 @@ INT8_MAX = 127  # symmetric int8: [-127, 127], so negation never overflows
 # k per activation scale (csrc/int8_linear.cpp's kGroup). Per-row scales cost the bundled
 # SmolLM2-135M +3.5% perplexity, groups of 64 about +1% (docs/quantization.md).
 ACTIVATION_GROUP = 64
+# A group whose largest magnitude is under this counts as zeros: 127 / amax overflows float32
+# below ~3.7e-37, and what such a group adds is under 1e-30 per weight (csrc/int8_blocks.h)
+TINY_AMAX = 1e-30
 
 
 def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row of a float tensor [rows, k]: (q int8 [rows, k], scale float32
     [rows]) with values ~ q * scale, scale = amax / 127 and q = round-half-even(values *
-    (127 / amax)); a row of zeros gets scale 0. csrc/int8_linear.cpp quantizes each group of
-    activations by exactly these float32 operations."""
+    (127 / amax)); a row of zeros (or of values all under TINY_AMAX) gets scale 0 and q 0,
+    one holding a NaN or an infinity scale NaN and q 0 (QA: the kernel made a NaN finite).
+    csrc/int8_linear.cpp quantizes each group of activations by exactly these float32
+    operations."""
     values = values.float()
     amax = values.abs().amax(1)
+    finite = torch.isfinite(values).all(1)
+    # a row with a NaN or an infinity: its products are not finite either, so its scale is
+    # NaN; one whose amax is under TINY_AMAX (where 127 / amax overflows) counts as zeros
+    usable = finite & (amax >= TINY_AMAX)
     # a true division, as the kernel's 127.f / amax (``127 / tensor`` would be reciprocal * 127)
-    inverse = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax,
+    inverse = torch.where(usable, torch.full_like(amax, INT8_MAX) / amax,
                           torch.zeros_like(amax))
     q = torch.round(values * inverse[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), amax / INT8_MAX
+    q = torch.where(usable[:, None], q, torch.zeros_like(q))
+    scale = torch.where(usable, amax / INT8_MAX, torch.zeros_like(amax))
+    return q.to(torch.int8), torch.where(finite, scale, torch.full_like(amax, math.nan))
 
 
 def quantize_groups(values: torch.Tensor,

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -28,22 +29,36 @@ constexpr int kGroup = 64;  // k per activation scale (quantization.ACTIVATION_G
 constexpr int kGroupPairs = kGroup / 2;
 constexpr int kAvx2Rows = 6;   // rows per AVX2 register block (block_sums is written for 6)
 constexpr int kVnniRows = 12;  // rows per AVX512-VNNI register block
+constexpr float kTinyAmax = 1e-30f;  // quantization.TINY_AMAX: a group under it is zeros
 
 #if defined(__AVX2__)
 // One group of a row (len <= kGroup values of x) as int16 and its scale. cvtps2dq rounds by
 // MXCSR, half to even by default, as std::nearbyint does for the tail.
 inline float quantize_group(const float* x, int64_t len, int16_t* q) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 vmax = _mm256_setzero_ps();
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= len; k += 8) {
-    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+    const __m256 v = _mm256_loadu_ps(x + k);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // max_ps drops a NaN
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, magnitude));
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   float amax = *std::max_element(lanes, lanes + 8);
-  for (; k < len; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  bool nan = _mm256_movemask_ps(vnan) != 0;
+  for (; k < len; ++k) {
+    nan = nan || std::isnan(x[k]);
+    amax = std::max(amax, std::fabs(x[k]));
+  }
+  // A NaN or an infinity: the group's products are not finite either, so its scale is NaN
+  // (QA: a NaN came out finite, an inf with the wrong sign). Below kTinyAmax 127 / amax
+  // overflows: the group counts as zeros (it adds under 1e-30 per weight).
+  if (nan || std::isinf(amax) || !(amax >= kTinyAmax)) {
+    std::fill(q, q + len, int16_t{0});
+    return nan || std::isinf(amax) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  }
+  const float inv = 127.f / amax;
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   for (k = 0; k + 16 <= len; k += 16) {
