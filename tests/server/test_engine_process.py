@@ -151,6 +151,7 @@ def test_a_killed_engine_process_fails_every_request_at_once():
             assert not thread.is_alive(), "a client hung on a dead engine"
         assert results[0].status_code == 503
         assert "died (signal 9, SIGKILL)" in results[0].json()["error"]["message"]
+        assert not live.state.engine._text  # QA (churn pass): held until a relaunch
         events = [line[6:] for line in streamed if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == 503

@@ -697,6 +697,7 @@ class ProcessEngine:
         self.error = EngineDeadError(self._death_message())
         logger.error("%s", self.error)
         self.stats = self.stats.at_rest()  # its requests fail: gauges to 0, counters kept
+        self._forget_text()  # this (the reader) thread's: its requests' texts end here
         self._fail_all(self.error)
         if self.on_death is not None:
             self.on_death(self)
@@ -799,6 +800,13 @@ class ProcessEngine:
         if chunk.finished:
             del self._text[request_id]
         return out
+
+    def _forget_text(self) -> None:
+        """The text state of the requests a dead engine held (QA: kept until a relaunched
+        engine's reader replaced this one)."""
+        self._text.clear()
+        self._stop_matched.clear()
+        self._dropped.clear()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
