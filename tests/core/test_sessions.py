@@ -682,69 +682,35 @@ def test_a_turn_the_pool_capped_holds_all_it_computed():  # U2 J2
     assert len(held.token_ids) == 32  # the whole pool: 10 prompt + 23 out - 1
 
 
-def test_an_urgent_arrival_releases_held_kv_before_a_second_victim():  # U7 M1
-    """QA (spec pass): with every seat taken, the urgent arrival preempted both running
-    requests while an idle session kept its 4 blocks; the seat takes one victim, and the
-    held KV gives way before a second (U7: before anything else)."""
+@pytest.mark.parametrize(("running", "preempted", "held_after"), [
+    # QA (spec pass): both preempted while an idle session kept its 4 blocks; the seat
+    # takes one victim, and the held KV gives way before a second (U7: before anything)
+    ({"lo1": 20, "lo2": 20}, ["lo2"], 0),
+    # QA (session 47's review): the one qualifying victim too small to make room, the
+    # arrival waited while the session's 4 blocks, with the victim's, would have made it
+    ({"lo": 20, "hi": 0}, ["lo"], 0),
+    # where no running request may be preempted, releasing the holds frees no seat: the
+    # session keeps its KV and the arrival waits
+    ({"a": 0, "b": 0}, [], 4),
+])
+def test_an_urgent_arrival_releases_held_kv_only_where_that_helps(running, preempted,
+                                                                 held_after):  # U7 M1
     scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
                       scheduling_policy="priority", enable_priority_preemption=True)
     executor = FakeExecutor(block_size=BS)
     scheduler.add_request(turn("t1", prompt_of("t1", 15), max_tokens=2, priority=20))
     run(scheduler, executor)
     assert scheduler.sessions.num_held_blocks == 4
-    for name, arrival in (("lo1", 5.0), ("lo2", 5.5)):
+    for index, (name, priority) in enumerate(running.items()):
         scheduler.add_request(make_request(name, 11, max_tokens=100, ignore_eos=True,
-                                           priority=20, arrival_time=arrival))
+                                           priority=priority, arrival_time=5.0 + index / 2))
     step(scheduler, executor, 6.0)
     assert scheduler.kv.num_free_blocks == 0
     scheduler.add_request(make_request("urgent", 22, max_tokens=5, ignore_eos=True,
                                        priority=0, arrival_time=7.0))
     out, _ = step(scheduler, executor, 7.0)
-    assert list(out.preempted_req_ids) == ["lo2"]
-    assert [new.request_id for new in out.scheduled_new_reqs] == ["urgent"]
-    assert scheduler.sessions.num_held_blocks == 0
-    check_invariants(scheduler)
-
-
-def test_an_urgent_arrival_releases_held_kv_where_no_victim_set_makes_room():  # U7 M1
-    """QA (session 47's review): with every seat taken and the one qualifying victim too
-    small to make room, the urgent arrival waited while an idle session kept 4 blocks that,
-    with the victim's, would have made room."""
-    scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
-                      scheduling_policy="priority", enable_priority_preemption=True)
-    executor = FakeExecutor(block_size=BS)
-    scheduler.add_request(turn("t1", prompt_of("t1", 15), max_tokens=2, priority=20))
-    run(scheduler, executor)
-    assert scheduler.sessions.num_held_blocks == 4
-    for name, priority, arrival in (("lo", 20, 5.0), ("hi", 0, 5.5)):
-        scheduler.add_request(make_request(name, 11, max_tokens=100, ignore_eos=True,
-                                           priority=priority, arrival_time=arrival))
-    step(scheduler, executor, 6.0)
-    assert scheduler.kv.num_free_blocks == 0
-    scheduler.add_request(make_request("urgent", 22, max_tokens=5, ignore_eos=True,
-                                       priority=0, arrival_time=7.0))
-    out, _ = step(scheduler, executor, 7.0)
-    assert list(out.preempted_req_ids) == ["lo"]
-    assert [new.request_id for new in out.scheduled_new_reqs] == ["urgent"]
-    assert scheduler.sessions.num_held_blocks == 0
-    check_invariants(scheduler)
-
-
-def test_an_urgent_arrival_keeps_held_kv_where_no_running_request_qualifies():  # U7 M1
-    """Releasing the holds where no running request may be preempted frees no seat: the
-    sessions keep their KV and the arrival waits."""
-    scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
-                      scheduling_policy="priority", enable_priority_preemption=True)
-    executor = FakeExecutor(block_size=BS)
-    scheduler.add_request(turn("t1", prompt_of("t1", 15), max_tokens=2, priority=20))
-    run(scheduler, executor)
-    for name, arrival in (("a", 5.0), ("b", 5.5)):
-        scheduler.add_request(make_request(name, 11, max_tokens=100, ignore_eos=True,
-                                           priority=0, arrival_time=arrival))
-    step(scheduler, executor, 6.0)
-    scheduler.add_request(make_request("urgent", 22, max_tokens=5, ignore_eos=True,
-                                       priority=0, arrival_time=7.0))
-    out, _ = step(scheduler, executor, 7.0)
-    assert not out.preempted_req_ids and not out.scheduled_new_reqs
-    assert scheduler.sessions.num_held_blocks == 4
+    assert list(out.preempted_req_ids) == preempted
+    assert [new.request_id for new in out.scheduled_new_reqs] == (["urgent"] if preempted
+                                                                   else [])
+    assert scheduler.sessions.num_held_blocks == held_after
     check_invariants(scheduler)
