@@ -189,6 +189,30 @@ def test_a_tenants_request_id_tells_nothing_of_the_ids_others_hold():
     assert ids["operator"] == "job-42"  # the operator's id as sent, where it is free
 
 
+def test_an_admin_aborts_one_choice_of_a_tenants_request_by_the_id_it_was_sent_with():
+    """QA (tenants pass): a keys-file tenant's choices run as `<engine id>-<index>`, the
+    engine id suffixed and told only at the end: /v1/abort of `<X-Request-Id>-1` answered
+    not_found, and that choice ran to its end."""
+    engine = slow_engine(0.02, max_model_len=256)
+    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
+    with LiveServer(engine, keys=keys) as live:
+        answers: list[httpx.Response] = []
+        running = threading.Thread(target=lambda: answers.append(httpx.post(
+            live.url + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 60, "ignore_eos": True, "n": 2},
+            headers={"Authorization": "Bearer key-a", "X-Request-Id": "two"})))
+        running.start()
+        wait_for(lambda: "two" in live.state.given, what="two running")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-two-1"},
+                           headers={"Authorization": "Bearer key-op"}, timeout=30)
+        running.join(timeout=60)
+        assert reply.json() == {"aborted": ["cmpl-two-1"], "not_found": []}
+        [answer] = answers
+        reasons = {c["index"]: c["finish_reason"] for c in answer.json()["choices"]}
+        assert reasons == {0: "length", 1: "abort"}
+        wait_for(live.idle, what="its blocks freed")
+
+
 def test_an_admin_aborts_a_tenants_running_request_by_the_id_it_was_sent_with():
     """QA: a keys-file tenant's request runs under a suffixed engine id, told only in its
     answer's end: /v1/abort by the id the client sent found nothing while it ran."""

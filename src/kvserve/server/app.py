@@ -252,16 +252,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         aborted: list[str] = []
         not_found: list[str] = []  # no live request, or its abort was asked already
         for request_id in ids:
-            stream, choice = _live_request(state, request_id)
-            found = stream is not None and stream.abort(choice)
-            found = _abort_queuing(state, request_id) or found
-            # the id the client sent, where its requests run under suffixed engine ids
-            for engine_id in list(state.given.get(_strip_prefix(request_id), ())):
-                group = state.groups.get(engine_id)
-                queuing = state.queuing.get(engine_id)
-                found = (group is not None and group.abort(None)) or \
-                    (queuing is not None and queuing.ask(None)) or found
-            (aborted if found else not_found).append(request_id)
+            (aborted if _abort(state, request_id) else not_found).append(request_id)
         return JSONResponse({"aborted": aborted, "not_found": not_found})
 
     @app.delete("/v1/sessions/{session_id}")
@@ -320,6 +311,29 @@ def _live_request(state: ServerState, name: str) -> tuple[Any, str | None]:
         if stream is not None and request_id in stream.request_ids:
             return stream, request_id
     return None, None
+
+
+def _abort(state: ServerState, name: str) -> bool:
+    """Abort what ``name`` names (:func:`_live_request`'s names, live or still being taken
+    by the engine, ServerState's ``queuing``); or, where requests run under suffixed engine
+    ids (a tenant's, ``engine_id``), the id the client sent, or a choice of it as
+    ``<id>-<index>`` (QA: not_found, and the choice ran to its end). False if nothing was
+    left to abort."""
+    stream, choice = _live_request(state, name)
+    found = stream is not None and stream.abort(choice)
+    found = _abort_queuing(state, name) or found
+    sent = _strip_prefix(name)
+    base, dash, index = sent.rpartition("-")
+    names = [(sent, None), *([(base, index)] if dash and index.isdigit() else [])]
+    for given, choice_of in names:
+        for engine_id in list(state.given.get(given, ())):
+            choice = None if choice_of is None else f"{engine_id}-{choice_of}"
+            group, queuing = state.groups.get(engine_id), state.queuing.get(engine_id)
+            if group is not None and (choice is None or choice in group.request_ids):
+                found = group.abort(choice) or found
+            if queuing is not None and (choice is None or choice in queuing.choice_ids):
+                found = queuing.ask(choice) or found
+    return found
 
 
 def _abort_queuing(state: ServerState, name: str) -> bool:
