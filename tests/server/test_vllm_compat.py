@@ -838,6 +838,10 @@ def test_quiet_paths_drop_their_access_lines():
 
     assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
     assert quiet.filter(line("/v1/models"))
+    # QA (docs pass): under --root-path uvicorn's line carries the prefix, and was logged
+    rooted = QuietPaths(("/health",), "/llm/")
+    assert not rooted.filter(line("/llm/health")) and not rooted.filter(line("/health"))
+    assert rooted.filter(line("/llm/v1/models"))
     args = build_parser().parse_args(["serve", "--disable-access-log-for-endpoints",
                                       "/health, /ping"])
     assert args.disable_access_log_for_endpoints == ("/health", "/ping")

@@ -407,16 +407,20 @@ def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
                             else timeout + 30)
     quiet = getattr(args, "disable_access_log_for_endpoints", ())
     if quiet:  # after uvicorn.Config, which sets its loggers up
-        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet))
+        logging.getLogger("uvicorn.access").addFilter(
+            QuietPaths(quiet, getattr(args, "root_path", "") or ""))
     return config
 
 
 class QuietPaths(logging.Filter):
-    """Drops uvicorn's access lines for some paths (--disable-access-log-for-endpoints)."""
+    """Drops uvicorn's access lines for some paths (--disable-access-log-for-endpoints), as
+    given or under ``root_path`` (--root-path), which uvicorn's lines carry (QA: /llm/health
+    was logged)."""
 
-    def __init__(self, paths: tuple[str, ...]) -> None:
+    def __init__(self, paths: tuple[str, ...], root_path: str = "") -> None:
         super().__init__()
-        self.paths = frozenset(paths)
+        root = root_path.rstrip("/")
+        self.paths = frozenset((*paths, *(root + path for path in paths if root)))
 
     def filter(self, record: logging.LogRecord) -> bool:
         # uvicorn's access record: (client, method, path with its query, version, status)
