@@ -578,8 +578,9 @@ def env_kv_cache_space() -> int | None:
                        "like 4")
     if space == 0:
         return None
-    logger.info("KV cache memory: %s GiB from VLLM_CPU_KVCACHE_SPACE (neither "
-                "--kv-cache-memory nor --num-kv-blocks given)", text)
+    bare = text.replace(".", "", 1).isdigit()  # GiB; a size names its own unit (QA: "MiB GiB")
+    logger.info("KV cache memory: %s%s from VLLM_CPU_KVCACHE_SPACE (neither "
+                "--kv-cache-memory nor --num-kv-blocks given)", text, " GiB" if bare else "")
     return space
 
 

@@ -171,6 +171,11 @@ def test_vllm_cpu_kvcache_space_sizes_the_kv_cache_unless_a_flag_does(model_dir,
     assert "kv_cache_memory" not in engine_args(build_parser().parse_args(argv))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert engine_args(build_parser().parse_args(argv))["kv_cache_memory"] == 2 << 30
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "512KiB")  # QA: logged "512KiB GiB"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        assert engine_args(build_parser().parse_args(argv))["kv_cache_memory"] == 512 << 10
+    assert "KV cache memory: 512KiB from VLLM_CPU_KVCACHE_SPACE" in caplog.text
 
 
 @pytest.mark.parametrize(("variable", "value", "message"), [
