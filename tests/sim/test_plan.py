@@ -1,6 +1,7 @@
 """Capacity arithmetic on worked examples, and the simulation-driven recommendations."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -97,18 +98,28 @@ def test_trace_p95_and_rate_scaling():
     assert fast[10].arrival_time == pytest.approx(2.5)
     # a recording's receipt time moves with its arrival (it stayed, and the simulator, which
     # places a request at its receipt, ran every probed rate as the recorded one; QA)
-    received = [dataclasses.replace(r, received_time=r.arrival_time + 0.5) for r in trace]
+    received = [dataclasses.replace(r, arrival_time=r.arrival_time + 0.5,
+                                    received_time=r.arrival_time) for r in trace]
     scaled = scale_rate(received, 4.0)
-    assert scaled[10].received_time == pytest.approx(3.0)
-    assert scaled[10].at_receipt().arrival_time == pytest.approx(3.0)
-    # a receipt ahead of its arrival keeps its lead, never before the trace's start (QA:
-    # squeezed, it came out negative and the capacity probe's run refused the trace)
-    early = [dataclasses.replace(r, received_time=max(0.0, r.arrival_time - 0.3))
-             for r in trace]
-    squeezed = scale_rate(early, 40.0)
-    assert squeezed[1].received_time == 0.0
-    assert squeezed[-1].arrival_time > 0.3
-    assert squeezed[-1].received_time == pytest.approx(squeezed[-1].arrival_time - 0.3)
+    assert scaled[10].received_time == pytest.approx(2.5)
+    assert scaled[10].arrival_time == pytest.approx(3.0)  # its lead kept
+    assert scaled[10].at_receipt().arrival_time == pytest.approx(2.5)
+    # squeezed, a receipt never comes before the trace's start (QA: it came out negative
+    # and the capacity probe's run refused the trace)
+    squeezed = scale_rate(received, 40.0)
+    assert min(r.received_time for r in squeezed) == 0.0
+    assert squeezed[-1].arrival_time == pytest.approx(squeezed[-1].received_time + 0.5)
+    # QA (docs pass): a busy recorded engine took requests sent a second apart at its step
+    # boundaries, five at a time; placed by those, the bursts stayed bursts at every rate
+    busy = [dataclasses.replace(r, arrival_time=5.0 * (1 + i // 5), received_time=float(i))
+            for i, r in enumerate(trace)]
+    assert trace_rate(busy) == pytest.approx(1.0)  # the clients' rate
+    slow = scale_rate(busy, 0.1)
+    gaps = [b.received_time - a.received_time for a, b in itertools.pairwise(slow)]
+    assert gaps == pytest.approx([10.0] * 99)
+    assert all(r.arrival_time - r.received_time == pytest.approx(b.arrival_time -
+                                                                 b.received_time)
+               for r, b in zip(slow, busy, strict=True))
 
 
 SERVED = {"num_finished": 10, "num_rejected": 0, "num_shed": 0}  # a run that served it all

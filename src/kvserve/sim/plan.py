@@ -47,26 +47,32 @@ def trace_seq_len_p95(trace: Sequence[TraceRequest], max_model_len: int | None =
 
 
 def scale_rate(trace: Sequence[TraceRequest], qps: float) -> list[TraceRequest]:
-    """The same requests with arrival gaps stretched or squeezed to a mean rate of ``qps``
-    (cancel times, deadlines and a recording's receipt times move with their request; a
-    receipt ahead of its arrival keeps its lead, but not past the trace's start: squeezed,
-    an early request's came out before 0, which a run refuses, QA)."""
-    first = min(r.arrival_time for r in trace)
-    span = max(r.arrival_time for r in trace) - first
+    """The same requests with the gaps between their sending stretched or squeezed to a mean
+    rate of ``qps``: each request moves whole (its arrival, receipt, cancel time and
+    deadline by one shift, so their offsets stay). A recording's requests are placed by
+    their receipt times, when the clients sent them (QA: placed by the times the busy
+    recorded engine took them, which fall on its step boundaries, its bursts stayed bursts at
+    every rate, and a plan found a capacity of 0.005 req/s)."""
+    first = min(r.received for r in trace)
+    span = max(r.received for r in trace) - first
     factor = (len(trace) - 1) / span / qps
 
-    def move(t: float | None, arrival: float) -> float | None:
-        return None if t is None else first + (arrival - first) * factor + (t - arrival)
+    def shifted(t: float | None, shift: float) -> float | None:
+        return None if t is None else t + shift
 
-    return [replace(r, arrival_time=first + (r.arrival_time - first) * factor,
-                    cancel_time=move(r.cancel_time, r.arrival_time),
-                    deadline=move(r.deadline, r.arrival_time),
-                    received_time=None if r.received_time is None
-                    else max(0.0, move(r.received_time, r.arrival_time))) for r in trace]
+    out = []
+    for r in trace:
+        shift = (r.received - first) * (factor - 1)
+        out.append(replace(r, arrival_time=r.arrival_time + shift,
+                           cancel_time=shifted(r.cancel_time, shift),
+                           deadline=shifted(r.deadline, shift),
+                           received_time=shifted(r.received_time, shift)))
+    return out
 
 
 def trace_rate(trace: Sequence[TraceRequest]) -> float | None:
-    times = [r.arrival_time for r in trace]
+    """The rate the requests were sent at (a recording's: by their receipt times)."""
+    times = [r.received for r in trace]
     span = max(times) - min(times)
     return (len(trace) - 1) / span if span > 0 and len(trace) > 1 else None
 
