@@ -129,8 +129,9 @@ def markdown(w1: list[dict[str, Any]], w3: list[dict[str, Any]], args: argparse.
                                           w1[0]["invariant"]["digests"], strict=True))
         stable = all(p[m]["digests"] == w1[0][m]["digests"] for p in w1 for m in MODES)
         lines += ["", f"W1's greedy tokens: {same} of {args.w1_n} requests the same in both "
-                  "modes (where the mode changes the projection kernel, it rounds "
-                  "differently); each mode gave the same tokens in every pair: "
+                  "modes (the mode sums attention in decode's order, and where it "
+                  "changes the projection kernel that rounds differently too); each mode "
+                  "gave the same tokens in every pair: "
                   f"{'yes' if stable else 'no'}."]
     return "\n".join(lines) + "\n"
 
