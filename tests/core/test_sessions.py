@@ -682,19 +682,22 @@ def test_a_turn_the_pool_capped_holds_all_it_computed():  # U2 J2
     assert len(held.token_ids) == 32  # the whole pool: 10 prompt + 23 out - 1
 
 
-@pytest.mark.parametrize(("running", "preempted", "held_after"), [
+@pytest.mark.parametrize(("running", "urgent_len", "preempted", "held_after"), [
     # QA (spec pass): both preempted while an idle session kept its 4 blocks; the seat
     # takes one victim, and the held KV gives way before a second (U7: before anything)
-    ({"lo1": 20, "lo2": 20}, ["lo2"], 0),
+    ({"lo1": 20, "lo2": 20}, 22, ["lo2"], 0),
     # QA (session 47's review): the one qualifying victim too small to make room, the
     # arrival waited while the session's 4 blocks, with the victim's, would have made it
-    ({"lo": 20, "hi": 0}, ["lo"], 0),
+    ({"lo": 20, "hi": 0}, 22, ["lo"], 0),
+    # QA (session 48's review): where even those together leave no room (8 blocks wanted,
+    # 7 freed), the holds were released for nothing: kept now
+    ({"lo": 20, "hi": 0}, 30, [], 4),
     # where no running request may be preempted, releasing the holds frees no seat: the
     # session keeps its KV and the arrival waits
-    ({"a": 0, "b": 0}, [], 4),
+    ({"a": 0, "b": 0}, 22, [], 4),
 ])
-def test_an_urgent_arrival_releases_held_kv_only_where_that_helps(running, preempted,
-                                                                 held_after):  # U7 M1
+def test_an_urgent_arrival_releases_held_kv_only_where_that_helps(
+        running, urgent_len, preempted, held_after):  # U7 M1
     scheduler = sched(num_blocks=10, max_session_kv=1.0, max_num_seqs=2, max_model_len=64,
                       scheduling_policy="priority", enable_priority_preemption=True)
     executor = FakeExecutor(block_size=BS)
@@ -706,7 +709,7 @@ def test_an_urgent_arrival_releases_held_kv_only_where_that_helps(running, preem
                                            priority=priority, arrival_time=5.0 + index / 2))
     step(scheduler, executor, 6.0)
     assert scheduler.kv.num_free_blocks == 0
-    scheduler.add_request(make_request("urgent", 22, max_tokens=5, ignore_eos=True,
+    scheduler.add_request(make_request("urgent", urgent_len, max_tokens=5, ignore_eos=True,
                                        priority=0, arrival_time=7.0))
     out, _ = step(scheduler, executor, 7.0)
     assert list(out.preempted_req_ids) == preempted

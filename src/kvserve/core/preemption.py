@@ -11,7 +11,7 @@ same whatever the flags:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Protocol
 
 from kvserve.core.block_pool import KVBlock
@@ -149,15 +149,18 @@ class UrgentPreemption:
 
     def victims(self, newcomer: Request, running: Sequence[Request], num_new_tokens: int,
                 hit_blocks: Sequence[KVBlock], *, full_sequence_must_fit: bool,
-                reserved_blocks: int, admitted: Container[str]) -> list[Request]:
+                reserved_blocks: int, admitted: Container[str],
+                also_released: Mapping[int, int] | None = None) -> list[Request]:
         """The fewest victims, least urgent first, after which the newcomer's allocation
         succeeds and a seat is free; [] when the qualifying requests cannot make room.
+        ``also_released`` (block id -> references): blocks counted as freed besides the
+        victims' (held sessions', for the dry run of releasing them).
 
         Requests admitted or swapped in during this step (``admitted``) do not qualify: a
         swap-in's copy runs after every swap-out of the step, so it could not be copied out
         again, and undoing an admission of the same step is churn."""
         candidates = self.candidates(newcomer, running, hit_blocks, admitted)
-        released: dict[int, int] = {}
+        released: dict[int, int] = dict(also_released or {})
         for count, victim in enumerate(candidates, 1):
             for block in self.kv.req_to_blocks.get(victim.request_id, ()):
                 released[block.block_id] = released.get(block.block_id, 0) + 1

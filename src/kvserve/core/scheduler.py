@@ -784,20 +784,28 @@ class Scheduler:
         assert self._urgent is not None
         reserved_blocks = self._admission.reserved_blocks(request)
 
-        def find_victims() -> list[Request]:
+        def find_victims(also_released: dict[int, int] | None = None) -> list[Request]:
             assert self._urgent is not None
             return self._urgent.victims(
                 request, self.running, num_new, hit_blocks,
                 full_sequence_must_fit=config.reserve_full_sequence,
-                reserved_blocks=reserved_blocks, admitted=step.new_request_ids)
+                reserved_blocks=reserved_blocks, admitted=step.new_request_ids,
+                also_released=also_released)
 
         def held_kv_helps(victims: list[Request]) -> bool:
             """U7 before M1's second victim (the seat needs one; QA: two preempted while an
-            idle session kept 4 blocks), and where no victim set makes room while some
-            request qualifies (the victims' blocks and the held ones together may)."""
-            assert self._urgent is not None
-            return len(victims) > 1 or (not victims and bool(self._urgent.candidates(
-                request, self.running, hit_blocks, step.new_request_ids)))
+            idle session kept 4 blocks), and where no victim set makes room now but one
+            would with every held block released too (a dry run: QA, the holds were
+            released where even that left no room, and the KV was lost for nothing)."""
+            if len(victims) > 1:
+                return True
+            if victims or self.sessions is None or not self.sessions.held:
+                return False
+            held: dict[int, int] = {}
+            for session in self.sessions.held.values():
+                for block in session.blocks:
+                    held[block.block_id] = held.get(block.block_id, 0) + 1
+            return bool(find_victims(held))
 
         victims = find_victims()
         while held_kv_helps(victims) and self.sessions is not None and \
