@@ -336,3 +336,17 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
     rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=2), [9], 1)]
     assert _top_k_top_p_min_p(probs, rows)[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_a_row_without_top_p_keeps_its_whole_tail_beside_a_row_with_one():
+    """QA (session 48's review): a top_p=1 row lost its tiniest tokens to the rounding of
+    the kept mass whenever another row of the batch used top_k or top_p, so its
+    distribution depended on the batch."""
+    from kvserve.model.sampler import _top_k_top_p_min_p
+
+    logits = torch.linspace(0.0, -20.0, 5000)
+    probs = torch.softmax(torch.stack([logits, logits]), dim=-1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [9], 1),
+            SamplingRow(SamplingParams(temperature=1.0, top_k=2), [9], 1)]
+    out = _top_k_top_p_min_p(probs, rows)
+    assert torch.equal(out[0], probs[0]) and int((out[1] > 0).sum()) == 2

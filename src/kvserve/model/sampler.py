@@ -573,7 +573,9 @@ def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
         kth = sorted_probs.gather(-1, top_k[:, None] - 1)
         kept = sorted_probs * (sorted_probs >= kth)
         before = kept.cumsum(dim=-1) - kept  # the kept mass strictly above each token
-        keep = (kept > 0) & (before < top_p[:, None] * kept.sum(dim=-1, keepdim=True))
+        within = (before < top_p[:, None] * kept.sum(dim=-1, keepdim=True)) | \
+            (top_p >= 1.0)[:, None]  # off: rounding in the sum drops no tail token
+        keep = (kept > 0) & within
         keep[:, 0] = True
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
     return probs
