@@ -595,12 +595,20 @@ def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int],
     (the sampled or the prompt's token) first, then the top ``wanted[row]``, and that
     token's rank; {} where ``wanted[row]`` is None."""
     result: list[dict[int, float]] = []
+    asked = [index for index, n in enumerate(wanted) if n is not None]
+    if not asked:
+        return [{} for _ in wanted]
+    rows = logprobs[asked] if len(asked) < len(wanted) else logprobs
+    own = rows.gather(1, torch.tensor([token_ids[i] for i in asked],
+                                      device=logprobs.device)[:, None])
+    # vLLM's count (a tie before the token), the rows at once: one sync, not one per row
+    ranks = dict(zip(asked, (rows >= own).sum(dim=1).tolist(), strict=True))
+    own_values = dict(zip(asked, own.flatten().tolist(), strict=True))
     for index, n in enumerate(wanted):
         entry = LogprobEntry()
         if n is not None:
-            own = logprobs[index, token_ids[index]]
-            entry[token_ids[index]] = float(own)
-            entry.rank = int((logprobs[index] >= own).sum())  # vLLM's count, ties before
+            entry[token_ids[index]] = own_values[index]
+            entry.rank = ranks[index]
             if n > 0:  # the engine's max_logprobs bounds n; the vocabulary does too
                 values, ids = logprobs[index].topk(min(n, logprobs.shape[-1]))
                 for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
