@@ -588,6 +588,13 @@ def test_a_config_kvserve_would_compute_otherwise_is_refused(tmp_path, change, m
         model_config_from_path(tmp_path)
 
 
+def test_a_null_tie_flag_is_false_as_transformers_reads_it(tmp_path):
+    """Session 48's review: the strict flag refused null, which loaded as untied before."""
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY),
+                                                      "tie_word_embeddings": None}))
+    assert model_config_from_path(tmp_path).tie_word_embeddings is False
+
+
 def test_a_sliding_window_caps_the_context_where_attention_is_as_trained(tmp_path):
     """QA: Mistral's sliding_window was ignored: past it every token attended to all."""
     config = {**hf_config_dict(TINY), "max_position_embeddings": 2048, "sliding_window": 512}

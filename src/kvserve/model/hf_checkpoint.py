@@ -108,8 +108,11 @@ def _count(config_dict: Mapping[str, Any], name: str, default: Any = ...) -> Any
 
 
 def _flag(config_dict: Mapping[str, Any], name: str) -> bool:
-    """A true/false setting, false where absent (QA: "false", a string, tied the head)."""
-    value = config_dict.get(name, False)
+    """A true/false setting, false where absent or null (QA: "false", a string, tied the
+    head)."""
+    value = config_dict.get(name)
+    if value is None:
+        return False
     if not isinstance(value, bool):
         raise UnsupportedModelError(f"Hugging Face config {name} must be true or false, got "
                                     f"{value!r}")
