@@ -744,8 +744,9 @@ def _sample_result(firsts: list[GenerationResult], request_id: str, sample: int,
 
 class Logprob(float):
     """A logprob as kvserve gives it (a float) that reads as vLLM's ``Logprob`` too:
-    ``.logprob``, ``.rank`` (1: the likeliest; None where not known: a sampled token
-    outside the top k) and ``.decoded_token``, so ``entry[token].logprob`` works as it did."""
+    ``.logprob``, ``.rank`` (1: the likeliest; the sampled and prompt tokens' over the whole
+    vocabulary, a tie counted before them) and ``.decoded_token``, so
+    ``entry[token].logprob`` works as it did."""
 
     rank: int | None
     decoded_token: str | None
