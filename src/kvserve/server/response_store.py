@@ -90,14 +90,19 @@ class ResponseStore:
                            param="response_id", code="response_not_found")
         return kept[0]
 
-    def item(self, item_id: str, owner: str | None) -> dict[str, Any] | None:
-        """The stored item (an input's or an output's) of this id, the latest response's
-        first, or None (OpenAI's ``item_reference`` names one)."""
+    def items(self, item_ids: set[str], owner: str | None) -> dict[str, dict[str, Any]]:
+        """The stored items (inputs' or outputs') of these ids found, by id, the latest
+        response's where two hold one (OpenAI's ``item_reference`` names one): one pass over
+        the tenant's store, however many a request names (QA: one per reference)."""
+        found: dict[str, dict[str, Any]] = {}
         for stored, _ in reversed(self.kept.get(owner, {}).values()):
             for item in (*(stored.response.get("output") or ()), *stored.input_items):
-                if item.get("id") == item_id:
-                    return item
-        return None
+                item_id = item.get("id")
+                if item_id in item_ids and item_id not in found:
+                    found[item_id] = item
+            if len(found) == len(item_ids):
+                break
+        return found
 
     def delete(self, response_id: str, owner: str | None) -> None:
         self.get(response_id, owner)

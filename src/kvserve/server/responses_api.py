@@ -618,33 +618,37 @@ def _as_items(given: Any) -> list[dict[str, Any]]:
 
 
 def _referenced(given: Any, store: ResponseStore, owner: str | None) -> Any:
-    """The input with each ``item_reference`` replaced by the stored item it names (an
-    earlier response's input or output item, the tenant's own), as OpenAI reads it (QA: a
-    400, where SDKs send earlier turns' items so when they are stored); a 404 naming an id
-    not kept."""
-    if not isinstance(given, list) or not any(
-            isinstance(item, dict) and item.get("type") == "item_reference" for item in given):
+    """The input with each ``item_reference`` (``{"type": "item_reference", "id": ID}``, or
+    ``{"id": ID}`` alone, its type optional as OpenAI's) replaced by the stored item it
+    names (an earlier response's input or output item, the tenant's own), as OpenAI reads
+    it (QA: a 400, where SDKs send earlier turns' items so when they are stored); a 404
+    naming an id not kept."""
+    if not isinstance(given, list):
+        return given
+    references = {index: item for index, item in enumerate(given) if _is_reference(item)}
+    if not references:
         return given
     if not store.enabled:
         raise bad_request("'item_reference' names a stored item: it needs the response "
                           "store (--enable-responses-store); send the item itself instead",
                           param="input")
-    out = []
-    for index, item in enumerate(given):
-        if not isinstance(item, dict) or item.get("type") != "item_reference":
-            out.append(item)
-            continue
-        item_id = item.get("id")
-        if set(item) - {"type", "id"} or not isinstance(item_id, str):
+    for index, item in references.items():
+        if set(item) - {"type", "id"} or not isinstance(item.get("id"), str):
             raise bad_request(f"input.{index}: an item_reference is {{\"type\": "
                               "\"item_reference\", \"id\": ID}", param=f"input.{index}")
-        found = store.item(item_id, owner)
-        if found is None:
-            raise APIError(404, f"item {item_id[:100]!r} not found (input.{index}: the items "
-                                "of the responses kept are found)", param=f"input.{index}.id",
-                           code="item_not_found")
-        out.append(found)
-    return out
+    found = store.items({item["id"] for item in references.values()}, owner)
+    for index, item in references.items():
+        if item["id"] not in found:
+            raise APIError(404, f"item {item['id'][:100]!r} not found (input.{index}: the "
+                                "items of the responses kept are found)",
+                           param=f"input.{index}.id", code="item_not_found")
+    return [found[item["id"]] if index in references else item
+            for index, item in enumerate(given)]
+
+
+def _is_reference(item: Any) -> bool:
+    return isinstance(item, dict) and (item.get("type") == "item_reference" or
+                                       ("type" not in item and set(item) == {"id"}))
 
 
 def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
