@@ -213,6 +213,33 @@ def test_an_admin_aborts_one_choice_of_a_tenants_request_by_the_id_it_was_sent_w
         wait_for(live.idle, what="its blocks freed")
 
 
+def test_a_tenants_request_sent_as_the_id_is_aborted_before_a_choice_of_another():
+    """Session 48's review: `x-1` aborted both the request sent as `x-1` and choice 1 of
+    the request sent as `x`; the id as sent comes first, as an operator's request's."""
+    engine = slow_engine(0.02, max_model_len=256)
+    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
+    with LiveServer(engine, keys=keys) as live:
+        answers: dict[str, httpx.Response] = {}
+
+        def send(request_id: str, n: int) -> None:
+            answers[request_id] = httpx.post(
+                live.url + "/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 40, "ignore_eos": True, "n": n},
+                headers={"Authorization": "Bearer key-a", "X-Request-Id": request_id})
+        threads = [threading.Thread(target=send, args=args) for args in (("x", 2), ("x-1", 1))]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: {"x", "x-1"} <= set(live.state.given), what="both running")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "x-1"},
+                           headers={"Authorization": "Bearer key-op"}, timeout=30)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert reply.json() == {"aborted": ["x-1"], "not_found": []}
+        assert [c["finish_reason"] for c in answers["x-1"].json()["choices"]] == ["abort"]
+        assert [c["finish_reason"] for c in answers["x"].json()["choices"]] == ["length"] * 2
+        wait_for(live.idle, what="its blocks freed")
+
+
 def test_an_admin_aborts_a_tenants_running_request_by_the_id_it_was_sent_with():
     """QA: a keys-file tenant's request runs under a suffixed engine id, told only in its
     answer's end: /v1/abort by the id the client sent found nothing while it ran."""

@@ -326,13 +326,16 @@ def _abort(state: ServerState, name: str) -> bool:
     base, dash, index = sent.rpartition("-")
     names = [(sent, None), *([(base, index)] if dash and index.isdigit() else [])]
     for given, choice_of in names:
-        for engine_id in list(state.given.get(given, ())):
+        engine_ids = list(state.given.get(given, ()))
+        for engine_id in engine_ids:
             choice = None if choice_of is None else f"{engine_id}-{choice_of}"
             group, queuing = state.groups.get(engine_id), state.queuing.get(engine_id)
             if group is not None and (choice is None or choice in group.request_ids):
                 found = group.abort(choice) or found
             if queuing is not None and (choice is None or choice in queuing.choice_ids):
                 found = queuing.ask(choice) or found
+        if engine_ids:  # the id as sent names requests: not a choice of another's, as
+            break  # _live_request prefers it
     return found
 
 
