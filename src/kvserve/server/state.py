@@ -36,16 +36,16 @@ class Queuing:
     """A request the engine has not answered the add of yet (tokenized, handed over; until
     the engine's next step ends): what /v1/abort asked of it meanwhile, done once the
     engine has it (QA: ``not_found``, and the request ran to its end). ``aborts``: None for
-    the whole request, else choice ids."""
+    the whole request, else choice ids, in the order asked."""
 
     choice_ids: frozenset[str]
-    aborts: set[str | None] = field(default_factory=set)
+    aborts: list[str | None] = field(default_factory=list)
 
     def ask(self, choice: str | None) -> bool:
         """Abort ``choice`` (None: every one) once queued; False if asked already."""
         if None in self.aborts or choice in self.aborts:
             return False
-        self.aborts.add(choice)
+        self.aborts.append(choice)
         return True
 
 
