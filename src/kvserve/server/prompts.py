@@ -4,6 +4,7 @@ loop by the caller), the length checks against max_model_len, and SamplingParams
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ from kvserve.server.reasoning_parsers import START as THINK_START
 from kvserve.server.reasoning_parsers import ThinkParser
 from kvserve.server.state import ServerState
 from kvserve.server.tool_parsers import strict_json
+
+logger = logging.getLogger("kvserve.server")
 
 
 def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
@@ -100,6 +103,8 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         # undefined attribute, the sandbox's refusal, a deep tool-call argument): the
         # request's fault, as vLLM answers it (QA: a 500 unless chat_template_kwargs was set)
         what = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
+        if not isinstance(error, ValueError):  # a template's TypeError, or kvserve's bug:
+            logger.info("the chat template failed on a request", exc_info=True)  # logged
         with_kwargs = " with 'chat_template_kwargs'" if template_kwargs else ""
         raise bad_request(f"cannot apply the chat template{with_kwargs}: {what}{error}",
                           "chat_template_kwargs" if template_kwargs else "messages") from None
