@@ -189,75 +189,40 @@ def test_a_tenants_request_id_tells_nothing_of_the_ids_others_hold():
     assert ids["operator"] == "job-42"  # the operator's id as sent, where it is free
 
 
-def test_an_admin_aborts_one_choice_of_a_tenants_request_by_the_id_it_was_sent_with():
-    """QA (tenants pass): a keys-file tenant's choices run as `<engine id>-<index>`, the
-    engine id suffixed and told only at the end: /v1/abort of `<X-Request-Id>-1` answered
-    not_found, and that choice ran to its end."""
-    engine = slow_engine(0.02, max_model_len=256)
-    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
-    with LiveServer(engine, keys=keys) as live:
-        answers: list[httpx.Response] = []
-        running = threading.Thread(target=lambda: answers.append(httpx.post(
-            live.url + "/v1/completions", timeout=60, json={
-                "prompt": "x", "max_tokens": 60, "ignore_eos": True, "n": 2},
-            headers={"Authorization": "Bearer key-a", "X-Request-Id": "two"})))
-        running.start()
-        wait_for(lambda: "two" in live.state.given, what="two running")
-        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "cmpl-two-1"},
-                           headers={"Authorization": "Bearer key-op"}, timeout=30)
-        running.join(timeout=60)
-        assert reply.json() == {"aborted": ["cmpl-two-1"], "not_found": []}
-        [answer] = answers
-        reasons = {c["index"]: c["finish_reason"] for c in answer.json()["choices"]}
-        assert reasons == {0: "length", 1: "abort"}
-        wait_for(live.idle, what="its blocks freed")
-
-
-def test_a_tenants_request_sent_as_the_id_is_aborted_before_a_choice_of_another():
-    """Session 48's review: `x-1` aborted both the request sent as `x-1` and choice 1 of
-    the request sent as `x`; the id as sent comes first, as an operator's request's."""
+@pytest.mark.parametrize(("sent", "name", "reasons"), [
+    # QA: a keys-file tenant's request runs under a suffixed engine id, told only in its
+    # answer's end: /v1/abort by the id the client sent found nothing while it ran
+    ({"long-1": (1, 200)}, "long-1", {"long-1": ["abort"]}),
+    # QA (tenants pass): its choices run as `<engine id>-<index>`: `cmpl-two-1` answered
+    # not_found, and that choice ran to its end
+    ({"two": (2, 60)}, "cmpl-two-1", {"two": ["length", "abort"]}),
+    # session 48's review: `x-1` aborted both the request sent as `x-1` and choice 1 of
+    # the one sent as `x`; the id as sent comes first, as an operator's request's
+    ({"x": (2, 40), "x-1": (1, 40)}, "x-1", {"x": ["length", "length"], "x-1": ["abort"]}),
+])
+def test_an_admin_aborts_a_tenants_request_by_the_id_it_was_sent_with(sent, name, reasons):
     engine = slow_engine(0.02, max_model_len=256)
     keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
     with LiveServer(engine, keys=keys) as live:
         answers: dict[str, httpx.Response] = {}
 
-        def send(request_id: str, n: int) -> None:
+        def send(request_id: str, n: int, max_tokens: int) -> None:
             answers[request_id] = httpx.post(
                 live.url + "/v1/completions", timeout=60, json={
-                    "prompt": "x", "max_tokens": 40, "ignore_eos": True, "n": n},
+                    "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "n": n},
                 headers={"Authorization": "Bearer key-a", "X-Request-Id": request_id})
-        threads = [threading.Thread(target=send, args=args) for args in (("x", 2), ("x-1", 1))]
+        threads = [threading.Thread(target=send, args=(request_id, *shape))
+                   for request_id, shape in sent.items()]
         for thread in threads:
             thread.start()
-        wait_for(lambda: {"x", "x-1"} <= set(live.state.given), what="both running")
-        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "x-1"},
+        wait_for(lambda: set(sent) <= set(live.state.given), what="all running")
+        reply = httpx.post(live.url + "/v1/abort", json={"request_id": name},
                            headers={"Authorization": "Bearer key-op"}, timeout=30)
         for thread in threads:
             thread.join(timeout=60)
-        assert reply.json() == {"aborted": ["x-1"], "not_found": []}
-        assert [c["finish_reason"] for c in answers["x-1"].json()["choices"]] == ["abort"]
-        assert [c["finish_reason"] for c in answers["x"].json()["choices"]] == ["length"] * 2
-        wait_for(live.idle, what="its blocks freed")
-
-
-def test_an_admin_aborts_a_tenants_running_request_by_the_id_it_was_sent_with():
-    """QA: a keys-file tenant's request runs under a suffixed engine id, told only in its
-    answer's end: /v1/abort by the id the client sent found nothing while it ran."""
-    engine = slow_engine(0.02, max_model_len=256)
-    keys = [*KEYS, ApiKey("key-op", "operator", admin=True)]
-    with LiveServer(engine, keys=keys) as live:
-        answers: list[httpx.Response] = []
-        running = threading.Thread(target=lambda: answers.append(httpx.post(
-            live.url + "/v1/completions", timeout=60, json={
-                "prompt": "x", "max_tokens": 200, "ignore_eos": True},
-            headers={"Authorization": "Bearer key-a", "X-Request-Id": "long-1"})))
-        running.start()
-        wait_for(lambda: "long-1" in live.state.given, what="long-1 running")
-        reply = httpx.post(live.url + "/v1/abort", json={"request_id": "long-1"},
-                           headers={"Authorization": "Bearer key-op"}, timeout=30)
-        running.join(timeout=60)
-        assert reply.json() == {"aborted": ["long-1"], "not_found": []}
-        [answer] = answers
-        assert answer.json()["choices"][0]["finish_reason"] == "abort"
-        wait_for(live.idle, what="its blocks freed")
+        assert reply.json() == {"aborted": [name], "not_found": []}
+        assert {request_id: [c["finish_reason"] for c in sorted(
+            answer.json()["choices"], key=lambda c: c["index"])]
+            for request_id, answer in answers.items()} == reasons
+        wait_for(live.idle, what="their blocks freed")
         assert live.state.given == {}
