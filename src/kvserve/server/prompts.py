@@ -103,8 +103,9 @@ def chat_ids(state: ServerState, chat: list[ChatMessage],
         # undefined attribute, the sandbox's refusal, a deep tool-call argument): the
         # request's fault, as vLLM answers it (QA: a 500 unless chat_template_kwargs was set)
         what = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
-        if not isinstance(error, ValueError):  # a template's TypeError, or kvserve's bug:
-            logger.info("the chat template failed on a request", exc_info=True)  # logged
+        if not isinstance(error, (ValueError, RecursionError)):  # a template's TypeError,
+            # or kvserve's bug: logged (not a deep argument's thousand frames, per request)
+            logger.info("the chat template failed on a request", exc_info=True)
         with_kwargs = " with 'chat_template_kwargs'" if template_kwargs else ""
         raise bad_request(f"cannot apply the chat template{with_kwargs}: {what}{error}",
                           "chat_template_kwargs" if template_kwargs else "messages") from None
