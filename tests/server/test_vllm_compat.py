@@ -255,6 +255,19 @@ def test_a_model_directory_s_chat_template_jinja_serves_chat(tmp_path):
         assert reply.usage.prompt_tokens == len(tokenizer().encode("<user>hi"))
 
 
+def test_a_model_without_a_chat_template_is_said_at_boot(tmp_path, caplog):
+    """QA (prompts pass): a model without a template booted without a word, and its first
+    chat was a 400; the boot log says so now (completions still serve)."""
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        serve_state(tiny_model_dir(tmp_path / "bare"))
+    assert "the model has no chat template: chat completions, the Responses API and " \
+           "/tokenize of messages answer 400 (give one with --chat-template FILE)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        serve_state(tiny_model_dir(tmp_path / "m", chat_template=ROLES))
+    assert "no chat template" not in caplog.text
+
+
 @pytest.mark.parametrize("form", ["file", "text"])
 def test_chat_template_flag_replaces_the_model_s(tmp_path, form, caplog):
     from .helpers import tokenizer

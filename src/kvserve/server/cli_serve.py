@@ -870,13 +870,17 @@ def _check_model_chat_template(model: Any) -> None:
         tokenizer = load_tokenizer(model)
     except (ModelNotFoundError, OSError, ValueError):
         return  # the engine's loading names what is wrong with the model
-    if tokenizer.chat_template:
-        try:
-            tokenizer.compiled_chat_template()
-        except ValueError as error:
-            message = str(error).removeprefix("the chat template ")
-            raise CLIError(f"the model's chat template {message}; give one that is with "
-                           "--chat-template FILE") from None
+    if not tokenizer.chat_template:  # QA (prompts pass): said at the first chat only
+        logger.warning("the model has no chat template: chat completions, the Responses API "
+                       "and /tokenize of messages answer 400 (give one with --chat-template "
+                       "FILE); completions are served")
+        return
+    try:
+        tokenizer.compiled_chat_template()
+    except ValueError as error:
+        message = str(error).removeprefix("the chat template ")
+        raise CLIError(f"the model's chat template {message}; give one that is with "
+                       "--chat-template FILE") from None
 
 
 def _chat_template(value: str) -> str:
