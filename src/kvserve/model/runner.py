@@ -159,9 +159,9 @@ class ModelRunner:
                 targets = state.token_ids[first + at:first + at + count]
                 rows = torch.log_softmax(self.model.compute_logits(
                     hidden[row + at:row + at + count]).float(), dim=-1)
-                own = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])
-                ranks += (rows >= own).sum(dim=1).tolist()  # vLLM's: a tie counts before
-                entries += logprob_entries(rows, targets, [wanted] * count)
+                part = logprob_entries(rows, targets, [wanted] * count)
+                ranks += [entry.rank for entry in part]  # vLLM's count: a tie before it
+                entries += part
             row += piece.prompt_rows
             out[piece.request_id] = PromptLogprobs(first, entries, ranks)
         return out

@@ -590,14 +590,14 @@ def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
 
 
 def logprob_entries(logprobs: torch.Tensor, token_ids: Sequence[int],
-                    wanted: Sequence[int | None]) -> list[dict[int, float]]:
+                    wanted: Sequence[int | None]) -> list[LogprobEntry]:
     """Per row of ``logprobs``, a LogprobEntry: token id -> logprob for ``token_ids[row]``
     (the sampled or the prompt's token) first, then the top ``wanted[row]``, and that
-    token's rank; {} where ``wanted[row]`` is None."""
-    result: list[dict[int, float]] = []
+    token's rank; an empty one where ``wanted[row]`` is None."""
+    result: list[LogprobEntry] = []
     asked = [index for index, n in enumerate(wanted) if n is not None]
     if not asked:
-        return [{} for _ in wanted]
+        return [LogprobEntry() for _ in wanted]
     rows = logprobs[asked] if len(asked) < len(wanted) else logprobs
     own = rows.gather(1, torch.tensor([token_ids[i] for i in asked],
                                       device=logprobs.device)[:, None])
