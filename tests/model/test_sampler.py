@@ -34,10 +34,11 @@ def test_plain_greedy_rows_are_those_the_sampler_only_takes_the_first_maximum_of
     def row(output=(7,), **params):
         return SamplingRow(SamplingParams(**params), [1, *output], 1)
 
-    assert Sampler.plain_greedy([row(temperature=0.0), row(top_k=1, temperature=0.7)])
+    assert Sampler.plain_greedy([row(temperature=0.0), row(temperature=0.0)])
     assert Sampler.plain_greedy([row(temperature=0.0, min_tokens=2, ignore_eos=True,
                                      eos_token_id=2)])  # nothing held: EOS ignored
-    for other in (row(temperature=0.7), row(temperature=0.0, logprobs=1),
+    for other in (row(temperature=0.7), row(top_k=1, temperature=0.7),
+                  row(temperature=0.0, logprobs=1),
                   row(temperature=0.0, repetition_penalty=1.2),
                   row(temperature=0.0, logit_bias={3: 1.0}),
                   row(temperature=0.0, min_tokens=3, eos_token_id=2)):  # holds its EOS
@@ -67,6 +68,15 @@ def test_low_temperature_sharpens():
 ])
 def test_truncation_keeps_exactly_the_allowed_tokens(params, allowed):
     assert set(draw(params, n=2000)) == allowed
+
+
+def test_top_k_one_draws_among_the_tokens_tied_at_the_top():
+    """vLLM samples a top_k=1 request (its sampling type follows temperature alone), and
+    top_k keeps every token tied with the k-th: both of a tied maximum come out, where the
+    greedy path took the first."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]]).repeat(400, 1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=1), [1], 1)] * 400
+    assert set(Sampler()(logits, rows).token_ids) == {1, 2}
 
 
 @pytest.mark.parametrize("params", [

@@ -82,7 +82,9 @@ class SamplingRow:
 
     @property
     def is_greedy(self) -> bool:
-        return self.params.temperature < GREEDY_BELOW or self.params.top_k == 1
+        """Temperature alone decides, as vLLM's sampling type: ``top_k=1`` samples among
+        the tokens tied at the top, where the greedy path takes the first of them."""
+        return self.params.temperature < GREEDY_BELOW
 
     @property
     def held_stops(self) -> list[int]:
