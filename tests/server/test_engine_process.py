@@ -173,13 +173,16 @@ def completion(live: LiveServer, stream: bool, **body) -> tuple[str, str, object
         return (choice["text"], choice["finish_reason"], choice["stop_reason"],
                 reply["usage"]["completion_tokens"])
     with httpx.stream("POST", live.url + "/v1/completions", timeout=30, json={
-            **body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            **body, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     choices = [e["choices"][0] for e in events if e["choices"]]
-    # no empty chunk but the finishing one (QA: a withheld stop string's start sent "", as
-    # vLLM does not)
-    assert all(c["text"] or c["finish_reason"] for c in choices), choices
+    # a chunk a token, a withheld one's text "" (a stop string's start), as vLLM 0.32 sends
+    # (QA: held tokens went out together in the next chunk); a stop string's finish may come
+    # in a chunk of its own, after the token that completed it
+    assert all(len(c["token_ids"]) == 1 for c in choices[:-1]), choices
+    assert len(choices[-1]["token_ids"]) <= 1
     return ("".join(c["text"] for c in choices), choices[-1]["finish_reason"],
             choices[-1]["stop_reason"], events[-1]["usage"]["completion_tokens"])
 
@@ -225,6 +228,8 @@ def test_text_and_stop_strings_are_made_in_the_server_process(live, stream):
     # (QA: its TPOT and e2e took in a step whose token no client got)
     last = max(end for end, chunk in ends if chunk.new_token_ids)
     assert ends[-1][1].metrics.finished_time == last
+    # every token's text may begin this stop string: all withheld until the end
+    assert completion(live, stream, stop=[full + "\x00"])[:2] == (full, "length")
 
 
 def test_the_engine_process_spins_only_where_a_core_is_left_to_the_server(monkeypatch):

@@ -514,9 +514,10 @@ class Generation:
             withheld = payload is None
         else:
             payload = text
-            # a token whose text is withheld (a stop string's start, half a character): no
-            # empty chunk, as vLLM sends none (QA)
-            withheld = not text and not chunk.finished
+            # a token whose text is withheld (a stop string's start, half a character) goes
+            # out in a chunk of its own with text "", as vLLM 0.32's (checked live): a chunk
+            # a token, which clients timing inter-token latency count on
+            withheld = not text and not token_ids and not chunk.finished
         held = self.held.get(choice.request_id)
         if withheld:  # its tokens and logprobs go out with the next chunk (QA: were lost)
             if held is None:
