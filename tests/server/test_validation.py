@@ -609,11 +609,16 @@ def test_a_max_tokens_past_the_prompts_room_is_served_cut_short_as_vllm(server):
                                       "ignore_eos": True}).json()
     lengths = [len(c["text"]) > 0 for c in both["choices"]]
     assert both["usage"]["completion_tokens"] == 8 + 6 and all(lengths)
-    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "hi " * 200}],
-                               "max_completion_tokens": 255, "min_tokens": 255,
-                               "ignore_eos": True}).json()
+    body = {"messages": [{"role": "user", "content": "hi " * 200}],
+            "max_completion_tokens": 255, "ignore_eos": True}
+    chat = post(server, CHAT, body).json()
     assert chat["usage"]["total_tokens"] == 256
     assert chat["choices"][0]["finish_reason"] == "length"
+    # a min_tokens past the room is refused, as vLLM's (it was cut to the room, QA)
+    refused = post(server, CHAT, {**body, "min_tokens": 255})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    assert "more than the prompt leaves of this model's context" in \
+        refused.json()["error"]["message"]
 
 
 def test_a_context_overflow_reads_as_vllms_and_openais(server):

@@ -227,9 +227,14 @@ def room_for(state: ServerState, params: SamplingParams, prompt: list[int]) -> S
     each prompt's (QA: a chat client's fixed max_tokens on a long history was a 400 here,
     served cut short by vLLM)."""
     room = state.max_model_len - len(prompt)
+    if params.min_tokens > room:  # vLLM's: above the max_tokens the context leaves
+        raise bad_request(f"min_tokens {params.min_tokens} is more than the prompt leaves of "
+                          f"this model's context ({_tokens(len(prompt))} of "
+                          f"{state.max_model_len}, max_model_len): ask for at most "
+                          f"{_tokens(room)}", param="min_tokens")
     if params.max_tokens is None or params.max_tokens <= room:
         return params
-    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+    return dataclasses.replace(params, max_tokens=room)
 
 
 def _token_constraints(req: Any, tokenizer: Tokenizer | None) -> dict[str, Any]:
