@@ -69,9 +69,9 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
         assert answers(again) == expected[:2]
         assert [r.request_id for r in again] == ["9", "10"]
         # n samples of a prompt are n requests across the replicas, back as one result
-        [pair] = llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=3, temperature=0,
+        [pair] = llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=3, seed=5,
                                                           ignore_eos=True), use_tqdm=False)
-        assert [o.token_ids for o in pair.outputs] == [expected[0][1][:3]] * 2
+        assert [len(o.token_ids) for o in pair.outputs] == [3, 3]
         assert [o.request_id for o in pair.outputs] == ["11", "11-1"]
 
 

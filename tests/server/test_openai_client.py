@@ -29,7 +29,7 @@ def test_completion_from_text(client, server):
 
 def test_completion_prompt_forms(client):
     result = client.completions.create(model="tiny", prompt=["one", "two", "three"],
-                                       max_tokens=3, temperature=0, n=2,
+                                       max_tokens=3, n=2,
                                        extra_body={"ignore_eos": True})
     assert [c.index for c in result.choices] == [0, 1, 2, 3, 4, 5]
     assert result.usage.completion_tokens == 18

@@ -12,6 +12,9 @@ from kvserve.core.errors import RequestError
 
 # The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
 MAX_SAMPLES = 4096
+# A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
+# overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
+GREEDY_BELOW = 1e-5
 # The most texts a choice-constrained request may choose from.
 MAX_CHOICES = 4096
 
@@ -219,6 +222,9 @@ class SamplingParams:
     def _check_sampling_fields(self) -> None:
         _require(is_finite(self.temperature) and self.temperature >= 0,
                  f"temperature must be a number >= 0, got {self.temperature!r}")
+        _require(self.n == 1 or self.temperature >= GREEDY_BELOW,
+                 f"n must be 1 when sampling greedily (temperature 0): its {self.n} "
+                 "sequences would be one answer repeated")
         _require(is_finite(self.top_p) and 0 < self.top_p <= 1,
                  f"top_p must be in (0, 1], got {self.top_p!r}")
         _require(is_int(self.top_k) and self.top_k >= -1,
