@@ -340,6 +340,8 @@ def test_n_is_checked_and_a_request_is_one_sequence(llm):
     with pytest.raises(RequestError, match="n must be 1 when sampling greedily"):
         SamplingParams(n=2, temperature=0)
     assert SamplingParams(n=2, temperature=1e-5).n == 2
+    # vLLM's: seed -1 is no seed
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     with pytest.raises(RequestError, match="a session turn is one sequence: got n=2"):
         SamplingParams(n=2, session_id="s")  # when built, as every other bad n (QA)
     with pytest.raises(RequestError, match="n=2; a request is one sequence"):

@@ -231,6 +231,8 @@ class SamplingParams:
                  f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
         _require(is_finite(self.min_p) and 0 <= self.min_p <= 1,
                  f"min_p must be in [0, 1], got {self.min_p!r}")
+        if is_int(self.seed) and self.seed == -1:  # vLLM's: -1 is no seed
+            object.__setattr__(self, "seed", None)
         _require(self.seed is None or (is_int(self.seed)
                                        and -(1 << 63) <= self.seed < 1 << 64),
                  f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
