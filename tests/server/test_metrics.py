@@ -150,6 +150,8 @@ def test_every_http_answer_is_counted_by_route_method_and_status_class():
         assert httpx.post(live.url + "/v1/completions", json={
             "prompt": "hi", "model": "gpt-9"}).status_code == 404
         assert httpx.get(live.url + "/nowhere").status_code == 404
+        for invented in ("FOO1", "FOO2"):  # the parser takes any method: one label for all
+            assert httpx.request(invented, live.url + "/v1/models").status_code == 405
         values = scrape(live)
     route = (("handler", "/v1/completions"), ("method", "POST"))
     assert values[("http_requests_total", (*route, ("status", "2xx")))] == 1
@@ -157,6 +159,9 @@ def test_every_http_answer_is_counted_by_route_method_and_status_class():
     assert values[("http_requests_total", (("handler", "none"), ("method", "GET"),
                                            ("status", "4xx")))] == 1
     assert values[("http_request_duration_seconds_count", route)] == 3
+    models = (("handler", "/v1/models"), ("method", "other"))
+    assert values[("http_requests_total", (*models, ("status", "4xx")))] == 2
+    assert not [key for key in values if ("method", "FOO1") in key[1]]
     assert values[("http_request_duration_seconds_sum", route)] > 0
 
 

@@ -169,6 +169,10 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _HTTP_SECONDS = (0.1, 0.5, 1.0)
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH",
+                          "TRACE", "CONNECT"})  # the http series' method label's values
+
+
 class HttpMetrics:
     """ASGI middleware: each HTTP request's route (its template, ``none`` where no route
     matched), method, status class and duration into ``metrics``' http series."""
@@ -194,7 +198,9 @@ class HttpMetrics:
         finally:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
-            method = scope["method"]
+            # the HTTP parser (h11) takes any method name: one a client invents is "other"
+            # (QA: each made series of its own, for the life of the server)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.http_requests.labels(handler, method, f"{status // 100}xx").inc()
             self.metrics.http_duration.labels(handler, method).observe(
                 time.perf_counter() - start)
