@@ -251,3 +251,48 @@ def test_a_tenant_back_from_idle_with_held_session_turns_is_lifted_too():  # T2 
         max_tokens=1, ignore_eos=True, session_id="S0", tenant="B", arrival_time=now))
     assert scheduler.requests["b0.2"] in scheduler.held_waiting
     assert counters["B"] == counters["A"]  # lifted, not credited
+
+
+def test_idle_tenants_counters_are_forgotten_without_changing_any_order():  # T2
+    """A tenant per client-chosen name (``user:<user>`` without keys) kept a counter for the
+    life of the server (QA: 2 MB names, 2 MB each). The counters of tenants with no live
+    request at or below the least live counter are dropped: returning, such a tenant is
+    lifted to the floor as it would have been, so the same operations on a queue that
+    forgets and on one that does not pop the same requests with the same counters."""
+    forgetting, keeping = vtc_queue(), vtc_queue()
+
+    def both(operation):
+        return operation(forgetting), operation(keeping)
+
+    def serve(tenants: list[str], at: float) -> None:
+        for index, tenant in enumerate(tenants):
+            for queue in (forgetting, keeping):
+                queue.push(tenant_request(f"{tenant}-{at}", tenant, 8 + index,
+                                          arrival_time=at + index))
+        for _ in tenants:
+            first, second = both(lambda q: q.pop())
+            assert first.request_id == second.request_id
+
+    serve([f"u{i}" for i in range(100)], 0.0)  # a hundred one-off users
+    serve(["A", "B"], 200.0)
+    both(lambda q: q.push(tenant_request("A-live", "A", 500, arrival_time=300)))
+    forgetting.forget_idle(lambda: {"A"})
+    assert set(forgetting.counters) < set(keeping.counters)
+    assert len(forgetting.counters) <= 3 and "A" in forgetting.counters
+    assert forgetting._forget_at == 64  # the next pass waits for 64 counters
+    serve(["u3", "u99", "B", "new"], 400.0)  # forgotten, kept and unseen tenants return
+    both(lambda q: q.pop())
+    for tenant in ("u3", "u99", "B", "new", "A"):
+        assert forgetting.counters[tenant] == keeping.counters[tenant], tenant
+
+
+def test_the_scheduler_keeps_counters_of_live_tenants_only():  # T2
+    scheduler = make_scheduler(tenant_fairness="vtc", max_num_seqs=4)
+    executor = FakeExecutor()
+    for index in range(300):
+        scheduler.add_request(tenant_request(f"r{index}", f"user:{index}", 16,
+                                             max_tokens=2, ignore_eos=True))
+        step(scheduler, executor)
+    while scheduler.has_unfinished_requests():
+        step(scheduler, executor)
+    assert len(scheduler.waiting.counters) < 128  # was 300: one a tenant ever seen

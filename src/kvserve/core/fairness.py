@@ -23,11 +23,13 @@ request's prompt charge plus the output charge of the requests it has running.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvserve.core.config import SchedulerConfig
 from kvserve.core.queues import PrefixView, WaitingQueue, make_plain_queue
 from kvserve.core.request import Request
+
+_FORGET_FROM = 64  # counters kept before forget_idle looks at them
 
 
 class TenantFairQueue(WaitingQueue):
@@ -46,6 +48,7 @@ class TenantFairQueue(WaitingQueue):
         self.counters: dict[str, float] = {}
         self._last_served: str | None = None
         self._len = 0
+        self._forget_at = _FORGET_FROM  # the number of counters that starts a forget_idle pass
 
     # -- the counters ----------------------------------------------------------------------
 
@@ -64,6 +67,24 @@ class TenantFairQueue(WaitingQueue):
             return
         if self.counters.get(tenant, 0.0) < floor:
             self.counters[tenant] = floor
+
+    def forget_idle(self, live_tenants: Callable[[], set[str]]) -> None:
+        """Drop the counters of tenants with no live request (none waiting, running,
+        swapped or held) that sit at or below every counter T2 could lift a tenant to: the
+        least backlogged or live counter, and the last-served tenant's. Such a tenant,
+        returning, is lifted to the floor then whether its counter was kept or not, so no
+        order changes; what it saves is a counter per client-chosen tenant name for the life
+        of the server (QA: 2 MB ``user`` values held 2 MB each). A pass runs once the
+        counters have doubled since the last, so its cost is amortised."""
+        if len(self.counters) < self._forget_at:
+            return
+        live = live_tenants() | set(self.num_by_tenant)
+        if self._last_served is not None:
+            live.add(self._last_served)
+        floor = min((self.counters.get(t, 0.0) for t in live), default=None)
+        if floor is not None:
+            self.counters = {t: c for t, c in self.counters.items() if t in live or c > floor}
+        self._forget_at = max(_FORGET_FROM, 2 * len(self.counters))
 
     def record_step(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
         """T3: one output token for each scheduled request that reached the end of its

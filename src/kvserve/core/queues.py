@@ -12,7 +12,7 @@ import heapq
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from kvserve.core.config import DEFAULT_LPM_MAX_QUEUE, SCHEDULING_POLICIES, SchedulerConfig
@@ -49,6 +49,11 @@ class WaitingQueue(ABC):
     def record_step(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
         """Told after every schedule() what ran: a fair-share order charges the service
         (T3); the others ignore it."""
+        return None
+
+    def forget_idle(self, live_tenants: Callable[[], set[str]]) -> None:
+        """Told after every schedule(), with the tenants of the scheduler's live requests:
+        a fair-share order forgets accounts no order can read again; the others keep none."""
         return None
 
     def charge_admission(self, request: Request) -> None:

@@ -362,6 +362,7 @@ class Scheduler:
         self._admission.end_step(len(step.preempted), self.running)
         output = self._commit(step, num_lane)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
+        self.waiting.forget_idle(self._live_tenants)  # T2's unreadable accounts
         if step.blocks_to_swap_in:
             self.kv.end_step()  # S2: only now may a swap-out reuse the host blocks read
         return output
@@ -1110,6 +1111,10 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def _live_tenants(self) -> set[str]:
+        """The tenants of the requests not finished: waiting, running, swapped or held."""
+        return {request.sampling_params.tenant for request in self.requests.values()}
 
     def _emit(self, time: float, kind: EventType, request: Request, num_tokens: int = 0,
               reason: str = "") -> None:
