@@ -97,6 +97,8 @@ def test_tenants_from_user_are_capped_with_an_other_bucket():
     assert requests == {"user:u1": 2, "user:u2": 1, "other": 3}
     assert after[("kvserve:tenant_generation_tokens_total", "other")] == 6
     assert after[("kvserve:tenant_prompt_tokens_total", "user:u1")] == 8
+    # an overlong name is not remembered (QA: 400 names of megabytes were kept)
+    assert not [t for t in live.state.metrics.tenants._labels if len(t) > MAX_LABEL_CHARS]
 
 
 def test_a_users_invisible_characters_are_escaped_in_its_label():

@@ -96,8 +96,9 @@ class TenantSeries:
                 self._num_named += 1
             else:
                 label = OTHER
-            if label != OTHER or len(self._labels) < 4 * self.max_series:
-                self._labels[tenant] = label  # remembered, within a bound
+            if label != OTHER or (len(tenant) <= MAX_LABEL_CHARS
+                                  and len(self._labels) < 4 * self.max_series):
+                self._labels[tenant] = label  # remembered, within a bound (QA: 2 MB names)
             return label
 
     def labels_seen(self) -> list[str]:
