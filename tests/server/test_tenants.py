@@ -5,6 +5,7 @@ tenant of each API key."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 
@@ -139,6 +140,11 @@ def test_tenant_without_keys_comes_from_user_or_address():
     anonymous = ApiKey("", "anonymous")
     assert tenant_of(KEYS[0], True, "ignored", "10.0.0.1") == "A"
     assert tenant_of(anonymous, False, "alice", "10.0.0.1") == "user:alice"
+    # a long name is kept by its hash (QA: 2 MB names were kept whole, for ever)
+    assert tenant_of(anonymous, False, "a" * 256, None) == "user:" + "a" * 256
+    long = tenant_of(anonymous, False, "a" * 257, None)
+    assert long == "user:sha256:" + hashlib.sha256(b"a" * 257).hexdigest()
+    assert tenant_of(anonymous, False, "\ud800" * 300, None).startswith("user:sha256:")
     assert tenant_of(anonymous, False, None, "10.0.0.1") == "addr:10.0.0.1"
 
 

@@ -22,6 +22,7 @@ priority is taken: it chooses nothing).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from dataclasses import dataclass
@@ -241,12 +242,19 @@ def tenant_weights(keys: list[ApiKey]) -> tuple[tuple[str, float], ...]:
     return tuple((tenant, weight) for tenant, weight in weights.items() if weight != 1.0)
 
 
+MAX_USER_CHARS = 256  # a longer ``user`` names its tenant by its hash
+
+
 def tenant_of(key: ApiKey, keys_enabled: bool, user: str | None,
               client_host: str | None) -> str:
-    """Who a request is from: its API key's tenant; without keys, the body's ``user``, or
-    else the client's address."""
+    """Who a request is from: its API key's tenant; without keys, the body's ``user`` (one
+    over 256 characters by its SHA-256: the name is kept wherever the request's tenant is,
+    QA: 2 MB names), or else the client's address."""
     if keys_enabled:
         return key.tenant
     if user:
+        if len(user) > MAX_USER_CHARS:
+            return "user:sha256:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")
+                                                   ).hexdigest()
         return f"user:{user}"
     return f"addr:{client_host or 'unknown'}"
