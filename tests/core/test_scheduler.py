@@ -391,6 +391,33 @@ def test_queue_deadline_times_out_only_never_scheduled_requests(executor):  # K4
     assert "a" in scheduler.requests and "c" in scheduler.requests  # a ran; c has 100 s
 
 
+def test_a_queue_deadline_is_its_own_requests_and_goes_with_it(executor):  # K4
+    """An expired entry named its request by id: a later request that reused the id, with
+    no deadline of its own, was timed out at the old one's (QA); and the entries of
+    finished requests stayed until their deadline, a day where a client asked for one."""
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("job", 4, max_tokens=1, max_queue_delay=5.0))
+    step(scheduler, executor, 0.0)
+    step(scheduler, executor, 0.1)
+    assert "job" not in scheduler.requests
+    scheduler.add_request(make_request("long", 4, max_tokens=1000, ignore_eos=True,
+                                       arrival_time=3.0))
+    step(scheduler, executor, 3.0)
+    scheduler.add_request(make_request("job", 4, max_tokens=1, arrival_time=4.0))
+    outputs = step(scheduler, executor, 4.0)[1] + step(scheduler, executor, 5.5)[1]
+    assert not [o for o in outputs if o.stop_reason == "queue_timeout"]
+    assert "job" in scheduler.requests  # waiting behind "long", as it asked no deadline
+    scheduler.abort("long")
+    for index in range(1000):
+        scheduler.add_request(make_request(f"r{index}", 4, max_tokens=1,
+                                           arrival_time=6.0, max_queue_delay=86400.0))
+    now = 6.0
+    while scheduler.requests:
+        step(scheduler, executor, now)
+        now += 0.001
+    assert len(scheduler._queue_deadlines) <= 64 + 2
+
+
 def test_leak_check_after_everything_finishes():  # I4, O.14
     scheduler = make_scheduler(num_blocks=30, block_size=4, max_num_seqs=4,
                                max_num_batched_tokens=32)

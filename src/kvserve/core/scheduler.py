@@ -255,7 +255,7 @@ class Scheduler:
         if delay is None:
             delay = self.config.max_queue_delay
         if delay is not None:
-            self._queue_deadlines.add(request.request_id, request.arrival_time + delay)
+            self._queue_deadlines.add(request, request.arrival_time + delay)
         self._emit(request.arrival_time, EventType.ARRIVED, request, request.num_tokens, reason)
 
     def abort(self, request_id: str, now: float | None = None) -> bool:
@@ -883,11 +883,17 @@ class Scheduler:
 
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
-        for request_id in self._queue_deadlines.expired(now):
-            request = self.requests.get(request_id)
-            if request is None or request.first_scheduled_time is not None:
-                continue
-            self._abort_waiting(request, now, QUEUE_TIMEOUT)
+        deadlines = self._queue_deadlines
+        for request in deadlines.expired(now):
+            if self._waits_for_first_run(request):
+                self._abort_waiting(request, now, QUEUE_TIMEOUT)
+        deadlines.compact(self._waits_for_first_run, len(self.requests))
+
+    def _waits_for_first_run(self, request: Request) -> bool:
+        """Whether ``request`` is live and was never scheduled (not a later request that
+        reused its id)."""
+        return self.requests.get(request.request_id) is request and \
+            request.first_scheduled_time is None
 
     def _admissible_next(self) -> list[Request]:
         """K4: the waiting requests the next step would admit as things stand: the seats,
