@@ -333,3 +333,24 @@ def test_a_damaged_recording_is_one_error_naming_the_file(tmp_path, damage, mess
     with pytest.raises(TraceError, match=message) as caught:
         load_recording(directory, warn=lambda text: None)
     assert str(directory) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_failure_in_the_writer_stops_the_recording_and_says_why(tmp_path, monkeypatch):
+    """Only a write error (OSError) stopped the recording: any other exception killed the
+    writer thread while the status said it recorded, and every step report after it piled
+    up in the writer's queue for the life of the server (QA)."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+
+    def broken(report: object) -> None:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(recorder, "_record", broken)
+    recorder.observe(report(recorder, 1.0, 0, stats=IDLE))
+    recorder.flush()
+    status = recorder.status()
+    assert status["recording"] is False
+    assert "internal error: RuntimeError: dictionary changed size" in status["error"]
+    recorder.observe(report(recorder, 2.0, 0, stats=IDLE))  # queued no more
+    assert recorder._queue.qsize() == 0 and recorder._writer.is_alive()
+    recorder.close()

@@ -311,14 +311,22 @@ class Recorder:
     def _guarded(self, write: Any, *args: Any, **kwargs: Any) -> None:
         """``write`` on the writer thread; a write error (a full disk, a file gone) stops
         the recording with one logged line and the reason in :meth:`status` (the thread died
-        with a traceback, and the status said it still recorded)."""
+        with a traceback, and the status said it still recorded); any other failure stops
+        it too, with its traceback logged (QA: the thread died and the reports piled up in
+        its queue for the life of the server)."""
         try:
             write(*args, **kwargs)
         except OSError as error:
-            if self.error is None:
-                self.error = f"{error.strerror or error} ({error.filename or self.directory})"
-                self.active = False
-                logger.error("recording into %s stopped: %s", self.directory, self.error)
+            self._stop_on(f"{error.strerror or error} ({error.filename or self.directory})")
+        except Exception as error:
+            logger.exception("recording into %s failed", self.directory)
+            self._stop_on(f"internal error: {type(error).__name__}: {error}")
+
+    def _stop_on(self, error: str) -> None:
+        if self.error is None:
+            self.error = error
+            self.active = False
+            logger.error("recording into %s stopped: %s", self.directory, self.error)
 
     def _control(self, entry: tuple[Any, ...]) -> None:
         segments = self.manifest["segments"]
