@@ -358,7 +358,8 @@ class Recorder:
             {"engine": engine, "time": round(when, 6)})
         self._close_step(engine, None)
         held_ids = set(held)
-        for request_id, entry in self._pending.items():
+        # a copy: the event loop adds submitted requests meanwhile (QA)
+        for request_id, entry in list(self._pending.items()):
             if request_id in held_ids or (entry.arrival is not None and entry.engine == engine):
                 entry.orphaned = when
 
