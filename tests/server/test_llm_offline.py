@@ -549,3 +549,32 @@ def test_generate_takes_one_priority_per_prompt_as_vllm():
     with pytest.raises(ValueError, match="priority must be an integer"):
         llm.generate([[5, 6]], use_tqdm=False, priority=["high"])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_with_only_the_protocols_methods_serves_a_conversation():
+    """engine.text.Tokenizer is what the engine and LLM call (README): LLM.chat called
+    apply_chat_template, which the protocol did not name, so a tokenizer written to it
+    failed with an AttributeError read as a template error (QA)."""
+    import typing
+
+    from kvserve.engine.text import Tokenizer
+
+    names = typing._get_protocol_attrs(Tokenizer)  # type: ignore[attr-defined]
+
+    class ProtocolOnly:
+        def __init__(self, inner: object) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            if name not in names:
+                raise AttributeError(f"{name} is not in the Tokenizer protocol")
+            return getattr(self._inner, name)
+
+    only = ProtocolOnly(tokenizer())
+    llm = LLM(TINY, tokenizer=only, num_kv_blocks=16, max_model_len=256, dtype="float32")
+    try:
+        [result] = llm.chat([{"role": "user", "content": "hi"}],
+                            SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        assert len(result.outputs[0].token_ids) == 2
+    finally:
+        llm.close()

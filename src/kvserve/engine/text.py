@@ -65,8 +65,21 @@ class Tokenizer(Protocol):
         text prompt gets them; a chat template's text writes its own."""
         ...
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied to ``messages``, with the generation prompt, as ids."""
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The chat template applied to ``messages``, as text; ``kwargs``: more variables
+        for the template (vLLM's ``chat_template_kwargs``, ``tools``)."""
+        ...
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    **template_kwargs: Any) -> list[int]:
+        """:meth:`apply_chat_template`'s text as ids."""
+        ...
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's own string in the vocabulary (None for an id it lacks)."""
         ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
