@@ -7,7 +7,13 @@ the server its metrics exposition when it is built (:func:`kvserve.server.app.bu
 
 __version__ = "0.1.0"
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+
+__all__ = ["LLM", "SamplingParams"]
 
 # vLLM's two offline names, as ``from vllm import LLM, SamplingParams`` gives them; loaded on
 # first use, so that importing kvserve (the simulator, the core) does not import torch.
