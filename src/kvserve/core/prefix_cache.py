@@ -58,7 +58,7 @@ def first_block_key(request: Request, tenant_scoped: bool) -> str | None:
 
 
 def extend_block_hashes(request: Request, block_size: int, num_tokens: int,
-                        tenant_scoped: bool = False) -> list[bytes]:
+                        tenant_scoped: bool = False) -> list[BlockHash]:
     """Make ``request.block_hashes`` cover every full block within the first ``num_tokens``.
 
     The digests are those of chaining :func:`hash_block_tokens` block by block. Many new
@@ -170,7 +170,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
     return hashes
 
 
-def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[bytes],
+def find_longest_cache_hit(pool: BlockPool, block_hashes: Sequence[BlockHash],
                            max_blocks: int) -> list[KVBlock]:
     """Blocks for the longest run of leading hashes present in the cache, at most max_blocks.
 

@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from kvserve.core.config import DEFAULT_LPM_MAX_QUEUE, SCHEDULING_POLICIES, SchedulerConfig
+from kvserve.core.prefix_cache import BlockHash
 from kvserve.core.request import Request
 
 
 class PrefixView(Protocol):
     """What a cache-aware order may ask of the KV cache: a read-only query (C4)."""
 
-    def cached_prefix_hashes(self, request: Request) -> list[bytes]: ...
+    def cached_prefix_hashes(self, request: Request) -> list[BlockHash]: ...
 
 
 class WaitingQueue(ABC):

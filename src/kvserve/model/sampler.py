@@ -580,7 +580,7 @@ def _top_k_top_p_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
 
 
 def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
-              token_ids: list[int]) -> list[dict[int, float]] | None:
+              token_ids: list[int]) -> list[LogprobEntry] | None:
     wanted = [row.params.logprobs for row in rows]
     if all(n is None for n in wanted):
         return None

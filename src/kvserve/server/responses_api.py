@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -132,7 +132,7 @@ class ResponsesGeneration(Generation):
         return next(iter(self.choices.values()))  # one sequence: this API has no n
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
-        response = self._response(self._status(), self._output(), self._usage())
+        response = self._response(self._status(), self._output(), self._response_usage())
         if response["status"] == "cancelled":
             response["error"] = None
         elif response["status"] == "failed":
@@ -265,7 +265,8 @@ class ResponsesGeneration(Generation):
         self.cancelled = True
         self.stream.abort()
 
-    def _usage(self) -> dict[str, Any]:
+    def _response_usage(self) -> dict[str, Any]:
+        """The Responses API's usage object (input/output tokens and their details)."""
         choice = self.choice
         cached = choice.metrics.num_cached_tokens if choice.metrics is not None else 0
         output = choice.num_output_tokens
@@ -697,7 +698,7 @@ async def create(state: ServerState, request: Request) -> Response:
 
 async def _start(state: ServerState, request: Request, key: Any, api: ResponsesRequest,
                  conversation: list[dict[str, Any]], arrival_time: float,
-                 kind: Any) -> Generation:
+                 kind: Callable[..., ResponsesGeneration]) -> ResponsesGeneration:
     """The request queued; with ``truncation: "auto"`` (OpenAI's), a conversation longer
     than the context loses its oldest items, as few as make it fit (found by bisection;
     a tool's output never stays without its call; the last item always stays)."""
@@ -732,8 +733,10 @@ async def _start(state: ServerState, request: Request, key: Any, api: ResponsesR
                     low = middle + 1
             if cut is None:
                 raise whole
-    return await start(state, request, key, chat(cut), True, arrival_time, kind,
-                       strict_context=True)
+    generation = await start(state, request, key, chat(cut), True, arrival_time, kind,
+                             strict_context=True)
+    assert isinstance(generation, ResponsesGeneration)  # what ``kind`` makes
+    return generation
 
 
 def _from(conversation: list[dict[str, Any]], dropped: int) -> list[dict[str, Any]]:
