@@ -348,10 +348,16 @@ def test_the_model_s_generation_config_gives_its_sampling_defaults(tmp_path, cap
             reply = httpx.post(url, json={"messages": hi, "ignore_eos": True, "max_tokens": 9,
                                           "temperature": 0.75}).json()
             assert reply["usage"]["completion_tokens"] == 9  # the request's own go first
+            # a completion's default stays OpenAI's 16, as vLLM's completions request has
+            # it as its own default (QA: the config's max_new_tokens was taken)
+            reply = httpx.post(live.url + "/v1/completions",
+                               json={"prompt": "hi", "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == 16
     queued = [r.getMessage() for r in caplog.records if " queued: " in r.getMessage()]
     assert [line.split(", sequences 1, ")[1].rsplit(", seed", 1)[0] for line in queued] == [
         "max_tokens 5, temperature 0.25, top_p 0.5, top_k 7",
-        "max_tokens 9, temperature 0.75, top_p 0.5, top_k 7"]
+        "max_tokens 9, temperature 0.75, top_p 0.5, top_k 7",
+        "max_tokens 16, temperature 0.25, top_p 0.5, top_k 7"]
 
 
 def test_generation_config_vllm_ignores_the_file_and_an_override_extends_it(tmp_path):

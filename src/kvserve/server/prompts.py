@@ -208,11 +208,12 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
             raise bad_request("max_tokens 0 asks for no token: only with 'echo': true (the "
                               "prompt scored, nothing generated)", param="max_tokens")
         asked = 1
-    if asked is None:  # the model's generation config's default, else OpenAI's
+    if asked is None:  # chat: the model's generation config's default, else the room;
+        # a completion: OpenAI's 16, which vLLM's completions keep whatever the config says
         default = state.sampling_defaults.get("max_tokens")
-        if default is not None:
-            return min(default, limit - longest)
-        return limit - longest if chat else min(16, limit - longest)
+        if not chat:
+            return min(16, limit - longest)
+        return limit - longest if default is None else min(default, limit - longest)
     if longest + asked > limit and (strict or asked > limit):
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         raise context_exceeded(f"'{name}' is too large: {asked}. This model's maximum context "
