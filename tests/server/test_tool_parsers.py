@@ -77,8 +77,12 @@ def test_a_call_a_strict_json_parser_cannot_read_is_left_as_text(name, text):
     ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
      None, (("a", "{}"), ("b", '{"x": 1}'))),
     ("The weather is fine.", "The weather is fine.", ()),
-    ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more',
-     ()),
+    # text after the calls is not the answer, as the stream and vLLM's parser leave it (QA:
+    # the whole answer was that text, the stream the call)
+    ('{"name": "a", "parameters": {}} and more', None, (("a", "{}"),)),
+    ('{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}', None,
+     (("a", "{}"), ("b", "{}"))),
+    ('{"name": "a", "parameters": {}}; {"name": "b", "param', None, (("a", "{}"),)),
     ('{"city": "Oslo"}', '{"city": "Oslo"}', ()),
 ])
 def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
@@ -184,6 +188,12 @@ STREAMED = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"name": "a", "name": "b", '
                '"o": {"arguments": 1, "arguments": 2}}}</tool_call>'),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"parameters": 1, "parameters": 2}}]'),
+    # text after the calls, or a call on a line of its own: the stream and the whole answer
+    # agree, as vLLM's parser reads them (QA: the whole answer was text, the stream a call)
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}} Done.'),
+    ("llama3_json", '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {"y": 2}}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}] ok'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1} and that is all'),
 ]
 
 

@@ -134,20 +134,25 @@ class Llama3JsonParser:
         body = body.removeprefix(self.tag).lstrip()
         if not body.startswith("{"):
             return ParsedCalls(text, (), len(text))
-        calls, at = [], 0
+        calls: list[tuple[str, str]] = []
+        at = 0
         while at < len(body):
             try:
                 value, at = raw_json(body, at, call=True)
             except ValueError:
-                return ParsedCalls(text, (), len(text))
-            call = _call_of(value)
+                value = None
+            call = _call_of(value) if value is not None else None
             if call is None:
+                if calls:  # the calls read so far stand, as the stream sent them
+                    break
                 return ParsedCalls(text, (), len(text))
             calls.append(call)
             rest = body[at:].lstrip()
-            if rest and not rest.startswith(";"):
-                return ParsedCalls(text, (), len(text))
-            at = len(body) - len(rest[1:].lstrip()) if rest else len(body)
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            elif not rest.startswith("{"):  # text after the calls: not the answer, as the
+                break  # stream and vLLM's parser leave it
+            at = len(body) - len(rest)
         return ParsedCalls(None, tuple(calls))
 
     def content_end(self, text: str) -> int:
@@ -164,9 +169,8 @@ class Llama3JsonParser:
             if end is None:
                 break
             at = _blank_end(text, end)
-            if not text.startswith(";", at):
-                break
-            at = _blank_end(text, at + 1)
+            if text.startswith(";", at):  # a next call after ";" or on its own (vLLM's)
+                at = _blank_end(text, at + 1)
         return calls
 
 
@@ -191,8 +195,8 @@ class MistralParser:
         calls: list[tuple[str, str]] = []
         rest = text
         while rest:
-            if not rest.startswith(self.marker):
-                return []
+            if not rest.startswith(self.marker):  # text after the calls: not the answer, as
+                return calls  # the stream and vLLM's parser leave it
             rest = rest[len(self.marker):].lstrip()
             try:
                 if rest.startswith(("[", "{")):  # the list form
