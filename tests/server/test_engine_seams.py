@@ -29,8 +29,17 @@ class LetterTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) - ord("a") for c in text]
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.decode([token_id]) if 0 <= token_id < self.vocab_size else None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t) for t in token_ids)
