@@ -1075,3 +1075,36 @@ def test_replayed_calls_as_clients_write_them_are_taken(server):
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
         assert response.status_code == 200, (call, response.text)
+
+
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_as_vllm(server):
+    """vLLM's truncate_prompt_tokens (QA: refused here): each prompt cut to its last N
+    tokens (a generative model's tokenizer cuts on the left in vLLM), or its first N with
+    truncation_side "right"; -1 is the context less one; past the context, a 400."""
+    def usage(body):
+        reply = post(server, COMPLETIONS, {"max_tokens": 1, "ignore_eos": True,
+                                           "temperature": 0, **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    left = usage({"prompt": [[5] * 3 + [7] * 20, [9] * 4], "truncate_prompt_tokens": 20,
+                  "echo": True, "max_tokens": 1})
+    assert left["usage"]["prompt_tokens"] == 20 + 4
+    whole = usage({"prompt": [7] * 20, "echo": True})
+    assert left["choices"][0]["text"] == whole["choices"][0]["text"]  # the last 20 echoed
+    right = usage({"prompt": [[5] * 3 + [7] * 20], "truncate_prompt_tokens": 3,
+                   "truncation_side": "right", "echo": True})
+    assert right["choices"][0]["text"] == usage({"prompt": [5] * 3, "echo": True}
+                                                )["choices"][0]["text"]
+    longest = usage({"prompt": [5] * 400, "truncate_prompt_tokens": -1})
+    assert longest["usage"]["prompt_tokens"] == 255  # max_model_len 256, less one
+    chat = post(server, CHAT, {"messages": [{"role": "user", "content": "hi " * 400}],
+                               "truncate_prompt_tokens": 100, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == 100
+    for value, message in ((257, "cannot be greater than max_model_len = 256"),
+                           (0, "leaves no prompt"), (-2, "greater than or equal to -1")):
+        reply = post(server, COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": value})
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"]
+        assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
+    reply = post(server, COMPLETIONS, {"prompt": "x", "truncation_side": "middle"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncation_side"

@@ -39,6 +39,7 @@ from kvserve.server.prompts import (
     max_tokens_for,
     room_for,
     sampling_params,
+    truncated,
 )
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -110,6 +111,7 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     tenant = tenant_of(key, state.keys.enabled, req.user,
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
+    prompts = truncated(state, req, prompts)
     # strict_context: the Responses API keeps OpenAI's 400 for an answer that would
     # overrun the context (its truncation decides); the chat endpoints cut it short, as vLLM
     max_tokens = max_tokens_for(state, req, chat, prompts, strict=strict_context)
@@ -179,10 +181,11 @@ def _chat_echo(req: Any, role: str) -> str:
 def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
     """Each prompt's text for echo: as sent, or its token ids decoded, special tokens as
     written (vLLM's; QA: <|im_start|> was dropped, where /detokenize keeps it)."""
-    if isinstance(req.prompt, str):
+    if req.truncate_prompt_tokens is None and isinstance(req.prompt, str):
         return [req.prompt]
-    if all(isinstance(item, str) for item in req.prompt):
+    if req.truncate_prompt_tokens is None and all(isinstance(item, str) for item in req.prompt):
         return list(req.prompt)
+    # token ids, or a truncated prompt: what the model was given
     return [state.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 

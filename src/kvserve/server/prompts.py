@@ -49,6 +49,28 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
     return encoded
 
 
+def truncated(state: ServerState, req: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: each prompt cut to that many tokens (-1: as many
+    as leave one to generate), its last ones, as vLLM's tokenizer of a generative model cuts,
+    or with ``truncation_side: "right"`` its first ones; more than the context is a 400."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    limit = state.max_model_len
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than "
+                          f"max_model_len = {limit}; ask for a smaller truncation",
+                          param="truncate_prompt_tokens")
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens=0 leaves no prompt; ask for at least 1 "
+                          "token (or -1: as many as the context takes)",
+                          param="truncate_prompt_tokens")
+    keep = limit - 1 if keep < 0 else keep
+    if req.truncation_side == "right":
+        return [prompt[:keep] for prompt in prompts]
+    return [prompt[-keep:] for prompt in prompts]
+
+
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
     tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
     return [chat_ids(state, req.messages, req.add_generation_prompt,

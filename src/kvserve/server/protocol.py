@@ -214,7 +214,10 @@ class _Sampling(Body):
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
+    # vLLM's: each prompt cut to this many tokens (-1: max_model_len - 1), its last ones
+    # unless truncation_side says "right" (its first ones)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=1 << 62)
+    truncation_side: Literal["left", "right"] | None = None
     logits_processors: Any = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older structured_outputs.json
     guided_regex: Any = None
