@@ -35,13 +35,14 @@ def test_plain_greedy_rows_are_those_the_sampler_only_takes_the_first_maximum_of
         return SamplingRow(SamplingParams(**params), [1, *output], 1)
 
     assert Sampler.plain_greedy([row(temperature=0.0), row(temperature=0.0)])
-    assert Sampler.plain_greedy([row(temperature=0.0, min_tokens=2, ignore_eos=True,
-                                     eos_token_id=2)])  # nothing held: EOS ignored
+    assert Sampler.plain_greedy([row(temperature=0.0, min_tokens=2, ignore_eos=True)])
     for other in (row(temperature=0.7), row(top_k=1, temperature=0.7),
                   row(temperature=0.0, logprobs=1),
                   row(temperature=0.0, repetition_penalty=1.2),
                   row(temperature=0.0, logit_bias={3: 1.0}),
-                  row(temperature=0.0, min_tokens=3, eos_token_id=2)):  # holds its EOS
+                  row(temperature=0.0, min_tokens=3, eos_token_id=2),  # holds its EOS
+                  # ignore_eos too, as vLLM's min-tokens processor holds all stop ids
+                  row(temperature=0.0, min_tokens=3, eos_token_id=2, ignore_eos=True)):
         assert not Sampler.plain_greedy([row(temperature=0.0), other])
 
 
@@ -102,8 +103,9 @@ def test_extreme_temperatures_and_penalties_draw_a_token_of_the_vocabulary(param
 
 def test_below_min_tokens_eos_and_stop_token_ids_are_never_drawn():
     """As vLLM's min-tokens logits processor: until a row has min_tokens outputs, its EOS
-    (unless ignore_eos) and stop token ids are held back, greedy or sampled; drawn, the EOS
-    was kept as text and the model ran on past its own end (QA)."""
+    (with ignore_eos too: vLLM's all_stop_token_ids) and stop token ids are held back,
+    greedy or sampled; drawn, the EOS was kept as text and the model ran on past its own end
+    (QA)."""
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 4)
     params = SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0, stop_token_ids=[1])
     rows = [SamplingRow(params, [9, 9, 9], 1),  # 2 outputs: held
@@ -111,9 +113,9 @@ def test_below_min_tokens_eos_and_stop_token_ids_are_never_drawn():
             SamplingRow(SamplingParams(temperature=1.0, seed=5, min_tokens=2, eos_token_id=0,
                                        stop_token_ids=[1, 2]), [9], 1),
             SamplingRow(SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0,
-                                       ignore_eos=True), [9], 1)]  # EOS is not a stop
+                                       ignore_eos=True), [9], 1)]  # held all the same
     out = Sampler()(logits, rows)
-    assert out.token_ids == [2, 0, 3, 0]
+    assert out.token_ids == [2, 0, 3, 1]
 
 
 def test_repetition_penalty_demotes_seen_tokens():
