@@ -372,6 +372,26 @@ def test_generation_config_vllm_ignores_the_file_and_an_override_extends_it(tmp_
     assert state.sampling_defaults == {"temperature": 0.5}
 
 
+def test_an_override_or_a_directory_s_max_new_tokens_caps_every_request(tmp_path):
+    """vLLM's override_max_tokens: max_new_tokens from --override-generation-config or
+    --generation-config DIR caps a request's own max_tokens and a completion's 16 (QA: a
+    completion took 16 where vLLM gives 3); from the model's own file it is chat's default
+    only (the test above: a request's 9 stands)."""
+    model = tiny_model_dir(tmp_path / "m", generation_config=GENERATION_CONFIG,
+                           chat_template=ROLES)
+    assert serve_state(model).max_tokens_cap is None
+    assert serve_state(model, "--generation-config", str(model)).max_tokens_cap == 5
+    state = serve_state(model, "--override-generation-config", '{"max_new_tokens": 3}')
+    assert state.max_tokens_cap == 3
+    with LiveServer(state=state) as live:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/completions", {"prompt": "hi", "max_tokens": 9}),
+                           ("/v1/chat/completions", {"messages": [
+                               {"role": "user", "content": "hi"}], "max_tokens": 9})):
+            reply = httpx.post(live.url + path, json={**body, "ignore_eos": True}).json()
+            assert reply["usage"]["completion_tokens"] == 3, (path, body)
+
+
 def test_the_bundled_model_has_no_generation_config():
     """A GGUF carries no generation_config.json: its defaults are unchanged."""
     from kvserve.server.cli_serve import _sampling_defaults

@@ -588,6 +588,7 @@ class _Setup:
     names: list[str]  # --served-model-name's
     template: str | None  # --chat-template's, in place of the model's
     sampling_defaults: dict[str, Any]
+    max_tokens_cap: int | None  # vLLM's override_max_tokens
     parallel: bool  # data-parallel replicas (or one Ray replica)
     step_timeout: float | None
     build_args: dict[str, Any]  # the engine's
@@ -648,7 +649,8 @@ def _check_flags(args: argparse.Namespace) -> _Setup:
     step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
     _check_answer_flags(args)
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
-    return _Setup(keys, names, template, defaults, parallel, step_timeout, build_args)
+    return _Setup(keys, names, template, defaults, _max_tokens_cap(args, defaults), parallel,
+                  step_timeout, build_args)
 
 
 def _api_keys(args: argparse.Namespace) -> list[ApiKey]:
@@ -802,6 +804,7 @@ def _server_state(args: argparse.Namespace, setup: _Setup,
         # vLLM serves the model under the path as given: a client moved from it sends that
         state.model_aliases = (args.model,)
     state.sampling_defaults = setup.sampling_defaults
+    state.max_tokens_cap = setup.max_tokens_cap
     state.max_logprobs = serving.info.tokenizer.vocab_size if args.max_logprobs == -1 \
         else args.max_logprobs
     state.response_role = args.response_role
@@ -950,6 +953,16 @@ def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("sampling defaults from %s, for the requests that do not set them: %s "
                     "(--generation-config vllm: none)", source, shown)
     return defaults
+
+
+def _max_tokens_cap(args: argparse.Namespace, defaults: dict[str, Any]) -> int | None:
+    """vLLM's override_max_tokens: a max_new_tokens read from ``--generation-config DIR``,
+    or given by ``--override-generation-config``, caps every request's max_tokens; one read
+    from the model's own file (auto) is only chat's default."""
+    if args.generation_config not in ("auto", "vllm") or \
+            "max_new_tokens" in (args.override_generation_config or {}):
+        return defaults.get("max_tokens")
+    return None
 
 
 def _env_api_key() -> list[str]:

@@ -230,19 +230,19 @@ def max_tokens_for(state: ServerState, req: Any, chat: bool, prompts: list[list[
             raise bad_request("max_tokens 0 asks for no token: only with 'echo': true (the "
                               "prompt scored, nothing generated)", param="max_tokens")
         asked = 1
-    if asked is None:  # chat: the model's generation config's default, else the room;
-        # a completion: OpenAI's 16, which vLLM's completions keep whatever the config says
-        default = state.sampling_defaults.get("max_tokens")
-        if not chat:
-            return min(16, limit - longest)
-        return limit - longest if default is None else min(default, limit - longest)
+    cap = state.max_tokens_cap
+    if asked is None:  # chat: the generation config's default, else the room; a completion:
+        # OpenAI's 16, the default vLLM's completions request has of its own
+        default = state.sampling_defaults.get("max_tokens") if chat else 16
+        room = limit - longest if default is None else min(default, limit - longest)
+        return room if cap is None else min(room, cap)
     if longest + asked > limit and (strict or asked > limit):
         name = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
         raise context_exceeded(f"'{name}' is too large: {asked}. This model's maximum context "
                                f"length is {limit} tokens (max_model_len) and your request "
                                f"has {_tokens(longest)} of input{which} ({asked} > {limit} - "
                                f"{longest}); ask for at most {_tokens(limit - longest)}", name)
-    return asked
+    return asked if cap is None else min(asked, cap)
 
 
 def room_for(state: ServerState, params: SamplingParams, prompt: list[int]) -> SamplingParams:

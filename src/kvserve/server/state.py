@@ -88,6 +88,9 @@ class ServerState:
     model_aliases: tuple[str, ...] = ()
     # --generation-config's: SamplingParams field -> default, for a request that sets none
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # vLLM's override_max_tokens: max_new_tokens from --generation-config DIR or from
+    # --override-generation-config caps every request's max_tokens, its own too
+    max_tokens_cap: int | None = None
     response_role: str = "assistant"  # --response-role: a chat answer's message's role
     max_logprobs: int = 20  # --max-logprobs: the most (prompt / top) logprobs a request asks
     log_requests: bool = False  # --enable-log-requests
