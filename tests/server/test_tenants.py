@@ -143,8 +143,9 @@ def test_tenant_without_keys_comes_from_user_or_address():
     # a long name is kept by its hash (QA: 2 MB names were kept whole, for ever)
     assert tenant_of(anonymous, False, "a" * 256, None) == "user:" + "a" * 256
     long = tenant_of(anonymous, False, "a" * 257, None)
-    assert long == "user:sha256:" + hashlib.sha256(b"a" * 257).hexdigest()
-    assert tenant_of(anonymous, False, "\ud800" * 300, None).startswith("user:sha256:")
+    assert long == "user-sha256:" + hashlib.sha256(b"a" * 257).hexdigest()
+    assert tenant_of(anonymous, False, long.replace("user-", ""), None) != long  # no alias
+    assert tenant_of(anonymous, False, "\ud800" * 300, None).startswith("user-sha256:")
     assert tenant_of(anonymous, False, None, "10.0.0.1") == "addr:10.0.0.1"
 
 

@@ -254,7 +254,8 @@ def tenant_of(key: ApiKey, keys_enabled: bool, user: str | None,
         return key.tenant
     if user:
         if len(user) > MAX_USER_CHARS:
-            return "user:sha256:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")
+            # a namespace of its own: no short user names the same tenant
+            return "user-sha256:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")
                                                    ).hexdigest()
         return f"user:{user}"
     return f"addr:{client_host or 'unknown'}"
