@@ -342,6 +342,8 @@ def test_n_is_checked_and_a_request_is_one_sequence(llm):
     assert SamplingParams(n=2, temperature=1e-5).n == 2
     # vLLM's: seed -1 is no seed
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    # a sample seeded -1 (seed - 2 + 1) stays seeded (QA: it became unseeded)
+    assert [s.seed for s in SamplingParams(seed=-2, n=3).samples()] == [-2, (1 << 64) - 1, 0]
     with pytest.raises(RequestError, match="a session turn is one sequence: got n=2"):
         SamplingParams(n=2, session_id="s")  # when built, as every other bad n (QA)
     with pytest.raises(RequestError, match="n=2; a request is one sequence"):

@@ -95,6 +95,14 @@ def _as_json(value: Any) -> str:
         return repr(value)
 
 
+def _sample_seed(seed: int) -> int:
+    """A sample's seed in the seed range: past its top wraps to its bottom, and -1 (which a
+    request sends for no seed) is 2**64 - 1, the same draws (seeds count modulo 2**64)."""
+    if seed >= 1 << 64:
+        return seed - (1 << 64)
+    return (1 << 64) - 1 if seed == -1 else seed
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise RequestError(message)
@@ -339,8 +347,7 @@ class SamplingParams:
         if self.n == 1:
             return [self]
         seeds = [None] * self.n if self.seed is None else \
-            [self.seed + k - (1 << 64) if self.seed + k >= 1 << 64 else self.seed + k
-             for k in range(self.n)]
+            [_sample_seed(self.seed + k) for k in range(self.n)]
         return [replace(self, n=1, seed=seed) for seed in seeds]
 
     def _check_session(self) -> None:
