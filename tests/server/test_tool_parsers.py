@@ -109,6 +109,10 @@ def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
      '[TOOL_CALLS] [{"name": "", "arguments": {}}]', ()),  # QA: a call to ""
     ('[TOOL_CALLS][ARGS]{}', '[TOOL_CALLS][ARGS]{}', ()),
     ("No call.", "No call.", ()),
+    # what follows the calls read and is none is left, as the stream leaves it (QA: the
+    # whole answer was the text, where the stream had sent the calls)
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y": ', None, (("f", '{"x": 1}'),)),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1} [TOOL_CALLS][{"city": 1}]', None, (("f", '{"x": 1}'),)),
 ])
 def test_mistral_reads_calls_after_its_marker(text, content, calls):
     parsed = make_parser("mistral").parse(text)
@@ -194,6 +198,7 @@ STREAMED = [
     ("llama3_json", '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {"y": 2}}'),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}] ok'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1} and that is all'),
+    ("mistral", ' [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] [TOOL_CALLS]'),
 ]
 
 

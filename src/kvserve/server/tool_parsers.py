@@ -191,7 +191,9 @@ class MistralParser:
     def _calls(self, text: str) -> list[tuple[str, str]]:
         """The calls of ``text`` (which starts with the marker): after each marker, a JSON
         list (or object) of calls, or ``name[ARGS]{...}``, the JSON read whole (a marker
-        written inside a string is text: QA), nothing but blanks between them."""
+        written inside a string is text: QA), nothing but blanks between them; what follows
+        the calls read so far and is none (text, a call cut short) is left, as the stream
+        leaves it."""
         calls: list[tuple[str, str]] = []
         rest = text
         while rest:
@@ -205,16 +207,16 @@ class MistralParser:
                 else:  # the newer form: name[ARGS]{...}
                     name, found, after = rest.partition(self.args)
                     if not found or self.marker in name:
-                        return []
+                        return calls
                     rest = after.lstrip()
                     arguments, end = raw_json(rest, 0)
                     items = [{"name": name.strip(), "arguments": arguments}]
             except ValueError:
-                return []
+                return calls
             for item in items:
                 call = _call_of(item)
                 if call is None:
-                    return []
+                    return calls
                 calls.append(call)
             rest = rest[end:].lstrip()
         return calls
