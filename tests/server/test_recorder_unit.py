@@ -346,10 +346,11 @@ def test_a_failure_in_the_writer_stops_the_recording_and_says_why(tmp_path, monk
         raise RuntimeError("dictionary changed size during iteration")
 
     monkeypatch.setattr(recorder, "_record", broken)
+    recorder.submitted([("a", [1, 2], SamplingParams(max_tokens=2))])
     recorder.observe(report(recorder, 1.0, 0, stats=IDLE))
     recorder.flush()
     status = recorder.status()
-    assert status["recording"] is False
+    assert status["recording"] is False and not recorder._pending  # none kept for ever
     assert "internal error: RuntimeError: dictionary changed size" in status["error"]
     recorder.observe(report(recorder, 2.0, 0, stats=IDLE))  # queued no more
     assert recorder._queue.qsize() == 0 and recorder._writer.is_alive()

@@ -277,7 +277,7 @@ def test_a_write_error_stops_the_recording_and_says_why(tmp_path):
         status = httpx.get(url + "/admin/record").json()
         assert status["recording"] is False and "No space left on device" in status["error"]
         again = httpx.post(url + "/admin/record/start", json={"dir": str(full)})
-        assert again.status_code == 400 and "stopped on a write error" in again.text
+        assert again.status_code == 400 and "stopped on an error" in again.text
         other = httpx.post(url + "/admin/record/start", json={"dir": str(tmp_path / "ok")})
         assert other.status_code == 200 and other.json()["recording"] is True
         load(url, prompts(1, seed=3), max_tokens=4)  # served and recorded there

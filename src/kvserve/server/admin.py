@@ -108,7 +108,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                               "--record DIR)", param="dir")
         try:
             started = recorder.start(in_flight(state), cache_queries(state))
-        except RecordingError as error:  # it stopped on a write error
+        except RecordingError as error:  # it stopped on an error
             raise bad_request(str(error), param="dir") from None
         return JSONResponse({**recorder.status(), "changed": started})
 

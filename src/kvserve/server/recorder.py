@@ -201,7 +201,7 @@ class Recorder:
         may have left blocks in the cache, which a replay starts without."""
         with self._lock:
             if self.error is not None:
-                raise RecordingError(f"the recording into {self.directory} stopped on a write "
+                raise RecordingError(f"the recording into {self.directory} stopped on an "
                                      f"error ({self.error}); record into another directory")
             if self.active:
                 return False
@@ -301,7 +301,7 @@ class Recorder:
                     self._guarded(self._flush_files)
                     entry.set()
                 elif self.error is not None:
-                    continue  # the recording stopped on a write error: nothing more is kept
+                    continue  # the recording stopped on an error: nothing more is kept
                 elif isinstance(entry, StepReport):
                     self._guarded(self._record, entry)
                 else:
@@ -326,6 +326,7 @@ class Recorder:
         if self.error is None:
             self.error = error
             self.active = False
+            self._pending.clear()  # nothing more of them will be written
             logger.error("recording into %s stopped: %s", self.directory, self.error)
 
     def _control(self, entry: tuple[Any, ...]) -> None:
