@@ -522,7 +522,8 @@ class Generation:
             # a token, which clients timing inter-token latency count on
             withheld = not text and not token_ids and not chunk.finished
         held = self.held.get(choice.request_id)
-        if withheld:  # its tokens and logprobs go out with the next chunk (QA: were lost)
+        if withheld:  # nothing goes out yet (a call's text, a chunk of no token): its tokens
+            # and logprobs go with the next chunk sent (QA: were lost)
             if held is None:
                 held = self.held[choice.request_id] = ([], [])
             held[0].extend(entries)
