@@ -12,9 +12,6 @@ from kvserve.core.errors import RequestError
 
 # The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
 MAX_SAMPLES = 4096
-# A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
-# overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
-GREEDY_BELOW = 1e-5
 # The most texts a choice-constrained request may choose from.
 MAX_CHOICES = 4096
 
@@ -230,7 +227,7 @@ class SamplingParams:
     def _check_sampling_fields(self) -> None:
         _require(is_finite(self.temperature) and self.temperature >= 0,
                  f"temperature must be a number >= 0, got {self.temperature!r}")
-        _require(self.n == 1 or self.temperature >= GREEDY_BELOW,
+        _require(self.n == 1 or self.temperature != 0,  # vLLM's: 0 alone is greedy there
                  f"n must be 1 when sampling greedily (temperature 0): its {self.n} "
                  "sequences would be one answer repeated")
         _require(is_finite(self.top_p) and 0 < self.top_p <= 1,

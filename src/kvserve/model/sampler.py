@@ -31,7 +31,6 @@ import torch
 
 from kvserve.core import SamplingParams
 from kvserve.core.outputs import LogprobEntry
-from kvserve.core.request import GREEDY_BELOW
 from kvserve.model import paged_kernel
 from kvserve.model.detokenizer import held_length
 from kvserve.model.json_mode import (
@@ -58,6 +57,11 @@ def token_seed(seed: int, position: int) -> int:
     value = seed % (1 << 64)
     folded = (value + (value >> 32) * _SEED_FOLD) & 0xFFFFFFFF
     return (folded * _SEED_MIX + position) % (1 << 63)
+
+
+# A temperature below this samples greedily, as vLLM's (its _SAMPLING_EPS): dividing by one
+# overflows float32 (1e-38 became 0, and the division inf), which made the softmax NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
