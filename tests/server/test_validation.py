@@ -1108,3 +1108,19 @@ def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens_as_vllm(server):
         assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
     reply = post(server, COMPLETIONS, {"prompt": "x", "truncation_side": "middle"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncation_side"
+
+
+def test_an_echo_is_the_prompt_as_sent_unless_truncation_cut_it():
+    """QA: with truncate_prompt_tokens set, every echo was the ids decoded (a Llama 3 echo
+    gained its <|begin_of_text|>), though the prompt was not cut."""
+    from types import SimpleNamespace
+
+    from kvserve.server.generation import _echo_texts
+
+    state = SimpleNamespace(tokenizer=SimpleNamespace(
+        decode=lambda ids, skip_special_tokens: f"<decoded {len(ids)}>"))
+    whole, cut = [1, 2, 3], [4, 5, 6, 7]
+    req = SimpleNamespace(prompt=["kept", "cut"], truncate_prompt_tokens=3)
+    assert _echo_texts(state, req, [whole, cut[-3:]], [whole, cut]) == ["kept", "<decoded 3>"]
+    req = SimpleNamespace(prompt=[[1, 2, 3]], truncate_prompt_tokens=None)
+    assert _echo_texts(state, req, [whole], [whole]) == ["<decoded 3>"]

@@ -111,7 +111,7 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     tenant = tenant_of(key, state.keys.enabled, req.user,
                        request.client.host if request.client else None)
     prompts = await asyncio.to_thread(encode_chat if chat else encode_prompts, state, req)
-    prompts = truncated(state, req, prompts)
+    encoded, prompts = prompts, truncated(state, req, prompts)
     # strict_context: the Responses API keeps OpenAI's 400 for an answer that would
     # overrun the context (its truncation decides); the chat endpoints cut it short, as vLLM
     max_tokens = max_tokens_for(state, req, chat, prompts, strict=strict_context)
@@ -137,7 +137,8 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     # await between
     choices, items = [], []
     samples = base.samples()  # sample k seeded seed + k
-    echoes = _echo_texts(state, req, prompts) if not chat and req.echo else [""] * len(prompts)
+    echoes = _echo_texts(state, req, prompts, encoded) if not chat and req.echo else \
+        [""] * len(prompts)
     for prompt_index, prompt in enumerate(prompts):
         for sample, params in enumerate(samples):
             index = prompt_index * req.n + sample
@@ -178,15 +179,15 @@ def _chat_echo(req: Any, role: str) -> str:
     return content or ""
 
 
-def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]]) -> list[str]:
+def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]],
+                encoded: list[list[int]]) -> list[str]:
     """Each prompt's text for echo: as sent, or its token ids decoded, special tokens as
-    written (vLLM's; QA: <|im_start|> was dropped, where /detokenize keeps it)."""
-    if req.truncate_prompt_tokens is None and isinstance(req.prompt, str):
-        return [req.prompt]
-    if req.truncate_prompt_tokens is None and all(isinstance(item, str) for item in req.prompt):
-        return list(req.prompt)
-    # token ids, or a truncated prompt: what the model was given
-    return [state.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+    written (vLLM's; QA: <|im_start|> was dropped, where /detokenize keeps it); a prompt
+    truncate_prompt_tokens cut (``prompts[i]`` is not ``encoded[i]``): what the model got."""
+    sent = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    return [text if isinstance(text, str) and ids is whole
+            else state.tokenizer.decode(ids, skip_special_tokens=False)
+            for text, ids, whole in zip(sent, prompts, encoded, strict=False)]
 
 
 def _check_queueable(state: ServerState, request_id: str,

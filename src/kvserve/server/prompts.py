@@ -52,7 +52,8 @@ def encode_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]
 def truncated(state: ServerState, req: Any, prompts: list[list[int]]) -> list[list[int]]:
     """vLLM's ``truncate_prompt_tokens``: each prompt cut to that many tokens (-1: as many
     as leave one to generate), its last ones, as vLLM's tokenizer of a generative model cuts,
-    or with ``truncation_side: "right"`` its first ones; more than the context is a 400."""
+    or with ``truncation_side: "right"`` its first ones; more than the context is a 400. A
+    prompt not cut is the same list, as its echo tells."""
     keep = req.truncate_prompt_tokens
     if keep is None:
         return prompts
@@ -66,9 +67,8 @@ def truncated(state: ServerState, req: Any, prompts: list[list[int]]) -> list[li
                           "token (or -1: as many as the context takes)",
                           param="truncate_prompt_tokens")
     keep = limit - 1 if keep < 0 else keep
-    if req.truncation_side == "right":
-        return [prompt[:keep] for prompt in prompts]
-    return [prompt[-keep:] for prompt in prompts]
+    start = slice(None, keep) if req.truncation_side == "right" else slice(-keep, None)
+    return [prompt[start] if len(prompt) > keep else prompt for prompt in prompts]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
