@@ -1,5 +1,7 @@
 """Spec C: FCFS and priority waiting queues behind one interface."""
 
+import random
+
 import pytest
 
 from kvserve.core.queues import FCFSQueue, PriorityQueue, make_waiting_queue
@@ -52,6 +54,29 @@ def test_priority_remove_keeps_heap_order():  # C1
     kept = sorted((r for r in requests if r not in requests[::3]), key=lambda r: r.sort_key())
     assert [queue.pop() for _ in range(len(queue))] == kept
     assert queue.num_tokens == 0
+
+
+def test_priority_removals_in_any_order_keep_the_heap_a_heap():  # C1
+    """remove mends the heap around the removed entry (up or down) instead of rebuilding
+    it: random pushes, removals and pops give the order of a sorted list."""
+    rng = random.Random(4)
+    queue, model = PriorityQueue(), []
+    for step in range(3000):
+        action = rng.random()
+        if action < 0.5 or not model:
+            request = make_request(f"r{step}", 2, priority=rng.randint(0, 6),
+                                   arrival_time=rng.random())
+            queue.push(request)
+            model.append(request)
+        elif action < 0.8:
+            request = model.pop(rng.randrange(len(model)))
+            queue.remove(request)
+        else:
+            model.sort(key=lambda r: r.sort_key())
+            assert queue.pop() is model.pop(0)
+        if step % 97 == 0:
+            assert list(queue) == sorted(model, key=lambda r: r.sort_key())
+    assert len(queue) == len(model)
 
 
 def test_remove_of_a_stranger_raises():

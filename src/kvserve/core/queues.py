@@ -13,7 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvserve.core.config import DEFAULT_LPM_MAX_QUEUE, SCHEDULING_POLICIES, SchedulerConfig
 from kvserve.core.prefix_cache import BlockHash
@@ -163,20 +163,53 @@ class PriorityQueue(WaitingQueue):
         return self._heap[0][1]
 
     def remove(self, request: Request) -> None:
-        index = next((i for i, (_, queued) in enumerate(self._heap) if queued is request), -1)
-        if index < 0:
-            raise ValueError(f"request {request.request_id} is not in the waiting queue")
-        last = self._heap.pop()
-        if index < len(self._heap):
-            self._heap[index] = last
-            heapq.heapify(self._heap)
+        """O(n) to find the entry (a C-level list search: keys are unique, so it stops
+        on its own), then O(log n) to mend the heap: a queue timing out k of its n requests
+        took a Python scan and a whole re-heapify each, O(k n) (QA)."""
+        heap = self._heap
+        try:
+            index = heap.index((request.sort_key(), request))
+        except ValueError:
+            raise ValueError(f"request {request.request_id} is not in the waiting queue"
+                             ) from None
+        last = heap.pop()
+        if index < len(heap):
+            heap[index] = last
+            _restore_heap(heap, index)
         self._removed(request)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
+        """In order, lazily: a copy of the heap popped as far as it is read (K4's estimate
+        reads a few heads of a long queue on each arrival: it sorted all of it, QA)."""
+        heap = self._heap[:]
+        while heap:
+            yield heapq.heappop(heap)[1]
+
+
+def _restore_heap(heap: list[Any], index: int) -> None:
+    """Move the entry at ``index`` up or down to where the heap order wants it."""
+    entry = heap[index]
+    while index > 0:  # up, while it comes before its parent
+        parent = (index - 1) // 2
+        if not entry < heap[parent]:
+            break
+        heap[index] = heap[parent]
+        index = parent
+    size = len(heap)
+    while True:  # down, while a child comes before it
+        child = 2 * index + 1
+        if child >= size:
+            break
+        if child + 1 < size and heap[child + 1] < heap[child]:
+            child += 1
+        if not heap[child] < entry:
+            break
+        heap[index] = heap[child]
+        index = child
+    heap[index] = entry
 
 
 class AgingPriorityQueue(WaitingQueue):
