@@ -192,6 +192,10 @@ class TenantFairQueue(WaitingQueue):
     def __len__(self) -> int:
         return self._len
 
+    def unordered(self) -> Iterator[Request]:
+        return (request for tenants in self._levels.values() for bucket in tenants.values()
+                for request in bucket.unordered())
+
     def __iter__(self) -> Iterator[Request]:
         """The order of successive pops if no output token were charged in between."""
         counters = dict(self.counters)

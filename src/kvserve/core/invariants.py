@@ -95,7 +95,7 @@ def _check_requests(scheduler: Scheduler) -> None:
     """I2: running requests hold their computed tokens' blocks; I3: queues are disjoint."""
     kv = scheduler.kv
     running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting] + \
+    waiting_ids = [r.request_id for r in scheduler.waiting.unordered()] + \
         [r.request_id for r in scheduler.held_waiting]
     swapped_ids = [r.request_id for r in scheduler.swapped]
     for ids in (running_ids, waiting_ids, swapped_ids):
@@ -126,7 +126,7 @@ def _check_requests(scheduler: Scheduler) -> None:
             _fail("L1", f"held turn {request.request_id} ({request.status.name}, "
                         f"{request.num_computed_tokens} tokens) holds "
                         f"{kv.num_held_blocks(request.request_id)} blocks")
-    for request in scheduler.waiting:
+    for request in scheduler.waiting.unordered():
         if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             _fail("I3", f"{request.request_id} is waiting with status {request.status.name}")
         if kv.num_held_blocks(request.request_id) or request.num_computed_tokens:

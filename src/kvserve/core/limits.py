@@ -3,6 +3,7 @@ returns None; none of them records anything."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
@@ -92,19 +93,23 @@ def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerCon
     ``request`` breaks, until it fits; QueueFullError when they cannot make room."""
     tenant = request.sampling_params.tenant
     running_next = {r.request_id for r in admissible}
-    candidates = sorted((r for r in waiting if r.priority > request.priority
-                         and r.first_scheduled_time is None
-                         and r.request_id not in running_next),
-                        key=lambda r: (-r.priority, -r.arrival_time, r.request_id))
+    priority = request.sampling_params.priority
+    # least urgent first, taken from a heap as far as needed: a sort of the whole queue on
+    # every arrival into a full one made a run quadratic (QA)
+    keyed = [((-r.sampling_params.priority, -r.arrival_time, r.request_id), r)
+             for r in waiting.unordered() if r.sampling_params.priority > priority
+             and r.first_scheduled_time is None and r.request_id not in running_next]
     victims: list[Request] = []
     # The tenant's own limit first, by its own requests (each frees a place under the
     # queue's limits too); then the queue's limits, by anyone's.
     per_tenant = config.max_num_queued_reqs_per_tenant
     if per_tenant is not None:
-        own = [r for r in candidates if r.sampling_params.tenant == tenant]
         excess = waiting.num_by_tenant.get(tenant, 0) + 1 - per_tenant - \
             sum(1 for r in admissible if r.sampling_params.tenant == tenant)
-        victims.extend(own[:max(0, excess)])
+        own = (entry for entry in keyed if entry[1].sampling_params.tenant == tenant)
+        victims.extend(r for _, r in heapq.nsmallest(max(0, excess), own))
+    heapq.heapify(keyed)
+    candidates = (heapq.heappop(keyed)[1] for _ in range(len(keyed)))
     for candidate in candidates:
         try:
             _check_room(request, waiting, config, [*admissible, *victims])

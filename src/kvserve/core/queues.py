@@ -102,6 +102,11 @@ class WaitingQueue(ABC):
     def __iter__(self) -> Iterator[Request]:
         """Requests in the order they would be popped."""
 
+    def unordered(self) -> Iterator[Request]:
+        """Every request, in no promised order: for a reader that orders them its own way
+        or not at all, without paying for this queue's order."""
+        return iter(self)
+
     def __bool__(self) -> bool:
         return len(self) > 0
 
@@ -187,6 +192,9 @@ class PriorityQueue(WaitingQueue):
         heap = self._heap[:]
         while heap:
             yield heapq.heappop(heap)[1]
+
+    def unordered(self) -> Iterator[Request]:
+        return (request for _, request in self._heap)
 
 
 def _restore_heap(heap: list[Any], index: int) -> None:
