@@ -1,5 +1,7 @@
 """Cache-aware waiting orders and aging (C4-C7): small prefix trees worked out by hand."""
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -307,3 +309,48 @@ def test_priority_aging_reports_each_request_once():  # C7
     assert ids(queue.start_pass(None, now=2.0)) == ["x"]
     assert queue.start_pass(None, now=4.0) == []
     assert ids(queue.start_pass(None, now=5.0)) == ["y"]
+
+
+def test_priority_aging_keeps_the_order_of_a_full_sort_each_pass():  # C7
+    """The queue keeps each priority value in arrival order and compares the heads at the
+    pass's time (QA: it sorted the whole queue every step); random pushes, preemptions
+    back, removals, pops and passes give the order and the lifted reports of a full sort."""
+    rng = random.Random(7)
+    queue = AgingPriorityQueue(aging_s=2.0)
+    model: list = []
+    promoted: set[str] = set()
+    now = 0.0
+    assert queue.start_pass(None, now) == []  # the queue's clock: its passes'
+
+    def key(request):
+        return (queue.effective_priority(request, now), request.arrival_time,
+                request.request_id)
+
+    for index in range(2000):
+        action = rng.random()
+        if action < 0.4 or not model:
+            request = make_request(f"r{index}", 2, priority=rng.randint(0, 4),
+                                   arrival_time=now - rng.random() * 3)
+            queue.push(request)
+            model.append(request)
+        elif action < 0.55:
+            request = model.pop(rng.randrange(len(model)))
+            queue.remove(request)
+            promoted.discard(request.request_id)
+        elif action < 0.75:
+            model.sort(key=key)
+            request = queue.pop()
+            assert request is model.pop(0)
+            promoted.discard(request.request_id)
+            if rng.random() < 0.3:  # preempted: back with its arrival time
+                queue.push_front(request)
+                model.append(request)
+        else:
+            now += rng.random()
+            model.sort(key=key)
+            expected = [r for r in model if r.arrival_time <= now - 2.0
+                        and r.request_id not in promoted]
+            promoted.update(r.request_id for r in expected)
+            assert ids(queue.start_pass(None, now)) == ids(expected)
+            assert list(queue) == model
+    assert len(queue) == len(model)

@@ -8,7 +8,9 @@ running requests grow).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections import deque
@@ -224,17 +226,23 @@ class AgingPriorityQueue(WaitingQueue):
     """Priority with aging (C7): the effective priority is the priority value minus one per
     ``aging_s`` seconds waited since arrival, ties to the earlier arrival, then the id.
 
-    Every waiting request ages at the same rate, but the whole seconds they have waited cross
-    a boundary at different moments, so the order is re-sorted at each pass (a sorted list,
-    not a heap) for the pass's time.
+    Within one priority value the earlier arrival has waited longer, so it is never less
+    urgent: each value's requests keep arrival order, and the order across values is decided
+    among their heads at the pass's time. A pass costs a look at each value's head, and one
+    at each request that crosses its first ``aging_s`` (to report it lifted), not a sort of
+    the whole queue (QA: a sort with a Python key every step made a run quadratic).
     """
 
     def __init__(self, aging_s: float) -> None:
         super().__init__()
         self._aging_s = aging_s
-        self._requests: list[Request] = []
+        self._levels: dict[int, list[Request]] = {}  # priority value -> by (arrival, id)
+        self._len = 0
         self._now = -math.inf  # until the first pass, nobody has aged
-        self._sorted = True
+        # a heap by arrival of the requests pushed, until their first aging_s has passed;
+        # the count parts entries of a request pushed twice (preempted in between)
+        self._unreported: list[tuple[float, int, Request]] = []
+        self._pushes = itertools.count()
         self._promoted: set[str] = set()  # ids already reported as lifted by aging
 
     def effective_priority(self, request: Request, now: float) -> int:
@@ -248,47 +256,80 @@ class AgingPriorityQueue(WaitingQueue):
 
     def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
         self._now = now
-        self._requests.sort(key=self._key)
-        self._sorted = True
         limit = now - self._aging_s
-        lifted = [r for r in self._requests
-                  if r.arrival_time <= limit and r.request_id not in self._promoted]
-        self._promoted.update(r.request_id for r in lifted)
-        return lifted
+        lifted = []
+        unreported = self._unreported
+        while unreported and unreported[0][0] <= limit:
+            request = heapq.heappop(unreported)[2]
+            if request.request_id not in self._promoted and self._holds(request):
+                lifted.append(request)
+                self._promoted.add(request.request_id)
+        return sorted(lifted, key=self._key)
 
-    def _ordered(self) -> list[Request]:
-        if not self._sorted:
-            self._requests.sort(key=self._key)
-            self._sorted = True
-        return self._requests
+    def _holds(self, request: Request) -> bool:
+        level = self._levels.get(request.sampling_params.priority, [])
+        index = bisect.bisect_left(level, _arrival_order(request), key=_arrival_order)
+        return index < len(level) and level[index] is request
+
+    def _head_level(self) -> list[Request]:
+        return min(self._levels.values(), key=lambda level: self._key(level[0]))
 
     def push(self, request: Request) -> None:
-        self._requests.append(request)
-        self._sorted = False
+        level = self._levels.setdefault(request.sampling_params.priority, [])
+        bisect.insort(level, request, key=_arrival_order)
+        unreported = self._unreported
+        heapq.heappush(unreported, (request.arrival_time, next(self._pushes), request))
+        if len(unreported) > 2 * self._len + 64:  # entries of requests gone meanwhile
+            self._unreported = [entry for entry in unreported if self._holds(entry[2])]
+            heapq.heapify(self._unreported)
+        self._len += 1
         self._added(request)
 
     def push_front(self, request: Request) -> None:
         self.push(request)  # no front under priority (C3)
 
     def pop(self) -> Request:
-        request = self._ordered().pop(0)
-        self._promoted.discard(request.request_id)
-        self._removed(request)
+        if not self._len:
+            raise IndexError("pop from an empty waiting queue")
+        request = self._head_level().pop(0)
+        self._forget(request)
         return request
 
     def peek(self) -> Request:
-        return self._ordered()[0]
+        if not self._len:
+            raise IndexError("peek from an empty waiting queue")
+        return self._head_level()[0]
 
     def remove(self, request: Request) -> None:
-        self._requests.remove(request)
+        level = self._levels.get(request.sampling_params.priority, [])
+        index = bisect.bisect_left(level, _arrival_order(request), key=_arrival_order)
+        if index >= len(level) or level[index] is not request:
+            raise ValueError(f"request {request.request_id} is not in the waiting queue")
+        del level[index]
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        priority = request.sampling_params.priority
+        if not self._levels[priority]:
+            del self._levels[priority]
         self._promoted.discard(request.request_id)
+        self._len -= 1
         self._removed(request)
+        if not self._len:
+            self._unreported.clear()  # what is left there names requests gone
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return self._len
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._ordered()))
+        return heapq.merge(*[list(level) for level in self._levels.values()], key=self._key)
+
+    def unordered(self) -> Iterator[Request]:
+        return (request for level in self._levels.values() for request in level)
+
+
+def _arrival_order(request: Request) -> tuple[float, str]:
+    return (request.arrival_time, request.request_id)
 
 
 def make_plain_queue(policy: str, config: SchedulerConfig | None = None) -> WaitingQueue:
