@@ -296,3 +296,38 @@ def test_the_scheduler_keeps_counters_of_live_tenants_only():  # T2
     while scheduler.has_unfinished_requests():
         step(scheduler, executor)
     assert len(scheduler.waiting.counters) < 128  # was 300: one a tenant ever seen
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "lpm"])
+def test_the_tenant_heap_picks_what_a_scan_of_every_tenant_picks(policy):  # T1
+    """The next tenant comes off a heap kept as counters and heads change (QA: a scan of
+    every backlogged tenant on each peek made a run with many tenants quadratic): random
+    pushes, preemptions back, removals, charged steps and pops pick as the scan does."""
+    import random
+
+    rng = random.Random(len(policy))
+    queue = vtc_queue(policy, scheduling_policy=policy)
+    live: list = []
+
+    def scanned():
+        tenants = queue._levels[min(queue._levels)]
+        return min(tenants, key=lambda t: (queue.counters.get(t, 0.0),
+                                           tenants[t].peek().sort_key(), t))
+
+    for index in range(1500):
+        action = rng.random()
+        if action < 0.4 or not live:
+            request = tenant_request(f"r{index}", f"t{rng.randint(0, 15)}", rng.randint(1, 40),
+                                     arrival_time=index, priority=rng.randint(0, 2))
+            (queue.push_front if rng.random() < 0.1 else queue.push)(request)
+            live.append(request)
+        elif action < 0.55:
+            queue.remove(live.pop(rng.randrange(len(live))))
+        elif action < 0.7:
+            running = rng.sample(live, min(3, len(live)))
+            queue.record_step(running, {r.request_id: 1 for r in running})
+        else:
+            expected = scanned()
+            request = queue.pop()
+            assert request.sampling_params.tenant == expected
+            live.remove(request)

@@ -22,6 +22,8 @@ request's prompt charge plus the output charge of the requests it has running.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -49,24 +51,62 @@ class TenantFairQueue(WaitingQueue):
         self._last_served: str | None = None
         self._len = 0
         self._forget_at = _FORGET_FROM  # the number of counters that starts a forget_idle pass
+        # per level, a heap of (counter, head's sort key, tenant, stamp): the next tenant is
+        # the top whose stamp is still its (level, tenant)'s, so a pick is O(log tenants)
+        # (QA: a scan of every backlogged tenant on each peek made a run quadratic)
+        self._heaps: dict[int, list[tuple[float, tuple[int, float, str], str, int]]] = {}
+        self._stamps: dict[tuple[int, str], int] = {}
+        self._next_stamp = itertools.count()
+        self._sorts_buckets = type(make_plain_queue(policy, config)).start_pass \
+            is not WaitingQueue.start_pass
 
     # -- the counters ----------------------------------------------------------------------
 
     def _charge(self, tenant: str, amount: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \
             amount / self._weights.get(tenant, 1.0)
+        self._restamp_tenant(tenant)
 
     def _lift(self, tenant: str) -> None:
         """T2: a tenant with nothing waiting starts from the least backlogged counter."""
-        backlogged = [self.counters.get(t, 0.0) for t in self.num_by_tenant]
-        if backlogged:
-            floor = min(backlogged)
-        elif self._last_served is not None:
+        floor = min((self._top(level)[0] for level in self._levels), default=None)
+        if floor is None:
+            if self._last_served is None:
+                return
             floor = self.counters.get(self._last_served, 0.0)
-        else:
-            return
         if self.counters.get(tenant, 0.0) < floor:
             self.counters[tenant] = floor
+            self._restamp_tenant(tenant)
+
+    # -- the heaps of backlogged tenants ---------------------------------------------------
+
+    def _restamp(self, level: int, tenant: str) -> None:
+        """(level, tenant)'s bucket's entry made anew: its counter or its head changed."""
+        bucket = self._levels.get(level, {}).get(tenant)
+        if not bucket:
+            self._stamps.pop((level, tenant), None)
+            return
+        stamp = self._stamps[(level, tenant)] = next(self._next_stamp)
+        heap = self._heaps.setdefault(level, [])
+        heapq.heappush(heap, (self.counters.get(tenant, 0.0), bucket.peek().sort_key(),
+                              tenant, stamp))
+        if len(heap) > 2 * len(self._levels[level]) + 64:  # stale entries: drop them
+            self._heaps[level] = [entry for entry in heap
+                                  if self._stamps.get((level, entry[2])) == entry[3]]
+            heapq.heapify(self._heaps[level])
+
+    def _restamp_tenant(self, tenant: str) -> None:
+        if tenant in self.num_by_tenant:
+            for level, tenants in self._levels.items():
+                if tenant in tenants:
+                    self._restamp(level, tenant)
+
+    def _top(self, level: int) -> tuple[float, tuple[int, float, str], str, int]:
+        """The entry of the tenant ``level`` serves next, stale ones dropped on the way."""
+        heap = self._heaps[level]
+        while self._stamps.get((level, heap[0][2])) != heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0]
 
     def forget_idle(self, live_tenants: Callable[[], set[str]]) -> None:
         """Drop the counters of tenants with no live request (none waiting, running,
@@ -96,11 +136,15 @@ class TenantFairQueue(WaitingQueue):
                 self._charge(request.sampling_params.tenant, price)
 
     def start_pass(self, cache: PrefixView, now: float) -> list[Request]:
-        """A cache-aware or aging order sorts each tenant's bucket (C4-C7)."""
+        """A cache-aware or aging order sorts each tenant's bucket (C4-C7), which may give
+        it another head; FCFS and priority buckets have nothing to do."""
         lifted: list[Request] = []
-        for tenants in self._levels.values():
-            for bucket in tenants.values():
+        if not self._sorts_buckets:
+            return lifted
+        for level, tenants in self._levels.items():
+            for tenant, bucket in tenants.items():
                 lifted += bucket.start_pass(cache, now)
+                self._restamp(level, tenant)
         return lifted
 
     # -- the queue -------------------------------------------------------------------------
@@ -121,6 +165,7 @@ class TenantFairQueue(WaitingQueue):
         self._bucket_of(request).push(request)
         self._added(request)
         self._len += 1
+        self._restamp(self._level_of(request), tenant)
 
     def push_front(self, request: Request) -> None:
         """A preempted request goes back to the head of its tenant's bucket (C2, C3); its
@@ -128,23 +173,27 @@ class TenantFairQueue(WaitingQueue):
         self._bucket_of(request).push_front(request)
         self._added(request)
         self._len += 1
+        self._restamp(self._level_of(request), request.sampling_params.tenant)
 
-    def _select(self, counters: dict[str, float]) -> tuple[dict[str, WaitingQueue], str]:
-        tenants = self._levels[min(self._levels)]
-        chosen = min(tenants, key=lambda t: (counters.get(t, 0.0),
-                                             tenants[t].peek().sort_key(), t))
-        return tenants, chosen
+    def _level_of(self, request: Request) -> int:
+        return request.sampling_params.priority if self._by_priority else 0
+
+    def _select(self) -> tuple[dict[str, WaitingQueue], str]:
+        """The lowest level, and in it the tenant with the least counter (ties: the earlier
+        head request, then the tenant's name)."""
+        level = min(self._levels)
+        return self._levels[level], self._top(level)[2]
 
     def peek(self) -> Request:
         if not self._len:
             raise IndexError("peek from an empty waiting queue")
-        tenants, tenant = self._select(self.counters)
+        tenants, tenant = self._select()
         return tenants[tenant].peek()
 
     def pop(self) -> Request:
         if not self._len:
             raise IndexError("pop from an empty waiting queue")
-        tenants, tenant = self._select(self.counters)
+        tenants, tenant = self._select()
         request = tenants[tenant].pop()
         self._forget_if_empty(request)
         self._removed(request)
@@ -181,13 +230,19 @@ class TenantFairQueue(WaitingQueue):
         self._len -= 1
 
     def _forget_if_empty(self, request: Request) -> None:
-        level = request.sampling_params.priority if self._by_priority else 0
+        """After a request left its bucket: an empty bucket goes, and the level with its
+        last; else the bucket's entry is made anew (its head changed)."""
+        level = self._level_of(request)
         tenants = self._levels[level]
         tenant = request.sampling_params.tenant
         if not tenants[tenant]:
             del tenants[tenant]
+            self._stamps.pop((level, tenant), None)
             if not tenants:
                 del self._levels[level]
+                del self._heaps[level]
+        else:
+            self._restamp(level, tenant)
 
     def __len__(self) -> int:
         return self._len
