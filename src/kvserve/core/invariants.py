@@ -141,7 +141,9 @@ def _check_sessions(scheduler: Scheduler) -> None:
     sessions = scheduler.sessions
     assert sessions is not None
     num_blocks = 0
+    by_tenant: dict[str, int] = {}
     for key, session in sessions.held.items():
+        by_tenant[key[0]] = by_tenant.get(key[0], 0) + len(session.blocks)
         if sessions.sessions.get(key) is not session or session.turn_id is not None:
             _fail("U2", f"held session {key} is not a live idle session")
         if len(session.blocks) != scheduler.kv.num_blocks_for(len(session.token_ids)) or \
@@ -152,6 +154,9 @@ def _check_sessions(scheduler: Scheduler) -> None:
     if num_blocks != sessions.num_held_blocks or num_blocks > sessions.max_blocks:
         _fail("U5", f"sessions hold {num_blocks} blocks, count {sessions.num_held_blocks}, "
                     f"bound {sessions.max_blocks}")
+    if by_tenant != sessions.blocks_by_tenant():
+        _fail("U5", f"sessions hold {by_tenant} blocks by tenant, count "
+                    f"{sessions.blocks_by_tenant()}")
     for key, session in sessions.sessions.items():
         if session.turn_id is None and key not in sessions.held:
             _fail("U2", f"session {key} is neither held nor in a turn")

@@ -21,6 +21,8 @@ ordinary prefix caching. Standard library only.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +73,7 @@ class Session:
     blocks: list[KVBlock] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     expires_at: float = 0.0
+    hold_order: int = 0  # when it was last held, in the store's count of holds
 
 
 class SessionStore:
@@ -85,6 +88,13 @@ class SessionStore:
         self.held: OrderedDict[SessionKey, Session] = OrderedDict()  # oldest hold first
         self.num_held_blocks = 0
         self.next_expiry = float("inf")
+        # what releases read without a pass over every hold (QA: each expiry and each U5/U7
+        # release scanned them all): a heap of (expiry, hold order, session), stale entries
+        # skipped; each tenant's holds, oldest first, and their blocks
+        self._expiries: list[tuple[float, int, Session]] = []
+        self._holds_by_tenant: dict[str, OrderedDict[SessionKey, Session]] = {}
+        self._blocks_by_tenant: dict[str, int] = {}
+        self._hold_count = itertools.count()
         self.num_hits = 0
         self.num_hit_tokens = 0
         self.releases: dict[str, int] = {}
@@ -119,8 +129,7 @@ class SessionStore:
             self.sessions[key] = Session(key, request.sampling_params.cache_salt,
                                          request.request_id, request.request_id)
             return False
-        del self.held[session.key]
-        self.num_held_blocks -= len(session.blocks)
+        self._unhold(session)
         self.kv.adopt_blocks(request, session.blocks, session.num_cached_blocks)
         request.num_computed_tokens = len(session.token_ids)
         session.turn_id = session.last_request_id = request.request_id
@@ -173,8 +182,7 @@ class SessionStore:
         ttl = request.sampling_params.session_ttl
         session.expires_at = now + (self.default_ttl if ttl is None else ttl)
         self.next_expiry = min(self.next_expiry, session.expires_at)
-        self.held[key] = session
-        self.num_held_blocks += len(blocks)
+        self._hold(session)
         if self._emit is not None:
             self._emit("held", request.request_id, num_tokens, f"session {key[1]}")
         return num_tokens
@@ -201,24 +209,61 @@ class SessionStore:
         held."""
         if not self.held:
             return False
-        blocks: dict[str, int] = {}
-        for session in self.held.values():
-            blocks[session.key[0]] = blocks.get(session.key[0], 0) + len(session.blocks)
+        blocks = self._blocks_by_tenant
         if arriving is not None and arriving[0] in blocks:
-            blocks[arriving[0]] += arriving[1]
+            blocks = {**blocks, arriving[0]: blocks[arriving[0]] + arriving[1]}
         most = max(blocks.values())
-        self._release_held(next(s for s in self.held.values() if blocks[s.key[0]] == most),
-                           reason)
+        oldest = min((self._oldest_hold(tenant) for tenant, count in blocks.items()
+                      if count == most), key=lambda session: session.hold_order)
+        self._release_held(oldest, reason)
         return True
 
     def expire(self, now: float) -> None:
-        """U6: release every held session whose ttl ran out by ``now``."""
+        """U6: release every held session whose ttl ran out by ``now`` (oldest hold
+        first)."""
         if now < self.next_expiry:
             return
-        for session in [s for s in self.held.values() if s.expires_at <= now]:
+        heap, expired = self._expiries, []
+        while heap and heap[0][0] <= now:
+            expires_at, _, session = heapq.heappop(heap)
+            if self.held.get(session.key) is session and session.expires_at == expires_at:
+                expired.append(session)
+        for session in sorted(expired, key=lambda session: session.hold_order):
             self._release_held(session, TTL)
-        self.next_expiry = min((s.expires_at for s in self.held.values()),
-                               default=float("inf"))
+        self.next_expiry = heap[0][0] if heap else float("inf")
+
+    def _hold(self, session: Session) -> None:
+        key, tenant = session.key, session.key[0]
+        session.hold_order = next(self._hold_count)
+        self.held[key] = session
+        self._holds_by_tenant.setdefault(tenant, OrderedDict())[key] = session
+        self._blocks_by_tenant[tenant] = self._blocks_by_tenant.get(tenant, 0) + \
+            len(session.blocks)
+        self.num_held_blocks += len(session.blocks)
+        heap = self._expiries
+        heapq.heappush(heap, (session.expires_at, session.hold_order, session))
+        if len(heap) > 2 * len(self.held) + 64:  # entries of sessions no longer held
+            self._expiries = [entry for entry in heap if self.held.get(entry[2].key)
+                              is entry[2] and entry[2].expires_at == entry[0]]
+            heapq.heapify(self._expiries)
+
+    def _unhold(self, session: Session) -> None:
+        key, tenant = session.key, session.key[0]
+        del self.held[key]
+        holds = self._holds_by_tenant[tenant]
+        del holds[key]
+        if holds:
+            self._blocks_by_tenant[tenant] -= len(session.blocks)
+        else:
+            del self._holds_by_tenant[tenant], self._blocks_by_tenant[tenant]
+        self.num_held_blocks -= len(session.blocks)
+
+    def blocks_by_tenant(self) -> dict[str, int]:
+        """The blocks each tenant's held sessions keep (a copy)."""
+        return dict(self._blocks_by_tenant)
+
+    def _oldest_hold(self, tenant: str) -> Session:
+        return next(iter(self._holds_by_tenant[tenant].values()))
 
     def demoted(self, request: Request) -> None:
         """A waiting turn gave up its session's KV under pressure (U7): it is an ordinary
@@ -226,10 +271,9 @@ class SessionStore:
         self._count(PRESSURE, request.request_id, request.num_computed_tokens)
 
     def _release_held(self, session: Session, reason: str) -> None:
-        del self.held[session.key]
+        self._unhold(session)
         del self.sessions[session.key]
         blocks = session.blocks
-        self.num_held_blocks -= len(blocks)
         self.kv.pool.free(reversed(blocks))  # tail first, as a request's (G2)
         self._count(reason, session.last_request_id, len(session.token_ids))
         session.blocks, session.token_ids = [], []
