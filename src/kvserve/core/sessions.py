@@ -225,8 +225,8 @@ class SessionStore:
             return
         heap, expired = self._expiries, []
         while heap and heap[0][0] <= now:
-            expires_at, _, session = heapq.heappop(heap)
-            if self.held.get(session.key) is session and session.expires_at == expires_at:
+            _, hold_order, session = heapq.heappop(heap)
+            if self._holds(session, hold_order):
                 expired.append(session)
         for session in sorted(expired, key=lambda session: session.hold_order):
             self._release_held(session, TTL)
@@ -243,9 +243,12 @@ class SessionStore:
         heap = self._expiries
         heapq.heappush(heap, (session.expires_at, session.hold_order, session))
         if len(heap) > 2 * len(self.held) + 64:  # entries of sessions no longer held
-            self._expiries = [entry for entry in heap if self.held.get(entry[2].key)
-                              is entry[2] and entry[2].expires_at == entry[0]]
+            self._expiries = [entry for entry in heap if self._holds(entry[2], entry[1])]
             heapq.heapify(self._expiries)
+
+    def _holds(self, session: Session, hold_order: int) -> bool:
+        """Whether ``session`` is held still by the hold numbered ``hold_order``."""
+        return session.hold_order == hold_order and self.held.get(session.key) is session
 
     def _unhold(self, session: Session) -> None:
         key, tenant = session.key, session.key[0]
