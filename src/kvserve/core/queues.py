@@ -148,78 +148,73 @@ class FCFSQueue(WaitingQueue):
 
 
 class PriorityQueue(WaitingQueue):
-    """A binary heap on (priority, arrival_time, request_id): there is no front (C3)."""
+    """A binary heap on (priority, arrival_time, request_id): there is no front (C3).
+
+    A removal empties its entry where it stands (the request is forgotten at once); empty
+    entries are skipped as they reach the top and dropped together once they are as many as
+    the queue, so a removal costs O(1), not a search and a re-heapify of the whole heap (QA:
+    a queue timing out k of its n requests paid O(k n)).
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self._heap: list[tuple[tuple[int, float, str], Request]] = []
+        self._heap: list[list[Any]] = []  # [sort key, request or None once removed]
+        self._entries: dict[str, list[Any]] = {}  # request id -> its live entry
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.sort_key(), request))
+        entry = [request.sort_key(), request]
+        heapq.heappush(self._heap, entry)
+        self._entries[request.request_id] = entry
         self._added(request)
 
     def push_front(self, request: Request) -> None:
         self.push(request)
 
+    def _clean_top(self) -> list[Any]:
+        heap = self._heap
+        while heap[0][1] is None:
+            heapq.heappop(heap)
+        return heap[0]
+
     def pop(self) -> Request:
-        _, request = heapq.heappop(self._heap)
+        if not self._entries:
+            raise IndexError("pop from an empty waiting queue")
+        self._clean_top()
+        request = heapq.heappop(self._heap)[1]
+        del self._entries[request.request_id]
         self._removed(request)
         return request
 
     def peek(self) -> Request:
-        return self._heap[0][1]
+        if not self._entries:
+            raise IndexError("peek from an empty waiting queue")
+        return self._clean_top()[1]
 
     def remove(self, request: Request) -> None:
-        """O(n) to find the entry (a C-level list search: keys are unique, so it stops
-        on its own), then O(log n) to mend the heap: a queue timing out k of its n requests
-        took a Python scan and a whole re-heapify each, O(k n) (QA)."""
-        heap = self._heap
-        try:
-            index = heap.index((request.sort_key(), request))
-        except ValueError:
-            raise ValueError(f"request {request.request_id} is not in the waiting queue"
-                             ) from None
-        last = heap.pop()
-        if index < len(heap):
-            heap[index] = last
-            _restore_heap(heap, index)
+        entry = self._entries.get(request.request_id)
+        if entry is None or entry[1] is not request:
+            raise ValueError(f"request {request.request_id} is not in the waiting queue")
+        del self._entries[request.request_id]
+        entry[1] = None
         self._removed(request)
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [entry for entry in self._heap if entry[1] is not None]
+            heapq.heapify(self._heap)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
     def __iter__(self) -> Iterator[Request]:
         """In order, lazily: a copy of the heap popped as far as it is read (K4's estimate
         reads a few heads of a long queue on each arrival: it sorted all of it, QA)."""
-        heap = self._heap[:]
+        heap = self._heap[:]  # removed entries keep their keys: still a heap
         while heap:
-            yield heapq.heappop(heap)[1]
+            request = heapq.heappop(heap)[1]
+            if request is not None:
+                yield request
 
     def unordered(self) -> Iterator[Request]:
-        return (request for _, request in self._heap)
-
-
-def _restore_heap(heap: list[Any], index: int) -> None:
-    """Move the entry at ``index`` up or down to where the heap order wants it."""
-    entry = heap[index]
-    while index > 0:  # up, while it comes before its parent
-        parent = (index - 1) // 2
-        if not entry < heap[parent]:
-            break
-        heap[index] = heap[parent]
-        index = parent
-    size = len(heap)
-    while True:  # down, while a child comes before it
-        child = 2 * index + 1
-        if child >= size:
-            break
-        if child + 1 < size and heap[child + 1] < heap[child]:
-            child += 1
-        if not heap[child] < entry:
-            break
-        heap[index] = heap[child]
-        index = child
-    heap[index] = entry
+        return (entry[1] for entry in self._heap if entry[1] is not None)
 
 
 class AgingPriorityQueue(WaitingQueue):
