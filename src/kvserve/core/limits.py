@@ -3,8 +3,8 @@ returns None; none of them records anything."""
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
@@ -93,12 +93,6 @@ def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerCon
     ``request`` breaks, until it fits; QueueFullError when they cannot make room."""
     tenant = request.sampling_params.tenant
     running_next = {r.request_id for r in admissible}
-    priority = request.sampling_params.priority
-    # least urgent first, taken from a heap as far as needed: a sort of the whole queue on
-    # every arrival into a full one made a run quadratic (QA)
-    keyed = [((-r.sampling_params.priority, -r.arrival_time, r.request_id), r)
-             for r in waiting.unordered() if r.sampling_params.priority > priority
-             and r.first_scheduled_time is None and r.request_id not in running_next]
     victims: list[Request] = []
     # The tenant's own limit first, by its own requests (each frees a place under the
     # queue's limits too); then the queue's limits, by anyone's.
@@ -106,11 +100,10 @@ def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerCon
     if per_tenant is not None:
         excess = waiting.num_by_tenant.get(tenant, 0) + 1 - per_tenant - \
             sum(1 for r in admissible if r.sampling_params.tenant == tenant)
-        own = (entry for entry in keyed if entry[1].sampling_params.tenant == tenant)
-        victims.extend(r for _, r in heapq.nsmallest(max(0, excess), own))
-    heapq.heapify(keyed)
-    candidates = (heapq.heappop(keyed)[1] for _ in range(len(keyed)))
-    for candidate in candidates:
+        own = (r for r in _candidates(request, waiting, running_next)
+               if r.sampling_params.tenant == tenant)
+        victims.extend(itertools.islice(own, max(0, excess)))
+    for candidate in _candidates(request, waiting, running_next):
         try:
             _check_room(request, waiting, config, [*admissible, *victims])
             return victims
@@ -119,6 +112,19 @@ def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerCon
                 victims.append(candidate)
     _check_room(request, waiting, config, [*admissible, *victims])
     return victims
+
+
+def _candidates(request: Request, waiting: WaitingQueue,
+                running_next: set[str]) -> Iterator[Request]:
+    """K5's candidates for ``request``, least urgent first, read as far as needed: a sort
+    of the whole queue on each arrival into a full one made a run quadratic (QA)."""
+    priority = request.sampling_params.priority
+    for candidate in waiting.least_urgent():
+        if candidate.sampling_params.priority <= priority:
+            return  # the rest are as urgent or more
+        if candidate.first_scheduled_time is None and \
+                candidate.request_id not in running_next:
+            yield candidate
 
 
 def _check_room(request: Request, waiting: WaitingQueue, config: SchedulerConfig,

@@ -109,6 +109,14 @@ class WaitingQueue(ABC):
         or not at all, without paying for this queue's order."""
         return iter(self)
 
+    def least_urgent(self) -> Iterator[Request]:
+        """Every request, least urgent first: the largest priority value, then the latest
+        arrival, then the id (K5's order of victims), lazily."""
+        keyed = [(_displacement_key(request), request) for request in self.unordered()]
+        heapq.heapify(keyed)
+        while keyed:
+            yield heapq.heappop(keyed)[1]
+
     def __bool__(self) -> bool:
         return len(self) > 0
 
@@ -153,17 +161,24 @@ class PriorityQueue(WaitingQueue):
     A removal empties its entry where it stands (the request is forgotten at once); empty
     entries are skipped as they reach the top and dropped together once they are as many as
     the queue, so a removal costs O(1), not a search and a re-heapify of the whole heap (QA:
-    a queue timing out k of its n requests paid O(k n)).
+    a queue timing out k of its n requests paid O(k n)). A second heap holds the same
+    entries least urgent first, for K5's victims (QA: two sorts of the whole queue on each
+    arrival into a full one).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._heap: list[list[Any]] = []  # [sort key, request or None once removed]
+        # [sort key, push count, request or None once gone]: the count parts a request's
+        # emptied entry from its entry pushed again (preempted), whose key is the same
+        self._heap: list[list[Any]] = []
+        self._pushes = itertools.count()
         self._entries: dict[str, list[Any]] = {}  # request id -> its live entry
+        self._reversed: list[tuple[tuple[int, float, str], list[Any]]] = []
 
     def push(self, request: Request) -> None:
-        entry = [request.sort_key(), request]
+        entry = [request.sort_key(), next(self._pushes), request]
         heapq.heappush(self._heap, entry)
+        heapq.heappush(self._reversed, (_displacement_key(request), entry))
         self._entries[request.request_id] = entry
         self._added(request)
 
@@ -172,7 +187,7 @@ class PriorityQueue(WaitingQueue):
 
     def _clean_top(self) -> list[Any]:
         heap = self._heap
-        while heap[0][1] is None:
+        while heap[0][2] is None:
             heapq.heappop(heap)
         return heap[0]
 
@@ -180,26 +195,34 @@ class PriorityQueue(WaitingQueue):
         if not self._entries:
             raise IndexError("pop from an empty waiting queue")
         self._clean_top()
-        request = heapq.heappop(self._heap)[1]
+        entry = heapq.heappop(self._heap)
+        request, entry[2] = entry[2], None  # gone from the reversed heap too
         del self._entries[request.request_id]
         self._removed(request)
+        self._compact()
         return request
 
     def peek(self) -> Request:
         if not self._entries:
             raise IndexError("peek from an empty waiting queue")
-        return self._clean_top()[1]
+        return self._clean_top()[2]
 
     def remove(self, request: Request) -> None:
         entry = self._entries.get(request.request_id)
-        if entry is None or entry[1] is not request:
+        if entry is None or entry[2] is not request:
             raise ValueError(f"request {request.request_id} is not in the waiting queue")
         del self._entries[request.request_id]
-        entry[1] = None
+        entry[2] = None
         self._removed(request)
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [entry for entry in self._heap if entry[1] is not None]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the emptied entries once they are as many as the queue."""
+        if len(self._reversed) > 2 * len(self._entries) + 64:
+            self._heap = [entry for entry in self._heap if entry[2] is not None]
             heapq.heapify(self._heap)
+            self._reversed = [pair for pair in self._reversed if pair[1][2] is not None]
+            heapq.heapify(self._reversed)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -209,12 +232,27 @@ class PriorityQueue(WaitingQueue):
         reads a few heads of a long queue on each arrival: it sorted all of it, QA)."""
         heap = self._heap[:]  # removed entries keep their keys: still a heap
         while heap:
-            request = heapq.heappop(heap)[1]
+            request = heapq.heappop(heap)[2]
             if request is not None:
                 yield request
 
     def unordered(self) -> Iterator[Request]:
-        return (entry[1] for entry in self._heap if entry[1] is not None)
+        return (entry[2] for entry in self._heap if entry[2] is not None)
+
+    def least_urgent(self) -> Iterator[Request]:
+        reversed_heap = self._reversed
+        while reversed_heap and reversed_heap[0][1][2] is None:  # K5 empties the top most
+            heapq.heappop(reversed_heap)
+        reversed_heap = reversed_heap[:]  # emptied entries keep their keys: still a heap
+        while reversed_heap:
+            request = heapq.heappop(reversed_heap)[1][2]
+            if request is not None:
+                yield request
+
+
+def _displacement_key(request: Request) -> tuple[int, float, str]:
+    """K5's order: the least urgent first (largest priority value, latest arrival)."""
+    return (-request.sampling_params.priority, -request.arrival_time, request.request_id)
 
 
 class AgingPriorityQueue(WaitingQueue):
