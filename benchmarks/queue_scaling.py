@@ -167,9 +167,7 @@ def main() -> int:
         f"with 4n requests in one process (fake model, virtual clock); ~4x is linear, ~16x "
         "quadratic. Before the scaling pass of 6 December (same machine, its scripts): "
         "deadlines 12.3x, queue-limit 6.9x, displacement 29.3x, aging 7.7x, vtc-tenants "
-        "29.3x, sessions-ttl 11.6x, sessions-limit 8.8x. Displacement stays quadratic (4x "
-        "faster than before): each arrival past the limit reads the whole queue for its "
-        "candidates; an index by priority would end that.",
+        "29.3x, sessions-ttl 11.6x, sessions-limit 8.8x.",
         "",
         "| scenario | what | n | s at n | s at 4n | ratio |",
         "|---|---|---|---|---|---|",
