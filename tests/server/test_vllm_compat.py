@@ -735,6 +735,11 @@ def test_a_text_prompt_gets_the_tokenizers_bos_by_default_as_vllms():
 
         assert prompt_tokens() == len(bare) + 1
         assert prompt_tokens(add_special_tokens=False) == len(bare)
+        # truncate_prompt_tokens keeps the BOS, as vLLM's tokenizer truncates (QA: cut off)
+        cut = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": "hello there", "max_tokens": 1, "truncate_prompt_tokens": 2,
+            "return_token_ids": True}).json()
+        assert cut["choices"][0]["prompt_token_ids"] == [bos, bare[-1]]
         tokens = httpx.post(live.url + "/tokenize", json={"prompt": "hello there"}).json()
         assert tokens["tokens"] == [bos, *bare] and tokens["token_strs"] is None
         # vLLM's return_token_strs (QA: refused as an unknown field)

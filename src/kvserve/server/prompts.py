@@ -67,8 +67,19 @@ def truncated(state: ServerState, req: Any, prompts: list[list[int]]) -> list[li
                           "token (or -1: as many as the context takes)",
                           param="truncate_prompt_tokens")
     keep = limit - 1 if keep < 0 else keep
-    start = slice(None, keep) if req.truncation_side == "right" else slice(-keep, None)
-    return [prompt[start] if len(prompt) > keep else prompt for prompt in prompts]
+    if req.truncation_side == "right":
+        return [prompt[:keep] if len(prompt) > keep else prompt for prompt in prompts]
+    # a text prompt's leading special tokens (a BOS) stay, as vLLM's tokenizer truncates
+    # one by default (an explicit side, or token ids, are sliced as they are)
+    sent = getattr(req, "prompt", None)  # a completion's (a chat's template writes its own)
+    texts = isinstance(sent, str) or (isinstance(sent, list) and
+                                      all(isinstance(p, str) for p in sent))
+    added = state.tokenizer.encode("", True) if req.truncation_side is None and texts and \
+        getattr(req, "add_special_tokens", False) else []
+    return [prompt if len(prompt) <= keep else
+            added + prompt[len(prompt) - keep + len(added):]
+            if added and len(added) < keep and prompt[:len(added)] == added else
+            prompt[-keep:] for prompt in prompts]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
