@@ -65,7 +65,6 @@ class TenantFairQueue(WaitingQueue):
     def _charge(self, tenant: str, amount: float) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \
             amount / self._weights.get(tenant, 1.0)
-        self._restamp_tenant(tenant)
 
     def _lift(self, tenant: str) -> None:
         """T2: a tenant with nothing waiting starts from the least backlogged counter."""
@@ -76,7 +75,6 @@ class TenantFairQueue(WaitingQueue):
             floor = self.counters.get(self._last_served, 0.0)
         if self.counters.get(tenant, 0.0) < floor:
             self.counters[tenant] = floor
-            self._restamp_tenant(tenant)
 
     # -- the heaps of backlogged tenants ---------------------------------------------------
 
@@ -95,18 +93,21 @@ class TenantFairQueue(WaitingQueue):
                                   if self._stamps.get((level, entry[2])) == entry[3]]
             heapq.heapify(self._heaps[level])
 
-    def _restamp_tenant(self, tenant: str) -> None:
-        if tenant in self.num_by_tenant:
-            for level, tenants in self._levels.items():
-                if tenant in tenants:
-                    self._restamp(level, tenant)
-
     def _top(self, level: int) -> tuple[float, tuple[int, float, str], str, int]:
-        """The entry of the tenant ``level`` serves next, stale ones dropped on the way."""
+        """The entry of the tenant ``level`` serves next: stale ones (their head or bucket
+        changed) dropped, one whose tenant was charged since put back with its counter.
+        A counter only grows while its tenant waits, so an entry can only sit too early,
+        never too late: the top, once current, is the least (QA: renewing every level's
+        entry on each charge cost a tenant waiting at many priorities each step)."""
         heap = self._heaps[level]
-        while self._stamps.get((level, heap[0][2])) != heap[0][3]:
-            heapq.heappop(heap)
-        return heap[0]
+        while True:
+            counter, key, tenant, stamp = heap[0]
+            if self._stamps.get((level, tenant)) != stamp:
+                heapq.heappop(heap)
+            elif counter != (current := self.counters.get(tenant, 0.0)):
+                heapq.heapreplace(heap, (current, key, tenant, stamp))
+            else:
+                return heap[0]
 
     def forget_idle(self, live_tenants: Callable[[], set[str]]) -> None:
         """Drop the counters of tenants with no live request (none waiting, running,
