@@ -272,9 +272,11 @@ class AgingPriorityQueue(WaitingQueue):
         self._levels: dict[int, list[Request]] = {}  # priority value -> by (arrival, id)
         self._len = 0
         self._now = -math.inf  # until the first pass, nobody has aged
-        # a heap by arrival of the requests pushed, until their first aging_s has passed;
-        # the count parts entries of a request pushed twice (preempted in between)
+        # a heap by arrival of the requests pushed, until their first aging_s has passed,
+        # one entry a request (QA: a not-ready request set aside and pushed back each step
+        # added one each time); the count parts entries of equal arrival and id
         self._unreported: list[tuple[float, int, Request]] = []
+        self._unreported_ids: set[str] = set()
         self._pushes = itertools.count()
         self._promoted: set[str] = set()  # ids already reported as lifted by aging
 
@@ -294,6 +296,7 @@ class AgingPriorityQueue(WaitingQueue):
         unreported = self._unreported
         while unreported and unreported[0][0] <= limit:
             request = heapq.heappop(unreported)[2]
+            self._unreported_ids.discard(request.request_id)
             if request.request_id not in self._promoted and self._holds(request):
                 lifted.append(request)
                 self._promoted.add(request.request_id)
@@ -310,11 +313,14 @@ class AgingPriorityQueue(WaitingQueue):
     def push(self, request: Request) -> None:
         level = self._levels.setdefault(request.sampling_params.priority, [])
         bisect.insort(level, request, key=_arrival_order)
-        unreported = self._unreported
-        heapq.heappush(unreported, (request.arrival_time, next(self._pushes), request))
-        if len(unreported) > 2 * self._len + 64:  # entries of requests gone meanwhile
-            self._unreported = [entry for entry in unreported if self._holds(entry[2])]
+        if request.request_id not in self._unreported_ids:
+            self._unreported_ids.add(request.request_id)
+            heapq.heappush(self._unreported,
+                           (request.arrival_time, next(self._pushes), request))
+        if len(self._unreported) > 2 * self._len + 64:  # entries of requests gone meanwhile
+            self._unreported = [entry for entry in self._unreported if self._holds(entry[2])]
             heapq.heapify(self._unreported)
+            self._unreported_ids = {entry[2].request_id for entry in self._unreported}
         self._len += 1
         self._added(request)
 
@@ -348,8 +354,9 @@ class AgingPriorityQueue(WaitingQueue):
         self._promoted.discard(request.request_id)
         self._len -= 1
         self._removed(request)
-        if not self._len:
-            self._unreported.clear()  # what is left there names requests gone
+        if not self._len:  # what is left there names requests gone
+            self._unreported.clear()
+            self._unreported_ids.clear()
 
     def __len__(self) -> int:
         return self._len
