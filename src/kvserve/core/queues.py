@@ -218,7 +218,7 @@ class PriorityQueue(WaitingQueue):
 
     def _compact(self) -> None:
         """Drop the emptied entries once they are as many as the queue."""
-        if len(self._reversed) > 2 * len(self._entries) + 64:
+        if max(len(self._heap), len(self._reversed)) > 2 * len(self._entries) + 64:
             self._heap = [entry for entry in self._heap if entry[2] is not None]
             heapq.heapify(self._heap)
             self._reversed = [pair for pair in self._reversed if pair[1][2] is not None]
