@@ -354,3 +354,16 @@ def test_priority_aging_keeps_the_order_of_a_full_sort_each_pass():  # C7
             assert ids(queue.start_pass(None, now)) == ids(expected)
             assert list(queue) == model
     assert len(queue) == len(model)
+
+
+def test_a_request_pushed_back_each_step_keeps_one_pending_report():  # C7
+    """QA: a not-ready request set aside and pushed back each step added an entry to the
+    aging reports' heap each time, which compaction could not drop (it still waits)."""
+    queue = AgingPriorityQueue(aging_s=2.0)
+    request = make_request("blocked", 4, priority=1, arrival_time=0.0)
+    for _ in range(1000):
+        queue.push(request)
+        queue.remove(request)
+    queue.push(request)
+    assert len(queue._unreported) == 1
+    assert ids(queue.start_pass(None, now=2.0)) == ["blocked"]  # reported once, as before

@@ -90,3 +90,20 @@ def test_factory_knows_both_policies():
     assert isinstance(make_waiting_queue("priority"), PriorityQueue)
     with pytest.raises(ValueError, match="unknown scheduling policy 'sjf'"):
         make_waiting_queue("sjf")
+
+
+def test_emptied_entries_never_outnumber_the_queue_much():  # C1
+    """Removals empty entries in place; both heaps are compacted once either holds more
+    than twice the queue (QA: K5 kept the least-urgent heap small while the main heap kept
+    every displaced request's entry, 2,560 for 10 requests)."""
+    queue = PriorityQueue()
+    for index in range(10):
+        queue.push(make_request(f"keep{index}", 2, priority=0, arrival_time=index))
+    for index in range(4000):
+        request = make_request(f"r{index}", 2, priority=9, arrival_time=100 + index)
+        queue.push(request)
+        assert next(queue.least_urgent()) is request
+        queue.remove(request)
+        assert len(queue._heap) <= 2 * len(queue) + 65
+        assert len(queue._reversed) <= 2 * len(queue) + 65
+    assert ids(queue) == [f"keep{index}" for index in range(10)]
