@@ -113,6 +113,10 @@ def test_llama3_json_reads_an_answer_that_is_calls(text, content, calls):
     # whole answer was the text, where the stream had sent the calls)
     ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y": ', None, (("f", '{"x": 1}'),)),
     ('[TOOL_CALLS]f[ARGS]{"x": 1} [TOOL_CALLS][{"city": 1}]', None, (("f", '{"x": 1}'),)),
+    # name{...}: the brace parts the name from its arguments, vLLM's fallback (QA: text)
+    ('[TOOL_CALLS]get_weather{"city": "Oslo"}', None, (("get_weather", '{"city": "Oslo"}'),)),
+    ('[TOOL_CALLS]f{"x": 1}[TOOL_CALLS]g[ARGS]{}', None, (("f", '{"x": 1}'), ("g", "{}"))),
+    ("[TOOL_CALLS] I think {x}", "[TOOL_CALLS] I think {x}", ()),  # prose is no name
 ])
 def test_mistral_reads_calls_after_its_marker(text, content, calls):
     parsed = make_parser("mistral").parse(text)
@@ -199,6 +203,7 @@ STREAMED = [
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}] ok'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1} and that is all'),
     ("mistral", ' [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}] [TOOL_CALLS]'),
+    ("mistral", 'See.[TOOL_CALLS]get_weather{"city": "a {b}"}[TOOL_CALLS]g[ARGS]{"y": 2}'),
 ]
 
 

@@ -204,13 +204,14 @@ class MistralParser:
                 if rest.startswith(("[", "{")):  # the list form
                     value, end = raw_json(rest, 0, call=True)
                     items = value if isinstance(value, list) else [value]
-                else:  # the newer form: name[ARGS]{...}
-                    name, found, after = rest.partition(self.args)
-                    if not found or self.marker in name:
+                else:  # the newer form: name[ARGS]{...}, or name{...}
+                    named = self._named(rest, 0)
+                    if named is None:
                         return calls
-                    rest = after.lstrip()
+                    name, start = named
+                    rest = rest[start:]
                     arguments, end = raw_json(rest, 0)
-                    items = [{"name": name.strip(), "arguments": arguments}]
+                    items = [{"name": name, "arguments": arguments}]
             except ValueError:
                 return calls
             for item in items:
@@ -234,20 +235,34 @@ class MistralParser:
                 if items_end is None:
                     return calls
                 at = items_end
-            else:  # name[ARGS]{...}
-                name, found, _ = text[at:].partition(self.args)
-                if not found or self.marker in name or not _NAME.fullmatch(name.strip()):
+            else:  # name[ARGS]{...}, or name{...}
+                named = self._named(text, at)
+                if named is None or not text.startswith("{", named[1]):
                     return calls
-                start = _blank_end(text, at + len(name) + len(self.args))
-                if not text.startswith("{", start):
-                    return calls
+                name, start = named
                 end = _value_end(text, start, scanned)
-                calls.append(CallSoFar(name.strip(), text[start:end], end is not None))
+                calls.append(CallSoFar(name, text[start:end], end is not None))
                 if end is None:
                     return calls
                 at = end
             at = text.find(self.marker, at)
         return calls
+
+    def _named(self, text: str, at: int) -> tuple[str, int] | None:
+        """The newer form's name at ``at`` and where its arguments begin: ``name[ARGS]{...}``,
+        or ``name{...}``, where the brace parts the name from its arguments (vLLM's
+        fallback; QA: text here); None while neither is written, or for a name that is no
+        function's."""
+        args, brace = text.find(self.args, at), text.find("{", at)
+        if args >= 0 and (brace < 0 or args < brace):
+            name, start = text[at:args], _blank_end(text, args + len(self.args))
+        elif brace >= 0:
+            name, start = text[at:brace], brace
+        else:
+            return None
+        if self.marker in name or not _NAME.fullmatch(name.strip()):
+            return None
+        return name.strip(), start
 
     @staticmethod
     def _list_so_far(text: str, at: int, calls: list[CallSoFar],
