@@ -173,12 +173,15 @@ class PriorityQueue(WaitingQueue):
         self._heap: list[list[Any]] = []
         self._pushes = itertools.count()
         self._entries: dict[str, list[Any]] = {}  # request id -> its live entry
-        self._reversed: list[tuple[tuple[int, float, str], list[Any]]] = []
+        # the same entries least urgent first: built at K5's first call (a queue limit under
+        # priority), kept from then on; None until then, so a push costs one heap only
+        self._reversed: list[tuple[tuple[int, float, str], list[Any]]] | None = None
 
     def push(self, request: Request) -> None:
         entry = [request.sort_key(), next(self._pushes), request]
         heapq.heappush(self._heap, entry)
-        heapq.heappush(self._reversed, (_displacement_key(request), entry))
+        if self._reversed is not None:
+            heapq.heappush(self._reversed, (_displacement_key(request), entry))
         self._entries[request.request_id] = entry
         self._added(request)
 
@@ -218,9 +221,11 @@ class PriorityQueue(WaitingQueue):
 
     def _compact(self) -> None:
         """Drop the emptied entries once they are as many as the queue."""
-        if max(len(self._heap), len(self._reversed)) > 2 * len(self._entries) + 64:
+        bound = 2 * len(self._entries) + 64
+        if len(self._heap) > bound:
             self._heap = [entry for entry in self._heap if entry[2] is not None]
             heapq.heapify(self._heap)
+        if self._reversed is not None and len(self._reversed) > bound:
             self._reversed = [pair for pair in self._reversed if pair[1][2] is not None]
             heapq.heapify(self._reversed)
 
@@ -240,6 +245,10 @@ class PriorityQueue(WaitingQueue):
         return (entry[2] for entry in self._heap if entry[2] is not None)
 
     def least_urgent(self) -> Iterator[Request]:
+        if self._reversed is None:
+            self._reversed = [(_displacement_key(entry[2]), entry) for entry in self._heap
+                              if entry[2] is not None]
+            heapq.heapify(self._reversed)
         reversed_heap = self._reversed
         while reversed_heap and reversed_heap[0][1][2] is None:  # K5 empties the top most
             heapq.heappop(reversed_heap)
