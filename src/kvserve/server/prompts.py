@@ -76,10 +76,17 @@ def truncated(state: ServerState, req: Any, prompts: list[list[int]]) -> list[li
                                       all(isinstance(p, str) for p in sent))
     added = state.tokenizer.encode("", True) if req.truncation_side is None and texts and \
         getattr(req, "add_special_tokens", False) else []
-    return [prompt if len(prompt) <= keep else
-            added + prompt[len(prompt) - keep + len(added):]
-            if added and len(added) < keep and prompt[:len(added)] == added else
-            prompt[-keep:] for prompt in prompts]
+    return [_last_tokens(prompt, keep, added) for prompt in prompts]
+
+
+def _last_tokens(prompt: list[int], keep: int, added: list[int]) -> list[int]:
+    """``prompt``'s last ``keep`` tokens, its leading ``added`` ones (a BOS) counted among
+    them and kept where it starts with them; ``prompt`` itself where it is short enough."""
+    if len(prompt) <= keep:
+        return prompt
+    if added and len(added) < keep and prompt[:len(added)] == added:
+        return added + prompt[len(prompt) - keep + len(added):]
+    return prompt[-keep:]
 
 
 def encode_chat(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
