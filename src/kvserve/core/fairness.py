@@ -79,7 +79,8 @@ class TenantFairQueue(WaitingQueue):
     # -- the heaps of backlogged tenants ---------------------------------------------------
 
     def _restamp(self, level: int, tenant: str) -> None:
-        """(level, tenant)'s bucket's entry made anew: its counter or its head changed."""
+        """(level, tenant)'s bucket's entry made anew: its head changed (a charge is caught
+        up lazily, in :meth:`_top`)."""
         bucket = self._levels.get(level, {}).get(tenant)
         if not bucket:
             self._stamps.pop((level, tenant), None)
