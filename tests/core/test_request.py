@@ -52,6 +52,8 @@ def test_events_carry_timestamps():  # B3
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be non-negative integers"),
+    ({"extra_eos_token_ids": "2"}, "extra_eos_token_ids must be a list of token ids"),
+    ({"extra_eos_token_ids": [2.5]}, "extra_eos_token_ids must be non-negative integers"),
     ({"stop": [""]}, "stop must be non-empty strings"),
     ({"priority": 1.5}, "priority must be an integer, got 1.5"),
     ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),

@@ -121,3 +121,5 @@ def test_the_models_end_of_sequence_ids_stop_every_answer(tmp_path):
     requests = engine.scheduler.requests
     assert requests["a"].sampling_params.stop_token_ids == (9, 118)
     assert requests["b"].sampling_params.stop_token_ids == ()
+    # held back below min_tokens all the same, as vLLM's all_stop_token_ids (sampler)
+    assert requests["b"].sampling_params.extra_eos_token_ids == (118,)

@@ -106,16 +106,19 @@ def test_below_min_tokens_eos_and_stop_token_ids_are_never_drawn():
     (with ignore_eos too: vLLM's all_stop_token_ids) and stop token ids are held back,
     greedy or sampled; drawn, the EOS was kept as text and the model ran on past its own end
     (QA)."""
-    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 4)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 5)
     params = SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0, stop_token_ids=[1])
     rows = [SamplingRow(params, [9, 9, 9], 1),  # 2 outputs: held
             SamplingRow(params, [9, 9, 9, 9], 1),  # 3 outputs: free again
             SamplingRow(SamplingParams(temperature=1.0, seed=5, min_tokens=2, eos_token_id=0,
                                        stop_token_ids=[1, 2]), [9], 1),
             SamplingRow(SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0,
-                                       ignore_eos=True), [9], 1)]  # held all the same
+                                       ignore_eos=True), [9], 1),  # held all the same
+            # the model's other EOS ids too (review 49: only the primary one was held)
+            SamplingRow(SamplingParams(temperature=0.0, min_tokens=3, eos_token_id=0,
+                                       extra_eos_token_ids=(1,), ignore_eos=True), [9], 1)]
     out = Sampler()(logits, rows)
-    assert out.token_ids == [2, 0, 3, 1]
+    assert out.token_ids == [2, 0, 3, 1, 2]
 
 
 def test_repetition_penalty_demotes_seen_tokens():

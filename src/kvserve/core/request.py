@@ -124,6 +124,11 @@ class SamplingParams:
     ignore_eos: bool = False
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # The model's other end-of-sequence ids (its generation config's, as Llama 3's
+    # <|eot_id|>), which the engine fills: held back below min_tokens even with ignore_eos,
+    # as vLLM's all_stop_token_ids (without ignore_eos the engine adds them to
+    # stop_token_ids as well)
+    extra_eos_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     # The stop string (or the stop token's text) that ended the request stays in its text.
     include_stop_str_in_output: bool = False
@@ -207,12 +212,15 @@ class SamplingParams:
         for name in ("stop_token_ids", "stop"):  # None: vLLM's default, none
             if getattr(self, name) is None:
                 object.__setattr__(self, name, ())
-        if not isinstance(self.stop_token_ids, tuple):
-            _require(isinstance(self.stop_token_ids, (list, range)),
-                     f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _require(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("stop_token_ids", "extra_eos_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple):
+                _require(isinstance(ids, (list, range)),
+                         f"{name} must be a list of token ids, got {ids!r}")
+                ids = tuple(ids)
+                object.__setattr__(self, name, ids)
+            _require(all(is_int(t) and t >= 0 for t in ids),
+                     f"{name} must be non-negative integers, got {ids!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):

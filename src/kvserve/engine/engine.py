@@ -224,9 +224,13 @@ class Engine:
         if params.eos_token_id is None and tokenizer is not None and \
                 tokenizer.eos_token_id is not None:
             filled["eos_token_id"] = tokenizer.eos_token_id
-        extra = [i for i in self.extra_eos_ids if i not in params.stop_token_ids]
-        if extra and not params.ignore_eos:  # as vLLM's update_from_generation_config
-            filled["stop_token_ids"] = (*params.stop_token_ids, *extra)
+        if self.extra_eos_ids and not params.extra_eos_token_ids:
+            # as vLLM's update_from_generation_config: stops unless ignore_eos, and held
+            # back below min_tokens either way (the sampler's held_stops)
+            filled["extra_eos_token_ids"] = self.extra_eos_ids
+            extra = [i for i in self.extra_eos_ids if i not in params.stop_token_ids]
+            if extra and not params.ignore_eos:
+                filled["stop_token_ids"] = (*params.stop_token_ids, *extra)
         if filled:
             params = dataclasses.replace(params, **filled)
         for name in ("logprobs", "prompt_logprobs"):

@@ -88,15 +88,16 @@ class SamplingRow:
 
     @property
     def held_stops(self) -> list[int]:
-        """The tokens this row may not draw yet: below min_tokens, its EOS and stop token
-        ids, as vLLM's min-tokens logits processor holds them (drawn, an EOS was kept as text
-        and the model ran on past its own end); the EOS even with ignore_eos, as vLLM's
-        all_stop_token_ids has it (QA: greedy drew it there, where vLLM takes the next)."""
+        """The tokens this row may not draw yet: below min_tokens, its EOS ids and stop
+        token ids, as vLLM's min-tokens logits processor holds them (drawn, an EOS was kept
+        as text and the model ran on past its own end); the EOS ids even with ignore_eos, as
+        vLLM's all_stop_token_ids has them (QA: greedy drew one there, where vLLM takes the
+        next)."""
         params = self.params
         if self.num_output_tokens >= params.min_tokens:
             return []
         eos = [] if params.eos_token_id is None else [params.eos_token_id]
-        return eos + list(params.stop_token_ids)
+        return [*eos, *params.extra_eos_token_ids, *params.stop_token_ids]
 
     @property
     def has_penalties(self) -> bool:
