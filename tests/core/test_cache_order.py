@@ -301,6 +301,26 @@ def test_aging_promotion_on_the_scheduler_is_logged_once():  # C7, C4
     assert promoted == [(6.0, "cold", "aging")]
 
 
+@pytest.mark.parametrize("options", [{"scheduling_policy": "priority"},
+                                     {"scheduling_policy": "lpm"},
+                                     {"scheduling_policy": "lpm", "tenant_fairness": "vtc"}])
+def test_an_aged_request_waiting_not_ready_is_reported_promoted_once(options):  # C7, L2
+    """Set aside and put back on each pass while not ready, it stays in the same wait:
+    aging names it once (it was reported on every pass); admitted, preempted and aged
+    again, it is a new wait."""
+    executor = FakeExecutor()
+    scheduler = make_scheduler(num_blocks=32, block_size=4, schedule_aging_s=1.0,
+                               max_num_batched_tokens=64, record_events=True, **options)
+    scheduler.add_request(make_request("x", 8, arrival_time=0.0, max_tokens=1))
+    scheduler.add_request(make_request("y", 8, arrival_time=0.0, max_tokens=1))
+    scheduler.set_not_ready("x", "input")
+    for now in (0.5, 2.0, 3.0, 4.0):
+        step(scheduler, executor, now=now)
+        scheduler.add_request(make_request(f"z{now}", 8, arrival_time=now, max_tokens=1))
+    promoted = [e.request_id for e in scheduler.take_events() if e.kind == "promoted"]
+    assert promoted.count("x") == 1
+
+
 def test_priority_aging_reports_each_request_once():  # C7
     queue = AgingPriorityQueue(aging_s=2.0)
     queue.push(make_request("x", 4, priority=5, arrival_time=0.0))

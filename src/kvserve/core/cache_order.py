@@ -45,7 +45,6 @@ class CacheAwareQueue(WaitingQueue):
         self.num_sorted_passes = 0
         self.num_fcfs_passes = 0  # passes whose queue was over max_queue (C6)
         self.promoted: list[Request] = []  # promoted by aging in the last sorted pass (C7)
-        self._reported: set[str] = set()  # ids already returned as newly promoted
 
     # -- the order -------------------------------------------------------------------------
 
@@ -71,8 +70,9 @@ class CacheAwareQueue(WaitingQueue):
         else:
             rest = dfs_weight_order(rest, [cache.cached_prefix_hashes(r) for r in rest])
         self._order = self.promoted + rest
-        lifted = [r for r in self.promoted if r.request_id not in self._reported]
-        self._reported.update(r.request_id for r in lifted)
+        lifted = [r for r in self.promoted if not r.aging_reported]
+        for request in lifted:
+            request.aging_reported = True
         return lifted
 
     # -- the queue -------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class CacheAwareQueue(WaitingQueue):
         else:
             request = self._order.pop(0)
             self._arrival.remove(request)
-        self._reported.discard(request.request_id)
+        request.aging_reported = False  # admitted: its wait is over
         self._removed(request)
         return request
 
@@ -106,7 +106,6 @@ class CacheAwareQueue(WaitingQueue):
         self._arrival.remove(request)
         if self._order is not None:
             self._order.remove(request)
-        self._reported.discard(request.request_id)
         self._removed(request)
 
     def __len__(self) -> int:

@@ -287,7 +287,6 @@ class AgingPriorityQueue(WaitingQueue):
         self._unreported: list[tuple[float, int, Request]] = []
         self._unreported_ids: set[str] = set()
         self._pushes = itertools.count()
-        self._promoted: set[str] = set()  # ids already reported as lifted by aging
 
     def effective_priority(self, request: Request, now: float) -> int:
         waited = now - request.arrival_time
@@ -306,9 +305,9 @@ class AgingPriorityQueue(WaitingQueue):
         while unreported and unreported[0][0] <= limit:
             request = heapq.heappop(unreported)[2]
             self._unreported_ids.discard(request.request_id)
-            if request.request_id not in self._promoted and self._holds(request):
+            if not request.aging_reported and self._holds(request):
+                request.aging_reported = True
                 lifted.append(request)
-                self._promoted.add(request.request_id)
         return sorted(lifted, key=self._key)
 
     def _holds(self, request: Request) -> bool:
@@ -322,7 +321,7 @@ class AgingPriorityQueue(WaitingQueue):
     def push(self, request: Request) -> None:
         level = self._levels.setdefault(request.sampling_params.priority, [])
         bisect.insort(level, request, key=_arrival_order)
-        if request.request_id not in self._unreported_ids:
+        if not request.aging_reported and request.request_id not in self._unreported_ids:
             self._unreported_ids.add(request.request_id)
             heapq.heappush(self._unreported,
                            (request.arrival_time, next(self._pushes), request))
@@ -340,6 +339,7 @@ class AgingPriorityQueue(WaitingQueue):
         if not self._len:
             raise IndexError("pop from an empty waiting queue")
         request = self._head_level().pop(0)
+        request.aging_reported = False  # admitted: its wait is over
         self._forget(request)
         return request
 
@@ -360,7 +360,6 @@ class AgingPriorityQueue(WaitingQueue):
         priority = request.sampling_params.priority
         if not self._levels[priority]:
             del self._levels[priority]
-        self._promoted.discard(request.request_id)
         self._len -= 1
         self._removed(request)
         if not self._len:  # what is left there names requests gone

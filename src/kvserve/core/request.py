@@ -391,6 +391,10 @@ class Request:
     # L2: what this waiting request is not ready for yet ("kv_transfer", "input", ...);
     # None: ready. The waiting pass skips it and puts it back in its place.
     not_ready_reason: str | None = None
+    # C7: aging has lifted it in this wait (the event log named it `promoted`); the waiting
+    # queue sets it and clears it when it admits the request, so a request set aside while
+    # not ready is named once (QA: on every pass) and a preempted one again
+    aging_reported: bool = False
 
     # Counters (B3).
     num_preemptions: int = 0
