@@ -60,6 +60,25 @@ def test_victim_policy_is_chosen_by_config():  # K1
                       LeastComputedFirst)
 
 
+def test_a_listed_name_no_factory_builds_is_refused_not_served_by_another(monkeypatch):
+    """Contributor pass: a name added to kvserve.core.config's list without its branch in
+    the factory ran the factory's last policy (the opposite victim, say), silently."""
+    from kvserve.core import config, policies, queues
+
+    for name in config.VICTIM_POLICIES:  # every listed name builds
+        make_victim_policy(SchedulerConfig(victim_policy=name))
+    for name in config.SCHEDULING_POLICIES:
+        queues.make_plain_queue(name)
+    monkeypatch.setattr(config, "VICTIM_POLICIES", (*config.VICTIM_POLICIES, "newest-k"))
+    monkeypatch.setattr(config, "ADMISSION_POLICIES", (*config.ADMISSION_POLICIES, "greedy"))
+    with pytest.raises(ConfigError, match="victim_policy='newest-k' has no class"):
+        make_victim_policy(SchedulerConfig(victim_policy="newest-k"))
+    with pytest.raises(ConfigError, match="admission_policy='greedy' has no class"):
+        policies.make_admission_policy(SchedulerConfig(admission_policy="greedy"), None)
+    with pytest.raises(ValueError, match="'sjf' has no queue class"):
+        queues.make_plain_queue("sjf")
+
+
 def pressure_workload():
     return [make_request(i, 20 + 5 * i, max_tokens=40, ignore_eos=True) for i in range(8)]
 

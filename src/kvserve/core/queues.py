@@ -17,7 +17,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from kvserve.core.config import DEFAULT_LPM_MAX_QUEUE, SCHEDULING_POLICIES, SchedulerConfig
+from kvserve.core.config import (
+    CACHE_AWARE_POLICIES,
+    DEFAULT_LPM_MAX_QUEUE,
+    SCHEDULING_POLICIES,
+    SchedulerConfig,
+)
 from kvserve.core.prefix_cache import BlockHash
 from kvserve.core.request import Request
 
@@ -387,6 +392,9 @@ def make_plain_queue(policy: str, config: SchedulerConfig | None = None) -> Wait
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue() if aging_s is None else AgingPriorityQueue(aging_s)
+    if policy not in CACHE_AWARE_POLICIES:  # a name with no queue class (QA: built as lpm's)
+        raise ValueError(f"scheduling_policy={policy!r} has no queue class in "
+                         "kvserve.core.queues (make_plain_queue)")
     from kvserve.core.cache_order import CacheAwareQueue
 
     max_queue = config.lpm_max_queue if config is not None else DEFAULT_LPM_MAX_QUEUE
