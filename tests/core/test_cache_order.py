@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.core.cache_order import CacheAwareQueue, dfs_weight_order
-from kvserve.core.config import SchedulerConfig
+from kvserve.core.config import AGING_POLICIES, SCHEDULING_POLICIES, SchedulerConfig
 from kvserve.core.errors import ConfigError, RequestError
 from kvserve.core.queues import AgingPriorityQueue, make_waiting_queue
 from tests.conftest import FakeExecutor, make_request, make_scheduler, step
@@ -125,6 +125,9 @@ def test_config_checks_the_new_fields():  # A4
         SchedulerConfig(scheduling_policy="lpm", schedule_aging_s=0)
     with pytest.raises(ConfigError, match="not fcfs"):
         SchedulerConfig(schedule_aging_s=5.0)
+    for policy in AGING_POLICIES:  # and only the orders whose queues age (contributor pass:
+        SchedulerConfig(scheduling_policy=policy, schedule_aging_s=5.0)  # a new one ignored it)
+    assert set(SCHEDULING_POLICIES) - set(AGING_POLICIES) == {"fcfs"}
     with pytest.raises(ConfigError, match="enable_priority_preemption"):
         SchedulerConfig(scheduling_policy="priority", schedule_aging_s=5.0,
                         enable_priority_preemption=True)

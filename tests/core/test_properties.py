@@ -25,6 +25,7 @@ from kvserve.core import (
     check_empty,
     check_invariants,
 )
+from kvserve.core.config import AGING_POLICIES, SCHEDULING_POLICIES
 from tests.conftest import EOS, FakeExecutor
 
 MAX_MODEL_LEN = 256
@@ -104,9 +105,9 @@ def preemption(draw: st.DrawFn, policy: str) -> dict:
 def configs(draw: st.DrawFn) -> dict:
     chunked = draw(st.booleans())
     budget = draw(st.sampled_from([16, 64, 256])) if chunked else MAX_MODEL_LEN
-    policy = draw(st.sampled_from(["fcfs", "priority", "lpm", "dfs-weight"]))
+    policy = draw(st.sampled_from(SCHEDULING_POLICIES))  # a new order is fuzzed too
     preempting = draw(preemption(policy))
-    aging = policy != "fcfs" and not preempting["enable_priority_preemption"] and \
+    aging = policy in AGING_POLICIES and not preempting["enable_priority_preemption"] and \
         draw(st.booleans())
     step_mix = draw(st.sampled_from(["mixed", "mixed", "prefill-first"]))  # Q1
     return dict(

@@ -20,6 +20,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm", "dfs-weight")
 DEFAULT_SESSION_TTL_S = 30.0  # seconds a finished turn's KV is held (U6)
 MAX_SESSION_TTL_S = 86400.0  # a day: a longer hold is a typo
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # orders that read the prefix cache (C4, C5)
+# orders whose queues take schedule_aging_s (C7): another order refuses it (a new order that
+# can starve adds its name here once its queue ages; fcfs cannot starve)
+AGING_POLICIES = ("priority", *CACHE_AWARE_POLICIES)
 DEFAULT_LPM_MAX_QUEUE = 128  # SGLang's bound: a longer queue is served FCFS (C6)
 VICTIM_POLICIES = ("vllm", "sglang", "least-computed")
 ADMISSION_POLICIES = ("optimistic", "reserve", "adaptive")
@@ -238,9 +241,10 @@ class SchedulerConfig:
             if self.schedule_aging_s <= 0:
                 raise ConfigError(f"schedule_aging_s={self.schedule_aging_s} is out of range: "
                                   "must be > 0 (leave it unset to turn aging off)")
-            if self.scheduling_policy == "fcfs":
-                raise ConfigError("schedule_aging_s needs an order that can starve: "
-                                  "scheduling_policy priority, lpm or dfs-weight, not fcfs")
+            if self.scheduling_policy not in AGING_POLICIES:
+                raise ConfigError(f"schedule_aging_s needs an order that can starve and ages: "
+                                  f"scheduling_policy {', '.join(AGING_POLICIES)}, not "
+                                  f"{self.scheduling_policy}")
             if self.tenant_fairness == "vtc" and self.scheduling_policy == "priority":
                 raise ConfigError("schedule_aging_s with scheduling_policy='priority' and "
                                   "tenant_fairness='vtc' is not supported: VTC keeps one "
