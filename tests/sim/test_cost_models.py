@@ -1,6 +1,7 @@
 """Cost models: units worked by hand, monotonicity, tensor parallelism, the calibrated
 file format."""
 
+import argparse
 import dataclasses
 import json
 import re
@@ -230,3 +231,21 @@ def test_the_kind_term_prices_steps_with_prefill_chunks_only():
         assert cost.step_time(None, view) == pytest.approx(six.step_time(None, view) + 0.003)
     assert cost.describe()["coefficients"]["per_prefill_step_s"] == 0.003
     assert not cost.needs_block_layout
+
+
+def test_every_listed_cost_model_builds_and_one_without_a_branch_is_refused(monkeypatch):
+    """Contributor pass: a name added to COST_MODELS without its branch in build_cost_model
+    was priced as roofline, silently; --cost-model's choices are the same list."""
+    from kvserve.sim import deployment
+    from kvserve.sim.cli_common import add_deployment_flags
+    from kvserve.sim.cost_models import CostModelError
+
+    parser = argparse.ArgumentParser()
+    add_deployment_flags(parser)
+    choices = next(a.choices for a in parser._actions if a.dest == "cost_model")
+    assert tuple(choices) == deployment.COST_MODELS
+    assert deployment.Deployment(cost_model="unit").build_cost_model().name == "unit"
+    assert deployment.Deployment(cost_model="roofline").build_cost_model().name == "roofline"
+    monkeypatch.setattr(deployment, "COST_MODELS", (*deployment.COST_MODELS, "constant"))
+    with pytest.raises(CostModelError, match="'constant' has no branch"):
+        deployment.Deployment(cost_model="constant").build_cost_model()

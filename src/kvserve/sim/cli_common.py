@@ -58,8 +58,10 @@ def add_deployment_flags(parser: argparse.ArgumentParser, *, cost_model: bool = 
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of device memory for weights, activations and KV")
     if cost_model:
+        from kvserve.sim.deployment import COST_MODELS
+
         group.add_argument("--cost-model", default=None if recordings else "roofline",
-                           choices=("unit", "roofline", "calibrated", "replay"),
+                           choices=COST_MODELS,
                            help="how long a step takes (default roofline; for a recording, "
                                 f"{recorded_cost_model})" if recordings else None)
         group.add_argument("--calibration", metavar="PATH.json",

@@ -41,7 +41,12 @@ from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
 from kvserve.sim.swap import SimPreemptionPrices, WithSwapCopies
 from kvserve.sim.trace import TraceRequest, dump_trace
 
+# The cost models by name (--cost-model's choices): a new one adds its name here, a branch in
+# Deployment.build_cost_model, and decides whether it goes in TIMELESS_COPIES.
 COST_MODELS = ("unit", "roofline", "calibrated", "replay")
+# those whose steps a swap's block copies add no time to: unit time prices no hardware, and
+# replayed steps already hold what their copies took
+TIMELESS_COPIES = ("unit", "replay")
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,12 @@ class Deployment:
                 raise CostModelError("--replay-step-times is one engine's step log: it "
                                      "cannot price replicas")
             return ReplayCostModel.load(self.replay_log)
-        return RooflineCostModel(get_model(self.model), self.hardware_preset(),
-                                 self.dtype, self.tensor_parallel_size,
-                                 kv_dtype=self._kv_dtype_if_other())
+        if self.cost_model == "roofline":
+            return RooflineCostModel(get_model(self.model), self.hardware_preset(),
+                                     self.dtype, self.tensor_parallel_size,
+                                     kv_dtype=self._kv_dtype_if_other())
+        raise CostModelError(f"cost model {self.cost_model!r} has no branch in "
+                             "Deployment.build_cost_model")  # a listed name never built
 
     def _kv_dtype_if_other(self) -> str | None:
         """The KV cache's dtype where it is not the weights' (so default reports keep their
@@ -192,7 +200,7 @@ class Deployment:
         return SimPreemptionPrices(cost_model, get_model(self.model),
                                    self.hardware_preset(), self.dtype,
                                    self.tensor_parallel_size, block_size,
-                                   copies_take_time=self.cost_model not in ("unit", "replay"))
+                                   copies_take_time=self.cost_model not in TIMELESS_COPIES)
 
     def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
                  seed: int = 0, record_events: bool = False, check: bool = False,
