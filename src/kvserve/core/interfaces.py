@@ -23,7 +23,10 @@ class Executor(Protocol):
 
         Contract: a request whose scheduled tokens end before the end of its current
         sequence (a mid-prompt chunk) gets no entry or an empty list; a request whose chunk
-        reaches the end gets exactly one sampled token. ``scheduled_new_reqs`` are requests
+        reaches the end gets one sampled token (a model's executor), or several in order (a
+        speculative one's): the scheduler appends each and drops those after a stop (H2).
+        The scheduler refuses a token for a mid-prompt chunk and no token at the end.
+        ``scheduled_new_reqs`` are requests
         the executor has no state for (new or resumed); ``finished_req_ids`` and
         ``preempted_req_ids`` name state it may drop.
         """

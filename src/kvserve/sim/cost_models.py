@@ -8,7 +8,12 @@ with a true ``needs_block_layout`` attribute; the simulator tracks the layout on
 (:func:`needs_block_layout`). A model may also have ``step_start(now) -> seconds``, the
 earliest time the next step may start (a replayed engine log holds each step until the
 engine's logged start); the simulator calls it before every step, so a model wrapping
-another must pass it on.
+another must pass it on, as it must ``starts`` (the replayed steps' logged starts, or None:
+:func:`holds_recorded_steps`, which times a recording's arrivals by them).
+
+A new named model (``--cost-model NAME``): its class here, its name in
+:data:`kvserve.sim.deployment.COST_MODELS` and a branch in ``Deployment.build_cost_model``,
+and whether a swap's block copies add time to its steps (``TIMELESS_COPIES`` there).
 """
 
 from __future__ import annotations
