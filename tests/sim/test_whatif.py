@@ -70,8 +70,9 @@ def test_the_worked_example_moves_b_by_three_seconds_from_its_admission(tmp_path
     # against the recorded settings under the same (unit) model: the change's own effect
     assert row["first_difference"] == {"recorded (unit model)": "admitted at step 3 (3.000 s)",
                                        "max_num_seqs=2": "admitted at step 0 (0.000 s)"}
-    assert "b: e2e 6.000 s -> 3.000 s (-3.000 s); recorded (unit model): admitted at step 3" \
-        in printed.out
+    assert (row["ttft_before_s"], row["ttft_after_s"]) == (4.0, 1.0)  # the operator pass
+    assert "b: e2e 6.000 s -> 3.000 s (-3.000 s), TTFT 4.000 s -> 1.000 s; recorded (unit " \
+        "model): admitted at step 3" in printed.out
     page = html.read_text()
     assert page.count("<svg") == 4 and "max_num_seqs=2" in page and "<script" not in page
 

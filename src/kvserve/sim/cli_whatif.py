@@ -178,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
             replay_or_fitted,
         )
         from kvserve.sim.whatif import (
+            SAME_DECISIONS,
             ShapeTally,
+            latency_text,
             make_run,
             moved,
             nothing_moved,
@@ -309,9 +311,12 @@ def run(args: argparse.Namespace) -> int:
             for row in rows:
                 diff = row["first_difference"]
                 where = "; ".join(f"{k}: {v}" for k, v in diff.items()) if diff else \
-                    "same decisions (timing only)"
+                    SAME_DECISIONS
+                ttft = (f"{latency_text(row['ttft_before_s'])} -> "
+                        f"{latency_text(row['ttft_after_s'])}")
                 print(f"  {row['request_id']}: e2e {row['e2e_before_s']:.3f} s -> "
-                      f"{row['e2e_after_s']:.3f} s ({row['delta_s']:+.3f} s); {where}")
+                      f"{row['e2e_after_s']:.3f} s ({row['delta_s']:+.3f} s), TTFT {ttft}; "
+                      f"{where}")
             if not rows:
                 print(f"  {still[label]}")
         if args.report:

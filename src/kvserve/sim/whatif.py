@@ -170,18 +170,32 @@ def first_difference(base: Sequence[Decision], other: Sequence[Decision]
     return None
 
 
+# a request whose own decisions are all the same in both runs (its first difference None)
+SAME_DECISIONS = "same decisions, at other times (the steps before them took more or less time)"
+
+
+def latency_text(value: float | None) -> str:
+    """A moved row's latency as printed ("none": no first token in that run)."""
+    return "none" if value is None else f"{value:.3f} s"
+
+
 def moved(base: Run, other: Run, top: int) -> list[dict[str, Any]]:
-    """The ``top`` requests whose end-to-end latency moved most (absolute change), with the
-    first decision that differed."""
-    base_e2e = {r.request_id: request_latencies(r)["e2e"] for r in base.result.records}
+    """The ``top`` requests whose end-to-end latency moved most (absolute change), with their
+    time to first token before and after (an incident is often a TTFT one; QA) and the first
+    decision of theirs that differed."""
+    base_latencies = {r.request_id: request_latencies(r) for r in base.result.records}
     base_decisions, other_decisions = decisions(base.result), decisions(other.result)
     rows = []
     for record in other.result.records:
-        before, after = base_e2e.get(record.request_id), request_latencies(record)["e2e"]
+        latencies = request_latencies(record)
+        before = base_latencies.get(record.request_id, {}).get("e2e")
+        after = latencies["e2e"]
         if before is None or after is None:
             continue
         rows.append({"request_id": record.request_id, "e2e_before_s": before,
-                     "e2e_after_s": after, "delta_s": after - before})
+                     "e2e_after_s": after, "delta_s": after - before,
+                     "ttft_before_s": base_latencies[record.request_id]["ttft"],
+                     "ttft_after_s": latencies["ttft"]})
     rows.sort(key=lambda r: (-abs(r["delta_s"]), r["request_id"]))
     for row in rows[:top]:
         pair = first_difference(base_decisions.get(row["request_id"], []),

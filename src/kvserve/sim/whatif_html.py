@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.sim import svg
 from kvserve.sim.html import _page
 from kvserve.sim.report import request_latencies
-from kvserve.sim.whatif import Run, figure, rows_for
+from kvserve.sim.whatif import SAME_DECISIONS, Run, figure, latency_text, rows_for
 
 WIDTH = 760
 
@@ -59,13 +59,13 @@ def _movers(rows: list[dict[str, Any]], still: str) -> str:
     if not rows:
         return f'<p class="muted">{escape(still)}</p>'
     out = ["<table><tr><th>request</th><th>e2e before</th><th>after</th><th>change</th>"
-           "<th>first decision that differed</th></tr>"]
+           "<th>TTFT before</th><th>after</th><th>first decision that differed</th></tr>"]
     for row in rows:
         diff = row["first_difference"]
-        text = "; ".join(f"{k}: {v}" for k, v in diff.items()) if diff else \
-            "same decisions (timing only)"
+        text = "; ".join(f"{k}: {v}" for k, v in diff.items()) if diff else SAME_DECISIONS
         out.append(f"<tr><td>{escape(row['request_id'])}</td>"
                    f"<td>{row['e2e_before_s']:.3f} s</td><td>{row['e2e_after_s']:.3f} s</td>"
-                   f"<td>{row['delta_s']:+.3f} s</td><td>{escape(text)}</td></tr>")
+                   f"<td>{row['delta_s']:+.3f} s</td><td>{latency_text(row['ttft_before_s'])}</td>"
+                   f"<td>{latency_text(row['ttft_after_s'])}</td><td>{escape(text)}</td></tr>")
     out.append("</table>")
     return "".join(out)
