@@ -117,6 +117,15 @@ def test_bad_changes_are_one_line(tmp_path, capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+def test_too_few_recorded_steps_to_fit_name_the_hardware_to_price_them_by(tmp_path, capsys):
+    """Six recorded steps fit no model: the way out names the hardware too (operator pass:
+    roofline alone priced a CPU server's steps as an H100's)."""
+    assert main(["whatif", str(build(tmp_path / "rec")), "--set", "max_num_seqs=2"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "cannot fit a cost model on the recorded steps" in last
+    assert "give --cost-model roofline with the --hardware it ran on (cpu-local" in last
+
+
 def test_swap_on_a_recording_without_a_host_tier_runs_with_one(tmp_path, capsys):
     """One --set is one setting, so preemption_mode=swap on a recording made without a host
     tier could not run at all ("needs a host KV tier"; QA): it runs with one as large as the

@@ -123,7 +123,9 @@ class Recording:
             return self._fitted
         except ValueError as error:
             raise CostModelError(f"{self.path}: cannot fit a cost model on the recorded "
-                                 f"steps ({error}); give --cost-model") from None
+                                 f"steps ({error}); give --cost-model roofline with the "
+                                 "--hardware it ran on (cpu-local: this machine; the "
+                                 "default is h100-sxm), or a --calibration") from None
 
 
 def check_pool_setting(names: Any) -> None:
