@@ -34,7 +34,14 @@ class PrefixView(Protocol):
 
 
 class WaitingQueue(ABC):
-    """push / push_front / pop / peek / remove / len / iter, in scheduling order."""
+    """push / push_front / pop / peek / remove / len / iter, in scheduling order.
+
+    The scheduler pushes requests it has taken (``Scheduler.add_request``): their
+    ``sampling_params.max_tokens`` is a number by then (None became what the context leaves)
+    and their block hashes may be read from the prefix cache's ``start_pass`` view. A
+    request comes back by ``push_front`` when it was preempted, or set aside by the waiting
+    pass while not ready (L2); ``pop`` is the admission.
+    """
 
     def __init__(self) -> None:
         self.num_tokens = 0
