@@ -115,6 +115,8 @@ def test_reserve_admission_keeps_future_blocks_free():  # K2 "reserve"
     # free today
     assert [r.request_id for r in scheduler.running] == ["a", "b"]
     assert scheduler.kv.num_free_blocks == 6
+    # and says so: not "kv_cache" with 6 blocks free (operator pass)
+    assert scheduler.num_blocked_steps == {"admission_reserve": 1}
 
 
 def test_adaptive_ratio_decays_and_jumps_after_preemption():  # K2 "adaptive"

@@ -99,6 +99,20 @@ def test_a_kv_blocked_head_blocks_the_queue(executor):  # D4 head-of-line on KV
     out, _ = step(scheduler, executor)
     assert scheduled(out) == {"a": 8}
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    assert scheduler.num_blocked_steps == {"kv_cache": 1}
+
+
+def test_a_head_only_the_watermark_keeps_out_is_blocked_by_the_watermark(executor):  # E2
+    """Operator pass: the pass stopped with "kv_cache" while most of the pool was free,
+    and nothing said the watermark (E2) held the blocks back."""
+    scheduler = make_scheduler(num_blocks=10, block_size=4, watermark=0.5, record_events=True)
+    scheduler.add_request(make_request("a", 8))  # nothing runs yet: no watermark
+    scheduler.add_request(make_request("b", 16))  # 4 blocks + 5 held back > 8 free
+    out, _ = step(scheduler, executor)
+    assert scheduled(out) == {"a": 8} and scheduler.kv.num_free_blocks == 8
+    assert scheduler.num_blocked_steps == {"watermark": 1}
+    assert [(e.request_id, e.reason) for e in scheduler.take_events()
+            if e.kind == "blocked"] == [("b", "watermark")]
 
 
 def test_admission_takes_the_prefix_hit_and_schedules_the_rest(executor):  # D5, D6

@@ -212,6 +212,28 @@ class KVCacheManager:
             num_needed += self.watermark_blocks
         return num_needed
 
+    def refusal_reason(self, request: Request, num_new_tokens: int,
+                       hit_blocks: Sequence[KVBlock], *, apply_watermark: bool,
+                       full_sequence_must_fit: bool, reserved_blocks: int) -> str:
+        """Why :meth:`allocate_slots` with these arguments refused an admission (its
+        ``blocked`` reason): ``"kv_cache"`` where the free blocks are too few for the request
+        itself; ``"admission_reserve"`` where they suffice but for the blocks an admission
+        policy keeps for running requests' growth (K2); ``"watermark"`` where they suffice but
+        for the watermark's (E2). (QA: an operator saw ``kv_cache`` with most blocks free.)"""
+        held = self.req_to_blocks.get(request.request_id)
+        num_held = len(held) if held is not None else 0
+        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
+        num_new_blocks = -(-num_slots // self.block_size) - num_held - len(hit_blocks)
+        num_needed = self._num_blocks_needed(request, num_new_blocks, num_held, hit_blocks,
+                                             False, full_sequence_must_fit)
+        free = self.pool.num_free_blocks
+        if num_needed > free:
+            return "kv_cache"
+        if num_needed + reserved_blocks > free:
+            return "admission_reserve"
+        return "watermark" if apply_watermark and self.watermark_blocks else "kv_cache"
+
     def fits_after_release(self, request: Request, num_new_tokens: int,
                            hit_blocks: Sequence[KVBlock], released: dict[int, int], *,
                            apply_watermark: bool, full_sequence_must_fit: bool,

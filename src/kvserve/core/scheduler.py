@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.core import outputs as core_outputs
 from kvserve.core.block_pool import KVBlock
@@ -638,7 +638,7 @@ class Scheduler:
             if new_blocks is None:
                 self._requeue_demoted(demoted)
                 if self._urgent is None or not self._admit_urgent(step):
-                    self._note_blocked("kv_cache")
+                    self._note_blocked(self._refused_room(request, num_new, hit_blocks))
                 return
             popped = self.waiting.pop()
             self._requeue_demoted(demoted)
@@ -656,15 +656,24 @@ class Scheduler:
         first while it does not fit (U7); held turns it demotes go to ``demoted`` where
         given, else back to the ordinary queue's front."""
         while True:
-            new_blocks = self.kv.allocate_slots(
-                request, num_new, hit_blocks,
-                apply_watermark=bool(self.running),
-                full_sequence_must_fit=self.config.reserve_full_sequence,
-                reserved_blocks=self._admission.reserved_blocks(request),
-            )
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks,
+                                                **self._admission_limits(request))
             if new_blocks is not None or \
                     not self._release_session_kv(keep=request, demoted=demoted):
                 return new_blocks
+
+    def _admission_limits(self, request: Request) -> dict[str, Any]:
+        """What an admission keeps free beyond its own blocks (E2, E3, K2)."""
+        return {"apply_watermark": bool(self.running),
+                "full_sequence_must_fit": self.config.reserve_full_sequence,
+                "reserved_blocks": self._admission.reserved_blocks(request)}
+
+    def _refused_room(self, request: Request, num_new: int,
+                      hit_blocks: Sequence[KVBlock]) -> str:
+        """The ``blocked`` reason of an admission the pool refused: ``kv_cache``, or the
+        watermark or admission reserve alone that stood in the way."""
+        return self.kv.refusal_reason(request, num_new, hit_blocks,
+                                      **self._admission_limits(request))
 
     def _requeue_demoted(self, demoted: list[Request]) -> None:
         for request in demoted:
@@ -716,7 +725,7 @@ class Scheduler:
                 return False
             new_blocks = self._allocate_admission(request, num_new, _NO_BLOCKS)
             if new_blocks is None:
-                self._note_blocked("kv_cache", request)
+                self._note_blocked(self._refused_room(request, num_new, _NO_BLOCKS), request)
                 return False
             if held and held[0] is request:  # still the head: nothing demoted it
                 held.popleft()
