@@ -168,8 +168,9 @@ def test_whatif_on_replicas_replays_them_then_changes_the_cluster(tmp_path, caps
     out = capsys.readouterr().out
     # against the recorded settings under the unit model: c and d each get a replica of
     # their own with four, and start at once
-    assert "d: e2e 6.000 s -> 3.000 s (-3.000 s); recorded (unit model): admitted on " \
-        "replica 1 at step 4 (3.000 s); data_parallel_size=4: admitted on replica 3" in out
+    assert "d: e2e 6.000 s -> 3.000 s (-3.000 s), TTFT 4.000 s -> 1.000 s; recorded (unit " \
+        "model): admitted on replica 1 at step 4 (3.000 s); data_parallel_size=4: admitted " \
+        "on replica 3" in out
 
 
 @pytest.mark.parametrize(("change", "needle"), [
