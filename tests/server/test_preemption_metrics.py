@@ -126,6 +126,10 @@ def test_without_a_host_tier_the_boot_log_says_so_and_the_series_are_zero(caplog
     ({"step_mix": "prefill-first", "max_prefill_only_steps": 3, "max_num_seqs": 64},
      "Steps: prefill-first (pending prefills run alone while decodes wait, SGLang's default; "
      "at most 3 in a row); max_num_seqs 64, max_num_batched_tokens 2048"),
+    ({"watermark": 0.5, "admission_policy": "reserve"},  # the operator pass: unnamed
+     "Steps: mixed (decodes and prefill chunks share each step, vLLM V1); max_num_seqs 256, "
+     "max_num_batched_tokens 2048, watermark 0.5 (of the KV blocks, kept free to admit), "
+     "admission policy reserve"),
 ])
 def test_the_boot_log_names_the_step_mix_q1(settings, line):
     info = SimpleNamespace(scheduler_config=SchedulerConfig(**settings))

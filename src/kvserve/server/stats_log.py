@@ -40,6 +40,11 @@ def steps_line(state: ServerState) -> str:
     config = state.engine.info.scheduler_config
     limits = (f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
               f"{config.max_num_batched_tokens}")
+    # what an admission leaves free, where set (QA: a watermark held requests back unnamed)
+    if config.watermark:
+        limits += f", watermark {config.watermark:g} (of the KV blocks, kept free to admit)"
+    if config.admission_policy != "optimistic":
+        limits += f", admission policy {config.admission_policy}"
     if config.step_mix == "mixed":
         return f"Steps: mixed (decodes and prefill chunks share each step, vLLM V1); {limits}"
     bound = (f"at most {config.max_prefill_only_steps} in a row"
