@@ -413,7 +413,9 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                             "than this are preempted (default 10)")
     group.add_argument("--max-preemptions-per-request", dest="max_preemptions_per_request",
                        type=int, help="a request preempted this many times is no longer "
-                                      "a victim (default: no limit)")
+                                      "a victim, except to let the earliest running request "
+                                      "advance; with no victim left, the request that needed "
+                                      "room waits a step (default: no limit; P1-P3)")
     group.add_argument("--victim-policy", dest="victim_policy", choices=VICTIM_POLICIES,
                        help="which running request a short pool preempts: vllm (default: "
                             "the newest admitted, or under priority the least urgent), sglang "
