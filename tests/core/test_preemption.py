@@ -120,3 +120,20 @@ def test_event_stream_names_each_transition():  # issue item 10
     assert ("resumed", "r1", 17, "") in events
     assert events[-1] == ("finished", "r1", 3, "length")
     assert scheduler.take_events() == []
+
+
+def test_a_running_request_the_guard_holds_back_is_counted_and_logged_once_a_wait():  # P2
+    """Operator pass: with --max-preemptions-per-request a running request waited 15 steps
+    for tokens (P2) with nothing counted or logged, a frozen stream without a preemption."""
+    scheduler = make_scheduler(num_blocks=22, block_size=16, max_num_batched_tokens=2048,
+                               max_preemptions_per_request=1, record_events=True)
+    requests = [make_request(f"r{i}", prompt_token_ids=[1000 + 100 * i + j for j in range(42)],
+                             max_tokens=120, ignore_eos=True) for i in range(6)]
+    run_to_completion(scheduler, requests)
+    events = scheduler.take_events()
+    waits = [(e.time, e.request_id) for e in events
+             if e.kind == "blocked" and e.reason == "preemption_guard"]
+    assert waits and scheduler.num_guard_waits > len(waits)  # a wait lasts several steps
+    assert scheduler.stats().num_guard_waits == scheduler.num_guard_waits
+    assert not scheduler._guard_waited  # forgotten as each finished
+    check_empty(scheduler)

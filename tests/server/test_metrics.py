@@ -78,6 +78,7 @@ def test_metrics_move_and_count_preemptions(caplog):
         assert after[("vllm:iteration_tokens_total_sum", E)] == \
             after[("kvserve:scheduled_tokens_total", E)] >= 240 + 600 - 6
         assert after[("kvserve:prefill_only_steps_total", E)] == 0  # mixed steps (Q1)
+        assert after[("kvserve:preemption_guard_waits_total", E)] == 0  # no guard (P2)
         for reason in ("capacity", "deferred"):
             assert after[("vllm:num_requests_waiting_by_reason",
                           (*E, ("reason", reason)))] == 0

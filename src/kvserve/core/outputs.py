@@ -206,6 +206,7 @@ class SchedulerStats:
     num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
     num_waiting_by_tenant: dict[str, int] = field(default_factory=dict)  # of num_waiting
     num_prefill_only_steps: int = 0  # steps that held the decodes back (Q2)
+    num_guard_waits: int = 0  # running requests' steps without tokens: no victim (P2)
     # Sessions (U1-U8): held now, their blocks, turns admitted on held KV and the tokens
     # they did not prefill, and releases by reason (ttl, pressure, limit, deleted, aborted).
     num_sessions_held: int = 0
@@ -244,4 +245,4 @@ COUNTER_FIELDS = (
     "prefix_cache_preempted_hits", "num_finished", "num_blocked_steps",
     "num_swapped_out_blocks", "num_swapped_in_blocks", "num_preemptions_by_mode",
     "num_prefill_only_steps", "num_session_hits", "num_session_hit_tokens",
-    "session_releases")
+    "session_releases", "num_guard_waits")

@@ -205,6 +205,10 @@ class Scheduler:
         self.num_scheduled_tokens = 0
         self.num_finished: dict[str, int] = {}
         self.num_blocked_steps: dict[str, int] = {}
+        # P2: running requests' steps without tokens because no victim qualified, and the
+        # step each such request last waited (a wait is logged on its first step)
+        self.num_guard_waits = 0
+        self._guard_waited: dict[str, int] = {}
         # Steady decoders advanced in bulk: a simulator's option (core/decode_lane.py).
         self.lane: DecodeLane | None = None
         # Q2: prefills-only steps (step_mix "prefill-first"), in all and in a row now.
@@ -306,6 +310,8 @@ class Scheduler:
         request.record(EventType.FINISHED, now)
         del self.requests[request.request_id]
         self._blocked_reason.pop(request.request_id, None)
+        if self._guard_waited:
+            self._guard_waited.pop(request.request_id, None)
         self._finished_since_last_step.append(request.request_id)
         reason = status.finish_reason or "error"
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
@@ -458,7 +464,8 @@ class Scheduler:
                 budget, num_running = step.token_budget, len(running)
                 if new_blocks is None:
                     if request.status is _RUNNING:
-                        index += 1  # P2: no victim qualifies; it waits, holding its blocks
+                        self._guard_wait(request)  # P2: no victim qualifies; it waits,
+                        index += 1  # holding its blocks
                         continue
                     break  # the request preempted itself: nothing later runs this step
             num_scheduled[request.request_id] = num_new
@@ -467,6 +474,17 @@ class Scheduler:
             budget -= num_new
             index += 1
         step.token_budget = budget
+
+    def _guard_wait(self, request: Request) -> None:
+        """P2 holds ``request`` back this step: counted, and logged ``blocked`` with reason
+        ``preemption_guard`` on the first step of each wait (QA: a stream froze with nothing
+        counted or logged)."""
+        self.num_guard_waits += 1
+        last = self._guard_waited.get(request.request_id)
+        self._guard_waited[request.request_id] = self.num_steps
+        if self._events is not None and last != self.num_steps - 1:
+            self._emit(self._now, EventType.BLOCKED, request, request.num_tokens,
+                       "preemption_guard")
 
     def _preempt_until_fits(self, request: Request, num_new: int, index: int,
                             step: _Step) -> tuple[list[KVBlock] | None, int]:
@@ -1178,6 +1196,7 @@ class Scheduler:
             prefix_cache_preempted_hits=self.kv.prefix_cache_preempted_hits,
             num_finished=dict(self.num_finished),
             num_blocked_steps=dict(self.num_blocked_steps),
+            num_guard_waits=self.num_guard_waits,
             num_swapped=len(self.swapped),
             num_host_blocks=self.kv.host_pool.num_blocks,
             num_free_host_blocks=self.kv.host_pool.num_free_blocks,

@@ -511,6 +511,9 @@ class _StatsCollector(Collector):
                 ("kvserve:prefill_only_steps", "Steps that ran prefills only while decodes "
                  "waited (--step-mix prefill-first).",
                  lambda e: e.stats.num_prefill_only_steps),
+                ("kvserve:preemption_guard_waits", "Steps a running request got no tokens "
+                 "because every victim had reached --max-preemptions-per-request (P2).",
+                 lambda e: e.stats.num_guard_waits),
                 ("kvserve:invariant_violations",
                  "Scheduler state checks (no leaked or doubly held KV block, ...) failed when "
                  "the engine fell idle.", lambda e: e.invariant_violations)), engines)
