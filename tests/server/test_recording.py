@@ -149,6 +149,35 @@ def test_simulate_replays_a_recording_directory(recorded, tmp_path, capsys):
     assert data["config"]["scheduler"]["max_num_seqs"] == 2
 
 
+def test_an_id_a_client_sends_again_replays_as_requests_of_their_own(tmp_path):
+    """Operator pass: the server takes an X-Request-Id again once its request finished, and
+    the recording then could not be replayed ("duplicate request_id")."""
+    directory = tmp_path / "rec"
+    with LiveServer(slow_engine(0.0, num_kv_blocks=NUM_BLOCKS, **SETTINGS)) as live:
+        live.state.recorder = Recorder(directory, live.state.engine.info, prompts="hashes")
+        live.state.engine.observers.append(live.state.recorder.observe)
+        live.state.recorder.start()
+        for prompt in prompts(3):
+            reply = httpx.post(live.url + "/v1/completions", timeout=60,
+                               headers={"X-Request-Id": "same"},
+                               json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+        wait_for(lambda: live.state.recorder.status()["requests"] == 3,
+                 what="3 requests recorded")
+        live.state.recorder.close()
+    warnings: list[str] = []
+    recording = load_recording(directory, warn=warnings.append)
+    assert sorted(r.request_id for r in recording.trace) == ["same", "same#2", "same#3"]
+    assert warnings == ["request id 'same' was taken by 3 requests one after another; "
+                        "replayed as 'same', 'same#2', ..."]
+    arrived = [e["request_id"] for e in recording.engines[0].events if e["kind"] == "arrived"]
+    assert arrived == ["same", "same#2", "same#3"]
+    result = Simulator(SchedulerConfig.from_dict(SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
+                       recording.replay_cost_model(), record_events=True).run(recording.trace)
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated) == decisions(recording.engines[0].events)
+
+
 def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_path):
     directory, _ = recorded
     copy = tmp_path / "cut"

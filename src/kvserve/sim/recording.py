@@ -166,16 +166,12 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
 
     rows = [(where, row) for file in _series(root, "trace")
             for where, row in _lines(file, note)]
-    trace, seen = [], set()
+    trace = []
     for where, row in rows:
         try:
-            request = parse_request(row)
+            trace.append(parse_request(row))
         except ValueError as error:
             raise TraceError(f"{where}: {error}") from None
-        if request.request_id in seen:
-            raise TraceError(f"{where}: duplicate request_id {request.request_id!r}")
-        seen.add(request.request_id)
-        trace.append(request)
     engines: dict[int, EngineLog] = {}
     for file in sorted(root.glob("steps-*-*.jsonl")):
         engine = file.name.split("-")[1]
@@ -186,6 +182,7 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
             _add_step_row(log, where, row)
     for log in engines.values():
         log.steps.sort(key=lambda s: s["start"])
+    trace = _reused_ids_apart(trace, engines, note)
     steps = [step for log in engines.values() for step in log.steps]
     if steps and not any(step["duration"] > 0 for step in steps):  # QA: "the simulation
         # scheduled more" (whatif), "got 0 and 0" (plan)
@@ -295,6 +292,56 @@ def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
                 break
             raise TraceError(f"{where}: {error}") from None
     return out
+
+
+def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
+                      note: Warn) -> list[TraceRequest]:
+    """Tell apart requests that came one after another with one id (the server takes a
+    client's id again once its request has finished: a retrying gateway, a benchmark's fixed
+    ids; QA: the recording could not be replayed): the k-th to arrive becomes ``<id>#k``
+    from the second on, in the trace (by arrival) and in the step logs (each ``arrived``
+    event of the id starts its next request)."""
+    counts: dict[str, int] = {}
+    for request in trace:
+        counts[request.request_id] = counts.get(request.request_id, 0) + 1
+    reused = {request_id for request_id, count in counts.items() if count > 1}
+    if not reused:
+        return trace
+    taken = set(counts)
+    names: dict[tuple[str, int], str] = {}
+
+    def name(request_id: str, k: int) -> str:
+        key = (request_id, k)
+        if key not in names:
+            candidate = f"{request_id}#{k}"
+            while candidate in taken:
+                candidate += "#"
+            taken.add(candidate)
+            names[key] = candidate
+        return names[key]
+
+    renamed, seen = list(trace), dict.fromkeys(reused, 0)
+    for index in sorted(range(len(trace)), key=lambda i: trace[i].arrival_time):
+        request_id = trace[index].request_id
+        if request_id in reused:
+            seen[request_id] += 1
+            if seen[request_id] > 1:
+                renamed[index] = dataclasses.replace(trace[index],
+                                                     request_id=name(request_id, seen[request_id]))
+    events = sorted((event for log in engines.values() for event in log.events
+                     if event["request_id"] in reused), key=lambda event: event["time"])
+    arrivals = dict.fromkeys(reused, 0)
+    for event in events:  # in time order across replicas; an id's requests never overlap
+        request_id = event["request_id"]
+        if event["kind"] == "arrived":
+            arrivals[request_id] += 1
+        if arrivals[request_id] > 1:
+            event["request_id"] = name(request_id, arrivals[request_id])
+    for request_id in sorted(reused):
+        note(f"request id {request_id!r} was taken by {counts[request_id]} requests one after "
+             f"another; replayed as {request_id!r}, {name(request_id, 2)!r}"
+             + (", ..." if counts[request_id] > 2 else ""))
+    return renamed
 
 
 def _add_step_row(log: EngineLog, where: str, row: Any) -> None:
