@@ -191,11 +191,11 @@ def test_a_group_larger_than_the_tenant_limit_is_rejected_not_queue_full():  # T
 
     # 4 waiting and 1 the next step takes: 5 at most (the limit counts a backlog, K4)
     config = SchedulerConfig(max_num_queued_reqs_per_tenant=4, max_num_seqs=1)
-    check_queueable(5, 100, config, "ok")
+    check_queueable([20] * 5, config, "ok")
     with pytest.raises(RequestRejected, match="6 sequences at once exceed "
                                               "max_num_queued_reqs_per_tenant=4 plus "
                                               "max_num_seqs=1"):
-        check_queueable(6, 100, config, "big")
+        check_queueable([20] * 6, config, "big")
 
 
 # -- tenant-scoped prefix cache (G3) -------------------------------------------------------

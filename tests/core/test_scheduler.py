@@ -314,6 +314,19 @@ def test_queue_limits_refuse_without_a_trace():  # K4
     assert set(scheduler.requests) == {"busy", "a", "c"}
 
 
+def test_a_prompt_over_the_token_limit_is_taken_when_the_next_step_admits_it():  # K4
+    """Operator pass: a prompt longer than max_num_queued_tokens was refused for good (a
+    400), though an idle engine's next step admits it and it never waits; behind a busy
+    engine it would wait, so the limit refuses it for now."""
+    idle = make_scheduler(max_num_queued_tokens=30, max_num_seqs=1)
+    idle.add_request(make_request("long", 100))
+    assert [r.request_id for r in idle.waiting] == ["long"]
+    busy = make_scheduler(max_num_queued_tokens=30, max_num_seqs=1)
+    occupy_every_seat(busy)
+    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(0 queued\)"):
+        busy.add_request(make_request("long", 100))
+
+
 def test_the_queue_limits_count_a_backlog_not_a_burst_into_free_seats():  # K4
     """What the next step admits is no backlog: a burst of 7 on an idle engine of 4 seats
     and a queue limit of 2 is 4 admitted and 2 waiting, the 7th refused (a burst arriving

@@ -88,11 +88,11 @@ def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
              "the waiting queue and one step ever take; send fewer prompts or a smaller n"),
             ({"prompt": [[5], [6], [7], [8]], "max_tokens": 2}, "4 sequences at once exceed "
                                                                 "max_num_queued_reqs=2"),
-            ({"prompt": [5] * 101, "max_tokens": 2},
-             "101 prompt tokens exceed max_num_queued_tokens=100, the most the waiting "
-             "queue ever holds; send shorter or fewer prompts"),
-            ({"prompt": [[5] * 60, [6] * 60], "max_tokens": 2},
-             "120 prompt tokens exceed max_num_queued_tokens=100"),
+            # the first prompt takes the one seat: 120 would wait
+            ({"prompt": [[5] * 10, [6] * 60, [7] * 60], "max_tokens": 2},
+             "120 prompt tokens would wait past what the next step admits, more than "
+             "max_num_queued_tokens=100, the most the waiting queue ever holds; send shorter "
+             "or fewer prompts"),
         ]
         for body, message in cases:
             response = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
@@ -103,6 +103,12 @@ def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
         rejected = metric_values(httpx.get(live.url + "/metrics").text)
         assert rejected[("kvserve:requests_rejected_total",
                          (("model_name", "tiny"), ("status", "400")))] == len(cases)
+        # one prompt over the token limit is no backlog on an idle engine, which takes it
+        # at once (operator pass: it was a 400, a hidden prompt-length cap)
+        for body in ({"prompt": [5] * 101, "max_tokens": 2},
+                     {"prompt": [[5] * 101, [6] * 60], "max_tokens": 2}):
+            assert httpx.post(live.url + "/v1/completions", json=body,
+                              timeout=30).status_code == 200
 
 
 def test_queue_deadline_answers_503_queue_timeout():

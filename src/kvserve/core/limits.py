@@ -35,14 +35,15 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
             f"({cache.num_token_slots} tokens)")
 
 
-def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
+def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
                     request_id: str) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
     queued, even on an idle engine with an empty queue: more requests at once (a prompt
-    list, ``n``) than max_num_queued_reqs plus max_num_seqs (the queue's backlog and what
-    the next step admits, which the limit does not count), or more tokens than
-    max_num_queued_tokens. Waiting cannot help it, so a client told to retry would retry
-    forever."""
+    list, ``n``; one prompt length each) than max_num_queued_reqs plus max_num_seqs (the
+    queue's backlog and what the next step admits, which the limit does not count), or more
+    tokens than max_num_queued_tokens beyond those the next step admits. Waiting cannot help
+    it, so a client told to retry would retry forever."""
+    num_requests = len(prompt_lens)
     seats = config.max_num_seqs
     max_reqs = config.max_num_queued_reqs
     if max_reqs is not None and num_requests > max_reqs + seats:
@@ -58,11 +59,27 @@ def check_queueable(num_requests: int, num_tokens: int, config: SchedulerConfig,
             "most one tenant may have waiting and one step takes; send fewer prompts or a "
             "smaller n")
     max_tokens = config.max_num_queued_tokens
-    if max_tokens is not None and num_tokens > max_tokens:
+    if max_tokens is None:
+        return
+    num_tokens = sum(prompt_lens[_admitted_alone(prompt_lens, config):])
+    if num_tokens > max_tokens:
         raise RequestRejected(
-            f"request {request_id}: {num_tokens} prompt tokens exceed "
-            f"max_num_queued_tokens={max_tokens}, the most the waiting queue ever holds; "
-            "send shorter or fewer prompts")
+            f"request {request_id}: {num_tokens} prompt tokens would wait past what the next "
+            f"step admits, more than max_num_queued_tokens={max_tokens}, the most the waiting "
+            "queue ever holds; send shorter or fewer prompts")
+
+
+def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig) -> int:
+    """How many of these prompts an idle engine's next step admits, as the scheduler's
+    ``_admissible_next`` counts (free blocks aside): from the first, while seats and token
+    budget last. Those are no backlog (QA: one prompt longer than max_num_queued_tokens
+    was refused for good, though an idle engine takes it at once)."""
+    seats, budget, count = config.max_num_seqs, config.max_num_batched_tokens, 0
+    for length in prompt_lens:
+        if seats <= 0 or budget <= 0:
+            break
+        count, seats, budget = count + 1, seats - 1, budget - length
+    return count
 
 
 def check_queue_limits(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
@@ -70,12 +87,15 @@ def check_queue_limits(request: Request, waiting: WaitingQueue, config: Schedule
     """K4: refuse what could never be queued (400, see check_queueable), then (the server
     answers 503) what cannot be queued now because the waiting queue is at its limits.
     ``admissible``: the waiting requests the next step will admit as things stand, which
-    are no backlog and do not count (a burst into free seats was refused).
+    are no backlog and do not count (a burst into free seats was refused); ``request``
+    last among them is admitted next too: no limit applies to it.
 
     Under the priority policy a request the limits refuse takes the room of waiting
     requests less urgent than it instead (K5): the ones to displace are returned (none when
     it fits), least urgent first; the refusal stands when they would not make room."""
-    check_queueable(1, request.num_tokens, config, request.request_id)
+    check_queueable((request.num_tokens,), config, request.request_id)
+    if admissible and admissible[-1] is request:
+        return []
     try:
         _check_room(request, waiting, config, list(admissible))
         return []

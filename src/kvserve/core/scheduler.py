@@ -17,6 +17,7 @@ and hashes are stable digests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -239,7 +240,7 @@ class Scheduler:
             request.sampling_params = dataclasses.replace(request.sampling_params,
                                                           max_tokens=room)
         check_servable(request, self.config, self.cache_config)
-        admissible = self._admissible_next() if self._limits_queue else ()
+        admissible = self._admissible_next(request) if self._limits_queue else ()
         for victim in check_queue_limits(request, self.waiting, self.config,
                                          admissible):  # K4, K5
             self._displace(victim, request)
@@ -922,8 +923,9 @@ class Scheduler:
         return self.requests.get(request.request_id) is request and \
             request.first_scheduled_time is None
 
-    def _admissible_next(self) -> list[Request]:
-        """K4: the waiting requests the next step would admit as things stand: the seats,
+    def _admissible_next(self, arriving: Request) -> list[Request]:
+        """K4: the waiting requests, then ``arriving``, the next step would admit as things
+        stand: the seats,
         token budget and free blocks left once the running requests take their next tokens
         (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
         that took the whole budget let 6 requests past a limit of 1) with a block each kept
@@ -945,7 +947,7 @@ class Scheduler:
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
         if budget <= 0 or blocks <= 0:
             return admissible
-        for request in self.waiting:
+        for request in itertools.chain(self.waiting, (arriving,)):
             need = kv.num_blocks_for(request.num_tokens + 1)
             if seats <= 0 or budget <= 0 or need > blocks:
                 break

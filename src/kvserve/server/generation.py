@@ -194,8 +194,8 @@ def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
     """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
     try:
-        check_queueable(len(items), sum(len(prompt) for _, prompt, _ in items),
-                        state.scheduler_config, request_id)
+        check_queueable([len(prompt) for _, prompt, _ in items], state.scheduler_config,
+                        request_id)
     except RequestRejected as error:
         state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
