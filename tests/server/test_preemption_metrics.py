@@ -130,6 +130,10 @@ def test_without_a_host_tier_the_boot_log_says_so_and_the_series_are_zero(caplog
      "Steps: mixed (decodes and prefill chunks share each step, vLLM V1); max_num_seqs 256, "
      "max_num_batched_tokens 2048, watermark 0.5 (of the KV blocks, kept free to admit), "
      "admission policy reserve"),
+    ({"scheduling_policy": "priority", "enable_priority_preemption": True},
+     "Steps: mixed (decodes and prefill chunks share each step, vLLM V1); max_num_seqs 256, "
+     "max_num_batched_tokens 2048, urgent preemption of running priority values more than "
+     "10 above an arrival's"),
 ])
 def test_the_boot_log_names_the_step_mix_q1(settings, line):
     info = SimpleNamespace(scheduler_config=SchedulerConfig(**settings))

@@ -45,6 +45,9 @@ def steps_line(state: ServerState) -> str:
         limits += f", watermark {config.watermark:g} (of the KV blocks, kept free to admit)"
     if config.admission_policy != "optimistic":
         limits += f", admission policy {config.admission_policy}"
+    if config.enable_priority_preemption:  # QA: a request waited 28 s, nothing said why
+        limits += (f", urgent preemption of running priority values more than "
+                   f"{config.priority_preemption_threshold} above an arrival's")
     if config.step_mix == "mixed":
         return f"Steps: mixed (decodes and prefill chunks share each step, vLLM V1); {limits}"
     bound = (f"at most {config.max_prefill_only_steps} in a row"
