@@ -171,7 +171,7 @@ def first_difference(base: Sequence[Decision], other: Sequence[Decision]
 
 
 # a request whose own decisions are all the same in both runs (its first difference None)
-SAME_DECISIONS = "same decisions, at other times (the steps before them took more or less time)"
+SAME_DECISIONS = "its own decisions alike; the steps around them took another time"
 
 
 def latency_text(value: float | None) -> str:
