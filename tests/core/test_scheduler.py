@@ -314,17 +314,36 @@ def test_queue_limits_refuse_without_a_trace():  # K4
     assert set(scheduler.requests) == {"busy", "a", "c"}
 
 
-def test_a_prompt_over_the_token_limit_is_taken_when_the_next_step_admits_it():  # K4
+def test_a_prompt_over_the_token_limit_waits_alone():  # K4
     """Operator pass: a prompt longer than max_num_queued_tokens was refused for good (a
-    400), though an idle engine's next step admits it and it never waits; behind a busy
-    engine it would wait, so the limit refuses it for now."""
-    idle = make_scheduler(max_num_queued_tokens=30, max_num_seqs=1)
+    400), a hidden prompt-length cap. It is taken where nothing else waits, idle engine or
+    busy, and refused for now behind a backlog; while it waits, it is the backlog. (The
+    review: taken instead where the next step seemed to admit it, it could stay behind a
+    more urgent arrival, or a watermark made that guess a 503 for good.)"""
+    idle = make_scheduler(max_num_queued_tokens=30, max_num_seqs=1, watermark=0.5)
     idle.add_request(make_request("long", 100))
     assert [r.request_id for r in idle.waiting] == ["long"]
     busy = make_scheduler(max_num_queued_tokens=30, max_num_seqs=1)
     occupy_every_seat(busy)
-    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(0 queued\)"):
+    busy.add_request(make_request("a", 10))
+    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(10 queued\)"):
         busy.add_request(make_request("long", 100))
+    busy.abort("a")
+    busy.add_request(make_request("long", 100))  # alone
+    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(100 queued\)"):
+        busy.add_request(make_request("b", 1))
+
+
+def test_without_chunked_prefill_a_prompt_needs_the_whole_budget_to_be_no_backlog():  # K4
+    """The review: the next step's admissions were counted while any budget was left, but
+    with chunked prefill off a prompt needs all its tokens in it (D4): the second of two
+    200-token prompts waits, so a third is past a queue limit of one."""
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                               enable_chunked_prefill=False, max_num_queued_reqs=1)
+    scheduler.add_request(make_request("r0", 200))
+    scheduler.add_request(make_request("r1", 200))
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        scheduler.add_request(make_request("r2", 200))
 
 
 def test_the_queue_limits_count_a_backlog_not_a_burst_into_free_seats():  # K4

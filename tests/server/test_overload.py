@@ -106,7 +106,8 @@ def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
         # one prompt over the token limit is no backlog on an idle engine, which takes it
         # at once (operator pass: it was a 400, a hidden prompt-length cap)
         for body in ({"prompt": [5] * 101, "max_tokens": 2},
-                     {"prompt": [[5] * 101, [6] * 60], "max_tokens": 2}):
+                     {"prompt": [[5] * 101, [6] * 60], "max_tokens": 2},
+                     {"prompt": [[5] * 150, [6] * 150], "max_tokens": 2}):  # each alone
             assert httpx.post(live.url + "/v1/completions", json=body,
                               timeout=30).status_code == 200
 

@@ -40,9 +40,10 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
     queued, even on an idle engine with an empty queue: more requests at once (a prompt
     list, ``n``; one prompt length each) than max_num_queued_reqs plus max_num_seqs (the
-    queue's backlog and what the next step admits, which the limit does not count), or more
-    tokens than max_num_queued_tokens beyond those the next step admits. Waiting cannot help
-    it, so a client told to retry would retry forever."""
+    queue's backlog and what the next step admits, which the limit does not count), or two
+    or more prompts past those an idle engine's next step admits with more tokens together
+    than max_num_queued_tokens (one prompt over it waits alone: :func:`_check_room`). Waiting
+    cannot help it, so a client told to retry would retry forever."""
     num_requests = len(prompt_lens)
     seats = config.max_num_seqs
     max_reqs = config.max_num_queued_reqs
@@ -61,8 +62,9 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
     max_tokens = config.max_num_queued_tokens
     if max_tokens is None:
         return
-    num_tokens = sum(prompt_lens[_admitted_alone(prompt_lens, config):])
-    if num_tokens > max_tokens:
+    rest = prompt_lens[_admitted_alone(prompt_lens, config):]
+    num_tokens = sum(rest)
+    if len(rest) > 1 and num_tokens > max_tokens:
         raise RequestRejected(
             f"request {request_id}: {num_tokens} prompt tokens would wait past what the next "
             f"step admits, more than max_num_queued_tokens={max_tokens}, the most the waiting "
@@ -70,13 +72,13 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
 
 
 def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig) -> int:
-    """How many of these prompts an idle engine's next step admits, as the scheduler's
-    ``_admissible_next`` counts (free blocks aside): from the first, while seats and token
-    budget last. Those are no backlog (QA: one prompt longer than max_num_queued_tokens
-    was refused for good, though an idle engine takes it at once)."""
+    """How many of these prompts an idle engine's next step admits, at most, as the
+    scheduler's ``_admissible_next`` counts (free blocks aside: an estimate on the side of
+    taking): from the first, while seats and token budget last (the whole prompt, with
+    chunked prefill off). Those are no backlog."""
     seats, budget, count = config.max_num_seqs, config.max_num_batched_tokens, 0
     for length in prompt_lens:
-        if seats <= 0 or budget <= 0:
+        if seats <= 0 or budget <= 0 or (not config.enable_chunked_prefill and length > budget):
             break
         count, seats, budget = count + 1, seats - 1, budget - length
     return count
@@ -87,15 +89,12 @@ def check_queue_limits(request: Request, waiting: WaitingQueue, config: Schedule
     """K4: refuse what could never be queued (400, see check_queueable), then (the server
     answers 503) what cannot be queued now because the waiting queue is at its limits.
     ``admissible``: the waiting requests the next step will admit as things stand, which
-    are no backlog and do not count (a burst into free seats was refused); ``request``
-    last among them is admitted next too: no limit applies to it.
+    are no backlog and do not count (a burst into free seats was refused).
 
     Under the priority policy a request the limits refuse takes the room of waiting
     requests less urgent than it instead (K5): the ones to displace are returned (none when
     it fits), least urgent first; the refusal stands when they would not make room."""
     check_queueable((request.num_tokens,), config, request.request_id)
-    if admissible and admissible[-1] is request:
-        return []
     try:
         _check_room(request, waiting, config, list(admissible))
         return []
@@ -167,9 +166,13 @@ def _check_room(request: Request, waiting: WaitingQueue, config: SchedulerConfig
                 f"request {request.request_id}: tenant {tenant!r} has {per_tenant} requests "
                 f"waiting (max_num_queued_reqs_per_tenant={per_tenant})",
                 "max_num_queued_reqs_per_tenant")
+    # a request of more tokens than the limit waits alone: taken where nothing else does
+    # (QA: it was refused for good, a hidden prompt-length cap; and then, taken where the
+    # next step seemed to admit it, it could stay, over the limit, behind a later one)
     max_tokens = config.max_num_queued_tokens
     num_tokens = waiting.num_tokens - sum(r.num_tokens for r in leaving)
-    if max_tokens is not None and num_tokens + request.num_tokens > max_tokens:
+    if max_tokens is not None and num_tokens > 0 and \
+            num_tokens + request.num_tokens > max_tokens:
         raise QueueFullError(
             f"request {request.request_id}: {request.num_tokens} more tokens would exceed "
             f"max_num_queued_tokens={max_tokens} ({num_tokens} queued)",

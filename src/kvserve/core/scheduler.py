@@ -17,7 +17,6 @@ and hashes are stable digests.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -240,7 +239,7 @@ class Scheduler:
             request.sampling_params = dataclasses.replace(request.sampling_params,
                                                           max_tokens=room)
         check_servable(request, self.config, self.cache_config)
-        admissible = self._admissible_next(request) if self._limits_queue else ()
+        admissible = self._admissible_next() if self._limits_queue else ()
         for victim in check_queue_limits(request, self.waiting, self.config,
                                          admissible):  # K4, K5
             self._displace(victim, request)
@@ -923,9 +922,8 @@ class Scheduler:
         return self.requests.get(request.request_id) is request and \
             request.first_scheduled_time is None
 
-    def _admissible_next(self, arriving: Request) -> list[Request]:
-        """K4: the waiting requests, then ``arriving``, the next step would admit as things
-        stand: the seats,
+    def _admissible_next(self) -> list[Request]:
+        """K4: the waiting requests the next step would admit as things stand: the seats,
         token budget and free blocks left once the running requests take their next tokens
         (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
         that took the whole budget let 6 requests past a limit of 1) with a block each kept
@@ -943,16 +941,22 @@ class Scheduler:
         budget = config.max_num_batched_tokens - sum(
             max(1, tokens_to_schedule(r.num_tokens, r.num_computed_tokens, threshold,
                                       max_model_len)) for r in self.running)
-        blocks = kv.num_free_blocks - kv.watermark_blocks - len(self.running) - sum(
+        blocks = kv.num_free_blocks - len(self.running) - sum(
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
         if budget <= 0 or blocks <= 0:
             return admissible
-        for request in itertools.chain(self.waiting, (arriving,)):
+        # the watermark holds blocks back once something runs (E2, as allocate_slots): from
+        # the second admission of an idle engine's step on
+        watermark = kv.watermark_blocks if self.running else 0
+        chunked = config.enable_chunked_prefill
+        for request in self.waiting:
             need = kv.num_blocks_for(request.num_tokens + 1)
-            if seats <= 0 or budget <= 0 or need > blocks:
+            if seats <= 0 or budget <= 0 or need + watermark > blocks or \
+                    (not chunked and request.num_tokens > budget):
                 break
             admissible.append(request)
             seats, budget, blocks = seats - 1, budget - request.num_tokens, blocks - need
+            watermark = kv.watermark_blocks
         return admissible
 
     def _displace(self, victim: Request, by: Request) -> None:
