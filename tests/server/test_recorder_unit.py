@@ -355,3 +355,74 @@ def test_a_failure_in_the_writer_stops_the_recording_and_says_why(tmp_path, monk
     recorder.observe(report(recorder, 2.0, 0, stats=IDLE))  # queued no more
     assert recorder._queue.qsize() == 0 and recorder._writer.is_alive()
     recorder.close()
+
+
+def test_an_id_sent_again_before_the_first_request_was_written_keeps_both(tmp_path):
+    """The review: a client left mid-stream and came back at once with the same
+    X-Request-Id; the server freed the id before the engine ended the first request, so the
+    second arrived while the first still ran, and the recorder, which held one entry an id,
+    wrote neither (an unreplayable recording)."""
+    from kvserve.core import EventType
+    from kvserve.core.outputs import SchedulerEvent
+
+    def event(at, kind, rid):
+        return SchedulerEvent(recorder.origin + at, kind, rid, 0, "")
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+    params = SamplingParams(max_tokens=8)
+    recorder.submitted([("same", list(range(20)), params)])
+    recorder.observe(StepReport(recorder.origin + 1.0, 20, 0.1, [], [
+        event(1.0, EventType.ARRIVED, "same"), event(1.0, EventType.ADMITTED, "same")],
+        BUSY, arrivals=(("same", recorder.origin + 1.0),), shape=SHAPE))
+    recorder.submitted([("same", list(range(30)), params)])  # the client came back
+    recorder.observe(StepReport(recorder.origin + 1.2, 0, 0.0, [], [
+        event(1.2, EventType.ARRIVED, "same")], BUSY,
+        arrivals=(("same", recorder.origin + 1.2),)))
+    recorder.observe(StepReport(recorder.origin + 1.4, 30, 0.1, [
+        CompletionChunk("same", [], "", True, "abort", ABORTED)], [
+        event(1.4, EventType.FINISHED, "same"), event(1.4, EventType.ADMITTED, "same")],
+        BUSY, shape=SHAPE))
+    recorder.observe(StepReport(recorder.origin + 1.6, 1, 0.1, [
+        CompletionChunk("same", [2], "", True, "stop", None, metrics(3))], [
+        event(1.6, EventType.FINISHED, "same")], IDLE, shape=SHAPE))
+    recorder.close()
+    warnings: list[str] = []
+    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    assert {r.request_id: len(r.prompt_token_ids) for r in recording.trace} == \
+        {"same": 20, "same#2": 30}
+    assert [(e["kind"], e["request_id"]) for e in recording.engines[0].events] == [
+        ("arrived", "same"), ("admitted", "same"), ("arrived", "same#2"),
+        ("finished", "same"), ("admitted", "same#2"), ("finished", "same#2")]
+    assert warnings == ["request id 'same' was taken by 2 requests one after another; "
+                        "replayed as 'same', 'same#2'"]
+
+
+def test_a_cut_recording_names_the_later_requests_of_an_id_lost(tmp_path):
+    """The review: where the trace kept one line of an id the step logs saw arrive three
+    times (the writing stopped), the later two kept the known id and were dropped silently."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+    params = SamplingParams(max_tokens=8)
+    for at in (1.0, 2.0, 3.0):
+        recorder.submitted([("same", list(range(20)), params)])
+        recorder.observe(report(recorder, at, 20, arrivals=[("same", at)]))
+        recorder.observe(report(recorder, at + 0.5, 1, chunks=[
+            CompletionChunk("same", [2], "", True, "stop", None, metrics(3))], stats=IDLE))
+    recorder.close()
+    trace_files = sorted((tmp_path / "rec").glob("trace-*.jsonl"))
+    rows = trace_files[0].read_text().splitlines()
+    assert len(rows) == 3
+    trace_files[0].write_text(rows[0] + "\n")  # the writing stopped after the first
+    events = tmp_path / "rec" / "steps-0-00000.jsonl"
+    arrivals = [json.dumps({"type": "event", "time": at, "kind": "arrived", "request_id":
+                            "same", "num_tokens": 20, "reason": ""}) for at in (1.0, 2.0, 3.0)]
+    events.write_text(events.read_text() + "\n".join(arrivals) + "\n")
+    manifest = tmp_path / "rec" / "recording.json"  # the hand-made times within its segment
+    data = json.loads(manifest.read_text())
+    data["segments"][-1]["stop"] = 10.0
+    manifest.write_text(json.dumps(data))
+    warnings: list[str] = []
+    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    assert [r.request_id for r in recording.trace] == ["same"]
+    assert any("arrived with no trace line" in w for w in warnings), warnings

@@ -30,7 +30,8 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -125,7 +126,7 @@ class _Rotating:
             self.handle = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Pending:
     prompt: Sequence[int]
     params: SamplingParams
@@ -177,7 +178,10 @@ class Recorder:
         self._cache_queries_at_stop = 0  # the engines' prefix cache lookups when the last
         # segment stopped (start: was the cache touched outside the recording since?)
         self.num_requests = self.num_steps = 0
-        self._pending: dict[str, _Pending] = {}
+        # writer thread only: the requests submitted and not yet written, by id, in the
+        # order they were submitted (a client may send an id again while the writer still
+        # holds the earlier request's entry: the review, both were lost)
+        self._pending: dict[str, deque[_Pending]] = {}
         self._open_steps: dict[int, _OpenStep] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._trace = _Rotating(self.directory, "trace", max_file_bytes)
@@ -239,15 +243,15 @@ class Recorder:
                   received: float | None = None) -> None:
         """Requests about to be queued (before the engine can report them), received by
         the server at ``received`` (its monotonic clock)."""
-        if self.active:
+        if self.active:  # through the writer's queue: ordered with the engine's reports
             at = None if received is None else received - self.origin
-            for request_id, prompt, params in items:
-                self._pending[request_id] = _Pending(prompt, params, received=at)
+            self._queue.put(("submitted", [(request_id, _Pending(prompt, params, received=at))
+                                           for request_id, prompt, params in items]))
 
     def dropped(self, request_ids: Sequence[str]) -> None:
         """Requests the engine refused: nothing will be reported of them."""
-        for request_id in request_ids:
-            self._pending.pop(request_id, None)
+        if self.active:
+            self._queue.put(("dropped", list(request_ids)))
 
     def attach(self, engine: Any) -> None:
         """Hear ``engine``'s steps, and its replicas' deaths where it has replicas."""
@@ -331,7 +335,13 @@ class Recorder:
 
     def _control(self, entry: tuple[Any, ...]) -> None:
         segments = self.manifest["segments"]
-        if entry[0] == "start":
+        if entry[0] == "submitted":
+            for request_id, pending in entry[1]:
+                self._pending.setdefault(request_id, deque()).append(pending)
+        elif entry[0] == "dropped":
+            for request_id in entry[1]:
+                self._take(request_id, lambda e: e.arrival is None, last=True)
+        elif entry[0] == "start":
             segment = {"start": round(entry[1], 6), "stop": None, "in_flight_at_start": entry[2]}
             if entry[3]:
                 segment["prefix_cache_warm_at_start"] = True
@@ -342,11 +352,13 @@ class Recorder:
             stop = entry[1]
             for engine in list(self._open_steps):
                 self._close_step(engine, None)
-            for request_id, pending in list(self._pending.items()):
-                if pending.arrival is not None:  # still running, or failed with its replica
-                    end = stop if pending.orphaned is None else pending.orphaned
-                    self._write_request(request_id, pending, None, max(end, pending.arrival))
-                del self._pending[request_id]
+            for request_id, entries in self._pending.items():
+                for pending in entries:
+                    if pending.arrival is not None:  # still running, or failed with its
+                        end = stop if pending.orphaned is None else pending.orphaned  # replica
+                        self._write_request(request_id, pending, None,
+                                            max(end, pending.arrival))
+            self._pending.clear()
             if segments:
                 segments[-1]["stop"] = round(stop, 6)
         self._write_manifest()
@@ -359,15 +371,18 @@ class Recorder:
             {"engine": engine, "time": round(when, 6)})
         self._close_step(engine, None)
         held_ids = set(held)
-        # a copy: the event loop adds submitted requests meanwhile (QA)
-        for request_id, entry in list(self._pending.items()):
-            if request_id in held_ids or (entry.arrival is not None and entry.engine == engine):
-                entry.orphaned = when
+        for request_id, entries in self._pending.items():
+            for entry in entries:
+                if request_id in held_ids or (entry.arrival is not None and
+                                              entry.engine == engine):
+                    entry.orphaned = when
 
     def _record(self, report: StepReport) -> None:
-        origin, pending = self.origin, self._pending
+        origin = self.origin
         for request_id, taken in report.arrivals:
-            entry = pending.get(request_id)
+            # the first not taken yet, or placed again after its replica died
+            entry = self._first(request_id, lambda e: e.arrival is None or
+                                e.orphaned is not None)
             if entry is not None:
                 if entry.orphaned is not None:  # its replica died: it started again here
                     self.manifest["requests_placed_again"] = \
@@ -396,11 +411,30 @@ class Recorder:
         # server's process recorded the answer a token short, and the replay diverged)
         chunks = report.chunks if report.engine_chunks is None else report.engine_chunks
         for chunk in chunks:
-            if chunk.finished:
-                entry = pending.pop(chunk.request_id, None)
+            if chunk.finished:  # the earliest an engine took
+                entry = self._take(chunk.request_id, lambda e: e.arrival is not None)
                 if entry is not None and entry.arrival is not None:
                     cancel = report.time - origin if chunk.stop_reason == ABORTED else None
                     self._write_request(chunk.request_id, entry, chunk, cancel)
+
+    def _first(self, request_id: str, match: Callable[[_Pending], bool]) -> _Pending | None:
+        """The earliest submitted entry of ``request_id`` that ``match`` takes, or None."""
+        return next((e for e in self._pending.get(request_id, ()) if match(e)), None)
+
+    def _take(self, request_id: str, match: Callable[[_Pending], bool],
+              last: bool = False) -> _Pending | None:
+        """Remove and return the earliest (``last``: the latest) entry of ``request_id``
+        that ``match`` takes, else its earliest; None when it has none."""
+        entries = self._pending.get(request_id)
+        if not entries:
+            return None
+        indices = range(len(entries) - 1, -1, -1) if last else range(len(entries))
+        index = next((i for i in indices if match(entries[i])), indices[0])
+        entry = entries[index]
+        del entries[index]
+        if not entries:
+            del self._pending[request_id]
+        return entry
 
     def _close_step(self, engine: int, next_start: float | None) -> None:
         """Write engine's open step: it lasted to ``next_start`` (None: its own seconds)."""

@@ -182,7 +182,8 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
             _add_step_row(log, where, row)
     for log in engines.values():
         log.steps.sort(key=lambda s: s["start"])
-    trace = _reused_ids_apart(trace, engines, note)
+    trace = _reused_ids_apart(trace, engines, note,
+                              placed_again=bool(manifest.get("replica_deaths")))
     steps = [step for log in engines.values() for step in log.steps]
     if steps and not any(step["duration"] > 0 for step in steps):  # QA: "the simulation
         # scheduled more" (whatif), "got 0 and 0" (plan)
@@ -295,16 +296,30 @@ def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
 
 
 def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
-                      note: Warn) -> list[TraceRequest]:
+                      note: Warn, placed_again: bool = False) -> list[TraceRequest]:
     """Tell apart requests that came one after another with one id (the server takes a
-    client's id again once its request has finished: a retrying gateway, a benchmark's fixed
+    client's id again once its request has left it: a retrying gateway, a benchmark's fixed
     ids; QA: the recording could not be replayed): the k-th to arrive becomes ``<id>#k``
-    from the second on, in the trace (by arrival) and in the step logs (each ``arrived``
-    event of the id starts its next request)."""
+    from the second on, in the trace (by arrival) and in the step logs. Each ``arrived``
+    event of the id starts its next request; a ``finished`` event ends the earliest not
+    finished (a client that left and came back at once: the engine ended the first after
+    the second arrived), ``held`` and ``released`` follow the latest finished, any other
+    the latest arrived. An id the step logs saw arrive more often than the trace has it
+    (a recording cut short) counts too, except where a replica died (``placed_again``:
+    a request it held arrived again elsewhere)."""
     counts: dict[str, int] = {}
     for request in trace:
         counts[request.request_id] = counts.get(request.request_id, 0) + 1
+    events = sorted((event for log in engines.values() for event in log.events),
+                    key=lambda event: event["time"])
+    arrived: dict[str, int] = {}
+    for event in events:
+        if event["kind"] == "arrived":
+            arrived[event["request_id"]] = arrived.get(event["request_id"], 0) + 1
     reused = {request_id for request_id, count in counts.items() if count > 1}
+    if not placed_again:
+        reused |= {request_id for request_id, count in arrived.items()
+                   if count > 1 and count > counts.get(request_id, 0)}
     if not reused:
         return trace
     taken = set(counts)
@@ -328,19 +343,28 @@ def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
             if seen[request_id] > 1:
                 renamed[index] = dataclasses.replace(trace[index],
                                                      request_id=name(request_id, seen[request_id]))
-    events = sorted((event for log in engines.values() for event in log.events
-                     if event["request_id"] in reused), key=lambda event: event["time"])
-    arrivals = dict.fromkeys(reused, 0)
-    for event in events:  # in time order across replicas; an id's requests never overlap
-        request_id = event["request_id"]
-        if event["kind"] == "arrived":
+    arrivals, finishes = dict.fromkeys(reused, 0), dict.fromkeys(reused, 0)
+    for event in events:  # in time order across replicas
+        request_id, kind = event["request_id"], event["kind"]
+        if request_id not in reused:
+            continue
+        if kind == "arrived":
             arrivals[request_id] += 1
-        if arrivals[request_id] > 1:
-            event["request_id"] = name(request_id, arrivals[request_id])
+            k = arrivals[request_id]
+        elif kind == "finished":
+            finishes[request_id] += 1
+            k = finishes[request_id]
+        elif kind in ("held", "released"):
+            k = max(finishes[request_id], 1)
+        else:
+            k = max(arrivals[request_id], 1)
+        if k > 1:
+            event["request_id"] = name(request_id, k)
     for request_id in sorted(reused):
-        note(f"request id {request_id!r} was taken by {counts[request_id]} requests one after "
-             f"another; replayed as {request_id!r}, {name(request_id, 2)!r}"
-             + (", ..." if counts[request_id] > 2 else ""))
+        times = max(counts.get(request_id, 0), arrived.get(request_id, 0))
+        note(f"request id {request_id!r} was taken by {times} requests one after another; "
+             f"replayed as {request_id!r}, {name(request_id, 2)!r}"
+             + (", ..." if times > 2 else ""))
     return renamed
 
 
