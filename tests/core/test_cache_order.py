@@ -309,8 +309,7 @@ def test_aging_promotion_on_the_scheduler_is_logged_once():  # C7, C4
                                      {"scheduling_policy": "lpm", "tenant_fairness": "vtc"}])
 def test_an_aged_request_waiting_not_ready_is_reported_promoted_once(options):  # C7, L2
     """Set aside and put back on each pass while not ready, it stays in the same wait:
-    aging names it once (it was reported on every pass); admitted, preempted and aged
-    again, it is a new wait."""
+    aging names it once (it was reported on every pass)."""
     executor = FakeExecutor()
     scheduler = make_scheduler(num_blocks=32, block_size=4, schedule_aging_s=1.0,
                                max_num_batched_tokens=64, record_events=True, **options)

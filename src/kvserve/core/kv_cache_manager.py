@@ -218,8 +218,9 @@ class KVCacheManager:
         """Why :meth:`allocate_slots` with these arguments refused an admission (its
         ``blocked`` reason): ``"kv_cache"`` where the free blocks are too few for the request
         itself; ``"admission_reserve"`` where they suffice but for the blocks an admission
-        policy keeps for running requests' growth (K2); ``"watermark"`` where they suffice but
-        for the watermark's (E2). (QA: an operator saw ``kv_cache`` with most blocks free.)"""
+        policy keeps for growth, the running requests' and its own (K2); ``"watermark"``
+        where they suffice but for the watermark's (E2). (QA: an operator saw ``kv_cache``
+        with most blocks free.)"""
         held = self.req_to_blocks.get(request.request_id)
         num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
