@@ -333,6 +333,18 @@ def test_priority_aging_reports_each_request_once():  # C7
     assert ids(queue.start_pass(None, now=5.0)) == ["y"]
 
 
+def test_priority_aging_reports_a_request_that_reuses_a_gone_ones_id():  # C7
+    """The review: the queue knew its unreported requests by id, so one whose id a removed
+    request had used was never reported lifted."""
+    queue = AgingPriorityQueue(aging_s=2.0)
+    gone = make_request("x", 4, priority=5, arrival_time=0.0)
+    queue.push(make_request("keep", 4, priority=5, arrival_time=0.5))  # the queue stays busy
+    queue.push(gone)
+    queue.remove(gone)  # aborted before it aged
+    queue.push(make_request("x", 4, priority=5, arrival_time=1.0))
+    assert ids(queue.start_pass(None, now=3.5)) == ["keep", "x"]
+
+
 def test_priority_aging_keeps_the_order_of_a_full_sort_each_pass():  # C7
     """The queue keeps each priority value in arrival order and compares the heads at the
     pass's time (QA: it sorted the whole queue every step); random pushes, preemptions

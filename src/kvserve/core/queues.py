@@ -297,7 +297,10 @@ class AgingPriorityQueue(WaitingQueue):
         # one entry a request (QA: a not-ready request set aside and pushed back each step
         # added one each time); the count parts entries of equal arrival and id
         self._unreported: list[tuple[float, int, Request]] = []
-        self._unreported_ids: set[str] = set()
+        # id() of each request with an entry there (its entry holds it, so no other object
+        # takes its id() meanwhile; QA: by request id, a request reusing a gone one's id
+        # was never reported)
+        self._unreported_ids: set[int] = set()
         self._pushes = itertools.count()
 
     def effective_priority(self, request: Request, now: float) -> int:
@@ -316,7 +319,7 @@ class AgingPriorityQueue(WaitingQueue):
         unreported = self._unreported
         while unreported and unreported[0][0] <= limit:
             request = heapq.heappop(unreported)[2]
-            self._unreported_ids.discard(request.request_id)
+            self._unreported_ids.discard(id(request))
             if not request.aging_reported and self._holds(request):
                 request.aging_reported = True
                 lifted.append(request)
@@ -333,14 +336,14 @@ class AgingPriorityQueue(WaitingQueue):
     def push(self, request: Request) -> None:
         level = self._levels.setdefault(request.sampling_params.priority, [])
         bisect.insort(level, request, key=_arrival_order)
-        if not request.aging_reported and request.request_id not in self._unreported_ids:
-            self._unreported_ids.add(request.request_id)
+        if not request.aging_reported and id(request) not in self._unreported_ids:
+            self._unreported_ids.add(id(request))
             heapq.heappush(self._unreported,
                            (request.arrival_time, next(self._pushes), request))
         if len(self._unreported) > 2 * self._len + 64:  # entries of requests gone meanwhile
             self._unreported = [entry for entry in self._unreported if self._holds(entry[2])]
             heapq.heapify(self._unreported)
-            self._unreported_ids = {entry[2].request_id for entry in self._unreported}
+            self._unreported_ids = {id(entry[2]) for entry in self._unreported}
         self._len += 1
         self._added(request)
 
