@@ -26,9 +26,8 @@ class Executor(Protocol):
         reaches the end gets one sampled token (a model's executor), or several in order (a
         speculative one's): the scheduler appends each and drops those after a stop (H2).
         The scheduler refuses a token for a mid-prompt chunk and no token at the end.
-        ``scheduled_new_reqs`` are requests
-        the executor has no state for (new or resumed); ``finished_req_ids`` and
-        ``preempted_req_ids`` name state it may drop.
+        ``scheduled_new_reqs`` are requests the executor has no state for (new or resumed);
+        ``finished_req_ids`` and ``preempted_req_ids`` name state it may drop.
         """
         ...
 
