@@ -11,6 +11,7 @@ from kvserve.core import (
     RequestError,
     RequestRejected,
     RequestStatus,
+    SchedulerConfig,
     check_empty,
 )
 from tests.conftest import (
@@ -332,6 +333,33 @@ def test_a_prompt_over_the_token_limit_waits_alone():  # K4
     busy.add_request(make_request("long", 100))  # alone
     with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=30 \(100 queued\)"):
         busy.add_request(make_request("b", 1))
+
+
+def test_a_prompt_over_the_token_limit_waits_alone_even_beside_one_that_looks_admissible():
+    """K4, the second review: "alone" counted only the requests the next step would not
+    admit as things stand, an estimate the step need not keep (a running prefill's next
+    chunk takes the blocks): two prompts over the limit could wait together."""
+    scheduler = make_scheduler(80, 4, max_num_seqs=4, max_num_batched_tokens=128,
+                               max_num_queued_tokens=40)
+    scheduler.add_request(make_request("r", 240, max_tokens=4))
+    step(scheduler, FakeExecutor(), 0.0)  # r's first chunk of 128
+    scheduler.add_request(make_request("big1", 100))  # nothing waits: alone
+    with pytest.raises(QueueFullError, match=r"max_num_queued_tokens=40"):
+        scheduler.add_request(make_request("big2", 100))
+
+
+def test_a_group_the_idle_pool_cannot_take_past_the_token_limit_is_refused_for_good():  # K4
+    """The second review: the 400 rule counted seats and budget only, so a group whose
+    later prompts the pool (with its watermark) cannot hold beside the first was a 503 on
+    every retry of an idle server."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
+                             max_num_queued_tokens=800, watermark=0.3)
+    check_queueable([600] * 3, config, "g")  # without the pool: all three admitted at once
+    with pytest.raises(RequestRejected, match="past those the next step admits would wait"):
+        check_queueable([600] * 3, config, "g", pool=(100, 16))
+    check_queueable([600] * 2, config, "g", pool=(100, 16))  # the second waits, within
 
 
 def test_without_chunked_prefill_a_prompt_needs_the_whole_budget_to_be_no_backlog():  # K4

@@ -36,14 +36,16 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
 
 
 def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
-                    request_id: str) -> None:
+                    request_id: str, pool: tuple[int, int] | None = None) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
     queued, even on an idle engine with an empty queue: more requests at once (a prompt
     list, ``n``; one prompt length each) than max_num_queued_reqs plus max_num_seqs (the
-    queue's backlog and what the next step admits, which the limit does not count), or two
-    or more prompts past those an idle engine's next step admits with more tokens together
-    than max_num_queued_tokens (one prompt over it waits alone: :func:`_check_room`). Waiting
-    cannot help it, so a client told to retry would retry forever."""
+    queue's backlog and what the next step admits, which the limit does not count), or
+    prompts that, taken in turn as :func:`_check_room` takes them (those an idle engine's
+    next step admits, given its ``pool`` of blocks and block size, being no backlog), would
+    wait with more tokens than max_num_queued_tokens, or a prompt over that limit other than
+    the first (one waits alone, where nothing else waits). Waiting cannot help it, so a
+    client told to retry would retry forever."""
     num_requests = len(prompt_lens)
     seats = config.max_num_seqs
     max_reqs = config.max_num_queued_reqs
@@ -62,25 +64,38 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
     max_tokens = config.max_num_queued_tokens
     if max_tokens is None:
         return
-    rest = prompt_lens[_admitted_alone(prompt_lens, config):]
-    num_tokens = sum(rest)
-    if len(rest) > 1 and num_tokens > max_tokens:
-        raise RequestRejected(
-            f"request {request_id}: {num_tokens} prompt tokens would wait past what the next "
-            f"step admits, more than max_num_queued_tokens={max_tokens}, the most the waiting "
-            "queue ever holds; send shorter or fewer prompts")
+    admitted, backlog = _admitted_alone(prompt_lens, config, pool), 0
+    for index, length in enumerate(prompt_lens):
+        # as _check_room takes each in turn: one over the limit only first (it waits alone)
+        if (length > max_tokens and index > 0) or \
+                (length <= max_tokens and backlog + length > max_tokens):
+            raise RequestRejected(
+                f"request {request_id}: its prompts past those the next step admits would "
+                f"wait with more than max_num_queued_tokens={max_tokens} tokens (one longer "
+                "than that waits alone, as the first of a request), the most the waiting "
+                "queue ever holds; send shorter or fewer prompts")
+        if index >= admitted:
+            backlog += length
 
 
-def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig) -> int:
-    """How many of these prompts an idle engine's next step admits, at most, as the
-    scheduler's ``_admissible_next`` counts (free blocks aside: an estimate on the side of
-    taking): from the first, while seats and token budget last (the whole prompt, with
-    chunked prefill off). Those are no backlog."""
+def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig,
+                    pool: tuple[int, int] | None) -> int:
+    """How many of these prompts an idle engine's next step admits, as the scheduler's
+    ``_admissible_next`` counts: from the first, while seats, token budget (the whole prompt,
+    with chunked prefill off) and, given the ``pool`` (blocks, block size), free blocks last,
+    the watermark's held back from the second on. Those are no backlog."""
     seats, budget, count = config.max_num_seqs, config.max_num_batched_tokens, 0
+    blocks, block_size = pool if pool is not None else (None, 1)
+    watermark = 0
     for length in prompt_lens:
-        if seats <= 0 or budget <= 0 or (not config.enable_chunked_prefill and length > budget):
+        need = -(-(length + 1) // block_size)
+        if seats <= 0 or budget <= 0 or (not config.enable_chunked_prefill and length > budget) \
+                or (blocks is not None and need + watermark > blocks):
             break
         count, seats, budget = count + 1, seats - 1, budget - length
+        if blocks is not None:
+            blocks -= need
+            watermark = int(config.watermark * pool[0])
     return count
 
 
@@ -96,7 +111,7 @@ def check_queue_limits(request: Request, waiting: WaitingQueue, config: Schedule
     it fits), least urgent first; the refusal stands when they would not make room."""
     check_queueable((request.num_tokens,), config, request.request_id)
     try:
-        _check_room(request, waiting, config, list(admissible))
+        _check_room(request, waiting, config, admissible)
         return []
     except QueueFullError:
         if config.scheduling_policy != "priority":
@@ -124,12 +139,12 @@ def _displaced_for(request: Request, waiting: WaitingQueue, config: SchedulerCon
         victims.extend(itertools.islice(own, max(0, excess)))
     for candidate in _candidates(request, waiting, running_next):
         try:
-            _check_room(request, waiting, config, [*admissible, *victims])
+            _check_room(request, waiting, config, admissible, victims)
             return victims
         except QueueFullError:
             if candidate not in victims:
                 victims.append(candidate)
-    _check_room(request, waiting, config, [*admissible, *victims])
+    _check_room(request, waiting, config, admissible, victims)
     return victims
 
 
@@ -147,8 +162,10 @@ def _candidates(request: Request, waiting: WaitingQueue,
 
 
 def _check_room(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
-                leaving: list[Request]) -> None:
-    """QueueFullError when ``request`` cannot join ``waiting`` once ``leaving`` has left."""
+                admissible: Sequence[Request], displaced: Sequence[Request] = ()) -> None:
+    """QueueFullError when ``request`` cannot join ``waiting`` once the requests the next
+    step admits (``admissible``) and those it displaces (K5) have left."""
+    leaving = [*admissible, *displaced]
     max_reqs = config.max_num_queued_reqs
     num_waiting = len(waiting) - len(leaving)
     if max_reqs is not None and num_waiting >= max_reqs:
@@ -166,12 +183,13 @@ def _check_room(request: Request, waiting: WaitingQueue, config: SchedulerConfig
                 f"request {request.request_id}: tenant {tenant!r} has {per_tenant} requests "
                 f"waiting (max_num_queued_reqs_per_tenant={per_tenant})",
                 "max_num_queued_reqs_per_tenant")
-    # a request of more tokens than the limit waits alone: taken where nothing else does
-    # (QA: it was refused for good, a hidden prompt-length cap; and then, taken where the
-    # next step seemed to admit it, it could stay, over the limit, behind a later one)
+    # a request of more tokens than the limit waits alone: taken where nothing else waits,
+    # admissible or not (QA: it was refused for good, a hidden prompt-length cap; then,
+    # taken where the queue seemed to empty at the next step, several could wait at once)
     max_tokens = config.max_num_queued_tokens
     num_tokens = waiting.num_tokens - sum(r.num_tokens for r in leaving)
-    if max_tokens is not None and num_tokens > 0 and \
+    alone = request.num_tokens > (max_tokens or 0) and len(waiting) == len(displaced)
+    if max_tokens is not None and not alone and \
             num_tokens + request.num_tokens > max_tokens:
         raise QueueFullError(
             f"request {request.request_id}: {request.num_tokens} more tokens would exceed "

@@ -194,8 +194,9 @@ def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
     """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
     try:
+        info = state.engine.info  # each replica's pool (data parallel: the same size)
         check_queueable([len(prompt) for _, prompt, _ in items], state.scheduler_config,
-                        request_id)
+                        request_id, (info.num_kv_blocks, info.block_size))
     except RequestRejected as error:
         state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
