@@ -331,3 +331,15 @@ def test_the_tenant_heap_picks_what_a_scan_of_every_tenant_picks(policy):  # T1
             request = queue.pop()
             assert request.sampling_params.tenant == expected
             live.remove(request)
+
+
+def test_a_group_past_what_an_idle_step_admits_by_budget_is_rejected_not_queue_full():  # K4
+    """The second review: the count rules added max_num_seqs whatever the step's budget or
+    the pool let in, so a group the next step admits fewer of was a 503 on every retry."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_num_queued_reqs=1)
+    check_queueable([4, 4, 4], config, "ok")  # two admitted, one waits
+    with pytest.raises(RequestRejected, match="3 sequences at once exceed max_num_queued_reqs=1 "
+                                              "plus the 1 an idle engine's next step admits"):
+        check_queueable([60, 4, 4], config, "big")  # the 60 takes the whole budget

@@ -47,24 +47,28 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
     the first (one waits alone, where nothing else waits). Waiting cannot help it, so a
     client told to retry would retry forever."""
     num_requests = len(prompt_lens)
-    seats = config.max_num_seqs
+    admitted = _admitted_alone(prompt_lens, config, pool)
+    # the step admits at most max_num_seqs; fewer where its budget or the pool runs out (the
+    # second review: seats alone made such a group a 503 on every retry)
+    step = f"max_num_seqs={admitted}" if admitted == config.max_num_seqs else \
+        f"the {admitted} an idle engine's next step admits"
     max_reqs = config.max_num_queued_reqs
-    if max_reqs is not None and num_requests > max_reqs + seats:
+    if max_reqs is not None and num_requests > max_reqs + admitted:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs={max_reqs} plus max_num_seqs={seats}, the most the "
+            f"max_num_queued_reqs={max_reqs} plus {step}, the most the "
             "waiting queue and one step ever take; send fewer prompts or a smaller n")
     per_tenant = config.max_num_queued_reqs_per_tenant
-    if per_tenant is not None and num_requests > per_tenant + seats:
+    if per_tenant is not None and num_requests > per_tenant + admitted:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs_per_tenant={per_tenant} plus max_num_seqs={seats}, the "
+            f"max_num_queued_reqs_per_tenant={per_tenant} plus {step}, the "
             "most one tenant may have waiting and one step takes; send fewer prompts or a "
             "smaller n")
     max_tokens = config.max_num_queued_tokens
     if max_tokens is None:
         return
-    admitted, backlog = _admitted_alone(prompt_lens, config, pool), 0
+    backlog = 0
     for index, length in enumerate(prompt_lens):
         # as _check_room takes each in turn: one over the limit only first (it waits alone)
         if (length > max_tokens and index > 0) or \
