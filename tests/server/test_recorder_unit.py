@@ -426,3 +426,98 @@ def test_a_cut_recording_names_the_later_requests_of_an_id_lost(tmp_path):
     recording = load_recording(tmp_path / "rec", warn=warnings.append)
     assert [r.request_id for r in recording.trace] == ["same"]
     assert any("arrived with no trace line" in w for w in warnings), warnings
+
+
+def _event(recorder, at, kind, rid):
+    from kvserve.core.outputs import SchedulerEvent
+
+    return SchedulerEvent(recorder.origin + at, kind, rid, 0, "")
+
+
+def test_a_reused_id_on_two_replicas_finishes_the_request_of_its_engine(tmp_path):
+    """The second review: the retry of a client that left ran on the other replica and
+    finished first; its finish went to the first request (the earliest of the id), so the
+    abandoned stream was recorded complete and the answered retry cancelled."""
+    from kvserve.core import EventType
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids", num_engines=2)
+    recorder.start()
+    params = SamplingParams(max_tokens=8)
+    recorder.submitted([("same", list(range(20)), params)])
+    recorder.observe(StepReport(recorder.origin + 1.0, 20, 0.1, [], [
+        _event(recorder, 1.0, EventType.ARRIVED, "same")], BUSY, engine=0,
+        arrivals=(("same", recorder.origin + 1.0),), shape=SHAPE))
+    recorder.submitted([("same", list(range(30)), params)])  # the client came back
+    recorder.observe(StepReport(recorder.origin + 1.2, 30, 0.1, [], [
+        _event(recorder, 1.2, EventType.ARRIVED, "same")], BUSY, engine=1,
+        arrivals=(("same", recorder.origin + 1.2),), shape=SHAPE))
+    recorder.observe(StepReport(recorder.origin + 1.4, 1, 0.1, [
+        CompletionChunk("same", [2], "", True, "stop", None, metrics(3))], [
+        _event(recorder, 1.4, EventType.FINISHED, "same")], IDLE, engine=1, shape=SHAPE))
+    recorder.observe(StepReport(recorder.origin + 1.6, 0, 0.0, [
+        CompletionChunk("same", [], "", True, "abort", ABORTED)], [
+        _event(recorder, 1.6, EventType.FINISHED, "same")], IDLE, engine=0))
+    recorder.close()
+    rows = {len(row["prompt_token_ids"]): row for row in lines(tmp_path / "rec",
+                                                               "trace-*.jsonl")}
+    assert rows[20]["cancel_time"] == 1.6 and "cancel_time" not in rows[30]
+    recording = load_recording(tmp_path / "rec", warn=lambda message: None)
+    assert [(e["kind"], e["request_id"]) for e in recording.engines[1].events] == [
+        ("arrived", "same#2"), ("finished", "same#2")]
+    assert [(e["kind"], e["request_id"]) for e in recording.engines[0].events] == [
+        ("arrived", "same"), ("finished", "same")]
+
+
+def test_the_finish_of_a_request_from_before_the_recording_leaves_its_ids_retry(tmp_path):
+    """The second review: a recording begun while a request ran saw its finish after the
+    client's retry with the same id was submitted, and the finish took the retry's entry:
+    no trace line at all."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start(in_flight=1)
+    params = SamplingParams(max_tokens=8)
+    recorder.submitted([("same", list(range(30)), params)])
+    recorder.observe(report(recorder, 1.0, 0, seconds=0.0, chunks=[
+        CompletionChunk("same", [], "", True, "abort", ABORTED)]))  # the first, unseen
+    recorder.observe(report(recorder, 1.2, 30, arrivals=[("same", 1.1)]))
+    recorder.observe(report(recorder, 1.4, 1, chunks=[
+        CompletionChunk("same", [2], "", True, "stop", None, metrics(3))], stats=IDLE))
+    recorder.close()
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")
+    assert (row["request_id"], len(row["prompt_token_ids"])) == ("same", 30)
+
+
+def test_a_request_placed_again_after_its_replica_died_is_one_request_of_its_id(tmp_path):
+    """The second review: with an id reused, the arrival of a request placed again on
+    another replica after a death was read as the id's next request, and the replay was
+    cut at the real next one."""
+    from kvserve.core import EventType
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids", num_engines=2)
+    recorder.start()
+    params = SamplingParams(max_tokens=8)
+    recorder.submitted([("X", list(range(20)), params)])
+    recorder.observe(StepReport(recorder.origin + 1.0, 20, 0.1, [], [
+        _event(recorder, 1.0, EventType.ARRIVED, "X")], BUSY, engine=0,
+        arrivals=(("X", recorder.origin + 1.0),), shape=SHAPE))
+    recorder.replica_died(0, recorder.origin + 1.5, ["X"])
+    for at, engine_events in ((2.0, "first"), (3.0, "second")):
+        if engine_events == "second":
+            recorder.submitted([("X", list(range(30)), params)])
+        recorder.observe(StepReport(recorder.origin + at, 20, 0.1, [], [
+            _event(recorder, at, EventType.ARRIVED, "X")], BUSY, engine=1,
+            arrivals=(("X", recorder.origin + at),), shape=SHAPE))
+        recorder.observe(StepReport(recorder.origin + at + 0.5, 1, 0.1, [
+            CompletionChunk("X", [2], "", True, "stop", None, metrics(3))], [
+            _event(recorder, at + 0.5, EventType.FINISHED, "X")], IDLE, engine=1,
+            shape=SHAPE))
+    recorder.close()
+    manifest = tmp_path / "rec" / "recording.json"  # the hand-made times within its segment
+    data = json.loads(manifest.read_text())
+    data["segments"][-1]["stop"] = 10.0
+    manifest.write_text(json.dumps(data))
+    warnings: list[str] = []
+    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    assert sorted(r.request_id for r in recording.trace) == ["X", "X#2"]
+    assert [(e["kind"], e["request_id"]) for e in recording.engines[1].events] == [
+        ("arrived", "X"), ("finished", "X"), ("arrived", "X#2"), ("finished", "X#2")]
+    assert not any("no trace line" in w for w in warnings), warnings

@@ -410,10 +410,19 @@ class Recorder:
         # as the engine made them: a replay redoes its work (QA: a stop string matched in the
         # server's process recorded the answer a token short, and the replay diverged)
         chunks = report.chunks if report.engine_chunks is None else report.engine_chunks
+        engine = report.engine
+
+        def taken_here(entry: _Pending) -> bool:
+            return entry.arrival is not None and entry.engine == engine
+
         for chunk in chunks:
-            if chunk.finished:  # the earliest an engine took
-                entry = self._take(chunk.request_id, lambda e: e.arrival is not None)
-                if entry is not None and entry.arrival is not None:
+            if chunk.finished:  # the earliest this engine took (another replica may run a
+                # retry of the id meanwhile: the review), else the earliest any engine took;
+                # never one no engine took (QA: a retry's entry went with a finish from
+                # before the recording began)
+                entry = self._take(chunk.request_id, taken_here) or \
+                    self._take(chunk.request_id, lambda e: e.arrival is not None)
+                if entry is not None:
                     cancel = report.time - origin if chunk.stop_reason == ABORTED else None
                     self._write_request(chunk.request_id, entry, chunk, cancel)
 
@@ -424,12 +433,14 @@ class Recorder:
     def _take(self, request_id: str, match: Callable[[_Pending], bool],
               last: bool = False) -> _Pending | None:
         """Remove and return the earliest (``last``: the latest) entry of ``request_id``
-        that ``match`` takes, else its earliest; None when it has none."""
+        that ``match`` takes; None when none does."""
         entries = self._pending.get(request_id)
         if not entries:
             return None
         indices = range(len(entries) - 1, -1, -1) if last else range(len(entries))
-        index = next((i for i in indices if match(entries[i])), indices[0])
+        index = next((i for i in indices if match(entries[i])), None)
+        if index is None:
+            return None
         entry = entries[index]
         del entries[index]
         if not entries:

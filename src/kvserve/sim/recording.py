@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -182,8 +182,7 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
             _add_step_row(log, where, row)
     for log in engines.values():
         log.steps.sort(key=lambda s: s["start"])
-    trace = _reused_ids_apart(trace, engines, note,
-                              placed_again=bool(manifest.get("replica_deaths")))
+    trace = _reused_ids_apart(trace, engines, note, manifest.get("replica_deaths") or ())
     steps = [step for log in engines.values() for step in log.steps]
     if steps and not any(step["duration"] > 0 for step in steps):  # QA: "the simulation
         # scheduled more" (whatif), "got 0 and 0" (plan)
@@ -296,30 +295,29 @@ def _lines(file: Path, note: Warn) -> list[tuple[str, Any]]:
 
 
 def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
-                      note: Warn, placed_again: bool = False) -> list[TraceRequest]:
+                      note: Warn, deaths: Sequence[Any] = ()) -> list[TraceRequest]:
     """Tell apart requests that came one after another with one id (the server takes a
     client's id again once its request has left it: a retrying gateway, a benchmark's fixed
     ids; QA: the recording could not be replayed): the k-th to arrive becomes ``<id>#k``
-    from the second on, in the trace (by arrival) and in the step logs. Each ``arrived``
-    event of the id starts its next request; a ``finished`` event ends the earliest not
-    finished (a client that left and came back at once: the engine ended the first after
-    the second arrived), ``held`` and ``released`` follow the latest finished, any other
-    the latest arrived. An id the step logs saw arrive more often than the trace has it
-    (a recording cut short) counts too, except where a replica died (``placed_again``:
-    a request it held arrived again elsewhere)."""
+    from the second on, in the trace (by arrival) and in the step logs (:func:`_occurrences`
+    says which request of its id each event is). An id the step logs saw arrive more often
+    than the trace has it (a recording cut short) counts too."""
     counts: dict[str, int] = {}
     for request in trace:
         counts[request.request_id] = counts.get(request.request_id, 0) + 1
-    events = sorted((event for log in engines.values() for event in log.events),
-                    key=lambda event: event["time"])
+    events = sorted(((event["time"], engine, event) for engine, log in engines.items()
+                     for event in log.events), key=lambda item: item[0])
     arrived: dict[str, int] = {}
-    for event in events:
+    for _, _, event in events:
         if event["kind"] == "arrived":
             arrived[event["request_id"]] = arrived.get(event["request_id"], 0) + 1
-    reused = {request_id for request_id, count in counts.items() if count > 1}
-    if not placed_again:
-        reused |= {request_id for request_id, count in arrived.items()
-                   if count > 1 and count > counts.get(request_id, 0)}
+    candidates = {request_id for request_id, count in (*counts.items(), *arrived.items())
+                  if count > 1}
+    if not candidates:
+        return trace
+    which, seen = _occurrences(events, candidates, deaths)
+    reused = {request_id for request_id in candidates
+              if max(counts.get(request_id, 0), seen.get(request_id, 0)) > 1}
     if not reused:
         return trace
     taken = set(counts)
@@ -335,37 +333,75 @@ def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
             names[key] = candidate
         return names[key]
 
-    renamed, seen = list(trace), dict.fromkeys(reused, 0)
+    renamed, nth = list(trace), dict.fromkeys(reused, 0)
     for index in sorted(range(len(trace)), key=lambda i: trace[i].arrival_time):
         request_id = trace[index].request_id
         if request_id in reused:
-            seen[request_id] += 1
-            if seen[request_id] > 1:
+            nth[request_id] += 1
+            if nth[request_id] > 1:
                 renamed[index] = dataclasses.replace(trace[index],
-                                                     request_id=name(request_id, seen[request_id]))
-    arrivals, finishes = dict.fromkeys(reused, 0), dict.fromkeys(reused, 0)
-    for event in events:  # in time order across replicas
-        request_id, kind = event["request_id"], event["kind"]
-        if request_id not in reused:
-            continue
-        if kind == "arrived":
-            arrivals[request_id] += 1
-            k = arrivals[request_id]
-        elif kind == "finished":
-            finishes[request_id] += 1
-            k = finishes[request_id]
-        elif kind in ("held", "released"):
-            k = max(finishes[request_id], 1)
-        else:
-            k = max(arrivals[request_id], 1)
-        if k > 1:
-            event["request_id"] = name(request_id, k)
+                                                     request_id=name(request_id, nth[request_id]))
+    for event, k in which:
+        if event["request_id"] in reused and k > 1:
+            event["request_id"] = name(event["request_id"], k)
     for request_id in sorted(reused):
-        times = max(counts.get(request_id, 0), arrived.get(request_id, 0))
+        times = max(counts.get(request_id, 0), seen.get(request_id, 0))
         note(f"request id {request_id!r} was taken by {times} requests one after another; "
              f"replayed as {request_id!r}, {name(request_id, 2)!r}"
              + (", ..." if times > 2 else ""))
     return renamed
+
+
+@dataclass
+class _Occurrence:
+    engine: int
+    arrived: float
+    finished: bool = False
+
+
+def _occurrences(events: Sequence[tuple[float, int, dict[str, Any]]], ids: set[str],
+                 deaths: Sequence[Any]) -> tuple[list[tuple[dict[str, Any], int]],
+                                                 dict[str, int]]:
+    """Which request of its id (1, 2, ...) each event of ``ids`` is, in time order across
+    the engines' logs, and how many requests each id had. An ``arrived`` starts the id's
+    next request, unless one of its requests is unfinished on a replica that died since it
+    arrived: then it is that request placed again. A ``finished`` ends the earliest
+    unfinished request of its engine (two of an id may overlap: a client that left
+    mid-stream and came back at once, the second on another replica; the review), ``held``
+    and ``released`` follow the latest finished, any other the latest arrived on its engine."""
+    died = [(d.get("engine"), d.get("time", 0.0)) for d in deaths if isinstance(d, dict)]
+    which: list[tuple[dict[str, Any], int]] = []
+    runs: dict[str, list[_Occurrence]] = {}
+    for time, engine, event in events:
+        request_id, kind = event["request_id"], event["kind"]
+        if request_id not in ids:
+            continue
+        runs_of = runs.setdefault(request_id, [])
+        live = [k for k, run in enumerate(runs_of) if not run.finished]
+        if kind == "arrived":
+            again = [k for k in live if any(e == runs_of[k].engine and
+                                            runs_of[k].arrived <= t <= time for e, t in died)]
+            if again:
+                k = again[0]
+                runs_of[k].engine = engine
+            else:
+                runs_of.append(_Occurrence(engine, time))
+                k = len(runs_of) - 1
+        elif kind == "finished":
+            ending = [k for k in live if runs_of[k].engine == engine] or live
+            if ending:
+                k = ending[0]
+                runs_of[k].finished = True
+            else:  # one that arrived before the recording began
+                k = max(len(runs_of) - 1, 0)
+        elif kind in ("held", "released"):
+            done = [k for k, run in enumerate(runs_of) if run.finished]
+            k = (done or [0])[-1]
+        else:
+            mine = [k for k, run in enumerate(runs_of) if run.engine == engine]
+            k = (mine or [max(len(runs_of) - 1, 0)])[-1]
+        which.append((event, k + 1))
+    return which, {request_id: len(runs_of) for request_id, runs_of in runs.items()}
 
 
 def _add_step_row(log: EngineLog, where: str, row: Any) -> None:
