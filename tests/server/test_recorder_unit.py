@@ -172,6 +172,39 @@ def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp
     assert "2 request(s) were placed again" in inexact
 
 
+def test_a_request_that_failed_with_its_replica_is_written_then_and_ends_at_its_death(
+        tmp_path):
+    """The chaos pass: a failed request waited for the segment's stop to be written (a
+    recording cut before it replayed only up to the first such failure), and each later
+    death of the same replica index moved its end there."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="none", num_engines=2)
+    recorder.start()
+    recorder.submitted([("b", list(range(20)), SamplingParams(max_tokens=8))])
+    recorder.observe(report(recorder, 1.0, 20, engine=1, arrivals=[("b", 0.9)]))
+    recorder.replica_died(1, recorder.origin + 2.0, ["b"])
+    recorder.failed(["b"])  # its client got the 503
+    recorder.replica_died(1, recorder.origin + 5.0, [])  # the index dies again, idle
+    recorder.flush()
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")  # before the stop
+    assert (row["request_id"], row["cancel_time"]) == ("b", 2.0)
+    recorder.close()
+    assert len(lines(tmp_path / "rec", "trace-*.jsonl")) == 1
+
+
+def test_a_failed_request_keeps_its_first_death_until_the_stop_writes_it(tmp_path):
+    """The chaos pass: without the failure told (an older server), the stop writes it, at
+    the first death of its replica, not the last."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="none", num_engines=2)
+    recorder.start()
+    recorder.submitted([("b", list(range(20)), SamplingParams(max_tokens=8))])
+    recorder.observe(report(recorder, 1.0, 20, engine=1, arrivals=[("b", 0.9)]))
+    recorder.replica_died(1, recorder.origin + 2.0, ["b"])
+    recorder.replica_died(1, recorder.origin + 5.0, [])
+    recorder.close()
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")
+    assert row["cancel_time"] == 2.0
+
+
 def test_a_request_asking_prompt_logprobs_is_recorded_so(tmp_path):  # G8
     recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
     recorder.start()

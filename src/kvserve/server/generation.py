@@ -322,8 +322,10 @@ class Generation:
 
     def _failed(self) -> None:
         """The engine died under this request: its unfinished choices end here."""
-        self.state.metrics.requests_failed(
-            [c.request_id for c in self.choices.values() if c.finish_reason is None])
+        unfinished = [c.request_id for c in self.choices.values() if c.finish_reason is None]
+        self.state.metrics.requests_failed(unfinished)
+        if self.state.recorder is not None:
+            self.state.recorder.failed(unfinished)
 
     def _apply(self, chunk: CompletionChunk) -> Choice:
         choice = self.choices[chunk.request_id]

@@ -248,6 +248,13 @@ class Recorder:
             self._queue.put(("submitted", [(request_id, _Pending(prompt, params, received=at))
                                            for request_id, prompt, params in items]))
 
+    def failed(self, request_ids: Sequence[str]) -> None:
+        """Requests that failed with their replica (their clients got a 503): written now,
+        ending at the death (the chaos pass: they waited for the segment's stop, so a
+        recording cut before it lost everything after the first of them)."""
+        if self.active:
+            self._queue.put(("failed", list(request_ids)))
+
     def dropped(self, request_ids: Sequence[str]) -> None:
         """Requests the engine refused: nothing will be reported of them."""
         if self.active:
@@ -341,6 +348,12 @@ class Recorder:
         elif entry[0] == "dropped":
             for request_id in entry[1]:
                 self._take(request_id, lambda e: e.arrival is None, last=True)
+        elif entry[0] == "failed":
+            for request_id in entry[1]:
+                pending = self._take(request_id, lambda e: e.orphaned is not None)
+                if pending is not None and pending.arrival is not None:
+                    self._write_request(request_id, pending, None,
+                                        max(pending.orphaned or 0.0, pending.arrival))
         elif entry[0] == "start":
             segment = {"start": round(entry[1], 6), "stop": None, "in_flight_at_start": entry[2]}
             if entry[3]:
@@ -373,8 +386,10 @@ class Recorder:
         held_ids = set(held)
         for request_id, entries in self._pending.items():
             for entry in entries:
-                if request_id in held_ids or (entry.arrival is not None and
-                                              entry.engine == engine):
+                # the first death it saw (the chaos pass: a later one of the same replica
+                # index moved its end there)
+                if entry.orphaned is None and (request_id in held_ids or (
+                        entry.arrival is not None and entry.engine == engine)):
                     entry.orphaned = when
 
     def _record(self, report: StepReport) -> None:
