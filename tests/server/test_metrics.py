@@ -212,3 +212,30 @@ def test_n_and_the_longest_answer_are_per_prompt_max_tokens_per_sequence_as_vllm
             values[("vllm:request_params_max_tokens_sum", E)]) == (4 + 24, 12 + 24)
     assert (values[("vllm:request_max_num_generation_tokens_count", E)],
             values[("vllm:request_max_num_generation_tokens_sum", E)]) == (2 + 8, 6 + 8)
+
+
+def test_a_dead_replicas_requests_whose_clients_had_left_are_counted_failed():
+    """The chaos pass: a client that left a moment before its replica died had its abort
+    never reach the engine, so no answer counted its request (not abort, not failed) and
+    the metrics followed it for the server's life."""
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.server.auth import KeyRing
+    from kvserve.server.state import ServerState
+
+    from .helpers import make_engine
+
+    serving = AsyncEngine(make_engine(num_kv_blocks=16))
+    serving.death_observers = []  # as a data-parallel engine has them
+    state = ServerState(serving, "tiny", KeyRing([]))
+    assert serving.death_observers == [state._replica_died]
+    for request_id in ("gone", "answering"):
+        state.metrics.request_added(request_id, 0.0, 4)
+    state.ids_in_use.add("answering")  # its answer is still open: it will count it
+    state._replica_died(1, 0.0, ["gone", "answering"])
+    values = metric_values(state.metrics.render().decode())
+    assert values[("kvserve:requests_failed_total",
+                   (("model_name", "tiny"), ("reason", "engine_died")))] == 1
+    state._replica_died(1, 0.0, ["gone"])  # once only
+    values = metric_values(state.metrics.render().decode())
+    assert values[("kvserve:requests_failed_total",
+                   (("model_name", "tiny"), ("reason", "engine_died")))] == 1

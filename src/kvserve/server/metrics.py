@@ -250,8 +250,9 @@ class ServerMetrics:
         self._engines = [_EngineSeries(self._families, model_name, index, replicas)
                          for index in range(replicas)]
         self.failed = Counter("kvserve:requests_failed",
-                              "Requests an engine's death ended under way (answered 503), "
-                              "by reason.", [*labels, "reason"], registry=reg)
+                              "Sequences (each choice of a request) an engine's death ended "
+                              "under way (answered 503, or whose client had left), by "
+                              "reason.", [*labels, "reason"], registry=reg)
         self.rejected = Counter("kvserve:requests_rejected",
                                 "Requests the scheduler refused at arrival, by HTTP status.",
                                 [*labels, "status"], registry=reg)

@@ -113,6 +113,16 @@ class ServerState:
     def __post_init__(self) -> None:
         known = sorted({key.tenant for key in self.keys.keys}) if self.keys.enabled else None
         self.metrics = ServerMetrics(self.engine, self.model_name, known)
+        deaths = getattr(self.engine, "death_observers", None)  # data parallel
+        if deaths is not None:
+            deaths.append(self._replica_died)
+
+    def _replica_died(self, index: int, when: float, held: list[str]) -> None:
+        """A replica died holding ``held``: those whose client had left already (their
+        answer closed, its abort never reached the engine) are counted failed here, as no
+        answer will (the chaos pass: counted nowhere, followed for the server's life)."""
+        in_use = self.ids_in_use
+        self.metrics.requests_failed([r for r in held if r not in in_use])
 
     @property
     def model_names(self) -> tuple[str, ...]:
