@@ -305,16 +305,18 @@ def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
     counts: dict[str, int] = {}
     for request in trace:
         counts[request.request_id] = counts.get(request.request_id, 0) + 1
-    events = sorted(((event["time"], engine, event) for engine, log in engines.items()
-                     for event in log.events), key=lambda item: item[0])
     arrived: dict[str, int] = {}
-    for _, _, event in events:
-        if event["kind"] == "arrived":
-            arrived[event["request_id"]] = arrived.get(event["request_id"], 0) + 1
+    for log in engines.values():
+        for event in log.events:
+            if event["kind"] == "arrived":
+                arrived[event["request_id"]] = arrived.get(event["request_id"], 0) + 1
     candidates = {request_id for request_id, count in (*counts.items(), *arrived.items())
                   if count > 1}
-    if not candidates:
+    if not candidates:  # the common case: no sort of every event
         return trace
+    events = sorted(((event["time"], engine, event) for engine, log in engines.items()
+                     for event in log.events if event["request_id"] in candidates),
+                    key=lambda item: item[0])
     which, seen = _occurrences(events, candidates, deaths)
     reused = {request_id for request_id in candidates
               if max(counts.get(request_id, 0), seen.get(request_id, 0)) > 1}
