@@ -451,12 +451,8 @@ def test_a_cut_recording_names_the_later_requests_of_an_id_lost(tmp_path):
     arrivals = [json.dumps({"type": "event", "time": at, "kind": "arrived", "request_id":
                             "same", "num_tokens": 20, "reason": ""}) for at in (1.0, 2.0, 3.0)]
     events.write_text(events.read_text() + "\n".join(arrivals) + "\n")
-    manifest = tmp_path / "rec" / "recording.json"  # the hand-made times within its segment
-    data = json.loads(manifest.read_text())
-    data["segments"][-1]["stop"] = 10.0
-    manifest.write_text(json.dumps(data))
     warnings: list[str] = []
-    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    recording = _load_with_segment_to(tmp_path / "rec", 10.0, warnings.append)
     assert [r.request_id for r in recording.trace] == ["same"]
     assert any("arrived with no trace line" in w for w in warnings), warnings
 
@@ -465,6 +461,25 @@ def _event(recorder, at, kind, rid):
     from kvserve.core.outputs import SchedulerEvent
 
     return SchedulerEvent(recorder.origin + at, kind, rid, 0, "")
+
+
+def _load_with_segment_to(directory, stop, warn):
+    """load_recording with the last segment stopped at ``stop`` (hand-made report times lie
+    past the real clock's stop: this puts them within their segment)."""
+    manifest = directory / "recording.json"
+    data = json.loads(manifest.read_text())
+    data["segments"][-1]["stop"] = stop
+    manifest.write_text(json.dumps(data))
+    return load_recording(directory, warn=warn)
+
+
+def _arrive(recorder, at, rid, engine=0, tokens=20):
+    """A step at ``at`` on ``engine`` that took ``rid``, its ``arrived`` event logged."""
+    from kvserve.core import EventType
+
+    recorder.observe(StepReport(recorder.origin + at, tokens, 0.1, [], [
+        _event(recorder, at, EventType.ARRIVED, rid)], BUSY, engine=engine,
+        arrivals=((rid, recorder.origin + at),), shape=SHAPE))
 
 
 def test_a_reused_id_on_two_replicas_finishes_the_request_of_its_engine(tmp_path):
@@ -477,13 +492,9 @@ def test_a_reused_id_on_two_replicas_finishes_the_request_of_its_engine(tmp_path
     recorder.start()
     params = SamplingParams(max_tokens=8)
     recorder.submitted([("same", list(range(20)), params)])
-    recorder.observe(StepReport(recorder.origin + 1.0, 20, 0.1, [], [
-        _event(recorder, 1.0, EventType.ARRIVED, "same")], BUSY, engine=0,
-        arrivals=(("same", recorder.origin + 1.0),), shape=SHAPE))
+    _arrive(recorder, 1.0, "same", engine=0)
     recorder.submitted([("same", list(range(30)), params)])  # the client came back
-    recorder.observe(StepReport(recorder.origin + 1.2, 30, 0.1, [], [
-        _event(recorder, 1.2, EventType.ARRIVED, "same")], BUSY, engine=1,
-        arrivals=(("same", recorder.origin + 1.2),), shape=SHAPE))
+    _arrive(recorder, 1.2, "same", engine=1, tokens=30)
     recorder.observe(StepReport(recorder.origin + 1.4, 1, 0.1, [
         CompletionChunk("same", [2], "", True, "stop", None, metrics(3))], [
         _event(recorder, 1.4, EventType.FINISHED, "same")], IDLE, engine=1, shape=SHAPE))
@@ -529,27 +540,19 @@ def test_a_request_placed_again_after_its_replica_died_is_one_request_of_its_id(
     recorder.start()
     params = SamplingParams(max_tokens=8)
     recorder.submitted([("X", list(range(20)), params)])
-    recorder.observe(StepReport(recorder.origin + 1.0, 20, 0.1, [], [
-        _event(recorder, 1.0, EventType.ARRIVED, "X")], BUSY, engine=0,
-        arrivals=(("X", recorder.origin + 1.0),), shape=SHAPE))
+    _arrive(recorder, 1.0, "X", engine=0)
     recorder.replica_died(0, recorder.origin + 1.5, ["X"])
     for at, engine_events in ((2.0, "first"), (3.0, "second")):
         if engine_events == "second":
             recorder.submitted([("X", list(range(30)), params)])
-        recorder.observe(StepReport(recorder.origin + at, 20, 0.1, [], [
-            _event(recorder, at, EventType.ARRIVED, "X")], BUSY, engine=1,
-            arrivals=(("X", recorder.origin + at),), shape=SHAPE))
+        _arrive(recorder, at, "X", engine=1)
         recorder.observe(StepReport(recorder.origin + at + 0.5, 1, 0.1, [
             CompletionChunk("X", [2], "", True, "stop", None, metrics(3))], [
             _event(recorder, at + 0.5, EventType.FINISHED, "X")], IDLE, engine=1,
             shape=SHAPE))
     recorder.close()
-    manifest = tmp_path / "rec" / "recording.json"  # the hand-made times within its segment
-    data = json.loads(manifest.read_text())
-    data["segments"][-1]["stop"] = 10.0
-    manifest.write_text(json.dumps(data))
     warnings: list[str] = []
-    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    recording = _load_with_segment_to(tmp_path / "rec", 10.0, warnings.append)
     assert sorted(r.request_id for r in recording.trace) == ["X", "X#2"]
     assert [(e["kind"], e["request_id"]) for e in recording.engines[1].events] == [
         ("arrived", "X"), ("finished", "X"), ("arrived", "X#2"), ("finished", "X#2")]
