@@ -165,12 +165,10 @@ class KVCacheManager:
         ``reserved_blocks`` are blocks an admission policy keeps free for future growth (K2).
         """
         request_id = request.request_id
-        held = self.req_to_blocks.get(request_id)
+        held, num_computed, num_slots, num_new_blocks = self._slots(request, num_new_tokens,
+                                                                    hit_blocks)
         num_held = len(held) if held is not None else 0
         num_hits = len(hit_blocks)
-        num_computed = request.num_computed_tokens + num_hits * self.block_size
-        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
-        num_new_blocks = -(-num_slots // self.block_size) - num_held - num_hits
 
         if num_new_blocks > 0 or hit_blocks or full_sequence_must_fit:
             num_needed = self._num_blocks_needed(request, num_new_blocks, num_held, hit_blocks,
@@ -189,6 +187,18 @@ class KVCacheManager:
         if self.enable_caching and num_slots // self.block_size > num_computed // self.block_size:
             self._cache_full_blocks(request, held, min(num_slots, request.num_tokens))
         return new_blocks
+
+    def _slots(self, request: Request, num_new_tokens: int, hit_blocks: Sequence[KVBlock]
+               ) -> tuple[list[KVBlock] | None, int, int, int]:
+        """An allocation's shape: the blocks ``request`` holds (None: none yet), its tokens
+        computed with the hits, the slots it needs after ``num_new_tokens``, and the blocks
+        those take beyond the held and hit ones."""
+        held = self.req_to_blocks.get(request.request_id)
+        num_held = len(held) if held is not None else 0
+        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
+        return held, num_computed, num_slots, \
+            -(-num_slots // self.block_size) - num_held - len(hit_blocks)
 
     def _num_blocks_needed(self, request: Request, num_new_blocks: int, num_held: int,
                            hit_blocks: Sequence[KVBlock], apply_watermark: bool,
@@ -221,12 +231,9 @@ class KVCacheManager:
         policy keeps for growth, the running requests' and its own (K2); ``"watermark"``
         where they suffice but for the watermark's (E2). (QA: an operator saw ``kv_cache``
         with most blocks free.)"""
-        held = self.req_to_blocks.get(request.request_id)
-        num_held = len(held) if held is not None else 0
-        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
-        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
-        num_new_blocks = -(-num_slots // self.block_size) - num_held - len(hit_blocks)
-        num_needed = self._num_blocks_needed(request, num_new_blocks, num_held, hit_blocks,
+        held, _, _, num_new_blocks = self._slots(request, num_new_tokens, hit_blocks)
+        num_needed = self._num_blocks_needed(request, num_new_blocks,
+                                             len(held) if held is not None else 0, hit_blocks,
                                              False, full_sequence_must_fit)
         free = self.pool.num_free_blocks
         if num_needed > free:
