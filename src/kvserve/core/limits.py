@@ -4,7 +4,7 @@ returns None; none of them records anything."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
@@ -84,22 +84,33 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
 
 def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig,
                     pool: tuple[int, int] | None) -> int:
-    """How many of these prompts an idle engine's next step admits, as the scheduler's
-    ``_admissible_next`` counts: from the first, while seats, token budget (the whole prompt,
-    with chunked prefill off) and, given the ``pool`` (blocks, block size), free blocks last,
-    the watermark's held back from the second on. Those are no backlog."""
-    seats, budget, count = config.max_num_seqs, config.max_num_batched_tokens, 0
+    """How many of these prompts an idle engine's next step admits (given its ``pool``:
+    blocks, block size; None: blocks not counted). Those are no backlog."""
     blocks, block_size = pool if pool is not None else (None, 1)
-    watermark = 0
+    watermark = 0 if pool is None else int(config.watermark * pool[0])
+    return next_step_admits(prompt_lens, config.max_num_seqs, config.max_num_batched_tokens,
+                            blocks, block_size, watermark, False,
+                            config.enable_chunked_prefill)
+
+
+def next_step_admits(prompt_lens: Iterable[int], seats: int, budget: int, blocks: int | None,
+                     block_size: int, watermark: int, running: bool, chunked: bool) -> int:
+    """K4: how many of these waiting prompts, from the first, the next step admits as
+    things stand: while the ``seats``, the token ``budget`` (a prompt's whole length with
+    chunked prefill off) and the free ``blocks`` (None: not counted) last, a block past each
+    prompt's end, the watermark's blocks held back once something runs (E2, as
+    allocate_slots: from the second admission of an idle engine's step on). Prefix hits
+    are not counted (an estimate on the safe side). The scheduler's backlog and the 400
+    rules both count by it, so they agree."""
+    count, held_back = 0, watermark if running else 0
     for length in prompt_lens:
         need = -(-(length + 1) // block_size)
-        if seats <= 0 or budget <= 0 or (not config.enable_chunked_prefill and length > budget) \
-                or (blocks is not None and need + watermark > blocks):
+        if seats <= 0 or budget <= 0 or (not chunked and length > budget) or \
+                (blocks is not None and need + held_back > blocks):
             break
-        count, seats, budget = count + 1, seats - 1, budget - length
+        count, seats, budget, held_back = count + 1, seats - 1, budget - length, watermark
         if blocks is not None:
             blocks -= need
-            watermark = int(config.watermark * pool[0])
     return count
 
 

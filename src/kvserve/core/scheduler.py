@@ -17,6 +17,7 @@ and hashes are stable digests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.deadlines import QueueDeadlines
 from kvserve.core.errors import ConfigError, InvariantError, RequestError
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.limits import check_queue_limits, check_servable
+from kvserve.core.limits import check_queue_limits, check_servable, next_step_admits
 from kvserve.core.outputs import (
     CachedRequestData,
     NewRequestData,
@@ -928,8 +929,8 @@ class Scheduler:
         (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
         that took the whole budget let 6 requests past a limit of 1) with a block each kept
         back, and the held and swapped ones resume, taken from the head of the queue until
-        one does not fit (D4). Prefix hits are not counted (an estimate on the safe side).
-        These are not a backlog, so the queue limits do not count them."""
+        one does not fit (D4; :func:`~kvserve.core.limits.next_step_admits`). These are not
+        a backlog, so the queue limits do not count them."""
         config, kv = self.config, self.kv
         seats = config.max_num_seqs - len(self.running) - len(self.held_waiting) - \
             len(self.swapped)
@@ -945,19 +946,10 @@ class Scheduler:
             kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
         if budget <= 0 or blocks <= 0:
             return admissible
-        # the watermark holds blocks back once something runs (E2, as allocate_slots): from
-        # the second admission of an idle engine's step on
-        watermark = kv.watermark_blocks if self.running else 0
-        chunked = config.enable_chunked_prefill
-        for request in self.waiting:
-            need = kv.num_blocks_for(request.num_tokens + 1)
-            if seats <= 0 or budget <= 0 or need + watermark > blocks or \
-                    (not chunked and request.num_tokens > budget):
-                break
-            admissible.append(request)
-            seats, budget, blocks = seats - 1, budget - request.num_tokens, blocks - need
-            watermark = kv.watermark_blocks
-        return admissible
+        count = next_step_admits((r.num_tokens for r in self.waiting), seats, budget, blocks,
+                                 kv.block_size, kv.watermark_blocks, bool(self.running),
+                                 config.enable_chunked_prefill)
+        return list(itertools.islice(self.waiting, count))
 
     def _displace(self, victim: Request, by: Request) -> None:
         """K5: end a waiting request a more urgent arrival takes the place of (the server
