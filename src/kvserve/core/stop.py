@@ -10,6 +10,7 @@ KV_CAPACITY = "kv_capacity"  # stop_reason of a sequence the whole KV pool canno
 # stop_reasons of a request the waiting queue ended before it ran (the server's 503s)
 QUEUE_TIMEOUT = "queue_timeout"  # K4: it waited past its queue deadline
 DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full queue
+QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)
 
 
 def check_stop(request: Request, token_id: int,

@@ -24,7 +24,7 @@ from kvserve.core import QueueFullError, RequestError, RequestRejected, Sampling
 from kvserve.core.errors import without_request_id
 from kvserve.core.limits import check_queueable
 from kvserve.core.sessions import SessionBusy
-from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
+from kvserve.core.stop import DISPLACED, QUEUE_ENDS
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import OPERATOR_TENANT, ApiKey, resolve_priority, tenant_of
@@ -596,7 +596,6 @@ class Generation:
                 "created": self.created, "model": self.model, "choices": [entry]}
 
 
-QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)  # a request the waiting queue ended unscheduled
 # a chat answer's message keys vLLM (and OpenAI) always send, null where nothing fills them
 _NULL_MESSAGE_KEYS = ("refusal", "annotations", "audio", "function_call")
 

@@ -31,13 +31,13 @@ from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
 from kvserve.core.sessions import RELEASE_REASONS
-from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
+from kvserve.core.stop import QUEUE_ENDS
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
 from kvserve.server.slow_steps import SlowSteps
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
-_UNCOUNTED = (ABORTED, QUEUE_TIMEOUT, DISPLACED)  # finishes the per-request histograms skip
+_UNCOUNTED = (ABORTED, *QUEUE_ENDS)  # finishes the per-request histograms skip
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 # vLLM V1's buckets for a request's phases (E2E, queue, prefill, decode, inference) and for

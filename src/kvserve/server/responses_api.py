@@ -31,10 +31,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.core.stop import QUEUE_ENDS
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.generation import QUEUE_ENDS, Generation, queue_end, start
+from kvserve.server.generation import Generation, queue_end, start
 from kvserve.server.prompts import encode_chat, max_tokens_for
 from kvserve.server.reasoning_parsers import END, START
 from kvserve.server.response_store import ResponseStore, Stored

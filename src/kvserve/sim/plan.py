@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.core import SchedulerConfig
-from kvserve.core.stop import DISPLACED, QUEUE_TIMEOUT
+from kvserve.core.stop import QUEUE_ENDS
 from kvserve.sim.capacity import CapacityError, KVPool
 from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
@@ -100,7 +100,7 @@ def shed(record: Any) -> bool:
     """A request the waiting queue shed under load (refused as full, timed out, displaced:
     ``--max-num-queued-*``, ``--max-queue-delay``), not one refused at any rate."""
     return record.finish_reason == "queue_full" or (
-        record.finish_reason == "abort" and record.stop_reason in (QUEUE_TIMEOUT, DISPLACED))
+        record.finish_reason == "abort" and record.stop_reason in QUEUE_ENDS)
 
 
 SWEEP_FIGURES = ("num_finished", "num_rejected", "num_shed", "num_preemptions",
