@@ -138,6 +138,22 @@ def test_adaptive_ratio_decays_and_jumps_after_preemption():  # K2 "adaptive"
     assert policy.ratio == pytest.approx(0.25)
 
 
+def test_adaptive_ratio_starts_over_when_a_request_finds_the_engine_idle():  # K2 "adaptive"
+    """As SGLang's new_token_ratio, reset when its scheduler has nothing to run: a ratio an
+    old burst left would otherwise set how much a new one reserves (and K4's 400 rules count
+    an idle engine's reserve at the initial ratio)."""
+    scheduler = make_scheduler(num_blocks=10, admission_policy="adaptive",
+                               adaptive_init_ratio=0.5, adaptive_min_ratio=0.1,
+                               adaptive_decay_steps=4)
+    policy = scheduler._admission
+    policy.end_step(0, [])
+    scheduler.add_request(make_request("a", 4, max_tokens=10))  # idle: starts over
+    assert policy.ratio == pytest.approx(0.5)
+    policy.end_step(0, [])
+    scheduler.add_request(make_request("b", 4, max_tokens=10))  # a waits: not idle
+    assert policy.ratio == pytest.approx(0.4)
+
+
 def test_adaptive_admission_preempts_less_than_optimistic():  # K2 "adaptive"
     def workload():
         return [make_request(i, 10 + 3 * i, max_tokens=60, ignore_eos=True)

@@ -90,13 +90,33 @@ class AdmissionPolicy:
 
     The waiting pass calls :meth:`start_pass` once, :meth:`reserved_blocks` before each
     admission attempt and :meth:`admitted` after each success; the scheduler calls
-    :meth:`end_step` once per step.
+    :meth:`end_step` once per step and :meth:`idle` when a request arrives at an engine with
+    nothing to do. The queue limits (K4) estimate the next step's admissions by
+    :meth:`running_reserve` and :meth:`growth_blocks`, and an idle engine's by
+    :meth:`idle_ratio`.
     """
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        pass
+
+    @staticmethod
+    def idle_ratio(config: SchedulerConfig) -> float:
+        """The share of a new request's max_tokens this policy keeps blocks for on an idle
+        engine (0: none)."""
+        return 0.0
 
     def start_pass(self, running: Sequence[Request]) -> None:
         pass
 
     def reserved_blocks(self, request: Request) -> int:
+        return 0
+
+    def running_reserve(self, running: Sequence[Request]) -> int:
+        """The blocks kept for the future tokens of ``running`` as things stand."""
+        return 0
+
+    def growth_blocks(self, request: Request) -> int:
+        """The blocks kept for a waiting ``request``'s future tokens once it is admitted."""
         return 0
 
     def admitted(self, request: Request) -> None:
@@ -105,30 +125,47 @@ class AdmissionPolicy:
     def end_step(self, num_preempted: int, running: Sequence[Request]) -> None:
         pass
 
+    def idle(self) -> None:
+        pass
+
+
+def future_blocks(final_tokens: int, num_blocks_now: int, block_size: int,
+                  max_sequence_tokens: int) -> int:
+    """The blocks a sequence expected to reach ``final_tokens`` needs beyond
+    ``num_blocks_now``: capped where it must stop anyway (max_model_len, or the pool: J2);
+    the last token is sampled but never fed back, so it needs no KV slot."""
+    final = min(final_tokens, max_sequence_tokens) - 1
+    return max(0, -(-final // block_size) - num_blocks_now)
+
 
 class _ReservingPolicy(AdmissionPolicy):
-    """Keeps blocks free for the expected future tokens of every running request."""
+    """Keeps blocks free for ``ratio`` x the remaining max_tokens of every running request."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
         self.kv = kv
+        self.ratio = self.idle_ratio(config)
         self._reserved_for_running = 0
 
     def expected_final_tokens(self, request: Request) -> int:
-        raise NotImplementedError
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        return request.num_tokens + int(self.ratio * remaining)
 
     def _future_blocks(self, request: Request, num_blocks_now: int) -> int:
-        # Capped where the sequence must stop anyway (max_model_len, or the pool: J2); the
-        # last token is sampled but never fed back, so it needs no KV slot.
-        final = min(self.expected_final_tokens(request), self.kv.max_sequence_tokens) - 1
-        return max(0, self.kv.num_blocks_for(final) - num_blocks_now)
+        return future_blocks(self.expected_final_tokens(request), num_blocks_now,
+                             self.kv.block_size, self.kv.max_sequence_tokens)
+
+    def running_reserve(self, running: Sequence[Request]) -> int:
+        return sum(self._future_blocks(r, self.kv.num_held_blocks(r.request_id))
+                   for r in running)
+
+    def growth_blocks(self, request: Request) -> int:
+        return self._future_blocks(request, self.kv.num_blocks_for(request.num_tokens))
 
     def start_pass(self, running: Sequence[Request]) -> None:
-        self._reserved_for_running = sum(
-            self._future_blocks(r, self.kv.num_held_blocks(r.request_id)) for r in running)
+        self._reserved_for_running = self.running_reserve(running)
 
     def reserved_blocks(self, request: Request) -> int:
-        num_blocks_now = self.kv.num_blocks_for(request.num_tokens)
-        return self._reserved_for_running + self._future_blocks(request, num_blocks_now)
+        return self._reserved_for_running + self.growth_blocks(request)
 
     def admitted(self, request: Request) -> None:
         self._reserved_for_running += self._future_blocks(
@@ -136,11 +173,12 @@ class _ReservingPolicy(AdmissionPolicy):
 
 
 class ReserveMaxTokens(_ReservingPolicy):
-    """Reserve prompt + max_tokens for everyone: never preempts (TensorRT-LLM's
-    GUARANTEED_NO_EVICT)."""
+    """Reserve prompt + max_tokens for everyone (the whole of what remains: ratio 1): never
+    preempts (TensorRT-LLM's GUARANTEED_NO_EVICT)."""
 
-    def expected_final_tokens(self, request: Request) -> int:
-        return request.num_prompt_tokens + request.sampling_params.max_tokens
+    @staticmethod
+    def idle_ratio(config: SchedulerConfig) -> float:
+        return 1.0
 
 
 class AdaptiveReserve(_ReservingPolicy):
@@ -148,20 +186,24 @@ class AdaptiveReserve(_ReservingPolicy):
 
     The ratio starts at ``adaptive_init_ratio`` and decays linearly to its floor on every step
     without a preemption; a preemption re-estimates it from what running requests actually
-    decoded, plus ``adaptive_retract_decode_steps`` tokens each.
+    decoded, plus ``adaptive_retract_decode_steps`` tokens each. It starts over when a request
+    arrives at an idle engine, as SGLang's does when its scheduler finds nothing to run.
     """
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
-        super().__init__(kv)
-        self.ratio = config.adaptive_init_ratio
+        super().__init__(kv, config)
+        self.init_ratio = config.adaptive_init_ratio
         self.min_ratio = config.adaptive_min_ratio
         self.decay = (config.adaptive_init_ratio - config.adaptive_min_ratio) / \
             config.adaptive_decay_steps
         self.retract_decode_steps = config.adaptive_retract_decode_steps
 
-    def expected_final_tokens(self, request: Request) -> int:
-        remaining = request.sampling_params.max_tokens - request.num_output_tokens
-        return request.num_tokens + int(self.ratio * remaining)
+    @staticmethod
+    def idle_ratio(config: SchedulerConfig) -> float:
+        return config.adaptive_init_ratio
+
+    def idle(self) -> None:
+        self.ratio = self.init_ratio
 
     def end_step(self, num_preempted: int, running: Sequence[Request]) -> None:
         if num_preempted == 0:
@@ -175,12 +217,30 @@ class AdaptiveReserve(_ReservingPolicy):
 
 
 def make_admission_policy(config: SchedulerConfig, kv: KVCacheManager) -> AdmissionPolicy:
+    return admission_policy_class(config)(kv, config)
+
+
+def idle_growth_blocks(config: SchedulerConfig, prompt_len: int, max_tokens: int | None,
+                       num_blocks: int, block_size: int) -> int:
+    """The blocks ``config``'s admission policy keeps for a new request's future tokens on
+    an idle engine with a pool of ``num_blocks`` (K4's 400 rules: ``max_tokens`` None is
+    what the context leaves, J1)."""
+    ratio = admission_policy_class(config).idle_ratio(config)
+    if max_tokens is None:
+        max_tokens = max(1, config.max_model_len - prompt_len)
+    longest = min(config.max_model_len, num_blocks * block_size + 1)  # J2, as the pool caps
+    return future_blocks(prompt_len + int(ratio * max_tokens), -(-prompt_len // block_size),
+                         block_size, longest)
+
+
+def admission_policy_class(config: SchedulerConfig) -> type[AdmissionPolicy]:
+    """The class of ``config``'s admission policy (K2)."""
     if config.admission_policy == "reserve":
-        return ReserveMaxTokens(kv)
+        return ReserveMaxTokens
     if config.admission_policy == "adaptive":
-        return AdaptiveReserve(kv, config)
+        return AdaptiveReserve
     if config.admission_policy == "optimistic":
-        return AdmissionPolicy()
+        return AdmissionPolicy
     raise _unbuilt("admission_policy", config.admission_policy)
 
 

@@ -240,6 +240,8 @@ class Scheduler:
             request.sampling_params = dataclasses.replace(request.sampling_params,
                                                           max_tokens=room)
         check_servable(request, self.config, self.cache_config)
+        if not self.requests:
+            self._admission.idle()  # K2: an adaptive reserve starts over, as SGLang's
         admissible = self._admissible_next() if self._limits_queue else ()
         for victim in check_queue_limits(request, self.waiting, self.config,
                                          admissible):  # K4, K5
