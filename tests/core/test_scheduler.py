@@ -391,6 +391,37 @@ def test_the_queue_limits_count_a_backlog_not_a_burst_into_free_seats():  # K4
         assert taken == accepted, num_blocks
 
 
+@pytest.mark.parametrize("admission_policy", ["reserve", "adaptive"])
+def test_the_queue_limits_count_the_blocks_an_admission_policy_reserves(admission_policy):
+    """K4 with K2: what the next step admits keeps the blocks the admission policy holds for
+    each admitted request's growth. Counted without them, four of five 50-token prompts
+    (max_tokens 200) were taken for the next step's on a pool of 20 blocks, where the
+    policy admits one: four waited past a queue limit of one."""
+    scheduler = make_scheduler(20, 16, max_num_seqs=8, max_num_queued_reqs=1,
+                               admission_policy=admission_policy, adaptive_init_ratio=1.0)
+    scheduler.add_request(make_request("a", 50, max_tokens=200))
+    scheduler.add_request(make_request("b", 50, max_tokens=200))  # a is the next step's
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        scheduler.add_request(make_request("c", 50, max_tokens=200))
+    scheduler.schedule(0.0)
+    assert [r.request_id for r in scheduler.running] == ["a"]
+    assert len(scheduler.waiting) == 1
+
+
+def test_a_group_the_admission_policy_keeps_apart_is_refused_for_good():  # K4 K2
+    """The 400 rules count the reserve too: under ``reserve`` an idle pool of 20 blocks
+    admits one of these prompts (each may grow to 16 blocks), so three more wait with 150
+    tokens, past a limit of 100, on every retry."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_queued_tokens=100, admission_policy="reserve")
+    check_queueable([50] * 4, config, "g", pool=(20, 16), max_tokens=[20] * 4)  # all four
+    with pytest.raises(RequestRejected, match="past those the next step admits would wait"):
+        check_queueable([50] * 4, config, "g", pool=(20, 16), max_tokens=[200] * 4)
+    optimistic = SchedulerConfig(max_num_queued_tokens=100)
+    check_queueable([50] * 4, optimistic, "g", pool=(20, 16), max_tokens=[200] * 4)
+
+
 def test_a_running_prefill_leaves_no_budget_to_admit_past_the_limit(executor):  # K4 D1
     """QA (spec pass): what the next step admits took one token per running request, so a
     long prompt mid-prefill, whose next chunk takes the whole budget, let 6 requests past a

@@ -115,6 +115,22 @@ def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
                               timeout=30).status_code == 200
 
 
+def test_the_400_rules_count_what_the_admission_policy_reserves():  # K4 K2
+    """Under --admission-policy reserve an idle pool of 20 blocks admits one of four
+    50-token prompts asking 200 tokens each (each may grow to 16 blocks): three would wait
+    with 150 tokens past a limit of 100, on every retry. Asking 20 tokens, all four fit."""
+    engine = slow_engine(0.005, num_kv_blocks=20, max_num_seqs=4, max_num_queued_tokens=100,
+                         admission_policy="reserve")
+    with LiveServer(engine) as live:
+        body = {"prompt": [[5 + k] * 50 for k in range(4)], "max_tokens": 200}
+        refused = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 400, refused.text
+        assert "past those the next step admits would wait" in refused.text
+        taken = httpx.post(live.url + "/v1/completions", json=dict(body, max_tokens=20),
+                           timeout=60)
+        assert taken.status_code == 200, taken.text
+
+
 def test_queue_deadline_answers_503_queue_timeout():
     engine = slow_engine(0.005, max_num_seqs=1, max_queue_delay=0.2)
     with LiveServer(engine) as live:

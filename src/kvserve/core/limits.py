@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
+from kvserve.core.policies import idle_growth_blocks
 from kvserve.core.queues import WaitingQueue
 from kvserve.core.request import Request
 
@@ -36,18 +37,20 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
 
 
 def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
-                    request_id: str, pool: tuple[int, int] | None = None) -> None:
+                    request_id: str, pool: tuple[int, int] | None = None,
+                    max_tokens: Sequence[int | None] | None = None) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
     queued, even on an idle engine with an empty queue: more requests at once (a prompt
     list, ``n``; one prompt length each) than max_num_queued_reqs plus max_num_seqs (the
     queue's backlog and what the next step admits, which the limit does not count), or
     prompts that, taken in turn as :func:`_check_room` takes them (those an idle engine's
-    next step admits, given its ``pool`` of blocks and block size, being no backlog), would
+    next step admits, given its ``pool`` of blocks and block size and each prompt's
+    ``max_tokens`` for an admission policy's reserve, being no backlog), would
     wait with more tokens than max_num_queued_tokens, or a prompt over that limit other than
     the first (one waits alone, where nothing else waits). Waiting cannot help it, so a
     client told to retry would retry forever."""
     num_requests = len(prompt_lens)
-    admitted = _admitted_alone(prompt_lens, config, pool)
+    admitted = _admitted_alone(prompt_lens, config, pool, max_tokens)
     # the step admits at most max_num_seqs; fewer where its budget or the pool runs out (the
     # second review: seats alone made such a group a 503 on every retry)
     step = f"max_num_seqs={admitted}" if admitted == config.max_num_seqs else \
@@ -65,17 +68,16 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
             f"max_num_queued_reqs_per_tenant={per_tenant} plus {step}, the "
             "most one tenant may have waiting and one step takes; send fewer prompts or a "
             "smaller n")
-    max_tokens = config.max_num_queued_tokens
-    if max_tokens is None:
+    limit = config.max_num_queued_tokens
+    if limit is None:
         return
     backlog = 0
     for index, length in enumerate(prompt_lens):
         # as _check_room takes each in turn: one over the limit only first (it waits alone)
-        if (length > max_tokens and index > 0) or \
-                (length <= max_tokens and backlog + length > max_tokens):
+        if (length > limit and index > 0) or (length <= limit and backlog + length > limit):
             raise RequestRejected(
                 f"request {request_id}: its prompts past those the next step admits would "
-                f"wait with more than max_num_queued_tokens={max_tokens} tokens (one longer "
+                f"wait with more than max_num_queued_tokens={limit} tokens (one longer "
                 "than that waits alone, as the first of a request), the most the waiting "
                 "queue ever holds; send shorter or fewer prompts")
         if index >= admitted:
@@ -83,32 +85,43 @@ def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
 
 
 def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig,
-                    pool: tuple[int, int] | None) -> int:
+                    pool: tuple[int, int] | None,
+                    max_tokens: Sequence[int | None] | None) -> int:
     """How many of these prompts an idle engine's next step admits (given its ``pool``:
-    blocks, block size; None: blocks not counted). Those are no backlog."""
+    blocks, block size; None: blocks not counted), the admission policy keeping blocks for
+    the growth of each (K2: its share of ``max_tokens`` on an idle engine, one None being
+    what the context leaves, J1; None: none). Those are no backlog."""
     blocks, block_size = pool if pool is not None else (None, 1)
-    watermark = 0 if pool is None else int(config.watermark * pool[0])
-    return next_step_admits(prompt_lens, config.max_num_seqs, config.max_num_batched_tokens,
-                            blocks, block_size, watermark, False,
-                            config.enable_chunked_prefill)
+    growth = [0] * len(prompt_lens)
+    if blocks is not None and max_tokens is not None:
+        growth = [idle_growth_blocks(config, length, answer, blocks, block_size)
+                  for length, answer in zip(prompt_lens, max_tokens, strict=True)]
+    watermark = 0 if blocks is None else int(config.watermark * blocks)
+    return next_step_admits(zip(prompt_lens, growth, strict=True), config.max_num_seqs,
+                            config.max_num_batched_tokens, blocks, block_size, watermark,
+                            False, config.enable_chunked_prefill)
 
 
-def next_step_admits(prompt_lens: Iterable[int], seats: int, budget: int, blocks: int | None,
-                     block_size: int, watermark: int, running: bool, chunked: bool) -> int:
-    """K4: how many of these waiting prompts, from the first, the next step admits as
-    things stand: while the ``seats``, the token ``budget`` (a prompt's whole length with
-    chunked prefill off) and the free ``blocks`` (None: not counted) last, a block past each
-    prompt's end, the watermark's blocks held back once something runs (E2, as
-    allocate_slots: from the second admission of an idle engine's step on). Prefix hits
-    are not counted (an estimate on the safe side). The scheduler's backlog and the 400
-    rules both count by it, so they agree."""
+def next_step_admits(prompts: Iterable[tuple[int, int]], seats: int, budget: int,
+                     blocks: int | None, block_size: int, watermark: int, running: bool,
+                     chunked: bool, reserved: int = 0) -> int:
+    """K4: how many of these waiting prompts (length, the blocks an admission policy keeps
+    for its growth once admitted), from the first, the next step admits as things stand:
+    while the ``seats``, the token ``budget`` (a prompt's whole length with chunked prefill
+    off) and the free ``blocks`` (None: not counted) last, a block past each prompt's end,
+    the watermark's blocks held back once something runs (E2, as allocate_slots: from the
+    second admission of an idle engine's step on), and the policy's blocks kept for the
+    growth of what runs (``reserved``) and of each admitted (K2). Prefix hits are not
+    counted (an estimate on the safe side). The scheduler's backlog and the 400 rules both
+    count by it, so they agree."""
     count, held_back = 0, watermark if running else 0
-    for length in prompt_lens:
+    for length, growth in prompts:
         need = -(-(length + 1) // block_size)
         if seats <= 0 or budget <= 0 or (not chunked and length > budget) or \
-                (blocks is not None and need + held_back > blocks):
+                (blocks is not None and need + held_back + reserved + growth > blocks):
             break
         count, seats, budget, held_back = count + 1, seats - 1, budget - length, watermark
+        reserved += growth
         if blocks is not None:
             blocks -= need
     return count

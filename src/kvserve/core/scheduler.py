@@ -931,9 +931,10 @@ class Scheduler:
         (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
         that took the whole budget let 6 requests past a limit of 1) with a block each kept
         back, and the held and swapped ones resume, taken from the head of the queue until
-        one does not fit (D4; :func:`~kvserve.core.limits.next_step_admits`). These are not
-        a backlog, so the queue limits do not count them."""
-        config, kv = self.config, self.kv
+        one does not fit (D4; :func:`~kvserve.core.limits.next_step_admits`), with the blocks
+        the admission policy keeps for all their growth (K2). These are not a backlog, so the
+        queue limits do not count them."""
+        config, kv, admission = self.config, self.kv, self._admission
         seats = config.max_num_seqs - len(self.running) - len(self.held_waiting) - \
             len(self.swapped)
         admissible: list[Request] = []
@@ -944,13 +945,17 @@ class Scheduler:
         budget = config.max_num_batched_tokens - sum(
             max(1, tokens_to_schedule(r.num_tokens, r.num_computed_tokens, threshold,
                                       max_model_len)) for r in self.running)
+        resuming = (*self.held_waiting, *self.swapped)
         blocks = kv.num_free_blocks - len(self.running) - sum(
-            kv.num_blocks_for(r.num_tokens + 1) for r in (*self.held_waiting, *self.swapped))
+            kv.num_blocks_for(r.num_tokens + 1) for r in resuming)
         if budget <= 0 or blocks <= 0:
             return admissible
-        count = next_step_admits((r.num_tokens for r in self.waiting), seats, budget, blocks,
+        reserved = admission.running_reserve(self.running) + sum(
+            admission.growth_blocks(r) for r in resuming)
+        count = next_step_admits(((r.num_tokens, admission.growth_blocks(r))
+                                  for r in self.waiting), seats, budget, blocks,
                                  kv.block_size, kv.watermark_blocks, bool(self.running),
-                                 config.enable_chunked_prefill)
+                                 config.enable_chunked_prefill, reserved)
         return list(itertools.islice(self.waiting, count))
 
     def _displace(self, victim: Request, by: Request) -> None:

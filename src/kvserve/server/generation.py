@@ -196,7 +196,8 @@ def _check_queueable(state: ServerState, request_id: str,
     try:
         info = state.engine.info  # each replica's pool (data parallel: the same size)
         check_queueable([len(prompt) for _, prompt, _ in items], state.scheduler_config,
-                        request_id, (info.num_kv_blocks, info.block_size))
+                        request_id, (info.num_kv_blocks, info.block_size),
+                        [params.max_tokens for _, _, params in items])
     except RequestRejected as error:
         state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
