@@ -806,21 +806,20 @@ class Scheduler:
         """M1-M3: preempt the least urgent running requests that qualify until the head of
         the waiting queue fits, and admit it; False (and nothing preempted) if they cannot
         make room. The waiting pass then ends: the step admits nothing else."""
-        config = self.config
         request = self.waiting.peek()
         hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = self._admission_tokens(request, num_hit_tokens, step.token_budget)
         if num_new is None:
             return False
         assert self._urgent is not None
-        reserved_blocks = self._admission.reserved_blocks(request)
+        limits = self._admission_limits(request)  # the watermark's: by what the victims leave
 
         def find_victims(also_released: dict[int, int] | None = None) -> list[Request]:
             assert self._urgent is not None
             return self._urgent.victims(
                 request, self.running, num_new, hit_blocks,
-                full_sequence_must_fit=config.reserve_full_sequence,
-                reserved_blocks=reserved_blocks, admitted=step.new_request_ids,
+                full_sequence_must_fit=limits["full_sequence_must_fit"],
+                reserved_blocks=limits["reserved_blocks"], admitted=step.new_request_ids,
                 also_released=also_released)
 
         def held_kv_helps(victims: list[Request]) -> bool:
@@ -848,10 +847,8 @@ class Scheduler:
             self.running.remove(victim)
             step.unschedule(victim)
             self._preempt(victim, step, PRIORITY)
-        new_blocks = self.kv.allocate_slots(
-            request, num_new, hit_blocks, apply_watermark=bool(self.running),
-            full_sequence_must_fit=config.reserve_full_sequence,
-            reserved_blocks=reserved_blocks)
+        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks,
+                                            **self._admission_limits(request))
         if new_blocks is None:
             raise AssertionError(f"M2: {request.request_id} does not fit after preempting "
                                  f"{[v.request_id for v in victims]}")
