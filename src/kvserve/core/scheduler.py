@@ -2,12 +2,16 @@
 
 One step is ``schedule(now)`` then ``update(output, model_output, now)``::
 
-    schedule:  expire queue deadlines
-               -> running pass (grow each running request; preempt when the pool is short)
-               -> swap-in pass (swapped requests come back, oldest swap first)
-               -> waiting pass (admit while budget, seats and blocks last; skipped after a
-                  preemption or while a request stays swapped out)
-               -> commit (advance computed tokens, build the plain-data output)
+    schedule:  begin (expire queue deadlines and session holds; the decode lane's requests)
+               -> running pass (grow each running request; preempt when the pool is short;
+                  a throttled step's prefill chunks and a prefills-only step's decodes wait)
+               -> admissions: swap-in pass (swapped requests come back, oldest swap first),
+                  else waiting pass (held session turns, then the queue, while budget, seats
+                  and blocks last; an urgent head may preempt), skipped after a preemption,
+                  on a throttled step or while a request stays swapped out
+               -> a prefills-only step that ran nothing runs the decodes after all
+               -> end (the admission policy's step, commit: advance computed tokens, build
+                  the plain-data output; fair share's charges)
     update:    append sampled tokens -> stop checks -> free finished requests
 
 Everything is deterministic: time comes in as an argument, containers are lists and dicts,
@@ -344,16 +348,33 @@ class Scheduler:
         when this step defers prefills (N1), running prefill chunks and admissions wait and
         decodes fill the step (N2).
         """
+        step, num_lane = self._begin_step(now)
+        defer_prefills = throttle and self._should_defer_prefills()
+        prefills_only = not defer_prefills and self._prefills_only_step()
+        self._schedule_running(step, 1 if defer_prefills else _NO_CAP, num_lane, prefills_only)
+        self._schedule_admissions(step, defer_prefills)
+        if prefills_only:
+            self._end_prefills_only(step, num_lane)
+        else:
+            self.num_prefill_only_in_a_row = 0  # Q1: the decodes ran
+        if not defer_prefills:
+            self.prefill_capacity_bound = bool(self.waiting) or bool(self.held_waiting)  # N3
+        return self._end_step(step, num_lane)
+
+    def _begin_step(self, now: float) -> tuple[_Step, int]:
+        """The step's clock, the deadlines and session holds past it (K4, U6), and its
+        token budget with the decode lane's requests scheduled (their count)."""
         self._now = now
         self._expire_queue_deadlines(now)
         sessions = self.sessions
         if sessions is not None and now >= sessions.next_expiry:
             sessions.expire(now)  # U6
         step = _Step(self.config.max_num_batched_tokens)
-        num_lane = self.lane.begin_step(step) if self.lane is not None else 0
-        defer_prefills = throttle and self._should_defer_prefills()
-        prefills_only = not defer_prefills and self._prefills_only_step()
-        self._schedule_running(step, 1 if defer_prefills else _NO_CAP, num_lane, prefills_only)
+        return step, self.lane.begin_step(step) if self.lane is not None else 0
+
+    def _schedule_admissions(self, step: _Step, defer_prefills: bool) -> None:
+        """Pass 2: swapped requests back (S2), else the waiting queues; none after a
+        preemption (D4) or on a step deferring prefills (N2)."""
         if step.preempted:
             self._note_blocked("preemption")
         elif defer_prefills:
@@ -362,12 +383,10 @@ class Scheduler:
             self._note_blocked("swapped")  # S2: a swapped request goes before any admission
         else:
             self._schedule_waiting(step)
-        if prefills_only:
-            self._end_prefills_only(step, num_lane)
-        else:
-            self.num_prefill_only_in_a_row = 0  # Q1: the decodes ran
-        if not defer_prefills:
-            self.prefill_capacity_bound = bool(self.waiting) or bool(self.held_waiting)  # N3
+
+    def _end_step(self, step: _Step, num_lane: int) -> SchedulerOutput:
+        """The admission policy's step (K2), the plain-data output, and fair share's charges
+        for it (T3)."""
         self._admission.end_step(len(step.preempted), self.running)
         output = self._commit(step, num_lane)
         self.waiting.record_step(self.running, output.num_scheduled_tokens)  # T3
