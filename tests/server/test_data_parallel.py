@@ -182,8 +182,10 @@ def test_a_hung_replica_is_killed_and_restarted():
 
 def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
     """A request that is not streamed has shown its client nothing while it runs: when its
-    replica dies mid-decode, it starts over on the live replica and is answered whole, not
-    with a 503 (a streamed one cannot be: tokens reached its client)."""
+    replica dies mid-decode, its unfinished sequences start over on the live replica and it
+    is answered whole, not with a 503 (a streamed one cannot be: tokens reached its client).
+    A sequence that had finished keeps its answer (the chaos pass: the whole group ran again,
+    the finished one's re-run in no token count)."""
     from kvserve.engine.engine_process import LocalLauncher
 
     engine = data_parallel([LocalLauncher(f"replica-{i}") for i in range(2)])
@@ -191,22 +193,23 @@ def test_a_plain_request_under_way_on_a_dying_replica_is_placed_again():
         results: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: results.append(httpx.post(
             live.url + "/v1/completions", timeout=120,
-            json={"prompt": [11] * 20, "max_tokens": 300, "ignore_eos": True})))
-        thread.start()  # round-robin: replica 0
-        wait_for(lambda: engine.replicas[0].stats.num_running == 1 and
-                 engine.replicas[0].stats.num_steps > 20, what="decoding on replica 0")
+            json={"prompt": [[5] * 8, [11] * 20], "max_tokens": 300, "ignore_eos": True})))
+        thread.start()  # round-robin: replica 0, one sequence at a time
+        wait_for(lambda: engine.replicas[0].stats.num_finished.get("length") == 1 and
+                 engine.replicas[0].stats.num_running == 1 and
+                 engine.replicas[0].stats.num_steps > 320, what="the second decoding")
         kill_process(engine, 0)
         thread.join(timeout=120)
         assert not thread.is_alive()
         assert results[0].status_code == 200, results[0].text
-        assert results[0].json()["usage"]["completion_tokens"] == 300
-        assert engine.replicas[1].stats.num_finished.get("length") == 1  # served there
-        # its TTFT is replica 0's; the re-run's first token is no inter-token latency on
+        assert results[0].json()["usage"]["completion_tokens"] == 600
+        assert engine.replicas[1].stats.num_finished == {"length": 1}  # the second, there
+        # the TTFTs are replica 0's; the re-run's first token is no inter-token latency on
         # replica 1 (QA: one spanned the death and the relaunch)
         values = metric_values(httpx.get(live.url + "/metrics").text)
         count = {(name, dict(labels).get("engine")): value
                  for (name, labels), value in values.items() if name.endswith("_count")}
-        assert count[("vllm:time_to_first_token_seconds_count", "0")] == 1
+        assert count[("vllm:time_to_first_token_seconds_count", "0")] == 2
         assert count[("vllm:time_to_first_token_seconds_count", "1")] == 0
         assert count[("vllm:inter_token_latency_seconds_count", "1")] == 299
         # its longest answer is the one it got, not that plus the dropped run's tokens

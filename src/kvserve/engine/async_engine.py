@@ -48,9 +48,13 @@ class EngineDeadError(RuntimeError):
 
 
 class StreamRestarted(Exception):
-    """Raised by a stream whose requests were placed again from the start (a data-parallel
-    replica died under them, and the consumer had said it can drop what it read): drop the
-    chunks read so far and read on."""
+    """Raised by a stream whose unfinished requests (``request_ids``) were placed again from
+    the start (a data-parallel replica died under them, and the consumer had said it can
+    drop what it read): drop the chunks read of those and read on."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass(frozen=True)

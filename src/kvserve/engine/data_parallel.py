@@ -442,9 +442,11 @@ def _second_death(replica: int, error: EngineDeadError) -> EngineDeadError:
 
 class _RoutedStream:
     """A RequestStream that survives its replica's death while nothing has been read, or
-    while what was read can be dropped (``replayable``): it is placed again on a live
-    replica, in the latter case raising StreamRestarted once so the consumer starts over.
-    Placed again once at most, as DataParallelEngine._place says why."""
+    while what was read can be dropped (``replayable``): its unfinished requests are placed
+    again on a live replica, in the latter case raising StreamRestarted once so the consumer
+    starts them over (a finished one keeps its answer: the chaos pass saw a group's finished
+    choices run again, in no token count). Placed again once at most, as
+    DataParallelEngine._place says why."""
 
     def __init__(self, engine: DataParallelEngine, items: list[Item], arrival_time: float,
                  replica: int, inner: RequestStream, placed_again: bool = False) -> None:
@@ -458,6 +460,7 @@ class _RoutedStream:
         self.abort_sent = False
         self.replayable = False
         self.placed_again = placed_again
+        self._finished: set[str] = set()
 
     @property
     def finished(self) -> bool:
@@ -477,16 +480,22 @@ class _RoutedStream:
                                           f"under way: {error}") from None
                 if self.placed_again:
                     raise _second_death(self.replica, error) from None
+                self.items = [item for item in self.items if item[0] not in self._finished]
+                if not self.items:
+                    raise StopAsyncIteration from None  # every answer was whole
                 logger.warning("replica %d died before request %s reached its client; "
-                               "placing it again", self.replica, self.request_ids[0])
+                               "placing it again", self.replica, self.items[0][0])
                 self.replica, self.inner, _ = await self.engine._place(
                     self.items, self.arrival_time, placed_again=True)
                 self.placed_again = True
                 if self.read_any:
                     self.read_any = False
-                    raise StreamRestarted(f"request {self.request_ids[0]} placed again on "
-                                          f"replica {self.replica}") from None
+                    raise StreamRestarted(f"request {self.items[0][0]} placed again on "
+                                          f"replica {self.replica}",
+                                          [item[0] for item in self.items]) from None
                 continue
+            if chunk.finished:
+                self._finished.add(chunk.request_id)
             self.read_any = True
             return chunk
 

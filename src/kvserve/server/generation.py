@@ -386,8 +386,9 @@ class Generation:
                     if chunk.stop_reason in QUEUE_ENDS:  # the request is a 503: end it
                         return  # now (close() aborts its other sequences) than at their end
                 return
-            except StreamRestarted:  # placed again on another replica: start over
-                for choice in self.choices.values():
+            except StreamRestarted as restart:  # placed again on another replica: start over
+                for request_id in restart.request_ids:
+                    choice = self.choices[request_id]
                     choice.text, choice.token_ids, choice.logprobs = "", [], []
                     choice.finish_reason = choice.stop_reason = choice.metrics = None
                     choice.prompt_logprobs = None
