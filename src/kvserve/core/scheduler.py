@@ -366,9 +366,7 @@ class Scheduler:
         token budget with the decode lane's requests scheduled (their count)."""
         self._now = now
         self._expire_queue_deadlines(now)
-        sessions = self.sessions
-        if sessions is not None and now >= sessions.next_expiry:
-            sessions.expire(now)  # U6
+        self.expire_sessions(now)  # U6
         step = _Step(self.config.max_num_batched_tokens)
         return step, self.lane.begin_step(step) if self.lane is not None else 0
 
@@ -655,10 +653,10 @@ class Scheduler:
                     self._emit(self._now, EventType.PROMOTED, request, request.num_tokens,
                                "aging")
         while self.waiting:
-            head = self.waiting.peek()
-            if head.not_ready_reason is not None:
-                self.waiting.remove(head)  # not pop: a fair-share queue charges a pop (T3)
-                self._skip_not_ready(head, skipped)
+            request = self.waiting.peek()
+            if request.not_ready_reason is not None:
+                self.waiting.remove(request)  # not pop: a fair-share queue charges a pop (T3)
+                self._skip_not_ready(request, skipped)
                 continue
             if step.token_budget <= 0:
                 self._note_blocked("token_budget")
@@ -667,7 +665,6 @@ class Scheduler:
                 if self._urgent is None or not self._admit_urgent(step):
                     self._note_blocked("max_num_seqs")
                 return
-            request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = self._admission_tokens(request, num_hit_tokens, step.token_budget)
             if num_new is None:
@@ -804,11 +801,7 @@ class Scheduler:
     def _skip_not_ready(self, request: Request, skipped: list[Request]) -> None:
         """L2: set aside for this pass; logged once per reason, as a blocked head is."""
         skipped.append(request)
-        reason = f"not_ready: {request.not_ready_reason}"
-        if self._events is not None and \
-                self._blocked_reason.get(request.request_id) != reason:
-            self._blocked_reason[request.request_id] = reason
-            self._emit(self._now, EventType.BLOCKED, request, request.num_tokens, reason)
+        self._log_blocked(request, f"not_ready: {request.not_ready_reason}")
 
     def _admission_tokens(self, request: Request, num_computed: int,
                           token_budget: int) -> int | None:
@@ -907,15 +900,18 @@ class Scheduler:
             else:
                 return
         self.num_blocked_steps[reason] = self.num_blocked_steps.get(reason, 0) + 1
-        if self._events is not None and self._blocked_reason.get(head.request_id) != reason:
-            self._blocked_reason[head.request_id] = reason
-            self._emit(self._now, EventType.BLOCKED, head, head.num_tokens, reason)
+        self._log_blocked(head, reason)
+
+    def _log_blocked(self, request: Request, reason: str) -> None:
+        """A BLOCKED event for ``request``, once per reason while it stays blocked by it."""
+        if self._events is not None and self._blocked_reason.get(request.request_id) != reason:
+            self._blocked_reason[request.request_id] = reason
+            self._emit(self._now, EventType.BLOCKED, request, request.num_tokens, reason)
 
     def expire_sessions(self, now: float) -> int:
-        """U6 between steps (an idle engine, an arrival: :meth:`schedule` does it at each
-        step): release the held sessions whose ttl ran out by ``now``, their events at
-        ``now`` (the last step's time, which they carried, was before a recording began:
-        QA); how many."""
+        """U6 at each step and between steps (an idle engine, an arrival): release the held
+        sessions whose ttl ran out by ``now``, their events at ``now`` (the last step's
+        time, which they carried, was before a recording began: QA); how many."""
         sessions = self.sessions
         if sessions is None or now < sessions.next_expiry:
             return 0
