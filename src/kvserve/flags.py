@@ -34,6 +34,7 @@ from kvserve.core.config import (
     STEP_MIXES,
     TENANT_FAIRNESS,
     VICTIM_POLICIES,
+    swaps,
 )
 
 logger = logging.getLogger("kvserve.cli")
@@ -636,7 +637,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_preemption_flags(settings: dict[str, Any]) -> None:
     """Issue 12's flags, checked together: one line naming the flags, or None."""
-    mode = settings.get("preemption_mode", "recompute")
     swap_space, num_host_blocks = settings.get("swap_space"), settings.get("num_host_blocks")
     if swap_space is not None and num_host_blocks is not None:
         raise CLIError("give --swap-space or --num-host-blocks, not both")
@@ -646,9 +646,9 @@ def check_preemption_flags(settings: dict[str, Any]) -> None:
     if num_host_blocks is not None and not 0 <= num_host_blocks <= MAX_HOST_BLOCKS:
         raise CLIError(f"--num-host-blocks {num_host_blocks} is out of range: must be 0 to "
                        f"{MAX_HOST_BLOCKS}")
-    if mode != "recompute" and not (swap_space or num_host_blocks):
-        raise CLIError(f"--preemption-mode {mode} needs a host KV tier: give --swap-space "
-                       "GiB (or --num-host-blocks N)")
+    if swaps(settings) and not (swap_space or num_host_blocks):
+        raise CLIError(f"--preemption-mode {settings['preemption_mode']} needs a host KV "
+                       "tier: give --swap-space GiB (or --num-host-blocks N)")
     urgent = settings.get("enable_priority_preemption", False)
     if "priority_preemption_threshold" in settings:
         if not urgent:
@@ -679,7 +679,7 @@ def num_host_blocks(settings: dict[str, Any], bytes_per_block: int,
                                    not isinstance(swap_space, (int, float)) or
                                    not 0 <= swap_space < float("inf")):
         raise CLIError(f"swap_space must be a size >= 0 (e.g. 4GiB), got {swap_space!r}")
-    if settings.get("preemption_mode", "recompute") == "recompute":
+    if not swaps(settings):
         return 0
     if given is not None:
         return given

@@ -289,3 +289,9 @@ class SchedulerConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
         return _from_dict(cls, data)
+
+
+def swaps(settings: dict[str, Any]) -> bool:
+    """Whether these scheduler settings' preemption mode may swap a victim to the host KV
+    tier, its only user (K3): all but recompute, the default, which never does."""
+    return settings.get("preemption_mode", "recompute") != "recompute"

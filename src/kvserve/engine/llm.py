@@ -31,7 +31,7 @@ from kvserve.core import (
     SchedulerConfig,
 )
 from kvserve.core.checks import is_int
-from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS
+from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS, swaps
 from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
 from kvserve.engine.engine import (
@@ -249,14 +249,12 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     prefill_attention_choice()  # KVSERVE_PREFILL_ATTENTION, refused before anything is built
     num_kv_blocks = _pool_blocks(header, block_size, torch_dtype, torch_device, num_kv_blocks,
                                  kv_cache_memory)
-    mode = scheduler_settings.get("preemption_mode", "recompute")
-    if mode != "recompute" and not (swap_space or num_host_blocks):
-        raise ConfigError(f"preemption_mode={mode!r} needs a host KV tier: give swap_space "
-                          "(--swap-space) or num_host_blocks")
+    if swaps(scheduler_settings) and not (swap_space or num_host_blocks):
+        raise ConfigError(f"preemption_mode={scheduler_settings['preemption_mode']!r} needs "
+                          "a host KV tier: give swap_space (--swap-space) or num_host_blocks")
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
-    if (swap_space or num_host_blocks) and \
-            scheduler_settings.get("preemption_mode", "recompute") == "recompute":
+    if (swap_space or num_host_blocks) and not swaps(scheduler_settings):
         # The host tier's only user is a preemption that swaps (sessions and the prefix
         # cache keep their blocks on the device): allocated here, it was RAM held for
         # nothing (QA: --swap-space 2 took the RSS from 1.9 to 4 GB).

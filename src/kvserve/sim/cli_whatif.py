@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.core.checks import is_int
-from kvserve.core.config import MAX_BLOCKS
+from kvserve.core.config import MAX_BLOCKS, swaps
 from kvserve.flags import TOKEN_KEYS, parse_token_count, parse_value, sweep_key
 from kvserve.sim.cli_common import (
     add_deployment_flags,
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             """A change to swap or auto preemption on a recording without a host tier, and
             that gives none, runs with one as large as the device pool (it could not run at
             all), and its label says so."""
-            if change.get("preemption_mode", "recompute") != "recompute" and \
+            if swaps(change) and \
                     "num_host_blocks" not in change and "swap_space" not in change and \
                     not settings.get("num_host_blocks") and settings.get("num_kv_blocks"):
                 return {"num_host_blocks": change.get("num_kv_blocks",
