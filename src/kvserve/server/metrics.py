@@ -30,10 +30,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.core import RequestMetrics, SchedulerStats
+from kvserve.core.preemption import PRIORITY, RECOMPUTE, SWAP
 from kvserve.core.sessions import RELEASE_REASONS
 from kvserve.core.stop import QUEUE_ENDS
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
+from kvserve.engine.engine import CompletionChunk
 from kvserve.server.slow_steps import SlowSteps
 from kvserve.server.tenant_metrics import TenantCounters, TenantSeries
 
@@ -78,6 +80,15 @@ class _Group:
     remaining: int
     longest: int = 0
     counted: bool = False  # a sequence of it finished that the histograms count
+
+    def finish(self, num_generated: int, counted: bool) -> bool:
+        """One sequence finished (``counted``: by the histograms); whether it was the last
+        of a group the histograms count."""
+        if counted:
+            self.longest = max(self.longest, num_generated)
+            self.counted = True
+        self.remaining -= 1
+        return not self.remaining and self.counted
 
 
 @dataclass
@@ -373,24 +384,23 @@ class ServerMetrics:
                     self._token(series, live, num_new, now, report.engine)
                 if chunk.finished:
                     del self._live[chunk.request_id]
-                    series.success(chunk.finish_reason or "error").inc()
-                    # vLLM's per-request histograms leave out what a client or an
-                    # operator aborted (its metrics still reach the response), and so
-                    # what the waiting queue ended unrun (a 503: K4, K5)
-                    counted = chunk.stop_reason not in _UNCOUNTED
-                    if counted and live.max_tokens is not None:
-                        series.request_max_tokens.observe(live.max_tokens)
-                    group = live.group
-                    if group is not None:
-                        if counted:
-                            group.longest = max(group.longest, live.num_generated)
-                            group.counted = True
-                        group.remaining -= 1
-                        if not group.remaining and group.counted:
-                            series.request_n.observe(group.n)
-                            series.request_max_generation.observe(group.longest)
-                    if counted and chunk.metrics is not None:
-                        self._finished(series, chunk.metrics)
+                    self._sequence_finished(series, live, chunk)
+
+    def _sequence_finished(self, series: _EngineSeries, live: _Live,
+                           chunk: CompletionChunk) -> None:
+        series.success(chunk.finish_reason or "error").inc()
+        # vLLM's per-request histograms leave out what a client or an operator aborted (its
+        # metrics still reach the response), and so what the waiting queue ended unrun (a
+        # 503: K4, K5)
+        counted = chunk.stop_reason not in _UNCOUNTED
+        if counted and live.max_tokens is not None:
+            series.request_max_tokens.observe(live.max_tokens)
+        group = live.group
+        if group is not None and group.finish(live.num_generated, counted):
+            series.request_n.observe(group.n)
+            series.request_max_generation.observe(group.longest)
+        if counted and chunk.metrics is not None:
+            self._finished(series, chunk.metrics)
 
     def _token(self, series: _EngineSeries, live: _Live, num_new: int, now: float,
                engine: int) -> None:
@@ -616,7 +626,7 @@ def _preemption_families(labels: list[str], engines: list[_Engine]) -> Iterator[
                                  "KV blocks copied to (out) and from (in) the host tier.",
                                  labels=[*labels, "direction"])
     for engine in engines:
-        for mode in ("recompute", "swap", "priority"):
+        for mode in (RECOMPUTE, SWAP, PRIORITY):
             by_mode.add_metric([*engine.labels, mode],
                                engine.stats.num_preemptions_by_mode.get(mode, 0))
         copied.add_metric([*engine.labels, "out"], engine.stats.num_swapped_out_blocks)
