@@ -270,6 +270,26 @@ def _exit_with_parent(parent: int, every: float = 0.5) -> None:
     os._exit(0)
 
 
+def _apply(core: EngineCore, kind: str, payload: Any, out: _Out) -> bool:
+    """One command from the server (:data:`_Command`) applied to ``core``, its answer or
+    report in ``out``; False for "stop"."""
+    if kind == "stop":
+        return False
+    if kind == "add":
+        seq, items = payload
+        out.replies.append((seq, _portable(core.add(items))))
+    elif kind == "release":
+        seq, session_id, tenant = payload
+        out.replies.append((seq, _portable(core.release_session(session_id, tenant))))
+    elif kind in ("abort", "finish"):
+        report = core.abort(payload) if kind == "abort" else core.finish_stopped(payload)
+        if report is not None:
+            out.reports.append(report)
+    else:
+        raise ValueError(f"unknown engine command {kind!r}")
+    return True
+
+
 def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
     wait = 0.0
     while True:
@@ -278,21 +298,8 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
         checks = core.idle_checks
         while conn.poll(timeout):
             for kind, payload in pickle.loads(conn.recv_bytes()):
-                if kind == "stop":
+                if not _apply(core, kind, payload, out):
                     return
-                if kind == "add":
-                    seq, items = payload
-                    out.replies.append((seq, _portable(core.add(items))))
-                    continue
-                if kind == "release":
-                    seq, session_id, tenant = payload
-                    out.replies.append((seq, _portable(core.release_session(session_id,
-                                                                            tenant))))
-                    continue
-                report = core.abort(payload) if kind == "abort" else \
-                    core.finish_stopped(payload)
-                if report is not None:
-                    out.reports.append(report)
             timeout = 0.0
         wait = 0.0
         if core.busy:
