@@ -17,7 +17,7 @@ share an interpreter lock, so the engine's OpenMP threads may spin
 
 Text is the server's work, as in vLLM V1's output processor: the engine process ships token
 ids only, and the reader thread detokenizes each request incrementally and matches its stop
-strings (:class:`~kvserve.engine.text.TextStream`, the same code the in-process engine runs).
+strings (:mod:`kvserve.engine.server_text`, by the same code the in-process engine runs).
 When a stop string matches before the engine finished the request, the text up to it goes to
 the stream at once and the engine is told to finish the request as stopped; its finished
 ``stop`` chunk (with the request's metrics) ends the stream, and tokens the engine generated
@@ -66,7 +66,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.core_loop import AddItem, EngineCore, stalled
 from kvserve.engine.engine import CompletionChunk, Engine, EngineInfo, Prompt
-from kvserve.engine.text import TextStream, ended_by_token
+from kvserve.engine.server_text import ServerText
 
 logger = logging.getLogger("kvserve.engine")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # kvserve serve's log lines
@@ -473,11 +473,7 @@ class ProcessEngine:
         self.idle_checks = self.invariant_violations = 0
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[int, _PendingAdd] = {}
-        self._text: dict[str, TextStream] = {}  # reader thread only
-        # stop string matched, engine not finished yet: the string, and the end of the step
-        # that made the token completing it (the answer's finish time)
-        self._stop_matched: dict[str, tuple[str, float]] = {}
-        self._dropped: dict[str, int] = {}  # tokens the engine made after that, not sent
+        self._text = ServerText(tokenizer)  # reader thread only
         self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -704,7 +700,7 @@ class ProcessEngine:
         self.error = EngineDeadError(self._death_message())
         logger.error("%s", self.error)
         self.stats = self.stats.at_rest()  # its requests fail: gauges to 0, counters kept
-        self._forget_text()  # this (the reader) thread's: its requests' texts end here
+        self._text.clear()  # this (the reader) thread's: its requests' texts end here
         self._fail_all(self.error)
         if self.on_death is not None:
             self.on_death(self)
@@ -751,9 +747,7 @@ class ProcessEngine:
                         self._streams.pop(request_id, None)
             if error is None:
                 for request_id, prompt_ids, params in add.texts:
-                    text = TextStream.for_request(self.tokenizer, prompt_ids, params)
-                    if text is not None:
-                        self._text[request_id] = text
+                    self._text.open(request_id, prompt_ids, params)
             # the caller may have gone meanwhile; its stream asked to abort the requests
             settle(add.future, error)
         if out.stats is not None:
@@ -762,10 +756,9 @@ class ProcessEngine:
                 out.idle_checks, out.invariant_violations
         for report in out.reports:
             if self._text:  # the observers count what the clients get, as in-process
-                end = report.time + report.seconds
-                report = dataclasses.replace(report, engine_chunks=report.chunks, chunks=[
-                    c for c in (self._with_text(c, end) for c in report.chunks)
-                    if c is not None])
+                report, finishes = self._text.apply(report)
+                if finishes:
+                    self._outbox.put(("finish", finishes))
             notify(self.observers, report)  # before the clients hear (AsyncEngine._notify)
             self._deliver(report.chunks)
 
@@ -774,46 +767,6 @@ class ProcessEngine:
             routed = route_chunks(self._streams, chunks)
         if routed and self._loop is not None:
             self._loop.call_soon_threadsafe(_put_all, routed)
-
-    def _with_text(self, chunk: CompletionChunk, end: float) -> CompletionChunk | None:
-        """The chunk the request's stream gets: with its text, ended by a stop string, or
-        None (tokens the engine made after a stop string matched here); ``end`` is the end
-        of the step that made the chunk."""
-        request_id = chunk.request_id
-        text = self._text.get(request_id)
-        if text is None:
-            return chunk
-        if request_id in self._stop_matched:
-            dropped = self._dropped.get(request_id, 0) + len(chunk.new_token_ids)
-            if not chunk.finished:
-                self._dropped[request_id] = dropped
-                return None
-            del self._text[request_id]
-            self._dropped.pop(request_id, None)
-            stop, matched_at = self._stop_matched.pop(request_id)
-            metrics = chunk.metrics  # the tokens made after the stop were never the answer,
-            if metrics is not None:  # and the answer ended with the step that completed it
-                metrics = dataclasses.replace(
-                    metrics, num_output_tokens=metrics.num_output_tokens - dropped,
-                    finished_time=matched_at)
-            return CompletionChunk(request_id, [], "", True, "stop", stop, metrics)
-        new_text, stop = text.step(chunk.new_token_ids, chunk.finished, ended_by_token(chunk))
-        out = dataclasses.replace(chunk, new_text=new_text)
-        if stop is not None and not chunk.finished:
-            self._stop_matched[request_id] = (stop, end)
-            self._outbox.put(("finish", [(request_id, stop)]))
-        elif stop is not None:
-            out.finish_reason, out.stop_reason = "stop", stop
-        if chunk.finished:
-            del self._text[request_id]
-        return out
-
-    def _forget_text(self) -> None:
-        """The text state of the requests a dead engine held (QA: kept until a relaunched
-        engine's reader replaced this one)."""
-        self._text.clear()
-        self._stop_matched.clear()
-        self._dropped.clear()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
