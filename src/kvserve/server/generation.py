@@ -117,34 +117,17 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     max_tokens = max_tokens_for(state, req, chat, prompts, strict=strict_context)
     check_stop_token_ids(state, req)
     check_logprobs(state, req, chat)
-    if req.session is not None and len(prompts) * req.n != 1:
+    num_sequences = len(prompts) * req.n
+    if req.session is not None and num_sequences != 1:
         raise bad_request(f"a session turn is one sequence: got {len(prompts)} prompt(s) x "
                           f"n={req.n}; send one prompt with n=1", param="session")
     reasoning = _reasoning(state, prompts) if chat else None
     base = sampling_params(req, chat, max_tokens, priority, tenant, state.tokenizer,
                            state.sampling_defaults, reasoning)
-    given = request.headers.getlist("x-request-id")
-    if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
-        raise bad_request(f"{len(given)} X-Request-Id headers; send one")
-    header = given[0] if given else None
-    given_id = state.new_request_id(header) if header is not None or req.request_id is None \
-        else state.new_request_id(req.request_id, "'request_id'")
-    # (a keys-file tenant's own id always gets a suffix: whether it got one told whether
-    # another tenant held that id live, QA)
-    private = (header is not None or req.request_id is not None) and state.keys.enabled \
-        and key.tenant != OPERATOR_TENANT
-    request_id = state.engine_id(given_id, len(prompts) * req.n, private)  # held below, no
-    # await between
-    choices, items = [], []
-    samples = base.samples()  # sample k seeded seed + k
+    given_id, request_id = _request_ids(state, request, key, req, num_sequences)
     echoes = _echo_texts(state, req, prompts, encoded) if not chat and req.echo else \
         [""] * len(prompts)
-    for prompt_index, prompt in enumerate(prompts):
-        for sample, params in enumerate(samples):
-            index = prompt_index * req.n + sample
-            sub_id = request_id if len(prompts) * req.n == 1 else f"{request_id}-{index}"
-            choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
-            items.append((sub_id, prompt, room_for(state, params, prompt)))
+    choices, items = _sequences(state, request_id, prompts, base.samples(), echoes)
     _check_queueable(state, request_id, items)
     if state.shutting_down:  # as vLLM's: once a shutdown began, nothing new is queued
         raise APIError(503, "the server is shutting down; send the request to another "
@@ -156,6 +139,40 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     stream.replayable = not req.stream  # nothing reaches the client before the end
     return (kind or Generation)(state, request_id, given_id, req, chat, choices, prompts,
                                  stream, reasoning)
+
+
+def _request_ids(state: ServerState, request: Request, key: ApiKey, req: Any,
+                 num_sequences: int) -> tuple[str, str]:
+    """The request's id as its client gave it (X-Request-Id, else the body's
+    ``request_id``, else a new one) and the engine's id for it, held from here: no await
+    may come between this and :meth:`ServerState.hold_ids`."""
+    given = request.headers.getlist("x-request-id")
+    if len(given) > 1:  # as two Authorization headers are refused: which one was meant?
+        raise bad_request(f"{len(given)} X-Request-Id headers; send one")
+    header = given[0] if given else None
+    given_id = state.new_request_id(header) if header is not None or req.request_id is None \
+        else state.new_request_id(req.request_id, "'request_id'")
+    # (a keys-file tenant's own id always gets a suffix: whether it got one told whether
+    # another tenant held that id live, QA)
+    private = (header is not None or req.request_id is not None) and state.keys.enabled \
+        and key.tenant != OPERATOR_TENANT
+    return given_id, state.engine_id(given_id, num_sequences, private)
+
+
+def _sequences(state: ServerState, request_id: str, prompts: list[list[int]],
+               samples: list[SamplingParams], echoes: list[str]
+               ) -> tuple[list[Choice], list[tuple[str, list[int], SamplingParams]]]:
+    """Each prompt's ``samples`` (sample k seeded seed + k) as the answer's choices and the
+    engine's requests, in the choices' order: ``<id>-<index>``, or the id alone for one."""
+    choices, items = [], []
+    num_sequences = len(prompts) * len(samples)
+    for prompt_index, prompt in enumerate(prompts):
+        for sample, params in enumerate(samples):
+            index = prompt_index * len(samples) + sample
+            sub_id = request_id if num_sequences == 1 else f"{request_id}-{index}"
+            choices.append(Choice(index, sub_id, prompt, echo=echoes[prompt_index]))
+            items.append((sub_id, prompt, room_for(state, params, prompt)))
+    return choices, items
 
 
 def _reasoning(state: ServerState, prompts: list[list[int]]) -> ThinkParser | None:
