@@ -453,8 +453,30 @@ def test_a_503_says_whether_the_server_or_the_request_failed():
         reply = engine_dead_error(state, error)
         assert reply.status == 503 and reply.message == head + str(error)
     engine = object.__new__(DataParallelEngine)  # its health, without starting replicas
-    engine.replicas = [None, None]
+    engine.replicas, engine._stopping = [None, None], False
     assert engine.health() == "every replica (2) is down (restarting)"
+    engine._stopping = True  # none restarts: the server is stopping them
+    assert engine.health() is None
+
+
+def test_health_says_when_to_come_back_while_every_replica_restarts():
+    """/health's 503 while every replica restarts carries Retry-After, as the requests'
+    503s then do (the chaos pass: it had none); a stopped engine's has none."""
+    from types import SimpleNamespace
+
+    from kvserve.server.app import health_response
+
+    def engine(running: bool, health: str | None) -> SimpleNamespace:
+        return SimpleNamespace(is_running=running, health=lambda: health)
+
+    restarting = health_response(engine(False, "every replica (2) is down (restarting)"))
+    assert restarting.status_code == 503 and restarting.headers["Retry-After"] == "5"
+    assert b"every replica (2) is down" in restarting.body
+    stopped = health_response(engine(False, None))
+    assert stopped.status_code == 503 and "Retry-After" not in stopped.headers
+    degraded = health_response(engine(True, "degraded: replica 1 of 2 down (restarting)"))
+    assert degraded.status_code == 200 and degraded.body.startswith(b"degraded")
+    assert health_response(engine(True, None)).body == b"ok"
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_replicas_died(monkeypatch):

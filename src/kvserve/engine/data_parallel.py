@@ -48,6 +48,7 @@ Item = tuple[str, Prompt, SamplingParams]
 
 STABLE_S = 60.0  # a replica that lived this long died once, not in a loop
 MAX_RESTART_DELAY_S = 30.0
+RETRY_WHILE_RESTARTING_S = 5  # Retry-After while every replica restarts
 
 
 class DataParallelEngine:
@@ -158,10 +159,10 @@ class DataParallelEngine:
         return not self._stopping and bool(self._live())
 
     def health(self) -> str | None:
-        """None when every replica serves; else what is missing (the server still serves
-        while one replica is live)."""
+        """None when every replica serves, or the server is stopping them; else what is
+        missing (the server still serves while one replica is live)."""
         down = [i for i, r in enumerate(self.replicas) if r is None or not r.is_running]
-        if not down:
+        if not down or self._stopping:
             return None
         if len(down) == self.num_replicas:
             return f"every replica ({self.num_replicas}) is down (restarting)"
@@ -232,7 +233,8 @@ class DataParallelEngine:
                     decision = self.router.route(hashes, loads, session)
             except NoReplicaError:
                 raise EngineDeadError("no engine replica is running (every one is "
-                                      "restarting); retry later", retry_after=5) from None
+                                      "restarting); retry later",
+                                      retry_after=RETRY_WHILE_RESTARTING_S) from None
             replica = self.replicas[decision.replica]
             assert replica is not None
             with self._lock:
@@ -307,7 +309,7 @@ class DataParallelEngine:
         live = self._live()
         if not live:  # QA: a 404 "never existed" while every replica restarts
             raise EngineDeadError("no engine replica is running (every one is restarting); "
-                                  "retry later", retry_after=5)
+                                  "retry later", retry_after=RETRY_WHILE_RESTARTING_S)
         results = await asyncio.gather(*(r.release_session(session_id, tenant)
                                          for _, r in live), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

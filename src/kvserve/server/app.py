@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvserve import __version__
 from kvserve.core.sessions import SessionNotFound
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, ServingEngine
+from kvserve.engine.data_parallel import RETRY_WHILE_RESTARTING_S
 from kvserve.server import admin, dashboard, generation, responses_api
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.metrics import HttpMetrics
@@ -279,10 +280,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     @app.api_route("/ping", methods=["GET", "POST"])
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not state.engine.is_running:  # replicas say how many are down
-            return APIError(503, state.engine.health() or "the engine is not running"
-                            ).response()
-        return PlainTextResponse(state.engine.health() or "ok")
+        return health_response(state.engine)
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
@@ -296,6 +294,17 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     admin.register(app, state)
     app.state.dashboard = dashboard.register(app, state)
     return app
+
+
+def health_response(engine: ServingEngine) -> Response:
+    """/health: "ok", or what is degraded (200: the server still serves); 503 when nothing
+    serves, with Retry-After while every replica restarts (the chaos pass: a probe or load
+    balancer was told nothing of when to come back)."""
+    down = engine.health()
+    if engine.is_running:
+        return PlainTextResponse(down or "ok")
+    return APIError(503, down or "the engine is not running", headers=None if down is None
+                    else {"Retry-After": str(RETRY_WHILE_RESTARTING_S)}).response()
 
 
 def _live_request(state: ServerState, name: str) -> tuple[Any, str | None]:
