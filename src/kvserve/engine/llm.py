@@ -696,7 +696,7 @@ class LLM:
         finally:
             progress.close()
 
-    def _generate_parallel(self, batch: list[Prompt], params: list[SamplingParams],
+    def _generate_parallel(self, batch: list[Prompt], params: list[list[SamplingParams]],
                            use_tqdm: bool) -> list[GenerationResult]:
         """Every prompt tokenized here (errors raised before anything is queued), then run
         on the replicas."""

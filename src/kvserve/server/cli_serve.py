@@ -405,10 +405,9 @@ def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
                             # a backstop: the aborts below end every request well before
                             timeout_graceful_shutdown=None if timeout is None
                             else timeout + 30)
-    quiet = getattr(args, "disable_access_log_for_endpoints", ())
+    quiet = args.disable_access_log_for_endpoints
     if quiet:  # after uvicorn.Config, which sets its loggers up
-        logging.getLogger("uvicorn.access").addFilter(
-            QuietPaths(quiet, getattr(args, "root_path", "") or ""))
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet, args.root_path or ""))
     return config
 
 
