@@ -408,6 +408,40 @@ def test_the_queue_limits_count_the_blocks_an_admission_policy_reserves(admissio
     assert len(scheduler.waiting) == 1
 
 
+@pytest.mark.parametrize("admission_policy", ["reserve", "adaptive"])
+def test_a_busy_engine_counts_each_running_request_s_growth_once(admission_policy):  # K4 K2
+    """The review: a block kept for each running request's next token and the policy's
+    reserve for its growth, which holds that block, were both counted, so the head of the
+    queue the next step admits was taken for backlog and an arrival refused."""
+    scheduler = make_scheduler(10, 16, max_num_seqs=8, max_num_queued_reqs=1,
+                               admission_policy=admission_policy, adaptive_init_ratio=1.0)
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", 8, max_tokens=24, ignore_eos=True))
+    executor = FakeExecutor()
+    for now in range(3):
+        step(scheduler, executor, float(now))
+    scheduler.add_request(make_request("w", 8, max_tokens=24, arrival_time=3.0))
+    scheduler.add_request(make_request("x", 8, max_tokens=24, arrival_time=3.0))  # w is not
+    step(scheduler, executor, 3.0)  # backlog: the step admits it
+    assert [r.request_id for r in scheduler.running][-1] == "w"
+    assert [r.request_id for r in scheduler.waiting] == ["x"]
+
+
+def test_a_prompt_of_whole_blocks_is_not_counted_a_block_too_many():  # K4 K2
+    """The review: the block past a prompt's end and the reserve counted from the prompt's
+    blocks, which holds it, were both counted: two 16-token prompts on 8 blocks of 16 were a
+    400, though an idle engine admits the first (growing to 8 blocks) and queues the other."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_queued_reqs=1, admission_policy="reserve")
+    check_queueable([16, 16], config, "g", pool=(8, 16), max_tokens=[112, 112])
+    scheduler = make_scheduler(8, 16, max_num_queued_reqs=1, admission_policy="reserve")
+    for name in "ab":
+        scheduler.add_request(make_request(name, 16, max_tokens=112))
+    scheduler.schedule(0.0)
+    assert [r.request_id for r in scheduler.running] == ["a"]
+
+
 def test_a_group_the_admission_policy_keeps_apart_is_refused_for_good():  # K4 K2
     """The 400 rules count the reserve too: under ``reserve`` an idle pool of 20 blocks
     admits one of these prompts (each may grow to 16 blocks), so three more wait with 150

@@ -116,15 +116,24 @@ def next_step_admits(prompts: Iterable[tuple[int, int]], seats: int, budget: int
     count by it, so they agree."""
     count, held_back = 0, watermark if running else 0
     for length, growth in prompts:
-        need = -(-(length + 1) // block_size)
+        taken, kept = admission_blocks(length, growth, block_size)
         if seats <= 0 or budget <= 0 or (not chunked and length > budget) or \
-                (blocks is not None and need + held_back + reserved + growth > blocks):
+                (blocks is not None and taken + kept + held_back + reserved > blocks):
             break
         count, seats, budget, held_back = count + 1, seats - 1, budget - length, watermark
-        reserved += growth
+        reserved += kept
         if blocks is not None:
-            blocks -= need
+            blocks -= taken
     return count
+
+
+def admission_blocks(length: int, growth: int, block_size: int) -> tuple[int, int]:
+    """K4: the blocks a request of ``length`` tokens takes when admitted, and those kept
+    free for it after: a block past its end, or the ``growth`` an admission policy keeps for
+    it (K2: counted from its prompt's blocks, so that block is among them; the review: both
+    counted made a prompt of a whole number of blocks a 400 an idle engine served)."""
+    taken = -(-length // block_size)
+    return taken, max(-(-(length + 1) // block_size) - taken, growth)
 
 
 def check_queue_limits(request: Request, waiting: WaitingQueue, config: SchedulerConfig,

@@ -92,7 +92,7 @@ class AdmissionPolicy:
     admission attempt and :meth:`admitted` after each success; the scheduler calls
     :meth:`end_step` once per step and :meth:`idle` when a request arrives at an engine with
     nothing to do. The queue limits (K4) estimate the next step's admissions by
-    :meth:`running_reserve` and :meth:`growth_blocks`, and an idle engine's by
+    :meth:`held_growth` and :meth:`growth_blocks`, and an idle engine's by
     :meth:`idle_ratio`.
     """
 
@@ -111,8 +111,8 @@ class AdmissionPolicy:
     def reserved_blocks(self, request: Request) -> int:
         return 0
 
-    def running_reserve(self, running: Sequence[Request]) -> int:
-        """The blocks kept for the future tokens of ``running`` as things stand."""
+    def held_growth(self, request: Request) -> int:
+        """The blocks kept for a running ``request``'s future tokens beyond those it holds."""
         return 0
 
     def growth_blocks(self, request: Request) -> int:
@@ -154,22 +154,20 @@ class _ReservingPolicy(AdmissionPolicy):
         return future_blocks(self.expected_final_tokens(request), num_blocks_now,
                              self.kv.block_size, self.kv.max_sequence_tokens)
 
-    def running_reserve(self, running: Sequence[Request]) -> int:
-        return sum(self._future_blocks(r, self.kv.num_held_blocks(r.request_id))
-                   for r in running)
+    def held_growth(self, request: Request) -> int:
+        return self._future_blocks(request, self.kv.num_held_blocks(request.request_id))
 
     def growth_blocks(self, request: Request) -> int:
         return self._future_blocks(request, self.kv.num_blocks_for(request.num_tokens))
 
     def start_pass(self, running: Sequence[Request]) -> None:
-        self._reserved_for_running = self.running_reserve(running)
+        self._reserved_for_running = sum(self.held_growth(r) for r in running)
 
     def reserved_blocks(self, request: Request) -> int:
         return self._reserved_for_running + self.growth_blocks(request)
 
     def admitted(self, request: Request) -> None:
-        self._reserved_for_running += self._future_blocks(
-            request, self.kv.num_held_blocks(request.request_id))
+        self._reserved_for_running += self.held_growth(request)
 
 
 class ReserveMaxTokens(_ReservingPolicy):

@@ -32,7 +32,12 @@ from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.deadlines import QueueDeadlines
 from kvserve.core.errors import ConfigError, InvariantError, RequestError
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.limits import check_queue_limits, check_servable, next_step_admits
+from kvserve.core.limits import (
+    admission_blocks,
+    check_queue_limits,
+    check_servable,
+    next_step_admits,
+)
 from kvserve.core.outputs import (
     CachedRequestData,
     NewRequestData,
@@ -942,9 +947,9 @@ class Scheduler:
         token budget and free blocks left once the running requests take their next tokens
         (a decode's one, a prefill's next chunk: QA, counted as one, a long prompt's chunk
         that took the whole budget let 6 requests past a limit of 1) with a block each kept
-        back, and the held and swapped ones resume, taken from the head of the queue until
-        one does not fit (D4; :func:`~kvserve.core.limits.next_step_admits`), with the blocks
-        the admission policy keeps for all their growth (K2). These are not a backlog, so the
+        back, or what the admission policy keeps for their growth (K2), and the held and
+        swapped ones resume, taken from the head of the queue until one does not fit (D4;
+        :func:`~kvserve.core.limits.next_step_admits`). These are not a backlog, so the
         queue limits do not count them."""
         config, kv, admission = self.config, self.kv, self._admission
         seats = config.max_num_seqs - len(self.running) - len(self.held_waiting) - \
@@ -957,13 +962,17 @@ class Scheduler:
         budget = config.max_num_batched_tokens - sum(
             max(1, tokens_to_schedule(r.num_tokens, r.num_computed_tokens, threshold,
                                       max_model_len)) for r in self.running)
-        resuming = (*self.held_waiting, *self.swapped)
-        blocks = kv.num_free_blocks - len(self.running) - sum(
-            kv.num_blocks_for(r.num_tokens + 1) for r in resuming)
-        if budget <= 0 or blocks <= 0:
+        # a block each for the running requests' next tokens, or what the admission policy
+        # keeps for their growth (the review: both counted, a busy engine's queue head was
+        # taken for backlog); the held and swapped ones' blocks as a new prompt's
+        blocks, reserved = kv.num_free_blocks, sum(
+            max(1, admission.held_growth(r)) for r in self.running)
+        for request in (*self.held_waiting, *self.swapped):
+            taken, kept = admission_blocks(request.num_tokens, admission.growth_blocks(request),
+                                           kv.block_size)
+            blocks, reserved = blocks - taken, reserved + kept
+        if budget <= 0 or blocks - reserved <= 0:
             return admissible
-        reserved = admission.running_reserve(self.running) + sum(
-            admission.growth_blocks(r) for r in resuming)
         count = next_step_admits(((r.num_tokens, admission.growth_blocks(r))
                                   for r in self.waiting), seats, budget, blocks,
                                  kv.block_size, kv.watermark_blocks, bool(self.running),
