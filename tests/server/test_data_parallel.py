@@ -493,8 +493,8 @@ def test_a_signal_while_starting_stops_the_server_by_that_signal_in_one_line():
     script = f"""
 import os, signal, sys, time
 sys.path[:0] = [{str(ROOT / "src")!r}]
-from kvserve.server.cli_serve import _interruptible_start
-with _interruptible_start():
+from kvserve.server.lifecycle import interruptible_start
+with interruptible_start():
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 print("not reached")

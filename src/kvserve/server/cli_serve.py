@@ -11,13 +11,17 @@ import logging
 import os
 import signal
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.flags import VLLM_NOOP_NEUTRAL, VLLM_NOOPS
+from kvserve.server.lifecycle import (
+    draining_server,
+    end_by,
+    exit_when_the_engine_dies,
+    interruptible_start,
+)
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import ServingEngine
@@ -297,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.app import Cors, build_app
 
     sockets: list[socket.socket] = []
-    with _interruptible_start():
+    with interruptible_start():
         state = build_state(args, before_engine=lambda: sockets.append(
             bind_socket(args.host, args.port)))
     cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
@@ -313,8 +317,8 @@ def run(args: argparse.Namespace) -> int:
                        "it, abort requests and start recordings into any directory this "
                        "server may write (give --api-key or --api-keys)", args.host)
     timeout = args.shutdown_timeout
-    server = _draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
-    died = _exit_when_the_engine_dies(server, state.engine)
+    server = draining_server(uvicorn, uvicorn_config(app, args), state, timeout)
+    died = exit_when_the_engine_dies(server, state.engine)
     # Ctrl-C: uvicorn shuts down cleanly, then raises it again, unless SIGINT came ignored
     # from the parent (a job in the background); either way the server ends by it (130), as
     # a Ctrl-C while starting does (QA: 0)
@@ -323,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     if died.is_set():
         return 1
     if server.stop_signal == signal.SIGINT:
-        _end_by(signal.SIGINT)
+        end_by(signal.SIGINT)
     return 0
 
 
@@ -347,48 +351,6 @@ def _listen(sockets: list[socket.socket], args: argparse.Namespace, state: Any) 
         raise CLIError(f"cannot listen on {args.host}:{args.port}: "
                        f"{error.strerror or error} (another server took the address while "
                        f"this one loaded)") from None
-
-
-def _end_by(signum: int) -> None:
-    """End this process by ``signum``'s default action: a parent (a shell, systemd) sees
-    the signal that stopped it, as it does for SIGTERM."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-class _Interrupted(BaseException):
-    """SIGTERM or SIGINT while the server starts."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _interruptible_start() -> Iterator[None]:
-    """SIGTERM or Ctrl-C while the model loads: the engine processes already started are
-    stopped (their builders' cleanup runs as the exception passes), one line says so, and
-    the server ends by that signal, as a stop while serving does (QA: a SIGTERM mid-load
-    killed the server at once and left a replica loading; Ctrl-C printed a traceback)."""
-
-    def interrupted(signum: int, frame: Any) -> None:
-        raise _Interrupted(signum)
-
-    caught = (signal.SIGTERM, signal.SIGINT)
-    previous = {signum: signal.signal(signum, interrupted) for signum in caught}
-    try:
-        yield
-    except _Interrupted as stop:
-        name = signal.Signals(stop.signum).name
-        logger.warning("%s while starting: the engine processes were stopped; exiting", name)
-        for signum in caught:
-            signal.signal(signum, signal.SIG_DFL)
-        _end_by(stop.signum)
-        raise  # not reached
-    finally:
-        for signum, handler in previous.items():
-            if signal.getsignal(signum) is interrupted:
-                signal.signal(signum, handler)
 
 
 def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
@@ -450,110 +412,6 @@ def _check_tls(args: argparse.Namespace) -> None:
     except (ssl.SSLError, OSError) as error:
         raise CLIError(f"--ssl-certfile {args.ssl_certfile}: cannot load the certificate "
                        f"and key: {error.strerror or error}") from None
-
-
-def _draining_server(uvicorn: Any, config: Any, state: Any, timeout: float | None) -> Any:
-    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) aborts the requests still under
-    way ``timeout`` seconds after it began (vLLM's --shutdown-timeout), so their clients get
-    an answer that says so (finish_reason abort) and the server exits; with no timeout it
-    waits for them all, as uvicorn does. A second SIGTERM or Ctrl-C aborts them at once (QA:
-    a second SIGTERM did nothing, a second Ctrl-C cut every connection with tracebacks); a
-    third Ctrl-C is uvicorn's forced exit."""
-
-    class DrainingServer(uvicorn.Server):  # type: ignore[misc, name-defined]
-        abort_asked = False  # a second signal came
-        stop_signal: int | None = None  # the first signal, which the server ends by
-        _now: asyncio.Event | None = None  # set by it, once the shutdown began
-        _loop: asyncio.AbstractEventLoop | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            self.stop_signal = self.stop_signal or sig
-            if not self.should_exit or self.abort_asked:
-                super().handle_exit(sig, frame)
-                return
-            self.abort_asked = True
-            logger.warning("a second %s: aborting the requests still under way",
-                           _signal_name(sig))
-            if self._loop is not None and self._now is not None:
-                self._loop.call_soon_threadsafe(self._now.set)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            state.shutting_down = True  # a request read from now on is a 503
-            self._loop, self._now = asyncio.get_running_loop(), asyncio.Event()
-            if self.abort_asked:  # before this began
-                self._now.set()
-            aborter = asyncio.ensure_future(_abort_after(state, timeout, self._now))
-            try:
-                await _drain_background(state)
-                await super().shutdown(sockets)
-            finally:
-                aborter.cancel()
-
-    return DrainingServer(config)
-
-
-async def _drain_background(state: Any) -> None:
-    """Wait for the Responses API's background responses (no connection waits for them, so
-    uvicorn did not, and the engine stopped under them; QA), while new requests are 503s;
-    the shutdown timeout aborts them as it aborts the others."""
-    tasks = [task for _, task in list(getattr(state, "background", {}).values())]
-    if tasks:
-        logger.info("waiting for %d background response(s) to finish", len(tasks))
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-async def _abort_after(state: Any, timeout: float | None, now: asyncio.Event) -> None:
-    """After ``timeout`` (None: never), or once ``now`` is set, abort every live request,
-    and again each moment after, for a request that was still being read or tokenized when
-    the first round went by."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(now.wait(), timeout)
-    state.abort_body_reads()
-    logged = False
-    while True:
-        live = list(state.groups.values())
-        if live and not logged:
-            if now.is_set():
-                logger.warning("aborting the %d request(s) still under way", len(live))
-            else:
-                logger.warning("shutdown timeout (%gs): aborting the %d request(s) still "
-                               "under way", timeout, len(live))
-            logged = True
-        for stream in live:
-            stream.abort(None)
-        await asyncio.sleep(0.2)
-
-
-def _exit_when_the_engine_dies(server: Any, engine: Any) -> threading.Event:
-    """A single engine that dies is not started again (data-parallel replicas are): the
-    server then stops, status 1, so that its supervisor (systemd, Kubernetes) starts it
-    again, as vLLM's server does, instead of answering 503 for ever (QA). Set when it did."""
-    from kvserve.engine.data_parallel import DataParallelEngine
-
-    died = threading.Event()
-
-    def watch() -> None:
-        while not server.should_exit:
-            # the shutdown stops the engine only after should_exit: read it again after
-            if server.started and not engine.is_running and not server.should_exit:
-                why = getattr(engine, "error", None) or "it stopped"
-                logger.error("the engine died (%s): the server stops with status 1 so that "
-                             "its supervisor starts it again", why)
-                died.set()
-                server.should_exit = True
-                return
-            time.sleep(0.25)
-
-    if not isinstance(engine, DataParallelEngine):
-        threading.Thread(target=watch, name="engine-watch", daemon=True).start()
-    return died
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
