@@ -548,3 +548,52 @@ def test_ray_that_cannot_be_reached_is_one_line_at_once(monkeypatch):
     assert str(refused.value) == ("cannot start on the Ray cluster at RAY_ADDRESS=127.0.0.1:1: "
                                   "Failed to connect to Ray cluster at 127.0.0.1:1")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_abort_asked_while_a_group_is_placed_again_reaches_its_new_replica():
+    """The review: an abort (or a client gone) while the group was being placed again went
+    to the dead replica's stream and was lost; the requests ran on to their end."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvserve.engine.async_engine import EngineDeadError
+    from kvserve.engine.data_parallel import _RoutedStream
+
+    class Stream:
+        def __init__(self, dead: bool) -> None:
+            self.dead, self.aborted, self.cancelled = dead, [], False
+
+        async def __anext__(self):
+            if self.dead:
+                raise EngineDeadError("replica 0 died")
+            await asyncio.sleep(3600)
+
+        def abort(self, request_id=None) -> bool:
+            self.aborted.append(request_id)
+            return True
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def run() -> Stream:
+        placing, new = asyncio.Event(), Stream(dead=False)
+
+        async def place(items, arrival_time, placed_again):
+            await placing.wait()
+            return 1, new, True
+
+        dead = Stream(dead=True)
+        dead.request_ids = ["g-0", "g-1"]
+        engine = SimpleNamespace(_stopping=False, _place=place)
+        routed = _RoutedStream(engine, [("g-0", [5], None), ("g-1", [6], None)], 0.0, 0, dead)
+        reading = asyncio.ensure_future(routed.__anext__())
+        await asyncio.sleep(0)  # the death read: the group is being placed again
+        routed.abort("g-1")
+        routed.cancel()
+        placing.set()
+        await asyncio.sleep(0.01)
+        reading.cancel()
+        return new
+
+    new = asyncio.run(run())
+    assert new.aborted[0] == "g-1" and new.cancelled

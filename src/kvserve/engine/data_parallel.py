@@ -463,6 +463,8 @@ class _RoutedStream:
         self.replayable = False
         self.placed_again = placed_again
         self._finished: set[str] = set()
+        self._asked: list[str | None] = []  # aborts asked (None: all), for a new replica
+        self._cancelled = False
 
     @property
     def finished(self) -> bool:
@@ -490,6 +492,12 @@ class _RoutedStream:
                 self.replica, self.inner, _ = await self.engine._place(
                     self.items, self.arrival_time, placed_again=True)
                 self.placed_again = True
+                # asked while it was placed, of the dead replica's stream (the review: lost,
+                # the requests ran on to their end)
+                for request_id in self._asked:
+                    self.inner.abort(request_id)
+                if self._cancelled:
+                    self.inner.cancel()
                 if self.read_any:
                     self.read_any = False
                     raise StreamRestarted(f"request {self.items[0][0]} placed again on "
@@ -502,14 +510,17 @@ class _RoutedStream:
             return chunk
 
     def cancel(self) -> None:
+        self._cancelled = True
         self.inner.cancel()
 
     def abort(self, request_id: str | None = None) -> bool:
         """RequestStream.abort on the replica that holds the requests; a stream with an
         abort asked (of any of its requests) is not placed again should that replica die
-        before the abort lands."""
+        before the abort lands, and one asked while it is placed again is asked again of
+        its new replica."""
         asked = self.inner.abort(request_id)
         self.abort_sent = self.abort_sent or asked
+        self._asked.append(request_id)
         return asked
 
 
