@@ -131,6 +131,21 @@ def test_the_400_rules_count_what_the_admission_policy_reserves():  # K4 K2
         assert taken.status_code == 200, taken.text
 
 
+def test_the_400_rules_take_a_group_in_the_priority_queue_s_order():  # K4 B2
+    """The review: the priority queue takes a group's sequences by id among equals (``-10``
+    and ``-11`` before ``-2``, as vLLM's), the 400 rule took them by index: this group an
+    idle engine can never queue within max_num_queued_tokens was a 503 on every retry."""
+    engine = slow_engine(0.005, max_num_seqs=16, max_num_batched_tokens=51,
+                         max_num_queued_tokens=41, scheduling_policy="priority")
+    with LiveServer(engine) as live:
+        prompts = [[5] * 5] * 10 + [[6] * 41, [7] * 5]
+        reply = httpx.post(live.url + "/v1/completions", timeout=30,
+                           json={"prompt": prompts, "max_tokens": 2})
+        assert reply.status_code == 400, reply.text
+        assert "past those the next step admits would wait" in reply.text
+        assert live.idle()
+
+
 def test_queue_deadline_answers_503_queue_timeout():
     engine = slow_engine(0.005, max_num_seqs=1, max_queue_delay=0.2)
     with LiveServer(engine) as live:

@@ -209,7 +209,12 @@ def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]],
 
 def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
-    """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
+    """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After).
+    Its sequences are taken in the queue's order: the priority queue's is by id among
+    equals (B2, as vLLM's: ``<id>-10`` before ``<id>-2``; the review: counted in index
+    order, a group could be a 503 on every retry of an idle server)."""
+    if state.scheduler_config.scheduling_policy == "priority":
+        items = sorted(items, key=lambda item: item[0])
     try:
         info = state.engine.info  # each replica's pool (data parallel: the same size)
         check_queueable([len(prompt) for _, prompt, _ in items], state.scheduler_config,
