@@ -362,6 +362,38 @@ def test_a_group_the_idle_pool_cannot_take_past_the_token_limit_is_refused_for_g
     check_queueable([600] * 2, config, "g", pool=(100, 16))  # the second waits, within
 
 
+@pytest.mark.parametrize(("lengths", "settings", "queueable"), [
+    ([5] * 10 + [41, 5], {"max_num_seqs": 16, "max_num_batched_tokens": 51,
+                          "max_num_queued_tokens": 41}, False),
+    ([2, 2, 20] + [2] * 8, {"max_num_seqs": 3, "max_num_queued_tokens": 20}, True),
+    ([2] * 10 + [10], {"max_num_seqs": 5, "max_num_queued_tokens": 12}, False),
+])
+def test_the_400_rules_replay_a_group_s_adds_in_the_priority_queue_s_order(
+        lengths, settings, queueable):  # K4 B2
+    """The reviews: the priority queue orders a group's sequences by id among equals
+    (``g-10`` before ``g-2``, as vLLM's) while the server adds them by index; the 400 rules,
+    counting them in index order, or in id order as if added so, disagreed with an idle
+    scheduler (a 503 on every retry, or a 400 for a group it serves). They replay the adds."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(scheduling_policy="priority", max_model_len=4096, **settings)
+    ids = [f"g-{index}" for index in range(len(lengths))]
+    refused = None
+    try:
+        check_queueable(lengths, config, "g", order=ids)
+    except RequestRejected as error:
+        refused = error
+    assert (refused is None) == queueable
+    scheduler = make_scheduler(scheduling_policy="priority", **settings)
+    try:
+        for request_id, length in zip(ids, lengths, strict=True):
+            scheduler.add_request(make_request(request_id, length))
+    except QueueFullError:
+        assert not queueable  # what the 400 refused, an idle scheduler refuses too
+    else:
+        assert queueable, "a 400 for a group an idle scheduler queues"
+
+
 def test_without_chunked_prefill_a_prompt_needs_the_whole_budget_to_be_no_backlog():  # K4
     """The review: the next step's admissions were counted while any budget was left, but
     with chunked prefill off a prompt needs all its tokens in it (D4): the second of two

@@ -3,8 +3,10 @@ returns None; none of them records anything."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
@@ -38,68 +40,80 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
 
 def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
                     request_id: str, pool: tuple[int, int] | None = None,
-                    max_tokens: Sequence[int | None] | None = None) -> None:
+                    max_tokens: Sequence[int | None] | None = None,
+                    order: Sequence[Any] | None = None) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
-    queued, even on an idle engine with an empty queue: more requests at once (a prompt
-    list, ``n``; one prompt length each) than max_num_queued_reqs plus max_num_seqs (the
-    queue's backlog and what the next step admits, which the limit does not count), or
-    prompts that, taken in turn as :func:`_check_room` takes them (those an idle engine's
-    next step admits, given its ``pool`` of blocks and block size and each prompt's
-    ``max_tokens`` for an admission policy's reserve, being no backlog), would
-    wait with more tokens than max_num_queued_tokens, or a prompt over that limit other than
-    the first (one waits alone, where nothing else waits). Waiting cannot help it, so a
-    client told to retry would retry forever."""
-    num_requests = len(prompt_lens)
-    admitted = _admitted_alone(prompt_lens, config, pool, max_tokens)
+    queued, even on an idle engine with an empty queue: a group (a prompt list, ``n``; one
+    prompt length each) one of whose sequences, added in turn as the server adds them,
+    :func:`_check_room` would refuse with only the group's earlier ones queued, less those
+    an idle engine's next step admits (given its ``pool`` of blocks and block size, each
+    prompt's ``max_tokens`` for an admission policy's reserve, and the queue's ``order`` of
+    the group: a sort key each, the priority queue's ids; None: as given). Waiting cannot
+    help it, so a client told to retry would retry forever."""
+    growth = _idle_growth(prompt_lens, config, pool, max_tokens)
+    keys = range(len(prompt_lens)) if order is None else order
+    queued: list[tuple[Any, int, int]] = []  # the earlier ones: (key, length, growth)
+    for key, length, kept in zip(keys, prompt_lens, growth, strict=True):
+        admitted = _admitted_alone(((n, g) for _, n, g in queued), config, pool)
+        _refuse_room(request_id, len(prompt_lens), length, len(queued),
+                     [n for _, n, _ in queued[admitted:]], admitted, config)
+        bisect.insort(queued, (key, length, kept))
+
+
+def _refuse_room(request_id: str, num_requests: int, length: int, num_queued: int,
+                 waiting: list[int], admitted: int, config: SchedulerConfig) -> None:
+    """:func:`_check_room`'s refusals of one of a group's sequences (``length`` tokens) on
+    an idle engine, its ``num_queued`` earlier ones queued, ``waiting`` their lengths past
+    the ``admitted`` the next step takes, as a RequestRejected naming the group."""
     # the step admits at most max_num_seqs; fewer where its budget or the pool runs out (the
     # second review: seats alone made such a group a 503 on every retry)
     step = f"max_num_seqs={admitted}" if admitted == config.max_num_seqs else \
         f"the {admitted} an idle engine's next step admits"
     max_reqs = config.max_num_queued_reqs
-    if max_reqs is not None and num_requests > max_reqs + admitted:
+    if max_reqs is not None and len(waiting) >= max_reqs:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
             f"max_num_queued_reqs={max_reqs} plus {step}, the most the "
             "waiting queue and one step ever take; send fewer prompts or a smaller n")
     per_tenant = config.max_num_queued_reqs_per_tenant
-    if per_tenant is not None and num_requests > per_tenant + admitted:
+    if per_tenant is not None and len(waiting) >= per_tenant:
         raise RequestRejected(
             f"request {request_id}: {num_requests} sequences at once exceed "
             f"max_num_queued_reqs_per_tenant={per_tenant} plus {step}, the "
             "most one tenant may have waiting and one step takes; send fewer prompts or a "
             "smaller n")
     limit = config.max_num_queued_tokens
-    if limit is None:
-        return
-    backlog = 0
-    for index, length in enumerate(prompt_lens):
-        # as _check_room takes each in turn: one over the limit only first (it waits alone)
-        if (length > limit and index > 0) or (length <= limit and backlog + length > limit):
-            raise RequestRejected(
-                f"request {request_id}: its prompts past those the next step admits would "
-                f"wait with more than max_num_queued_tokens={limit} tokens (one longer "
-                "than that waits alone, as the first of a request), the most the waiting "
-                "queue ever holds; send shorter or fewer prompts")
-        if index >= admitted:
-            backlog += length
+    alone = limit is not None and length > limit and not num_queued  # it waits alone
+    if limit is not None and not alone and sum(waiting) + length > limit:
+        raise RequestRejected(
+            f"request {request_id}: its prompts past those the next step admits would "
+            f"wait with more than max_num_queued_tokens={limit} tokens (one longer "
+            "than that waits alone, as the first of a request), the most the waiting "
+            "queue ever holds; send shorter or fewer prompts")
 
 
-def _admitted_alone(prompt_lens: Sequence[int], config: SchedulerConfig,
-                    pool: tuple[int, int] | None,
-                    max_tokens: Sequence[int | None] | None) -> int:
-    """How many of these prompts an idle engine's next step admits (given its ``pool``:
-    blocks, block size; None: blocks not counted), the admission policy keeping blocks for
-    the growth of each (K2: its share of ``max_tokens`` on an idle engine, one None being
-    what the context leaves, J1; None: none). Those are no backlog."""
+def _idle_growth(prompt_lens: Sequence[int], config: SchedulerConfig,
+                 pool: tuple[int, int] | None,
+                 max_tokens: Sequence[int | None] | None) -> list[int]:
+    """The blocks the admission policy keeps for each prompt's growth on an idle engine
+    (K2: its share of ``max_tokens``, one None being what the context leaves, J1; 0 without
+    the pool or max_tokens)."""
+    if pool is None or max_tokens is None:
+        return [0] * len(prompt_lens)
+    return [idle_growth_blocks(config, length, answer, *pool)
+            for length, answer in zip(prompt_lens, max_tokens, strict=True)]
+
+
+def _admitted_alone(prompts: Iterable[tuple[int, int]], config: SchedulerConfig,
+                    pool: tuple[int, int] | None) -> int:
+    """How many of these prompts (length, growth), in the queue's order, an idle engine's
+    next step admits (given its ``pool``: blocks, block size; None: blocks not counted).
+    Those are no backlog."""
     blocks, block_size = pool if pool is not None else (None, 1)
-    growth = [0] * len(prompt_lens)
-    if blocks is not None and max_tokens is not None:
-        growth = [idle_growth_blocks(config, length, answer, blocks, block_size)
-                  for length, answer in zip(prompt_lens, max_tokens, strict=True)]
     watermark = 0 if blocks is None else int(config.watermark * blocks)
-    return next_step_admits(zip(prompt_lens, growth, strict=True), config.max_num_seqs,
-                            config.max_num_batched_tokens, blocks, block_size, watermark,
-                            False, config.enable_chunked_prefill)
+    return next_step_admits(prompts, config.max_num_seqs, config.max_num_batched_tokens,
+                            blocks, block_size, watermark, False,
+                            config.enable_chunked_prefill)
 
 
 def next_step_admits(prompts: Iterable[tuple[int, int]], seats: int, budget: int,

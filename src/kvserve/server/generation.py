@@ -210,16 +210,17 @@ def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]],
 def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
     """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After).
-    Its sequences are taken in the queue's order: the priority queue's is by id among
-    equals (B2, as vLLM's: ``<id>-10`` before ``<id>-2``; the review: counted in index
-    order, a group could be a 503 on every retry of an idle server)."""
-    if state.scheduler_config.scheduling_policy == "priority":
-        items = sorted(items, key=lambda item: item[0])
+    The priority queue orders its sequences by id among equals (B2, as vLLM's: ``<id>-10``
+    before ``<id>-2``; the reviews: counted in index order, or added in id order, a group
+    could be a 503 on every retry of an idle server, or a 400 one it serves)."""
+    config = state.scheduler_config
     try:
         info = state.engine.info  # each replica's pool (data parallel: the same size)
-        check_queueable([len(prompt) for _, prompt, _ in items], state.scheduler_config,
-                        request_id, (info.num_kv_blocks, info.block_size),
-                        [params.max_tokens for _, _, params in items])
+        check_queueable([len(prompt) for _, prompt, _ in items], config, request_id,
+                        (info.num_kv_blocks, info.block_size),
+                        [params.max_tokens for _, _, params in items],
+                        [sub_id for sub_id, _, _ in items]
+                        if config.scheduling_policy == "priority" else None)
     except RequestRejected as error:
         state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
