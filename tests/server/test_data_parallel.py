@@ -570,7 +570,7 @@ def test_an_abort_asked_while_a_group_is_placed_again_reaches_its_new_replica():
 
         def abort(self, request_id=None) -> bool:
             self.aborted.append(request_id)
-            return True
+            return not self.dead
 
         def cancel(self) -> None:
             self.cancelled = True
@@ -588,7 +588,7 @@ def test_an_abort_asked_while_a_group_is_placed_again_reaches_its_new_replica():
         routed = _RoutedStream(engine, [("g-0", [5], None), ("g-1", [6], None)], 0.0, 0, dead)
         reading = asyncio.ensure_future(routed.__anext__())
         await asyncio.sleep(0)  # the death read: the group is being placed again
-        routed.abort("g-1")
+        assert routed.abort("g-1")  # taken (the second review: said not found)
         routed.cancel()
         placing.set()
         await asyncio.sleep(0.01)

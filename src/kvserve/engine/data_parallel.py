@@ -463,8 +463,8 @@ class _RoutedStream:
         self.replayable = False
         self.placed_again = placed_again
         self._finished: set[str] = set()
-        self._asked: list[str | None] = []  # aborts asked (None: all), for a new replica
-        self._cancelled = False
+        self._asked: set[str | None] = set()  # aborts asked (None: all), for a new replica
+        self._cancelled = self._placing = False
 
     @property
     def finished(self) -> bool:
@@ -489,8 +489,12 @@ class _RoutedStream:
                     raise StopAsyncIteration from None  # every answer was whole
                 logger.warning("replica %d died before request %s reached its client; "
                                "placing it again", self.replica, self.items[0][0])
-                self.replica, self.inner, _ = await self.engine._place(
-                    self.items, self.arrival_time, placed_again=True)
+                self._placing = True
+                try:
+                    self.replica, self.inner, _ = await self.engine._place(
+                        self.items, self.arrival_time, placed_again=True)
+                finally:
+                    self._placing = False
                 self.placed_again = True
                 # asked while it was placed, of the dead replica's stream (the review: lost,
                 # the requests ran on to their end)
@@ -518,9 +522,9 @@ class _RoutedStream:
         abort asked (of any of its requests) is not placed again should that replica die
         before the abort lands, and one asked while it is placed again is asked again of
         its new replica."""
-        asked = self.inner.abort(request_id)
+        asked = self.inner.abort(request_id) or self._placing  # asked of the new one then
         self.abort_sent = self.abort_sent or asked
-        self._asked.append(request_id)
+        self._asked.add(request_id)
         return asked
 
 
