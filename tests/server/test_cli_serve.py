@@ -384,6 +384,10 @@ def test_shutdown_timeout_aborts_what_is_still_running_then_exits(flags, signals
         half = socket.create_connection(("127.0.0.1", port), timeout=60)
         half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        # answered on a later connection, so the server accepted the half one (connections
+        # are accepted in order): signalled before that, under load, its shutdown closed the
+        # listening socket with it still queued, and it was reset, not answered
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
         process.send_signal(signal.SIGTERM)
         if signals == 2:  # once the shutdown began: the server takes no connection
             wait_for(lambda: not accepts(port), what="the shutdown to begin", timeout=60)
