@@ -829,7 +829,7 @@ class Scheduler:
         if num_new is None:
             return False
         assert self._urgent is not None
-        limits = self._admission_limits(request)  # the watermark's: by what the victims leave
+        limits = self._admission_limits(request)  # for the victims' choice; asked again below
 
         def find_victims(also_released: dict[int, int] | None = None) -> list[Request]:
             assert self._urgent is not None
@@ -864,8 +864,8 @@ class Scheduler:
             self.running.remove(victim)
             step.unschedule(victim)
             self._preempt(victim, step, PRIORITY)
-        new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks,
-                                            **self._admission_limits(request))
+        new_blocks = self.kv.allocate_slots(  # the watermark by what runs once they left
+            request, num_new, hit_blocks, **self._admission_limits(request))
         if new_blocks is None:
             raise AssertionError(f"M2: {request.request_id} does not fit after preempting "
                                  f"{[v.request_id for v in victims]}")
