@@ -55,6 +55,13 @@ def make_request(request_id: str | int, num_prompt_tokens: int = 16, *,
                    arrival_time=arrival_time)
 
 
+def make_group(lengths: Sequence[int], group_id: str = "g", **params: object) -> list[Request]:
+    """A group's sequences as the server makes them (``<group_id>-<index>``), one per
+    prompt length."""
+    return [make_request(f"{group_id}-{index}", length, **params)
+            for index, length in enumerate(lengths)]
+
+
 def occupy_every_seat(scheduler: Scheduler) -> None:
     """Admit one long request into a scheduler of max_num_seqs 1, so new arrivals wait: the
     queue limits count a backlog, not what the next step would admit (K4)."""

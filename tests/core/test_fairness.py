@@ -7,7 +7,14 @@ import pytest
 
 from kvserve.core import QueueFullError, RequestRejected, SchedulerConfig
 from kvserve.core.fairness import TenantFairQueue
-from tests.conftest import FakeExecutor, make_request, make_scheduler, occupy_every_seat, step
+from tests.conftest import (
+    FakeExecutor,
+    make_group,
+    make_request,
+    make_scheduler,
+    occupy_every_seat,
+    step,
+)
 
 
 def tenant_request(request_id: str, tenant: str, num_prompt_tokens: int = 16,
@@ -191,11 +198,11 @@ def test_a_group_larger_than_the_tenant_limit_is_rejected_not_queue_full():  # T
 
     # 4 waiting and 1 the next step takes: 5 at most (the limit counts a backlog, K4)
     config = SchedulerConfig(max_num_queued_reqs_per_tenant=4, max_num_seqs=1)
-    check_queueable([20] * 5, config, "ok")
+    check_queueable(make_group([20] * 5), config, "ok")
     with pytest.raises(RequestRejected, match="6 sequences at once exceed "
                                               "max_num_queued_reqs_per_tenant=4 plus "
                                               "max_num_seqs=1"):
-        check_queueable([20] * 6, config, "big")
+        check_queueable(make_group([20] * 6), config, "big")
 
 
 # -- tenant-scoped prefix cache (G3) -------------------------------------------------------
@@ -339,7 +346,7 @@ def test_a_group_past_what_an_idle_step_admits_by_budget_is_rejected_not_queue_f
     from kvserve.core.limits import check_queueable
 
     config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_num_queued_reqs=1)
-    check_queueable([4, 4, 4], config, "ok")  # two admitted, one waits
+    check_queueable(make_group([4, 4, 4]), config, "ok")  # two admitted, one waits
     with pytest.raises(RequestRejected, match="3 sequences at once exceed max_num_queued_reqs=1 "
                                               "plus the 1 an idle engine's next step admits"):
-        check_queueable([60, 4, 4], config, "big")  # the 60 takes the whole budget
+        check_queueable(make_group([60, 4, 4]), config, "big")  # the 60 takes the budget

@@ -17,6 +17,7 @@ from kvserve.core import (
 from tests.conftest import (
     EOS,
     FakeExecutor,
+    make_group,
     make_request,
     make_scheduler,
     occupy_every_seat,
@@ -356,10 +357,10 @@ def test_a_group_the_idle_pool_cannot_take_past_the_token_limit_is_refused_for_g
 
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
                              max_num_queued_tokens=800, watermark=0.3)
-    check_queueable([600] * 3, config, "g")  # without the pool: all three admitted at once
+    check_queueable(make_group([600] * 3), config, "g")  # without the pool: all admitted
     with pytest.raises(RequestRejected, match="past those the next step admits would wait"):
-        check_queueable([600] * 3, config, "g", pool=(100, 16))
-    check_queueable([600] * 2, config, "g", pool=(100, 16))  # the second waits, within
+        check_queueable(make_group([600] * 3), config, "g", pool=(100, 16))
+    check_queueable(make_group([600] * 2), config, "g", pool=(100, 16))  # the second waits
 
 
 @pytest.mark.parametrize(("lengths", "settings", "queueable"), [
@@ -377,17 +378,16 @@ def test_the_400_rules_replay_a_group_s_adds_in_the_priority_queue_s_order(
     from kvserve.core.limits import check_queueable
 
     config = SchedulerConfig(scheduling_policy="priority", max_model_len=4096, **settings)
-    ids = [f"g-{index}" for index in range(len(lengths))]
     refused = None
     try:
-        check_queueable(lengths, config, "g", order=ids)
+        check_queueable(make_group(lengths), config, "g")
     except RequestRejected as error:
         refused = error
     assert (refused is None) == queueable
     scheduler = make_scheduler(scheduling_policy="priority", **settings)
     try:
-        for request_id, length in zip(ids, lengths, strict=True):
-            scheduler.add_request(make_request(request_id, length))
+        for request in make_group(lengths):
+            scheduler.add_request(request)
     except QueueFullError:
         assert not queueable  # what the 400 refused, an idle scheduler refuses too
     else:
@@ -466,7 +466,7 @@ def test_a_prompt_of_whole_blocks_is_not_counted_a_block_too_many():  # K4 K2
     from kvserve.core.limits import check_queueable
 
     config = SchedulerConfig(max_num_queued_reqs=1, admission_policy="reserve")
-    check_queueable([16, 16], config, "g", pool=(8, 16), max_tokens=[112, 112])
+    check_queueable(make_group([16, 16], max_tokens=112), config, "g", pool=(8, 16))
     scheduler = make_scheduler(8, 16, max_num_queued_reqs=1, admission_policy="reserve")
     for name in "ab":
         scheduler.add_request(make_request(name, 16, max_tokens=112))
@@ -481,11 +481,11 @@ def test_a_group_the_admission_policy_keeps_apart_is_refused_for_good():  # K4 K
     from kvserve.core.limits import check_queueable
 
     config = SchedulerConfig(max_num_queued_tokens=100, admission_policy="reserve")
-    check_queueable([50] * 4, config, "g", pool=(20, 16), max_tokens=[20] * 4)  # all four
+    check_queueable(make_group([50] * 4, max_tokens=20), config, "g", pool=(20, 16))  # all
     with pytest.raises(RequestRejected, match="past those the next step admits would wait"):
-        check_queueable([50] * 4, config, "g", pool=(20, 16), max_tokens=[200] * 4)
+        check_queueable(make_group([50] * 4, max_tokens=200), config, "g", pool=(20, 16))
     optimistic = SchedulerConfig(max_num_queued_tokens=100)
-    check_queueable([50] * 4, optimistic, "g", pool=(20, 16), max_tokens=[200] * 4)
+    check_queueable(make_group([50] * 4, max_tokens=200), optimistic, "g", pool=(20, 16))
 
 
 def test_a_running_prefill_leaves_no_budget_to_admit_past_the_limit(executor):  # K4 D1

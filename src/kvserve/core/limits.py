@@ -3,15 +3,13 @@ returns None; none of them records anything."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 from kvserve.core.config import CacheConfig, SchedulerConfig
 from kvserve.core.errors import QueueFullError, RequestRejected
 from kvserve.core.policies import idle_growth_blocks
-from kvserve.core.queues import WaitingQueue
+from kvserve.core.queues import WaitingQueue, make_waiting_queue
 from kvserve.core.request import Request
 
 
@@ -38,70 +36,69 @@ def check_servable_length(request_id: str, num_tokens: int, config: SchedulerCon
             f"({cache.num_token_slots} tokens)")
 
 
-def check_queueable(prompt_lens: Sequence[int], config: SchedulerConfig,
-                    request_id: str, pool: tuple[int, int] | None = None,
-                    max_tokens: Sequence[int | None] | None = None,
-                    order: Sequence[Any] | None = None) -> None:
+def check_queueable(group: Sequence[Request], config: SchedulerConfig, group_id: str,
+                    pool: tuple[int, int] | None = None) -> None:
     """K4: refuse (RequestRejected: the server answers 400, not 503) what could never be
-    queued, even on an idle engine with an empty queue: a group (a prompt list, ``n``; one
-    prompt length each) one of whose sequences, added in turn as the server adds them,
-    :func:`_check_room` would refuse with only the group's earlier ones queued, less those
-    an idle engine's next step admits (given its ``pool`` of blocks and block size, each
-    prompt's ``max_tokens`` for an admission policy's reserve, and the queue's ``order`` of
-    the group: a sort key each, the priority queue's ids; None: as given). Waiting cannot
-    help it, so a client told to retry would retry forever."""
-    growth = _idle_growth(prompt_lens, config, pool, max_tokens)
-    keys = range(len(prompt_lens)) if order is None else order
-    queued: list[tuple[Any, int, int]] = []  # the earlier ones: (key, length, growth)
-    for key, length, kept in zip(keys, prompt_lens, growth, strict=True):
-        admitted = _admitted_alone(((n, g) for _, n, g in queued), config, pool)
-        _refuse_room(request_id, len(prompt_lens), length, len(queued),
-                     [n for _, n, _ in queued[admitted:]], admitted, config)
-        bisect.insort(queued, (key, length, kept))
+    queued, even on an idle engine with an empty queue: a group (a prompt list, ``n``) one
+    of whose sequences, pushed in turn as the server adds them into an empty queue of the
+    configured policy, :func:`_check_room` refuses beside the group's earlier ones, less
+    those an idle engine's next step admits (given its ``pool`` of blocks and block size,
+    with the reserve an admission policy keeps from each sequence's max_tokens). Waiting
+    cannot help it, so a client told to retry would retry forever.
+
+    The same rule as the 503's, asked of a scratch queue, so the two cannot drift apart and
+    any queue's order (the priority queue's ids among equals, B2) is the order counted."""
+    if config.max_num_queued_reqs is None and config.max_num_queued_tokens is None and \
+            config.max_num_queued_reqs_per_tenant is None:
+        return
+    queue = make_waiting_queue(config.scheduling_policy, config)
+    growth = {r.request_id: _idle_growth(r, config, pool) for r in group}
+    for request in group:
+        head = list(itertools.islice(queue, config.max_num_seqs))  # the most a step admits
+        admitted = _admitted_alone([(r.num_tokens, growth[r.request_id]) for r in head],
+                                   config, pool)
+        try:
+            _check_room(request, queue, config, head[:admitted])
+        except QueueFullError as error:
+            raise _never_queued(error.limit, group_id, len(group), admitted, config) from None
+        queue.push(request)
 
 
-def _refuse_room(request_id: str, num_requests: int, length: int, num_queued: int,
-                 waiting: list[int], admitted: int, config: SchedulerConfig) -> None:
-    """:func:`_check_room`'s refusals of one of a group's sequences (``length`` tokens) on
-    an idle engine, its ``num_queued`` earlier ones queued, ``waiting`` their lengths past
-    the ``admitted`` the next step takes, as a RequestRejected naming the group."""
+def _never_queued(limit: str, group_id: str, num_requests: int, admitted: int,
+                  config: SchedulerConfig) -> RequestRejected:
+    """The 400 for a group of ``num_requests`` sequences whose ``limit`` refuses one though
+    an idle engine's next step admits ``admitted`` of those before it."""
     # the step admits at most max_num_seqs; fewer where its budget or the pool runs out (the
     # second review: seats alone made such a group a 503 on every retry)
     step = f"max_num_seqs={admitted}" if admitted == config.max_num_seqs else \
         f"the {admitted} an idle engine's next step admits"
-    max_reqs = config.max_num_queued_reqs
-    if max_reqs is not None and len(waiting) >= max_reqs:
-        raise RequestRejected(
-            f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs={max_reqs} plus {step}, the most the "
+    if limit == "max_num_queued_reqs":
+        return RequestRejected(
+            f"request {group_id}: {num_requests} sequences at once exceed "
+            f"max_num_queued_reqs={config.max_num_queued_reqs} plus {step}, the most the "
             "waiting queue and one step ever take; send fewer prompts or a smaller n")
-    per_tenant = config.max_num_queued_reqs_per_tenant
-    if per_tenant is not None and len(waiting) >= per_tenant:
-        raise RequestRejected(
-            f"request {request_id}: {num_requests} sequences at once exceed "
-            f"max_num_queued_reqs_per_tenant={per_tenant} plus {step}, the "
-            "most one tenant may have waiting and one step takes; send fewer prompts or a "
-            "smaller n")
-    limit = config.max_num_queued_tokens
-    alone = limit is not None and length > limit and not num_queued  # it waits alone
-    if limit is not None and not alone and sum(waiting) + length > limit:
-        raise RequestRejected(
-            f"request {request_id}: its prompts past those the next step admits would "
-            f"wait with more than max_num_queued_tokens={limit} tokens (one longer "
-            "than that waits alone, as the first of a request), the most the waiting "
-            "queue ever holds; send shorter or fewer prompts")
+    if limit == "max_num_queued_reqs_per_tenant":
+        return RequestRejected(
+            f"request {group_id}: {num_requests} sequences at once exceed "
+            f"max_num_queued_reqs_per_tenant={config.max_num_queued_reqs_per_tenant} plus "
+            f"{step}, the most one tenant may have waiting and one step takes; send fewer "
+            "prompts or a smaller n")
+    return RequestRejected(
+        f"request {group_id}: its prompts past those the next step admits would wait with "
+        f"more than max_num_queued_tokens={config.max_num_queued_tokens} tokens (one longer "
+        "than that waits alone, as the first of a request), the most the waiting queue ever "
+        "holds; send shorter or fewer prompts")
 
 
-def _idle_growth(prompt_lens: Sequence[int], config: SchedulerConfig,
-                 pool: tuple[int, int] | None,
-                 max_tokens: Sequence[int | None] | None) -> list[int]:
-    """The blocks the admission policy keeps for each prompt's growth on an idle engine
-    (K2: its share of ``max_tokens``, one None being what the context leaves, J1; 0 without
-    the pool or max_tokens)."""
-    if pool is None or max_tokens is None:
-        return [0] * len(prompt_lens)
-    return [idle_growth_blocks(config, length, answer, *pool)
-            for length, answer in zip(prompt_lens, max_tokens, strict=True)]
+def _idle_growth(request: Request, config: SchedulerConfig,
+                 pool: tuple[int, int] | None) -> int:
+    """The blocks the admission policy keeps for ``request``'s growth on an idle engine
+    with this ``pool`` (K2: its share of max_tokens, None being what the context leaves,
+    J1; 0 without the pool)."""
+    if pool is None:
+        return 0
+    return idle_growth_blocks(config, request.num_tokens, request.sampling_params.max_tokens,
+                              *pool)
 
 
 def _admitted_alone(prompts: Iterable[tuple[int, int]], config: SchedulerConfig,
@@ -152,15 +149,15 @@ def admission_blocks(length: int, growth: int, block_size: int) -> tuple[int, in
 
 def check_queue_limits(request: Request, waiting: WaitingQueue, config: SchedulerConfig,
                        admissible: Sequence[Request] = ()) -> list[Request]:
-    """K4: refuse what could never be queued (400, see check_queueable), then (the server
-    answers 503) what cannot be queued now because the waiting queue is at its limits.
-    ``admissible``: the waiting requests the next step will admit as things stand, which
-    are no backlog and do not count (a burst into free seats was refused).
+    """K4: refuse (the server answers 503) what cannot be queued now because the waiting
+    queue is at its limits (one request alone always can be: check_queueable's 400 is for a
+    group the server adds at once). ``admissible``: the waiting requests the next step will
+    admit as things stand, which are no backlog and do not count (a burst into free seats
+    was refused).
 
     Under the priority policy a request the limits refuse takes the room of waiting
     requests less urgent than it instead (K5): the ones to displace are returned (none when
     it fits), least urgent first; the refusal stands when they would not make room."""
-    check_queueable((request.num_tokens,), config, request.request_id)
     try:
         _check_room(request, waiting, config, admissible)
         return []

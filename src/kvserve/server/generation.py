@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.core import QueueFullError, RequestError, RequestRejected, SamplingParams
 from kvserve.core.errors import without_request_id
 from kvserve.core.limits import check_queueable
+from kvserve.core.request import Request as CoreRequest
 from kvserve.core.sessions import SessionBusy
 from kvserve.core.stop import DISPLACED, QUEUE_ENDS
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
@@ -209,18 +210,12 @@ def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]],
 
 def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
-    """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After).
-    The priority queue orders its sequences by id among equals (B2, as vLLM's: ``<id>-10``
-    before ``<id>-2``; the reviews: counted in index order, or added in id order, a group
-    could be a 503 on every retry of an idle server, or a 400 one it serves)."""
-    config = state.scheduler_config
+    """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
     try:
         info = state.engine.info  # each replica's pool (data parallel: the same size)
-        check_queueable([len(prompt) for _, prompt, _ in items], config, request_id,
-                        (info.num_kv_blocks, info.block_size),
-                        [params.max_tokens for _, _, params in items],
-                        [sub_id for sub_id, _, _ in items]
-                        if config.scheduling_policy == "priority" else None)
+        check_queueable([CoreRequest(sub_id, prompt, params) for sub_id, prompt, params in items],
+                        state.scheduler_config, request_id,
+                        (info.num_kv_blocks, info.block_size))
     except RequestRejected as error:
         state.metrics.tenants.refused(items[0][2].tenant, len(items))
         raise _refusal(state, error) from None
