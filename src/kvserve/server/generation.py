@@ -94,7 +94,7 @@ async def handle(state: ServerState, request: Request, chat: bool,
 
 
 async def start(state: ServerState, request: Request, key: ApiKey, req: Any, chat: bool,
-                arrival_time: float, kind: Callable[..., Generation] | None = None,
+                arrival_time: float, kind: Callable[..., ChatGeneration] | None = None,
                 strict_context: bool = False) -> Generation:
     """A checked request queued: everything between its parsed body and its answer (the
     Responses API's translated chat request comes in here too, ``kind`` its answer's
@@ -138,8 +138,10 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, given_id, items, arrival_time, req.n)
     stream.replayable = not req.stream  # nothing reaches the client before the end
-    return (kind or Generation)(state, request_id, given_id, req, chat, choices, prompts,
-                                 stream, reasoning)
+    if chat:
+        return (kind or ChatGeneration)(state, request_id, given_id, req, choices, prompts,
+                                        stream, reasoning)
+    return CompletionGeneration(state, request_id, given_id, req, choices, prompts, stream)
 
 
 def _request_ids(state: ServerState, request: Request, key: ApiKey, req: Any,
@@ -293,40 +295,40 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
 
 class Generation:
     """One queued request's answer, whole (:meth:`full_response`) or streamed
-    (:meth:`stream_response`), in the completions or chat shape; the Responses API's shape
-    is a subclass (server/responses_api.py)."""
+    (:meth:`stream_response`): what the completions and chat shapes share. Each shape is a
+    subclass (:class:`CompletionGeneration`, :class:`ChatGeneration`; the Responses API's,
+    a chat's, in server/responses_api.py) saying what its answer and chunks hold."""
+
+    id_prefix = ""  # the answer's id: this, then the request's given id
+    object_name = ""  # the whole answer's "object"
+    chunk_object = ""  # a streamed chunk's "object"
+    payload_key = ""  # where a choice's text goes in a chunk
+    # a completion's choices each carry their prompt's logprobs and token ids (one prompt
+    # each); a chat's one prompt carries them on the answer (its role chunk's, streamed)
+    per_choice_prompt = True
 
     def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
-                 chat: bool, choices: list[Choice], prompts: list[list[int]],
-                 stream: RequestStream, reasoning: ThinkParser | None = None) -> None:
+                 choices: list[Choice], prompts: list[list[int]],
+                 stream: RequestStream) -> None:
         self.state = state
         self.request_id = request_id  # the engine's
         self.given_id = given_id  # the client's (or drawn here): the answer's id and header
         self.req = req
-        self.chat = chat
         self.choices = {c.request_id: c for c in choices}
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.stream = stream
         self.created = int(time.time())
-        self.response_id = ("chatcmpl-" if chat else "cmpl-") + given_id
+        self.response_id = self.id_prefix + given_id
         # the name the request asked by (any served name, or the model as given on the
         # command line, state.model_aliases), as vLLM's; the first served name where it
         # named none (QA: the first always)
         self.model = req.model or state.model_name
         self.closed = False
-        # vLLM's echo without generation (max_tokens 0): the one token made is not returned
-        self.prompt_only = not chat and req.echo and req.max_tokens == 0
+        self.prompt_only = False  # a completion's echo without generation
         self.streamed: set[str] = set()  # choices whose first chunk was read
         self.sent: set[str] = set()  # choices whose first chunk went out
-        # chat: each choice's logprob entries and token ids of chunks not sent yet
+        # each choice's logprob entries and token ids of chunks not sent yet
         self.held: dict[str, tuple[list[Any], list[int]]] = {}
-        # a chat choice's message: its reasoning, content and tool calls
-        # (``reasoning``: the reasoning parser as the prompt leaves it, _reasoning)
-        self.answer = ChatAnswer(req, state.response_role, state.tool_parser,
-                                 reasoning) if chat else None
-        self.tools = self.answer.tools if self.answer is not None else None
-        # chat's echo (vLLM's): the last message's text, where it is the answer's role
-        self.echoed = _chat_echo(req, state.response_role) if chat else ""
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new
@@ -384,17 +386,25 @@ class Generation:
         """The whole answer's body (``choices`` in order, every one finished)."""
         body: dict[str, Any] = {
             "id": self.response_id,
-            "object": "chat.completion" if self.chat else "text_completion",
+            "object": self.object_name,
             "created": self.created, "model": self.model,
             "system_fingerprint": None,  # OpenAI's and vLLM's key (QA: a KeyError here)
             "choices": [self._full_choice(c) for c in choices],
             "usage": self._usage(choices),
             "kvserve": kvserve_total(self.request_id, choices)}
-        if self.chat and self.req.return_token_ids:  # one prompt: on the response, as vLLM
-            body["prompt_token_ids"] = choices[0].prompt_token_ids
-        if self.chat and self.req.prompt_logprobs is not None:  # likewise
-            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
+        if not self.per_choice_prompt:  # one prompt: on the response, as vLLM's
+            body.update(self._prompt_fields(choices[0], True))
         return body
+
+    def _prompt_fields(self, choice: Choice, opening: bool) -> dict[str, Any]:
+        """The prompt's token ids and logprobs where the request asked for them, for a
+        whole answer or an ``opening`` chunk (the stream's first of the choice or prompt)."""
+        fields: dict[str, Any] = {}
+        if opening and self.req.return_token_ids:
+            fields["prompt_token_ids"] = choice.prompt_token_ids
+        if opening and self.req.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return fields
 
     async def _collect(self) -> None:
         while True:
@@ -412,34 +422,26 @@ class Generation:
                     choice.prompt_logprobs = None
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": choice.index}
-        if self.answer is not None:
-            out["message"] = self.answer.message(choice.request_id, choice.text)
-            if self.echoed:
-                out["message"]["content"] = self.echoed + (out["message"]["content"] or "")
-            for key in _NULL_MESSAGE_KEYS:  # vLLM's, null here (QA: indexing them failed)
-                out["message"].setdefault(key, None)
-        else:
-            out["text"] = choice.echo + choice.text
+        out: dict[str, Any] = {"index": choice.index, **self._full_content(choice)}
         entries: list[Any] = self._echoed(choice) + choice.logprobs
         out["logprobs"] = self._logprobs(entries) if entries else None
-        if not self.chat and self.req.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self._prompt_logprobs(choice)
+        if self.per_choice_prompt:
+            out.update(self._prompt_fields(choice, True))
         out["finish_reason"] = self._finish_reason(choice)
         out["stop_reason"] = choice.stop_reason
         if self.req.return_token_ids:
-            if not self.chat:
-                out["prompt_token_ids"] = choice.prompt_token_ids
             out["token_ids"] = choice.token_ids
         out["kvserve"] = kvserve_ext(choice.request_id, choice.metrics)
         return out
 
+    def _full_content(self, choice: Choice) -> dict[str, Any]:
+        """A whole choice's text, as its shape holds it."""
+        raise NotImplementedError
+
     def _echoed(self, choice: Choice) -> list[Any]:
         """An echoed prompt's logprob entries, before the answer's (completions with echo
         and logprobs); none otherwise."""
-        if self.chat or not self.req.echo or self.req.logprobs is None:
-            return []
-        return echoed_entries(choice, self.req.logprobs)
+        return []
 
     def _prompt_logprobs(self, choice: Choice) -> list[dict[str, Any] | None]:
         computed = choice.prompt_logprobs or [None] * len(choice.prompt_token_ids)
@@ -448,12 +450,14 @@ class Generation:
 
     def _logprobs(self, entries: list[Any],
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
-        tokenizer = self.state.tokenizer
-        as_ids = self.state.tokens_as_ids if self.req.return_tokens_as_token_ids is None \
-            else self.req.return_tokens_as_token_ids
-        if self.chat:
-            return chat_logprobs(tokenizer, entries, self.req.top_logprobs or 0, as_ids)
-        return completion_logprobs(tokenizer, entries, offsets, as_ids)
+        """The logprobs of these (token id, logprob entry) pairs, in the shape's format
+        (``offsets``: the choice's text offsets so far, a stream's)."""
+        raise NotImplementedError
+
+    def _tokens_as_ids(self) -> bool:
+        """Whether logprobs name tokens as ``token_id:<id>`` (vLLM's flag, or the server's)."""
+        asked = self.req.return_tokens_as_token_ids
+        return self.state.tokens_as_ids if asked is None else asked
 
     # -- streamed --------------------------------------------------------------------------
 
@@ -492,15 +496,8 @@ class Generation:
                             code="internal_error").body()) + SSE_DONE
 
     async def _events(self, first: CompletionChunk) -> AsyncIterator[str]:
-        if self.chat:
-            for choice in sorted(self.choices.values(), key=lambda c: c.index):
-                data = self._chunk(choice, {"role": self.state.response_role, "content": ""},
-                                   None)
-                if self.req.return_token_ids:
-                    data["prompt_token_ids"] = choice.prompt_token_ids
-                yield sse(self._with_usage(data))  # vLLM's role chunk has it too
-                if self.echoed:  # vLLM's: the echoed text in a chunk of its own
-                    yield sse(self._chunk(choice, {"content": self.echoed}, None))
+        for event in self._opening_events():
+            yield event
         if event := self._event(first):  # "" where nothing goes out yet (tool calls)
             yield event
         try:
@@ -517,11 +514,21 @@ class Generation:
         if (self.req.stream_options is not None and self.req.stream_options.include_usage) \
                 or self.state.force_include_usage:
             choices = list(self.choices.values())
-            yield sse({"id": self.response_id, "object": self._chunk_object(),
+            yield sse({"id": self.response_id, "object": self.chunk_object,
                        "created": self.created, "model": self.model,
                        "choices": [], "usage": self._usage(choices),
                        "kvserve": kvserve_total(self.request_id, choices)})
         yield SSE_DONE
+
+    def _opening_events(self) -> list[str]:
+        """What a stream sends before the first chunk's (a chat's role chunks)."""
+        return []
+
+    def _payload(self, choice: Choice, text: str, token_ids: list[int],
+                 chunk: CompletionChunk) -> Any:
+        """What a chunk of ``text`` (and ``token_ids``) sends for ``choice``; None: nothing
+        yet (its tokens and logprobs go with the next chunk sent)."""
+        raise NotImplementedError
 
     def _event(self, chunk: CompletionChunk) -> str:
         first = chunk.request_id not in self.streamed  # the choice's first chunk
@@ -534,17 +541,8 @@ class Generation:
         token_ids = [] if self.prompt_only else list(chunk.new_token_ids)
         text = "" if self.prompt_only else chunk.new_text
         text = choice.echo + text if first else text
-        if self.answer is not None:
-            payload: Any = self.answer.delta(choice.request_id, text, choice.text,
-                                             chunk.finished)
-            # None: nothing to send yet (a call's text, held until it is whole)
-            withheld = payload is None
-        else:
-            payload = text
-            # a token whose text is withheld (a stop string's start, half a character) goes
-            # out in a chunk of its own with text "", as vLLM 0.32's (checked live): a chunk
-            # a token, which clients timing inter-token latency count on
-            withheld = not text and not token_ids and not chunk.finished
+        payload = self._payload(choice, text, token_ids, chunk)
+        withheld = payload is None
         held = self.held.get(choice.request_id)
         if withheld:  # nothing goes out yet (a call's text, a chunk of no token): its tokens
             # and logprobs go with the next chunk sent (QA: were lost)
@@ -564,14 +562,12 @@ class Generation:
         data = self._chunk(choice, payload, logprobs)
         opening = choice.request_id not in self.sent  # the choice's first chunk sent
         self.sent.add(choice.request_id)
-        if opening and self.req.prompt_logprobs is not None:
-            where = data if self.chat else data["choices"][0]
-            where["prompt_logprobs"] = self._prompt_logprobs(choice)
+        if self.per_choice_prompt:
+            data["choices"][0].update(self._prompt_fields(choice, opening))
+        elif opening and self.req.prompt_logprobs is not None:  # the role chunk had the ids
+            data["prompt_logprobs"] = self._prompt_logprobs(choice)
         if self.req.return_token_ids:
-            entry = data["choices"][0]
-            if not self.chat and opening:  # the choice's first chunk sent
-                entry["prompt_token_ids"] = choice.prompt_token_ids
-            entry["token_ids"] = token_ids
+            data["choices"][0]["token_ids"] = token_ids
         if chunk.finished:
             data["choices"][0]["finish_reason"] = self._finish_reason(choice)
             data["choices"][0]["stop_reason"] = chunk.stop_reason
@@ -598,22 +594,107 @@ class Generation:
         return data
 
     def _finish_reason(self, choice: Choice) -> str | None:
-        reason = choice.finish_reason
-        return reason if self.answer is None else \
-            self.answer.finish_reason(choice.request_id, reason)
-
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
+        return choice.finish_reason
 
     def _chunk(self, choice: Choice, payload: Any, logprobs: Any) -> dict[str, Any]:
-        entry: dict[str, Any] = {"index": choice.index}
-        entry["delta" if self.chat else "text"] = payload
-        entry["logprobs"] = logprobs
-        entry["finish_reason"] = None
-        if not self.chat:
-            entry["stop_reason"] = None  # on every chunk, as vLLM's
-        return {"id": self.response_id, "object": self._chunk_object(),
+        entry = {"index": choice.index, self.payload_key: payload, "logprobs": logprobs,
+                 "finish_reason": None}
+        return {"id": self.response_id, "object": self.chunk_object,
                 "created": self.created, "model": self.model, "choices": [entry]}
+
+
+class CompletionGeneration(Generation):
+    """A /v1/completions answer: each choice a prompt's text, echoed where asked."""
+
+    id_prefix = "cmpl-"
+    object_name = chunk_object = "text_completion"
+    payload_key = "text"
+
+    def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
+                 choices: list[Choice], prompts: list[list[int]],
+                 stream: RequestStream) -> None:
+        super().__init__(state, request_id, given_id, req, choices, prompts, stream)
+        # vLLM's echo without generation (max_tokens 0): the one token made is not returned
+        self.prompt_only = bool(req.echo and req.max_tokens == 0)
+
+    def _full_content(self, choice: Choice) -> dict[str, Any]:
+        return {"text": choice.echo + choice.text}
+
+    def _echoed(self, choice: Choice) -> list[Any]:
+        if not self.req.echo or self.req.logprobs is None:
+            return []
+        return echoed_entries(choice, self.req.logprobs)
+
+    def _logprobs(self, entries: list[Any],
+                  offsets: TextOffsets | None = None) -> dict[str, Any]:
+        return completion_logprobs(self.state.tokenizer, entries, offsets,
+                                   self._tokens_as_ids())
+
+    def _payload(self, choice: Choice, text: str, token_ids: list[int],
+                 chunk: CompletionChunk) -> Any:
+        # a token whose text is withheld (a stop string's start, half a character) goes
+        # out in a chunk of its own with text "", as vLLM 0.32's (checked live): a chunk
+        # a token, which clients timing inter-token latency count on
+        return text if text or token_ids or chunk.finished else None
+
+    def _chunk(self, choice: Choice, payload: Any, logprobs: Any) -> dict[str, Any]:
+        data = super()._chunk(choice, payload, logprobs)
+        data["choices"][0]["stop_reason"] = None  # on every chunk, as vLLM's
+        return data
+
+
+class ChatGeneration(Generation):
+    """A /v1/chat/completions answer: each choice a message (its reasoning, content and
+    tool calls, ``answer``), one prompt for all."""
+
+    id_prefix = "chatcmpl-"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    payload_key = "delta"
+    per_choice_prompt = False
+
+    def __init__(self, state: ServerState, request_id: str, given_id: str, req: Any,
+                 choices: list[Choice], prompts: list[list[int]], stream: RequestStream,
+                 reasoning: ThinkParser | None = None) -> None:
+        super().__init__(state, request_id, given_id, req, choices, prompts, stream)
+        # ``reasoning``: the reasoning parser as the prompt leaves it (_reasoning)
+        self.answer = ChatAnswer(req, state.response_role, state.tool_parser, reasoning)
+        self.tools = self.answer.tools
+        # vLLM's echo: the last message's text, where it is the answer's role
+        self.echoed = _chat_echo(req, state.response_role)
+
+    def _full_content(self, choice: Choice) -> dict[str, Any]:
+        message = self.answer.message(choice.request_id, choice.text)
+        if self.echoed:
+            message["content"] = self.echoed + (message["content"] or "")
+        for key in _NULL_MESSAGE_KEYS:  # vLLM's, null here (QA: indexing them failed)
+            message.setdefault(key, None)
+        return {"message": message}
+
+    def _logprobs(self, entries: list[Any],
+                  offsets: TextOffsets | None = None) -> dict[str, Any]:
+        return chat_logprobs(self.state.tokenizer, entries, self.req.top_logprobs or 0,
+                             self._tokens_as_ids())
+
+    def _opening_events(self) -> list[str]:
+        events = []
+        for choice in sorted(self.choices.values(), key=lambda c: c.index):
+            data = self._chunk(choice, {"role": self.state.response_role, "content": ""},
+                               None)
+            if self.req.return_token_ids:
+                data["prompt_token_ids"] = choice.prompt_token_ids
+            events.append(sse(self._with_usage(data)))  # vLLM's role chunk has it too
+            if self.echoed:  # vLLM's: the echoed text in a chunk of its own
+                events.append(sse(self._chunk(choice, {"content": self.echoed}, None)))
+        return events
+
+    def _payload(self, choice: Choice, text: str, token_ids: list[int],
+                 chunk: CompletionChunk) -> Any:
+        # None: a call's text, held until it is whole
+        return self.answer.delta(choice.request_id, text, choice.text, chunk.finished)
+
+    def _finish_reason(self, choice: Choice) -> str | None:
+        return self.answer.finish_reason(choice.request_id, choice.finish_reason)
 
 
 # a chat answer's message keys vLLM (and OpenAI) always send, null where nothing fills them
@@ -633,8 +714,6 @@ def queue_end(state: ServerState, reason: int | str | None) -> APIError:
     return APIError(503, "queue timeout: the request waited longer than its queue deadline "
                          "(--max-queue-delay or 'max_queue_delay') without being scheduled; "
                          "retry later", code="queue_timeout", headers={"Retry-After": "1"})
-
-
 
 
 def engine_dead_headers(error: EngineDeadError) -> dict[str, str] | None:

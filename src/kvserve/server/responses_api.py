@@ -35,7 +35,7 @@ from kvserve.core.stop import QUEUE_ENDS
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.errors import APIError, bad_request
-from kvserve.server.generation import Generation, queue_end, start
+from kvserve.server.generation import ChatGeneration, queue_end, start
 from kvserve.server.prompts import encode_chat, max_tokens_for
 from kvserve.server.reasoning_parsers import END, START
 from kvserve.server.response_store import ResponseStore, Stored
@@ -101,7 +101,7 @@ _TOO_LARGE = ("the response is larger than this server's store keeps for a tenan
               "as JSON, --responses-store-memory)")
 
 
-class ResponsesGeneration(Generation):
+class ResponsesGeneration(ChatGeneration):
     """A chat generation answered in the Responses API's shapes: ``api`` is the request as
     sent, ``conversation`` its messages (history and input, without instructions), kept in
     ``store`` with the answer's, for ``owner``'s key."""
@@ -280,7 +280,6 @@ class ResponsesGeneration(Generation):
     def _reasoning_tokens(self) -> int:
         """The output tokens up to the one that closes the thinking (all of them, where it
         never closes): the fewest whose text holds </think>, found by halving."""
-        assert self.answer is not None
         choice = self.choice
         if self.answer.split(choice.text)[0] is None:
             return 0
@@ -296,7 +295,6 @@ class ResponsesGeneration(Generation):
     def _output(self) -> list[dict[str, Any]]:
         """The output items: the reasoning (a reasoning parser's), then the message, or the
         calls (after any text before them)."""
-        assert self.answer is not None
         choice = self.choice
         status = "completed" if choice.finish_reason == "stop" else "incomplete"
         reasoning, content = self.answer.split(choice.text)
@@ -410,7 +408,7 @@ class ResponsesGeneration(Generation):
         # calls whole at the end; otherwise the text as it comes (reasoning, then content)
         named = tools is not None and tools.name is not None
         text = tools is None or tools.parser is not None
-        if named and self.answer is not None and self.answer.reasoning is not None:
+        if named and self.answer.reasoning is not None:
             named = text = False  # thinks, then calls: the items go out whole, in order
         if named:
             yield self._opened(self._first_call())
@@ -456,7 +454,6 @@ class ResponsesGeneration(Generation):
         """A text stream's events for one chunk: its reasoning, its content and its calls
         (auto, a tool-call parser's), each item opened as its first text comes and the one
         before it closed."""
-        assert self.answer is not None
         piece = self.answer.delta(choice.request_id, chunk.new_text, choice.text,
                                   chunk.finished) or {}
         events = ""
@@ -503,7 +500,7 @@ class ResponsesGeneration(Generation):
     def _thinks(self, text: str) -> bool:
         """Whether an answer that has written ``text`` is thinking: a reasoning parser's,
         begun inside its thinking (or opened it), not yet closed."""
-        parser = self.answer.reasoning if self.answer is not None else None
+        parser = self.answer.reasoning
         if parser is None:
             return False
         opened = parser.opened or text.lstrip().startswith(START) or \
@@ -524,7 +521,6 @@ class ResponsesGeneration(Generation):
 
     def _live_item(self, key: str) -> dict[str, Any]:
         """A streamed item as it is when the next one begins."""
-        assert self.answer is not None
         reasoning, content = self.answer.split(self.choice.text)
         if key == "reasoning":
             return self._reasoning_item(reasoning or "", "completed")
