@@ -582,20 +582,21 @@ class LLM:
         if not self._detokenize and any(p.stop for samples in params for p in samples):
             raise ValueError("stop strings need the text, and this LLM was built with "
                              "detokenize=False: give stop_token_ids instead")  # QA: ignored
+        sequences, results, firsts = self._sequences(batch, params)
         if self.replicas is not None:
-            return self._generate_parallel(batch, params, use_tqdm)
-        results: dict[str, GenerationResult] = {}  # every sequence's, by request id
-        firsts: list[GenerationResult] = []  # each prompt's sample 0
+            progress = _Progress(firsts, use_tqdm)
+            try:
+                self.replicas.run([(sub_id, ids, param) for _, sub_id, ids, param in sequences],
+                                  lambda chunk: _absorb(results[chunk.request_id], chunk,
+                                                        progress, self._decode))
+            finally:
+                progress.close()
+            return firsts
+        added: list[str] = []
         try:
-            for index, (prompt, samples) in enumerate(zip(batch, params, strict=True)):
-                request_id = str(next(self._ids))
-                try:  # encoded (a chat rendered) once for all its n samples
-                    ids, text = self._encode(prompt), self._prompt_text(prompt)
-                    for sample, param in enumerate(samples):
-                        sub_id = _sample_id(request_id, sample)
-                        self.engine.add_request(sub_id, ids, param)
-                        results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids),
-                                                         text)
+            for index, sub_id, ids, param in sequences:
+                try:
+                    self.engine.add_request(sub_id, ids, param)
                 except QueueFullError as error:  # not "retry later": this batch never fits
                     raise RequestRejected(
                         f"prompts[{index}]: {without_request_id(error)}: generate() queues its "
@@ -604,13 +605,34 @@ class LLM:
                 except ValueError as error:  # named by its place in the batch, not its id
                     raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
                                       ) from None
+                added.append(sub_id)
             self._run(results, firsts, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing
-            for request_id, result in results.items():
-                if result.finish_reason is None:
+            for request_id in added:
+                if results[request_id].finish_reason is None:
                     self.engine.abort(request_id)
             raise
         return firsts
+
+    def _sequences(self, batch: list[Prompt], params: list[list[SamplingParams]]
+                   ) -> tuple[list[tuple[int, str, list[int], SamplingParams]],
+                              dict[str, GenerationResult], list[GenerationResult]]:
+        """Every prompt encoded (a chat rendered once for its n samples; ValueError named by
+        its place in the batch, before anything is queued) and its samples named: the
+        sequences (prompt index, request id, token ids, params), their results by request
+        id, and each prompt's first (sample 0's, which holds the others)."""
+        sequences, results, firsts = [], {}, []
+        for index, (prompt, samples) in enumerate(zip(batch, params, strict=True)):
+            try:
+                ids, text = self._encode(prompt), self._prompt_text(prompt)
+            except ValueError as error:
+                raise type(error)(f"prompts[{index}]: {error}") from None
+            request_id = str(next(self._ids))
+            for sample, param in enumerate(samples):
+                sub_id = _sample_id(request_id, sample)
+                sequences.append((index, sub_id, ids, param))
+                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids), text)
+        return sequences, results, firsts
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, _RenderedChat):
@@ -695,33 +717,6 @@ class LLM:
                     _absorb(results[chunk.request_id], chunk, progress, self._decode)
         finally:
             progress.close()
-
-    def _generate_parallel(self, batch: list[Prompt], params: list[list[SamplingParams]],
-                           use_tqdm: bool) -> list[GenerationResult]:
-        """Every prompt tokenized here (errors raised before anything is queued), then run
-        on the replicas."""
-        assert self.replicas is not None
-        token_ids = []
-        for index, prompt in enumerate(batch):
-            try:
-                token_ids.append(self._encode(prompt))
-            except ValueError as error:
-                raise type(error)(f"prompts[{index}]: {error}") from None
-        items, results, firsts = [], {}, []
-        for prompt, ids, samples in zip(batch, token_ids, params, strict=True):
-            request_id = str(next(self._ids))
-            text = self._prompt_text(prompt)  # once for its n samples
-            for sample, param in enumerate(samples):
-                sub_id = _sample_id(request_id, sample)
-                items.append((sub_id, ids, param))
-                results[sub_id] = _sample_result(firsts, sub_id, sample, list(ids), text)
-        progress = _Progress(firsts, use_tqdm)
-        try:
-            self.replicas.run(items, lambda chunk: _absorb(results[chunk.request_id], chunk,
-                                                           progress, self._decode))
-        finally:
-            progress.close()
-        return firsts
 
 
 def _sample_id(request_id: str, sample: int) -> str:
