@@ -129,6 +129,30 @@ def test_a_model_path_read_as_a_flag_s_value_is_refused_with_the_order_that_work
         ((("a", "b"), []) if flag == "--served-model-name" else (("tiny",), ["a", "b"]))
 
 
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--served-model-name", "/models/typo.gguf"), ("--api-key", "models/typo.GGUF"),
+    ("--served-model-name", "./models/llama-typo"), ("--served-model-name", "~/llama")])
+def test_a_mistyped_model_path_read_as_a_flag_s_value_is_refused(capsys, flag, value):
+    """The docs check: a model path that does not exist, swallowed by the flag, served the
+    bundled model under that name; only one on disk was refused."""
+    assert main(["serve", flag, "a", value]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvserve serve: error: {flag} took {value!r}, which looks like a model "
+                   f"path: {flag} takes every word after it, so give the model first "
+                   f"(kvserve serve {value} {flag} ...)\n")
+
+
+def test_a_served_name_in_a_hub_s_org_slash_model_form_is_a_name():
+    """vLLM's usual served names (``org/model``) are not taken for paths."""
+    from kvserve.server.cli_serve import _check_model_not_swallowed
+
+    args = build_parser().parse_args(
+        ["serve", "--served-model-name", "HuggingFaceTB/SmolLM2-135M", "smol"])
+    _check_model_not_swallowed(args)  # raises CLIError for a path
+    assert args.model is None and args.served_model_name == ["HuggingFaceTB/SmolLM2-135M",
+                                                             "smol"]
+
+
 def test_model_flag_is_the_positional_model_with_a_warning(model_dir, caplog):
     """vLLM still takes --model (deprecated) beside the positional model (QA: refused)."""
     with caplog.at_level(logging.WARNING, logger="kvserve"):

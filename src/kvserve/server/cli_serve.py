@@ -840,8 +840,10 @@ def _env_api_key() -> list[str]:
 def _check_model_not_swallowed(args: argparse.Namespace) -> None:
     """--served-model-name and --api-key take every word after them (vLLM's nargs='+'), so
     ``--api-key KEY MODEL`` reads the model as a second key and serves the bundled model.
-    With no model given, a value that is a model on disk is that mistake: refused, with the
-    order that works."""
+    With no model given, a value that is a model on disk, or reads as a model path (a GGUF
+    file's name; for a served name, a path from / . or ~: the docs check, a mistyped path
+    served the bundled model under it), is that mistake: refused, with the order that
+    works. A hub's ``org/model`` stays a name."""
     from kvserve.flags import CLIError
 
     if args.model is not None:
@@ -852,9 +854,15 @@ def _check_model_not_swallowed(args: argparse.Namespace) -> None:
             path = Path(value)
             if (path.suffix.lower() == ".gguf" and path.is_file()) or \
                     (path / "config.json").is_file():
-                raise CLIError(f"{flag} took {value!r}, which is a model on disk: {flag} "
-                               "takes every word after it, so give the model first "
-                               f"(kvserve serve {value} {flag} ...)")
+                what = "is a model on disk"
+            elif path.suffix.lower() == ".gguf" or (flag == "--served-model-name" and \
+                    value.startswith(("/", "./", "../", "~"))):
+                what = "looks like a model path"
+            else:
+                continue
+            raise CLIError(f"{flag} took {value!r}, which {what}: {flag} takes every word "
+                           f"after it, so give the model first (kvserve serve {value} "
+                           f"{flag} ...)")
 
 
 def _served_names(args: argparse.Namespace) -> list[str]:
