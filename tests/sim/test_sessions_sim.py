@@ -134,6 +134,32 @@ def test_a_recorded_turn_extends_the_turn_before_as_its_client_sent_it():  # U4
     assert by_id(result)["b"].metrics.num_cached_tokens == 40 + 8
 
 
+def test_a_turn_recorded_as_ids_extends_the_turn_before_as_replayed():  # U4
+    """The chaos pass: a recording made with ``--record-prompts ids`` keeps turn b's ids as
+    its client sent them, the server's answer to a among them, which the simulated model
+    does not give: b did not extend a's session in the replay, which diverged from the
+    recorded steps at b and failed. b's leading ids, a's prompt and the server's answer,
+    are now a's prompt and simulated answer, and a version of b sent again (regenerated)
+    takes b's ids as replayed, as with hashed prompts."""
+    from kvserve.sim.prompt_draws import SessionChains
+
+    ids_a = list(range(100, 140))
+    ids_b = ids_a + [7] * 8 + list(range(200, 212))  # a, the server's answer, a new message
+    a = req("a", 40, 8, session_id="s", prompt_token_ids=ids_a)
+    b = req("b", 60, 4, arrival=5.0, session_id="s", prompt_token_ids=ids_b)
+    again = req("r", 60, 4, arrival=10.0, session_id="s", prompt_token_ids=ids_b)
+    chains = SessionChains(seed=0)
+    prompt_a, answer_a = chains.apply(a, a.synthesise_prompt(0))
+    prompt_b, _ = chains.apply(b, b.synthesise_prompt(0))
+    assert prompt_a == ids_a and answer_a != [7] * 8
+    assert prompt_b == ids_a + answer_a + ids_b[48:]
+    prompt_r, _ = chains.apply(again, again.synthesise_prompt(0))
+    assert prompt_r[:48] == prompt_b[:48]  # b's three full blocks, as b was replayed
+    result = simulate([a, b], max_session_kv=0.5, enable_prefix_caching=False)
+    assert aggregate(result)["sessions"]["session_fallbacks"] == 0
+    assert by_id(result)["b"].metrics.num_cached_tokens == 40 + 8
+
+
 def test_a_recorded_turn_that_edits_the_conversation_is_not_chained():  # U3
     """A turn whose leading blocks are not the turn before's (an earlier message edited)
     replaced its session on the server; written over the turn before, its replay extended

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from kvserve.core.prefix_cache import prompt_block_hashes
 from kvserve.sim.tokens import stream_key, stream_ranges, stream_tokens
 from kvserve.sim.trace import TraceRequest
 
@@ -54,28 +56,35 @@ class SessionChains:
     message) replaced the session on the server (U3), and does in the replay; its leading
     blocks that an earlier turn of the session sent (hashes chain, so an equal hash is an
     equal prefix) take the ids that turn was replayed with, so it hits the prefix cache
-    where the server's did."""
+    where the server's did.
+
+    A recording made with ``--record-prompts ids`` keeps each turn's ids as sent, the
+    server's answer among them, which the simulated model does not give either: its turns
+    chain the same way, by the turn before's ids (a prefix of this one's, exactly) and by
+    its full blocks' hashes, computed here (the chaos pass: such a replay diverged at a
+    session's second turn and failed)."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         # (tenant, session) -> the last turn's ids (prompt, simulated answer) and its
-        # prompt's block hashes; and the ids each full prompt block was replayed with
-        self._held: dict[tuple[str, str], tuple[list[int], tuple[str, ...]]] = {}
-        self._blocks: dict[tuple[str, str], dict[str, list[int]]] = {}
+        # prompt as recorded (its block hashes or ids); and the ids each full prompt block
+        # was replayed with
+        self._held: dict[tuple[str, str], tuple[list[int], tuple[Any, ...]]] = {}
+        self._blocks: dict[tuple[str, str], dict[Any, list[int]]] = {}
 
     def apply(self, request: TraceRequest, prompt: list[int]
               ) -> tuple[list[int], list[int] | None]:
         """``request``'s prompt, chained, and its answer's first ``output_len`` ids as the
         simulated model will give them (None: not a chained turn, nothing changed)."""
-        if request.session_id is None or request.prompt_hashes is None:
+        recorded = _as_recorded(request)
+        if request.session_id is None or recorded is None:
             return prompt, None
+        sent, hashes, size = recorded
         key = (request.tenant, request.session_id)
-        hashes = tuple(request.prompt_hashes)
-        size = request.hash_block_size
         blocks = self._blocks.setdefault(key, {})
-        held, held_hashes = self._held.get(key, ([], ()))
+        held, held_sent = self._held.get(key, ([], ()))
         if key in self._held and len(held) <= len(prompt) and \
-                hashes[:len(held_hashes)] == held_hashes:
+                sent[:len(held_sent)] == held_sent:
             prompt = held + prompt[len(held):]
         else:  # a first turn, or another version: the blocks sent before, as sent then
             prompt = list(prompt)
@@ -88,8 +97,24 @@ class SessionChains:
             blocks[block_hash] = prompt[index * size:(index + 1) * size]
         answer = stream_tokens(request.continuation_key(self.seed), len(prompt),
                                len(prompt) + request.output_len)
-        self._held[key] = (prompt + answer, hashes)
+        self._held[key] = (prompt + answer, sent)
         return prompt, answer
+
+
+_IDS_BLOCK_SIZE = 16  # the blocks a turn recorded as ids is matched by (any size would do)
+
+
+def _as_recorded(request: TraceRequest) -> tuple[tuple[Any, ...], tuple[Any, ...], int] | None:
+    """A recorded prompt as :class:`SessionChains` matches it: what a later turn that goes on
+    with it begins with (its block hashes, or its ids), its full blocks' hashes and their
+    size; None for a prompt not recorded (drawn)."""
+    if request.prompt_hashes is not None:
+        hashes = tuple(request.prompt_hashes)
+        return hashes, hashes, request.hash_block_size
+    if request.prompt_token_ids is not None:
+        ids = tuple(request.prompt_token_ids)
+        return ids, tuple(prompt_block_hashes(ids, _IDS_BLOCK_SIZE)), _IDS_BLOCK_SIZE
+    return None
 
 
 class PromptDraws:
