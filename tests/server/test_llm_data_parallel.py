@@ -99,7 +99,9 @@ def test_bad_settings_are_refused_before_any_replica_starts(monkeypatch):
 def test_a_script_that_never_closes_its_replicas_still_exits(tmp_path):
     """A script ending with replicas open hung for ever at exit: multiprocessing's exit
     handler waited for engine processes that waited for their pipe (QA, the README's
-    example without `with`)."""
+    example without `with`); then it printed a traceback as it exited (the docs check: the
+    exit handler's stop asked for a worker thread after the interpreter had stopped
+    giving them)."""
     import subprocess
     import sys
 
@@ -120,3 +122,5 @@ def test_a_script_that_never_closes_its_replicas_still_exits(tmp_path):
                           timeout=180)
     assert done.returncode == 0, done.stderr
     assert "tokens 2" in done.stdout
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, \
+        done.stderr

@@ -151,6 +151,17 @@ class DataParallelEngine:
         self._stopping = True
         await asyncio.gather(*(r.stop() for r in self.replicas if r is not None))
 
+    def stop_here(self) -> None:
+        """:meth:`stop` where no event loop runs (the offline LLM's close, at the
+        interpreter's exit too, where no worker thread may start): every replica told,
+        then each waited for."""
+        self._stopping = True
+        replicas = [r for r in self.replicas if r is not None]
+        for replica in replicas:
+            replica.ask_to_stop()
+        for replica in replicas:
+            replica.join()
+
     def _live(self) -> list[tuple[int, ProcessEngine]]:
         return [(i, r) for i, r in enumerate(self.replicas) if r is not None and r.is_running]
 

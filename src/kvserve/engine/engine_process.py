@@ -545,6 +545,12 @@ class ProcessEngine:
 
     async def stop(self) -> None:
         """Stop the engine process (what it was running ends with EngineDeadError)."""
+        self.ask_to_stop()
+        await asyncio.to_thread(self.join)
+
+    def ask_to_stop(self) -> None:
+        """Tell the engine process to stop; :meth:`join` waits for it (where no event loop
+        runs: at the interpreter's exit, where no worker thread may start any more)."""
         self._stopping = True
         if self._threads:
             self._outbox.put(("stop", None))
@@ -552,9 +558,8 @@ class ProcessEngine:
         else:  # never started: no sender thread carries the message (it waited 10 s, killed)
             with contextlib.suppress(OSError, ValueError):  # the process is gone already
                 _send(self._conn, [("stop", None)])
-        await asyncio.to_thread(self._join)
 
-    def _join(self, timeout: float = 10.0) -> None:
+    def join(self, timeout: float = 10.0) -> None:
         self.launcher.join(timeout)
         if self.launcher.alive():
             self._kill()

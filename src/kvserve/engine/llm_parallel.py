@@ -93,5 +93,5 @@ class ReplicatedEngines:
         if self.loop.is_closed():
             return
         atexit.unregister(self.close)
-        self.loop.run_until_complete(self.engine.stop())
+        self.engine.stop_here()  # the loop's stop() asks a worker thread, refused at exit
         self.loop.close()
