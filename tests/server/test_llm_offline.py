@@ -553,6 +553,23 @@ def test_generate_takes_one_priority_per_prompt_as_vllm():
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_priority_without_priority_scheduling_is_refused_as_vllm():
+    """The docs check: under the default fcfs policy generate(priority=[5, 7]) ran, the
+    priorities ignored; vLLM raises, and the server answers 400."""
+    llm = LLM(TINY, tokenizer=tokenizer(), num_kv_blocks=64, max_model_len=256)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: priority 7 was given but priority "
+                                         r"scheduling is not enabled \(this LLM runs "
+                                         r"scheduling_policy='fcfs'\); build it with "
+                                         r"scheduling_policy='priority'"):
+        llm.generate([[5, 6], [7, 8]], use_tqdm=False, priority=[0, 7])
+    with pytest.raises(ValueError, match="priority 3 was given"):
+        llm.generate([[5, 6]], SamplingParams(priority=3), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    [result] = llm.generate([[5, 6]], SamplingParams(max_tokens=1), use_tqdm=False,
+                            priority=[0])  # 0 is every request's priority: taken
+    assert len(result.token_ids) == 1
+
+
 def test_a_tokenizer_with_only_the_protocols_methods_serves_a_conversation():
     """engine.text.Tokenizer is what the engine and LLM call (README): LLM.chat called
     apply_chat_template, which the protocol did not name, so a tokenizer written to it

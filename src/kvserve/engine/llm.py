@@ -514,6 +514,8 @@ class LLM:
         _take_vllm_noops(engine_args)
         self._ids = itertools.count()
         self._detokenize = engine_args.get("detokenize", True)
+        self._scheduling_policy = engine_args.get("scheduling_policy",
+                                                  SchedulerConfig.scheduling_policy)
         self._sampling_defaults = sampling_defaults(
             None if isinstance(model, ModelConfig) else model, generation_config,
             override_generation_config)
@@ -579,6 +581,7 @@ class LLM:
                              else self.get_default_sampling_params(), len(batch))
         if priority is not None:
             params = _with_priorities(params, priority)
+        _check_priorities(params, self._scheduling_policy)
         if not self._detokenize and any(p.stop for samples in params for p in samples):
             raise ValueError("stop strings need the text, and this LLM was built with "
                              "detokenize=False: give stop_token_ids instead")  # QA: ignored
@@ -945,6 +948,19 @@ def _with_priorities(params: list[list[SamplingParams]],
                          f"got {priority!r}"[:200])
     return [[dataclasses.replace(param, priority=value) for param in samples]
             for samples, value in zip(params, priority, strict=True)]
+
+
+def _check_priorities(params: list[list[SamplingParams]], policy: str) -> None:
+    """vLLM's refusal of a priority its scheduling policy would ignore (0 is everyone's)."""
+    if policy == "priority":
+        return
+    for index, samples in enumerate(params):
+        for param in samples:
+            if param.priority != 0:
+                raise ValueError(f"prompts[{index}]: priority {param.priority} was given but "
+                                 "priority scheduling is not enabled (this LLM runs "
+                                 f"scheduling_policy={policy!r}); build it with "
+                                 "scheduling_policy='priority'")
 
 
 class _Progress:
