@@ -12,6 +12,7 @@ from .helpers import LiveServer, wait_for
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 TOOL = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -64,6 +65,12 @@ def error_of(response: httpx.Response) -> str:
     (COMPLETIONS, {"prompt": "x", "max_queue_delay": 0}, 400,
      "field 'max_queue_delay': input should be greater than 0 (got 0)"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, 400, "field 'max_tokens'"),
+    # vLLM's: "must be a non-empty string if provided" (the chaos pass: "" was taken)
+    (COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400,
+     "field 'cache_salt': string should have at least 1 character"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, 400,
+     "field 'cache_salt'"),
+    (RESPONSES, {"input": "x", "cache_salt": ""}, 400, "cache_salt"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**12}, 400, "field 'max_tokens'"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, 400, "field 'top_p'"),
     (COMPLETIONS, {"prompt": "x", "n": 1000}, 400, "1 prompt(s) x n=1000 is 1000 sequences; "

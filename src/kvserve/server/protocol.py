@@ -184,7 +184,7 @@ class _Sampling(Body):
     # kvserve extensions
     # > 0: deadlines are checked as a step begins, after the arrival, so 0 always times out
     max_queue_delay: float | None = Field(default=None, gt=0, le=86400)
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: "" is refused
     session: SessionRef | None = None
     # vLLM's request id in the body (the X-Request-Id header goes first)
     request_id: str | None = None

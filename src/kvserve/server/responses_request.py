@@ -105,7 +105,7 @@ class ResponsesRequest(Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     request_id: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: "" is refused
     max_queue_delay: float | None = None
     # OpenAI's, not implemented: accepted null only
     max_tool_calls: Any = None
