@@ -459,6 +459,19 @@ def test_a_busy_engine_counts_each_running_request_s_growth_once(admission_polic
     assert [r.request_id for r in scheduler.waiting] == ["x"]
 
 
+def test_a_group_the_pool_can_never_hold_is_refused_for_the_pool_not_the_queue():  # J1 K4
+    """The chaos pass: two prompts each longer than the whole pool were refused for
+    max_num_queued_tokens (the group's rule asked first), sending the user after the wrong
+    flag; one alone was refused for the pool."""
+    from kvserve.core.limits import check_queueable
+
+    config = SchedulerConfig(max_num_queued_tokens=600, max_model_len=512)
+    with pytest.raises(RequestRejected, match=r"request g-0: prompt of 400 tokens plus one "
+                                              r"generated token needs 26 KV blocks, but the "
+                                              r"whole pool has 24 blocks"):
+        check_queueable(make_group([400, 400]), config, "g", pool=(24, 16))
+
+
 def test_a_prompt_of_whole_blocks_is_not_counted_a_block_too_many():  # K4 K2
     """The review: the block past a prompt's end and the reserve counted from the prompt's
     blocks, which holds it, were both counted: two 16-token prompts on 8 blocks of 16 were a

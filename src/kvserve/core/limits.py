@@ -43,14 +43,19 @@ def check_queueable(group: Sequence[Request], config: SchedulerConfig, group_id:
     of whose sequences, pushed in turn as the server adds them into an empty queue of the
     configured policy, :func:`_check_room` refuses beside the group's earlier ones, less
     those an idle engine's next step admits (given its ``pool`` of blocks and block size,
-    with the reserve an admission policy keeps from each sequence's max_tokens). Waiting
-    cannot help it, so a client told to retry would retry forever.
+    with the reserve an admission policy keeps from each sequence's max_tokens), or one the
+    pool can never hold (J1, named as such). Waiting cannot help it, so a client told to
+    retry would retry forever.
 
     The same rule as the 503's, asked of a scratch queue, so the two cannot drift apart and
     any queue's order (the priority queue's ids among equals, B2) is the order counted."""
     if config.max_num_queued_reqs is None and config.max_num_queued_tokens is None and \
             config.max_num_queued_reqs_per_tenant is None:
         return
+    if pool is not None:  # J1 first: a prompt the pool never holds is refused for that
+        cache = CacheConfig(pool[0], pool[1])  # (the chaos pass: named the queue's limit)
+        for request in group:
+            check_servable(request, config, cache)
     queue = make_waiting_queue(config.scheduling_policy, config)
     growth = {r.request_id: _idle_growth(r, config, pool) for r in group}
     for request in group:
