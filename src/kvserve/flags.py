@@ -45,14 +45,17 @@ class CLIError(Exception):
 
 
 _SCHEDULER_FLAGS: tuple[tuple[str, Any, str], ...] = (  # (dest, type or "tokens", help)
-    ("max_num_seqs", int, "most requests running at once"),
-    ("max_num_batched_tokens", "tokens", "token budget of one step"),
+    ("max_num_seqs", int, "most requests running at once (default 256; a recording: as "
+     "recorded)"),
+    ("max_num_batched_tokens", "tokens", "token budget of one step (default 2048; a "
+     "recording: as recorded)"),
     ("max_model_len", "tokens", "longest sequence (prompt + output; 4k, 32K as vLLM "
                                 "reads them); default: the model's "
                            "context in serve and generate, 2048 in simulate, plan and whatif "
                            "(a recording: as recorded)"),
-    ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off"),
-    ("watermark", float, "fraction of KV blocks kept free when admitting"),
+    ("long_prefill_token_threshold", int, "cap on one request's prefill chunk; 0: off "
+     "(default)"),
+    ("watermark", float, "fraction of KV blocks kept free when admitting (default 0)"),
     ("max_num_queued_reqs", int, "reject arrivals beyond this many waiting requests (per "
      "data-parallel replica, as max_num_seqs)"),
     ("max_num_queued_tokens", int, "reject arrivals beyond this many waiting tokens (per "
@@ -381,7 +384,8 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + name.replace("_", "-"), dest=name,
                            type=parse_token_count if kind == "tokens" else kind, help=text)
     group.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action=argparse.BooleanOptionalAction, help="split long prompts")
+                       action=argparse.BooleanOptionalAction,
+                       help="split long prompts (on by default)")
     group.add_argument("--step-mix", dest="step_mix", choices=STEP_MIXES,
                        help="mixed (default, vLLM V1): decodes and prefill chunks share each "
                             "step; prefill-first (SGLang's default): while prefill work is "
@@ -432,7 +436,9 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
                        type=int, help="KV blocks in the pool (default: sized from memory)")
     group.add_argument("--kv-cache-memory", dest="kv_cache_memory", type=parse_bytes,
-                       help="KV cache bytes per device (e.g. 20GiB) instead of a block count")
+                       help="KV cache bytes per device (e.g. 20GiB) instead of a block count "
+                            "(default: 1GiB in serve and generate; in simulate and plan, what "
+                            "the device's memory leaves)")
     group.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                        action=argparse.BooleanOptionalAction,
                        help="reuse the KV of full blocks a previous prompt computed (on by "

@@ -155,7 +155,10 @@ def add_parser(subparsers: Any) -> None:
                       + "}",
                       help="how the model writes its tool calls: hermes (<tool_call>{...}"
                            "</tool_call>: Hermes, Qwen), llama3_json ({\"name\", "
-                           "\"parameters\"}: Llama 3.1-3.3); with --enable-auto-tool-choice")
+                           "\"parameters\"}: Llama 3.1-3.3), mistral ([TOOL_CALLS] then the "
+                           "calls: Mistral, Mixtral, Nemo, Magistral), pythonic "
+                           "([get_weather(city=\"Oslo\")]: Llama 3.2 and 4, ToolACE); with "
+                           "--enable-auto-tool-choice")
     defaults = parser.add_argument_group("sampling defaults (vLLM's flags)")
     defaults.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                           help="auto (default, as vLLM): the model directory's "
