@@ -336,8 +336,9 @@ def _send(conn: Connection, message: object) -> None:
 # -- the server's side -------------------------------------------------------------------------
 
 @dataclass
-class _PendingAdd:
-    """An add sent and not yet answered: its requests, and what their text streams need."""
+class _Pending:
+    """A command sent whose answer the caller awaits: an add (its requests, and what their
+    text streams need) or a session release (none of either)."""
 
     future: concurrent.futures.Future[None]
     request_ids: list[str]
@@ -472,7 +473,7 @@ class ProcessEngine:
         self.error: BaseException | None = None
         self.idle_checks = self.invariant_violations = 0
         self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[int, _PendingAdd] = {}
+        self._pending: dict[int, _Pending] = {}
         self._text = ServerText(tokenizer)  # reader thread only
         self._lock = threading.Lock()  # _streams, _pending: event loop and reader thread
         self._seq = itertools.count()
@@ -500,7 +501,8 @@ class ProcessEngine:
 
     @property
     def pending_adds(self) -> int:
-        """Adds sent and not yet answered (not yet in :attr:`stats`)."""
+        """Adds (and session releases) sent and not yet answered (not yet in
+        :attr:`stats`)."""
         return len(self._pending)
 
     def _await_ready(self, timeout: float, cancel: threading.Event | None) -> _Ready:
@@ -620,7 +622,7 @@ class ProcessEngine:
                 seen.add(request_id)
             for request_id in request_ids:
                 self._streams[request_id] = stream
-            self._pending[seq] = _PendingAdd(future, request_ids, texts)
+            self._pending[seq] = _Pending(future, request_ids, texts)
         self._outbox.put(("add", (seq, payload)))
         try:
             await asyncio.wrap_future(future)
@@ -659,7 +661,7 @@ class ProcessEngine:
         with self._lock:
             if self._failed is not None:
                 raise self._failed
-            self._pending[seq] = _PendingAdd(future, [], [])
+            self._pending[seq] = _Pending(future, [], [])
         self._outbox.put(("release", (seq, session_id, tenant)))
         await asyncio.wrap_future(future)
 
@@ -723,7 +725,7 @@ class ProcessEngine:
         if stats.num_running or stats.num_waiting or stats.num_swapped:
             return now - self._last_heard
         with self._lock:
-            oldest = min((add.sent for add in self._pending.values()), default=None)
+            oldest = min((sent.sent for sent in self._pending.values()), default=None)
         return None if oldest is None else now - max(oldest, self._last_heard)
 
     def _watch(self) -> None:
