@@ -385,6 +385,18 @@ def test_release_session_deletes_held_or_in_flight():  # U8
     check_empty(scheduler)
 
 
+def test_a_release_between_steps_is_logged_at_its_own_time():  # U8
+    """The record -> replay pass: a DELETE on an idle engine logged its ``released`` event
+    at the last step's time (the turn's hold), so a recording placed it before the client
+    asked."""
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    first_turn(scheduler, executor)
+    scheduler.take_events()
+    assert scheduler.release_session("s", "", now=7.5) == 1
+    [event] = scheduler.take_events()
+    assert (event.kind, event.reason, event.time) == ("released", "deleted", 7.5)
+
+
 def test_an_aborted_turn_ends_its_session_and_frees_its_blocks():  # U8 H4
     scheduler, executor = sched(), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)

@@ -237,6 +237,28 @@ def test_a_group_the_queue_refused_part_of_leaves_no_event_behind():
     assert [(e.kind, e.request_id) for e in events] == [("arrived", "x")]
 
 
+def test_a_session_released_on_an_idle_engine_is_reported_at_once():  # U8
+    """The record -> replay pass: a DELETE on an idle engine reached no report (no step
+    followed), so a recording never logged the release."""
+    from kvserve.engine.core_loop import EngineCore
+
+    from .helpers import make_engine
+
+    core = EngineCore(make_engine(max_session_kv=0.5))
+    params = SamplingParams(max_tokens=2, ignore_eos=True, session_id="s")
+    assert core.add([("t1", [5] * 20, params, None)]) is None
+    while core.busy:
+        core.step()
+    core.engine.scheduler.take_events()
+    error, report = core.release_session("s", None)
+    assert error is None and report is not None
+    assert [(e.kind, e.request_id, e.reason) for e in report.events] == \
+        [("released", "t1", "deleted")]
+    assert report.stats.num_sessions_held == 0
+    error, report = core.release_session("s", None)
+    assert error is not None and report is None  # none live: nothing to report
+
+
 def test_a_segment_begun_mid_step_logs_nothing_from_before_it(tmp_path):
     """QA: ``kvserve record start`` on a busy server logged the step under way and the
     in-flight requests' arrivals at negative times; the replay read those as requests lost

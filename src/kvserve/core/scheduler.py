@@ -20,10 +20,11 @@ and hashes are stable digests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core import outputs as core_outputs
@@ -920,13 +921,22 @@ class Scheduler:
         sessions = self.sessions
         if sessions is None or now < sessions.next_expiry:
             return 0
-        before, decided = len(sessions.held), self._now
-        self._now = now
-        try:
+        before = len(sessions.held)
+        with self._between_steps(now):
             sessions.expire(now)
+        return before - len(sessions.held)
+
+    @contextlib.contextmanager
+    def _between_steps(self, now: float | None) -> Iterator[None]:
+        """Events made between steps are stamped ``now`` (None: the last step's time), and
+        the step's own time is kept for it."""
+        decided = self._now
+        if now is not None:
+            self._now = now
+        try:
+            yield
         finally:
             self._now = decided
-        return before - len(sessions.held)
 
     def _expire_queue_deadlines(self, now: float) -> None:
         """Abort requests that waited past their queue deadline before first running (K4)."""
@@ -998,16 +1008,20 @@ class Scheduler:
         else:
             self.waiting.remove(request)
 
-    def release_session(self, session_id: str, tenant: str | None = None) -> int:
+    def release_session(self, session_id: str, tenant: str | None = None,
+                        now: float | None = None) -> int:
         """End sessions early (U8, ``DELETE /v1/sessions/{id}``): ``tenant``'s session of
         that id, or every tenant's (None: an operator). A held one's KV goes back to the
-        pool; a turn in flight runs on but its KV is not held. Returns how many ended."""
+        pool; a turn in flight runs on but its KV is not held. Returns how many ended.
+        ``now``: the time its events carry (None: the last step's; the record -> replay
+        pass: a recording placed a DELETE on an idle engine at the turn's hold)."""
         sessions = self.sessions
         if sessions is None:
             return 0
         keys = [(tenant, session_id)] if tenant is not None else \
             [key for key in sessions.sessions if key[1] == session_id]
-        return sum(sessions.release(key, DELETED) for key in keys)
+        with self._between_steps(now):
+            return sum(sessions.release(key, DELETED) for key in keys)
 
     def _emit_session(self, kind: str, request_id: str, num_tokens: int, reason: str) -> None:
         if self._events is not None:

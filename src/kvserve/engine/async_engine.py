@@ -325,8 +325,11 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._apply_add(command)
             elif isinstance(command, _Release):
-                settle(command.future,
-                       self.core.release_session(command.session_id, command.tenant))
+                error, report = self.core.release_session(command.session_id,
+                                                          command.tenant)
+                settle(command.future, error)
+                if report is not None:  # the release's events and stats
+                    self._notify(report)
             else:
                 report = self.core.abort(command.request_ids)
                 if report is not None:

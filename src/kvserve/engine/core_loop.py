@@ -124,14 +124,19 @@ class EngineCore:
         self.stats = self.engine.scheduler.stats()
         return StepReport(time.monotonic(), 0, 0.0, chunks, [], self.stats)
 
-    def release_session(self, session_id: str, tenant: str | None) -> Exception | None:
-        """End a session (U8): None, or SessionNotFound when none of that id is live."""
-        released = self.engine.scheduler.release_session(session_id, tenant)
-        self.stats = self.engine.scheduler.stats()
-        if released:
-            return None
-        return SessionNotFound(f"no session {session_id!r} is live"
-                               + (" for your tenant" if tenant is not None else ""))
+    def release_session(self, session_id: str, tenant: str | None
+                        ) -> tuple[Exception | None, StepReport | None]:
+        """End a session (U8): None, or SessionNotFound when none of that id is live; and a
+        report (no tokens: the release events and the stats) when one ended, as the idle
+        engine's ttl expiry makes (the record -> replay pass: with no step after it, a
+        recording never logged the release)."""
+        scheduler = self.engine.scheduler
+        if not scheduler.release_session(session_id, tenant, now=self.engine.clock()):
+            return SessionNotFound(f"no session {session_id!r} is live"
+                                   + (" for your tenant" if tenant is not None else "")), None
+        self.stats = scheduler.stats()
+        return None, StepReport(time.monotonic(), 0, 0.0, [], scheduler.take_events(),
+                                self.stats)
 
     def step(self) -> StepReport:
         record = self.engine.step()

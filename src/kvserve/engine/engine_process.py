@@ -280,7 +280,10 @@ def _apply(core: EngineCore, kind: str, payload: Any, out: _Out) -> bool:
         out.replies.append((seq, _portable(core.add(items))))
     elif kind == "release":
         seq, session_id, tenant = payload
-        out.replies.append((seq, _portable(core.release_session(session_id, tenant))))
+        error, report = core.release_session(session_id, tenant)
+        out.replies.append((seq, _portable(error)))
+        if report is not None:
+            out.reports.append(report)
     elif kind in ("abort", "finish"):
         report = core.abort(payload) if kind == "abort" else core.finish_stopped(payload)
         if report is not None:
