@@ -178,6 +178,35 @@ def test_an_id_a_client_sends_again_replays_as_requests_of_their_own(tmp_path):
     assert decisions(simulated) == decisions(recording.engines[0].events)
 
 
+def test_a_session_its_client_deleted_is_released_in_the_replay_then(tmp_path):  # U8
+    """The record -> replay pass: a DELETE /v1/sessions on an idle server was in no log,
+    and the replay held the session's KV to the end (sessions_held_at_end 1, no release)
+    where the server had released it."""
+    directory = tmp_path / "rec"
+    settings = dict(SETTINGS, max_session_kv=0.5)
+    with LiveServer(slow_engine(0.0, num_kv_blocks=NUM_BLOCKS, **settings)) as live:
+        live.state.recorder = Recorder(directory, live.state.engine.info, prompts="hashes")
+        live.state.engine.observers.append(live.state.recorder.observe)
+        live.state.recorder.start()
+        reply = httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "prompt": prompts(1)[0], "max_tokens": 4, "temperature": 0,
+            "session": {"id": "chat"}})
+        assert reply.status_code == 200, reply.text
+        wait_for(lambda: live.state.engine.stats.num_sessions_held == 1, what="held")
+        assert httpx.delete(live.url + "/v1/sessions/chat", timeout=30).status_code == 200
+        wait_for(lambda: '"reason": "deleted"' in "".join(
+            f.read_text() for f in directory.glob("steps-*.jsonl")), what="release logged")
+        live.state.recorder.close()
+    recording = load_recording(directory, warn=lambda message: None)
+    [turn] = recording.trace
+    [released] = [e for e in recording.engines[0].events if e["kind"] == "released"]
+    assert turn.session_end_time == released["time"] > turn.arrival_time
+    result = Simulator(SchedulerConfig.from_dict(settings), CacheConfig(num_blocks=NUM_BLOCKS),
+                       recording.replay_cost_model()).run(recording.trace)
+    assert (result.sessions["sessions_held_at_end"], result.sessions["session_releases"]) \
+        == (0, {"deleted": 1})
+
+
 def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_path):
     directory, _ = recorded
     copy = tmp_path / "cut"

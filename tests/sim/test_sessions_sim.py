@@ -4,6 +4,8 @@ unchanged when no session is named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve.sim.trace import parse_request
@@ -33,6 +35,31 @@ def test_trace_session_fields_round_trip_and_are_checked():  # U1
             parse_request({**row, **bad})
     with pytest.raises(ValueError, match="session_id must be a non-empty string"):
         parse_request({**row, "session_id": ""})
+
+
+def test_a_session_ended_by_its_client_releases_its_hold_then():  # U8
+    """The record -> replay pass: a DELETE /v1/sessions was in no trace, so the replay held
+    the session's KV on (to the end, or until a later turn replaced it) where the server had
+    released it. ``session_end_time`` on the turn the client ended the session after."""
+    from kvserve.sim.cluster import ClusterOptions
+    from kvserve.sim.deployment import Deployment
+
+    row = {"request_id": "a", "arrival_time": 0, "prompt_len": 40, "output_len": 8,
+           "session_id": "s", "session_end_time": 5}
+    assert parse_request(row).session_end_time == 5.0
+    assert parse_request(row).to_json()["session_end_time"] == 5.0
+    with pytest.raises(ValueError, match="session_end_time needs a session_id"):
+        parse_request({**row, "session_id": None})
+    a = req("a", 40, 8, session_id="s", session_end_time=5.0)
+    b = req("b", 10, 4, arrival=9.0)  # after the end: the hold is gone
+    for cluster in (None, ClusterOptions(2, "round-robin")):
+        result = Deployment(cost_model="unit").simulate(
+            [a, b], {"max_session_kv": 0.5, "num_kv_blocks": 200}, cluster=cluster)[1]
+        sessions = aggregate(result)["sessions"]
+        assert sessions["session_releases"] == {"deleted": 1}, cluster
+        assert sessions["sessions_held_at_end"] == 0, cluster
+    kept = simulate([dataclasses.replace(a, session_end_time=None), b], max_session_kv=0.5)
+    assert aggregate(kept)["sessions"]["sessions_held_at_end"] == 1  # as before: held on
 
 
 def test_the_generator_names_sessions_only_when_asked():

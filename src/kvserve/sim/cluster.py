@@ -52,7 +52,7 @@ from kvserve.core.router import (
     make_router,
 )
 from kvserve.core.sessions import SessionError
-from kvserve.sim.conversations import ConversationGate, take_due
+from kvserve.sim.conversations import ConversationGate, SessionEnds, take_due
 from kvserve.sim.cost_models import CostModel, holds_recorded_steps
 from kvserve.sim.prompt_draws import SessionChains
 from kvserve.sim.simulator import (
@@ -140,6 +140,7 @@ class _Replica:
         self.cost_model = cost_model
         self.inbox: list[Request] = []
         self.pending_cancels: list[str] = []
+        self.pending_session_ends: list[tuple[str, str]] = []
         self.flight: _Flight | None = None
         self.request_ids: list[str] = []
         # the router's decision for each request in the inbox, withdrawn where this
@@ -210,6 +211,14 @@ class _Replica:
         else:
             self.run.cancel(request_id, now)
 
+    def end_session(self, tenant: str, session_id: str, now: float) -> None:
+        """The client ended a session (U8): at once between steps, else as the step in flight
+        ends (the engine takes a DELETE between steps)."""
+        if self.flight is not None:
+            self.pending_session_ends.append((tenant, session_id))
+        else:
+            self.run.end_session(tenant, session_id, now)
+
     def start(self, now: float, throttle: bool) -> _Flight | None:
         """Schedule one step at ``now``; None when it scheduled nothing (then it is over)."""
         run = self.run
@@ -242,6 +251,9 @@ class _Replica:
         for request_id in self.pending_cancels:
             run.cancel(request_id, end)
         self.pending_cancels.clear()
+        for tenant, session_id in self.pending_session_ends:
+            run.end_session(tenant, session_id, end)
+        self.pending_session_ends.clear()
 
 
 def check_recorded_placement(trace: Sequence[TraceRequest], size: int) -> None:
@@ -319,6 +331,7 @@ class _ClusterRun:
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
         self.next_arrival = self.next_cancel = 0
+        self.session_ends = SessionEnds(self.arrivals)
         self.cancelled_early: set[str] = set()  # membership only
         self.replica_of: dict[str, int] = {}
         self.route_reasons: dict[str, int] = {}
@@ -441,6 +454,8 @@ class _ClusterRun:
             self.next_cancel += 1  # a client timeout of a request already done never fires
         if self.next_cancel < len(cancels):
             times.append(cancels[self.next_cancel][0])
+        if self.session_ends.next_time is not None:
+            times.append(self.session_ends.next_time)
         return min(times) if times else None
 
     def _done(self, request_id: str) -> bool:
@@ -467,6 +482,11 @@ class _ClusterRun:
                 record = self.records[request_id]
                 record.finish_reason, record.stop_reason = "abort", "cancelled"
             self.next_cancel += 1
+        for tenant, session_id in self.session_ends.due(now):  # every replica's, as the
+            for index, replica in enumerate(self.replicas):  # server's DELETE
+                replica.end_session(tenant, session_id, now)
+                self._wake(index)
+                self._refresh(index)
 
     def _route(self, trace_request: TraceRequest) -> None:
         seed = self.sim.seed

@@ -78,6 +78,29 @@ class ConversationGate:
         return out
 
 
+class SessionEnds:
+    """The trace's session ends (``session_end_time``, U8: a client's ``DELETE
+    /v1/sessions/{id}``) in time order, handed out as they come due. One simulator's loop
+    and a cluster's share it."""
+
+    def __init__(self, arrivals: Sequence[TraceRequest]) -> None:
+        self._ends = sorted((r.session_end_time, r.tenant, r.session_id) for r in arrivals
+                            if r.session_end_time is not None and r.session_id is not None)
+        self._next = 0
+
+    @property
+    def next_time(self) -> float | None:
+        """When the next one comes (None: none is left)."""
+        return self._ends[self._next][0] if self._next < len(self._ends) else None
+
+    def due(self, now: float) -> list[_Key]:
+        """The (tenant, session id) of those that came by ``now``, in time order."""
+        start = self._next
+        while self._next < len(self._ends) and self._ends[self._next][0] <= now:
+            self._next += 1
+        return [(tenant, session) for _, tenant, session in self._ends[start:self._next]]
+
+
 def take_due(arrivals: Sequence[TraceRequest], next_arrival: int, now: float,
              gate: ConversationGate | None, gone: Container[str], records: dict[str, Any],
              take: Callable[[TraceRequest], None]) -> int:

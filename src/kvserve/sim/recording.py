@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from kvserve.core.checks import is_finite, is_int
 from kvserve.core.request import EventType
+from kvserve.core.sessions import DELETED
 from kvserve.sim.cost_models import CostModelError, ReplayCostModel
 from kvserve.sim.executor import BatchView
 from kvserve.sim.trace import TraceError, TraceRequest, decode_line, parse_request
@@ -183,6 +184,7 @@ def load_recording(path: str | Path, warn: Warn = _stderr) -> Recording:
     for log in engines.values():
         log.steps.sort(key=lambda s: s["start"])
     trace = _reused_ids_apart(trace, engines, note, manifest.get("replica_deaths") or ())
+    trace = _session_ends(trace, engines)
     steps = [step for log in engines.values() for step in log.steps]
     if steps and not any(step["duration"] > 0 for step in steps):  # QA: "the simulation
         # scheduled more" (whatif), "got 0 and 0" (plan)
@@ -352,6 +354,26 @@ def _reused_ids_apart(trace: list[TraceRequest], engines: dict[int, EngineLog],
              f"replayed as {request_id!r}, {name(request_id, 2)!r}"
              + (", ..." if times > 2 else ""))
     return renamed
+
+
+def _session_ends(trace: list[TraceRequest],
+                  engines: dict[int, EngineLog]) -> list[TraceRequest]:
+    """Each session its client ended (``DELETE /v1/sessions/{id}``: a ``released`` event
+    of reason ``deleted``) ended in the trace too, on the turn it released, at the event's
+    time (the record -> replay pass: the replay held the session's KV on where the server
+    had released it). The first end of a turn counts; a turn from before the recording
+    began is in no trace."""
+    ends: dict[str, float] = {}
+    for log in engines.values():
+        for event in log.events:
+            if event["kind"] == "released" and event.get("reason") == DELETED:
+                request_id = event["request_id"]
+                ends[request_id] = min(event["time"], ends.get(request_id, event["time"]))
+    if not ends:
+        return trace
+    return [dataclasses.replace(request, session_end_time=ends[request.request_id])
+            if request.request_id in ends and request.session_id is not None else request
+            for request in trace]
 
 
 @dataclass

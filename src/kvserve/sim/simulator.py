@@ -45,7 +45,7 @@ from kvserve.core.preemption import PreemptionPrices
 from kvserve.core.request import EventType
 from kvserve.core.sessions import SessionError
 from kvserve.runs import RequestRecord, RunRecorder, SimResult, StepSeries
-from kvserve.sim.conversations import ConversationGate, take_due
+from kvserve.sim.conversations import ConversationGate, SessionEnds, take_due
 from kvserve.sim.cost_models import CostModel, holds_recorded_steps, needs_block_layout
 from kvserve.sim.executor import SimExecutor
 from kvserve.sim.fast_forward import SimLaneModel
@@ -141,6 +141,7 @@ class SimRun:
         self.cancels = sorted((r.cancel_time, r.request_id) for r in self.arrivals
                               if r.cancel_time is not None)
         self.next_arrival = self.next_cancel = 0  # indices of the next due event
+        self.session_ends = SessionEnds(self.arrivals)
         self.held: deque[TraceRequest] = deque()  # arrived, not yet handed over (static)
         self.live: dict[str, Request] = {}
         self.session_fallbacks = 0  # session turns run as ordinary requests (see _submit)
@@ -216,13 +217,15 @@ class SimRun:
         scheduler.lane = self.executor.lane = lane
 
     def _take_due(self, now: float) -> None:
-        """Arrivals and cancellations whose time has come, in time order."""
+        """Arrivals, cancellations and session ends whose time has come, in time order."""
         self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
                                      self.finished, self.recorder.records, self.held.append)
         cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
             self.cancel(cancels[self.next_cancel][1], now)
             self.next_cancel += 1
+        for tenant, session_id in self.session_ends.due(now):
+            self.end_session(tenant, session_id, now)
 
     def _run_step(self, out: SchedulerOutput, now: float) -> float:
         """Execute, price and update one non-empty step; returns the clock after it."""
@@ -280,6 +283,8 @@ class SimRun:
             self.next_cancel += 1  # a client timeout of a request already done never fires
         if self.next_cancel < len(cancels):
             times.append(cancels[self.next_cancel][0])
+        if self.session_ends.next_time is not None:
+            times.append(self.session_ends.next_time)
         return min(times) if times else None
 
     # -- requests in -----------------------------------------------------------------------
@@ -349,6 +354,12 @@ class SimRun:
         self.finished.add(request_id)
         if self.conversations is not None:
             self.conversations.ended(request_id)
+
+    def end_session(self, tenant: str, session_id: str, now: float) -> None:
+        """The client ended its session at ``now`` (a turn's ``session_end_time``, U8): its
+        hold released, a turn in flight not held after (with sessions off, nothing)."""
+        if self.scheduler.sessions is not None:
+            self.scheduler.release_session(session_id, tenant, now=now)
 
     def cancel(self, request_id: str, now: float) -> None:
         """The client gave up on the request at ``now`` (its trace's cancel time): aborted

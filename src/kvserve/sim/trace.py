@@ -8,7 +8,9 @@ request should finish by then), ``cancel_time`` (s, absolute: the client aborts 
 tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with optional
 ``session_ttl`` (s): the multi-turn session the request is a turn of, whose KV the
 scheduler holds between turns when the simulation runs with ``--max-session-kv`` (U1;
-ignored otherwise, but its turns are still sent closed loop, docs/sessions.md), and
+ignored otherwise, but its turns are still sent closed loop, docs/sessions.md), with
+optional ``session_end_time`` (s, absolute) on a turn after which its client ended the
+session (``DELETE /v1/sessions/{id}``, U8: its hold is released then), and
 ``replica`` (an integer >= 0): the data-parallel replica a recorded server placed the
 request on, which ``--router recorded`` follows, and ``received_time`` (s, at or before
 ``arrival_time``): when a recorded server received the request, which its latencies count
@@ -68,6 +70,7 @@ class TraceRequest:
     hash_block_size: int = 0
     session_id: str | None = None
     session_ttl: float | None = None
+    session_end_time: float | None = None  # U8: the client ended the session then
     replica: int | None = None
     received_time: float | None = None
     # It asked for its prompt's logprobs (G8): it computes its whole prompt, never a hit.
@@ -171,8 +174,8 @@ class TraceRequest:
         for name, default in (("max_tokens", None), ("priority", 0), ("deadline", None),
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
                               ("session_id", None), ("session_ttl", None),
-                              ("replica", None), ("received_time", None),
-                              ("prompt_logprobs", None)):
+                              ("session_end_time", None), ("replica", None),
+                              ("received_time", None), ("prompt_logprobs", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -191,7 +194,7 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
-           "session_ttl", "replica", "received_time", "prompt_logprobs")
+           "session_ttl", "session_end_time", "replica", "received_time", "prompt_logprobs")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -236,7 +239,8 @@ def check_trace(trace: Sequence[Any]) -> None:
         if item.request_id in seen:  # a cluster merged the two into one row (QA)
             raise ValueError(f"{where}the id is in the trace twice")
         seen.add(item.request_id)
-        for name in ("arrival_time", "deadline", "cancel_time", "received_time"):
+        for name in ("arrival_time", "deadline", "cancel_time", "received_time",
+                     "session_end_time"):
             value = getattr(item, name)
             if value is None and name != "arrival_time":
                 continue
@@ -308,6 +312,7 @@ def parse_request(row: Any) -> TraceRequest:
         hash_block_size=hash_block_size,
         session_id=row.get("session_id"),
         session_ttl=session_ttl,
+        session_end_time=_time(row, "session_end_time"),
         replica=_int(row, "replica", 0),
         received_time=_time(row, "received_time"),
         prompt_logprobs=_int(row, "prompt_logprobs", 0),
@@ -347,6 +352,8 @@ def _check_fields(request: TraceRequest) -> None:
             not is_real(session_ttl) or not 0 < session_ttl <= 86400 or session_id is None):
         raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
                          f"session_id, got {session_ttl!r}")
+    if request.session_end_time is not None and session_id is None:
+        raise ValueError("session_end_time needs a session_id (the session it ends)")
     replica = request.replica
     if replica is not None and (not is_int(replica) or replica < 0):
         raise ValueError(f"replica must be an integer >= 0, got {replica!r}")
