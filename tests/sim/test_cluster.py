@@ -283,6 +283,23 @@ def test_a_router_with_one_replica_says_it_changes_nothing(tmp_path, capsys):
            "nothing" in capsys.readouterr().err
 
 
+def test_a_recorded_cluster_s_router_is_not_said_to_change_nothing(capsys):
+    """The record -> replay pass: ``kvserve plan --trace`` of a two-replica recording (the
+    manifest's router taken as --router; plan has no --data-parallel-size) noted that the
+    router changes nothing with one replica, while it planned the recorded two."""
+    import argparse
+
+    from kvserve.sim.cli_common import cluster_from_args
+
+    args = argparse.Namespace(router="least-loaded", router_imbalance_bound=None,
+                              data_parallel_lockstep=False, prefill_schedule_interval=1,
+                              recorded_size=2)
+    cluster_from_args(args)
+    assert "changes nothing" not in capsys.readouterr().err
+    cluster_from_args(argparse.Namespace(**{**vars(args), "recorded_size": 1}))
+    assert "changes nothing" in capsys.readouterr().err
+
+
 def test_a_request_its_replica_refuses_is_no_decision_r7() -> None:
     """As the server's DataParallelEngine: a request its replica's queue limits refuse (they
     hold per replica) is not counted as a router decision, and its prefix teaches the

@@ -108,11 +108,13 @@ def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     size = getattr(args, "data_parallel_size", None)
     bound = args.router_imbalance_bound
-    if (size or 1) == 1 and args.router not in (None, "recorded") and \
+    # plan of a recording runs its recorded replicas (the record -> replay pass: noted as one)
+    alone = (size or getattr(args, "recorded_size", None) or 1) == 1
+    if alone and args.router not in (None, "recorded") and \
             not getattr(args, "max_replicas", None):  # QA: silently ignored
         print(f"note: --router {args.router} spreads arrivals over replicas; with one "
               "replica it changes nothing (give --data-parallel-size N)", file=sys.stderr)
-    if (size or 1) == 1 and args.data_parallel_lockstep and \
+    if alone and args.data_parallel_lockstep and \
             not getattr(args, "max_replicas", None):  # QA: taken silently
         print("note: --data-parallel-lockstep steps replicas together; with one replica it "
               "changes nothing (give --data-parallel-size N)", file=sys.stderr)
