@@ -292,6 +292,35 @@ def test_a_segment_begun_mid_step_logs_nothing_from_before_it(tmp_path):
     assert "in flight" in (recording.inexact or "")
 
 
+def test_requests_in_flight_when_a_recording_stops_are_named_cut(tmp_path, capsys):
+    """The record -> replay pass: a request the recording's stop cut (written with a
+    cancel_time then, its end unknown) replayed as a client's abort with no word, and
+    ``plan`` then blamed the KV pool ("no candidate served any ... give a larger pool")."""
+    from kvserve.cli import main
+    from kvserve.core.outputs import SchedulerEvent
+
+    recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
+    recorder.start()
+    recorder.submitted([("long", list(range(20)), SamplingParams(max_tokens=60))])
+    at = recorder.origin + recorder.now()  # the step ran before the stop
+    recorder.observe(StepReport(at, 20, 0.001, [CompletionChunk("long", [1], "", False)], [
+        SchedulerEvent(at, "arrived", "long", 20), SchedulerEvent(at, "admitted", "long", 20)],
+        BUSY, shape=SHAPE, arrivals=(("long", at),)))
+    recorder.close()  # stops with "long" in flight
+    [row] = lines(tmp_path / "rec", "trace-*.jsonl")
+    assert "cancel_time" in row
+    warnings: list[str] = []
+    recording = load_recording(tmp_path / "rec", warn=warnings.append)
+    assert any("1 request(s) were in flight when the recording stopped" in w
+               for w in warnings), warnings
+    assert main(["plan", "--trace", str(tmp_path / "rec"), "--candidates", "4",
+                 "--cost-model", "roofline", "--hardware", "cpu-local"]) == 2
+    err = capsys.readouterr().err
+    assert "every one was cancelled, or cut by the recording's stop, before it finished" \
+        in err and "larger KV pool" not in err
+    assert [r.request_id for r in recording.trace] == ["long"]
+
+
 def test_events_of_a_report_with_no_step_are_logged_and_a_turns_own_ttl_recorded(tmp_path):
     """QA: a session released while the engine was idle (a report with no tokens) was in no
     log; a turn's own session ttl was not recorded, so its replay held it the server's

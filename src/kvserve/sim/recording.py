@@ -476,6 +476,13 @@ def _cut(recording: Recording, note: Warn) -> None:
         if cut is None or lost[0][0] < cut:
             cut = lost[0][0]
             finished_events = [e for e in finished_events if e.get("time", cut) <= cut]
+    stops = {s["stop"] for s in segments if s.get("stop") is not None}
+    cut_short = sorted((r.cancel_time, r.request_id) for r in recording.trace
+                       if r.cancel_time is not None and round(r.cancel_time, 6) in stops)
+    if cut_short:  # the record -> replay pass: read as clients' aborts, with no word
+        note(f"{recording.path}: {len(cut_short)} request(s) were in flight when the "
+             f"recording stopped, the first {cut_short[0][1]!r} at {cut_short[0][0]:.3f} s: "
+             "their ends are not recorded, so the replay aborts them then")
     reasons = []
     if any(s.get("in_flight_at_start") for s in segments):
         reasons.append("a segment began with requests in flight, whose steps are in the log "
