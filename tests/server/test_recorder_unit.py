@@ -301,7 +301,8 @@ def test_requests_in_flight_when_a_recording_stops_are_named_cut(tmp_path, capsy
 
     recorder = Recorder(tmp_path / "rec", INFO, prompts="ids")
     recorder.start()
-    recorder.submitted([("long", list(range(20)), SamplingParams(max_tokens=60))])
+    recorder.submitted([("long", list(range(20)),
+                         SamplingParams(max_tokens=60, max_queue_delay=3.0))])
     at = recorder.origin + recorder.now()  # the step ran before the stop
     recorder.observe(StepReport(at, 20, 0.001, [CompletionChunk("long", [1], "", False)], [
         SchedulerEvent(at, "arrived", "long", 20), SchedulerEvent(at, "admitted", "long", 20)],
@@ -309,6 +310,7 @@ def test_requests_in_flight_when_a_recording_stops_are_named_cut(tmp_path, capsy
     recorder.close()  # stops with "long" in flight
     [row] = lines(tmp_path / "rec", "trace-*.jsonl")
     assert "cancel_time" in row
+    assert row["max_queue_delay"] == 3.0  # its own queue deadline, for a changed run
     warnings: list[str] = []
     recording = load_recording(tmp_path / "rec", warn=warnings.append)
     assert any("1 request(s) were in flight when the recording stopped" in w

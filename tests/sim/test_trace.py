@@ -174,3 +174,28 @@ def test_a_binary_file_is_named_as_no_trace(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path)]) == 2
     err = capsys.readouterr().err
     assert "bin.jsonl: not a trace: it is not UTF-8 text" in err and err.count("\n") == 1
+
+
+def test_a_request_s_own_queue_deadline_is_a_trace_field_and_times_it_out():  # K4
+    """The record -> replay pass: a body's max_queue_delay was in no trace, so a recording's
+    queue timeouts (503s) vanished from every changed run (whatif, plan) with no word."""
+    from kvserve.core import SchedulerConfig
+    from kvserve.core.config import CacheConfig
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    row = {"request_id": "w", "arrival_time": 0.5, "prompt_len": 8, "output_len": 4,
+           "max_queue_delay": 0.4}
+    waits = parse_request(row)
+    assert waits.max_queue_delay == 0.4 and waits.to_json()["max_queue_delay"] == 0.4
+    assert waits.sampling_params(64).max_queue_delay == 0.4
+    for bad in (0, -1, "soon", 86401):
+        with pytest.raises(ValueError, match="max_queue_delay must be a number of seconds in "
+                                             r"\(0, 86400\]"):
+            parse_request({**row, "max_queue_delay": bad})
+    hog = parse_request({"request_id": "hog", "arrival_time": 0, "prompt_len": 8,
+                         "output_len": 500, "ignore_eos": True})
+    result = Simulator(SchedulerConfig(max_num_seqs=1), CacheConfig(num_blocks=100),
+                       UnitCostModel()).run([hog, waits])
+    [record] = [r for r in result.records if r.request_id == "w"]
+    assert (record.finish_reason, record.stop_reason) == ("abort", "queue_timeout")

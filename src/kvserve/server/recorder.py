@@ -525,6 +525,8 @@ class Recorder:
                 row["session_ttl"] = params.session_ttl  # at the server's default)
         if params.prompt_logprobs is not None:  # never a prefix hit (G8), in the replay too
             row["prompt_logprobs"] = params.prompt_logprobs
+        if params.max_queue_delay is not None:  # its own (the record -> replay pass: its
+            row["max_queue_delay"] = params.max_queue_delay  # timeouts were in no changed run)
         if self.num_engines > 1:
             row["replica"] = entry.engine
         self.num_requests += 1

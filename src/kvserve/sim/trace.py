@@ -3,7 +3,8 @@
 Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` or
 ``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
-request should finish by then), ``cancel_time`` (s, absolute: the client aborts then) and
+request should finish by then), ``cancel_time`` (s, absolute: the client aborts then),
+``max_queue_delay`` (s: its own queue deadline, K4, over the scheduler's) and
 ``ignore_eos``, ``tenant`` (who sent it: per-tenant queue limits, fair share and the
 tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with optional
 ``session_ttl`` (s): the multi-turn session the request is a turn of, whose KV the
@@ -75,6 +76,7 @@ class TraceRequest:
     received_time: float | None = None
     # It asked for its prompt's logprobs (G8): it computes its whole prompt, never a hit.
     prompt_logprobs: int | None = None
+    max_queue_delay: float | None = None  # K4: its own queue deadline (s after it arrived)
 
     @property
     def received(self) -> float:
@@ -153,6 +155,8 @@ class TraceRequest:
                                   self.priority, self.tenant)
         if self.prompt_logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs)
+        if self.max_queue_delay is not None:
+            params = dataclasses.replace(params, max_queue_delay=self.max_queue_delay)
         if sessions and self.session_id is not None:
             return dataclasses.replace(params, session_id=self.session_id,
                                        session_ttl=self.session_ttl)
@@ -175,7 +179,8 @@ class TraceRequest:
                               ("cancel_time", None), ("ignore_eos", False), ("tenant", ""),
                               ("session_id", None), ("session_ttl", None),
                               ("session_end_time", None), ("replica", None),
-                              ("received_time", None), ("prompt_logprobs", None)):
+                              ("received_time", None), ("prompt_logprobs", None),
+                              ("max_queue_delay", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -194,7 +199,8 @@ def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
 _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "prefix_id",
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
-           "session_ttl", "session_end_time", "replica", "received_time", "prompt_logprobs")
+           "session_ttl", "session_end_time", "replica", "received_time", "prompt_logprobs",
+           "max_queue_delay")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -316,6 +322,7 @@ def parse_request(row: Any) -> TraceRequest:
         replica=_int(row, "replica", 0),
         received_time=_time(row, "received_time"),
         prompt_logprobs=_int(row, "prompt_logprobs", 0),
+        max_queue_delay=row.get("max_queue_delay"),
     )
     _check_fields(request)
     return request
@@ -352,6 +359,10 @@ def _check_fields(request: TraceRequest) -> None:
             not is_real(session_ttl) or not 0 < session_ttl <= 86400 or session_id is None):
         raise ValueError(f"session_ttl must be a number of seconds in (0, 86400], with a "
                          f"session_id, got {session_ttl!r}")
+    delay = request.max_queue_delay
+    if delay is not None and (not is_real(delay) or not 0 < delay <= 86400):  # the server's
+        raise ValueError(f"max_queue_delay must be a number of seconds in (0, 86400], got "
+                         f"{delay!r}")
     if request.session_end_time is not None and session_id is None:
         raise ValueError("session_end_time needs a session_id (the session it ends)")
     replica = request.replica
