@@ -292,6 +292,30 @@ def test_a_segment_begun_mid_step_logs_nothing_from_before_it(tmp_path):
     assert "in flight" in (recording.inexact or "")
 
 
+@pytest.mark.parametrize("prompts", ["ids", "hashes"])
+def test_a_cache_salt_is_recorded_as_a_digest_with_ids(tmp_path, prompts):  # G3
+    """The record -> replay pass: ids recorded without their cache_salt replayed as shared
+    prefixes the server kept apart. With ids, a digest of the salt (this recording's own,
+    never the salt itself) goes on the line; hashes hold it already."""
+    recorder = Recorder(tmp_path / "rec", INFO, prompts=prompts)
+    recorder.start()
+    recorder.submitted([(name, list(range(20)), SamplingParams(max_tokens=2, cache_salt=salt))
+                        for name, salt in (("a", "secret"), ("b", "secret"), ("c", "other"),
+                                           ("d", None))])
+    at = recorder.origin + recorder.now()
+    recorder.observe(StepReport(at, 80, 0.001, [
+        CompletionChunk(name, [1, 2], "", True, "length", None, metrics(2)) for name in "abcd"],
+        [], IDLE, shape=SHAPE, arrivals=tuple((name, at) for name in "abcd")))
+    recorder.close()
+    salts = {row["request_id"]: row.get("cache_salt")
+             for row in lines(tmp_path / "rec", "trace-*.jsonl")}
+    if prompts == "hashes":
+        assert set(salts.values()) == {None}
+        return
+    assert salts["a"] == salts["b"] != salts["c"] and salts["d"] is None
+    assert "secret" not in salts["a"] and len(salts["a"]) == 16
+
+
 def test_requests_in_flight_when_a_recording_stops_are_named_cut(tmp_path, capsys):
     """The record -> replay pass: a request the recording's stop cut (written with a
     cancel_time then, its end unknown) replayed as a client's abort with no word, and
@@ -311,6 +335,7 @@ def test_requests_in_flight_when_a_recording_stops_are_named_cut(tmp_path, capsy
     [row] = lines(tmp_path / "rec", "trace-*.jsonl")
     assert "cancel_time" in row
     assert row["max_queue_delay"] == 3.0  # its own queue deadline, for a changed run
+    assert "cache_salt" not in row  # none given
     warnings: list[str] = []
     recording = load_recording(tmp_path / "rec", warn=warnings.append)
     assert any("1 request(s) were in flight when the recording stopped" in w

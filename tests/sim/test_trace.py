@@ -199,3 +199,27 @@ def test_a_request_s_own_queue_deadline_is_a_trace_field_and_times_it_out():  # 
                        UnitCostModel()).run([hog, waits])
     [record] = [r for r in result.records if r.request_id == "w"]
     assert (record.finish_reason, record.stop_reason) == ("abort", "queue_timeout")
+
+
+def test_a_salted_prompt_recorded_as_ids_keeps_its_salt_apart():  # G3
+    """The record -> replay pass: a recording with --record-prompts ids dropped the requests'
+    cache_salt, so the replay shared blocks the server kept apart, diverged and failed."""
+    from kvserve.core import SchedulerConfig
+    from kvserve.core.config import CacheConfig
+    from kvserve.sim.cost_models import UnitCostModel
+    from kvserve.sim.simulator import Simulator
+
+    ids = list(range(100, 164))  # four full blocks of 16
+    rows = [{"request_id": name, "arrival_time": float(k), "prompt_token_ids": ids,
+             "output_len": 2, **({"cache_salt": salt} if salt else {})}
+            for k, (name, salt) in enumerate([("x1", "5f3a"), ("y", "9b1c"), ("none", None),
+                                              ("x2", "5f3a")])]
+    trace = [parse_request(row) for row in rows]
+    assert trace[0].to_json()["cache_salt"] == "5f3a"
+    assert trace[0].sampling_params(512).cache_salt == "5f3a"
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        parse_request({**rows[0], "cache_salt": 5})
+    result = Simulator(SchedulerConfig(), CacheConfig(num_blocks=100),
+                       UnitCostModel()).run(trace)
+    hits = {r.request_id: r.metrics.num_cached_tokens for r in result.records}
+    assert hits == {"x1": 0, "y": 0, "none": 0, "x2": 48}  # only x's salt again

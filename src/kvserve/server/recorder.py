@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -499,6 +500,12 @@ class Recorder:
         prompt = entry.prompt
         if self.prompts == "ids":
             row["prompt_token_ids"] = list(prompt)
+            if params.cache_salt is not None:  # the blocks it shares (the record -> replay
+                # pass: dropped, the replay shared what the server kept apart); a digest
+                # keyed by this recording's salt, never the salt itself (hashes fold it in)
+                row["cache_salt"] = hashlib.blake2b(
+                    params.cache_salt.encode("utf-8", "surrogatepass"), digest_size=8,
+                    key=self._salt.encode()).hexdigest()
         else:
             row["prompt_len"] = len(prompt)
         if self.prompts == "hashes":

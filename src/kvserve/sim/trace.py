@@ -4,7 +4,8 @@ Fields: ``request_id`` (str), ``arrival_time`` (s), either ``prompt_token_ids`` 
 ``prompt_len``, optional ``prefix_id`` + ``prefix_len``, ``output_len`` (tokens the model
 produces before EOS), optional ``max_tokens``, ``priority``, ``deadline`` (s, absolute: the
 request should finish by then), ``cancel_time`` (s, absolute: the client aborts then),
-``max_queue_delay`` (s: its own queue deadline, K4, over the scheduler's) and
+``max_queue_delay`` (s: its own queue deadline, K4, over the scheduler's), ``cache_salt``
+(a string: prompts of other salts share no cached block, G3) and
 ``ignore_eos``, ``tenant`` (who sent it: per-tenant queue limits, fair share and the
 tenant-scoped prefix cache, as in ``kvserve serve``) and ``session_id`` with optional
 ``session_ttl`` (s): the multi-turn session the request is a turn of, whose KV the
@@ -77,6 +78,7 @@ class TraceRequest:
     # It asked for its prompt's logprobs (G8): it computes its whole prompt, never a hit.
     prompt_logprobs: int | None = None
     max_queue_delay: float | None = None  # K4: its own queue deadline (s after it arrived)
+    cache_salt: str | None = None  # G3: its blocks are shared only with this salt's
 
     @property
     def received(self) -> float:
@@ -157,6 +159,8 @@ class TraceRequest:
             params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs)
         if self.max_queue_delay is not None:
             params = dataclasses.replace(params, max_queue_delay=self.max_queue_delay)
+        if self.cache_salt is not None:
+            params = dataclasses.replace(params, cache_salt=self.cache_salt)
         if sessions and self.session_id is not None:
             return dataclasses.replace(params, session_id=self.session_id,
                                        session_ttl=self.session_ttl)
@@ -180,7 +184,7 @@ class TraceRequest:
                               ("session_id", None), ("session_ttl", None),
                               ("session_end_time", None), ("replica", None),
                               ("received_time", None), ("prompt_logprobs", None),
-                              ("max_queue_delay", None)):
+                              ("max_queue_delay", None), ("cache_salt", None)):
             value = getattr(self, name)
             if value != default:
                 row[name] = value
@@ -200,7 +204,7 @@ _FIELDS = ("request_id", "arrival_time", "prompt_token_ids", "prompt_len", "pref
            "prefix_len", "output_len", "max_tokens", "priority", "deadline", "cancel_time",
            "ignore_eos", "tenant", "prompt_hashes", "hash_block_size", "session_id",
            "session_ttl", "session_end_time", "replica", "received_time", "prompt_logprobs",
-           "max_queue_delay")
+           "max_queue_delay", "cache_salt")
 
 
 def _int(row: dict[str, Any], name: str, lo: int, default: Any = None) -> Any:
@@ -323,6 +327,7 @@ def parse_request(row: Any) -> TraceRequest:
         received_time=_time(row, "received_time"),
         prompt_logprobs=_int(row, "prompt_logprobs", 0),
         max_queue_delay=row.get("max_queue_delay"),
+        cache_salt=row.get("cache_salt"),
     )
     _check_fields(request)
     return request
@@ -363,6 +368,8 @@ def _check_fields(request: TraceRequest) -> None:
     if delay is not None and (not is_real(delay) or not 0 < delay <= 86400):  # the server's
         raise ValueError(f"max_queue_delay must be a number of seconds in (0, 86400], got "
                          f"{delay!r}")
+    if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {request.cache_salt!r}")
     if request.session_end_time is not None and session_id is None:
         raise ValueError("session_end_time needs a session_id (the session it ends)")
     replica = request.replica
