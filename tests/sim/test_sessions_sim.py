@@ -62,6 +62,26 @@ def test_a_session_ended_by_its_client_releases_its_hold_then():  # U8
     assert aggregate(kept)["sessions"]["sessions_held_at_end"] == 1  # as before: held on
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_session_end_comes_after_the_turn_that_arrived_before_it(busy):  # U8
+    """The review: the simulator applied a session end at once and handed the arrivals
+    before it over later, so a turn that came just before its client's DELETE on a busy
+    engine (the DELETE ending it in flight) was released ahead of it and then held on; the
+    engine applies the add and then the DELETE."""
+    from kvserve.sim.cluster import ClusterOptions
+    from kvserve.sim.deployment import Deployment
+
+    a = req("a", 40, 1, session_id="s", session_end_time=2.2)
+    c = req("c", 30, 2, arrival=2.1, session_id="s")  # a new version, in flight at the end
+    trace = [a, *([req("x", 40, 10, arrival=0.5)] if busy else []), c]
+    for cluster in (None, ClusterOptions(1, "round-robin"), ClusterOptions(2, "round-robin")):
+        result = Deployment(cost_model="unit").simulate(
+            trace, {"max_session_kv": 0.5, "num_kv_blocks": 200}, cluster=cluster)[1]
+        sessions = aggregate(result)["sessions"]
+        assert sessions["session_releases"] == {"replaced": 1, "deleted": 1}, cluster
+        assert sessions["sessions_held_at_end"] == 0, cluster
+
+
 def test_the_generator_names_sessions_only_when_asked():
     assert [r.session_id for r in conversation()] == ["conv0"] * 3
     assert all("session_id" not in r.to_json() for r in conversation(sessions=False))

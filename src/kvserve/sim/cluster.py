@@ -140,7 +140,8 @@ class _Replica:
         self.cost_model = cost_model
         self.inbox: list[Request] = []
         self.pending_cancels: list[str] = []
-        self.pending_session_ends: list[tuple[str, str]] = []
+        # session ends not applied yet: (requests in the inbox before it, time, tenant, id)
+        self.pending_session_ends: list[tuple[int, float, str, str]] = []
         self.flight: _Flight | None = None
         self.request_ids: list[str] = []
         # the router's decision for each request in the inbox, withdrawn where this
@@ -160,7 +161,8 @@ class _Replica:
                            + len(self.inbox), scheduler.kv.usage())
 
     def has_work(self) -> bool:
-        return bool(self.inbox) or self.run.scheduler.has_unfinished_requests()
+        return bool(self.inbox) or bool(self.pending_session_ends) or \
+            self.run.scheduler.has_unfinished_requests()
 
     def held_until(self, now: float) -> float:
         """When this replica's next step may start: ``now``, or later where a replayed log
@@ -169,30 +171,44 @@ class _Replica:
         return now if step_start is None else step_start(now)
 
     def hand_over(self) -> None:
-        """Requests routed here since the last step boundary enter the scheduler."""
-        run = self.run
-        for request in self.inbox:
-            try:
-                try:
-                    run.scheduler.add_request(request)
-                except SessionError:
-                    # A turn this replica's session cannot take runs as an ordinary one,
-                    # as on one engine (SimRun._submit).
-                    run.session_fallbacks += 1
-                    request = Request(request.request_id, request.prompt_token_ids,
-                                      dataclasses.replace(request.sampling_params,
-                                                          session_id=None, session_ttl=None),
-                                      arrival_time=request.arrival_time)
-                    run.scheduler.add_request(request)
-            except (RequestRejected, QueueFullError) as error:
-                run.refuse(request.request_id, error)
-                route = self.routes.pop(request.request_id, None)
-                if route is not None and self.withdraw is not None:
-                    self.withdraw(*route)
-                continue
-            self.routes.pop(request.request_id, None)
-            run.live[request.request_id] = request
+        """Requests routed here since the last step boundary enter the scheduler, and the
+        session ends that came meanwhile, each after the requests before it."""
+        ends = self.pending_session_ends
+        for position, request in enumerate(self.inbox):
+            while ends and ends[0][0] <= position:
+                self._end_session(*ends.pop(0)[1:])
+            self._take(request)
+        while ends:
+            self._end_session(*ends.pop(0)[1:])
         self.inbox.clear()
+
+    def _end_session(self, now: float, tenant: str, session_id: str) -> None:
+        self.run.end_session(tenant, session_id, now)
+
+    def _take(self, request: Request) -> None:
+        """``request`` into the scheduler (a turn its session cannot take, as an ordinary
+        one), or refused."""
+        run = self.run
+        try:
+            try:
+                run.scheduler.add_request(request)
+            except SessionError:
+                # A turn this replica's session cannot take runs as an ordinary one,
+                # as on one engine (SimRun._submit).
+                run.session_fallbacks += 1
+                request = Request(request.request_id, request.prompt_token_ids,
+                                  dataclasses.replace(request.sampling_params,
+                                                      session_id=None, session_ttl=None),
+                                  arrival_time=request.arrival_time)
+                run.scheduler.add_request(request)
+        except (RequestRejected, QueueFullError) as error:
+            run.refuse(request.request_id, error)
+            route = self.routes.pop(request.request_id, None)
+            if route is not None and self.withdraw is not None:
+                self.withdraw(*route)
+            return
+        self.routes.pop(request.request_id, None)
+        run.live[request.request_id] = request
 
     def cancel(self, request_id: str, now: float) -> None:
         for index, request in enumerate(self.inbox):
@@ -212,12 +228,11 @@ class _Replica:
             self.run.cancel(request_id, now)
 
     def end_session(self, tenant: str, session_id: str, now: float) -> None:
-        """The client ended a session (U8): at once between steps, else as the step in flight
-        ends (the engine takes a DELETE between steps)."""
-        if self.flight is not None:
-            self.pending_session_ends.append((tenant, session_id))
-        else:
-            self.run.end_session(tenant, session_id, now)
+        """The client ended a session (U8): applied at the next hand-over, after the
+        requests routed here before it (the engine applies an add and then a DELETE between
+        its steps, in the order they came: the review, a turn in flight then was released
+        before it came)."""
+        self.pending_session_ends.append((len(self.inbox), now, tenant, session_id))
 
     def start(self, now: float, throttle: bool) -> _Flight | None:
         """Schedule one step at ``now``; None when it scheduled nothing (then it is over)."""
@@ -251,9 +266,6 @@ class _Replica:
         for request_id in self.pending_cancels:
             run.cancel(request_id, end)
         self.pending_cancels.clear()
-        for tenant, session_id in self.pending_session_ends:
-            run.end_session(tenant, session_id, end)
-        self.pending_session_ends.clear()
 
 
 def check_recorded_placement(trace: Sequence[TraceRequest], size: int) -> None:
@@ -465,8 +477,12 @@ class _ClusterRun:
     # -- requests in -----------------------------------------------------------------------
 
     def _take_due(self, now: float) -> None:
-        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
-                                     self.cancelled_early, self.records, self._route)
+        for when, tenant, session_id in self.session_ends.due(now):  # on every replica, as
+            self._take_arrivals(when)  # the server's DELETE, after the arrivals before it
+            for index, replica in enumerate(self.replicas):
+                replica.end_session(tenant, session_id, when)
+                self._wake(index)
+        self._take_arrivals(now)
         cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
             request_id = cancels[self.next_cancel][1]
@@ -482,11 +498,10 @@ class _ClusterRun:
                 record = self.records[request_id]
                 record.finish_reason, record.stop_reason = "abort", "cancelled"
             self.next_cancel += 1
-        for tenant, session_id in self.session_ends.due(now):  # every replica's, as the
-            for index, replica in enumerate(self.replicas):  # server's DELETE
-                replica.end_session(tenant, session_id, now)
-                self._wake(index)
-                self._refresh(index)
+
+    def _take_arrivals(self, now: float) -> None:
+        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
+                                     self.cancelled_early, self.records, self._route)
 
     def _route(self, trace_request: TraceRequest) -> None:
         seed = self.sim.seed

@@ -93,12 +93,12 @@ class SessionEnds:
         """When the next one comes (None: none is left)."""
         return self._ends[self._next][0] if self._next < len(self._ends) else None
 
-    def due(self, now: float) -> list[_Key]:
-        """The (tenant, session id) of those that came by ``now``, in time order."""
+    def due(self, now: float) -> list[tuple[float, str, str]]:
+        """Those that came by ``now`` (time, tenant, session id), in time order."""
         start = self._next
         while self._next < len(self._ends) and self._ends[self._next][0] <= now:
             self._next += 1
-        return [(tenant, session) for _, tenant, session in self._ends[start:self._next]]
+        return self._ends[start:self._next]  # type: ignore[return-value]
 
 
 def take_due(arrivals: Sequence[TraceRequest], next_arrival: int, now: float,

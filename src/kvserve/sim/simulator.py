@@ -217,15 +217,23 @@ class SimRun:
         scheduler.lane = self.executor.lane = lane
 
     def _take_due(self, now: float) -> None:
-        """Arrivals, cancellations and session ends whose time has come, in time order."""
-        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
-                                     self.finished, self.recorder.records, self.held.append)
+        """Arrivals, cancellations and session ends whose time has come, in time order (a
+        session end after the arrivals before it are handed over, as the engine applies an
+        add and then a DELETE between its steps: the review, a turn in flight then was
+        released before it came)."""
+        for when, tenant, session_id in self.session_ends.due(now):
+            self._take_arrivals(when)
+            self._hand_over()
+            self.end_session(tenant, session_id, when)
+        self._take_arrivals(now)
         cancels = self.cancels
         while self.next_cancel < len(cancels) and cancels[self.next_cancel][0] <= now:
             self.cancel(cancels[self.next_cancel][1], now)
             self.next_cancel += 1
-        for tenant, session_id in self.session_ends.due(now):
-            self.end_session(tenant, session_id, now)
+
+    def _take_arrivals(self, now: float) -> None:
+        self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
+                                     self.finished, self.recorder.records, self.held.append)
 
     def _run_step(self, out: SchedulerOutput, now: float) -> float:
         """Execute, price and update one non-empty step; returns the clock after it."""
