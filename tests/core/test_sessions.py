@@ -397,6 +397,17 @@ def test_a_release_between_steps_is_logged_at_its_own_time():  # U8
     assert (event.kind, event.reason, event.time) == ("released", "deleted", 7.5)
 
 
+def test_a_replaced_hold_is_logged_when_the_new_version_arrives():  # U3
+    """The review: a turn that replaced its session's hold logged the release at the last
+    step's time, before the turn that replaced it arrived."""
+    scheduler, executor = sched(), FakeExecutor(block_size=BS)
+    first_turn(scheduler, executor)
+    scheduler.take_events()
+    scheduler.add_request(turn("v2", prompt_of("v2", 10), arrival_time=9.0))
+    released = [e for e in scheduler.take_events() if e.kind == "released"]
+    assert [(e.request_id, e.reason, e.time) for e in released] == [("t1", "replaced", 9.0)]
+
+
 def test_an_aborted_turn_ends_its_session_and_frees_its_blocks():  # U8 H4
     scheduler, executor = sched(), FakeExecutor(block_size=BS)
     history = first_turn(scheduler, executor)

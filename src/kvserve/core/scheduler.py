@@ -258,8 +258,10 @@ class Scheduler:
             self._displace(victim, request)
         self.requests[request.request_id] = request
         reason = ""
-        if sessions is not None and request.sampling_params.session_id is not None and \
-                sessions.start_turn(request, session):
+        with self._between_steps(request.arrival_time):  # a replaced hold's release (U3)
+            turn = sessions is not None and request.sampling_params.session_id is not None \
+                and sessions.start_turn(request, session)
+        if turn:
             tenant = request.sampling_params.tenant
             if not any(r.sampling_params.tenant == tenant for r in self.held_waiting):
                 self.waiting.arrived_elsewhere(request)  # T2: a returning tenant is lifted
