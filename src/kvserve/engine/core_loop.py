@@ -136,7 +136,7 @@ class EngineCore:
                                    + (" for your tenant" if tenant is not None else "")), None
         self.stats = scheduler.stats()
         return None, StepReport(time.monotonic(), 0, 0.0, [], scheduler.take_events(),
-                                self.stats)
+                                self.stats, arrivals=self._take_arrivals())
 
     def step(self) -> StepReport:
         record = self.engine.step()

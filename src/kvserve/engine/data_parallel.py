@@ -40,7 +40,13 @@ from kvserve.engine.async_engine import (
     notify,
 )
 from kvserve.engine.engine import CompletionChunk, Prompt
-from kvserve.engine.engine_process import EngineSpec, Launcher, LocalLauncher, ProcessEngine
+from kvserve.engine.engine_process import (
+    JOIN_TIMEOUT_S,
+    EngineSpec,
+    Launcher,
+    LocalLauncher,
+    ProcessEngine,
+)
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -159,8 +165,9 @@ class DataParallelEngine:
         replicas = [r for r in self.replicas if r is not None]
         for replica in replicas:
             replica.ask_to_stop()
-        for replica in replicas:
-            replica.join()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S  # one wait for all (the review: each
+        for replica in replicas:  # its own, N hung replicas took N times as long)
+            replica.join(max(0.0, deadline - time.monotonic()))
 
     def _live(self) -> list[tuple[int, ProcessEngine]]:
         return [(i, r) for i, r in enumerate(self.replicas) if r is not None and r.is_running]

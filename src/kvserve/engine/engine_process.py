@@ -85,6 +85,7 @@ def _configures_logging() -> bool:
         return True
 
 PICKLE_PROTOCOL = 5
+JOIN_TIMEOUT_S = 10.0  # a stopping engine process is killed if it has not exited by then
 _ENV_LOCK = threading.Lock()  # os.environ is the spawned child's environment while it starts
 # libgomp's spin count when no OMP_WAIT_POLICY is set: how long a waiting OpenMP thread of the
 # engine spins before it sleeps (EngineSpec.environment).
@@ -564,7 +565,7 @@ class ProcessEngine:
             with contextlib.suppress(OSError, ValueError):  # the process is gone already
                 _send(self._conn, [("stop", None)])
 
-    def join(self, timeout: float = 10.0) -> None:
+    def join(self, timeout: float = JOIN_TIMEOUT_S) -> None:
         self.launcher.join(timeout)
         if self.launcher.alive():
             self._kill()
@@ -785,8 +786,8 @@ class ProcessEngine:
             pending = list(self._pending.values())
             self._streams.clear()
             self._pending.clear()
-        for add in pending:
-            if not add.future.done():
-                settle(add.future, error)
+        for sent in pending:
+            if not sent.future.done():
+                settle(sent.future, error)
         if self._loop is not None and streams and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_put_all, [(s, error) for s in streams])
