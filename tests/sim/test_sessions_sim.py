@@ -50,6 +50,8 @@ def test_a_session_ended_by_its_client_releases_its_hold_then():  # U8
     assert parse_request(row).to_json()["session_end_time"] == 5.0
     with pytest.raises(ValueError, match="session_end_time needs a session_id"):
         parse_request({**row, "session_id": None})
+    with pytest.raises(ValueError, match="session_end_time 1 is before arrival_time 2"):
+        parse_request({**row, "arrival_time": 2, "session_end_time": 1})  # the review
     a = req("a", 40, 8, session_id="s", session_end_time=5.0)
     b = req("b", 10, 4, arrival=9.0)  # after the end: the hold is gone
     for cluster in (None, ClusterOptions(2, "round-robin")):

@@ -229,7 +229,10 @@ def _check_served(rows: list[dict[str, Any]], trace: list[Any], max_model_len: i
     if not fitting:
         return  # the sweep's rows say why each does not fit
     if max(row["num_finished"] for row in fitting) == 0:
-        if all(r.cancel_time is not None for r in trace):  # the record -> replay pass
+        refused = min(row["num_rejected"] for row in fitting) == num_requests
+        if not refused and all(r.cancel_time is not None for r in trace):  # the record ->
+            # replay pass: a recording whose stop cut every request (the review: a trace of
+            # client timeouts refused by a small pool is the pool's)
             raise ValueError(f"no candidate served any of the trace's {num_requests} "
                              "requests: every one was cancelled, or cut by the recording's "
                              "stop, before it finished; record until some finish")

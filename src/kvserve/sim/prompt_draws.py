@@ -60,8 +60,9 @@ class SessionChains:
 
     A recording made with ``--record-prompts ids`` keeps each turn's ids as sent, the
     server's answer among them, which the simulated model does not give either: its turns
-    chain the same way, by the turn before's ids (a prefix of this one's, exactly) and by
-    its full blocks' hashes, computed here (the chaos pass: such a replay diverged at a
+    chain the same way, by the turn before's prompt ids (a prefix of this one's; its answer
+    is taken to follow, unchecked, as with hashes) and by its full blocks' hashes, computed
+    here (the chaos pass: such a replay diverged at a
     session's second turn and failed)."""
 
     def __init__(self, seed: int) -> None:

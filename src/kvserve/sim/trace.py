@@ -372,6 +372,11 @@ def _check_fields(request: TraceRequest) -> None:
         raise ValueError(f"cache_salt must be a string, got {request.cache_salt!r}")
     if request.session_end_time is not None and session_id is None:
         raise ValueError("session_end_time needs a session_id (the session it ends)")
+    if request.session_end_time is not None and \
+            request.session_end_time < request.arrival_time:  # the review: it ended a turn
+        raise ValueError(f"session_end_time {request.session_end_time:g} is before "  # before
+                         f"arrival_time {request.arrival_time:g} (it ends the session after "
+                         "this turn)")
     replica = request.replica
     if replica is not None and (not is_int(replica) or replica < 0):
         raise ValueError(f"replica must be an integer >= 0, got {replica!r}")
