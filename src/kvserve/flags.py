@@ -45,10 +45,10 @@ class CLIError(Exception):
 
 
 _SCHEDULER_FLAGS: tuple[tuple[str, Any, str], ...] = (  # (dest, type or "tokens", help)
-    ("max_num_seqs", int, "most requests running at once (default 256; a recording: as "
-     "recorded)"),
-    ("max_num_batched_tokens", "tokens", "token budget of one step (default 2048; a "
+    ("max_num_seqs", int, "most requests running at once (default 256; simulating a "
      "recording: as recorded)"),
+    ("max_num_batched_tokens", "tokens", "token budget of one step (default 2048; simulating "
+     "a recording: as recorded)"),
     ("max_model_len", "tokens", "longest sequence (prompt + output; 4k, 32K as vLLM "
                                 "reads them); default: the model's "
                            "context in serve and generate, 2048 in simulate, plan and whatif "

@@ -131,7 +131,8 @@ def test_a_model_path_read_as_a_flag_s_value_is_refused_with_the_order_that_work
 
 @pytest.mark.parametrize(("flag", "value"), [
     ("--served-model-name", "/models/typo.gguf"), ("--api-key", "models/typo.GGUF"),
-    ("--served-model-name", "./models/llama-typo"), ("--served-model-name", "~/llama")])
+    ("--served-model-name", "./models/llama-typo"), ("--served-model-name", "~/llama"),
+    ("--served-model-name", "..")])
 def test_a_mistyped_model_path_read_as_a_flag_s_value_is_refused(capsys, flag, value):
     """The docs check: a model path that does not exist, swallowed by the flag, served the
     bundled model under that name; only one on disk was refused."""

@@ -858,8 +858,8 @@ def _check_model_not_swallowed(args: argparse.Namespace) -> None:
             if (path.suffix.lower() == ".gguf" and path.is_file()) or \
                     (path / "config.json").is_file():
                 what = "is a model on disk"
-            elif path.suffix.lower() == ".gguf" or (flag == "--served-model-name" and \
-                    value.startswith(("/", "./", "../", "~"))):
+            elif path.suffix.lower() == ".gguf" or (flag == "--served-model-name" and (
+                    value in (".", "..") or value.startswith(("/", "./", "../", "~")))):
                 what = "looks like a model path"
             else:
                 continue
