@@ -84,6 +84,23 @@ def test_a_session_end_comes_after_the_turn_that_arrived_before_it(busy):  # U8
         assert sessions["sessions_held_at_end"] == 0, cluster
 
 
+def test_a_session_end_waits_for_its_turn_in_a_slower_run():  # U8
+    """The review: an end fired at its recorded time whether or not its turn had come; in
+    a slower run, whose closed loop holds turn b until a finishes, it ended a's session in
+    flight and b, arriving later, was held to the end where the server released it."""
+    from kvserve.sim.cluster import ClusterOptions
+    from kvserve.sim.deployment import Deployment
+
+    a = req("a", 40, 8, session_id="s")
+    b = req("b", 10, 4, arrival=1.0, session_id="s", session_end_time=2.0)
+    for cluster in (None, ClusterOptions(2, "round-robin")):
+        result = Deployment(cost_model="unit").simulate(
+            [a, b], {"max_session_kv": 0.5, "num_kv_blocks": 200}, cluster=cluster)[1]
+        sessions = aggregate(result)["sessions"]
+        assert sessions["sessions_held_at_end"] == 0, cluster
+        assert sessions["session_releases"].get("deleted") == 1, cluster
+
+
 def test_the_generator_names_sessions_only_when_asked():
     assert [r.session_id for r in conversation()] == ["conv0"] * 3
     assert all("session_id" not in r.to_json() for r in conversation(sessions=False))

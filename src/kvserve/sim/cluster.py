@@ -477,8 +477,8 @@ class _ClusterRun:
     # -- requests in -----------------------------------------------------------------------
 
     def _take_due(self, now: float) -> None:
-        for when, tenant, session_id in self.session_ends.due(now):  # on every replica, as
-            self._take_arrivals(when)  # the server's DELETE, after the arrivals before it
+        for when, tenant, session_id in self.session_ends.due(now, self._arrived):  # all,
+            self._take_arrivals(when)  # as the server's DELETE, after the arrivals before
             for index, replica in enumerate(self.replicas):
                 replica.end_session(tenant, session_id, when)
                 self._wake(index)
@@ -498,6 +498,12 @@ class _ClusterRun:
                 record = self.records[request_id]
                 record.finish_reason, record.stop_reason = "abort", "cancelled"
             self.next_cancel += 1
+
+    def _arrived(self, request_id: str) -> bool:
+        """Taken from the trace (routed, or refused before routing), or cancelled before
+        it came."""
+        return request_id in self.replica_of or request_id in self.cancelled_early or \
+            self._done(request_id)
 
     def _take_arrivals(self, now: float) -> None:
         self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,

@@ -80,25 +80,43 @@ class ConversationGate:
 
 class SessionEnds:
     """The trace's session ends (``session_end_time``, U8: a client's ``DELETE
-    /v1/sessions/{id}``) in time order, handed out as they come due. One simulator's loop
-    and a cluster's share it."""
+    /v1/sessions/{id}`` after a turn) in time order, handed out as they come due, each no
+    earlier than its turn arrived in this run. One simulator's loop and a cluster's share
+    it."""
 
     def __init__(self, arrivals: Sequence[TraceRequest]) -> None:
-        self._ends = sorted((r.session_end_time, r.tenant, r.session_id) for r in arrivals
+        self._ends = sorted((r.session_end_time, r.tenant, r.session_id, r.request_id)
+                            for r in arrivals
                             if r.session_end_time is not None and r.session_id is not None)
         self._next = 0
+        self._early: list[tuple[str, str, str]] = []  # due before their turn arrived
 
     @property
     def next_time(self) -> float | None:
-        """When the next one comes (None: none is left)."""
+        """When the next one comes (None: none is left; one waiting for its turn comes at
+        the first due check after the turn arrived, an event of its own)."""
         return self._ends[self._next][0] if self._next < len(self._ends) else None
 
-    def due(self, now: float) -> list[tuple[float, str, str]]:
-        """Those that came by ``now`` (time, tenant, session id), in time order."""
-        start = self._next
+    def due(self, now: float, arrived: Callable[[str], bool]) -> list[tuple[float, str, str]]:
+        """Those due by ``now`` (time, tenant, session id), in time order: one whose turn
+        has not ``arrived`` in this run (a closed-loop gate holds it back in a slower run)
+        waits for it and then comes at ``now`` (the review: it ended the turn before, and
+        the recorded turn was then held on)."""
+        out, early = [], []
+        for tenant, session, turn in self._early:
+            if arrived(turn):
+                out.append((now, tenant, session))
+            else:
+                early.append((tenant, session, turn))
         while self._next < len(self._ends) and self._ends[self._next][0] <= now:
+            when, tenant, session, turn = self._ends[self._next]
             self._next += 1
-        return self._ends[start:self._next]  # type: ignore[return-value]
+            if arrived(turn):
+                out.append((when, tenant, session))  # type: ignore[arg-type]
+            else:
+                early.append((tenant, session, turn))  # type: ignore[arg-type]
+        self._early = early
+        return sorted(out)
 
 
 def take_due(arrivals: Sequence[TraceRequest], next_arrival: int, now: float,

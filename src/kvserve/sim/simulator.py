@@ -142,6 +142,7 @@ class SimRun:
                               if r.cancel_time is not None)
         self.next_arrival = self.next_cancel = 0  # indices of the next due event
         self.session_ends = SessionEnds(self.arrivals)
+        self.arrived: set[str] = set()  # taken from the trace (a session end waits for it)
         self.held: deque[TraceRequest] = deque()  # arrived, not yet handed over (static)
         self.live: dict[str, Request] = {}
         self.session_fallbacks = 0  # session turns run as ordinary requests (see _submit)
@@ -221,7 +222,7 @@ class SimRun:
         session end after the arrivals before it are handed over, as the engine applies an
         add and then a DELETE between its steps: the review, a turn in flight then was
         released before it came)."""
-        for when, tenant, session_id in self.session_ends.due(now):
+        for when, tenant, session_id in self.session_ends.due(now, self._arrived):
             self._take_arrivals(when)
             self._hand_over()
             self.end_session(tenant, session_id, when)
@@ -233,7 +234,15 @@ class SimRun:
 
     def _take_arrivals(self, now: float) -> None:
         self.next_arrival = take_due(self.arrivals, self.next_arrival, now, self.conversations,
-                                     self.finished, self.recorder.records, self.held.append)
+                                     self.finished, self.recorder.records, self._arrive)
+
+    def _arrived(self, request_id: str) -> bool:
+        """Taken from the trace, or gone before it came (cancelled)."""
+        return request_id in self.arrived or request_id in self.finished
+
+    def _arrive(self, request: TraceRequest) -> None:
+        self.arrived.add(request.request_id)
+        self.held.append(request)
 
     def _run_step(self, out: SchedulerOutput, now: float) -> float:
         """Execute, price and update one non-empty step; returns the clock after it."""
