@@ -207,3 +207,21 @@ def test_a_line_without_ignore_eos_runs_output_len_and_its_eos_on_the_engine():
     run = run_trace(engine, trace, clock=clock, sleep=clock.sleep)
     produced = {r.request_id: r.num_output_tokens for r in run.result.records}
     assert produced == {r.request_id: r.output_len + 1 for r in trace}
+
+
+def test_a_delete_goes_to_the_turn_that_held_the_session_when_ids_are_reused():  # U8
+    """The review: a reused id's ``released`` event went to the id's latest finished
+    request, so a DELETE after a session turn ``x`` and a later ordinary request ``x`` was
+    put on the ordinary one and dropped: the replay never ended the session."""
+    from kvserve.sim.recording import EngineLog, _reused_ids_apart, _session_ends
+    from kvserve.sim.trace import TraceRequest
+
+    trace = [TraceRequest("x", 0.0, 4, prompt_len=20, session_id="s"),
+             TraceRequest("x", 5.0, 4, prompt_len=20)]
+    log = EngineLog(events=[
+        {"kind": kind, "request_id": "x", "time": time, "reason": reason}
+        for kind, time, reason in (("arrived", 0.0, ""), ("finished", 1.0, "length"),
+                                   ("held", 1.0, ""), ("arrived", 5.0, ""),
+                                   ("finished", 6.0, "length"), ("released", 7.0, "deleted"))])
+    apart = _session_ends(_reused_ids_apart(trace, {0: log}, lambda message: None), {0: log})
+    assert [(r.request_id, r.session_end_time) for r in apart] == [("x", 7.0), ("x#2", None)]

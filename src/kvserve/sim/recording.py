@@ -381,6 +381,7 @@ class _Occurrence:
     engine: int
     arrived: float
     finished: bool = False
+    holding: bool = False  # its session's KV held after it (a ``held`` event)
 
 
 def _occurrences(events: Sequence[tuple[float, int, dict[str, Any]]], ids: set[str],
@@ -392,7 +393,8 @@ def _occurrences(events: Sequence[tuple[float, int, dict[str, Any]]], ids: set[s
     arrived: then it is that request placed again. A ``finished`` ends the earliest
     unfinished request of its engine (two of an id may overlap: a client that left
     mid-stream and came back at once, the second on another replica; the review), ``held``
-    and ``released`` follow the latest finished, any other the latest arrived on its engine."""
+    follows the latest finished, ``released`` the one that holds (else the latest live or
+    finished), any other the latest arrived on its engine."""
     died = [(d.get("engine"), d.get("time", 0.0)) for d in deaths if isinstance(d, dict)]
     which: list[tuple[dict[str, Any], int]] = []
     runs: dict[str, list[_Occurrence]] = {}
@@ -418,9 +420,18 @@ def _occurrences(events: Sequence[tuple[float, int, dict[str, Any]]], ids: set[s
                 runs_of[k].finished = True
             else:  # one that arrived before the recording began
                 k = max(len(runs_of) - 1, 0)
-        elif kind in ("held", "released"):
+        elif kind == "held":
             done = [k for k, run in enumerate(runs_of) if run.finished]
             k = (done or [0])[-1]
+            if runs_of:
+                runs_of[k].holding = True
+        elif kind == "released":  # the one that holds the session (the review: the latest
+            # finished, an ordinary request of the id again, took a DELETE's release)
+            holding = [k for k, run in enumerate(runs_of) if run.holding]
+            done = [k for k, run in enumerate(runs_of) if run.finished]
+            k = (holding or live or done or [0])[-1]
+            if runs_of:
+                runs_of[k].holding = False
         else:
             mine = [k for k, run in enumerate(runs_of) if run.engine == engine]
             k = (mine or [max(len(runs_of) - 1, 0)])[-1]
