@@ -258,10 +258,12 @@ class Scheduler:
             self._displace(victim, request)
         self.requests[request.request_id] = request
         reason = ""
-        with self._between_steps(request.arrival_time):  # a replaced hold's release (U3)
-            turn = sessions is not None and request.sampling_params.session_id is not None \
-                and sessions.start_turn(request, session)
-        if turn:
+        if sessions is not None and request.sampling_params.session_id is not None:
+            with self._between_steps(request.arrival_time):  # a replaced hold's release (U3)
+                held = sessions.start_turn(request, session)
+        else:
+            held = False
+        if held:
             tenant = request.sampling_params.tenant
             if not any(r.sampling_params.tenant == tenant for r in self.held_waiting):
                 self.waiting.arrived_elsewhere(request)  # T2: a returning tenant is lifted
