@@ -88,3 +88,10 @@ def test_bad_cache_values(field, value, message):
     with pytest.raises(ConfigError) as error:
         CacheConfig(**kwargs)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("limit", ["max_num_queued_reqs", "max_num_queued_tokens",
+                                   "max_num_queued_reqs_per_tenant"])
+def test_any_queue_limit_bounds_the_queue(limit):  # K4: one flag the server and scheduler ask
+    assert not SchedulerConfig().bounds_queue
+    assert SchedulerConfig(**{limit: 4}).bounds_queue

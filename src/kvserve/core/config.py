@@ -219,6 +219,12 @@ class SchedulerConfig:
         _check_int("max_prefill_only_steps", self.max_prefill_only_steps, 0)
         self._check_relations()
 
+    @property
+    def bounds_queue(self) -> bool:
+        """Whether any K4 limit bounds the waiting queue (else nothing is refused for room)."""
+        return self.max_num_queued_reqs is not None or self.max_num_queued_tokens is not None \
+            or self.max_num_queued_reqs_per_tenant is not None
+
     def _check_tenancy(self) -> None:
         _check_optional_int("max_num_queued_reqs_per_tenant",
                             self.max_num_queued_reqs_per_tenant, 1)

@@ -49,8 +49,7 @@ def check_queueable(group: Sequence[Request], config: SchedulerConfig, group_id:
 
     The same rule as the 503's, asked of a scratch queue, so the two cannot drift apart and
     any queue's order (the priority queue's ids among equals, B2) is the order counted."""
-    if config.max_num_queued_reqs is None and config.max_num_queued_tokens is None and \
-            config.max_num_queued_reqs_per_tenant is None:
+    if not config.bounds_queue:
         return
     if pool is not None:  # J1 first: a prompt the pool never holds is refused for that
         cache = CacheConfig(pool[0], pool[1])  # (the chaos pass: named the queue's limit)

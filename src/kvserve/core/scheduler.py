@@ -174,9 +174,6 @@ class Scheduler:
                               "add_request")
         self.waiting = waiting_queue if waiting_queue is not None else \
             make_waiting_queue(config.scheduling_policy, config)
-        self._limits_queue = any(limit is not None for limit in (  # K4
-            config.max_num_queued_reqs, config.max_num_queued_reqs_per_tenant,
-            config.max_num_queued_tokens))
         # Only an order that reads the cache or the clock is told of each pass (C4-C7).
         self._waiting_sorts = type(self.waiting).start_pass is not WaitingQueue.start_pass
         self.running: list[Request] = []
@@ -252,7 +249,7 @@ class Scheduler:
         check_servable(request, self.config, self.cache_config)
         if not self.requests:
             self._admission.idle()  # K2: an adaptive reserve starts over, as SGLang's
-        admissible = self._admissible_next() if self._limits_queue else ()
+        admissible = self._admissible_next() if self.config.bounds_queue else ()
         for victim in check_queue_limits(request, self.waiting, self.config,
                                          admissible):  # K4, K5
             self._displace(victim, request)

@@ -213,6 +213,8 @@ def _echo_texts(state: ServerState, req: Any, prompts: list[list[int]],
 def _check_queueable(state: ServerState, request_id: str,
                      items: list[tuple[str, list[int], SamplingParams]]) -> None:
     """A group that could never be queued, even alone, is a 400 (not 503 + Retry-After)."""
+    if not state.scheduler_config.bounds_queue:
+        return  # nothing to refuse: skip building the group's core requests
     try:
         info = state.engine.info  # each replica's pool (data parallel: the same size)
         check_queueable([CoreRequest(sub_id, prompt, params) for sub_id, prompt, params in items],
