@@ -11,6 +11,7 @@ the queue still gets a real 503, not a 200 with an error inside.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import time
@@ -295,7 +296,7 @@ def _refusal(state: ServerState, error: BaseException) -> BaseException:
     return error
 
 
-class Generation:
+class Generation(abc.ABC):
     """One queued request's answer, whole (:meth:`full_response`) or streamed
     (:meth:`stream_response`): what the completions and chat shapes share. Each shape is a
     subclass (:class:`CompletionGeneration`, :class:`ChatGeneration`; the Responses API's,
@@ -436,9 +437,9 @@ class Generation:
         out["kvserve"] = kvserve_ext(choice.request_id, choice.metrics)
         return out
 
+    @abc.abstractmethod
     def _full_content(self, choice: Choice) -> dict[str, Any]:
         """A whole choice's text, as its shape holds it."""
-        raise NotImplementedError
 
     def _echoed(self, choice: Choice) -> list[Any]:
         """An echoed prompt's logprob entries, before the answer's (completions with echo
@@ -450,11 +451,11 @@ class Generation:
         return vllm_prompt_logprobs(self.state.tokenizer, choice.prompt_token_ids, computed,
                                     self.req.prompt_logprobs)
 
+    @abc.abstractmethod
     def _logprobs(self, entries: list[Any],
                   offsets: TextOffsets | None = None) -> dict[str, Any]:
         """The logprobs of these (token id, logprob entry) pairs, in the shape's format
         (``offsets``: the choice's text offsets so far, a stream's)."""
-        raise NotImplementedError
 
     def _tokens_as_ids(self) -> bool:
         """Whether logprobs name tokens as ``token_id:<id>`` (vLLM's flag, or the server's)."""
@@ -526,11 +527,11 @@ class Generation:
         """What a stream sends before the first chunk's (a chat's role chunks)."""
         return []
 
+    @abc.abstractmethod
     def _payload(self, choice: Choice, text: str, token_ids: list[int],
                  chunk: CompletionChunk) -> Any:
         """What a chunk of ``text`` (and ``token_ids``) sends for ``choice``; None: nothing
         yet (its tokens and logprobs go with the next chunk sent)."""
-        raise NotImplementedError
 
     def _event(self, chunk: CompletionChunk) -> str:
         first = chunk.request_id not in self.streamed  # the choice's first chunk
