@@ -286,18 +286,19 @@ def test_a_router_with_one_replica_says_it_changes_nothing(tmp_path, capsys):
 def test_a_recorded_cluster_s_router_is_not_said_to_change_nothing(capsys):
     """The record -> replay pass: ``kvserve plan --trace`` of a two-replica recording (the
     manifest's router taken as --router; plan has no --data-parallel-size) noted that the
-    router changes nothing with one replica, while it planned the recorded two."""
+    router changes nothing with one replica, while it planned the recorded two. Plan passes
+    the recorded number; a one-replica recording's --router is noted (it was taken silently)."""
     import argparse
 
     from kvserve.sim.cli_common import cluster_from_args
 
     args = argparse.Namespace(router="least-loaded", router_imbalance_bound=None,
-                              data_parallel_lockstep=False, prefill_schedule_interval=1,
-                              recorded_size=2)
-    cluster_from_args(args)
+                              data_parallel_lockstep=False, prefill_schedule_interval=1)
+    assert cluster_from_args(args, 2).data_parallel_size == 2
     assert "changes nothing" not in capsys.readouterr().err
-    cluster_from_args(argparse.Namespace(**{**vars(args), "recorded_size": 1}))
-    assert "changes nothing" in capsys.readouterr().err
+    cluster_from_args(args, 1)
+    assert "changes nothing (give --max-replicas M to plan replicas)" in \
+        capsys.readouterr().err  # plan has no --data-parallel-size
 
 
 def test_a_request_its_replica_refuses_is_no_decision_r7() -> None:

@@ -102,22 +102,25 @@ def add_cluster_flags(parser: argparse.ArgumentParser, *, size: bool = True) -> 
                             "have decodes (the DP prefill throttle; default 1: off)")
 
 
-def cluster_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def cluster_from_args(args: argparse.Namespace,  # type: ignore[no-untyped-def]
+                      replicas: int | None = None):
+    """The cluster the flags describe, of ``replicas`` replicas where the caller knows them
+    (plan of a recording: those recorded), else ``--data-parallel-size``'s."""
     from kvserve.core.router import DEFAULT_IMBALANCE_BOUND
     from kvserve.sim.cluster import ClusterOptions
 
-    size = getattr(args, "data_parallel_size", None)
+    size = replicas if replicas is not None else getattr(args, "data_parallel_size", None)
     bound = args.router_imbalance_bound
-    # plan of a recording runs its recorded replicas (the record -> replay pass: noted as one)
-    alone = (size or getattr(args, "recorded_size", None) or 1) == 1
-    if alone and args.router not in (None, "recorded") and \
-            not getattr(args, "max_replicas", None):  # QA: silently ignored
+    alone = (size or 1) == 1 and not getattr(args, "max_replicas", None)
+    # plan has no --data-parallel-size: it plans replicas with --max-replicas
+    more = "--data-parallel-size N" if hasattr(args, "data_parallel_size") else \
+        "--max-replicas M to plan replicas"
+    if alone and args.router not in (None, "recorded"):  # QA: silently ignored
         print(f"note: --router {args.router} spreads arrivals over replicas; with one "
-              "replica it changes nothing (give --data-parallel-size N)", file=sys.stderr)
-    if alone and args.data_parallel_lockstep and \
-            not getattr(args, "max_replicas", None):  # QA: taken silently
+              f"replica it changes nothing (give {more})", file=sys.stderr)
+    if alone and args.data_parallel_lockstep:  # QA: taken silently
         print("note: --data-parallel-lockstep steps replicas together; with one replica it "
-              "changes nothing (give --data-parallel-size N)", file=sys.stderr)
+              f"changes nothing (give {more})", file=sys.stderr)
     return ClusterOptions(data_parallel_size=1 if size is None else size,
                           router=args.router or "least-loaded",
                           lockstep=args.data_parallel_lockstep,

@@ -350,9 +350,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if as_recorded:
         # the recorded max_num_seqs is always a row; replicas run as the recorded cluster
         candidates = sorted({*candidates, config.max_num_seqs})
+        cluster = cluster_from_args(args, args.recorded_size)  # notes a lone one's --router
         if args.recorded_size > 1:
-            runs_on = InCluster(deployment, dataclasses.replace(
-                cluster_from_args(args), data_parallel_size=args.recorded_size))
+            runs_on = InCluster(deployment, cluster)
     # One progress bar per run on a terminal, serially; over a pool, one bar over its runs.
     runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
     with Workers(args.workers) as pool:
