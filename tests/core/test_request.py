@@ -57,7 +57,7 @@ def test_events_carry_timestamps():  # B3
     ({"stop": [""]}, "stop must be non-empty strings"),
     ({"priority": 1.5}, "priority must be an integer, got 1.5"),
     ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
-    ({"logprobs": -1}, "logprobs must be an integer >= 0"),
+    ({"logprobs": -2}, "logprobs must be an integer >= 0 (or -1: the whole vocabulary)"),
     ({"max_queue_delay": -1}, "max_queue_delay must be a number of seconds > 0"),
     ({"max_queue_delay": 0}, "max_queue_delay must be a number of seconds > 0"),
     ({"prompt_logprobs": 1.5}, "prompt_logprobs must be an integer >= 0"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
 from kvserve.core.checks import is_finite, is_int
@@ -14,6 +14,17 @@ from kvserve.core.errors import RequestError
 MAX_SAMPLES = 4096
 # The most texts a choice-constrained request may choose from.
 MAX_CHOICES = 4096
+# vLLM's SamplingParams fields kvserve does not implement, in SamplingParams' order: the
+# values taken (None always is), and what to give instead
+_VLLM_NEUTRAL: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("spaces_between_special_tokens", (True, False), ""),  # a fast tokenizer's: no effect
+    ("output_kind", (), "LLM.generate returns each request's final output"),
+    ("structured_outputs", (), "give choices=, json_object=True or json_schema="),
+    ("guided_decoding", (), "give choices=, json_object=True or json_schema="),
+    ("logits_processors", ([],), ""),
+    ("extra_args", ({},), ""),
+    ("truncate_prompt_tokens", (), "cut the prompt before generate"),
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -105,13 +116,28 @@ def _require(ok: bool, message: str) -> None:
         raise RequestError(message)
 
 
-@dataclass(frozen=True)
+def _check_vllm_neutral(values: tuple[Any, ...]) -> None:
+    """RequestError naming the first of vLLM's unimplemented fields given something other
+    than its neutral value."""
+    for (name, neutral, instead), value in zip(_VLLM_NEUTRAL, values, strict=True):
+        if value is not None and not any(
+                isinstance(value, bool) == isinstance(v, bool) and value == v for v in neutral):
+            raise RequestError(f"{name}={value!r} is not supported by kvserve"
+                               f"{f' ({instead})' if instead else ''}"[:300])
+
+
+@dataclass
 class SamplingParams:
     """How one request is sampled and when it stops.
 
     The scheduler reads the stop fields (max_tokens, min_tokens, ignore_eos, eos_token_id,
     stop_token_ids) and the priority; the model runner reads the sampling fields; the engine
     matches ``stop`` strings after detokenisation.
+
+    As vLLM's, a field may be set after it is built (``params.max_tokens = 8``, vLLM's own
+    offline example): the change is checked as a new object's would be, and a refused one
+    leaves the object as it was. The engine never changes a request's params; it works on
+    copies (:func:`dataclasses.replace`, :meth:`clone`).
     """
 
     # None: as many as the context leaves (max_model_len minus the prompt), as vLLM's; the
@@ -189,8 +215,18 @@ class SamplingParams:
     # for the session's next turn for session_ttl seconds (None: the scheduler's default).
     session_id: str | None = None
     session_ttl: float | None = None
+    # vLLM's fields kvserve does not implement, taken with their neutral value only (so a
+    # script that passes vLLM's defaults runs unchanged) and not kept (_VLLM_NEUTRAL)
+    spaces_between_special_tokens: InitVar[bool] = True
+    output_kind: InitVar[Any] = None
+    structured_outputs: InitVar[Any] = None
+    guided_decoding: InitVar[Any] = None
+    logits_processors: InitVar[Any] = None
+    extra_args: InitVar[Any] = None
+    truncate_prompt_tokens: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *vllm_fields: Any) -> None:
+        _check_vllm_neutral(vllm_fields)
         _require(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                  f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _require(is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
@@ -209,15 +245,16 @@ class SamplingParams:
         _require(self.eos_token_id is None or (is_int(self.eos_token_id)
                                                and self.eos_token_id >= 0),
                  f"eos_token_id must be a non-negative integer, got {self.eos_token_id!r}")
-        for name in ("stop_token_ids", "stop"):  # None: vLLM's default, none
-            if getattr(self, name) is None:
+        for name in ("stop_token_ids", "stop", "bad_words", "logit_bias"):
+            if getattr(self, name) is None:  # None: vLLM's default, none
                 object.__setattr__(self, name, ())
         for name in ("stop_token_ids", "extra_eos_token_ids"):
             ids = getattr(self, name)
             if not isinstance(ids, tuple):
-                _require(isinstance(ids, (list, range)),
+                _require(isinstance(ids, (list, range, set, frozenset)),
                          f"{name} must be a list of token ids, got {ids!r}")
-                ids = tuple(ids)
+                ids = tuple(dict.fromkeys(sorted(ids) if isinstance(ids, (set, frozenset))
+                                          else ids))
                 object.__setattr__(self, name, ids)
             _require(all(is_int(t) and t >= 0 for t in ids),
                      f"{name} must be non-negative integers, got {ids!r}")
@@ -231,6 +268,24 @@ class SamplingParams:
                  f"stop must be non-empty strings, got {self.stop!r}")
         _require(is_int(self.priority), f"priority must be an integer, got {self.priority!r}")
         self._check_sampling_fields()
+        object.__setattr__(self, "_built", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_built" not in self.__dict__:  # __init__ assigning
+            object.__setattr__(self, name, value)
+            return
+        if name not in _FIELDS:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        checked = replace(self, **{name: value})  # every check, and the normalised values
+        self.__dict__.update(checked.__dict__)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"SamplingParams fields cannot be deleted ({name!r}); set the "
+                             "field to its default instead")
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: an independent copy (every field holds immutable values)."""
+        return replace(self)
 
     def _check_sampling_fields(self) -> None:
         _require(is_finite(self.temperature) and self.temperature >= 0,
@@ -255,12 +310,16 @@ class SamplingParams:
                      f"{name} must be in [-2, 2], got {value!r}")
         _require(is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                  f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        # how many the engine gives at most is its own setting (max_logprobs, 20 by default)
-        _require(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-                 f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        _require(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
-                                                  and self.prompt_logprobs >= 0),
-                 f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        # how many the engine gives at most is its own setting (max_logprobs, 20 by default);
+        # -1: the whole vocabulary, and True: 1, as vLLM's
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is True:
+                value = 1
+                object.__setattr__(self, name, value)
+            _require(value is None or (is_int(value) and value >= -1),
+                     f"{name} must be an integer >= 0 (or -1: the whole vocabulary), "
+                     f"got {value!r}")
         self._check_token_constraints()
         _require(self.cache_salt is None or isinstance(self.cache_salt, str),
                  f"cache_salt must be a string, got {self.cache_salt!r}")
@@ -367,6 +426,9 @@ class SamplingParams:
         _require(self.prompt_logprobs is None or self.session_id is None,
                  "prompt_logprobs cannot be asked of a session turn: its held tokens are not "
                  "computed again (G8)")
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # not the InitVars
 
 
 @dataclass(eq=False, slots=True)

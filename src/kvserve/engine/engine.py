@@ -159,10 +159,13 @@ class Engine:
 
     def __init__(self, scheduler: Scheduler, executor: Executor,
                  tokenizer: Tokenizer | None = None, *, clock: Clock = time.monotonic,
-                 detokenize: bool = True, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 detokenize: bool = True, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 vocab_size: int | None = None) -> None:
         self.scheduler = scheduler
         # vLLM's max_logprobs: the most logprobs or prompt_logprobs a request may ask for
         self.max_logprobs = max_logprobs
+        # the model's vocabulary (a request's logprobs -1: all of it); None: the tokenizer's
+        self.vocab_size = vocab_size or (tokenizer.vocab_size if tokenizer else None)
         self.executor = executor
         self.tokenizer = tokenizer
         # the model's end-of-sequence ids besides the tokenizer's (generation_config.json's
@@ -231,13 +234,19 @@ class Engine:
             extra = [i for i in self.extra_eos_ids if i not in params.stop_token_ids]
             if extra and not params.ignore_eos:
                 filled["stop_token_ids"] = (*params.stop_token_ids, *extra)
-        if filled:
-            params = dataclasses.replace(params, **filled)
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
+            if asked == -1:  # vLLM's: the whole vocabulary
+                if self.vocab_size is None:
+                    raise ValueError(f"{name} -1 asks for the whole vocabulary, and this "
+                                     "engine knows no vocabulary size")
+                asked = filled[name] = self.vocab_size
             if asked is not None and asked > self.max_logprobs:
-                raise ValueError(f"{name} {asked} is more than this engine gives "
+                whole = " (-1: the whole vocabulary)" if getattr(params, name) == -1 else ""
+                raise ValueError(f"{name} {asked}{whole} is more than this engine gives "
                                  f"(max_logprobs {self.max_logprobs})")
+        if filled:
+            params = dataclasses.replace(params, **filled)
         json_output = params.json_object or params.json_schema is not None
         if json_output and tokenizer is None:
             raise ValueError("JSON output needs a tokenizer (the tokens' bytes): this engine "
