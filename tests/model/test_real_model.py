@@ -118,7 +118,8 @@ def test_generate_cli_prints_the_answer_and_refuses_bad_input():
     (["--prompt", "hi", "--max-model-len", "0"], "max_model_len must be >= 1, got 0"),
     (["--prompt", "hi", "--max-model-len", "100000"],
      "max_model_len 100000 is longer than this model's context (max_position_embeddings "
-     "8192); give --max-model-len 8192 or less (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
+     "8192); give max_model_len (--max-model-len) 8192 or less (vLLM's "
+     "VLLM_ALLOW_LONG_MAX_MODEL_LEN"),
     (["/nonexistent/model.gguf", "--prompt", "hi"],
      "model path /nonexistent/model.gguf does not exist"),
     (["--prompt", "hi", "--block-size", "0"], "block_size=0 is out of range"),

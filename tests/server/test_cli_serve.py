@@ -292,7 +292,8 @@ def test_a_setting_the_engine_process_refuses_is_one_plain_line(capsys):
     assert main(["serve", "--max-model-len", "100k", "--port", free_port()]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == ("kvserve serve: error: max_model_len 100000 is longer than this model's "
-                   "context (max_position_embeddings 8192); give --max-model-len 8192 or less "
+                   "context (max_position_embeddings 8192); give max_model_len (--max-model-len) "
+                   "8192 or less "
                    "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN is not taken here: there is no "
                    "rotary scaling past the model's context)")
 

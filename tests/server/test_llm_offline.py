@@ -143,7 +143,6 @@ def test_vllm_dict_prompts_are_the_prompts_they_name(llm):
     (None, "prompts must be a string"),
     (5, "prompts must be a string"),
     (b"hello", "got bytes"),
-    ([], "no prompts given"),
     ({"prompt": "x", "multi_modal_data": {}}, "got keys ['multi_modal_data', 'prompt']"),
     ([{"role": "user", "content": "hi"}, "text"], "prompts[0] is one chat message"),
     (["ok", 3.5], "prompts[1] must be a string"),

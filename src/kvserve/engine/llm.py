@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import dataclasses
 import gc
 import itertools
 import logging
 import os
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +97,13 @@ class GenerationResult:
         return all(out.finish_reason is not None for out in self.outputs)
 
     @property
+    def num_cached_tokens(self) -> int | None:
+        """vLLM's ``RequestOutput.num_cached_tokens``: the prompt's tokens its first admission
+        found in the prefix cache (None before then)."""
+        cached = None if self.metrics is None else self.metrics.num_cached_tokens
+        return None if cached is None or cached < 0 else cached
+
+    @property
     def cumulative_logprob(self) -> float | None:
         """vLLM's: the sum of the sampled tokens' logprobs, where logprobs were asked for."""
         if self.logprobs is None:
@@ -164,7 +173,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  swap_space: int | None = None, num_host_blocks: int | None = None,
                  prefix_caching_hash_algo: str = "blake2b",
                  preemption_prices: Any | None = None,
-                 seed: int = 0, record_events: bool = False, detokenize: bool = True,
+                 seed: int | None = 0, record_events: bool = False, detokenize: bool = True,
                  tokenizer: Tokenizer | str | Path | None = None,
                  batch_invariant: bool = False,
                  quantization: str | None = None,
@@ -227,6 +236,10 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     # a bad block size, caching switch or hash, before any load (QA: after a 10 s load)
     CacheConfig(num_blocks=1, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 prefix_caching_hash_algo=prefix_caching_hash_algo)
+    if seed is None:  # vLLM's: unseeded, a run that does not repeat
+        seed = secrets.randbits(63)
+        logger.info("seed None: %d, drawn at random (give it as seed= to repeat this run)",
+                    seed)
     if not is_int(seed) or \
             not -(1 << 63) <= seed < 1 << 64:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
@@ -314,7 +327,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     scheduler = Scheduler(scheduler_config, cache_config, record_events=record_events,
                           preemption_prices=preemption_prices)
     engine = Engine(scheduler, runner, tokenizer, detokenize=detokenize,
-                    max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs)
+                    max_logprobs=config.vocab_size if max_logprobs == -1 else max_logprobs,
+                    vocab_size=config.vocab_size)
     own_eos = tokenizer.eos_token_id if tokenizer is not None else None
     engine.extra_eos_ids = tuple(i for i in model_eos_ids(
         model if isinstance(model, (str, Path)) else None)
@@ -414,22 +428,48 @@ _LLM_NOOPS = ("trust_remote_code", "tokenizer_mode", "enforce_eager", "max_seq_l
               "pipeline_parallel_size", "download_dir", "revision", "kv_cache_dtype",
               "distributed_executor_backend", "disable_sliding_window", "cuda_graph_sizes",
               "async_scheduling", "logprobs_mode")
+_NOTHING_DOWNLOADED = "nothing is downloaded: the model is a path"
+_NO_MEDIA = "the models served here take text only"
+# vLLM's LLM arguments with no serve flag here that change nothing either: the values each
+# is taken at (None: any), and why (the offline pass: LLM(disable_log_stats=True) refused)
+_LLM_ONLY_NOOPS: dict[str, tuple[tuple[Any, ...] | None, str]] = {
+    "disable_log_stats": (None, "the offline engine logs no periodic stats"),
+    "disable_async_output_proc": (None, "outputs are processed in the step that makes them"),
+    "served_model_name": (None, "the offline API answers by result, not by model name"),
+    "tokenizer_revision": (None, _NOTHING_DOWNLOADED),
+    "hf_token": (None, _NOTHING_DOWNLOADED),
+    "enable_lora": ((False,), "there are no LoRA adapters"),
+    "skip_tokenizer_init": ((False,), "the model's tokenizer is always loaded"),
+    "cpu_offload_gb": ((0,), "the weights are in host memory already"),
+    "hf_overrides": ((None, {}), "the model's config is taken as its files give it"),
+    "task": (("auto", "generate"), "the engine generates text"),
+    "runner": (("auto", "generate"), "the engine generates text"),
+    "mm_processor_kwargs": ((None, {}), _NO_MEDIA),
+    "limit_mm_per_prompt": ((None, {}), _NO_MEDIA),
+    "allowed_local_media_path": (("",), _NO_MEDIA),
+}
 
 
 def _take_vllm_noops(engine_args: dict[str, Any]) -> None:
     """Take vLLM's no-op arguments out of ``engine_args``, logging why each changes
-    nothing; ConfigError for one at another value than the only one it is taken at
+    nothing; ConfigError for one at another value than the only one(s) it is taken at
     (``tensor_parallel_size=2``). QA: ``LLM(enforce_eager=True)`` was refused."""
-    for name in _LLM_NOOPS:
+    for name in (*_LLM_NOOPS, *_LLM_ONLY_NOOPS):
         if name not in engine_args:
             continue
         value = engine_args.pop(name)
-        found = vllm_noop(name)
-        assert found is not None, name  # every name of _LLM_NOOPS is a serve flag's
-        neutral, why = found
-        if neutral is not None and value != neutral:
+        if name in _LLM_ONLY_NOOPS:
+            neutral, why = _LLM_ONLY_NOOPS[name]
+        else:
+            found = vllm_noop(name)
+            assert found is not None, name  # every name of _LLM_NOOPS is a serve flag's
+            taken, why = found
+            neutral = None if taken is None else (taken,)
+        if neutral is not None and not any(
+                isinstance(value, bool) == isinstance(v, bool) and value == v for v in neutral):
             hint = _GPU_ARGUMENTS.get(name)
-            raise ConfigError(f"{name}={value!r} is not taken here ({why}); only {neutral!r}"
+            only = " or ".join(map(repr, neutral))
+            raise ConfigError(f"{name}={value!r} is not taken here ({why}); only {only}"
                               + (f"; give {hint}" if hint else ""))
         logger.info("%s=%r is taken and changes nothing: %s", name, value, why)
 
@@ -470,9 +510,10 @@ def _check_max_model_len(settings: dict[str, Any], config: ModelConfig) -> None:
         raise ConfigError(f"max_model_len must be >= 1, got {asked}")
     if asked > limit:
         raise ConfigError(f"max_model_len {asked} is longer than this model's context "
-                          f"(max_position_embeddings {limit}); give --max-model-len {limit} "
-                          "or less (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN is not taken here: "
-                          "there is no rotary scaling past the model's context)")
+                          f"(max_position_embeddings {limit}); give max_model_len "
+                          f"(--max-model-len) {limit} or less (vLLM's "
+                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN is not taken here: there is no rotary "
+                          "scaling past the model's context)")
 
 
 def check_batch_invariant(dtype: torch.dtype) -> None:
@@ -561,24 +602,39 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *,
-                 priority: Sequence[int] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt; results come back in the prompts' order.
+                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None,
+                 lora_request: None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in the prompts' order (none for an
+        empty list, as vLLM's).
 
         A prompt is a string, a list of token ids, a list of chat messages, or vLLM's
-        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; pass a list of them for a
-        batch. ``sampling_params`` is one for all, or one per prompt. ``priority``, as
-        vLLM's: one per prompt (lower first under ``scheduling_policy="priority"``), in
-        place of its sampling params' own. A prompt or a setting that is refused raises
-        before any prompt runs, and leaves nothing queued.
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (either with vLLM's
+        ``"cache_salt"``); pass a list of them for a batch. ``sampling_params`` is one for
+        all, or one per prompt. ``priority``, as vLLM's: one per prompt (lower first under
+        ``scheduling_policy="priority"``), in place of its sampling params' own.
+        ``lora_request`` and ``tokenization_kwargs``, vLLM's, are taken as None (or ``{}``)
+        only. A prompt or a setting that is refused raises before any prompt runs, and
+        leaves nothing queued.
         """
         if self._closed:
             raise RuntimeError("this LLM is closed (close() or its with block ended); make "
                                "another")
+        if lora_request is not None:
+            raise ValueError("lora_request: there are no LoRA adapters here (serve a model "
+                             "directory with the adapter merged)")
+        if tokenization_kwargs:
+            raise ValueError("tokenization_kwargs are not taken here: a prompt is encoded "
+                             "as the model's tokenizer encodes it (give token ids to choose)")
+        plain, salts = _as_batch(prompts)
         batch = [self._render(prompt, f"prompts[{index}]: ") if _is_conversation(prompt)
-                 else prompt for index, prompt in enumerate(_as_batch(prompts))]
+                 else prompt for index, prompt in enumerate(plain)]
         params = _params_for(sampling_params if sampling_params is not None
                              else self.get_default_sampling_params(), len(batch))
+        if not batch:
+            return []
+        for index, salt in salts.items():  # a dict prompt's own, over its params'
+            params[index] = [dataclasses.replace(p, cache_salt=salt) for p in params[index]]
         if priority is not None:
             params = _with_priorities(params, priority)
         _check_priorities(params, self._scheduling_policy)
@@ -656,36 +712,52 @@ class LLM:
              use_tqdm: bool = True, *, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              tools: Sequence[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[GenerationResult]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None,
+             chat_template_content_format: str = "auto") -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"} messages) or several, through the
         model's chat template. vLLM's options: ``add_generation_prompt`` (open the
         assistant's turn), ``continue_final_message`` (go on with the last, assistant's,
         message instead; not with the former), ``tools`` (OpenAI's function tools, the
-        template's ``tools``) and ``chat_template_kwargs`` (more template variables). A
-        message's content is text, a list of ``{"type": "text", "text": ...}`` parts, or
-        None on an assistant's message (one that made tool calls)."""
+        template's ``tools``), ``chat_template_kwargs`` (more template variables) and
+        ``chat_template`` (a Jinja template's text, in place of the model's). A message's
+        content is text, a list of ``{"type": "text", "text": ...}`` parts (joined: the
+        template sees a string, vLLM's ``chat_template_content_format="string"``, which
+        ``"auto"`` is here), or None on an assistant's message (one that made tool calls)."""
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) \
                 or not messages:
             raise TypeError("chat() takes a conversation (a non-empty list of {'role', "
                             "'content'} messages) or a list of them")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}"
+                             " is not taken here: a message's text parts reach the template "
+                             "joined, as 'string' (or 'auto') says")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         variables = _template_variables(tools, chat_template_kwargs)
+        tokenizer = self.tokenizer
+        if chat_template is not None and tokenizer is not None:
+            tokenizer = copy.copy(tokenizer)  # this call's template; the model's stays
+            tokenizer.set_chat_template(chat_template)  # ValueError: not valid Jinja
         rendered = [self._render(_check_conversation(conversation),
                                  "" if len(conversations) == 1 else f"conversation {i}: ",
-                                 add_generation_prompt, continue_final_message, variables)
+                                 add_generation_prompt, continue_final_message, variables,
+                                 tokenizer)
                     for i, conversation in enumerate(conversations)]
         return self.generate(rendered, sampling_params, use_tqdm)  # type: ignore[arg-type]
 
     def _render(self, messages: list[dict[str, Any]], where: str,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                variables: dict[str, Any] | None = None) -> _RenderedChat:
-        """A checked conversation through the chat template, once: its text (a result's
-        ``prompt``) and its ids; ValueError beginning with ``where``."""
-        if self.tokenizer is None:
+                variables: dict[str, Any] | None = None,
+                tokenizer: Tokenizer | None = None) -> _RenderedChat:
+        """A checked conversation through the chat template (``tokenizer``'s, by default
+        this LLM's), once: its text (a result's ``prompt``) and its ids; ValueError
+        beginning with ``where``."""
+        tokenizer = tokenizer or self.tokenizer
+        if tokenizer is None:
             raise ValueError(f"{where}a conversation needs a tokenizer (its chat template): "
                              "this LLM has none; give token ids")
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt, continue_final_message, **(variables or {}))
         except (ValueError, RecursionError) as error:  # continue_final_message's
             raise ValueError(f"{where}{error}") from None
@@ -693,7 +765,7 @@ class LLM:
             raise ValueError(f"{where}cannot apply the chat template: "
                              f"{type(error).__name__}: {error}") from None
         try:
-            ids = self.tokenizer.encode(text)
+            ids = tokenizer.encode(text)
         except ValueError as error:  # text that is not Unicode, named by its place
             raise ValueError(f"{where}{error}") from None
         return _RenderedChat(text, ids)
@@ -812,20 +884,22 @@ PROMPT_FORMS = ("a string, a list of token ids, a list of chat messages, "
                 "{'prompt': text} or {'prompt_token_ids': ids}")
 
 
-def _as_batch(prompts: Any) -> list[Prompt]:
-    """``generate``'s prompts as a list of plain prompts (text, token ids or messages)."""
+def _as_batch(prompts: Any) -> tuple[list[Prompt], dict[int, str]]:
+    """``generate``'s prompts as a list of plain prompts (text, token ids or messages), and
+    the cache salts of those given as dicts with vLLM's ``cache_salt``, by their index."""
     if isinstance(prompts, (str, dict)):
-        return [_plain(prompts, 0)]
+        prompts = [prompts]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be {PROMPT_FORMS}, or a list of them; got "
                         f"{type(prompts).__name__}")
     items = list(prompts)
-    if not items:
-        raise ValueError("no prompts given")
-    if all(isinstance(t, int) for t in items):
-        return [items]  # one prompt of token ids
-    conversation = all(isinstance(t, dict) and "role" in t for t in items)
-    batch = [items] if conversation else [_plain(item, index) for index, item in enumerate(items)]
+    if items and all(isinstance(t, int) for t in items):
+        return [items], {}  # one prompt of token ids
+    if items and all(isinstance(t, dict) and "role" in t for t in items):
+        items = [items]  # one conversation
+    salts = {index: _cache_salt(item, index) for index, item in enumerate(items)
+             if isinstance(item, dict) and "cache_salt" in item}
+    batch = [_plain(item, index) for index, item in enumerate(items)]
     for index, prompt in enumerate(batch):  # as chat() checks them (QA: the chat template
         # failed on a bad message with a TypeError or jinja2's UndefinedError, unnamed)
         if _is_conversation(prompt):
@@ -833,7 +907,15 @@ def _as_batch(prompts: Any) -> list[Prompt]:
                 batch[index] = _check_conversation(prompt)
             except TypeError as error:
                 raise TypeError(f"prompts[{index}]: {error}") from None
-    return batch
+    return batch, salts
+
+
+def _cache_salt(prompt: dict[str, Any], index: int) -> str:
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"prompts[{index}]: cache_salt must be a non-empty string, got "
+                         f"{salt!r}"[:200])
+    return salt
 
 
 def _plain(prompt: Any, index: int) -> Prompt:
@@ -841,7 +923,7 @@ def _plain(prompt: Any, index: int) -> Prompt:
     if isinstance(prompt, _RenderedChat):
         return prompt  # type: ignore[return-value]
     if isinstance(prompt, dict):
-        keys = set(prompt)
+        keys = set(prompt) - {"cache_salt"}  # _as_batch takes it
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"]
         if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):

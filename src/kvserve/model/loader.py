@@ -84,6 +84,20 @@ def default_model_path() -> Path:
                              f"install it with: {INSTALL_HINT}")
 
 
+def _not_found(path: str | Path) -> ModelNotFoundError:
+    """A missing model path; one that reads as a model hub's ``org/name`` is told that
+    nothing is downloaded (QA: a ported vLLM script's first line said only "does not
+    exist")."""
+    text = str(path)
+    hub = isinstance(path, str) and text.count("/") == 1 and not text.startswith(
+        ("/", ".", "~")) and not text.lower().endswith(".gguf")
+    return ModelNotFoundError(
+        f"model path {text} does not exist" + (
+            "; kvserve loads models from disk, never from a model hub: give a GGUF file or "
+            "a Hugging Face directory (no model: the bundled SmolLM2-135M-Instruct)"
+            if hub else ""))
+
+
 def load_model_weights(path: str | Path | None, dtype: torch.dtype = torch.float32
                        ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load a model: ``None`` -> the bundled SmolLM2-135M-Instruct GGUF; a ``.gguf`` file; or
@@ -91,7 +105,7 @@ def load_model_weights(path: str | Path | None, dtype: torch.dtype = torch.float
     dequantised to float32 and then cast to ``dtype``."""
     resolved = default_model_path() if path is None else Path(path)
     if not resolved.exists():
-        raise ModelNotFoundError(f"model path {resolved} does not exist")
+        raise _not_found(path)
     if resolved.is_dir():
         return load_hf_directory(resolved, dtype)
     if resolved.suffix.lower() == ".gguf":
@@ -105,7 +119,7 @@ def model_config_from_path(path: str | Path | None) -> ModelConfig:
     """The config alone (no tensors read), for the paths ``load_model_weights`` takes."""
     resolved = default_model_path() if path is None else Path(path)
     if not resolved.exists():
-        raise ModelNotFoundError(f"model path {resolved} does not exist")
+        raise _not_found(path)
     if resolved.is_dir():
         config_path = resolved / "config.json"
         if not config_path.is_file():
