@@ -357,3 +357,24 @@ def test_prompts_max_model_len_refuses_are_named(tmp_path, capsys):
     assert main(args) == 2
     assert "every request of the trace has a prompt of max_model_len 2048 tokens or more" \
         in capsys.readouterr().err
+
+
+def test_a_candidate_above_the_default_budget_says_the_budget_it_ran_with(tmp_path, capsys):
+    """The simulator pass: a candidate above the default token budget runs with the budget
+    raised to match (the core needs one token per sequence), which simulate and serve refuse
+    without --max-num-batched-tokens; plan's row, its recommendation and a note say so."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"request_id": f"r{i}", "arrival_time": i * 0.5,
+                                         "prompt_len": 16, "output_len": 4}) + "\n"
+                             for i in range(4)))
+    argv = ["plan", "--trace", str(trace), "--cost-model", "unit", "--workers", "1",
+            "--no-capacity-search", "--num-kv-blocks", "64", "--candidates", "8,4096"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert [r["max_num_batched_tokens"] for r in rows] == [2048, 4096]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4096 (with --max-num-batched-tokens 4096)" in out
+    assert "note: max_num_seqs 4096 ran with max_num_batched_tokens raised to match" in out

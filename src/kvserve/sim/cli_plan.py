@@ -511,6 +511,20 @@ def queue_p99_at(deployment: Any, trace: list[Any], settings: dict[str, Any], se
     return aggregate(result)["queue_p99"]
 
 
+def _with_budget(result: dict[str, Any], key: str, none: str) -> str:
+    """A recommended max_num_seqs, with the token budget its row ran with where that is
+    above the default (serve and simulate refuse it without the flag)."""
+    from kvserve.sim.plan import DEFAULT_BUDGET
+
+    value = result[key]
+    if value is None:
+        return none
+    budget = next((row.get("max_num_batched_tokens") for row in result["sweep"]
+                   if row["max_num_seqs"] == value), None)
+    return f"{value} (with --max-num-batched-tokens {budget})" \
+        if budget is not None and budget > DEFAULT_BUDGET else str(value)
+
+
 def _print(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -545,14 +559,14 @@ def _print(result: dict[str, Any]) -> None:
         none_fit = result.get("num_candidates_fitting", 1) == 0
         rows += [
             ("largest max_num_seqs without preemption",
-             _or_none(result["max_num_seqs_no_preemption"],
-                      "no candidate fits" if none_fit else "every candidate preempts")),
+             _with_budget(result, "max_num_seqs_no_preemption",
+                          "no candidate fits" if none_fit else "every candidate preempts")),
             ("best-throughput max_num_seqs" + (
                 f" (TTFT p99 <= {result['ttft_p99_target_s']} s)"
                 if result["ttft_p99_target_s"] is not None else ""),
-             _or_none(result["max_num_seqs_best_throughput"],
-                      "no candidate fits" if none_fit else
-                      "no candidate meets the TTFT target")),
+             _with_budget(result, "max_num_seqs_best_throughput",
+                          "no candidate fits" if none_fit else
+                          "no candidate meets the TTFT target")),
         ]
     if "replica_sweep" in result:
         slo = [f"{name} p99 <= {result[key]} s" for name, key in (
@@ -607,6 +621,16 @@ def _print(result: dict[str, Any]) -> None:
         for r in result["sweep"]:
             if r.get("error"):
                 console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")
+        from kvserve.sim.plan import DEFAULT_BUDGET
+
+        raised = [r["max_num_seqs"] for r in result["sweep"]
+                  if (r.get("max_num_batched_tokens") or 0) > DEFAULT_BUDGET
+                  and r["max_num_batched_tokens"] == r["max_num_seqs"]]
+        if raised:
+            console.print(f"[bold yellow]note:[/] max_num_seqs {', '.join(map(str, raised))} "
+                          "ran with max_num_batched_tokens raised to match (a step schedules "
+                          "a token per sequence at least); serve and simulate them with "
+                          "--max-num-batched-tokens N as well")
 
 
 def _replicas(recorded: dict[str, Any]) -> str:
@@ -640,10 +664,6 @@ def _why_none(result: dict[str, Any]) -> str:
                 "what a request takes with the pool to itself: a faster GPU or model, or a "
                 "looser target)")
     return " (raise --max-replicas)"
-
-
-def _or_none(value: Any, why: str) -> str:
-    return why if value is None else str(value)
 
 
 def _print_replica_sweep(console: Any, rows: list[dict[str, Any]]) -> None:

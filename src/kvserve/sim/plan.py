@@ -21,7 +21,7 @@ from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
 
-_DEFAULT_BUDGET = SchedulerConfig().max_num_batched_tokens
+DEFAULT_BUDGET = SchedulerConfig().max_num_batched_tokens
 
 
 def generated_tokens(request: TraceRequest) -> int:
@@ -91,7 +91,7 @@ def with_max_num_seqs(settings: dict[str, Any], value: int) -> dict[str, Any]:
     if given is not None and value > given:
         raise BudgetError(f"max_num_seqs {value} is above the --max-num-batched-tokens "
                          f"{given} given (a step schedules a token per sequence at least)")
-    if value > _DEFAULT_BUDGET:
+    if value > DEFAULT_BUDGET:
         out["max_num_batched_tokens"] = value
     return out
 
@@ -122,19 +122,23 @@ def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
 
 def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str, Any],
               value: int, seed: int) -> dict[str, Any]:
-    """One candidate of the max_num_seqs sweep."""
+    """One candidate of the max_num_seqs sweep, with the token budget it ran with (above
+    the default where the candidate is: serve and simulate refuse such a max_num_seqs
+    without that --max-num-batched-tokens, so the row says it; the simulator pass)."""
     try:
-        echo, result = deployment.simulate(trace, with_max_num_seqs(settings, value),
-                                           seed=seed)
+        run_settings = with_max_num_seqs(settings, value)
+        budget = run_settings.get("max_num_batched_tokens") or DEFAULT_BUDGET
+        echo, result = deployment.simulate(trace, run_settings, seed=seed)
     except (CapacityError, BudgetError) as error:
         # its activation reserve leaves no KV pool, or it is above the token budget given
         return {"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
-                **dict.fromkeys(SWEEP_FIGURES)}
+                "max_num_batched_tokens": settings.get("max_num_batched_tokens") or
+                DEFAULT_BUDGET, **dict.fromkeys(SWEEP_FIGURES)}
     figures = aggregate(result)
     figures["num_rejected"] = figures["finish_reasons"].get("rejected", 0)
     figures["num_shed"] = sum(1 for record in result.records if shed(record))
     return {"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
-            **{k: figures[k] for k in SWEEP_FIGURES}}
+            "max_num_batched_tokens": budget, **{k: figures[k] for k in SWEEP_FIGURES}}
 
 
 # Throughputs this close (relative) to the best are a tie: at the trace's rate every candidate
