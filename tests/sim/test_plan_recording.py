@@ -106,3 +106,18 @@ def test_the_title_says_what_was_planned(tmp_path, capsys):
     assert "as recorded (2 replicas behind prefix-affinity, the KV figures per replica; " \
         "step times fitted on its 12 steps)" in out
     assert "activation reserve" not in out
+
+
+def test_simulate_says_what_a_named_deployment_prices_on_a_recording(tmp_path, capsys):
+    """The simulator pass: ``simulate --trace REC --hardware l4`` kept the recorded steps'
+    prices and said nothing (plan with the same flags plans an L4; whatif notes it), and
+    took --gpu-memory-gib without --hardware, sizing nothing (its check read the default
+    hardware as given)."""
+    directory = build(tmp_path / "rec")
+    assert main(["simulate", "--trace", str(directory), "--hardware", "l4", "--quiet",
+                 "--max-num-seqs", "2"]) == 0
+    assert "note: --hardware prices only what the recorded steps cannot" in \
+        capsys.readouterr().err
+    assert main(["simulate", "--trace", str(directory), "--gpu-memory-gib", "0.1",
+                 "--quiet"]) == 2
+    assert "--gpu-memory-gib sizes a planned device's memory" in capsys.readouterr().err

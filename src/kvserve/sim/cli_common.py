@@ -185,6 +185,20 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     return deployment
 
 
+def note_recorded_steps_price(args: argparse.Namespace, cost_model: str) -> None:
+    """On a recording, --model and --hardware price only what its steps cannot, unless the
+    roofline prices the steps: said once (whatif; simulate too, the simulator pass: it said
+    nothing, while plan with the same flags plans that deployment)."""
+    named = [flag for flag, value in (("--model", args.model), ("--hardware", args.hardware))
+             if value]
+    if named and cost_model != "roofline":  # docs/recording.md: the recorded steps price
+        verb = "price" if len(named) > 1 else "prices"
+        print(f"note: {' and '.join(named)} {verb} only what the recorded steps cannot "
+              f"(a preemption's recompute against its swap) under the {cost_model} cost "
+              "model; give --cost-model roofline to price the steps by them (plan prices "
+              "that deployment)", file=sys.stderr)
+
+
 def recorded_model(recording: Any) -> str:
     """The model preset a run takes without --model: the recorded model's preset, else the
     default (with a warning when the recording names a model no preset describes). On a

@@ -22,6 +22,7 @@ from kvserve.sim.cli_common import (
     cli_errors,
     cluster_from_args,
     deployment_from_args,
+    note_recorded_steps_price,
     seed,
     simulate_with_progress,
 )
@@ -93,11 +94,14 @@ def run(args: argparse.Namespace) -> int:
         elif args.cost_model is None:
             args.cost_model = "roofline"
         args.recording = recording
+        hardware_named = args.hardware is not None  # deployment_from_args sets its default
+        if recording is not None:
+            note_recorded_steps_price(args, args.cost_model)
         deployment = deployment_from_args(args)
         if args.gpu_memory_gib is not None:
             if not args.gpu_memory_gib > 0:
                 raise ValueError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib:g}")
-            if recording is not None and args.hardware is None:
+            if recording is not None and not hardware_named:
                 raise ValueError("--gpu-memory-gib sizes a planned device's memory; a "
                                  "recording's pool is its blocks (give --num-kv-blocks, or "
                                  "--model and --hardware to simulate another deployment)")

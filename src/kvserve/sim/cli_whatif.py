@@ -18,6 +18,7 @@ from kvserve.sim.cli_common import (
     calibration_implies_its_model,
     cli_errors,
     deployment_from_args,
+    note_recorded_steps_price,
     seed,
 )
 
@@ -206,16 +207,10 @@ def run(args: argparse.Namespace) -> int:
         args.recording_dir, args.recording = args.recording, recording
         calibration_implies_its_model(args)  # the changes' model
         chosen = args.cost_model or "calibrated"
-        named = [flag for flag, value in (("--model", args.model),
-                                          ("--hardware", args.hardware)) if value]
+        named = argparse.Namespace(model=args.model, hardware=args.hardware)
         args.cost_model = "replay"
         replay = deployment_from_args(args)  # a bad --model is named before any note (QA)
-        if named and chosen != "roofline":  # docs/recording.md: the recorded steps price
-            verb = "price" if len(named) > 1 else "prices"
-            print(f"note: {' and '.join(named)} {verb} only what the recorded steps cannot "
-                  f"(a preemption's recompute against its swap) under the {chosen} cost "
-                  "model; give --cost-model roofline to price the steps by them",
-                  file=sys.stderr)
+        note_recorded_steps_price(named, chosen)
         other = dataclasses.replace(replay, cost_model=chosen)
         settings = recording.settings
         trace = recording.trace
