@@ -121,3 +121,18 @@ def test_simulate_says_what_a_named_deployment_prices_on_a_recording(tmp_path, c
     assert main(["simulate", "--trace", str(directory), "--gpu-memory-gib", "0.1",
                  "--quiet"]) == 2
     assert "--gpu-memory-gib sizes a planned device's memory" in capsys.readouterr().err
+
+
+def test_plan_warns_of_a_row_priced_on_shapes_the_recording_lacks(tmp_path, capsys):
+    """The simulator pass: simulate and whatif warned that a run was priced on step shapes
+    the recording barely has; plan showed the same row, and a capacity, with no caveat."""
+    directory = build(tmp_path / "rec")  # its steps: prefills and decodes of one request
+    assert main(["plan", "--trace", str(directory), "--candidates", "1,4",
+                 "--no-capacity-search", "--json"]) == 0
+    out = capsys.readouterr()
+    shares = {row["max_num_seqs"]: row["off_record"]["share"]
+              for row in json.loads(out.out)["sweep"]}
+    assert shares[1] == pytest.approx(1 / 3)  # its prefill steps: 4 recorded, fewer than 5
+    assert shares[4] == 1.0  # two or more requests a step: shapes never recorded
+    assert "warning: 100% of max_num_seqs=4's step time went to step shapes the recording " \
+        "has fewer than 5 steps of" in out.err

@@ -355,14 +355,38 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
             runs_on = InCluster(deployment, cluster)
     # One progress bar per run on a terminal, serially; over a pool, one bar over its runs.
     runner = ShowProgress(runs_on) if args.workers <= 1 else runs_on
+    shapes = None
+    if recording is not None and deployment.cost_model == "calibrated" and \
+            deployment.calibration is None:  # priced by the model fitted on its steps
+        from kvserve.sim.whatif import recorded_shapes
+
+        shapes = recorded_shapes(recording.step_shapes()[0])
     with Workers(args.workers) as pool:
-        rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool)
+        rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool,
+                                       shapes)
+        _warn_off_record(rows)
         _check_served(rows, trace, config.max_model_len)
         out["sweep"] = rows
         out.update(plan.recommend(rows, args.ttft_p99))
         if not args.no_capacity_search:
             out.update(_capacity(args, runs_on, trace, settings, out, pool))
     return out
+
+
+def _warn_off_record(rows: list[dict[str, Any]]) -> None:
+    """The simulator pass: simulate and whatif warn of a run priced on step shapes the
+    recording barely has; plan showed the same rows and a capacity with no caveat. Said
+    once, for the row with the largest share."""
+    from kvserve.sim.whatif import OffRecord
+
+    shares = [row for row in rows if row.get("off_record")]
+    if not shares:
+        return
+    worst = max(shares, key=lambda row: row["off_record"]["share"])
+    note = OffRecord.from_json(worst["off_record"]).note(f"max_num_seqs={worst['max_num_seqs']}")
+    if note:
+        print(f"warning: {note}; the capacity search's faster probes are priced the same "
+              "way", file=sys.stderr)
 
 
 def _recorded_settings(args: argparse.Namespace, recording: Any,

@@ -8,6 +8,7 @@ never from a formula for the scheduler's behaviour.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,6 +21,7 @@ from kvserve.sim.capacity import CapacityError, KVPool
 from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
 from kvserve.sim.trace import TraceRequest
+from kvserve.sim.whatif import ShapeTally, off_record
 
 DEFAULT_BUDGET = SchedulerConfig().max_num_batched_tokens
 
@@ -110,25 +112,32 @@ SWEEP_FIGURES = ("num_finished", "num_rejected", "num_shed", "num_preemptions",
 
 def sweep_max_num_seqs(deployment: Any, trace: Sequence[TraceRequest],
                        settings: dict[str, Any], candidates: Sequence[int],
-                       seed: int = 0, pool: Workers | None = None) -> list[dict[str, Any]]:
+                       seed: int = 0, pool: Workers | None = None,
+                       shapes: Counter[tuple[bool, int]] | None = None
+                       ) -> list[dict[str, Any]]:
     """Simulate ``trace`` once per candidate on ``deployment`` (a Deployment, or anything
     with its ``simulate``; it must pickle when ``pool`` has more than one worker) and keep
-    each run's pool and headline figures, in candidate order."""
-    jobs = [(deployment, trace, settings, value, seed) for value in candidates]
+    each run's pool and headline figures, in candidate order. ``shapes``: a recording's
+    step shapes, under the model fitted on them: each row says how much of its time went
+    to shapes the recording barely has (``off_record``, as simulate and whatif say)."""
+    jobs = [(deployment, trace, settings, value, seed, shapes) for value in candidates]
     if pool is None:
         return [sweep_row(*job) for job in jobs]
     return pool.map(sweep_row, jobs)
 
 
 def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str, Any],
-              value: int, seed: int) -> dict[str, Any]:
+              value: int, seed: int, shapes: Counter[tuple[bool, int]] | None = None
+              ) -> dict[str, Any]:
     """One candidate of the max_num_seqs sweep, with the token budget it ran with (above
     the default where the candidate is: serve and simulate refuse such a max_num_seqs
     without that --max-num-batched-tokens, so the row says it; the simulator pass)."""
     try:
         run_settings = with_max_num_seqs(settings, value)
         budget = run_settings.get("max_num_batched_tokens") or DEFAULT_BUDGET
-        echo, result = deployment.simulate(trace, run_settings, seed=seed)
+        tally = None if shapes is None else ShapeTally()
+        echo, result = deployment.simulate(trace, run_settings, seed=seed, **(
+            {} if tally is None else {"observe": tally.add}))
     except (CapacityError, BudgetError) as error:
         # its activation reserve leaves no KV pool, or it is above the token budget given
         return {"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
@@ -137,8 +146,11 @@ def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str
     figures = aggregate(result)
     figures["num_rejected"] = figures["finish_reasons"].get("rejected", 0)
     figures["num_shed"] = sum(1 for record in result.records if shed(record))
-    return {"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
-            "max_num_batched_tokens": budget, **{k: figures[k] for k in SWEEP_FIGURES}}
+    row = {"max_num_seqs": value, "num_kv_blocks": echo["cache"]["num_blocks"],
+           "max_num_batched_tokens": budget, **{k: figures[k] for k in SWEEP_FIGURES}}
+    if tally is not None and shapes is not None:
+        row["off_record"] = off_record(tally, shapes).to_json()
+    return row
 
 
 # Throughputs this close (relative) to the best are a tie: at the trace's rate every candidate

@@ -114,6 +114,11 @@ class OffRecord:
                 "shapes": [{"shape": shape, "seconds": seconds, "recorded_steps": steps}
                            for shape, seconds, steps in self.shapes]}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OffRecord:
+        return cls(data["share"], tuple((s["shape"], s["seconds"], s["recorded_steps"])
+                                        for s in data["shapes"]))
+
     def note(self, label: str) -> str | None:
         """The warning where the share is OFF_RECORD_NOTE or more, else None."""
         if self.share < OFF_RECORD_NOTE:
