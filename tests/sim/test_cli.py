@@ -64,6 +64,21 @@ def test_sweep_reports_one_row_per_value(tmp_path, trace, capsys):
     assert "max_num_seqs" in capsys.readouterr().out
 
 
+def test_a_sweep_refuses_a_bad_value_before_any_run(trace, capsys, monkeypatch):
+    """The simulator pass: each value was checked when its run began, so a bad last one was
+    refused after the others had run (minutes on a long trace), their work lost."""
+    from kvserve.sim.deployment import Deployment
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a run began before every value was checked")
+
+    monkeypatch.setattr(Deployment, "simulate", ran)
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--workers", "1",
+                 "--num-kv-blocks", "100", "--sweep", "max_num_seqs=2,8,100000"]) == 2
+    assert _error_line(capsys) == ("kvserve simulate: error: max_num_batched_tokens=2048 "
+                                   "must be >= max_num_seqs=100000")
+
+
 def test_sweep_of_the_step_mix(tmp_path, trace):
     """Q1: the report of each step mix, by name, as an operator compares them."""
     report = tmp_path / "s.json"

@@ -294,6 +294,8 @@ def _run_sweep(args: argparse.Namespace, deployment: Any, settings: dict[str, An
     from kvserve.sim.table import print_sweep
 
     check_workers(args.workers)
+    for value in values:  # every value before any run (the simulator pass: the last one
+        deployment.check({**settings, name: value})  # was refused after the others ran)
     jobs = [(deployment, trace, {**settings, name: value}, args.seed, args.check,
              cluster_from_args(args), f"{name}={value}" if args.workers <= 1 else None)
             for value in values]

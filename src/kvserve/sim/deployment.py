@@ -182,6 +182,16 @@ class Deployment:
                              f"{self.model}'s context ({context:,} tokens, its "
                              "max_position_embeddings)")
 
+    def check(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
+        """The configs ``settings`` make here; ValueError (CapacityError for a pool that
+        does not fit) naming what would refuse the run, before any simulating (a sweep
+        asks it of every value first)."""
+        unknown = sorted(set(settings) - {*SCHEDULER_KEYS, *CACHE_KEYS, "batching"})
+        if unknown:  # QA: a misspelt key (max_num_seq) ran at the default, silently
+            raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join((*SCHEDULER_KEYS, *CACHE_KEYS, 'batching'))}")
+        return self.configs(settings)
+
     def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
         config = scheduler_config(settings)
         self.check_context(config)
@@ -212,12 +222,8 @@ class Deployment:
         """Run ``trace``; returns the config echo for the report and the result. With
         ``cluster`` of more than one replica (or in lockstep), a ClusterResult. ``observe``
         is handed every step priced (its shape and seconds, any replica's)."""
-        unknown = sorted(set(settings) - {*SCHEDULER_KEYS, *CACHE_KEYS, "batching"})
-        if unknown:  # QA: a misspelt key (max_num_seq) ran at the default, silently
-            raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: "
-                             f"{', '.join((*SCHEDULER_KEYS, *CACHE_KEYS, 'batching'))}")
+        config, cache = self.check(settings)
         batching = settings.get("batching", "continuous")
-        config, cache = self.configs(settings)
         cost_model = self._cost_model(config, cache, observe=observe)
         prices = getattr(cost_model, "prices", None)
         simulator = Simulator(config, cache, cost_model, seed=seed, batching=batching,
