@@ -733,9 +733,20 @@ def parse_value(text: str) -> Any:
 TOKEN_KEYS = frozenset(name for name, kind, _ in _SCHEDULER_FLAGS if kind == "tokens")
 
 
+def comma_values(text: str, what: str) -> list[str]:
+    """``text``'s comma-separated values; ValueError beginning with ``what`` for an empty
+    one (the simulator pass: 8,,16 ran 8 and 16, silently). No values at all: []."""
+    if not text.strip():
+        return []
+    items = text.split(",")
+    if any(not item.strip() for item in items):
+        raise ValueError(f"{what}: an empty value (two commas together, or one at an end)")
+    return items
+
+
 def parse_sweep(spec: str) -> tuple[str, list[Any]]:
     name, eq, values = spec.partition("=")
-    items = [v for v in values.split(",") if v.strip()]
+    items = comma_values(values, f"--sweep {spec!r}")
     if not eq or not items:
         raise ValueError(f"--sweep {spec!r}: write NAME=V1,V2,... (e.g. max_num_seqs=64,128)")
     key = sweep_key(name)

@@ -699,3 +699,14 @@ def test_token_counts_in_a_sweep_read_as_their_flags_read_them():
         ("max_num_batched_tokens", 1000)
     with pytest.raises(ValueError, match="is not a count of tokens"):
         parse_sweep("max_num_batched_tokens=lots")
+
+
+@pytest.mark.parametrize(("command", "argv", "flag"), [
+    ("simulate", ["--sweep", "max_num_seqs=8,,16", "--quiet"], "--sweep 'max_num_seqs=8,,16'"),
+    ("plan", ["--candidates", "8,16,"], "--candidates '8,16,'"),
+])
+def test_an_empty_list_value_is_refused(trace, capsys, command, argv, flag):
+    """The simulator pass: 8,,16 ran 8 and 16 and said nothing of the empty value."""
+    assert main([command, "--trace", str(trace), *argv]) == 2
+    assert _error_line(capsys) == (f"kvserve {command}: error: {flag}: an empty value (two "
+                                   "commas together, or one at an end)")

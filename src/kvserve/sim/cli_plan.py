@@ -443,8 +443,11 @@ def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
 
 
 def _candidates(text: str) -> list[int]:
+    from kvserve.flags import comma_values
+
+    items = comma_values(text, f"--candidates {text!r}")
     try:
-        values = sorted({int(v) for v in text.split(",") if v.strip()})
+        values = sorted({int(v) for v in items})
     except ValueError:
         raise ValueError(f"--candidates {text!r}: write integers, e.g. 64,128,256") from None
     if not values:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvserve.core.checks import is_int
 from kvserve.core.config import MAX_BLOCKS, swaps
-from kvserve.flags import TOKEN_KEYS, parse_token_count, parse_value, sweep_key
+from kvserve.flags import TOKEN_KEYS, comma_values, parse_token_count, parse_value, sweep_key
 from kvserve.sim.cli_common import (
     add_deployment_flags,
     calibration_implies_its_model,
@@ -62,7 +62,8 @@ def parse_change(text: str) -> list[dict[str, Any]]:
     if len(pairs) < 2:
         name, _, values = text.partition("=")
         return [dict([parse_setting(text, f"{name}={value}")])
-                for value in (values.split(",") if "," in values else [values])]
+                for value in (comma_values(values, f"--set {text!r}") if "," in values
+                              else [values])]
     changes: dict[str, Any] = {}
     for pair in pairs:
         if "," in pair:
