@@ -602,7 +602,12 @@ def _run(argv: list[str]) -> int:
      "weights must be finite numbers >= 0"),  # QA: numpy's "Probabilities contain NaN"
     (["workload", "gen", "-n", "5", "--priorities", "0:1,0:1"], "a class is given twice"),
     (["plan", "--prompt-len", "100", "--output-len", "100", "--ttft-p99", "1"],
-     "--ttft-p99 picks among the simulated candidates: it needs --trace"),  # QA: ignored
+     "--ttft-p99 is for the max_num_seqs sweep over a trace: it needs --trace"),  # QA: ignored
+    # the simulator pass: taken and ignored, exit 0
+    (["plan", "--prompt-len", "100", "--output-len", "100", "--candidates", "8"],
+     "--candidates is for the max_num_seqs sweep over a trace: it needs --trace"),
+    (["plan", "--trace", "-", "--max-replicas", "2", "--no-capacity-search"],
+     "--no-capacity-search is for the max_num_seqs sweep, which --max-replicas replaces"),
     # taken, and silently wrong or ignored
     (["plan", "--prompt-len", "100", "--output-len", "100", "--kv-pool-gib", "1",
       "--kv-cache-memory", "20GiB"], "so --kv-cache-memory would size nothing"),

@@ -50,10 +50,16 @@ def test_a_named_deployment_plans_the_recordings_requests_on_it(tmp_path, capsys
 
 def test_a_replica_plan_goes_through_the_recorded_router(tmp_path, capsys):
     directory = build(tmp_path / "rec")
-    out = plan(capsys, directory, "--max-replicas", "2")
+
+    def replica_plan(*argv):  # no --candidates: a replica sweep refuses the other's flags
+        assert main(["plan", "--trace", str(directory), "--json", "--max-replicas", "2",
+                     *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    out = replica_plan()
     assert out["router"] == "prefix-affinity"
     assert [row["replicas"] for row in out["replica_sweep"]] == [1, 2]
-    out = plan(capsys, directory, "--max-replicas", "2", "--router", "round-robin")
+    out = replica_plan("--router", "round-robin")
     assert out["router"] == "round-robin"
     out = plan(capsys, directory, "--router", "round-robin")  # the recorded cluster, rerouted
     assert out["recorded"]["router"] == "round-robin" and out["sweep"]

@@ -36,6 +36,8 @@ from kvserve.sim.presets import kv_dtype
 SUMMARY = "capacity planning: KV pool, concurrency, max_num_seqs, capacity QPS"
 DESCRIPTION = ("KV bytes per token, the KV pool and the sequences it holds; with "
                "--trace, simulate a sweep of max_num_seqs and search the capacity QPS.")
+DEFAULT_CANDIDATES = "16,32,64,128,256,512,1024"
+DEFAULT_QUEUE_DELAY_P99 = 5.0  # seconds: the bound that defines capacity
 
 
 def add_parser(subparsers: Any) -> None:
@@ -61,10 +63,11 @@ def add_parser(subparsers: Any) -> None:
                                       "or --cost-model, that deployment for its requests")
     load.add_argument("--ttft-p99", type=finite_float, metavar="SECONDS",
                       help="p99 TTFT target for the throughput recommendation")
-    load.add_argument("--queue-delay-p99", type=finite_float, default=5.0, metavar="SECONDS",
-                      help="p99 queue-delay bound that defines capacity (default 5)")
-    load.add_argument("--candidates", default="16,32,64,128,256,512,1024",
-                      help="max_num_seqs values to simulate")
+    load.add_argument("--queue-delay-p99", type=finite_float, metavar="SECONDS",
+                      help="p99 queue-delay bound that defines capacity (default "
+                           f"{DEFAULT_QUEUE_DELAY_P99:g})")
+    load.add_argument("--candidates",
+                      help=f"max_num_seqs values to simulate (default {DEFAULT_CANDIDATES})")
     load.add_argument("--no-capacity-search", action="store_true",
                       help="skip the capacity QPS search")
     preempt = parser.add_argument_group(
@@ -95,8 +98,9 @@ def add_parser(subparsers: Any) -> None:
                                "max_num_seqs sweep, the capacity search and the replica "
                                "sweep (default: one per CPU; the plan is the same)")
     replicas.add_argument("--ray", action="store_true",
-                          help="simulate the candidates as Ray tasks on the cluster "
-                               "RAY_ADDRESS names (a local Ray instance if unset)")
+                          help="with --max-replicas: simulate the replica counts as Ray "
+                               "tasks on the cluster RAY_ADDRESS names (a local Ray "
+                               "instance if unset)")
     add_cluster_flags(parser, size=False)
     parser.add_argument("--seed", type=seed, default=0,
                         help="seed for synthetic token ids (>= 0)")
@@ -264,9 +268,11 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         from kvserve.sim.replica_plan import check_max_replicas
 
         check_max_replicas(args.max_replicas)
+    _check_sweep_flags(args)
+    args.candidates = args.candidates or DEFAULT_CANDIDATES
+    if args.queue_delay_p99 is None:
+        args.queue_delay_p99 = DEFAULT_QUEUE_DELAY_P99
     _candidates(args.candidates)  # before the trace's warnings (QA: two lines, not one)
-    if args.ttft_p99 is not None and not args.trace:  # QA: ignored, silently
-        raise ValueError("--ttft-p99 picks among the simulated candidates: it needs --trace")
     check_workers(args.workers)
     calibration_implies_its_model(args)
     if args.kv_pool_gib is not None:  # it replaces the memory arithmetic the others feed
@@ -440,6 +446,25 @@ def _replica_plan(args: argparse.Namespace, deployment: Any, trace: list[Any],
             args.slo_itl_p99, seed=args.seed, workers=args.workers, use_ray=args.ray)
     return {"router": options.router, "replica_sweep": rows,
             **replica_plan.recommend_replicas(rows, args.slo_ttft_p99, args.slo_itl_p99)}
+
+
+def _check_sweep_flags(args: argparse.Namespace) -> None:
+    """The max_num_seqs sweep's flags where no such sweep runs (no trace, or a replica
+    sweep instead): refused, as the replica sweep's are without --max-replicas (the
+    simulator pass: taken and ignored, exit 0)."""
+    given = [flag for flag, value in (
+        ("--candidates", args.candidates), ("--ttft-p99", args.ttft_p99),
+        ("--queue-delay-p99", args.queue_delay_p99),
+        ("--no-capacity-search", args.no_capacity_search or None)) if value is not None]
+    if not given:
+        return
+    if not args.trace:  # QA: --ttft-p99 was ignored, silently
+        raise ValueError(f"{given[0]} is for the max_num_seqs sweep over a trace: it needs "
+                         "--trace")
+    if args.max_replicas is not None:
+        raise ValueError(f"{given[0]} is for the max_num_seqs sweep, which --max-replicas "
+                         "replaces with a sweep of replica counts (its targets: "
+                         "--slo-ttft-p99, --slo-itl-p99)")
 
 
 def _candidates(text: str) -> list[int]:
