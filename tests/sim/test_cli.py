@@ -356,6 +356,14 @@ def test_malformed_trace_line_is_named(tmp_path, capsys):
     path.write_bytes(b"\xff\xfe{}\n")
     assert main(["calibrate", "--step-logs", str(path)]) == 2
     assert f"{path}: not a step log: it is not UTF-8 text" in _error_line(capsys)
+    # and given to simulate (the simulator pass: the codec's words, no file named)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 4, '
+                     '"output_len": 1}\n', encoding="utf-8")
+    assert main(["simulate", "--trace", str(trace), "--replay-step-times", str(path)]) == 2
+    assert f"{path}: not a step log: it is not UTF-8 text" in _error_line(capsys)
+    assert main(["simulate", "--trace", str(trace), "--calibration", str(path)]) == 2
+    assert f"{path}: not a cost model: it is not UTF-8 text" in _error_line(capsys)
 
 
 def test_absurd_lengths_in_a_trace_are_refused_or_cut_before_their_ids_are_drawn(

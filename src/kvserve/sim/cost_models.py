@@ -303,6 +303,9 @@ class CalibratedCostModel:
             data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
         except OSError as error:
             raise CostModelError(f"cannot read cost model {path}: {error.strerror}") from None
+        except UnicodeDecodeError:  # the simulator pass: the codec's words, no file named
+            raise CostModelError(f"{path}: not a cost model: it is not UTF-8 text (a cost "
+                                 "model is JSON, kvserve calibrate's)") from None
         except json.JSONDecodeError as error:
             raise CostModelError(f"{path}: not valid JSON: {error.msg} "
                                  f"(line {error.lineno})") from None
@@ -388,6 +391,9 @@ class ReplayCostModel:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError as error:
             raise CostModelError(f"cannot read step log {path}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise CostModelError(f"{path}: not a step log: it is not UTF-8 text (a step log "
+                                 "is JSON lines)") from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

@@ -165,7 +165,7 @@ def calibration_cpu_warning(path: str | Path) -> str | None:
     CPU or the file does not say (files from before the CPU was recorded)."""
     try:
         recorded = json.loads(Path(path).read_text(encoding="utf-8")).get("meta", {}).get("cpu")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None  # the cost model's own loading reports a bad file
     if not isinstance(recorded, dict):
         return None
