@@ -378,3 +378,17 @@ def test_a_candidate_above_the_default_budget_says_the_budget_it_ran_with(tmp_pa
     out = capsys.readouterr().out
     assert "4096 (with --max-num-batched-tokens 4096)" in out
     assert "note: max_num_seqs 4096 ran with max_num_batched_tokens raised to match" in out
+
+
+def test_a_small_capacity_keeps_its_significant_digits(tmp_path, capsys):
+    """The simulator pass: capacity_qps was rounded to 4 decimals, so a capacity under
+    1e-4 req/s read as 0.0 (or as the rate of a probe that failed)."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "far.jsonl"
+    trace.write_text("".join(json.dumps({"request_id": rid, "arrival_time": at,
+                                         "prompt_len": 100, "output_len": 10}) + "\n"
+                             for rid, at in (("a", 0), ("b", 1e10))))
+    assert main(["plan", "--trace", str(trace), "--candidates", "8", "--json"]) == 0
+    qps = json.loads(capsys.readouterr().out)["capacity_qps"]
+    assert 1e-7 < qps < 1e-6

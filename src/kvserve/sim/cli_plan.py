@@ -516,7 +516,9 @@ def _capacity(args: argparse.Namespace, deployment: Any, trace: list[Any],
 
     qps, probes = plan.capacity_qps(queue_p99, start, args.queue_delay_p99,
                                     run_many=run_many, workers=args.workers)
-    found = {"capacity_qps": None if qps is None else round(qps, 4),
+    # significant digits, not decimals (the simulator pass: 9.9e-05 read as 0.0001, the rate
+    # of a probe that failed, and 2e-07 as 0.0)
+    found = {"capacity_qps": None if qps is None else float(f"{qps:.4g}"),
              "capacity_max_num_seqs": max_num_seqs,
              "queue_delay_p99_bound_s": args.queue_delay_p99, "capacity_probes": probes}
     if qps is not None and all(p["queue_p99"] is not None and
