@@ -136,6 +136,22 @@ def test_urgent_default_priority_needs_the_priority_policy(tmp_path, capsys):
     assert "need --scheduling-policy priority" in capsys.readouterr().err
 
 
+def test_a_tenants_key_that_is_also_an_operator_key_is_refused(tmp_path, capsys,
+                                                              monkeypatch):
+    """The tenants pass: the operator's key won, silently (admin, any priority, the
+    operator's cache), so the file's limits for that tenant held nothing."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-a\nsk-x\n")
+    assert main(["serve", "--api-keys", str(keys), "--api-key", "sk-x"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvserve serve: error: {keys}: key #2 (tenant 'key-2') is also an operator key "
+        "(--api-key); give the tenant another key\n")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-a")
+    assert main(["serve", "--api-keys", str(keys)]) == 2
+    assert "key #1 (tenant 'key-1') is also an operator key (VLLM_API_KEY)" in \
+        capsys.readouterr().err
+
+
 def test_the_bundled_model_answers_through_the_api():
     args = build_parser().parse_args(["serve", "--max-model-len", "512",  # float32's answer
                                       "--num-kv-blocks", "64", "--dtype", "float32",

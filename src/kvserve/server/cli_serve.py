@@ -527,6 +527,12 @@ def _api_keys(args: argparse.Namespace) -> list[ApiKey]:
             keys += load_keys(args.api_keys)
     except KeyFileError as error:
         raise CLIError(str(error)) from None
+    operators = {key.key for key in keys if key.operator}
+    for index, key in enumerate(k for k in keys if not k.operator):  # the tenants pass: the
+        if key.key in operators:  # operator's won, silently: admin, any priority, its cache
+            given = "--api-key" if args.api_key else "VLLM_API_KEY"
+            raise CLIError(f"{args.api_keys}: key #{index + 1} (tenant {key.tenant!r}) is also "
+                           f"an operator key ({given}); give the tenant another key")
     return keys
 
 
