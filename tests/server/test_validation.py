@@ -442,6 +442,11 @@ def test_the_request_id_comes_back_as_a_header_and_must_be_ascii(server):
     refused = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "bad-1"},
                          json={"prompt": "x", "max_tokens": -1})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    # the body's id too (the tenants pass: only a header's came back on a refusal)
+    for body in ({"max_tokens": -1}, {"max_tokens": 1, "n": 2, "temperature": 0}):
+        refused = httpx.post(server.url + COMPLETIONS,
+                             json={"prompt": "x", "request_id": "body-bad", **body})
+        assert refused.status_code == 400 and refused.headers["x-request-id"] == "body-bad"
     utf8 = httpx.post(server.url + COMPLETIONS, headers={"X-Request-Id": "café".encode()},
                       json={"prompt": "x", "max_tokens": 1})
     assert utf8.status_code == 400

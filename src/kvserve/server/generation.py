@@ -86,12 +86,25 @@ async def handle(state: ServerState, request: Request, chat: bool,
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     if body is None:
         body = await state.read_json(request)
-    req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body,
-                          auto_tools=state.tool_parser is not None)
-    generation = await start(state, request, key, req, chat, arrival_time)
+    try:
+        req: Any = parse_body(ChatCompletionRequest if chat else CompletionRequest, body,
+                              auto_tools=state.tool_parser is not None)
+        generation = await start(state, request, key, req, chat, arrival_time)
+    except APIError as error:  # a refusal carries the body's id back, as an answer does
+        _echo_body_id(error, request, body)  # (the tenants pass: only a header's came back)
+        raise
     if req.stream:
         return await generation.stream_response(request)
     return await generation.full_response(request)
+
+
+def _echo_body_id(error: APIError, request: Request, body: Any) -> None:
+    """``error``'s X-Request-Id: the body's ``request_id`` where no header gave one (the
+    app's handler echoes a header's) and it is a valid id."""
+    given = body.get("request_id") if isinstance(body, dict) else None
+    if isinstance(given, str) and given and len(given) <= 128 and given.isascii() and \
+            given.isprintable() and "x-request-id" not in request.headers:
+        error.headers.setdefault("X-Request-Id", given)
 
 
 async def start(state: ServerState, request: Request, key: ApiKey, req: Any, chat: bool,
