@@ -721,8 +721,8 @@ def _response_store(args: argparse.Namespace) -> Any:
     from_env = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").strip().lower()
     enabled = args.enable_responses_store or from_env in ("1", "true")
     if enabled:
-        logger.info("responses store: on, the latest %d /v1/responses answers kept in "
-                    "memory%s", args.responses_store_size,
+        logger.info("responses store: on, the latest %d /v1/responses answers of each "
+                    "tenant kept in memory%s", args.responses_store_size,
                     "" if args.enable_responses_store else
                     " (VLLM_ENABLE_RESPONSES_API_STORE)")
     return ResponseStore(enabled, args.responses_store_size, args.responses_store_memory)
