@@ -388,7 +388,19 @@ class ServerMetrics:
 
     def _sequence_finished(self, series: _EngineSeries, live: _Live,
                            chunk: CompletionChunk) -> None:
-        series.success(chunk.finish_reason or "error").inc()
+        if chunk.stop_reason not in QUEUE_ENDS:  # the queue ended it unrun: its client got
+            # a 503, as for a full queue, which no success counts (the metrics pass: a
+            # timeout read as request_success{abort}, a client's hang-up)
+            series.success(chunk.finish_reason or "error").inc()
+        if live.last_token_time is not None and chunk.metrics is not None:
+            # its prompt's sources, counted for every prompt vllm:prompt_tokens counts (at
+            # its first token; the metrics pass: an aborted one's were left out, and the
+            # two totals drifted apart for good)
+            metrics = chunk.metrics
+            cached = min(max(metrics.num_cached_tokens, 0), metrics.num_prompt_tokens)
+            series.by_source["local_compute"].inc(metrics.num_prompt_tokens - cached)
+            series.by_source["local_cache_hit"].inc(cached)
+            series.prompt_tokens_cached.inc(cached)
         # vLLM's per-request histograms leave out what a client or an operator aborted (its
         # metrics still reach the response), and so what the waiting queue ended unrun (a
         # 503: K4, K5)
@@ -440,11 +452,7 @@ class ServerMetrics:
             series.stall.observe(metrics.longest_stall)
         series.request_prompt_tokens.observe(metrics.num_prompt_tokens)
         cached = min(metrics.num_cached_tokens, metrics.num_prompt_tokens)
-        computed = metrics.num_prompt_tokens - cached
-        series.prefill_kv_computed.observe(computed)
-        series.by_source["local_compute"].inc(computed)
-        series.by_source["local_cache_hit"].inc(cached)
-        series.prompt_tokens_cached.inc(cached)
+        series.prefill_kv_computed.observe(metrics.num_prompt_tokens - cached)
         series.request_generation_tokens.observe(metrics.num_output_tokens)
         scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
         if scheduled is not None:
