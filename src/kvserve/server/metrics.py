@@ -184,9 +184,15 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PA
                           "TRACE", "CONNECT"})  # the http series' method label's values
 
 
+# Routes the http series leave out, as vLLM's instrumentator excludes them (the metrics
+# pass: a dashboard's request rate counted Prometheus' scrapes and the probes)
+UNCOUNTED_ROUTES = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
+
+
 class HttpMetrics:
     """ASGI middleware: each HTTP request's route (its template, ``none`` where no route
-    matched), method, status class and duration into ``metrics``' http series."""
+    matched), method, status class and duration into ``metrics``' http series, but for the
+    scrapes and probes (UNCOUNTED_ROUTES)."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
@@ -209,12 +215,15 @@ class HttpMetrics:
         finally:
             route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
-            # the HTTP parser (h11) takes any method name: one a client invents is "other"
-            # (QA: each made series of its own, for the life of the server)
-            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
-            self.metrics.http_requests.labels(handler, method, f"{status // 100}xx").inc()
-            self.metrics.http_duration.labels(handler, method).observe(
-                time.perf_counter() - start)
+            if handler not in UNCOUNTED_ROUTES:
+                self._count(handler, scope["method"], status, time.perf_counter() - start)
+
+    def _count(self, handler: str, method: str, status: int, seconds: float) -> None:
+        # the HTTP parser (h11) takes any method name: one a client invents is "other"
+        # (QA: each made series of its own, for the life of the server)
+        method = method if method in HTTP_METHODS else "other"
+        self.metrics.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.metrics.http_duration.labels(handler, method).observe(seconds)
 
 
 class ServerMetrics:
