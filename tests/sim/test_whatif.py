@@ -306,6 +306,19 @@ def test_deployment_flags_that_price_little_say_so(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_a_router_for_a_lone_replica_says_it_changes_nothing(tmp_path, capsys):
+    """The simulator pass: --set router=... on a one-replica recording printed a column
+    equal to the recorded one without a word (simulate notes it)."""
+    directory = build(tmp_path / "rec")
+    assert main(["whatif", str(directory), "--cost-model", "unit",
+                 "--set", "router=round-robin"]) == 0
+    assert "note: router=round-robin spreads arrivals over replicas; with one replica it " \
+        "changes nothing" in capsys.readouterr().err
+    assert main(["whatif", str(directory), "--cost-model", "unit",
+                 "--set", "router=round-robin data_parallel_size=2"]) == 0
+    assert "changes nothing" not in capsys.readouterr().err
+
+
 def test_a_recordings_lines_may_start_with_a_byte_order_mark(tmp_path):
     """A hand-edited recording's file saved with a BOM was "not valid JSON" (QA)."""
     directory = build(tmp_path / "rec")

@@ -260,6 +260,11 @@ def run(args: argparse.Namespace) -> int:
 
         for change in changes:  # a bad value is named before anything runs
             other.configs(variant(change)[0])
+            cluster = variant(change)[1]
+            if "router" in change and cluster.data_parallel_size == 1:  # as simulate says
+                print(f"note: router={change['router']} spreads arrivals over replicas; with "
+                      "one replica it changes nothing (set data_parallel_size=N with it)",
+                      file=sys.stderr)
         if placed:
             fell_back: list[str] = []
 
