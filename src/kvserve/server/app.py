@@ -32,7 +32,7 @@ from kvserve.server.protocol import (
     check_session_id,
     parse_body,
 )
-from kvserve.server.state import ServerState
+from kvserve.server.state import ServerState, is_request_id
 from kvserve.server.stats_log import StatsLogger, log_boot
 
 logger = logging.getLogger("kvserve.server")
@@ -96,7 +96,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
     async def api_error(request: Request, error: APIError) -> Response:
         response = error.response()
         given = request.headers.get("x-request-id")  # echoed on refusals too, as vLLM does
-        if given and len(given) <= 128 and given.isascii() and given.isprintable():
+        if is_request_id(given):
             response.headers.setdefault("X-Request-Id", given)
         if error.status == 401:  # RFC 9110: a 401 names the scheme it wants
             response.headers.setdefault("WWW-Authenticate", "Bearer")

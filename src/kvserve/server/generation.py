@@ -63,7 +63,7 @@ from kvserve.server.responses import (
     usage,
     vllm_prompt_logprobs,
 )
-from kvserve.server.state import Queuing, ServerState
+from kvserve.server.state import Queuing, ServerState, is_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ def _echo_body_id(error: APIError, request: Request, body: Any) -> None:
     """``error``'s X-Request-Id: the body's ``request_id`` where no header gave one (the
     app's handler echoes a header's) and it is a valid id."""
     given = body.get("request_id") if isinstance(body, dict) else None
-    if isinstance(given, str) and given and len(given) <= 128 and given.isascii() and \
-            given.isprintable() and "x-request-id" not in request.headers:
+    if is_request_id(given) and "x-request-id" not in request.headers:
         error.headers.setdefault("X-Request-Id", given)
 
 

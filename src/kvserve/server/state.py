@@ -31,6 +31,13 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 BODY_READ_TIMEOUT_S = 60.0  # a 4 MiB body (the default limit) at 70 KB/s
 
 
+def is_request_id(given: Any) -> bool:
+    """Whether ``given`` may be a request's id: 1-128 printable ASCII characters (ASCII: a
+    header is read as Latin-1, so UTF-8 came back garbled, 'cafÃ©')."""
+    return isinstance(given, str) and 0 < len(given) <= 128 and given.isascii() and \
+        given.isprintable()
+
+
 @dataclass
 class Queuing:
     """A request the engine has not answered the add of yet (tokenized, handed over; until
@@ -159,8 +166,7 @@ class ServerState:
         by ``what`` in the error) or a fresh one."""
         if given is None:
             return uuid.uuid4().hex[:16]
-        # ASCII: a header is read as Latin-1, so UTF-8 came back garbled ('cafÃ©')
-        if not given or len(given) > 128 or not given.isprintable() or not given.isascii():
+        if not is_request_id(given):
             raise bad_request(f"{what} must be 1-128 printable ASCII characters",
                               param="request_id" if what != "X-Request-Id" else None)
         return given
