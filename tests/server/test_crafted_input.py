@@ -29,6 +29,9 @@ def chat_body(content: str) -> str:
     return '{"messages": [{"role": "user", "content": ' + content + '}], "max_tokens": 2}'
 
 
+REF_CHAIN = {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "$defs": {
+    f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} if i < 799 else {"type": "integer"}
+    for i in range(800)}}
 DEEP_SCHEMA = '{"type":"object","properties":{"a":' * 450 + '{"type":"integer"}' + \
     '},"required":["a"]}' * 450
 
@@ -88,6 +91,12 @@ CRAFTED = [
      "more than 64 levels deep", "guided_json"),
     (COMPLETIONS, json.dumps({"prompt": "x", "guided_json": DEEP_SCHEMA}), 400,
      "more than 64 levels deep", "guided_json"),  # parses, then compiled as deep
+    # a chain of $refs, each shallow: its depth is in the $ref graph, not the body (the
+    # structured-output pass: a RecursionError, a 500)
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": REF_CHAIN}}}), 400,
+     "nests more than 128 schemas one inside another, counting those its $refs lead to",
+     "response_format"),
 ]
 
 

@@ -145,6 +145,7 @@ class Schema:
         self.cache_size = cache_size
         self._defs: dict[str, Any] = {}
         self._refs: dict[str, int] = {}
+        self._nesting = 0  # schemas being compiled, one inside another ($refs followed)
         if schema is None:
             self.root = self.any_object
             return
@@ -166,6 +167,20 @@ class Schema:
         return len(self.nodes) - 1
 
     def _compile(self, schema: Any, where: str) -> int:
+        """``schema``'s node; SchemaError past MAX_SCHEMA_DEPTH schemas one inside another,
+        counting those a $ref leads to (the structured-output pass: a chain of $refs in
+        $defs passed the body's depth check, and compiling it was a RecursionError, a 500)."""
+        self._nesting += 1
+        try:
+            if self._nesting > MAX_NESTED_SCHEMAS:
+                raise SchemaError(f"the JSON schema nests more than {MAX_NESTED_SCHEMAS} "
+                                  "schemas one inside another, counting those its $refs "
+                                  "lead to")
+            return self._compile_one(schema, where)
+        finally:
+            self._nesting -= 1
+
+    def _compile_one(self, schema: Any, where: str) -> int:
         if schema is True or schema == {}:
             return self.any
         if not isinstance(schema, dict):
@@ -589,6 +604,9 @@ def _shown(value: Any) -> str:
 
 
 MAX_SCHEMA_DEPTH = 64  # as a request body's (server/body.py)
+# Schemas compiled one inside another, $refs followed: a body within MAX_SCHEMA_DEPTH nests
+# fewer (two JSON levels or more each); each takes a few Python frames
+MAX_NESTED_SCHEMAS = 2 * MAX_SCHEMA_DEPTH
 _TOO_DEEP = f"the JSON schema nests arrays/objects more than {MAX_SCHEMA_DEPTH} levels deep"
 
 
