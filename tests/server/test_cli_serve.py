@@ -47,6 +47,10 @@ def test_serve_flags_parse():
     (["--data-parallel-size", "2", "--no-engine-process"],
      "--no-engine-process steps one engine on a thread of the server; data-parallel "
      "replicas are engine processes"),
+    # the data-parallel pass: every one of them was launched at once, a fork storm
+    (["--data-parallel-size", "100000"], "data_parallel_size (--data-parallel-size) 100000 "
+                                         "would start 100000 engine processes on this "
+                                         "machine's"),
     (["--api-key", ""], "--api-key: a key must be a non-empty string"),
     (["--api-key", "two words"], "--api-key: a key must be a non-empty string"),  # (never
     (["--api-key", "sk-\u00e9"], "--api-key: a key must be a non-empty string"),  # shown)

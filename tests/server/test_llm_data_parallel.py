@@ -78,6 +78,14 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
 def test_the_data_parallel_size_is_checked():
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         LLM(TINY, data_parallel_size=0, **settings())
+    import os
+
+    from kvserve.engine.data_parallel import MAX_LOCAL_REPLICAS_PER_CPU
+
+    too_many = MAX_LOCAL_REPLICAS_PER_CPU * (os.cpu_count() or 1) + 1  # a fork storm
+    with pytest.raises(ValueError, match=rf"data_parallel_size \(--data-parallel-size\) "
+                                         rf"{too_many} would start {too_many} engine"):
+        LLM(TINY, data_parallel_size=too_many, **settings())
 
 
 def test_bad_settings_are_refused_before_any_replica_starts(monkeypatch):

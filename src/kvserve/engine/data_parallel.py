@@ -402,6 +402,24 @@ class DataParallelEngine:
         logger.info("replica %d is back (restart %d)", index, self.num_restarts[index])
 
 
+# Local replicas started at most per CPU: each is a process with its own model (about
+# 1.6 GB resident for the bundled one); past this a start is a fork storm (the
+# data-parallel pass: --data-parallel-size 100000 launched every one at once)
+MAX_LOCAL_REPLICAS_PER_CPU = 4
+
+
+def check_local_replicas(size: int, backend: str) -> None:
+    """ValueError where ``size`` replicas on this machine (``backend`` "mp") are more than
+    it starts: MAX_LOCAL_REPLICAS_PER_CPU per CPU. Ray's are placed over its cluster."""
+    cpus = os.cpu_count() or 1
+    most = MAX_LOCAL_REPLICAS_PER_CPU * cpus
+    if backend == "mp" and size > most:
+        raise ValueError(f"data_parallel_size (--data-parallel-size) {size} would start "
+                         f"{size} engine processes on this machine's {cpus} CPUs; at most "
+                         f"{most} ({MAX_LOCAL_REPLICAS_PER_CPU} per CPU) are started here "
+                         "(the ray backend places replicas over a cluster)")
+
+
 def default_threads(num_replicas: int) -> int:
     """Torch threads per replica when none are given: the CPUs split evenly (at least 1)."""
     return max(1, (os.cpu_count() or 1) // num_replicas)

@@ -36,6 +36,7 @@ from kvserve.core.checks import is_int
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS, swaps
 from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
+from kvserve.engine.data_parallel import check_local_replicas
 from kvserve.engine.engine import (
     DEFAULT_MAX_LOGPROBS,
     CompletionChunk,
@@ -569,6 +570,7 @@ class LLM:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got "
                              f"{data_parallel_size!r}")
         make_router(router, data_parallel_size)  # an unknown router, with one replica too
+        check_local_replicas(data_parallel_size, data_parallel_backend)
         self._engine: Engine | None = None
         if data_parallel_size == 1:
             self._engine = build_engine(model, **engine_args)

@@ -579,10 +579,15 @@ def _check_request_flags(args: argparse.Namespace) -> None:
 def _check_replica_flags(args: argparse.Namespace) -> bool:
     """The data-parallel flags; whether the server runs replicas behind a router (and
     ``args.router`` set to the one it uses)."""
+    from kvserve.engine.data_parallel import check_local_replicas
     from kvserve.flags import CLIError
 
     if args.data_parallel_size < 1:
         raise CLIError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    try:
+        check_local_replicas(args.data_parallel_size, args.data_parallel_backend)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
