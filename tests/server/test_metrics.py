@@ -247,3 +247,31 @@ def test_a_dead_replicas_requests_whose_clients_had_left_are_counted_failed():
     values = metric_values(state.metrics.render().decode())
     assert values[("kvserve:requests_failed_total",
                    (("model_name", "tiny"), ("reason", "engine_died")))] == 1
+
+
+def test_a_failed_sequences_computed_prompt_is_in_its_sources_too():
+    """The review: a sequence whose engine died after its first token was in
+    vllm:prompt_tokens_total but in no prompt_tokens_by_source series, so the totals
+    drifted apart for good (README says they add up)."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from kvserve.engine.core_loop import StepReport
+    from kvserve.engine.engine import CompletionChunk
+    from kvserve.server.metrics import ServerMetrics
+
+    info = SimpleNamespace(max_model_len=256, num_kv_blocks=16, block_size=16,
+                           enable_prefix_caching=True, num_host_blocks=0, tokenizer=None)
+    engine = SimpleNamespace(info=info, observers=[], num_replicas=1, replicas=1,
+                             engine_figures=lambda: [], router_figures=lambda: None,
+                             stats=MagicMock())
+    metrics = ServerMetrics(engine, "tiny")
+    for request_id in ("ran", "waited"):
+        metrics.request_added(request_id, 0.0, 10)
+    metrics.observe(StepReport(time=0.1, num_scheduled_tokens=10, seconds=0.01,
+                               chunks=[CompletionChunk("ran", [5], "x")], events=[],
+                               stats=None))
+    metrics.requests_failed(["ran", "waited"])  # their engine died under them
+    series = metrics.series(0)
+    assert series.prompt_tokens._value.get() == 10  # the one whose prompt was computed
+    assert sum(c._value.get() for c in series.by_source.values()) == 10

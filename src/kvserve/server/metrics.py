@@ -354,7 +354,12 @@ class ServerMetrics:
         """Requests that will never finish in an engine (their engine died under them):
         counted, and no longer followed."""
         with self._lock:
-            ended = [r for r in request_ids if self._live.pop(r, None) is not None]
+            ended = [live for request_id in request_ids
+                     if (live := self._live.pop(request_id, None)) is not None]
+            for live in ended:  # in vllm:prompt_tokens: in its sources too (the review: they
+                if live.last_token_time is not None:  # drifted apart); its hits unknown
+                    self.series(live.engine).by_source["local_compute"].inc(
+                        live.num_prompt_tokens)
         if ended:
             self.failed.labels(self.model_name, reason).inc(len(ended))
 
