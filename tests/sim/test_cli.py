@@ -77,6 +77,10 @@ def test_a_sweep_refuses_a_bad_value_before_any_run(trace, capsys, monkeypatch):
                  "--num-kv-blocks", "100", "--sweep", "max_num_seqs=2,8,100000"]) == 2
     assert _error_line(capsys) == ("kvserve simulate: error: max_num_batched_tokens=2048 "
                                    "must be >= max_num_seqs=100000")
+    assert main(["simulate", "--trace", str(trace), "--quiet", "--workers", "1",
+                 "--sweep", "batching=continuous,bogus"]) == 2  # the review: it was missed
+    assert _error_line(capsys) == ("kvserve simulate: error: batching 'bogus' is not one of "
+                                   "continuous, static, serial")
 
 
 def test_sweep_of_the_step_mix(tmp_path, trace):

@@ -37,7 +37,7 @@ from kvserve.sim.cost_models import (
 )
 from kvserve.sim.executor import BatchView
 from kvserve.sim.presets import HardwareSpec, dtype_bytes, get_hardware, get_model, kv_dtype
-from kvserve.sim.simulator import ProgressFn, SimResult, Simulator
+from kvserve.sim.simulator import BATCHING_MODES, ProgressFn, SimResult, Simulator
 from kvserve.sim.swap import SimPreemptionPrices, WithSwapCopies
 from kvserve.sim.trace import TraceRequest, dump_trace
 
@@ -190,6 +190,9 @@ class Deployment:
         if unknown:  # QA: a misspelt key (max_num_seq) ran at the default, silently
             raise ValueError(f"unknown setting(s) {', '.join(map(repr, unknown))}; known: "
                              f"{', '.join((*SCHEDULER_KEYS, *CACHE_KEYS, 'batching'))}")
+        batching = settings.get("batching", "continuous")
+        if batching not in BATCHING_MODES:  # the review: a sweep's was refused at its run
+            raise ValueError(f"batching {batching!r} is not one of {', '.join(BATCHING_MODES)}")
         return self.configs(settings)
 
     def configs(self, settings: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
