@@ -4,6 +4,8 @@ prompt queues nothing, and one the replicas refuse leaves no request behind."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvserve.core import SamplingParams
@@ -73,6 +75,24 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
                                                           ignore_eos=True), use_tqdm=False)
         assert [len(o.token_ids) for o in pair.outputs] == [3, 3]
         assert [o.request_id for o in pair.outputs] == ["11", "11-1"]
+        # an interrupt (Ctrl-C) reaches the loop, not the batch's task: the batch is aborted,
+        # as one engine's generate aborts it (the data-parallel pass: it ran on, and the
+        # next generate finished it)
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        def aborted() -> int:  # the replicas' reports arrive while the LLM's loop runs
+            llm.replicas.loop.run_until_complete(asyncio.sleep(0.05))
+            return sum(f.stats.num_finished.get("abort", 0)
+                       for f in llm.replicas.engine.engine_figures())
+
+        before = aborted()  # the refused batch's others above
+        llm.replicas.loop.call_later(0.1, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[7] * 8] * 8, SamplingParams(max_tokens=240, ignore_eos=True),
+                         use_tqdm=False)
+        wait_for(lambda: aborted() == before + 8 and pools_whole(llm),
+                 what="the batch aborted")
 
 
 def test_the_data_parallel_size_is_checked():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,13 +61,31 @@ class ReplicatedEngines:
 
     def run(self, items: Sequence[Item], on_chunk: Callable[[CompletionChunk], None]) -> None:
         """Add every item, then pass each chunk to ``on_chunk`` until all have finished. When
-        an add fails, the ones already queued are aborted and the error is raised."""
-        self.loop.run_until_complete(self._run(items, on_chunk))
+        an add fails, the ones already queued are aborted and the error is raised; an
+        interrupt (Ctrl-C) aborts every one as well, as one engine's generate does."""
+        task = self.loop.create_task(self._run(items, on_chunk))
+        try:
+            self.loop.run_until_complete(task)
+        except BaseException:  # an interrupt reaches the loop, not the task (the
+            if not task.done():  # data-parallel pass: the batch ran on, and the next
+                task.cancel()    # generate's loop finished it)
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(task)  # its streams cancel on the way out
+            raise
 
     async def _run(self, items: Sequence[Item],
                    on_chunk: Callable[[CompletionChunk], None]) -> None:
-        added = await asyncio.gather(*(self.engine.add_requests([item]) for item in items),
-                                     return_exceptions=True)
+        adds = [asyncio.ensure_future(self.engine.add_requests([item])) for item in items]
+        try:
+            await asyncio.wait(adds)
+        except BaseException:  # cancelled while adding: what was added leaves too
+            for add in adds:
+                if add.done() and not add.cancelled() and add.exception() is None:
+                    add.result().cancel()
+                else:
+                    add.cancel()  # a pending add cancels its own stream
+            raise
+        added = [add.exception() or add.result() for add in adds]
         failed = [(index, result) for index, result in enumerate(added)
                   if isinstance(result, BaseException)]
         streams = [result for result in added if not isinstance(result, BaseException)]
