@@ -125,3 +125,20 @@ def test_a_model_hubs_name_is_told_that_nothing_is_downloaded():
     with pytest.raises(ModelNotFoundError, match=r"^model path /nowhere/m.gguf does not "
                                                  r"exist$"):
         model_config_from_path("/nowhere/m.gguf")
+
+
+def test_a_field_set_after_the_add_reaches_no_request():
+    """The review: with nothing to fill in (eos_token_id given), the engine kept the
+    caller's object, so a field set for the next request changed the queued one."""
+    from kvserve.engine.llm import build_engine
+
+    engine = build_engine(TINY, tokenizer=tokenizer(), num_kv_blocks=64, max_model_len=256)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, eos_token_id=2)
+    assert engine.add_request("a", [5, 6, 7], params).sampling_params is not params
+    params.max_tokens = 3  # for the next request, as a vLLM script may set it
+    engine.add_request("b", [5, 6, 7], params)
+    counts = {"a": 0, "b": 0}
+    while engine.has_unfinished_requests():
+        for chunk in engine.step().chunks:
+            counts[chunk.request_id] += len(chunk.new_token_ids)
+    assert counts == {"a": 12, "b": 3}

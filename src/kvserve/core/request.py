@@ -136,8 +136,9 @@ class SamplingParams:
 
     As vLLM's, a field may be set after it is built (``params.max_tokens = 8``, vLLM's own
     offline example): the change is checked as a new object's would be, and a refused one
-    leaves the object as it was. The engine never changes a request's params; it works on
-    copies (:func:`dataclasses.replace`, :meth:`clone`).
+    leaves the object as it was. The engine takes a copy as it adds a request, so a change
+    made after the add reaches no request; the scheduler reads a Request's params as given
+    (the simulator shares one object among many requests).
     """
 
     # None: as many as the context leaves (max_model_len minus the prompt), as vLLM's; the

@@ -206,9 +206,9 @@ class Engine:
         return request
 
     def _with_token_ids(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with what the tokenizer supplies (EOS, the token ids of bad_words and
-        of choices), checked against its vocabulary and max_logprobs; ValueError naming what
-        is missing or too much."""
+        """A copy of ``params`` with what the tokenizer supplies (EOS, the token ids of
+        bad_words and of choices), checked against its vocabulary and max_logprobs;
+        ValueError naming what is missing or too much."""
         tokenizer = self.tokenizer
         filled: dict[str, Any] = {}
         try:  # a text the tokenizer refuses is named by its field (QA: blamed on the prompt)
@@ -245,8 +245,9 @@ class Engine:
                 whole = " (-1: the whole vocabulary)" if getattr(params, name) == -1 else ""
                 raise ValueError(f"{name} {asked}{whole} is more than this engine gives "
                                  f"(max_logprobs {self.max_logprobs})")
-        if filled:
-            params = dataclasses.replace(params, **filled)
+        # always a copy: the request's own, which the caller's changes after the add cannot
+        # reach (the review: a field set after the add changed a queued request)
+        params = dataclasses.replace(params, **filled)
         json_output = params.json_object or params.json_schema is not None
         if json_output and tokenizer is None:
             raise ValueError("JSON output needs a tokenizer (the tokens' bytes): this engine "

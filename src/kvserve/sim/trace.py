@@ -194,7 +194,8 @@ class TraceRequest:
 @functools.lru_cache(maxsize=1024, typed=True)
 def _sampling_params(max_tokens: int, ignore_eos: bool, priority: int,
                      tenant: str) -> SamplingParams:
-    # Shared between requests: SamplingParams is frozen, a trace has a handful of distinct
+    # Shared between requests (nothing in the simulator sets a field of one; the scheduler
+    # replaces a request's params, never changes them): a trace has a handful of distinct
     # ones, and validating a new one costs more than the rest of submitting a request.
     return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                           eos_token_id=EOS_TOKEN_ID, priority=priority, tenant=tenant)
