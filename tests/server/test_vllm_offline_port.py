@@ -72,6 +72,8 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_within_max_logprobs(llm):
 
 def test_an_empty_batch_gives_no_results_and_vllms_generate_keywords_are_taken(llm):
     assert llm.generate([], GREEDY, use_tqdm=False) == []
+    with pytest.raises(TypeError, match=r"prompts\[0\] is one chat message"):  # the review:
+        llm.generate({"role": "user", "content": "hi"}, GREEDY)  # taken as a conversation
     assert llm.generate([[5]], GREEDY, use_tqdm=False, lora_request=None,
                         tokenization_kwargs={})[0].finish_reason == "length"
     with pytest.raises(ValueError, match="lora_request: there are no LoRA adapters"):
@@ -100,7 +102,7 @@ def test_chat_takes_a_template_for_the_call_alone(llm):
     messages = [{"role": "user", "content": "hi"}]
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
     [result] = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template,
-                        chat_template_content_format="string")
+                        chat_template_content_format="string", lora_request=None)
     assert result.prompt == "<<hi>>"
     assert llm.chat(messages, GREEDY, use_tqdm=False)[0].prompt != "<<hi>>"  # the model's
     with pytest.raises(ValueError, match="chat_template_content_format='openai' is not taken"):

@@ -716,7 +716,8 @@ class LLM:
              tools: Sequence[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              chat_template: str | None = None,
-             chat_template_content_format: str = "auto") -> list[GenerationResult]:
+             chat_template_content_format: str = "auto",
+             lora_request: None = None) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"} messages) or several, through the
         model's chat template. vLLM's options: ``add_generation_prompt`` (open the
         assistant's turn), ``continue_final_message`` (go on with the last, assistant's,
@@ -745,7 +746,8 @@ class LLM:
                                  add_generation_prompt, continue_final_message, variables,
                                  tokenizer)
                     for i, conversation in enumerate(conversations)]
-        return self.generate(rendered, sampling_params, use_tqdm)  # type: ignore[arg-type]
+        return self.generate(rendered, sampling_params, use_tqdm,  # type: ignore[arg-type]
+                             lora_request=lora_request)
 
     def _render(self, messages: list[dict[str, Any]], where: str,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -889,7 +891,8 @@ PROMPT_FORMS = ("a string, a list of token ids, a list of chat messages, "
 def _as_batch(prompts: Any) -> tuple[list[Prompt], dict[int, str]]:
     """``generate``'s prompts as a list of plain prompts (text, token ids or messages), and
     the cache salts of those given as dicts with vLLM's ``cache_salt``, by their index."""
-    if isinstance(prompts, (str, dict)):
+    single = isinstance(prompts, (str, dict))  # one prompt (a dict: vLLM's form)
+    if single:
         prompts = [prompts]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be {PROMPT_FORMS}, or a list of them; got "
@@ -897,8 +900,8 @@ def _as_batch(prompts: Any) -> tuple[list[Prompt], dict[int, str]]:
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items], {}  # one prompt of token ids
-    if items and all(isinstance(t, dict) and "role" in t for t in items):
-        items = [items]  # one conversation
+    if not single and items and all(isinstance(t, dict) and "role" in t for t in items):
+        items = [items]  # one conversation (one message alone is refused by _plain)
     salts = {index: _cache_salt(item, index) for index, item in enumerate(items)
              if isinstance(item, dict) and "cache_salt" in item}
     batch = [_plain(item, index) for index, item in enumerate(items)]
