@@ -727,3 +727,10 @@ def test_an_empty_list_value_is_refused(trace, capsys, command, argv, flag):
     assert main([command, "--trace", str(trace), *argv]) == 2
     assert _error_line(capsys) == (f"kvserve {command}: error: {flag}: an empty value (two "
                                    "commas together, or one at an end)")
+
+
+
+def test_an_empty_candidate_list_is_refused_not_the_default(trace, capsys):  # the review
+    assert main(["plan", "--trace", str(trace), "--candidates", ""]) == 2
+    assert _error_line(capsys) == ("kvserve plan: error: --candidates '': give at least one "
+                                   "value, e.g. 64,128,256")

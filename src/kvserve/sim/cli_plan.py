@@ -269,7 +269,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 
         check_max_replicas(args.max_replicas)
     _check_sweep_flags(args)
-    args.candidates = args.candidates or DEFAULT_CANDIDATES
+    if args.candidates is None:  # "" is refused, not the default (the review)
+        args.candidates = DEFAULT_CANDIDATES
     if args.queue_delay_p99 is None:
         args.queue_delay_p99 = DEFAULT_QUEUE_DELAY_P99
     _candidates(args.candidates)  # before the trace's warnings (QA: two lines, not one)
