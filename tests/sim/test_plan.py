@@ -375,9 +375,11 @@ def test_a_candidate_above_the_default_budget_says_the_budget_it_ran_with(tmp_pa
     rows = json.loads(capsys.readouterr().out)["sweep"]
     assert [r["max_num_batched_tokens"] for r in rows] == [2048, 4096]
     assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "4096 (with --max-num-batched-tokens 4096)" in out
-    assert "note: max_num_seqs 4096 ran with max_num_batched_tokens raised to match" in out
+    out = capsys.readouterr()
+    assert "4096 (with --max-num-batched-tokens 4096)" in out.out
+    assert "note: max_num_seqs 4096 ran with max_num_batched_tokens raised to match" in out.err
+    assert main([*argv, "--max-num-batched-tokens", "4096"]) == 0  # given: nothing raised
+    assert "raised to match" not in capsys.readouterr().err
 
 
 def test_a_small_capacity_keeps_its_significant_digits(tmp_path, capsys):
@@ -392,3 +394,18 @@ def test_a_small_capacity_keeps_its_significant_digits(tmp_path, capsys):
     assert main(["plan", "--trace", str(trace), "--candidates", "8", "--json"]) == 0
     qps = json.loads(capsys.readouterr().out)["capacity_qps"]
     assert 1e-7 < qps < 1e-6
+
+
+def test_a_candidate_that_does_not_fit_names_the_budget_it_was_sized_with(tmp_path, capsys):
+    """The review: the error row of a candidate above the default budget said 2048, while
+    its error was sized with the budget raised to it."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"request_id": f"r{i}", "arrival_time": i * 0.5,
+                                         "prompt_len": 16, "output_len": 4}) + "\n"
+                             for i in range(4)))
+    assert main(["plan", "--trace", str(trace), "--candidates", "256,8192", "--gpu-memory-gib",
+                 "17", "--no-capacity-search", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert rows[1]["error"] and rows[1]["max_num_batched_tokens"] == 8192

@@ -371,7 +371,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     with Workers(args.workers) as pool:
         rows = plan.sweep_max_num_seqs(runner, trace, settings, candidates, args.seed, pool,
                                        shapes)
-        _warn_off_record(rows)
+        _warn_off_record(rows, args.no_capacity_search)
+        if "max_num_batched_tokens" not in settings:
+            _note_raised_budgets(rows)
         _check_served(rows, trace, config.max_model_len)
         out["sweep"] = rows
         out.update(plan.recommend(rows, args.ttft_p99))
@@ -380,7 +382,21 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _warn_off_record(rows: list[dict[str, Any]]) -> None:
+def _note_raised_budgets(rows: list[dict[str, Any]]) -> None:
+    """Candidates above the default token budget ran with it raised to them (no budget was
+    given), which serve and simulate refuse without the flag: said once."""
+    from kvserve.sim.plan import DEFAULT_BUDGET
+
+    raised = [row["max_num_seqs"] for row in rows
+              if row["max_num_batched_tokens"] > DEFAULT_BUDGET]
+    if raised:
+        print(f"note: max_num_seqs {', '.join(map(str, raised))} ran with "
+              "max_num_batched_tokens raised to match (a step schedules a token per sequence "
+              "at least); serve and simulate them with --max-num-batched-tokens N as well",
+              file=sys.stderr)
+
+
+def _warn_off_record(rows: list[dict[str, Any]], no_capacity_search: bool) -> None:
     """The simulator pass: simulate and whatif warn of a run priced on step shapes the
     recording barely has; plan showed the same rows and a capacity with no caveat. Said
     once, for the row with the largest share."""
@@ -392,8 +408,9 @@ def _warn_off_record(rows: list[dict[str, Any]]) -> None:
     worst = max(shares, key=lambda row: row["off_record"]["share"])
     note = OffRecord.from_json(worst["off_record"]).note(f"max_num_seqs={worst['max_num_seqs']}")
     if note:
-        print(f"warning: {note}; the capacity search's faster probes are priced the same "
-              "way", file=sys.stderr)
+        probes = "" if no_capacity_search else \
+            "; the capacity search's faster probes are priced the same way"
+        print(f"warning: {note}{probes}", file=sys.stderr)
 
 
 def _recorded_settings(args: argparse.Namespace, recording: Any,
@@ -676,16 +693,6 @@ def _print(result: dict[str, Any]) -> None:
         for r in result["sweep"]:
             if r.get("error"):
                 console.print(f"max_num_seqs {r['max_num_seqs']}: {r['error']}")
-        from kvserve.sim.plan import DEFAULT_BUDGET
-
-        raised = [r["max_num_seqs"] for r in result["sweep"]
-                  if (r.get("max_num_batched_tokens") or 0) > DEFAULT_BUDGET
-                  and r["max_num_batched_tokens"] == r["max_num_seqs"]]
-        if raised:
-            console.print(f"[bold yellow]note:[/] max_num_seqs {', '.join(map(str, raised))} "
-                          "ran with max_num_batched_tokens raised to match (a step schedules "
-                          "a token per sequence at least); serve and simulate them with "
-                          "--max-num-batched-tokens N as well")
 
 
 def _replicas(recorded: dict[str, Any]) -> str:

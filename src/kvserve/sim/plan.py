@@ -132,17 +132,16 @@ def sweep_row(deployment: Any, trace: Sequence[TraceRequest], settings: dict[str
     """One candidate of the max_num_seqs sweep, with the token budget it ran with (above
     the default where the candidate is: serve and simulate refuse such a max_num_seqs
     without that --max-num-batched-tokens, so the row says it; the simulator pass)."""
+    budget = settings.get("max_num_batched_tokens") or max(DEFAULT_BUDGET, value)
     try:
         run_settings = with_max_num_seqs(settings, value)
-        budget = run_settings.get("max_num_batched_tokens") or DEFAULT_BUDGET
         tally = None if shapes is None else ShapeTally()
         echo, result = deployment.simulate(trace, run_settings, seed=seed, **(
             {} if tally is None else {"observe": tally.add}))
     except (CapacityError, BudgetError) as error:
         # its activation reserve leaves no KV pool, or it is above the token budget given
         return {"max_num_seqs": value, "num_kv_blocks": None, "error": str(error),
-                "max_num_batched_tokens": settings.get("max_num_batched_tokens") or
-                DEFAULT_BUDGET, **dict.fromkeys(SWEEP_FIGURES)}
+                "max_num_batched_tokens": budget, **dict.fromkeys(SWEEP_FIGURES)}
     figures = aggregate(result)
     figures["num_rejected"] = figures["finish_reasons"].get("rejected", 0)
     figures["num_shed"] = sum(1 for record in result.records if shed(record))
