@@ -94,17 +94,19 @@ def run(args: argparse.Namespace) -> int:
         elif args.cost_model is None:
             args.cost_model = "roofline"
         args.recording = recording
-        hardware_named = args.hardware is not None  # deployment_from_args sets its default
-        if recording is not None:
-            note_recorded_steps_price(args, args.cost_model)
-        deployment = deployment_from_args(args)
+        named = argparse.Namespace(model=args.model, hardware=args.hardware)  # as given:
+        deployment = deployment_from_args(args)  # this sets the default hardware
+        if recording is not None:  # after a bad --model is named (the review)
+            note_recorded_steps_price(named, args.cost_model)
+        hardware_named = named.hardware is not None
         if args.gpu_memory_gib is not None:
             if not args.gpu_memory_gib > 0:
                 raise ValueError(f"--gpu-memory-gib must be > 0, got {args.gpu_memory_gib:g}")
             if recording is not None and not hardware_named:
                 raise ValueError("--gpu-memory-gib sizes a planned device's memory; a "
-                                 "recording's pool is its blocks (give --num-kv-blocks, or "
-                                 "--model and --hardware to simulate another deployment)")
+                                 "recording's pool is its blocks (give --num-kv-blocks; "
+                                 "plan --trace with --model and --hardware plans another "
+                                 "deployment for its requests)")
             deployment = dataclasses.replace(deployment, gpu_memory_gib=args.gpu_memory_gib)
         if args.tenant_weight:
             if settings.get("tenant_fairness") != "vtc" and \
