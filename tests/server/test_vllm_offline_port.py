@@ -57,6 +57,11 @@ def test_vllms_unimplemented_fields_are_taken_at_their_neutral_values_only():
         SamplingParams(structured_outputs={"choice": ["a"]})
     with pytest.raises(RequestError, match=r"extra_args=.* is not supported"):
         SamplingParams(extra_args={"a": 1})
+    params = SamplingParams()  # set as vLLM's may be (the review: AttributeError)
+    params.output_kind = None
+    params.spaces_between_special_tokens = False
+    with pytest.raises(RequestError, match=r"logits_processors=\[1\] is not supported"):
+        params.logits_processors = [1]
 
 
 def test_logprobs_minus_one_is_the_whole_vocabulary_within_max_logprobs(llm):

@@ -21,3 +21,9 @@ def is_real(value: Any) -> bool:
 def is_finite(value: Any) -> bool:
     """A real number that is neither NaN nor infinite (an int of any size is)."""
     return is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def is_one_of(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value`` equals one of ``values``, a bool only a bool (True is no 1, 0 no False): a
+    neutral value of a field kvserve takes from vLLM without implementing it."""
+    return any(isinstance(value, bool) == isinstance(v, bool) and value == v for v in values)

@@ -7,7 +7,7 @@ import json
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
-from kvserve.core.checks import is_finite, is_int
+from kvserve.core.checks import is_finite, is_int, is_one_of
 from kvserve.core.errors import RequestError
 
 # The most sequences one SamplingParams may ask for (n); the server's own limit is lower.
@@ -120,8 +120,7 @@ def _check_vllm_neutral(values: tuple[Any, ...]) -> None:
     """RequestError naming the first of vLLM's unimplemented fields given something other
     than its neutral value."""
     for (name, neutral, instead), value in zip(_VLLM_NEUTRAL, values, strict=True):
-        if value is not None and not any(
-                isinstance(value, bool) == isinstance(v, bool) and value == v for v in neutral):
+        if value is not None and not is_one_of(value, neutral):
             raise RequestError(f"{name}={value!r} is not supported by kvserve"
                                f"{f' ({instead})' if instead else ''}"[:300])
 
@@ -274,6 +273,9 @@ class SamplingParams:
     def __setattr__(self, name: str, value: Any) -> None:
         if "_built" not in self.__dict__:  # __init__ assigning
             object.__setattr__(self, name, value)
+            return
+        if name in _VLLM_NAMES:  # taken at its neutral value, and not kept, as at __init__
+            _check_vllm_neutral(tuple(value if n == name else None for n in _VLLM_NAMES))
             return
         if name not in _FIELDS:
             raise AttributeError(f"SamplingParams has no field {name!r}")
@@ -430,6 +432,7 @@ class SamplingParams:
 
 
 _FIELDS = frozenset(f.name for f in fields(SamplingParams))  # not the InitVars
+_VLLM_NAMES = tuple(name for name, _, _ in _VLLM_NEUTRAL)
 
 
 @dataclass(eq=False, slots=True)

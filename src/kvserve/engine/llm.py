@@ -32,7 +32,7 @@ from kvserve.core import (
     Scheduler,
     SchedulerConfig,
 )
-from kvserve.core.checks import is_int
+from kvserve.core.checks import is_int, is_one_of
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS, swaps
 from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
@@ -466,8 +466,7 @@ def _take_vllm_noops(engine_args: dict[str, Any]) -> None:
             assert found is not None, name  # every name of _LLM_NOOPS is a serve flag's
             taken, why = found
             neutral = None if taken is None else (taken,)
-        if neutral is not None and not any(
-                isinstance(value, bool) == isinstance(v, bool) and value == v for v in neutral):
+        if neutral is not None and not is_one_of(value, neutral):
             hint = _GPU_ARGUMENTS.get(name)
             only = " or ".join(map(repr, neutral))
             raise ConfigError(f"{name}={value!r} is not taken here ({why}); only {only}"

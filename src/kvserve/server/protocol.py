@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvserve.core.checks import is_one_of
 from kvserve.core.request import MAX_CHOICES
 from kvserve.model.json_mode import SchemaError, check_schema
 from kvserve.server.errors import APIError, bad_request
@@ -399,8 +400,7 @@ def _check_neutral(obj: Any, neutral: dict[str, tuple[Any, ...]], prefix: str) -
     for name, values in neutral.items():
         value = getattr(obj, name, None)
         # true is no 1 and 0 no false here (QA: best_of true, use_beam_search 0 taken)
-        if value is not None and not any(
-                isinstance(value, bool) == isinstance(v, bool) and value == v for v in values):
+        if value is not None and not is_one_of(value, values):
             hint = _INSTEAD.get(prefix + name)
             raise bad_request(f"field '{prefix}{name}' is not supported by this server; "
                               f"remove it{f' ({hint})' if hint else ''}",
