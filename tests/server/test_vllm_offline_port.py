@@ -109,6 +109,9 @@ def test_chat_takes_a_template_for_the_call_alone(llm):
     [result] = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template,
                         chat_template_content_format="string", lora_request=None)
     assert result.prompt == "<<hi>>"
+    from kvserve.model.tokenizer import compile_chat_template
+
+    assert compile_chat_template(template) is compile_chat_template(template)  # once a text
     assert llm.chat(messages, GREEDY, use_tqdm=False)[0].prompt != "<<hi>>"  # the model's
     with pytest.raises(ValueError, match="chat_template_content_format='openai' is not taken"):
         llm.chat(messages, GREEDY, chat_template_content_format="openai")

@@ -6,6 +6,7 @@ Built with the ``tokenizers`` library, either from a GGUF's ``tokenizer.ggml.*``
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -82,9 +83,11 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+@functools.lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> Any:
     """``template`` compiled as chat templates are rendered; ValueError naming what makes it
-    invalid Jinja."""
+    invalid Jinja. Compiled once per text (the review: ``chat(chat_template=...)`` compiled
+    it again on every call, 3.7 ms for the bundled template)."""
     from jinja2 import TemplateSyntaxError
 
     try:
