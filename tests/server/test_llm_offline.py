@@ -219,7 +219,14 @@ def test_the_package_exports_vllms_two_names_lazily():
     ({"router": "random"}, "unknown router 'random'"),
     ({"tokenizer": "no/such/file"}, "tokenizer: model path no/such/file does not exist"),
     # torch's allocator failed after the model loaded (QA: --swap-space 100000)
-    ({"swap_space": 1 << 50}, r"swap space of 1048576.0 GiB is more than this machine's"),
+    ({"swap_space": 1 << 50}, r"swap space of 1048576.0 GiB, \d+% of this machine's memory "
+                              r"\(\d+.\d GiB\): more than 70% of it is refused"),
+    # as vLLM refuses its swap space above 70% of the memory; num_host_blocks too (the
+    # sessions pass: only warned, and not checked)
+    ({"swap_space": "1TiB", "preemption_mode": "swap"}, r"more than 70% of it is refused"),
+    ({"num_host_blocks": 10_000_000, "preemption_mode": "swap"},
+     r"num_host_blocks=10000000's host tier of \d+.\d GiB, .*: more than 70% of it is "
+     r"refused"),
     # QA (offline API fuzz): each refused only after the model loaded
     ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
     ({"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
@@ -227,9 +234,10 @@ def test_the_package_exports_vllms_two_names_lazily():
     ({"kv_cache_memory": "10TiB"}, r"kv_cache_memory of 10240.0 GiB is \d+ blocks of 16 "
                                    r"tokens, more than a pool holds"),
     ({"kv_cache_memory": "4TiB", "block_size": 1024},
-     r"the KV cache of 4096.0 GiB is more than this machine's memory"),
+     r"the KV cache of 4096.0 GiB, \d+% of this machine's memory .*: more than its memory "
+     r"is refused"),
     ({"num_kv_blocks": 1 << 24, "block_size": 1024},
-     r"the KV cache of \d+.\d GiB is more than this machine's memory"),
+     r"the KV cache of \d+.\d GiB, .*: more than its memory is refused"),
     ({"preemption_mode": "swap"}, r"preemption_mode='swap' needs a host KV tier"),
 ])
 def test_bad_engine_settings_are_refused_before_the_model_loads(kwargs, needle, monkeypatch):

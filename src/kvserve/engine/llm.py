@@ -223,7 +223,6 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     _check_keywords(scheduler_settings)
     kv_cache_memory = _size(kv_cache_memory, "kv_cache_memory", minimum=1)
     swap_space = _size(swap_space, "swap_space", minimum=0)
-    _check_host_memory(swap_space)
     _check_count(num_kv_blocks, "num_kv_blocks", 1, MAX_BLOCKS)
     _check_count(num_host_blocks, "num_host_blocks", 0, MAX_HOST_BLOCKS)
     _check_count(max_logprobs, "max_logprobs", -1, 1 << 30)
@@ -266,6 +265,13 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if swaps(scheduler_settings) and not (swap_space or num_host_blocks):
         raise ConfigError(f"preemption_mode={scheduler_settings['preemption_mode']!r} needs "
                           "a host KV tier: give swap_space (--swap-space) or num_host_blocks")
+    if swap_space or num_host_blocks:  # the host tier in this machine's memory, checked
+        # as vLLM checks its swap space, whether or not it swaps
+        host_bytes = swap_space or num_host_blocks * kv_cache_bytes_per_block(
+            header, block_size, torch_dtype)
+        _check_host_memory(host_bytes, "swap space" if swap_space else
+                           f"num_host_blocks={num_host_blocks}'s host tier", refuse=0.7,
+                           warn=0.4)
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
     if (swap_space or num_host_blocks) and not swaps(scheduler_settings):
@@ -366,23 +372,25 @@ def _size(value: Any, name: str, minimum: int) -> int | None:
     return value
 
 
-def _check_host_memory(size: int | None, what: str = "swap space") -> None:
-    """The host tier (or a KV pool on the CPU) must fit in this machine's memory (it failed
-    after the model loaded, with torch's allocator error); above 70% of it, a warning, as
-    vLLM gives."""
+def _check_host_memory(size: int | None, what: str, *, refuse: float, warn: float) -> None:
+    """``size`` bytes of ``what`` in this machine's memory (checked before the model loads:
+    past it, torch's allocator failed after the load): refused above ``refuse`` of it,
+    a warning above ``warn``. The host tier as vLLM checks its swap space (refused above
+    70%, a warning above 40%; the sessions pass: --num-host-blocks was not checked, and
+    --swap-space above 70% only warned); a KV pool on the CPU refused past the whole."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return
     if not size or total <= 0:
         return
-    if size > total:
-        raise ValueError(f"{what} of {size / 2**30:.1f} GiB is more than this "
-                         f"machine's memory ({total / 2**30:.1f} GiB)")
-    if size > 0.7 * total:
-        logger.warning("%s of %.1f GiB is %.0f%% of this machine's memory "
-                       "(%.1f GiB): possibly too large", what, size / 2**30,
-                       100 * size / total, total / 2**30)
+    share = f"{size / 2**30:.1f} GiB, {100 * size / total:.0f}% of this machine's memory " \
+        f"({total / 2**30:.1f} GiB)"
+    if size > refuse * total:
+        most = "its memory" if refuse >= 1 else f"{refuse:.0%} of it"
+        raise ValueError(f"{what} of {share}: more than {most} is refused")
+    if size > warn * total:
+        logger.warning("%s of %s: possibly too large", what, share)
 
 
 def _pool_blocks(header: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -402,7 +410,7 @@ def _pool_blocks(header: ModelConfig, block_size: int, dtype: torch.dtype,
     else:
         memory = num_kv_blocks * kv_cache_bytes_per_block(header, block_size, dtype)
     if device.type == "cpu":
-        _check_host_memory(memory, "the KV cache")
+        _check_host_memory(memory, "the KV cache", refuse=1.0, warn=0.7)
     return num_kv_blocks
 
 
