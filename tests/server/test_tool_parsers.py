@@ -505,6 +505,10 @@ def test_the_other_parsers_answer_with_calls_whole_and_streamed(parser, said):
         [call] = whole.message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == (
             "get_weather", {"city": "Oslo"})
+        # Mistral's templates take back only 9 letters and digits (the structured-output
+        # pass: the next turn was refused by the template)
+        assert (len(call.id) == 9 and call.id.isalnum()) if parser == "mistral" else \
+            call.id.startswith("chatcmpl-tool-")
         chunks = list(client.chat.completions.create(**_ask(said), stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         content = "".join(d.content or "" for d in deltas)

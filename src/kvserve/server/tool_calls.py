@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.server.protocol import auto_tools, calls_required, forced_tool
@@ -31,8 +32,10 @@ def _call_id() -> str:
 
 class ToolCalls:
     def __init__(self, role: str, name: str | None, required: bool,
-                 parser: ToolParser | None = None, parallel: bool = True) -> None:
+                 parser: ToolParser | None = None, parallel: bool = True,
+                 new_id: Callable[[], str] = _call_id) -> None:
         self.role = role
+        self.new_id = new_id  # a call's id, as the model's chat template takes it back
         self.name = name  # the forced function's; None: calls_required, or auto
         self.required = required  # tool_choice "required": finish_reason tool_calls
         # "auto" (--enable-auto-tool-choice): the calls the parser finds in the text
@@ -54,13 +57,16 @@ class ToolCalls:
         """The tool calls a chat request's answers are (or, with ``parser``, may hold), or
         None (a plain answer)."""
         function = forced_tool(req)
+        # the served parser's ids where it has its own (Mistral's templates take back only
+        # 9 alphanumeric characters: the structured-output pass), forced calls' too
+        new_id = getattr(parser, "new_call_id", _call_id)
         if function is None and not calls_required(req):
             if parser is not None and auto_tools(req):
                 return cls(role, None, False, parser,
-                           parallel=req.parallel_tool_calls is not False)
+                           parallel=req.parallel_tool_calls is not False, new_id=new_id)
             return None
         return cls(role, None if function is None else function.name,
-                   req.tool_choice == "required")
+                   req.tool_choice == "required", new_id=new_id)
 
     def message(self, choice_id: str, text: str) -> dict[str, Any]:
         """A whole answer's message."""
@@ -209,7 +215,7 @@ class ToolCalls:
         """Answer ``choice_id``'s call ``index``'s id, the same however often it is read."""
         ids = self.call_ids.setdefault(choice_id, [])
         while len(ids) <= index:
-            ids.append(_call_id())
+            ids.append(self.new_id())
         return ids[index]
 
     def _made(self, choice_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:

@@ -31,6 +31,8 @@ import ast
 import json
 import math
 import re
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -177,6 +179,12 @@ class Llama3JsonParser:
 class MistralParser:
     marker, args = "[TOOL_CALLS]", "[ARGS]"
     keeps_special_tokens = True  # the markers are special tokens
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A call's id as Mistral's chat templates take it back: 9 letters and digits (they
+        raise on any other; vLLM's MistralToolCall makes the same)."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def parse(self, text: str) -> ParsedCalls:
         at = text.find(self.marker)
