@@ -629,3 +629,16 @@ def test_a_long_streamed_call_is_scanned_once_not_once_a_chunk(monkeypatch):
                                True)]
     pieces = 2 * items + 10  # the numbers and their commas, and the fields around them
     assert reads < 2 * pieces + 4 * len(chunks)  # afresh it was ~ pieces * chunks / 2
+
+
+def test_auto_calls_cut_short_after_them_still_finish_as_tool_calls(live):
+    """vLLM's: an answer whose calls were read finishes with tool_calls however it ended
+    (the structured-output pass: one cut by max_tokens after its call said length)."""
+    text = SAID + " And now a long goodbye to everyone reading this."
+    ids = live.state.tokenizer.encode(text, add_special_tokens=False)
+    cut = next(n for n in range(len(ids))
+               if "</tool_call>" in live.state.tokenizer.decode(ids[:n])) + 2
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+    [choice] = client.chat.completions.create(**_ask(text, max_tokens=cut)).choices
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls"

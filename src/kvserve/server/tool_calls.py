@@ -195,10 +195,14 @@ class ToolCalls:
         return dataclasses.replace(parsed, calls=parsed.calls[:1])
 
     def finish_reason(self, choice_id: str, reason: str | None) -> str | None:
-        """vLLM's: tool_calls where the call was required, or made in auto, stop where it
-        was named."""
-        called = self.required or choice_id in self.called
-        return "tool_calls" if reason == "stop" and called else reason
+        """vLLM's: tool_calls where the answer made calls in auto (however it ended: the
+        structured-output pass, one cut short by max_tokens said length), or where the call
+        was required and the answer stopped; stop where it was named."""
+        if reason is None:
+            return None
+        if choice_id in self.called or (self.required and reason == "stop"):
+            return "tool_calls"
+        return reason
 
     def _call(self, choice_id: str, arguments: str) -> dict[str, Any]:
         assert self.name is not None
