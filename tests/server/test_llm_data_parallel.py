@@ -5,6 +5,8 @@ prompt queues nothing, and one the replicas refuse leaves no request behind."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -44,7 +46,10 @@ def pools_whole(llm: LLM) -> bool:
 
 def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanly():
     prompts, params = batch()
-    expected = answers(LLM(TINY, **settings()).generate(prompts, params, use_tqdm=False))
+    single = LLM(TINY, **settings())
+    expected = answers(single.generate(prompts, params, use_tqdm=False))
+    long_params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    expected_long = answers(single.generate(prompts, long_params, use_tqdm=False))
     assert [len(tokens) for _, tokens, _, _ in expected] == [12, 3, 9, 1, 6, 15]
     with LLM(TINY, data_parallel_size=2, threads_per_replica=1, router="round-robin",
              **settings()) as llm:
@@ -93,6 +98,14 @@ def test_two_replicas_answer_a_greedy_batch_as_one_engine_does_and_refuse_cleanl
                          use_tqdm=False)
         wait_for(lambda: aborted() == before + 8 and pools_whole(llm),
                  what="the batch aborted")
+        # a replica killed under a batch: its unfinished requests are placed again on the
+        # other and read from the start, as the server places a request not streamed (the
+        # data-parallel pass: the whole batch failed with EngineDeadError)
+        replica = llm.replicas.engine.replicas[0]
+        llm.replicas.loop.call_later(0.1, os.kill, replica.pid, signal.SIGKILL)
+        assert answers(llm.generate(prompts, long_params, use_tqdm=False)) == expected_long
+        assert llm.replicas.engine.replicas[0] is not replica or not replica.is_running
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # its relaunch, meanwhile
 
 
 def test_the_data_parallel_size_is_checked():

@@ -92,6 +92,10 @@ class GenerationResult:
     # With SamplingParams(n > 1): samples 1 .. n-1 (this result is sample 0).
     more: list[GenerationResult] = field(default_factory=list, repr=False)
 
+    def start_over(self) -> None:
+        """Drop what was read of this sample (placed again on another replica)."""
+        self.token_ids, self.text, self.logprobs, self.prompt_logprobs = [], "", None, None
+
     @property
     def finished(self) -> bool:
         """vLLM's ``RequestOutput.finished``: every sample has finished."""
@@ -653,10 +657,14 @@ class LLM:
         sequences, results, firsts = self._sequences(batch, params)
         if self.replicas is not None:
             progress = _Progress(firsts, use_tqdm)
+
+            def start_over(request_ids: list[str]) -> None:  # placed again: from the start
+                for request_id in request_ids:
+                    results[request_id].start_over()
             try:
                 self.replicas.run([(sub_id, ids, param) for _, sub_id, ids, param in sequences],
                                   lambda chunk: _absorb(results[chunk.request_id], chunk,
-                                                        progress, self._decode))
+                                                        progress, self._decode), start_over)
             finally:
                 progress.close()
             return firsts

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserve.core import SamplingParams
 from kvserve.core.errors import without_request_id
-from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.async_engine import RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 
 Item = tuple[str, list[int], SamplingParams]
@@ -59,11 +59,16 @@ class ReplicatedEngines:
     async def _start(self) -> None:
         self.engine.start()
 
-    def run(self, items: Sequence[Item], on_chunk: Callable[[CompletionChunk], None]) -> None:
+    def run(self, items: Sequence[Item], on_chunk: Callable[[CompletionChunk], None],
+            on_restart: Callable[[list[str]], None]) -> None:
         """Add every item, then pass each chunk to ``on_chunk`` until all have finished. When
         an add fails, the ones already queued are aborted and the error is raised; an
-        interrupt (Ctrl-C) aborts every one as well, as one engine's generate does."""
-        task = self.loop.create_task(self._run(items, on_chunk))
+        interrupt (Ctrl-C) aborts every one as well, as one engine's generate does. Nothing
+        reaches the caller before the end, so a replica's death places its unfinished
+        requests again on another (as the server places a request not streamed; the
+        data-parallel pass: the whole batch failed): ``on_restart`` is told their ids, to
+        drop what was read of them."""
+        task = self.loop.create_task(self._run(items, on_chunk, on_restart))
         try:
             self.loop.run_until_complete(task)
         except BaseException:  # an interrupt reaches the loop, not the task (the
@@ -73,8 +78,8 @@ class ReplicatedEngines:
                     self.loop.run_until_complete(task)  # its streams cancel on the way out
             raise
 
-    async def _run(self, items: Sequence[Item],
-                   on_chunk: Callable[[CompletionChunk], None]) -> None:
+    async def _run(self, items: Sequence[Item], on_chunk: Callable[[CompletionChunk], None],
+                   on_restart: Callable[[list[str]], None]) -> None:
         adds = [asyncio.ensure_future(self.engine.add_requests([item])) for item in items]
         try:
             await asyncio.wait(adds)
@@ -98,8 +103,14 @@ class ReplicatedEngines:
             raise error
 
         async def drain(stream: RequestStream) -> None:
-            async for chunk in stream:
-                on_chunk(chunk)
+            stream.replayable = True
+            while True:
+                try:
+                    async for chunk in stream:
+                        on_chunk(chunk)
+                    return
+                except StreamRestarted as restart:  # placed again: read them from the start
+                    on_restart(restart.request_ids)
         try:
             await asyncio.gather(*(drain(stream) for stream in streams))
         except BaseException:  # a replica failed under way: leave nothing queued elsewhere
