@@ -66,6 +66,7 @@ def test_a_response_is_the_chat_answer_in_the_response_shape(client):
     assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
     assert response.instructions == "Be brief." and response.max_output_tokens == 6
     assert response.model_extra["kvserve"]["num_preemptions"] == 0
+    assert response.tool_choice == "auto"  # OpenAI's echo with no tools too
 
 
 def test_a_stream_sends_the_typed_events_in_order(client):

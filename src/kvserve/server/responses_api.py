@@ -149,7 +149,8 @@ class ResponsesGeneration(ChatGeneration):
                   usage: dict[str, Any] | None) -> dict[str, Any]:
         api = self.api
         text_format = api.text.format if api.text is not None else None
-        tool_choice = api.tool_choice or ("auto" if api.tools else "none")
+        tool_choice = api.tool_choice or "auto"  # OpenAI's default, tools or none (the
+        # structured-output pass: "none" without tools)
         out: dict[str, Any] = {
             "id": self.response_id, "object": "response", "created_at": self.created,
             "status": status, "background": api.background, "error": None,
