@@ -409,3 +409,6 @@ def test_a_candidate_that_does_not_fit_names_the_budget_it_was_sized_with(tmp_pa
                  "17", "--no-capacity-search", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["sweep"]
     assert rows[1]["error"] and rows[1]["max_num_batched_tokens"] == 8192
+    assert main(["plan", "--trace", str(trace), "--candidates", "256,8192", "--gpu-memory-gib",
+                 "17", "--no-capacity-search"]) == 0
+    assert "raised to match" not in capsys.readouterr().err  # it did not run

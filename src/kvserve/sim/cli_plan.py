@@ -387,8 +387,8 @@ def _note_raised_budgets(rows: list[dict[str, Any]]) -> None:
     given), which serve and simulate refuse without the flag: said once."""
     from kvserve.sim.plan import DEFAULT_BUDGET
 
-    raised = [row["max_num_seqs"] for row in rows
-              if row["max_num_batched_tokens"] > DEFAULT_BUDGET]
+    raised = [row["max_num_seqs"] for row in rows  # that ran: not those that did not fit
+              if row["max_num_batched_tokens"] > DEFAULT_BUDGET and not row.get("error")]
     if raised:
         print(f"note: max_num_seqs {', '.join(map(str, raised))} ran with "
               "max_num_batched_tokens raised to match (a step schedules a token per sequence "
