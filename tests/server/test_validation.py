@@ -79,7 +79,9 @@ def error_of(response: httpx.Response) -> str:
     # vLLM's --max-logprobs, 20 by default, names itself (tests/server/test_vllm_compat.py)
     (COMPLETIONS, {"prompt": "x", "logprobs": 50}, 400, "'logprobs' is 50, more than this "
      "server gives: at most 20 (--max-logprobs)"),
-    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "field 'logprobs'"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -2}, 400, "field 'logprobs'"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, 400, "'logprobs' is -1 (-1: the whole "
+     "vocabulary"),  # vLLM's -1, beyond the default --max-logprobs
     (COMPLETIONS, {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options' is only allowed"),

@@ -499,6 +499,31 @@ def test_max_logprobs_bounds_what_a_request_may_ask(model_dir):
     assert serve_state(model_dir, "--max-logprobs", "-1").max_logprobs == 49152  # vocabulary
 
 
+def test_minus_one_logprobs_are_the_whole_vocabulary_within_max_logprobs(model_dir):
+    """vLLM's servers take -1 for logprobs, top_logprobs and prompt_logprobs: the whole
+    vocabulary, which --max-logprobs must allow (-1 there too); else a 400 naming both."""
+    with LiveServer(state=serve_state(model_dir)) as live:
+        reply = httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 1, "prompt_logprobs": -1})
+        assert reply.status_code == 400
+        assert reply.json()["error"]["message"] == (
+            "'prompt_logprobs' is -1 (-1: the whole vocabulary, 49152), more than this server "
+            "gives: at most 20 (--max-logprobs)")
+    with LiveServer(state=serve_state(model_dir, "--max-logprobs", "-1", "--chat-template",
+                                      ROLES)) as live:
+        reply = httpx.post(live.url + "/v1/completions", json={
+            "prompt": "hello there", "max_tokens": 1, "prompt_logprobs": -1, "logprobs": -1})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert len(choice["prompt_logprobs"][1]) == 49152
+        assert len(choice["logprobs"]["top_logprobs"][0]) == 49152
+        chat = httpx.post(live.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": -1})
+        assert chat.status_code == 200, chat.text
+        assert len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 49152
+
+
 def test_the_engine_refuses_more_logprobs_than_its_max_logprobs(model_dir):
     from kvserve.core import SamplingParams
     from kvserve.engine.llm import LLM

@@ -191,14 +191,22 @@ def check_stop_token_ids(state: ServerState, req: Any) -> None:
 
 
 def check_logprobs(state: ServerState, req: Any, chat: bool) -> None:
-    """A 400 naming the field that asks for more logprobs than --max-logprobs allows."""
+    """A 400 naming the field that asks for more logprobs than --max-logprobs allows; -1
+    (vLLM's: the whole vocabulary) is set to the vocabulary's size in ``req``, so that what
+    reads the field later reads a count."""
     limit = state.max_logprobs
     fields = ("top_logprobs", "prompt_logprobs") if chat else ("logprobs", "prompt_logprobs")
     for name in fields:
         asked = getattr(req, name)
+        whole = ""
+        if asked == -1:
+            asked = state.tokenizer.vocab_size
+            whole = f" (-1: the whole vocabulary, {asked})"
         if asked is not None and asked > limit:
-            raise bad_request(f"'{name}' is {asked}, more than this server gives: at most "
-                              f"{limit} (--max-logprobs)", param=name)
+            raise bad_request(f"'{name}' is {getattr(req, name)}{whole}, more than this server "
+                              f"gives: at most {limit} (--max-logprobs)", param=name)
+        if whole:
+            setattr(req, name, asked)
 
 
 def logit_bias(req: Any) -> dict[int, float]:

@@ -191,8 +191,8 @@ class _Sampling(Body):
     request_id: str | None = None
     # vLLM's: each prompt token's logprob and the top this many (G8: computed, never a
     # prefix-cache hit)
-    # (at most --max-logprobs, prompts.check_logprobs)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=1 << 20)
+    # (at most --max-logprobs, prompts.check_logprobs; -1: the whole vocabulary, as vLLM's)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=1 << 20)
     # OpenAI's: token id (a string of digits) -> bias added to its logit, clamped to
     # [-100, 100] as vLLM does
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1 << 16)
@@ -236,7 +236,7 @@ class _Sampling(Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=1 << 20)  # --max-logprobs
+    logprobs: int | None = Field(default=None, ge=-1, le=1 << 20)  # --max-logprobs; -1 all
     # OpenAI's: the prompt before each choice's text (and its tokens' logprobs before the
     # answer's, with logprobs); with max_tokens 0, the prompt alone (vLLM's echo without
     # generation: one token is generated and not returned)
@@ -302,7 +302,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=1 << 20)  # --max-logprobs
+    top_logprobs: int | None = Field(default=None, ge=-1, le=1 << 20)  # --max-logprobs; -1 all
     # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
     # ignores them; anything that would need a tool-call parser is refused (_check_tools)
     tools: list[Tool] | None = Field(default=None, max_length=1024)
