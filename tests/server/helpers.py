@@ -238,6 +238,23 @@ def loading_engine(folder: str, fail_if_named: str | None = None) -> Engine:
     raise ValueError("loaded for a minute")
 
 
+def relaunch_loads_for_ever(folder: str, **settings: Any) -> Engine:
+    """An engine process whose first life (per process name) builds as usual and whose later
+    ones (relaunches after a death) leave their pid in ``folder`` and load for ever (a
+    minute)."""
+    import multiprocessing
+    import os
+    from pathlib import Path
+
+    first = Path(folder, multiprocessing.current_process().name)
+    if not first.exists():
+        first.touch()
+        return make_engine(**settings)
+    Path(folder, f"relaunch-{os.getpid()}").touch()
+    time.sleep(60)
+    raise ValueError("loaded for a minute")
+
+
 class ScriptedExecutor:
     """Wraps a runner so every request's answer is ``script`` (token ids), then EOS,
     whatever the model samples: what a model trained for a format (thinking, tool calls)

@@ -401,21 +401,59 @@ def test_a_replica_dying_at_start_backs_off_and_its_failures_are_counted(monkeyp
     engine._started_at[0] = clock[0]  # and the next launch dies at once again
     assert engine._backoff(0) == 1.0
 
-    engine._stopping, engine.num_failed_restarts, engine._loop = False, [0], None
+    class Stopping(threading.Event):  # its backoff waits return at once
+        def wait(self, timeout=None):
+            return self.is_set()
+
+    engine._stopping, engine.num_failed_restarts, engine._loop = Stopping(), [0], None
     attempts = []
 
-    def launch(index):
+    def launch(index, cancel):
         attempts.append(index)
         if len(attempts) < 3:
             raise EngineStartError("the engine process (pid 7) died (signal 9, SIGKILL) "
                                       "before it was ready")
-        engine._stopping = True  # the third comes up as the server stops: it is killed
+        cancel.set()  # the third comes up as the server stops: it is killed
         return SimpleNamespace(_kill=lambda: attempts.append("killed"))
 
-    engine._launch, engine._sleep_unless_stopping = launch, lambda seconds: None
+    engine._launch = launch
     engine._next_delay = [0.0]
     engine._restart(0)
     assert attempts == [0, 0, 0, "killed"] and engine.num_failed_restarts == [2]
+
+
+def test_stopping_while_a_replica_is_relaunched_cancels_the_relaunch(tmp_path):
+    """The data-parallel pass: a SIGTERM while a dead replica's relaunch was loading took
+    10 s (the dead replica's join waited on the loading process, their launcher shared) and
+    counted a failed restart. Each life has its own launcher; the stop cancels the relaunch."""
+    import time
+
+    from kvserve.core.router import make_router
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import JOIN_TIMEOUT_S, EngineSpec, LocalLauncher
+
+    from .helpers import relaunch_loads_for_ever
+
+    spec = EngineSpec(functools.partial(relaunch_loads_for_ever, str(tmp_path),
+                                        max_model_len=256), threads=1, wait_policy="PASSIVE")
+    engine = DataParallelEngine(spec, tokenizer(), [LocalLauncher(f"replica-{i}")
+                                                    for i in range(2)],
+                                make_router("round-robin", 2), restart_delay=0.2)
+
+    def relaunches() -> list[int]:
+        return [int(name.split("-")[1]) for name in os.listdir(tmp_path)
+                if name.startswith("relaunch-")]
+
+    with LiveServer(serving=engine):
+        kill_process(engine, 0)
+        wait_for(lambda: relaunches(), timeout=60, what="the relaunch loading")
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < JOIN_TIMEOUT_S * 0.8  # it waited out the timeout
+    [pid] = relaunches()
+    wait_for(lambda: not _alive(pid), timeout=10, what="the relaunch stopped")
+    wait_for(lambda: not any(t.name == "restart-0" for t in threading.enumerate()),
+             what="the restart thread's end")
+    assert engine.num_failed_restarts == [0, 0] and engine.num_restarts == [0, 0]
 
 
 def _alive(pid: int) -> bool:
@@ -584,7 +622,7 @@ def test_an_abort_asked_while_a_group_is_placed_again_reaches_its_new_replica():
 
         dead = Stream(dead=True)
         dead.request_ids = ["g-0", "g-1"]
-        engine = SimpleNamespace(_stopping=False, _place=place)
+        engine = SimpleNamespace(_stopping=threading.Event(), _place=place)
         routed = _RoutedStream(engine, [("g-0", [5], None), ("g-1", [6], None)], 0.0, 0, dead)
         reading = asyncio.ensure_future(routed.__anext__())
         await asyncio.sleep(0)  # the death read: the group is being placed again

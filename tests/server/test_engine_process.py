@@ -453,9 +453,9 @@ def test_a_503_says_whether_the_server_or_the_request_failed():
         reply = engine_dead_error(state, error)
         assert reply.status == 503 and reply.message == head + str(error)
     engine = object.__new__(DataParallelEngine)  # its health, without starting replicas
-    engine.replicas, engine._stopping = [None, None], False
+    engine.replicas, engine._stopping = [None, None], threading.Event()
     assert engine.health() == "every replica (2) is down (restarting)"
-    engine._stopping = True  # none restarts: the server is stopping them
+    engine._stopping.set()  # none restarts: the server is stopping them
     assert engine.health() is None
 
 

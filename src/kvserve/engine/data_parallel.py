@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import logging
 import os
@@ -58,9 +59,11 @@ RETRY_WHILE_RESTARTING_S = 5  # Retry-After while every replica restarts
 
 
 class DataParallelEngine:
-    """N replicas of one engine behind ``router``. ``launchers[i]`` starts replica i (again
-    after a death). Constructing it starts every replica at once and waits until all are
-    ready."""
+    """N replicas of one engine behind ``router``. Each life of replica i (the first, and
+    each after a death) is launched by its own copy of ``launchers[i]``: a launcher holds the
+    process it launched, and a dead replica's must not be its relaunch's (the data-parallel
+    pass: stopping joined the loading relaunch through the dead one, 10 s). Constructing it
+    starts every replica at once and waits until all are ready."""
 
     def __init__(self, spec: EngineSpec, tokenizer: Any, launchers: Sequence[Launcher],
                  router: Router, *, restart_delay: float = 1.0) -> None:
@@ -95,7 +98,7 @@ class DataParallelEngine:
         self._where: dict[str, int] = {}  # live request id -> replica
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopping = False
+        self._stopping = threading.Event()  # set by stop: a relaunch is cancelled
         self.replicas: list[ProcessEngine | None] = [None] * len(self.launchers)
         self._launch_all()
         first = self.replicas[0]
@@ -132,7 +135,8 @@ class DataParallelEngine:
 
     def _launch(self, index: int, cancel: threading.Event | None = None) -> ProcessEngine:
         replica = ProcessEngine(self.spec, self.tokenizer, name=f"kvserve-engine-{index}",
-                                launcher=self.launchers[index], on_death=self._died,
+                                launcher=copy.copy(self.launchers[index]),
+                                on_death=self._died,
                                 cancel=cancel)
         replica.observers.append(lambda report, i=index: self._observe(i, report))
         return replica
@@ -154,14 +158,14 @@ class DataParallelEngine:
                 replica.start(self._loop)
 
     async def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         await asyncio.gather(*(r.stop() for r in self.replicas if r is not None))
 
     def stop_here(self) -> None:
         """:meth:`stop` where no event loop runs (the offline LLM's close, at the
         interpreter's exit too, where no worker thread may start): every replica told,
         then each waited for."""
-        self._stopping = True
+        self._stopping.set()
         replicas = [r for r in self.replicas if r is not None]
         for replica in replicas:
             replica.ask_to_stop()
@@ -174,13 +178,13 @@ class DataParallelEngine:
 
     @property
     def is_running(self) -> bool:
-        return not self._stopping and bool(self._live())
+        return not self._stopping.is_set() and bool(self._live())
 
     def health(self) -> str | None:
         """None when every replica serves, or the server is stopping them; else what is
         missing (the server still serves while one replica is live)."""
         down = [i for i, r in enumerate(self.replicas) if r is None or not r.is_running]
-        if not down or self._stopping:
+        if not down or self._stopping.is_set():
             return None
         if len(down) == self.num_replicas:
             return f"every replica ({self.num_replicas}) is down (restarting)"
@@ -364,31 +368,27 @@ class DataParallelEngine:
         return delay
 
     def _restart(self, index: int) -> None:
-        while not self._stopping:
+        while not self._stopping.is_set():
             delay = self._backoff(index)
             if delay:
                 logger.warning("replica %d: waiting %.0f s before launching it again (it "
                                "died within %.0f s of its start)", index, delay, STABLE_S)
-                self._sleep_unless_stopping(delay)
-                if self._stopping:
+                if self._stopping.wait(delay):
                     return
             self._started_at[index] = time.monotonic()
             try:
-                replica = self._launch(index)
+                replica = self._launch(index, cancel=self._stopping)
             except Exception as error:
+                if self._stopping.is_set():  # cancelled by the stop, no failure of its own
+                    return
                 self.num_failed_restarts[index] += 1
                 logger.error("replica %d failed to restart: %s", index, error)
                 continue
-            if self._stopping or self._loop is None:
+            if self._stopping.is_set() or self._loop is None:
                 replica._kill()
                 return
             self._loop.call_soon_threadsafe(self._swap_in, index, replica)
             return
-
-    def _sleep_unless_stopping(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while not self._stopping and time.monotonic() < end:
-            time.sleep(min(0.1, end - time.monotonic()))
 
     def _swap_in(self, index: int, replica: ProcessEngine) -> None:
         dead = self.replicas[index]
@@ -515,7 +515,7 @@ class _RoutedStream:
                 chunk = await self.inner.__anext__()
             except EngineDeadError as error:
                 if (self.read_any and not self.replayable) or self.abort_sent or \
-                        self.engine._stopping:
+                        self.engine._stopping.is_set():
                     raise EngineDeadError(f"replica {self.replica} failed with this request "
                                           f"under way: {error}") from None
                 if self.placed_again:
