@@ -156,6 +156,8 @@ def test_every_http_answer_is_counted_by_route_method_and_status_class():
         for probe in ("/health", "/ping", "/load", "/version"):
             assert httpx.get(live.url + probe).status_code == 200
         scrape(live)
+        slash = httpx.get(live.url + "/metrics/")  # vLLM's serves it (the pass: a 307)
+        assert slash.status_code == 200 and "vllm:num_requests_running" in slash.text
         values = scrape(live)
     route = (("handler", "/v1/completions"), ("method", "POST"))
     assert values[("http_requests_total", (*route, ("status", "2xx")))] == 1
@@ -171,7 +173,7 @@ def test_every_http_answer_is_counted_by_route_method_and_status_class():
     # pass: a dashboard's request rate counted them)
     assert not [key for key in values if key[0] == "http_requests_total" and any(
         label == ("handler", path) for label in key[1]
-        for path in ("/metrics", "/health", "/ping", "/load", "/version"))]
+        for path in ("/metrics", "/metrics/", "/health", "/ping", "/load", "/version"))]
 
 
 def test_prompt_tokens_by_source_split_computed_from_cached():

@@ -287,6 +287,7 @@ def build_app(state: ServerState, *, log_stats_interval: float = 0.0,
         return {"version": __version__}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: a probe's
+    @app.api_route("/metrics/", methods=["GET", "HEAD"])  # vLLM's serves it (no 307)
     async def metrics() -> Response:
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -186,7 +186,8 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PA
 
 # Routes the http series leave out, as vLLM's instrumentator excludes them (the metrics
 # pass: a dashboard's request rate counted Prometheus' scrapes and the probes)
-UNCOUNTED_ROUTES = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
+UNCOUNTED_ROUTES = frozenset({"/metrics", "/metrics/", "/health", "/load", "/ping",
+                              "/version"})
 
 
 class HttpMetrics:
