@@ -31,8 +31,12 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.p
 
 
 class Observed:
-    def __init__(self) -> None:
+    def __init__(self, figures: list | None = None) -> None:
         self.observers: list = []
+        self.figures = figures or []
+
+    def engine_figures(self) -> list:
+        return self.figures
 
 
 def test_nothing_is_collected_while_nobody_watches():
@@ -113,6 +117,78 @@ def test_a_dead_replicas_requests_end_on_the_timeline():
     finished = {r["id"]: r["finished"] for r in view.snapshot(0)[1]["requests"]}
     assert finished == {"a": 2.5, "b": 2.5, "c": None}
     view.leave()
+
+
+def test_an_aborted_request_ends_on_the_timeline_and_in_the_figures():
+    """The pass: an abort's report runs no tokens and has no events, only the request's
+    finished chunk; the page kept the request running (its bar growing) and the last step's
+    figures (1 running, KV in use) while /metrics read 0."""
+    from types import SimpleNamespace
+
+    from kvserve.core import SchedulerStats
+
+    view = LiveView(Observed())
+    view.watch()
+    busy = SchedulerStats(1, 0, 0, 0.1, 90, 100, 5, 0, 0, 1, 1, 0, {}, {})
+    arrived = SimpleNamespace(kind="arrived", request_id="a", time=view.origin + 1.0)
+    view.observe(SimpleNamespace(engine=0, time=view.origin + 1.0, seconds=0.0,
+                                 num_scheduled_tokens=4, stats=busy, events=[arrived],
+                                 chunks=[]))
+    idle = SchedulerStats(0, 0, 0, 0.0, 100, 100, 5, 0, 0, 0, 1, 0, {"abort": 1}, {})
+    aborted = SimpleNamespace(request_id="a", new_token_ids=[], finished=True)
+    view.observe(SimpleNamespace(engine=0, time=view.origin + 3.0, seconds=0.0,
+                                 num_scheduled_tokens=0, stats=idle, events=[],
+                                 chunks=[aborted]))
+    snapshot = view.snapshot(0)[1]
+    assert [r["finished"] for r in snapshot["requests"]] == [3.0]
+    assert snapshot["samples"][-1][:4] == [3.0, 0, 0, 0.0]
+    view.leave()
+
+
+def test_a_watcher_sees_the_figures_as_they_stand_before_any_step():
+    """The pass: the page of an idle server read 0 preemptions and a 0% hit rate (no step,
+    no sample) while /metrics counted 4 and 26.7%."""
+    from kvserve.core import SchedulerStats
+    from kvserve.engine.async_engine import EngineFigures
+
+    stats = SchedulerStats(0, 0, 0, 0.0, 100, 100, 50, 4, 0, 0, 240, 64, {"stop": 8}, {})
+    view = LiveView(Observed([EngineFigures(0, stats, 0)]))
+    view.watch()
+    [sample] = view.snapshot(0)[1]["samples"]
+    assert sample == [0.0, 0, 0, 0.0, 4, round(64 / 240, 4)]
+    view.leave()
+
+
+def test_the_stream_ends_when_the_shutdown_begins():
+    """The pass: an open dashboard held the server's exit for as long as the tab stayed
+    open (SIGTERM, and a second one, waited on its stream)."""
+    with LiveServer(num_kv_blocks=64, **SETTINGS) as live:
+        lines: list[str] = []
+        ended = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("GET", live.url + "/dashboard/events", timeout=30) as reply:
+                for line in reply.iter_lines():
+                    lines.append(line)
+            ended.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_for(lambda: any(line.startswith("data: ") for line in lines),
+                 what="the first snapshot")
+        assert not ended.is_set()
+        live.state.shutting_down = True
+        assert ended.wait(timeout=10), "the stream went on after the shutdown began"
+        live.state.shutting_down = False
+
+
+def test_the_page_opens_its_stream_relative_to_itself():
+    """The pass: behind a proxy serving the server under --root-path, the page opened
+    /dashboard/events at the host's root, which the proxy does not route."""
+    from kvserve.server.dashboard_page import PAGE
+
+    assert 'new EventSource("dashboard/events" + location.search)' in PAGE
+    assert '"/dashboard' not in PAGE
 
 
 def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
@@ -233,7 +309,7 @@ def test_the_dashboard_loads_draws_and_updates_in_a_browser_while_a_load_runs():
             view = live.app.state.dashboard
             assert view.watchers == 1 and view.observe in live.state.engine.observers
             before = browser.run(STATE)
-            assert before["steps"] == 0  # nothing ran yet
+            assert before["steps"] == 1  # the figures as they stood: no step ran yet
             replies: list[int] = []
 
             def one(index: int) -> None:

@@ -53,6 +53,9 @@ class LiveView:
         self._seq = 0
 
     def watch(self) -> None:
+        """A watcher came; the first one starts the collecting, with a sample of each
+        engine's figures as they stand (the pass: an idle server's page read 0 preemptions
+        and a 0% hit rate until a step ran)."""
         with self._lock:
             self.watchers += 1
             if self.watchers == 1:  # times count from when the watching began, as the
@@ -61,6 +64,11 @@ class LiveView:
                 deaths = getattr(self.engine, "death_observers", None)  # data parallel
                 if deaths is not None:
                     deaths.append(self.replica_died)
+                for figures in self.engine.engine_figures():
+                    self._stats[figures.index] = figures.stats
+                if self._stats:
+                    self._seq += 1
+                    self._samples.append((self._seq, self._sample(0.0)))
 
     def leave(self) -> None:
         with self._lock:
@@ -89,11 +97,13 @@ class LiveView:
                     entry["finished"] = at
 
     def observe(self, report: StepReport) -> None:
-        """A step observer (on the engine's thread)."""
+        """A step observer (on the engine's thread). A report of aborts runs no tokens and
+        has no events: its finished chunks end their requests (the pass: an aborted
+        request ran on, on the timeline and in the figures)."""
         now = round(report.time + report.seconds - self.origin, 4)
         with self._lock:
             self._stats[report.engine] = report.stats
-            if report.num_scheduled_tokens:
+            if report.num_scheduled_tokens or report.chunks:
                 self._seq += 1
                 # Replicas report on their own threads, a little out of order: the series
                 # stays in time order (a sample is never dated before the one before it)
@@ -103,8 +113,12 @@ class LiveView:
                 self._event(event)
             for chunk in report.chunks:
                 entry = self._requests.get(chunk.request_id)
-                if entry is not None and chunk.new_token_ids and entry["first_token"] is None:
+                if entry is None:
+                    continue
+                if chunk.new_token_ids and entry["first_token"] is None:
                     entry["first_token"] = now
+                if chunk.finished and entry["finished"] is None:
+                    entry["finished"] = now
 
     def _sample(self, now: float) -> list[float]:
         stats = list(self._stats.values())
@@ -189,18 +203,20 @@ def register(app: FastAPI, state: ServerState, interval: float = 0.5) -> LiveVie
     async def dashboard_events(request: Request) -> Response:
         _authorize(state, request)
         view.watch()  # until the response ends, however it ends (the client left)
-        return ClosingStreamingResponse(_stream(view, interval, request), view.leave,
+        return ClosingStreamingResponse(_stream(view, interval, request, state), view.leave,
                                         media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache"})
 
     return view
 
 
-async def _stream(view: LiveView, interval: float, request: Request) -> AsyncIterator[str]:
+async def _stream(view: LiveView, interval: float, request: Request,
+                  state: ServerState) -> AsyncIterator[str]:
     """A snapshot every ``interval`` seconds until the client goes (checked before each one:
-    a write to a closed connection need not fail)."""
+    a write to a closed connection need not fail) or the server's shutdown begins (the pass:
+    an open dashboard held the exit for as long as it stayed open, a second SIGTERM too)."""
     seen = 0
-    while not await request.is_disconnected():
+    while not state.shutting_down and not await request.is_disconnected():
         seen, snapshot = view.snapshot(seen)
         yield f"data: {json.dumps(snapshot, separators=(',', ':'))}\n\n"
         await asyncio.sleep(interval)

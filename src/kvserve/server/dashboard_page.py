@@ -98,7 +98,8 @@ function redraw() {
   lines("hits", "Prefix cache hit rate", [["hit rate", data.hit.map(v => 100 * v)]], 100);
   timeline();
 }
-const source = new EventSource("/dashboard/events" + location.search);
+// relative: behind a proxy that serves the server under --root-path too
+const source = new EventSource("dashboard/events" + location.search);
 source.onmessage = message => {
   const snap = JSON.parse(message.data);
   for (const [t, running, waiting, kv, preemptions, hit] of snap.samples) {
