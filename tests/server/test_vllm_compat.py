@@ -926,10 +926,10 @@ def test_usage_details_token_ids_and_load_as_vllms_flags_ask(model_dir):
         assert httpx.get(live.url + "/load").json() == {"server_load": 0}
 
 
-def test_quiet_paths_drop_their_access_lines():
-    from kvserve.server.cli_serve import QuietPaths
+def test_quiet_paths_drop_their_access_lines_and_query_keys_are_masked():
+    from kvserve.server.cli_serve import AccessLogFilter
 
-    quiet = QuietPaths(("/health", "/metrics"))
+    quiet = AccessLogFilter(("/health", "/metrics"))
 
     def line(path: str) -> logging.LogRecord:
         return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
@@ -938,9 +938,14 @@ def test_quiet_paths_drop_their_access_lines():
     assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
     assert quiet.filter(line("/v1/models"))
     # QA (docs pass): under --root-path uvicorn's line carries the prefix, and was logged
-    rooted = QuietPaths(("/health",), "/llm/")
+    rooted = AccessLogFilter(("/health",), "/llm/")
     assert not rooted.filter(line("/llm/health")) and not rooted.filter(line("/health"))
     assert rooted.filter(line("/llm/v1/models"))
+    # the dashboard pass: the server's own log held the operator's key from ?key=
+    page = line("/dashboard/events?x=1&key=sk-op&monkey=2")
+    assert AccessLogFilter(()).filter(page)
+    assert page.getMessage() == ('127.0.0.1:1 - "GET /dashboard/events?x=1&key=***&monkey=2 '
+                                 'HTTP/1.1" 200')
     args = build_parser().parse_args(["serve", "--disable-access-log-for-endpoints",
                                       "/health, /ping"])
     assert args.disable_access_log_for_endpoints == ("/health", "/ping")

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 from collections.abc import Callable
@@ -370,16 +371,23 @@ def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
                             # a backstop: the aborts below end every request well before
                             timeout_graceful_shutdown=None if timeout is None
                             else timeout + 30)
-    quiet = args.disable_access_log_for_endpoints
-    if quiet:  # after uvicorn.Config, which sets its loggers up
-        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet, args.root_path or ""))
+    access = logging.getLogger("uvicorn.access")  # after uvicorn.Config, which sets it up
+    for earlier in [f for f in access.filters if isinstance(f, AccessLogFilter)]:
+        access.removeFilter(earlier)  # one server's (tests build several in a process)
+    access.addFilter(AccessLogFilter(args.disable_access_log_for_endpoints or (),
+                                     args.root_path or ""))
     return config
 
 
-class QuietPaths(logging.Filter):
-    """Drops uvicorn's access lines for some paths (--disable-access-log-for-endpoints), as
-    given or under ``root_path`` (--root-path), which uvicorn's lines carry (QA: /llm/health
-    was logged)."""
+# A key in a query string (the dashboard's ?key=, a browser's only way to send one)
+_QUERY_KEY = re.compile(r"(?<=[?&])key=[^&]*")
+
+
+class AccessLogFilter(logging.Filter):
+    """uvicorn's access lines: those of some paths dropped (--disable-access-log-for-endpoints),
+    as given or under ``root_path`` (--root-path), which uvicorn's lines carry (QA:
+    /llm/health was logged); a ``key=`` in a query string masked (the dashboard pass: the
+    server's own log held the operator's key from the dashboard's URL)."""
 
     def __init__(self, paths: tuple[str, ...], root_path: str = "") -> None:
         super().__init__()
@@ -389,8 +397,13 @@ class QuietPaths(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         # uvicorn's access record: (client, method, path with its query, version, status)
         args = record.args
-        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
-            return args[2].split("?", 1)[0] not in self.paths
+        if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
+            return True
+        path, _, query = args[2].partition("?")
+        if path in self.paths:
+            return False
+        if "key=" in query:
+            record.args = (*args[:2], _QUERY_KEY.sub("key=***", args[2]), *args[3:])
         return True
 
 

@@ -9,8 +9,8 @@ decode, preempted), the charts of the simulator's HTML report.
 Nothing is collected while nobody watches: the view registers its step observer when the
 first stream opens and removes it when the last one closes, so the engine pays nothing then.
 With keys configured, both need an admin key, sent as a header or as ``?key=`` (a browser
-cannot set headers on a page load or an EventSource; the query string may land in access
-logs, so serve the dashboard on a trusted network).
+cannot set headers on a page load or an EventSource; kvserve's access log masks it, a
+proxy's may not, so serve the dashboard on a trusted network).
 """
 
 from __future__ import annotations
