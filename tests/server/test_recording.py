@@ -253,7 +253,7 @@ def test_serve_refuses_a_directory_it_cannot_write(tmp_path, capsys, kind):
     assert needle in err and err.count("\n") == 1
 
 
-def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch):
+def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a relative directory is the server's working directory's
     keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1")]
     with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
@@ -301,6 +301,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
 
         stop()  # the CLI, against the live server
         assert done.is_set() and result == [0]
+        capsys.readouterr()
+        assert main(["record", "stop", "--url", url, "--api-key", "admin-key"]) == 0
+        assert capsys.readouterr().out.rstrip().endswith("(it was not recording)")
         status = httpx.get(url + "/admin/record", headers=admin).json()
         assert status["recording"] is False and status["requests"] == 3
         load(url, prompts(2, seed=9), headers=user, max_tokens=4)  # not recorded
@@ -315,7 +318,7 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
-def test_a_write_error_stops_the_recording_and_says_why(tmp_path):
+def test_a_write_error_stops_the_recording_and_says_why(tmp_path, capsys):
     """A full disk killed the writer thread with a traceback while the status still said
     it recorded, and every later line was lost in silence (QA). Now the recording stops,
     its status says why, it will not start again there, and serving goes on."""
@@ -334,6 +337,12 @@ def test_a_write_error_stops_the_recording_and_says_why(tmp_path):
         wait_for(stopped, what="the recording to stop on its write error")
         status = httpx.get(url + "/admin/record").json()
         assert status["recording"] is False and "No space left on device" in status["error"]
+        # the command says so too, and fails (the dashboard pass: "not recording", exit 0)
+        assert main(["record", "status", "--url", url]) == 1
+        said = capsys.readouterr().out
+        assert said.startswith(f"not recording; last directory {full} (") and \
+            " steps written): the recording stopped: " in said and \
+            "No space left on device" in said, said
         again = httpx.post(url + "/admin/record/start", json={"dir": str(full)})
         assert again.status_code == 400 and "stopped on an error" in again.text
         other = httpx.post(url + "/admin/record/start", json={"dir": str(tmp_path / "ok")})

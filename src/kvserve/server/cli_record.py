@@ -59,8 +59,13 @@ def run(args: argparse.Namespace) -> int:
         if body.get("directory") else ""
     counts = f" ({body['requests']} requests, {body['steps']} steps written)" \
         if "requests" in body else ""
-    print(f"{state}{where}{counts}")
-    return 0
+    # the dashboard pass: a start that found it recording, or a stop that found it stopped,
+    # read as one that did it; a recording stopped by a write error as one stopped by hand
+    unchanged = "" if body.get("changed", True) else \
+        (" (it was recording already)" if body.get("recording") else " (it was not recording)")
+    error = f": {body['error']}" if body.get("error") else ""
+    print(f"{state}{where}{counts}{unchanged}{error}")
+    return 1 if error else 0
 
 
 def _message(raw: bytes) -> str:
