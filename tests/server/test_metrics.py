@@ -105,6 +105,38 @@ def test_boot_lines_and_stats_line(caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_the_stats_line_s_hit_rate_is_over_the_recent_prompts_as_vllm_s():
+    """The dashboard pass: the line's "Prefix cache hit rate" was the window's, so every
+    window without a new prompt (decode only) read 0.0%; vLLM's is over its most recent
+    1000 requests' lookups."""
+    from types import SimpleNamespace
+
+    from kvserve.core import SchedulerStats
+    from kvserve.server.stats_log import RECENT_PROMPTS, StatsLogger
+
+    metrics = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0, num_prompts=0)
+    engine = SimpleNamespace(observers=[], stats=None)
+    logger = StatsLogger(SimpleNamespace(metrics=metrics, engine=engine))
+
+    def window(prompts: int, queries: int, hits: int) -> str:
+        metrics.num_prompts += prompts
+        metrics.num_prompt_tokens += 10 * prompts
+        metrics.num_generation_tokens += 5
+        old = engine.stats
+        engine.stats = SchedulerStats(
+            4, 0, 0, 0.5, 50, 100, 1, 0, 0, 8, queries + (old.prefix_cache_queries if old
+                                                           else 0),
+            hits + (old.prefix_cache_hits if old else 0), {}, {})
+        line = logger.line()
+        assert line is not None
+        return line.split("Prefix cache hit rate: ")[1].split("%")[0]
+
+    assert window(4, 240, 128) == "53.3"
+    assert window(0, 0, 0) == "53.3"  # decoding: no lookups (it read 0.0)
+    assert window(4, 240, 0) == "26.7"
+    assert window(RECENT_PROMPTS, 1000, 0) == "0.0"  # the first windows left behind
+
+
 def test_a_cache_smaller_than_max_model_len_is_warned_at_boot(caplog):  # J2
     """vLLM refuses to start; kvserve serves and stops such a sequence at the pool's size
     (J2), which an operator learned only from a 0.25x in an INFO line."""

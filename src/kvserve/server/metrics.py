@@ -321,6 +321,7 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self.num_prompt_tokens = 0  # plain totals for the periodic log line
         self.num_generation_tokens = 0
+        self.num_prompts = 0  # sequences whose prompt was computed (a first token came)
         self._e2e_sum = 0.0
         self._e2e_count = 0
         engine.observers.append(self.observe)
@@ -435,6 +436,7 @@ class ServerMetrics:
             series.ttft.observe(max(0.0, now - live.arrival_time))
             series.prompt_tokens.inc(live.num_prompt_tokens)
             self.num_prompt_tokens += live.num_prompt_tokens
+            self.num_prompts += 1
             if live.tenant is not None:
                 live.tenant.prompt_tokens.inc(live.num_prompt_tokens)
             live.engine = engine

@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 from kvserve.core import EventType
 from kvserve.engine.async_engine import StepReport
 from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
+
+# The line's prefix cache hit rate is over the lookups of about this many most recent
+# sequences, as vLLM's (CachingMetrics): a window with no new prompt does not read 0%.
+RECENT_PROMPTS = 1000
 
 
 def log_boot(state: ServerState) -> None:
@@ -97,23 +102,27 @@ class StatsLogger:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self._last = (time.monotonic(), 0, 0, 0, 0, 0)
+        self._last = (time.monotonic(), 0, 0, 0, 0, 0, 0)
+        # the windows' (prompts, lookups, hits) that the hit rate is over, and their sums
+        self._recent: deque[tuple[int, int, int]] = deque()
+        self._recent_sums = [0, 0, 0]
         state.engine.observers.append(log_preemptions)
 
     def line(self) -> str | None:
         now = time.monotonic()
         metrics, stats = self.state.metrics, self.state.engine.stats
         current = (now, metrics.num_prompt_tokens, metrics.num_generation_tokens,
-                   stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+                   stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                   metrics.num_prompts)
         last, self._last = self._last, current
         elapsed = max(now - last[0], 1e-9)
         # A replica's counters carry on across its restart (DataParallelEngine); should a
         # count still fall, the window counts from there, never below 0.
-        prompt, generated, preempted, queries, hits = (max(0, c - p) for c, p in
-                                                       zip(current[1:], last[1:], strict=True))
+        prompt, generated, preempted, queries, hits, prompts = (
+            max(0, c - p) for c, p in zip(current[1:], last[1:], strict=True))
+        hit_rate = self._recent_hit_rate(prompts, queries, hits)
         if not (prompt or generated or stats.num_running or stats.num_waiting):
             return None
-        hit_rate = 100.0 * hits / queries if queries else 0.0
         # With a host tier, vLLM V0's "Swapped" count and the tier's usage join the line.
         host = "" if not stats.num_host_blocks else (
             f"Swapped: {stats.num_swapped} reqs, Host KV cache usage: "
@@ -123,6 +132,18 @@ class StatsLogger:
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
                 f"{host}KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {preempted}")
+
+    def _recent_hit_rate(self, prompts: int, queries: int, hits: int) -> float:
+        """The hit rate in percent over the windows of the last RECENT_PROMPTS prompts, this
+        one's (``prompts``, ``queries``, ``hits``) added."""
+        recent, sums = self._recent, self._recent_sums
+        if queries or prompts:
+            recent.append((prompts, queries, hits))
+            sums[:] = [total + part for total, part in zip(sums, recent[-1], strict=True)]
+        while len(recent) > 1 and sums[0] - recent[0][0] >= RECENT_PROMPTS:
+            sums[:] = [total - part for total, part in zip(sums, recent.popleft(),
+                                                            strict=True)]
+        return 100.0 * sums[2] / sums[1] if sums[1] else 0.0
 
     async def run(self, interval: float) -> None:
         while True:
