@@ -115,14 +115,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as error:
         print(f"kvserve {_command_name(args)}: error: {error}", file=sys.stderr)
         return 2
-    except (BrokenPipeError, KeyboardInterrupt):
-        raise
+    except KeyboardInterrupt:  # Ctrl-C: one line and a shell's 130 (QA: a traceback)
+        print(f"kvserve {_command_name(args)}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # standard output's reader left (| head): nothing more to say
+        _stdout_to_devnull()
+        return 1
     except OSError as error:  # the machine's, not a bug: a full disk or standard output, a
         # path the OS refuses (QA: `kvserve info > /dev/full`, `calibrate -o /proc/x`)
         where = error.filename or "writing the output"
         print(f"kvserve {_command_name(args)}: error: {where}: {error.strerror or error}",
               file=sys.stderr)
         return 2
+
+
+def _stdout_to_devnull() -> None:
+    """Standard output to /dev/null, so the interpreter's flush at exit does not fail on the
+    closed pipe again (with an "Exception ignored" message)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _command_name(args: argparse.Namespace) -> str:

@@ -290,6 +290,9 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["workload", "gen", "--prompt-len", "uniform:1,5,max=inf"], "is not a finite number"),
     (["workload", "gen", "-n", "3", "--rate", "1e-300"], "past the 1e+10 s a trace may span"),
     (["workload", "gen", "--cv", "2"], "--cv shapes --arrival gamma, not poisson"),
+    # the CLI pass: --output-len then shaped nothing (the model's length in simulate)
+    (["workload", "gen", "-n", "3", "--ignore-eos"], "--ignore-eos runs every request to its "
+     "max_tokens: give --max-tokens N"),
     (["workload", "gen", "--burst-size", "4", "--arrival", "gamma"],
      "--burst-size shapes --arrival burst, not gamma"),
     (["workload", "gen", "-n", "3", "--sessions"], "give --turns with more than one turn"),
@@ -652,6 +655,33 @@ def test_an_output_the_os_refuses_is_one_line(tmp_path, capsys):
     assert done.returncode == 2
     assert done.stderr.strip() == "kvserve plan: error: writing the output: No space left " \
         "on device"
+
+
+def test_workload_gen_names_a_bad_output_before_the_work(capsys, monkeypatch):
+    """The CLI pass: -o into a missing folder was refused after the trace was made (97 s for
+    a million requests)."""
+    import kvserve.sim.workloads as workloads
+
+    def generate(spec):
+        raise AssertionError("generated before the output was checked")
+    monkeypatch.setattr(workloads, "generate", generate)
+    assert main(["workload", "gen", "-n", "5", "-o", "/nonexistent/x.jsonl"]) == 2
+    assert "--output /nonexistent/x.jsonl: no such directory" in _error_line(capsys)
+
+
+def test_ctrl_c_and_a_closed_standard_output_are_no_traceback(capsys, monkeypatch):
+    """The CLI pass: Ctrl-C in workload gen or generate, and a reader of standard output
+    that left (| head), ended in a Python traceback."""
+    import kvserve.sim.workloads as workloads
+
+    for error, status, said in ((KeyboardInterrupt(), 130, "kvserve workload gen: "
+                                 "interrupted\n"), (BrokenPipeError(32, "Broken pipe"), 1, "")):
+        def generate(spec, error=error):
+            raise error
+        monkeypatch.setattr(workloads, "generate", generate)
+        monkeypatch.setattr("kvserve.cli._stdout_to_devnull", lambda: None)
+        assert main(["workload", "gen", "-n", "5"]) == status
+        assert capsys.readouterr().err == said
 
 
 @pytest.mark.parametrize(("flags", "needle"), [

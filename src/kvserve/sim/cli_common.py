@@ -249,6 +249,8 @@ def cli_errors() -> Iterator[None]:
         raise
     except ValueError as error:
         raise CLIError(str(error)) from None
+    except BrokenPipeError:  # standard output's reader left: kvserve.cli.main's to end
+        raise
     except OSError as error:
         # no file name: standard output or a pipe ("error: : No space left on device")
         where = error.filename or "writing the output"

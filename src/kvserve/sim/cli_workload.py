@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvserve.flags import finite_float
+from kvserve.flags import check_output_file, finite_float
 from kvserve.sim.cli_common import cli_errors, seed
 
 
@@ -43,7 +43,8 @@ def add_parser(subparsers: Any) -> None:
                      help="answer lengths before EOS (the trace's output_len)")
     gen.add_argument("--max-tokens", type=int, help="max_tokens of every request")
     gen.add_argument("--ignore-eos", action="store_true",
-                     help="every request runs to its max_tokens (the trace's ignore_eos)")
+                     help="every request runs to its max_tokens (the trace's ignore_eos; "
+                          "needs --max-tokens)")
     gen.add_argument("--prefix-groups", type=int, default=0,
                      help="number of shared system prompts (0: none)")
     gen.add_argument("--prefix-len", default=None, metavar="DIST",
@@ -81,6 +82,12 @@ def run_gen(args: argparse.Namespace) -> int:
                 if value is not None:
                     raise ValueError(f"{flag} shapes the shared system prompts: give "
                                      "--prefix-groups N")
+        if args.ignore_eos and args.max_tokens is None:  # QA: output_len then shaped nothing
+            raise ValueError("--ignore-eos runs every request to its max_tokens: give "
+                             "--max-tokens N (without it a request runs to the model's "
+                             "length, whatever --output-len says)")
+        if args.output:  # before the work, not after it (QA: 97 s for 10^6, then refused)
+            check_output_file("--output", args.output)
         given = {name: getattr(args, name) for name in (  # else WorkloadSpec's defaults
             "cv", "burst_size", "prefix_len", "prefix_fraction", "think_time")
             if getattr(args, name) is not None}
