@@ -138,6 +138,9 @@ def test_workload_helpers():
      "1000000 tokens may hold more than 100,000,000 prompt tokens"),
     (["--save-result", "--result-dir", "/nonexistent"], "--result-dir /nonexistent: not a "
      "directory this user may write in"),
+    # the CLI pass: '' ran the random workload; nan failed every request as a "bad answer"
+    (["--trace", ""], "--trace needs a file name, got ''"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output
@@ -155,6 +158,47 @@ def test_bench_serve_names_a_refused_key_in_one_line(capsys):
         err = capsys.readouterr().err
         assert err.endswith(f"cannot list the models at {live.url}/v1/models: HTTP 401: give "
                             "--api-key\n") and err.count("\n") == 1
+
+
+def test_a_model_list_of_another_shape_is_one_line(capsys, monkeypatch):
+    """The CLI pass: a /v1/models answer that was a JSON list ended in a TypeError
+    traceback; an empty list said "list index out of range"."""
+    for listed in ([1, 2], {"data": []}):
+        class Reply:
+            def raise_for_status(self) -> None:
+                pass
+
+            def json(self, listed=listed):
+                return listed
+
+        async def get(self, url, headers=None):
+            return Reply()
+
+        monkeypatch.setattr("httpx.AsyncClient.get", get)
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("/v1/models: the server lists no model (an OpenAI list's "
+                            "data[0].id): give --model\n"), err
+
+
+def test_the_result_file_is_written_before_the_summary_is_printed(capsys, tmp_path,
+                                                                   monkeypatch):
+    """The CLI pass: a closed standard output (| head, a terminal gone) failed the print
+    before the file was written, so the run's --output was lost, with a traceback."""
+    import builtins
+
+    out = tmp_path / "b.json"
+
+    def closed(*args, **kwargs):
+        if kwargs.get("file") is None:
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(builtins, "print", closed)
+    monkeypatch.setattr("kvserve.cli._stdout_to_devnull", lambda: None)
+    with LiveServer(max_model_len=512) as live:
+        assert main(["bench", "serve", "--base-url", live.url, "--no-progress",
+                     "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+                     "--output", str(out)]) == 1
+    assert json.loads(out.read_text())["completed"] == 2
 
 
 def test_save_detailed_prints_the_table_and_writes_the_file(capsys, tmp_path):
@@ -195,6 +239,35 @@ def test_a_traces_answer_length_is_what_is_asked_for(tmp_path):
         {"request_id": "c", "arrival_time": 0, "prompt_len": 8, "output_len": 3,
          "max_tokens": 12, "ignore_eos": True}]))
     assert [r.max_tokens for r in trace_requests(trace, 0, 64)] == [4, 1, 12]
+
+
+def test_a_trace_is_sent_whole_in_arrival_order_capped_only_when_asked(tmp_path, capsys):
+    """The CLI pass: every line without max_tokens was cut to 256 (--output-len's default
+    for the random workload; the README's trace lost 32% of its tokens); lines out of time
+    order were sent in file order; --num-prompts did not take the first N, as vLLM's does
+    of a dataset; an ignore_eos line without max_tokens was sent 256 (it runs to the model's
+    length in simulate)."""
+    from kvserve.bench.workload import trace_requests
+
+    trace = tmp_path / "t.jsonl"
+    rows = [{"request_id": "late", "arrival_time": 2, "prompt_len": 4, "output_len": 300},
+            {"request_id": "early", "arrival_time": 0, "prompt_len": 4, "output_len": 500},
+            {"request_id": "mid", "arrival_time": 1, "prompt_len": 4, "output_len": 5}]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    sent = trace_requests(trace, 0)
+    assert [(r.arrival_time, r.max_tokens) for r in sent] == [(0, 501), (1, 6), (2, 301)]
+    assert [r.max_tokens for r in trace_requests(trace, 0, 256)] == [256, 6, 256]
+    assert len(trace_requests(trace, 0, num=2)) == 2
+    endless = tmp_path / "e.jsonl"
+    endless.write_text(json.dumps({"request_id": "x", "arrival_time": 0, "prompt_len": 4,
+                                   "output_len": 5, "ignore_eos": True}) + "\n")
+    with pytest.raises(ValueError, match="request x has ignore_eos and no max_tokens"):
+        trace_requests(endless, 0)
+    assert [r.max_tokens for r in trace_requests(endless, 0, 64)] == [64]
+    # on the command line: a trace with the random workload's shaping flags is refused
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--trace", str(trace),
+                 "--input-len", "8"]) == 2
+    assert "--input-len and --prompt-kind shape the random workload" in capsys.readouterr().err
 
 
 def test_a_traces_client_timeout_is_replayed(tmp_path):

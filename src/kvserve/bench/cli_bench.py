@@ -13,6 +13,10 @@ import sys
 import time
 from typing import Any
 
+# The random workload's lengths when no flag gives them (a trace's lines carry their own)
+DEFAULT_INPUT_LEN = "64:512"
+DEFAULT_OUTPUT_LEN = "32:256"
+
 
 def add_parser(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks against a running server",
@@ -50,13 +54,16 @@ def add_parser(subparsers: Any) -> None:
                                         "given; a line's cancel_time is its client's "
                                         "timeout (the client goes away then, counted "
                                         "disconnected)")
-    source.add_argument("--num-prompts", type=int, default=100,
-                        help="requests to send (without --trace)")
-    source.add_argument("--input-len", "--random-input-len", default="64:512",
-                        help="prompt length, N or LOW:HIGH (uniform; vLLM's default is 1024)")
-    source.add_argument("--output-len", "--random-output-len", default="32:256",
-                        help="max_tokens, N or LOW:HIGH (uniform; vLLM's default is 128); "
-                             "with --trace, the default max_tokens of lines without one")
+    source.add_argument("--num-prompts", type=int, default=None,
+                        help="requests to send (default 100); with --trace, its first N by "
+                             "arrival time (default: all), as vLLM's of a dataset")
+    source.add_argument("--input-len", "--random-input-len", default=None,
+                        help="prompt length, N or LOW:HIGH (uniform; default 64:512; vLLM's "
+                             "is 1024); not with --trace")
+    source.add_argument("--output-len", "--random-output-len", default=None,
+                        help="max_tokens, N or LOW:HIGH (uniform; default 32:256; vLLM's is "
+                             "128); with --trace, a cap on the lines without max_tokens "
+                             "(default: none)")
     source.add_argument("--dataset-name", choices=("random",), default="random",
                         help="vLLM's: random is the workload drawn here (--trace for a "
                              "file of requests)")
@@ -122,21 +129,27 @@ def _requests(args: argparse.Namespace) -> list[Any]:
     from kvserve.flags import CLIError
 
     try:
-        if args.trace:
-            longest = parse_range(args.output_len, "--output-len")[1]
-            requests = trace_requests(args.trace, args.seed, longest)
+        if args.num_prompts is not None and args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
+        if args.trace is not None:
+            if not args.trace:  # QA: '' ran the random workload, and said all was well
+                raise ValueError("--trace needs a file name, got ''")
+            if args.input_len is not None or args.prompt_kind is not None:
+                raise ValueError("--input-len and --prompt-kind shape the random workload; "
+                                 "a trace's lines carry their prompts")
+            cap = None if args.output_len is None else \
+                parse_range(args.output_len, "--output-len")[1]
+            requests = trace_requests(args.trace, args.seed, cap, args.num_prompts)
         else:
-            if args.num_prompts < 1:
-                raise ValueError("--num-prompts must be >= 1")
-            input_len = parse_range(args.input_len, "--input-len")
-            if args.num_prompts * input_len[1] > MAX_WORKLOAD_TOKENS:
-                raise ValueError(f"--num-prompts {args.num_prompts} of up to {input_len[1]} "
+            num = 100 if args.num_prompts is None else args.num_prompts
+            input_len = parse_range(args.input_len or DEFAULT_INPUT_LEN, "--input-len")
+            if num * input_len[1] > MAX_WORKLOAD_TOKENS:
+                raise ValueError(f"--num-prompts {num} of up to {input_len[1]} "
                                  f"tokens may hold more than {MAX_WORKLOAD_TOKENS:,} prompt "
                                  "tokens: send fewer or shorter prompts")
             kind = args.prompt_kind or ("text" if "chat" in args.endpoint else "ids")
-            requests = random_requests(args.num_prompts, input_len,
-                                       parse_range(args.output_len, "--output-len"), args.seed,
-                                       kind == "text")
+            output_len = parse_range(args.output_len or DEFAULT_OUTPUT_LEN, "--output-len")
+            requests = random_requests(num, input_len, output_len, args.seed, kind == "text")
     except (ValueError, OSError) as error:
         raise CLIError(str(error).splitlines()[0]) from None
     rate = args.request_rate
@@ -173,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--disconnect-prob must be in [0, 1]")
     if not 0 < args.timeout < math.inf:
         raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not math.isfinite(args.temperature):  # QA: each request failed as a "bad answer"
+        raise CLIError(f"--temperature must be a finite number, got {args.temperature}")
     if args.save_result and args.output:
         raise CLIError("give --output or --save-result (with --result-dir and "
                        "--result-filename), not both")
@@ -190,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         hint = ": give --api-key" if status == 401 and not args.api_key else ""
         raise CLIError(f"cannot list the models at {base_url}/v1/models: HTTP {status}"
                        f"{hint}") from None
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+    except (httpx.HTTPError, ValueError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CLIError(f"cannot list the models at {base_url}/v1/models: {reason}") from None
     if args.save_result:  # named after the model served (QA: "model" without --model)
@@ -226,13 +241,14 @@ def run(args: argparse.Namespace) -> int:
     table = format_table(summary)  # before vLLM's detailed keys, whose "errors" is per request
     if args.save_detailed:
         summary.update(detailed(result))
-    print(json.dumps(summary, indent=2) if args.json else table)
-    if args.output:
-        try:
+    if args.output:  # before the summary is printed: a closed standard output (| head, a
+        try:  # terminal gone) must not lose the run's file (QA)
             with open(args.output, "w") as file:
                 json.dump(summary, file, indent=2)
-        except OSError as error:  # it changed since the check: the summary is printed above
+        except OSError as error:  # it changed since the check: the summary is printed below
+            print(json.dumps(summary, indent=2) if args.json else table)
             raise CLIError(f"cannot write {args.output}: {error.strerror}") from None
+    print(json.dumps(summary, indent=2) if args.json else table)
     if interrupted:
         print(f"kvserve bench serve: interrupted: {len(finished)} of {len(requests)} requests "
               "had ended; the summary covers those", file=sys.stderr)
@@ -275,8 +291,9 @@ def _settings(args: argparse.Namespace, model: str, num_prompts: int) -> dict[st
             "model_id": model, "endpoint": args.endpoint, "num_prompts": num_prompts,
             "request_rate": _rate(args), "burstiness": args.burstiness,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
-            "input_len": None if args.trace else args.input_len,
-            "output_len": args.output_len, "trace": args.trace, "stream": args.stream,
+            "input_len": None if args.trace else args.input_len or DEFAULT_INPUT_LEN,
+            "output_len": args.output_len if args.trace else
+            args.output_len or DEFAULT_OUTPUT_LEN, "trace": args.trace, "stream": args.stream,
             "ignore_eos": args.ignore_eos, "temperature": args.temperature}
 
 

@@ -62,7 +62,13 @@ async def first_model(base_url: str, api_key: str | None) -> str:
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.get(base_url + "/v1/models", headers=headers)
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
+        listed = response.json()
+    models = listed.get("data") if isinstance(listed, dict) else None
+    if not isinstance(models, list) or not models or not isinstance(models[0], dict) or \
+            not isinstance(models[0].get("id"), str):  # QA: a list was a TypeError traceback
+        raise ValueError("the server lists no model (an OpenAI list's data[0].id): give "
+                         "--model")
+    return models[0]["id"]
 
 
 async def run(requests: list[BenchRequest], target: Target, *,

@@ -61,11 +61,14 @@ def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int,
     return requests
 
 
-def trace_requests(path: str | Path, seed: int, default_max_tokens: int
-                   ) -> list[BenchRequest]:
+def trace_requests(path: str | Path, seed: int, max_tokens_cap: int | None = None,
+                   num: int | None = None) -> list[BenchRequest]:
     """A kvserve trace (JSONL), or a server's recording directory (its requests, sent when
-    the server received them): token ids, arrival times, max_tokens / output_len,
-    priority, and each client's timeout (``cancel_time``: the client goes away then)."""
+    the server received them), in arrival order (a trace's lines may come in any): token
+    ids, arrival times, max_tokens / output_len, priority, and each client's timeout
+    (``cancel_time``: the client goes away then). ``max_tokens_cap`` caps the lines that
+    give no max_tokens (bench's --output-len; QA: its random workload's default, 256, cut
+    every such line); ``num``: the first this many (vLLM's --num-prompts of a dataset)."""
     from kvserve.sim.trace import read_trace
 
     if Path(path).is_dir():
@@ -78,15 +81,19 @@ def trace_requests(path: str | Path, seed: int, default_max_tokens: int
             cancel_time=None if r.cancel_time is None else r.cancel_time - start)
             for r in rows]
     else:
-        rows = read_trace(path)
+        rows = sorted(read_trace(path), key=lambda r: r.arrival_time)  # stable
     requests = []
-    for index, row in enumerate(rows):
+    for index, row in enumerate(rows[:num]):
         ids = row.synthesise_prompt(seed)
         # output_len tokens and then EOS: that many with ignore_eos, the answer's length
         # whatever the served model says (a recording's request ends as it ended)
-        max_tokens = row.max_tokens or default_max_tokens
+        max_tokens = row.max_tokens or max_tokens_cap
         if not row.ignore_eos:
-            max_tokens = min(max_tokens, row.output_len + 1)
+            max_tokens = min(max_tokens or row.output_len + 1, row.output_len + 1)
+        elif max_tokens is None:
+            raise ValueError(f"{path}: request {row.request_id or index} has ignore_eos and no "
+                             "max_tokens: it runs to the model's length, which this client "
+                             "does not know; give --output-len N to cap such lines")
         cancel_after = None if row.cancel_time is None else \
             max(0.0, row.cancel_time - row.arrival_time)
         requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),
