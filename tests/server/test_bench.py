@@ -160,6 +160,29 @@ def test_bench_serve_names_a_refused_key_in_one_line(capsys):
                             "--api-key\n") and err.count("\n") == 1
 
 
+def test_vllms_host_port_backend_and_disable_tqdm_are_taken(capsys):
+    """The CLI pass: a vLLM bench command line (--backend vllm --host H --port P
+    --disable-tqdm) failed on its first flag."""
+    from urllib.parse import urlsplit
+
+    with LiveServer(max_model_len=512) as live:
+        port = str(urlsplit(live.url).port)
+        assert main(["bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port",
+                     port, "--disable-tqdm", "--json", "--num-prompts", "2",
+                     "--random-input-len", "8", "--random-output-len", "3"]) == 0
+        captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert (summary["completed"], summary["base_url"]) == (2, live.url)
+    assert summary["endpoint"] == "/v1/completions" and "%|" not in captured.err
+    for argv, said in ((["--base-url", live.url, "--port", port],
+                        "give --base-url or --host/--port, not both"),
+                       (["--backend", "openai-chat", "--endpoint", "/v1/completions"],
+                        "--backend openai-chat sends to /v1/chat/completions, not --endpoint "
+                        "/v1/completions")):
+        assert main(["bench", "serve", *argv]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_a_model_list_of_another_shape_is_one_line(capsys, monkeypatch):
     """The CLI pass: a /v1/models answer that was a JSON list ended in a TypeError
     traceback; an empty list said "list index out of range"."""

@@ -13,6 +13,10 @@ import sys
 import time
 from typing import Any
 
+# vLLM's --backend values that name an OpenAI-compatible API, and the endpoint each is
+BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
+                     "openai-chat": "/v1/chat/completions"}
+
 # The random workload's lengths when no flag gives them (a trace's lines carry their own)
 DEFAULT_INPUT_LEN = "64:512"
 DEFAULT_OUTPUT_LEN = "32:256"
@@ -37,11 +41,19 @@ def add_parser(subparsers: Any) -> None:
                     "Output tokens are each answer's usage (a server that sends none has "
                     "its text events counted, with a warning). Exit status 1 when requests "
                     "failed and none completed.")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="the server (kvserve, vLLM, llama.cpp, ...)")
-    parser.add_argument("--endpoint", default="/v1/completions",
+    parser.add_argument("--base-url", default=None,
+                        help="the server (kvserve, vLLM, llama.cpp, ...; default "
+                             "http://127.0.0.1:8000)")
+    parser.add_argument("--host", default=None,
+                        help="vLLM's: the server's host, with --port (instead of --base-url)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="vLLM's: the server's port, with --host (default 8000)")
+    parser.add_argument("--endpoint", default=None,
                         choices=("/v1/completions", "/v1/chat/completions"),
-                        help="the API the requests go to")
+                        help="the API the requests go to (default /v1/completions)")
+    parser.add_argument("--backend", default=None, choices=tuple(BACKEND_ENDPOINTS),
+                        help="vLLM's: openai-chat is --endpoint /v1/chat/completions, vllm "
+                             "and openai /v1/completions")
     parser.add_argument("--model", help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     source = parser.add_argument_group("workload")
@@ -113,8 +125,8 @@ def add_parser(subparsers: Any) -> None:
                      help="add each request's lengths, TTFT, ITLs, generated text and error "
                           "to the JSON summary (vLLM's keys: input_lens, output_lens, ttfts, "
                           "itls, generated_texts, errors)")
-    out.add_argument("--no-progress", dest="progress", action="store_false",
-                     help="no progress bar on stderr")
+    out.add_argument("--no-progress", "--disable-tqdm", dest="progress", action="store_false",
+                     help="no progress bar on stderr (vLLM's --disable-tqdm)")
     parser.set_defaults(run=run)
 
 
@@ -180,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.bench.report import detailed, format_table, summarize
     from kvserve.flags import CLIError, check_output_file, check_url
 
+    _server_flags(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError("--max-concurrency must be >= 1")
     if not 0 <= args.disconnect_prob <= 1:
@@ -259,6 +272,28 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _server_flags(args: argparse.Namespace) -> None:
+    """vLLM's --host/--port and --backend, read into --base-url and --endpoint (a
+    contradiction refused), so a vLLM bench command line runs as it is (the CLI pass)."""
+    from kvserve.flags import CLIError
+
+    if args.base_url is not None and (args.host is not None or args.port is not None):
+        raise CLIError("give --base-url or --host/--port, not both")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise CLIError(f"--port must be in [1, 65535], got {args.port}")
+    if args.base_url is None:
+        host = args.host or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
+        args.base_url = f"http://{host}:{args.port or 8000}"
+    if args.backend is not None:
+        endpoint = BACKEND_ENDPOINTS[args.backend]
+        if args.endpoint is not None and args.endpoint != endpoint:
+            raise CLIError(f"--backend {args.backend} sends to {endpoint}, not --endpoint "
+                           f"{args.endpoint}")
+        args.endpoint = endpoint
+    args.endpoint = args.endpoint or "/v1/completions"
 
 
 def _flat_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
