@@ -150,7 +150,7 @@ def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-def test_bench_serve_names_a_refused_key_in_one_line(capsys):
+def test_bench_serve_names_a_refused_key_in_one_line(capsys, monkeypatch):
     from kvserve.server.auth import ApiKey
 
     with LiveServer(keys=[ApiKey("k", "t")]) as live:
@@ -158,6 +158,13 @@ def test_bench_serve_names_a_refused_key_in_one_line(capsys):
         err = capsys.readouterr().err
         assert err.endswith(f"cannot list the models at {live.url}/v1/models: HTTP 401: give "
                             "--api-key\n") and err.count("\n") == 1
+        # a wrong key says so (the CLI pass: a bare "HTTP 401"); vLLM's $OPENAI_API_KEY
+        assert main(["bench", "serve", "--base-url", live.url, "--api-key", "wrong"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("/v1/models: HTTP 401: invalid API key\n"), err
+        monkeypatch.setenv("OPENAI_API_KEY", "k")
+        assert main(["bench", "serve", "--base-url", live.url, "--num-prompts", "1",
+                     "--input-len", "4", "--output-len", "2", "--no-progress"]) == 0
 
 
 def test_vllms_host_port_backend_and_disable_tqdm_are_taken(capsys):

@@ -55,7 +55,9 @@ def add_parser(subparsers: Any) -> None:
                         help="vLLM's: openai-chat is --endpoint /v1/chat/completions, vllm "
                              "and openai /v1/completions")
     parser.add_argument("--model", help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    parser.add_argument("--api-key", default=None,
+                        help="sent as Authorization: Bearer KEY (default: $OPENAI_API_KEY, "
+                             "as vLLM's bench)")
     source = parser.add_argument_group("workload")
     source.add_argument("--trace", help="a kvserve trace (JSONL) or a server's recording "
                                         "directory (kvserve serve --record): each request "
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.flags import CLIError, check_output_file, check_url
 
     _server_flags(args)
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CLIError("--max-concurrency must be >= 1")
     if not 0 <= args.disconnect_prob <= 1:
@@ -215,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or asyncio.run(runner.first_model(base_url, args.api_key))
     except httpx.HTTPStatusError as error:
         status = error.response.status_code
-        hint = ": give --api-key" if status == 401 and not args.api_key else ""
+        hint = ": give --api-key" if status == 401 and not args.api_key else \
+            _said(error.response)  # QA: a wrong key's "invalid API key" was dropped
         raise CLIError(f"cannot list the models at {base_url}/v1/models: HTTP {status}"
                        f"{hint}") from None
     except (httpx.HTTPError, ValueError) as error:
@@ -272,6 +276,15 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _said(response: Any) -> str:
+    """": MESSAGE" from an OpenAI-style error body, or "" where it has none."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f": {str(message).splitlines()[0][:200]}" if message else ""
 
 
 def _server_flags(args: argparse.Namespace) -> None:
