@@ -317,6 +317,46 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch,
     assert {r.tenant for r in recording.trace} == {"t1"}
 
 
+def test_a_slow_disk_delays_the_admin_answer_not_the_other_requests(tmp_path, monkeypatch):
+    """The dashboard pass: a stop waited for the writer's flush on the event loop, so a
+    slow disk froze every request (10 s); a start closed the old recorder there too."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_flush(self, timeout=10.0):
+        entered.set()
+        release.wait(30)
+    monkeypatch.setattr(Recorder, "flush", slow_flush)
+    with LiveServer(num_kv_blocks=64, **SETTINGS) as live:
+        url = live.url
+        assert httpx.post(url + "/admin/record/start",
+                          json={"dir": str(tmp_path / "rec")}).status_code == 200
+        stopping = concurrent.futures.ThreadPoolExecutor(1).submit(
+            httpx.post, url + "/admin/record/stop", timeout=60)
+        assert entered.wait(30)
+        try:
+            assert httpx.get(url + "/health", timeout=5).status_code == 200  # served meanwhile
+            assert not stopping.done()
+        finally:
+            release.set()
+        assert stopping.result(timeout=60).json()["recording"] is False
+
+
+def test_a_page_of_another_site_may_not_switch_the_recording(tmp_path):
+    """The dashboard pass: without keys, any page the operator opened could start a
+    recording into any directory (a text/plain POST needs no CORS preflight)."""
+    with LiveServer(num_kv_blocks=64, **SETTINGS) as live:
+        reply = httpx.post(live.url + "/admin/record/start", content=json.dumps(
+            {"dir": str(tmp_path / "csrf")}), headers={"Origin": "http://evil.example",
+                                                       "Content-Type": "text/plain"})
+        assert reply.status_code == 403
+        assert "refused from another site's page (Origin http://evil.example)" in reply.text
+        assert not (tmp_path / "csrf").exists()
+        same = httpx.post(live.url + "/admin/record/start", json={"dir": str(tmp_path / "ok")},
+                          headers={"Origin": live.url})  # the server's own page
+        assert same.status_code == 200
+        assert httpx.post(live.url + "/admin/record/stop").status_code == 200
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_a_write_error_stops_the_recording_and_says_why(tmp_path, capsys):
     """A full disk killed the writer thread with a traceback while the status still said

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -16,6 +18,14 @@ from kvserve.server.state import ServerState
 
 
 def require_admin(state: ServerState, request: Request, what: str) -> Any:
+    """The admin key of ``request``, or a 401/403; a 403 too for a browser's request from
+    another site's page (its Origin is not this server's Host): without keys any page the
+    operator opened could start a recording into any directory the server may write (the
+    dashboard pass; a text/plain POST needs no CORS preflight). curl and the CLI send no
+    Origin."""
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        raise APIError(403, f"{what} is refused from another site's page (Origin {origin[:80]})")
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     if not key.admin:
         raise APIError(403, f"{what} needs an admin key")
@@ -70,6 +80,11 @@ def cache_queries(state: ServerState) -> int:
 
 
 def register(app: FastAPI, state: ServerState) -> None:
+    # One start or stop at a time; their file work (a recorder's directory and manifest, the
+    # old one's last lines, a flush) runs on a worker thread, so a slow disk delays the
+    # admin answer, not the other requests (the dashboard pass: serving froze for 10 s)
+    switching = asyncio.Lock()
+
     @app.get("/admin/record")
     async def record_status(request: Request) -> Response:
         require_admin(state, request, "the recording's status")
@@ -79,10 +94,14 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/admin/record/start")
     async def record_start(request: Request) -> Response:
-        from kvserve.server.recorder import RecordingError
-
         key = require_admin(state, request, "starting a recording")
         raw = await state.read_body(request)
+        async with switching:
+            return await _start(key, raw)
+
+    async def _start(key: Any, raw: bytes) -> Response:
+        from kvserve.server.recorder import RecordingError
+
         body = parse_json(raw) if raw.strip() else {}  # no body (or an empty one): {}
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object, e.g. {\"dir\": PATH}")
@@ -95,7 +114,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             raise bad_request("'dir' must be a directory path", param="dir")
         recorder = state.recorder
         if directory is not None and recorder is not None and \
-                os.path.abspath(directory) == str(recorder.directory):
+                os.path.realpath(directory) == os.path.realpath(recorder.directory):
             directory = None  # the current recording's directory: a new segment there
         if directory is not None and state.keys.enabled and not key.operator:
             check_tenant_directory(directory)
@@ -104,7 +123,7 @@ def register(app: FastAPI, state: ServerState) -> None:
                 raise APIError(409, f"already recording into {recorder.directory}; stop it "
                                     "first", param="dir", code="recording_active")
             try:
-                recorder = new_recorder(state, directory)
+                recorder = await asyncio.to_thread(new_recorder, state, directory)
             except RecordingError as error:
                 raise bad_request(str(error), param="dir") from None
         if recorder is None:
@@ -119,9 +138,10 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/record/stop")
     async def record_stop(request: Request) -> Response:
         require_admin(state, request, "stopping a recording")
-        recorder = state.recorder
-        if recorder is None:
-            return JSONResponse({"recording": False, "directory": None, "changed": False})
-        stopped = recorder.stop(cache_queries(state))
-        recorder.flush()
-        return JSONResponse({**recorder.status(), "changed": stopped})
+        async with switching:
+            recorder = state.recorder
+            if recorder is None:
+                return JSONResponse({"recording": False, "directory": None, "changed": False})
+            stopped = recorder.stop(cache_queries(state))
+            await asyncio.to_thread(recorder.flush)
+            return JSONResponse({**recorder.status(), "changed": stopped})
