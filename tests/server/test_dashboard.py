@@ -148,6 +148,8 @@ def test_an_aborted_request_ends_on_the_timeline_and_in_the_figures():
 def test_a_watcher_sees_the_figures_as_they_stand_before_any_step():
     """The pass: the page of an idle server read 0 preemptions and a 0% hit rate (no step,
     no sample) while /metrics counted 4 and 26.7%."""
+    from types import SimpleNamespace
+
     from kvserve.core import SchedulerStats
     from kvserve.engine.async_engine import EngineFigures
 
@@ -156,6 +158,15 @@ def test_a_watcher_sees_the_figures_as_they_stand_before_any_step():
     view.watch()
     [sample] = view.snapshot(0)[1]["samples"]
     assert sample == [0.0, 0, 0, 0.0, 4, round(64 / 240, 4)]
+    view.leave()
+    # replicas: an idle one's pool counts too (the pass: a replica that had not stepped
+    # since the page opened was left out, so one busy replica read as the cluster's 80%)
+    busy = SchedulerStats(1, 0, 0, 0.8, 20, 100, 50, 0, 0, 8, 0, 0, {}, {})
+    view = LiveView(Observed([EngineFigures(0, stats, 0), EngineFigures(1, stats, 0)]))
+    view.watch()
+    view.observe(SimpleNamespace(engine=0, time=view.origin + 1.0, seconds=0.0,
+                                 num_scheduled_tokens=8, stats=busy, events=[], chunks=[]))
+    assert view.snapshot(0)[1]["samples"][-1][3] == 0.4  # 80 of the two pools' 200 blocks
     view.leave()
 
 
