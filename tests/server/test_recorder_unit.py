@@ -141,6 +141,47 @@ def test_the_record_command_fails_in_one_line(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+def test_the_record_command_says_when_the_answer_is_not_kvserve_s(capsys):
+    """The dashboard pass: a 200 that was not JSON (a proxy's login page) ended in a
+    traceback, and a proxy's HTML 502 page was printed whole as the one-line error."""
+    import http.server
+    import threading
+
+    from kvserve.cli import main
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def answer(self, status: int) -> None:
+            page = b"<!DOCTYPE html>\n<html>\n<body>bad gateway</body>\n</html>\n"
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def do_GET(self) -> None:
+            self.answer(200)
+
+        def do_POST(self) -> None:
+            self.answer(502)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["record", "status", "--url", url]) == 2
+        assert capsys.readouterr().err == (
+            f"kvserve record: error: {url}/admin/record answered, but not with kvserve's "
+            "recording status: is --url a kvserve server?\n")
+        assert main(["record", "stop", "--url", url]) == 2
+        assert capsys.readouterr().err == (
+            f"kvserve record: error: {url}: HTTP 502: <!DOCTYPE html> ...\n")
+    finally:
+        server.shutdown()
+
+
 def test_a_replica_death_marks_the_recording_and_ends_the_requests_it_failed(tmp_path):
     """Replica 1 dies at 2.0 s holding a and b: a starts again on replica 0 (placed again),
     b failed with its replica (its client got a 503), so b's line ends at the death, not at

@@ -48,12 +48,19 @@ def run(args: argparse.Namespace) -> int:
         request.add_header("Authorization", f"Bearer {args.api_key}")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
-            body = json.loads(response.read())
+            raw = response.read()
     except urllib.error.HTTPError as error:
         raise CLIError(f"{base}: HTTP {error.code}: {_message(error.read())}") from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise CLIError(f"cannot reach {base}: {reason}") from None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "recording" not in body:  # QA: a traceback
+        raise CLIError(f"{base}{path} answered, but not with kvserve's recording status: is "
+                       "--url a kvserve server?")
     state = "recording" if body.get("recording") else "not recording"
     where = (" into " if body.get("recording") else "; last directory ") + body["directory"] \
         if body.get("directory") else ""
@@ -69,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _message(raw: bytes) -> str:
+    """An OpenAI-style error's message, else the answer's first line (a proxy's HTML page
+    was printed whole: QA)."""
     try:
         return str(json.loads(raw)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return raw.decode(errors="replace")[:200]
+        lines = raw.decode(errors="replace").strip().splitlines()
+        return (lines[0][:200] + (" ..." if len(lines) > 1 else "")) if lines else "no body"
