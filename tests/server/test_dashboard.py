@@ -213,7 +213,8 @@ def first_message(url: str, headers: dict[str, str] | None = None) -> dict:
 
 
 def test_the_stream_needs_an_admin_key_when_keys_are_configured():
-    keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1")]
+    keys = [ApiKey("admin-key", "ops", admin=True), ApiKey("user-key", "t1"),
+            ApiKey("Zm9v+YmFy/YmF6=", "ops2", admin=True)]
     with LiveServer(keys=keys, num_kv_blocks=64, **SETTINGS) as live:
         assert httpx.get(live.url + "/dashboard").status_code == 401
         user = {"Authorization": "Bearer user-key"}
@@ -221,10 +222,15 @@ def test_the_stream_needs_an_admin_key_when_keys_are_configured():
         assert httpx.get(live.url + "/dashboard/events?key=user-key").status_code == 403
         page = httpx.get(live.url + "/dashboard?key=admin-key")
         assert page.status_code == 200 and "<script" in page.text
+        # a base64 key pasted as it is (the pass: its "+" was read as a space), or encoded
+        for pasted in ("Zm9v+YmFy/YmF6=", "Zm9v%2BYmFy%2FYmF6%3D"):
+            assert httpx.get(live.url + "/dashboard?key=" + pasted).status_code == 200
         assert "http" not in page.text.split("<script", 1)[1].replace(
             "http://www.w3.org/2000/svg", "")  # nothing fetched from elsewhere
         snapshot = first_message(live.url + "/dashboard/events?key=admin-key")
         assert set(snapshot) == {"now", "samples", "requests"}
+        twice = httpx.get(live.url + "/dashboard?key=admin-key&key=user-key")
+        assert twice.status_code == 401 and "?key= is given more than once" in twice.text
         view = live.app.state.dashboard
         wait_for(lambda: view.watchers == 0, what="the stream closed")
         assert view.observe not in live.state.engine.observers

@@ -20,6 +20,7 @@ import html
 import json
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -169,7 +170,13 @@ def _authorize(state: ServerState, request: Request) -> None:
     if not state.keys.enabled:
         return
     headers = request.headers.getlist("authorization")
-    key = request.query_params.get("key")
+    # ?key= as pasted: a "+" is the key's own (a base64 key's), not a space as a form's
+    # query reads it (the dashboard pass: such a key was "invalid"); two keys are refused
+    keys = [urllib.parse.unquote(value) for name, _, value in
+            (part.partition("=") for part in request.url.query.split("&")) if name == "key"]
+    if len(keys) > 1:
+        raise APIError(401, "give one key (?key= is given more than once)")
+    key = keys[0] if keys else None
     if not headers and key:
         headers = [f"Bearer {key}"]
     if not state.keys.authenticate(headers).admin:
