@@ -153,7 +153,8 @@ def test_load_tokenizer_defaults_to_the_bundled_gguf(tokenizer, tmp_path):
         load_tokenizer(tmp_path)
 
 
-def write_tokenizer_gguf(path, pre: str, add_bos: bool = False) -> None:
+def write_tokenizer_gguf(path, pre: str, add_bos: bool = False,
+                         bos: int | None = None) -> None:
     """A byte-level BPE vocabulary of the 256 byte symbols plus "12", "123", "1234", "12345",
     with BOS "<s>" (control) at the end: which tokens appear shows how digits were split."""
     from gguf import GGUFWriter
@@ -166,7 +167,7 @@ def write_tokenizer_gguf(path, pre: str, add_bos: bool = False) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 1) + [3])
     writer.add_token_merges(["1 2", "12 3", "123 4", "1234 5"])
-    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_bos_token_id(len(tokens) - 1 if bos is None else bos)
     writer.add_add_bos_token(add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -460,3 +461,25 @@ def test_a_stop_string_begun_in_the_min_tokens_text_cuts_the_output_at_its_start
     texts = [ended.step([token], finished=index == len(ids) - 2)
              for index, token in enumerate(ids[:-1])]
     assert "".join(text for text, _ in texts) == " Paris."  # finished: the held "." let out
+
+
+def test_a_gguf_without_a_vocabulary_or_with_a_bos_outside_it_is_named(tmp_path):
+    """The model pass: "object of type 'NoneType' has no len()" and "list index out of
+    range" were all a broken GGUF tokenizer said."""
+    from gguf import GGUFWriter
+
+    bare = tmp_path / "bare.gguf"
+    writer = GGUFWriter(str(bare), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedTokenizerError, match=r"no vocabulary \(tokenizer.ggml."
+                                                        r"tokens\)"):
+        Tokenizer.from_gguf(bare)
+    path = tmp_path / "bos.gguf"
+    write_tokenizer_gguf(path, "gpt2", add_bos=True, bos=999999)
+    with pytest.raises(UnsupportedTokenizerError, match="bos_token_id 999999 is outside its "
+                                                        "261 tokens"):
+        Tokenizer.from_gguf(path)

@@ -331,6 +331,22 @@ def test_a_broken_model_chat_template_is_one_line_before_the_model_loads(tmp_pat
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("template", [42, {"default": "x"}, ["{{ 'x' }}"]])
+def test_a_chat_template_of_another_type_is_one_line_naming_the_file(tmp_path, capsys,
+                                                                     template):
+    """The model pass: a tokenizer_config.json chat_template that was a number, an object
+    or a list of strings ended serve in a traceback (jinja's, lru_cache's, an .get on str)."""
+    model = tiny_model_dir(tmp_path / "m", tokenizer_config={"chat_template": template})
+    assert main(["serve", model, "--load-format", "dummy"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer_config.json: chat_template must be a string or a list of " in err, err
+    assert err.count("\n") == 1, err
+    named = tiny_model_dir(tmp_path / "n", tokenizer_config={"chat_template": [
+        {"name": "tool_use", "template": "t"}, {"name": "default", "template": "{{ 'd' }}"}]})
+    from kvserve.model.tokenizer import Tokenizer
+    assert Tokenizer.from_file(f"{named}/tokenizer.json").chat_template == "{{ 'd' }}"
+
+
 GENERATION_CONFIG = {"eos_token_id": 2, "temperature": 0.25, "top_p": 0.5, "top_k": 7,
                      "min_p": 0.05, "repetition_penalty": 1.2, "max_new_tokens": 5}
 

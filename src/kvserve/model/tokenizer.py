@@ -83,6 +83,20 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def _template_text(template: Any, where: str) -> str | None:
+    """A chat template as transformers stores it: a string, or a list of {"name",
+    "template"} objects (the "default" one is taken); ValueError naming ``where`` for
+    anything else (QA: a number, an object or a list of strings was a traceback)."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(
+            isinstance(entry, Mapping) and isinstance(entry.get("template"), str)
+            for entry in template):
+        return {entry.get("name"): entry["template"] for entry in template}.get("default")
+    raise ValueError(f"{where} must be a string or a list of {{\"name\", \"template\"}} "
+                     f"objects, got {template!r:.60}")
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> Any:
     """``template`` compiled as chat templates are rendered; ValueError naming what makes it
@@ -190,6 +204,9 @@ class Tokenizer:
                 f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, byte-level "
                 "BPE)")
         tokens: list[str] = meta("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens:  # QA: "NoneType has no len()"
+            raise UnsupportedTokenizerError("the GGUF file has no vocabulary "
+                                            "(tokenizer.ggml.tokens)")
         merges = [tuple(merge.split(" ")) for merge in meta("tokenizer.ggml.merges", [])]
         if any(len(merge) != 2 for merge in merges):
             raise UnsupportedTokenizerError("GGUF merges must be pairs separated by one space")
@@ -210,12 +227,16 @@ class Tokenizer:
 
         bos = meta("tokenizer.ggml.bos_token_id")
         eos = meta("tokenizer.ggml.eos_token_id")
+        if bos is not None and not (isinstance(bos, int) and 0 <= bos < len(tokens)):
+            raise UnsupportedTokenizerError(  # QA: "list index out of range"
+                f"GGUF tokenizer.ggml.bos_token_id {bos!r} is outside its {len(tokens)} tokens")
         if meta("tokenizer.ggml.add_bos_token", False) and bos is not None:
             tokenizer.post_processor = processors.TemplateProcessing(
                 single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B:1",
                 special_tokens=[(tokens[bos], bos)])
         return cls(tokenizer, bos_token_id=bos, eos_token_id=eos,
-                   chat_template=meta("tokenizer.chat_template"),
+                   chat_template=_template_text(meta("tokenizer.chat_template"),
+                                                "GGUF tokenizer.chat_template"),
                    unk_token_id=meta("tokenizer.ggml.unknown_token_id"),
                    pad_token_id=meta("tokenizer.ggml.padding_token_id"))
 
@@ -254,11 +275,9 @@ class Tokenizer:
                 or config.get("chat_template")
         except UnicodeDecodeError as error:
             raise ValueError(f"{template_path}: not UTF-8 text ({error})") from None
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {entry.get("name"): entry.get("template") for entry in template}
-            template = named.get("default")
         return cls(tokenizer, bos_token_id=token_id("bos_token"),
-                   eos_token_id=token_id("eos_token"), chat_template=template,
+                   eos_token_id=token_id("eos_token"),
+                   chat_template=_template_text(template, f"{config_path}: chat_template"),
                    unk_token_id=token_id("unk_token"), pad_token_id=token_id("pad_token"))
 
     def save(self, tokenizer_json: str | Path) -> None:
