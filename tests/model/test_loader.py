@@ -375,13 +375,18 @@ def test_unsupported_gguf_architecture_and_tensors_are_named(tmp_path):
 # --- Hugging Face directories -------------------------------------------------------------------
 
 def hf_config_dict(config: ModelConfig) -> dict:
+    """``config`` as a Hugging Face config.json: a linear-scaled model's positions before
+    the factor (which the reader multiplies them by, as vLLM does)."""
+    positions = config.max_position_embeddings
+    if config.rope_scaling and config.rope_scaling["rope_type"] == "linear":
+        positions = int(positions / config.rope_scaling["factor"])
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "max_position_embeddings": config.max_position_embeddings,
+        "max_position_embeddings": positions,
         "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling, "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
@@ -722,12 +727,36 @@ def test_a_transformers_v5_config_gives_its_rope_in_rope_parameters(tmp_path, ro
     ({"full_attention": {"rope_theta": 1e6}}, "per-layer-type parameters are not supported"),
     ({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_scaling type 'yarn'"),
     ({"rope_theta": 0}, "rope_theta must be a number > 0"),
+    # the model pass: a rotation of half of each head was served rotating all of it
+    ({"rope_theta": 1e4, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not "
+                                                        "supported"),
 ])
 def test_rope_parameters_kvserve_cannot_compute_are_refused(tmp_path, rope, message):
     (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY),
                                                       "rope_parameters": rope}))
     with pytest.raises(UnsupportedModelError, match=message):
         model_config_from_path(tmp_path)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),
+])
+def test_rope_settings_kvserve_cannot_compute_are_refused(tmp_path, extra, message):
+    """The model pass: partial_rotary_factor was ignored (another network, served without
+    a word); a rope_scaling string was "dictionary update sequence element #0"."""
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY), **extra}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_config_from_path(tmp_path)
+
+
+def test_a_linear_scaled_model_s_context_is_its_positions_times_the_factor(tmp_path):
+    """As vLLM derives it (the model pass: a 4096-position model trained for 16k with
+    factor 4 was served at 4096, and --max-model-len 16384 refused)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        **hf_config_dict(TINY), "rope_scaling": {"type": "linear", "factor": 2.0}}))
+    assert model_config_from_path(tmp_path).max_position_embeddings == \
+        2 * TINY.max_position_embeddings
 
 
 def test_a_gguf_with_the_older_linear_scale_key_runs_scaled(tmp_path):

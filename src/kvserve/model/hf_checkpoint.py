@@ -64,6 +64,13 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
     hidden_size = _count(config_dict, "hidden_size")
     num_heads = _count(config_dict, "num_attention_heads")
     max_positions = _count(config_dict, "max_position_embeddings", 2048)
+    rope = _rope(config_dict)
+    scaling = rope["rope_scaling"]
+    if scaling is not None and scaling["rope_type"] == "linear":
+        # positions divided by the factor: trained for that many times the table's
+        # positions, as vLLM derives a linear-scaled model's context (the model pass: a
+        # vicuna-16k's 4096 positions x 4 were served at 4096)
+        max_positions = int(max_positions * scaling["factor"])
     window = _count(config_dict, "sliding_window", None) \
         if config_dict.get("use_sliding_window", True) else None
     if window is not None and window < max_positions:  # attention within the window
@@ -85,7 +92,7 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
         head_dim=_count(config_dict, "head_dim", hidden_size // num_heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=_positive(config_dict, "rms_norm_eps", 1e-6),
-        **_rope(config_dict),
+        **rope,
         tie_word_embeddings=_flag(config_dict, "tie_word_embeddings"),
         bos_token_id=config_dict.get("bos_token_id"),
         eos_token_id=eos,
@@ -135,6 +142,13 @@ def _rope(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     pass): a v5 Llama 3 config was read as theta 10000 with no scaling, and served garbage
     without a word."""
     parameters = config_dict.get("rope_parameters")
+    # a rotation of only part of each head (vLLM's partial_rotary_factor): kvserve rotates
+    # it whole, another network (the model pass: served without a word)
+    partial = (parameters if isinstance(parameters, Mapping) else {}).get(
+        "partial_rotary_factor", config_dict.get("partial_rotary_factor", 1))
+    if partial != 1:
+        raise UnsupportedModelError(f"Hugging Face config partial_rotary_factor {partial!r} "
+                                    "is not supported (the rotation covers each whole head)")
     if parameters is None:
         return {"rope_theta": _positive(config_dict, "rope_theta", 10000.0),
                 "rope_scaling": _hf_rope_scaling(config_dict.get("rope_scaling"))}
@@ -152,6 +166,9 @@ def _rope(config_dict: Mapping[str, Any]) -> dict[str, Any]:
 def _hf_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not scaling:
         return None
+    if not isinstance(scaling, Mapping):  # QA: "dictionary update sequence element #0"
+        raise UnsupportedModelError(f"Hugging Face config rope_scaling must be an object, got "
+                                    f"{scaling!r:.60}")
     scaling = dict(scaling)
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
