@@ -514,6 +514,9 @@ def resolve_model_option(args: argparse.Namespace) -> None:
     where both are given and differ. Called first by the commands that load a model."""
     model = getattr(args, "model", None)
     option = getattr(args, "model_option", None)
+    if "" in (model, option):  # QA: read as the current directory ("$MODEL" unset)
+        raise CLIError("the model path is empty: give a GGUF file or a Hugging Face "
+                       "directory, or none for the bundled model")
     if option is not None and model is not None and _spelled(model) != _spelled(option):
         raise CLIError(f"the model is given twice, {model} and --model {option}: give "
                        "one (as the positional argument)")  # first (QA: "b" read as a unit)

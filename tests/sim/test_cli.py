@@ -346,6 +346,16 @@ def test_a_size_split_by_a_space_is_named_not_taken_as_the_model(capsys):
         _error_line(capsys)
 
 
+
+@pytest.mark.parametrize("command", ["serve", "generate", "calibrate"])
+@pytest.mark.parametrize("given", [[""], ["--model", ""]])
+def test_an_empty_model_path_is_refused_not_read_as_here(capsys, command, given):
+    """The model pass: "" ("$MODEL" unset) loaded the current directory."""
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    assert main([command, *given, *prompt]) == 2
+    assert "the model path is empty" in _error_line(capsys)
+
+
 def test_malformed_trace_line_is_named(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 4, "output_len": 1}\n'
