@@ -259,6 +259,9 @@ def test_requests_a_change_refuses_are_shown(tmp_path, capsys):
     rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert rows["not finished"].split()[-2:] == ["2", "rejected"]
     assert rows["requests finished"].split()[-1] == "0"
+    # no TTFT or queue figure counts them (the dashboard pass: a change that stranded
+    # requests in the queue read as one that removed queueing); the row says how many
+    assert rows["no first token"].split()[-3:] == ["0", "0", "2"]
 
 
 def test_a_calibration_file_prices_the_changes(tmp_path):
