@@ -61,6 +61,17 @@ def test_budget_must_cover_max_num_seqs():  # A2
 def test_chunked_prefill_off_needs_budget_for_max_model_len():  # A2
     with pytest.raises(ConfigError, match="must be >= max_model_len=4096 when chunked prefill"):
         SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096)
+    with pytest.raises(ConfigError, match="must be >= max_model_len=4096 when chunked prefill"):
+        SchedulerConfig.from_dict({"enable_chunked_prefill": False, "max_model_len": 4096,
+                                   "max_num_batched_tokens": 2048})  # a budget given
+
+
+def test_settings_with_chunked_prefill_off_and_no_budget_raise_it_to_max_model_len():
+    """As vLLM raises it (the flags pass: --no-enable-chunked-prefill alone was refused)."""
+    raised = SchedulerConfig.from_dict({"enable_chunked_prefill": False, "max_model_len": 4096})
+    assert raised.max_num_batched_tokens == 4096
+    short = SchedulerConfig.from_dict({"enable_chunked_prefill": False, "max_model_len": 512})
+    assert short.max_num_batched_tokens == SchedulerConfig.max_num_batched_tokens
     config = SchedulerConfig(enable_chunked_prefill=False, max_model_len=2048)
     assert config.max_num_batched_tokens == 2048
 

@@ -294,6 +294,14 @@ class SchedulerConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerConfig:
+        """Settings by name; with chunked prefill off and no budget given, the budget is the
+        default raised to max_model_len, as vLLM raises it (a whole prompt must fit one
+        step; the flags pass: --no-enable-chunked-prefill alone was refused)."""
+        if data.get("enable_chunked_prefill") is False and \
+                data.get("max_num_batched_tokens") is None and \
+                isinstance(data.get("max_model_len"), int):
+            data = {**data, "max_num_batched_tokens": max(cls.max_num_batched_tokens,
+                                                          data["max_model_len"])}
         return _from_dict(cls, data)
 
 
