@@ -107,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     refused = refused_vllm_flag([_dashed(arg) for arg in given], command._option_string_actions)
     if refused is not None:
         command.error(refused)
+    leftover = _boolean_leftover(given, [getattr(args, "model", None), *extra])
+    if leftover is not None:
+        command.error(leftover)
     if extra:  # named by the subcommand
         command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
@@ -127,6 +130,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvserve {_command_name(args)}: error: {where}: {error.strerror or error}",
               file=sys.stderr)
         return 2
+
+
+def _boolean_leftover(given: list[str], leftovers: list[Any]) -> str | None:
+    """vLLM's older boolean flags took a value (``--enable-chunked-prefill False``); here
+    they take none, so the value was read as the model path or left over, and the message
+    blamed the model (the flags pass). The refusal names the flag and the spelling."""
+    for word in leftovers:
+        if not isinstance(word, str) or word.lower() not in ("true", "false") or \
+                os.path.exists(word) or word not in given:
+            continue
+        index = given.index(word)
+        flag = given[index - 1] if index and given[index - 1].startswith("--") else None
+        if flag is None:
+            continue
+        name = flag.removeprefix("--no-").removeprefix("--")
+        return (f"{flag} {word}: {flag} takes no value here (vLLM's older boolean form): "
+                f"write --{name} for true, --no-{name} for false")
+    return None
 
 
 def _stdout_to_devnull() -> None:

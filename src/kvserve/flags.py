@@ -444,7 +444,8 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
                        help="reuse the KV of full blocks a previous prompt computed (on by "
                             "default)")
     group.add_argument("--prefix-caching-hash-algo", dest="prefix_caching_hash_algo",
-                       choices=PREFIX_CACHING_HASH_ALGOS,
+                       type=parse_hash_algo,
+                       metavar="{" + ",".join(PREFIX_CACHING_HASH_ALGOS) + "}",
                        help="how full blocks are hashed for the prefix cache: blake2b, "
                             "collision resistant (the engine's default), or builtin, a "
                             "64-bit non-cryptographic hash several times cheaper (the "
@@ -528,6 +529,18 @@ def resolve_model_option(args: argparse.Namespace) -> None:
     logger.warning("--model is deprecated, as in vLLM: give the model as the positional "
                    "argument (kvserve %s %s ...)", getattr(args, "command", "serve"), option)
     args.model, args.model_option = option, None
+
+
+def parse_hash_algo(text: str) -> str:
+    """--prefix-caching-hash-algo's value; vLLM's sha256 and sha256_cbor are refused with
+    the choice that does their job here (the flags pass: a bare "invalid choice")."""
+    if text in PREFIX_CACHING_HASH_ALGOS:
+        return text
+    if text in ("sha256", "sha256_cbor"):
+        raise argparse.ArgumentTypeError(f"vLLM's {text} is not taken here: blake2b is the "
+                                         "collision-resistant hash (the engine's default)")
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from "
+                                     f"{', '.join(PREFIX_CACHING_HASH_ALGOS)})")
 
 
 def parse_quantization(text: str) -> str:

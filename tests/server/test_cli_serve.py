@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import openai
 import pytest
@@ -67,6 +68,18 @@ def test_serve_flags_parse():
     (["--enable-log-requests", "--disable-log-requests"],
      "--enable-log-requests and --disable-log-requests contradict each other"),
     (["--host", "999.1.1.1"], "--host '999.1.1.1': cannot resolve it"),
+    # the flags pass: taken and ignored, or read as something else
+    (["--record", ""], "--record needs a directory, got ''"),
+    (["--session-ttl-s", "5"], "--session-ttl-s is how long a session holds KV: sessions "
+                               "are off (give --max-session-kv)"),
+    (["--lpm-max-queue", "5"], "--lpm-max-queue bounds the queue that lpm and dfs-weight "
+                               "sort: give --scheduling-policy lpm or dfs-weight, not fcfs"),
+    (["--engine-step-timeout", "0.001"], "--engine-step-timeout is in seconds: 0.001 s is "
+                                         "less than one real step takes"),
+    (["--disable-log-stats", "--log-stats-interval", "5"],
+     "--disable-log-stats and --log-stats-interval contradict each other"),
+    (["--responses-store-size", "5"], "--responses-store-size bounds the responses store, "
+                                      "which is off: give --enable-responses-store"),
     (["--router-imbalance-bound", "4"], "--router-imbalance-bound bounds the router's "
                                         "choice of a replica: it needs --data-parallel-size"),
     (["-dp", "2", "--router-imbalance-bound", "4"],  # QA: told to add replicas
@@ -79,6 +92,24 @@ def test_serve_errors_are_one_line(capsys, argv, needle):
     assert main(["serve", "/nonexistent/model", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--prefix-caching-hash-algo", "sha256"], "vLLM's sha256 is not taken here: blake2b is "
+                                               "the collision-resistant hash"),
+    # vLLM's older boolean form: False was read as the model path, or the model left over
+    (["--enable-chunked-prefill", "False"], "--enable-chunked-prefill False: "
+     "--enable-chunked-prefill takes no value here (vLLM's older boolean form): write "
+     "--enable-chunked-prefill for true, --no-enable-chunked-prefill for false"),
+    (["--no-enable-prefix-caching", "true", "/nonexistent/m.gguf"],
+     "--no-enable-prefix-caching true: --no-enable-prefix-caching takes no value here"),
+])
+def test_vllm_values_a_flag_here_takes_differently_are_named(capsys, argv, needle):
+    """The flags pass: a bare "invalid choice", and "model path False does not exist"."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and needle in err and err.count("\n") == 1, err
 
 
 def free_port() -> str:
@@ -534,3 +565,19 @@ def test_a_second_server_on_the_port_is_refused_in_one_line_when_it_listens():
     finally:
         first.close()
         second.close()
+
+
+def test_a_budget_past_every_sequence_s_length_is_warned_and_the_watchdog_sized_by_it(
+        caplog):
+    """The flags pass: --max-num-batched-tokens 10^14 was taken silently, and the step
+    watchdog's default, which grows with the budget, never fired (1.5e12 s); vLLM warns."""
+    from kvserve.server.cli_serve import _reachable_budget
+
+    with caplog.at_level(logging.WARNING, logger="kvserve.server"):
+        assert _reachable_budget({"max_num_batched_tokens": 10**14, "max_num_seqs": 4,
+                                  "max_model_len": 1024}) == 4096
+        assert _reachable_budget({"max_num_batched_tokens": 2048, "max_model_len": 1024}) \
+            == 2048  # 256 sequences of 1024 hold more
+    assert [r.getMessage() for r in caplog.records] == [
+        "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len (4096): "
+        "no step schedules more than that"]

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve.server")
 
 SUMMARY = "serve a model over an OpenAI-compatible HTTP API"
+DEFAULT_STATS_INTERVAL = 10.0  # seconds between stats lines, as vLLM's
+# The shortest --engine-step-timeout (seconds) but 0: below it one real step is killed as
+# hung (a 2,048-token step takes about 2 s on a 2-core machine, docs/engine-process.md)
+MIN_STEP_TIMEOUT = 1.0
 DESCRIPTION = ("Serve the model over /v1/completions, /v1/chat/completions and "
                "/v1/responses (with streaming), with Prometheus metrics at /metrics.")
 
@@ -45,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
     from kvserve.server.reasoning_parsers import PARSERS as REASONING_PARSERS
-    from kvserve.server.response_store import DEFAULT_STORE_BYTES, DEFAULT_STORE_CAPACITY
+    from kvserve.server.response_store import DEFAULT_STORE_CAPACITY
     from kvserve.server.tool_parsers import PARSERS
 
     parser = add_command(subparsers, "serve", run, SUMMARY, DESCRIPTION)
@@ -65,9 +69,9 @@ def add_parser(subparsers: Any) -> None:
                             "key too)")
     group.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model names clients may send, as vLLM takes them: the first "
-                            "is the one /v1/models lists first, the responses and the metrics "
-                            "give; every one is accepted as a request's model (default: the "
-                            "model file's name)")
+                            "is the one /v1/models lists first and the metrics give; every one "
+                            "is accepted as a request's model, and an answer gives the name it "
+                            "was asked by (default: the model file's name)")
     group.add_argument("--api-key", action="extend", nargs="+", default=[], metavar="KEY",
                        help="operator keys (tenant 'operator': any priority with either "
                             "--priority-source, /v1/abort): several after one flag, as vLLM "
@@ -128,12 +132,11 @@ def add_parser(subparsers: Any) -> None:
                             "each readable with its tenant's keys only; also vLLM's "
                             "VLLM_ENABLE_RESPONSES_API_STORE=1. Off: nothing is kept, as in "
                             "vLLM (docs/responses-api.md)")
-    group.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_CAPACITY,
-                       metavar="N",
+    group.add_argument("--responses-store-size", type=int, default=None, metavar="N",
                        help="with the store on, how many responses it keeps per tenant, "
                             f"the oldest dropped first (default {DEFAULT_STORE_CAPACITY})")
-    group.add_argument("--responses-store-memory", type=parse_bytes,
-                       default=DEFAULT_STORE_BYTES, metavar="SIZE",
+    group.add_argument("--responses-store-memory", type=parse_bytes, default=None,
+                       metavar="SIZE",
                        help="with the store on, the most its responses take per tenant, "
                             "as JSON (e.g. 64MiB; default 256MiB), the oldest dropped first")
     chat = parser.add_argument_group("chat (vLLM's flags)")
@@ -172,8 +175,9 @@ def add_parser(subparsers: Any) -> None:
                           help="sampling defaults that override or extend the generation "
                                "config's, in its names, e.g. '{\"temperature\": 0.5}'")
     logs = parser.add_argument_group("logging (vLLM's flags)")
-    logs.add_argument("--log-stats-interval", type=float, default=10.0,
-                      help="seconds between stats lines; 0: none")
+    logs.add_argument("--log-stats-interval", type=float, default=None,
+                      help=f"seconds between stats lines; 0: none (default "
+                           f"{DEFAULT_STATS_INTERVAL:g})")
     logs.add_argument("--disable-log-stats", action="store_true",
                       help="no stats lines (--log-stats-interval 0)")
     logs.add_argument("--enable-log-requests", action="store_true",
@@ -310,8 +314,10 @@ def run(args: argparse.Namespace) -> int:
             bind_socket(args.host, args.port)))
     cors = Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                 tuple(args.allowed_headers), args.allow_credentials)
-    app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats
-                    else args.log_stats_interval, cors=cors)
+    interval = DEFAULT_STATS_INTERVAL if args.log_stats_interval is None \
+        else args.log_stats_interval
+    app = build_app(state, log_stats_interval=0.0 if args.disable_log_stats else interval,
+                    cors=cors)
     _listen(sockets, args, state)  # before "serving": a second server on the port is refused
     scheme = "https" if args.ssl_certfile else "http"
     logger.info("serving %s on %s://%s:%d%s", state.model_name, scheme, args.host, args.port,
@@ -490,6 +496,8 @@ def _check_flags(args: argparse.Namespace) -> _Setup:
     if template is None:
         _check_model_chat_template(args.model)
     defaults = _sampling_defaults(args)
+    if args.record is not None and not args.record.strip():  # the flags pass: the cwd
+        raise CLIError("--record needs a directory, got ''")
     try:  # before anything else: a bad directory or option fails at once
         check_options(args.record_prompts, args.record_max_file_size)
         if args.record is not None:
@@ -519,7 +527,7 @@ def _check_flags(args: argparse.Namespace) -> _Setup:
     _vllm_noops(args)
     _check_scheduler_flags(settings)
     parallel = _check_replica_flags(args)
-    step_timeout = _step_timeout(args, settings.get("max_num_batched_tokens"))
+    step_timeout = _step_timeout(args, _reachable_budget(settings))
     _check_answer_flags(args)
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     return _Setup(keys, names, template, defaults, _max_tokens_cap(args, defaults), parallel,
@@ -584,9 +592,12 @@ def _check_request_flags(args: argparse.Namespace) -> None:
     if args.enable_log_requests and args.disable_log_requests:
         raise CLIError("--enable-log-requests and --disable-log-requests contradict each "
                        "other; give one")
-    if not args.log_stats_interval >= 0:  # NaN too
+    if args.log_stats_interval is not None and not args.log_stats_interval >= 0:  # NaN too
         raise CLIError(f"--log-stats-interval must be >= 0 seconds (0: no stats lines), got "
                        f"{args.log_stats_interval}")
+    if args.disable_log_stats and args.log_stats_interval is not None:  # the flags pass
+        raise CLIError("--disable-log-stats and --log-stats-interval contradict each other; "
+                       "give one")
 
 
 def _check_replica_flags(args: argparse.Namespace) -> bool:
@@ -604,6 +615,10 @@ def _check_replica_flags(args: argparse.Namespace) -> bool:
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise CLIError(f"--threads-per-replica must be >= 1, got {args.threads_per_replica}")
     parallel = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
+    cpus = os.cpu_count() or 1
+    if not parallel and (args.threads_per_replica or 0) > cpus:  # replicas warn their own
+        logger.warning("--threads-per-replica %d on %d CPUs: the engine's threads will take "
+                       "turns (slower than %d)", args.threads_per_replica, cpus, cpus)
     if not parallel and args.router is not None:
         raise CLIError(f"--router {args.router} picks a replica: it needs "
                        "--data-parallel-size 2 or more")
@@ -634,11 +649,16 @@ def _check_answer_flags(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CLIError("--enable-auto-tool-choice needs --tool-call-parser NAME (how the "
                        "model writes its calls), as in vLLM")
-    if args.responses_store_size < 1:
+    if args.responses_store_size is not None and args.responses_store_size < 1:
         raise CLIError(f"--responses-store-size must be >= 1, got {args.responses_store_size}")
-    if args.responses_store_memory < 1:
+    if args.responses_store_memory is not None and args.responses_store_memory < 1:
         raise CLIError("--responses-store-memory must be at least one byte, got "
                        f"{args.responses_store_memory}")
+    for flag, value in (("--responses-store-size", args.responses_store_size),
+                        ("--responses-store-memory", args.responses_store_memory)):
+        if value is not None and not _responses_store_on(args):  # the flags pass: ignored
+            raise CLIError(f"{flag} bounds the responses store, which is off: give "
+                           "--enable-responses-store (or VLLM_ENABLE_RESPONSES_API_STORE=1)")
 
 
 def _start_engine(args: argparse.Namespace, setup: _Setup) -> ServingEngine:
@@ -734,16 +754,24 @@ def _server_state(args: argparse.Namespace, setup: _Setup,
 def _response_store(args: argparse.Namespace) -> Any:
     """The Responses API's store (a ResponseStore): on with --enable-responses-store or
     vLLM's VLLM_ENABLE_RESPONSES_API_STORE (1 or true)."""
-    from kvserve.server.response_store import ResponseStore
+    from kvserve.server.response_store import (
+        DEFAULT_STORE_BYTES,
+        DEFAULT_STORE_CAPACITY,
+        ResponseStore,
+    )
 
-    from_env = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").strip().lower()
-    enabled = args.enable_responses_store or from_env in ("1", "true")
+    enabled = _responses_store_on(args)
+    size = args.responses_store_size or DEFAULT_STORE_CAPACITY
     if enabled:
         logger.info("responses store: on, the latest %d /v1/responses answers of each "
-                    "tenant kept in memory%s", args.responses_store_size,
-                    "" if args.enable_responses_store else
+                    "tenant kept in memory%s", size, "" if args.enable_responses_store else
                     " (VLLM_ENABLE_RESPONSES_API_STORE)")
-    return ResponseStore(enabled, args.responses_store_size, args.responses_store_memory)
+    return ResponseStore(enabled, size, args.responses_store_memory or DEFAULT_STORE_BYTES)
+
+
+def _responses_store_on(args: argparse.Namespace) -> bool:
+    from_env = os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "").strip().lower()
+    return args.enable_responses_store or from_env in ("1", "true")
 
 
 def _check_model_chat_template(model: Any) -> None:
@@ -902,11 +930,40 @@ def _served_names(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))  # a name given twice is one name
 
 
+def _reachable_budget(settings: dict[str, Any]) -> int | None:
+    """The most tokens a step can schedule as far as the flags tell (the budget, or
+    max_num_seqs full-length sequences where fewer; None: the default budget), warned as
+    vLLM warns where the budget is past that (the flags pass: 10^14 was taken silently, and
+    the step watchdog's default, which grows with it, never fired)."""
+    from kvserve.core import SchedulerConfig
+
+    budget = settings.get("max_num_batched_tokens")
+    length = settings.get("max_model_len")
+    if budget is None or length is None:
+        return budget
+    most = settings.get("max_num_seqs", SchedulerConfig.max_num_seqs) * length
+    if budget > most:
+        logger.warning("max_num_batched_tokens %d is past max_num_seqs x max_model_len (%d): "
+                       "no step schedules more than that", budget, most)
+    return min(budget, most)
+
+
 def _check_scheduler_flags(settings: dict[str, Any]) -> None:
     """The scheduler and cache flags' ranges, checked before the model loads (the engine
-    checks them again, with the model's context length as max_model_len's default)."""
+    checks them again, with the model's context length as max_model_len's default); flags
+    that shape only what another turns on are refused without it (the flags pass: taken and
+    ignored)."""
     from kvserve.core import ConfigError
+    from kvserve.core.config import CACHE_AWARE_POLICIES
     from kvserve.flags import CLIError, cache_config, scheduler_config
+
+    policy = settings.get("scheduling_policy", "fcfs")
+    if "lpm_max_queue" in settings and policy not in CACHE_AWARE_POLICIES:
+        raise CLIError(f"--lpm-max-queue bounds the queue that lpm and dfs-weight sort: "
+                       f"give --scheduling-policy lpm or dfs-weight, not {policy}")
+    if "session_ttl_s" in settings and not settings.get("max_session_kv"):
+        raise CLIError("--session-ttl-s is how long a session holds KV: sessions are off "
+                       "(give --max-session-kv)")
 
     trial = {"max_model_len": max(2, settings.get("max_num_batched_tokens", 2)), **settings}
     try:
@@ -929,6 +986,10 @@ def _step_timeout(args: argparse.Namespace,
     if not 0 <= args.engine_step_timeout < float("inf"):  # NaN fails too
         raise CLIError(f"--engine-step-timeout must be a finite number of seconds >= 0 (0: "
                        f"never), got {args.engine_step_timeout}")
+    if 0 < args.engine_step_timeout < MIN_STEP_TIMEOUT:  # the flags pass: a unit mistake
+        raise CLIError(f"--engine-step-timeout is in seconds: {args.engine_step_timeout:g} s "
+                       f"is less than one real step takes; give at least {MIN_STEP_TIMEOUT:g} "
+                       "(0: never)")
     if args.engine_step_timeout and not args.engine_process:
         raise CLIError("--engine-step-timeout watches an engine process: it cannot be used "
                        "with --no-engine-process (a step on the server's thread cannot be "
