@@ -256,6 +256,9 @@ VLLM_FLAG_HINTS: dict[str, tuple[bool, str]] = {
                                "kvserve simulate --kv-cache-dtype models an fp8 one"),
     "--tokenizer-mode": (True, "the tokenizer is the model's own (its tokenizer.json or GGUF "
                                "vocabulary)"),
+    "--tokenizer": (True, "the tokenizer is the model's own: a GGUF file carries its "
+                          "vocabulary, a directory its tokenizer.json (the offline "
+                          "LLM(tokenizer=PATH) takes another)"),
     "--api-server-count": (True, "one API server process serves here (the engine runs in its "
                                  "own); --data-parallel-size N runs N engine replicas behind it"),
 }

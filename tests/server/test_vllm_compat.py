@@ -696,6 +696,10 @@ def test_max_log_len_is_taken_and_changes_nothing(caplog):
                                                 "distribution (raw_logprobs)"),
     (["--tokenizer-mode", "mistral"], "vLLM's --tokenizer-mode mistral is not taken here: the "
                                       "tokenizer is the model's own"),
+    # the model pass: "unrecognized arguments", no hint (vLLM's GGUF guide passes it)
+    (["--tokenizer", "/base/model"], "vLLM's --tokenizer /base/model is not taken here: the "
+                                     "tokenizer is the model's own: a GGUF file carries its "
+                                     "vocabulary"),
     (["-q", "awq"], "argument --quantization/-q: 'awq' is not supported here: --quantization "
                     "int8 quantizes the projections at load (dynamic W8A8, "
                     "docs/quantization.md); a checkpoint quantized ahead (awq, gptq, fp8, "
