@@ -262,6 +262,15 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch,
         admin = {"Authorization": "Bearer admin-key"}
         assert httpx.post(url + "/admin/record/start", headers=user).status_code == 403
         assert httpx.post(url + "/admin/record/start").status_code == 401
+        # the command says which flag gives a key, and reads vLLM's VLLM_API_KEY as serve
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        assert main(["record", "status", "--url", url]) == 2
+        assert capsys.readouterr().err.rstrip().endswith("; give --api-key KEY (an admin key)")
+        monkeypatch.setenv("VLLM_API_KEY", "admin-key")
+        assert main(["record", "status", "--url", url]) == 0
+        assert capsys.readouterr().out.startswith("not recording")
+        monkeypatch.delenv("VLLM_API_KEY")
+        assert httpx.head(url + "/dashboard?key=admin-key").status_code == 200  # curl -I
         reply = httpx.post(url + "/admin/record/start", headers=admin)
         assert reply.status_code == 400 and "no recording directory" in reply.text
         reply = httpx.post(url + "/admin/record/start", headers=admin,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Any
@@ -27,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
                                       "machine, relative to the server's working directory "
                                       "(a tenant's admin key: under it; default: the current "
                                       "recording's, at first the server's --record DIR)")
-    parser.add_argument("--api-key", help="an admin key, when the server has keys")
+    parser.add_argument("--api-key", help="an admin key, when the server has keys (default: "
+                                          "$VLLM_API_KEY, as kvserve serve reads it)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait")
 
 
@@ -44,13 +46,15 @@ def run(args: argparse.Namespace) -> int:
     request = urllib.request.Request(base + path, data=data,
                                      method="GET" if data is None else "POST")
     request.add_header("Content-Type", "application/json")
-    if args.api_key:
-        request.add_header("Authorization", f"Bearer {args.api_key}")
+    key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             raw = response.read()
-    except urllib.error.HTTPError as error:
-        raise CLIError(f"{base}: HTTP {error.code}: {_message(error.read())}") from None
+    except urllib.error.HTTPError as error:  # a missing key: the flag that gives one
+        hint = "; give --api-key KEY (an admin key)" if error.code == 401 and not key else ""
+        raise CLIError(f"{base}: HTTP {error.code}: {_message(error.read())}{hint}") from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         raise CLIError(f"cannot reach {base}: {reason}") from None

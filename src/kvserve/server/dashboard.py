@@ -198,7 +198,7 @@ def register(app: FastAPI, state: ServerState, interval: float = 0.5) -> LiveVie
 
     view = LiveView(state.engine)
 
-    @app.get("/dashboard")
+    @app.api_route("/dashboard", methods=["GET", "HEAD"])  # HEAD: curl -I (it read 405)
     async def dashboard(request: Request) -> Response:
         _authorize(state, request)
         # the name as HTML text, never in the script (QA: a --served-model-name holding
