@@ -123,3 +123,22 @@ def test_the_models_end_of_sequence_ids_stop_every_answer(tmp_path):
     assert requests["b"].sampling_params.stop_token_ids == ()
     # held back below min_tokens all the same, as vLLM's all_stop_token_ids (sampler)
     assert requests["b"].sampling_params.extra_eos_token_ids == (118,)
+
+
+def test_a_model_that_names_no_end_of_sequence_is_warned(caplog):
+    """The model pass: a GGUF without tokenizer.ggml.eos_token_id loaded without a word, and
+    every answer ran to max_tokens through its chat template's end-of-turn token."""
+    import copy
+    import logging
+
+    from kvserve.engine.llm import build_engine
+    from tests.server.helpers import TINY, tokenizer
+
+    silent = copy.copy(tokenizer())
+    silent.eos_token_id = None
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.llm"):
+        build_engine(TINY, num_kv_blocks=16, tokenizer=tokenizer())
+        assert "names no end-of-sequence token" not in caplog.text
+        build_engine(TINY, num_kv_blocks=16, tokenizer=silent)
+    assert "the model names no end-of-sequence token: an answer stops only at its " \
+           "max_tokens, a stop string or stop_token_ids" in caplog.text

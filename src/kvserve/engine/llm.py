@@ -347,6 +347,9 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
     if engine.extra_eos_ids:
         logger.info("end of sequence also at token ids %s (the model's generation config)",
                     ", ".join(map(str, engine.extra_eos_ids)))
+    elif tokenizer is not None and own_eos is None:  # the model pass: said nothing
+        logger.warning("the model names no end-of-sequence token: an answer stops only at "
+                       "its max_tokens, a stop string or stop_token_ids")
     return engine
 
 
