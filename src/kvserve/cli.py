@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from kvserve import __version__
-from kvserve.flags import CLIError, check_output_paths, refused_vllm_flag
+from kvserve.flags import (
+    VLLM_FLAG_HINTS,
+    CLIError,
+    check_output_paths,
+    refused_vllm_flag,
+    vllm_refusal,
+)
 
 __all__ = ["CLIError", "build_parser", "main"]
 
@@ -220,6 +226,8 @@ def with_config_file(argv: list[str], serve: argparse.ArgumentParser) -> list[st
                 continue
             model = [str(value)]
             continue
+        if flag in VLLM_FLAG_HINTS and flag not in known:  # as on the command line (the
+            raise CLIError(f"--config {path}: {vllm_refusal(flag, str(value))}")  # flags pass)
         if flag not in known or flag == "--config":  # QA: a nested config: ignored
             raise CLIError(f"--config {path}: {key!r} is not a flag of kvserve serve")
         if flag in given or f"--no-{flag[2:]}" in given:

@@ -912,7 +912,10 @@ def test_a_config_file_is_read_as_flags_and_the_command_line_wins(tmp_path, mode
     # QA (CLI fuzz): a nested config ignored; a list's second value became the model; a
     # value starting with "-" read as a flag ("expected one argument")
     ("config: other.yaml\n", "'config' is not a flag of kvserve serve"),
-    ("max-model-len: [4096, 8192]\n", "max-model-len takes one value, got a list")])
+    ("max-model-len: [4096, 8192]\n", "max-model-len takes one value, got a list"),
+    # the flags pass: the command line's pointer, not "is not a flag" (a vLLM config's)
+    ("gpu-memory-utilization: 0.9\n", "vLLM's --gpu-memory-utilization 0.9 is not taken "
+                                       "here: the KV cache is sized by --kv-cache-memory")])
 def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, capsys, text, needle):
     config = tmp_path / "bad.yaml"
     config.write_text(text)
