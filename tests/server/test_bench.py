@@ -141,6 +141,7 @@ def test_workload_helpers():
     # the CLI pass: '' ran the random workload; nan failed every request as a "bad answer"
     (["--trace", ""], "--trace needs a file name, got ''"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--sessions"], "--sessions sends a trace's session ids: give --trace"),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output

@@ -138,3 +138,43 @@ def test_a_share_gauge_is_averaged_over_engines_and_counters_summed():
 def test_a_length_range_is_refused_by_name(text_, message):
     with pytest.raises(ValueError, match=message):
         parse_range(text_, "--input-len")
+
+
+def test_a_sessions_turn_is_sent_once_its_previous_turn_has_ended(tmp_path, monkeypatch):
+    """The CLI pass: bench sent a conversation's next turn while the previous answer still
+    streamed (simulate holds it back: a chat client reads the answer first), and never sent
+    the session id; a turn waiting for its previous one holds no concurrency slot."""
+    import time
+
+    from kvserve.bench import runner
+    from kvserve.bench.workload import trace_requests
+
+    trace = tmp_path / "turns.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"request_id": "a0", "arrival_time": 0, "prompt_len": 4, "output_len": 2,
+         "session_id": "a"},
+        {"request_id": "a1", "arrival_time": 0.01, "prompt_len": 8, "output_len": 2,
+         "session_id": "a"},
+        {"request_id": "b0", "arrival_time": 0.02, "prompt_len": 4, "output_len": 2,
+         "session_id": "b"}]))
+    spans: dict[int, list[float]] = {}
+    bodies: list[dict] = []
+
+    async def send(client, target, request, disconnect_after, timeout):
+        bodies.append(target.body(request))
+        spans[request.index] = [time.perf_counter()]
+        await asyncio.sleep(0.3)
+        spans[request.index].append(time.perf_counter())
+        return RequestResult(request.index, ok=True)
+
+    async def no_metrics(client, base_url):
+        return None
+    monkeypatch.setattr(runner, "send", send)
+    monkeypatch.setattr(runner, "scrape_metrics", no_metrics)
+    requests = trace_requests(trace, 0)
+    assert [r.session for r in requests] == [("", "a"), ("", "a"), ("", "b")]
+    asyncio.run(runner.run(requests, Target("http://bench.test", "m", sessions=True),
+                           max_concurrency=2))
+    assert spans[1][0] >= spans[0][1]  # a's second turn after its first ended
+    assert spans[2][0] < spans[0][1]  # b's first ran beside a's (a1 waited without a slot)
+    assert [body["session"] for body in bodies] == [{"id": "a"}, {"id": "b"}, {"id": "a"}]

@@ -67,7 +67,8 @@ def add_parser(subparsers: Any) -> None:
                                         "unless --request-rate or --max-concurrency is "
                                         "given; a line's cancel_time is its client's "
                                         "timeout (the client goes away then, counted "
-                                        "disconnected)")
+                                        "disconnected); a session's turn is sent once its "
+                                        "previous turn has ended, as simulate sends it")
     source.add_argument("--num-prompts", type=int, default=None,
                         help="requests to send (default 100); with --trace, its first N by "
                              "arrival time (default: all), as vLLM's of a dataset")
@@ -105,6 +106,10 @@ def add_parser(subparsers: Any) -> None:
                            "when given this flag)")
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="do not send ignore_eos (for servers that refuse it)")
+    load.add_argument("--sessions", action="store_true",
+                      help="send a trace turn's session_id as kvserve's session field, so a "
+                           "server with --max-session-kv holds its KV (a turn is sent once "
+                           "its session's previous turn has ended either way)")
     load.add_argument("--temperature", type=float, default=0.0,
                       help="sampling temperature sent with each request")
     load.add_argument("--timeout", type=float, default=600.0,
@@ -145,6 +150,8 @@ def _requests(args: argparse.Namespace) -> list[Any]:
     try:
         if args.num_prompts is not None and args.num_prompts < 1:
             raise ValueError("--num-prompts must be >= 1")
+        if args.sessions and args.trace is None:
+            raise ValueError("--sessions sends a trace's session ids: give --trace")
         if args.trace is not None:
             if not args.trace:  # QA: '' ran the random workload, and said all was well
                 raise ValueError("--trace needs a file name, got ''")
@@ -229,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         args.output = _result_path(args, model)
         check_output_file("--result-dir", args.output)
     target = Target(base_url, model, args.endpoint, args.api_key, args.stream,
-                    args.ignore_eos, args.temperature)
+                    args.ignore_eos, args.temperature, args.sessions)
     progress = _progress(len(requests), args.progress)
     finished: list[Any] = []  # for a summary of what ended, should the run be interrupted
 

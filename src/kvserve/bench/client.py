@@ -59,6 +59,7 @@ class Target:
     stream: bool = True
     ignore_eos: bool = True
     temperature: float = 0.0
+    sessions: bool = False  # send a trace turn's session id (kvserve's "session" field)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -79,6 +80,8 @@ class Target:
             body["ignore_eos"] = True
         if request.priority is not None:
             body["priority"] = request.priority
+        if self.sessions and request.session is not None:
+            body["session"] = {"id": request.session[1]}
         return body
 
 

@@ -84,11 +84,24 @@ async def run(requests: list[BenchRequest], target: Target, *,
                                  limits=limits) as client:
         before = await scrape_metrics(client, target.base_url)
         start = time.perf_counter()
+        previous_turn = _previous_turns(requests)
+        ended = {r.index: asyncio.Event() for r in requests if r.session is not None}
 
         async def one(request: BenchRequest, disconnect_after: int | None) -> RequestResult:
+            try:
+                return await answered(request, disconnect_after)
+            finally:  # however it ended: its session's next turn may go
+                if request.index in ended:
+                    ended[request.index].set()
+
+        async def answered(request: BenchRequest, disconnect_after: int | None
+                           ) -> RequestResult:
             if request.arrival_time is not None:
                 await asyncio.sleep(max(0.0, start + request.arrival_time -
                                         time.perf_counter()))
+            before_me = previous_turn.get(request.index)
+            if before_me is not None:  # a chat client reads the answer first (no slot held)
+                await ended[before_me].wait()
             if gate is None:
                 result = await _send(client, target, request, disconnect_after, timeout)
             else:
@@ -103,6 +116,19 @@ async def run(requests: list[BenchRequest], target: Target, *,
         duration = time.perf_counter() - start
         after = await scrape_metrics(client, target.base_url)
     return RunResult(list(results), duration, before, after)
+
+
+def _previous_turns(requests: list[BenchRequest]) -> dict[int, int]:
+    """Each session turn's index -> the index of its session's turn before it (in the
+    requests' order, which is the trace's arrival order)."""
+    last: dict[tuple[str, str], int] = {}
+    before: dict[int, int] = {}
+    for request in requests:
+        if request.session is not None:
+            if request.session in last:
+                before[request.index] = last[request.session]
+            last[request.session] = request.index
+    return before
 
 
 async def _send(client: httpx.AsyncClient, target: Target, request: BenchRequest,

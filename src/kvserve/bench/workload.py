@@ -23,6 +23,9 @@ class BenchRequest:
     arrival_time: float | None = None
     priority: int | None = None
     cancel_after: float | None = None  # a trace's client timeout: seconds after it is sent
+    # a trace's (tenant, session id): the turn is sent once its session's previous turn has
+    # ended, as a chat client sends its next message (the simulator's closed loop)
+    session: tuple[str, str] | None = None
 
 
 # The longest prompt or answer a flag may ask for, and the most prompt tokens a drawn
@@ -96,8 +99,10 @@ def trace_requests(path: str | Path, seed: int, max_tokens_cap: int | None = Non
                              "does not know; give --output-len N to cap such lines")
         cancel_after = None if row.cancel_time is None else \
             max(0.0, row.cancel_time - row.arrival_time)
+        session = None if row.session_id is None else (row.tenant, row.session_id)
         requests.append(BenchRequest(index, ids, len(ids), max(1, max_tokens),
-                                     row.arrival_time, row.priority or None, cancel_after))
+                                     row.arrival_time, row.priority or None, cancel_after,
+                                     session))
     return requests
 
 
