@@ -142,6 +142,10 @@ def test_workload_helpers():
     (["--trace", ""], "--trace needs a file name, got ''"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
     (["--sessions"], "--sessions sends a trace's session ids: give --trace"),
+    (["--disconnect-prob", "1", "--no-stream"], "--disconnect-prob drops streams part-way: "
+                                                "it needs --stream"),
+    (["--request-rate", "1e-300", "--num-prompts", "3"], "--request-rate 1e-300 sends the "
+     "last request at "),
 ])
 def test_bench_serve_refuses_bad_flags_before_any_load(capsys, argv, needle):
     """Checked before a request is sent (no server listens on port 9 here): a bad --output

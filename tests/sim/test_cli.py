@@ -356,6 +356,16 @@ def test_an_empty_model_path_is_refused_not_read_as_here(capsys, command, given)
     assert "the model path is empty" in _error_line(capsys)
 
 
+def test_generate_says_when_standard_input_held_no_prompt(capsys, monkeypatch):
+    """The CLI pass: `--prompt -` with empty input said "give at least one --prompt"."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["generate", "--prompt", "-"]) == 2
+    assert _error_line(capsys) == "kvserve generate: error: standard input held no prompt " \
+        "(one per line)"
+
+
 def test_malformed_trace_line_is_named(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"request_id": "a", "arrival_time": 0, "prompt_len": 4, "output_len": 1}\n'

@@ -146,6 +146,7 @@ def _requests(args: argparse.Namespace) -> list[Any]:
         trace_requests,
     )
     from kvserve.flags import CLIError
+    from kvserve.sim.trace import MAX_TIME
 
     try:
         if args.num_prompts is not None and args.num_prompts < 1:
@@ -181,7 +182,12 @@ def _requests(args: argparse.Namespace) -> list[Any]:
             raise CLIError("--request-rate must be > 0")
         if math.isinf(rate):
             return [_at(r, None) for r in requests]
-        return poisson_arrivals(requests, rate, args.seed, args.burstiness)
+        timed = poisson_arrivals(requests, rate, args.seed, args.burstiness)
+        if timed[-1].arrival_time > MAX_TIME:  # QA: 1e-300 req/s hung at the second request
+            raise CLIError(f"--request-rate {rate:g} sends the last request at "
+                           f"{timed[-1].arrival_time:.3g} s, past the {MAX_TIME:.0e} s a run "
+                           "may span")
+        return timed
     if args.max_concurrency is not None or not args.trace:
         return [_at(r, None) for r in requests]
     return requests
@@ -207,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--max-concurrency must be >= 1")
     if not 0 <= args.disconnect_prob <= 1:
         raise CLIError("--disconnect-prob must be in [0, 1]")
+    if args.disconnect_prob and not args.stream:  # QA: it did nothing
+        raise CLIError("--disconnect-prob drops streams part-way: it needs --stream (the "
+                       "default), not --no-stream")
     if not 0 < args.timeout < math.inf:
         raise CLIError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not math.isfinite(args.temperature):  # QA: each request failed as a "bad answer"

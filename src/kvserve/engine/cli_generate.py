@@ -53,7 +53,8 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
     from kvserve.model.tokenizer import text_problem
 
     if not prompts:
-        raise CLIError("give at least one --prompt")
+        raise CLIError("standard input held no prompt (one per line)" if "-" in args.prompt
+                       else "give at least one --prompt")
     for number, prompt in enumerate(prompts, 1):  # before the model loads, not after
         problem = text_problem(prompt)
         if problem is not None:
