@@ -746,8 +746,9 @@ def test_rope_settings_kvserve_cannot_compute_are_refused(tmp_path, extra, messa
     """The model pass: partial_rotary_factor was ignored (another network, served without
     a word); a rope_scaling string was "dictionary update sequence element #0"."""
     (tmp_path / "config.json").write_text(json.dumps({**hf_config_dict(TINY), **extra}))
-    with pytest.raises(UnsupportedModelError, match=message):
+    with pytest.raises(UnsupportedModelError, match=message) as refused:
         model_config_from_path(tmp_path)
+    assert str(refused.value).startswith(f"{tmp_path / 'config.json'}: ")  # the file named
 
 
 def test_a_linear_scaled_model_s_context_is_its_positions_times_the_factor(tmp_path):

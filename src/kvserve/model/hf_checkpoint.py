@@ -34,8 +34,8 @@ def read_hf_config(config_path: Path, name: str | None = None) -> ModelConfig:
         raise UnsupportedModelError(f"{config_path}: not a JSON object")
     try:
         return model_config_from_hf(config_dict, name=name)
-    except UnsupportedModelError:
-        raise
+    except UnsupportedModelError as error:  # the file named too (the model pass: in a
+        raise UnsupportedModelError(f"{config_path}: {error}") from None  # boot log, which?)
     except KeyError as error:
         raise UnsupportedModelError(f"{config_path}: no {error} (a Llama model's config "
                                     "names it)") from None
