@@ -741,6 +741,7 @@ def test_rope_parameters_kvserve_cannot_compute_are_refused(tmp_path, rope, mess
 @pytest.mark.parametrize(("extra", "message"), [
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),
+    ({"partial_rotary_factor": None, "hidden_act": "gelu"}, "hidden_act 'gelu'"),  # null: 1
 ])
 def test_rope_settings_kvserve_cannot_compute_are_refused(tmp_path, extra, message):
     """The model pass: partial_rotary_factor was ignored (another network, served without
@@ -765,7 +766,10 @@ def test_a_gguf_with_the_older_linear_scale_key_runs_scaled(tmp_path):
     ran with plain RoPE, where llama.cpp takes it as the linear factor."""
     path = tmp_path / "old.gguf"
     write_tiny_gguf(path, TINY, dummy_weights(TINY), {}, floats={"llama.rope.scale_linear": 4.0})
-    assert model_config_from_path(path).rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    read = model_config_from_path(path)
+    assert read.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    # its context as a Hugging Face directory's (the review: 4x there, 1x here)
+    assert read.max_position_embeddings == 4 * TINY.max_position_embeddings
 
 
 @pytest.mark.parametrize(("qtype", "shape"), [(T.Q8_0, (2, 48)), (T.Q4_K, (4, 320))])

@@ -60,3 +60,12 @@ SMOLLM2_135M = ModelConfig(
     num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
     eos_token_id=2)
+
+
+def trained_context(positions: int, rope_scaling: dict[str, Any] | None) -> int:
+    """The context a checkpoint was trained for, from the positions its file lists: a
+    linear-scaled one divides positions by the factor, so that many times them, as vLLM
+    derives it (the model pass: a vicuna-16k's 4096 positions x 4 were served at 4096)."""
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "linear":
+        return int(positions * rope_scaling["factor"])
+    return positions

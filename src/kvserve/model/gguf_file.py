@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import ModelConfig, trained_context
 from kvserve.model.dequant import dequantize
 from kvserve.model.gguf_reader import GGUFFile, read_gguf
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
@@ -115,6 +115,7 @@ def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig
         vocab_size = int(embedding.shape[1])
     bos = _metadata(reader, "tokenizer.ggml.bos_token_id")
     eos = _metadata(reader, "tokenizer.ggml.eos_token_id")
+    rope_scaling = _gguf_rope_scaling(reader, arch)
     return ModelConfig(
         name=_gguf_model_name(reader),
         vocab_size=int(vocab_size),
@@ -124,10 +125,10 @@ def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=int(key("context_length")),
+        max_position_embeddings=trained_context(int(key("context_length")), rope_scaling),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(reader, arch),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if eos is None else int(eos),

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvserve.core.checks import is_finite, is_int
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import ModelConfig, trained_context
 from kvserve.model.weights import ModelNotFoundError, UnsupportedModelError, check_weights
 
 logger = logging.getLogger("kvserve.model")
@@ -65,12 +65,7 @@ def model_config_from_hf(config_dict: Mapping[str, Any], name: str | None = None
     num_heads = _count(config_dict, "num_attention_heads")
     max_positions = _count(config_dict, "max_position_embeddings", 2048)
     rope = _rope(config_dict)
-    scaling = rope["rope_scaling"]
-    if scaling is not None and scaling["rope_type"] == "linear":
-        # positions divided by the factor: trained for that many times the table's
-        # positions, as vLLM derives a linear-scaled model's context (the model pass: a
-        # vicuna-16k's 4096 positions x 4 were served at 4096)
-        max_positions = int(max_positions * scaling["factor"])
+    max_positions = trained_context(max_positions, rope["rope_scaling"])
     window = _count(config_dict, "sliding_window", None) \
         if config_dict.get("use_sliding_window", True) else None
     if window is not None and window < max_positions:  # attention within the window
@@ -146,7 +141,7 @@ def _rope(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     # it whole, another network (the model pass: served without a word)
     partial = (parameters if isinstance(parameters, Mapping) else {}).get(
         "partial_rotary_factor", config_dict.get("partial_rotary_factor", 1))
-    if partial != 1:
+    if partial not in (1, None):  # null: the default (the review)
         raise UnsupportedModelError(f"Hugging Face config partial_rotary_factor {partial!r} "
                                     "is not supported (the rotation covers each whole head)")
     if parameters is None:
