@@ -271,6 +271,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch,
         assert capsys.readouterr().out.startswith("not recording")
         monkeypatch.delenv("VLLM_API_KEY")
         assert httpx.head(url + "/dashboard?key=admin-key").status_code == 200  # curl -I
+        # with keys, the key decides, whatever the page's Origin (a proxy rewrites Host)
+        assert httpx.get(url + "/admin/record", headers={
+            **admin, "Origin": "http://llm.example.com"}).status_code == 200
         reply = httpx.post(url + "/admin/record/start", headers=admin)
         assert reply.status_code == 400 and "no recording directory" in reply.text
         reply = httpx.post(url + "/admin/record/start", headers=admin,

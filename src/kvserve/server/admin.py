@@ -18,13 +18,15 @@ from kvserve.server.state import ServerState
 
 
 def require_admin(state: ServerState, request: Request, what: str) -> Any:
-    """The admin key of ``request``, or a 401/403; a 403 too for a browser's request from
-    another site's page (its Origin is not this server's Host): without keys any page the
+    """The admin key of ``request``, or a 401/403. Without keys, a 403 for a browser's
+    request from another site's page (its Origin is not this server's Host): any page the
     operator opened could start a recording into any directory the server may write (the
     dashboard pass; a text/plain POST needs no CORS preflight). curl and the CLI send no
-    Origin."""
+    Origin; with keys, the admin key is what a foreign page cannot send (the review: a
+    proxy that rewrites Host, or localhost against 127.0.0.1, was refused a valid key)."""
     origin = request.headers.get("origin")
-    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+    if origin is not None and not state.keys.enabled and \
+            urlsplit(origin).netloc != request.headers.get("host"):
         raise APIError(403, f"{what} is refused from another site's page (Origin {origin[:80]})")
     key = state.keys.authenticate(request.headers.getlist("authorization"))
     if not key.admin:
