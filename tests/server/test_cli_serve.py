@@ -575,9 +575,15 @@ def test_a_budget_past_every_sequence_s_length_is_warned_and_the_watchdog_sized_
 
     with caplog.at_level(logging.WARNING, logger="kvserve.server"):
         assert _reachable_budget({"max_num_batched_tokens": 10**14, "max_num_seqs": 4,
-                                  "max_model_len": 1024}) == 4096
-        assert _reachable_budget({"max_num_batched_tokens": 2048, "max_model_len": 1024}) \
-            == 2048  # 256 sequences of 1024 hold more
+                                  "max_model_len": 1024}, None) == 4096
+        assert _reachable_budget({"max_num_batched_tokens": 2048, "max_model_len": 1024},
+                                 None) == 2048  # 256 sequences of 1024 hold more
+        # the review: without --max-model-len, the model's context (the bundled 8,192)
+        assert _reachable_budget({"max_num_batched_tokens": 10**14}, None) == 256 * 8192
+        # chunked prefill off raises the budget to the context: the watchdog waits for it
+        assert _reachable_budget({"enable_chunked_prefill": False}, None) == 8192
     assert [r.getMessage() for r in caplog.records] == [
         "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len (4096): "
-        "no step schedules more than that"]
+        "no step schedules more than that",
+        "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len "
+        "(2097152): no step schedules more than that"]

@@ -959,6 +959,7 @@ def test_quiet_paths_drop_their_access_lines_and_query_keys_are_masked():
                                  ("127.0.0.1:1", "GET", path, "1.1", 200), None)
 
     assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
+    assert not quiet.filter(line("/metrics/"))  # served as /metrics (the review)
     assert quiet.filter(line("/v1/models"))
     # QA (docs pass): under --root-path uvicorn's line carries the prefix, and was logged
     rooted = AccessLogFilter(("/health",), "/llm/")

@@ -406,7 +406,7 @@ class AccessLogFilter(logging.Filter):
         if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
             return True
         path, _, query = args[2].partition("?")
-        if path in self.paths:
+        if path in self.paths or path.rstrip("/") in self.paths:  # /metrics/ is /metrics
             return False
         if "key=" in query:
             record.args = (*args[:2], _QUERY_KEY.sub("key=***", args[2]), *args[3:])
@@ -527,7 +527,7 @@ def _check_flags(args: argparse.Namespace) -> _Setup:
     _vllm_noops(args)
     _check_scheduler_flags(settings)
     parallel = _check_replica_flags(args)
-    step_timeout = _step_timeout(args, _reachable_budget(settings))
+    step_timeout = _step_timeout(args, _reachable_budget(settings, args.model))
     _check_answer_flags(args)
     build_args = {"record_events": True, "max_logprobs": args.max_logprobs, **settings}
     return _Setup(keys, names, template, defaults, _max_tokens_cap(args, defaults), parallel,
@@ -930,22 +930,27 @@ def _served_names(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))  # a name given twice is one name
 
 
-def _reachable_budget(settings: dict[str, Any]) -> int | None:
-    """The most tokens a step can schedule as far as the flags tell (the budget, or
-    max_num_seqs full-length sequences where fewer; None: the default budget), warned as
-    vLLM warns where the budget is past that (the flags pass: 10^14 was taken silently, and
-    the step watchdog's default, which grows with it, never fired)."""
+def _reachable_budget(settings: dict[str, Any], model: str | None) -> int | None:
+    """The most tokens a step can schedule (the budget, or max_num_seqs full-length
+    sequences where fewer), with max_model_len the model's context where no flag gives it
+    (its header alone is read) and the budget as the engine will settle it (raised to
+    max_model_len with chunked prefill off); warned as vLLM warns where the budget is past
+    that (the flags pass: 10^14 was taken silently, and the step watchdog's default, which
+    grows with it, never fired). None where the model cannot be read: its load says why."""
     from kvserve.core import SchedulerConfig
+    from kvserve.model.loader import model_config_from_path
 
-    budget = settings.get("max_num_batched_tokens")
-    length = settings.get("max_model_len")
-    if budget is None or length is None:
-        return budget
-    most = settings.get("max_num_seqs", SchedulerConfig.max_num_seqs) * length
-    if budget > most:
+    try:
+        length = settings.get("max_model_len") or \
+            model_config_from_path(model).max_position_embeddings
+        config = SchedulerConfig.from_dict({**settings, "max_model_len": length})
+    except Exception:  # a bad model or setting: the load or the engine names it
+        return settings.get("max_num_batched_tokens")
+    most = config.max_num_seqs * config.max_model_len
+    if config.max_num_batched_tokens > most:
         logger.warning("max_num_batched_tokens %d is past max_num_seqs x max_model_len (%d): "
-                       "no step schedules more than that", budget, most)
-    return min(budget, most)
+                       "no step schedules more than that", config.max_num_batched_tokens, most)
+    return min(config.max_num_batched_tokens, most)
 
 
 def _check_scheduler_flags(settings: dict[str, Any]) -> None:
