@@ -97,6 +97,21 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m"
           "gi": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40}
 
 
+def write_file_atomically(path: str | os.PathLike[str], text: str) -> None:
+    """``text`` into ``path`` whole or not at all: written beside it and moved over it, so a
+    write that fails (a full disk, a file-size limit) leaves the file as it was (the
+    calibration pass: a half-written model replaced the good one)."""
+    target = os.fspath(path)
+    temporary = f"{target}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
 def check_output_file(flag: str, path: str) -> None:
     """CLIError unless ``path`` can be written as a file (its folder exists, it is not a
     folder): checked before long work, so that the work's result is not lost at the end."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -298,3 +299,17 @@ def test_a_fit_on_recordings_names_their_model_and_refuses_two(tmp_path, capsys)
     _write_step_log(bare, views, seconds)
     assert main(["calibrate", "--step-logs", str(small), str(bare), "-o", str(out)]) == 0
     assert "model" not in json.loads(out.read_text())["meta"]
+
+
+def test_a_model_file_is_written_whole_or_not_at_all(tmp_path):
+    """The calibration pass: a write that failed at its end (a full disk, a file-size limit)
+    left a half-written model where the good one had been."""
+    from kvserve.flags import write_file_atomically
+
+    path = tmp_path / "model.json"
+    path.write_text('{"good": true}\n')
+    with pytest.raises(UnicodeEncodeError):  # fails part-way through the write
+        write_file_atomically(path, '{"new": "' + "x" * 100_000 + '\udc80"}')
+    assert path.read_text() == '{"good": true}\n' and os.listdir(tmp_path) == ["model.json"]
+    write_file_atomically(path, '{"new": 1}\n')
+    assert path.read_text() == '{"new": 1}\n'

@@ -261,6 +261,10 @@ def test_a_calibration_of_another_model_or_device_is_named_in_a_warning(tmp_path
         "times are of what it was calibrated on (give --model and --hardware as "
         "calibrated, or calibrate on this deployment)")
     assert fitted_on_warning(path, smol, "cpu-local") is None
+    # a file with a byte order mark (Notepad's) loads, and is checked as well (the
+    # calibration pass: its warning was skipped)
+    path.write_text(path.read_text(), encoding="utf-8-sig")
+    assert fitted_on_warning(path, llama, "l4") is not None
     warning = fitted_on_warning(path, smol, "h100-sxm")
     assert warning is not None and "device cpu, not this run's h100-sxm" in warning \
         and "model" not in warning.split(":")[1]

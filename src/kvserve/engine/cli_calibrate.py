@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvserve.core.config import DEFAULT_BLOCK_SIZE
@@ -16,6 +16,7 @@ from kvserve.flags import (
     engine_args,
     parse_bytes,
     resolve_model_option,
+    write_file_atomically,
 )
 from kvserve.sim.machine import cpu_identity, describe_cpu
 
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "device": _device_name(engine), "load_format": args.load_format,
             "block_size": args.block_size,
             "num_samples": len(shapes)}
-    Path(args.output).write_text(calibrate.to_json(model, shapes, seconds, meta))
+    write_file_atomically(args.output, calibrate.to_json(model, shapes, seconds, meta))
     quality = calibrate.goodness(model, [s.view() for s in shapes], seconds)
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
           f"{100 * quality['mean_abs_error']:.1f}%, max {100 * quality['max_abs_error']:.1f}%, "
@@ -192,7 +193,7 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
             "device": _device_name(engine), "load_format": args.load_format,
             "block_size": args.block_size,
             "trace": str(args.trace), "greedy": args.greedy, **seen}
-    Path(args.output).write_text(calibrate.in_service_json(model, meta))
+    write_file_atomically(args.output, calibrate.in_service_json(model, meta))
     print(f"wrote {args.output}: fitted on the {seen['num_steps']} steps run in service; "
           f"mean error {100 * seen['mean_abs_error']:.1f}%, "
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
@@ -225,15 +226,27 @@ def _recorded_models(paths: list[str]) -> set[str]:
     return named if all(models.values()) else set()
 
 
+def _step_files(path: str) -> list[str]:
+    """The real paths of the step files ``path`` names: itself, or a recording directory's."""
+    if os.path.isdir(path):
+        return sorted(os.path.realpath(os.path.join(path, name)) for name in os.listdir(path)
+                      if name.startswith("steps-") and name.endswith(".jsonl"))
+    return [os.path.realpath(path)]
+
+
 def _fit_step_logs(args: argparse.Namespace) -> int:
     """Fit one model on the steps of several logs, and say how each log's steps compare
     with the pooled price: the spread is the machine's run-to-run speed."""
     from kvserve.engine import calibrate
     from kvserve.sim.calibration import fit, read_step_log
 
-    twice = next((p for i, p in enumerate(args.step_logs) if p in args.step_logs[:i]), None)
-    if twice is not None:  # QA: its steps counted twice in the fit
-        raise CLIError(f"--step-logs names {twice} twice")
+    seen: dict[str, str] = {}  # a step file's real path -> the argument that named it
+    for path in args.step_logs:  # QA: its steps counted twice in the fit; the calibration
+        for file in _step_files(path):  # pass: under another spelling, or by its directory
+            if file in seen:
+                raise CLIError(f"--step-logs names {file} twice ({seen[file]} and {path})"
+                               if seen[file] != path else f"--step-logs names {path} twice")
+            seen[file] = path
     logs = []
     for path in args.step_logs:
         try:
@@ -258,7 +271,7 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
             "step_logs": per_log, "num_steps": len(views),
             "fit": {"kind_term": args.kind_term is not False, "relative_to": "priced"},
             **calibrate.goodness(model, views, seconds)}
-    Path(args.output).write_text(calibrate.in_service_json(model, meta))
+    write_file_atomically(args.output, calibrate.in_service_json(model, meta))
     print(f"wrote {args.output}: fitted on {len(views)} steps of {len(logs)} logs; mean "
           f"error {100 * meta['mean_abs_error']:.1f}%, error of the sum "
           f"{100 * meta['error_of_the_sum']:+.1f}%")

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.flags import write_file_atomically
 from kvserve.sim.cost_models import (
     CALIBRATED_FORMAT,
     CALIBRATED_TERMS,
@@ -158,7 +159,7 @@ def fit(views: Sequence[BatchView], seconds: Sequence[float], source: str = "",
 def save(model: CalibratedCostModel, path: str | Path) -> None:
     data = {"format": CALIBRATED_FORMAT, "source": model.source,
             "coefficients": model.coefficients, "min_tokens": model.min_tokens}
-    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    write_file_atomically(path, json.dumps(data, indent=1) + "\n")
 
 
 def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
@@ -223,7 +224,7 @@ def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str 
     can be checked. Which CPU
     it was is :func:`kvserve.sim.machine.calibration_cpu_warning`'s."""
     try:
-        meta = json.loads(Path(path).read_text(encoding="utf-8")).get("meta")
+        meta = json.loads(Path(path).read_text(encoding="utf-8-sig")).get("meta")  # a BOM too
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None  # the cost model's own loading reports a bad file
     if not isinstance(meta, dict):

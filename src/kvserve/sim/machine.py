@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.cpu_name import read_cpuinfo, with_generation
+from kvserve.flags import write_file_atomically
 from kvserve.sim.presets import GiB, HardwareSpec, get_hardware
 
 # Extensions a CPU matmul or copy kernel dispatches on (x86 and Arm spellings of
@@ -139,9 +140,8 @@ def local_peaks(measure: Callable[[], dict[str, Any]] = measure_in_child
           "quiet machine", file=sys.stderr)
     data = {"format": PEAKS_FORMAT, "cpu": identity, **measure()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    temporary.replace(path)  # atomic: two simulations measuring at once both read a whole file
+    # atomic: two simulations measuring at once both read a whole file
+    write_file_atomically(path, json.dumps(data, indent=1) + "\n")
     return data
 
 
@@ -164,7 +164,8 @@ def calibration_cpu_warning(path: str | Path) -> str | None:
     CPU than this one (``meta.cpu``, written by ``kvserve calibrate``); None when it is this
     CPU or the file does not say (files from before the CPU was recorded)."""
     try:
-        recorded = json.loads(Path(path).read_text(encoding="utf-8")).get("meta", {}).get("cpu")
+        recorded = json.loads(Path(path).read_text(encoding="utf-8-sig")).get("meta", {}).get(
+            "cpu")  # utf-8-sig: a BOM is taken, as the model's loading takes it
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None  # the cost model's own loading reports a bad file
     if not isinstance(recorded, dict):
