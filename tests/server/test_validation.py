@@ -504,6 +504,25 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(server):
     assert counts == sorted(counts) and counts[-1] == 3
     assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"]
                for e in events)
+    # each chunk its own choice's count and prompt, as vLLM's (the streaming pass: the
+    # choices' counts were added up, and the prompts' too)
+    with httpx.stream("POST", server.url + COMPLETIONS, timeout=30, json={
+            "prompt": ["hi", "a longer prompt"], "max_tokens": 3, "ignore_eos": True,
+            "n": 2, "temperature": 1, "seed": 1, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    seen: dict[int, list[int]] = {}
+    prompts: dict[int, set[int]] = {}
+    for e in events[:-1]:
+        [choice] = e["choices"]
+        seen.setdefault(choice["index"], []).append(e["usage"]["completion_tokens"])
+        prompts.setdefault(choice["index"], set()).add(e["usage"]["prompt_tokens"])
+    assert all(counts == [1, 2, 3] for counts in seen.values()) and len(seen) == 4
+    assert prompts[0] == prompts[1] != prompts[2] == prompts[3]  # n=2 per prompt
+    last = events[-1]["usage"]  # the whole answer's, once
+    assert last["completion_tokens"] == 12 and last["prompt_tokens"] == sum(
+        next(iter(prompts[i])) for i in (0, 2))
 
 
 def test_vllm_extras_at_their_defaults_are_served(server):

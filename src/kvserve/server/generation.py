@@ -587,12 +587,15 @@ class Generation(abc.ABC):
             data["choices"][0]["finish_reason"] = self._finish_reason(choice)
             data["choices"][0]["stop_reason"] = chunk.stop_reason
             data["kvserve"] = kvserve_ext(choice.request_id, chunk.metrics)
-        return sse(self._with_usage(data))
+        return sse(self._with_usage(data, choice))
 
-    def _usage(self, choices: list[Choice]) -> dict[str, Any]:
-        """The answer's usage; with --enable-prompt-tokens-details, the prompt tokens that
+    def _usage(self, choices: list[Choice], num_prompt_tokens: int | None = None
+               ) -> dict[str, Any]:
+        """The usage of ``choices`` (the answer's: its prompts' tokens, else
+        ``num_prompt_tokens``); with --enable-prompt-tokens-details, the prompt tokens that
         were prefix-cache hits too (once a prompt, its first sample's), as vLLM's."""
-        counted: dict[str, Any] = {**usage(choices, self.num_prompt_tokens),
+        prompt = self.num_prompt_tokens if num_prompt_tokens is None else num_prompt_tokens
+        counted: dict[str, Any] = {**usage(choices, prompt),
                                    "prompt_tokens_details": None}  # vLLM's, null unless on
         if self.state.prompt_tokens_details:
             n = getattr(self.req, "n", 1) or 1
@@ -601,11 +604,13 @@ class Generation(abc.ABC):
                 if c.metrics is not None and c.index % n == 0)}
         return counted
 
-    def _with_usage(self, data: dict[str, Any]) -> dict[str, Any]:
-        """A chunk with the usage so far where vLLM's continuous_usage_stats asks for it."""
+    def _with_usage(self, data: dict[str, Any], choice: Choice) -> dict[str, Any]:
+        """A chunk with its choice's usage so far (its prompt's tokens and its own output's)
+        where vLLM's continuous_usage_stats asks for it, as vLLM counts it (the streaming
+        pass: every choice's were added up, 1, 2, 3, ... across n choices)."""
         options = self.req.stream_options
         if options is not None and options.include_usage and options.continuous_usage_stats:
-            data["usage"] = self._usage(list(self.choices.values()))
+            data["usage"] = self._usage([choice], len(choice.prompt_token_ids))
         return data
 
     def _finish_reason(self, choice: Choice) -> str | None:
@@ -698,9 +703,10 @@ class ChatGeneration(Generation):
                                None)
             if self.req.return_token_ids:
                 data["prompt_token_ids"] = choice.prompt_token_ids
-            events.append(sse(self._with_usage(data)))  # vLLM's role chunk has it too
+            events.append(sse(self._with_usage(data, choice)))  # vLLM's role chunk too
             if self.echoed:  # vLLM's: the echoed text in a chunk of its own
-                events.append(sse(self._chunk(choice, {"content": self.echoed}, None)))
+                events.append(sse(self._with_usage(
+                    self._chunk(choice, {"content": self.echoed}, None), choice)))
         return events
 
     def _payload(self, choice: Choice, text: str, token_ids: list[int],
