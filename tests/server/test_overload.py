@@ -291,3 +291,28 @@ def test_a_sequence_the_pool_cannot_hold_stops_with_kv_capacity():  # J2
         fits = httpx.post(live.url + "/v1/completions", json={**body, "max_tokens": 20},
                           timeout=60).json()["choices"][0]
         assert (fits["finish_reason"], fits["stop_reason"]) == ("length", None)
+
+
+def test_a_stop_string_that_reads_as_a_queue_end_is_an_answer():
+    """The streaming pass: stop ["displaced"] on an answer holding the word was a 503
+    ("queue full"), counted a displacement and no success; ["aborted"] was left out of the
+    per-request histograms. The queue's ends are aborts; a stop string finishes "stop"."""
+    from .helpers import scripted_engine
+
+    with LiveServer(scripted_engine(" so displaced, queue_timeout and aborted",
+                                    max_model_len=512)) as live:
+        for word in ("displaced", "queue_timeout", "aborted"):
+            for stream in (False, True):
+                reply = httpx.post(live.url + "/v1/completions", timeout=30, json={
+                    "prompt": "x", "max_tokens": 16, "stop": [word], "stream": stream})
+                assert reply.status_code == 200, reply.text
+                assert f'"finish_reason":"stop","stop_reason":"{word}"' in \
+                    reply.text.replace(" ", ""), reply.text
+        values = metric_values(httpx.get(live.url + "/metrics").text)
+    model = (("model_name", "tiny"),)
+    assert values[("kvserve:queue_displacements_total", model)] == 0
+    assert values[("kvserve:queue_timeouts_total", model)] == 0
+    engine_0 = (("engine", "0"), ("model_name", "tiny"))
+    assert values[("vllm:e2e_request_latency_seconds_count", engine_0)] == 6
+    assert sum(value for (name, labels), value in values.items()
+               if name == "vllm:request_success_total") == 6

@@ -13,6 +13,13 @@ DISPLACED = "displaced"  # K5: a more urgent arrival took its place in the full 
 QUEUE_ENDS = (QUEUE_TIMEOUT, DISPLACED)
 
 
+def ended_in_queue(finish_reason: str | None, stop_reason: object) -> bool:
+    """Whether the waiting queue ended a request before it ran (the server's 503): an abort
+    with a queue's stop reason. A stop string of the same text finishes "stop" (the
+    streaming pass: ``stop: ["displaced"]`` turned an answer into a 503)."""
+    return finish_reason == "abort" and stop_reason in QUEUE_ENDS
+
+
 def check_stop(request: Request, token_id: int,
                length_limit: int) -> tuple[RequestStatus | None, int | None]:
     """(finished status or None, stop reason) after ``token_id`` was appended.

@@ -26,7 +26,7 @@ from kvserve.core.errors import without_request_id
 from kvserve.core.limits import check_queueable
 from kvserve.core.request import Request as CoreRequest
 from kvserve.core.sessions import SessionBusy
-from kvserve.core.stop import DISPLACED, QUEUE_ENDS
+from kvserve.core.stop import DISPLACED, ended_in_queue
 from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import OPERATOR_TENANT, ApiKey, resolve_priority, tenant_of
@@ -392,7 +392,8 @@ class Generation(abc.ABC):
         finally:
             self.close()
         choices = sorted(self.choices.values(), key=lambda c: c.index)
-        ended = next((c.stop_reason for c in choices if c.stop_reason in QUEUE_ENDS), None)
+        ended = next((c.stop_reason for c in choices
+                      if ended_in_queue(c.finish_reason, c.stop_reason)), None)
         if ended is not None:
             raise queue_end(self.state, ended)
         return JSONResponse(self.body(choices), headers={"X-Request-Id": self.given_id})
@@ -426,8 +427,8 @@ class Generation(abc.ABC):
             try:
                 async for chunk in self.stream:
                     self._apply(chunk)
-                    if chunk.stop_reason in QUEUE_ENDS:  # the request is a 503: end it
-                        return  # now (close() aborts its other sequences) than at their end
+                    if ended_in_queue(chunk.finish_reason, chunk.stop_reason):  # a 503:
+                        return  # end it now (close() aborts its other sequences)
                 return
             except StreamRestarted as restart:  # placed again on another replica: start over
                 for request_id in restart.request_ids:
@@ -487,7 +488,7 @@ class Generation(abc.ABC):
                 self._failed()
             self.close()
             raise
-        if first.stop_reason in QUEUE_ENDS:
+        if ended_in_queue(first.finish_reason, first.stop_reason):
             self.close()
             raise queue_end(self.state, first.stop_reason)
         return ClosingStreamingResponse(self._guarded(first), self.close,
@@ -517,7 +518,7 @@ class Generation(abc.ABC):
             yield event
         try:
             async for chunk in self.stream:
-                if chunk.stop_reason in QUEUE_ENDS:
+                if ended_in_queue(chunk.finish_reason, chunk.stop_reason):
                     yield sse(queue_end(self.state, chunk.stop_reason).body())
                     self.close()
                     break

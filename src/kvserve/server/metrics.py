@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from kvserve.core import RequestMetrics, SchedulerStats
 from kvserve.core.preemption import PRIORITY, RECOMPUTE, SWAP
 from kvserve.core.sessions import RELEASE_REASONS
-from kvserve.core.stop import QUEUE_ENDS
+from kvserve.core.stop import QUEUE_ENDS, ended_in_queue
 from kvserve.engine.async_engine import ServingEngine, StepReport
 from kvserve.engine.core_loop import ABORTED
 from kvserve.engine.engine import CompletionChunk
@@ -404,9 +404,9 @@ class ServerMetrics:
 
     def _sequence_finished(self, series: _EngineSeries, live: _Live,
                            chunk: CompletionChunk) -> None:
-        if chunk.stop_reason not in QUEUE_ENDS:  # the queue ended it unrun: its client got
-            # a 503, as for a full queue, which no success counts (the metrics pass: a
-            # timeout read as request_success{abort}, a client's hang-up)
+        if not ended_in_queue(chunk.finish_reason, chunk.stop_reason):
+            # (the queue ended it unrun: its client got a 503, as for a full queue, which no
+            # success counts; the metrics pass: a timeout read as request_success{abort})
             series.success(chunk.finish_reason or "error").inc()
         if live.last_token_time is not None and chunk.metrics is not None:
             # its prompt's sources, counted for every prompt vllm:prompt_tokens counts (at
@@ -420,7 +420,7 @@ class ServerMetrics:
         # vLLM's per-request histograms leave out what a client or an operator aborted (its
         # metrics still reach the response), and so what the waiting queue ended unrun (a
         # 503: K4, K5)
-        counted = chunk.stop_reason not in _UNCOUNTED
+        counted = not (chunk.finish_reason == "abort" and chunk.stop_reason in _UNCOUNTED)
         if counted and live.max_tokens is not None:
             series.request_max_tokens.observe(live.max_tokens)
         group = live.group

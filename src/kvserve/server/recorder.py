@@ -439,7 +439,9 @@ class Recorder:
                 entry = self._take(chunk.request_id, taken_here) or \
                     self._take(chunk.request_id, lambda e: e.arrival is not None)
                 if entry is not None:
-                    cancel = report.time - origin if chunk.stop_reason == ABORTED else None
+                    # (a stop string "aborted" finishes "stop": no cancel)
+                    aborted = chunk.finish_reason == "abort" and chunk.stop_reason == ABORTED
+                    cancel = report.time - origin if aborted else None
                     self._write_request(chunk.request_id, entry, chunk, cancel)
 
     def _first(self, request_id: str, match: Callable[[_Pending], bool]) -> _Pending | None:

@@ -31,7 +31,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvserve.core.stop import QUEUE_ENDS
+from kvserve.core.stop import ended_in_queue
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.errors import APIError, bad_request
@@ -416,7 +416,7 @@ class ResponsesGeneration(ChatGeneration):
         chunk: CompletionChunk | None = first
         try:
             while chunk is not None:
-                if chunk.stop_reason in QUEUE_ENDS:
+                if ended_in_queue(chunk.finish_reason, chunk.stop_reason):
                     error = queue_end(self.state, chunk.stop_reason)
                     yield self._failed_event(str(error.code), error.message)
                     self.close()
