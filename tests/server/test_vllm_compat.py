@@ -946,6 +946,14 @@ def test_usage_details_token_ids_and_load_as_vllms_flags_ask(model_dir):
                           json={"prompt": "hi", "max_tokens": 2, "stream": True}) as reply:
             events = [line for line in reply.iter_lines() if line.startswith("data: {")]
         assert '"usage"' in events[-1] and '"choices":[]' in events[-1].replace(" ", "")
+        assert not any('"usage"' in event for event in events[:-1])
+        # continuous_usage_stats is asked for under the flag, include_usage or not, as vLLM
+        # reads it (the streaming pass: ignored)
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60, json={
+                "prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {
+                    "include_usage": False, "continuous_usage_stats": True}}) as reply:
+            events = [line for line in reply.iter_lines() if line.startswith("data: {")]
+        assert all('"usage"' in event for event in events)
         assert httpx.get(live.url + "/load").json() == {"server_load": 0}
 
 

@@ -527,8 +527,7 @@ class Generation(abc.ABC):
         except EngineDeadError as error:
             self._failed()
             yield sse(APIError(503, str(error)).body())
-        if (self.req.stream_options is not None and self.req.stream_options.include_usage) \
-                or self.state.force_include_usage:
+        if self._usage_asked()[0]:
             choices = list(self.choices.values())
             yield sse({"id": self.response_id, "object": self.chunk_object,
                        "created": self.created, "model": self.model,
@@ -609,10 +608,18 @@ class Generation(abc.ABC):
         """A chunk with its choice's usage so far (its prompt's tokens and its own output's)
         where vLLM's continuous_usage_stats asks for it, as vLLM counts it (the streaming
         pass: every choice's were added up, 1, 2, 3, ... across n choices)."""
-        options = self.req.stream_options
-        if options is not None and options.include_usage and options.continuous_usage_stats:
+        if self._usage_asked()[1]:
             data["usage"] = self._usage([choice], len(choice.prompt_token_ids))
         return data
+
+    def _usage_asked(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage in every chunk), as vLLM reads stream_options:
+        --enable-force-include-usage asks for the first, and so lets continuous_usage_stats
+        ask for the second (the streaming pass: it was ignored under the flag)."""
+        options = self.req.stream_options
+        at_end = self.state.force_include_usage or (options is not None and
+                                                    bool(options.include_usage))
+        return at_end, at_end and options is not None and bool(options.continuous_usage_stats)
 
     def _finish_reason(self, choice: Choice) -> str | None:
         return choice.finish_reason
