@@ -290,6 +290,10 @@ def test_plan_sweep_keeps_a_given_pool_and_marks_candidates_that_do_not_fit(trac
     (["workload", "gen", "--prompt-len", "uniform:1,5,max=inf"], "is not a finite number"),
     (["workload", "gen", "-n", "3", "--rate", "1e-300"], "past the 1e+10 s a trace may span"),
     (["workload", "gen", "--cv", "2"], "--cv shapes --arrival gamma, not poisson"),
+    # the calibration pass: taken, and the replay ran without it
+    (["simulate", "--replay-step-times", "x.jsonl", "--calibration", "c.json"],
+     "--calibration gives --cost-model calibrated its coefficients; it cannot be used with "
+     "--replay-step-times"),
     # the CLI pass: --output-len then shaped nothing (the model's length in simulate)
     (["workload", "gen", "-n", "3", "--ignore-eos"], "--ignore-eos runs every request to its "
      "max_tokens: give --max-tokens N"),

@@ -128,6 +128,10 @@ def test_a_calibration_from_another_cpu_is_named_in_a_warning(tmp_path):
     assert machine.calibration_cpu_warning(_calibration(tmp_path, machine.cpu_identity())) \
         is None
     assert machine.calibration_cpu_warning(_calibration(tmp_path, None)) is None  # old file
+    # a meta.cpu edited into other shapes says nothing (the calibration pass: a TypeError)
+    for odd in ({"model": 5, "isa": "avx2"}, {"model": "X", "isa": [1, None]},
+                {"model": "X", "isa": "avx2"}):
+        assert machine.calibration_cpu_warning(_calibration(tmp_path, odd)) is None
 
 
 def test_simulate_warns_on_stderr_and_still_runs(tmp_path, capsys):

@@ -137,6 +137,9 @@ def calibration_implies_its_model(args: argparse.Namespace) -> None:
     if args.cost_model not in (None, "calibrated"):
         raise ValueError(f"--calibration gives --cost-model calibrated its coefficients; it "
                          f"cannot be used with --cost-model {args.cost_model}")
+    if getattr(args, "replay_step_times", None):  # the calibration pass: taken, unused
+        raise ValueError("--calibration gives --cost-model calibrated its coefficients; it "
+                         "cannot be used with --replay-step-times (the replay cost model)")
     args.cost_model = "calibrated"
 
 

@@ -168,8 +168,11 @@ def calibration_cpu_warning(path: str | Path) -> str | None:
             "cpu")  # utf-8-sig: a BOM is taken, as the model's loading takes it
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None  # the cost model's own loading reports a bad file
-    if not isinstance(recorded, dict):
-        return None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), str) or \
+            not all(isinstance(flag, str) for flag in recorded.get("isa") or ()) or \
+            not isinstance(recorded.get("isa") or [], list):
+        return None  # a meta.cpu of other shapes (edited by hand) says nothing (the
+        # calibration pass: a traceback)
     here = cpu_identity()
     if same_cpu(recorded, here):
         return None
