@@ -132,6 +132,15 @@ def test_a_calibration_from_another_cpu_is_named_in_a_warning(tmp_path):
     for odd in ({"model": 5, "isa": "avx2"}, {"model": "X", "isa": [1, None]},
                 {"model": "X", "isa": "avx2"}):
         assert machine.calibration_cpu_warning(_calibration(tmp_path, odd)) is None
+    # a GPU's calibration made on another host is the GPU's step times, not its CPU's
+    path = _calibration(tmp_path, other)
+    data = json.loads(path.read_text())
+    data["meta"]["device"] = "NVIDIA H100 80GB HBM3 (cuda:0)"
+    path.write_text(json.dumps(data))
+    assert machine.calibration_cpu_warning(path) is None
+    data["meta"]["device"] = "cpu"
+    path.write_text(json.dumps(data))
+    assert machine.calibration_cpu_warning(path) is not None
 
 
 def test_simulate_warns_on_stderr_and_still_runs(tmp_path, capsys):
