@@ -343,6 +343,14 @@ def test_a_model_check_far_from_the_recording_is_said(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: the roofline model runs the recorded settings in" in out
     assert 'against the "recorded (roofline model)" column' in out
+    # the cause said is the model's (the calibration pass: always a quiet machine's
+    # calibration pricing a busy one's steps low)
+    assert "(the roofline model prices steps from a preset's figures" in out
+    from kvserve.sim.cli_whatif import model_gap_cause
+    assert model_gap_cause("calibrated", 2.1, None).startswith("the model is fitted on this "
+                                                                "recording's steps")
+    assert model_gap_cause("calibrated", 0.3, "c.json") == \
+        "a calibration measured on a busy machine pricing a quiet one's steps high"
 
 
 def test_a_model_check_whose_latencies_alone_are_off_is_said(capsys):
@@ -360,6 +368,8 @@ def test_a_model_check_whose_latencies_alone_are_off_is_said(capsys):
         "recording's 200 ms" and off == pytest.approx(0.79)
     close = SimpleNamespace(aggregate={"duration_s": 10.3, "ttft_p50": 0.21, "itl_p50": 0.05})
     assert model_check_gap(recorded, close) is None
+    slow = SimpleNamespace(aggregate={"duration_s": 10.3, "ttft_p50": 0.2, "itl_p50": 0.15})
+    assert model_check_gap(recorded, slow)[0].startswith("gives the recorded settings an ITL")
 
 
 def build_shaped(directory, requests=6):
