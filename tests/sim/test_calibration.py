@@ -265,6 +265,17 @@ def test_a_calibration_of_another_model_or_device_is_named_in_a_warning(tmp_path
     # calibration pass: its warning was skipped)
     path.write_text(path.read_text(), encoding="utf-8-sig")
     assert fitted_on_warning(path, llama, "l4") is not None
+    # a poor fit recorded in the file is said where the file is used (the calibration pass)
+    from kvserve.sim.calibration import poor_fit_warning
+    assert poor_fit_warning(path) is None  # none recorded
+    data = json.loads(path.read_text(encoding="utf-8-sig"))
+    for error, said in ((5.5, True), (0.05, False)):
+        data["meta"]["mean_abs_error"] = error
+        path.write_text(json.dumps(data))
+        warning = poor_fit_warning(path)
+        assert (warning is not None and warning.startswith(
+            f"warning: {path}: the fit prices single steps poorly (mean step error 550%")) \
+            if said else warning is None
     warning = fitted_on_warning(path, smol, "h100-sxm")
     assert warning is not None and "device cpu, not this run's h100-sxm" in warning \
         and "model" not in warning.split(":")[1]

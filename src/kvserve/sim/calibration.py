@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.core.checks import is_finite
 from kvserve.flags import write_file_atomically
 from kvserve.sim.cost_models import (
     CALIBRATED_FORMAT,
@@ -215,6 +216,27 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
     return views, seconds
 
 
+def _file_meta(path: str | Path) -> dict[str, Any] | None:
+    """A calibration file's ``meta``; None where it has none, or the file is bad (the cost
+    model's own loading reports a bad file)."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8-sig")).get("meta")  # a BOM too
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def poor_fit_warning(path: str | Path) -> str | None:
+    """A one-line warning where the calibration file at ``path`` records a poor fit (its
+    ``meta.mean_abs_error``, written by ``kvserve calibrate --trace`` and ``--step-logs``):
+    said where it is used, not only where it was made (the calibration pass: a 550% fit
+    priced plans without a word, as a recording's own fit would have warned)."""
+    meta = _file_meta(path)
+    error = None if meta is None else meta.get("mean_abs_error")
+    note = poor_fit_note(error) if is_finite(error) else None
+    return None if note is None else f"warning: {path}: {note}"
+
+
 def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str | None:
     """A one-line warning where the calibration file at ``path`` was fitted on another model
     than ``model`` (``meta.model_shape``; in files without it, the preset ``meta.model``
@@ -223,11 +245,8 @@ def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str 
     fit on step logs no device, and a model only by its recordings' name): then nothing
     can be checked. Which CPU
     it was is :func:`kvserve.sim.machine.calibration_cpu_warning`'s."""
-    try:
-        meta = json.loads(Path(path).read_text(encoding="utf-8-sig")).get("meta")  # a BOM too
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None  # the cost model's own loading reports a bad file
-    if not isinstance(meta, dict):
+    meta = _file_meta(path)
+    if meta is None:
         return None
     name, shape, device = meta.get("model"), meta.get("model_shape"), meta.get("device")
     differences = []

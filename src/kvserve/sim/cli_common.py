@@ -163,15 +163,16 @@ def deployment_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-d
     if args.model is None:
         args.model = recorded_model(recording)
     if calibration:
-        from kvserve.sim.calibration import fitted_on_warning
+        from kvserve.sim.calibration import fitted_on_warning, poor_fit_warning
         from kvserve.sim.cost_models import CalibratedCostModel
         from kvserve.sim.presets import get_model
 
         CalibratedCostModel.load(calibration)  # a bad file is the one line (QA: after a
         # warning on the model it was fitted on), named with its path
-        warning = fitted_on_warning(calibration, get_model(args.model), args.hardware)
-        if warning:
-            print(warning, file=sys.stderr)
+        for warning in (fitted_on_warning(calibration, get_model(args.model), args.hardware),
+                        poor_fit_warning(calibration)):
+            if warning:
+                print(warning, file=sys.stderr)
     deployment = Deployment(
         model=args.model, hardware=args.hardware, hardware_spec=measured,
         dtype=weights_dtype(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
