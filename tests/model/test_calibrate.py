@@ -215,6 +215,13 @@ def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
     (["--block-size", "0", "--no-greedy"], '{"type": "step"}\n',
      r"runs no model: --greedy/--no-greedy, --block-size would change nothing; leave them"),
     (["--dtype", "float32"], '{"type": "step"}\n', r"runs no model: --dtype would change"),
+    # the calibration pass: Infinity blamed the fit, 1e300 wrote "r2": NaN, 10^30 tokens fit
+    ([], '{"type": "step", "duration": Infinity, "shape": {}}\n',
+     r"a step's duration is inf s; a step takes at most 3600 s"),
+    ([], '{"type": "step", "duration": 1e300, "shape": {}}\n', r"a step's duration is 1e\+300"),
+    ([], '{"type": "step", "duration": 0.1, "shape": {"num_seqs": 1, "num_tokens": ' +
+     "1" * 31 + ', "num_sampled": 1, "num_decode_seqs": 0, "context_tokens": 0, '
+     '"attention_pairs": 1}}\n', r"a step's shape has num_tokens 1111111111111111111111111"),
 ])
 def test_calibrate_refuses_bad_step_logs_in_one_line(tmp_path, capsys, extra, content,
                                                       message):

@@ -196,11 +196,22 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
     return views, seconds
 
 
+# The longest step and the largest count a logged step may hold: past these a line is
+# corrupt (the calibration pass: an Infinity blamed the fit, 1e300 wrote "r2": NaN)
+MAX_STEP_SECONDS = 3600.0
+MAX_SHAPE_COUNT = 1 << 31
+
+
 def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], list[float]]:
-    """The fittable steps of logged step rows: those with a shape and a duration > 0."""
+    """The fittable steps of logged step rows: those with a shape and a duration > 0 (a
+    duration or a count past what a step can take is a ValueError naming it)."""
     views, seconds = [], []
     for row in rows:
         shape, duration = row.get("shape"), row.get("duration")
+        if isinstance(duration, (int, float)) and not isinstance(duration, bool) and \
+                duration > 0 and not duration <= MAX_STEP_SECONDS:  # inf too
+            raise ValueError(f"{where}: a step's duration is {duration!r} s; a step takes "
+                             f"at most {MAX_STEP_SECONDS:.0f} s")
         if isinstance(shape, dict) and isinstance(duration, (int, float)) and duration > 0:
             try:
                 views.append(BatchView(**shape))
@@ -208,10 +219,11 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
                 raise ValueError(f"{where}: a step's shape has fields {sorted(shape)}, not "
                                  "a batch shape's") from None
             bad = next(((k, v) for k, v in shape.items() if isinstance(v, bool)
-                        or not isinstance(v, int) or v < 0), None)
+                        or not isinstance(v, int) or not 0 <= v <= MAX_SHAPE_COUNT), None)
             if bad is not None:  # QA: num_tokens -5 was fitted on
-                raise ValueError(f"{where}: a step's shape has {bad[0]} {bad[1]!r}; a shape "
-                                 "counts requests and tokens (integers >= 0)")
+                raise ValueError(f"{where}: a step's shape has {bad[0]} {bad[1]!r:.40}; a "
+                                 "shape counts requests and tokens (integers from 0 to "
+                                 f"{MAX_SHAPE_COUNT})")
             seconds.append(float(duration))
     return views, seconds
 
