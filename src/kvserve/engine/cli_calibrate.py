@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                                          kind_term=bool(args.kind_term))
     meta = {**calibrate.model_meta(runner.model.config), "dtype": _dtype_name(engine),
             "device": _device_name(engine), "load_format": args.load_format,
+            "quantization": args.quantization,  # (the calibration pass: not recorded)
             "block_size": args.block_size,
             "num_samples": len(shapes)}
     write_file_atomically(args.output, calibrate.to_json(model, shapes, seconds, meta))
@@ -191,6 +192,7 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
         raise CLIError(f"{args.trace}: {error}") from error
     meta = {**calibrate.model_meta(engine.executor.model.config), "dtype": _dtype_name(engine),
             "device": _device_name(engine), "load_format": args.load_format,
+            "quantization": args.quantization,  # (the calibration pass: not recorded)
             "block_size": args.block_size,
             "trace": str(args.trace), "greedy": args.greedy, **seen}
     write_file_atomically(args.output, calibrate.in_service_json(model, meta))
