@@ -193,7 +193,8 @@ def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
     _write_step_log(slow, views, [1.2 * truth.step_time(None, v) for v in views])
     out = tmp_path / "pooled.json"
     assert main(["calibrate", "--step-logs", str(fast), str(slow), "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     data = json.loads(out.read_text())
     per_log = {Path(row["path"]).name: row for row in data["meta"]["step_logs"]}
     assert per_log["fast.jsonl"]["num_steps"] == per_log["slow.jsonl"]["num_steps"] == 48
@@ -203,7 +204,17 @@ def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
     assert spread == pytest.approx(0.2 / 1.1, abs=0.03)
     assert abs(data["meta"]["error_of_the_sum"]) < 0.02
     assert "96 steps of 2 logs" in printed and "run-to-run spread" in printed
+    assert "warning" not in captured.err  # 96 steps, prefills among them
     CalibratedCostModel.load(out)  # a model file the simulator takes
+    # a few decode steps make a fit that says little (the calibration pass: written as a
+    # model with "mean error 13.5%" and no word)
+    decode = [v for v in views if v.num_tokens == v.num_decode_seqs][:10]
+    thin = tmp_path / "thin.jsonl"
+    _write_step_log(thin, decode, [truth.step_time(None, v) for v in decode])
+    assert main(["calibrate", "--step-logs", str(thin), "-o", str(tmp_path / "t.json")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: fitted on 10 steps, fewer than 50" in err
+    assert "warning: no step fitted on prefilled a prompt" in err
 
 
 @pytest.mark.parametrize(("extra", "content", "message"), [

@@ -212,6 +212,22 @@ def _warn_if_poor(error: float) -> None:
         print(f"warning: {note}", file=sys.stderr)
 
 
+# Fewer logged steps than this make a fit whose error says little (the calibration pass: 7
+# decode steps of one shape were written as a model, "mean error 13.5%")
+MIN_FIT_STEPS = 50
+
+
+def _warn_if_thin(views: list[Any]) -> None:
+    """A warning where the steps fitted on are too few, or none of them prefilled (the
+    prefill terms are then unmeasured: a prompt is priced as decode tokens)."""
+    if len(views) < MIN_FIT_STEPS:
+        print(f"warning: fitted on {len(views)} steps, fewer than {MIN_FIT_STEPS}: its error "
+              "says little of the steps it was not fitted on; log more traffic", file=sys.stderr)
+    if not any(view.num_tokens > view.num_decode_seqs for view in views):
+        print("warning: no step fitted on prefilled a prompt: the prefill terms are "
+              "unmeasured, so a simulated prompt is priced as decode tokens", file=sys.stderr)
+
+
 def _recorded_models(paths: list[str]) -> set[str]:
     """The model ``paths`` were run with, where every one is a recording naming it (a bare
     step log names none, so a fit pooling one names none either: QA, another model's log
@@ -281,6 +297,7 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
         print(f"  {row['path']}: {row['num_steps']} steps, priced "
               f"{100 * row['error_of_the_sum']:+.1f}% against their measured time")
     _warn_if_poor(meta["mean_abs_error"])
+    _warn_if_thin(views)
     if len(per_log) > 1:
         errors = [row["error_of_the_sum"] for row in per_log]
         print(f"  the logs' speeds differ by {100 * (max(errors) - min(errors)):.1f} points: "
