@@ -483,3 +483,15 @@ def test_a_gguf_without_a_vocabulary_or_with_a_bos_outside_it_is_named(tmp_path)
     with pytest.raises(UnsupportedTokenizerError, match="bos_token_id 999999 is outside its "
                                                         "261 tokens"):
         Tokenizer.from_gguf(path)
+
+
+def test_a_character_the_prompt_begins_and_the_answer_ends_is_the_answer_s(tokenizer):
+    """The streaming pass: a token-id prompt ending inside a character (its first bytes)
+    and an answer whose first token ends it lost the character: the prompt's undecodable
+    tail was counted as text already shown."""
+    ids = tokenizer.encode("a 😀")
+    assert [tokenizer.id_to_token(i) for i in ids] == ["a", "ĠðŁĺ", "Ģ"]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids=ids[:2])
+    assert detokenizer.step(ids[2]) == "😀"
+    assert detokenizer.step(tokenizer.encode("!")) == "!"
+    assert detokenizer.text == "😀!"

@@ -70,6 +70,9 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         emitted = self._decode(self._prefix_offset, self._read_offset)
+        if self._read_offset == self._num_prompt_tokens:  # a character the prompt begins
+            emitted = emitted.rstrip(_REPLACEMENT)  # is the answer's when the answer ends
+            # it (the streaming pass: it was counted as shown, and lost)
         current = self._decode(self._prefix_offset)
         complete = final or not current.endswith(_REPLACEMENT)
         stable = current if complete else current.rstrip(_REPLACEMENT)
