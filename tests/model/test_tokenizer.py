@@ -205,16 +205,21 @@ def test_unknown_gguf_pre_tokenizer_is_named(tmp_path):
         Tokenizer.from_gguf(path)
 
 
-def test_unsupported_gguf_tokenizer_is_named(tmp_path):
+def write_bare_tokenizer_gguf(path, model: str) -> None:
+    """A GGUF file that names its tokenizer model and holds nothing else."""
     from gguf import GGUFWriter
 
-    path = tmp_path / "spm.gguf"
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(model)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_unsupported_gguf_tokenizer_is_named(tmp_path):
+    path = tmp_path / "spm.gguf"
+    write_bare_tokenizer_gguf(path, "llama")
     with pytest.raises(UnsupportedTokenizerError, match="'llama'"):
         Tokenizer.from_gguf(path)
 
@@ -466,15 +471,8 @@ def test_a_stop_string_begun_in_the_min_tokens_text_cuts_the_output_at_its_start
 def test_a_gguf_without_a_vocabulary_or_with_a_bos_outside_it_is_named(tmp_path):
     """The model pass: "object of type 'NoneType' has no len()" and "list index out of
     range" were all a broken GGUF tokenizer said."""
-    from gguf import GGUFWriter
-
     bare = tmp_path / "bare.gguf"
-    writer = GGUFWriter(str(bare), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_bare_tokenizer_gguf(bare, "gpt2")
     with pytest.raises(UnsupportedTokenizerError, match=r"no vocabulary \(tokenizer.ggml."
                                                         r"tokens\)"):
         Tokenizer.from_gguf(bare)
