@@ -86,7 +86,7 @@ def test_bad_distributions_are_named(text, message):
 @pytest.mark.parametrize("field, value, message", [
     ("rate", -1.0, "rate must be a positive number"),
     ("rate", 0.0, "rate must be a positive number"),
-    ("num_requests", 0, r"num_requests must be in \[1, 100,000,000\]"),
+    ("num_requests", 0, r"num_requests must be in \[1, 10,000,000\]"),
     ("seed", -1, "seed must be >= 0, got -1"),
     ("arrival", "weibull", "unknown arrival process"),
     ("priorities", "a:b", "class:weight"),
