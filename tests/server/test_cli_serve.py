@@ -582,8 +582,17 @@ def test_a_budget_past_every_sequence_s_length_is_warned_and_the_watchdog_sized_
         assert _reachable_budget({"max_num_batched_tokens": 10**14}, None) == 256 * 8192
         # chunked prefill off raises the budget to the context: the watchdog waits for it
         assert _reachable_budget({"enable_chunked_prefill": False}, None) == 8192
+        # as serve calls it, with the engine's settings beside the scheduler's (the second
+        # review: every real command line's call failed, and the warning was gone)
+        from kvserve.flags import engine_args
+        settings = engine_args(build_parser().parse_args(["serve", "--max-num-seqs", "4",
+                                                          "--max-num-batched-tokens",
+                                                          str(10**14)]))
+        assert _reachable_budget(settings, None) == 4 * 8192
     assert [r.getMessage() for r in caplog.records] == [
         "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len (4096): "
         "no step schedules more than that",
         "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len "
-        "(2097152): no step schedules more than that"]
+        "(2097152): no step schedules more than that",
+        "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len "
+        "(32768): no step schedules more than that"]

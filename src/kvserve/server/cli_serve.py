@@ -937,14 +937,15 @@ def _reachable_budget(settings: dict[str, Any], model: str | None) -> int | None
     max_model_len with chunked prefill off); warned as vLLM warns where the budget is past
     that (the flags pass: 10^14 was taken silently, and the step watchdog's default, which
     grows with it, never fired). None where the model cannot be read: its load says why."""
-    from kvserve.core import SchedulerConfig
+    from kvserve.core import ConfigError
+    from kvserve.flags import scheduler_config
     from kvserve.model.loader import model_config_from_path
 
-    try:
+    try:  # (the scheduler's keys alone: the review, the engine's made every call fail)
         length = settings.get("max_model_len") or \
             model_config_from_path(model).max_position_embeddings
-        config = SchedulerConfig.from_dict({**settings, "max_model_len": length})
-    except Exception:  # a bad model or setting: the load or the engine names it
+        config = scheduler_config({**settings, "max_model_len": length})
+    except (OSError, ValueError, KeyError, ConfigError):  # the load or the engine names it
         return settings.get("max_num_batched_tokens")
     most = config.max_num_seqs * config.max_model_len
     if config.max_num_batched_tokens > most:
