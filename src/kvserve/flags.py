@@ -102,10 +102,16 @@ def write_file_atomically(path: str | os.PathLike[str], text: str) -> None:
     write that fails (a full disk, a file-size limit) leaves the file as it was (the
     calibration pass: a half-written model replaced the good one)."""
     target = os.fspath(path)
+    if os.path.islink(target) or (os.path.exists(target) and not os.path.isfile(target)):
+        with open(target, "w", encoding="utf-8") as handle:  # a link or a device (the
+            handle.write(text)  # review: /dev/stdout was replaced by a file): written
+        return  # through, in place
     temporary = f"{target}.{os.getpid()}.tmp"
     try:
         with open(temporary, "w", encoding="utf-8") as handle:
             handle.write(text)
+        if os.path.exists(target):  # the file's own permissions kept (0600 became 0644)
+            os.chmod(temporary, os.stat(target).st_mode & 0o7777)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):

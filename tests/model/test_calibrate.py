@@ -329,5 +329,22 @@ def test_a_model_file_is_written_whole_or_not_at_all(tmp_path):
     with pytest.raises(UnicodeEncodeError):  # fails part-way through the write
         write_file_atomically(path, '{"new": "' + "x" * 100_000 + '\udc80"}')
     assert path.read_text() == '{"good": true}\n' and os.listdir(tmp_path) == ["model.json"]
+    path.chmod(0o600)
     write_file_atomically(path, '{"new": 1}\n')
     assert path.read_text() == '{"new": 1}\n'
+    assert path.stat().st_mode & 0o777 == 0o600  # its permissions kept (the review)
+    link = tmp_path / "link.json"  # a link is written through (/dev/stdout is one)
+    link.symlink_to(path)
+    write_file_atomically(link, '{"through": 1}\n')
+    assert link.is_symlink() and path.read_text() == '{"through": 1}\n'
+
+
+def test_a_long_context_chunk_s_attention_pairs_are_a_step_s():
+    """The second review: a 32,768-token chunk at a 98,304-token context has 3.76e9
+    attention pairs, which a bound of 2^31 refused as corrupt (and with it the recording)."""
+    from kvserve.sim.calibration import shaped_steps
+
+    shape = {"num_seqs": 1, "num_tokens": 32768, "num_sampled": 1, "num_decode_seqs": 0,
+             "context_tokens": 98304, "attention_pairs": 3_758_112_768}
+    views, seconds = shaped_steps([{"shape": shape, "duration": 9.5}], "rec")
+    assert views[0].attention_pairs == 3_758_112_768 and seconds == [9.5]

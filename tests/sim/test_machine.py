@@ -130,7 +130,8 @@ def test_a_calibration_from_another_cpu_is_named_in_a_warning(tmp_path):
     assert machine.calibration_cpu_warning(_calibration(tmp_path, None)) is None  # old file
     # a meta.cpu edited into other shapes says nothing (the calibration pass: a TypeError)
     for odd in ({"model": 5, "isa": "avx2"}, {"model": "X", "isa": [1, None]},
-                {"model": "X", "isa": "avx2"}):
+                {"model": "X", "isa": "avx2"}, {"model": "X", "isa": 5},
+                {"model": "X", "isa": True}):
         assert machine.calibration_cpu_warning(_calibration(tmp_path, odd)) is None
     # a GPU's calibration made on another host is the GPU's step times, not its CPU's
     path = _calibration(tmp_path, other)

@@ -199,7 +199,7 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
 # The longest step and the largest count a logged step may hold: past these a line is
 # corrupt (the calibration pass: an Infinity blamed the fit, 1e300 wrote "r2": NaN)
 MAX_STEP_SECONDS = 3600.0
-MAX_SHAPE_COUNT = 1 << 31
+MAX_SHAPE_COUNT = 1 << 53  # (attention pairs of a long-context chunk pass 2^31: the review)
 
 
 def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], list[float]]:

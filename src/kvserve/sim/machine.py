@@ -171,9 +171,9 @@ def calibration_cpu_warning(path: str | Path) -> str | None:
     if isinstance(device, str) and not device.startswith("cpu"):
         return None  # a GPU's step times: not this CPU's to compare (the calibration pass;
         # the device check names a device that differs)
+    isa = recorded.get("isa") if isinstance(recorded, dict) else None
     if not isinstance(recorded, dict) or not isinstance(recorded.get("model"), str) or \
-            not all(isinstance(flag, str) for flag in recorded.get("isa") or ()) or \
-            not isinstance(recorded.get("isa") or [], list):
+            not isinstance(isa or [], list) or not all(isinstance(f, str) for f in isa or ()):
         return None  # a meta.cpu of other shapes (edited by hand) says nothing (the
         # calibration pass: a traceback)
     here = cpu_identity()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.core import SchedulerConfig
-from kvserve.core.stop import QUEUE_ENDS
+from kvserve.core.stop import ended_in_queue
 from kvserve.sim.capacity import CapacityError, KVPool
 from kvserve.sim.parallel import Workers, next_questions
 from kvserve.sim.report import aggregate
@@ -101,8 +101,8 @@ def with_max_num_seqs(settings: dict[str, Any], value: int) -> dict[str, Any]:
 def shed(record: Any) -> bool:
     """A request the waiting queue shed under load (refused as full, timed out, displaced:
     ``--max-num-queued-*``, ``--max-queue-delay``), not one refused at any rate."""
-    return record.finish_reason == "queue_full" or (
-        record.finish_reason == "abort" and record.stop_reason in QUEUE_ENDS)
+    return record.finish_reason == "queue_full" or ended_in_queue(record.finish_reason,
+                                                                  record.stop_reason)
 
 
 SWEEP_FIGURES = ("num_finished", "num_rejected", "num_shed", "num_preemptions",
