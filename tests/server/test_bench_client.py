@@ -178,3 +178,8 @@ def test_a_sessions_turn_is_sent_once_its_previous_turn_has_ended(tmp_path, monk
     assert spans[1][0] >= spans[0][1]  # a's second turn after its first ended
     assert spans[2][0] < spans[0][1]  # b's first ran beside a's (a1 waited without a slot)
     assert [body["session"] for body in bodies] == [{"id": "a"}, {"id": "b"}, {"id": "a"}]
+    # a tenant's session is sent as its (the review: two tenants' "a" were one session)
+    from kvserve.bench.workload import BenchRequest
+    turn = BenchRequest(0, [1, 2], 2, 4, session=("t1", "a"))
+    body = Target("http://bench.test", "m", sessions=True).body(turn)
+    assert (body["session"], body["user"]) == ({"id": "a"}, "t1")

@@ -107,9 +107,12 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="do not send ignore_eos (for servers that refuse it)")
     load.add_argument("--sessions", action="store_true",
-                      help="send a trace turn's session_id as kvserve's session field, so a "
-                           "server with --max-session-kv holds its KV (a turn is sent once "
-                           "its session's previous turn has ended either way)")
+                      help="send a trace turn's session_id as kvserve's session field (and "
+                           "its tenant as user), so a server with --max-session-kv holds its "
+                           "KV between turns: a hit needs a turn's prompt to begin with the "
+                           "previous prompt and the answer the server gave, which a trace's "
+                           "synthesised prompts do not (a turn is sent once its session's "
+                           "previous turn has ended either way)")
     load.add_argument("--temperature", type=float, default=0.0,
                       help="sampling temperature sent with each request")
     load.add_argument("--timeout", type=float, default=600.0,

@@ -81,7 +81,10 @@ class Target:
         if request.priority is not None:
             body["priority"] = request.priority
         if self.sessions and request.session is not None:
-            body["session"] = {"id": request.session[1]}
+            tenant, session_id = request.session
+            body["session"] = {"id": session_id}
+            if tenant:  # a session is its tenant's: without keys the server reads "user"
+                body["user"] = tenant  # (the review: two tenants' "conv0" were one, a 409)
         return body
 
 
