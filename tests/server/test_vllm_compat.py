@@ -968,6 +968,8 @@ def test_quiet_paths_drop_their_access_lines_and_query_keys_are_masked():
 
     assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
     assert not quiet.filter(line("/metrics/"))  # served as /metrics (the review)
+    slashed = AccessLogFilter(("/metrics/",))  # given with the slash (the second review)
+    assert not slashed.filter(line("/metrics")) and slashed.filter(line("/"))
     assert quiet.filter(line("/v1/models"))
     # QA (docs pass): under --root-path uvicorn's line carries the prefix, and was logged
     rooted = AccessLogFilter(("/health",), "/llm/")

@@ -398,7 +398,8 @@ class AccessLogFilter(logging.Filter):
     def __init__(self, paths: tuple[str, ...], root_path: str = "") -> None:
         super().__init__()
         root = root_path.rstrip("/")
-        self.paths = frozenset((*paths, *(root + path for path in paths if root)))
+        self.paths = frozenset(path.rstrip("/") or "/" for path in (  # /metrics/ is /metrics
+            *paths, *(root + path for path in paths if root)))
 
     def filter(self, record: logging.LogRecord) -> bool:
         # uvicorn's access record: (client, method, path with its query, version, status)
@@ -406,7 +407,7 @@ class AccessLogFilter(logging.Filter):
         if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)):
             return True
         path, _, query = args[2].partition("?")
-        if path in self.paths or path.rstrip("/") in self.paths:  # /metrics/ is /metrics
+        if (path.rstrip("/") or "/") in self.paths:
             return False
         if "key=" in query:
             record.args = (*args[:2], _QUERY_KEY.sub("key=***", args[2]), *args[3:])
