@@ -204,6 +204,7 @@ def test_calibrate_pools_step_logs_and_shows_each_runs_speed(tmp_path, capsys):
     assert spread == pytest.approx(0.2 / 1.1, abs=0.03)
     assert abs(data["meta"]["error_of_the_sum"]) < 0.02
     assert "96 steps of 2 logs" in printed and "run-to-run spread" in printed
+    assert data["meta"]["cpu"] is None  # the logs' machine, not this one
     assert "warning" not in captured.err  # 96 steps, prefills among them
     CalibratedCostModel.load(out)  # a model file the simulator takes
     # a few decode steps make a fit that says little (the calibration pass: written as a

@@ -222,13 +222,14 @@ def _model_file(model: CalibratedCostModel, meta: dict[str, Any],
                 samples: list[dict[str, Any]] | None = None) -> str:
     """The cost-model JSON: the model, what made it (``meta``, plus this machine: its CPU
     model and ISA extensions in ``meta.cpu``, which the simulator checks against the CPU it
-    runs on), and the grid's samples when there are any."""
+    runs on, unless ``meta`` gives its own: None where the steps were measured elsewhere),
+    and the grid's samples when there are any."""
     data: dict[str, Any] = {
         "format": CALIBRATED_FORMAT, "coefficients": model.coefficients,
         "min_tokens": model.min_tokens, "source": model.source,
-        "meta": {**meta, "machine": platform.machine(), "processor": platform.processor(),
+        "meta": {"machine": platform.machine(), "processor": platform.processor(),
                  "python": platform.python_version(), "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "cpu": cpu_identity()}}
+                 "threads": torch.get_num_threads(), "cpu": cpu_identity(), **meta}}
     if samples is not None:
         data["samples"] = samples
     return json.dumps(data, indent=1) + "\n"

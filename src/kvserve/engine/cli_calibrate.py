@@ -286,6 +286,9 @@ def _fit_step_logs(args: argparse.Namespace) -> int:
     # the recordings' model, so simulate warns where the file prices another (a plain step
     # log names none)
     meta = {**({"model": models.pop()} if len(models) == 1 else {}),
+            # measured where the logs were recorded, not on this machine (the second
+            # review: a GPU server's fit was checked against the laptop's CPU)
+            "cpu": None,
             "step_logs": per_log, "num_steps": len(views),
             "fit": {"kind_term": args.kind_term is not False, "relative_to": "priced"},
             **calibrate.goodness(model, views, seconds)}
