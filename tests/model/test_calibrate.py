@@ -349,3 +349,17 @@ def test_a_long_context_chunk_s_attention_pairs_are_a_step_s():
              "context_tokens": 98304, "attention_pairs": 3_758_112_768}
     views, seconds = shaped_steps([{"shape": shape, "duration": 9.5}], "rec")
     assert views[0].attention_pairs == 3_758_112_768 and seconds == [9.5]
+
+
+def test_a_trace_fit_on_few_steps_is_warned(tmp_path, capsys):
+    """The second review: the thin-fit warning was --step-logs' only; a trace of a few
+    requests fits a model on ten steps as well."""
+    from kvserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "gen", "-n", "6", "--rate", "100", "--prompt-len", "fixed:40",
+                 "--output-len", "fixed:8", "-o", str(trace)]) == 0
+    assert main(["calibrate", "--trace", str(trace), "--load-format", "dummy", "-o",
+                 str(tmp_path / "c.json")]) == 0
+    # (about ten steps: arrivals are real time, so one more or less)
+    assert re.search(r"warning: fitted on \d+ steps, fewer than 50", capsys.readouterr().err)

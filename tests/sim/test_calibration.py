@@ -276,6 +276,11 @@ def test_a_calibration_of_another_model_or_device_is_named_in_a_warning(tmp_path
         assert (warning is not None and warning.startswith(
             f"warning: {path}: the fit prices single steps poorly (mean step error 550%")) \
             if said else warning is None
+    data["meta"]["quick"] = True  # a --quick grid's file: a machine check, said so
+    path.write_text(json.dumps(data))
+    assert poor_fit_warning(path) == (
+        f"warning: {path} was made with calibrate --quick, a machine check of 10 shapes, not "
+        "a model to simulate with (run the full grid or --trace)")
     warning = fitted_on_warning(path, smol, "h100-sxm")
     assert warning is not None and "device cpu, not this run's h100-sxm" in warning \
         and "model" not in warning.split(":")[1]

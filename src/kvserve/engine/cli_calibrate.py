@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "device": _device_name(engine), "load_format": args.load_format,
             "quantization": args.quantization,  # (the calibration pass: not recorded)
             "block_size": args.block_size,
-            "num_samples": len(shapes)}
+            "num_samples": len(shapes), "quick": bool(args.quick)}
     write_file_atomically(args.output, calibrate.to_json(model, shapes, seconds, meta))
     quality = calibrate.goodness(model, [s.view() for s in shapes], seconds)
     print(f"wrote {args.output}: {len(shapes)} step shapes, mean error "
@@ -201,6 +201,10 @@ def _run_in_service(args: argparse.Namespace, engine: Any, trace: list[Any]) -> 
           f"error of the sum {100 * seen['error_of_the_sum']:+.1f}%")
     print(f"  measured on {_measured_on(engine)}")
     _warn_if_poor(seen["mean_abs_error"])
+    if seen["num_steps"] < MIN_FIT_STEPS:  # (a trace's fit as a step logs' one)
+        print(f"warning: fitted on {seen['num_steps']} steps, fewer than {MIN_FIT_STEPS}: its "
+              "error says little of the steps it was not fitted on; run a longer trace",
+              file=sys.stderr)
     return 0
 
 

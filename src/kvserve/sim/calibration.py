@@ -244,6 +244,9 @@ def poor_fit_warning(path: str | Path) -> str | None:
     said where it is used, not only where it was made (the calibration pass: a 550% fit
     priced plans without a word, as a recording's own fit would have warned)."""
     meta = _file_meta(path)
+    if meta is not None and meta.get("quick") is True:  # (the calibration pass: unsaid)
+        return (f"warning: {path} was made with calibrate --quick, a machine check of 10 "
+                "shapes, not a model to simulate with (run the full grid or --trace)")
     error = None if meta is None else meta.get("mean_abs_error")
     note = poor_fit_note(error) if is_finite(error) else None
     return None if note is None else f"warning: {path}: {note}"
