@@ -428,9 +428,8 @@ class LocalLauncher:
             self.process.kill()
 
     def join(self, timeout: float) -> None:
-        if self.process is not None and self.process.pid is not None:  # started: a relaunch
-            self.process.join(timeout)  # not yet started has none (closing an LLM then
-            # failed with "can only join a started process")
+        if self.process is not None:
+            self.process.join(timeout)
 
     def close(self) -> None:
         pass

@@ -47,6 +47,7 @@ from kvserve.sim.cost_models import (
     CALIBRATED_TERMS,
     KIND_TERMS,
     LAYOUT_TERM,
+    MAX_COEFFICIENT_S,
     CalibratedCostModel,
 )
 from kvserve.sim.executor import BatchView
@@ -196,9 +197,9 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
     return views, seconds
 
 
-# The longest step and the largest count a logged step may hold: past these a line is
-# corrupt (the calibration pass: an Infinity blamed the fit, 1e300 wrote "r2": NaN)
-MAX_STEP_SECONDS = 3600.0
+# The largest count a logged step may hold, and its longest duration (MAX_COEFFICIENT_S, an
+# hour): past these a line is corrupt (the calibration pass: an Infinity blamed the fit,
+# 1e300 wrote "r2": NaN)
 MAX_SHAPE_COUNT = 1 << 53  # (attention pairs of a long-context chunk pass 2^31: the review)
 
 
@@ -209,9 +210,9 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
     for row in rows:
         shape, duration = row.get("shape"), row.get("duration")
         if isinstance(duration, (int, float)) and not isinstance(duration, bool) and \
-                duration > 0 and not duration <= MAX_STEP_SECONDS:  # inf too
+                duration > 0 and not duration <= MAX_COEFFICIENT_S:  # inf too
             raise ValueError(f"{where}: a step's duration is {duration!r} s; a step takes "
-                             f"at most {MAX_STEP_SECONDS:.0f} s")
+                             f"at most {MAX_COEFFICIENT_S:.0f} s")
         if isinstance(shape, dict) and isinstance(duration, (int, float)) and duration > 0:
             try:
                 views.append(BatchView(**shape))
@@ -228,7 +229,7 @@ def shaped_steps(rows: Sequence[dict], where: str) -> tuple[list[BatchView], lis
     return views, seconds
 
 
-def _file_meta(path: str | Path) -> dict[str, Any] | None:
+def calibration_meta(path: str | Path) -> dict[str, Any] | None:
     """A calibration file's ``meta``; None where it has none, or the file is bad (the cost
     model's own loading reports a bad file)."""
     try:
@@ -243,7 +244,7 @@ def poor_fit_warning(path: str | Path) -> str | None:
     ``meta.mean_abs_error``, written by ``kvserve calibrate --trace`` and ``--step-logs``):
     said where it is used, not only where it was made (the calibration pass: a 550% fit
     priced plans without a word, as a recording's own fit would have warned)."""
-    meta = _file_meta(path)
+    meta = calibration_meta(path)
     if meta is not None and meta.get("quick") is True:  # (the calibration pass: unsaid)
         return (f"warning: {path} was made with calibrate --quick, a machine check of 10 "
                 "shapes, not a model to simulate with (run the full grid or --trace)")
@@ -260,7 +261,7 @@ def fitted_on_warning(path: str | Path, model: ModelSpec, hardware: str) -> str 
     fit on step logs no device, and a model only by its recordings' name): then nothing
     can be checked. Which CPU
     it was is :func:`kvserve.sim.machine.calibration_cpu_warning`'s."""
-    meta = _file_meta(path)
+    meta = calibration_meta(path)
     if meta is None:
         return None
     name, shape, device = meta.get("model"), meta.get("model_shape"), meta.get("device")

@@ -163,11 +163,10 @@ def calibration_cpu_warning(path: str | Path) -> str | None:
     """A one-line warning when the calibration file at ``path`` was measured on another
     CPU than this one (``meta.cpu``, written by ``kvserve calibrate``); None when it is this
     CPU or the file does not say (files from before the CPU was recorded)."""
-    try:  # utf-8-sig: a BOM is taken, as the model's loading takes it
-        meta = json.loads(Path(path).read_text(encoding="utf-8-sig")).get("meta", {})
-        recorded, device = meta.get("cpu"), meta.get("device")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None  # the cost model's own loading reports a bad file
+    from kvserve.sim.calibration import calibration_meta
+
+    meta = calibration_meta(path) or {}  # (a bad file: the cost model's loading says so)
+    recorded, device = meta.get("cpu"), meta.get("device")
     if isinstance(device, str) and not device.startswith("cpu"):
         return None  # a GPU's step times: not this CPU's to compare (the calibration pass;
         # the device check names a device that differs)
