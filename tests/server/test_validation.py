@@ -328,6 +328,7 @@ def test_a_body_that_never_arrives_whole_is_a_408():
                 answer += piece
         assert answer.startswith("HTTP/1.1 408") and "did not arrive whole within 0.5 s" \
             in answer
+        assert '"type":"invalid_request_error"' in answer  # OpenAI's type, as every refusal
         assert post(live, COMPLETIONS, {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 

@@ -8,9 +8,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error",
-          415: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
           500: "internal_error", 503: "service_unavailable"}
 
 
