@@ -311,8 +311,9 @@ def test_bad_requests_name_the_field(live, body, param):
 
 
 def test_what_openai_writes_in_replayed_items_is_taken(client):
-    """QA: a replayed assistant message's phase, a call's caller and namespace (OpenAI's
-    fields, in the SDK's dumps) were refused as unknown."""
+    """QA: a replayed assistant message's phase, a call's caller, namespace and async, an
+    output's name, caller and namespace (OpenAI's fields, in the SDK's
+    ``model_dump(by_alias=True)``) were refused as unknown."""
     response = client.responses.create(model="tiny", max_output_tokens=2, input=[
         {"role": "user", "content": "hi"},
         {"type": "message", "role": "assistant", "phase": "final_answer", "id": "msg_1",
@@ -320,8 +321,9 @@ def test_what_openai_writes_in_replayed_items_is_taken(client):
          "content": [{"type": "output_text", "text": "hello", "annotations": [],
                       "logprobs": []}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
-         "caller": None, "namespace": None},
-        {"type": "function_call_output", "call_id": "c1", "output": "ok"}])
+         "caller": None, "namespace": None, "async": None},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok", "name": "f",
+         "caller": None, "namespace": None}])
     assert response.usage.input_tokens > 10
 
 

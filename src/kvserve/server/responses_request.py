@@ -210,7 +210,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                     "function": {"name": _text(item, "name", where),
                                  "arguments": _text(item, "arguments", where)}}
             _only(item, {"type", "call_id", "name", "arguments", "id", "status", "caller",
-                         "namespace"}, where)
+                         "namespace", "async"}, where)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the same turn's text,
                 # or its calls before: one assistant turn, as the chat answer was (QA)
@@ -218,7 +218,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            _only(item, {"type", "call_id", "output", "id", "status"}, where)
+            _only(item, {"type", "call_id", "output", "id", "status", "name", "caller",
+                         "namespace"}, where)
             messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
                              "content": _content(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
