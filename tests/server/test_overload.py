@@ -78,6 +78,35 @@ def test_queue_limits_answer_503_with_retry_after():
                                (("model_name", "tiny"), ("reason", reason)))] == 1
 
 
+def test_retry_after_is_the_waiting_queue_at_the_recent_time_in_a_seat():
+    """QA: Retry-After was the mean arrival-to-finish time since boot (the queue's wait
+    counted once more, and one slow hour kept it high) times the queue: 14 s for a queue
+    that drained in 2 s."""
+    from types import SimpleNamespace
+
+    from kvserve.core import RequestMetrics
+    from kvserve.server.metrics import RECENT_SERVICE_TIMES
+    from kvserve.server.state import ServerState
+
+    with LiveServer() as live:
+        metrics = live.state.metrics
+        assert metrics.recent_service_time() is None
+        for scheduled in (10.0, 20.0):  # 10 and 20 s waiting, 1 s seated
+            metrics._finished(metrics.series(0), RequestMetrics(
+                0.0, scheduled, scheduled + 0.5, scheduled + 1.0, 5, 5, 0, 0, 0, 0.0))
+        assert metrics.recent_service_time() == 1.0
+        for _ in range(RECENT_SERVICE_TIMES):  # a slow spell is forgotten
+            metrics._finished(metrics.series(0), RequestMetrics(
+                0.0, 0.0, 0.1, 0.25, 5, 5, 0, 0, 0, 0.0))
+        assert metrics.recent_service_time() == 0.25
+    state = SimpleNamespace(
+        engine=SimpleNamespace(stats=SimpleNamespace(num_waiting=6, num_running=2)),
+        metrics=SimpleNamespace(recent_service_time=lambda: 0.6))
+    assert ServerState.retry_after(state) == "2"  # 6 waiting x 0.6 s / 2 seats = 1.8 s
+    state.metrics.recent_service_time = lambda: 1000.0
+    assert ServerState.retry_after(state) == "60"
+
+
 def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4
     engine = slow_engine(0.005, max_num_seqs=1, max_num_queued_reqs=2,
                          max_num_queued_tokens=100)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ _TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
 _COUNT_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+RECENT_SERVICE_TIMES = 100  # the requests Retry-After's pace is the mean of
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's finished_reason values
 WAITING_REASONS = ("capacity", "deferred")  # vLLM's; nothing here defers a request
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens",
@@ -322,8 +324,8 @@ class ServerMetrics:
         self.num_prompt_tokens = 0  # plain totals for the periodic log line
         self.num_generation_tokens = 0
         self.num_prompts = 0  # sequences whose prompt was computed (a first token came)
-        self._e2e_sum = 0.0
-        self._e2e_count = 0
+        # the most recent requests' first-scheduled-to-finish seconds (Retry-After's pace)
+        self._service_times: deque[float] = deque(maxlen=RECENT_SERVICE_TIMES)
         engine.observers.append(self.observe)
 
     def flush_slow_steps(self) -> None:
@@ -453,15 +455,16 @@ class ServerMetrics:
             live.tenant.generation_tokens.inc(num_new)
         self.num_generation_tokens += num_new
 
-    def mean_e2e(self) -> float | None:
-        """Mean arrival-to-finish seconds of the finished requests so far."""
-        return self._e2e_sum / self._e2e_count if self._e2e_count else None
+    def recent_service_time(self) -> float | None:
+        """Mean seconds from first scheduled to finished of the most recent requests (their
+        time in a seat, not their wait for one); None before the first."""
+        with self._lock:  # the engine thread appends
+            times = list(self._service_times)
+        return sum(times) / len(times) if times else None
 
     def _finished(self, series: _EngineSeries, metrics: RequestMetrics) -> None:
         e2e = max(0.0, metrics.finished_time - metrics.arrival_time)
         series.e2e.observe(e2e)
-        self._e2e_sum += e2e
-        self._e2e_count += 1
         if metrics.queue_time is not None:
             series.queue_time.observe(max(0.0, metrics.queue_time))
         series.request_preemptions.observe(metrics.num_preemptions)
@@ -473,7 +476,9 @@ class ServerMetrics:
         series.request_generation_tokens.observe(metrics.num_output_tokens)
         scheduled, first_token = metrics.first_scheduled_time, metrics.first_token_time
         if scheduled is not None:
-            series.inference_time.observe(max(0.0, metrics.finished_time - scheduled))
+            inference = max(0.0, metrics.finished_time - scheduled)
+            series.inference_time.observe(inference)
+            self._service_times.append(inference)
             if first_token is not None:
                 series.prefill_time.observe(max(0.0, first_token - scheduled))
         if first_token is not None:

@@ -261,11 +261,13 @@ class ServerState:
             self._reads_abort.set_result(None)
 
     def retry_after(self) -> str:
-        """Seconds a refused client should wait: the waiting queue's worth of requests at the
-        mean latency so far, spread over the running seats; between 1 and 60."""
+        """Seconds a refused client should wait: until the waiting queue is seated, at the
+        recent requests' time in a seat (not their arrival-to-finish time, which holds the
+        wait once more: QA, 14 s for a queue that drained in 2) over the running seats;
+        between 1 and 60."""
         stats = self.engine.stats
-        mean = self.metrics.mean_e2e() or 1.0
-        estimate = mean * stats.num_waiting / max(stats.num_running, 1)
+        service = self.metrics.recent_service_time() or 1.0
+        estimate = service * stats.num_waiting / max(stats.num_running, 1)
         return str(int(min(60, max(1, math.ceil(estimate)))))
 
 
