@@ -48,7 +48,9 @@ def add_parser(subparsers: Any) -> None:
                         help="seed for synthetic token ids (>= 0)")
     parser.add_argument("--html", metavar="PATH.html", help="write the HTML report")
     parser.add_argument("--report", metavar="PATH.json", help="write the JSON report")
-    add_deployment_flags(parser, recordings=True)
+    add_deployment_flags(parser, recordings=True, recorded_cost_model=(
+        "calibrated: fitted on its steps, for the changed runs; the recorded run is replayed "
+        "as the model check"))
 
 
 # The cluster's settings a change may name, beside the scheduler's and the cache's.
