@@ -37,6 +37,8 @@ def test_a_recording_is_planned_as_the_server_ran(tmp_path, capsys):
                  "--report", str(report)]) == 0
     simulated = json.loads(report.read_text())
     assert simulated["config"]["data_parallel"]["size"] == 2
+    # no preset priced or limited it (QA: the report echoed h100-sxm, plan null)
+    assert simulated["config"]["deployment"]["hardware"] is None
     assert out["sweep"][1]["throughput_output_tok_s"] == \
         simulated["aggregate"]["throughput_output_tok_s"]
 
@@ -120,10 +122,15 @@ def test_simulate_says_what_a_named_deployment_prices_on_a_recording(tmp_path, c
     took --gpu-memory-gib without --hardware, sizing nothing (its check read the default
     hardware as given)."""
     directory = build(tmp_path / "rec")
+    report = tmp_path / "r.json"
     assert main(["simulate", "--trace", str(directory), "--hardware", "l4", "--quiet",
-                 "--max-num-seqs", "2"]) == 0
+                 "--max-num-seqs", "2", "--report", str(report)]) == 0
     assert "note: --hardware prices only what the recorded steps cannot" in \
         capsys.readouterr().err
+    assert json.loads(report.read_text())["config"]["deployment"]["hardware"] == "l4"
+    assert main(["simulate", "--trace", str(directory), "--cost-model", "roofline",
+                 "--quiet", "--report", str(report)]) == 0  # the default preset prices it
+    assert json.loads(report.read_text())["config"]["deployment"]["hardware"] == "h100-sxm"
     assert main(["simulate", "--trace", str(directory), "--gpu-memory-gib", "0.1",
                  "--quiet"]) == 2
     assert "--gpu-memory-gib sizes a planned device's memory" in capsys.readouterr().err

@@ -99,6 +99,13 @@ class Deployment:
             raise CostModelError(f"hardware_spec is {self.hardware_spec.name!r}, not the "
                                  f"named {self.hardware!r}")
 
+    @property
+    def hardware_applies(self) -> bool:
+        """Whether the hardware preset figures in a run: it limits the pool or prices the
+        steps. A recording simulated without ``--hardware`` uses neither (its own pool, its
+        steps replayed or fitted), so its report names no preset (as plan's)."""
+        return self.check_pool_fits or self.cost_model == "roofline"
+
     def hardware_preset(self) -> HardwareSpec:
         """The hardware's figures: measured ones when given, else the named preset's."""
         return self.hardware_spec or get_hardware(self.hardware)
@@ -245,7 +252,8 @@ class Deployment:
             "scheduler": _scheduler_echo(config),
             "cache": _cache_echo(cache),
             "cost_model": cost_model.describe(),
-            "deployment": {"model": self.model, "hardware": self.hardware,
+            "deployment": {"model": self.model,
+                           "hardware": self.hardware if self.hardware_applies else None,
                            "dtype": self.dtype,
                            "tensor_parallel_size": self.tensor_parallel_size,
                            "gpu_memory_utilization": self.gpu_memory_utilization},
