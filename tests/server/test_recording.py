@@ -324,6 +324,9 @@ def test_recording_switches_at_run_time_with_an_admin_key(tmp_path, monkeypatch,
             reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": same})
             assert reply.status_code == 200 and reply.json()["recording"] is True
             assert httpx.post(url + "/admin/record/stop", headers=admin).status_code == 200
+        # a NUL once a recording exists (QA: a 500, compared with its directory first)
+        reply = httpx.post(url + "/admin/record/start", headers=admin, json={"dir": "a\u0000b"})
+        assert reply.status_code == 400 and "holds a NUL character" in reply.text
     recording = load_recording(tmp_path / "live", warn=pytest.fail)
     assert len(recording.trace) == 3
     assert {r.tenant for r in recording.trace} == {"t1"}

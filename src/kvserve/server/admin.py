@@ -102,7 +102,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             return await _start(key, raw)
 
     async def _start(key: Any, raw: bytes) -> Response:
-        from kvserve.server.recorder import RecordingError
+        from kvserve.server.recorder import RecordingError, check_nul
 
         body = parse_json(raw) if raw.strip() else {}  # no body (or an empty one): {}
         if not isinstance(body, dict):
@@ -114,6 +114,11 @@ def register(app: FastAPI, state: ServerState) -> None:
         directory = body.get("dir")
         if directory is not None and (not isinstance(directory, str) or not directory):
             raise bad_request("'dir' must be a directory path", param="dir")
+        try:
+            if directory is not None:
+                check_nul(directory)  # before realpath below reads it (QA: a 500)
+        except RecordingError as error:
+            raise bad_request(str(error), param="dir") from None
         recorder = state.recorder
         if directory is not None and recorder is not None and \
                 os.path.realpath(directory) == os.path.realpath(recorder.directory):

@@ -53,11 +53,16 @@ class RecordingError(ValueError):
     """A recording that cannot start: the message is one line naming the problem."""
 
 
+def check_nul(directory: str | Path) -> None:
+    """Refuse a path no file system takes (before any path function reads it)."""
+    if "\0" in str(directory):
+        raise RecordingError(f"recording directory {str(directory)!r} holds a NUL character")
+
+
 def check_directory(directory: str | Path) -> Path:
     """``directory`` as an absolute path (a relative one is this process's working
     directory's), created if missing, if this process may write a new recording there."""
-    if "\0" in str(directory):
-        raise RecordingError(f"recording directory {str(directory)!r} holds a NUL character")
+    check_nul(directory)
     path = Path(os.path.abspath(directory))
     try:
         path.mkdir(parents=True, exist_ok=True)
