@@ -284,6 +284,19 @@ def test_bad_json(server):
     assert "not valid JSON" in error_of(response)
 
 
+@pytest.mark.parametrize("body", [{"prompt": "x", "Q" * 1_000_000: 1},
+                                  {"prompt": "x", "model": "Q" * 1_000_000}])
+def test_a_refusal_quotes_a_huge_value_with_its_middle_left_out(server, body):
+    """QA: an unknown field's name (in the message and the param) and a model's name came
+    back whole: a 1 MB name, a 2 MB answer."""
+    response = httpx.post(server.url + COMPLETIONS, json=body, timeout=60)
+    assert response.status_code in (400, 404) and len(response.content) < 3000
+    error = response.json()["error"]
+    assert "characters left out" in error["message"]
+    assert error["message"].endswith(("remove it", "'tiny'"))  # what to do is kept
+    assert len(error["param"]) <= 1100
+
+
 def test_unknown_route_is_an_openai_error(server):
     response = httpx.get(server.url + "/v1/nothing")
     assert response.status_code == 404 and "not found" in error_of(response)

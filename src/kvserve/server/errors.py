@@ -13,15 +13,29 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           500: "internal_error", 503: "service_unavailable"}
 
 
+MAX_SHOWN = 1000  # characters of a message or param; a client's value quoted whole (a 1 MB
+# field name) came back in a 2 MB answer
+
+
+def bounded(text: str) -> str:
+    """``text``, its middle left out past MAX_SHOWN characters (its end usually says what
+    to do)."""
+    if len(text) <= MAX_SHOWN:
+        return text
+    keep = MAX_SHOWN // 2
+    return f"{text[:keep]}... ({len(text) - 2 * keep} characters left out) ...{text[-keep:]}"
+
+
 class APIError(Exception):
     """Raised anywhere in a handler; the app turns it into the JSON error response."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = param if param is None else bounded(param)
         self.code = code
         self.headers = headers or {}
 
