@@ -194,6 +194,9 @@ def test_queue_deadline_answers_503_queue_timeout():
         # the three 503s are counted (they showed only as aborts, like a client leaving)
         values = metric_values(httpx.get(live.url + "/metrics").text)
         assert values[("kvserve:queue_timeouts_total", (("model_name", "tiny"),))] == 3
+        assert values[("kvserve:tenant_requests_ended_in_queue_total", (
+            ("model_name", "tiny"), ("reason", "queue_timeout"),
+            ("tenant", "addr:127.0.0.1")))] == 3
         # ... and never as finished requests: no latency, token or params observation (QA:
         # the e2e histogram was pulled toward the deadline, prompts counted as computed)
         engine_0 = (("engine", "0"), ("model_name", "tiny"))
@@ -265,7 +268,7 @@ def test_an_urgent_request_takes_a_full_queues_place():  # K5
             blocker = start_blocker(live, f"blocker-{stream}")
             results: list = []
             low = post_in_thread(live, {"prompt": [5] * 8, "max_tokens": 2, "priority": 50,
-                                        "stream": stream}, results)
+                                        "stream": stream, "user": "bronze"}, results)
             wait_for(lambda: live.state.engine.stats.num_waiting == 1, what="low queued")
             urgent_results: list = []
             urgent = post_in_thread(live, {"prompt": [6] * 8, "max_tokens": 2,
@@ -282,6 +285,11 @@ def test_an_urgent_request_takes_a_full_queues_place():  # K5
             assert urgent_results[0].status_code == 200
         values = metric_values(httpx.get(live.url + "/metrics").text)
         assert values[("kvserve:queue_displacements_total", (("model_name", "tiny"),))] == 2
+        # and whose (QA: the tenant losing its requests was not told)
+        ended = {(dict(labels)["tenant"], dict(labels)["reason"]): value
+                 for (name, labels), value in values.items()
+                 if name == "kvserve:tenant_requests_ended_in_queue_total" and value}
+        assert ended == {("user:bronze", "displaced"): 2}
         wait_for(live.idle, what="idle")
 
 

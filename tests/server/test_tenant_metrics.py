@@ -18,12 +18,17 @@ KEYS = [ApiKey("key-a", "A"), ApiKey("key-b", "B")]
 
 
 def scrape(live: LiveServer) -> dict[tuple[str, str], float]:
-    """kvserve:tenant_* samples as {(sample name, tenant): value}."""
+    """kvserve:tenant_* samples as {(sample name, tenant): value}, a reason's after the
+    name (``...ended_in_queue_total:displaced``)."""
     response = httpx.get(live.url + "/metrics", timeout=30)
     assert response.status_code == 200
-    return {(name, dict(labels)["tenant"]): value
-            for (name, labels), value in metric_values(response.text).items()
-            if name.startswith("kvserve:tenant_")}
+    samples = {}
+    for (name, labels), value in metric_values(response.text).items():
+        if name.startswith("kvserve:tenant_"):
+            named = dict(labels)
+            reason = f":{named['reason']}" if "reason" in named else ""
+            samples[(name + reason, named["tenant"])] = value
+    return samples
 
 
 def complete(live: LiveServer, key: str | None, body: dict) -> httpx.Response:
@@ -36,7 +41,9 @@ def test_tenant_series_count_each_keys_tenant():  # T6
     with LiveServer(engine, keys=KEYS) as live:
         before = scrape(live)
         for name in ("queued_requests", "requests_total", "requests_rejected_total",
-                     "prompt_tokens_total", "generation_tokens_total"):
+                     "prompt_tokens_total", "generation_tokens_total",
+                     "requests_ended_in_queue_total:queue_timeout",
+                     "requests_ended_in_queue_total:displaced"):
             for tenant in ("A", "B"):  # known tenants: every series there from boot, at 0
                 assert before[(f"kvserve:tenant_{name}", tenant)] == 0
         done: list[httpx.Response] = []

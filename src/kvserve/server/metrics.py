@@ -410,6 +410,8 @@ class ServerMetrics:
             # (the queue ended it unrun: its client got a 503, as for a full queue, which no
             # success counts; the metrics pass: a timeout read as request_success{abort})
             series.success(chunk.finish_reason or "error").inc()
+        elif live.tenant is not None:  # whose requests the queue ends (QA: not told)
+            live.tenant.queue_ends[str(chunk.stop_reason)].inc()
         if live.last_token_time is not None and chunk.metrics is not None:
             # its prompt's sources, counted for every prompt vllm:prompt_tokens counts (at
             # its first token; the metrics pass: an aborted one's were left out, and the

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvserve.core.stop import QUEUE_ENDS
 from kvserve.engine.async_engine import ServingEngine
 
 MAX_TENANT_SERIES = 100  # tenant labels given out when tenants are not known in advance
@@ -43,10 +44,12 @@ class TenantCounters:
 
     prompt_tokens: Counter
     generation_tokens: Counter
+    queue_ends: dict[str, Counter]  # by stop reason: queue_timeout (K4), displaced (K5)
 
 
 class TenantSeries:
     """``kvserve:tenant_requests_total``, ``kvserve:tenant_requests_rejected_total``,
+    ``kvserve:tenant_requests_ended_in_queue_total`` (also labelled ``reason``),
     ``kvserve:tenant_prompt_tokens_total``, ``kvserve:tenant_generation_tokens_total`` and
     the gauge ``kvserve:tenant_queued_requests``, each labelled ``model_name`` and
     ``tenant``."""
@@ -67,6 +70,11 @@ class TenantSeries:
         self.rejected = Counter("kvserve:tenant_requests_rejected", "Sequences the waiting "
                                 "queue refused at arrival, by tenant.", labels,
                                 registry=registry)
+        self.ended_in_queue = Counter(
+            "kvserve:tenant_requests_ended_in_queue", "Sequences the waiting queue ended "
+            "before they were scheduled (503), by tenant and reason: queue_timeout (their "
+            "deadline passed) or displaced (a more urgent arrival took their place).",
+            [*labels, "reason"], registry=registry)
         self.prompt_tokens = Counter("kvserve:tenant_prompt_tokens", "Prompt tokens of "
                                      "requests whose first token was sent, by tenant.",
                                      labels, registry=registry)
@@ -78,6 +86,8 @@ class TenantSeries:
             for counter in (self.requests, self.rejected, self.prompt_tokens,
                             self.generation_tokens):
                 counter.labels(model_name, tenant)
+            for reason in QUEUE_ENDS:
+                self.ended_in_queue.labels(model_name, tenant, reason)
 
     def label(self, tenant: str) -> str:
         """The ``tenant`` label value of ``tenant``: its name or ``other``."""
@@ -111,8 +121,11 @@ class TenantSeries:
     def counters(self, tenant: str) -> TenantCounters:
         """``tenant``'s token counters, for a request of it that is being queued."""
         label = self.label(tenant)
-        return TenantCounters(self.prompt_tokens.labels(self.model_name, label),
-                              self.generation_tokens.labels(self.model_name, label))
+        return TenantCounters(
+            self.prompt_tokens.labels(self.model_name, label),
+            self.generation_tokens.labels(self.model_name, label),
+            {reason: self.ended_in_queue.labels(self.model_name, label, reason)
+             for reason in QUEUE_ENDS})
 
     def queued(self, tenant: str, count: int) -> None:
         """``count`` sequences of ``tenant`` were queued."""
