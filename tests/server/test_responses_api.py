@@ -233,7 +233,7 @@ def test_the_store_keeps_a_tenant_within_its_bytes_too():
     store.put("huge", stored("A", "x" * 10_000))  # alone past the bound: not kept
     assert list(store.kept["A"]) == ["a2", "a4"] and store.used["A"] == 2 * size
     assert list(store.kept["B"]) == ["b0"]
-    with pytest.raises(APIError, match="latest 100 responses within 0 MiB"):
+    with pytest.raises(APIError, match=f"latest 100 responses within {3 * size:,} bytes"):
         store.get("a3", "A")
 
 
@@ -547,6 +547,13 @@ def test_a_background_response_under_way_is_never_pushed_out_and_always_ends_rea
             time.sleep(0.05)
         assert now.status == "failed" and now.error.code == "response_too_large"
         assert now.usage.output_tokens == 200
+        # its conversation was not kept: chaining on it or listing its input says so (QA:
+        # a chain went on with no history, the list was empty)
+        chained = post(live, {"input": "and?", "max_output_tokens": 1,
+                              "previous_response_id": ongoing.id})
+        assert chained.status_code == 400 and "conversation was not kept" in chained.text
+        listed = httpx.get(f"{live.url}/v1/responses/{ongoing.id}/input_items")
+        assert listed.status_code == 400 and "input items were not kept" in listed.text
         store.max_bytes = 10  # even the queued response is too large: refused, nothing runs
         refused = post(live, {"input": "x", "background": True, "max_output_tokens": 5})
         assert refused.status_code == 400 and "--responses-store-memory" in refused.text
@@ -662,6 +669,68 @@ def test_a_thinking_answers_logprobs_are_its_messages_tokens_only():
                 for e in ev.logprobs]
     [done] = [ev for ev in events if ev.type == "response.output_text.done"]
     assert streamed == [e.token for e in done.logprobs] == tokens
+
+
+def test_a_message_ending_inside_a_characters_bytes_keeps_its_last_tokens_logprobs():
+    """QA: "✓" is three tokens here; a message ending in one lost its last token's
+    logprobs in the answer and in .done (the prefix one token short decoded as "✓\ufffd",
+    as long as the text), where the deltas and chat had them all."""
+    from .helpers import scripted_engine
+
+    said = "Done ✓✓"
+    asked = {"model": "tiny", "input": "Tick.", "max_output_tokens": 40,
+             "include": ["message.output_text.logprobs"]}
+    with LiveServer(scripted_engine(said, max_model_len=256)) as server:
+        reply = httpx.post(server.url + "/v1/responses", timeout=60, json=asked).json()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        events = list(client.responses.create(**asked, stream=True))
+    part = reply["output"][0]["content"][0]
+    assert part["text"] == said
+    assert len(part["logprobs"]) == reply["usage"]["output_tokens"] - 1 == 6  # not the EOS
+    assert sum(len(e["bytes"]) for e in part["logprobs"]) == len(said.encode())
+    streamed = [e.token for ev in events if ev.type == "response.output_text.delta"
+                for e in ev.logprobs]
+    [done] = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert len(streamed) == len(done.logprobs) == 6
+
+
+def test_the_answer_echoes_the_settings_it_was_served_with():
+    """QA: temperature 1.0, top_p 1.0 and max_output_tokens null were echoed where the
+    model's generation config (or --override-generation-config) served 0.0, 0.5 and 7; a
+    verbosity and a summary asked for were echoed as medium and null."""
+    with LiveServer(max_model_len=256) as server:
+        server.state.sampling_defaults = {"temperature": 0.0, "top_p": 0.5, "max_tokens": 7}
+        served = post(server, {"input": "hi"}).json()
+        asked = post(server, {"input": "hi", "temperature": 0.7, "top_p": 0.9,
+                              "max_output_tokens": 3, "text": {"verbosity": "low"},
+                              "reasoning": {"summary": "auto"}}).json()
+    assert (served["temperature"], served["top_p"], served["max_output_tokens"]) == \
+        (0.0, 0.5, 7)
+    assert served["usage"]["output_tokens"] <= 7
+    assert (asked["temperature"], asked["top_p"], asked["max_output_tokens"]) == (0.7, 0.9, 3)
+    assert asked["text"]["verbosity"] == "low" and asked["reasoning"]["summary"] == "auto"
+    assert served["text"]["verbosity"] == "medium"  # OpenAI's default, none asked
+
+
+def test_a_background_response_ended_by_its_queue_deadline_says_so():
+    """QA: polled, it read failed with code "aborted" and an operator's abort, where
+    every other mode answers queue_timeout (retry later)."""
+    from .helpers import slow_engine
+
+    with LiveServer(slow_engine(0.01, max_model_len=256, max_num_seqs=1)) as server:
+        server.state.responses = ResponseStore(enabled=True, capacity=4)
+        blocker = post(server, {"input": "Go on.", "background": True,
+                                "max_output_tokens": 200, "ignore_eos": True}).json()
+        wait_for(lambda: server.state.engine.stats.num_running == 1, what="the blocker")
+        late = post(server, {"input": "q", "background": True, "max_output_tokens": 2,
+                             "max_queue_delay": 0.05}).json()
+        wait_for(lambda: httpx.get(f"{server.url}/v1/responses/{late['id']}").json()[
+            "status"] == "failed", what="the deadline")
+        error = httpx.get(f"{server.url}/v1/responses/{late['id']}").json()["error"]
+        assert error["code"] == "queue_timeout" and error["message"].startswith(
+            "queue timeout")
+        httpx.post(f"{server.url}/v1/responses/{blocker['id']}/cancel")
+        wait_for(server.idle, what="idle")
 
 
 def test_openais_newer_values_are_taken_and_the_tier_served_is_named(live):

@@ -151,10 +151,11 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     state.hold_ids(request_id, [choice.request_id for choice in choices])
     stream = await _queue(state, request_id, given_id, items, arrival_time, req.n)
     stream.replayable = not req.stream  # nothing reaches the client before the end
-    if chat:
-        return (kind or ChatGeneration)(state, request_id, given_id, req, choices, prompts,
-                                        stream, reasoning)
-    return CompletionGeneration(state, request_id, given_id, req, choices, prompts, stream)
+    generation = (kind or ChatGeneration)(state, request_id, given_id, req, choices, prompts,
+                                          stream, reasoning) if chat else \
+        CompletionGeneration(state, request_id, given_id, req, choices, prompts, stream)
+    generation.params = base
+    return generation
 
 
 def _request_ids(state: ServerState, request: Request, key: ApiKey, req: Any,
@@ -344,6 +345,9 @@ class Generation(abc.ABC):
         self.sent: set[str] = set()  # choices whose first chunk went out
         # each choice's logprob entries and token ids of chunks not sent yet
         self.held: dict[str, tuple[list[Any], list[int]]] = {}
+        # what it is served with: the request's settings, the server's defaults under them
+        # (set by start(); the Responses API echoes them)
+        self.params: SamplingParams | None = None
 
     def close(self) -> None:
         """End the request here (idempotent: a later call must not release the ids of a new

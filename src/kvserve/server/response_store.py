@@ -23,8 +23,11 @@ DEFAULT_STORE_BYTES = 256 * 2**20
 class Stored:
     owner: str | None  # the tenant of the key that made it (None: keys are off)
     response: dict[str, Any]
-    conversation: list[dict[str, Any]]  # its input's and output's messages, history first
-    input_items: list[dict[str, Any]]  # its own input, as items (GET .../input_items)
+    # its input's and output's messages, history first, and its own input as items (GET
+    # .../input_items); None: not kept (a background response larger than the store keeps,
+    # of which only the status is)
+    conversation: list[dict[str, Any]] | None
+    input_items: list[dict[str, Any]] | None
     # a background response created with stream: its stream's events, for GET ?stream=true
     events: list[str] | None = None
 
@@ -85,8 +88,8 @@ class ResponseStore:
         kept = self.kept.get(owner, {}).get(response_id)
         if kept is None:
             raise APIError(404, f"response {response_id[:100]!r} not found (each tenant's latest "
-                                f"{self.capacity} responses within {self.max_bytes >> 20} "
-                                "MiB are kept, in memory)",
+                                f"{self.capacity} responses within {self.max_bytes:,} "
+                                "bytes are kept, in memory)",
                            param="response_id", code="response_not_found")
         return kept[0]
 
@@ -96,7 +99,7 @@ class ResponseStore:
         the tenant's store, however many a request names (QA: one per reference)."""
         found: dict[str, dict[str, Any]] = {}
         for stored, _ in reversed(self.kept.get(owner, {}).values()):
-            for item in (*(stored.response.get("output") or ()), *stored.input_items):
+            for item in (*(stored.response.get("output") or ()), *(stored.input_items or ())):
                 item_id = item.get("id")
                 if item_id in item_ids and item_id not in found:
                     found[item_id] = item
@@ -127,4 +130,9 @@ class ResponseStore:
             raise bad_request(f"previous response {response_id[:100]!r} is still under way "
                               "(background): wait until GET /v1/responses/{id} says it "
                               "completed", param="previous_response_id")
+        if stored.conversation is None:  # QA: continued with no history at all
+            raise bad_request(f"previous response {response_id[:100]!r} was larger than this "
+                              "server's store keeps, so its conversation was not kept: send "
+                              "the whole conversation as 'input' instead",
+                              param="previous_response_id")
         return list(stored.conversation)

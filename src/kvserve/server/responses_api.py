@@ -97,6 +97,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+_PARTIAL = "\ufffd"  # what a token ending inside a character's UTF-8 bytes decodes to
 _TOO_LARGE = ("the response is larger than this server's store keeps for a tenant ({} bytes "
               "as JSON, --responses-store-memory)")
 
@@ -134,8 +135,14 @@ class ResponsesGeneration(ChatGeneration):
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         response = self._response(self._status(), self._output(), self._response_usage())
+        choice = self.choice
         if response["status"] == "cancelled":
             response["error"] = None
+        elif ended_in_queue(choice.finish_reason, choice.stop_reason):
+            # a background response's queue deadline or a more urgent arrival: the poller
+            # reads what the request would have been answered (QA: an operator's abort)
+            error = queue_end(self.state, choice.stop_reason)
+            response["error"] = {"code": str(error.code), "message": error.message}
         elif response["status"] == "failed":
             response["error"] = {"code": "aborted", "message": "the request was aborted "
                                  "before it finished (an operator's abort, or the server's "
@@ -147,7 +154,7 @@ class ResponsesGeneration(ChatGeneration):
 
     def _response(self, status: str, output: list[dict[str, Any]],
                   usage: dict[str, Any] | None) -> dict[str, Any]:
-        api = self.api
+        api, params = self.api, self.params
         text_format = api.text.format if api.text is not None else None
         tool_choice = api.tool_choice or "auto"  # OpenAI's default, tools or none (the
         # structured-output pass: "none" without tools)
@@ -156,21 +163,29 @@ class ResponsesGeneration(ChatGeneration):
             "status": status, "background": api.background, "error": None,
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if status == "incomplete" else None),
-            "instructions": api.instructions, "max_output_tokens": api.max_output_tokens,
+            # the settings it is served with, the server's defaults filled in, as vLLM's
+            # (QA: 1.0 and null echoed where the model's generation config gave others)
+            "instructions": api.instructions,
+            "max_output_tokens": api.max_output_tokens if params is None
+            else params.max_tokens,
             "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": api.parallel_tool_calls is not False,
             "previous_response_id": api.previous_response_id,
             "reasoning": {"effort": api.reasoning.effort if api.reasoning else None,
-                          "summary": None},
+                          "summary": api.reasoning.summary if api.reasoning else None},
             "service_tier": "default", "store": self.store.enabled and api.store,
-            "temperature": 1.0 if api.temperature is None else api.temperature,
+            "temperature": (1.0 if api.temperature is None else api.temperature)
+            if params is None else params.temperature,
             "text": {"format": ({"type": "text"} if text_format is None else
                                 text_format.model_dump(by_alias=True, exclude_none=True)),
-                     "verbosity": "medium"},
+                     "verbosity": api.text.verbosity if api.text is not None
+                     and api.text.verbosity is not None else "medium"},
             "tool_choice": (tool_choice.model_dump() if isinstance(tool_choice, NamedFunction)
                             else tool_choice),
             "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
-            "top_logprobs": api.top_logprobs or 0, "top_p": 1.0 if api.top_p is None else api.top_p,
+            "top_logprobs": api.top_logprobs or 0,
+            "top_p": (1.0 if api.top_p is None else api.top_p) if params is None
+            else params.top_p,
             "truncation": api.truncation or "disabled", "usage": usage, "user": api.user,
             "prompt_cache_key": api.prompt_cache_key,
             "safety_identifier": api.safety_identifier, "metadata": api.metadata or {}}
@@ -340,11 +355,16 @@ class ResponsesGeneration(ChatGeneration):
         # and a stop token, which writes nothing (QA: the EOS was in .done, in no delta;
         # OpenAI lists none)
         decode, wanted = self.state.tokenizer.decode, len(text)
+        partial = "" if text.endswith(_PARTIAL) else _PARTIAL  # a character's bytes begun,
+        # not ended, decode as U+FFFD: no character of the message yet (QA: the last
+        # token of a closing "✓" was left out)
+
+        def short(k: int) -> bool:
+            return len(decode(ids[:k]).rstrip(partial)) < wanted
         low, high = 0, len(ids)
         while low < high:
             middle = (low + high) // 2
-            low, high = (middle + 1, high) if len(decode(ids[:middle])) < wanted \
-                else (low, middle)
+            low, high = (middle + 1, high) if short(middle) else (low, middle)
         return self._logprobs(choice.logprobs[start:start + low])["content"]
 
     def _call_item(self, call_id: str, name: str, arguments: str, index: int,
@@ -383,7 +403,7 @@ class ResponsesGeneration(ChatGeneration):
                          "error": {"code": "response_too_large", "message": _TOO_LARGE.format(
                              self.store.max_bytes)}}
             too_large.pop("kvserve", None)
-            self.store.put(self.response_id, Stored(self.owner, too_large, [], []))
+            self.store.put(self.response_id, Stored(self.owner, too_large, None, None))
         return kept
 
     # the stream: the Responses API's typed events
@@ -805,6 +825,10 @@ def input_items(state: ServerState, request: Request, response_id: str) -> Respo
     """OpenAI's list of a stored response's input items: ``order`` asc or desc (the
     default, as OpenAI's), ``limit`` 1-100 (20), ``after`` an item's id."""
     stored = state.responses.get(response_id, _owner(state, request))
+    if stored.input_items is None:  # QA: an empty list, as if it had had no input
+        raise bad_request(f"response {response_id[:100]!r} was larger than this server's "
+                          "store keeps, so its input items were not kept",
+                          param="response_id")
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
