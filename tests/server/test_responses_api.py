@@ -712,6 +712,17 @@ def test_the_answer_echoes_the_settings_it_was_served_with():
     assert served["text"]["verbosity"] == "medium"  # OpenAI's default, none asked
 
 
+def test_an_answer_larger_than_the_store_keeps_says_it_was_not_stored():
+    with LiveServer(max_model_len=256) as server:
+        server.state.responses = ResponseStore(enabled=True, capacity=4, max_bytes=20_000)
+        kept = post(server, {"input": "hi", "max_output_tokens": 1}).json()
+        huge = post(server, {"input": "hi", "max_output_tokens": 1, "tool_choice": "none",
+                             "tools": [{"type": "function", "name": "f",
+                                        "description": "d" * 25_000}]}).json()
+        assert kept["store"] is True and huge["store"] is False
+        assert httpx.get(f"{server.url}/v1/responses/{huge['id']}").status_code == 404
+
+
 def test_a_background_response_ended_by_its_queue_deadline_says_so():
     """QA: polled, it read failed with code "aborted" and an operator's abort, where
     every other mode answers queue_timeout (retry later)."""

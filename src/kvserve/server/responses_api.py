@@ -147,7 +147,8 @@ class ResponsesGeneration(ChatGeneration):
             response["error"] = {"code": "aborted", "message": "the request was aborted "
                                  "before it finished (an operator's abort, or the server's "
                                  "shutdown timeout)"}
-        self._keep(response)
+        response["store"] = self._keep(response)  # false where it was not kept (QA: true,
+        # and a 404 for it)
         return response
 
     # the Response object
