@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import httpx
@@ -105,6 +106,49 @@ def test_retry_after_is_the_waiting_queue_at_the_recent_time_in_a_seat():
     assert ServerState.retry_after(state) == "2"  # 6 waiting x 0.6 s / 2 seats = 1.8 s
     state.metrics.recent_service_time = lambda: 1000.0
     assert ServerState.retry_after(state) == "60"
+
+
+def test_a_client_gone_while_its_add_waits_is_never_scheduled():
+    """QA: a client that left while the engine was yet to take its request (a step under
+    way) had it aborted only after the add's answer, one step later: it was scheduled for
+    nobody (and under priority preemption evicted a running request). The abort now goes
+    at once, behind the add, and both land before the next step."""
+    from .helpers import SlowExecutor, make_engine
+
+    class Gated(SlowExecutor):
+        def __init__(self, inner: object) -> None:
+            super().__init__(inner, 0.0)
+            self.open = threading.Event()
+            self.open.set()
+
+        def execute(self, scheduler_output: object) -> object:
+            self.began += 1
+            assert self.open.wait(60), "the gate never opened"
+            return self.inner.execute(scheduler_output)
+
+    engine = make_engine(max_num_seqs=2)
+    gate = engine.executor = Gated(engine.executor)
+    ended: list = []
+    with LiveServer(engine) as live:
+        live.state.engine.observers.append(lambda report: ended.extend(
+            c for c in report.chunks if c.finished and c.request_id != "blocker"))
+        blocker = start_blocker(live, "blocker")
+        gate.open.clear()
+        began = gate.began
+        wait_for(lambda: gate.began > began, what="a step held at the gate")
+        with contextlib.suppress(httpx.TimeoutException):  # the client leaves
+            httpx.post(live.url + "/v1/completions", timeout=0.3,
+                       json={"prompt": [7] * 8, "max_tokens": 5})
+        commands = live.state.engine._commands
+        try:
+            wait_for(lambda: commands.qsize() == 2, what="the add and its abort queued")
+        finally:
+            gate.open.set()
+        wait_for(lambda: ended, what="the left request's end")
+        abort(live, "blocker", blocker)
+        wait_for(live.idle, what="idle")
+    assert ended[0].finish_reason == "abort"
+    assert ended[0].metrics.first_scheduled_time is None  # never scheduled
 
 
 def test_what_could_never_be_queued_answers_400_without_retry_after():  # K4

@@ -5,7 +5,7 @@ response ends)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -33,6 +33,20 @@ async def race_disconnect(request: Request, work: Awaitable[_T]) -> _T:
         return work_task.result()
     work_task.cancel()
     raise ClientGone
+
+
+async def tell_if_gone(request: Request, work: Awaitable[_T], gone: Callable[[], None]) -> _T:
+    """``await work`` to its end, calling ``gone`` at once should the client disconnect
+    meanwhile (the work is not cancelled: an engine's add is answered whatever happens)."""
+    def told(watch: asyncio.Future[None]) -> None:
+        if not watch.cancelled() and watch.exception() is None:
+            gone()
+    watch_task = asyncio.ensure_future(_until_disconnected(request.receive))
+    watch_task.add_done_callback(told)
+    try:
+        return await work
+    finally:
+        watch_task.cancel()
 
 
 async def _until_disconnected(receive: Receive) -> None:

@@ -31,7 +31,12 @@ from kvserve.engine.async_engine import EngineDeadError, RequestStream, StreamRe
 from kvserve.engine.engine import CompletionChunk
 from kvserve.server.auth import OPERATOR_TENANT, ApiKey, resolve_priority, tenant_of
 from kvserve.server.chat_answer import ChatAnswer
-from kvserve.server.disconnect import ClientGone, ClosingStreamingResponse, race_disconnect
+from kvserve.server.disconnect import (
+    ClientGone,
+    ClosingStreamingResponse,
+    race_disconnect,
+    tell_if_gone,
+)
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import (
     check_logprobs,
@@ -108,10 +113,11 @@ def _echo_body_id(error: APIError, request: Request, body: Any) -> None:
 
 async def start(state: ServerState, request: Request, key: ApiKey, req: Any, chat: bool,
                 arrival_time: float, kind: Callable[..., ChatGeneration] | None = None,
-                strict_context: bool = False) -> Generation:
+                strict_context: bool = False, outlives_client: bool = False) -> Generation:
     """A checked request queued: everything between its parsed body and its answer (the
     Responses API's translated chat request comes in here too, ``kind`` its answer's
-    shape)."""
+    shape; ``outlives_client`` for its background responses, which run on when their
+    client leaves)."""
     state.check_model(req.model)
     parser = state.tool_parser
     if chat and parser is not None and parser.keeps_special_tokens and auto_tools(req):
@@ -149,7 +155,8 @@ async def start(state: ServerState, request: Request, key: ApiKey, req: Any, cha
     if state.log_requests:
         log_request(request_id, tenant, prompts, base, len(items))
     state.hold_ids(request_id, [choice.request_id for choice in choices])
-    stream = await _queue(state, request_id, given_id, items, arrival_time, req.n)
+    stream = await _queue(state, request_id, given_id, items, arrival_time, req.n,
+                          None if outlives_client else request)
     stream.replayable = not req.stream  # nothing reaches the client before the end
     generation = (kind or ChatGeneration)(state, request_id, given_id, req, choices, prompts,
                                           stream, reasoning) if chat else \
@@ -241,7 +248,8 @@ def _check_queueable(state: ServerState, request_id: str,
 
 async def _queue(state: ServerState, request_id: str, given_id: str,
                  items: list[tuple[str, list[int], SamplingParams]],
-                 arrival_time: float, n: int = 1) -> RequestStream:
+                 arrival_time: float, n: int = 1,
+                 request: Request | None = None) -> RequestStream:
     tenant = items[0][2].tenant  # one request, one tenant
     counters = state.metrics.tenants.counters(tenant)
     for sub_id, prompt, _ in items:
@@ -256,8 +264,14 @@ async def _queue(state: ServerState, request_id: str, given_id: str,
     queuing = state.queuing[request_id] = Queuing(frozenset(sub_id for sub_id, _, _ in items))
     if given_id != request_id:
         state.given.setdefault(given_id, []).append(request_id)
+    adding = state.engine.add_requests(items, arrival_time)
     try:
-        stream = await state.engine.add_requests(items, arrival_time)
+        # a client gone while the engine takes its request has it aborted at once, behind
+        # the add in the engine's ordered channel, so both land before its next step (QA:
+        # the abort waited for the add's answer, a step later: the request was scheduled
+        # for nobody, and under priority preemption evicted a running one)
+        stream = await adding if request is None else await tell_if_gone(
+            request, adding, lambda: state.engine.abort(*(sub for sub, _, _ in items)))
     except BaseException as error:
         del state.queuing[request_id]
         _forget_given(state, given_id, request_id)

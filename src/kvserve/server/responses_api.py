@@ -753,7 +753,7 @@ async def _start(state: ServerState, request: Request, key: Any, api: ResponsesR
             if cut is None:
                 raise whole
     generation = await start(state, request, key, chat(cut), True, arrival_time, kind,
-                             strict_context=True)
+                             strict_context=True, outlives_client=bool(api.background))
     assert isinstance(generation, ResponsesGeneration)  # what ``kind`` makes
     return generation
 
