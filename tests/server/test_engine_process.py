@@ -525,3 +525,31 @@ def test_a_client_gone_while_its_request_is_being_added_leaves_the_engine_servin
     assert future.result(timeout=30) == 3
     assert engine.is_running
     wait_for(two_seats.idle, what="the cancelled requests aborted, a whole pool")
+
+
+def test_the_engine_process_answers_an_add_before_the_step_that_follows():
+    """QA: the add's answer went out with the step after it, so a full queue's 503 (and
+    any add's answer) waited for that step, however long; the answer goes first now."""
+    import multiprocessing
+    import pickle
+
+    from kvserve.core import SamplingParams
+    from kvserve.engine.core_loop import EngineCore
+    from kvserve.engine.engine_process import _serve
+
+    from .helpers import slow_engine
+
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(slow_engine(0.5))
+    serving = threading.Thread(target=_serve, args=(theirs, core, 0.0), daemon=True)
+    serving.start()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    ours.send_bytes(pickle.dumps([("add", (1, [("r", [5] * 4, params, None)]))]))
+    assert ours.poll(30)
+    first = pickle.loads(ours.recv_bytes())
+    assert first.replies == [(1, None)] and first.reports == []  # the step's report later
+    assert ours.poll(30)
+    assert pickle.loads(ours.recv_bytes()).reports  # the step
+    ours.send_bytes(pickle.dumps([("stop", None)]))
+    serving.join(timeout=30)
+    assert not serving.is_alive()

@@ -305,6 +305,9 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
                 if not _apply(core, kind, payload, out):
                     return
             timeout = 0.0
+        if out.replies:  # the adds answered before the step, which may be long (QA: a full
+            _flush(conn, core, out)  # queue's 503 waited for it, and the next one too)
+            out = _Out()
         wait = 0.0
         if core.busy:
             report = core.step()
@@ -315,11 +318,15 @@ def _serve(conn: Connection, core: EngineCore, idle_wait: float) -> None:
             released = core.idle()  # sessions whose ttl ran out: their events and stats
             if released is not None:
                 out.reports.append(released)
-        if out.replies or out.reports or core.idle_checks != checks:
-            out.stats = core.stats
-            out.idle_checks, out.invariant_violations = \
-                core.idle_checks, core.invariant_violations
-            _send(conn, out)
+        if out.reports or core.idle_checks != checks:
+            _flush(conn, core, out)
+
+
+def _flush(conn: Connection, core: EngineCore, out: _Out) -> None:
+    """Send ``out`` with the counters as they stand."""
+    out.stats = core.stats
+    out.idle_checks, out.invariant_violations = core.idle_checks, core.invariant_violations
+    _send(conn, out)
 
 
 def _portable(error: BaseException | None) -> BaseException | None:
