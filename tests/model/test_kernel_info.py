@@ -335,3 +335,27 @@ def test_the_layer_loop_line_names_the_steps_that_loop_in_cpp(monkeypatch) -> No
     monkeypatch.setenv(LAYER_STACK_ENV, "0")
     assert describe_layer_loop("hybrid-amx", bf16, True, True).endswith(
         f"[{LAYER_STACK_ENV}=0]")
+
+
+def test_the_kernels_build_with_this_environments_ninja_whatever_the_path_finds_first(
+        tmp_path, monkeypatch) -> None:
+    """QA: a Ray worker's PATH found the venv's ninja, a plain start the system's (another
+    version), and each switch rebuilt every kernel in the shared build directory."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    ninja = pytest.importorskip("ninja")
+    ours = Path(ninja.BIN_DIR) / "ninja"
+    if not ours.exists():
+        pytest.skip("the ninja package has no binary in this environment")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}:/usr/bin:/bin")
+    paged_kernel._put_ninja_on_path()
+    assert Path(shutil.which("ninja")).resolve() == ours.resolve()
+    path = os.environ["PATH"]
+    paged_kernel._put_ninja_on_path()  # once is enough: the PATH does not grow
+    assert os.environ["PATH"] == path

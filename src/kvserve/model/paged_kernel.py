@@ -69,9 +69,11 @@ _tried = False
 
 
 def _put_ninja_on_path() -> None:
-    """torch runs plain ``ninja``: find the pip package's binary when the venv is not active."""
-    if shutil.which("ninja"):
-        return
+    """torch runs plain ``ninja``: this environment's (the pip package's) first on PATH, so
+    every process of one environment builds with one ninja (QA: a Ray worker found the
+    venv's and a plain start the system's, of another version, and each switch rebuilt
+    every kernel: ninja drops a build log another version wrote); the PATH's where the
+    environment has none."""
     candidates = [Path(sys.executable).parent]
     try:
         import ninja  # the PyPI package
@@ -80,8 +82,11 @@ def _put_ninja_on_path() -> None:
     except (ImportError, AttributeError):
         pass
     for directory in candidates:
-        if (directory / "ninja").exists():
-            os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
+        ours = directory / "ninja"
+        if ours.exists():
+            found = shutil.which("ninja")
+            if found is None or Path(found).resolve() != ours.resolve():
+                os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
             return
 
 
