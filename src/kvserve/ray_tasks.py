@@ -46,6 +46,9 @@ def connect(what: str) -> Any:
         where = f"the Ray cluster at RAY_ADDRESS={address}" if address else \
             "a local Ray instance"
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if address and not os.environ.get("RAY_AUTH_MODE"):  # QA: Ray's line says nothing
+            reason += ("; a cluster with Ray's token authentication (`ray start` says so) "
+                       "needs RAY_AUTH_MODE=token here too")
         raise RayUnavailable(f"cannot start on {where}: {reason}") from None
     finally:
         for signum, handler in handlers.items():

@@ -581,10 +581,18 @@ def test_ray_that_cannot_be_reached_is_one_line_at_once(monkeypatch):
 
     monkeypatch.setattr(ray_tasks, "_check_reachable", lambda address: None)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     with pytest.raises(EngineStartError) as refused:
         ensure_ray()
+    # Ray's line says nothing of its token authentication, which it may be (QA)
     assert str(refused.value) == ("cannot start on the Ray cluster at RAY_ADDRESS=127.0.0.1:1: "
-                                  "Failed to connect to Ray cluster at 127.0.0.1:1")
+                                  "Failed to connect to Ray cluster at 127.0.0.1:1; a cluster "
+                                  "with Ray's token authentication (`ray start` says so) needs "
+                                  "RAY_AUTH_MODE=token here too")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(EngineStartError) as refused:
+        ensure_ray()
+    assert str(refused.value).endswith("Failed to connect to Ray cluster at 127.0.0.1:1")
     assert signal.getsignal(signal.SIGTERM) is before
 
 
