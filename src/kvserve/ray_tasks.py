@@ -40,7 +40,10 @@ def connect(what: str) -> Any:
     handlers = {signum: signal.getsignal(signum)
                 for signum in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+        # without RAY_ADDRESS, a local instance of its own (Ray's None joins the cluster a
+        # `ray start` on this machine left named in its temp dir: QA, the head of a
+        # multi-node cluster, whose actors elsewhere were told to connect to 127.0.0.1)
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as error:
         where = f"the Ray cluster at RAY_ADDRESS={address}" if address else \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import signal
 import threading
@@ -576,7 +577,8 @@ def test_ray_that_cannot_be_reached_is_one_line_at_once(monkeypatch):
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.delenv("RAY_ADDRESS")
     ensure_ray()  # a local instance
-    assert calls[-1]["address"] is None and signal.getsignal(signal.SIGTERM) is before
+    # a local instance of its own, not the cluster a `ray start` here left named (QA)
+    assert calls[-1]["address"] == "local" and signal.getsignal(signal.SIGTERM) is before
     import kvserve.ray_tasks as ray_tasks
 
     monkeypatch.setattr(ray_tasks, "_check_reachable", lambda address: None)
@@ -643,3 +645,20 @@ def test_an_abort_asked_while_a_group_is_placed_again_reaches_its_new_replica():
 
     new = asyncio.run(run())
     assert new.aborted[0] == "g-1" and new.cancelled
+
+
+def test_a_ray_cluster_short_of_cpus_or_gpus_is_warned_at_once(caplog):
+    """QA: three one-CPU replicas on a two-CPU cluster: the third waited, pending, for the
+    start's ten-minute timeout without a word."""
+    from kvserve.engine.data_parallel import _warn_short_cluster
+
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        _warn_short_cluster({"CPU": 4.0}, 2, 2, 0)  # enough
+        assert caplog.messages == []
+        _warn_short_cluster({"CPU": 2.0}, 3, 1, 0)
+        _warn_short_cluster({"CPU": 8.0, "GPU": 1.0}, 2, 1, 1)
+    assert caplog.messages == [
+        "the Ray cluster has 2 CPU(s); 3 replicas x 1 ask for 3: the replicas it cannot "
+        "place wait for them (an autoscaler's new nodes) until the start times out",
+        "the Ray cluster has 1 GPU(s); 2 replicas x 1 ask for 2: the replicas it cannot "
+        "place wait for them (an autoscaler's new nodes) until the start times out"]

@@ -432,18 +432,34 @@ def ray_gpus_per_replica(device: str, cluster_gpus: float) -> int:
     return 1 if device == "cuda" or (device == "auto" and cluster_gpus >= 1) else 0
 
 
-def replica_launchers(num_replicas: int, backend: str, device: str = "cpu"
-                      ) -> list[Launcher]:
+def _warn_short_cluster(resources: dict[str, float], num_replicas: int, threads: int,
+                        gpus: int) -> None:
+    """Say at once when the Ray cluster has fewer CPUs (or GPUs) than the replicas ask for:
+    Ray leaves an actor it cannot place pending, silently, until the start's timeout (QA:
+    ten minutes without a word)."""
+    for name, each in (("CPU", threads), ("GPU", gpus)):
+        have, asked = resources.get(name, 0), num_replicas * each
+        if each and have < asked:
+            logger.warning("the Ray cluster has %g %s(s); %d replicas x %d ask for %d: the "
+                           "replicas it cannot place wait for them (an autoscaler's new "
+                           "nodes) until the start times out", have, name, num_replicas,
+                           each, asked)
+
+
+def replica_launchers(num_replicas: int, backend: str, device: str = "cpu",
+                      threads: int = 1) -> list[Launcher]:
     """One launcher per replica: local spawned processes (``mp``) or Ray actors (``ray``,
-    connecting to Ray now). On ``--device cuda`` (or ``auto`` where there is a GPU) each
-    replica gets a GPU of its own: a local one by its CUDA_VISIBLE_DEVICES, a Ray actor by
-    asking Ray for one."""
+    connecting to Ray now; each asks for ``threads`` CPUs). On ``--device cuda`` (or
+    ``auto`` where there is a GPU) each replica gets a GPU of its own: a local one by its
+    CUDA_VISIBLE_DEVICES, a Ray actor by asking Ray for one."""
     from kvserve.model.device import replica_gpus
 
     if backend == "ray":
         from kvserve.engine.ray_launcher import RayLauncher, ensure_ray
         ray = ensure_ray()
-        gpus = ray_gpus_per_replica(device, ray.cluster_resources().get("GPU", 0))
+        resources = ray.cluster_resources()
+        gpus = ray_gpus_per_replica(device, resources.get("GPU", 0))
+        _warn_short_cluster(resources, num_replicas, threads, gpus)
         local = not os.environ.get("RAY_ADDRESS")  # ensure_ray started an instance here
         return [RayLauncher(i, num_gpus=gpus, on_this_machine=local)
                 for i in range(num_replicas)]

@@ -48,7 +48,8 @@ class ReplicatedEngines:
         spec = EngineSpec(functools.partial(build_engine, model, **engine_args),
                           threads=threads)
         self.loop = asyncio.new_event_loop()
-        launchers = replica_launchers(size, backend, str(engine_args.get("device", "auto")))
+        launchers = replica_launchers(size, backend, str(engine_args.get("device", "auto")),
+                                      threads)
         self.engine = DataParallelEngine(spec, tokenizer, launchers, policy)
         self.loop.run_until_complete(self._start())
         # A script that never closes its LLM hung at exit: multiprocessing's exit handler

@@ -1038,7 +1038,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
 
     size = args.data_parallel_size
     threads = args.threads_per_replica or default_threads(size)
-    launchers = replica_launchers(size, args.data_parallel_backend, args.device)
+    launchers = replica_launchers(size, args.data_parallel_backend, args.device, threads)
     chosen = DEFAULT_IMBALANCE_BOUND if args.router_imbalance_bound is None \
         else args.router_imbalance_bound
     bound = f", imbalance bound {chosen}" if args.router == "prefix-affinity" else ""
