@@ -596,3 +596,18 @@ def test_a_budget_past_every_sequence_s_length_is_warned_and_the_watchdog_sized_
         "(2097152): no step schedules more than that",
         "max_num_batched_tokens 100000000000000 is past max_num_seqs x max_model_len "
         "(32768): no step schedules more than that"]
+
+
+def test_an_engine_process_is_given_the_model_path_it_can_find_from_anywhere(
+        tmp_path, monkeypatch):
+    """QA: ``kvserve serve m.gguf -dp 2 --data-parallel-backend ray`` failed ("model path
+    m.gguf does not exist"): a Ray replica's worker runs in another directory."""
+    from kvserve.engine.llm import portable_model
+    from kvserve.server.cli_serve import _engine_spec
+
+    (tmp_path / "m.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    spec = _engine_spec("m.gguf", {}, 1, None)
+    assert spec.factory.args == (str(tmp_path / "m.gguf"),)
+    assert portable_model("nowhere.gguf") == "nowhere.gguf"  # its refusal names it as given
+    assert portable_model(None) is None

@@ -159,6 +159,15 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
     return network, tokenizer
 
 
+def portable_model(model: Any) -> Any:
+    """``model`` as a process started in another directory finds it: a relative path that
+    exists here made absolute (QA: a Ray replica's worker runs elsewhere, and ``m.gguf`` did
+    not exist there); anything else as it is."""
+    if isinstance(model, str | Path) and os.path.exists(model):
+        return os.path.abspath(model)
+    return model
+
+
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the OS. glibc keeps freed chunks mapped, so
     without this the dequantisation buffers and the plain copies of packed bf16 weights

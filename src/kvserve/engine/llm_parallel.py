@@ -39,13 +39,13 @@ class ReplicatedEngines:
             replica_launchers,
         )
         from kvserve.engine.engine_process import EngineSpec
-        from kvserve.engine.llm import build_engine
+        from kvserve.engine.llm import build_engine, portable_model
 
         if threads_per_replica is not None and threads_per_replica < 1:
             raise ValueError(f"threads_per_replica must be >= 1, got {threads_per_replica}")
         policy = make_router(router, size)  # checks the size and the policy first
         threads = threads_per_replica or default_threads(size)
-        spec = EngineSpec(functools.partial(build_engine, model, **engine_args),
+        spec = EngineSpec(functools.partial(build_engine, portable_model(model), **engine_args),
                           threads=threads)
         self.loop = asyncio.new_event_loop()
         launchers = replica_launchers(size, backend, str(engine_args.get("device", "auto")),

@@ -1009,10 +1009,10 @@ def _engine_spec(model: str | None, engine_args: dict[str, Any], threads: int | 
     import functools
 
     from kvserve.engine.engine_process import EngineSpec
-    from kvserve.engine.llm import build_engine
+    from kvserve.engine.llm import build_engine, portable_model
 
-    return EngineSpec(functools.partial(build_engine, model, **engine_args), threads=threads,
-                      step_timeout=step_timeout)
+    return EngineSpec(functools.partial(build_engine, portable_model(model), **engine_args),
+                      threads=threads, step_timeout=step_timeout)
 
 
 def _engine_process(model: str | None, engine_args: dict[str, Any],
