@@ -631,6 +631,34 @@ def test_a_long_streamed_call_is_scanned_once_not_once_a_chunk(monkeypatch):
     assert reads < 2 * pieces + 4 * len(chunks)  # afresh it was ~ pieces * chunks / 2
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json"])
+def test_a_long_streamed_string_is_read_once_not_from_its_quote_each_chunk(monkeypatch, name):
+    """QA: a string argument the chunk ended inside was read again from its opening quote
+    at every chunk: a 20,000-character file took 4 s of the server's event loop (the
+    count of reads above did not see it: one read per chunk, each of the whole string)."""
+    from kvserve.server import tool_parsers
+
+    read = 0
+
+    class Counting:
+        def match(self, text, at):
+            nonlocal read
+            found = pattern.match(text, at)
+            read += found.end() - at
+            return found
+
+    pattern = tool_parsers._STRING_BODY
+    monkeypatch.setattr(tool_parsers, "_STRING_BODY", Counting())
+    content = "x = 1\\n" * 2500  # 20,000 characters of JSON string body
+    call = '{"name": "write", "arguments": {"path": "a.py", "content": "' + content + '"}}'
+    text = f"<tool_call>\n{call}\n</tool_call>" if name == "hermes" else call
+    parser, scanned = make_parser(name), {}
+    for end in range(4, len(text) + 4, 4):
+        calls = parser.calls_so_far(text[:end], scanned)
+    assert calls == [CallSoFar("write", call[call.index('{"path"'):-1], True)]
+    assert read < 2 * len(text)  # from the quote each chunk, it was ~ len(content)^2 / 8
+
+
 def test_auto_calls_cut_short_after_them_still_finish_as_tool_calls(live):
     """vLLM's: an answer whose calls were read finishes with tool_calls however it ended
     (the structured-output pass: one cut by max_tokens after its call said length)."""

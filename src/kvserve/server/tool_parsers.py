@@ -64,10 +64,12 @@ class CallSoFar:
 
 # What the scan of a streamed answer learned of its JSON values, by where each value starts:
 # the text it read (a prefix of every later text of that stream), where the value ends
-# (None while it goes on), and where and at which depth to go on scanning. A stream keeps
-# one (ToolCalls, per choice), so each chunk scans only what is new: without it, a call's
-# arguments of n pieces were scanned whole each chunk, n^2 / 2 pieces over the stream.
-Scanned = dict[int, tuple[str, "int | None", int, int]]
+# (None while it goes on), and where and at which depth to go on scanning, and the opening
+# quote of the string the scan stopped inside (None: between pieces). A stream keeps one
+# (ToolCalls, per choice), so each chunk scans only what is new: without it, a call's
+# arguments of n pieces were scanned whole each chunk, n^2 / 2 pieces over the stream (and a
+# long string from its opening quote each chunk: QA, 4 s of the event loop for 20 kB).
+Scanned = dict[int, tuple[str, "int | None", int, int, "int | None"]]
 
 
 class ToolParser(Protocol):
@@ -498,9 +500,11 @@ def _whole_answer_end(text: str, opener: str, tag: str) -> int:
     return len(text)
 
 
-# A streamed call's JSON read as far as it is written: strings whole (an unfinished one
-# matches nothing), brackets, separators, and runs of anything else (numbers, literals).
-_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+# A streamed call's JSON read as far as it is written: brackets, separators, and runs of
+# anything else (numbers, literals); strings by their bodies, which a scan may stop inside.
+_PIECE = re.compile(r'[{}\[\]:,]|[^\s{}\[\]:,"]+')
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*')  # up to its closing quote, or as written
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a whole one
 _BLANKS = re.compile(r"\s*")
 
 
@@ -514,19 +518,32 @@ def _value_end(text: str, at: int, scanned: Scanned | None = None) -> int | None
     """Where the JSON value that starts at ``at`` ends; None while it may go on (or is no
     value). With ``scanned`` (the stream's, see Scanned), the scan goes on from where the
     last one on a shorter text of the stream stopped."""
-    start, depth = at, 0
+    start, depth, quote = at, 0, None  # quote: the string being read's opening quote
     if scanned is not None and start in scanned:
-        read, end, resume, resume_depth = scanned[start]
+        read, end, resume, resume_depth, resume_quote = scanned[start]
         if text.startswith(read):
             if end is not None:
                 return end
-            at, depth = resume, resume_depth
+            at, depth, quote = resume, resume_depth, resume_quote
     while True:
-        at = _blank_end(text, at)
+        if quote is None:
+            at = _blank_end(text, at)
+            if text.startswith('"', at):
+                quote, at = at, at + 1
+        if quote is not None:  # a string's body, from where it was read to
+            at = _STRING_BODY.match(text, at).end()  # type: ignore[union-attr]
+            if not text.startswith('"', at):  # unfinished: go on from here
+                if scanned is not None:
+                    scanned[start] = (text[:at], None, at, depth, quote)
+                return None
+            at, quote = at + 1, None
+            if depth == 0:  # a string is whole at its quote
+                return _ended(text, start, at, scanned)
+            continue
         piece = _PIECE.match(text, at)
-        if piece is None:  # the text's end, or an unfinished string
-            if scanned is not None:  # the text's end, or the string's opening quote:
-                scanned[start] = (text[:at], None, at, depth)  # go on from there
+        if piece is None:  # the text's end
+            if scanned is not None:
+                scanned[start] = (text[:at], None, at, depth, None)
             return None
         at = piece.end()
         token = piece.group()
@@ -539,16 +556,15 @@ def _value_end(text: str, at: int, scanned: Scanned | None = None) -> int | None
         elif depth == 0:
             if token in (":", ","):
                 return None
-            # a string is whole at its quote; a number or literal where something follows
-            return _ended(text, start, at, scanned) \
-                if token.startswith('"') or at < len(text) else None
+            # a number or literal is whole where something follows
+            return _ended(text, start, at, scanned) if at < len(text) else None
 
 
 def _ended(text: str, start: int, end: int, scanned: Scanned | None) -> int:
     """``end``, kept in ``scanned`` for the value at ``start``, with the text read up to it
     and the character after it (what told a number whole)."""
     if scanned is not None:
-        scanned[start] = (text[:end + 1], end, end, 0)
+        scanned[start] = (text[:end + 1], end, end, 0, None)
     return end
 
 
@@ -565,8 +581,8 @@ def _object_call(text: str, at: int,
         if text[at] == "}":
             end = at + 1
             break
-        key = _PIECE.match(text, at)
-        if key is None or not key.group().startswith('"'):
+        key = _STRING.match(text, at)
+        if key is None:
             break
         colon = _blank_end(text, key.end())
         if not text.startswith(":", colon):
