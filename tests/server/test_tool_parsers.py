@@ -466,6 +466,14 @@ def test_a_replayed_call_reaches_the_template_as_an_object():
                                                         "add_generation_prompt": False},
                          timeout=30).json()["tokens"]
         assert own.decode(ids) == '{"city": "Paris"}'
+        # none, or "": an empty object, as vLLM's (QA: the template's tojson of Undefined
+        # was a 400; "" was shown as a quoted string)
+        for missing in ({}, {"arguments": ""}, {"arguments": None}):
+            messages[0]["tool_calls"][0]["function"] = {"name": "f", **missing}
+            reply = httpx.post(live.url + "/tokenize", timeout=30, json={
+                "messages": messages, "add_generation_prompt": False})
+            assert reply.status_code == 200, (missing, reply.text)
+            assert own.decode(reply.json()["tokens"]) == "{}"
         with_tools = httpx.post(live.url + "/tokenize", timeout=30, json={
             "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
         assert with_tools.status_code == 200, with_tools.text  # QA: vLLM's field, refused

@@ -156,7 +156,11 @@ def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
     carries: templates write them with ``tojson``, and the model then reads its own call in
     the shape it was taught (QA: the text was written as a quoted string), as vLLM does."""
     function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":  # none given: {}, as vLLM's (QA: tojson of
+        return {**call, "function": {**function, "arguments": {}}}  # Undefined, a 400)
     if not isinstance(arguments, str):
         return call
     try:
