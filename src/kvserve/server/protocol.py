@@ -303,8 +303,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=-1, le=1 << 20)  # --max-logprobs; -1 all
-    # OpenAI's tools: with tool_choice "none" they are ignored (not rendered), as vLLM
-    # ignores them; anything that would need a tool-call parser is refused (_check_tools)
+    # OpenAI's tools: with tool_choice "none" no call is read from the answer (the template
+    # still renders them, as vLLM's default); anything that would need a tool-call parser
+    # is refused (_check_tools)
     tools: list[Tool] | None = Field(default=None, max_length=1024)
     # "none" (tools ignored), a named function or, with one tool, "required" (its call is
     # the answer: its arguments held to the function's parameters, _forced_tool); "auto"
