@@ -1003,3 +1003,16 @@ def test_keys_vllm_always_sends_are_there_null_where_nothing_fills_them():
     assert all(message[key] is None for key in ("refusal", "annotations", "audio",
                                                   "function_call"))
     assert chunks and all("stop_reason" in c["choices"][0] for c in chunks)
+
+
+def test_threads_per_replica_holds_for_an_engine_on_the_servers_thread(model_dir):
+    """QA: with --no-engine-process the flag was taken and ignored (2 torch threads)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        serve_state(str(model_dir), "--threads-per-replica", "1")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -682,6 +682,10 @@ def _start_engine(args: argparse.Namespace, setup: _Setup) -> ServingEngine:
             serving = _engine_process(args.model, build_args, args.threads_per_replica,
                                       setup.step_timeout)
         else:
+            if args.threads_per_replica:  # the engine's thread shares this process's torch
+                import torch  # (QA: taken and ignored here)
+
+                torch.set_num_threads(args.threads_per_replica)
             serving = AsyncEngine(build_engine(args.model, **build_args))
     except (ConfigError, ValueError, FileNotFoundError, EngineStartError) as error:
         raise CLIError(str(error).splitlines()[0]) from error
