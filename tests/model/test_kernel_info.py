@@ -332,9 +332,10 @@ def test_the_layer_loop_line_names_the_steps_that_loop_in_cpp(monkeypatch) -> No
     for kernel, dtype, fused in (("onednn", bf16, True), ("hybrid-amx", bf16, False),
                                  ("panels-avx2", torch.float32, True)):
         assert describe_layer_loop(kernel, dtype, fused, True).startswith("Python")
-    monkeypatch.setenv(LAYER_STACK_ENV, "0")
-    assert describe_layer_loop("hybrid-amx", bf16, True, True).endswith(
-        f"[{LAYER_STACK_ENV}=0]")
+    for off in ("0", "false", "off"):  # as KVSERVE_HUGE_PAGES reads it (QA: only "0")
+        monkeypatch.setenv(LAYER_STACK_ENV, off)
+        assert describe_layer_loop("hybrid-amx", bf16, True, True).endswith(
+            f"[{LAYER_STACK_ENV}={off}]")
 
 
 def test_the_kernels_build_with_this_environments_ninja_whatever_the_path_finds_first(
@@ -359,3 +360,36 @@ def test_the_kernels_build_with_this_environments_ninja_whatever_the_path_finds_
     path = os.environ["PATH"]
     paged_kernel._put_ninja_on_path()  # once is enough: the PATH does not grow
     assert os.environ["PATH"] == path
+
+
+def test_info_says_on_stderr_what_the_kernels_build_says() -> None:
+    """QA: the first ``kvserve info`` on a machine (docs/new-cpu.md's first command) built
+    the kernels for six minutes without a word: its log went nowhere."""
+    import subprocess
+    import sys
+
+    script = ("import logging, sys\n"
+              "from kvserve.model import kernel_info\n"
+              "report = kernel_info.kernel_report\n"
+              "def building():\n"
+              "    logging.getLogger('kvserve.model').info('building the kernels')\n"
+              "    return report()\n"
+              "kernel_info.kernel_report = building\n"
+              "from kvserve.cli import main\n"
+              "sys.exit(main(['info']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "INFO kvserve.model: building the kernels" in done.stderr
+    assert done.stdout.startswith("CPU")
+
+
+def test_the_build_is_named_by_the_compiler_too(monkeypatch) -> None:
+    """QA: a process with CXX set rewrote the build of one without it, in its directory
+    (torch writes the compiler into build.ninja): each rebuilt the other's in turn."""
+    monkeypatch.delenv("CXX", raising=False)
+    plain = paged_kernel.build_name()
+    monkeypatch.setenv("CXX", "g++")
+    assert paged_kernel.build_name() != plain
+    monkeypatch.setenv("CXX", "")
+    assert paged_kernel.build_name() == plain  # unset or empty: the one default build

@@ -20,10 +20,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.flags import CLIError
+    from kvserve.flags import CLIError, configure_logging
     from kvserve.model.kernel_info import describe_quantization, kernel_report
     from kvserve.model.quantization import QUANTIZATIONS, unavailable_reason
 
+    # the first run on a machine builds the kernels: minutes, said on stderr (QA: silent)
+    configure_logging("%(levelname)s %(name)s: %(message)s")
     try:
         report = kernel_report().as_dict()
     except ValueError as error:  # KVSERVE_PROJECTIONS or _PREFILL_ATTENTION asks for too much

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.model.kernel_info import OFF_WORDS
+
 ENV = "KVSERVE_HUGE_PAGES"
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGN = 64  # bytes between the tensors of one arena: a cache line
@@ -30,7 +32,7 @@ ALIGN = 64  # bytes between the tensors of one arena: a cache line
 def available() -> bool:
     """Whether tensors here go on huge pages: Linux with transparent huge pages not
     ``never``, and KVSERVE_HUGE_PAGES not 0."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(ENV, "1").strip().lower() in OFF_WORDS:
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

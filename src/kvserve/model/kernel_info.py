@@ -40,6 +40,7 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 OPS = ("projections", "lm_head", "attention", "rms_norm", "silu_and_mul", "rope_kv_write",
        "layer_loop", "sampling")
 LAYER_STACK_ENV = "KVSERVE_LAYER_STACK"
+OFF_WORDS = ("0", "false", "no", "off")  # a KVSERVE_* switch turned off (QA: "false" was on)
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,7 @@ def layer_stack_enabled() -> bool:
     """``KVSERVE_LAYER_STACK=0`` runs every step's layers through the modules (to time ops
     one by one, benchmarks/profile_offline.py, or to compare); else the steps that
     :func:`describe_layer_loop` names loop in C++."""
-    return os.environ.get(LAYER_STACK_ENV, "1") != "0"
+    return os.environ.get(LAYER_STACK_ENV, "1").strip().lower() not in OFF_WORDS
 
 
 def describe_layer_loop(kernel: str, dtype: torch.dtype, fused: bool, amx: bool) -> str:
@@ -312,7 +313,7 @@ def describe_layer_loop(kernel: str, dtype: torch.dtype, fused: bool, amx: bool)
             "hybrid-amx", "hybrid-dpbf16", "panels-dpbf16"):
         return modules
     if not layer_stack_enabled():
-        return f"{modules} [{LAYER_STACK_ENV}=0]"
+        return f"{modules} [{LAYER_STACK_ENV}={os.environ[LAYER_STACK_ENV]}]"
     rows = {"hybrid-amx": f"up to {AMX_TILE_PANEL_ROWS} rows",
             "hybrid-dpbf16": f"up to {hybrid_panel_rows(1, amx)} rows",
             "panels-dpbf16": "of any rows"}[kernel]

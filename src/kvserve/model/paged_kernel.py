@@ -102,6 +102,21 @@ def _cpu_signature() -> str:
     return signature
 
 
+def build_name() -> str:
+    """The build's name, and so its directory: a hash of what the build depends on."""
+    # The name carries the source's and flags' hash: an edited kernel never loads a stale build,
+    # and processes with different sources do not fight over one build directory.
+    # The CPU's feature flags too: -march=native output must not load on another CPU model
+    # that shares this cache directory (a network home, a container image).
+    # And the sources' directory: ninja rebuilds when build.ninja's source paths change, so
+    # two checkouts of one source sharing a build directory would rebuild in turn; likewise
+    # the compiler torch writes there ($CXX, QA: one process with it set, one without).
+    key = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + \
+        " ".join(CFLAGS).encode() + _cpu_signature().encode() + str(CSRC).encode() + \
+        os.environ.get("CXX", "").encode()
+    return f"kvserve_paged_attention_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -110,19 +125,12 @@ def _build() -> ModuleType:
     _put_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
-    # The name carries the source's and flags' hash: an edited kernel never loads a stale build,
-    # and processes with different sources do not fight over one build directory.
-    # The CPU's feature flags too: -march=native output must not load on another CPU model
-    # that shares this cache directory (a network home, a container image).
-    # And the sources' directory: ninja rebuilds when build.ninja's source paths change, so
-    # two checkouts of one source sharing a build directory would rebuild in turn.
-    key = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + \
-        " ".join(CFLAGS).encode() + _cpu_signature().encode() + str(CSRC).encode()
-    name = f"kvserve_paged_attention_{hashlib.sha256(key).hexdigest()[:12]}"
+    name = build_name()
     build_directory = Path(cpp_extension._get_build_directory(name, False))
     if not (build_directory / f"{name}.so").exists():  # QA: a minute of silence at boot
-        logger.info("building kvserve's C++ kernels for this CPU in %s: a minute or two on "
-                    "two cores, once (later starts load the build)", build_directory)
+        logger.info("building kvserve's C++ kernels for this CPU in %s: two to three "
+                    "minutes on two cores, once (later starts load the build)",
+                    build_directory)
     with build_lock(build_directory):
         return cpp_extension.load(
             name=name,
