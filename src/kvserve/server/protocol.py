@@ -307,7 +307,7 @@ class ChatCompletionRequest(_Sampling):
     # still renders them, as vLLM's default); anything that would need a tool-call parser
     # is refused (_check_tools)
     tools: list[Tool] | None = Field(default=None, max_length=1024)
-    # "none" (tools ignored), a named function or, with one tool, "required" (its call is
+    # "none" (no call read), a named function or, with one tool, "required" (its call is
     # the answer: its arguments held to the function's parameters, _forced_tool); "auto"
     # would need a tool-call parser
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
