@@ -138,8 +138,10 @@ class ToolCalls:
             self.sent[choice_id] = end
             delta["content"] = whole[sent:end]
         if end < len(whole):
-            pieces = self._call_pieces(choice_id, self.parser.calls_so_far(
-                whole, self.scanned.setdefault(choice_id, {})))
+            scanned = self.scanned.get(choice_id)
+            if scanned is None:
+                scanned = self.scanned[choice_id] = Scanned()
+            pieces = self._call_pieces(choice_id, self.parser.calls_so_far(whole, scanned))
             if pieces:
                 delta["tool_calls"] = pieces
         return delta if delta or finished else None
