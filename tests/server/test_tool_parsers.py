@@ -610,22 +610,32 @@ def test_a_streams_scan_reads_each_chunk_as_a_fresh_read_would(name, text, step)
         assert parser.calls_so_far(other[:end], scanned) == parser.calls_so_far(other[:end])
 
 
+class Counting:
+    """One of tool_parsers' patterns, wrapped to count what its matches read: the matches,
+    or (``chars``) the characters."""
+
+    def __init__(self, pattern, chars: bool = False) -> None:
+        self.pattern, self.chars, self.count = pattern, chars, 0
+
+    def match(self, text, at):
+        found = self.pattern.match(text, at)
+        self.count += (found.end() - at if found else 0) if self.chars else 1
+        return found
+
+
+def counting(monkeypatch, name: str, chars: bool = False) -> Counting:
+    from kvserve.server import tool_parsers
+
+    counter = Counting(getattr(tool_parsers, name), chars)
+    monkeypatch.setattr(tool_parsers, name, counter)
+    return counter
+
+
 def test_a_long_streamed_call_is_scanned_once_not_once_a_chunk(monkeypatch):
     """QA: a call's arguments of n JSON pieces were scanned whole at every chunk, n^2 / 2
     pieces over the stream (1.5 s of the server's event loop for a 2,000-token list). With
     the stream's scan kept, each piece is read about once."""
-    from kvserve.server import tool_parsers
-
-    reads = 0
-
-    class Counting:
-        def match(self, text, at):
-            nonlocal reads
-            reads += 1
-            return pattern.match(text, at)
-
-    pattern = tool_parsers._PIECE
-    monkeypatch.setattr(tool_parsers, "_PIECE", Counting())
+    reads = counting(monkeypatch, "_PIECE")
     items = 1500
     text = ('<tool_call>\n{"name": "f", "arguments": {"xs": [' +
             ", ".join(str(i) for i in range(items)) + ']}}\n</tool_call>')
@@ -636,7 +646,7 @@ def test_a_long_streamed_call_is_scanned_once_not_once_a_chunk(monkeypatch):
     assert calls == [CallSoFar("f", '{"xs": [' + ", ".join(map(str, range(items))) + "]}",
                                True)]
     pieces = 2 * items + 10  # the numbers and their commas, and the fields around them
-    assert reads < 2 * pieces + 4 * len(chunks)  # afresh it was ~ pieces * chunks / 2
+    assert reads.count < 2 * pieces + 4 * len(chunks)  # afresh it was ~ pieces * chunks / 2
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json"])
@@ -644,19 +654,7 @@ def test_a_long_streamed_string_is_read_once_not_from_its_quote_each_chunk(monke
     """QA: a string argument the chunk ended inside was read again from its opening quote
     at every chunk: a 20,000-character file took 4 s of the server's event loop (the
     count of reads above did not see it: one read per chunk, each of the whole string)."""
-    from kvserve.server import tool_parsers
-
-    read = 0
-
-    class Counting:
-        def match(self, text, at):
-            nonlocal read
-            found = pattern.match(text, at)
-            read += found.end() - at
-            return found
-
-    pattern = tool_parsers._STRING_BODY
-    monkeypatch.setattr(tool_parsers, "_STRING_BODY", Counting())
+    read = counting(monkeypatch, "_STRING_BODY", chars=True)
     content = "x = 1\\n" * 2500  # 20,000 characters of JSON string body
     call = '{"name": "write", "arguments": {"path": "a.py", "content": "' + content + '"}}'
     text = f"<tool_call>\n{call}\n</tool_call>" if name == "hermes" else call
@@ -664,7 +662,7 @@ def test_a_long_streamed_string_is_read_once_not_from_its_quote_each_chunk(monke
     for end in range(4, len(text) + 4, 4):
         calls = parser.calls_so_far(text[:end], scanned)
     assert calls == [CallSoFar("write", call[call.index('{"path"'):-1], True)]
-    assert read < 2 * len(text)  # from the quote each chunk, it was ~ len(content)^2 / 8
+    assert read.count < 2 * len(text)  # from the quote each chunk, it was ~ len(content)^2 / 8
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
@@ -672,18 +670,7 @@ def test_finished_calls_and_whole_fields_are_read_once_not_once_a_chunk(monkeypa
     """QA: each chunk walked every finished call and every field of an unfinished object
     again: 100 calls took 10 s of the event loop, a JSON answer of 300 keys on a
     llama3_json server 3 s."""
-    from kvserve.server import tool_parsers
-
-    keys = 0
-
-    class Counting:
-        def match(self, text, at):
-            nonlocal keys
-            keys += 1
-            return pattern.match(text, at)
-
-    pattern = tool_parsers._STRING
-    monkeypatch.setattr(tool_parsers, "_STRING", Counting())
+    keys = counting(monkeypatch, "_STRING")
     records = ", ".join(f'"k{i}": {i}' for i in range(300))
     calls = [f'{{"name": "f{i}", "arguments": {{"i": {i}}}}}' for i in range(100)]
     text = {"hermes": "".join(f"<tool_call>\n{call}\n</tool_call>\n" for call in calls),
@@ -694,7 +681,7 @@ def test_finished_calls_and_whole_fields_are_read_once_not_once_a_chunk(monkeypa
     for end in chunks:
         found = parser.calls_so_far(text[:end], scanned)
     assert found == parser.calls_so_far(text)
-    assert keys < 3 * 300 + 2 * len(chunks)  # afresh, ~ the keys so far at every chunk
+    assert keys.count < 3 * 300 + 2 * len(chunks)  # afresh, ~ the keys so far at every chunk
 
 
 def test_auto_calls_cut_short_after_them_still_finish_as_tool_calls(live):
