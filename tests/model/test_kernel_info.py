@@ -299,6 +299,9 @@ def test_prefill_chunks_go_to_amx_tiles_or_torchs_flash_attention_for_bf16_on_am
         "attention"]
     asked = op_kernels(F32, True, ALL_ISA, True, prefill="flash")["attention"]
     assert asked.endswith("[KVSERVE_PREFILL_ATTENTION=flash]")
+    # the kernel asked for where auto would take flash: the line says who chose it
+    kernel = op_kernels(BF16, True, ALL_ISA, True, flags=amx, prefill="kernel")["attention"]
+    assert kernel.endswith("[KVSERVE_PREFILL_ATTENTION=kernel]") and "flash" not in kernel
     with pytest.raises(ValueError, match="KVSERVE_PREFILL_ATTENTION=amx"):
         op_kernels(BF16, True, ALL_ISA, True, flags=amx, prefill="amx")
     # not built: every op is torch's already, flash or not

@@ -359,7 +359,7 @@ def op_kernels(dtype: torch.dtype, built: bool, compiled_isa: tuple[str, ...],
     elif fused and prefill_kernel == "amx":
         attention += (f"; prefill chunks of {AMX_PREFILL_ROWS}+ rows: C++ AMX-BF16 tiles "
                       f"(head_dim {AMX_PREFILL_HEAD_DIM}; others torch's flash attention)")
-    if fused and prefill_kernel != "kernel" and prefill != "auto":
+    if fused and prefill != "auto":  # asked for, as KVSERVE_PROJECTIONS's tag (kernel too)
         attention += f" [{PREFILL_ATTENTION_ENV}={prefill}]"
     elementwise = f"C++ fused ({vector})" if fused else "torch ops"
     plain = ", C++ greedy_rows (a step of plain greedy rows)" if dtype == torch.bfloat16 else ""
