@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import openai
 import pytest
@@ -611,3 +612,20 @@ def test_an_engine_process_is_given_the_model_path_it_can_find_from_anywhere(
     assert spec.factory.args == (str(tmp_path / "m.gguf"),)
     assert portable_model("nowhere.gguf") == "nowhere.gguf"  # its refusal names it as given
     assert portable_model(None) is None
+
+
+def test_local_replicas_host_tiers_are_checked_together(capsys, monkeypatch):
+    """The data-parallel pass: `-dp 2 --swap-space` of 45% of the memory each was one
+    replica's warning, and the two allocated 90% (each replica holds its own tier)."""
+    import kvserve.engine.data_parallel as data_parallel
+
+    def no_start(*args, **kwargs):  # (never two replicas of 45% each on a shared machine)
+        raise AssertionError("replicas were started for a host tier the machine lacks")
+
+    monkeypatch.setattr(data_parallel, "replica_launchers", no_start)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    each = f"{int(0.45 * total) >> 20}MiB"
+    assert main(["serve", "-dp", "2", "--swap-space", each, "--port", free_port()]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "swap space of" in err and "(2 replicas on this machine," in err and \
+        "more than 70% of it is refused" in err

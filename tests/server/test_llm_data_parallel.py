@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from kvserve.core import SamplingParams
+from kvserve.engine.data_parallel import replicas_on_this_machine
 from kvserve.engine.llm import LLM
 
 from .helpers import TINY, tokenizer, wait_for
@@ -165,3 +166,36 @@ def test_a_script_that_never_closes_its_replicas_still_exits(tmp_path):
     assert "tokens 2" in done.stdout
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, \
         done.stderr
+
+
+def test_the_host_tier_is_checked_for_every_replica_on_this_machine(monkeypatch):
+    """Each local replica allocates its own host tier: -dp 2 with a swap space of 45% of the
+    memory each commits 90%, yet the check saw one replica's 45% (a warning) and the
+    machine ran out of memory under load (the data-parallel pass). vLLM checks its swap
+    space over a node's workers; so does this, before any replica starts."""
+    import kvserve.engine.llm as llm_module
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("replicas were started for settings that cannot run")
+
+    monkeypatch.setattr(llm_module, "ReplicatedEngines", no_spawn)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    each = int(0.45 * total)
+    with pytest.raises(ValueError, match=r"swap space of \d+.\d GiB \(2 replicas on this "
+                                         r"machine, \d+.\d GiB each\), 9\d% of this machine's "
+                                         r"memory .*: more than 70% of it is refused"):
+        LLM(TINY, tokenizer=tokenizer(), data_parallel_size=2, num_kv_blocks=8,
+            swap_space=each)
+    # one engine with the same tier is taken (a warning); nothing is allocated by the check
+    llm_module.check_engine_args(TINY, tokenizer=tokenizer(), num_kv_blocks=8, swap_space=each)
+    # the KV pools too: two of 60% each are more than the machine holds
+    with pytest.raises(ValueError, match=r"the KV cache of .*2 replicas on this machine.*: "
+                                         r"more than its memory is refused"):
+        LLM(TINY, tokenizer=tokenizer(), data_parallel_size=2, block_size=1024,
+            kv_cache_memory=int(0.6 * total))
+    # a Ray cluster elsewhere places its replicas where it will: one is checked
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert replicas_on_this_machine(2, "ray") == 1
+    assert replicas_on_this_machine(2, "mp") == 2
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert replicas_on_this_machine(2, "ray") == 2  # the instance a server starts here

@@ -420,6 +420,13 @@ def check_local_replicas(size: int, backend: str) -> None:
                          "(the ray backend places replicas over a cluster)")
 
 
+def replicas_on_this_machine(size: int, backend: str) -> int:
+    """How many of ``size`` replicas share this machine's memory: every one on ``mp`` and on
+    the Ray instance a server starts here (no RAY_ADDRESS); on a cluster elsewhere, where
+    Ray places them is not known before, one is checked."""
+    return size if backend == "mp" or not os.environ.get("RAY_ADDRESS") else 1
+
+
 def default_threads(num_replicas: int) -> int:
     """Torch threads per replica when none are given: the CPUs split evenly (at least 1)."""
     return max(1, (os.cpu_count() or 1) // num_replicas)

@@ -36,7 +36,7 @@ from kvserve.core.checks import is_int, is_one_of
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS, swaps
 from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
-from kvserve.engine.data_parallel import check_local_replicas
+from kvserve.engine.data_parallel import check_local_replicas, replicas_on_this_machine
 from kvserve.engine.engine import (
     DEFAULT_MAX_LOGPROBS,
     CompletionChunk,
@@ -192,10 +192,12 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                  batch_invariant: bool = False,
                  quantization: str | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, _check_only: bool = False,
+                 _replicas_here: int = 1,
                  **scheduler_settings: Any) -> Engine:
     """Load the model, size and allocate the KV cache once, and wire scheduler + runner.
     (``_check_only``: raise what these arguments would raise before the model loads, and
-    return None: :func:`check_engine_args`.)
+    return None: :func:`check_engine_args`; ``_replicas_here`` engines of these arguments
+    share this machine's memory.)
 
     ``dtype`` takes vLLM's spellings; ``auto`` is the checkpoint's own dtype where this CPU
     computes it natively, else float32 (:mod:`kvserve.model.dtype`; a ModelConfig, random
@@ -274,7 +276,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
         check_batch_invariant(torch_dtype)
     prefill_attention_choice()  # KVSERVE_PREFILL_ATTENTION, refused before anything is built
     num_kv_blocks = _pool_blocks(header, block_size, torch_dtype, torch_device, num_kv_blocks,
-                                 kv_cache_memory)
+                                 kv_cache_memory, _replicas_here)
     if swaps(scheduler_settings) and not (swap_space or num_host_blocks):
         raise ConfigError(f"preemption_mode={scheduler_settings['preemption_mode']!r} needs "
                           "a host KV tier: give swap_space (--swap-space) or num_host_blocks")
@@ -284,7 +286,7 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
             header, block_size, torch_dtype)
         _check_host_memory(host_bytes, "swap space" if swap_space else
                            f"num_host_blocks={num_host_blocks}'s host tier", refuse=0.7,
-                           warn=0.4)
+                           warn=0.4, copies=_replicas_here)
     if _check_only:  # check_engine_args: nothing is built
         return None  # type: ignore[return-value]
     if (swap_space or num_host_blocks) and not swaps(scheduler_settings):
@@ -388,20 +390,26 @@ def _size(value: Any, name: str, minimum: int) -> int | None:
     return value
 
 
-def _check_host_memory(size: int | None, what: str, *, refuse: float, warn: float) -> None:
-    """``size`` bytes of ``what`` in this machine's memory (checked before the model loads:
-    past it, torch's allocator failed after the load): refused above ``refuse`` of it,
-    a warning above ``warn``. The host tier as vLLM checks its swap space (refused above
-    70%, a warning above 40%; the sessions pass: --num-host-blocks was not checked, and
-    --swap-space above 70% only warned); a KV pool on the CPU refused past the whole."""
+def _check_host_memory(size: int | None, what: str, *, refuse: float, warn: float,
+                       copies: int = 1) -> None:
+    """``size`` bytes of ``what`` in this machine's memory, for each of ``copies`` engines
+    on it (checked before the model loads: past it, torch's allocator failed after the
+    load): refused above ``refuse`` of it, a warning above ``warn``. The host tier as vLLM
+    checks its swap space (refused above 70%, a warning above 40%, over the workers of a
+    node; the sessions pass: --num-host-blocks was not checked, and --swap-space above 70%
+    only warned; the data-parallel pass: -dp 2 checked one replica's of the two); a KV pool
+    on the CPU refused past the whole."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return
     if not size or total <= 0:
         return
-    share = f"{size / 2**30:.1f} GiB, {100 * size / total:.0f}% of this machine's memory " \
-        f"({total / 2**30:.1f} GiB)"
+    each = f" ({copies} replicas on this machine, {size / 2**30:.1f} GiB each)" \
+        if copies > 1 else ""
+    size *= copies
+    share = f"{size / 2**30:.1f} GiB{each}, {100 * size / total:.0f}% of this machine's " \
+        f"memory ({total / 2**30:.1f} GiB)"
     if size > refuse * total:
         most = "its memory" if refuse >= 1 else f"{refuse:.0%} of it"
         raise ValueError(f"{what} of {share}: more than {most} is refused")
@@ -411,7 +419,7 @@ def _check_host_memory(size: int | None, what: str, *, refuse: float, warn: floa
 
 def _pool_blocks(header: ModelConfig, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_kv_blocks: int | None,
-                 kv_cache_memory: int | None) -> int:
+                 kv_cache_memory: int | None, copies: int = 1) -> int:
     """The KV pool's blocks, from the model's header before its weights load (QA: a size
     that holds no block, or more blocks than a pool may have, was refused after the load,
     the latter naming num_blocks, a setting the caller never gave; one past the machine's
@@ -426,7 +434,7 @@ def _pool_blocks(header: ModelConfig, block_size: int, dtype: torch.dtype,
     else:
         memory = num_kv_blocks * kv_cache_bytes_per_block(header, block_size, dtype)
     if device.type == "cpu":
-        _check_host_memory(memory, "the KV cache", refuse=1.0, warn=0.7)
+        _check_host_memory(memory, "the KV cache", refuse=1.0, warn=0.7, copies=copies)
     return num_kv_blocks
 
 
@@ -438,12 +446,13 @@ def _check_count(value: Any, name: str, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 
-def check_engine_args(model: str | Path | ModelConfig | None = None,
+def check_engine_args(model: str | Path | ModelConfig | None = None, replicas_here: int = 1,
                       **engine_args: Any) -> None:
     """Raise what :func:`build_engine` would raise for these arguments before it loads the
     model (ConfigError, ValueError, ModelNotFoundError), loading nothing: data-parallel
-    replicas are started only for arguments every one of them will take."""
-    build_engine(model, **engine_args, _check_only=True)
+    replicas are started only for arguments every one of them will take. ``replicas_here``:
+    how many such engines this machine holds (its memory checked for all of them)."""
+    build_engine(model, **engine_args, _check_only=True, _replicas_here=replicas_here)
 
 
 # vLLM's LLM arguments that change nothing here (the serve flags of the same names:
@@ -599,7 +608,8 @@ class LLM:
             self._engine = build_engine(model, **engine_args)
             self.tokenizer = self._engine.tokenizer
             return
-        check_engine_args(model, **engine_args)  # as one engine raises, before any spawn
+        check_engine_args(model, replicas_on_this_machine(  # as one engine raises, before
+            data_parallel_size, data_parallel_backend), **engine_args)  # any spawn
         self.tokenizer = _own_tokenizer(model, engine_args)
         self.replicas = ReplicatedEngines(
             model, engine_args, self.tokenizer, size=data_parallel_size,

@@ -667,6 +667,7 @@ def _start_engine(args: argparse.Namespace, setup: _Setup) -> ServingEngine:
     on a thread of the server (--no-engine-process)."""
     from kvserve.core import ConfigError
     from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.data_parallel import replicas_on_this_machine
     from kvserve.engine.engine_process import EngineStartError
     from kvserve.engine.llm import build_engine, check_engine_args
     from kvserve.flags import CLIError
@@ -675,7 +676,9 @@ def _start_engine(args: argparse.Namespace, setup: _Setup) -> ServingEngine:
     serving: ServingEngine
     try:
         if setup.parallel or args.engine_process:  # refused here, before any process starts
-            check_engine_args(args.model, **build_args)
+            here = replicas_on_this_machine(args.data_parallel_size,
+                                            args.data_parallel_backend) if setup.parallel else 1
+            check_engine_args(args.model, here, **build_args)
         if setup.parallel:
             serving = _data_parallel(args, build_args, setup.step_timeout)
         elif args.engine_process:
