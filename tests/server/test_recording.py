@@ -230,6 +230,39 @@ def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_p
     assert decisions(simulated) == decisions(logged) and decisions(logged)
 
 
+@pytest.mark.parametrize("cut", ["mid_line", "whole_line"])
+def test_a_step_log_that_lost_its_last_step_line_replays_to_the_step_before(
+        recorded, tmp_path, cut):
+    """A step's events are written before its line, so a server stopped between them (or
+    mid-line) leaves the finish of a request whose step is not in the log: the replay needed
+    a step more than the log held and refused the recording (the sim-agreement pass). That
+    request is replayed as cancelled at the last logged step's end, with a warning."""
+    directory, _ = recorded
+    copy = tmp_path / "cut"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    log = sorted(copy.glob("steps-0-*.jsonl"))[-1]
+    lines = log.read_text().splitlines(keepends=True)
+    last = max(i for i, line in enumerate(lines) if '"type": "step"' in line)
+    assert any('"kind": "finished"' in line for line in lines[:last][-6:])
+    kept = "".join(lines[:last]) + (lines[last][:-20] if cut == "mid_line" else "")
+    log.write_text(kept)
+    warnings: list[str] = []
+    recording = load_recording(copy, warn=warnings.append)
+    assert [w for w in warnings if "finished in a step whose line is not in the log" in w]
+    end = recording.engines[0].end
+    assert recording.cut == end
+    cancelled = [r for r in recording.trace if r.cancel_time == end]
+    assert cancelled
+    result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
+                       recording.replay_cost_model(), record_events=True).run(recording.trace)
+    assert len(result.steps.time) == len(recording.engines[0].steps)
+    logged = recording.engines[0].events[:recording.engines[0].events_stepped]
+    simulated = [{"kind": e.kind, "request_id": e.request_id} for e in result.events]
+    assert decisions(simulated)[:len(decisions(logged))] == decisions(logged)
+
+
 @pytest.mark.parametrize("kind", ["under_a_file", "read_only"])
 def test_serve_refuses_a_directory_it_cannot_write(tmp_path, capsys, kind):
     """One line and exit 2 before the model loads (nothing is served)."""

@@ -48,6 +48,9 @@ class EngineLog:
 
     steps: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    # the events before the last step line (a step's events are written before its line:
+    # those after it are a step's whose line was not written, or came with no step)
+    events_stepped: int = 0
 
     @property
     def end(self) -> float:
@@ -461,6 +464,7 @@ def _add_step_row(log: EngineLog, where: str, row: Any) -> None:
     if shape is not None and set(shape) != {f.name for f in dataclasses.fields(BatchView)}:
         raise TraceError(f"{where}: shape must have the fields of a BatchView")
     log.steps.append(row)
+    log.events_stepped = len(log.events)
 
 
 def _cut(recording: Recording, note: Warn) -> None:
@@ -515,8 +519,17 @@ def _cut(recording: Recording, note: Warn) -> None:
     if cut is None:
         return
     # At the log's end every logged finish counts: a finish is stamped by the engine's clock
-    # a little after the step's own end, which the cut is.
-    finished = {e["request_id"] for e in finished_events}
+    # a little after the step's own end, which the cut is. But not a finish of a request that
+    # ran, logged after its log's last step line: the step that finished it has no line (the
+    # writing stopped between its events and its line; the sim-agreement pass: the replay
+    # then needed a step more than the log held, and refused the recording).
+    unstepped = {e["request_id"] for log in recording.engines.values()
+                 for e in log.events[log.events_stepped:] if e["kind"] == "finished"} & ran
+    if unstepped:
+        note(f"{recording.path}: {len(unstepped)} request(s) finished in a step whose line is "
+             f"not in the log (the writing stopped before it); replayed as cancelled at "
+             f"{cut:.3f} s, the end of the last logged step")
+    finished = {e["request_id"] for e in finished_events} - unstepped
     trace = []
     for request in recording.trace:
         if request.arrival_time >= cut:
