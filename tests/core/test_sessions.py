@@ -298,6 +298,39 @@ def test_the_bound_releases_the_oldest_hold_first():  # U5
     assert ("", "C") not in scheduler.sessions.sessions
 
 
+def test_sessions_sharing_a_system_prompt_count_its_blocks_once():  # U5 G2
+    """Sessions opening with one system prompt share its blocks (prefix hits): the bound
+    counts the blocks kept, each once (the sessions pass: counted per session, six such
+    sessions released each other at 8% of the pool under a 30% bound)."""
+    scheduler, executor = sched(num_blocks=40, max_session_kv=0.3), FakeExecutor()  # 12
+    system = prompt_of("system", 16)  # 4 full blocks, cached after the first turn
+    for index in range(5):
+        scheduler.add_request(turn(f"t{index}", [*system, *prompt_of(f"t{index}", 2)],
+                                   session=f"S{index}", session_ttl=1000.0))
+        run(scheduler, executor, 10.0 * index)
+        check_invariants(scheduler)
+    # each holds 20 tokens, 5 blocks: the 4 shared and one of its own -> 4 + 5 = 9 <= 12
+    stats = scheduler.stats()
+    assert (stats.num_sessions_held, stats.num_session_blocks) == (5, 9)
+    assert stats.session_releases == {}
+    assert scheduler.sessions.blocks_by_tenant() == {"": 9}
+    # three more: 12 blocks; the fourth past the bound releases the oldest hold, whose own
+    # block is all it gives back (the shared four stay, kept by the others)
+    for index in range(5, 9):
+        scheduler.add_request(turn(f"t{index}", [*system, *prompt_of(f"t{index}", 2)],
+                                   session=f"S{index}", session_ttl=1000.0))
+        run(scheduler, executor, 10.0 * index)
+        check_invariants(scheduler)
+    stats = scheduler.stats()
+    assert (stats.num_sessions_held, stats.num_session_blocks) == (8, 12)
+    assert stats.session_releases == {"limit": 1} and ("", "S0") not in scheduler.sessions.held
+    for key in list(scheduler.sessions.held):
+        scheduler.sessions.release(key, "deleted")
+    assert scheduler.stats().num_session_blocks == 0
+    assert scheduler.sessions.blocks_by_tenant() == {}
+    check_invariants(scheduler)
+
+
 def test_the_bound_releases_the_tenant_holding_most_first():  # U5 U7
     """One tenant opening sessions released every other tenant's held KV (QA: the globally
     oldest hold went first): the tenant holding the most blocks, counting the turn about to

@@ -136,26 +136,30 @@ def _check_requests(scheduler: Scheduler) -> None:
 
 
 def _check_sessions(scheduler: Scheduler) -> None:
-    """U2-U5: held blocks belong to a live, idle session, counted once, within the bound;
-    a session with a turn in flight names an unfinished request."""
+    """U2-U5: held blocks belong to a live, idle session, counted once (a block two
+    sessions share too), within the bound; a session with a turn in flight names an
+    unfinished request."""
     sessions = scheduler.sessions
     assert sessions is not None
-    num_blocks = 0
-    by_tenant: dict[str, int] = {}
+    held: set[int] = set()
+    by_tenant: dict[str, set[int]] = {}
     for key, session in sessions.held.items():
-        by_tenant[key[0]] = by_tenant.get(key[0], 0) + len(session.blocks)
+        ids = {block.block_id for block in session.blocks}
+        by_tenant.setdefault(key[0], set()).update(ids)
+        held |= ids
         if sessions.sessions.get(key) is not session or session.turn_id is not None:
             _fail("U2", f"held session {key} is not a live idle session")
         if len(session.blocks) != scheduler.kv.num_blocks_for(len(session.token_ids)) or \
                 not session.blocks:
             _fail("U2", f"session {key} holds {len(session.blocks)} blocks for "
                         f"{len(session.token_ids)} tokens")
-        num_blocks += len(session.blocks)
+    num_blocks = len(held)
     if num_blocks != sessions.num_held_blocks or num_blocks > sessions.max_blocks:
         _fail("U5", f"sessions hold {num_blocks} blocks, count {sessions.num_held_blocks}, "
                     f"bound {sessions.max_blocks}")
-    if by_tenant != sessions.blocks_by_tenant():
-        _fail("U5", f"sessions hold {by_tenant} blocks by tenant, count "
+    counts = {tenant: len(ids) for tenant, ids in by_tenant.items()}
+    if counts != sessions.blocks_by_tenant():
+        _fail("U5", f"sessions hold {counts} blocks by tenant, count "
                     f"{sessions.blocks_by_tenant()}")
     for key, session in sessions.sessions.items():
         if session.turn_id is None and key not in sessions.held:
