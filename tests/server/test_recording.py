@@ -242,12 +242,17 @@ def test_a_step_log_that_lost_its_last_step_line_replays_to_the_step_before(
     copy.mkdir()
     for path in directory.iterdir():
         (copy / path.name).write_bytes(path.read_bytes())
-    log = sorted(copy.glob("steps-0-*.jsonl"))[-1]
-    lines = log.read_text().splitlines(keepends=True)
-    last = max(i for i, line in enumerate(lines) if '"type": "step"' in line)
-    assert any('"kind": "finished"' in line for line in lines[:last][-6:])
-    kept = "".join(lines[:last]) + (lines[last][:-20] if cut == "mid_line" else "")
-    log.write_text(kept)
+    files = sorted(copy.glob("steps-0-*.jsonl"))  # rotated at 1 KiB
+    lines = [(path, line) for path in files for line in path.read_text().splitlines(True)]
+    steps = [i for i, (_, line) in enumerate(lines) if '"type": "step"' in line]
+    # the writing stops at the line of the last step whose events finish a request
+    last = max(i for before, i in zip([-1, *steps], steps, strict=False)
+               if any('"kind": "finished"' in line for _, line in lines[before + 1:i]))
+    log = lines[last][0]
+    for path in files[files.index(log) + 1:]:
+        path.unlink()
+    kept = "".join(line for path, line in lines[:last] if path == log)
+    log.write_text(kept + (lines[last][1][:-20] if cut == "mid_line" else ""))
     warnings: list[str] = []
     recording = load_recording(copy, warn=warnings.append)
     assert [w for w in warnings if "finished in a step whose line is not in the log" in w]
