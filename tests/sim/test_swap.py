@@ -49,7 +49,27 @@ def test_a_step_pays_for_its_copies():  # S1, S2: copies run before the forward
         roofline().step_time(plain, view) + 3 * BYTES_PER_BLOCK / 64e9)
     assert model.describe()["swap"] == {"bytes_per_block": BYTES_PER_BLOCK,
                                         "host_link_bandwidth": 64e9,
-                                        "copies_take_time": True}
+                                        "copies_take_time": True, "swaps_priced": True}
+
+
+def test_a_replay_prices_swaps_for_auto_but_adds_no_copy_time():  # S4, docs/recording.md
+    """A replay's steps hold the engine's copies already, so they gain none; auto's choice
+    still weighs the swap by --hardware's host link (the sim-agreement pass: it priced every
+    swap at 0 s, and auto swapped every victim whatever the hardware). Unit time prices
+    none."""
+    from kvserve.sim.deployment import Deployment
+
+    replay = Deployment(cost_model="replay", replay_log="steps.jsonl").preemption_prices(
+        roofline(), 16)
+    assert replay.swap_seconds(10) == pytest.approx(10 * BYTES_PER_BLOCK / 64e9)
+    assert not replay.copies_take_time
+    view = BatchView(2, 2, 2, 2, 1000, 1002)
+    copying = SchedulerOutput([], CachedRequestData(), {"a": 1, "b": 1}, 2, ["c"], [],
+                              blocks_to_swap_out=[(5, 0), (6, 1)])
+    assert WithSwapCopies(roofline(), replay).step_time(copying, view) == \
+        roofline().step_time(copying, view)
+    unit = Deployment(cost_model="unit").preemption_prices(roofline(), 16)
+    assert unit.swap_seconds(10) == 0.0 and not unit.copies_take_time
 
 
 @pytest.fixture

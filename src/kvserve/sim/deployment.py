@@ -220,7 +220,8 @@ class Deployment:
         return SimPreemptionPrices(cost_model, get_model(self.model),
                                    self.hardware_preset(), self.dtype,
                                    self.tensor_parallel_size, block_size,
-                                   copies_take_time=self.cost_model not in TIMELESS_COPIES)
+                                   copies_take_time=self.cost_model not in TIMELESS_COPIES,
+                                   swaps_priced=self.cost_model != "unit")
 
     def simulate(self, trace: Sequence[TraceRequest], settings: dict[str, Any], *,
                  seed: int = 0, record_events: bool = False, check: bool = False,

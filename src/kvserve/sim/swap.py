@@ -12,10 +12,12 @@ serve ``auto``'s choice per victim and the copy time in the step.
 :class:`WithSwapCopies` wraps a cost model: a step's duration gains the time of its block
 copies, swap-outs then swap-ins, which run before the forward pass (the executor contract).
 Exceptions: under the ``unit`` cost model (simulated seconds count steps) copies take no
-time; a ``replay`` of engine step times already contains the engine's copies, and prices
-its recomputes with the roofline of the deployment's presets. A step that schedules no
-token runs no model and takes no time, its copies included (it is rare: a lone victim's own
-preemption).
+time and a swap has no price; a ``replay`` of engine step times already contains the
+engine's copies, so its steps gain none, yet ``auto`` still prices each victim's swap by the
+host link against its recompute by the roofline of the deployment's presets (``--hardware``;
+the sim-agreement pass: a replay priced every swap at 0 s, so auto swapped every victim).
+A step that schedules no token runs no model and takes no time, its copies included (it is
+rare: a lone victim's own preemption).
 """
 
 from __future__ import annotations
@@ -39,25 +41,27 @@ class SimPreemptionPrices:
 
     def __init__(self, cost_model: CostModel, model: ModelSpec, hardware: HardwareSpec,
                  dtype: str, tensor_parallel_size: int, block_size: int,
-                 copies_take_time: bool = True) -> None:
+                 copies_take_time: bool = True, swaps_priced: bool = True) -> None:
         self.cost_model = cost_model
         self.bytes_per_block = kv_bytes_per_token(model, dtype, tensor_parallel_size) \
             * block_size
         self.link_bandwidth = hardware.host_link_bandwidth * tensor_parallel_size
-        self.copies_take_time = copies_take_time
+        self.copies_take_time = copies_take_time  # a step gains its copies' time
+        self.swaps_priced = swaps_priced  # auto's choice sees a swap's price (not unit time)
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return self.cost_model.step_time(_NO_OUTPUT, prefill_view(num_tokens))
 
     def swap_seconds(self, num_blocks: int) -> float:
-        if not self.copies_take_time:
+        if not self.swaps_priced:
             return 0.0
         return num_blocks * self.bytes_per_block / self.link_bandwidth
 
     def describe(self) -> dict[str, Any]:
         return {"bytes_per_block": self.bytes_per_block,
                 "host_link_bandwidth": self.link_bandwidth,
-                "copies_take_time": self.copies_take_time}
+                "copies_take_time": self.copies_take_time,
+                "swaps_priced": self.swaps_priced}
 
 
 class WithSwapCopies:
