@@ -509,8 +509,36 @@ def test_a_long_counted_strings_states_share_their_tokens():
         state = read(b'{"v":"' + b"x" * count, schema=schema)
         expected = [t for t, data in enumerate(pieces) if read(data, state, schema) is not None]
         assert vocabulary.allowed(state, schema) == expected, count
-    shared = {key for key in schema.cache if key[1].extra[1] == 3}
-    assert len(schema.cache) < 61 - 10 and shared  # the middle counts are one entry
+    shared = {key for key in vocabulary.cache if key[1].extra[1] == 3}
+    assert len(vocabulary.cache) < 61 - 10 and shared  # the middle counts are one entry
+
+
+def test_the_allowed_lists_kept_are_bounded_in_slots_least_recently_used_first():
+    """The soak pass: one schema of 40 strings held to a maxLength kept 3,280 lists of
+    nearly the whole vocabulary, 1.2 GB, for the life of the process (a count bound per
+    schema). The lists kept are bounded in slots over every schema; a list dropped is
+    worked out again, the same."""
+    from kvserve.model.json_mode import ENTRY_SLOTS
+
+    schema = _one({"type": "string", "maxLength": 40})
+    pieces = [b'"', b"a", b"ab", b"abc", b"abcd", b'a"', b"\\n"] + [b"x" * n for n in range(5, 30)]
+    bound = 4 * (len(pieces) + ENTRY_SLOTS)
+    vocabulary = JsonVocabulary(pieces, cache_slots=bound)
+    states = [read(b'{"v":"' + b"x" * count, schema=schema) for count in range(41)]
+    expected = {count: [t for t, data in enumerate(pieces)
+                        if read(data, state, schema) is not None]
+                for count, state in enumerate(states)}
+    for _ in range(2):
+        for count, state in enumerate(states):
+            assert vocabulary.allowed(state, schema) == expected[count], count
+            slots = sum(len(kept) + ENTRY_SLOTS for kept in vocabulary.cache.values())
+            assert slots <= bound
+    last = vocabulary.allowed(states[40], schema)
+    assert vocabulary.allowed(states[40], schema) is last  # kept while recently used
+    other = _one({"type": "string", "maxLength": 40})  # another schema's lists count too
+    for count in range(30, 41):
+        vocabulary.allowed(read(b'{"v":"' + b"x" * count, schema=other), other)
+    assert sum(len(kept) + ENTRY_SLOTS for kept in vocabulary.cache.values()) <= bound
 
 
 THINKING = [b"", b"{", b"}", b"<think>", b"<th", b"ink>", b"hmm", b"</think>", b"\n",

@@ -34,6 +34,7 @@ import functools
 import json
 import math
 from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -135,14 +136,12 @@ class Schema:
     value, object and array that "any" stands for. No schema: JSON mode's any object.
     SchemaError names what is not honoured."""
 
-    def __init__(self, schema: Any = None, cache_size: int = 4096) -> None:
+    def __init__(self, schema: Any = None) -> None:
         self.nodes: list[Node] = [Node("any")]
         self.any = 0
         self.any_object = self._add(Node("object", additional=self.any))
         self.any_array = self._add(Node("array", items=self.any))
-        self.cache: dict[tuple[int, JsonState], list[int]] = {}  # JsonVocabulary's
         self.names: dict[tuple[int, int], Texts] = {}  # the keys an object may write next
-        self.cache_size = cache_size
         self._defs: dict[str, Any] = {}
         self._refs: dict[str, int] = {}
         self._nesting = 0  # schemas being compiled, one inside another ($refs followed)
@@ -976,12 +975,26 @@ def read(data: bytes, state: JsonState | None = START,
     return state
 
 
+# What JsonVocabulary.allowed keeps, in list slots (8 bytes each: the token ids' int objects
+# are the vocabulary's own), an entry's key and dict slot counted as ENTRY_SLOTS more; the
+# least recently used go first. The soak pass: kept per schema by count (4,096 lists each,
+# 64 schemas), one schema of 40 strings held to a maxLength filled 3,280 lists of ~49k ids
+# near their ends, 1.2 GB, for the life of the process.
+ALLOWED_CACHE_SLOTS = 1 << 22  # 32 MiB of slots: ~85 lists of a whole 49k vocabulary
+ENTRY_SLOTS = 64
+
+
 class JsonVocabulary:
     """A vocabulary's tokens as bytes, grouped to find a JSON state's next tokens quickly.
     Tokens without bytes (special tokens, as decoded) are never allowed."""
 
-    def __init__(self, token_bytes: Sequence[bytes]) -> None:
+    def __init__(self, token_bytes: Sequence[bytes],
+                 cache_slots: int = ALLOWED_CACHE_SLOTS) -> None:
         self.token_bytes = list(token_bytes)
+        # allowed()'s lists by (schema, state), least recently used first, and their slots
+        self.cache: OrderedDict[tuple[Schema, JsonState], list[int]] = OrderedDict()
+        self.cache_slots = cache_slots
+        self._slots = 0
         by_first: dict[int | None, list[int]] = {}
         in_string: list[int] = []  # no quote, backslash or control byte: any string takes it
         string_special: list[int] = []
@@ -1029,11 +1042,13 @@ class JsonVocabulary:
 
     def allowed(self, state: JsonState, schema: Schema = ANY_OBJECT) -> list[int]:
         """The tokens whose bytes keep the output the beginning of a JSON object of
-        ``schema`` (none in DONE: the caller allows EOS there); remembered by the schema."""
+        ``schema`` (none in DONE: the caller allows EOS there); remembered, within
+        ``cache_slots`` (ALLOWED_CACHE_SLOTS)."""
         state = self._canonical(state, schema)
-        key = (id(self), state)
-        cached = schema.cache.get(key)
+        key = (schema, state)
+        cached = self.cache.get(key)
         if cached is not None:
+            self.cache.move_to_end(key)
             return cached
         if state.mode == STRING and isinstance(state.extra, tuple):  # held to a length
             index, read_so_far, pending = state.extra
@@ -1058,7 +1073,9 @@ class JsonVocabulary:
         token_bytes = self.token_bytes
         allowed = sorted(plain + [t for t in candidates
                                   if read(token_bytes[t], state, schema) is not None])
-        if len(schema.cache) >= schema.cache_size:
-            schema.cache.clear()
-        schema.cache[key] = allowed
+        self.cache[key] = allowed
+        self._slots += len(allowed) + ENTRY_SLOTS
+        while self._slots > self.cache_slots and len(self.cache) > 1:
+            _, dropped = self.cache.popitem(last=False)
+            self._slots -= len(dropped) + ENTRY_SLOTS
         return allowed
