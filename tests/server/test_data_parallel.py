@@ -6,6 +6,7 @@ is restarted, /health says degraded until it is back, and every live pool is who
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -662,3 +663,62 @@ def test_a_ray_cluster_short_of_cpus_or_gpus_is_warned_at_once(caplog):
         "place wait for them (an autoscaler's new nodes) until the start times out",
         "the Ray cluster has 1 GPU(s); 2 replicas x 1 ask for 2: the replicas it cannot "
         "place wait for them (an autoscaler's new nodes) until the start times out"]
+
+
+def test_a_session_is_released_where_its_turns_go_first_and_a_failure_reads_the_same():
+    """The sessions pass: DELETE waited for every replica, so one hung elsewhere held it up
+    to its step watchdog (10 s there, 120 s by default); and where the replica holding the
+    session failed, the answer was a 503 or a 404 by which replica came first. The replica
+    the session's turns go to (R6) is asked alone first; a failure beside not-founds is a
+    404 that names it, whichever replica it was."""
+    from types import SimpleNamespace
+
+    from kvserve.core.router import make_router
+    from kvserve.core.sessions import SessionNotFound
+    from kvserve.engine.data_parallel import DataParallelEngine
+    from kvserve.engine.engine_process import EngineDeadError
+
+    asked: list[int] = []
+
+    def replica(index: int, answer):
+        async def release_session(session_id, tenant):
+            asked.append(index)
+            if answer == "hang":
+                await asyncio.sleep(3600)  # never answers: must not be asked
+            if isinstance(answer, BaseException):
+                raise answer
+        return SimpleNamespace(is_running=True, release_session=release_session)
+
+    def engine(*answers):
+        dp = object.__new__(DataParallelEngine)
+        dp._lock, dp.router = threading.Lock(), make_router("round-robin", len(answers))
+        dp.replicas = [replica(i, a) for i, a in enumerate(answers)]
+        return dp
+
+    def delete(dp, owner: int | None, tenant: str | None = "t"):
+        asked.clear()
+        if owner is not None:  # the session's turns went there
+            dp.router._sessions[("t", "s")] = owner
+        return asyncio.run(asyncio.wait_for(dp.release_session("s", tenant), 30))
+
+    not_found = SessionNotFound("no session 's' is live (its ttl ran out, ...)")
+    dead = EngineDeadError("the engine process (pid 7) was killed as hung")
+    delete(engine(not_found, None, "hang"), owner=1)
+    assert asked == [1]  # the hung replica 2 was never waited for
+    delete(engine(None, not_found), owner=None)  # not remembered: every replica
+    assert sorted(asked) == [0, 1]
+    delete(engine(None, not_found), owner=1)  # moved (its replica restarted): the others
+    assert asked == [1, 0]
+    with pytest.raises(SessionNotFound, match=r"its ttl ran out"):
+        delete(engine(not_found, not_found), owner=0)
+    for answers in ((dead, not_found), (not_found, dead)):  # the same answer either way
+        with pytest.raises(SessionNotFound) as raised:
+            delete(engine(*answers), owner=answers.index(dead))
+        replica_index = answers.index(dead)
+        assert str(raised.value) == (
+            f"no session 's' is live; replica {replica_index} failed as it was asked (the "
+            "engine process (pid 7) was killed as hung), and its sessions ended with it")
+    with pytest.raises(EngineDeadError):  # nobody could answer: retry later
+        delete(engine(dead, dead), owner=None)
+    delete(engine(not_found, None), owner=None, tenant=None)  # every tenant's: all asked
+    assert sorted(asked) == [0, 1]

@@ -115,6 +115,10 @@ class Router(ABC):
                 self._session_taught.pop(gone, None)
         return RouteDecision(decision.replica, decision.reason, before, self._stamp)
 
+    def session_replica(self, session: Hashable) -> int | None:
+        """The replica ``session``'s turns go to (R6), None if it is not remembered."""
+        return self._sessions.get(session)
+
     def withdraw(self, decision: RouteDecision, prefix_hashes: Sequence[Hashable],
                  session: Hashable | None = None) -> None:
         """The replica ``decision`` named refused the request (``route``'s arguments

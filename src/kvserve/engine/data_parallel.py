@@ -323,21 +323,41 @@ class DataParallelEngine:
                 replica.abort(*ids)
 
     async def release_session(self, session_id: str, tenant: str | None) -> None:
-        """End the session on every live replica that has it (U8; its turns go to one
-        replica, R6, but one restarted or the router's memory full may have left it on
-        another); SessionNotFound when none has. ``tenant`` None: every tenant's. The
-        router keeps routing the session where it was: that replica's prefix cache keeps
-        the released blocks until they are reused."""
+        """End the session (U8) on the replica its turns go to (R6), asked alone first (a
+        replica hung elsewhere held every DELETE up to its step watchdog: the sessions
+        pass, 10 s; 120 s by default), then, where that one has it not, on every other
+        live replica (one restarted, or the router's memory full, may have left it
+        elsewhere). ``tenant`` None: every tenant's, on every live replica. None has it:
+        SessionNotFound, naming any replica that failed as it was asked (its sessions
+        ended with it; which replica failed decided between a 503 and a 404), or that
+        failure where every replica asked failed. The router keeps routing the session
+        where it was: that replica's prefix cache keeps the released blocks until they
+        are reused."""
         live = self._live()
         if not live:  # QA: a 404 "never existed" while every replica restarts
             raise EngineDeadError("no engine replica is running (every one is restarting); "
                                   "retry later", retry_after=RETRY_WHILE_RESTARTING_S)
-        results = await asyncio.gather(*(r.release_session(session_id, tenant)
-                                         for _, r in live), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if len(errors) == len(results):
-            raise errors[0] if errors else SessionNotFound(f"no session {session_id!r} "
-                                                           "is live")
+        answers: list[tuple[int, BaseException | None]] = []
+        if tenant is not None:
+            with self._lock:
+                owner = self.router.session_replica((tenant, session_id))
+            answers += await _release_on([(i, r) for i, r in live if i == owner],
+                                         session_id, tenant)
+            live = [(i, r) for i, r in live if i != owner]
+        if not any(answer is None for _, answer in answers):
+            answers += await _release_on(live, session_id, tenant)
+        if any(answer is None for _, answer in answers):
+            return
+        missing = [answer for _, answer in answers if isinstance(answer, SessionNotFound)]
+        failed = [(i, answer) for i, answer in answers
+                  if answer is not None and not isinstance(answer, SessionNotFound)]
+        if not missing:
+            raise failed[0][1]
+        if not failed:
+            raise missing[0]
+        raise SessionNotFound(f"no session {session_id!r} is live; " + "; ".join(
+            f"replica {i} failed as it was asked ({error}), and its sessions ended with it"
+            for i, error in failed))
 
     # -- failures --------------------------------------------------------------------------
 
@@ -406,6 +426,16 @@ class DataParallelEngine:
 # 1.6 GB resident for the bundled one); past this a start is a fork storm (the
 # data-parallel pass: --data-parallel-size 100000 launched every one at once)
 MAX_LOCAL_REPLICAS_PER_CPU = 4
+
+
+async def _release_on(replicas: list[tuple[int, ProcessEngine]], session_id: str,
+                      tenant: str | None) -> list[tuple[int, BaseException | None]]:
+    """Each replica's answer to releasing the session, asked at once: None where it had it,
+    else what it raised."""
+    results = await asyncio.gather(*(r.release_session(session_id, tenant)
+                                     for _, r in replicas), return_exceptions=True)
+    return [(i, result if isinstance(result, BaseException) else None)
+            for (i, _), result in zip(replicas, results, strict=True)]
 
 
 def check_local_replicas(size: int, backend: str) -> None:
