@@ -138,6 +138,33 @@ def test_swap_on_a_recording_without_a_host_tier_runs_with_one(tmp_path, capsys)
     assert labels[-1] == "preemption_mode=swap +num_host_blocks=32"
 
 
+def test_a_block_size_on_a_recording_keeps_its_pools_memory(tmp_path, capsys):
+    """The recording's pool is its blocks: block_size=32 alone kept the 32 blocks, doubled
+    the pool's tokens and read as the block size's gain (the sim-agreement pass). It keeps
+    the pool's memory (its tokens in blocks of the new size), and its label says so; given
+    with a pool of its own, the pool is taken as given."""
+    directory = build(tmp_path / "rec")
+    report = tmp_path / "w.json"
+    assert main(["whatif", str(directory), "--cost-model", "unit", "--report", str(report),
+                 "--set", "block_size=32", "--set", "block_size=8",
+                 "--set", "block_size=32 num_kv_blocks=32",
+                 "--set", "block_size=32 preemption_mode=swap"]) == 0
+    runs = json.loads(report.read_text())["runs"]
+    assert [run["label"] for run in runs[2:]] == [
+        "block_size=32 +num_kv_blocks=16", "block_size=8 +num_kv_blocks=64",
+        "block_size=32 num_kv_blocks=32",
+        "block_size=32 preemption_mode=swap +num_kv_blocks=16 +num_host_blocks=16"]
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(directory), "--block-size", "32", "--cost-model",
+                 "unit", "--report", str(report), "--quiet"]) == 0
+    assert json.loads(report.read_text())["config"]["cache"]["num_blocks"] == 16
+    assert "note: --block-size 32 keeps the recorded pool's memory: 16 blocks of 32 (it " \
+        "recorded 32 of 16); give --num-kv-blocks to size it otherwise" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(directory), "--block-size", "32", "--cost-model",
+                 "unit", "--report", str(report), "--quiet", "--num-kv-blocks", "32"]) == 0
+    assert json.loads(report.read_text())["config"]["cache"]["num_blocks"] == 32
+
+
 def test_settings_change_together_or_a_run_per_value(tmp_path, capsys):
     """whatif ran one changed setting per --set: 'A=1 B=2' is now one run changing both,
     'A=1,2' a run per value (as --sweep); a swap change that names its host tier keeps it."""

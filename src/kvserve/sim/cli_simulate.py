@@ -174,7 +174,7 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     them; a recording of replicas replays as a cluster of as many, each request on the
     replica the server placed it on when it replays, else behind the recorded router
     (docs/recording.md)."""
-    from kvserve.sim.recording import load_recording
+    from kvserve.sim.recording import load_recording, pool_at_block_size
 
     recording = load_recording(args.trace)
     recorded = recording.settings
@@ -201,7 +201,13 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
     if args.cost_model is None:
         args.cost_model = "replay" if same else "calibrated"
         args.replay_by_default = same
-    return recording, {**recorded, **settings}
+    pool = pool_at_block_size(recorded, settings)
+    if pool:
+        print(f"note: --block-size {settings['block_size']} keeps the recorded pool's memory: "
+              f"{pool['num_kv_blocks']:,} blocks of {settings['block_size']} (it recorded "
+              f"{recorded['num_kv_blocks']:,} of {recorded.get('block_size', 16)}); give "
+              "--num-kv-blocks to size it otherwise", file=sys.stderr)
+    return recording, {**recorded, **settings, **pool}
 
 
 def _run_one(args: argparse.Namespace, deployment: Any, settings: dict[str, Any],

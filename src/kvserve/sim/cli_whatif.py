@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.sim.recording import (
             check_pool_setting,
             load_recording,
+            pool_at_block_size,
             replay_or_fitted,
         )
         from kvserve.sim.whatif import (
@@ -255,24 +256,26 @@ def run(args: argparse.Namespace) -> int:
 
         def variant(change: dict[str, Any]) -> tuple[dict[str, Any], ClusterOptions]:
             cluster = {k: v for k, v in change.items() if k in CLUSTER_KEYS}
-            return ({**settings, **host_tier(change),
+            return ({**settings, **implied(change),
                      **{k: v for k, v in change.items() if k not in CLUSTER_KEYS}},
                     dataclasses.replace(recorded, **cluster))
 
-        def host_tier(change: dict[str, Any]) -> dict[str, Any]:
-            """A change to swap or auto preemption on a recording without a host tier, and
-            that gives none, runs with one as large as the device pool (it could not run at
-            all), and its label says so."""
+        def implied(change: dict[str, Any]) -> dict[str, Any]:
+            """What a change implies that it does not give, which its label says: a block
+            size keeps the recorded pool's memory (:func:`pool_at_block_size`); swap or
+            auto preemption on a recording without a host tier runs with one as large as
+            the device pool (it could not run at all)."""
+            extra: dict[str, Any] = dict(pool_at_block_size(settings, change))
             if swaps(change) and \
                     "num_host_blocks" not in change and "swap_space" not in change and \
                     not settings.get("num_host_blocks") and settings.get("num_kv_blocks"):
-                return {"num_host_blocks": change.get("num_kv_blocks",
-                                                      settings["num_kv_blocks"])}
-            return {}
+                extra["num_host_blocks"] = change.get(
+                    "num_kv_blocks", extra.get("num_kv_blocks", settings["num_kv_blocks"]))
+            return extra
 
         def change_label(change: dict[str, Any]) -> str:
             return " ".join([*(f"{k}={v}" for k, v in change.items()),
-                             *(f"+{k}={v}" for k, v in host_tier(change).items())])
+                             *(f"+{k}={v}" for k, v in implied(change).items())])
 
         for change in changes:  # a bad value is named before anything runs
             other.configs(variant(change)[0])
@@ -303,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
             runs.append(priced(f"recorded ({chosen} model)", settings))
         for change in changes:
             runs.append(priced(change_label(change), *variant(change),
-                               {**change, **host_tier(change)}))
+                               {**change, **implied(change)}))
         changed = [r for r in runs if r.change is not None]
         # Each change against the recorded settings under the same model and router (the
         # model check, when there is one): what moved is the change's doing, not the model's

@@ -142,6 +142,20 @@ def check_pool_setting(names: Any) -> None:
                          "of kv_cache_memory")
 
 
+def pool_at_block_size(recorded: dict[str, Any], change: dict[str, Any]) -> dict[str, int]:
+    """``num_kv_blocks`` where ``change`` sets a block size on a recording and no pool: the
+    recorded pool's memory (its tokens) in blocks of that size; else nothing. The pool is
+    its count of blocks, so the size alone changed its tokens: block_size=32 doubled the
+    pool and read as a 38% lower TTFT p99 (the sim-agreement pass)."""
+    size = change.get("block_size")
+    if not is_int(size) or size < 1 or size == recorded.get("block_size", 16) or \
+            "num_kv_blocks" in change or "kv_cache_memory" in change or \
+            not recorded.get("num_kv_blocks"):
+        return {}
+    tokens = recorded["num_kv_blocks"] * recorded.get("block_size", 16)
+    return {"num_kv_blocks": max(1, tokens // size)}
+
+
 def replay_or_fitted(run: Callable[[Any], T], deployment: Any, warn: Warn = _stderr) -> T:
     """``run(deployment)``; where that replays the step times of a recording that cannot
     replay exactly (:attr:`Recording.inexact`) and the replay diverges, a warning, then
