@@ -147,6 +147,12 @@ def test_simulate_replays_a_recording_directory(recorded, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["config"]["cost_model"]["name"] == "calibrated"
     assert data["config"]["scheduler"]["max_num_seqs"] == 2
+    # a flag at its recorded value changes nothing: still the replay (the sim-agreement
+    # pass: the fitted model ran it)
+    recorded_seqs = str(SETTINGS["max_num_seqs"])
+    assert main(["simulate", "--trace", str(directory), "--max-num-seqs", recorded_seqs,
+                 "--block-size", "16", "--report", str(report), "--quiet"]) == 0
+    assert json.loads(report.read_text())["config"]["cost_model"]["name"] == "replay"
 
 
 def test_an_id_a_client_sends_again_replays_as_requests_of_their_own(tmp_path):

@@ -189,7 +189,10 @@ def recorded_run(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[An
         raise ValueError(f"--router recorded replays the {size} recorded replicas; give "
                          f"--data-parallel-size {size} or leave it out")
     placed = size == 1 or all(r.replica is not None for r in recording.trace)
-    same = not settings and not args.sweep and size == args.data_parallel_size and placed \
+    # a flag given at its recorded value changes nothing (the sim-agreement pass: the
+    # recorded --max-num-seqs 6 given took the fitted model)
+    changed = {k for k, v in settings.items() if k not in recorded or recorded[k] != v}
+    same = not changed and not args.sweep and size == args.data_parallel_size and placed \
         and args.router in (None, "recorded") and not args.data_parallel_lockstep
     if args.cost_model == "replay" and not same:
         raise ValueError("--cost-model replay replays the recorded run only: its step times "
