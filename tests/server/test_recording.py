@@ -227,6 +227,12 @@ def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_p
     assert any(f"{last}:" in w and "cut short" in w for w in warnings)
     assert any("arrived with no trace line" in w for w in warnings)
     assert len(recording.trace) < 16
+    # a model is fitted on every step logged, the cut's too (the sim-agreement pass: a
+    # cut at the first burst left whatif and plan a step or two to fit, and a refusal)
+    whole = load_recording(directory, warn=pytest.fail)
+    log = recording.engines[0]
+    assert len(log.steps) < len(log.fit_steps) == len(whole.engines[0].steps)
+    assert len(recording.step_shapes()[1]) == len(whole.step_shapes()[1])
     result = Simulator(SchedulerConfig(**SETTINGS), CacheConfig(num_blocks=NUM_BLOCKS),
                        recording.replay_cost_model(), record_events=True).run(recording.trace)
     cut = recording.cut

@@ -173,7 +173,7 @@ def read_step_log(path: str | Path) -> tuple[list[BatchView], list[float]]:
 
     if is_recording(path):
         rows = [s for log in load_recording(path, warn=lambda _: None).engines.values()
-                for s in log.steps]
+                for s in log.fit_steps]
     else:
         rows = []
         try:

@@ -342,7 +342,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         out["hardware"] = None
         del out["activation_reserve_bytes"]
         out["recorded"] = {"recording": str(recording.path), "model": recording.model,
-                           "num_steps": sum(len(log.steps)
+                           "num_steps": sum(len(log.fit_steps)
                                             for log in recording.engines.values()),
                            "data_parallel_size": args.recorded_size}
         if args.recorded_size > 1:

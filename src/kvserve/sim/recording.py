@@ -51,6 +51,15 @@ class EngineLog:
     # the events before the last step line (a step's events are written before its line:
     # those after it are a step's whose line was not written, or came with no step)
     events_stepped: int = 0
+    # every step read, those past the replay's cut too (None: none cut): a fit's steps
+    logged: list[dict[str, Any]] | None = None
+
+    @property
+    def fit_steps(self) -> list[dict[str, Any]]:
+        """The steps a cost model is fitted on: every one logged (the sim-agreement pass: a
+        trace cut short at its first burst left one step of 150 to fit, and whatif and
+        plan refused the recording)."""
+        return self.steps if self.logged is None else self.logged
 
     @property
     def end(self) -> float:
@@ -105,7 +114,7 @@ class Recording:
         and seconds (calibration.shaped_steps)."""
         from kvserve.sim.calibration import shaped_steps
 
-        return shaped_steps([s for log in self.engines.values() for s in log.steps],
+        return shaped_steps([s for log in self.engines.values() for s in log.fit_steps],
                             str(self.path))
 
     def fitted_cost_model(self) -> Any:
@@ -555,7 +564,7 @@ def _cut(recording: Recording, note: Warn) -> None:
     recording.trace = trace
     recording.cut = cut
     for log in recording.engines.values():
-        log.steps = [s for s in log.steps if s["start"] < cut]
+        log.logged, log.steps = log.steps, [s for s in log.steps if s["start"] < cut]
 
 
 def _within(segments: list[dict[str, Any]], time: float) -> bool:
