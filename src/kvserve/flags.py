@@ -223,7 +223,8 @@ VLLM_NOOPS: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
      "there are no tensor- or pipeline-parallel workers to place (--data-parallel-backend "
      "places replicas)"),
     (("--disable-sliding-window",), {"action": "store_true"},
-     "the Llama family attends over the whole context: there is no sliding window"),
+     "kvserve's attention keeps no window: a sliding window shorter than the context caps "
+     "the context at it always, as vLLM does with this flag"),
     (("--show-hidden-metrics-for-version",), {"metavar": "VERSION"},
      "no metric is hidden here"),
     (("--cuda-graph-sizes",), {"nargs": "+", "metavar": "N"}, _NO_GRAPHS),
