@@ -298,10 +298,15 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
                     qtypes: dict[str, GGMLQuantizationType], arch: str = "llama",
-                    floats: dict[str, float] | None = None) -> None:
+                    floats: dict[str, float] | None = None,
+                    tensors: dict[str, np.ndarray] | None = None,
+                    rope_dims: int | None = None) -> None:
     """Write ``weights`` (HF layout) as llama.cpp's converter would: Q/K rows permuted;
-    ``floats``: more float32 metadata."""
+    ``floats``: more float32 metadata; ``tensors``: more tensors, by their GGUF names;
+    ``rope_dims``: the rotated dimensions, the head size written too (default: the head)."""
     writer = GGUFWriter(str(path), arch)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, array)
     for key, value in (floats or {}).items():
         writer.add_float32(key, value)
     writer.add_block_count(config.num_layers)
@@ -312,7 +317,10 @@ def write_tiny_gguf(path: Path, config: ModelConfig, weights: dict[str, torch.Te
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(rope_dims or config.head_dim)
+    if rope_dims is not None:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_vocab_size(config.vocab_size)
     for name, weight in weights.items():
         if name.endswith("q_proj.weight"):
@@ -367,8 +375,14 @@ def test_unsupported_gguf_architecture_and_tensors_are_named(tmp_path):
         load_model_weights(path)
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_q\.bias"):
         hf_name_from_gguf("blk.0.attn_q.bias")
-    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
-        hf_name_from_gguf("rope_freqs.weight")
+    # a rotation of part of each head: rotated whole before (llama.cpp refuses the file)
+    partial = tmp_path / "partial.gguf"
+    write_tiny_gguf(partial, TINY, dummy_weights(TINY), {}, rope_dims=8)
+    with pytest.raises(UnsupportedModelError, match=r"llama\.rope\.dimension_count 8 is not "
+                                                    r"the head size 16: a rotation of part"):
+        load_model_weights(partial)
+    write_tiny_gguf(tmp_path / "whole.gguf", TINY, dummy_weights(TINY), {}, rope_dims=16)
+    assert load_model_weights(tmp_path / "whole.gguf")[0].head_dim == 16
     assert hf_name_from_gguf("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
 
 
@@ -781,3 +795,57 @@ def test_a_quantized_tensor_whose_rows_are_not_whole_blocks_is_refused(qtype, sh
     with pytest.raises(ValueError, match=f"rows of {shape[1]} are not a whole number of "
                                          f"{block_size}-value blocks"):
         dequantize(raw, qtype, shape)
+
+
+def test_a_gguf_with_llama3_frequency_factors_rotates_as_its_hugging_face_config(tmp_path):
+    """Llama 3.1 and 3.2 GGUFs carry their RoPE scaling as ``rope_freqs.weight``, a factor
+    per frequency that divides it (llama.cpp's converter writes it from the config's
+    llama3 scaling): refused before (the model pass). The file's factors give the same
+    frequencies and the same logits as the Hugging Face config's llama3 scaling."""
+    from kvserve.model.llama import LlamaForCausalLM, rope_inv_freq
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    scaled = replace(TINY, rope_theta=500000.0, rope_scaling=llama3)
+    plain = rope_inv_freq(replace(scaled, rope_scaling=None)).double()
+    factors = (plain / rope_inv_freq(scaled).double()).float().numpy()
+    assert factors.min() == 1.0 and factors.max() == 8.0  # each band: high, blended, low
+    weights = dummy_weights(scaled, seed=2)
+    path = tmp_path / "llama-3.1-tiny.gguf"
+    write_tiny_gguf(path, scaled, weights, {}, tensors={"rope_freqs.weight": factors})
+    config, loaded = load_model_weights(path)
+    assert config.rope_scaling["rope_type"] == "freq_factors"
+    assert "rope_freqs.weight" not in loaded and set(loaded) == set(weights)
+    # the rotary tables are built from these (the rest of the model is the file's weights)
+    torch.testing.assert_close(rope_inv_freq(config), rope_inv_freq(scaled), rtol=1e-6,
+                               atol=0)
+    assert not torch.allclose(rope_inv_freq(config), plain.float())
+    tables = [LlamaForCausalLM.from_weights(c, dict(w)).layers[0].self_attn.rotary.cos
+              for c, w in ((config, loaded), (scaled, weights))]
+    torch.testing.assert_close(tables[0], tables[1])
+    wrong = tmp_path / "wrong.gguf"
+    write_tiny_gguf(wrong, scaled, weights, {}, tensors={"rope_freqs.weight": factors[:3]})
+    with pytest.raises(UnsupportedModelError, match=r"'rope_freqs.weight' holds 3 factors; "
+                                                    r"the rotary embedding takes 8"):
+        load_model_weights(wrong)
+
+
+def test_a_gguf_whose_vocabulary_cannot_be_read_runs_with_a_tokenizer_given(tmp_path):
+    """LLM(tokenizer=PATH) takes another tokenizer (docs/vllm-compat.md), yet the GGUF's own
+    was read first, and a file with no gpt2 vocabulary (Llama 2's, Mistral's, TinyLlama's
+    sentencepiece ones; here none) was refused whatever was given (the model pass)."""
+    from kvserve.core import SamplingParams
+    from kvserve.engine.llm import LLM
+    from kvserve.model.loader import default_model_path
+    from kvserve.model.tokenizer import load_tokenizer
+
+    config = replace(TINY, vocab_size=49152, bos_token_id=None, eos_token_id=None)
+    path = tmp_path / "no-vocabulary.gguf"
+    write_tiny_gguf(path, config, dummy_weights(config, seed=1), {})
+    with pytest.raises(ValueError, match="GGUF tokenizer model None is not supported"):
+        load_tokenizer(path)  # its own: none to read
+    llm = LLM(str(path), tokenizer=str(default_model_path()), num_kv_blocks=8,
+              dtype="float32")
+    [out] = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3 and isinstance(out.outputs[0].text, str)

@@ -127,8 +127,11 @@ class GenerationResult:
 def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
                load_format: str = "auto", seed: int = 0, batch_invariant: bool = False,
                quantization: str | None = None, device: torch.device | None = None,
-               max_positions: int | None = None) -> tuple[LlamaForCausalLM, Tokenizer | None]:
-    """The network with its weights, and the tokenizer.
+               max_positions: int | None = None, with_tokenizer: bool = True
+               ) -> tuple[LlamaForCausalLM, Tokenizer | None]:
+    """The network with its weights, and the tokenizer (None without ``with_tokenizer``:
+    the caller has its own, and a GGUF whose vocabulary this tokenizer cannot read still
+    loads; the model pass).
 
     ``model`` is a GGUF file, a Hugging Face directory, None (the bundled model), or a
     ModelConfig (random weights, no tokenizer). ``load_format="dummy"`` keeps the file's
@@ -147,10 +150,11 @@ def load_model(model: str | Path | ModelConfig | None, dtype: torch.dtype,
         config, weights, tokenizer = model, loader.dummy_weights(model, dtype, seed), None
     elif load_format == "dummy":
         config = loader.model_config_from_path(model)
-        weights, tokenizer = loader.dummy_weights(config, dtype, seed), load_tokenizer(model)
+        weights = loader.dummy_weights(config, dtype, seed)
+        tokenizer = load_tokenizer(model) if with_tokenizer else None
     else:
         config, weights = loader.load_model_weights(model, dtype)
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(model) if with_tokenizer else None
     network = LlamaForCausalLM.from_weights(config, weights, batch_invariant, quantization,
                                             device, max_positions)
     loader.clear_gguf_cache()  # weights and tokenizer are built: unmap the file
@@ -311,7 +315,8 @@ def build_engine(model: str | Path | ModelConfig | None = None, *, dtype: str | 
                     "KV tiles, sampling per request", invariant_projections(torch_dtype))
     network, own_tokenizer = load_model(model, torch_dtype, load_format, seed,
                                         batch_invariant, quantization, torch_device,
-                                        scheduler_settings.get("max_model_len"))
+                                        scheduler_settings.get("max_model_len"),
+                                        with_tokenizer=tokenizer is None)
     tokenizer = tokenizer or own_tokenizer
     config = network.config
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:

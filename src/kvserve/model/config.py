@@ -12,7 +12,9 @@ class ModelConfig:
 
     ``rope_scaling`` follows Hugging Face's dict: ``{"rope_type": "llama3", "factor": ...,
     "low_freq_factor": ..., "high_freq_factor": ..., "original_max_position_embeddings": ...}``
-    or ``{"rope_type": "linear", "factor": ...}``; None for plain RoPE.
+    or ``{"rope_type": "linear", "factor": ...}``; a GGUF's ``rope_freqs.weight`` is
+    ``{"rope_type": "freq_factors", "factors": (one per frequency, head_dim / 2)}``; None
+    for plain RoPE.
     """
 
     name: str

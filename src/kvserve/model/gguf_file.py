@@ -45,9 +45,6 @@ def hf_name_from_gguf(name: str) -> str:
     match = _GGUF_LAYER_PATTERN.fullmatch(name)
     if match and match.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}"
-    if name == "rope_freqs.weight":
-        raise UnsupportedModelError("GGUF tensor 'rope_freqs.weight' (Llama 3 RoPE scaling "
-                                    "stored as frequency factors) is not supported")
     raise UnsupportedModelError(f"GGUF tensor {name!r} is not part of a supported Llama model")
 
 
@@ -107,6 +104,11 @@ def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig
     head_dim = int(_metadata(reader, f"{arch}.attention.key_length", 0)
                    or _metadata(reader, f"{arch}.rope.dimension_count", 0)
                    or hidden_size // num_heads)
+    rotated = _metadata(reader, f"{arch}.rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:  # the model pass: rotated whole
+        raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count {int(rotated)} is not "
+                                    f"the head size {head_dim}: a rotation of part of each "
+                                    "head is not supported")
     tokens = reader.get("tokenizer.ggml.tokens")
     vocab_size = _metadata(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else 0)
     tensor_names = {tensor.name for tensor in reader.tensors}
@@ -116,6 +118,8 @@ def model_config_from_gguf(reader_or_path: GGUFFile | str | Path) -> ModelConfig
     bos = _metadata(reader, "tokenizer.ggml.bos_token_id")
     eos = _metadata(reader, "tokenizer.ggml.eos_token_id")
     rope_scaling = _gguf_rope_scaling(reader, arch)
+    if ROPE_FREQS in tensor_names:
+        rope_scaling = _freq_factors(reader, rope_scaling, head_dim)
     return ModelConfig(
         name=_gguf_model_name(reader),
         vocab_size=int(vocab_size),
@@ -150,11 +154,35 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
                                 "(supported: none, linear)")
 
 
+# Llama 3.1's RoPE scaling as llama.cpp's converter writes it: a factor per rotary frequency,
+# each frequency divided by its factor (a tensor, not a weight: read into the config)
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _freq_factors(reader: GGUFFile, rope_scaling: dict[str, Any] | None,
+                  head_dim: int) -> dict[str, Any]:
+    """The rope scaling of a file with ROPE_FREQS: ``freq_factors`` (the model pass: Llama
+    3.1 and 3.2 GGUFs, which carry it, were refused)."""
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    factors = dequantize(tensor.data, tensor.tensor_type, tensor.numpy_shape).flatten()
+    if rope_scaling is not None:
+        raise UnsupportedModelError(f"GGUF tensor {ROPE_FREQS!r} with rope scaling "
+                                    f"{rope_scaling['rope_type']!r} too is not supported")
+    if factors.numel() != head_dim // 2 or not bool(torch.isfinite(factors).all()) or \
+            not bool((factors > 0).all()):
+        raise UnsupportedModelError(f"GGUF tensor {ROPE_FREQS!r} holds {factors.numel()} "
+                                    f"factors; the rotary embedding takes {head_dim // 2} "
+                                    "finite positive ones (head_dim / 2)")
+    return {"rope_type": "freq_factors", "factors": tuple(factors.double().tolist())}
+
+
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = open_gguf(path)
     config = model_config_from_gguf(reader)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # read into config.rope_scaling
+            continue
         name = hf_name_from_gguf(tensor.name)
         weight = dequantize(tensor.data, tensor.tensor_type, tensor.numpy_shape)
         if name.endswith("q_proj.weight"):

@@ -285,7 +285,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies for the rotary embedding, with Llama 3 or linear scaling."""
+    """Inverse frequencies for the rotary embedding, with Llama 3, linear or a GGUF's
+    per-frequency scaling (``freq_factors``: each frequency divided by its factor)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
@@ -303,6 +304,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(between, blended, scaled)
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
     return inv_freq.float()
