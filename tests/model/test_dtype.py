@@ -26,6 +26,8 @@ AVX2 = frozenset({"avx2", "fma"})
     ("auto", "bfloat16", AMX, torch.bfloat16, "this CPU has amx_bf16"),
     ("auto", "float16", AVX2, torch.float32, "no native bf16"),
     ("auto", "float32", AMX, torch.float32, "the checkpoint is float32"),
+    # wider than float32: not rounded to 16 bits (the model pass: it ran in bf16)
+    ("auto", "float64", AMX, torch.float32, "the checkpoint is float64, computed in float32"),
     ("half", "float32", AVX2, torch.float16, "--dtype half"),
     ("float16", "float32", AVX2, torch.float16, "--dtype float16"),
     ("bfloat16", "float32", AVX2, torch.bfloat16, "--dtype bfloat16"),

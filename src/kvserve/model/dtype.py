@@ -82,6 +82,9 @@ def resolve_dtype(name: str | torch.dtype, stored: str = "float32",
         return _DTYPES[name], f"--dtype {name}"
     if stored == "float32":
         return torch.float32, "auto: the checkpoint is float32"
+    if stored in ("float64", "double"):  # wider still: no 16-bit rounding (the model pass:
+        # a float64 one ran in bf16 where a float32 one stays float32)
+        return torch.float32, f"auto: the checkpoint is {stored}, computed in float32"
     if device is not None and device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, f"auto: the checkpoint is {stored} and the GPU has bf16"
