@@ -199,3 +199,28 @@ def test_the_host_tier_is_checked_for_every_replica_on_this_machine(monkeypatch)
     assert replicas_on_this_machine(2, "mp") == 2
     monkeypatch.delenv("RAY_ADDRESS")
     assert replicas_on_this_machine(2, "ray") == 2  # the instance a server starts here
+
+
+def test_a_batch_past_the_replicas_queue_limits_is_refused_as_with_one_engine(
+        monkeypatch, caplog):  # K4
+    """The data-parallel pass: one engine refuses such a batch as RequestRejected, saying
+    generate() queues it whole; two replicas raised the QueueFullError ("retry later"), so an
+    `except RequestRejected` written for one engine missed it. And more threads than CPUs
+    are warned about, as serve warns (it said nothing offline)."""
+    import logging
+
+    import kvserve.engine.data_parallel as data_parallel
+    from kvserve.core import RequestRejected
+
+    monkeypatch.setattr(data_parallel.os, "cpu_count", lambda: 1)  # 2 replicas x 1 thread
+    limits = {**settings(), "max_num_seqs": 1, "max_num_queued_reqs": 1}
+    with caplog.at_level(logging.WARNING, logger="kvserve"), \
+            LLM(TINY, data_parallel_size=2, threads_per_replica=1, router="round-robin",
+                **limits) as llm:
+        assert "2 local replicas x 1 threads = 2 threads on 1 CPUs" in caplog.text
+        with pytest.raises(RequestRejected, match=r"^prompts\[\d\]: .*the waiting queue is "
+                                                  r"full .*send fewer prompts per call"):
+            llm.generate([[5, 6]] * 8, SamplingParams(max_tokens=2), use_tqdm=False)
+        wait_for(lambda: pools_whole(llm), what="both pools whole after the refusal")
+        assert len(llm.generate([[5, 6]] * 2, SamplingParams(max_tokens=2),
+                                use_tqdm=False)) == 2

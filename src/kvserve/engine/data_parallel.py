@@ -457,6 +457,17 @@ def replicas_on_this_machine(size: int, backend: str) -> int:
     return size if backend == "mp" or not os.environ.get("RAY_ADDRESS") else 1
 
 
+def warn_oversubscribed(size: int, threads: int, backend: str) -> None:
+    """A warning where ``size`` local replicas of ``threads`` threads each are more threads
+    than this machine's CPUs (serve and the offline LLM alike; the data-parallel pass:
+    LLM(threads_per_replica=1000) said nothing)."""
+    cpus = os.cpu_count() or 1
+    if backend == "mp" and size * threads > cpus:
+        logger.warning("%d local replicas x %d threads = %d threads on %d CPUs: the replicas "
+                       "will take turns on the cores (fewer replicas, or fewer threads each, "
+                       "serve faster)", size, threads, size * threads, cpus)
+
+
 def default_threads(num_replicas: int) -> int:
     """Torch threads per replica when none are given: the CPUs split evenly (at least 1)."""
     return max(1, (os.cpu_count() or 1) // num_replicas)

@@ -34,7 +34,6 @@ from kvserve.core import (
 )
 from kvserve.core.checks import is_int, is_one_of
 from kvserve.core.config import DEFAULT_BLOCK_SIZE, MAX_BLOCKS, MAX_HOST_BLOCKS, swaps
-from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.core.router import make_router
 from kvserve.engine.data_parallel import check_local_replicas, replicas_on_this_machine
 from kvserve.engine.engine import (
@@ -44,7 +43,7 @@ from kvserve.engine.engine import (
     Prompt,
     encode_prompt,
 )
-from kvserve.engine.llm_parallel import ReplicatedEngines
+from kvserve.engine.llm_parallel import ReplicatedEngines, refused_in_batch
 from kvserve.engine.text import Tokenizer
 from kvserve.flags import parse_bytes, vllm_noop
 from kvserve.model import paged_kernel
@@ -700,14 +699,8 @@ class LLM:
             for index, sub_id, ids, param in sequences:
                 try:
                     self.engine.add_request(sub_id, ids, param)
-                except QueueFullError as error:  # not "retry later": this batch never fits
-                    raise RequestRejected(
-                        f"prompts[{index}]: {without_request_id(error)}: generate() queues its "
-                        "whole batch at once, so a queue limit caps the batch; send fewer "
-                        "prompts per call or raise the limit") from None
-                except ValueError as error:  # named by its place in the batch, not its id
-                    raise type(error)(f"prompts[{index}]: {without_request_id(error)}"
-                                      ) from None
+                except ValueError as error:
+                    raise refused_in_batch(index, error) from None
                 added.append(sub_id)
             self._run(results, firsts, use_tqdm)
         except BaseException:  # a refused prompt, or an interrupt: this call leaves nothing

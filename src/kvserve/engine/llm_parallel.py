@@ -19,11 +19,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.core import SamplingParams
-from kvserve.core.errors import without_request_id
+from kvserve.core.errors import QueueFullError, RequestRejected, without_request_id
 from kvserve.engine.async_engine import RequestStream, StreamRestarted
 from kvserve.engine.engine import CompletionChunk
 
 Item = tuple[str, list[int], SamplingParams]
+
+
+def refused_in_batch(index: int, error: ValueError) -> ValueError:
+    """``prompts[index]``'s refusal by the engine, named by its place in the batch (not its
+    id). A queue limit's is RequestRejected, not "retry later": generate() queues its whole
+    batch at once, so the limit caps the batch (with replicas it was the QueueFullError, no
+    hint: the data-parallel pass). Other errors keep their type and fields."""
+    message = f"prompts[{index}]: {without_request_id(error)}"
+    if isinstance(error, QueueFullError):
+        return RequestRejected(f"{message}: generate() queues its whole batch at once, so a "
+                               "queue limit caps the batch; send fewer prompts per call or "
+                               "raise the limit")
+    error.args = (message,)
+    return error
 
 
 class ReplicatedEngines:
@@ -37,6 +51,7 @@ class ReplicatedEngines:
             DataParallelEngine,
             default_threads,
             replica_launchers,
+            warn_oversubscribed,
         )
         from kvserve.engine.engine_process import EngineSpec
         from kvserve.engine.llm import build_engine, portable_model
@@ -45,6 +60,7 @@ class ReplicatedEngines:
             raise ValueError(f"threads_per_replica must be >= 1, got {threads_per_replica}")
         policy = make_router(router, size)  # checks the size and the policy first
         threads = threads_per_replica or default_threads(size)
+        warn_oversubscribed(size, threads, backend)
         spec = EngineSpec(functools.partial(build_engine, portable_model(model), **engine_args),
                           threads=threads)
         self.loop = asyncio.new_event_loop()
@@ -99,8 +115,8 @@ class ReplicatedEngines:
             for stream in streams:
                 stream.cancel()
             index, error = failed[0]
-            if isinstance(error, ValueError):  # named by its place in the batch, as at N=1
-                error.args = (f"prompts[{index}]: {without_request_id(error)}",)  # fields kept
+            if isinstance(error, ValueError):
+                raise refused_in_batch(index, error) from None
             raise error
 
         async def drain(stream: RequestStream) -> None:

@@ -1040,6 +1040,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
         DataParallelEngine,
         default_threads,
         replica_launchers,
+        warn_oversubscribed,
     )
     from kvserve.model.tokenizer import load_tokenizer
 
@@ -1051,11 +1052,7 @@ def _data_parallel(args: argparse.Namespace, engine_args: dict[str, Any],
     bound = f", imbalance bound {chosen}" if args.router == "prefix-affinity" else ""
     logger.info("%d engine replicas (%s), %d threads each, router %s%s", size,
                 args.data_parallel_backend, threads, args.router, bound)
-    cpus = os.cpu_count() or 1
-    if args.data_parallel_backend == "mp" and size * threads > cpus:
-        logger.warning("%d local replicas x %d threads = %d threads on %d CPUs: the replicas "
-                       "will take turns on the cores (fewer replicas, or fewer threads each, "
-                       "serve faster)", size, threads, size * threads, cpus)
+    warn_oversubscribed(size, threads, args.data_parallel_backend)
     return DataParallelEngine(_engine_spec(args.model, engine_args, threads, step_timeout),
                               load_tokenizer(args.model), launchers,
                               make_router(args.router, size, imbalance_bound=chosen))
