@@ -304,11 +304,15 @@ def test_sessions_sharing_a_system_prompt_count_its_blocks_once():  # U5 G2
     sessions released each other at 8% of the pool under a 30% bound)."""
     scheduler, executor = sched(num_blocks=40, max_session_kv=0.3), FakeExecutor()  # 12
     system = prompt_of("system", 16)  # 4 full blocks, cached after the first turn
-    for index in range(5):
-        scheduler.add_request(turn(f"t{index}", [*system, *prompt_of(f"t{index}", 2)],
-                                   session=f"S{index}", session_ttl=1000.0))
-        run(scheduler, executor, 10.0 * index)
-        check_invariants(scheduler)
+
+    def open_sessions(indices: range) -> None:
+        for index in indices:
+            scheduler.add_request(turn(f"t{index}", [*system, *prompt_of(f"t{index}", 2)],
+                                       session=f"S{index}", session_ttl=1000.0))
+            run(scheduler, executor, 10.0 * index)
+            check_invariants(scheduler)
+
+    open_sessions(range(5))
     # each holds 20 tokens, 5 blocks: the 4 shared and one of its own -> 4 + 5 = 9 <= 12
     stats = scheduler.stats()
     assert (stats.num_sessions_held, stats.num_session_blocks) == (5, 9)
@@ -316,11 +320,7 @@ def test_sessions_sharing_a_system_prompt_count_its_blocks_once():  # U5 G2
     assert scheduler.sessions.blocks_by_tenant() == {"": 9}
     # three more: 12 blocks; the fourth past the bound releases the oldest hold, whose own
     # block is all it gives back (the shared four stay, kept by the others)
-    for index in range(5, 9):
-        scheduler.add_request(turn(f"t{index}", [*system, *prompt_of(f"t{index}", 2)],
-                                   session=f"S{index}", session_ttl=1000.0))
-        run(scheduler, executor, 10.0 * index)
-        check_invariants(scheduler)
+    open_sessions(range(5, 9))
     stats = scheduler.stats()
     assert (stats.num_sessions_held, stats.num_session_blocks) == (8, 12)
     assert stats.session_releases == {"limit": 1} and ("", "S0") not in scheduler.sessions.held
