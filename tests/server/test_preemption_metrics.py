@@ -138,3 +138,20 @@ def test_without_a_host_tier_the_boot_log_says_so_and_the_series_are_zero(caplog
 def test_the_boot_log_names_the_step_mix_q1(settings, line):
     info = SimpleNamespace(scheduler_config=SchedulerConfig(**settings))
     assert steps_line(SimpleNamespace(engine=SimpleNamespace(info=info))) == line
+
+
+def test_the_host_tiers_boot_line_is_per_replica_with_replicas():
+    """Each replica holds its own tier: the line said 255.9 MiB beside the KV cache line's
+    "per replica, 2 replicas" (the data-parallel pass)."""
+    from types import SimpleNamespace
+
+    from kvserve.server.stats_log import host_tier_line
+
+    info = SimpleNamespace(scheduler_config=SimpleNamespace(preemption_mode="swap"),
+                           num_host_blocks=64, block_size=16, host_kv_cache_bytes=1 << 20)
+    one = host_tier_line(SimpleNamespace(engine=SimpleNamespace(info=info)))
+    assert one == ("Host KV cache (swap space): 1024 tokens (64 blocks of 16, 1.0 MiB); "
+                   "preemption mode: swap")
+    two = host_tier_line(SimpleNamespace(engine=SimpleNamespace(info=info, num_replicas=2)))
+    assert two == ("Host KV cache (swap space): 1024 tokens (64 blocks of 16, 1.0 MiB) per "
+                   "replica, 2 replicas; preemption mode: swap")

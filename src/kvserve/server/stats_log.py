@@ -62,14 +62,17 @@ def steps_line(state: ServerState) -> str:
 
 
 def host_tier_line(state: ServerState) -> str:
-    """The host KV tier (``--swap-space``) and the preemption mode, for the boot log."""
+    """The host KV tier (``--swap-space``) and the preemption mode, for the boot log (per
+    replica, as the KV cache's line: each holds its own tier; the data-parallel pass)."""
     info = state.engine.info
     mode = info.scheduler_config.preemption_mode
     if not info.num_host_blocks:
         return f"Host KV cache (swap space): none; preemption mode: {mode}"
     size = f", {_size(info.host_kv_cache_bytes)}" if info.host_kv_cache_bytes else ""
+    replicas = getattr(state.engine, "num_replicas", 1)
+    each = f" per replica, {replicas} replicas" if replicas > 1 else ""
     return (f"Host KV cache (swap space): {info.num_host_blocks * info.block_size} tokens "
-            f"({info.num_host_blocks} blocks of {info.block_size}{size}); "
+            f"({info.num_host_blocks} blocks of {info.block_size}{size}){each}; "
             f"preemption mode: {mode}")
 
 
