@@ -379,8 +379,10 @@ def test_unsupported_gguf_architecture_and_tensors_are_named(tmp_path):
     partial = tmp_path / "partial.gguf"
     write_tiny_gguf(partial, TINY, dummy_weights(TINY), {}, rope_dims=8)
     with pytest.raises(UnsupportedModelError, match=r"llama\.rope\.dimension_count 8 is not "
-                                                    r"the head size 16: a rotation of part"):
+                                                    r"the head size 16: a rotation of part"
+                       ) as raised:
         load_model_weights(partial)
+    assert str(raised.value).startswith(f"{partial}: GGUF ")  # which file (the model pass)
     write_tiny_gguf(tmp_path / "whole.gguf", TINY, dummy_weights(TINY), {}, rope_dims=16)
     assert load_model_weights(tmp_path / "whole.gguf")[0].head_dim == 16
     assert hf_name_from_gguf("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"

@@ -25,11 +25,17 @@ def file_named(path: str | Path) -> Iterator[None]:
     """Whatever reading ``path`` raises that is not already a model error becomes one line
     naming the file (QA: a GGUF's odd metadata, alignment 0, a count that is an array, a
     tokenizer without tokens, was a ZeroDivisionError's, TypeError's or IndexError's
-    traceback). MemoryError and the model errors pass as they are."""
+    traceback). A model error not naming the file gets its name in front (the model pass:
+    a GGUF's refused rope scaling or tensor did not say which file); MemoryError passes as
+    it is."""
     try:
         yield
-    except (ModelNotFoundError, UnsupportedModelError):
+    except ModelNotFoundError:
         raise
+    except UnsupportedModelError as error:
+        if str(path) in str(error):
+            raise
+        raise UnsupportedModelError(f"{path}: {error}") from None
     except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, StopIteration,
             RuntimeError, OverflowError, AttributeError) as error:
         if isinstance(error, RuntimeError) and "memory" in str(error).lower():
