@@ -225,8 +225,11 @@ def test_a_truncated_recording_replays_up_to_its_last_whole_line(recorded, tmp_p
     warnings: list[str] = []
     recording = load_recording(copy, warn=warnings.append)
     assert any(f"{last}:" in w and "cut short" in w for w in warnings)
-    assert any("arrived with no trace line" in w for w in warnings)
+    [lost] = [w for w in warnings if "arrived with no trace line" in w]
     assert len(recording.trace) < 16
+    left_out = 15 - len(recording.trace)  # whole lines that arrived after the lost one
+    assert (f"({left_out} request(s) with whole lines arrived later and are left out)"
+            in lost) == (left_out > 0), (left_out, lost)
     # a model is fitted on every step logged, the cut's too (the sim-agreement pass: a
     # cut at the first burst left whatif and plan a step or two to fit, and a refusal)
     whole = load_recording(directory, warn=pytest.fail)
