@@ -194,8 +194,8 @@ def test_plan_names_requests_no_pool_holds_and_keeps_a_budget_given(tmp_path, ca
                  "--max-num-seqs", "4", "--max-num-batched-tokens", "6"]) == 0
     rows = json.loads(capsys.readouterr().out)["sweep"]
     assert "error" not in rows[0] and rows[1]["error"] == \
-        "max_num_seqs 8 is above the --max-num-batched-tokens 6 given (a step schedules a " \
-        "token per sequence at least)"
+        "max_num_seqs 8 is above the --max-num-batched-tokens 6 given or recorded (a step " \
+        "schedules a token per sequence at least)"
 
 
 def test_the_headline_falls_back_to_a_candidate_when_the_default_does_not_fit(tmp_path,

@@ -92,7 +92,8 @@ def with_max_num_seqs(settings: dict[str, Any], value: int) -> dict[str, Any]:
     given = settings.get("max_num_batched_tokens")
     if given is not None and value > given:
         raise BudgetError(f"max_num_seqs {value} is above the --max-num-batched-tokens "
-                         f"{given} given (a step schedules a token per sequence at least)")
+                         f"{given} given or recorded (a step schedules a token per sequence "
+                         "at least)")
     if value > DEFAULT_BUDGET:
         out["max_num_batched_tokens"] = value
     return out
