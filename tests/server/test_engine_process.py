@@ -293,7 +293,9 @@ def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):
     from kvserve.engine.engine_process import EngineSpec, ProcessEngine
 
     assert EngineSpec(print).log_level == logging.getLogger("kvserve").getEffectiveLevel()
-    spec = dataclasses.replace(engine_spec(), log_level=logging.INFO)
+    # threads set before the build, so its line names them (QA: it named the CPUs' count
+    # beside the ready line's threads; 3 is neither this suite's 1 nor a 2-core machine's)
+    spec = dataclasses.replace(engine_spec(), log_level=logging.INFO, threads=3)
     engine = ProcessEngine(spec, None)
     try:
         err = capfd.readouterr().err
@@ -301,6 +303,7 @@ def test_the_engine_process_logs_its_boot_to_the_servers_stderr(capfd):
         asyncio.run(engine.stop())
     assert "INFO kvserve.engine.llm: dtype float32" in err
     assert "INFO kvserve.engine.llm: CPU: " in err and "projections" in err
+    assert " logical CPUs, 3 torch threads; ISA: " in err
     # stopped though never started: told to stop, not killed after a 10 s wait
     assert engine.launcher.process.exitcode == 0
 

@@ -241,12 +241,12 @@ def engine_main(conn: Connection, spec: EngineSpec) -> None:
         logging.basicConfig(format=LOG_FORMAT)
     logging.getLogger("kvserve").setLevel(spec.log_level)
     try:
+        if spec.threads is not None:  # before the build: its boot line names the threads
+            import torch  # (it said the CPUs' count beside the ready line's threads, QA)
+            torch.set_num_threads(spec.threads)
         engine = spec.factory()
         wants_text = engine.detokenize
         engine.detokenize = wants_text and spec.detokenize
-        if spec.threads is not None:
-            import torch
-            torch.set_num_threads(spec.threads)
     except BaseException as error:  # the server reports it and exits
         # A refusal of the settings reads as a message; anything else names its type.
         plain = isinstance(error, (ConfigError, ValueError, FileNotFoundError)) and str(error)
