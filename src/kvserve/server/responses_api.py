@@ -156,6 +156,7 @@ class ResponsesGeneration(ChatGeneration):
     def _response(self, status: str, output: list[dict[str, Any]],
                   usage: dict[str, Any] | None) -> dict[str, Any]:
         api, params = self.api, self.params
+        assert params is not None  # start() sets it before any answer is built
         text_format = api.text.format if api.text is not None else None
         tool_choice = api.tool_choice or "auto"  # OpenAI's default, tools or none (the
         # structured-output pass: "none" without tools)
@@ -167,16 +168,14 @@ class ResponsesGeneration(ChatGeneration):
             # the settings it is served with, the server's defaults filled in, as vLLM's
             # (QA: 1.0 and null echoed where the model's generation config gave others)
             "instructions": api.instructions,
-            "max_output_tokens": api.max_output_tokens if params is None
-            else params.max_tokens,
+            "max_output_tokens": params.max_tokens,
             "max_tool_calls": None, "model": self.model, "output": output,
             "parallel_tool_calls": api.parallel_tool_calls is not False,
             "previous_response_id": api.previous_response_id,
             "reasoning": {"effort": api.reasoning.effort if api.reasoning else None,
                           "summary": api.reasoning.summary if api.reasoning else None},
             "service_tier": "default", "store": self.store.enabled and api.store,
-            "temperature": (1.0 if api.temperature is None else api.temperature)
-            if params is None else params.temperature,
+            "temperature": params.temperature,
             "text": {"format": ({"type": "text"} if text_format is None else
                                 text_format.model_dump(by_alias=True, exclude_none=True)),
                      "verbosity": api.text.verbosity if api.text is not None
@@ -185,8 +184,7 @@ class ResponsesGeneration(ChatGeneration):
                             else tool_choice),
             "tools": [tool.model_dump(by_alias=True) for tool in api.tools or ()],
             "top_logprobs": api.top_logprobs or 0,
-            "top_p": (1.0 if api.top_p is None else api.top_p) if params is None
-            else params.top_p,
+            "top_p": params.top_p,
             "truncation": api.truncation or "disabled", "usage": usage, "user": api.user,
             "prompt_cache_key": api.prompt_cache_key,
             "safety_identifier": api.safety_identifier, "metadata": api.metadata or {}}
