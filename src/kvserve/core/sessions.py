@@ -262,15 +262,13 @@ class SessionStore:
         del self.held[key]
         holds = self._holds_by_tenant[tenant]
         del holds[key]
-        if not holds:
-            del self._holds_by_tenant[tenant], self._holders_by_tenant[tenant]
-        for holders in (self._holders, self._holders_by_tenant.get(tenant)):
-            if holders is None:
-                continue
+        for holders in (self._holders, self._holders_by_tenant[tenant]):
             for block in session.blocks:
                 count = holders.pop(block.block_id)
                 if count > 1:
                     holders[block.block_id] = count - 1
+        if not holds:
+            del self._holds_by_tenant[tenant], self._holders_by_tenant[tenant]
 
     @property
     def num_held_blocks(self) -> int:
